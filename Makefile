@@ -1,0 +1,37 @@
+# Two commands for a newcomer: `make demo` (set up + run the main job) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+export DS_BUILD_OPS := 0
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup demo demo-quick test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	# torch first, exactly this version (a CPU build lies on local disk); then the rest without
+	# build isolation so DeepSpeed's source build sees that torch instead of fetching another.
+	$(PY) -m pip install -q torch==2.13.0 setuptools wheel
+	$(PY) -m pip install -q --no-build-isolation -e '.[dev]'
+	rm -f $(VENV)/.installed-* && touch $@
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/posttrain demo --output runs/demo
+
+demo-quick: $(STAMP)
+	$(VENV)/bin/posttrain demo --quick --output runs/demo-quick
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not distributed"
+
+bench: $(STAMP)
+	$(PY) -m pip install -q --no-build-isolation -e '.[dev,bench]'
+	$(PY) bench/sft.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

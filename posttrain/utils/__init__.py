@@ -1,0 +1,1 @@
+"""Floor layer: logging sinks, checkpoints, seeding, timers, plotting."""
