@@ -1,0 +1,40 @@
+"""posttrain.algorithms: the pure tensor math of post-training (see docs/algorithms.md).
+
+Imports torch only. Every choice by name (advantage estimator, policy-loss type, aggregation
+mode, KL estimator, IS correction, reward-model loss) is a key of one registry dict.
+"""
+from .advantages import (
+    ADVANTAGE_ESTIMATORS,
+    ESTIMATORS,
+    compute_advantages,
+    compute_advantages_with_stats,
+    discounted_returns,
+    gae,
+    group_baseline,
+    token_rewards,
+    token_rewards_with_stats,
+    whiten,
+)
+from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, approx_kl, approx_kl_with_stats
+from .losses import (
+    AGGREGATIONS,
+    IS_CORRECTIONS,
+    POLICY_LOSSES,
+    aggregate,
+    entropy,
+    policy_loss,
+    token_logprobs,
+    value_loss,
+    value_loss_with_stats,
+)
+from .preference import RM_LOSSES, dpo_loss, reward_model_loss
+from .shaping import dynamic_filter, overlong_penalty, stop_properly_penalty
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "ESTIMATORS", "IS_CORRECTIONS", "KL_ESTIMATORS",
+    "POLICY_LOSSES", "RM_LOSSES", "AdaptiveKLController", "FixedKLController", "aggregate",
+    "approx_kl", "approx_kl_with_stats", "compute_advantages", "compute_advantages_with_stats",
+    "discounted_returns", "dpo_loss", "dynamic_filter", "entropy", "gae", "group_baseline",
+    "overlong_penalty", "policy_loss", "reward_model_loss", "stop_properly_penalty", "token_logprobs",
+    "token_rewards", "token_rewards_with_stats", "value_loss", "value_loss_with_stats", "whiten",
+]

@@ -1,0 +1,47 @@
+"""Reward shaping applied to scalar rewards before advantage estimation, and DAPO dynamic filtering."""
+from __future__ import annotations
+
+import torch
+
+from ._util import check_ndim, check_shape, f32
+
+
+def overlong_penalty(rewards, response_lengths, max_new_tokens, buffer_len, factor=1.0):
+    """DAPO soft overlong punishment. ``L = max_new_tokens - buffer_len``,
+    ``e = min(len - L, buffer_len)``; where ``e > 0``: ``r - e / buffer_len * factor``.
+    (buffer 128, max 1024: len 896 → r, len 960 → r - 0.5, len ≥ 1024 → r - factor.)
+    The number penalised is ``(response_lengths > max_new_tokens - buffer_len).sum()``."""
+    check_ndim("rewards", rewards, 1, "[B]")
+    check_shape("response_lengths", response_lengths, "rewards", rewards)
+    if not isinstance(buffer_len, int) or isinstance(buffer_len, bool) or buffer_len < 1:
+        raise ValueError(f"buffer_len={buffer_len!r} must be an int >= 1")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < buffer_len:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= buffer_len={buffer_len}")
+    if not isinstance(factor, (int, float)) or factor < 0:
+        raise ValueError(f"factor={factor!r} must be a number >= 0")
+    expected = max_new_tokens - buffer_len
+    excess = (f32(response_lengths) - expected).clamp(min=0.0, max=float(buffer_len))
+    return f32(rewards) - excess / buffer_len * factor
+
+
+def stop_properly_penalty(rewards, truncated, coef):
+    """ProRL penalty for truncated samples (finish_reason == "length"): ``coef ∈ [0, 1]`` → ``r·coef``;
+    ``coef < 0`` → ``r = coef``. Other samples unchanged."""
+    check_ndim("rewards", rewards, 1, "[B]")
+    check_shape("truncated", truncated, "rewards", rewards)
+    if not isinstance(coef, (int, float)) or coef > 1:
+        raise ValueError(f"coef={coef!r} must be a number in [0, 1] (scale) or < 0 (replace)")
+    r = f32(rewards)
+    shaped = r * coef if coef >= 0 else torch.full_like(r, float(coef))
+    return torch.where(truncated.bool(), shaped, r)
+
+
+def dynamic_filter(scores, low, high):
+    """DAPO dynamic sampling: keep prompt ``p`` iff ``low < mean_j scores[p, j] < high`` (strict).
+    ``scores`` is ``[num_prompts, n]``; returns a bool ``[num_prompts]`` (kept = ``.sum()``,
+    dropped = ``(~keep).sum()``)."""
+    check_ndim("scores", scores, 2, "[num_prompts, n]")
+    if not (isinstance(low, (int, float)) and isinstance(high, (int, float)) and low < high):
+        raise ValueError(f"low={low!r}, high={high!r}: need numbers with low < high")
+    mean = f32(scores).mean(dim=1)
+    return (mean > low) & (mean < high)

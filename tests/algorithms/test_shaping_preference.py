@@ -1,0 +1,79 @@
+"""Reward shaping and preference losses against hand values (incl. test #9: DPO = log 2 at init)."""
+import math
+
+import pytest
+import torch
+
+from posttrain.algorithms import (
+    dpo_loss,
+    dynamic_filter,
+    overlong_penalty,
+    reward_model_loss,
+    stop_properly_penalty,
+)
+
+close = torch.testing.assert_close
+
+
+def t(x):
+    return torch.tensor(x, dtype=torch.float32)
+
+
+def test_overlong_penalty_check_values():
+    # buffer 128, max 1024: L = 896. len 950 -> e = 54 -> r - 54/128 = r - 0.421875.
+    # (ALGORITHMS.md's check value "r - 0.578125" is 74/128 = (1024-950)/128, which contradicts its own
+    # formula e = min(len - L, buffer); we follow the formula, which is DAPO's.)
+    r = t([1.0, 1.0, 1.0, 1.0, 1.0])
+    lengths = torch.tensor([950, 1024, 896, 500, 960])
+    close(overlong_penalty(r, lengths, 1024, 128), t([1 - 0.421875, 0.0, 1.0, 1.0, 0.5]))
+    close(overlong_penalty(r, lengths, 1024, 128, factor=2.0), t([1 - 0.84375, -1.0, 1.0, 1.0, 0.0]))
+
+
+def test_stop_properly_penalty():
+    r, trunc = t([1.0, 1.0, 0.5]), torch.tensor([False, True, True])
+    close(stop_properly_penalty(r, trunc, 0.5), t([1.0, 0.5, 0.25]))
+    close(stop_properly_penalty(r, trunc, 0.0), t([1.0, 0.0, 0.0]))
+    close(stop_properly_penalty(r, trunc, -1.0), t([1.0, -1.0, -1.0]))
+
+
+def test_dynamic_filter_strict_bounds_and_counts():
+    scores = t([[0, 0, 0], [1, 1, 1], [0, 1, 1], [1, 0, 0]])
+    keep = dynamic_filter(scores, 0.0, 1.0)
+    assert keep.dtype == torch.bool and keep.tolist() == [False, False, True, True]
+    assert int(keep.sum()) == 2 and int((~keep).sum()) == 2
+    assert dynamic_filter(scores, -0.1, 1.0).tolist() == [True, False, True, True]
+
+
+# --- DPO -------------------------------------------------------------------------------------------------
+PC, PR, RC, RR = t([-1.0]), t([-2.0]), t([-1.5]), t([-1.5])  # h = 1
+
+
+def test_dpo_hand_values():
+    loss, chosen, rejected = dpo_loss(PC, PR, RC, RR, beta=0.1)
+    assert loss.item() == pytest.approx(math.log(1 + math.exp(-0.1)))  # -logσ(0.1) = 0.6443967
+    close(chosen, t([0.05]))
+    close(rejected, t([-0.05]))
+    loss, _, _ = dpo_loss(PC, PR, RC, RR, beta=0.1, label_smoothing=0.1)
+    assert loss.item() == pytest.approx(0.9 * 0.6443967 + 0.1 * 0.7443967, abs=1e-6)
+    loss, _, _ = dpo_loss(PC, PR, RC, RR, beta=0.1, ipo=True)
+    assert loss.item() == pytest.approx((1 - 5) ** 2)
+
+
+def test_dpo_is_log2_at_initialization_and_rewards_detached():
+    logps = torch.tensor([-12.3, -4.0, -30.5])
+    pol_c = logps.clone().requires_grad_()
+    loss, chosen, _ = dpo_loss(pol_c, logps - 2, logps, logps - 2, beta=0.3)
+    assert loss.item() == pytest.approx(math.log(2))
+    assert not chosen.requires_grad
+    loss.backward()
+    close(pol_c.grad, torch.full((3,), -0.3 * 0.5 / 3))  # -β σ(0) / B
+
+
+def test_reward_model_losses():
+    chosen, rejected = t([2.0, 0.0]), t([1.0, 0.0])
+    expected = (math.log(1 + math.exp(-1)) + math.log(2)) / 2  # 0.5032044
+    assert reward_model_loss(chosen, rejected).item() == pytest.approx(expected)
+    assert reward_model_loss(chosen, rejected, loss_type="logexp").item() == pytest.approx(expected)
+    assert reward_model_loss(chosen, rejected, margin=t([1.0, 0.0])).item() == pytest.approx(math.log(2))
+    assert reward_model_loss(chosen, rejected, margin=1.0).item() == pytest.approx(
+        (math.log(2) + math.log(1 + math.e)) / 2)
