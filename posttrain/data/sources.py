@@ -1,0 +1,150 @@
+"""Resolve one dataset source (file, folder, ``save_to_disk`` folder or hub name) to rows of a split.
+
+Split rules:
+  * a plain file has exactly one split, ``train`` (the whole file);
+  * a folder of data files: a file belongs to split ``s`` when a folder on its relative path is
+    named ``s`` or its name starts with ``s`` followed by ``.``, ``-`` or ``_`` (``train.jsonl``,
+    ``test-00000-of-00001.parquet``, ``validation/part1.csv``); ``val``/``valid``/``dev``/``eval``
+    mean ``validation``. Files matching no split name belong to ``train``;
+  * a ``datasets.save_to_disk`` folder: a ``Dataset`` is split ``train``; a ``DatasetDict``
+    offers its own split names;
+  * anything else is tried as a Hugging Face hub name with ``datasets.load_dataset(name, split=split)``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from .errors import DataError
+from .readers import READERS, Row, read_file
+
+SPLIT_ALIASES = {"val": "validation", "valid": "validation", "dev": "validation", "eval": "validation"}
+KNOWN_SPLITS = ("train", "test", "validation", "val", "valid", "dev", "eval")
+_SPLIT_RE = re.compile(rf"^({'|'.join(KNOWN_SPLITS)})([-_.].*)?$", re.IGNORECASE)
+
+
+def _canonical_split(name: str) -> str:
+    name = name.lower()
+    return SPLIT_ALIASES.get(name, name)
+
+
+def file_split(rel_path: str) -> str | None:
+    """Split named by a relative path (folder component or file-name prefix), or None."""
+    parts = rel_path.replace(os.sep, "/").split("/")
+    parts[-1] = os.path.splitext(parts[-1])[0]
+    for part in reversed(parts):
+        m = _SPLIT_RE.match(part)
+        if m:
+            return _canonical_split(m.group(1))
+    return None
+
+
+def _is_saved_dataset(folder: str) -> bool:
+    has = lambda name: os.path.isfile(os.path.join(folder, name))
+    return has("dataset_dict.json") or (has("dataset_info.json") and has("state.json"))
+
+
+def _arrow_rows(dataset, source: str) -> list[Row]:
+    rows = dataset.to_list()
+    for i, row in enumerate(rows, start=1):
+        row["__source__"] = source
+        row["__row__"] = i
+    return rows
+
+
+def _load_saved(folder: str, split: str) -> list[Row]:
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(folder)
+    except Exception as e:
+        raise DataError(
+            f"{folder}: cannot load datasets.save_to_disk folder ({type(e).__name__}: {e})."
+        ) from e
+    if isinstance(loaded, datasets.DatasetDict):
+        names = list(loaded.keys())
+        match = [n for n in names if _canonical_split(n) == _canonical_split(split)]
+        if not match:
+            raise DataError(
+                f"{folder}: split '{split}' not found; this DatasetDict has splits {names}. "
+                f"Pass one of them as --data.dataset_split / --data.prompt_split / --eval.split."
+            )
+        return _arrow_rows(loaded[match[0]], folder)
+    if _canonical_split(split) != "train":
+        raise DataError(
+            f"{folder}: is a single saved Dataset (only split 'train'), but split '{split}' was "
+            f"requested. Use split 'train' or save a DatasetDict with a '{split}' split."
+        )
+    return _arrow_rows(loaded, folder)
+
+
+def _data_files(folder: str) -> list[str]:
+    found = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(files):
+            if not name.startswith(".") and os.path.splitext(name)[1].lower() in READERS:
+                found.append(os.path.join(root, name))
+    return found
+
+
+def _load_folder(folder: str, split: str) -> list[Row]:
+    files = _data_files(folder)
+    if not files:
+        raise DataError(
+            f"{folder}: folder holds no data files ({', '.join(READERS)}) and is not a "
+            f"datasets.save_to_disk folder (no dataset_info.json/state.json or dataset_dict.json)."
+        )
+    by_split: dict[str, list[str]] = {}
+    for path in files:
+        by_split.setdefault(file_split(os.path.relpath(path, folder)) or "train", []).append(path)
+    wanted = _canonical_split(split)
+    if wanted not in by_split:
+        raise DataError(
+            f"{folder}: no files for split '{split}'; found splits {sorted(by_split)} "
+            f"(a file belongs to split s when its name starts with s or it sits in a folder named s)."
+        )
+    rows: list[Row] = []
+    for path in by_split[wanted]:
+        rows.extend(read_file(path))
+    return rows
+
+
+def _looks_local(source: str) -> bool:
+    return (
+        os.path.isabs(source)
+        or source.startswith(("./", "../", "~", "."))
+        or os.path.splitext(source)[1].lower() in READERS
+    )
+
+
+def _load_hub(name: str, split: str) -> list[Row]:
+    try:
+        import datasets
+
+        loaded = datasets.load_dataset(name, split=split)
+    except Exception as e:
+        raise DataError(
+            f"dataset '{name}': the path does not exist locally ({os.path.abspath(name)}) and loading "
+            f"it from the Hugging Face hub failed ({type(e).__name__}: {str(e)[:300]}). Check the path, "
+            f"or the hub name, split '{split}' and network access."
+        ) from e
+    return _arrow_rows(loaded, name)
+
+
+def load_source(source: str, split: str = "train") -> list[Row]:
+    """All rows of ``split`` from one source (see the module docstring for the rules)."""
+    path = os.path.expanduser(source)
+    if os.path.isfile(path):
+        if _canonical_split(split) != "train":
+            raise DataError(
+                f"{source}: a single file has only the split 'train' (the whole file), but split "
+                f"'{split}' was requested. Pass a folder holding e.g. {split}.jsonl, or use split 'train'."
+            )
+        return read_file(path)
+    if os.path.isdir(path):
+        return _load_saved(path, split) if _is_saved_dataset(path) else _load_folder(path, split)
+    if _looks_local(source):
+        raise DataError(f"dataset '{source}': no such file or folder ({os.path.abspath(path)}).")
+    return _load_hub(source, split)

@@ -1,0 +1,77 @@
+"""Prompt templates: plain ``--data.input_template`` format strings and tokenizer chat templates."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .errors import DataError
+
+
+def check_input_template(template: str | None) -> str | None:
+    """Validate ``--data.input_template``: a ``str.format`` string with exactly one ``{}`` slot."""
+    if template is None:
+        return None
+    try:
+        probe = template.format("\x00")
+    except (IndexError, KeyError, ValueError) as e:
+        raise DataError(
+            f"--data.input_template {template!r}: not a valid format string ({type(e).__name__}: {e}); "
+            f"use one '{{}}' where the input goes and '{{{{'/'}}}}' for literal braces."
+        ) from e
+    if probe.count("\x00") != 1:
+        raise DataError(
+            f"--data.input_template {template!r}: must contain exactly one '{{}}' where the input text goes, "
+            f"e.g. $'User: {{}}\\nAssistant: '."
+        )
+    return template
+
+
+def format_prompt(template: str | None, text: str) -> str:
+    """``template.format(text)``, or ``text`` when no template is set."""
+    return text if template is None else template.format(text)
+
+
+def set_chat_template(tokenizer: Any, template: str | None) -> Any:
+    """Apply ``--data.tokenizer_chat_template``: a Jinja string, or a path to a file holding one,
+    replaces ``tokenizer.chat_template``. None leaves the tokenizer unchanged."""
+    if template is None:
+        return tokenizer
+    if os.path.isfile(template):
+        with open(template, encoding="utf-8") as f:
+            template = f.read()
+    if "{%" not in template and "{{" not in template:
+        raise DataError(
+            f"--data.tokenizer_chat_template: {template[:80]!r} is neither an existing file nor a Jinja "
+            f"template (no '{{%' or '{{{{' found)."
+        )
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def require_chat_template(tokenizer: Any) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            "--data.apply_chat_template: the tokenizer has no chat template; pass "
+            "--data.tokenizer_chat_template <jinja string or file>, or drop --data.apply_chat_template "
+            "and use --data.input_template."
+        )
+
+
+def to_messages(value: str | list[dict], role: str) -> list[dict]:
+    """A text field becomes one message of ``role``; a message list is returned as a copy."""
+    return [{"role": role, "content": value}] if isinstance(value, str) else list(value)
+
+
+def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool, location: str = "") -> str:
+    """The chat template applied to ``messages`` as text (not tokenised); ``location`` prefixes errors."""
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except Exception as e:
+        prefix = f"{location}: " if location else ""
+        raise DataError(
+            f"{prefix}the chat template failed on {len(messages)} message(s) ({type(e).__name__}: {e}). "
+            f"Fix the data or pass a suitable --data.tokenizer_chat_template."
+        ) from e
