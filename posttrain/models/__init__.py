@@ -1,0 +1,21 @@
+"""Models layer: tiny-model builder, loading (tokenizer, causal LM, score model), LoRA,
+padded/packed forward passes, saving. Imports nothing above `posttrain.utils`."""
+from posttrain.models.forward import block_causal_mask, forward_logits, forward_values, model_inputs
+from posttrain.models.loading import (
+    check_model_path,
+    load_causal_lm,
+    load_score_model,
+    load_tokenizer,
+    parse_dtype,
+)
+from posttrain.models.lora import LoraSpec, apply_lora, as_lora_spec
+from posttrain.models.merge import merge_lora
+from posttrain.models.saving import atomic_output_dir, save_pretrained, unwrap_model
+from posttrain.models.tiny import PRESETS, build_tiny
+
+__all__ = [
+    "PRESETS", "LoraSpec", "apply_lora", "as_lora_spec", "atomic_output_dir", "block_causal_mask",
+    "build_tiny", "check_model_path", "forward_logits", "forward_values", "load_causal_lm",
+    "load_score_model", "load_tokenizer", "merge_lora", "model_inputs", "parse_dtype",
+    "save_pretrained", "unwrap_model",
+]

@@ -1,0 +1,106 @@
+"""One forward pass for padded or packed batches, with log-probs identical to running each
+sample alone.
+
+* padded: `input_ids`, `attention_mask` [B, T] (left or right padding); position ids are
+  `cumsum(attention_mask) - 1`, so every sample's real tokens sit at positions 0..L-1.
+* packed: `input_ids`, `position_ids` [B, ΣT] (usually B = 1), position ids restarting at 0
+  for each sample; an optional `attention_mask` marks tail padding. Token q attends to key k
+  iff both are in the same sample and k <= q (block-diagonal causal). With sdpa / eager the
+  mask is built here explicitly ([B, 1, ΣT, ΣT]); flash-attention backends get the position
+  ids and derive the sample boundaries themselves.
+"""
+from __future__ import annotations
+
+import torch
+
+from posttrain.models.saving import unwrap_model
+
+_MASKED_BACKENDS = ("sdpa", "eager")
+
+
+def sample_index(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] → [B, T] index of the packed sample each token belongs to: a new sample starts
+    wherever the position does not continue the previous one (p[t] != p[t-1] + 1)."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    return starts.long().cumsum(-1)
+
+
+def block_causal_mask(position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean [B, 1, T, T], True where query q may attend key k: same sample, k <= q, and key
+    k not padding. The diagonal is always True so no row is empty (padding rows stay finite)."""
+    seg = sample_index(position_ids)
+    t = position_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
+    mask = (seg[:, :, None] == seg[:, None, :]) & causal
+    if attention_mask is not None:
+        mask &= attention_mask.bool()[:, None, :]
+    mask |= torch.eye(t, dtype=torch.bool, device=position_ids.device)
+    return mask[:, None]
+
+
+def _attn_backend(model) -> str:
+    config = getattr(unwrap_model(model), "config", None)
+    return getattr(config, "_attn_implementation", None) or "eager"
+
+
+def _param_dtype(model) -> torch.dtype:
+    return next(unwrap_model(model).parameters()).dtype
+
+
+def model_inputs(model, batch: dict) -> dict:
+    """Keyword arguments for `model(**kwargs)` implementing the padded / packed contract above."""
+    input_ids = batch["input_ids"]
+    attention_mask = batch.get("attention_mask")
+    position_ids = batch.get("position_ids")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"batch['attention_mask'] shape {tuple(attention_mask.shape)} != input_ids "
+                         f"shape {tuple(input_ids.shape)}")
+    kwargs = {"input_ids": input_ids, "use_cache": False}
+    if position_ids is None:
+        if attention_mask is None:
+            return kwargs
+        kwargs["attention_mask"] = attention_mask
+        kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        return kwargs
+    if position_ids.shape != input_ids.shape:
+        raise ValueError(f"batch['position_ids'] shape {tuple(position_ids.shape)} != input_ids "
+                         f"shape {tuple(input_ids.shape)}")
+    kwargs["position_ids"] = position_ids
+    backend = _attn_backend(model)
+    if backend in _MASKED_BACKENDS:
+        mask = block_causal_mask(position_ids, attention_mask)
+        if backend == "eager":  # eager adds the mask to the attention scores
+            dtype = _param_dtype(model)
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+                ~mask, torch.finfo(dtype).min)
+        kwargs["attention_mask"] = mask
+    elif attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(f"packed batch with padding needs the sdpa or eager backend, not {backend!r}; "
+                         "drop the padding (flash attention takes sample boundaries from position_ids)")
+    return kwargs
+
+
+def forward_logits(model, batch: dict) -> torch.Tensor:
+    """Float32 logits [B, T, V] of a causal LM for a padded or packed batch (see module doc).
+    Call through the wrapper (DDP / DeepSpeed / peft) so its hooks run."""
+    return model(**model_inputs(model, batch)).logits.float()
+
+
+def forward_values(model, batch: dict) -> torch.Tensor:
+    """Float32 per-token scalars [B, T] of a score model (reward model / critic, num_labels=1):
+    the head applied to every position, before any pooling. The trainer picks the positions it
+    needs (e.g. each sample's last token)."""
+    base = unwrap_model(model)
+    if hasattr(base, "peft_config"):
+        base = base.get_base_model()
+    head = getattr(base, "score", None)
+    if head is None:
+        raise ValueError(f"{type(base).__name__} has no `score` head; load it with load_score_model")
+    captured = []
+    hook = head.register_forward_hook(lambda _m, _i, out: captured.append(out))
+    try:
+        model(**model_inputs(model, batch))
+    finally:
+        hook.remove()
+    return captured[-1].squeeze(-1).float()

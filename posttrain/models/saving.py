@@ -1,0 +1,55 @@
+"""Write a model folder atomically: into a temporary sibling, then rename into place."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+
+@contextmanager
+def atomic_output_dir(out_dir):
+    """Yield a temporary directory next to `out_dir`; on success it replaces `out_dir` (an old
+    folder is moved aside first and deleted after), on error it is removed and `out_dir` is
+    left untouched."""
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    os.chmod(tmp, 0o755)
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.rmdir(old)
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Strip DDP / DeepSpeed / engine wrappers (anything exposing the wrapped net as `.module`)."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def save_pretrained(model: torch.nn.Module, tokenizer, out_dir) -> Path:
+    """Save a plain HF folder (config, safetensors weights, generation config, tokenizer) that
+    `from_pretrained` loads; a peft-wrapped model saves only its adapter
+    (`adapter_config.json` + `adapter_model.safetensors`). Atomic. Weights must be whole on
+    this process (gathering ZeRO-3 shards is the engine's job)."""
+    model = unwrap_model(model)
+    out = Path(out_dir)
+    with atomic_output_dir(out) as tmp:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    return out

@@ -1,0 +1,57 @@
+"""Train the tiny byte-level BPE tokenizer (no download) and wrap it as a HF fast tokenizer.
+
+Byte-level: every UTF-8 byte is a base token, so any text encodes and `decode(encode(s)) == s`.
+Digits are split one per token (arithmetic-friendly). Special tokens, in id order:
+`<|endoftext|>` (0, pad), `<|im_start|>` (1), `<|im_end|>` (2, eos; ends every chat turn).
+"""
+from __future__ import annotations
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from posttrain.models.tiny_corpus import tiny_corpus
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
+
+# ChatML: each message is `<|im_start|>{role}\n{content}<|im_end|>\n`; the generation prompt
+# opens an assistant turn. Plain Jinja (no `{% generation %}` blocks).
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def train_tiny_tokenizer(vocab_size: int = 2048, model_max_length: int = 4096) -> PreTrainedTokenizerFast:
+    """BPE with `vocab_size` entries at most (256 bytes + 3 specials + merges) trained on
+    `tiny_corpus()`; deterministic. pad = `<|endoftext|>`, eos = `<|im_end|>`, no bos."""
+    if not 300 <= vocab_size <= 65536:
+        raise ValueError(f"vocab_size={vocab_size}: must be in [300, 65536] (256 bytes + specials + merges)")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(tiny_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD_TOKEN,
+        eos_token=IM_END,
+        extra_special_tokens=[IM_START],
+        chat_template=CHATML_TEMPLATE,
+        model_max_length=model_max_length,
+        padding_side="right",
+        clean_up_tokenization_spaces=False,
+    )

@@ -1,0 +1,105 @@
+"""LoRA: only target modules get adapters, trainable counts match r·(in+out) per target,
+the adapter starts as a no-op, saves as adapter files, and merges back exactly."""
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from posttrain.models import (
+    LoraSpec,
+    as_lora_spec,
+    forward_logits,
+    load_causal_lm,
+    load_tokenizer,
+    merge_lora,
+    save_pretrained,
+)
+
+IDS = torch.tensor([[5, 17, 230, 41, 9, 88]])
+
+
+def expected_lora_params(config, rank, targets):
+    """r·(in + out) for every targeted linear of every layer (A: r×in, B: out×r)."""
+    h, i = config.hidden_size, config.intermediate_size
+    kv = config.num_key_value_heads * (h // config.num_attention_heads)
+    dims = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    return config.num_hidden_layers * sum(rank * sum(dims[t]) for t in targets)
+
+
+def trainable(model):
+    return {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_lora_targets_and_trainable_count(tiny_model_dir):
+    model = load_causal_lm(tiny_model_dir, "fp32", lora={"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    names = trainable(model)
+    assert names and all("lora_" in n and (".q_proj." in n or ".v_proj." in n) for n in names)
+    assert sum(names.values()) == expected_lora_params(model.config, 4, ["q_proj", "v_proj"])
+    assert sum(names.values()) == 7168  # nano: 4 layers · 4·((128+128) + (128+64))
+    wrapped = [n for n, m in model.named_modules() if hasattr(m, "lora_A")]
+    assert len(wrapped) == 2 * model.config.num_hidden_layers
+    assert {w.rsplit(".", 1)[-1] for w in wrapped} == {"q_proj", "v_proj"}
+
+
+def test_lora_all_linear_excludes_lm_head(tiny_model_dir):
+    spec = SimpleNamespace(rank=2, alpha=4, dropout=0.0, target_modules="all-linear")  # like cfg.ds.lora
+    model = load_causal_lm(tiny_model_dir, "fp32", lora=spec)
+    names = trainable(model)
+    assert not any("lm_head" in n or "embed" in n for n in names)
+    all_targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert sum(names.values()) == expected_lora_params(model.config, 2, all_targets)
+
+
+def test_lora_starts_as_identity_and_rank0_is_off(tiny_model_dir):
+    base = load_causal_lm(tiny_model_dir, "fp32")
+    assert as_lora_spec({"rank": 0}) is None and as_lora_spec(None) is None
+    assert not hasattr(load_causal_lm(tiny_model_dir, "fp32", lora=LoraSpec(rank=0)), "peft_config")
+    lora = load_causal_lm(tiny_model_dir, "fp32", lora=LoraSpec(rank=4, target_modules="q_proj,v_proj"))
+    with torch.no_grad():
+        torch.testing.assert_close(forward_logits(lora, {"input_ids": IDS}),
+                                   forward_logits(base, {"input_ids": IDS}), atol=0, rtol=0)
+
+
+def test_lora_bad_specs(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"target_modules \['qkv'\].*q_proj"):
+        load_causal_lm(tiny_model_dir, "fp32", lora={"rank": 4, "target_modules": ["qkv"]})
+    with pytest.raises(ValueError, match="unknown keys.*'r'"):
+        as_lora_spec({"r": 4})
+    with pytest.raises(ValueError, match="lora.rank=-1"):
+        as_lora_spec({"rank": -1})
+
+
+def test_lora_save_adapter_and_merge(tiny_model_dir, tmp_path):
+    tok = load_tokenizer(tiny_model_dir)
+    model = load_causal_lm(tiny_model_dir, "fp32", lora={"rank": 4, "alpha": 8, "target_modules": "all-linear"})
+    torch.manual_seed(0)
+    with torch.no_grad():  # a trained-looking adapter: B != 0
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+        want = forward_logits(model, {"input_ids": IDS})
+    save_pretrained(model, tok, tmp_path / "adapter")
+    files = set(os.listdir(tmp_path / "adapter"))
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= files
+    assert "model.safetensors" not in files
+    merged = merge_lora(tmp_path / "adapter", tmp_path / "merged", base_path=tiny_model_dir)
+    assert not hasattr(merged, "peft_config")
+    reloaded = load_causal_lm(tmp_path / "merged", "fp32")
+    with torch.no_grad():
+        torch.testing.assert_close(forward_logits(reloaded, {"input_ids": IDS}), want, atol=1e-5, rtol=0)
+
+
+def test_gradient_checkpointing_with_lora_trains_adapters(tiny_model_dir):
+    model = load_causal_lm(tiny_model_dir, "fp32", lora={"rank": 4, "target_modules": ["q_proj"]},
+                           gradient_checkpointing=True, gradient_checkpointing_reentrant=True)
+    model.train()
+    assert model.get_base_model().model.gradient_checkpointing
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.fill_(0.01)
+    forward_logits(model, {"input_ids": IDS}).logsumexp(-1).sum().backward()
+    grads = [p.grad for n, p in model.named_parameters() if "lora_A" in n]
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
