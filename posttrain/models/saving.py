@@ -41,15 +41,27 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def save_pretrained(model: torch.nn.Module, tokenizer, out_dir) -> Path:
+def save_pretrained(model: torch.nn.Module, tokenizer, out_dir, state_dict: dict | None = None) -> Path:
     """Save a plain HF folder (config, safetensors weights, generation config, tokenizer) that
     `from_pretrained` loads; a peft-wrapped model saves only its adapter
-    (`adapter_config.json` + `adapter_model.safetensors`). Atomic. Weights must be whole on
-    this process (gathering ZeRO-3 shards is the engine's job)."""
+    (`adapter_config.json` + `adapter_model.safetensors`). `state_dict` overrides the model's own
+    tensors (e.g. ZeRO-3 weights gathered by the engine). The files are written to a temporary
+    folder first and then each is moved into `out_dir` with an atomic rename, so other files in
+    `out_dir` (a run's metrics.jsonl, config.yaml, plots) stay, and no model file is ever half
+    written."""
     model = unwrap_model(model)
     out = Path(out_dir)
-    with atomic_output_dir(out) as tmp:
-        model.save_pretrained(tmp)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, state_dict=state_dict)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        for f in sorted(tmp.rglob("*")):
+            if f.is_file():
+                target = out / f.relative_to(tmp)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(f, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
