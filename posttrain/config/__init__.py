@@ -1,0 +1,64 @@
+"""posttrain.config: typed config sections mirroring OpenRLHF 0.10.2's dotted flags, the command-line
+parser (with `--config run.yaml`), validation, hardware defaults and the start-up summary.
+
+    cfg = parse_config("sft", ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl"])
+    cfg.ds.lora.rank, cfg.adam.lr, cfg.train.micro_batch_size, cfg.trainer == "sft"
+"""
+
+from posttrain.config.errors import ConfigError, ConfigWarning, main_error_exit
+from posttrain.config.hardware import inert_flags, resolve_hardware_defaults, resolved_values
+from posttrain.config.parser import build_parser, flag_owners, known_flags, load_config, parse_config
+from posttrain.config.roles import ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS
+from posttrain.config.sections import LR_SCHEDULERS, OPTIMIZERS, PARAM_DTYPES
+from posttrain.config.spec import FlagSpec, changed_values, flag_specs
+from posttrain.config.summary import derived_sizes, format_config
+from posttrain.config.trainers import (
+    CONFIG_CLASSES,
+    TRAINERS,
+    DPOConfig,
+    PPOConfig,
+    RMConfig,
+    SFTConfig,
+    config_class,
+    default_config,
+)
+from posttrain.config.validate import parse_probs, validate
+from posttrain.config.yaml_io import config_to_dict, save_config
+
+__all__ = [
+    "CONFIG_CLASSES",
+    "ESTIMATORS",
+    "GROUP_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "LOSS_AGGREGATIONS",
+    "LR_SCHEDULERS",
+    "OPTIMIZERS",
+    "PARAM_DTYPES",
+    "TRAINERS",
+    "ConfigError",
+    "ConfigWarning",
+    "DPOConfig",
+    "FlagSpec",
+    "PPOConfig",
+    "RMConfig",
+    "SFTConfig",
+    "build_parser",
+    "changed_values",
+    "config_class",
+    "config_to_dict",
+    "default_config",
+    "derived_sizes",
+    "flag_owners",
+    "flag_specs",
+    "format_config",
+    "inert_flags",
+    "known_flags",
+    "load_config",
+    "main_error_exit",
+    "parse_config",
+    "parse_probs",
+    "resolve_hardware_defaults",
+    "resolved_values",
+    "save_config",
+    "validate",
+]

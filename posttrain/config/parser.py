@@ -1,0 +1,207 @@
+"""The dotted-flag command line: an argparse parser generated from the config dataclasses, `--config`
+YAML files underneath it, and `parse_config` tying both to validation.
+
+Precedence: trainer defaults < `--config run.yaml` < flags on the command line. Booleans are
+store_true flags (plus `--muon.no_nesterov`-style negations); list flags take their values as
+separate tokens (`--adam.betas 0.9 0.95`); `--flag=value` works too. Prefix abbreviations are not
+accepted (a typo must not silently hit another flag)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import re
+import sys
+import warnings
+from typing import Any
+
+from posttrain.config.errors import ConfigError, ConfigWarning
+from posttrain.config.migration import explain_unknown
+from posttrain.config.spec import FlagSpec, flag_specs, set_path
+from posttrain.config.trainers import CONFIG_CLASSES, TRAINERS, config_class
+from posttrain.config.values import parse_scalar
+from posttrain.config.yaml_io import load_yaml_values
+
+_NEGATIVE_NUMBER = re.compile(r"^-\d*\.?\d+(e[-+]?\d+)?$", re.IGNORECASE)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print and exit; we raise a ConfigError instead
+        raise ConfigError(re.sub(r"^argument ([^:]+): ", r"\1: ", message))
+
+
+def _converter(spec: FlagSpec):
+    def convert(text: str) -> Any:
+        try:
+            return parse_scalar(spec, text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = spec.base.__name__
+    return convert
+
+
+def _help(spec: FlagSpec) -> str:
+    text = ("[posttrain] " if spec.extension else "") + spec.help
+    default = spec.default
+    shown = (
+        " ".join(map(str, default))
+        if isinstance(default, list)
+        else repr(default)
+        if default == ""
+        else default
+    )
+    return f"{text} (default: {shown})".replace("%", "%%")
+
+
+def _metavar(spec: FlagSpec) -> str:
+    if spec.choices:
+        return "{" + ",".join(map(str, spec.choices)) + "}"
+    return {int: "INT", float: "FLOAT", str: "STR"}[spec.base]
+
+
+def build_parser(trainer: str) -> argparse.ArgumentParser:
+    """argparse parser with every flag of `trainer`, one help group per section."""
+    cls = config_class(trainer)
+    parser = _Parser(
+        prog=f"posttrain {trainer}",
+        usage="%(prog)s [--config RUN.YAML] [--section.flag VALUE ...]",
+        description=(cls.__doc__ or "").strip(),
+        allow_abbrev=False,
+        epilog="Flags follow OpenRLHF 0.10.2 names; [posttrain] marks additions.",
+    )
+    parser.add_argument(
+        "--config",
+        metavar="RUN.YAML",
+        help="YAML file of flag values (nested sections or dotted keys); command-line flags win",
+    )
+    groups: dict[str, Any] = {}
+    for spec in flag_specs(cls):
+        if spec.section not in groups:
+            title = spec.section or "top-level flags"
+            doc = _section_doc(cls, spec.section) if spec.section else "flags without a section prefix"
+            groups[spec.section] = parser.add_argument_group(title, doc)
+        group = groups[spec.section]
+        if spec.base is bool and not spec.is_list and not spec.optional:
+            group.add_argument(
+                spec.flag, dest=spec.path, action="store_true", default=spec.default, help=_help(spec)
+            )
+            if spec.negation_flag:
+                group.add_argument(
+                    spec.negation_flag, dest=spec.path, action="store_false", help=f"turn off {spec.flag}"
+                )
+            continue
+        kwargs: dict[str, Any] = {
+            "dest": spec.path,
+            "type": _converter(spec),
+            "default": copy.deepcopy(spec.default),
+            "metavar": _metavar(spec),
+            "help": _help(spec),
+        }
+        if spec.is_list:
+            kwargs["nargs"] = spec.nargs
+        group.add_argument(spec.flag, **kwargs)
+    return parser
+
+
+def _section_doc(cls: type, path: str) -> str:
+    obj: Any = cls()
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return ((type(obj).__doc__ or "").strip().splitlines() or [""])[0].replace("%", "%%")
+
+
+def _config_path(argv: list[str]) -> str | None:
+    path = None
+    for i, tok in enumerate(argv):
+        if tok == "--config":
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ConfigError("--config: expected a YAML file path")
+            path = argv[i + 1]
+        elif tok.startswith("--config="):
+            path = tok.split("=", 1)[1]
+    return path
+
+
+def flag_owners() -> dict[str, list[str]]:
+    """flag -> trainers that accept it (negation flags included)."""
+    owners: dict[str, list[str]] = {}
+    for name, cls in CONFIG_CLASSES.items():
+        for spec in flag_specs(cls):
+            for flag in (spec.flag, spec.negation_flag):
+                if flag:
+                    owners.setdefault(flag, []).append(name)
+    return owners
+
+
+def known_flags(trainer: str) -> set[str]:
+    """Every flag `trainer` accepts (including negations like --muon.no_nesterov and --config)."""
+    out = {"--config"}
+    for spec in flag_specs(config_class(trainer)):
+        out.add(spec.flag)
+        if spec.negation_flag:
+            out.add(spec.negation_flag)
+    return out
+
+
+def _unknown_error(extras: list[str], trainer: str) -> ConfigError:
+    known, owners = known_flags(trainer), flag_owners()
+    problems: list[str] = []
+    after_unknown = False
+    for tok in extras:
+        if tok.startswith("-") and not _NEGATIVE_NUMBER.match(tok):
+            problems.append(explain_unknown(tok.split("=", 1)[0], trainer, known, owners))
+            after_unknown = True
+        elif not after_unknown:
+            problems.append(f"unexpected value {tok!r} (not after any flag that takes it)")
+    return ConfigError.collect(problems, header="unknown flags")
+
+
+def parse_config(
+    trainer: str,
+    argv: list[str] | None = None,
+    *,
+    check: bool = True,
+    world_size: int | None = None,
+    device: str | None = None,
+):
+    """Parse `argv` (default sys.argv[1:]) into the config dataclass of `trainer` ("sft" | "rm" | "dpo" | "ppo").
+
+    `--config run.yaml` supplies values underneath the command line. With check=True the config is
+    validated (`validate(cfg, world_size, device)`, world_size from env WORLD_SIZE) and its warnings are
+    issued as `ConfigWarning`s. Raises ConfigError for unknown flags (with the closest flag or the
+    0.10.2 replacement of an old flag), bad values, bad YAML and failed validation. `-h` prints the
+    help grouped by section and exits."""
+    if trainer not in TRAINERS:
+        raise ConfigError(f"unknown trainer {trainer!r}; valid: {', '.join(TRAINERS)}")
+    cls = config_class(trainer)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(trainer)
+    path = _config_path(argv)
+    if path is not None:
+        parser.set_defaults(**load_yaml_values(path, cls))
+    ns, extras = parser.parse_known_args(argv)
+    if extras:
+        raise _unknown_error(extras, trainer)
+    cfg = cls()
+    for spec in flag_specs(cls):
+        set_path(cfg, spec.path, copy.deepcopy(getattr(ns, spec.path)))
+    if check:
+        from posttrain.config.validate import validate
+
+        ws = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+        for message in validate(cfg, world_size=ws, device=device):
+            warnings.warn(message, ConfigWarning, stacklevel=2)
+    return cfg
+
+
+def load_config(path: str | os.PathLike, trainer: str | None = None, *, check: bool = False):
+    """Load a YAML file written by `save_config` (trainer read from its `trainer:` key if not given)."""
+    if trainer is None:
+        from posttrain.config.yaml_io import read_yaml
+
+        trainer = read_yaml(path).get("trainer")
+        if trainer not in TRAINERS:
+            raise ConfigError(f"{path}: no valid 'trainer:' key ({', '.join(TRAINERS)}); pass trainer=")
+    return parse_config(trainer, ["--config", str(path)], check=check)

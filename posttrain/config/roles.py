@@ -1,0 +1,187 @@
+"""Per-model sections: `model` (SFT / RM / DPO) and the PPO roles `actor`, `critic`, `ref`, `reward`, plus
+the PPO algorithm section `algo` (`algo.advantage`, `algo.kl`). Estimator, KL and loss names are the
+ones of ALGORITHMS.md."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from posttrain.config.sections import OptimFields
+from posttrain.config.spec import opt, section
+
+ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo")
+GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+IS_CORRECTION_TYPES = ("tis", "icepop", "seq-mask-tis")
+POLICY_LOSS_TYPES = ("ppo", "gspo")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_sum_norm")
+RM_LOSS_TYPES = ("sigmoid", "logexp")
+
+
+# --------------------------------------------------------------------------- single-model trainers
+@dataclass
+class Model:
+    """The trained model (SFT / RM / DPO)."""
+
+    model_name_or_path: str | None = opt(None, "model folder or Hugging Face hub id (required)")
+    gradient_checkpointing_enable: bool = opt(False, "recompute activations in the backward pass")
+    gradient_checkpointing_reentrant: bool = opt(False, "use reentrant gradient checkpointing")
+    aux_loss_coef: float = opt(0.0, "MoE load-balancing loss coefficient")
+
+
+@dataclass
+class SFTModel(Model):
+    """The trained model (SFT)."""
+
+    pretrain_mode_enable: bool = opt(False, "next-token loss on the whole sequence, prompt included")
+
+
+@dataclass
+class RMModel(Model):
+    """The reward model being trained."""
+
+    loss_type: str = opt("sigmoid", "pairwise loss", choices=RM_LOSS_TYPES)
+    compute_fp32_loss_enable: bool = opt(False, "compute the loss in fp32")
+    margin_loss_enable: bool = opt(False, "subtract the row's `margin` field inside the sigmoid loss")
+
+
+@dataclass
+class DPOModel(Model):
+    """The policy trained with DPO / IPO / cDPO."""
+
+    beta: float = opt(0.1, "DPO temperature beta")
+    ipo_enable: bool = opt(False, "IPO loss instead of DPO")
+    label_smoothing: float = opt(0.0, "cDPO label smoothing in [0, 0.5)")
+    nll_loss_coef: float = opt(0.0, "weight of an NLL term on the chosen response")
+
+
+@dataclass
+class DPORef:
+    """The frozen reference model (DPO)."""
+
+    model_name_or_path: str | None = opt(None, "reference model; default: --model.model_name_or_path")
+    offload: bool = opt(False, "keep the reference model on CPU between forwards")
+
+
+# --------------------------------------------------------------------------- PPO roles
+@dataclass
+class _ActorModel:
+    model_name_or_path: str | None = opt(None, "policy model folder or hub id (required)")
+    num_nodes: int = opt(1, "Ray nodes for the actor")
+    num_gpus_per_node: int = opt(8, "GPUs per node for the actor")
+    gradient_checkpointing_enable: bool = opt(False, "recompute activations in the backward pass")
+    gradient_checkpointing_reentrant: bool = opt(False, "use reentrant gradient checkpointing")
+    freeze_visual_encoder: bool = opt(False, "train only the language model of a vision-language model")
+
+
+@dataclass
+class Actor(OptimFields, _ActorModel):
+    """The policy (PPO): model, optimizer and policy-loss knobs."""
+
+    eps_clip: float = opt(0.2, "PPO ratio clip epsilon (both sides)")
+    eps_clip_low_high: list[float] | None = opt(None, "asymmetric clip: eps_low eps_high", nargs=2)
+    dual_clip: float | None = opt(None, "dual-clip constant c > 1 for negative advantages")
+    policy_loss_type: str = opt("ppo", "policy loss", choices=POLICY_LOSS_TYPES)
+    entropy_coef: float | None = opt(None, "entropy bonus coefficient (0: log entropy only; unset: off)")
+    aux_loss_coef: float = opt(0.0, "MoE load-balancing loss coefficient")
+    loss_agg: str = opt(
+        "token_mean", "loss aggregation over tokens and sequences", choices=LOSS_AGGREGATIONS, extension=True
+    )
+
+    def clip_bounds(self) -> tuple[float, float]:
+        """(eps_low, eps_high): --actor.eps_clip_low_high if given, else (eps_clip, eps_clip)."""
+        if self.eps_clip_low_high is not None:
+            return float(self.eps_clip_low_high[0]), float(self.eps_clip_low_high[1])
+        return self.eps_clip, self.eps_clip
+
+
+@dataclass
+class _CriticModel:
+    model_name_or_path: str | None = opt(None, "critic model; default: reward model, else the actor")
+    num_nodes: int = opt(1, "Ray nodes for the critic")
+    num_gpus_per_node: int = opt(8, "GPUs per node for the critic")
+
+
+@dataclass
+class Critic(OptimFields, _CriticModel):
+    """The value model (PPO with the gae estimator): model, optimizer and value-loss knobs."""
+
+    value_clip: float | None = opt(0.5, "value-loss clip range")
+    save_value_network: bool = opt(False, "also save the critic at the end")
+    freezing_steps: int = opt(-1, "freeze the actor for the first N steps while the critic warms up")
+
+
+@dataclass
+class Ref:
+    """The frozen reference policy (PPO, used for the KL term)."""
+
+    model_name_or_path: str | None = opt(None, "reference model; default: the actor's initial weights")
+    num_nodes: int = opt(1, "Ray nodes for the reference model")
+    num_gpus_per_node: int = opt(8, "GPUs per node for the reference model")
+    offload: bool = opt(False, "keep the reference model on CPU between forwards")
+
+
+@dataclass
+class Reward:
+    """Reward source and reward shaping (PPO)."""
+
+    model_name_or_path: str | None = opt(None, "reward model folder or hub id")
+    remote_url: str | None = opt(None, "HTTP reward endpoint(s) or a local .py reward function")
+    num_nodes: int = opt(1, "Ray nodes for the reward model")
+    num_gpus_per_node: int = opt(8, "GPUs per node for the reward model")
+    offload: bool = opt(False, "keep the reward model on CPU between forwards")
+    normalize_enable: bool = opt(False, "normalise reward-model scores with the mean/std stored in the model")
+    clip_range: list[float] = opt([-10.0, 10.0], "clip rewards to [low, high]", nargs=2)
+    overlong_buffer_len: float | None = opt(None, "DAPO overlong penalty buffer length (tokens)")
+    overlong_penalty_factor: float = opt(1.0, "DAPO overlong penalty at max length")
+    stop_properly_penalty_coef: float | None = opt(
+        None, "truncated samples: coef in [0, 1] scales the reward, coef < 0 replaces it"
+    )
+    whiten_enable: bool = opt(
+        False, "whiten scalar rewards over the batch before the baseline", extension=True
+    )
+
+
+@dataclass
+class Advantage:
+    """Advantage estimation."""
+
+    estimator: str = opt("gae", "advantage estimator", choices=ESTIMATORS)
+    gamma: float = opt(1.0, "discount factor in [0, 1]")
+    lambd: float = opt(1.0, "GAE lambda in [0, 1]")
+    no_std_norm: bool = opt(False, "whiten advantages by the mean only (no division by the std)")
+    whiten_enable: bool = opt(
+        False, "whiten the final advantages for every estimator (TRL normalize_advantage)", extension=True
+    )
+    is_correction_enable: bool = opt(False, "importance-sampling correction of rollout/training mismatch")
+    is_correction_type: str = opt("tis", "IS correction type", choices=IS_CORRECTION_TYPES)
+    is_correction_threshold: list[float] = opt([0.5, 5.0], "IS weight bounds: low high", nargs=2)
+
+
+@dataclass
+class KL:
+    """KL penalty towards the reference policy."""
+
+    init_coef: float = opt(0.01, "KL coefficient (0: no reference model)")
+    target: float | None = opt(None, "target KL; set to use the adaptive controller")
+    horizon: int = opt(10000, "adaptive KL controller horizon")
+    estimator: str = opt("k1", "KL estimator", choices=KL_ESTIMATORS)
+    use_loss: bool = opt(False, "KL as a loss term instead of a reward penalty")
+    sequence_level_enable: bool = opt(
+        False,
+        "subtract the summed sequence KL from the scalar reward "
+        "before the baseline (TRL token_level_kl=False)",
+        extension=True,
+    )
+
+
+@dataclass
+class Algo:
+    """RL algorithm (PPO family)."""
+
+    advantage: Advantage = section(Advantage)
+    kl: KL = section(KL)
+    dynamic_filtering_enable: bool = opt(False, "drop prompt groups whose mean score is outside the range")
+    dynamic_filtering_range: list[float] = opt(
+        [0.0, 1.0], "dynamic filtering bounds: low high (exclusive)", nargs=2
+    )

@@ -1,0 +1,305 @@
+"""Config sections shared by several trainers: `ds` (+ `ds.lora`), `vllm`, `rollout`, `data`, `train`,
+`eval`, `ckpt`, `logger` (+ `logger.wandb`), `adam`, `muon` and the optimizer block.
+
+Flag names, meanings and defaults follow OpenRLHF 0.10.2 (`reference/openrlhf-0.10.2-cli-options.rst`).
+Where a trainer lacks a field it gets a subclass without it; where only a default differs the trainer
+config builds the section with `section(Cls, field=value)`. Fields marked `extension=True` are posttrain
+additions. Deliberate default changes: `ds.param_dtype` and `ds.attn_implementation` default to None
+("auto", resolved per device at start-up by `resolve_hardware_defaults`), and `param_dtype` also
+accepts fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from posttrain.config.spec import opt, section
+
+PARAM_DTYPES = ("bf16", "fp16", "fp32")
+EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm", "deepgemm")
+GRAD_ACCUM_DTYPES = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("adam", "muon")
+LR_SCHEDULERS = ("cosine_with_min_lr", "constant_with_warmup", "linear")
+
+
+# --------------------------------------------------------------------------- DeepSpeed + model loading
+@dataclass
+class LoRA:
+    """LoRA / QLoRA adapter; set --ds.lora.rank > 0 to enable (SFT / RM / DPO)."""
+
+    rank: int = opt(0, "LoRA rank; 0 disables LoRA")
+    alpha: int = opt(16, "LoRA alpha (the update is scaled by alpha / rank)")
+    dropout: float = opt(0.0, "dropout on the LoRA branch, in [0, 1)")
+    target_modules: list[str] = opt(
+        ["all-linear"], "modules that get adapters, e.g. q_proj v_proj, or all-linear", nargs="*"
+    )
+
+
+@dataclass
+class DS:
+    """DeepSpeed engine and model loading (shared by every model of the run)."""
+
+    zero_stage: int = opt(2, "DeepSpeed ZeRO stage: 0, 1, 2 or 3")
+    param_dtype: str | None = opt(
+        None, "parameter dtype; default auto: bf16 on GPU, fp32 on CPU", choices=PARAM_DTYPES
+    )
+    zpg: int = opt(1, "ZeRO++ max partition size")
+    adam_offload: bool = opt(False, "keep the Adam optimizer state on CPU (not with --optim muon)")
+    overlap_comm: bool = opt(False, "overlap the backward pass with the gradient reduction (more memory)")
+    grad_accum_dtype: str | None = opt(
+        None, "dtype of the gradient accumulation buffer", choices=GRAD_ACCUM_DTYPES
+    )
+    deepcompile: bool = opt(False, "enable DeepSpeed DeepCompile graph compilation")
+    tensor_parallel_size: int = opt(1, "DeepSpeed AutoTP tensor-parallel size (ZeRO stage 0/1/2 only)")
+    ring_attn_size: int = opt(1, "ring-attention sequence-parallel group size")
+    ring_attn_head_stride: int = opt(1, "heads per ring-attention step (a divisor of the head count)")
+    use_universal_ckpt: bool = opt(False, "write DeepSpeed universal checkpoints (stage/world-size agnostic)")
+    attn_implementation: str | None = opt(
+        None,
+        "attention backend: eager, sdpa, flash_attention_2, flash_attention_3 or a hub kernel "
+        "(kernels-community/...); default auto: flash_attention_2 on GPU when installed, else sdpa",
+    )
+    experts_implementation: str | None = opt(
+        None, "MoE expert kernels; default: transformers picks", choices=EXPERTS_IMPLEMENTATIONS
+    )
+    use_liger_kernel: bool = opt(False, "use Liger fused kernels")
+    load_in_4bit: bool = opt(False, "load the base model in 4-bit (QLoRA; needs --ds.lora.rank > 0 and CUDA)")
+    lora: LoRA = section(LoRA)
+    packing_samples: bool = opt(False, "pack several samples into one row (no padding)")
+
+
+@dataclass
+class DSHead(DS):
+    """DeepSpeed engine and model loading; also names the score head of reward models."""
+
+    value_head_prefix: str = opt("score", "attribute name of the scalar score head of reward models")
+
+
+@dataclass
+class PPODS(DSHead):
+    """DeepSpeed engine and model loading (shared by actor, critic, reference and reward model)."""
+
+    enable_sleep: bool = opt(False, "free DeepSpeed memory between training phases (hybrid engine)")
+
+
+# --------------------------------------------------------------------------- vLLM + rollout (PPO)
+@dataclass
+class VLLM:
+    """vLLM generation engines (PPO)."""
+
+    num_engines: int | None = opt(None, "number of vLLM engines; 0 or unset: no vLLM")
+    tensor_parallel_size: int = opt(1, "tensor-parallel size of each vLLM engine")
+    gpu_memory_utilization: float = opt(0.95, "fraction of GPU memory vLLM may use for weights + KV cache")
+    sync_backend: str = opt("nccl", "backend for trainer -> vLLM weight sync")
+    sync_with_ray: bool = opt(False, "sync weights through Ray collective groups")
+    enforce_eager: bool = opt(False, "disable CUDA graphs in vLLM")
+    enable_prefix_caching: bool = opt(False, "enable vLLM prefix caching")
+    enable_sleep: bool = opt(False, "let vLLM release memory between rollouts (hybrid engine, not async)")
+
+
+@dataclass
+class Rollout:
+    """Sampling of experience (PPO)."""
+
+    batch_size: int = opt(1024, "prompts per rollout step")
+    micro_batch_size: int = opt(1, "per-GPU micro-batch of the forward passes over generated samples")
+    n_samples_per_prompt: int = opt(1, "completions per prompt (> 1 for group estimators)")
+    temperature: float = opt(1.0, "sampling temperature")
+    top_p: float = opt(1.0, "nucleus sampling threshold")
+    max_new_tokens: int | None = opt(
+        None, "max generated tokens per sample; default: max_len - prompt length"
+    )
+    max_tokens_per_gpu: int | None = opt(
+        None,
+        "token budget per GPU for rollout-side forwards "
+        "(dynamic batching); default: --train.max_tokens_per_gpu",
+    )
+    vllm_generate_batch_size: int | None = opt(
+        None, "prompts per generation call; above --rollout.batch_size needs --train.async_enable"
+    )
+
+
+# --------------------------------------------------------------------------- data
+@dataclass
+class Data:
+    """Dataset loading and tokenisation."""
+
+    max_len: int = opt(2048, "max tokens per sample (prompt + response)")
+    max_samples: int = opt(1000000, "max training samples")
+    input_template: str | None = opt(
+        None, "plain-text prompt template containing {} (without a chat template)"
+    )
+    apply_chat_template: bool = opt(False, "format prompts with the tokenizer's chat template")
+    tokenizer_chat_template: str | None = opt(None, "override the tokenizer's chat template")
+    disable_fast_tokenizer: bool = opt(False, "load the slow (Python) tokenizer")
+    dataloader_num_workers: int = opt(0, "DataLoader worker processes")
+
+
+@dataclass
+class DatasetData(Data):
+    """Dataset loading and tokenisation."""
+
+    dataset: str | None = opt(None, "training dataset path(s) or HF name(s); comma-separate to mix")
+    dataset_probs: str | None = opt(None, "mixing probabilities, comma-separated (e.g. 0.3,0.7)")
+    dataset_split: str = opt("train", "dataset split to train on")
+
+
+@dataclass
+class SFTData(DatasetData):
+    """Dataset loading and tokenisation (SFT)."""
+
+    input_key: str = opt("input", "JSON key of the prompt")
+    output_key: str | None = opt(None, "JSON key of the target response")
+    multiturn: bool = opt(
+        False, "train on every assistant turn of chat data (needs --data.apply_chat_template)"
+    )
+
+
+@dataclass
+class PreferenceData(DatasetData):
+    """Dataset loading and tokenisation (preference pairs)."""
+
+    prompt_key: str | None = opt(
+        None, "JSON key of the shared prompt (none: prompt is part of the responses)"
+    )
+    chosen_key: str = opt("chosen", "JSON key of the preferred response")
+    rejected_key: str = opt("rejected", "JSON key of the dispreferred response")
+
+
+@dataclass
+class PPOData(Data):
+    """Prompt dataset loading and tokenisation (PPO)."""
+
+    prompt_dataset: str | None = opt(None, "prompt dataset path(s) or HF name(s); comma-separate to mix")
+    prompt_probs: str | None = opt(None, "mixing probabilities, comma-separated")
+    prompt_split: str = opt("train", "dataset split to sample prompts from")
+    input_key: str = opt("input", "JSON key of the prompt")
+    label_key: str | None = opt(None, "JSON key of the ground-truth label passed to the reward function")
+    image_key: str = opt("images", "JSON key of image paths/URLs (vision-language models)")
+    max_images_per_prompt: int = opt(0, "max images per prompt (0: text only)")
+
+
+# --------------------------------------------------------------------------- train / eval / ckpt / logger
+@dataclass
+class Train:
+    """Training loop."""
+
+    batch_size: int = opt(128, "global training batch size (samples per optimizer step)")
+    micro_batch_size: int = opt(8, "samples per GPU per forward/backward")
+    max_epochs: int = opt(1, "epochs over the dataset")
+    seed: int = opt(42, "random seed")
+    full_determinism_enable: bool = opt(False, "bit-reproducible kernels (slower)")
+    dynamic_batch_enable: bool = opt(False, "form micro-batches by token budget instead of sample count")
+    max_tokens_per_gpu: int | None = opt(
+        None, "token budget per micro-batch with --train.dynamic_batch_enable"
+    )
+
+
+@dataclass
+class PPOTrain(Train):
+    """Training loop and Ray placement (PPO)."""
+
+    num_episodes: int = opt(1, "passes over the prompt dataset")
+    async_enable: bool = opt(False, "overlap rollout and training (async pipeline)")
+    async_queue_size: int = opt(1, "rollout batches buffered between sampler and trainer")
+    partial_rollout_enable: bool = opt(False, "weight sync may interrupt in-flight generation (async only)")
+    enable_ema: bool = opt(False, "keep an exponential moving average of the actor")
+    ema_beta: float = opt(0.992, "EMA decay")
+    agent_func_path: str | None = opt(None, "Python file defining a multi-turn agent")
+    colocate_actor_ref: bool = opt(False, "actor and reference model share GPUs")
+    colocate_critic_reward: bool = opt(False, "critic and reward model share GPUs")
+    colocate_all: bool = opt(False, "all models and vLLM engines share GPUs (hybrid engine)")
+
+
+@dataclass
+class Eval:
+    """Evaluation."""
+
+    dataset: str | None = opt(None, "evaluation dataset path(s)")
+    split: str = opt("train", "evaluation split")
+    steps: int = opt(-1, "evaluate every N steps (-1: never)")
+
+
+@dataclass
+class PPOEval(Eval):
+    """Evaluation rollouts (PPO)."""
+
+    temperature: float = opt(0.6, "sampling temperature of evaluation rollouts")
+    n_samples_per_prompt: int = opt(4, "samples per evaluation prompt")
+
+
+@dataclass
+class Ckpt:
+    """Checkpoints and the final model."""
+
+    output_dir: str = opt("./ckpt", "where the final Hugging Face model (and run files) are written")
+    path: str = opt("./ckpt/checkpoints", "directory of resumable training checkpoints")
+    save_steps: int = opt(-1, "save a checkpoint every N steps (-1: never)")
+    save_hf: bool = opt(False, "also export a Hugging Face model with every checkpoint")
+    disable_ds: bool = opt(False, "skip resumable checkpoints (progress cannot be resumed)")
+    max_num: int = opt(3, "checkpoints kept")
+    max_mem: float = opt(1e8, "max total size of kept checkpoints in GB")
+    load_enable: bool = opt(False, "resume from the newest checkpoint in --ckpt.path if there is one")
+
+
+@dataclass
+class PPOCkpt(Ckpt):
+    """Checkpoints and the final model (PPO)."""
+
+    best_metric_key: str = opt(
+        "", "eval metric for best-checkpoint saving ('' auto: first pass1 metric; 'none': off)"
+    )
+
+
+@dataclass
+class Wandb:
+    """Weights & Biases logging (on when --logger.wandb.key is set)."""
+
+    key: str | None = opt(None, "W&B API key, or True to use a prior `wandb login`")
+    org: str | None = opt(None, "W&B entity")
+    group: str | None = opt(None, "W&B group")
+    project: str = opt("posttrain", "W&B project")
+    run_name: str | None = opt(None, "W&B run name; default <trainer>_<MMDDTHH:MM>")
+
+
+@dataclass
+class Logger:
+    """Logging (metrics.jsonl is always written to the run directory)."""
+
+    logging_steps: int = opt(1, "log every N steps")
+    tensorboard_dir: str | None = opt(None, "TensorBoard log directory")
+    wandb: Wandb = section(Wandb)
+
+
+# --------------------------------------------------------------------------- optimizer
+@dataclass
+class Adam:
+    """AdamW; with --optim muon it drives the auxiliary Adam group (embeddings, head, 1-D params)."""
+
+    lr: float = opt(5e-6, "learning rate")
+    betas: list[float] = opt([0.9, 0.95], "Adam beta1 beta2", nargs=2)
+    eps: float = opt(1e-8, "Adam epsilon")
+    weight_decay: float = opt(0.0, "decoupled weight decay (also applied to the Muon group)")
+
+
+@dataclass
+class Muon:
+    """Muon for 2-D hidden weight matrices (with --optim muon)."""
+
+    lr: float = opt(0.02, "learning rate of the Muon group")
+    momentum: float = opt(0.95, "Muon momentum")
+    ns_steps: int = opt(5, "Newton-Schulz iterations")
+    nesterov: bool = opt(True, "Nesterov momentum (--muon.no_nesterov turns it off)", negation="no_nesterov")
+
+
+@dataclass
+class OptimFields:
+    """Optimizer, LR schedule and gradient clipping (flat in SFT/RM/DPO, per entity in PPO)."""
+
+    optim: str = opt("adam", "optimizer", choices=OPTIMIZERS)
+    adam: Adam = section(Adam)
+    muon: Muon = section(Muon)
+    lr_scheduler: str = opt("cosine_with_min_lr", "learning-rate schedule", choices=LR_SCHEDULERS)
+    lr_warmup_ratio: float = opt(0.03, "fraction of the steps spent in linear warm-up")
+    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak (cosine_with_min_lr)")
+    max_norm: float = opt(1.0, "gradient clipping norm (0: no clipping)")

@@ -1,0 +1,70 @@
+"""Derived batch sizes and the start-up summary of a config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from posttrain.config.hardware import resolved_values
+from posttrain.config.spec import changed_values, flag_specs, get_path
+from posttrain.config.values import format_value
+
+
+def derived_sizes(cfg, world_size: int = 1) -> dict[str, Any]:
+    """Sizes implied by the batch flags for `world_size` data-parallel ranks.
+
+    world_size; samples_per_rank_per_step = train.batch_size / world_size;
+    gradient_accumulation_steps = micro-batches per rank per optimizer step
+      = batch_size / (micro_batch_size * world_size) (None with dynamic batching: set by the token budget);
+    micro_batches_per_step = micro-batches per optimizer step over all ranks (None with dynamic batching).
+    PPO adds prompts_per_rollout, samples_per_rollout = rollout.batch_size * n_samples_per_prompt,
+    optimizer_steps_per_rollout = samples_per_rollout / train.batch_size * train.max_epochs.
+    Divisions are floor divisions; `validate` rejects sizes that do not divide."""
+    t = cfg.train
+    ws = max(int(world_size), 1)
+    out: dict[str, Any] = {"world_size": ws, "samples_per_rank_per_step": t.batch_size // ws}
+    if t.dynamic_batch_enable:
+        out.update(
+            micro_batches_per_step=None,
+            gradient_accumulation_steps=None,
+            max_tokens_per_micro_batch=t.max_tokens_per_gpu,
+        )
+    else:
+        accum = t.batch_size // max(t.micro_batch_size * ws, 1)
+        out.update(micro_batches_per_step=accum * ws, gradient_accumulation_steps=accum)
+    if cfg.trainer == "ppo":
+        ro = cfg.rollout
+        samples = ro.batch_size * ro.n_samples_per_prompt
+        out.update(
+            prompts_per_rollout=ro.batch_size,
+            samples_per_rollout=samples,
+            optimizer_steps_per_rollout=samples // max(t.batch_size, 1) * t.max_epochs,
+        )
+    return out
+
+
+def format_config(cfg, derived: dict[str, Any] | None = None) -> str:
+    """Readable multi-line summary: every flag grouped by section (`*` marks values changed from the
+    trainer default, `(reason)` on values resolved for the hardware), then the derived sizes."""
+    changed = changed_values(cfg)
+    resolved = resolved_values(cfg)
+    groups: dict[str, list[str]] = {}
+    for spec in flag_specs(type(cfg)):
+        value = get_path(cfg, spec.path)
+        mark = "*" if spec.path in changed and spec.path not in resolved else " "
+        note = ""
+        if spec.path in resolved:
+            asked, _, why = resolved[spec.path]
+            note = f"  ({why})" if asked is None else f"  (asked {format_value(asked)}; {why})"
+            if asked is not None:
+                mark = "*"
+        shown = format_value(value) if value not in (None, "") else repr(value)
+        name = spec.path[len(spec.section) + 1 :] if spec.section else spec.path
+        groups.setdefault(spec.section, []).append(f" {mark} {name} = {shown}{note}")
+    lines = [f"posttrain {cfg.trainer} configuration (* = set, differs from the default)"]
+    for section_name, entries in groups.items():
+        lines.append(f"[{section_name or 'top-level'}]")
+        lines.extend(entries)
+    if derived:
+        lines.append("[derived sizes]")
+        lines.extend(f"   {k} = {v}" for k, v in derived.items())
+    return "\n".join(lines)

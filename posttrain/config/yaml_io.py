@@ -1,0 +1,116 @@
+"""YAML form of a config: `config_to_dict`, `save_config`, and reading `--config` files.
+
+A file is a mapping of sections (`ds: {zero_stage: 2, lora: {rank: 8}}`), dotted keys
+(`ds.zero_stage: 2`), or a mix; an optional `trainer:` key must name the trainer being run.
+Every key must be a flag of that trainer (without the leading `--`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from posttrain.config.errors import ConfigError
+from posttrain.config.migration import REMOVED, renamed_to
+from posttrain.config.spec import flag_specs, spec_map
+from posttrain.config.values import coerce
+
+
+def config_to_dict(cfg) -> dict[str, Any]:
+    """Nested plain dict of `cfg` (sections as dicts), led by `trainer`."""
+    return {"trainer": type(cfg).trainer, **dataclasses.asdict(cfg)}
+
+
+def save_config(cfg, path: str | os.PathLike) -> Path:
+    """Write `cfg` as YAML (atomically: temp file then rename); `--config path` loads it back equal."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False, allow_unicode=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot read the file ({e.strerror or e})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"--config {path}: expected a mapping of flags at the top level, got {type(data).__name__}"
+        )
+    return data
+
+
+def _flatten(data: dict, prefix: str, sections: set[str], out: dict[str, Any], problems: list[str]) -> None:
+    for key, value in data.items():
+        if not isinstance(key, str):
+            problems.append(f"key {key!r} under '{prefix[:-1] or 'top level'}' is not a string")
+            continue
+        path = prefix + key.removeprefix("--")
+        if path in sections:
+            if not isinstance(value, dict):
+                problems.append(f"'{path}' is a section: expected a mapping, got {value!r}")
+                continue
+            _flatten(value, path + ".", sections, out, problems)
+        elif path in out:
+            problems.append(f"'{path}' is given twice")
+        else:
+            out[path] = value
+
+
+def load_yaml_values(path: str | os.PathLike, cls: type) -> dict[str, Any]:
+    """Dotted flag path -> typed value for every key of the YAML file at `path` (for config class `cls`).
+
+    Raises one ConfigError listing every unknown key (with suggestions), wrong type and bad choice."""
+    trainer = cls.trainer
+    data = dict(read_yaml(path))
+    problems: list[str] = []
+    file_trainer = data.pop("trainer", trainer)
+    if file_trainer != trainer:
+        problems.append(f"trainer: the file is for {file_trainer!r} but this is posttrain {trainer}")
+    specs = spec_map(cls)
+    negations = {s.negation: s for s in flag_specs(cls) if s.negation}
+    sections = {".".join(p.split(".")[:i]) for p in specs for i in range(1, p.count(".") + 1)}
+    flat: dict[str, Any] = {}
+    _flatten(data, "", sections, flat, problems)
+    values: dict[str, Any] = {}
+    for key, raw in flat.items():
+        spec = specs.get(key)
+        if spec is None and key in negations:  # `muon.no_nesterov: true`
+            spec, raw = negations[key], (not raw if isinstance(raw, bool) else raw)
+        if spec is None:
+            problems.append(_unknown_key(key, trainer, specs))
+            continue
+        try:
+            values[spec.path] = coerce(spec, raw)
+        except ValueError as e:
+            problems.append(f"'{key}': {e}")
+    if problems:
+        raise ConfigError.collect([f"--config {path}: {p}" for p in problems], header=f"--config {path}")
+    return values
+
+
+def _unknown_key(key: str, trainer: str, specs: dict) -> str:
+    flag = "--" + key
+    if flag in REMOVED:
+        return f"unknown key '{key}': removed in OpenRLHF 0.10.2 ({REMOVED[flag]})"
+    new = renamed_to(flag, trainer)
+    if new is not None and new.split()[0][2:] in specs:
+        return f"unknown key '{key}': renamed in OpenRLHF 0.10.2; use '{new.split()[0][2:]}'"
+    close = difflib.get_close_matches(key, sorted(specs), n=1, cutoff=0.75)
+    if close:
+        return f"unknown key '{key}'; did you mean '{close[0]}'?"
+    return f"unknown key '{key}' (not a flag of posttrain {trainer})"

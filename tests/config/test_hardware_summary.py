@@ -1,0 +1,199 @@
+"""Hardware defaults, inert flags, derived sizes and the start-up summary."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from posttrain.config import (
+    ConfigWarning,
+    changed_values,
+    derived_sizes,
+    format_config,
+    inert_flags,
+    parse_config,
+    resolve_hardware_defaults,
+    resolved_values,
+)
+
+SFT = ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl"]
+PPO = ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "p.jsonl", "--reward.remote_url", "r.py"]
+HAS_FLASH = importlib.util.find_spec("flash_attn") is not None
+
+
+def sft(*extra):
+    return parse_config("sft", SFT + list(extra), device="cpu")
+
+
+def test_param_dtype_and_attention_resolve_per_device():
+    cfg = sft()
+    notes = resolve_hardware_defaults(cfg, "cpu")
+    assert (cfg.ds.param_dtype, cfg.ds.attn_implementation) == ("fp32", "sdpa")
+    assert notes == [
+        "--ds.param_dtype: auto -> fp32 (auto for cpu)",
+        "--ds.attn_implementation: auto -> sdpa (auto for cpu)",
+    ]
+    assert resolve_hardware_defaults(cfg, "cpu") == []  # idempotent
+    gpu = sft()
+    resolve_hardware_defaults(gpu, "cuda:0")
+    assert gpu.ds.param_dtype == "bf16"
+    assert gpu.ds.attn_implementation == ("flash_attention_2" if HAS_FLASH else "sdpa")
+
+
+def test_user_choices_are_kept_unless_impossible():
+    with pytest.warns(ConfigWarning, match="fp16 on CPU"):
+        cfg = sft("--ds.param_dtype", "fp16", "--ds.attn_implementation", "eager")
+    assert resolve_hardware_defaults(cfg, "cpu") == []
+    assert (cfg.ds.param_dtype, cfg.ds.attn_implementation) == ("fp16", "eager")
+    cfg = sft("--ds.attn_implementation", "flash_attention_2")
+    notes = resolve_hardware_defaults(cfg, "cpu")
+    assert cfg.ds.attn_implementation == "sdpa"
+    assert "--ds.attn_implementation: flash_attention_2 -> sdpa (flash attention needs a CUDA GPU)" in notes
+    assert resolved_values(cfg)["ds.attn_implementation"][0] == "flash_attention_2"
+    shown = " * attn_implementation = sdpa  (asked flash_attention_2; flash attention needs a CUDA GPU)"
+    assert shown in format_config(cfg).splitlines()
+
+
+def test_resolution_does_not_change_equality_or_yaml(tmp_path):
+    from posttrain.config import config_to_dict
+
+    a, b = sft(), sft()
+    resolve_hardware_defaults(a, "cpu")
+    b.ds.param_dtype, b.ds.attn_implementation = "fp32", "sdpa"
+    assert a == b and config_to_dict(a) == config_to_dict(b)
+
+
+def test_inert_flags_on_cpu_before_and_after_resolution():
+    assert inert_flags(sft(), "cpu") == []
+    cfg = sft(
+        "--ds.attn_implementation",
+        "flash_attention_2",
+        "--ds.ring_attn_size",
+        "2",
+        "--ds.packing_samples",
+        "--ds.adam_offload",
+        "--use_ms",
+        "--logger.wandb.project",
+        "p",
+    )
+    expected = [  # in --help order
+        "--use_ms has no effect here: ModelScope downloads are not supported; pass a local folder or an HF hub id",
+        "--ds.adam_offload has no effect here: the optimizer state is already in CPU memory",
+        (
+            "--ds.ring_attn_size 2 has no effect here: ring attention (sequence parallelism) is not implemented in "
+            "posttrain"
+        ),
+        (
+            "--ds.attn_implementation flash_attention_2 has no effect here: flash attention needs a CUDA GPU with "
+            "flash-attn; sdpa is used"
+        ),
+        "--logger.wandb.project p has no effect here: W&B is off (no --logger.wandb.key)",
+    ]
+    assert inert_flags(cfg, "cpu") == expected
+    resolve_hardware_defaults(cfg, "cpu")
+    assert inert_flags(cfg, "cpu") == expected  # what the user asked for is remembered
+    with_key = sft("--logger.wandb.project", "p", "--logger.wandb.key", "tok")
+    assert inert_flags(with_key, "cpu") == []
+
+
+def test_ppo_cluster_flags_are_inert_in_process():
+    cfg = parse_config(
+        "ppo",
+        PPO
+        + [
+            "--vllm.num_engines",
+            "2",
+            "--vllm.enforce_eager",
+            "--actor.num_gpus_per_node",
+            "4",
+            "--train.colocate_actor_ref",
+            "--eval.temperature",
+            "0.2",
+            "--ref.offload",
+        ],
+        device="cpu",
+    )
+    inert = inert_flags(cfg, "cpu")
+    assert [i.split(" has no effect")[0] for i in inert] == [
+        "--actor.num_gpus_per_node 4",
+        "--ref.offload",
+        "--vllm.num_engines 2",
+        "--vllm.enforce_eager",
+        "--train.colocate_actor_ref",
+        "--eval.temperature 0.2",
+    ]
+    on_ray = [i.split(" has no effect")[0] for i in inert_flags(cfg, "cuda", ray=True)]
+    assert "--actor.num_gpus_per_node 4" not in on_ray and "--train.colocate_actor_ref" not in on_ray
+    assert "--ref.offload" not in on_ray
+
+
+def test_derived_sizes_single_model():
+    cfg = sft("--train.batch_size", "128", "--train.micro_batch_size", "8")
+    assert derived_sizes(cfg, 2) == {
+        "world_size": 2,
+        "samples_per_rank_per_step": 64,
+        "micro_batches_per_step": 16,
+        "gradient_accumulation_steps": 8,
+    }
+    dyn = sft("--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "4096")
+    assert derived_sizes(dyn, 1) == {
+        "world_size": 1,
+        "samples_per_rank_per_step": 128,
+        "micro_batches_per_step": None,
+        "gradient_accumulation_steps": None,
+        "max_tokens_per_micro_batch": 4096,
+    }
+
+
+def test_derived_sizes_ppo():
+    cfg = parse_config(
+        "ppo",
+        PPO
+        + [
+            "--rollout.batch_size",
+            "32",
+            "--rollout.n_samples_per_prompt",
+            "4",
+            "--algo.advantage.estimator",
+            "rloo",
+            "--train.batch_size",
+            "64",
+            "--train.micro_batch_size",
+            "4",
+            "--train.max_epochs",
+            "2",
+        ],
+        device="cpu",
+    )
+    sizes = derived_sizes(cfg, 4)
+    assert sizes["prompts_per_rollout"] == 32 and sizes["samples_per_rollout"] == 128
+    assert sizes["optimizer_steps_per_rollout"] == 4  # 128 / 64 steps, 2 epochs
+    assert sizes["gradient_accumulation_steps"] == 4 and sizes["micro_batches_per_step"] == 16
+
+
+def test_changed_values_and_format_config():
+    cfg = sft("--ds.zero_stage", "3", "--ds.lora.rank", "4", "--adam.betas", "0.8", "0.9")
+    assert changed_values(cfg) == {
+        "ds.zero_stage": 3,
+        "ds.lora.rank": 4,
+        "adam.betas": [0.8, 0.9],
+        "model.model_name_or_path": "m",
+        "data.dataset": "d.jsonl",
+    }
+    resolve_hardware_defaults(cfg, "cpu")
+    text = format_config(cfg, derived_sizes(cfg, 1))
+    lines = text.splitlines()
+    assert lines[0] == "posttrain sft configuration (* = set, differs from the default)"
+    assert " * zero_stage = 3" in lines and " * betas = 0.8 0.9" in lines and "   max_len = 2048" in lines
+    assert "   param_dtype = fp32  (auto for cpu)" in lines
+    assert lines[lines.index("[ds.lora]") + 1] == " * rank = 4"
+    assert "   input_template = 'User: {}\\nAssistant: '" in lines
+    assert lines[-5:] == [
+        "[derived sizes]",
+        "   world_size = 1",
+        "   samples_per_rank_per_step = 128",
+        "   micro_batches_per_step = 16",
+        "   gradient_accumulation_steps = 16",
+    ]
+    assert text.count("[top-level]") == 1

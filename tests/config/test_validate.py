@@ -1,0 +1,314 @@
+"""Each validation rule, with the message it gives; all problems are reported together."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from posttrain.config import ConfigError, ConfigWarning, parse_config, validate
+
+BASE = {
+    "sft": ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl"],
+    "rm": ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl"],
+    "dpo": ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl"],
+    "ppo": [
+        "--actor.model_name_or_path",
+        "m",
+        "--data.prompt_dataset",
+        "p.jsonl",
+        "--reward.remote_url",
+        "r.py",
+        "--rollout.batch_size",
+        "16",
+        "--train.batch_size",
+        "16",
+    ],
+}
+
+
+def problems(
+    trainer: str, *extra: str, base: bool = True, world_size: int = 1, device: str = "cpu"
+) -> list[str]:
+    argv = (BASE[trainer] if base else []) + list(extra)
+    with pytest.raises(ConfigError) as err:
+        parse_config(trainer, argv, world_size=world_size, device=device)
+    return err.value.problems
+
+
+def problem(trainer: str, *extra: str, **kw) -> str:
+    found = problems(trainer, *extra, **kw)
+    assert len(found) == 1, found
+    return found[0]
+
+
+def warns(trainer: str, *extra: str, device: str = "cpu", world_size: int = 1) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parse_config(trainer, BASE[trainer] + list(extra), device=device, world_size=world_size)
+    return [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+
+
+def cfg_for(trainer: str, *extra: str):
+    return parse_config(trainer, BASE[trainer] + list(extra), check=False)
+
+
+@pytest.mark.parametrize("trainer", ["sft", "rm", "dpo", "ppo"])
+def test_base_configs_are_valid(trainer):
+    assert warns(trainer) == []
+
+
+def test_model_and_dataset_are_required():
+    found = problems("sft", base=False)
+    assert found == [
+        "--data.dataset: required: a dataset path or HF name",
+        "--model.model_name_or_path: required: a model folder or hub id",
+    ]
+    found = problems("ppo", base=False)
+    assert "--data.prompt_dataset: required: a dataset path or HF name" in found
+    assert "--actor.model_name_or_path: required: the policy model folder or hub id" in found
+    assert any(p.startswith("--reward.model_name_or_path: a reward source is required") for p in found)
+
+
+def test_engine_rules():
+    assert problem("sft", "--ds.zero_stage", "4") == "--ds.zero_stage 4: valid values: 0, 1, 2, 3"
+    cfg = cfg_for("sft")
+    cfg.ds.param_dtype, cfg.optim = "int8", "sgd"  # values only a program (not argparse) can set
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, device="cpu")
+    assert err.value.problems == [
+        "--optim sgd: invalid choice 'sgd'; valid values: adam, muon",
+        "--ds.param_dtype int8: invalid choice 'int8'; valid values: bf16, fp16, fp32, None",
+    ]
+    assert problem("sft", "--optim", "muon", "--ds.adam_offload").startswith(
+        "--optim muon: Muon keeps its state on the accelerator: not compatible with --ds.adam_offload"
+    )
+    assert problem("ppo", "--critic.optim", "muon", "--ds.adam_offload").startswith("--critic.optim muon:")
+    assert problem("sft", "--ds.tensor_parallel_size", "2", "--ds.zero_stage", "3") == (
+        "--ds.tensor_parallel_size 2: AutoTP works only with --ds.zero_stage 0, 1 or 2"
+    )
+    assert "valid values: eager, sdpa" in problem("sft", "--ds.attn_implementation", "flash")
+
+
+def test_lora_rules():
+    assert problem("sft", "--ds.lora.rank", "-1") == "--ds.lora.rank -1: must be >= 0 (0 disables LoRA)"
+    assert problem("sft", "--ds.lora.alpha", "0") == "--ds.lora.alpha 0: must be > 0"
+    assert problem("sft", "--ds.lora.dropout", "1.0") == "--ds.lora.dropout 1.0: must be in [0, 1)"
+    assert problem("sft", "--ds.lora.rank", "8", "--ds.lora.target_modules").startswith(
+        "--ds.lora.target_modules: give module names"
+    )
+
+
+def test_4bit_needs_lora_and_cuda():
+    assert problem("sft", "--ds.load_in_4bit", device="cuda") == (
+        "--ds.load_in_4bit: 4-bit weights cannot be trained; use it with LoRA (--ds.lora.rank > 0)"
+    )
+    assert problem("sft", "--ds.load_in_4bit", "--ds.lora.rank", "8", device="cpu") == (
+        "--ds.load_in_4bit: bitsandbytes 4-bit loading needs a CUDA GPU; this run is on CPU"
+    )
+    assert warns("sft", "--ds.load_in_4bit", "--ds.lora.rank", "8", device="cuda") == []
+
+
+def test_bf16_on_cpu_is_allowed_with_a_warning():
+    (w,) = warns("sft", "--ds.param_dtype", "bf16", device="cpu")
+    assert "--ds.param_dtype bf16 on CPU" in w and "~140x slower" in w
+    assert warns("sft", "--ds.param_dtype", "bf16", device="cuda") == []
+
+
+def test_batch_divisibility():
+    assert problem("sft", "--train.batch_size", "10", "--train.micro_batch_size", "4") == (
+        "--train.batch_size 10: must be divisible by --train.micro_batch_size x world size = 4 x 1 = 4 (e.g. 8)"
+    )
+    assert "= 8 x 2 = 16" in problem("sft", "--train.batch_size", "8", world_size=2)
+    assert warns("sft", "--train.batch_size", "32", "--train.micro_batch_size", "8", world_size=4) == []
+    # dynamic batching forms micro-batches by tokens: only the world size must divide the batch
+    assert (
+        warns(
+            "sft",
+            "--train.batch_size",
+            "10",
+            "--train.micro_batch_size",
+            "4",
+            "--train.dynamic_batch_enable",
+            "--train.max_tokens_per_gpu",
+            "4096",
+        )
+        == []
+    )
+    assert (
+        problem(
+            "sft",
+            "--train.batch_size",
+            "9",
+            "--train.dynamic_batch_enable",
+            "--train.max_tokens_per_gpu",
+            "4096",
+            world_size=2,
+        )
+        == "--train.batch_size 9: must be divisible by the world size 2"
+    )
+
+
+def test_dynamic_batch_needs_a_token_budget():
+    assert problem("sft", "--train.dynamic_batch_enable") == (
+        "--train.dynamic_batch_enable: needs --train.max_tokens_per_gpu > 0 (the token budget)"
+    )
+    (w,) = warns("sft", "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "512")
+    assert "--train.max_tokens_per_gpu 512 < --data.max_len 2048" in w
+
+
+def test_data_rules():
+    assert problem("sft", "--data.multiturn") == (
+        "--data.multiturn: needs --data.apply_chat_template (turns are found through the chat template)"
+    )
+    assert warns("sft", "--data.multiturn", "--data.apply_chat_template") == []
+    assert problem("sft", "--data.dataset", "a.jsonl,b.jsonl", "--data.dataset_probs", "0.2,0.3,0.5") == (
+        "--data.dataset_probs 0.2,0.3,0.5: 3 probabilities for 2 datasets in --data.dataset"
+    )
+    assert problem("sft", "--data.dataset", "a.jsonl,b.jsonl", "--data.dataset_probs", "0.2,0.3") == (
+        "--data.dataset_probs 0.2,0.3: probabilities must sum to 1 (they sum to 0.5)"
+    )
+    assert "expected comma-separated numbers" in problem("sft", "--data.dataset_probs", "half")
+    assert warns("sft", "--data.dataset", "a.jsonl,b.jsonl", "--data.dataset_probs", "0.25,0.75") == []
+    assert "--data.prompt_probs 0.5: probabilities must sum to 1" in problem(
+        "ppo", "--data.prompt_probs", "0.5"
+    )
+    assert problem("sft", "--data.input_template", "no placeholder") == (
+        "--data.input_template 'no placeholder': must contain {} where the prompt goes"
+    )
+    (w,) = warns("sft", "--data.input_template", "User: {}\\nAssistant: ")
+    assert "literal backslash-n" in w
+
+
+def test_scheduler_and_optimizer_ranges():
+    assert problem("sft", "--lr_warmup_ratio", "1.5") == "--lr_warmup_ratio 1.5: must be in [0, 1]"
+    assert problem("sft", "--min_lr_ratio", "-0.1") == "--min_lr_ratio -0.1: must be in [0, 1]"
+    assert (
+        problem("ppo", "--critic.lr_warmup_ratio", "2") == "--critic.lr_warmup_ratio 2.0: must be in [0, 1]"
+    )
+    assert problem("sft", "--adam.betas", "0.9", "1.0") == "--adam.betas 0.9 1.0: each beta must be in [0, 1)"
+
+
+def test_checkpoint_rules():
+    assert problem("sft", "--ckpt.load_enable", "--ckpt.path", "") == (
+        "--ckpt.load_enable: needs --ckpt.path (where the checkpoints are)"
+    )
+    assert problem("sft", "--ckpt.save_steps", "0") == "--ckpt.save_steps 0: must be -1 (never) or >= 1"
+    assert problem("sft", "--eval.steps", "0") == "--eval.steps 0: must be -1 (never) or >= 1"
+
+
+def test_dpo_rules():
+    assert problem("dpo", "--model.beta", "0") == "--model.beta 0.0: must be > 0"
+    assert (
+        problem("dpo", "--model.label_smoothing", "0.5") == "--model.label_smoothing 0.5: must be in [0, 0.5)"
+    )
+
+
+def test_ppo_estimators_need_groups():
+    for est in ("rloo", "reinforce_baseline", "group_norm", "dr_grpo"):
+        assert problem("ppo", "--algo.advantage.estimator", est) == (
+            f"--algo.advantage.estimator {est}: a group estimator needs --rollout.n_samples_per_prompt >= 2 (got 1)"
+        )
+        assert warns("ppo", "--algo.advantage.estimator", est, "--rollout.n_samples_per_prompt", "4") == []
+    assert warns("ppo", "--algo.advantage.estimator", "reinforce") == []
+    (w,) = warns(
+        "ppo",
+        "--algo.advantage.estimator",
+        "group_norm",
+        "--rollout.n_samples_per_prompt",
+        "4",
+        "--algo.advantage.gamma",
+        "0.9",
+    )
+    assert "ignored by group_norm" in w
+
+
+def test_ppo_rollout_sizes():
+    assert problem(
+        "ppo", "--rollout.batch_size", "6", "--rollout.n_samples_per_prompt", "2", "--train.batch_size", "8"
+    ) == (
+        "--train.batch_size 8: must divide the samples per rollout --rollout.batch_size x "
+        "--rollout.n_samples_per_prompt = 6 x 2 = 12"
+    )
+    assert problem("ppo", "--rollout.vllm_generate_batch_size", "32") == (
+        "--rollout.vllm_generate_batch_size 32: larger than --rollout.batch_size 16 needs --train.async_enable "
+        "(oversampling)"
+    )
+    assert warns("ppo", "--rollout.vllm_generate_batch_size", "32", "--train.async_enable") == []
+    assert problem("ppo", "--rollout.max_new_tokens", "2048") == (
+        "--rollout.max_new_tokens 2048: must be in [1, --data.max_len 2048) to leave room for the prompt"
+    )
+    assert problem("ppo", "--rollout.top_p", "0") == "--rollout.top_p 0.0: must be in (0, 1]"
+
+
+def test_ppo_kl_and_loss_rules():
+    (w,) = warns("ppo", "--algo.kl.use_loss")
+    assert "use k2 or k3 as a loss" in w
+    assert warns("ppo", "--algo.kl.use_loss", "--algo.kl.estimator", "k3") == []
+    assert problem("ppo", "--algo.kl.target", "0") == (
+        "--algo.kl.target 0.0: must be > 0 (or unset for a fixed coefficient)"
+    )
+    cfg = cfg_for("ppo")
+    cfg.algo.kl.estimator, cfg.actor.policy_loss_type = "k4", "grpo"
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, device="cpu")
+    assert err.value.problems == [
+        "--actor.policy_loss_type grpo: invalid choice 'grpo'; valid values: ppo, gspo",
+        "--algo.kl.estimator k4: invalid choice 'k4'; valid values: k1, k2, k3",
+    ]
+    assert problem("ppo", "--actor.dual_clip", "1.0") == "--actor.dual_clip 1.0: must be > 1"
+    assert problem("ppo", "--algo.advantage.is_correction_threshold", "5", "0.5") == (
+        "--algo.advantage.is_correction_threshold 5.0 0.5: needs low < high"
+    )
+    assert problem("ppo", "--algo.advantage.gamma", "1.5") == "--algo.advantage.gamma 1.5: must be in [0, 1]"
+
+
+def test_ppo_filtering_shaping_and_async_rules():
+    found = problems("ppo", "--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range", "1", "0")
+    assert found == [
+        "--algo.dynamic_filtering_range 1.0 0.0: needs low < high",
+        "--algo.dynamic_filtering_enable: needs --rollout.n_samples_per_prompt >= 2",
+    ]
+    assert (
+        problem("ppo", "--reward.clip_range", "10", "-10")
+        == "--reward.clip_range 10.0 -10.0: needs low < high"
+    )
+    assert problem("ppo", "--reward.overlong_buffer_len", "512", "--rollout.max_new_tokens", "256") == (
+        "--reward.overlong_buffer_len 512.0: must be <= --rollout.max_new_tokens 256"
+    )
+    assert problem("ppo", "--reward.stop_properly_penalty_coef", "1.5").startswith(
+        "--reward.stop_properly_penalty_coef 1.5: must be in [0, 1] (scale) or < 0"
+    )
+    assert (
+        problem("ppo", "--train.partial_rollout_enable")
+        == "--train.partial_rollout_enable: needs --train.async_enable"
+    )
+    assert problem("ppo", "--train.async_enable", "--vllm.enable_sleep") == (
+        "--vllm.enable_sleep: not compatible with --train.async_enable"
+    )
+
+
+def test_all_problems_are_reported_together():
+    with pytest.raises(ConfigError) as err:
+        parse_config(
+            "sft",
+            ["--ds.zero_stage", "5", "--ds.lora.alpha", "0", "--data.multiturn", "--lr_warmup_ratio", "2"],
+            device="cpu",
+        )
+    msg = str(err.value)
+    assert msg.startswith("invalid configuration (6 problems):\n  - ")
+    for part in (
+        "--ds.zero_stage 5",
+        "--ds.lora.alpha 0",
+        "--data.multiturn",
+        "--lr_warmup_ratio 2.0",
+        "--data.dataset: required",
+        "--model.model_name_or_path: required",
+    ):
+        assert part in msg
+
+
+def test_world_size_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match=r"= 8 x 3 = 24"):
+        parse_config("sft", BASE["sft"], device="cpu")
