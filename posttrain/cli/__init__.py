@@ -1,0 +1,1 @@
+"""Entry points: argument parsing, validation, launching. No training logic here."""

@@ -1,0 +1,43 @@
+"""The `posttrain` console command: `posttrain <command> [flags]`."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "init-tiny": ("posttrain.cli.init_tiny", "build a tiny local model + tokenizer (no download)"),
+    "sft": ("posttrain.cli.train_sft", "supervised fine-tuning"),
+    "plot": ("posttrain.cli.plot", "PNG charts of a run's metrics.jsonl"),
+    "demo": ("posttrain.cli.demo", "the main job: init-tiny -> SFT on a synthetic task, with accuracy"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: posttrain <command> [flags]   (posttrain <command> --help for its flags)", "", "commands:"]
+    lines += [f"  {name:<10} {desc}" for name, (_, desc) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None):
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        print(f"posttrain: error: unknown command '{name}'{hint}\n\n{usage()}", file=sys.stderr)
+        raise SystemExit(2)
+    module = importlib.import_module(COMMANDS[name][0])
+    if name in ("sft",):
+        module.main(rest, prog=f"posttrain {name}")
+    else:
+        module.main(rest)
+    return 0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Training loops: orchestration of data, models, engines and the algorithm math."""

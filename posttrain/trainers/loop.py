@@ -1,0 +1,231 @@
+"""The optimizer-step loop shared by the single-model trainers (SFT now; RM and DPO reuse it).
+
+A trainer supplies an `Objective`:
+  - `units(item)`: how many normalisation units a sample contributes (SFT: its target tokens);
+  - `collate(items)`: a micro-batch;
+  - `loss(model, batch, num_units) -> (loss, sums)`: the micro-batch's share of the step loss,
+    already divided by `num_units` = the units of the WHOLE step (all micro-batches, all ranks), so
+    the step loss is the plain sum of micro-batch losses — identical whatever the split
+    (ALGORITHMS.md, aggregation). `sums` are additive statistics (floats) summed over micro-batches
+    and ranks and logged divided by their `*_count` partner when one exists.
+The loop owns data order, micro-batching, rank padding for ZeRO-3, logging, eval, checkpoints and
+resume (weights, optimizer, scheduler, step counters and RNG).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+
+from posttrain.trainers import batching
+from posttrain.utils.checkpoint import CheckpointManager, read_manifest
+from posttrain.utils.log import info
+from posttrain.utils.metrics import MetricsLogger
+from posttrain.utils.seeding import rng_state, set_rng_state
+
+
+class Objective(Protocol):
+    def units(self, item: dict) -> int: ...
+    def collate(self, items: list[dict]) -> dict: ...
+    def loss(self, model, batch: dict, num_units: float) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+
+@dataclass
+class LoopSettings:
+    batch_size: int
+    micro_batch_size: int
+    max_epochs: int
+    seed: int
+    max_tokens_per_gpu: int | None = None  # set => dynamic batching
+    logging_steps: int = 1
+    eval_steps: int = -1
+    save_steps: int = -1
+    ckpt_path: str | None = None
+    ckpt_max_num: int = 3
+    ckpt_max_mem_gb: float = math.inf
+    ckpt_disable_ds: bool = False
+    load_checkpoint: bool = False
+    save_hf: bool = False
+    progress: bool = True
+
+
+def _to_device(batch: dict, device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def summarize(sums: dict[str, float], prefix: str) -> dict[str, float]:
+    """`x_sum`/`x_count` pairs become the mean `prefix/x`; other sums are reported as they are."""
+    out = {}
+    for key, value in sums.items():
+        if key.endswith("_count"):
+            continue
+        if key.endswith("_sum"):
+            base = key[: -len("_sum")]
+            count = sums.get(f"{base}_count", 0.0)
+            out[f"{prefix}/{base}"] = value / count if count else float("nan")
+        else:
+            out[f"{prefix}/{key}"] = value
+    return out
+
+
+class StepLoop:
+    def __init__(self, *, engine, objective: Objective, train_items: list[dict], eval_items: list[dict] | None,
+                 settings: LoopSettings, run_dir: str | os.PathLike, logger: MetricsLogger,
+                 save_hf: Callable[[Path], None] | None = None, device=None) -> None:
+        self.engine = engine
+        self.obj = objective
+        self.train_items = train_items
+        self.eval_items = eval_items or []
+        self.s = settings
+        self.run_dir = Path(run_dir)
+        self.logger = logger
+        self.save_hf = save_hf
+        self.device = device or torch.device("cpu")
+        self.lengths = [len(it["input_ids"]) if "input_ids" in it else 1 for it in train_items]
+        self.steps_per_epoch = batching.steps_per_epoch(len(train_items), settings.batch_size)
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"the training set has {len(train_items)} samples, fewer than one global batch "
+                f"(--train.batch_size {settings.batch_size}); lower --train.batch_size or add data")
+        dropped = len(train_items) - self.steps_per_epoch * settings.batch_size
+        if dropped:
+            info(f"{dropped} samples per epoch do not fill a whole batch of {settings.batch_size} and are skipped")
+        self.total_steps = self.steps_per_epoch * settings.max_epochs
+        self.global_step = 0
+        self.ckpt = None
+        if settings.ckpt_path and not settings.ckpt_disable_ds:
+            self.ckpt = CheckpointManager(settings.ckpt_path, max_num=settings.ckpt_max_num,
+                                          max_mem_gb=settings.ckpt_max_mem_gb,
+                                          is_main=engine.is_main, barrier=engine.barrier)
+
+    # ---- one optimizer step -------------------------------------------------------------
+    def _step_micro_batches(self, epoch: int, step_in_epoch: int) -> list[list[int]]:
+        order = batching.epoch_order(len(self.train_items), self.s.seed, epoch)
+        step_idx = order[step_in_epoch * self.s.batch_size:(step_in_epoch + 1) * self.s.batch_size]
+        mine = batching.rank_slice(step_idx, self.engine.rank, self.engine.world_size)
+        return batching.micro_batches(mine, self.lengths, micro_batch_size=self.s.micro_batch_size,
+                                      max_tokens=self.s.max_tokens_per_gpu)
+
+    def _all_reduce_sums(self, sums: dict[str, float]) -> dict[str, float]:
+        if self.engine.world_size == 1:
+            return sums
+        keys = sorted(sums)
+        t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
+        t = self.engine.all_reduce(t, op="sum")
+        return dict(zip(keys, t.tolist()))
+
+    def _run_micro_batches(self, groups: list[list[int]], items: list[dict], train: bool) -> dict[str, float]:
+        """Forward (and backward when training) every micro-batch of one step; return global sums."""
+        units = float(sum(self.obj.units(items[i]) for g in groups for i in g))
+        if self.engine.world_size > 1:
+            units = float(self.engine.all_reduce(torch.tensor([units], dtype=torch.float64, device=self.device))[0])
+            n_micro = int(self.engine.all_reduce(torch.tensor([len(groups)], device=self.device), op="max")[0])
+        else:
+            n_micro = len(groups)
+        sums: dict[str, float] = {}
+        model = self.engine.model  # the wrapper that keeps DeepSpeed's micro-step bookkeeping
+        for k in range(n_micro):
+            # ranks with fewer micro-batches re-run their first one with zero weight, so every rank
+            # makes the same number of forward/backward calls (ZeRO-3 gathers parameters in each)
+            real = k < len(groups)
+            batch = _to_device(self.obj.collate([items[i] for i in groups[k if real else 0]]), self.device)
+            with torch.set_grad_enabled(train):
+                loss, stats = self.obj.loss(model, batch, max(units, 1.0))
+            if not real:
+                loss = loss * 0.0
+            if train:
+                self.engine.backward(loss)
+            if real:
+                for key, v in stats.items():
+                    sums[key] = sums.get(key, 0.0) + float(v)
+        return self._all_reduce_sums(sums)
+
+    def evaluate(self) -> dict[str, float]:
+        if not self.eval_items:
+            return {}
+        self.engine.module.eval()
+        n = len(self.eval_items)
+        idx = batching.rank_slice(torch.arange(n - n % self.engine.world_size).numpy(),
+                                  self.engine.rank, self.engine.world_size)
+        groups = batching.micro_batches(idx, None, micro_batch_size=self.s.micro_batch_size)
+        sums = self._run_micro_batches(groups, self.eval_items, train=False)
+        self.engine.module.train()
+        return summarize(sums, "eval")
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def _save_checkpoint(self) -> None:
+        step = self.global_step
+        rank = self.engine.rank
+
+        def write(d: Path) -> None:
+            self.engine.save_state(d / "engine")
+            torch.save({"rng": rng_state()}, d / f"trainer_rank{rank}.pt")
+            if self.s.save_hf and self.save_hf is not None:
+                self.save_hf(d / "hf")
+
+        meta = {"global_step": step, "steps_per_epoch": self.steps_per_epoch,
+                "world_size": self.engine.world_size, "batch_size": self.s.batch_size}
+        path = self.ckpt.save(step, write, meta)
+        info(f"saved checkpoint {path}")
+
+    def _try_resume(self) -> None:
+        if not (self.s.load_checkpoint and self.ckpt):
+            return
+        for step, path in self.ckpt.valid_checkpoints():
+            meta = read_manifest(path)["meta"]
+            if meta.get("batch_size") != self.s.batch_size or meta.get("world_size") != self.engine.world_size:
+                info(f"checkpoint {path} was written with batch size {meta.get('batch_size')} on "
+                     f"{meta.get('world_size')} ranks; this run uses {self.s.batch_size} on "
+                     f"{self.engine.world_size} — resuming its weights and counters, data order may differ")
+            try:
+                self.engine.load_state(path / "engine")
+            except Exception as e:  # a checkpoint that verifies but does not load: try an older one
+                info(f"could not load checkpoint {path} ({e}); trying an older one")
+                continue
+            rng_file = path / f"trainer_rank{self.engine.rank}.pt"
+            if rng_file.exists():
+                set_rng_state(torch.load(rng_file, weights_only=False)["rng"])
+            self.global_step = int(meta["global_step"])
+            self.logger.truncate_after(self.global_step)
+            info(f"resumed from {path} at step {self.global_step}")
+            return
+        info(f"--ckpt.load_enable: no valid checkpoint in {self.s.ckpt_path}; starting fresh")
+
+    # ---- the loop -------------------------------------------------------------------------
+    def fit(self) -> dict[str, float]:
+        self._try_resume()
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=self.total_steps, initial=self.global_step, desc="train", dynamic_ncols=True,
+                   disable=not (self.s.progress and self.engine.is_main))
+        self.engine.module.train()
+        while self.global_step < self.total_steps:
+            epoch, step_in_epoch = divmod(self.global_step, self.steps_per_epoch)
+            groups = self._step_micro_batches(epoch, step_in_epoch)
+            sums = self._run_micro_batches(groups, self.train_items, train=True)
+            lr = self.engine.lr  # the rate this step is taken with (step() advances the schedule)
+            grad_norm = self.engine.step()
+            self.global_step += 1
+            metrics = summarize(sums, "train")
+            metrics.update({"train/lr": lr, "train/grad_norm": grad_norm,
+                            "train/epoch": epoch + (step_in_epoch + 1) / self.steps_per_epoch,
+                            "train/micro_batches": len(groups)})
+            bar.update(1)
+            bar.set_postfix({k.split("/")[-1]: f"{v:.4g}" for k, v in metrics.items()
+                             if k in ("train/loss", "train/lr", "train/acc")})
+            evaluated = self.s.eval_steps > 0 and self.global_step % self.s.eval_steps == 0
+            if evaluated:
+                metrics.update(self.evaluate())
+            if self.global_step % max(self.s.logging_steps, 1) == 0 or evaluated:
+                self.logger.log(self.global_step, metrics)
+            if self.ckpt and self.s.save_steps > 0 and self.global_step % self.s.save_steps == 0:
+                self._save_checkpoint()
+        bar.close()
+        final = self.evaluate()
+        if final:
+            self.logger.log(self.global_step, final)
+        return final

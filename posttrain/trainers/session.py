@@ -1,0 +1,136 @@
+"""Set-up and tear-down shared by the single-model trainers (SFT, RM, DPO): hardware defaults,
+config echo, run directory, seeding, tokenizer, data rows, model, train engine, metric sinks,
+the step loop, and the final Hugging Face export to `--ckpt.output_dir` (the run directory:
+config.yaml, metrics.jsonl, plots/ and the model all land there)."""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from posttrain.config import derived_sizes, format_config, inert_flags, resolve_hardware_defaults, save_config
+from posttrain.data import DataError, load_rows
+from posttrain.engines import make_train_engine
+from posttrain.models import load_causal_lm, load_tokenizer, save_pretrained
+from posttrain.trainers.loop import LoopSettings, StepLoop
+from posttrain.utils.log import info
+from posttrain.utils.metrics import MetricsLogger
+from posttrain.utils.seeding import set_seed
+
+
+def pick_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def lora_settings(cfg) -> dict | None:
+    lora = cfg.ds.lora
+    if not lora.rank:
+        return None
+    return {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "target_modules": lora.target_modules}
+
+
+class SingleModelRun:
+    def __init__(self, cfg, load_model=None) -> None:
+        self.cfg = cfg
+        self.device = pick_device()
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.is_main = int(os.environ.get("RANK", "0")) == 0
+        resolve_hardware_defaults(cfg, self.device.type)
+        self.run_dir = Path(cfg.ckpt.output_dir)
+        info(format_config(cfg, derived_sizes(cfg, self.world_size)))
+        for note in inert_flags(cfg, self.device.type):
+            info(f"note: {note}")
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.run_dir / "config.yaml")
+        set_seed(cfg.train.seed)
+        self.tokenizer = load_tokenizer(cfg.model.model_name_or_path, use_fast=not cfg.data.disable_fast_tokenizer,
+                                        chat_template=cfg.data.tokenizer_chat_template)
+        self.train_rows = load_rows(cfg.data.dataset, cfg.data.dataset_probs, cfg.data.dataset_split,
+                                    cfg.train.seed, cfg.data.max_samples)
+        self.eval_rows = self._eval_rows()
+        self._load_model = load_model or self._load_causal_lm
+
+    def _eval_rows(self) -> list[dict]:
+        cfg = self.cfg
+        source = getattr(cfg.eval, "dataset", None) or cfg.data.dataset
+        try:
+            rows = load_rows(source, None, cfg.eval.split, cfg.train.seed, cfg.data.max_samples)
+        except DataError as e:
+            if getattr(cfg.eval, "dataset", None):
+                raise
+            info(f"no eval set: {e}")
+            return []
+        info(f"eval set: {len(rows)} rows from {source} split '{cfg.eval.split}'")
+        return rows
+
+    def _load_causal_lm(self):
+        cfg = self.cfg
+        return load_causal_lm(cfg.model.model_name_or_path, dtype=cfg.ds.param_dtype,
+                              attn_implementation=cfg.ds.attn_implementation, lora=lora_settings(cfg),
+                              gradient_checkpointing=cfg.model.gradient_checkpointing_enable,
+                              gradient_checkpointing_reentrant=cfg.model.gradient_checkpointing_reentrant)
+
+    def fit(self, objective, train_items: list[dict], eval_items: list[dict] | None) -> dict:
+        cfg = self.cfg
+        model = self._load_model()
+        if self.world_size == 1:
+            model = model.to(self.device)
+        steps = (len(train_items) // cfg.train.batch_size) * cfg.train.max_epochs
+        engine = make_train_engine(
+            model, optim=cfg.optim, lr=cfg.adam.lr, betas=tuple(cfg.adam.betas), eps=cfg.adam.eps,
+            weight_decay=cfg.adam.weight_decay, muon_lr=cfg.muon.lr, muon_momentum=cfg.muon.momentum,
+            muon_nesterov=cfg.muon.nesterov, muon_ns_steps=cfg.muon.ns_steps, lr_scheduler=cfg.lr_scheduler,
+            warmup_ratio=cfg.lr_warmup_ratio, min_lr_ratio=cfg.min_lr_ratio, total_steps=max(steps, 1),
+            max_norm=cfg.max_norm, zero_stage=cfg.ds.zero_stage if self._needs_deepspeed() else None,
+            param_dtype=cfg.ds.param_dtype, adam_offload=cfg.ds.adam_offload,
+            grad_accum_dtype=cfg.ds.grad_accum_dtype, zpg=cfg.ds.zpg, overlap_comm=cfg.ds.overlap_comm)
+        logger = MetricsLogger(self.run_dir, tensorboard_dir=cfg.logger.tensorboard_dir,
+                               wandb=_wandb_settings(cfg), config=None, enabled=engine.is_main,
+                               resume=cfg.ckpt.load_enable)
+        settings = LoopSettings(
+            batch_size=cfg.train.batch_size, micro_batch_size=cfg.train.micro_batch_size,
+            max_epochs=cfg.train.max_epochs, seed=cfg.train.seed,
+            max_tokens_per_gpu=cfg.train.max_tokens_per_gpu if cfg.train.dynamic_batch_enable else None,
+            logging_steps=cfg.logger.logging_steps, eval_steps=cfg.eval.steps, save_steps=cfg.ckpt.save_steps,
+            ckpt_path=cfg.ckpt.path, ckpt_max_num=cfg.ckpt.max_num,
+            ckpt_max_mem_gb=cfg.ckpt.max_mem if cfg.ckpt.max_mem is not None else math.inf,
+            ckpt_disable_ds=cfg.ckpt.disable_ds, load_checkpoint=cfg.ckpt.load_enable, save_hf=cfg.ckpt.save_hf)
+        loop = StepLoop(engine=engine, objective=objective, train_items=train_items, eval_items=eval_items,
+                        settings=settings, run_dir=self.run_dir, logger=logger,
+                        save_hf=lambda d: self.export_hf(engine, d), device=self.device)
+        final = loop.fit()
+        self.export_hf(engine, self.run_dir)
+        logger.close()
+        if engine.is_main:
+            from posttrain.utils.plot import plot_run
+
+            try:
+                plots = plot_run(self.run_dir)
+                info(f"plots: {', '.join(str(p) for p in plots)}")
+            except ValueError as e:
+                info(f"no plots: {e}")
+            info(f"final model saved to {self.run_dir}")
+        return final
+
+    def _needs_deepspeed(self) -> bool:
+        """One process uses the plain torch engine (no DeepSpeed start-up) unless a DeepSpeed-only
+        feature is asked for; several processes always use DeepSpeed with --ds.zero_stage."""
+        ds = self.cfg.ds
+        return self.world_size > 1 or ds.adam_offload or ds.zpg != 1 or ds.overlap_comm
+
+    def export_hf(self, engine, out_dir) -> None:
+        """Write a `from_pretrained`-loadable model (all ranks call; ZeRO-3 gathers on rank 0)."""
+        state = engine.full_state_dict() if hasattr(engine, "full_state_dict") else None
+        if engine.is_main:
+            save_pretrained(engine.module, self.tokenizer, out_dir, state_dict=state)
+        engine.barrier()
+
+
+def _wandb_settings(cfg) -> dict | None:
+    w = cfg.logger.wandb
+    return {"key": w.key, "org": w.org, "group": w.group, "project": w.project, "run_name": w.run_name}

@@ -1,0 +1,63 @@
+"""Supervised fine-tuning: token-mean negative log-likelihood of the response tokens.
+
+loss = Σ_{i} m_i · (−log π(x_i | x_<i)) / N, with m the loss mask (response tokens and their EOS;
+every token but the first in pretrain mode; every assistant turn with --data.multiturn) and N the
+number of target tokens in the whole optimizer step across micro-batches and ranks, so the
+gradient does not depend on how the step is split (ALGORITHMS.md, aggregation).
+"""
+from __future__ import annotations
+
+import torch
+
+from posttrain.algorithms.losses import aggregate, token_logprobs
+from posttrain.config import changed_values
+from posttrain.data import SFTDataset, pack_collate, pad_collate
+from posttrain.models import forward_logits
+from posttrain.trainers.session import SingleModelRun
+
+
+class SFTObjective:
+    def __init__(self, pad_id: int, packing: bool) -> None:
+        self.pad_id = pad_id
+        self.packing = packing
+
+    def units(self, item: dict) -> int:
+        return int(sum(item["loss_mask"][1:]))
+
+    def collate(self, items: list[dict]) -> dict:
+        return pack_collate(items) if self.packing else pad_collate(items, self.pad_id)
+
+    def loss(self, model, batch: dict, num_units: float):
+        logits = forward_logits(model, batch)[:, :-1]
+        labels = batch["input_ids"][:, 1:]
+        mask = batch["loss_mask"][:, 1:].float()
+        nll = -token_logprobs(logits, labels)
+        loss = aggregate(nll, mask, "token_mean", num_tokens=num_units)
+        with torch.no_grad():
+            correct = (logits.argmax(-1) == labels).float()
+            stats = {"loss_sum": float((nll * mask).sum()), "loss_count": float(mask.sum()),
+                     "acc_sum": float((correct * mask).sum()), "acc_count": float(mask.sum())}
+        return loss, stats
+
+
+def prompt_template(cfg) -> str | None:
+    """The plain-text template, unless the chat template formats prompts. SFT's default
+    template ("User: {}\\nAssistant: ") yields to --data.apply_chat_template as in OpenRLHF; a
+    template the user set explicitly together with it is an error raised by the dataset."""
+    if cfg.data.apply_chat_template and "data.input_template" not in changed_values(cfg):
+        return None
+    return cfg.data.input_template
+
+
+def train_sft(cfg) -> dict:
+    """Run SFT as configured; returns the final eval metrics (empty without an eval set)."""
+    run = SingleModelRun(cfg)
+    tok = run.tokenizer
+    data_kwargs = dict(input_key=cfg.data.input_key, output_key=cfg.data.output_key,
+                       input_template=prompt_template(cfg), apply_chat_template=cfg.data.apply_chat_template,
+                       multiturn=cfg.data.multiturn, pretrain_mode=cfg.model.pretrain_mode_enable)
+    train_set = SFTDataset(run.train_rows, tok, cfg.data.max_len, **data_kwargs)
+    eval_set = SFTDataset(run.eval_rows, tok, cfg.data.max_len, **data_kwargs) if run.eval_rows else None
+    objective = SFTObjective(tok.pad_token_id, packing=cfg.ds.packing_samples)
+    return run.fit(objective, [train_set[i] for i in range(len(train_set))],
+                   [eval_set[i] for i in range(len(eval_set))] if eval_set else None)

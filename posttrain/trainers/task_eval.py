@@ -1,0 +1,32 @@
+"""Held-out task accuracy by greedy generation: the fraction of prompts whose generated answer
+`posttrain.data.synthetic.is_correct` accepts. Used by the demo to report before/after numbers."""
+from __future__ import annotations
+
+import torch
+
+from posttrain.data.synthetic import is_correct
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, rows: list[dict], *, max_new_tokens: int = 8, batch_size: int = 64,
+                    prompt_key: str = "prompt", answer_key: str = "answer") -> tuple[float, list[dict]]:
+    """Return (accuracy, samples) with samples = [{"prompt", "response", "answer", "correct"}]."""
+    model.eval()
+    samples = []
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start:start + batch_size]
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": r[prompt_key]}], tokenize=False,
+                                                 add_generation_prompt=True) for r in chunk]
+        enc = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        width = max(len(e) for e in enc)
+        pad = tokenizer.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc])  # left padding for generation
+        attn = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
+        out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
+        for r, row_out in zip(chunk, out[:, width:]):
+            text = tokenizer.decode(row_out, skip_special_tokens=True)
+            ok = is_correct(text, r[answer_key])
+            samples.append({"prompt": r[prompt_key], "response": text, "answer": r[answer_key], "correct": ok})
+    acc = sum(s["correct"] for s in samples) / max(len(samples), 1)
+    return acc, samples
