@@ -39,7 +39,7 @@ def sft_flags(scale: DemoScale, base: Path, data: Path, out: Path, seed: int) ->
     return [
         "--model.model_name_or_path", str(base), "--data.dataset", str(data),
         "--data.input_key", "prompt", "--data.output_key", "response", "--data.apply_chat_template",
-        "--data.max_len", "64", "--eval.split", "test", "--eval.steps", "50",
+        "--data.max_len", "64", "--eval.dataset", str(data), "--eval.split", "test", "--eval.steps", "50",
         "--train.batch_size", str(scale.batch_size), "--train.micro_batch_size", str(scale.batch_size),
         "--train.max_epochs", str(scale.epochs), "--train.seed", str(seed),
         "--adam.lr", str(scale.lr), "--lr_warmup_ratio", "0.05", "--adam.weight_decay", "0.0",

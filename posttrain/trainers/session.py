@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from posttrain.config import derived_sizes, format_config, inert_flags, resolve_hardware_defaults, save_config
-from posttrain.data import DataError, load_rows
+from posttrain.data import load_rows
 from posttrain.engines import make_train_engine
 from posttrain.models import load_causal_lm, load_tokenizer, save_pretrained
 from posttrain.trainers.loop import LoopSettings, StepLoop
@@ -56,16 +56,12 @@ class SingleModelRun:
         self._load_model = load_model or self._load_causal_lm
 
     def _eval_rows(self) -> list[dict]:
+        """Rows of `--eval.dataset` (split `--eval.split`); none without it, as in OpenRLHF."""
         cfg = self.cfg
-        source = getattr(cfg.eval, "dataset", None) or cfg.data.dataset
-        try:
-            rows = load_rows(source, None, cfg.eval.split, cfg.train.seed, cfg.data.max_samples)
-        except DataError as e:
-            if getattr(cfg.eval, "dataset", None):
-                raise
-            info(f"no eval set: {e}")
+        if not cfg.eval.dataset:
             return []
-        info(f"eval set: {len(rows)} rows from {source} split '{cfg.eval.split}'")
+        rows = load_rows(cfg.eval.dataset, None, cfg.eval.split, cfg.train.seed, cfg.data.max_samples)
+        info(f"eval set: {len(rows)} rows from {cfg.eval.dataset} split '{cfg.eval.split}'")
         return rows
 
     def _load_causal_lm(self):

@@ -21,7 +21,7 @@ def sft_flags(model_dir, data_dir, out_dir, *extra) -> list[str]:
             "--data.input_key", "prompt", "--data.output_key", "response", "--data.apply_chat_template",
             "--data.max_len", "48", "--train.batch_size", "8", "--train.micro_batch_size", "8",
             "--train.max_epochs", "1", "--adam.lr", "1e-3", "--ckpt.output_dir", str(out_dir),
-            "--eval.split", "test", "--logger.logging_steps", "1", *map(str, extra)]
+            "--eval.dataset", str(data_dir), "--eval.split", "test", "--logger.logging_steps", "1", *map(str, extra)]
 
 
 @pytest.fixture
