@@ -34,6 +34,17 @@ def _accuracy(model_dir: Path, rows: list[dict]) -> tuple[float, list[dict]]:
     return greedy_accuracy(model, tok, rows)
 
 
+def split_held_out(rows: list[dict], n_test: int) -> tuple[list[dict], list[dict], bool]:
+    """Test prompts never seen in training, when the task has enough distinct prompts; the easiest
+    task (single-digit addition) has only 100, so there the test prompts are training facts too."""
+    distinct = list(dict.fromkeys(r["prompt"] for r in rows))
+    if len(distinct) < 4 * n_test:
+        return rows[:-n_test], rows[-n_test:], False
+    held = set(distinct[-n_test:])
+    test = list({r["prompt"]: r for r in rows if r["prompt"] in held}.values())
+    return [r for r in rows if r["prompt"] not in held], test, True
+
+
 def sft_flags(scale: DemoScale, base: Path, data: Path, out: Path, seed: int) -> list[str]:
     """The SFT launch, written with the same flags as an OpenRLHF 0.10.2 train_sft.sh."""
     return [
@@ -62,15 +73,11 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.time()
 
     base = out / "base"
-    build_tiny(str(base), arch="llama", size=scale.size, head="lm", seed=args.seed)
+    build_tiny(str(base), arch="llama", size=scale.size, head="lm", seed=args.seed, overwrite=True)
     data = out / "data"
-    rows = make_arithmetic_rows(scale.n_train + scale.n_test, seed=args.seed, difficulty=scale.difficulty)
-    train_rows, test_rows = rows[: scale.n_train], rows[scale.n_train:]
-    seen = {r["prompt"] for r in train_rows}
-    unseen = [r for r in test_rows if r["prompt"] not in seen]
-    disjoint = len(unseen) >= scale.n_test // 2  # the easiest task has only 100 facts: all get seen
-    if disjoint:
-        test_rows = unseen
+    train_rows, test_rows, disjoint = split_held_out(
+        make_arithmetic_rows(scale.n_train + 2 * scale.n_test, seed=args.seed, difficulty=scale.difficulty),
+        scale.n_test)
     write_jsonl(train_rows, data / "train.jsonl")
     write_jsonl(test_rows, data / "test.jsonl")
 

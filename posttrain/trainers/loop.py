@@ -203,6 +203,7 @@ class StepLoop:
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="train", dynamic_ncols=True,
                    disable=not (self.s.progress and self.engine.is_main))
         self.engine.module.train()
+        evaluated = False
         while self.global_step < self.total_steps:
             epoch, step_in_epoch = divmod(self.global_step, self.steps_per_epoch)
             groups = self._step_micro_batches(epoch, step_in_epoch)
@@ -225,6 +226,8 @@ class StepLoop:
             if self.ckpt and self.s.save_steps > 0 and self.global_step % self.s.save_steps == 0:
                 self._save_checkpoint()
         bar.close()
+        if evaluated:  # the last step was just evaluated
+            return {k: v for k, v in metrics.items() if k.startswith("eval/")}
         final = self.evaluate()
         if final:
             self.logger.log(self.global_step, final)

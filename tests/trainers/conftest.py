@@ -3,6 +3,7 @@ and a helper that runs the real SFT entry point in-process and returns its run d
 from pathlib import Path
 
 import pytest
+from sft_helpers import sft_flags
 
 
 @pytest.fixture(scope="session")
@@ -14,14 +15,6 @@ def arithmetic_dir(tmp_path_factory):
     write_jsonl(rows[:64], path / "train.jsonl")
     write_jsonl(rows[64:], path / "test.jsonl")
     return path
-
-
-def sft_flags(model_dir, data_dir, out_dir, *extra) -> list[str]:
-    return ["--model.model_name_or_path", str(model_dir), "--data.dataset", str(data_dir),
-            "--data.input_key", "prompt", "--data.output_key", "response", "--data.apply_chat_template",
-            "--data.max_len", "48", "--train.batch_size", "8", "--train.micro_batch_size", "8",
-            "--train.max_epochs", "1", "--adam.lr", "1e-3", "--ckpt.output_dir", str(out_dir),
-            "--eval.dataset", str(data_dir), "--eval.split", "test", "--logger.logging_steps", "1", *map(str, extra)]
 
 
 @pytest.fixture

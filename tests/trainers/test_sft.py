@@ -4,20 +4,10 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
+
+from sft_helpers import assert_same_weights
 
 from posttrain.utils.metrics import read_metrics
-
-
-def weights(run_dir):
-    return load_file(str(run_dir / "model.safetensors"))
-
-
-def assert_same_weights(a, b, atol=1e-6):
-    wa, wb = weights(a), weights(b)
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], atol=atol, rtol=0, msg=k)
 
 
 def test_sft_loss_falls_and_run_dir_is_complete(run_sft):

@@ -1,0 +1,30 @@
+"""SFT across 2 processes (DeepSpeed ZeRO-2 / ZeRO-3, gloo on CPU) gives the weights of the
+single-process run: the token-mean loss is normalised by the global token count of each step."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sft_helpers import assert_same_weights, sft_flags
+
+pytestmark = pytest.mark.distributed
+
+
+def torchrun_sft(flags, nproc=2):
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           "29531", "-m", "posttrain.cli.train_sft", *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+@pytest.mark.parametrize("stage,extra", [(2, []), (3, ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "70"])])
+def test_two_process_zero_matches_single_process(tiny_model_dir, arithmetic_dir, tmp_path, run_sft, stage, extra):
+    common = ["--train.micro_batch_size", "2", "--data.max_samples", "32", *extra]
+    single = run_sft(*common, name="single")
+    multi = tmp_path / f"zero{stage}"
+    proc = torchrun_sft(sft_flags(tiny_model_dir, arithmetic_dir, multi, "--ds.zero_stage", stage, *common))
+    assert "world_size = 2" in proc.stderr
+    assert_same_weights(single, multi, atol=5e-6)
