@@ -1,0 +1,123 @@
+"""The train-engine interface shared by ``TorchEngine`` and ``DeepSpeedEngine``.
+
+Training forwards go through ``engine.model`` (not ``engine.module``), then ``engine.backward(loss)``.
+Gradient contract: the trainer gives each micro-batch a loss such that the step's loss is the SUM
+of the micro-batch losses over all micro-batches and all ranks. ``backward(loss)`` accumulates;
+``step()`` reduces across ranks so that the gradient equals the gradient of that sum (no hidden
+``1/accumulation`` or ``1/world_size``), clips it to ``max_norm`` (global norm), steps the optimizer and
+the scheduler, zeroes the gradients and returns the pre-clip gradient norm. Ranks may run different
+numbers of micro-batches, except under ZeRO-2/3 which communicate inside every backward: there the
+trainer pads to ``max_across_ranks(n)`` with zero-weighted micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from posttrain.engines import dist as pdist
+
+STATE_META = "engine_state.json"
+
+
+class TrainEngine:
+    """Common distributed helpers; subclasses implement backward / step / state I/O."""
+
+    module: torch.nn.Module
+    rank: int = 0
+    world_size: int = 1
+    zero_stage: int | None = None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """What training forwards must call (``engine.model(input_ids=...)``): under DeepSpeed the
+        wrapper whose forward keeps ZeRO's micro-step bookkeeping; attribute access reaches the HF
+        model. ``module`` is the unwrapped model, for saving, generation and evaluation."""
+        return self.module
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def step(self) -> float:
+        raise NotImplementedError
+
+    @property
+    def lr(self) -> float:
+        """Current LR of the first param group."""
+        raise NotImplementedError
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far (restored by ``load_state``)."""
+        raise NotImplementedError
+
+    def save_state(self, directory: str) -> None:
+        raise NotImplementedError
+
+    def load_state(self, directory: str) -> None:
+        raise NotImplementedError
+
+    def train(self, mode: bool = True) -> None:
+        self.module.train(mode)
+
+    def eval(self) -> None:
+        self.module.eval()
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In-place all-reduce across ranks (``op`` sum / max / min); identity in one process."""
+        return pdist.all_reduce(tensor, op)
+
+    def max_across_ranks(self, value: int) -> int:
+        """Max of an int over ranks (e.g. micro-batches this step, for padding under ZeRO-3)."""
+        return int(self.all_reduce(torch.tensor([int(value)], dtype=torch.long), "max").item())
+
+    def barrier(self) -> None:
+        if pdist.is_distributed():
+            dist.barrier()
+
+    @contextlib.contextmanager
+    def gathered_parameters(self) -> Iterator[torch.nn.Module]:
+        """Context in which ``module`` holds full weights on every rank (a no-op except under ZeRO-3)."""
+        yield self.module
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Full-weight CPU state dict on rank 0 (``None`` on other ranks); collective under ZeRO-3."""
+        with self.gathered_parameters() as module:
+            if not self.is_main:
+                return None
+            return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+
+
+def write_meta(directory: str, meta: dict) -> None:
+    with open(os.path.join(directory, STATE_META), "w") as f:
+        json.dump(meta, f, indent=1, sort_keys=True)
+
+
+def read_meta(directory: str, engine: str) -> dict:
+    """Read ``engine_state.json`` from ``directory``; raise a clear error if missing, corrupt or foreign."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"engine state directory {directory!r} does not exist")
+    path = os.path.join(directory, STATE_META)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path!r} is missing: {directory!r} is not a complete engine state") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path!r} is corrupt ({e}); the engine state cannot be loaded") from None
+    if meta.get("engine") != engine:
+        raise ValueError(f"{directory!r} holds a {meta.get('engine')!r} engine state, this is a {engine!r} engine")
+    return meta

@@ -1,0 +1,231 @@
+"""``DeepSpeedEngine``: DeepSpeed ZeRO stage 0-3 training (gloo on CPU, NCCL on GPU).
+
+DeepSpeed is imported only when this engine is built. How the gradient-sum contract of
+``posttrain.engines.base`` is met with DeepSpeed 0.19:
+- ``managed_gradient_accumulation: false`` + ``gradient_accumulation_steps: 1``: every ``step()`` is
+  the accumulation boundary, whatever the number of backwards before it (dynamic batching), and
+  ``backward(..., scale_wrt_gas=False)`` adds no ``1/accumulation`` factor;
+- DeepSpeed averages gradients over data-parallel ranks, so each loss is multiplied by the world size
+  before backward (exact for power-of-two world sizes);
+- clipping: ZeRO 1-3 / bf16 clip with DeepSpeed's global norm (``gradient_clipping``); ZeRO-0 fp32
+  passes the torch optimizer through unwrapped, so a step pre-hook clips the (already reduced,
+  replicated) gradients and records the pre-clip norm.
+The optimizer is a client optimizer (torch AdamW, or DeepSpeed's Muon-with-aux-Adam which ZeRO
+partitions correctly), so no DeepSpeed C++/CUDA op has to be built. With Muon under ZeRO 1-3,
+DeepSpeed orthogonalizes the Muon matrices' gradients before it measures the norm, so the returned
+norm (and the clipping) then covers the Muon update, not the raw gradient; its first step compiles
+the Newton-Schulz kernel (about 30 s on CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+
+from posttrain.engines import dist as pdist
+from posttrain.engines.base import TrainEngine, read_meta, write_meta
+from posttrain.engines.optim import param_groups
+from posttrain.engines.schedulers import build_scheduler, lr_multiplier
+
+TAG = "engine"
+PARAM_DTYPES = ("fp32", "bf16", "fp16")
+GRAD_ACCUM_DTYPES = (None, "fp32", "bf16", "fp16")
+
+
+def import_deepspeed():
+    """Import deepspeed with the CPU accelerator selected when there is no GPU."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("DS_BUILD_OPS", "0")
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise ImportError("zero_stage needs DeepSpeed: pip install 'deepspeed>=0.17'") from e
+    import logging
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    return deepspeed
+
+
+def ds_config(*, zero_stage: int, world_size: int, max_norm: float, param_dtype: str = "fp32",
+              adam_offload: bool = False, grad_accum_dtype: str | None = None, zpg: int = 1,
+              overlap_comm: bool = False, clip_in_deepspeed: bool = True, muon: bool = False) -> dict:
+    """The DeepSpeed config dict (validated arguments; see the module docstring for the choices)."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    if param_dtype not in PARAM_DTYPES:
+        raise ValueError(f"param_dtype must be one of {', '.join(PARAM_DTYPES)}, got {param_dtype!r}")
+    if grad_accum_dtype not in GRAD_ACCUM_DTYPES:
+        raise ValueError(f"grad_accum_dtype must be one of None, fp32, bf16, fp16, got {grad_accum_dtype!r}")
+    if overlap_comm and zero_stage < 2:
+        raise ValueError("overlap_comm needs zero_stage 2 or 3 (DeepSpeed's unmanaged accumulation)")
+    if adam_offload and zero_stage == 0:
+        raise ValueError("adam_offload needs zero_stage 1, 2 or 3")
+    if zpg < 1:
+        raise ValueError(f"zpg must be >= 1, got {zpg}")
+    if zpg > 1 and zero_stage != 3:
+        raise ValueError("zpg (ZeRO++ hierarchical partitioning) needs zero_stage 3")
+    zero: dict = {"stage": zero_stage, "overlap_comm": overlap_comm, "contiguous_gradients": zero_stage >= 2}
+    if muon:  # DeepSpeed's Muon needs whole-gradient reduction (it orthogonalizes full matrices)
+        zero["reduce_scatter"] = False
+    if adam_offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if zpg > 1:
+        zero["zero_hpz_partition_size"] = zpg
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world_size,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": max_norm if clip_in_deepspeed and max_norm > 0 else 0.0,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10 ** 12,
+        "wall_clock_breakdown": False,
+    }
+    if param_dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif param_dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 1000}
+    if grad_accum_dtype is not None:
+        cfg["data_types"] = {"grad_accum_dtype": grad_accum_dtype}
+    return cfg
+
+
+class DeepSpeedEngine(TrainEngine):
+    """``deepspeed.initialize`` around ``model`` with the gradient-sum contract (module docstring)."""
+
+    name = "deepspeed"
+
+    def __init__(self, model: torch.nn.Module, *, total_steps: int, zero_stage: int = 2, max_norm: float = 1.0,
+                 param_dtype: str = "fp32", adam_offload: bool = False, grad_accum_dtype: str | None = None,
+                 zpg: int = 1, overlap_comm: bool = False, lr_scheduler: str = "cosine_with_min_lr",
+                 warmup_ratio: float = 0.03, min_lr_ratio: float = 0.1, optim: str = "adam", lr: float,
+                 betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0, muon_lr: float = 0.02,
+                 muon_momentum: float = 0.95, muon_nesterov: bool = True, muon_ns_steps: int = 5):
+        lr_multiplier(lr_scheduler, total_steps=total_steps, warmup_ratio=warmup_ratio, min_lr_ratio=min_lr_ratio)
+        if optim == "muon" and (not muon_nesterov or muon_ns_steps != 5):
+            raise ValueError("with DeepSpeed, Muon uses Nesterov momentum and 5 Newton-Schulz steps; "
+                             "muon_nesterov=False / muon_ns_steps != 5 need the TorchEngine (zero_stage=None)")
+        self.zero_stage = zero_stage
+        self._hook_clip = zero_stage == 0 and param_dtype == "fp32"
+        deepspeed = import_deepspeed()
+        self._ds = deepspeed
+        pdist.ensure_single_process_env()
+        backend = pdist.default_backend()
+        if backend == "nccl":
+            torch.cuda.set_device(pdist.env_world()[2])
+        deepspeed.init_distributed(dist_backend=backend)
+        self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self.max_norm = max_norm
+        config = ds_config(zero_stage=zero_stage, world_size=self.world_size, max_norm=max_norm,
+                           param_dtype=param_dtype, adam_offload=adam_offload, grad_accum_dtype=grad_accum_dtype,
+                           zpg=zpg, overlap_comm=overlap_comm, clip_in_deepspeed=not self._hook_clip,
+                           muon=optim == "muon")
+
+        groups = param_groups(model, optim=optim, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                              muon_lr=muon_lr, muon_momentum=muon_momentum, muon_nesterov=muon_nesterov,
+                              muon_ns_steps=muon_ns_steps)
+        if optim == "muon":
+            from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+            for g in groups:
+                for p in g["params"]:
+                    p.use_muon = g["use_muon"]
+            for p in model.parameters():
+                if not hasattr(p, "use_muon"):
+                    p.use_muon = False
+            optimizer = MuonWithAuxAdam([{k: v for k, v in g.items() if k not in ("nesterov", "ns_steps")}
+                                         for g in groups])
+        else:
+            for g in groups:
+                g.pop("use_muon")
+            optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                          fused=torch.cuda.is_available() or None)
+        self._pre_clip_norm: float | None = None
+        if self._hook_clip:
+            optimizer.register_step_pre_hook(self._clip_hook)
+
+        def scheduler(opt):
+            return build_scheduler(opt, lr_scheduler, total_steps=total_steps, warmup_ratio=warmup_ratio,
+                                   min_lr_ratio=min_lr_ratio)
+
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+
+    def _clip_hook(self, optimizer, args, kwargs):
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm if self.max_norm > 0 else float("inf"))
+        self._pre_clip_norm = float(norm)
+
+    @property
+    def module(self) -> torch.nn.Module:  # the unwrapped HF model (partitioned under ZeRO-3)
+        return self.engine.module
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The DeepSpeed wrapper: its forward advances ZeRO's micro-step counter (ZeRO-3 would
+        otherwise overwrite instead of accumulate the gradients of successive micro-batches) and
+        registers the backward prologue."""
+        return self.engine
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+
+    def step(self) -> float:
+        self._pre_clip_norm = None
+        self.engine.step()
+        norm = self._pre_clip_norm if self._hook_clip else self.engine.get_global_grad_norm()
+        if norm is None:
+            raise RuntimeError("DeepSpeed did not report a gradient norm for this step")
+        return float(norm)
+
+    @property
+    def lr(self) -> float:
+        return float(self.engine.get_lr()[0])
+
+    @property
+    def global_step(self) -> int:
+        return int(self.engine.global_steps)
+
+    @contextlib.contextmanager
+    def gathered_parameters(self) -> Iterator[torch.nn.Module]:
+        """Full weights on every rank inside the context under ZeRO-3 (collective; read-only)."""
+        if self.zero_stage == 3:
+            with self._ds.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None):
+                yield self.module
+        else:
+            yield self.module
+
+    def save_state(self, directory: str) -> None:
+        """DeepSpeed checkpoint (weights, optimizer, scheduler) under tag ``engine``, then rank 0's meta."""
+        self.engine.save_checkpoint(directory, tag=TAG, save_latest=False)
+        self.barrier()
+        if self.is_main:
+            tag_dir = os.path.join(directory, TAG)
+            files = {f: os.path.getsize(os.path.join(tag_dir, f)) for f in sorted(os.listdir(tag_dir))}
+            write_meta(directory, {"engine": self.name, "zero_stage": self.zero_stage,
+                                   "world_size": self.world_size, "global_step": self.global_step, "files": files})
+        self.barrier()
+
+    def load_state(self, directory: str) -> None:
+        """Check the state is complete and matches this run (stage, world size), then load it all."""
+        meta = read_meta(directory, self.name)
+        for key, mine in (("zero_stage", self.zero_stage), ("world_size", self.world_size)):
+            if meta.get(key) != mine:
+                raise ValueError(f"{directory!r} was saved with {key}={meta.get(key)}, this run has {key}={mine}")
+        tag_dir = os.path.join(directory, TAG)
+        for fname, size in meta["files"].items():
+            path = os.path.join(tag_dir, fname)
+            if not os.path.isfile(path) or os.path.getsize(path) != size:
+                raise ValueError(f"{path!r} is missing or truncated: {directory!r} is not a complete engine state")
+        load_path, _ = self.engine.load_checkpoint(directory, tag=TAG, load_optimizer_states=True,
+                                                   load_lr_scheduler_states=True)
+        if load_path is None:
+            raise ValueError(f"DeepSpeed could not load the checkpoint in {directory!r}")

@@ -1,0 +1,124 @@
+"""TorchEngine: gradient-sum contract, state round trip, factory choices and argument errors."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from engines_common import (
+    OPT,
+    PLAN,
+    make_data,
+    merged,
+    micro_loss,
+    one_thread,  # noqa: F401
+    run_step,
+    step_tokens,
+    tiny_llama,
+    weights,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+from posttrain.engines import make_train_engine
+from posttrain.engines.torch_engine import TorchEngine
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(autouse=True)
+def single_process(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+
+
+def grads_and_weights(split):
+    """Grads before the step and weights after it, for one step over samples 0..5 split as given."""
+    data = make_data()
+    engine = make_train_engine(tiny_llama(0), **OPT)
+    total = step_tokens(data, {0: split})
+    for mb in split:
+        engine.backward(micro_loss(engine.model, data, mb, total))
+    grads = {n: p.grad.clone() for n, p in engine.module.named_parameters()}
+    norm = engine.step()
+    return grads, weights(engine), norm
+
+
+def test_accumulated_micro_batches_equal_one_batch():
+    g1, w1, n1 = grads_and_weights([[0, 1, 2, 3, 4, 5]])
+    gk, wk, nk = grads_and_weights([[0], [1, 2], [3, 4, 5]])
+    for n in g1:
+        torch.testing.assert_close(gk[n], g1[n], atol=1e-7, rtol=1e-5, msg=n)
+        torch.testing.assert_close(wk[n], w1[n], atol=1e-6, rtol=0, msg=n)
+    assert nk == pytest.approx(n1, rel=1e-6)
+    # the returned norm is the pre-clip norm of the summed gradient
+    assert n1 == pytest.approx(torch.linalg.vector_norm(torch.stack([g.norm() for g in g1.values()])).item(),
+                               rel=1e-6)
+
+
+def test_save_load_continues_identically(tmp_path):
+    data = make_data()
+    engine = make_train_engine(tiny_llama(0), **OPT)
+    run_step(engine, data, merged(PLAN[0]), 0, pad=False)
+    engine.save_state(str(tmp_path / "s"))
+    for plan in PLAN[1:]:
+        run_step(engine, data, merged(plan), 0, pad=False)
+    fresh = make_train_engine(tiny_llama(7), **OPT)
+    fresh.load_state(str(tmp_path / "s"))
+    assert fresh.global_step == 1
+    for plan in PLAN[1:]:
+        run_step(fresh, data, merged(plan), 0, pad=False)
+    w, wf = weights(engine), weights(fresh)
+    assert all(torch.equal(w[k], wf[k]) for k in w)
+    assert fresh.lr == engine.lr and fresh.global_step == engine.global_step == 3
+
+
+def test_load_state_missing_or_corrupt_changes_nothing(tmp_path):
+    engine = make_train_engine(tiny_llama(0), **OPT)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        engine.load_state(str(tmp_path / "nope"))
+    engine.save_state(str(tmp_path / "s"))
+    other = make_train_engine(tiny_llama(5), **OPT)
+    before = weights(other)
+    path = tmp_path / "s" / "optimizer.pt"
+    path.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(ValueError, match="optimizer.pt"):
+        other.load_state(str(tmp_path / "s"))
+    os.remove(path)
+    with pytest.raises(FileNotFoundError, match="optimizer.pt"):
+        other.load_state(str(tmp_path / "s"))
+    (tmp_path / "s" / "engine_state.json").write_text("{not json")
+    with pytest.raises(ValueError, match="corrupt"):
+        other.load_state(str(tmp_path / "s"))
+    after = weights(other)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_factory_picks_torch_engine_without_importing_deepspeed():
+    code = ("import sys, torch; from posttrain.engines import make_train_engine\n"
+            "e = make_train_engine(torch.nn.Linear(2, 2), lr=0.1, total_steps=3)\n"
+            "assert type(e).__name__ == 'TorchEngine' and e.rank == 0 and e.world_size == 1 and e.is_main\n"
+            "assert 'deepspeed' not in sys.modules, 'deepspeed imported'\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_bad_arguments_name_the_option():
+    with pytest.raises(ValueError, match="adam_offload, overlap_comm"):
+        make_train_engine(torch.nn.Linear(2, 2), lr=0.1, total_steps=3, adam_offload=True, overlap_comm=True)
+    with pytest.raises(ValueError, match="param_dtype"):
+        TorchEngine(torch.nn.Linear(2, 2), lr=0.1, total_steps=3, param_dtype="fp16")
+    with pytest.raises(ValueError, match="valid: cosine_with_min_lr"):
+        make_train_engine(torch.nn.Linear(2, 2), lr=0.1, total_steps=3, lr_scheduler="cosine")
+
+
+def test_single_process_helpers():
+    engine = make_train_engine(torch.nn.Linear(2, 2), lr=0.1, total_steps=3)
+    assert engine.max_across_ranks(3) == 3
+    t = torch.tensor([2.0])
+    assert engine.all_reduce(t, "max") is t and t.item() == 2.0
+    with pytest.raises(ValueError, match="sum, max, min"):
+        engine.all_reduce(t, "mean")
+    engine.barrier()
+    assert set(engine.full_state_dict()) == {"weight", "bias"}
