@@ -1,6 +1,7 @@
 """SFT across 2 processes (DeepSpeed ZeRO-2 / ZeRO-3, gloo on CPU) gives the weights of the
 single-process run: the token-mean loss is normalised by the global token count of each step."""
 import os
+import socket
 import subprocess
 import sys
 
@@ -13,8 +14,11 @@ pytestmark = pytest.mark.distributed
 
 def torchrun_sft(flags, nproc=2):
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    with socket.socket() as sock:  # a free port (torchrun's --master_port 0 does not reach the workers)
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           "29531", "-m", "posttrain.cli.train_sft", *flags]
+           port, "-m", "posttrain.cli.train_sft", *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
