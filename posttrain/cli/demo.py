@@ -59,9 +59,9 @@ def sft_flags(scale: DemoScale, base: Path, data: Path, out: Path, seed: int) ->
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from posttrain.cli import train_sft
     from posttrain.data.synthetic import make_arithmetic_rows, write_jsonl
     from posttrain.models import build_tiny
-    from posttrain.cli import train_sft
 
     p = argparse.ArgumentParser(prog="posttrain demo", description=__doc__)
     p.add_argument("--output", default="runs/demo", help="folder for models, data, metrics and plots")

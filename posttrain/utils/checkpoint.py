@@ -15,8 +15,8 @@ import os
 import re
 import shutil
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from posttrain.utils.log import info, warn_once
 

@@ -5,8 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from posttrain.utils.metrics import read_metrics
 
 ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
@@ -14,7 +12,7 @@ ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 
 def run(*args, check=True, timeout=300):
     proc = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, env=ENV,
-                          timeout=timeout)
+                          timeout=timeout, check=False)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
     return proc
@@ -43,7 +41,12 @@ def test_init_tiny_cli_builds_loadable_models(tmp_path):
                              "--arch", "qwen2", "--size", "nano").stdout)
     assert summary["arch"] == "qwen2" and summary["num_parameters"] > 500_000
     run("-m", "posttrain.cli.main", "init-tiny", "--output", tmp_path / "rm", "--size", "nano", "--head", "score")
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+    )
 
     assert AutoTokenizer.from_pretrained(tmp_path / "m").eos_token == "<|im_end|>"
     AutoModelForCausalLM.from_pretrained(tmp_path / "m")

@@ -1,10 +1,8 @@
 """SFT end to end on the tiny local model: learning, split invariance, packing, resume, errors."""
-import json
 import shutil
 
 import pytest
 import torch
-
 from sft_helpers import assert_same_weights
 
 from posttrain.utils.metrics import read_metrics
@@ -82,7 +80,10 @@ def test_resume_reproduces_uninterrupted_run(run_sft, tmp_path):
 
 def test_corrupt_checkpoint_falls_back_to_older_one(run_sft, tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
-    run_sft("--ckpt.path", ckpt, "--ckpt.save_steps", 3, name="first")  # 8 steps: checkpoints 3, 6
+    run_sft("--ckpt.path", ckpt, "--ckpt.save_steps", 3, "--ckpt.save_hf", name="first")  # checkpoints 3, 6
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(ckpt / "global_step3" / "hf")  # --ckpt.save_hf export loads
     newest = ckpt / "global_step6"
     engine_files = sorted(p for p in (newest / "engine").rglob("*") if p.is_file())
     victim = max(engine_files, key=lambda p: p.stat().st_size)
@@ -129,3 +130,24 @@ def test_multiturn_sft_runs(tiny_model_dir, tmp_path):
     assert len([r for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]) == 4  # 2 steps x 2 epochs (SFT default)
     cfg = (out / "config.yaml").read_text()
     assert "multiturn: true" in cfg
+
+
+def test_lora_sft_saves_an_adapter_that_loads_on_the_base(run_sft, tiny_model_dir):
+    out = run_sft("--ds.lora.rank", 4, "--ds.lora.alpha", 8, "--ds.lora.target_modules", "q_proj", "v_proj",
+                  "--adam.lr", 1e-2, "--train.max_epochs", 2)
+    names = {p.name for p in out.iterdir()}
+    assert "adapter_config.json" in names and "adapter_model.safetensors" in names
+    assert "model.safetensors" not in names  # only the adapter is saved, as in OpenRLHF
+    losses = [r["train/loss"] for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
+    assert losses[-1] < losses[0]
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(out))
+    assert any("lora_A" in n for n, _ in model.named_parameters())
+
+
+def test_muon_optimizer_trains(run_sft):
+    out = run_sft("--optim", "muon", "--muon.lr", 0.02, "--adam.lr", 3e-3, "--train.max_epochs", 2)
+    losses = [r["train/loss"] for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
+    assert losses[-1] < 0.8 * losses[0]

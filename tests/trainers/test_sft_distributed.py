@@ -4,31 +4,41 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-
 from sft_helpers import assert_same_weights, sft_flags
 
 pytestmark = pytest.mark.distributed
 
 
-def torchrun_sft(flags, nproc=2):
+def launch_sft(flags, nproc=2, launcher="torchrun"):
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     with socket.socket() as sock:  # a free port (torchrun's --master_port 0 does not reach the workers)
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           port, "-m", "posttrain.cli.train_sft", *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+               port, "-m", "posttrain.cli.train_sft", *flags]
+    else:  # DeepSpeed's launcher; on GPUs it would be --num_gpus
+        cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_accelerators", str(nproc), "--master_port",
+               port, "--module", "posttrain.cli.train_sft", *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 
 
-@pytest.mark.parametrize("stage,extra", [(2, []), (3, ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "70"])])
-def test_two_process_zero_matches_single_process(tiny_model_dir, arithmetic_dir, tmp_path, run_sft, stage, extra):
+@pytest.mark.parametrize("launcher,stage,extra", [
+    ("torchrun", 2, []),
+    ("torchrun", 3, ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "70"]),
+    ("deepspeed", 3, []),
+])
+def test_two_process_zero_matches_single_process(tiny_model_dir, arithmetic_dir, tmp_path, run_sft, launcher,
+                                                 stage, extra):
     common = ["--train.micro_batch_size", "2", "--data.max_samples", "32", *extra]
     single = run_sft(*common, name="single")
     multi = tmp_path / f"zero{stage}"
-    proc = torchrun_sft(sft_flags(tiny_model_dir, arithmetic_dir, multi, "--ds.zero_stage", stage, *common))
+    proc = launch_sft(sft_flags(tiny_model_dir, arithmetic_dir, multi, "--ds.zero_stage", stage, *common),
+                      launcher=launcher)
     assert "world_size = 2" in proc.stderr
     assert_same_weights(single, multi, atol=5e-6)
