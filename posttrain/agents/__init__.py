@@ -1,0 +1,1 @@
+"""Agents layer: rollout executors, reward sources (reward_func file, reward model, HTTP) and servers."""

@@ -1,0 +1,40 @@
+"""Pick the reward source from the `--reward.*` flags."""
+from __future__ import annotations
+
+from posttrain.agents.rewards.python_func import PythonRewardFunction
+from posttrain.agents.rewards.remote import RemoteReward
+from posttrain.agents.rewards.reward_model import RewardModelSource
+
+
+def make_reward_source(remote_url: str | None = None, model_name_or_path: str | None = None, *,
+                       value_head_prefix: str = "score", normalize: bool = False, dtype="fp32",
+                       batch_size: int = 16, max_len: int | None = None, tokenizer=None, device="cpu",
+                       attn_implementation: str | None = None, on_error: str = "raise",
+                       token: str | None = None, timeout: float = 30, retries: int = 3, backoff: float = 0.5):
+    """remote_url ending in .py → PythonRewardFunction(remote_url, on_error);
+    remote_url http(s):// → RemoteReward(remote_url, token, timeout, retries, backoff);
+    model_name_or_path → RewardModelSource(model_name_or_path, value_head_prefix, normalize, dtype,
+    batch_size, max_len, tokenizer, device, attn_implementation).
+    Exactly one of --reward.remote_url / --reward.model_name_or_path must be given."""
+    if remote_url and model_name_or_path:
+        raise ValueError(f"--reward.remote_url={remote_url!r} and --reward.model_name_or_path="
+                         f"{model_name_or_path!r} both given; a run takes its rewards from one source, drop one")
+    if not remote_url and not model_name_or_path:
+        raise ValueError("no reward source: give --reward.model_name_or_path (a reward model folder) or "
+                         "--reward.remote_url (a reward_func .py file or an http(s):// reward server)")
+    if remote_url:
+        url = str(remote_url).strip()
+        if "," in url:
+            raise ValueError(f"--reward.remote_url={url!r}: several reward endpoints are not supported; give one "
+                             "URL or .py file (serve several models behind one `posttrain serve-rm`-style server)")
+        if url.startswith(("http://", "https://")):
+            return RemoteReward(url, token=token, timeout=timeout, retries=retries, backoff=backoff)
+        if url.endswith(".py"):
+            return PythonRewardFunction(url, on_error=on_error)
+        raise ValueError(f"--reward.remote_url={url!r}: expected an http(s):// URL of a reward server or the "
+                         "path of a .py file defining reward_func")
+    if normalize is None:
+        normalize = False
+    return RewardModelSource(model_name_or_path, value_head_prefix=value_head_prefix, normalize=normalize,
+                             dtype=dtype, batch_size=batch_size, max_len=max_len, tokenizer=tokenizer,
+                             device=device, attn_implementation=attn_implementation)

@@ -1,0 +1,115 @@
+"""A reward server over HTTP (`--reward.remote_url http://host:port/get_reward`), e.g. `posttrain serve-rm`.
+
+Request (OpenRLHF's serve_rm shape): POST JSON `{"query": B prompt+response texts, "prompts": B
+prompts, "labels": B labels}`. Response: `{"rewards": B numbers, "scores": optional,
+"extra_logs": optional, "skipped": optional}`, validated like a reward_func's return value.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+
+from posttrain.agents.rewards.result import RewardError, RewardResult, check_batch, parse_output
+
+TOKEN_ENV = "POSTTRAIN_RM_TOKEN"
+_HINT = "start it with `posttrain serve-rm ...` or fix --reward.remote_url"
+
+
+def _cause(err: Exception) -> str:
+    """Short cause of a requests exception: 'Connection refused', 'read timed out', ..."""
+    text = str(err)
+    m = re.search(r"\[Errno -?\d+\] ([^'\")\]]+)", text)
+    if m:
+        return m.group(1).strip()
+    if "timed out" in text.lower():
+        return f"timed out: {type(err).__name__}"
+    return f"{type(err).__name__}: {text[:200]}"
+
+
+def _detail(response) -> str:
+    try:
+        body = response.json()
+        if isinstance(body, dict) and "detail" in body:
+            return str(body["detail"])[:500]
+    except ValueError:
+        pass
+    return response.text[:500]
+
+
+class RemoteReward:
+    """RewardSource POSTing each batch to a reward server, in one request.
+
+    retries: attempts in total (>= 1); connection errors, timeouts and HTTP 5xx are retried after
+    backoff * 2**(attempt-1) seconds; HTTP 4xx (bad request, 401 bad token) and invalid responses are
+    not. token (or env POSTTRAIN_RM_TOKEN) is sent as `Authorization: Bearer <token>`. kwargs of
+    `score` (e.g. token-id tensors) are not sent."""
+
+    def __init__(self, url: str, *, token: str | None = None, timeout: float = 30, retries: int = 3,
+                 backoff: float = 0.5):
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--reward.remote_url={url!r}: expected an http(s):// URL")
+        if retries < 1:
+            raise ValueError(f"retries={retries}: must be >= 1 (attempts in total)")
+        if timeout <= 0 or backoff < 0:
+            raise ValueError(f"timeout={timeout} must be > 0 and backoff={backoff} >= 0")
+        import requests
+
+        self.url = url
+        self.token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        self.timeout, self.retries, self.backoff = timeout, retries, backoff
+        self.session = requests.Session()
+        self.session.trust_env = False  # no proxies from the environment for the reward server
+        self.origin = f"reward server {url}"
+        self.num_calls = 0
+
+    def _post(self, payload: dict):
+        import requests
+
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        try:
+            body = json.dumps(payload)
+        except TypeError as err:
+            raise TypeError(f"{self.origin}: labels must be JSON-serialisable ({err})") from None
+        last = ""
+        for attempt in range(1, self.retries + 1):
+            if attempt > 1:
+                time.sleep(self.backoff * 2 ** (attempt - 2))
+            try:
+                response = self.session.post(self.url, data=body, headers=headers, timeout=self.timeout)
+            except (requests.ConnectionError, requests.Timeout) as err:
+                last = _cause(err)
+                continue
+            if response.status_code >= 500:
+                last = f"HTTP {response.status_code}: {_detail(response)}"
+                continue
+            if response.status_code == 401:
+                raise RewardError(f"{self.origin} rejected the request (HTTP 401: {_detail(response)}); set "
+                                  f"{TOKEN_ENV} to the token the server was started with (--token)")
+            if response.status_code >= 400:
+                raise RewardError(f"{self.origin} rejected the request (HTTP {response.status_code}: "
+                                  f"{_detail(response)})")
+            try:
+                return response.json()
+            except ValueError:
+                raise RewardError(f"{self.origin} answered HTTP {response.status_code} with a body that is not "
+                                  f"JSON: {response.text[:200]!r}") from None
+        if last.startswith("HTTP"):
+            raise RewardError(f"{self.origin} failed after {self.retries} attempts ({last})")
+        raise RewardError(f"{self.origin} unreachable after {self.retries} attempts ({last}); {_HINT}")
+
+    def score(self, queries, prompts, labels=None, **kwargs) -> RewardResult:
+        n = check_batch(queries, prompts, labels)
+        self.num_calls += 1
+        raw = self._post({"query": list(queries), "prompts": None if prompts is None else list(prompts),
+                          "labels": None if labels is None else list(labels)})
+        return parse_output(raw, n, self.origin)
+
+    def close(self) -> None:
+        self.session.close()
+
+    def __repr__(self) -> str:
+        return f"RemoteReward({self.url!r})"

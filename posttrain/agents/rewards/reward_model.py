@@ -1,0 +1,146 @@
+"""A trained reward model (`--reward.model_name_or_path`) as a reward source.
+
+reward(sample) = v[last non-pad token], v = the score head's per-token output (`forward_values`),
+for left or right padding alike; with normalisation, (reward - config.mean) / config.std, the
+statistics `posttrain rm` (like OpenRLHF) stores in the model's config.json.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from posttrain.agents.rewards.result import RewardResult, check_batch
+from posttrain.utils.log import warn_once
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] 0/1 mask → [B] index of each row's last 1 (works for left and right padding)."""
+    mask = attention_mask.long()
+    if bool((mask.sum(-1) == 0).any()):
+        raise ValueError("attention_mask has a row without any token")
+    t = mask.shape[-1]
+    return t - 1 - mask.flip(-1).argmax(-1)
+
+
+class RewardModelSource:
+    """RewardSource backed by a score model loaded with `posttrain.models.load_score_model`.
+
+    score(queries, ...) tokenises the query texts (each ending in exactly one eos token when
+    `append_eos`, as reward models are trained; longer than `max_len` → cut to max_len tokens, the last
+    one made eos, counted in extra_logs["reward_model/truncated"] and warned). score(..., sequences=ids,
+    attention_mask=mask) scores given token ids instead (no re-tokenising; any padding side). Forward
+    passes run in chunks of `batch_size` under torch.no_grad."""
+
+    def __init__(self, path, *, value_head_prefix: str = "score", normalize: bool = False, dtype="fp32",
+                 batch_size: int = 16, max_len: int | None = None, tokenizer=None, device="cpu",
+                 attn_implementation: str | None = None, append_eos: bool = True):
+        from posttrain.models import load_score_model, load_tokenizer
+
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size}: must be >= 1")
+        if max_len is not None and max_len < 2:
+            raise ValueError(f"max_len={max_len}: must be >= 2 (or None for no limit)")
+        self.path = str(path)
+        self.batch_size = batch_size
+        self.max_len = max_len
+        self.append_eos = append_eos
+        self.device = torch.device(device)
+        self.model = load_score_model(self.path, dtype, value_head_prefix=value_head_prefix,
+                                      attn_implementation=attn_implementation).to(self.device).eval()
+        self.mean, self.std = 0.0, 1.0
+        if normalize:
+            mean = getattr(self.model.config, "mean", None)
+            std = getattr(self.model.config, "std", None)
+            if mean is None or std is None:
+                raise ValueError(f"--reward.normalize_enable: reward model {self.path} has no `mean`/`std` in its "
+                                 "config.json; train the RM with posttrain rm, or drop --reward.normalize_enable")
+            if not (math.isfinite(mean) and math.isfinite(std) and std > 0):
+                raise ValueError(f"--reward.normalize_enable: reward model {self.path} has mean={mean}, std={std} "
+                                 "in its config.json; std must be a positive finite number")
+            self.mean, self.std = float(mean), float(std)
+        self.normalize = normalize
+        if tokenizer is None or isinstance(tokenizer, str):
+            tokenizer = load_tokenizer(tokenizer or self.path)
+        self.tokenizer = tokenizer
+        self.num_truncated = 0
+
+    @torch.no_grad()
+    def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Raw (unnormalised) rewards [B] for padded token ids, read at each row's last non-pad token."""
+        from posttrain.models import forward_values
+
+        if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
+            raise ValueError(f"sequences {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
+                             "must both be [B, T]")
+        out = []
+        for i in range(0, input_ids.shape[0], self.batch_size):
+            ids = input_ids[i:i + self.batch_size].to(self.device)
+            mask = attention_mask[i:i + self.batch_size].to(self.device)
+            v = forward_values(self.model, {"input_ids": ids, "attention_mask": mask})
+            out.append(v.gather(1, last_token_index(mask)[:, None]).squeeze(1).cpu())
+        return torch.cat(out) if out else torch.zeros(0)
+
+    def tokenize(self, queries: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Right-padded (input_ids, attention_mask) [B, T] and a bool [B] of truncated queries."""
+        tok = self.tokenizer
+        texts = [self._with_eos(q) for q in queries]
+        rows = tok(texts)["input_ids"]
+        truncated = torch.zeros(len(rows), dtype=torch.bool)
+        if self.max_len is not None:
+            for i, ids in enumerate(rows):
+                if len(ids) > self.max_len:
+                    truncated[i] = True
+                    rows[i] = ids[:self.max_len]
+                    if self.append_eos and tok.eos_token_id is not None:
+                        rows[i][-1] = tok.eos_token_id
+        if any(len(r) == 0 for r in rows):
+            raise ValueError("a query tokenised to no tokens; reward models need at least one token")
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = torch.tensor(r)
+            mask[i, :len(r)] = 1
+        return ids, mask, truncated
+
+    def _with_eos(self, text: str) -> str:
+        """Trailing pad / eos strings removed, then exactly one eos appended (when append_eos)."""
+        eos, pad = self.tokenizer.eos_token, self.tokenizer.pad_token
+        if not self.append_eos or not eos:
+            return text
+        ends = [s for s in (eos, pad) if s]
+        changed = True
+        while changed:
+            changed = False
+            for s in ends:
+                if text.endswith(s):
+                    text, changed = text[:-len(s)], True
+        return text + eos
+
+    def score(self, queries, prompts=None, labels=None, **kwargs) -> RewardResult:
+        n = check_batch(queries, prompts, labels)
+        logs = {}
+        if kwargs.get("sequences") is not None:
+            ids = torch.as_tensor(kwargs["sequences"])
+            if kwargs.get("attention_mask") is None:
+                raise ValueError("RewardModelSource.score(sequences=...) needs attention_mask=... too "
+                                 "(pad ids alone cannot tell padding from real tokens)")
+            mask = torch.as_tensor(kwargs["attention_mask"])
+            if ids.shape[0] != n:
+                raise ValueError(f"sequences has {ids.shape[0]} rows for {n} queries")
+        else:
+            ids, mask, truncated = self.tokenize(list(queries))
+            if bool(truncated.any()):
+                self.num_truncated += int(truncated.sum())
+                warn_once(f"reward model {self.path}: queries longer than max_len={self.max_len} tokens are cut "
+                          "(counted in reward_model/truncated)")
+            logs["reward_model/truncated"] = truncated.float()
+        rewards = (self.values(ids, mask) - self.mean) / self.std
+        return RewardResult(rewards, extra_logs=logs)
+
+    def close(self) -> None:
+        self.model = None
+
+    def __repr__(self) -> str:
+        return f"RewardModelSource({self.path!r}, normalize={self.normalize})"

@@ -1,0 +1,143 @@
+"""RewardModelSource on a tiny score model: the reward is the head's value at the last real token
+whatever the padding side, equal to a forward of the unpadded sample; normalisation from
+config.mean/std; a head saved under another prefix loads with value_head_prefix."""
+import json
+import shutil
+
+import pytest
+import torch
+from rewards_http import in_thread_server
+from safetensors.torch import load_file, save_file
+
+from posttrain.agents.rewards import (
+    PythonRewardFunction,
+    RemoteReward,
+    RewardModelSource,
+    last_token_index,
+    make_reward_source,
+)
+
+
+@pytest.fixture(scope="module")
+def rm_dir(tmp_path_factory):
+    from posttrain.models import build_tiny
+
+    path = tmp_path_factory.mktemp("rm") / "llama-nano-rm"
+    build_tiny(path, size="nano", head="score", seed=1, verbose=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def source(rm_dir):
+    return RewardModelSource(rm_dir, batch_size=2)
+
+
+def alone(model, ids: list[int]) -> float:
+    """Reward of one unpadded sample, computed without posttrain helpers: head(h_last)."""
+    with torch.no_grad():
+        hidden = model.model(input_ids=torch.tensor([ids])).last_hidden_state
+        return model.score(hidden)[0, -1, 0].item()
+
+
+def pad(rows, side, pad_id):
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad_id)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        sl = slice(0, len(r)) if side == "right" else slice(width - len(r), width)
+        ids[i, sl], mask[i, sl] = torch.tensor(r), 1
+    return ids, mask
+
+
+def test_last_token_index_both_sides():
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 1, 1], [0, 1, 0, 0]])
+    assert last_token_index(mask).tolist() == [1, 3, 3, 1]
+    with pytest.raises(ValueError, match="row without any token"):
+        last_token_index(torch.tensor([[0, 0]]))
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padded_reward_equals_unpadded_forward(source, side):
+    rows = [[5, 17, 33, 2], [40, 2], [7, 8, 9, 10, 11, 2], [12]]
+    expected = [alone(source.model, r) for r in rows]
+    assert len(set(round(e, 6) for e in expected)) == 4  # the test can tell samples apart
+    ids, mask = pad(rows, side, source.tokenizer.pad_token_id)
+    out = source.score(["ignored"] * 4, None, None, sequences=ids, attention_mask=mask)
+    torch.testing.assert_close(out.rewards, torch.tensor(expected), atol=1e-5, rtol=1e-4)
+    assert out.skipped.tolist() == [False] * 4
+
+
+def test_text_queries_are_tokenised_with_one_eos(source):
+    tok = source.tokenizer
+    queries = ["2+3=5", "a longer query about 7*8=56" + tok.eos_token, "x" + tok.pad_token + tok.pad_token]
+    texts = ["2+3=5" + tok.eos_token, "a longer query about 7*8=56" + tok.eos_token, "x" + tok.eos_token]
+    expected = [alone(source.model, tok(t)["input_ids"]) for t in texts]
+    out = source.score(queries, [""] * 3, None)
+    torch.testing.assert_close(out.rewards, torch.tensor(expected), atol=1e-5, rtol=1e-4)
+    assert out.extra_logs["reward_model/truncated"].tolist() == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="needs attention_mask"):
+        source.score(["a"], None, None, sequences=torch.tensor([[1, 2]]))
+
+
+def test_max_len_cuts_ends_with_eos_and_counts(rm_dir, source):
+    tok = source.tokenizer
+    cut = RewardModelSource(rm_dir, max_len=4, tokenizer=tok)
+    long_ids = tok("one two three four five six")["input_ids"]
+    assert len(long_ids) > 4
+    out = cut.score(["one two three four five six", "hi"], None, None)
+    assert out.extra_logs["reward_model/truncated"].tolist() == [1.0, 0.0] and cut.num_truncated == 1
+    assert out.rewards[0].item() == pytest.approx(alone(cut.model, long_ids[:3] + [tok.eos_token_id]), abs=1e-5)
+
+
+def test_normalisation_from_config(rm_dir, source, tmp_path):
+    norm_dir = tmp_path / "rm-norm"
+    shutil.copytree(rm_dir, norm_dir)
+    cfg = json.loads((norm_dir / "config.json").read_text())
+    cfg.update(mean=0.25, std=2.0)
+    (norm_dir / "config.json").write_text(json.dumps(cfg))
+    queries = ["1+1=2", "3*3=9"]
+    raw = source.score(queries, None, None).rewards
+    normed = make_reward_source(model_name_or_path=str(norm_dir), normalize=True).score(queries, None, None)
+    torch.testing.assert_close(normed.rewards, (raw - 0.25) / 2.0)
+    plain = RewardModelSource(norm_dir).score(queries, None, None)  # stats stored but normalisation off
+    torch.testing.assert_close(plain.rewards, raw)
+    with pytest.raises(ValueError, match="no `mean`/`std`.*train the RM with posttrain rm, or drop "
+                                         "--reward.normalize_enable"):
+        RewardModelSource(rm_dir, normalize=True)
+
+
+def test_head_under_another_prefix(rm_dir, source, tmp_path):
+    other = tmp_path / "rm-value-head"
+    shutil.copytree(rm_dir, other)
+    weights = load_file(other / "model.safetensors")
+    weights["value_head.weight"] = weights.pop("score.weight")
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    queries = ["5-2=3", "the reward model reads this"]
+    loaded = RewardModelSource(other, value_head_prefix="value_head").score(queries, None, None)
+    torch.testing.assert_close(loaded.rewards, source.score(queries, None, None).rewards)
+    with pytest.raises(ValueError, match="value_head_prefix='value_head': no tensor value_head.weight"):
+        RewardModelSource(rm_dir, value_head_prefix="value_head")
+
+
+def test_reward_model_served_over_http(source):
+    queries = ["2+2=4", "a reward model behind a server"]
+    with in_thread_server(source) as base:
+        remote = RemoteReward(base + "/get_reward", timeout=10)
+        torch.testing.assert_close(remote.score(queries, ["", ""], None).rewards,
+                                   source.score(queries, None, None).rewards)
+
+
+def test_make_reward_source_dispatch(rm_dir, tmp_path):
+    fn = tmp_path / "r.py"
+    fn.write_text("def reward_func(queries, prompts, labels, **kw):\n    return [0.0] * len(queries)\n")
+    assert isinstance(make_reward_source(str(fn)), PythonRewardFunction)
+    assert isinstance(make_reward_source("http://127.0.0.1:9/get_reward"), RemoteReward)
+    assert isinstance(make_reward_source(model_name_or_path=str(rm_dir)), RewardModelSource)
+    with pytest.raises(ValueError, match=r"--reward.remote_url='r.py' and --reward.model_name_or_path='m' both"):
+        make_reward_source("r.py", "m")
+    with pytest.raises(ValueError, match="no reward source: give --reward.model_name_or_path"):
+        make_reward_source()
+    with pytest.raises(ValueError, match=r"--reward.remote_url='rm.json': expected an http\(s\):// URL"):
+        make_reward_source("rm.json")
+    with pytest.raises(ValueError, match="several reward endpoints are not supported"):
+        make_reward_source("http://127.0.0.1:9/a,http://127.0.0.1:10/a")
