@@ -140,6 +140,12 @@ class Reward:
     whiten_enable: bool = opt(
         False, "whiten scalar rewards over the batch before the baseline", extension=True
     )
+    skip_errors_enable: bool = opt(
+        False, "a reward that cannot be computed (reward_func raises or returns a bad value) skips those "
+        "samples (counted in reward/skipped) instead of stopping the run", extension=True
+    )
+    timeout: float = opt(30.0, "seconds per HTTP reward request", extension=True)
+    retries: int = opt(3, "attempts per HTTP reward request (connection errors and 5xx)", extension=True)
 
 
 @dataclass
