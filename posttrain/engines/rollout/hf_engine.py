@@ -1,0 +1,221 @@
+"""In-process rollout engine over a transformers causal LM (the training module itself, no copy).
+
+Batched sampling with left padding and the model's own KV cache (``DynamicCache``), in a custom
+loop so that log-probs, top-p, seeding and stopping are ours:
+
+* prompts are left-padded; ``attention_mask`` marks real tokens and ``position_ids`` are
+  ``cumsum(mask) - 1``, so each row sees positions 0..L-1 exactly as if it ran alone;
+* each step samples one token per row (``sample_next``); a row stops at its first stop token
+  (kept in the output) or after ``max_new_tokens``; tokens sampled for a finished row are
+  discarded, and once a quarter of the batch has finished those rows are dropped from the batch
+  and the cache;
+* one ``torch.Generator`` per ``generate`` call, seeded from ``params.seed`` (or from torch's
+  global RNG when None), drives every draw: same seed, prompts and batch size → same outputs.
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from posttrain.engines.rollout.sampling import sample_next
+from posttrain.engines.rollout.types import RolloutOutput, SamplingParams, _is_int
+from posttrain.models import unwrap_model
+
+_COMPACT_FRACTION = 0.25  # drop finished rows from the batch once this fraction of it has finished
+
+
+def _as_id_list(ids) -> list[int]:
+    if ids is None:
+        return []
+    if _is_int(ids):
+        return [ids]
+    return [int(i) for i in ids]
+
+
+def resolve_eos_ids(tokenizer_or_eos_ids, model=None) -> list[int]:
+    """Default stop ids: an int or a list of ints as given; a tokenizer → its ``eos_token_id``
+    plus the model's ``generation_config.eos_token_id`` (int or list), deduplicated in order."""
+    if tokenizer_or_eos_ids is None or _is_int(tokenizer_or_eos_ids) or isinstance(tokenizer_or_eos_ids, (list, tuple)):
+        ids = _as_id_list(tokenizer_or_eos_ids)
+        if not all(_is_int(i) and i >= 0 for i in ids):
+            raise ValueError(f"tokenizer_or_eos_ids={tokenizer_or_eos_ids!r}: eos ids must be integers >= 0")
+        return list(dict.fromkeys(ids))
+    if not hasattr(tokenizer_or_eos_ids, "eos_token_id"):
+        raise ValueError(f"tokenizer_or_eos_ids must be a tokenizer, an eos id or a list of eos ids, "
+                         f"not {type(tokenizer_or_eos_ids).__name__}")
+    ids = _as_id_list(tokenizer_or_eos_ids.eos_token_id)
+    gen_cfg = getattr(unwrap_model(model), "generation_config", None) if model is not None else None
+    ids += _as_id_list(getattr(gen_cfg, "eos_token_id", None))
+    return list(dict.fromkeys(ids))
+
+
+def _hf_model(model):
+    base = unwrap_model(model)
+    return base.get_base_model() if hasattr(base, "peft_config") else base
+
+
+def _new_cache(model):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=_hf_model(model).config)
+    except TypeError:  # older transformers: no config argument
+        return DynamicCache()
+
+
+class HFRolloutEngine:
+    """``RolloutEngine`` over an in-process transformers model.
+
+    ``model`` is shared, not copied: rollouts always use its current weights. It runs under
+    ``torch.no_grad()`` in eval mode and every submodule's train/eval flag is restored after each
+    ``generate``. ``tokenizer_or_eos_ids`` gives the default stop ids (see ``resolve_eos_ids``);
+    ``pad_token_id`` fills the left padding; ``batch_size`` caps the rows (prompts × n) per
+    forward batch (None → all rows in one batch)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer_or_eos_ids, *, pad_token_id: int,
+                 batch_size: int | None = None):
+        self.model = unwrap_model(model)
+        self.eos_token_ids = resolve_eos_ids(tokenizer_or_eos_ids, self.model)
+        self.vocab_size = _hf_model(self.model).get_input_embeddings().num_embeddings
+        if not (_is_int(pad_token_id) and 0 <= pad_token_id < self.vocab_size):
+            raise ValueError(f"pad_token_id={pad_token_id!r} must be a token id in [0, {self.vocab_size})")
+        if batch_size is not None and not (_is_int(batch_size) and batch_size >= 1):
+            raise ValueError(f"batch_size={batch_size!r} must be None or an integer >= 1")
+        self.pad_token_id = int(pad_token_id)
+        self.batch_size = batch_size
+        params = inspect.signature(_hf_model(self.model).forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers 5.x / 4.x
+        self._keep_kw = "logits_to_keep" in params
+
+    # -- weights -------------------------------------------------------------------------------
+    def load_weights(self, model_or_state_dict) -> None:
+        """Copy weights into the engine's model (a state dict, or another module's); no-op when
+        given the engine's own module."""
+        if isinstance(model_or_state_dict, torch.nn.Module):
+            src = unwrap_model(model_or_state_dict)
+            if src is self.model:
+                return
+            model_or_state_dict = src.state_dict()
+        if not isinstance(model_or_state_dict, Mapping):
+            raise ValueError(f"load_weights expects a torch.nn.Module or a state dict, not "
+                             f"{type(model_or_state_dict).__name__}")
+        with torch.no_grad():
+            self.model.load_state_dict(model_or_state_dict, strict=True)
+
+    def sync_weights(self, model) -> None:
+        """Sample with ``model``'s current weights (no-op when it is the shared module)."""
+        self.load_weights(model)
+
+    def sleep(self) -> None:
+        """No-op: the in-process engine holds no memory of its own between calls."""
+
+    def wake_up(self) -> None:
+        """No-op (see ``sleep``)."""
+
+    # -- generation ----------------------------------------------------------------------------
+    def stop_ids(self, params: SamplingParams) -> list[int]:
+        return list(params.stop_token_ids) if params.stop_token_ids is not None else list(self.eos_token_ids)
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[RolloutOutput]]:
+        """One list of ``params.n`` outputs per prompt; the n samples of a prompt are sampled as
+        consecutive rows (group-contiguous) and returned in that order."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, not {type(params).__name__}")
+        prompts = self._check_prompts(prompt_token_ids)
+        if not prompts:
+            return []
+        rows = [p for p in prompts for _ in range(params.n)]
+        device = next(self.model.parameters()).device
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**63 - 1, (1,)).item())
+        generator = torch.Generator(device=device).manual_seed(seed)
+        stop = torch.tensor(self.stop_ids(params), dtype=torch.long, device=device)
+        chunk = self.batch_size or len(rows)
+
+        modes = [(m, m.training) for m in self.model.modules()]
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                flat = []
+                for start in range(0, len(rows), chunk):
+                    flat += self._generate_rows(rows[start:start + chunk], params, stop, generator, device)
+        finally:
+            for m, mode in modes:
+                m.training = mode
+        return [flat[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+
+    def _check_prompts(self, prompt_token_ids) -> list[list[int]]:
+        if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__iter__"):
+            raise ValueError("prompt_token_ids must be a list of token-id lists")
+        prompts = []
+        for i, p in enumerate(prompt_token_ids):
+            if isinstance(p, torch.Tensor):
+                p = p.tolist()
+            if isinstance(p, (str, bytes)) or not hasattr(p, "__iter__"):
+                raise ValueError(f"prompt_token_ids[{i}] must be a list of token ids, not {type(p).__name__}")
+            p = list(p)
+            if not p:
+                raise ValueError(f"prompt_token_ids[{i}] is empty; every prompt needs at least one token")
+            if not all(_is_int(t) and 0 <= t < self.vocab_size for t in p):
+                bad = next(t for t in p if not (_is_int(t) and 0 <= t < self.vocab_size))
+                raise ValueError(f"prompt_token_ids[{i}] holds {bad!r}; token ids must be integers in "
+                                 f"[0, {self.vocab_size})")
+            prompts.append([int(t) for t in p])
+        return prompts
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache, last_only: bool):
+        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                  self._cache_kw: cache, "use_cache": True}
+        if last_only and self._keep_kw:
+            kwargs["logits_to_keep"] = 1
+        return self.model(**kwargs).logits[:, -1].float()
+
+    def _generate_rows(self, rows: list[list[int]], params: SamplingParams, stop: torch.Tensor,
+                       generator: torch.Generator, device) -> list[RolloutOutput]:
+        b, max_new = len(rows), params.max_new_tokens
+        lens = [len(r) for r in rows]
+        t = max(lens)
+        ids = torch.tensor([[self.pad_token_id] * (t - n) + r for r, n in zip(rows, lens)], dtype=torch.long,
+                           device=device)
+        lengths = torch.tensor(lens, dtype=torch.long, device=device)
+        # mask over prompt + all future positions; generated columns are always attended
+        mask = torch.ones(b, t + max_new, dtype=torch.long, device=device)
+        mask[:, :t] = torch.arange(t, device=device)[None, :] >= (t - lengths)[:, None]
+        positions = (mask[:, :t].cumsum(-1) - 1).clamp(min=0)
+        cache = _new_cache(self.model)
+        logits = self._forward(ids, mask[:, :t], positions, cache, last_only=True)
+
+        out_tokens = torch.zeros(b, max_new, dtype=torch.long, device=device)
+        out_logprobs = torch.zeros(b, max_new, dtype=torch.float32, device=device)
+        n_out = torch.zeros(b, dtype=torch.long, device=device)
+        stopped = torch.zeros(b, dtype=torch.bool, device=device)
+        row = torch.arange(b, device=device)  # original row of each row still in the batch
+        next_pos = lengths.clone()
+        steps = 0
+        for step in range(max_new):
+            tokens, logprobs = sample_next(logits, params.temperature, params.top_p, generator)
+            steps = step + 1
+            alive = ~stopped[row]
+            out_tokens[row, step] = tokens
+            out_logprobs[row, step] = logprobs
+            n_out[row] += alive
+            now_stopped = stopped[row] | (alive & torch.isin(tokens, stop))
+            stopped[row] = now_stopped
+            if step == max_new - 1:
+                break
+            n_stopped = int(now_stopped.sum())
+            if n_stopped == row.numel():
+                break
+            if n_stopped >= _COMPACT_FRACTION * row.numel() and hasattr(cache, "batch_select_indices"):
+                keep = (~now_stopped).nonzero().squeeze(1)
+                cache.batch_select_indices(keep)
+                row, tokens, mask, next_pos = row[keep], tokens[keep], mask[keep], next_pos[keep]
+            logits = self._forward(tokens[:, None], mask[:, :t + step + 1], next_pos[:, None], cache, last_only=False)
+            next_pos += 1
+
+        toks, lps = out_tokens[:, :steps].tolist(), out_logprobs[:, :steps].tolist()
+        n_out, stopped = n_out.tolist(), stopped.tolist()
+        return [RolloutOutput(prompt_token_ids=list(r), output_token_ids=toks[i][:n_out[i]],
+                              logprobs=lps[i][:n_out[i]], finish_reason="stop" if stopped[i] else "length")
+                for i, r in enumerate(rows)]

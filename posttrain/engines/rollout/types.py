@@ -1,0 +1,135 @@
+"""The rollout contract: sampling parameters, one sampled completion, the engine protocol, seeds.
+
+Token in, token out: prompts are token-id lists, outputs are exactly the sampled token ids with
+one log-prob each, ``log softmax(logits / temperature)[token]`` of the FULL temperature-scaled
+distribution (never renormalised after top-p), so that
+``posttrain.algorithms.losses.token_logprobs(logits, labels, temperature)`` recomputed by the
+trainer on the same weights gives the same numbers. Text is never re-tokenised.
+"""
+from __future__ import annotations
+
+import hashlib
+import numbers
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+FINISH_REASONS = ("stop", "length")
+
+
+def _is_int(x) -> bool:
+    """An integer (numpy integers included), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. Invalid values raise ``ValueError`` naming the field.
+
+    * ``temperature``: > 0 samples from ``softmax(logits / temperature)``; ``0`` means greedy
+      (argmax), and the reported log-probs are then those of the unscaled distribution
+      (temperature 1), since ``logits / 0`` is undefined.
+    * ``top_p`` in (0, 1]: sample from the smallest set of most likely tokens whose probability
+      mass reaches ``top_p`` (log-probs stay those of the full distribution).
+    * ``max_new_tokens`` >= 1; ``n`` >= 1 samples per prompt.
+    * ``seed``: None → a fresh seed drawn from torch's global RNG (so it follows the training
+      seed); an int >= 0 → reproducible (same seed and inputs → identical outputs).
+    * ``stop_token_ids``: None → the engine's eos ids (tokenizer + generation config; several
+      allowed); a list → exactly these ids stop a sample (``[]`` → only ``max_new_tokens`` stops).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    n: int = 1
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        t = self.temperature
+        if not (isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0 and t == t and t != float("inf")):
+            raise ValueError(f"SamplingParams.temperature={t!r} must be a finite number > 0 (or 0 for greedy)")
+        p = self.top_p
+        if not (isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p <= 1):
+            raise ValueError(f"SamplingParams.top_p={p!r} must be in (0, 1]")
+        if not (_is_int(self.max_new_tokens) and self.max_new_tokens >= 1):
+            raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
+        if not (_is_int(self.n) and self.n >= 1):
+            raise ValueError(f"SamplingParams.n={self.n!r} must be an integer >= 1")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**63):
+            raise ValueError(f"SamplingParams.seed={self.seed!r} must be None or an integer in [0, 2**63)")
+        if self.stop_token_ids is not None:
+            ids = self.stop_token_ids
+            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+                raise ValueError(f"SamplingParams.stop_token_ids={ids!r} must be None or a list of token ids")
+            ids = tuple(ids)
+            if not all(_is_int(i) and i >= 0 for i in ids):
+                raise ValueError(f"SamplingParams.stop_token_ids={list(ids)!r} must hold token ids >= 0")
+            object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature of the distribution the log-probs refer to (1.0 when greedy)."""
+        return float(self.temperature) if self.temperature > 0 else 1.0
+
+
+@dataclass
+class RolloutOutput:
+    """One sampled completion of one prompt.
+
+    ``output_token_ids`` are the sampled tokens as sampled: the stop token is included when the
+    sample stopped, nothing is padded, truncated or rewritten. ``logprobs[i]`` is the log-prob of
+    ``output_token_ids[i]`` (see module doc). ``finish_reason`` is "stop" (ended with a stop token)
+    or "length" (``max_new_tokens`` reached without one)."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+    def __post_init__(self):
+        if len(self.logprobs) != len(self.output_token_ids):
+            raise ValueError(f"RolloutOutput: {len(self.logprobs)} logprobs for "
+                             f"{len(self.output_token_ids)} output tokens")
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"RolloutOutput.finish_reason={self.finish_reason!r}: valid values are "
+                             f"{list(FINISH_REASONS)}")
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What a trainer needs from a sampler.
+
+    ``generate`` returns one list of ``params.n`` outputs per prompt, in prompt order.
+    ``load_weights(model_or_state_dict)`` copies policy weights into the engine; ``sync_weights(model)``
+    makes the engine sample with ``model``'s current weights (a no-op when the engine shares the
+    module). ``sleep()`` / ``wake_up()`` release / reacquire accelerator memory between rollouts
+    (no-ops in process)."""
+
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[RolloutOutput]]: ...
+
+    def load_weights(self, model_or_state_dict) -> None: ...
+
+    def sync_weights(self, model) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
+
+
+def rank_seed(base_seed: int, rank: int, step: int) -> int:
+    """A sampling seed in [0, 2**63) for (``base_seed``, ``rank``, ``step``): 63 bits of
+    SHA-256 over the three integers, so different ranks (or steps) never share a seed in
+    practice (a collision has probability ~2**-63) and a run is reproducible from ``base_seed``."""
+    for name, v in (("base_seed", base_seed), ("rank", rank), ("step", step)):
+        if not _is_int(v) or v < 0:
+            raise ValueError(f"rank_seed: {name}={v!r} must be an integer >= 0")
+    digest = hashlib.sha256(f"posttrain-rollout:{base_seed}:{rank}:{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)

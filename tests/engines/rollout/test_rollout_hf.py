@@ -1,0 +1,214 @@
+"""HFRolloutEngine on the nano llama: log-probs match the training forward, padding invariance,
+stopping, seeding, n samples, mode/grad hygiene, weights, errors."""
+import pytest
+import torch
+
+from posttrain.algorithms.losses import token_logprobs
+from posttrain.engines.rollout import (
+    HFRolloutEngine,
+    RolloutEngine,
+    SamplingParams,
+    make_rollout_engine,
+    resolve_eos_ids,
+)
+from posttrain.models import forward_logits, load_causal_lm
+
+PROMPTS = [[5, 17, 300, 42, 9], [11], [700, 701, 702, 703, 704, 705, 706, 707, 708], [64, 65, 66]]
+FREQUENT_STOPS = list(range(100, 300))  # ~10% of the vocabulary: samples stop at varied lengths
+
+
+def recomputed_logprobs(model, outputs, temperature, pad_id=0):
+    """Training-side log-probs: one right-padded forward over prompt+response through
+    `forward_logits`, `token_logprobs(logits[:, :-1], ids[:, 1:], T)` at the response positions."""
+    seqs = [o.prompt_token_ids + o.output_token_ids for o in outputs]
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    with torch.no_grad():
+        logits = forward_logits(model, {"input_ids": ids, "attention_mask": mask})
+    lp = token_logprobs(logits[:, :-1], ids[:, 1:], temperature)
+    return [lp[i, len(o.prompt_token_ids) - 1:len(o.prompt_token_ids) - 1 + len(o.output_token_ids)]
+            for i, o in enumerate(outputs)]
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.7, 1.0), (0.7, 0.9), (1.3, 0.9), (1.3, 1.0)])
+def test_rollout_logprobs_equal_training_logprobs(model, engine, temperature, top_p):
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=12, n=3, seed=7,
+                            stop_token_ids=FREQUENT_STOPS)
+    outputs = [o for group in engine.generate(PROMPTS, params) for o in group]
+    reasons = {o.finish_reason for o in outputs}
+    assert reasons == {"stop", "length"}, reasons  # both kinds, so responses have different lengths
+    for out, ref in zip(outputs, recomputed_logprobs(model, outputs, temperature)):
+        assert len(out.logprobs) == len(out.output_token_ids) == ref.numel()
+        torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-5, rtol=0)
+
+
+def test_left_padded_batch_equals_each_prompt_alone(engine):
+    params = SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=[257])
+    batched = engine.generate(PROMPTS, params)
+    alone = [engine.generate([p], params)[0] for p in PROMPTS]
+    chunked = HFRolloutEngine(engine.model, [2], pad_token_id=0, batch_size=3).generate(PROMPTS, params)
+    for b, a, c in zip(batched, alone, chunked):
+        assert b[0].output_token_ids == a[0].output_token_ids == c[0].output_token_ids
+        assert b[0].finish_reason == a[0].finish_reason
+        torch.testing.assert_close(torch.tensor(b[0].logprobs), torch.tensor(a[0].logprobs), atol=1e-5, rtol=0)
+    assert {o[0].finish_reason for o in batched} == {"stop", "length"}  # prompt [11] stops at 257, others don't
+
+
+def _sample(engine, prompt, seed, max_new=20, stop=()):
+    params = SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=seed, stop_token_ids=list(stop))
+    return engine.generate([prompt], params)[0][0]
+
+
+def test_stops_at_the_first_of_several_stop_ids_and_keeps_it(engine):
+    full = _sample(engine, PROMPTS[0], seed=3)
+    toks = full.output_token_ids
+    assert full.finish_reason == "length" and len(toks) == 20
+    k = next(i for i in range(3, 20) if toks[i] not in toks[:i])
+    later = next(t for t in toks[k + 1:] if t not in toks[:k + 1])
+    unused = next(t for t in range(1972) if t not in toks)
+    out = _sample(engine, PROMPTS[0], seed=3, stop=[unused, later, toks[k]])
+    assert out.output_token_ids == toks[:k + 1]  # same seed, same draws; stop token included
+    assert out.finish_reason == "stop"
+    assert out.logprobs == full.logprobs[:k + 1]
+
+
+def test_truncated_sample_is_not_rewritten(engine):
+    short = _sample(engine, PROMPTS[1], seed=4, max_new=6)
+    long = _sample(engine, PROMPTS[1], seed=4, max_new=15)
+    assert short.finish_reason == "length" and len(short.output_token_ids) == 6
+    assert short.output_token_ids == long.output_token_ids[:6]  # the last token is the sampled one, not eos
+    assert 257 not in short.output_token_ids
+
+
+def test_pad_id_equal_to_stop_id(model, engine):
+    """Greedy from [11] is 342 x6 then 257...: with pad == stop == 257 the row keeps its 257 and
+    nothing after it; other rows (left-padded with 257) and a prompt containing 257 are unaffected."""
+    params = SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=[257])
+    pad_is_eos = HFRolloutEngine(model, [257], pad_token_id=257)
+    prompts = PROMPTS + [[5, 257, 9]]
+    got = pad_is_eos.generate(prompts, params)
+    ref = engine.generate(prompts, params)  # pad 0
+    assert got[1][0].output_token_ids == [342] * 6 + [257]
+    assert got[1][0].finish_reason == "stop"
+    for g, r in zip(got, ref):
+        assert g[0].output_token_ids == r[0].output_token_ids and g[0].finish_reason == r[0].finish_reason
+    # default stop ids (None) = the engine's eos ids
+    assert pad_is_eos.generate([[11]], SamplingParams(temperature=0, max_new_tokens=10))[0][0].output_token_ids[-1] == 257
+
+
+def test_default_eos_ids_from_tokenizer_and_generation_config(model, tokenizer):
+    assert resolve_eos_ids(tokenizer, model) == [2, 0]  # tokenizer eos 2 + generation config [2, 0]
+    assert resolve_eos_ids([7, 7, 9]) == [7, 9] and resolve_eos_ids(5) == [5]
+    with pytest.raises(ValueError, match="tokenizer_or_eos_ids"):
+        resolve_eos_ids([1, -3])
+
+
+def test_seeding(engine):
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=11)
+    tokens = lambda outs: [o.output_token_ids for g in outs for o in g]  # noqa: E731
+    a, b = engine.generate(PROMPTS, params), engine.generate(PROMPTS, params)
+    assert tokens(a) == tokens(b)
+    assert [o.logprobs for g in a for o in g] == [o.logprobs for g in b for o in g]
+    assert tokens(engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=12))) != tokens(a)
+    # seed None: drawn from torch's global RNG, so the training seed decides the rollouts
+    unseeded = SamplingParams(temperature=1.0, max_new_tokens=8)
+    torch.manual_seed(0)
+    first, second = tokens(engine.generate(PROMPTS, unseeded)), tokens(engine.generate(PROMPTS, unseeded))
+    torch.manual_seed(0)
+    assert tokens(engine.generate(PROMPTS, unseeded)) == first != second
+    torch.manual_seed(1)
+    assert tokens(engine.generate(PROMPTS, unseeded)) != first
+
+
+def test_n_samples_are_group_contiguous(engine):
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, n=3, seed=5)
+    out = engine.generate(PROMPTS[:2], params)
+    assert len(out) == 2 and all(len(g) == 3 for g in out)
+    assert all(o.prompt_token_ids == PROMPTS[p] for p, g in enumerate(out) for o in g)
+    assert len({tuple(o.output_token_ids) for o in out[0]}) == 3  # n distinct samples
+    # the same rows, replicated by hand in group-contiguous order, give the same samples
+    rows = [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3
+    flat = engine.generate(rows, SamplingParams(temperature=1.0, max_new_tokens=6, n=1, seed=5))
+    assert [g[0].output_token_ids for g in flat] == [o.output_token_ids for g in out for o in g]
+
+
+def test_restores_modes_and_leaves_no_gradients(model, engine):
+    seen = []
+    hook = model.register_forward_pre_hook(lambda m, args: seen.append((m.training, torch.is_grad_enabled())))
+    model.train()
+    model.model.layers[0].eval()  # a mixed state must come back exactly
+    before = {name: m.training for name, m in model.named_modules()}
+    try:
+        out = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=4, seed=0))
+    finally:
+        hook.remove()
+    assert seen and all(mode == (False, False) for mode in seen)  # eval, no_grad during rollout
+    assert {name: m.training for name, m in model.named_modules()} == before
+    assert all(p.grad is None for p in model.parameters())
+    assert all(isinstance(x, float) for g in out for o in g for x in o.logprobs)
+    model.eval()
+
+
+def test_shared_module_and_load_weights(tiny_model_dir, model):
+    other = load_causal_lm(tiny_model_dir, dtype="fp32")
+    engine = HFRolloutEngine(other, [2], pad_token_id=0)
+    params = SamplingParams(temperature=1.0, max_new_tokens=5, seed=9)
+    before = engine.generate(PROMPTS[:1], params)
+    with torch.no_grad():  # a "training step" on the shared module changes the rollouts directly
+        other.lm_head.weight.mul_(3.0)
+    engine.sync_weights(other)  # no-op: same module
+    changed = engine.generate(PROMPTS[:1], params)
+    assert changed[0][0].logprobs != before[0][0].logprobs
+    engine.load_weights(model)  # copy the reference weights back in
+    assert torch.equal(other.lm_head.weight, model.lm_head.weight)
+    assert engine.generate(PROMPTS[:1], params)[0][0].logprobs == before[0][0].logprobs
+    engine.load_weights(model.state_dict())
+    with pytest.raises(ValueError, match="state dict"):
+        engine.load_weights([1, 2])
+    engine.sleep()
+    engine.wake_up()
+
+
+def test_bad_inputs(engine, model):
+    params = SamplingParams(max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[1\] is empty"):
+        engine.generate([[1], []], params)
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[0\] holds 5000"):
+        engine.generate([[1, 5000]], params)
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[0\] must be a list"):
+        engine.generate(["hello"], params)
+    with pytest.raises(ValueError, match="params must be a SamplingParams"):
+        engine.generate([[1]], {"max_new_tokens": 2})
+    with pytest.raises(ValueError, match="pad_token_id"):
+        HFRolloutEngine(model, [2], pad_token_id=None)
+    with pytest.raises(ValueError, match="batch_size"):
+        HFRolloutEngine(model, [2], pad_token_id=0, batch_size=0)
+    assert engine.generate([], params) == []
+
+
+def test_factory(model):
+    engine = make_rollout_engine("hf", model, [2], pad_token_id=0)
+    assert isinstance(engine, HFRolloutEngine) and isinstance(engine, RolloutEngine)
+    with pytest.raises(ValueError, match=r"kind='sglang': valid values are \['hf', 'vllm'\]"):
+        make_rollout_engine("sglang", model)
+
+
+def test_accepts_numpy_and_tensor_prompts(engine):
+    import numpy as np
+
+    params = SamplingParams(temperature=0, max_new_tokens=3)
+    ref = engine.generate([PROMPTS[0]], params)[0][0]
+    for prompt in (np.array(PROMPTS[0]), torch.tensor(PROMPTS[0])):
+        out = engine.generate([prompt], params)[0][0]
+        assert out.output_token_ids == ref.output_token_ids
+        assert out.prompt_token_ids == PROMPTS[0] and all(type(t) is int for t in out.prompt_token_ids)
+
+
+def test_works_on_a_gradient_checkpointed_training_model(tiny_model_dir, engine):
+    ckpt = load_causal_lm(tiny_model_dir, dtype="fp32", gradient_checkpointing=True).train()
+    params = SamplingParams(temperature=0.7, max_new_tokens=6, n=2, seed=3)
+    got = HFRolloutEngine(ckpt, [2], pad_token_id=0).generate(PROMPTS, params)
+    ref = engine.generate(PROMPTS, params)
+    assert [o.output_token_ids for g in got for o in g] == [o.output_token_ids for g in ref for o in g]
+    assert ckpt.training

@@ -1,0 +1,143 @@
+"""VLLMRolloutEngine without vLLM: the output conversion on fake RequestOutput / CompletionOutput
+objects, the request it builds (through a fake `vllm` module), and the missing-vLLM error."""
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from posttrain.engines.rollout import (
+    RolloutEngine,
+    SamplingParams,
+    VLLMRolloutEngine,
+    convert_vllm_outputs,
+    make_rollout_engine,
+    rank_seed,
+)
+
+
+def Logprob(x):  # vllm.sequence.Logprob(logprob, rank, decoded_token)
+    return SimpleNamespace(logprob=x, rank=1, decoded_token=None)
+
+
+def completion(index, tokens, logprobs, finish_reason, extra=True):
+    """A CompletionOutput: `.logprobs` holds one {token_id: Logprob} per token (with logprobs=0 the
+    sampled token, sometimes plus the top-1 token when it differs)."""
+    entries = [{t: Logprob(lp), **({t + 1: Logprob(-0.01)} if extra else {})} for t, lp in zip(tokens, logprobs)]
+    return SimpleNamespace(index=index, text="", token_ids=tuple(tokens), cumulative_logprob=sum(logprobs),
+                           logprobs=entries, finish_reason=finish_reason, stop_reason=None)
+
+
+def request(prompt, completions):
+    return SimpleNamespace(request_id="0", prompt=None, prompt_token_ids=prompt, outputs=completions, finished=True)
+
+
+def test_convert_vllm_outputs():
+    prompts = [[1, 2, 3], [4]]
+    outs = [request([1, 2, 3], [completion(1, [9, 2], [-0.5, -1.5], "stop"), completion(0, [7, 8, 8], [-1.0, -2.0, -3.0], "length")]),
+            request([4], [completion(0, [5], [-0.25], "stop", extra=False), completion(1, [6, 6], [-4.0, -0.125], "length")])]
+    got = convert_vllm_outputs(prompts, outs, n=2)
+    assert [[o.output_token_ids for o in g] for g in got] == [[[7, 8, 8], [9, 2]], [[5], [6, 6]]]  # sorted by index
+    assert [[o.logprobs for o in g] for g in got] == [[[-1.0, -2.0, -3.0], [-0.5, -1.5]], [[-0.25], [-4.0, -0.125]]]
+    assert [[o.finish_reason for o in g] for g in got] == [["length", "stop"], ["stop", "length"]]
+    assert all(o.prompt_token_ids == prompts[p] for p, g in enumerate(got) for o in g)
+
+
+def test_convert_vllm_outputs_errors():
+    ok = request([1], [completion(0, [3], [-1.0], "stop")])
+    with pytest.raises(ValueError, match="1 request outputs for 2 prompts"):
+        convert_vllm_outputs([[1], [2]], [ok], n=1)
+    with pytest.raises(ValueError, match="returned 1 samples, expected n=2"):
+        convert_vllm_outputs([[1]], [ok], n=2)
+    no_lp = completion(0, [3], [-1.0], "stop")
+    no_lp.logprobs = None
+    with pytest.raises(ValueError, match="logprobs=0"):
+        convert_vllm_outputs([[1]], [request([1], [no_lp])], n=1)
+    wrong_token = completion(0, [3], [-1.0], "stop", extra=False)
+    wrong_token.logprobs = [{4: Logprob(-1.0)}]
+    with pytest.raises(ValueError, match="no log-prob for the sampled token 3"):
+        convert_vllm_outputs([[1]], [request([1], [wrong_token])], n=1)
+    with pytest.raises(RuntimeError, match="finish_reason='abort'"):
+        convert_vllm_outputs([[1]], [request([1], [completion(0, [3], [-1.0], "abort")])], n=1)
+
+
+def test_missing_vllm_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
+    with pytest.raises(ImportError, match=r"pip install 'posttrain\[vllm\]'.*CUDA GPU"):
+        VLLMRolloutEngine("/some/model")
+    with pytest.raises(ImportError, match="posttrain"):
+        make_rollout_engine("vllm", "/some/model")
+
+
+class FakeLLM:
+    """Records what the engine asks of vllm.LLM and answers like it."""
+
+    def __init__(self, model=None, **kwargs):
+        self.init = dict(model=model, **kwargs)
+        self.calls = []
+
+    def generate(self, prompts, sampling_params, use_tqdm=True):
+        self.calls.append(("generate", prompts, sampling_params, use_tqdm))
+        return [request(p["prompt_token_ids"], [completion(i, [10 + i, 2], [-0.5, -0.75], "stop")
+                                                 for i in range(sp["n"])])
+                for p, sp in zip(prompts, sampling_params)]
+
+    def apply_model(self, func):
+        model = SimpleNamespace(loaded=None)
+        model.load_weights = lambda weights: setattr(model, "loaded", list(weights))
+        func(model)
+        self.calls.append(("apply_model", model.loaded))
+        return [None]
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+    def sleep(self, level=1):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up",))
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    module = SimpleNamespace(LLM=FakeLLM, SamplingParams=lambda **kw: kw)
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    return module
+
+
+def test_vllm_engine_request_and_lifecycle(fake_vllm):
+    engine = make_rollout_engine("vllm", "/models/policy", gpu_memory_utilization=0.5)
+    assert isinstance(engine, RolloutEngine)
+    assert engine.llm.init == {"model": "/models/policy", "gpu_memory_utilization": 0.5,
+                               "logprobs_mode": "processed_logprobs", "generation_config": "vllm"}
+    params = SamplingParams(temperature=0.7, top_p=1.0, max_new_tokens=5, n=2, seed=3)
+    out = engine.generate([[1, 2], [3]], params)
+    _, prompts, sampling, use_tqdm = engine.llm.calls[-1]
+    assert prompts == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}] and use_tqdm is False
+    assert sampling[0] == dict(n=2, temperature=0.7, top_p=1.0, max_tokens=5, seed=rank_seed(3, 0, 0) % 2**31, logprobs=0,
+                               detokenize=False, stop_token_ids=None, ignore_eos=False)
+    assert sampling[1]["seed"] == rank_seed(3, 0, 1) % 2**31 != sampling[0]["seed"]  # duplicate prompts still differ
+    assert [[o.output_token_ids for o in g] for g in out] == [[[10, 2], [11, 2]]] * 2
+    assert out[1][0].prompt_token_ids == [3] and out[0][1].logprobs == [-0.5, -0.75]
+
+    # explicit stop ids replace vLLM's eos; seed None stays None (vLLM draws)
+    engine.generate([[1]], SamplingParams(stop_token_ids=[2, 0]))
+    sp = engine.llm.calls[-1][2][0]
+    assert (sp["stop_token_ids"], sp["ignore_eos"], sp["seed"]) == ([2, 0], True, None)
+    with_eos = VLLMRolloutEngine(FakeLLM(), eos_token_ids=[7])
+    with_eos.generate([[1]], SamplingParams())
+    assert with_eos.llm.calls[-1][2][0]["stop_token_ids"] == [7]
+
+    model = torch.nn.Linear(2, 2)
+    engine.sync_weights(model)
+    (_, loaded), reset = engine.llm.calls[-2:]
+    assert [name for name, _ in loaded] == ["weight", "bias"] and reset == ("reset_prefix_cache",)
+    assert torch.equal(loaded[0][1], model.weight)
+    engine.load_weights({"w": torch.ones(1)})
+    assert engine.llm.calls[-2][1][0][0] == "w"
+    with pytest.raises(ValueError, match="state dict"):
+        engine.load_weights(42)
+    engine.sleep()
+    engine.wake_up()
+    assert engine.llm.calls[-2:] == [("sleep", 1), ("wake_up",)]
