@@ -7,6 +7,8 @@ import sys
 COMMANDS = {
     "init-tiny": ("posttrain.cli.init_tiny", "build a tiny local model + tokenizer (no download)"),
     "sft": ("posttrain.cli.train_sft", "supervised fine-tuning"),
+    "ppo": ("posttrain.cli.train_ppo_ray", "RL from a reward: PPO, REINFORCE++, RLOO, GRPO, Dr.GRPO"),
+    "serve-rm": ("posttrain.cli.serve_rm", "serve a reward model or reward_func over HTTP"),
     "plot": ("posttrain.cli.plot", "PNG charts of a run's metrics.jsonl"),
     "demo": ("posttrain.cli.demo", "the main job: init-tiny -> SFT on a synthetic task, with accuracy"),
 }
@@ -32,7 +34,7 @@ def main(argv: list[str] | None = None):
         print(f"posttrain: error: unknown command '{name}'{hint}\n\n{usage()}", file=sys.stderr)
         raise SystemExit(2)
     module = importlib.import_module(COMMANDS[name][0])
-    if name in ("sft",):
+    if name in ("sft", "ppo"):
         module.main(rest, prog=f"posttrain {name}")
     else:
         module.main(rest)

@@ -6,6 +6,7 @@ from .collate import pack_collate, pad_collate
 from .errors import DataError, where
 from .loading import load_rows
 from .mixing import mix_rows, parse_probs
+from .prompts import Prompt, PromptDataset
 from .readers import Row, read_file
 from .sft_dataset import SFTDataset
 from .sources import load_source
@@ -15,6 +16,8 @@ from .validation import ensure_location, require_messages, require_text, require
 
 __all__ = [
     "DataError",
+    "Prompt",
+    "PromptDataset",
     "Row",
     "SFTDataset",
     "check_input_template",

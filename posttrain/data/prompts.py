@@ -1,0 +1,56 @@
+"""Prompt datasets for RL: each row becomes the prompt text the policy sees, its token ids, and
+its label (ground truth for a verifiable reward, passed to `reward_func` as `labels`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import DataError, where
+from .templates import check_input_template, format_prompt, render_chat, to_messages
+from .validation import get_field, require_text_or_messages
+
+
+@dataclass
+class Prompt:
+    text: str
+    token_ids: list[int]
+    label: Any
+    source: str
+
+
+class PromptDataset:
+    """`rows` → prompts. The input field is text or a message list; with `apply_chat_template` it is
+    rendered with a generation prompt, else formatted by `input_template` (a `{}` template) or used
+    as is. Prompts longer than `max_prompt_len` tokens (when given) are dropped and counted."""
+
+    def __init__(self, rows: list[dict], tokenizer, *, input_key: str = "input", label_key: str | None = None,
+                 input_template: str | None = None, apply_chat_template: bool = False,
+                 max_prompt_len: int | None = None) -> None:
+        check_input_template(input_template)
+        self.prompts: list[Prompt] = []
+        self.dropped: list[str] = []
+        values = [(row, require_text_or_messages(row, input_key, "--data.input_key")) for row in rows]
+        for row, value in values:
+            if apply_chat_template:
+                text = render_chat(tokenizer, to_messages(value, "user"), add_generation_prompt=True,
+                                   location=where(row))
+            elif isinstance(value, str):
+                text = format_prompt(input_template, value)
+            else:
+                raise DataError(f"{where(row)}: key '{input_key}' holds chat messages; pass "
+                                "--data.apply_chat_template to render them, or point --data.input_key at text.")
+            label = get_field(row, label_key, "--data.label_key") if label_key else None
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if max_prompt_len is not None and len(ids) > max_prompt_len:
+                self.dropped.append(where(row))
+                continue
+            self.prompts.append(Prompt(text=text, token_ids=ids, label=label, source=where(row)))
+        if not self.prompts:
+            raise DataError(f"no usable prompts: {len(rows)} rows, {len(self.dropped)} dropped as longer than "
+                            f"{max_prompt_len} tokens; raise --data.max_len or shorten the prompts")
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, i: int) -> Prompt:
+        return self.prompts[i]

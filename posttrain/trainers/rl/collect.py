@@ -1,0 +1,103 @@
+"""One rollout batch: draw prompts, sample n responses each, score them, shape the rewards, and
+(DAPO dynamic filtering) keep only groups whose mean score lies strictly inside (low, high),
+refilling with fresh prompts until the batch is full or the extra-draw budget is spent."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from posttrain.agents.single_turn import ScoredRollouts
+from posttrain.algorithms.shaping import dynamic_filter, overlong_penalty, stop_properly_penalty
+
+
+class PromptStream:
+    """Prompts in a fresh seeded shuffle per episode; `cursor` counts prompts drawn so far (saved in
+    checkpoints so a resumed run continues with the same prompts)."""
+
+    def __init__(self, num_prompts: int, seed: int, cursor: int = 0) -> None:
+        self.n = num_prompts
+        self.seed = seed
+        self.cursor = cursor
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        for _ in range(k):
+            episode, pos = divmod(self.cursor, self.n)
+            out.append(int(np.random.default_rng([self.seed, episode]).permutation(self.n)[pos]))
+            self.cursor += 1
+        return out
+
+
+@dataclass
+class ShapingSettings:
+    max_new_tokens: int
+    overlong_buffer_len: int | None
+    overlong_penalty_factor: float
+    stop_properly_penalty_coef: float | None
+
+
+def shape_rewards(batch: ScoredRollouts, s: ShapingSettings) -> dict[str, float]:
+    """Length shaping of `batch.rewards` in place (before the advantage baseline); returns counts."""
+    lengths = torch.tensor([len(r.output_ids) for r in batch.rollouts], dtype=torch.float32)
+    truncated = torch.tensor([r.finish_reason == "length" for r in batch.rollouts])
+    before = batch.rewards.clone()
+    if s.overlong_buffer_len:
+        batch.rewards = overlong_penalty(batch.rewards, lengths, s.max_new_tokens, s.overlong_buffer_len,
+                                         s.overlong_penalty_factor)
+    if s.stop_properly_penalty_coef is not None:
+        batch.rewards = stop_properly_penalty(batch.rewards, truncated, s.stop_properly_penalty_coef)
+    return {"shaping/penalised_frac": float((batch.rewards != before).float().mean())}
+
+
+def concat(parts: list[ScoredRollouts]) -> ScoredRollouts:
+    logs: dict = {}
+    for p in parts:
+        for k, v in p.extra_logs.items():
+            logs.setdefault(k, []).append(torch.as_tensor(v, dtype=torch.float32).reshape(-1))
+    return ScoredRollouts(rollouts=[r for p in parts for r in p.rollouts],
+                          rewards=torch.cat([p.rewards for p in parts]), scores=torch.cat([p.scores for p in parts]),
+                          extra_logs={k: torch.cat(v) for k, v in logs.items()},
+                          skipped=torch.cat([p.skipped for p in parts]))
+
+
+def keep_groups(batch: ScoredRollouts, keep: torch.Tensor, n: int) -> ScoredRollouts:
+    rows = torch.nonzero(keep.repeat_interleave(n)).flatten().tolist()
+    return ScoredRollouts(rollouts=[batch.rollouts[i] for i in rows], rewards=batch.rewards[rows],
+                          scores=batch.scores[rows],
+                          extra_logs={k: v[rows] if isinstance(v, torch.Tensor) and v.numel() == len(keep) * n else v
+                                      for k, v in batch.extra_logs.items()},
+                          skipped=batch.skipped[rows])
+
+
+def collect(executor, prompts, stream: PromptStream, params, *, batch_size: int, shaping: ShapingSettings,
+            filter_range: tuple[float, float] | None, max_extra_draws: int) -> tuple[ScoredRollouts, dict]:
+    """`batch_size` prompt groups (fewer when filtering ran out of draws; logged)."""
+    n = params.n
+    kept: list[ScoredRollouts] = []
+    kept_groups = drawn = 0
+    budget = batch_size + (max_extra_draws if filter_range else 0)
+    metrics: dict[str, float] = {}
+    while kept_groups < batch_size and drawn < budget:
+        take = min(batch_size - kept_groups, budget - drawn)
+        batch = executor.run([prompts[i] for i in stream.take(take)], params, group_offset=kept_groups)
+        drawn += take
+        metrics.update(shape_rewards(batch, shaping))
+        if filter_range:
+            keep = dynamic_filter(batch.scores.view(-1, n), *filter_range)
+            batch = keep_groups(batch, keep, n)
+        kept.append(batch)
+        kept_groups += len(batch.rollouts) // n
+    if kept_groups == 0:
+        raise RuntimeError(
+            f"dynamic filtering kept no prompt group out of {drawn} drawn (every group's mean score was at or "
+            f"outside --algo.dynamic_filtering_range {filter_range}); widen the range or check the reward")
+    if filter_range:
+        metrics["filter/pass_rate"] = kept_groups / drawn
+        metrics["filter/kept_groups"] = kept_groups
+        metrics["filter/drawn_prompts"] = drawn
+    out = concat(kept)
+    for i, r in enumerate(out.rollouts):  # renumber groups contiguously after filtering
+        r.group = i // n
+    return out, metrics

@@ -1,0 +1,381 @@
+"""The RL loop (`posttrain ppo`): for each step, collect a rollout batch, turn it into experience
+(old/reference log-probs, values, KL, rewards → advantages), update the critic and the policy, then
+log, evaluate and checkpoint. All roles live in this process here; their objects (`roles.py`) are
+the seam where a Ray placement plugs in."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from posttrain.agents.rewards import make_reward_source
+from posttrain.agents.single_turn import SingleTurnExecutor
+from posttrain.algorithms.advantages import compute_advantages_with_stats
+from posttrain.algorithms.kl import AdaptiveKLController, FixedKLController, approx_kl_with_stats
+from posttrain.config import derived_sizes, format_config, inert_flags, resolve_hardware_defaults, save_config
+from posttrain.data import PromptDataset, load_rows
+from posttrain.engines import make_train_engine
+from posttrain.engines.rollout import HFRolloutEngine, SamplingParams, rank_seed
+from posttrain.models import load_causal_lm, load_score_model, load_tokenizer, save_pretrained
+from posttrain.trainers.rl.collect import PromptStream, ShapingSettings, collect
+from posttrain.trainers.rl.evaluate import dataset_name, eval_metrics
+from posttrain.trainers.rl.experience import Experience, build_experience
+from posttrain.trainers.rl.roles import Actor, Critic, Reference
+from posttrain.trainers.rl.updates import UpdateSettings, update_actor, update_critic
+from posttrain.trainers.session import pick_device
+from posttrain.utils.checkpoint import CheckpointManager, read_manifest
+from posttrain.utils.log import info
+from posttrain.utils.metrics import MetricsLogger
+from posttrain.utils.seeding import rng_state, set_rng_state, set_seed
+from posttrain.utils.timer import Timers
+
+GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return float((x * mask).sum() / mask.sum().clamp(min=1))
+
+
+class RLTrainer:
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg
+        self.device = pick_device()
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1:
+            raise NotImplementedError("posttrain ppo runs in one process for now; several processes (Ray) "
+                                      "are not available yet — launch it without torchrun/deepspeed")
+        for note in resolve_hardware_defaults(cfg, self.device.type) or []:
+            info(note)
+        self.run_dir = Path(cfg.ckpt.output_dir)
+        info(format_config(cfg, derived_sizes(cfg, world)))
+        for note in inert_flags(cfg, self.device.type):
+            info(f"note: {note}")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.run_dir / "config.yaml")
+        set_seed(cfg.train.seed)
+        self._load_data()
+        self._load_models()
+        self._build_loop_state()
+
+    # ---- set-up -----------------------------------------------------------------------------
+    def _load_data(self) -> None:
+        cfg = self.cfg
+        self.tokenizer = tok = load_tokenizer(cfg.actor.model_name_or_path,
+                                              use_fast=not cfg.data.disable_fast_tokenizer,
+                                              chat_template=cfg.data.tokenizer_chat_template)
+        kw = dict(input_key=cfg.data.input_key, label_key=cfg.data.label_key, input_template=cfg.data.input_template,
+                  apply_chat_template=cfg.data.apply_chat_template)
+        rows = load_rows(cfg.data.prompt_dataset, cfg.data.prompt_probs, cfg.data.prompt_split, cfg.train.seed,
+                         cfg.data.max_samples)
+        self.max_new_tokens = cfg.rollout.max_new_tokens
+        limit = cfg.data.max_len - (self.max_new_tokens or 1)
+        self.prompts = PromptDataset(rows, tok, max_prompt_len=limit, **kw)
+        if self.prompts.dropped:
+            info(f"{len(self.prompts.dropped)} prompts longer than {limit} tokens dropped (--data.max_len)")
+        if self.max_new_tokens is None:  # OpenRLHF: max_len - prompt length
+            self.max_new_tokens = max(1, cfg.data.max_len - max(len(p.token_ids) for p in self.prompts))
+        self.eval_prompts, self.eval_name = None, None
+        if cfg.eval.dataset:
+            eval_rows = load_rows(cfg.eval.dataset, None, cfg.eval.split, cfg.train.seed, cfg.data.max_samples)
+            self.eval_prompts = PromptDataset(eval_rows, tok, max_prompt_len=limit, **kw)
+            self.eval_name = dataset_name(cfg.eval.dataset)
+
+    def _engine(self, model, role_cfg, total_steps: int):
+        return make_train_engine(
+            model, optim=role_cfg.optim, lr=role_cfg.adam.lr, betas=tuple(role_cfg.adam.betas), eps=role_cfg.adam.eps,
+            weight_decay=role_cfg.adam.weight_decay, muon_lr=role_cfg.muon.lr, muon_momentum=role_cfg.muon.momentum,
+            muon_nesterov=role_cfg.muon.nesterov, muon_ns_steps=role_cfg.muon.ns_steps,
+            lr_scheduler=role_cfg.lr_scheduler, warmup_ratio=role_cfg.lr_warmup_ratio,
+            min_lr_ratio=role_cfg.min_lr_ratio, total_steps=max(total_steps, 1), max_norm=role_cfg.max_norm,
+            zero_stage=None, param_dtype=self.cfg.ds.param_dtype)
+
+    def _load_models(self) -> None:
+        cfg = self.cfg
+        n = cfg.rollout.n_samples_per_prompt
+        self.steps_per_episode = len(self.prompts) // cfg.rollout.batch_size
+        if self.steps_per_episode == 0:
+            raise ValueError(f"{len(self.prompts)} prompts are fewer than one rollout batch "
+                             f"(--rollout.batch_size {cfg.rollout.batch_size}); lower it or add prompts")
+        self.total_steps = self.steps_per_episode * cfg.train.num_episodes
+        updates_per_step = cfg.train.max_epochs * (cfg.rollout.batch_size * n // cfg.train.batch_size)
+        dtype = cfg.ds.param_dtype
+        actor_model = load_causal_lm(cfg.actor.model_name_or_path, dtype=dtype,
+                                     attn_implementation=cfg.ds.attn_implementation,
+                                     gradient_checkpointing=cfg.actor.gradient_checkpointing_enable,
+                                     gradient_checkpointing_reentrant=cfg.actor.gradient_checkpointing_reentrant)
+        actor_model.to(self.device).train()
+        self.actor = Actor(actor_model, self._engine(actor_model, cfg.actor, self.total_steps * updates_per_step),
+                           cfg.rollout.temperature, self.device)
+        self.critic = None
+        if cfg.algo.advantage.estimator == "gae":
+            path = cfg.critic.model_name_or_path or cfg.reward.model_name_or_path or cfg.actor.model_name_or_path
+            critic_model = load_score_model(path, dtype=dtype, value_head_prefix=cfg.ds.value_head_prefix,
+                                            attn_implementation=cfg.ds.attn_implementation)
+            critic_model.to(self.device).train()
+            self.critic = Critic(critic_model, self._engine(critic_model, cfg.critic, self.total_steps * updates_per_step),
+                                 self.device)
+        kl = cfg.algo.kl
+        self.ref = None
+        if kl.init_coef > 0 or kl.use_loss:
+            ref_model = load_causal_lm(cfg.ref.model_name_or_path or cfg.actor.model_name_or_path, dtype=dtype,
+                                       attn_implementation=cfg.ds.attn_implementation)
+            ref_model.requires_grad_(False)
+            self.ref = Reference(ref_model.to(self.device), cfg.rollout.temperature, self.device, offload=cfg.ref.offload)
+        else:
+            info("no reference model loaded: --algo.kl.init_coef 0 and KL is not used as a loss")
+        self.kl_ctl = (AdaptiveKLController(kl.init_coef, kl.target, kl.horizon) if kl.target
+                       else FixedKLController(kl.init_coef))
+        self.reward_source = make_reward_source(
+            cfg.reward.remote_url, cfg.reward.model_name_or_path, value_head_prefix=cfg.ds.value_head_prefix,
+            normalize=cfg.reward.normalize_enable, dtype=dtype, batch_size=max(cfg.rollout.micro_batch_size, 16),
+            tokenizer=self.tokenizer, device=str(self.device), attn_implementation=cfg.ds.attn_implementation,
+            on_error="skip" if cfg.reward.skip_errors_enable else "raise", timeout=cfg.reward.timeout,
+            retries=cfg.reward.retries)
+        self.rollout_engine = HFRolloutEngine(actor_model, self.tokenizer, pad_token_id=self.tokenizer.pad_token_id)
+        self.executor = SingleTurnExecutor(self.rollout_engine, self.reward_source, self.tokenizer)
+
+    def _build_loop_state(self) -> None:
+        cfg = self.cfg
+        a = cfg.actor
+        eps_low, eps_high = a.eps_clip_low_high if a.eps_clip_low_high else (a.eps_clip, a.eps_clip)
+        adv = cfg.algo.advantage
+        self.update_settings = UpdateSettings(
+            batch_size=cfg.train.batch_size, micro_batch_size=cfg.train.micro_batch_size,
+            max_epochs=cfg.train.max_epochs, loss_agg=a.loss_agg, max_len=self.max_new_tokens, eps_low=eps_low,
+            eps_high=eps_high, dual_clip=a.dual_clip, policy_loss_type=a.policy_loss_type,
+            entropy_coef=a.entropy_coef, kl_use_loss=cfg.algo.kl.use_loss, kl_estimator=cfg.algo.kl.estimator,
+            is_correction=adv.is_correction_type if adv.is_correction_enable else None,
+            is_threshold=tuple(adv.is_correction_threshold), value_clip=cfg.critic.value_clip, seed=cfg.train.seed)
+        self.shaping = ShapingSettings(self.max_new_tokens, cfg.reward.overlong_buffer_len,
+                                       cfg.reward.overlong_penalty_factor, cfg.reward.stop_properly_penalty_coef)
+        self.stream = PromptStream(len(self.prompts), cfg.train.seed)
+        self.global_step = 0
+        self.best = {"key": None, "value": -math.inf}
+        self.ema = None
+        if cfg.train.enable_ema:
+            self.ema = {k: v.detach().clone().float() for k, v in self.actor.model.state_dict().items()}
+        self.timers = Timers()
+        self.logger = MetricsLogger(self.run_dir, tensorboard_dir=cfg.logger.tensorboard_dir,
+                                    wandb=_wandb(cfg), resume=cfg.ckpt.load_enable)
+        self.ckpt = None
+        if cfg.ckpt.path and not cfg.ckpt.disable_ds:
+            self.ckpt = CheckpointManager(cfg.ckpt.path, max_num=cfg.ckpt.max_num,
+                                          max_mem_gb=cfg.ckpt.max_mem if cfg.ckpt.max_mem is not None else math.inf)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def sampling_params(self, step: int, evaluation: bool = False) -> SamplingParams:
+        cfg = self.cfg
+        if evaluation:
+            return SamplingParams(temperature=cfg.eval.temperature, top_p=cfg.rollout.top_p,
+                                  max_new_tokens=self.max_new_tokens, n=cfg.eval.n_samples_per_prompt,
+                                  seed=rank_seed(cfg.train.seed + 1, 0, step))
+        return SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                              max_new_tokens=self.max_new_tokens, n=cfg.rollout.n_samples_per_prompt,
+                              seed=rank_seed(cfg.train.seed, 0, step))
+
+    def make_experience(self, scored) -> tuple[Experience, dict[str, float]]:
+        cfg = self.cfg
+        mbs = cfg.rollout.micro_batch_size
+        rewards = scored.rewards.clone()
+        if cfg.reward.whiten_enable:  # TRL whiten_rewards: whiten the scalar rewards before the baseline
+            rewards = (rewards - rewards.mean()) / rewards.std(unbiased=False).clamp(min=1e-8)
+        exp = build_experience(scored.rollouts, rewards, self.tokenizer.pad_token_id)
+        exp.action_mask[scored.skipped] = 0.0  # samples without a reward train nothing (counted in reward/skipped)
+        mask = exp.action_mask
+        exp.old_logp = self.actor.logprobs(exp, mbs)
+        metrics = {"rollout/logprob_abs_gap": _masked_mean((exp.old_logp - exp.rollout_logp).abs(), mask)}
+        kl = None
+        if self.ref is not None:
+            exp.ref_logp = self.ref.logprobs(exp, mbs)
+            kl, kl_stats = approx_kl_with_stats(exp.old_logp, exp.ref_logp, cfg.algo.kl.estimator, mask=mask)
+            kl = kl * mask
+            metrics.update({"kl/mean": _masked_mean(kl, mask), "kl/clamp_frac": float(kl_stats["kl_clamp_frac"])})
+        if self.critic is not None:
+            exp.values = self.critic.values(exp, mbs)
+        in_reward = kl is not None and not cfg.algo.kl.use_loss
+        adv = cfg.algo.advantage
+        exp.advantages, exp.returns, stats = compute_advantages_with_stats(
+            adv.estimator, exp.rewards, mask, n=cfg.rollout.n_samples_per_prompt,
+            kl=kl if in_reward else None, kl_coef=self.kl_ctl.value if in_reward else 0.0, values=exp.values,
+            gamma=adv.gamma, lam=adv.lambd, clip_range=tuple(cfg.reward.clip_range), std_norm=not adv.no_std_norm,
+            sequence_kl=cfg.algo.kl.sequence_level_enable, whiten=True if adv.whiten_enable else None)
+        metrics.update({f"advantage/{k}": float(v) for k, v in stats.items() if _scalar(v)})
+        metrics["advantage/mean"] = _masked_mean(exp.advantages, mask)
+        return exp, metrics
+
+    def step(self) -> dict[str, float]:
+        cfg = self.cfg
+        step = self.global_step
+        n = cfg.rollout.n_samples_per_prompt
+        with self.timers("step_total"):
+            with self.timers("generation"):
+                filt = tuple(cfg.algo.dynamic_filtering_range) if cfg.algo.dynamic_filtering_enable else None
+                scored, metrics = collect(self.executor, self.prompts, self.stream, self.sampling_params(step),
+                                          batch_size=cfg.rollout.batch_size, shaping=self.shaping,
+                                          filter_range=filt, max_extra_draws=4 * cfg.rollout.batch_size)
+            metrics.update(rollout_metrics(scored, n))
+            with self.timers("make_experience"):
+                exp, exp_metrics = self.make_experience(scored)
+            metrics.update(exp_metrics)
+            with self.timers("ppo_train"):
+                if self.critic is not None:
+                    metrics.update(update_critic(self.critic, exp, self.update_settings, step))
+                if step >= cfg.critic.freezing_steps:
+                    metrics.update(update_actor(self.actor, exp, self.update_settings, self.kl_ctl.value, step))
+                    self._update_ema()
+            if "kl/mean" in metrics:
+                self.kl_ctl.update(metrics["kl/mean"], len(exp))
+            metrics["kl/coef"] = self.kl_ctl.value
+        metrics.update(self.timers.pop_metrics())
+        self._write_samples(step + 1, scored)
+        return metrics
+
+    def _update_ema(self) -> None:
+        if self.ema is None:
+            return
+        beta = self.cfg.train.ema_beta
+        with torch.no_grad():
+            for k, v in self.actor.model.state_dict().items():
+                self.ema[k].mul_(beta).add_(v.float(), alpha=1 - beta)
+
+    def _write_samples(self, step: int, scored, k: int = 4) -> None:
+        with (self.run_dir / "samples.jsonl").open("a") as f:
+            for r, reward in list(zip(scored.rollouts, scored.rewards.tolist()))[:k]:
+                f.write(json.dumps({"step": step, "prompt": r.prompt_text, "response": r.response_text,
+                                    "label": r.label, "reward": reward, "finish_reason": r.finish_reason},
+                                   default=str) + "\n")
+
+    # ---- evaluation, checkpoints, the loop ---------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        if self.eval_prompts is None:
+            return {}
+        return eval_metrics(self.executor, self.eval_prompts, self.sampling_params(self.global_step, True),
+                            self.eval_name)
+
+    def _maybe_save_best(self, metrics: dict[str, float]) -> None:
+        key = self.cfg.ckpt.best_metric_key
+        if key == "none":
+            return
+        if not key:
+            key = next((k for k in metrics if k.endswith("_pass1")), None)
+        if key is None or key not in metrics or metrics[key] <= self.best["value"]:
+            return
+        self.best = {"key": key, "value": metrics[key], "step": self.global_step}
+        save_pretrained(self.actor.model, self.tokenizer, self.run_dir / "best")
+        (self.run_dir / "best" / "best_metric.json").write_text(json.dumps(self.best))
+        info(f"new best {key} = {metrics[key]:.4f} at step {self.global_step}: saved to {self.run_dir / 'best'}")
+
+    def save_checkpoint(self) -> None:
+        def write(d: Path) -> None:
+            self.actor.engine.save_state(d / "actor")
+            if self.critic is not None:
+                self.critic.engine.save_state(d / "critic")
+            state = {"global_step": self.global_step, "prompt_cursor": self.stream.cursor,
+                     "kl_ctl": self.kl_ctl.state_dict(), "best": self.best, "rng": rng_state(), "ema": self.ema}
+            torch.save(state, d / "trainer_state.pt")
+        path = self.ckpt.save(self.global_step, write, {"global_step": self.global_step})
+        info(f"saved checkpoint {path}")
+
+    def try_resume(self) -> None:
+        if not (self.cfg.ckpt.load_enable and self.ckpt):
+            return
+        for _, path in self.ckpt.valid_checkpoints():
+            try:
+                self.actor.engine.load_state(path / "actor")
+                if self.critic is not None:
+                    self.critic.engine.load_state(path / "critic")
+                state = torch.load(path / "trainer_state.pt", weights_only=False)
+            except Exception as e:  # verified but unloadable (e.g. another model): try an older one
+                info(f"could not load checkpoint {path} ({e}); trying an older one")
+                continue
+            self.global_step = state["global_step"]
+            self.stream.cursor = state["prompt_cursor"]
+            self.kl_ctl.load_state_dict(state["kl_ctl"])
+            self.best = state["best"]
+            self.ema = state["ema"]
+            set_rng_state(state["rng"])
+            self.logger.truncate_after(self.global_step)
+            info(f"resumed from {path} at step {self.global_step} ({read_manifest(path)['step']})")
+            return
+        info(f"--ckpt.load_enable: no valid checkpoint in {self.cfg.ckpt.path}; starting fresh")
+
+    def fit(self) -> dict[str, float]:
+        from tqdm.auto import tqdm
+
+        cfg = self.cfg
+        self.try_resume()
+        bar = tqdm(total=self.total_steps, initial=self.global_step, desc="rl", dynamic_ncols=True)
+        last_eval: dict[str, float] = {}
+        while self.global_step < self.total_steps:
+            metrics = self.step()
+            self.global_step += 1
+            bar.update(1)
+            bar.set_postfix({"reward": f"{metrics['reward/mean']:.3f}", "len": f"{metrics['response/length']:.1f}",
+                             "kl": f"{metrics.get('kl/mean', 0.0):.4f}"})
+            if cfg.eval.steps > 0 and self.global_step % cfg.eval.steps == 0:
+                with self.timers("eval"):
+                    last_eval = self.evaluate()
+                metrics.update(last_eval)
+                metrics.update(self.timers.pop_metrics())
+                self._maybe_save_best(last_eval)
+            if self.global_step % max(cfg.logger.logging_steps, 1) == 0 or last_eval:
+                self.logger.log(self.global_step, metrics)
+            if self.ckpt and cfg.ckpt.save_steps > 0 and self.global_step % cfg.ckpt.save_steps == 0:
+                self.save_checkpoint()
+        bar.close()
+        self._export()
+        self.logger.close()
+        try:
+            from posttrain.utils.plot import plot_run
+
+            plot_run(self.run_dir)
+        except ValueError as e:
+            info(f"no plots: {e}")
+        self.reward_source.close()
+        return last_eval
+
+    def _export(self) -> None:
+        model = self.actor.model
+        state = None
+        if self.ema is not None:
+            state = {k: v.to(dtype) for (k, v), dtype in
+                     zip(self.ema.items(), (t.dtype for t in model.state_dict().values()))}
+            info("--train.enable_ema: the saved final model holds the EMA weights")
+        save_pretrained(model, self.tokenizer, self.run_dir, state_dict=state)
+        if self.critic is not None and self.cfg.critic.save_value_network:
+            save_pretrained(self.critic.model, self.tokenizer, self.run_dir / "critic")
+        info(f"final model saved to {self.run_dir}")
+
+
+def rollout_metrics(scored, n: int) -> dict[str, float]:
+    """Reward/score statistics, response lengths, truncation, zero-variance groups, skips."""
+    r = scored.rewards
+    lengths = torch.tensor([len(x.output_ids) for x in scored.rollouts], dtype=torch.float32)
+    out = {"reward/mean": float(r.mean()), "reward/std": float(r.std(unbiased=False)),
+           "score/mean": float(scored.scores.mean()), "score/std": float(scored.scores.std(unbiased=False)),
+           "response/length": float(lengths.mean()), "response/length_max": float(lengths.max()),
+           "response/truncated_frac": sum(x.finish_reason == "length" for x in scored.rollouts) / len(scored.rollouts),
+           "reward/skipped": float(scored.skipped.sum())}
+    if n > 1:
+        groups = r.view(-1, n)
+        out["reward/zero_std_group_frac"] = float((groups.std(dim=1) == 0).float().mean())
+    for k, v in scored.extra_logs.items():
+        t = torch.as_tensor(v, dtype=torch.float32)
+        out[f"reward/{k}"] = float(t.mean())
+    return out
+
+
+def _scalar(v) -> bool:
+    return isinstance(v, (int, float, bool)) or (isinstance(v, torch.Tensor) and v.numel() == 1)
+
+
+def _wandb(cfg) -> dict:
+    w = cfg.logger.wandb
+    return {"key": w.key, "org": w.org, "group": w.group, "project": w.project, "run_name": w.run_name}
+
+
+def train_rl(cfg) -> dict[str, float]:
+    return RLTrainer(cfg).fit()

@@ -1,0 +1,125 @@
+"""Policy and critic updates over one rollout batch: `max_epochs` passes, each split into
+optimizer steps of `train.batch_size` samples and micro-batches of `train.micro_batch_size`.
+Every loss is aggregated with the optimizer step's global token / sequence counts, so the gradient
+does not depend on the micro-batch split (ALGORITHMS.md, aggregation)."""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from posttrain.algorithms.kl import approx_kl
+from posttrain.algorithms.losses import aggregate, policy_loss, value_loss
+from posttrain.trainers.rl.experience import Experience
+from posttrain.trainers.rl.roles import Actor, Critic, _to, policy_forward
+
+
+@dataclass
+class UpdateSettings:
+    batch_size: int
+    micro_batch_size: int
+    max_epochs: int
+    loss_agg: str
+    max_len: int  # the constant normaliser of seq_sum_norm: max_new_tokens
+    eps_low: float
+    eps_high: float
+    dual_clip: float | None
+    policy_loss_type: str
+    entropy_coef: float | None
+    kl_use_loss: bool
+    kl_estimator: str
+    is_correction: str | None
+    is_threshold: tuple[float, float]
+    value_clip: float | None
+    seed: int
+
+
+def optimizer_steps(n: int, s: UpdateSettings, step: int):
+    """Row groups of each optimizer step over `max_epochs` shuffled passes (deterministic in step)."""
+    rng = np.random.default_rng([s.seed, step])
+    for _ in range(s.max_epochs):
+        order = rng.permutation(n)
+        for start in range(0, n - s.batch_size + 1, s.batch_size):
+            yield order[start:start + s.batch_size]
+
+
+class _Mean:
+    def __init__(self) -> None:
+        self.sums = defaultdict(float)
+        self.weights = defaultdict(float)
+
+    def add(self, name: str, value: float, weight: float = 1.0) -> None:
+        self.sums[name] += float(value) * weight
+        self.weights[name] += weight
+
+    def result(self, prefix: str) -> dict[str, float]:
+        return {f"{prefix}/{k}": self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
+
+
+def _counts(exp: Experience) -> tuple[float, float]:
+    return float(exp.action_mask.sum()), float((exp.action_mask.sum(1) > 0).sum())
+
+
+def update_actor(actor: Actor, exp: Experience, s: UpdateSettings, kl_coef: float, step: int) -> dict[str, float]:
+    mean = _Mean()
+    engine = actor.engine
+    for rows in optimizer_steps(len(exp), s, step):
+        batch = exp.select(rows)
+        num_tokens, num_seqs = _counts(batch)
+        step_loss = 0.0
+        for start in range(0, len(batch), s.micro_batch_size):
+            mb = _to(batch.select(list(range(start, min(start + s.micro_batch_size, len(batch))))), actor.device)
+            want_entropy = s.entropy_coef is not None
+            logp, ent = policy_forward(engine.model, mb, actor.temperature, with_entropy=want_entropy)
+            mask = mb.action_mask
+            loss, m = policy_loss(
+                logp, mb.old_logp, mb.advantages, mask, eps_low=s.eps_low, eps_high=s.eps_high,
+                dual_clip=s.dual_clip, loss_type=s.policy_loss_type,
+                rollout_logp=mb.rollout_logp if s.is_correction else None, is_correction=s.is_correction,
+                is_threshold=s.is_threshold, agg=s.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
+                max_len=s.max_len)
+            tokens = float(mask.sum())
+            if s.kl_use_loss and mb.ref_logp is not None:
+                kl = approx_kl(logp, mb.ref_logp, s.kl_estimator)
+                loss = loss + kl_coef * aggregate(kl, mask, s.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
+                                                  max_len=s.max_len)
+                mean.add("kl_loss", float((kl.detach() * mask).sum()) / max(tokens, 1), tokens)
+            if ent is not None:
+                ent_agg = aggregate(ent, mask, s.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs, max_len=s.max_len)
+                if s.entropy_coef:
+                    loss = loss - s.entropy_coef * ent_agg
+                mean.add("entropy", float((ent.detach() * mask).sum()) / max(tokens, 1), tokens)
+            engine.backward(loss)
+            for name in ("clip_ratio", "ppo_kl", "dual_clip_frac", "rollout_kl", "logprob_abs_gap",
+                         "is_clamp_frac", "is_filter_frac", "is_seq_filter_frac"):
+                if name in m:
+                    mean.add(name, float(m[name]), tokens)
+            step_loss += float(loss.detach())
+        mean.add("policy_loss", step_loss)
+        mean.add("grad_norm", engine.step())
+    out = mean.result("actor")
+    out["actor/lr"] = engine.lr
+    return out
+
+
+def update_critic(critic: Critic, exp: Experience, s: UpdateSettings, step: int) -> dict[str, float]:
+    mean = _Mean()
+    engine = critic.engine
+    for rows in optimizer_steps(len(exp), s, step + 7919):  # its own shuffle
+        batch = exp.select(rows)
+        num_tokens, num_seqs = _counts(batch)
+        step_loss = 0.0
+        for start in range(0, len(batch), s.micro_batch_size):
+            mb = _to(batch.select(list(range(start, min(start + s.micro_batch_size, len(batch))))), critic.device)
+            values = critic.forward(mb)
+            loss = value_loss(values, mb.values, mb.returns, mb.action_mask, clip=s.value_clip, agg=s.loss_agg,
+                              num_tokens=num_tokens, num_seqs=num_seqs, max_len=s.max_len)
+            engine.backward(loss)
+            step_loss += float(loss.detach())
+        mean.add("value_loss", step_loss)
+        mean.add("grad_norm", engine.step())
+    out = mean.result("critic")
+    out["critic/lr"] = engine.lr
+    return out

@@ -1,0 +1,94 @@
+"""RL test fixtures: a nano model SFT-ed on single-digit addition (so its samples are answers, some
+right), the prompt data, reward-function files, and a runner for the real `posttrain ppo` entry."""
+from pathlib import Path
+
+import pytest
+
+REWARD_FUNCS = {
+    # verifiable: the last integer of the response equals the label
+    "correct.py": '''
+import re
+import torch
+
+def reward_func(queries, prompts, labels, **kwargs):
+    out = []
+    for q, p, label in zip(queries, prompts, labels):
+        nums = re.findall(r"-?\\d+", q[len(p):])
+        out.append(1.0 if nums and nums[-1] == str(label) else 0.0)
+    r = torch.tensor(out)
+    return {"rewards": r, "scores": r, "extra_logs": {"accuracy": r}}
+''',
+    # dense and easy: answers starting with the digit 1
+    "starts_with_1.py": '''
+import torch
+
+def reward_func(queries, prompts, labels, **kwargs):
+    r = torch.tensor([1.0 if q[len(p):].strip().startswith("1") else 0.0 for q, p in zip(queries, prompts)])
+    return {"rewards": r, "scores": r}
+''',
+    "raises_late.py": '''
+import os
+import torch
+
+CALLS = {"n": 0}
+
+def reward_func(queries, prompts, labels, **kwargs):
+    CALLS["n"] += 1
+    if CALLS["n"] > int(os.environ.get("POSTTRAIN_TEST_FAIL_AFTER", "3")):
+        raise ZeroDivisionError("the grader divided by zero")
+    return {"rewards": torch.zeros(len(queries))}
+''',
+    "wrong_length.py": '''
+def reward_func(queries, prompts, labels, **kwargs):
+    return {"rewards": [0.0] * (len(queries) - 1)}
+''',
+    "nan.py": '''
+def reward_func(queries, prompts, labels, **kwargs):
+    return {"rewards": [float("nan")] * len(queries)}
+''',
+}
+
+
+@pytest.fixture(scope="session")
+def rl_setup(tmp_path_factory, tiny_model_dir):
+    """(sft_model_dir, data_dir, reward_dir)."""
+    from posttrain.cli import train_sft
+    from posttrain.data.synthetic import make_arithmetic_rows, write_jsonl
+
+    root = tmp_path_factory.mktemp("rl")
+    data = root / "data"
+    rows = make_arithmetic_rows(400, seed=11, difficulty=0)
+    write_jsonl(rows[:360], data / "train.jsonl")
+    write_jsonl(rows[360:], data / "test.jsonl")
+    sft = root / "sft"
+    train_sft.main(["--model.model_name_or_path", tiny_model_dir, "--data.dataset", str(data),
+                    "--data.input_key", "prompt", "--data.output_key", "response", "--data.apply_chat_template",
+                    "--train.batch_size", "16", "--train.micro_batch_size", "16", "--train.max_epochs", "1",
+                    "--adam.lr", "3e-3", "--ckpt.output_dir", str(sft), "--data.max_len", "48"])
+    rewards = root / "rewards"
+    rewards.mkdir()
+    for name, text in REWARD_FUNCS.items():
+        (rewards / name).write_text(text)
+    return Path(sft), data, rewards
+
+
+def ppo_flags(setup, out, *extra, reward="starts_with_1.py"):
+    sft, data, rewards = setup
+    return ["--actor.model_name_or_path", str(sft), "--data.prompt_dataset", str(data), "--data.input_key", "prompt",
+            "--data.label_key", "answer", "--data.apply_chat_template", "--data.max_len", "48",
+            "--reward.remote_url", str(rewards / reward), "--rollout.batch_size", "8",
+            "--rollout.n_samples_per_prompt", "4", "--rollout.max_new_tokens", "4", "--rollout.micro_batch_size", "16",
+            "--train.batch_size", "32", "--train.micro_batch_size", "16", "--data.max_samples", "64",
+            "--actor.adam.lr", "2e-3", "--actor.lr_warmup_ratio", "0", "--algo.kl.init_coef", "0",
+            "--ckpt.output_dir", str(out), *map(str, extra)]
+
+
+@pytest.fixture
+def run_ppo(rl_setup, tmp_path):
+    def run(*extra, name="ppo", reward="starts_with_1.py"):
+        from posttrain.cli import train_ppo_ray
+
+        out = tmp_path / name
+        result = train_ppo_ray.main(ppo_flags(rl_setup, out, *extra, reward=reward))
+        return out, result
+    return run

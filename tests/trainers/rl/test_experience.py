@@ -1,0 +1,50 @@
+"""Token-in token-out layout (ALGORITHMS.md test 7): the reward lands on the last generated token
+under padding, pad == eos, several eos ids and truncation; sampled tokens are never rewritten."""
+import pytest
+import torch
+
+from posttrain.agents.single_turn import Rollout
+from posttrain.algorithms.advantages import compute_advantages
+from posttrain.trainers.rl.experience import build_experience
+
+EOS, PAD = 2, 2  # pad == eos
+
+
+def rollout(prompt, output, finish="stop"):
+    return Rollout(prompt_ids=prompt, output_ids=output, rollout_logprobs=[-0.5] * len(output),
+                   finish_reason=finish, prompt_text="", response_text="")
+
+
+def test_layout_and_reward_position_with_pad_equal_eos_and_truncation():
+    rolls = [
+        rollout([5, 6, 7], [8, EOS]),             # stopped on eos (== pad)
+        rollout([5], [9, 10, 11, 12], "length"),  # truncated: last token is not eos and stays so
+        rollout([5, 6], [3]),                     # a second eos id (3) ended this one
+    ]
+    exp = build_experience(rolls, torch.tensor([1.0, 2.0, 3.0]), pad_id=PAD)
+    assert exp.sequences.tolist() == [[5, 6, 7, 8, EOS], [5, 9, 10, 11, 12], [5, 6, 3, PAD, PAD]]
+    assert exp.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    # column t scores token t+1: the actions are exactly the sampled tokens
+    assert exp.action_mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 1], [0, 1, 0, 0]]
+    assert exp.rollout_logp[0].tolist() == [0, 0, -0.5, -0.5]
+    adv, ret = compute_advantages("reinforce", exp.rewards, exp.action_mask, n=1, whiten=False)
+    # gamma 1: every action token's return is the sequence reward (placed on its last action)
+    assert ret.tolist() == [[0, 0, 1, 1], [2, 2, 2, 2], [0, 3, 0, 0]]
+    from posttrain.algorithms.advantages import token_rewards
+
+    placed = token_rewards(exp.rewards, None, exp.action_mask, 0.0)
+    assert placed.tolist() == [[0, 0, 0, 1], [0, 0, 0, 2], [0, 3, 0, 0]]
+
+
+def test_left_padded_rows_are_never_produced_and_select_trims():
+    rolls = [rollout([1, 1, 1, 1], [4]), rollout([1], [4, 4, 4])]
+    exp = build_experience(rolls, torch.tensor([0.0, 1.0]), pad_id=0)
+    part = exp.select([0])
+    assert part.sequences.shape == (1, 5) and part.action_mask.tolist() == [[0, 0, 0, 1]]
+
+
+def test_logprob_count_mismatch_is_an_error():
+    bad = Rollout(prompt_ids=[1], output_ids=[2, 3], rollout_logprobs=[-1.0], finish_reason="stop",
+                  prompt_text="", response_text="")
+    with pytest.raises(ValueError, match="2 output tokens but 1 log-probs"):
+        build_experience([bad], torch.tensor([0.0]), pad_id=0)

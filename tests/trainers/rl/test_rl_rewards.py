@@ -1,0 +1,84 @@
+"""Reward sources inside `posttrain ppo`: a real serve-rm on 127.0.0.1, and every way a reward can
+fail — each stops with a clear error (or a counted skip when asked) and never harms a checkpoint."""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+from rl_helpers import rewards_by_step
+
+from posttrain.agents.rewards import RewardError
+from posttrain.utils.checkpoint import CheckpointManager
+from posttrain.utils.metrics import read_metrics
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def reward_server(rl_setup):
+    _, _, rewards = rl_setup
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "posttrain.cli.main", "serve-rm", "--reward.remote_url",
+                             str(rewards / "correct.py"), "--port", str(port), "--token", "s3cret"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if requests.get(f"{url}/health", headers={"Authorization": "Bearer s3cret"}, timeout=1).ok:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "serve-rm did not start"
+            time.sleep(0.2)
+        yield f"{url}/get_reward"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_remote_reward_server_drives_training(run_ppo, reward_server, monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_RM_TOKEN", "s3cret")
+    out, _ = run_ppo("--reward.remote_url", reward_server, "--algo.advantage.estimator", "group_norm",
+                     "--train.num_episodes", "1", name="remote")
+    rows = read_metrics(out / "metrics.jsonl")
+    assert len(rows) == 8 and "reward/accuracy" in rows[0]  # extra_logs came over HTTP
+
+
+def test_unreachable_server_is_a_clear_error(run_ppo):
+    url = f"http://127.0.0.1:{_free_port()}/get_reward"
+    with pytest.raises(RewardError, match="unreachable after 2 attempts"):
+        run_ppo("--reward.remote_url", url, "--reward.retries", "2", "--reward.timeout", "1", name="down")
+
+
+@pytest.mark.parametrize("reward,message", [("wrong_length.py", "7 rewards for 8|for 32"), ("nan.py", "NaN")])
+def test_bad_reward_values_are_clear_errors(run_ppo, reward, message):
+    with pytest.raises(RewardError, match=message):
+        run_ppo(reward=reward, name=reward)
+
+
+def test_reward_failure_mid_run_keeps_checkpoints(run_ppo, tmp_path, monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_TEST_FAIL_AFTER", "3")
+    ckpt = tmp_path / "ck"
+    with pytest.raises(RewardError, match="ZeroDivisionError: the grader divided by zero"):
+        run_ppo("--ckpt.path", ckpt, "--ckpt.save_steps", "2", "--train.num_episodes", "1", reward="raises_late.py",
+                name="crash")
+    valid = CheckpointManager(ckpt).valid_checkpoints()
+    assert [s for s, _ in valid] == [2]
+
+
+def test_skip_errors_counts_skipped_samples(run_ppo, monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_TEST_FAIL_AFTER", "2")
+    out, _ = run_ppo("--reward.skip_errors_enable", "--train.num_episodes", "1", reward="raises_late.py",
+                     name="skip")
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["reward/skipped"] for r in rows[:3]] == [0, 0, 32]
+    assert rewards_by_step(out)[2] == 0.0
