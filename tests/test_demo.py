@@ -1,4 +1,5 @@
-"""`posttrain demo --quick` (the main job's small variant) runs end to end and SFT measurably learns."""
+"""`posttrain demo --quick` (the main job's small variant) runs end to end: SFT measurably learns,
+then the RL stage runs with the verifiable reward and draws its reward curve."""
 import json
 
 from posttrain.utils.metrics import read_metrics
@@ -16,5 +17,8 @@ def test_quick_demo_sft_raises_held_out_accuracy(tmp_path, capsys):
     evals = [r["eval/loss"] for r in rows if "eval/loss" in r]
     assert evals[-1] < evals[0] / 2  # held-out loss falls
     assert (tmp_path / "sft" / "plots" / "train.png").exists()
+    assert (tmp_path / "rl" / "plots" / "reward.png").exists()
+    rl = read_metrics(tmp_path / "rl" / "metrics.jsonl")
+    assert len([r for r in rl if "reward/mean" in r]) == 5 and "after RL (GRPO)" in acc
     out = capsys.readouterr().out
-    assert "after SFT" in out and "held-out accuracy" in out
+    assert "after SFT" in out and "after RL (GRPO)" in out and "held-out accuracy" in out

@@ -1,6 +1,6 @@
 """`posttrain demo [--quick]` — the main job on the embedded default (tiny local model, one
-process, CPU): init-tiny → synthetic arithmetic task → held-out accuracy → SFT → held-out
-accuracy again, with plots. Everything is generated locally; nothing is downloaded."""
+process, CPU): init-tiny → synthetic arithmetic task → SFT → RL with a verifiable reward (GRPO),
+printing held-out accuracy after each stage, with plots. Everything is generated locally."""
 from __future__ import annotations
 
 import argparse
@@ -19,10 +19,14 @@ class DemoScale:
     epochs: int
     batch_size: int
     lr: float
+    rl_prompts: int
+    rl_lr: float
 
 
-FULL = DemoScale(size="tiny", difficulty=1, n_train=8000, n_test=300, epochs=3, batch_size=32, lr=2e-3)
-QUICK = DemoScale(size="nano", difficulty=0, n_train=1200, n_test=100, epochs=2, batch_size=16, lr=3e-3)
+FULL = DemoScale(size="tiny", difficulty=1, n_train=8000, n_test=300, epochs=3, batch_size=32, lr=2e-3,
+                 rl_prompts=3200, rl_lr=1e-4)
+QUICK = DemoScale(size="nano", difficulty=0, n_train=1200, n_test=100, epochs=2, batch_size=16, lr=3e-3,
+                  rl_prompts=80, rl_lr=1e-4)
 
 
 def _accuracy(model_dir: Path, rows: list[dict]) -> tuple[float, list[dict]]:
@@ -58,8 +62,25 @@ def sft_flags(scale: DemoScale, base: Path, data: Path, out: Path, seed: int) ->
     ]
 
 
+def rl_flags(scale: DemoScale, sft: Path, data: Path, out: Path, seed: int) -> list[str]:
+    """GRPO with the shipped verifiable reward (OpenRLHF train_ppo_ray flags)."""
+    from posttrain.agents.rewards.examples import ARITHMETIC
+
+    return [
+        "--actor.model_name_or_path", str(sft), "--data.prompt_dataset", str(data), "--data.input_key", "prompt",
+        "--data.label_key", "answer", "--data.apply_chat_template", "--data.max_len", "64",
+        "--data.max_samples", str(scale.rl_prompts), "--reward.remote_url", ARITHMETIC,
+        "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
+        "--rollout.batch_size", "16", "--rollout.n_samples_per_prompt", "8", "--rollout.max_new_tokens", "6",
+        "--rollout.micro_batch_size", "64", "--train.batch_size", "128", "--train.micro_batch_size", "64",
+        "--actor.adam.lr", str(scale.rl_lr), "--actor.lr_warmup_ratio", "0.05", "--train.seed", str(seed),
+        "--eval.dataset", str(data), "--eval.split", "test", "--eval.steps", "50", "--eval.temperature", "0",
+        "--eval.n_samples_per_prompt", "1", "--ckpt.output_dir", str(out), "--logger.logging_steps", "1",
+    ]
+
+
 def main(argv: list[str] | None = None) -> dict:
-    from posttrain.cli import train_sft
+    from posttrain.cli import train_ppo_ray, train_sft
     from posttrain.data.synthetic import make_arithmetic_rows, write_jsonl
     from posttrain.models import build_tiny
 
@@ -84,21 +105,27 @@ def main(argv: list[str] | None = None) -> dict:
     acc_base, _ = _accuracy(base, test_rows)
     sft_dir = out / "sft"
     train_sft.main(sft_flags(scale, base, data, sft_dir, args.seed), prog="posttrain demo (sft)")
-    acc_sft, samples = _accuracy(sft_dir, test_rows)
+    acc_sft, _ = _accuracy(sft_dir, test_rows)
+    t_sft = time.time()
+    rl_dir = out / "rl"
+    train_ppo_ray.main(rl_flags(scale, sft_dir, data, rl_dir, args.seed), prog="posttrain demo (rl)")
+    acc_rl, samples = _accuracy(rl_dir, test_rows)
 
     summary = {"task": f"arithmetic difficulty {scale.difficulty}", "held_out_prompts": len(test_rows),
                "held_out_prompts_unseen_in_training": disjoint,
-               "accuracy": {"base (random init)": acc_base, "after SFT": acc_sft},
-               "seconds": round(time.time() - t0, 1), "plots": str(sft_dir / "plots")}
+               "accuracy": {"base (random init)": acc_base, "after SFT": acc_sft, "after RL (GRPO)": acc_rl},
+               "seconds": round(time.time() - t0, 1), "seconds_rl": round(time.time() - t_sft, 1),
+               "plots": [str(sft_dir / "plots"), str(rl_dir / "plots")]}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    with (out / "samples_sft.jsonl").open("w") as f:
+    with (out / "samples_final.jsonl").open("w") as f:
         for s in samples:
             f.write(json.dumps(s) + "\n")
     print("\nheld-out accuracy on", summary["task"], f"({len(test_rows)} prompts, greedy)")
     print(f"  {'stage':<22}{'accuracy':>9}")
     for stage, acc in summary["accuracy"].items():
         print(f"  {stage:<22}{acc:>9.1%}")
-    print(f"done in {summary['seconds']} s; metrics {sft_dir / 'metrics.jsonl'}; plots {sft_dir / 'plots'}")
+    print(f"done in {summary['seconds']} s; metrics and plots in {sft_dir} and {rl_dir} "
+          f"(reward curve: {rl_dir / 'plots' / 'reward.png'})")
     return summary
 
 

@@ -86,7 +86,7 @@ class SingleModelRun:
             param_dtype=cfg.ds.param_dtype, adam_offload=cfg.ds.adam_offload,
             grad_accum_dtype=cfg.ds.grad_accum_dtype, zpg=cfg.ds.zpg, overlap_comm=cfg.ds.overlap_comm)
         logger = MetricsLogger(self.run_dir, tensorboard_dir=cfg.logger.tensorboard_dir,
-                               wandb=_wandb_settings(cfg), config=None, enabled=engine.is_main,
+                               wandb=wandb_settings(cfg), config=None, enabled=engine.is_main,
                                resume=cfg.ckpt.load_enable)
         settings = LoopSettings(
             batch_size=cfg.train.batch_size, micro_batch_size=cfg.train.micro_batch_size,
@@ -127,6 +127,6 @@ class SingleModelRun:
         engine.barrier()
 
 
-def _wandb_settings(cfg) -> dict | None:
+def wandb_settings(cfg) -> dict:
     w = cfg.logger.wandb
     return {"key": w.key, "org": w.org, "group": w.group, "project": w.project, "run_name": w.run_name}

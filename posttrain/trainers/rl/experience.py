@@ -34,7 +34,7 @@ class Experience:
     def __len__(self) -> int:
         return self.sequences.shape[0]
 
-    def select(self, rows: torch.Tensor | list[int]) -> "Experience":
+    def select(self, rows: torch.Tensor | list[int]) -> Experience:
         """Rows `rows`, trimmed to their longest sequence (less padding to compute on)."""
         rows = torch.as_tensor(rows, dtype=torch.long)
         width = int(self.attention_mask[rows].sum(1).max())

@@ -25,7 +25,7 @@ from posttrain.trainers.rl.evaluate import dataset_name, eval_metrics
 from posttrain.trainers.rl.experience import Experience, build_experience
 from posttrain.trainers.rl.roles import Actor, Critic, Reference
 from posttrain.trainers.rl.updates import UpdateSettings, update_actor, update_critic
-from posttrain.trainers.session import pick_device
+from posttrain.trainers.session import pick_device, wandb_settings
 from posttrain.utils.checkpoint import CheckpointManager, read_manifest
 from posttrain.utils.log import info
 from posttrain.utils.metrics import MetricsLogger
@@ -159,7 +159,7 @@ class RLTrainer:
             self.ema = {k: v.detach().clone().float() for k, v in self.actor.model.state_dict().items()}
         self.timers = Timers()
         self.logger = MetricsLogger(self.run_dir, tensorboard_dir=cfg.logger.tensorboard_dir,
-                                    wandb=_wandb(cfg), resume=cfg.ckpt.load_enable)
+                                    wandb=wandb_settings(cfg), resume=cfg.ckpt.load_enable)
         self.ckpt = None
         if cfg.ckpt.path and not cfg.ckpt.disable_ds:
             self.ckpt = CheckpointManager(cfg.ckpt.path, max_num=cfg.ckpt.max_num,
@@ -370,11 +370,6 @@ def rollout_metrics(scored, n: int) -> dict[str, float]:
 
 def _scalar(v) -> bool:
     return isinstance(v, (int, float, bool)) or (isinstance(v, torch.Tensor) and v.numel() == 1)
-
-
-def _wandb(cfg) -> dict:
-    w = cfg.logger.wandb
-    return {"key": w.key, "org": w.org, "group": w.group, "project": w.project, "run_name": w.run_name}
 
 
 def train_rl(cfg) -> dict[str, float]:

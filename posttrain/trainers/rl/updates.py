@@ -8,7 +8,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from posttrain.algorithms.kl import approx_kl
 from posttrain.algorithms.losses import aggregate, policy_loss, value_loss
@@ -58,6 +57,11 @@ class _Mean:
         return {f"{prefix}/{k}": self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
 
 
+def _micro_batches(batch: Experience, size: int, device):
+    for start in range(0, len(batch), size):
+        yield _to(batch.select(list(range(start, min(start + size, len(batch))))), device)
+
+
 def _counts(exp: Experience) -> tuple[float, float]:
     return float(exp.action_mask.sum()), float((exp.action_mask.sum(1) > 0).sum())
 
@@ -69,8 +73,7 @@ def update_actor(actor: Actor, exp: Experience, s: UpdateSettings, kl_coef: floa
         batch = exp.select(rows)
         num_tokens, num_seqs = _counts(batch)
         step_loss = 0.0
-        for start in range(0, len(batch), s.micro_batch_size):
-            mb = _to(batch.select(list(range(start, min(start + s.micro_batch_size, len(batch))))), actor.device)
+        for mb in _micro_batches(batch, s.micro_batch_size, actor.device):
             want_entropy = s.entropy_coef is not None
             logp, ent = policy_forward(engine.model, mb, actor.temperature, with_entropy=want_entropy)
             mask = mb.action_mask
@@ -111,8 +114,7 @@ def update_critic(critic: Critic, exp: Experience, s: UpdateSettings, step: int)
         batch = exp.select(rows)
         num_tokens, num_seqs = _counts(batch)
         step_loss = 0.0
-        for start in range(0, len(batch), s.micro_batch_size):
-            mb = _to(batch.select(list(range(start, min(start + s.micro_batch_size, len(batch))))), critic.device)
+        for mb in _micro_batches(batch, s.micro_batch_size, critic.device):
             values = critic.forward(mb)
             loss = value_loss(values, mb.values, mb.returns, mb.action_mask, clip=s.value_clip, agg=s.loss_agg,
                               num_tokens=num_tokens, num_seqs=num_seqs, max_len=s.max_len)

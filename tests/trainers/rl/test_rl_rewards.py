@@ -1,6 +1,5 @@
 """Reward sources inside `posttrain ppo`: a real serve-rm on 127.0.0.1, and every way a reward can
 fail — each stops with a clear error (or a counted skip when asked) and never harms a checkpoint."""
-import os
 import socket
 import subprocess
 import sys
