@@ -101,6 +101,7 @@ class RLTrainer:
                              f"(--rollout.batch_size {cfg.rollout.batch_size}); lower it or add prompts")
         self.total_steps = self.steps_per_episode * cfg.train.num_episodes
         updates_per_step = cfg.train.max_epochs * (cfg.rollout.batch_size * n // cfg.train.batch_size)
+        self.updates_per_rollout = updates_per_step
         dtype = cfg.ds.param_dtype
         actor_model = load_causal_lm(cfg.actor.model_name_or_path, dtype=dtype,
                                      attn_implementation=cfg.ds.attn_implementation,
@@ -176,6 +177,15 @@ class RLTrainer:
                               max_new_tokens=self.max_new_tokens, n=cfg.rollout.n_samples_per_prompt,
                               seed=rank_seed(cfg.train.seed, 0, step))
 
+    def _needs_old_logp(self) -> bool:
+        """With exactly one optimizer step per rollout and no KL penalty in the reward, the policy that
+        is trained is the one that sampled, so the old log-probs equal the training forward's (ratio 1):
+        the update takes them from there instead of a separate forward pass (as TRL does)."""
+        cfg = self.cfg
+        one_step = self.updates_per_rollout == 1
+        kl_in_reward = self.ref is not None and not cfg.algo.kl.use_loss
+        return not one_step or kl_in_reward
+
     def make_experience(self, scored) -> tuple[Experience, dict[str, float]]:
         cfg = self.cfg
         mbs = cfg.rollout.micro_batch_size
@@ -185,11 +195,14 @@ class RLTrainer:
         exp = build_experience(scored.rollouts, rewards, self.tokenizer.pad_token_id)
         exp.action_mask[scored.skipped] = 0.0  # samples without a reward train nothing (counted in reward/skipped)
         mask = exp.action_mask
-        exp.old_logp = self.actor.logprobs(exp, mbs)
-        metrics = {"rollout/logprob_abs_gap": _masked_mean((exp.old_logp - exp.rollout_logp).abs(), mask)}
+        metrics: dict[str, float] = {}
+        if self._needs_old_logp():
+            exp.old_logp = self.actor.logprobs(exp, mbs)
+            metrics["rollout/logprob_abs_gap"] = _masked_mean((exp.old_logp - exp.rollout_logp).abs(), mask)
         kl = None
         if self.ref is not None:
             exp.ref_logp = self.ref.logprobs(exp, mbs)
+        if exp.ref_logp is not None and exp.old_logp is not None:
             kl, kl_stats = approx_kl_with_stats(exp.old_logp, exp.ref_logp, cfg.algo.kl.estimator, mask=mask)
             kl = kl * mask
             metrics.update({"kl/mean": _masked_mean(kl, mask), "kl/clamp_frac": float(kl_stats["kl_clamp_frac"])})
@@ -226,8 +239,9 @@ class RLTrainer:
                 if step >= cfg.critic.freezing_steps:
                     metrics.update(update_actor(self.actor, exp, self.update_settings, self.kl_ctl.value, step))
                     self._update_ema()
-            if "kl/mean" in metrics:
-                self.kl_ctl.update(metrics["kl/mean"], len(exp))
+            current_kl = metrics.get("kl/mean", metrics.get("actor/kl_loss"))  # KL as loss: measured in training
+            if current_kl is not None:
+                self.kl_ctl.update(current_kl, len(exp))
             metrics["kl/coef"] = self.kl_ctl.value
         metrics.update(self.timers.pop_metrics())
         self._write_samples(step + 1, scored)

@@ -68,6 +68,7 @@ def _counts(exp: Experience) -> tuple[float, float]:
 
 def update_actor(actor: Actor, exp: Experience, s: UpdateSettings, kl_coef: float, step: int) -> dict[str, float]:
     mean = _Mean()
+    rollout_gap = _Mean()
     engine = actor.engine
     for rows in optimizer_steps(len(exp), s, step):
         batch = exp.select(rows)
@@ -77,8 +78,13 @@ def update_actor(actor: Actor, exp: Experience, s: UpdateSettings, kl_coef: floa
             want_entropy = s.entropy_coef is not None
             logp, ent = policy_forward(engine.model, mb, actor.temperature, with_entropy=want_entropy)
             mask = mb.action_mask
+            old_logp = mb.old_logp
+            if old_logp is None:  # one update per rollout: the sampling policy is this one (ratio 1)
+                old_logp = logp.detach()
+                gap = ((old_logp - mb.rollout_logp).abs() * mask).sum()
+                rollout_gap.add("logprob_abs_gap", float(gap) / max(float(mask.sum()), 1.0), float(mask.sum()))
             loss, m = policy_loss(
-                logp, mb.old_logp, mb.advantages, mask, eps_low=s.eps_low, eps_high=s.eps_high,
+                logp, old_logp, mb.advantages, mask, eps_low=s.eps_low, eps_high=s.eps_high,
                 dual_clip=s.dual_clip, loss_type=s.policy_loss_type,
                 rollout_logp=mb.rollout_logp if s.is_correction else None, is_correction=s.is_correction,
                 is_threshold=s.is_threshold, agg=s.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
@@ -103,6 +109,7 @@ def update_actor(actor: Actor, exp: Experience, s: UpdateSettings, kl_coef: floa
         mean.add("policy_loss", step_loss)
         mean.add("grad_norm", engine.step())
     out = mean.result("actor")
+    out.update(rollout_gap.result("rollout"))
     out["actor/lr"] = engine.lr
     return out
 
