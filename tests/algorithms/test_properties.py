@@ -16,7 +16,7 @@ from posttrain.algorithms import (
     policy_loss,
 )
 
-SETTINGS = settings(max_examples=40, deadline=None)
+SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)  # same examples every CI run
 
 
 @st.composite
@@ -72,8 +72,10 @@ GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")
 @SETTINGS
 @given(
     st.integers(2, 4), st.integers(1, 3),
-    st.lists(st.floats(-5, 5, allow_nan=False), min_size=12, max_size=12),
-    st.lists(st.floats(-100, 100, allow_nan=False), min_size=3, max_size=3),
+    # rewards and shifts on a 1/8 grid: float32 holds them exactly, so the test checks the algebra,
+    # not rounding (a group whose rewards differ by 1e-7 has a std that amplifies rounding by 1e7)
+    st.lists(st.integers(-40, 40).map(lambda k: k / 8), min_size=12, max_size=12),
+    st.lists(st.integers(-800, 800).map(lambda k: k / 8), min_size=3, max_size=3),
     st.sampled_from(GROUP_ESTIMATORS),
 )
 def test_group_estimators_invariant_to_constant_per_group(n, prompts, values, shifts, estimator):
