@@ -106,26 +106,10 @@ def _rules(cfg) -> list[_Rule]:
         ("ds.zpg", on_cpu, "ZeRO++ partitioning needs GPUs"),
         ("ds.overlap_comm", on_cpu, "communication overlap needs GPU streams"),
         ("use_ms", always, "ModelScope downloads are not supported; pass a local folder or an HF hub id"),
-        (
-            "logger.wandb.org",
-            lambda v, c, dev, ray: c.logger.wandb.key is None,
-            "W&B is off (no --logger.wandb.key)",
-        ),
-        (
-            "logger.wandb.group",
-            lambda v, c, dev, ray: c.logger.wandb.key is None,
-            "W&B is off (no --logger.wandb.key)",
-        ),
-        (
-            "logger.wandb.project",
-            lambda v, c, dev, ray: c.logger.wandb.key is None,
-            "W&B is off (no --logger.wandb.key)",
-        ),
-        (
-            "logger.wandb.run_name",
-            lambda v, c, dev, ray: c.logger.wandb.key is None,
-            "W&B is off (no --logger.wandb.key)",
-        ),
+    ]
+    rules += [
+        (f"logger.wandb.{name}", lambda v, c, dev, ray: c.logger.wandb.key is None, "W&B is off (no --logger.wandb.key)")
+        for name in ("org", "group", "project", "run_name")
     ]
     if hasattr(cfg.ds, "enable_sleep"):
         rules.append(

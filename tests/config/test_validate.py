@@ -5,26 +5,9 @@ from __future__ import annotations
 import warnings
 
 import pytest
+from config_args import BASE
 
 from posttrain.config import ConfigError, ConfigWarning, parse_config, validate
-
-BASE = {
-    "sft": ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl"],
-    "rm": ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl"],
-    "dpo": ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl"],
-    "ppo": [
-        "--actor.model_name_or_path",
-        "m",
-        "--data.prompt_dataset",
-        "p.jsonl",
-        "--reward.remote_url",
-        "r.py",
-        "--rollout.batch_size",
-        "16",
-        "--train.batch_size",
-        "16",
-    ],
-}
 
 
 def problems(

@@ -4,22 +4,9 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from config_args import BASE
 
 from posttrain.config import TRAINERS, ConfigError, config_to_dict, load_config, parse_config, save_config
-
-BASE = {
-    "sft": ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl"],
-    "rm": ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl"],
-    "dpo": ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl"],
-    "ppo": [
-        "--actor.model_name_or_path",
-        "m",
-        "--data.prompt_dataset",
-        "p.jsonl",
-        "--reward.remote_url",
-        "r.py",
-    ],
-}
 
 
 def write(tmp_path, text: str):

@@ -1,0 +1,19 @@
+"""Minimal valid command lines per trainer, shared by the config tests."""
+
+BASE = {
+    "sft": ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl"],
+    "rm": ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl"],
+    "dpo": ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl"],
+    "ppo": [
+        "--actor.model_name_or_path",
+        "m",
+        "--data.prompt_dataset",
+        "p.jsonl",
+        "--reward.remote_url",
+        "r.py",
+        "--rollout.batch_size",
+        "16",
+        "--train.batch_size",
+        "16",
+    ],
+}
