@@ -7,16 +7,19 @@ import sys
 COMMANDS = {
     "init-tiny": ("posttrain.cli.init_tiny", "build a tiny local model + tokenizer (no download)"),
     "sft": ("posttrain.cli.train_sft", "supervised fine-tuning"),
+    "rm": ("posttrain.cli.train_rm", "reward-model training on preference pairs"),
+    "dpo": ("posttrain.cli.train_dpo", "direct preference optimisation (DPO / IPO / cDPO)"),
     "ppo": ("posttrain.cli.train_ppo_ray", "RL from a reward: PPO, REINFORCE++, RLOO, GRPO, Dr.GRPO"),
+    "lora-merge": ("posttrain.cli.lora_combiner", "merge a LoRA adapter into a standalone HF model"),
     "serve-rm": ("posttrain.cli.serve_rm", "serve a reward model or reward_func over HTTP"),
     "plot": ("posttrain.cli.plot", "PNG charts of a run's metrics.jsonl"),
-    "demo": ("posttrain.cli.demo", "the main job: init-tiny -> SFT on a synthetic task, with accuracy"),
+    "demo": ("posttrain.cli.demo", "the main job: init-tiny -> SFT -> RM / DPO / RL on a synthetic task"),
 }
 
 
 def usage() -> str:
     lines = ["usage: posttrain <command> [flags]   (posttrain <command> --help for its flags)", "", "commands:"]
-    lines += [f"  {name:<10} {desc}" for name, (_, desc) in COMMANDS.items()]
+    lines += [f"  {name:<11} {desc}" for name, (_, desc) in COMMANDS.items()]
     return "\n".join(lines)
 
 
@@ -34,7 +37,7 @@ def main(argv: list[str] | None = None):
         print(f"posttrain: error: unknown command '{name}'{hint}\n\n{usage()}", file=sys.stderr)
         raise SystemExit(2)
     module = importlib.import_module(COMMANDS[name][0])
-    if name in ("sft", "ppo"):
+    if name in ("sft", "rm", "dpo", "ppo"):
         module.main(rest, prog=f"posttrain {name}")
     else:
         module.main(rest)

@@ -6,6 +6,7 @@ from .collate import pack_collate, pad_collate
 from .errors import DataError, where
 from .loading import load_rows
 from .mixing import mix_rows, parse_probs
+from .preference_dataset import PreferenceDataset, pair_sides
 from .prompts import Prompt, PromptDataset
 from .readers import Row, read_file
 from .sft_dataset import SFTDataset
@@ -16,6 +17,7 @@ from .validation import ensure_location, require_messages, require_text, require
 
 __all__ = [
     "DataError",
+    "PreferenceDataset",
     "Prompt",
     "PromptDataset",
     "Row",
@@ -32,6 +34,7 @@ __all__ = [
     "mix_rows",
     "oversized_indices",
     "pack_collate",
+    "pair_sides",
     "pad_collate",
     "parse_probs",
     "read_file",

@@ -200,28 +200,7 @@ class SFTDataset(Dataset):
             )
 
     def _encode(self, segments: list[Segment]) -> tuple[list[int], list[int]]:
-        tok = self.tokenizer
-        ids: list[int] = []
-        mask: list[int] = []
-        for i, (text, trained) in enumerate(segments):
-            # Plain prompts get the tokenizer's own special tokens (e.g. BOS); chat templates carry theirs.
-            piece = tok.encode(text, add_special_tokens=(i == 0 and not self.chat)) if text or i == 0 else []
-            ids += piece
-            mask += [trained] * len(piece)
-        if segments[-1][1] and not self._ends_with_eos(ids):
-            ids.append(tok.eos_token_id)
-            mask.append(1)
-        if mask:
-            mask[0] = 0
-        return ids, mask
-
-    def _ends_with_eos(self, ids: list[int]) -> bool:
-        for t in reversed(ids):
-            if t == self.tokenizer.eos_token_id:
-                return True
-            if self.tokenizer.decode([t]).strip():
-                return False
-        return False
+        return encode_segments(self.tokenizer, segments, self.chat)
 
     # ---- Dataset API ------------------------------------------------------------------------
     @property
@@ -238,3 +217,30 @@ class SFTDataset(Dataset):
     def __getitem__(self, i: int) -> dict:
         s = self.samples[i]
         return {"input_ids": s["input_ids"], "loss_mask": s["loss_mask"]}
+
+
+def encode_segments(tokenizer: Any, segments: list[Segment], chat: bool) -> tuple[list[int], list[int]]:
+    """Token ids and loss mask of ``segments`` (each tokenised on its own), with the EOS rule of
+    the module doc; the first token's mask is 0. Plain-text samples get the tokenizer's own
+    special tokens (e.g. BOS) on the first segment; chat templates carry theirs."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for i, (text, trained) in enumerate(segments):
+        piece = tokenizer.encode(text, add_special_tokens=(i == 0 and not chat)) if text or i == 0 else []
+        ids += piece
+        mask += [trained] * len(piece)
+    if segments[-1][1] and not _ends_with_eos(tokenizer, ids):
+        ids.append(tokenizer.eos_token_id)
+        mask.append(1)
+    if mask:
+        mask[0] = 0
+    return ids, mask
+
+
+def _ends_with_eos(tokenizer: Any, ids: list[int]) -> bool:
+    for t in reversed(ids):
+        if t == tokenizer.eos_token_id:
+            return True
+        if tokenizer.decode([t]).strip():
+            return False
+    return False

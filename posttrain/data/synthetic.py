@@ -7,6 +7,11 @@ Difficulty levels (operands drawn uniformly, inclusive):
   3: a + b, a − b or a × b; ± as level 2, × with a, b ∈ [0, 12]
 A row: ``prompt`` "What is 23 + 58?", ``response`` "81", ``answer`` "81", and ``messages``
 [user prompt, assistant response].
+
+``carry_slip`` models a sloppy demonstrator: in an addition whose units digits carry, it forgets the
+carry with that probability, so the ``response`` (the demonstration SFT imitates) is 10 too small
+("23 + 58" → "71") while ``answer`` (the label a verifiable reward checks) stays correct. SFT on such
+data inherits the slips; RL with the verifiable reward can remove them.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ DIFFICULTIES = {
 _SYMBOL = {"+": "+", "-": "-", "*": "*"}
 
 
-def _problem(rng: random.Random, difficulty: int) -> tuple[str, int]:
+def _problem(rng: random.Random, difficulty: int) -> tuple[str, int, int]:
     if difficulty not in DIFFICULTIES:
         raise DataError(f"difficulty: must be one of {sorted(DIFFICULTIES)}, got {difficulty!r}.")
     op, lo, hi = rng.choice(DIFFICULTIES[difficulty])
@@ -36,21 +41,28 @@ def _problem(rng: random.Random, difficulty: int) -> tuple[str, int]:
     if op == "-" and a < b:
         a, b = b, a
     value = a + b if op == "+" else a - b if op == "-" else a * b
-    return f"What is {a} {_SYMBOL[op]} {b}?", value
+    slipped = value - 10 if op == "+" and a % 10 + b % 10 >= 10 else value  # the carry forgotten
+    return f"What is {a} {_SYMBOL[op]} {b}?", value, slipped
 
 
-def make_arithmetic_rows(n: int, seed: int = 0, difficulty: int = 0) -> list[dict]:
-    """``n`` problems, a pure function of (n, seed, difficulty); keys prompt/messages/response/answer."""
+def make_arithmetic_rows(n: int, seed: int = 0, difficulty: int = 0, carry_slip: float = 0.0) -> list[dict]:
+    """``n`` problems, a pure function of the arguments; keys prompt/messages/response/answer.
+    With ``carry_slip`` p > 0, the response of a carrying addition is the slipped one with
+    probability p (the answer stays correct); the problems are the same whatever p."""
+    if not 0.0 <= carry_slip <= 1.0:
+        raise DataError(f"carry_slip: must be a probability in [0, 1], got {carry_slip!r}.")
     rng = random.Random(f"arith-{seed}-{difficulty}")
+    slip_rng = random.Random(f"slip-{seed}-{difficulty}")
     rows = []
     for _ in range(n):
-        prompt, value = _problem(rng, difficulty)
+        prompt, value, slipped = _problem(rng, difficulty)
         answer = str(value)
+        response = str(slipped) if slipped != value and slip_rng.random() < carry_slip else answer
         rows.append(
             {
                 "prompt": prompt,
-                "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}],
-                "response": answer,
+                "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}],
+                "response": response,
                 "answer": answer,
             }
         )

@@ -47,6 +47,24 @@ def test_extract_answer_and_is_correct():
     assert not is_correct("82", "81") and not is_correct("eighty-one", "81")
 
 
+def test_carry_slip_demonstrations():
+    clean = make_arithmetic_rows(400, seed=2, difficulty=1)
+    sloppy = make_arithmetic_rows(400, seed=2, difficulty=1, carry_slip=1.0)
+    for c, s in zip(clean, sloppy):
+        a, b = (int(x) for x in c["prompt"].removeprefix("What is ").rstrip("?").split(" + "))
+        carries = a % 10 + b % 10 >= 10
+        assert s["prompt"] == c["prompt"] and s["answer"] == c["answer"] == str(a + b)
+        assert s["response"] == str(a + b - 10 if carries else a + b)  # 23 + 58 -> "71": carry forgotten
+        assert s["messages"][-1]["content"] == s["response"]
+    half = make_arithmetic_rows(400, seed=2, difficulty=1, carry_slip=0.5)
+    slipped = sum(r["response"] != r["answer"] for r in half)
+    carrying = sum(r["response"] != r["answer"] for r in sloppy)
+    assert 0.35 * carrying < slipped < 0.65 * carrying
+    assert make_arithmetic_rows(400, seed=2, difficulty=1, carry_slip=0.0) == clean
+    with pytest.raises(DataError, match="carry_slip"):
+        make_arithmetic_rows(3, carry_slip=1.5)
+
+
 def test_preference_rows():
     rows = make_preference_rows(100, seed=1, difficulty=1)
     assert rows == make_preference_rows(100, seed=1, difficulty=1)

@@ -1,5 +1,6 @@
-"""Fixtures for trainer tests: a synthetic arithmetic dataset folder (train.jsonl + test.jsonl)
-and a helper that runs the real SFT entry point in-process and returns its run directory."""
+"""Fixtures for trainer tests: a synthetic arithmetic dataset folder (train.jsonl + test.jsonl),
+a helper that runs the real SFT entry point in-process and returns its run directory, and a nano
+model SFT-ed on single-digit addition (its samples are answers, some right) for RL/RM/DPO tests."""
 from pathlib import Path
 
 import pytest
@@ -26,3 +27,23 @@ def run_sft(tiny_model_dir, arithmetic_dir, tmp_path):
         train_sft.main(sft_flags(tiny_model_dir, data_dir or arithmetic_dir, out, *extra))
         return out
     return run
+
+
+@pytest.fixture(scope="session")
+def sft_nano(tmp_path_factory, tiny_model_dir):
+    """(sft_model_dir, data_dir): the nano model after one SFT epoch on 360 single-digit additions;
+    data_dir holds train.jsonl (360 rows) and test.jsonl (40) with prompt/response/answer keys."""
+    from posttrain.cli import train_sft
+    from posttrain.data.synthetic import make_arithmetic_rows, write_jsonl
+
+    root = tmp_path_factory.mktemp("sft_nano")
+    data = root / "data"
+    rows = make_arithmetic_rows(400, seed=11, difficulty=0)
+    write_jsonl(rows[:360], data / "train.jsonl")
+    write_jsonl(rows[360:], data / "test.jsonl")
+    sft = root / "sft"
+    train_sft.main(["--model.model_name_or_path", tiny_model_dir, "--data.dataset", str(data),
+                    "--data.input_key", "prompt", "--data.output_key", "response", "--data.apply_chat_template",
+                    "--train.batch_size", "16", "--train.micro_batch_size", "16", "--train.max_epochs", "1",
+                    "--adam.lr", "3e-3", "--ckpt.output_dir", str(sft), "--data.max_len", "48"])
+    return Path(sft), data

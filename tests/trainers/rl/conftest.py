@@ -1,6 +1,5 @@
-"""RL test fixtures: a nano model SFT-ed on single-digit addition (so its samples are answers, some
-right), the prompt data, reward-function files, and a runner for the real `posttrain ppo` entry."""
-from pathlib import Path
+"""RL test fixtures: the SFT-ed nano model and its data (`sft_nano`, tests/trainers/conftest.py),
+reward-function files, and a runner for the real `posttrain ppo` entry."""
 
 import pytest
 
@@ -50,26 +49,13 @@ def reward_func(queries, prompts, labels, **kwargs):
 
 
 @pytest.fixture(scope="session")
-def rl_setup(tmp_path_factory, tiny_model_dir):
+def rl_setup(tmp_path_factory, sft_nano):
     """(sft_model_dir, data_dir, reward_dir)."""
-    from posttrain.cli import train_sft
-    from posttrain.data.synthetic import make_arithmetic_rows, write_jsonl
-
-    root = tmp_path_factory.mktemp("rl")
-    data = root / "data"
-    rows = make_arithmetic_rows(400, seed=11, difficulty=0)
-    write_jsonl(rows[:360], data / "train.jsonl")
-    write_jsonl(rows[360:], data / "test.jsonl")
-    sft = root / "sft"
-    train_sft.main(["--model.model_name_or_path", tiny_model_dir, "--data.dataset", str(data),
-                    "--data.input_key", "prompt", "--data.output_key", "response", "--data.apply_chat_template",
-                    "--train.batch_size", "16", "--train.micro_batch_size", "16", "--train.max_epochs", "1",
-                    "--adam.lr", "3e-3", "--ckpt.output_dir", str(sft), "--data.max_len", "48"])
-    rewards = root / "rewards"
-    rewards.mkdir()
+    sft, data = sft_nano
+    rewards = tmp_path_factory.mktemp("rewards")
     for name, text in REWARD_FUNCS.items():
         (rewards / name).write_text(text)
-    return Path(sft), data, rewards
+    return sft, data, rewards
 
 
 def ppo_flags(setup, out, *extra, reward="starts_with_1.py"):

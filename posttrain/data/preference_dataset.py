@@ -1,0 +1,174 @@
+"""Preference pairs (reward models, DPO): rows → ``{"chosen_ids", "chosen_mask", "rejected_ids",
+"rejected_mask", "margin"}`` under the token-alignment contract of ``sft_dataset``.
+
+Each side is the prompt (mask 0) followed by its response and EOS (mask 1), tokenised as SFT
+does, so the prompt tokens of chosen and rejected are identical and DPO's log-ratios cover the
+responses only:
+
+* ``prompt_key`` set: prompt = ``row[prompt_key]`` (text, formatted by ``input_template``, or
+  messages with the chat template); each response is text (or assistant messages).
+* no ``prompt_key``, chat template: each side is a whole conversation ending in an assistant
+  message; the prompt is everything before it and must be the same on both sides.
+* no ``prompt_key``, plain text: each side is one text, every token but the first trained
+  (the reward model reads it whole; OpenRLHF's behaviour).
+
+A side longer than ``max_len`` is cut and ends with EOS (``num_truncated``); a pair whose prompt
+fills ``max_len`` is dropped and counted. Bad rows (missing key, empty response, chosen identical
+to rejected, non-numeric margin) raise DataError naming the row before anything is tokenised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from .errors import DataError, where
+from .sft_dataset import SFTDataset, encode_segments
+from .templates import check_input_template, format_prompt, render_chat, require_chat_template, to_messages
+from .validation import ensure_location, get_field, require_text, require_text_or_messages
+
+PROMPT_FLAG, CHOSEN_FLAG, REJECTED_FLAG = "--data.prompt_key", "--data.chosen_key", "--data.rejected_key"
+
+
+class PreferenceDataset(Dataset):
+    """Tokenised preference pairs; attributes ``num_truncated``, ``dropped``, ``pair_rows``."""
+
+    def __init__(
+        self,
+        rows: Sequence[dict],
+        tokenizer: Any,
+        max_len: int,
+        *,
+        prompt_key: str | None = None,
+        chosen_key: str = "chosen",
+        rejected_key: str = "rejected",
+        input_template: str | None = None,
+        apply_chat_template: bool = False,
+        margin_key: str | None = None,
+    ):
+        if not isinstance(max_len, int) or max_len < 2:
+            raise DataError(f"--data.max_len: must be an integer ≥ 2, got {max_len!r}.")
+        if tokenizer.eos_token_id is None:
+            raise DataError("the tokenizer has no eos_token; set one (each response ends with EOS).")
+        self.tokenizer, self.max_len, self.chat = tokenizer, max_len, apply_chat_template
+        self.keys = (prompt_key, chosen_key, rejected_key)
+        self.margin_key = margin_key
+        self.input_template = check_input_template(input_template)
+        if self.chat:
+            require_chat_template(tokenizer)
+            if self.input_template is not None:
+                raise DataError("--data.input_template and --data.apply_chat_template are exclusive: the chat "
+                                "template formats the prompt. Pass one of them.")
+        rows = ensure_location(list(rows))
+        if not rows:
+            raise DataError("PreferenceDataset: no rows (the dataset is empty after loading/--data.max_samples).")
+        fields = [self._validate(row) for row in rows]  # every row, before any tokenisation
+
+        self.pairs: list[dict] = []
+        self.pair_rows: list[str] = []
+        self.dropped: list[str] = []
+        self.num_truncated = 0
+        for row, (prompt, chosen, rejected, margin) in zip(rows, fields):
+            sides = [self._encode(row, prompt, response) for response in (chosen, rejected)]
+            if any(ids is None for ids, _ in sides):
+                self.dropped.append(where(row))
+                continue
+            (c_ids, c_mask), (r_ids, r_mask) = sides
+            self.pairs.append({"chosen_ids": c_ids, "chosen_mask": c_mask, "rejected_ids": r_ids,
+                               "rejected_mask": r_mask, "margin": margin})
+            self.pair_rows.append(where(row))
+        if not self.pairs:
+            raise DataError(f"PreferenceDataset: all {len(rows)} pairs were dropped because the prompt alone "
+                            f"fills --data.max_len {max_len} (first: {self.dropped[0]}). Raise --data.max_len.")
+
+    # ---- row checks ---------------------------------------------------------------------------
+    def _validate(self, row: dict):
+        """(prompt, chosen, rejected, margin) of one row, checked."""
+        prompt_key, chosen_key, rejected_key = self.keys
+        loc = where(row)
+        prompt = None
+        if prompt_key is not None:
+            prompt = require_text_or_messages(row, prompt_key, PROMPT_FLAG) if self.chat \
+                else require_text(row, prompt_key, PROMPT_FLAG)
+        read = require_text_or_messages if self.chat else require_text
+        chosen, rejected = read(row, chosen_key, CHOSEN_FLAG), read(row, rejected_key, REJECTED_FLAG)
+        if self.chat:
+            if prompt is None:
+                chosen, rejected, prompt = self._split_conversations(row, chosen, rejected)
+            else:
+                prompt = to_messages(prompt, "user")
+                chosen, rejected = to_messages(chosen, "assistant"), to_messages(rejected, "assistant")
+            for key, msgs in ((chosen_key, chosen), (rejected_key, rejected)):
+                if not msgs or not msgs[-1]["content"].strip():
+                    raise DataError(f"{loc}: key '{key}' has an empty response. Fix the data (fill it in or "
+                                    "remove the row).")
+        if chosen == rejected:
+            raise DataError(f"{loc}: '{chosen_key}' and '{rejected_key}' are identical, so the pair prefers "
+                            "nothing. Fix the data (remove the row or correct one side).")
+        margin = 0.0
+        if self.margin_key is not None:
+            value = get_field(row, self.margin_key, "--model.margin_loss_enable (needs a 'margin' field)")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                raise DataError(f"{loc}: key '{self.margin_key}' must be a number, got {value!r}. Fix the data, "
+                                "or drop --model.margin_loss_enable.")
+            margin = float(value)
+        return prompt, chosen, rejected, margin
+
+    def _split_conversations(self, row: dict, chosen, rejected):
+        """Whole conversations → (chosen reply, rejected reply, shared prompt messages)."""
+        _, chosen_key, rejected_key = self.keys
+        loc = where(row)
+        for key, side in ((chosen_key, chosen), (rejected_key, rejected)):
+            if not isinstance(side, list) or side[-1]["role"] != "assistant":
+                raise DataError(f"{loc}: without --data.prompt_key, key '{key}' must be a message list ending in "
+                                "an assistant message. Fix the data, or pass --data.prompt_key.")
+        if chosen[:-1] != rejected[:-1]:
+            raise DataError(f"{loc}: '{chosen_key}' and '{rejected_key}' have different prompts (the messages "
+                            "before the last assistant reply differ). A pair must share its prompt.")
+        return chosen[-1:], rejected[-1:], chosen[:-1]
+
+    # ---- tokens -------------------------------------------------------------------------------
+    def _segments(self, row: dict, prompt, response) -> list[tuple[str, int]]:
+        loc = where(row)
+        if not self.chat:
+            if prompt is None:
+                return [(response, 1)]
+            return [(format_prompt(self.input_template, prompt), 0), (response, 1)]
+        full_msgs = prompt + response
+        full = render_chat(self.tokenizer, full_msgs, False, loc)
+        if not prompt:
+            return [(full, 1)]
+        head = render_chat(self.tokenizer, prompt, True, loc)
+        SFTDataset._check_prefix(head, full, len(prompt), len(full_msgs), loc)
+        return [(head, 0), (full[len(head):], 1)]
+
+    def _encode(self, row: dict, prompt, response) -> tuple[list[int] | None, list[int] | None]:
+        ids, mask = encode_segments(self.tokenizer, self._segments(row, prompt, response), self.chat)
+        if len(ids) > self.max_len:
+            ids, mask = ids[: self.max_len], mask[: self.max_len]
+            ids[-1] = self.tokenizer.eos_token_id
+            self.num_truncated += 1
+        if not any(mask):
+            return None, None
+        return ids, mask
+
+    # ---- Dataset API ----------------------------------------------------------------------------
+    @property
+    def num_dropped(self) -> int:
+        return len(self.dropped)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.pairs[i]
+
+
+def pair_sides(items: Sequence[dict]) -> list[dict]:
+    """Pairs → 2B SFT-shaped samples, all chosen sides first then all rejected sides (row b and
+    b + B are a pair), ready for ``pad_collate`` / ``pack_collate``."""
+    chosen = [{"input_ids": it["chosen_ids"], "loss_mask": it["chosen_mask"]} for it in items]
+    rejected = [{"input_ids": it["rejected_ids"], "loss_mask": it["rejected_mask"]} for it in items]
+    return chosen + rejected
