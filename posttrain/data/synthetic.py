@@ -8,10 +8,11 @@ Difficulty levels (operands drawn uniformly, inclusive):
 A row: ``prompt`` "What is 23 + 58?", ``response`` "81", ``answer`` "81", and ``messages``
 [user prompt, assistant response].
 
-``carry_slip`` models a sloppy demonstrator: in an addition whose units digits carry, it forgets the
-carry with that probability, so the ``response`` (the demonstration SFT imitates) is 10 too small
-("23 + 58" → "71") while ``answer`` (the label a verifiable reward checks) stays correct. SFT on such
-data inherits the slips; RL with the verifiable reward can remove them.
+``rounding_habit`` models a sloppy demonstrator: with that probability its response adds a rounded
+estimate after the exact answer ("81, roughly 80"), so the last number of the demonstration, which
+a grader reads as the answer, is usually wrong while ``answer`` (the label a verifiable reward
+checks) stays exact. SFT imitates the habit; RL with the verifiable reward, DPO or a learned reward
+model can remove it.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ DIFFICULTIES = {
 _SYMBOL = {"+": "+", "-": "-", "*": "*"}
 
 
-def _problem(rng: random.Random, difficulty: int) -> tuple[str, int, int]:
+def _problem(rng: random.Random, difficulty: int) -> tuple[str, int]:
     if difficulty not in DIFFICULTIES:
         raise DataError(f"difficulty: must be one of {sorted(DIFFICULTIES)}, got {difficulty!r}.")
     op, lo, hi = rng.choice(DIFFICULTIES[difficulty])
@@ -41,23 +42,27 @@ def _problem(rng: random.Random, difficulty: int) -> tuple[str, int, int]:
     if op == "-" and a < b:
         a, b = b, a
     value = a + b if op == "+" else a - b if op == "-" else a * b
-    slipped = value - 10 if op == "+" and a % 10 + b % 10 >= 10 else value  # the carry forgotten
-    return f"What is {a} {_SYMBOL[op]} {b}?", value, slipped
+    return f"What is {a} {_SYMBOL[op]} {b}?", value
 
 
-def make_arithmetic_rows(n: int, seed: int = 0, difficulty: int = 0, carry_slip: float = 0.0) -> list[dict]:
+def rounded(value: int) -> str:
+    """The habit's tail: the value rounded to tens (half up), "81" → ", roughly 80"."""
+    return f", roughly {(value + 5) // 10 * 10}"
+
+
+def make_arithmetic_rows(n: int, seed: int = 0, difficulty: int = 0, rounding_habit: float = 0.0) -> list[dict]:
     """``n`` problems, a pure function of the arguments; keys prompt/messages/response/answer.
-    With ``carry_slip`` p > 0, the response of a carrying addition is the slipped one with
-    probability p (the answer stays correct); the problems are the same whatever p."""
-    if not 0.0 <= carry_slip <= 1.0:
-        raise DataError(f"carry_slip: must be a probability in [0, 1], got {carry_slip!r}.")
+    With ``rounding_habit`` p > 0, each response gets the rounded tail with probability p (the
+    answer stays exact); the problems are the same whatever p."""
+    if not 0.0 <= rounding_habit <= 1.0:
+        raise DataError(f"rounding_habit: must be a probability in [0, 1], got {rounding_habit!r}.")
     rng = random.Random(f"arith-{seed}-{difficulty}")
-    slip_rng = random.Random(f"slip-{seed}-{difficulty}")
+    habit_rng = random.Random(f"habit-{seed}-{difficulty}")
     rows = []
     for _ in range(n):
-        prompt, value, slipped = _problem(rng, difficulty)
+        prompt, value = _problem(rng, difficulty)
         answer = str(value)
-        response = str(slipped) if slipped != value and slip_rng.random() < carry_slip else answer
+        response = answer + rounded(value) if habit_rng.random() < rounding_habit else answer
         rows.append(
             {
                 "prompt": prompt,
@@ -69,25 +74,32 @@ def make_arithmetic_rows(n: int, seed: int = 0, difficulty: int = 0, carry_slip:
     return rows
 
 
-def make_preference_rows(n: int, seed: int = 0, difficulty: int = 0) -> list[dict]:
-    """``n`` preference pairs: ``prompt``, ``chosen`` (the correct answer), ``rejected`` (a wrong
-    answer: correct ± 1..5, never negative), ``answer``, and ``chosen_messages`` /
-    ``rejected_messages`` (full conversations, for chat-template RM/DPO data)."""
+def make_preference_rows(n: int, seed: int = 0, difficulty: int = 0, rounding_habit: float = 0.0) -> list[dict]:
+    """``n`` preference pairs: ``prompt``, ``chosen`` (the exact answer), ``rejected``, ``answer``, and
+    ``chosen_messages`` / ``rejected_messages`` (full conversations, for chat-template RM/DPO data).
+    ``rejected`` is a wrong answer (correct ± 1..5, never negative), or with probability
+    ``rounding_habit`` the exact answer followed by the sloppy demonstrator's rounded tail (when that
+    tail is itself wrong, i.e. the answer is not a multiple of ten)."""
+    if not 0.0 <= rounding_habit <= 1.0:
+        raise DataError(f"rounding_habit: must be a probability in [0, 1], got {rounding_habit!r}.")
     rng = random.Random(f"pref-{seed}-{difficulty}")
+    habit_rng = random.Random(f"pref-habit-{seed}-{difficulty}")
     rows = []
     for row in make_arithmetic_rows(n, seed, difficulty):
         value = int(row["answer"])
         offset = rng.randint(1, 5)
-        wrong = value + offset if value - offset < 0 or rng.random() < 0.5 else value - offset
+        wrong = str(value + offset if value - offset < 0 or rng.random() < 0.5 else value - offset)
+        if value % 10 and habit_rng.random() < rounding_habit:
+            wrong = row["answer"] + rounded(value)
         user = {"role": "user", "content": row["prompt"]}
         rows.append(
             {
                 "prompt": row["prompt"],
                 "chosen": row["answer"],
-                "rejected": str(wrong),
+                "rejected": wrong,
                 "answer": row["answer"],
                 "chosen_messages": [user, {"role": "assistant", "content": row["answer"]}],
-                "rejected_messages": [user, {"role": "assistant", "content": str(wrong)}],
+                "rejected_messages": [user, {"role": "assistant", "content": wrong}],
             }
         )
     return rows

@@ -8,7 +8,7 @@ from posttrain.data.synthetic import is_correct
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, rows: list[dict], *, max_new_tokens: int = 8, batch_size: int = 64,
+def greedy_accuracy(model, tokenizer, rows: list[dict], *, max_new_tokens: int = 12, batch_size: int = 64,
                     prompt_key: str = "prompt", answer_key: str = "answer") -> tuple[float, list[dict]]:
     """Return (accuracy, samples) with samples = [{"prompt", "response", "answer", "correct"}]."""
     model.eval()

@@ -10,6 +10,7 @@ from posttrain.data import (
     load_rows,
     make_arithmetic_rows,
     make_preference_rows,
+    rounded,
     write_jsonl,
 )
 
@@ -47,22 +48,21 @@ def test_extract_answer_and_is_correct():
     assert not is_correct("82", "81") and not is_correct("eighty-one", "81")
 
 
-def test_carry_slip_demonstrations():
+def test_rounding_habit_demonstrations():
     clean = make_arithmetic_rows(400, seed=2, difficulty=1)
-    sloppy = make_arithmetic_rows(400, seed=2, difficulty=1, carry_slip=1.0)
+    sloppy = make_arithmetic_rows(400, seed=2, difficulty=1, rounding_habit=1.0)
     for c, s in zip(clean, sloppy):
         a, b = (int(x) for x in c["prompt"].removeprefix("What is ").rstrip("?").split(" + "))
-        carries = a % 10 + b % 10 >= 10
         assert s["prompt"] == c["prompt"] and s["answer"] == c["answer"] == str(a + b)
-        assert s["response"] == str(a + b - 10 if carries else a + b)  # 23 + 58 -> "71": carry forgotten
-        assert s["messages"][-1]["content"] == s["response"]
-    half = make_arithmetic_rows(400, seed=2, difficulty=1, carry_slip=0.5)
-    slipped = sum(r["response"] != r["answer"] for r in half)
-    carrying = sum(r["response"] != r["answer"] for r in sloppy)
-    assert 0.35 * carrying < slipped < 0.65 * carrying
-    assert make_arithmetic_rows(400, seed=2, difficulty=1, carry_slip=0.0) == clean
-    with pytest.raises(DataError, match="carry_slip"):
-        make_arithmetic_rows(3, carry_slip=1.5)
+        tens = (a + b + 5) // 10 * 10  # 81 -> 80, 85 -> 90
+        assert s["response"] == f"{a + b}, roughly {tens}" and s["messages"][-1]["content"] == s["response"]
+        assert is_correct(s["response"], s["answer"]) == (tens == a + b)  # a grader reads the last number
+    assert rounded(81) == ", roughly 80" and rounded(85) == ", roughly 90" and rounded(7) == ", roughly 10"
+    half = make_arithmetic_rows(400, seed=2, difficulty=1, rounding_habit=0.5)
+    assert 150 < sum(r["response"] != r["answer"] for r in half) < 250
+    assert make_arithmetic_rows(400, seed=2, difficulty=1, rounding_habit=0.0) == clean
+    with pytest.raises(DataError, match="rounding_habit"):
+        make_arithmetic_rows(3, rounding_habit=1.5)
 
 
 def test_preference_rows():
@@ -72,6 +72,11 @@ def test_preference_rows():
         assert is_correct(r["chosen"], r["answer"]) and not is_correct(r["rejected"], r["answer"])
         assert int(r["rejected"]) >= 0 and r["chosen_messages"][-1]["content"] == r["chosen"]
         assert r["rejected_messages"][0]["content"] == r["prompt"]
+    habit = make_preference_rows(100, seed=1, difficulty=1, rounding_habit=1.0)
+    for r, h in zip(rows, habit):
+        assert h["prompt"] == r["prompt"] and h["chosen"] == r["chosen"] and not is_correct(h["rejected"], h["answer"])
+        tail = int(r["answer"]) % 10 != 0
+        assert h["rejected"] == (r["answer"] + rounded(int(r["answer"])) if tail else r["rejected"])
 
 
 def test_write_jsonl_roundtrip_and_sft(tmp_path, tokenizer):
