@@ -11,7 +11,14 @@ from .prompts import Prompt, PromptDataset
 from .readers import Row, read_file
 from .sft_dataset import SFTDataset
 from .sources import load_source
-from .synthetic import extract_answer, is_correct, make_arithmetic_rows, make_preference_rows, rounded, write_jsonl
+from .synthetic import (
+    extract_answer,
+    is_correct,
+    make_arithmetic_rows,
+    make_preference_rows,
+    rounded,
+    write_jsonl,
+)
 from .templates import check_input_template, format_prompt, render_chat, set_chat_template, to_messages
 from .validation import ensure_location, require_messages, require_text, require_text_or_messages
 

@@ -27,7 +27,7 @@ from torch.utils.data import Dataset
 from .errors import DataError, where
 from .sft_dataset import SFTDataset, encode_segments
 from .templates import check_input_template, format_prompt, render_chat, require_chat_template, to_messages
-from .validation import ensure_location, get_field, require_text, require_text_or_messages
+from .validation import ensure_location, require_text, require_text_or_messages
 
 PROMPT_FLAG, CHOSEN_FLAG, REJECTED_FLAG = "--data.prompt_key", "--data.chosen_key", "--data.rejected_key"
 
@@ -109,7 +109,12 @@ class PreferenceDataset(Dataset):
                             "nothing. Fix the data (remove the row or correct one side).")
         margin = 0.0
         if self.margin_key is not None:
-            value = get_field(row, self.margin_key, "--model.margin_loss_enable (needs a 'margin' field)")
+            if self.margin_key not in row:
+                raise DataError(f"{loc}: missing key '{self.margin_key}' (the row has keys "
+                                f"{sorted(k for k in row if not k.startswith('__'))}), which "
+                                "--model.margin_loss_enable reads in every row of the training and eval data. "
+                                f"Add a numeric '{self.margin_key}' to each row, or drop --model.margin_loss_enable.")
+            value = row[self.margin_key]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
                 raise DataError(f"{loc}: key '{self.margin_key}' must be a number, got {value!r}. Fix the data, "
                                 "or drop --model.margin_loss_enable.")

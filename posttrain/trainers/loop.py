@@ -2,12 +2,16 @@
 
 A trainer supplies an `Objective`:
   - `units(item)`: how many normalisation units a sample contributes (SFT: its target tokens);
+  - optional `length(item)`: the tokens a sample puts in a micro-batch, for the token budget of
+    `--train.dynamic_batch_enable` (default: `len(item["input_ids"])`; RM/DPO: both sides of a pair);
   - `collate(items)`: a micro-batch;
   - `loss(model, batch, num_units) -> (loss, sums)`: the micro-batch's share of the step loss,
     already divided by `num_units` = the units of the WHOLE step (all micro-batches, all ranks), so
     the step loss is the plain sum of micro-batch losses — identical whatever the split
     (ALGORITHMS.md, aggregation). `sums` are additive statistics (floats) summed over micro-batches
-    and ranks and logged divided by their `*_count` partner when one exists.
+    and ranks and logged divided by their `*_count` partner when one exists; a `*_sqsum` partner
+    (sum of squares) adds the sample standard deviation (`x_sum`, `x_sqsum`, `x_count` are logged
+    as `x_mean` and `x_std`).
 The loop owns data order, micro-batching, rank padding for ZeRO-3, logging, eval, checkpoints and
 resume (weights, optimizer, scheduler, step counters and RNG).
 """
@@ -59,15 +63,22 @@ def _to_device(batch: dict, device) -> dict:
 
 
 def summarize(sums: dict[str, float], prefix: str) -> dict[str, float]:
-    """`x_sum`/`x_count` pairs become the mean `prefix/x`; other sums are reported as they are."""
+    """`x_sum`/`x_count` pairs become the mean `prefix/x`; with `x_sqsum` too, `prefix/x_mean` and
+    the sample std `prefix/x_std` = sqrt((Σx² − n·mean²) / (n − 1)); other sums are reported as they are."""
     out = {}
     for key, value in sums.items():
-        if key.endswith("_count"):
+        if key.endswith(("_count", "_sqsum")):
             continue
         if key.endswith("_sum"):
             base = key[: -len("_sum")]
             count = sums.get(f"{base}_count", 0.0)
-            out[f"{prefix}/{base}"] = value / count if count else float("nan")
+            mean = value / count if count else float("nan")
+            if f"{base}_sqsum" not in sums:
+                out[f"{prefix}/{base}"] = mean
+                continue
+            out[f"{prefix}/{base}_mean"] = mean
+            var = (sums[f"{base}_sqsum"] - count * mean * mean) / (count - 1) if count > 1 else float("nan")
+            out[f"{prefix}/{base}_std"] = math.sqrt(max(var, 0.0)) if var == var else var
         else:
             out[f"{prefix}/{key}"] = value
     return out
@@ -86,7 +97,8 @@ class StepLoop:
         self.logger = logger
         self.save_hf = save_hf
         self.device = device or torch.device("cpu")
-        self.lengths = [len(it["input_ids"]) if "input_ids" in it else 1 for it in train_items]
+        length = getattr(objective, "length", None) or (lambda it: len(it["input_ids"]) if "input_ids" in it else 1)
+        self.lengths = [length(it) for it in train_items]
         self.steps_per_epoch = batching.steps_per_epoch(len(train_items), settings.batch_size)
         if self.steps_per_epoch == 0:
             raise ValueError(
@@ -145,17 +157,19 @@ class StepLoop:
                     sums[key] = sums.get(key, 0.0) + float(v)
         return self._all_reduce_sums(sums)
 
-    def evaluate(self) -> dict[str, float]:
-        if not self.eval_items:
+    def evaluate(self, items: list[dict] | None = None, prefix: str = "eval") -> dict[str, float]:
+        """The objective's statistics over `items` (default: the eval set) without training."""
+        items = self.eval_items if items is None else items
+        if not items:
             return {}
         self.engine.module.eval()
-        n = len(self.eval_items)
+        n = len(items)
         idx = batching.rank_slice(torch.arange(n - n % self.engine.world_size).numpy(),
                                   self.engine.rank, self.engine.world_size)
         groups = batching.micro_batches(idx, None, micro_batch_size=self.s.micro_batch_size)
-        sums = self._run_micro_batches(groups, self.eval_items, train=False)
+        sums = self._run_micro_batches(groups, items, train=False)
         self.engine.module.train()
-        return summarize(sums, "eval")
+        return summarize(sums, prefix)
 
     # ---- checkpoints ----------------------------------------------------------------------
     def _save_checkpoint(self) -> None:

@@ -54,6 +54,8 @@ class SingleModelRun:
                                     cfg.train.seed, cfg.data.max_samples)
         self.eval_rows = self._eval_rows()
         self._load_model = load_model or self._load_causal_lm
+        # optional: state dict -> state dict applied to every HF export (e.g. RM head renaming)
+        self.export_state = None
 
     def _eval_rows(self) -> list[dict]:
         """Rows of `--eval.dataset` (split `--eval.split`); none without it, as in OpenRLHF."""
@@ -69,9 +71,12 @@ class SingleModelRun:
         return load_causal_lm(cfg.model.model_name_or_path, dtype=cfg.ds.param_dtype,
                               attn_implementation=cfg.ds.attn_implementation, lora=lora_settings(cfg),
                               gradient_checkpointing=cfg.model.gradient_checkpointing_enable,
-                              gradient_checkpointing_reentrant=cfg.model.gradient_checkpointing_reentrant)
+                              gradient_checkpointing_reentrant=cfg.model.gradient_checkpointing_reentrant,
+                              load_in_4bit=cfg.ds.load_in_4bit)
 
-    def fit(self, objective, train_items: list[dict], eval_items: list[dict] | None) -> dict:
+    def fit(self, objective, train_items: list[dict], eval_items: list[dict] | None, on_trained=None) -> dict:
+        """Train, then call `on_trained(loop, final_metrics)` (all ranks; e.g. RM reward statistics
+        written into the model config) and export the final model to the run directory."""
         cfg = self.cfg
         model = self._load_model()
         if self.world_size == 1:
@@ -100,6 +105,8 @@ class SingleModelRun:
                         settings=settings, run_dir=self.run_dir, logger=logger,
                         save_hf=lambda d: self.export_hf(engine, d), device=self.device)
         final = loop.fit()
+        if on_trained is not None:
+            on_trained(loop, final)
         self.export_hf(engine, self.run_dir)
         logger.close()
         if engine.is_main:
@@ -123,6 +130,8 @@ class SingleModelRun:
         """Write a `from_pretrained`-loadable model (all ranks call; ZeRO-3 gathers on rank 0)."""
         state = engine.full_state_dict() if hasattr(engine, "full_state_dict") else None
         if engine.is_main:
+            if self.export_state is not None:
+                state = self.export_state(state if state is not None else engine.module.state_dict())
             save_pretrained(engine.module, self.tokenizer, out_dir, state_dict=state)
         engine.barrier()
 

@@ -1,0 +1,184 @@
+"""Reward-model training on preference pairs (Bradley-Terry).
+
+A score model (a causal LM with a scalar head, `load_score_model`) reads each sequence (prompt +
+response + EOS) and its reward is the head's value at the sequence's LAST real token: index
+`attention_mask.sum - 1` per row of a right-padded batch (`last_token_index` also handles left
+padding), `cumsum(seq_lens) - 1` in a packed row. Per pair, with r_c / r_r the rewards of the
+chosen / rejected side and m the row's `margin` (`--model.margin_loss_enable`, else 0):
+
+    sigmoid (default):  ℓ = -log σ(r_c - r_r - m)
+    logexp:             ℓ = log(1 + exp(r_r - r_c))
+
+The step loss is Σ_pairs ℓ / P with P the pairs of the whole optimizer step (all micro-batches, all
+ranks), so micro-batching does not change it. Rewards leave `forward_values` in float32, so the loss
+is always computed in fp32 (`--model.compute_fp32_loss_enable` is accepted and changes nothing).
+
+Logged (means over pairs): `loss`, `acc` (share of pairs with r_c > r_r), `chosen_reward`,
+`rejected_reward`, `margin` (r_c - r_r); over all 2P rewards: `reward_mean`, `reward_std`.
+After training, the mean / std of the rewards on the eval set (the training set without one) are
+stored as `mean` / `std` in the saved config.json, which `--reward.normalize_enable` reads.
+With `--ds.value_head_prefix X` (X != score) the exported head is stored as `X.weight` (OpenRLHF's
+naming); `load_score_model(path, value_head_prefix=X)` loads it back.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from posttrain.agents.rewards.reward_model import last_token_index
+from posttrain.algorithms.preference import reward_model_loss
+from posttrain.config import ConfigError
+from posttrain.data import pack_collate, pad_collate
+from posttrain.data.preference_dataset import PreferenceDataset, pair_sides
+from posttrain.models import forward_values, load_score_model, unwrap_model
+from posttrain.models.loading import _read_head, check_model_path
+from posttrain.trainers.session import SingleModelRun, lora_settings
+from posttrain.utils.log import info
+
+MARGIN_KEY = "margin"
+
+
+class RMObjective:
+    """The step loop's `Objective` for reward models: units are pairs; a micro-batch of B pairs is
+    one forward of 2B sequences (rows 0..B-1 chosen, B..2B-1 rejected; padded or packed)."""
+
+    def __init__(self, pad_id: int, packing: bool, loss_type: str = "sigmoid", use_margin: bool = False) -> None:
+        if use_margin and loss_type != "sigmoid":
+            raise ConfigError(f"--model.margin_loss_enable needs --model.loss_type sigmoid, got {loss_type!r}: "
+                              "the logexp loss has no margin term. Drop one of the two flags.")
+        self.pad_id, self.packing = pad_id, packing
+        self.loss_type, self.use_margin = loss_type, use_margin
+
+    def units(self, item: dict) -> int:
+        return 1
+
+    def length(self, item: dict) -> int:
+        return len(item["chosen_ids"]) + len(item["rejected_ids"])
+
+    def collate(self, items: list[dict]) -> dict:
+        sides = pair_sides(items)
+        batch = pack_collate(sides) if self.packing else pad_collate(sides, self.pad_id)
+        batch["margin"] = torch.tensor([float(it["margin"]) for it in items])
+        return batch
+
+    @staticmethod
+    def rewards(model, batch: dict) -> torch.Tensor:
+        """Float32 rewards [N], one per sequence: the value at its last real token (padded batch:
+        last 1 of `attention_mask`, left or right padding; packed: `cumsum(seq_lens) - 1`)."""
+        values = forward_values(model, batch)
+        if "seq_lens" in batch:
+            ends = torch.as_tensor(batch["seq_lens"], device=values.device).cumsum(0) - 1
+            return values[0, ends]
+        if "attention_mask" not in batch:
+            return values[:, -1]
+        return values.gather(1, last_token_index(batch["attention_mask"])[:, None]).squeeze(1)
+
+    def loss(self, model, batch: dict, num_units: float):
+        r = self.rewards(model, batch)
+        b = r.shape[0] // 2
+        chosen, rejected = r[:b], r[b:]
+        margin = batch["margin"].to(r.device) if self.use_margin else None
+        per_pair_mean = reward_model_loss(chosen, rejected, margin=margin, loss_type=self.loss_type)
+        loss = per_pair_mean * b / num_units
+        with torch.no_grad():
+            n = float(b)
+            stats = {"loss_sum": float(per_pair_mean.detach()) * n, "acc_sum": float((chosen > rejected).sum()),
+                     "chosen_reward_sum": float(chosen.sum()), "rejected_reward_sum": float(rejected.sum()),
+                     "margin_sum": float((chosen - rejected).sum())}
+            stats.update({k.replace("_sum", "_count"): n for k in list(stats)})
+            rd = r.double()
+            stats.update({"reward_sum": float(rd.sum()), "reward_sqsum": float((rd * rd).sum()),
+                          "reward_count": float(r.shape[0])})
+        return loss, stats
+
+
+def rename_head(state: dict, prefix: str) -> dict:
+    """`score.weight` / `score.bias` → `{prefix}.weight` / `.bias` (other tensors unchanged)."""
+    return {(f"{prefix}.{k[len('score.'):]}" if k in ("score.weight", "score.bias") else k): v
+            for k, v in state.items()}
+
+
+def load_prefix(path, prefix: str) -> str:
+    """The head prefix to load `path` with: `prefix` when the checkpoint stores `{prefix}.weight`
+    (a reward model saved under that name), else "score" (an HF score model, or a causal LM that
+    gets a fresh head): training a new RM with `--ds.value_head_prefix value_head` starts from an
+    SFT model that has no such tensor."""
+    if prefix == "score":
+        return prefix
+    try:
+        return prefix if _read_head(check_model_path(path), prefix) else "score"
+    except FileNotFoundError:
+        return "score"
+
+
+def _model_config(model):
+    base = unwrap_model(model)
+    if hasattr(base, "peft_config"):
+        base = base.get_base_model()
+    return base.config
+
+
+def train_rm(cfg) -> dict:
+    """Train a reward model as configured; returns the final eval metrics (empty without an eval set)."""
+    use_margin = cfg.model.margin_loss_enable
+    prefix = cfg.ds.value_head_prefix
+    if not prefix or not prefix.isidentifier():
+        raise ConfigError(f"--ds.value_head_prefix {prefix!r}: must be a Python identifier such as score or value_head")
+    RMObjective(0, False, cfg.model.loss_type, use_margin)  # flag conflicts fail before any loading
+
+    def load():
+        return load_score_model(cfg.model.model_name_or_path, dtype=cfg.ds.param_dtype,
+                                value_head_prefix=load_prefix(cfg.model.model_name_or_path, prefix),
+                                attn_implementation=cfg.ds.attn_implementation, lora=lora_settings(cfg),
+                                gradient_checkpointing=cfg.model.gradient_checkpointing_enable,
+                                gradient_checkpointing_reentrant=cfg.model.gradient_checkpointing_reentrant,
+                                load_in_4bit=cfg.ds.load_in_4bit)
+
+    run = SingleModelRun(cfg, load_model=load)
+    tok = run.tokenizer
+    data_kwargs = dict(prompt_key=cfg.data.prompt_key, chosen_key=cfg.data.chosen_key,
+                       rejected_key=cfg.data.rejected_key, input_template=cfg.data.input_template,
+                       apply_chat_template=cfg.data.apply_chat_template,
+                       margin_key=MARGIN_KEY if use_margin else None)
+    train_set = _dataset(run.train_rows, tok, cfg, "training", data_kwargs)
+    eval_set = _dataset(run.eval_rows, tok, cfg, "eval", data_kwargs) if run.eval_rows else None
+    train_items = [train_set[i] for i in range(len(train_set))]
+    eval_items = [eval_set[i] for i in range(len(eval_set))] if eval_set else None
+    objective = RMObjective(tok.pad_token_id, cfg.ds.packing_samples, cfg.model.loss_type, use_margin)
+    lora = lora_settings(cfg) is not None
+    if prefix != "score":
+        if lora:
+            info(f"--ds.value_head_prefix {prefix}: a LoRA adapter keeps peft's names for the head; "
+                 "merge it with posttrain lora-merge to get a plain score model")
+        else:
+            run.export_state = lambda state: rename_head(state, prefix)
+
+    def store_reward_stats(loop, final: dict) -> None:
+        if "eval/reward_mean" in final:
+            mean, std, source = final["eval/reward_mean"], final["eval/reward_std"], f"{len(eval_items)} eval pairs"
+        else:
+            stats = loop.evaluate(train_items, prefix="train_set")
+            mean, std, source = stats["train_set/reward_mean"], stats["train_set/reward_std"], \
+                f"{len(train_items)} training pairs"
+        std = max(std, 1e-8) if math.isfinite(std) else 1.0
+        config = _model_config(loop.engine.module)
+        config.mean, config.std = float(mean), float(std)
+        info(f"reward statistics over {source}: mean {mean:.4g}, std {std:.4g} (stored in config.json as "
+             "mean/std for --reward.normalize_enable)")
+        if lora and loop.engine.is_main:  # an adapter folder has no config.json of its own
+            run.run_dir.mkdir(parents=True, exist_ok=True)
+            config.to_json_file(str(run.run_dir / "config.json"))
+
+    return run.fit(objective, train_items, eval_items, on_trained=store_reward_stats)
+
+
+def _dataset(rows, tok, cfg, what: str, data_kwargs: dict) -> PreferenceDataset:
+    ds = PreferenceDataset(rows, tok, cfg.data.max_len, **data_kwargs)
+    if ds.num_truncated:
+        info(f"{what} set: {ds.num_truncated} sequences longer than --data.max_len {cfg.data.max_len} were cut "
+             "(their last token kept as EOS)")
+    if ds.num_dropped:
+        info(f"{what} set: {ds.num_dropped} pairs dropped because the prompt alone fills --data.max_len "
+             f"{cfg.data.max_len} (first: {ds.dropped[0]})")
+    return ds
