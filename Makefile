@@ -32,6 +32,7 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -q --no-build-isolation -e '.[dev,bench]'
 	$(PY) bench/sft.py
+	$(PY) bench/dpo.py
 	$(PY) bench/rl_step.py --threads 0
 	$(PY) bench/rollout_tokens.py --threads 2
 

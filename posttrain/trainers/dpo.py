@@ -1,0 +1,176 @@
+"""Direct preference optimisation (DPO / IPO / cDPO) against a frozen reference model.
+
+For each pair, with summed response log-probs (prompt tokens masked: ``loss_mask[:, 1:]``)
+``π_c, π_r`` of the policy and ``ref_c, ref_r`` of the reference, and ``h = (π_c - π_r) - (ref_c - ref_r)``:
+
+    ℓ_dpo  = -(1-ε) logσ(βh) - ε logσ(-βh)       (ε = --model.label_smoothing, cDPO)
+    ℓ_ipo  = (h - 1/(2β))²                        (--model.ipo_enable)
+    ℓ_nll  = -(1/|y_c|) Σ_t log π(y_c,t | ·)      (token mean over the chosen response)
+
+The step loss is ``Σ_pairs (ℓ + c·ℓ_nll) / P`` with ``c = --model.nll_loss_coef`` and ``P`` the pairs of
+the whole optimizer step (all micro-batches, all ranks), so the split does not change it. At
+initialisation (policy = reference) ``h = 0`` and the DPO loss is log 2.
+
+Logged per pair (means): ``loss`` (ℓ + c·ℓ_nll), ``dpo_loss`` (ℓ), ``nll``, ``chosen_reward`` = β(π_c - ref_c),
+``rejected_reward`` = β(π_r - ref_r), ``margin`` = chosen_reward - rejected_reward and ``acc`` =
+share of pairs with chosen_reward > rejected_reward.
+
+Reference: ``--ref.model_name_or_path`` (default: the policy's initial weights). With LoRA and the
+default reference no second copy is loaded: the reference is the policy with its adapters disabled
+(the frozen base weights). ``--ref.offload`` keeps a separate reference on the CPU between forwards.
+"""
+from __future__ import annotations
+
+import torch
+
+from posttrain.algorithms.losses import token_logprobs
+from posttrain.algorithms.preference import dpo_loss
+from posttrain.config import ConfigError
+from posttrain.data import pack_collate, pad_collate
+from posttrain.data.preference_dataset import PreferenceDataset, pair_sides
+from posttrain.models import forward_logits, load_causal_lm, unwrap_model
+from posttrain.trainers.session import SingleModelRun, lora_settings
+from posttrain.utils.log import info
+
+
+def sequence_logprobs(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample ``(Σ_t m_t log π(x_t | x_<t), Σ_t m_t)`` over the loss-masked tokens
+    (``m = loss_mask[:, 1:]``), shapes ``[N]``; padded batches have N rows, packed ones
+    (``seq_lens``) N = len(seq_lens) samples in one row."""
+    labels = batch["input_ids"][:, 1:]
+    mask = batch["loss_mask"][:, 1:].float()
+    logp = token_logprobs(logits[:, :-1], labels) * mask
+    if "seq_lens" not in batch:
+        return logp.sum(-1), mask.sum(-1)
+    lens = torch.as_tensor(batch["seq_lens"], device=logp.device)
+    # sample of each label position (the label at t+1 belongs to the sample of token t+1; a label
+    # that would cross a boundary is the next sample's first token, whose loss_mask is 0)
+    owner = torch.repeat_interleave(torch.arange(len(lens), device=logp.device), lens)[1:]
+    zeros = torch.zeros(len(lens), device=logp.device, dtype=logp.dtype)
+    return zeros.index_add(0, owner, logp[0]), zeros.index_add(0, owner, mask[0])
+
+
+def check_loss_flags(ipo: bool, label_smoothing: float) -> None:
+    """IPO has no label smoothing: the two flags together are refused rather than one ignored."""
+    if ipo and label_smoothing:
+        raise ConfigError(f"--model.label_smoothing {label_smoothing} is cDPO's; IPO (--model.ipo_enable) "
+                          "does not use it. Drop one of the two flags.")
+
+
+class DPOObjective:
+    """The `Objective` of the step loop for DPO: units are pairs; a micro-batch of B pairs is one
+    forward of 2B sequences (chosen rows first, then rejected; padded or packed)."""
+
+    def __init__(self, *, pad_id: int, packing: bool, beta: float = 0.1, label_smoothing: float = 0.0,
+                 ipo: bool = False, nll_loss_coef: float = 0.0, ref_model=None, ref_offload: bool = False,
+                 device=None) -> None:
+        check_loss_flags(ipo, label_smoothing)
+        self.pad_id, self.packing = pad_id, packing
+        self.beta, self.label_smoothing, self.ipo, self.nll_coef = beta, label_smoothing, ipo, nll_loss_coef
+        self.ref_model, self.ref_offload = ref_model, ref_offload
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+
+    def units(self, item: dict) -> int:
+        return 1
+
+    def length(self, item: dict) -> int:
+        """Tokens the pair puts in a micro-batch (both sides), for --train.dynamic_batch_enable."""
+        return len(item["chosen_ids"]) + len(item["rejected_ids"])
+
+    def collate(self, items: list[dict]) -> dict:
+        sides = pair_sides(items)
+        batch = pack_collate(sides) if self.packing else pad_collate(sides, self.pad_id)
+        batch["num_pairs"] = len(items)
+        return batch
+
+    @torch.no_grad()
+    def reference_logits(self, model, batch: dict) -> torch.Tensor:
+        """Float32 logits of the reference: the separate reference model, or (LoRA with the default
+        reference) the policy with its adapters disabled, in eval mode."""
+        if self.ref_model is None:
+            peft_model = unwrap_model(model)
+            if not hasattr(peft_model, "disable_adapter"):
+                raise ValueError("DPOObjective: ref_model=None needs a LoRA (peft) policy whose adapters can "
+                                 "be disabled; pass a reference model")
+            was_training = peft_model.training
+            peft_model.eval()
+            try:
+                with peft_model.disable_adapter():
+                    return forward_logits(model, batch)
+            finally:
+                peft_model.train(was_training)
+        ref = self.ref_model
+        if self.ref_offload:
+            ref.to(self.device)
+        try:
+            return forward_logits(ref, batch)
+        finally:
+            if self.ref_offload:
+                ref.to("cpu")
+
+    def loss(self, model, batch: dict, num_units: float):
+        b = batch["num_pairs"]
+        ref_logits = self.reference_logits(model, batch)
+        ref_vocab = ref_logits.shape[-1]
+        ref_logps = sequence_logprobs(ref_logits, batch)[0]
+        del ref_logits
+        logits = forward_logits(model, batch)
+        if logits.shape[-1] != ref_vocab:
+            raise ValueError(f"--ref.model_name_or_path: the reference has a vocabulary of {ref_vocab} tokens, "
+                             f"the policy {logits.shape[-1]}; DPO needs both to share the tokenizer")
+        logps, counts = sequence_logprobs(logits, batch)
+        mean_loss, chosen_r, rejected_r = dpo_loss(
+            logps[:b], logps[b:], ref_logps[:b], ref_logps[b:], beta=self.beta,
+            label_smoothing=self.label_smoothing, ipo=self.ipo)
+        nll = -logps[:b] / counts[:b].clamp(min=1)  # token mean per chosen response [B]
+        loss = (mean_loss * b + self.nll_coef * nll.sum()) / num_units
+        with torch.no_grad():
+            dpo_sum, nll_sum = float(mean_loss) * b, float(nll.sum())
+            stats = {"loss_sum": dpo_sum + self.nll_coef * nll_sum, "dpo_loss_sum": dpo_sum, "nll_sum": nll_sum,
+                     "acc_sum": float((chosen_r > rejected_r).sum()), "chosen_reward_sum": float(chosen_r.sum()),
+                     "rejected_reward_sum": float(rejected_r.sum()), "margin_sum": float((chosen_r - rejected_r).sum())}
+            stats.update({k[: -len("_sum")] + "_count": float(b) for k in list(stats)})
+        return loss, stats
+
+
+def load_reference(cfg, device: torch.device):
+    """The frozen reference model, or None when it is the LoRA policy with adapters disabled (LoRA on
+    and no other `--ref.model_name_or_path` than the policy's)."""
+    path = cfg.ref.model_name_or_path or cfg.model.model_name_or_path
+    if lora_settings(cfg) is not None and path == cfg.model.model_name_or_path:
+        info("reference model: the policy with its LoRA adapters disabled (no second copy loaded)")
+        if cfg.ref.offload:
+            info("note: --ref.offload has nothing to offload (the reference shares the policy's base weights)")
+        return None
+    ref = load_causal_lm(path, dtype=cfg.ds.param_dtype, attn_implementation=cfg.ds.attn_implementation)
+    ref.eval().requires_grad_(False)
+    where = torch.device("cpu") if cfg.ref.offload else device
+    info(f"reference model: {path} (frozen, on {where}{' between forwards' if cfg.ref.offload else ''})")
+    return ref.to(where)
+
+
+def preference_items(rows: list[dict], tokenizer, cfg, what: str) -> list[dict]:
+    data = PreferenceDataset(rows, tokenizer, cfg.data.max_len, prompt_key=cfg.data.prompt_key,
+                             chosen_key=cfg.data.chosen_key, rejected_key=cfg.data.rejected_key,
+                             input_template=cfg.data.input_template,
+                             apply_chat_template=cfg.data.apply_chat_template)
+    if data.num_truncated:
+        info(f"{what}: {data.num_truncated} responses cut to --data.max_len {cfg.data.max_len}")
+    if data.num_dropped:
+        info(f"{what}: {data.num_dropped} pairs dropped (prompt fills --data.max_len), first {data.dropped[0]}")
+    return [data[i] for i in range(len(data))]
+
+
+def train_dpo(cfg) -> dict:
+    """Run DPO / IPO / cDPO as configured; returns the final eval metrics (empty without an eval set)."""
+    check_loss_flags(cfg.model.ipo_enable, cfg.model.label_smoothing)
+    run = SingleModelRun(cfg)
+    tok = run.tokenizer
+    train_items = preference_items(run.train_rows, tok, cfg, "train set")
+    eval_items = preference_items(run.eval_rows, tok, cfg, "eval set") if run.eval_rows else None
+    m = cfg.model
+    objective = DPOObjective(pad_id=tok.pad_token_id, packing=cfg.ds.packing_samples, beta=m.beta,
+                             label_smoothing=m.label_smoothing, ipo=m.ipo_enable, nll_loss_coef=m.nll_loss_coef,
+                             ref_model=load_reference(cfg, run.device), ref_offload=cfg.ref.offload,
+                             device=run.device)
+    return run.fit(objective, train_items, eval_items)

@@ -1,0 +1,279 @@
+"""DPO trainer: log 2 at initialisation, prompt masking, IPO / cDPO / NLL values by hand, accuracy
+rising on held-out pairs, LoRA (reference = adapters disabled), and an OpenRLHF-style launch."""
+import json
+import math
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from posttrain.utils.metrics import read_metrics
+
+LN2 = math.log(2.0)
+
+
+def dpo_flags(model, data, out, *extra):
+    return ["--model.model_name_or_path", str(model), "--data.dataset", str(data), "--data.prompt_key", "prompt",
+            "--data.apply_chat_template", "--data.max_len", "48", "--train.batch_size", "16",
+            "--train.micro_batch_size", "8", "--ckpt.output_dir", str(out), "--logger.logging_steps", "1",
+            *map(str, extra)]
+
+
+@pytest.fixture(scope="module")
+def pref_dir(tmp_path_factory):
+    """64 training and 32 held-out pairs of single-digit additions whose preference the nano model can
+    learn in a few steps: a full sentence with the right answer ("The answer is 7.") over a bare wrong
+    number ("9"). (Right-over-wrong bare numbers needs arithmetic the 1M-parameter model does not learn
+    in a test's budget: held-out reward accuracy stays near chance.) The SFT-ed model, trained on bare
+    numbers, prefers the rejected side."""
+    from posttrain.data.synthetic import make_preference_rows, write_jsonl
+
+    path = tmp_path_factory.mktemp("pref")
+    rows = [dict(r, chosen=f"The answer is {r['chosen']}.") for r in make_preference_rows(96, seed=5)]
+    write_jsonl(rows[:64], path / "train.jsonl")
+    write_jsonl(rows[64:], path / "test.jsonl")
+    return path
+
+
+def heldout_logprob_gap(model_dir, pref_dir) -> float:
+    """Mean over held-out pairs of log π(chosen) - log π(rejected) (summed response log-probs) of a
+    saved model, computed outside the trainer."""
+    from posttrain.data.preference_dataset import PreferenceDataset
+    from posttrain.data.readers import read_file
+    from posttrain.models import forward_logits, load_causal_lm, load_tokenizer
+    from posttrain.trainers.dpo import DPOObjective, sequence_logprobs
+
+    tok = load_tokenizer(model_dir)
+    rows = read_file(str(pref_dir / "test.jsonl"))
+    items = list(PreferenceDataset(rows, tok, 48, prompt_key="prompt", apply_chat_template=True))
+    batch = DPOObjective(pad_id=tok.pad_token_id, packing=False).collate(items)
+    with torch.no_grad():
+        logps = sequence_logprobs(forward_logits(load_causal_lm(model_dir), batch), batch)[0]
+    return float((logps[: len(items)] - logps[len(items):]).mean())
+
+
+@pytest.fixture(scope="module")
+def dpo_run(sft_nano, pref_dir, tmp_path_factory):
+    """DPO from the SFT-ed nano model: 2 epochs of 4 steps, evaluated on the held-out pairs."""
+    from posttrain.cli import train_dpo
+
+    out = tmp_path_factory.mktemp("dpo") / "run"
+    final = train_dpo.main(dpo_flags(sft_nano[0], pref_dir, out, "--train.max_epochs", 2, "--adam.lr", "1e-3",
+                                     "--eval.dataset", pref_dir, "--eval.split", "test"))
+    return out, final
+
+
+# ---- objective values on a hand-made batch ---------------------------------------------------------
+class FixedLogits(torch.nn.Module):
+    """A 'model' whose logits are a fixed [N, T, V] tensor (a leaf, so its gradient can be read)."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        super().__init__()
+        self.logits = torch.nn.Parameter(logits.clone())
+
+    def forward(self, **kwargs):
+        assert kwargs["input_ids"].shape == self.logits.shape[:2]
+        return SimpleNamespace(logits=self.logits)
+
+
+def hand_batch():
+    """One pair over a 4-token vocabulary. chosen = [0 1 | 2 3] (prompt 0 1, two response tokens),
+    rejected = [0 1 | 2] (one response token, padded to 4 with id 0). The reference is uniform (every
+    token log(1/4)); the policy puts logit ln 3 on each chosen response label (p = 3/6 = 1/2) and is
+    uniform on the rejected response, with large logits on the prompt label and the padding that
+    must not count. Summed response log-probs:
+      π_c = 2·log(1/2) = -2 ln2,   π_r = log(1/4) = -2 ln2,
+      ref_c = 2·log(1/4) = -4 ln2, ref_r = -2 ln2      →  h = (π_c - π_r) - (ref_c - ref_r) = 2 ln2."""
+    from posttrain.trainers.dpo import DPOObjective
+
+    items = [{"chosen_ids": [0, 1, 2, 3], "chosen_mask": [0, 0, 1, 1],
+              "rejected_ids": [0, 1, 2], "rejected_mask": [0, 0, 1], "margin": 0.0}]
+    batch = DPOObjective(pad_id=0, packing=False).collate(items)
+    policy = torch.zeros(2, 4, 4)
+    policy[0, 1, 2] = policy[0, 2, 3] = math.log(3.0)  # chosen response labels 2, 3 (predicted at t = 1, 2)
+    policy[0, 0, 1] = policy[1, 0, 1] = 5.0  # prompt label 1 (predicted at t = 0): masked
+    policy[1, 3] = 7.0  # padding: masked
+    return batch, FixedLogits(policy), FixedLogits(torch.zeros(2, 4, 4))
+
+
+@pytest.mark.parametrize("kind, expected", [
+    # DPO: -logσ(β h), β = 0.1, h = 2 ln2
+    ("dpo", -math.log(1 / (1 + math.exp(-0.2 * LN2)))),  # 0.626233
+    # cDPO ε = 0.1: -(0.9) logσ(0.2 ln2) - 0.1 logσ(-0.2 ln2) = 0.9·0.626233 + 0.1·0.764862
+    ("cdpo", 0.640096),
+    # IPO: (h - 1/(2β))² = (2 ln2 - 5)²
+    ("ipo", (2 * LN2 - 5) ** 2),  # 13.058868
+    # cDPO + NLL 0.5: the chosen response's token-mean NLL is ln 2
+    ("cdpo_nll", 0.640096 + 0.5 * LN2),
+])
+def test_objective_values_and_rewards_by_hand(kind, expected):
+    from posttrain.trainers.dpo import DPOObjective
+
+    batch, policy, ref = hand_batch()
+    obj = DPOObjective(pad_id=0, packing=False, beta=0.1, ipo=kind == "ipo",
+                       label_smoothing=0.1 if kind.startswith("cdpo") else 0.0,
+                       nll_loss_coef=0.5 if kind == "cdpo_nll" else 0.0, ref_model=ref)
+    loss, stats = obj.loss(policy, batch, num_units=1)
+    loss = loss.detach()
+    assert float(loss) == pytest.approx(expected, abs=1e-5)
+    assert stats["loss_sum"] == pytest.approx(expected, abs=1e-5) and stats["loss_count"] == 1
+    assert stats["chosen_reward_sum"] == pytest.approx(0.2 * LN2, abs=1e-6)  # β(π_c - ref_c) = 0.1 · 2 ln2
+    assert stats["rejected_reward_sum"] == pytest.approx(0.0, abs=1e-6)  # β(π_r - ref_r) = 0
+    assert stats["margin_sum"] == pytest.approx(0.2 * LN2, abs=1e-6) and stats["acc_sum"] == 1.0
+    assert stats["nll_sum"] == pytest.approx(LN2, abs=1e-6)
+    # the loss is the micro-batch's share of a step of `num_units` pairs
+    half, _ = obj.loss(policy, batch, num_units=2)
+    assert float(half.detach()) == pytest.approx(expected / 2, abs=1e-6)
+
+
+def test_prompt_and_padding_get_no_gradient():
+    from posttrain.trainers.dpo import DPOObjective
+
+    batch, policy, ref = hand_batch()
+    loss, _ = DPOObjective(pad_id=0, packing=False, nll_loss_coef=0.3, ref_model=ref).loss(policy, batch, 1)
+    loss.backward()
+    g = policy.logits.grad.abs().sum(-1)  # [2 rows, 4 positions]
+    # position t predicts token t+1: chosen 1 (prompt) 2 3 (response) -; rejected 1 (prompt) 2 (response) pad -
+    assert g[0, 0] == 0 and g[1, 0] == 0, "the prompt of chosen and rejected must be masked"
+    assert g[1, 2] == 0 and g[1, 3] == 0 and g[0, 3] == 0, "padding / the last position must be masked"
+    assert g[0, 1] > 0 and g[0, 2] > 0 and g[1, 1] > 0
+
+
+def test_response_logprobs_cover_the_response_only_padded_and_packed(tiny_model_dir):
+    """On real pairs: the summed log-probs of a padded and of a packed batch both equal, for every side,
+    the sum over the tokens after the chat-template prompt of that sequence run alone."""
+    from posttrain.algorithms.losses import token_logprobs
+    from posttrain.data.preference_dataset import PreferenceDataset
+    from posttrain.data.synthetic import make_preference_rows
+    from posttrain.models import forward_logits, load_causal_lm, load_tokenizer
+    from posttrain.trainers.dpo import DPOObjective, sequence_logprobs
+
+    tok = load_tokenizer(tiny_model_dir)
+    model = load_causal_lm(tiny_model_dir)
+    rows = make_preference_rows(3, seed=2)
+    items = list(PreferenceDataset(rows, tok, 48, prompt_key="prompt", apply_chat_template=True))
+    expected = []
+    for side in ("chosen", "rejected"):
+        for row, it in zip(rows, items):
+            prompt = tok.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False,
+                                             add_generation_prompt=True)
+            k = len(tok(prompt, add_special_tokens=False)["input_ids"])
+            ids = torch.tensor([it[f"{side}_ids"]])
+            assert ids[0, :k].tolist() == it["chosen_ids"][:k] == it["rejected_ids"][:k]  # shared prompt
+            with torch.no_grad():
+                lp = token_logprobs(model(input_ids=ids).logits[:, :-1].float(), ids[:, 1:])[0]
+            expected.append(float(lp[k - 1:].sum()))  # labels k.. (the response and its EOS)
+    for packing in (False, True):
+        batch = DPOObjective(pad_id=tok.pad_token_id, packing=packing).collate(items)
+        with torch.no_grad():
+            got = sequence_logprobs(forward_logits(model, batch), batch)[0]
+        torch.testing.assert_close(got, torch.tensor(expected), atol=2e-5, rtol=0)
+
+
+def test_ipo_with_label_smoothing_is_refused_before_anything_loads(tmp_path, capsys):
+    from posttrain.cli import train_dpo
+
+    with pytest.raises(SystemExit) as exit_info:  # the model path does not even exist
+        train_dpo.main(dpo_flags(tmp_path / "no-model", tmp_path, tmp_path / "out", "--model.ipo_enable",
+                                 "--model.label_smoothing", 0.1))
+    assert exit_info.value.code == 2
+    assert "--model.label_smoothing 0.1 is cDPO's; IPO (--model.ipo_enable)" in capsys.readouterr().err
+
+
+# ---- real runs ----------------------------------------------------------------------------------------
+def test_loss_is_log2_at_step_0_and_rewards_are_logged(dpo_run):
+    out, _ = dpo_run
+    train = [r for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
+    first = train[0]
+    assert first["train/loss"] == pytest.approx(LN2, abs=1e-5)
+    assert first["train/chosen_reward"] == pytest.approx(0, abs=1e-6)
+    assert first["train/rejected_reward"] == pytest.approx(0, abs=1e-6)
+    assert first["train/margin"] == pytest.approx(0, abs=1e-6) and first["train/acc"] == 0.0
+    assert len(train) == 8 and all("train/nll" in r for r in train)
+    assert train[-1]["train/loss"] < LN2 and train[-1]["train/margin"] > 0
+
+
+def test_dpo_raises_chosen_over_rejected_accuracy(dpo_run, sft_nano, pref_dir):
+    out, final = dpo_run
+    # reward accuracy β(π - ref) on held-out pairs: 0 at initialisation (all ties), chance 0.5
+    assert final["eval/acc"] > 0.9 and final["eval/margin"] > 0
+    # the saved policy's log-prob gap chosen - rejected grows (margin / β, recomputed outside the trainer)
+    before, after = heldout_logprob_gap(sft_nano[0], pref_dir), heldout_logprob_gap(out, pref_dir)
+    assert after - before == pytest.approx(final["eval/margin"] / 0.1, rel=1e-3)
+    assert after - before > 1.0, (before, after)
+
+
+def test_lora_dpo_uses_the_base_as_reference_and_saves_an_adapter(sft_nano, pref_dir, tmp_path, capsys):
+    from posttrain.cli.main import main
+
+    out = tmp_path / "lora"
+    main(["dpo", *dpo_flags(sft_nano[0], pref_dir, out, "--ds.lora.rank", 4, "--ds.lora.alpha", 8,
+                            "--adam.lr", "5e-3", "--data.max_samples", 48)])
+    assert "adapters disabled" in capsys.readouterr().err
+    names = {p.name for p in out.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= names and "model.safetensors" not in names
+    train = [r for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
+    assert train[0]["train/loss"] == pytest.approx(LN2, abs=1e-5)
+    assert train[-1]["train/margin"] > 0
+
+
+def test_openrlhf_train_dpo_script_runs_with_only_the_module_renamed(tiny_model_dir, tmp_path):
+    """examples/scripts/train_dpo_llama.sh of OpenRLHF (0.10.2 dotted flags): model and data point at
+    local tiny ones, sizes shrunk, GPU-only flags (bf16, flash attention, wandb) left out. Chat data
+    without a prompt key: each side is a whole conversation."""
+    from posttrain.data.synthetic import make_preference_rows, write_jsonl
+
+    data = tmp_path / "pairs.jsonl"
+    write_jsonl([{"chosen": r["chosen_messages"], "rejected": r["rejected_messages"]}
+                 for r in make_preference_rows(16, seed=3)], data)
+    out = tmp_path / "checkpoint" / "llama3-8b-dpo"
+    cmd = [sys.executable, "-m", "posttrain.cli.train_dpo",
+           "--ckpt.output_dir", out, "--ckpt.save_steps", "-1", "--logger.logging_steps", "1",
+           "--eval.steps", "-1", "--train.batch_size", "8", "--train.micro_batch_size", "2",
+           "--model.model_name_or_path", tiny_model_dir, "--ds.param_dtype", "fp32", "--train.max_epochs", "1",
+           "--data.max_len", "64", "--adam.lr", "5e-7", "--model.beta", "0.1", "--data.dataset", data,
+           "--data.apply_chat_template", "--data.chosen_key", "chosen", "--data.rejected_key", "rejected",
+           "--ckpt.load_enable", "--ds.packing_samples", "--model.gradient_checkpointing_enable",
+           "--ref.offload"]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([str(c) for c in cmd], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and rows[0]["train/loss"] == pytest.approx(LN2, abs=1e-5)
+    assert "gradient_accumulation_steps = 4" in proc.stderr
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(out)
+
+
+@pytest.mark.distributed
+def test_two_process_zero3_matches_single_process(tiny_model_dir, pref_dir, tmp_path):
+    """Pairs as units: 2 ranks x micro-batches of 2 pairs (ZeRO-3, reference replicated per rank) give
+    the weights of one process with one micro-batch per step."""
+    import socket
+
+    from sft_helpers import assert_same_weights
+
+    from posttrain.cli import train_dpo
+
+    common = ["--data.max_samples", 32, "--adam.lr", "1e-3"]
+    single = tmp_path / "single"
+    train_dpo.main(dpo_flags(tiny_model_dir, pref_dir, single, *common, "--train.micro_batch_size", 16))
+    multi = tmp_path / "zero3"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
+           "-m", "posttrain.cli.train_dpo",
+           *dpo_flags(tiny_model_dir, pref_dir, multi, *common, "--train.micro_batch_size", 2, "--ds.zero_stage", 3)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "world_size = 2" in proc.stderr
+    losses = [[r["train/loss"] for r in read_metrics(d / "metrics.jsonl") if "train/loss" in r] for d in (single, multi)]
+    assert losses[0] == pytest.approx(losses[1], abs=1e-6) and losses[0][0] == pytest.approx(LN2, abs=1e-5)
+    assert_same_weights(single, multi, atol=5e-6)
