@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from posttrain.models.lora import apply_lora
+from posttrain.models.lora import apply_lora, as_lora_spec
 from posttrain.utils.log import info, warn_once
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -70,10 +70,28 @@ def load_tokenizer(path, use_fast: bool = True, chat_template: str | None = None
     return tok
 
 
-def _from_pretrained(cls, path, dtype, attn_implementation, **kwargs):
+def quantization_4bit(dtype):
+    """QLoRA's 4-bit NF4 weights (double quantisation, compute in `dtype`) via bitsandbytes, which
+    needs a CUDA GPU; raises ValueError saying why when it cannot work here."""
+    if not torch.cuda.is_available():
+        raise ValueError("--ds.load_in_4bit: bitsandbytes 4-bit loading needs a CUDA GPU and none is visible; "
+                         "drop the flag (LoRA alone works on CPU)")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as err:
+        raise ValueError("--ds.load_in_4bit needs bitsandbytes: pip install 'posttrain[qlora]'") from err
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=parse_dtype(dtype))
+
+
+def _from_pretrained(cls, path, dtype, attn_implementation, load_in_4bit=False, **kwargs):
     """`cls.from_pretrained` with the requested attention backend; when none was requested,
     sdpa, falling back to eager (with a note) for architectures without sdpa support."""
     p = check_model_path(path)
+    if load_in_4bit:
+        kwargs["quantization_config"] = quantization_4bit(dtype)
     attn = attn_implementation or "sdpa"
     try:
         try:
@@ -89,7 +107,13 @@ def _from_pretrained(cls, path, dtype, attn_implementation, **kwargs):
         raise _hub_error(p, err) from err
 
 
-def _finish(model, lora, task_type, gradient_checkpointing, reentrant):
+def _finish(model, lora, task_type, gradient_checkpointing, reentrant, load_in_4bit=False):
+    if load_in_4bit:
+        if as_lora_spec(lora) is None:
+            raise ValueError("--ds.load_in_4bit: 4-bit weights cannot be trained; add LoRA (--ds.lora.rank > 0)")
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
     if gradient_checkpointing:
         kwargs = {"use_reentrant": reentrant}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
@@ -106,29 +130,33 @@ def _finish(model, lora, task_type, gradient_checkpointing, reentrant):
 
 
 def load_causal_lm(path, dtype="fp32", attn_implementation: str | None = None, lora=None,
-                   gradient_checkpointing: bool = False, gradient_checkpointing_reentrant: bool = False):
+                   gradient_checkpointing: bool = False, gradient_checkpointing_reentrant: bool = False,
+                   load_in_4bit: bool = False):
     """AutoModelForCausalLM from `path` in `dtype` ("fp32"/"bf16"/"fp16").
 
     attn_implementation: None → "sdpa" (eager where unsupported), or "eager",
     "flash_attention_2", ... `lora`: None, a LoraSpec, dict or `cfg.ds.lora`-like object
-    (rank 0 = off) → peft model with only adapters trainable. Returned in eval mode (call
-    `.train()` to enable dropout)."""
+    (rank 0 = off) → peft model with only adapters trainable; `load_in_4bit` (CUDA + bitsandbytes,
+    with LoRA) loads the base in 4-bit NF4 (QLoRA). Returned in eval mode (call `.train()` to
+    enable dropout)."""
     from transformers import AutoModelForCausalLM
 
-    model = _from_pretrained(AutoModelForCausalLM, path, dtype, attn_implementation)
-    return _finish(model, lora, "CAUSAL_LM", gradient_checkpointing, gradient_checkpointing_reentrant)
+    model = _from_pretrained(AutoModelForCausalLM, path, dtype, attn_implementation, load_in_4bit)
+    return _finish(model, lora, "CAUSAL_LM", gradient_checkpointing, gradient_checkpointing_reentrant,
+                   load_in_4bit)
 
 
 def load_score_model(path, dtype="fp32", value_head_prefix: str = "score", attn_implementation: str | None = None,
                      lora=None, gradient_checkpointing: bool = False,
-                     gradient_checkpointing_reentrant: bool = False):
+                     gradient_checkpointing_reentrant: bool = False, load_in_4bit: bool = False):
     """AutoModelForSequenceClassification (num_labels=1: one scalar per token, a reward model or
     critic). The head is `model.score`; a checkpoint that stores it as `{value_head_prefix}.weight`
     / `.bias` (e.g. "value_head") is mapped onto it. A causal-LM checkpoint gets a freshly
     initialised head (from the global torch RNG), with a note."""
     from transformers import AutoModelForSequenceClassification
 
-    model = _from_pretrained(AutoModelForSequenceClassification, path, dtype, attn_implementation, num_labels=1)
+    model = _from_pretrained(AutoModelForSequenceClassification, path, dtype, attn_implementation, load_in_4bit,
+                             num_labels=1)
     head = _read_head(check_model_path(path), value_head_prefix)
     if head:
         with torch.no_grad():
@@ -144,7 +172,8 @@ def load_score_model(path, dtype="fp32", value_head_prefix: str = "score", attn_
                          f"{value_head_prefix}.weight in the checkpoint {path}")
     else:
         info(f"{path} has no score head; initialised a new one")
-    return _finish(model, lora, "SEQ_CLS", gradient_checkpointing, gradient_checkpointing_reentrant)
+    return _finish(model, lora, "SEQ_CLS", gradient_checkpointing, gradient_checkpointing_reentrant,
+                   load_in_4bit)
 
 
 def _read_head(folder: str, prefix: str) -> dict[str, torch.Tensor]:

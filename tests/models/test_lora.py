@@ -103,3 +103,13 @@ def test_gradient_checkpointing_with_lora_trains_adapters(tiny_model_dir):
     forward_logits(model, {"input_ids": IDS}).logsumexp(-1).sum().backward()
     grads = [p.grad for n, p in model.named_parameters() if "lora_A" in n]
     assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def test_load_in_4bit_without_a_gpu_says_why(tiny_model_dir):
+    from posttrain.models import load_score_model
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; the CPU refusal is what is tested here")
+    for load in (load_causal_lm, load_score_model):
+        with pytest.raises(ValueError, match="load_in_4bit.*CUDA GPU"):
+            load(tiny_model_dir, "fp32", lora={"rank": 4}, load_in_4bit=True)
