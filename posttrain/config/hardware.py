@@ -136,6 +136,9 @@ def _rules(cfg) -> list[_Rule]:
                     )
                 )
         rules.append(("reward.offload", on_cpu, "the reward model is already in CPU memory"))
+        for name in ("lora.rank", "lora.alpha", "lora.dropout", "lora.target_modules", "load_in_4bit"):
+            rules.append((f"ds.{name}", always, "posttrain ppo trains the full actor and critic (LoRA is for "
+                                                "sft, rm and dpo; merge an adapter first with posttrain lora-merge)"))
         not_ray = lambda v, c, dev, ray: not ray
         for role in ("actor", "critic", "ref", "reward"):
             for name in ("num_nodes", "num_gpus_per_node"):

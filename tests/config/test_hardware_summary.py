@@ -197,3 +197,12 @@ def test_changed_values_and_format_config():
         "   gradient_accumulation_steps = 16",
     ]
     assert text.count("[top-level]") == 1
+
+
+def test_lora_flags_are_inert_for_ppo_only():
+    ppo = parse_config("ppo", PPO + ["--ds.lora.rank", "8", "--ds.lora.alpha", "32"], device="cpu")
+    inert = inert_flags(ppo, "cuda", ray=True)
+    assert [i.split(" has no effect")[0] for i in inert] == ["--ds.lora.rank 8", "--ds.lora.alpha 32"]
+    assert "lora-merge" in inert[0]
+    sft = parse_config("sft", SFT + ["--ds.lora.rank", "8"], device="cpu")
+    assert inert_flags(sft, "cuda") == []
