@@ -157,7 +157,7 @@ def load_score_model(path, dtype="fp32", value_head_prefix: str = "score", attn_
 
     model = _from_pretrained(AutoModelForSequenceClassification, path, dtype, attn_implementation, load_in_4bit,
                              num_labels=1)
-    head = _read_head(check_model_path(path), value_head_prefix)
+    head = read_head(check_model_path(path), value_head_prefix)
     if head:
         with torch.no_grad():
             for name, tensor in head.items():
@@ -176,7 +176,7 @@ def load_score_model(path, dtype="fp32", value_head_prefix: str = "score", attn_
                    load_in_4bit)
 
 
-def _read_head(folder: str, prefix: str) -> dict[str, torch.Tensor]:
+def read_head(folder: str, prefix: str) -> dict[str, torch.Tensor]:
     """Tensors `{prefix}.weight` / `{prefix}.bias` from the folder's safetensors files (local only)."""
     from safetensors import safe_open
 

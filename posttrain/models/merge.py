@@ -6,11 +6,11 @@ import json
 import os
 
 from posttrain.models.loading import (
-    _read_head,
     check_model_path,
     load_causal_lm,
     load_score_model,
     load_tokenizer,
+    read_head,
 )
 from posttrain.models.saving import save_pretrained
 from posttrain.utils.log import info
@@ -127,7 +127,7 @@ def merge_lora(adapter_path, out_dir, base_path=None, dtype="fp32", is_rm: bool 
         raise ValueError(f"lora_path {adapter_path} is a reward-model adapter (task SEQ_CLS with a score "
                          "head); merge it with --is_rm, or its head would be dropped")
     if is_rm:
-        if not adapter_head and os.path.isdir(base_path) and not _read_head(base_path, value_head_prefix):
+        if not adapter_head and os.path.isdir(base_path) and not read_head(base_path, value_head_prefix):
             raise ValueError(f"--is_rm: neither the adapter {adapter_path} nor the base {base_path} holds a "
                              f"score head ({value_head_prefix}.weight); the merged reward model would have a "
                              "random head (set --ds.value_head_prefix to the base's head name)")

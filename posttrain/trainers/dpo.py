@@ -27,8 +27,9 @@ from posttrain.algorithms.losses import token_logprobs
 from posttrain.algorithms.preference import dpo_loss
 from posttrain.config import ConfigError
 from posttrain.data import pack_collate, pad_collate
-from posttrain.data.preference_dataset import PreferenceDataset, pair_sides
+from posttrain.data.preference_dataset import pair_sides
 from posttrain.models import forward_logits, load_causal_lm, unwrap_model
+from posttrain.trainers.pairs import preference_items
 from posttrain.trainers.session import SingleModelRun, lora_settings
 from posttrain.utils.log import info
 
@@ -147,18 +148,6 @@ def load_reference(cfg, device: torch.device):
     where = torch.device("cpu") if cfg.ref.offload else device
     info(f"reference model: {path} (frozen, on {where}{' between forwards' if cfg.ref.offload else ''})")
     return ref.to(where)
-
-
-def preference_items(rows: list[dict], tokenizer, cfg, what: str) -> list[dict]:
-    data = PreferenceDataset(rows, tokenizer, cfg.data.max_len, prompt_key=cfg.data.prompt_key,
-                             chosen_key=cfg.data.chosen_key, rejected_key=cfg.data.rejected_key,
-                             input_template=cfg.data.input_template,
-                             apply_chat_template=cfg.data.apply_chat_template)
-    if data.num_truncated:
-        info(f"{what}: {data.num_truncated} responses cut to --data.max_len {cfg.data.max_len}")
-    if data.num_dropped:
-        info(f"{what}: {data.num_dropped} pairs dropped (prompt fills --data.max_len), first {data.dropped[0]}")
-    return [data[i] for i in range(len(data))]
 
 
 def train_dpo(cfg) -> dict:

@@ -30,9 +30,10 @@ from posttrain.agents.rewards.reward_model import last_token_index
 from posttrain.algorithms.preference import reward_model_loss
 from posttrain.config import ConfigError
 from posttrain.data import pack_collate, pad_collate
-from posttrain.data.preference_dataset import PreferenceDataset, pair_sides
+from posttrain.data.preference_dataset import pair_sides
 from posttrain.models import forward_values, load_score_model, unwrap_model
-from posttrain.models.loading import _read_head, check_model_path
+from posttrain.models.loading import check_model_path, read_head
+from posttrain.trainers.pairs import preference_items
 from posttrain.trainers.session import SingleModelRun, lora_settings
 from posttrain.utils.log import info
 
@@ -107,7 +108,7 @@ def load_prefix(path, prefix: str) -> str:
     if prefix == "score":
         return prefix
     try:
-        return prefix if _read_head(check_model_path(path), prefix) else "score"
+        return prefix if read_head(check_model_path(path), prefix) else "score"
     except FileNotFoundError:
         return "score"
 
@@ -137,14 +138,9 @@ def train_rm(cfg) -> dict:
 
     run = SingleModelRun(cfg, load_model=load)
     tok = run.tokenizer
-    data_kwargs = dict(prompt_key=cfg.data.prompt_key, chosen_key=cfg.data.chosen_key,
-                       rejected_key=cfg.data.rejected_key, input_template=cfg.data.input_template,
-                       apply_chat_template=cfg.data.apply_chat_template,
-                       margin_key=MARGIN_KEY if use_margin else None)
-    train_set = _dataset(run.train_rows, tok, cfg, "training", data_kwargs)
-    eval_set = _dataset(run.eval_rows, tok, cfg, "eval", data_kwargs) if run.eval_rows else None
-    train_items = [train_set[i] for i in range(len(train_set))]
-    eval_items = [eval_set[i] for i in range(len(eval_set))] if eval_set else None
+    margin_key = MARGIN_KEY if use_margin else None
+    train_items = preference_items(run.train_rows, tok, cfg, "train set", margin_key)
+    eval_items = preference_items(run.eval_rows, tok, cfg, "eval set", margin_key) if run.eval_rows else None
     objective = RMObjective(tok.pad_token_id, cfg.ds.packing_samples, cfg.model.loss_type, use_margin)
     lora = lora_settings(cfg) is not None
     if prefix != "score":
@@ -171,14 +167,3 @@ def train_rm(cfg) -> dict:
             config.to_json_file(str(run.run_dir / "config.json"))
 
     return run.fit(objective, train_items, eval_items, on_trained=store_reward_stats)
-
-
-def _dataset(rows, tok, cfg, what: str, data_kwargs: dict) -> PreferenceDataset:
-    ds = PreferenceDataset(rows, tok, cfg.data.max_len, **data_kwargs)
-    if ds.num_truncated:
-        info(f"{what} set: {ds.num_truncated} sequences longer than --data.max_len {cfg.data.max_len} were cut "
-             "(their last token kept as EOS)")
-    if ds.num_dropped:
-        info(f"{what} set: {ds.num_dropped} pairs dropped because the prompt alone fills --data.max_len "
-             f"{cfg.data.max_len} (first: {ds.dropped[0]})")
-    return ds

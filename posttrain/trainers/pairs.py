@@ -1,0 +1,22 @@
+"""Preference pairs for the RM and DPO trainers: rows → tokenised pair items, with what was cut or
+dropped reported once (see `posttrain.data.preference_dataset` for the layout and checks)."""
+from __future__ import annotations
+
+from posttrain.data.preference_dataset import PreferenceDataset
+from posttrain.utils.log import info
+
+
+def preference_items(rows: list[dict], tokenizer, cfg, what: str, margin_key: str | None = None) -> list[dict]:
+    """Items `{"chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask", "margin"}` of `rows`
+    under `cfg.data` (prompt/chosen/rejected keys, template, chat template, max_len)."""
+    data = PreferenceDataset(rows, tokenizer, cfg.data.max_len, prompt_key=cfg.data.prompt_key,
+                             chosen_key=cfg.data.chosen_key, rejected_key=cfg.data.rejected_key,
+                             input_template=cfg.data.input_template,
+                             apply_chat_template=cfg.data.apply_chat_template, margin_key=margin_key)
+    if data.num_truncated:
+        info(f"{what}: {data.num_truncated} responses longer than --data.max_len {cfg.data.max_len} were cut "
+             "(their last token kept as EOS)")
+    if data.num_dropped:
+        info(f"{what}: {data.num_dropped} pairs dropped because the prompt alone fills --data.max_len "
+             f"{cfg.data.max_len} (first: {data.dropped[0]})")
+    return [data[i] for i in range(len(data))]
