@@ -12,7 +12,9 @@ responses only:
 * no ``prompt_key``, plain text: each side is one text, every token but the first trained
   (the reward model reads it whole; OpenRLHF's behaviour).
 
-A side longer than ``max_len`` is cut and ends with EOS (``num_truncated``); a pair whose prompt
+Each side ends exactly at its EOS (whitespace a chat template renders after it is dropped), the
+token a generated response ends with and where a reward model reads its score. A side longer than
+``max_len`` is cut and ends with EOS (``num_truncated``); a pair whose prompt
 fills ``max_len`` is dropped and counted. Bad rows (missing key, empty response, chosen identical
 to rejected, non-numeric margin) raise DataError naming the row before anything is tokenised.
 """
@@ -151,6 +153,7 @@ class PreferenceDataset(Dataset):
 
     def _encode(self, row: dict, prompt, response) -> tuple[list[int] | None, list[int] | None]:
         ids, mask = encode_segments(self.tokenizer, self._segments(row, prompt, response), self.chat)
+        ids, mask = self._end_at_eos(ids, mask)
         if len(ids) > self.max_len:
             ids, mask = ids[: self.max_len], mask[: self.max_len]
             ids[-1] = self.tokenizer.eos_token_id
@@ -158,6 +161,14 @@ class PreferenceDataset(Dataset):
         if not any(mask):
             return None, None
         return ids, mask
+
+    def _end_at_eos(self, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
+        """Drop whitespace-only tokens after the final EOS (a chat template's newline after
+        ``<|im_end|>``): a generated response stops at EOS, and a reward model scores it there."""
+        eos, end = self.tokenizer.eos_token_id, len(ids)
+        while end > 1 and ids[end - 1] != eos and not self.tokenizer.decode([ids[end - 1]]).strip():
+            end -= 1
+        return (ids[:end], mask[:end]) if end < len(ids) and ids[end - 1] == eos else (ids, mask)
 
     # ---- Dataset API ----------------------------------------------------------------------------
     @property

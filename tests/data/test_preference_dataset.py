@@ -33,7 +33,9 @@ def test_chat_conversations_without_prompt_key_share_the_prompt(tokenizer):
     head = f"<|im_start|>user\n{row['prompt']}<|im_end|>\n<|im_start|>assistant\n"
     for side, answer in (("chosen", row["chosen"]), ("rejected", row["rejected"])):
         assert text(tokenizer, item[f"{side}_ids"], item[f"{side}_mask"], 0) == head
-        assert text(tokenizer, item[f"{side}_ids"], item[f"{side}_mask"], 1) == f"{answer}<|im_end|>\n"
+        # each side ends at EOS, as a generated response does (the template's trailing newline is dropped)
+        assert text(tokenizer, item[f"{side}_ids"], item[f"{side}_mask"], 1) == f"{answer}<|im_end|>"
+        assert item[f"{side}_ids"][-1] == tokenizer.eos_token_id
     # same rows with --data.prompt_key and plain responses give the same tokens
     same = PreferenceDataset([row], tokenizer, 64, prompt_key="prompt", apply_chat_template=True)[0]
     assert same == item

@@ -84,6 +84,28 @@ def test_reward_is_read_at_the_last_real_token_left_right_and_packed(nano_rm):
     assert right["attention_mask"][:, -1].min() == 0
 
 
+def test_trained_reward_is_the_reward_ppo_reads(nano_rm, tmp_path):
+    """Regression: the chat template renders a newline after <|im_end|>; a side that kept it was
+    scored at the newline in training, while PPO's reward source scores a generated response at
+    its EOS, so the RM's preferences did not carry over to PPO."""
+    from posttrain.agents.rewards.reward_model import RewardModelSource
+    from posttrain.models import save_pretrained
+
+    model, tok = nano_rm
+    rows = make_preference_rows(4, seed=5)
+    items = PreferenceDataset(rows, tok, 48, prompt_key="prompt", apply_chat_template=True)
+    save_pretrained(model, tok, tmp_path / "rm")
+    source = RewardModelSource(tmp_path / "rm")
+    obj = RMObjective(tok.pad_token_id, packing=False)
+    with torch.no_grad():
+        trained = obj.rewards(model, obj.collate([items[i] for i in range(4)]))
+    prompts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
+                                       add_generation_prompt=True) for r in rows]
+    queries = [p + r[side] for side in ("chosen", "rejected") for p, r in zip(prompts, rows)]
+    read = source.score(queries, prompts * 2, [r["answer"] for r in rows] * 2).rewards
+    torch.testing.assert_close(read.float(), trained, atol=1e-5, rtol=0)
+
+
 def test_loss_formula_split_and_packing_invariance(nano_rm):
     model, tok = nano_rm
     items = pairs(tok, 4, input_template="{} ")
