@@ -240,7 +240,7 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--beta", type=float, default=0.1)
     p.add_argument("--warmup-ratio", type=float, default=0.1)
-    p.add_argument("--difficulty", type=int, default=3, help="make_preference_rows difficulty 0..3")
+    p.add_argument("--difficulty", type=int, default=4, help="make_preference_rows difficulty 0..4")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--repeats", type=int, default=3, help="runs per side (median reported)")
     p.add_argument("--chunk", type=int, default=5, help="optimizer steps per turn in the round-robin")

@@ -292,7 +292,7 @@ def main(argv=None) -> None:
     p.add_argument("--max-len", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup-ratio", type=float, default=0.1)
-    p.add_argument("--difficulty", type=int, default=3, help="make_arithmetic_rows difficulty 0..3")
+    p.add_argument("--difficulty", type=int, default=4, help="make_arithmetic_rows difficulty 0..4")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration (median reported)")
     p.add_argument("--no-packed", action="store_true", help="skip the packed / padding-free configurations")

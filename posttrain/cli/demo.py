@@ -1,6 +1,17 @@
 """`posttrain demo [--quick]` — the main job on the embedded default (tiny local model, one
-process, CPU): init-tiny → synthetic arithmetic task → SFT → RL with a verifiable reward (GRPO),
-printing held-out accuracy after each stage, with plots. Everything is generated locally."""
+process, CPU), every stage through the same entry points a user runs:
+
+  init-tiny → SFT on a sloppy demonstrator's answers → from the SFT model:
+    (a) RL with the verifiable reward (GRPO),
+    (b) a reward model on preference pairs → PPO with that reward model (critic, GAE),
+    (c) DPO on the same pairs,
+and one table of held-out accuracy after each, plus the RM's held-out preference accuracy.
+
+The task is locally generated two-digit addition. The demonstrator answers exactly but, in most
+answers, adds a rounded estimate ("81, roughly 80"), so the last number of its answer, which the
+grader reads, is usually wrong: SFT learns the arithmetic and the habit. The verifiable reward, the
+preference pairs (exact answer preferred over the habit or a wrong number) and the RM trained on
+them each carry the signal that removes it."""
 from __future__ import annotations
 
 import argparse
@@ -16,17 +27,30 @@ class DemoScale:
     difficulty: int
     n_train: int
     n_test: int
+    habit: float  # probability that a demonstration carries the rounded tail
     epochs: int
     batch_size: int
     lr: float
     rl_prompts: int
     rl_lr: float
+    n_pairs: int
+    rm_epochs: int
+    rm_lr: float
+    ppo_prompts: int
+    ppo_lr: float
+    critic_lr: float
+    dpo_epochs: int
+    dpo_lr: float
 
 
-FULL = DemoScale(size="tiny", difficulty=1, n_train=8000, n_test=300, epochs=3, batch_size=32, lr=2e-3,
-                 rl_prompts=3200, rl_lr=1e-4)
-QUICK = DemoScale(size="nano", difficulty=0, n_train=1200, n_test=100, epochs=2, batch_size=16, lr=3e-3,
-                  rl_prompts=80, rl_lr=1e-4)
+FULL = DemoScale(size="tiny", difficulty=1, n_train=8000, n_test=200, habit=0.7, epochs=3, batch_size=32, lr=2e-3,
+                 rl_prompts=1600, rl_lr=3e-4, n_pairs=2000, rm_epochs=2, rm_lr=1e-3, ppo_prompts=1600,
+                 ppo_lr=1e-4, critic_lr=1e-3, dpo_epochs=1, dpo_lr=1e-4)
+QUICK = DemoScale(size="nano", difficulty=0, n_train=1200, n_test=100, habit=0.7, epochs=2, batch_size=16, lr=3e-3,
+                  rl_prompts=80, rl_lr=3e-4, n_pairs=256, rm_epochs=1, rm_lr=1e-3, ppo_prompts=64, ppo_lr=3e-4,
+                  critic_lr=1e-3, dpo_epochs=1, dpo_lr=1e-4)
+
+STAGES = ("after SFT", "after DPO", "after PPO with the RM", "after RL (GRPO, verifiable reward)")
 
 
 def _accuracy(model_dir: Path, rows: list[dict]) -> tuple[float, list[dict]]:
@@ -49,12 +73,32 @@ def split_held_out(rows: list[dict], n_test: int) -> tuple[list[dict], list[dict
     return [r for r in rows if r["prompt"] not in held], test, True
 
 
+def write_data(scale: DemoScale, out: Path, seed: int) -> dict:
+    """data/sft (demonstrations) and data/pairs (preference pairs): train.jsonl + test.jsonl each;
+    the test prompts of both are the same held-out problems."""
+    from posttrain.data.synthetic import make_arithmetic_rows, make_preference_rows, write_jsonl
+
+    n = scale.n_train + 2 * scale.n_test
+    train, test, disjoint = split_held_out(
+        make_arithmetic_rows(n, seed=seed, difficulty=scale.difficulty, rounding_habit=scale.habit), scale.n_test)
+    held = {r["prompt"] for r in test}
+    pairs = make_preference_rows(n, seed=seed, difficulty=scale.difficulty, rounding_habit=0.5)
+    pair_train = [p for p in pairs if p["prompt"] not in held][: scale.n_pairs]
+    pair_test = list({p["prompt"]: p for p in pairs if p["prompt"] in held}.values())
+    if not disjoint:  # single-digit task: every prompt is a training fact, hold out pairs by row
+        pair_train, pair_test = pairs[: scale.n_pairs], pairs[-scale.n_test:]
+    for name, tr, te in (("sft", train, test), ("pairs", pair_train, pair_test)):
+        write_jsonl(tr, out / "data" / name / "train.jsonl")
+        write_jsonl(te, out / "data" / name / "test.jsonl")
+    return {"train": train, "test": test, "disjoint": disjoint}
+
+
 def sft_flags(scale: DemoScale, base: Path, data: Path, out: Path, seed: int) -> list[str]:
     """The SFT launch, written with the same flags as an OpenRLHF 0.10.2 train_sft.sh."""
     return [
         "--model.model_name_or_path", str(base), "--data.dataset", str(data),
         "--data.input_key", "prompt", "--data.output_key", "response", "--data.apply_chat_template",
-        "--data.max_len", "64", "--eval.dataset", str(data), "--eval.split", "test", "--eval.steps", "50",
+        "--data.max_len", "64", "--eval.dataset", str(data), "--eval.split", "test", "--eval.steps", "100",
         "--train.batch_size", str(scale.batch_size), "--train.micro_batch_size", str(scale.batch_size),
         "--train.max_epochs", str(scale.epochs), "--train.seed", str(seed),
         "--adam.lr", str(scale.lr), "--lr_warmup_ratio", "0.05", "--adam.weight_decay", "0.0",
@@ -62,29 +106,75 @@ def sft_flags(scale: DemoScale, base: Path, data: Path, out: Path, seed: int) ->
     ]
 
 
-def rl_flags(scale: DemoScale, sft: Path, data: Path, out: Path, seed: int) -> list[str]:
-    """GRPO with the shipped verifiable reward (OpenRLHF train_ppo_ray flags)."""
-    from posttrain.agents.rewards.examples import ARITHMETIC
-
+def _rl_common(sft: Path, data: Path, out: Path, seed: int, prompts: int, lr: float, kl: float) -> list[str]:
     return [
         "--actor.model_name_or_path", str(sft), "--data.prompt_dataset", str(data), "--data.input_key", "prompt",
         "--data.label_key", "answer", "--data.apply_chat_template", "--data.max_len", "64",
-        "--data.max_samples", str(scale.rl_prompts), "--reward.remote_url", ARITHMETIC,
-        "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
-        "--rollout.batch_size", "16", "--rollout.n_samples_per_prompt", "8", "--rollout.max_new_tokens", "6",
+        "--data.max_samples", str(prompts), "--algo.kl.init_coef", str(kl),
+        "--rollout.batch_size", "16", "--rollout.n_samples_per_prompt", "8", "--rollout.max_new_tokens", "10",
         "--rollout.micro_batch_size", "64", "--train.batch_size", "128", "--train.micro_batch_size", "64",
-        "--actor.adam.lr", str(scale.rl_lr), "--actor.lr_warmup_ratio", "0.05", "--train.seed", str(seed),
-        "--eval.dataset", str(data), "--eval.split", "test", "--eval.steps", "50", "--eval.temperature", "0",
+        "--actor.adam.lr", str(lr), "--actor.lr_warmup_ratio", "0.05", "--train.seed", str(seed),
+        "--eval.dataset", str(data), "--eval.split", "test", "--eval.steps", "25", "--eval.temperature", "0",
         "--eval.n_samples_per_prompt", "1", "--ckpt.output_dir", str(out), "--logger.logging_steps", "1",
     ]
 
 
+def rl_flags(scale: DemoScale, sft: Path, data: Path, out: Path, seed: int) -> list[str]:
+    """GRPO with the shipped verifiable reward (OpenRLHF train_ppo_ray flags)."""
+    from posttrain.agents.rewards.examples import ARITHMETIC
+
+    return _rl_common(sft, data, out, seed, scale.rl_prompts, scale.rl_lr, kl=0.0) + [
+        "--reward.remote_url", ARITHMETIC, "--algo.advantage.estimator", "group_norm"]
+
+
+def _pair_flags(sft: Path, pairs: Path, out: Path, seed: int, epochs: int, lr: float) -> list[str]:
+    return [
+        "--model.model_name_or_path", str(sft), "--data.dataset", str(pairs), "--data.prompt_key", "prompt",
+        "--data.chosen_key", "chosen", "--data.rejected_key", "rejected", "--data.apply_chat_template",
+        "--data.max_len", "64", "--train.batch_size", "32", "--train.micro_batch_size", "32",
+        "--train.max_epochs", str(epochs), "--train.seed", str(seed), "--adam.lr", str(lr),
+        "--lr_warmup_ratio", "0.05", "--eval.dataset", str(pairs), "--eval.split", "test", "--eval.steps", "-1",
+        "--ckpt.output_dir", str(out), "--ckpt.save_steps", "-1", "--logger.logging_steps", "5",
+    ]
+
+
+def rm_flags(scale: DemoScale, sft: Path, pairs: Path, out: Path, seed: int) -> list[str]:
+    """A reward model initialised from the SFT model (a fresh score head), OpenRLHF train_rm flags."""
+    return _pair_flags(sft, pairs, out, seed, scale.rm_epochs, scale.rm_lr)
+
+
+def ppo_rm_flags(scale: DemoScale, sft: Path, rm: Path, data: Path, out: Path, seed: int) -> list[str]:
+    """PPO with the learned reward model (normalised by its stored mean/std), a critic initialised
+    from it, as OpenRLHF's train_ppo_ray does by default, and a KL penalty to the SFT model in the
+    reward, which keeps the policy where the RM has seen data (without it, the policy learns the
+    RM's blind spots: tens-digit errors, which no preference pair shows)."""
+    return _rl_common(sft, data, out, seed, scale.ppo_prompts, scale.ppo_lr, kl=0.05) + [
+        "--reward.model_name_or_path", str(rm), "--reward.normalize_enable", "--critic.model_name_or_path",
+        str(rm), "--critic.adam.lr", str(scale.critic_lr), "--algo.advantage.estimator", "gae"]
+
+
+def dpo_flags(scale: DemoScale, sft: Path, pairs: Path, out: Path, seed: int) -> list[str]:
+    """DPO from the SFT model (also the reference), OpenRLHF train_dpo flags."""
+    return _pair_flags(sft, pairs, out, seed, scale.dpo_epochs, scale.dpo_lr) + ["--model.beta", "0.1"]
+
+
+def print_table(summary: dict) -> None:
+    print("\nheld-out accuracy on", summary["task"], f"({summary['held_out_prompts']} prompts, greedy)")
+    print(f"  {'stage':<38}{'accuracy':>9}{'minutes':>9}")
+    for stage, acc in summary["accuracy"].items():
+        minutes = summary["minutes"].get(stage)
+        print(f"  {stage:<38}{acc:>9.1%}{'' if minutes is None else f'{minutes:>9.1f}'}")
+    print(f"  {'reward model: held-out preference acc.':<38}{summary['rm_preference_accuracy']:>9.1%}"
+          f"{summary['minutes']['reward model']:>9.1f}")
+    print(f"done in {summary['seconds'] / 60:.1f} min; models, metrics and plots under {summary['output']}")
+
+
 def main(argv: list[str] | None = None) -> dict:
-    from posttrain.cli import train_ppo_ray, train_sft
-    from posttrain.data.synthetic import make_arithmetic_rows, write_jsonl
+    from posttrain.cli import train_dpo, train_ppo_ray, train_rm, train_sft
     from posttrain.models import build_tiny
 
-    p = argparse.ArgumentParser(prog="posttrain demo", description=__doc__)
+    p = argparse.ArgumentParser(prog="posttrain demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", default="runs/demo", help="folder for models, data, metrics and plots")
     p.add_argument("--quick", action="store_true", help="a smaller, faster variant (used by the tests)")
     p.add_argument("--seed", type=int, default=42)
@@ -92,40 +182,46 @@ def main(argv: list[str] | None = None) -> dict:
     scale = QUICK if args.quick else FULL
     out = Path(args.output)
     t0 = time.time()
+    minutes: dict[str, float] = {}
+
+    def timed(stage: str, fn, *a):
+        start = time.time()
+        result = fn(*a)
+        minutes[stage] = round((time.time() - start) / 60, 2)
+        return result
 
     base = out / "base"
     build_tiny(str(base), arch="llama", size=scale.size, head="lm", seed=args.seed, overwrite=True)
-    data = out / "data"
-    train_rows, test_rows, disjoint = split_held_out(
-        make_arithmetic_rows(scale.n_train + 2 * scale.n_test, seed=args.seed, difficulty=scale.difficulty),
-        scale.n_test)
-    write_jsonl(train_rows, data / "train.jsonl")
-    write_jsonl(test_rows, data / "test.jsonl")
+    data = write_data(scale, out, args.seed)
+    sft_data, pairs = out / "data" / "sft", out / "data" / "pairs"
+    test = data["test"]
+    acc: dict[str, float] = {"base (random init)": _accuracy(base, test)[0]}
+    d = {name: out / name for name in ("sft", "rl", "rm", "ppo_rm", "dpo")}
 
-    acc_base, _ = _accuracy(base, test_rows)
-    sft_dir = out / "sft"
-    train_sft.main(sft_flags(scale, base, data, sft_dir, args.seed), prog="posttrain demo (sft)")
-    acc_sft, _ = _accuracy(sft_dir, test_rows)
-    t_sft = time.time()
-    rl_dir = out / "rl"
-    train_ppo_ray.main(rl_flags(scale, sft_dir, data, rl_dir, args.seed), prog="posttrain demo (rl)")
-    acc_rl, samples = _accuracy(rl_dir, test_rows)
+    timed(STAGES[0], train_sft.main, sft_flags(scale, base, sft_data, d["sft"], args.seed), "posttrain demo (sft)")
+    acc[STAGES[0]] = _accuracy(d["sft"], test)[0]
+    timed(STAGES[1], train_dpo.main, dpo_flags(scale, d["sft"], pairs, d["dpo"], args.seed), "posttrain demo (dpo)")
+    acc[STAGES[1]] = _accuracy(d["dpo"], test)[0]
+    rm_eval = timed("reward model", train_rm.main, rm_flags(scale, d["sft"], pairs, d["rm"], args.seed),
+                    "posttrain demo (rm)")
+    timed(STAGES[2], train_ppo_ray.main, ppo_rm_flags(scale, d["sft"], d["rm"], sft_data, d["ppo_rm"], args.seed),
+          "posttrain demo (ppo with rm)")
+    acc[STAGES[2]] = _accuracy(d["ppo_rm"], test)[0]
+    timed(STAGES[3], train_ppo_ray.main, rl_flags(scale, d["sft"], sft_data, d["rl"], args.seed),
+          "posttrain demo (grpo)")
+    acc[STAGES[3]], samples = _accuracy(d["rl"], test)
 
-    summary = {"task": f"arithmetic difficulty {scale.difficulty}", "held_out_prompts": len(test_rows),
-               "held_out_prompts_unseen_in_training": disjoint,
-               "accuracy": {"base (random init)": acc_base, "after SFT": acc_sft, "after RL (GRPO)": acc_rl},
-               "seconds": round(time.time() - t0, 1), "seconds_rl": round(time.time() - t_sft, 1),
-               "plots": [str(sft_dir / "plots"), str(rl_dir / "plots")]}
+    summary = {"task": f"arithmetic difficulty {scale.difficulty}, demonstrations with the rounding habit "
+                       f"in {scale.habit:.0%}", "held_out_prompts": len(test),
+               "held_out_prompts_unseen_in_training": data["disjoint"], "accuracy": acc,
+               "rm_preference_accuracy": rm_eval.get("eval/acc", float("nan")), "minutes": minutes,
+               "seconds": round(time.time() - t0, 1), "output": str(out),
+               "plots": {name: str(path / "plots") for name, path in d.items()}}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     with (out / "samples_final.jsonl").open("w") as f:
         for s in samples:
             f.write(json.dumps(s) + "\n")
-    print("\nheld-out accuracy on", summary["task"], f"({len(test_rows)} prompts, greedy)")
-    print(f"  {'stage':<22}{'accuracy':>9}")
-    for stage, acc in summary["accuracy"].items():
-        print(f"  {stage:<22}{acc:>9.1%}")
-    print(f"done in {summary['seconds']} s; metrics and plots in {sft_dir} and {rl_dir} "
-          f"(reward curve: {rl_dir / 'plots' / 'reward.png'})")
+    print_table(summary)
     return summary
 
 

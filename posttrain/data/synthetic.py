@@ -2,9 +2,10 @@
 
 Difficulty levels (operands drawn uniformly, inclusive):
   0: a + b,            a, b ∈ [0, 9]
-  1: a + b,            a, b ∈ [0, 99]
-  2: a + b or a − b,   a, b ∈ [0, 99], a ≥ b for subtraction (answers are never negative)
-  3: a + b, a − b or a × b; ± as level 2, × with a, b ∈ [0, 12]
+  1: a + b,            a ∈ [0, 99], b ∈ [0, 9]
+  2: a + b,            a, b ∈ [0, 99]
+  3: a + b or a − b,   a, b ∈ [0, 99], a ≥ b for subtraction (answers are never negative)
+  4: a + b, a − b or a × b; ± as level 3, × with a, b ∈ [0, 12]
 A row: ``prompt`` "What is 23 + 58?", ``response`` "81", ``answer`` "81", and ``messages``
 [user prompt, assistant response].
 
@@ -25,11 +26,12 @@ from collections.abc import Iterable
 
 from .errors import DataError
 
-DIFFICULTIES = {
-    0: (("+", 0, 9),),
-    1: (("+", 0, 99),),
-    2: (("+", 0, 99), ("-", 0, 99)),
-    3: (("+", 0, 99), ("-", 0, 99), ("*", 0, 12)),
+DIFFICULTIES = {  # (operator, a range, b range)
+    0: (("+", (0, 9), (0, 9)),),
+    1: (("+", (0, 99), (0, 9)),),
+    2: (("+", (0, 99), (0, 99)),),
+    3: (("+", (0, 99), (0, 99)), ("-", (0, 99), (0, 99))),
+    4: (("+", (0, 99), (0, 99)), ("-", (0, 99), (0, 99)), ("*", (0, 12), (0, 12))),
 }
 _SYMBOL = {"+": "+", "-": "-", "*": "*"}
 
@@ -37,8 +39,8 @@ _SYMBOL = {"+": "+", "-": "-", "*": "*"}
 def _problem(rng: random.Random, difficulty: int) -> tuple[str, int]:
     if difficulty not in DIFFICULTIES:
         raise DataError(f"difficulty: must be one of {sorted(DIFFICULTIES)}, got {difficulty!r}.")
-    op, lo, hi = rng.choice(DIFFICULTIES[difficulty])
-    a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+    op, a_range, b_range = rng.choice(DIFFICULTIES[difficulty])
+    a, b = rng.randint(*a_range), rng.randint(*b_range)
     if op == "-" and a < b:
         a, b = b, a
     value = a + b if op == "+" else a - b if op == "-" else a * b

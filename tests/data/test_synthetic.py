@@ -29,10 +29,16 @@ def test_arithmetic_rows_deterministic_and_correct():
         ]
 
 
+def test_level_ranges():
+    for level, a_max, b_max in ((0, 9, 9), (1, 99, 9), (2, 99, 99)):
+        pairs = [r["prompt"].removeprefix("What is ").rstrip("?").split(" + ") for r in make_arithmetic_rows(500, 1, level)]
+        assert max(int(a) for a, _ in pairs) == a_max and max(int(b) for _, b in pairs) == b_max, level
+
+
 def test_harder_levels_use_their_operations():
-    ops = {r["prompt"].split()[3] for r in make_arithmetic_rows(300, seed=0, difficulty=3)}
+    ops = {r["prompt"].split()[3] for r in make_arithmetic_rows(300, seed=0, difficulty=4)}
     assert ops == {"+", "-", "*"}
-    for r in make_arithmetic_rows(300, seed=0, difficulty=3):
+    for r in make_arithmetic_rows(300, seed=0, difficulty=4):
         a, op, b = r["prompt"].removeprefix("What is ").removesuffix("?").split()
         assert int(r["answer"]) == eval(f"{a} {op} {b}") >= 0
     with pytest.raises(DataError, match="difficulty"):
