@@ -8,7 +8,8 @@ folder; each side also loads its own frozen reference copy from that folder) on 
 preference pairs (`make_preference_rows`: an arithmetic prompt, the right answer chosen, a wrong one
 rejected), formatted by the tokenizer's chat template with the loss on the responses (posttrain:
 `--data.prompt_key prompt --data.apply_chat_template`; TRL: the conversational prompt / chosen /
-rejected format), in the same order (posttrain's epoch-0 permutation; TRL gets the rows pre-ordered
+rejected format, each response cut after its EOS as posttrain's pairs are, dropping the newline the
+chat template renders after it), in the same order (posttrain's epoch-0 permutation; TRL gets the rows pre-ordered
 with a sequential sampler), with the same global batch of pairs, micro-batch / gradient
 accumulation, sigmoid DPO loss (beta 0.1) on summed response log-probs with the reference forward
 every step (TRL `precompute_ref_log_probs=False`), AdamW (betas 0.9/0.95, eps 1e-8, no weight
@@ -135,6 +136,14 @@ def run_trl(spec: dict, out_dir: Path, clock: TurnClock) -> dict:
         eval_strategy="no", save_strategy="no", report_to="none", logging_steps=1,
         dataloader_num_workers=0, dataloader_pin_memory=False)
     trainer = DPOTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok, callbacks=[Clock()])
+    eos = tok.eos_token_id
+
+    def end_at_eos(ids: list[int]) -> list[int]:  # posttrain's pairs end at EOS, without the template's "\n"
+        last = max(i for i, t in enumerate(ids) if t == eos) if eos in ids else len(ids) - 1
+        return ids[: last + 1] if not tok.decode(ids[last + 1:]).strip() else ids
+
+    trainer.train_dataset = trainer.train_dataset.map(
+        lambda e: {"chosen_ids": end_at_eos(e["chosen_ids"]), "rejected_ids": end_at_eos(e["rejected_ids"])})
     longest = max(len(p) + max(len(c), len(r)) for p, c, r in zip(
         trainer.train_dataset["prompt_ids"], trainer.train_dataset["chosen_ids"], trainer.train_dataset["rejected_ids"]))
     if longest > spec["max_len"]:
