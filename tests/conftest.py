@@ -1,6 +1,8 @@
 """Shared fixtures. `tiny_model_dir`: a llama "nano" (~1M params) causal LM + tokenizer built
-once per session with `build_tiny` (seed 0), loadable with `from_pretrained`."""
+once per session with `build_tiny` (seed 0), loadable with `from_pretrained`. `one_torch_thread`:
+request it (module scope) where tiny models run many small ops."""
 import pytest
+import torch
 from hypothesis import settings
 
 # Property tests draw the same examples on every run, so CI results do not depend on luck.
@@ -15,3 +17,12 @@ def tiny_model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny") / "llama-nano"
     build_tiny(path, arch="llama", size="nano", head="lm", seed=0, verbose=False)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models run fastest on one thread (and stay fast when other processes load the CPUs)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -26,10 +26,8 @@ import torch
 from posttrain.algorithms.losses import token_logprobs
 from posttrain.algorithms.preference import dpo_loss
 from posttrain.config import ConfigError
-from posttrain.data import pack_collate, pad_collate
-from posttrain.data.preference_dataset import pair_sides
 from posttrain.models import forward_logits, load_causal_lm, unwrap_model
-from posttrain.trainers.pairs import preference_items
+from posttrain.trainers.pairs import PairObjective, preference_items
 from posttrain.trainers.session import SingleModelRun, lora_settings
 from posttrain.utils.log import info
 
@@ -58,31 +56,17 @@ def check_loss_flags(ipo: bool, label_smoothing: float) -> None:
                           "does not use it. Drop one of the two flags.")
 
 
-class DPOObjective:
-    """The `Objective` of the step loop for DPO: units are pairs; a micro-batch of B pairs is one
-    forward of 2B sequences (chosen rows first, then rejected; padded or packed)."""
+class DPOObjective(PairObjective):
+    """The `Objective` of the step loop for DPO (pairs as units, see `PairObjective`)."""
 
     def __init__(self, *, pad_id: int, packing: bool, beta: float = 0.1, label_smoothing: float = 0.0,
                  ipo: bool = False, nll_loss_coef: float = 0.0, ref_model=None, ref_offload: bool = False,
                  device=None) -> None:
         check_loss_flags(ipo, label_smoothing)
-        self.pad_id, self.packing = pad_id, packing
+        super().__init__(pad_id, packing)
         self.beta, self.label_smoothing, self.ipo, self.nll_coef = beta, label_smoothing, ipo, nll_loss_coef
         self.ref_model, self.ref_offload = ref_model, ref_offload
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-
-    def units(self, item: dict) -> int:
-        return 1
-
-    def length(self, item: dict) -> int:
-        """Tokens the pair puts in a micro-batch (both sides), for --train.dynamic_batch_enable."""
-        return len(item["chosen_ids"]) + len(item["rejected_ids"])
-
-    def collate(self, items: list[dict]) -> dict:
-        sides = pair_sides(items)
-        batch = pack_collate(sides) if self.packing else pad_collate(sides, self.pad_id)
-        batch["num_pairs"] = len(items)
-        return batch
 
     @torch.no_grad()
     def reference_logits(self, model, batch: dict) -> torch.Tensor:

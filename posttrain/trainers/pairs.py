@@ -2,8 +2,34 @@
 dropped reported once (see `posttrain.data.preference_dataset` for the layout and checks)."""
 from __future__ import annotations
 
-from posttrain.data.preference_dataset import PreferenceDataset
+import torch
+
+from posttrain.data import pack_collate, pad_collate
+from posttrain.data.preference_dataset import PreferenceDataset, pair_sides
 from posttrain.utils.log import info
+
+
+class PairObjective:
+    """What the RM and DPO objectives share: units are pairs, and a micro-batch of B pairs is one
+    forward of 2B sequences (rows 0..B-1 chosen, B..2B-1 rejected; padded or packed) carrying
+    ``num_pairs`` = B and each pair's ``margin`` [B]."""
+
+    def __init__(self, pad_id: int, packing: bool) -> None:
+        self.pad_id, self.packing = pad_id, packing
+
+    def units(self, item: dict) -> int:
+        return 1
+
+    def length(self, item: dict) -> int:
+        """Tokens the pair puts in a micro-batch (both sides), for --train.dynamic_batch_enable."""
+        return len(item["chosen_ids"]) + len(item["rejected_ids"])
+
+    def collate(self, items: list[dict]) -> dict:
+        sides = pair_sides(items)
+        batch = pack_collate(sides) if self.packing else pad_collate(sides, self.pad_id)
+        batch["num_pairs"] = len(items)
+        batch["margin"] = torch.tensor([float(it["margin"]) for it in items])
+        return batch
 
 
 def preference_items(rows: list[dict], tokenizer, cfg, what: str, margin_key: str | None = None) -> list[dict]:

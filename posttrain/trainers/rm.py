@@ -29,39 +29,24 @@ import torch
 from posttrain.agents.rewards.reward_model import last_token_index
 from posttrain.algorithms.preference import reward_model_loss
 from posttrain.config import ConfigError
-from posttrain.data import pack_collate, pad_collate
-from posttrain.data.preference_dataset import pair_sides
 from posttrain.models import forward_values, load_score_model, unwrap_model
 from posttrain.models.loading import check_model_path, read_head
-from posttrain.trainers.pairs import preference_items
+from posttrain.trainers.pairs import PairObjective, preference_items
 from posttrain.trainers.session import SingleModelRun, lora_settings
 from posttrain.utils.log import info
 
 MARGIN_KEY = "margin"
 
 
-class RMObjective:
-    """The step loop's `Objective` for reward models: units are pairs; a micro-batch of B pairs is
-    one forward of 2B sequences (rows 0..B-1 chosen, B..2B-1 rejected; padded or packed)."""
+class RMObjective(PairObjective):
+    """The step loop's `Objective` for reward models (pairs as units, see `PairObjective`)."""
 
     def __init__(self, pad_id: int, packing: bool, loss_type: str = "sigmoid", use_margin: bool = False) -> None:
         if use_margin and loss_type != "sigmoid":
             raise ConfigError(f"--model.margin_loss_enable needs --model.loss_type sigmoid, got {loss_type!r}: "
                               "the logexp loss has no margin term. Drop one of the two flags.")
-        self.pad_id, self.packing = pad_id, packing
+        super().__init__(pad_id, packing)
         self.loss_type, self.use_margin = loss_type, use_margin
-
-    def units(self, item: dict) -> int:
-        return 1
-
-    def length(self, item: dict) -> int:
-        return len(item["chosen_ids"]) + len(item["rejected_ids"])
-
-    def collate(self, items: list[dict]) -> dict:
-        sides = pair_sides(items)
-        batch = pack_collate(sides) if self.packing else pad_collate(sides, self.pad_id)
-        batch["margin"] = torch.tensor([float(it["margin"]) for it in items])
-        return batch
 
     @staticmethod
     def rewards(model, batch: dict) -> torch.Tensor:

@@ -1,11 +1,7 @@
-"""Tiny models run fastest on one thread (and stay fast when other processes load the CPUs)."""
+"""Agent tests run their tiny models on one torch thread (`one_torch_thread`, tests/conftest.py)."""
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _agents_on_one_thread(one_torch_thread):
     yield
-    torch.set_num_threads(before)

@@ -18,14 +18,7 @@ from posttrain.trainers.loop import summarize
 from posttrain.trainers.rm import RMObjective
 from posttrain.utils.metrics import read_metrics
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models train several times faster on one thread of this loaded 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thread is fastest
 
 
 def carry_pairs(n: int, seed: int) -> list[dict]:
