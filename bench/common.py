@@ -4,6 +4,7 @@ A benchmark is not a test: nothing here asserts on timings."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -267,3 +268,35 @@ def md_table(headers: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def trl_step_callback(clock, lrs: list):
+    """A transformers TrainerCallback recording the learning rate each optimizer step will use into
+    `lrs` and calling `clock.tick()` at each step's end."""
+    from transformers import TrainerCallback
+
+    class StepCallback(TrainerCallback):
+        def on_step_begin(self, args, state, control, optimizer=None, **kw):
+            lrs.append(float(optimizer.param_groups[0]["lr"]))
+
+        def on_step_end(self, args, state, control, **kw):
+            clock.tick()
+
+    return StepCallback()
+
+
+def trl_training_args(spec: dict, out_dir) -> dict:
+    """The TRL config fields the SFT and DPO benches share with posttrain's side: CPU, fp32, the
+    global batch as micro-batch x accumulation, AdamW (0.9, 0.95, 1e-8, no decay), clip 1.0,
+    cosine_with_min_lr with ceil(steps * warmup_ratio) warm-up steps (posttrain's rounding),
+    sequential sampling, no eval / checkpoints / reporting, log every step."""
+    steps = spec["steps"]
+    return dict(
+        output_dir=str(out_dir), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        per_device_train_batch_size=spec["micro_batch_size"],
+        gradient_accumulation_steps=spec["batch_size"] // spec["micro_batch_size"],
+        max_steps=steps, learning_rate=spec["lr"], optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.95,
+        adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": spec["min_lr_ratio"]}, warmup_steps=math.ceil(steps * spec["warmup_ratio"]),
+        seed=spec["seed"], train_sampling_strategy="sequential", eval_strategy="no", save_strategy="no",
+        report_to="none", logging_steps=1, dataloader_num_workers=0, dataloader_pin_memory=False)

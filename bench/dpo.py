@@ -43,7 +43,18 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Baton, TurnClock, machine, md_table, median, run_round_robin, versions, wait_for_quiet  # noqa: E402
+from common import (  # noqa: E402
+    Baton,
+    TurnClock,
+    machine,
+    md_table,
+    median,
+    run_round_robin,
+    trl_step_callback,
+    trl_training_args,
+    versions,
+    wait_for_quiet,
+)
 
 SIDES = ("posttrain", "trl")
 
@@ -103,7 +114,7 @@ def run_posttrain(spec: dict, out_dir: Path, clock: TurnClock) -> dict:
 def run_trl(spec: dict, out_dir: Path, clock: TurnClock) -> dict:
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     rows = [json.loads(line) for line in Path(spec["data"], "train.jsonl").read_text().splitlines()]
@@ -115,27 +126,10 @@ def run_trl(spec: dict, out_dir: Path, clock: TurnClock) -> dict:
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32, attn_implementation="sdpa")
     micro, lrs = [], []
 
-    class Clock(TrainerCallback):
-        def on_step_begin(self, args, state, control, optimizer=None, **kw):
-            lrs.append(float(optimizer.param_groups[0]["lr"]))  # the rate this step will use
-
-        def on_step_end(self, args, state, control, **kw):
-            clock.tick()
-
-    steps = spec["steps"]
     config = DPOConfig(
-        output_dir=str(out_dir), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        per_device_train_batch_size=spec["micro_batch_size"],
-        gradient_accumulation_steps=spec["batch_size"] // spec["micro_batch_size"],
-        max_steps=steps, learning_rate=spec["lr"], optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.95,
-        adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr_rate": spec["min_lr_ratio"]},
-        warmup_steps=math.ceil(steps * spec["warmup_ratio"]),  # posttrain: ceil(total * ratio)
-        seed=spec["seed"], train_sampling_strategy="sequential", beta=spec["beta"], loss_type=["sigmoid"],
-        precompute_ref_log_probs=False, max_length=spec["max_len"],
-        eval_strategy="no", save_strategy="no", report_to="none", logging_steps=1,
-        dataloader_num_workers=0, dataloader_pin_memory=False)
-    trainer = DPOTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok, callbacks=[Clock()])
+        **trl_training_args(spec, out_dir), beta=spec["beta"], loss_type=["sigmoid"],
+        precompute_ref_log_probs=False, max_length=spec["max_len"])
+    trainer = DPOTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok, callbacks=[trl_step_callback(clock, lrs)])
     eos = tok.eos_token_id
 
     def end_at_eos(ids: list[int]) -> list[int]:  # posttrain's pairs end at EOS, without the template's "\n"

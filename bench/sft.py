@@ -45,7 +45,18 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Baton, TurnClock, machine, md_table, median, run_round_robin, versions, wait_for_quiet  # noqa: E402
+from common import (  # noqa: E402
+    Baton,
+    TurnClock,
+    machine,
+    md_table,
+    median,
+    run_round_robin,
+    trl_step_callback,
+    trl_training_args,
+    versions,
+    wait_for_quiet,
+)
 
 # name -> (framework, packed): packed = posttrain --ds.packing_samples / TRL padding_free=True
 CONFIGS = {
@@ -116,7 +127,7 @@ def run_posttrain(spec: dict, packed: bool, out_dir: Path, clock: TurnClock) -> 
 def run_trl(spec: dict, packed: bool, out_dir: Path, clock: TurnClock) -> dict:
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
     rows = [json.loads(line) for line in Path(spec["data"], "train.jsonl").read_text().splitlines()]
@@ -127,29 +138,12 @@ def run_trl(spec: dict, packed: bool, out_dir: Path, clock: TurnClock) -> dict:
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32, attn_implementation="sdpa")
     micro, lrs = [], []
 
-    class Clock(TrainerCallback):
-        def on_step_begin(self, args, state, control, optimizer=None, **kw):
-            lrs.append(float(optimizer.param_groups[0]["lr"]))  # the rate this step will use
-
-        def on_step_end(self, args, state, control, **kw):
-            clock.tick()
-
-    steps = spec["steps"]
     config = SFTConfig(
-        output_dir=str(out_dir), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        per_device_train_batch_size=spec["micro_batch_size"],
-        gradient_accumulation_steps=spec["batch_size"] // spec["micro_batch_size"],
-        max_steps=steps, learning_rate=spec["lr"], optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.95,
-        adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr_rate": spec["min_lr_ratio"]},
-        warmup_steps=math.ceil(steps * spec["warmup_ratio"]),  # posttrain: ceil(total * ratio)
-        seed=spec["seed"], train_sampling_strategy="sequential", completion_only_loss=True,
+        **trl_training_args(spec, out_dir), completion_only_loss=True,
         # padding_free without packing refuses max_length (it is not enforced there); the worker checks
         # below that no sample reaches max_len, so nothing is truncated on either side
-        max_length=None if packed else spec["max_len"], padding_free=packed,
-        eval_strategy="no", save_strategy="no", report_to="none", logging_steps=1,
-        dataloader_num_workers=0, dataloader_pin_memory=False)
-    trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok, callbacks=[Clock()])
+        max_length=None if packed else spec["max_len"], padding_free=packed)
+    trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok, callbacks=[trl_step_callback(clock, lrs)])
     longest = max(len(ids) for ids in trainer.train_dataset["input_ids"])
     if longest > spec["max_len"]:
         raise ValueError(f"a TRL sample has {longest} tokens > max_len {spec['max_len']}; raise --max-len")
