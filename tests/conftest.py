@@ -1,5 +1,5 @@
 """Shared fixtures. `tiny_model_dir`: a llama "nano" (~1M params) causal LM + tokenizer built
-once per session with `build_tiny` (seed 0), loadable with `from_pretrained`. `one_torch_thread`:
+once per session with `build_tiny` (seed 0), loadable with `from_pretrained`; `tiny_score_model_dir`, its score-head twin. `one_torch_thread`:
 request it (module scope) where tiny models run many small ops."""
 import pytest
 import torch
@@ -16,6 +16,17 @@ def tiny_model_dir(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("tiny") / "llama-nano"
     build_tiny(path, arch="llama", size="nano", head="lm", seed=0, verbose=False)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_score_model_dir(tmp_path_factory):
+    """A llama "nano" score model (reward model / critic, `score` head), seed 1; read-only: copy it
+    before changing its files."""
+    from posttrain.models import build_tiny
+
+    path = tmp_path_factory.mktemp("tiny-rm") / "llama-nano-score"
+    build_tiny(path, arch="llama", size="nano", head="score", seed=1, verbose=False)
     return str(path)
 
 

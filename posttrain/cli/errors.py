@@ -1,6 +1,8 @@
-"""Turn the clear errors raised below the CLI into one `posttrain: error:` line and exit code 2."""
+"""Turn the clear errors raised below the CLI into one `posttrain: error:` line and exit code 2, and
+the one way a trainer command runs: parse its config, then call its trainer."""
 from __future__ import annotations
 
+import importlib
 import sys
 from contextlib import contextmanager
 
@@ -15,3 +17,19 @@ def user_errors(prog: str):
     except (ConfigError, DataError, FileNotFoundError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+TRAINERS = {"sft": "posttrain.trainers.sft:train_sft", "rm": "posttrain.trainers.rm:train_rm",
+            "dpo": "posttrain.trainers.dpo:train_dpo", "ppo": "posttrain.trainers.rl.ppo:train_rl"}
+
+
+def run_trainer(trainer: str, argv: list[str] | None, prog: str) -> dict:
+    """Parse `argv` (default: the process arguments) as `trainer`'s flags and run it; bad flags or
+    data exit 2 with one line. The trainer module is imported after parsing, so `--help` and flag
+    errors stay fast. Returns the trainer's final metrics."""
+    from posttrain.config import parse_config
+
+    with user_errors(prog):
+        cfg = parse_config(trainer, sys.argv[1:] if argv is None else argv)
+        module, name = TRAINERS[trainer].split(":")
+        return getattr(importlib.import_module(module), name)(cfg)

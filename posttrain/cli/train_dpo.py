@@ -4,19 +4,11 @@ Several processes: `torchrun --nproc_per_node 2 -m posttrain.cli.train_dpo ...` 
 `deepspeed --num_gpus 2 --module posttrain.cli.train_dpo ...` (gloo on CPU, NCCL on GPU)."""
 from __future__ import annotations
 
-import sys
-
-from posttrain.cli.errors import user_errors
+from posttrain.cli.errors import run_trainer
 
 
 def main(argv: list[str] | None = None, prog: str = "posttrain dpo") -> dict:
-    from posttrain.config import parse_config
-
-    with user_errors(prog):
-        cfg = parse_config("dpo", sys.argv[1:] if argv is None else argv)
-        from posttrain.trainers.dpo import train_dpo
-
-        return train_dpo(cfg)
+    return run_trainer("dpo", argv, prog)
 
 
 if __name__ == "__main__":

@@ -5,19 +5,11 @@ Several processes: `torchrun --nproc_per_node 2 -m posttrain.cli.train_rm ...` o
 `deepspeed --num_gpus 2 --module posttrain.cli.train_rm ...` (gloo on CPU, NCCL on GPU)."""
 from __future__ import annotations
 
-import sys
-
-from posttrain.cli.errors import user_errors
+from posttrain.cli.errors import run_trainer
 
 
 def main(argv: list[str] | None = None, prog: str = "posttrain rm") -> dict:
-    from posttrain.config import parse_config
-
-    with user_errors(prog):
-        cfg = parse_config("rm", sys.argv[1:] if argv is None else argv)
-        from posttrain.trainers.rm import train_rm
-
-        return train_rm(cfg)
+    return run_trainer("rm", argv, prog)
 
 
 if __name__ == "__main__":

@@ -4,19 +4,11 @@ Several processes: `torchrun --nproc_per_node 2 -m posttrain.cli.train_sft ...` 
 `deepspeed --num_gpus 2 --module posttrain.cli.train_sft ...` (gloo on CPU, NCCL on GPU)."""
 from __future__ import annotations
 
-import sys
-
-from posttrain.cli.errors import user_errors
+from posttrain.cli.errors import run_trainer
 
 
 def main(argv: list[str] | None = None, prog: str = "posttrain sft") -> dict:
-    from posttrain.config import parse_config
-
-    with user_errors(prog):
-        cfg = parse_config("sft", sys.argv[1:] if argv is None else argv)
-        from posttrain.trainers.sft import train_sft
-
-        return train_sft(cfg)
+    return run_trainer("sft", argv, prog)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ whatever the padding side, equal to a forward of the unpadded sample; normalisat
 config.mean/std; a head saved under another prefix loads with value_head_prefix."""
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,12 +20,8 @@ from posttrain.agents.rewards import (
 
 
 @pytest.fixture(scope="module")
-def rm_dir(tmp_path_factory):
-    from posttrain.models import build_tiny
-
-    path = tmp_path_factory.mktemp("rm") / "llama-nano-rm"
-    build_tiny(path, size="nano", head="score", seed=1, verbose=False)
-    return path
+def rm_dir(tiny_score_model_dir):
+    return Path(tiny_score_model_dir)
 
 
 @pytest.fixture(scope="module")

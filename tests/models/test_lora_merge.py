@@ -49,10 +49,8 @@ def cli(adapter, out, *flags):
 
 
 @pytest.fixture(scope="module")
-def score_model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-rm") / "llama-nano-score"
-    build_tiny(path, arch="llama", size="nano", head="score", seed=1, verbose=False)
-    return str(path)
+def score_model_dir(tiny_score_model_dir):
+    return tiny_score_model_dir
 
 
 @pytest.fixture(scope="module")
