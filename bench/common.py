@@ -300,3 +300,27 @@ def trl_training_args(spec: dict, out_dir) -> dict:
         lr_scheduler_kwargs={"min_lr_rate": spec["min_lr_ratio"]}, warmup_steps=math.ceil(steps * spec["warmup_ratio"]),
         seed=spec["seed"], train_sampling_strategy="sequential", eval_strategy="no", save_strategy="no",
         report_to="none", logging_steps=1, dataloader_num_workers=0, dataloader_pin_memory=False)
+
+
+def add_round_robin_args(p, workers: list[str]) -> None:
+    """The flags every round-robin bench shares: waiting for a quiet machine, the work folder, the
+    markdown output, and the internal flags a worker process is launched with."""
+    import argparse
+
+    p.add_argument("--chunk", type=int, default=5, help="optimizer steps per turn in the round-robin")
+    p.add_argument("--max-wait", type=float, default=30.0,
+                   help="seconds to wait before each repeat for other processes to go idle")
+    p.add_argument("--workdir", default=None, help="folder for model, data, logs (default: a temp dir)")
+    p.add_argument("--markdown", default=None, help="also write the markdown section to this file")
+    p.add_argument("--worker", choices=workers, help=argparse.SUPPRESS)  # internal: one side in this process
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+
+
+def check_step_args(p, args) -> None:
+    """Refuse a global batch that is not whole micro-batches, and runs with no timed step."""
+    if args.batch_size % args.micro_batch_size:
+        p.error(f"--batch-size {args.batch_size} must be a multiple of --micro-batch-size {args.micro_batch_size}")
+    if args.steps < 2:
+        p.error("--steps must be at least 2 (step 1 is excluded as warm-up)")

@@ -46,6 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     Baton,
     TurnClock,
+    add_round_robin_args,
+    check_step_args,
     machine,
     md_table,
     median,
@@ -246,23 +248,12 @@ def main(argv=None) -> None:
     p.add_argument("--difficulty", type=int, default=4, help="make_preference_rows difficulty 0..4")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--repeats", type=int, default=3, help="runs per side (median reported)")
-    p.add_argument("--chunk", type=int, default=5, help="optimizer steps per turn in the round-robin")
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
-    p.add_argument("--max-wait", type=float, default=30.0,
-                   help="seconds to wait before each repeat for other processes to go idle")
-    p.add_argument("--workdir", default=None, help="folder for model, data, logs (default: a temp dir)")
-    p.add_argument("--markdown", default=None, help="also write the markdown section to this file")
-    p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
-    p.add_argument("--spec", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
+    add_round_robin_args(p, list(SIDES))
     args = p.parse_args(argv)
     if args.worker:
         return worker(args)
-    if args.batch_size % args.micro_batch_size:
-        p.error(f"--batch-size {args.batch_size} must be a multiple of --micro-batch-size {args.micro_batch_size}")
-    if args.steps < 2:
-        p.error("--steps must be at least 2 (step 1 is excluded as warm-up)")
+    check_step_args(p, args)
 
     started = datetime.datetime.now(datetime.timezone.utc)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_dpo_"))
