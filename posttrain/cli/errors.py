@@ -1,4 +1,4 @@
-"""Turn the clear errors raised below the CLI into one `posttrain: error:` line and exit code 2, and
+"""Turn the clear errors raised below the CLI into one `prog: error:` line and exit code 2, and
 the one way a trainer command runs: parse its config, then call its trainer."""
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from contextlib import contextmanager
 
 @contextmanager
 def user_errors(prog: str):
-    from posttrain.config import ConfigError
-    from posttrain.data import DataError
+    """Any `UserError` (bad flags, data, reward code, checkpoint, run folder) and a missing file
+    end in one `prog: error: ...` line on stderr and exit status 2, without a traceback."""
+    from posttrain.utils.errors import UserError
 
     try:
         yield
-    except (ConfigError, DataError, FileNotFoundError) as e:
+    except (UserError, FileNotFoundError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 

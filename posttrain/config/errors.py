@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import sys
 
+from posttrain.utils.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """Bad flags, YAML or values. The message names the flag(s) and what is valid; `problems` lists
     every individual problem when several were found at once."""
 

@@ -1,7 +1,8 @@
 """The one exception type of the data layer."""
+from posttrain.utils.errors import UserError
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Bad dataset input: the message names the file, the row, the key and the fix
     (either "fix the data" or the flag to pass)."""
 

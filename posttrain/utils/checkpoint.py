@@ -18,13 +18,14 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
+from posttrain.utils.errors import UserError
 from posttrain.utils.log import info, warn_once
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^global_step(\d+)$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     pass
 
 

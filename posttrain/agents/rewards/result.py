@@ -15,11 +15,13 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from posttrain.utils.errors import UserError
+
 ON_ERROR = ("raise", "skip")
 _MAX_LISTED = 5
 
 
-class RewardError(RuntimeError):
+class RewardError(UserError, RuntimeError):
     """A reward could not be computed; the message names the source (file / URL / model) and the cause."""
 
 

@@ -1,0 +1,9 @@
+"""The base class of every error a user can cause (bad flags, data, reward code, checkpoints,
+run folders). The command line turns any `UserError` into one `prog: error: <message>` line and
+exit status 2; anything else is a bug of ours and keeps its traceback."""
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A mistake or environment problem the user can fix; the message names the flag, file, row
+    or URL, the cause, and the fix."""
