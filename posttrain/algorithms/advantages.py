@@ -25,29 +25,40 @@ from ._util import (
 )
 
 
-def _unchanged(r: torch.Tensor, eps: float) -> torch.Tensor:
+def _unchanged(r: torch.Tensor, valid: torch.Tensor, eps: float) -> torch.Tensor:
     return r
 
 
-def _rloo(r: torch.Tensor, eps: float) -> torch.Tensor:
-    """r_i - (Σ_j r_j - r_i) / (n - 1)   on r shaped [num_prompts, n]."""
-    n = r.shape[1]
-    return r - (r.sum(1, keepdim=True) - r) / (n - 1)
+def _group_stats(r: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k, Σ r, mean) over the valid samples of each group, each ``[num_prompts, 1]``."""
+    k = valid.sum(1, keepdim=True).to(r.dtype)
+    total = torch.where(valid, r, 0.0).sum(1, keepdim=True)
+    return k, total, total / k.clamp(min=1)
 
 
-def _mean_baseline(r: torch.Tensor, eps: float) -> torch.Tensor:
-    """r_i - mean_j r_j."""
-    return r - r.mean(1, keepdim=True)
+def _rloo(r: torch.Tensor, valid: torch.Tensor, eps: float) -> torch.Tensor:
+    """r_i - (Σ_j r_j - r_i) / (k - 1) over the k valid samples of the group (0 when k < 2)."""
+    k, total, _ = _group_stats(r, valid)
+    out = r - (total - r) / (k - 1).clamp(min=1)
+    return torch.where(k >= 2, out, 0.0)
 
 
-def _group_norm(r: torch.Tensor, eps: float) -> torch.Tensor:
-    """(r_i - mean_j r_j) / (std_j r_j + eps), unbiased std."""
-    return (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True, unbiased=True) + eps)
+def _mean_baseline(r: torch.Tensor, valid: torch.Tensor, eps: float) -> torch.Tensor:
+    """r_i - mean_j r_j over the valid samples."""
+    return r - _group_stats(r, valid)[2]
+
+
+def _group_norm(r: torch.Tensor, valid: torch.Tensor, eps: float) -> torch.Tensor:
+    """(r_i - mean_j r_j) / (std_j r_j + eps) over the k valid samples, unbiased std (0 when k < 2)."""
+    k, _, mean = _group_stats(r, valid)
+    centred = r - mean
+    var = torch.where(valid, centred * centred, 0.0).sum(1, keepdim=True) / (k - 1).clamp(min=1)
+    return torch.where(k >= 2, centred / (var.sqrt() + eps), 0.0)
 
 
 @dataclass(frozen=True)
 class Estimator:
-    baseline: Callable[[torch.Tensor, float], torch.Tensor]  # on rewards shaped [num_prompts, n]
+    baseline: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (r, valid, eps), [num_prompts, n]
     group: bool  # needs n >= 2 samples per prompt; forces gamma = 1
     whiten: bool  # whitened by default (whiten=None)
     uses_values: bool = False  # GAE on a critic's values
@@ -72,19 +83,29 @@ def _check_n(n) -> int:
     return n
 
 
-def group_baseline(rewards, n, estimator, eps=1e-9):
+def group_baseline(rewards, n, estimator, eps=1e-9, valid=None):
     """Apply the estimator's group baseline to scalar rewards ``[B]`` (float32):
 
     rloo ``r_i - (Σ_j r_j - r_i)/(n-1)``; reinforce_baseline, dr_grpo ``r_i - mean_j r_j``;
     group_norm ``(r_i - mean_j r_j)/(std_j r_j + eps)`` (unbiased std); gae, reinforce unchanged.
-    Group estimators need ``n >= 2`` and ``B`` divisible by ``n``."""
+    Group estimators need ``n >= 2`` and ``B`` divisible by ``n``.
+
+    ``valid`` (bool ``[B]``, default all True) **[beyond]**: group statistics run over the valid
+    samples only (a sample whose reward could not be computed must not shift its group), with
+    ``k`` = the group's valid count in place of ``n``; invalid samples, and groups with fewer than
+    two valid samples under rloo / group_norm, get 0."""
     check_choice("estimator", estimator, ADVANTAGE_ESTIMATORS)
     check_ndim("rewards", rewards, 1, "[B]")
     n = _check_n(n)
     spec = ADVANTAGE_ESTIMATORS[estimator]
     r = f32(rewards)
+    if valid is None:
+        valid = torch.ones_like(r, dtype=torch.bool)
+    else:
+        check_shape("valid", valid, "rewards", rewards)
+        valid = bool_mask(valid)
     if not spec.group:
-        return r
+        return torch.where(valid, r, 0.0)
     if n < 2:
         raise ValueError(
             f"n={n}: estimator {estimator!r} needs n >= 2 samples per prompt "
@@ -92,10 +113,12 @@ def group_baseline(rewards, n, estimator, eps=1e-9):
         )
     if r.shape[0] % n != 0:
         raise ValueError(f"rewards has {r.shape[0]} rows, not divisible by n={n} (group-contiguous layout)")
-    groups = r.view(-1, n)
-    # Every group baseline is shift-invariant; shifting by the group's first reward makes a
+    groups, ok = r.view(-1, n), valid.view(-1, n)
+    # Every group baseline is shift-invariant; shifting by the group's first valid reward makes a
     # constant group exactly zero and avoids cancellation with large reward offsets.
-    return spec.baseline(groups - groups[:, :1], eps).reshape(-1)
+    first = groups.gather(1, ok.to(torch.uint8).argmax(1, keepdim=True))
+    out = spec.baseline(groups - first, ok, eps)
+    return torch.where(ok, out, 0.0).reshape(-1)
 
 
 def _last_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,7 +222,7 @@ _whiten = whiten  # compute_advantages has a parameter named `whiten`
 
 def compute_advantages_with_stats(
     estimator, rewards, mask, *, n, kl=None, kl_coef=0.0, values=None, gamma=1.0, lam=1.0,
-    clip_range=(-10.0, 10.0), std_norm=True, sequence_kl=False, whiten=None,
+    clip_range=(-10.0, 10.0), std_norm=True, sequence_kl=False, whiten=None, valid=None,
 ):
     """``compute_advantages`` plus a stats dict: ``reward_clip_count``, ``empty_rows``,
     ``gamma`` (the one actually used), ``whitened`` (bool)."""
@@ -236,7 +259,7 @@ def compute_advantages_with_stats(
     if sequence_kl and kl is not None:
         r = r - kl_coef * masked_sum(kl, mask, dim=1)
         token_kl = None
-    r = group_baseline(r, n, estimator)
+    r = group_baseline(r, n, estimator, valid=valid)
     rew, stats = token_rewards_with_stats(r, token_kl, mask, kl_coef if token_kl is not None else 0.0,
                                           clip_range)
     if spec.uses_values:
@@ -253,12 +276,12 @@ def compute_advantages_with_stats(
 
 def compute_advantages(
     estimator, rewards, mask, *, n, kl=None, kl_coef=0.0, values=None, gamma=1.0, lam=1.0,
-    clip_range=(-10.0, 10.0), std_norm=True, sequence_kl=False, whiten=None,
+    clip_range=(-10.0, 10.0), std_norm=True, sequence_kl=False, whiten=None, valid=None,
 ):
     """Advantages and returns ``[B, A]`` (zero at unmasked positions) for a whole rollout batch.
 
     1. ``sequence_kl``: ``r ← r - kl_coef · Σ_t m_t kl_t`` (no per-token KL afterwards).
-    2. ``group_baseline(r, n, estimator)``.
+    2. ``group_baseline(r, n, estimator, valid=valid)`` (``valid``: samples that enter group statistics).
     3. ``token_rewards`` (clip after the baseline; per-token ``-kl_coef·kl`` unless sequence_kl).
     4. gae → GAE with ``values``; others → discounted returns (advantages = returns). Group
        estimators force ``gamma = 1`` (warning once per estimator).
@@ -267,5 +290,5 @@ def compute_advantages(
        Returns are never whitened."""
     adv, returns, _ = compute_advantages_with_stats(
         estimator, rewards, mask, n=n, kl=kl, kl_coef=kl_coef, values=values, gamma=gamma, lam=lam,
-        clip_range=clip_range, std_norm=std_norm, sequence_kl=sequence_kl, whiten=whiten)
+        clip_range=clip_range, std_norm=std_norm, sequence_kl=sequence_kl, whiten=whiten, valid=valid)
     return adv, returns

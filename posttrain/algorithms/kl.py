@@ -90,10 +90,13 @@ class FixedKLController:
 
 class AdaptiveKLController:
     """Ziegler et al. proportional controller steering the measured KL toward ``target``:
-    ``value *= 1 + clip(current_kl / target - 1, -0.2, 0.2) * n_steps / horizon``.
+    ``value ← max(0, value · (1 + clip(current_kl / target - 1, -0.2, 0.2) · n_steps / horizon))``.
 
-    The relative change per update is at most ``0.2 * n_steps / horizon``; ``n_steps`` (samples
-    since the last update) must be in ``[0, 5 * horizon]`` so the factor stays >= 0."""
+    ``current_kl`` is OpenRLHF's statistic: the mean over the step's samples of each sample's
+    token-mean KL; ``n_steps`` the samples of the step. The relative change per update is at most
+    ``0.2 · n_steps / horizon``; when ``n_steps > 5 · horizon`` a KL below target could drive the
+    factor negative, so the coefficient is floored at 0 (**[beyond]**: OpenRLHF lets it turn
+    negative, which rewards divergence) and ``clamped`` records it for a warning."""
 
     def __init__(self, init_coef, target, horizon):
         if _finite("init_coef", init_coef) < 0:
@@ -105,14 +108,17 @@ class AdaptiveKLController:
         self.value = float(init_coef)
         self.target = float(target)
         self.horizon = float(horizon)
+        self.clamped = False
 
     def update(self, current_kl, n_steps):
         current = _finite("current_kl", current_kl)
         n = _finite("n_steps", n_steps)
-        if not 0 <= n <= 5 * self.horizon:
-            raise ValueError(f"n_steps={n_steps!r} must be in [0, 5 * horizon = {5 * self.horizon}]")
+        if n < 0:
+            raise ValueError(f"n_steps={n_steps!r} must be >= 0")
         error = min(max(current / self.target - 1.0, -0.2), 0.2)
-        self.value *= 1.0 + error * n / self.horizon
+        factor = 1.0 + error * n / self.horizon
+        self.clamped = factor < 0
+        self.value = max(self.value * factor, 0.0)
 
     def state_dict(self) -> dict:
         return {"value": self.value, "target": self.target, "horizon": self.horizon}

@@ -10,16 +10,24 @@ def overlong_penalty(rewards, response_lengths, max_new_tokens, buffer_len, fact
     """DAPO soft overlong punishment. ``L = max_new_tokens - buffer_len``,
     ``e = min(len - L, buffer_len)``; where ``e > 0``: ``r - e / buffer_len * factor``.
     (buffer 128, max 1024: len 896 → r, len 960 → r - 0.5, len ≥ 1024 → r - factor.)
+    ``max_new_tokens`` is one budget for all samples or each sample's own budget ``[B]`` (with
+    ``--rollout.max_new_tokens`` unset a sample may generate ``max_len - len(its prompt)`` tokens);
+    ``buffer_len`` is a number > 0 (OpenRLHF's flag is a float) and no budget may be below it.
     The number penalised is ``(response_lengths > max_new_tokens - buffer_len).sum()``."""
     check_ndim("rewards", rewards, 1, "[B]")
     check_shape("response_lengths", response_lengths, "rewards", rewards)
-    if not isinstance(buffer_len, int) or isinstance(buffer_len, bool) or buffer_len < 1:
-        raise ValueError(f"buffer_len={buffer_len!r} must be an int >= 1")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < buffer_len:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= buffer_len={buffer_len}")
+    if not isinstance(buffer_len, (int, float)) or isinstance(buffer_len, bool) or not buffer_len > 0:
+        raise ValueError(f"buffer_len={buffer_len!r} must be a number > 0")
+    budget = torch.as_tensor(max_new_tokens, dtype=torch.float32, device=f32(rewards).device)
+    if budget.dim() == 1:
+        check_shape("max_new_tokens", budget, "rewards", rewards)
+    elif budget.dim() != 0:
+        raise ValueError(f"max_new_tokens must be a number or a [B] tensor, got shape {tuple(budget.shape)}")
+    if bool((budget < buffer_len).any()):
+        raise ValueError(f"max_new_tokens={float(budget.min()):g} must be >= buffer_len={buffer_len}")
     if not isinstance(factor, (int, float)) or factor < 0:
         raise ValueError(f"factor={factor!r} must be a number >= 0")
-    expected = max_new_tokens - buffer_len
+    expected = budget - buffer_len
     excess = (f32(response_lengths) - expected).clamp(min=0.0, max=float(buffer_len))
     return f32(rewards) - excess / buffer_len * factor
 

@@ -1,4 +1,5 @@
 """Advantage pipeline against hand-computed values, and test #8 (group estimators)."""
+import math
 import warnings
 
 import pytest
@@ -212,3 +213,28 @@ def test_padding_does_not_change_advantages():
     adv_p, ret_p = compute_advantages("reinforce", rewards, mask_p, n=1)
     close(adv_p[:, :2], adv)
     assert torch.equal(adv_p[:, 2:], torch.zeros(2, 2)) and torch.equal(ret_p[:, :2], ret)
+
+
+def test_skipped_samples_do_not_enter_group_statistics():
+    """[1, 1, 1, skipped]: an all-correct group has no gradient (OpenRLHF-style statistics over the
+    skipped reward 0 would give [0.5, 0.5, 0.5, -1.5])."""
+    r = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0])
+    valid = torch.tensor([True, True, True, False, True, True, True, False])
+    for est in ("group_norm", "rloo", "reinforce_baseline", "dr_grpo"):
+        out = group_baseline(r, 4, est, valid=valid)
+        assert out[:4].tolist() == [0.0, 0.0, 0.0, 0.0], est
+    # second group: valid rewards [1, 0, 1] (k = 3), the skipped one gets 0
+    assert group_baseline(r, 4, "rloo", valid=valid)[4:].tolist() == pytest.approx([0.5, -1.0, 0.5, 0.0])
+    mean = 2 / 3
+    assert group_baseline(r, 4, "dr_grpo", valid=valid)[4:].tolist() == pytest.approx(
+        [1 - mean, -mean, 1 - mean, 0.0])
+    std = math.sqrt(((1 - mean) ** 2 * 2 + mean**2) / 2)  # unbiased over the 3 valid samples
+    assert group_baseline(r, 4, "group_norm", valid=valid)[4:].tolist() == pytest.approx(
+        [(1 - mean) / std, -mean / std, (1 - mean) / std, 0.0], rel=1e-6)
+
+
+def test_group_with_one_valid_sample_has_zero_advantage():
+    r = torch.tensor([3.0, 0.0, 0.0, 0.0])
+    valid = torch.tensor([True, False, False, False])
+    for est in ("group_norm", "rloo", "reinforce_baseline"):
+        assert group_baseline(r, 4, est, valid=valid).tolist() == [0.0] * 4, est

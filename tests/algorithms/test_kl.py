@@ -109,3 +109,14 @@ def test_fixed_controller_never_changes_and_state_round_trips():
     b.load_state_dict(a.state_dict())
     a.update(0.01, 500), b.update(0.01, 500)
     assert a.value == b.value and not math.isclose(a.value, 0.01)
+
+
+def test_adaptive_kl_with_many_samples_per_step_floors_at_zero_without_crashing():
+    """Horizon 100, 1024 samples per step, KL far below target: OpenRLHF's factor
+    1 - 0.2 * 1024 / 100 = -1.048 would flip the coefficient's sign; ours floors it at 0."""
+    c = AdaptiveKLController(0.05, target=1.0, horizon=100)
+    c.update(0.0, 1024)
+    assert c.value == 0.0 and c.clamped
+    c = AdaptiveKLController(0.05, target=1.0, horizon=100)
+    c.update(2.0, 1024)  # above target: 1 + 0.2 * 10.24 = 3.048
+    assert c.value == pytest.approx(0.05 * 3.048) and not c.clamped

@@ -105,12 +105,9 @@ def test_k1_is_not_nonnegative():
 @given(st.floats(1e-4, 1.0), st.floats(1e-3, 1.0), st.floats(0.0, 5.0), st.integers(0, 50000),
        st.integers(1, 20000))
 def test_adaptive_controller_moves_toward_target_bounded(init, target, current, n_steps, horizon):
-    if n_steps > 5 * horizon:
-        with pytest.raises(ValueError, match="n_steps"):
-            AdaptiveKLController(init, target, horizon).update(current, n_steps)
-        return
     c = AdaptiveKLController(init, target, horizon)
     c.update(current, n_steps)
+    assert c.value >= 0  # never negative, however many samples per update (no crash either)
     rel = c.value / init - 1
     assert abs(rel) <= 0.2 * n_steps / horizon + 1e-12
     if current > target:

@@ -77,3 +77,13 @@ def test_reward_model_losses():
     assert reward_model_loss(chosen, rejected, margin=t([1.0, 0.0])).item() == pytest.approx(math.log(2))
     assert reward_model_loss(chosen, rejected, margin=1.0).item() == pytest.approx(
         (math.log(2) + math.log(1 + math.e)) / 2)
+
+
+def test_overlong_penalty_per_sample_budget_and_float_buffer():
+    """Each sample's own budget (max_len - its prompt): budgets 100 and 50, buffer 20.0 (a float,
+    as the flag parses): length 90 of 100 → excess 10 → -0.5; length 45 of 50 → excess 15 → -0.75."""
+    r = torch.tensor([1.0, 1.0])
+    out = overlong_penalty(r, torch.tensor([90, 45]), torch.tensor([100, 50]), 20.0)
+    assert out.tolist() == pytest.approx([0.5, 0.25])
+    with pytest.raises(ValueError, match="max_new_tokens=10 must be >= buffer_len=20"):
+        overlong_penalty(r, torch.tensor([5, 5]), torch.tensor([100, 10]), 20)
