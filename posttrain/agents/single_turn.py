@@ -1,8 +1,10 @@
 """Single-turn executor: prompt tokens → sampled response tokens → one batched reward call.
 
-Token-in, token-out: the rollout keeps the engine's token ids and sampling log-probs; the decoded
-text is only for the reward function (`queries` = prompt text + response text, `prompts`, `labels`)
-and for logs."""
+Token-in, token-out: the rollout keeps the engine's token ids and sampling log-probs. A reward
+function or server gets OpenRLHF's inputs: ``queries`` = the whole sampled sequence (prompt +
+response token ids) decoded with ``skip_special_tokens=False`` (so a format check sees the EOS a
+finished answer ends with), ``prompts`` = the prompt texts, ``labels``. A reward model that can
+read token ids (``score_tokens``) scores the sampled ids themselves, never re-tokenised text."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,7 +14,8 @@ import torch
 
 @dataclass
 class Rollout:
-    """One sample; a rollout batch is group-contiguous (the n samples of a prompt are adjacent)."""
+    """One sample; a rollout batch is group-contiguous (the n samples of a prompt are adjacent).
+    ``budget`` is the most tokens this sample could generate (its own max_new_tokens)."""
     prompt_ids: list[int]
     output_ids: list[int]
     rollout_logprobs: list[float]
@@ -21,6 +24,7 @@ class Rollout:
     response_text: str
     label: object = None
     group: int = 0
+    budget: int = 0
 
 
 @dataclass
@@ -32,15 +36,25 @@ class ScoredRollouts:
     skipped: torch.Tensor  # [B] bool: reward could not be computed and the user asked to skip
 
 
+def sample_budgets(prompts, params, max_len: int | None) -> list[int] | None:
+    """Per-prompt generation budgets: None (``params.max_new_tokens`` for all) when ``max_len`` is
+    None, else ``max(1, max_len - len(prompt))`` each (OpenRLHF with --rollout.max_new_tokens unset)."""
+    if max_len is None:
+        return None
+    return [max(1, max_len - len(p.token_ids)) for p in prompts]
+
+
 class SingleTurnExecutor:
     def __init__(self, engine, reward_source, tokenizer) -> None:
         self.engine = engine
         self.reward_source = reward_source
         self.tokenizer = tokenizer
 
-    def run(self, prompts, params, group_offset: int = 0) -> ScoredRollouts:
-        """`prompts`: objects with `.text`, `.token_ids`, `.label` (posttrain.data.Prompt)."""
-        outputs = self.engine.generate([p.token_ids for p in prompts], params)
+    def run(self, prompts, params, group_offset: int = 0, max_len: int | None = None) -> ScoredRollouts:
+        """`prompts`: objects with `.text`, `.token_ids`, `.label` (posttrain.data.Prompt). With
+        `max_len`, each prompt may generate `max_len - len(its tokens)` tokens (`sample_budgets`)."""
+        budgets = sample_budgets(prompts, params, max_len)
+        outputs = self.engine.generate([p.token_ids for p in prompts], params, max_new_tokens=budgets)
         rollouts = []
         for g, (prompt, outs) in enumerate(zip(prompts, outputs)):
             for out in outs:
@@ -48,8 +62,15 @@ class SingleTurnExecutor:
                 rollouts.append(Rollout(prompt_ids=list(prompt.token_ids), output_ids=list(out.output_token_ids),
                                         rollout_logprobs=list(out.logprobs), finish_reason=out.finish_reason,
                                         prompt_text=prompt.text, response_text=text, label=prompt.label,
-                                        group=group_offset + g))
-        result = self.reward_source.score([r.prompt_text + r.response_text for r in rollouts],
-                                          [r.prompt_text for r in rollouts], [r.label for r in rollouts])
+                                        group=group_offset + g,
+                                        budget=budgets[g] if budgets else params.max_new_tokens))
+        result = self.score(rollouts)
         return ScoredRollouts(rollouts=rollouts, rewards=result.rewards.float(), scores=result.scores.float(),
                               extra_logs=result.extra_logs, skipped=result.skipped)
+
+    def score(self, rollouts: list[Rollout]):
+        sequences = [r.prompt_ids + r.output_ids for r in rollouts]
+        if hasattr(self.reward_source, "score_tokens"):
+            return self.reward_source.score_tokens(sequences)
+        queries = self.tokenizer.batch_decode(sequences, skip_special_tokens=False)
+        return self.reward_source.score(queries, [r.prompt_text for r in rollouts], [r.label for r in rollouts])

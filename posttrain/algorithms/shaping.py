@@ -44,12 +44,21 @@ def stop_properly_penalty(rewards, truncated, coef):
     return torch.where(truncated.bool(), shaped, r)
 
 
-def dynamic_filter(scores, low, high):
+def dynamic_filter(scores, low, high, valid=None):
     """DAPO dynamic sampling: keep prompt ``p`` iff ``low < mean_j scores[p, j] < high`` (strict).
     ``scores`` is ``[num_prompts, n]``; returns a bool ``[num_prompts]`` (kept = ``.sum()``,
-    dropped = ``(~keep).sum()``)."""
+    dropped = ``(~keep).sum()``). ``valid`` (bool, same shape) **[beyond]**: the mean runs over
+    valid samples only (a skipped sample's placeholder score must not decide); a group without
+    any valid sample is dropped."""
     check_ndim("scores", scores, 2, "[num_prompts, n]")
     if not (isinstance(low, (int, float)) and isinstance(high, (int, float)) and low < high):
         raise ValueError(f"low={low!r}, high={high!r}: need numbers with low < high")
-    mean = f32(scores).mean(dim=1)
-    return (mean > low) & (mean < high)
+    s = f32(scores)
+    if valid is None:
+        mean = s.mean(dim=1)
+        return (mean > low) & (mean < high)
+    check_shape("valid", valid, "scores", scores)
+    ok = valid.bool()
+    k = ok.sum(dim=1)
+    mean = torch.where(ok, s, 0.0).sum(dim=1) / k.clamp(min=1)
+    return (k > 0) & (mean > low) & (mean < high)

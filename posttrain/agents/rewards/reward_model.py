@@ -7,10 +7,11 @@ statistics `posttrain rm` (like OpenRLHF) stores in the model's config.json.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
-from posttrain.agents.rewards.result import RewardResult, check_batch
+from posttrain.agents.rewards.result import RewardError, RewardResult, check_batch
 from posttrain.utils.log import warn_once
 
 
@@ -138,6 +139,37 @@ class RewardModelSource:
             logs["reward_model/truncated"] = truncated.float()
         rewards = (self.values(ids, mask) - self.mean) / self.std
         return RewardResult(rewards, extra_logs=logs)
+
+    def score_tokens(self, token_ids: list[list[int]]) -> RewardResult:
+        """Rewards for sequences given as token ids, exactly as sampled (prompt + response; EOS only
+        where the policy sampled it): no decoding, no re-tokenisation, no EOS appended, so a
+        truncated response is scored as truncated. The ids must come from a tokenizer sharing this
+        model's vocabulary (checked by ``check_vocabulary``)."""
+        if not token_ids or any(len(t) == 0 for t in token_ids):
+            raise ValueError("score_tokens needs at least one non-empty token-id sequence")
+        width = max(len(t) for t in token_ids)
+        ids = torch.zeros((len(token_ids), width), dtype=torch.long)
+        mask = torch.zeros((len(token_ids), width), dtype=torch.long)
+        for i, t in enumerate(token_ids):
+            ids[i, :len(t)] = torch.as_tensor(t, dtype=torch.long)
+            mask[i, :len(t)] = 1
+        return RewardResult((self.values(ids, mask) - self.mean) / self.std)
+
+    def check_vocabulary(self, tokenizer) -> None:
+        """Refuse a policy tokenizer whose ids this model cannot read: more tokens than its
+        embedding rows, or (when the model folder has a tokenizer) a different vocabulary."""
+        from posttrain.models import load_tokenizer
+
+        rows = self.model.get_input_embeddings().num_embeddings
+        if len(tokenizer) > rows:
+            raise RewardError(f"reward model {self.path} has {rows} embedding rows but the policy's tokenizer has "
+                              f"{len(tokenizer)} tokens; the reward model must share the policy's vocabulary")
+        files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+        if not any(os.path.isfile(os.path.join(self.path, f)) for f in files):
+            return  # no tokenizer in the folder: the embedding-size check above is all we can do
+        if load_tokenizer(self.path).get_vocab() != tokenizer.get_vocab():
+            raise RewardError(f"reward model {self.path} has a different tokenizer than the policy; PPO scores "
+                              "the policy's sampled token ids (as OpenRLHF does), so both must share one vocabulary")
 
     def close(self) -> None:
         self.model = None

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from posttrain.engines.rollout.sampling import sample_next
-from posttrain.engines.rollout.types import RolloutOutput, SamplingParams, _is_int
+from posttrain.engines.rollout.types import RolloutOutput, SamplingParams, _is_int, check_budgets
 from posttrain.models import unwrap_model
 
 _COMPACT_FRACTION = 0.25  # drop finished rows from the batch once this fraction of it has finished
@@ -118,15 +118,20 @@ class HFRolloutEngine:
     def stop_ids(self, params: SamplingParams) -> list[int]:
         return list(params.stop_token_ids) if params.stop_token_ids is not None else list(self.eos_token_ids)
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[RolloutOutput]]:
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams,
+                 max_new_tokens: Sequence[int] | None = None) -> list[list[RolloutOutput]]:
         """One list of ``params.n`` outputs per prompt; the n samples of a prompt are sampled as
-        consecutive rows (group-contiguous) and returned in that order."""
+        consecutive rows (group-contiguous) and returned in that order. ``max_new_tokens`` (one
+        int >= 1 per prompt) overrides ``params.max_new_tokens`` prompt by prompt; a sample that
+        reaches its own budget finishes with "length"."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, not {type(params).__name__}")
         prompts = self._check_prompts(prompt_token_ids)
         if not prompts:
             return []
+        budgets = check_budgets(max_new_tokens, len(prompts), params)
         rows = [p for p in prompts for _ in range(params.n)]
+        limits = [b for b in budgets for _ in range(params.n)]
         device = next(self.model.parameters()).device
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**63 - 1, (1,)).item())
         generator = torch.Generator(device=device).manual_seed(seed)
@@ -139,7 +144,8 @@ class HFRolloutEngine:
             with torch.no_grad():
                 flat = []
                 for start in range(0, len(rows), chunk):
-                    flat += self._generate_rows(rows[start:start + chunk], params, stop, generator, device)
+                    flat += self._generate_rows(rows[start:start + chunk], limits[start:start + chunk], params,
+                                                stop, generator, device)
         finally:
             for m, mode in modes:
                 m.training = mode
@@ -171,14 +177,15 @@ class HFRolloutEngine:
             kwargs["logits_to_keep"] = 1
         return self.model(**kwargs).logits[:, -1].float()
 
-    def _generate_rows(self, rows: list[list[int]], params: SamplingParams, stop: torch.Tensor,
-                       generator: torch.Generator, device) -> list[RolloutOutput]:
-        b, max_new = len(rows), params.max_new_tokens
+    def _generate_rows(self, rows: list[list[int]], limits: list[int], params: SamplingParams,
+                       stop: torch.Tensor, generator: torch.Generator, device) -> list[RolloutOutput]:
+        b, max_new = len(rows), max(limits)
         lens = [len(r) for r in rows]
         t = max(lens)
         ids = torch.tensor([[self.pad_token_id] * (t - n) + r for r, n in zip(rows, lens)], dtype=torch.long,
                            device=device)
         lengths = torch.tensor(lens, dtype=torch.long, device=device)
+        limit = torch.tensor(limits, dtype=torch.long, device=device)
         # mask over prompt + all future positions; generated columns are always attended
         mask = torch.ones(b, t + max_new, dtype=torch.long, device=device)
         mask[:, :t] = torch.arange(t, device=device)[None, :] >= (t - lengths)[:, None]
@@ -189,26 +196,26 @@ class HFRolloutEngine:
         out_tokens = torch.zeros(b, max_new, dtype=torch.long, device=device)
         out_logprobs = torch.zeros(b, max_new, dtype=torch.float32, device=device)
         n_out = torch.zeros(b, dtype=torch.long, device=device)
-        stopped = torch.zeros(b, dtype=torch.bool, device=device)
+        stopped = torch.zeros(b, dtype=torch.bool, device=device)  # ended on a stop token
         row = torch.arange(b, device=device)  # original row of each row still in the batch
         next_pos = lengths.clone()
         steps = 0
         for step in range(max_new):
             tokens, logprobs = sample_next(logits, params.temperature, params.top_p, generator)
             steps = step + 1
-            alive = ~stopped[row]
+            alive = ~stopped[row] & (n_out[row] < limit[row])
             out_tokens[row, step] = tokens
             out_logprobs[row, step] = logprobs
             n_out[row] += alive
-            now_stopped = stopped[row] | (alive & torch.isin(tokens, stop))
-            stopped[row] = now_stopped
+            stopped[row] = stopped[row] | (alive & torch.isin(tokens, stop))
+            done = stopped[row] | (n_out[row] >= limit[row])
             if step == max_new - 1:
                 break
-            n_stopped = int(now_stopped.sum())
-            if n_stopped == row.numel():
+            n_done = int(done.sum())
+            if n_done == row.numel():
                 break
-            if n_stopped >= _COMPACT_FRACTION * row.numel() and hasattr(cache, "batch_select_indices"):
-                keep = (~now_stopped).nonzero().squeeze(1)
+            if n_done >= _COMPACT_FRACTION * row.numel() and hasattr(cache, "batch_select_indices"):
+                keep = (~done).nonzero().squeeze(1)
                 cache.batch_select_indices(keep)
                 row, tokens, mask, next_pos = row[keep], tokens[keep], mask[keep], next_pos[keep]
             logits = self._forward(tokens[:, None], mask[:, :t + step + 1], next_pos[:, None], cache, last_only=False)

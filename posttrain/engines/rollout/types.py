@@ -103,17 +103,33 @@ class RolloutOutput:
         return self.finish_reason == "length"
 
 
+def check_budgets(max_new_tokens, num_prompts: int, params: SamplingParams) -> list[int]:
+    """Per-prompt generation budgets: ``params.max_new_tokens`` for every prompt when
+    ``max_new_tokens`` is None, else the given list (one int >= 1 per prompt)."""
+    if max_new_tokens is None:
+        return [params.max_new_tokens] * num_prompts
+    budgets = list(max_new_tokens)
+    if len(budgets) != num_prompts:
+        raise ValueError(f"max_new_tokens has {len(budgets)} entries for {num_prompts} prompts")
+    bad = [b for b in budgets if not (_is_int(b) and b >= 1)]
+    if bad:
+        raise ValueError(f"max_new_tokens holds {bad[0]!r}; every budget must be an integer >= 1")
+    return [int(b) for b in budgets]
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """What a trainer needs from a sampler.
 
-    ``generate`` returns one list of ``params.n`` outputs per prompt, in prompt order.
+    ``generate`` returns one list of ``params.n`` outputs per prompt, in prompt order; its optional
+    ``max_new_tokens`` (one budget per prompt) overrides ``params.max_new_tokens``.
     ``load_weights(model_or_state_dict)`` copies policy weights into the engine; ``sync_weights(model)``
     makes the engine sample with ``model``'s current weights (a no-op when the engine shares the
     module). ``sleep()`` / ``wake_up()`` release / reacquire accelerator memory between rollouts
     (no-ops in process)."""
 
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[RolloutOutput]]: ...
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
+                 max_new_tokens: list[int] | None = None) -> list[list[RolloutOutput]]: ...
 
     def load_weights(self, model_or_state_dict) -> None: ...
 

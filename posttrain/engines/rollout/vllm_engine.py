@@ -17,7 +17,13 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from posttrain.engines.rollout.types import FINISH_REASONS, RolloutOutput, SamplingParams, rank_seed
+from posttrain.engines.rollout.types import (
+    FINISH_REASONS,
+    RolloutOutput,
+    SamplingParams,
+    check_budgets,
+    rank_seed,
+)
 from posttrain.models import unwrap_model
 from posttrain.utils.log import warn_once
 
@@ -88,21 +94,23 @@ class VLLMRolloutEngine:
             self.llm = llm_or_model_path
         self.eos_token_ids = None if eos_token_ids is None else [int(i) for i in eos_token_ids]
 
-    def vllm_sampling_params(self, params: SamplingParams, prompt_index: int):
+    def vllm_sampling_params(self, params: SamplingParams, prompt_index: int, max_new_tokens: int | None = None):
         stop = params.stop_token_ids if params.stop_token_ids is not None else self.eos_token_ids
         seed = None if params.seed is None else rank_seed(params.seed, 0, prompt_index) % 2**31  # int32-safe
         return import_vllm().SamplingParams(
             n=params.n, temperature=float(params.temperature), top_p=float(params.top_p),
-            max_tokens=params.max_new_tokens, seed=seed, logprobs=0, detokenize=False,
+            max_tokens=max_new_tokens or params.max_new_tokens, seed=seed, logprobs=0, detokenize=False,
             # explicit stop ids replace the eos (ignore_eos) so exactly these ids stop a sample
             stop_token_ids=None if stop is None else list(stop), ignore_eos=stop is not None)
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[RolloutOutput]]:
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams,
+                 max_new_tokens: Sequence[int] | None = None) -> list[list[RolloutOutput]]:
         if params.top_p < 1.0:
             warn_once("vLLM log-probs with top_p < 1 are renormalised over the nucleus and differ from "
                       "the trainer's recomputation (full temperature-scaled distribution)")
         prompts = [[int(t) for t in p] for p in prompt_token_ids]
-        sampling = [self.vllm_sampling_params(params, i) for i in range(len(prompts))]
+        budgets = check_budgets(max_new_tokens, len(prompts), params)
+        sampling = [self.vllm_sampling_params(params, i, budgets[i]) for i in range(len(prompts))]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
         return convert_vllm_outputs(prompts, outputs, params.n)
 

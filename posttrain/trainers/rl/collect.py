@@ -3,13 +3,14 @@
 refilling with fresh prompts until the batch is full or the extra-draw budget is spent."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from posttrain.agents.single_turn import ScoredRollouts
 from posttrain.algorithms.shaping import dynamic_filter, overlong_penalty, stop_properly_penalty
+from posttrain.engines.rollout import rank_seed
 
 
 class PromptStream:
@@ -32,19 +33,20 @@ class PromptStream:
 
 @dataclass
 class ShapingSettings:
-    max_new_tokens: int
-    overlong_buffer_len: int | None
+    overlong_buffer_len: float | None
     overlong_penalty_factor: float
     stop_properly_penalty_coef: float | None
 
 
 def shape_rewards(batch: ScoredRollouts, s: ShapingSettings) -> dict[str, float]:
-    """Length shaping of `batch.rewards` in place (before the advantage baseline); returns counts."""
+    """Length shaping of `batch.rewards` in place (before the advantage baseline); returns counts.
+    The overlong penalty reads each sample's own budget (`Rollout.budget`)."""
     lengths = torch.tensor([len(r.output_ids) for r in batch.rollouts], dtype=torch.float32)
+    budgets = torch.tensor([r.budget for r in batch.rollouts], dtype=torch.float32)
     truncated = torch.tensor([r.finish_reason == "length" for r in batch.rollouts])
     before = batch.rewards.clone()
     if s.overlong_buffer_len:
-        batch.rewards = overlong_penalty(batch.rewards, lengths, s.max_new_tokens, s.overlong_buffer_len,
+        batch.rewards = overlong_penalty(batch.rewards, lengths, budgets, s.overlong_buffer_len,
                                          s.overlong_penalty_factor)
     if s.stop_properly_penalty_coef is not None:
         batch.rewards = stop_properly_penalty(batch.rewards, truncated, s.stop_properly_penalty_coef)
@@ -72,20 +74,28 @@ def keep_groups(batch: ScoredRollouts, keep: torch.Tensor, n: int) -> ScoredRoll
 
 
 def collect(executor, prompts, stream: PromptStream, params, *, batch_size: int, shaping: ShapingSettings,
-            filter_range: tuple[float, float] | None, max_extra_draws: int) -> tuple[ScoredRollouts, dict]:
-    """`batch_size` prompt groups (fewer when filtering ran out of draws; logged)."""
+            filter_range: tuple[float, float] | None, max_extra_draws: int,
+            max_len: int | None = None) -> tuple[ScoredRollouts, dict]:
+    """`batch_size` prompt groups (fewer when filtering ran out of draws; logged). Each draw samples
+    with its own seed (`params.seed` for the first, derived from it for refills), so refilled
+    prompts never replay the first draw's random numbers. `max_len`: per-sample budgets
+    (`SingleTurnExecutor.run`)."""
     n = params.n
     kept: list[ScoredRollouts] = []
-    kept_groups = drawn = 0
+    kept_groups = drawn = draws = 0
     budget = batch_size + (max_extra_draws if filter_range else 0)
     metrics: dict[str, float] = {}
     while kept_groups < batch_size and drawn < budget:
         take = min(batch_size - kept_groups, budget - drawn)
-        batch = executor.run([prompts[i] for i in stream.take(take)], params, group_offset=kept_groups)
+        draw_params = params if draws == 0 or params.seed is None else replace(
+            params, seed=rank_seed(params.seed, draws, 0))
+        batch = executor.run([prompts[i] for i in stream.take(take)], draw_params, group_offset=kept_groups,
+                             max_len=max_len)
         drawn += take
+        draws += 1
         metrics.update(shape_rewards(batch, shaping))
         if filter_range:
-            keep = dynamic_filter(batch.scores.view(-1, n), *filter_range)
+            keep = dynamic_filter(batch.scores.view(-1, n), *filter_range, valid=~batch.skipped.view(-1, n))
             batch = keep_groups(batch, keep, n)
         kept.append(batch)
         kept_groups += len(batch.rollouts) // n

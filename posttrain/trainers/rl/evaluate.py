@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def eval_metrics(executor, prompts, params, name: str) -> dict[str, float]:
-    scored = executor.run(list(prompts), params)
+def eval_metrics(executor, prompts, params, name: str, max_len: int | None = None) -> dict[str, float]:
+    """`max_len`: per-sample budgets as in training (`SingleTurnExecutor.run`)."""
+    scored = executor.run(list(prompts), params, max_len=max_len)
     k = params.n
     r = scored.rewards.view(-1, k)
     out = {f"eval_{name}_pass1": float(r.mean())}

@@ -15,7 +15,14 @@ from posttrain.agents.rewards import make_reward_source
 from posttrain.agents.single_turn import SingleTurnExecutor
 from posttrain.algorithms.advantages import compute_advantages_with_stats
 from posttrain.algorithms.kl import AdaptiveKLController, FixedKLController, approx_kl_with_stats
-from posttrain.config import derived_sizes, format_config, inert_flags, resolve_hardware_defaults, save_config
+from posttrain.config import (
+    ConfigError,
+    derived_sizes,
+    format_config,
+    inert_flags,
+    resolve_hardware_defaults,
+    save_config,
+)
 from posttrain.data import PromptDataset, load_rows
 from posttrain.engines import make_train_engine
 from posttrain.engines.rollout import HFRolloutEngine, SamplingParams, rank_seed
@@ -23,11 +30,11 @@ from posttrain.models import load_causal_lm, load_score_model, load_tokenizer, s
 from posttrain.trainers.rl.collect import PromptStream, ShapingSettings, collect
 from posttrain.trainers.rl.evaluate import dataset_name, eval_metrics
 from posttrain.trainers.rl.experience import Experience, build_experience
-from posttrain.trainers.rl.roles import Actor, Critic, Reference
-from posttrain.trainers.rl.updates import UpdateSettings, update_actor, update_critic
+from posttrain.trainers.rl.roles import Actor, Batching, Critic, Reference
+from posttrain.trainers.rl.updates import UpdateSettings, steps_per_rollout, update_actor, update_critic
 from posttrain.trainers.session import pick_device, wandb_settings
 from posttrain.utils.checkpoint import CheckpointManager, read_manifest
-from posttrain.utils.log import info
+from posttrain.utils.log import info, warn_once
 from posttrain.utils.metrics import MetricsLogger
 from posttrain.utils.seeding import rng_state, set_rng_state, set_seed
 from posttrain.utils.timer import Timers
@@ -39,14 +46,25 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     return float((x * mask).sum() / mask.sum().clamp(min=1))
 
 
+def _sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean over the sequences with any masked token of each one's token mean (OpenRLHF's KL
+    statistic, which also feeds the adaptive controller)."""
+    tokens = mask.sum(1)
+    has = tokens > 0
+    if not bool(has.any()):
+        return 0.0
+    return float(((x * mask).sum(1)[has] / tokens[has]).mean())
+
+
 class RLTrainer:
     def __init__(self, cfg) -> None:
         self.cfg = cfg
         self.device = pick_device()
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world > 1:
-            raise NotImplementedError("posttrain ppo runs in one process for now; several processes (Ray) "
-                                      "are not available yet — launch it without torchrun/deepspeed")
+            raise ConfigError(f"posttrain ppo runs its roles in one process in this version (WORLD_SIZE={world}); "
+                              "launch it as `posttrain ppo ...` or `python -m posttrain.cli.train_ppo_ray ...`, "
+                              "not under torchrun or deepspeed")
         for note in resolve_hardware_defaults(cfg, self.device.type) or []:
             info(note)
         self.run_dir = Path(cfg.ckpt.output_dir)
@@ -70,18 +88,36 @@ class RLTrainer:
                   apply_chat_template=cfg.data.apply_chat_template)
         rows = load_rows(cfg.data.prompt_dataset, cfg.data.prompt_probs, cfg.data.prompt_split, cfg.train.seed,
                          cfg.data.max_samples)
-        self.max_new_tokens = cfg.rollout.max_new_tokens
-        limit = cfg.data.max_len - (self.max_new_tokens or 1)
+        limit = cfg.data.max_len - (cfg.rollout.max_new_tokens or 1)
         self.prompts = PromptDataset(rows, tok, max_prompt_len=limit, **kw)
         if self.prompts.dropped:
             info(f"{len(self.prompts.dropped)} prompts longer than {limit} tokens dropped (--data.max_len)")
-        if self.max_new_tokens is None:  # OpenRLHF: max_len - prompt length
-            self.max_new_tokens = max(1, cfg.data.max_len - max(len(p.token_ids) for p in self.prompts))
+        self._set_budgets([p.token_ids for p in self.prompts])
         self.eval_prompts, self.eval_name = None, None
         if cfg.eval.dataset:
             eval_rows = load_rows(cfg.eval.dataset, None, cfg.eval.split, cfg.train.seed, cfg.data.max_samples)
             self.eval_prompts = PromptDataset(eval_rows, tok, max_prompt_len=limit, **kw)
             self.eval_name = dataset_name(cfg.eval.dataset)
+
+    def _set_budgets(self, prompt_ids: list[list[int]]) -> None:
+        """Generation budgets. --rollout.max_new_tokens set: that many for every sample. Unset: each
+        sample may generate `--data.max_len - len(its prompt)` tokens (OpenRLHF), passed per sample
+        (`sample_max_len`); `max_new_tokens` is then the largest budget (the constant of seq_sum_norm)."""
+        cfg = self.cfg
+        if cfg.rollout.max_new_tokens:
+            self.sample_max_len, self.max_new_tokens = None, cfg.rollout.max_new_tokens
+            smallest = self.max_new_tokens
+        else:
+            self.sample_max_len = cfg.data.max_len
+            self.max_new_tokens = max(1, cfg.data.max_len - min(map(len, prompt_ids)))
+            smallest = max(1, cfg.data.max_len - max(map(len, prompt_ids)))
+            info(f"--rollout.max_new_tokens unset: each sample may generate --data.max_len - len(its prompt) "
+                 f"tokens ({smallest} to {self.max_new_tokens} here)")
+        buffer = cfg.reward.overlong_buffer_len
+        if buffer and smallest < buffer:
+            raise ConfigError(f"--reward.overlong_buffer_len {buffer:g} is longer than the smallest generation budget "
+                              f"({smallest} tokens: --rollout.max_new_tokens, or --data.max_len minus the longest "
+                              "prompt); lower the buffer or raise the budget")
 
     def _engine(self, model, role_cfg, total_steps: int):
         return make_train_engine(
@@ -100,8 +136,7 @@ class RLTrainer:
             raise ValueError(f"{len(self.prompts)} prompts are fewer than one rollout batch "
                              f"(--rollout.batch_size {cfg.rollout.batch_size}); lower it or add prompts")
         self.total_steps = self.steps_per_episode * cfg.train.num_episodes
-        updates_per_step = cfg.train.max_epochs * (cfg.rollout.batch_size * n // cfg.train.batch_size)
-        self.updates_per_rollout = updates_per_step
+        updates_per_step = steps_per_rollout(cfg.rollout.batch_size * n, cfg.train.batch_size, cfg.train.max_epochs)
         dtype = cfg.ds.param_dtype
         actor_model = load_causal_lm(cfg.actor.model_name_or_path, dtype=dtype,
                                      attn_implementation=cfg.ds.attn_implementation,
@@ -109,15 +144,16 @@ class RLTrainer:
                                      gradient_checkpointing_reentrant=cfg.actor.gradient_checkpointing_reentrant)
         actor_model.to(self.device).train()
         self.actor = Actor(actor_model, self._engine(actor_model, cfg.actor, self.total_steps * updates_per_step),
-                           cfg.rollout.temperature, self.device)
+                           cfg.rollout.temperature, self.device,
+                           ema_beta=cfg.train.ema_beta if cfg.train.enable_ema else None)
         self.critic = None
         if cfg.algo.advantage.estimator == "gae":
             path = cfg.critic.model_name_or_path or cfg.reward.model_name_or_path or cfg.actor.model_name_or_path
             critic_model = load_score_model(path, dtype=dtype, value_head_prefix=cfg.ds.value_head_prefix,
-                                            attn_implementation=cfg.ds.attn_implementation)
+                                            attn_implementation=cfg.ds.attn_implementation, new_head_ok=True)
             critic_model.to(self.device).train()
             self.critic = Critic(critic_model, self._engine(critic_model, cfg.critic, self.total_steps * updates_per_step),
-                                 self.device)
+                                 self.device, normalize=bool(cfg.reward.normalize_enable))
         kl = cfg.algo.kl
         self.ref = None
         if kl.init_coef > 0 or kl.use_loss:
@@ -135,6 +171,8 @@ class RLTrainer:
             tokenizer=self.tokenizer, device=str(self.device), attn_implementation=cfg.ds.attn_implementation,
             on_error="skip" if cfg.reward.skip_errors_enable else "raise", timeout=cfg.reward.timeout,
             retries=cfg.reward.retries)
+        if hasattr(self.reward_source, "check_vocabulary"):
+            self.reward_source.check_vocabulary(self.tokenizer)
         self.rollout_engine = HFRolloutEngine(actor_model, self.tokenizer, pad_token_id=self.tokenizer.pad_token_id)
         self.executor = SingleTurnExecutor(self.rollout_engine, self.reward_source, self.tokenizer)
 
@@ -143,21 +181,24 @@ class RLTrainer:
         a = cfg.actor
         eps_low, eps_high = a.eps_clip_low_high if a.eps_clip_low_high else (a.eps_clip, a.eps_clip)
         adv = cfg.algo.advantage
+        dynamic = cfg.train.dynamic_batch_enable
+        self.train_batching = Batching(cfg.train.micro_batch_size, cfg.train.max_tokens_per_gpu if dynamic else None,
+                                       cfg.ds.packing_samples)
+        self.forward_batching = Batching(
+            cfg.rollout.micro_batch_size,
+            (cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu) if dynamic else None, cfg.ds.packing_samples)
         self.update_settings = UpdateSettings(
-            batch_size=cfg.train.batch_size, micro_batch_size=cfg.train.micro_batch_size,
+            batch_size=cfg.train.batch_size, batching=self.train_batching,
             max_epochs=cfg.train.max_epochs, loss_agg=a.loss_agg, max_len=self.max_new_tokens, eps_low=eps_low,
             eps_high=eps_high, dual_clip=a.dual_clip, policy_loss_type=a.policy_loss_type,
             entropy_coef=a.entropy_coef, kl_use_loss=cfg.algo.kl.use_loss, kl_estimator=cfg.algo.kl.estimator,
             is_correction=adv.is_correction_type if adv.is_correction_enable else None,
             is_threshold=tuple(adv.is_correction_threshold), value_clip=cfg.critic.value_clip, seed=cfg.train.seed)
-        self.shaping = ShapingSettings(self.max_new_tokens, cfg.reward.overlong_buffer_len,
-                                       cfg.reward.overlong_penalty_factor, cfg.reward.stop_properly_penalty_coef)
+        self.shaping = ShapingSettings(cfg.reward.overlong_buffer_len, cfg.reward.overlong_penalty_factor,
+                                       cfg.reward.stop_properly_penalty_coef)
         self.stream = PromptStream(len(self.prompts), cfg.train.seed)
         self.global_step = 0
         self.best = {"key": None, "value": -math.inf}
-        self.ema = None
-        if cfg.train.enable_ema:
-            self.ema = {k: v.detach().clone().float() for k, v in self.actor.model.state_dict().items()}
         self.timers = Timers()
         self.logger = MetricsLogger(self.run_dir, tensorboard_dir=cfg.logger.tensorboard_dir,
                                     wandb=wandb_settings(cfg), resume=cfg.ckpt.load_enable)
@@ -177,18 +218,18 @@ class RLTrainer:
                               max_new_tokens=self.max_new_tokens, n=cfg.rollout.n_samples_per_prompt,
                               seed=rank_seed(cfg.train.seed, 0, step))
 
-    def _needs_old_logp(self) -> bool:
+    def _needs_old_logp(self, num_samples: int) -> bool:
         """With exactly one optimizer step per rollout and no KL penalty in the reward, the policy that
         is trained is the one that sampled, so the old log-probs equal the training forward's (ratio 1):
         the update takes them from there instead of a separate forward pass (as TRL does)."""
         cfg = self.cfg
-        one_step = self.updates_per_rollout == 1
+        one_step = steps_per_rollout(num_samples, cfg.train.batch_size, cfg.train.max_epochs) == 1
         kl_in_reward = self.ref is not None and not cfg.algo.kl.use_loss
         return not one_step or kl_in_reward
 
     def make_experience(self, scored) -> tuple[Experience, dict[str, float]]:
         cfg = self.cfg
-        mbs = cfg.rollout.micro_batch_size
+        mbs = self.forward_batching
         rewards = scored.rewards.clone()
         if cfg.reward.whiten_enable:  # TRL whiten_rewards: whiten the scalar rewards before the baseline
             rewards = (rewards - rewards.mean()) / rewards.std(unbiased=False).clamp(min=1e-8)
@@ -196,7 +237,7 @@ class RLTrainer:
         exp.action_mask[scored.skipped] = 0.0  # samples without a reward train nothing (counted in reward/skipped)
         mask = exp.action_mask
         metrics: dict[str, float] = {}
-        if self._needs_old_logp():
+        if self._needs_old_logp(len(scored.rollouts)):
             exp.old_logp = self.actor.logprobs(exp, mbs)
             metrics["rollout/logprob_abs_gap"] = _masked_mean((exp.old_logp - exp.rollout_logp).abs(), mask)
         kl = None
@@ -205,7 +246,7 @@ class RLTrainer:
         if exp.ref_logp is not None and exp.old_logp is not None:
             kl, kl_stats = approx_kl_with_stats(exp.old_logp, exp.ref_logp, cfg.algo.kl.estimator, mask=mask)
             kl = kl * mask
-            metrics.update({"kl/mean": _masked_mean(kl, mask), "kl/clamp_frac": float(kl_stats["kl_clamp_frac"])})
+            metrics.update({"kl/mean": _sequence_mean(kl, mask), "kl/clamp_frac": float(kl_stats["kl_clamp_frac"])})
         if self.critic is not None:
             exp.values = self.critic.values(exp, mbs)
         in_reward = kl is not None and not cfg.algo.kl.use_loss
@@ -214,7 +255,8 @@ class RLTrainer:
             adv.estimator, exp.rewards, mask, n=cfg.rollout.n_samples_per_prompt,
             kl=kl if in_reward else None, kl_coef=self.kl_ctl.value if in_reward else 0.0, values=exp.values,
             gamma=adv.gamma, lam=adv.lambd, clip_range=tuple(cfg.reward.clip_range), std_norm=not adv.no_std_norm,
-            sequence_kl=cfg.algo.kl.sequence_level_enable, whiten=True if adv.whiten_enable else None)
+            sequence_kl=cfg.algo.kl.sequence_level_enable, whiten=True if adv.whiten_enable else None,
+            valid=~scored.skipped)
         metrics.update({f"advantage/{k}": float(v) for k, v in stats.items() if _scalar(v)})
         metrics["advantage/mean"] = _masked_mean(exp.advantages, mask)
         return exp, metrics
@@ -228,7 +270,8 @@ class RLTrainer:
                 filt = tuple(cfg.algo.dynamic_filtering_range) if cfg.algo.dynamic_filtering_enable else None
                 scored, metrics = collect(self.executor, self.prompts, self.stream, self.sampling_params(step),
                                           batch_size=cfg.rollout.batch_size, shaping=self.shaping,
-                                          filter_range=filt, max_extra_draws=4 * cfg.rollout.batch_size)
+                                          filter_range=filt, max_extra_draws=4 * cfg.rollout.batch_size,
+                                          max_len=self.sample_max_len)
             metrics.update(rollout_metrics(scored, n))
             with self.timers("make_experience"):
                 exp, exp_metrics = self.make_experience(scored)
@@ -238,22 +281,17 @@ class RLTrainer:
                     metrics.update(update_critic(self.critic, exp, self.update_settings, step))
                 if step >= cfg.critic.freezing_steps:
                     metrics.update(update_actor(self.actor, exp, self.update_settings, self.kl_ctl.value, step))
-                    self._update_ema()
             current_kl = metrics.get("kl/mean", metrics.get("actor/kl_loss"))  # KL as loss: measured in training
             if current_kl is not None:
                 self.kl_ctl.update(current_kl, len(exp))
+                if getattr(self.kl_ctl, "clamped", False):
+                    warn_once(f"adaptive KL: {len(exp)} samples per step exceed 5 x --algo.kl.horizon "
+                              f"({cfg.algo.kl.horizon}) and the KL is below target, so the coefficient fell to 0; "
+                              "raise --algo.kl.horizon")
             metrics["kl/coef"] = self.kl_ctl.value
         metrics.update(self.timers.pop_metrics())
         self._write_samples(step + 1, scored)
         return metrics
-
-    def _update_ema(self) -> None:
-        if self.ema is None:
-            return
-        beta = self.cfg.train.ema_beta
-        with torch.no_grad():
-            for k, v in self.actor.model.state_dict().items():
-                self.ema[k].mul_(beta).add_(v.float(), alpha=1 - beta)
 
     def _write_samples(self, step: int, scored, k: int = 4) -> None:
         with (self.run_dir / "samples.jsonl").open("a") as f:
@@ -267,7 +305,7 @@ class RLTrainer:
         if self.eval_prompts is None:
             return {}
         return eval_metrics(self.executor, self.eval_prompts, self.sampling_params(self.global_step, True),
-                            self.eval_name)
+                            self.eval_name, max_len=self.sample_max_len)
 
     def _maybe_save_best(self, metrics: dict[str, float]) -> None:
         key = self.cfg.ckpt.best_metric_key
@@ -288,8 +326,10 @@ class RLTrainer:
             if self.critic is not None:
                 self.critic.engine.save_state(d / "critic")
             state = {"global_step": self.global_step, "prompt_cursor": self.stream.cursor,
-                     "kl_ctl": self.kl_ctl.state_dict(), "best": self.best, "rng": rng_state(), "ema": self.ema}
+                     "kl_ctl": self.kl_ctl.state_dict(), "best": self.best, "rng": rng_state(), "ema": self.actor.ema}
             torch.save(state, d / "trainer_state.pt")
+            if self.cfg.ckpt.save_hf:
+                save_pretrained(self.actor.model, self.tokenizer, d / "hf")
         path = self.ckpt.save(self.global_step, write, {"global_step": self.global_step})
         info(f"saved checkpoint {path}")
 
@@ -309,7 +349,7 @@ class RLTrainer:
             self.stream.cursor = state["prompt_cursor"]
             self.kl_ctl.load_state_dict(state["kl_ctl"])
             self.best = state["best"]
-            self.ema = state["ema"]
+            self.actor.ema = state["ema"]
             set_rng_state(state["rng"])
             self.logger.truncate_after(self.global_step)
             info(f"resumed from {path} at step {self.global_step} ({read_manifest(path)['step']})")
@@ -352,13 +392,10 @@ class RLTrainer:
         return last_eval
 
     def _export(self) -> None:
-        model = self.actor.model
-        state = None
-        if self.ema is not None:
-            state = {k: v.to(dtype) for (k, v), dtype in
-                     zip(self.ema.items(), (t.dtype for t in model.state_dict().values()))}
+        state = self.actor.ema_state_dict()
+        if state is not None:
             info("--train.enable_ema: the saved final model holds the EMA weights")
-        save_pretrained(model, self.tokenizer, self.run_dir, state_dict=state)
+        save_pretrained(self.actor.model, self.tokenizer, self.run_dir, state_dict=state)
         if self.critic is not None and self.cfg.critic.save_value_network:
             save_pretrained(self.critic.model, self.tokenizer, self.run_dir / "critic")
         info(f"final model saved to {self.run_dir}")
@@ -367,15 +404,17 @@ class RLTrainer:
 def rollout_metrics(scored, n: int) -> dict[str, float]:
     """Reward/score statistics, response lengths, truncation, zero-variance groups, skips."""
     r = scored.rewards
+    valid = ~scored.skipped
     lengths = torch.tensor([len(x.output_ids) for x in scored.rollouts], dtype=torch.float32)
     out = {"reward/mean": float(r.mean()), "reward/std": float(r.std(unbiased=False)),
            "score/mean": float(scored.scores.mean()), "score/std": float(scored.scores.std(unbiased=False)),
            "response/length": float(lengths.mean()), "response/length_max": float(lengths.max()),
            "response/truncated_frac": sum(x.finish_reason == "length" for x in scored.rollouts) / len(scored.rollouts),
            "reward/skipped": float(scored.skipped.sum())}
-    if n > 1:
-        groups = r.view(-1, n)
-        out["reward/zero_std_group_frac"] = float((groups.std(dim=1) == 0).float().mean())
+    if n > 1:  # spread of the valid rewards of each group (a skipped sample has no reward)
+        groups, ok = r.view(-1, n), valid.view(-1, n)
+        spread = torch.where(ok, groups, -math.inf).amax(1) - torch.where(ok, groups, math.inf).amin(1)
+        out["reward/zero_std_group_frac"] = float(((spread == 0) | (ok.sum(1) < 2)).float().mean())
     for k, v in scored.extra_logs.items():
         t = torch.as_tensor(v, dtype=torch.float32)
         out[f"reward/{k}"] = float(t.mean())

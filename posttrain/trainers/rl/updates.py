@@ -1,9 +1,13 @@
 """Policy and critic updates over one rollout batch: `max_epochs` passes, each split into
-optimizer steps of `train.batch_size` samples and micro-batches of `train.micro_batch_size`.
-Every loss is aggregated with the optimizer step's global token / sequence counts, so the gradient
-does not depend on the micro-batch split (ALGORITHMS.md, aggregation)."""
+optimizer steps of `train.batch_size` samples and micro-batches (`Batching`: a sample count, or
+a token budget with --train.dynamic_batch_enable; packed rows with --ds.packing_samples).
+Every kept sample trains: the last optimizer step of a pass takes the remainder when the rollout
+is not a multiple of the batch size (e.g. after dynamic filtering). Every loss is aggregated with
+its optimizer step's own token / sequence counts, so the gradient does not depend on the
+micro-batch split (ALGORITHMS.md, aggregation)."""
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -12,16 +16,16 @@ import numpy as np
 from posttrain.algorithms.kl import approx_kl
 from posttrain.algorithms.losses import aggregate, policy_loss, value_loss
 from posttrain.trainers.rl.experience import Experience
-from posttrain.trainers.rl.roles import Actor, Critic, _to, policy_forward
+from posttrain.trainers.rl.roles import Actor, Batching, Critic, _to, policy_forward
 
 
 @dataclass
 class UpdateSettings:
     batch_size: int
-    micro_batch_size: int
+    batching: Batching
     max_epochs: int
     loss_agg: str
-    max_len: int  # the constant normaliser of seq_sum_norm: max_new_tokens
+    max_len: int  # the constant normaliser of seq_sum_norm: the largest generation budget
     eps_low: float
     eps_high: float
     dual_clip: float | None
@@ -35,12 +39,18 @@ class UpdateSettings:
     seed: int
 
 
+def steps_per_rollout(n: int, batch_size: int, max_epochs: int) -> int:
+    """Optimizer steps over a rollout of `n` samples: ceil(n / batch_size) per pass."""
+    return max_epochs * math.ceil(n / batch_size)
+
+
 def optimizer_steps(n: int, s: UpdateSettings, step: int):
-    """Row groups of each optimizer step over `max_epochs` shuffled passes (deterministic in step)."""
+    """Row groups of each optimizer step over `max_epochs` shuffled passes (deterministic in step);
+    the last group of a pass holds the remainder, so every row trains once per pass."""
     rng = np.random.default_rng([s.seed, step])
     for _ in range(s.max_epochs):
         order = rng.permutation(n)
-        for start in range(0, n - s.batch_size + 1, s.batch_size):
+        for start in range(0, n, s.batch_size):
             yield order[start:start + s.batch_size]
 
 
@@ -57,9 +67,9 @@ class _Mean:
         return {f"{prefix}/{k}": self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
 
 
-def _micro_batches(batch: Experience, size: int, device):
-    for start in range(0, len(batch), size):
-        yield _to(batch.select(list(range(start, min(start + size, len(batch))))), device)
+def _micro_batches(batch: Experience, batches: Batching, device):
+    for rows in batches.micro_batches(batch):
+        yield _to(batch.select(rows), device)
 
 
 def _counts(exp: Experience) -> tuple[float, float]:
@@ -70,13 +80,14 @@ def update_actor(actor: Actor, exp: Experience, s: UpdateSettings, kl_coef: floa
     mean = _Mean()
     rollout_gap = _Mean()
     engine = actor.engine
+    packed = s.batching.packed
     for rows in optimizer_steps(len(exp), s, step):
         batch = exp.select(rows)
         num_tokens, num_seqs = _counts(batch)
         step_loss = 0.0
-        for mb in _micro_batches(batch, s.micro_batch_size, actor.device):
+        for mb in _micro_batches(batch, s.batching, actor.device):
             want_entropy = s.entropy_coef is not None
-            logp, ent = policy_forward(engine.model, mb, actor.temperature, with_entropy=want_entropy)
+            logp, ent = policy_forward(engine.model, mb, actor.temperature, with_entropy=want_entropy, packed=packed)
             mask = mb.action_mask
             old_logp = mb.old_logp
             if old_logp is None:  # one update per rollout: the sampling policy is this one (ratio 1)
@@ -108,7 +119,10 @@ def update_actor(actor: Actor, exp: Experience, s: UpdateSettings, kl_coef: floa
             step_loss += float(loss.detach())
         mean.add("policy_loss", step_loss)
         mean.add("grad_norm", engine.step())
+        actor.update_ema()
+        mean.add("rows_per_step", len(rows))
     out = mean.result("actor")
+    out["train/rows_per_step"] = out.pop("actor/rows_per_step")
     out.update(rollout_gap.result("rollout"))
     out["actor/lr"] = engine.lr
     return out
@@ -121,8 +135,8 @@ def update_critic(critic: Critic, exp: Experience, s: UpdateSettings, step: int)
         batch = exp.select(rows)
         num_tokens, num_seqs = _counts(batch)
         step_loss = 0.0
-        for mb in _micro_batches(batch, s.micro_batch_size, critic.device):
-            values = critic.forward(mb)
+        for mb in _micro_batches(batch, s.batching, critic.device):
+            values = critic.forward(mb, s.batching.packed)
             loss = value_loss(values, mb.values, mb.returns, mb.action_mask, clip=s.value_clip, agg=s.loss_agg,
                               num_tokens=num_tokens, num_seqs=num_seqs, max_len=s.max_len)
             engine.backward(loss)

@@ -212,3 +212,20 @@ def test_works_on_a_gradient_checkpointed_training_model(tiny_model_dir, engine)
     ref = engine.generate(PROMPTS, params)
     assert [o.output_token_ids for g in got for o in g] == [o.output_token_ids for g in ref for o in g]
     assert ckpt.training
+
+
+def test_per_prompt_budgets(engine):
+    """`max_new_tokens` per prompt (OpenRLHF's max_len - len(prompt) when --rollout.max_new_tokens is
+    unset): each sample stops at its own budget with "length"; greedy tokens equal an unbounded run's
+    prefix, so a short budget elsewhere in the batch changes nothing else."""
+    params = SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=[])
+    full = engine.generate(PROMPTS, params)
+    cut = engine.generate(PROMPTS, params, max_new_tokens=[3, 10, 1, 7])
+    for budget, (a,), (b,) in zip([3, 10, 1, 7], full, cut):
+        assert len(b.output_token_ids) == budget and b.finish_reason == "length"
+        assert b.output_token_ids == a.output_token_ids[:budget]
+        assert b.logprobs == pytest.approx(a.logprobs[:budget], abs=1e-5)
+    with pytest.raises(ValueError, match="3 entries for 4 prompts"):
+        engine.generate(PROMPTS, params, max_new_tokens=[1, 2, 3])
+    with pytest.raises(ValueError, match="integer >= 1"):
+        engine.generate(PROMPTS, params, max_new_tokens=[1, 0, 3, 4])
