@@ -1,25 +1,40 @@
 """HTTP reward server app (what `posttrain serve-rm` runs): any RewardSource behind FastAPI.
 
 POST /get_reward  body `{"query": [B str], "prompts": [B str] (optional, default B ""), "labels": [B]
-                  (optional)}` → `{"rewards", "scores", "extra_logs", "skipped", "skip_reasons"}`.
+                  (optional)}` → `{"rewards", "scores", "extra_logs", "skipped", "skip_reasons",
+                  "truncated": [B bool] (query cut to the model's length limit), "num_truncated": int}`.
 GET  /health      → `{"status": "ok", "source": ...}`.
 With a token every request (health included) needs `Authorization: Bearer <token>`, else 401.
-Bad bodies → 400 with the problem; a reward source error → 500 with its message. Requests are
-scored one at a time (the source need not be thread-safe).
+Any problem with the body (not JSON, wrong shape, no queries) → 400 naming it; a body over
+`max_request_bytes` or more than `max_queries` queries → 413 naming the limit and its flag; a reward
+source error → 500 with its message. Requests are scored one at a time (the source need not be
+thread-safe).
 """
 
 # no `from __future__ import annotations`: FastAPI must see the real `Request` class in the
 # endpoint signatures, which are defined inside build_app.
 import hmac
+import json
 import threading
+
+DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
+TRUNCATED_LOG = "reward_model/truncated"  # RewardModelSource's per-query extra_logs entry (1.0 = cut)
+_DRAIN_BYTES = 1 << 30  # an over-limit body is read (and dropped) up to this much, so the client sees the 413
+
+
+class BodyTooLarge(Exception):
+    """The request exceeds a size limit; the message names the limit and the flag that sets it."""
 
 
 def _check_body(body) -> tuple[list[str], list[str], list | None]:
+    """(queries, prompts, labels) of a decoded /get_reward body; ValueError naming the problem otherwise."""
     if not isinstance(body, dict):
         raise ValueError(f"body must be a JSON object with a 'query' list, got {type(body).__name__}")
     queries = body.get("query")
     if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
         raise ValueError("'query' must be a list of strings (prompt + response texts)")
+    if not queries:
+        raise ValueError("'query' is an empty list; send at least one prompt + response text")
     n = len(queries)
     prompts = body.get("prompts")
     if prompts is None:
@@ -32,12 +47,61 @@ def _check_body(body) -> tuple[list[str], list[str], list | None]:
     return queries, prompts, labels
 
 
-def build_app(source, token: str | None = None):
-    """FastAPI app serving `source` (a RewardSource); `token` enables bearer-token checks."""
+def _decode(raw: bytes):
+    """The JSON value of a request body; ValueError saying why it is not valid JSON."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as err:  # bad UTF-8 / syntax, or nested too deep
+        raise ValueError(f"body is not valid JSON ({type(err).__name__}: {str(err)[:200]})") from None
+
+
+async def _read_body(request, limit: int) -> bytes:
+    """The request body, at most `limit` bytes; BodyTooLarge (after dropping the rest, up to
+    _DRAIN_BYTES, so the client reads the answer) when it is longer."""
+    too_large = BodyTooLarge(f"request body larger than {limit} bytes (the server's --max_request_bytes); "
+                             "send fewer or shorter queries per request, or restart serve-rm with a larger "
+                             "--max_request_bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit + _DRAIN_BYTES:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit + _DRAIN_BYTES:
+            break
+        if size <= limit:
+            chunks.append(chunk)
+    if size > limit:
+        raise too_large
+    return b"".join(chunks)
+
+
+def _check_count(n: int, max_queries: int | None) -> None:
+    if max_queries is not None and n > max_queries:
+        raise BodyTooLarge(f"{n} queries in one request; the server takes at most {max_queries} "
+                           "(--max_queries); split the batch or restart serve-rm with a larger --max_queries")
+
+
+def response_json(result, n: int) -> dict:
+    """A RewardResult for n queries as the /get_reward answer: its JSON plus "truncated" (one bool per
+    query, from the source's TRUNCATED_LOG; all False for sources that never cut) and "num_truncated"."""
+    out = result.to_json()
+    flags = out["extra_logs"].get(TRUNCATED_LOG)
+    truncated = [bool(v) for v in flags] if isinstance(flags, list) and len(flags) == n else [False] * n
+    out["truncated"], out["num_truncated"] = truncated, sum(truncated)
+    return out
+
+
+def build_app(source, token: str | None = None, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              max_queries: int | None = None):
+    """FastAPI app serving `source` (a RewardSource); `token` enables bearer-token checks; bodies over
+    `max_request_bytes` or with more than `max_queries` queries (None: no limit) get HTTP 413."""
     from fastapi import FastAPI, Request
     from fastapi.concurrency import run_in_threadpool
     from fastapi.responses import JSONResponse
 
+    if max_request_bytes < 1 or (max_queries is not None and max_queries < 1):
+        raise ValueError(f"max_request_bytes={max_request_bytes} and max_queries={max_queries} must be >= 1")
     app = FastAPI(title="posttrain reward server")
     lock = threading.Lock()
     expected = f"Bearer {token}" if token else None
@@ -54,7 +118,7 @@ def build_app(source, token: str | None = None):
 
     def run(queries, prompts, labels):
         with lock:
-            return source.score(queries, prompts, labels).to_json()
+            return response_json(source.score(queries, prompts, labels), len(queries))
 
     @app.get("/health")
     async def health(request: Request):
@@ -66,11 +130,10 @@ def build_app(source, token: str | None = None):
         if refused:
             return refused
         try:
-            body = await request.json()
-        except ValueError as err:
-            return JSONResponse({"detail": f"body is not valid JSON ({err})"}, status_code=400)
-        try:
-            queries, prompts, labels = _check_body(body)
+            queries, prompts, labels = _check_body(_decode(await _read_body(request, max_request_bytes)))
+            _check_count(len(queries), max_queries)
+        except BodyTooLarge as err:
+            return JSONResponse({"detail": str(err)}, status_code=413)
         except ValueError as err:
             return JSONResponse({"detail": str(err)}, status_code=400)
         try:
