@@ -152,7 +152,7 @@ class PreferenceDataset(Dataset):
         return [(head, 0), (full[len(head):], 1)]
 
     def _encode(self, row: dict, prompt, response) -> tuple[list[int] | None, list[int] | None]:
-        ids, mask = encode_segments(self.tokenizer, self._segments(row, prompt, response), self.chat)
+        ids, mask = encode_segments(self.tokenizer, self._segments(row, prompt, response))
         ids, mask = self._end_at_eos(ids, mask)
         if len(ids) > self.max_len:
             ids, mask = ids[: self.max_len], mask[: self.max_len]

@@ -200,7 +200,7 @@ class SFTDataset(Dataset):
             )
 
     def _encode(self, segments: list[Segment]) -> tuple[list[int], list[int]]:
-        return encode_segments(self.tokenizer, segments, self.chat)
+        return encode_segments(self.tokenizer, segments)
 
     # ---- Dataset API ------------------------------------------------------------------------
     @property
@@ -219,14 +219,16 @@ class SFTDataset(Dataset):
         return {"input_ids": s["input_ids"], "loss_mask": s["loss_mask"]}
 
 
-def encode_segments(tokenizer: Any, segments: list[Segment], chat: bool) -> tuple[list[int], list[int]]:
+def encode_segments(tokenizer: Any, segments: list[Segment]) -> tuple[list[int], list[int]]:
     """Token ids and loss mask of ``segments`` (each tokenised on its own), with the EOS rule of
-    the module doc; the first token's mask is 0. Plain-text samples get the tokenizer's own
-    special tokens (e.g. BOS) on the first segment; chat templates carry theirs."""
+    the module doc; the first token's mask is 0. Never the tokenizer's own special tokens (no
+    automatic BOS): the text (a chat template, or the input template) carries what it needs, and
+    SFT, RM, DPO and PPO prompts all tokenise the same text to the same ids (OpenRLHF's
+    ``add_special_tokens=False``)."""
     ids: list[int] = []
     mask: list[int] = []
-    for i, (text, trained) in enumerate(segments):
-        piece = tokenizer.encode(text, add_special_tokens=(i == 0 and not chat)) if text or i == 0 else []
+    for text, trained in segments:
+        piece = tokenizer.encode(text, add_special_tokens=False) if text else []
         ids += piece
         mask += [trained] * len(piece)
     if segments[-1][1] and not _ends_with_eos(tokenizer, ids):

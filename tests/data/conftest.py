@@ -64,3 +64,15 @@ def tokenizer_eot(tokenizer):
     tok = copy.deepcopy(tokenizer)
     tok.eos_token = "<|endoftext|>"
     return tok
+
+
+@pytest.fixture
+def tokenizer_bos(tokenizer):
+    """Same vocabulary, but encoding adds a BOS (<|endoftext|>) the way Llama-style tokenizers do."""
+    from tokenizers import processors
+
+    tok = copy.deepcopy(tokenizer)
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", tok.convert_tokens_to_ids("<|endoftext|>"))])
+    assert tok("hi")["input_ids"][0] == tok.convert_tokens_to_ids("<|endoftext|>")
+    return tok

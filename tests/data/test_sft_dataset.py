@@ -237,3 +237,21 @@ def test_prefix_unstable_chat_template_is_rejected(tokenizer):
         SFTDataset([{"c": conv}], tok, 64, input_key="c", apply_chat_template=True, multiturn=True)
     with pytest.raises(DataError, match=r"<rows>, row 1: the chat template is not prefix-stable"):
         SFTDataset([{"c": conv}], tok, 64, input_key="c", apply_chat_template=True)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_one_bos_rule_for_sft_preference_and_ppo_prompts(tokenizer_bos, chat):
+    """A BOS-adding tokenizer: SFT samples, preference pairs and PPO prompts all tokenise without
+    the automatic BOS (OpenRLHF's add_special_tokens=False), so the prompt an SFT model learned is
+    token for token the prompt PPO samples from."""
+    from posttrain.data import PreferenceDataset, PromptDataset
+
+    tok = tokenizer_bos
+    row = {"prompt": "What is 2 + 3?", "response": "5", "chosen": "5", "rejected": "7"}
+    kw = dict(apply_chat_template=True) if chat else dict(input_template="User: {}\nAssistant: ")
+    prompt = PromptDataset([row], tok, input_key="prompt", **kw)[0].token_ids
+    sft = SFTDataset([row], tok, 64, input_key="prompt", output_key="response", **kw)[0]["input_ids"]
+    pair = PreferenceDataset([row], tok, 64, prompt_key="prompt", **kw)[0]["chosen_ids"]
+    bos = tok.convert_tokens_to_ids("<|endoftext|>")
+    assert prompt[0] != bos and sft[0] != bos and pair[0] != bos
+    assert sft[:len(prompt)] == prompt and pair[:len(prompt)] == prompt

@@ -47,7 +47,7 @@ def carry_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def nano_rm(tiny_model_dir):
     torch.manual_seed(0)
-    return load_score_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    return load_score_model(tiny_model_dir, new_head_ok=True), load_tokenizer(tiny_model_dir)
 
 
 def pairs(tok, n, seed=1, **kw):
@@ -97,6 +97,45 @@ def test_trained_reward_is_the_reward_ppo_reads(nano_rm, tmp_path):
     queries = [p + r[side] for side in ("chosen", "rejected") for p, r in zip(prompts, rows)]
     read = source.score(queries, prompts * 2, [r["answer"] for r in rows] * 2).rewards
     torch.testing.assert_close(read.float(), trained, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("bos", [False, True])
+def test_ppo_scores_the_sampled_ids_as_the_rm_trained_on_them(nano_rm, tmp_path, bos):
+    """PPO's reward-model source scores the rollout's own token ids (prompt + response as sampled):
+    for a finished response (EOS sampled) exactly the reward the RM trainer computes for that pair,
+    also with a BOS-adding tokenizer (no second BOS from re-tokenising); a truncated response (no
+    EOS sampled) is scored at its last token, not as if it had finished."""
+    import copy
+
+    from tokenizers import processors
+
+    from posttrain.agents.rewards.reward_model import RewardModelSource
+    from posttrain.agents.single_turn import Rollout, SingleTurnExecutor
+    from posttrain.data import PromptDataset
+    from posttrain.models import save_pretrained
+
+    model, tok = nano_rm
+    if bos:
+        tok = copy.deepcopy(tok)
+        tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+            single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    rows = make_preference_rows(4, seed=5)
+    items = PreferenceDataset(rows, tok, 48, prompt_key="prompt", apply_chat_template=True)
+    save_pretrained(model, tok, tmp_path / "rm")
+    executor = SingleTurnExecutor(None, RewardModelSource(tmp_path / "rm"), tok)
+    obj = RMObjective(tok.pad_token_id, packing=False)
+    with torch.no_grad():
+        trained = obj.rewards(model, obj.collate([items[i] for i in range(4)]))
+        cut = [{k: v[:-1] if k.endswith(("_ids", "_mask")) else v for k, v in items[i].items()} for i in range(4)]
+        trained_cut = obj.rewards(model, obj.collate(cut))
+    prompts = PromptDataset(rows, tok, input_key="prompt", apply_chat_template=True)
+    sampled = [(prompts[i].token_ids, tok(r[side], add_special_tokens=False)["input_ids"])
+               for side in ("chosen", "rejected") for i, r in enumerate(rows)]
+    finished = [Rollout(p, out + [tok.eos_token_id], [0.0] * (len(out) + 1), "stop", "", "") for p, out in sampled]
+    truncated = [Rollout(p, out, [0.0] * len(out), "length", "", "") for p, out in sampled]
+    torch.testing.assert_close(executor.score(finished).rewards.float(), trained, atol=1e-5, rtol=0)
+    torch.testing.assert_close(executor.score(truncated).rewards.float(), trained_cut, atol=1e-5, rtol=0)
+    assert not torch.allclose(trained, trained_cut)
 
 
 def test_loss_formula_split_and_packing_invariance(nano_rm):

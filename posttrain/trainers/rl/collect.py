@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from posttrain.agents.rewards import RewardError
 from posttrain.agents.single_turn import ScoredRollouts
 from posttrain.algorithms.shaping import dynamic_filter, overlong_penalty, stop_properly_penalty
 from posttrain.engines.rollout import rank_seed
@@ -100,7 +101,7 @@ def collect(executor, prompts, stream: PromptStream, params, *, batch_size: int,
         kept.append(batch)
         kept_groups += len(batch.rollouts) // n
     if kept_groups == 0:
-        raise RuntimeError(
+        raise RewardError(
             f"dynamic filtering kept no prompt group out of {drawn} drawn (every group's mean score was at or "
             f"outside --algo.dynamic_filtering_range {filter_range}); widen the range or check the reward")
     if filter_range:
