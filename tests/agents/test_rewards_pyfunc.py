@@ -3,6 +3,8 @@ every bad file / bad return value gives an error naming the file and the problem
 marks and counts the affected samples."""
 import math
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,7 @@ from posttrain.agents.rewards import (
     RewardError,
     RewardResult,
     RewardSource,
+    make_reward_source,
     parse_output,
 )
 
@@ -94,7 +97,7 @@ BAD = {
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_reward_function_errors_name_the_file_and_problem(tmp_path, case):
     body, pattern = BAD[case]
-    src = PythonRewardFunction(write(tmp_path, body))
+    src = PythonRewardFunction(write(tmp_path, body), retries=1)
     with pytest.raises(RewardError, match=pattern):
         src.score(["q"] * 4, ["p"] * 4, ["l"] * 4)
 
@@ -121,7 +124,7 @@ def test_batch_arguments_are_checked(tmp_path):
 
 
 def test_skip_marks_and_counts_samples(tmp_path):
-    raising = PythonRewardFunction(write(tmp_path, BAD["raises"][0], "r1.py"), on_error="skip")
+    raising = PythonRewardFunction(write(tmp_path, BAD["raises"][0], "r1.py"), on_error="skip", retries=1)
     out = raising.score(["a", "b", "c"], ["", "", ""], None)
     assert out.skipped.tolist() == [True] * 3 and out.rewards.tolist() == [0.0] * 3
     assert "raised ZeroDivisionError" in out.skip_reasons[0] and raising.num_skipped == 3
@@ -153,3 +156,190 @@ def test_parse_output_types():
     js = RewardResult(torch.tensor([1.0, 2.0]), extra_logs={"m": 0.5}).to_json()
     assert js == {"rewards": [1.0, 2.0], "scores": [1.0, 2.0], "extra_logs": {"m": 0.5},
                   "skipped": [False, False], "skip_reasons": []}
+
+
+# --- timeout and retries ---------------------------------------------------------------------------
+
+def test_a_function_that_never_returns_times_out(tmp_path):
+    path = write(tmp_path, """
+        import time
+        def reward_func(queries, prompts, labels):
+            time.sleep(3600)
+    """, "hangs.py")
+    src = PythonRewardFunction(path, timeout=0.3, retries=2, backoff=0)
+    start = time.monotonic()
+    with pytest.raises(RewardError) as err:
+        src.score(["a"], [""], None)
+    assert time.monotonic() - start < 3
+    msg = str(err.value)
+    assert msg.startswith(f"reward function {path}: reward_func did not return within 0.3s "
+                          "(--reward.timeout) (2 attempts, --reward.retries)")
+    assert f'File "{path}", line 4, in reward_func\n    time.sleep(3600)' in msg  # where it was stuck
+    assert "python_func.py" not in msg and src.num_timeouts == 2
+
+    skip = PythonRewardFunction(path, on_error="skip", timeout=0.2, retries=1)
+    out = skip.score(["a", "b"], ["", ""], None)
+    assert out.skipped.tolist() == [True, True] and skip.num_skipped == 2
+    assert "did not return within 0.2s (--reward.timeout)" in out.skip_reasons[0]
+    assert "\n" not in out.skip_reasons[0]
+
+
+def test_a_function_that_hangs_once_is_retried(tmp_path):
+    path = write(tmp_path, """
+        import time
+        CALLS = []
+        def reward_func(queries, prompts, labels):
+            CALLS.append(len(queries))
+            if len(CALLS) == 1:
+                time.sleep(5)
+            return [float(len(CALLS))] * len(queries)
+    """, "flaky.py")
+    src = PythonRewardFunction(path, timeout=0.3, retries=2, backoff=0)
+    out = src.score(["a", "b"], ["", ""], None)
+    assert out.rewards.tolist() == [2.0, 2.0] and src.fn.__globals__["CALLS"] == [2, 2]
+    assert src.num_timeouts == 1 and src.num_calls == 1
+
+
+def test_an_abandoned_busy_call_is_stopped(tmp_path):
+    path = write(tmp_path, """
+        def reward_func(queries, prompts, labels):
+            n = 0
+            while True:
+                n += 1
+    """, "busy.py")
+    src = PythonRewardFunction(path, timeout=0.2, retries=1)
+    with pytest.raises(RewardError, match=r"busy\.py: reward_func did not return within 0.2s"):
+        src.score(["a"], [""], None)
+    deadline = time.monotonic() + 5
+    while any(t.name == "reward_func busy.py" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any(t.name == "reward_func busy.py" for t in threading.enumerate())  # not burning CPU any more
+
+
+def test_a_raising_function_is_retried_like_http(tmp_path):
+    path = write(tmp_path, """
+        CALLS = []
+        def reward_func(queries, prompts, labels):
+            CALLS.append(1)
+            if len(CALLS) < 3:
+                raise ConnectionError("judge API unreachable")
+            return [1.0] * len(queries)
+    """, "transient.py")
+    src = PythonRewardFunction(path, retries=3, backoff=0)
+    assert src.score(["a"], [""], None).rewards.tolist() == [1.0]
+    failing = PythonRewardFunction(path, retries=2, backoff=0)
+    with pytest.raises(RewardError, match=r"raised ConnectionError: judge API unreachable "
+                                          r"\(at .*transient\.py:6\) \(2 attempts, --reward.retries\)"):
+        failing.score(["a"], [""], None)
+
+
+def test_timeout_and_retries_are_wired_through_make_reward_source(tmp_path):
+    path = write(tmp_path, "def reward_func(queries, prompts, labels):\n    return [0.0] * len(queries)\n")
+    src = make_reward_source(path, timeout=1.5, retries=5)
+    assert (src.timeout, src.retries) == (1.5, 5)
+    assert make_reward_source(path).timeout == 300.0  # default for a Python grader on a whole batch
+    assert make_reward_source("http://127.0.0.1:9/get_reward").timeout == 30.0
+    with pytest.raises(ValueError, match=r"--reward.timeout=0: must be > 0"):
+        PythonRewardFunction(path, timeout=0)
+    with pytest.raises(ValueError, match=r"--reward.retries=0: must be >= 1"):
+        PythonRewardFunction(path, retries=0)
+    untimed = PythonRewardFunction(path, timeout=None)  # runs in the caller's thread
+    assert untimed.score(["a"], [""], None).rewards.tolist() == [0.0]
+
+
+# --- errors in user code: one message with the user's traceback lines ------------------------------
+
+def test_syntax_error_shows_file_line_and_code(tmp_path):
+    path = write(tmp_path, """
+        import torch
+
+        def reward_func(queries, prompts, labels):
+            return [1.0 for q in queries
+    """, "syntax.py")
+    with pytest.raises(RewardError) as err:
+        PythonRewardFunction(path)
+    msg = str(err.value)
+    assert msg.startswith(f"reward function file {path} has a syntax error: ")
+    assert f"(at {path}:5)" in msg and "    return [1.0 for q in queries" in msg
+    assert "<frozen" not in msg and "python_func.py" not in msg
+
+
+def test_import_error_shows_the_user_frames_only(tmp_path):
+    (tmp_path / "helpers.py").write_text("def load_table():\n    raise KeyError('table.csv')\n")
+    path = write(tmp_path, """
+        from helpers import load_table
+
+        TABLE = load_table()
+    """, "imports.py")
+    with pytest.raises(RewardError) as err:
+        PythonRewardFunction(path)
+    msg = str(err.value)
+    assert msg.startswith(f"importing reward function file {path} raised KeyError: 'table.csv' "
+                          f"(at {tmp_path / 'helpers.py'}:2)\nTraceback (user code, most recent call last):")
+    assert f'File "{path}", line 4, in <module>\n    TABLE = load_table()' in msg
+    helpers = tmp_path / "helpers.py"
+    assert f'File "{helpers}", line 2, in load_table\n    raise KeyError(\'table.csv\')' in msg
+    assert "<frozen" not in msg and "posttrain" not in msg.replace(str(tmp_path), "")
+
+
+def test_raising_reward_func_shows_the_user_frames_only(tmp_path):
+    path = write(tmp_path, """
+        def parse(label):
+            return int(label)
+
+        def reward_func(queries, prompts, labels):
+            return [parse(x) for x in labels]
+    """, "raising.py")
+    with pytest.raises(RewardError) as err:
+        PythonRewardFunction(path, retries=1).score(["a"], [""], ["seven"])
+    msg = str(err.value)
+    assert msg.startswith(f"reward function {path} raised ValueError: invalid literal for int() with "
+                          f"base 10: 'seven' (at {path}:3)\nTraceback (user code, most recent call last):\n")
+    assert f'File "{path}", line 6, in reward_func\n    return [parse(x) for x in labels]' in msg
+    assert f'File "{path}", line 3, in parse\n    return int(label)' in msg
+    assert "python_func.py" not in msg and "threading.py" not in msg
+
+
+@pytest.mark.parametrize("case", ["nan", "wrong_length"])
+def test_bad_return_values_point_at_reward_func(tmp_path, case):
+    path = write(tmp_path, BAD[case][0])
+    with pytest.raises(RewardError, match=BAD[case][1]) as err:
+        PythonRewardFunction(path).score(["q"] * 4, ["p"] * 4, ["l"] * 4)
+    line = 2 if case == "wrong_length" else 1
+    assert str(err.value).endswith(f"\nreward_func is defined at {path}:{line}")
+
+
+def test_library_and_neighbour_errors_point_at_the_users_code(tmp_path):
+    (tmp_path / "broken_helper.py").write_text("def f(:\n    pass\n")
+    with pytest.raises(RewardError, match=r"importing reward function file .*uses_helper\.py: "
+                                          r".*broken_helper\.py has a syntax error: "
+                                          r".*\(at .*broken_helper\.py:1\)") as err:
+        PythonRewardFunction(write(tmp_path, "import broken_helper\n", "uses_helper.py"))
+    assert "import broken_helper" in str(err.value) and "def f(:" in str(err.value)
+
+    path = write(tmp_path, """
+        import json
+
+        def reward_func(queries, prompts, labels):
+            return json.loads(labels[0])
+    """, "lib.py")
+    with pytest.raises(RewardError, match=rf"raised JSONDecodeError: .* \(at {path}:5\)"):
+        PythonRewardFunction(path, retries=1).score(["a"], [""], ["{bad"])
+
+
+def test_deep_tracebacks_are_shortened(tmp_path):
+    path = write(tmp_path, """
+        def down(n):
+            if n == 0:
+                raise RecursionError("too deep for this grader")
+            return down(n - 1)
+
+        def reward_func(queries, prompts, labels):
+            return down(30)
+    """, "deep.py")
+    with pytest.raises(RewardError) as err:
+        PythonRewardFunction(path, retries=1).score(["a"], [""], None)
+    msg = str(err.value)
+    assert "  ... 22 frames left out ...\n" in msg and msg.count(f'File "{path}"') < 10
+    assert msg.index('line 8, in reward_func\n    return down(30)') < msg.index("frames left out")
+    assert msg.endswith('line 4, in down\n    raise RecursionError("too deep for this grader")')

@@ -1,18 +1,25 @@
 """Pick the reward source from the `--reward.*` flags."""
 from __future__ import annotations
 
+from posttrain.agents.rewards.python_func import DEFAULT_TIMEOUT as FUNC_TIMEOUT
 from posttrain.agents.rewards.python_func import PythonRewardFunction
 from posttrain.agents.rewards.remote import RemoteReward
 from posttrain.agents.rewards.reward_model import RewardModelSource
+
+HTTP_TIMEOUT = 30.0  # seconds per HTTP reward request when --reward.timeout is not given
 
 
 def make_reward_source(remote_url: str | None = None, model_name_or_path: str | None = None, *,
                        value_head_prefix: str = "score", normalize: bool = False, dtype="fp32",
                        batch_size: int = 16, max_len: int | None = None, tokenizer=None, device="cpu",
                        attn_implementation: str | None = None, on_error: str = "raise",
-                       token: str | None = None, timeout: float = 30, retries: int = 3, backoff: float = 0.5):
-    """remote_url ending in .py → PythonRewardFunction(remote_url, on_error);
+                       token: str | None = None, timeout: float | None = None, retries: int = 3,
+                       backoff: float = 0.5):
+    """remote_url ending in .py → PythonRewardFunction(remote_url, on_error, timeout, retries, backoff);
     remote_url http(s):// → RemoteReward(remote_url, token, timeout, retries, backoff);
+    timeout: seconds per reward call — None: 30 per HTTP request (HTTP_TIMEOUT), 300 per reward_func
+    call on a rollout batch (FUNC_TIMEOUT: a Python grader such as math-verify needs tens of ms per
+    sample, i.e. tens of seconds for a batch of a thousand);
     model_name_or_path → RewardModelSource(model_name_or_path, value_head_prefix, normalize, dtype,
     batch_size, max_len, tokenizer, device, attn_implementation).
     Exactly one of --reward.remote_url / --reward.model_name_or_path must be given."""
@@ -28,9 +35,12 @@ def make_reward_source(remote_url: str | None = None, model_name_or_path: str | 
             raise ValueError(f"--reward.remote_url={url!r}: several reward endpoints are not supported; give one "
                              "URL or .py file (serve several models behind one `posttrain serve-rm`-style server)")
         if url.startswith(("http://", "https://")):
-            return RemoteReward(url, token=token, timeout=timeout, retries=retries, backoff=backoff)
+            return RemoteReward(url, token=token, timeout=HTTP_TIMEOUT if timeout is None else timeout,
+                                retries=retries, backoff=backoff)
         if url.endswith(".py"):
-            return PythonRewardFunction(url, on_error=on_error)
+            return PythonRewardFunction(url, on_error=on_error,
+                                        timeout=FUNC_TIMEOUT if timeout is None else timeout,
+                                        retries=retries, backoff=backoff)
         raise ValueError(f"--reward.remote_url={url!r}: expected an http(s):// URL of a reward server or the "
                          "path of a .py file defining reward_func")
     if normalize is None:

@@ -5,6 +5,19 @@ texts, prompts the B prompt texts, labels the B ground-truth labels (the dataset
 field). It returns `{"rewards": B numbers, "scores": B numbers (optional, default rewards),
 "extra_logs": {name: number or B numbers} (optional)}` — numbers as a torch tensor, numpy array,
 list or tuple — or just the B rewards as a bare sequence. It is called once per rollout batch.
+
+A file written for OpenRLHF may `from openrlhf.utils import extract_boxed_answer, grade_answer`:
+without OpenRLHF installed those names come from posttrain (posttrain.agents.openrlhf_compat).
+
+Each call runs in a daemon worker thread under `timeout` seconds (`--reward.timeout`); a call that
+raises or runs past the timeout is a failed attempt, retried up to `retries` attempts in total
+(`--reward.retries`), waiting backoff * 2**(attempt-2) s before attempt 2, 3, ... A call past the
+timeout is abandoned: posttrain raises an exception in its thread to stop it, which takes effect at
+the thread's next Python instruction (a call blocked inside C code, e.g. `time.sleep`, ends only when
+that C call returns; the thread never blocks interpreter exit). Errors caused by the file — a syntax
+error, an import that raises, reward_func raising, running too long, or returning a bad value — are
+RewardErrors naming the file and the cause, with the traceback lines of the user's code (frames of
+posttrain itself and of the import machinery are left out).
 """
 from __future__ import annotations
 
@@ -12,8 +25,12 @@ import importlib.util
 import inspect
 import os
 import sys
+import threading
+import time
 import traceback
 
+import posttrain
+from posttrain.agents import openrlhf_compat
 from posttrain.agents.rewards.result import (
     ON_ERROR,
     RewardError,
@@ -25,6 +42,54 @@ from posttrain.agents.rewards.result import (
 from posttrain.utils.log import warn_once
 
 FLAG = "--reward.remote_url"
+DEFAULT_TIMEOUT = 300.0  # seconds per reward_func call on a rollout batch
+_POSTTRAIN_DIR = os.path.dirname(os.path.abspath(posttrain.__file__)) + os.sep
+_THREADING_FILE = os.path.abspath(threading.__file__)
+_IMPORTLIB_DIR = os.path.dirname(os.path.abspath(importlib.util.__file__)) + os.sep
+_MAX_FRAMES = 10
+
+
+def _is_user_frame(filename: str) -> bool:
+    """Frames of the user's code (their file, its helpers, libraries they call), not posttrain's, the
+    import machinery's or the worker thread's."""
+    if filename.startswith("<frozen"):
+        return False
+    path = os.path.abspath(filename)
+    return not path.startswith((_POSTTRAIN_DIR, _IMPORTLIB_DIR)) and path != _THREADING_FILE
+
+
+def _user_frames(frames) -> list:
+    return [f for f in frames if _is_user_frame(f.filename)]
+
+
+def _format_frames(frames, title: str) -> str:
+    """'\\n<title>:' + traceback lines (file, line, code) of `frames`; '' when there are none."""
+    if not frames:
+        return ""
+    if len(frames) > _MAX_FRAMES:  # the outermost 3 (the user's calls) and the innermost ones
+        head, tail = frames[:3], frames[3 - _MAX_FRAMES:]
+        omitted = f"  ... {len(frames) - _MAX_FRAMES} frames left out ...\n"
+        text = "".join(traceback.format_list(head)) + omitted + "".join(traceback.format_list(tail))
+    else:
+        text = "".join(traceback.format_list(frames))
+    return f"\n{title}:\n{text.rstrip()}"
+
+
+def _at(frames, folder: str) -> str:
+    """' (at file:line)' of the innermost frame in the user's folder (else the innermost frame)."""
+    own = [f for f in frames if os.path.abspath(f.filename).startswith(folder + os.sep)] or frames
+    return f" (at {own[-1].filename}:{own[-1].lineno})" if own else ""
+
+
+def _describe(err: BaseException, path: str) -> tuple[str, str]:
+    """(one-line cause with the innermost frame of the user's code, traceback lines of the frames
+    outside posttrain) for an exception raised while loading or calling the file `path`."""
+    frames = _user_frames(traceback.extract_tb(err.__traceback__))
+    line = f"{type(err).__name__}: {err}{_at(frames, os.path.dirname(os.path.abspath(path)))}"
+    details = _format_frames(frames, "Traceback (user code, most recent call last)")
+    if isinstance(err, SyntaxError):
+        details += "\n" + "".join(traceback.format_exception_only(type(err), err)).rstrip()
+    return line, details
 
 
 def _load_function(path: str):
@@ -37,13 +102,20 @@ def _load_function(path: str):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     folder = os.path.dirname(os.path.abspath(path))
+    openrlhf_compat.install()
     sys.path.insert(0, folder)  # let the file import its neighbours while it loads
     try:
         spec.loader.exec_module(module)
+    except SyntaxError as err:
+        where = f"{err.filename}:{err.lineno}"
+        _, details = _describe(err, path)
+        same = os.path.abspath(err.filename or "") == os.path.abspath(path)
+        what = (f"reward function file {path} has a syntax error" if same
+                else f"importing reward function file {path}: {err.filename} has a syntax error")
+        raise RewardError(f"{what}: {err.msg} (at {where}){details}") from err
     except Exception as err:
-        where = traceback.extract_tb(err.__traceback__)[-1]
-        raise RewardError(f"importing reward function file {path} raised {type(err).__name__}: {err} "
-                          f"(at {where.filename}:{where.lineno})") from err
+        line, details = _describe(err, path)
+        raise RewardError(f"importing reward function file {path} raised {line}{details}") from err
     finally:
         if sys.path and sys.path[0] == folder:
             sys.path.pop(0)
@@ -65,26 +137,123 @@ def _load_function(path: str):
     return fn
 
 
+class _Abandoned(BaseException):
+    """Raised inside a reward_func thread that ran past the timeout, to stop it (a BaseException, so
+    the user's `except Exception` does not swallow it)."""
+
+
+class _TimedOut(Exception):
+    def __init__(self, frames):
+        super().__init__("timed out")
+        self.frames = frames
+
+
+def _stop(thread: threading.Thread) -> None:
+    """Best effort: raise _Abandoned in `thread` at its next Python instruction (CPython only)."""
+    try:
+        import ctypes
+
+        set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+        ident = ctypes.c_ulong(thread.ident)
+        if set_async_exc(ident, ctypes.py_object(_Abandoned)) > 1:  # never: ident is unique
+            set_async_exc(ident, None)
+    except (ImportError, AttributeError):
+        pass
+
+
+def _stuck_frames(thread: threading.Thread) -> list:
+    frame = sys._current_frames().get(thread.ident)
+    return _user_frames(traceback.extract_stack(frame)) if frame is not None else []
+
+
 class PythonRewardFunction:
     """RewardSource calling `reward_func` from a Python file, once per batch.
 
-    on_error: "raise" (default) → a raising function or an invalid return raises RewardError naming the
-    file and the problem. "skip" → the affected samples (all of the batch when the function raised or
-    returned the wrong shape; single samples for non-finite values) are marked `skipped` with reward 0,
-    counted in `num_skipped` and reported with a warning. `labels=None` is passed as B `None`s. kwargs
-    reach the function when it accepts them (by name, or all with `**kwargs`)."""
+    timeout: seconds one call may run (None: no limit, the call runs in the caller's thread);
+    retries: attempts per batch in total (>= 1); backoff: seconds before the 2nd attempt, doubling
+    after. A call that raises or times out is a failed attempt and is retried; an invalid return value
+    is not (the function answered). on_error: "raise" (default) → when every attempt failed, or the
+    return value is invalid, raise RewardError naming the file and the problem (for a timeout: the
+    timeout, `--reward.timeout` and where the call was stuck). "skip" → the affected samples (all of
+    the batch when the function failed or returned the wrong shape; single samples for non-finite
+    values) are marked `skipped` with reward 0, counted in `num_skipped` and reported with a warning.
+    `labels=None` is passed as B `None`s. kwargs reach the function when it accepts them (by name, or
+    all with `**kwargs`)."""
 
-    def __init__(self, path, on_error: str = "raise"):
+    def __init__(self, path, on_error: str = "raise", *, timeout: float | None = DEFAULT_TIMEOUT,
+                 retries: int = 3, backoff: float = 0.5):
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error={on_error!r}: valid values are {list(ON_ERROR)}")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"--reward.timeout={timeout}: must be > 0 seconds")
+        if retries < 1:
+            raise ValueError(f"--reward.retries={retries}: must be >= 1 (attempts in total)")
+        if backoff < 0:
+            raise ValueError(f"backoff={backoff}: must be >= 0")
         self.path = os.fspath(path)
         self.on_error = on_error
+        self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.fn = _load_function(self.path)
         self._params = _accepted_kwargs(self.fn)
+        code = getattr(self.fn, "__code__", None)
+        self._defined_at = f"{code.co_filename}:{code.co_firstlineno}" if code else self.path
         self.origin = f"reward function {self.path}"
         self.num_calls = 0
         self.num_samples = 0
         self.num_skipped = 0
+        self.num_timeouts = 0
+
+    def _attempt(self, args, kwargs):
+        if self.timeout is None:
+            return self.fn(*args, **kwargs)
+        box = {}
+        done = threading.Event()
+
+        def work():
+            try:
+                try:
+                    box["value"] = self.fn(*args, **kwargs)
+                except BaseException as err:  # handed to the caller (or dropped once abandoned)
+                    box["error"] = err
+                finally:
+                    done.set()
+            except _Abandoned:  # arrived after the call had finished
+                pass
+
+        worker = threading.Thread(target=work, name=f"reward_func {os.path.basename(self.path)}", daemon=True)
+        worker.start()
+        if not done.wait(self.timeout):
+            frames = _stuck_frames(worker)
+            _stop(worker)
+            self.num_timeouts += 1
+            raise _TimedOut(frames)
+        if "error" in box:
+            raise box.pop("error")
+        return box["value"]
+
+    def _call(self, args, kwargs):
+        """reward_func(*args, **kwargs) with timeout and retries; raises RewardError (message) when every
+        attempt failed."""
+        timeouts = 0
+        for attempt in range(1, self.retries + 1):
+            if attempt > 1 and self.backoff:
+                time.sleep(self.backoff * 2 ** (attempt - 2))
+            try:
+                return self._attempt(args, kwargs)
+            except _TimedOut as err:
+                timeouts += 1
+                last = err
+            except Exception as err:
+                last = err
+        tries = f" ({self.retries} attempts, --reward.retries)" if self.retries > 1 else ""
+        if isinstance(last, _TimedOut):
+            where = _format_frames(last.frames, "It was at (user code, most recent call last)")
+            raise RewardError(f"{self.origin}: reward_func did not return within {self.timeout:g}s "
+                              f"(--reward.timeout){tries}; make it faster or raise --reward.timeout{where}")
+        line, details = _describe(last, self.path)
+        if timeouts:
+            tries += f"; {timeouts} of them timed out after {self.timeout:g}s (--reward.timeout)"
+        raise RewardError(f"{self.origin} raised {line}{tries}{details}") from last
 
     def score(self, queries, prompts, labels=None, **kwargs) -> RewardResult:
         n = check_batch(queries, prompts, labels)
@@ -93,15 +262,16 @@ class PythonRewardFunction:
         self.num_calls += 1
         self.num_samples += n
         try:
-            raw = self.fn(list(queries), list(prompts), list(labels), **extra)
-        except Exception as err:
-            where = traceback.extract_tb(err.__traceback__)[-1]
-            msg = f"{self.origin} raised {type(err).__name__}: {err} (at {where.filename}:{where.lineno})"
+            raw = self._call((list(queries), list(prompts), list(labels)), extra)
+        except RewardError as err:
             if self.on_error == "raise":
-                raise RewardError(msg) from err
-            result = skipped_batch(n, msg)
+                raise
+            result = skipped_batch(n, str(err).split("\n", 1)[0])
         else:
-            result = parse_output(raw, n, self.origin, self.on_error)
+            try:
+                result = parse_output(raw, n, self.origin, self.on_error)
+            except RewardError as err:
+                raise RewardError(f"{err}\nreward_func is defined at {self._defined_at}") from None
         if result.num_skipped:
             self.num_skipped += result.num_skipped
             warn_once(f"skipped {result.num_skipped}/{n} samples (on_error=skip): {result.skip_reasons[0]}")
@@ -111,7 +281,8 @@ class PythonRewardFunction:
         pass
 
     def __repr__(self) -> str:
-        return f"PythonRewardFunction({self.path!r}, on_error={self.on_error!r})"
+        return (f"PythonRewardFunction({self.path!r}, on_error={self.on_error!r}, timeout={self.timeout}, "
+                f"retries={self.retries})")
 
 
 def _accepted_kwargs(fn) -> set[str] | None:
