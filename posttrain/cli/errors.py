@@ -18,6 +18,9 @@ def user_errors(prog: str):
     except (UserError, FileNotFoundError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:  # Ctrl-C before training started (training turns it into a UserError)
+        print(f"{prog}: error: interrupted before training started", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 TRAINERS = {"sft": "posttrain.trainers.sft:train_sft", "rm": "posttrain.trainers.rm:train_rm",

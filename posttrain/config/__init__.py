@@ -6,6 +6,7 @@ parser (with `--config run.yaml`), validation, hardware defaults and the start-u
 """
 
 from posttrain.config.errors import ConfigError, ConfigWarning, main_error_exit
+from posttrain.config.fingerprint import adjustable_values, checkpoint_dir, run_fingerprint
 from posttrain.config.hardware import inert_flags, resolve_hardware_defaults, resolved_values
 from posttrain.config.parser import build_parser, flag_owners, known_flags, load_config, parse_config
 from posttrain.config.roles import ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS
@@ -42,8 +43,10 @@ __all__ = [
     "PPOConfig",
     "RMConfig",
     "SFTConfig",
+    "adjustable_values",
     "build_parser",
     "changed_values",
+    "checkpoint_dir",
     "config_class",
     "config_to_dict",
     "default_config",
@@ -59,6 +62,7 @@ __all__ = [
     "parse_probs",
     "resolve_hardware_defaults",
     "resolved_values",
+    "run_fingerprint",
     "save_config",
     "validate",
 ]

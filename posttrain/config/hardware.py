@@ -1,15 +1,20 @@
-"""Hardware-dependent defaults and flags that cannot take effect on this machine.
+"""Hardware-dependent defaults and flags that have no effect in a run.
 
 `resolve_hardware_defaults` fills the "auto" defaults for the device the run uses (and replaces
-settings that cannot work there); `inert_flags` lists the flags the user set that this run will
-ignore, so the trainer can say so once at start-up. Call `inert_flags` before or after resolving: it
-reads what the user asked for, which resolution records on the config."""
+settings that cannot work there); `record_resolved` is how it (and validation, for auto defaults
+such as `--actor.loss_agg`) records what was asked for and what is used. `inert_rules` lists, per
+trainer, when a flag has no effect: on this device, without another flag, or never in this version
+(features of later versions: Ray, vLLM, async training, ...). `inert_flags` applies them to the
+flags the user set, once per flag, so the trainer can say so at start-up. Call `inert_flags` before
+or after resolving: it reads what the user asked for, which resolution records on the config.
+`posttrain.config.coverage` checks that every flag either acts or has a rule here."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from posttrain.config.spec import changed_values, flag_specs, get_path, set_path
 from posttrain.config.values import format_value
@@ -29,19 +34,21 @@ def _has(module: str) -> bool:
 
 
 def resolved_values(cfg) -> dict[str, tuple[Any, Any, str]]:
-    """path -> (value asked for, value used, reason) for every value `resolve_hardware_defaults` set."""
+    """path -> (value asked for, value used, reason) for every value set by `record_resolved`."""
     return dict(getattr(cfg, _RESOLVED, {}))
 
 
-def _record(cfg, path: str, new: Any, reason: str) -> str:
+def record_resolved(cfg, path: str, new: Any, reason: str) -> str:
+    """Set `path` to `new` on `cfg`, remembering what was asked for and why (shown by `format_config`);
+    returns the printable note."""
     book = getattr(cfg, _RESOLVED, None)
     if book is None:
         book = {}
         object.__setattr__(cfg, _RESOLVED, book)
-    old = get_path(cfg, path)
-    book[path] = (book[path][0] if path in book else old, new, reason)
+    asked = book[path][0] if path in book else get_path(cfg, path)
+    book[path] = (asked, new, reason)
     set_path(cfg, path, new)
-    asked = "auto" if old is None else format_value(old)
+    asked = "auto" if asked is None else format_value(asked)
     return f"--{path}: {asked} -> {format_value(new)} ({reason})"
 
 
@@ -56,12 +63,14 @@ def resolve_hardware_defaults(cfg, device: Any) -> list[str]:
     notes = []
     ds = cfg.ds
     if ds.param_dtype is None:
-        notes.append(_record(cfg, "ds.param_dtype", "bf16" if dev == "cuda" else "fp32", f"auto for {dev}"))
+        notes.append(
+            record_resolved(cfg, "ds.param_dtype", "bf16" if dev == "cuda" else "fp32", f"auto for {dev}")
+        )
     attn = ds.attn_implementation
     flash_ok = dev == "cuda" and _has("flash_attn")
     if attn is None:
         notes.append(
-            _record(
+            record_resolved(
                 cfg,
                 "ds.attn_implementation",
                 "flash_attention_2" if flash_ok else "sdpa",
@@ -70,89 +79,215 @@ def resolve_hardware_defaults(cfg, device: Any) -> list[str]:
         )
     elif attn.startswith("flash_attention") and not flash_ok:
         why = "flash attention needs a CUDA GPU" if dev != "cuda" else "flash-attn is not installed"
-        notes.append(_record(cfg, "ds.attn_implementation", "sdpa", why))
+        notes.append(record_resolved(cfg, "ds.attn_implementation", "sdpa", why))
     return notes
 
 
-# (flag path, predicate(value, cfg, dev, ray) -> inert?, reason)
-_Rule = tuple[str, Callable[..., bool], str]
+class InertRule(NamedTuple):
+    """`--path` set away from its default has no effect in this run when `when(value, cfg, device_type)`
+    is true; `when=None`: it never has an effect in this version. `reason` is what start-up prints."""
+
+    path: str
+    reason: str
+    when: Callable[[Any, Any, str], bool] | None = None
+
+    def applies(self, value: Any, cfg, dev: str) -> bool:
+        return self.when is None or bool(self.when(value, cfg, dev))
 
 
-def _rules(cfg) -> list[_Rule]:
-    on_cpu = lambda v, c, dev, ray: dev != "cuda"
-    always = lambda v, c, dev, ray: True
-    rules: list[_Rule] = [
-        (
-            "ds.ring_attn_size",
-            always,
-            "ring attention (sequence parallelism) is not implemented in posttrain",
+_NOT_YET = "not available in this version: "
+_RAY = _NOT_YET + "Ray placement (posttrain ppo runs every model in this one process)"
+_VLLM = _NOT_YET + "vLLM rollouts (rollouts use the Hugging Face engine)"
+_ASYNC = _NOT_YET + "asynchronous training (rollout and training alternate)"
+_VLM = _NOT_YET + "vision-language models (prompts are text only)"
+_MOE = _NOT_YET + "the MoE load-balancing (router auxiliary) loss is not added"
+_PPO_ENGINE = _NOT_YET + "DeepSpeed in posttrain ppo (it trains in one process with the plain torch engine)"
+_PPO_LORA = (
+    "posttrain ppo trains the full actor and critic (LoRA is for sft, rm and dpo; merge an adapter "
+    "first with posttrain lora-merge)"
+)
+
+
+def _on_cpu(v, c, dev: str) -> bool:
+    return dev != "cuda"
+
+
+def _no_eval_dataset(v, c, dev: str) -> bool:
+    return not c.eval.dataset
+
+
+def _common_rules(cfg) -> list[InertRule]:
+    rules = [
+        InertRule(
+            "local_rank",
+            "the device comes from the LOCAL_RANK environment variable the launcher sets",
+            lambda v, c, dev: str(v) != os.environ.get("LOCAL_RANK", ""),
         ),
-        ("ds.ring_attn_head_stride", always, "ring attention is not implemented in posttrain"),
-        ("ds.deepcompile", on_cpu, "DeepCompile needs a CUDA GPU"),
-        (
-            "ds.use_liger_kernel",
-            lambda v, c, dev, ray: dev != "cuda" or not _has("liger_kernel"),
-            "Liger kernels need a CUDA GPU and the liger-kernel package",
-        ),
-        (
+        InertRule("use_ms", "ModelScope downloads are not supported; pass a local folder or an HF hub id"),
+        InertRule("ds.ring_attn_size", _NOT_YET + "ring attention (sequence parallelism)"),
+        InertRule("ds.ring_attn_head_stride", _NOT_YET + "ring attention (sequence parallelism)"),
+        InertRule("ds.deepcompile", _NOT_YET + "DeepSpeed DeepCompile"),
+        InertRule("ds.tensor_parallel_size", _NOT_YET + "DeepSpeed AutoTP tensor parallelism"),
+        InertRule("ds.use_universal_ckpt", _NOT_YET + "DeepSpeed universal checkpoints"),
+        InertRule("ds.experts_implementation", _NOT_YET + "choosing MoE expert kernels (transformers picks)"),
+        InertRule("ds.use_liger_kernel", _NOT_YET + "Liger fused kernels"),
+        InertRule(
             "ds.attn_implementation",
-            lambda v, c, dev, ray: (
+            "flash attention needs a CUDA GPU with flash-attn; sdpa is used",
+            lambda v, c, dev: (
                 str(v).startswith("flash_attention") and (dev != "cuda" or not _has("flash_attn"))
             ),
-            "flash attention needs a CUDA GPU with flash-attn; sdpa is used",
         ),
-        ("ds.adam_offload", on_cpu, "the optimizer state is already in CPU memory"),
-        ("ds.tensor_parallel_size", on_cpu, "DeepSpeed AutoTP needs GPUs"),
-        ("ds.zpg", on_cpu, "ZeRO++ partitioning needs GPUs"),
-        ("ds.overlap_comm", on_cpu, "communication overlap needs GPU streams"),
-        ("use_ms", always, "ModelScope downloads are not supported; pass a local folder or an HF hub id"),
+        InertRule("ds.adam_offload", "the optimizer state is already in CPU memory", _on_cpu),
+        InertRule("ds.zpg", "ZeRO++ partitioning needs GPUs", _on_cpu),
+        InertRule("ds.overlap_comm", "communication overlap needs GPU streams", _on_cpu),
+        InertRule(
+            "data.dataloader_num_workers",
+            "samples are tokenised once, up front, in the main process (no DataLoader workers)",
+        ),
+        InertRule(
+            "train.full_determinism_enable",
+            _NOT_YET + "deterministic kernels are not forced (runs are seeded with --train.seed)",
+        ),
+        InertRule("eval.split", "no --eval.dataset", _no_eval_dataset),
+        InertRule("eval.steps", "no --eval.dataset", _no_eval_dataset),
     ]
     rules += [
-        (f"logger.wandb.{name}", lambda v, c, dev, ray: c.logger.wandb.key is None, "W&B is off (no --logger.wandb.key)")
+        InertRule(
+            f"logger.wandb.{name}",
+            "W&B is off (no --logger.wandb.key)",
+            lambda v, c, dev: c.logger.wandb.key is None,
+        )
         for name in ("org", "group", "project", "run_name")
     ]
-    if hasattr(cfg.ds, "enable_sleep"):
-        rules.append(
-            (
-                "ds.enable_sleep",
-                lambda v, c, dev, ray: dev != "cuda" or not ray,
-                "sleep mode is for the GPU hybrid engine",
-            )
-        )
     if hasattr(cfg, "ref") and hasattr(cfg.ref, "offload"):
-        rules.append(("ref.offload", on_cpu, "the reference model is already in CPU memory"))
-    if cfg.trainer == "ppo":
-        no_vllm = lambda v, c, dev, ray: dev != "cuda" or not ray or not _has("vllm")
-        for spec in flag_specs(type(cfg)):
-            if spec.section == "vllm":
-                rules.append(
-                    (
-                        spec.path,
-                        no_vllm,
-                        (
-                            "vLLM needs a CUDA GPU, Ray and the vllm package; "
-                            "rollouts use the Hugging Face engine"
-                        ),
-                    )
-                )
-        rules.append(("reward.offload", on_cpu, "the reward model is already in CPU memory"))
-        for name in ("lora.rank", "lora.alpha", "lora.dropout", "lora.target_modules", "load_in_4bit"):
-            rules.append((f"ds.{name}", always, "posttrain ppo trains the full actor and critic (LoRA is for "
-                                                "sft, rm and dpo; merge an adapter first with posttrain lora-merge)"))
-        not_ray = lambda v, c, dev, ray: not ray
-        for role in ("actor", "critic", "ref", "reward"):
-            for name in ("num_nodes", "num_gpus_per_node"):
-                rules.append((f"{role}.{name}", not_ray, "placement applies only to Ray runs"))
-        for name in ("colocate_actor_ref", "colocate_critic_reward", "colocate_all"):
-            rules.append((f"train.{name}", not_ray, "colocation applies only to Ray runs"))
-        for name in ("temperature", "n_samples_per_prompt"):
-            rules.append((f"eval.{name}", lambda v, c, dev, ray: not c.eval.dataset, "no --eval.dataset"))
+        rules.append(InertRule("ref.offload", "the reference model is already in CPU memory", _on_cpu))
     return rules
 
 
-def inert_flags(cfg, device: Any, *, ray: bool = False) -> list[str]:
+def _single_model_rules(cfg) -> list[InertRule]:
+    """SFT / RM / DPO."""
+    rules = [InertRule("model.aux_loss_coef", _MOE)]
+    lora_off = lambda v, c, dev: c.ds.lora.rank <= 0
+    rules += [
+        InertRule(f"ds.lora.{name}", "LoRA is off (--ds.lora.rank 0)", lora_off)
+        for name in ("alpha", "dropout", "target_modules")
+    ]
+    if cfg.trainer == "rm":
+        rules.append(
+            InertRule(
+                "model.compute_fp32_loss_enable",
+                "the reward-model loss is always computed in fp32 (rewards leave the model in float32)",
+            )
+        )
+    return rules
+
+
+def _ppo_rules(cfg) -> list[InertRule]:
+    specs = flag_specs(type(cfg))
+    rules = [InertRule(s.path, _VLLM) for s in specs if s.section == "vllm"]
+    rules.append(InertRule("rollout.vllm_generate_batch_size", _VLLM))
+    rules += [
+        InertRule(f"{role}.{name}", _RAY)
+        for role in ("actor", "critic", "ref", "reward")
+        for name in ("num_nodes", "num_gpus_per_node")
+    ]
+    rules += [
+        InertRule(f"train.{name}", _RAY)
+        for name in ("colocate_actor_ref", "colocate_critic_reward", "colocate_all")
+    ]
+    rules += [
+        InertRule(f"train.{name}", _ASYNC)
+        for name in ("async_enable", "async_queue_size", "partial_rollout_enable")
+    ]
+    rules.append(
+        InertRule("ds.enable_sleep", _NOT_YET + "the hybrid engine's sleep mode (it needs Ray and vLLM)")
+    )
+    rules += [
+        InertRule(f"ds.{name}", _PPO_ENGINE)
+        for name in ("zero_stage", "zpg", "adam_offload", "overlap_comm", "grad_accum_dtype")
+    ]
+    rules += [
+        InertRule(f"ds.{name}", _PPO_LORA)
+        for name in ("lora.rank", "lora.alpha", "lora.dropout", "lora.target_modules", "load_in_4bit")
+    ]
+    rules += [
+        InertRule(path, _VLM)
+        for path in ("actor.freeze_visual_encoder", "data.image_key", "data.max_images_per_prompt")
+    ]
+    rules.append(InertRule("actor.aux_loss_coef", _MOE))
+    rules.append(
+        InertRule("reward.offload", _NOT_YET + "offloading the reward model (it stays on the run's device)")
+    )
+    # flags that matter only together with another flag
+    no_critic = lambda v, c, dev: c.algo.advantage.estimator != "gae"
+    rules += [
+        InertRule(s.path, "no critic: only --algo.advantage.estimator gae trains one", no_critic)
+        for s in specs
+        if s.section.split(".")[0] == "critic" and s.path != "critic.freezing_steps"
+    ]
+    no_ref = lambda v, c, dev: c.algo.kl.init_coef == 0 and not c.algo.kl.use_loss
+    rules += [
+        InertRule(
+            f"ref.{name}", "no reference model (--algo.kl.init_coef 0 and no --algo.kl.use_loss)", no_ref
+        )
+        for name in ("model_name_or_path", "offload")
+    ]
+    rules.append(
+        InertRule(
+            "reward.normalize_enable",
+            "it normalises reward-model scores and there is no --reward.model_name_or_path",
+            lambda v, c, dev: not c.reward.model_name_or_path,
+        )
+    )
+    not_http = lambda v, c, dev: not str(c.reward.remote_url or "").startswith(("http://", "https://"))
+    rules += [
+        InertRule(f"reward.{name}", "it applies to an http(s) --reward.remote_url only", not_http)
+        for name in ("timeout", "retries")
+    ]
+    rules.append(
+        InertRule(
+            "reward.skip_errors_enable",
+            "it applies to a reward_func file (--reward.remote_url FILE.py) only",
+            lambda v, c, dev: not str(c.reward.remote_url or "").endswith(".py"),
+        )
+    )
+    rules.append(
+        InertRule("train.ema_beta", "needs --train.enable_ema", lambda v, c, dev: not c.train.enable_ema)
+    )
+    rules.append(
+        InertRule(
+            "algo.dynamic_filtering_range",
+            "needs --algo.dynamic_filtering_enable",
+            lambda v, c, dev: not c.algo.dynamic_filtering_enable,
+        )
+    )
+    rules += [
+        InertRule(
+            f"algo.advantage.{name}",
+            "needs --algo.advantage.is_correction_enable",
+            lambda v, c, dev: not c.algo.advantage.is_correction_enable,
+        )
+        for name in ("is_correction_type", "is_correction_threshold")
+    ]
+    rules += [
+        InertRule(f"eval.{name}", "no --eval.dataset", _no_eval_dataset)
+        for name in ("temperature", "n_samples_per_prompt")
+    ]
+    return rules
+
+
+def inert_rules(cfg) -> list[InertRule]:
+    """Every inert rule of `cfg`'s trainer. Where several rules name one flag, the first that applies
+    is the one reported (trainer-specific rules come first)."""
+    specific = _ppo_rules(cfg) if cfg.trainer == "ppo" else _single_model_rules(cfg)
+    return specific + _common_rules(cfg)
+
+
+def inert_flags(cfg, device: Any) -> list[str]:
     """`--flag value: reason` for every flag set away from its default that has no effect in this run
-    (on `device`, in-process unless `ray`). Flags still parse everywhere; this only reports them."""
+    (on `device`), once per flag, in --help order. Flags still parse everywhere; this only reports them.
+    Which flags act and which are covered by a rule here is checked by `posttrain.config.coverage`."""
     dev = _device_type(device)
     changed = changed_values(cfg)
     for path, (asked, _used, _why) in resolved_values(cfg).items():
@@ -161,10 +296,10 @@ def inert_flags(cfg, device: Any, *, ray: bool = False) -> list[str]:
         else:
             changed[path] = asked
     order = {s.path: i for i, s in enumerate(flag_specs(type(cfg)))}
-    out = []
-    for path, predicate, reason in sorted(_rules(cfg), key=lambda rule: order[rule[0]]):
-        if path in changed and predicate(changed[path], cfg, dev, ray):
-            value = changed[path]
+    found: dict[str, str] = {}
+    for rule in inert_rules(cfg):
+        if rule.path in changed and rule.path not in found and rule.applies(changed[rule.path], cfg, dev):
+            value = changed[rule.path]
             shown = "" if isinstance(value, bool) else " " + format_value(value)
-            out.append((order[path], f"--{path}{shown} has no effect here: {reason}"))
-    return [text for _, text in out]
+            found[rule.path] = f"--{rule.path}{shown} has no effect here: {rule.reason}"
+    return [found[path] for path in sorted(found, key=order.__getitem__)]

@@ -3,8 +3,10 @@ YAML files underneath it, and `parse_config` tying both to validation.
 
 Precedence: trainer defaults < `--config run.yaml` < flags on the command line. Booleans are
 store_true flags (plus `--muon.no_nesterov`-style negations); list flags take their values as
-separate tokens (`--adam.betas 0.9 0.95`); `--flag=value` works too. Prefix abbreviations are not
-accepted (a typo must not silently hit another flag)."""
+separate tokens (`--adam.betas 0.9 0.95`); `--flag=value` works too. Any number is a value, negative
+ones included (`--adam.lr -1e-3`, `--reward.clip_range -.5 5`): validation, not the parser, decides
+whether it is in range. Prefix abbreviations are not accepted (a typo must not silently hit another
+flag)."""
 
 from __future__ import annotations
 
@@ -23,10 +25,18 @@ from posttrain.config.trainers import CONFIG_CLASSES, TRAINERS, config_class
 from posttrain.config.values import parse_scalar
 from posttrain.config.yaml_io import load_yaml_values
 
-_NEGATIVE_NUMBER = re.compile(r"^-\d*\.?\d+(e[-+]?\d+)?$", re.IGNORECASE)
+# A token that is a negative number (as Python's float() reads it), hence a value and never a flag.
+# argparse's own pattern misses exponents (-1e-3) and would report "expected one argument".
+_NEGATIVE_NUMBER = re.compile(
+    r"^-(\d[\d_]*\.?[\d_]*|\.\d[\d_]*)(e[-+]?\d[\d_]*)?$|^-inf(inity)?$", re.IGNORECASE
+)
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = _NEGATIVE_NUMBER  # no flag looks like a number, so this is safe
+
     def error(self, message: str):  # argparse would print and exit; we raise a ConfigError instead
         raise ConfigError(re.sub(r"^argument ([^:]+): ", r"\1: ", message))
 

@@ -84,8 +84,12 @@ class Actor(OptimFields, _ActorModel):
     policy_loss_type: str = opt("ppo", "policy loss", choices=POLICY_LOSS_TYPES)
     entropy_coef: float | None = opt(None, "entropy bonus coefficient (0: log entropy only; unset: off)")
     aux_loss_coef: float = opt(0.0, "MoE load-balancing loss coefficient")
-    loss_agg: str = opt(
-        "token_mean", "loss aggregation over tokens and sequences", choices=LOSS_AGGREGATIONS, extension=True
+    loss_agg: str | None = opt(
+        None,
+        "loss aggregation over tokens and sequences; default auto: seq_mean_token_mean with "
+        "--actor.policy_loss_type gspo (as OpenRLHF), token_mean otherwise",
+        choices=LOSS_AGGREGATIONS,
+        extension=True,
     )
 
     def clip_bounds(self) -> tuple[float, float]:
@@ -144,8 +148,10 @@ class Reward:
         False, "a reward that cannot be computed (reward_func raises or returns a bad value) skips those "
         "samples (counted in reward/skipped) instead of stopping the run", extension=True
     )
-    timeout: float = opt(30.0, "seconds per HTTP reward request", extension=True)
-    retries: int = opt(3, "attempts per HTTP reward request (connection errors and 5xx)", extension=True)
+    timeout: float | None = opt(None, "seconds per reward call: an HTTP request (default 30) or one reward_func "
+                                "call on a rollout batch (default 300)", extension=True)
+    retries: int = opt(3, "attempts per reward call (HTTP: connection errors, timeouts, 5xx; reward_func: raised "
+                          "or timed out)", extension=True)
 
 
 @dataclass

@@ -6,7 +6,8 @@ Where a trainer lacks a field it gets a subclass without it; where only a defaul
 config builds the section with `section(Cls, field=value)`. Fields marked `extension=True` are posttrain
 additions. Deliberate default changes: `ds.param_dtype` and `ds.attn_implementation` default to None
 ("auto", resolved per device at start-up by `resolve_hardware_defaults`), and `param_dtype` also
-accepts fp32.
+accepts fp32; `ckpt.path` defaults to None, resolved at start-up to `<ckpt.output_dir>/checkpoints`
+(`checkpoint_dir`), so runs started from one folder never share checkpoints.
 """
 
 from __future__ import annotations
@@ -233,7 +234,11 @@ class Ckpt:
     """Checkpoints and the final model."""
 
     output_dir: str = opt("./ckpt", "where the final Hugging Face model (and run files) are written")
-    path: str = opt("./ckpt/checkpoints", "directory of resumable training checkpoints")
+    path: str | None = opt(
+        None,
+        "directory of resumable training checkpoints; unset: <--ckpt.output_dir>/checkpoints "
+        "(each run directory holds its own; OpenRLHF: ./ckpt/checkpoints_<trainer>)",
+    )
     save_steps: int = opt(-1, "save a checkpoint every N steps (-1: never)")
     save_hf: bool = opt(False, "also export a Hugging Face model with every checkpoint")
     disable_ds: bool = opt(False, "skip resumable checkpoints (progress cannot be resumed)")

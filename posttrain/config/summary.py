@@ -44,7 +44,8 @@ def derived_sizes(cfg, world_size: int = 1) -> dict[str, Any]:
 
 def format_config(cfg, derived: dict[str, Any] | None = None) -> str:
     """Readable multi-line summary: every flag grouped by section (`*` marks values changed from the
-    trainer default, `(reason)` on values resolved for the hardware), then the derived sizes."""
+    trainer default, `(reason)` on values resolved at start-up: hardware defaults, and auto values such
+    as `--actor.loss_agg` resolved by validation), then the derived sizes."""
     changed = changed_values(cfg)
     resolved = resolved_values(cfg)
     groups: dict[str, list[str]] = {}

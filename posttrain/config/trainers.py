@@ -39,7 +39,9 @@ def _logger(trainer: str):
 
 
 def _ckpt(cls, trainer: str, **kw):
-    return section(cls, path=f"./ckpt/checkpoints_{trainer}", **kw)
+    # --ckpt.path stays unset (-> <--ckpt.output_dir>/checkpoints at start-up), not OpenRLHF's
+    # ./ckpt/checkpoints_<trainer>, which every run started from one folder would share
+    return section(cls, **kw)
 
 
 @dataclass

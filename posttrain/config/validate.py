@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from posttrain.config.errors import ConfigError
+from posttrain.config.hardware import record_resolved, resolved_values
 from posttrain.config.roles import GROUP_ESTIMATORS
 from posttrain.config.spec import flag_specs, get_path
 from posttrain.config.values import check_choice, format_value
@@ -46,7 +47,12 @@ def parse_probs(text: str | None) -> list[float] | None:
 
 def validate(cfg, world_size: int = 1, device: Any = None) -> list[str]:
     """Check `cfg` for `world_size` data-parallel ranks on `device` ("cpu" / "cuda"; default: what torch
-    sees). Raises ConfigError listing every problem; returns warnings (strings) otherwise."""
+    sees). Raises ConfigError listing every problem; returns warnings (strings) otherwise. Resolves
+    the auto value of `--actor.loss_agg` (PPO) on `cfg`, recorded like the hardware defaults."""
+    if cfg.trainer == "ppo" and world_size > 1:
+        raise ConfigError(f"posttrain ppo runs its roles in one process in this version (WORLD_SIZE={world_size}); "
+                          "launch it as `posttrain ppo ...` or `python -m posttrain.cli.train_ppo_ray ...`, "
+                          "not under torchrun or deepspeed")
     r = _Report()
     dev = _device_type(device)
     r.need(
@@ -205,7 +211,7 @@ def _train(cfg, r: _Report, world_size: int) -> None:
 
 def _ckpt_logger_eval(cfg, r: _Report) -> None:
     c = cfg.ckpt
-    if c.load_enable and not c.path:
+    if c.load_enable and c.path == "":  # unset (None): <--ckpt.output_dir>/checkpoints (checkpoint_dir)
         r.bad("ckpt.load_enable", True, "needs --ckpt.path (where the checkpoints are)")
     r.need(
         c.save_steps == -1 or c.save_steps >= 1, "ckpt.save_steps", c.save_steps, "must be -1 (never) or >= 1"
@@ -222,6 +228,9 @@ def _ckpt_logger_eval(cfg, r: _Report) -> None:
     )
 
 
+_LR_RANGE = "must be a finite number >= 0 (a learning rate cannot be negative)"
+
+
 def _optimizer(o, prefix: str, cfg, r: _Report) -> None:
     r.need(
         0.0 <= o.lr_warmup_ratio <= 1.0, prefix + "lr_warmup_ratio", o.lr_warmup_ratio, "must be in [0, 1]"
@@ -229,13 +238,13 @@ def _optimizer(o, prefix: str, cfg, r: _Report) -> None:
     r.need(0.0 <= o.min_lr_ratio <= 1.0, prefix + "min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
     r.need(o.max_norm >= 0, prefix + "max_norm", o.max_norm, "must be >= 0 (0: no clipping)")
     a, m = o.adam, o.muon
-    r.need(a.lr >= 0, prefix + "adam.lr", a.lr, "must be >= 0")
+    r.need(math.isfinite(a.lr) and a.lr >= 0, prefix + "adam.lr", a.lr, _LR_RANGE)
     r.need(
         all(0.0 <= b < 1.0 for b in a.betas), prefix + "adam.betas", a.betas, "each beta must be in [0, 1)"
     )
     r.need(a.eps > 0, prefix + "adam.eps", a.eps, "must be > 0")
     r.need(a.weight_decay >= 0, prefix + "adam.weight_decay", a.weight_decay, "must be >= 0")
-    r.need(m.lr >= 0, prefix + "muon.lr", m.lr, "must be >= 0")
+    r.need(math.isfinite(m.lr) and m.lr >= 0, prefix + "muon.lr", m.lr, _LR_RANGE)
     r.need(0.0 <= m.momentum < 1.0, prefix + "muon.momentum", m.momentum, "must be in [0, 1)")
     r.need(m.ns_steps >= 1, prefix + "muon.ns_steps", m.ns_steps, "must be >= 1")
     if o.optim == "muon" and cfg.ds.adam_offload:
@@ -269,18 +278,48 @@ def _pair(r: _Report, flag: str, pair: list[float] | None, low_min: float | None
         r.bad(flag, pair, f"low must be >= {low_min:g}")
 
 
+def _loss_agg(cfg, r: _Report) -> None:
+    """`--actor.loss_agg` unset (auto) resolves to seq_mean_token_mean for `--actor.policy_loss_type gspo`
+    (OpenRLHF's GSPO loss is a per-sequence mean of token means) and to token_mean otherwise, recorded
+    like a hardware default (`format_config` shows why). token_mean asked for with gspo is refused."""
+    a = cfg.actor
+    asked = resolved_values(cfg).get("actor.loss_agg", (a.loss_agg,))[0]
+    if asked is None:
+        auto = "seq_mean_token_mean" if a.policy_loss_type == "gspo" else "token_mean"
+        why = f"auto for --actor.policy_loss_type {a.policy_loss_type}"
+        record_resolved(cfg, "actor.loss_agg", auto, why)
+    elif asked == "token_mean" and a.policy_loss_type == "gspo":
+        r.bad(
+            "actor.loss_agg",
+            asked,
+            "GSPO's importance ratio is per sequence, and a token mean would weight each sequence by its "
+            "length; leave --actor.loss_agg unset (auto: seq_mean_token_mean, as OpenRLHF)",
+        )
+
+
 def _ppo(cfg, r: _Report, world_size: int) -> None:
     actor, algo, ro, rw, t = cfg.actor, cfg.algo, cfg.rollout, cfg.reward, cfg.train
     adv, kl = algo.advantage, algo.kl
     if not actor.model_name_or_path:
         r.bad("actor.model_name_or_path", None, "required: the policy model folder or hub id")
-    if not (rw.model_name_or_path or rw.remote_url or t.agent_func_path):
+    if t.agent_func_path:
+        r.problems.append(
+            "multi-turn agents (--train.agent_func_path) are not available in this version; "
+            "use --reward.remote_url for a single-turn reward_func"
+        )
+    elif rw.model_name_or_path and rw.remote_url:
+        r.problems.append(
+            f"--reward.model_name_or_path {format_value(rw.model_name_or_path)} and --reward.remote_url "
+            f"{format_value(rw.remote_url)}: a run takes its rewards from one source; drop one"
+        )
+    elif not (rw.model_name_or_path or rw.remote_url):
         r.bad(
             "reward.model_name_or_path",
             None,
-            "a reward source is required: --reward.model_name_or_path, "
-            "--reward.remote_url (URL or .py file) or --train.agent_func_path",
+            "a reward source is required: --reward.model_name_or_path (a reward model) or "
+            "--reward.remote_url (an http(s) reward server or a .py file defining reward_func)",
         )
+    _loss_agg(cfg, r)
     # rollout sizes
     r.need(ro.batch_size >= 1, "rollout.batch_size", ro.batch_size, "must be >= 1")
     r.need(ro.micro_batch_size >= 1, "rollout.micro_batch_size", ro.micro_batch_size, "must be >= 1")
@@ -369,6 +408,9 @@ def _ppo(cfg, r: _Report, world_size: int) -> None:
         r.need(actor.dual_clip > 1, "actor.dual_clip", actor.dual_clip, "must be > 1")
     if cfg.critic.value_clip is not None:
         r.need(cfg.critic.value_clip > 0, "critic.value_clip", cfg.critic.value_clip, "must be > 0 (or none)")
+    if rw.timeout is not None:
+        r.need(rw.timeout > 0, "reward.timeout", rw.timeout, "must be > 0 seconds (or unset for the default)")
+    r.need(rw.retries >= 1, "reward.retries", rw.retries, "must be >= 1 (attempts in total)")
     # reward shaping
     _pair(r, "reward.clip_range", rw.clip_range)
     if rw.overlong_buffer_len is not None:

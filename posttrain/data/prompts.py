@@ -45,9 +45,14 @@ class PromptDataset:
                 self.dropped.append(where(row))
                 continue
             self.prompts.append(Prompt(text=text, token_ids=ids, label=label, source=where(row)))
-        if not self.prompts:
-            raise DataError(f"no usable prompts: {len(rows)} rows, {len(self.dropped)} dropped as longer than "
-                            f"{max_prompt_len} tokens; raise --data.max_len or shorten the prompts")
+        if not rows:
+            raise DataError("no prompts: the prompt dataset has no rows (an empty file, or a split without "
+                            "rows); check --data.prompt_dataset / --data.prompt_split (--eval.dataset / "
+                            "--eval.split for the eval set)")
+        if not self.prompts:  # every row was read and dropped as too long
+            raise DataError(f"no usable prompts: all {len(rows)} rows are longer than {max_prompt_len} tokens "
+                            f"(first: {self.dropped[0]}); raise --data.max_len, lower --rollout.max_new_tokens "
+                            "or shorten the prompts")
 
     def __len__(self) -> int:
         return len(self.prompts)

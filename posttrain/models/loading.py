@@ -1,17 +1,36 @@
-"""Load tokenizers, causal LMs and score (reward / critic) models from a local folder or hub id."""
+"""Load tokenizers, causal LMs and score (reward / critic) models from a local folder or hub id.
+
+Before a model trains, its checkpoint is checked for the role it is given (a `ModelLoadError`
+naming the folder, the cause and the fix): a local folder must hold config.json and weights, not
+only tokenizer files; a causal LM must not be a reward/score model (its LM head would start
+random); a score model must carry a trained head unless the caller starts a new one
+(`new_head_ok`: the PPO critic, `posttrain rm`); and the tokenizer may not have more tokens than
+the model has embedding rows."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 
 import torch
 
 from posttrain.models.lora import apply_lora, as_lora_spec
+from posttrain.utils.errors import UserError
 from posttrain.utils.log import info, warn_once
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 INIT_TINY_HINT = "build one with `posttrain init-tiny --output DIR`"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+# names of scalar heads that reward / value models store (HF score, OpenRLHF value_head, TRL v_head)
+_HEAD_NAMES = ("score", "value_head", "v_head", "v_head.summary", "reward_head")
+
+
+class ModelLoadError(UserError, ValueError):
+    """A checkpoint that cannot serve the role it was given (missing weights, the wrong kind of
+    model, a tokenizer larger than the vocabulary, a missing score head); the message names the
+    folder, what is wrong and the fix."""
 
 
 def parse_dtype(dtype) -> torch.dtype:
@@ -57,8 +76,8 @@ def load_tokenizer(path, use_fast: bool = True, chat_template: str | None = None
         raise _hub_error(p, err) from err
     if tok.pad_token is None:
         if tok.eos_token is None:
-            raise ValueError(f"tokenizer at {p} has neither a pad nor an eos token; add one to its "
-                             "tokenizer_config.json")
+            raise ModelLoadError(f"tokenizer at {p} has neither a pad nor an eos token; add one to its "
+                                 "tokenizer_config.json")
         tok.pad_token = tok.eos_token
         info(f"tokenizer {p} has no pad token; using eos {tok.eos_token!r} as pad")
     tok.padding_side = "right"
@@ -87,11 +106,13 @@ def quantization_4bit(dtype):
 
 
 def _from_pretrained(cls, path, dtype, attn_implementation, load_in_4bit=False, **kwargs):
-    """`cls.from_pretrained` with the requested attention backend; when none was requested,
-    sdpa, falling back to eager (with a note) for architectures without sdpa support."""
+    """(model, loading info) from `cls.from_pretrained` with the requested attention backend; when none
+    was requested, sdpa, falling back to eager (with a note) for architectures without sdpa support.
+    The loading info lists the `missing_keys`: parameters the checkpoint lacks, initialised at random."""
     p = check_model_path(path)
     if load_in_4bit:
         kwargs["quantization_config"] = quantization_4bit(dtype)
+    kwargs["output_loading_info"] = True
     attn = attn_implementation or "sdpa"
     try:
         try:
@@ -131,49 +152,196 @@ def _finish(model, lora, task_type, gradient_checkpointing, reentrant, load_in_4
 
 def load_causal_lm(path, dtype="fp32", attn_implementation: str | None = None, lora=None,
                    gradient_checkpointing: bool = False, gradient_checkpointing_reentrant: bool = False,
-                   load_in_4bit: bool = False):
+                   load_in_4bit: bool = False, tokenizer=None):
     """AutoModelForCausalLM from `path` in `dtype` ("fp32"/"bf16"/"fp16").
 
     attn_implementation: None → "sdpa" (eager where unsupported), or "eager",
     "flash_attention_2", ... `lora`: None, a LoraSpec, dict or `cfg.ds.lora`-like object
     (rank 0 = off) → peft model with only adapters trainable; `load_in_4bit` (CUDA + bitsandbytes,
     with LoRA) loads the base in 4-bit NF4 (QLoRA). Returned in eval mode (call `.train()` to
-    enable dropout)."""
+    enable dropout).
+
+    Raises ModelLoadError when a local folder has no config.json or no weights; when the checkpoint
+    is a reward/score model (a sequence-classification architecture, a score/value head without an
+    LM head, or an LM head the checkpoint lacks); and when `tokenizer` (default: the folder's own,
+    if it has one) has more tokens than the model's input embedding has rows."""
     from transformers import AutoModelForCausalLM
 
-    model = _from_pretrained(AutoModelForCausalLM, path, dtype, attn_implementation, load_in_4bit)
+    folder = _checked_folder(path)
+    if folder is not None:
+        _refuse_score_checkpoint(folder)
+    model, loading = _from_pretrained(AutoModelForCausalLM, path, dtype, attn_implementation, load_in_4bit)
+    if "lm_head.weight" in loading.get("missing_keys", ()):
+        raise ModelLoadError(f"model {path}: its checkpoint has no LM head (lm_head.weight), so it is not a "
+                             f"causal language model (architecture {_arch_text(model.config)}) and its LM head "
+                             f"would be initialised at random; {_CAUSAL_LM_FIX}")
+    check_vocab(model, tokenizer if tokenizer is not None else _own_tokenizer(folder), path)
     return _finish(model, lora, "CAUSAL_LM", gradient_checkpointing, gradient_checkpointing_reentrant,
                    load_in_4bit)
 
 
 def load_score_model(path, dtype="fp32", value_head_prefix: str = "score", attn_implementation: str | None = None,
                      lora=None, gradient_checkpointing: bool = False,
-                     gradient_checkpointing_reentrant: bool = False, load_in_4bit: bool = False):
+                     gradient_checkpointing_reentrant: bool = False, load_in_4bit: bool = False,
+                     new_head_ok: bool = False, tokenizer=None):
     """AutoModelForSequenceClassification (num_labels=1: one scalar per token, a reward model or
     critic). The head is `model.score`; a checkpoint that stores it as `{value_head_prefix}.weight`
-    / `.bias` (e.g. "value_head") is mapped onto it. A causal-LM checkpoint gets a freshly
-    initialised head (from the global torch RNG), with a note."""
+    / `.bias` (e.g. "value_head") is mapped onto it.
+
+    A checkpoint without a trained head (a causal LM) is refused with a ModelLoadError unless
+    `new_head_ok`: then it gets a freshly initialised head (from the global torch RNG), with a note.
+    Only callers that train the head from scratch pass True (the PPO critic, `posttrain rm` starting
+    from an SFT model); a reward model with a random head would make PPO train on noise. Also raises
+    ModelLoadError for a local folder without config.json or weights and for a tokenizer (default:
+    the folder's own, if it has one) with more tokens than the model has embedding rows."""
     from transformers import AutoModelForSequenceClassification
 
-    model = _from_pretrained(AutoModelForSequenceClassification, path, dtype, attn_implementation, load_in_4bit,
-                             num_labels=1)
-    head = read_head(check_model_path(path), value_head_prefix)
+    folder = _checked_folder(path)
+    if load_in_4bit:
+        quantization_4bit(dtype)  # an environment that cannot load 4-bit weights is named first
+    keys = _weight_keys(folder) if folder is not None else None
+    if value_head_prefix != "score" and f"{value_head_prefix}.weight" not in (keys or ()):
+        raise ModelLoadError(f"--ds.value_head_prefix={value_head_prefix!r}: no tensor "
+                             f"{value_head_prefix}.weight in the checkpoint {path}")
+    if not new_head_ok and keys is not None and f"{value_head_prefix}.weight" not in keys:
+        raise _no_head_error(path, value_head_prefix, _read_config(folder).get("architectures"), keys)
+    model, loading = _from_pretrained(AutoModelForSequenceClassification, path, dtype, attn_implementation,
+                                      load_in_4bit, num_labels=1)
+    head = read_head(folder, value_head_prefix) if folder is not None and value_head_prefix != "score" else {}
     if head:
         with torch.no_grad():
             for name, tensor in head.items():
                 target = getattr(model.score, name, None)
                 if target is None or target.shape != tensor.shape:
-                    raise ValueError(f"--ds.value_head_prefix={value_head_prefix!r}: checkpoint tensor "
-                                     f"{value_head_prefix}.{name} {tuple(tensor.shape)} does not fit the score "
-                                     f"head {None if target is None else tuple(target.shape)}")
+                    raise ModelLoadError(f"--ds.value_head_prefix={value_head_prefix!r}: checkpoint tensor "
+                                         f"{value_head_prefix}.{name} {tuple(tensor.shape)} does not fit the "
+                                         f"score head {None if target is None else tuple(target.shape)}")
                 target.copy_(tensor.to(target.dtype))
-    elif value_head_prefix != "score":
-        raise ValueError(f"--ds.value_head_prefix={value_head_prefix!r}: no tensor "
-                         f"{value_head_prefix}.weight in the checkpoint {path}")
-    else:
+    elif "score.weight" in loading.get("missing_keys", ()):
+        if not new_head_ok:
+            raise _no_head_error(path, value_head_prefix, model.config.architectures)
         info(f"{path} has no score head; initialised a new one")
+    check_vocab(model, tokenizer if tokenizer is not None else _own_tokenizer(folder), path)
     return _finish(model, lora, "SEQ_CLS", gradient_checkpointing, gradient_checkpointing_reentrant,
                    load_in_4bit)
+
+
+_CAUSAL_LM_FIX = ("give a causal LM here (a base or SFT model); a trained reward model belongs in "
+                  "--reward.model_name_or_path")
+
+
+def _no_head_error(path, prefix: str, architectures, keys=None) -> ModelLoadError:
+    arch = f"; architecture {architectures[0]}" if architectures else ""
+    other = sorted(k[: -len(".weight")] for k in keys or () if k.endswith(".weight")
+                   and k[: -len(".weight")] in _HEAD_NAMES)
+    fix = (f"its weights hold {other[0]}.weight: pass --ds.value_head_prefix {other[0]}" if other else
+           "give a reward model trained with `posttrain rm` (or OpenRLHF's train_rm); if its head is "
+           "stored under another name, set --ds.value_head_prefix to it")
+    return ModelLoadError(
+        f"model {path} has no trained score head (no {prefix}.weight in its weights{arch}), so it is not a "
+        f"reward model: a new head would score at random and PPO would train on noise; {fix}")
+
+
+def _checked_folder(path) -> str | None:
+    """The local folder of `path` (None for a hub id), after checking that it holds a model: config.json
+    and weight files, unless it is a peft adapter folder (adapter_config.json)."""
+    p = check_model_path(path)
+    if not os.path.isdir(p):
+        return None
+    names = os.listdir(p)
+    if "adapter_config.json" in names and "config.json" not in names:
+        return None  # a LoRA adapter: transformers loads its base model
+    missing = []
+    if "config.json" not in names:
+        missing.append("config.json")
+    if not any(n.endswith(_WEIGHT_SUFFIXES) or n.endswith(".index.json") for n in names):
+        missing.append("weights (model.safetensors, pytorch_model.bin, ...)")
+    if missing:
+        only_tok = " (it holds only tokenizer files)" if any(n in _TOKENIZER_FILES for n in names) else ""
+        raise ModelLoadError(f"model folder {p} has no model {' and no '.join(missing)}{only_tok}; point the "
+                             "model flag at a saved model (config.json + weights), e.g. the output folder "
+                             f"of a posttrain run, or {INIT_TINY_HINT}")
+    return p
+
+
+def _read_config(folder: str) -> dict:
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _arch_text(config) -> str:
+    archs = getattr(config, "architectures", None) or []
+    return archs[0] if archs else type(config).__name__
+
+
+def _is_score_architecture(name: str) -> bool:
+    return name.endswith(("ForSequenceClassification", "ForTokenClassification")) or "RewardModel" in name \
+        or name == "CriticModel"
+
+
+def _weight_keys(folder: str) -> set[str] | None:
+    """Tensor names of the folder's safetensors files (headers only); None without safetensors files."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        return None
+    keys: set[str] = set()
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            keys.update(f.keys())
+    return keys
+
+
+def _refuse_score_checkpoint(folder: str) -> None:
+    """ModelLoadError when a local folder holds a reward/score model: its config names a
+    sequence-classification (or reward/critic) architecture, or its weights carry a score / value head
+    and no LM head (with untied embeddings, so the LM head would start random)."""
+    config = _read_config(folder)
+    archs = [a for a in config.get("architectures") or [] if _is_score_architecture(a)]
+    keys = _weight_keys(folder) or set()
+    heads = sorted(k for k in keys if k.endswith(".weight") and k[: -len(".weight")] in _HEAD_NAMES)
+    untied = not config.get("tie_word_embeddings", False)
+    if archs:
+        why = f"architecture {archs[0]}"
+    elif heads and "lm_head.weight" not in keys and untied:
+        why = f"its weights hold {heads[0]} and no lm_head.weight"
+    else:
+        return
+    raise ModelLoadError(f"model {folder} is a reward/score model ({why}), not a causal language model: "
+                         f"its LM head would be initialised at random; {_CAUSAL_LM_FIX}")
+
+
+def _own_tokenizer(folder: str | None):
+    """The tokenizer saved next to a local model (None for hub ids, folders without tokenizer files and
+    tokenizers that do not load: the run's own tokenizer is loaded, and checked, elsewhere)."""
+    if folder is None or not any(os.path.isfile(os.path.join(folder, n)) for n in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError):
+        return None
+
+
+def check_vocab(model, tokenizer, model_path) -> None:
+    """ModelLoadError when `tokenizer` has more tokens than `model`'s input embedding has rows (the
+    larger ids would index past the embedding); fewer is fine (vocabularies are often padded)."""
+    if tokenizer is None:
+        return
+    emb = model.get_input_embeddings()
+    rows = getattr(emb, "num_embeddings", None) or emb.weight.shape[0]
+    n = len(tokenizer)
+    if n > rows:
+        source = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
+        raise ModelLoadError(f"tokenizer {source} has {n} tokens but model {model_path} has a vocabulary of "
+                             f"{rows} (input embedding rows): ids >= {rows} would index past the embedding. Use "
+                             "the tokenizer the model was trained with, or resize the model's embeddings "
+                             "(model.resize_token_embeddings(len(tokenizer))) and save it")
 
 
 def read_head(folder: str, prefix: str) -> dict[str, torch.Tensor]:

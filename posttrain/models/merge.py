@@ -133,7 +133,7 @@ def merge_lora(adapter_path, out_dir, base_path=None, dtype="fp32", is_rm: bool 
                              "random head (set --ds.value_head_prefix to the base's head name)")
         # an adapter's own head replaces the base's, so the base's head name only matters without one
         prefix = "score" if adapter_head else value_head_prefix
-        base = load_score_model(base_path, dtype, value_head_prefix=prefix)
+        base = load_score_model(base_path, dtype, value_head_prefix=prefix, new_head_ok=adapter_head)
     else:
         base = load_causal_lm(base_path, dtype)
     try:

@@ -13,7 +13,10 @@ A trainer supplies an `Objective`:
     (sum of squares) adds the sample standard deviation (`x_sum`, `x_sqsum`, `x_count` are logged
     as `x_mean` and `x_std`).
 The loop owns data order, micro-batching, rank padding for ZeRO-3, logging, eval, checkpoints and
-resume (weights, optimizer, scheduler, step counters and RNG).
+resume (weights, optimizer, scheduler, step counters and RNG). Resume takes the checkpoint that
+`CheckpointManager.prepare` chose (newest that verifies, same training flags) and fails with a
+CheckpointError when it does not load — never an older or another run's checkpoint instead. Ctrl-C
+ends `fit` with `Interrupted` (a UserError): `interrupted at step N; last checkpoint: <path or none>`.
 """
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ from typing import Protocol
 import torch
 
 from posttrain.trainers import batching
-from posttrain.utils.checkpoint import CheckpointManager, read_manifest
+from posttrain.utils.checkpoint import CheckpointError, CheckpointManager, read_manifest
+from posttrain.utils.interrupt import interrupt_as_error
 from posttrain.utils.log import info
 from posttrain.utils.metrics import MetricsLogger
 from posttrain.utils.seeding import rng_state, set_rng_state
@@ -87,7 +91,10 @@ def summarize(sums: dict[str, float], prefix: str) -> dict[str, float]:
 class StepLoop:
     def __init__(self, *, engine, objective: Objective, train_items: list[dict], eval_items: list[dict] | None,
                  settings: LoopSettings, run_dir: str | os.PathLike, logger: MetricsLogger,
-                 save_hf: Callable[[Path], None] | None = None, device=None) -> None:
+                 save_hf: Callable[[Path], None] | None = None, device=None,
+                 ckpt: CheckpointManager | None = None) -> None:
+        """`ckpt`: the run's checkpoint manager, already `prepare`d before the model loaded
+        (`posttrain.trainers.rundir.open_run_dir`); without it one is made from `settings.ckpt_path`."""
         self.engine = engine
         self.obj = objective
         self.train_items = train_items
@@ -109,8 +116,10 @@ class StepLoop:
             info(f"{dropped} samples per epoch do not fill a whole batch of {settings.batch_size} and are skipped")
         self.total_steps = self.steps_per_epoch * settings.max_epochs
         self.global_step = 0
-        self.ckpt = None
-        if settings.ckpt_path and not settings.ckpt_disable_ds:
+        self.ckpt = ckpt
+        if ckpt is not None:
+            ckpt.is_main, ckpt.barrier = engine.is_main, engine.barrier
+        elif settings.ckpt_path and not settings.ckpt_disable_ds:
             self.ckpt = CheckpointManager(settings.ckpt_path, max_num=settings.ckpt_max_num,
                                           max_mem_gb=settings.ckpt_max_mem_gb,
                                           is_main=engine.is_main, barrier=engine.barrier)
@@ -190,57 +199,69 @@ class StepLoop:
     def _try_resume(self) -> None:
         if not (self.s.load_checkpoint and self.ckpt):
             return
-        for step, path in self.ckpt.valid_checkpoints():
-            meta = read_manifest(path)["meta"]
-            if meta.get("batch_size") != self.s.batch_size or meta.get("world_size") != self.engine.world_size:
-                info(f"checkpoint {path} was written with batch size {meta.get('batch_size')} on "
-                     f"{meta.get('world_size')} ranks; this run uses {self.s.batch_size} on "
-                     f"{self.engine.world_size} — resuming its weights and counters, data order may differ")
-            try:
-                self.engine.load_state(path / "engine")
-            except Exception as e:  # a checkpoint that verifies but does not load: try an older one
-                info(f"could not load checkpoint {path} ({e}); trying an older one")
-                continue
-            rng_file = path / f"trainer_rank{self.engine.rank}.pt"
-            if rng_file.exists():
-                set_rng_state(torch.load(rng_file, weights_only=False)["rng"])
-            self.global_step = int(meta["global_step"])
-            self.logger.truncate_after(self.global_step)
-            info(f"resumed from {path} at step {self.global_step}")
+        path = self.ckpt.prepare(True)  # no-op when the session prepared it before loading the model
+        if path is None:
             return
-        info(f"--ckpt.load_enable: no valid checkpoint in {self.s.ckpt_path}; starting fresh")
+        meta = read_manifest(path)["meta"]
+        if meta.get("batch_size") != self.s.batch_size or meta.get("world_size") != self.engine.world_size:
+            info(f"checkpoint {path} was written with batch size {meta.get('batch_size')} on "
+                 f"{meta.get('world_size')} ranks; this run uses {self.s.batch_size} on "
+                 f"{self.engine.world_size} — resuming its weights and counters, data order may differ")
+        try:
+            self.engine.load_state(path / "engine")
+        except Exception as e:  # verified, same flags, yet unloadable: another engine or rank count
+            raise CheckpointError(
+                f"checkpoint {path} verifies but cannot be loaded by this run ({e}); resume on the set-up "
+                f"that wrote it (ranks, DeepSpeed flags), or start a new run with another --ckpt.path") from e
+        rng_file = path / f"trainer_rank{self.engine.rank}.pt"
+        if rng_file.exists():
+            set_rng_state(torch.load(rng_file, weights_only=False)["rng"])
+        self.global_step = int(meta["global_step"])
+        self.logger.truncate_after(self.global_step)
+        info(f"resumed from {path} at step {self.global_step}")
+
+    def interrupted_message(self) -> str:
+        last = self.ckpt.last_good if self.ckpt is not None else None
+        return f"interrupted at step {self.global_step}; last checkpoint: {last if last is not None else 'none'}"
 
     # ---- the loop -------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
+        """Resume if asked, train to the last step, evaluate; Ctrl-C raises `Interrupted` (module docstring)."""
+        with interrupt_as_error(self.interrupted_message):
+            return self._fit()
+
+    def _fit(self) -> dict[str, float]:
         self._try_resume()
         from tqdm.auto import tqdm
 
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="train", dynamic_ncols=True,
                    disable=not (self.s.progress and self.engine.is_main))
-        self.engine.module.train()
-        evaluated = False
-        while self.global_step < self.total_steps:
-            epoch, step_in_epoch = divmod(self.global_step, self.steps_per_epoch)
-            groups = self._step_micro_batches(epoch, step_in_epoch)
-            sums = self._run_micro_batches(groups, self.train_items, train=True)
-            lr = self.engine.lr  # the rate this step is taken with (step() advances the schedule)
-            grad_norm = self.engine.step()
-            self.global_step += 1
-            metrics = summarize(sums, "train")
-            metrics.update({"train/lr": lr, "train/grad_norm": grad_norm,
-                            "train/epoch": epoch + (step_in_epoch + 1) / self.steps_per_epoch,
-                            "train/micro_batches": len(groups)})
-            bar.update(1)
-            bar.set_postfix({k.split("/")[-1]: f"{v:.4g}" for k, v in metrics.items()
-                             if k in ("train/loss", "train/lr", "train/acc")})
-            evaluated = self.s.eval_steps > 0 and self.global_step % self.s.eval_steps == 0
-            if evaluated:
-                metrics.update(self.evaluate())
-            if self.global_step % max(self.s.logging_steps, 1) == 0 or evaluated:
-                self.logger.log(self.global_step, metrics)
-            if self.ckpt and self.s.save_steps > 0 and self.global_step % self.s.save_steps == 0:
-                self._save_checkpoint()
-        bar.close()
+        try:
+            self.engine.module.train()
+            evaluated = False
+            while self.global_step < self.total_steps:
+                epoch, step_in_epoch = divmod(self.global_step, self.steps_per_epoch)
+                groups = self._step_micro_batches(epoch, step_in_epoch)
+                sums = self._run_micro_batches(groups, self.train_items, train=True)
+                lr = self.engine.lr  # the rate this step is taken with (step() advances the schedule)
+                grad_norm = self.engine.step()
+                self.global_step += 1
+                metrics = summarize(sums, "train")
+                metrics.update({"train/lr": lr, "train/grad_norm": grad_norm,
+                                "train/epoch": epoch + (step_in_epoch + 1) / self.steps_per_epoch,
+                                "train/micro_batches": len(groups)})
+                bar.update(1)
+                bar.set_postfix({k.split("/")[-1]: f"{v:.4g}" for k, v in metrics.items()
+                                 if k in ("train/loss", "train/lr", "train/acc")})
+                evaluated = self.s.eval_steps > 0 and self.global_step % self.s.eval_steps == 0
+                if evaluated:
+                    metrics.update(self.evaluate())
+                if self.global_step % max(self.s.logging_steps, 1) == 0 or evaluated:
+                    self.logger.log(self.global_step, metrics)
+                if self.ckpt and self.s.save_steps > 0 and self.global_step % self.s.save_steps == 0:
+                    self._save_checkpoint()
+        finally:
+            bar.close()  # on Ctrl-C too: the error line starts on a line of its own
         if evaluated:  # the last step was just evaluated
             return {k: v for k, v in metrics.items() if k.startswith("eval/")}
         final = self.evaluate()

@@ -119,7 +119,7 @@ def train_rm(cfg) -> dict:
                                 attn_implementation=cfg.ds.attn_implementation, lora=lora_settings(cfg),
                                 gradient_checkpointing=cfg.model.gradient_checkpointing_enable,
                                 gradient_checkpointing_reentrant=cfg.model.gradient_checkpointing_reentrant,
-                                load_in_4bit=cfg.ds.load_in_4bit)
+                                load_in_4bit=cfg.ds.load_in_4bit, new_head_ok=True)
 
     run = SingleModelRun(cfg, load_model=load)
     tok = run.tokenizer

@@ -1,7 +1,12 @@
 """Set-up and tear-down shared by the single-model trainers (SFT, RM, DPO): hardware defaults,
 config echo, run directory, seeding, tokenizer, data rows, model, train engine, metric sinks,
 the step loop, and the final Hugging Face export to `--ckpt.output_dir` (the run directory:
-config.yaml, metrics.jsonl, plots/ and the model all land there)."""
+config.yaml, metrics.jsonl, plots/ and the model all land there).
+
+The run directory has one writer: `SingleModelRun(cfg)` locks it (and an outside `--ckpt.path`) and
+checks the checkpoint folder (`rundir.open_run_dir`) before it writes config.yaml or loads anything;
+the locks are released when `fit` returns or fails, or by `close()` (`with SingleModelRun(cfg) as run:`
+releases them whatever happens in between)."""
 from __future__ import annotations
 
 import math
@@ -15,6 +20,8 @@ from posttrain.data import load_rows
 from posttrain.engines import make_train_engine
 from posttrain.models import load_causal_lm, load_tokenizer, save_pretrained
 from posttrain.trainers.loop import LoopSettings, StepLoop
+from posttrain.trainers.rundir import open_run_dir
+from posttrain.utils.interrupt import interrupt_as_error
 from posttrain.utils.log import info
 from posttrain.utils.metrics import MetricsLogger
 from posttrain.utils.seeding import set_seed
@@ -44,18 +51,33 @@ class SingleModelRun:
         info(format_config(cfg, derived_sizes(cfg, self.world_size)))
         for note in inert_flags(cfg, self.device.type):
             info(f"note: {note}")
-        if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.run_dir / "config.yaml")
-        set_seed(cfg.train.seed)
-        self.tokenizer = load_tokenizer(cfg.model.model_name_or_path, use_fast=not cfg.data.disable_fast_tokenizer,
-                                        chat_template=cfg.data.tokenizer_chat_template)
-        self.train_rows = load_rows(cfg.data.dataset, cfg.data.dataset_probs, cfg.data.dataset_split,
-                                    cfg.train.seed, cfg.data.max_samples)
-        self.eval_rows = self._eval_rows()
+        self.rundir = open_run_dir(cfg, is_main=self.is_main)  # lock + checkpoint checks, before any write
+        try:
+            if self.is_main:
+                save_config(cfg, self.run_dir / "config.yaml")
+            set_seed(cfg.train.seed)
+            self.tokenizer = load_tokenizer(cfg.model.model_name_or_path,
+                                            use_fast=not cfg.data.disable_fast_tokenizer,
+                                            chat_template=cfg.data.tokenizer_chat_template)
+            self.train_rows = load_rows(cfg.data.dataset, cfg.data.dataset_probs, cfg.data.dataset_split,
+                                        cfg.train.seed, cfg.data.max_samples)
+            self.eval_rows = self._eval_rows()
+        except BaseException:
+            self.close()
+            raise
         self._load_model = load_model or self._load_causal_lm
         # optional: state dict -> state dict applied to every HF export (e.g. RM head renaming)
         self.export_state = None
+
+    def close(self) -> None:
+        """Release the run directory (idempotent); `fit` does it when it ends."""
+        self.rundir.close()
+
+    def __enter__(self) -> SingleModelRun:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _eval_rows(self) -> list[dict]:
         """Rows of `--eval.dataset` (split `--eval.split`); none without it, as in OpenRLHF."""
@@ -76,7 +98,23 @@ class SingleModelRun:
 
     def fit(self, objective, train_items: list[dict], eval_items: list[dict] | None, on_trained=None) -> dict:
         """Train, then call `on_trained(loop, final_metrics)` (all ranks; e.g. RM reward statistics
-        written into the model config) and export the final model to the run directory."""
+        written into the model config) and export the final model to the run directory. Releases
+        the run directory however it ends."""
+        self._loop = None
+        try:
+            with interrupt_as_error(self._interrupted_message):
+                return self._fit(objective, train_items, eval_items, on_trained)
+        finally:
+            self.close()
+
+    def _interrupted_message(self) -> str:
+        """Ctrl-C outside the step loop (model loading, final export)."""
+        if self._loop is not None:
+            return self._loop.interrupted_message()
+        last = self.rundir.last_checkpoint()
+        return f"interrupted before training started; last checkpoint: {last if last is not None else 'none'}"
+
+    def _fit(self, objective, train_items, eval_items, on_trained) -> dict:
         cfg = self.cfg
         model = self._load_model()
         if self.world_size == 1:
@@ -93,22 +131,26 @@ class SingleModelRun:
         logger = MetricsLogger(self.run_dir, tensorboard_dir=cfg.logger.tensorboard_dir,
                                wandb=wandb_settings(cfg), config=None, enabled=engine.is_main,
                                resume=cfg.ckpt.load_enable)
+        ckpt = self.rundir.ckpt
         settings = LoopSettings(
             batch_size=cfg.train.batch_size, micro_batch_size=cfg.train.micro_batch_size,
             max_epochs=cfg.train.max_epochs, seed=cfg.train.seed,
             max_tokens_per_gpu=cfg.train.max_tokens_per_gpu if cfg.train.dynamic_batch_enable else None,
             logging_steps=cfg.logger.logging_steps, eval_steps=cfg.eval.steps, save_steps=cfg.ckpt.save_steps,
-            ckpt_path=cfg.ckpt.path, ckpt_max_num=cfg.ckpt.max_num,
+            ckpt_path=str(ckpt.root) if ckpt is not None else None, ckpt_max_num=cfg.ckpt.max_num,
             ckpt_max_mem_gb=cfg.ckpt.max_mem if cfg.ckpt.max_mem is not None else math.inf,
             ckpt_disable_ds=cfg.ckpt.disable_ds, load_checkpoint=cfg.ckpt.load_enable, save_hf=cfg.ckpt.save_hf)
         loop = StepLoop(engine=engine, objective=objective, train_items=train_items, eval_items=eval_items,
                         settings=settings, run_dir=self.run_dir, logger=logger,
-                        save_hf=lambda d: self.export_hf(engine, d), device=self.device)
-        final = loop.fit()
+                        save_hf=lambda d: self.export_hf(engine, d), device=self.device, ckpt=ckpt)
+        self._loop = loop
+        try:
+            final = loop.fit()
+        finally:
+            logger.close()
         if on_trained is not None:
             on_trained(loop, final)
         self.export_hf(engine, self.run_dir)
-        logger.close()
         if engine.is_main:
             from posttrain.utils.plot import plot_run
 
@@ -124,7 +166,8 @@ class SingleModelRun:
         """One process uses the plain torch engine (no DeepSpeed start-up) unless a DeepSpeed-only
         feature is asked for; several processes always use DeepSpeed with --ds.zero_stage."""
         ds = self.cfg.ds
-        return self.world_size > 1 or ds.adam_offload or ds.zpg != 1 or ds.overlap_comm
+        return (self.world_size > 1 or ds.adam_offload or ds.zpg != 1 or ds.overlap_comm
+                or ds.grad_accum_dtype not in (None, "fp32"))
 
     def export_hf(self, engine, out_dir) -> None:
         """Write a `from_pretrained`-loadable model (all ranks call; ZeRO-3 gathers on rank 0)."""

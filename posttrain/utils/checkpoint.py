@@ -1,32 +1,108 @@
-"""Atomic, verified, rotated checkpoints.
+"""Atomic, verified, rotated checkpoints that belong to one run.
 
 Layout: `<root>/global_step<N>/` holding whatever the writer put there plus `manifest.json`
-({"step", "meta", "files": {relpath: [size, crc32]}}). A save writes into `<root>/.tmp_step<N>/`
-and renames it into place only after every rank has written and the manifest is complete, so a
-crash mid-save leaves the previous checkpoints untouched. Rotation (`max_num`, `max_mem_gb`) runs
-only after a successful save and never deletes the newest checkpoint. Loading verifies sizes and
-CRC32 of every file and falls back to the newest checkpoint that verifies.
+({"step", "meta", "run", "files": {relpath: [size, crc32]}}). "run" is the writer's `RunIdentity`:
+{"run_id": the run lineage (a resumed run keeps the id of what it resumed), "fingerprint": digest of
+the flags that decide the training trajectory, "fields": those flags' values, "adjustable": the
+values of flags that may change on resume (run length, execution)}.
+
+Contract of `CheckpointManager`:
+- `prepare(resume)` runs before any model loads. A fresh run (`resume=False`) into a folder that
+  already holds checkpoints is refused (CheckpointError: the folder, the steps, the two fixes).
+  With `resume=True` the newest checkpoint that verifies is chosen; when its fingerprint differs
+  from this run's, CheckpointError names the checkpoint and every differing flag — there is no
+  fallback to an older checkpoint or another run's. The run then takes the checkpoint's run_id.
+- `save` writes into `<root>/.tmp_step<N>/` and renames it into place only after every rank has
+  written and the manifest is complete. Any failure or interrupt (Ctrl-C) during a save removes the
+  temp folder and keeps every earlier checkpoint; a full disk (ENOSPC, EDQUOT, EFBIG) ends in a
+  CheckpointError naming the step, the folder and the last good checkpoint.
+- Rotation (`max_num`, `max_mem_gb`) runs after a successful save, considers only checkpoints of
+  this run (same run_id; all of them when the manager has no identity) and never deletes the
+  checkpoint just written.
+- Loading verifies sizes and CRC32 of every file (`verify_checkpoint`).
+Multi-rank: every rank calls `prepare` and `save`; only the main one creates, renames and deletes
+folders. A rank that fails inside `write` while the others reach the barrier leaves them waiting
+(the usual disk-full case, one shared disk, fails on every rank).
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import re
 import shutil
+import uuid
 import zlib
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from posttrain.utils.errors import UserError
 from posttrain.utils.log import info, warn_once
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^global_step(\d+)$")
+_OLD_DIR = re.compile(r"^\.old_step(\d+)$")  # a checkpoint being replaced by a new save of its step
+_LEFTOVER = re.compile(r"^\.(tmp_step\d+|del_.+)$")  # a save or a deletion cut short
+_DISK_FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+              errno.EFBIG: "file too large for the file system"}
 
 
 class CheckpointError(UserError, RuntimeError):
     pass
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+@dataclass
+class RunIdentity:
+    """Who writes a checkpoint folder. `fingerprint` digests `fields` (the flags that decide the
+    training trajectory); `adjustable` holds flags that may differ on resume (named in a note);
+    `run_id` names the lineage: a fresh run draws one, a resumed run takes its checkpoint's."""
+
+    fingerprint: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    adjustable: dict[str, Any] = field(default_factory=dict)
+    run_id: str = field(default_factory=new_run_id)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return " ".join(_show(v) for v in value) or "[]"
+    if isinstance(value, str):
+        return repr(value) if (not value or any(c.isspace() for c in value)) else value
+    return str(value)
+
+
+def flag_diffs(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """`--flag: checkpoint A, this run B` for every flag both sides record with different values
+    (a flag only one side knows — another posttrain version — is not a difference)."""
+    out = []
+    for key, now in current.items():
+        if key in saved and saved[key] != now:
+            name = key if key == "trainer" else f"--{key}"
+            out.append(f"{name}: checkpoint {_show(saved[key])}, this run {_show(now)}")
+    return out
+
+
+def disk_full_reason(exc: BaseException) -> str | None:
+    """'no space left on device' (or the quota / file-size variant) when `exc`, or an exception it
+    was raised from, says the disk is full; None otherwise. torch.save reports a full disk as a
+    RuntimeError ('file write failed')."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+            return _DISK_FULL[exc.errno]
+        if isinstance(exc, RuntimeError) and ("No space left on device" in str(exc)
+                                              or "file write failed" in str(exc)):
+            return _DISK_FULL[errno.ENOSPC]
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _crc32(path: Path) -> int:
@@ -71,9 +147,17 @@ def read_manifest(path: str | os.PathLike) -> dict:
     return json.loads((Path(path) / MANIFEST).read_text())
 
 
+def _run_id_of(path: Path) -> str | None:
+    try:
+        return (read_manifest(path).get("run") or {}).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 class CheckpointManager:
     def __init__(self, root: str | os.PathLike, *, max_num: int = 3, max_mem_gb: float = math.inf,
-                 is_main: bool = True, barrier: Callable[[], None] = lambda: None) -> None:
+                 is_main: bool = True, barrier: Callable[[], None] = lambda: None,
+                 identity: RunIdentity | None = None) -> None:
         if max_num < 1:
             raise ValueError(f"--ckpt.max_num must be >= 1, got {max_num}")
         self.root = Path(root)
@@ -81,53 +165,151 @@ class CheckpointManager:
         self.max_mem_bytes = max_mem_gb * 1024**3
         self.is_main = is_main
         self.barrier = barrier
+        self.identity = identity
+        self.last_good: Path | None = None  # newest good checkpoint of this run: saved or resumed from
+        self._prepared: tuple[bool, Path | None] | None = None
 
     def step_dirs(self) -> list[tuple[int, Path]]:
-        """All `global_step<N>` folders, newest first (valid or not)."""
+        """All checkpoint folders, newest first (valid or not): `global_step<N>`, and `.old_step<N>`
+        where a crash mid-replacement left it without its `global_step<N>`."""
         if not self.root.is_dir():
             return []
-        found = [(int(m.group(1)), p) for p in self.root.iterdir() if (m := _STEP_DIR.match(p.name))]
-        return sorted(found, reverse=True)
+        found: dict[int, Path] = {}
+        old: dict[int, Path] = {}
+        for p in self.root.iterdir():
+            if m := _STEP_DIR.match(p.name):
+                found[int(m.group(1))] = p
+            elif m := _OLD_DIR.match(p.name):
+                old[int(m.group(1))] = p
+        for step, p in old.items():
+            found.setdefault(step, p)
+        return sorted(found.items(), reverse=True)
 
+    # ---- before the run -------------------------------------------------------------------
+    def prepare(self, resume: bool) -> Path | None:
+        """Check the folder before any model loads and return the checkpoint to resume (None: start
+        fresh). The first call's answer is kept. Removes temp folders of interrupted saves (call it
+        only while holding the folder's lock, see `posttrain.utils.run_lock`)."""
+        if self._prepared is not None:
+            return self._prepared[1]
+        if self.is_main and self.root.is_dir():
+            for p in self.root.iterdir():
+                if _LEFTOVER.match(p.name):
+                    shutil.rmtree(p, ignore_errors=True)
+        found = self.step_dirs()
+        path = None
+        if not resume:
+            if found:
+                steps = [str(s) for s, _ in reversed(found)]
+                shown = ", ".join(steps if len(steps) <= 8 else [*steps[:3], "...", *steps[-3:]])
+                raise CheckpointError(
+                    f"--ckpt.path {self.root} already holds checkpoints (steps {shown}) of an earlier run; "
+                    f"pass --ckpt.load_enable to resume it, or choose another (or empty) --ckpt.path")
+        else:
+            valid = self.valid_checkpoints()
+            if valid:
+                path = valid[0][1]
+                self._adopt(path)
+                self.last_good = path
+            else:
+                info(f"--ckpt.load_enable: no valid checkpoint in {self.root}; starting fresh")
+        self._prepared = (resume, path)
+        return path
+
+    def _adopt(self, path: Path) -> None:
+        """Refuse `path` when its training flags differ from this run's; else take its run_id."""
+        if self.identity is None:
+            return
+        run = read_manifest(path).get("run")
+        if not run:
+            warn_once(f"checkpoint {path} records no run fingerprint (written by an older posttrain): "
+                      "its training flags cannot be checked against this run's")
+            return
+        if run.get("fingerprint") != self.identity.fingerprint:
+            diffs = flag_diffs(run.get("fields") or {}, self.identity.fields)
+            if diffs:
+                raise CheckpointError(
+                    f"cannot resume from checkpoint {path}: it was written with other training flags "
+                    f"({'; '.join(diffs)}); resume with the flags it was written with, or start a new run "
+                    f"with another --ckpt.path")
+        for diff in flag_diffs(run.get("adjustable") or {}, self.identity.adjustable):
+            info(f"note: resuming {path.name} with a changed run-length/execution flag: {diff}")
+        self.identity.run_id = run.get("run_id") or self.identity.run_id
+
+    # ---- saving ----------------------------------------------------------------------------
     def save(self, step: int, write: Callable[[Path], None], meta: dict) -> Path:
         """Every rank calls this; `write(tmp_dir)` runs on every rank, the rest on the main one."""
         tmp = self.root / f".tmp_step{step}"
         final = self.root / f"global_step{step}"
+        try:
+            if self.is_main:
+                self.root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+            self.barrier()
+            write(tmp)
+            self.barrier()
+            if self.is_main:
+                manifest = {"step": step, "meta": meta,
+                            "run": asdict(self.identity) if self.identity is not None else None,
+                            "files": _file_table(tmp)}
+                with (tmp / MANIFEST).open("w") as f:
+                    json.dump(manifest, f, indent=1)
+                    f.flush()
+                    os.fsync(f.fileno())
+                self._publish(tmp, final, step)
+        except BaseException as e:
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            reason = disk_full_reason(e)
+            if reason is None:
+                raise
+            last = self._last_good()
+            raise CheckpointError(
+                f"{reason} while writing checkpoint step {step} to {self.root}; the last good checkpoint is "
+                f"{last if last is not None else 'none'} (free space or lower --ckpt.max_num)") from e
+        self.last_good = final
         if self.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        self.barrier()
-        write(tmp)
-        self.barrier()
-        if self.is_main:
-            manifest = {"step": step, "meta": meta, "files": _file_table(tmp)}
-            with (tmp / MANIFEST).open("w") as f:
-                json.dump(manifest, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            if final.exists():
-                old = self.root / f".old_step{step}"
-                shutil.rmtree(old, ignore_errors=True)
-                final.rename(old)
-                tmp.rename(final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                tmp.rename(final)
-            self._rotate()
+            self._rotate(final)
         self.barrier()
         return final
 
-    def _rotate(self) -> None:
-        dirs = self.step_dirs()
-        keep, drop = dirs[: self.max_num], dirs[self.max_num:]
-        sizes = {p: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) for _, p in keep}
-        while len(keep) > 1 and sum(sizes[p] for _, p in keep) > self.max_mem_bytes:
-            drop.append(keep.pop())
-        for step, p in drop:
-            info(f"checkpoint rotation: removing {p} (--ckpt.max_num {self.max_num}, --ckpt.max_mem)")
-            shutil.rmtree(p, ignore_errors=True)
+    def _publish(self, tmp: Path, final: Path, step: int) -> None:
+        """Rename `tmp` to `final`; an existing `final` waits as `.old_step<N>` until the rename is done."""
+        old = self.root / f".old_step{step}"
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+        try:
+            tmp.rename(final)
+        except BaseException:
+            if old.exists() and not final.exists():
+                old.rename(final)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
 
+    def _owned(self, path: Path) -> bool:
+        return self.identity is None or _run_id_of(path) == self.identity.run_id
+
+    def _last_good(self) -> Path | None:
+        if self.last_good is not None and self.last_good.is_dir():
+            return self.last_good
+        return next((p for _, p in self.valid_checkpoints() if self._owned(p)), None)
+
+    def _rotate(self, just_written: Path) -> None:
+        ours = [p for _, p in self.step_dirs() if p != just_written and self._owned(p)]
+        keep = [just_written, *ours]
+        keep, drop = keep[: self.max_num], keep[self.max_num:]
+        sizes = {p: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) for p in keep}
+        while len(keep) > 1 and sum(sizes[p] for p in keep) > self.max_mem_bytes:
+            drop.append(keep.pop())
+        for p in drop:
+            info(f"checkpoint rotation: removing {p} (--ckpt.max_num {self.max_num}, --ckpt.max_mem)")
+            trash = p.with_name(f".del_{p.name}")  # renamed first: an interrupted delete leaves no half checkpoint
+            p.rename(trash)
+            shutil.rmtree(trash, ignore_errors=True)
+
+    # ---- reading ---------------------------------------------------------------------------
     def valid_checkpoints(self) -> list[tuple[int, Path]]:
         """Checkpoints that verify, newest first; each one that does not is reported once."""
         good = []

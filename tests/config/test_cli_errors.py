@@ -150,7 +150,7 @@ def test_help_lists_every_flag_grouped_by_section(trainer, capsys):
     assert "\nds.lora:\n" in out and "\nlogger.wandb:\n" in out and "\ntop-level flags:\n" in out
     assert "--config RUN.YAML" in out
     help_text = " ".join(build_parser(trainer).format_help().split())
-    assert "(default: ./ckpt/checkpoints_" in help_text
+    assert "unset: <--ckpt.output_dir>/checkpoints" in help_text
 
 
 def test_help_shows_per_trainer_defaults():
@@ -169,3 +169,22 @@ def test_main_error_exit(capsys):
         capsys.readouterr().err
         == "posttrain: error: --optim: invalid choice 'sgd'; valid values: adam, muon\n"
     )
+
+
+def test_negative_numbers_are_values():
+    cfg = parse_config(
+        "sft",
+        ["--adam.lr", "-1e-3", "--adam.betas", "-.5", "-2", "--min_lr_ratio", "-1E+2", "--eval.steps", "-1"],
+        check=False,
+    )
+    assert cfg.adam.lr == -1e-3 and cfg.adam.betas == [-0.5, -2.0] and cfg.min_lr_ratio == -100.0
+    assert cfg.eval.steps == -1
+    cfg = parse_config(
+        "ppo",
+        ["--reward.clip_range", "-1e-3", "5", "--reward.stop_properly_penalty_coef", "-.5"],
+        check=False,
+    )
+    assert cfg.reward.clip_range == [-1e-3, 5.0] and cfg.reward.stop_properly_penalty_coef == -0.5
+    assert error("sft", "--ds.zero_stage", "-1e-3") == "--ds.zero_stage: expected an integer, got '-1e-3'"
+    assert "--adam.lr: expected one argument" in error("sft", "--adam.lr", "-x")  # not a number: a flag
+    assert "unexpected value '-1e-3'" in error("sft", "--adam.betas", "0.9", "0.95", "-1e-3")

@@ -7,7 +7,7 @@ import shlex
 
 import pytest
 
-from posttrain.config import ConfigWarning, derived_sizes, inert_flags, parse_config
+from posttrain.config import ConfigWarning, checkpoint_dir, derived_sizes, inert_flags, parse_config
 
 SFT = r"""
    --data.max_len 4096 \
@@ -160,8 +160,10 @@ def test_train_sft_script():
     assert cfg.ds.zero_stage == 2 and cfg.ds.packing_samples and cfg.ds.param_dtype == "bf16"
     assert cfg.adam.lr == 5e-6 and cfg.model.gradient_checkpointing_enable
     assert cfg.logger.wandb.key == "WANDB_TOKEN"
-    # untouched flags keep the SFT defaults of OpenRLHF 0.10.2
-    assert cfg.ckpt.path == "./ckpt/checkpoints_sft" and cfg.eval.split == "train"
+    # untouched flags keep the SFT defaults of OpenRLHF 0.10.2, except --ckpt.path: unset, it follows
+    # --ckpt.output_dir (OpenRLHF: ./ckpt/checkpoints_sft, shared by every run started from one folder)
+    assert cfg.ckpt.path is None and cfg.eval.split == "train"
+    assert str(checkpoint_dir(cfg)) == "checkpoint/llama3-8b-sft/checkpoints"
     assert cfg.adam.betas == [0.9, 0.95] and cfg.lr_scheduler == "cosine_with_min_lr"
     assert (cfg.lr_warmup_ratio, cfg.min_lr_ratio, cfg.max_norm) == (0.03, 0.1, 1.0)
     assert derived_sizes(cfg, 8)["gradient_accumulation_steps"] == 256 // (2 * 8)
@@ -177,7 +179,7 @@ def test_train_rm_script():
         "rejected",
     )
     assert cfg.ds.attn_implementation == "flash_attention_2" and cfg.ds.value_head_prefix == "value_head"
-    assert cfg.model.loss_type == "sigmoid" and cfg.ckpt.path == "./ckpt/checkpoints_rm"
+    assert cfg.model.loss_type == "sigmoid" and cfg.ckpt.path is None
 
 
 def test_train_dpo_script():
@@ -185,7 +187,7 @@ def test_train_dpo_script():
     assert cfg.adam.lr == 5e-7 and cfg.model.beta == 0.1 and cfg.ref.offload
     assert cfg.ds.lora.rank == 16 and cfg.ds.lora.alpha == 32
     assert cfg.ds.lora.target_modules == ["q_proj", "v_proj"]
-    assert cfg.eval.split == "test" and cfg.ckpt.path == "./ckpt/checkpoints_dpo"
+    assert cfg.eval.split == "test" and cfg.ckpt.path is None
     assert cfg.model.ipo_enable is False and cfg.model.label_smoothing == 0.0
 
 

@@ -295,3 +295,71 @@ def test_world_size_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match=r"= 8 x 3 = 24"):
         parse_config("sft", BASE["sft"], device="cpu")
+
+
+def test_one_reward_source_exactly():
+    ppo = list(BASE["ppo"])
+    both = problems("ppo", "--reward.model_name_or_path", "rm_dir")
+    assert both == [
+        "--reward.model_name_or_path rm_dir and --reward.remote_url r.py: a run takes its rewards from one "
+        "source; drop one"
+    ]
+    i = ppo.index("--reward.remote_url")
+    none = problems("ppo", *(ppo[:i] + ppo[i + 2 :]), base=False)
+    assert none == [
+        "--reward.model_name_or_path: a reward source is required: --reward.model_name_or_path (a reward "
+        "model) or --reward.remote_url (an http(s) reward server or a .py file defining reward_func)"
+    ]
+    assert "\n" not in both[0] and "\n" not in none[0]
+
+
+def test_multi_turn_agents_are_refused():
+    assert problem("ppo", "--train.agent_func_path", "agent.py") == (
+        "multi-turn agents (--train.agent_func_path) are not available in this version; "
+        "use --reward.remote_url for a single-turn reward_func"
+    )
+
+
+def test_gspo_aggregates_per_sequence_by_default(tmp_path):
+    from posttrain.config import format_config, inert_flags, load_config, resolved_values, save_config
+
+    gspo = parse_config("ppo", BASE["ppo"] + ["--actor.policy_loss_type", "gspo"], device="cpu")
+    assert gspo.actor.loss_agg == "seq_mean_token_mean"
+    why = "auto for --actor.policy_loss_type gspo"
+    assert resolved_values(gspo)["actor.loss_agg"] == (None, "seq_mean_token_mean", why)
+    assert f"   loss_agg = seq_mean_token_mean  ({why})" in format_config(gspo).splitlines()
+    assert inert_flags(gspo, "cpu") == []
+    validate(gspo, device="cpu")  # validating again keeps the auto value
+    assert gspo.actor.loss_agg == "seq_mean_token_mean"
+    save_config(gspo, tmp_path / "run.yaml")
+    assert load_config(tmp_path / "run.yaml", check=True) == gspo
+    assert cfg_for("ppo").actor.loss_agg is None  # unset until validation resolves it
+    assert parse_config("ppo", BASE["ppo"], device="cpu").actor.loss_agg == "token_mean"
+    kept = parse_config(
+        "ppo",
+        BASE["ppo"] + ["--actor.policy_loss_type", "gspo", "--actor.loss_agg", "seq_sum_norm"],
+        device="cpu",
+    )
+    assert kept.actor.loss_agg == "seq_sum_norm" and "actor.loss_agg" not in resolved_values(kept)
+
+
+def test_gspo_with_token_mean_is_refused():
+    assert problem("ppo", "--actor.policy_loss_type", "gspo", "--actor.loss_agg", "token_mean") == (
+        "--actor.loss_agg token_mean: GSPO's importance ratio is per sequence, and a token mean would weight "
+        "each sequence by its length; leave --actor.loss_agg unset (auto: seq_mean_token_mean, as OpenRLHF)"
+    )
+    assert warns("ppo", "--actor.loss_agg", "token_mean") == []
+
+
+@pytest.mark.parametrize("flag", ["--adam.lr", "--muon.lr"])
+def test_negative_learning_rates_are_refused_by_validation(flag):
+    assert problem("sft", flag, "-1e-3") == (
+        f"{flag} -0.001: must be a finite number >= 0 (a learning rate cannot be negative)"
+    )
+    assert problem("ppo", "--actor.adam.lr", "-.5").startswith(
+        "--actor.adam.lr -0.5: must be a finite number >= 0"
+    )
+    assert problem("ppo", "--critic.adam.lr", "-2").startswith(
+        "--critic.adam.lr -2.0: must be a finite number"
+    )
+    assert problem("sft", flag, "inf").startswith(f"{flag} inf: must be a finite number >= 0")

@@ -97,7 +97,7 @@ def test_reward_model_merge_equals_adapter_model(base, score_model_dir, tiny_mod
     """RM LoRA from a score checkpoint, or from a causal LM (fresh head, saved in the adapter)."""
     base_dir = score_model_dir if base == "score" else tiny_model_dir
     torch.manual_seed(0)
-    model = perturb(load_score_model(base_dir, "fp32", lora=LORA), seed=1)
+    model = perturb(load_score_model(base_dir, "fp32", lora=LORA, new_head_ok=True), seed=1)
     batch = {"input_ids": IDS, "attention_mask": MASK}
     with torch.no_grad():
         want_values = forward_values(model, batch)

@@ -17,6 +17,7 @@ from posttrain.models import (
     parse_dtype,
     save_pretrained,
 )
+from posttrain.models.loading import ModelLoadError
 
 IDS = torch.tensor([[5, 17, 230, 41, 9, 88]])
 
@@ -86,16 +87,108 @@ def test_score_model_value_head_prefix(tmp_path):
         load_score_model(renamed, "fp32", value_head_prefix="critic_head")
 
 
-def test_score_model_from_causal_lm_gets_new_head(tiny_model_dir):
+def test_score_model_from_causal_lm_gets_new_head_only_when_asked(tiny_model_dir):
     torch.manual_seed(1)
-    a = load_score_model(tiny_model_dir, "fp32")
+    a = load_score_model(tiny_model_dir, "fp32", new_head_ok=True)
     lm = load_causal_lm(tiny_model_dir, "fp32")
     assert torch.equal(a.model.embed_tokens.weight, lm.model.embed_tokens.weight)  # same backbone
     assert a.score.weight.shape == (1, lm.config.hidden_size)
-    lora_rm = load_score_model(tiny_model_dir, "fp32", lora={"rank": 2, "target_modules": ["q_proj"]})
+    lora_rm = load_score_model(tiny_model_dir, "fp32", lora={"rank": 2, "target_modules": ["q_proj"]},
+                               new_head_ok=True)
     trainable = [n for n, p in lora_rm.named_parameters() if p.requires_grad]
     assert any("score" in n for n in trainable)  # the fresh head trains with the adapters
     assert all("lora_" in n or "score" in n for n in trainable)
+
+
+def copy_without(src, dst, *names):
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(*names))
+    return dst
+
+
+def as_bin(src, dst, architecture=None):
+    """`src` with its weights as pytorch_model.bin (no safetensors headers to inspect before loading)."""
+    copy_without(src, dst, "model.safetensors")
+    torch.save(load_file(os.path.join(src, "model.safetensors")), dst / "pytorch_model.bin")
+    if architecture:
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg["architectures"] = [architecture]
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_folder_with_only_a_tokenizer_is_refused_before_loading(tiny_model_dir, tmp_path):
+    only_tok = copy_without(tiny_model_dir, tmp_path / "tok-only", "model.safetensors", "config.json",
+                            "generation_config.json")
+    assert load_tokenizer(only_tok).pad_token  # the tokenizer itself is fine
+    for load in (load_causal_lm, load_score_model):
+        with pytest.raises(ModelLoadError) as err:
+            load(only_tok, "fp32")
+        msg = str(err.value)
+        assert msg.startswith(f"model folder {only_tok} has no model config.json and no weights")
+        assert "(it holds only tokenizer files)" in msg and "posttrain init-tiny" in msg
+    no_weights = copy_without(tiny_model_dir, tmp_path / "no-weights", "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"no-weights has no model weights \(model.safetensors"):
+        load_causal_lm(no_weights)
+
+
+def test_tokenizer_larger_than_the_vocabulary_is_refused(tiny_model_dir, tmp_path):
+    folder = copy_without(tiny_model_dir, tmp_path / "more-tokens")
+    tok = load_tokenizer(folder)
+    rows = len(tok)
+    tok.add_tokens(["<extra_1>", "<extra_2>"])
+    tok.save_pretrained(folder)
+    for load in (load_causal_lm, lambda p: load_score_model(p, new_head_ok=True)):
+        with pytest.raises(ModelLoadError) as err:
+            load(folder)
+        assert str(err.value).startswith(f"tokenizer {folder} has {rows + 2} tokens but model {folder} has a "
+                                         f"vocabulary of {rows} (input embedding rows)")
+    with pytest.raises(ModelLoadError, match=f"has {rows + 2} tokens but model {tiny_model_dir} has a vocabulary "
+                                             f"of {rows}"):
+        load_causal_lm(tiny_model_dir, tokenizer=tok)  # the run's tokenizer against another folder's model
+    smaller = load_tokenizer(tiny_model_dir)
+    assert load_causal_lm(folder, tokenizer=smaller).config.vocab_size == rows  # fewer tokens are fine
+
+
+def test_reward_model_given_as_causal_lm_is_refused(tiny_score_model_dir, tmp_path):
+    with pytest.raises(ModelLoadError) as err:
+        load_causal_lm(tiny_score_model_dir)
+    assert str(err.value).startswith(f"model {tiny_score_model_dir} is a reward/score model (architecture "
+                                     "LlamaForSequenceClassification), not a causal language model")
+    assert "--reward.model_name_or_path" in str(err.value)
+    # the architecture renamed: the weights still show a score head and no LM head
+    relabelled = copy_without(tiny_score_model_dir, tmp_path / "relabelled")
+    cfg = json.loads((relabelled / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (relabelled / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"its weights hold score.weight and no lm_head.weight"):
+        load_causal_lm(relabelled)
+    # no safetensors to inspect: transformers reports the LM head it had to initialise
+    with pytest.raises(ModelLoadError, match=r"has no LM head \(lm_head.weight\)"):
+        load_causal_lm(as_bin(tiny_score_model_dir, tmp_path / "bin", "LlamaForCausalLM"))
+
+
+def test_causal_lm_given_as_reward_model_is_refused(tiny_model_dir, tmp_path):
+    with pytest.raises(ModelLoadError) as err:
+        load_score_model(tiny_model_dir)
+    msg = str(err.value)
+    assert msg.startswith(f"model {tiny_model_dir} has no trained score head (no score.weight in its weights; "
+                          "architecture LlamaForCausalLM), so it is not a reward model")
+    assert "posttrain rm" in msg
+    with pytest.raises(ModelLoadError, match="no trained score head"):
+        load_score_model(as_bin(tiny_model_dir, tmp_path / "bin"))  # found after loading, too
+    assert load_score_model(tmp_path / "bin", new_head_ok=True).score.weight.shape[0] == 1
+
+
+def test_head_under_another_name_is_named_in_the_refusal(tiny_score_model_dir, tmp_path):
+    renamed = copy_without(tiny_score_model_dir, tmp_path / "value-head", "model.safetensors")
+    weights = load_file(os.path.join(tiny_score_model_dir, "model.safetensors"))
+    weights["value_head.weight"] = weights.pop("score.weight")
+    save_file(weights, str(renamed / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="its weights hold value_head.weight: pass --ds.value_head_prefix "
+                                             "value_head"):
+        load_score_model(renamed)
+    assert torch.equal(load_score_model(renamed, value_head_prefix="value_head").score.weight,
+                       weights["value_head.weight"])
 
 
 class Wrapper(torch.nn.Module):  # stands in for DDP / a DeepSpeed engine

@@ -142,7 +142,7 @@ def test_packed_with_tail_padding(model):
 @torch.no_grad()
 def test_score_model_values_packed_equal_alone(tiny_model_dir):
     torch.manual_seed(0)
-    rm = load_score_model(tiny_model_dir, "fp32")
+    rm = load_score_model(tiny_model_dir, "fp32", new_head_ok=True)
     seqs = samples(rm.config.vocab_size, seed=3)
     ref = [forward_values(rm, {"input_ids": s[None]})[0] for s in seqs]
     values = forward_values(rm, packed_batch(seqs))[0]

@@ -336,7 +336,7 @@ def test_bad_preference_data_and_flags_fail_before_training(tiny_model_dir, tmp_
 
 def test_lora_score_head_gets_gradients(tiny_model_dir, nano_rm):
     _, tok = nano_rm
-    model = load_score_model(tiny_model_dir, lora={"rank": 4, "target_modules": ["q_proj"]})
+    model = load_score_model(tiny_model_dir, lora={"rank": 4, "target_modules": ["q_proj"]}, new_head_ok=True)
     obj = RMObjective(tok.pad_token_id, packing=False)
     loss, _ = obj.loss(model, obj.collate(pairs(tok, 4, input_template="{} ")), 4.0)
     loss.backward()

@@ -1,6 +1,6 @@
 import pytest
 
-from posttrain.utils.checkpoint import CheckpointManager, read_manifest, verify_checkpoint
+from posttrain.utils.checkpoint import CheckpointError, CheckpointManager, read_manifest, verify_checkpoint
 
 
 def _writer(payload: bytes):
@@ -70,3 +70,138 @@ def test_corrupt_checkpoint_is_detected_and_skipped(tmp_path, damage, capsys):
     assert problem is not None and ("weights.bin" in problem or "manifest" in problem)
     assert mgr.latest().name == "global_step1"
     assert "skipping checkpoint" in capsys.readouterr().err
+
+
+# ---- checkpoints belong to a run ---------------------------------------------------------------
+def _identity(seed=1, epochs=1, run_id=None):
+    from posttrain.utils.checkpoint import RunIdentity
+
+    fields = {"trainer": "sft", "train.seed": seed, "adam.betas": [0.9, 0.95]}
+    ident = RunIdentity(fingerprint=f"fp-seed{seed}", fields=fields, adjustable={"train.max_epochs": epochs})
+    if run_id:
+        ident.run_id = run_id
+    return ident
+
+
+def _steps(root):
+    return sorted(int(p.name.removeprefix("global_step")) for p in root.glob("global_step*"))
+
+
+def test_rotation_only_touches_this_runs_checkpoints(tmp_path):
+    other = CheckpointManager(tmp_path, max_num=5, identity=_identity(run_id="other"))
+    for step in (12, 14, 16):
+        other.save(step, _writer(b"old run"), {})
+    mine = CheckpointManager(tmp_path, max_num=2, identity=_identity(run_id="mine"))
+    for step in (1, 2, 3, 4):
+        path = mine.save(step, _writer(b"new run"), {})
+        assert path.is_dir()  # the checkpoint just written is never rotated away
+    assert _steps(tmp_path) == [3, 4, 12, 14, 16]
+    assert read_manifest(tmp_path / "global_step4")["run"]["run_id"] == "mine"
+
+
+def test_rotation_never_deletes_the_checkpoint_just_written(tmp_path):
+    mgr = CheckpointManager(tmp_path, max_num=1, identity=_identity(run_id="r"))
+    mgr.save(10, _writer(b"a"), {})
+    mgr.save(5, _writer(b"b"), {})  # e.g. resumed from an older step: the new one wins over a higher step
+    assert _steps(tmp_path) == [5]
+    tiny = CheckpointManager(tmp_path / "mem", max_num=5, max_mem_gb=1e-12, identity=_identity(run_id="r"))
+    tiny.save(1, _writer(b"x" * 10), {})
+    tiny.save(2, _writer(b"x" * 10), {})
+    assert _steps(tmp_path / "mem") == [2]
+
+
+def test_fresh_run_into_a_folder_with_checkpoints_is_refused(tmp_path):
+    other = CheckpointManager(tmp_path, identity=_identity(run_id="other"))
+    for step in (12, 14, 16):
+        other.save(step, _writer(b"old"), {})
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    # same flags too: a fresh run never writes over another run's checkpoints
+    with pytest.raises(CheckpointError) as e:
+        CheckpointManager(tmp_path, identity=_identity()).prepare(resume=False)
+    msg = str(e.value)
+    assert str(tmp_path) in msg and "steps 12, 14, 16" in msg and "--ckpt.load_enable" in msg
+    assert "another (or empty) --ckpt.path" in msg and "\n" not in msg
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert CheckpointManager(tmp_path / "empty").prepare(resume=False) is None
+
+
+def test_resume_refuses_other_flags_and_never_falls_back(tmp_path):
+    CheckpointManager(tmp_path, max_num=5, identity=_identity(seed=2, run_id="a")).save(3, _writer(b"a"), {})
+    CheckpointManager(tmp_path, max_num=5, identity=_identity(seed=1, run_id="b")).save(6, _writer(b"b"), {})
+    with pytest.raises(CheckpointError) as e:  # step 3 has this run's flags, but 6 is the newest
+        CheckpointManager(tmp_path, identity=_identity(seed=2)).prepare(resume=True)
+    msg = str(e.value)
+    assert "global_step6" in msg and "--train.seed: checkpoint 1, this run 2" in msg
+    assert "another --ckpt.path" in msg and "adam.betas" not in msg
+
+
+def test_resume_takes_the_run_id_and_names_changed_run_length(tmp_path, capsys):
+    first = CheckpointManager(tmp_path, max_num=2, identity=_identity(run_id="lineage"))
+    first.save(2, _writer(b"a"), {})
+    first.save(4, _writer(b"b"), {})
+    resumed = CheckpointManager(tmp_path, max_num=2, identity=_identity(epochs=3))
+    assert resumed.prepare(resume=True).name == "global_step4"
+    assert resumed.identity.run_id == "lineage" and resumed.last_good.name == "global_step4"
+    assert "--train.max_epochs: checkpoint 1, this run 3" in capsys.readouterr().err
+    resumed.save(6, _writer(b"c"), {})
+    assert _steps(tmp_path) == [4, 6]  # rotation treats the resumed lineage as its own
+
+
+def test_disk_full_keeps_earlier_checkpoints_and_names_the_last_good_one(tmp_path):
+    import errno
+
+    mgr = CheckpointManager(tmp_path, identity=_identity())
+    good = mgr.save(2, _writer(b"good"), {})
+
+    def full(d):
+        (d / "weights.bin").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(CheckpointError) as e:
+        mgr.save(4, full, {})
+    assert str(e.value) == (f"no space left on device while writing checkpoint step 4 to {tmp_path}; the last "
+                            f"good checkpoint is {good} (free space or lower --ckpt.max_num)")
+    assert not list(tmp_path.glob(".tmp_step*")) and verify_checkpoint(good) is None
+    assert _steps(tmp_path) == [2]
+
+
+def test_disk_full_reason_recognises_torch_save_and_quota_errors():
+    import errno
+
+    from posttrain.utils.checkpoint import disk_full_reason
+
+    assert disk_full_reason(OSError(errno.EDQUOT, "quota")) == "disk quota exceeded"
+    assert disk_full_reason(RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed"))
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "full")
+        except OSError as inner:
+            raise RuntimeError("save failed") from inner
+    except RuntimeError as wrapped:
+        assert disk_full_reason(wrapped) == "no space left on device"
+    assert disk_full_reason(OSError(errno.EACCES, "denied")) is None
+
+
+def test_interrupted_save_leaves_no_temp_folder_and_stale_ones_are_cleaned(tmp_path):
+    mgr = CheckpointManager(tmp_path, identity=_identity())
+    mgr.save(1, _writer(b"one"), {})
+
+    def interrupted(d):
+        (d / "weights.bin").write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        mgr.save(2, interrupted, {})
+    assert not list(tmp_path.glob(".tmp_step*"))
+    (tmp_path / ".tmp_step7").mkdir()  # left by a kill -9
+    assert CheckpointManager(tmp_path, identity=_identity()).prepare(resume=True).name == "global_step1"
+    assert not (tmp_path / ".tmp_step7").exists()
+
+
+def test_checkpoint_mid_replacement_still_counts(tmp_path):
+    mgr = CheckpointManager(tmp_path, identity=_identity())
+    mgr.save(3, _writer(b"three"), {})
+    (tmp_path / "global_step3").rename(tmp_path / ".old_step3")  # crash between the two renames
+    assert [s for s, _ in mgr.valid_checkpoints()] == [3]
+    mgr.save(3, _writer(b"again"), {})
+    assert [p.name for _, p in mgr.step_dirs()] == ["global_step3"] and not (tmp_path / ".old_step3").exists()

@@ -159,11 +159,9 @@ class RewardModelSource:
         """Refuse a policy tokenizer whose ids this model cannot read: more tokens than its
         embedding rows, or (when the model folder has a tokenizer) a different vocabulary."""
         from posttrain.models import load_tokenizer
+        from posttrain.models.loading import check_vocab
 
-        rows = self.model.get_input_embeddings().num_embeddings
-        if len(tokenizer) > rows:
-            raise RewardError(f"reward model {self.path} has {rows} embedding rows but the policy's tokenizer has "
-                              f"{len(tokenizer)} tokens; the reward model must share the policy's vocabulary")
+        check_vocab(self.model, tokenizer, self.path)
         files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
         if not any(os.path.isfile(os.path.join(self.path, f)) for f in files):
             return  # no tokenizer in the folder: the embedding-size check above is all we can do

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import torch
@@ -32,8 +31,10 @@ from posttrain.trainers.rl.evaluate import dataset_name, eval_metrics
 from posttrain.trainers.rl.experience import Experience, build_experience
 from posttrain.trainers.rl.roles import Actor, Batching, Critic, Reference
 from posttrain.trainers.rl.updates import UpdateSettings, steps_per_rollout, update_actor, update_critic
+from posttrain.trainers.rundir import open_run_dir
 from posttrain.trainers.session import pick_device, wandb_settings
-from posttrain.utils.checkpoint import CheckpointManager, read_manifest
+from posttrain.utils.checkpoint import CheckpointError
+from posttrain.utils.interrupt import interrupt_as_error
 from posttrain.utils.log import info, warn_once
 from posttrain.utils.metrics import MetricsLogger
 from posttrain.utils.seeding import rng_state, set_rng_state, set_seed
@@ -60,23 +61,23 @@ class RLTrainer:
     def __init__(self, cfg) -> None:
         self.cfg = cfg
         self.device = pick_device()
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world > 1:
-            raise ConfigError(f"posttrain ppo runs its roles in one process in this version (WORLD_SIZE={world}); "
-                              "launch it as `posttrain ppo ...` or `python -m posttrain.cli.train_ppo_ray ...`, "
-                              "not under torchrun or deepspeed")
+        world = 1  # one process in this version (validation refuses WORLD_SIZE > 1)
         for note in resolve_hardware_defaults(cfg, self.device.type) or []:
             info(note)
         self.run_dir = Path(cfg.ckpt.output_dir)
         info(format_config(cfg, derived_sizes(cfg, world)))
         for note in inert_flags(cfg, self.device.type):
             info(f"note: {note}")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.run_dir / "config.yaml")
-        set_seed(cfg.train.seed)
-        self._load_data()
-        self._load_models()
-        self._build_loop_state()
+        self.rundir = open_run_dir(cfg)  # lock --ckpt.output_dir, check --ckpt.path: before any write or model
+        try:
+            save_config(cfg, self.run_dir / "config.yaml")
+            set_seed(cfg.train.seed)
+            self._load_data()
+            self._load_models()
+            self._build_loop_state()
+        except BaseException:
+            self.rundir.close()
+            raise
 
     # ---- set-up -----------------------------------------------------------------------------
     def _load_data(self) -> None:
@@ -202,10 +203,7 @@ class RLTrainer:
         self.timers = Timers()
         self.logger = MetricsLogger(self.run_dir, tensorboard_dir=cfg.logger.tensorboard_dir,
                                     wandb=wandb_settings(cfg), resume=cfg.ckpt.load_enable)
-        self.ckpt = None
-        if cfg.ckpt.path and not cfg.ckpt.disable_ds:
-            self.ckpt = CheckpointManager(cfg.ckpt.path, max_num=cfg.ckpt.max_num,
-                                          max_mem_gb=cfg.ckpt.max_mem if cfg.ckpt.max_mem is not None else math.inf)
+        self.ckpt = self.rundir.ckpt  # None: no --ckpt.save_steps and no --ckpt.load_enable, or --ckpt.disable_ds
 
     # ---- one step ---------------------------------------------------------------------------
     def sampling_params(self, step: int, evaluation: bool = False) -> SamplingParams:
@@ -334,52 +332,65 @@ class RLTrainer:
         info(f"saved checkpoint {path}")
 
     def try_resume(self) -> None:
-        if not (self.cfg.ckpt.load_enable and self.ckpt):
+        path = self.rundir.resume_from  # newest checkpoint that verifies, flags checked; None: start fresh
+        if path is None:
             return
-        for _, path in self.ckpt.valid_checkpoints():
-            try:
-                self.actor.engine.load_state(path / "actor")
-                if self.critic is not None:
-                    self.critic.engine.load_state(path / "critic")
-                state = torch.load(path / "trainer_state.pt", weights_only=False)
-            except Exception as e:  # verified but unloadable (e.g. another model): try an older one
-                info(f"could not load checkpoint {path} ({e}); trying an older one")
-                continue
-            self.global_step = state["global_step"]
-            self.stream.cursor = state["prompt_cursor"]
-            self.kl_ctl.load_state_dict(state["kl_ctl"])
-            self.best = state["best"]
-            self.actor.ema = state["ema"]
-            set_rng_state(state["rng"])
-            self.logger.truncate_after(self.global_step)
-            info(f"resumed from {path} at step {self.global_step} ({read_manifest(path)['step']})")
-            return
-        info(f"--ckpt.load_enable: no valid checkpoint in {self.cfg.ckpt.path}; starting fresh")
+        try:
+            self.actor.engine.load_state(path / "actor")
+            if self.critic is not None:
+                self.critic.engine.load_state(path / "critic")
+            state = torch.load(path / "trainer_state.pt", weights_only=False)
+        except Exception as e:  # verified, same flags, yet unloadable: never fall back to another checkpoint
+            raise CheckpointError(f"checkpoint {path} verifies but cannot be loaded by this run ({e}); resume with "
+                                  "the set-up that wrote it, or start a new run with another --ckpt.path") from e
+        self.global_step = state["global_step"]
+        self.stream.cursor = state["prompt_cursor"]
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.best = state["best"]
+        self.actor.ema = state["ema"]
+        set_rng_state(state["rng"])
+        self.logger.truncate_after(self.global_step)
+        info(f"resumed from {path} at step {self.global_step}")
 
     def fit(self) -> dict[str, float]:
+        """Train (resuming if asked); Ctrl-C ends in `Interrupted`; the run directory is released however it ends."""
+        try:
+            with interrupt_as_error(self._interrupted):
+                return self._fit()
+        finally:
+            self.reward_source.close()
+            self.rundir.close()
+
+    def _interrupted(self) -> str:
+        last = self.rundir.last_checkpoint()
+        return f"interrupted at step {self.global_step}; last checkpoint: {last if last is not None else 'none'}"
+
+    def _fit(self) -> dict[str, float]:
         from tqdm.auto import tqdm
 
         cfg = self.cfg
         self.try_resume()
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="rl", dynamic_ncols=True)
         last_eval: dict[str, float] = {}
-        while self.global_step < self.total_steps:
-            metrics = self.step()
-            self.global_step += 1
-            bar.update(1)
-            bar.set_postfix({"reward": f"{metrics['reward/mean']:.3f}", "len": f"{metrics['response/length']:.1f}",
-                             "kl": f"{metrics.get('kl/mean', 0.0):.4f}"})
-            if cfg.eval.steps > 0 and self.global_step % cfg.eval.steps == 0:
-                with self.timers("eval"):
-                    last_eval = self.evaluate()
-                metrics.update(last_eval)
-                metrics.update(self.timers.pop_metrics())
-                self._maybe_save_best(last_eval)
-            if self.global_step % max(cfg.logger.logging_steps, 1) == 0 or last_eval:
-                self.logger.log(self.global_step, metrics)
-            if self.ckpt and cfg.ckpt.save_steps > 0 and self.global_step % cfg.ckpt.save_steps == 0:
-                self.save_checkpoint()
-        bar.close()
+        try:
+            while self.global_step < self.total_steps:
+                metrics = self.step()
+                self.global_step += 1
+                bar.update(1)
+                bar.set_postfix({"reward": f"{metrics['reward/mean']:.3f}",
+                                 "len": f"{metrics['response/length']:.1f}", "kl": f"{metrics.get('kl/mean', 0.0):.4f}"})
+                if cfg.eval.steps > 0 and self.global_step % cfg.eval.steps == 0:
+                    with self.timers("eval"):
+                        last_eval = self.evaluate()
+                    metrics.update(last_eval)
+                    metrics.update(self.timers.pop_metrics())
+                    self._maybe_save_best(last_eval)
+                if self.global_step % max(cfg.logger.logging_steps, 1) == 0 or last_eval:
+                    self.logger.log(self.global_step, metrics)
+                if self.ckpt and cfg.ckpt.save_steps > 0 and self.global_step % cfg.ckpt.save_steps == 0:
+                    self.save_checkpoint()
+        finally:
+            bar.close()  # before any error line, so it stands alone
         self._export()
         self.logger.close()
         try:
@@ -388,7 +399,6 @@ class RLTrainer:
             plot_run(self.run_dir)
         except ValueError as e:
             info(f"no plots: {e}")
-        self.reward_source.close()
         return last_eval
 
     def _export(self) -> None:

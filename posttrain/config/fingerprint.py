@@ -1,0 +1,98 @@
+"""What makes checkpoints belong to a run: the fingerprint of its trajectory flags, and their folder.
+
+`run_fingerprint(cfg) -> (digest, fields)`: `fields` maps every flag that decides the training
+trajectory (dotted path, plus `trainer`) to its value, from `config_to_dict`; `digest` is the first
+16 hex digits of the SHA-256 of their canonical JSON. Call it after `resolve_hardware_defaults`:
+values resolved for the device count as used (`ds.param_dtype` auto is bf16 on GPU, fp32 on CPU), so
+a GPU run resumed on CPU is refused by name (`--ds.param_dtype: checkpoint bf16, this run fp32`)
+instead of silently changing precision. Left out:
+- volatile flags, which never change what is trained: `ckpt.*`, `logger.*` (W&B metadata included),
+  `eval.*` (evaluation reads the model and never steps it), `data.dataloader_num_workers`, and the
+  launcher flags `local_rank`, `use_ms`;
+- adjustable flags (`adjustable_values(cfg)`), which a resumed run may change; the resume names each
+  change in a start-up note:
+  * run length, which a user may legitimately extend: `train.max_epochs` and `data.max_samples`
+    (SFT/RM/DPO), `train.num_episodes` and `data.max_samples` (PPO, where `train.max_epochs` is the
+    number of passes over each rollout batch and so part of the trajectory);
+  * execution: how the same steps are computed or placed, not what they compute — micro-batching
+    and packing (the step loss is split-invariant, ALGORITHMS.md), gradient checkpointing, attention
+    and kernel backends, ZeRO stage/offload/partitioning, parallel sizes, vLLM engine settings, role
+    placement, reward-server time-outs. An engine that cannot load the checkpoint says so on resume.
+
+`checkpoint_dir(cfg)`: where this run's resumable checkpoints live — `--ckpt.path`, or when it is
+unset `<--ckpt.output_dir>/checkpoints`; None when checkpoints are off (`--ckpt.disable_ds`, or
+`--ckpt.path ''`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Any
+
+from posttrain.config.yaml_io import config_to_dict
+
+CHECKPOINTS_SUBDIR = "checkpoints"
+
+VOLATILE = ("ckpt.*", "logger.*", "eval.*", "data.dataloader_num_workers", "local_rank", "use_ms")
+RUN_LENGTH = {"ppo": ("train.num_episodes", "data.max_samples")}
+RUN_LENGTH_SINGLE_MODEL = ("train.max_epochs", "data.max_samples")
+EXECUTION = (
+    "train.micro_batch_size", "train.dynamic_batch_enable", "train.max_tokens_per_gpu",
+    "train.full_determinism_enable", "train.colocate_*", "rollout.micro_batch_size",
+    "rollout.max_tokens_per_gpu", "ds.packing_samples", "*.gradient_checkpointing_enable",
+    "*.gradient_checkpointing_reentrant", "ds.attn_implementation", "ds.experts_implementation",
+    "ds.use_liger_kernel", "ds.zero_stage", "ds.zpg", "ds.adam_offload", "ds.overlap_comm",
+    "ds.deepcompile", "ds.tensor_parallel_size", "ds.ring_attn_size", "ds.ring_attn_head_stride",
+    "ds.use_universal_ckpt", "ds.enable_sleep", "vllm.*", "*.num_nodes", "*.num_gpus_per_node",
+    "*.offload", "reward.timeout", "reward.retries", "critic.save_value_network",
+)
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def _values(cfg) -> dict[str, Any]:
+    """Dotted path -> value of every flag, `trainer` first."""
+    return _flat(config_to_dict(cfg))
+
+
+def _matches(path: str, patterns) -> bool:
+    return any(fnmatchcase(path, p) for p in patterns)
+
+
+def _adjustable_patterns(trainer: str) -> tuple[str, ...]:
+    return (*RUN_LENGTH.get(trainer, RUN_LENGTH_SINGLE_MODEL), *EXECUTION)
+
+
+def run_fingerprint(cfg) -> tuple[str, dict[str, Any]]:
+    """(digest, fields) of the flags that decide the training trajectory (module docstring)."""
+    adjustable = _adjustable_patterns(cfg.trainer)
+    fields = {k: v for k, v in _values(cfg).items()
+              if not _matches(k, VOLATILE) and not _matches(k, adjustable)}
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16], fields
+
+
+def adjustable_values(cfg) -> dict[str, Any]:
+    """Flags a resumed run may change (run length, execution): dotted path -> value."""
+    adjustable = _adjustable_patterns(cfg.trainer)
+    return {k: v for k, v in _values(cfg).items() if not _matches(k, VOLATILE) and _matches(k, adjustable)}
+
+
+def checkpoint_dir(cfg) -> Path | None:
+    """`--ckpt.path`, or `<--ckpt.output_dir>/checkpoints` when it is unset; None when checkpoints
+    are off (`--ckpt.disable_ds` or an empty `--ckpt.path`)."""
+    c = cfg.ckpt
+    if c.disable_ds or c.path == "":
+        return None
+    return Path(c.path) if c.path is not None else Path(c.output_dir) / CHECKPOINTS_SUBDIR

@@ -1,0 +1,84 @@
+"""Claiming a run's folders at start-up, shared by every trainer (SFT/RM/DPO through `SingleModelRun`,
+and the RL trainer).
+
+    run = open_run_dir(cfg, is_main=...)   # before config.yaml, metrics or any model
+    try:
+        ...; CheckpointManager in run.ckpt (None: no checkpoints); run.resume_from: what to resume
+    finally:
+        run.close()
+
+`open_run_dir` (1) locks `--ckpt.output_dir` against a second writer (main process; `RunLock`),
+(2) resolves the checkpoint folder (`checkpoint_dir`: `--ckpt.path`, unset ->
+`<--ckpt.output_dir>/checkpoints`) and prints it, (3) when the run uses it (`--ckpt.save_steps` > 0 or
+`--ckpt.load_enable`) locks it too if it lies outside the run directory, and checks it
+(`CheckpointManager.prepare`): a fresh run into a folder holding checkpoints is refused; a resume
+picks the newest checkpoint that verifies and refuses one written with other training flags.
+Every refusal is a UserError raised before anything is written; the locks taken so far are released.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from posttrain.config import adjustable_values, checkpoint_dir, run_fingerprint
+from posttrain.utils.checkpoint import CheckpointManager, RunIdentity
+from posttrain.utils.log import info
+from posttrain.utils.run_lock import RunLock
+
+
+def run_identity(cfg) -> RunIdentity:
+    """This run's identity for its checkpoint manifests: a fresh run_id, the config fingerprint."""
+    digest, fields = run_fingerprint(cfg)
+    return RunIdentity(fingerprint=digest, fields=fields, adjustable=adjustable_values(cfg))
+
+
+@dataclass
+class RunDir:
+    path: Path
+    ckpt: CheckpointManager | None = None
+    resume_from: Path | None = None
+    locks: list[RunLock] = field(default_factory=list)
+
+    def last_checkpoint(self) -> Path | None:
+        """The newest good checkpoint of this run (saved by it or resumed from), or None."""
+        return self.ckpt.last_good if self.ckpt is not None else None
+
+    def close(self) -> None:
+        """Release the folder locks (idempotent)."""
+        for lock in reversed(self.locks):
+            lock.release()
+        self.locks.clear()
+
+    def __enter__(self) -> RunDir:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path.resolve().is_relative_to(folder.resolve())
+
+
+def open_run_dir(cfg, *, is_main: bool = True) -> RunDir:
+    """Lock and check the run's folders before anything is written (module docstring)."""
+    run = RunDir(Path(cfg.ckpt.output_dir))
+    try:
+        if is_main:
+            run.locks.append(RunLock(run.path, "--ckpt.output_dir").acquire())
+        root = checkpoint_dir(cfg)
+        if root is None or not (cfg.ckpt.save_steps > 0 or cfg.ckpt.load_enable):
+            return run
+        how = " (--ckpt.path unset: <--ckpt.output_dir>/checkpoints)" if cfg.ckpt.path is None else ""
+        info(f"checkpoints: {root.resolve()}{how}")
+        if is_main and not _inside(root, run.path):
+            run.locks.append(RunLock(root, "--ckpt.path").acquire())
+        max_mem = cfg.ckpt.max_mem if cfg.ckpt.max_mem is not None else math.inf
+        run.ckpt = CheckpointManager(root, max_num=cfg.ckpt.max_num, max_mem_gb=max_mem, is_main=is_main,
+                                     identity=run_identity(cfg))
+        run.resume_from = run.ckpt.prepare(cfg.ckpt.load_enable)
+        return run
+    except BaseException:
+        run.close()
+        raise

@@ -1,0 +1,212 @@
+"""The "nothing silent" contract: every flag of every trainer acts, is reported as inert at start-up by
+a rule of `inert_rules` when set, or is refused by validation; "acting" is checked against the source."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from config_args import BASE
+
+from posttrain.config import (
+    TRAINERS,
+    ConfigError,
+    config_class,
+    flag_specs,
+    inert_flags,
+    parse_config,
+    validate,
+)
+from posttrain.config.coverage import ACTING, REFUSED, contract_problems, flag_coverage
+from posttrain.config.hardware import inert_rules
+from posttrain.config.spec import get_path, set_path
+
+PACKAGE = Path(__file__).parents[2] / "posttrain"
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_every_flag_acts_or_is_reported_or_refused(trainer):
+    assert contract_problems(trainer) == []
+    coverage = flag_coverage(trainer)
+    for spec in flag_specs(config_class(trainer)):
+        assert coverage[spec.path], f"{trainer}: --{spec.path} is silently inert"
+
+
+def test_contract_catches_a_silent_flag(monkeypatch):
+    acting = dict(ACTING, sft=ACTING["sft"] - {"ds.zero_stage"})
+    monkeypatch.setattr("posttrain.config.coverage.ACTING", acting)
+    assert contract_problems("sft") == ["sft: --ds.zero_stage is neither acting, inert-ruled nor refused"]
+    acting = dict(ACTING, sft=ACTING["sft"] | {"ds.deepcompile", "no.such_flag"})
+    monkeypatch.setattr("posttrain.config.coverage.ACTING", acting)
+    assert sorted(contract_problems("sft")) == [
+        "sft: --ds.deepcompile is listed as acting but a rule always reports it as inert",
+        "sft: no.such_flag is named by the registry or a rule but is not a flag",
+    ]
+
+
+def _attributes_read_outside_config() -> set[str]:
+    """Names `x` of every attribute read `<expr>.x` in posttrain/ outside posttrain/config (comments,
+    strings and help texts do not count)."""
+    names: set[str] = set()
+    for path in PACKAGE.rglob("*.py"):
+        if path.relative_to(PACKAGE).parts[0] == "config":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+                names.add(node.attr)
+    return names
+
+
+def test_acting_flags_are_read_by_the_code():
+    read = _attributes_read_outside_config()
+    unread = sorted(
+        f"{trainer}: --{path}"
+        for trainer in TRAINERS
+        for path in ACTING[trainer]
+        if path.rsplit(".", 1)[-1] not in read
+    )
+    assert unread == [], "listed as acting but never read outside posttrain/config"
+
+
+def _other_value(spec):
+    """A value of `spec` different from its default."""
+    d = spec.default
+    if spec.choices:
+        return next(c for c in spec.choices if c != d)
+    if spec.is_list:
+        return ["q_proj"] if spec.base is str else [0.25, 0.75]
+    if spec.base is bool:
+        return not d
+    if spec.base is int:
+        return 3 if d != 3 else 4
+    if spec.base is float:
+        return 0.25 if d != 0.25 else 0.5
+    return "x" if d != "x" else "y"
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_always_inert_flags_are_reported_once_when_set(trainer, device):
+    specs = {s.path: s for s in flag_specs(config_class(trainer))}
+    base = parse_config(trainer, BASE[trainer], check=False)
+    always = sorted({r.path for r in inert_rules(base) if r.when is None})
+    assert always
+    for path in always:
+        cfg = parse_config(trainer, BASE[trainer], check=False)
+        set_path(cfg, path, _other_value(specs[path]))
+        notes = [
+            n for n in inert_flags(cfg, device) if n.split(" has no effect")[0].split()[0] == f"--{path}"
+        ]
+        assert len(notes) == 1, (path, notes)
+    assert inert_flags(base, device) == []
+
+
+def test_features_of_later_versions_say_so():
+    cfg = parse_config("ppo", BASE["ppo"], check=False)
+    later = [p for p in flag_coverage("ppo") if p.split(".")[0] == "vllm"]
+    later += ["train.async_enable", "train.async_queue_size", "train.partial_rollout_enable"]
+    later += [
+        "rollout.vllm_generate_batch_size",
+        "train.colocate_all",
+        "actor.num_nodes",
+        "reward.num_gpus_per_node",
+    ]
+    later += ["ds.enable_sleep", "data.max_images_per_prompt", "actor.aux_loss_coef", "ds.deepcompile"]
+    reasons = {r.path: r.reason for r in inert_rules(cfg) if r.when is None}
+    for path in later:
+        assert reasons[path].startswith("not available in this version: "), path
+
+
+def test_async_and_partial_rollout_are_reported_not_refused():
+    cfg = parse_config(
+        "ppo",
+        BASE["ppo"]
+        + ["--train.async_enable", "--train.partial_rollout_enable", "--train.async_queue_size", "4"],
+        device="cpu",
+    )
+    assert [n.split(" has no effect")[0] for n in inert_flags(cfg, "cpu")] == [
+        "--train.async_enable",
+        "--train.async_queue_size 4",
+        "--train.partial_rollout_enable",
+    ]
+    assert all("asynchronous training" in n for n in inert_flags(cfg, "cpu"))
+
+
+def test_a_flag_named_by_two_rules_is_reported_once():
+    cfg = parse_config("ppo", BASE["ppo"] + ["--ds.adam_offload"], device="cpu")
+    assert inert_flags(cfg, "cpu") == [
+        "--ds.adam_offload has no effect here: not available in this version: DeepSpeed in posttrain ppo "
+        "(it trains in one process with the plain torch engine)"
+    ]
+
+
+def test_conditional_rules():
+    def notes(trainer, *extra):
+        cfg = parse_config(trainer, BASE[trainer] + list(extra), device="cpu")
+        return [n.split(" has no effect")[0] for n in inert_flags(cfg, "cuda")]
+
+    assert notes(
+        "ppo",
+        "--algo.advantage.estimator",
+        "rloo",
+        "--rollout.n_samples_per_prompt",
+        "2",
+        "--critic.adam.lr",
+        "1e-5",
+    ) == ["--critic.adam.lr 1e-05"]
+    assert notes("ppo", "--critic.adam.lr", "1e-5") == []  # gae trains a critic
+    assert notes("ppo", "--algo.kl.init_coef", "0", "--ref.model_name_or_path", "r") == [
+        "--ref.model_name_or_path r"
+    ]
+    assert notes("ppo", "--reward.normalize_enable", "--reward.timeout", "5") == [
+        "--reward.normalize_enable",
+        "--reward.timeout 5.0",
+    ]
+    assert notes("ppo", "--train.ema_beta", "0.9") == ["--train.ema_beta 0.9"]
+    assert notes("ppo", "--train.ema_beta", "0.9", "--train.enable_ema") == []
+    assert notes("sft", "--ds.lora.alpha", "32") == ["--ds.lora.alpha 32"]
+    assert notes("sft", "--ds.lora.alpha", "32", "--ds.lora.rank", "8") == []
+    assert notes("sft", "--eval.steps", "10") == ["--eval.steps 10"]
+    assert notes("rm", "--model.compute_fp32_loss_enable") == ["--model.compute_fp32_loss_enable"]
+
+
+def test_local_rank_from_the_launcher_is_not_reported(monkeypatch):
+    cfg = parse_config("sft", BASE["sft"] + ["--local_rank", "1"], device="cpu")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert inert_flags(cfg, "cpu") == []
+    monkeypatch.delenv("LOCAL_RANK")
+    assert inert_flags(cfg, "cpu") == [
+        "--local_rank 1 has no effect here: the device comes from the LOCAL_RANK environment variable the "
+        "launcher sets"
+    ]
+
+
+def test_refused_flags_are_refused_by_validation():
+    for trainer in TRAINERS:
+        for path in REFUSED[trainer]:
+            spec = {s.path: s for s in flag_specs(config_class(trainer))}[path]
+            cfg = parse_config(trainer, BASE[trainer], check=False)
+            set_path(cfg, path, _other_value(spec))
+            assert get_path(cfg, path) != spec.default
+            with pytest.raises(ConfigError, match=path.replace(".", r"\.")):
+                validate(cfg, device="cpu")
+
+
+def test_every_trainer_prints_the_inert_notes_at_start_up():
+    """SFT, RM and DPO set up through SingleModelRun, which prints inert_flags; so does the RL trainer."""
+
+    def calls(path: Path) -> set[str]:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        return {
+            n.func.id if isinstance(n.func, ast.Name) else getattr(n.func, "attr", "")
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call)
+        }
+
+    trainers = PACKAGE / "trainers"
+    assert "inert_flags" in calls(trainers / "session.py") and "inert_flags" in calls(
+        trainers / "rl" / "ppo.py"
+    )
+    for name in ("sft", "rm", "dpo"):
+        assert "SingleModelRun" in calls(trainers / f"{name}.py"), name

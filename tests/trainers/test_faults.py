@@ -1,0 +1,219 @@
+"""Faults of real `posttrain sft` processes on the nano model: checkpoints of another run, resume with
+other flags, kill -9 and resume, two writers into one run directory, Ctrl-C, a full disk.
+
+Each process trains 16 samples in batches of 4 (4 steps per epoch). Waits poll the file system for
+what the test needs (a checkpoint, a marker file) with a generous deadline; no test depends on how
+fast a step runs."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from posttrain.utils.checkpoint import CheckpointManager, verify_checkpoint
+from posttrain.utils.metrics import read_metrics
+from posttrain.utils.run_lock import LOCK_FILE
+
+ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+CLI = [sys.executable, "-m", "posttrain.cli.main", "sft"]
+DEADLINE_S = 240  # a guard against a hung test, not a speed requirement
+
+
+def flags(model, data, out, *extra) -> list[str]:
+    return [str(f) for f in (
+        "--model.model_name_or_path", model, "--data.dataset", data, "--data.input_key", "prompt",
+        "--data.output_key", "response", "--data.apply_chat_template", "--data.max_len", 48,
+        "--data.max_samples", 16, "--train.batch_size", 4, "--train.micro_batch_size", 4,
+        "--train.max_epochs", 1, "--adam.lr", 1e-3, "--ckpt.output_dir", out, *extra)]
+
+
+def run(args, timeout=DEADLINE_S) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, env=ENV, timeout=timeout, check=False)
+
+
+def start(args, log: Path) -> subprocess.Popen:
+    """A background run whose stderr goes to `log` (a pipe nobody reads would fill up and stall it).
+    SIGINT is reset to Python's default handler in case the test runner ignores it."""
+    with log.open("w") as f:
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=f, text=True, env=ENV,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc.log = log
+    return proc
+
+
+def finish(proc: subprocess.Popen) -> str:
+    """Wait for `proc` and return its stderr."""
+    proc.wait(timeout=DEADLINE_S)
+    return proc.log.read_text()
+
+
+def wait_for(condition, proc: subprocess.Popen, what: str):
+    end = time.monotonic() + DEADLINE_S
+    while time.monotonic() < end:
+        found = condition()
+        if found:
+            return found
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before {what}:\n"
+                                 f"{proc.log.read_text()[-3000:]}")
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"no {what} after {DEADLINE_S} s")
+
+
+def error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    return lines[-1]
+
+
+def snapshot(folder: Path) -> dict:
+    """Every checkpoint file (the lock file names its latest holder and may change)."""
+    return {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in folder.rglob("*")
+            if p.is_file() and p.name != LOCK_FILE}
+
+
+@pytest.fixture(scope="module")
+def earlier_run(tiny_model_dir, arithmetic_dir, tmp_path_factory):
+    """Checkpoints 4, 6, 8 of an earlier run (seed 1, 2 epochs), written in-process."""
+    from posttrain.cli import train_sft
+
+    root = tmp_path_factory.mktemp("earlier")
+    ckpt = root / "ckpt"
+    train_sft.main(flags(tiny_model_dir, arithmetic_dir, root / "run", "--train.seed", 1, "--train.max_epochs", 2,
+                         "--ckpt.path", ckpt, "--ckpt.save_steps", 2))
+    assert sorted(p.name for p in ckpt.glob("global_step*")) == ["global_step4", "global_step6", "global_step8"]
+    return ckpt
+
+
+def test_fresh_run_into_another_runs_checkpoints_is_refused(earlier_run, tiny_model_dir, arithmetic_dir, tmp_path):
+    before = snapshot(earlier_run)
+    proc = run(CLI + flags(tiny_model_dir, arithmetic_dir, tmp_path / "new", "--train.seed", 1,
+                           "--ckpt.path", earlier_run, "--ckpt.save_steps", 2))
+    assert proc.returncode == 2
+    assert error_line(proc.stderr) == (
+        f"posttrain sft: error: --ckpt.path {earlier_run} already holds checkpoints (steps 4, 6, 8) of an earlier "
+        f"run; pass --ckpt.load_enable to resume it, or choose another (or empty) --ckpt.path")
+    assert "Loading weights" not in proc.stderr  # refused before any model loads
+    assert snapshot(earlier_run) == before and not (tmp_path / "new" / "config.yaml").exists()
+
+
+def test_resume_with_another_seed_is_refused_naming_the_flag(earlier_run, tiny_model_dir, arithmetic_dir, tmp_path):
+    before = snapshot(earlier_run)
+    proc = run(CLI + flags(tiny_model_dir, arithmetic_dir, tmp_path / "resume", "--train.seed", 2,
+                           "--train.max_epochs", 2, "--ckpt.path", earlier_run, "--ckpt.load_enable"))
+    assert proc.returncode == 2
+    line = error_line(proc.stderr)
+    assert line.startswith(f"posttrain sft: error: cannot resume from checkpoint {earlier_run / 'global_step8'}: ")
+    assert "(--train.seed: checkpoint 1, this run 2)" in line and "another --ckpt.path" in line
+    assert snapshot(earlier_run) == before
+
+
+def test_resume_after_kill_9_continues_from_the_last_good_checkpoint(tiny_model_dir, arithmetic_dir, tmp_path):
+    out = tmp_path / "run"
+    ckpt = out / "checkpoints"  # --ckpt.path unset: it follows --ckpt.output_dir
+    long_run = start(CLI + flags(tiny_model_dir, arithmetic_dir, out, "--train.max_epochs", 100,
+                                 "--ckpt.save_steps", 2, "--ckpt.max_num", 2), tmp_path / "killed.log")
+    wait_for(lambda: list(ckpt.glob("global_step*")), long_run, "a checkpoint")
+    long_run.send_signal(signal.SIGKILL)
+    finish(long_run)
+    step, last = CheckpointManager(ckpt).valid_checkpoints()[0]
+    epochs = step // 4 + 1  # the resumed run ends a few steps after the checkpoint
+    proc = run(CLI + flags(tiny_model_dir, arithmetic_dir, out, "--train.max_epochs", epochs,
+                           "--ckpt.save_steps", 2, "--ckpt.max_num", 2, "--ckpt.load_enable"))
+    assert proc.returncode == 0, proc.stderr[-3000:]  # the dead run's lock does not block
+    assert f"resumed from {last} at step {step}" in proc.stderr
+    assert f"--train.max_epochs: checkpoint 100, this run {epochs}" in proc.stderr  # run length may change
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
+    assert steps == list(range(1, 4 * epochs + 1))  # rows after the checkpoint were dropped, then rewritten
+    assert not list(ckpt.glob(".tmp_step*")) and (out / "model.safetensors").exists()
+
+
+DRIVER_PAUSE = """
+import pathlib, sys, time
+from posttrain.utils.metrics import MetricsLogger
+marker, go = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+log = MetricsLogger.log
+def paused_log(self, step, metrics):
+    log(self, step, metrics)
+    if step == 1:  # hold the run directory until the test says go
+        marker.touch()
+        while not go.exists():
+            time.sleep(0.05)
+MetricsLogger.log = paused_log
+from posttrain.cli.main import main
+main(["sft", *sys.argv[3:]])
+"""
+
+
+def test_second_writer_into_one_output_dir_is_refused(tiny_model_dir, arithmetic_dir, tmp_path):
+    out = tmp_path / "run"
+    marker, go = tmp_path / "training", tmp_path / "go"
+    first = start([sys.executable, "-c", DRIVER_PAUSE, marker, go, *flags(tiny_model_dir, arithmetic_dir, out)],
+                  tmp_path / "first.log")
+    try:
+        wait_for(marker.exists, first, "the first run's first step")
+        second = run(CLI + flags(tiny_model_dir, arithmetic_dir, out, "--train.seed", 7))
+        assert second.returncode == 2
+        line = error_line(second.stderr)
+        assert line.startswith(f"posttrain sft: error: --ckpt.output_dir {out} is in use by another posttrain run "
+                               f"(pid {first.pid}, started ")
+        assert line.endswith("; wait for it or choose another --ckpt.output_dir")
+    finally:
+        go.touch()
+    err = finish(first)
+    assert first.returncode == 0, err[-3000:]
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4]  # the first run's, alone
+    assert (out / "model.safetensors").exists()
+
+
+def test_ctrl_c_ends_with_one_line_and_no_temp_folders(tiny_model_dir, arithmetic_dir, tmp_path):
+    out = tmp_path / "run"
+    ckpt = out / "checkpoints"
+    proc = start(CLI + flags(tiny_model_dir, arithmetic_dir, out, "--train.max_epochs", 100,
+                             "--ckpt.save_steps", 1, "--ckpt.max_num", 2), tmp_path / "run.log")
+    wait_for(lambda: list(ckpt.glob("global_step*")), proc, "a checkpoint")
+    proc.send_signal(signal.SIGINT)
+    err = finish(proc)
+    assert proc.returncode == 2
+    line = error_line(err)
+    assert line.startswith("posttrain sft: error: interrupted at step "), err[-3000:]
+    step = int(line.split("interrupted at step ")[1].split(";")[0])
+    last = Path(line.split("; last checkpoint: ")[1])
+    assert last.parent == ckpt and verify_checkpoint(last) is None
+    assert step - 1 <= int(last.name.removeprefix("global_step")) <= step  # saved every step
+    assert not list(ckpt.glob(".tmp_step*")) and not list(ckpt.glob(".old_step*"))
+
+
+DRIVER_DISK_FULL = """
+import errno, os, sys
+from posttrain.engines.torch_engine import TorchEngine
+save_state, calls = TorchEngine.save_state, []
+def full_disk(self, directory):
+    calls.append(directory)
+    if len(calls) == int(sys.argv[1]):  # the Nth save: write part of it, then the disk is full
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "model.pt"), "wb") as f:
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return save_state(self, directory)
+TorchEngine.save_state = full_disk
+from posttrain.cli.main import main
+main(["sft", *sys.argv[2:]])
+"""
+
+
+def test_disk_full_while_checkpointing_keeps_the_earlier_checkpoint(tiny_model_dir, arithmetic_dir, tmp_path):
+    out = tmp_path / "run"
+    ckpt = out / "checkpoints"
+    proc = run([sys.executable, "-c", DRIVER_DISK_FULL, "2",
+                *flags(tiny_model_dir, arithmetic_dir, out, "--ckpt.save_steps", 2)])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert error_line(proc.stderr) == (
+        f"posttrain sft: error: no space left on device while writing checkpoint step 4 to {ckpt}; the last good "
+        f"checkpoint is {ckpt / 'global_step2'} (free space or lower --ckpt.max_num)")
+    assert verify_checkpoint(ckpt / "global_step2") is None
+    assert [p.name for p in ckpt.iterdir() if p.name.startswith(("global_step", ".tmp", ".old"))] == ["global_step2"]
