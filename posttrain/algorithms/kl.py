@@ -89,14 +89,17 @@ class FixedKLController:
 
 
 class AdaptiveKLController:
-    """Ziegler et al. proportional controller steering the measured KL toward ``target``:
-    ``value ← max(0, value · (1 + clip(current_kl / target - 1, -0.2, 0.2) · n_steps / horizon))``.
+    """Ziegler et al. proportional controller steering the measured KL toward ``target``, with
+    ``e = clip(current_kl / target - 1, -0.2, 0.2)`` and ``x = n_steps / horizon``:
+    ``value *= 1 + e·x`` when ``x <= 1`` (OpenRLHF's update, exactly), and ``value *= (1 + e)^x``
+    when ``x > 1`` (**[beyond]**: the same per-horizon change compounded; OpenRLHF's linear factor
+    turns negative for ``x > 5`` and would flip the coefficient's sign, rewarding divergence).
+    Both agree at ``x = 1``; the coefficient stays > 0 (``compounded`` records that an update took
+    the second branch, for a warning).
 
     ``current_kl`` is OpenRLHF's statistic: the mean over the step's samples of each sample's
-    token-mean KL; ``n_steps`` the samples of the step. The relative change per update is at most
-    ``0.2 · n_steps / horizon``; when ``n_steps > 5 · horizon`` a KL below target could drive the
-    factor negative, so the coefficient is floored at 0 (**[beyond]**: OpenRLHF lets it turn
-    negative, which rewards divergence) and ``clamped`` records it for a warning."""
+    token-mean KL (the training-time KL loss with ``--algo.kl.use_loss``); ``n_steps`` the samples
+    of the step."""
 
     def __init__(self, init_coef, target, horizon):
         if _finite("init_coef", init_coef) < 0:
@@ -108,7 +111,7 @@ class AdaptiveKLController:
         self.value = float(init_coef)
         self.target = float(target)
         self.horizon = float(horizon)
-        self.clamped = False
+        self.compounded = False
 
     def update(self, current_kl, n_steps):
         current = _finite("current_kl", current_kl)
@@ -116,9 +119,10 @@ class AdaptiveKLController:
         if n < 0:
             raise ValueError(f"n_steps={n_steps!r} must be >= 0")
         error = min(max(current / self.target - 1.0, -0.2), 0.2)
-        factor = 1.0 + error * n / self.horizon
-        self.clamped = factor < 0
-        self.value = max(self.value * factor, 0.0)
+        x = n / self.horizon
+        self.compounded = x > 1
+        # exp(x·log(1+e)) = (1+e)^x, its exponent bounded so that no horizon/sample count overflows
+        self.value *= math.exp(max(min(x * math.log1p(error), 700.0), -700.0)) if self.compounded else 1.0 + error * x
 
     def state_dict(self) -> dict:
         return {"value": self.value, "target": self.target, "horizon": self.horizon}

@@ -151,6 +151,14 @@ def _common_rules(cfg) -> list[InertRule]:
         ),
         InertRule("eval.split", "no --eval.dataset", _no_eval_dataset),
         InertRule("eval.steps", "no --eval.dataset", _no_eval_dataset),
+        InertRule("train.max_tokens_per_gpu", "needs --train.dynamic_batch_enable",
+                  lambda v, c, dev: not c.train.dynamic_batch_enable),
+    ]
+    no_saves = lambda v, c, dev: c.ckpt.save_steps <= 0 or c.ckpt.disable_ds
+    rules += [
+        InertRule(f"ckpt.{name}", "no checkpoints are saved (--ckpt.save_steps <= 0 or --ckpt.disable_ds)",
+                  no_saves)
+        for name in ("save_hf", "max_num", "max_mem")
     ]
     rules += [
         InertRule(
@@ -236,13 +244,15 @@ def _ppo_rules(cfg) -> list[InertRule]:
     rules.append(
         InertRule(
             "reward.normalize_enable",
-            "it normalises reward-model scores and there is no --reward.model_name_or_path",
-            lambda v, c, dev: not c.reward.model_name_or_path,
+            "it normalises a reward model's scores (and a critic started from it); there is neither "
+            "--reward.model_name_or_path nor a critic",
+            lambda v, c, dev: not c.reward.model_name_or_path and c.algo.advantage.estimator != "gae",
         )
     )
-    not_http = lambda v, c, dev: not str(c.reward.remote_url or "").startswith(("http://", "https://"))
+    no_remote = lambda v, c, dev: not c.reward.remote_url
     rules += [
-        InertRule(f"reward.{name}", "it applies to an http(s) --reward.remote_url only", not_http)
+        InertRule(f"reward.{name}", "it applies to --reward.remote_url (a reward server or .py file) only",
+                  no_remote)
         for name in ("timeout", "retries")
     ]
     rules.append(
@@ -255,6 +265,17 @@ def _ppo_rules(cfg) -> list[InertRule]:
     rules.append(
         InertRule("train.ema_beta", "needs --train.enable_ema", lambda v, c, dev: not c.train.enable_ema)
     )
+    rules += [
+        InertRule("rollout.max_tokens_per_gpu", "needs --train.dynamic_batch_enable",
+                  lambda v, c, dev: not c.train.dynamic_batch_enable),
+        InertRule("reward.overlong_penalty_factor", "needs --reward.overlong_buffer_len",
+                  lambda v, c, dev: not c.reward.overlong_buffer_len),
+        InertRule("algo.kl.horizon", "needs --algo.kl.target (the adaptive controller)",
+                  lambda v, c, dev: not c.algo.kl.target),
+        InertRule("ckpt.best_metric_key", "no --eval.dataset", _no_eval_dataset),
+        InertRule("ds.value_head_prefix", "no reward model and no critic (--algo.advantage.estimator gae)",
+                  lambda v, c, dev: not c.reward.model_name_or_path and c.algo.advantage.estimator != "gae"),
+    ]
     rules.append(
         InertRule(
             "algo.dynamic_filtering_range",

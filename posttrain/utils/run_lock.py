@@ -105,4 +105,7 @@ class RunLock:
         self.release()
 
     def __del__(self) -> None:  # a run object dropped without close() must not keep its folder locked
-        self.release()
+        try:
+            self.release()
+        except Exception:  # at interpreter exit module globals may be gone; the OS frees the lock anyway
+            pass

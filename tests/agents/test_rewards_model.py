@@ -64,14 +64,17 @@ def test_padded_reward_equals_unpadded_forward(source, side):
     assert out.skipped.tolist() == [False] * 4
 
 
-def test_text_queries_are_tokenised_with_one_eos(source):
+def test_text_queries_are_scored_as_given(source):
+    """OpenRLHF's serve_rm: no automatic special tokens, nothing appended — a query ending in the EOS
+    text is scored at that EOS, one without it (a truncated response) at its own last token."""
     tok = source.tokenizer
-    queries = ["2+3=5", "a longer query about 7*8=56" + tok.eos_token, "x" + tok.pad_token + tok.pad_token]
-    texts = ["2+3=5" + tok.eos_token, "a longer query about 7*8=56" + tok.eos_token, "x" + tok.eos_token]
-    expected = [alone(source.model, tok(t)["input_ids"]) for t in texts]
-    out = source.score(queries, [""] * 3, None)
+    queries = ["2+3=5", "a longer query about 7*8=56" + tok.eos_token]
+    expected = [alone(source.model, tok(q, add_special_tokens=False)["input_ids"]) for q in queries]
+    out = source.score(queries, [""] * 2, None)
     torch.testing.assert_close(out.rewards, torch.tensor(expected), atol=1e-5, rtol=1e-4)
-    assert out.extra_logs["reward_model/truncated"].tolist() == [0.0, 0.0, 0.0]
+    finished = source.score(["2+3=5" + tok.eos_token], [""], None).rewards
+    assert not torch.allclose(out.rewards[:1], finished)  # no EOS is appended to the truncated one
+    assert out.extra_logs["reward_model/truncated"].tolist() == [0.0, 0.0]
     with pytest.raises(ValueError, match="needs attention_mask"):
         source.score(["a"], None, None, sequences=torch.tensor([[1, 2]]))
 

@@ -111,12 +111,16 @@ def test_fixed_controller_never_changes_and_state_round_trips():
     assert a.value == b.value and not math.isclose(a.value, 0.01)
 
 
-def test_adaptive_kl_with_many_samples_per_step_floors_at_zero_without_crashing():
-    """Horizon 100, 1024 samples per step, KL far below target: OpenRLHF's factor
-    1 - 0.2 * 1024 / 100 = -1.048 would flip the coefficient's sign; ours floors it at 0."""
+def test_adaptive_kl_with_many_samples_per_step_stays_positive_and_keeps_working():
+    """Horizon 100, 1024 samples per step (x = 10.24), KL far below target: OpenRLHF's factor
+    1 - 0.2 * 10.24 = -1.048 would flip the coefficient's sign; ours compounds the per-horizon change,
+    0.8 ** 10.24, and the controller keeps working (it can grow back)."""
     c = AdaptiveKLController(0.05, target=1.0, horizon=100)
     c.update(0.0, 1024)
-    assert c.value == 0.0 and c.clamped
+    assert c.value == pytest.approx(0.05 * 0.8 ** 10.24) and c.value > 0 and c.compounded
+    low = c.value
+    c.update(2.0, 1024)  # above target
+    assert c.value == pytest.approx(low * 1.2 ** 10.24)
     c = AdaptiveKLController(0.05, target=1.0, horizon=100)
-    c.update(2.0, 1024)  # above target: 1 + 0.2 * 10.24 = 3.048
-    assert c.value == pytest.approx(0.05 * 3.048) and not c.clamped
+    c.update(2.0, 100)  # x = 1: both branches agree with OpenRLHF's 1 + 0.2
+    assert c.value == pytest.approx(0.06) and not c.compounded

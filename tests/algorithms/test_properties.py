@@ -107,9 +107,10 @@ def test_k1_is_not_nonnegative():
 def test_adaptive_controller_moves_toward_target_bounded(init, target, current, n_steps, horizon):
     c = AdaptiveKLController(init, target, horizon)
     c.update(current, n_steps)
-    assert c.value >= 0  # never negative, however many samples per update (no crash either)
+    assert c.value > 0  # never negative or stuck at 0, however many samples per update (no crash either)
     rel = c.value / init - 1
-    assert abs(rel) <= 0.2 * n_steps / horizon + 1e-12
+    x = n_steps / horizon
+    assert abs(rel) <= (0.2 * x if x <= 1 else 1.2**x - 1) + 1e-9
     if current > target:
         assert c.value >= init   # KL too high -> stronger penalty
     elif current < target:

@@ -159,11 +159,21 @@ def test_conditional_rules():
     assert notes("ppo", "--algo.kl.init_coef", "0", "--ref.model_name_or_path", "r") == [
         "--ref.model_name_or_path r"
     ]
-    assert notes("ppo", "--reward.normalize_enable", "--reward.timeout", "5") == [
-        "--reward.normalize_enable",
-        "--reward.timeout 5.0",
-    ]
+    # a .py reward runs under --reward.timeout / --reward.retries; a reward model does not
+    assert notes("ppo", "--reward.timeout", "5", "--reward.retries", "2") == []
+    rm_only = ["--reward.remote_url", "", "--reward.model_name_or_path", "rm"]
+    assert notes("ppo", *rm_only, "--reward.timeout", "5") == ["--reward.timeout 5.0"]
+    # --reward.normalize_enable acts on a reward model, or on a critic started from one (gae)
+    assert notes("ppo", "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "2",
+                 "--reward.normalize_enable") == ["--reward.normalize_enable"]
+    assert notes("ppo", "--algo.advantage.estimator", "gae", "--reward.normalize_enable") == []
     assert notes("ppo", "--train.ema_beta", "0.9") == ["--train.ema_beta 0.9"]
+    # acting flags that depend on another one are named when that one is off
+    assert notes("ppo", "--train.max_tokens_per_gpu", "4096", "--rollout.max_tokens_per_gpu", "4096",
+                 "--reward.overlong_penalty_factor", "2", "--algo.kl.horizon", "100", "--ckpt.save_hf") == [
+        "--reward.overlong_penalty_factor 2.0", "--algo.kl.horizon 100", "--rollout.max_tokens_per_gpu 4096",
+        "--train.max_tokens_per_gpu 4096", "--ckpt.save_hf"]
+    assert notes("ppo", "--train.max_tokens_per_gpu", "4096", "--train.dynamic_batch_enable") == []
     assert notes("ppo", "--train.ema_beta", "0.9", "--train.enable_ema") == []
     assert notes("sft", "--ds.lora.alpha", "32") == ["--ds.lora.alpha 32"]
     assert notes("sft", "--ds.lora.alpha", "32", "--ds.lora.rank", "8") == []

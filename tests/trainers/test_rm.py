@@ -94,7 +94,7 @@ def test_trained_reward_is_the_reward_ppo_reads(nano_rm, tmp_path):
         trained = obj.rewards(model, obj.collate([items[i] for i in range(4)]))
     prompts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
                                        add_generation_prompt=True) for r in rows]
-    queries = [p + r[side] for side in ("chosen", "rejected") for p, r in zip(prompts, rows)]
+    queries = [p + r[side] + tok.eos_token for side in ("chosen", "rejected") for p, r in zip(prompts, rows)]
     read = source.score(queries, prompts * 2, [r["answer"] for r in rows] * 2).rewards
     torch.testing.assert_close(read.float(), trained, atol=1e-5, rtol=0)
 

@@ -24,18 +24,33 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     return t - 1 - mask.flip(-1).argmax(-1)
 
 
+def _right_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id lists → right-padded (input_ids, attention_mask) [B, T]; every row needs a token."""
+    if not rows or any(len(r) == 0 for r in rows):
+        raise ValueError("every sequence needs at least one token to be scored by a reward model")
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.as_tensor(r, dtype=torch.long)
+        mask[i, :len(r)] = 1
+    return ids, mask
+
+
 class RewardModelSource:
     """RewardSource backed by a score model loaded with `posttrain.models.load_score_model`.
 
-    score(queries, ...) tokenises the query texts (each ending in exactly one eos token when
-    `append_eos`, as reward models are trained; longer than `max_len` → cut to max_len tokens, the last
-    one made eos, counted in extra_logs["reward_model/truncated"] and warned). score(..., sequences=ids,
-    attention_mask=mask) scores given token ids instead (no re-tokenising; any padding side). Forward
-    passes run in chunks of `batch_size` under torch.no_grad."""
+    score(queries, ...) tokenises the query texts as given, without the tokenizer's automatic special
+    tokens (OpenRLHF's serve_rm: `add_special_tokens=False`, nothing appended, so a query that ends in
+    the EOS text is scored as finished and one without as truncated); longer than `max_len` → cut to
+    max_len tokens, the last one made eos (as `posttrain rm` cuts its training pairs), counted in
+    extra_logs["reward_model/truncated"] and warned. score(..., sequences=ids, attention_mask=mask)
+    and `score_tokens(ids)` score given token ids instead (no re-tokenising). Forward passes run in
+    chunks of `batch_size` under torch.no_grad."""
 
     def __init__(self, path, *, value_head_prefix: str = "score", normalize: bool = False, dtype="fp32",
                  batch_size: int = 16, max_len: int | None = None, tokenizer=None, device="cpu",
-                 attn_implementation: str | None = None, append_eos: bool = True):
+                 attn_implementation: str | None = None):
         from posttrain.models import load_score_model, load_tokenizer
 
         if batch_size < 1:
@@ -45,7 +60,6 @@ class RewardModelSource:
         self.path = str(path)
         self.batch_size = batch_size
         self.max_len = max_len
-        self.append_eos = append_eos
         self.device = torch.device(device)
         self.model = load_score_model(self.path, dtype, value_head_prefix=value_head_prefix,
                                       attn_implementation=attn_implementation).to(self.device).eval()
@@ -85,39 +99,17 @@ class RewardModelSource:
     def tokenize(self, queries: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Right-padded (input_ids, attention_mask) [B, T] and a bool [B] of truncated queries."""
         tok = self.tokenizer
-        texts = [self._with_eos(q) for q in queries]
-        rows = tok(texts)["input_ids"]
+        rows = tok(list(queries), add_special_tokens=False)["input_ids"]
         truncated = torch.zeros(len(rows), dtype=torch.bool)
         if self.max_len is not None:
             for i, ids in enumerate(rows):
                 if len(ids) > self.max_len:
                     truncated[i] = True
                     rows[i] = ids[:self.max_len]
-                    if self.append_eos and tok.eos_token_id is not None:
+                    if tok.eos_token_id is not None:
                         rows[i][-1] = tok.eos_token_id
-        if any(len(r) == 0 for r in rows):
-            raise ValueError("a query tokenised to no tokens; reward models need at least one token")
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, :len(r)] = torch.tensor(r)
-            mask[i, :len(r)] = 1
+        ids, mask = _right_padded(rows, tok.pad_token_id)
         return ids, mask, truncated
-
-    def _with_eos(self, text: str) -> str:
-        """Trailing pad / eos strings removed, then exactly one eos appended (when append_eos)."""
-        eos, pad = self.tokenizer.eos_token, self.tokenizer.pad_token
-        if not self.append_eos or not eos:
-            return text
-        ends = [s for s in (eos, pad) if s]
-        changed = True
-        while changed:
-            changed = False
-            for s in ends:
-                if text.endswith(s):
-                    text, changed = text[:-len(s)], True
-        return text + eos
 
     def score(self, queries, prompts=None, labels=None, **kwargs) -> RewardResult:
         n = check_batch(queries, prompts, labels)
@@ -145,14 +137,7 @@ class RewardModelSource:
         where the policy sampled it): no decoding, no re-tokenisation, no EOS appended, so a
         truncated response is scored as truncated. The ids must come from a tokenizer sharing this
         model's vocabulary (checked by ``check_vocabulary``)."""
-        if not token_ids or any(len(t) == 0 for t in token_ids):
-            raise ValueError("score_tokens needs at least one non-empty token-id sequence")
-        width = max(len(t) for t in token_ids)
-        ids = torch.zeros((len(token_ids), width), dtype=torch.long)
-        mask = torch.zeros((len(token_ids), width), dtype=torch.long)
-        for i, t in enumerate(token_ids):
-            ids[i, :len(t)] = torch.as_tensor(t, dtype=torch.long)
-            mask[i, :len(t)] = 1
+        ids, mask = _right_padded(token_ids, 0)
         return RewardResult((self.values(ids, mask) - self.mean) / self.std)
 
     def check_vocabulary(self, tokenizer) -> None:

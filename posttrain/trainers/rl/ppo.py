@@ -20,6 +20,7 @@ from posttrain.config import (
     format_config,
     inert_flags,
     resolve_hardware_defaults,
+    resolved_values,
     save_config,
 )
 from posttrain.data import PromptDataset, load_rows
@@ -183,6 +184,10 @@ class RLTrainer:
         eps_low, eps_high = a.eps_clip_low_high if a.eps_clip_low_high else (a.eps_clip, a.eps_clip)
         adv = cfg.algo.advantage
         dynamic = cfg.train.dynamic_batch_enable
+        # --actor.loss_agg unset (auto): the policy term follows the loss type (GSPO: per sequence, as
+        # OpenRLHF), the KL-loss / entropy / value terms stay token means as in OpenRLHF
+        auto_agg = resolved_values(cfg).get("actor.loss_agg", (a.loss_agg,))[0] is None
+        other_agg = "token_mean" if auto_agg else a.loss_agg
         self.train_batching = Batching(cfg.train.micro_batch_size, cfg.train.max_tokens_per_gpu if dynamic else None,
                                        cfg.ds.packing_samples)
         self.forward_batching = Batching(
@@ -190,7 +195,8 @@ class RLTrainer:
             (cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu) if dynamic else None, cfg.ds.packing_samples)
         self.update_settings = UpdateSettings(
             batch_size=cfg.train.batch_size, batching=self.train_batching,
-            max_epochs=cfg.train.max_epochs, loss_agg=a.loss_agg, max_len=self.max_new_tokens, eps_low=eps_low,
+            max_epochs=cfg.train.max_epochs, loss_agg=other_agg, policy_loss_agg=a.loss_agg,
+            max_len=self.max_new_tokens, eps_low=eps_low,
             eps_high=eps_high, dual_clip=a.dual_clip, policy_loss_type=a.policy_loss_type,
             entropy_coef=a.entropy_coef, kl_use_loss=cfg.algo.kl.use_loss, kl_estimator=cfg.algo.kl.estimator,
             is_correction=adv.is_correction_type if adv.is_correction_enable else None,
@@ -277,15 +283,18 @@ class RLTrainer:
             with self.timers("ppo_train"):
                 if self.critic is not None:
                     metrics.update(update_critic(self.critic, exp, self.update_settings, step))
-                if step >= cfg.critic.freezing_steps:
+                actor_trains = step >= cfg.critic.freezing_steps
+                if actor_trains:
                     metrics.update(update_actor(self.actor, exp, self.update_settings, self.kl_ctl.value, step))
-            current_kl = metrics.get("kl/mean", metrics.get("actor/kl_loss"))  # KL as loss: measured in training
-            if current_kl is not None:
+            # OpenRLHF's statistic: the experience KL, or with KL as a loss the KL measured in training;
+            # no update while the actor is frozen (no KL status then)
+            current_kl = metrics.get("actor/kl_loss" if cfg.algo.kl.use_loss else "kl/mean")
+            if actor_trains and current_kl is not None:
                 self.kl_ctl.update(current_kl, len(exp))
-                if getattr(self.kl_ctl, "clamped", False):
-                    warn_once(f"adaptive KL: {len(exp)} samples per step exceed 5 x --algo.kl.horizon "
-                              f"({cfg.algo.kl.horizon}) and the KL is below target, so the coefficient fell to 0; "
-                              "raise --algo.kl.horizon")
+                if getattr(self.kl_ctl, "compounded", False):
+                    warn_once(f"adaptive KL: {len(exp)} samples per step exceed --algo.kl.horizon "
+                              f"({cfg.algo.kl.horizon}); the per-horizon change is compounded (OpenRLHF's linear "
+                              "update would overshoot, and turn the coefficient negative beyond 5 x horizon)")
             metrics["kl/coef"] = self.kl_ctl.value
         metrics.update(self.timers.pop_metrics())
         self._write_samples(step + 1, scored)

@@ -24,7 +24,7 @@ class UpdateSettings:
     batch_size: int
     batching: Batching
     max_epochs: int
-    loss_agg: str
+    loss_agg: str  # the KL-loss, entropy and value-loss terms
     max_len: int  # the constant normaliser of seq_sum_norm: the largest generation budget
     eps_low: float
     eps_high: float
@@ -37,6 +37,11 @@ class UpdateSettings:
     is_threshold: tuple[float, float]
     value_clip: float | None
     seed: int
+    policy_loss_agg: str | None = None  # the policy term (None: loss_agg); GSPO's auto default differs
+
+    @property
+    def policy_agg(self) -> str:
+        return self.policy_loss_agg or self.loss_agg
 
 
 def steps_per_rollout(n: int, batch_size: int, max_epochs: int) -> int:
@@ -98,7 +103,7 @@ def update_actor(actor: Actor, exp: Experience, s: UpdateSettings, kl_coef: floa
                 logp, old_logp, mb.advantages, mask, eps_low=s.eps_low, eps_high=s.eps_high,
                 dual_clip=s.dual_clip, loss_type=s.policy_loss_type,
                 rollout_logp=mb.rollout_logp if s.is_correction else None, is_correction=s.is_correction,
-                is_threshold=s.is_threshold, agg=s.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
+                is_threshold=s.is_threshold, agg=s.policy_agg, num_tokens=num_tokens, num_seqs=num_seqs,
                 max_len=s.max_len)
             tokens = float(mask.sum())
             if s.kl_use_loss and mb.ref_logp is not None:
