@@ -312,6 +312,10 @@ def _ppo(cfg, r: _Report, world_size: int) -> None:
             f"--reward.model_name_or_path {format_value(rw.model_name_or_path)} and --reward.remote_url "
             f"{format_value(rw.remote_url)}: a run takes its rewards from one source; drop one"
         )
+    elif rw.remote_url and (not str(rw.remote_url).strip().startswith(("http://", "https://"))
+                            and not str(rw.remote_url).strip().endswith(".py") or "," in str(rw.remote_url)):
+        r.bad("reward.remote_url", rw.remote_url, "expected one http(s):// URL of a reward server or one .py file "
+              "defining reward_func (several endpoints are not supported: serve them behind one server)")
     elif not (rw.model_name_or_path or rw.remote_url):
         r.bad(
             "reward.model_name_or_path",

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from posttrain.agents.rewards import (
     PythonRewardFunction,
     RemoteReward,
+    RewardError,
     RewardModelSource,
     last_token_index,
     make_reward_source,
@@ -101,7 +102,7 @@ def test_normalisation_from_config(rm_dir, source, tmp_path):
     torch.testing.assert_close(normed.rewards, (raw - 0.25) / 2.0)
     plain = RewardModelSource(norm_dir).score(queries, None, None)  # stats stored but normalisation off
     torch.testing.assert_close(plain.rewards, raw)
-    with pytest.raises(ValueError, match="no `mean`/`std`.*train the RM with posttrain rm, or drop "
+    with pytest.raises(RewardError, match="no `mean`/`std`.*train the RM with posttrain rm, or drop "
                                          "--reward.normalize_enable"):
         RewardModelSource(rm_dir, normalize=True)
 
@@ -133,11 +134,11 @@ def test_make_reward_source_dispatch(rm_dir, tmp_path):
     assert isinstance(make_reward_source(str(fn)), PythonRewardFunction)
     assert isinstance(make_reward_source("http://127.0.0.1:9/get_reward"), RemoteReward)
     assert isinstance(make_reward_source(model_name_or_path=str(rm_dir)), RewardModelSource)
-    with pytest.raises(ValueError, match=r"--reward.remote_url='r.py' and --reward.model_name_or_path='m' both"):
+    with pytest.raises(RewardError, match=r"--reward.remote_url='r.py' and --reward.model_name_or_path='m' both"):
         make_reward_source("r.py", "m")
-    with pytest.raises(ValueError, match="no reward source: give --reward.model_name_or_path"):
+    with pytest.raises(RewardError, match="no reward source: give --reward.model_name_or_path"):
         make_reward_source()
-    with pytest.raises(ValueError, match=r"--reward.remote_url='rm.json': expected an http\(s\):// URL"):
+    with pytest.raises(RewardError, match=r"--reward.remote_url='rm.json': expected an http\(s\):// URL"):
         make_reward_source("rm.json")
-    with pytest.raises(ValueError, match="several reward endpoints are not supported"):
+    with pytest.raises(RewardError, match="several reward endpoints are not supported"):
         make_reward_source("http://127.0.0.1:9/a,http://127.0.0.1:10/a")

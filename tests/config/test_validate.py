@@ -363,3 +363,10 @@ def test_negative_learning_rates_are_refused_by_validation(flag):
         "--critic.adam.lr -2.0: must be a finite number"
     )
     assert problem("sft", flag, "inf").startswith(f"{flag} inf: must be a finite number >= 0")
+
+
+@pytest.mark.parametrize("url", ["ftp://host/rm", "rewards.txt", "http://a/x,http://b/x"])
+def test_reward_url_that_is_neither_a_server_nor_a_py_file_is_refused_before_loading(url):
+    args = [a if a != "r.py" else url for a in BASE["ppo"]]
+    with pytest.raises(ConfigError, match="reward.remote_url"):
+        parse_config("ppo", args)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from posttrain.agents.rewards.python_func import DEFAULT_TIMEOUT as FUNC_TIMEOUT
 from posttrain.agents.rewards.python_func import PythonRewardFunction
 from posttrain.agents.rewards.remote import RemoteReward
+from posttrain.agents.rewards.result import RewardError
 from posttrain.agents.rewards.reward_model import RewardModelSource
 
 HTTP_TIMEOUT = 30.0  # seconds per HTTP reward request when --reward.timeout is not given
@@ -24,15 +25,15 @@ def make_reward_source(remote_url: str | None = None, model_name_or_path: str | 
     batch_size, max_len, tokenizer, device, attn_implementation).
     Exactly one of --reward.remote_url / --reward.model_name_or_path must be given."""
     if remote_url and model_name_or_path:
-        raise ValueError(f"--reward.remote_url={remote_url!r} and --reward.model_name_or_path="
+        raise RewardError(f"--reward.remote_url={remote_url!r} and --reward.model_name_or_path="
                          f"{model_name_or_path!r} both given; a run takes its rewards from one source, drop one")
     if not remote_url and not model_name_or_path:
-        raise ValueError("no reward source: give --reward.model_name_or_path (a reward model folder) or "
+        raise RewardError("no reward source: give --reward.model_name_or_path (a reward model folder) or "
                          "--reward.remote_url (a reward_func .py file or an http(s):// reward server)")
     if remote_url:
         url = str(remote_url).strip()
         if "," in url:
-            raise ValueError(f"--reward.remote_url={url!r}: several reward endpoints are not supported; give one "
+            raise RewardError(f"--reward.remote_url={url!r}: several reward endpoints are not supported; give one "
                              "URL or .py file (serve several models behind one `posttrain serve-rm`-style server)")
         if url.startswith(("http://", "https://")):
             return RemoteReward(url, token=token, timeout=HTTP_TIMEOUT if timeout is None else timeout,
@@ -41,7 +42,7 @@ def make_reward_source(remote_url: str | None = None, model_name_or_path: str | 
             return PythonRewardFunction(url, on_error=on_error,
                                         timeout=FUNC_TIMEOUT if timeout is None else timeout,
                                         retries=retries, backoff=backoff)
-        raise ValueError(f"--reward.remote_url={url!r}: expected an http(s):// URL of a reward server or the "
+        raise RewardError(f"--reward.remote_url={url!r}: expected an http(s):// URL of a reward server or the "
                          "path of a .py file defining reward_func")
     if normalize is None:
         normalize = False

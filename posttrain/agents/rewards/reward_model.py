@@ -68,10 +68,10 @@ class RewardModelSource:
             mean = getattr(self.model.config, "mean", None)
             std = getattr(self.model.config, "std", None)
             if mean is None or std is None:
-                raise ValueError(f"--reward.normalize_enable: reward model {self.path} has no `mean`/`std` in its "
+                raise RewardError(f"--reward.normalize_enable: reward model {self.path} has no `mean`/`std` in its "
                                  "config.json; train the RM with posttrain rm, or drop --reward.normalize_enable")
             if not (math.isfinite(mean) and math.isfinite(std) and std > 0):
-                raise ValueError(f"--reward.normalize_enable: reward model {self.path} has mean={mean}, std={std} "
+                raise RewardError(f"--reward.normalize_enable: reward model {self.path} has mean={mean}, std={std} "
                                  "in its config.json; std must be a positive finite number")
             self.mean, self.std = float(mean), float(std)
         self.normalize = normalize

@@ -12,7 +12,7 @@ import torch
 
 from posttrain.agents.rewards import make_reward_source
 from posttrain.agents.single_turn import SingleTurnExecutor
-from posttrain.algorithms.advantages import compute_advantages_with_stats
+from posttrain.algorithms.advantages import compute_advantages_with_stats, whiten
 from posttrain.algorithms.kl import AdaptiveKLController, FixedKLController, approx_kl_with_stats
 from posttrain.config import (
     ConfigError,
@@ -135,12 +135,12 @@ class RLTrainer:
         n = cfg.rollout.n_samples_per_prompt
         self.steps_per_episode = len(self.prompts) // cfg.rollout.batch_size
         if self.steps_per_episode == 0:
-            raise ValueError(f"{len(self.prompts)} prompts are fewer than one rollout batch "
+            raise ConfigError(f"{len(self.prompts)} prompts are fewer than one rollout batch "
                              f"(--rollout.batch_size {cfg.rollout.batch_size}); lower it or add prompts")
         self.total_steps = self.steps_per_episode * cfg.train.num_episodes
         updates_per_step = steps_per_rollout(cfg.rollout.batch_size * n, cfg.train.batch_size, cfg.train.max_epochs)
         dtype = cfg.ds.param_dtype
-        actor_model = load_causal_lm(cfg.actor.model_name_or_path, dtype=dtype,
+        actor_model = load_causal_lm(cfg.actor.model_name_or_path, dtype=dtype, tokenizer=self.tokenizer,
                                      attn_implementation=cfg.ds.attn_implementation,
                                      gradient_checkpointing=cfg.actor.gradient_checkpointing_enable,
                                      gradient_checkpointing_reentrant=cfg.actor.gradient_checkpointing_reentrant)
@@ -152,6 +152,7 @@ class RLTrainer:
         if cfg.algo.advantage.estimator == "gae":
             path = cfg.critic.model_name_or_path or cfg.reward.model_name_or_path or cfg.actor.model_name_or_path
             critic_model = load_score_model(path, dtype=dtype, value_head_prefix=cfg.ds.value_head_prefix,
+                                            tokenizer=self.tokenizer,
                                             attn_implementation=cfg.ds.attn_implementation, new_head_ok=True)
             critic_model.to(self.device).train()
             self.critic = Critic(critic_model, self._engine(critic_model, cfg.critic, self.total_steps * updates_per_step),
@@ -160,6 +161,7 @@ class RLTrainer:
         self.ref = None
         if kl.init_coef > 0 or kl.use_loss:
             ref_model = load_causal_lm(cfg.ref.model_name_or_path or cfg.actor.model_name_or_path, dtype=dtype,
+                                       tokenizer=self.tokenizer,
                                        attn_implementation=cfg.ds.attn_implementation)
             ref_model.requires_grad_(False)
             self.ref = Reference(ref_model.to(self.device), cfg.rollout.temperature, self.device, offload=cfg.ref.offload)
@@ -236,7 +238,8 @@ class RLTrainer:
         mbs = self.forward_batching
         rewards = scored.rewards.clone()
         if cfg.reward.whiten_enable:  # TRL whiten_rewards: whiten the scalar rewards before the baseline
-            rewards = (rewards - rewards.mean()) / rewards.std(unbiased=False).clamp(min=1e-8)
+            valid = ~scored.skipped  # (statistics over the samples that have a reward)
+            rewards = whiten(rewards[:, None], valid.float()[:, None])[:, 0]
         exp = build_experience(scored.rollouts, rewards, self.tokenizer.pad_token_id)
         exp.action_mask[scored.skipped] = 0.0  # samples without a reward train nothing (counted in reward/skipped)
         mask = exp.action_mask
@@ -336,7 +339,8 @@ class RLTrainer:
                      "kl_ctl": self.kl_ctl.state_dict(), "best": self.best, "rng": rng_state(), "ema": self.actor.ema}
             torch.save(state, d / "trainer_state.pt")
             if self.cfg.ckpt.save_hf:
-                save_pretrained(self.actor.model, self.tokenizer, d / "hf")
+                # the policy as the final export would write it (EMA weights with --train.enable_ema, as OpenRLHF)
+                save_pretrained(self.actor.model, self.tokenizer, d / "hf", state_dict=self.actor.ema_state_dict())
         path = self.ckpt.save(self.global_step, write, {"global_step": self.global_step})
         info(f"saved checkpoint {path}")
 
@@ -356,7 +360,7 @@ class RLTrainer:
         self.stream.cursor = state["prompt_cursor"]
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.best = state["best"]
-        self.actor.ema = state["ema"]
+        self.actor.ema = state.get("ema")
         set_rng_state(state["rng"])
         self.logger.truncate_after(self.global_step)
         info(f"resumed from {path} at step {self.global_step}")
@@ -425,7 +429,8 @@ def rollout_metrics(scored, n: int) -> dict[str, float]:
     r = scored.rewards
     valid = ~scored.skipped
     lengths = torch.tensor([len(x.output_ids) for x in scored.rollouts], dtype=torch.float32)
-    out = {"reward/mean": float(r.mean()), "reward/std": float(r.std(unbiased=False)),
+    rv = r[valid] if bool(valid.any()) else r  # statistics of the samples that have a reward
+    out = {"reward/mean": float(rv.mean()), "reward/std": float(rv.std(unbiased=False)),
            "score/mean": float(scored.scores.mean()), "score/std": float(scored.scores.std(unbiased=False)),
            "response/length": float(lengths.mean()), "response/length_max": float(lengths.max()),
            "response/truncated_frac": sum(x.finish_reason == "length" for x in scored.rollouts) / len(scored.rollouts),
