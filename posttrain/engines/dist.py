@@ -62,3 +62,11 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     else:
         dist.all_reduce(tensor, op=_OPS[op])
     return tensor
+
+
+def shutdown() -> None:
+    """End a multi-process run cleanly: wait for every rank, then destroy the process group, so no
+    communication thread is still alive while the interpreter exits (an exit-time abort otherwise)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

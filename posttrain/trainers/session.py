@@ -160,6 +160,10 @@ class SingleModelRun:
             except ValueError as e:
                 info(f"no plots: {e}")
             info(f"final model saved to {self.run_dir}")
+        if self.world_size > 1:  # a launcher's process: end its process group before the interpreter exits
+            from posttrain.engines.dist import shutdown
+
+            shutdown()
         return final
 
     def _needs_deepspeed(self) -> bool:
