@@ -86,7 +86,7 @@ def _posttrain_argv(spec: dict, out_dir: Path) -> list[str]:
             "--logger.logging_steps", "1"]
 
 
-def run_posttrain(spec: dict, out_dir: Path, profile_step: int | None) -> dict:
+def run_posttrain(spec: dict, out_dir: Path, profile_step: int | None, extra: list[str] = ()) -> dict:
     from posttrain.cli import train_ppo_ray
     from posttrain.engines.rollout import HFRolloutEngine
     from posttrain.trainers.rl import ppo as ppo_module
@@ -115,7 +115,7 @@ def run_posttrain(spec: dict, out_dir: Path, profile_step: int | None) -> dict:
         return out
 
     ppo_module.RLTrainer.step, HFRolloutEngine.generate = step, generate
-    argv = _posttrain_argv(spec, out_dir)
+    argv = _posttrain_argv(spec, out_dir) + list(extra)
     train_ppo_ray.main(argv)
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     phases = {k: [r[k] for r in rows if k in r] for k in
@@ -196,8 +196,9 @@ def worker(args) -> None:
         torch.set_num_threads(args.threads)
     spec = json.loads(Path(args.spec).read_text())
     out_dir = Path(args.out)
-    if args.worker == "posttrain":
-        res = run_posttrain(spec, out_dir, spec["warmup"] if args.profile else None)
+    if args.worker in ("posttrain", "posttrain+"):
+        extra = spec["posttrain_flags"] if args.worker == "posttrain+" else []
+        res = run_posttrain(spec, out_dir, spec["warmup"] if args.profile else None, extra)
     else:
         res = run_trl(spec, out_dir)
     clock = res.pop("clock")
@@ -226,7 +227,8 @@ def prepare(args, work: Path) -> dict:
     return {"model": str(model), "data": str(work / "data"), "prompts": args.prompts, "n": args.n,
             "max_new_tokens": args.max_new_tokens, "steps": args.steps, "warmup": args.warmup,
             "micro_batch_size": args.micro_batch_size, "lr": args.lr, "order": order,
-            "num_parameters": info["num_parameters"], "vocab_size": info["vocab_size"]}
+            "num_parameters": info["num_parameters"], "vocab_size": info["vocab_size"],
+            "posttrain_flags": shlex.split(args.posttrain_flags or "")}
 
 
 def main(argv=None) -> None:
@@ -253,7 +255,10 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile the first timed posttrain step (repeat 0)")
     ap.add_argument("--work-dir", help="keep the model, data, runs and logs here (default: a temp dir)")
     # worker mode (internal)
-    ap.add_argument("--worker", choices=["posttrain", "trl"])
+    ap.add_argument("--posttrain-flags", default=None,
+                    help="also time posttrain with these extra flags (side `posttrain+`), e.g. --posttrain-flags=--ds.packing_samples")
+    ap.add_argument("--no-trl", action="store_true", help="leave TRL out (compare posttrain variants only)")
+    ap.add_argument("--worker", choices=["posttrain", "posttrain+", "trl"])
     ap.add_argument("--spec")
     ap.add_argument("--out")
     ap.add_argument("--result")
@@ -279,10 +284,11 @@ def main(argv=None) -> None:
     spec = prepare(args, work)
     spec_path = work / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    results: dict[str, list[dict]] = {"posttrain": [], "trl": []}
+    names = ["posttrain"] + (["posttrain+"] if args.posttrain_flags else []) + ([] if args.no_trl else ["trl"])
+    results: dict[str, list[dict]] = {name: [] for name in names}
     discarded: list[str] = []
     for r in range(args.repeats):
-        sides = ["posttrain", "trl"] if r % 2 == 0 else ["trl", "posttrain"]
+        sides = names if r % 2 == 0 else names[::-1]
         for side in sides:
             extra = ["--profile"] if (args.profile and side == "posttrain" and r == 0) else []
             attempts = []
@@ -313,12 +319,15 @@ def main(argv=None) -> None:
 
 
 def report(args, spec, results, discarded, started) -> str:
-    ours, trl = results["posttrain"], results["trl"]
+    ours, trl = results["posttrain"], results.get("trl")
     med = {k: median(r["median_step"] for r in v) for k, v in results.items()}
     cpu = {k: median(r["median_cpu"] for r in v) for k, v in results.items()}
-    lines = ["", "## RL step time: posttrain ppo (group_norm) vs TRL GRPOTrainer", ""]
-    lines.append(f"- machine: {machine()}; workers: posttrain {ours[0]['num_threads']} threads, "
-                 f"trl {trl[0]['num_threads']} threads")
+    lines = ["", "## RL step time: posttrain ppo (group_norm) vs " + ", ".join(k for k in results if k != "posttrain"),
+             ""]
+    lines.append(f"- machine: {machine()}; workers: " +
+                 ", ".join(f"{k} {v[0]['num_threads']} threads" for k, v in results.items()))
+    if "posttrain+" in results:
+        lines.append(f"- `posttrain+` = posttrain with `{shlex.join(spec['posttrain_flags'])}`")
     lines.append("- versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()))
     lines.append(f"- setup: llama {args.size} ({spec['num_parameters']:,} params, vocab {spec['vocab_size']}), "
                  f"{args.prompts} prompts x {args.n} samples = {args.prompts * args.n} per step, "
@@ -336,26 +345,34 @@ def report(args, spec, results, discarded, started) -> str:
     lines.append(md_table(["side", "median s/step (wall)", "each repeat", "median CPU s/step (process)",
                            "timed steps, repeat 0 (s)", "set-up + step 1 (s)", "other processes' CPU share"], rows))
     lines.append("")
-    lines.append(f"**posttrain / TRL step time = {med['posttrain'] / med['trl']:.2f}x wall, "
-                 f"{cpu['posttrain'] / cpu['trl']:.2f}x CPU** (< 1: posttrain faster)")
+    if trl:
+        lines.append(f"**posttrain / TRL step time = {med['posttrain'] / med['trl']:.2f}x wall, "
+                     f"{cpu['posttrain'] / cpu['trl']:.2f}x CPU** (< 1: posttrain faster)")
+    if "posttrain+" in results:
+        lines.append(f"**posttrain+ / posttrain step time = {med['posttrain+'] / med['posttrain']:.2f}x wall, "
+                     f"{cpu['posttrain+'] / cpu['posttrain']:.2f}x CPU** (< 1: the extra flags are faster)")
     lines.append("")
     w = args.warmup
     b = {k: median(x for r in ours for x in r["phases"][k][w:]) for k in ours[0]["phases"] if ours[0]["phases"][k]}
     lines.append("- posttrain breakdown (median over timed steps, metrics.jsonl): " +
                  ", ".join(f"`{k}` {v:.3f} s" for k, v in b.items()))
-    g = median(x for r in trl for x in r["phases"]["generate"][w:])
-    gs = median(x for r in trl for x in r["phases"]["generate_and_score"][w:])
-    lines.append(f"- TRL breakdown (median over timed steps): generate {g:.3f} s, generate + reward + advantages "
-                 f"{gs:.3f} s, rest of the step (training forward/backward, optimizer, logging) "
-                 f"~{med['trl'] - gs:.3f} s")
+    if "posttrain+" in results:
+        plus = results["posttrain+"]
+        b = {k: median(x for r in plus for x in r["phases"][k][w:]) for k in plus[0]["phases"] if plus[0]["phases"][k]}
+        lines.append("- posttrain+ breakdown: " + ", ".join(f"`{k}` {v:.3f} s" for k, v in b.items()))
+    if trl:
+        g = median(x for r in trl for x in r["phases"]["generate"][w:])
+        gs = median(x for r in trl for x in r["phases"]["generate_and_score"][w:])
+        lines.append(f"- TRL breakdown (median over timed steps): generate {g:.3f} s, generate + reward + advantages "
+                     f"{gs:.3f} s, rest of the step (training forward/backward, optimizer, logging) "
+                     f"~{med['trl'] - gs:.3f} s")
     same_prompts = all(r["prompt_digests"] == ours[0]["prompt_digests"] for v in results.values() for r in v)
     lines.append(f"- identical prompt token ids (one row per sample) every step, both sides, every run: "
                  f"{'yes' if same_prompts else 'NO'}")
-    lines.append(f"- generated tokens per step (repeat 0): posttrain {ours[0]['gen_tokens']}, "
-                 f"trl {trl[0]['gen_tokens']}")
-    lines.append(f"- mean reward per step (repeat 0): posttrain "
-                 f"{[round(x, 3) for x in ours[0]['reward_mean'] if x is not None]}, "
-                 f"trl {[round(x, 3) for x in trl[0]['reward_mean'] if x is not None]}")
+    lines.append("- generated tokens per step (repeat 0): " +
+                 ", ".join(f"{k} {v[0]['gen_tokens']}" for k, v in results.items()))
+    lines.append("- mean reward per step (repeat 0): " + ", ".join(
+        f"{k} {[round(x, 3) for x in v[0]['reward_mean'] if x is not None]}" for k, v in results.items()))
     if discarded:
         lines.append(f"- runs discarded (other processes used > {args.max_others:.0%} of the CPU; the quietest attempt "
                      f"is kept): "
@@ -372,7 +389,9 @@ def argv_of(args) -> list[str]:
     for k in ("size", "prompts", "n", "max_new_tokens", "micro_batch_size", "steps", "warmup", "repeats", "lr",
               "threads", "max_others", "retries", "max_wait"):
         out += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-    return out + (["--profile"] if args.profile else [])
+    if args.posttrain_flags:
+        out += [f"--posttrain-flags={args.posttrain_flags}"]
+    return out + (["--profile"] if args.profile else []) + (["--no-trl"] if args.no_trl else [])
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ device-dependent settings (dtype, attention backend, the query length limit) are
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 from types import SimpleNamespace
@@ -140,27 +139,6 @@ def parse_args(argv: list[str] | None) -> SimpleNamespace:
     return _sections(ns, given)
 
 
-def _device_type(device) -> str:
-    return str(device).split(":")[0]
-
-
-def _engine_checks(args, device_type: str) -> list[str]:
-    """The trainers' model-loading rules (`posttrain.config.validate`) on serve-rm's `ds` flags: raises
-    ConfigError (e.g. `--ds.load_in_4bit: bitsandbytes 4-bit loading needs a CUDA GPU; this run is on CPU`),
-    returns their warnings (e.g. bf16 on CPU). Serving trains nothing, so the trainers' rule that 4-bit
-    weights need LoRA adapters is waived by checking a copy that names a nominal adapter rank."""
-    from posttrain.config.errors import ConfigError
-    from posttrain.config.validate import _engine, _Report
-
-    probe = copy.deepcopy(args.ds)
-    probe.lora.rank = max(probe.lora.rank, 1)
-    report = _Report()
-    _engine(SimpleNamespace(ds=probe), report, device_type)
-    if report.problems:
-        raise ConfigError.collect(report.problems)
-    return report.warnings
-
-
 def _inert(args, device_type: str) -> list[str]:
     """`--flag value has no effect here: reason` for each flag the user set that this run ignores."""
     rules = {"use_ms": "ModelScope downloads are not supported; pass a local folder or an HF hub id"}
@@ -216,12 +194,13 @@ def startup_notes(args, device) -> list[str]:
     """Check and resolve the run for `device` before anything loads: raises ConfigError for a setting
     that cannot work here; resolves auto dtype / attention / --data.max_len in `args`; returns one line
     per resolution, warning and inert flag, to print at start-up."""
-    from posttrain.config.hardware import resolve_hardware_defaults
+    from posttrain.config.hardware import device_type, resolve_hardware_defaults
+    from posttrain.config.validate import check_serving_model
 
-    dev = _device_type(device)
+    dev = device_type(device)
     notes = []
     if args.reward.model_name_or_path:
-        notes += [f"WARNING: {w}" for w in _engine_checks(args, dev)]
+        notes += [f"WARNING: {w}" for w in check_serving_model(args.ds, dev)]
         notes += resolve_hardware_defaults(args, dev)
         notes += resolve_max_len(args)
     return notes + [f"note: {text}" for text in _inert(args, dev)]

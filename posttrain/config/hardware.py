@@ -22,7 +22,12 @@ from posttrain.config.values import format_value
 _RESOLVED = "_posttrain_resolved"  # attribute on cfg: path -> (value asked for, value used, reason)
 
 
-def _device_type(device: Any) -> str:
+def device_type(device: Any = None) -> str:
+    """"cpu" / "cuda" / ... of a torch.device or a device string; None → what torch sees here."""
+    if device is None:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
     return str(getattr(device, "type", device)).split(":")[0]
 
 
@@ -59,7 +64,7 @@ def resolve_hardware_defaults(cfg, device: Any) -> list[str]:
     - `ds.attn_implementation` unset -> flash_attention_2 on cuda when flash-attn is installed, else
       sdpa; a flash-attention backend asked for on CPU (or without flash-attn) -> sdpa.
     Idempotent: a second call changes nothing."""
-    dev = _device_type(device)
+    dev = device_type(device)
     notes = []
     ds = cfg.ds
     if ds.param_dtype is None:
@@ -309,7 +314,7 @@ def inert_flags(cfg, device: Any) -> list[str]:
     """`--flag value: reason` for every flag set away from its default that has no effect in this run
     (on `device`), once per flag, in --help order. Flags still parse everywhere; this only reports them.
     Which flags act and which are covered by a rule here is checked by `posttrain.config.coverage`."""
-    dev = _device_type(device)
+    dev = device_type(device)
     changed = changed_values(cfg)
     for path, (asked, _used, _why) in resolved_values(cfg).items():
         if asked is None:

@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 from posttrain.config.errors import ConfigError
-from posttrain.config.hardware import record_resolved, resolved_values
+from posttrain.config.hardware import device_type, record_resolved, resolved_values
 from posttrain.config.roles import GROUP_ESTIMATORS
 from posttrain.config.spec import flag_specs, get_path
 from posttrain.config.values import check_choice, format_value
@@ -30,14 +30,6 @@ class _Report:
             self.bad(flag, value, why)
 
 
-def _device_type(device: Any) -> str:
-    if device is None:
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return str(getattr(device, "type", device)).split(":")[0]
-
-
 def parse_probs(text: str | None) -> list[float] | None:
     """'0.3,0.7' -> [0.3, 0.7] (ValueError on a non-number)."""
     if text is None or str(text).strip() == "":
@@ -54,7 +46,7 @@ def validate(cfg, world_size: int = 1, device: Any = None) -> list[str]:
                           "launch it as `posttrain ppo ...` or `python -m posttrain.cli.train_ppo_ray ...`, "
                           "not under torchrun or deepspeed")
     r = _Report()
-    dev = _device_type(device)
+    dev = device_type(device)
     r.need(
         world_size >= 1,
         "train.batch_size",
@@ -84,7 +76,19 @@ def validate(cfg, world_size: int = 1, device: Any = None) -> list[str]:
     return r.warnings
 
 
-def _engine(cfg, r: _Report, dev: str) -> None:
+def check_serving_model(ds, device: Any = None) -> list[str]:
+    """The model-loading rules of `--ds.*` for a model that is only run, never trained (serve-rm):
+    raises ConfigError (e.g. 4-bit on a CPU), returns warnings (e.g. bf16 on a CPU)."""
+    from types import SimpleNamespace
+
+    r = _Report()
+    _engine(SimpleNamespace(ds=ds), r, device_type(device), trains=False)
+    if r.problems:
+        raise ConfigError.collect(r.problems)
+    return r.warnings
+
+
+def _engine(cfg, r: _Report, dev: str, trains: bool = True) -> None:
     ds = cfg.ds
     r.need(ds.zero_stage in (0, 1, 2, 3), "ds.zero_stage", ds.zero_stage, "valid values: 0, 1, 2, 3")
     r.need(ds.tensor_parallel_size >= 1, "ds.tensor_parallel_size", ds.tensor_parallel_size, "must be >= 1")
@@ -118,7 +122,7 @@ def _engine(cfg, r: _Report, dev: str) -> None:
             "give module names (e.g. q_proj v_proj) or all-linear",
         )
     if ds.load_in_4bit:
-        if lora.rank <= 0:
+        if trains and lora.rank <= 0:
             r.bad(
                 "ds.load_in_4bit",
                 True,
