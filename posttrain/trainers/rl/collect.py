@@ -39,8 +39,9 @@ class ShapingSettings:
     stop_properly_penalty_coef: float | None
 
 
-def shape_rewards(batch: ScoredRollouts, s: ShapingSettings) -> dict[str, float]:
-    """Length shaping of `batch.rewards` in place (before the advantage baseline); returns counts.
+def shape_rewards(batch: ScoredRollouts, s: ShapingSettings) -> int:
+    """Length shaping of `batch.rewards` in place (before the advantage baseline); returns how many
+    samples it changed.
     The overlong penalty reads each sample's own budget (`Rollout.budget`)."""
     lengths = torch.tensor([len(r.output_ids) for r in batch.rollouts], dtype=torch.float32)
     budgets = torch.tensor([r.budget for r in batch.rollouts], dtype=torch.float32)
@@ -51,7 +52,7 @@ def shape_rewards(batch: ScoredRollouts, s: ShapingSettings) -> dict[str, float]
                                          s.overlong_penalty_factor)
     if s.stop_properly_penalty_coef is not None:
         batch.rewards = stop_properly_penalty(batch.rewards, truncated, s.stop_properly_penalty_coef)
-    return {"shaping/penalised_frac": float((batch.rewards != before).float().mean())}
+    return int((batch.rewards != before).sum())
 
 
 def concat(parts: list[ScoredRollouts]) -> ScoredRollouts:
@@ -83,7 +84,7 @@ def collect(executor, prompts, stream: PromptStream, params, *, batch_size: int,
     (`SingleTurnExecutor.run`)."""
     n = params.n
     kept: list[ScoredRollouts] = []
-    kept_groups = drawn = draws = 0
+    kept_groups = drawn = draws = penalised = sampled = 0
     budget = batch_size + (max_extra_draws if filter_range else 0)
     metrics: dict[str, float] = {}
     while kept_groups < batch_size and drawn < budget:
@@ -94,7 +95,8 @@ def collect(executor, prompts, stream: PromptStream, params, *, batch_size: int,
                              max_len=max_len)
         drawn += take
         draws += 1
-        metrics.update(shape_rewards(batch, shaping))
+        penalised += shape_rewards(batch, shaping)
+        sampled += len(batch.rollouts)
         if filter_range:
             keep = dynamic_filter(batch.scores.view(-1, n), *filter_range, valid=~batch.skipped.view(-1, n))
             batch = keep_groups(batch, keep, n)
@@ -104,6 +106,7 @@ def collect(executor, prompts, stream: PromptStream, params, *, batch_size: int,
         raise RewardError(
             f"dynamic filtering kept no prompt group out of {drawn} drawn (every group's mean score was at or "
             f"outside --algo.dynamic_filtering_range {filter_range}); widen the range or check the reward")
+    metrics["shaping/penalised_frac"] = penalised / max(sampled, 1)  # over every draw
     if filter_range:
         metrics["filter/pass_rate"] = kept_groups / drawn
         metrics["filter/kept_groups"] = kept_groups
