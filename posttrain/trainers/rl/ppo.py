@@ -26,12 +26,13 @@ from posttrain.config import (
 from posttrain.data import PromptDataset, load_rows
 from posttrain.engines import make_train_engine
 from posttrain.engines.rollout import HFRolloutEngine, SamplingParams, rank_seed
-from posttrain.models import load_causal_lm, load_score_model, load_tokenizer, save_pretrained
+from posttrain.models import load_causal_lm, load_score_model, load_tokenizer
 from posttrain.trainers.rl.collect import PromptStream, ShapingSettings, collect
 from posttrain.trainers.rl.evaluate import dataset_name, eval_metrics
 from posttrain.trainers.rl.experience import Experience, build_experience
-from posttrain.trainers.rl.roles import Actor, Batching, Critic, Reference
-from posttrain.trainers.rl.updates import UpdateSettings, steps_per_rollout, update_actor, update_critic
+from posttrain.trainers.rl.forward import Batching
+from posttrain.trainers.rl.roles import Actor, Critic, Reference
+from posttrain.trainers.rl.updates import UpdateSettings, steps_per_rollout
 from posttrain.trainers.rundir import open_run_dir
 from posttrain.trainers.session import pick_device, wandb_settings
 from posttrain.utils.checkpoint import CheckpointError
@@ -285,10 +286,12 @@ class RLTrainer:
             metrics.update(exp_metrics)
             with self.timers("ppo_train"):
                 if self.critic is not None:
-                    metrics.update(update_critic(self.critic, exp, self.update_settings, step))
+                    metrics.update(self.critic.fit(exp, self.update_settings, step))
                 actor_trains = step >= cfg.critic.freezing_steps
                 if actor_trains:
-                    metrics.update(update_actor(self.actor, exp, self.update_settings, self.kl_ctl.value, step))
+                    metrics.update(self.actor.fit(exp, self.update_settings, self.kl_ctl.value, step))
+                    with self.timers("weight_sync"):
+                        self.actor.broadcast_weights([self.rollout_engine])
             # OpenRLHF's statistic: the experience KL, or with KL as a loss the KL measured in training;
             # no update while the actor is frozen (no KL status then)
             current_kl = metrics.get("actor/kl_loss" if cfg.algo.kl.use_loss else "kl/mean")
@@ -326,21 +329,20 @@ class RLTrainer:
         if key is None or key not in metrics or metrics[key] <= self.best["value"]:
             return
         self.best = {"key": key, "value": metrics[key], "step": self.global_step}
-        save_pretrained(self.actor.model, self.tokenizer, self.run_dir / "best")
+        self.actor.export(self.run_dir / "best", self.tokenizer, ema=False)
         (self.run_dir / "best" / "best_metric.json").write_text(json.dumps(self.best))
         info(f"new best {key} = {metrics[key]:.4f} at step {self.global_step}: saved to {self.run_dir / 'best'}")
 
     def save_checkpoint(self) -> None:
         def write(d: Path) -> None:
-            self.actor.engine.save_state(d / "actor")
+            self.actor.save_state(d / "actor")
             if self.critic is not None:
-                self.critic.engine.save_state(d / "critic")
+                self.critic.save_state(d / "critic")
             state = {"global_step": self.global_step, "prompt_cursor": self.stream.cursor,
-                     "kl_ctl": self.kl_ctl.state_dict(), "best": self.best, "rng": rng_state(), "ema": self.actor.ema}
+                     "kl_ctl": self.kl_ctl.state_dict(), "best": self.best, "rng": rng_state()}
             torch.save(state, d / "trainer_state.pt")
             if self.cfg.ckpt.save_hf:
-                # the policy as the final export would write it (EMA weights with --train.enable_ema, as OpenRLHF)
-                save_pretrained(self.actor.model, self.tokenizer, d / "hf", state_dict=self.actor.ema_state_dict())
+                self.actor.export(d / "hf", self.tokenizer)  # as the final export (EMA weights when kept, as OpenRLHF)
         path = self.ckpt.save(self.global_step, write, {"global_step": self.global_step})
         info(f"saved checkpoint {path}")
 
@@ -349,9 +351,9 @@ class RLTrainer:
         if path is None:
             return
         try:
-            self.actor.engine.load_state(path / "actor")
+            self.actor.load_state(path / "actor")
             if self.critic is not None:
-                self.critic.engine.load_state(path / "critic")
+                self.critic.load_state(path / "critic")
             state = torch.load(path / "trainer_state.pt", weights_only=False)
         except Exception as e:  # verified, same flags, yet unloadable: never fall back to another checkpoint
             raise CheckpointError(f"checkpoint {path} verifies but cannot be loaded by this run ({e}); resume with "
@@ -360,7 +362,6 @@ class RLTrainer:
         self.stream.cursor = state["prompt_cursor"]
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.best = state["best"]
-        self.actor.ema = state.get("ema")
         set_rng_state(state["rng"])
         self.logger.truncate_after(self.global_step)
         info(f"resumed from {path} at step {self.global_step}")
@@ -415,12 +416,11 @@ class RLTrainer:
         return last_eval
 
     def _export(self) -> None:
-        state = self.actor.ema_state_dict()
-        if state is not None:
+        if self.actor.ema is not None:
             info("--train.enable_ema: the saved final model holds the EMA weights")
-        save_pretrained(self.actor.model, self.tokenizer, self.run_dir, state_dict=state)
+        self.actor.export(self.run_dir, self.tokenizer)
         if self.critic is not None and self.cfg.critic.save_value_network:
-            save_pretrained(self.critic.model, self.tokenizer, self.run_dir / "critic")
+            self.critic.export(self.run_dir / "critic", self.tokenizer)
         info(f"final model saved to {self.run_dir}")
 
 

@@ -1,76 +1,26 @@
-"""The models of an RL run, each behind a small role object so a placement other than
-in-process (Ray actor groups) can implement the same methods without changing the trainer:
-`Actor` (trained policy: log-probs, entropy, EMA), `Reference` (frozen policy: log-probs),
-`Critic` (trained value model: per-token values).
+"""The models of an RL run, each a role object that owns its model and train engine and exposes the
+batch methods the RL loop needs — the loop calls only these, so another placement (Ray actor
+groups) can implement the same methods without changing the loop:
 
-Forward passes run over micro-batches of `Batching.micro_batch_size` samples, or with a token
-budget (`max_tokens`, --train/--rollout.max_tokens_per_gpu with --train.dynamic_batch_enable), and
-with `packed` (--ds.packing_samples) each micro-batch is one row without padding (block-diagonal
-attention): the per-token outputs are scattered back to the padded `[b, T-1]` layout, equal to the
-padded computation."""
+- `Actor` (trained policy): `logprobs`, `fit`, `save_state` / `load_state`, `export`,
+  `broadcast_weights(engines)`, EMA of its weights;
+- `Reference` (frozen policy): `logprobs`;
+- `Critic` (trained value model): `values`, `fit`, `save_state` / `load_state`, `export`.
+
+A role's state directory holds its engine state (weights, optimizer, scheduler) plus its own extras
+(the actor's EMA), so a checkpoint is one directory per role."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from posttrain.algorithms.losses import entropy, token_logprobs
-from posttrain.models import forward_logits, forward_values
-from posttrain.trainers import batching
+from posttrain.models import save_pretrained
 from posttrain.trainers.rl.experience import Experience
+from posttrain.trainers.rl.forward import Batching, policy_forward, to_device, value_forward
+from posttrain.trainers.rl.updates import UpdateSettings, update_actor, update_critic
 
-
-@dataclass(frozen=True)
-class Batching:
-    micro_batch_size: int
-    max_tokens: int | None = None  # set => micro-batches by token budget
-    packed: bool = False
-
-    def micro_batches(self, exp: Experience) -> list[list[int]]:
-        """Row groups of `exp`, in order: by count, or greedily by `max_tokens` real tokens."""
-        lengths = exp.attention_mask.sum(1).tolist()
-        return batching.micro_batches(range(len(exp)), lengths, micro_batch_size=self.micro_batch_size,
-                                      max_tokens=self.max_tokens)
-
-
-def _packed_batch(exp: Experience) -> tuple[dict, torch.Tensor]:
-    """One packed row of `exp`'s real tokens (right padding: row-major order keeps each sample
-    contiguous), and the boolean [b, T] map of where each packed token came from."""
-    real = exp.attention_mask.bool()
-    positions = exp.attention_mask.long().cumsum(1) - 1
-    return {"input_ids": exp.sequences[real][None], "position_ids": positions[real][None]}, real
-
-
-def _unpack(flat: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """Per-token values of the packed row ([N]) back to the padded layout [b, T] (0 on padding)."""
-    out = flat.new_zeros(real.shape)
-    out[real] = flat
-    return out
-
-
-def policy_forward(model, exp: Experience, temperature: float, with_entropy: bool = False, packed: bool = False):
-    """Log-probs `[b, T-1]` of the sampled tokens under `logits / temperature` (and the entropy of
-    that distribution when asked) — the same computation as the rollout engine's. Column t scores
-    token t+1; columns at padding (and, packed, at each sample's last token) are meaningless and
-    must be masked by the caller's action mask."""
-    if not packed:
-        logits = forward_logits(model, exp.model_batch())[:, :-1]
-        logp = token_logprobs(logits, exp.sequences[:, 1:], temperature)
-        return logp, (entropy(logits, temperature) if with_entropy else None)
-    inputs, real = _packed_batch(exp)
-    logits = forward_logits(model, inputs)[0]  # [N, V]
-    targets = torch.roll(inputs["input_ids"][0], -1)  # the next packed token (crosses samples at their ends)
-    logp = _unpack(token_logprobs(logits, targets, temperature), real)[:, :-1]
-    ent = _unpack(entropy(logits, temperature), real)[:, :-1] if with_entropy else None
-    return logp, ent
-
-
-def value_forward(model, exp: Experience, packed: bool = False) -> torch.Tensor:
-    """Value of each state before an action: V(tokens ≤ t) in column t, `[b, T-1]`."""
-    if not packed:
-        return forward_values(model, exp.model_batch())[:, :-1]
-    inputs, real = _packed_batch(exp)
-    return _unpack(forward_values(model, inputs)[0], real)[:, :-1]
+EMA_FILE = "ema.pt"
 
 
 class _Scorer:
@@ -85,14 +35,14 @@ class _Scorer:
         with torch.no_grad():
             for rows in batches.micro_batches(exp):
                 part = exp.select(rows)
-                out[rows, : part.action_mask.shape[1]] = fn(_to(part, self.device)).float().cpu() * part.action_mask
+                out[rows, : part.action_mask.shape[1]] = fn(to_device(part, self.device)).float().cpu() * part.action_mask
         self.model.train(was_training)
         return out
 
 
 class Actor(_Scorer):
     """The trained policy. With `ema_beta`, an exponential moving average of its weights is kept
-    (`ema ← β·ema + (1-β)·θ` after every optimizer step, as OpenRLHF) for the final export."""
+    (`ema ← β·ema + (1-β)·θ` after every optimizer step, as OpenRLHF) for the exports."""
 
     def __init__(self, model, engine, temperature: float, device, ema_beta: float | None = None) -> None:
         super().__init__(model, device)
@@ -108,6 +58,10 @@ class Actor(_Scorer):
                                lambda part: policy_forward(self.engine.model, part, self.temperature,
                                                            packed=batches.packed)[0])
 
+    def fit(self, exp: Experience, settings: UpdateSettings, kl_coef: float, step: int) -> dict[str, float]:
+        """`settings.max_epochs` passes of optimizer steps over `exp` (`updates.update_actor`)."""
+        return update_actor(self, exp, settings, kl_coef, step)
+
     def update_ema(self) -> None:
         if self.ema is None:
             return
@@ -122,6 +76,27 @@ class Actor(_Scorer):
             return None
         dtypes = {k: v.dtype for k, v in self.model.state_dict().items()}
         return {k: v.to(dtypes[k]) for k, v in self.ema.items()}
+
+    def save_state(self, directory: Path) -> None:
+        """Weights, optimizer, scheduler (the engine's state) and the EMA into `directory`."""
+        self.engine.save_state(directory)
+        if self.ema is not None:
+            torch.save(self.ema, Path(directory) / EMA_FILE)
+
+    def load_state(self, directory: Path) -> None:
+        self.engine.load_state(directory)
+        if self.ema is not None and (Path(directory) / EMA_FILE).exists():
+            self.ema = torch.load(Path(directory) / EMA_FILE, weights_only=True)
+
+    def export(self, directory: Path, tokenizer, ema: bool = True) -> None:
+        """A `from_pretrained`-loadable policy in `directory` (the EMA weights when kept and `ema`)."""
+        save_pretrained(self.model, tokenizer, directory, state_dict=self.ema_state_dict() if ema else None)
+
+    def broadcast_weights(self, engines) -> None:
+        """Make every rollout engine sample with the current weights (a no-op for an engine that
+        shares this module in process)."""
+        for engine in engines:
+            engine.sync_weights(self.model)
 
 
 class Reference(_Scorer):
@@ -162,9 +137,14 @@ class Critic(_Scorer):
         """Value of each state before an action: V(tokens ≤ t) in column t, `[b, T-1]` (normalised)."""
         return (value_forward(self.engine.model, part, packed) - self.mean) / self.std
 
+    def fit(self, exp: Experience, settings: UpdateSettings, step: int) -> dict[str, float]:
+        return update_critic(self, exp, settings, step)
 
-def _to(exp: Experience, device) -> Experience:
-    if device.type == "cpu":
-        return exp
-    fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in exp.__dict__.items()}
-    return Experience(**fields)
+    def save_state(self, directory: Path) -> None:
+        self.engine.save_state(directory)
+
+    def load_state(self, directory: Path) -> None:
+        self.engine.load_state(directory)
+
+    def export(self, directory: Path, tokenizer) -> None:
+        save_pretrained(self.model, tokenizer, directory)

@@ -16,7 +16,7 @@ import numpy as np
 from posttrain.algorithms.kl import approx_kl
 from posttrain.algorithms.losses import aggregate, policy_loss, value_loss
 from posttrain.trainers.rl.experience import Experience
-from posttrain.trainers.rl.roles import Actor, Batching, Critic, _to, policy_forward
+from posttrain.trainers.rl.forward import Batching, policy_forward, to_device
 
 
 @dataclass
@@ -74,14 +74,16 @@ class _Mean:
 
 def _micro_batches(batch: Experience, batches: Batching, device):
     for rows in batches.micro_batches(batch):
-        yield _to(batch.select(rows), device)
+        yield to_device(batch.select(rows), device)
 
 
 def _counts(exp: Experience) -> tuple[float, float]:
     return float(exp.action_mask.sum()), float((exp.action_mask.sum(1) > 0).sum())
 
 
-def update_actor(actor: Actor, exp: Experience, s: UpdateSettings, kl_coef: float, step: int) -> dict[str, float]:
+def update_actor(actor, exp: Experience, s: UpdateSettings, kl_coef: float, step: int) -> dict[str, float]:
+    """The policy update of `roles.Actor.fit` (`actor`: its `engine`, `device`, `temperature`,
+    `update_ema`)."""
     mean = _Mean()
     rollout_gap = _Mean()
     engine = actor.engine
@@ -133,7 +135,8 @@ def update_actor(actor: Actor, exp: Experience, s: UpdateSettings, kl_coef: floa
     return out
 
 
-def update_critic(critic: Critic, exp: Experience, s: UpdateSettings, step: int) -> dict[str, float]:
+def update_critic(critic, exp: Experience, s: UpdateSettings, step: int) -> dict[str, float]:
+    """The value update of `roles.Critic.fit` (`critic`: its `engine`, `device`, `forward`)."""
     mean = _Mean()
     engine = critic.engine
     for rows in optimizer_steps(len(exp), s, step + 7919):  # its own shuffle
