@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -33,6 +34,42 @@ def pick_device() -> torch.device:
     return torch.device("cpu")
 
 
+class RunStart:
+    """The start every trainer shares (SFT, RM, DPO, PPO): the device; hardware defaults resolved and
+    printed; the resolved config with its derived sizes and the notes on flags without effect; the
+    run directory locked and its checkpoints checked (`open_run_dir`) before anything is written;
+    config.yaml; the seed. `close()` releases the run directory; a failure inside the start
+    releases it too."""
+
+    def __init__(self, cfg) -> None:
+        self.device = pick_device()
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.is_main = int(os.environ.get("RANK", "0")) == 0
+        for note in resolve_hardware_defaults(cfg, self.device.type) or []:
+            info(note)
+        self.run_dir = Path(cfg.ckpt.output_dir)
+        info(format_config(cfg, derived_sizes(cfg, self.world_size)))
+        for note in inert_flags(cfg, self.device.type):
+            info(f"note: {note}")
+        self.rundir = open_run_dir(cfg, is_main=self.is_main)
+        with self.closed_on_error():
+            if self.is_main:
+                save_config(cfg, self.run_dir / "config.yaml")
+            set_seed(cfg.train.seed)
+
+    @contextmanager
+    def closed_on_error(self):
+        """Release the run directory if the block raises (a set-up that fails)."""
+        try:
+            yield
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self.rundir.close()
+
+
 def lora_settings(cfg) -> dict | None:
     lora = cfg.ds.lora
     if not lora.rank:
@@ -43,35 +80,23 @@ def lora_settings(cfg) -> dict | None:
 class SingleModelRun:
     def __init__(self, cfg, load_model=None) -> None:
         self.cfg = cfg
-        self.device = pick_device()
-        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        self.is_main = int(os.environ.get("RANK", "0")) == 0
-        resolve_hardware_defaults(cfg, self.device.type)
-        self.run_dir = Path(cfg.ckpt.output_dir)
-        info(format_config(cfg, derived_sizes(cfg, self.world_size)))
-        for note in inert_flags(cfg, self.device.type):
-            info(f"note: {note}")
-        self.rundir = open_run_dir(cfg, is_main=self.is_main)  # lock + checkpoint checks, before any write
-        try:
-            if self.is_main:
-                save_config(cfg, self.run_dir / "config.yaml")
-            set_seed(cfg.train.seed)
+        self.start = RunStart(cfg)
+        self.device, self.world_size, self.is_main = self.start.device, self.start.world_size, self.start.is_main
+        self.run_dir, self.rundir = self.start.run_dir, self.start.rundir
+        with self.start.closed_on_error():
             self.tokenizer = load_tokenizer(cfg.model.model_name_or_path,
                                             use_fast=not cfg.data.disable_fast_tokenizer,
                                             chat_template=cfg.data.tokenizer_chat_template)
             self.train_rows = load_rows(cfg.data.dataset, cfg.data.dataset_probs, cfg.data.dataset_split,
                                         cfg.train.seed, cfg.data.max_samples)
             self.eval_rows = self._eval_rows()
-        except BaseException:
-            self.close()
-            raise
         self._load_model = load_model or self._load_causal_lm
         # optional: state dict -> state dict applied to every HF export (e.g. RM head renaming)
         self.export_state = None
 
     def close(self) -> None:
         """Release the run directory (idempotent); `fit` does it when it ends."""
-        self.rundir.close()
+        self.start.close()
 
     def __enter__(self) -> SingleModelRun:
         return self

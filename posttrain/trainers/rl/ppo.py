@@ -16,12 +16,7 @@ from posttrain.algorithms.advantages import compute_advantages_with_stats, white
 from posttrain.algorithms.kl import AdaptiveKLController, FixedKLController, approx_kl_with_stats
 from posttrain.config import (
     ConfigError,
-    derived_sizes,
-    format_config,
-    inert_flags,
-    resolve_hardware_defaults,
     resolved_values,
-    save_config,
 )
 from posttrain.data import PromptDataset, load_rows
 from posttrain.engines import make_train_engine
@@ -33,13 +28,12 @@ from posttrain.trainers.rl.experience import Experience, build_experience
 from posttrain.trainers.rl.forward import Batching
 from posttrain.trainers.rl.roles import Actor, Critic, Reference
 from posttrain.trainers.rl.updates import UpdateSettings, steps_per_rollout
-from posttrain.trainers.rundir import open_run_dir
-from posttrain.trainers.session import pick_device, wandb_settings
+from posttrain.trainers.session import RunStart, wandb_settings
 from posttrain.utils.checkpoint import CheckpointError
 from posttrain.utils.interrupt import interrupt_as_error
 from posttrain.utils.log import info, warn_once
 from posttrain.utils.metrics import MetricsLogger
-from posttrain.utils.seeding import rng_state, set_rng_state, set_seed
+from posttrain.utils.seeding import rng_state, set_rng_state
 from posttrain.utils.timer import Timers
 
 GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
@@ -62,24 +56,12 @@ def _sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 class RLTrainer:
     def __init__(self, cfg) -> None:
         self.cfg = cfg
-        self.device = pick_device()
-        world = 1  # one process in this version (validation refuses WORLD_SIZE > 1)
-        for note in resolve_hardware_defaults(cfg, self.device.type) or []:
-            info(note)
-        self.run_dir = Path(cfg.ckpt.output_dir)
-        info(format_config(cfg, derived_sizes(cfg, world)))
-        for note in inert_flags(cfg, self.device.type):
-            info(f"note: {note}")
-        self.rundir = open_run_dir(cfg)  # lock --ckpt.output_dir, check --ckpt.path: before any write or model
-        try:
-            save_config(cfg, self.run_dir / "config.yaml")
-            set_seed(cfg.train.seed)
+        self.start = RunStart(cfg)  # one process in this version (validation refuses WORLD_SIZE > 1)
+        self.device, self.run_dir, self.rundir = self.start.device, self.start.run_dir, self.start.rundir
+        with self.start.closed_on_error():
             self._load_data()
             self._load_models()
             self._build_loop_state()
-        except BaseException:
-            self.rundir.close()
-            raise
 
     # ---- set-up -----------------------------------------------------------------------------
     def _load_data(self) -> None:
