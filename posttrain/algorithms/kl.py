@@ -88,6 +88,9 @@ class FixedKLController:
         self.value = float(state["value"])
 
 
+MAX_COEF = 1e6  # the adaptive coefficient's ceiling (finite whatever the horizon)
+
+
 class AdaptiveKLController:
     """Ziegler et al. proportional controller steering the measured KL toward ``target``, with
     ``e = clip(current_kl / target - 1, -0.2, 0.2)`` and ``x = n_steps / horizon``:
@@ -121,8 +124,10 @@ class AdaptiveKLController:
         error = min(max(current / self.target - 1.0, -0.2), 0.2)
         x = n / self.horizon
         self.compounded = x > 1
-        # exp(x·log(1+e)) = (1+e)^x, its exponent bounded so that no horizon/sample count overflows
-        self.value *= math.exp(max(min(x * math.log1p(error), 700.0), -700.0)) if self.compounded else 1.0 + error * x
+        # exp(x·log(1+e)) = (1+e)^x; the exponent and the coefficient are bounded so that no horizon /
+        # sample count overflows (a coefficient of MAX_COEF already pins the policy to the reference)
+        factor = math.exp(max(min(x * math.log1p(error), 50.0), -50.0)) if self.compounded else 1.0 + error * x
+        self.value = min(self.value * factor, MAX_COEF)
 
     def state_dict(self) -> dict:
         return {"value": self.value, "target": self.target, "horizon": self.horizon}

@@ -77,7 +77,7 @@ def test_reward_is_read_at_the_last_real_token_left_right_and_packed(nano_rm):
     assert right["attention_mask"][:, -1].min() == 0
 
 
-def test_trained_reward_is_the_reward_ppo_reads(nano_rm, tmp_path):
+def test_trained_reward_is_the_reward_serve_rm_reads_from_ppo_queries(nano_rm, tmp_path):
     """Regression: the chat template renders a newline after <|im_end|>; a side that kept it was
     scored at the newline in training, while PPO's reward source scores a generated response at
     its EOS, so the RM's preferences did not carry over to PPO."""

@@ -35,6 +35,9 @@ def _check_body(body) -> tuple[list[str], list[str], list | None]:
         raise ValueError("'query' must be a list of strings (prompt + response texts)")
     if not queries:
         raise ValueError("'query' is an empty list; send at least one prompt + response text")
+    empty = [i for i, q in enumerate(queries) if not q]
+    if empty:
+        raise ValueError(f"'query'[{empty[0]}] is an empty string; every query needs the prompt + response text")
     n = len(queries)
     prompts = body.get("prompts")
     if prompts is None:

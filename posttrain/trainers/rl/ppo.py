@@ -16,7 +16,6 @@ from posttrain.algorithms.advantages import compute_advantages_with_stats, white
 from posttrain.algorithms.kl import AdaptiveKLController, FixedKLController, approx_kl_with_stats
 from posttrain.config import (
     ConfigError,
-    resolved_values,
 )
 from posttrain.data import PromptDataset, load_rows
 from posttrain.engines import make_train_engine
@@ -169,10 +168,9 @@ class RLTrainer:
         eps_low, eps_high = a.eps_clip_low_high if a.eps_clip_low_high else (a.eps_clip, a.eps_clip)
         adv = cfg.algo.advantage
         dynamic = cfg.train.dynamic_batch_enable
-        # --actor.loss_agg unset (auto): the policy term follows the loss type (GSPO: per sequence, as
-        # OpenRLHF), the KL-loss / entropy / value terms stay token means as in OpenRLHF
-        auto_agg = resolved_values(cfg).get("actor.loss_agg", (a.loss_agg,))[0] is None
-        other_agg = "token_mean" if auto_agg else a.loss_agg
+        # GSPO (as OpenRLHF): --actor.loss_agg aggregates the policy term only (sequence-level by
+        # default); the KL-loss / entropy / value terms stay token means. Otherwise it applies to all.
+        other_agg = "token_mean" if a.policy_loss_type == "gspo" else a.loss_agg
         self.train_batching = Batching(cfg.train.micro_batch_size, cfg.train.max_tokens_per_gpu if dynamic else None,
                                        cfg.ds.packing_samples)
         self.forward_batching = Batching(
@@ -333,10 +331,10 @@ class RLTrainer:
         if path is None:
             return
         try:
-            self.actor.load_state(path / "actor")
+            state = torch.load(path / "trainer_state.pt", weights_only=False)
+            self.actor.load_state(path / "actor", legacy_ema=state.get("ema"))
             if self.critic is not None:
                 self.critic.load_state(path / "critic")
-            state = torch.load(path / "trainer_state.pt", weights_only=False)
         except Exception as e:  # verified, same flags, yet unloadable: never fall back to another checkpoint
             raise CheckpointError(f"checkpoint {path} verifies but cannot be loaded by this run ({e}); resume with "
                                   "the set-up that wrote it, or start a new run with another --ckpt.path") from e

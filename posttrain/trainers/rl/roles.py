@@ -19,6 +19,7 @@ from posttrain.models import save_pretrained
 from posttrain.trainers.rl.experience import Experience
 from posttrain.trainers.rl.forward import Batching, policy_forward, to_device, value_forward
 from posttrain.trainers.rl.updates import UpdateSettings, update_actor, update_critic
+from posttrain.utils.log import warn_once
 
 EMA_FILE = "ema.pt"
 
@@ -83,10 +84,20 @@ class Actor(_Scorer):
         if self.ema is not None:
             torch.save(self.ema, Path(directory) / EMA_FILE)
 
-    def load_state(self, directory: Path) -> None:
+    def load_state(self, directory: Path, legacy_ema: dict | None = None) -> None:
+        """The state `save_state` wrote. A checkpoint without `ema.pt` (written before the EMA moved
+        into the actor's state) restores `legacy_ema` (its trainer state's copy); with neither, the EMA
+        restarts from the loaded weights, with a warning — never silently from the initial ones."""
         self.engine.load_state(directory)
-        if self.ema is not None and (Path(directory) / EMA_FILE).exists():
+        if self.ema is None:
+            return
+        if (Path(directory) / EMA_FILE).exists():
             self.ema = torch.load(Path(directory) / EMA_FILE, weights_only=True)
+        elif legacy_ema is not None:
+            self.ema = legacy_ema
+        else:
+            warn_once(f"checkpoint {directory} holds no EMA weights; the EMA restarts from the resumed weights")
+            self.ema = {k: v.detach().clone().float() for k, v in self.model.state_dict().items()}
 
     def export(self, directory: Path, tokenizer, ema: bool = True) -> None:
         """A `from_pretrained`-loadable policy in `directory` (the EMA weights when kept and `ema`)."""
@@ -129,6 +140,9 @@ class Critic(_Scorer):
         config = getattr(model, "config", None)
         mean, std = getattr(config, "mean", None), getattr(config, "std", None)
         self.mean, self.std = (float(mean), float(std)) if normalize and mean is not None and std else (0.0, 1.0)
+        if normalize and (mean is None or not std):
+            warn_once("--reward.normalize_enable: the critic's model has no reward mean/std in its config (it was "
+                      "not started from a reward model trained by posttrain rm), so its values are not normalised")
 
     def values(self, exp: Experience, batches: Batching) -> torch.Tensor:
         return self._per_token(exp, batches, lambda part: self.forward(part, batches.packed))

@@ -56,3 +56,42 @@ def test_actor_fit_state_round_trip_export_and_sync(tiny_model_dir, tmp_path):
     assert weights_hash(engine.model) != weights_hash(a.model)
     a.broadcast_weights([engine])
     assert weights_hash(engine.model) == weights_hash(a.model)
+
+
+def test_ema_of_a_checkpoint_without_ema_file_is_restored_or_restarted_from_the_resumed_weights(tiny_model_dir,
+                                                                                               tmp_path):
+    """A checkpoint written before the EMA moved into the actor's state keeps its EMA in the trainer
+    state (`legacy_ema`); without any, the EMA restarts from the resumed weights, never the initial ones."""
+    tok = load_tokenizer(tiny_model_dir)
+    a = actor(tiny_model_dir)
+    a.fit(experience(tok), settings(3), 0.0, step=0)
+    a.engine.save_state(tmp_path / "old")  # the old layout: engine state only
+    legacy = {k: v + 1.0 for k, v in a.ema.items()}
+    b = actor(tiny_model_dir)
+    b.load_state(tmp_path / "old", legacy_ema=legacy)
+    assert all(torch.equal(b.ema[k], legacy[k]) for k in legacy)
+    c = actor(tiny_model_dir)
+    c.load_state(tmp_path / "old")
+    assert all(torch.equal(c.ema[k], v.float()) for k, v in c.model.state_dict().items())
+
+
+def test_gspo_aggregates_only_its_policy_term_per_sequence(tiny_model_dir):
+    """GSPO (OpenRLHF): the policy term per sequence, the entropy term a token mean. With the
+    entropy term only (policy advantages 0), the gradient must equal token_mean's."""
+    tok = load_tokenizer(tiny_model_dir)
+    exp = experience(tok)
+    exp.advantages = torch.zeros_like(exp.advantages)
+
+    def grad(**kw):
+        a = actor(tiny_model_dir, ema_beta=None)
+        captured = {}
+        a.engine.step = lambda: captured.update({k: p.grad.clone() for k, p in a.model.named_parameters()}) or 0.0
+        a.fit(exp, settings(6, entropy_coef=0.1, **kw), 0.0, step=0)
+        return captured
+
+    token = grad(loss_agg="token_mean")
+    gspo = grad(loss_agg="token_mean", policy_loss_agg="seq_mean_token_mean", policy_loss_type="gspo")
+    seq = grad(loss_agg="seq_mean_token_mean")
+    for k in token:
+        torch.testing.assert_close(gspo[k], token[k], atol=1e-7, rtol=1e-5)
+    assert any(not torch.allclose(seq[k], token[k]) for k in token)
