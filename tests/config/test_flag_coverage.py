@@ -204,7 +204,8 @@ def test_refused_flags_are_refused_by_validation():
 
 
 def test_every_trainer_prints_the_inert_notes_at_start_up():
-    """SFT, RM and DPO set up through SingleModelRun, which prints inert_flags; so does the RL trainer."""
+    """Every trainer starts through RunStart (session.py), which prints inert_flags: SFT, RM and DPO via
+    SingleModelRun, the RL trainer directly."""
 
     def calls(path: Path) -> set[str]:
         tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -215,8 +216,7 @@ def test_every_trainer_prints_the_inert_notes_at_start_up():
         }
 
     trainers = PACKAGE / "trainers"
-    assert "inert_flags" in calls(trainers / "session.py") and "inert_flags" in calls(
-        trainers / "rl" / "ppo.py"
-    )
+    assert "inert_flags" in calls(trainers / "session.py")
+    assert "RunStart" in calls(trainers / "session.py") and "RunStart" in calls(trainers / "rl" / "ppo.py")
     for name in ("sft", "rm", "dpo"):
         assert "SingleModelRun" in calls(trainers / f"{name}.py"), name
