@@ -77,6 +77,10 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--on_error", default="raise", choices=["raise", "skip"],
                      help="[posttrain] reward_func errors: fail the request (raise) or mark the samples "
                           "skipped (skip)")
+    srv.add_argument("--reward.timeout", dest="reward.timeout", type=float, metavar="SECONDS",
+                     help="[posttrain] seconds per reward_func call on a request (default: 300)")
+    srv.add_argument("--reward.retries", dest="reward.retries", type=int, default=3, metavar="N",
+                     help="[posttrain] attempts per reward_func call: raised or timed out (default: 3)")
     srv.add_argument("--device", help="[posttrain] cpu, cuda, cuda:1 ... (default: cuda when available)")
     srv.add_argument("--use_ms", action="store_true", help="download the model from ModelScope (not supported)")
     return p
@@ -97,7 +101,8 @@ def _unknown_flag(flag: str, known: set[str]) -> str:
 
 def _check_numbers(p: argparse.ArgumentParser, ns) -> None:
     limits = (("data.max_len", 2, "at least 2 tokens (a query and its eos)"), ("batch_size", 1, ">= 1"),
-              ("max_request_bytes", 1, ">= 1"), ("max_queries", 1, ">= 1"), ("port", 0, "in 0..65535"))
+              ("max_request_bytes", 1, ">= 1"), ("max_queries", 1, ">= 1"), ("port", 0, "in 0..65535"),
+              ("reward.retries", 1, ">= 1 (attempts in total)"), ("reward.timeout", 1e-9, "> 0 seconds"))
     for dest, low, why in limits:
         value = getattr(ns, dest)
         if value is not None and (value < low or (dest == "port" and value > 65535)):
@@ -146,6 +151,7 @@ def _inert(args, device_type: str) -> list[str]:
         rules.update({flag: "serve-rm serves a reward_func file, not a model" for flag in _MODEL_FLAGS})
     else:
         rules["on_error"] = "--on_error applies to reward_func files; a reward model error fails the request"
+        rules["reward.timeout"] = rules["reward.retries"] = "they apply to reward_func files, not a reward model"
         rules["ds.experts_implementation"] = ("not available in this version: choosing MoE expert kernels "
                                               "(transformers picks)")
         rules["ds.packing_samples"] = "serve-rm scores padded batches (the same rewards; packing only saves time)"
@@ -252,7 +258,7 @@ def make_source(args, device: str):
                               normalize=args.reward.normalize_enable, dtype=args.ds.param_dtype or "fp32",
                               batch_size=args.batch_size, max_len=args.data.max_len, tokenizer=tokenizer,
                               device=device, attn_implementation=args.ds.attn_implementation,
-                              on_error=args.on_error)
+                              on_error=args.on_error, timeout=args.reward.timeout, retries=args.reward.retries)
 
 
 if __name__ == "__main__":

@@ -175,6 +175,11 @@ def test_serve_rm_cli_errors(capsys):
                        "--reward.normalize_enable", "--token", "t"])
     assert (args.ds.value_head_prefix, args.reward.normalize_enable, args.token, args.host, args.port) == (
         "value_head", True, "t", "127.0.0.1", 5000)
+    args = parse_args(["--reward.remote_url", "f.py", "--reward.timeout", "5", "--reward.retries", "2"])
+    assert (args.reward.timeout, args.reward.retries) == (5.0, 2)
+    with pytest.raises(SystemExit):
+        parse_args(["--reward.remote_url", "f.py", "--reward.retries", "0"])
+    assert "--reward.retries 0: must be >= 1" in capsys.readouterr().err
     missing = subprocess.run([sys.executable, "-m", "posttrain.cli.serve_rm", "--reward.remote_url",
                               "/nonexistent/r.py"], check=False, capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "reward function file not found" in missing.stderr
