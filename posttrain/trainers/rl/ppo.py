@@ -59,6 +59,7 @@ class RLTrainer:
         self.device, self.run_dir, self.rundir = self.start.device, self.start.run_dir, self.start.rundir
         with self.start.closed_on_error():
             self._load_data()
+            self._load_reward_source()
             self._load_models()
             self._build_loop_state()
 
@@ -112,6 +113,19 @@ class RLTrainer:
             min_lr_ratio=role_cfg.min_lr_ratio, total_steps=max(total_steps, 1), max_norm=role_cfg.max_norm,
             zero_stage=None, param_dtype=self.cfg.ds.param_dtype)
 
+    def _load_reward_source(self) -> None:
+        """The reward source first, before the policy loads: a missing or broken reward file, an
+        unreachable-by-design URL or a mismatched reward model stops the run before the expensive part."""
+        cfg = self.cfg
+        self.reward_source = make_reward_source(
+            cfg.reward.remote_url, cfg.reward.model_name_or_path, value_head_prefix=cfg.ds.value_head_prefix,
+            normalize=cfg.reward.normalize_enable, dtype=cfg.ds.param_dtype,
+            batch_size=max(cfg.rollout.micro_batch_size, 16), tokenizer=self.tokenizer, device=str(self.device),
+            attn_implementation=cfg.ds.attn_implementation, on_error="skip" if cfg.reward.skip_errors_enable else "raise",
+            timeout=cfg.reward.timeout, retries=cfg.reward.retries)
+        if hasattr(self.reward_source, "check_vocabulary"):
+            self.reward_source.check_vocabulary(self.tokenizer)
+
     def _load_models(self) -> None:
         cfg = self.cfg
         n = cfg.rollout.n_samples_per_prompt
@@ -151,14 +165,6 @@ class RLTrainer:
             info("no reference model loaded: --algo.kl.init_coef 0 and KL is not used as a loss")
         self.kl_ctl = (AdaptiveKLController(kl.init_coef, kl.target, kl.horizon) if kl.target
                        else FixedKLController(kl.init_coef))
-        self.reward_source = make_reward_source(
-            cfg.reward.remote_url, cfg.reward.model_name_or_path, value_head_prefix=cfg.ds.value_head_prefix,
-            normalize=cfg.reward.normalize_enable, dtype=dtype, batch_size=max(cfg.rollout.micro_batch_size, 16),
-            tokenizer=self.tokenizer, device=str(self.device), attn_implementation=cfg.ds.attn_implementation,
-            on_error="skip" if cfg.reward.skip_errors_enable else "raise", timeout=cfg.reward.timeout,
-            retries=cfg.reward.retries)
-        if hasattr(self.reward_source, "check_vocabulary"):
-            self.reward_source.check_vocabulary(self.tokenizer)
         self.rollout_engine = HFRolloutEngine(actor_model, self.tokenizer, pad_token_id=self.tokenizer.pad_token_id)
         self.executor = SingleTurnExecutor(self.rollout_engine, self.reward_source, self.tokenizer)
 
