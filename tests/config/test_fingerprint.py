@@ -1,6 +1,8 @@
 """The run fingerprint (flags that decide the training trajectory) and the checkpoint folder."""
 from pathlib import Path
 
+from config_args import BASE
+
 from posttrain.config import (
     adjustable_values,
     checkpoint_dir,
@@ -10,8 +12,7 @@ from posttrain.config import (
 )
 from posttrain.utils.checkpoint import flag_diffs
 
-SFT = ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl"]
-PPO = ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "p.jsonl", "--reward.remote_url", "r.py"]
+SFT, PPO = BASE["sft"], BASE["ppo"]
 
 
 def sft(*extra):
