@@ -68,7 +68,7 @@ class DPORef:
 class _ActorModel:
     model_name_or_path: str | None = opt(None, "policy model folder or hub id (required)")
     num_nodes: int = opt(1, "Ray nodes for the actor")
-    num_gpus_per_node: int = opt(8, "GPUs per node for the actor")
+    num_gpus_per_node: int = opt(1, "GPUs per node for the actor (OpenRLHF: 8)")
     gradient_checkpointing_enable: bool = opt(False, "recompute activations in the backward pass")
     gradient_checkpointing_reentrant: bool = opt(False, "use reentrant gradient checkpointing")
     freeze_visual_encoder: bool = opt(False, "train only the language model of a vision-language model")
@@ -103,7 +103,7 @@ class Actor(OptimFields, _ActorModel):
 class _CriticModel:
     model_name_or_path: str | None = opt(None, "critic model; default: reward model, else the actor")
     num_nodes: int = opt(1, "Ray nodes for the critic")
-    num_gpus_per_node: int = opt(8, "GPUs per node for the critic")
+    num_gpus_per_node: int = opt(1, "GPUs per node for the critic (OpenRLHF: 8)")
 
 
 @dataclass
@@ -121,7 +121,7 @@ class Ref:
 
     model_name_or_path: str | None = opt(None, "reference model; default: the actor's initial weights")
     num_nodes: int = opt(1, "Ray nodes for the reference model")
-    num_gpus_per_node: int = opt(8, "GPUs per node for the reference model")
+    num_gpus_per_node: int = opt(1, "GPUs per node for the reference model (OpenRLHF: 8)")
     offload: bool = opt(False, "keep the reference model on CPU between forwards")
 
 
@@ -132,7 +132,7 @@ class Reward:
     model_name_or_path: str | None = opt(None, "reward model folder or hub id")
     remote_url: str | None = opt(None, "HTTP reward endpoint(s) or a local .py reward function")
     num_nodes: int = opt(1, "Ray nodes for the reward model")
-    num_gpus_per_node: int = opt(8, "GPUs per node for the reward model")
+    num_gpus_per_node: int = opt(1, "GPUs per node for the reward model (OpenRLHF: 8)")
     offload: bool = opt(False, "keep the reward model on CPU between forwards")
     normalize_enable: bool = opt(False, "normalise reward-model scores with the mean/std stored in the model")
     clip_range: list[float] = opt([-10.0, 10.0], "clip rewards to [low, high]", nargs=2)

@@ -7,3 +7,8 @@ from __future__ import annotations
 class UserError(Exception):
     """A mistake or environment problem the user can fix; the message names the flag, file, row
     or URL, the cause, and the fix."""
+
+
+class WorkerFailed(UserError):
+    """A process of a distributed run died, could not start or could not be placed (the message
+    names the role and rank)."""

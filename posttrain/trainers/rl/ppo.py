@@ -1,7 +1,8 @@
 """The RL loop (`posttrain ppo`): for each step, collect a rollout batch, turn it into experience
-(old/reference log-probs, values, KL, rewards → advantages), update the critic and the policy, then
-log, evaluate and checkpoint. All roles live in this process here; their objects (`roles.py`) are
-the seam where a Ray placement plugs in."""
+(old/reference log-probs, values, KL, rewards → advantages), update the critic and the policy, sync
+the rollout engines' weights, then log, evaluate and checkpoint. The loop calls only role methods:
+the roles live in this process (`roles.py`), or are Ray actor groups with the same methods
+(`distributed/ray_placement.py`) when `config.ray_mode.uses_ray`."""
 from __future__ import annotations
 
 import json
@@ -10,22 +11,21 @@ from pathlib import Path
 
 import torch
 
-from posttrain.agents.rewards import make_reward_source
 from posttrain.agents.single_turn import SingleTurnExecutor
 from posttrain.algorithms.advantages import compute_advantages_with_stats, whiten
 from posttrain.algorithms.kl import AdaptiveKLController, FixedKLController, approx_kl_with_stats
 from posttrain.config import (
     ConfigError,
 )
+from posttrain.config.ray_mode import uses_ray
 from posttrain.data import PromptDataset, load_rows
-from posttrain.engines import make_train_engine
 from posttrain.engines.rollout import HFRolloutEngine, SamplingParams, rank_seed
-from posttrain.models import load_causal_lm, load_score_model, load_tokenizer
+from posttrain.models import load_tokenizer
+from posttrain.trainers.rl import build
 from posttrain.trainers.rl.collect import PromptStream, ShapingSettings, collect
 from posttrain.trainers.rl.evaluate import dataset_name, eval_metrics
 from posttrain.trainers.rl.experience import Experience, build_experience
 from posttrain.trainers.rl.forward import Batching
-from posttrain.trainers.rl.roles import Actor, Critic, Reference
 from posttrain.trainers.rl.updates import UpdateSettings, steps_per_rollout
 from posttrain.trainers.session import RunStart, wandb_settings
 from posttrain.utils.checkpoint import CheckpointError
@@ -55,13 +55,18 @@ def _sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 class RLTrainer:
     def __init__(self, cfg) -> None:
         self.cfg = cfg
-        self.start = RunStart(cfg)  # one process in this version (validation refuses WORLD_SIZE > 1)
+        self.start = RunStart(cfg)  # the controller's process (validation refuses WORLD_SIZE > 1)
         self.device, self.run_dir, self.rundir = self.start.device, self.start.run_dir, self.start.rundir
+        self.on_ray, self.placement = uses_ray(cfg), None
         with self.start.closed_on_error():
-            self._load_data()
-            self._load_reward_source()
-            self._load_models()
-            self._build_loop_state()
+            try:
+                self._load_data()
+                self._load_reward_source()
+                self._load_models()
+                self._build_loop_state()
+            except BaseException:
+                self._release_placement()
+                raise
 
     # ---- set-up -----------------------------------------------------------------------------
     def _load_data(self) -> None:
@@ -104,27 +109,13 @@ class RLTrainer:
                               f"({smallest} tokens: --rollout.max_new_tokens, or --data.max_len minus the longest "
                               "prompt); lower the buffer or raise the budget")
 
-    def _engine(self, model, role_cfg, total_steps: int):
-        return make_train_engine(
-            model, optim=role_cfg.optim, lr=role_cfg.adam.lr, betas=tuple(role_cfg.adam.betas), eps=role_cfg.adam.eps,
-            weight_decay=role_cfg.adam.weight_decay, muon_lr=role_cfg.muon.lr, muon_momentum=role_cfg.muon.momentum,
-            muon_nesterov=role_cfg.muon.nesterov, muon_ns_steps=role_cfg.muon.ns_steps,
-            lr_scheduler=role_cfg.lr_scheduler, warmup_ratio=role_cfg.lr_warmup_ratio,
-            min_lr_ratio=role_cfg.min_lr_ratio, total_steps=max(total_steps, 1), max_norm=role_cfg.max_norm,
-            zero_stage=None, param_dtype=self.cfg.ds.param_dtype)
-
     def _load_reward_source(self) -> None:
         """The reward source first, before the policy loads: a missing or broken reward file, an
-        unreachable-by-design URL or a mismatched reward model stops the run before the expensive part."""
-        cfg = self.cfg
-        self.reward_source = make_reward_source(
-            cfg.reward.remote_url, cfg.reward.model_name_or_path, value_head_prefix=cfg.ds.value_head_prefix,
-            normalize=cfg.reward.normalize_enable, dtype=cfg.ds.param_dtype,
-            batch_size=max(cfg.rollout.micro_batch_size, 16), tokenizer=self.tokenizer, device=str(self.device),
-            attn_implementation=cfg.ds.attn_implementation, on_error="skip" if cfg.reward.skip_errors_enable else "raise",
-            timeout=cfg.reward.timeout, retries=cfg.reward.retries)
-        if hasattr(self.reward_source, "check_vocabulary"):
-            self.reward_source.check_vocabulary(self.tokenizer)
+        unreachable-by-design URL or a mismatched reward model stops the run before the expensive part.
+        Under Ray a reward model is loaded by its own ranks (with the other roles)."""
+        self.reward_source = None
+        if not (self.on_ray and build.has_reward_model(self.cfg)):
+            self.reward_source = build.build_reward_source(self.cfg, self.tokenizer, self.device)
 
     def _load_models(self) -> None:
         cfg = self.cfg
@@ -134,39 +125,37 @@ class RLTrainer:
             raise ConfigError(f"{len(self.prompts)} prompts are fewer than one rollout batch "
                              f"(--rollout.batch_size {cfg.rollout.batch_size}); lower it or add prompts")
         self.total_steps = self.steps_per_episode * cfg.train.num_episodes
-        updates_per_step = steps_per_rollout(cfg.rollout.batch_size * n, cfg.train.batch_size, cfg.train.max_epochs)
-        dtype = cfg.ds.param_dtype
-        actor_model = load_causal_lm(cfg.actor.model_name_or_path, dtype=dtype, tokenizer=self.tokenizer,
-                                     attn_implementation=cfg.ds.attn_implementation,
-                                     gradient_checkpointing=cfg.actor.gradient_checkpointing_enable,
-                                     gradient_checkpointing_reentrant=cfg.actor.gradient_checkpointing_reentrant)
-        actor_model.to(self.device).train()
-        self.actor = Actor(actor_model, self._engine(actor_model, cfg.actor, self.total_steps * updates_per_step),
-                           cfg.rollout.temperature, self.device,
-                           ema_beta=cfg.train.ema_beta if cfg.train.enable_ema else None)
-        self.critic = None
-        if cfg.algo.advantage.estimator == "gae":
-            path = cfg.critic.model_name_or_path or cfg.reward.model_name_or_path or cfg.actor.model_name_or_path
-            critic_model = load_score_model(path, dtype=dtype, value_head_prefix=cfg.ds.value_head_prefix,
-                                            tokenizer=self.tokenizer,
-                                            attn_implementation=cfg.ds.attn_implementation, new_head_ok=True)
-            critic_model.to(self.device).train()
-            self.critic = Critic(critic_model, self._engine(critic_model, cfg.critic, self.total_steps * updates_per_step),
-                                 self.device, normalize=bool(cfg.reward.normalize_enable))
-        kl = cfg.algo.kl
-        self.ref = None
-        if kl.init_coef > 0 or kl.use_loss:
-            ref_model = load_causal_lm(cfg.ref.model_name_or_path or cfg.actor.model_name_or_path, dtype=dtype,
-                                       tokenizer=self.tokenizer,
-                                       attn_implementation=cfg.ds.attn_implementation)
-            ref_model.requires_grad_(False)
-            self.ref = Reference(ref_model.to(self.device), cfg.rollout.temperature, self.device, offload=cfg.ref.offload)
+        updates = self.total_steps * steps_per_rollout(cfg.rollout.batch_size * n, cfg.train.batch_size,
+                                                       cfg.train.max_epochs)
+        if self.on_ray:
+            self._place_on_ray(updates)
         else:
+            self.actor = build.build_actor(cfg, self.tokenizer, self.device, updates)
+            self.critic = (build.build_critic(cfg, self.tokenizer, self.device, updates)
+                           if build.needs_critic(cfg) else None)
+            self.ref = build.build_reference(cfg, self.tokenizer, self.device) if build.needs_reference(cfg) else None
+            # in one process the rollout engine samples from the actor's own module (no weight copy)
+            self.rollout_engine = HFRolloutEngine(self.actor.model, self.tokenizer,
+                                                  pad_token_id=self.tokenizer.pad_token_id)
+        if self.ref is None:
             info("no reference model loaded: --algo.kl.init_coef 0 and KL is not used as a loss")
+        kl = cfg.algo.kl
         self.kl_ctl = (AdaptiveKLController(kl.init_coef, kl.target, kl.horizon) if kl.target
                        else FixedKLController(kl.init_coef))
-        self.rollout_engine = HFRolloutEngine(actor_model, self.tokenizer, pad_token_id=self.tokenizer.pad_token_id)
         self.executor = SingleTurnExecutor(self.rollout_engine, self.reward_source, self.tokenizer)
+
+    def _place_on_ray(self, updates: int) -> None:
+        """Every role as a Ray actor group (`distributed.ray_placement`); the groups have the roles'
+        methods, so the rest of the loop does not change."""
+        from posttrain.distributed.ray_placement import RayPlacement
+
+        cfg = self.cfg
+        self.placement = RayPlacement(cfg, updates, critic=build.needs_critic(cfg), ref=build.needs_reference(cfg),
+                                      reward_model=build.has_reward_model(cfg))
+        p = self.placement
+        self.actor, self.critic, self.ref, self.rollout_engine = p.actor, p.critic, p.ref, p.engines
+        if p.reward is not None:
+            self.reward_source = p.reward
 
     def _build_loop_state(self) -> None:
         cfg = self.cfg
@@ -277,7 +266,7 @@ class RLTrainer:
                 if actor_trains:
                     metrics.update(self.actor.fit(exp, self.update_settings, self.kl_ctl.value, step))
                     with self.timers("weight_sync"):
-                        self.actor.broadcast_weights([self.rollout_engine])
+                        self._sync_engines()
             # OpenRLHF's statistic: the experience KL, or with KL as a loss the KL measured in training;
             # no update while the actor is frozen (no KL status then)
             current_kl = metrics.get("actor/kl_loss" if cfg.algo.kl.use_loss else "kl/mean")
@@ -358,8 +347,15 @@ class RLTrainer:
             with interrupt_as_error(self._interrupted):
                 return self._fit()
         finally:
-            self.reward_source.close()
+            if self.reward_source is not None:
+                self.reward_source.close()
+            self._release_placement()
             self.rundir.close()
+
+    def _release_placement(self) -> None:
+        if self.placement is not None:
+            self.placement.shutdown()
+            self.placement = None
 
     def _interrupted(self) -> str:
         last = self.rundir.last_checkpoint()
@@ -370,6 +366,7 @@ class RLTrainer:
 
         cfg = self.cfg
         self.try_resume()
+        self._sync_engines(verify=True)
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="rl", dynamic_ncols=True)
         last_eval: dict[str, float] = {}
         try:
@@ -401,8 +398,19 @@ class RLTrainer:
             info(f"no plots: {e}")
         return last_eval
 
+    def _sync_engines(self, verify: bool = False) -> None:
+        """The rollout engines take the actor's weights (a no-op in one process: the engine shares the
+        actor's module). `verify`: check each engine's weights hash equals the trainer's."""
+        self.actor.broadcast_weights([self.rollout_engine])
+        if verify and self.placement is not None:
+            expected, got = self.actor.weights_hash(), self.rollout_engine.weights_hashes()
+            bad = [i for i, h in enumerate(got) if h != expected]
+            if bad:
+                raise RuntimeError(f"weight sync failed: rollout engine(s) {bad} hold other weights than the actor")
+            info(f"weight sync verified: {len(got)} rollout engine(s) hold the actor's weights")
+
     def _export(self) -> None:
-        if self.actor.ema is not None:
+        if self.actor.keeps_ema:
             info("--train.enable_ema: the saved final model holds the EMA weights")
         self.actor.export(self.run_dir, self.tokenizer)
         if self.critic is not None and self.cfg.critic.save_value_network:

@@ -25,20 +25,42 @@ EMA_FILE = "ema.pt"
 
 
 class _Scorer:
+    engine = None  # a train engine (collective forwards under ZeRO-3), or None for a frozen model
+
     def __init__(self, model, device) -> None:
         self.model = model
         self.device = device
 
     def _per_token(self, exp: Experience, batches: Batching, fn) -> torch.Tensor:
+        """`fn` over the micro-batches of `exp`, masked per token, `[B, T-1]`. Under data parallelism
+        every rank runs the same number of forwards (`lockstep`), as ZeRO-3 needs."""
         out = torch.zeros_like(exp.action_mask)
         was_training = self.model.training
         self.model.eval()
         with torch.no_grad():
-            for rows in batches.micro_batches(exp):
-                part = exp.select(rows)
-                out[rows, : part.action_mask.shape[1]] = fn(to_device(part, self.device)).float().cpu() * part.action_mask
+            for rows in lockstep(self.engine, batches.micro_batches(exp)):
+                part = exp.select(rows or [0])
+                result = fn(to_device(part, self.device)).float().cpu() * part.action_mask
+                if rows:
+                    out[rows, : part.action_mask.shape[1]] = result
         self.model.train(was_training)
         return out
+
+
+def sharded_weights(engine) -> dict | None:
+    """The full weights gathered on rank 0 under ZeRO-3 (collective), else None: the module's own
+    tensors are whole."""
+    return engine.full_state_dict() if getattr(engine, "zero_stage", None) == 3 else None
+
+
+def lockstep(engine, micro_batches: list[list[int]]) -> list[list[int]]:
+    """`micro_batches` padded with empty ones up to the most any rank of `engine` runs (a caller
+    computes an empty one on a stand-in row and weights it zero): ZeRO-3 gathers parameters in
+    every forward, so ranks must run the same number. Unchanged in one process."""
+    if engine is None:
+        return micro_batches
+    most = engine.max_across_ranks(len(micro_batches))
+    return micro_batches + [[] for _ in range(most - len(micro_batches))]
 
 
 class Actor(_Scorer):
@@ -54,14 +76,20 @@ class Actor(_Scorer):
         if ema_beta is not None:
             self.ema = {k: v.detach().clone().float() for k, v in model.state_dict().items()}
 
+    @property
+    def keeps_ema(self) -> bool:
+        return self.ema is not None
+
     def logprobs(self, exp: Experience, batches: Batching) -> torch.Tensor:
         return self._per_token(exp, batches,
                                lambda part: policy_forward(self.engine.model, part, self.temperature,
                                                            packed=batches.packed)[0])
 
-    def fit(self, exp: Experience, settings: UpdateSettings, kl_coef: float, step: int) -> dict[str, float]:
-        """`settings.max_epochs` passes of optimizer steps over `exp` (`updates.update_actor`)."""
-        return update_actor(self, exp, settings, kl_coef, step)
+    def fit(self, exp: Experience, settings: UpdateSettings, kl_coef: float, step: int,
+            step_rows=None) -> dict[str, float]:
+        """`settings.max_epochs` passes of optimizer steps over `exp` (`updates.update_actor`);
+        `step_rows`: a data-parallel rank's rows of each step."""
+        return update_actor(self, exp, settings, kl_coef, step, step_rows)
 
     def update_ema(self) -> None:
         if self.ema is None:
@@ -79,9 +107,10 @@ class Actor(_Scorer):
         return {k: v.to(dtypes[k]) for k, v in self.ema.items()}
 
     def save_state(self, directory: Path) -> None:
-        """Weights, optimizer, scheduler (the engine's state) and the EMA into `directory`."""
+        """Weights, optimizer, scheduler (the engine's state: every rank's part) and the EMA into
+        `directory`; collective under data parallelism."""
         self.engine.save_state(directory)
-        if self.ema is not None:
+        if self.ema is not None and self.engine.is_main:
             torch.save(self.ema, Path(directory) / EMA_FILE)
 
     def load_state(self, directory: Path, legacy_ema: dict | None = None) -> None:
@@ -100,8 +129,15 @@ class Actor(_Scorer):
             self.ema = {k: v.detach().clone().float() for k, v in self.model.state_dict().items()}
 
     def export(self, directory: Path, tokenizer, ema: bool = True) -> None:
-        """A `from_pretrained`-loadable policy in `directory` (the EMA weights when kept and `ema`)."""
-        save_pretrained(self.model, tokenizer, directory, state_dict=self.ema_state_dict() if ema else None)
+        """A `from_pretrained`-loadable policy in `directory` (the EMA weights when kept and `ema`);
+        collective under ZeRO-3 (the full weights are gathered), written by rank 0."""
+        state = self.ema_state_dict() if ema and self.ema is not None else sharded_weights(self.engine)
+        if self.engine.is_main:
+            save_pretrained(self.model, tokenizer, directory, state_dict=state)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The current weights on rank 0 (None elsewhere); collective under ZeRO-3."""
+        return self.engine.full_state_dict()
 
     def broadcast_weights(self, engines) -> None:
         """Make every rollout engine sample with the current weights (a no-op for an engine that
@@ -151,8 +187,8 @@ class Critic(_Scorer):
         """Value of each state before an action: V(tokens ≤ t) in column t, `[b, T-1]` (normalised)."""
         return (value_forward(self.engine.model, part, packed) - self.mean) / self.std
 
-    def fit(self, exp: Experience, settings: UpdateSettings, step: int) -> dict[str, float]:
-        return update_critic(self, exp, settings, step)
+    def fit(self, exp: Experience, settings: UpdateSettings, step: int, step_rows=None) -> dict[str, float]:
+        return update_critic(self, exp, settings, step, step_rows)
 
     def save_state(self, directory: Path) -> None:
         self.engine.save_state(directory)
@@ -161,4 +197,6 @@ class Critic(_Scorer):
         self.engine.load_state(directory)
 
     def export(self, directory: Path, tokenizer) -> None:
-        save_pretrained(self.model, tokenizer, directory)
+        state = sharded_weights(self.engine)
+        if self.engine.is_main:
+            save_pretrained(self.model, tokenizer, directory, state_dict=state)

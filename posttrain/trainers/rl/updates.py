@@ -12,6 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from posttrain.algorithms.kl import approx_kl
 from posttrain.algorithms.losses import aggregate, policy_loss, value_loss
@@ -72,27 +73,52 @@ class _Mean:
         return {f"{prefix}/{k}": self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
 
 
-def _micro_batches(batch: Experience, batches: Batching, device):
-    for rows in batches.micro_batches(batch):
-        yield to_device(batch.select(rows), device)
+def _micro_batches(batch: Experience, batches: Batching, engine, device):
+    """The micro-batches of `batch`, padded in lockstep across ranks (`roles.lockstep`); a padding
+    micro-batch is a stand-in row with an all-zero action mask, so its loss and gradient are zero."""
+    from posttrain.trainers.rl.roles import lockstep
+
+    for rows in lockstep(engine, batches.micro_batches(batch) if len(batch) else []):
+        if rows:
+            yield to_device(batch.select(rows), device)
+        else:
+            yield to_device(_stand_in(batch), device)
 
 
-def _counts(exp: Experience) -> tuple[float, float]:
-    return float(exp.action_mask.sum()), float((exp.action_mask.sum(1) > 0).sum())
+def _stand_in(batch: Experience) -> Experience:
+    part = batch.select([0])
+    part.action_mask = torch.zeros_like(part.action_mask)
+    return part
 
 
-def update_actor(actor, exp: Experience, s: UpdateSettings, kl_coef: float, step: int) -> dict[str, float]:
+def _counts(exp: Experience, engine) -> tuple[float, float]:
+    """Action tokens and sequences of one optimizer step, summed over the data-parallel ranks (each
+    holds a share of the step's rows), so every loss is normalised by the whole step's counts."""
+    counts = torch.tensor([float(exp.action_mask.sum()), float((exp.action_mask.sum(1) > 0).sum())],
+                          dtype=torch.float64)
+    engine.all_reduce(counts)
+    return float(counts[0]), float(counts[1])
+
+
+def local_steps(exp: Experience, s: UpdateSettings, step: int, step_rows=None):
+    """The rows of each optimizer step this rank trains: `step_rows` (a data-parallel rank's share,
+    planned by the controller; possibly empty) or all of `optimizer_steps`."""
+    return step_rows if step_rows is not None else optimizer_steps(len(exp), s, step)
+
+
+def update_actor(actor, exp: Experience, s: UpdateSettings, kl_coef: float, step: int,
+                 step_rows=None) -> dict[str, float]:
     """The policy update of `roles.Actor.fit` (`actor`: its `engine`, `device`, `temperature`,
-    `update_ema`)."""
+    `update_ema`). `step_rows`: this rank's rows of each optimizer step (`local_steps`)."""
     mean = _Mean()
     rollout_gap = _Mean()
     engine = actor.engine
     packed = s.batching.packed
-    for rows in optimizer_steps(len(exp), s, step):
-        batch = exp.select(rows)
-        num_tokens, num_seqs = _counts(batch)
+    for rows in local_steps(exp, s, step, step_rows):
+        batch = exp.select(rows) if len(rows) else _stand_in(exp)
+        num_tokens, num_seqs = _counts(batch, engine)
         step_loss = 0.0
-        for mb in _micro_batches(batch, s.batching, actor.device):
+        for mb in _micro_batches(batch, s.batching, engine, actor.device):
             want_entropy = s.entropy_coef is not None
             logp, ent = policy_forward(engine.model, mb, actor.temperature, with_entropy=want_entropy, packed=packed)
             mask = mb.action_mask
@@ -127,7 +153,7 @@ def update_actor(actor, exp: Experience, s: UpdateSettings, kl_coef: float, step
         mean.add("policy_loss", step_loss)
         mean.add("grad_norm", engine.step())
         actor.update_ema()
-        mean.add("rows_per_step", len(rows))
+        mean.add("rows_per_step", len(rows))  # this rank's (the controller sums the ranks)
     out = mean.result("actor")
     out["train/rows_per_step"] = out.pop("actor/rows_per_step")
     out.update(rollout_gap.result("rollout"))
@@ -135,15 +161,20 @@ def update_actor(actor, exp: Experience, s: UpdateSettings, kl_coef: float, step
     return out
 
 
-def update_critic(critic, exp: Experience, s: UpdateSettings, step: int) -> dict[str, float]:
+def critic_shuffle_step(step: int) -> int:
+    """The critic shuffles its optimizer steps with its own seed (`optimizer_steps(n, s, this)`)."""
+    return step + 7919
+
+
+def update_critic(critic, exp: Experience, s: UpdateSettings, step: int, step_rows=None) -> dict[str, float]:
     """The value update of `roles.Critic.fit` (`critic`: its `engine`, `device`, `forward`)."""
     mean = _Mean()
     engine = critic.engine
-    for rows in optimizer_steps(len(exp), s, step + 7919):  # its own shuffle
-        batch = exp.select(rows)
-        num_tokens, num_seqs = _counts(batch)
+    for rows in local_steps(exp, s, critic_shuffle_step(step), step_rows):
+        batch = exp.select(rows) if len(rows) else _stand_in(exp)
+        num_tokens, num_seqs = _counts(batch, engine)
         step_loss = 0.0
-        for mb in _micro_batches(batch, s.batching, critic.device):
+        for mb in _micro_batches(batch, s.batching, engine, critic.device):
             values = critic.forward(mb, s.batching.packed)
             loss = value_loss(values, mb.values, mb.returns, mb.action_mask, clip=s.value_clip, agg=s.loss_agg,
                               num_tokens=num_tokens, num_seqs=num_seqs, max_len=s.max_len)

@@ -78,3 +78,15 @@ def run_ppo(rl_setup, tmp_path):
         result = train_ppo_ray.main(ppo_flags(rl_setup, out, *extra, reward=reward))
         return out, result
     return run
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray instance for the whole test session (start-up costs seconds); every run places
+    its groups in it and removes them when it ends. 16 logical CPUs: a rank asks for one."""
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=True,
+                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "DS_BUILD_OPS": "0"}})
+    yield ray
+    ray.shutdown()

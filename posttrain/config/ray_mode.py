@@ -1,0 +1,38 @@
+"""Which roles an RL config has, and whether it runs on Ray: the one rule that the validation,
+the start-up notes and the trainer share.
+
+Ray places the roles as soon as one role has more than one rank (`num_nodes × num_gpus_per_node`),
+`--vllm.num_engines` asks for rollout engines, or `RAY_ADDRESS` names a cluster to join. Otherwise
+the run stays in one process and never imports Ray."""
+from __future__ import annotations
+
+import os
+
+
+def present_roles(cfg) -> dict:
+    """role name -> its config section, for the roles this run loads: the actor always; the
+    reference with a KL term (in the reward or as a loss); the critic with GAE; the reward model
+    when rewards come from one (not from --reward.remote_url)."""
+    roles = {"actor": cfg.actor}
+    if cfg.algo.kl.init_coef > 0 or cfg.algo.kl.use_loss:
+        roles["ref"] = cfg.ref
+    if cfg.algo.advantage.estimator == "gae":
+        roles["critic"] = cfg.critic
+    if not cfg.reward.remote_url and cfg.reward.model_name_or_path:
+        roles["reward"] = cfg.reward
+    return roles
+
+
+def role_ranks(role_cfg) -> int:
+    return role_cfg.num_nodes * role_cfg.num_gpus_per_node
+
+
+def uses_ray(cfg) -> bool:
+    return (bool(os.environ.get("RAY_ADDRESS")) or (cfg.vllm.num_engines or 0) >= 1
+            or any(role_ranks(r) > 1 for r in present_roles(cfg).values()))
+
+
+def data_parallel(cfg) -> bool:
+    """A trained role (actor or critic) has several ranks, so DeepSpeed ZeRO shards it."""
+    roles = present_roles(cfg)
+    return uses_ray(cfg) and any(role_ranks(roles[r]) > 1 for r in ("actor", "critic") if r in roles)

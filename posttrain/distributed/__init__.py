@@ -1,0 +1,1 @@
+"""Distributed (multi-process, Ray) RL runs: role placement and the plumbing between ranks."""

@@ -1,0 +1,342 @@
+"""The Ray placement of an RL run: the controller (the RL loop, in the driver) plus Ray actor
+groups — actor, reference, critic, reward model (`RoleWorker` ranks) and rollout engines
+(`EngineWorker`) — placed by `placement.plan_placement` (OpenRLHF's colocation rules).
+
+The groups implement the role interface of the in-process roles (`trainers/rl/roles.py`:
+`logprobs`, `values`, `fit`, `save_state` / `load_state`, `export`, `broadcast_weights`), so the
+loop is the same code in both placements. Rows go to ranks balanced by tokens; experience
+travels once per call as numpy through the object store. Any rank that dies or fails ends the
+call at once with an error naming its role and rank (`wait_all`), without waiting for the others
+(which may be blocked in a collective with it)."""
+from __future__ import annotations
+
+import os
+import time
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from posttrain.agents.rewards.result import RewardResult
+from posttrain.distributed.placement import bundle_resources, group_bundles, plan_placement
+from posttrain.distributed.transport import (
+    contiguous_chunks,
+    experience_to_numpy,
+    plan_steps,
+    split_by_tokens,
+)
+from posttrain.distributed.workers import EngineWorker, RoleWorker
+from posttrain.engines.rollout.types import rank_seed
+from posttrain.trainers.rl.updates import critic_shuffle_step, optimizer_steps
+from posttrain.utils.errors import UserError, WorkerFailed
+from posttrain.utils.log import info, warn_once
+
+PLACE_TIMEOUT_S = float(os.environ.get("POSTTRAIN_RAY_PLACE_TIMEOUT", "120"))
+SYNC_BUCKET_BYTES = 128 << 20
+_SUMMED = ("actor/policy_loss", "critic/value_loss", "train/rows_per_step")
+WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "DS_BUILD_OPS": "0"}
+
+
+def wait_all(calls: list[tuple[ray.ObjectRef, str]]) -> list:
+    """The results of `calls` (object ref, "role rank i") in order. The first failure raises at
+    once: a dead process as `WorkerFailed` naming it, a user error of a worker as itself, any other
+    exception as RuntimeError with the worker's traceback."""
+    label = {ref: name for ref, name in calls}
+    pending, results = [ref for ref, _ in calls], {}
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        for ref in ready:
+            try:
+                results[ref] = ray.get(ref)
+            except RayTaskError as e:
+                cause = getattr(e, "cause", None)
+                if isinstance(cause, UserError):
+                    raise cause from None
+                raise RuntimeError(f"{label[ref]} failed:\n{e}") from None
+            except RayActorError as e:
+                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise WorkerFailed(f"{label[ref]} died or could not start ({reason}); the run stops — "
+                                   "resume it from its last checkpoint with --ckpt.load_enable") from None
+    return [results[ref] for ref, _ in calls]
+
+
+def worker_threads(ranks: int) -> int:
+    """Torch threads per rank: the node's cores shared by the ranks of a role that compute at once."""
+    return max(1, min(8, (os.cpu_count() or 1) // max(ranks, 1)))
+
+
+class _Group:
+    def __init__(self, name: str, handles: list) -> None:
+        self.name, self.handles = name, handles
+
+    def label(self, rank: int) -> str:
+        return f"{self.name} rank {rank}"
+
+    def call(self, method: str, *args) -> list:
+        return wait_all([(getattr(h, method).remote(*args), self.label(i)) for i, h in enumerate(self.handles)])
+
+    def call_each(self, method: str, per_rank: list[tuple]) -> list:
+        return wait_all([(getattr(h, method).remote(*a), self.label(i))
+                         for i, (h, a) in enumerate(zip(self.handles, per_rank))])
+
+    def first(self, results: list):
+        return next(r for r in results if r is not None)
+
+    def kill(self) -> None:
+        for h in self.handles:
+            ray.kill(h, no_restart=True)
+
+
+class _RoleGroup(_Group):
+    """Ranks of one role; per-token outputs are computed on token-balanced row shares."""
+
+    def _per_token(self, method: str, exp, batches) -> torch.Tensor:
+        shares = split_by_tokens(range(len(exp)), exp.attention_mask.sum(1).tolist(), len(self.handles))
+        arrays = ray.put(experience_to_numpy(exp))
+        out = torch.zeros_like(exp.action_mask)
+        for share, part in zip(shares, self.call_each(method, [(arrays, s, batches) for s in shares])):
+            if share:
+                out[share, : part.shape[1]] = torch.from_numpy(part.copy())
+        return out
+
+    def _fit(self, exp, settings, shuffle_step: int, *args) -> dict[str, float]:
+        steps = optimizer_steps(len(exp), settings, shuffle_step)
+        plan = plan_steps(steps, exp.attention_mask.sum(1).tolist(), len(self.handles))
+        arrays = ray.put(experience_to_numpy(exp))
+        return merge_metrics(self.call_each("fit", [(arrays, plan[r], settings, *args) for r in range(len(plan))]))
+
+    def save_state(self, directory) -> None:
+        self.call("save_state", str(directory))
+
+
+class ActorGroup(_RoleGroup):
+    def __init__(self, name, handles, keeps_ema: bool) -> None:
+        super().__init__(name, handles)
+        self.keeps_ema = keeps_ema
+
+    def logprobs(self, exp, batches) -> torch.Tensor:
+        return self._per_token("logprobs", exp, batches)
+
+    def fit(self, exp, settings, kl_coef: float, step: int) -> dict[str, float]:
+        return self._fit(exp, settings, step, kl_coef, step)
+
+    def load_state(self, directory, legacy_ema=None) -> None:
+        self.call("load_state", str(directory), legacy_ema)
+
+    def export(self, directory, tokenizer, ema: bool = True) -> None:
+        self.call("export", str(directory), ema)
+
+    def weights_hash(self) -> str:
+        return self.first(self.call("weights_hash"))
+
+    def broadcast_weights(self, engines) -> None:
+        for engine_group in engines:
+            engine_group.receive_from(self)
+
+
+class ReferenceGroup(_RoleGroup):
+    def logprobs(self, exp, batches) -> torch.Tensor:
+        return self._per_token("logprobs", exp, batches)
+
+
+class CriticGroup(_RoleGroup):
+    def values(self, exp, batches) -> torch.Tensor:
+        return self._per_token("values", exp, batches)
+
+    def fit(self, exp, settings, step: int) -> dict[str, float]:
+        return self._fit(exp, settings, critic_shuffle_step(step), step)
+
+    def load_state(self, directory) -> None:
+        self.call("load_state", str(directory))
+
+    def export(self, directory, tokenizer) -> None:
+        self.call("export", str(directory))
+
+
+class RewardGroup(_Group):
+    """A reward model over ranks: each scores a contiguous chunk of the samples' token ids."""
+
+    def score_tokens(self, sequences: list[list[int]]) -> RewardResult:
+        chunks = [c for c in contiguous_chunks(len(sequences), len(self.handles)) if len(c)]
+        parts = wait_all([(self.handles[i].score_tokens.remote([sequences[j] for j in c]), self.label(i))
+                          for i, c in enumerate(chunks)])
+        logs = {}
+        for key in parts[0].extra_logs:
+            values = [p.extra_logs[key] for p in parts]
+            per_sample = all(isinstance(v, torch.Tensor) and v.ndim == 1 for v in values)
+            logs[key] = torch.cat(values) if per_sample else float(sum(map(float, values)) / len(values))
+        return RewardResult(rewards=torch.cat([p.rewards for p in parts]), scores=torch.cat([p.scores for p in parts]),
+                            extra_logs=logs, skipped=torch.cat([p.skipped for p in parts]),
+                            skip_reasons=[r for p in parts for r in p.skip_reasons])
+
+    def close(self) -> None:
+        pass
+
+
+class EngineGroup(_Group):
+    """Rollout engines. A call's prompts are cut into contiguous chunks, one per engine; every prompt
+    carries the seed of its index in the call, so the samples do not depend on the split."""
+
+    def __init__(self, name, handles, with_ray: bool, backend: str) -> None:
+        super().__init__(name, handles)
+        self.with_ray, self.backend = with_ray, backend
+        self.layout = None
+
+    def generate(self, prompt_token_ids, params, max_new_tokens=None, seeds=None):
+        n = len(prompt_token_ids)
+        if seeds is None:
+            base = params.seed if params.seed is not None else int(torch.randint(0, 2**63 - 1, (1,)).item())
+            seeds = [rank_seed(base, 0, i) for i in range(n)]
+        calls = []
+        for i, c in enumerate(c for c in contiguous_chunks(n, len(self.handles)) if len(c)):
+            budgets = None if max_new_tokens is None else [max_new_tokens[j] for j in c]
+            calls.append((self.handles[i].generate.remote([prompt_token_ids[j] for j in c], params, budgets,
+                                                           [seeds[j] for j in c]), self.label(i)))
+        return [outs for part in wait_all(calls) for outs in part]
+
+    def receive_from(self, actor: ActorGroup) -> None:
+        """Load the actor's current weights: through Ray's object store (--vllm.sync_with_ray), or
+        broadcast in buckets from actor rank 0 over a process group of its own."""
+        if self.with_ray:
+            ref = actor.first(actor.call("sync_put"))[0]
+            self.call("load_numpy", ref)
+            return
+        if self.layout is None:
+            self._join(actor)
+        wait_all([(h.sync_receive.remote(), self.label(i)) for i, h in enumerate(self.handles)]
+                 + [(h.sync_send.remote(self.layout), actor.label(i)) for i, h in enumerate(actor.handles)])
+
+    def _join(self, actor: ActorGroup) -> None:
+        self.layout = actor.first(actor.call("sync_layout", SYNC_BUCKET_BYTES))
+        address, port = ray.get(actor.handles[0].address.remote())
+        world = len(self.handles) + 1
+        wait_all([(actor.handles[0].sync_join.remote(address, port, world, self.backend), actor.label(0))]
+                 + [(h.sync_join.remote(address, port, i + 1, world, self.backend, self.layout), self.label(i))
+                    for i, h in enumerate(self.handles)])
+
+    def weights_hashes(self) -> list[str]:
+        return self.call("weights_hash")
+
+
+def merge_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """One metrics dict from the ranks': losses and row counts add up (each rank's is its share of the
+    step's), the rest (rates, norms, learning rate) is averaged."""
+    out = {}
+    for key in per_rank[0]:
+        values = [m[key] for m in per_rank if key in m]
+        out[key] = sum(values) if key in _SUMMED else sum(values) / len(values)
+    return out
+
+
+def connect(num_bundles: int) -> bool:
+    """Join the cluster at RAY_ADDRESS, or start a local one (True: this run started it and shuts it
+    down). Locally, every bundle (a "GPU") gets a logical CPU of its own when the machine has fewer."""
+    if ray.is_initialized():
+        return False
+    runtime_env = {"env_vars": dict(WORKER_ENV)}
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        info(f"joining the Ray cluster at {address}")
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+    else:
+        ray.init(num_cpus=max(os.cpu_count() or 1, num_bundles + 1), include_dashboard=False,
+                 runtime_env=runtime_env, log_to_driver=True)
+    return True
+
+
+class RayPlacement:
+    """Start (or join) Ray, place every role of `cfg`, build each rank's model; `shutdown()` removes
+    everything the run started."""
+
+    def __init__(self, cfg, total_steps: int, *, critic: bool, ref: bool, reward_model: bool) -> None:
+        shape = lambda role: (role.num_nodes, role.num_gpus_per_node)  # noqa: E731
+        self.plan = plan_placement(
+            actor=shape(cfg.actor), ref=shape(cfg.ref) if ref else None, critic=shape(cfg.critic) if critic else None,
+            reward=shape(cfg.reward) if reward_model else None, num_engines=max(cfg.vllm.num_engines or 0, 1),
+            engine_tp=cfg.vllm.tensor_parallel_size, colocate_actor_ref=cfg.train.colocate_actor_ref,
+            colocate_critic_reward=cfg.train.colocate_critic_reward, colocate_all=cfg.train.colocate_all,
+            async_enable=cfg.train.async_enable)
+        self.started = connect(self.plan.world)
+        self.groups: list[_Group] = []
+        self.pgs: dict = {}
+        try:
+            self._place(cfg, total_steps)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _place(self, cfg, total_steps: int) -> None:
+        self.gpu = ray.cluster_resources().get("GPU", 0) >= 1
+        for role, where in self.plan.table():
+            info(f"ray placement: {role}: {where}" + ("" if self.gpu else " (a GPU is one CPU rank here)"))
+        for name, n in self.plan.groups.items():
+            pg = placement_group(group_bundles(n, self.gpu, 1), strategy="PACK")
+            self.pgs[name] = pg
+            try:
+                ray.get(pg.ready(), timeout=PLACE_TIMEOUT_S)
+            except GetTimeoutError:
+                raise WorkerFailed(
+                    f"Ray cannot place the {name} group ({n} bundles of {group_bundles(1, self.gpu, 1)[0]}) within "
+                    f"{PLACE_TIMEOUT_S:.0f} s; the cluster has {ray.cluster_resources()}: lower the --*.num_nodes / "
+                    "--*.num_gpus_per_node / --vllm.num_engines counts, colocate roles, or add nodes") from None
+        roles = self.plan.roles
+        self.actor = ActorGroup("actor", self._ranks("actor"), keeps_ema=bool(cfg.train.enable_ema))
+        self.ref = ReferenceGroup("ref", self._ranks("ref")) if "ref" in roles else None
+        self.critic = CriticGroup("critic", self._ranks("critic")) if "critic" in roles else None
+        self.reward = RewardGroup("reward", self._ranks("reward")) if "reward" in roles else None
+        backend = cfg.vllm.sync_backend if self.gpu else "gloo"
+        if cfg.vllm.sync_backend != "gloo" and not self.gpu:
+            warn_once(f"--vllm.sync_backend {cfg.vllm.sync_backend}: no GPU in the cluster, weights sync over gloo")
+        self.engines = EngineGroup("rollout engine", self._engines(), with_ray=cfg.vllm.sync_with_ray,
+                                   backend=backend)
+        self.groups = [g for g in (self.actor, self.ref, self.critic, self.reward, self.engines) if g is not None]
+        t0 = time.perf_counter()
+        calls = [(h.setup.remote(cfg, total_steps), g.label(i)) for g in self.groups if g is not self.engines
+                 for i, h in enumerate(g.handles)]
+        calls += [(h.setup.remote(cfg), self.engines.label(i)) for i, h in enumerate(self.engines.handles)]
+        wait_all(calls)
+        info(f"ray placement: {sum(len(g.handles) for g in self.groups)} processes ready in "
+             f"{time.perf_counter() - t0:.1f} s")
+
+    def _options(self, role: str, rank: int) -> dict:
+        spec = self.plan.roles[role]
+        opts = bundle_resources(spec.share if spec.group else 1.0, self.gpu, 1)
+        if spec.group:
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=self.pgs[spec.group], placement_group_bundle_index=spec.bundles[rank])
+        return opts
+
+    def _ranks(self, role: str) -> list:
+        n = self.plan.roles[role].num_ranks
+        env = dict(WORKER_ENV)
+        cls = ray.remote(RoleWorker)
+        first = cls.options(**self._options(role, 0)).remote(role, 0, n, None, worker_threads(n), env)
+        master = wait_all([(first.address.remote(), f"{role} rank 0")])[0] if n > 1 else None
+        if master is not None:  # rank 0 re-learns its own rendezvous address
+            wait_all([(first.set_master.remote(master), f"{role} rank 0")])
+        return [first] + [cls.options(**self._options(role, r)).remote(role, r, n, master, worker_threads(n), env)
+                          for r in range(1, n)]
+
+    def _engines(self) -> list:
+        n = self.plan.roles["engine"].num_ranks
+        cls = ray.remote(EngineWorker)
+        return [cls.options(**self._options("engine", i)).remote(worker_threads(n), dict(WORKER_ENV))
+                for i in range(n)]
+
+    def shutdown(self) -> None:
+        for g in self.groups:
+            try:
+                g.kill()
+            except Exception:  # already gone
+                pass
+        for pg in self.pgs.values():
+            try:
+                remove_placement_group(pg)
+            except Exception:
+                pass
+        self.groups, self.pgs = [], {}
+        if self.started and ray.is_initialized():
+            ray.shutdown()
+            self.started = False

@@ -1,0 +1,58 @@
+"""What crosses processes in a Ray placement, and how a batch is split over data-parallel ranks.
+
+Experience travels as a dict of numpy arrays: Ray stores numpy zero-copy in its object store
+(one `ray.put`, every rank on the node maps it), whereas torch tensors are pickled (`bench/rl_ray.py`
+measures both). Rows are assigned to ranks by tokens, so ranks finish together."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from posttrain.trainers.rl.experience import Experience
+
+_TENSORS = ("sequences", "attention_mask", "action_mask", "rollout_logp", "rewards", "old_logp", "ref_logp",
+            "values", "kl", "advantages", "returns")
+
+
+def experience_to_numpy(exp: Experience) -> dict[str, np.ndarray]:
+    return {k: getattr(exp, k).numpy() for k in _TENSORS if getattr(exp, k) is not None}
+
+
+def experience_from_numpy(arrays: dict[str, np.ndarray]) -> Experience:
+    """Tensors that own their memory (the object store's arrays are read-only)."""
+    return Experience(**{k: torch.from_numpy(np.array(v)) for k, v in arrays.items()})
+
+
+def split_by_tokens(rows, lengths, ranks: int) -> list[list[int]]:
+    """`rows` over `ranks` shares with about equal token sums (longest first onto the lightest
+    share, ties to the lower rank); each share keeps the rows' original order. A share may be empty
+    when there are fewer rows than ranks."""
+    rows = [int(r) for r in rows]
+    shares: list[list[int]] = [[] for _ in range(ranks)]
+    load = [0] * ranks
+    for r in sorted(rows, key=lambda r: -int(lengths[r])):
+        i = min(range(ranks), key=lambda k: (load[k], k))
+        shares[i].append(r)
+        load[i] += int(lengths[r])
+    order = {r: i for i, r in enumerate(rows)}
+    return [sorted(s, key=order.__getitem__) for s in shares]
+
+
+def plan_steps(step_rows, lengths, ranks: int) -> list[list[list[int]]]:
+    """Per rank, its share of every optimizer step: `plan[rank][k]` are rank's rows of step k."""
+    plan: list[list[list[int]]] = [[] for _ in range(ranks)]
+    for rows in step_rows:
+        for rank, share in enumerate(split_by_tokens(rows, lengths, ranks)):
+            plan[rank].append(share)
+    return plan
+
+
+def contiguous_chunks(n: int, parts: int) -> list[range]:
+    """`range(n)` cut into `parts` contiguous, nearly equal chunks (the first ones one longer)."""
+    size, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + size + (i < extra)
+        out.append(range(start, end))
+        start = end
+    return out

@@ -1,0 +1,72 @@
+"""Trainer → rollout-engine weight sync: bucketed broadcast through a process group of its own
+(actor rank 0 plus every engine; gloo on CPU, NCCL on GPU), and a hash that proves an engine
+holds exactly the trainer's weights.
+
+The group is built from a `TCPStore` rather than `init_process_group`, since each side already has
+(or may have) a default group of its own (the actor's data-parallel ranks)."""
+from __future__ import annotations
+
+import datetime
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+
+def weights_hash(state: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over the names, dtypes, shapes and bytes of `state`, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().to("cpu").contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def sync_layout(state: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[tuple[str, tuple, str]]]:
+    """Buckets of `(name, shape, dtype)`, each at most `bucket_bytes` (a bigger tensor alone) and of
+    one dtype, in the state dict's order — the plan both ends of a broadcast follow."""
+    buckets: list[list[tuple[str, tuple, str]]] = []
+    size, dtype = 0, None
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if not buckets or size + nbytes > bucket_bytes or str(t.dtype) != dtype:
+            buckets.append([])
+            size, dtype = 0, str(t.dtype)
+        buckets[-1].append((name, tuple(t.shape), str(t.dtype)))
+        size += nbytes
+    return buckets
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+class SyncGroup:
+    """Rank 0 sends, every other rank receives, one flat tensor per bucket."""
+
+    def __init__(self, address: str, port: int, rank: int, world: int, backend: str = "gloo",
+                 timeout_s: float = 600) -> None:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timeout)
+        if backend == "nccl":
+            self.group = dist.ProcessGroupNCCL(self.store, rank, world, dist.ProcessGroupNCCL.Options())
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.group = dist.ProcessGroupGloo(self.store, rank, world, timeout)
+            self.device = torch.device("cpu")
+        self.rank = rank
+
+    def send(self, state: dict[str, torch.Tensor], layout) -> None:
+        for bucket in layout:
+            flat = torch.cat([state[name].detach().reshape(-1).to(self.device) for name, _, _ in bucket])
+            self.group.broadcast(flat, 0).wait()
+
+    def receive(self, layout, load) -> None:
+        """`load(named_tensors)` is called once per bucket with its `(name, tensor)` pairs."""
+        for bucket in layout:
+            numel = [int(torch.Size(shape).numel()) for _, shape, _ in bucket]
+            flat = torch.empty(sum(numel), dtype=_dtype(bucket[0][2]), device=self.device)
+            self.group.broadcast(flat, 0).wait()
+            parts = flat.split(numel)
+            load([(name, part.view(shape)) for (name, shape, _), part in zip(bucket, parts)])

@@ -1,0 +1,102 @@
+"""Building the roles of an RL run from its config — one implementation, used by the in-process
+trainer and by every rank of a Ray placement, so both start from identical models.
+
+Each model is loaded right after seeding the RNG with `(train.seed, role)`, so a freshly
+initialised head (a critic started from a policy) is the same in every placement."""
+from __future__ import annotations
+
+import torch
+
+from posttrain.config.ray_mode import present_roles
+from posttrain.engines import make_train_engine
+from posttrain.models import load_causal_lm, load_score_model
+from posttrain.trainers.rl.roles import Actor, Critic, Reference
+from posttrain.utils.seeding import set_seed
+
+_ROLE_SEEDS = {"actor": 0, "critic": 1, "ref": 2}
+
+
+def needs_critic(cfg) -> bool:
+    return "critic" in present_roles(cfg)
+
+
+def needs_reference(cfg) -> bool:
+    return "ref" in present_roles(cfg)
+
+
+def critic_path(cfg) -> str:
+    return cfg.critic.model_name_or_path or cfg.reward.model_name_or_path or cfg.actor.model_name_or_path
+
+
+def _seed_for(cfg, role: str) -> None:
+    set_seed(cfg.train.seed * 3 + _ROLE_SEEDS[role])
+
+
+def train_engine(model, role_cfg, cfg, total_steps: int, zero_stage: int | None):
+    """The role's optimizer, scheduler and (with `zero_stage`) DeepSpeed ZeRO engine."""
+    return make_train_engine(
+        model, optim=role_cfg.optim, lr=role_cfg.adam.lr, betas=tuple(role_cfg.adam.betas), eps=role_cfg.adam.eps,
+        weight_decay=role_cfg.adam.weight_decay, muon_lr=role_cfg.muon.lr, muon_momentum=role_cfg.muon.momentum,
+        muon_nesterov=role_cfg.muon.nesterov, muon_ns_steps=role_cfg.muon.ns_steps,
+        lr_scheduler=role_cfg.lr_scheduler, warmup_ratio=role_cfg.lr_warmup_ratio,
+        min_lr_ratio=role_cfg.min_lr_ratio, total_steps=max(total_steps, 1), max_norm=role_cfg.max_norm,
+        zero_stage=zero_stage, param_dtype=cfg.ds.param_dtype,
+        **({} if zero_stage is None else _deepspeed_options(cfg)))
+
+
+def _deepspeed_options(cfg) -> dict:
+    """--ds flags of a ZeRO engine; offload, ZeRO++ and overlap only where there are GPUs (on CPU
+    they are reported inert at start-up)."""
+    options = {"grad_accum_dtype": cfg.ds.grad_accum_dtype}
+    if torch.cuda.is_available():
+        options.update(adam_offload=cfg.ds.adam_offload, zpg=cfg.ds.zpg, overlap_comm=cfg.ds.overlap_comm)
+    return options
+
+
+def build_actor(cfg, tokenizer, device, total_steps: int, zero_stage: int | None = None) -> Actor:
+    _seed_for(cfg, "actor")
+    model = load_causal_lm(cfg.actor.model_name_or_path, dtype=cfg.ds.param_dtype, tokenizer=tokenizer,
+                           attn_implementation=cfg.ds.attn_implementation,
+                           gradient_checkpointing=cfg.actor.gradient_checkpointing_enable,
+                           gradient_checkpointing_reentrant=cfg.actor.gradient_checkpointing_reentrant)
+    model.to(device).train()
+    return Actor(model, train_engine(model, cfg.actor, cfg, total_steps, zero_stage), cfg.rollout.temperature,
+                 device, ema_beta=cfg.train.ema_beta if cfg.train.enable_ema else None)
+
+
+def build_critic(cfg, tokenizer, device, total_steps: int, zero_stage: int | None = None) -> Critic:
+    _seed_for(cfg, "critic")
+    model = load_score_model(critic_path(cfg), dtype=cfg.ds.param_dtype, value_head_prefix=cfg.ds.value_head_prefix,
+                             tokenizer=tokenizer, attn_implementation=cfg.ds.attn_implementation, new_head_ok=True)
+    model.to(device).train()
+    return Critic(model, train_engine(model, cfg.critic, cfg, total_steps, zero_stage), device,
+                  normalize=bool(cfg.reward.normalize_enable))
+
+
+def build_reference(cfg, tokenizer, device) -> Reference:
+    _seed_for(cfg, "ref")
+    model = load_causal_lm(cfg.ref.model_name_or_path or cfg.actor.model_name_or_path, dtype=cfg.ds.param_dtype,
+                           tokenizer=tokenizer, attn_implementation=cfg.ds.attn_implementation)
+    model.requires_grad_(False)
+    return Reference(model.to(device), cfg.rollout.temperature, device, offload=cfg.ref.offload)
+
+
+def build_reward_source(cfg, tokenizer, device):
+    """The reward source: a reward model, a `reward_func` file or an HTTP server
+    (`--reward.model_name_or_path` / `--reward.remote_url`)."""
+    from posttrain.agents.rewards import make_reward_source
+
+    source = make_reward_source(
+        cfg.reward.remote_url, cfg.reward.model_name_or_path, value_head_prefix=cfg.ds.value_head_prefix,
+        normalize=cfg.reward.normalize_enable, dtype=cfg.ds.param_dtype,
+        batch_size=max(cfg.rollout.micro_batch_size, 16), tokenizer=tokenizer, device=str(device),
+        attn_implementation=cfg.ds.attn_implementation, on_error="skip" if cfg.reward.skip_errors_enable else "raise",
+        timeout=cfg.reward.timeout, retries=cfg.reward.retries)
+    if hasattr(source, "check_vocabulary"):
+        source.check_vocabulary(tokenizer)
+    return source
+
+
+def has_reward_model(cfg) -> bool:
+    """A reward model scores the samples (no `--reward.remote_url` file or server)."""
+    return "reward" in present_roles(cfg)
