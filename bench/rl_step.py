@@ -108,8 +108,8 @@ def run_posttrain(spec: dict, out_dir: Path, profile_step: int | None, extra: li
         clock.tick()
         return out
 
-    def generate(self, prompt_token_ids, params, max_new_tokens=None):
-        out = inner_generate(self, prompt_token_ids, params, max_new_tokens)
+    def generate(self, prompt_token_ids, params, max_new_tokens=None, seeds=None):
+        out = inner_generate(self, prompt_token_ids, params, max_new_tokens, seeds)
         prompts.append(_digest([p for p in prompt_token_ids for _ in range(params.n)]))  # one row per sample
         gen_tokens.append(sum(len(o.output_token_ids) for group in out for o in group))
         return out

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from posttrain.engines.rollout.types import rank_seed
+
 
 @dataclass
 class Rollout:
@@ -52,9 +54,15 @@ class SingleTurnExecutor:
 
     def run(self, prompts, params, group_offset: int = 0, max_len: int | None = None) -> ScoredRollouts:
         """`prompts`: objects with `.text`, `.token_ids`, `.label` (posttrain.data.Prompt). With
-        `max_len`, each prompt may generate `max_len - len(its tokens)` tokens (`sample_budgets`)."""
+        `max_len`, each prompt may generate `max_len - len(its tokens)` tokens (`sample_budgets`).
+        `group_offset`: the index of the first prompt within the step; with `params.seed` set, prompt g
+        samples with seed `rank_seed(params.seed, 0, group_offset + g)` (its global index), so the
+        samples do not depend on how the step's prompts are split into calls or engines."""
         budgets = sample_budgets(prompts, params, max_len)
-        outputs = self.engine.generate([p.token_ids for p in prompts], params, max_new_tokens=budgets)
+        kwargs = {}
+        if params.seed is not None:  # engines that take no seeds (test fakes) still work unseeded
+            kwargs["seeds"] = [rank_seed(params.seed, 0, group_offset + g) for g in range(len(prompts))]
+        outputs = self.engine.generate([p.token_ids for p in prompts], params, max_new_tokens=budgets, **kwargs)
         rollouts = []
         for g, (prompt, outs) in enumerate(zip(prompts, outputs)):
             for out in outs:

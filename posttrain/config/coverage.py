@@ -104,6 +104,14 @@ ACTING: dict[str, frozenset[str]] = {
         "train: num_episodes enable_ema ema_beta",
         "eval: temperature n_samples_per_prompt",
         "ckpt: best_metric_key",
+        # the Ray placement (config/ray_mode.py, distributed/)
+        "actor: num_nodes num_gpus_per_node",
+        "critic: num_nodes num_gpus_per_node",
+        "ref: num_nodes num_gpus_per_node",
+        "reward: num_nodes num_gpus_per_node",
+        "vllm: num_engines sync_backend sync_with_ray",
+        "train: colocate_actor_ref colocate_critic_reward colocate_all",
+        "ds: zero_stage zpg adam_offload overlap_comm grad_accum_dtype",
     ),
 }
 

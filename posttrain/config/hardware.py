@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from posttrain.config.ray_mode import data_parallel, present_roles, uses_ray
 from posttrain.config.spec import changed_values, flag_specs, get_path, set_path
 from posttrain.config.values import format_value
 
@@ -101,16 +102,22 @@ class InertRule(NamedTuple):
 
 
 _NOT_YET = "not available in this version: "
-_RAY = _NOT_YET + "Ray placement (posttrain ppo runs every model in this one process)"
+_ONE_PROCESS = ("every role runs in this one process (no role has more than one rank, no --vllm.num_engines, "
+                "no RAY_ADDRESS), so there is nothing to place or sync")
 _VLLM = _NOT_YET + "vLLM rollouts (rollouts use the Hugging Face engine)"
 _ASYNC = _NOT_YET + "asynchronous training (rollout and training alternate)"
 _VLM = _NOT_YET + "vision-language models (prompts are text only)"
 _MOE = _NOT_YET + "the MoE load-balancing (router auxiliary) loss is not added"
-_PPO_ENGINE = _NOT_YET + "DeepSpeed in posttrain ppo (it trains in one process with the plain torch engine)"
+_PPO_ENGINE = ("DeepSpeed ZeRO shards a role over its ranks: the actor and critic have one rank each here "
+               "(--actor/--critic.num_nodes x num_gpus_per_node), so they train with the plain torch engine")
 _PPO_LORA = (
     "posttrain ppo trains the full actor and critic (LoRA is for sft, rm and dpo; merge an adapter "
     "first with posttrain lora-merge)"
 )
+
+
+def _in_process(v, c, dev: str) -> bool:
+    return not uses_ray(c)
 
 
 def _on_cpu(v, c, dev: str) -> bool:
@@ -198,15 +205,12 @@ def _single_model_rules(cfg) -> list[InertRule]:
 
 def _ppo_rules(cfg) -> list[InertRule]:
     specs = flag_specs(type(cfg))
-    rules = [InertRule(s.path, _VLLM) for s in specs if s.section == "vllm"]
+    on_ray = {"vllm.num_engines", "vllm.sync_backend", "vllm.sync_with_ray"}
+    rules = [InertRule(s.path, _VLLM) for s in specs if s.section == "vllm" and s.path not in on_ray]
     rules.append(InertRule("rollout.vllm_generate_batch_size", _VLLM))
+    rules += [InertRule(f"vllm.{name}", _ONE_PROCESS, _in_process) for name in ("sync_backend", "sync_with_ray")]
     rules += [
-        InertRule(f"{role}.{name}", _RAY)
-        for role in ("actor", "critic", "ref", "reward")
-        for name in ("num_nodes", "num_gpus_per_node")
-    ]
-    rules += [
-        InertRule(f"train.{name}", _RAY)
+        InertRule(f"train.{name}", _ONE_PROCESS, _in_process)
         for name in ("colocate_actor_ref", "colocate_critic_reward", "colocate_all")
     ]
     rules += [
@@ -214,11 +218,16 @@ def _ppo_rules(cfg) -> list[InertRule]:
         for name in ("async_enable", "async_queue_size", "partial_rollout_enable")
     ]
     rules.append(
-        InertRule("ds.enable_sleep", _NOT_YET + "the hybrid engine's sleep mode (it needs Ray and vLLM)")
+        InertRule("ds.enable_sleep", _NOT_YET + "the hybrid engine's sleep mode (it needs vLLM)")
     )
     rules += [
-        InertRule(f"ds.{name}", _PPO_ENGINE)
+        InertRule(f"ds.{name}", _PPO_ENGINE, lambda v, c, dev: not data_parallel(c))
         for name in ("zero_stage", "zpg", "adam_offload", "overlap_comm", "grad_accum_dtype")
+    ]
+    no_rm = lambda v, c, dev: "reward" not in present_roles(c)
+    rules += [
+        InertRule(f"reward.{name}", "no reward model: rewards come from --reward.remote_url", no_rm)
+        for name in ("num_nodes", "num_gpus_per_node")
     ]
     rules += [
         InertRule(f"ds.{name}", _PPO_LORA)
@@ -244,7 +253,7 @@ def _ppo_rules(cfg) -> list[InertRule]:
         InertRule(
             f"ref.{name}", "no reference model (--algo.kl.init_coef 0 and no --algo.kl.use_loss)", no_ref
         )
-        for name in ("model_name_or_path", "offload")
+        for name in ("model_name_or_path", "offload", "num_nodes", "num_gpus_per_node")
     ]
     rules.append(
         InertRule(

@@ -10,6 +10,7 @@ from typing import Any
 
 from posttrain.config.errors import ConfigError
 from posttrain.config.hardware import device_type, record_resolved, resolved_values
+from posttrain.config.ray_mode import role_ranks
 from posttrain.config.roles import GROUP_ESTIMATORS
 from posttrain.config.spec import flag_specs, get_path
 from posttrain.config.values import check_choice, format_value
@@ -42,9 +43,10 @@ def validate(cfg, world_size: int = 1, device: Any = None) -> list[str]:
     sees). Raises ConfigError listing every problem; returns warnings (strings) otherwise. Resolves
     the auto value of `--actor.loss_agg` (PPO) on `cfg`, recorded like the hardware defaults."""
     if cfg.trainer == "ppo" and world_size > 1:
-        raise ConfigError(f"posttrain ppo runs its roles in one process in this version (WORLD_SIZE={world_size}); "
-                          "launch it as `posttrain ppo ...` or `python -m posttrain.cli.train_ppo_ray ...`, "
-                          "not under torchrun or deepspeed")
+        raise ConfigError(f"posttrain ppo is one controller process that places its roles on Ray itself "
+                          f"(WORLD_SIZE={world_size}): launch it once, as `posttrain ppo ...` or `python -m "
+                          "posttrain.cli.train_ppo_ray ...`, with --actor.num_gpus_per_node / --vllm.num_engines "
+                          "for more ranks, not under torchrun or deepspeed")
     r = _Report()
     dev = device_type(device)
     r.need(
@@ -445,6 +447,9 @@ def _ppo(cfg, r: _Report, world_size: int) -> None:
     r.need(t.async_queue_size >= 1, "train.async_queue_size", t.async_queue_size, "must be >= 1")
     r.need(t.num_episodes >= 1, "train.num_episodes", t.num_episodes, "must be >= 1")
     r.need(0.0 < t.ema_beta < 1.0, "train.ema_beta", t.ema_beta, "must be in (0, 1)")
+    if t.enable_ema and cfg.ds.zero_stage == 3 and role_ranks(cfg.actor) > 1:
+        r.bad("train.enable_ema", True, "not available with --ds.zero_stage 3 and several actor ranks in this "
+              "version (each rank holds a shard of the weights); use --ds.zero_stage 2 or one actor rank")
     for role in ("actor", "critic", "ref", "reward"):
         obj = getattr(cfg, role)
         r.need(obj.num_nodes >= 1, f"{role}.num_nodes", obj.num_nodes, "must be >= 1")

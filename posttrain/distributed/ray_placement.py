@@ -39,14 +39,21 @@ _SUMMED = ("actor/policy_loss", "critic/value_loss", "train/rows_per_step")
 WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "DS_BUILD_OPS": "0"}
 
 
-def wait_all(calls: list[tuple[ray.ObjectRef, str]]) -> list:
+def wait_all(calls: list[tuple[ray.ObjectRef, str]], timeout: float | None = None) -> list:
     """The results of `calls` (object ref, "role rank i") in order. The first failure raises at
     once: a dead process as `WorkerFailed` naming it, a user error of a worker as itself, any other
-    exception as RuntimeError with the worker's traceback."""
+    exception as RuntimeError with the worker's traceback; with `timeout`, calls still pending after
+    it as `WorkerFailed` (a process Ray could not place or start)."""
     label = {ref: name for ref, name in calls}
     pending, results = [ref for ref, _ in calls], {}
+    deadline = None if timeout is None else time.monotonic() + timeout
     while pending:
-        ready, pending = ray.wait(pending, num_returns=1)
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not ready:
+            names = ", ".join(label[r] for r in pending)
+            raise WorkerFailed(f"{names} did not start within {timeout:.0f} s (the cluster has "
+                               f"{ray.cluster_resources()}): lower the rank counts, colocate roles, or add nodes")
         for ref in ready:
             try:
                 results[ref] = ray.get(ref)
@@ -292,6 +299,8 @@ class RayPlacement:
         self.engines = EngineGroup("rollout engine", self._engines(), with_ray=cfg.vllm.sync_with_ray,
                                    backend=backend)
         self.groups = [g for g in (self.actor, self.ref, self.critic, self.reward, self.engines) if g is not None]
+        wait_all([(h.pid.remote(), g.label(i)) for g in self.groups for i, h in enumerate(g.handles)],
+                 timeout=PLACE_TIMEOUT_S)
         t0 = time.perf_counter()
         calls = [(h.setup.remote(cfg, total_steps), g.label(i)) for g in self.groups if g is not self.engines
                  for i, h in enumerate(g.handles)]
@@ -313,7 +322,7 @@ class RayPlacement:
         env = dict(WORKER_ENV)
         cls = ray.remote(RoleWorker)
         first = cls.options(**self._options(role, 0)).remote(role, 0, n, None, worker_threads(n), env)
-        master = wait_all([(first.address.remote(), f"{role} rank 0")])[0] if n > 1 else None
+        master = wait_all([(first.address.remote(), f"{role} rank 0")], PLACE_TIMEOUT_S)[0] if n > 1 else None
         if master is not None:  # rank 0 re-learns its own rendezvous address
             wait_all([(first.set_master.remote(master), f"{role} rank 0")])
         return [first] + [cls.options(**self._options(role, r)).remote(role, r, n, master, worker_threads(n), env)

@@ -41,6 +41,16 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _without_tied_copies(model: torch.nn.Module, state_dict: dict) -> dict:
+    """`state_dict` without the tied copies (e.g. `lm_head.weight` of tied embeddings): separate
+    tensors (gathered ZeRO-3 weights, an EMA) do not share storage, so transformers would write them
+    twice; the model's own save writes each tied weight once."""
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return state_dict
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    return {k: v for k, v in state_dict.items() if k not in set(tied)}
+
+
 def save_pretrained(model: torch.nn.Module, tokenizer, out_dir, state_dict: dict | None = None) -> Path:
     """Save a plain HF folder (config, safetensors weights, generation config, tokenizer) that
     `from_pretrained` loads; a peft-wrapped model saves only its adapter
@@ -54,7 +64,7 @@ def save_pretrained(model: torch.nn.Module, tokenizer, out_dir, state_dict: dict
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        model.save_pretrained(tmp, state_dict=state_dict)
+        model.save_pretrained(tmp, state_dict=None if state_dict is None else _without_tied_copies(model, state_dict))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         for f in sorted(tmp.rglob("*")):

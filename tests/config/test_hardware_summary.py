@@ -97,7 +97,7 @@ def test_inert_flags_on_cpu_before_and_after_resolution():
     assert inert_flags(with_key, "cpu") == []
 
 
-def test_ppo_cluster_flags_are_reported_as_not_available():
+def test_ppo_cluster_flags_act_and_vllm_only_flags_say_not_available():
     cfg = parse_config(
         "ppo",
         PPO
@@ -115,19 +115,20 @@ def test_ppo_cluster_flags_are_reported_as_not_available():
         device="cpu",
     )
     inert = inert_flags(cfg, "cpu")
+    # the Ray placement flags act (2 rollout engines, 4 actor ranks, actor and ref colocated)
     assert [i.split(" has no effect")[0] for i in inert] == [
-        "--actor.num_gpus_per_node 4",
         "--ref.offload",
-        "--vllm.num_engines 2",
         "--vllm.enforce_eager",
-        "--train.colocate_actor_ref",
         "--eval.temperature 0.2",
     ]
-    assert "not available in this version: Ray placement" in inert[0]
-    assert "not available in this version: vLLM rollouts" in inert[2]
+    assert "not available in this version: vLLM rollouts" in inert[1]
     on_gpu = [i.split(" has no effect")[0] for i in inert_flags(cfg, "cuda")]
     assert "--ref.offload" not in on_gpu  # the reference model is offloaded between forwards on a GPU
-    assert "--vllm.num_engines 2" in on_gpu and "--actor.num_gpus_per_node 4" in on_gpu
+    assert "--vllm.num_engines 2" not in on_gpu and "--actor.num_gpus_per_node 4" not in on_gpu
+    # one process: the colocation flag has nothing to place
+    alone = parse_config("ppo", PPO + ["--train.colocate_all"], device="cpu")
+    assert any(i.startswith("--train.colocate_all has no effect here: every role runs in this one process")
+               for i in inert_flags(alone, "cpu"))
 
 
 def test_derived_sizes_single_model():

@@ -370,3 +370,20 @@ def test_reward_url_that_is_neither_a_server_nor_a_py_file_is_refused_before_loa
     args = [a if a != "r.py" else url for a in BASE["ppo"]]
     with pytest.raises(ConfigError, match="reward.remote_url"):
         parse_config("ppo", args)
+
+
+def test_ray_placement_rules():
+    from posttrain.config.ray_mode import data_parallel, present_roles, uses_ray
+
+    one = parse_config("ppo", BASE["ppo"], check=False)
+    assert not uses_ray(one) and list(present_roles(one)) == ["actor", "ref", "critic"]  # gae, KL in the reward
+    two = parse_config("ppo", BASE["ppo"] + ["--actor.num_gpus_per_node", "2"], check=False)
+    assert uses_ray(two) and data_parallel(two)
+    engines = parse_config("ppo", BASE["ppo"] + ["--vllm.num_engines", "1"], check=False)
+    assert uses_ray(engines) and not data_parallel(engines)
+    # a count on a role this run does not load does not start Ray (no critic without gae)
+    no_critic = BASE["ppo"] + ["--algo.advantage.estimator", "rloo", "--rollout.n_samples_per_prompt", "2"]
+    assert not uses_ray(parse_config("ppo", no_critic + ["--critic.num_gpus_per_node", "4"], check=False))
+    with pytest.raises(ConfigError, match="--train.enable_ema: not available with --ds.zero_stage 3"):
+        parse_config("ppo", BASE["ppo"] + ["--train.enable_ema", "--actor.num_gpus_per_node", "2",
+                                           "--ds.zero_stage", "3"])

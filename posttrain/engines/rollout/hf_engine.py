@@ -9,8 +9,9 @@ loop so that log-probs, top-p, seeding and stopping are ours:
   (kept in the output) or after ``max_new_tokens``; tokens sampled for a finished row are
   discarded, and once a quarter of the batch has finished those rows are dropped from the batch
   and the cache;
-* one ``torch.Generator`` per ``generate`` call, seeded from ``params.seed`` (or from torch's
-  global RNG when None), drives every draw: same seed, prompts and batch size → same outputs.
+* every sample draws from its own ``torch.Generator``, seeded from its prompt's seed (``seeds[i]``,
+  else ``rank_seed(params.seed, 0, i)``) and its index j: a prompt's samples do not depend on the
+  other prompts, its position, the ``batch_size`` chunking or how prompts are split across engines.
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from posttrain.engines.rollout.sampling import sample_next
-from posttrain.engines.rollout.types import RolloutOutput, SamplingParams, _is_int, check_budgets
+from posttrain.engines.rollout.sampling import check_seeds, sample_generators, sample_next
+from posttrain.engines.rollout.types import RolloutOutput, SamplingParams, _is_int, check_budgets, rank_seed
 from posttrain.models import unwrap_model
 
 _COMPACT_FRACTION = 0.25  # drop finished rows from the batch once this fraction of it has finished
@@ -119,22 +120,29 @@ class HFRolloutEngine:
         return list(params.stop_token_ids) if params.stop_token_ids is not None else list(self.eos_token_ids)
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams,
-                 max_new_tokens: Sequence[int] | None = None) -> list[list[RolloutOutput]]:
+                 max_new_tokens: Sequence[int] | None = None,
+                 seeds: Sequence[int] | None = None) -> list[list[RolloutOutput]]:
         """One list of ``params.n`` outputs per prompt; the n samples of a prompt are sampled as
         consecutive rows (group-contiguous) and returned in that order. ``max_new_tokens`` (one
         int >= 1 per prompt) overrides ``params.max_new_tokens`` prompt by prompt; a sample that
-        reaches its own budget finishes with "length"."""
+        reaches its own budget finishes with "length". ``seeds`` (one int in [0, 2**63) per prompt)
+        gives each prompt its seed; None → ``rank_seed(params.seed, 0, i)`` for prompt i (a base
+        seed drawn from torch's global RNG when ``params.seed`` is None). Sample j of prompt i
+        draws only from a generator seeded with ``rank_seed(seed_i, 1, j)``."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, not {type(params).__name__}")
         prompts = self._check_prompts(prompt_token_ids)
+        prompt_seeds = check_seeds(seeds, len(prompts))
         if not prompts:
             return []
         budgets = check_budgets(max_new_tokens, len(prompts), params)
         rows = [p for p in prompts for _ in range(params.n)]
         limits = [b for b in budgets for _ in range(params.n)]
         device = next(self.model.parameters()).device
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**63 - 1, (1,)).item())
-        generator = torch.Generator(device=device).manual_seed(seed)
+        if prompt_seeds is None:
+            base = params.seed if params.seed is not None else int(torch.randint(0, 2**63 - 1, (1,)).item())
+            prompt_seeds = [rank_seed(base, 0, i) for i in range(len(prompts))]
+        generators = sample_generators(prompt_seeds, params.n)  # one per row, group-contiguous
         stop = torch.tensor(self.stop_ids(params), dtype=torch.long, device=device)
         chunk = self.batch_size or len(rows)
 
@@ -145,7 +153,7 @@ class HFRolloutEngine:
                 flat = []
                 for start in range(0, len(rows), chunk):
                     flat += self._generate_rows(rows[start:start + chunk], limits[start:start + chunk], params,
-                                                stop, generator, device)
+                                                stop, generators[start:start + chunk], device)
         finally:
             for m, mode in modes:
                 m.training = mode
@@ -178,7 +186,7 @@ class HFRolloutEngine:
         return self.model(**kwargs).logits[:, -1].float()
 
     def _generate_rows(self, rows: list[list[int]], limits: list[int], params: SamplingParams,
-                       stop: torch.Tensor, generator: torch.Generator, device) -> list[RolloutOutput]:
+                       stop: torch.Tensor, generators: list[torch.Generator], device) -> list[RolloutOutput]:
         b, max_new = len(rows), max(limits)
         lens = [len(r) for r in rows]
         t = max(lens)
@@ -201,7 +209,7 @@ class HFRolloutEngine:
         next_pos = lengths.clone()
         steps = 0
         for step in range(max_new):
-            tokens, logprobs = sample_next(logits, params.temperature, params.top_p, generator)
+            tokens, logprobs = sample_next(logits, params.temperature, params.top_p, generators)
             steps = step + 1
             alive = ~stopped[row] & (n_out[row] < limit[row])
             out_tokens[row, step] = tokens
@@ -218,6 +226,7 @@ class HFRolloutEngine:
                 keep = (~done).nonzero().squeeze(1)
                 cache.batch_select_indices(keep)
                 row, tokens, mask, next_pos = row[keep], tokens[keep], mask[keep], next_pos[keep]
+                generators = [generators[i] for i in keep.tolist()]  # each surviving row keeps its own
             logits = self._forward(tokens[:, None], mask[:, :t + step + 1], next_pos[:, None], cache, last_only=False)
             next_pos += 1
 

@@ -129,7 +129,8 @@ class RolloutEngine(Protocol):
     (no-ops in process)."""
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
-                 max_new_tokens: list[int] | None = None) -> list[list[RolloutOutput]]: ...
+                 max_new_tokens: list[int] | None = None,
+                 seeds: list[int] | None = None) -> list[list[RolloutOutput]]: ...
 
     def load_weights(self, model_or_state_dict) -> None: ...
 

@@ -3,6 +3,8 @@
 vLLM is imported lazily, inside the class. Prompts go in as token ids (``{"prompt_token_ids":
 ids}``, vLLM's ``TokensPrompt``); each prompt gets ``SamplingParams(n, temperature, top_p,
 max_tokens, seed, logprobs=0, ...)``, with ``logprobs=0`` returning the sampled token's log-prob.
+Each prompt is its own request with its own seed (``seeds[i] % 2**31`` when ``generate`` is given
+``seeds``, else derived from ``params.seed`` and i), so its samples do not depend on the other prompts.
 
 Log-probs: the engine is built with ``logprobs_mode="processed_logprobs"``, i.e. after
 temperature, which equals our contract ``log softmax(logits / T)[token]`` when ``top_p == 1``
@@ -17,6 +19,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from posttrain.engines.rollout.sampling import check_seeds
 from posttrain.engines.rollout.types import (
     FINISH_REASONS,
     RolloutOutput,
@@ -81,8 +84,9 @@ class VLLMRolloutEngine:
     """``llm_or_model_path``: a ``vllm.LLM`` built by the caller (build it with
     ``logprobs_mode="processed_logprobs"``), or a model folder to build one with ``llm_kwargs``.
     ``eos_token_ids``: default stop ids (None → vLLM's own eos handling: tokenizer + generation
-    config). Per-prompt seeds are derived from ``params.seed`` (``rank_seed(seed, 0, prompt) % 2**31``)
-    so duplicate prompts in one batch still get different samples."""
+    config). Per-prompt seeds are ``seeds[prompt] % 2**31`` when ``generate`` gets ``seeds``, else derived
+    from ``params.seed`` (``rank_seed(seed, 0, prompt) % 2**31``) so duplicate prompts in one batch still
+    get different samples."""
 
     def __init__(self, llm_or_model_path, eos_token_ids: Sequence[int] | None = None, **llm_kwargs):
         if isinstance(llm_or_model_path, (str, os.PathLike)):
@@ -94,9 +98,15 @@ class VLLMRolloutEngine:
             self.llm = llm_or_model_path
         self.eos_token_ids = None if eos_token_ids is None else [int(i) for i in eos_token_ids]
 
-    def vllm_sampling_params(self, params: SamplingParams, prompt_index: int, max_new_tokens: int | None = None):
+    def vllm_sampling_params(self, params: SamplingParams, prompt_index: int, max_new_tokens: int | None = None,
+                             seed: int | None = None):
+        """vLLM ``SamplingParams`` for prompt ``prompt_index``; ``seed`` (the prompt's seed, in
+        [0, 2**63)) → ``seed % 2**31``, None → ``rank_seed(params.seed, 0, prompt_index) % 2**31``
+        (None when ``params.seed`` is None: vLLM draws)."""
         stop = params.stop_token_ids if params.stop_token_ids is not None else self.eos_token_ids
-        seed = None if params.seed is None else rank_seed(params.seed, 0, prompt_index) % 2**31  # int32-safe
+        if seed is None and params.seed is not None:
+            seed = rank_seed(params.seed, 0, prompt_index)
+        seed = None if seed is None else seed % 2**31  # int32-safe
         return import_vllm().SamplingParams(
             n=params.n, temperature=float(params.temperature), top_p=float(params.top_p),
             max_tokens=max_new_tokens or params.max_new_tokens, seed=seed, logprobs=0, detokenize=False,
@@ -104,13 +114,18 @@ class VLLMRolloutEngine:
             stop_token_ids=None if stop is None else list(stop), ignore_eos=stop is not None)
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams,
-                 max_new_tokens: Sequence[int] | None = None) -> list[list[RolloutOutput]]:
+                 max_new_tokens: Sequence[int] | None = None,
+                 seeds: Sequence[int] | None = None) -> list[list[RolloutOutput]]:
+        """One list of ``params.n`` outputs per prompt; ``max_new_tokens`` and ``seeds`` (one int in
+        [0, 2**63) per prompt) as in ``HFRolloutEngine.generate``."""
         if params.top_p < 1.0:
             warn_once("vLLM log-probs with top_p < 1 are renormalised over the nucleus and differ from "
                       "the trainer's recomputation (full temperature-scaled distribution)")
         prompts = [[int(t) for t in p] for p in prompt_token_ids]
         budgets = check_budgets(max_new_tokens, len(prompts), params)
-        sampling = [self.vllm_sampling_params(params, i, budgets[i]) for i in range(len(prompts))]
+        prompt_seeds = check_seeds(seeds, len(prompts))
+        sampling = [self.vllm_sampling_params(params, i, budgets[i], None if prompt_seeds is None else prompt_seeds[i])
+                    for i in range(len(prompts))]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
         return convert_vllm_outputs(prompts, outputs, params.n)
 

@@ -9,6 +9,7 @@ from posttrain.engines.rollout import (
     RolloutEngine,
     SamplingParams,
     make_rollout_engine,
+    rank_seed,
     resolve_eos_ids,
 )
 from posttrain.models import forward_logits, load_causal_lm
@@ -127,10 +128,10 @@ def test_n_samples_are_group_contiguous(engine):
     assert len(out) == 2 and all(len(g) == 3 for g in out)
     assert all(o.prompt_token_ids == PROMPTS[p] for p, g in enumerate(out) for o in g)
     assert len({tuple(o.output_token_ids) for o in out[0]}) == 3  # n distinct samples
-    # the same rows, replicated by hand in group-contiguous order, give the same samples
-    rows = [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3
-    flat = engine.generate(rows, SamplingParams(temperature=1.0, max_new_tokens=6, n=1, seed=5))
-    assert [g[0].output_token_ids for g in flat] == [o.output_token_ids for g in out for o in g]
+    # group g holds prompt g's samples in sample order: each prompt alone, with its seed, gives them
+    for g, prompt in enumerate(PROMPTS[:2]):
+        alone = engine.generate([prompt], params, seeds=[rank_seed(5, 0, g)])[0]
+        assert [o.output_token_ids for o in alone] == [o.output_token_ids for o in out[g]]
 
 
 def test_restores_modes_and_leaves_no_gradients(model, engine):

@@ -141,3 +141,24 @@ def test_vllm_engine_request_and_lifecycle(fake_vllm):
     engine.sleep()
     engine.wake_up()
     assert engine.llm.calls[-2:] == [("sleep", 1), ("wake_up",)]
+
+
+def test_vllm_engine_per_prompt_seeds(fake_vllm):
+    """`seeds` (one per prompt, in [0, 2**63)) → vLLM seed `seeds[i] % 2**31`, with or without
+    params.seed; without `seeds` the derivation from params.seed is unchanged."""
+    engine = VLLMRolloutEngine(FakeLLM())
+    seeds = [rank_seed(3, 0, 5), rank_seed(3, 0, 6), 2**63 - 1]
+    for seed in (3, None):
+        engine.generate([[1, 2], [3], [4]], SamplingParams(n=2, seed=seed), seeds=seeds)
+        assert [sp["seed"] for sp in engine.llm.calls[-1][2]] == [s % 2**31 for s in seeds]
+    # prompts 2 and 3 of a step sent alone get the seeds they would get in the whole call
+    whole = SamplingParams(seed=3)
+    engine.generate([[1], [2], [3], [4]], whole)
+    all_seeds = [sp["seed"] for sp in engine.llm.calls[-1][2]]
+    engine.generate([[3], [4]], whole, seeds=[rank_seed(3, 0, 2), rank_seed(3, 0, 3)])
+    assert [sp["seed"] for sp in engine.llm.calls[-1][2]] == all_seeds[2:]
+    assert engine.vllm_sampling_params(whole, 0, 4, seed=2**31 + 7)["seed"] == 7
+    with pytest.raises(ValueError, match="seeds has 1 entries for 2 prompts"):
+        engine.generate([[1], [2]], whole, seeds=[1])
+    with pytest.raises(ValueError, match="seeds holds -2"):
+        engine.generate([[1], [2]], whole, seeds=[1, -2])

@@ -1,7 +1,19 @@
 """RL on Ray (`distributed/ray_placement.py`): the same scenarios as in one process, placed as Ray
-actor groups of CPU ranks (gloo), compared with the in-process run."""
+actor groups of CPU ranks (gloo), compared with the in-process run; OpenRLHF's hybrid-engine
+scripts with ranks scaled to 2; colocation, two simulated nodes, a killed engine, resume."""
+import os
+import shutil
+import subprocess
+import sys
+import time
+
 import pytest
+import torch
+from conftest import ppo_flags
+from rl_helpers import rewards_by_step
 from safetensors.torch import load_file
+
+from posttrain.utils.metrics import read_metrics
 
 pytestmark = pytest.mark.distributed
 
@@ -15,10 +27,191 @@ def _max_diff(a, b) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
+def _without_reward_url(flags: list[str]) -> list[str]:
+    i = flags.index("--reward.remote_url")
+    return flags[:i] + flags[i + 2:]
+
+
+def _ppo(flags):
+    from posttrain.cli import train_ppo_ray
+
+    return train_ppo_ray.main([str(f) for f in flags])
+
+
 def test_two_actor_ranks_two_engines_equal_one_process(run_ppo, ray_session):
+    """GRPO-style (group baseline, no critic): 2 actor ranks (ZeRO-2) and 2 rollout engines give the
+    in-process run's samples and, after 3 steps of 2 optimizer steps each, its weights."""
     common = ("--train.num_episodes", "1", "--data.max_samples", "24", "--train.batch_size", "16",
-              "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8")
+              "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8",
+              "--algo.advantage.estimator", "group_norm")
     local, _ = run_ppo(*common, name="local")
     ray_run, _ = run_ppo(*common, "--actor.num_gpus_per_node", "2", "--vllm.num_engines", "2",
                          "--ds.zero_stage", "2", name="ray")
+    assert rewards_by_step(ray_run) == pytest.approx(rewards_by_step(local), abs=1e-6)  # same samples
     assert _max_diff(_weights(local), _weights(ray_run)) < 1e-5
+    rows = read_metrics(ray_run / "metrics.jsonl")
+    assert all(r["timing/weight_sync"] > 0 for r in rows if "timing/weight_sync" in r)
+
+
+# examples/scripts/train_ppo_ray_hybrid_engine.sh of OpenRLHF 0.10.2: every rank count 8 -> 2,
+# model, reward model, data and sizes ours, bf16 -> fp32 (CPU).
+PPO_HYBRID = """
+   --ref.num_nodes 1 --ref.num_gpus_per_node 2 --reward.num_nodes 1 --reward.num_gpus_per_node 2
+   --critic.num_nodes 1 --critic.num_gpus_per_node 2 --actor.num_nodes 1 --actor.num_gpus_per_node 2
+   --vllm.num_engines 1 --vllm.tensor_parallel_size 2 --train.colocate_all --vllm.gpu_memory_utilization 0.5
+   --ckpt.save_hf --train.max_epochs 1 --ds.zero_stage 3 --ds.param_dtype fp32
+   --actor.adam.lr 2e-3 --critic.adam.lr 2e-3 --algo.kl.init_coef 0.01 --data.apply_chat_template
+   --reward.normalize_enable --actor.gradient_checkpointing_enable --ds.packing_samples
+   --vllm.sync_backend nccl --vllm.enforce_eager --vllm.enable_sleep --ds.enable_sleep
+   --train.dynamic_batch_enable --train.max_tokens_per_gpu 256 --algo.advantage.is_correction_enable
+""".split()
+ONE_PROCESS = {"--ref.num_gpus_per_node": "1", "--reward.num_gpus_per_node": "1", "--critic.num_gpus_per_node": "1",
+               "--actor.num_gpus_per_node": "1", "--vllm.num_engines": "0"}
+
+
+def _hybrid(rl_setup, rm_dir, out, *extra, one_process=False):
+    flags = list(PPO_HYBRID)
+    if one_process:
+        flags = [ONE_PROCESS.get(prev, f) if prev in ONE_PROCESS else f for prev, f in zip([""] + flags, flags)]
+    base = _without_reward_url(ppo_flags(rl_setup, out))
+    return base + flags + ["--reward.model_name_or_path", rm_dir, "--data.max_samples", "24",
+                           "--rollout.n_samples_per_prompt", "2", "--train.batch_size", "8",
+                           "--train.num_episodes", "1", *extra]
+
+
+@pytest.fixture(scope="module")
+def normalised_rm(tiny_score_model_dir, tmp_path_factory):
+    """The tiny reward model with the reward mean/std `posttrain rm` stores (--reward.normalize_enable)."""
+    import json
+
+    path = tmp_path_factory.mktemp("rm_norm") / "rm"
+    shutil.copytree(tiny_score_model_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "mean": 0.05, "std": 0.5}))
+    return str(path)
+
+
+def test_openrlhf_ppo_hybrid_script_equals_one_process_and_resumes(rl_setup, normalised_rm, tmp_path, ray_session):
+    """GAE with critic, reference and reward-model groups of 2 ranks (ZeRO-3), all colocated with
+    one rollout engine: the same weights as the in-process run after 3 steps; a Ray run resumed from
+    its step-2 checkpoint ends where the uninterrupted one does."""
+    tiny_score_model_dir = normalised_rm
+    local = tmp_path / "local"
+    _ppo(_hybrid(rl_setup, tiny_score_model_dir, local, one_process=True))
+    full = tmp_path / "full"
+    _ppo(_hybrid(rl_setup, tiny_score_model_dir, full, "--ckpt.save_steps", "2", "--ckpt.path", tmp_path / "ck"))
+    assert len(rewards_by_step(full)) == 3
+    assert rewards_by_step(full) == pytest.approx(rewards_by_step(local), abs=1e-6)
+    assert _max_diff(_weights(local), _weights(full)) < 1e-5
+    ck = tmp_path / "ck_resume"
+    ck.mkdir()
+    shutil.copytree(tmp_path / "ck" / "global_step2", ck / "global_step2")
+    resumed = tmp_path / "resumed"
+    _ppo(_hybrid(rl_setup, tiny_score_model_dir, resumed, "--ckpt.save_steps", "2", "--ckpt.path", ck,
+                 "--ckpt.load_enable"))
+    assert rewards_by_step(resumed, start=3) == pytest.approx(rewards_by_step(full)[2:], abs=1e-6)
+    assert _max_diff(_weights(full), _weights(resumed)) < 1e-5
+    assert (tmp_path / "ck" / "global_step2" / "hf" / "model.safetensors").exists()
+
+
+# examples/scripts/train_reinforce_baseline_hybrid_engine.sh: ranks 4 -> 2, its agent
+# (--train.agent_func_path, multi-turn: a later issue) replaced by a reward function.
+REINFORCE_HYBRID = """
+   --data.input_key prompt --data.label_key answer --data.apply_chat_template --ds.packing_samples
+   --rollout.n_samples_per_prompt 4 --algo.dynamic_filtering_enable --algo.dynamic_filtering_range 0.0 1.0
+   --train.dynamic_batch_enable --train.max_tokens_per_gpu 256 --rollout.max_tokens_per_gpu 512
+   --train.micro_batch_size 1 --rollout.micro_batch_size 8 --train.max_epochs 1 --train.num_episodes 1
+   --ref.num_nodes 1 --ref.num_gpus_per_node 2 --actor.num_nodes 1 --actor.num_gpus_per_node 2
+   --vllm.num_engines 1 --vllm.tensor_parallel_size 2 --vllm.gpu_memory_utilization 0.7 --train.colocate_all
+   --ds.enable_sleep --vllm.sync_backend nccl --vllm.enforce_eager --ds.zero_stage 3
+   --actor.gradient_checkpointing_enable --ds.ring_attn_size 2 --ds.ring_attn_head_stride 2 --ds.param_dtype fp32
+   --algo.advantage.estimator reinforce_baseline --actor.entropy_coef 0.0 --algo.kl.init_coef 1e-5
+   --algo.kl.use_loss --algo.kl.estimator k2 --algo.advantage.is_correction_enable
+   --algo.advantage.is_correction_type icepop --logger.logging_steps 1 --eval.steps -1
+""".split()
+
+
+def test_openrlhf_reinforce_baseline_hybrid_script_runs(rl_setup, tmp_path, ray_session):
+    sft, data, rewards = rl_setup
+    out = tmp_path / "reinforce"
+    r = subprocess.run([sys.executable, "-m", "posttrain.cli.train_ppo_ray", *REINFORCE_HYBRID,
+                        "--actor.model_name_or_path", sft, "--data.prompt_dataset", data,
+                        "--reward.remote_url", rewards / "starts_with_1.py", "--rollout.batch_size", "4",
+                        "--train.batch_size", "16", "--data.max_samples", "8", "--rollout.max_new_tokens", "4",
+                        "--data.max_len", "48", "--ckpt.output_dir", out],
+                       check=False, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "RAY_ADDRESS": ""})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "ray placement: engine: group all" in r.stderr
+    rows = read_metrics(out / "metrics.jsonl")
+    assert len(rows) == 2 and all("actor/kl_loss" in x and "timing/weight_sync" in x for x in rows)
+
+
+@pytest.mark.parametrize("mode", ["colocate_actor_ref", "colocate_critic_reward"])
+def test_colocation_modes_share_bundles(mode, rl_setup, tiny_score_model_dir, tmp_path, ray_session, capfd):
+    out = tmp_path / mode
+    flags = _without_reward_url(ppo_flags(rl_setup, out)) + [
+        "--reward.model_name_or_path", tiny_score_model_dir, "--algo.advantage.estimator", "gae",
+        "--algo.kl.init_coef", "0.01", "--vllm.num_engines", "1", f"--train.{mode}", "--data.max_samples", "8",
+        "--train.num_episodes", "1"]
+    _ppo(flags)
+    err = capfd.readouterr().err
+    pair = ("actor", "ref") if mode == "colocate_actor_ref" else ("critic", "reward")
+    group = mode.removeprefix("colocate_")
+    for role in pair:
+        assert f"ray placement: {role}: group {group} bundle 0, 0.2 of each" in err
+    assert len(rewards_by_step(out)) == 1
+
+
+def test_killed_engine_ends_the_run_with_one_clear_error(rl_setup, tmp_path, ray_session):
+    """A rollout engine killed between steps: the next step fails at once, naming it, and everything
+    the run placed is removed."""
+    import ray
+
+    from posttrain.config import parse_config
+    from posttrain.trainers.rl.ppo import RLTrainer
+    from posttrain.utils.errors import WorkerFailed
+
+    cfg = parse_config("ppo", [str(f) for f in ppo_flags(rl_setup, tmp_path / "killed")] +
+                       ["--vllm.num_engines", "2", "--train.num_episodes", "1"])
+    trainer = RLTrainer(cfg)
+    handles = trainer.rollout_engine.handles
+    try:
+        trainer.step()
+        ray.kill(handles[1], no_restart=True)
+        start = time.perf_counter()
+        with pytest.raises(WorkerFailed, match="rollout engine rank 1 died"):
+            trainer.step()
+        assert time.perf_counter() - start < 60
+    finally:
+        pgs = list(trainer.placement.pgs.values())
+        trainer._release_placement()
+    assert trainer.placement is None
+    table = ray.util.placement_group_table()
+    assert all(table[pg.id.hex()]["state"] == "REMOVED" for pg in pgs)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(handles[0].pid.remote(), timeout=30)
+
+
+def test_two_simulated_nodes_via_ray_address(rl_setup, tmp_path):
+    """A cluster of two raylets (1 + 2 CPUs, so 2 actor ranks + 1 engine must span both), joined
+    through RAY_ADDRESS by the command line."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=2)
+    try:
+        sft, data, rewards = rl_setup
+        out = tmp_path / "two_nodes"
+        flags = ppo_flags(rl_setup, out, "--actor.num_nodes", "2", "--actor.num_gpus_per_node", "1",
+                          "--vllm.num_engines", "1", "--ds.zero_stage", "2", "--data.max_samples", "8",
+                          "--train.num_episodes", "1")
+        r = subprocess.run([sys.executable, "-m", "posttrain.cli.train_ppo_ray", *map(str, flags)],
+                           check=False, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "RAY_ADDRESS": cluster.address})
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert f"joining the Ray cluster at {cluster.address}" in r.stderr
+        assert len(rewards_by_step(out)) == 1
+        assert torch.isfinite(torch.tensor(read_metrics(out / "metrics.jsonl")[0]["actor/grad_norm"]))
+    finally:
+        cluster.shutdown()

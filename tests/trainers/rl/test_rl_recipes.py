@@ -10,10 +10,10 @@ from rl_helpers import rewards_by_step
 from posttrain.utils.metrics import read_metrics
 
 # examples/scripts/train_dapo_ray_hybrid_engine.sh of OpenRLHF 0.10.2 plus the DAPO overlong
-# buffer of its README; paths, model, data and sizes are ours.
+# buffer of its README; paths, model, data and sizes are ours, ranks scaled from 8 to 2 (Ray, CPU ranks).
 DAPO = """
-   --ref.num_nodes 1 --ref.num_gpus_per_node 8 --actor.num_nodes 1 --actor.num_gpus_per_node 8
-   --vllm.num_engines 4 --vllm.tensor_parallel_size 2 --train.colocate_all --vllm.gpu_memory_utilization 0.6
+   --ref.num_nodes 1 --ref.num_gpus_per_node 2 --actor.num_nodes 1 --actor.num_gpus_per_node 2
+   --vllm.num_engines 1 --vllm.tensor_parallel_size 2 --train.colocate_all --vllm.gpu_memory_utilization 0.6
    --algo.kl.init_coef 1e-3 --algo.advantage.gamma 1.0 --algo.kl.use_loss --algo.kl.estimator k3
    --algo.advantage.estimator group_norm --algo.dynamic_filtering_enable --algo.dynamic_filtering_range 0 1
    --actor.eps_clip_low_high 0.2 0.27 --ckpt.save_steps 2 --ckpt.save_hf
@@ -26,7 +26,7 @@ DAPO = """
 """.split()
 
 
-def test_dapo_recipe_runs(rl_setup, tmp_path):
+def test_dapo_recipe_runs(rl_setup, tmp_path, ray_session):
     """DAPO: dynamic filtering, clip-higher, k3 KL loss, token-level IS correction, packing, the
     overlong buffer (a float flag; it used to crash at step 1) with per-sample budgets
     (--rollout.max_new_tokens unset), HF exports in checkpoints."""

@@ -129,6 +129,12 @@ class RecordingEngine:
     def backward(self, loss):
         loss.backward()
 
+    def all_reduce(self, tensor, op="sum"):  # one process (the TrainEngine contract)
+        return tensor
+
+    def max_across_ranks(self, value):
+        return value
+
     def step(self):
         with torch.no_grad():
             for p in self.model.parameters():
