@@ -60,7 +60,7 @@ PPO_HYBRID = """
    --critic.num_nodes 1 --critic.num_gpus_per_node 2 --actor.num_nodes 1 --actor.num_gpus_per_node 2
    --vllm.num_engines 1 --vllm.tensor_parallel_size 2 --train.colocate_all --vllm.gpu_memory_utilization 0.5
    --ckpt.save_hf --train.max_epochs 1 --ds.zero_stage 3 --ds.param_dtype fp32
-   --actor.adam.lr 2e-3 --critic.adam.lr 2e-3 --algo.kl.init_coef 0.01 --data.apply_chat_template
+   --actor.adam.lr 5e-4 --critic.adam.lr 5e-4 --algo.kl.init_coef 0.01 --data.apply_chat_template
    --reward.normalize_enable --actor.gradient_checkpointing_enable --ds.packing_samples
    --vllm.sync_backend nccl --vllm.enforce_eager --vllm.enable_sleep --ds.enable_sleep
    --train.dynamic_batch_enable --train.max_tokens_per_gpu 256 --algo.advantage.is_correction_enable
@@ -195,23 +195,46 @@ def test_killed_engine_ends_the_run_with_one_clear_error(rl_setup, tmp_path, ray
 
 def test_two_simulated_nodes_via_ray_address(rl_setup, tmp_path):
     """A cluster of two raylets (1 + 2 CPUs, so 2 actor ranks + 1 engine must span both), joined
-    through RAY_ADDRESS by the command line."""
+    through RAY_ADDRESS by the command line. First, a run asking for more ranks than the cluster has
+    ends within the placement timeout with one line naming the rank that could not start."""
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 1})
     cluster.add_node(num_cpus=2)
-    try:
-        sft, data, rewards = rl_setup
-        out = tmp_path / "two_nodes"
+
+    def run(out, *extra, timeout_s="120"):
         flags = ppo_flags(rl_setup, out, "--actor.num_nodes", "2", "--actor.num_gpus_per_node", "1",
                           "--vllm.num_engines", "1", "--ds.zero_stage", "2", "--data.max_samples", "8",
-                          "--train.num_episodes", "1")
-        r = subprocess.run([sys.executable, "-m", "posttrain.cli.train_ppo_ray", *map(str, flags)],
-                           check=False, capture_output=True, text=True, timeout=600,
-                           env={**os.environ, "RAY_ADDRESS": cluster.address})
+                          "--train.num_episodes", "1", "--algo.advantage.estimator", "group_norm", *extra)
+        return subprocess.run([sys.executable, "-m", "posttrain.cli.train_ppo_ray", *map(str, flags)],
+                              check=False, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "RAY_ADDRESS": cluster.address,
+                                   "POSTTRAIN_RAY_PLACE_TIMEOUT": timeout_s})
+    try:
+        start = time.perf_counter()
+        r = run(tmp_path / "too_big", "--vllm.num_engines", "2", timeout_s="10")
+        assert r.returncode == 2 and time.perf_counter() - start < 120, r.stderr[-3000:]
+        errors = [line for line in r.stderr.splitlines() if "posttrain ppo: error:" in line]
+        assert len(errors) == 1 and ("cannot place" in errors[0] or "did not start within 10 s" in errors[0]), errors
+        assert "Traceback" not in r.stderr
+        out = tmp_path / "two_nodes"
+        r = run(out)
         assert r.returncode == 0, r.stderr[-3000:]
         assert f"joining the Ray cluster at {cluster.address}" in r.stderr
         assert len(rewards_by_step(out)) == 1
         assert torch.isfinite(torch.tensor(read_metrics(out / "metrics.jsonl")[0]["actor/grad_norm"]))
     finally:
         cluster.shutdown()
+
+
+def test_the_default_run_stays_in_one_process_without_ray(rl_setup, tmp_path):
+    """Every count at 1, no engines, no RAY_ADDRESS: the run never imports Ray."""
+    flags = [str(f) for f in ppo_flags(rl_setup, tmp_path / "alone", "--data.max_samples", "8",
+                                       "--train.num_episodes", "1")]
+    code = ("import sys; from posttrain.cli import train_ppo_ray; train_ppo_ray.main(sys.argv[1:]); "
+            "assert 'ray' not in sys.modules, 'ray was imported'")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    r = subprocess.run([sys.executable, "-c", code, *flags], check=False, capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(rewards_by_step(tmp_path / "alone")) == 1
