@@ -238,3 +238,30 @@ def test_the_default_run_stays_in_one_process_without_ray(rl_setup, tmp_path):
                        timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(rewards_by_step(tmp_path / "alone")) == 1
+
+
+def test_ctrl_c_tears_down_what_the_run_started(rl_setup, tmp_path):
+    """SIGINT during a Ray run: one error line, exit 2, and no worker process left behind (the run
+    started its own local Ray and stops it)."""
+    import signal
+
+    flags = ppo_flags(rl_setup, tmp_path / "interrupted", "--vllm.num_engines", "1", "--actor.num_gpus_per_node",
+                      "2", "--algo.advantage.estimator", "group_norm", "--train.num_episodes", "50")
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    proc = subprocess.Popen([sys.executable, "-m", "posttrain.cli.train_ppo_ray", *map(str, flags)],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if "weight sync verified" in line:
+            break
+    time.sleep(3)  # inside the training loop
+    proc.send_signal(signal.SIGINT)
+    _, rest = proc.communicate(timeout=120)
+    err = "".join(seen) + rest
+    assert proc.returncode == 2, err[-3000:]
+    assert len([x for x in err.splitlines() if "posttrain ppo: error: interrupted" in x]) == 1, err[-3000:]
+    time.sleep(2)
+    left = subprocess.run(["pgrep", "-f", "ray::RoleWorker|ray::EngineWorker"], check=False, capture_output=True,
+                          text=True).stdout.split()
+    assert left == [], f"worker processes left: {left}"
