@@ -69,6 +69,14 @@ def wait_all(calls: list[tuple[ray.ObjectRef, str]], timeout: float | None = Non
     return [results[ref] for ref, _ in calls]
 
 
+def worker_env() -> dict[str, str]:
+    """What every worker process gets: posttrain's settings plus the driver's NCCL_* / GLOO_* variables
+    (network interface choices and debugging reach the ranks)."""
+    env = dict(WORKER_ENV)
+    env.update({k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "GLOO_"))})
+    return env
+
+
 def worker_threads(ranks: int) -> int:
     """Torch threads per rank: the node's cores shared by the ranks of a role that compute at once."""
     return max(1, min(8, (os.cpu_count() or 1) // max(ranks, 1)))
@@ -91,10 +99,6 @@ class _Group:
     def first(self, results: list):
         return next(r for r in results if r is not None)
 
-    def kill(self) -> None:
-        for h in self.handles:
-            ray.kill(h, no_restart=True)
-
 
 class _RoleGroup(_Group):
     """Ranks of one role; per-token outputs are computed on token-balanced row shares."""
@@ -112,7 +116,8 @@ class _RoleGroup(_Group):
         steps = optimizer_steps(len(exp), settings, shuffle_step)
         plan = plan_steps(steps, exp.attention_mask.sum(1).tolist(), len(self.handles))
         arrays = ray.put(experience_to_numpy(exp))
-        return merge_metrics(self.call_each("fit", [(arrays, plan[r], settings, *args) for r in range(len(plan))]))
+        results = self.call_each("fit", [(arrays, plan[r], settings, *args) for r in range(len(plan))])
+        return merge_metrics([m for m, _ in results], [w for _, w in results])
 
     def save_state(self, directory) -> None:
         self.call("save_state", str(directory))
@@ -166,6 +171,8 @@ class RewardGroup(_Group):
     """A reward model over ranks: each scores a contiguous chunk of the samples' token ids."""
 
     def score_tokens(self, sequences: list[list[int]]) -> RewardResult:
+        if not sequences:
+            return RewardResult(rewards=torch.zeros(0))
         chunks = [c for c in contiguous_chunks(len(sequences), len(self.handles)) if len(c)]
         parts = wait_all([(self.handles[i].score_tokens.remote([sequences[j] for j in c]), self.label(i))
                           for i, c in enumerate(chunks)])
@@ -227,14 +234,33 @@ class EngineGroup(_Group):
         return self.call("weights_hash")
 
 
-def merge_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+def merge_metrics(per_rank: list[dict[str, float]], weights: list[dict[str, float]]) -> dict[str, float]:
     """One metrics dict from the ranks': losses and row counts add up (each rank's is its share of the
-    step's), the rest (rates, norms, learning rate) is averaged."""
+    step's); the rest are means weighted as in one process (a token-weighted rate by each rank's
+    tokens; norms and the learning rate, equal on every rank, stay as they are). A metric only some
+    ranks measured is merged over those."""
     out = {}
-    for key in per_rank[0]:
-        values = [m[key] for m in per_rank if key in m]
-        out[key] = sum(values) if key in _SUMMED else sum(values) / len(values)
+    for key in dict.fromkeys(k for m in per_rank for k in m):
+        present = [(m[key], w.get(key, 1.0)) for m, w in zip(per_rank, weights) if key in m]
+        total = sum(w for _, w in present)
+        if key in _SUMMED:
+            out[key] = sum(v for v, _ in present)
+        elif total > 0:
+            out[key] = sum(v * w for v, w in present) / total
+        else:
+            out[key] = sum(v for v, _ in present) / len(present)
     return out
+
+
+def engine_count(cfg) -> int:
+    """Rollout engines: --vllm.num_engines; unset, one per `--vllm.tensor_parallel_size` actor bundles
+    with --train.colocate_all (each actor GPU also generates, as OpenRLHF's actors do without vLLM),
+    else one."""
+    if cfg.vllm.num_engines:
+        return cfg.vllm.num_engines
+    if cfg.train.colocate_all:
+        return max(1, cfg.actor.num_nodes * cfg.actor.num_gpus_per_node // cfg.vllm.tensor_parallel_size)
+    return 1
 
 
 def connect(num_bundles: int) -> bool:
@@ -242,7 +268,7 @@ def connect(num_bundles: int) -> bool:
     down). Locally, every bundle (a "GPU") gets a logical CPU of its own when the machine has fewer."""
     if ray.is_initialized():
         return False
-    runtime_env = {"env_vars": dict(WORKER_ENV)}
+    runtime_env = {"env_vars": worker_env()}
     address = os.environ.get("RAY_ADDRESS")
     if address:
         info(f"joining the Ray cluster at {address}")
@@ -261,14 +287,16 @@ class RayPlacement:
         shape = lambda role: (role.num_nodes, role.num_gpus_per_node)  # noqa: E731
         self.plan = plan_placement(
             actor=shape(cfg.actor), ref=shape(cfg.ref) if ref else None, critic=shape(cfg.critic) if critic else None,
-            reward=shape(cfg.reward) if reward_model else None, num_engines=max(cfg.vllm.num_engines or 0, 1),
+            reward=shape(cfg.reward) if reward_model else None, num_engines=engine_count(cfg),
             engine_tp=cfg.vllm.tensor_parallel_size, colocate_actor_ref=cfg.train.colocate_actor_ref,
             colocate_critic_reward=cfg.train.colocate_critic_reward, colocate_all=cfg.train.colocate_all,
             async_enable=cfg.train.async_enable)
-        self.started = connect(self.plan.world)
         self.groups: list[_Group] = []
+        self.handles: list = []  # every process created so far, so a failure half-way kills them too
         self.pgs: dict = {}
+        self.started = False
         try:
+            self.started = connect(self.plan.world)
             self._place(cfg, total_steps)
         except BaseException:
             self.shutdown()
@@ -296,8 +324,14 @@ class RayPlacement:
         backend = cfg.vllm.sync_backend if self.gpu else "gloo"
         if cfg.vllm.sync_backend != "gloo" and not self.gpu:
             warn_once(f"--vllm.sync_backend {cfg.vllm.sync_backend}: no GPU in the cluster, weights sync over gloo")
-        self.engines = EngineGroup("rollout engine", self._engines(), with_ray=cfg.vllm.sync_with_ray,
-                                   backend=backend)
+        with_ray = cfg.vllm.sync_with_ray
+        hybrid = self.plan.roles["engine"].group == self.plan.roles["actor"].group != ""
+        if hybrid and backend == "nccl" and not with_ray:
+            # NCCL refuses two ranks on one GPU, and engine 0 shares actor rank 0's (OpenRLHF uses CUDA IPC there)
+            info("--train.colocate_all: engine 0 shares actor rank 0's GPU, which NCCL cannot pair; weights sync "
+                 "through Ray's object store")
+            with_ray = True
+        self.engines = EngineGroup("rollout engine", self._engines(), with_ray=with_ray, backend=backend)
         self.groups = [g for g in (self.actor, self.ref, self.critic, self.reward, self.engines) if g is not None]
         wait_all([(h.pid.remote(), g.label(i)) for g in self.groups for i, h in enumerate(g.handles)],
                  timeout=PLACE_TIMEOUT_S)
@@ -319,27 +353,33 @@ class RayPlacement:
 
     def _ranks(self, role: str) -> list:
         n = self.plan.roles[role].num_ranks
-        env = dict(WORKER_ENV)
+        env = worker_env()
         cls = ray.remote(RoleWorker)
         first = cls.options(**self._options(role, 0)).remote(role, 0, n, None, worker_threads(n), env)
+        self.handles.append(first)
         master = wait_all([(first.address.remote(), f"{role} rank 0")], PLACE_TIMEOUT_S)[0] if n > 1 else None
         if master is not None:  # rank 0 re-learns its own rendezvous address
             wait_all([(first.set_master.remote(master), f"{role} rank 0")])
-        return [first] + [cls.options(**self._options(role, r)).remote(role, r, n, master, worker_threads(n), env)
-                          for r in range(1, n)]
+        rest = [cls.options(**self._options(role, r)).remote(role, r, n, master, worker_threads(n), env)
+                for r in range(1, n)]
+        self.handles += rest
+        return [first] + rest
 
     def _engines(self) -> list:
         n = self.plan.roles["engine"].num_ranks
         cls = ray.remote(EngineWorker)
-        return [cls.options(**self._options("engine", i)).remote(worker_threads(n), dict(WORKER_ENV))
-                for i in range(n)]
+        engines = [cls.options(**self._options("engine", i)).remote(worker_threads(n), worker_env())
+                   for i in range(n)]
+        self.handles += engines
+        return engines
 
     def shutdown(self) -> None:
-        for g in self.groups:
+        for h in self.handles:
             try:
-                g.kill()
+                ray.kill(h, no_restart=True)
             except Exception:  # already gone
                 pass
+        self.handles = []
         for pg in self.pgs.values():
             try:
                 remove_placement_group(pg)

@@ -19,7 +19,7 @@ def weights_hash(state: dict[str, torch.Tensor]) -> str:
     for name in sorted(state):
         t = state[name].detach().to("cpu").contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
 

@@ -103,9 +103,11 @@ class RoleWorker(_Process):
     def values(self, arrays, rows: list[int], batching) -> np.ndarray:
         return self.obj.values(self._shard(arrays, rows), batching).numpy()[: len(rows)]
 
-    def fit(self, arrays, step_rows: list[list[int]], settings, *args) -> dict[str, float]:
+    def fit(self, arrays, step_rows: list[list[int]], settings, *args) -> tuple[dict, dict]:
+        """This rank's metrics and their weights (tokens), for `ray_placement.merge_metrics`."""
         exp = experience_from_numpy(arrays)
-        return self.obj.fit(exp, settings, *args, step_rows=step_rows)
+        weights: dict = {}
+        return self.obj.fit(exp, settings, *args, step_rows=step_rows, weights_out=weights), weights
 
     def score_tokens(self, sequences: list[list[int]]):
         return self.obj.score_tokens(sequences)
@@ -114,7 +116,13 @@ class RoleWorker(_Process):
         self.obj.save_state(directory)
 
     def load_state(self, directory: str, *args) -> None:
-        self.obj.load_state(directory, *args)
+        from posttrain.utils.checkpoint import CheckpointError
+
+        try:
+            self.obj.load_state(directory, *args)
+        except Exception as e:  # one line for the user (e.g. other rank counts than the checkpoint's)
+            raise CheckpointError(f"{self.role} rank {self.rank} cannot load {directory}: "
+                                  f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from e
 
     def export(self, directory: str, *args) -> None:
         self.obj.export(directory, self.tokenizer, *args)

@@ -86,10 +86,10 @@ class Actor(_Scorer):
                                                            packed=batches.packed)[0])
 
     def fit(self, exp: Experience, settings: UpdateSettings, kl_coef: float, step: int,
-            step_rows=None) -> dict[str, float]:
+            step_rows=None, weights_out: dict | None = None) -> dict[str, float]:
         """`settings.max_epochs` passes of optimizer steps over `exp` (`updates.update_actor`);
         `step_rows`: a data-parallel rank's rows of each step."""
-        return update_actor(self, exp, settings, kl_coef, step, step_rows)
+        return update_actor(self, exp, settings, kl_coef, step, step_rows, weights_out)
 
     def update_ema(self) -> None:
         if self.ema is None:
@@ -187,8 +187,9 @@ class Critic(_Scorer):
         """Value of each state before an action: V(tokens ≤ t) in column t, `[b, T-1]` (normalised)."""
         return (value_forward(self.engine.model, part, packed) - self.mean) / self.std
 
-    def fit(self, exp: Experience, settings: UpdateSettings, step: int, step_rows=None) -> dict[str, float]:
-        return update_critic(self, exp, settings, step, step_rows)
+    def fit(self, exp: Experience, settings: UpdateSettings, step: int, step_rows=None,
+            weights_out: dict | None = None) -> dict[str, float]:
+        return update_critic(self, exp, settings, step, step_rows, weights_out)
 
     def save_state(self, directory: Path) -> None:
         self.engine.save_state(directory)

@@ -107,9 +107,10 @@ def local_steps(exp: Experience, s: UpdateSettings, step: int, step_rows=None):
 
 
 def update_actor(actor, exp: Experience, s: UpdateSettings, kl_coef: float, step: int,
-                 step_rows=None) -> dict[str, float]:
+                 step_rows=None, weights_out: dict | None = None) -> dict[str, float]:
     """The policy update of `roles.Actor.fit` (`actor`: its `engine`, `device`, `temperature`,
-    `update_ema`). `step_rows`: this rank's rows of each optimizer step (`local_steps`)."""
+    `update_ema`). `step_rows`: this rank's rows of each optimizer step (`local_steps`);
+    `weights_out` receives each metric's weight (its tokens), so ranks' means merge exactly."""
     mean = _Mean()
     rollout_gap = _Mean()
     engine = actor.engine
@@ -158,6 +159,9 @@ def update_actor(actor, exp: Experience, s: UpdateSettings, kl_coef: float, step
     out["train/rows_per_step"] = out.pop("actor/rows_per_step")
     out.update(rollout_gap.result("rollout"))
     out["actor/lr"] = engine.lr
+    if weights_out is not None:
+        weights_out.update({f"actor/{k}": w for k, w in mean.weights.items()})
+        weights_out.update({f"rollout/{k}": w for k, w in rollout_gap.weights.items()})
     return out
 
 
@@ -166,7 +170,8 @@ def critic_shuffle_step(step: int) -> int:
     return step + 7919
 
 
-def update_critic(critic, exp: Experience, s: UpdateSettings, step: int, step_rows=None) -> dict[str, float]:
+def update_critic(critic, exp: Experience, s: UpdateSettings, step: int, step_rows=None,
+                  weights_out: dict | None = None) -> dict[str, float]:
     """The value update of `roles.Critic.fit` (`critic`: its `engine`, `device`, `forward`)."""
     mean = _Mean()
     engine = critic.engine
@@ -184,4 +189,6 @@ def update_critic(critic, exp: Experience, s: UpdateSettings, step: int, step_ro
         mean.add("grad_norm", engine.step())
     out = mean.result("critic")
     out["critic/lr"] = engine.lr
+    if weights_out is not None:
+        weights_out.update({f"critic/{k}": w for k, w in mean.weights.items()})
     return out

@@ -1,0 +1,75 @@
+"""Pieces of the Ray placement that need no cluster: metric merging, engine counts, the weights
+hash, the transport split, a worker's load error."""
+import pytest
+import torch
+
+from posttrain.config import parse_config
+
+ray_placement = pytest.importorskip("posttrain.distributed.ray_placement")
+
+
+def test_rank_metrics_merge_as_one_process_computes_them():
+    per_rank = [{"actor/kl_loss": 1.0, "actor/policy_loss": 0.25, "actor/grad_norm": 2.0, "train/rows_per_step": 3},
+                {"actor/kl_loss": 3.0, "actor/policy_loss": 0.5, "actor/grad_norm": 2.0, "train/rows_per_step": 5,
+                 "rollout/logprob_abs_gap": 0.1}]
+    weights = [{"actor/kl_loss": 10.0, "actor/grad_norm": 2.0}, {"actor/kl_loss": 30.0, "actor/grad_norm": 2.0,
+                                                                 "rollout/logprob_abs_gap": 7.0}]
+    out = ray_placement.merge_metrics(per_rank, weights)
+    assert out["actor/kl_loss"] == pytest.approx((1.0 * 10 + 3.0 * 30) / 40)  # token-weighted, not (1+3)/2
+    assert out["actor/policy_loss"] == pytest.approx(0.75)  # each rank's share of the step's loss
+    assert out["train/rows_per_step"] == 8 and out["actor/grad_norm"] == 2.0
+    assert out["rollout/logprob_abs_gap"] == pytest.approx(0.1)  # measured by one rank only
+
+
+def _cfg(*extra):
+    from config_args import BASE  # tests/config
+
+    return parse_config("ppo", BASE["ppo"] + list(extra), check=False)
+
+
+def test_engine_count_follows_the_flags(monkeypatch):
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parents[1] / "config"))
+    assert ray_placement.engine_count(_cfg("--vllm.num_engines", "3")) == 3
+    assert ray_placement.engine_count(_cfg("--actor.num_gpus_per_node", "2")) == 1
+    hybrid = _cfg("--actor.num_gpus_per_node", "4", "--train.colocate_all", "--vllm.tensor_parallel_size", "2")
+    assert ray_placement.engine_count(hybrid) == 2  # one per tp actor bundles, sharing them
+
+
+def test_weights_hash_covers_every_tensor_kind():
+    from posttrain.distributed.weight_sync import sync_layout, weights_hash
+
+    state = {"w": torch.arange(6.0).view(2, 3), "scalar": torch.tensor(1.5), "half": torch.ones(3, dtype=torch.bfloat16),
+             "empty": torch.zeros(0)}
+    h = weights_hash(state)
+    assert h == weights_hash({k: v.clone() for k, v in reversed(list(state.items()))})  # order-free
+    changed = dict(state, scalar=torch.tensor(1.5000001))
+    assert weights_hash(changed) != h
+    layout = sync_layout(state, bucket_bytes=16)
+    assert [len(b) for b in layout] == [1, 1, 1, 1]  # 24-byte tensor alone, then dtype changes split buckets
+    assert [name for b in layout for name, _, _ in b] == list(state)
+
+
+def test_split_by_tokens_balances_and_keeps_order():
+    from posttrain.distributed.transport import plan_steps, split_by_tokens
+
+    lengths = [10, 1, 1, 1, 9, 1]
+    shares = split_by_tokens(range(6), lengths, 2)
+    assert sorted(r for s in shares for r in s) == list(range(6))
+    assert [sum(lengths[r] for r in s) for s in shares] == [12, 11] and shares[0] == sorted(shares[0])
+    assert split_by_tokens([4], lengths, 3) == [[4], [], []]  # fewer rows than ranks: empty shares
+    plan = plan_steps([[0, 1], [4, 5]], lengths, 2)
+    assert plan == [[[0], [4]], [[1], [5]]]
+
+
+def test_a_worker_that_cannot_load_its_state_says_so_in_one_line(tmp_path):
+    from posttrain.distributed.workers import RoleWorker
+    from posttrain.utils.checkpoint import CheckpointError
+
+    class Saved:
+        def load_state(self, directory, *args):
+            raise ValueError(f"{directory!r} was saved with world_size=2, this run has world_size=1\ndetails")
+
+    worker = RoleWorker.__new__(RoleWorker)  # not its __init__: that sets this process's RANK / WORLD_SIZE
+    worker.role, worker.rank, worker.obj = "actor", 1, Saved()
+    with pytest.raises(CheckpointError, match=r"^actor rank 1 cannot load .* world_size=2, this run has world_size=1$"):
+        worker.load_state(str(tmp_path))
