@@ -12,8 +12,7 @@ from pathlib import Path
 import torch
 
 from posttrain.agents.single_turn import SingleTurnExecutor
-from posttrain.algorithms.advantages import compute_advantages_with_stats, whiten
-from posttrain.algorithms.kl import AdaptiveKLController, FixedKLController, approx_kl_with_stats
+from posttrain.algorithms.kl import AdaptiveKLController, FixedKLController
 from posttrain.config import (
     ConfigError,
 )
@@ -24,7 +23,7 @@ from posttrain.models import load_tokenizer
 from posttrain.trainers.rl import build
 from posttrain.trainers.rl.collect import PromptStream, ShapingSettings, collect
 from posttrain.trainers.rl.evaluate import dataset_name, eval_metrics
-from posttrain.trainers.rl.experience import Experience, build_experience
+from posttrain.trainers.rl.experience_maker import ExperienceMaker, rollout_metrics
 from posttrain.trainers.rl.forward import Batching
 from posttrain.trainers.rl.updates import UpdateSettings, steps_per_rollout
 from posttrain.trainers.session import RunStart, wandb_settings
@@ -34,22 +33,6 @@ from posttrain.utils.log import info, warn_once
 from posttrain.utils.metrics import MetricsLogger
 from posttrain.utils.seeding import rng_state, set_rng_state
 from posttrain.utils.timer import Timers
-
-GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
-
-
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return float((x * mask).sum() / mask.sum().clamp(min=1))
-
-
-def _sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    """Mean over the sequences with any masked token of each one's token mean (OpenRLHF's KL
-    statistic, which also feeds the adaptive controller)."""
-    tokens = mask.sum(1)
-    has = tokens > 0
-    if not bool(has.any()):
-        return 0.0
-    return float(((x * mask).sum(1)[has] / tokens[has]).mean())
 
 
 class RLTrainer:
@@ -181,6 +164,8 @@ class RLTrainer:
             is_threshold=tuple(adv.is_correction_threshold), value_clip=cfg.critic.value_clip, seed=cfg.train.seed)
         self.shaping = ShapingSettings(cfg.reward.overlong_buffer_len, cfg.reward.overlong_penalty_factor,
                                        cfg.reward.stop_properly_penalty_coef)
+        self.experience_maker = ExperienceMaker(cfg, self.actor, self.ref, self.critic, self.forward_batching,
+                                                self.tokenizer.pad_token_id)
         self.stream = PromptStream(len(self.prompts), cfg.train.seed)
         self.global_step = 0
         self.best = {"key": None, "value": -math.inf}
@@ -200,50 +185,6 @@ class RLTrainer:
                               max_new_tokens=self.max_new_tokens, n=cfg.rollout.n_samples_per_prompt,
                               seed=rank_seed(cfg.train.seed, 0, step))
 
-    def _needs_old_logp(self, num_samples: int) -> bool:
-        """With exactly one optimizer step per rollout and no KL penalty in the reward, the policy that
-        is trained is the one that sampled, so the old log-probs equal the training forward's (ratio 1):
-        the update takes them from there instead of a separate forward pass (as TRL does)."""
-        cfg = self.cfg
-        one_step = steps_per_rollout(num_samples, cfg.train.batch_size, cfg.train.max_epochs) == 1
-        kl_in_reward = self.ref is not None and not cfg.algo.kl.use_loss
-        return not one_step or kl_in_reward
-
-    def make_experience(self, scored) -> tuple[Experience, dict[str, float]]:
-        cfg = self.cfg
-        mbs = self.forward_batching
-        rewards = scored.rewards.clone()
-        if cfg.reward.whiten_enable:  # TRL whiten_rewards: whiten the scalar rewards before the baseline
-            valid = ~scored.skipped  # (statistics over the samples that have a reward)
-            rewards = whiten(rewards[:, None], valid.float()[:, None])[:, 0]
-        exp = build_experience(scored.rollouts, rewards, self.tokenizer.pad_token_id)
-        exp.action_mask[scored.skipped] = 0.0  # samples without a reward train nothing (counted in reward/skipped)
-        mask = exp.action_mask
-        metrics: dict[str, float] = {}
-        if self._needs_old_logp(len(scored.rollouts)):
-            exp.old_logp = self.actor.logprobs(exp, mbs)
-            metrics["rollout/logprob_abs_gap"] = _masked_mean((exp.old_logp - exp.rollout_logp).abs(), mask)
-        kl = None
-        if self.ref is not None:
-            exp.ref_logp = self.ref.logprobs(exp, mbs)
-        if exp.ref_logp is not None and exp.old_logp is not None:
-            kl, kl_stats = approx_kl_with_stats(exp.old_logp, exp.ref_logp, cfg.algo.kl.estimator, mask=mask)
-            kl = kl * mask
-            metrics.update({"kl/mean": _sequence_mean(kl, mask), "kl/clamp_frac": float(kl_stats["kl_clamp_frac"])})
-        if self.critic is not None:
-            exp.values = self.critic.values(exp, mbs)
-        in_reward = kl is not None and not cfg.algo.kl.use_loss
-        adv = cfg.algo.advantage
-        exp.advantages, exp.returns, stats = compute_advantages_with_stats(
-            adv.estimator, exp.rewards, mask, n=cfg.rollout.n_samples_per_prompt,
-            kl=kl if in_reward else None, kl_coef=self.kl_ctl.value if in_reward else 0.0, values=exp.values,
-            gamma=adv.gamma, lam=adv.lambd, clip_range=tuple(cfg.reward.clip_range), std_norm=not adv.no_std_norm,
-            sequence_kl=cfg.algo.kl.sequence_level_enable, whiten=True if adv.whiten_enable else None,
-            valid=~scored.skipped)
-        metrics.update({f"advantage/{k}": float(v) for k, v in stats.items() if _scalar(v)})
-        metrics["advantage/mean"] = _masked_mean(exp.advantages, mask)
-        return exp, metrics
-
     def step(self) -> dict[str, float]:
         cfg = self.cfg
         step = self.global_step
@@ -257,7 +198,7 @@ class RLTrainer:
                                           max_len=self.sample_max_len)
             metrics.update(rollout_metrics(scored, n))
             with self.timers("make_experience"):
-                exp, exp_metrics = self.make_experience(scored)
+                exp, exp_metrics = self.experience_maker.make(scored, self.kl_ctl.value)
             metrics.update(exp_metrics)
             with self.timers("ppo_train"):
                 if self.critic is not None:
@@ -416,31 +357,6 @@ class RLTrainer:
         if self.critic is not None and self.cfg.critic.save_value_network:
             self.critic.export(self.run_dir / "critic", self.tokenizer)
         info(f"final model saved to {self.run_dir}")
-
-
-def rollout_metrics(scored, n: int) -> dict[str, float]:
-    """Reward/score statistics, response lengths, truncation, zero-variance groups, skips."""
-    r = scored.rewards
-    valid = ~scored.skipped
-    lengths = torch.tensor([len(x.output_ids) for x in scored.rollouts], dtype=torch.float32)
-    rv = r[valid] if bool(valid.any()) else r  # statistics of the samples that have a reward
-    out = {"reward/mean": float(rv.mean()), "reward/std": float(rv.std(unbiased=False)),
-           "score/mean": float(scored.scores.mean()), "score/std": float(scored.scores.std(unbiased=False)),
-           "response/length": float(lengths.mean()), "response/length_max": float(lengths.max()),
-           "response/truncated_frac": sum(x.finish_reason == "length" for x in scored.rollouts) / len(scored.rollouts),
-           "reward/skipped": float(scored.skipped.sum())}
-    if n > 1:  # spread of the valid rewards of each group (a skipped sample has no reward)
-        groups, ok = r.view(-1, n), valid.view(-1, n)
-        spread = torch.where(ok, groups, -math.inf).amax(1) - torch.where(ok, groups, math.inf).amin(1)
-        out["reward/zero_std_group_frac"] = float(((spread == 0) | (ok.sum(1) < 2)).float().mean())
-    for k, v in scored.extra_logs.items():
-        t = torch.as_tensor(v, dtype=torch.float32)
-        out[f"reward/{k}"] = float(t.mean())
-    return out
-
-
-def _scalar(v) -> bool:
-    return isinstance(v, (int, float, bool)) or (isinstance(v, torch.Tensor) and v.numel() == 1)
 
 
 def train_rl(cfg) -> dict[str, float]:

@@ -1,0 +1,106 @@
+"""From scored rollouts to training experience: old / reference log-probs, values, KL, rewards →
+advantages and returns (ALGORITHMS.md), plus the rollout statistics the loop logs. Calls only role
+methods (`logprobs`, `values`), so it is the same for both placements."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from posttrain.algorithms.advantages import compute_advantages_with_stats, whiten
+from posttrain.algorithms.kl import approx_kl_with_stats
+from posttrain.trainers.rl.experience import Experience, build_experience
+from posttrain.trainers.rl.forward import Batching
+from posttrain.trainers.rl.updates import steps_per_rollout
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return float((x * mask).sum() / mask.sum().clamp(min=1))
+
+
+def sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean over the sequences with any masked token of each one's token mean (OpenRLHF's KL
+    statistic, which also feeds the adaptive controller)."""
+    tokens = mask.sum(1)
+    has = tokens > 0
+    if not bool(has.any()):
+        return 0.0
+    return float(((x * mask).sum(1)[has] / tokens[has]).mean())
+
+
+def _scalar(v) -> bool:
+    return isinstance(v, (int, float, bool)) or (isinstance(v, torch.Tensor) and v.numel() == 1)
+
+
+class ExperienceMaker:
+    """`make(scored, kl_coef)` → (Experience, metrics) with the run's roles (`ref`, `critic` may be None)."""
+
+    def __init__(self, cfg, actor, ref, critic, batching: Batching, pad_id: int) -> None:
+        self.cfg, self.actor, self.ref, self.critic = cfg, actor, ref, critic
+        self.batching, self.pad_id = batching, pad_id
+
+    def needs_old_logp(self, num_samples: int) -> bool:
+        """With exactly one optimizer step per rollout and no KL penalty in the reward, the policy that
+        is trained is the one that sampled, so the old log-probs equal the training forward's (ratio 1):
+        the update takes them from there instead of a separate forward pass (as TRL does)."""
+        cfg = self.cfg
+        one_step = steps_per_rollout(num_samples, cfg.train.batch_size, cfg.train.max_epochs) == 1
+        kl_in_reward = self.ref is not None and not cfg.algo.kl.use_loss
+        return not one_step or kl_in_reward
+
+    def make(self, scored, kl_coef: float) -> tuple[Experience, dict[str, float]]:
+        cfg = self.cfg
+        mbs = self.batching
+        rewards = scored.rewards.clone()
+        if cfg.reward.whiten_enable:  # TRL whiten_rewards: whiten the scalar rewards before the baseline
+            valid = ~scored.skipped  # (statistics over the samples that have a reward)
+            rewards = whiten(rewards[:, None], valid.float()[:, None])[:, 0]
+        exp = build_experience(scored.rollouts, rewards, self.pad_id)
+        exp.action_mask[scored.skipped] = 0.0  # samples without a reward train nothing (counted in reward/skipped)
+        mask = exp.action_mask
+        metrics: dict[str, float] = {}
+        if self.needs_old_logp(len(scored.rollouts)):
+            exp.old_logp = self.actor.logprobs(exp, mbs)
+            metrics["rollout/logprob_abs_gap"] = masked_mean((exp.old_logp - exp.rollout_logp).abs(), mask)
+        kl = None
+        if self.ref is not None:
+            exp.ref_logp = self.ref.logprobs(exp, mbs)
+        if exp.ref_logp is not None and exp.old_logp is not None:
+            kl, kl_stats = approx_kl_with_stats(exp.old_logp, exp.ref_logp, cfg.algo.kl.estimator, mask=mask)
+            kl = kl * mask
+            metrics.update({"kl/mean": sequence_mean(kl, mask), "kl/clamp_frac": float(kl_stats["kl_clamp_frac"])})
+        if self.critic is not None:
+            exp.values = self.critic.values(exp, mbs)
+        in_reward = kl is not None and not cfg.algo.kl.use_loss
+        adv = cfg.algo.advantage
+        exp.advantages, exp.returns, stats = compute_advantages_with_stats(
+            adv.estimator, exp.rewards, mask, n=cfg.rollout.n_samples_per_prompt,
+            kl=kl if in_reward else None, kl_coef=kl_coef if in_reward else 0.0, values=exp.values,
+            gamma=adv.gamma, lam=adv.lambd, clip_range=tuple(cfg.reward.clip_range), std_norm=not adv.no_std_norm,
+            sequence_kl=cfg.algo.kl.sequence_level_enable, whiten=True if adv.whiten_enable else None,
+            valid=~scored.skipped)
+        metrics.update({f"advantage/{k}": float(v) for k, v in stats.items() if _scalar(v)})
+        metrics["advantage/mean"] = masked_mean(exp.advantages, mask)
+        return exp, metrics
+
+
+def rollout_metrics(scored, n: int) -> dict[str, float]:
+    """Reward/score statistics, response lengths, truncation, zero-variance groups, skips."""
+    r = scored.rewards
+    valid = ~scored.skipped
+    lengths = torch.tensor([len(x.output_ids) for x in scored.rollouts], dtype=torch.float32)
+    rv = r[valid] if bool(valid.any()) else r  # statistics of the samples that have a reward
+    out = {"reward/mean": float(rv.mean()), "reward/std": float(rv.std(unbiased=False)),
+           "score/mean": float(scored.scores.mean()), "score/std": float(scored.scores.std(unbiased=False)),
+           "response/length": float(lengths.mean()), "response/length_max": float(lengths.max()),
+           "response/truncated_frac": sum(x.finish_reason == "length" for x in scored.rollouts) / len(scored.rollouts),
+           "reward/skipped": float(scored.skipped.sum())}
+    if n > 1:  # spread of the valid rewards of each group (a skipped sample has no reward)
+        groups, ok = r.view(-1, n), valid.view(-1, n)
+        spread = torch.where(ok, groups, -math.inf).amax(1) - torch.where(ok, groups, math.inf).amin(1)
+        out["reward/zero_std_group_frac"] = float(((spread == 0) | (ok.sum(1) < 2)).float().mean())
+    for k, v in scored.extra_logs.items():
+        t = torch.as_tensor(v, dtype=torch.float32)
+        out[f"reward/{k}"] = float(t.mean())
+    return out
+
