@@ -259,6 +259,20 @@ def run_round_robin(commands: list[list[str]], logs: list[Path], timeout: float 
                     pass
 
 
+def add_rl_step_args(ap, *, size: str, max_new_tokens: int, steps: int) -> None:
+    """The RL-step flags bench/rl_step.py and bench/rl_ray.py share (a run = `steps` steps of
+    `prompts` x `n` samples on the `size` preset; the first `warmup` steps are not timed)."""
+    ap.add_argument("--size", default=size, help="build_tiny preset")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per step (rollout batch)")
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt (group size)")
+    ap.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    ap.add_argument("--micro-batch-size", type=int, default=32, help="train / log-prob micro-batch")
+    ap.add_argument("--steps", type=int, default=steps, help="steps per run, warm-up included")
+    ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing (>= 1)")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=1e-5)
+
+
 def median(values) -> float:
     return float(statistics.median(values))
 

@@ -80,6 +80,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     StepClock,
+    add_rl_step_args,
     machine,
     md_table,
     median,
@@ -326,15 +327,7 @@ def prepare(args, work: Path) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", default="small", help="build_tiny preset (small: ~10M parameters)")
-    ap.add_argument("--prompts", type=int, default=16, help="prompts per step (rollout batch)")
-    ap.add_argument("--n", type=int, default=8, help="samples per prompt (group size)")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--micro-batch-size", type=int, default=32, help="train / log-prob micro-batch")
-    ap.add_argument("--steps", type=int, default=6, help="steps per run, warm-up included")
-    ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing (>= 1)")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=1e-5)
+    add_rl_step_args(ap, size="small", max_new_tokens=32, steps=6)
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads in the worker process (0: torch's default); Ray's processes set their own")
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),

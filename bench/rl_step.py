@@ -56,7 +56,17 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, StepClock, machine, md_table, median, run_worker, versions, wait_for_quiet  # noqa: E402
+from common import (  # noqa: E402
+    REPO,
+    StepClock,
+    add_rl_step_args,
+    machine,
+    md_table,
+    median,
+    run_worker,
+    versions,
+    wait_for_quiet,
+)
 
 REWARD_FILE = REPO / "posttrain" / "agents" / "rewards" / "examples" / "arithmetic_reward.py"
 SEED = 42
@@ -233,15 +243,7 @@ def prepare(args, work: Path) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", default="tiny")
-    ap.add_argument("--prompts", type=int, default=16, help="prompts per step (rollout batch)")
-    ap.add_argument("--n", type=int, default=8, help="samples per prompt (group size)")
-    ap.add_argument("--max-new-tokens", type=int, default=8)
-    ap.add_argument("--micro-batch-size", type=int, default=32, help="train / log-prob micro-batch (both sides)")
-    ap.add_argument("--steps", type=int, default=8, help="steps per run, warm-up included")
-    ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing (>= 1)")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=1e-5)
+    add_rl_step_args(ap, size="tiny", max_new_tokens=8, steps=8)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads in the workers (0: torch's default, the core count). 1 by default: "
                          "on a shared machine a multi-threaded step is dominated by scheduling, one thread's wall "
