@@ -12,11 +12,9 @@ A trainer supplies an `Objective`:
     and ranks and logged divided by their `*_count` partner when one exists; a `*_sqsum` partner
     (sum of squares) adds the sample standard deviation (`x_sum`, `x_sqsum`, `x_count` are logged
     as `x_mean` and `x_std`).
-The loop owns data order, micro-batching, rank padding for ZeRO-3, logging, eval, checkpoints and
-resume (weights, optimizer, scheduler, step counters and RNG). Resume takes the checkpoint that
-`CheckpointManager.prepare` chose (newest that verifies, same training flags) and fails with a
-CheckpointError when it does not load — never an older or another run's checkpoint instead. Ctrl-C
-ends `fit` with `Interrupted` (a UserError): `interrupted at step N; last checkpoint: <path or none>`.
+The loop owns data order, micro-batching, rank padding for ZeRO-3 and its checkpoint state (weights,
+optimizer, scheduler, step counters and per-rank RNG); the step / eval / log / save / resume cadence
+and Ctrl-C are the run skeleton every trainer shares (`trainers/skeleton.RunLoop`).
 """
 from __future__ import annotations
 
@@ -30,8 +28,8 @@ from typing import Protocol
 import torch
 
 from posttrain.trainers import batching
-from posttrain.utils.checkpoint import CheckpointError, CheckpointManager, read_manifest
-from posttrain.utils.interrupt import interrupt_as_error
+from posttrain.trainers.skeleton import Cadence, RunLoop
+from posttrain.utils.checkpoint import CheckpointManager
 from posttrain.utils.log import info
 from posttrain.utils.metrics import MetricsLogger
 from posttrain.utils.seeding import rng_state, set_rng_state
@@ -88,7 +86,7 @@ def summarize(sums: dict[str, float], prefix: str) -> dict[str, float]:
     return out
 
 
-class StepLoop:
+class StepLoop(RunLoop):
     def __init__(self, *, engine, objective: Objective, train_items: list[dict], eval_items: list[dict] | None,
                  settings: LoopSettings, run_dir: str | os.PathLike, logger: MetricsLogger,
                  save_hf: Callable[[Path], None] | None = None, device=None,
@@ -101,7 +99,6 @@ class StepLoop:
         self.eval_items = eval_items or []
         self.s = settings
         self.run_dir = Path(run_dir)
-        self.logger = logger
         self.save_hf = save_hf
         self.device = device or torch.device("cpu")
         length = getattr(objective, "length", None) or (lambda it: len(it["input_ids"]) if "input_ids" in it else 1)
@@ -114,15 +111,17 @@ class StepLoop:
         dropped = len(train_items) - self.steps_per_epoch * settings.batch_size
         if dropped:
             info(f"{dropped} samples per epoch do not fill a whole batch of {settings.batch_size} and are skipped")
-        self.total_steps = self.steps_per_epoch * settings.max_epochs
-        self.global_step = 0
-        self.ckpt = ckpt
         if ckpt is not None:
             ckpt.is_main, ckpt.barrier = engine.is_main, engine.barrier
         elif settings.ckpt_path and not settings.ckpt_disable_ds:
-            self.ckpt = CheckpointManager(settings.ckpt_path, max_num=settings.ckpt_max_num,
-                                          max_mem_gb=settings.ckpt_max_mem_gb,
-                                          is_main=engine.is_main, barrier=engine.barrier)
+            ckpt = CheckpointManager(settings.ckpt_path, max_num=settings.ckpt_max_num,
+                                     max_mem_gb=settings.ckpt_max_mem_gb, is_main=engine.is_main,
+                                     barrier=engine.barrier)
+        cadence = Cadence(logging_steps=settings.logging_steps, eval_steps=settings.eval_steps,
+                          save_steps=settings.save_steps, final_eval=True,
+                          load_checkpoint=settings.load_checkpoint, progress=settings.progress)
+        super().__init__(total_steps=self.steps_per_epoch * settings.max_epochs, logger=logger, ckpt=ckpt,
+                         cadence=cadence, is_main=engine.is_main)
 
     # ---- one optimizer step -------------------------------------------------------------
     def _step_micro_batches(self, epoch: int, step_in_epoch: int) -> list[list[int]]:
@@ -180,91 +179,41 @@ class StepLoop:
         self.engine.module.train()
         return summarize(sums, prefix)
 
-    # ---- checkpoints ----------------------------------------------------------------------
-    def _save_checkpoint(self) -> None:
-        step = self.global_step
-        rank = self.engine.rank
+    # ---- the skeleton's hooks (trainers/skeleton.py) ---------------------------------------
+    def step(self) -> dict[str, float]:
+        epoch, step_in_epoch = divmod(self.global_step, self.steps_per_epoch)
+        groups = self._step_micro_batches(epoch, step_in_epoch)
+        sums = self._run_micro_batches(groups, self.train_items, train=True)
+        lr = self.engine.lr  # the rate this step is taken with (step() advances the schedule)
+        grad_norm = self.engine.step()
+        metrics = summarize(sums, "train")
+        metrics.update({"train/lr": lr, "train/grad_norm": grad_norm,
+                        "train/epoch": epoch + (step_in_epoch + 1) / self.steps_per_epoch,
+                        "train/micro_batches": len(groups)})
+        return metrics
 
-        def write(d: Path) -> None:
-            self.engine.save_state(d / "engine")
-            torch.save({"rng": rng_state()}, d / f"trainer_rank{rank}.pt")
-            if self.s.save_hf and self.save_hf is not None:
-                self.save_hf(d / "hf")
+    def postfix(self, metrics: dict[str, float]) -> dict[str, str]:
+        return {k.split("/")[-1]: f"{v:.4g}" for k, v in metrics.items() if k in ("train/loss", "train/lr", "train/acc")}
 
-        meta = {"global_step": step, "steps_per_epoch": self.steps_per_epoch,
-                "world_size": self.engine.world_size, "batch_size": self.s.batch_size}
-        path = self.ckpt.save(step, write, meta)
-        info(f"saved checkpoint {path}")
+    def before_loop(self) -> None:
+        self.engine.module.train()
 
-    def _try_resume(self) -> None:
-        if not (self.s.load_checkpoint and self.ckpt):
-            return
-        path = self.ckpt.prepare(True)  # no-op when the session prepared it before loading the model
-        if path is None:
-            return
-        meta = read_manifest(path)["meta"]
+    def write_checkpoint(self, d: Path) -> None:
+        self.engine.save_state(d / "engine")
+        torch.save({"rng": rng_state()}, d / f"trainer_rank{self.engine.rank}.pt")
+        if self.s.save_hf and self.save_hf is not None:
+            self.save_hf(d / "hf")
+
+    def checkpoint_meta(self) -> dict:
+        return {"steps_per_epoch": self.steps_per_epoch, "world_size": self.engine.world_size,
+                "batch_size": self.s.batch_size}
+
+    def restore(self, path: Path, meta: dict) -> None:
         if meta.get("batch_size") != self.s.batch_size or meta.get("world_size") != self.engine.world_size:
             info(f"checkpoint {path} was written with batch size {meta.get('batch_size')} on "
                  f"{meta.get('world_size')} ranks; this run uses {self.s.batch_size} on "
                  f"{self.engine.world_size} — resuming its weights and counters, data order may differ")
-        try:
-            self.engine.load_state(path / "engine")
-        except Exception as e:  # verified, same flags, yet unloadable: another engine or rank count
-            raise CheckpointError(
-                f"checkpoint {path} verifies but cannot be loaded by this run ({e}); resume on the set-up "
-                f"that wrote it (ranks, DeepSpeed flags), or start a new run with another --ckpt.path") from e
+        self.engine.load_state(path / "engine")
         rng_file = path / f"trainer_rank{self.engine.rank}.pt"
         if rng_file.exists():
             set_rng_state(torch.load(rng_file, weights_only=False)["rng"])
-        self.global_step = int(meta["global_step"])
-        self.logger.truncate_after(self.global_step)
-        info(f"resumed from {path} at step {self.global_step}")
-
-    def interrupted_message(self) -> str:
-        last = self.ckpt.last_good if self.ckpt is not None else None
-        return f"interrupted at step {self.global_step}; last checkpoint: {last if last is not None else 'none'}"
-
-    # ---- the loop -------------------------------------------------------------------------
-    def fit(self) -> dict[str, float]:
-        """Resume if asked, train to the last step, evaluate; Ctrl-C raises `Interrupted` (module docstring)."""
-        with interrupt_as_error(self.interrupted_message):
-            return self._fit()
-
-    def _fit(self) -> dict[str, float]:
-        self._try_resume()
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=self.total_steps, initial=self.global_step, desc="train", dynamic_ncols=True,
-                   disable=not (self.s.progress and self.engine.is_main))
-        try:
-            self.engine.module.train()
-            evaluated = False
-            while self.global_step < self.total_steps:
-                epoch, step_in_epoch = divmod(self.global_step, self.steps_per_epoch)
-                groups = self._step_micro_batches(epoch, step_in_epoch)
-                sums = self._run_micro_batches(groups, self.train_items, train=True)
-                lr = self.engine.lr  # the rate this step is taken with (step() advances the schedule)
-                grad_norm = self.engine.step()
-                self.global_step += 1
-                metrics = summarize(sums, "train")
-                metrics.update({"train/lr": lr, "train/grad_norm": grad_norm,
-                                "train/epoch": epoch + (step_in_epoch + 1) / self.steps_per_epoch,
-                                "train/micro_batches": len(groups)})
-                bar.update(1)
-                bar.set_postfix({k.split("/")[-1]: f"{v:.4g}" for k, v in metrics.items()
-                                 if k in ("train/loss", "train/lr", "train/acc")})
-                evaluated = self.s.eval_steps > 0 and self.global_step % self.s.eval_steps == 0
-                if evaluated:
-                    metrics.update(self.evaluate())
-                if self.global_step % max(self.s.logging_steps, 1) == 0 or evaluated:
-                    self.logger.log(self.global_step, metrics)
-                if self.ckpt and self.s.save_steps > 0 and self.global_step % self.s.save_steps == 0:
-                    self._save_checkpoint()
-        finally:
-            bar.close()  # on Ctrl-C too: the error line starts on a line of its own
-        if evaluated:  # the last step was just evaluated
-            return {k: v for k, v in metrics.items() if k.startswith("eval/")}
-        final = self.evaluate()
-        if final:
-            self.logger.log(self.global_step, final)
-        return final

@@ -1,4 +1,5 @@
-"""Set-up and tear-down shared by the single-model trainers (SFT, RM, DPO): hardware defaults,
+"""Set-up shared by every trainer (`RunStart`: SFT, RM, DPO and PPO) and the single-model trainers'
+session (`SingleModelRun`: SFT, RM, DPO): hardware defaults,
 config echo, run directory, seeding, tokenizer, data rows, model, train engine, metric sinks,
 the step loop, and the final Hugging Face export to `--ckpt.output_dir` (the run directory:
 config.yaml, metrics.jsonl, plots/ and the model all land there).
@@ -22,6 +23,7 @@ from posttrain.engines import make_train_engine
 from posttrain.models import load_causal_lm, load_tokenizer, save_pretrained
 from posttrain.trainers.loop import LoopSettings, StepLoop
 from posttrain.trainers.rundir import open_run_dir
+from posttrain.trainers.skeleton import plot_charts
 from posttrain.utils.interrupt import interrupt_as_error
 from posttrain.utils.log import info
 from posttrain.utils.metrics import MetricsLogger
@@ -65,6 +67,12 @@ class RunStart:
         except BaseException:
             self.close()
             raise
+
+    def open_logger(self, cfg, enabled: bool = True) -> MetricsLogger:
+        """The run's metric sinks: metrics.jsonl in the run directory (continued after the resumed step
+        with --ckpt.load_enable), TensorBoard and W&B when asked for."""
+        return MetricsLogger(self.run_dir, tensorboard_dir=cfg.logger.tensorboard_dir, wandb=wandb_settings(cfg),
+                             enabled=enabled, resume=cfg.ckpt.load_enable)
 
     def close(self) -> None:
         self.rundir.close()
@@ -153,9 +161,7 @@ class SingleModelRun:
             max_norm=cfg.max_norm, zero_stage=cfg.ds.zero_stage if self._needs_deepspeed() else None,
             param_dtype=cfg.ds.param_dtype, adam_offload=cfg.ds.adam_offload,
             grad_accum_dtype=cfg.ds.grad_accum_dtype, zpg=cfg.ds.zpg, overlap_comm=cfg.ds.overlap_comm)
-        logger = MetricsLogger(self.run_dir, tensorboard_dir=cfg.logger.tensorboard_dir,
-                               wandb=wandb_settings(cfg), config=None, enabled=engine.is_main,
-                               resume=cfg.ckpt.load_enable)
+        logger = self.start.open_logger(cfg, enabled=engine.is_main)
         ckpt = self.rundir.ckpt
         settings = LoopSettings(
             batch_size=cfg.train.batch_size, micro_batch_size=cfg.train.micro_batch_size,
@@ -177,13 +183,7 @@ class SingleModelRun:
             on_trained(loop, final)
         self.export_hf(engine, self.run_dir)
         if engine.is_main:
-            from posttrain.utils.plot import plot_run
-
-            try:
-                plots = plot_run(self.run_dir)
-                info(f"plots: {', '.join(str(p) for p in plots)}")
-            except ValueError as e:
-                info(f"no plots: {e}")
+            plot_charts(self.run_dir)
             info(f"final model saved to {self.run_dir}")
         if self.world_size > 1:  # a launcher's process: end its process group before the interpreter exits
             from posttrain.engines.dist import shutdown

@@ -2,7 +2,9 @@
 (old/reference log-probs, values, KL, rewards → advantages), update the critic and the policy, sync
 the rollout engines' weights, then log, evaluate and checkpoint. The loop calls only role methods:
 the roles live in this process (`roles.py`), or are Ray actor groups with the same methods
-(`distributed/ray_placement.py`) when `config.ray_mode.uses_ray`."""
+(`distributed/ray_placement.py`) when `config.ray_mode.uses_ray`. Resume, the eval / log / save
+cadence, Ctrl-C and the final charts are the run skeleton every trainer shares
+(`trainers/skeleton.RunLoop`)."""
 from __future__ import annotations
 
 import json
@@ -26,16 +28,16 @@ from posttrain.trainers.rl.evaluate import dataset_name, eval_metrics
 from posttrain.trainers.rl.experience_maker import ExperienceMaker, rollout_metrics
 from posttrain.trainers.rl.forward import Batching
 from posttrain.trainers.rl.updates import UpdateSettings, steps_per_rollout
-from posttrain.trainers.session import RunStart, wandb_settings
-from posttrain.utils.checkpoint import CheckpointError
-from posttrain.utils.interrupt import interrupt_as_error
+from posttrain.trainers.session import RunStart
+from posttrain.trainers.skeleton import Cadence, RunLoop, plot_charts
 from posttrain.utils.log import info, warn_once
-from posttrain.utils.metrics import MetricsLogger
 from posttrain.utils.seeding import rng_state, set_rng_state
 from posttrain.utils.timer import Timers
 
 
-class RLTrainer:
+class RLTrainer(RunLoop):
+    desc = "rl"
+
     def __init__(self, cfg) -> None:
         self.cfg = cfg
         self.start = RunStart(cfg)  # the controller's process (validation refuses WORLD_SIZE > 1)
@@ -167,12 +169,13 @@ class RLTrainer:
         self.experience_maker = ExperienceMaker(cfg, self.actor, self.ref, self.critic, self.forward_batching,
                                                 self.tokenizer.pad_token_id)
         self.stream = PromptStream(len(self.prompts), cfg.train.seed)
-        self.global_step = 0
         self.best = {"key": None, "value": -math.inf}
         self.timers = Timers()
-        self.logger = MetricsLogger(self.run_dir, tensorboard_dir=cfg.logger.tensorboard_dir,
-                                    wandb=wandb_settings(cfg), resume=cfg.ckpt.load_enable)
-        self.ckpt = self.rundir.ckpt  # None: no --ckpt.save_steps and no --ckpt.load_enable, or --ckpt.disable_ds
+        # ckpt None: no --ckpt.save_steps and no --ckpt.load_enable, or --ckpt.disable_ds
+        cadence = Cadence(logging_steps=cfg.logger.logging_steps, eval_steps=cfg.eval.steps,
+                          save_steps=cfg.ckpt.save_steps, final_eval=False, load_checkpoint=cfg.ckpt.load_enable)
+        super().__init__(total_steps=self.total_steps, logger=self.start.open_logger(cfg), ckpt=self.rundir.ckpt,
+                         cadence=cadence)
 
     # ---- one step ---------------------------------------------------------------------------
     def sampling_params(self, step: int, evaluation: bool = False) -> SamplingParams:
@@ -229,12 +232,21 @@ class RLTrainer:
                                     "label": r.label, "reward": reward, "finish_reason": r.finish_reason},
                                    default=str) + "\n")
 
-    # ---- evaluation, checkpoints, the loop ---------------------------------------------------
+    # ---- the skeleton's hooks (trainers/skeleton.py) ---------------------------------------
+    def postfix(self, metrics: dict[str, float]) -> dict[str, str]:
+        return {"reward": f"{metrics['reward/mean']:.3f}", "len": f"{metrics['response/length']:.1f}",
+                "kl": f"{metrics.get('kl/mean', 0.0):.4f}"}
+
     def evaluate(self) -> dict[str, float]:
         if self.eval_prompts is None:
             return {}
-        return eval_metrics(self.executor, self.eval_prompts, self.sampling_params(self.global_step, True),
-                            self.eval_name, max_len=self.sample_max_len)
+        with self.timers("eval"):
+            return eval_metrics(self.executor, self.eval_prompts, self.sampling_params(self.global_step, True),
+                                self.eval_name, max_len=self.sample_max_len)
+
+    def on_evaluated(self, eval_metrics: dict[str, float], metrics: dict[str, float]) -> None:
+        metrics.update(self.timers.pop_metrics())
+        self._maybe_save_best(eval_metrics)
 
     def _maybe_save_best(self, metrics: dict[str, float]) -> None:
         key = self.cfg.ckpt.best_metric_key
@@ -249,44 +261,39 @@ class RLTrainer:
         (self.run_dir / "best" / "best_metric.json").write_text(json.dumps(self.best))
         info(f"new best {key} = {metrics[key]:.4f} at step {self.global_step}: saved to {self.run_dir / 'best'}")
 
-    def save_checkpoint(self) -> None:
-        def write(d: Path) -> None:
-            self.actor.save_state(d / "actor")
-            if self.critic is not None:
-                self.critic.save_state(d / "critic")
-            state = {"global_step": self.global_step, "prompt_cursor": self.stream.cursor,
-                     "kl_ctl": self.kl_ctl.state_dict(), "best": self.best, "rng": rng_state()}
-            torch.save(state, d / "trainer_state.pt")
-            if self.cfg.ckpt.save_hf:
-                self.actor.export(d / "hf", self.tokenizer)  # as the final export (EMA weights when kept, as OpenRLHF)
-        path = self.ckpt.save(self.global_step, write, {"global_step": self.global_step})
-        info(f"saved checkpoint {path}")
+    def write_checkpoint(self, d: Path) -> None:
+        self.actor.save_state(d / "actor")
+        if self.critic is not None:
+            self.critic.save_state(d / "critic")
+        state = {"global_step": self.global_step, "prompt_cursor": self.stream.cursor,
+                 "kl_ctl": self.kl_ctl.state_dict(), "best": self.best, "rng": rng_state()}
+        torch.save(state, d / "trainer_state.pt")
+        if self.cfg.ckpt.save_hf:
+            self.actor.export(d / "hf", self.tokenizer)  # as the final export (EMA weights when kept, as OpenRLHF)
 
-    def try_resume(self) -> None:
-        path = self.rundir.resume_from  # newest checkpoint that verifies, flags checked; None: start fresh
-        if path is None:
-            return
-        try:
-            state = torch.load(path / "trainer_state.pt", weights_only=False)
-            self.actor.load_state(path / "actor", legacy_ema=state.get("ema"))
-            if self.critic is not None:
-                self.critic.load_state(path / "critic")
-        except Exception as e:  # verified, same flags, yet unloadable: never fall back to another checkpoint
-            raise CheckpointError(f"checkpoint {path} verifies but cannot be loaded by this run ({e}); resume with "
-                                  "the set-up that wrote it, or start a new run with another --ckpt.path") from e
-        self.global_step = state["global_step"]
+    def restore(self, path: Path, meta: dict) -> None:
+        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        self.actor.load_state(path / "actor", legacy_ema=state.get("ema"))
+        if self.critic is not None:
+            self.critic.load_state(path / "critic")
         self.stream.cursor = state["prompt_cursor"]
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.best = state["best"]
         set_rng_state(state["rng"])
-        self.logger.truncate_after(self.global_step)
-        info(f"resumed from {path} at step {self.global_step}")
+
+    def before_loop(self) -> None:
+        self._sync_engines(verify=True)
+
+    def after_loop(self) -> None:
+        self._export()
+        self.logger.close()
+        plot_charts(self.run_dir)
 
     def fit(self) -> dict[str, float]:
-        """Train (resuming if asked); Ctrl-C ends in `Interrupted`; the run directory is released however it ends."""
+        """Train (resuming if asked); Ctrl-C ends in `Interrupted`; the run directory, the reward
+        source and the Ray placement are released however it ends."""
         try:
-            with interrupt_as_error(self._interrupted):
-                return self._fit()
+            return super().fit()
         finally:
             if self.reward_source is not None:
                 self.reward_source.close()
@@ -298,51 +305,10 @@ class RLTrainer:
             self.placement.shutdown()
             self.placement = None
 
-    def _interrupted(self) -> str:
-        last = self.rundir.last_checkpoint()
-        return f"interrupted at step {self.global_step}; last checkpoint: {last if last is not None else 'none'}"
-
-    def _fit(self) -> dict[str, float]:
-        from tqdm.auto import tqdm
-
-        cfg = self.cfg
-        self.try_resume()
-        self._sync_engines(verify=True)
-        bar = tqdm(total=self.total_steps, initial=self.global_step, desc="rl", dynamic_ncols=True)
-        last_eval: dict[str, float] = {}
-        try:
-            while self.global_step < self.total_steps:
-                metrics = self.step()
-                self.global_step += 1
-                bar.update(1)
-                bar.set_postfix({"reward": f"{metrics['reward/mean']:.3f}",
-                                 "len": f"{metrics['response/length']:.1f}", "kl": f"{metrics.get('kl/mean', 0.0):.4f}"})
-                if cfg.eval.steps > 0 and self.global_step % cfg.eval.steps == 0:
-                    with self.timers("eval"):
-                        last_eval = self.evaluate()
-                    metrics.update(last_eval)
-                    metrics.update(self.timers.pop_metrics())
-                    self._maybe_save_best(last_eval)
-                if self.global_step % max(cfg.logger.logging_steps, 1) == 0 or last_eval:
-                    self.logger.log(self.global_step, metrics)
-                if self.ckpt and cfg.ckpt.save_steps > 0 and self.global_step % cfg.ckpt.save_steps == 0:
-                    self.save_checkpoint()
-        finally:
-            bar.close()  # before any error line, so it stands alone
-        self._export()
-        self.logger.close()
-        try:
-            from posttrain.utils.plot import plot_run
-
-            plot_run(self.run_dir)
-        except ValueError as e:
-            info(f"no plots: {e}")
-        return last_eval
-
     def _sync_engines(self, verify: bool = False) -> None:
         """The rollout engines take the actor's weights (a no-op in one process: the engine shares the
         actor's module). `verify`: check each engine's weights hash equals the trainer's."""
-        self.actor.broadcast_weights([self.rollout_engine])
+        self.actor.broadcast_weights([self.rollout_engine], verify)
         if verify and self.placement is not None:
             expected, got = self.actor.weights_hash(), self.rollout_engine.weights_hashes()
             bad = [i for i, h in enumerate(got) if h != expected]

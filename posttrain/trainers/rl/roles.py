@@ -139,9 +139,9 @@ class Actor(_Scorer):
         """The current weights on rank 0 (None elsewhere); collective under ZeRO-3."""
         return self.engine.full_state_dict()
 
-    def broadcast_weights(self, engines) -> None:
+    def broadcast_weights(self, engines, verify: bool = False) -> None:
         """Make every rollout engine sample with the current weights (a no-op for an engine that
-        shares this module in process)."""
+        shares this module in process; nothing to verify then)."""
         for engine in engines:
             engine.sync_weights(self.model)
 

@@ -1,0 +1,164 @@
+"""The run skeleton every trainer shares: resume, the step / evaluate / log / checkpoint cadence with a
+progress bar, Ctrl-C handling and the final charts. SFT, RM and DPO run it through `StepLoop`
+(`trainers/loop.py`), PPO and its estimators through `RLTrainer` (`trainers/rl/ppo.py`); set-up
+(hardware defaults, run directory, config echo, seed, metric sinks) is `trainers/session.RunStart`.
+
+A trainer subclasses `RunLoop` and supplies:
+  - `step() -> metrics`: one optimizer step (or one RL step) at `self.global_step`, which the skeleton
+    then advances;
+  - `evaluate() -> metrics` (`{}`: nothing to evaluate);
+  - `write_checkpoint(dir)` (every rank) and `restore(path, meta)`: its own state; the skeleton writes
+    and reads `meta["global_step"]`, wraps an unloadable checkpoint in a CheckpointError and trims the
+    metrics file after the resumed step;
+  - optionally `checkpoint_meta()`, `postfix(metrics)` (progress-bar fields), `on_evaluated(...)`,
+    `before_loop()` and `after_loop()`.
+Cadence (as OpenRLHF): evaluate every `eval_steps`, log every `logging_steps` (and at every
+evaluation), save every `save_steps`. With `final_eval` (SFT/RM/DPO) the last step is always
+evaluated; without it (RL, as OpenRLHF's PPO) `fit` returns the latest evaluation.
+Resume takes the checkpoint `CheckpointManager.prepare` chose (newest that verifies, same training
+flags) and never an older or another run's one instead. Ctrl-C ends `fit` with `Interrupted`:
+`interrupted at step N; last checkpoint: <path or none>`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from posttrain.utils.checkpoint import CheckpointError, CheckpointManager, read_manifest
+from posttrain.utils.interrupt import interrupt_as_error
+from posttrain.utils.log import info
+from posttrain.utils.metrics import MetricsLogger
+
+
+@dataclass
+class Cadence:
+    logging_steps: int = 1
+    eval_steps: int = -1
+    save_steps: int = -1
+    final_eval: bool = True
+    load_checkpoint: bool = False
+    progress: bool = True
+
+
+class RunLoop:
+    desc = "train"  # the progress bar's label
+
+    def __init__(self, *, total_steps: int, logger: MetricsLogger, ckpt: CheckpointManager | None,
+                 cadence: Cadence, is_main: bool = True) -> None:
+        self.total_steps = total_steps
+        self.logger = logger
+        self.ckpt = ckpt
+        self.cadence = cadence
+        self.is_main = is_main
+        self.global_step = 0
+
+    # ---- what a trainer supplies ------------------------------------------------------------
+    def step(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    def evaluate(self) -> dict[str, float]:
+        return {}
+
+    def write_checkpoint(self, directory: Path) -> None:
+        raise NotImplementedError
+
+    def restore(self, path: Path, meta: dict) -> None:
+        raise NotImplementedError
+
+    def checkpoint_meta(self) -> dict:
+        return {}
+
+    def postfix(self, metrics: dict[str, float]) -> dict[str, str]:
+        return {}
+
+    def on_evaluated(self, eval_metrics: dict[str, float], metrics: dict[str, float]) -> None:
+        """After an evaluation; `metrics` (this step's, to be logged) may be extended."""
+
+    def before_loop(self) -> None:
+        """After resume, before the first step."""
+
+    def after_loop(self) -> None:
+        """After the last step, still under the Ctrl-C handler (final export, charts)."""
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        meta = {"global_step": self.global_step, **self.checkpoint_meta()}
+        path = self.ckpt.save(self.global_step, self.write_checkpoint, meta)
+        info(f"saved checkpoint {path}")
+        return path
+
+    def resume(self) -> None:
+        """Load the checkpoint the run directory chose, if any (module docstring)."""
+        if self.ckpt is None or not self.cadence.load_checkpoint:
+            return
+        path = self.ckpt.prepare(True)  # the run directory's answer when it prepared the folder at start-up
+        if path is None:
+            return
+        meta = read_manifest(path)["meta"]
+        try:
+            self.restore(path, meta)
+        except Exception as e:  # verified, same flags, yet unloadable: never fall back to another checkpoint
+            raise CheckpointError(
+                f"checkpoint {path} verifies but cannot be loaded by this run ({e}); resume on the set-up that "
+                f"wrote it (ranks, DeepSpeed flags), or start a new run with another --ckpt.path") from e
+        self.global_step = int(meta["global_step"])
+        self.logger.truncate_after(self.global_step)
+        info(f"resumed from {path} at step {self.global_step}")
+
+    def interrupted_message(self) -> str:
+        last = self.ckpt.last_good if self.ckpt is not None else None
+        return f"interrupted at step {self.global_step}; last checkpoint: {last if last is not None else 'none'}"
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def fit(self) -> dict[str, float]:
+        """Resume if asked, train to the last step; returns the last evaluation's metrics."""
+        with interrupt_as_error(self.interrupted_message):
+            self.resume()
+            self.before_loop()
+            result = self._loop()
+            self.after_loop()
+            return result
+
+    def _loop(self) -> dict[str, float]:
+        from tqdm.auto import tqdm
+
+        c = self.cadence
+        bar = tqdm(total=self.total_steps, initial=self.global_step, desc=self.desc, dynamic_ncols=True,
+                   disable=not (c.progress and self.is_main))
+        last_eval: dict[str, float] = {}
+        evaluated = False
+        try:
+            while self.global_step < self.total_steps:
+                metrics = self.step()
+                self.global_step += 1
+                bar.update(1)
+                bar.set_postfix(self.postfix(metrics))
+                evaluated = c.eval_steps > 0 and self.global_step % c.eval_steps == 0
+                if evaluated:
+                    last_eval = self.evaluate()
+                    metrics.update(last_eval)
+                    self.on_evaluated(last_eval, metrics)
+                if self.global_step % max(c.logging_steps, 1) == 0 or evaluated:
+                    self.logger.log(self.global_step, metrics)
+                if self.ckpt is not None and c.save_steps > 0 and self.global_step % c.save_steps == 0:
+                    self.save_checkpoint()
+        finally:
+            bar.close()  # on Ctrl-C too: the error line starts on a line of its own
+        if c.final_eval and not evaluated:
+            last_eval = self.evaluate()
+            if last_eval:
+                self.logger.log(self.global_step, last_eval)
+        return last_eval
+
+
+def plot_charts(run_dir: Path) -> list[Path]:
+    """The run's PNG charts from metrics.jsonl (`posttrain plot`); none when there is nothing to plot."""
+    from posttrain.utils.plot import plot_run
+
+    try:
+        plots = plot_run(run_dir)
+    except ValueError as e:
+        info(f"no plots: {e}")
+        return []
+    info(f"plots: {', '.join(str(p) for p in plots)}")
+    return plots

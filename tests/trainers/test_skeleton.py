@@ -1,0 +1,117 @@
+"""The run skeleton every trainer shares (trainers/skeleton.RunLoop): cadence, resume, Ctrl-C."""
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import threading
+
+import pytest
+
+from posttrain.trainers.skeleton import Cadence, RunLoop
+from posttrain.utils.checkpoint import CheckpointError, CheckpointManager
+from posttrain.utils.interrupt import Interrupted
+from posttrain.utils.metrics import MetricsLogger
+
+
+class Counter(RunLoop):
+    """A trainer whose state is one number: each step adds the step index."""
+
+    def __init__(self, run_dir, total, cadence, ckpt=None, fail_restore=False):
+        super().__init__(total_steps=total, logger=MetricsLogger(run_dir, resume=cadence.load_checkpoint),
+                         ckpt=ckpt, cadence=cadence)
+        self.value, self.evals, self.fail_restore = 0, [], fail_restore
+        self.events = []
+
+    def step(self):
+        self.value += self.global_step
+        return {"train/value": float(self.value)}
+
+    def evaluate(self):
+        self.evals.append(self.global_step)
+        return {"eval/value": float(self.value)}
+
+    def on_evaluated(self, eval_metrics, metrics):
+        metrics["eval/extra"] = 1.0
+
+    def write_checkpoint(self, d):
+        (d / "state.json").write_text(json.dumps({"value": self.value}))
+
+    def restore(self, path, meta):
+        if self.fail_restore:
+            raise OSError("truncated file")
+        self.value = json.loads((path / "state.json").read_text())["value"]
+
+    def before_loop(self):
+        self.events.append(("before", self.global_step))
+
+    def after_loop(self):
+        self.events.append(("after", self.global_step))
+
+
+def logged(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_cadence_logs_evaluates_and_saves_on_their_steps(tmp_path):
+    ckpt = CheckpointManager(tmp_path / "ck", max_num=5)
+    loop = Counter(tmp_path, 7, Cadence(logging_steps=3, eval_steps=2, save_steps=4, final_eval=False), ckpt)
+    result = loop.fit()
+    assert loop.value == sum(range(7))
+    assert loop.evals == [2, 4, 6]
+    rows = logged(tmp_path)
+    # logged on multiples of 3 and at every evaluation, never twice
+    assert [r["step"] for r in rows] == [2, 3, 4, 6]
+    assert all(("eval/value" in r) == (r["step"] % 2 == 0) for r in rows)
+    assert rows[0]["eval/extra"] == 1.0
+    assert sorted(p.name for p in (tmp_path / "ck").glob("global_step*")) == ["global_step4"]
+    assert result == {"eval/value": float(sum(range(6)))}  # without final_eval: the latest evaluation
+    assert loop.events == [("before", 0), ("after", 7)]
+
+
+def test_final_eval_runs_once_after_the_last_step(tmp_path):
+    loop = Counter(tmp_path, 4, Cadence(eval_steps=3, final_eval=True))
+    assert loop.fit() == {"eval/value": float(sum(range(4)))}
+    assert loop.evals == [3, 4]
+    loop2 = Counter(tmp_path / "b", 4, Cadence(eval_steps=2, final_eval=True))
+    loop2.fit()
+    assert loop2.evals == [2, 4]  # the last step was evaluated by the cadence: not again
+
+
+def test_resume_restores_state_and_trims_the_metrics_file(tmp_path):
+    ckpt = CheckpointManager(tmp_path / "ck", max_num=5)
+    Counter(tmp_path / "a", 6, Cadence(save_steps=2, final_eval=False), ckpt).fit()
+    full = Counter(tmp_path / "full", 6, Cadence(final_eval=False))
+    full.fit()
+    shutil.rmtree(tmp_path / "ck" / "global_step6")  # as if the run had died in step 5
+    resumed_dir = tmp_path / "a"
+    resumed = Counter(resumed_dir, 6, Cadence(save_steps=2, final_eval=False, load_checkpoint=True),
+                      CheckpointManager(tmp_path / "ck", max_num=5))
+    resumed.fit()
+    assert resumed.events[0] == ("before", 4)
+    assert resumed.value == full.value
+    assert [r["step"] for r in logged(resumed_dir)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_an_unloadable_checkpoint_is_a_checkpoint_error_naming_it(tmp_path):
+    ckpt = CheckpointManager(tmp_path / "ck")
+    Counter(tmp_path, 2, Cadence(save_steps=2), ckpt).fit()
+    broken = Counter(tmp_path, 4, Cadence(load_checkpoint=True), CheckpointManager(tmp_path / "ck"),
+                     fail_restore=True)
+    with pytest.raises(CheckpointError, match=r"global_step2 verifies but cannot be loaded by this run \(truncated file\)"):
+        broken.fit()
+    assert (tmp_path / "ck" / "global_step2" / "state.json").exists()  # never lost
+
+
+def test_ctrl_c_names_the_step_and_the_last_checkpoint(tmp_path):
+    ckpt = CheckpointManager(tmp_path / "ck")
+
+    class Slow(Counter):
+        def step(self):
+            if self.global_step == 3:
+                threading.Timer(0.05, lambda: signal.raise_signal(signal.SIGINT)).start()
+                threading.Event().wait(5)
+            return super().step()
+
+    with pytest.raises(Interrupted, match=r"interrupted at step 3; last checkpoint: .*global_step2"):
+        Slow(tmp_path, 6, Cadence(save_steps=2), ckpt).fit()
