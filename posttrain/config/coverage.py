@@ -109,7 +109,9 @@ ACTING: dict[str, frozenset[str]] = {
         "critic: num_nodes num_gpus_per_node",
         "ref: num_nodes num_gpus_per_node",
         "reward: num_nodes num_gpus_per_node",
-        "vllm: num_engines sync_backend sync_with_ray",
+        "vllm: num_engines sync_backend sync_with_ray tensor_parallel_size",
+        # the vLLM engine (a Ray worker on a CUDA node with vLLM installed; distributed/workers.py)
+        "vllm: gpu_memory_utilization enforce_eager enable_prefix_caching",
         "train: colocate_actor_ref colocate_critic_reward colocate_all",
         "ds: zero_stage zpg adam_offload overlap_comm grad_accum_dtype",
     ),

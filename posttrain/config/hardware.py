@@ -91,20 +91,26 @@ def resolve_hardware_defaults(cfg, device: Any) -> list[str]:
 
 class InertRule(NamedTuple):
     """`--path` set away from its default has no effect in this run when `when(value, cfg, device_type)`
-    is true; `when=None`: it never has an effect in this version. `reason` is what start-up prints."""
+    is true; `when=None`: it never has an effect in this version. `reason` is what start-up prints,
+    followed by `when`'s answer when that is a string (the run-specific why)."""
 
     path: str
     reason: str
-    when: Callable[[Any, Any, str], bool] | None = None
+    when: Callable[[Any, Any, str], bool | str] | None = None
 
-    def applies(self, value: Any, cfg, dev: str) -> bool:
-        return self.when is None or bool(self.when(value, cfg, dev))
+    def explain(self, value: Any, cfg, dev: str) -> str | None:
+        """The reason the flag has no effect in this run, or None when it acts."""
+        answer = True if self.when is None else self.when(value, cfg, dev)
+        if not answer:
+            return None
+        return self.reason + answer if isinstance(answer, str) else self.reason
 
 
 _NOT_YET = "not available in this version: "
 _ONE_PROCESS = ("every role runs in this one process (no role has more than one rank, no --vllm.num_engines, "
                 "no RAY_ADDRESS), so there is nothing to place or sync")
 _VLLM = _NOT_YET + "vLLM rollouts (rollouts use the Hugging Face engine)"
+_VLLM_ENGINE = "the rollout engines run the Hugging Face engine, not vLLM: "
 _ASYNC = _NOT_YET + "asynchronous training (rollout and training alternate)"
 _VLM = _NOT_YET + "vision-language models (prompts are text only)"
 _MOE = _NOT_YET + "the MoE load-balancing (router auxiliary) loss is not added"
@@ -118,6 +124,17 @@ _PPO_LORA = (
 
 def _in_process(v, c, dev: str) -> bool:
     return not uses_ray(c)
+
+
+def _no_vllm(v, c, dev: str) -> bool | str:
+    """The reason the rollout engines cannot run vLLM here (falsy: they can)."""
+    if not (c.vllm.num_engines or 0) >= 1:
+        return "--vllm.num_engines is unset"
+    if dev != "cuda":
+        return "this machine has no CUDA GPU"
+    from posttrain.engines.rollout.vllm_engine import vllm_missing
+
+    return vllm_missing() or False
 
 
 def _on_cpu(v, c, dev: str) -> bool:
@@ -205,8 +222,11 @@ def _single_model_rules(cfg) -> list[InertRule]:
 
 def _ppo_rules(cfg) -> list[InertRule]:
     specs = flag_specs(type(cfg))
-    on_ray = {"vllm.num_engines", "vllm.sync_backend", "vllm.sync_with_ray"}
-    rules = [InertRule(s.path, _VLLM) for s in specs if s.section == "vllm" and s.path not in on_ray]
+    on_ray = {"vllm.num_engines", "vllm.sync_backend", "vllm.sync_with_ray", "vllm.tensor_parallel_size"}
+    on_vllm = {"vllm.gpu_memory_utilization", "vllm.enforce_eager", "vllm.enable_prefix_caching"}
+    rules = [InertRule(s.path, _VLLM) for s in specs
+             if s.section == "vllm" and s.path not in on_ray | on_vllm]
+    rules += [InertRule(path, _VLLM_ENGINE, _no_vllm) for path in sorted(on_vllm)]
     rules.append(InertRule("rollout.vllm_generate_batch_size", _VLLM))
     rules += [InertRule(f"vllm.{name}", _ONE_PROCESS, _in_process) for name in ("sync_backend", "sync_with_ray")]
     rules += [
@@ -333,8 +353,11 @@ def inert_flags(cfg, device: Any) -> list[str]:
     order = {s.path: i for i, s in enumerate(flag_specs(type(cfg)))}
     found: dict[str, str] = {}
     for rule in inert_rules(cfg):
-        if rule.path in changed and rule.path not in found and rule.applies(changed[rule.path], cfg, dev):
-            value = changed[rule.path]
+        if rule.path not in changed or rule.path in found:
+            continue
+        value = changed[rule.path]
+        reason = rule.explain(value, cfg, dev)
+        if reason is not None:
             shown = "" if isinstance(value, bool) else " " + format_value(value)
-            found[rule.path] = f"--{rule.path}{shown} has no effect here: {rule.reason}"
+            found[rule.path] = f"--{rule.path}{shown} has no effect here: {reason}"
     return [found[path] for path in sorted(found, key=order.__getitem__)]

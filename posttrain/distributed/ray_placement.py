@@ -143,9 +143,9 @@ class ActorGroup(_RoleGroup):
     def weights_hash(self) -> str:
         return self.first(self.call("weights_hash"))
 
-    def broadcast_weights(self, engines) -> None:
+    def broadcast_weights(self, engines, verify: bool = False) -> None:
         for engine_group in engines:
-            engine_group.receive_from(self)
+            engine_group.receive_from(self, verify)
 
 
 class ReferenceGroup(_RoleGroup):
@@ -210,16 +210,17 @@ class EngineGroup(_Group):
                                                            [seeds[j] for j in c]), self.label(i)))
         return [outs for part in wait_all(calls) for outs in part]
 
-    def receive_from(self, actor: ActorGroup) -> None:
+    def receive_from(self, actor: ActorGroup, verify: bool = False) -> None:
         """Load the actor's current weights: through Ray's object store (--vllm.sync_with_ray), or
-        broadcast in buckets from actor rank 0 over a process group of its own."""
+        broadcast in buckets from actor rank 0 over a process group of its own. `verify`: the engines
+        record what they received, for `weights_hashes`."""
         if self.with_ray:
             ref = actor.first(actor.call("sync_put"))[0]
-            self.call("load_numpy", ref)
+            self.call("load_numpy", ref, verify)
             return
         if self.layout is None:
             self._join(actor)
-        wait_all([(h.sync_receive.remote(), self.label(i)) for i, h in enumerate(self.handles)]
+        wait_all([(h.sync_receive.remote(verify), self.label(i)) for i, h in enumerate(self.handles)]
                  + [(h.sync_send.remote(self.layout), actor.label(i)) for i, h in enumerate(actor.handles)])
 
     def _join(self, actor: ActorGroup) -> None:
@@ -230,8 +231,16 @@ class EngineGroup(_Group):
                  + [(h.sync_join.remote(address, port, i + 1, world, self.backend, self.layout), self.label(i))
                     for i, h in enumerate(self.handles)])
 
-    def weights_hashes(self) -> list[str]:
+    def weights_hashes(self) -> list[str | None]:
         return self.call("weights_hash")
+
+    def describe(self) -> str:
+        """Which backend the engines run, and why not vLLM when they do not."""
+        backends = self.call("backend_name")
+        kinds = sorted({b for b, _ in backends})
+        why = sorted({w for b, w in backends if b == "hf" and w})
+        return (f"{len(backends)} rollout engine(s): {', '.join(kinds)}"
+                + (f" (not vLLM: {'; '.join(why)})" if why else ""))
 
 
 def merge_metrics(per_rank: list[dict[str, float]], weights: list[dict[str, float]]) -> dict[str, float]:
@@ -347,7 +356,7 @@ class RayPlacement:
         calls += [(h.setup.remote(cfg), self.engines.label(i)) for i, h in enumerate(self.engines.handles)]
         wait_all(calls)
         info(f"ray placement: {sum(len(g.handles) for g in self.groups)} processes ready in "
-             f"{time.perf_counter() - t0:.1f} s")
+             f"{time.perf_counter() - t0:.1f} s; {self.engines.describe()}")
 
     def _options(self, role: str, rank: int) -> dict:
         spec = self.plan.roles[role]

@@ -1,26 +1,15 @@
 """Trainer → rollout-engine weight sync: bucketed broadcast through a process group of its own
-(actor rank 0 plus every engine; gloo on CPU, NCCL on GPU), and a hash that proves an engine
-holds exactly the trainer's weights.
+(actor rank 0 plus every engine; gloo on CPU, NCCL on GPU). The check that an engine holds exactly
+the trainer's weights is `posttrain.utils.weights_hash`.
 
 The group is built from a `TCPStore` rather than `init_process_group`, since each side already has
 (or may have) a default group of its own (the actor's data-parallel ranks)."""
 from __future__ import annotations
 
 import datetime
-import hashlib
 
 import torch
 import torch.distributed as dist
-
-
-def weights_hash(state: dict[str, torch.Tensor]) -> str:
-    """SHA-256 over the names, dtypes, shapes and bytes of `state`, in name order."""
-    h = hashlib.sha256()
-    for name in sorted(state):
-        t = state[name].detach().to("cpu").contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 def sync_layout(state: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[tuple[str, tuple, str]]]:

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from posttrain.distributed.transport import experience_from_numpy
-from posttrain.distributed.weight_sync import SyncGroup, weights_hash
+from posttrain.distributed.weight_sync import SyncGroup
+from posttrain.utils.weights_hash import WeightsDigest, weights_hash
 
 
 def _device() -> torch.device:
@@ -161,41 +162,92 @@ class RoleWorker(_Process):
 
 
 class EngineWorker(_Process):
-    """A rollout engine: the HF engine over its own copy of the policy (the vLLM engine is wired in
-    with the async trainer); its weights come from the actor by `sync_receive` / `load_numpy`."""
+    """A rollout engine: vLLM on a CUDA worker with vLLM installed, else the HF engine over its own copy
+    of the policy (`rollout_backend`); its weights come from the actor by `sync_receive` (bucketed
+    broadcast) or `load_numpy` (object store). A receive with `verify` records a digest of what
+    arrived, the hash of an engine that cannot read its weights back by HF name (vLLM)."""
 
     def setup(self, cfg) -> None:
-        from posttrain.engines.rollout import HFRolloutEngine
-        from posttrain.models import load_causal_lm, load_tokenizer
+        from posttrain.engines.rollout.vllm_engine import rollout_backend
+        from posttrain.models import load_tokenizer
 
         tok = load_tokenizer(cfg.actor.model_name_or_path, use_fast=not cfg.data.disable_fast_tokenizer,
                              chat_template=cfg.data.tokenizer_chat_template)
-        model = load_causal_lm(cfg.actor.model_name_or_path, dtype=cfg.ds.param_dtype, tokenizer=tok,
-                               attn_implementation=cfg.ds.attn_implementation)
-        model.requires_grad_(False)
-        self.model = model.to(_device()).eval()
-        self.engine = HFRolloutEngine(self.model, tok, pad_token_id=tok.pad_token_id)
+        self.backend, self.why = rollout_backend(cfg)
+        self.engine = build_vllm_engine(cfg, tok) if self.backend == "vllm" else build_hf_engine(cfg, tok)
         self.sync: SyncGroup | None = None
         self.layout = None
+        self.received: WeightsDigest | None = None
+
+    def backend_name(self) -> tuple[str, str]:
+        """("vllm" or "hf", why not vLLM)."""
+        return self.backend, self.why
 
     def generate(self, prompts, params, max_new_tokens, seeds):
         return self.engine.generate(prompts, params, max_new_tokens=max_new_tokens, seeds=seeds)
 
-    def weights_hash(self) -> str:
-        return weights_hash(self.model.state_dict())
+    def weights_hash(self) -> str | None:
+        own = self.engine.weights_hash()
+        return own if own is not None else (self.received.hexdigest() if self.received is not None else None)
 
-    def _load(self, named) -> None:
-        own = self.model.state_dict()
-        with torch.no_grad():
+    def _loader(self, verify: bool):
+        if not verify:
+            return self.engine.update_weights
+        self.received = WeightsDigest()
+
+        def load(named) -> None:
+            named = list(named)
+            self.engine.update_weights(named)
             for name, tensor in named:
-                own[name].copy_(tensor)
+                self.received.add(name, tensor)
+        return load
 
     def sync_join(self, address: str, port: int, rank: int, world: int, backend: str, layout) -> None:
         self.layout = layout
         self.sync = SyncGroup(address, port, rank, world, backend)
 
-    def sync_receive(self) -> None:
-        self.sync.receive(self.layout, self._load)
+    def sync_receive(self, verify: bool = False) -> None:
+        self.sync.receive(self.layout, self._loader(verify))
+        self.engine.weights_updated()
 
-    def load_numpy(self, arrays) -> None:
-        self._load(torch_state(arrays).items())
+    def load_numpy(self, arrays, verify: bool = False) -> None:
+        self._loader(verify)(torch_state(arrays).items())
+        self.engine.weights_updated()
+
+
+def build_hf_engine(cfg, tok):
+    from posttrain.engines.rollout import HFRolloutEngine
+    from posttrain.models import load_causal_lm
+
+    model = load_causal_lm(cfg.actor.model_name_or_path, dtype=cfg.ds.param_dtype, tokenizer=tok,
+                           attn_implementation=cfg.ds.attn_implementation)
+    model.requires_grad_(False)
+    return HFRolloutEngine(model.to(_device()).eval(), tok, pad_token_id=tok.pad_token_id)
+
+
+VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def build_vllm_engine(cfg, tok):
+    """A vLLM engine in this Ray actor's process on its GPU (`uni` executor, in-process engine core, so
+    weight updates reach the model without serialising it); the stop ids are the HF engine's."""
+    from posttrain.config import ConfigError
+    from posttrain.engines.rollout.hf_engine import resolve_eos_ids
+    from posttrain.engines.rollout.vllm_engine import VLLMRolloutEngine
+
+    if cfg.vllm.tensor_parallel_size != 1:
+        raise ConfigError(f"--vllm.tensor_parallel_size {cfg.vllm.tensor_parallel_size}: vLLM engines with tensor "
+                          "parallelism are not available in this version; use --vllm.tensor_parallel_size 1 and "
+                          "more --vllm.num_engines")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    return VLLMRolloutEngine(
+        cfg.actor.model_name_or_path, eos_token_ids=resolve_eos_ids(tok), **vllm_engine_kwargs(cfg))
+
+
+def vllm_engine_kwargs(cfg) -> dict:
+    """`vllm.LLM` arguments from the OpenRLHF flags (tensor parallelism is refused at validation)."""
+    return dict(tensor_parallel_size=1, distributed_executor_backend="uni",
+                gpu_memory_utilization=cfg.vllm.gpu_memory_utilization, enforce_eager=cfg.vllm.enforce_eager,
+                enable_prefix_caching=cfg.vllm.enable_prefix_caching, enable_sleep_mode=cfg.vllm.enable_sleep,
+                dtype=VLLM_DTYPES.get(cfg.ds.param_dtype, "auto"), seed=cfg.train.seed,
+                max_model_len=cfg.data.max_len, trust_remote_code=False)

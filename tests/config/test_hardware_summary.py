@@ -97,7 +97,7 @@ def test_inert_flags_on_cpu_before_and_after_resolution():
     assert inert_flags(with_key, "cpu") == []
 
 
-def test_ppo_cluster_flags_act_and_vllm_only_flags_say_not_available():
+def test_ppo_cluster_flags_act_and_vllm_flags_say_why_the_hf_engine_serves():
     cfg = parse_config(
         "ppo",
         PPO
@@ -105,6 +105,7 @@ def test_ppo_cluster_flags_act_and_vllm_only_flags_say_not_available():
             "--vllm.num_engines",
             "2",
             "--vllm.enforce_eager",
+            "--vllm.enable_sleep",
             "--actor.num_gpus_per_node",
             "4",
             "--train.colocate_actor_ref",
@@ -119,10 +120,15 @@ def test_ppo_cluster_flags_act_and_vllm_only_flags_say_not_available():
     assert [i.split(" has no effect")[0] for i in inert] == [
         "--ref.offload",
         "--vllm.enforce_eager",
+        "--vllm.enable_sleep",
         "--eval.temperature 0.2",
     ]
-    assert "not available in this version: vLLM rollouts" in inert[1]
+    assert inert[1].endswith("the rollout engines run the Hugging Face engine, not vLLM: this machine has no CUDA GPU")
+    assert "not available in this version" in inert[2]
     on_gpu = [i.split(" has no effect")[0] for i in inert_flags(cfg, "cuda")]
+    if importlib.util.find_spec("vllm") is None:  # a GPU without vLLM: the HF engine serves, and says why
+        assert any(i.endswith("not vLLM: vLLM is not installed (pip install 'posttrain[vllm]')")
+                   for i in inert_flags(cfg, "cuda"))
     assert "--ref.offload" not in on_gpu  # the reference model is offloaded between forwards on a GPU
     assert "--vllm.num_engines 2" not in on_gpu and "--actor.num_gpus_per_node 4" not in on_gpu
     # one process: the colocation flag has nothing to place

@@ -36,7 +36,8 @@ def test_engine_count_follows_the_flags(monkeypatch):
 
 
 def test_weights_hash_covers_every_tensor_kind():
-    from posttrain.distributed.weight_sync import sync_layout, weights_hash
+    from posttrain.distributed.weight_sync import sync_layout
+    from posttrain.utils.weights_hash import WeightsDigest, weights_hash
 
     state = {"w": torch.arange(6.0).view(2, 3), "scalar": torch.tensor(1.5), "half": torch.ones(3, dtype=torch.bfloat16),
              "empty": torch.zeros(0)}
@@ -47,6 +48,13 @@ def test_weights_hash_covers_every_tensor_kind():
     layout = sync_layout(state, bucket_bytes=16)
     assert [len(b) for b in layout] == [1, 1, 1, 1]  # 24-byte tensor alone, then dtype changes split buckets
     assert [name for b in layout for name, _, _ in b] == list(state)
+    # an engine hashing the buckets as they arrive (vLLM keeps no HF-named copy) gets the same hash
+    received = WeightsDigest()
+    assert received.hexdigest() is None
+    for bucket in layout:
+        for name, _, _ in bucket:
+            received.add(name, state[name].clone())
+    assert received.hexdigest() == h
 
 
 def test_split_by_tokens_balances_and_keeps_order():

@@ -16,13 +16,14 @@ loop so that log-probs, top-p, seeding and stopping are ours:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
 from posttrain.engines.rollout.sampling import check_seeds, sample_generators, sample_next
 from posttrain.engines.rollout.types import RolloutOutput, SamplingParams, _is_int, check_budgets, rank_seed
 from posttrain.models import unwrap_model
+from posttrain.utils.weights_hash import weights_hash
 
 _COMPACT_FRACTION = 0.25  # drop finished rows from the batch once this fraction of it has finished
 
@@ -108,6 +109,22 @@ class HFRolloutEngine:
     def sync_weights(self, model) -> None:
         """Sample with ``model``'s current weights (no-op when it is the shared module)."""
         self.load_weights(model)
+
+    def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy some HF-named weights (one sync bucket) into the engine's model."""
+        own = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in named:
+                if name not in own:
+                    raise KeyError(f"update_weights: the rollout model has no weight named {name!r}")
+                own[name].copy_(tensor)
+
+    def weights_updated(self) -> None:
+        """After the last bucket of a sync: nothing to do (no cache outlives a generate call)."""
+
+    def weights_hash(self) -> str:
+        """`posttrain.utils.weights_hash` of the weights the engine samples with."""
+        return weights_hash(self.model.state_dict())
 
     def sleep(self) -> None:
         """No-op: the in-process engine holds no memory of its own between calls."""

@@ -14,8 +14,9 @@ renormalises over the nucleus, so its log-probs are higher than the trainer's re
 """
 from __future__ import annotations
 
+import importlib.util
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -32,6 +33,27 @@ from posttrain.utils.log import warn_once
 
 VLLM_MISSING = ("VLLMRolloutEngine needs vLLM, which is not installed: pip install 'posttrain[vllm]' "
                 "(vLLM needs a CUDA GPU; on CPU use the HF engine, --rollout.engine hf)")
+
+
+def vllm_missing() -> str | None:
+    """Why vLLM cannot be imported here (None: it is installed)."""
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed (pip install 'posttrain[vllm]')"
+    return None
+
+
+def vllm_unavailable() -> str | None:
+    """Why this process cannot run vLLM (None: it can)."""
+    return "this machine has no CUDA GPU" if not torch.cuda.is_available() else vllm_missing()
+
+
+def rollout_backend(cfg) -> tuple[str, str]:
+    """The rollout engines' backend: ("vllm", "") when --vllm.num_engines >= 1 and this process can run
+    vLLM, else ("hf", why). Decided where the engine runs (a Ray worker on its node)."""
+    if not (cfg.vllm.num_engines or 0) >= 1:
+        return "hf", "--vllm.num_engines is unset"
+    why = vllm_unavailable()
+    return ("hf", why) if why else ("vllm", "")
 
 
 def import_vllm():
@@ -140,9 +162,23 @@ class VLLMRolloutEngine:
             state = state.state_dict()
         if not isinstance(state, Mapping):
             raise ValueError(f"load_weights expects a torch.nn.Module or a state dict, not {type(state).__name__}")
-        weights = [(name, tensor.detach()) for name, tensor in state.items()]
+        self.update_weights(state.items())
+        self.weights_updated()
+
+    def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Push some HF-named weights (one sync bucket) into vLLM's model (its ``load_weights`` maps
+        the names onto vLLM's fused layout)."""
+        weights = [(name, tensor.detach()) for name, tensor in named]
         self.llm.apply_model(lambda model: model.load_weights(weights=weights))
+
+    def weights_updated(self) -> None:
+        """After the last bucket of a sync: cached prefixes were computed with the old weights."""
         self.llm.reset_prefix_cache()
+
+    def weights_hash(self) -> None:
+        """vLLM keeps the weights in its own fused layout, so they cannot be hashed by HF name here; a
+        caller that must verify a sync hashes what it sent (`posttrain.utils.weights_hash.WeightsDigest`)."""
+        return None
 
     def sync_weights(self, model) -> None:
         self.load_weights(model)

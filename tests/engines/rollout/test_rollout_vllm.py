@@ -162,3 +162,44 @@ def test_vllm_engine_per_prompt_seeds(fake_vllm):
         engine.generate([[1], [2]], whole, seeds=[1])
     with pytest.raises(ValueError, match="seeds holds -2"):
         engine.generate([[1], [2]], whole, seeds=[1, -2])
+
+
+def test_engine_worker_runs_vllm_where_it_can_and_verifies_what_it_received(fake_vllm, monkeypatch, tiny_model_dir):
+    """The Ray rollout-engine process (distributed/workers.EngineWorker) without Ray: on a machine where
+    vLLM runs it builds the vLLM engine from the OpenRLHF flags; a sync bucket goes through vLLM's
+    `load_weights`; the prefix cache is dropped after the last bucket; a verified receive hashes equal
+    to the trainer's state."""
+    from posttrain.config import ConfigError, parse_config
+    from posttrain.distributed.workers import EngineWorker, numpy_state
+    from posttrain.engines.rollout import vllm_engine
+    from posttrain.utils.weights_hash import weights_hash
+
+    argv = ["--actor.model_name_or_path", str(tiny_model_dir), "--data.prompt_dataset", "x", "--vllm.num_engines", "1",
+            "--vllm.gpu_memory_utilization", "0.4", "--vllm.enforce_eager", "--ds.param_dtype", "bf16",
+            "--data.max_len", "96", "--train.seed", "5"]
+    monkeypatch.setattr(vllm_engine, "vllm_unavailable", lambda: None)
+    worker = EngineWorker(1, {})
+    worker.setup(parse_config("ppo", argv, check=False))
+    assert worker.backend_name() == ("vllm", "")
+    init = worker.engine.llm.init
+    assert {k: init[k] for k in ("model", "gpu_memory_utilization", "enforce_eager", "dtype", "max_model_len", "seed",
+                                 "tensor_parallel_size", "logprobs_mode")} == {
+        "model": str(tiny_model_dir), "gpu_memory_utilization": 0.4, "enforce_eager": True, "dtype": "bfloat16",
+        "max_model_len": 96, "seed": 5, "tensor_parallel_size": 1, "logprobs_mode": "processed_logprobs"}
+    assert worker.engine.eos_token_ids == [2]  # the tokenizer's eos, as the HF engine's default
+    assert worker.weights_hash() is None  # nothing received yet: vLLM cannot be hashed by HF name
+    state = {"model.embed_tokens.weight": torch.randn(4, 3), "lm_head.weight": torch.randn(4, 3)}
+    worker.load_numpy(numpy_state(state), verify=True)
+    (_, loaded), reset = worker.engine.llm.calls[-2:]
+    assert [n for n, _ in loaded] == list(state) and reset == ("reset_prefix_cache",)
+    assert worker.weights_hash() == weights_hash(state)
+    worker.load_numpy(numpy_state({k: v + 1 for k, v in state.items()}))  # unverified: the record stays
+    assert worker.weights_hash() == weights_hash(state)
+
+    with pytest.raises(ConfigError, match="--vllm.tensor_parallel_size 2: vLLM engines with tensor parallelism"):
+        EngineWorker(1, {}).setup(parse_config("ppo", argv + ["--vllm.tensor_parallel_size", "2"], check=False))
+    monkeypatch.setattr(vllm_engine, "vllm_unavailable", lambda: "this machine has no CUDA GPU")
+    hf = EngineWorker(1, {})
+    hf.setup(parse_config("ppo", argv, check=False))
+    assert hf.backend_name() == ("hf", "this machine has no CUDA GPU")
+    assert hf.weights_hash() == weights_hash(hf.engine.model.state_dict())  # the HF engine hashes its own module
