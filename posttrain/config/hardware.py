@@ -132,9 +132,9 @@ def _no_vllm(v, c, dev: str) -> bool | str:
         return "--vllm.num_engines is unset"
     if dev != "cuda":
         return "this machine has no CUDA GPU"
-    from posttrain.engines.rollout.vllm_engine import vllm_missing
+    from posttrain.engines.rollout.vllm_engine import hybrid_refusal, vllm_missing
 
-    return vllm_missing() or False
+    return vllm_missing() or hybrid_refusal(c) or False
 
 
 def _on_cpu(v, c, dev: str) -> bool:

@@ -171,6 +171,7 @@ class EngineWorker(_Process):
         from posttrain.engines.rollout.vllm_engine import rollout_backend
         from posttrain.models import load_tokenizer
 
+        _ray_visible_gpu()
         tok = load_tokenizer(cfg.actor.model_name_or_path, use_fast=not cfg.data.disable_fast_tokenizer,
                              chat_template=cfg.data.tokenizer_chat_template)
         self.backend, self.why = rollout_backend(cfg)
@@ -192,6 +193,7 @@ class EngineWorker(_Process):
 
     def _loader(self, verify: bool):
         if not verify:
+            self.received = None  # an older digest no longer describes the weights
             return self.engine.update_weights
         self.received = WeightsDigest()
 
@@ -213,6 +215,17 @@ class EngineWorker(_Process):
     def load_numpy(self, arrays, verify: bool = False) -> None:
         self._loader(verify)(torch_state(arrays).items())
         self.engine.weights_updated()
+
+
+def _ray_visible_gpu() -> None:
+    """With RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES Ray leaves every GPU visible: show this actor
+    only the one Ray gave it (before CUDA initialises), as OpenRLHF does."""
+    if os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"):
+        import ray
+
+        ids = ray.get_gpu_ids()
+        if ids:
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(int(ids[0]))
 
 
 def build_hf_engine(cfg, tok):
@@ -239,15 +252,16 @@ def build_vllm_engine(cfg, tok):
         raise ConfigError(f"--vllm.tensor_parallel_size {cfg.vllm.tensor_parallel_size}: vLLM engines with tensor "
                           "parallelism are not available in this version; use --vllm.tensor_parallel_size 1 and "
                           "more --vllm.num_engines")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # apply_model then runs in this process
+    os.environ["VLLM_USE_V1"] = "1"
     return VLLMRolloutEngine(
         cfg.actor.model_name_or_path, eos_token_ids=resolve_eos_ids(tok), **vllm_engine_kwargs(cfg))
 
 
 def vllm_engine_kwargs(cfg) -> dict:
-    """`vllm.LLM` arguments from the OpenRLHF flags (tensor parallelism is refused at validation)."""
+    """`vllm.LLM` arguments from the OpenRLHF flags (tensor parallelism is refused by `build_vllm_engine`)."""
     return dict(tensor_parallel_size=1, distributed_executor_backend="uni",
                 gpu_memory_utilization=cfg.vllm.gpu_memory_utilization, enforce_eager=cfg.vllm.enforce_eager,
-                enable_prefix_caching=cfg.vllm.enable_prefix_caching, enable_sleep_mode=cfg.vllm.enable_sleep,
+                enable_prefix_caching=cfg.vllm.enable_prefix_caching,
                 dtype=VLLM_DTYPES.get(cfg.ds.param_dtype, "auto"), seed=cfg.train.seed,
                 max_model_len=cfg.data.max_len, trust_remote_code=False)

@@ -138,7 +138,7 @@ class RunLoop:
                     last_eval = self.evaluate()
                     metrics.update(last_eval)
                     self.on_evaluated(last_eval, metrics)
-                if self.global_step % max(c.logging_steps, 1) == 0 or evaluated:
+                if self.global_step % max(c.logging_steps, 1) == 0 or (evaluated and last_eval):
                     self.logger.log(self.global_step, metrics)
                 if self.ckpt is not None and c.save_steps > 0 and self.global_step % c.save_steps == 0:
                     self.save_checkpoint()

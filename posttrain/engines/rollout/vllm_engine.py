@@ -52,8 +52,17 @@ def rollout_backend(cfg) -> tuple[str, str]:
     vLLM, else ("hf", why). Decided where the engine runs (a Ray worker on its node)."""
     if not (cfg.vllm.num_engines or 0) >= 1:
         return "hf", "--vllm.num_engines is unset"
-    why = vllm_unavailable()
+    why = vllm_unavailable() or hybrid_refusal(cfg)
     return ("hf", why) if why else ("vllm", "")
+
+
+def hybrid_refusal(cfg) -> str | None:
+    """A vLLM engine that shares its GPU with the trainer (--train.colocate_all, not async) must sleep
+    between rollouts to leave the trainer its memory; that comes with the async issue."""
+    if cfg.train.colocate_all and not cfg.train.async_enable:
+        return ("--train.colocate_all: a vLLM engine sharing the trainer's GPU needs sleep mode between rollouts, "
+                "not available in this version")
+    return None
 
 
 def import_vllm():

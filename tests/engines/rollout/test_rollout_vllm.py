@@ -193,9 +193,12 @@ def test_engine_worker_runs_vllm_where_it_can_and_verifies_what_it_received(fake
     (_, loaded), reset = worker.engine.llm.calls[-2:]
     assert [n for n, _ in loaded] == list(state) and reset == ("reset_prefix_cache",)
     assert worker.weights_hash() == weights_hash(state)
-    worker.load_numpy(numpy_state({k: v + 1 for k, v in state.items()}))  # unverified: the record stays
-    assert worker.weights_hash() == weights_hash(state)
+    worker.load_numpy(numpy_state({k: v + 1 for k, v in state.items()}))  # unverified: no stale record
+    assert worker.weights_hash() is None
 
+    hybrid = EngineWorker(1, {})
+    hybrid.setup(parse_config("ppo", argv + ["--train.colocate_all"], check=False))
+    assert hybrid.backend_name()[0] == "hf" and "needs sleep mode" in hybrid.backend_name()[1]
     with pytest.raises(ConfigError, match="--vllm.tensor_parallel_size 2: vLLM engines with tensor parallelism"):
         EngineWorker(1, {}).setup(parse_config("ppo", argv + ["--vllm.tensor_parallel_size", "2"], check=False))
     monkeypatch.setattr(vllm_engine, "vllm_unavailable", lambda: "this machine has no CUDA GPU")
