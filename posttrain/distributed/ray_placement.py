@@ -11,6 +11,7 @@ call at once with an error naming its role and rank (`wait_all`), without waitin
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import ray
@@ -24,6 +25,7 @@ from posttrain.distributed.placement import bundle_resources, group_bundles, pla
 from posttrain.distributed.transport import (
     contiguous_chunks,
     experience_to_numpy,
+    least_loaded,
     plan_steps,
     split_by_tokens,
 )
@@ -190,25 +192,40 @@ class RewardGroup(_Group):
 
 
 class EngineGroup(_Group):
-    """Rollout engines. A call's prompts are cut into contiguous chunks, one per engine; every prompt
-    carries the seed of its index in the call, so the samples do not depend on the split."""
+    """Rollout engines: prompts dispatched to the least-loaded engine (`generate`); weight sync
+    (`receive_from`); the hashes that verify it."""
 
     def __init__(self, name, handles, with_ray: bool, backend: str) -> None:
         super().__init__(name, handles)
         self.with_ray, self.backend = with_ray, backend
         self.layout = None
+        self.loads = [0] * len(handles)  # sample rows in flight per engine
+        self.lock = threading.Lock()  # generate may be called from several threads (the async front)
 
     def generate(self, prompt_token_ids, params, max_new_tokens=None, seeds=None):
+        """Each prompt goes to the least-loaded engine (rows in flight, over concurrent callers); every
+        prompt carries its seed, so the samples do not depend on the dispatch."""
         n = len(prompt_token_ids)
         if seeds is None:
             base = params.seed if params.seed is not None else int(torch.randint(0, 2**63 - 1, (1,)).item())
             seeds = [rank_seed(base, 0, i) for i in range(n)]
-        calls = []
-        for i, c in enumerate(c for c in contiguous_chunks(n, len(self.handles)) if len(c)):
-            budgets = None if max_new_tokens is None else [max_new_tokens[j] for j in c]
-            calls.append((self.handles[i].generate.remote([prompt_token_ids[j] for j in c], params, budgets,
-                                                           [seeds[j] for j in c]), self.label(i)))
-        return [outs for part in wait_all(calls) for outs in part]
+        with self.lock:
+            engine_of = least_loaded(self.loads, [params.n] * n)
+        parts = {e: [i for i in range(n) if engine_of[i] == e] for e in dict.fromkeys(engine_of)}
+        calls = [(self.handles[e].generate.remote(
+            [prompt_token_ids[i] for i in rows], params, None if max_new_tokens is None else [max_new_tokens[i] for i in rows],
+            [seeds[i] for i in rows]), self.label(e)) for e, rows in parts.items()]
+        try:
+            results = wait_all(calls)
+        finally:
+            with self.lock:
+                for e, rows in parts.items():
+                    self.loads[e] -= params.n * len(rows)
+        out = [None] * n
+        for rows, outs in zip(parts.values(), results):
+            for i, o in zip(rows, outs):
+                out[i] = o
+        return out
 
     def receive_from(self, actor: ActorGroup, verify: bool = False) -> None:
         """Load the actor's current weights: through Ray's object store (--vllm.sync_with_ray), or

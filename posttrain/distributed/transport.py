@@ -56,3 +56,19 @@ def contiguous_chunks(n: int, parts: int) -> list[range]:
         out.append(range(start, end))
         start = end
     return out
+
+
+def least_loaded(loads: list[int], costs: list[int]) -> list[int]:
+    """The engine of each request, in order: each goes to the engine with the fewest rows in flight
+    (ties: the lower index), which then carries its cost (OpenRLHF's heap dispatch). `loads` is updated."""
+    import heapq
+
+    heap = [(load, i) for i, load in enumerate(loads)]
+    heapq.heapify(heap)
+    out = []
+    for cost in costs:
+        load, i = heapq.heappop(heap)
+        out.append(i)
+        loads[i] = load + cost
+        heapq.heappush(heap, (loads[i], i))
+    return out

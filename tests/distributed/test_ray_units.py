@@ -81,3 +81,12 @@ def test_a_worker_that_cannot_load_its_state_says_so_in_one_line(tmp_path):
     worker.role, worker.rank, worker.obj = "actor", 1, Saved()
     with pytest.raises(CheckpointError, match=r"^actor rank 1 cannot load .* world_size=2, this run has world_size=1$"):
         worker.load_state(str(tmp_path))
+
+
+def test_least_loaded_dispatch_follows_rows_in_flight():
+    from posttrain.distributed.transport import least_loaded
+
+    loads = [0, 0, 0]
+    assert least_loaded(loads, [4, 4, 4, 4]) == [0, 1, 2, 0] and loads == [8, 4, 4]
+    busy = [10, 0, 3]  # another caller's rows still running on engine 0
+    assert least_loaded(busy, [2, 2, 2]) == [1, 1, 2] and busy == [10, 4, 5]
