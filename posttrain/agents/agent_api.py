@@ -1,30 +1,40 @@
-"""OpenRLHF's agent API names (`openrlhf.utils.agent`), as placeholders: multi-turn agents are not
-available in this version of posttrain.
+"""OpenRLHF's agent API (`openrlhf.utils.agent`), implemented by posttrain: an agent file written for
+OpenRLHF 0.10.2 runs unchanged (`--train.agent_func_path`; its `openrlhf.utils.agent` import resolves
+here when OpenRLHF is not installed, see `openrlhf_compat`).
 
-An OpenRLHF agent file defines `class AgentInstance(AgentInstanceBase)` (async `reset(states)` /
-`step(states)`) and `class AgentExecutor(MultiTurnAgentExecutor)` at module level, so these classes
-exist and can be subclassed: such a file imports cleanly. Creating any executor (an instance of
-`AgentExecutorBase` or a subclass, e.g. `AgentExecutor()`) raises `AgentsUnavailableError`, a
-UserError, instead of running an agent loop that does not exist.
+A file defines `class AgentInstance(AgentInstanceBase)` (one environment per episode: `async
+reset(states)` → `{"observation": text}`, `async step(states)` → `{"rewards", "scores",
+"environment_feedback", "done", "sampling_params", "extra_logs"}`) and `class AgentExecutor(
+MultiTurnAgentExecutor)` (or any `AgentExecutorBase` with `async execute(...)`).
+
+`MultiTurnAgentExecutor.execute` follows OpenRLHF's loop: tokenise the observation (no special
+tokens), then per turn generate with a budget of `max_length - len(context)` (capped by the
+`max_tokens` the executor was given: posttrain passes `--rollout.max_new_tokens` as a per-turn cap,
+OpenRLHF overwrites it), record the action's
+token range, call `step` with the texts, append the action tokens as sampled and the feedback's
+tokens, and stop at `done` or when the budget is spent. Rewards add up over turns (`rewards` as a
+tensor or number); `scores` and `extra_logs` are the last step's. posttrain's deliberate differences
+(README, differences table): the feedback of the last turn is cut so the sequence never exceeds
+`max_length` (OpenRLHF cuts the finished sequence at training time), `truncated` is set when the
+budget ended the episode, and a too-long initial observation is an error instead of being cut from the
+left. The result dict has OpenRLHF's keys (`observation_tokens`, `action_ranges`, `rollout_log_probs`,
+`reward`, `scores`, `extra_logs`, ...) plus `truncated`, `turns`, `env_tokens` and `step_time`.
+
+`llm_engine` is an `EpisodeEngine` (`posttrain.agents.episode`): `await llm_engine.generate(token_ids,
+sampling_params)` returns a vLLM-shaped request output (`.outputs[0].token_ids`, `.text`, `.logprobs`
+as `[{token_id: Logprob}]`, `.finish_reason`), whatever engine serves it.
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
+from copy import deepcopy
 
-from posttrain.utils.errors import UserError
-
-__all__ = ["AgentExecutorBase", "AgentInstanceBase", "AgentsUnavailableError", "MultiTurnAgentExecutor",
-           "SingleTurnAgentExecutor"]
-
-
-class AgentsUnavailableError(UserError, NotImplementedError):
-    """An agent executor was created: multi-turn agents are not available in this posttrain version."""
+__all__ = ["AgentExecutorBase", "AgentInstanceBase", "MultiTurnAgentExecutor", "SingleTurnAgentExecutor"]
 
 
 class AgentInstanceBase(ABC):
-    """One environment per prompt: `await reset(states)` returns `{"observation": text}`, `await
-    step(states)` returns `{"rewards", "scores", "environment_feedback", "done", ...}` (OpenRLHF's
-    contract). Only the interface exists here; nothing in posttrain drives it yet."""
+    """One environment per episode (OpenRLHF's contract, module docstring)."""
 
     @abstractmethod
     def __init__(self, *args, **kwargs):
@@ -35,36 +45,156 @@ class AgentInstanceBase(ABC):
 
     @abstractmethod
     async def step(self, states: dict, **kwargs):
-        raise NotImplementedError
+        raise NotImplementedError("AgentInstance.step is not implemented")
 
 
 class AgentExecutorBase(ABC):
-    """Base of the executors; creating one raises AgentsUnavailableError (module doc)."""
-
-    def __new__(cls, *args, **kwargs):
-        raise AgentsUnavailableError(
-            f"{cls.__name__}: multi-turn agents (OpenRLHF's `openrlhf.utils.agent` executors, "
-            "--train.agent_func_path) are not available in this version of posttrain; score single "
-            "responses with a reward_func file (--reward.remote_url reward.py) instead")
+    """Runs one episode: `await execute(prompt, label, sampling_params, max_length, hf_tokenizer,
+    llm_engine, images=None)` → the result dict (module docstring)."""
 
     @abstractmethod
     async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine,
                       images=None):
-        raise NotImplementedError
+        raise NotImplementedError("AgentExecutorBase.execute is not implemented")
+
+
+def _number(value, what: str) -> float:
+    """A reward/score as a float: a number, a bool or a one-element tensor."""
+    if hasattr(value, "numel"):
+        if value.numel() != 1:
+            raise ValueError(f"{what} must be a number or a one-element tensor, got a tensor of shape "
+                             f"{tuple(value.shape)}")
+        return float(value.item())
+    if isinstance(value, (int, float)):
+        return float(value)
+    raise ValueError(f"{what} must be a number or a one-element tensor, got {type(value).__name__}")
+
+
+def _tokens(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 class MultiTurnAgentExecutor(AgentExecutorBase):
-    """OpenRLHF's `MultiTurnAgentExecutor(agent_instance_cls)`; placeholder (module doc)."""
+    """OpenRLHF's `MultiTurnAgentExecutor(agent_instance_cls)` (module docstring)."""
+
+    def __init__(self, agent_instance_cls):
+        if not (isinstance(agent_instance_cls, type) and issubclass(agent_instance_cls, AgentInstanceBase)):
+            raise TypeError(f"MultiTurnAgentExecutor needs a subclass of AgentInstanceBase, got {agent_instance_cls!r}")
+        self.agent_instance_cls = agent_instance_cls
 
     async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine,
                       images=None):
-        raise NotImplementedError
+        if images:
+            raise ValueError("images: vision-language agents are not available in this version")
+        agent = self.agent_instance_cls()
+        reset = await agent.reset({"observation": prompt, "label": label})
+        if not isinstance(reset, dict) or not isinstance(reset.get("observation"), str):
+            raise ValueError(f"reset() must return a dict with an 'observation' string, got {reset!r:.200}")
+        observation_text = reset["observation"]
+        context = _tokens(hf_tokenizer, observation_text)
+        if len(context) >= max_length:
+            raise ValueError(f"the initial observation has {len(context)} tokens, no room to generate within "
+                             f"--data.max_len {max_length}")
+        prompt_len = len(context)
+        logprobs = [0.0] * prompt_len
+        action_ranges: list[tuple[int, int]] = []
+        total_reward, scores, extra_logs = 0.0, None, {}
+        truncated, env_tokens, step_time, turns = False, 0, 0.0, 0
+        turn_cap = getattr(sampling_params, "max_tokens", None)  # posttrain: --rollout.max_new_tokens per turn
+        while True:
+            budget = max_length - len(context)
+            if budget <= 0:
+                truncated = True
+                break
+            sampling_params.max_tokens = min(budget, turn_cap) if turn_cap else budget
+            out = (await llm_engine.generate(list(context), deepcopy(sampling_params))).outputs[0]
+            action = list(out.token_ids)
+            action_ranges.append((len(context), len(context) + len(action)))
+            context += action
+            logprobs += [entry[token].logprob for entry, token in zip(out.logprobs, action)]
+            turns += 1
+            t0 = time.perf_counter()
+            result = await agent.step({"observation_text": observation_text, "action_text": out.text,
+                                       "label": label, "sampling_params": sampling_params})
+            step_time += time.perf_counter() - t0
+            result = _check_step(result)
+            total_reward += _number(result["rewards"], "step()['rewards']")
+            scores = result.get("scores", total_reward)
+            extra_logs = result.get("extra_logs") or {}
+            feedback_text = result["environment_feedback"]
+            feedback = _tokens(hf_tokenizer, feedback_text)
+            room = max_length - len(context)
+            if len(feedback) > room:  # the feedback does not fit: cut it and end the episode
+                feedback, truncated = feedback[:room], True
+            observation_text = observation_text + out.text + feedback_text
+            context += feedback
+            logprobs += [0.0] * len(feedback)
+            env_tokens += len(feedback)
+            if result.get("sampling_params"):
+                sampling_params = result["sampling_params"]
+            if result["done"] or truncated:
+                break
+        truncated = truncated or out.finish_reason == "length"  # the last action ran out of budget
+        return {"prompt": prompt, "label": label, "images": images, "mm_train_inputs": None,
+                "reward": total_reward, "scores": _number(scores, "step()['scores']") if scores is not None else None,
+                "observation_tokens": context, "action_ranges": action_ranges, "rollout_log_probs": logprobs,
+                "extra_logs": extra_logs, "truncated": truncated, "prompt_length": prompt_len, "turns": turns,
+                "env_tokens": env_tokens, "step_time": step_time}
+
+
+_STEP_KEYS = ("rewards", "environment_feedback", "done")
+
+
+def _check_step(result) -> dict:
+    """The keys OpenRLHF's loop reads without a default must be there, with usable types."""
+    if not isinstance(result, dict):
+        raise ValueError(f"step() must return a dict, got {type(result).__name__}")
+    missing = [k for k in _STEP_KEYS if k not in result]
+    if missing:
+        raise ValueError(f"step() result lacks {', '.join(repr(k) for k in missing)} "
+                         f"(it has {', '.join(repr(k) for k in result) or 'no keys'})")
+    if not isinstance(result["environment_feedback"], str):
+        raise ValueError(f"step()['environment_feedback'] must be a string, got "
+                         f"{type(result['environment_feedback']).__name__}")
+    return result
 
 
 class SingleTurnAgentExecutor(AgentExecutorBase):
-    """OpenRLHF's `SingleTurnAgentExecutor(remote_rm_url)`; placeholder (module doc). posttrain's own
-    single-turn rollout is `posttrain.agents.single_turn`."""
+    """OpenRLHF's `SingleTurnAgentExecutor(remote_rm_url=None)`: one generation; with a reward file or
+    URL, scored through posttrain's reward sources (`agents.rewards`). posttrain's own single-turn
+    rollout (`--reward.*` without an agent file) is `posttrain.agents.single_turn`, batched."""
+
+    def __init__(self, remote_rm_url=None):
+        self.remote_rm_url = remote_rm_url
+        self._source = None
 
     async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine,
                       images=None):
-        raise NotImplementedError
+        if images:
+            raise ValueError("images: vision-language agents are not available in this version")
+        ids = _tokens(hf_tokenizer, prompt)
+        if len(ids) >= max_length:
+            raise ValueError(f"the prompt has {len(ids)} tokens, no room to generate within --data.max_len {max_length}")
+        params = deepcopy(sampling_params)
+        if getattr(params, "max_tokens", None) is None:
+            params.max_tokens = max_length - len(ids)
+        params.max_tokens = min(params.max_tokens, max_length - len(ids))
+        out = (await llm_engine.generate(list(ids), params)).outputs[0]
+        action = list(out.token_ids)
+        result = {"prompt": prompt, "label": label, "images": None, "mm_train_inputs": None,
+                  "observation_tokens": ids + action, "action_ranges": [(len(ids), len(ids) + len(action))],
+                  "rollout_log_probs": [0.0] * len(ids) + [e[t].logprob for e, t in zip(out.logprobs, action)],
+                  "truncated": out.finish_reason == "length", "reward": None, "scores": None, "extra_logs": {},
+                  "prompt_length": len(ids), "turns": 1, "env_tokens": 0, "step_time": 0.0}
+        if self.remote_rm_url:
+            import asyncio
+
+            from posttrain.agents.rewards import make_reward_source
+
+            if self._source is None:
+                self._source = make_reward_source(self.remote_rm_url, None)
+            query = hf_tokenizer.decode(ids + action, skip_special_tokens=False)
+            scored = await asyncio.to_thread(self._source.score, [query], [prompt], [label])
+            result.update(reward=float(scored.rewards[0]), scores=float(scored.scores[0]),
+                          extra_logs={k: v for k, v in scored.extra_logs.items()})
+        return result

@@ -8,8 +8,8 @@ never shadowed. When no real one exists:
 - `openrlhf` is an empty stand-in package;
 - `openrlhf.utils` holds `extract_boxed_answer` and `grade_answer` (posttrain.agents.rewards.math_grading);
   importing another OpenRLHF utility from it (e.g. `get_tokenizer`) raises a clear ImportError;
-- `openrlhf.utils.agent` holds the agent API of posttrain.agents.agent_api (placeholders: creating an
-  executor raises a UserError);
+- `openrlhf.utils.agent` holds the agent API of posttrain.agents.agent_api (OpenRLHF's executors and
+  instance base, run by posttrain);
 - any other `openrlhf.*` module raises ModuleNotFoundError saying what the stand-in covers.
 
 The first import of each stand-in module is announced once with `posttrain.utils.log.info`, naming

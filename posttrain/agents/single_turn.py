@@ -17,7 +17,11 @@ from posttrain.engines.rollout.types import rank_seed
 @dataclass
 class Rollout:
     """One sample; a rollout batch is group-contiguous (the n samples of a prompt are adjacent).
-    ``budget`` is the most tokens this sample could generate (its own max_new_tokens)."""
+    ``budget`` is the most tokens this sample could generate (its own max_new_tokens).
+    Multi-turn samples (``agents.multi_turn``): ``output_ids`` holds actions and environment feedback
+    as fed and sampled, ``action_mask`` (one 0/1 per output token; None: all sampled) marks the
+    actions, ``turns`` / ``env_tokens`` / ``step_time`` (seconds in the environment) describe the
+    episode, and ``error`` says why a failed episode has no tokens."""
     prompt_ids: list[int]
     output_ids: list[int]
     rollout_logprobs: list[float]
@@ -27,6 +31,11 @@ class Rollout:
     label: object = None
     group: int = 0
     budget: int = 0
+    action_mask: list[int] | None = None
+    turns: int = 0
+    env_tokens: int = 0
+    step_time: float = 0.0
+    error: str | None = None
 
 
 @dataclass
@@ -72,13 +81,16 @@ class SingleTurnExecutor:
                                         prompt_text=prompt.text, response_text=text, label=prompt.label,
                                         group=group_offset + g,
                                         budget=budgets[g] if budgets else params.max_new_tokens))
-        result = self.score(rollouts)
+        result = score_rollouts(self.reward_source, self.tokenizer, rollouts)
         return ScoredRollouts(rollouts=rollouts, rewards=result.rewards.float(), scores=result.scores.float(),
                               extra_logs=result.extra_logs, skipped=result.skipped)
 
-    def score(self, rollouts: list[Rollout]):
-        sequences = [r.prompt_ids + r.output_ids for r in rollouts]
-        if hasattr(self.reward_source, "score_tokens"):
-            return self.reward_source.score_tokens(sequences)
-        queries = self.tokenizer.batch_decode(sequences, skip_special_tokens=False)
-        return self.reward_source.score(queries, [r.prompt_text for r in rollouts], [r.label for r in rollouts])
+
+def score_rollouts(reward_source, tokenizer, rollouts: list[Rollout]):
+    """One batched call of the reward source on whole sequences (prompt + everything after it): token
+    ids for a reward model, OpenRLHF's decoded queries for a function or server (module docstring)."""
+    sequences = [r.prompt_ids + r.output_ids for r in rollouts]
+    if hasattr(reward_source, "score_tokens"):
+        return reward_source.score_tokens(sequences)
+    queries = tokenizer.batch_decode(sequences, skip_special_tokens=False)
+    return reward_source.score(queries, [r.prompt_text for r in rollouts], [r.label for r in rollouts])

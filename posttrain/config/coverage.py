@@ -113,6 +113,9 @@ ACTING: dict[str, frozenset[str]] = {
         # the vLLM engine (a Ray worker on a CUDA node with vLLM installed; distributed/workers.py)
         "vllm: gpu_memory_utilization enforce_eager enable_prefix_caching",
         "train: colocate_actor_ref colocate_critic_reward colocate_all",
+        # multi-turn agents (agents/multi_turn.py)
+        "train: agent_func_path",
+        "agent: timeout max_failure_frac",
         "ds: zero_stage zpg adam_offload overlap_comm grad_accum_dtype",
     ),
 }
@@ -121,7 +124,7 @@ REFUSED: dict[str, frozenset[str]] = {
     "sft": frozenset(),
     "rm": frozenset(),
     "dpo": frozenset(),
-    "ppo": frozenset({"train.agent_func_path"}),
+    "ppo": frozenset(),
 }
 
 

@@ -47,7 +47,8 @@ EXECUTION = (
     "ds.use_liger_kernel", "ds.zero_stage", "ds.zpg", "ds.adam_offload", "ds.overlap_comm",
     "ds.deepcompile", "ds.tensor_parallel_size", "ds.ring_attn_size", "ds.ring_attn_head_stride",
     "ds.use_universal_ckpt", "ds.enable_sleep", "vllm.*", "*.num_nodes", "*.num_gpus_per_node",
-    "*.offload", "reward.timeout", "reward.retries", "critic.save_value_network",
+    "*.offload", "reward.timeout", "reward.retries", "critic.save_value_network", "agent.timeout",
+    "agent.max_failure_frac",
 )
 
 

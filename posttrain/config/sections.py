@@ -213,6 +213,16 @@ class PPOTrain(Train):
 
 
 @dataclass
+class Agent:
+    """Multi-turn agent episodes (--train.agent_func_path; posttrain extensions)."""
+
+    timeout: float = opt(300.0, "seconds per episode; an episode that runs longer fails (counted in agent/failed)",
+                         extension=True)
+    max_failure_frac: float = opt(0.1, "stop the run when more than this fraction of a batch's episodes fail "
+                                  "(raise, time out or return a malformed result)", extension=True)
+
+
+@dataclass
 class Eval:
     """Evaluation."""
 

@@ -14,6 +14,7 @@ from posttrain.config.sections import (
     PPODS,
     VLLM,
     Adam,
+    Agent,
     Ckpt,
     DSHead,
     Eval,
@@ -113,6 +114,7 @@ class PPOConfig(Launcher):
     rollout: Rollout = section(Rollout)
     data: PPOData = section(PPOData, max_len=2048, max_samples=100000000)
     train: PPOTrain = section(PPOTrain, micro_batch_size=1, max_epochs=1, max_tokens_per_gpu=16192)
+    agent: Agent = section(Agent)
     eval: PPOEval = section(PPOEval, split="train")
     ckpt: PPOCkpt = _ckpt(PPOCkpt, "ppo_ray", max_mem=float("inf"))
     logger: Logger = _logger("ppo")

@@ -308,12 +308,7 @@ def _ppo(cfg, r: _Report, world_size: int) -> None:
     adv, kl = algo.advantage, algo.kl
     if not actor.model_name_or_path:
         r.bad("actor.model_name_or_path", None, "required: the policy model folder or hub id")
-    if t.agent_func_path:
-        r.problems.append(
-            "multi-turn agents (--train.agent_func_path) are not available in this version; "
-            "use --reward.remote_url for a single-turn reward_func"
-        )
-    elif rw.model_name_or_path and rw.remote_url:
+    if rw.model_name_or_path and rw.remote_url:
         r.problems.append(
             f"--reward.model_name_or_path {format_value(rw.model_name_or_path)} and --reward.remote_url "
             f"{format_value(rw.remote_url)}: a run takes its rewards from one source; drop one"
@@ -322,13 +317,20 @@ def _ppo(cfg, r: _Report, world_size: int) -> None:
                             and not str(rw.remote_url).strip().endswith(".py") or "," in str(rw.remote_url)):
         r.bad("reward.remote_url", rw.remote_url, "expected one http(s):// URL of a reward server or one .py file "
               "defining reward_func (several endpoints are not supported: serve them behind one server)")
-    elif not (rw.model_name_or_path or rw.remote_url):
+    elif not (rw.model_name_or_path or rw.remote_url or t.agent_func_path):
         r.bad(
             "reward.model_name_or_path",
             None,
-            "a reward source is required: --reward.model_name_or_path (a reward model) or "
-            "--reward.remote_url (an http(s) reward server or a .py file defining reward_func)",
+            "a reward source is required: --reward.model_name_or_path (a reward model), "
+            "--reward.remote_url (an http(s) reward server or a .py file defining reward_func) or "
+            "--train.agent_func_path (an agent file whose environment returns rewards)",
         )
+    if t.agent_func_path:
+        r.need(str(t.agent_func_path).endswith(".py"), "train.agent_func_path", t.agent_func_path,
+               "must be a .py file defining AgentExecutor")
+    r.need(cfg.agent.timeout > 0, "agent.timeout", cfg.agent.timeout, "must be > 0 seconds")
+    r.need(0.0 <= cfg.agent.max_failure_frac <= 1.0, "agent.max_failure_frac", cfg.agent.max_failure_frac,
+           "must be in [0, 1]")
     _loss_agg(cfg, r)
     # rollout sizes
     r.need(ro.batch_size >= 1, "rollout.batch_size", ro.batch_size, "must be >= 1")

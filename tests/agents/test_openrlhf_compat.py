@@ -9,10 +9,8 @@ import pytest
 import torch
 
 from posttrain.agents import openrlhf_compat
-from posttrain.agents.agent_api import AgentsUnavailableError
 from posttrain.agents.rewards import PythonRewardFunction, RewardError
 from posttrain.agents.rewards.math_grading import extract_boxed_answer, grade_answer
-from posttrain.utils.errors import UserError
 
 REAL_OPENRLHF = importlib.util.find_spec("openrlhf") is not None
 needs_no_openrlhf = pytest.mark.skipif(REAL_OPENRLHF, reason="a real openrlhf is installed")
@@ -116,15 +114,15 @@ def test_openrlhf_random_reward_file_scores(tmp_path):
 
 
 @needs_no_openrlhf
-def test_agent_file_imports_and_its_executor_is_a_clear_user_error(tmp_path, capsys):
-    src = PythonRewardFunction(write(tmp_path, "agent_func.py", AGENT_FILE))
+def test_agent_file_imports_and_its_executor_is_posttrains(tmp_path, capsys):
+    from posttrain.agents.agent_api import MultiTurnAgentExecutor
+    from posttrain.agents.agent_file import load_agent_executor
+
+    path = write(tmp_path, "agent_func.py", AGENT_FILE)
+    executor = load_agent_executor(path)
     assert "`openrlhf.utils.agent` in" in capsys.readouterr().err
-    executor_cls = src.fn.__globals__["AgentExecutor"]
-    with pytest.raises(AgentsUnavailableError, match="multi-turn agents .* are not available in this"):
-        executor_cls()
-    assert issubclass(AgentsUnavailableError, UserError)
-    instance = src.fn.__globals__["AgentInstance"]()  # the interface itself is usable
-    assert instance.turn == 0
+    assert isinstance(executor, MultiTurnAgentExecutor)
+    assert executor.agent_instance_cls.__name__ == "AgentInstance" and executor.agent_instance_cls().turn == 0
 
 
 @needs_no_openrlhf

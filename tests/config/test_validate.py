@@ -308,16 +308,19 @@ def test_one_reward_source_exactly():
     none = problems("ppo", *(ppo[:i] + ppo[i + 2 :]), base=False)
     assert none == [
         "--reward.model_name_or_path: a reward source is required: --reward.model_name_or_path (a reward "
-        "model) or --reward.remote_url (an http(s) reward server or a .py file defining reward_func)"
+        "model), --reward.remote_url (an http(s) reward server or a .py file defining reward_func) or "
+        "--train.agent_func_path (an agent file whose environment returns rewards)"
     ]
+    # an agent file is a reward source of its own (its environment returns the rewards)
+    parse_config("ppo", ppo[:i] + ppo[i + 2:] + ["--train.agent_func_path", "agent.py"], device="cpu")
     assert "\n" not in both[0] and "\n" not in none[0]
 
 
-def test_multi_turn_agents_are_refused():
-    assert problem("ppo", "--train.agent_func_path", "agent.py") == (
-        "multi-turn agents (--train.agent_func_path) are not available in this version; "
-        "use --reward.remote_url for a single-turn reward_func"
-    )
+def test_agent_flags_are_checked():
+    assert problem("ppo", "--train.agent_func_path", "agent.txt") == (
+        "--train.agent_func_path agent.txt: must be a .py file defining AgentExecutor")
+    assert problem("ppo", "--agent.timeout", "0") == "--agent.timeout 0.0: must be > 0 seconds"
+    assert problem("ppo", "--agent.max_failure_frac", "1.5") == "--agent.max_failure_frac 1.5: must be in [0, 1]"
 
 
 def test_gspo_aggregates_per_sequence_by_default(tmp_path):

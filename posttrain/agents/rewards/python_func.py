@@ -30,7 +30,6 @@ import time
 import traceback
 
 import posttrain
-from posttrain.agents import openrlhf_compat
 from posttrain.agents.rewards.result import (
     ON_ERROR,
     RewardError,
@@ -39,6 +38,7 @@ from posttrain.agents.rewards.result import (
     parse_output,
     skipped_batch,
 )
+from posttrain.agents.user_files import exec_user_file
 from posttrain.utils.log import warn_once
 
 FLAG = "--reward.remote_url"
@@ -98,14 +98,8 @@ def _load_function(path: str):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{FLAG}={path!r}: reward function file not found "
                                 f"(resolved to {os.path.abspath(path)})")
-    name = "posttrain_reward_func_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    folder = os.path.dirname(os.path.abspath(path))
-    openrlhf_compat.install()
-    sys.path.insert(0, folder)  # let the file import its neighbours while it loads
     try:
-        spec.loader.exec_module(module)
+        module = exec_user_file(path, "posttrain_reward_func_")
     except SyntaxError as err:
         where = f"{err.filename}:{err.lineno}"
         _, details = _describe(err, path)
@@ -116,9 +110,6 @@ def _load_function(path: str):
     except Exception as err:
         line, details = _describe(err, path)
         raise RewardError(f"importing reward function file {path} raised {line}{details}") from err
-    finally:
-        if sys.path and sys.path[0] == folder:
-            sys.path.pop(0)
     fn = getattr(module, "reward_func", None)
     if fn is None:
         defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))

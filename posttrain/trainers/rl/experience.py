@@ -4,7 +4,8 @@ Row i of a batch is `prompt_i + output_i`, right-padded to T. Per-token tensors 
 aligned with the shifted targets: column t scores token t+1 given tokens ≤ t. `action_mask[i, t]`
 is 1 exactly when token t+1 is one the policy sampled (positions P_i-1 … P_i+R_i-2), so the last
 action column is the last generated token whatever the padding, the pad id or eos ids; tokens are
-never rewritten.
+never rewritten. A multi-turn sample's `Rollout.action_mask` keeps environment-feedback tokens
+inside the sequence but out of the action mask (and so out of every loss and statistic).
 """
 from __future__ import annotations
 
@@ -68,8 +69,10 @@ def build_experience(rollouts: list[Rollout], rewards: torch.Tensor, pad_id: int
             raise ValueError(f"sample {i}: {n} output tokens but {len(r.rollout_logprobs)} log-probs from the rollout engine")
         seq[i, : p + n] = torch.tensor(r.prompt_ids + r.output_ids, dtype=torch.long)
         attn[i, : p + n] = 1
+        if r.action_mask is not None and len(r.action_mask) != n:
+            raise ValueError(f"sample {i}: {n} output tokens but an action mask of {len(r.action_mask)}")
         if n:
-            action[i, p - 1: p - 1 + n] = 1.0
+            action[i, p - 1: p - 1 + n] = 1.0 if r.action_mask is None else torch.tensor(r.action_mask, dtype=torch.float32)
             rollout_logp[i, p - 1: p - 1 + n] = torch.tensor(r.rollout_logprobs, dtype=torch.float32)
     return Experience(sequences=seq, attention_mask=attn, action_mask=action, rollout_logp=rollout_logp,
                       rewards=rewards.float())

@@ -101,6 +101,23 @@ def rollout_metrics(scored, n: int) -> dict[str, float]:
         out["reward/zero_std_group_frac"] = float(((spread == 0) | (ok.sum(1) < 2)).float().mean())
     for k, v in scored.extra_logs.items():
         t = torch.as_tensor(v, dtype=torch.float32)
-        out[f"reward/{k}"] = float(t.mean())
+        out[f"reward/{k}"] = float(t.nanmean())  # an agent's extra log may be missing for some episodes
+    out.update(agent_metrics(scored.rollouts))
+    return out
+
+
+def agent_metrics(rollouts) -> dict[str, float]:
+    """Multi-turn episodes (`Rollout.turns` > 0 or failed): turns per episode (mean, max), environment
+    tokens per episode, seconds per environment step, failed episodes; {} for single-turn batches."""
+    episodes = [r for r in rollouts if r.turns > 0]
+    failed = sum(r.error is not None for r in rollouts)
+    if not episodes and not failed:
+        return {}
+    out = {"agent/failed": float(failed)}
+    if episodes:
+        turns = torch.tensor([r.turns for r in episodes], dtype=torch.float32)
+        out.update({"agent/turns_mean": float(turns.mean()), "agent/turns_max": float(turns.max()),
+                    "agent/env_tokens": sum(r.env_tokens for r in episodes) / len(episodes),
+                    "agent/step_time": sum(r.step_time for r in episodes) / float(turns.sum())})
     return out
 

@@ -95,12 +95,22 @@ class RLTrainer(RunLoop):
                               "prompt); lower the buffer or raise the budget")
 
     def _load_reward_source(self) -> None:
-        """The reward source first, before the policy loads: a missing or broken reward file, an
-        unreachable-by-design URL or a mismatched reward model stops the run before the expensive part.
-        Under Ray a reward model is loaded by its own ranks (with the other roles)."""
+        """The reward source (and the agent file) first, before the policy loads: a missing or broken
+        reward or agent file, an unreachable-by-design URL or a mismatched reward model stops the run
+        before the expensive part. Under Ray a reward model is loaded by its own ranks (with the other
+        roles). With an agent file and no reward flag, the environment gives every reward."""
+        cfg = self.cfg
+        self.agent_executor = None
+        if cfg.train.agent_func_path:
+            from posttrain.agents.agent_file import load_agent_executor
+
+            self.agent_executor = load_agent_executor(cfg.train.agent_func_path)
+            info(f"agent: {type(self.agent_executor).__name__} from {cfg.train.agent_func_path}; episodes of up to "
+                 f"--data.max_len {cfg.data.max_len} tokens over all turns")
         self.reward_source = None
-        if not (self.on_ray and build.has_reward_model(self.cfg)):
-            self.reward_source = build.build_reward_source(self.cfg, self.tokenizer, self.device)
+        has_reward = cfg.reward.model_name_or_path or cfg.reward.remote_url
+        if has_reward and not (self.on_ray and build.has_reward_model(cfg)):
+            self.reward_source = build.build_reward_source(cfg, self.tokenizer, self.device)
 
     def _load_models(self) -> None:
         cfg = self.cfg
@@ -127,7 +137,18 @@ class RLTrainer(RunLoop):
         kl = cfg.algo.kl
         self.kl_ctl = (AdaptiveKLController(kl.init_coef, kl.target, kl.horizon) if kl.target
                        else FixedKLController(kl.init_coef))
-        self.executor = SingleTurnExecutor(self.rollout_engine, self.reward_source, self.tokenizer)
+        self.executor = self._executor()
+
+    def _executor(self):
+        """Single-turn sampling and batched rewards, or the agent's multi-turn episodes."""
+        cfg = self.cfg
+        if self.agent_executor is None:
+            return SingleTurnExecutor(self.rollout_engine, self.reward_source, self.tokenizer)
+        from posttrain.agents.multi_turn import AgentRunner
+
+        return AgentRunner(self.agent_executor, self.rollout_engine, self.tokenizer, self.reward_source,
+                           max_len=cfg.data.max_len, timeout=cfg.agent.timeout,
+                           max_failure_frac=cfg.agent.max_failure_frac, turn_cap=cfg.rollout.max_new_tokens)
 
     def _place_on_ray(self, updates: int) -> None:
         """Every role as a Ray actor group (`distributed.ray_placement`); the groups have the roles'

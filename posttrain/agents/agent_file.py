@@ -1,0 +1,40 @@
+"""Loading `--train.agent_func_path`: a Python file that defines `AgentExecutor`, a subclass of
+`AgentExecutorBase` (OpenRLHF's contract; usually `class AgentExecutor(MultiTurnAgentExecutor)` whose
+`__init__` passes its `AgentInstance` class). The file may import `openrlhf.utils.agent`; without
+OpenRLHF installed that resolves to posttrain's implementation (`openrlhf_compat`). Every problem is a
+UserError naming the file, raised at start-up before any model loads."""
+from __future__ import annotations
+
+import os
+
+from posttrain.agents.agent_api import AgentExecutorBase
+from posttrain.agents.user_files import exec_user_file
+from posttrain.utils.errors import UserError
+
+FLAG = "--train.agent_func_path"
+
+
+class AgentFileError(UserError):
+    pass
+
+
+def load_agent_executor(path: str) -> AgentExecutorBase:
+    if not str(path).endswith(".py"):
+        raise AgentFileError(f"{FLAG} {path}: an agent file must be a .py file defining AgentExecutor")
+    if not os.path.isfile(path):
+        raise AgentFileError(f"{FLAG} {path}: file not found (resolved to {os.path.abspath(path)})")
+    try:
+        module = exec_user_file(path, "posttrain_agent_")
+    except Exception as e:
+        raise AgentFileError(f"{FLAG} {path}: importing it raised {type(e).__name__}: {e}") from e
+    cls = getattr(module, "AgentExecutor", None)
+    if cls is None:
+        raise AgentFileError(f"{FLAG} {path} defines no `AgentExecutor`; add e.g. `class AgentExecutor("
+                             "MultiTurnAgentExecutor): def __init__(self): super().__init__(AgentInstance)`")
+    if not (isinstance(cls, type) and issubclass(cls, AgentExecutorBase)):
+        raise AgentFileError(f"{FLAG} {path}: AgentExecutor must be a subclass of AgentExecutorBase "
+                             "(from openrlhf.utils.agent or posttrain.agents.agent_api)")
+    try:
+        return cls()
+    except Exception as e:
+        raise AgentFileError(f"{FLAG} {path}: AgentExecutor() raised {type(e).__name__}: {e}") from e

@@ -1,0 +1,89 @@
+"""What an agent executor sees of the rollout engine: vLLM-shaped sampling parameters and request
+outputs, so an executor written for OpenRLHF (which calls vLLM's `AsyncLLMEngine`) runs unchanged.
+
+`EpisodeEngine(front, tokenizer, seed)` serves one episode: its k-th `await generate(token_ids,
+sampling_params)` samples one continuation through the shared `AsyncRolloutEngine` with seed
+`rank_seed(seed, 0, k)`, so an episode's samples depend only on its own seed and history, never on the
+other episodes running at the same time."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from posttrain.engines.rollout.types import SamplingParams, rank_seed
+
+
+@dataclass
+class Logprob:
+    """vLLM's `Logprob`: the sampled token's log-prob (temperature-scaled, the trainer's contract)."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]]
+    finish_reason: str
+    cumulative_logprob: float = 0.0
+    stop_reason: object = None
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+
+
+@dataclass
+class AgentSamplingParams:
+    """The vLLM `SamplingParams` fields an agent reads or sets. `max_tokens` None: the episode's
+    remaining budget. Top-k sampling and `n > 1` within an episode are not available."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    n: int = 1
+    seed: int | None = None
+    logprobs: int | None = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def to_engine(self) -> SamplingParams:
+        if self.top_k not in (-1, 0, None):
+            raise ValueError(f"sampling_params.top_k={self.top_k}: top-k sampling is not available in this version")
+        if self.n != 1:
+            raise ValueError(f"sampling_params.n={self.n}: an episode samples one continuation per call")
+        return SamplingParams(temperature=float(self.temperature), top_p=float(self.top_p),
+                              max_new_tokens=max(1, int(self.max_tokens or 1)),
+                              stop_token_ids=None if self.stop_token_ids is None else tuple(self.stop_token_ids))
+
+
+class EpisodeEngine:
+    def __init__(self, front, tokenizer, seed: int) -> None:
+        self.front, self.tokenizer, self.seed = front, tokenizer, seed
+        self.calls = 0
+
+    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None, **kwargs) -> RequestOutput:
+        if multi_modal_data:
+            raise ValueError("multi_modal_data: vision-language agents are not available in this version")
+        if not isinstance(sampling_params, AgentSamplingParams):
+            raise TypeError(f"sampling_params must be the AgentSamplingParams the executor was given (or a copy), "
+                            f"got {type(sampling_params).__name__}")
+        if sampling_params.max_tokens is None or sampling_params.max_tokens < 1:
+            raise ValueError(f"sampling_params.max_tokens={sampling_params.max_tokens}: set a budget >= 1")
+        seed = rank_seed(self.seed, 0, self.calls)
+        self.calls += 1
+        ids = [int(t) for t in prompt_token_ids]
+        out = await self.front.generate(ids, sampling_params.to_engine(), seed=seed,
+                                        max_new_tokens=int(sampling_params.max_tokens))
+        tokens = list(out.output_token_ids)
+        text = self.tokenizer.decode(tokens, skip_special_tokens=sampling_params.skip_special_tokens)
+        entries = [{t: Logprob(lp, rank=None)} for t, lp in zip(tokens, out.logprobs)]
+        completion = CompletionOutput(0, text, tokens, entries, out.finish_reason, float(sum(out.logprobs)))
+        return RequestOutput(ids, [completion])

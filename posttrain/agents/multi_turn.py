@@ -1,0 +1,190 @@
+"""Agent episodes as a rollout batch (`--train.agent_func_path`): `AgentRunner.run` has the single-turn
+executor's interface, so collection, dynamic filtering, shaping, evaluation and every estimator work
+on multi-turn samples unchanged.
+
+Each (prompt, sample) pair is one episode of the user's `AgentExecutor`, all run concurrently on one
+event loop over an `AsyncRolloutEngine` (requests batched across episodes). Episode j of prompt g
+(g counted within the step) has the seed `rank_seed(params.seed, j, g)`, so the batch does not depend
+on scheduling. An episode becomes a sample:
+    prompt = observation_tokens[:prompt_length], response = the rest (actions and environment feedback
+    as fed and sampled), action_mask over the response = 1 inside `action_ranges`, rollout log-probs
+    from the engine for action tokens (0 elsewhere), reward = the episode's accumulated reward
+    (None: scored by the run's reward source, if any), score = its `scores`.
+An episode that raises, exceeds `--agent.timeout` seconds or returns a malformed result fails: it is
+logged with its reason, counted in `agent/failed`, and enters the batch as a skipped sample (no
+tokens, no gradient, out of its group's baseline). More than `--agent.max_failure_frac` of a batch
+failing stops the run with the first reason. An error of the rollout engine itself stops the run.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+
+import torch
+
+from posttrain.agents.agent_api import AgentExecutorBase
+from posttrain.agents.episode import AgentSamplingParams, EpisodeEngine
+from posttrain.agents.single_turn import Rollout, ScoredRollouts, score_rollouts
+from posttrain.engines.rollout.async_engine import AsyncRolloutEngine
+from posttrain.engines.rollout.types import rank_seed
+from posttrain.utils.errors import UserError
+from posttrain.utils.log import info
+
+
+class AgentError(UserError):
+    """Too many episodes of a batch failed."""
+
+
+class EpisodeFailed(Exception):
+    pass
+
+
+class _EngineFailed(Exception):
+    """The rollout engine failed under an episode: not the episode's fault, the run stops."""
+
+
+class _GuardedEngine(EpisodeEngine):
+    async def generate(self, *args, **kwargs):
+        try:
+            return await super().generate(*args, **kwargs)
+        except (TypeError, ValueError):
+            raise  # the agent's own request was malformed
+        except Exception as e:
+            raise _EngineFailed(e) from e
+
+
+def episode_to_rollout(result, prompt, group: int, max_len: int, tokenizer) -> Rollout:
+    """The sample of one episode result (module docstring); EpisodeFailed names what is malformed."""
+    if not isinstance(result, dict):
+        raise EpisodeFailed(f"execute() must return a dict, got {type(result).__name__}")
+    obs, ranges = result.get("observation_tokens"), result.get("action_ranges")
+    if not isinstance(obs, list) or not all(isinstance(t, int) for t in obs):
+        raise EpisodeFailed("execute()['observation_tokens'] must be a list of token ids")
+    if not isinstance(ranges, list) or not ranges:
+        raise EpisodeFailed("execute()['action_ranges'] must be a non-empty list of (start, end) pairs")
+    p = int(result.get("prompt_length", ranges[0][0]))
+    end = p
+    mask = [0] * (len(obs) - p)
+    for r in ranges:
+        if not (isinstance(r, (list, tuple)) and len(r) == 2 and end <= r[0] <= r[1] <= len(obs)):
+            raise EpisodeFailed(f"execute()['action_ranges'] {ranges}: ranges must be ordered, after the prompt "
+                                f"({p} tokens) and within the {len(obs)} observation tokens")
+        mask[r[0] - p: r[1] - p] = [1] * (r[1] - r[0])
+        end = r[1]
+    if len(obs) > max_len:
+        raise EpisodeFailed(f"the episode has {len(obs)} tokens, more than --data.max_len {max_len}")
+    logprobs = result.get("rollout_log_probs")
+    if logprobs is None or len(logprobs) != len(obs):
+        raise EpisodeFailed(f"execute()['rollout_log_probs'] must hold one log-prob per observation token "
+                            f"({len(obs)}), got {None if logprobs is None else len(logprobs)}")
+    response = obs[p:]
+    return Rollout(prompt_ids=obs[:p], output_ids=response, rollout_logprobs=[float(x) for x in logprobs[p:]],
+                   finish_reason="length" if result.get("truncated") else "stop", prompt_text=prompt.text,
+                   response_text=tokenizer.decode(response, skip_special_tokens=True), label=prompt.label,
+                   group=group, budget=max(1, max_len - p), action_mask=mask, turns=int(result.get("turns", len(ranges))),
+                   env_tokens=int(result.get("env_tokens", len(response) - sum(mask))),
+                   step_time=float(result.get("step_time", 0.0)))
+
+
+def _number_or_none(value, what: str) -> float | None:
+    if value is None:
+        return None
+    try:
+        return float(value.item() if hasattr(value, "item") else value)
+    except (TypeError, ValueError, RuntimeError):
+        raise EpisodeFailed(f"execute()['{what}'] must be a number, got {value!r:.80}") from None
+
+
+class AgentRunner:
+    """`executor`: an `AgentExecutorBase` instance; `engine`: a batch rollout engine (HF, vLLM, or a
+    Ray engine group); `reward_source`: scores episodes whose reward is None (may be None);
+    `turn_cap`: the most tokens per turn (`--rollout.max_new_tokens`; None: the remaining budget)."""
+
+    def __init__(self, executor: AgentExecutorBase, engine, tokenizer, reward_source, *, max_len: int,
+                 timeout: float, max_failure_frac: float, turn_cap: int | None = None) -> None:
+        self.executor, self.engine, self.tokenizer = executor, engine, tokenizer
+        self.reward_source, self.turn_cap = reward_source, turn_cap
+        self.max_len, self.timeout, self.max_failure_frac = max_len, timeout, max_failure_frac
+
+    def run(self, prompts, params, group_offset: int = 0, max_len: int | None = None) -> ScoredRollouts:
+        """`max_len` is ignored: an episode's budget is `--data.max_len` over all its turns."""
+        return asyncio.run(self._run(prompts, params, group_offset))
+
+    async def _run(self, prompts, params, group_offset: int) -> ScoredRollouts:
+        front = AsyncRolloutEngine(self.engine)
+        base = params.seed if params.seed is not None else random.getrandbits(62)
+        jobs = [(g, j) for g in range(len(prompts)) for j in range(params.n)]
+        results = await asyncio.gather(*(self._episode(front, prompts[g], params, rank_seed(base, j, group_offset + g),
+                                                       group_offset + g) for g, j in jobs))
+        rollouts, rewards, scores, logs = [], [], [], []
+        failed = []
+        for (g, _), (rollout, reward, score, extra) in zip(jobs, results):
+            if isinstance(rollout, str):
+                failed.append(rollout)
+                prompt = prompts[g]
+                rollout = Rollout(prompt_ids=list(prompt.token_ids), output_ids=[], rollout_logprobs=[],
+                                  finish_reason="stop", prompt_text=prompt.text, response_text="", label=prompt.label,
+                                  group=group_offset + g, budget=1, action_mask=[], turns=0, error=rollout)
+            rollouts.append(rollout)
+            rewards.append(reward)
+            scores.append(score)
+            logs.append(extra)
+        self._check_failures(failed, len(jobs))
+        skipped = torch.tensor([r.error is not None for r in rollouts])
+        need = [i for i, r in enumerate(rewards) if r is None and rollouts[i].error is None]
+        if need:
+            if self.reward_source is None:
+                raise AgentError("the agent returned no reward (reward None) and the run has no reward source: return "
+                                 "'rewards' from step(), or add --reward.model_name_or_path / --reward.remote_url")
+            scored = score_rollouts(self.reward_source, self.tokenizer, [rollouts[i] for i in need])
+            for k, i in enumerate(need):
+                rewards[i] = float(scored.rewards[k])
+                scores[i] = float(scored.scores[k]) if scores[i] is None else scores[i]
+                skipped[i] = bool(scored.skipped[k])
+        rewards_t = torch.tensor([0.0 if r is None else r for r in rewards], dtype=torch.float32)
+        scores_t = torch.tensor([rewards_t[i] if s is None else s for i, s in enumerate(scores)], dtype=torch.float32)
+        return ScoredRollouts(rollouts=rollouts, rewards=rewards_t, scores=scores_t, extra_logs=_merge_logs(logs),
+                              skipped=skipped)
+
+    async def _episode(self, front, prompt, params, seed: int, group: int):
+        """(rollout, reward, score, extra_logs), or (reason, None, None, {}) for a failed episode."""
+        sampling = AgentSamplingParams(temperature=params.temperature, top_p=params.top_p, max_tokens=self.turn_cap,
+                                       stop_token_ids=None if params.stop_token_ids is None else list(params.stop_token_ids))
+        engine = _GuardedEngine(front, self.tokenizer, seed)
+        try:
+            result = await asyncio.wait_for(
+                self.executor.execute(prompt.text, prompt.label, sampling, self.max_len, self.tokenizer, engine),
+                self.timeout)
+            rollout = episode_to_rollout(result, prompt, group, self.max_len, self.tokenizer)
+            reward = _number_or_none(result.get("reward"), "reward")
+            score = _number_or_none(result.get("scores"), "scores")
+            extra = {}
+            for k, v in (result.get("extra_logs") or {}).items():
+                value = _number_or_none(v, f"extra_logs.{k}") if not hasattr(v, "numel") or v.numel() == 1 else None
+                if value is not None:
+                    extra[k] = value
+            return rollout, reward, score, extra
+        except _EngineFailed as e:
+            raise e.__cause__ from None
+        except asyncio.TimeoutError:
+            return f"timed out after {self.timeout:g} s (--agent.timeout)", None, None, {}
+        except Exception as e:  # the environment's or the executor's error: this episode fails
+            return f"{type(e).__name__}: {e}", None, None, {}
+
+    def _check_failures(self, failed: list[str], total: int) -> None:
+        if not failed:
+            return
+        for reason in failed[:3]:
+            info(f"agent episode failed: {reason}")
+        if len(failed) > 3:
+            info(f"... and {len(failed) - 3} more failed episodes in this batch")
+        if len(failed) > self.max_failure_frac * total:
+            raise AgentError(f"{len(failed)} of {total} agent episodes failed (more than --agent.max_failure_frac "
+                             f"{self.max_failure_frac:g}); first: {failed[0]}")
+
+
+def _merge_logs(logs: list[dict]) -> dict:
+    """Per-sample extra logs → one tensor per key over the batch (NaN where a sample has none)."""
+    keys = list(dict.fromkeys(k for d in logs for k in d))
+    return {k: torch.tensor([d.get(k, math.nan) for d in logs], dtype=torch.float32) for k in keys}

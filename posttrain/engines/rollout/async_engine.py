@@ -1,0 +1,101 @@
+"""An asyncio front over a batch rollout engine: many concurrent callers (agent episodes) each
+`await generate(token_ids, params, seed=..., max_new_tokens=...)` one request at a time, and the front
+runs the requests that are waiting as one batched `engine.generate` call.
+
+Scheduling: when a request arrives and no batch is running, the front yields to the event loop until
+no new request comes (so the episodes that are ready to ask do so), then takes every waiting request with the same
+sampling settings (temperature, top-p, stop ids) as one batch, in a worker thread (the event loop keeps
+serving environments meanwhile). Requests that arrive while a batch runs form the next batch. A
+request joins only at a batch boundary: that is dynamic batching, not continuous batching inside
+the decode loop (README, "Agents").
+
+Exactness: each request carries its own seed (one sample, `n = 1`), and the engine samples every row
+from a generator of its own, so a request's tokens and log-probs do not depend on which other
+requests share its batch: concurrent and sequential execution give the same samples (tested)."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field, replace
+
+from posttrain.engines.rollout.types import RolloutOutput, SamplingParams
+
+
+@dataclass
+class _Request:
+    token_ids: list[int]
+    seed: int
+    max_new_tokens: int
+    future: asyncio.Future = field(repr=False)
+
+
+def _batch_key(params: SamplingParams) -> tuple:
+    stop = None if params.stop_token_ids is None else tuple(params.stop_token_ids)
+    return (float(params.temperature), float(params.top_p), stop)
+
+
+class AsyncRolloutEngine:
+    """`engine`: anything with `generate(prompts, params, max_new_tokens=[...], seeds=[...])` (the HF
+    engine, the vLLM engine, or a Ray engine group). `max_batch`: the most requests per batch (None:
+    all that wait)."""
+
+    def __init__(self, engine, max_batch: int | None = None) -> None:
+        self.engine = engine
+        self.max_batch = max_batch
+        self._waiting: dict[tuple, tuple[SamplingParams, list[_Request]]] = {}
+        self._runner: asyncio.Task | None = None
+        self.batches = 0  # batched engine calls made (for tests and metrics)
+
+    async def generate(self, token_ids: list[int], params: SamplingParams, *, seed: int,
+                       max_new_tokens: int) -> RolloutOutput:
+        """One sample of `token_ids` with `params` (its `n` and `max_new_tokens` are ignored), seeded
+        with `seed`, at most `max_new_tokens` tokens."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        loop = asyncio.get_running_loop()
+        request = _Request([int(t) for t in token_ids], int(seed), int(max_new_tokens), loop.create_future())
+        key = _batch_key(params)
+        self._waiting.setdefault(key, (replace(params, n=1), []))[1].append(request)
+        if self._runner is None or self._runner.done():
+            self._runner = loop.create_task(self._run())
+        return await request.future
+
+    def _num_waiting(self) -> int:
+        return sum(len(requests) for _, requests in self._waiting.values())
+
+    async def _gather(self, rounds: int = 8) -> None:
+        """Yield to the event loop until no new request arrives (at most `rounds` times), so every
+        episode that is ready to ask joins this batch."""
+        seen = -1
+        for _ in range(rounds):
+            if self._num_waiting() == seen:
+                return
+            seen = self._num_waiting()
+            await asyncio.sleep(0)
+
+    async def _run(self) -> None:
+        await self._gather()
+        while self._waiting:
+            key = next(iter(self._waiting))
+            params, requests = self._waiting[key]
+            batch = requests[: self.max_batch] if self.max_batch else list(requests)
+            rest = requests[len(batch):]
+            if rest:
+                self._waiting[key] = (params, rest)
+            else:
+                del self._waiting[key]
+            try:
+                outputs = await asyncio.to_thread(
+                    self.engine.generate, [r.token_ids for r in batch], params,
+                    max_new_tokens=[r.max_new_tokens for r in batch], seeds=[r.seed for r in batch])
+            except BaseException as e:  # every caller of this batch sees the engine's error
+                for r in batch:
+                    if not r.future.done():
+                        r.future.set_exception(e)
+                if not isinstance(e, Exception):
+                    raise
+                continue
+            self.batches += 1
+            for r, outs in zip(batch, outputs):
+                if not r.future.done():
+                    r.future.set_result(outs[0])
+            await self._gather()  # requests submitted in reaction to these results join the next batch

@@ -1,0 +1,232 @@
+"""Multi-turn agent episodes (agents/agent_api.py, agents/multi_turn.py, engines/rollout/async_engine.py):
+exact token traces, the budget across turns, failures, and concurrency that does not change samples."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from posttrain.agents.agent_api import AgentInstanceBase, MultiTurnAgentExecutor
+from posttrain.agents.multi_turn import AgentError, AgentRunner
+from posttrain.data import Prompt
+from posttrain.engines.rollout import HFRolloutEngine, RolloutOutput, SamplingParams
+from posttrain.trainers.rl.experience import build_experience
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    from posttrain.models import load_tokenizer
+
+    return load_tokenizer(tiny_model_dir)
+
+
+class ScriptedEngine:
+    """A batch engine that answers a request whose context has `L` tokens with `script[turns[L]]` =
+    (tokens, log-probs, finish reason), cut to the request's budget (then finish "length"); records
+    every batch."""
+
+    def __init__(self, script):
+        self.script, self.batches, self.turns = script, [], {}
+
+    def generate(self, prompts, params, max_new_tokens=None, seeds=None):
+        self.batches.append([list(p) for p in prompts])
+        outs = []
+        for prompt, budget in zip(prompts, max_new_tokens):
+            k = self.turn_of(prompt)
+            tokens, lps, finish = self.script[k]
+            if len(tokens) > budget:
+                tokens, lps, finish = tokens[:budget], lps[:budget], "length"
+            outs.append([RolloutOutput(list(prompt), list(tokens), list(lps), finish)])
+        return outs
+
+    def turn_of(self, prompt):
+        return self.turns.get(len(prompt), 0)
+
+
+def two_turn_env(feedback_texts, rewards, calls=None):
+    class Env(AgentInstanceBase):
+        def __init__(self, *args, **kwargs):
+            self.turn = 0
+
+        async def reset(self, states, **kwargs):
+            return {"observation": states["observation"]}
+
+        async def step(self, states, **kwargs):
+            if calls is not None:
+                calls.append(dict(states))
+            k = self.turn
+            self.turn += 1
+            return {"rewards": torch.tensor(rewards[k]), "scores": torch.tensor(float(k)),
+                    "environment_feedback": feedback_texts[k], "done": k == len(feedback_texts) - 1,
+                    "sampling_params": states["sampling_params"], "extra_logs": {"turn": torch.tensor(float(k))}}
+    return Env
+
+
+def prompt(tok, text="Q: 3+4?"):
+    return Prompt(text=text, token_ids=tok(text, add_special_tokens=False)["input_ids"], label="7", source="test")
+
+
+def test_a_two_turn_episode_is_the_exact_token_trace(tok):
+    p = prompt(tok)
+    obs = p.token_ids
+    fb1 = tok(" wrong, again:", add_special_tokens=False)["input_ids"]
+    a1, a2 = [11, 12, 13], [21, 2]
+    engine = ScriptedEngine({0: (a1, [-0.5, -0.25, -1.0], "stop"), 1: (a2, [-2.0, -0.125], "stop")})
+    engine.turns = {len(obs): 0, len(obs) + 3 + len(fb1): 1}
+    calls = []
+    runner = AgentRunner(MultiTurnAgentExecutor(two_turn_env([" wrong, again:", ""], [0.25, 1.0], calls)), engine,
+                         tok, None, max_len=64, timeout=30, max_failure_frac=0.0)
+    batch = runner.run([p], SamplingParams(temperature=1.0, n=1, seed=3))
+    r = batch.rollouts[0]
+    assert r.prompt_ids == obs
+    assert r.output_ids == a1 + fb1 + a2  # actions as sampled, feedback as tokenised, nothing re-tokenised
+    assert r.action_mask == [1, 1, 1] + [0] * len(fb1) + [1, 1]
+    assert r.rollout_logprobs == [-0.5, -0.25, -1.0] + [0.0] * len(fb1) + [-2.0, -0.125]
+    assert (r.turns, r.env_tokens, r.finish_reason) == (2, len(fb1), "stop")
+    assert batch.rewards.tolist() == [1.25]  # rewards add up over turns (OpenRLHF)
+    assert batch.scores.tolist() == [1.0]  # the last step's score
+    assert batch.extra_logs["turn"].tolist() == [1.0]
+    # the environment saw the texts OpenRLHF passes: observation so far, the action's text, the label
+    assert calls[0]["observation_text"] == p.text and calls[0]["action_text"] == tok.decode(a1)
+    assert calls[1]["observation_text"] == p.text + tok.decode(a1) + " wrong, again:" and calls[1]["label"] == "7"
+    # the second request's context is the first turn's exact tokens
+    assert engine.batches[1] == [obs + a1 + fb1]
+
+    exp = build_experience(batch.rollouts, batch.rewards, pad_id=0)
+    P = len(obs)
+    assert exp.sequences[0].tolist() == obs + a1 + fb1 + a2
+    assert exp.action_mask[0, P - 1:].tolist() == [1.0] * 3 + [0.0] * len(fb1) + [1.0] * 2
+    assert exp.rollout_logp[0, P - 1:].tolist() == [-0.5, -0.25, -1.0] + [0.0] * len(fb1) + [-2.0, -0.125]
+
+
+def test_environment_tokens_get_no_gradient(tok):
+    """A probe: the policy loss of a multi-turn sample has zero gradient at every environment position."""
+    from posttrain.algorithms.losses import policy_loss
+
+    p = prompt(tok)
+    fb = tok(" no", add_special_tokens=False)["input_ids"]
+    engine = ScriptedEngine({0: ([5, 6], [-1.0, -1.0], "stop"), 1: ([7], [-1.0], "stop")})
+    engine.turns = {len(p.token_ids): 0, len(p.token_ids) + 2 + len(fb): 1}
+    runner = AgentRunner(MultiTurnAgentExecutor(two_turn_env([" no", ""], [0.0, 1.0])), engine, tok, None,
+                         max_len=64, timeout=30, max_failure_frac=0.0)
+    exp = build_experience(runner.run([p], SamplingParams(n=1, seed=1)).rollouts, torch.ones(1), pad_id=0)
+    logp = torch.full_like(exp.rollout_logp, -1.0, requires_grad=True)
+    adv = torch.ones_like(logp)
+    loss = policy_loss(logp, exp.rollout_logp, adv, exp.action_mask)
+    loss = loss[0] if isinstance(loss, tuple) else loss
+    loss.backward()
+    env = (exp.action_mask == 0)
+    assert torch.all(logp.grad[env] == 0)
+    assert torch.all(logp.grad[exp.action_mask == 1] != 0)
+
+
+def test_the_budget_spans_all_turns_and_the_last_turn_is_cut_to_fit(tok):
+    p = prompt(tok)
+    P = len(p.token_ids)
+    fb = tok(" try again please", add_special_tokens=False)["input_ids"]
+    engine = ScriptedEngine({0: ([5, 6, 7], [-1.0] * 3, "stop"), 1: ([8] * 10, [-0.5] * 10, "stop")})
+    engine.turns = {P: 0, P + 3 + len(fb): 1}
+    env = two_turn_env([" try again please", " more", ""], [0.0, 0.0, 1.0])
+    runner = AgentRunner(MultiTurnAgentExecutor(env), engine, tok, None, max_len=P + 3 + len(fb) + 4, timeout=30,
+                         max_failure_frac=0.0)
+    r = runner.run([p], SamplingParams(n=1, seed=1)).rollouts[0]
+    assert len(r.prompt_ids) + len(r.output_ids) == P + 3 + len(fb) + 4  # never beyond --data.max_len
+    assert r.output_ids[-4:] == [8] * 4 and r.finish_reason == "length"  # truncated flag set
+    # feedback that does not fit is cut and ends the episode
+    engine2 = ScriptedEngine({0: ([5, 6, 7], [-1.0] * 3, "stop")})
+    engine2.turns = {P: 0}
+    cut = AgentRunner(MultiTurnAgentExecutor(env), engine2, tok, None, max_len=P + 3 + 1, timeout=30,
+                      max_failure_frac=0.0).run([p], SamplingParams(n=1, seed=1)).rollouts[0]
+    assert cut.output_ids == [5, 6, 7, fb[0]] and cut.action_mask == [1, 1, 1, 0] and cut.finish_reason == "length"
+
+
+class Broken(AgentInstanceBase):
+    mode = "raise"
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    async def step(self, states, **kwargs):
+        label = states["label"]
+        if label == "raise":
+            raise RuntimeError("the simulator crashed")
+        if label == "hang":
+            await asyncio.sleep(60)
+        if label == "malformed":
+            return {"rewards": 1.0, "done": True}
+        return {"rewards": 1.0, "scores": 1.0, "environment_feedback": "", "done": True}
+
+
+def test_failing_episodes_are_counted_skipped_and_stop_the_run_past_the_threshold(tok, capsys):
+    engine = ScriptedEngine({0: ([5], [-1.0], "stop")})
+    engine.turns = {}
+    prompts = [Prompt(text=f"Q{i}", token_ids=[30 + i], label=label, source="test")
+               for i, label in enumerate(["ok", "raise", "hang", "malformed", "ok"])]
+    runner = AgentRunner(MultiTurnAgentExecutor(Broken), engine, tok, None, max_len=16, timeout=0.5,
+                         max_failure_frac=0.75)
+    batch = runner.run(prompts, SamplingParams(n=1, seed=1))
+    assert batch.skipped.tolist() == [False, True, True, True, False]
+    errors = [r.error for r in batch.rollouts]
+    assert errors[1] == "RuntimeError: the simulator crashed"
+    assert errors[2] == "timed out after 0.5 s (--agent.timeout)"
+    assert "lacks 'environment_feedback'" in errors[3]
+    assert batch.rollouts[1].output_ids == [] and batch.rewards.tolist() == [1.0, 0.0, 0.0, 0.0, 1.0]
+    assert "agent episode failed: RuntimeError: the simulator crashed" in capsys.readouterr().err
+    strict = AgentRunner(MultiTurnAgentExecutor(Broken), engine, tok, None, max_len=16, timeout=0.5,
+                         max_failure_frac=0.5)
+    with pytest.raises(AgentError, match=r"3 of 5 agent episodes failed .*first: RuntimeError: the simulator crashed"):
+        strict.run(prompts, SamplingParams(n=1, seed=1))
+
+
+def test_an_engine_error_stops_the_run_instead_of_failing_episodes(tok):
+    class Dead:
+        def generate(self, *a, **k):
+            raise ConnectionError("rollout engine rank 0 died")
+
+    runner = AgentRunner(MultiTurnAgentExecutor(Broken), Dead(), tok, None, max_len=16, timeout=5, max_failure_frac=1.0)
+    with pytest.raises(ConnectionError, match="rank 0 died"):
+        runner.run([Prompt(text="Q", token_ids=[30], label="ok", source="test")], SamplingParams(n=1, seed=1))
+
+
+def test_64_concurrent_episodes_equal_sequential_ones_with_the_same_seeds(tok, tiny_model_dir):
+    from posttrain.models import load_causal_lm
+
+    model = load_causal_lm(tiny_model_dir, dtype="fp32").eval()
+    engine = HFRolloutEngine(model, tok, pad_token_id=tok.pad_token_id)
+
+    class Guess(AgentInstanceBase):
+        def __init__(self, *args, **kwargs):
+            self.turn = 0
+
+        async def step(self, states, **kwargs):
+            self.turn += 1
+            await asyncio.sleep(0.001 * (hash(states["action_text"]) % 5))  # episodes interleave differently
+            return {"rewards": float(len(states["action_text"]) % 2), "environment_feedback": " again:",
+                    "done": self.turn == 3}
+
+    prompts = [Prompt(text=f"Q{i}:", token_ids=tok(f"Q{i}:", add_special_tokens=False)["input_ids"], label=None,
+                      source="test") for i in range(16)]
+    params = SamplingParams(temperature=1.0, n=4, seed=11, max_new_tokens=6)
+    class Counting:
+        calls = 0
+
+        def generate(self, *args, **kwargs):
+            Counting.calls += 1
+            return engine.generate(*args, **kwargs)
+
+    runner = AgentRunner(MultiTurnAgentExecutor(Guess), Counting(), tok, None, max_len=40, timeout=60,
+                         max_failure_frac=0, turn_cap=6)
+    together = runner.run(prompts, params)
+    batched_calls = Counting.calls
+    assert len(together.rollouts) == 64
+    # one episode at a time: prompt g alone, its n samples alone, with the same seeds (group offsets)
+    alone = []
+    for g, p in enumerate(prompts):
+        alone += runner.run([p], params, group_offset=g).rollouts
+    for a, b in zip(together.rollouts, alone):
+        assert a.output_ids == b.output_ids and a.action_mask == b.action_mask
+        assert a.rollout_logprobs == pytest.approx(b.rollout_logprobs, abs=1e-5)
+    assert together.rollouts[0].turns == 3
+    # the concurrent run shared engine calls (requests of many episodes per batch): 3 turns of 64 episodes
+    assert batched_calls <= 6 < 64 * 3

@@ -1,0 +1,106 @@
+"""`posttrain ppo --train.agent_func_path`: an agent file written for OpenRLHF trains unchanged, in one
+process and on Ray rollout engines."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from posttrain.utils.metrics import read_metrics
+
+# The shape of OpenRLHF 0.10.2's examples/python/agent_func.py: a random 1-3 step environment that
+# imports OpenRLHF's API, keeps state on the instance, returns tensors, echoes the sampling params.
+OPENRLHF_STYLE_AGENT = '''
+import random
+from typing import Any, Dict
+
+import torch
+
+from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
+
+
+class AgentInstance(AgentInstanceBase):
+    def __init__(self, *args, **kwargs):
+        self.step_idx = 0
+        self.max_steps = random.randint(1, 3)
+
+    async def reset(self, states: dict, **kwargs):
+        return {"observation": states["observation"]}
+
+    async def step(self, states: dict, **kwargs) -> Dict[str, Any]:
+        done = self.step_idx >= self.max_steps
+        reward = torch.randint(0, 2, (1,)).float() if done else torch.tensor(0)
+        feedback = "\\n\\nHuman: [CORRECT]\\n</s>" if done else "\\n\\nHuman: [INCORRECT]\\nTry again.\\n</s>\\n\\nAssistant: "
+        self.step_idx += 1
+        return {
+            "rewards": reward,
+            "scores": reward,
+            "environment_feedback": feedback,
+            "done": done,
+            "sampling_params": states.get("sampling_params", None),
+            "extra_logs": {"dummy_scores": reward},
+        }
+
+
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)
+'''
+
+
+def agent_flags(rl_setup, out, agent, *extra):
+    sft, data, _ = rl_setup
+    return ["--actor.model_name_or_path", str(sft), "--data.prompt_dataset", str(data), "--data.input_key", "prompt",
+            "--data.label_key", "answer", "--data.apply_chat_template", "--data.max_len", "64",
+            "--train.agent_func_path", str(agent), "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "2",
+            "--rollout.max_new_tokens", "4", "--rollout.micro_batch_size", "8", "--train.batch_size", "8",
+            "--train.micro_batch_size", "8", "--data.max_samples", "8", "--algo.advantage.estimator",
+            "reinforce_baseline", "--algo.kl.init_coef", "0", "--train.num_episodes", "1", "--actor.adam.lr", "1e-3",
+            "--ckpt.output_dir", str(out), *map(str, extra)]
+
+
+@pytest.fixture
+def openrlhf_agent(tmp_path):
+    path = tmp_path / "agent_func.py"
+    path.write_text(OPENRLHF_STYLE_AGENT)
+    return path
+
+
+def test_openrlhf_agent_file_trains_unchanged(rl_setup, openrlhf_agent, tmp_path, capfd):
+    from posttrain.cli import train_ppo_ray
+
+    out = tmp_path / "agent"
+    train_ppo_ray.main(agent_flags(rl_setup, out, openrlhf_agent))
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert 1.0 <= r["agent/turns_mean"] <= r["agent/turns_max"] <= 4.0  # 1-3 failed turns + the done one
+        assert r["agent/env_tokens"] > 0 and r["agent/failed"] == 0.0 and r["agent/step_time"] >= 0
+        assert "reward/dummy_scores" in r and r["actor/policy_loss"] == r["actor/policy_loss"]
+    assert (out / "model.safetensors").exists()
+    sample = json.loads((out / "samples.jsonl").read_text().splitlines()[0])
+    assert "Human:" in sample["response"]  # the environment's feedback is part of the trained sequence
+    err = capfd.readouterr().err
+    assert "agent: AgentExecutor from" in err and "`openrlhf.utils.agent`" in err
+
+
+def test_agent_file_errors_stop_before_any_model_loads(rl_setup, tmp_path, capfd):
+    from posttrain.cli import train_ppo_ray
+
+    bad = tmp_path / "bad_agent.py"
+    bad.write_text("from openrlhf.utils.agent import MultiTurnAgentExecutor\n\nclass Other:\n    pass\n")
+    with pytest.raises(SystemExit) as exit_:
+        train_ppo_ray.main(agent_flags(rl_setup, tmp_path / "bad", bad))
+    assert exit_.value.code == 2
+    line = capfd.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("posttrain ppo: error: --train.agent_func_path ") and "defines no `AgentExecutor`" in line
+
+
+def test_agent_on_ray_rollout_engines(rl_setup, openrlhf_agent, tmp_path, ray_session):
+    from posttrain.cli import train_ppo_ray
+
+    out = tmp_path / "agent_ray"
+    train_ppo_ray.main(agent_flags(rl_setup, out, openrlhf_agent, "--vllm.num_engines", "2",
+                                   "--data.max_samples", "4"))
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
+    assert len(rows) == 1 and rows[0]["agent/turns_mean"] >= 1.0 and rows[0]["agent/failed"] == 0.0
