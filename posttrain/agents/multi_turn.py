@@ -107,6 +107,11 @@ class AgentRunner:
         self.reward_source, self.turn_cap = reward_source, turn_cap
         self.max_len, self.timeout, self.max_failure_frac = max_len, timeout, max_failure_frac
 
+    def close(self) -> None:
+        """Stop what the executor started (an OpenAI-compatible server)."""
+        if hasattr(self.executor, "close"):
+            self.executor.close()
+
     def run(self, prompts, params, group_offset: int = 0, max_len: int | None = None) -> ScoredRollouts:
         """`max_len` is ignored: an episode's budget is `--data.max_len` over all its turns."""
         return asyncio.run(self._run(prompts, params, group_offset))
@@ -115,8 +120,12 @@ class AgentRunner:
         front = AsyncRolloutEngine(self.engine)
         base = params.seed if params.seed is not None else random.getrandbits(62)
         jobs = [(g, j) for g in range(len(prompts)) for j in range(params.n)]
-        results = await asyncio.gather(*(self._episode(front, prompts[g], params, rank_seed(base, j, group_offset + g),
-                                                       group_offset + g) for g, j in jobs))
+        try:
+            results = await asyncio.gather(*(self._episode(front, prompts[g], params,
+                                                           rank_seed(base, j, group_offset + g), group_offset + g)
+                                             for g, j in jobs))
+        finally:
+            front.close()
         rollouts, rewards, scores, logs = [], [], [], []
         failed = []
         for (g, _), (rollout, reward, score, extra) in zip(jobs, results):
@@ -166,7 +175,7 @@ class AgentRunner:
                     extra[k] = value
             return rollout, reward, score, extra
         except _EngineFailed as e:
-            raise e.__cause__ from None
+            raise e.args[0] from None
         except asyncio.TimeoutError:
             return f"timed out after {self.timeout:g} s (--agent.timeout)", None, None, {}
         except Exception as e:  # the environment's or the executor's error: this episode fails

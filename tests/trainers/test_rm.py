@@ -110,7 +110,7 @@ def test_ppo_scores_the_sampled_ids_as_the_rm_trained_on_them(nano_rm, tmp_path,
     from tokenizers import processors
 
     from posttrain.agents.rewards.reward_model import RewardModelSource
-    from posttrain.agents.single_turn import Rollout, SingleTurnExecutor
+    from posttrain.agents.single_turn import Rollout, score_rollouts
     from posttrain.data import PromptDataset
     from posttrain.models import save_pretrained
 
@@ -122,7 +122,7 @@ def test_ppo_scores_the_sampled_ids_as_the_rm_trained_on_them(nano_rm, tmp_path,
     rows = make_preference_rows(4, seed=5)
     items = PreferenceDataset(rows, tok, 48, prompt_key="prompt", apply_chat_template=True)
     save_pretrained(model, tok, tmp_path / "rm")
-    executor = SingleTurnExecutor(None, RewardModelSource(tmp_path / "rm"), tok)
+    source = RewardModelSource(tmp_path / "rm")
     obj = RMObjective(tok.pad_token_id, packing=False)
     with torch.no_grad():
         trained = obj.rewards(model, obj.collate([items[i] for i in range(4)]))
@@ -133,8 +133,8 @@ def test_ppo_scores_the_sampled_ids_as_the_rm_trained_on_them(nano_rm, tmp_path,
                for side in ("chosen", "rejected") for i, r in enumerate(rows)]
     finished = [Rollout(p, out + [tok.eos_token_id], [0.0] * (len(out) + 1), "stop", "", "") for p, out in sampled]
     truncated = [Rollout(p, out, [0.0] * len(out), "length", "", "") for p, out in sampled]
-    torch.testing.assert_close(executor.score(finished).rewards.float(), trained, atol=1e-5, rtol=0)
-    torch.testing.assert_close(executor.score(truncated).rewards.float(), trained_cut, atol=1e-5, rtol=0)
+    torch.testing.assert_close(score_rollouts(source, tok, finished).rewards.float(), trained, atol=1e-5, rtol=0)
+    torch.testing.assert_close(score_rollouts(source, tok, truncated).rewards.float(), trained_cut, atol=1e-5, rtol=0)
     assert not torch.allclose(trained, trained_cut)
 
 

@@ -4,8 +4,8 @@ runs the requests that are waiting as one batched `engine.generate` call.
 
 Scheduling: when a request arrives and no batch is running, the front yields to the event loop until
 no new request comes (so the episodes that are ready to ask do so), then takes every waiting request with the same
-sampling settings (temperature, top-p, stop ids) as one batch, in a worker thread (the event loop keeps
-serving environments meanwhile). Requests that arrive while a batch runs form the next batch. A
+sampling settings (temperature, top-p, stop ids) as one batch, in the front's own thread (the event
+loop keeps serving environments meanwhile). Requests that arrive while a batch runs form the next batch. A
 request joins only at a batch boundary: that is dynamic batching, not continuous batching inside
 the decode loop (README, "Agents").
 
@@ -15,6 +15,8 @@ requests share its batch: concurrent and sequential execution give the same samp
 from __future__ import annotations
 
 import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from posttrain.engines.rollout.types import RolloutOutput, SamplingParams
@@ -43,6 +45,9 @@ class AsyncRolloutEngine:
         self.max_batch = max_batch
         self._waiting: dict[tuple, tuple[SamplingParams, list[_Request]]] = {}
         self._runner: asyncio.Task | None = None
+        # the engine runs in a thread of its own: agents that block the loop's default pool (e.g. HTTP
+        # calls in `asyncio.to_thread`) cannot starve it
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-rollout")
         self.batches = 0  # batched engine calls made (for tests and metrics)
 
     async def generate(self, token_ids: list[int], params: SamplingParams, *, seed: int,
@@ -58,6 +63,10 @@ class AsyncRolloutEngine:
         if self._runner is None or self._runner.done():
             self._runner = loop.create_task(self._run())
         return await request.future
+
+    def close(self) -> None:
+        """Release the engine thread (after the last request)."""
+        self._thread.shutdown(wait=False)
 
     def _num_waiting(self) -> int:
         return sum(len(requests) for _, requests in self._waiting.values())
@@ -83,10 +92,10 @@ class AsyncRolloutEngine:
                 self._waiting[key] = (params, rest)
             else:
                 del self._waiting[key]
+            call = functools.partial(self.engine.generate, [r.token_ids for r in batch], params,
+                                     max_new_tokens=[r.max_new_tokens for r in batch], seeds=[r.seed for r in batch])
             try:
-                outputs = await asyncio.to_thread(
-                    self.engine.generate, [r.token_ids for r in batch], params,
-                    max_new_tokens=[r.max_new_tokens for r in batch], seeds=[r.seed for r in batch])
+                outputs = await asyncio.get_running_loop().run_in_executor(self._thread, call)
             except BaseException as e:  # every caller of this batch sees the engine's error
                 for r in batch:
                     if not r.future.done():

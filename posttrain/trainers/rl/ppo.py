@@ -316,6 +316,8 @@ class RLTrainer(RunLoop):
         try:
             return super().fit()
         finally:
+            if hasattr(self.executor, "close"):
+                self.executor.close()
             if self.reward_source is not None:
                 self.reward_source.close()
             self._release_placement()

@@ -104,3 +104,35 @@ def test_agent_on_ray_rollout_engines(rl_setup, openrlhf_agent, tmp_path, ray_se
                                    "--data.max_samples", "4"))
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
     assert len(rows) == 1 and rows[0]["agent/turns_mean"] >= 1.0 and rows[0]["agent/failed"] == 0.0
+
+
+OPENAI_CLIENT_AGENT = """
+from posttrain.agents.openai_server import OpenAIServerAgentExecutor
+
+
+class AgentExecutor(OpenAIServerAgentExecutor):
+    async def run_agent(self, prompt, label, session):
+        client = session.openai_client()
+        messages = [{"role": "user", "content": prompt}]
+        reply = await client.chat.completions.create(model=session.model, messages=messages)
+        answer = reply.choices[0].message.content
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Sure? Answer again."}]
+        again = await client.chat.completions.create(model=session.model, messages=messages)
+        await client.close()
+        final = again.choices[0].message.content.strip()
+        return {"reward": 1.0 if final.startswith(str(label)) else 0.0}
+"""
+
+
+def test_an_openai_client_agent_trains_through_the_server(rl_setup, tmp_path):
+    pytest.importorskip("openai")
+    from posttrain.cli import train_ppo_ray
+
+    agent = tmp_path / "openai_agent.py"
+    agent.write_text(OPENAI_CLIENT_AGENT)
+    out = tmp_path / "openai_agent"
+    train_ppo_ray.main(agent_flags(rl_setup, out, agent, "--data.max_len", "96"))
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["agent/turns_mean"] == 2.0 and r["agent/env_tokens"] > 0 for r in rows)
+    assert all(r["agent/failed"] <= 0.1 * 8 for r in rows)  # a re-rendering divergence is counted, never trained

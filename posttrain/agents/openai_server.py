@@ -1,0 +1,293 @@
+"""An agent executor that serves the policy as an OpenAI-compatible HTTP API during rollouts, so an
+agent program written against the OpenAI API (the official `openai` client, or plain HTTP) drives
+the episodes; every call's tokens are recorded and stitched into the training sample.
+
+Subclass `OpenAIServerAgentExecutor` and write `async run_agent(self, prompt, label, session) -> dict`:
+talk to `session.base_url` with `session.api_key` (`session.openai_client()` builds an
+`openai.AsyncOpenAI` when that package is installed), and return `{"reward": ..., "scores": ...,
+"extra_logs": {...}}` (a missing reward is scored by the run's reward source). An agent file gives
+`class AgentExecutor(OpenAIServerAgentExecutor)` to `--train.agent_func_path`.
+
+The server (FastAPI on 127.0.0.1, a random port, its own thread, started on first use) serves
+`GET /health`, `GET /v1/models`, `POST /tokenize` and `POST /v1/chat/completions`. Every episode gets
+a session with its own bearer token: a request without the token of a live session gets 401;
+a malformed one (bad JSON, no messages, a message without role/content, `n > 1`, `stream`, a bad
+`max_tokens` / `temperature` / `top_p`) gets 400 with the reason; a history longer than the budget 413.
+
+Delta tokenisation: the first call's prompt is the chat template applied to the messages, tokenised.
+For a later call the messages are re-rendered as text; when the session's text so far (the rendered
+prompts and the completions decoded with their special tokens) is a prefix of it, the prompt is the
+session's tokens as fed and sampled plus only the new tail tokenised, so the model's output is never
+re-tokenised (OpenRLHF's example re-tokenises the whole history and asserts a token prefix, which BPE
+merges break). When it is not (the agent changed the history, or the template renders an assistant
+turn differently from what was sampled), the call is still served from the re-rendering, but the
+session is marked divergent and the episode fails at the end ("counted, never trained on silently").
+Stitching: sample = last prompt + last completion; each call's completion is an action range, with
+the log-probs it was sampled with; everything else (template tokens, tool results, user turns) is
+context. The budget is `--data.max_len` over the session (each call may generate what is left, capped by
+`--rollout.max_new_tokens` when set).
+"""
+# no `from __future__ import annotations`: FastAPI reads the handlers' `Request` annotations at runtime
+
+import asyncio
+import hmac
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from uuid import uuid4
+
+from posttrain.agents.agent_api import AgentExecutorBase
+from posttrain.agents.episode import AgentSamplingParams
+
+
+@dataclass
+class Session:
+    """One episode's view of the server (module docstring)."""
+    session_id: str
+    api_key: str
+    base_url: str
+    model: str
+    engine: object = field(repr=False)
+    loop: asyncio.AbstractEventLoop = field(repr=False)
+    defaults: AgentSamplingParams = field(repr=False)
+    max_length: int = 0
+    traces: list[dict] = field(default_factory=list)
+    buffer: list[int] | None = None  # the session's tokens so far (last prompt + completion, as fed and sampled)
+    text: str = ""  # their text: the rendered prompt pieces + the completions decoded with special tokens
+    divergence: str | None = None
+    engine_error: BaseException | None = None
+
+    def openai_client(self):
+        """An `openai.AsyncOpenAI` for this session (needs `pip install openai`)."""
+        from openai import AsyncOpenAI
+
+        return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key)
+
+
+class RequestError(Exception):
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status, self.detail = status, detail
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "'messages' must be a non-empty list of {role, content} objects")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise RequestError(400, f"messages[{i}] must be an object with string 'role' and 'content'")
+    return messages
+
+
+def _number(body: dict, key: str, default, low: float, high: float, integer: bool = False):
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        raise RequestError(400, f"'{key}' must be a {'integer' if integer else 'number'}, got {value!r:.40}")
+    if not low <= value <= high:
+        raise RequestError(400, f"'{key}' must be in [{low:g}, {high:g}], got {value}")
+    return value
+
+
+class OpenAIServerAgentExecutor(AgentExecutorBase):
+    """Base of an OpenAI-API agent (module docstring). One server per executor, shared by its episodes."""
+
+    model_name = "policy"
+
+    def __init__(self) -> None:
+        self.sessions: dict[str, Session] = {}
+        self.divergent = 0  # sessions whose history re-rendered differently (counted over the run)
+        self._server = None
+        self._lock = threading.Lock()
+        self.host, self.port, self.tokenizer = "127.0.0.1", None, None
+
+    # ---- what a user writes ---------------------------------------------------------------------
+    async def run_agent(self, prompt: str, label, session: Session) -> dict:
+        raise NotImplementedError("write `async def run_agent(self, prompt, label, session)` in your AgentExecutor")
+
+    # ---- one episode ------------------------------------------------------------------------------
+    async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine, images=None):
+        if images:
+            raise ValueError("images: vision-language agents are not available in this version")
+        self._ensure_server(hf_tokenizer)
+        key = secrets.token_urlsafe(24)
+        session = Session(uuid4().hex, key, f"http://{self.host}:{self.port}/v1", self.model_name, llm_engine,
+                          asyncio.get_running_loop(), sampling_params, max_length)
+        self.sessions[key] = session
+        try:
+            try:
+                result = await self.run_agent(prompt, label, session) or {}
+            except Exception:
+                if session.engine_error is not None:  # the engine failed under the agent: not the agent's fault
+                    raise session.engine_error
+                raise
+            if not isinstance(result, dict):
+                raise ValueError(f"run_agent must return a dict (reward, scores, extra_logs), got {type(result).__name__}")
+            return self._stitch(session, prompt, label, result)
+        finally:
+            self.sessions.pop(key, None)
+
+    def _stitch(self, session: Session, prompt, label, result: dict) -> dict:
+        if session.divergence:
+            raise ValueError(f"session diverged: {session.divergence}; not trained")
+        if not session.traces:
+            raise ValueError("the agent made no chat completion call in its session")
+        last = session.traces[-1]
+        obs = last["prompt_ids"] + last["completion_ids"]
+        logprobs = [0.0] * len(obs)
+        ranges = []
+        for t in session.traces:
+            start = len(t["prompt_ids"])
+            ranges.append((start, start + len(t["completion_ids"])))
+            logprobs[start: start + len(t["logprobs"])] = t["logprobs"]
+        return {"prompt": prompt, "label": label, "observation_tokens": obs, "action_ranges": ranges,
+                "rollout_log_probs": logprobs, "truncated": last["finish_reason"] == "length",
+                "prompt_length": ranges[0][0], "reward": result.get("reward"), "scores": result.get("scores"),
+                "extra_logs": result.get("extra_logs") or {}, "turns": len(session.traces),
+                "env_tokens": len(obs) - ranges[0][0] - sum(e - s for s, e in ranges), "step_time": 0.0}
+
+    # ---- the server -------------------------------------------------------------------------------
+    def _ensure_server(self, tokenizer) -> None:
+        with self._lock:
+            if self._server is not None:
+                return
+            import socket
+
+            import uvicorn
+
+            self.tokenizer = tokenizer
+            with socket.socket() as s:
+                s.bind((self.host, 0))
+                self.port = s.getsockname()[1]
+            config = uvicorn.Config(self._app(), host=self.host, port=self.port, log_level="warning",
+                                    lifespan="off")
+            self._server = uvicorn.Server(config)
+            threading.Thread(target=self._server.run, name="posttrain-agent-server", daemon=True).start()
+            deadline = time.monotonic() + 30
+            while not self._server.started:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the agent's OpenAI-compatible server did not start within 30 s")
+                time.sleep(0.01)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._server = None
+
+    def _session(self, request) -> Session:
+        given = request.headers.get("authorization", "")
+        token = given[len("Bearer "):] if given.startswith("Bearer ") else ""
+        for key, session in list(self.sessions.items()):
+            if token and hmac.compare_digest(token.encode(), key.encode()):
+                return session
+        raise RequestError(401, "missing Authorization header" if not given else
+                           "unknown bearer token: use the api_key of a live session")
+
+    def _render_text(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _app(self):
+        from fastapi import FastAPI, Request
+        from fastapi.responses import JSONResponse
+
+        app = FastAPI(title="posttrain agent server")
+        executor = self
+
+        async def guarded(request: Request, handler):
+            try:
+                session = executor._session(request)
+                body = None
+                if request.method == "POST":
+                    try:
+                        body = await request.json()
+                    except Exception:
+                        raise RequestError(400, "the body must be a JSON object") from None
+                    if not isinstance(body, dict):
+                        raise RequestError(400, "the body must be a JSON object")
+                return await handler(session, body)
+            except RequestError as e:
+                return JSONResponse({"error": {"message": e.detail, "type": "invalid_request_error"}},
+                                    status_code=e.status)
+
+        @app.get("/health")
+        async def health(request: Request):
+            return await guarded(request, lambda s, b: _done({"status": "ok", "model": s.model}))
+
+        @app.get("/v1/models")
+        async def models(request: Request):
+            return await guarded(request, lambda s, b: _done(
+                {"object": "list", "data": [{"id": s.model, "object": "model", "owned_by": "posttrain"}]}))
+
+        @app.post("/tokenize")
+        async def tokenize(request: Request):
+            async def handle(session, body):
+                ids = executor._encode(executor._render_text(_messages(body), bool(body.get("add_generation_prompt"))))
+                return {"tokens": ids, "count": len(ids), "max_model_len": session.max_length}
+            return await guarded(request, handle)
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            return await guarded(request, executor._complete)
+
+        return app
+
+    async def _complete(self, session: Session, body: dict) -> dict:
+        messages = _messages(body)
+        if body.get("stream"):
+            raise RequestError(400, "'stream': streaming responses are not supported")
+        if _number(body, "n", 1, 1, 1, integer=True) != 1:
+            raise RequestError(400, "'n' must be 1")
+        d = session.defaults
+        temperature = _number(body, "temperature", d.temperature, 0.0, 100.0)
+        top_p = _number(body, "top_p", d.top_p, 1e-9, 1.0)
+        max_tokens = _number(body, "max_tokens", body.get("max_completion_tokens"), 1, 10**9, integer=True)
+        text = self._render_text(messages, True)
+        prompt_ids = self._encode(text)
+        if session.buffer is not None:
+            if text.startswith(session.text):  # the history as sampled, then only the new turns tokenised
+                prompt_ids = session.buffer + self._encode(text[len(session.text):])
+            elif session.divergence is None:
+                session.divergence = (f"call {len(session.traces) + 1}: the re-rendered history differs from the "
+                                      f"{len(session.buffer)} recorded tokens")
+                self.divergent += 1
+        remaining = session.max_length - len(prompt_ids)
+        if remaining <= 0:
+            raise RequestError(413, f"the conversation has {len(prompt_ids)} tokens; the episode's budget "
+                                    f"(--data.max_len {session.max_length}) is spent")
+        caps = [remaining] + [c for c in (max_tokens, d.max_tokens) if c]
+        params = AgentSamplingParams(temperature=temperature, top_p=top_p, max_tokens=min(caps),
+                                     stop_token_ids=d.stop_token_ids)
+        future = asyncio.run_coroutine_threadsafe(session.engine.generate(prompt_ids, params), session.loop)
+        try:
+            out = (await asyncio.wrap_future(future)).outputs[0]
+        except Exception as e:
+            session.engine_error = e
+            raise RequestError(500, f"the rollout engine failed: {type(e).__name__}") from None
+        ids = list(out.token_ids)
+        lps = [entry[t].logprob for entry, t in zip(out.logprobs, ids)]
+        session.buffer = prompt_ids + ids
+        session.text = text + self.tokenizer.decode(ids, skip_special_tokens=False)  # the text of `buffer`
+        session.traces.append({"prompt_ids": prompt_ids, "completion_ids": ids, "logprobs": lps,
+                               "finish_reason": out.finish_reason})
+        content = None
+        if body.get("logprobs"):
+            content = [{"token": self.tokenizer.decode([t]), "token_id": t, "logprob": lp, "bytes": None,
+                        "top_logprobs": []} for t, lp in zip(ids, lps)]
+        return {"id": f"chatcmpl-{uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
+                "model": session.model,
+                "choices": [{"index": 0, "message": {"role": "assistant",
+                                                     "content": self.tokenizer.decode(ids, skip_special_tokens=True)},
+                             "finish_reason": out.finish_reason, "logprobs": {"content": content} if content else None}],
+                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
+                          "total_tokens": len(prompt_ids) + len(ids)},
+                "token_ids": {"prompt_token_ids": prompt_ids, "completion_token_ids": ids}}
+
+
+async def _done(value):
+    return value
