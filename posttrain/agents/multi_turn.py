@@ -26,7 +26,7 @@ import torch
 from posttrain.agents.agent_api import AgentExecutorBase
 from posttrain.agents.episode import AgentSamplingParams, EpisodeEngine
 from posttrain.agents.single_turn import Rollout, ScoredRollouts, score_rollouts
-from posttrain.engines.rollout.async_engine import AsyncRolloutEngine
+from posttrain.engines.rollout.async_engine import AsyncRolloutEngine, run_coroutine
 from posttrain.engines.rollout.types import rank_seed
 from posttrain.utils.errors import UserError
 from posttrain.utils.log import info
@@ -114,7 +114,7 @@ class AgentRunner:
 
     def run(self, prompts, params, group_offset: int = 0, max_len: int | None = None) -> ScoredRollouts:
         """`max_len` is ignored: an episode's budget is `--data.max_len` over all its turns."""
-        return asyncio.run(self._run(prompts, params, group_offset))
+        return run_coroutine(self._run(prompts, params, group_offset))
 
     async def _run(self, prompts, params, group_offset: int) -> ScoredRollouts:
         front = AsyncRolloutEngine(self.engine)

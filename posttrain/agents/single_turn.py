@@ -1,4 +1,6 @@
-"""Single-turn executor: prompt tokens → sampled response tokens → one batched reward call.
+"""Single-turn executor: prompt tokens → sampled response tokens → one batched reward call. Sampling
+goes through the async front every executor uses (`engines/rollout/async_engine.generate_all`): the
+step's prompts arrive together and form one engine batch.
 
 Token-in, token-out: the rollout keeps the engine's token ids and sampling log-probs. A reward
 function or server gets OpenRLHF's inputs: ``queries`` = the whole sampled sequence (prompt +
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from posttrain.engines.rollout.async_engine import generate_all
 from posttrain.engines.rollout.types import rank_seed
 
 
@@ -71,7 +74,7 @@ class SingleTurnExecutor:
         kwargs = {}
         if params.seed is not None:  # engines that take no seeds (test fakes) still work unseeded
             kwargs["seeds"] = [rank_seed(params.seed, 0, group_offset + g) for g in range(len(prompts))]
-        outputs = self.engine.generate([p.token_ids for p in prompts], params, max_new_tokens=budgets, **kwargs)
+        outputs = generate_all(self.engine, [p.token_ids for p in prompts], params, max_new_tokens=budgets, **kwargs)
         rollouts = []
         for g, (prompt, outs) in enumerate(zip(prompts, outputs)):
             for out in outs:

@@ -9,8 +9,8 @@ loop keeps serving environments meanwhile). Requests that arrive while a batch r
 request joins only at a batch boundary: that is dynamic batching, not continuous batching inside
 the decode loop (README, "Agents").
 
-Exactness: each request carries its own seed (one sample, `n = 1`), and the engine samples every row
-from a generator of its own, so a request's tokens and log-probs do not depend on which other
+Exactness: each request carries its own seed (`generate`: one sample; `generate_n`: a prompt's `n`
+samples, as the batch engine draws them), and the engine samples every row from a generator of its own, so a request's tokens and log-probs do not depend on which other
 requests share its batch: concurrent and sequential execution give the same samples (tested)."""
 from __future__ import annotations
 
@@ -25,14 +25,14 @@ from posttrain.engines.rollout.types import RolloutOutput, SamplingParams
 @dataclass
 class _Request:
     token_ids: list[int]
-    seed: int
-    max_new_tokens: int
+    seed: int | None
+    max_new_tokens: int | None
     future: asyncio.Future = field(repr=False)
 
 
-def _batch_key(params: SamplingParams) -> tuple:
+def _batch_key(params: SamplingParams, seeded: bool) -> tuple:
     stop = None if params.stop_token_ids is None else tuple(params.stop_token_ids)
-    return (float(params.temperature), float(params.top_p), stop)
+    return (float(params.temperature), float(params.top_p), stop, int(params.n), int(params.max_new_tokens), seeded)
 
 
 class AsyncRolloutEngine:
@@ -56,10 +56,17 @@ class AsyncRolloutEngine:
         with `seed`, at most `max_new_tokens` tokens."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        return (await self.generate_n(token_ids, replace(params, n=1), seed=seed, max_new_tokens=max_new_tokens))[0]
+
+    async def generate_n(self, token_ids: list[int], params: SamplingParams, *, seed: int | None = None,
+                         max_new_tokens: int | None = None) -> list[RolloutOutput]:
+        """`params.n` samples of `token_ids`, as the batch engine's `generate` gives them for one prompt
+        (`seed` None: the engine draws; `max_new_tokens` None: `params.max_new_tokens`)."""
         loop = asyncio.get_running_loop()
-        request = _Request([int(t) for t in token_ids], int(seed), int(max_new_tokens), loop.create_future())
-        key = _batch_key(params)
-        self._waiting.setdefault(key, (replace(params, n=1), []))[1].append(request)
+        request = _Request([int(t) for t in token_ids], None if seed is None else int(seed),
+                           None if max_new_tokens is None else int(max_new_tokens), loop.create_future())
+        key = _batch_key(params, seed is not None)
+        self._waiting.setdefault(key, (params, []))[1].append(request)
         if self._runner is None or self._runner.done():
             self._runner = loop.create_task(self._run())
         return await request.future
@@ -92,8 +99,12 @@ class AsyncRolloutEngine:
                 self._waiting[key] = (params, rest)
             else:
                 del self._waiting[key]
-            call = functools.partial(self.engine.generate, [r.token_ids for r in batch], params,
-                                     max_new_tokens=[r.max_new_tokens for r in batch], seeds=[r.seed for r in batch])
+            kwargs = {}
+            if any(r.max_new_tokens is not None for r in batch):
+                kwargs["max_new_tokens"] = [r.max_new_tokens or params.max_new_tokens for r in batch]
+            if batch[0].seed is not None:  # a batch is all seeded or all unseeded (`_batch_key`)
+                kwargs["seeds"] = [r.seed for r in batch]
+            call = functools.partial(self.engine.generate, [r.token_ids for r in batch], params, **kwargs)
             try:
                 outputs = await asyncio.get_running_loop().run_in_executor(self._thread, call)
             except BaseException as e:  # every caller of this batch sees the engine's error
@@ -106,5 +117,31 @@ class AsyncRolloutEngine:
             self.batches += 1
             for r, outs in zip(batch, outputs):
                 if not r.future.done():
-                    r.future.set_result(outs[0])
+                    r.future.set_result(outs)
             await self._gather()  # requests submitted in reaction to these results join the next batch
+
+
+def run_coroutine(coro):
+    """`asyncio.run(coro)`, also from a thread whose event loop is already running (a notebook): then
+    in a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def generate_all(engine, prompt_token_ids, params: SamplingParams, max_new_tokens=None, seeds=None):
+    """The batch `engine.generate` call, made through an `AsyncRolloutEngine` (the path every executor
+    takes): all requests wait together, so they form the same one batch."""
+    async def main():
+        front = AsyncRolloutEngine(engine)
+        try:
+            return await asyncio.gather(*(
+                front.generate_n(ids, params, seed=None if seeds is None else seeds[i],
+                                 max_new_tokens=None if max_new_tokens is None else max_new_tokens[i])
+                for i, ids in enumerate(prompt_token_ids)))
+        finally:
+            front.close()
+    return list(run_coroutine(main()))
