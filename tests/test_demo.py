@@ -1,6 +1,7 @@
 """`posttrain demo --quick` (the main job's small variant) runs every stage end to end: SFT learns
 the task and the demonstrator's habit, then DPO, the reward model + PPO, and GRPO each train from the
-SFT model through the real entry points, with their metrics, plots and the summary table."""
+SFT model through the real entry points, with their metrics, plots and the summary table; then the
+multi-turn calculator task (SFT on transcripts, multi-turn RL, the single-turn control)."""
 import json
 
 from posttrain.utils.metrics import read_metrics
@@ -30,3 +31,9 @@ def test_quick_demo_runs_every_stage(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "held-out accuracy" in out and all(stage in out for stage in demo.STAGES)
     assert "preference acc" in out
+    # the multi-turn stage: SFT on transcripts, multi-turn RL with the tool, the single-turn control
+    assert list(summary["agent_success"]) == list(demo.AGENT_STAGES)
+    assert all(0.0 <= v <= 1.0 for v in summary["agent_success"].values())
+    rl = [r for r in read_metrics(tmp_path / "agent_rl" / "metrics.jsonl") if "agent/turns_mean" in r]
+    assert rl and all(r["agent/failed"] == 0 for r in rl)
+    assert "held-out success on multiplication with a calculator tool" in out

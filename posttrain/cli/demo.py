@@ -6,6 +6,10 @@ process, CPU), every stage through the same entry points a user runs:
     (b) a reward model on preference pairs → PPO with that reward model (critic, GAE),
     (c) DPO on the same pairs,
 and one table of held-out accuracy after each, plus the RM's held-out preference accuracy.
+Then a task where turns matter (`posttrain.agents.examples.calculator`): multiplication with a
+calculator tool. SFT on transcripts where the demonstrator uses the tool only sometimes (otherwise it
+guesses), multi-turn RL with the environment's reward (`--train.agent_func_path`), and a single-turn
+control trained the same way without the tool; greedy held-out success for each.
 
 The task is locally generated two-digit addition. The demonstrator answers exactly but, in most
 answers, adds a rounded estimate ("81, roughly 80"), so the last number of its answer, which the
@@ -41,16 +45,22 @@ class DemoScale:
     critic_lr: float
     dpo_epochs: int
     dpo_lr: float
+    agent_train: int  # calculator transcripts for SFT
+    agent_prompts: int  # RL prompts of the calculator task
+    agent_rl_lr: float
 
 
 FULL = DemoScale(size="tiny", difficulty=1, n_train=8000, n_test=200, habit=0.7, epochs=3, batch_size=32, lr=2e-3,
                  rl_prompts=1600, rl_lr=3e-4, n_pairs=2000, rm_epochs=2, rm_lr=1e-3, ppo_prompts=1600,
-                 ppo_lr=1e-4, critic_lr=1e-3, dpo_epochs=1, dpo_lr=1e-4)
+                 ppo_lr=1e-4, critic_lr=1e-3, dpo_epochs=1, dpo_lr=1e-4, agent_train=4000, agent_prompts=320,
+                 agent_rl_lr=1e-3)
 QUICK = DemoScale(size="nano", difficulty=0, n_train=1200, n_test=100, habit=0.7, epochs=2, batch_size=16, lr=3e-3,
                   rl_prompts=80, rl_lr=3e-4, n_pairs=256, rm_epochs=1, rm_lr=1e-3, ppo_prompts=64, ppo_lr=3e-4,
-                  critic_lr=1e-3, dpo_epochs=1, dpo_lr=1e-4)
+                  critic_lr=1e-3, dpo_epochs=1, dpo_lr=1e-4, agent_train=400, agent_prompts=32, agent_rl_lr=1e-3)
 
 STAGES = ("after SFT", "after DPO", "after PPO with the RM", "after RL (GRPO, verifiable reward)")
+AGENT_STAGES = ("after SFT (tool available)", "after multi-turn RL with the tool", "single-turn control: RL, no tool")
+TOOL_USE = 0.4  # the calculator demonstrator calls the tool in 40% of its transcripts, else guesses
 
 
 def _accuracy(model_dir: Path, rows: list[dict]) -> tuple[float, list[dict]]:
@@ -158,6 +168,62 @@ def dpo_flags(scale: DemoScale, sft: Path, pairs: Path, out: Path, seed: int) ->
     return _pair_flags(sft, pairs, out, seed, scale.dpo_epochs, scale.dpo_lr) + ["--model.beta", "0.1"]
 
 
+def agent_data(scale: DemoScale, out: Path, seed: int) -> list[dict]:
+    """data/agent: calculator transcripts (train.jsonl) and held-out problems (test.jsonl)."""
+    from posttrain.agents.examples.calculator import make_calculator_rows
+    from posttrain.data.synthetic import write_jsonl
+
+    rows = make_calculator_rows(scale.agent_train + scale.n_test, seed=seed, tool_use=TOOL_USE)
+    train, test = rows[: scale.agent_train], rows[scale.agent_train:]
+    write_jsonl(train, out / "data" / "agent" / "train.jsonl")
+    write_jsonl(test, out / "data" / "agent" / "test.jsonl")
+    return test
+
+
+def agent_sft_flags(scale: DemoScale, base: Path, data: Path, out: Path, seed: int) -> list[str]:
+    """Multi-turn SFT on the transcripts (loss on every assistant turn), OpenRLHF train_sft flags."""
+    return [
+        "--model.model_name_or_path", str(base), "--data.dataset", str(data), "--data.input_key", "messages",
+        "--data.apply_chat_template", "--data.multiturn", "--data.max_len", "96",
+        "--train.batch_size", "32", "--train.micro_batch_size", "32", "--train.max_epochs", str(scale.epochs),
+        "--train.seed", str(seed), "--adam.lr", str(scale.lr), "--lr_warmup_ratio", "0.05", "--adam.weight_decay",
+        "0.0", "--ckpt.output_dir", str(out), "--ckpt.save_steps", "-1", "--logger.logging_steps", "5",
+    ]
+
+
+def agent_rl_flags(scale: DemoScale, sft: Path, data: Path, out: Path, seed: int, agent_file: str) -> list[str]:
+    """Multi-turn RL: episodes of the agent file, rewards from its environment (train_ppo_ray flags)."""
+    return [
+        "--actor.model_name_or_path", str(sft), "--data.prompt_dataset", str(data), "--data.input_key", "prompt",
+        "--data.label_key", "answer", "--data.apply_chat_template", "--data.max_len", "96",
+        "--data.max_samples", str(scale.agent_prompts), "--train.agent_func_path", agent_file,
+        "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
+        "--rollout.batch_size", "16", "--rollout.n_samples_per_prompt", "8", "--rollout.max_new_tokens", "12",
+        "--rollout.micro_batch_size", "64", "--train.batch_size", "128", "--train.micro_batch_size", "64",
+        "--actor.adam.lr", str(scale.agent_rl_lr), "--actor.lr_warmup_ratio", "0.05", "--train.seed", str(seed),
+        "--ckpt.output_dir", str(out), "--logger.logging_steps", "1",
+    ]
+
+
+def run_agent_task(scale: DemoScale, base: Path, out: Path, seed: int, timed) -> dict[str, float]:
+    """The calculator task: SFT → multi-turn RL, and the single-turn control; greedy held-out success."""
+    from posttrain.agents.examples import CALCULATOR_AGENT, CALCULATOR_NO_TOOL
+    from posttrain.cli import train_ppo_ray, train_sft
+    from posttrain.trainers.task_eval import agent_success
+
+    test = agent_data(scale, out, seed)
+    data, sft, rl, single = out / "data" / "agent", out / "agent_sft", out / "agent_rl", out / "agent_single_turn"
+    timed(AGENT_STAGES[0], train_sft.main, agent_sft_flags(scale, base, data, sft, seed), "posttrain demo (agent sft)")
+    success = {AGENT_STAGES[0]: agent_success(sft, test, CALCULATOR_AGENT)[0]}
+    timed(AGENT_STAGES[1], train_ppo_ray.main, agent_rl_flags(scale, sft, data, rl, seed, CALCULATOR_AGENT),
+          "posttrain demo (multi-turn rl)")
+    success[AGENT_STAGES[1]] = agent_success(rl, test, CALCULATOR_AGENT)[0]
+    timed(AGENT_STAGES[2], train_ppo_ray.main, agent_rl_flags(scale, sft, data, single, seed, CALCULATOR_NO_TOOL),
+          "posttrain demo (single-turn control)")
+    success[AGENT_STAGES[2]] = agent_success(single, test, CALCULATOR_NO_TOOL)[0]
+    return success
+
+
 def print_table(summary: dict) -> None:
     print("\nheld-out accuracy on", summary["task"], f"({summary['held_out_prompts']} prompts, greedy)")
     print(f"  {'stage':<38}{'accuracy':>9}{'minutes':>9}")
@@ -166,6 +232,9 @@ def print_table(summary: dict) -> None:
         print(f"  {stage:<38}{acc:>9.1%}{'' if minutes is None else f'{minutes:>9.1f}'}")
     print(f"  {'reward model: held-out preference acc.':<38}{summary['rm_preference_accuracy']:>9.1%}"
           f"{summary['minutes']['reward model']:>9.1f}")
+    print(f"\nheld-out success on {summary['agent_task']} ({summary['held_out_prompts']} problems, greedy episodes)")
+    for stage, acc in summary["agent_success"].items():
+        print(f"  {stage:<38}{acc:>9.1%}{summary['minutes'][stage]:>9.1f}")
     print(f"done in {summary['seconds'] / 60:.1f} min; models, metrics and plots under {summary['output']}")
 
 
@@ -210,11 +279,14 @@ def main(argv: list[str] | None = None) -> dict:
     timed(STAGES[3], train_ppo_ray.main, rl_flags(scale, d["sft"], sft_data, d["rl"], args.seed),
           "posttrain demo (grpo)")
     acc[STAGES[3]], samples = _accuracy(d["rl"], test)
+    agent = run_agent_task(scale, base, out, args.seed, timed)
 
     summary = {"task": f"arithmetic difficulty {scale.difficulty}, demonstrations with the rounding habit "
                        f"in {scale.habit:.0%}", "held_out_prompts": len(test),
                "held_out_prompts_unseen_in_training": data["disjoint"], "accuracy": acc,
                "rm_preference_accuracy": rm_eval.get("eval/acc", float("nan")), "minutes": minutes,
+               "agent_task": f"multiplication with a calculator tool (demonstrator uses it in {TOOL_USE:.0%})",
+               "agent_success": agent,
                "seconds": round(time.time() - t0, 1), "output": str(out),
                "plots": {name: str(path / "plots") for name, path in d.items()}}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
