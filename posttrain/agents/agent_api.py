@@ -13,7 +13,8 @@ tokens), then per turn generate with a budget of `max_length - len(context)` (ca
 OpenRLHF overwrites it), record the action's
 token range, call `step` with the texts, append the action tokens as sampled and the feedback's
 tokens, and stop at `done` or when the budget is spent. Rewards add up over turns (`rewards` as a
-tensor or number); `scores` and `extra_logs` are the last step's. posttrain's deliberate differences
+tensor or number; None from every step: the run's reward source scores the episode); `scores` and
+`extra_logs` are the last step's. posttrain's deliberate differences
 (README, differences table): the feedback of the last turn is cut so the sequence never exceeds
 `max_length` (OpenRLHF cuts the finished sequence at training time), `truncated` is set when the
 budget ended the episode, and a too-long initial observation is an error instead of being cut from the
@@ -98,7 +99,7 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         prompt_len = len(context)
         logprobs = [0.0] * prompt_len
         action_ranges: list[tuple[int, int]] = []
-        total_reward, scores, extra_logs = 0.0, None, {}
+        total_reward, scores, extra_logs = None, None, {}
         truncated, env_tokens, step_time, turns = False, 0, 0.0, 0
         turn_cap = getattr(sampling_params, "max_tokens", None)  # posttrain: --rollout.max_new_tokens per turn
         while True:
@@ -118,7 +119,8 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
                                        "label": label, "sampling_params": sampling_params})
             step_time += time.perf_counter() - t0
             result = _check_step(result)
-            total_reward += _number(result["rewards"], "step()['rewards']")
+            if result["rewards"] is not None:  # None: the run's reward source scores the episode (posttrain)
+                total_reward = (total_reward or 0.0) + _number(result["rewards"], "step()['rewards']")
             scores = result.get("scores", total_reward)
             extra_logs = result.get("extra_logs") or {}
             feedback_text = result["environment_feedback"]

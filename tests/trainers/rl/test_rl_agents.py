@@ -136,3 +136,52 @@ def test_an_openai_client_agent_trains_through_the_server(rl_setup, tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["agent/turns_mean"] == 2.0 and r["agent/env_tokens"] > 0 for r in rows)
     assert all(r["agent/failed"] <= 0.1 * 8 for r in rows)  # a re-rendering divergence is counted, never trained
+
+
+@pytest.mark.parametrize("estimator", ["gae", "reinforce", "rloo", "group_norm", "dr_grpo"])
+def test_every_estimator_trains_on_multi_turn_samples(estimator, rl_setup, openrlhf_agent, tmp_path):
+    """One step each (reinforce_baseline: the tests above); GAE trains a critic on the episode tokens.
+    With shaping and dynamic filtering on (they read each episode's length, budget and scores)."""
+    from posttrain.cli import train_ppo_ray
+
+    out = tmp_path / estimator
+    train_ppo_ray.main(agent_flags(
+        rl_setup, out, openrlhf_agent, "--algo.advantage.estimator", estimator, "--data.max_samples", "4",
+        "--reward.overlong_buffer_len", "2", "--reward.stop_properly_penalty_coef", "0.5",
+        "--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range", "-0.01", "1.01"))
+    (row,) = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
+    assert row["agent/turns_mean"] >= 1.0 and row["actor/policy_loss"] == row["actor/policy_loss"]
+    assert ("critic/value_loss" in row) == (estimator == "gae")
+
+
+UNSCORED_AGENT = '''
+from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
+
+
+class AgentInstance(AgentInstanceBase):
+    def __init__(self, *args, **kwargs):
+        self.turn = 0
+
+    async def step(self, states, **kwargs):
+        self.turn += 1
+        return {"rewards": None, "environment_feedback": " and?", "done": self.turn == 2}
+
+
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)
+'''
+
+
+def test_a_reward_model_scores_episodes_the_environment_leaves_unscored(rl_setup, tiny_score_model_dir, tmp_path):
+    from posttrain.cli import train_ppo_ray
+
+    agent = tmp_path / "unscored.py"
+    agent.write_text(UNSCORED_AGENT)
+    out = tmp_path / "rm"
+    train_ppo_ray.main(agent_flags(rl_setup, out, agent, "--reward.model_name_or_path", tiny_score_model_dir,
+                                   "--data.max_samples", "4"))
+    (row,) = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
+    assert row["agent/turns_mean"] == 2.0 and row["reward/std"] > 0  # real RM scores, not a constant
+    sample = json.loads((out / "samples.jsonl").read_text().splitlines()[0])
+    assert sample["response"].count(" and?") == 2
