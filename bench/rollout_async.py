@@ -13,19 +13,16 @@ against `engine.generate` in the same run. Not a test: nothing asserts on time.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import machine, md_table, median, versions  # noqa: E402
-from rollout_tokens import _prompts  # noqa: E402
+from rollout_tokens import _prompts, rollout_args  # noqa: E402
 
 from posttrain.engines.rollout import HFRolloutEngine, SamplingParams  # noqa: E402
 from posttrain.engines.rollout.async_engine import AsyncRolloutEngine, generate_all  # noqa: E402
@@ -49,14 +46,7 @@ def episodes(engine, prompts, params, seeds) -> int:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", default="tiny")
-    ap.add_argument("--batches", type=int, nargs="+", default=[16, 64])
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args = rollout_args(__doc__.splitlines()[0], argv)
     with tempfile.TemporaryDirectory() as tmp:
         info = build_tiny(Path(tmp) / "model", size=args.size, verbose=False)
         model = load_causal_lm(info["path"], dtype="fp32").eval()

@@ -65,8 +65,9 @@ def run_engine(engine, prompts, max_new, seed) -> int:
     return sum(len(o.output_token_ids) for group in out for o in group)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def rollout_args(description: str, argv=None) -> argparse.Namespace:
+    """The rollout benches' flags (this file and rollout_async.py); sets torch's thread count."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--size", default="tiny")
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--max-new-tokens", type=int, default=32)
@@ -75,6 +76,11 @@ def main(argv=None):
                     help="torch intra-op threads (1: all work on the main thread, so its CPU time is exact)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    return args
+
+
+def main(argv=None):
+    args = rollout_args(__doc__.splitlines()[0], argv)
 
     with tempfile.TemporaryDirectory() as tmp:
         info = build_tiny(Path(tmp) / "model", size=args.size, verbose=False)
