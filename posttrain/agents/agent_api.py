@@ -127,14 +127,14 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             feedback = _tokens(hf_tokenizer, feedback_text)
             room = max_length - len(context)
             if len(feedback) > room:  # the feedback does not fit: cut it and end the episode
-                feedback, truncated = feedback[:room], True
+                feedback, truncated = feedback[:room], not result["done"]
             observation_text = observation_text + out.text + feedback_text
             context += feedback
             logprobs += [0.0] * len(feedback)
             env_tokens += len(feedback)
             if result.get("sampling_params"):
                 sampling_params = result["sampling_params"]
-            if result["done"] or truncated:
+            if result["done"] or truncated or len(context) >= max_length:
                 break
         truncated = truncated or out.finish_reason == "length"  # the last action ran out of budget
         return {"prompt": prompt, "label": label, "images": images, "mm_train_inputs": None,

@@ -83,7 +83,10 @@ class EpisodeEngine:
         out = await self.front.generate(ids, sampling_params.to_engine(), seed=seed,
                                         max_new_tokens=int(sampling_params.max_tokens))
         tokens = list(out.output_token_ids)
-        text = self.tokenizer.decode(tokens, skip_special_tokens=sampling_params.skip_special_tokens)
+        shown = tokens
+        if out.finish_reason == "stop" and tokens and tokens[-1] in set(self.tokenizer.all_special_ids):
+            shown = tokens[:-1]  # as vLLM's `.text`: the stop token is in `token_ids`, not in the text
+        text = self.tokenizer.decode(shown, skip_special_tokens=sampling_params.skip_special_tokens)
         entries = [{t: Logprob(lp, rank=None)} for t, lp in zip(tokens, out.logprobs)]
         completion = CompletionOutput(0, text, tokens, entries, out.finish_reason, float(sum(out.logprobs)))
         return RequestOutput(ids, [completion])

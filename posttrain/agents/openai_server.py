@@ -124,6 +124,8 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
                 if session.engine_error is not None:  # the engine failed under the agent: not the agent's fault
                     raise session.engine_error
                 raise
+            if session.engine_error is not None:  # the agent caught the server's 500: still the engine's fault
+                raise session.engine_error
             if not isinstance(result, dict):
                 raise ValueError(f"run_agent must return a dict (reward, scores, extra_logs), got {type(result).__name__}")
             return self._stitch(session, prompt, label, result)
@@ -246,8 +248,12 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         d = session.defaults
         temperature = _number(body, "temperature", d.temperature, 0.0, 100.0)
         top_p = _number(body, "top_p", d.top_p, 1e-9, 1.0)
-        max_tokens = _number(body, "max_tokens", body.get("max_completion_tokens"), 1, 10**9, integer=True)
-        text = self._render_text(messages, True)
+        max_tokens = _number(body, "max_tokens", _number(body, "max_completion_tokens", None, 1, 10**9, integer=True),
+                             1, 10**9, integer=True)
+        try:
+            text = self._render_text(messages, True)
+        except Exception as e:  # the chat template refused these messages (roles, alternation, ...)
+            raise RequestError(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
         prompt_ids = self._encode(text)
         if session.buffer is not None:
             if text.startswith(session.text):  # the history as sampled, then only the new turns tokenised

@@ -26,13 +26,14 @@ from posttrain.engines.rollout.types import RolloutOutput, SamplingParams
 class _Request:
     token_ids: list[int]
     seed: int | None
-    max_new_tokens: int | None
+    max_new_tokens: int | None  # None: the request's params.max_new_tokens
     future: asyncio.Future = field(repr=False)
+    default_budget: int = 0
 
 
 def _batch_key(params: SamplingParams, seeded: bool) -> tuple:
     stop = None if params.stop_token_ids is None else tuple(params.stop_token_ids)
-    return (float(params.temperature), float(params.top_p), stop, int(params.n), int(params.max_new_tokens), seeded)
+    return (float(params.temperature), float(params.top_p), stop, int(params.n), seeded)
 
 
 class AsyncRolloutEngine:
@@ -63,8 +64,9 @@ class AsyncRolloutEngine:
         """`params.n` samples of `token_ids`, as the batch engine's `generate` gives them for one prompt
         (`seed` None: the engine draws; `max_new_tokens` None: `params.max_new_tokens`)."""
         loop = asyncio.get_running_loop()
+        budget = int(max_new_tokens) if max_new_tokens is not None else None
         request = _Request([int(t) for t in token_ids], None if seed is None else int(seed),
-                           None if max_new_tokens is None else int(max_new_tokens), loop.create_future())
+                           budget, loop.create_future(), default_budget=int(params.max_new_tokens))
         key = _batch_key(params, seed is not None)
         self._waiting.setdefault(key, (params, []))[1].append(request)
         if self._runner is None or self._runner.done():
@@ -101,7 +103,7 @@ class AsyncRolloutEngine:
                 del self._waiting[key]
             kwargs = {}
             if any(r.max_new_tokens is not None for r in batch):
-                kwargs["max_new_tokens"] = [r.max_new_tokens or params.max_new_tokens for r in batch]
+                kwargs["max_new_tokens"] = [r.max_new_tokens or r.default_budget for r in batch]
             if batch[0].seed is not None:  # a batch is all seeded or all unseeded (`_batch_key`)
                 kwargs["seeds"] = [r.seed for r in batch]
             call = functools.partial(self.engine.generate, [r.token_ids for r in batch], params, **kwargs)

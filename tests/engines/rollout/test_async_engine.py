@@ -56,3 +56,19 @@ def test_an_engine_error_reaches_every_waiting_caller():
     assert [str(e) for e in errors] == ["engine down"] * 4
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         asyncio.run(AsyncRolloutEngine(Broken()).generate([1], SamplingParams(), seed=1, max_new_tokens=0))
+
+
+def test_requests_with_different_budgets_share_one_batch(engine):
+    """Episodes ask with their own remaining budgets: that must not split the batch."""
+    spy = Counting(engine)
+
+    async def main():
+        front = AsyncRolloutEngine(spy)
+        try:
+            return await asyncio.gather(*(front.generate(p, SamplingParams(max_new_tokens=k + 1), seed=k,
+                                                         max_new_tokens=k + 1) for k, p in enumerate(PROMPTS)))
+        finally:
+            front.close()
+    outs = asyncio.run(main())
+    assert spy.calls == [(4, ["max_new_tokens", "seeds"])]
+    assert [len(o.output_token_ids) <= k + 1 for k, o in enumerate(outs)] == [True] * 4
