@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import machine, md_table, median, versions  # noqa: E402
-from rollout_tokens import _prompts, rollout_args  # noqa: E402
+from rollout_tokens import _prompts, rollout_setup  # noqa: E402
 
-from posttrain.engines.rollout import HFRolloutEngine, SamplingParams  # noqa: E402
+from posttrain.engines.rollout import SamplingParams  # noqa: E402
 from posttrain.engines.rollout.async_engine import AsyncRolloutEngine, generate_all  # noqa: E402
-from posttrain.models import build_tiny, load_causal_lm, load_tokenizer  # noqa: E402
 
 
 def tokens(groups) -> int:
@@ -46,12 +44,7 @@ def episodes(engine, prompts, params, seeds) -> int:
 
 
 def main(argv=None):
-    args = rollout_args(__doc__.splitlines()[0], argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        info = build_tiny(Path(tmp) / "model", size=args.size, verbose=False)
-        model = load_causal_lm(info["path"], dtype="fp32").eval()
-        tokenizer = load_tokenizer(info["path"])
-    engine = HFRolloutEngine(model, tokenizer, pad_token_id=tokenizer.pad_token_id)
+    args, info, _, tokenizer, engine = rollout_setup(__doc__.splitlines()[0], argv)
     params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens)
     print(f"# rollout tokens/s through the async front, {args.size} model ({info['num_parameters']:,} params), "
           f"max_new_tokens {args.max_new_tokens}")

@@ -65,8 +65,9 @@ def run_engine(engine, prompts, max_new, seed) -> int:
     return sum(len(o.output_token_ids) for group in out for o in group)
 
 
-def rollout_args(description: str, argv=None) -> argparse.Namespace:
-    """The rollout benches' flags (this file and rollout_async.py); sets torch's thread count."""
+def rollout_setup(description: str, argv=None):
+    """The rollout benches' flags and model (this file and rollout_async.py): (args, model info, model,
+    tokenizer, posttrain's engine over the model); sets torch's thread count."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--size", default="tiny")
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 64])
@@ -76,18 +77,16 @@ def rollout_args(description: str, argv=None) -> argparse.Namespace:
                     help="torch intra-op threads (1: all work on the main thread, so its CPU time is exact)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    return args
-
-
-def main(argv=None):
-    args = rollout_args(__doc__.splitlines()[0], argv)
-
     with tempfile.TemporaryDirectory() as tmp:
         info = build_tiny(Path(tmp) / "model", size=args.size, verbose=False)
         model = load_causal_lm(info["path"], dtype="fp32").eval()
         tokenizer = load_tokenizer(info["path"])
+    return args, info, model, tokenizer, HFRolloutEngine(model, tokenizer, pad_token_id=tokenizer.pad_token_id)
+
+
+def main(argv=None):
+    args, info, model, tokenizer, engine = rollout_setup(__doc__.splitlines()[0], argv)
     pad_id = tokenizer.pad_token_id
-    engine = HFRolloutEngine(model, tokenizer, pad_token_id=pad_id)
     stop = engine.eos_token_ids
     sides = {
         "posttrain HFRolloutEngine": lambda p, s: run_engine(engine, p, args.max_new_tokens, s),
