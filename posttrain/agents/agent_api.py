@@ -71,7 +71,8 @@ def _number(value, what: str) -> float:
     raise ValueError(f"{what} must be a number or a one-element tensor, got {type(value).__name__}")
 
 
-def _tokens(tokenizer, text: str) -> list[int]:
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Text as the model is fed it between turns: tokenised without special tokens added (OpenRLHF)."""
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -92,7 +93,7 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         if not isinstance(reset, dict) or not isinstance(reset.get("observation"), str):
             raise ValueError(f"reset() must return a dict with an 'observation' string, got {reset!r:.200}")
         observation_text = reset["observation"]
-        context = _tokens(hf_tokenizer, observation_text)
+        context = encode_text(hf_tokenizer, observation_text)
         if len(context) >= max_length:
             raise ValueError(f"the initial observation has {len(context)} tokens, no room to generate within "
                              f"--data.max_len {max_length}")
@@ -124,7 +125,7 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             scores = result.get("scores", total_reward)
             extra_logs = result.get("extra_logs") or {}
             feedback_text = result["environment_feedback"]
-            feedback = _tokens(hf_tokenizer, feedback_text)
+            feedback = encode_text(hf_tokenizer, feedback_text)
             room = max_length - len(context)
             if len(feedback) > room:  # the feedback does not fit: cut it and end the episode
                 feedback, truncated = feedback[:room], not result["done"]
@@ -174,7 +175,7 @@ class SingleTurnAgentExecutor(AgentExecutorBase):
                       images=None):
         if images:
             raise ValueError("images: vision-language agents are not available in this version")
-        ids = _tokens(hf_tokenizer, prompt)
+        ids = encode_text(hf_tokenizer, prompt)
         if len(ids) >= max_length:
             raise ValueError(f"the prompt has {len(ids)} tokens, no room to generate within --data.max_len {max_length}")
         params = deepcopy(sampling_params)

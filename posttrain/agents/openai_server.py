@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from uuid import uuid4
 
-from posttrain.agents.agent_api import AgentExecutorBase
+from posttrain.agents.agent_api import AgentExecutorBase, encode_text
 from posttrain.agents.episode import AgentSamplingParams
 
 
@@ -191,9 +191,6 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
     def _render_text(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
     def _app(self):
         from fastapi import FastAPI, Request
         from fastapi.responses import JSONResponse
@@ -229,7 +226,8 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         @app.post("/tokenize")
         async def tokenize(request: Request):
             async def handle(session, body):
-                ids = executor._encode(executor._render_text(_messages(body), bool(body.get("add_generation_prompt"))))
+                text = executor._render_text(_messages(body), bool(body.get("add_generation_prompt")))
+                ids = encode_text(executor.tokenizer, text)
                 return {"tokens": ids, "count": len(ids), "max_model_len": session.max_length}
             return await guarded(request, handle)
 
@@ -254,10 +252,10 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
             text = self._render_text(messages, True)
         except Exception as e:  # the chat template refused these messages (roles, alternation, ...)
             raise RequestError(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
-        prompt_ids = self._encode(text)
+        prompt_ids = encode_text(self.tokenizer, text)
         if session.buffer is not None:
             if text.startswith(session.text):  # the history as sampled, then only the new turns tokenised
-                prompt_ids = session.buffer + self._encode(text[len(session.text):])
+                prompt_ids = session.buffer + encode_text(self.tokenizer, text[len(session.text):])
             elif session.divergence is None:
                 session.divergence = (f"call {len(session.traces) + 1}: the re-rendered history differs from the "
                                       f"{len(session.buffer)} recorded tokens")
