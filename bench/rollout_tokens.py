@@ -65,9 +65,10 @@ def run_engine(engine, prompts, max_new, seed) -> int:
     return sum(len(o.output_token_ids) for group in out for o in group)
 
 
-def rollout_setup(description: str, argv=None):
+def rollout_setup(description: str, argv=None, extra=()):
     """The rollout benches' flags and model (this file and rollout_async.py): (args, model info, model,
-    tokenizer, posttrain's engine over the model); sets torch's thread count."""
+    tokenizer, posttrain's engine over the model); sets torch's thread count. `extra`: more
+    (flag, argparse kwargs) pairs."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--size", default="tiny")
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 64])
@@ -75,6 +76,8 @@ def rollout_setup(description: str, argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (1: all work on the main thread, so its CPU time is exact)")
+    for flag, kwargs in extra:
+        ap.add_argument(flag, **kwargs)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:

@@ -230,3 +230,17 @@ def test_64_concurrent_episodes_equal_sequential_ones_with_the_same_seeds(tok, t
     assert together.rollouts[0].turns == 3
     # the concurrent run shared engine calls (requests of many episodes per batch): 3 turns of 64 episodes
     assert batched_calls <= 6 < 64 * 3
+
+    class Streamed:  # the HF engine itself: continuous batching on its decode thread
+        def stream(self, max_rows):
+            self.server = engine.stream(max_rows)
+            return self.server
+
+    streamed_engine = Streamed()
+    streamed = AgentRunner(MultiTurnAgentExecutor(Guess), streamed_engine, tok, None, max_len=40, timeout=60,
+                           max_failure_frac=0, turn_cap=6).run(prompts, params)
+    for a, b in zip(streamed.rollouts, alone):
+        assert a.output_ids == b.output_ids and a.action_mask == b.action_mask
+        assert a.rollout_logprobs == pytest.approx(b.rollout_logprobs, abs=1e-5)
+    # episodes decoded together, joining the running batch turn by turn
+    assert streamed_engine.server.max_live > 16 and streamed_engine.server.steps < 64 * 3

@@ -1,17 +1,19 @@
-"""An asyncio front over a batch rollout engine: many concurrent callers (agent episodes) each
-`await generate(token_ids, params, seed=..., max_new_tokens=...)` one request at a time, and the front
-runs the requests that are waiting as one batched `engine.generate` call.
+"""An asyncio front over a rollout engine: many concurrent callers (agent episodes) each
+`await generate(token_ids, params, seed=..., max_new_tokens=...)` one request at a time.
 
-Scheduling: when a request arrives and no batch is running, the front yields to the event loop until
-no new request comes (so the episodes that are ready to ask do so), then takes every waiting request with the same
-sampling settings (temperature, top-p, stop ids) as one batch, in the front's own thread (the event
-loop keeps serving environments meanwhile). Requests that arrive while a batch runs form the next batch. A
-request joins only at a batch boundary: that is dynamic batching, not continuous batching inside
-the decode loop (README, "Agents").
+Scheduling: when a request arrives the front yields to the event loop until no new request comes (so
+the episodes that are ready to ask do so), then hands every waiting request to the engine together.
+ * An engine with `stream()` (the HF engine) does continuous batching: the requests join its running
+   decode batch at the next decode step and leave it when they finish, each with its own KV cache
+   rows (`stream.DecodeServer`); a malformed request fails alone.
+ * Any other engine (vLLM, a Ray engine group, test fakes) gets one batched `engine.generate` call per
+   group of waiting requests with the same sampling settings (temperature, top-p, stop ids), run in
+   the front's own thread; requests that arrive meanwhile form the next call (dynamic batching).
 
 Exactness: each request carries its own seed (`generate`: one sample; `generate_n`: a prompt's `n`
-samples, as the batch engine draws them), and the engine samples every row from a generator of its own, so a request's tokens and log-probs do not depend on which other
-requests share its batch: concurrent and sequential execution give the same samples (tested)."""
+samples, as the batch engine draws them), and the engine samples every row from a generator of its
+own, so a request's tokens and log-probs do not depend on which other requests share its batch:
+concurrent and sequential execution give the same samples (tested)."""
 from __future__ import annotations
 
 import asyncio
@@ -38,12 +40,13 @@ def _batch_key(params: SamplingParams, seeded: bool) -> tuple:
 
 class AsyncRolloutEngine:
     """`engine`: anything with `generate(prompts, params, max_new_tokens=[...], seeds=[...])` (the HF
-    engine, the vLLM engine, or a Ray engine group). `max_batch`: the most requests per batch (None:
-    all that wait)."""
+    engine, the vLLM engine, or a Ray engine group), streamed when it has `stream()`. `max_batch`: the
+    most requests per engine call, or rows per decode batch when streamed (None: no cap)."""
 
     def __init__(self, engine, max_batch: int | None = None) -> None:
         self.engine = engine
         self.max_batch = max_batch
+        self.stream = engine.stream(max_batch) if hasattr(engine, "stream") else None
         self._waiting: dict[tuple, tuple[SamplingParams, list[_Request]]] = {}
         self._runner: asyncio.Task | None = None
         # the engine runs in a thread of its own: agents that block the loop's default pool (e.g. HTTP
@@ -76,6 +79,8 @@ class AsyncRolloutEngine:
     def close(self) -> None:
         """Release the engine thread (after the last request)."""
         self._thread.shutdown(wait=False)
+        if self.stream is not None:
+            self.stream.close()
 
     def _num_waiting(self) -> int:
         return sum(len(requests) for _, requests in self._waiting.values())
@@ -92,6 +97,9 @@ class AsyncRolloutEngine:
 
     async def _run(self) -> None:
         await self._gather()
+        if self.stream is not None:
+            self._submit_to_stream()
+            return
         while self._waiting:
             key = next(iter(self._waiting))
             params, requests = self._waiting[key]
@@ -121,6 +129,33 @@ class AsyncRolloutEngine:
                 if not r.future.done():
                     r.future.set_result(outs)
             await self._gather()  # requests submitted in reaction to these results join the next batch
+
+
+    def _submit_to_stream(self) -> None:
+        loop = asyncio.get_running_loop()
+        requests = []
+        for params, waiting in self._waiting.values():
+            for r in waiting:
+                requests.append((r.token_ids, params, r.seed, r.max_new_tokens,
+                                 functools.partial(_settle_from_thread, loop, r.future)))
+        self._waiting.clear()
+        self.batches += 1
+        self.stream.submit_all(requests)
+
+
+def _settle(future: asyncio.Future, outputs, error) -> None:
+    if not future.done():  # a caller that timed out has cancelled it
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(outputs)
+
+
+def _settle_from_thread(loop, future: asyncio.Future, outputs, error) -> None:
+    try:
+        loop.call_soon_threadsafe(_settle, future, outputs, error)
+    except RuntimeError:  # the caller's event loop has closed: nobody waits for this result
+        pass
 
 
 def run_coroutine(coro):

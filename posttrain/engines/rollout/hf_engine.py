@@ -1,31 +1,35 @@
 """In-process rollout engine over a transformers causal LM (the training module itself, no copy).
 
-Batched sampling with left padding and the model's own KV cache (``DynamicCache``), in a custom
-loop so that log-probs, top-p, seeding and stopping are ours:
+Sampling runs in our own decode loop over the model's KV cache (`decode_batch.DecodeBatch`), so that
+log-probs, top-p, seeding and stopping are ours:
 
 * prompts are left-padded; ``attention_mask`` marks real tokens and ``position_ids`` are
   ``cumsum(mask) - 1``, so each row sees positions 0..L-1 exactly as if it ran alone;
 * each step samples one token per row (``sample_next``); a row stops at its first stop token
-  (kept in the output) or after ``max_new_tokens``; tokens sampled for a finished row are
-  discarded, and once a quarter of the batch has finished those rows are dropped from the batch
-  and the cache;
+  (kept in the output) or after its budget; finished rows leave the batch and the cache, and waiting
+  rows join it between decode steps (continuous batching, at most ``batch_size`` rows);
 * every sample draws from its own ``torch.Generator``, seeded from its prompt's seed (``seeds[i]``,
   else ``rank_seed(params.seed, 0, i)``) and its index j: a prompt's samples do not depend on the
-  other prompts, its position, the ``batch_size`` chunking or how prompts are split across engines.
+  other prompts, its position, the ``batch_size`` or how prompts are split across engines.
+
+``stream()`` serves single requests from other threads on the same loop (``stream.DecodeServer``):
+that is what the async front (``async_engine``) uses for agent episodes.
 """
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Mapping, Sequence
+from collections import deque
+from collections.abc import Iterable, Mapping
+from collections.abc import Sequence as Seq
+from contextlib import contextmanager
 
 import torch
 
-from posttrain.engines.rollout.sampling import check_seeds, sample_generators, sample_next
+from posttrain.engines.rollout.decode_batch import DecodeBatch, Sequence
+from posttrain.engines.rollout.sampling import check_seeds, sample_generators
 from posttrain.engines.rollout.types import RolloutOutput, SamplingParams, _is_int, check_budgets, rank_seed
 from posttrain.models import unwrap_model
 from posttrain.utils.weights_hash import weights_hash
-
-_COMPACT_FRACTION = 0.25  # drop finished rows from the batch once this fraction of it has finished
 
 
 def _as_id_list(ids) -> list[int]:
@@ -136,9 +140,9 @@ class HFRolloutEngine:
     def stop_ids(self, params: SamplingParams) -> list[int]:
         return list(params.stop_token_ids) if params.stop_token_ids is not None else list(self.eos_token_ids)
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams,
-                 max_new_tokens: Sequence[int] | None = None,
-                 seeds: Sequence[int] | None = None) -> list[list[RolloutOutput]]:
+    def generate(self, prompt_token_ids: Seq[Seq[int]], params: SamplingParams,
+                 max_new_tokens: Seq[int] | None = None,
+                 seeds: Seq[int] | None = None) -> list[list[RolloutOutput]]:
         """One list of ``params.n`` outputs per prompt; the n samples of a prompt are sampled as
         consecutive rows (group-contiguous) and returned in that order. ``max_new_tokens`` (one
         int >= 1 per prompt) overrides ``params.max_new_tokens`` prompt by prompt; a sample that
@@ -153,28 +157,59 @@ class HFRolloutEngine:
         if not prompts:
             return []
         budgets = check_budgets(max_new_tokens, len(prompts), params)
-        rows = [p for p in prompts for _ in range(params.n)]
-        limits = [b for b in budgets for _ in range(params.n)]
-        device = next(self.model.parameters()).device
+        sequences = self.sequences(prompts, params, budgets, prompt_seeds)
+        with self.inference():
+            self.run_to_completion(sequences)
+        flat = [s.output() for s in sequences]
+        return [flat[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+
+    def sequences(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int],
+                  prompt_seeds: list[int] | None) -> list[Sequence]:
+        """The ``params.n`` samples of each (checked) prompt as decode-batch sequences, group-contiguous,
+        each with its budget and its own generator (seeding as ``generate`` documents)."""
         if prompt_seeds is None:
             base = params.seed if params.seed is not None else int(torch.randint(0, 2**63 - 1, (1,)).item())
             prompt_seeds = [rank_seed(base, 0, i) for i in range(len(prompts))]
-        generators = sample_generators(prompt_seeds, params.n)  # one per row, group-contiguous
-        stop = torch.tensor(self.stop_ids(params), dtype=torch.long, device=device)
-        chunk = self.batch_size or len(rows)
+        generators = iter(sample_generators(prompt_seeds, params.n))
+        stop = frozenset(self.stop_ids(params))
+        return [Sequence(prompt=p, limit=b, temperature=float(params.temperature), top_p=float(params.top_p),
+                         stop=stop, generator=next(generators))
+                for p, b in zip(prompts, budgets) for _ in range(params.n)]
 
-        modes = [(m, m.training) for m in self.model.modules()]
-        self.model.eval()
+    def stream(self, max_rows: int | None = None):
+        """A ``stream.DecodeServer``: requests submitted from any thread join the running decode batch."""
+        from posttrain.engines.rollout.stream import DecodeServer
+
+        return DecodeServer(self, max_rows)
+
+    def decode_batch(self) -> DecodeBatch:
+        return DecodeBatch(self._forward, lambda: _new_cache(self.model), self.pad_token_id,
+                           next(self.model.parameters()).device)
+
+    def run_to_completion(self, sequences: list[Sequence]) -> None:
+        """Decode every sequence to its end, at most ``batch_size`` rows at a time: a sequence joins the
+        batch as soon as finished rows leave it (continuous batching; at batch boundaries for a model
+        whose cache cannot merge, see ``decode_batch``). Call inside ``inference()``."""
+        pending = deque(sequences)
+        batch = self.decode_batch()
+        cap = self.batch_size or len(sequences)
+        while pending or len(batch):
+            if pending and batch.can_admit() and len(batch) < cap:
+                batch.admit([pending.popleft() for _ in range(min(cap - len(batch), len(pending)))])
+            batch.step()
+
+    @contextmanager
+    def inference(self):
+        """``torch.no_grad()`` and eval mode, every submodule's train/eval flag restored afterwards."""
+        training = [m for m in self.model.modules() if m.training]
+        if training:
+            self.model.eval()
         try:
             with torch.no_grad():
-                flat = []
-                for start in range(0, len(rows), chunk):
-                    flat += self._generate_rows(rows[start:start + chunk], limits[start:start + chunk], params,
-                                                stop, generators[start:start + chunk], device)
+                yield
         finally:
-            for m, mode in modes:
-                m.training = mode
-        return [flat[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+            for m in training:
+                m.training = True
 
     def _check_prompts(self, prompt_token_ids) -> list[list[int]]:
         if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__iter__"):
@@ -201,54 +236,3 @@ class HFRolloutEngine:
         if last_only and self._keep_kw:
             kwargs["logits_to_keep"] = 1
         return self.model(**kwargs).logits[:, -1].float()
-
-    def _generate_rows(self, rows: list[list[int]], limits: list[int], params: SamplingParams,
-                       stop: torch.Tensor, generators: list[torch.Generator], device) -> list[RolloutOutput]:
-        b, max_new = len(rows), max(limits)
-        lens = [len(r) for r in rows]
-        t = max(lens)
-        ids = torch.tensor([[self.pad_token_id] * (t - n) + r for r, n in zip(rows, lens)], dtype=torch.long,
-                           device=device)
-        lengths = torch.tensor(lens, dtype=torch.long, device=device)
-        limit = torch.tensor(limits, dtype=torch.long, device=device)
-        # mask over prompt + all future positions; generated columns are always attended
-        mask = torch.ones(b, t + max_new, dtype=torch.long, device=device)
-        mask[:, :t] = torch.arange(t, device=device)[None, :] >= (t - lengths)[:, None]
-        positions = (mask[:, :t].cumsum(-1) - 1).clamp(min=0)
-        cache = _new_cache(self.model)
-        logits = self._forward(ids, mask[:, :t], positions, cache, last_only=True)
-
-        out_tokens = torch.zeros(b, max_new, dtype=torch.long, device=device)
-        out_logprobs = torch.zeros(b, max_new, dtype=torch.float32, device=device)
-        n_out = torch.zeros(b, dtype=torch.long, device=device)
-        stopped = torch.zeros(b, dtype=torch.bool, device=device)  # ended on a stop token
-        row = torch.arange(b, device=device)  # original row of each row still in the batch
-        next_pos = lengths.clone()
-        steps = 0
-        for step in range(max_new):
-            tokens, logprobs = sample_next(logits, params.temperature, params.top_p, generators)
-            steps = step + 1
-            alive = ~stopped[row] & (n_out[row] < limit[row])
-            out_tokens[row, step] = tokens
-            out_logprobs[row, step] = logprobs
-            n_out[row] += alive
-            stopped[row] = stopped[row] | (alive & torch.isin(tokens, stop))
-            done = stopped[row] | (n_out[row] >= limit[row])
-            if step == max_new - 1:
-                break
-            n_done = int(done.sum())
-            if n_done == row.numel():
-                break
-            if n_done >= _COMPACT_FRACTION * row.numel() and hasattr(cache, "batch_select_indices"):
-                keep = (~done).nonzero().squeeze(1)
-                cache.batch_select_indices(keep)
-                row, tokens, mask, next_pos = row[keep], tokens[keep], mask[keep], next_pos[keep]
-                generators = [generators[i] for i in keep.tolist()]  # each surviving row keeps its own
-            logits = self._forward(tokens[:, None], mask[:, :t + step + 1], next_pos[:, None], cache, last_only=False)
-            next_pos += 1
-
-        toks, lps = out_tokens[:, :steps].tolist(), out_logprobs[:, :steps].tolist()
-        n_out, stopped = n_out.tolist(), stopped.tolist()
-        return [RolloutOutput(prompt_token_ids=list(r), output_token_ids=toks[i][:n_out[i]],
-                              logprobs=lps[i][:n_out[i]], finish_reason="stop" if stopped[i] else "length")
-                for i, r in enumerate(rows)]

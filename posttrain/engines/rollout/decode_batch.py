@@ -1,0 +1,173 @@
+"""The HF engine's decode loop as a continuous batch: sequences join (`admit`) and leave (`step` returns
+the finished ones) between decode steps, each with a KV cache of its own (one row of a padded cache).
+
+State: `rows` (one `Sequence` each, in batch order), the model's `DynamicCache` [B, heads, T, dim] per
+layer, `mask` [B, T] (1 = a real token of that row), `positions` [B] (the next position id of each
+row) and `logits` [B, V] (next-token logits of each row).
+
+* `admit(sequences)` prefills the new prompts together (left-padded; position ids `cumsum(mask) - 1`,
+  so each row sees positions 0..L-1 exactly as if it ran alone) and merges them into the running
+  batch: the shorter of the two caches is left-padded with masked zero columns. A row never attends a
+  masked column, so its logits do not depend on who shares its batch (up to float rounding).
+* `step()` samples one token per row (`sample_next`, each row from its own generator, rows grouped by
+  temperature and top-p), appends it, and returns the sequences that finished: a stop token (kept in
+  the output) or the row's own budget. Finished rows stay in the batch (their draws are discarded)
+  until a quarter of it has finished, then leave it and the cache; columns every remaining row masks
+  are trimmed from the left. The rows that remain take one decode forward for their next logits.
+
+A model whose cache is not made of plain full-attention layers (sliding-window, linear-attention or
+hybrid caches) cannot merge caches: there `mergeable` is False and a sequence joins only an empty batch
+(batch-boundary scheduling), which `HFRolloutEngine` then uses."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from posttrain.engines.rollout.sampling import sample_next
+from posttrain.engines.rollout.types import RolloutOutput
+
+_COMPACT_FRACTION = 0.25  # drop finished rows from the batch once this fraction of it has finished
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample in flight: its prompt, budget (`limit` tokens), sampling settings, stop ids and own
+    generator; `ticket` is the caller's handle (which request and sample this is)."""
+    prompt: list[int]
+    limit: int
+    temperature: float
+    top_p: float
+    stop: frozenset[int]
+    generator: torch.Generator
+    ticket: object = None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    stopped: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.stopped or len(self.tokens) >= self.limit
+
+    def output(self) -> RolloutOutput:
+        return RolloutOutput(prompt_token_ids=list(self.prompt), output_token_ids=list(self.tokens),
+                             logprobs=list(self.logprobs), finish_reason="stop" if self.stopped else "length")
+
+
+def _layers(cache):
+    return getattr(cache, "layers", None)
+
+
+class DecodeBatch:
+    """`forward(input_ids, attention_mask, position_ids, cache, last_only) -> logits [B, V]` and
+    `new_cache()` come from the engine; `pad_token_id` fills left padding. Call under `torch.no_grad()`."""
+
+    def __init__(self, forward, new_cache, pad_token_id: int, device) -> None:
+        self._forward, self._new_cache = forward, new_cache
+        self.pad_token_id, self.device = pad_token_id, device
+        self.rows: list[Sequence] = []
+        self.cache = self.mask = self.positions = self.logits = None
+        self.mergeable = True  # known after the first prefill
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def live(self) -> int:
+        """Rows still generating (finished rows awaiting compaction excluded)."""
+        return sum(not s.done for s in self.rows)
+
+    def can_admit(self) -> bool:
+        return not self.rows or self.mergeable
+
+    # -- joining -------------------------------------------------------------------------------
+    def admit(self, sequences: list[Sequence]) -> None:
+        if not sequences:
+            return
+        if not self.can_admit():
+            raise RuntimeError("this model's cache cannot merge sequences mid-generation; admit into an empty batch")
+        lens = [len(s.prompt) for s in sequences]
+        t = max(lens)
+        ids = torch.tensor([[self.pad_token_id] * (t - n) + s.prompt for s, n in zip(sequences, lens)],
+                           dtype=torch.long, device=self.device)
+        lengths = torch.tensor(lens, dtype=torch.long, device=self.device)
+        mask = (torch.arange(t, device=self.device)[None, :] >= (t - lengths)[:, None]).long()
+        cache = self._new_cache()
+        logits = self._forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache, True)
+        layers = _layers(cache)
+        self.mergeable = layers is not None and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
+        if not self.rows:
+            self.rows, self.cache, self.mask, self.positions, self.logits = list(sequences), cache, mask, lengths, logits
+            return
+        width = max(self.mask.shape[1], t)
+        for own, new in zip(_layers(self.cache), layers):
+            own.keys = torch.cat([_left_pad(own.keys, width), _left_pad(new.keys, width)])
+            own.values = torch.cat([_left_pad(own.values, width), _left_pad(new.values, width)])
+        self.mask = torch.cat([_left_pad(self.mask, width, dim=1), _left_pad(mask, width, dim=1)])
+        self.positions = torch.cat([self.positions, lengths])
+        self.logits = torch.cat([self.logits, logits])
+        self.rows += sequences
+
+    # -- one decode step -----------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Sample one token for every row; return the sequences this step finished."""
+        if not self.rows:
+            return []
+        tokens, logprobs = self._sample()
+        finished = []
+        for s, tok, lp in zip(self.rows, tokens.tolist(), logprobs.tolist()):
+            if s.done:
+                continue  # finished earlier, awaiting compaction: its draw is discarded
+            s.tokens.append(tok)
+            s.logprobs.append(lp)
+            s.stopped = tok in s.stop
+            if s.done:
+                finished.append(s)
+        live = [i for i, s in enumerate(self.rows) if not s.done]
+        if not live:
+            self.rows, self.cache, self.mask, self.positions, self.logits = [], None, None, None, None
+            return finished
+        if len(self.rows) - len(live) >= _COMPACT_FRACTION * len(self.rows):
+            self._keep(torch.tensor(live, device=self.device))
+            tokens = tokens[live]
+        ones = torch.ones(len(self.rows), 1, dtype=torch.long, device=self.device)
+        self.mask = torch.cat([self.mask, ones], dim=1)
+        self.logits = self._forward(tokens[:, None], self.mask, self.positions[:, None], self.cache, False)
+        self.positions = self.positions + 1
+        return finished
+
+    def _sample(self) -> tuple[torch.Tensor, torch.Tensor]:
+        groups: dict[tuple[float, float], list[int]] = {}
+        for i, s in enumerate(self.rows):
+            groups.setdefault((s.temperature, s.top_p), []).append(i)
+        if len(groups) == 1:
+            (temperature, top_p), = groups
+            return sample_next(self.logits, temperature, top_p, [s.generator for s in self.rows])
+        tokens = torch.zeros(len(self.rows), dtype=torch.long, device=self.device)
+        logprobs = torch.zeros(len(self.rows), dtype=torch.float32, device=self.device)
+        for (temperature, top_p), idx in groups.items():
+            index = torch.tensor(idx, device=self.device)
+            tokens[index], logprobs[index] = sample_next(self.logits[index], temperature, top_p,
+                                                         [self.rows[i].generator for i in idx])
+        return tokens, logprobs
+
+    def _keep(self, index: torch.Tensor) -> None:
+        """Keep the rows at `index` (drop finished ones), then trim columns no remaining row attends."""
+        self.cache.batch_select_indices(index)
+        self.rows = [self.rows[i] for i in index.tolist()]
+        self.mask, self.positions, self.logits = self.mask[index], self.positions[index], self.logits[index]
+        unused = int((self.mask.sum(0) == 0).long().cumprod(0).sum())  # leading all-masked columns
+        if unused and self.mergeable:
+            self.mask = self.mask[:, unused:]
+            for layer in _layers(self.cache):
+                layer.keys, layer.values = layer.keys[:, :, unused:], layer.values[:, :, unused:]
+
+
+def _left_pad(x: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:
+    """`x` left-padded with zeros to `width` along `dim` (a cache [B, H, T, D] by default, a mask with dim 1)."""
+    missing = width - x.shape[dim]
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x.new_zeros(shape), x], dim=dim)

@@ -1,0 +1,142 @@
+"""Continuous batching for requests that arrive one at a time from other threads (agent episodes):
+`DecodeServer(engine).submit(...)` queues a request; one decode thread admits waiting requests into the
+running batch between decode steps (`DecodeBatch`), so a request starts at the next step instead of
+waiting for the batch to finish, and leaves it as soon as it finishes.
+
+A request's samples are exactly those `engine.generate` gives for its prompt and seed: every sample
+draws from its own generator, and a row never attends another row's tokens (tested against the batch
+call with concurrent episodes). An error in the decode loop fails every request in flight with it; the
+server keeps serving new requests."""
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from contextlib import ExitStack
+
+from posttrain.engines.rollout.sampling import check_seeds
+from posttrain.engines.rollout.types import RolloutOutput, SamplingParams, check_budgets
+
+Callback = Callable[[list[RolloutOutput] | None, BaseException | None], None]
+
+
+class _Ticket:
+    """One request: its `n` samples and the callback that receives them (or the error)."""
+
+    def __init__(self, sequences, on_done: Callback) -> None:
+        self.sequences, self.on_done, self.left = sequences, on_done, len(sequences)
+        self.settled = False
+
+    def finished_one(self) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.settle([s.output() for s in self.sequences], None)
+
+    def settle(self, outputs, error) -> None:
+        if not self.settled:
+            self.settled = True
+            self.on_done(outputs, error)
+
+
+class DecodeServer:
+    """`engine`: an `HFRolloutEngine`; `max_rows`: the most rows decoded together (None: the engine's
+    `batch_size`, else no cap)."""
+
+    def __init__(self, engine, max_rows: int | None = None) -> None:
+        self.engine = engine
+        self.max_rows = max_rows or engine.batch_size
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.steps = 0  # decode steps taken (for tests)
+        self.max_live = 0  # the most requests' rows decoded together (for tests)
+
+    def submit(self, prompt, params: SamplingParams, seed: int | None, max_new_tokens: int | None,
+               on_done: Callback) -> None:
+        """Queue `params.n` samples of `prompt` (budget `max_new_tokens`, None: `params.max_new_tokens`;
+        `seed` None: drawn from torch's global RNG). `on_done(outputs, None)` or `on_done(None, error)`
+        is called once, on the decode thread; a malformed request gets its ValueError at once."""
+        self.submit_all([(prompt, params, seed, max_new_tokens, on_done)])
+
+    def submit_all(self, requests: list[tuple]) -> None:
+        """Several `submit` argument tuples, queued together (they join the batch at the same step)."""
+        sequences = []
+        for prompt, params, seed, max_new_tokens, on_done in requests:
+            try:
+                mine = self._sequences(prompt, params, seed, max_new_tokens)
+            except ValueError as e:  # only this request is malformed
+                on_done(None, e)
+                continue
+            ticket = _Ticket(mine, on_done)
+            for s in mine:
+                s.ticket = ticket
+            sequences += mine
+        if not sequences:
+            return
+        self._inbox.put(sequences)
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._serve, name="posttrain-decode", daemon=True)
+                self._thread.start()
+
+    def _sequences(self, prompt, params, seed, max_new_tokens):
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, not {type(params).__name__}")
+        prompts = self.engine._check_prompts([prompt])
+        seeds = check_seeds(None if seed is None else [seed], 1)
+        budgets = check_budgets(None if max_new_tokens is None else [max_new_tokens], 1, params)
+        return self.engine.sequences(prompts, params, budgets, seeds)
+
+    def close(self) -> None:
+        """Stop the decode thread once the requests already submitted have finished."""
+        self._inbox.put(None)
+
+    def _serve(self) -> None:
+        pending: deque = deque()
+        batch = self.engine.decode_batch()
+        closing = False
+        with ExitStack() as inference:  # eval mode and no_grad while rows are in flight
+            while True:
+                idle = not pending and not len(batch)
+                if idle:
+                    inference.close()  # the model's train/eval flags are restored while idle
+                    if closing:
+                        return
+                try:
+                    item = self._inbox.get(block=idle)
+                    while True:  # everything that has arrived joins this step's admission
+                        if item is None:
+                            closing = True
+                        else:
+                            pending.extend(item)
+                        item = self._inbox.get_nowait()
+                except queue.Empty:
+                    pass
+                if not pending and not len(batch):
+                    continue
+                if idle:
+                    inference.enter_context(self.engine.inference())
+                batch = self._step(batch, pending)
+
+    def _step(self, batch, pending: deque):
+        """Admit what fits, take one decode step, settle the finished requests; the batch to go on with."""
+        joining = []
+        try:
+            cap = self.max_rows or len(batch) + len(pending)
+            if pending and batch.can_admit() and len(batch) < cap:
+                joining = [pending.popleft() for _ in range(min(cap - len(batch), len(pending)))]
+                batch.admit(joining)
+            self.max_live = max(self.max_live, len({id(s.ticket) for s in batch.rows}))
+            finished = batch.step()
+            self.steps += 1
+        except BaseException as e:  # the engine failed: every request in flight gets the error
+            for s in list(batch.rows) + joining + list(pending):
+                s.ticket.settle(None, e)
+            pending.clear()
+            if not isinstance(e, Exception):
+                raise
+            return self.engine.decode_batch()
+        for s in finished:
+            s.ticket.finished_one()
+        return batch
