@@ -3,7 +3,10 @@ executor's interface, so collection, dynamic filtering, shaping, evaluation and 
 on multi-turn samples unchanged.
 
 Each (prompt, sample) pair is one episode of the user's `AgentExecutor`, all run concurrently on one
-event loop over an `AsyncRolloutEngine` (requests batched across episodes). Episode j of prompt g
+event loop over an `AsyncRolloutEngine` (continuous batching across episodes on the HF engine). On Ray
+the episodes run inside the rollout engine actors, as OpenRLHF's do: each prompt goes to the
+least-loaded engine, whose actor runs its episodes against its own engine (`EngineWorker.run_episodes`);
+failures and the reward source are counted and applied here, over the whole batch. Episode j of prompt g
 (g counted within the step) has the seed `rank_seed(params.seed, j, g)`, so the batch does not depend
 on scheduling. An episode becomes a sample:
     prompt = observation_tokens[:prompt_length], response = the rest (actions and environment feedback
@@ -20,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from dataclasses import replace
 
 import torch
 
@@ -112,29 +116,49 @@ class AgentRunner:
         if hasattr(self.executor, "close"):
             self.executor.close()
 
+    @classmethod
+    def from_config(cls, executor: AgentExecutorBase, engine, tokenizer, reward_source, cfg) -> AgentRunner:
+        return cls(executor, engine, tokenizer, reward_source, max_len=cfg.data.max_len, timeout=cfg.agent.timeout,
+                   max_failure_frac=cfg.agent.max_failure_frac, turn_cap=cfg.rollout.max_new_tokens)
+
     def run(self, prompts, params, group_offset: int = 0, max_len: int | None = None) -> ScoredRollouts:
         """`max_len` is ignored: an episode's budget is `--data.max_len` over all its turns."""
-        return run_coroutine(self._run(prompts, params, group_offset))
+        groups = list(range(group_offset, group_offset + len(prompts)))
+        if params.seed is None:  # one base for the whole batch, wherever its episodes run
+            params = replace(params, seed=random.getrandbits(62))
+        if hasattr(self.engine, "run_episodes"):  # Ray rollout engines: episodes run inside them
+            episodes = self.engine.run_episodes(prompts, params, groups)
+        else:
+            episodes = self.collect(prompts, params, groups)
+        return self.finish(prompts, params, episodes, groups)
 
-    async def _run(self, prompts, params, group_offset: int) -> ScoredRollouts:
+    def collect(self, prompts, params, groups: list[int]) -> list[tuple]:
+        """Run every episode here: one (rollout or failure reason, reward, score, extra logs) per
+        (prompt, sample), sample-minor. `groups[g]`: prompt g's index within the step (its seeds)."""
+        return run_coroutine(self._collect(prompts, params, groups))
+
+    async def _collect(self, prompts, params, groups: list[int]) -> list[tuple]:
         front = AsyncRolloutEngine(self.engine)
-        base = params.seed if params.seed is not None else random.getrandbits(62)
-        jobs = [(g, j) for g in range(len(prompts)) for j in range(params.n)]
         try:
-            results = await asyncio.gather(*(self._episode(front, prompts[g], params,
-                                                           rank_seed(base, j, group_offset + g), group_offset + g)
-                                             for g, j in jobs))
+            return await asyncio.gather(*(self._episode(front, prompts[g], params, rank_seed(params.seed, j, groups[g]),
+                                                        groups[g])
+                                          for g in range(len(prompts)) for j in range(params.n)))
         finally:
             front.close()
+
+    def finish(self, prompts, params, episodes: list[tuple], groups: list[int]) -> ScoredRollouts:
+        """The batch of the collected episodes: failures counted (the run stops past the threshold),
+        rewards of None scored by the reward source."""
         rollouts, rewards, scores, logs = [], [], [], []
         failed = []
-        for (g, _), (rollout, reward, score, extra) in zip(jobs, results):
+        jobs = [g for g in range(len(prompts)) for _ in range(params.n)]
+        for g, (rollout, reward, score, extra) in zip(jobs, episodes):
             if isinstance(rollout, str):
                 failed.append(rollout)
                 prompt = prompts[g]
                 rollout = Rollout(prompt_ids=list(prompt.token_ids), output_ids=[], rollout_logprobs=[],
                                   finish_reason="stop", prompt_text=prompt.text, response_text="", label=prompt.label,
-                                  group=group_offset + g, budget=1, action_mask=[], turns=0, error=rollout)
+                                  group=groups[g], budget=1, action_mask=[], turns=0, error=rollout)
             rollouts.append(rollout)
             rewards.append(reward)
             scores.append(score)

@@ -209,22 +209,35 @@ class EngineGroup(_Group):
         if seeds is None:
             base = params.seed if params.seed is not None else int(torch.randint(0, 2**63 - 1, (1,)).item())
             seeds = [rank_seed(base, 0, i) for i in range(n)]
+        return self._spread(n, params.n, lambda h, rows: h.generate.remote(
+            [prompt_token_ids[i] for i in rows], params,
+            None if max_new_tokens is None else [max_new_tokens[i] for i in rows], [seeds[i] for i in rows]))
+
+    def run_episodes(self, prompts, params, groups: list[int]) -> list[tuple]:
+        """Agent episodes: each prompt's n episodes run in the least-loaded engine's actor (seeds follow
+        `groups`, so the dispatch changes no sample); one result per (prompt, sample), sample-minor."""
+        per_prompt = self._spread(len(prompts), params.n, lambda h, rows: h.run_episodes.remote(
+            [prompts[i] for i in rows], params, [groups[i] for i in rows]), per_item=params.n)
+        return [episode for episodes in per_prompt for episode in episodes]
+
+    def _spread(self, n: int, cost: int, call, per_item: int = 1) -> list:
+        """Items 0..n-1 over the engines, each to the least-loaded one (`cost` rows in flight per item);
+        `call(handle, rows)` starts one engine's share and returns `per_item` results per row. The
+        results, in item order (a list of `per_item` results each when `per_item` > 1)."""
         with self.lock:
-            engine_of = least_loaded(self.loads, [params.n] * n)
+            engine_of = least_loaded(self.loads, [cost] * n)
         parts = {e: [i for i in range(n) if engine_of[i] == e] for e in dict.fromkeys(engine_of)}
-        calls = [(self.handles[e].generate.remote(
-            [prompt_token_ids[i] for i in rows], params, None if max_new_tokens is None else [max_new_tokens[i] for i in rows],
-            [seeds[i] for i in rows]), self.label(e)) for e, rows in parts.items()]
+        calls = [(call(self.handles[e], rows), self.label(e)) for e, rows in parts.items()]
         try:
             results = wait_all(calls)
         finally:
             with self.lock:
                 for e, rows in parts.items():
-                    self.loads[e] -= params.n * len(rows)
-        out = [None] * n
+                    self.loads[e] -= cost * len(rows)
+        out: list = [None] * n
         for rows, outs in zip(parts.values(), results):
-            for i, o in zip(rows, outs):
-                out[i] = o
+            for k, i in enumerate(rows):
+                out[i] = outs[k] if per_item == 1 else outs[k * per_item:(k + 1) * per_item]
         return out
 
     def receive_from(self, actor: ActorGroup, verify: bool = False) -> None:

@@ -163,7 +163,8 @@ class RoleWorker(_Process):
 
 class EngineWorker(_Process):
     """A rollout engine: vLLM on a CUDA worker with vLLM installed, else the HF engine over its own copy
-    of the policy (`rollout_backend`); its weights come from the actor by `sync_receive` (bucketed
+    of the policy (`rollout_backend`); with `--train.agent_func_path` it also runs agent episodes
+    (`run_episodes`). Its weights come from the actor by `sync_receive` (bucketed
     broadcast) or `load_numpy` (object store). A receive with `verify` records a digest of what
     arrived, the hash of an engine that cannot read its weights back by HF name (vLLM)."""
 
@@ -179,6 +180,13 @@ class EngineWorker(_Process):
         self.sync: SyncGroup | None = None
         self.layout = None
         self.received: WeightsDigest | None = None
+        self.agents = None
+        if cfg.train.agent_func_path:  # the agent's episodes run in this actor, next to its engine
+            from posttrain.agents.agent_file import load_agent_executor
+            from posttrain.agents.multi_turn import AgentRunner
+
+            self.agents = AgentRunner.from_config(load_agent_executor(cfg.train.agent_func_path), self.engine, tok,
+                                                  None, cfg)
 
     def backend_name(self) -> tuple[str, str]:
         """("vllm" or "hf", why not vLLM)."""
@@ -186,6 +194,10 @@ class EngineWorker(_Process):
 
     def generate(self, prompts, params, max_new_tokens, seeds):
         return self.engine.generate(prompts, params, max_new_tokens=max_new_tokens, seeds=seeds)
+
+    def run_episodes(self, prompts, params, groups: list[int]) -> list[tuple]:
+        """`AgentRunner.collect` of these prompts' episodes on this engine (continuous batching on HF)."""
+        return self.agents.collect(prompts, params, groups)
 
     def weights_hash(self) -> str | None:
         own = self.engine.weights_hash()

@@ -146,9 +146,7 @@ class RLTrainer(RunLoop):
             return SingleTurnExecutor(self.rollout_engine, self.reward_source, self.tokenizer)
         from posttrain.agents.multi_turn import AgentRunner
 
-        return AgentRunner(self.agent_executor, self.rollout_engine, self.tokenizer, self.reward_source,
-                           max_len=cfg.data.max_len, timeout=cfg.agent.timeout,
-                           max_failure_frac=cfg.agent.max_failure_frac, turn_cap=cfg.rollout.max_new_tokens)
+        return AgentRunner.from_config(self.agent_executor, self.rollout_engine, self.tokenizer, self.reward_source, cfg)
 
     def _place_on_ray(self, updates: int) -> None:
         """Every role as a Ray actor group (`distributed.ray_placement`); the groups have the roles'

@@ -96,14 +96,24 @@ def test_agent_file_errors_stop_before_any_model_loads(rl_setup, tmp_path, capfd
     assert line.startswith("posttrain ppo: error: --train.agent_func_path ") and "defines no `AgentExecutor`" in line
 
 
-def test_agent_on_ray_rollout_engines(rl_setup, openrlhf_agent, tmp_path, ray_session):
+def test_agent_episodes_run_inside_the_ray_rollout_engines(rl_setup, tmp_path, ray_session):
+    """As OpenRLHF's: each prompt's episodes run in the actor of the engine it is dispatched to."""
+    import os
+
     from posttrain.cli import train_ppo_ray
 
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    agent = tmp_path / "agent_func.py"
+    agent.write_text(OPENRLHF_STYLE_AGENT.replace("        self.step_idx += 1\n", f"        self.step_idx += 1\n"
+                                                  f"        open({str(pids)!r} + '/' + str(__import__('os').getpid()), 'a')"
+                                                  ".close()\n"))
     out = tmp_path / "agent_ray"
-    train_ppo_ray.main(agent_flags(rl_setup, out, openrlhf_agent, "--vllm.num_engines", "2",
-                                   "--data.max_samples", "4"))
+    train_ppo_ray.main(agent_flags(rl_setup, out, agent, "--vllm.num_engines", "2", "--data.max_samples", "4"))
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
     assert len(rows) == 1 and rows[0]["agent/turns_mean"] >= 1.0 and rows[0]["agent/failed"] == 0.0
+    stepped_in = {int(p.name) for p in pids.iterdir()}
+    assert len(stepped_in) == 2 and os.getpid() not in stepped_in  # both engine actors, not the controller
 
 
 OPENAI_CLIENT_AGENT = """
@@ -185,3 +195,16 @@ def test_a_reward_model_scores_episodes_the_environment_leaves_unscored(rl_setup
     assert row["agent/turns_mean"] == 2.0 and row["reward/std"] > 0  # real RM scores, not a constant
     sample = json.loads((out / "samples.jsonl").read_text().splitlines()[0])
     assert sample["response"].count(" and?") == 2
+
+
+def test_an_openai_client_agent_runs_inside_a_ray_rollout_engine(rl_setup, tmp_path, ray_session):
+    pytest.importorskip("openai")
+    from posttrain.cli import train_ppo_ray
+
+    agent = tmp_path / "openai_agent.py"
+    agent.write_text(OPENAI_CLIENT_AGENT)
+    out = tmp_path / "openai_agent_ray"
+    train_ppo_ray.main(agent_flags(rl_setup, out, agent, "--data.max_len", "96", "--vllm.num_engines", "1",
+                                   "--data.max_samples", "4"))
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
+    assert len(rows) == 1 and rows[0]["agent/turns_mean"] == 2.0 and rows[0]["agent/failed"] <= 0.1 * 8
