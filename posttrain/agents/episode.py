@@ -54,14 +54,17 @@ class AgentSamplingParams:
     skip_special_tokens: bool = False
     extra: dict = field(default_factory=dict)
 
-    def to_engine(self) -> SamplingParams:
+    def to_engine(self, eos_token_ids=None) -> SamplingParams:
+        """The engine's parameters. Stop ids are added to `eos_token_ids` (the engine's defaults), as
+        vLLM adds a request's `stop_token_ids` to the EOS; None keeps the engine's defaults."""
         if self.top_k not in (-1, 0, None):
             raise ValueError(f"sampling_params.top_k={self.top_k}: top-k sampling is not available in this version")
         if self.n != 1:
             raise ValueError(f"sampling_params.n={self.n}: an episode samples one continuation per call")
         return SamplingParams(temperature=float(self.temperature), top_p=float(self.top_p),
                               max_new_tokens=max(1, int(self.max_tokens or 1)),
-                              stop_token_ids=None if self.stop_token_ids is None else tuple(self.stop_token_ids))
+                              stop_token_ids=None if self.stop_token_ids is None else
+                              tuple(dict.fromkeys([*(eos_token_ids or []), *map(int, self.stop_token_ids)])))
 
 
 class EpisodeEngine:
@@ -80,7 +83,8 @@ class EpisodeEngine:
         seed = rank_seed(self.seed, 0, self.calls)
         self.calls += 1
         ids = [int(t) for t in prompt_token_ids]
-        out = await self.front.generate(ids, sampling_params.to_engine(), seed=seed,
+        eos = getattr(self.front.engine, "eos_token_ids", None)
+        out = await self.front.generate(ids, sampling_params.to_engine(eos), seed=seed,
                                         max_new_tokens=int(sampling_params.max_tokens))
         tokens = list(out.output_token_ids)
         shown = tokens

@@ -68,6 +68,8 @@ def episode_to_rollout(result, prompt, group: int, max_len: int, tokenizer) -> R
     if not isinstance(ranges, list) or not ranges:
         raise EpisodeFailed("execute()['action_ranges'] must be a non-empty list of (start, end) pairs")
     p = int(result.get("prompt_length", ranges[0][0]))
+    if not 1 <= p <= len(obs):
+        raise EpisodeFailed(f"execute()['prompt_length'] {p} must be between 1 and the {len(obs)} observation tokens")
     end = p
     mask = [0] * (len(obs) - p)
     for r in ranges:

@@ -244,3 +244,40 @@ def test_64_concurrent_episodes_equal_sequential_ones_with_the_same_seeds(tok, t
         assert a.rollout_logprobs == pytest.approx(b.rollout_logprobs, abs=1e-5)
     # episodes decoded together, joining the running batch turn by turn
     assert streamed_engine.server.max_live > 16 and streamed_engine.server.steps < 64 * 3
+
+
+def test_an_agents_stop_ids_are_added_to_the_engines_eos_as_vllm_does(tok):
+    class Recording(ScriptedEngine):
+        eos_token_ids = [2, 0]
+
+        def generate(self, prompts, params, **kwargs):
+            self.params = params
+            return super().generate(prompts, params, **kwargs)
+
+    class StopAtNewline(AgentInstanceBase):
+        def __init__(self, *args, **kwargs):
+            pass
+
+        async def step(self, states, **kwargs):
+            return {"rewards": 1.0, "environment_feedback": "", "done": True}
+
+    class Executor(MultiTurnAgentExecutor):
+        async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images=None):
+            sampling_params.stop_token_ids = [7, 2]
+            return await super().execute(prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine)
+
+    engine = Recording({0: ([5], [-1.0], "stop")})
+    AgentRunner(Executor(StopAtNewline), engine, tok, None, max_len=16, timeout=5, max_failure_frac=0).run(
+        [Prompt(text="Q", token_ids=[30], label=None, source="test")], SamplingParams(n=1, seed=1))
+    assert engine.params.stop_token_ids == (2, 0, 7)
+
+
+def test_a_prompt_length_outside_the_observation_fails_the_episode(tok):
+    from posttrain.agents.multi_turn import EpisodeFailed, episode_to_rollout
+
+    prompt = Prompt(text="Q", token_ids=[30], label=None, source="test")
+    result = {"observation_tokens": [30, 5], "action_ranges": [(1, 2)], "rollout_log_probs": [0.0, -1.0],
+              "prompt_length": 0}
+    with pytest.raises(EpisodeFailed, match="prompt_length'] 0 must be between 1 and the 2 observation tokens"):
+        episode_to_rollout(result, prompt, 0, 16, tok)
+    assert episode_to_rollout(dict(result, prompt_length=1), prompt, 0, 16, tok).output_ids == [5]

@@ -125,6 +125,13 @@ class AsyncRolloutEngine:
                     raise
                 continue
             self.batches += 1
+            if len(outputs) != len(batch) or any(len(outs) != params.n for outs in outputs):
+                error = RuntimeError(f"the rollout engine returned {len(outputs)} results for {len(batch)} prompts "
+                                     f"(n={params.n} each): {type(self.engine).__name__}.generate breaks its contract")
+                for r in batch:
+                    if not r.future.done():
+                        r.future.set_exception(error)
+                continue
             for r, outs in zip(batch, outputs):
                 if not r.future.done():
                     r.future.set_result(outs)

@@ -72,3 +72,20 @@ def test_requests_with_different_budgets_share_one_batch(engine):
     outs = asyncio.run(main())
     assert spy.calls == [(4, ["max_new_tokens", "seeds"])]
     assert [len(o.output_token_ids) <= k + 1 for k, o in enumerate(outs)] == [True] * 4
+
+
+def test_an_engine_returning_too_few_results_fails_its_callers_instead_of_hanging():
+    class Short:
+        def generate(self, prompts, params, **kwargs):
+            return [[]] * (len(prompts) - 1)
+
+    async def main():
+        front = AsyncRolloutEngine(Short())
+        try:
+            return await asyncio.wait_for(asyncio.gather(
+                *(front.generate(p, SamplingParams(), seed=1, max_new_tokens=2) for p in PROMPTS),
+                return_exceptions=True), 10)
+        finally:
+            front.close()
+    errors = asyncio.run(main())
+    assert all(isinstance(e, RuntimeError) and "returned 3 results for 4 prompts" in str(e) for e in errors)
