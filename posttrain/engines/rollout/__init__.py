@@ -2,7 +2,9 @@
 
 - ``SamplingParams``, ``RolloutOutput``, ``RolloutEngine`` (protocol), ``rank_seed`` (``types.py``).
 - ``HFRolloutEngine`` (``hf_engine.py``): the training module itself, batched with left padding,
-  a KV cache and our own sampling loop (CPU or GPU, any transformers causal LM).
+  a KV cache and our own sampling loop (CPU or GPU, any transformers causal LM); continuous
+  batching: sequences join and leave the running decode batch (``decode_batch.py``), and
+  ``stream()`` serves requests from other threads (``stream.py``, used by ``async_engine.py``).
 - ``VLLMRolloutEngine`` (``vllm_engine.py``): vLLM's offline ``LLM`` (CUDA only, imported lazily);
   ``convert_vllm_outputs`` is the pure conversion of its outputs.
 - ``make_rollout_engine(kind="hf" | "vllm", ...)`` (``factory.py``).
