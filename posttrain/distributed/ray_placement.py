@@ -227,9 +227,8 @@ class EngineGroup(_Group):
         with self.lock:
             engine_of = least_loaded(self.loads, [cost] * n)
         parts = {e: [i for i in range(n) if engine_of[i] == e] for e in dict.fromkeys(engine_of)}
-        calls = [(call(self.handles[e], rows), self.label(e)) for e, rows in parts.items()]
-        try:
-            results = wait_all(calls)
+        try:  # the loads are returned even when starting a call fails
+            results = wait_all([(call(self.handles[e], rows), self.label(e)) for e, rows in parts.items()])
         finally:
             with self.lock:
                 for e, rows in parts.items():

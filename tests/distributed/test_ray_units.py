@@ -90,3 +90,14 @@ def test_least_loaded_dispatch_follows_rows_in_flight():
     assert least_loaded(loads, [4, 4, 4, 4]) == [0, 1, 2, 0] and loads == [8, 4, 4]
     busy = [10, 0, 3]  # another caller's rows still running on engine 0
     assert least_loaded(busy, [2, 2, 2]) == [1, 1, 2] and busy == [10, 4, 5]
+
+
+def test_a_dispatch_that_fails_to_start_returns_its_load():
+    group = ray_placement.EngineGroup("rollout", [object(), object()], with_ray=True, backend="gloo")
+
+    def broken(handle, rows):
+        raise RuntimeError("the actor died before the call")
+
+    with pytest.raises(RuntimeError, match="died"):
+        group._spread(3, 2, broken)
+    assert group.loads == [0, 0]  # the next dispatch is not skewed by rows that never ran

@@ -103,7 +103,15 @@ def test_an_unloadable_checkpoint_is_a_checkpoint_error_naming_it(tmp_path):
     assert (tmp_path / "ck" / "global_step2" / "state.json").exists()  # never lost
 
 
-def test_ctrl_c_names_the_step_and_the_last_checkpoint(tmp_path):
+@pytest.fixture
+def ctrl_c_enabled():
+    """A shell that starts the suite in the background hands it SIGINT ignored; Ctrl-C means the default here."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_names_the_step_and_the_last_checkpoint(tmp_path, ctrl_c_enabled):
     ckpt = CheckpointManager(tmp_path / "ck")
 
     class Slow(Counter):

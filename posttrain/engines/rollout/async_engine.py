@@ -13,7 +13,10 @@ the episodes that are ready to ask do so), then hands every waiting request to t
 Exactness: each request carries its own seed (`generate`: one sample; `generate_n`: a prompt's `n`
 samples, as the batch engine draws them), and the engine samples every row from a generator of its
 own, so a request's tokens and log-probs do not depend on which other requests share its batch:
-concurrent and sequential execution give the same samples (tested)."""
+concurrent and sequential execution give the same samples (tested). A request without a seed whose
+params carry one (`params.seed`) is the k-th such request of this front and gets the seed
+`engine.generate` gives prompt k of one call. A caller that gives up (timeout, cancelled task) cancels
+its request on a streaming engine; `close()` cancels what is left and joins the decode thread."""
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +24,7 @@ import functools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
-from posttrain.engines.rollout.types import RolloutOutput, SamplingParams
+from posttrain.engines.rollout.types import RolloutOutput, SamplingParams, rank_seed
 
 
 @dataclass
@@ -53,6 +56,7 @@ class AsyncRolloutEngine:
         # calls in `asyncio.to_thread`) cannot starve it
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-rollout")
         self.batches = 0  # batched engine calls made (for tests and metrics)
+        self._unseeded = 0  # requests so far without a seed of their own whose params carry one
 
     async def generate(self, token_ids: list[int], params: SamplingParams, *, seed: int,
                        max_new_tokens: int) -> RolloutOutput:
@@ -67,6 +71,9 @@ class AsyncRolloutEngine:
         """`params.n` samples of `token_ids`, as the batch engine's `generate` gives them for one prompt
         (`seed` None: the engine draws; `max_new_tokens` None: `params.max_new_tokens`)."""
         loop = asyncio.get_running_loop()
+        if seed is None and params.seed is not None:  # the k-th such request: seeded as `engine.generate`
+            seed = rank_seed(params.seed, 0, self._unseeded)  # seeds prompt k of one call
+            self._unseeded += 1
         budget = int(max_new_tokens) if max_new_tokens is not None else None
         request = _Request([int(t) for t in token_ids], None if seed is None else int(seed),
                            budget, loop.create_future(), default_budget=int(params.max_new_tokens))
@@ -76,11 +83,12 @@ class AsyncRolloutEngine:
             self._runner = loop.create_task(self._run())
         return await request.future
 
-    def close(self) -> None:
-        """Release the engine thread (after the last request)."""
+    def close(self, timeout: float = 60.0) -> None:
+        """Release the engine thread; requests still in flight are cancelled and the decode thread joined
+        (`timeout` seconds at most), so nothing keeps decoding on the model after the caller returns."""
         self._thread.shutdown(wait=False)
         if self.stream is not None:
-            self.stream.close()
+            self.stream.close(cancel=True, timeout=timeout)
 
     def _num_waiting(self) -> int:
         return sum(len(requests) for _, requests in self._waiting.values())
@@ -140,14 +148,17 @@ class AsyncRolloutEngine:
 
     def _submit_to_stream(self) -> None:
         loop = asyncio.get_running_loop()
-        requests = []
+        requests, futures = [], []
         for params, waiting in self._waiting.values():
             for r in waiting:
                 requests.append((r.token_ids, params, r.seed, r.max_new_tokens,
                                  functools.partial(_settle_from_thread, loop, r.future)))
+                futures.append(r.future)
         self._waiting.clear()
         self.batches += 1
-        self.stream.submit_all(requests)
+        for future, ticket in zip(futures, self.stream.submit_all(requests)):
+            if ticket is not None:  # a caller that gives up (timeout, cancelled task) cancels its rows
+                future.add_done_callback(lambda f, t=ticket: f.cancelled() and t.cancel())
 
 
 def _settle(future: asyncio.Future, outputs, error) -> None:

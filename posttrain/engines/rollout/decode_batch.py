@@ -13,7 +13,8 @@ row) and `logits` [B, V] (next-token logits of each row).
   temperature and top-p), appends it, and returns the sequences that finished: a stop token (kept in
   the output) or the row's own budget. Finished rows stay in the batch (their draws are discarded)
   until a quarter of it has finished, then leave it and the cache; columns every remaining row masks
-  are trimmed from the left. The rows that remain take one decode forward for their next logits.
+  are trimmed from the left. The rows that remain take one decode forward for their next logits. A
+  cancelled row (`Sequence.cancelled`, its caller gave up) counts as finished and is never returned.
 
 A model whose cache is not made of plain full-attention layers (sliding-window, linear-attention or
 hybrid caches) cannot merge caches: there `mergeable` is False and a sequence joins only an empty batch
@@ -44,10 +45,11 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stopped: bool = False
+    cancelled: bool = False  # its caller gave up: it leaves the batch at the next step, never settled
 
     @property
     def done(self) -> bool:
-        return self.stopped or len(self.tokens) >= self.limit
+        return self.stopped or self.cancelled or len(self.tokens) >= self.limit
 
     def output(self) -> RolloutOutput:
         return RolloutOutput(prompt_token_ids=list(self.prompt), output_token_ids=list(self.tokens),
@@ -82,6 +84,7 @@ class DecodeBatch:
 
     # -- joining -------------------------------------------------------------------------------
     def admit(self, sequences: list[Sequence]) -> None:
+        sequences = [s for s in sequences if not s.done]  # cancelled while it waited
         if not sequences:
             return
         if not self.can_admit():

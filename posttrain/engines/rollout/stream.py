@@ -6,7 +6,8 @@ waiting for the batch to finish, and leaves it as soon as it finishes.
 A request's samples are exactly those `engine.generate` gives for its prompt and seed: every sample
 draws from its own generator, and a row never attends another row's tokens (tested against the batch
 call with concurrent episodes). An error in the decode loop fails every request in flight with it; the
-server keeps serving new requests."""
+server keeps serving new requests. A cancelled request (`Ticket.cancel`: its caller timed out) leaves
+the batch at the next step, so an abandoned episode does not keep decoding (vLLM aborts the request)."""
 from __future__ import annotations
 
 import queue
@@ -21,12 +22,15 @@ from posttrain.engines.rollout.types import RolloutOutput, SamplingParams, check
 Callback = Callable[[list[RolloutOutput] | None, BaseException | None], None]
 
 
-class _Ticket:
-    """One request: its `n` samples and the callback that receives them (or the error)."""
+class Ticket:
+    """One request: its `n` samples and the callback that receives them (or the error). `cancel()`
+    (any thread): the caller no longer wants it; its rows leave the decode batch at the next step."""
 
-    def __init__(self, sequences, on_done: Callback) -> None:
+    def __init__(self, sequences, on_done: Callback, open_tickets: set) -> None:
         self.sequences, self.on_done, self.left = sequences, on_done, len(sequences)
         self.settled = False
+        self._open = open_tickets
+        open_tickets.add(self)
 
     def finished_one(self) -> None:
         self.left -= 1
@@ -36,7 +40,15 @@ class _Ticket:
     def settle(self, outputs, error) -> None:
         if not self.settled:
             self.settled = True
+            self._open.discard(self)
             self.on_done(outputs, error)
+
+    def cancel(self) -> None:
+        if not self.settled:
+            self.settled = True
+            self._open.discard(self)
+            for s in self.sequences:
+                s.cancelled = True
 
 
 class DecodeServer:
@@ -49,36 +61,41 @@ class DecodeServer:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._open: set[Ticket] = set()  # submitted, not yet settled or cancelled
         self.steps = 0  # decode steps taken (for tests)
         self.max_live = 0  # the most requests' rows decoded together (for tests)
 
     def submit(self, prompt, params: SamplingParams, seed: int | None, max_new_tokens: int | None,
-               on_done: Callback) -> None:
+               on_done: Callback) -> Ticket | None:
         """Queue `params.n` samples of `prompt` (budget `max_new_tokens`, None: `params.max_new_tokens`;
         `seed` None: drawn from torch's global RNG). `on_done(outputs, None)` or `on_done(None, error)`
-        is called once, on the decode thread; a malformed request gets its ValueError at once."""
-        self.submit_all([(prompt, params, seed, max_new_tokens, on_done)])
+        is called once, on the decode thread, unless the returned ticket is cancelled first; a malformed
+        request gets its ValueError at once (and None)."""
+        return self.submit_all([(prompt, params, seed, max_new_tokens, on_done)])[0]
 
-    def submit_all(self, requests: list[tuple]) -> None:
-        """Several `submit` argument tuples, queued together (they join the batch at the same step)."""
-        sequences = []
+    def submit_all(self, requests: list[tuple]) -> list[Ticket | None]:
+        """Several `submit` argument tuples, queued together (they join the batch at the same step); their
+        tickets."""
+        sequences, tickets = [], []
         for prompt, params, seed, max_new_tokens, on_done in requests:
             try:
                 mine = self._sequences(prompt, params, seed, max_new_tokens)
             except ValueError as e:  # only this request is malformed
                 on_done(None, e)
+                tickets.append(None)
                 continue
-            ticket = _Ticket(mine, on_done)
+            ticket = Ticket(mine, on_done, self._open)
             for s in mine:
                 s.ticket = ticket
             sequences += mine
-        if not sequences:
-            return
-        self._inbox.put(sequences)
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._serve, name="posttrain-decode", daemon=True)
-                self._thread.start()
+            tickets.append(ticket)
+        if sequences:
+            with self._lock:  # `_serve` exits under this lock only when the inbox is empty
+                self._inbox.put(sequences)
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._serve, name="posttrain-decode", daemon=True)
+                    self._thread.start()
+        return tickets
 
     def _sequences(self, prompt, params, seed, max_new_tokens):
         if not isinstance(params, SamplingParams):
@@ -88,9 +105,18 @@ class DecodeServer:
         budgets = check_budgets(None if max_new_tokens is None else [max_new_tokens], 1, params)
         return self.engine.sequences(prompts, params, budgets, seeds)
 
-    def close(self) -> None:
-        """Stop the decode thread once the requests already submitted have finished."""
-        self._inbox.put(None)
+    def close(self, cancel: bool = False, timeout: float | None = None) -> None:
+        """Stop the decode thread once the requests already submitted have finished (`cancel`: cancel them
+        first, so it stops at its next step); `timeout` (seconds): wait that long for it to stop."""
+        if cancel:
+            for ticket in list(self._open):
+                ticket.cancel()
+        with self._lock:
+            thread = self._thread
+            if thread is not None:
+                self._inbox.put(None)
+        if thread is not None and timeout is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
     def _serve(self) -> None:
         pending: deque = deque()
@@ -101,7 +127,7 @@ class DecodeServer:
                 idle = not pending and not len(batch)
                 if idle:
                     inference.close()  # the model's train/eval flags are restored while idle
-                    if closing:
+                    if closing and self._exit():
                         return
                 try:
                     item = self._inbox.get(block=idle)
@@ -119,9 +145,17 @@ class DecodeServer:
                     inference.enter_context(self.engine.inference())
                 batch = self._step(batch, pending)
 
+    def _exit(self) -> bool:
+        """Leave the loop unless a request arrived since the close (then it is served first)."""
+        with self._lock:
+            if not self._inbox.empty():
+                return False
+            self._thread = None
+            return True
+
     def _step(self, batch, pending: deque):
         """Admit what fits, take one decode step, settle the finished requests; the batch to go on with."""
-        joining = []
+        joining, in_flight = [], list(batch.rows)
         try:
             cap = self.max_rows or len(batch) + len(pending)
             if pending and batch.can_admit() and len(batch) < cap:
@@ -130,8 +164,9 @@ class DecodeServer:
             self.max_live = max(self.max_live, len({id(s.ticket) for s in batch.rows}))
             finished = batch.step()
             self.steps += 1
-        except BaseException as e:  # the engine failed: every request in flight gets the error
-            for s in list(batch.rows) + joining + list(pending):
+        except BaseException as e:  # the engine failed: every request in flight gets the error (also
+            # one whose rows finished in this step: `step` lost them with the exception)
+            for s in in_flight + joining + list(pending):
                 s.ticket.settle(None, e)
             pending.clear()
             if not isinstance(e, Exception):

@@ -225,3 +225,96 @@ def test_the_decode_thread_restores_train_mode_when_idle(tiny_model_dir, tokeniz
         server.close()
     assert seen and set(seen) == {(False, False)}  # eval mode, no graph, while decoding
     assert all(m.training for m in model.modules())
+
+
+def test_a_request_that_finished_in_a_failing_step_still_gets_its_answer(model, tokenizer):
+    """The decode forward fails right after a row finished and left the batch: its request is settled
+    with the error too, not lost (a caller waiting on it would hang)."""
+    engine = HFRolloutEngine(model, tokenizer, pad_token_id=tokenizer.pad_token_id)
+    server, results = engine.stream(), Results()
+    params = SamplingParams(temperature=1.0, stop_token_ids=(10**6,))
+    calls = []
+
+    def fail_on_first_decode(module, args, kwargs):
+        calls.append(kwargs["input_ids"].shape)
+        if len(calls) == 3:  # 1: prefill, 2: decode after token 1, 3: decode after "short" finished
+            raise RuntimeError("device lost")
+
+    hook = model.register_forward_pre_hook(fail_on_first_decode, with_kwargs=True)
+    try:
+        server.submit_all([(SHORT, params, 1, 2, results.callback("short", 2)),
+                           (LONG, params, 2, 8, results.callback("long", 2))])
+        assert results.event.wait(60), f"a request was never settled: {results.done}"
+    finally:
+        hook.remove()
+        server.close()
+    assert calls[2][0] == 1  # the finished row had left the batch before the failing forward
+    assert {str(e) for _, e in results.done.values()} == {"device lost"}
+
+
+def test_a_request_submitted_while_the_decode_thread_exits_is_served(engine):
+    """A request that arrives just as the closing thread decides to exit (simulated: submitted from the
+    exit path itself) is served, by that thread or a new one, never stranded in the inbox."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=1)
+    server = engine.stream()
+    first, late = Results(), Results()
+    exit_checks = []
+    real_exit = server._exit
+
+    def exit_with_a_late_arrival():
+        if not exit_checks:
+            server.submit(SHORT, params, 2, None, late.callback(0, 1))
+        exit_checks.append(1)
+        return real_exit()
+
+    server._exit = exit_with_a_late_arrival
+    server.submit(SHORT, params, 1, None, first.callback(0, 1))
+    assert first.event.wait(60)
+    server.close()
+    assert late.event.wait(30), "a request submitted during the exit was never served"
+    server.close(timeout=30)
+    assert server._thread is None and len(exit_checks) >= 2
+
+
+def test_unseeded_requests_follow_the_params_seed_as_the_batch_call_does(engine):
+    """generate_all with params.seed and no per-prompt seeds: prompt i gets rank_seed(seed, 0, i), exactly
+    as engine.generate, through the stream too (not the same seed for every request)."""
+    from posttrain.engines.rollout.async_engine import generate_all
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=5, stop_token_ids=(10**6,))
+    direct = engine.generate([SHORT, SHORT, LONG], params)
+    streamed = generate_all(engine, [SHORT, SHORT, LONG], params)
+    for a, b in zip(streamed, direct):
+        same(a[0], b[0])
+    assert streamed[0][0].output_token_ids != streamed[1][0].output_token_ids
+
+
+def test_a_cancelled_request_stops_decoding_and_close_joins_the_thread(tiny_model_dir, tokenizer):
+    """An episode that timed out cancels its request: its rows leave the batch at the next step, and
+    the model is back in train mode when the front closes (nothing decodes on it afterwards)."""
+    import asyncio
+
+    from posttrain.engines.rollout.async_engine import AsyncRolloutEngine
+    from posttrain.models import load_causal_lm
+
+    model = load_causal_lm(tiny_model_dir, dtype="fp32").train()
+    engine = HFRolloutEngine(model, tokenizer, pad_token_id=tokenizer.pad_token_id)
+    params = SamplingParams(temperature=1.0, stop_token_ids=(10**6,))
+    slow = model.register_forward_pre_hook(lambda *a: time.sleep(0.02))
+
+    async def main(front):
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(front.generate(LONG, params, seed=1, max_new_tokens=10_000), 0.5)
+        steps = front.stream.steps
+        await asyncio.sleep(0.5)
+        return steps, front.stream.steps
+
+    front = AsyncRolloutEngine(engine)
+    try:
+        at_timeout, later = asyncio.run(main(front))
+    finally:
+        front.close(timeout=30)
+        slow.remove()
+    assert later <= at_timeout + 2  # the step in flight, then it leaves: far short of its 10,000 tokens
+    assert front.stream._thread is None and not front.stream._open
+    assert all(m.training for m in model.modules())

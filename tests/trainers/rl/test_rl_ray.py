@@ -249,7 +249,8 @@ def test_ctrl_c_tears_down_what_the_run_started(rl_setup, tmp_path):
                       "2", "--algo.advantage.estimator", "group_norm", "--train.num_episodes", "50")
     env = {**os.environ, "RAY_ADDRESS": ""}
     proc = subprocess.Popen([sys.executable, "-m", "posttrain.cli.train_ppo_ray", *map(str, flags)],
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # not ignored if ours is
     seen = []
     for line in proc.stderr:
         seen.append(line)
