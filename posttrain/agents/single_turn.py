@@ -24,7 +24,8 @@ class Rollout:
     Multi-turn samples (``agents.multi_turn``): ``output_ids`` holds actions and environment feedback
     as fed and sampled, ``action_mask`` (one 0/1 per output token; None: all sampled) marks the
     actions, ``turns`` / ``env_tokens`` / ``step_time`` (seconds in the environment) describe the
-    episode, and ``error`` says why a failed episode has no tokens."""
+    episode, and ``error`` says why a failed episode has no tokens. ``policy_versions``: the distinct
+    weights versions its tokens were sampled by (several with partial rollout), sorted."""
     prompt_ids: list[int]
     output_ids: list[int]
     rollout_logprobs: list[float]
@@ -39,6 +40,7 @@ class Rollout:
     env_tokens: int = 0
     step_time: float = 0.0
     error: str | None = None
+    policy_versions: list[int] | None = None  # the weights versions that sampled it (None: not recorded)
 
 
 @dataclass
@@ -83,7 +85,9 @@ class SingleTurnExecutor:
                                         rollout_logprobs=list(out.logprobs), finish_reason=out.finish_reason,
                                         prompt_text=prompt.text, response_text=text, label=prompt.label,
                                         group=group_offset + g,
-                                        budget=budgets[g] if budgets else params.max_new_tokens))
+                                        budget=budgets[g] if budgets else params.max_new_tokens,
+                                        policy_versions=None if out.policy_versions is None
+                                        else sorted(set(out.policy_versions))))
         result = score_rollouts(self.reward_source, self.tokenizer, rollouts)
         return ScoredRollouts(rollouts=rollouts, rewards=result.rewards.float(), scores=result.scores.float(),
                               extra_logs=result.extra_logs, skipped=result.skipped)

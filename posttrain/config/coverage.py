@@ -117,6 +117,8 @@ ACTING: dict[str, frozenset[str]] = {
         "train: agent_func_path",
         "agent: timeout max_failure_frac",
         "ds: zero_stage zpg adam_offload overlap_comm grad_accum_dtype",
+        # async RL (trainers/rl/async_pipeline.py)
+        "train: async_enable async_queue_size partial_rollout_enable",
     ),
 }
 

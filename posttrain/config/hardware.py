@@ -111,7 +111,6 @@ _ONE_PROCESS = ("every role runs in this one process (no role has more than one 
                 "no RAY_ADDRESS), so there is nothing to place or sync")
 _VLLM = _NOT_YET + "vLLM rollouts (rollouts use the Hugging Face engine)"
 _VLLM_ENGINE = "the rollout engines run the Hugging Face engine, not vLLM: "
-_ASYNC = _NOT_YET + "asynchronous training (rollout and training alternate)"
 _VLM = _NOT_YET + "vision-language models (prompts are text only)"
 _MOE = _NOT_YET + "the MoE load-balancing (router auxiliary) loss is not added"
 _PPO_ENGINE = ("DeepSpeed ZeRO shards a role over its ranks: the actor and critic have one rank each here "
@@ -233,10 +232,8 @@ def _ppo_rules(cfg) -> list[InertRule]:
         InertRule(f"train.{name}", _ONE_PROCESS, _in_process)
         for name in ("colocate_actor_ref", "colocate_critic_reward", "colocate_all")
     ]
-    rules += [
-        InertRule(f"train.{name}", _ASYNC)
-        for name in ("async_enable", "async_queue_size", "partial_rollout_enable")
-    ]
+    rules.append(InertRule("train.async_queue_size", "only read with --train.async_enable",
+                           lambda v, c, dev: not c.train.async_enable))
     rules.append(
         InertRule("ds.enable_sleep", _NOT_YET + "the hybrid engine's sleep mode (it needs vLLM)")
     )

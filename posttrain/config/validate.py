@@ -446,7 +446,8 @@ def _ppo(cfg, r: _Report, world_size: int) -> None:
         r.bad("train.partial_rollout_enable", True, "needs --train.async_enable")
     if t.async_enable and cfg.vllm.enable_sleep:
         r.bad("vllm.enable_sleep", True, "not compatible with --train.async_enable")
-    r.need(t.async_queue_size >= 1, "train.async_queue_size", t.async_queue_size, "must be >= 1")
+    r.need(t.async_queue_size >= 0, "train.async_queue_size", t.async_queue_size,
+           "must be >= 0 (batches generated ahead of training; 0: none, as the synchronous loop)")
     r.need(t.num_episodes >= 1, "train.num_episodes", t.num_episodes, "must be >= 1")
     r.need(0.0 < t.ema_beta < 1.0, "train.ema_beta", t.ema_beta, "must be in (0, 1)")
     if t.enable_ema and cfg.ds.zero_stage == 3 and role_ranks(cfg.actor) > 1:

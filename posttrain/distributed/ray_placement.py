@@ -145,9 +145,9 @@ class ActorGroup(_RoleGroup):
     def weights_hash(self) -> str:
         return self.first(self.call("weights_hash"))
 
-    def broadcast_weights(self, engines, verify: bool = False) -> None:
+    def broadcast_weights(self, engines, verify: bool = False, version: int | None = None) -> None:
         for engine_group in engines:
-            engine_group.receive_from(self, verify)
+            engine_group.receive_from(self, verify, version)
 
 
 class ReferenceGroup(_RoleGroup):
@@ -239,17 +239,17 @@ class EngineGroup(_Group):
                 out[i] = outs[k] if per_item == 1 else outs[k * per_item:(k + 1) * per_item]
         return out
 
-    def receive_from(self, actor: ActorGroup, verify: bool = False) -> None:
+    def receive_from(self, actor: ActorGroup, verify: bool = False, version: int | None = None) -> None:
         """Load the actor's current weights: through Ray's object store (--vllm.sync_with_ray), or
         broadcast in buckets from actor rank 0 over a process group of its own. `verify`: the engines
-        record what they received, for `weights_hashes`."""
+        record what they received, for `weights_hashes`; `version`: the policy version they record."""
         if self.with_ray:
             ref = actor.first(actor.call("sync_put"))[0]
-            self.call("load_numpy", ref, verify)
+            self.call("load_numpy", ref, verify, version)
             return
         if self.layout is None:
             self._join(actor)
-        wait_all([(h.sync_receive.remote(verify), self.label(i)) for i, h in enumerate(self.handles)]
+        wait_all([(h.sync_receive.remote(verify, version), self.label(i)) for i, h in enumerate(self.handles)]
                  + [(h.sync_send.remote(self.layout), actor.label(i)) for i, h in enumerate(actor.handles)])
 
     def _join(self, actor: ActorGroup) -> None:
@@ -375,7 +375,8 @@ class RayPlacement:
             info("--train.colocate_all: engine 0 shares actor rank 0's GPU, which NCCL cannot pair; weights sync "
                  "through Ray's object store")
             with_ray = True
-        self.engines = EngineGroup("rollout engine", self._engines(), with_ray=with_ray, backend=backend)
+        self.engines = EngineGroup("rollout engine", self._engines(cfg.train.partial_rollout_enable), with_ray=with_ray,
+                                   backend=backend)
         self.groups = [g for g in (self.actor, self.ref, self.critic, self.reward, self.engines) if g is not None]
         wait_all([(h.pid.remote(), g.label(i)) for g in self.groups for i, h in enumerate(g.handles)],
                  timeout=PLACE_TIMEOUT_S)
@@ -409,10 +410,12 @@ class RayPlacement:
         self.handles += rest
         return [first] + rest
 
-    def _engines(self) -> list:
+    def _engines(self, partial_rollout: bool) -> list:
         n = self.plan.roles["engine"].num_ranks
         cls = ray.remote(EngineWorker)
-        engines = [cls.options(**self._options("engine", i)).remote(worker_threads(n), worker_env())
+        # partial rollout: a weight sync arrives while generate runs (a second thread of the actor)
+        concurrency = {"max_concurrency": 2} if partial_rollout else {}
+        engines = [cls.options(**self._options("engine", i), **concurrency).remote(worker_threads(n), worker_env())
                    for i in range(n)]
         self.handles += engines
         return engines

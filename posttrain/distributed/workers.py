@@ -4,6 +4,7 @@ reward-model group) and `EngineWorker` (one rollout engine). Plain classes, made
 trainer (`trainers.rl.build`), then serves the role's batch methods on numpy experience."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
@@ -220,13 +221,19 @@ class EngineWorker(_Process):
         self.layout = layout
         self.sync = SyncGroup(address, port, rank, world, backend)
 
-    def sync_receive(self, verify: bool = False) -> None:
-        self.sync.receive(self.layout, self._loader(verify))
-        self.engine.weights_updated()
+    def _paused(self):
+        """No decode step runs while the weights load (partial rollout: generation continues afterwards)."""
+        return self.engine.paused() if hasattr(self.engine, "paused") else contextlib.nullcontext()
 
-    def load_numpy(self, arrays, verify: bool = False) -> None:
-        self._loader(verify)(torch_state(arrays).items())
-        self.engine.weights_updated()
+    def sync_receive(self, verify: bool = False, version: int | None = None) -> None:
+        with self._paused():
+            self.sync.receive(self.layout, self._loader(verify))
+            self.engine.weights_updated(version)
+
+    def load_numpy(self, arrays, verify: bool = False, version: int | None = None) -> None:
+        with self._paused():
+            self._loader(verify)(torch_state(arrays).items())
+            self.engine.weights_updated(version)
 
 
 def _ray_visible_gpu() -> None:
@@ -241,13 +248,9 @@ def _ray_visible_gpu() -> None:
 
 
 def build_hf_engine(cfg, tok):
-    from posttrain.engines.rollout import HFRolloutEngine
-    from posttrain.models import load_causal_lm
+    from posttrain.trainers.rl.build import build_rollout_copy
 
-    model = load_causal_lm(cfg.actor.model_name_or_path, dtype=cfg.ds.param_dtype, tokenizer=tok,
-                           attn_implementation=cfg.ds.attn_implementation)
-    model.requires_grad_(False)
-    return HFRolloutEngine(model.to(_device()).eval(), tok, pad_token_id=tok.pad_token_id)
+    return build_rollout_copy(cfg, tok, _device())
 
 
 VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

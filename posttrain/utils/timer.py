@@ -17,6 +17,10 @@ class Timers:
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
+    def add(self, name: str, seconds: float) -> None:
+        """Count `seconds` measured elsewhere (another thread) under `name`."""
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
     def pop_metrics(self) -> dict[str, float]:
         out = {f"timing/{k}": v for k, v in self.seconds.items()}
         self.seconds.clear()

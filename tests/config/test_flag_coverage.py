@@ -108,7 +108,6 @@ def test_features_of_later_versions_say_so():
     acting = {"vllm.num_engines", "vllm.sync_backend", "vllm.sync_with_ray", "vllm.tensor_parallel_size",
               "vllm.gpu_memory_utilization", "vllm.enforce_eager", "vllm.enable_prefix_caching"}
     later = [p for p in flag_coverage("ppo") if p.split(".")[0] == "vllm" and p not in acting]
-    later += ["train.async_enable", "train.async_queue_size", "train.partial_rollout_enable"]
     later += ["rollout.vllm_generate_batch_size"]
     later += ["ds.enable_sleep", "data.max_images_per_prompt", "actor.aux_loss_coef", "ds.deepcompile"]
     reasons = {r.path: r.reason for r in inert_rules(cfg) if r.when is None}
@@ -116,19 +115,20 @@ def test_features_of_later_versions_say_so():
         assert reasons[path].startswith("not available in this version: "), path
 
 
-def test_async_and_partial_rollout_are_reported_not_refused():
+def test_async_flags_act_and_the_queue_size_alone_says_it_needs_async():
     cfg = parse_config(
         "ppo",
         BASE["ppo"]
         + ["--train.async_enable", "--train.partial_rollout_enable", "--train.async_queue_size", "4"],
         device="cpu",
     )
-    assert [n.split(" has no effect")[0] for n in inert_flags(cfg, "cpu")] == [
-        "--train.async_enable",
-        "--train.async_queue_size 4",
-        "--train.partial_rollout_enable",
-    ]
-    assert all("asynchronous training" in n for n in inert_flags(cfg, "cpu"))
+    assert inert_flags(cfg, "cpu") == []
+    alone = parse_config("ppo", BASE["ppo"] + ["--train.async_queue_size", "4"], device="cpu")
+    assert [n.split(" has no effect")[0] for n in inert_flags(alone, "cpu")] == ["--train.async_queue_size 4"]
+    assert "only read with --train.async_enable" in inert_flags(alone, "cpu")[0]
+    sync_like = parse_config("ppo", BASE["ppo"] + ["--train.async_enable", "--train.async_queue_size", "0"],
+                             device="cpu")
+    assert sync_like.train.async_queue_size == 0  # OpenRLHF refuses 0; here it is the synchronous schedule
 
 
 def test_a_flag_named_by_two_rules_is_reported_once():

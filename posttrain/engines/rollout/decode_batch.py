@@ -44,6 +44,7 @@ class Sequence:
     ticket: object = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the weights version of each token
     stopped: bool = False
     cancelled: bool = False  # its caller gave up: it leaves the batch at the next step, never settled
 
@@ -53,7 +54,8 @@ class Sequence:
 
     def output(self) -> RolloutOutput:
         return RolloutOutput(prompt_token_ids=list(self.prompt), output_token_ids=list(self.tokens),
-                             logprobs=list(self.logprobs), finish_reason="stop" if self.stopped else "length")
+                             logprobs=list(self.logprobs), finish_reason="stop" if self.stopped else "length",
+                             policy_versions=list(self.versions))
 
 
 def _layers(cache):
@@ -62,14 +64,22 @@ def _layers(cache):
 
 class DecodeBatch:
     """`forward(input_ids, attention_mask, position_ids, cache, last_only) -> logits [B, V]` and
-    `new_cache()` come from the engine; `pad_token_id` fills left padding. Call under `torch.no_grad()`."""
+    `new_cache()` come from the engine; `pad_token_id` fills left padding; `weights() -> (epoch,
+    version)` says which weights the model holds (the epoch changes on every load). Call under
+    `torch.no_grad()`, and keep the weights still during one `admit` or `step`.
 
-    def __init__(self, forward, new_cache, pad_token_id: int, device) -> None:
-        self._forward, self._new_cache = forward, new_cache
+    New weights mid-generation (partial rollout): the next `admit` or `step` re-prefills every live row
+    (prompt + tokens so far) with them, so each token's log-prob is exactly that of the version that
+    sampled it (recorded in `Sequence.versions`), and no cache from older weights is attended."""
+
+    def __init__(self, forward, new_cache, pad_token_id: int, device, weights=lambda: (0, 0)) -> None:
+        self._forward, self._new_cache, self._weights = forward, new_cache, weights
         self.pad_token_id, self.device = pad_token_id, device
         self.rows: list[Sequence] = []
         self.cache = self.mask = self.positions = self.logits = None
         self.mergeable = True  # known after the first prefill
+        self.epoch = None  # the weights epoch the cache and logits were computed with
+        self.refreshes = 0  # re-prefills after a weight change (tests, metrics)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -89,9 +99,12 @@ class DecodeBatch:
             return
         if not self.can_admit():
             raise RuntimeError("this model's cache cannot merge sequences mid-generation; admit into an empty batch")
-        lens = [len(s.prompt) for s in sequences]
+        self._refresh_if_stale()
+        self.epoch = self._weights()[0]
+        texts = [s.prompt + s.tokens for s in sequences]  # tokens: a sequence re-admitted after new weights
+        lens = [len(x) for x in texts]
         t = max(lens)
-        ids = torch.tensor([[self.pad_token_id] * (t - n) + s.prompt for s, n in zip(sequences, lens)],
+        ids = torch.tensor([[self.pad_token_id] * (t - n) + x for x, n in zip(texts, lens)],
                            dtype=torch.long, device=self.device)
         lengths = torch.tensor(lens, dtype=torch.long, device=self.device)
         mask = (torch.arange(t, device=self.device)[None, :] >= (t - lengths)[:, None]).long()
@@ -116,6 +129,8 @@ class DecodeBatch:
         """Sample one token for every row; return the sequences this step finished."""
         if not self.rows:
             return []
+        self._refresh_if_stale()
+        version = self._weights()[1]
         tokens, logprobs = self._sample()
         finished = []
         for s, tok, lp in zip(self.rows, tokens.tolist(), logprobs.tolist()):
@@ -123,6 +138,7 @@ class DecodeBatch:
                 continue  # finished earlier, awaiting compaction: its draw is discarded
             s.tokens.append(tok)
             s.logprobs.append(lp)
+            s.versions.append(version)
             s.stopped = tok in s.stop
             if s.done:
                 finished.append(s)
@@ -138,6 +154,15 @@ class DecodeBatch:
         self.logits = self._forward(tokens[:, None], self.mask, self.positions[:, None], self.cache, False)
         self.positions = self.positions + 1
         return finished
+
+    def _refresh_if_stale(self) -> None:
+        """The weights changed since the cache was computed: re-prefill the live rows with the new ones."""
+        if not self.rows or self._weights()[0] == self.epoch:
+            return
+        live = [s for s in self.rows if not s.done]
+        self.rows, self.cache, self.mask, self.positions, self.logits = [], None, None, None, None
+        self.refreshes += 1
+        self.admit(live)
 
     def _sample(self) -> tuple[torch.Tensor, torch.Tensor]:
         groups: dict[tuple[float, float], list[int]] = {}

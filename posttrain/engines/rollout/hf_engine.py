@@ -14,10 +14,15 @@ log-probs, top-p, seeding and stopping are ours:
 
 ``stream()`` serves single requests from other threads on the same loop (``stream.DecodeServer``):
 that is what the async front (``async_engine``) uses for agent episodes.
+
+Weights may change while samples are in flight (partial rollout): a load waits for the decode step in
+flight (``step_lock``), and the rows in flight are re-prefilled with the new weights before their next
+token; every token records the ``weight_version`` that sampled it (``RolloutOutput.policy_versions``).
 """
 from __future__ import annotations
 
 import inspect
+import threading
 from collections import deque
 from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as Seq
@@ -94,6 +99,10 @@ class HFRolloutEngine:
         params = inspect.signature(_hf_model(self.model).forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers 5.x / 4.x
         self._keep_kw = "logits_to_keep" in params
+        # one decode step (admit + step) at a time; a weight load waits for the step in flight
+        self.step_lock = threading.RLock()
+        self._epoch = 0  # bumped by every weight load: decode batches re-prefill their rows
+        self.weight_version = 0  # set by `weights_updated(version)`; recorded per sampled token
 
     # -- weights -------------------------------------------------------------------------------
     def load_weights(self, model_or_state_dict) -> None:
@@ -107,8 +116,9 @@ class HFRolloutEngine:
         if not isinstance(model_or_state_dict, Mapping):
             raise ValueError(f"load_weights expects a torch.nn.Module or a state dict, not "
                              f"{type(model_or_state_dict).__name__}")
-        with torch.no_grad():
+        with self.step_lock, torch.no_grad():
             self.model.load_state_dict(model_or_state_dict, strict=True)
+            self._epoch += 1
 
     def sync_weights(self, model) -> None:
         """Sample with ``model``'s current weights (no-op when it is the shared module)."""
@@ -117,14 +127,28 @@ class HFRolloutEngine:
     def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy some HF-named weights (one sync bucket) into the engine's model."""
         own = self.model.state_dict()
-        with torch.no_grad():
+        with self.step_lock, torch.no_grad():
+            self._epoch += 1
             for name, tensor in named:
                 if name not in own:
                     raise KeyError(f"update_weights: the rollout model has no weight named {name!r}")
                 own[name].copy_(tensor)
 
-    def weights_updated(self) -> None:
-        """After the last bucket of a sync: nothing to do (no cache outlives a generate call)."""
+    def weights_updated(self, version: int | None = None) -> None:
+        """After the last bucket of a sync: tokens sampled from now on record ``version`` (the trainer's
+        policy version; None: unchanged). Hold ``paused()`` over the whole sync when generation runs
+        concurrently, so no token is sampled from half-loaded weights."""
+        with self.step_lock:
+            if version is not None:
+                self.weight_version = int(version)
+
+    def paused(self):
+        """A context in which no decode step runs (those in flight continue afterwards, re-prefilled with
+        the weights loaded meanwhile): partial rollout's weight sync holds it."""
+        return self.step_lock
+
+    def _weights(self) -> tuple[int, int]:
+        return self._epoch, self.weight_version
 
     def weights_hash(self) -> str:
         """`posttrain.utils.weights_hash` of the weights the engine samples with."""
@@ -184,7 +208,7 @@ class HFRolloutEngine:
 
     def decode_batch(self) -> DecodeBatch:
         return DecodeBatch(self._forward, lambda: _new_cache(self.model), self.pad_token_id,
-                           next(self.model.parameters()).device)
+                           next(self.model.parameters()).device, self._weights)
 
     def run_to_completion(self, sequences: list[Sequence]) -> None:
         """Decode every sequence to its end, at most ``batch_size`` rows at a time: a sequence joins the
@@ -194,9 +218,10 @@ class HFRolloutEngine:
         batch = self.decode_batch()
         cap = self.batch_size or len(sequences)
         while pending or len(batch):
-            if pending and batch.can_admit() and len(batch) < cap:
-                batch.admit([pending.popleft() for _ in range(min(cap - len(batch), len(pending)))])
-            batch.step()
+            with self.step_lock:  # a weight load (partial rollout) happens between steps
+                if pending and batch.can_admit() and len(batch) < cap:
+                    batch.admit([pending.popleft() for _ in range(min(cap - len(batch), len(pending)))])
+                batch.step()
 
     @contextmanager
     def inference(self):

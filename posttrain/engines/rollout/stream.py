@@ -157,12 +157,13 @@ class DecodeServer:
         """Admit what fits, take one decode step, settle the finished requests; the batch to go on with."""
         joining, in_flight = [], list(batch.rows)
         try:
-            cap = self.max_rows or len(batch) + len(pending)
-            if pending and batch.can_admit() and len(batch) < cap:
-                joining = [pending.popleft() for _ in range(min(cap - len(batch), len(pending)))]
-                batch.admit(joining)
-            self.max_live = max(self.max_live, len({id(s.ticket) for s in batch.rows}))
-            finished = batch.step()
+            with self.engine.step_lock:  # a weight load (partial rollout) happens between steps
+                cap = self.max_rows or len(batch) + len(pending)
+                if pending and batch.can_admit() and len(batch) < cap:
+                    joining = [pending.popleft() for _ in range(min(cap - len(batch), len(pending)))]
+                    batch.admit(joining)
+                self.max_live = max(self.max_live, len({id(s.ticket) for s in batch.rows}))
+                finished = batch.step()
             self.steps += 1
         except BaseException as e:  # the engine failed: every request in flight gets the error (also
             # one whose rows finished in this step: `step` lost them with the exception)

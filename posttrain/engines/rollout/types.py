@@ -83,16 +83,22 @@ class RolloutOutput:
     ``output_token_ids`` are the sampled tokens as sampled: the stop token is included when the
     sample stopped, nothing is padded, truncated or rewritten. ``logprobs[i]`` is the log-prob of
     ``output_token_ids[i]`` (see module doc). ``finish_reason`` is "stop" (ended with a stop token)
-    or "length" (``max_new_tokens`` reached without one)."""
+    or "length" (``max_new_tokens`` reached without one). ``policy_versions[i]`` (None: not recorded)
+    is the weights version (``weights_updated(version)``) that sampled ``output_token_ids[i]``: with
+    partial rollout a sample may span several."""
 
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    policy_versions: list[int] | None = None  # per output token: the weights version that sampled it
 
     def __post_init__(self):
         if len(self.logprobs) != len(self.output_token_ids):
             raise ValueError(f"RolloutOutput: {len(self.logprobs)} logprobs for "
+                             f"{len(self.output_token_ids)} output tokens")
+        if self.policy_versions is not None and len(self.policy_versions) != len(self.output_token_ids):
+            raise ValueError(f"RolloutOutput: {len(self.policy_versions)} policy versions for "
                              f"{len(self.output_token_ids)} output tokens")
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"RolloutOutput.finish_reason={self.finish_reason!r}: valid values are "

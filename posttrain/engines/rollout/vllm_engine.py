@@ -52,8 +52,17 @@ def rollout_backend(cfg) -> tuple[str, str]:
     vLLM, else ("hf", why). Decided where the engine runs (a Ray worker on its node)."""
     if not (cfg.vllm.num_engines or 0) >= 1:
         return "hf", "--vllm.num_engines is unset"
-    why = vllm_unavailable() or hybrid_refusal(cfg)
+    why = vllm_unavailable() or hybrid_refusal(cfg) or partial_rollout_refusal(cfg)
     return ("hf", why) if why else ("vllm", "")
+
+
+def partial_rollout_refusal(cfg) -> str | None:
+    """Partial rollout needs an engine that pauses between decode steps and takes weights mid-request:
+    the HF engine does; vLLM's pause/resume (AsyncLLMEngine) is not wired into posttrain yet."""
+    if cfg.train.partial_rollout_enable:
+        return ("--train.partial_rollout_enable: posttrain's vLLM engine has no pause/resume yet; the HF engine "
+                "serves (it pauses between decode steps)")
+    return None
 
 
 def hybrid_refusal(cfg) -> str | None:
@@ -128,6 +137,7 @@ class VLLMRolloutEngine:
         else:
             self.llm = llm_or_model_path
         self.eos_token_ids = None if eos_token_ids is None else [int(i) for i in eos_token_ids]
+        self.weight_version = 0
 
     def vllm_sampling_params(self, params: SamplingParams, prompt_index: int, max_new_tokens: int | None = None,
                              seed: int | None = None):
@@ -180,9 +190,13 @@ class VLLMRolloutEngine:
         weights = [(name, tensor.detach()) for name, tensor in named]
         self.llm.apply_model(lambda model: model.load_weights(weights=weights))
 
-    def weights_updated(self) -> None:
-        """After the last bucket of a sync: cached prefixes were computed with the old weights."""
+    def weights_updated(self, version: int | None = None) -> None:
+        """After the last bucket of a sync: cached prefixes were computed with the old weights; tokens
+        sampled from now on were sampled by ``version`` (None: unchanged). Generation never overlaps a
+        sync here (partial rollout is refused with vLLM), so the trainer records one version per batch."""
         self.llm.reset_prefix_cache()
+        if version is not None:
+            self.weight_version = int(version)
 
     def weights_hash(self) -> None:
         """vLLM keeps the weights in its own fused layout, so they cannot be hashed by HF name here; a

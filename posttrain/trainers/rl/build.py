@@ -64,6 +64,18 @@ def build_actor(cfg, tokenizer, device, total_steps: int, zero_stage: int | None
                  device, ema_beta=cfg.train.ema_beta if cfg.train.enable_ema else None)
 
 
+def build_rollout_copy(cfg, tokenizer, device):
+    """An HF rollout engine over its own copy of the policy (loaded from --actor.model_name_or_path, eval
+    mode): a Ray engine actor's, or the in-process async pipeline's; the trainer's weights reach it by
+    sync. Its parameters keep `requires_grad` as the actor's do (it only runs under no_grad): torch picks
+    other CPU kernels for frozen weights, whose rounding would differ from the trainer's by ~1e-6."""
+    from posttrain.engines.rollout import HFRolloutEngine
+
+    model = load_causal_lm(cfg.actor.model_name_or_path, dtype=cfg.ds.param_dtype, tokenizer=tokenizer,
+                           attn_implementation=cfg.ds.attn_implementation)
+    return HFRolloutEngine(model.to(device).eval(), tokenizer, pad_token_id=tokenizer.pad_token_id)
+
+
 def build_critic(cfg, tokenizer, device, total_steps: int, zero_stage: int | None = None) -> Critic:
     _seed_for(cfg, "critic")
     model = load_score_model(critic_path(cfg), dtype=cfg.ds.param_dtype, value_head_prefix=cfg.ds.value_head_prefix,

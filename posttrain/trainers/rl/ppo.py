@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -23,6 +26,7 @@ from posttrain.data import PromptDataset, load_rows
 from posttrain.engines.rollout import HFRolloutEngine, SamplingParams, rank_seed
 from posttrain.models import load_tokenizer
 from posttrain.trainers.rl import build
+from posttrain.trainers.rl.async_pipeline import RolloutPipeline, staleness_metrics
 from posttrain.trainers.rl.collect import PromptStream, ShapingSettings, collect
 from posttrain.trainers.rl.evaluate import dataset_name, eval_metrics
 from posttrain.trainers.rl.experience_maker import ExperienceMaker, rollout_metrics
@@ -129,9 +133,12 @@ class RLTrainer(RunLoop):
             self.critic = (build.build_critic(cfg, self.tokenizer, self.device, updates)
                            if build.needs_critic(cfg) else None)
             self.ref = build.build_reference(cfg, self.tokenizer, self.device) if build.needs_reference(cfg) else None
-            # in one process the rollout engine samples from the actor's own module (no weight copy)
-            self.rollout_engine = HFRolloutEngine(self.actor.model, self.tokenizer,
-                                                  pad_token_id=self.tokenizer.pad_token_id)
+            if cfg.train.async_enable:  # generation runs while the actor trains: an engine of its own
+                with torch.random.fork_rng(devices=[]):  # loading it draws nothing from the run's RNG
+                    self.rollout_engine = build.build_rollout_copy(cfg, self.tokenizer, self.device)
+            else:  # in one process the rollout engine samples from the actor's own module (no weight copy)
+                self.rollout_engine = HFRolloutEngine(self.actor.model, self.tokenizer,
+                                                      pad_token_id=self.tokenizer.pad_token_id)
         if self.ref is None:
             info("no reference model loaded: --algo.kl.init_coef 0 and KL is not used as a loss")
         kl = cfg.algo.kl
@@ -188,6 +195,10 @@ class RLTrainer(RunLoop):
         self.experience_maker = ExperienceMaker(cfg, self.actor, self.ref, self.critic, self.forward_batching,
                                                 self.tokenizer.pad_token_id)
         self.stream = PromptStream(len(self.prompts), cfg.train.seed)
+        self.trained_cursor = 0  # the prompt cursor after the last batch trained (what a checkpoint keeps)
+        # async RL (`async_pipeline`): the producer, the lock generation and weight sync share, and the
+        # policy version (the step count at the engines' last sync)
+        self.pipeline, self.gen_lock, self.policy_version = None, threading.Lock(), 0
         self.best = {"key": None, "value": -math.inf}
         self.timers = Timers()
         # ckpt None: no --ckpt.save_steps and no --ckpt.load_enable, or --ckpt.disable_ds
@@ -207,18 +218,37 @@ class RLTrainer(RunLoop):
                               max_new_tokens=self.max_new_tokens, n=cfg.rollout.n_samples_per_prompt,
                               seed=rank_seed(cfg.train.seed, 0, step))
 
+    def produce(self, step: int):
+        """The rollout batch of `step`: (scored rollouts, their metrics, the prompt cursor after the draw).
+        On the producer thread in async mode."""
+        cfg = self.cfg
+        filt = tuple(cfg.algo.dynamic_filtering_range) if cfg.algo.dynamic_filtering_enable else None
+        scored, metrics = collect(self.executor, self.prompts, self.stream, self.sampling_params(step),
+                                  batch_size=cfg.rollout.batch_size, shaping=self.shaping,
+                                  filter_range=filt, max_extra_draws=4 * cfg.rollout.batch_size,
+                                  max_len=self.sample_max_len)
+        metrics.update(rollout_metrics(scored, cfg.rollout.n_samples_per_prompt))
+        return scored, metrics, self.stream.cursor
+
+    def _next_batch(self, step: int):
+        """This step's rollouts: generated now (sync), or taken from the pipeline with its async metrics."""
+        if self.pipeline is None:
+            with self.timers("generation"):
+                scored, metrics, self.trained_cursor = self.produce(step)
+            return scored, metrics
+        t0 = time.perf_counter()
+        item = self.pipeline.get(step)
+        scored, metrics, self.trained_cursor = item.result
+        metrics.update(staleness_metrics(scored.rollouts, item.version, self.policy_version))
+        metrics["async/queue_wait"] = time.perf_counter() - t0
+        self.timers.add("generation", item.seconds)
+        return scored, metrics
+
     def step(self) -> dict[str, float]:
         cfg = self.cfg
         step = self.global_step
-        n = cfg.rollout.n_samples_per_prompt
         with self.timers("step_total"):
-            with self.timers("generation"):
-                filt = tuple(cfg.algo.dynamic_filtering_range) if cfg.algo.dynamic_filtering_enable else None
-                scored, metrics = collect(self.executor, self.prompts, self.stream, self.sampling_params(step),
-                                          batch_size=cfg.rollout.batch_size, shaping=self.shaping,
-                                          filter_range=filt, max_extra_draws=4 * cfg.rollout.batch_size,
-                                          max_len=self.sample_max_len)
-            metrics.update(rollout_metrics(scored, n))
+            scored, metrics = self._next_batch(step)
             with self.timers("make_experience"):
                 exp, exp_metrics = self.experience_maker.make(scored, self.kl_ctl.value)
             metrics.update(exp_metrics)
@@ -229,7 +259,7 @@ class RLTrainer(RunLoop):
                 if actor_trains:
                     metrics.update(self.actor.fit(exp, self.update_settings, self.kl_ctl.value, step))
                     with self.timers("weight_sync"):
-                        self._sync_engines()
+                        self._sync_after(step)
             # OpenRLHF's statistic: the experience KL, or with KL as a loss the KL measured in training;
             # no update while the actor is frozen (no KL status then)
             current_kl = metrics.get("actor/kl_loss" if cfg.algo.kl.use_loss else "kl/mean")
@@ -240,9 +270,23 @@ class RLTrainer(RunLoop):
                               f"({cfg.algo.kl.horizon}); the per-horizon change is compounded (OpenRLHF's linear "
                               "update would overshoot, and turn the coefficient negative beyond 5 x horizon)")
             metrics["kl/coef"] = self.kl_ctl.value
+        if self.pipeline is not None:
+            self.pipeline.step_done(step)
         metrics.update(self.timers.pop_metrics())
         self._write_samples(step + 1, scored)
         return metrics
+
+    def _sync_after(self, step: int) -> None:
+        """The engines take the weights of step `step` (policy version step + 1). Async without partial
+        rollout: once the batch that must be sampled by the previous version has started, and never
+        during a generation (the producer holds `gen_lock` while it generates)."""
+        if self.pipeline is None:
+            self._sync_engines()
+            return
+        self.pipeline.before_sync(step)
+        with self.gen_lock if self.pipeline.hold_lock else nullcontext():
+            self._sync_engines(version=step + 1)
+            self.policy_version = step + 1
 
     def _write_samples(self, step: int, scored, k: int = 4) -> None:
         with (self.run_dir / "samples.jsonl").open("a") as f:
@@ -259,7 +303,8 @@ class RLTrainer(RunLoop):
     def evaluate(self) -> dict[str, float]:
         if self.eval_prompts is None:
             return {}
-        with self.timers("eval"):
+        # async: evaluation does not interleave with the producer's generation (OpenRLHF holds its lock)
+        with self.timers("eval"), self.gen_lock if self.pipeline is not None else nullcontext():
             return eval_metrics(self.executor, self.eval_prompts, self.sampling_params(self.global_step, True),
                                 self.eval_name, max_len=self.sample_max_len)
 
@@ -284,7 +329,7 @@ class RLTrainer(RunLoop):
         self.actor.save_state(d / "actor")
         if self.critic is not None:
             self.critic.save_state(d / "critic")
-        state = {"global_step": self.global_step, "prompt_cursor": self.stream.cursor,
+        state = {"global_step": self.global_step, "prompt_cursor": self.trained_cursor,
                  "kl_ctl": self.kl_ctl.state_dict(), "best": self.best, "rng": rng_state()}
         torch.save(state, d / "trainer_state.pt")
         if self.cfg.ckpt.save_hf:
@@ -295,13 +340,34 @@ class RLTrainer(RunLoop):
         self.actor.load_state(path / "actor", legacy_ema=state.get("ema"))
         if self.critic is not None:
             self.critic.load_state(path / "critic")
-        self.stream.cursor = state["prompt_cursor"]
+        self.stream.cursor = self.trained_cursor = state["prompt_cursor"]
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.best = state["best"]
         set_rng_state(state["rng"])
 
     def before_loop(self) -> None:
-        self._sync_engines(verify=True)
+        self.policy_version = self.global_step
+        self._sync_engines(verify=True, version=self.policy_version)
+        cfg = self.cfg
+        if cfg.train.async_enable and self.global_step < self.total_steps:
+            self.pipeline = RolloutPipeline(
+                self.produce, lambda: self.policy_version, first=self.global_step, last=self.total_steps,
+                lookahead=cfg.train.async_queue_size, lock=self.gen_lock,
+                hold_lock=not cfg.train.partial_rollout_enable).start()
+            info(f"async RL: rollouts generated up to {cfg.train.async_queue_size} step(s) ahead of training"
+                 + (", partial rollout (weights sync between decode steps)" if cfg.train.partial_rollout_enable
+                    else f" (staleness {cfg.train.async_queue_size})"))
+
+    def _close_pipeline(self) -> None:
+        """Stop the producer; a batch generated but never trained is dropped (a resume regenerates it)."""
+        if self.pipeline is None:
+            return
+        dropped = self.pipeline.close(timeout=60)
+        if dropped:
+            info(f"async RL: {dropped} generated batch(es) dropped untrained; a resume regenerates them")
+        if self.pipeline.running:
+            info("async RL: the rollout producer is still generating; it stops with this process")
+        self.pipeline = None
 
     def after_loop(self) -> None:
         self._export()
@@ -314,6 +380,7 @@ class RLTrainer(RunLoop):
         try:
             return super().fit()
         finally:
+            self._close_pipeline()
             if hasattr(self.executor, "close"):
                 self.executor.close()
             if self.reward_source is not None:
@@ -326,10 +393,11 @@ class RLTrainer(RunLoop):
             self.placement.shutdown()
             self.placement = None
 
-    def _sync_engines(self, verify: bool = False) -> None:
-        """The rollout engines take the actor's weights (a no-op in one process: the engine shares the
-        actor's module). `verify`: check each engine's weights hash equals the trainer's."""
-        self.actor.broadcast_weights([self.rollout_engine], verify)
+    def _sync_engines(self, verify: bool = False, version: int | None = None) -> None:
+        """The rollout engines take the actor's weights (a no-op in one process without async: the engine
+        shares the actor's module). `verify`: check each engine's weights hash equals the trainer's;
+        `version`: the policy version the engines record per token (async)."""
+        self.actor.broadcast_weights([self.rollout_engine], verify, version)
         if verify and self.placement is not None:
             expected, got = self.actor.weights_hash(), self.rollout_engine.weights_hashes()
             bad = [i for i, h in enumerate(got) if h != expected]

@@ -11,6 +11,7 @@ A role's state directory holds its engine state (weights, optimizer, scheduler) 
 (the actor's EMA), so a checkpoint is one directory per role."""
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -139,11 +140,16 @@ class Actor(_Scorer):
         """The current weights on rank 0 (None elsewhere); collective under ZeRO-3."""
         return self.engine.full_state_dict()
 
-    def broadcast_weights(self, engines, verify: bool = False) -> None:
+    def broadcast_weights(self, engines, verify: bool = False, version: int | None = None) -> None:
         """Make every rollout engine sample with the current weights (a no-op for an engine that
-        shares this module in process; nothing to verify then)."""
+        shares this module in process; nothing to verify then); `version` (the policy version, async
+        RL): recorded by the engine for the tokens it samples from now on. An engine with `paused()`
+        takes the weights between two decode steps (partial rollout)."""
         for engine in engines:
-            engine.sync_weights(self.model)
+            with engine.paused() if hasattr(engine, "paused") else nullcontext():
+                engine.sync_weights(self.model)
+                if version is not None:
+                    engine.weights_updated(version)
 
 
 class Reference(_Scorer):

@@ -208,3 +208,53 @@ def test_an_openai_client_agent_runs_inside_a_ray_rollout_engine(rl_setup, tmp_p
                                    "--data.max_samples", "4"))
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
     assert len(rows) == 1 and rows[0]["agent/turns_mean"] == 2.0 and rows[0]["agent/failed"] <= 0.1 * 8
+
+
+# examples/scripts/train_reinforce_baseline_ray_agent_async.sh of OpenRLHF 0.10.2: its flags as the script
+# has them, with our nano model, data and the agent file above; ranks 4 -> 2, one engine of tp 2 (their
+# 2 x tp 2 over 4 GPUs), lengths and batch sizes scaled down.
+REINFORCE_AGENT_ASYNC = """
+   --ckpt.load_enable --ckpt.save_hf --ckpt.max_num 3 --ckpt.save_steps 10
+   --data.input_key prompt --data.label_key answer --data.max_len 64 --rollout.max_new_tokens 4
+   --data.apply_chat_template --ds.packing_samples
+   --rollout.batch_size 4 --rollout.n_samples_per_prompt 2 --train.batch_size 8
+   --algo.dynamic_filtering_enable --algo.dynamic_filtering_range 0.0 1.0
+   --train.dynamic_batch_enable --train.max_tokens_per_gpu 256 --rollout.max_tokens_per_gpu 512
+   --train.micro_batch_size 1 --rollout.micro_batch_size 8 --data.max_samples 16 --train.max_epochs 1
+   --train.num_episodes 1
+   --train.async_enable --train.partial_rollout_enable
+   --ref.num_nodes 1 --ref.num_gpus_per_node 2 --actor.num_nodes 1 --actor.num_gpus_per_node 2
+   --vllm.num_engines 1 --vllm.tensor_parallel_size 2 --vllm.gpu_memory_utilization 0.95 --train.colocate_all
+   --ds.enable_sleep --vllm.sync_backend nccl --vllm.enforce_eager
+   --ds.zero_stage 3 --actor.gradient_checkpointing_enable --ds.ring_attn_size 2 --ds.ring_attn_head_stride 2
+   --ds.param_dtype fp32
+   --algo.advantage.estimator reinforce_baseline --actor.adam.lr 5e-7 --actor.entropy_coef 0.0
+   --algo.kl.init_coef 1e-5 --algo.kl.use_loss --algo.kl.estimator k2
+   --algo.advantage.is_correction_enable --algo.advantage.is_correction_type icepop
+   --logger.logging_steps 1 --eval.steps -1
+""".split()
+
+
+def test_openrlhf_async_agent_script_runs_on_ray(rl_setup, openrlhf_agent, tmp_path, ray_session):
+    """Async, partial rollout, an OpenRLHF agent file, ZeRO-3 over 2 actor ranks, colocate_all: through
+    `python -m posttrain.cli.train_ppo_ray` as the script launches it."""
+    import os
+    import subprocess
+    import sys
+
+    sft, data, _ = rl_setup
+    out = tmp_path / "agent_async"
+    r = subprocess.run([sys.executable, "-m", "posttrain.cli.train_ppo_ray", *REINFORCE_AGENT_ASYNC,
+                        "--actor.model_name_or_path", sft, "--data.prompt_dataset", data,
+                        "--train.agent_func_path", openrlhf_agent, "--ckpt.output_dir", out,
+                        "--ckpt.path", tmp_path / "ckpt"],
+                       check=False, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "RAY_ADDRESS": ""})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "async RL: rollouts generated up to 1 step(s) ahead of training, partial rollout" in r.stderr
+    rows = [x for x in read_metrics(out / "metrics.jsonl") if "reward/mean" in x]
+    assert len(rows) == 4
+    for x in rows:
+        assert x["agent/turns_mean"] >= 1.0 and x["rollout/policy_versions_per_sample"] >= 1.0
+        assert 0 <= x["async/staleness_max"] <= 1 and "actor/kl_loss" in x  # never more than the queue
+    assert (out / "model.safetensors").exists()

@@ -1,0 +1,91 @@
+"""Partial rollout in the HF engine: weights loaded while samples are in flight. The rows in flight
+continue with the new weights (re-prefilled), and every token keeps the log-prob of the version that
+sampled it (recomputed here by a plain forward of each version)."""
+import copy
+import threading
+import time
+
+import pytest
+import torch
+
+from posttrain.engines.rollout import HFRolloutEngine, SamplingParams
+
+PROMPTS = [[5, 6, 7, 8, 9], [14, 15], [20, 21, 22]]
+
+
+def recomputed_logprobs(model, prompt, tokens, temperature):
+    """log softmax(logits / T) of each sampled token, by one teacher-forced forward of `model`."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+
+@pytest.fixture
+def two_versions(model):
+    """The engine's model (version 0) and a perturbed copy of it (version 1)."""
+    old = copy.deepcopy(model).eval()
+    new = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    return old, new
+
+
+@pytest.mark.parametrize("path", ["generate", "stream"])
+def test_samples_span_two_versions_and_each_token_keeps_its_versions_logprob(two_versions, tokenizer, path):
+    old, new = two_versions
+    engine = HFRolloutEngine(copy.deepcopy(old), tokenizer, pad_token_id=tokenizer.pad_token_id)
+    slow = engine.model.register_forward_pre_hook(lambda *a: time.sleep(0.03))  # a slow engine
+    params = SamplingParams(temperature=0.9, n=2, max_new_tokens=24, stop_token_ids=(10**6,))
+    result = {}
+
+    def generate():
+        if path == "generate":
+            result["out"] = engine.generate(PROMPTS, params, seeds=[1, 2, 3])
+        else:
+            from posttrain.engines.rollout.async_engine import generate_all
+            result["out"] = generate_all(engine, PROMPTS, params, seeds=[1, 2, 3])
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    time.sleep(0.3)  # some tokens sampled by version 0
+    with engine.paused():  # partial rollout's weight sync: between two decode steps
+        engine.load_weights(new.state_dict())
+        engine.weights_updated(1)
+    worker.join(120)
+    slow.remove()
+    outs = [o for group in result["out"] for o in group]
+    for o in outs:
+        versions = o.policy_versions
+        assert versions == sorted(versions) and set(versions) == {0, 1}, versions  # it spans both
+        k = versions.index(1)
+        expect = (recomputed_logprobs(old, o.prompt_token_ids, o.output_token_ids, 0.9)[:k]
+                  + recomputed_logprobs(new, o.prompt_token_ids, o.output_token_ids, 0.9)[k:])
+        assert o.logprobs == pytest.approx(expect, abs=2e-4)
+    # the version-0 prefix differs from what version 1 would have given it (the check can fail)
+    o = outs[0]
+    k = o.policy_versions.index(1)
+    assert recomputed_logprobs(new, o.prompt_token_ids, o.output_token_ids, 0.9)[:k] != pytest.approx(
+        o.logprobs[:k], abs=2e-4)
+
+
+def test_a_load_waits_for_the_decode_step_in_flight(model, tokenizer):
+    engine = HFRolloutEngine(copy.deepcopy(model), tokenizer, pad_token_id=tokenizer.pad_token_id)
+    inside, events = threading.Event(), []
+
+    def slow_forward(*a):
+        inside.set()
+        events.append("forward start")
+        time.sleep(0.2)
+        events.append("forward end")
+
+    hook = engine.model.register_forward_pre_hook(slow_forward)
+    worker = threading.Thread(target=engine.generate, args=([PROMPTS[0]], SamplingParams(max_new_tokens=2)))
+    worker.start()
+    assert inside.wait(30)
+    engine.load_weights(model.state_dict())
+    events.append("loaded")
+    worker.join(60)
+    hook.remove()
+    assert events.index("loaded") > events.index("forward end")
