@@ -4,9 +4,10 @@ not compute (a sandbox, a judge model, a tool), on the same model, prompts and s
     .venv/bin/python bench/rl_async.py [--size small] [--prompts 16] [--n 8] [--max-new-tokens 32]
                                        [--steps 8] [--warmup 2] [--delay auto] [--queue 1] [--threads 0]
 
-The reward is the shipped arithmetic check served over HTTP from this driver (127.0.0.1, OpenRLHF's
-remote-RM request shape), answering each batch after a fixed `--delay` seconds (auto: the training
-time T measured by the first run). The policy has one rank and the rollout engine is its own copy of the
+The reward (`digit_reward`: 1 for the right arithmetic answer, else the share of digits in the
+response, a signal a random-init model can climb) is served over HTTP from this driver (127.0.0.1,
+OpenRLHF's remote-RM request shape), answering each batch after a fixed `--delay` seconds (auto: the
+training time T measured by the first run). The policy has one rank and the rollout engine is its own copy of the
 policy in the same process (async), or the policy's own module (sync); both share the machine's
 cores. Runs, each in its own subprocess, after a warm-up of `--warmup` steps (not timed):
   1. sync, no delay: G (generation + scoring compute, `timing/generation`) and T (the rest of the step);
@@ -34,12 +35,20 @@ from common import machine, md_table, median, versions  # noqa: E402
 SEED = 42
 
 
+def digit_reward(response: str, label: str) -> float:
+    """1 for the right answer, else the share of the response's characters that are digits: a signal a
+    random-init model can climb (the arithmetic check alone stays at 0 for it)."""
+    from posttrain.data.synthetic import is_correct
+
+    if is_correct(response, label):
+        return 1.0
+    return sum(c.isdigit() for c in response) / max(len(response), 1)
+
+
 class DelayedReward:
-    """An HTTP reward server on 127.0.0.1: the arithmetic check, answered after `delay` seconds."""
+    """An HTTP reward server on 127.0.0.1: `digit_reward`, answered after `delay` seconds."""
 
     def __init__(self) -> None:
-        from posttrain.data.synthetic import is_correct
-
         self.delay = 0.0
         outer = self
 
@@ -47,7 +56,7 @@ class DelayedReward:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 time.sleep(outer.delay)
-                rewards = [1.0 if is_correct(q[len(p):], str(label)) else 0.0
+                rewards = [digit_reward(q[len(p):], str(label))
                            for q, p, label in zip(body["query"], body["prompts"], body["labels"])]
                 data = json.dumps({"rewards": rewards, "scores": rewards}).encode()
                 self.send_response(200)
@@ -83,7 +92,7 @@ def flags(args, spec: dict, url: str, out: Path, async_run: bool) -> list[str]:
             "--rollout.max_new_tokens", str(args.max_new_tokens), "--rollout.micro_batch_size", "32",
             "--train.batch_size", str(total), "--train.micro_batch_size", "32", "--train.max_epochs", "1",
             "--train.num_episodes", "1", "--train.seed", str(SEED), "--algo.kl.init_coef", "0",
-            "--actor.adam.lr", "1e-4", "--actor.lr_warmup_ratio", "0", "--ds.param_dtype", "fp32",
+            "--actor.adam.lr", "3e-4", "--actor.lr_warmup_ratio", "0", "--ds.param_dtype", "fp32",
             "--ckpt.output_dir", str(out), "--logger.logging_steps", "1"]
     if async_run:
         argv += ["--train.async_enable", "--train.async_queue_size", str(args.queue)]

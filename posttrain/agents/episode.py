@@ -71,6 +71,7 @@ class EpisodeEngine:
     def __init__(self, front, tokenizer, seed: int) -> None:
         self.front, self.tokenizer, self.seed = front, tokenizer, seed
         self.calls = 0
+        self.versions: set[int] = set()  # the weights versions that sampled this episode's tokens
 
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None, **kwargs) -> RequestOutput:
         if multi_modal_data:
@@ -87,6 +88,7 @@ class EpisodeEngine:
         out = await self.front.generate(ids, sampling_params.to_engine(eos), seed=seed,
                                         max_new_tokens=int(sampling_params.max_tokens))
         tokens = list(out.output_token_ids)
+        self.versions.update(out.policy_versions or ())
         shown = tokens
         if out.finish_reason == "stop" and tokens and tokens[-1] in set(self.tokenizer.all_special_ids):
             shown = tokens[:-1]  # as vLLM's `.text`: the stop token is in `token_ids`, not in the text

@@ -192,6 +192,7 @@ class AgentRunner:
                 self.executor.execute(prompt.text, prompt.label, sampling, self.max_len, self.tokenizer, engine),
                 self.timeout)
             rollout = episode_to_rollout(result, prompt, group, self.max_len, self.tokenizer)
+            rollout.policy_versions = sorted(engine.versions) or None
             reward = _number_or_none(result.get("reward"), "reward")
             score = _number_or_none(result.get("scores"), "scores")
             extra = {}

@@ -41,6 +41,7 @@ class Rollout:
     step_time: float = 0.0
     error: str | None = None
     policy_versions: list[int] | None = None  # the weights versions that sampled it (None: not recorded)
+    cursor: int = 0  # the prompt stream's position after this sample's prompt (set by `collect`)
 
 
 @dataclass
@@ -66,17 +67,22 @@ class SingleTurnExecutor:
         self.reward_source = reward_source
         self.tokenizer = tokenizer
 
-    def run(self, prompts, params, group_offset: int = 0, max_len: int | None = None) -> ScoredRollouts:
+    def run(self, prompts, params, group_offset: int = 0, max_len: int | None = None,
+            on_generated=None) -> ScoredRollouts:
         """`prompts`: objects with `.text`, `.token_ids`, `.label` (posttrain.data.Prompt). With
         `max_len`, each prompt may generate `max_len - len(its tokens)` tokens (`sample_budgets`).
         `group_offset`: the index of the first prompt within the step; with `params.seed` set, prompt g
         samples with seed `rank_seed(params.seed, 0, group_offset + g)` (its global index), so the
-        samples do not depend on how the step's prompts are split into calls or engines."""
+        samples do not depend on how the step's prompts are split into calls or engines.
+        `on_generated()`: called once the samples are generated, before they are scored (async RL
+        releases the engines to a weight sync while a slow reward scores)."""
         budgets = sample_budgets(prompts, params, max_len)
         kwargs = {}
         if params.seed is not None:  # engines that take no seeds (test fakes) still work unseeded
             kwargs["seeds"] = [rank_seed(params.seed, 0, group_offset + g) for g in range(len(prompts))]
         outputs = generate_all(self.engine, [p.token_ids for p in prompts], params, max_new_tokens=budgets, **kwargs)
+        if on_generated is not None:
+            on_generated()
         rollouts = []
         for g, (prompt, outs) in enumerate(zip(prompts, outputs)):
             for out in outs:

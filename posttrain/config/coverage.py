@@ -119,6 +119,7 @@ ACTING: dict[str, frozenset[str]] = {
         "ds: zero_stage zpg adam_offload overlap_comm grad_accum_dtype",
         # async RL (trainers/rl/async_pipeline.py)
         "train: async_enable async_queue_size partial_rollout_enable",
+        "rollout: vllm_generate_batch_size",
     ),
 }
 

@@ -226,7 +226,6 @@ def _ppo_rules(cfg) -> list[InertRule]:
     rules = [InertRule(s.path, _VLLM) for s in specs
              if s.section == "vllm" and s.path not in on_ray | on_vllm]
     rules += [InertRule(path, _VLLM_ENGINE, _no_vllm) for path in sorted(on_vllm)]
-    rules.append(InertRule("rollout.vllm_generate_batch_size", _VLLM))
     rules += [InertRule(f"vllm.{name}", _ONE_PROCESS, _in_process) for name in ("sync_backend", "sync_with_ray")]
     rules += [
         InertRule(f"train.{name}", _ONE_PROCESS, _in_process)

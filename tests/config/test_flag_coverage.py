@@ -108,7 +108,6 @@ def test_features_of_later_versions_say_so():
     acting = {"vllm.num_engines", "vllm.sync_backend", "vllm.sync_with_ray", "vllm.tensor_parallel_size",
               "vllm.gpu_memory_utilization", "vllm.enforce_eager", "vllm.enable_prefix_caching"}
     later = [p for p in flag_coverage("ppo") if p.split(".")[0] == "vllm" and p not in acting]
-    later += ["rollout.vllm_generate_batch_size"]
     later += ["ds.enable_sleep", "data.max_images_per_prompt", "actor.aux_loss_coef", "ds.deepcompile"]
     reasons = {r.path: r.reason for r in inert_rules(cfg) if r.when is None}
     for path in later:

@@ -6,9 +6,10 @@ Protocol (OpenRLHF's `ppo_trainer_async.py`, in one process with a thread instea
    j - 1 - L (trained and synced the engines): at most L batches wait while one trains, so memory is
    bounded. With L = 1, batch j+1 is generated while step j trains, exactly when OpenRLHF's generator
    takes the slot the trainer returns on popping batch j; with L = 0 it is the synchronous loop;
- * without partial rollout the producer holds `lock` while it generates, and the trainer's weight
-   sync takes it too: a batch is sampled by one policy version, and a sync never interleaves with
-   generation. Before the sync that follows step s the trainer waits until batch s + L has started
+ * without partial rollout the producer holds `lock` while it generates (until `produce` calls
+   `generated()`, e.g. before a slow reward scores the batch, or until `produce` returns), and the
+   trainer's weight sync takes it too: a batch is sampled by one policy version, and a sync never
+   interleaves with generation. Before the sync that follows step s the trainer waits until batch s + L has started
    (`before_sync`), so batch j is always sampled by version max(first, j - L): staleness is exactly L
    and a seeded run is reproducible whatever the timing (OpenRLHF's version depends on timing for
    L > 1). With partial rollout the producer does not hold the lock; the sync pauses the engines
@@ -55,7 +56,7 @@ class RolloutPipeline:
         self._completed = first  # steps the trainer has completed (trained and synced)
         self._started = first - 1  # the last batch the producer started (holding the lock when it does)
         self._error: BaseException | None = None
-        self._stop = self._finished = False
+        self._stop = self._finished = self._holding = False
         self._thread = threading.Thread(target=self._run, name="posttrain-rollout-producer", daemon=True)
         self.max_queued = 0  # the most batches waiting at once
 
@@ -70,15 +71,17 @@ class RolloutPipeline:
                     self._cond.wait_for(lambda s=step: self._stop or self._completed >= s - self.lookahead)
                     if self._stop:
                         return
-                t0 = time.perf_counter()
                 if self.hold_lock:
-                    with self.lock:
-                        version = self._begin(step)
-                        result = self.produce(step)
-                else:
-                    version = self._begin(step)
+                    self.lock.acquire()
+                    self._holding = True
+                try:
+                    t0, version = time.perf_counter(), self._begin(step)
                     result = self.produce(step)
+                finally:
+                    self.generated()
                 with self._cond:
+                    if self._stop:  # closed while it generated: dropped
+                        return
                     self._ready.append(Produced(step, result, version, time.perf_counter() - t0))
                     self.max_queued = max(self.max_queued, len(self._ready))
                     self._cond.notify_all()
@@ -89,6 +92,13 @@ class RolloutPipeline:
             with self._cond:
                 self._finished = True
                 self._cond.notify_all()
+
+    def generated(self) -> None:
+        """Called by `produce` (on the producer thread) once the batch's samples are all generated: the
+        lock is released, so a weight sync may run while the batch is still being scored."""
+        if self._holding:
+            self._holding = False
+            self.lock.release()
 
     def _begin(self, step: int) -> int:
         version = self.version()
@@ -127,15 +137,18 @@ class RolloutPipeline:
             self._cond.notify_all()
 
     def close(self, timeout: float = 600.0) -> int:
-        """Stop producing and drop what is queued; wait `timeout` s for a batch in progress; returns how
-        many batches were dropped."""
+        """Stop producing and drop what is queued; wait up to `timeout` s for a batch in progress (a
+        second Ctrl-C stops the wait); returns how many batches were dropped."""
         with self._cond:
             self._stop = True
             dropped = len(self._ready)
             self._ready.clear()
             self._cond.notify_all()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+            try:
+                self._thread.join(timeout)
+            except KeyboardInterrupt:
+                pass
         return dropped
 
     @property

@@ -77,11 +77,12 @@ def keep_groups(batch: ScoredRollouts, keep: torch.Tensor, n: int) -> ScoredRoll
 
 def collect(executor, prompts, stream: PromptStream, params, *, batch_size: int, shaping: ShapingSettings,
             filter_range: tuple[float, float] | None, max_extra_draws: int,
-            max_len: int | None = None) -> tuple[ScoredRollouts, dict]:
+            max_len: int | None = None, on_generated=None) -> tuple[ScoredRollouts, dict]:
     """`batch_size` prompt groups (fewer when filtering ran out of draws; logged). Each draw samples
     with its own seed (`params.seed` for the first, derived from it for refills), so refilled
     prompts never replay the first draw's random numbers. `max_len`: per-sample budgets
-    (`SingleTurnExecutor.run`)."""
+    (`SingleTurnExecutor.run`); `on_generated`: passed to a single-turn executor's `run` (only
+    without filtering, where the first draw is the only one)."""
     n = params.n
     kept: list[ScoredRollouts] = []
     kept_groups = drawn = draws = penalised = sampled = 0
@@ -91,8 +92,12 @@ def collect(executor, prompts, stream: PromptStream, params, *, batch_size: int,
         take = min(batch_size - kept_groups, budget - drawn)
         draw_params = params if draws == 0 or params.seed is None else replace(
             params, seed=rank_seed(params.seed, draws, 0))
+        hook = {"on_generated": on_generated} if on_generated is not None else {}
+        start = stream.cursor
         batch = executor.run([prompts[i] for i in stream.take(take)], draw_params, group_offset=kept_groups,
-                             max_len=max_len)
+                             max_len=max_len, **hook)
+        for r in batch.rollouts:
+            r.cursor = start + (r.group - kept_groups) + 1
         drawn += take
         draws += 1
         penalised += shape_rewards(batch, shaping)
@@ -115,3 +120,37 @@ def collect(executor, prompts, stream: PromptStream, params, *, batch_size: int,
     for i, r in enumerate(out.rollouts):  # renumber groups contiguously after filtering
         r.group = i // n
     return out, metrics
+
+
+class GroupBuffer:
+    """Oversampling (`--rollout.vllm_generate_batch_size` G != `--rollout.batch_size` B; OpenRLHF's
+    `_sample_buffer`): `take(draw)` calls `draw()` (one `collect` of G prompt groups, filtering
+    included) only while fewer than B groups are buffered, and returns the B oldest groups, renumbered.
+    Groups keep their prompt-stream positions (`Rollout.cursor`): a batch's cursor is its last group's,
+    so a checkpoint taken after it neither replays nor skips a prompt (buffered groups are drawn again
+    on resume)."""
+
+    def __init__(self, batch_size: int, n: int) -> None:
+        self.batch_size, self.n = batch_size, n
+        self.buffer: ScoredRollouts | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.buffer is None else len(self.buffer.rollouts) // self.n
+
+    def take(self, draw) -> tuple[ScoredRollouts, dict, int]:
+        metrics: dict = {}
+        calls = 0
+        while len(self) < self.batch_size:
+            scored, drawn = draw()
+            metrics.update(drawn)
+            calls += 1
+            self.buffer = scored if self.buffer is None else concat([self.buffer, scored])
+        first = torch.arange(len(self)) < self.batch_size
+        batch = keep_groups(self.buffer, first, self.n)
+        self.buffer = keep_groups(self.buffer, ~first, self.n) if len(self) > self.batch_size else None
+        for part in (batch, self.buffer):
+            for i, r in enumerate(part.rollouts if part is not None else []):
+                r.group = i // self.n
+        metrics["rollout/generation_calls"] = calls
+        metrics["rollout/buffered_groups"] = len(self)
+        return batch, metrics, max(r.cursor for r in batch.rollouts)

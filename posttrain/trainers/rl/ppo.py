@@ -12,6 +12,7 @@ import math
 import threading
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ from posttrain.engines.rollout import HFRolloutEngine, SamplingParams, rank_seed
 from posttrain.models import load_tokenizer
 from posttrain.trainers.rl import build
 from posttrain.trainers.rl.async_pipeline import RolloutPipeline, staleness_metrics
-from posttrain.trainers.rl.collect import PromptStream, ShapingSettings, collect
+from posttrain.trainers.rl.collect import GroupBuffer, PromptStream, ShapingSettings, collect
 from posttrain.trainers.rl.evaluate import dataset_name, eval_metrics
 from posttrain.trainers.rl.experience_maker import ExperienceMaker, rollout_metrics
 from posttrain.trainers.rl.forward import Batching
@@ -196,6 +197,9 @@ class RLTrainer(RunLoop):
                                                 self.tokenizer.pad_token_id)
         self.stream = PromptStream(len(self.prompts), cfg.train.seed)
         self.trained_cursor = 0  # the prompt cursor after the last batch trained (what a checkpoint keeps)
+        gen = cfg.rollout.vllm_generate_batch_size
+        self.oversampled = (GroupBuffer(cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt)
+                            if gen and gen != cfg.rollout.batch_size else None)
         # async RL (`async_pipeline`): the producer, the lock generation and weight sync share, and the
         # policy version (the step count at the engines' last sync)
         self.pipeline, self.gen_lock, self.policy_version = None, threading.Lock(), 0
@@ -219,16 +223,41 @@ class RLTrainer(RunLoop):
                               seed=rank_seed(cfg.train.seed, 0, step))
 
     def produce(self, step: int):
-        """The rollout batch of `step`: (scored rollouts, their metrics, the prompt cursor after the draw).
-        On the producer thread in async mode."""
+        """The rollout batch of `step`: (scored rollouts, their metrics, the prompt cursor after its last
+        group). On the producer thread in async mode. With oversampling (`self.oversampled`) the batch
+        comes from the group buffer, refilled by generation calls of --rollout.vllm_generate_batch_size
+        prompts."""
+        cfg = self.cfg
+        if self.oversampled is None:
+            scored, metrics = self._draw(step, cfg.rollout.batch_size, release_engines=True)
+            cursor = self.stream.cursor
+        else:
+            scored, metrics, cursor = self.oversampled.take(
+                lambda: self._draw(step, cfg.rollout.vllm_generate_batch_size, release_engines=False))
+        metrics.update(rollout_metrics(scored, cfg.rollout.n_samples_per_prompt))
+        return scored, metrics, cursor
+
+    def _draw(self, step: int, prompts: int, release_engines: bool):
+        """`collect` of `prompts` groups. Async: each sample without versions recorded by its engine gets
+        the current one, and (`release_engines`, single-turn, no filtering) the engines are free for a
+        weight sync as soon as the batch is generated, while its reward scores (with filtering a refill
+        draw may follow the scores)."""
         cfg = self.cfg
         filt = tuple(cfg.algo.dynamic_filtering_range) if cfg.algo.dynamic_filtering_enable else None
-        scored, metrics = collect(self.executor, self.prompts, self.stream, self.sampling_params(step),
-                                  batch_size=cfg.rollout.batch_size, shaping=self.shaping,
-                                  filter_range=filt, max_extra_draws=4 * cfg.rollout.batch_size,
-                                  max_len=self.sample_max_len)
-        metrics.update(rollout_metrics(scored, cfg.rollout.n_samples_per_prompt))
-        return scored, metrics, self.stream.cursor
+        hook, version = {}, self.policy_version
+        if (self.pipeline is not None and release_engines and filt is None
+                and isinstance(self.executor, SingleTurnExecutor)):
+            hook["on_generated"] = self.pipeline.generated
+        params = self.sampling_params(step)
+        if self.oversampled is not None:  # several draws per step, or none: seeded by where they start
+            params = replace(params, seed=rank_seed(cfg.train.seed, 2, self.stream.cursor))
+        scored, metrics = collect(self.executor, self.prompts, self.stream, params,
+                                  batch_size=prompts, shaping=self.shaping, filter_range=filt,
+                                  max_extra_draws=4 * prompts, max_len=self.sample_max_len, **hook)
+        if self.pipeline is not None:
+            for r in scored.rollouts:
+                r.policy_versions = r.policy_versions or [version]
+        return scored, metrics
 
     def _next_batch(self, step: int):
         """This step's rollouts: generated now (sync), or taken from the pipeline with its async metrics."""
@@ -258,8 +287,9 @@ class RLTrainer(RunLoop):
                 actor_trains = step >= cfg.critic.freezing_steps
                 if actor_trains:
                     metrics.update(self.actor.fit(exp, self.update_settings, self.kl_ctl.value, step))
+                if actor_trains or self.pipeline is not None:  # async: every step is a version
                     with self.timers("weight_sync"):
-                        self._sync_after(step)
+                        metrics.update(self._sync_after(step))
             # OpenRLHF's statistic: the experience KL, or with KL as a loss the KL measured in training;
             # no update while the actor is frozen (no KL status then)
             current_kl = metrics.get("actor/kl_loss" if cfg.algo.kl.use_loss else "kl/mean")
@@ -276,17 +306,21 @@ class RLTrainer(RunLoop):
         self._write_samples(step + 1, scored)
         return metrics
 
-    def _sync_after(self, step: int) -> None:
+    def _sync_after(self, step: int) -> dict[str, float]:
         """The engines take the weights of step `step` (policy version step + 1). Async without partial
         rollout: once the batch that must be sampled by the previous version has started, and never
-        during a generation (the producer holds `gen_lock` while it generates)."""
+        during a generation (the producer holds `gen_lock` while it generates): `async/sync_wait` is
+        the time spent waiting for that (inside `timing/weight_sync`)."""
         if self.pipeline is None:
             self._sync_engines()
-            return
+            return {}
+        t0 = time.perf_counter()
         self.pipeline.before_sync(step)
         with self.gen_lock if self.pipeline.hold_lock else nullcontext():
+            waited = time.perf_counter() - t0
             self._sync_engines(version=step + 1)
             self.policy_version = step + 1
+        return {"async/sync_wait": waited}
 
     def _write_samples(self, step: int, scored, k: int = 4) -> None:
         with (self.run_dir / "samples.jsonl").open("a") as f:
@@ -353,7 +387,8 @@ class RLTrainer(RunLoop):
             self.pipeline = RolloutPipeline(
                 self.produce, lambda: self.policy_version, first=self.global_step, last=self.total_steps,
                 lookahead=cfg.train.async_queue_size, lock=self.gen_lock,
-                hold_lock=not cfg.train.partial_rollout_enable).start()
+                hold_lock=not cfg.train.partial_rollout_enable)
+            self.pipeline.start()  # after the assignment: `produce` reads `self.pipeline`
             info(f"async RL: rollouts generated up to {cfg.train.async_queue_size} step(s) ahead of training"
                  + (", partial rollout (weights sync between decode steps)" if cfg.train.partial_rollout_enable
                     else f" (staleness {cfg.train.async_queue_size})"))
@@ -362,7 +397,7 @@ class RLTrainer(RunLoop):
         """Stop the producer; a batch generated but never trained is dropped (a resume regenerates it)."""
         if self.pipeline is None:
             return
-        dropped = self.pipeline.close(timeout=60)
+        dropped = self.pipeline.close(timeout=30)
         if dropped:
             info(f"async RL: {dropped} generated batch(es) dropped untrained; a resume regenerates them")
         if self.pipeline.running:

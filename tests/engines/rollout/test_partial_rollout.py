@@ -36,7 +36,13 @@ def two_versions(model):
 def test_samples_span_two_versions_and_each_token_keeps_its_versions_logprob(two_versions, tokenizer, path):
     old, new = two_versions
     engine = HFRolloutEngine(copy.deepcopy(old), tokenizer, pad_token_id=tokenizer.pad_token_id)
-    slow = engine.model.register_forward_pre_hook(lambda *a: time.sleep(0.03))  # a slow engine
+    forwards = []
+
+    def slow_forward(*args):  # a slow engine, counting its forwards
+        forwards.append(1)
+        time.sleep(0.03)
+
+    slow = engine.model.register_forward_pre_hook(slow_forward)
     params = SamplingParams(temperature=0.9, n=2, max_new_tokens=24, stop_token_ids=(10**6,))
     result = {}
 
@@ -49,7 +55,9 @@ def test_samples_span_two_versions_and_each_token_keeps_its_versions_logprob(two
 
     worker = threading.Thread(target=generate)
     worker.start()
-    time.sleep(0.3)  # some tokens sampled by version 0
+    deadline = time.time() + 60
+    while len(forwards) < 4 and time.time() < deadline:  # a prefill and 3 decode steps: tokens of version 0
+        time.sleep(0.005)
     with engine.paused():  # partial rollout's weight sync: between two decode steps
         engine.load_weights(new.state_dict())
         engine.weights_updated(1)
@@ -89,3 +97,29 @@ def test_a_load_waits_for_the_decode_step_in_flight(model, tokenizer):
     worker.join(60)
     hook.remove()
     assert events.index("loaded") > events.index("forward end")
+
+
+def test_rows_admitted_after_a_weight_load_join_rows_refreshed_with_it(two_versions, tokenizer):
+    """Row a decodes 3 tokens with version 0; the weights change; row b joins: a is re-prefilled with
+    version 1 (prompt + its tokens) and both continue, every token with its version's log-prob."""
+    old, new = two_versions
+    engine = HFRolloutEngine(copy.deepcopy(old), tokenizer, pad_token_id=tokenizer.pad_token_id)
+    params = SamplingParams(temperature=1.0, stop_token_ids=(10**6,))
+    a = engine.sequences([PROMPTS[0]], params, [8], [1])[0]
+    b = engine.sequences([PROMPTS[1]], params, [5], [2])[0]
+    with engine.inference():
+        batch = engine.decode_batch()
+        batch.admit([a])
+        for _ in range(3):
+            batch.step()
+        engine.load_weights(new.state_dict())
+        engine.weights_updated(1)
+        batch.admit([b])
+        assert batch.refreshes == 1 and len(batch) == 2
+        while len(batch):
+            batch.step()
+    assert a.versions == [0, 0, 0] + [1] * 5 and b.versions == [1] * 5
+    expect_a = (recomputed_logprobs(old, a.prompt, a.tokens, 1.0)[:3] + recomputed_logprobs(new, a.prompt, a.tokens,
+                                                                                          1.0)[3:])
+    assert a.logprobs == pytest.approx(expect_a, abs=2e-4)
+    assert b.logprobs == pytest.approx(recomputed_logprobs(new, b.prompt, b.tokens, 1.0), abs=2e-4)

@@ -247,7 +247,7 @@ def test_openrlhf_async_agent_script_runs_on_ray(rl_setup, openrlhf_agent, tmp_p
     r = subprocess.run([sys.executable, "-m", "posttrain.cli.train_ppo_ray", *REINFORCE_AGENT_ASYNC,
                         "--actor.model_name_or_path", sft, "--data.prompt_dataset", data,
                         "--train.agent_func_path", openrlhf_agent, "--ckpt.output_dir", out,
-                        "--ckpt.path", tmp_path / "ckpt"],
+                        "--ckpt.path", tmp_path / "ckpt", "--ckpt.save_steps", "2"],  # 10 > this run's 4 steps
                        check=False, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "RAY_ADDRESS": ""})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -258,3 +258,4 @@ def test_openrlhf_async_agent_script_runs_on_ray(rl_setup, openrlhf_agent, tmp_p
         assert x["agent/turns_mean"] >= 1.0 and x["rollout/policy_versions_per_sample"] >= 1.0
         assert 0 <= x["async/staleness_max"] <= 1 and "actor/kl_loss" in x  # never more than the queue
     assert (out / "model.safetensors").exists()
+    assert (tmp_path / "ckpt" / "global_step4" / "hf" / "model.safetensors").exists()

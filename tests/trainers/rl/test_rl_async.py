@@ -54,11 +54,20 @@ def test_queue_of_zero_is_the_synchronous_trainer(run_ppo):
     assert (sync / "samples.jsonl").read_text() == (q0 / "samples.jsonl").read_text()
 
 
-def test_partial_rollout_runs_and_logs_the_versions_per_sample(run_ppo):
-    out, _ = run_ppo(*ASYNC, "--train.async_queue_size", "2", "--train.partial_rollout_enable", name="partial")
+def test_partial_rollout_samples_span_the_weight_update_that_lands_mid_generation(run_ppo, monkeypatch):
+    """Decode steps slowed down (generation >> training): the sync after step j lands while batch j+1
+    is being generated; without the producer holding the lock it goes through between two decode
+    steps, so samples span two versions (with the lock held, every sample would have one)."""
+    from posttrain.engines.rollout.decode_batch import DecodeBatch
+
+    step = DecodeBatch.step
+    monkeypatch.setattr(DecodeBatch, "step", lambda self: (time.sleep(0.25), step(self))[1])
+    out, _ = run_ppo(*ASYNC, "--train.async_queue_size", "1", "--train.partial_rollout_enable",
+                     "--data.max_samples", "32", name="partial")
     rows = read_metrics(out / "metrics.jsonl")
-    assert len(rows) == 8
-    assert all(1.0 <= r["rollout/policy_versions_per_sample"] and r["async/staleness_max"] <= 2 for r in rows)
+    assert len(rows) == 4
+    assert max(r["rollout/policy_versions_per_sample"] for r in rows) > 1.0
+    assert all(r["async/staleness_max"] <= 1 for r in rows)  # never more than the queue behind
 
 
 def test_a_resume_neither_replays_nor_skips_a_prompt(run_ppo, tmp_path):
@@ -107,3 +116,26 @@ def test_a_negative_queue_is_refused(run_ppo, size):
 
     with pytest.raises((ConfigError, SystemExit)):
         run_ppo(*ASYNC, "--train.async_queue_size", size, name="neg")
+
+
+def test_oversampling_buffers_groups_and_a_resume_regenerates_them(run_ppo, tmp_path):
+    """--rollout.vllm_generate_batch_size 16 with batches of 8: one generation call every other step;
+    the step-1 checkpoint keeps the cursor of its 8 trained groups (8 more sit in the buffer), so a run
+    resumed there trains the same prompts as the uninterrupted one."""
+    import torch
+
+    flags = [*ASYNC, "--rollout.vllm_generate_batch_size", "16", "--ckpt.save_steps", "1", "--ckpt.max_num", "8"]
+    full, _ = run_ppo(*flags, "--ckpt.path", tmp_path / "ck_full", name="over")
+    rows = read_metrics(full / "metrics.jsonl")
+    assert [r["rollout/generation_calls"] for r in rows] == [1, 0] * 4
+    assert [r["rollout/buffered_groups"] for r in rows] == [8, 0] * 4
+    assert all(r["async/staleness_max"] <= 2 for r in rows)  # a buffered group waits one more step
+    cursors = [torch.load(tmp_path / "ck_full" / f"global_step{s}" / "trainer_state.pt",
+                          weights_only=False)["prompt_cursor"] for s in range(5, 9)]
+    assert cursors == [40, 48, 56, 64]
+    ck = tmp_path / "ck_resume"
+    ck.mkdir()
+    shutil.copytree(tmp_path / "ck_full" / "global_step5", ck / "global_step5")
+    resumed, _ = run_ppo(*flags, "--ckpt.path", ck, "--ckpt.load_enable", name="over_resumed")
+    again = first_prompts(resumed)
+    assert sorted(again) == [6, 7, 8] and again == {s: p for s, p in first_prompts(full).items() if s >= 6}
