@@ -25,7 +25,7 @@ from posttrain.config import (
 from posttrain.config.ray_mode import uses_ray
 from posttrain.data import PromptDataset, load_rows
 from posttrain.engines.rollout import HFRolloutEngine, SamplingParams, rank_seed
-from posttrain.models import load_tokenizer
+from posttrain.models import load_tokenizer, unwrap_model
 from posttrain.trainers.rl import build
 from posttrain.trainers.rl.async_pipeline import RolloutPipeline, staleness_metrics
 from posttrain.trainers.rl.collect import GroupBuffer, PromptStream, ShapingSettings, collect
@@ -38,6 +38,7 @@ from posttrain.trainers.skeleton import Cadence, RunLoop, plot_charts
 from posttrain.utils.log import info, warn_once
 from posttrain.utils.seeding import rng_state, set_rng_state
 from posttrain.utils.timer import Timers
+from posttrain.utils.weights_hash import weights_hash
 
 
 class RLTrainer(RunLoop):
@@ -439,6 +440,10 @@ class RLTrainer(RunLoop):
             if bad:
                 raise RuntimeError(f"weight sync failed: rollout engine(s) {bad} hold other weights than the actor")
             info(f"weight sync verified: {len(got)} rollout engine(s) hold the actor's weights")
+        elif verify and self.cfg.train.async_enable:  # in one process, the async engine's own copy
+            if self.rollout_engine.weights_hash() != weights_hash(unwrap_model(self.actor.model).state_dict()):
+                raise RuntimeError("weight sync failed: the async rollout engine holds other weights than the actor")
+            info("weight sync verified: the async rollout engine holds the actor's weights")
 
     def _export(self) -> None:
         if self.actor.keeps_ema:
