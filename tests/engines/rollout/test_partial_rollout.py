@@ -123,3 +123,40 @@ def test_rows_admitted_after_a_weight_load_join_rows_refreshed_with_it(two_versi
                                                                                           1.0)[3:])
     assert a.logprobs == pytest.approx(expect_a, abs=2e-4)
     assert b.logprobs == pytest.approx(recomputed_logprobs(new, b.prompt, b.tokens, 1.0), abs=2e-4)
+
+
+def test_a_ray_engine_process_takes_weights_while_it_generates(tiny_model_dir, monkeypatch):
+    """The rollout-engine process (distributed/workers.EngineWorker, here without Ray; with partial
+    rollout Ray gives it a second thread): a sync that arrives mid-`generate` loads between two decode
+    steps and the samples continue with the new version. With partial rollout, vLLM is not chosen."""
+    from posttrain.config import parse_config
+    from posttrain.distributed.workers import EngineWorker, numpy_state
+    from posttrain.engines.rollout import vllm_engine
+
+    argv = ["--actor.model_name_or_path", str(tiny_model_dir), "--data.prompt_dataset", "x", "--vllm.num_engines", "1",
+            "--ds.param_dtype", "fp32", "--train.async_enable", "--train.partial_rollout_enable"]
+    monkeypatch.setattr(vllm_engine, "vllm_unavailable", lambda: None)  # as on a GPU node with vLLM
+    worker = EngineWorker(1, {})
+    worker.setup(parse_config("ppo", argv, check=False))
+    assert worker.backend_name()[0] == "hf" and "no pause/resume yet" in worker.backend_name()[1]
+    forwards = []
+
+    def slow_forward(*args):
+        forwards.append(1)
+        time.sleep(0.03)
+
+    hook = worker.engine.model.register_forward_pre_hook(slow_forward)
+    params = SamplingParams(temperature=1.0, n=2, max_new_tokens=16, stop_token_ids=(10**6,))
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("out", worker.generate(PROMPTS, params, None, [1, 2, 3])))
+    thread.start()
+    deadline = time.time() + 60
+    while len(forwards) < 4 and time.time() < deadline:
+        time.sleep(0.005)
+    state = {k: v + 0.01 for k, v in worker.engine.model.state_dict().items()}
+    worker.load_numpy(numpy_state(state), False, 7)
+    thread.join(60)
+    hook.remove()
+    for group in result["out"]:
+        for o in group:
+            assert set(o.policy_versions) == {0, 7} and o.policy_versions == sorted(o.policy_versions)
