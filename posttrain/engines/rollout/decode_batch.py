@@ -124,6 +124,19 @@ class DecodeBatch:
         self.logits = torch.cat([self.logits, logits])
         self.rows += sequences
 
+    def admit_waiting(self, pending, cap: int) -> list[Sequence]:
+        """Admit sequences from the left of the deque `pending` while the batch has fewer than `cap` rows
+        (and can take them); returns those admitted. If the admission fails they are back in `pending`."""
+        if not (pending and self.can_admit() and len(self) < cap):
+            return []
+        joining = [pending.popleft() for _ in range(min(cap - len(self), len(pending)))]
+        try:
+            self.admit(joining)
+        except BaseException:
+            pending.extendleft(reversed(joining))
+            raise
+        return joining
+
     # -- one decode step -----------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Sample one token for every row; return the sequences this step finished."""

@@ -219,8 +219,7 @@ class HFRolloutEngine:
         cap = self.batch_size or len(sequences)
         while pending or len(batch):
             with self.step_lock:  # a weight load (partial rollout) happens between steps
-                if pending and batch.can_admit() and len(batch) < cap:
-                    batch.admit([pending.popleft() for _ in range(min(cap - len(batch), len(pending)))])
+                batch.admit_waiting(pending, cap)
                 batch.step()
 
     @contextmanager

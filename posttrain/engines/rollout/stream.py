@@ -158,10 +158,7 @@ class DecodeServer:
         joining, in_flight = [], list(batch.rows)
         try:
             with self.engine.step_lock:  # a weight load (partial rollout) happens between steps
-                cap = self.max_rows or len(batch) + len(pending)
-                if pending and batch.can_admit() and len(batch) < cap:
-                    joining = [pending.popleft() for _ in range(min(cap - len(batch), len(pending)))]
-                    batch.admit(joining)
+                joining = batch.admit_waiting(pending, self.max_rows or len(batch) + len(pending))
                 self.max_live = max(self.max_live, len({id(s.ticket) for s in batch.rows}))
                 finished = batch.step()
             self.steps += 1

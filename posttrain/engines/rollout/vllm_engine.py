@@ -137,7 +137,6 @@ class VLLMRolloutEngine:
         else:
             self.llm = llm_or_model_path
         self.eos_token_ids = None if eos_token_ids is None else [int(i) for i in eos_token_ids]
-        self.weight_version = 0
 
     def vllm_sampling_params(self, params: SamplingParams, prompt_index: int, max_new_tokens: int | None = None,
                              seed: int | None = None):
@@ -191,12 +190,10 @@ class VLLMRolloutEngine:
         self.llm.apply_model(lambda model: model.load_weights(weights=weights))
 
     def weights_updated(self, version: int | None = None) -> None:
-        """After the last bucket of a sync: cached prefixes were computed with the old weights; tokens
-        sampled from now on were sampled by ``version`` (None: unchanged). Generation never overlaps a
-        sync here (partial rollout is refused with vLLM), so the trainer records one version per batch."""
+        """After the last bucket of a sync: cached prefixes were computed with the old weights. `version`
+        is not recorded per token here: generation never overlaps a sync on vLLM (partial rollout is
+        refused with it), so the trainer attributes each batch the version it was generated with."""
         self.llm.reset_prefix_cache()
-        if version is not None:
-            self.weight_version = int(version)
 
     def weights_hash(self) -> None:
         """vLLM keeps the weights in its own fused layout, so they cannot be hashed by HF name here; a

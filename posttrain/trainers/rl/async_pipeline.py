@@ -9,10 +9,10 @@ Protocol (OpenRLHF's `ppo_trainer_async.py`, in one process with a thread instea
  * without partial rollout the producer holds `lock` while it generates (until `produce` calls
    `generated()`, e.g. before a slow reward scores the batch, or until `produce` returns), and the
    trainer's weight sync takes it too: a batch is sampled by one policy version, and a sync never
-   interleaves with generation. Before the sync that follows step s the trainer waits until batch s + L has started
-   (`before_sync`), so batch j is always sampled by version max(first, j - L): staleness is exactly L
-   and a seeded run is reproducible whatever the timing (OpenRLHF's version depends on timing for
-   L > 1). With partial rollout the producer does not hold the lock; the sync pauses the engines
+   interleaves with generation. Before the sync that follows step s the trainer waits until batch
+   s + L has started (`before_sync`), so batch j is always sampled by version max(first, j - L):
+   staleness is exactly L and a seeded run is reproducible whatever the timing (OpenRLHF's version
+   depends on timing for L > 1). With partial rollout the producer does not hold the lock; the sync pauses the engines
    between decode steps instead (`HFRolloutEngine.paused`) and generation goes on with new weights;
  * each batch carries the policy version it started with and whatever `produce` returned (the
    trainer's prompt cursor after its draw: a checkpoint stores the cursor of the last batch trained,
