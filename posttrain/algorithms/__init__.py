@@ -22,6 +22,7 @@ from .losses import (
     POLICY_LOSSES,
     aggregate,
     entropy,
+    gathered_logprobs,
     policy_loss,
     token_logprobs,
     value_loss,
@@ -34,7 +35,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "ESTIMATORS", "IS_CORRECTIONS", "KL_ESTIMATORS",
     "POLICY_LOSSES", "RM_LOSSES", "AdaptiveKLController", "FixedKLController", "aggregate",
     "approx_kl", "approx_kl_with_stats", "compute_advantages", "compute_advantages_with_stats",
-    "discounted_returns", "dpo_loss", "dynamic_filter", "entropy", "gae", "group_baseline",
+    "discounted_returns", "dpo_loss", "dynamic_filter", "entropy", "gae", "gathered_logprobs", "group_baseline",
     "overlong_penalty", "policy_loss", "reward_model_loss", "stop_properly_penalty", "token_logprobs",
     "token_rewards", "token_rewards_with_stats", "value_loss", "value_loss_with_stats", "whiten",
 ]

@@ -283,3 +283,22 @@ def token_logprobs(logits, labels, temperature=1.0):
         z = z / t
     picked = z.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(z, dim=-1)
+
+
+def gathered_logprobs(logits, index, labels, temperature=1.0):
+    """``log softmax(logits[index[m]] / temperature)[labels[m]]`` for flat ``logits [N, V]`` and
+    ``index``, ``labels [M]``, as float32 ``[M]``. Several entries may read the same row (one position
+    scoring the first token of several samples that share a prompt); computed as
+    ``z[index, label] - logsumexp(z)[index]``, so no ``[M, V]`` copy is made."""
+    t = _check_temperature(temperature)
+    if logits.dim() != 2 or index.shape != labels.shape or index.dim() != 1:
+        raise ValueError(f"logits must be [N, V] and index, labels [M]; got {tuple(logits.shape)}, "
+                         f"{tuple(index.shape)}, {tuple(labels.shape)}")
+    vocab = logits.shape[-1]
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= vocab):
+        raise ValueError(f"labels must be token ids in [0, {vocab}); got min {int(labels.min())}, "
+                         f"max {int(labels.max())}")
+    z = f32(logits)
+    if t != 1.0:
+        z = z / t
+    return z[index, labels] - torch.logsumexp(z, dim=-1)[index]

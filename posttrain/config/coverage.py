@@ -97,7 +97,7 @@ ACTING: dict[str, frozenset[str]] = {
         "algo.advantage: is_correction_type is_correction_threshold",
         "algo.kl: init_coef target horizon estimator use_loss sequence_level_enable",
         "algo: dynamic_filtering_enable dynamic_filtering_range",
-        "ds: value_head_prefix",
+        "ds: value_head_prefix shared_prefix",
         "rollout: batch_size micro_batch_size n_samples_per_prompt temperature top_p max_new_tokens",
         "rollout: max_tokens_per_gpu",
         "data: prompt_dataset prompt_probs prompt_split input_key label_key",

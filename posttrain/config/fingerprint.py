@@ -42,7 +42,7 @@ RUN_LENGTH_SINGLE_MODEL = ("train.max_epochs", "data.max_samples")
 EXECUTION = (
     "train.micro_batch_size", "train.dynamic_batch_enable", "train.max_tokens_per_gpu",
     "train.full_determinism_enable", "train.colocate_*", "rollout.micro_batch_size",
-    "rollout.max_tokens_per_gpu", "ds.packing_samples", "*.gradient_checkpointing_enable",
+    "rollout.max_tokens_per_gpu", "ds.packing_samples", "ds.shared_prefix", "*.gradient_checkpointing_enable",
     "*.gradient_checkpointing_reentrant", "ds.attn_implementation", "ds.experts_implementation",
     "ds.use_liger_kernel", "ds.zero_stage", "ds.zpg", "ds.adam_offload", "ds.overlap_comm",
     "ds.deepcompile", "ds.tensor_parallel_size", "ds.ring_attn_size", "ds.ring_attn_head_stride",

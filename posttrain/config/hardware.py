@@ -64,6 +64,8 @@ def resolve_hardware_defaults(cfg, device: Any) -> list[str]:
     - `ds.param_dtype` unset -> bf16 on cuda, fp32 on cpu (bf16 matmuls are ~140x slower on CPU).
     - `ds.attn_implementation` unset -> flash_attention_2 on cuda when flash-attn is installed, else
       sdpa; a flash-attention backend asked for on CPU (or without flash-attn) -> sdpa.
+    - `ds.shared_prefix` (PPO) -> off with an attention backend other than sdpa / eager (the shared-
+      prefix layout needs an explicit [B, 1, T, T] mask).
     Idempotent: a second call changes nothing."""
     dev = device_type(device)
     notes = []
@@ -86,6 +88,9 @@ def resolve_hardware_defaults(cfg, device: Any) -> list[str]:
     elif attn.startswith("flash_attention") and not flash_ok:
         why = "flash attention needs a CUDA GPU" if dev != "cuda" else "flash-attn is not installed"
         notes.append(record_resolved(cfg, "ds.attn_implementation", "sdpa", why))
+    if getattr(ds, "shared_prefix", False) and ds.attn_implementation not in ("sdpa", "eager"):
+        notes.append(record_resolved(cfg, "ds.shared_prefix", False,
+                                     f"{ds.attn_implementation} takes no explicit attention mask"))
     return notes
 
 

@@ -81,6 +81,9 @@ class PPODS(DSHead):
     """DeepSpeed engine and model loading (shared by actor, critic, reference and reward model)."""
 
     enable_sleep: bool = opt(False, "free DeepSpeed memory between training phases (hybrid engine)")
+    shared_prefix: bool = opt(
+        True, "RL forwards compute a prompt once for all its samples in a micro-batch, exact to float "
+        "rounding (--ds.no_shared_prefix turns it off; off with flash attention)", negation="no_shared_prefix")
 
 
 # --------------------------------------------------------------------------- vLLM + rollout (PPO)

@@ -8,8 +8,18 @@ sample alone.
   iff both are in the same sample and k <= q (block-diagonal causal). With sdpa / eager the
   mask is built here explicitly ([B, 1, ΣT, ΣT]); flash-attention backends get the position
   ids and derive the sample boundaries themselves.
+* explicit mask: `input_ids`, `position_ids` [B, T] and a boolean `attention_mask` [B, 1, T, T]
+  (True: query q may attend key k), e.g. a shared-prefix layout where several continuations attend
+  one copy of their prompt. sdpa / eager only.
+
+`forward_logits(..., keep=cols)` computes the LM head only at the columns `cols` (a 1D index
+tensor, transformers' `logits_to_keep`), so no [B, T, V] tensor exists beyond the positions a loss
+reads; a model without `logits_to_keep` computes all columns and is indexed afterwards.
 """
 from __future__ import annotations
+
+import functools
+import inspect
 
 import torch
 
@@ -53,10 +63,12 @@ def model_inputs(model, batch: dict) -> dict:
     input_ids = batch["input_ids"]
     attention_mask = batch.get("attention_mask")
     position_ids = batch.get("position_ids")
-    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+    if attention_mask is not None and attention_mask.dim() != 4 and attention_mask.shape != input_ids.shape:
         raise ValueError(f"batch['attention_mask'] shape {tuple(attention_mask.shape)} != input_ids "
                          f"shape {tuple(input_ids.shape)}")
     kwargs = {"input_ids": input_ids, "use_cache": False}
+    if attention_mask is not None and attention_mask.dim() == 4:
+        return _explicit_mask_inputs(model, kwargs, attention_mask, position_ids)
     if position_ids is None:
         if attention_mask is None:
             return kwargs
@@ -69,22 +81,59 @@ def model_inputs(model, batch: dict) -> dict:
     kwargs["position_ids"] = position_ids
     backend = _attn_backend(model)
     if backend in _MASKED_BACKENDS:
-        mask = block_causal_mask(position_ids, attention_mask)
-        if backend == "eager":  # eager adds the mask to the attention scores
-            dtype = _param_dtype(model)
-            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
-                ~mask, torch.finfo(dtype).min)
-        kwargs["attention_mask"] = mask
+        kwargs["attention_mask"] = _backend_mask(model, backend, block_causal_mask(position_ids, attention_mask))
     elif attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError(f"packed batch with padding needs the sdpa or eager backend, not {backend!r}; "
                          "drop the padding (flash attention takes sample boundaries from position_ids)")
     return kwargs
 
 
-def forward_logits(model, batch: dict) -> torch.Tensor:
-    """Float32 logits [B, T, V] of a causal LM for a padded or packed batch (see module doc).
-    Call through the wrapper (DDP / DeepSpeed / peft) so its hooks run."""
-    return model(**model_inputs(model, batch)).logits.float()
+def _backend_mask(model, backend: str, mask: torch.Tensor) -> torch.Tensor:
+    """A boolean [B, 1, T, T] mask as the backend takes it: eager adds it to the attention scores."""
+    if backend != "eager":
+        return mask
+    dtype = _param_dtype(model)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def _explicit_mask_inputs(model, kwargs: dict, mask: torch.Tensor, position_ids) -> dict:
+    b, t = kwargs["input_ids"].shape
+    if mask.dtype != torch.bool or tuple(mask.shape) != (b, 1, t, t):
+        raise ValueError(f"a 4D batch['attention_mask'] must be boolean [B, 1, T, T] = {(b, 1, t, t)}, "
+                         f"not {mask.dtype} {tuple(mask.shape)}")
+    if position_ids is None or tuple(position_ids.shape) != (b, t):
+        raise ValueError("a 4D batch['attention_mask'] needs batch['position_ids'] of shape [B, T]")
+    backend = _attn_backend(model)
+    if backend not in _MASKED_BACKENDS:
+        raise ValueError(f"an explicit attention mask needs the sdpa or eager backend, not {backend!r}")
+    kwargs["position_ids"] = position_ids
+    kwargs["attention_mask"] = _backend_mask(model, backend, mask)
+    return kwargs
+
+
+def accepts_logits_to_keep(model) -> bool:
+    """Whether the causal LM's forward takes `logits_to_keep` (transformers >= 4.45 models)."""
+    base = unwrap_model(model)
+    if hasattr(base, "peft_config"):
+        base = base.get_base_model()
+    return _takes_logits_to_keep(type(base))
+
+
+@functools.cache
+def _takes_logits_to_keep(cls) -> bool:
+    return "logits_to_keep" in inspect.signature(cls.forward).parameters
+
+
+def forward_logits(model, batch: dict, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Float32 logits [B, T, V] of a causal LM for a padded, packed or explicitly masked batch (see
+    module doc); with `keep` (1D column indices) only those columns: [B, len(keep), V]. Call through
+    the wrapper (DDP / DeepSpeed / peft) so its hooks run."""
+    kwargs = model_inputs(model, batch)
+    if keep is None:
+        return model(**kwargs).logits.float()
+    if accepts_logits_to_keep(model):
+        return model(**kwargs, logits_to_keep=keep).logits.float()
+    return model(**kwargs).logits[:, keep].float()
 
 
 def forward_values(model, batch: dict) -> torch.Tensor:

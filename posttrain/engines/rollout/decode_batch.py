@@ -72,8 +72,9 @@ class DecodeBatch:
     (prompt + tokens so far) with them, so each token's log-prob is exactly that of the version that
     sampled it (recorded in `Sequence.versions`), and no cache from older weights is attended."""
 
-    def __init__(self, forward, new_cache, pad_token_id: int, device, weights=lambda: (0, 0)) -> None:
-        self._forward, self._new_cache, self._weights = forward, new_cache, weights
+    def __init__(self, forward, new_cache, pad_token_id: int, device, weights=lambda: (0, 0),
+                 adopt=lambda cache: cache) -> None:
+        self._forward, self._new_cache, self._weights, self._adopt = forward, new_cache, weights, adopt
         self.pad_token_id, self.device = pad_token_id, device
         self.rows: list[Sequence] = []
         self.cache = self.mask = self.positions = self.logits = None
@@ -112,13 +113,16 @@ class DecodeBatch:
         logits = self._forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache, True)
         layers = _layers(cache)
         self.mergeable = layers is not None and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
+        if self.mergeable:
+            cache = self._adopt(cache)
+            layers = _layers(cache)
         if not self.rows:
             self.rows, self.cache, self.mask, self.positions, self.logits = list(sequences), cache, mask, lengths, logits
             return
         width = max(self.mask.shape[1], t)
         for own, new in zip(_layers(self.cache), layers):
-            own.keys = torch.cat([_left_pad(own.keys, width), _left_pad(new.keys, width)])
-            own.values = torch.cat([_left_pad(own.values, width), _left_pad(new.values, width)])
+            _store(own, torch.cat([_left_pad(own.keys, width), _left_pad(new.keys, width)]),
+                   torch.cat([_left_pad(own.values, width), _left_pad(new.values, width)]))
         self.mask = torch.cat([_left_pad(self.mask, width, dim=1), _left_pad(mask, width, dim=1)])
         self.positions = torch.cat([self.positions, lengths])
         self.logits = torch.cat([self.logits, logits])
@@ -201,7 +205,15 @@ class DecodeBatch:
         if unused and self.mergeable:
             self.mask = self.mask[:, unused:]
             for layer in _layers(self.cache):
-                layer.keys, layer.values = layer.keys[:, :, unused:], layer.values[:, :, unused:]
+                _store(layer, layer.keys[:, :, unused:], layer.values[:, :, unused:])
+
+
+def _store(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Replace a cache layer's keys and values (a transformers layer's tensors, or `KVLayer.store`)."""
+    if hasattr(layer, "store"):
+        layer.store(keys, values)
+    else:
+        layer.keys, layer.values = keys, values
 
 
 def _left_pad(x: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:

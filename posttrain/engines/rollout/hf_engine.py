@@ -31,6 +31,7 @@ from contextlib import contextmanager
 import torch
 
 from posttrain.engines.rollout.decode_batch import DecodeBatch, Sequence
+from posttrain.engines.rollout.fast_decode import KVBuffer, fast_decoder
 from posttrain.engines.rollout.sampling import check_seeds, sample_generators
 from posttrain.engines.rollout.types import RolloutOutput, SamplingParams, _is_int, check_budgets, rank_seed
 from posttrain.models import unwrap_model
@@ -86,7 +87,7 @@ class HFRolloutEngine:
     forward batch (None → all rows in one batch)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer_or_eos_ids, *, pad_token_id: int,
-                 batch_size: int | None = None):
+                 batch_size: int | None = None, fast_decode: bool = True):
         self.model = unwrap_model(model)
         self.eos_token_ids = resolve_eos_ids(tokenizer_or_eos_ids, self.model)
         self.vocab_size = _hf_model(self.model).get_input_embeddings().num_embeddings
@@ -103,6 +104,8 @@ class HFRolloutEngine:
         self.step_lock = threading.RLock()
         self._epoch = 0  # bumped by every weight load: decode batches re-prefill their rows
         self.weight_version = 0  # set by `weights_updated(version)`; recorded per sampled token
+        # decode steps skip transformers' module machinery where the architecture allows (fast_decode)
+        self._fast = fast_decoder(_hf_model(self.model)) if fast_decode else None
 
     # -- weights -------------------------------------------------------------------------------
     def load_weights(self, model_or_state_dict) -> None:
@@ -207,8 +210,10 @@ class HFRolloutEngine:
         return DecodeServer(self, max_rows)
 
     def decode_batch(self) -> DecodeBatch:
+        fast = self._fast is not None and self._fast.usable()
+        adopt = KVBuffer.from_cache if fast else (lambda cache: cache)
         return DecodeBatch(self._forward, lambda: _new_cache(self.model), self.pad_token_id,
-                           next(self.model.parameters()).device, self._weights)
+                           next(self.model.parameters()).device, self._weights, adopt)
 
     def run_to_completion(self, sequences: list[Sequence]) -> None:
         """Decode every sequence to its end, at most ``batch_size`` rows at a time: a sequence joins the
@@ -255,6 +260,8 @@ class HFRolloutEngine:
         return prompts
 
     def _forward(self, input_ids, attention_mask, position_ids, cache, last_only: bool):
+        if isinstance(cache, KVBuffer):  # a decode step (one token per row) on the fast path
+            return self._fast.step(input_ids[:, 0], attention_mask, position_ids[:, 0], cache)
         kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                   self._cache_kw: cache, "use_cache": True}
         if last_only and self._keep_kw:

@@ -180,10 +180,11 @@ class RLTrainer(RunLoop):
         # default); the KL-loss / entropy / value terms stay token means. Otherwise it applies to all.
         other_agg = "token_mean" if a.policy_loss_type == "gspo" else a.loss_agg
         self.train_batching = Batching(cfg.train.micro_batch_size, cfg.train.max_tokens_per_gpu if dynamic else None,
-                                       cfg.ds.packing_samples)
+                                       cfg.ds.packing_samples, cfg.ds.shared_prefix)
         self.forward_batching = Batching(
             cfg.rollout.micro_batch_size,
-            (cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu) if dynamic else None, cfg.ds.packing_samples)
+            (cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu) if dynamic else None, cfg.ds.packing_samples,
+            cfg.ds.shared_prefix)
         self.update_settings = UpdateSettings(
             batch_size=cfg.train.batch_size, batching=self.train_batching,
             max_epochs=cfg.train.max_epochs, loss_agg=other_agg, policy_loss_agg=a.loss_agg,

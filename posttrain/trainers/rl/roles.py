@@ -84,7 +84,7 @@ class Actor(_Scorer):
     def logprobs(self, exp: Experience, batches: Batching) -> torch.Tensor:
         return self._per_token(exp, batches,
                                lambda part: policy_forward(self.engine.model, part, self.temperature,
-                                                           packed=batches.packed)[0])
+                                                           **batches.layout)[0])
 
     def fit(self, exp: Experience, settings: UpdateSettings, kl_coef: float, step: int,
             step_rows=None, weights_out: dict | None = None) -> dict[str, float]:
@@ -165,7 +165,7 @@ class Reference(_Scorer):
             self.model.to(self.device)
         try:
             return self._per_token(exp, batches, lambda part: policy_forward(
-                self.model, part, self.temperature, packed=batches.packed)[0])
+                self.model, part, self.temperature, **batches.layout)[0])
         finally:
             if self.offload:
                 self.model.to("cpu")
@@ -187,11 +187,13 @@ class Critic(_Scorer):
                       "not started from a reward model trained by posttrain rm), so its values are not normalised")
 
     def values(self, exp: Experience, batches: Batching) -> torch.Tensor:
-        return self._per_token(exp, batches, lambda part: self.forward(part, batches.packed))
+        return self._per_token(exp, batches, lambda part: self.forward(part, batches))
 
-    def forward(self, part: Experience, packed: bool = False) -> torch.Tensor:
-        """Value of each state before an action: V(tokens ≤ t) in column t, `[b, T-1]` (normalised)."""
-        return (value_forward(self.engine.model, part, packed) - self.mean) / self.std
+    def forward(self, part: Experience, batches: Batching | None = None) -> torch.Tensor:
+        """Value of each state before an action: V(tokens ≤ t) in column t, `[b, T-1]` (normalised),
+        in `batches`' layout (None: padded)."""
+        layout = batches.layout if batches is not None else {}
+        return (value_forward(self.engine.model, part, **layout) - self.mean) / self.std
 
     def fit(self, exp: Experience, settings: UpdateSettings, step: int, step_rows=None,
             weights_out: dict | None = None) -> dict[str, float]:

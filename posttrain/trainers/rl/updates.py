@@ -102,8 +102,14 @@ def _counts(exp: Experience, engine) -> tuple[float, float]:
 
 def local_steps(exp: Experience, s: UpdateSettings, step: int, step_rows=None):
     """The rows of each optimizer step this rank trains: `step_rows` (a data-parallel rank's share,
-    planned by the controller; possibly empty) or all of `optimizer_steps`."""
-    return step_rows if step_rows is not None else optimizer_steps(len(exp), s, step)
+    planned by the controller; possibly empty) or all of `optimizer_steps`. With shared prefixes a step's
+    rows are taken in experience order (group-contiguous), so a micro-batch holds the samples of a prompt
+    together: the step's gradient is a sum over its rows whatever their micro-batch, so only float
+    rounding changes."""
+    steps = step_rows if step_rows is not None else optimizer_steps(len(exp), s, step)
+    if not s.batching.shared_prefix:
+        return steps
+    return (sorted(int(r) for r in rows) for rows in steps)
 
 
 def update_actor(actor, exp: Experience, s: UpdateSettings, kl_coef: float, step: int,
@@ -114,14 +120,14 @@ def update_actor(actor, exp: Experience, s: UpdateSettings, kl_coef: float, step
     mean = _Mean()
     rollout_gap = _Mean()
     engine = actor.engine
-    packed = s.batching.packed
     for rows in local_steps(exp, s, step, step_rows):
         batch = exp.select(rows) if len(rows) else _stand_in(exp)
         num_tokens, num_seqs = _counts(batch, engine)
         step_loss = 0.0
         for mb in _micro_batches(batch, s.batching, engine, actor.device):
             want_entropy = s.entropy_coef is not None
-            logp, ent = policy_forward(engine.model, mb, actor.temperature, with_entropy=want_entropy, packed=packed)
+            logp, ent = policy_forward(engine.model, mb, actor.temperature, with_entropy=want_entropy,
+                                      **s.batching.layout)
             mask = mb.action_mask
             old_logp = mb.old_logp
             if old_logp is None:  # one update per rollout: the sampling policy is this one (ratio 1)
@@ -180,7 +186,7 @@ def update_critic(critic, exp: Experience, s: UpdateSettings, step: int, step_ro
         num_tokens, num_seqs = _counts(batch, engine)
         step_loss = 0.0
         for mb in _micro_batches(batch, s.batching, engine, critic.device):
-            values = critic.forward(mb, s.batching.packed)
+            values = critic.forward(mb, s.batching)
             loss = value_loss(values, mb.values, mb.returns, mb.action_mask, clip=s.value_clip, agg=s.loss_agg,
                               num_tokens=num_tokens, num_seqs=num_seqs, max_len=s.max_len)
             engine.backward(loss)

@@ -94,10 +94,11 @@ def normalised_rm(tiny_score_model_dir, tmp_path_factory):
 def test_openrlhf_ppo_hybrid_script_equals_one_process_and_resumes(rl_setup, normalised_rm, tmp_path, ray_session):
     """GAE with critic, reference and reward-model groups of 2 ranks (ZeRO-3), all colocated with
     one rollout engine: the same weights as the in-process run after 3 steps; a Ray run resumed from
-    its step-2 checkpoint ends where the uninterrupted one does."""
+    its step-2 checkpoint ends where the uninterrupted one does. The Ray run computes each prompt once
+    per group (shared prefix, packed, under ZeRO-3); the in-process one per sample (--ds.no_shared_prefix)."""
     tiny_score_model_dir = normalised_rm
     local = tmp_path / "local"
-    _ppo(_hybrid(rl_setup, tiny_score_model_dir, local, one_process=True))
+    _ppo(_hybrid(rl_setup, tiny_score_model_dir, local, "--ds.no_shared_prefix", one_process=True))
     full = tmp_path / "full"
     _ppo(_hybrid(rl_setup, tiny_score_model_dir, full, "--ckpt.save_steps", "2", "--ckpt.path", tmp_path / "ck"))
     assert len(rewards_by_step(full)) == 3
