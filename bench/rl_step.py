@@ -224,6 +224,25 @@ def worker(args) -> None:
 
 
 # ---- driver side ---------------------------------------------------------------------------------
+FILLER = "Read the question below carefully and answer with one integer. "
+
+
+def pad_prompts(rows: list[dict], model: str, tokens: int) -> None:
+    """Prefix each prompt with a filler sentence until its chat-rendered form (what both sides feed
+    the model) has at least `tokens` tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+
+    def length(text: str) -> int:
+        return len(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False))
+
+    for r in rows:
+        while length(r["prompt"]) < tokens:
+            r["prompt"] = FILLER + r["prompt"]
+
+
 def prepare(args, work: Path) -> dict:
     from posttrain.data.synthetic import make_arithmetic_rows, write_jsonl
     from posttrain.models import build_tiny
@@ -232,7 +251,10 @@ def prepare(args, work: Path) -> dict:
     model = work / "base"
     info = build_tiny(str(model), arch="llama", size=args.size, head="lm", seed=0, verbose=False, overwrite=True)
     n_prompts = args.steps * args.prompts  # exactly `steps` rollout batches in one episode
-    write_jsonl(make_arithmetic_rows(n_prompts, seed=0), str(work / "data" / "train.jsonl"))
+    rows = make_arithmetic_rows(n_prompts, seed=0)
+    if args.prompt_len:
+        pad_prompts(rows, str(model), args.prompt_len)
+    write_jsonl(rows, str(work / "data" / "train.jsonl"))
     order = PromptStream(n_prompts, SEED).take(n_prompts)  # posttrain's prompt order, episode 0
     return {"model": str(model), "data": str(work / "data"), "prompts": args.prompts, "n": args.n,
             "max_new_tokens": args.max_new_tokens, "steps": args.steps, "warmup": args.warmup,
@@ -255,6 +277,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-wait", type=float, default=20.0,
                     help="seconds to wait before each run for the other processes to go idle")
     ap.add_argument("--profile", action="store_true", help="cProfile the first timed posttrain step (repeat 0)")
+    ap.add_argument("--prompt-len", type=int, default=0,
+                    help="pad every prompt with filler text to at least this many chat-rendered tokens (0: as is)")
     ap.add_argument("--work-dir", help="keep the model, data, runs and logs here (default: a temp dir)")
     # worker mode (internal)
     ap.add_argument("--posttrain-flags", default=None,
@@ -333,7 +357,8 @@ def report(args, spec, results, discarded, started) -> str:
     lines.append("- versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()))
     lines.append(f"- setup: llama {args.size} ({spec['num_parameters']:,} params, vocab {spec['vocab_size']}), "
                  f"{args.prompts} prompts x {args.n} samples = {args.prompts * args.n} per step, "
-                 f"max_new_tokens {args.max_new_tokens}, micro-batch {args.micro_batch_size}, one optimizer step "
+                 + (f"prompts padded to >= {args.prompt_len} tokens, " if args.prompt_len else "")
+                 + f"max_new_tokens {args.max_new_tokens}, micro-batch {args.micro_batch_size}, one optimizer step "
                  f"per rollout, {args.steps} steps per run ({args.warmup} warm-up), {args.repeats} repeats; "
                  f"TRL loss_type='dapo' (= posttrain token_mean over the optimizer step), beta=0, no vLLM")
     lines.append(f"- command: `.venv/bin/python bench/rl_step.py {shlex.join(argv_of(args))}`")
@@ -389,7 +414,7 @@ def report(args, spec, results, discarded, started) -> str:
 def argv_of(args) -> list[str]:
     out = []
     for k in ("size", "prompts", "n", "max_new_tokens", "micro_batch_size", "steps", "warmup", "repeats", "lr",
-              "threads", "max_others", "retries", "max_wait"):
+              "threads", "max_others", "retries", "max_wait", "prompt_len"):
         out += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     if args.posttrain_flags:
         out += [f"--posttrain-flags={args.posttrain_flags}"]

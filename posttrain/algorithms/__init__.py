@@ -6,6 +6,7 @@ mode, KL estimator, IS correction, reward-model loss) is a key of one registry d
 from .advantages import (
     ADVANTAGE_ESTIMATORS,
     ESTIMATORS,
+    WHITEN_LEVELS,
     compute_advantages,
     compute_advantages_with_stats,
     discounted_returns,
@@ -14,6 +15,7 @@ from .advantages import (
     token_rewards,
     token_rewards_with_stats,
     whiten,
+    whiten_sequences,
 )
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, approx_kl, approx_kl_with_stats
 from .losses import (
@@ -29,13 +31,20 @@ from .losses import (
     value_loss_with_stats,
 )
 from .preference import RM_LOSSES, dpo_loss, reward_model_loss
-from .shaping import dynamic_filter, overlong_penalty, stop_properly_penalty
+from .shaping import (
+    batch_normalize_scores,
+    dynamic_filter,
+    missing_eos_penalty,
+    overlong_penalty,
+    stop_properly_penalty,
+)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "ESTIMATORS", "IS_CORRECTIONS", "KL_ESTIMATORS",
-    "POLICY_LOSSES", "RM_LOSSES", "AdaptiveKLController", "FixedKLController", "aggregate",
-    "approx_kl", "approx_kl_with_stats", "compute_advantages", "compute_advantages_with_stats",
-    "discounted_returns", "dpo_loss", "dynamic_filter", "entropy", "gae", "gathered_logprobs", "group_baseline",
-    "overlong_penalty", "policy_loss", "reward_model_loss", "stop_properly_penalty", "token_logprobs",
-    "token_rewards", "token_rewards_with_stats", "value_loss", "value_loss_with_stats", "whiten",
+    "POLICY_LOSSES", "RM_LOSSES", "WHITEN_LEVELS", "AdaptiveKLController", "FixedKLController", "aggregate",
+    "approx_kl", "approx_kl_with_stats", "batch_normalize_scores", "compute_advantages",
+    "compute_advantages_with_stats", "discounted_returns", "dpo_loss", "dynamic_filter", "entropy", "gae",
+    "gathered_logprobs", "group_baseline", "missing_eos_penalty", "overlong_penalty", "policy_loss",
+    "reward_model_loss", "stop_properly_penalty", "token_logprobs", "token_rewards", "token_rewards_with_stats",
+    "value_loss", "value_loss_with_stats", "whiten", "whiten_sequences",
 ]

@@ -217,12 +217,38 @@ def whiten(advantages, mask, use_std=True, eps=1e-8):
     return torch.where(m, centered, 0.0)
 
 
-_whiten = whiten  # compute_advantages has a parameter named `whiten`
+def whiten_sequences(advantages, mask, use_std=True, eps=1e-8):
+    """Sequence-level whitening (TRL ``normalize_advantage``): each sequence with at least one
+    masked position counts once, by its value ``a_i`` = the token mean of its advantages;
+    ``μ``, ``σ`` = mean and **unbiased** std (``n - 1``) of those values, and every masked
+    position becomes ``(Â - μ) / (σ + eps)`` (with ``use_std=False`` only ``Â - μ``). Under a
+    sequence-level advantage (all of a row's tokens equal) this is TRL's per-sequence
+    ``(a - mean) / (std + 1e-8)`` broadcast to the row's tokens; per-token advantages keep their
+    spread within a row. With fewer than two sequences only the mean is removed. Zero at unmasked
+    positions; call it on the whole rollout batch.
+    (rows [1, 1], [2, -], [3, 3] → [-1, -1], [0, -], [1, 1]: sequence std 1, not the token one.)"""
+    check_shape("mask", mask, "advantages", advantages)
+    m = bool_mask(mask)
+    a = f32(advantages)
+    tokens = m.sum(-1)
+    has = tokens > 0
+    k = has.sum().to(a.dtype)
+    seq = masked_sum(a, m, dim=-1) / tokens.clamp(min=1).to(a.dtype)
+    mean = torch.where(has, seq, 0.0).sum() / k.clamp(min=1)
+    centred = a - mean
+    if use_std:
+        var = torch.where(has, (seq - mean) ** 2, 0.0).sum() / (k - 1).clamp(min=1)
+        centred = torch.where(k >= 2, centred / (var.sqrt() + eps), centred)
+    return torch.where(m, centred, 0.0)
+
+
+# --algo.advantage.whiten_level: which statistics whitening uses (same signature)
+WHITEN_LEVELS = {"token": whiten, "sequence": whiten_sequences}
 
 
 def compute_advantages_with_stats(
     estimator, rewards, mask, *, n, kl=None, kl_coef=0.0, values=None, gamma=1.0, lam=1.0,
-    clip_range=(-10.0, 10.0), std_norm=True, sequence_kl=False, whiten=None, valid=None,
+    clip_range=(-10.0, 10.0), std_norm=True, sequence_kl=False, whiten=None, valid=None, whiten_level="token",
 ):
     """``compute_advantages`` plus a stats dict: ``reward_clip_count``, ``empty_rows``,
     ``gamma`` (the one actually used), ``whitened`` (bool)."""
@@ -246,6 +272,7 @@ def compute_advantages_with_stats(
         raise ValueError(f"kl_coef={kl_coef!r} must be a number >= 0")
     if whiten not in (None, True, False):
         raise ValueError(f"whiten={whiten!r} must be None (per-estimator default), True or False")
+    check_choice("whiten_level", whiten_level, WHITEN_LEVELS)
 
     if spec.group and gamma != 1.0:
         if estimator not in _warned_gamma:
@@ -269,14 +296,14 @@ def compute_advantages_with_stats(
         adv = returns
     do_whiten = spec.whiten if whiten is None else whiten
     if do_whiten:
-        adv = _whiten(adv, mask, use_std=std_norm)
+        adv = WHITEN_LEVELS[whiten_level](adv, mask, use_std=std_norm)
     stats.update(gamma=gamma, whitened=do_whiten)
     return adv, returns, stats
 
 
 def compute_advantages(
     estimator, rewards, mask, *, n, kl=None, kl_coef=0.0, values=None, gamma=1.0, lam=1.0,
-    clip_range=(-10.0, 10.0), std_norm=True, sequence_kl=False, whiten=None, valid=None,
+    clip_range=(-10.0, 10.0), std_norm=True, sequence_kl=False, whiten=None, valid=None, whiten_level="token",
 ):
     """Advantages and returns ``[B, A]`` (zero at unmasked positions) for a whole rollout batch.
 
@@ -286,9 +313,13 @@ def compute_advantages(
     4. gae → GAE with ``values``; others → discounted returns (advantages = returns). Group
        estimators force ``gamma = 1`` (warning once per estimator).
     5. Whitening (``std_norm=False``: centring only): default for gae/reinforce/reinforce_baseline;
-       ``whiten=True`` whitens any estimator (TRL ``normalize_advantage``), ``False`` none.
+       ``whiten=True`` whitens any estimator, ``False`` none. ``whiten_level``: ``"token"``
+       (``whiten``: every masked token counts, population variance) or ``"sequence"``
+       (``whiten_sequences``: one value per sequence, unbiased std, ``/(σ + 1e-8)``; with
+       ``whiten=True`` and sequence-level KL this is TRL ``normalize_advantage``).
        Returns are never whitened."""
     adv, returns, _ = compute_advantages_with_stats(
         estimator, rewards, mask, n=n, kl=kl, kl_coef=kl_coef, values=values, gamma=gamma, lam=lam,
-        clip_range=clip_range, std_norm=std_norm, sequence_kl=sequence_kl, whiten=whiten, valid=valid)
+        clip_range=clip_range, std_norm=std_norm, sequence_kl=sequence_kl, whiten=whiten, valid=valid,
+        whiten_level=whiten_level)
     return adv, returns

@@ -88,20 +88,33 @@ def aggregate(loss, mask, mode="token_mean", num_tokens=None, num_seqs=None, max
 # ---------------------------------------------------------------- policy loss
 
 
-def _ppo_log_ratio(logp, old_logp, rollout_logp, m, is_on):
+def _ppo_log_ratio(logp, old_logp, rollout_logp, adv, m, is_on):
     """Token ratio log π/π_old; the IS weight multiplies the loss."""
-    return logp - old_logp, True
+    return logp - old_logp, adv, True
 
 
-def _gspo_log_ratio(logp, old_logp, rollout_logp, m, is_on):
-    """Sequence ratio: masked mean of ``logp - base`` per row, broadcast to its tokens; base is
-    rollout_logp when IS correction is on (the ratio then *is* the correction: no extra weight)."""
-    base = rollout_logp if is_on else old_logp
-    seq = masked_mean(logp - base, m, dim=-1)
-    return seq[:, None].expand_as(logp), False
+def _sequence_delta(logp, old_logp, rollout_logp, is_on):
+    """``logp - base`` for the sequence ratios: base is rollout_logp when IS correction is on (the
+    ratio then *is* the correction: no extra weight), else old_logp."""
+    return logp - (rollout_logp if is_on else old_logp)
 
 
-POLICY_LOSSES = {"ppo": _ppo_log_ratio, "gspo": _gspo_log_ratio}
+def _gspo_log_ratio(logp, old_logp, rollout_logp, adv, m, is_on):
+    """GSPO sequence ratio: masked **mean** of ``logp - base`` per row, broadcast to its tokens."""
+    seq = masked_mean(_sequence_delta(logp, old_logp, rollout_logp, is_on), m, dim=-1)
+    return seq[:, None].expand_as(logp), adv, False
+
+
+def _seq_sum_log_ratio(logp, old_logp, rollout_logp, adv, m, is_on):
+    """TRL RLOO (v0.14-v0.21) sequence ratio: masked **sum** of ``logp - base`` per row (the log of
+    π(y)/π_old(y) for the whole response), broadcast to its tokens, with the row's advantage taken as
+    the token mean of its advantages (every token of a row then carries the same loss)."""
+    seq = masked_sum(_sequence_delta(logp, old_logp, rollout_logp, is_on), m, dim=-1)
+    seq_adv = masked_mean(adv, m, dim=-1)
+    return seq[:, None].expand_as(logp), seq_adv[:, None].expand_as(adv), False
+
+
+POLICY_LOSSES = {"ppo": _ppo_log_ratio, "gspo": _gspo_log_ratio, "seq_sum": _seq_sum_log_ratio}
 
 
 def _tis(w, log_w, m, lo, hi):
@@ -138,9 +151,18 @@ def policy_loss(
 ):
     """Clipped surrogate loss. ``ρ = exp(clamp(log_ratio, -20, 20))``,
     ``ℓ = -min(ρÂ, clamp(ρ, 1-eps_low, 1+eps_high)Â)``; with ``dual_clip = c > 1``, where ``Â < 0``:
-    ``ℓ = -max(min(ρÂ, clip(ρ)Â), cÂ)``. ``loss_type``: ``ppo`` (token ratio) or ``gspo``
-    (sequence ratio, see ``_gspo_log_ratio``; pick a sequence-level ``agg`` such as
-    ``seq_mean_token_mean`` for GSPO proper).
+    ``ℓ = -max(min(ρÂ, clip(ρ)Â), cÂ)``. ``loss_type``:
+
+    - ``ppo``: token ratio ``log_ratio = logp - old_logp``.
+    - ``gspo``: sequence ratio ``log_ratio = Σ_t m_t δ_t / max(Σ_t m_t, 1)`` broadcast to the row
+      (``_gspo_log_ratio``; pick a sequence-level ``agg`` such as ``seq_mean_token_mean``).
+    - ``seq_sum`` (TRL RLOO v0.14-v0.21): ``log_ratio = Σ_t m_t δ_t``, ``ρ = π(y)/π_old(y)`` of the
+      whole response, and ``Â`` = the row's token-mean advantage, both broadcast to the row; with
+      ``agg="seq_mean_token_mean"`` the loss is TRL's ``mean_seq max(-Âρ, -Â·clip(ρ, 1-eps_low,
+      1+eps_high))`` and ``∂loss/∂logp_t = -Âρ / S`` on every token of a row whose unclipped term is
+      taken (0 otherwise). Sequences without masked tokens are left out of the mean (TRL counts them).
+    For both sequence ratios ``δ = logp - old_logp``, or ``logp - rollout_logp`` with IS correction on
+    (the ratio is then the correction and the IS weight is not applied on top).
 
     IS correction (needs ``rollout_logp``): ``w = exp(old_logp - rollout_logp)`` (detached) multiplies
     ``ℓ`` as ``tis`` ``clamp(w, lo, hi)`` / ``icepop`` ``w·1[lo≤w≤hi]`` / ``seq-mask-tis``
@@ -177,7 +199,7 @@ def policy_loss(
     adv = torch.where(m, f32(advantages).detach(), 0.0)
     roll = None if rollout_logp is None else torch.where(m, f32(rollout_logp).detach(), 0.0)
 
-    log_ratio, weight_applies = POLICY_LOSSES[loss_type](logp, old, roll, m, is_correction is not None)
+    log_ratio, adv, weight_applies = POLICY_LOSSES[loss_type](logp, old, roll, adv, m, is_correction is not None)
     ratio = log_ratio.clamp(-20.0, 20.0).exp()
     surr = ratio * adv
     surr_clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv

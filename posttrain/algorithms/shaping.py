@@ -1,9 +1,19 @@
 """Reward shaping applied to scalar rewards before advantage estimation, and DAPO dynamic filtering."""
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ._util import check_ndim, check_shape, f32
+from ._util import bool_mask, check_ndim, check_shape, f32
+
+
+def _finite(name, value, low=None) -> float:
+    """``value`` as a finite float (and ``>= low`` when given), else ValueError naming ``name``."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or (low is not None and value < low):
+        raise ValueError(f"{name}={value!r} must be a finite number" + ("" if low is None else f" >= {low}"))
+    return float(value)
 
 
 def overlong_penalty(rewards, response_lengths, max_new_tokens, buffer_len, factor=1.0):
@@ -42,6 +52,43 @@ def stop_properly_penalty(rewards, truncated, coef):
     r = f32(rewards)
     shaped = r * coef if coef >= 0 else torch.full_like(r, float(coef))
     return torch.where(truncated.bool(), shaped, r)
+
+
+def missing_eos_penalty(scores, has_eos, penalty):
+    """TRL ``missing_eos_penalty``: ``s - penalty`` for every sample whose response contains no EOS
+    token (``has_eos`` False), other samples unchanged. ``penalty`` is subtracted (a positive value
+    penalises; TRL applies it to the raw scores before any normalisation). ``[B]`` float32.
+    (scores [1, 2.5], has_eos [True, False], penalty 1 → [1, 1.5].)"""
+    check_ndim("scores", scores, 1, "[B]")
+    check_shape("has_eos", has_eos, "scores", scores)
+    penalty = _finite("penalty", penalty)
+    s = f32(scores)
+    return torch.where(bool_mask(has_eos), s, s - penalty)
+
+
+def batch_normalize_scores(scores, clip, valid=None, eps=1e-8):
+    """TRL ``normalize_reward`` with ``reward_clip_range``: over the valid samples of the batch,
+    ``clamp((s - mean(s)) / (std(s) + eps), -clip, clip)`` with the **unbiased** std (``n - 1``);
+    ``clip=None``: no clamp. ``valid`` (bool ``[B]``, default all True): statistics over the valid
+    samples only; invalid samples get 0. With fewer than two valid samples the std is taken as 0
+    (a single sample becomes 0). ``[B]`` float32. ([1, 2, 3] → [-1, 0, 1]: mean 2, std 1.)"""
+    check_ndim("scores", scores, 1, "[B]")
+    if clip is not None:
+        clip = _finite("clip", clip, low=0.0)
+    s = f32(scores)
+    if valid is None:
+        ok = torch.ones_like(s, dtype=torch.bool)
+    else:
+        check_shape("valid", valid, "scores", scores)
+        ok = bool_mask(valid)
+    k = ok.sum().to(s.dtype)
+    mean = torch.where(ok, s, 0.0).sum() / k.clamp(min=1)
+    centred = s - mean
+    var = torch.where(ok, centred * centred, 0.0).sum() / (k - 1).clamp(min=1)
+    out = centred / (var.sqrt() + eps)
+    if clip is not None:
+        out = out.clamp(-clip, clip)
+    return torch.where(ok, out, 0.0)
 
 
 def dynamic_filter(scores, low, high, valid=None):

@@ -13,7 +13,9 @@ ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "d
 GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 IS_CORRECTION_TYPES = ("tis", "icepop", "seq-mask-tis")
-POLICY_LOSS_TYPES = ("ppo", "gspo")
+POLICY_LOSS_TYPES = ("ppo", "gspo", "seq_sum")
+SEQUENCE_POLICY_LOSSES = ("gspo", "seq_sum")  # per-sequence ratio: aggregated per sequence (auto loss_agg)
+WHITEN_LEVELS = ("token", "sequence")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_sum_norm")
 RM_LOSS_TYPES = ("sigmoid", "logexp")
 
@@ -81,13 +83,18 @@ class Actor(OptimFields, _ActorModel):
     eps_clip: float = opt(0.2, "PPO ratio clip epsilon (both sides)")
     eps_clip_low_high: list[float] | None = opt(None, "asymmetric clip: eps_low eps_high", nargs=2)
     dual_clip: float | None = opt(None, "dual-clip constant c > 1 for negative advantages")
-    policy_loss_type: str = opt("ppo", "policy loss", choices=POLICY_LOSS_TYPES)
+    policy_loss_type: str = opt(
+        "ppo",
+        "policy loss: ppo (token ratio), gspo (ratio of the mean log-ratio of a sequence), seq_sum (TRL RLOO: "
+        "ratio of the summed log-ratio of a sequence, the whole response's probability ratio)",
+        choices=POLICY_LOSS_TYPES,
+    )
     entropy_coef: float | None = opt(None, "entropy bonus coefficient (0: log entropy only; unset: off)")
     aux_loss_coef: float = opt(0.0, "MoE load-balancing loss coefficient")
     loss_agg: str | None = opt(
         None,
         "loss aggregation over tokens and sequences; default auto: seq_mean_token_mean with "
-        "--actor.policy_loss_type gspo (as OpenRLHF), token_mean otherwise",
+        "--actor.policy_loss_type gspo (as OpenRLHF) or seq_sum, token_mean otherwise",
         choices=LOSS_AGGREGATIONS,
         extension=True,
     )
@@ -141,6 +148,18 @@ class Reward:
     stop_properly_penalty_coef: float | None = opt(
         None, "truncated samples: coef in [0, 1] scales the reward, coef < 0 replaces it"
     )
+    missing_eos_penalty: float | None = opt(
+        None, "subtract this from the reward of a sample whose generated tokens contain no EOS (the engine's "
+        "default stop ids), first, before any other shaping (TRL missing_eos_penalty)", extension=True
+    )
+    batch_normalize_enable: bool = opt(
+        False, "normalise the rewards over the rollout batch: (r - mean) / (unbiased std + 1e-8), clamped to "
+        "+-batch_normalize_clip, after the reward shaping and before the KL and the baseline (TRL normalize_reward)",
+        extension=True,
+    )
+    batch_normalize_clip: float = opt(
+        10.0, "clip of --reward.batch_normalize_enable's normalised rewards (TRL reward_clip_range)", extension=True
+    )
     whiten_enable: bool = opt(
         False, "whiten scalar rewards over the batch before the baseline", extension=True
     )
@@ -163,7 +182,14 @@ class Advantage:
     lambd: float = opt(1.0, "GAE lambda in [0, 1]")
     no_std_norm: bool = opt(False, "whiten advantages by the mean only (no division by the std)")
     whiten_enable: bool = opt(
-        False, "whiten the final advantages for every estimator (TRL normalize_advantage)", extension=True
+        False, "whiten the final advantages for every estimator", extension=True
+    )
+    whiten_level: str = opt(
+        "token",
+        "statistics of --algo.advantage.whiten_enable: token (every action token counts, population std) or "
+        "sequence (one value per sequence, unbiased std, / (std + 1e-8): TRL normalize_advantage)",
+        choices=WHITEN_LEVELS,
+        extension=True,
     )
     is_correction_enable: bool = opt(False, "importance-sampling correction of rollout/training mismatch")
     is_correction_type: str = opt("tis", "IS correction type", choices=IS_CORRECTION_TYPES)

@@ -11,7 +11,7 @@ from typing import Any
 from posttrain.config.errors import ConfigError
 from posttrain.config.hardware import device_type, record_resolved, resolved_values
 from posttrain.config.ray_mode import role_ranks
-from posttrain.config.roles import GROUP_ESTIMATORS
+from posttrain.config.roles import GROUP_ESTIMATORS, SEQUENCE_POLICY_LOSSES
 from posttrain.config.spec import flag_specs, get_path
 from posttrain.config.values import check_choice, format_value
 
@@ -285,21 +285,24 @@ def _pair(r: _Report, flag: str, pair: list[float] | None, low_min: float | None
 
 
 def _loss_agg(cfg, r: _Report) -> None:
-    """`--actor.loss_agg` unset (auto) resolves to seq_mean_token_mean for `--actor.policy_loss_type gspo`
-    (OpenRLHF's GSPO loss is a per-sequence mean of token means) and to token_mean otherwise, recorded
-    like a hardware default (`format_config` shows why). token_mean asked for with gspo is refused."""
+    """`--actor.loss_agg` unset (auto) resolves to seq_mean_token_mean for a sequence-ratio policy loss
+    (`--actor.policy_loss_type gspo`: OpenRLHF's GSPO loss is a per-sequence mean of token means; `seq_sum`:
+    TRL RLOO's mean over sequences) and to token_mean otherwise, recorded like a hardware default
+    (`format_config` shows why). token_mean asked for with either is refused."""
     a = cfg.actor
     asked = resolved_values(cfg).get("actor.loss_agg", (a.loss_agg,))[0]
+    per_sequence = a.policy_loss_type in SEQUENCE_POLICY_LOSSES
     if asked is None:
-        auto = "seq_mean_token_mean" if a.policy_loss_type == "gspo" else "token_mean"
+        auto = "seq_mean_token_mean" if per_sequence else "token_mean"
         why = f"auto for --actor.policy_loss_type {a.policy_loss_type}"
         record_resolved(cfg, "actor.loss_agg", auto, why)
-    elif asked == "token_mean" and a.policy_loss_type == "gspo":
+    elif asked == "token_mean" and per_sequence:
+        name, source = {"gspo": ("GSPO", "as OpenRLHF"), "seq_sum": ("seq_sum", "as TRL RLOO")}[a.policy_loss_type]
         r.bad(
             "actor.loss_agg",
             asked,
-            "GSPO's importance ratio is per sequence, and a token mean would weight each sequence by its "
-            "length; leave --actor.loss_agg unset (auto: seq_mean_token_mean, as OpenRLHF)",
+            f"{name}'s importance ratio is per sequence, and a token mean would weight each sequence by its "
+            f"length; leave --actor.loss_agg unset (auto: seq_mean_token_mean, {source})",
         )
 
 
@@ -441,6 +444,11 @@ def _ppo(cfg, r: _Report, world_size: int) -> None:
             rw.stop_properly_penalty_coef,
             "must be in [0, 1] (scale) or < 0 (replacement reward)",
         )
+    if rw.missing_eos_penalty is not None:
+        r.need(math.isfinite(rw.missing_eos_penalty) and rw.missing_eos_penalty >= 0, "reward.missing_eos_penalty",
+               rw.missing_eos_penalty, "must be a finite number >= 0 (it is subtracted from the reward)")
+    r.need(math.isfinite(rw.batch_normalize_clip) and rw.batch_normalize_clip > 0, "reward.batch_normalize_clip",
+           rw.batch_normalize_clip, "must be a finite number > 0")
     # async / placement
     if t.partial_rollout_enable and not t.async_enable:
         r.bad("train.partial_rollout_enable", True, "needs --train.async_enable")

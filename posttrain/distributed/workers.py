@@ -193,6 +193,10 @@ class EngineWorker(_Process):
         """("vllm" or "hf", why not vLLM)."""
         return self.backend, self.why
 
+    def eos_token_ids(self) -> list[int] | None:
+        """The engine's default stop ids (None: vLLM's own handling)."""
+        return self.engine.eos_token_ids
+
     def generate(self, prompts, params, max_new_tokens, seeds):
         return self.engine.generate(prompts, params, max_new_tokens=max_new_tokens, seeds=seeds)
 

@@ -145,7 +145,7 @@ def _batch(seed=0, b=6, a=5):
             torch.randn(b, a, generator=g), mask)
 
 
-def _grad(rows_per_part, mode, logp0, old, adv, mask, trim=True):
+def _grad(rows_per_part, mode, logp0, old, adv, mask, trim=True, loss_type="ppo"):
     """Sum of gradients of per-part losses with global counts; each part trimmed to its own width."""
     logp = logp0.clone().requires_grad_()
     counts = {"num_tokens": int(mask.sum()), "num_seqs": int((mask.sum(1) > 0).sum()), "max_len": mask.shape[1]}
@@ -153,18 +153,19 @@ def _grad(rows_per_part, mode, logp0, old, adv, mask, trim=True):
         m = mask[rows]
         width = int(m.nonzero()[:, 1].max()) + 1 if trim and m.any() else m.shape[1]
         loss, _ = policy_loss(logp[rows][:, :width], old[rows][:, :width], adv[rows][:, :width],
-                              m[:, :width], agg=mode, dual_clip=3.0, **counts)
+                              m[:, :width], agg=mode, dual_clip=3.0, loss_type=loss_type, **counts)
         loss.backward()
     return logp.grad
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_gradient_identical_across_micro_batches_and_ranks(mode):
+@pytest.mark.parametrize("loss_type", ["ppo", "seq_sum"])
+def test_gradient_identical_across_micro_batches_and_ranks(mode, loss_type):
     logp, old, adv, mask = _batch()
-    full = _grad([list(range(6))], mode, logp, old, adv, mask, trim=False)
-    accumulated = _grad([[0, 1], [2, 3], [4, 5]], mode, logp, old, adv, mask)
+    full = _grad([list(range(6))], mode, logp, old, adv, mask, trim=False, loss_type=loss_type)
+    accumulated = _grad([[0, 1], [2, 3], [4, 5]], mode, logp, old, adv, mask, loss_type=loss_type)
     ranks = [[0, 2], [4], [1, 3], [5]]  # rank 0: 2 micro-batches, rank 1: 2 micro-batches
-    two_ranks = _grad(ranks, mode, logp, old, adv, mask)
+    two_ranks = _grad(ranks, mode, logp, old, adv, mask, loss_type=loss_type)
     assert full.abs().sum() > 0
     close(accumulated, full, atol=1e-6, rtol=1e-5)
     close(two_ranks, full, atol=1e-6, rtol=1e-5)
@@ -172,7 +173,7 @@ def test_gradient_identical_across_micro_batches_and_ranks(mode):
 
 # --- test #5: masked positions / padding -----------------------------------------------------------------
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("loss_type", ["ppo", "gspo"])
+@pytest.mark.parametrize("loss_type", ["ppo", "gspo", "seq_sum"])
 def test_masked_positions_get_zero_gradient_even_with_garbage(mode, loss_type):
     logp0, old, adv, mask = _batch(seed=1)
     bad = mask == 0

@@ -55,7 +55,7 @@ def test_aggregate_gradient_split_invariant(batch, mode):
 
 
 @SETTINGS
-@given(batches(), st.sampled_from(tuple(AGGREGATIONS)), st.sampled_from(["ppo", "gspo"]))
+@given(batches(), st.sampled_from(tuple(AGGREGATIONS)), st.sampled_from(["ppo", "gspo", "seq_sum"]))
 def test_policy_loss_masked_positions_zero_gradient(batch, mode, loss_type):
     mask, seed, _ = batch
     g = torch.Generator().manual_seed(seed)

@@ -55,6 +55,22 @@ def test_user_choices_are_kept_unless_impossible():
     assert shown in format_config(cfg).splitlines()
 
 
+def test_shared_prefix_is_switched_off_with_flash_attention(monkeypatch):
+    """The shared-prefix layout needs an explicit attention mask (sdpa / eager): with flash attention
+    (resolved on a GPU with flash-attn) start-up turns it off and says why; --ds.no_shared_prefix too."""
+    from posttrain.config import hardware
+
+    cfg = parse_config("ppo", PPO, device="cpu")
+    resolve_hardware_defaults(cfg, "cpu")
+    assert cfg.ds.shared_prefix is True
+    monkeypatch.setattr(hardware, "_has", lambda name: True)
+    gpu = parse_config("ppo", PPO, device="cpu")
+    notes = resolve_hardware_defaults(gpu, "cuda:0")
+    assert gpu.ds.attn_implementation == "flash_attention_2" and gpu.ds.shared_prefix is False
+    assert "--ds.shared_prefix: True -> False (flash_attention_2 takes no explicit attention mask)" in notes
+    assert parse_config("ppo", PPO + ["--ds.no_shared_prefix"], device="cpu").ds.shared_prefix is False
+
+
 def test_resolution_does_not_change_equality_or_yaml(tmp_path):
     from posttrain.config import config_to_dict
 

@@ -236,7 +236,7 @@ def test_ppo_kl_and_loss_rules():
     with pytest.raises(ConfigError) as err:
         validate(cfg, device="cpu")
     assert err.value.problems == [
-        "--actor.policy_loss_type grpo: invalid choice 'grpo'; valid values: ppo, gspo",
+        "--actor.policy_loss_type grpo: invalid choice 'grpo'; valid values: ppo, gspo, seq_sum",
         "--algo.kl.estimator k4: invalid choice 'k4'; valid values: k1, k2, k3",
     ]
     assert problem("ppo", "--actor.dual_clip", "1.0") == "--actor.dual_clip 1.0: must be > 1"
@@ -352,6 +352,45 @@ def test_gspo_with_token_mean_is_refused():
         "each sequence by its length; leave --actor.loss_agg unset (auto: seq_mean_token_mean, as OpenRLHF)"
     )
     assert warns("ppo", "--actor.loss_agg", "token_mean") == []
+
+
+def test_trl_rloo_flags(tmp_path):
+    """TRL RLOO (issue 14): seq_sum aggregates per sequence by default and refuses token_mean like gspo;
+    the score-pipeline flags are validated; a flag that needs another one says so."""
+    from posttrain.config import inert_flags, resolved_values
+
+    seq_sum = parse_config("ppo", BASE["ppo"] + ["--actor.policy_loss_type", "seq_sum"], device="cpu")
+    assert seq_sum.actor.loss_agg == "seq_mean_token_mean"
+    assert resolved_values(seq_sum)["actor.loss_agg"] == (
+        None, "seq_mean_token_mean", "auto for --actor.policy_loss_type seq_sum")
+    assert problem("ppo", "--actor.policy_loss_type", "seq_sum", "--actor.loss_agg", "token_mean") == (
+        "--actor.loss_agg token_mean: seq_sum's importance ratio is per sequence, and a token mean would weight "
+        "each sequence by its length; leave --actor.loss_agg unset (auto: seq_mean_token_mean, as TRL RLOO)"
+    )
+    trl = ["--reward.missing_eos_penalty", "1.0", "--reward.batch_normalize_enable",
+           "--reward.batch_normalize_clip", "0.5", "--algo.advantage.whiten_enable",
+           "--algo.advantage.whiten_level", "sequence", "--actor.policy_loss_type", "seq_sum"]
+    cfg = parse_config("ppo", BASE["ppo"] + trl, device="cpu")
+    assert (cfg.reward.missing_eos_penalty, cfg.reward.batch_normalize_enable, cfg.reward.batch_normalize_clip,
+            cfg.algo.advantage.whiten_level) == (1.0, True, 0.5, "sequence")
+    assert inert_flags(cfg, "cpu") == []
+    defaults = parse_config("ppo", BASE["ppo"], device="cpu")
+    assert (defaults.reward.missing_eos_penalty, defaults.reward.batch_normalize_enable,
+            defaults.reward.batch_normalize_clip, defaults.algo.advantage.whiten_level) == (None, False, 10.0, "token")
+    alone = parse_config("ppo", BASE["ppo"] + ["--reward.batch_normalize_clip", "0.5",
+                                               "--algo.advantage.whiten_level", "sequence"], device="cpu")
+    assert inert_flags(alone, "cpu") == [
+        "--reward.batch_normalize_clip 0.5 has no effect here: needs --reward.batch_normalize_enable",
+        "--algo.advantage.whiten_level sequence has no effect here: needs --algo.advantage.whiten_enable",
+    ]
+    assert problem("ppo", "--reward.missing_eos_penalty", "-1") == (
+        "--reward.missing_eos_penalty -1.0: must be a finite number >= 0 (it is subtracted from the reward)")
+    assert problem("ppo", "--reward.missing_eos_penalty", "nan") == (
+        "--reward.missing_eos_penalty nan: must be a finite number >= 0 (it is subtracted from the reward)")
+    assert problem("ppo", "--reward.batch_normalize_clip", "0") == (
+        "--reward.batch_normalize_clip 0.0: must be a finite number > 0")
+    assert problem("ppo", "--algo.advantage.whiten_level", "batch") == (
+        "--algo.advantage.whiten_level: invalid choice 'batch'; valid values: token, sequence")
 
 
 @pytest.mark.parametrize("flag", ["--adam.lr", "--muon.lr"])

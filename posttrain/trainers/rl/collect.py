@@ -3,14 +3,19 @@
 refilling with fresh prompts until the batch is full or the extra-draw budget is spent."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 from posttrain.agents.rewards import RewardError
 from posttrain.agents.single_turn import ScoredRollouts
-from posttrain.algorithms.shaping import dynamic_filter, overlong_penalty, stop_properly_penalty
+from posttrain.algorithms.shaping import (
+    dynamic_filter,
+    missing_eos_penalty,
+    overlong_penalty,
+    stop_properly_penalty,
+)
 from posttrain.engines.rollout import rank_seed
 
 
@@ -37,16 +42,29 @@ class ShapingSettings:
     overlong_buffer_len: float | None
     overlong_penalty_factor: float
     stop_properly_penalty_coef: float | None
+    missing_eos_penalty: float | None = None
+    eos_ids: tuple[int, ...] = field(default_factory=tuple)  # the engine's default stop ids
+
+
+def has_eos(rollout, eos_ids) -> bool:
+    """Whether a token the policy generated (an action token: environment feedback does not count) is
+    one of `eos_ids`."""
+    mask = rollout.action_mask or [1] * len(rollout.output_ids)
+    return any(m and tok in eos_ids for tok, m in zip(rollout.output_ids, mask))
 
 
 def shape_rewards(batch: ScoredRollouts, s: ShapingSettings) -> int:
-    """Length shaping of `batch.rewards` in place (before the advantage baseline); returns how many
-    samples it changed.
-    The overlong penalty reads each sample's own budget (`Rollout.budget`)."""
+    """Shaping of `batch.rewards` in place (before the advantage baseline), in this order: the missing-EOS
+    penalty (TRL, on the raw rewards), the overlong penalty, the stop-properly penalty; returns how many
+    samples it changed. The overlong penalty reads each sample's own budget (`Rollout.budget`)."""
     lengths = torch.tensor([len(r.output_ids) for r in batch.rollouts], dtype=torch.float32)
     budgets = torch.tensor([r.budget for r in batch.rollouts], dtype=torch.float32)
     truncated = torch.tensor([r.finish_reason == "length" for r in batch.rollouts])
     before = batch.rewards.clone()
+    if s.missing_eos_penalty is not None:
+        eos = set(s.eos_ids)
+        found = torch.tensor([has_eos(r, eos) for r in batch.rollouts], dtype=torch.bool)
+        batch.rewards = missing_eos_penalty(batch.rewards, found, s.missing_eos_penalty)
     if s.overlong_buffer_len:
         batch.rewards = overlong_penalty(batch.rewards, lengths, budgets, s.overlong_buffer_len,
                                          s.overlong_penalty_factor)

@@ -9,6 +9,7 @@ import torch
 
 from posttrain.algorithms.advantages import compute_advantages_with_stats, whiten
 from posttrain.algorithms.kl import approx_kl_with_stats
+from posttrain.algorithms.shaping import batch_normalize_scores
 from posttrain.trainers.rl.experience import Experience, build_experience
 from posttrain.trainers.rl.forward import Batching
 from posttrain.trainers.rl.updates import steps_per_rollout
@@ -51,9 +52,11 @@ class ExperienceMaker:
     def make(self, scored, kl_coef: float) -> tuple[Experience, dict[str, float]]:
         cfg = self.cfg
         mbs = self.batching
-        rewards = scored.rewards.clone()
-        if cfg.reward.whiten_enable:  # TRL whiten_rewards: whiten the scalar rewards before the baseline
-            valid = ~scored.skipped  # (statistics over the samples that have a reward)
+        rewards = scored.rewards.clone()  # shaped (`collect.shape_rewards`)
+        valid = ~scored.skipped  # statistics over the samples that have a reward
+        if cfg.reward.batch_normalize_enable:  # TRL normalize_reward + reward_clip_range
+            rewards = batch_normalize_scores(rewards, cfg.reward.batch_normalize_clip, valid=valid)
+        if cfg.reward.whiten_enable:  # whiten the scalar rewards before the baseline
             rewards = whiten(rewards[:, None], valid.float()[:, None])[:, 0]
         exp = build_experience(scored.rollouts, rewards, self.pad_id)
         exp.action_mask[scored.skipped] = 0.0  # samples without a reward train nothing (counted in reward/skipped)
@@ -78,7 +81,7 @@ class ExperienceMaker:
             kl=kl if in_reward else None, kl_coef=kl_coef if in_reward else 0.0, values=exp.values,
             gamma=adv.gamma, lam=adv.lambd, clip_range=tuple(cfg.reward.clip_range), std_norm=not adv.no_std_norm,
             sequence_kl=cfg.algo.kl.sequence_level_enable, whiten=True if adv.whiten_enable else None,
-            valid=~scored.skipped)
+            whiten_level=adv.whiten_level if adv.whiten_enable else "token", valid=valid)
         metrics.update({f"advantage/{k}": float(v) for k, v in stats.items() if _scalar(v)})
         metrics["advantage/mean"] = masked_mean(exp.advantages, mask)
         return exp, metrics

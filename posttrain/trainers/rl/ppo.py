@@ -23,6 +23,7 @@ from posttrain.config import (
     ConfigError,
 )
 from posttrain.config.ray_mode import uses_ray
+from posttrain.config.roles import SEQUENCE_POLICY_LOSSES
 from posttrain.data import PromptDataset, load_rows
 from posttrain.engines.rollout import HFRolloutEngine, SamplingParams, rank_seed
 from posttrain.models import load_tokenizer, unwrap_model
@@ -176,9 +177,9 @@ class RLTrainer(RunLoop):
         eps_low, eps_high = a.eps_clip_low_high if a.eps_clip_low_high else (a.eps_clip, a.eps_clip)
         adv = cfg.algo.advantage
         dynamic = cfg.train.dynamic_batch_enable
-        # GSPO (as OpenRLHF): --actor.loss_agg aggregates the policy term only (sequence-level by
-        # default); the KL-loss / entropy / value terms stay token means. Otherwise it applies to all.
-        other_agg = "token_mean" if a.policy_loss_type == "gspo" else a.loss_agg
+        # GSPO (as OpenRLHF) and seq_sum: --actor.loss_agg aggregates the policy term only (sequence-level
+        # by default); the KL-loss / entropy / value terms stay token means. Otherwise it applies to all.
+        other_agg = "token_mean" if a.policy_loss_type in SEQUENCE_POLICY_LOSSES else a.loss_agg
         self.train_batching = Batching(cfg.train.micro_batch_size, cfg.train.max_tokens_per_gpu if dynamic else None,
                                        cfg.ds.packing_samples, cfg.ds.shared_prefix)
         self.forward_batching = Batching(
@@ -193,8 +194,10 @@ class RLTrainer(RunLoop):
             entropy_coef=a.entropy_coef, kl_use_loss=cfg.algo.kl.use_loss, kl_estimator=cfg.algo.kl.estimator,
             is_correction=adv.is_correction_type if adv.is_correction_enable else None,
             is_threshold=tuple(adv.is_correction_threshold), value_clip=cfg.critic.value_clip, seed=cfg.train.seed)
+        penalty = cfg.reward.missing_eos_penalty
         self.shaping = ShapingSettings(cfg.reward.overlong_buffer_len, cfg.reward.overlong_penalty_factor,
-                                       cfg.reward.stop_properly_penalty_coef)
+                                       cfg.reward.stop_properly_penalty_coef, penalty,
+                                       self._eos_ids() if penalty is not None else ())
         self.experience_maker = ExperienceMaker(cfg, self.actor, self.ref, self.critic, self.forward_batching,
                                                 self.tokenizer.pad_token_id)
         self.stream = PromptStream(len(self.prompts), cfg.train.seed)
@@ -212,6 +215,18 @@ class RLTrainer(RunLoop):
                           save_steps=cfg.ckpt.save_steps, final_eval=False, load_checkpoint=cfg.ckpt.load_enable)
         super().__init__(total_steps=self.total_steps, logger=self.start.open_logger(cfg), ckpt=self.rundir.ckpt,
                          cadence=cadence)
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        """The rollout engines' default stop ids (the tokenizer's eos and the policy's generation config,
+        `resolve_eos_ids`), which --reward.missing_eos_penalty looks for: the in-process engine's own, or
+        the first Ray engine's (they all build them alike)."""
+        ids = getattr(self.rollout_engine, "eos_token_ids", None)
+        if ids is None and hasattr(self.rollout_engine, "call"):
+            ids = self.rollout_engine.first(self.rollout_engine.call("eos_token_ids") + [[]])
+        if not ids:
+            raise ConfigError("--reward.missing_eos_penalty: the rollout engine has no EOS id (the tokenizer and "
+                              "the model's generation config name none), so every sample would be penalised")
+        return tuple(int(i) for i in ids)
 
     # ---- one step ---------------------------------------------------------------------------
     def sampling_params(self, step: int, evaluation: bool = False) -> SamplingParams:

@@ -40,10 +40,11 @@ def _ppo(flags):
 
 def test_two_actor_ranks_two_engines_equal_one_process(run_ppo, ray_session):
     """GRPO-style (group baseline, no critic): 2 actor ranks (ZeRO-2) and 2 rollout engines give the
-    in-process run's samples and, after 3 steps of 2 optimizer steps each, its weights."""
+    in-process run's samples and, after 3 steps of 2 optimizer steps each, its weights. The missing-EOS
+    penalty reads the EOS ids of the engines in their Ray workers: the same rewards as in one process."""
     common = ("--train.num_episodes", "1", "--data.max_samples", "24", "--train.batch_size", "16",
               "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8",
-              "--algo.advantage.estimator", "group_norm")
+              "--algo.advantage.estimator", "group_norm", "--reward.missing_eos_penalty", "0.5")
     local, _ = run_ppo(*common, name="local")
     ray_run, _ = run_ppo(*common, "--actor.num_gpus_per_node", "2", "--vllm.num_engines", "2",
                          "--ds.zero_stage", "2", name="ray")
@@ -51,6 +52,7 @@ def test_two_actor_ranks_two_engines_equal_one_process(run_ppo, ray_session):
     assert _max_diff(_weights(local), _weights(ray_run)) < 1e-5
     rows = read_metrics(ray_run / "metrics.jsonl")
     assert all(r["timing/weight_sync"] > 0 for r in rows if "timing/weight_sync" in r)
+    assert any(r["shaping/penalised_frac"] > 0 for r in rows if "shaping/penalised_frac" in r)
 
 
 # examples/scripts/train_ppo_ray_hybrid_engine.sh of OpenRLHF 0.10.2: every rank count 8 -> 2,

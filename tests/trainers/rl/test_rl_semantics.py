@@ -231,3 +231,50 @@ def test_refill_draws_use_their_own_seed():
     collect(Recorder(), prompts, PromptStream(64, 0), SamplingParams(n=2, seed=123), batch_size=4,
             shaping=ShapingSettings(None, 1.0, None), filter_range=(0.0, 1.0), max_extra_draws=16)
     assert len(seen) >= 2 and seen[0] == 123 and len(set(seen)) == len(seen)
+
+
+# ---- TRL RLOO score pipeline (issue 14) ------------------------------------------------------------------
+def test_missing_eos_penalty_reads_generated_eos_before_other_shaping():
+    """TRL missing_eos_penalty: subtracted from a sample whose generated tokens hold no EOS id (an EOS fed
+    by the environment does not count), before the stop-properly penalty scales the truncated reward."""
+    rolls = [Rollout([1], [5, 2], [0.0] * 2, "stop", "", ""),
+             Rollout([1], [5, 6], [0.0] * 2, "length", "", ""),
+             Rollout([1], [5, 7], [0.0] * 2, "stop", "", ""),  # stopped by a non-EOS stop id: penalised
+             Rollout([1], [5, 2, 6], [0.0] * 3, "stop", "", "", action_mask=[1, 0, 1])]
+    batch = ScoredRollouts(rolls, torch.full((4,), 3.0), torch.ones(4), {}, torch.zeros(4, dtype=torch.bool))
+    changed = shape_rewards(batch, ShapingSettings(None, 1.0, 0.5, missing_eos_penalty=1.0, eos_ids=(2, 9)))
+    assert batch.rewards.tolist() == [3.0, 1.0, 2.0, 2.0] and changed == 3  # (3 - 1) * 0.5 when truncated
+
+
+def _trl_maker(*flags):
+    from posttrain.config import parse_config
+    from posttrain.trainers.rl.experience_maker import ExperienceMaker
+
+    cfg = parse_config("ppo", ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "p.jsonl",
+                               "--reward.remote_url", "r.py", "--rollout.batch_size", "2",
+                               "--rollout.n_samples_per_prompt", "2", "--train.batch_size", "4",
+                               "--algo.advantage.estimator", "rloo", "--algo.kl.init_coef", "0", *flags], device="cpu")
+    return ExperienceMaker(cfg, None, None, None, Batching(4), pad_id=0)
+
+
+@pytest.mark.parametrize("flags,expected", [
+    # rewards [1, 2, 2, -1] (after the penalty): mean 1, unbiased std sqrt(2) -> [0, a, a, -2a], a = 1/sqrt(2);
+    # rloo with n = 2: [-a, a, 3a, -3a]
+    ((), [-0.5 ** 0.5, 0.5 ** 0.5, 3 * 0.5 ** 0.5, -3 * 0.5 ** 0.5]),
+    (("--reward.batch_normalize_clip", "1"), [-0.5 ** 0.5, 0.5 ** 0.5, 0.5 ** 0.5 + 1, -0.5 ** 0.5 - 1]),
+    # sequence whitening of [-1, 1, 3, -3]·a: mean 0, unbiased std sqrt(20/3)·a
+    (("--algo.advantage.whiten_enable", "--algo.advantage.whiten_level", "sequence"),
+     [v / (20 / 3) ** 0.5 for v in (-1.0, 1.0, 3.0, -3.0)]),
+])
+def test_batch_normalised_rewards_and_sequence_whitening_in_the_experience(flags, expected):
+    """--reward.batch_normalize_enable normalises the shaped rewards over the batch before the baseline;
+    --algo.advantage.whiten_level sequence whitens one advantage per sequence (each row's tokens share it)."""
+    rolls = [Rollout([1], o, [0.0] * len(o), "stop", "", "") for o in ([5, 2], [6, 7, 8], [4, 2], [9])]
+    scored = ScoredRollouts(rolls, torch.tensor([1.0, 2.0, 2.0, -1.0]), torch.zeros(4), {},
+                            torch.zeros(4, dtype=torch.bool))
+    exp, _ = _trl_maker("--reward.batch_normalize_enable", *flags).make(scored, 0.0)
+    mask = exp.action_mask
+    assert mask.sum(1).tolist() == [2, 3, 2, 1]
+    per_row = exp.advantages.sum(1) / mask.sum(1)
+    torch.testing.assert_close(exp.advantages, per_row[:, None] * mask)
+    torch.testing.assert_close(per_row, torch.tensor(expected), rtol=1e-5, atol=1e-6)

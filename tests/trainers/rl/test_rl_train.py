@@ -33,6 +33,25 @@ def test_each_estimator_raises_the_reward(run_ppo, estimator, extra):
         assert "critic/value_loss" in rows[0]
 
 
+def test_trl_rloo_flags_train(run_ppo):
+    """TRL RLOO semantics end to end (rloo, sequence-level KL, missing-EOS penalty, batch-normalised
+    rewards, sequence-level advantage whitening, the sequence-sum ratio loss): the penalty hits exactly the
+    samples the engine did not stop at an EOS (here the truncated ones), and the score rises."""
+    out, _ = run_ppo("--algo.advantage.estimator", "rloo", "--algo.kl.sequence_level_enable",
+                     "--algo.kl.init_coef", "0.01", "--reward.missing_eos_penalty", "0.5",
+                     "--reward.batch_normalize_enable", "--algo.advantage.whiten_enable",
+                     "--algo.advantage.whiten_level", "sequence", "--actor.policy_loss_type", "seq_sum",
+                     "--train.num_episodes", "1", name="trl_rloo")
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
+    assert len(rows) == 8
+    for row in rows:
+        assert row["shaping/penalised_frac"] == pytest.approx(row["response/truncated_frac"])
+        assert row["reward/mean"] == pytest.approx(row["score/mean"] - 0.5 * row["response/truncated_frac"], abs=1e-6)
+    assert 0 < sum(r["response/truncated_frac"] for r in rows) < len(rows)
+    scores = [r["score/mean"] for r in rows]
+    assert sum(scores[-2:]) / 2 > sum(scores[:2]) / 2 + 0.15, scores
+
+
 def test_kl_reward_and_loss_and_reference(run_ppo):
     out, _ = run_ppo("--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0.05",
                      "--algo.kl.estimator", "k3", "--train.num_episodes", "2", name="kl_reward")

@@ -105,7 +105,8 @@ def _grads(model_dir, loader, exp, fit):
 
 
 @pytest.mark.parametrize("loss_type,agg", [("ppo", "token_mean"), ("gspo", "seq_mean_token_mean"),
-                                           ("ppo", "seq_sum_norm"), ("ppo", "seq_mean_token_sum")])
+                                           ("seq_sum", "seq_mean_token_mean"), ("ppo", "seq_sum_norm"),
+                                           ("ppo", "seq_mean_token_sum")])
 def test_policy_gradient_equals_the_padded_gradient(tiny_model_dir, models, loss_type, agg):
     """The prompt's gradient accumulates from every sample that shares it: the optimizer step's gradient
     equals the per-row computation (micro-batches of 3 and 5 rows split groups; a KL loss and an entropy
