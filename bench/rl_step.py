@@ -102,7 +102,8 @@ def run_posttrain(spec: dict, out_dir: Path, profile_step: int | None, extra: li
     from posttrain.trainers.rl import ppo as ppo_module
 
     clock, prompts, gen_tokens, prof_text = StepClock(), [], [], []
-    inner_step, inner_generate = ppo_module.RLTrainer.step, HFRolloutEngine.generate
+    inner_step, inner_sequences = ppo_module.RLTrainer.step, HFRolloutEngine.sequences
+    drawn = []  # the decode sequences of the current step (every generation path builds them here)
 
     def step(self):
         if profile_step is not None and len(clock.stamps) == profile_step:
@@ -116,15 +117,17 @@ def run_posttrain(spec: dict, out_dir: Path, profile_step: int | None, extra: li
         else:
             out = inner_step(self)
         clock.tick()
+        prompts.append(_digest([seq.prompt for seq in drawn]))  # one row per sample, group-contiguous
+        gen_tokens.append(sum(len(seq.output().output_token_ids) for seq in drawn))
+        drawn.clear()
         return out
 
-    def generate(self, prompt_token_ids, params, max_new_tokens=None, seeds=None):
-        out = inner_generate(self, prompt_token_ids, params, max_new_tokens, seeds)
-        prompts.append(_digest([p for p in prompt_token_ids for _ in range(params.n)]))  # one row per sample
-        gen_tokens.append(sum(len(o.output_token_ids) for group in out for o in group))
+    def sequences(self, *args, **kwargs):
+        out = inner_sequences(self, *args, **kwargs)
+        drawn.extend(out)
         return out
 
-    ppo_module.RLTrainer.step, HFRolloutEngine.generate = step, generate
+    ppo_module.RLTrainer.step, HFRolloutEngine.sequences = step, sequences
     argv = _posttrain_argv(spec, out_dir) + list(extra)
     train_ppo_ray.main(argv)
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]

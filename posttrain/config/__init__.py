@@ -8,7 +8,14 @@ parser (with `--config run.yaml`), validation, hardware defaults and the start-u
 from posttrain.config.errors import ConfigError, ConfigWarning, main_error_exit
 from posttrain.config.fingerprint import adjustable_values, checkpoint_dir, run_fingerprint
 from posttrain.config.hardware import inert_flags, resolve_hardware_defaults, resolved_values
-from posttrain.config.parser import build_parser, flag_owners, known_flags, load_config, parse_config
+from posttrain.config.parser import (
+    build_parser,
+    config_from_trl_rloo,
+    flag_owners,
+    known_flags,
+    load_config,
+    parse_config,
+)
 from posttrain.config.roles import ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS
 from posttrain.config.sections import LR_SCHEDULERS, OPTIMIZERS, PARAM_DTYPES
 from posttrain.config.spec import FlagSpec, changed_values, flag_specs
@@ -23,10 +30,14 @@ from posttrain.config.trainers import (
     config_class,
     default_config,
 )
+from posttrain.config.trl_rloo import translate_rloo, translation_of
 from posttrain.config.validate import parse_probs, validate
 from posttrain.config.yaml_io import config_to_dict, save_config
 
 __all__ = [
+    "config_from_trl_rloo",
+    "translate_rloo",
+    "translation_of",
     "CONFIG_CLASSES",
     "ESTIMATORS",
     "GROUP_ESTIMATORS",

@@ -12,7 +12,7 @@ instead of silently changing precision. Left out:
 - adjustable flags (`adjustable_values(cfg)`), which a resumed run may change; the resume names each
   change in a start-up note:
   * run length, which a user may legitimately extend: `train.max_epochs` and `data.max_samples`
-    (SFT/RM/DPO), `train.num_episodes` and `data.max_samples` (PPO, where `train.max_epochs` is the
+    (SFT/RM/DPO), `train.num_episodes`, `train.max_steps` and `data.max_samples` (PPO, where `train.max_epochs` is the
     number of passes over each rollout batch and so part of the trajectory);
   * execution: how the same steps are computed or placed, not what they compute — micro-batching
     and packing (the step loss is split-invariant, ALGORITHMS.md), gradient checkpointing, attention
@@ -37,12 +37,12 @@ from posttrain.config.yaml_io import config_to_dict
 CHECKPOINTS_SUBDIR = "checkpoints"
 
 VOLATILE = ("ckpt.*", "logger.*", "eval.*", "data.dataloader_num_workers", "local_rank", "use_ms")
-RUN_LENGTH = {"ppo": ("train.num_episodes", "data.max_samples")}
+RUN_LENGTH = {"ppo": ("train.num_episodes", "train.max_steps", "data.max_samples")}
 RUN_LENGTH_SINGLE_MODEL = ("train.max_epochs", "data.max_samples")
 EXECUTION = (
     "train.micro_batch_size", "train.dynamic_batch_enable", "train.max_tokens_per_gpu",
     "train.full_determinism_enable", "train.colocate_*", "rollout.micro_batch_size",
-    "rollout.max_tokens_per_gpu", "ds.packing_samples", "ds.shared_prefix", "*.gradient_checkpointing_enable",
+    "rollout.max_tokens_per_gpu", "ds.packing_samples", "ds.shared_prefix", "ds.gather_for_generation", "*.gradient_checkpointing_enable",
     "*.gradient_checkpointing_reentrant", "ds.attn_implementation", "ds.experts_implementation",
     "ds.use_liger_kernel", "ds.zero_stage", "ds.zpg", "ds.adam_offload", "ds.overlap_comm",
     "ds.deepcompile", "ds.tensor_parallel_size", "ds.ring_attn_size", "ds.ring_attn_head_stride",

@@ -245,6 +245,9 @@ def _ppo_rules(cfg) -> list[InertRule]:
         InertRule(f"ds.{name}", _PPO_ENGINE, lambda v, c, dev: not data_parallel(c))
         for name in ("zero_stage", "zpg", "adam_offload", "overlap_comm", "grad_accum_dtype")
     ]
+    rules.append(InertRule("ds.gather_for_generation", "only read under --ds.zero_stage 3 with several actor ranks "
+                           "(in one process the actor trains without ZeRO)",
+                           lambda v, c, dev: not data_parallel(c) or c.ds.zero_stage != 3))
     no_rm = lambda v, c, dev: "reward" not in present_roles(c)
     rules += [
         InertRule(f"reward.{name}", "no reward model: rewards come from --reward.remote_url", no_rm)

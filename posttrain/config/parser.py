@@ -22,8 +22,10 @@ from posttrain.config.errors import ConfigError, ConfigWarning
 from posttrain.config.migration import explain_unknown
 from posttrain.config.spec import FlagSpec, flag_specs, set_path
 from posttrain.config.trainers import CONFIG_CLASSES, TRAINERS, config_class
+from posttrain.config.trl_rloo import ATTRIBUTE as TRL_ATTRIBUTE
+from posttrain.config.trl_rloo import Translation, is_trl_rloo, translate_rloo
 from posttrain.config.values import parse_scalar
-from posttrain.config.yaml_io import load_yaml_values
+from posttrain.config.yaml_io import load_yaml_values, read_yaml, typed_values
 
 # A token that is a negative number (as Python's float() reads it), hence a value and never a flag.
 # argparse's own pattern misses exponents (-1e-3) and would report "expected one argument".
@@ -175,6 +177,7 @@ def parse_config(
     check: bool = True,
     world_size: int | None = None,
     device: str | None = None,
+    translation: Translation | None = None,
 ):
     """Parse `argv` (default sys.argv[1:]) into the config dataclass of `trainer` ("sft" | "rm" | "dpo" | "ppo").
 
@@ -190,13 +193,24 @@ def parse_config(
     parser = build_parser(trainer)
     path = _config_path(argv)
     if path is not None:
-        parser.set_defaults(**load_yaml_values(path, cls))
+        data = read_yaml(path)
+        if is_trl_rloo(data):
+            translation = _translate_trl(path, data, cls, parser, argv)
+        else:
+            parser.set_defaults(**load_yaml_values(path, cls))
+    if translation is not None:
+        problems: list[str] = []
+        parser.set_defaults(**typed_values(translation.values, cls, problems))
+        if problems:  # a value of a type the translation passes through (a path that is not a string)
+            raise ConfigError.collect([f"TRL translation: {p}" for p in problems])
     ns, extras = parser.parse_known_args(argv)
     if extras:
         raise _unknown_error(extras, trainer)
     cfg = cls()
     for spec in flag_specs(cls):
         set_path(cfg, spec.path, copy.deepcopy(getattr(ns, spec.path)))
+    if translation is not None:
+        object.__setattr__(cfg, TRL_ATTRIBUTE, translation)
     if check:
         from posttrain.config.validate import validate
 
@@ -206,11 +220,32 @@ def parse_config(
     return cfg
 
 
+def config_from_trl_rloo(trl_config: Any, argv: list[str] | None = None, *, world_size: int = 1,
+                         check: bool = True):
+    """posttrain's PPO config for a TRL RLOO config (a dict of TRL field names or a `trl.RLOOConfig`)
+    with TRL's semantics (`trl_rloo.translate_rloo`; `world_size` = TRL's processes); `argv` are
+    posttrain flags on top (a reward, Ray placement). `translation_of(cfg)` is the field-by-field report."""
+    return parse_config("ppo", list(argv or []), check=check, translation=translate_rloo(trl_config, world_size))
+
+
+def _translate_trl(path: str, data: dict, cls: type, parser, argv: list[str]):
+    """The TRL RLOO file at `path` as posttrain values. TRL's batch sizes are per process: the world
+    is the actor's ranks under Ray (--actor.num_nodes x --actor.num_gpus_per_node), else WORLD_SIZE."""
+    if cls.trainer != "ppo":
+        raise ConfigError(f"--config {path}: a TRL RLOOConfig file (keys such as rloo_k, kl_coef) is for "
+                          f"posttrain ppo, not posttrain {cls.trainer}")
+    ns, _ = parser.parse_known_args(argv)
+    ranks = getattr(ns, "actor.num_nodes") * getattr(ns, "actor.num_gpus_per_node")
+    world = ranks if ranks > 1 else int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        return translate_rloo(data, world_size=world)
+    except ConfigError as e:
+        raise ConfigError(f"--config {path}: {e}", e.problems) from None
+
+
 def load_config(path: str | os.PathLike, trainer: str | None = None, *, check: bool = False):
     """Load a YAML file written by `save_config` (trainer read from its `trainer:` key if not given)."""
     if trainer is None:
-        from posttrain.config.yaml_io import read_yaml
-
         trainer = read_yaml(path).get("trainer")
         if trainer not in TRAINERS:
             raise ConfigError(f"{path}: no valid 'trainer:' key ({', '.join(TRAINERS)}); pass trainer=")

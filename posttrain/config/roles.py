@@ -205,6 +205,7 @@ class KL:
     horizon: int = opt(10000, "adaptive KL controller horizon")
     estimator: str = opt("k1", "KL estimator", choices=KL_ESTIMATORS)
     use_loss: bool = opt(False, "KL as a loss term instead of a reward penalty")
+    clamp: float = opt(10.0, "bound of the per-token KL estimate, +-clamp (OpenRLHF); 0: unbounded (TRL)", extension=True)
     sequence_level_enable: bool = opt(
         False,
         "subtract the summed sequence KL from the scalar reward "

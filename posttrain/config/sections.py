@@ -83,7 +83,14 @@ class PPODS(DSHead):
     enable_sleep: bool = opt(False, "free DeepSpeed memory between training phases (hybrid engine)")
     shared_prefix: bool = opt(
         True, "RL forwards compute a prompt once for all its samples in a micro-batch, exact to float "
-        "rounding (--ds.no_shared_prefix turns it off; off with flash attention)", negation="no_shared_prefix")
+        "rounding (--ds.no_shared_prefix turns it off; off with flash attention)", negation="no_shared_prefix",
+        extension=True)
+    gather_for_generation: bool = opt(
+        True, "ZeRO-3: gather the actor's full weights for generation and weight sync (fast); "
+        "--ds.no_gather_for_generation generates from sharded weights and syncs one tensor at a time "
+        "(fits models larger than one device; TRL's ds3_gather_for_generation); no effect without ZeRO-3",
+        negation="no_gather_for_generation",
+        extension=True)
 
 
 # --------------------------------------------------------------------------- vLLM + rollout (PPO)
@@ -113,6 +120,9 @@ class Rollout:
     max_new_tokens: int | None = opt(
         None, "max generated tokens per sample; default: max_len - prompt length"
     )
+    stop_token_ids: list[int] | None = opt(
+        None, "token ids that end a sample; default: the tokenizer's and generation config's EOS; given with no "
+        "ids: only --rollout.max_new_tokens ends a sample (TRL without stop_token)", nargs="*", extension=True)
     max_tokens_per_gpu: int | None = opt(
         None,
         "token budget per GPU for rollout-side forwards "
@@ -204,6 +214,9 @@ class PPOTrain(Train):
     """Training loop and Ray placement (PPO)."""
 
     num_episodes: int = opt(1, "passes over the prompt dataset")
+    max_steps: int | None = opt(
+        None, "stop after this many rollout steps, cycling the prompts (a fresh shuffle per pass) as often "
+        "as needed; replaces --train.num_episodes when set (TRL's total_episodes / batch size)", extension=True)
     async_enable: bool = opt(False, "overlap rollout and training (async pipeline)")
     async_queue_size: int = opt(1, "rollout batches buffered between sampler and trainer")
     partial_rollout_enable: bool = opt(False, "weight sync may interrupt in-flight generation (async only)")

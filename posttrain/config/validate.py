@@ -456,7 +456,9 @@ def _ppo(cfg, r: _Report, world_size: int) -> None:
         r.bad("vllm.enable_sleep", True, "not compatible with --train.async_enable")
     r.need(t.async_queue_size >= 0, "train.async_queue_size", t.async_queue_size,
            "must be >= 0 (batches generated ahead of training; 0: none, as the synchronous loop)")
+    r.need(cfg.algo.kl.clamp >= 0, "algo.kl.clamp", cfg.algo.kl.clamp, "must be >= 0 (0: unbounded)")
     r.need(t.num_episodes >= 1, "train.num_episodes", t.num_episodes, "must be >= 1")
+    r.need(t.max_steps is None or t.max_steps >= 1, "train.max_steps", t.max_steps, "must be >= 1 (or unset)")
     r.need(0.0 < t.ema_beta < 1.0, "train.ema_beta", t.ema_beta, "must be in (0, 1)")
     if t.enable_ema and cfg.ds.zero_stage == 3 and role_ranks(cfg.actor) > 1:
         r.bad("train.enable_ema", True, "not available with --ds.zero_stage 3 and several actor ranks in this "

@@ -82,24 +82,32 @@ def load_yaml_values(path: str | os.PathLike, cls: type) -> dict[str, Any]:
     if file_trainer != trainer:
         problems.append(f"trainer: the file is for {file_trainer!r} but this is posttrain {trainer}")
     specs = spec_map(cls)
-    negations = {s.negation: s for s in flag_specs(cls) if s.negation}
     sections = {".".join(p.split(".")[:i]) for p in specs for i in range(1, p.count(".") + 1)}
     flat: dict[str, Any] = {}
     _flatten(data, "", sections, flat, problems)
+    values = typed_values(flat, cls, problems)
+    if problems:
+        raise ConfigError.collect([f"--config {path}: {p}" for p in problems], header=f"--config {path}")
+    return values
+
+
+def typed_values(flat: dict[str, Any], cls: type, problems: list[str]) -> dict[str, Any]:
+    """Dotted flag path -> typed value for each `flat` key of config class `cls`; an unknown key, a wrong
+    type or a bad choice is appended to `problems` instead."""
+    specs = spec_map(cls)
+    negations = {s.negation: s for s in flag_specs(cls) if s.negation}
     values: dict[str, Any] = {}
     for key, raw in flat.items():
         spec = specs.get(key)
         if spec is None and key in negations:  # `muon.no_nesterov: true`
             spec, raw = negations[key], (not raw if isinstance(raw, bool) else raw)
         if spec is None:
-            problems.append(_unknown_key(key, trainer, specs))
+            problems.append(_unknown_key(key, cls.trainer, specs))
             continue
         try:
             values[spec.path] = coerce(spec, raw)
         except ValueError as e:
             problems.append(f"'{key}': {e}")
-    if problems:
-        raise ConfigError.collect([f"--config {path}: {p}" for p in problems], header=f"--config {path}")
     return values
 
 

@@ -11,13 +11,16 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from posttrain.utils.weights_hash import NamedTensors, named_tensors
 
-def sync_layout(state: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[tuple[str, tuple, str]]]:
+
+def sync_layout(state: NamedTensors, bucket_bytes: int) -> list[list[tuple[str, tuple, str]]]:
     """Buckets of `(name, shape, dtype)`, each at most `bucket_bytes` (a bigger tensor alone) and of
-    one dtype, in the state dict's order — the plan both ends of a broadcast follow."""
+    one dtype, in the order of `state` (a state dict, or its pairs streamed one at a time) — the plan
+    both ends of a broadcast follow."""
     buckets: list[list[tuple[str, tuple, str]]] = []
     size, dtype = 0, None
-    for name, t in state.items():
+    for name, t in named_tensors(state):
         nbytes = t.numel() * t.element_size()
         if not buckets or size + nbytes > bucket_bytes or str(t.dtype) != dtype:
             buckets.append([])
@@ -46,10 +49,21 @@ class SyncGroup:
             self.device = torch.device("cpu")
         self.rank = rank
 
-    def send(self, state: dict[str, torch.Tensor], layout) -> None:
+    def send(self, state: NamedTensors, layout) -> None:
+        """Broadcast `state` bucket by bucket: it must hold exactly the layout's names in its order. Pairs
+        streamed one at a time are consumed as the buckets go (at most one bucket's tensors are held)."""
+        stream = iter(named_tensors(state))
         for bucket in layout:
-            flat = torch.cat([state[name].detach().reshape(-1).to(self.device) for name, _, _ in bucket])
-            self.group.broadcast(flat, 0).wait()
+            parts = []
+            for name, _, _ in bucket:
+                got, tensor = next(stream, (None, None))
+                if got != name:
+                    raise RuntimeError(f"weight sync: expected {name!r} next in the layout, got {got!r}")
+                parts.append(tensor.detach().reshape(-1).to(self.device))
+            self.group.broadcast(torch.cat(parts), 0).wait()
+        extra = next(stream, None)
+        if extra is not None:
+            raise RuntimeError(f"weight sync: {extra[0]!r} is not in the layout")
 
     def receive(self, layout, load) -> None:
         """`load(named_tensors)` is called once per bucket with its `(name, tensor)` pairs."""

@@ -13,7 +13,7 @@ import torch
 
 from posttrain.distributed.transport import experience_from_numpy
 from posttrain.distributed.weight_sync import SyncGroup
-from posttrain.utils.weights_hash import WeightsDigest, weights_hash
+from posttrain.utils.weights_hash import NamedTensors, WeightsDigest, named_tensors, weights_hash
 
 
 def _device() -> torch.device:
@@ -29,10 +29,11 @@ def free_address() -> tuple[str, int]:
         return ray.util.get_node_ip_address(), s.getsockname()[1]
 
 
-def numpy_state(state: dict[str, torch.Tensor]) -> dict[str, tuple[np.ndarray, str]]:
-    """A state dict as numpy arrays (bf16 travels as its int16 bit pattern) with their dtypes."""
+def numpy_state(state: NamedTensors) -> dict[str, tuple[np.ndarray, str]]:
+    """A state dict (or its pairs, streamed) as numpy arrays (bf16 travels as its int16 bit pattern)
+    with their dtypes."""
     out = {}
-    for k, t in state.items():
+    for k, t in named_tensors(state):
         t = t.detach().to("cpu").contiguous()
         out[k] = ((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy(), str(t.dtype))
     return out
@@ -70,6 +71,7 @@ class RoleWorker(_Process):
         super().__init__(threads, env)
         self.role, self.rank, self.world = role, rank, world
         self.obj = None
+        self.gather_for_generation = True
         self.sync: SyncGroup | None = None
 
     def set_master(self, master: tuple[str, int]) -> None:
@@ -83,6 +85,7 @@ class RoleWorker(_Process):
                                         chat_template=cfg.data.tokenizer_chat_template)
         device = _device()
         zero = cfg.ds.zero_stage if self.world > 1 else None  # one rank: the in-process engine
+        self.gather_for_generation = cfg.ds.gather_for_generation
         if self.role == "actor":
             self.obj = build.build_actor(cfg, self.tokenizer, device, total_steps, zero)
         elif self.role == "critic":
@@ -134,32 +137,39 @@ class RoleWorker(_Process):
             self.obj.close()
 
     # ---- weights ----------------------------------------------------------------------------
+    def _on_rank0(self, consume):
+        """`consume(pairs)` of the actor's `(name, full CPU tensor)` pairs on rank 0, and its result (None
+        elsewhere). Every rank calls it (the gathers are collective under ZeRO-3): all tensors at once, or
+        one at a time with --ds.no_gather_for_generation, so that no rank materialises the whole model;
+        the same names and bytes either way."""
+        named = self.obj.full_weights(per_tensor=not self.gather_for_generation)
+        try:
+            return consume(named) if self.rank == 0 else None
+        finally:  # the gathers left (all of them off rank 0, any after an error), so no rank waits for this one
+            for _ in named:
+                pass
+
     def weights_hash(self) -> str | None:
-        state = self.obj.full_state_dict()
-        return None if state is None else weights_hash(state)
+        return self._on_rank0(weights_hash)
 
     def sync_layout(self, bucket_bytes: int):
         from posttrain.distributed.weight_sync import sync_layout
 
-        state = self.obj.full_state_dict()
-        return None if state is None else sync_layout(state, bucket_bytes)
+        return self._on_rank0(lambda named: sync_layout(named, bucket_bytes))
 
     def sync_join(self, address: str, port: int, world: int, backend: str) -> None:
         if self.rank == 0:
             self.sync = SyncGroup(address, port, 0, world, backend)
 
     def sync_send(self, layout) -> None:
-        """Every rank gathers (collective under ZeRO-3); rank 0 broadcasts the buckets."""
-        state = self.obj.full_state_dict()
-        if self.rank == 0:
-            self.sync.send(state, layout)
+        """Every rank gathers (collective under ZeRO-3); rank 0 broadcasts the buckets as they fill."""
+        self._on_rank0(lambda named: self.sync.send(named, layout))
 
     def sync_put(self):
         """Rank 0 puts the weights into Ray's object store as numpy; returns `[ref]` (None elsewhere)."""
         import ray
 
-        state = self.obj.full_state_dict()
-        return None if state is None else [ray.put(numpy_state(state))]
+        return self._on_rank0(lambda named: [ray.put(numpy_state(named))])
 
 
 class EngineWorker(_Process):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -88,17 +88,41 @@ class TrainEngine:
         if pdist.is_distributed():
             dist.barrier()
 
+    def gathered(self, tensors: Iterable[torch.Tensor]) -> contextlib.AbstractContextManager:
+        """Context in which ``tensors`` (parameters or buffers of ``module``) hold their full values on
+        every rank: collective under ZeRO-3 (every rank enters it with the same tensors), else nothing
+        to do."""
+        return contextlib.nullcontext()
+
     @contextlib.contextmanager
     def gathered_parameters(self) -> Iterator[torch.nn.Module]:
         """Context in which ``module`` holds full weights on every rank (a no-op except under ZeRO-3)."""
-        yield self.module
+        with self.gathered(list(self.module.parameters())):
+            yield self.module
+
+    @contextlib.contextmanager
+    def gathered_for_generation(self) -> Iterator[torch.nn.Module]:
+        """``gathered_parameters`` that stays whole across forwards, for a generation loop: gathered once
+        on entry, re-sharded once on exit (a no-op except under ZeRO-3; collective; read-only)."""
+        with self.gathered_parameters() as module:
+            yield module
+
+    def full_weights(self, per_tensor: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, full-weight CPU copy)`` for every entry of ``module.state_dict()``, in its order, on
+        rank 0; nothing on the other ranks, but every rank must exhaust the iterator (collective under
+        ZeRO-3). Gathered all at once (``per_tensor`` False: the whole model materialises on every rank
+        while the iterator runs), or one tensor at a time (no rank holds more than one full tensor)."""
+        state = self.module.state_dict(keep_vars=True)
+        with contextlib.nullcontext() if per_tensor else self.gathered_parameters():
+            for name, tensor in state.items():
+                with self.gathered([tensor]) if per_tensor else contextlib.nullcontext():
+                    if self.is_main:
+                        yield name, tensor.detach().to("cpu", copy=True)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Full-weight CPU state dict on rank 0 (``None`` on other ranks); collective under ZeRO-3."""
-        with self.gathered_parameters() as module:
-            if not self.is_main:
-                return None
-            return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+        state = dict(self.full_weights())
+        return state if self.is_main else None
 
 
 def write_meta(directory: str, meta: dict) -> None:

@@ -33,6 +33,7 @@ from posttrain.engines.schedulers import build_scheduler, lr_multiplier
 TAG = "engine"
 PARAM_DTYPES = ("fp32", "bf16", "fp16")
 GRAD_ACCUM_DTYPES = (None, "fp32", "bf16", "fp16")
+_GENERATION = "posttrain.gathered_for_generation"  # marks ZeRO-3 parameters held by a generation
 
 
 def import_deepspeed():
@@ -194,14 +195,31 @@ class DeepSpeedEngine(TrainEngine):
     def global_step(self) -> int:
         return int(self.engine.global_steps)
 
+    def gathered(self, tensors) -> contextlib.AbstractContextManager:
+        """Under ZeRO-3, ``GatheredParameters`` over the partitioned ones among ``tensors`` (collective;
+        read-only: changes made inside are dropped on exit); else nothing to do."""
+        if self.zero_stage != 3:
+            return contextlib.nullcontext()
+        return self._ds.zero.GatheredParameters(list(tensors), modifier_rank=None)
+
     @contextlib.contextmanager
-    def gathered_parameters(self) -> Iterator[torch.nn.Module]:
-        """Full weights on every rank inside the context under ZeRO-3 (collective; read-only)."""
-        if self.zero_stage == 3:
-            with self._ds.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None):
-                yield self.module
-        else:
-            yield self.module
+    def gathered_for_generation(self) -> Iterator[torch.nn.Module]:
+        """The base contract: whole weights across forwards, one gather on entry, one re-shard on exit.
+        ZeRO-3's forward hooks would release each layer's weights after its forward, inside a
+        ``GatheredParameters`` context too; so every parameter is marked in use by this context
+        (``ds_active_sub_modules``, which ZeRO checks before it releases one) until the exit."""
+        with self.gathered_parameters() as module:
+            if self.zero_stage != 3:
+                yield module
+                return
+            params = list(module.parameters())
+            for p in params:
+                p.ds_active_sub_modules.add(_GENERATION)
+            try:
+                yield module
+            finally:
+                for p in params:
+                    p.ds_active_sub_modules.discard(_GENERATION)
 
     def save_state(self, directory: str) -> None:
         """DeepSpeed checkpoint (weights, optimizer, scheduler) under tag ``engine``, then rank 0's meta."""

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 
 from posttrain.config import derived_sizes, format_config, inert_flags, resolve_hardware_defaults, save_config
+from posttrain.config.trl_rloo import REPORT_FILE as TRL_REPORT_FILE
+from posttrain.config.trl_rloo import translation_of
 from posttrain.data import load_rows
 from posttrain.engines import make_train_engine
 from posttrain.models import load_causal_lm, load_tokenizer, save_pretrained
@@ -50,6 +52,9 @@ class RunStart:
         for note in resolve_hardware_defaults(cfg, self.device.type) or []:
             info(note)
         self.run_dir = Path(cfg.ckpt.output_dir)
+        translation = translation_of(cfg)
+        if translation is not None:
+            info(translation.report())
         info(format_config(cfg, derived_sizes(cfg, self.world_size)))
         for note in inert_flags(cfg, self.device.type):
             info(f"note: {note}")
@@ -57,6 +62,8 @@ class RunStart:
         with self.closed_on_error():
             if self.is_main:
                 save_config(cfg, self.run_dir / "config.yaml")
+                if translation is not None:
+                    (self.run_dir / TRL_REPORT_FILE).write_text(translation.report() + "\n", encoding="utf-8")
             set_seed(cfg.train.seed)
 
     @contextmanager

@@ -8,6 +8,7 @@ same state dict."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -38,8 +39,17 @@ class WeightsDigest:
         return h.hexdigest()
 
 
-def weights_hash(state: dict[str, torch.Tensor]) -> str:
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+def named_tensors(state: NamedTensors) -> Iterable[tuple[str, torch.Tensor]]:
+    """The `(name, tensor)` pairs of a state dict, or the pairs themselves (e.g. streamed one at a time)."""
+    return state.items() if isinstance(state, Mapping) else state
+
+
+def weights_hash(state: NamedTensors) -> str:
+    """The hash of a state dict, or of its `(name, tensor)` pairs (consumed one at a time)."""
     digest = WeightsDigest()
-    for name, tensor in state.items():
+    for name, tensor in named_tensors(state):
         digest.add(name, tensor)
     return digest.hexdigest() or hashlib.sha256(b"").hexdigest()

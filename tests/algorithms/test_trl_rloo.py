@@ -246,3 +246,62 @@ def test_new_names_are_exported():
     assert "seq_sum" in A.POLICY_LOSSES and set(A.WHITEN_LEVELS) == {"token", "sequence"}
     for name in ("missing_eos_penalty", "batch_normalize_scores", "whiten_sequences"):
         assert name in A.__all__
+
+
+# ---- the same batch through posttrain's trainer pieces, configured by a translated TRL config ---------
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_translated_trl_config_through_shaping_experience_and_loss(name):
+    """`config_from_trl_rloo` of TRL's fields, then the trainer's own steps: reward shaping
+    (`collect.shape_rewards`), `ExperienceMaker.make` (KL, baseline, whitening) and the policy loss with
+    the config's loss type, aggregation and clip: TRL's advantages, loss and gradient."""
+    from posttrain.agents.single_turn import Rollout, ScoredRollouts
+    from posttrain.config import config_from_trl_rloo
+    from posttrain.trainers.rl.collect import ShapingSettings, shape_rewards
+    from posttrain.trainers.rl.experience_maker import ExperienceMaker
+    from posttrain.trainers.rl.forward import Batching
+
+    exp_values = EXPECTED[name]
+    normalize_reward, clip, token_level_kl, normalize_advantage = exp_values["flags"]
+    cfg = config_from_trl_rloo({"sft_model_path": "m", "dataset_name": "d", "total_episodes": 4, "rloo_k": RLOO_K,
+                                "per_device_train_batch_size": 4, "kl_coef": KL_COEF, "cliprange": CLIPRANGE,
+                                "missing_eos_penalty": MISSING_EOS_PENALTY, "stop_token": "eos",
+                                "normalize_reward": normalize_reward, "reward_clip_range": clip,
+                                "token_level_kl": token_level_kl, "normalize_advantage": normalize_advantage},
+                               ["--reward.remote_url", "r.py"])
+    prompts = [[10, 11], [12, 13]]  # TRL row r: prompt r % 2
+    rollouts, logps, refs = [], [], []
+    for row in PERM:
+        kept = RESPONSES[row][: EXPECTED_SEQUENCE_LENGTHS[row] + 1]  # the response up to its first EOS
+        finish = "stop" if EOS_ID in kept else "length"
+        rollouts.append(Rollout(prompt_ids=prompts[row % 2], output_ids=kept, finish_reason=finish,
+                                rollout_logprobs=LOGPROBS[row][: len(kept)], prompt_text="", response_text=""))
+        logps.append(LOGPROBS[row][: len(kept)])
+        refs.append(REF_LOGPROBS[row][: len(kept)])
+
+    class Policy:
+        def __init__(self, rows):
+            self.rows = rows
+
+        def logprobs(self, exp, batching):
+            out = torch.zeros_like(exp.action_mask)
+            for i, values in enumerate(self.rows):
+                out[i, exp.action_mask[i].nonzero().flatten()] = t(values)
+            return out
+
+    scored = ScoredRollouts(rollouts, group_order(SCORES), group_order(SCORES), {}, torch.zeros(4, dtype=torch.bool))
+    r = cfg.reward
+    shape_rewards(scored, ShapingSettings(r.overlong_buffer_len, r.overlong_penalty_factor,
+                                          r.stop_properly_penalty_coef, r.missing_eos_penalty, (EOS_ID,)))
+    maker = ExperienceMaker(cfg, Policy(logps), Policy(refs), None, Batching(4), pad_id=PAD_ID)
+    exp, _ = maker.make(scored, kl_coef=cfg.algo.kl.init_coef)
+    mask = exp.action_mask
+    close(row_values(exp.advantages, mask), group_order(exp_values["advantages"]), **TOL)
+    new = Policy([NEW_LOGPROBS[row][: len(lp)] for row, lp in zip(PERM, logps)]).logprobs(exp, None)
+    new.requires_grad_()
+    a = cfg.actor
+    loss, _ = policy_loss(new, exp.old_logp, exp.advantages, mask, eps_low=a.eps_clip, eps_high=a.eps_clip,
+                          loss_type=a.policy_loss_type, agg=a.loss_agg)
+    close(loss, torch.tensor(exp_values["pg_loss"]), **TOL)
+    loss.backward()
+    grad_rows = exp_values.get("grad_row_per_kept_token", EXPECTED["default"]["grad_row_per_kept_token"])
+    close(new.grad, group_order(grad_rows)[:, None] * mask, **TOL)

@@ -69,7 +69,8 @@ class ExperienceMaker:
         if self.ref is not None:
             exp.ref_logp = self.ref.logprobs(exp, mbs)
         if exp.ref_logp is not None and exp.old_logp is not None:
-            kl, kl_stats = approx_kl_with_stats(exp.old_logp, exp.ref_logp, cfg.algo.kl.estimator, mask=mask)
+            kl, kl_stats = approx_kl_with_stats(exp.old_logp, exp.ref_logp, cfg.algo.kl.estimator,
+                                                 clamp=cfg.algo.kl.clamp or None, mask=mask)
             kl = kl * mask
             metrics.update({"kl/mean": sequence_mean(kl, mask), "kl/clamp_frac": float(kl_stats["kl_clamp_frac"])})
         if self.critic is not None:

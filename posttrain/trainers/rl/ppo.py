@@ -126,9 +126,10 @@ class RLTrainer(RunLoop):
         if self.steps_per_episode == 0:
             raise ConfigError(f"{len(self.prompts)} prompts are fewer than one rollout batch "
                              f"(--rollout.batch_size {cfg.rollout.batch_size}); lower it or add prompts")
-        self.total_steps = self.steps_per_episode * cfg.train.num_episodes
+        self.total_steps = cfg.train.max_steps or self.steps_per_episode * cfg.train.num_episodes
         updates = self.total_steps * steps_per_rollout(cfg.rollout.batch_size * n, cfg.train.batch_size,
                                                        cfg.train.max_epochs)
+        self.shares_actor_module = False  # the rollout engine samples from the actor's own module
         if self.on_ray:
             self._place_on_ray(updates)
         else:
@@ -142,6 +143,7 @@ class RLTrainer(RunLoop):
             else:  # in one process the rollout engine samples from the actor's own module (no weight copy)
                 self.rollout_engine = HFRolloutEngine(self.actor.model, self.tokenizer,
                                                       pad_token_id=self.tokenizer.pad_token_id)
+                self.shares_actor_module = True
         if self.ref is None:
             info("no reference model loaded: --algo.kl.init_coef 0 and KL is not used as a loss")
         kl = cfg.algo.kl
@@ -192,6 +194,7 @@ class RLTrainer(RunLoop):
             max_len=self.max_new_tokens, eps_low=eps_low,
             eps_high=eps_high, dual_clip=a.dual_clip, policy_loss_type=a.policy_loss_type,
             entropy_coef=a.entropy_coef, kl_use_loss=cfg.algo.kl.use_loss, kl_estimator=cfg.algo.kl.estimator,
+            kl_clamp=cfg.algo.kl.clamp or None,
             is_correction=adv.is_correction_type if adv.is_correction_enable else None,
             is_threshold=tuple(adv.is_correction_threshold), value_clip=cfg.critic.value_clip, seed=cfg.train.seed)
         penalty = cfg.reward.missing_eos_penalty
@@ -234,10 +237,10 @@ class RLTrainer(RunLoop):
         if evaluation:
             return SamplingParams(temperature=cfg.eval.temperature, top_p=cfg.rollout.top_p,
                                   max_new_tokens=self.max_new_tokens, n=cfg.eval.n_samples_per_prompt,
-                                  seed=rank_seed(cfg.train.seed + 1, 0, step))
+                                  seed=rank_seed(cfg.train.seed + 1, 0, step), stop_token_ids=cfg.rollout.stop_token_ids)
         return SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                               max_new_tokens=self.max_new_tokens, n=cfg.rollout.n_samples_per_prompt,
-                              seed=rank_seed(cfg.train.seed, 0, step))
+                              seed=rank_seed(cfg.train.seed, 0, step), stop_token_ids=cfg.rollout.stop_token_ids)
 
     def produce(self, step: int):
         """The rollout batch of `step`: (scored rollouts, their metrics, the prompt cursor after its last
@@ -245,14 +248,25 @@ class RLTrainer(RunLoop):
         comes from the group buffer, refilled by generation calls of --rollout.vllm_generate_batch_size
         prompts."""
         cfg = self.cfg
-        if self.oversampled is None:
-            scored, metrics = self._draw(step, cfg.rollout.batch_size, release_engines=True)
-            cursor = self.stream.cursor
-        else:
-            scored, metrics, cursor = self.oversampled.take(
-                lambda: self._draw(step, cfg.rollout.vllm_generate_batch_size, release_engines=False))
+        with self._generation_weights():
+            if self.oversampled is None:
+                scored, metrics = self._draw(step, cfg.rollout.batch_size, release_engines=True)
+                cursor = self.stream.cursor
+            else:
+                scored, metrics, cursor = self.oversampled.take(
+                    lambda: self._draw(step, cfg.rollout.vllm_generate_batch_size, release_engines=False))
         metrics.update(rollout_metrics(scored, cfg.rollout.n_samples_per_prompt))
         return scored, metrics, cursor
+
+    def _generation_weights(self):
+        """The context a rollout or evaluation batch is generated in. When the rollout engine samples from
+        the actor's own module (one process, not async) and --ds.gather_for_generation: the actor engine's
+        `gathered_for_generation` (under ZeRO-3 the weights are gathered once per batch, not per layer
+        and decode step; a no-op for other engines). Otherwise nothing: generation runs from the sharded
+        module, or the engines hold their own copies (weight sync honours the flag, `distributed.workers`)."""
+        if self.shares_actor_module and self.cfg.ds.gather_for_generation:
+            return self.actor.engine.gathered_for_generation()
+        return nullcontext()
 
     def _draw(self, step: int, prompts: int, release_engines: bool):
         """`collect` of `prompts` groups. Async: each sample without versions recorded by its engine gets
@@ -355,7 +369,8 @@ class RLTrainer(RunLoop):
         if self.eval_prompts is None:
             return {}
         # async: evaluation does not interleave with the producer's generation (OpenRLHF holds its lock)
-        with self.timers("eval"), self.gen_lock if self.pipeline is not None else nullcontext():
+        with (self.timers("eval"), self.gen_lock if self.pipeline is not None else nullcontext(),
+              self._generation_weights()):
             return eval_metrics(self.executor, self.eval_prompts, self.sampling_params(self.global_step, True),
                                 self.eval_name, max_len=self.sample_max_len)
 

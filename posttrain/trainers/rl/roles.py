@@ -11,6 +11,7 @@ A role's state directory holds its engine state (weights, optimizer, scheduler) 
 (the actor's EMA), so a checkpoint is one directory per role."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -136,9 +137,10 @@ class Actor(_Scorer):
         if self.engine.is_main:
             save_pretrained(self.model, tokenizer, directory, state_dict=state)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The current weights on rank 0 (None elsewhere); collective under ZeRO-3."""
-        return self.engine.full_state_dict()
+    def full_weights(self, per_tensor: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """The current weights as `(name, CPU tensor)` pairs on rank 0, gathered all at once or one tensor
+        at a time (`TrainEngine.full_weights`: every rank exhausts them, collective under ZeRO-3)."""
+        return self.engine.full_weights(per_tensor)
 
     def broadcast_weights(self, engines, verify: bool = False, version: int | None = None) -> None:
         """Make every rollout engine sample with the current weights (a no-op for an engine that

@@ -39,6 +39,7 @@ class UpdateSettings:
     value_clip: float | None
     seed: int
     policy_loss_agg: str | None = None  # the policy term (None: loss_agg); GSPO's auto default differs
+    kl_clamp: float | None = 10.0  # bound of the per-token KL estimate; None: unbounded
 
     @property
     def policy_agg(self) -> str:
@@ -142,7 +143,7 @@ def update_actor(actor, exp: Experience, s: UpdateSettings, kl_coef: float, step
                 max_len=s.max_len)
             tokens = float(mask.sum())
             if s.kl_use_loss and mb.ref_logp is not None:
-                kl = approx_kl(logp, mb.ref_logp, s.kl_estimator)
+                kl = approx_kl(logp, mb.ref_logp, s.kl_estimator, clamp=s.kl_clamp)
                 loss = loss + kl_coef * aggregate(kl, mask, s.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
                                                   max_len=s.max_len)
                 mean.add("kl_loss", float((kl.detach() * mask).sum()) / max(tokens, 1), tokens)

@@ -48,3 +48,32 @@ def test_logprob_count_mismatch_is_an_error():
                   prompt_text="", response_text="")
     with pytest.raises(ValueError, match="2 output tokens but 1 log-probs"):
         build_experience([bad], torch.tensor([0.0]), pad_id=0)
+
+
+@pytest.mark.parametrize("clamp, kl_sum", [(10.0, 10.5), (0.0, 15.5)])
+def test_kl_clamp_flag_bounds_the_per_token_kl_in_the_reward(clamp, kl_sum):
+    """--algo.kl.clamp: OpenRLHF's +-10 per token by default; 0 leaves it unbounded (TRL)."""
+    from posttrain.agents.single_turn import ScoredRollouts
+    from posttrain.config import parse_config
+    from posttrain.trainers.rl.experience_maker import ExperienceMaker
+    from posttrain.trainers.rl.forward import Batching
+
+    class Policy:  # log-probs [0, -0.5] on the two actions; the reference 15 nats lower on the first
+        def __init__(self, first):
+            self.first = first
+
+        def logprobs(self, exp, batching):
+            out = torch.zeros_like(exp.action_mask)
+            out[:, -2], out[:, -1] = self.first, -0.5 if self.first == 0.0 else -1.0
+            return out * exp.action_mask
+
+    cfg = parse_config("ppo", ["--actor.model_name_or_path", "m", "--reward.remote_url", "r.py",
+                               "--data.prompt_dataset", "d", "--algo.advantage.estimator", "reinforce",
+                               "--algo.kl.sequence_level_enable", "--algo.kl.init_coef", "1",
+                               "--algo.kl.clamp", str(clamp), "--reward.clip_range", "-100", "100"], check=False)
+    rolls = [rollout([5, 6], [7, 8])]
+    scored = ScoredRollouts(rolls, torch.tensor([0.0]), torch.tensor([0.0]), {}, torch.tensor([False]))
+    maker = ExperienceMaker(cfg, Policy(0.0), Policy(-15.0), None, Batching(4), pad_id=0)
+    exp, _ = maker.make(scored, kl_coef=1.0)
+    # k1 per token: 0 - (-15) = 15 (clamped to 10 or not) and -0.5 - (-1) = 0.5
+    assert exp.returns[0, -1].item() == pytest.approx(-kl_sum)
