@@ -86,11 +86,10 @@ class PPODS(DSHead):
         "rounding (--ds.no_shared_prefix turns it off; off with flash attention)", negation="no_shared_prefix",
         extension=True)
     gather_for_generation: bool = opt(
-        True, "ZeRO-3: gather the actor's full weights for generation and weight sync (fast); "
-        "--ds.no_gather_for_generation generates from sharded weights and syncs one tensor at a time "
-        "(fits models larger than one device; TRL's ds3_gather_for_generation); no effect without ZeRO-3",
-        negation="no_gather_for_generation",
-        extension=True)
+        False, "ZeRO-3 with several actor ranks: gather the actor's whole weights once for generation and for "
+        "each weight sync (fast; every rank holds the whole model meanwhile: TRL's ds3_gather_for_generation); "
+        "default: one tensor at a time (OpenRLHF's weight sync; fits models larger than one device)",
+        negation="no_gather_for_generation", extension=True)
 
 
 # --------------------------------------------------------------------------- vLLM + rollout (PPO)

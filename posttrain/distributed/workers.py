@@ -71,7 +71,7 @@ class RoleWorker(_Process):
         super().__init__(threads, env)
         self.role, self.rank, self.world = role, rank, world
         self.obj = None
-        self.gather_for_generation = True
+        self.gather_for_generation = False
         self.sync: SyncGroup | None = None
 
     def set_master(self, master: tuple[str, int]) -> None:
@@ -139,9 +139,9 @@ class RoleWorker(_Process):
     # ---- weights ----------------------------------------------------------------------------
     def _on_rank0(self, consume):
         """`consume(pairs)` of the actor's `(name, full CPU tensor)` pairs on rank 0, and its result (None
-        elsewhere). Every rank calls it (the gathers are collective under ZeRO-3): all tensors at once, or
-        one at a time with --ds.no_gather_for_generation, so that no rank materialises the whole model;
-        the same names and bytes either way."""
+        elsewhere). Every rank calls it (the gathers are collective under ZeRO-3): one tensor at a time, so
+        that no rank materialises the whole model, or all at once with --ds.gather_for_generation; the
+        same names and bytes either way."""
         named = self.obj.full_weights(per_tensor=not self.gather_for_generation)
         try:
             return consume(named) if self.rank == 0 else None

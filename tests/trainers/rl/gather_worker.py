@@ -108,7 +108,7 @@ def run_rl(model, data, reward, out) -> None:
              "--actor.lr_warmup_ratio", "0", "--algo.kl.init_coef", "0", "--algo.advantage.estimator", "rloo",
              "--ds.zero_stage", "3", "--train.seed", "7"]
     results = {}
-    for mode, extra in (("on", []), ("off", ["--ds.no_gather_for_generation"])):
+    for mode, extra in (("on", ["--ds.gather_for_generation"]), ("off", ["--ds.no_gather_for_generation"])):
         record.update(released=0, rollouts=[])
         entered["n"] = 0
         run_dir = os.path.join(os.path.dirname(out), mode)
@@ -141,7 +141,7 @@ def run_sync(model, out_dir) -> None:
     worker = None
     calls = _gathered_parameters_spy(lambda: None if worker is None or worker.obj is None else worker.obj.model)
     results = {}
-    for mode, extra in (("on", []), ("off", ["--ds.no_gather_for_generation"])):
+    for mode, extra in (("on", ["--ds.gather_for_generation"]), ("off", ["--ds.no_gather_for_generation"])):
         cfg = parse_config("ppo", flags + extra, check=False)
         worker = RoleWorker("actor", rank, 2, None, 1, {})
         worker.setup(cfg, 4)
