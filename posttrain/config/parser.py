@@ -234,6 +234,11 @@ def _translate_trl(path: str, data: dict, cls: type, parser, argv: list[str]):
     if cls.trainer != "ppo":
         raise ConfigError(f"--config {path}: a TRL RLOOConfig file (keys such as rloo_k, kl_coef) is for "
                           f"posttrain ppo, not posttrain {cls.trainer}")
+    sections = {spec.path.split(".")[0] for spec in flag_specs(cls)}
+    mixed = sorted(k for k in data if isinstance(k, str) and ("." in k or k in sections or k == "trainer"))
+    if mixed:
+        raise ConfigError(f"--config {path}: TRL RLOOConfig fields mixed with posttrain keys ({', '.join(mixed)}); "
+                          "a TRL file holds TRL field names only: give posttrain flags on the command line")
     ns, _ = parser.parse_known_args(argv)
     ranks = getattr(ns, "actor.num_nodes") * getattr(ns, "actor.num_gpus_per_node")
     world = ranks if ranks > 1 else int(os.environ.get("WORLD_SIZE", "1"))

@@ -176,6 +176,12 @@ def test_translated_config_validates(tmp_path):
     assert cfg.reward.batch_normalize_enable and cfg.actor.loss_agg == "seq_mean_token_mean"
 
 
+def test_trl_file_mixed_with_posttrain_keys_is_refused(tmp_path):
+    path = write(tmp_path / "rloo.yaml", {**BASE, "actor": {"eps_clip": 0.1}, "ds.zero_stage": 2})
+    with pytest.raises(ConfigError, match=r"mixed with posttrain keys \(actor, ds.zero_stage\)"):
+        parse_config("ppo", ["--config", path], check=False)
+
+
 def test_trl_file_for_another_trainer_is_refused(tmp_path):
     path = write(tmp_path / "rloo.yaml", BASE)
     with pytest.raises(ConfigError, match="is for posttrain ppo, not posttrain sft"):

@@ -66,7 +66,9 @@ class DecodeBatch:
     """`forward(input_ids, attention_mask, position_ids, cache, last_only) -> logits [B, V]` and
     `new_cache()` come from the engine; `pad_token_id` fills left padding; `weights() -> (epoch,
     version)` says which weights the model holds (the epoch changes on every load). Call under
-    `torch.no_grad()`, and keep the weights still during one `admit` or `step`.
+    `torch.no_grad()`, and keep the weights still during one `admit` or `step`. Sequences admitted
+    together with the same text (the n samples of a prompt) are prefilled once: that row's cache and
+    last logits are copied to each of them (a cache whose rows cannot be copied prefills every row).
 
     New weights mid-generation (partial rollout): the next `admit` or `step` re-prefills every live row
     (prompt + tokens so far) with them, so each token's log-prob is exactly that of the version that
@@ -103,6 +105,36 @@ class DecodeBatch:
         self._refresh_if_stale()
         self.epoch = self._weights()[0]
         texts = [s.prompt + s.tokens for s in sequences]  # tokens: a sequence re-admitted after new weights
+        unique = list(dict.fromkeys(map(tuple, texts)))
+        if len(unique) < len(texts) and self.mergeable:  # the n samples of a prompt: prefill it once
+            first = {text: i for i, text in enumerate(unique)}
+            cache, mask, lengths, logits = self._prefill([list(x) for x in unique])
+            if self.mergeable:
+                inverse = torch.tensor([first[tuple(x)] for x in texts], device=self.device)
+                for layer in _layers(cache):
+                    _store(layer, layer.keys[inverse], layer.values[inverse])
+                mask, lengths, logits = mask[inverse], lengths[inverse], logits[inverse]
+            else:  # a cache whose rows cannot be copied: prefill every row
+                cache, mask, lengths, logits = self._prefill(texts)
+        else:
+            cache, mask, lengths, logits = self._prefill(texts)
+        layers = _layers(cache)
+        t = mask.shape[1]
+        if not self.rows:
+            self.rows, self.cache, self.mask, self.positions, self.logits = list(sequences), cache, mask, lengths, logits
+            return
+        width = max(self.mask.shape[1], t)
+        for own, new in zip(_layers(self.cache), layers):
+            _store(own, torch.cat([_left_pad(own.keys, width), _left_pad(new.keys, width)]),
+                   torch.cat([_left_pad(own.values, width), _left_pad(new.values, width)]))
+        self.mask = torch.cat([_left_pad(self.mask, width, dim=1), _left_pad(mask, width, dim=1)])
+        self.positions = torch.cat([self.positions, lengths])
+        self.logits = torch.cat([self.logits, logits])
+        self.rows += sequences
+
+    def _prefill(self, texts: list[list[int]]):
+        """One forward over the left-padded `texts`: (cache, mask, lengths, last-position logits); sets
+        `mergeable` (the cache is a list of plain key/value layers, adopted by the engine's buffer)."""
         lens = [len(x) for x in texts]
         t = max(lens)
         ids = torch.tensor([[self.pad_token_id] * (t - n) + x for x, n in zip(texts, lens)],
@@ -115,18 +147,7 @@ class DecodeBatch:
         self.mergeable = layers is not None and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
         if self.mergeable:
             cache = self._adopt(cache)
-            layers = _layers(cache)
-        if not self.rows:
-            self.rows, self.cache, self.mask, self.positions, self.logits = list(sequences), cache, mask, lengths, logits
-            return
-        width = max(self.mask.shape[1], t)
-        for own, new in zip(_layers(self.cache), layers):
-            _store(own, torch.cat([_left_pad(own.keys, width), _left_pad(new.keys, width)]),
-                   torch.cat([_left_pad(own.values, width), _left_pad(new.values, width)]))
-        self.mask = torch.cat([_left_pad(self.mask, width, dim=1), _left_pad(mask, width, dim=1)])
-        self.positions = torch.cat([self.positions, lengths])
-        self.logits = torch.cat([self.logits, logits])
-        self.rows += sequences
+        return cache, mask, lengths, logits
 
     def admit_waiting(self, pending, cap: int) -> list[Sequence]:
         """Admit sequences from the left of the deque `pending` while the batch has fewer than `cap` rows

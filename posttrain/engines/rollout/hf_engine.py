@@ -102,6 +102,8 @@ class HFRolloutEngine:
         self._keep_kw = "logits_to_keep" in params
         # one decode step (admit + step) at a time; a weight load waits for the step in flight
         self.step_lock = threading.RLock()
+        self._loads = threading.Condition()  # `paused` callers waiting for the lock (weight loads)
+        self._loads_waiting = 0
         self._epoch = 0  # bumped by every weight load: decode batches re-prefill their rows
         self.weight_version = 0  # set by `weights_updated(version)`; recorded per sampled token
         # decode steps skip transformers' module machinery where the architecture allows (fast_decode)
@@ -145,10 +147,29 @@ class HFRolloutEngine:
             if version is not None:
                 self.weight_version = int(version)
 
+    @contextmanager
     def paused(self):
         """A context in which no decode step runs (those in flight continue afterwards, re-prefilled with
-        the weights loaded meanwhile): partial rollout's weight sync holds it."""
-        return self.step_lock
+        the weights loaded meanwhile): partial rollout's weight sync holds it. It gets the engine at the
+        next step boundary: the decode loop (`decode_step`) waits while a caller is waiting here."""
+        with self._loads:
+            self._loads_waiting += 1
+        try:
+            with self.step_lock:
+                yield
+        finally:
+            with self._loads:
+                self._loads_waiting -= 1
+                self._loads.notify_all()
+
+    @contextmanager
+    def decode_step(self):
+        """Hold the engine for one decode step (admit + step), after any weight load waiting in `paused`
+        (a lock alone would let the loop take it back before the loader wakes)."""
+        with self._loads:
+            self._loads.wait_for(lambda: self._loads_waiting == 0)
+        with self.step_lock:
+            yield
 
     def _weights(self) -> tuple[int, int]:
         return self._epoch, self.weight_version
@@ -223,7 +244,7 @@ class HFRolloutEngine:
         batch = self.decode_batch()
         cap = self.batch_size or len(sequences)
         while pending or len(batch):
-            with self.step_lock:  # a weight load (partial rollout) happens between steps
+            with self.decode_step():  # a weight load (partial rollout) happens between steps
                 batch.admit_waiting(pending, cap)
                 batch.step()
 

@@ -157,7 +157,7 @@ class DecodeServer:
         """Admit what fits, take one decode step, settle the finished requests; the batch to go on with."""
         joining, in_flight = [], list(batch.rows)
         try:
-            with self.engine.step_lock:  # a weight load (partial rollout) happens between steps
+            with self.engine.decode_step():  # a weight load (partial rollout) happens between steps
                 joining = batch.admit_waiting(pending, self.max_rows or len(batch) + len(pending))
                 self.max_live = max(self.max_live, len({id(s.ticket) for s in batch.rows}))
                 finished = batch.step()

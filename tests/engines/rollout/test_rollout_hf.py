@@ -230,3 +230,25 @@ def test_per_prompt_budgets(engine):
         engine.generate(PROMPTS, params, max_new_tokens=[1, 2, 3])
     with pytest.raises(ValueError, match="integer >= 1"):
         engine.generate(PROMPTS, params, max_new_tokens=[1, 0, 3, 4])
+
+
+@pytest.mark.parametrize("fast_decode", [True, False])
+def test_the_samples_of_a_prompt_share_one_prefill_row(model, tokenizer, fast_decode):
+    """n = 3 samples of 2 prompts: the prefill forward holds 2 rows (each prompt once), its cache and
+    logits are copied to the 3 samples, and every sampled token's log-prob is the teacher-forced one."""
+    engine = HFRolloutEngine(model, tokenizer, pad_token_id=tokenizer.pad_token_id, fast_decode=fast_decode)
+    rows, inner = [], engine._forward
+
+    def spy(input_ids, *args):
+        rows.append(tuple(input_ids.shape))
+        return inner(input_ids, *args)
+
+    engine._forward = spy
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12]]
+    outputs = engine.generate(prompts, SamplingParams(temperature=1.0, n=3, seed=4, max_new_tokens=6,
+                                                      stop_token_ids=[]))
+    assert rows[0] == (2, 6) and rows[1][0] == 6  # one prefill row per prompt, then 6 decode rows
+    flat = [o for group in outputs for o in group]
+    assert len({tuple(o.output_token_ids) for o in flat}) > 2  # the copies sample independently
+    for out, ref in zip(flat, recomputed_logprobs(model, flat, 1.0)):
+        torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-5, rtol=0)
