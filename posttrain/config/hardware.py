@@ -279,6 +279,9 @@ def _ppo_rules(cfg) -> list[InertRule]:
         )
         for name in ("model_name_or_path", "offload", "num_nodes", "num_gpus_per_node")
     ]
+    rules.append(InertRule("train.num_episodes", "--train.max_steps sets the run's length",
+                           lambda v, c, dev: c.train.max_steps is not None))
+    rules.append(InertRule("algo.kl.clamp", "no KL term (--algo.kl.init_coef 0 and no --algo.kl.use_loss)", no_ref))
     rules.append(
         InertRule(
             "reward.normalize_enable",
