@@ -110,10 +110,12 @@ class DecodeBatch:
             first = {text: i for i, text in enumerate(unique)}
             cache, mask, lengths, logits = self._prefill([list(x) for x in unique])
             if self.mergeable:
-                inverse = torch.tensor([first[tuple(x)] for x in texts], device=self.device)
+                inverse = torch.tensor([first[tuple(x)] for x in texts])
                 for layer in _layers(cache):
-                    _store(layer, layer.keys[inverse], layer.values[inverse])
-                mask, lengths, logits = mask[inverse], lengths[inverse], logits[inverse]
+                    index = inverse.to(layer.keys.device)
+                    _store(layer, layer.keys[index], layer.values[index])
+                index = inverse.to(self.device)
+                mask, lengths, logits = mask[index], lengths[index], logits[index.to(logits.device)]
             else:  # a cache whose rows cannot be copied: prefill every row
                 cache, mask, lengths, logits = self._prefill(texts)
         else:

@@ -121,7 +121,7 @@ class HFRolloutEngine:
         if not isinstance(model_or_state_dict, Mapping):
             raise ValueError(f"load_weights expects a torch.nn.Module or a state dict, not "
                              f"{type(model_or_state_dict).__name__}")
-        with self.step_lock, torch.no_grad():
+        with self.paused(), torch.no_grad():
             self.model.load_state_dict(model_or_state_dict, strict=True)
             self._epoch += 1
 
@@ -132,7 +132,7 @@ class HFRolloutEngine:
     def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy some HF-named weights (one sync bucket) into the engine's model."""
         own = self.model.state_dict()
-        with self.step_lock, torch.no_grad():
+        with self.paused(), torch.no_grad():
             self._epoch += 1
             for name, tensor in named:
                 if name not in own:
@@ -166,8 +166,9 @@ class HFRolloutEngine:
     def decode_step(self):
         """Hold the engine for one decode step (admit + step), after any weight load waiting in `paused`
         (a lock alone would let the loop take it back before the loader wakes)."""
-        with self._loads:
-            self._loads.wait_for(lambda: self._loads_waiting == 0)
+        if not self.step_lock._is_owned():  # a thread inside `paused` or a step goes on (no self-wait)
+            with self._loads:
+                self._loads.wait_for(lambda: self._loads_waiting == 0)
         with self.step_lock:
             yield
 

@@ -252,3 +252,20 @@ def test_the_samples_of_a_prompt_share_one_prefill_row(model, tokenizer, fast_de
     assert len({tuple(o.output_token_ids) for o in flat}) > 2  # the copies sample independently
     for out, ref in zip(flat, recomputed_logprobs(model, flat, 1.0)):
         torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-5, rtol=0)
+
+
+def test_generate_inside_paused_on_the_same_thread(engine):
+    """The thread that holds the engine (`paused`, as a weight sync does) may still generate: the decode
+    loop waits for loads from other threads only, never for itself."""
+    import threading
+
+    out = {}
+
+    def run():
+        with engine.paused():
+            out["o"] = engine.generate([[5, 6]], SamplingParams(temperature=0, max_new_tokens=3, stop_token_ids=[]))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive() and len(out["o"][0][0].output_token_ids) == 3
