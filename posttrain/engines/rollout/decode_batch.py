@@ -105,21 +105,7 @@ class DecodeBatch:
         self._refresh_if_stale()
         self.epoch = self._weights()[0]
         texts = [s.prompt + s.tokens for s in sequences]  # tokens: a sequence re-admitted after new weights
-        unique = list(dict.fromkeys(map(tuple, texts)))
-        if len(unique) < len(texts) and self.mergeable:  # the n samples of a prompt: prefill it once
-            first = {text: i for i, text in enumerate(unique)}
-            cache, mask, lengths, logits = self._prefill([list(x) for x in unique])
-            if self.mergeable:
-                inverse = torch.tensor([first[tuple(x)] for x in texts])
-                for layer in _layers(cache):
-                    index = inverse.to(layer.keys.device)
-                    _store(layer, layer.keys[index], layer.values[index])
-                index = inverse.to(self.device)
-                mask, lengths, logits = mask[index], lengths[index], logits[index.to(logits.device)]
-            else:  # a cache whose rows cannot be copied: prefill every row
-                cache, mask, lengths, logits = self._prefill(texts)
-        else:
-            cache, mask, lengths, logits = self._prefill(texts)
+        cache, mask, lengths, logits = self._prefill_shared(texts)
         layers = _layers(cache)
         t = mask.shape[1]
         if not self.rows:
@@ -133,6 +119,22 @@ class DecodeBatch:
         self.positions = torch.cat([self.positions, lengths])
         self.logits = torch.cat([self.logits, logits])
         self.rows += sequences
+
+    def _prefill_shared(self, texts: list[list[int]]):
+        """`_prefill` with each distinct text computed once (the n samples of a prompt), its cache rows and
+        logits copied to every text equal to it; every row prefilled where the cache cannot be copied."""
+        unique = list(dict.fromkeys(map(tuple, texts)))
+        if len(unique) == len(texts) or not self.mergeable:
+            return self._prefill(texts)
+        cache, mask, lengths, logits = self._prefill([list(x) for x in unique])
+        if not self.mergeable:  # learned from this prefill
+            return self._prefill(texts)
+        where = {text: i for i, text in enumerate(unique)}
+        inverse = torch.tensor([where[tuple(x)] for x in texts], device=self.device)
+        for layer in _layers(cache):
+            index = inverse.to(layer.keys.device)
+            _store(layer, layer.keys[index], layer.values[index])
+        return cache, mask[inverse], lengths[inverse], logits[inverse]
 
     def _prefill(self, texts: list[list[int]]):
         """One forward over the left-padded `texts`: (cache, mask, lengths, last-position logits); sets
