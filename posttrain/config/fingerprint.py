@@ -44,7 +44,7 @@ EXECUTION = (
     "train.full_determinism_enable", "train.colocate_*", "rollout.micro_batch_size",
     "rollout.max_tokens_per_gpu", "ds.packing_samples", "ds.shared_prefix", "ds.gather_for_generation", "*.gradient_checkpointing_enable",
     "*.gradient_checkpointing_reentrant", "ds.attn_implementation", "ds.experts_implementation",
-    "ds.use_liger_kernel", "ds.zero_stage", "ds.zpg", "ds.adam_offload", "ds.overlap_comm",
+    "ds.use_liger_kernel", "ds.onednn_linear", "ds.zero_stage", "ds.zpg", "ds.adam_offload", "ds.overlap_comm",
     "ds.deepcompile", "ds.tensor_parallel_size", "ds.ring_attn_size", "ds.ring_attn_head_stride",
     "ds.use_universal_ckpt", "ds.enable_sleep", "vllm.*", "*.num_nodes", "*.num_gpus_per_node",
     "*.offload", "reward.timeout", "reward.retries", "critic.save_value_network", "agent.timeout",

@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from posttrain.models.cpu_linear import use_onednn_linears
 from posttrain.models.lora import apply_lora, as_lora_spec
 from posttrain.utils.errors import UserError
 from posttrain.utils.log import info, warn_once
@@ -128,7 +129,7 @@ def _from_pretrained(cls, path, dtype, attn_implementation, load_in_4bit=False, 
         raise _hub_error(p, err) from err
 
 
-def _finish(model, lora, task_type, gradient_checkpointing, reentrant, load_in_4bit=False):
+def _finish(model, lora, task_type, gradient_checkpointing, reentrant, load_in_4bit=False, onednn_linear=True):
     if load_in_4bit:
         if as_lora_spec(lora) is None:
             raise ValueError("--ds.load_in_4bit: 4-bit weights cannot be trained; add LoRA (--ds.lora.rank > 0)")
@@ -147,19 +148,22 @@ def _finish(model, lora, task_type, gradient_checkpointing, reentrant, load_in_4
         # frozen embeddings give checkpointed blocks inputs without grad; reentrant checkpointing
         # would then drop the adapters' gradients
         model.enable_input_require_grads()
+    if onednn_linear:
+        use_onednn_linears(model)
     return model
 
 
 def load_causal_lm(path, dtype="fp32", attn_implementation: str | None = None, lora=None,
                    gradient_checkpointing: bool = False, gradient_checkpointing_reentrant: bool = False,
-                   load_in_4bit: bool = False, tokenizer=None):
+                   load_in_4bit: bool = False, tokenizer=None, onednn_linear: bool = True):
     """AutoModelForCausalLM from `path` in `dtype` ("fp32"/"bf16"/"fp16").
 
     attn_implementation: None → "sdpa" (eager where unsupported), or "eager",
     "flash_attention_2", ... `lora`: None, a LoraSpec, dict or `cfg.ds.lora`-like object
     (rank 0 = off) → peft model with only adapters trainable; `load_in_4bit` (CUDA + bitsandbytes,
-    with LoRA) loads the base in 4-bit NF4 (QLoRA). Returned in eval mode (call `.train()` to
-    enable dropout).
+    with LoRA) loads the base in 4-bit NF4 (QLoRA). `onednn_linear`: its plain linear layers compute
+    fp32 on CPU through oneDNN (`cpu_linear`; --ds.no_onednn_linear passes False). Returned in eval
+    mode (call `.train()` to enable dropout).
 
     Raises ModelLoadError when a local folder has no config.json or no weights; when the checkpoint
     is a reward/score model (a sequence-classification architecture, a score/value head without an
@@ -177,13 +181,13 @@ def load_causal_lm(path, dtype="fp32", attn_implementation: str | None = None, l
                              f"would be initialised at random; {_CAUSAL_LM_FIX}")
     check_vocab(model, tokenizer if tokenizer is not None else _own_tokenizer(folder), path)
     return _finish(model, lora, "CAUSAL_LM", gradient_checkpointing, gradient_checkpointing_reentrant,
-                   load_in_4bit)
+                   load_in_4bit, onednn_linear)
 
 
 def load_score_model(path, dtype="fp32", value_head_prefix: str = "score", attn_implementation: str | None = None,
                      lora=None, gradient_checkpointing: bool = False,
                      gradient_checkpointing_reentrant: bool = False, load_in_4bit: bool = False,
-                     new_head_ok: bool = False, tokenizer=None):
+                     new_head_ok: bool = False, tokenizer=None, onednn_linear: bool = True):
     """AutoModelForSequenceClassification (num_labels=1: one scalar per token, a reward model or
     critic). The head is `model.score`; a checkpoint that stores it as `{value_head_prefix}.weight`
     / `.bias` (e.g. "value_head") is mapped onto it.
@@ -193,7 +197,8 @@ def load_score_model(path, dtype="fp32", value_head_prefix: str = "score", attn_
     Only callers that train the head from scratch pass True (the PPO critic, `posttrain rm` starting
     from an SFT model); a reward model with a random head would make PPO train on noise. Also raises
     ModelLoadError for a local folder without config.json or weights and for a tokenizer (default:
-    the folder's own, if it has one) with more tokens than the model has embedding rows."""
+    the folder's own, if it has one) with more tokens than the model has embedding rows.
+    `onednn_linear` as for `load_causal_lm`."""
     from transformers import AutoModelForSequenceClassification
 
     folder = _checked_folder(path)
@@ -223,7 +228,7 @@ def load_score_model(path, dtype="fp32", value_head_prefix: str = "score", attn_
         info(f"{path} has no score head; initialised a new one")
     check_vocab(model, tokenizer if tokenizer is not None else _own_tokenizer(folder), path)
     return _finish(model, lora, "SEQ_CLS", gradient_checkpointing, gradient_checkpointing_reentrant,
-                   load_in_4bit)
+                   load_in_4bit, onednn_linear)
 
 
 _CAUSAL_LM_FIX = ("give a causal LM here (a base or SFT model); a trained reward model belongs in "

@@ -127,7 +127,8 @@ def load_reference(cfg, device: torch.device):
         if cfg.ref.offload:
             info("note: --ref.offload has nothing to offload (the reference shares the policy's base weights)")
         return None
-    ref = load_causal_lm(path, dtype=cfg.ds.param_dtype, attn_implementation=cfg.ds.attn_implementation)
+    ref = load_causal_lm(path, dtype=cfg.ds.param_dtype, attn_implementation=cfg.ds.attn_implementation,
+                         onednn_linear=cfg.ds.onednn_linear)
     ref.eval().requires_grad_(False)
     where = torch.device("cpu") if cfg.ref.offload else device
     info(f"reference model: {path} (frozen, on {where}{' between forwards' if cfg.ref.offload else ''})")

@@ -116,7 +116,8 @@ def train_rm(cfg) -> dict:
     def load():
         return load_score_model(cfg.model.model_name_or_path, dtype=cfg.ds.param_dtype,
                                 value_head_prefix=load_prefix(cfg.model.model_name_or_path, prefix),
-                                attn_implementation=cfg.ds.attn_implementation, lora=lora_settings(cfg),
+                                attn_implementation=cfg.ds.attn_implementation, onednn_linear=cfg.ds.onednn_linear,
+                                lora=lora_settings(cfg),
                                 gradient_checkpointing=cfg.model.gradient_checkpointing_enable,
                                 gradient_checkpointing_reentrant=cfg.model.gradient_checkpointing_reentrant,
                                 load_in_4bit=cfg.ds.load_in_4bit, new_head_ok=True)

@@ -131,7 +131,8 @@ class SingleModelRun:
     def _load_causal_lm(self):
         cfg = self.cfg
         return load_causal_lm(cfg.model.model_name_or_path, dtype=cfg.ds.param_dtype,
-                              attn_implementation=cfg.ds.attn_implementation, lora=lora_settings(cfg),
+                              attn_implementation=cfg.ds.attn_implementation, onednn_linear=cfg.ds.onednn_linear,
+                              lora=lora_settings(cfg),
                               gradient_checkpointing=cfg.model.gradient_checkpointing_enable,
                               gradient_checkpointing_reentrant=cfg.model.gradient_checkpointing_reentrant,
                               load_in_4bit=cfg.ds.load_in_4bit)

@@ -13,7 +13,7 @@ HTTP_TIMEOUT = 30.0  # seconds per HTTP reward request when --reward.timeout is 
 def make_reward_source(remote_url: str | None = None, model_name_or_path: str | None = None, *,
                        value_head_prefix: str = "score", normalize: bool = False, dtype="fp32",
                        batch_size: int = 16, max_len: int | None = None, tokenizer=None, device="cpu",
-                       attn_implementation: str | None = None, on_error: str = "raise",
+                       attn_implementation: str | None = None, onednn_linear: bool = True, on_error: str = "raise",
                        token: str | None = None, timeout: float | None = None, retries: int = 3,
                        backoff: float = 0.5):
     """remote_url ending in .py → PythonRewardFunction(remote_url, on_error, timeout, retries, backoff);
@@ -22,7 +22,7 @@ def make_reward_source(remote_url: str | None = None, model_name_or_path: str | 
     call on a rollout batch (FUNC_TIMEOUT: a Python grader such as math-verify needs tens of ms per
     sample, i.e. tens of seconds for a batch of a thousand);
     model_name_or_path → RewardModelSource(model_name_or_path, value_head_prefix, normalize, dtype,
-    batch_size, max_len, tokenizer, device, attn_implementation).
+    batch_size, max_len, tokenizer, device, attn_implementation, onednn_linear).
     Exactly one of --reward.remote_url / --reward.model_name_or_path must be given."""
     if remote_url and model_name_or_path:
         raise RewardError(f"--reward.remote_url={remote_url!r} and --reward.model_name_or_path="
@@ -48,4 +48,4 @@ def make_reward_source(remote_url: str | None = None, model_name_or_path: str | 
         normalize = False
     return RewardModelSource(model_name_or_path, value_head_prefix=value_head_prefix, normalize=normalize,
                              dtype=dtype, batch_size=batch_size, max_len=max_len, tokenizer=tokenizer,
-                             device=device, attn_implementation=attn_implementation)
+                             device=device, attn_implementation=attn_implementation, onednn_linear=onednn_linear)

@@ -50,7 +50,7 @@ class RewardModelSource:
 
     def __init__(self, path, *, value_head_prefix: str = "score", normalize: bool = False, dtype="fp32",
                  batch_size: int = 16, max_len: int | None = None, tokenizer=None, device="cpu",
-                 attn_implementation: str | None = None):
+                 attn_implementation: str | None = None, onednn_linear: bool = True):
         from posttrain.models import load_score_model, load_tokenizer
 
         if batch_size < 1:
@@ -62,7 +62,8 @@ class RewardModelSource:
         self.max_len = max_len
         self.device = torch.device(device)
         self.model = load_score_model(self.path, dtype, value_head_prefix=value_head_prefix,
-                                      attn_implementation=attn_implementation).to(self.device).eval()
+                                      attn_implementation=attn_implementation,
+                                      onednn_linear=onednn_linear).to(self.device).eval()
         self.mean, self.std = 0.0, 1.0
         if normalize:
             mean = getattr(self.model.config, "mean", None)

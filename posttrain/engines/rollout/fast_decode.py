@@ -21,8 +21,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from posttrain.models.cpu_linear import OneDNNLinear, onednn_weight, packed_linear, packed_weight
+
 _ARCHS = ("llama", "mistral", "qwen2")
 _GROWTH = 64  # spare columns allocated whenever a KVBuffer runs out
+_PACK_ROWS = 128  # the batch rows oneDNN lays packed weights out for (any row count multiplies correctly)
 
 
 class KVLayer:
@@ -77,7 +80,7 @@ class KVBuffer:
 
 
 def _plain_linear(module) -> bool:
-    return type(module) is torch.nn.Linear
+    return type(module) in (torch.nn.Linear, OneDNNLinear)
 
 
 def fast_decoder(model) -> FastDecoder | None:
@@ -114,7 +117,7 @@ class FastDecoder:
         self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.eps = c.rms_norm_eps
-        self._fused_cache: dict[int, tuple] = {}
+        self._weight_cache: dict = {}
 
     def usable(self) -> bool:
         """False while a hook sits on a module whose call this path skips (a forward hook a user or a
@@ -130,23 +133,31 @@ class FastDecoder:
                 return False
         return True
 
-    def _fused(self, layer) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None:
-        """(W_qkv, b_qkv, W_gu, b_gu) of a layer, or None (not fused: on CUDA the copy would cost memory
-        for little gain). Rebuilt whenever a source weight was replaced or changed in place (its
-        `_version` counts in-place writes: optimizer steps, `load_state_dict`, weight syncs)."""
+    def _weights(self, layer) -> _LayerWeights | None:
+        """The matmul weights of a layer for this weight epoch, or None on CUDA (fusing would copy weights
+        for little gain; the modules run). Rebuilt whenever a source weight was replaced or changed in
+        place (its `_version` counts in-place writes: optimizer steps, `load_state_dict`, weight syncs)."""
         a, m = layer.self_attn, layer.mlp
-        parts = (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj)
+        parts = (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj, a.o_proj, m.down_proj)
         if parts[0].weight.device.type != "cpu":
             return None
         key = tuple((p.weight.data_ptr(), p.weight._version) for p in parts)
-        cached = self._fused_cache.get(id(layer))
+        cached = self._weight_cache.get(id(layer))
         if cached is None or cached[0] != key:
-            with torch.no_grad():
-                cat = lambda xs: None if xs[0] is None else torch.cat(xs)  # noqa: E731
-                fused = (cat([p.weight for p in parts[:3]]), cat([p.bias for p in parts[:3]]),
-                         cat([p.weight for p in parts[3:]]), cat([p.bias for p in parts[3:]]))
-            cached = self._fused_cache[id(layer)] = (key, fused)
+            cached = self._weight_cache[id(layer)] = (key, _LayerWeights(parts, self._packs(a.q_proj)))
         return cached[1]
+
+    def _head(self, lm_head) -> _Matmul:
+        key = (lm_head.weight.data_ptr(), lm_head.weight._version)
+        cached = self._weight_cache.get("lm_head")
+        if cached is None or cached[0] != key:
+            cached = self._weight_cache["lm_head"] = (key, _Matmul([lm_head], self._packs(lm_head)))
+        return cached[1]
+
+    @staticmethod
+    def _packs(module) -> bool:
+        """oneDNN-packed weights for a model whose linears compute through oneDNN (`OneDNNLinear`)."""
+        return isinstance(module, OneDNNLinear) and onednn_weight(module.weight)
 
     def step(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: KVBuffer) -> torch.Tensor:
         """Logits [B, V] (float32) of one new token per row: `tokens`, `positions` [B]; `mask` [B, C]
@@ -163,10 +174,10 @@ class FastDecoder:
         bias = bias[:, None, None, :]
         for layer, kv in zip(inner.layers, cache.layers):
             a, m = layer.self_attn, layer.mlp
-            fused = self._fused(layer)
+            w = self._weights(layer)
             x = F.rms_norm(h, (h.shape[-1],), layer.input_layernorm.weight, self.eps)
-            if fused is not None:
-                qkv = F.linear(x, fused[0], fused[1])
+            if w is not None:
+                qkv = w.qkv(x)
                 q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
             else:
                 q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
@@ -178,15 +189,46 @@ class FastDecoder:
             keys, values = kv.append(k, v)
             scores = torch.matmul(q.reshape(b, self.kv_heads, group, d), keys.transpose(-1, -2)) * a.scaling
             out = torch.matmul(torch.softmax(scores + bias, dim=-1), values)  # [B, kv, group, D]
-            h = h + a.o_proj(out.reshape(b, 1, nq))
+            out = out.reshape(b, 1, nq)
+            h = h + (w.o(out) if w is not None else a.o_proj(out))
             x = F.rms_norm(h, (h.shape[-1],), layer.post_attention_layernorm.weight, self.eps)
-            if fused is not None:
-                g, u = F.linear(x, fused[2], fused[3]).chunk(2, dim=-1)
+            if w is not None:
+                g, u = w.gate_up(x).chunk(2, dim=-1)
             else:
                 g, u = m.gate_proj(x), m.up_proj(x)
-            h = h + m.down_proj(F.silu(g) * u)
+            x = F.silu(g) * u
+            h = h + (w.down(x) if w is not None else m.down_proj(x))
         h = F.rms_norm(h, (h.shape[-1],), inner.norm.weight, self.eps)
-        return self.model.lm_head(h[:, 0]).float()
+        return self._head(self.model.lm_head)(h[:, 0]).float()
+
+
+class _Matmul:
+    """x ↦ x Wᵀ + b for the weights of `modules` stacked along the output dimension (one GEMM for several
+    projections of the same input): oneDNN-packed (`packed`) or dense for `F.linear`. A copy, taken
+    when built: `FastDecoder` rebuilds it when a source weight changes."""
+
+    def __init__(self, modules, packed: bool) -> None:
+        with torch.no_grad():
+            weight = torch.cat([m.weight for m in modules]) if len(modules) > 1 else modules[0].weight.detach()
+            biases = [m.bias for m in modules]
+            bias = None if biases[0] is None else torch.cat(biases).detach()
+        self.packed = packed
+        self.weight = packed_weight(weight, _PACK_ROWS) if packed else weight
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return packed_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class _LayerWeights:
+    """A decoder layer's projections as four `_Matmul`s: q|k|v fused, o, gate|up fused, down."""
+
+    def __init__(self, parts, packed: bool) -> None:
+        q, k, v, gate, up, o, down = parts
+        self.qkv, self.gate_up = _Matmul([q, k, v], packed), _Matmul([gate, up], packed)
+        self.o, self.down = _Matmul([o], packed), _Matmul([down], packed)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

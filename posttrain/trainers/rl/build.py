@@ -56,7 +56,7 @@ def _deepspeed_options(cfg) -> dict:
 def build_actor(cfg, tokenizer, device, total_steps: int, zero_stage: int | None = None) -> Actor:
     _seed_for(cfg, "actor")
     model = load_causal_lm(cfg.actor.model_name_or_path, dtype=cfg.ds.param_dtype, tokenizer=tokenizer,
-                           attn_implementation=cfg.ds.attn_implementation,
+                           attn_implementation=cfg.ds.attn_implementation, onednn_linear=cfg.ds.onednn_linear,
                            gradient_checkpointing=cfg.actor.gradient_checkpointing_enable,
                            gradient_checkpointing_reentrant=cfg.actor.gradient_checkpointing_reentrant)
     model.to(device).train()
@@ -72,14 +72,15 @@ def build_rollout_copy(cfg, tokenizer, device):
     from posttrain.engines.rollout import HFRolloutEngine
 
     model = load_causal_lm(cfg.actor.model_name_or_path, dtype=cfg.ds.param_dtype, tokenizer=tokenizer,
-                           attn_implementation=cfg.ds.attn_implementation)
+                           attn_implementation=cfg.ds.attn_implementation, onednn_linear=cfg.ds.onednn_linear)
     return HFRolloutEngine(model.to(device).eval(), tokenizer, pad_token_id=tokenizer.pad_token_id)
 
 
 def build_critic(cfg, tokenizer, device, total_steps: int, zero_stage: int | None = None) -> Critic:
     _seed_for(cfg, "critic")
     model = load_score_model(critic_path(cfg), dtype=cfg.ds.param_dtype, value_head_prefix=cfg.ds.value_head_prefix,
-                             tokenizer=tokenizer, attn_implementation=cfg.ds.attn_implementation, new_head_ok=True)
+                             tokenizer=tokenizer, attn_implementation=cfg.ds.attn_implementation,
+                             onednn_linear=cfg.ds.onednn_linear, new_head_ok=True)
     model.to(device).train()
     return Critic(model, train_engine(model, cfg.critic, cfg, total_steps, zero_stage), device,
                   normalize=bool(cfg.reward.normalize_enable))
@@ -88,7 +89,8 @@ def build_critic(cfg, tokenizer, device, total_steps: int, zero_stage: int | Non
 def build_reference(cfg, tokenizer, device) -> Reference:
     _seed_for(cfg, "ref")
     model = load_causal_lm(cfg.ref.model_name_or_path or cfg.actor.model_name_or_path, dtype=cfg.ds.param_dtype,
-                           tokenizer=tokenizer, attn_implementation=cfg.ds.attn_implementation)
+                           tokenizer=tokenizer, attn_implementation=cfg.ds.attn_implementation,
+                           onednn_linear=cfg.ds.onednn_linear)
     model.requires_grad_(False)
     return Reference(model.to(device), cfg.rollout.temperature, device, offload=cfg.ref.offload)
 
@@ -102,7 +104,8 @@ def build_reward_source(cfg, tokenizer, device):
         cfg.reward.remote_url, cfg.reward.model_name_or_path, value_head_prefix=cfg.ds.value_head_prefix,
         normalize=cfg.reward.normalize_enable, dtype=cfg.ds.param_dtype,
         batch_size=max(cfg.rollout.micro_batch_size, 16), tokenizer=tokenizer, device=str(device),
-        attn_implementation=cfg.ds.attn_implementation, on_error="skip" if cfg.reward.skip_errors_enable else "raise",
+        attn_implementation=cfg.ds.attn_implementation, onednn_linear=cfg.ds.onednn_linear,
+        on_error="skip" if cfg.reward.skip_errors_enable else "raise",
         timeout=cfg.reward.timeout, retries=cfg.reward.retries)
     if hasattr(source, "check_vocabulary"):
         source.check_vocabulary(tokenizer)
