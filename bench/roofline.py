@@ -4,7 +4,8 @@
                                        [--max-new-tokens 32] [--long-prompt 128] [--repeats 2]
 
 The peak is measured in the same run: the best fp32 GFLOP/s of square matmuls (512 ... 2048) on the
-device (CUDA when there is one, else the CPU with torch's default threads). Then, for each preset of
+device (CUDA when there is one, else the CPU with torch's default threads), over the kernels a run
+may use: torch's matmul and, on CPU, oneDNN's (`--ds.onednn_linear`, on by default). Then, for each preset of
 `build_tiny` (llama, random init, fp32) and for a long-prompt config (the `small` preset with every
 prompt padded to `--long-prompt` tokens), it builds `posttrain ppo`'s trainer in this process (GAE with
 a critic, a reference model and a KL penalty, so that every phase runs) and times the phases of one
@@ -51,23 +52,44 @@ def sync(dev) -> None:
         torch.cuda.synchronize()
 
 
-def matmul_peak(dev, sizes=(512, 1024, 2048), seconds: float = 1.0) -> tuple[float, int]:
-    """The best fp32 GFLOP/s of an n x n @ n x n matmul, and its n."""
-    best, best_n = 0.0, 0
-    for n in sizes:
-        a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
-        for _ in range(2):
-            a @ b
-        sync(dev)
-        reps, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            a @ b
-            reps += 1
-        sync(dev)
-        rate = 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
-        if rate > best:
-            best, best_n = rate, n
-    return best, best_n
+def _matmuls(dev) -> dict:
+    """The fp32 matmul kernels a run may use on `dev`: torch's (MKL on CPU) and, on CPU, oneDNN's
+    (`models/cpu_linear.py`, the default for linear layers)."""
+    kernels = {"torch.mm": lambda a, b: a @ b}
+    if dev.type == "cpu":
+        from posttrain.models.cpu_linear import onednn_available, packed_linear, packed_weight
+
+        if onednn_available():
+            packed = {}
+
+            def onednn(a, b):
+                if b.data_ptr() not in packed:
+                    packed[b.data_ptr()] = packed_weight(b.t().contiguous(), a.shape[0])
+                return packed_linear(a, packed[b.data_ptr()])
+
+            kernels["oneDNN"] = onednn
+    return kernels
+
+
+def matmul_peak(dev, sizes=(512, 1024, 2048), seconds: float = 1.0) -> tuple[float, str]:
+    """The best fp32 GFLOP/s of an n x n @ n x n matmul over the sizes and the kernels of `_matmuls`,
+    and which (size, kernel) reached it."""
+    best, where = 0.0, ""
+    for name, mm in _matmuls(dev).items():
+        for n in sizes:
+            a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
+            for _ in range(2):
+                mm(a, b)
+            sync(dev)
+            reps, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                mm(a, b)
+                reps += 1
+            sync(dev)
+            rate = 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
+            if rate > best:
+                best, where = rate, f"{n} x {n}, {name}"
+    return best, where
 
 
 class FlopModel:
@@ -187,7 +209,7 @@ def main(argv=None) -> None:
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     dev = device()
-    peak, n = matmul_peak(dev)
+    peak, where = matmul_peak(dev)
     configs = [(s, None) for s in args.sizes] + ([("small", args.long_prompt)] if args.long_prompt else [])
     results = []
     with tempfile.TemporaryDirectory(prefix="posttrain-roofline-") as tmp:
@@ -195,7 +217,7 @@ def main(argv=None) -> None:
             results.append(run_config(args, Path(tmp), size, long_prompt, dev))
     print(f"# bench/roofline.py ({machine()}, device {dev})\n")
     print(f"versions: {versions()}\n")
-    print(f"fp32 matmul peak: {peak:.1f} GFLOP/s ({n} x {n}); one step = {args.prompts} prompts x {args.n} samples "
+    print(f"fp32 matmul peak: {peak:.1f} GFLOP/s ({where}); one step = {args.prompts} prompts x {args.n} samples "
           f"x {args.max_new_tokens} new tokens; median of {args.repeats} steps after a warm-up\n")
     phases = list(results[0]["phases"])
     rows = []

@@ -49,7 +49,10 @@ def test_two_actor_ranks_two_engines_equal_one_process(run_ppo, ray_session):
     ray_run, _ = run_ppo(*common, "--actor.num_gpus_per_node", "2", "--vllm.num_engines", "2",
                          "--ds.zero_stage", "2", name="ray")
     assert rewards_by_step(ray_run) == pytest.approx(rewards_by_step(local), abs=1e-6)  # same samples
-    assert _max_diff(_weights(local), _weights(ray_run)) < 1e-5
+    # float rounding only: the gradients are summed in another order (two ranks' all-reduce), and Adam at
+    # lr 2e-3 turns that into up to ~1e-5 on weights with near-zero gradients (measured: 5.5e-6 with torch's
+    # linear, 1.1e-5 with oneDNN's); a wrong gradient or a missed step moves weights by ~lr
+    assert _max_diff(_weights(local), _weights(ray_run)) < 3e-5
     rows = read_metrics(ray_run / "metrics.jsonl")
     assert all(r["timing/weight_sync"] > 0 for r in rows if "timing/weight_sync" in r)
     assert any(r["shaping/penalised_frac"] > 0 for r in rows if "shaping/penalised_frac" in r)
