@@ -178,7 +178,8 @@ def run_config(args, work: Path, size: str, long_prompt: int | None, dev) -> dic
             "--rollout.max_new_tokens", str(args.max_new_tokens), "--rollout.micro_batch_size", str(min(32, total)),
             "--rollout.temperature", "1.0", "--train.batch_size", str(total), "--train.micro_batch_size", str(min(32, total)),
             "--train.max_epochs", "1", "--train.num_episodes", "1", "--ds.param_dtype", "fp32",
-            "--ckpt.output_dir", str(work / f"run_{size}_{long_prompt or 0}"), "--ckpt.save_steps", "-1"]
+            "--ckpt.output_dir", str(work / f"run_{size}_{long_prompt or 0}"), "--ckpt.save_steps", "-1",
+            *args.flags.split()]
     trainer = RLTrainer(parse_config("ppo", argv))
     try:
         fm = FlopModel(trainer.actor.model.config)
@@ -207,6 +208,7 @@ def main(argv=None) -> None:
     ap.add_argument("--long-prompt", type=int, default=128, help="prompt tokens of the long-prompt config (0: none)")
     ap.add_argument("--repeats", type=int, default=2, help="timed steps per config (after one warm-up)")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--flags", default="", help="extra `posttrain ppo` flags, e.g. --flags=--ds.no_onednn_linear")
     args = ap.parse_args(argv)
     dev = device()
     peak, where = matmul_peak(dev)
@@ -217,6 +219,8 @@ def main(argv=None) -> None:
             results.append(run_config(args, Path(tmp), size, long_prompt, dev))
     print(f"# bench/roofline.py ({machine()}, device {dev})\n")
     print(f"versions: {versions()}\n")
+    if args.flags:
+        print(f"posttrain flags: {args.flags}\n")
     print(f"fp32 matmul peak: {peak:.1f} GFLOP/s ({where}); one step = {args.prompts} prompts x {args.n} samples "
           f"x {args.max_new_tokens} new tokens; median of {args.repeats} steps after a warm-up\n")
     phases = list(results[0]["phases"])
