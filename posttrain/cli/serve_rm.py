@@ -22,7 +22,7 @@ _POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length
 # flags that only matter when a model is served (inert for a reward_func file)
 _MODEL_FLAGS = ("reward.normalize_enable", "ds.value_head_prefix", "data.max_len", "ds.load_in_4bit",
                 "ds.param_dtype", "ds.attn_implementation", "ds.experts_implementation",
-                "data.disable_fast_tokenizer", "ds.packing_samples", "batch_size")
+                "data.disable_fast_tokenizer", "ds.packing_samples", "ds.onednn_linear", "batch_size")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
                             "flash_attention_2 on GPU when installed, else sdpa)")
     model.add_argument("--ds.experts_implementation", dest="ds.experts_implementation",
                        choices=EXPERTS_IMPLEMENTATIONS, help="MoE expert kernels (default: transformers picks)")
+    model.add_argument("--ds.no_onednn_linear", dest="ds.onednn_linear", action="store_false",
+                       help="[posttrain] fp32 linear layers on CPU through torch's F.linear, not oneDNN")
     model.add_argument("--ds.load_in_4bit", dest="ds.load_in_4bit", action="store_true",
                        help="4-bit weights (needs a CUDA GPU)")
     model.add_argument("--ds.packing_samples", dest="ds.packing_samples", action="store_true",
@@ -161,7 +163,9 @@ def _inert(args, device_type: str) -> list[str]:
     for flag, value in args.given.items():
         if flag in rules:
             shown = "" if isinstance(value, bool) else f" {value}"
-            out.append(f"--{flag}{shown} has no effect here: {rules[flag]}")
+            section, _, name = flag.rpartition(".")
+            typed = f"{section}.no_{name}" if value is False else flag  # store_false: --ds.no_onednn_linear
+            out.append(f"--{typed}{shown} has no effect here: {rules[flag]}")
     return out
 
 
@@ -258,7 +262,7 @@ def make_source(args, device: str):
                               normalize=args.reward.normalize_enable, dtype=args.ds.param_dtype or "fp32",
                               batch_size=args.batch_size, max_len=args.data.max_len, tokenizer=tokenizer,
                               device=device, attn_implementation=args.ds.attn_implementation,
-                              on_error=args.on_error, timeout=args.reward.timeout, retries=args.reward.retries)
+                              onednn_linear=args.ds.onednn_linear, on_error=args.on_error, timeout=args.reward.timeout, retries=args.reward.retries)
 
 
 if __name__ == "__main__":

@@ -35,11 +35,12 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 class _OneDNNLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x if weight.requires_grad else None, weight)  # x only for ∂W
         ctx.has_bias = bias is not None
         return _matmul(x, weight, bias)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # a double backward raises instead of returning zeros
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         n, k = weight.shape

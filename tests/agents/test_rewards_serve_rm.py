@@ -295,9 +295,11 @@ def test_load_in_4bit_on_cpu_stops_at_once(tiny_score_model_dir, capsys):
 def test_flags_without_effect_are_named_at_startup(tiny_score_model_dir):
     from posttrain.cli.serve_rm import parse_args, startup_notes
 
-    func = parse_args(["--reward.remote_url", "f.py", "--ds.param_dtype", "bf16", "--data.max_len", "64", "--use_ms"])
+    func = parse_args(["--reward.remote_url", "f.py", "--ds.param_dtype", "bf16", "--data.max_len", "64", "--use_ms",
+                       "--ds.no_onednn_linear"])
     assert startup_notes(func, "cpu") == [
         "note: --ds.param_dtype bf16 has no effect here: serve-rm serves a reward_func file, not a model",
+        "note: --ds.no_onednn_linear has no effect here: serve-rm serves a reward_func file, not a model",
         "note: --data.max_len 64 has no effect here: serve-rm serves a reward_func file, not a model",
         "note: --use_ms has no effect here: ModelScope downloads are not supported; pass a local folder or an "
         "HF hub id"]
@@ -308,6 +310,19 @@ def test_flags_without_effect_are_named_at_startup(tiny_score_model_dir):
                          "--ds.attn_implementation: auto -> sdpa (auto for cpu)"]
     assert [n.split(" has no effect here")[0] for n in notes if n.startswith("note:")] == [
         "note: --ds.experts_implementation eager", "note: --ds.packing_samples", "note: --on_error skip"]
+
+
+def test_no_onednn_linear_reaches_the_served_model(tiny_score_model_dir):
+    """serve-rm loads the reward model with oneDNN linears (models/cpu_linear.py) unless --ds.no_onednn_linear."""
+    import torch
+
+    from posttrain.models.cpu_linear import OneDNNLinear, onednn_available
+
+    for flags, onednn in (((), onednn_available()), (("--ds.no_onednn_linear",), False)):
+        source, notes = model_source("--reward.model_name_or_path", tiny_score_model_dir, *flags)
+        linears = [m for m in source.model.modules() if isinstance(m, torch.nn.Linear)]
+        assert linears and all((type(m) is OneDNNLinear) is onednn for m in linears)
+        assert not any("onednn" in n for n in notes)
 
 
 # ---------------------------------------------------------------- requests: bad bodies, long queries, limits

@@ -5,7 +5,9 @@ One step of B rows, one new token each, per layer:
   h ← h + W_o · attn(rope(q), [K; rope(k)], [V; v]),  q|k|v = W_qkv · rms_norm(h)   (one GEMM)
   h ← h + W_down · (silu(g) ⊙ u),                      g|u = W_gu · rms_norm(h)      (one GEMM)
 then logits = W_lm · rms_norm(h). The fused weights `W_qkv` / `W_gu` are concatenated from the modules'
-weights once per weight epoch (a load or sync bumps it). Rotary angles come from the model's own
+weights once per weight epoch (a load, sync or optimizer step bumps it); when the model's linears compute
+through oneDNN (`models/cpu_linear.OneDNNLinear`) every projection and the LM head are kept as oneDNN-packed
+copies instead (on CPU the engine then holds a second copy of the weights). Rotary angles come from the model's own
 rotary module (every rope type it supports), RMSNorm is torch's fused kernel, attention is sdpa over
 the keys in place with grouped heads (no repeated K/V copies), and the cache (`KVBuffer`) keeps spare
 columns so a step writes one column instead of re-allocating every layer's K/V.
@@ -141,14 +143,14 @@ class FastDecoder:
         parts = (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj, a.o_proj, m.down_proj)
         if parts[0].weight.device.type != "cpu":
             return None
-        key = tuple((p.weight.data_ptr(), p.weight._version) for p in parts)
+        key = _versions(parts)
         cached = self._weight_cache.get(id(layer))
         if cached is None or cached[0] != key:
             cached = self._weight_cache[id(layer)] = (key, _LayerWeights(parts, self._packs(a.q_proj)))
         return cached[1]
 
     def _head(self, lm_head) -> _Matmul:
-        key = (lm_head.weight.data_ptr(), lm_head.weight._version)
+        key = _versions([lm_head])
         cached = self._weight_cache.get("lm_head")
         if cached is None or cached[0] != key:
             cached = self._weight_cache["lm_head"] = (key, _Matmul([lm_head], self._packs(lm_head)))
@@ -200,6 +202,13 @@ class FastDecoder:
             h = h + (w.down(x) if w is not None else m.down_proj(x))
         h = F.rms_norm(h, (h.shape[-1],), inner.norm.weight, self.eps)
         return self._head(self.model.lm_head)(h[:, 0]).float()
+
+
+def _versions(modules) -> tuple:
+    """Where each weight and bias of `modules` lives and how often it was written in place: a changed
+    key means a changed tensor. (A write through `.data` does not count; torch's optimizers, weight
+    syncs and `load_state_dict` write the tensors themselves.)"""
+    return tuple((t.data_ptr(), t._version) for m in modules for t in (m.weight, m.bias) if t is not None)
 
 
 class _Matmul:
