@@ -139,3 +139,11 @@ def test_rollouts_sample_alike_with_and_without_onednn(tiny_model_dir):
         for a, b in zip(ga, gb, strict=True):
             assert a.output_token_ids == b.output_token_ids
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+def test_a_second_order_gradient_raises_instead_of_returning_zeros():
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(6, 8, requires_grad=True)
+    (gx,) = torch.autograd.grad(onednn_linear(x, w).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        gx.sum().backward()
