@@ -182,6 +182,8 @@ def _common_rules(cfg) -> list[InertRule]:
             "train.full_determinism_enable",
             _NOT_YET + "deterministic kernels are not forced (runs are seeded with --train.seed)",
         ),
+        InertRule("ds.onednn_linear", "oneDNN computes fp32 linear layers on CPU; on a GPU they use torch's F.linear",
+                  lambda v, c, dev: dev != "cpu"),
         InertRule("eval.split", "no --eval.dataset", _no_eval_dataset),
         InertRule("eval.steps", "no --eval.dataset", _no_eval_dataset),
         InertRule("train.max_tokens_per_gpu", "needs --train.dynamic_batch_enable",
@@ -361,7 +363,9 @@ def inert_flags(cfg, device: Any) -> list[str]:
             changed.pop(path, None)  # an auto default, not something the user set
         else:
             changed[path] = asked
-    order = {s.path: i for i, s in enumerate(flag_specs(type(cfg)))}
+    specs = flag_specs(type(cfg))
+    order = {s.path: i for i, s in enumerate(specs)}
+    negations = {s.path: s.negation_flag for s in specs if s.negation}  # a default-True flag set off: --ds.no_x
     found: dict[str, str] = {}
     for rule in inert_rules(cfg):
         if rule.path not in changed or rule.path in found:
@@ -370,5 +374,6 @@ def inert_flags(cfg, device: Any) -> list[str]:
         reason = rule.explain(value, cfg, dev)
         if reason is not None:
             shown = "" if isinstance(value, bool) else " " + format_value(value)
-            found[rule.path] = f"--{rule.path}{shown} has no effect here: {reason}"
+            flag = negations[rule.path] if value is False and rule.path in negations else "--" + rule.path
+            found[rule.path] = f"{flag}{shown} has no effect here: {reason}"
     return [found[path] for path in sorted(found, key=order.__getitem__)]

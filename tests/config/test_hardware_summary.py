@@ -231,3 +231,11 @@ def test_lora_flags_are_inert_for_ppo_only():
     assert "lora-merge" in inert[0]
     sft = parse_config("sft", SFT + ["--ds.lora.rank", "8"], device="cpu")
     assert inert_flags(sft, "cuda") == []
+
+
+def test_no_onednn_linear_is_inert_on_a_gpu_only():
+    for trainer, flags in (("sft", SFT), ("ppo", PPO)):
+        cfg = parse_config(trainer, flags + ["--ds.no_onednn_linear"], device="cpu")
+        assert not any("onednn" in line for line in inert_flags(cfg, "cpu"))
+        (line,) = [i for i in inert_flags(cfg, "cuda") if "onednn" in i]
+        assert line.startswith("--ds.no_onednn_linear has no effect") and "F.linear" in line, line
