@@ -1,6 +1,6 @@
-"""Single-turn executor: prompt tokens → sampled response tokens → one batched reward call. Sampling
-goes through the async front every executor uses (`engines/rollout/async_engine.generate_all`): the
-step's prompts arrive together and form one engine batch.
+"""Single-turn executor: prompt tokens → sampled response tokens → one batched reward call. The step's
+prompts form one engine batch (`engines/rollout/async_engine.generate_all`: the samples the async front
+that agents use would give, decoded in the caller's thread).
 
 Token-in, token-out: the rollout keeps the engine's token ids and sampling log-probs. A reward
 function or server gets OpenRLHF's inputs: ``queries`` = the whole sampled sequence (prompt +

@@ -1,16 +1,18 @@
 """A decode step for Llama-family causal LMs (llama, mistral, qwen2) that reads the model's own weights
 but skips transformers' per-module machinery, for the HF engine's decode loop (`decode_batch`).
 
-One step of B rows, one new token each, per layer:
-  h ← h + W_o · attn(rope(q), [K; rope(k)], [V; v]),  q|k|v = W_qkv · rms_norm(h)   (one GEMM)
-  h ← h + W_down · (silu(g) ⊙ u),                      g|u = W_gu · rms_norm(h)      (one GEMM)
-then logits = W_lm · rms_norm(h). The fused weights `W_qkv` / `W_gu` are concatenated from the modules'
-weights once per weight epoch (a load, sync or optimizer step bumps it); when the model's linears compute
-through oneDNN (`models/cpu_linear.OneDNNLinear`) every projection and the LM head are kept as oneDNN-packed
-copies instead (on CPU the engine then holds a second copy of the weights). Rotary angles come from the model's own
-rotary module (every rope type it supports), RMSNorm is torch's fused kernel, attention is sdpa over
-the keys in place with grouped heads (no repeated K/V copies), and the cache (`KVBuffer`) keeps spare
-columns so a step writes one column instead of re-allocating every layer's K/V.
+One step of B rows, one new token each, per layer (x̂ = x / rms(x), RMSNorm without its weight):
+  h ← h + W_o · attn(rope(q), [K; rope(k)], [V; v]),  q|k|v = (W_qkv diag(g_in)) · ĥ     (one GEMM)
+  h ← h + W_down · (silu(g) ⊙ u),                      g|u = (W_gu diag(g_post)) · ĥ     (one GEMM)
+then logits = (W_lm diag(g_final)) · ĥ. The fused weights — the projections concatenated, each norm's
+weight folded into the matmul after it — are built once per weight epoch (a load, sync or optimizer
+step rebuilds them; `_versions`); when the model's linears compute through oneDNN
+(`models/cpu_linear.OneDNNLinear`) they are kept oneDNN-packed. The engine then holds a second copy of
+the weights, so the path runs on CPU only. Rotary angles come from the model's own rotary module (every
+rope type it supports) and rotate q and k in one pass (x cos + flip(x) sin, the attention scaling folded
+into the q factors); attention is two batched matmuls per layer over the keys in place with grouped
+heads (no repeated K/V copies; the padding mask an additive bias of the first), and the cache
+(`KVBuffer`) keeps spare columns so a step writes one column instead of re-allocating every layer's K/V.
 
 The logits equal the transformers forward's up to float rounding (tested against it for llama and
 qwen2). `fast_decoder(model)` returns None — the engine then keeps transformers' forward — for any
@@ -55,11 +57,11 @@ class KVLayer:
         return self._v[:, :, :self.length]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write one column ([B, H_kv, 1, D]); return the used keys and values including it."""
+        """Write one column (`k`, `v`: [B, H_kv, D]); return the used keys and values including it."""
         if self.length == self._k.shape[2]:
             self.store(self.keys, self.values)
-        self._k[:, :, self.length] = k[:, :, 0]
-        self._v[:, :, self.length] = v[:, :, 0]
+        self._k[:, :, self.length] = k
+        self._v[:, :, self.length] = v
         self.length += 1
         return self.keys, self.values
 
@@ -122,11 +124,14 @@ class FastDecoder:
         self._weight_cache: dict = {}
 
     def usable(self) -> bool:
-        """False while a hook sits on a module whose call this path skips (a forward hook a user or a
-        test registered, ZeRO-3's parameter gathering, torch's global module hooks): transformers'
+        """False for a model off the CPU (on a GPU the fused copies would double the weights' memory for
+        little gain) and while a hook sits on a module whose call this path skips (a forward hook a user
+        or a test registered, ZeRO-3's parameter gathering, torch's global module hooks): transformers'
         forward then runs, so every hook fires. Checked when a decode batch starts."""
         from torch.nn.modules import module as nn_module
 
+        if self.model.lm_head.weight.device.type != "cpu":
+            return False
         if any(getattr(nn_module, name, None) for name in ("_global_forward_pre_hooks", "_global_forward_hooks")):
             return False
         for mod in self.model.modules():
@@ -135,25 +140,28 @@ class FastDecoder:
                 return False
         return True
 
-    def _weights(self, layer) -> _LayerWeights | None:
-        """The matmul weights of a layer for this weight epoch, or None on CUDA (fusing would copy weights
-        for little gain; the modules run). Rebuilt whenever a source weight was replaced or changed in
-        place (its `_version` counts in-place writes: optimizer steps, `load_state_dict`, weight syncs)."""
+    def _weights(self, layer) -> _LayerWeights:
+        """The matmul weights of a layer for this weight epoch. Rebuilt whenever a source weight (a
+        projection's or a norm's) was replaced or changed in place: its `_version` counts in-place
+        writes (optimizer steps, `load_state_dict`, weight syncs)."""
         a, m = layer.self_attn, layer.mlp
         parts = (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj, a.o_proj, m.down_proj)
-        if parts[0].weight.device.type != "cpu":
-            return None
-        key = _versions(parts)
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        key = _versions(parts + norms)
         cached = self._weight_cache.get(id(layer))
         if cached is None or cached[0] != key:
-            cached = self._weight_cache[id(layer)] = (key, _LayerWeights(parts, self._packs(a.q_proj)))
+            packs = self._packs(a.q_proj)
+            cached = self._weight_cache[id(layer)] = (key, _LayerWeights(parts, norms, packs))
         return cached[1]
 
-    def _head(self, lm_head) -> _Matmul:
-        key = _versions([lm_head])
+    def _head(self, model) -> _Matmul:
+        """The LM head with the final norm's weight folded in."""
+        modules = (model.lm_head, model.model.norm)
+        key = _versions(modules)
         cached = self._weight_cache.get("lm_head")
         if cached is None or cached[0] != key:
-            cached = self._weight_cache["lm_head"] = (key, _Matmul([lm_head], self._packs(lm_head)))
+            head = _Matmul([model.lm_head], self._packs(model.lm_head), model.model.norm.weight)
+            cached = self._weight_cache["lm_head"] = (key, head)
         return cached[1]
 
     @staticmethod
@@ -166,59 +174,65 @@ class FastDecoder:
         marks the real cache columns including the new one; `cache` gains one column."""
         inner = self.model.model
         b = tokens.shape[0]
-        nq, nkv, d = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.head_dim
-        group = self.heads // self.kv_heads
-        h = inner.embed_tokens(tokens)[:, None]  # [B, 1, H]
-        cos, sin = inner.rotary_emb(h, positions[:, None])  # [B, 1, D]
-        cos, sin = cos[:, None], sin[:, None]  # [B, 1, 1, D] against [B, heads, 1, D]
-        # attention of query head kv*group + j over the keys of kv head kv: [B, kv, group, C]
+        hq, hkv, d = self.heads, self.kv_heads, self.head_dim
+        nq, nkv = hq * d, hkv * d
+        h = inner.embed_tokens(tokens)  # [B, H]
+        cos, sin = self._rope(h, positions, inner.layers[0].self_attn.scaling)  # [B, hq + hkv, D]
+        # the keys a row may attend, as an additive bias broadcast over each kv head's query group
         bias = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(mask == 0, float("-inf"))
-        bias = bias[:, None, None, :]
+        bias = bias[:, None, None, :].expand(b, hkv, 1, -1).reshape(b * hkv, 1, -1)
         for layer, kv in zip(inner.layers, cache.layers):
-            a, m = layer.self_attn, layer.mlp
             w = self._weights(layer)
-            x = F.rms_norm(h, (h.shape[-1],), layer.input_layernorm.weight, self.eps)
-            if w is not None:
-                qkv = w.qkv(x)
-                q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
-            else:
-                q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
-            q = q.view(b, 1, self.heads, d).transpose(1, 2)
-            k = k.view(b, 1, self.kv_heads, d).transpose(1, 2)
-            v = v.view(b, 1, self.kv_heads, d).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            keys, values = kv.append(k, v)
-            scores = torch.matmul(q.reshape(b, self.kv_heads, group, d), keys.transpose(-1, -2)) * a.scaling
-            out = torch.matmul(torch.softmax(scores + bias, dim=-1), values)  # [B, kv, group, D]
-            out = out.reshape(b, 1, nq)
-            h = h + (w.o(out) if w is not None else a.o_proj(out))
-            x = F.rms_norm(h, (h.shape[-1],), layer.post_attention_layernorm.weight, self.eps)
-            if w is not None:
-                g, u = w.gate_up(x).chunk(2, dim=-1)
-            else:
-                g, u = m.gate_proj(x), m.up_proj(x)
-            x = F.silu(g) * u
-            h = h + (w.down(x) if w is not None else m.down_proj(x))
-        h = F.rms_norm(h, (h.shape[-1],), inner.norm.weight, self.eps)
-        return self._head(self.model.lm_head)(h[:, 0]).float()
+            qkv = w.qkv(_rms_scaled(h, self.eps))  # [B, nq + 2 nkv]
+            qk = qkv[:, :nq + nkv].view(b, hq + hkv, d)
+            flipped = qk.reshape(b, hq + hkv, 2, d // 2).flip(2).reshape(b, hq + hkv, d)
+            qk = torch.addcmul(qk * cos, flipped, sin)  # rope; the q heads also carry the attention scaling
+            keys, values = kv.append(qk[:, hq:], qkv[:, nq + nkv:].view(b, hkv, d))  # [B, hkv, C, D]
+            q = qk[:, :hq].reshape(b * hkv, hq // hkv, d)  # query head kv * group + j: [B hkv, group, D]
+            scores = torch.baddbmm(bias, q, keys.reshape(b * hkv, -1, d).transpose(1, 2))
+            out = torch.bmm(torch.softmax(scores, dim=-1), values.reshape(b * hkv, -1, d))
+            h = h + w.o(out.view(b, nq))
+            gate, up = w.gate_up(_rms_scaled(h, self.eps)).chunk(2, dim=-1)
+            h = h + w.down(F.silu(gate).mul_(up))
+        return self._head(self.model)(_rms_scaled(h, self.eps)).float()
+
+    def _rope(self, h: torch.Tensor, positions: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's rotary angles for `positions`, as factors for x ↦ x cos + flip(x) sin over the
+        q|k heads [B, hq + hkv, D] (flip swaps the two halves of a head, the sign of rotate-half sits in
+        sin; the q heads' factors carry the attention scaling)."""
+        cos, sin = self.model.model.rotary_emb(h[:, None], positions[:, None])  # [B, 1, D]
+        half = self.head_dim // 2
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        scale = torch.ones(self.heads + self.kv_heads, 1, dtype=cos.dtype, device=cos.device)
+        scale[:self.heads] = scaling
+        return cos * scale, sin * scale
 
 
 def _versions(modules) -> tuple:
     """Where each weight and bias of `modules` lives and how often it was written in place: a changed
     key means a changed tensor. (A write through `.data` does not count; torch's optimizers, weight
     syncs and `load_state_dict` write the tensors themselves.)"""
-    return tuple((t.data_ptr(), t._version) for m in modules for t in (m.weight, m.bias) if t is not None)
+    return tuple((t.data_ptr(), t._version) for m in modules for t in (m.weight, getattr(m, "bias", None))
+                 if t is not None)
+
+
+def _rms_scaled(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x²) + eps) per row: RMSNorm without its weight, which the next matmul holds."""
+    mean_square = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.shape[-1])
+    return x * mean_square.add_(eps).rsqrt_()
 
 
 class _Matmul:
-    """x ↦ x Wᵀ + b for the weights of `modules` stacked along the output dimension (one GEMM for several
-    projections of the same input): oneDNN-packed (`packed`) or dense for `F.linear`. A copy, taken
-    when built: `FastDecoder` rebuilds it when a source weight changes."""
+    """x ↦ x (W diag(g))ᵀ + b for the weights W of `modules` stacked along the output dimension (one GEMM
+    for several projections of the same input) and the preceding RMSNorm's weight g (if any), oneDNN-packed
+    (`packed`) or dense for `F.linear`. A copy, taken when built: `FastDecoder` rebuilds it when a
+    source weight changes."""
 
-    def __init__(self, modules, packed: bool) -> None:
+    def __init__(self, modules, packed: bool, norm_weight: torch.Tensor | None = None) -> None:
         with torch.no_grad():
-            weight = torch.cat([m.weight for m in modules]) if len(modules) > 1 else modules[0].weight.detach()
+            weight = torch.cat([m.weight for m in modules])
+            if norm_weight is not None:
+                weight = weight * norm_weight[None, :]
             biases = [m.bias for m in modules]
             bias = None if biases[0] is None else torch.cat(biases).detach()
         self.packed = packed
@@ -232,14 +246,11 @@ class _Matmul:
 
 
 class _LayerWeights:
-    """A decoder layer's projections as four `_Matmul`s: q|k|v fused, o, gate|up fused, down."""
+    """A decoder layer's projections as four `_Matmul`s: q|k|v fused (with the input norm's weight), o,
+    gate|up fused (with the post-attention norm's weight), down."""
 
-    def __init__(self, parts, packed: bool) -> None:
+    def __init__(self, parts, norms, packed: bool) -> None:
         q, k, v, gate, up, o, down = parts
-        self.qkv, self.gate_up = _Matmul([q, k, v], packed), _Matmul([gate, up], packed)
+        attn_norm, mlp_norm = (n.weight for n in norms)
+        self.qkv, self.gate_up = _Matmul([q, k, v], packed, attn_norm), _Matmul([gate, up], packed, mlp_norm)
         self.o, self.down = _Matmul([o], packed), _Matmul([down], packed)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

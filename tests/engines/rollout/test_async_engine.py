@@ -89,3 +89,16 @@ def test_an_engine_returning_too_few_results_fails_its_callers_instead_of_hangin
             front.close()
     errors = asyncio.run(main())
     assert all(isinstance(e, RuntimeError) and "returned 3 results for 4 prompts" in str(e) for e in errors)
+
+
+def test_generate_all_checks_the_engine_contract_and_fills_missing_budgets(engine):
+    class Short:
+        def generate(self, prompts, params, **kwargs):
+            return engine.generate(prompts, params, **kwargs)[:-1]
+
+    with pytest.raises(RuntimeError, match="3 results for 4 prompts .* breaks its contract"):
+        generate_all(Short(), PROMPTS, SamplingParams(n=1, seed=1, max_new_tokens=2))
+    spy = Counting(engine)
+    params = SamplingParams(n=1, seed=2, max_new_tokens=4, stop_token_ids=[])
+    out = generate_all(spy, PROMPTS, params, max_new_tokens=[1, None, 2, None])
+    assert [len(g[0].output_token_ids) for g in out] == [1, 4, 2, 4]

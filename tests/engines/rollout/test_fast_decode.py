@@ -73,6 +73,23 @@ def test_fused_weights_follow_in_place_changes(arch_model):
     assert [x.logprobs for g in after for x in g] != [x.logprobs for g in before for x in g]
 
 
+@pytest.mark.parametrize("norm", ["model.layers.0.input_layernorm", "model.layers.1.post_attention_layernorm",
+                                  "model.norm"])
+def test_folded_norm_weights_follow_their_norms(arch_model, norm):
+    """Each RMSNorm's weight is folded into the matmul after it: changing only that norm in place
+    rebuilds the fused copy (the cache key holds the norms' versions too)."""
+    model, tok = arch_model
+    model = copy.deepcopy(model)
+    fast, plain = _pair(model, tok)
+    params = SamplingParams(temperature=1.0, n=2, seed=7, max_new_tokens=8, stop_token_ids=[])
+    before = fast.generate(PROMPTS, params)
+    with torch.no_grad():
+        model.get_submodule(norm).weight.mul_(torch.linspace(0.5, 1.5, model.config.hidden_size))
+    after = fast.generate(PROMPTS, params)
+    _assert_same(after, plain.generate(PROMPTS, params))
+    assert [x.logprobs for g in after for x in g] != [x.logprobs for g in before for x in g]
+
+
 def test_hooks_and_unsupported_models_use_transformers_forward(tiny_model_dir):
     model = load_causal_lm(tiny_model_dir, dtype="fp32").eval()
     tok = load_tokenizer(tiny_model_dir)
