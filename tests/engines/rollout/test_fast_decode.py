@@ -109,3 +109,15 @@ def test_hooks_and_unsupported_models_use_transformers_forward(tiny_model_dir):
         for key, value in change.items():
             setattr(other.config, key, value)
         assert fast_decoder(other) is None, change
+
+
+def test_reduced_precision_models_use_transformers_forward(tiny_model_dir):
+    """In bf16 the folded norm weights and scalings would round differently from transformers' forward, so
+    the fast path is fp32 only."""
+    model = load_causal_lm(tiny_model_dir, dtype="fp32").eval()
+    assert fast_decoder(model).usable()
+    model = model.to(torch.bfloat16)
+    assert not fast_decoder(model).usable()
+    tok = load_tokenizer(tiny_model_dir)
+    engine = HFRolloutEngine(model, tok, pad_token_id=tok.pad_token_id)
+    assert engine.decode_batch()._adopt is not KVBuffer.from_cache
