@@ -7,8 +7,8 @@ One step of B rows, one new token each, per layer (x̂ = x / rms(x), RMSNorm wit
 then logits = (W_lm diag(g_final)) · ĥ. The fused weights — the projections concatenated, each norm's
 weight folded into the matmul after it — are built once per weight epoch (a load, sync or optimizer
 step rebuilds them; `_versions`); when the model's linears compute through oneDNN
-(`models/cpu_linear.OneDNNLinear`) they are kept oneDNN-packed. The engine then holds a second copy of
-the weights, so the path runs on CPU and in fp32 only. Rotary angles come from the model's own rotary module (every
+(`models/cpu_linear.OneDNNLinear`) they are kept oneDNN-packed. The path runs for fp32 models on CPU
+only (`FastDecoder.usable`). Rotary angles come from the model's own rotary module (every
 rope type it supports) and rotate q and k in one pass (x cos + flip(x) sin, the attention scaling folded
 into the q factors); attention is two batched matmuls per layer over the keys in place with grouped
 heads (no repeated K/V copies; the padding mask an additive bias of the first), and the cache
@@ -125,10 +125,11 @@ class FastDecoder:
 
     def usable(self) -> bool:
         """False for a model off the CPU (on a GPU the fused copies would double the weights' memory for
-        little gain) or not in fp32 (in bf16/fp16 the folded norms and scalings would round differently
-        from transformers' forward: log-probs 1e-2 apart), and while a hook sits on a module whose call this path skips (a forward hook a user
-        or a test registered, ZeRO-3's parameter gathering, torch's global module hooks): transformers'
-        forward then runs, so every hook fires. Checked when a decode batch starts."""
+        little gain) or not in fp32 (in bf16 the folded norms and scalings round differently from
+        transformers' forward: greedy log-probs ~8e-3 apart), and while a hook sits on a module whose
+        call this path skips (a forward hook a user or a test registered, ZeRO-3's parameter gathering,
+        torch's global module hooks): transformers' forward then runs, so every hook fires. Checked
+        when a decode batch starts."""
         from torch.nn.modules import module as nn_module
 
         weight = self.model.lm_head.weight
