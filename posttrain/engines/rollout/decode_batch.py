@@ -29,6 +29,7 @@ from posttrain.engines.rollout.sampling import sample_next
 from posttrain.engines.rollout.types import RolloutOutput
 
 _COMPACT_FRACTION = 0.25  # drop finished rows from the batch once this fraction of it has finished
+_DRAW_BLOCK = 64  # uniform draws a sequence takes from its generator at a time
 
 
 @dataclass(eq=False)
@@ -47,6 +48,14 @@ class Sequence:
     versions: list[int] = field(default_factory=list)  # the weights version of each token
     stopped: bool = False
     cancelled: bool = False  # its caller gave up: it leaves the batch at the next step, never settled
+    _draws: list[float] = field(default_factory=list, repr=False)  # drawn, not yet used (reversed)
+
+    def uniform(self) -> float:
+        """The next U[0, 1) float64 draw of this sample's generator, drawn `_DRAW_BLOCK` at a time (a CPU
+        generator gives the same numbers drawn one by one or as a block; tests/engines/rollout check it)."""
+        if not self._draws:
+            self._draws = torch.rand(_DRAW_BLOCK, generator=self.generator, dtype=torch.float64).tolist()[::-1]
+        return self._draws.pop()
 
     @property
     def done(self) -> bool:
@@ -212,14 +221,23 @@ class DecodeBatch:
             groups.setdefault((s.temperature, s.top_p), []).append(i)
         if len(groups) == 1:
             (temperature, top_p), = groups
-            return sample_next(self.logits, temperature, top_p, [s.generator for s in self.rows])
+            return self._sample_rows(self.logits, self.rows, temperature, top_p)
         tokens = torch.zeros(len(self.rows), dtype=torch.long, device=self.device)
         logprobs = torch.zeros(len(self.rows), dtype=torch.float32, device=self.device)
         for (temperature, top_p), idx in groups.items():
             index = torch.tensor(idx, device=self.device)
-            tokens[index], logprobs[index] = sample_next(self.logits[index], temperature, top_p,
-                                                         [self.rows[i].generator for i in idx])
+            tokens[index], logprobs[index] = self._sample_rows(self.logits[index], [self.rows[i] for i in idx],
+                                                               temperature, top_p)
         return tokens, logprobs
+
+    def _sample_rows(self, logits: torch.Tensor, rows: list[Sequence], temperature: float, top_p: float):
+        """`sample_next` for `rows` (one temperature and top-p), each row's draw from its own generator (a
+        finished row awaiting compaction draws nothing: its token is discarded)."""
+        uniforms = None
+        if temperature > 0:
+            uniforms = torch.tensor([0.0 if s.done else s.uniform() for s in rows], dtype=torch.float64,
+                                    device=logits.device)
+        return sample_next(logits, temperature, top_p, None, uniforms)
 
     def _keep(self, index: torch.Tensor) -> None:
         """Keep the rows at `index` (drop finished ones), then trim columns no remaining row attends."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from posttrain.engines.rollout import cpu_kernels
 from posttrain.models.cpu_linear import OneDNNLinear, onednn_weight, packed_linear, packed_weight
 
 _ARCHS = ("llama", "mistral", "qwen2")
@@ -58,12 +59,18 @@ class KVLayer:
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write one column (`k`, `v`: [B, H_kv, D]); return the used keys and values including it."""
+        stored_k, stored_v = self.grow()
+        stored_k[:, :, self.length - 1] = k
+        stored_v[:, :, self.length - 1] = v
+        return self.keys, self.values
+
+    def grow(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Count one more column, to be written by the caller at `length - 1`; return the contiguous
+        stores [B, H_kv, capacity, D] (re-allocated with spare columns when full)."""
         if self.length == self._k.shape[2]:
             self.store(self.keys, self.values)
-        self._k[:, :, self.length] = k
-        self._v[:, :, self.length] = v
         self.length += 1
-        return self.keys, self.values
+        return self._k, self._v
 
 
 class KVBuffer:
@@ -87,8 +94,19 @@ def _plain_linear(module) -> bool:
     return type(module) in (torch.nn.Linear, OneDNNLinear)
 
 
-def fast_decoder(model) -> FastDecoder | None:
-    """A `FastDecoder` for `model` (the transformers causal LM, unwrapped), or None where it does not apply."""
+def _halves_share_angles(inner) -> bool:
+    """Whether the rotary module gives both halves of a head the same angles (cos / sin repeated, as every
+    rope type of transformers' llama-family rotary module does), which the fused kernel assumes."""
+    with torch.no_grad():
+        probe = inner.embed_tokens.weight.new_zeros(1, 1, 1)
+        cos, sin = inner.rotary_emb(probe, torch.arange(8, device=probe.device)[None])
+    half = cos.shape[-1] // 2
+    return torch.equal(cos[..., :half], cos[..., half:]) and torch.equal(sin[..., :half], sin[..., half:])
+
+
+def fast_decoder(model, kernels: bool = True) -> FastDecoder | None:
+    """A `FastDecoder` for `model` (the transformers causal LM, unwrapped), or None where it does not apply.
+    `kernels`: use the fused CPU kernels (`cpu_kernels`) where they load; False keeps torch ops."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", None) not in _ARCHS:
         return None
@@ -111,17 +129,28 @@ def fast_decoder(model) -> FastDecoder | None:
         if not all(_plain_linear(x) for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj,
                                                  m.down_proj)):
             return None
-    return FastDecoder(model)
+    return FastDecoder(model, kernels)
 
 
 class FastDecoder:
-    def __init__(self, model) -> None:
+    def __init__(self, model, kernels: bool = True) -> None:
         self.model = model
         c = model.config
         self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.eps = c.rms_norm_eps
         self._weight_cache: dict = {}
+        self._kernels = ... if kernels else None  # ...: not loaded yet (`kernels`)
+
+    @property
+    def kernels(self) -> cpu_kernels.DecodeKernels | None:
+        """The fused CPU kernels this decoder steps with, or None (torch ops): loaded on the first step, kept
+        where the model's shapes and rotary module suit them."""
+        if self._kernels is ...:
+            loaded = cpu_kernels.load()
+            suits = loaded is not None and loaded.supports(self.heads // self.kv_heads, self.head_dim)
+            self._kernels = loaded if suits and _halves_share_angles(self.model.model) else None
+        return self._kernels
 
     def usable(self) -> bool:
         """False for a model off the CPU (on a GPU the fused copies would double the weights' memory for
@@ -153,8 +182,8 @@ class FastDecoder:
         key = _versions(parts + norms)
         cached = self._weight_cache.get(id(layer))
         if cached is None or cached[0] != key:
-            packs = self._packs(a.q_proj)
-            cached = self._weight_cache[id(layer)] = (key, _LayerWeights(parts, norms, packs))
+            order = _grouped_rows(self.heads, self.kv_heads, self.head_dim) if self.kernels else None
+            cached = self._weight_cache[id(layer)] = (key, _LayerWeights(parts, norms, self._packs(a.q_proj), order))
         return cached[1]
 
     def _head(self, model) -> _Matmul:
@@ -175,6 +204,8 @@ class FastDecoder:
     def step(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: KVBuffer) -> torch.Tensor:
         """Logits [B, V] (float32) of one new token per row: `tokens`, `positions` [B]; `mask` [B, C]
         marks the real cache columns including the new one; `cache` gains one column."""
+        if self.kernels is not None:
+            return self._fused_step(self.kernels, tokens, mask, positions, cache)
         inner = self.model.model
         b = tokens.shape[0]
         hq, hkv, d = self.heads, self.kv_heads, self.head_dim
@@ -199,6 +230,29 @@ class FastDecoder:
             h = h + w.down(F.silu(gate).mul_(up))
         return self._head(self.model)(_rms_scaled(h, self.eps)).float()
 
+    def _fused_step(self, kernels, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                    cache: KVBuffer) -> torch.Tensor:
+        """`step` with the fused kernels: per layer, four GEMMs and three kernel calls — rope + cache append +
+        attention (q|k|v rows grouped per kv head, `_grouped_rows`), the residual add with the next
+        RMS scaling (twice), silu(g) ⊙ u. `h` (the embedding output, a fresh tensor) is updated in place."""
+        inner = self.model.model
+        b, d = tokens.shape[0], self.head_dim
+        h = inner.embed_tokens(tokens)  # [B, H]
+        cos, sin = inner.rotary_emb(h[:, None], positions[:, None])  # [B, 1, D], the two halves equal
+        cos, sin = cos[:, 0, :d // 2].contiguous(), sin[:, 0, :d // 2].contiguous()
+        scaling = inner.layers[0].self_attn.scaling
+        mask = mask.to(torch.int64).contiguous()
+        scores = h.new_empty(b * self.heads * mask.shape[1])
+        x = kernels.rms_scaled(h, self.eps)
+        for layer, kv in zip(inner.layers, cache.layers):
+            w = self._weights(layer)
+            keys, values = kv.grow()
+            attended = kernels.attention(w.qkv(x), cos, sin, scaling, keys, values, kv.length, mask, scores,
+                                         self.kv_heads, d)
+            x = kernels.residual_rms(h, w.o(attended), self.eps)  # h += o; x = h / rms(h)
+            x = kernels.residual_rms(h, w.down(kernels.silu_mul(w.gate_up(x))), self.eps)
+        return self._head(self.model)(x).float()
+
     def _rope(self, h: torch.Tensor, positions: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's rotary angles for `positions`, as factors for x ↦ x cos + flip(x) sin over the
         q|k heads [B, hq + hkv, D] (flip swaps the two halves of a head, the sign of rotate-half sits in
@@ -211,12 +265,23 @@ class FastDecoder:
         return cos * scale, sin * scale
 
 
+def _grouped_rows(heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """The q|k|v output rows reordered per kv head — its group's q heads, its k, its v — for the fused
+    kernel (each (row, kv head) reads one contiguous block)."""
+    group, nq, nkv = heads // kv_heads, heads * head_dim, kv_heads * head_dim
+    blocks = []
+    for h in range(kv_heads):
+        blocks += [torch.arange(h * group * head_dim, (h + 1) * group * head_dim),
+                   torch.arange(nq + h * head_dim, nq + (h + 1) * head_dim),
+                   torch.arange(nq + nkv + h * head_dim, nq + nkv + (h + 1) * head_dim)]
+    return torch.cat(blocks)
+
+
 def _versions(modules) -> tuple:
-    """Where each weight and bias of `modules` lives and how often it was written in place: a changed
-    key means a changed tensor. (A write through `.data` does not count; torch's optimizers, weight
-    syncs and `load_state_dict` write the tensors themselves.)"""
-    return tuple((t.data_ptr(), t._version) for m in modules for t in (m.weight, getattr(m, "bias", None))
-                 if t is not None)
+    """Where each parameter (weight, bias) of `modules` lives and how often it was written in place: a
+    changed key means a changed tensor. (A write through `.data` does not count; torch's optimizers,
+    weight syncs and `load_state_dict` write the tensors themselves.)"""
+    return tuple((t.data_ptr(), t._version) for m in modules for t in m._parameters.values() if t is not None)
 
 
 def _rms_scaled(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -227,17 +292,21 @@ def _rms_scaled(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 class _Matmul:
     """x ↦ x (W diag(g))ᵀ + b for the weights W of `modules` stacked along the output dimension (one GEMM
-    for several projections of the same input) and the preceding RMSNorm's weight g (if any), oneDNN-packed
-    (`packed`) or dense for `F.linear`. A copy, taken when built: `FastDecoder` rebuilds it when a
-    source weight changes."""
+    for several projections of the same input), the preceding RMSNorm's weight g (if any) and the output
+    rows taken in `order` (default: as stacked); oneDNN-packed (`packed`) or dense for `F.linear`. A copy,
+    taken when built: `FastDecoder` rebuilds it when a source weight changes."""
 
-    def __init__(self, modules, packed: bool, norm_weight: torch.Tensor | None = None) -> None:
+    def __init__(self, modules, packed: bool, norm_weight: torch.Tensor | None = None,
+                 order: torch.Tensor | None = None) -> None:
         with torch.no_grad():
             weight = torch.cat([m.weight for m in modules])
             if norm_weight is not None:
                 weight = weight * norm_weight[None, :]
             biases = [m.bias for m in modules]
             bias = None if biases[0] is None else torch.cat(biases).detach()
+            if order is not None:
+                order = order.to(weight.device)
+                weight, bias = weight[order], None if bias is None else bias[order]
         self.packed = packed
         self.weight = packed_weight(weight, _PACK_ROWS) if packed else weight
         self.bias = bias
@@ -249,11 +318,12 @@ class _Matmul:
 
 
 class _LayerWeights:
-    """A decoder layer's projections as four `_Matmul`s: q|k|v fused (with the input norm's weight), o,
-    gate|up fused (with the post-attention norm's weight), down."""
+    """A decoder layer's projections as four `_Matmul`s: q|k|v fused (with the input norm's weight, its
+    output rows in `qkv_order`), o, gate|up fused (with the post-attention norm's weight), down."""
 
-    def __init__(self, parts, norms, packed: bool) -> None:
+    def __init__(self, parts, norms, packed: bool, qkv_order: torch.Tensor | None = None) -> None:
         q, k, v, gate, up, o, down = parts
         attn_norm, mlp_norm = (n.weight for n in norms)
-        self.qkv, self.gate_up = _Matmul([q, k, v], packed, attn_norm), _Matmul([gate, up], packed, mlp_norm)
+        self.qkv = _Matmul([q, k, v], packed, attn_norm, qkv_order)
+        self.gate_up = _Matmul([gate, up], packed, mlp_norm)
         self.o, self.down = _Matmul([o], packed), _Matmul([down], packed)

@@ -37,12 +37,14 @@ def sample_generators(prompt_seeds: Sequence[int], n: int) -> list[torch.Generat
     return [torch.Generator().manual_seed(rank_seed(s, 1, j)) for s in prompt_seeds for j in range(n)]
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
-                generator: Generators) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: Generators,
+                uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` [B, V]; return (tokens [B] long, logprobs [B] float32).
 
     ``generator``: one ``torch.Generator`` (or None: the global RNG) for the whole batch, or a
-    list of B generators, one per row (row b's draw then comes from ``generator[b]`` alone).
+    list of B generators, one per row (row b's draw then comes from ``generator[b]`` alone);
+    ``uniforms`` [B] (float64 in [0, 1)), when given, are the rows' draws instead (the decode loop
+    takes each sample's draws from its own generator in blocks, ``decode_batch.Sequence.uniform``).
     temperature > 0: draw (inverse CDF, ``_draw``, with ``generator``) from
     ``softmax(logits / temperature)`` restricted to the top-p nucleus (the most likely tokens, in
     decreasing order, up to and including the first one at which the cumulative mass reaches
@@ -55,13 +57,17 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
     if temperature == 0:
         tokens = logits.argmax(-1)
         return tokens, token_logprobs(logits, tokens, 1.0)
-    probs = torch.softmax(logits / temperature, dim=-1)
+    # token_logprobs' arithmetic (z = logits / t, z[token] - logsumexp(z)), its logsumexp reused for the
+    # probabilities exp(z - lse)
+    z = logits / temperature if temperature != 1.0 else logits
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    probs = (z - lse).exp_()
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         outside = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p  # the first token always stays
         probs = probs.masked_fill(torch.zeros_like(outside).scatter_(-1, order, outside), 0.0)
-    tokens = _draw(probs, generator)
-    return tokens, token_logprobs(logits, tokens, temperature)
+    tokens = _draw(probs, generator, uniforms)
+    return tokens, (z.gather(-1, tokens[:, None]) - lse).squeeze(-1)
 
 
 def _uniforms(rows: int, generator: Generators, device) -> torch.Tensor:
@@ -75,12 +81,13 @@ def _uniforms(rows: int, generator: Generators, device) -> torch.Tensor:
                      ).to(device)[:, None]
 
 
-def _draw(weights: torch.Tensor, generator: Generators) -> torch.Tensor:
+def _draw(weights: torch.Tensor, generator: Generators, uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """One index per row with probability ∝ ``weights`` (>= 0) by inverse-CDF sampling: the first
     index whose float64 cumulative weight exceeds ``u · total``, ``u ~ U[0, 1)``. One random number
     per row, from ``generator`` or, given a list, from the row's own generator (``torch.multinomial``
     or an exponential race draw one per vocabulary entry, which dominates a tiny model's step on CPU).
-    Zero-weight entries are never picked (up to a float64 rounding of probability ~2**-53)."""
-    cdf = weights.double().cumsum(-1)
-    u = _uniforms(weights.shape[0], generator, weights.device)
+    Zero-weight entries are never picked (up to a float64 rounding of probability ~2**-53). ``uniforms``
+    [B], when given, are the draws (``generator`` unused)."""
+    cdf = weights.cumsum(-1, dtype=torch.float64)
+    u = _uniforms(weights.shape[0], generator, weights.device) if uniforms is None else uniforms[:, None]
     return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1).clamp_(max=weights.shape[-1] - 1)

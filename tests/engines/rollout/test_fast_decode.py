@@ -2,6 +2,7 @@
 transformers' forward for llama and qwen2 through admissions, compaction and cache growth; its fused
 weights follow every in-place weight change; hooks and unsupported models fall back to transformers."""
 import copy
+import shutil
 
 import pytest
 import torch
@@ -23,10 +24,14 @@ def arch_model(request, tiny_model_dir, tmp_path_factory):
     return load_causal_lm(str(path), dtype="fp32").eval(), load_tokenizer(str(path))
 
 
-def _pair(model, tokenizer, **kw):
+def _pair(model, tokenizer, kernels=True, **kw):
+    """A fast-decode engine (with the fused CPU kernels where they build, or torch ops) and a plain one."""
     fast = HFRolloutEngine(model, tokenizer, pad_token_id=tokenizer.pad_token_id, **kw)
+    fast._fast = fast_decoder(model, kernels=kernels)
     plain = HFRolloutEngine(model, tokenizer, pad_token_id=tokenizer.pad_token_id, fast_decode=False, **kw)
     assert fast._fast is not None and plain._fast is None
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert (fast._fast.kernels is not None) == kernels
     return fast, plain
 
 
@@ -38,12 +43,13 @@ def _assert_same(a, b):
             torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
 
 
-def test_same_samples_as_transformers_forward(arch_model):
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch-ops"])
+def test_same_samples_as_transformers_forward(arch_model, kernels):
     """Continuous batching (3 rows at a time: rows join mid-generation, finished rows leave and columns
     are trimmed), per-prompt budgets up to 90 tokens (the cache grows past its spare columns) and a
-    common stop id (rows finish early)."""
+    common stop id (rows finish early); with the fused CPU kernels and with torch ops."""
     model, tok = arch_model
-    fast, plain = _pair(model, tok, batch_size=3)
+    fast, plain = _pair(model, tok, kernels=kernels, batch_size=3)
     params = SamplingParams(temperature=0.8, top_p=0.95, n=2, seed=3, stop_token_ids=[])
     budgets = [90, 5, 40, 70, 12]
     probe = plain.generate(PROMPTS, params, max_new_tokens=budgets)
@@ -121,3 +127,21 @@ def test_reduced_precision_models_use_transformers_forward(tiny_model_dir):
     tok = load_tokenizer(tiny_model_dir)
     engine = HFRolloutEngine(model, tok, pad_token_id=tok.pad_token_id)
     assert engine.decode_batch()._adopt is not KVBuffer.from_cache
+
+
+def test_kernels_are_skipped_where_the_rotary_halves_differ(tiny_model_dir):
+    """The fused kernel rotates with one angle per pair of halves; a rotary module giving the halves
+    different angles keeps the decode step on torch ops (which use the full cos / sin)."""
+    model = copy.deepcopy(load_causal_lm(tiny_model_dir, dtype="fp32").eval())
+    rotary = model.model.rotary_emb
+
+    class SkewedRotary(torch.nn.Module):
+        def forward(self, x, position_ids):
+            cos, sin = rotary(x, position_ids)
+            return cos, sin * torch.linspace(0.5, 1.0, cos.shape[-1])
+
+    model.model.rotary_emb = SkewedRotary()
+    assert fast_decoder(model).kernels is None
+    model.model.rotary_emb = rotary
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert fast_decoder(model).kernels is not None

@@ -8,6 +8,7 @@ from posttrain.agents.rewards import RewardResult
 from posttrain.agents.single_turn import SingleTurnExecutor
 from posttrain.data import Prompt
 from posttrain.engines.rollout import HFRolloutEngine, SamplingParams, rank_seed, sample_next
+from posttrain.engines.rollout.decode_batch import Sequence
 
 PROMPTS = [[5, 17, 300, 42, 9], [11], [700, 701, 702, 703, 704, 705, 706, 707, 708], [64, 65, 66]]
 FREQUENT_STOPS = list(range(100, 300))  # ~10% of the vocabulary: samples stop at varied lengths, rows compact
@@ -105,6 +106,27 @@ def test_sample_next_with_one_generator_per_row():
     assert torch.equal(sample_next(logits, 0, 1.0, gens())[0], logits.argmax(-1))
     with pytest.raises(ValueError, match="3 generators for 4 rows"):
         sample_next(logits, 1.0, 1.0, gens()[:3])
+
+
+def test_block_draws_are_the_generators_one_by_one_draws():
+    """The decode loop takes each sample's uniforms from its generator 64 at a time
+    (`Sequence.uniform`): a CPU generator must give the same float64 numbers as one draw per step
+    (what `sample_next` with that generator draws), so the samples equal per-step sampling."""
+    seq = Sequence(prompt=[1], limit=200, temperature=1.0, top_p=1.0, stop=frozenset(),
+                   generator=torch.Generator().manual_seed(11))
+    one_by_one = torch.Generator().manual_seed(11)
+    for _ in range(150):  # across block boundaries
+        assert seq.uniform() == torch.rand(1, generator=one_by_one, dtype=torch.float64).item()
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2, 3, 4)]
+    uniforms = torch.tensor([torch.rand(1, generator=torch.Generator().manual_seed(s), dtype=torch.float64).item()
+                             for s in (1, 2, 3, 4)], dtype=torch.float64)
+    for top_p in (1.0, 0.9):
+        by_generator = sample_next(logits, 0.7, top_p, [torch.Generator().manual_seed(s) for s in (1, 2, 3, 4)])
+        by_uniforms = sample_next(logits, 0.7, top_p, gens, uniforms)
+        assert torch.equal(by_generator[0], by_uniforms[0]) and torch.equal(by_generator[1], by_uniforms[1])
+    assert [g.initial_seed() for g in gens] == [1, 2, 3, 4] and torch.rand(1, generator=gens[0]).item() == \
+        torch.rand(1, generator=torch.Generator().manual_seed(1)).item()  # given uniforms, generators are unused
 
 
 class Zero:

@@ -1,0 +1,157 @@
+"""The fast decode step's fused fp32 CPU kernels (`decode_kernels.c`): RMS scaling (alone or after the
+residual add), silu(gate) ⊙ up, and rope + KV-cache append + attention of one decode step per layer. Built on first use with the system C compiler
+(`$CC`, else `cc`; `-O3 -march=native -fopenmp`) into a per-user cache, keyed by the source, the
+flags, the compiler and the CPU, then loaded with ctypes; OpenMP is the libgomp torch already loaded,
+so the kernels share torch's thread pool and thread count.
+
+`load()` returns the kernels, or None — one warning line says why, and the decode step keeps its
+torch-op path (same results, slower) — when: `POSTTRAIN_CPU_KERNELS=0`; torch's CPU threads are not
+GNU OpenMP's (a second OpenMP runtime would oversubscribe the cores); no C compiler is found or the
+build fails (e.g. Apple clang without OpenMP). `POSTTRAIN_KERNEL_CACHE` sets the cache folder
+(default `$XDG_CACHE_HOME/posttrain/kernels`, else `~/.cache/posttrain/kernels`)."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from posttrain.utils.log import warn_once
+
+SOURCE = Path(__file__).with_name("decode_kernels.c")
+FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp"]
+MAX_GROUP, MAX_HEAD_DIM = 32, 256  # the C file's limits (query heads per kv head, head dim)
+_P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+
+class DecodeKernels:
+    """ctypes bindings of `decode_kernels.c` (fp32 CPU tensors; shapes as its comments state)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._lib = library
+        library.rms_scaled.argtypes = [_P, _P, _I, _I, _F, _T]
+        library.residual_rms.argtypes = [_P, _P, _P, _I, _I, _F, _T]
+        library.silu_mul.argtypes = [_P, _P, _I, _I, _T]
+        for name in ("rms_scaled", "residual_rms", "silu_mul"):
+            getattr(library, name).restype = None
+        library.decode_attention.argtypes = [_P, _P, _P, _F, _P, _P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _T]
+        library.decode_attention.restype = _T
+
+    @staticmethod
+    def supports(group: int, head_dim: int) -> bool:
+        return group <= MAX_GROUP and head_dim <= MAX_HEAD_DIM and head_dim % 2 == 0
+
+    def rms_scaled(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        """x / sqrt(mean(x²) + eps) per row of a contiguous [rows, n] tensor."""
+        out = torch.empty_like(x)
+        self._lib.rms_scaled(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+        return out
+
+    def residual_rms(self, h: torch.Tensor, y: torch.Tensor, eps: float) -> torch.Tensor:
+        """h += y in place (contiguous [rows, n] each); returns `rms_scaled(h)`."""
+        out = torch.empty_like(h)
+        self._lib.residual_rms(h.data_ptr(), y.data_ptr(), out.data_ptr(), h.shape[0], h.shape[1], eps,
+                               torch.get_num_threads())
+        return out
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) ⊙ up for a contiguous [rows, 2n] `x` = gate | up; silu's exp is a polynomial (~1e-7
+        relative)."""
+        n = x.shape[1] // 2
+        out = x.new_empty(x.shape[0], n)
+        self._lib.silu_mul(x.data_ptr(), out.data_ptr(), x.shape[0], n, torch.get_num_threads())
+        return out
+
+    def attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scaling: float,
+                  keys: torch.Tensor, values: torch.Tensor, length: int, mask: torch.Tensor,
+                  scores: torch.Tensor, kv_heads: int, head_dim: int) -> torch.Tensor:
+        """One decode step's attention for a layer: `qkv` [B, hkv·(group + 2)·D] (contiguous, per kv head
+        its group's q heads, k, v), `cos` / `sin` [B, D/2], the cache stores `keys` / `values`
+        [B, hkv, capacity, D] (contiguous; column `length - 1` is written), `mask` [B, ≥ length] int64
+        with unit column stride, `scores` scratch of ≥ B·hkv·group·length floats. Returns [B, hq·D]."""
+        b = qkv.shape[0]
+        group = qkv.shape[1] // (kv_heads * head_dim) - 2
+        out = qkv.new_empty(b, kv_heads * group * head_dim)
+        failed = self._lib.decode_attention(
+            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), scaling, keys.data_ptr(), values.data_ptr(),
+            keys.shape[2], length, mask.data_ptr(), mask.stride(0), scores.data_ptr(), out.data_ptr(),
+            b, kv_heads, group, head_dim, torch.get_num_threads())
+        if failed:
+            raise ValueError(f"decode_attention: unsupported shape (group {group}, head dim {head_dim}, "
+                             f"length {length}, capacity {keys.shape[2]})")
+        return out
+
+
+def _gnu_openmp() -> bool:
+    """Whether torch's CPU threads are GNU OpenMP's (libgomp is loaded in this process)."""
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return False
+    try:
+        return "libgomp" in Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("POSTTRAIN_KERNEL_CACHE"):
+        return Path(os.environ["POSTTRAIN_KERNEL_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "posttrain" / "kernels"
+
+
+def _cpu_id() -> str:
+    """The CPU's model and flags (a `-march=native` build runs only where those match)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(sorted({x for x in lines if x.startswith(("model name", "flags", "Features"))}))
+    except OSError:
+        return platform.processor()
+
+
+def _build(compiler: str) -> Path:
+    """Compile the kernels (once per source, flags, compiler and CPU) and return the library's path."""
+    version = subprocess.run([compiler, "--version"], check=True, capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_id()]).encode()).hexdigest()
+    target = _cache_dir() / f"decode_kernels-{key[:20]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
+    os.close(fd)
+    try:
+        run = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial, "-lm"], check=False,
+                             capture_output=True, text=True, timeout=300)
+        if run.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {(run.stderr or run.stdout).strip().splitlines()[-1:]}")
+        os.replace(partial, target)  # atomic: a concurrent build of the same key writes the same file
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+@functools.cache
+def load() -> DecodeKernels | None:
+    """The kernels, built if needed, or None (one warning line says why; see the module docstring)."""
+    if os.environ.get("POSTTRAIN_CPU_KERNELS", "1") == "0":
+        return None
+    fallback = "the decode step uses torch ops instead (same results, slower)"
+    if not _gnu_openmp():
+        warn_once(f"CPU decode kernels off: torch's CPU threads are not GNU OpenMP's; {fallback}")
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        warn_once(f"CPU decode kernels off: no C compiler found (set CC or install gcc); {fallback}")
+        return None
+    try:
+        return DecodeKernels(ctypes.CDLL(str(_build(compiler))))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        warn_once(f"CPU decode kernels off: building them failed ({e}); {fallback}")
+        return None
