@@ -43,11 +43,12 @@ void residual_rms(float *h, const float *y, float *out, int64_t rows, int64_t n,
     }
 }
 
-/* e^x, vectorisable: x = k ln2 + r (|r| <= ln2 / 2, ln2 split in a high part exact in float and a low
- * part), e^r by its degree-7 Taylor polynomial (truncation < 2e-9 relative), times 2^k built in the
- * exponent bits. 0 below -87.3 (where 2^k leaves the normal range; -inf included). */
+/* e^x for finite x, vectorisable: x = k ln2 + r (|r| <= ln2 / 2, ln2 split in a high part exact in float
+ * and a low part), e^r by its degree-7 Taylor polynomial (truncation < 2e-9 relative), times 2^k built in
+ * the exponent bits; 0 below -87.3, where 2^k would leave the normal range. */
 static inline float exp_f32(float x) {
-    const float xc = fminf(fmaxf(x, -88.0f), 88.0f);
+    float xc = x > 88.0f ? 88.0f : x;
+    xc = xc < -88.0f ? -88.0f : xc;
     const float k = nearbyintf(xc * 1.44269504088896341f);
     const float r = (xc - k * 0.693145751953125f) - k * 1.42860682030941723212e-6f;
     float p = 1.f / 5040.f;
