@@ -16,6 +16,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -50,12 +51,16 @@ class DecodeKernels:
 
     def rms_scaled(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         """x / sqrt(mean(x²) + eps) per row of a contiguous [rows, n] tensor."""
+        _check(x=x)
         out = torch.empty_like(x)
         self._lib.rms_scaled(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
         return out
 
     def residual_rms(self, h: torch.Tensor, y: torch.Tensor, eps: float) -> torch.Tensor:
         """h += y in place (contiguous [rows, n] each); returns `rms_scaled(h)`."""
+        _check(h=h, y=y)
+        if y.shape != h.shape:
+            raise ValueError(f"residual_rms: y {tuple(y.shape)} does not match h {tuple(h.shape)}")
         out = torch.empty_like(h)
         self._lib.residual_rms(h.data_ptr(), y.data_ptr(), out.data_ptr(), h.shape[0], h.shape[1], eps,
                                torch.get_num_threads())
@@ -64,6 +69,7 @@ class DecodeKernels:
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) ⊙ up for a contiguous [rows, 2n] `x` = gate | up; silu's exp is a polynomial (~1e-7
         relative)."""
+        _check(x=x)
         n = x.shape[1] // 2
         out = x.new_empty(x.shape[0], n)
         self._lib.silu_mul(x.data_ptr(), out.data_ptr(), x.shape[0], n, torch.get_num_threads())
@@ -76,8 +82,14 @@ class DecodeKernels:
         its group's q heads, k, v), `cos` / `sin` [B, D/2], the cache stores `keys` / `values`
         [B, hkv, capacity, D] (contiguous; column `length - 1` is written), `mask` [B, ≥ length] int64
         with unit column stride, `scores` scratch of ≥ B·hkv·group·length floats. Returns [B, hq·D]."""
+        _check(qkv=qkv, cos=cos, sin=sin, keys=keys, values=values, scores=scores)
         b = qkv.shape[0]
         group = qkv.shape[1] // (kv_heads * head_dim) - 2
+        if (mask.dtype != torch.int64 or mask.stride(1) != 1 or mask.shape[1] < length or keys.shape != values.shape
+                or scores.numel() < b * kv_heads * group * length or cos.shape != (b, head_dim // 2)
+                or sin.shape != cos.shape or keys.shape[:2] != (b, kv_heads) or keys.shape[3] != head_dim):
+            raise ValueError("decode_attention: mismatched inputs (mask int64 [B, >= length] with unit column "
+                             "stride, cos / sin [B, D/2], keys / values [B, hkv, capacity, D], enough scores)")
         out = qkv.new_empty(b, kv_heads * group * head_dim)
         failed = self._lib.decode_attention(
             qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), scaling, keys.data_ptr(), values.data_ptr(),
@@ -89,14 +101,30 @@ class DecodeKernels:
         return out
 
 
+def _check(**tensors: torch.Tensor) -> None:
+    """The kernels read raw fp32 memory: anything else is refused (never reinterpreted)."""
+    for name, t in tensors.items():
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"CPU decode kernels take contiguous fp32 CPU tensors; {name} is {t.dtype} on "
+                             f"{t.device}, contiguous={t.is_contiguous()}")
+
+
+def _openmp_runtimes() -> set[str]:
+    """The OpenMP runtime libraries mapped into this process (paths)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return set()
+    return {line.split()[-1] for line in maps.splitlines()
+            if any(name in line for name in ("libgomp", "libomp", "libiomp")) and "/" in line}
+
+
 def _gnu_openmp() -> bool:
     """Whether torch's CPU threads are GNU OpenMP's (libgomp is loaded in this process)."""
     if "OpenMP" not in torch.__config__.parallel_info():
         return False
-    try:
-        return "libgomp" in Path("/proc/self/maps").read_text()
-    except OSError:
-        return False
+    runtimes = _openmp_runtimes()
+    return len(runtimes) == 1 and "libgomp" in next(iter(runtimes))
 
 
 def _cache_dir() -> Path:
@@ -115,9 +143,9 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: list[str]) -> Path:
     """Compile the kernels (once per source, flags, compiler and CPU) and return the library's path."""
-    version = subprocess.run([compiler, "--version"], check=True, capture_output=True, text=True, timeout=60).stdout
+    version = subprocess.run([*compiler, "--version"], check=True, capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_id()]).encode()).hexdigest()
     target = _cache_dir() / f"decode_kernels-{key[:20]}.so"
     if target.exists():
@@ -126,10 +154,11 @@ def _build(compiler: str) -> Path:
     fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
     os.close(fd)
     try:
-        run = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial, "-lm"], check=False,
+        run = subprocess.run([*compiler, *FLAGS, str(SOURCE), "-o", partial, "-lm"], check=False,
                              capture_output=True, text=True, timeout=300)
         if run.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {(run.stderr or run.stdout).strip().splitlines()[-1:]}")
+            last = (run.stderr or run.stdout or "no output").strip().splitlines()[-1:]
+            raise RuntimeError(f"{shlex.join(compiler)} exited with {run.returncode}: {last}")
         os.replace(partial, target)  # atomic: a concurrent build of the same key writes the same file
     finally:
         if os.path.exists(partial):
@@ -146,12 +175,17 @@ def load() -> DecodeKernels | None:
     if not _gnu_openmp():
         warn_once(f"CPU decode kernels off: torch's CPU threads are not GNU OpenMP's; {fallback}")
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
+    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
+    if not compiler[0]:
         warn_once(f"CPU decode kernels off: no C compiler found (set CC or install gcc); {fallback}")
         return None
     try:
-        return DecodeKernels(ctypes.CDLL(str(_build(compiler))))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        library = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
         warn_once(f"CPU decode kernels off: building them failed ({e}); {fallback}")
         return None
+    if not _gnu_openmp():  # the library brought an OpenMP runtime of its own (e.g. clang's libomp)
+        warn_once(f"CPU decode kernels off: they load a second OpenMP runtime ({sorted(_openmp_runtimes())}); "
+                  f"{fallback}")
+        return None
+    return DecodeKernels(library)

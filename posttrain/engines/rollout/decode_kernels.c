@@ -44,7 +44,7 @@ void residual_rms(float *h, const float *y, float *out, int64_t rows, int64_t n,
 }
 
 /* e^x for finite x, vectorisable: x = k ln2 + r (|r| <= ln2 / 2, ln2 split in a high part exact in float
- * and a low part), e^r by its degree-7 Taylor polynomial (truncation < 2e-9 relative), times 2^k built in
+ * and a low part), e^r by its degree-7 Taylor polynomial (truncation < 1e-8 relative), times 2^k built in
  * the exponent bits; 0 below -87.3, where 2^k would leave the normal range. */
 static inline float exp_f32(float x) {
     float xc = x > 88.0f ? 88.0f : x;

@@ -154,15 +154,15 @@ class FastDecoder:
 
     def usable(self) -> bool:
         """False for a model off the CPU (on a GPU the fused copies would double the weights' memory for
-        little gain) or not in fp32 (in bf16 the folded norms and scalings round differently from
-        transformers' forward: greedy log-probs ~8e-3 apart), and while a hook sits on a module whose
+        little gain), not in fp32 or under CPU autocast (in bf16 the folded norms and scalings round
+        differently from transformers' forward: greedy log-probs ~8e-3 apart), and while a hook sits on a module whose
         call this path skips (a forward hook a user or a test registered, ZeRO-3's parameter gathering,
         torch's global module hooks): transformers' forward then runs, so every hook fires. Checked
         when a decode batch starts."""
         from torch.nn.modules import module as nn_module
 
         weight = self.model.lm_head.weight
-        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
             return False
         if any(getattr(nn_module, name, None) for name in ("_global_forward_pre_hooks", "_global_forward_hooks")):
             return False

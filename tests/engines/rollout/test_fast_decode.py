@@ -2,12 +2,11 @@
 transformers' forward for llama and qwen2 through admissions, compaction and cache growth; its fused
 weights follow every in-place weight change; hooks and unsupported models fall back to transformers."""
 import copy
-import shutil
 
 import pytest
 import torch
 
-from posttrain.engines.rollout import HFRolloutEngine, SamplingParams
+from posttrain.engines.rollout import HFRolloutEngine, SamplingParams, cpu_kernels
 from posttrain.engines.rollout.fast_decode import KVBuffer, fast_decoder
 from posttrain.models import build_tiny, load_causal_lm, load_tokenizer
 
@@ -30,8 +29,7 @@ def _pair(model, tokenizer, kernels=True, **kw):
     fast._fast = fast_decoder(model, kernels=kernels)
     plain = HFRolloutEngine(model, tokenizer, pad_token_id=tokenizer.pad_token_id, fast_decode=False, **kw)
     assert fast._fast is not None and plain._fast is None
-    if shutil.which("cc") or shutil.which("gcc"):
-        assert (fast._fast.kernels is not None) == kernels
+    assert (fast._fast.kernels is not None) == (kernels and cpu_kernels.load() is not None)
     return fast, plain
 
 
@@ -122,6 +120,8 @@ def test_reduced_precision_models_use_transformers_forward(tiny_model_dir):
     the fast path is fp32 only."""
     model = load_causal_lm(tiny_model_dir, dtype="fp32").eval()
     assert fast_decoder(model).usable()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the linears would compute in bf16
+        assert not fast_decoder(model).usable()
     model = model.to(torch.bfloat16)
     assert not fast_decoder(model).usable()
     tok = load_tokenizer(tiny_model_dir)
@@ -132,6 +132,8 @@ def test_reduced_precision_models_use_transformers_forward(tiny_model_dir):
 def test_kernels_are_skipped_where_the_rotary_halves_differ(tiny_model_dir):
     """The fused kernel rotates with one angle per pair of halves; a rotary module giving the halves
     different angles keeps the decode step on torch ops (which use the full cos / sin)."""
+    if cpu_kernels.load() is None:
+        pytest.skip("the CPU decode kernels do not load here")
     model = copy.deepcopy(load_causal_lm(tiny_model_dir, dtype="fp32").eval())
     rotary = model.model.rotary_emb
 
@@ -143,5 +145,4 @@ def test_kernels_are_skipped_where_the_rotary_halves_differ(tiny_model_dir):
     model.model.rotary_emb = SkewedRotary()
     assert fast_decoder(model).kernels is None
     model.model.rotary_emb = rotary
-    if shutil.which("cc") or shutil.which("gcc"):
-        assert fast_decoder(model).kernels is not None
+    assert fast_decoder(model).kernels is not None
