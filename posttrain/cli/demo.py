@@ -46,17 +46,19 @@ class DemoScale:
     dpo_epochs: int
     dpo_lr: float
     agent_train: int  # calculator transcripts for SFT
+    agent_lr: float  # SFT on the calculator transcripts
     agent_prompts: int  # RL prompts of the calculator task
     agent_rl_lr: float
 
 
 FULL = DemoScale(size="tiny", difficulty=1, n_train=8000, n_test=200, habit=0.7, epochs=3, batch_size=32, lr=2e-3,
                  rl_prompts=1600, rl_lr=3e-4, n_pairs=2000, rm_epochs=3, rm_lr=5e-4, ppo_prompts=1600,
-                 ppo_lr=1e-4, critic_lr=1e-3, dpo_epochs=1, dpo_lr=1e-4, agent_train=4000, agent_prompts=320,
-                 agent_rl_lr=3e-4)
+                 ppo_lr=1e-4, critic_lr=1e-3, dpo_epochs=1, dpo_lr=1e-4, agent_train=4000, agent_lr=1e-3,
+                 agent_prompts=640, agent_rl_lr=3e-4)
 QUICK = DemoScale(size="nano", difficulty=0, n_train=1200, n_test=100, habit=0.7, epochs=2, batch_size=16, lr=3e-3,
                   rl_prompts=80, rl_lr=3e-4, n_pairs=256, rm_epochs=1, rm_lr=1e-3, ppo_prompts=64, ppo_lr=3e-4,
-                  critic_lr=1e-3, dpo_epochs=1, dpo_lr=1e-4, agent_train=400, agent_prompts=32, agent_rl_lr=3e-4)
+                  critic_lr=1e-3, dpo_epochs=1, dpo_lr=1e-4, agent_train=400, agent_lr=3e-3, agent_prompts=32,
+                  agent_rl_lr=3e-4)
 
 STAGES = ("after SFT", "after DPO", "after PPO with the RM", "after RL (GRPO, verifiable reward)")
 AGENT_STAGES = ("after SFT (tool available)", "after multi-turn RL with the tool", "single-turn control: RL, no tool")
@@ -186,8 +188,9 @@ def agent_sft_flags(scale: DemoScale, base: Path, data: Path, out: Path, seed: i
         "--model.model_name_or_path", str(base), "--data.dataset", str(data), "--data.input_key", "messages",
         "--data.apply_chat_template", "--data.multiturn", "--data.max_len", "96",
         "--train.batch_size", "32", "--train.micro_batch_size", "32", "--train.max_epochs", str(scale.epochs),
-        "--train.seed", str(seed), "--adam.lr", str(scale.lr), "--lr_warmup_ratio", "0.05", "--adam.weight_decay",
-        "0.0", "--ckpt.output_dir", str(out), "--ckpt.save_steps", "-1", "--logger.logging_steps", "5",
+        "--train.seed", str(seed), "--adam.lr", str(scale.agent_lr), "--lr_warmup_ratio", "0.05",
+        "--adam.weight_decay", "0.0", "--ckpt.output_dir", str(out), "--ckpt.save_steps", "-1",
+        "--logger.logging_steps", "5",
     ]
 
 
