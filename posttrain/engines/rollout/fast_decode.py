@@ -13,6 +13,9 @@ rope type it supports) and rotate q and k in one pass (x cos + flip(x) sin, the 
 into the q factors); attention is two batched matmuls per layer over the keys in place with grouped
 heads (no repeated K/V copies; the padding mask an additive bias of the first), and the cache
 (`KVBuffer`) keeps spare columns so a step writes one column instead of re-allocating every layer's K/V.
+Where the fused CPU kernels load (`cpu_kernels`), a step's element-wise work — rope, cache append and
+attention; residual add with RMS scaling; silu(g) ⊙ u — runs in four kernel calls per layer instead of
+~20 torch ops (`FastDecoder._fused_step`).
 
 The logits equal the transformers forward's up to float rounding (tested against it for llama and
 qwen2). `fast_decoder(model)` returns None — the engine then keeps transformers' forward — for any
@@ -155,8 +158,8 @@ class FastDecoder:
     def usable(self) -> bool:
         """False for a model off the CPU (on a GPU the fused copies would double the weights' memory for
         little gain), not in fp32 or under CPU autocast (in bf16 the folded norms and scalings round
-        differently from transformers' forward: greedy log-probs ~8e-3 apart), and while a hook sits on a module whose
-        call this path skips (a forward hook a user or a test registered, ZeRO-3's parameter gathering,
+        differently from transformers' forward: greedy log-probs ~8e-3 apart), and while a hook sits on a
+        module whose call this path skips (a forward hook a user or a test registered, ZeRO-3's parameter gathering,
         torch's global module hooks): transformers' forward then runs, so every hook fires. Checked
         when a decode batch starts."""
         from torch.nn.modules import module as nn_module
@@ -232,7 +235,7 @@ class FastDecoder:
 
     def _fused_step(self, kernels, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                     cache: KVBuffer) -> torch.Tensor:
-        """`step` with the fused kernels: per layer, four GEMMs and three kernel calls — rope + cache append +
+        """`step` with the fused kernels: per layer, four GEMMs and four kernel calls — rope + cache append +
         attention (q|k|v rows grouped per kv head, `_grouped_rows`), the residual add with the next
         RMS scaling (twice), silu(g) ⊙ u. `h` (the embedding output, a fresh tensor) is updated in place."""
         inner = self.model.model
