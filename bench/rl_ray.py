@@ -6,7 +6,7 @@ the weight-sync cost per parameter byte, and numpy vs torch through Ray's object
 Configurations (every one trains the same GRPO-style run as `bench/rl_step.py`: a fresh copy of
 `build_tiny(dir, "llama", size)` (fp32, sdpa) on the synthetic arithmetic prompts with the chat
 template, `prompts` x `n` samples per step, temperature 1, `max_new_tokens` new tokens, the shipped
-reward `posttrain/agents/rewards/examples/arithmetic_reward.py`, group_norm advantages, no KL and no
+reward `posttrain/rewards/examples/arithmetic_reward.py`, group_norm advantages, no KL and no
 reference model, exactly one optimizer step per rollout in micro-batches of `--micro-batch-size`):
 
 - `in-process`: the default placement (no Ray; the rollout engine samples from the actor's module).
@@ -53,7 +53,7 @@ and `lm_head`), so the bytes that actually move are printed too.
 Transport (`--worker transport`, its own process with a local `ray.init`): a representative
 experience dict of `--rows` x `--tokens` with 8 arrays (sequences and attention mask int64;
 action mask, rollout/old/ref log-probs, advantages, returns float32), once as numpy arrays (what
-`distributed/transport.py` sends) and once as torch tensors: `ray.put` in the driver, `ray.get` in
+`trainers/rl/placement/transport.py` sends) and once as torch tensors: `ray.put` in the driver, `ray.get` in
 the driver, and an actor method that receives the object ref as its argument (the path of a
 `fit` / `logprobs` call) and touches every array; median of `--transport-reps` repetitions each, an
 empty actor call as the baseline. The numpy `get` returns read-only views of the object store;

@@ -10,7 +10,7 @@ TRL: the conversational prompt format), in the same order (posttrain's prompt st
 rows pre-ordered and `shuffle_dataset=False`). One step = one rollout of `prompts` prompts x `n`
 samples (temperature 1, top_p 1, top_k off, `max_new_tokens` tokens, stop at the tokenizer's eos),
 scored by the same verifiable arithmetic reward (posttrain: the shipped
-`posttrain/agents/rewards/examples/arithmetic_reward.py`; TRL: a Python function with the same
+`posttrain/rewards/examples/arithmetic_reward.py`; TRL: a Python function with the same
 `is_correct` check), group-normalised advantages (`(r - mean) / std` per group, unbiased std on
 both sides), then exactly one optimizer step over all samples (posttrain `--train.batch_size` =
 prompts x n, `--train.max_epochs 1`; TRL `per_device_train_batch_size` x
@@ -98,7 +98,7 @@ def _posttrain_argv(spec: dict, out_dir: Path) -> list[str]:
 
 def run_posttrain(spec: dict, out_dir: Path, profile_step: int | None, extra: list[str] = ()) -> dict:
     from posttrain.cli import train_ppo_ray
-    from posttrain.engines.rollout import HFRolloutEngine
+    from posttrain.rollout import HFRolloutEngine
     from posttrain.trainers.rl import ppo as ppo_module
 
     clock, prompts, gen_tokens, prof_text = StepClock(), [], [], []

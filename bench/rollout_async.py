@@ -1,4 +1,4 @@
-"""Rollout throughput through the async front (`engines/rollout/async_engine.py`) against the batch
+"""Rollout throughput through the async front (`rollout/async_engine.py`) against the batch
 engine it wraps, on the same model and prompts.
 
     .venv/bin/python bench/rollout_async.py [--size tiny] [--batches 16 64] [--max-new-tokens 32] [--repeats 5]
@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import machine, md_table, median, versions  # noqa: E402
 from rollout_tokens import _prompts, rollout_setup  # noqa: E402
 
-from posttrain.engines.rollout import SamplingParams  # noqa: E402
-from posttrain.engines.rollout.async_engine import AsyncRolloutEngine, generate_all  # noqa: E402
+from posttrain.rollout import SamplingParams  # noqa: E402
+from posttrain.rollout.async_engine import AsyncRolloutEngine, generate_all  # noqa: E402
 
 
 def tokens(groups) -> int:

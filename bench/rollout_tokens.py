@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import machine, md_table, median, versions  # noqa: E402
 
 from posttrain.data.synthetic import make_arithmetic_rows  # noqa: E402
-from posttrain.engines.rollout import HFRolloutEngine, SamplingParams  # noqa: E402
 from posttrain.models import build_tiny, load_causal_lm, load_tokenizer  # noqa: E402
+from posttrain.rollout import HFRolloutEngine, SamplingParams  # noqa: E402
 
 
 def _prompts(tokenizer, n: int) -> list[list[int]]:

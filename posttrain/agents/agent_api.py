@@ -1,6 +1,6 @@
 """OpenRLHF's agent API (`openrlhf.utils.agent`), implemented by posttrain: an agent file written for
 OpenRLHF 0.10.2 runs unchanged (`--train.agent_func_path`; its `openrlhf.utils.agent` import resolves
-here when OpenRLHF is not installed, see `openrlhf_compat`).
+here when OpenRLHF is not installed, see `openrlhf_modules`).
 
 A file defines `class AgentInstance(AgentInstanceBase)` (one environment per episode: `async
 reset(states)` → `{"observation": text}`, `async step(states)` → `{"rewards", "scores",
@@ -165,7 +165,7 @@ def _check_step(result) -> dict:
 class SingleTurnAgentExecutor(AgentExecutorBase):
     """OpenRLHF's `SingleTurnAgentExecutor(remote_rm_url=None)`: one generation; with a reward file or
     URL, scored through posttrain's reward sources (`agents.rewards`). posttrain's own single-turn
-    rollout (`--reward.*` without an agent file) is `posttrain.agents.single_turn`, batched."""
+    rollout (`--reward.*` without an agent file) is `posttrain.rollout.single_turn`, batched."""
 
     def __init__(self, remote_rm_url=None):
         self.remote_rm_url = remote_rm_url
@@ -192,7 +192,7 @@ class SingleTurnAgentExecutor(AgentExecutorBase):
         if self.remote_rm_url:
             import asyncio
 
-            from posttrain.agents.rewards import make_reward_source
+            from posttrain.rewards import make_reward_source
 
             if self._source is None:
                 self._source = make_reward_source(self.remote_rm_url, None)

@@ -1,14 +1,14 @@
 """Loading `--train.agent_func_path`: a Python file that defines `AgentExecutor`, a subclass of
 `AgentExecutorBase` (OpenRLHF's contract; usually `class AgentExecutor(MultiTurnAgentExecutor)` whose
 `__init__` passes its `AgentInstance` class). The file may import `openrlhf.utils.agent`; without
-OpenRLHF installed that resolves to posttrain's implementation (`openrlhf_compat`). Every problem is a
+OpenRLHF installed that resolves to posttrain's implementation (`openrlhf_modules`). Every problem is a
 UserError naming the file, raised at start-up before any model loads."""
 from __future__ import annotations
 
 import os
 
 from posttrain.agents.agent_api import AgentExecutorBase
-from posttrain.agents.user_files import exec_user_file
+from posttrain.compat.user_files import exec_user_file
 from posttrain.utils.errors import UserError
 
 FLAG = "--train.agent_func_path"

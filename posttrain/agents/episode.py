@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from posttrain.engines.rollout.types import SamplingParams, rank_seed
+from posttrain.rollout.types import SamplingParams, rank_seed
 
 
 @dataclass

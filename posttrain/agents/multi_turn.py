@@ -29,9 +29,9 @@ import torch
 
 from posttrain.agents.agent_api import AgentExecutorBase
 from posttrain.agents.episode import AgentSamplingParams, EpisodeEngine
-from posttrain.agents.single_turn import Rollout, ScoredRollouts, score_rollouts
-from posttrain.engines.rollout.async_engine import AsyncRolloutEngine, run_coroutine
-from posttrain.engines.rollout.types import rank_seed
+from posttrain.rollout.async_engine import AsyncRolloutEngine, run_coroutine
+from posttrain.rollout.single_turn import Rollout, ScoredRollouts, score_rollouts
+from posttrain.rollout.types import rank_seed
 from posttrain.utils.errors import UserError
 from posttrain.utils.log import info
 

@@ -133,7 +133,7 @@ def _rl_common(sft: Path, data: Path, out: Path, seed: int, prompts: int, lr: fl
 
 def rl_flags(scale: DemoScale, sft: Path, data: Path, out: Path, seed: int) -> list[str]:
     """GRPO with the shipped verifiable reward (OpenRLHF train_ppo_ray flags)."""
-    from posttrain.agents.rewards.examples import ARITHMETIC
+    from posttrain.rewards.examples import ARITHMETIC
 
     return _rl_common(sft, data, out, seed, scale.rl_prompts, scale.rl_lr, kl=0.0) + [
         "--reward.remote_url", ARITHMETIC, "--algo.advantage.estimator", "group_norm"]

@@ -11,8 +11,8 @@ import os
 import sys
 from types import SimpleNamespace
 
-from posttrain.agents.rewards.remote import TOKEN_ENV
-from posttrain.agents.rewards.server import DEFAULT_MAX_REQUEST_BYTES, build_app
+from posttrain.rewards.remote import TOKEN_ENV
+from posttrain.rewards.server import DEFAULT_MAX_REQUEST_BYTES, build_app
 
 __all__ = ["build_app", "main", "make_source", "parse_args", "startup_notes"]
 PROG = "posttrain serve-rm"
@@ -92,7 +92,7 @@ def _unknown_flag(flag: str, known: set[str]) -> str:
     """One sentence for an unknown flag: its OpenRLHF 0.10.2 name if it was renamed, else the closest flag."""
     import difflib
 
-    from posttrain.config.migration import renamed_to
+    from posttrain.compat.flag_migration import renamed_to
 
     new = renamed_to(flag, "ppo")
     if new and new.split()[0] in known:
@@ -251,7 +251,7 @@ def _pick_device(device: str | None) -> str:
 
 def make_source(args, device: str):
     """The reward source to serve; call `startup_notes` first (it resolves dtype and --data.max_len)."""
-    from posttrain.agents.rewards import make_reward_source
+    from posttrain.rewards import make_reward_source
 
     path, tokenizer = args.reward.model_name_or_path, None
     if path:

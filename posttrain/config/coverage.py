@@ -110,7 +110,7 @@ ACTING: dict[str, frozenset[str]] = {
         "ref: num_nodes num_gpus_per_node",
         "reward: num_nodes num_gpus_per_node",
         "vllm: num_engines sync_backend sync_with_ray tensor_parallel_size",
-        # the vLLM engine (a Ray worker on a CUDA node with vLLM installed; distributed/workers.py)
+        # the vLLM engine (a Ray worker on a CUDA node with vLLM installed; trainers/rl/placement/workers.py)
         "vllm: gpu_memory_utilization enforce_eager enable_prefix_caching",
         "train: colocate_actor_ref colocate_critic_reward colocate_all",
         # multi-turn agents (agents/multi_turn.py)

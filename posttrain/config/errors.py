@@ -4,24 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from posttrain.utils.errors import UserError
-
-
-class ConfigError(UserError, ValueError):
-    """Bad flags, YAML or values. The message names the flag(s) and what is valid; `problems` lists
-    every individual problem when several were found at once."""
-
-    def __init__(self, message: str, problems: list[str] | None = None) -> None:
-        super().__init__(message)
-        self.problems = list(problems) if problems else [message]
-
-    @classmethod
-    def collect(cls, problems: list[str], header: str = "invalid configuration") -> ConfigError:
-        if len(problems) == 1:
-            return cls(problems[0], problems)
-        return cls(
-            f"{header} ({len(problems)} problems):\n" + "\n".join(f"  - {p}" for p in problems), problems
-        )
+from posttrain.utils.errors import ConfigError  # noqa: F401  (the config layer's error, defined at the floor for compat/)
 
 
 class ConfigWarning(UserWarning):

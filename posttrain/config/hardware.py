@@ -136,7 +136,7 @@ def _no_vllm(v, c, dev: str) -> bool | str:
         return "--vllm.num_engines is unset"
     if dev != "cuda":
         return "this machine has no CUDA GPU"
-    from posttrain.engines.rollout.vllm_engine import hybrid_refusal, vllm_missing
+    from posttrain.config.backends import hybrid_refusal, vllm_missing
 
     return vllm_missing() or hybrid_refusal(c) or False
 

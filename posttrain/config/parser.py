@@ -18,12 +18,12 @@ import sys
 import warnings
 from typing import Any
 
+from posttrain.compat.flag_migration import explain_unknown
+from posttrain.compat.trl_rloo import ATTRIBUTE as TRL_ATTRIBUTE
+from posttrain.compat.trl_rloo import Translation, is_trl_rloo, translate_rloo
 from posttrain.config.errors import ConfigError, ConfigWarning
-from posttrain.config.migration import explain_unknown
 from posttrain.config.spec import FlagSpec, flag_specs, set_path
 from posttrain.config.trainers import CONFIG_CLASSES, TRAINERS, config_class
-from posttrain.config.trl_rloo import ATTRIBUTE as TRL_ATTRIBUTE
-from posttrain.config.trl_rloo import Translation, is_trl_rloo, translate_rloo
 from posttrain.config.values import parse_scalar
 from posttrain.config.yaml_io import load_yaml_values, read_yaml, typed_values
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import yaml
 
+from posttrain.compat.flag_migration import REMOVED, renamed_to
 from posttrain.config.errors import ConfigError
-from posttrain.config.migration import REMOVED, renamed_to
 from posttrain.config.spec import flag_specs, spec_map
 from posttrain.config.values import coerce
 

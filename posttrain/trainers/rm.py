@@ -26,11 +26,11 @@ import math
 
 import torch
 
-from posttrain.agents.rewards.reward_model import last_token_index
 from posttrain.algorithms.preference import reward_model_loss
 from posttrain.config import ConfigError
 from posttrain.models import forward_values, load_score_model, unwrap_model
 from posttrain.models.loading import check_model_path, read_head
+from posttrain.rewards.reward_model import last_token_index
 from posttrain.trainers.pairs import PairObjective, preference_items
 from posttrain.trainers.session import SingleModelRun, lora_settings
 from posttrain.utils.log import info

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
+from posttrain.compat.trl_rloo import REPORT_FILE as TRL_REPORT_FILE
+from posttrain.compat.trl_rloo import translation_of
 from posttrain.config import derived_sizes, format_config, inert_flags, resolve_hardware_defaults, save_config
-from posttrain.config.trl_rloo import REPORT_FILE as TRL_REPORT_FILE
-from posttrain.config.trl_rloo import translation_of
 from posttrain.data import load_rows
 from posttrain.engines import make_train_engine
 from posttrain.models import load_causal_lm, load_tokenizer, save_pretrained

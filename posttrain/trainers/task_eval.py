@@ -40,8 +40,8 @@ def agent_success(model_dir, rows: list[dict], agent_file: str, *, max_len: int 
     from posttrain.agents.multi_turn import AgentRunner
     from posttrain.data import Prompt
     from posttrain.data.templates import render_chat
-    from posttrain.engines.rollout import HFRolloutEngine, SamplingParams
     from posttrain.models import load_causal_lm, load_tokenizer
+    from posttrain.rollout import HFRolloutEngine, SamplingParams
 
     tok = load_tokenizer(str(model_dir))
     engine = HFRolloutEngine(load_causal_lm(str(model_dir), dtype="fp32").eval(), tok, pad_token_id=tok.pad_token_id)

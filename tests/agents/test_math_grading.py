@@ -3,7 +3,7 @@ import threading
 
 import pytest
 
-from posttrain.agents.rewards.math_grading import extract_boxed_answer, grade_answer
+from posttrain.rewards.math_grading import extract_boxed_answer, grade_answer
 
 
 @pytest.mark.parametrize("text, expected", [

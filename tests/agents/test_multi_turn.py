@@ -1,4 +1,4 @@
-"""Multi-turn agent episodes (agents/agent_api.py, agents/multi_turn.py, engines/rollout/async_engine.py):
+"""Multi-turn agent episodes (agents/agent_api.py, agents/multi_turn.py, rollout/async_engine.py):
 exact token traces, the budget across turns, failures, and concurrency that does not change samples."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from posttrain.agents.agent_api import AgentInstanceBase, MultiTurnAgentExecutor
 from posttrain.agents.multi_turn import AgentError, AgentRunner
 from posttrain.data import Prompt
-from posttrain.engines.rollout import HFRolloutEngine, RolloutOutput, SamplingParams
+from posttrain.rollout import HFRolloutEngine, RolloutOutput, SamplingParams
 from posttrain.trainers.rl.experience import build_experience
 
 

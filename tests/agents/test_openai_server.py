@@ -11,7 +11,7 @@ import requests
 from posttrain.agents.multi_turn import AgentRunner
 from posttrain.agents.openai_server import OpenAIServerAgentExecutor
 from posttrain.data import Prompt
-from posttrain.engines.rollout import HFRolloutEngine, SamplingParams
+from posttrain.rollout import HFRolloutEngine, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 from rewards_http import in_thread_server
 from safetensors.torch import load_file, save_file
 
-from posttrain.agents.rewards import (
+from posttrain.rewards import (
     PythonRewardFunction,
     RemoteReward,
     RewardError,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from posttrain.agents.rewards import (
+from posttrain.rewards import (
     PythonRewardFunction,
     RewardError,
     RewardResult,

@@ -16,9 +16,9 @@ import requests
 import torch
 from rewards_http import free_port, in_thread_server
 
-from posttrain.agents.rewards import RemoteReward, RewardError, make_reward_source
-from posttrain.agents.rewards.python_func import PythonRewardFunction
-from posttrain.agents.rewards.remote import TOKEN_ENV
+from posttrain.rewards import RemoteReward, RewardError, make_reward_source
+from posttrain.rewards.python_func import PythonRewardFunction
+from posttrain.rewards.remote import TOKEN_ENV
 
 FUNCS = Path(__file__).parent / "reward_funcs"
 PROMPTS = ["Q: 2+3=", "Q: 4*4=", "Q: 9-1="]

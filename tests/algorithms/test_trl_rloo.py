@@ -254,8 +254,8 @@ def test_translated_trl_config_through_shaping_experience_and_loss(name):
     """`config_from_trl_rloo` of TRL's fields, then the trainer's own steps: reward shaping
     (`collect.shape_rewards`), `ExperienceMaker.make` (KL, baseline, whitening) and the policy loss with
     the config's loss type, aggregation and clip: TRL's advantages, loss and gradient."""
-    from posttrain.agents.single_turn import Rollout, ScoredRollouts
     from posttrain.config import config_from_trl_rloo
+    from posttrain.rollout.single_turn import Rollout, ScoredRollouts
     from posttrain.trainers.rl.collect import ShapingSettings, shape_rewards
     from posttrain.trainers.rl.experience_maker import ExperienceMaker
     from posttrain.trainers.rl.forward import Batching

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from posttrain.compat.trl_rloo import MODEL_FIELDS, ON_POLICY_FIELDS, RLOO_FIELDS, SCRIPT_FIELDS
 from posttrain.config import ConfigError, config_from_trl_rloo, parse_config, translate_rloo, translation_of
-from posttrain.config.trl_rloo import MODEL_FIELDS, ON_POLICY_FIELDS, RLOO_FIELDS, SCRIPT_FIELDS
 
 SEED = Path(__file__).parents[2].parent / "shared" / "reference" / "trl-rloo-config.py.txt"
 BASE = {"sft_model_path": "/models/sft", "total_episodes": 64}

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from posttrain.distributed.placement import (
+from posttrain.trainers.rl.placement.plan import (
     Placement,
     PlacementError,
     RoleSpec,
@@ -186,7 +186,7 @@ def test_resources_gpu_and_cpu():
 
 def test_module_imports_neither_ray_nor_torch():
     code = (
-        "import sys, posttrain.distributed.placement; "
+        "import sys, posttrain.trainers.rl.placement.plan; "
         "assert not {'ray', 'torch'} & set(sys.modules), sorted({'ray', 'torch'} & set(sys.modules))"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -5,7 +5,7 @@ import torch
 
 from posttrain.config import parse_config
 
-ray_placement = pytest.importorskip("posttrain.distributed.ray_placement")
+ray_placement = pytest.importorskip("posttrain.trainers.rl.placement.ray_placement")
 
 
 def test_rank_metrics_merge_as_one_process_computes_them():
@@ -36,7 +36,7 @@ def test_engine_count_follows_the_flags(monkeypatch):
 
 
 def test_weights_hash_covers_every_tensor_kind():
-    from posttrain.distributed.weight_sync import sync_layout
+    from posttrain.trainers.rl.placement.weight_sync import sync_layout
     from posttrain.utils.weights_hash import WeightsDigest, weights_hash
 
     state = {"w": torch.arange(6.0).view(2, 3), "scalar": torch.tensor(1.5), "half": torch.ones(3, dtype=torch.bfloat16),
@@ -58,7 +58,7 @@ def test_weights_hash_covers_every_tensor_kind():
 
 
 def test_split_by_tokens_balances_and_keeps_order():
-    from posttrain.distributed.transport import plan_steps, split_by_tokens
+    from posttrain.trainers.rl.placement.transport import plan_steps, split_by_tokens
 
     lengths = [10, 1, 1, 1, 9, 1]
     shares = split_by_tokens(range(6), lengths, 2)
@@ -70,7 +70,7 @@ def test_split_by_tokens_balances_and_keeps_order():
 
 
 def test_a_worker_that_cannot_load_its_state_says_so_in_one_line(tmp_path):
-    from posttrain.distributed.workers import RoleWorker
+    from posttrain.trainers.rl.placement.workers import RoleWorker
     from posttrain.utils.checkpoint import CheckpointError
 
     class Saved:
@@ -84,7 +84,7 @@ def test_a_worker_that_cannot_load_its_state_says_so_in_one_line(tmp_path):
 
 
 def test_least_loaded_dispatch_follows_rows_in_flight():
-    from posttrain.distributed.transport import least_loaded
+    from posttrain.trainers.rl.placement.transport import least_loaded
 
     loads = [0, 0, 0]
     assert least_loaded(loads, [4, 4, 4, 4]) == [0, 1, 2, 0] and loads == [8, 4, 4]

@@ -5,7 +5,7 @@ import torch
 
 
 def pytest_collection_modifyitems(config, items):
-    from posttrain.engines.rollout.vllm_engine import vllm_unavailable
+    from posttrain.config.backends import vllm_unavailable
 
     why = vllm_unavailable()
     if why is None:

@@ -9,7 +9,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [14, 15], [20, 21, 22, 23]]
 
 @pytest.fixture(scope="module")
 def engine(gpu_model_dir):
-    from posttrain.engines.rollout.vllm_engine import VLLMRolloutEngine
+    from posttrain.rollout.vllm_engine import VLLMRolloutEngine
 
     return VLLMRolloutEngine(str(gpu_model_dir), dtype="float32",
                              gpu_memory_utilization=0.3, enforce_eager=True, max_model_len=64)
@@ -23,8 +23,8 @@ def recomputed(model, prompt, tokens, temperature):
 
 
 def test_logprobs_equal_the_trainers_recomputation(engine, gpu_model_dir, cuda):
-    from posttrain.engines.rollout import SamplingParams
     from posttrain.models import load_causal_lm
+    from posttrain.rollout import SamplingParams
 
     model = load_causal_lm(str(gpu_model_dir), dtype="fp32").to(cuda).eval()
     params = SamplingParams(temperature=0.8, n=2, max_new_tokens=12, seed=3)
@@ -38,8 +38,8 @@ def test_logprobs_equal_the_trainers_recomputation(engine, gpu_model_dir, cuda):
 
 
 def test_a_weight_sync_samples_from_the_new_weights(engine, gpu_model_dir, cuda):
-    from posttrain.engines.rollout import SamplingParams
     from posttrain.models import load_causal_lm
+    from posttrain.rollout import SamplingParams
 
     new = load_causal_lm(str(gpu_model_dir), dtype="fp32").to(cuda).eval()
     with torch.no_grad():

@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from posttrain.engines.rollout import HFRolloutEngine, SamplingParams
 from posttrain.models import load_causal_lm, load_score_model, load_tokenizer
 from posttrain.models.cpu_linear import (
     OneDNNLinear,
@@ -19,6 +18,7 @@ from posttrain.models.cpu_linear import (
     takes_onednn,
     use_onednn_linears,
 )
+from posttrain.rollout import HFRolloutEngine, SamplingParams
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
 

@@ -81,8 +81,8 @@ def test_trained_reward_is_the_reward_serve_rm_reads_from_ppo_queries(nano_rm, t
     """Regression: the chat template renders a newline after <|im_end|>; a side that kept it was
     scored at the newline in training, while PPO's reward source scores a generated response at
     its EOS, so the RM's preferences did not carry over to PPO."""
-    from posttrain.agents.rewards.reward_model import RewardModelSource
     from posttrain.models import save_pretrained
+    from posttrain.rewards.reward_model import RewardModelSource
 
     model, tok = nano_rm
     rows = make_preference_rows(4, seed=5)
@@ -109,10 +109,10 @@ def test_ppo_scores_the_sampled_ids_as_the_rm_trained_on_them(nano_rm, tmp_path,
 
     from tokenizers import processors
 
-    from posttrain.agents.rewards.reward_model import RewardModelSource
-    from posttrain.agents.single_turn import Rollout, score_rollouts
     from posttrain.data import PromptDataset
     from posttrain.models import save_pretrained
+    from posttrain.rewards.reward_model import RewardModelSource
+    from posttrain.rollout.single_turn import Rollout, score_rollouts
 
     model, tok = nano_rm
     if bos:
@@ -190,8 +190,8 @@ def padded(seqs, pad_id):
 def test_rm_learns_held_out_preferences_and_stores_reward_statistics(sft_nano, carry_dir, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
-    from posttrain.agents.rewards.reward_model import RewardModelSource
     from posttrain.cli import train_rm
+    from posttrain.rewards.reward_model import RewardModelSource
 
     sft, _ = sft_nano
     out = tmp_path / "rm"
@@ -247,7 +247,7 @@ TRAIN_RM_SH = """
 
 
 def test_train_rm_sh_runs_and_value_head_prefix_round_trips(sft_nano, tmp_path):
-    from posttrain.agents.rewards.reward_model import RewardModelSource
+    from posttrain.rewards.reward_model import RewardModelSource
 
     sft, _ = sft_nano
     data, out = tmp_path / "data", tmp_path / "rm"

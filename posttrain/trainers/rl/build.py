@@ -69,7 +69,7 @@ def build_rollout_copy(cfg, tokenizer, device):
     mode): a Ray engine actor's, or the in-process async pipeline's; the trainer's weights reach it by
     sync. Its parameters keep `requires_grad` as the actor's do (it only runs under no_grad): torch picks
     other CPU kernels for frozen weights, whose rounding would differ from the trainer's by ~1e-6."""
-    from posttrain.engines.rollout import HFRolloutEngine
+    from posttrain.rollout import HFRolloutEngine
 
     model = load_causal_lm(cfg.actor.model_name_or_path, dtype=cfg.ds.param_dtype, tokenizer=tokenizer,
                            attn_implementation=cfg.ds.attn_implementation, onednn_linear=cfg.ds.onednn_linear)
@@ -98,7 +98,7 @@ def build_reference(cfg, tokenizer, device) -> Reference:
 def build_reward_source(cfg, tokenizer, device):
     """The reward source: a reward model, a `reward_func` file or an HTTP server
     (`--reward.model_name_or_path` / `--reward.remote_url`)."""
-    from posttrain.agents.rewards import make_reward_source
+    from posttrain.rewards import make_reward_source
 
     source = make_reward_source(
         cfg.reward.remote_url, cfg.reward.model_name_or_path, value_head_prefix=cfg.ds.value_head_prefix,

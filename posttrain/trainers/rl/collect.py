@@ -8,15 +8,15 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from posttrain.agents.rewards import RewardError
-from posttrain.agents.single_turn import ScoredRollouts
 from posttrain.algorithms.shaping import (
     dynamic_filter,
     missing_eos_penalty,
     overlong_penalty,
     stop_properly_penalty,
 )
-from posttrain.engines.rollout import rank_seed
+from posttrain.rewards import RewardError
+from posttrain.rollout import rank_seed
+from posttrain.rollout.single_turn import ScoredRollouts
 
 
 class PromptStream:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from posttrain.agents.single_turn import Rollout
+from posttrain.rollout.single_turn import Rollout
 
 
 @dataclass

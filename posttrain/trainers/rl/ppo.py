@@ -2,7 +2,7 @@
 (old/reference log-probs, values, KL, rewards → advantages), update the critic and the policy, sync
 the rollout engines' weights, then log, evaluate and checkpoint. The loop calls only role methods:
 the roles live in this process (`roles.py`), or are Ray actor groups with the same methods
-(`distributed/ray_placement.py`) when `config.ray_mode.uses_ray`. Resume, the eval / log / save
+(`trainers/rl/placement/ray_placement.py`) when `config.ray_mode.uses_ray`. Resume, the eval / log / save
 cadence, Ctrl-C and the final charts are the run skeleton every trainer shares
 (`trainers/skeleton.RunLoop`)."""
 from __future__ import annotations
@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from posttrain.agents.single_turn import SingleTurnExecutor
 from posttrain.algorithms.kl import AdaptiveKLController, FixedKLController
 from posttrain.config import (
     ConfigError,
@@ -25,8 +24,9 @@ from posttrain.config import (
 from posttrain.config.ray_mode import uses_ray
 from posttrain.config.roles import SEQUENCE_POLICY_LOSSES
 from posttrain.data import PromptDataset, load_rows
-from posttrain.engines.rollout import HFRolloutEngine, SamplingParams, rank_seed
 from posttrain.models import load_tokenizer, unwrap_model
+from posttrain.rollout import HFRolloutEngine, SamplingParams, rank_seed
+from posttrain.rollout.single_turn import SingleTurnExecutor
 from posttrain.trainers.rl import build
 from posttrain.trainers.rl.async_pipeline import RolloutPipeline, staleness_metrics
 from posttrain.trainers.rl.collect import GroupBuffer, PromptStream, ShapingSettings, collect
@@ -163,7 +163,7 @@ class RLTrainer(RunLoop):
     def _place_on_ray(self, updates: int) -> None:
         """Every role as a Ray actor group (`distributed.ray_placement`); the groups have the roles'
         methods, so the rest of the loop does not change."""
-        from posttrain.distributed.ray_placement import RayPlacement
+        from posttrain.trainers.rl.placement.ray_placement import RayPlacement
 
         cfg = self.cfg
         self.placement = RayPlacement(cfg, updates, critic=build.needs_critic(cfg), ref=build.needs_reference(cfg),

@@ -20,7 +20,7 @@ import torch
 from posttrain.models import save_pretrained
 from posttrain.trainers.rl.experience import Experience
 from posttrain.trainers.rl.forward import Batching, policy_forward, to_device, value_forward
-from posttrain.trainers.rl.updates import UpdateSettings, update_actor, update_critic
+from posttrain.trainers.rl.updates import UpdateSettings, lockstep, update_actor, update_critic
 from posttrain.utils.log import warn_once
 
 EMA_FILE = "ema.pt"
@@ -53,16 +53,6 @@ def sharded_weights(engine) -> dict | None:
     """The full weights gathered on rank 0 under ZeRO-3 (collective), else None: the module's own
     tensors are whole."""
     return engine.full_state_dict() if getattr(engine, "zero_stage", None) == 3 else None
-
-
-def lockstep(engine, micro_batches: list[list[int]]) -> list[list[int]]:
-    """`micro_batches` padded with empty ones up to the most any rank of `engine` runs (a caller
-    computes an empty one on a stand-in row and weights it zero): ZeRO-3 gathers parameters in
-    every forward, so ranks must run the same number. Unchanged in one process."""
-    if engine is None:
-        return micro_batches
-    most = engine.max_across_ranks(len(micro_batches))
-    return micro_batches + [[] for _ in range(most - len(micro_batches))]
 
 
 class Actor(_Scorer):

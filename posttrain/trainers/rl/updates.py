@@ -46,6 +46,16 @@ class UpdateSettings:
         return self.policy_loss_agg or self.loss_agg
 
 
+def lockstep(engine, micro_batches: list[list[int]]) -> list[list[int]]:
+    """`micro_batches` padded with empty ones up to the most any rank of `engine` runs (a caller
+    computes an empty one on a stand-in row and weights it zero): ZeRO-3 gathers parameters in
+    every forward, so ranks must run the same number. Unchanged in one process."""
+    if engine is None:
+        return micro_batches
+    most = engine.max_across_ranks(len(micro_batches))
+    return micro_batches + [[] for _ in range(most - len(micro_batches))]
+
+
 def steps_per_rollout(n: int, batch_size: int, max_epochs: int) -> int:
     """Optimizer steps over a rollout of `n` samples: ceil(n / batch_size) per pass."""
     return max_epochs * math.ceil(n / batch_size)
@@ -75,10 +85,8 @@ class _Mean:
 
 
 def _micro_batches(batch: Experience, batches: Batching, engine, device):
-    """The micro-batches of `batch`, padded in lockstep across ranks (`roles.lockstep`); a padding
+    """The micro-batches of `batch`, padded in lockstep across ranks (`lockstep`); a padding
     micro-batch is a stand-in row with an all-zero action mask, so its loss and gradient are zero."""
-    from posttrain.trainers.rl.roles import lockstep
-
     for rows in lockstep(engine, batches.micro_batches(batch) if len(batch) else []):
         if rows:
             yield to_device(batch.select(rows), device)

@@ -19,6 +19,6 @@ def tokenizer(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def engine(model, tokenizer):
-    from posttrain.engines.rollout import HFRolloutEngine
+    from posttrain.rollout import HFRolloutEngine
 
     return HFRolloutEngine(model, tokenizer, pad_token_id=tokenizer.pad_token_id)

@@ -1,12 +1,12 @@
-"""The async front (engines/rollout/async_engine.py): the single-turn path through it is the plain
+"""The async front (rollout/async_engine.py): the single-turn path through it is the plain
 batch call; concurrent requests share engine calls; errors reach every caller; it runs inside a
 running event loop (notebooks)."""
 import asyncio
 
 import pytest
 
-from posttrain.engines.rollout import SamplingParams
-from posttrain.engines.rollout.async_engine import AsyncRolloutEngine, generate_all
+from posttrain.rollout import SamplingParams
+from posttrain.rollout.async_engine import AsyncRolloutEngine, generate_all
 
 PROMPTS = [[5, 6, 7], [8], [9, 10], [11, 12, 13, 14]]
 

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from posttrain.engines.rollout import HFRolloutEngine, SamplingParams
-from posttrain.engines.rollout.types import rank_seed
+from posttrain.rollout import HFRolloutEngine, SamplingParams
+from posttrain.rollout.types import rank_seed
 
 LONG, SHORT = [5, 6, 7, 8, 9, 10, 11, 12, 13], [14, 15]
 
@@ -280,7 +280,7 @@ def test_a_request_submitted_while_the_decode_thread_exits_is_served(engine):
 def test_unseeded_requests_follow_the_params_seed_as_the_batch_call_does(engine):
     """generate_all with params.seed and no per-prompt seeds: prompt i gets rank_seed(seed, 0, i), exactly
     as engine.generate, through the stream too (not the same seed for every request)."""
-    from posttrain.engines.rollout.async_engine import generate_all
+    from posttrain.rollout.async_engine import generate_all
 
     params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=5, stop_token_ids=(10**6,))
     direct = engine.generate([SHORT, SHORT, LONG], params)
@@ -295,8 +295,8 @@ def test_a_cancelled_request_stops_decoding_and_close_joins_the_thread(tiny_mode
     the model is back in train mode when the front closes (nothing decodes on it afterwards)."""
     import asyncio
 
-    from posttrain.engines.rollout.async_engine import AsyncRolloutEngine
     from posttrain.models import load_causal_lm
+    from posttrain.rollout.async_engine import AsyncRolloutEngine
 
     model = load_causal_lm(tiny_model_dir, dtype="fp32").train()
     engine = HFRolloutEngine(model, tokenizer, pad_token_id=tokenizer.pad_token_id)

@@ -1,4 +1,4 @@
-"""The fast decode step's fused CPU kernels (engines/rollout/cpu_kernels.py, decode_kernels.c) against torch
+"""The fast decode step's fused CPU kernels (rollout/cpu/cpu_kernels.py, decode_kernels.c) against torch
 on hand-built inputs, and their fallback: a missing compiler, a failing build or POSTTRAIN_CPU_KERNELS=0
 leave the decode step on torch ops, with one warning line."""
 import os
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from posttrain.engines.rollout import cpu_kernels
+from posttrain.rollout.cpu import cpu_kernels
 
 needs_compiler = pytest.mark.skipif(not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")),
                                     reason="no C compiler")

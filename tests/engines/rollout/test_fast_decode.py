@@ -1,4 +1,4 @@
-"""The HF engine's fast decode step (engines/rollout/fast_decode.py): the same samples and log-probs as
+"""The HF engine's fast decode step (rollout/cpu/fast_decode.py): the same samples and log-probs as
 transformers' forward for llama and qwen2 through admissions, compaction and cache growth; its fused
 weights follow every in-place weight change; hooks and unsupported models fall back to transformers."""
 import copy
@@ -6,9 +6,10 @@ import copy
 import pytest
 import torch
 
-from posttrain.engines.rollout import HFRolloutEngine, SamplingParams, cpu_kernels
-from posttrain.engines.rollout.fast_decode import KVBuffer, fast_decoder
 from posttrain.models import build_tiny, load_causal_lm, load_tokenizer
+from posttrain.rollout import HFRolloutEngine, SamplingParams
+from posttrain.rollout.cpu import cpu_kernels
+from posttrain.rollout.cpu.fast_decode import KVBuffer, fast_decoder
 
 PROMPTS = [[5, 6, 7, 8], list(range(10, 31)), [40, 41], list(range(50, 59)), [60] * 13]
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from posttrain.engines.rollout import HFRolloutEngine, SamplingParams
+from posttrain.rollout import HFRolloutEngine, SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9], [14, 15], [20, 21, 22]]
 
@@ -50,7 +50,7 @@ def test_samples_span_two_versions_and_each_token_keeps_its_versions_logprob(two
         if path == "generate":
             result["out"] = engine.generate(PROMPTS, params, seeds=[1, 2, 3])
         else:
-            from posttrain.engines.rollout.async_engine import generate_all
+            from posttrain.rollout.async_engine import generate_all
             result["out"] = generate_all(engine, PROMPTS, params, seeds=[1, 2, 3])
 
     worker = threading.Thread(target=generate)
@@ -129,13 +129,12 @@ def test_a_ray_engine_process_takes_weights_while_it_generates(tiny_model_dir, m
     """The rollout-engine process (distributed/workers.EngineWorker, here without Ray; with partial
     rollout Ray gives it a second thread): a sync that arrives mid-`generate` loads between two decode
     steps and the samples continue with the new version. With partial rollout, vLLM is not chosen."""
-    from posttrain.config import parse_config
-    from posttrain.distributed.workers import EngineWorker, numpy_state
-    from posttrain.engines.rollout import vllm_engine
+    from posttrain.config import backends, parse_config
+    from posttrain.trainers.rl.placement.workers import EngineWorker, numpy_state
 
     argv = ["--actor.model_name_or_path", str(tiny_model_dir), "--data.prompt_dataset", "x", "--vllm.num_engines", "1",
             "--ds.param_dtype", "fp32", "--train.async_enable", "--train.partial_rollout_enable"]
-    monkeypatch.setattr(vllm_engine, "vllm_unavailable", lambda: None)  # as on a GPU node with vLLM
+    monkeypatch.setattr(backends, "vllm_unavailable", lambda: None)  # as on a GPU node with vLLM
     worker = EngineWorker(1, {})
     worker.setup(parse_config("ppo", argv, check=False))
     assert worker.backend_name()[0] == "hf" and "no pause/resume yet" in worker.backend_name()[1]

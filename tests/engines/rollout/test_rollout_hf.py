@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from posttrain.algorithms.losses import token_logprobs
-from posttrain.engines.rollout import (
+from posttrain.models import forward_logits, load_causal_lm
+from posttrain.rollout import (
     HFRolloutEngine,
     RolloutEngine,
     SamplingParams,
@@ -12,7 +13,6 @@ from posttrain.engines.rollout import (
     rank_seed,
     resolve_eos_ids,
 )
-from posttrain.models import forward_logits, load_causal_lm
 
 PROMPTS = [[5, 17, 300, 42, 9], [11], [700, 701, 702, 703, 704, 705, 706, 707, 708], [64, 65, 66]]
 FREQUENT_STOPS = list(range(100, 300))  # ~10% of the vocabulary: samples stop at varied lengths

@@ -4,11 +4,11 @@ the call, the ``batch_size`` chunking, or how a step's prompts are split into ca
 import pytest
 import torch
 
-from posttrain.agents.rewards import RewardResult
-from posttrain.agents.single_turn import SingleTurnExecutor
 from posttrain.data import Prompt
-from posttrain.engines.rollout import HFRolloutEngine, SamplingParams, rank_seed, sample_next
-from posttrain.engines.rollout.decode_batch import Sequence
+from posttrain.rewards import RewardResult
+from posttrain.rollout import HFRolloutEngine, SamplingParams, rank_seed, sample_next
+from posttrain.rollout.decode_batch import Sequence
+from posttrain.rollout.single_turn import SingleTurnExecutor
 
 PROMPTS = [[5, 17, 300, 42, 9], [11], [700, 701, 702, 703, 704, 705, 706, 707, 708], [64, 65, 66]]
 FREQUENT_STOPS = list(range(100, 300))  # ~10% of the vocabulary: samples stop at varied lengths, rows compact

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from posttrain.algorithms.losses import token_logprobs
-from posttrain.engines.rollout import RolloutOutput, SamplingParams, rank_seed, sample_next
+from posttrain.rollout import RolloutOutput, SamplingParams, rank_seed, sample_next
 
 
 def test_sampling_params_defaults_and_normalisation():

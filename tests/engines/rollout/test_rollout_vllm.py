@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from posttrain.engines.rollout import (
+from posttrain.rollout import (
     RolloutEngine,
     SamplingParams,
     VLLMRolloutEngine,
@@ -169,15 +169,14 @@ def test_engine_worker_runs_vllm_where_it_can_and_verifies_what_it_received(fake
     vLLM runs it builds the vLLM engine from the OpenRLHF flags; a sync bucket goes through vLLM's
     `load_weights`; the prefix cache is dropped after the last bucket; a verified receive hashes equal
     to the trainer's state."""
-    from posttrain.config import ConfigError, parse_config
-    from posttrain.distributed.workers import EngineWorker, numpy_state
-    from posttrain.engines.rollout import vllm_engine
+    from posttrain.config import ConfigError, backends, parse_config
+    from posttrain.trainers.rl.placement.workers import EngineWorker, numpy_state
     from posttrain.utils.weights_hash import weights_hash
 
     argv = ["--actor.model_name_or_path", str(tiny_model_dir), "--data.prompt_dataset", "x", "--vllm.num_engines", "1",
             "--vllm.gpu_memory_utilization", "0.4", "--vllm.enforce_eager", "--ds.param_dtype", "bf16",
             "--data.max_len", "96", "--train.seed", "5"]
-    monkeypatch.setattr(vllm_engine, "vllm_unavailable", lambda: None)
+    monkeypatch.setattr(backends, "vllm_unavailable", lambda: None)
     worker = EngineWorker(1, {})
     worker.setup(parse_config("ppo", argv, check=False))
     assert worker.backend_name() == ("vllm", "")
@@ -201,7 +200,7 @@ def test_engine_worker_runs_vllm_where_it_can_and_verifies_what_it_received(fake
     assert hybrid.backend_name()[0] == "hf" and "needs sleep mode" in hybrid.backend_name()[1]
     with pytest.raises(ConfigError, match="--vllm.tensor_parallel_size 2: vLLM engines with tensor parallelism"):
         EngineWorker(1, {}).setup(parse_config("ppo", argv + ["--vllm.tensor_parallel_size", "2"], check=False))
-    monkeypatch.setattr(vllm_engine, "vllm_unavailable", lambda: "this machine has no CUDA GPU")
+    monkeypatch.setattr(backends, "vllm_unavailable", lambda: "this machine has no CUDA GPU")
     hf = EngineWorker(1, {})
     hf.setup(parse_config("ppo", argv, check=False))
     assert hf.backend_name() == ("hf", "this machine has no CUDA GPU")

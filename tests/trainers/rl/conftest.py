@@ -86,7 +86,7 @@ def ray_session():
     its groups in it and removes them when it ends. 16 logical CPUs: a rank asks for one."""
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():
-        from posttrain.distributed.ray_placement import LOCAL_SYSTEM_CONFIG
+        from posttrain.trainers.rl.placement.ray_placement import LOCAL_SYSTEM_CONFIG
 
         ray.init(num_cpus=16, include_dashboard=False, log_to_driver=True, _system_config=LOCAL_SYSTEM_CONFIG,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "DS_BUILD_OPS": "0"}})

@@ -133,7 +133,7 @@ def _threaded(fn, *args, **kwargs) -> threading.Thread:
 
 def run_sync(model, out_dir) -> None:
     from posttrain.config import parse_config
-    from posttrain.distributed.workers import EngineWorker, RoleWorker
+    from posttrain.trainers.rl.placement.workers import EngineWorker, RoleWorker
 
     rank = int(os.environ["RANK"])
     flags = ["--actor.model_name_or_path", model, "--data.prompt_dataset", "p.jsonl", "--reward.remote_url", "r.py",

@@ -131,7 +131,7 @@ def test_the_group_buffer_serves_batches_from_larger_generation_calls():
     groups come out oldest first, renumbered, and each batch's cursor is its last group's position."""
     import torch
 
-    from posttrain.agents.single_turn import Rollout, ScoredRollouts
+    from posttrain.rollout.single_turn import Rollout, ScoredRollouts
     from posttrain.trainers.rl.collect import GroupBuffer
 
     calls = []

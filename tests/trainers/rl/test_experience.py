@@ -3,8 +3,8 @@ under padding, pad == eos, several eos ids and truncation; sampled tokens are ne
 import pytest
 import torch
 
-from posttrain.agents.single_turn import Rollout
 from posttrain.algorithms.advantages import compute_advantages
+from posttrain.rollout.single_turn import Rollout
 from posttrain.trainers.rl.experience import build_experience
 
 EOS, PAD = 2, 2  # pad == eos
@@ -53,8 +53,8 @@ def test_logprob_count_mismatch_is_an_error():
 @pytest.mark.parametrize("clamp, kl_sum", [(10.0, 10.5), (0.0, 15.5)])
 def test_kl_clamp_flag_bounds_the_per_token_kl_in_the_reward(clamp, kl_sum):
     """--algo.kl.clamp: OpenRLHF's +-10 per token by default; 0 leaves it unbounded (TRL)."""
-    from posttrain.agents.single_turn import ScoredRollouts
     from posttrain.config import parse_config
+    from posttrain.rollout.single_turn import ScoredRollouts
     from posttrain.trainers.rl.experience_maker import ExperienceMaker
     from posttrain.trainers.rl.forward import Batching
 

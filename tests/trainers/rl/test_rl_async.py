@@ -58,7 +58,7 @@ def test_partial_rollout_samples_span_the_weight_update_that_lands_mid_generatio
     """Decode steps slowed down (generation >> training): the sync after step j lands while batch j+1
     is being generated; without the producer holding the lock it goes through between two decode
     steps, so samples span two versions (with the lock held, every sample would have one)."""
-    from posttrain.engines.rollout.decode_batch import DecodeBatch
+    from posttrain.rollout.decode_batch import DecodeBatch
 
     step = DecodeBatch.step
     monkeypatch.setattr(DecodeBatch, "step", lambda self: (time.sleep(0.25), step(self))[1])

@@ -1,4 +1,4 @@
-"""RL on Ray (`distributed/ray_placement.py`): the same scenarios as in one process, placed as Ray
+"""RL on Ray (`trainers/rl/placement/ray_placement.py`): the same scenarios as in one process, placed as Ray
 actor groups of CPU ranks (gloo), compared with the in-process run; OpenRLHF's hybrid-engine
 scripts with ranks scaled to 2; colocation, two simulated nodes, a killed engine, resume."""
 import os

@@ -8,8 +8,8 @@ import torch
 from test_rl_semantics import experience, settings
 
 from posttrain.engines import make_train_engine
-from posttrain.engines.rollout import HFRolloutEngine
 from posttrain.models import load_causal_lm, load_tokenizer
+from posttrain.rollout import HFRolloutEngine
 from posttrain.trainers.rl.roles import Actor
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

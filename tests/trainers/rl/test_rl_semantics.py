@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from posttrain.agents.single_turn import Rollout, ScoredRollouts, SingleTurnExecutor
 from posttrain.data import Prompt
-from posttrain.engines.rollout import HFRolloutEngine, RolloutOutput, SamplingParams
 from posttrain.models import load_causal_lm, load_score_model, load_tokenizer
+from posttrain.rollout import HFRolloutEngine, RolloutOutput, SamplingParams
+from posttrain.rollout.single_turn import Rollout, ScoredRollouts, SingleTurnExecutor
 from posttrain.trainers.rl.collect import PromptStream, ShapingSettings, collect, shape_rewards
 from posttrain.trainers.rl.experience import build_experience
 from posttrain.trainers.rl.experience_maker import sequence_mean as _sequence_mean
@@ -52,7 +52,7 @@ def test_each_sample_gets_its_own_budget(nano):
 
     class Count:
         def score(self, queries, prompts, labels):
-            from posttrain.agents.rewards import RewardResult
+            from posttrain.rewards import RewardResult
             return RewardResult(torch.zeros(len(queries)))
 
     executor = SingleTurnExecutor(HFRolloutEngine(model, tok, pad_token_id=tok.pad_token_id), Count(), tok)
@@ -87,7 +87,7 @@ class FixedEngine:
 def test_reward_function_sees_openrlhf_queries_with_the_eos(tmp_path, nano):
     """`queries` = decode(prompt ids + response ids, skip_special_tokens=False), as OpenRLHF: a
     format check can tell the finished answer (ends in EOS) from the truncated one."""
-    from posttrain.agents.rewards import PythonRewardFunction
+    from posttrain.rewards import PythonRewardFunction
 
     _, tok = nano
     (tmp_path / "eos.py").write_text(

@@ -5,9 +5,9 @@ import pytest
 import torch
 from test_rl_semantics import RecordingEngine, settings
 
-from posttrain.agents.single_turn import Rollout
 from posttrain.algorithms import gathered_logprobs, token_logprobs
 from posttrain.models import load_causal_lm, load_score_model, load_tokenizer
+from posttrain.rollout.single_turn import Rollout
 from posttrain.trainers.rl.experience import build_experience
 from posttrain.trainers.rl.forward import Batching, policy_forward, value_forward
 from posttrain.trainers.rl.layout import build_layout

@@ -1,5 +1,5 @@
 """Single-turn executor: prompt tokens → sampled response tokens → one batched reward call. The step's
-prompts form one engine batch (`engines/rollout/async_engine.generate_all`: the samples the async front
+prompts form one engine batch (`rollout/async_engine.generate_all`: the samples the async front
 that agents use would give, decoded in the caller's thread).
 
 Token-in, token-out: the rollout keeps the engine's token ids and sampling log-probs. A reward
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from posttrain.engines.rollout.async_engine import generate_all
-from posttrain.engines.rollout.types import rank_seed
+from posttrain.rollout.async_engine import generate_all
+from posttrain.rollout.types import rank_seed
 
 
 @dataclass

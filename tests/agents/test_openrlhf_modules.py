@@ -8,9 +8,9 @@ import textwrap
 import pytest
 import torch
 
-from posttrain.agents import openrlhf_compat
-from posttrain.agents.rewards import PythonRewardFunction, RewardError
-from posttrain.agents.rewards.math_grading import extract_boxed_answer, grade_answer
+from posttrain.compat import openrlhf_modules
+from posttrain.rewards import PythonRewardFunction, RewardError
+from posttrain.rewards.math_grading import extract_boxed_answer, grade_answer
 
 REAL_OPENRLHF = importlib.util.find_spec("openrlhf") is not None
 needs_no_openrlhf = pytest.mark.skipif(REAL_OPENRLHF, reason="a real openrlhf is installed")
@@ -23,10 +23,10 @@ def _drop_openrlhf_modules():
 
 @pytest.fixture(autouse=True)
 def clean_openrlhf():
-    openrlhf_compat.uninstall()
+    openrlhf_modules.uninstall()
     _drop_openrlhf_modules()
     yield
-    openrlhf_compat.uninstall()
+    openrlhf_modules.uninstall()
     _drop_openrlhf_modules()
 
 
@@ -91,7 +91,7 @@ def test_openrlhf_math_reward_file_loads_and_scores(tmp_path, capsys):
     src = PythonRewardFunction(path)
     announced = capsys.readouterr().err
     assert (f"openrlhf is not installed: `openrlhf.utils` in {path} resolves to posttrain's "
-            "posttrain.agents.rewards.math_grading (extract_boxed_answer, grade_answer)") in announced
+            "posttrain.rewards.math_grading (extract_boxed_answer, grade_answer)") in announced
     assert src.fn.__globals__["grade_answer"] is grade_answer
     assert src.fn.__globals__["extract_boxed_answer"] is extract_boxed_answer
     prompts = ["What is 1/2?", "Simplify sqrt(x^2) for x>0.", "What is 2+2?", "What is 3*3?", "Solve."]
@@ -145,11 +145,11 @@ def test_a_real_openrlhf_is_never_shadowed(tmp_path, monkeypatch, capsys):
         "def extract_boxed_answer(text):\n    return 'from-real'\n"
         "def grade_answer(given, truth):\n    return given == 'from-real'\n")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    openrlhf_compat.install()
+    openrlhf_modules.install()
     path = write(tmp_path, "math_reward_func.py", MATH_REWARD)
     out = PythonRewardFunction(path).score(["q \\boxed{1}"], ["q"], ["2"])
     assert out.rewards.tolist() == [1.0]  # the fake grader said yes to its own marker
-    assert sys.modules["openrlhf.utils"].REAL and not openrlhf_compat.is_stand_in(sys.modules["openrlhf"])
+    assert sys.modules["openrlhf.utils"].REAL and not openrlhf_modules.is_stand_in(sys.modules["openrlhf"])
     assert "openrlhf is not installed" not in capsys.readouterr().err
 
 

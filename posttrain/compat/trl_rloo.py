@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.config.errors import ConfigError
+from posttrain.utils.errors import ConfigError
 
 TRL_VERSION = "v0.21.0"
 ATTRIBUTE = "_posttrain_trl_rloo"  # on a translated cfg: the Translation (written to the run directory)

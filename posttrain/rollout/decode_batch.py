@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from posttrain.engines.rollout.sampling import sample_next
-from posttrain.engines.rollout.types import RolloutOutput
+from posttrain.rollout.sampling import sample_next
+from posttrain.rollout.types import RolloutOutput
 
 _COMPACT_FRACTION = 0.25  # drop finished rows from the batch once this fraction of it has finished
 _DRAW_BLOCK = 64  # uniform draws a sequence takes from its generator at a time

@@ -16,8 +16,8 @@ from collections import deque
 from collections.abc import Callable
 from contextlib import ExitStack
 
-from posttrain.engines.rollout.sampling import check_seeds
-from posttrain.engines.rollout.types import RolloutOutput, SamplingParams, check_budgets
+from posttrain.rollout.sampling import check_seeds
+from posttrain.rollout.types import RolloutOutput, SamplingParams, check_budgets
 
 Callback = Callable[[list[RolloutOutput] | None, BaseException | None], None]
 

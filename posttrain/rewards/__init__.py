@@ -1,10 +1,10 @@
 """Reward sources: a `reward_func` Python file, a reward model, or an HTTP reward server, all behind
 one batched interface `score(queries, prompts, labels, **kwargs) -> RewardResult`."""
-from posttrain.agents.rewards.factory import make_reward_source
-from posttrain.agents.rewards.python_func import PythonRewardFunction
-from posttrain.agents.rewards.remote import TOKEN_ENV, RemoteReward
-from posttrain.agents.rewards.result import RewardError, RewardResult, RewardSource, parse_output
-from posttrain.agents.rewards.reward_model import RewardModelSource, last_token_index
+from posttrain.rewards.factory import make_reward_source
+from posttrain.rewards.python_func import PythonRewardFunction
+from posttrain.rewards.remote import TOKEN_ENV, RemoteReward
+from posttrain.rewards.result import RewardError, RewardResult, RewardSource, parse_output
+from posttrain.rewards.reward_model import RewardModelSource, last_token_index
 
 __all__ = [
     "TOKEN_ENV", "PythonRewardFunction", "RemoteReward", "RewardError", "RewardModelSource", "RewardResult",

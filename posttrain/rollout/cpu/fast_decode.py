@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from posttrain.engines.rollout import cpu_kernels
 from posttrain.models.cpu_linear import OneDNNLinear, onednn_weight, packed_linear, packed_weight
+from posttrain.rollout.cpu import cpu_kernels
 
 _ARCHS = ("llama", "mistral", "qwen2")
 _GROWTH = 64  # spare columns allocated whenever a KVBuffer runs out

@@ -7,7 +7,7 @@ field). It returns `{"rewards": B numbers, "scores": B numbers (optional, defaul
 list or tuple — or just the B rewards as a bare sequence. It is called once per rollout batch.
 
 A file written for OpenRLHF may `from openrlhf.utils import extract_boxed_answer, grade_answer`:
-without OpenRLHF installed those names come from posttrain (posttrain.agents.openrlhf_compat).
+without OpenRLHF installed those names come from posttrain (posttrain.compat.openrlhf_modules).
 
 Each call runs in a daemon worker thread under `timeout` seconds (`--reward.timeout`); a call that
 raises or runs past the timeout is a failed attempt, retried up to `retries` attempts in total
@@ -30,7 +30,8 @@ import time
 import traceback
 
 import posttrain
-from posttrain.agents.rewards.result import (
+from posttrain.compat.user_files import exec_user_file
+from posttrain.rewards.result import (
     ON_ERROR,
     RewardError,
     RewardResult,
@@ -38,7 +39,6 @@ from posttrain.agents.rewards.result import (
     parse_output,
     skipped_batch,
 )
-from posttrain.agents.user_files import exec_user_file
 from posttrain.utils.log import warn_once
 
 FLAG = "--reward.remote_url"

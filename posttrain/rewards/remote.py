@@ -11,7 +11,7 @@ import os
 import re
 import time
 
-from posttrain.agents.rewards.result import RewardError, RewardResult, check_batch, parse_output
+from posttrain.rewards.result import RewardError, RewardResult, check_batch, parse_output
 
 TOKEN_ENV = "POSTTRAIN_RM_TOKEN"
 _HINT = "start it with `posttrain serve-rm ...` or fix --reward.remote_url"

@@ -15,11 +15,11 @@ log-prob per token ``log softmax(logits / temperature)[token]`` over the full vo
 (computed by ``posttrain.algorithms.losses.token_logprobs``, so the trainer's recomputation on the
 same weights matches), and ``finish_reason`` "stop" | "length".
 """
-from posttrain.engines.rollout.factory import ROLLOUT_ENGINES, make_rollout_engine
-from posttrain.engines.rollout.hf_engine import HFRolloutEngine, resolve_eos_ids
-from posttrain.engines.rollout.sampling import sample_next
-from posttrain.engines.rollout.types import RolloutEngine, RolloutOutput, SamplingParams, rank_seed
-from posttrain.engines.rollout.vllm_engine import VLLMRolloutEngine, convert_vllm_outputs
+from posttrain.rollout.factory import ROLLOUT_ENGINES, make_rollout_engine
+from posttrain.rollout.hf_engine import HFRolloutEngine, resolve_eos_ids
+from posttrain.rollout.sampling import sample_next
+from posttrain.rollout.types import RolloutEngine, RolloutOutput, SamplingParams, rank_seed
+from posttrain.rollout.vllm_engine import VLLMRolloutEngine, convert_vllm_outputs
 
 __all__ = [
     "ROLLOUT_ENGINES", "HFRolloutEngine", "RolloutEngine", "RolloutOutput", "SamplingParams",

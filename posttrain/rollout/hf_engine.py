@@ -30,11 +30,11 @@ from contextlib import contextmanager
 
 import torch
 
-from posttrain.engines.rollout.decode_batch import DecodeBatch, Sequence
-from posttrain.engines.rollout.fast_decode import KVBuffer, fast_decoder
-from posttrain.engines.rollout.sampling import check_seeds, sample_generators
-from posttrain.engines.rollout.types import RolloutOutput, SamplingParams, _is_int, check_budgets, rank_seed
 from posttrain.models import unwrap_model
+from posttrain.rollout.cpu.fast_decode import KVBuffer, fast_decoder
+from posttrain.rollout.decode_batch import DecodeBatch, Sequence
+from posttrain.rollout.sampling import check_seeds, sample_generators
+from posttrain.rollout.types import RolloutOutput, SamplingParams, _is_int, check_budgets, rank_seed
 from posttrain.utils.weights_hash import weights_hash
 
 
@@ -227,7 +227,7 @@ class HFRolloutEngine:
 
     def stream(self, max_rows: int | None = None):
         """A ``stream.DecodeServer``: requests submitted from any thread join the running decode batch."""
-        from posttrain.engines.rollout.stream import DecodeServer
+        from posttrain.rollout.stream import DecodeServer
 
         return DecodeServer(self, max_rows)
 

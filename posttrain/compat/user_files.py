@@ -1,5 +1,5 @@
 """Running a user's Python file (a reward function or an agent) as a module: OpenRLHF imports resolve
-to posttrain's stand-ins (`openrlhf_compat.install`), and the file's folder is importable while it
+to posttrain's stand-ins (`openrlhf_modules.install`), and the file's folder is importable while it
 loads so it can import its neighbours. Errors propagate as raised; callers turn them into one line."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import sys
 import types
 
-from posttrain.agents import openrlhf_compat
+from posttrain.compat import openrlhf_modules
 
 
 def exec_user_file(path: str, prefix: str) -> types.ModuleType:
@@ -16,7 +16,7 @@ def exec_user_file(path: str, prefix: str) -> types.ModuleType:
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     folder = os.path.dirname(os.path.abspath(path))
-    openrlhf_compat.install()
+    openrlhf_modules.install()
     sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)

@@ -1,11 +1,11 @@
 """Pick the reward source from the `--reward.*` flags."""
 from __future__ import annotations
 
-from posttrain.agents.rewards.python_func import DEFAULT_TIMEOUT as FUNC_TIMEOUT
-from posttrain.agents.rewards.python_func import PythonRewardFunction
-from posttrain.agents.rewards.remote import RemoteReward
-from posttrain.agents.rewards.result import RewardError
-from posttrain.agents.rewards.reward_model import RewardModelSource
+from posttrain.rewards.python_func import DEFAULT_TIMEOUT as FUNC_TIMEOUT
+from posttrain.rewards.python_func import PythonRewardFunction
+from posttrain.rewards.remote import RemoteReward
+from posttrain.rewards.result import RewardError
+from posttrain.rewards.reward_model import RewardModelSource
 
 HTTP_TIMEOUT = 30.0  # seconds per HTTP reward request when --reward.timeout is not given
 

@@ -20,17 +20,17 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from posttrain.agents.rewards.result import RewardResult
-from posttrain.distributed.placement import bundle_resources, group_bundles, plan_placement
-from posttrain.distributed.transport import (
+from posttrain.rewards.result import RewardResult
+from posttrain.rollout.types import rank_seed
+from posttrain.trainers.rl.placement.plan import bundle_resources, group_bundles, plan_placement
+from posttrain.trainers.rl.placement.transport import (
     contiguous_chunks,
     experience_to_numpy,
     least_loaded,
     plan_steps,
     split_by_tokens,
 )
-from posttrain.distributed.workers import EngineWorker, RoleWorker
-from posttrain.engines.rollout.types import rank_seed
+from posttrain.trainers.rl.placement.workers import EngineWorker, RoleWorker
 from posttrain.trainers.rl.updates import critic_shuffle_step, optimizer_steps
 from posttrain.utils.errors import UserError, WorkerFailed
 from posttrain.utils.log import info, warn_once

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from posttrain.algorithms.losses import token_logprobs
-from posttrain.engines.rollout.types import _is_int, rank_seed
+from posttrain.rollout.types import _is_int, rank_seed
 
 Generators = torch.Generator | Sequence[torch.Generator] | None
 

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from posttrain.agents.rewards.result import RewardError, RewardResult, check_batch
+from posttrain.rewards.result import RewardError, RewardResult, check_batch
 from posttrain.utils.log import warn_once
 
 

@@ -24,7 +24,7 @@ import functools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
-from posttrain.engines.rollout.types import RolloutOutput, SamplingParams, rank_seed
+from posttrain.rollout.types import RolloutOutput, SamplingParams, rank_seed
 
 
 @dataclass

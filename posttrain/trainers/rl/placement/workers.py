@@ -11,8 +11,8 @@ import socket
 import numpy as np
 import torch
 
-from posttrain.distributed.transport import experience_from_numpy
-from posttrain.distributed.weight_sync import SyncGroup
+from posttrain.trainers.rl.placement.transport import experience_from_numpy
+from posttrain.trainers.rl.placement.weight_sync import SyncGroup
 from posttrain.utils.weights_hash import NamedTensors, WeightsDigest, named_tensors, weights_hash
 
 
@@ -153,7 +153,7 @@ class RoleWorker(_Process):
         return self._on_rank0(weights_hash)
 
     def sync_layout(self, bucket_bytes: int):
-        from posttrain.distributed.weight_sync import sync_layout
+        from posttrain.trainers.rl.placement.weight_sync import sync_layout
 
         return self._on_rank0(lambda named: sync_layout(named, bucket_bytes))
 
@@ -180,7 +180,7 @@ class EngineWorker(_Process):
     arrived, the hash of an engine that cannot read its weights back by HF name (vLLM)."""
 
     def setup(self, cfg) -> None:
-        from posttrain.engines.rollout.vllm_engine import rollout_backend
+        from posttrain.config.backends import rollout_backend
         from posttrain.models import load_tokenizer
 
         _ray_visible_gpu()
@@ -274,8 +274,8 @@ def build_vllm_engine(cfg, tok):
     """A vLLM engine in this Ray actor's process on its GPU (`uni` executor, in-process engine core, so
     weight updates reach the model without serialising it); the stop ids are the HF engine's."""
     from posttrain.config import ConfigError
-    from posttrain.engines.rollout.hf_engine import resolve_eos_ids
-    from posttrain.engines.rollout.vllm_engine import VLLMRolloutEngine
+    from posttrain.rollout.hf_engine import resolve_eos_ids
+    from posttrain.rollout.vllm_engine import VLLMRolloutEngine
 
     if cfg.vllm.tensor_parallel_size != 1:
         raise ConfigError(f"--vllm.tensor_parallel_size {cfg.vllm.tensor_parallel_size}: vLLM engines with tensor "

@@ -6,7 +6,7 @@ the END of `sys.meta_path`. Python consults it only when no other finder found t
 never shadowed. When no real one exists:
 
 - `openrlhf` is an empty stand-in package;
-- `openrlhf.utils` holds `extract_boxed_answer` and `grade_answer` (posttrain.agents.rewards.math_grading);
+- `openrlhf.utils` holds `extract_boxed_answer` and `grade_answer` (posttrain.rewards.math_grading);
   importing another OpenRLHF utility from it (e.g. `get_tokenizer`) raises a clear ImportError;
 - `openrlhf.utils.agent` holds the agent API of posttrain.agents.agent_api (OpenRLHF's executors and
   instance base, run by posttrain);
@@ -32,7 +32,7 @@ _MARK = "__posttrain_stand_in__"
 # stand-in module -> (posttrain module it re-exports, names, is a package)
 _STAND_INS = {
     "openrlhf": (None, (), True),
-    "openrlhf.utils": ("posttrain.agents.rewards.math_grading", ("extract_boxed_answer", "grade_answer"),
+    "openrlhf.utils": ("posttrain.rewards.math_grading", ("extract_boxed_answer", "grade_answer"),
                        True),
     "openrlhf.utils.agent": ("posttrain.agents.agent_api",
                              ("AgentExecutorBase", "AgentInstanceBase", "MultiTurnAgentExecutor",

@@ -1,0 +1,50 @@
+"""Which rollout backend a run gets on this machine: vLLM where `--vllm.num_engines` asks for it and
+this process can run it, else the HF engine with the reason (printed at start-up). Pure checks of the
+environment and the config; the engines themselves live in `posttrain.rollout`."""
+from __future__ import annotations
+
+import importlib.util
+
+VLLM_MISSING = ("VLLMRolloutEngine needs vLLM, which is not installed: pip install 'posttrain[vllm]' "
+                "(vLLM needs a CUDA GPU; on CPU use the HF engine, --rollout.engine hf)")
+
+
+def vllm_missing() -> str | None:
+    """Why vLLM cannot be imported here (None: it is installed)."""
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed (pip install 'posttrain[vllm]')"
+    return None
+
+
+def vllm_unavailable() -> str | None:
+    """Why this process cannot run vLLM (None: it can)."""
+    import torch
+
+    return "this machine has no CUDA GPU" if not torch.cuda.is_available() else vllm_missing()
+
+
+def rollout_backend(cfg) -> tuple[str, str]:
+    """The rollout engines' backend: ("vllm", "") when --vllm.num_engines >= 1 and this process can run
+    vLLM, else ("hf", why). Decided where the engine runs (a Ray worker on its node)."""
+    if not (cfg.vllm.num_engines or 0) >= 1:
+        return "hf", "--vllm.num_engines is unset"
+    why = vllm_unavailable() or hybrid_refusal(cfg) or partial_rollout_refusal(cfg)
+    return ("hf", why) if why else ("vllm", "")
+
+
+def partial_rollout_refusal(cfg) -> str | None:
+    """Partial rollout needs an engine that pauses between decode steps and takes weights mid-request:
+    the HF engine does; vLLM's pause/resume (AsyncLLMEngine) is not wired into posttrain yet."""
+    if cfg.train.partial_rollout_enable:
+        return ("--train.partial_rollout_enable: posttrain's vLLM engine has no pause/resume yet; the HF engine "
+                "serves (it pauses between decode steps)")
+    return None
+
+
+def hybrid_refusal(cfg) -> str | None:
+    """A vLLM engine that shares its GPU with the trainer (--train.colocate_all, not async) must sleep
+    between rollouts to leave the trainer its memory; that comes with the async issue."""
+    if cfg.train.colocate_all and not cfg.train.async_enable:
+        return ("--train.colocate_all: a vLLM engine sharing the trainer's GPU needs sleep mode between rollouts, "
+                "not available in this version")
+    return None

@@ -1,1 +1,0 @@
-"""Distributed (multi-process, Ray) RL runs: role placement and the plumbing between ranks."""
