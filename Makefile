@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 export DS_BUILD_OPS := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo demo-quick test test-fast bench clean
+.PHONY: setup demo demo-quick test test-fast docs bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,6 +29,9 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not distributed"
 
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir site
+
 bench: $(STAMP)
 	$(PY) -m pip install -q --no-build-isolation -e '.[dev,bench]'
 	$(PY) bench/sft.py
@@ -37,4 +40,4 @@ bench: $(STAMP)
 	$(PY) bench/rollout_tokens.py --threads 2
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site

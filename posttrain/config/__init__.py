@@ -8,7 +8,8 @@ parser (with `--config run.yaml`), validation, hardware defaults and the start-u
 from posttrain.compat.trl_rloo import translate_rloo, translation_of
 from posttrain.config.errors import ConfigError, ConfigWarning, main_error_exit
 from posttrain.config.fingerprint import adjustable_values, checkpoint_dir, run_fingerprint
-from posttrain.config.hardware import inert_flags, resolve_hardware_defaults, resolved_values
+from posttrain.config.hardware import resolve_hardware_defaults, resolved_values
+from posttrain.config.inert import inert_flags
 from posttrain.config.parser import (
     build_parser,
     config_from_trl_rloo,

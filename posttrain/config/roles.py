@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from posttrain.config import facts
+from posttrain.config.facts import MOE, Inert, needs, not_yet
 from posttrain.config.sections import OptimFields
 from posttrain.config.spec import opt, section
 
@@ -20,15 +22,24 @@ LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", 
 RM_LOSS_TYPES = ("sigmoid", "logexp")
 
 
+REF_ON_CPU = Inert("the reference model is already in CPU memory", facts.on_cpu)
+NO_REFERENCE = Inert(f"no reference model {facts.NO_KL}", facts.no_reference)
+NO_CRITIC = Inert("no critic: only --algo.advantage.estimator gae trains one", facts.no_critic)
+REMOTE_ONLY = Inert("it applies to --reward.remote_url (a reward server or .py file) only",
+                    lambda v, c, dev: not c.reward.remote_url)
+NO_REWARD_MODEL = Inert("no reward model: rewards come from --reward.remote_url", facts.no_reward_model)
+
+
 # --------------------------------------------------------------------------- single-model trainers
 @dataclass
 class Model:
     """The trained model (SFT / RM / DPO)."""
 
-    model_name_or_path: str | None = opt(None, "model folder or Hugging Face hub id (required)")
+    model_name_or_path: str | None = opt(None, "model folder or Hugging Face hub id (required)",
+                                         required="a model folder or hub id")
     gradient_checkpointing_enable: bool = opt(False, "recompute activations in the backward pass")
     gradient_checkpointing_reentrant: bool = opt(False, "use reentrant gradient checkpointing")
-    aux_loss_coef: float = opt(0.0, "MoE load-balancing loss coefficient")
+    aux_loss_coef: float = opt(0.0, "MoE load-balancing loss coefficient", inert=not_yet(MOE))
 
 
 @dataclass
@@ -43,7 +54,9 @@ class RMModel(Model):
     """The reward model being trained."""
 
     loss_type: str = opt("sigmoid", "pairwise loss", choices=RM_LOSS_TYPES)
-    compute_fp32_loss_enable: bool = opt(False, "compute the loss in fp32")
+    compute_fp32_loss_enable: bool = opt(
+        False, "compute the loss in fp32",
+        inert=Inert("the reward-model loss is always computed in fp32 (rewards leave the model in float32)"))
     margin_loss_enable: bool = opt(False, "subtract the row's `margin` field inside the sigmoid loss")
 
 
@@ -51,10 +64,10 @@ class RMModel(Model):
 class DPOModel(Model):
     """The policy trained with DPO / IPO / cDPO."""
 
-    beta: float = opt(0.1, "DPO temperature beta")
+    beta: float = opt(0.1, "DPO temperature beta", gt=0)
     ipo_enable: bool = opt(False, "IPO loss instead of DPO")
-    label_smoothing: float = opt(0.0, "cDPO label smoothing in [0, 0.5)")
-    nll_loss_coef: float = opt(0.0, "weight of an NLL term on the chosen response")
+    label_smoothing: float = opt(0.0, "cDPO label smoothing in [0, 0.5)", ge=0, lt=0.5)
+    nll_loss_coef: float = opt(0.0, "weight of an NLL term on the chosen response", ge=0)
 
 
 @dataclass
@@ -62,27 +75,33 @@ class DPORef:
     """The frozen reference model (DPO)."""
 
     model_name_or_path: str | None = opt(None, "reference model; default: --model.model_name_or_path")
-    offload: bool = opt(False, "keep the reference model on CPU between forwards")
+    offload: bool = opt(False, "keep the reference model on CPU between forwards", inert=REF_ON_CPU)
 
 
 # --------------------------------------------------------------------------- PPO roles
+IS_CORRECTION_OFF = needs("--algo.advantage.is_correction_enable", lambda c: c.algo.advantage.is_correction_enable)
+
+
 @dataclass
 class _ActorModel:
-    model_name_or_path: str | None = opt(None, "policy model folder or hub id (required)")
-    num_nodes: int = opt(1, "Ray nodes for the actor")
-    num_gpus_per_node: int = opt(1, "GPUs per node for the actor (OpenRLHF: 8)")
+    model_name_or_path: str | None = opt(None, "policy model folder or hub id (required)",
+                                         required="the policy model folder or hub id")
+    num_nodes: int = opt(1, "Ray nodes for the actor", ge=1)
+    num_gpus_per_node: int = opt(1, "GPUs per node for the actor (OpenRLHF: 8)", ge=1)
     gradient_checkpointing_enable: bool = opt(False, "recompute activations in the backward pass")
     gradient_checkpointing_reentrant: bool = opt(False, "use reentrant gradient checkpointing")
-    freeze_visual_encoder: bool = opt(False, "train only the language model of a vision-language model")
+    freeze_visual_encoder: bool = opt(False, "train only the language model of a vision-language model",
+                                      inert=not_yet(facts.VLM))
 
 
 @dataclass
 class Actor(OptimFields, _ActorModel):
     """The policy (PPO): model, optimizer and policy-loss knobs."""
 
-    eps_clip: float = opt(0.2, "PPO ratio clip epsilon (both sides)")
-    eps_clip_low_high: list[float] | None = opt(None, "asymmetric clip: eps_low eps_high", nargs=2)
-    dual_clip: float | None = opt(None, "dual-clip constant c > 1 for negative advantages")
+    eps_clip: float = opt(0.2, "PPO ratio clip epsilon (both sides)", gt=0)
+    eps_clip_low_high: list[float] | None = opt(None, "asymmetric clip: eps_low eps_high", nargs=2, gt=0,
+                                                message="both bounds must be > 0")
+    dual_clip: float | None = opt(None, "dual-clip constant c > 1 for negative advantages", gt=1)
     policy_loss_type: str = opt(
         "ppo",
         "policy loss: ppo (token ratio), gspo (ratio of the mean log-ratio of a sequence), seq_sum (TRL RLOO: "
@@ -90,7 +109,7 @@ class Actor(OptimFields, _ActorModel):
         choices=POLICY_LOSS_TYPES,
     )
     entropy_coef: float | None = opt(None, "entropy bonus coefficient (0: log entropy only; unset: off)")
-    aux_loss_coef: float = opt(0.0, "MoE load-balancing loss coefficient")
+    aux_loss_coef: float = opt(0.0, "MoE load-balancing loss coefficient", inert=not_yet(MOE))
     loss_agg: str | None = opt(
         None,
         "loss aggregation over tokens and sequences; default auto: seq_mean_token_mean with "
@@ -109,27 +128,29 @@ class Actor(OptimFields, _ActorModel):
 @dataclass
 class _CriticModel:
     model_name_or_path: str | None = opt(None, "critic model; default: reward model, else the actor")
-    num_nodes: int = opt(1, "Ray nodes for the critic")
-    num_gpus_per_node: int = opt(1, "GPUs per node for the critic (OpenRLHF: 8)")
+    num_nodes: int = opt(1, "Ray nodes for the critic", ge=1)
+    num_gpus_per_node: int = opt(1, "GPUs per node for the critic (OpenRLHF: 8)", ge=1)
 
 
 @dataclass
 class Critic(OptimFields, _CriticModel):
     """The value model (PPO with the gae estimator): model, optimizer and value-loss knobs."""
 
-    value_clip: float | None = opt(0.5, "value-loss clip range")
+    value_clip: float | None = opt(0.5, "value-loss clip range", gt=0, note="(or none)")
     save_value_network: bool = opt(False, "also save the critic at the end")
-    freezing_steps: int = opt(-1, "freeze the actor for the first N steps while the critic warms up")
+    freezing_steps: int = opt(-1, "freeze the actor for the first N steps while the critic warms up",
+                              section_inert=False)  # read by the step loop with or without a critic
 
 
 @dataclass
 class Ref:
     """The frozen reference policy (PPO, used for the KL term)."""
 
-    model_name_or_path: str | None = opt(None, "reference model; default: the actor's initial weights")
-    num_nodes: int = opt(1, "Ray nodes for the reference model")
-    num_gpus_per_node: int = opt(1, "GPUs per node for the reference model (OpenRLHF: 8)")
-    offload: bool = opt(False, "keep the reference model on CPU between forwards")
+    model_name_or_path: str | None = opt(None, "reference model; default: the actor's initial weights",
+                                         inert=NO_REFERENCE)
+    num_nodes: int = opt(1, "Ray nodes for the reference model", ge=1, inert=NO_REFERENCE)
+    num_gpus_per_node: int = opt(1, "GPUs per node for the reference model (OpenRLHF: 8)", ge=1, inert=NO_REFERENCE)
+    offload: bool = opt(False, "keep the reference model on CPU between forwards", inert=(NO_REFERENCE, REF_ON_CPU))
 
 
 @dataclass
@@ -138,19 +159,28 @@ class Reward:
 
     model_name_or_path: str | None = opt(None, "reward model folder or hub id")
     remote_url: str | None = opt(None, "HTTP reward endpoint(s) or a local .py reward function")
-    num_nodes: int = opt(1, "Ray nodes for the reward model")
-    num_gpus_per_node: int = opt(1, "GPUs per node for the reward model (OpenRLHF: 8)")
-    offload: bool = opt(False, "keep the reward model on CPU between forwards")
-    normalize_enable: bool = opt(False, "normalise reward-model scores with the mean/std stored in the model")
-    clip_range: list[float] = opt([-10.0, 10.0], "clip rewards to [low, high]", nargs=2)
-    overlong_buffer_len: float | None = opt(None, "DAPO overlong penalty buffer length (tokens)")
-    overlong_penalty_factor: float = opt(1.0, "DAPO overlong penalty at max length")
+    num_nodes: int = opt(1, "Ray nodes for the reward model", ge=1, inert=NO_REWARD_MODEL)
+    num_gpus_per_node: int = opt(1, "GPUs per node for the reward model (OpenRLHF: 8)", ge=1, inert=NO_REWARD_MODEL)
+    offload: bool = opt(False, "keep the reward model on CPU between forwards",
+                        inert=not_yet("offloading the reward model (it stays on the run's device)"))
+    normalize_enable: bool = opt(
+        False, "normalise reward-model scores with the mean/std stored in the model",
+        inert=Inert("it normalises a reward model's scores (and a critic started from it); there is neither "
+                    "--reward.model_name_or_path nor a critic", facts.no_reward_model_nor_critic))
+    clip_range: list[float] = opt([-10.0, 10.0], "clip rewards to [low, high]", nargs=2,
+                                  check=lambda p: p[0] < p[1], message="needs low < high")
+    overlong_buffer_len: float | None = opt(None, "DAPO overlong penalty buffer length (tokens)", gt=0)
+    overlong_penalty_factor: float = opt(
+        1.0, "DAPO overlong penalty at max length",
+        inert=needs("--reward.overlong_buffer_len", lambda c: c.reward.overlong_buffer_len))
     stop_properly_penalty_coef: float | None = opt(
-        None, "truncated samples: coef in [0, 1] scales the reward, coef < 0 replaces it"
+        None, "truncated samples: coef in [0, 1] scales the reward, coef < 0 replaces it",
+        check=lambda v: not v > 1, message="must be in [0, 1] (scale) or < 0 (replacement reward)",
     )
     missing_eos_penalty: float | None = opt(
         None, "subtract this from the reward of a sample whose generated tokens contain no EOS (the engine's "
-        "default stop ids), first, before any other shaping (TRL missing_eos_penalty)", extension=True
+        "default stop ids), first, before any other shaping (TRL missing_eos_penalty)", extension=True,
+        ge=0, finite=True, note="(it is subtracted from the reward)",
     )
     batch_normalize_enable: bool = opt(
         False, "normalise the rewards over the rollout batch: (r - mean) / (unbiased std + 1e-8), clamped to "
@@ -158,19 +188,23 @@ class Reward:
         extension=True,
     )
     batch_normalize_clip: float = opt(
-        10.0, "clip of --reward.batch_normalize_enable's normalised rewards (TRL reward_clip_range)", extension=True
+        10.0, "clip of --reward.batch_normalize_enable's normalised rewards (TRL reward_clip_range)", extension=True,
+        gt=0, finite=True, inert=needs("--reward.batch_normalize_enable", lambda c: c.reward.batch_normalize_enable),
     )
     whiten_enable: bool = opt(
         False, "whiten scalar rewards over the batch before the baseline", extension=True
     )
     skip_errors_enable: bool = opt(
         False, "a reward that cannot be computed (reward_func raises or returns a bad value) skips those "
-        "samples (counted in reward/skipped) instead of stopping the run", extension=True
+        "samples (counted in reward/skipped) instead of stopping the run", extension=True,
+        inert=Inert("it applies to a reward_func file (--reward.remote_url FILE.py) only",
+                    lambda v, c, dev: not str(c.reward.remote_url or "").endswith(".py")),
     )
     timeout: float | None = opt(None, "seconds per reward call: an HTTP request (default 30) or one reward_func "
-                                "call on a rollout batch (default 300)", extension=True)
+                                "call on a rollout batch (default 300)", extension=True,
+                                gt=0, note="seconds (or unset for the default)", inert=REMOTE_ONLY)
     retries: int = opt(3, "attempts per reward call (HTTP: connection errors, timeouts, 5xx; reward_func: raised "
-                          "or timed out)", extension=True)
+                          "or timed out)", extension=True, ge=1, note="(attempts in total)", inert=REMOTE_ONLY)
 
 
 @dataclass
@@ -178,8 +212,8 @@ class Advantage:
     """Advantage estimation."""
 
     estimator: str = opt("gae", "advantage estimator", choices=ESTIMATORS)
-    gamma: float = opt(1.0, "discount factor in [0, 1]")
-    lambd: float = opt(1.0, "GAE lambda in [0, 1]")
+    gamma: float = opt(1.0, "discount factor in [0, 1]", ge=0, le=1)
+    lambd: float = opt(1.0, "GAE lambda in [0, 1]", ge=0, le=1)
     no_std_norm: bool = opt(False, "whiten advantages by the mean only (no division by the std)")
     whiten_enable: bool = opt(
         False, "whiten the final advantages for every estimator", extension=True
@@ -190,22 +224,28 @@ class Advantage:
         "sequence (one value per sequence, unbiased std, / (std + 1e-8): TRL normalize_advantage)",
         choices=WHITEN_LEVELS,
         extension=True,
+        inert=needs("--algo.advantage.whiten_enable", lambda c: c.algo.advantage.whiten_enable),
     )
     is_correction_enable: bool = opt(False, "importance-sampling correction of rollout/training mismatch")
-    is_correction_type: str = opt("tis", "IS correction type", choices=IS_CORRECTION_TYPES)
-    is_correction_threshold: list[float] = opt([0.5, 5.0], "IS weight bounds: low high", nargs=2)
+    is_correction_type: str = opt("tis", "IS correction type", choices=IS_CORRECTION_TYPES, inert=IS_CORRECTION_OFF)
+    is_correction_threshold: list[float] = opt(
+        [0.5, 5.0], "IS weight bounds: low high", nargs=2, check=lambda p: "needs low < high" if p[0] >= p[1] else p[0] >= 0 or "low must be >= 0",
+        inert=IS_CORRECTION_OFF)
 
 
 @dataclass
 class KL:
     """KL penalty towards the reference policy."""
 
-    init_coef: float = opt(0.01, "KL coefficient (0: no reference model)")
-    target: float | None = opt(None, "target KL; set to use the adaptive controller")
-    horizon: int = opt(10000, "adaptive KL controller horizon")
+    init_coef: float = opt(0.01, "KL coefficient (0: no reference model)", ge=0)
+    target: float | None = opt(None, "target KL; set to use the adaptive controller", gt=0,
+                               note="(or unset for a fixed coefficient)")
+    horizon: int = opt(10000, "adaptive KL controller horizon", ge=1,
+                       inert=needs("--algo.kl.target (the adaptive controller)", lambda c: c.algo.kl.target))
     estimator: str = opt("k1", "KL estimator", choices=KL_ESTIMATORS)
     use_loss: bool = opt(False, "KL as a loss term instead of a reward penalty")
-    clamp: float = opt(10.0, "bound of the per-token KL estimate, +-clamp (OpenRLHF); 0: unbounded (TRL)", extension=True)
+    clamp: float = opt(10.0, "bound of the per-token KL estimate, +-clamp (OpenRLHF); 0: unbounded (TRL)", extension=True,
+                       ge=0, note="(0: unbounded)", inert=Inert(f"no KL term {facts.NO_KL}", facts.no_reference))
     sequence_level_enable: bool = opt(
         False,
         "subtract the summed sequence KL from the scalar reward "
@@ -222,5 +262,6 @@ class Algo:
     kl: KL = section(KL)
     dynamic_filtering_enable: bool = opt(False, "drop prompt groups whose mean score is outside the range")
     dynamic_filtering_range: list[float] = opt(
-        [0.0, 1.0], "dynamic filtering bounds: low high (exclusive)", nargs=2
+        [0.0, 1.0], "dynamic filtering bounds: low high (exclusive)", nargs=2,
+        inert=needs("--algo.dynamic_filtering_enable", lambda c: c.algo.dynamic_filtering_enable),
     )

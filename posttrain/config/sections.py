@@ -14,7 +14,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from posttrain.config import facts
+from posttrain.config.facts import (
+    EVAL_OFF,
+    LORA_IN_PPO,
+    LORA_OFF,
+    ON_ONE_RANK,
+    PPO,
+    ROLE_PLACEMENT,
+    SAVES_OFF,
+    WANDB_OFF,
+    Inert,
+    needs,
+    not_yet,
+)
 from posttrain.config.spec import opt, section
+
+KNOWN_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 PARAM_DTYPES = ("bf16", "fp16", "fp32")
 EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm", "deepgemm")
@@ -28,47 +44,62 @@ LR_SCHEDULERS = ("cosine_with_min_lr", "constant_with_warmup", "linear")
 class LoRA:
     """LoRA / QLoRA adapter; set --ds.lora.rank > 0 to enable (SFT / RM / DPO)."""
 
-    rank: int = opt(0, "LoRA rank; 0 disables LoRA")
-    alpha: int = opt(16, "LoRA alpha (the update is scaled by alpha / rank)")
-    dropout: float = opt(0.0, "dropout on the LoRA branch, in [0, 1)")
+    rank: int = opt(0, "LoRA rank; 0 disables LoRA", ge=0, note="(0 disables LoRA)", inert=LORA_IN_PPO)
+    alpha: int = opt(16, "LoRA alpha (the update is scaled by alpha / rank)", gt=0, inert=(LORA_IN_PPO, LORA_OFF))
+    dropout: float = opt(0.0, "dropout on the LoRA branch, in [0, 1)", ge=0, lt=1, inert=(LORA_IN_PPO, LORA_OFF))
     target_modules: list[str] = opt(
-        ["all-linear"], "modules that get adapters, e.g. q_proj v_proj, or all-linear", nargs="*"
-    )
+        ["all-linear"], "modules that get adapters, e.g. q_proj v_proj, or all-linear", nargs="*",
+        inert=(LORA_IN_PPO, LORA_OFF))
 
 
 @dataclass
 class DS:
     """DeepSpeed engine and model loading (shared by every model of the run)."""
 
-    zero_stage: int = opt(2, "DeepSpeed ZeRO stage: 0, 1, 2 or 3")
+    zero_stage: int = opt(2, "DeepSpeed ZeRO stage: 0, 1, 2 or 3", ge=0, le=3, message="valid values: 0, 1, 2, 3",
+                          inert=ON_ONE_RANK)
     param_dtype: str | None = opt(
         None, "parameter dtype; default auto: bf16 on GPU, fp32 on CPU", choices=PARAM_DTYPES
     )
-    zpg: int = opt(1, "ZeRO++ max partition size")
-    adam_offload: bool = opt(False, "keep the Adam optimizer state on CPU (not with --optim muon)")
-    overlap_comm: bool = opt(False, "overlap the backward pass with the gradient reduction (more memory)")
+    zpg: int = opt(1, "ZeRO++ max partition size", ge=1,
+                   inert=(ON_ONE_RANK, Inert("ZeRO++ partitioning needs GPUs", facts.on_cpu)))
+    adam_offload: bool = opt(False, "keep the Adam optimizer state on CPU (not with --optim muon)",
+                             inert=(ON_ONE_RANK, Inert("the optimizer state is already in CPU memory", facts.on_cpu)))
+    overlap_comm: bool = opt(False, "overlap the backward pass with the gradient reduction (more memory)",
+                             inert=(ON_ONE_RANK, Inert("communication overlap needs GPU streams", facts.on_cpu)))
     grad_accum_dtype: str | None = opt(
-        None, "dtype of the gradient accumulation buffer", choices=GRAD_ACCUM_DTYPES
+        None, "dtype of the gradient accumulation buffer", choices=GRAD_ACCUM_DTYPES, inert=ON_ONE_RANK
     )
-    deepcompile: bool = opt(False, "enable DeepSpeed DeepCompile graph compilation")
-    tensor_parallel_size: int = opt(1, "DeepSpeed AutoTP tensor-parallel size (ZeRO stage 0/1/2 only)")
-    ring_attn_size: int = opt(1, "ring-attention sequence-parallel group size")
-    ring_attn_head_stride: int = opt(1, "heads per ring-attention step (a divisor of the head count)")
-    use_universal_ckpt: bool = opt(False, "write DeepSpeed universal checkpoints (stage/world-size agnostic)")
+    deepcompile: bool = opt(False, "enable DeepSpeed DeepCompile graph compilation", inert=not_yet("DeepSpeed DeepCompile"))
+    tensor_parallel_size: int = opt(1, "DeepSpeed AutoTP tensor-parallel size (ZeRO stage 0/1/2 only)", ge=1,
+                                    inert=not_yet("DeepSpeed AutoTP tensor parallelism"))
+    ring_attn_size: int = opt(1, "ring-attention sequence-parallel group size", ge=1,
+                              inert=not_yet("ring attention (sequence parallelism)"))
+    ring_attn_head_stride: int = opt(1, "heads per ring-attention step (a divisor of the head count)", ge=1,
+                                     inert=not_yet("ring attention (sequence parallelism)"))
+    use_universal_ckpt: bool = opt(False, "write DeepSpeed universal checkpoints (stage/world-size agnostic)",
+                                   inert=not_yet("DeepSpeed universal checkpoints"))
     attn_implementation: str | None = opt(
         None,
         "attention backend: eager, sdpa, flash_attention_2, flash_attention_3 or a hub kernel "
         "(kernels-community/...); default auto: flash_attention_2 on GPU when installed, else sdpa",
+        check=lambda v: v in KNOWN_ATTENTION or "/" in v,
+        message=f"valid values: {', '.join(KNOWN_ATTENTION)} or a hub kernel like kernels-community/vllm-flash-attn3",
+        inert=Inert("flash attention needs a CUDA GPU with flash-attn; sdpa is used", facts.flash_unavailable),
     )
     experts_implementation: str | None = opt(
-        None, "MoE expert kernels; default: transformers picks", choices=EXPERTS_IMPLEMENTATIONS
+        None, "MoE expert kernels; default: transformers picks", choices=EXPERTS_IMPLEMENTATIONS,
+        inert=not_yet("choosing MoE expert kernels (transformers picks)"),
     )
-    use_liger_kernel: bool = opt(False, "use Liger fused kernels")
+    use_liger_kernel: bool = opt(False, "use Liger fused kernels", inert=not_yet("Liger fused kernels"))
     onednn_linear: bool = opt(
         True, "fp32 linear layers on CPU compute through oneDNN instead of torch's MKL call (1.2-1.6x faster "
         "matmuls where MKL is slow, e.g. AMD CPUs; the same math up to float rounding); no effect on GPU "
-        "(--ds.no_onednn_linear turns it off)", negation="no_onednn_linear", extension=True)
-    load_in_4bit: bool = opt(False, "load the base model in 4-bit (QLoRA; needs --ds.lora.rank > 0 and CUDA)")
+        "(--ds.no_onednn_linear turns it off)", negation="no_onednn_linear", extension=True,
+        inert=Inert("oneDNN computes fp32 linear layers on CPU; on a GPU they use torch's F.linear",
+                    lambda v, c, dev: dev != "cpu"))
+    load_in_4bit: bool = opt(False, "load the base model in 4-bit (QLoRA; needs --ds.lora.rank > 0 and CUDA)",
+                             inert=LORA_IN_PPO)
     lora: LoRA = section(LoRA)
     packing_samples: bool = opt(False, "pack several samples into one row (no padding)")
 
@@ -77,14 +108,18 @@ class DS:
 class DSHead(DS):
     """DeepSpeed engine and model loading; also names the score head of reward models."""
 
-    value_head_prefix: str = opt("score", "attribute name of the scalar score head of reward models")
+    value_head_prefix: str = opt(
+        "score", "attribute name of the scalar score head of reward models",
+        inert=Inert("no reward model and no critic (--algo.advantage.estimator gae)",
+                    facts.no_reward_model_nor_critic, PPO))
 
 
 @dataclass
 class PPODS(DSHead):
     """DeepSpeed engine and model loading (shared by actor, critic, reference and reward model)."""
 
-    enable_sleep: bool = opt(False, "free DeepSpeed memory between training phases (hybrid engine)")
+    enable_sleep: bool = opt(False, "free DeepSpeed memory between training phases (hybrid engine)",
+                             inert=not_yet("the hybrid engine's sleep mode (it needs vLLM)"))
     shared_prefix: bool = opt(
         True, "RL forwards compute a prompt once for all its samples in a micro-batch, exact to float "
         "rounding (--ds.no_shared_prefix turns it off; off with flash attention)", negation="no_shared_prefix",
@@ -93,33 +128,40 @@ class PPODS(DSHead):
         False, "ZeRO-3 with several actor ranks: gather the actor's whole weights once for generation and for "
         "each weight sync (fast; every rank holds the whole model meanwhile: TRL's ds3_gather_for_generation); "
         "default: one tensor at a time (OpenRLHF's weight sync; fits models larger than one device)",
-        negation="no_gather_for_generation", extension=True)
+        negation="no_gather_for_generation", extension=True,
+        inert=Inert("only read under --ds.zero_stage 3 with several actor ranks (in one process the actor trains "
+                    "without ZeRO)", lambda v, c, dev: facts.single_rank_roles(v, c, dev) or c.ds.zero_stage != 3))
 
 
 # --------------------------------------------------------------------------- vLLM + rollout (PPO)
+VLLM_ENGINE = Inert("the rollout engines run the Hugging Face engine, not vLLM: ", facts.no_vllm)
+
+
 @dataclass
 class VLLM:
     """vLLM generation engines (PPO)."""
 
     num_engines: int | None = opt(None, "number of vLLM engines; 0 or unset: no vLLM")
     tensor_parallel_size: int = opt(1, "tensor-parallel size of each vLLM engine")
-    gpu_memory_utilization: float = opt(0.95, "fraction of GPU memory vLLM may use for weights + KV cache")
-    sync_backend: str = opt("nccl", "backend for trainer -> vLLM weight sync")
-    sync_with_ray: bool = opt(False, "sync weights through Ray collective groups")
-    enforce_eager: bool = opt(False, "disable CUDA graphs in vLLM")
-    enable_prefix_caching: bool = opt(False, "enable vLLM prefix caching")
-    enable_sleep: bool = opt(False, "let vLLM release memory between rollouts (hybrid engine, not async)")
+    gpu_memory_utilization: float = opt(0.95, "fraction of GPU memory vLLM may use for weights + KV cache",
+                                        inert=VLLM_ENGINE)
+    sync_backend: str = opt("nccl", "backend for trainer -> vLLM weight sync", inert=ROLE_PLACEMENT)
+    sync_with_ray: bool = opt(False, "sync weights through Ray collective groups", inert=ROLE_PLACEMENT)
+    enforce_eager: bool = opt(False, "disable CUDA graphs in vLLM", inert=VLLM_ENGINE)
+    enable_prefix_caching: bool = opt(False, "enable vLLM prefix caching", inert=VLLM_ENGINE)
+    enable_sleep: bool = opt(False, "let vLLM release memory between rollouts (hybrid engine, not async)",
+                             inert=not_yet("vLLM rollouts (rollouts use the Hugging Face engine)"))
 
 
 @dataclass
 class Rollout:
     """Sampling of experience (PPO)."""
 
-    batch_size: int = opt(1024, "prompts per rollout step")
-    micro_batch_size: int = opt(1, "per-GPU micro-batch of the forward passes over generated samples")
-    n_samples_per_prompt: int = opt(1, "completions per prompt (> 1 for group estimators)")
-    temperature: float = opt(1.0, "sampling temperature")
-    top_p: float = opt(1.0, "nucleus sampling threshold")
+    batch_size: int = opt(1024, "prompts per rollout step", ge=1)
+    micro_batch_size: int = opt(1, "per-GPU micro-batch of the forward passes over generated samples", ge=1)
+    n_samples_per_prompt: int = opt(1, "completions per prompt (> 1 for group estimators)", ge=1)
+    temperature: float = opt(1.0, "sampling temperature", gt=0)
+    top_p: float = opt(1.0, "nucleus sampling threshold", gt=0, le=1)
     max_new_tokens: int | None = opt(
         None, "max generated tokens per sample; default: max_len - prompt length"
     )
@@ -129,10 +171,11 @@ class Rollout:
     max_tokens_per_gpu: int | None = opt(
         None,
         "token budget per GPU for rollout-side forwards "
-        "(dynamic batching); default: --train.max_tokens_per_gpu",
+        "(dynamic batching); default: --train.max_tokens_per_gpu", gt=0,
+        inert=needs("--train.dynamic_batch_enable", lambda c: c.train.dynamic_batch_enable),
     )
     vllm_generate_batch_size: int | None = opt(
-        None, "prompts per generation call; above --rollout.batch_size needs --train.async_enable"
+        None, "prompts per generation call; above --rollout.batch_size needs --train.async_enable", ge=1
     )
 
 
@@ -141,22 +184,26 @@ class Rollout:
 class Data:
     """Dataset loading and tokenisation."""
 
-    max_len: int = opt(2048, "max tokens per sample (prompt + response)")
-    max_samples: int = opt(1000000, "max training samples")
+    max_len: int = opt(2048, "max tokens per sample (prompt + response)", gt=0)
+    max_samples: int = opt(1000000, "max training samples", gt=0)
     input_template: str | None = opt(
-        None, "plain-text prompt template containing {} (without a chat template)"
+        None, "plain-text prompt template containing {} (without a chat template)",
+        check=lambda v: "{}" in v, message="must contain {} where the prompt goes",
     )
     apply_chat_template: bool = opt(False, "format prompts with the tokenizer's chat template")
     tokenizer_chat_template: str | None = opt(None, "override the tokenizer's chat template")
     disable_fast_tokenizer: bool = opt(False, "load the slow (Python) tokenizer")
-    dataloader_num_workers: int = opt(0, "DataLoader worker processes")
+    dataloader_num_workers: int = opt(
+        0, "DataLoader worker processes", ge=0,
+        inert=Inert("samples are tokenised once, up front, in the main process (no DataLoader workers)"))
 
 
 @dataclass
 class DatasetData(Data):
     """Dataset loading and tokenisation."""
 
-    dataset: str | None = opt(None, "training dataset path(s) or HF name(s); comma-separate to mix")
+    dataset: str | None = opt(None, "training dataset path(s) or HF name(s); comma-separate to mix",
+                              required="a dataset path or HF name")
     dataset_probs: str | None = opt(None, "mixing probabilities, comma-separated (e.g. 0.3,0.7)")
     dataset_split: str = opt("train", "dataset split to train on")
 
@@ -187,13 +234,14 @@ class PreferenceData(DatasetData):
 class PPOData(Data):
     """Prompt dataset loading and tokenisation (PPO)."""
 
-    prompt_dataset: str | None = opt(None, "prompt dataset path(s) or HF name(s); comma-separate to mix")
+    prompt_dataset: str | None = opt(None, "prompt dataset path(s) or HF name(s); comma-separate to mix",
+                                     required="a dataset path or HF name")
     prompt_probs: str | None = opt(None, "mixing probabilities, comma-separated")
     prompt_split: str = opt("train", "dataset split to sample prompts from")
     input_key: str = opt("input", "JSON key of the prompt")
     label_key: str | None = opt(None, "JSON key of the ground-truth label passed to the reward function")
-    image_key: str = opt("images", "JSON key of image paths/URLs (vision-language models)")
-    max_images_per_prompt: int = opt(0, "max images per prompt (0: text only)")
+    image_key: str = opt("images", "JSON key of image paths/URLs (vision-language models)", inert=not_yet(facts.VLM))
+    max_images_per_prompt: int = opt(0, "max images per prompt (0: text only)", inert=not_yet(facts.VLM))
 
 
 # --------------------------------------------------------------------------- train / eval / ckpt / logger
@@ -201,14 +249,17 @@ class PPOData(Data):
 class Train:
     """Training loop."""
 
-    batch_size: int = opt(128, "global training batch size (samples per optimizer step)")
-    micro_batch_size: int = opt(8, "samples per GPU per forward/backward")
-    max_epochs: int = opt(1, "epochs over the dataset")
+    batch_size: int = opt(128, "global training batch size (samples per optimizer step)", ge=1)
+    micro_batch_size: int = opt(8, "samples per GPU per forward/backward", ge=1)
+    max_epochs: int = opt(1, "epochs over the dataset", ge=1)
     seed: int = opt(42, "random seed")
-    full_determinism_enable: bool = opt(False, "bit-reproducible kernels (slower)")
+    full_determinism_enable: bool = opt(
+        False, "bit-reproducible kernels (slower)",
+        inert=not_yet("deterministic kernels are not forced (runs are seeded with --train.seed)"))
     dynamic_batch_enable: bool = opt(False, "form micro-batches by token budget instead of sample count")
     max_tokens_per_gpu: int | None = opt(
-        None, "token budget per micro-batch with --train.dynamic_batch_enable"
+        None, "token budget per micro-batch with --train.dynamic_batch_enable", gt=0,
+        inert=needs("--train.dynamic_batch_enable", lambda c: c.train.dynamic_batch_enable),
     )
 
 
@@ -216,19 +267,28 @@ class Train:
 class PPOTrain(Train):
     """Training loop and Ray placement (PPO)."""
 
-    num_episodes: int = opt(1, "passes over the prompt dataset")
+    num_episodes: int = opt(1, "passes over the prompt dataset", ge=1,
+                            inert=Inert("--train.max_steps sets the run's length",
+                                        lambda v, c, dev: c.train.max_steps is not None))
     max_steps: int | None = opt(
         None, "stop after this many rollout steps, cycling the prompts (a fresh shuffle per pass) as often "
-        "as needed; replaces --train.num_episodes when set (TRL's total_episodes / batch size)", extension=True)
+        "as needed; replaces --train.num_episodes when set (TRL's total_episodes / batch size)", extension=True,
+        ge=1, note="(or unset)")
     async_enable: bool = opt(False, "overlap rollout and training (async pipeline)")
-    async_queue_size: int = opt(1, "rollout batches buffered between sampler and trainer")
+    async_queue_size: int = opt(
+        1, "rollout batches buffered between sampler and trainer", ge=0,
+        note="(batches generated ahead of training; 0: none, as the synchronous loop)",
+        inert=Inert("only read with --train.async_enable", lambda v, c, dev: not c.train.async_enable))
     partial_rollout_enable: bool = opt(False, "weight sync may interrupt in-flight generation (async only)")
     enable_ema: bool = opt(False, "keep an exponential moving average of the actor")
-    ema_beta: float = opt(0.992, "EMA decay")
-    agent_func_path: str | None = opt(None, "Python file defining a multi-turn agent")
-    colocate_actor_ref: bool = opt(False, "actor and reference model share GPUs")
-    colocate_critic_reward: bool = opt(False, "critic and reward model share GPUs")
-    colocate_all: bool = opt(False, "all models and vLLM engines share GPUs (hybrid engine)")
+    ema_beta: float = opt(0.992, "EMA decay", gt=0, lt=1,
+                          inert=needs("--train.enable_ema", lambda c: c.train.enable_ema))
+    agent_func_path: str | None = opt(None, "Python file defining a multi-turn agent",
+                                      check=lambda v: not v or v.endswith(".py"),
+                                      message="must be a .py file defining AgentExecutor")
+    colocate_actor_ref: bool = opt(False, "actor and reference model share GPUs", inert=ROLE_PLACEMENT)
+    colocate_critic_reward: bool = opt(False, "critic and reward model share GPUs", inert=ROLE_PLACEMENT)
+    colocate_all: bool = opt(False, "all models and vLLM engines share GPUs (hybrid engine)", inert=ROLE_PLACEMENT)
 
 
 @dataclass
@@ -236,9 +296,9 @@ class Agent:
     """Multi-turn agent episodes (--train.agent_func_path; posttrain extensions)."""
 
     timeout: float = opt(300.0, "seconds per episode; an episode that runs longer fails (counted in agent/failed)",
-                         extension=True)
+                         extension=True, gt=0, note="seconds")
     max_failure_frac: float = opt(0.1, "stop the run when more than this fraction of a batch's episodes fail "
-                                  "(raise, time out or return a malformed result)", extension=True)
+                                  "(raise, time out or return a malformed result)", extension=True, ge=0, le=1)
 
 
 @dataclass
@@ -246,33 +306,36 @@ class Eval:
     """Evaluation."""
 
     dataset: str | None = opt(None, "evaluation dataset path(s)")
-    split: str = opt("train", "evaluation split")
-    steps: int = opt(-1, "evaluate every N steps (-1: never)")
+    split: str = opt("train", "evaluation split", inert=EVAL_OFF)
+    steps: int = opt(-1, "evaluate every N steps (-1: never)", check=lambda v: v == -1 or v >= 1,
+                     message="must be -1 (never) or >= 1", inert=EVAL_OFF)
 
 
 @dataclass
 class PPOEval(Eval):
     """Evaluation rollouts (PPO)."""
 
-    temperature: float = opt(0.6, "sampling temperature of evaluation rollouts")
-    n_samples_per_prompt: int = opt(4, "samples per evaluation prompt")
+    temperature: float = opt(0.6, "sampling temperature of evaluation rollouts", ge=0, inert=EVAL_OFF)
+    n_samples_per_prompt: int = opt(4, "samples per evaluation prompt", ge=1, inert=EVAL_OFF)
 
 
 @dataclass
 class Ckpt:
     """Checkpoints and the final model."""
 
-    output_dir: str = opt("./ckpt", "where the final Hugging Face model (and run files) are written")
+    output_dir: str = opt("./ckpt", "where the final Hugging Face model (and run files) are written",
+                          required="where the final model goes")
     path: str | None = opt(
         None,
         "directory of resumable training checkpoints; unset: <--ckpt.output_dir>/checkpoints "
         "(each run directory holds its own; OpenRLHF: ./ckpt/checkpoints_<trainer>)",
     )
-    save_steps: int = opt(-1, "save a checkpoint every N steps (-1: never)")
-    save_hf: bool = opt(False, "also export a Hugging Face model with every checkpoint")
+    save_steps: int = opt(-1, "save a checkpoint every N steps (-1: never)", check=lambda v: v == -1 or v >= 1,
+                          message="must be -1 (never) or >= 1")
+    save_hf: bool = opt(False, "also export a Hugging Face model with every checkpoint", inert=SAVES_OFF)
     disable_ds: bool = opt(False, "skip resumable checkpoints (progress cannot be resumed)")
-    max_num: int = opt(3, "checkpoints kept")
-    max_mem: float = opt(1e8, "max total size of kept checkpoints in GB")
+    max_num: int = opt(3, "checkpoints kept", ge=1, inert=SAVES_OFF)
+    max_mem: float = opt(1e8, "max total size of kept checkpoints in GB", gt=0, note="(GB)", inert=SAVES_OFF)
     load_enable: bool = opt(False, "resume from the newest checkpoint in --ckpt.path if there is one")
 
 
@@ -281,7 +344,7 @@ class PPOCkpt(Ckpt):
     """Checkpoints and the final model (PPO)."""
 
     best_metric_key: str = opt(
-        "", "eval metric for best-checkpoint saving ('' auto: first pass1 metric; 'none': off)"
+        "", "eval metric for best-checkpoint saving ('' auto: first pass1 metric; 'none': off)", inert=EVAL_OFF
     )
 
 
@@ -290,39 +353,43 @@ class Wandb:
     """Weights & Biases logging (on when --logger.wandb.key is set)."""
 
     key: str | None = opt(None, "W&B API key, or True to use a prior `wandb login`")
-    org: str | None = opt(None, "W&B entity")
-    group: str | None = opt(None, "W&B group")
-    project: str = opt("posttrain", "W&B project")
-    run_name: str | None = opt(None, "W&B run name; default <trainer>_<MMDDTHH:MM>")
+    org: str | None = opt(None, "W&B entity", inert=WANDB_OFF)
+    group: str | None = opt(None, "W&B group", inert=WANDB_OFF)
+    project: str = opt("posttrain", "W&B project", inert=WANDB_OFF)
+    run_name: str | None = opt(None, "W&B run name; default <trainer>_<MMDDTHH:MM>", inert=WANDB_OFF)
 
 
 @dataclass
 class Logger:
     """Logging (metrics.jsonl is always written to the run directory)."""
 
-    logging_steps: int = opt(1, "log every N steps")
+    logging_steps: int = opt(1, "log every N steps", ge=1)
     tensorboard_dir: str | None = opt(None, "TensorBoard log directory")
     wandb: Wandb = section(Wandb)
 
 
 # --------------------------------------------------------------------------- optimizer
+LR_NOTE = "(a learning rate cannot be negative)"
+
+
 @dataclass
 class Adam:
     """AdamW; with --optim muon it drives the auxiliary Adam group (embeddings, head, 1-D params)."""
 
-    lr: float = opt(5e-6, "learning rate")
-    betas: list[float] = opt([0.9, 0.95], "Adam beta1 beta2", nargs=2)
-    eps: float = opt(1e-8, "Adam epsilon")
-    weight_decay: float = opt(0.0, "decoupled weight decay (also applied to the Muon group)")
+    lr: float = opt(5e-6, "learning rate", ge=0, finite=True, note=LR_NOTE)
+    betas: list[float] = opt([0.9, 0.95], "Adam beta1 beta2", nargs=2, ge=0, lt=1,
+                             message="each beta must be in [0, 1)")
+    eps: float = opt(1e-8, "Adam epsilon", gt=0)
+    weight_decay: float = opt(0.0, "decoupled weight decay (also applied to the Muon group)", ge=0)
 
 
 @dataclass
 class Muon:
     """Muon for 2-D hidden weight matrices (with --optim muon)."""
 
-    lr: float = opt(0.02, "learning rate of the Muon group")
-    momentum: float = opt(0.95, "Muon momentum")
-    ns_steps: int = opt(5, "Newton-Schulz iterations")
+    lr: float = opt(0.02, "learning rate of the Muon group", ge=0, finite=True, note=LR_NOTE)
+    momentum: float = opt(0.95, "Muon momentum", ge=0, lt=1)
+    ns_steps: int = opt(5, "Newton-Schulz iterations", ge=1)
     nesterov: bool = opt(True, "Nesterov momentum (--muon.no_nesterov turns it off)", negation="no_nesterov")
 
 
@@ -334,6 +401,6 @@ class OptimFields:
     adam: Adam = section(Adam)
     muon: Muon = section(Muon)
     lr_scheduler: str = opt("cosine_with_min_lr", "learning-rate schedule", choices=LR_SCHEDULERS)
-    lr_warmup_ratio: float = opt(0.03, "fraction of the steps spent in linear warm-up")
-    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak (cosine_with_min_lr)")
-    max_norm: float = opt(1.0, "gradient clipping norm (0: no clipping)")
+    lr_warmup_ratio: float = opt(0.03, "fraction of the steps spent in linear warm-up", ge=0, le=1)
+    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak (cosine_with_min_lr)", ge=0, le=1)
+    max_norm: float = opt(1.0, "gradient clipping norm (0: no clipping)", ge=0, note="(0: no clipping)")

@@ -11,8 +11,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import math
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,12 +29,31 @@ def opt(
     nargs: int | str | None = None,
     negation: str | None = None,
     extension: bool = False,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    finite: bool = False,
+    note: str = "",
+    check: Callable[[Any], bool | str] | None = None,
+    message: str | None = None,
+    required: str | None = None,
+    inert: Any = (),
+    section_inert: bool = True,
 ) -> Any:
-    """Declare a config field.
+    """Declare a config field with every fact that concerns it alone.
 
     choices: allowed values (None stays allowed for Optional fields). nargs: 2 or "*" for list fields.
     negation: name of a companion store_false flag for a default-True boolean (`no_nesterov`).
     extension: the flag is a posttrain addition that OpenRLHF 0.10.2 does not have.
+    ge / gt / le / lt / finite: the range of the value (of each element of a list; None is always
+    allowed for an Optional field); a value outside it is refused as "must be >= 1" etc. followed by
+    `note` (units or meaning, e.g. "seconds", "(0: no clipping)"). check: a predicate for what a range
+    cannot say, refused with `message` (which also replaces the generated range text when given); a
+    check may instead return the problem itself as a string.
+    inert: one `posttrain.config.facts.Inert` or a tuple of them: when setting the flag has no effect
+    (reported at start-up, never silent); the first that applies is reported. section_inert=False:
+    the facts declared on an enclosing section do not apply to this field.
     """
     md = {
         "help": help,
@@ -40,15 +61,81 @@ def opt(
         "nargs": nargs,
         "negation": negation,
         "extension": extension,
+        "bounds": Bounds(ge, gt, le, lt, finite, note, check, message, required),
+        "inert": _facts(inert),
+        "section_inert": section_inert,
     }
     if isinstance(default, list):
         return field(default_factory=functools.partial(list, default), metadata=md)
     return field(default=default, metadata=md)
 
 
-def section(cls: type, **overrides: Any) -> Any:
-    """A nested section field whose defaults differ from `cls`'s by `overrides` (deep-copied per instance)."""
-    return field(default_factory=lambda: cls(**copy.deepcopy(overrides)))
+def section(cls: type, *, inert: Any = (), **overrides: Any) -> Any:
+    """A nested section field whose defaults differ from `cls`'s by `overrides` (deep-copied per instance);
+    `inert` facts apply to every flag inside it (after each flag's own, unless it sets section_inert=False)."""
+    return field(default_factory=lambda: cls(**copy.deepcopy(overrides)), metadata={"inert": _facts(inert)})
+
+
+def _facts(inert: Any) -> tuple:
+    """One fact (a `facts.Inert`, itself a named tuple) or several, as a tuple of facts."""
+    return (inert,) if hasattr(inert, "reason") else tuple(inert)
+
+
+def _shown(x: float) -> str:
+    return f"{x:g}"
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The range (and any other single-value rule) a field declares; `problem(value)` says what is wrong."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    finite: bool = False
+    note: str = ""
+    check: Callable[[Any], bool | str] | None = None
+    message: str | None = None
+    required: str | None = None
+
+    def range_text(self) -> str:
+        low = ("[", self.ge) if self.ge is not None else ("(", self.gt) if self.gt is not None else None
+        high = ("]", self.le) if self.le is not None else (")", self.lt) if self.lt is not None else None
+        if low and high:
+            text = f"in {low[0]}{_shown(low[1])}, {_shown(high[1])}{high[0]}"
+        elif low:
+            text = (">= " if low[0] == "[" else "> ") + _shown(low[1])
+        elif high:
+            text = ("<= " if high[0] == "]" else "< ") + _shown(high[1])
+        else:
+            text = ""
+        if self.finite:
+            text = "a finite number" + (f" {text}" if text else "")
+        return text
+
+    def in_range(self, v: Any) -> bool:
+        if self.finite and not math.isfinite(v):
+            return False
+        return ((self.ge is None or v >= self.ge) and (self.gt is None or v > self.gt)
+                and (self.le is None or v <= self.le) and (self.lt is None or v < self.lt))
+
+    def problem(self, value: Any) -> str | None:
+        """Why `value` is refused, or None. None values are the Optional fields' "unset"."""
+        if self.required and (value is None or value == ""):
+            return f"required: {self.required}"
+        if value is None:
+            return None
+        text = self.range_text()
+        values = value if isinstance(value, list) else [value]
+        numeric = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        checked = True if self.check is None else self.check(value)
+        if isinstance(checked, str):
+            return checked
+        if (text and not all(self.in_range(v) for v in numeric)) or not checked:
+            why = self.message or f"must be {text}"
+            return f"{why} {self.note}" if self.note else why
+        return None
 
 
 @dataclass(frozen=True)
@@ -64,6 +151,12 @@ class FlagSpec:
     negation: str | None  # dotted path of the store_false companion flag, if any
     extension: bool
     section: str  # dotted path of the owning section ("" for flat flags)
+    bounds: Bounds = Bounds()
+    inert: tuple = ()  # `facts.Inert`s: its own, then those of its enclosing sections
+
+    def problem(self, value: Any) -> str | None:
+        """Why `value` is refused by this flag's own declaration (range, check), or None."""
+        return self.bounds.problem(value)
 
     @property
     def flag(self) -> str:
@@ -100,13 +193,13 @@ def flag_specs(cls: type) -> tuple[FlagSpec, ...]:
     """All leaf flags of config class `cls`, in declaration order (flat fields and sections)."""
     out: list[FlagSpec] = []
 
-    def walk(obj: Any, prefix: str) -> None:
+    def walk(obj: Any, prefix: str, inherited: tuple) -> None:
         hints = typing.get_type_hints(type(obj))
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
             path = prefix + f.name
             if is_section(value):
-                walk(value, path + ".")
+                walk(value, path + ".", f.metadata.get("inert", ()) + inherited)
                 continue
             base, optional, is_list = _unwrap(hints[f.name])
             if base not in _SCALARS:
@@ -128,10 +221,12 @@ def flag_specs(cls: type) -> tuple[FlagSpec, ...]:
                     negation=(prefix + neg) if neg else None,
                     extension=md["extension"],
                     section=prefix[:-1],
+                    bounds=md["bounds"],
+                    inert=md["inert"] + (inherited if md["section_inert"] else ()),
                 )
             )
 
-    walk(cls(), "")
+    walk(cls(), "", ())
     return tuple(out)
 
 

@@ -4,11 +4,23 @@ extensions marked in the section modules."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-from posttrain.config.roles import Actor, Algo, Critic, DPOModel, DPORef, Ref, Reward, RMModel, SFTModel
+from posttrain.config import facts
+from posttrain.config.facts import Inert
+from posttrain.config.roles import (
+    NO_CRITIC,
+    Actor,
+    Algo,
+    Critic,
+    DPOModel,
+    DPORef,
+    Ref,
+    Reward,
+    RMModel,
+    SFTModel,
+)
 from posttrain.config.sections import (
     DS,
     PPODS,
@@ -49,8 +61,11 @@ def _ckpt(cls, trainer: str, **kw):
 class Launcher:
     """Flags set by launchers."""
 
-    local_rank: int = opt(-1, "local rank (injected by the deepspeed launcher)")
-    use_ms: bool = opt(False, "download models from ModelScope instead of the HF hub")
+    local_rank: int = opt(-1, "local rank (injected by the deepspeed launcher)",
+                          inert=Inert("the device comes from the LOCAL_RANK environment variable the launcher sets",
+                                      facts.launcher_sets_local_rank))
+    use_ms: bool = opt(False, "download models from ModelScope instead of the HF hub",
+                       inert=Inert("ModelScope downloads are not supported; pass a local folder or an HF hub id"))
 
 
 @dataclass
@@ -105,7 +120,7 @@ class PPOConfig(Launcher):
 
     trainer: ClassVar[str] = "ppo"
     actor: Actor = section(Actor, adam=Adam(lr=1e-6))
-    critic: Critic = section(Critic, adam=Adam(lr=9e-6))
+    critic: Critic = section(Critic, adam=Adam(lr=9e-6), inert=NO_CRITIC)
     ref: Ref = section(Ref)
     reward: Reward = section(Reward)
     algo: Algo = section(Algo)
@@ -136,6 +151,3 @@ def default_config(trainer: str):
     """The config of `trainer` with every flag at its default (no validation)."""
     return config_class(trainer)()
 
-
-def is_config(obj) -> bool:
-    return dataclasses.is_dataclass(obj) and getattr(type(obj), "trainer", None) in CONFIG_CLASSES

@@ -63,7 +63,7 @@ def test_shared_prefix_is_switched_off_with_flash_attention(monkeypatch):
     cfg = parse_config("ppo", PPO, device="cpu")
     resolve_hardware_defaults(cfg, "cpu")
     assert cfg.ds.shared_prefix is True
-    monkeypatch.setattr(hardware, "_has", lambda name: True)
+    monkeypatch.setattr(hardware, "installed", lambda name: True)
     gpu = parse_config("ppo", PPO, device="cpu")
     notes = resolve_hardware_defaults(gpu, "cuda:0")
     assert gpu.ds.attn_implementation == "flash_attention_2" and gpu.ds.shared_prefix is False

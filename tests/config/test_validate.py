@@ -44,9 +44,9 @@ def test_base_configs_are_valid(trainer):
 def test_model_and_dataset_are_required():
     found = problems("sft", base=False)
     assert found == [
-        "--data.dataset: required: a dataset path or HF name",
         "--model.model_name_or_path: required: a model folder or hub id",
-    ]
+        "--data.dataset: required: a dataset path or HF name",
+    ]  # each flag's own facts are checked in --help order
     found = problems("ppo", base=False)
     assert "--data.prompt_dataset: required: a dataset path or HF name" in found
     assert "--actor.model_name_or_path: required: the policy model folder or hub id" in found

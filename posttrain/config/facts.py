@@ -1,0 +1,125 @@
+"""The vocabulary of "has no effect" facts that a flag declares with `opt(..., inert=...)`.
+
+An `Inert(reason, when, trainers)` says: when the flag is set away from its default, in a run of one of
+`trainers` (None: every trainer), and `when(value, cfg, device_type)` holds (None: always, i.e. a feature
+this version does not have), setting it changes nothing, and start-up says so with `reason` (followed by
+`when`'s answer when that is a string: the run-specific why). The conditions below are the ones several
+flags share; `posttrain.config.inert` applies the facts."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from posttrain.config.ray_mode import data_parallel, present_roles, uses_ray
+
+Condition = Callable[[Any, Any, str], "bool | str"]
+PPO = ("ppo",)
+SINGLE_MODEL = ("sft", "rm", "dpo")
+
+
+class Inert(NamedTuple):
+    reason: str
+    when: Condition | None = None
+    trainers: tuple[str, ...] | None = None
+
+
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def not_yet(feature: str, trainers: tuple[str, ...] | None = None) -> Inert:
+    """A feature this version does not have: the flag never acts."""
+    return Inert(NOT_YET + feature, None, trainers)
+
+
+def needs(flag: str, is_on: Callable[[Any], Any], trainers: tuple[str, ...] | None = None) -> Inert:
+    """The flag is read only when `flag` is on (`is_on(cfg)` truthy)."""
+    return Inert(f"needs {flag}", lambda v, c, dev: not is_on(c), trainers)
+
+
+NOT_YET = "not available in this version: "
+ONE_PROCESS = ("every role runs in this one process (no role has more than one rank, no --vllm.num_engines, "
+               "no RAY_ADDRESS), so there is nothing to place or sync")
+VLM = "vision-language models (prompts are text only)"
+MOE = "the MoE load-balancing (router auxiliary) loss is not added"
+PPO_ENGINE = ("DeepSpeed ZeRO shards a role over its ranks: the actor and critic have one rank each here "
+              "(--actor/--critic.num_nodes x num_gpus_per_node), so they train with the plain torch engine")
+PPO_LORA = ("posttrain ppo trains the full actor and critic (LoRA is for sft, rm and dpo; merge an adapter "
+            "first with posttrain lora-merge)")
+NO_EVAL = "no --eval.dataset"
+NO_KL = "(--algo.kl.init_coef 0 and no --algo.kl.use_loss)"
+
+
+def in_process(v, c, dev: str) -> bool:
+    return not uses_ray(c)
+
+
+def on_cpu(v, c, dev: str) -> bool:
+    return dev != "cuda"
+
+
+def no_eval_dataset(v, c, dev: str) -> bool:
+    return not c.eval.dataset
+
+
+def no_vllm(v, c, dev: str) -> bool | str:
+    """The reason the rollout engines cannot run vLLM here (falsy: they can)."""
+    if not (c.vllm.num_engines or 0) >= 1:
+        return "--vllm.num_engines is unset"
+    if dev != "cuda":
+        return "this machine has no CUDA GPU"
+    from posttrain.config.backends import hybrid_refusal, vllm_missing
+
+    return vllm_missing() or hybrid_refusal(c) or False
+
+
+def no_reference(v, c, dev: str) -> bool:
+    return c.algo.kl.init_coef == 0 and not c.algo.kl.use_loss
+
+
+def no_critic(v, c, dev: str) -> bool:
+    return c.algo.advantage.estimator != "gae"
+
+
+def no_reward_model_nor_critic(v, c, dev: str) -> bool:
+    return not c.reward.model_name_or_path and c.algo.advantage.estimator != "gae"
+
+
+def single_rank_roles(v, c, dev: str) -> bool:
+    return not data_parallel(c)
+
+
+def no_saves(v, c, dev: str) -> bool:
+    return c.ckpt.save_steps <= 0 or c.ckpt.disable_ds
+
+
+def wandb_off(v, c, dev: str) -> bool:
+    return c.logger.wandb.key is None
+
+
+def no_reward_model(v, c, dev: str) -> bool:
+    return "reward" not in present_roles(c)
+
+
+def launcher_sets_local_rank(v, c, dev: str) -> bool:
+    return str(v) != os.environ.get("LOCAL_RANK", "")
+
+
+def flash_unavailable(v, c, dev: str) -> bool:
+    return str(v).startswith("flash_attention") and (dev != "cuda" or not installed("flash_attn"))
+
+
+# facts several sections declare
+ON_ONE_RANK = Inert(PPO_ENGINE, single_rank_roles, PPO)
+EVAL_OFF = Inert(NO_EVAL, no_eval_dataset)
+SAVES_OFF = Inert("no checkpoints are saved (--ckpt.save_steps <= 0 or --ckpt.disable_ds)", no_saves)
+WANDB_OFF = Inert("W&B is off (no --logger.wandb.key)", wandb_off)
+LORA_IN_PPO = Inert(PPO_LORA, None, PPO)
+LORA_OFF = Inert("LoRA is off (--ds.lora.rank 0)", lambda v, c, dev: c.ds.lora.rank <= 0)
+ROLE_PLACEMENT = Inert(ONE_PROCESS, in_process, PPO)
