@@ -207,6 +207,7 @@ _CROSS = {
         "--data.dataset_probs": "--data.prompt_probs",
         "--data.dataset_split": "--data.prompt_split",
     },
+    "serve": {},
     "single": {
         "--data.prompt_dataset": "--data.dataset",
         "--data.prompt_probs": "--data.dataset_probs",
@@ -218,14 +219,15 @@ _FLAT_OPTIM_ROOTS = ("optim", "adam", "muon", "lr_scheduler", "lr_warmup_ratio",
 
 
 def _family(trainer: str) -> str:
-    return "ppo" if trainer == "ppo" else "single"
+    """"ppo", "single" (sft / rm / dpo) or "serve" (serve-rm, whose renamed flags are PPO's)."""
+    return {"ppo": "ppo", "serve-rm": "serve"}.get(trainer, "single")
 
 
 def renamed_to(old: str, trainer: str) -> str | None:
     """The flag(s) replacing OpenRLHF's pre-0.10.2 flag `old` for `trainer`, or None."""
     new = RENAMED.get(old)
     if isinstance(new, dict):
-        new = new[_family(trainer)]
+        new = new[_family(trainer).replace("serve", "ppo")]
     return new
 
 

@@ -8,6 +8,7 @@ parser (with `--config run.yaml`), validation, hardware defaults and the start-u
 from posttrain.compat.trl_rloo import translate_rloo, translation_of
 from posttrain.config.errors import ConfigError, ConfigWarning, main_error_exit
 from posttrain.config.fingerprint import adjustable_values, checkpoint_dir, run_fingerprint
+from posttrain.config.flag_values import parse_probs
 from posttrain.config.hardware import resolve_hardware_defaults, resolved_values
 from posttrain.config.inert import inert_flags
 from posttrain.config.parser import (
@@ -32,7 +33,7 @@ from posttrain.config.trainers import (
     config_class,
     default_config,
 )
-from posttrain.config.validate import parse_probs, validate
+from posttrain.config.validate import validate
 from posttrain.config.yaml_io import config_to_dict, save_config
 
 __all__ = [

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from posttrain.config.facts import Condition
+from posttrain.config.flag_values import format_value
 from posttrain.config.hardware import device_type, resolved_values
 from posttrain.config.spec import changed_values, flag_specs
-from posttrain.config.values import format_value
 
 
 class InertRule(NamedTuple):

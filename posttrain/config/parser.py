@@ -22,9 +22,9 @@ from posttrain.compat.flag_migration import explain_unknown
 from posttrain.compat.trl_rloo import ATTRIBUTE as TRL_ATTRIBUTE
 from posttrain.compat.trl_rloo import Translation, is_trl_rloo, translate_rloo
 from posttrain.config.errors import ConfigError, ConfigWarning
+from posttrain.config.flag_values import parse_scalar
 from posttrain.config.spec import FlagSpec, flag_specs, set_path
-from posttrain.config.trainers import CONFIG_CLASSES, TRAINERS, config_class
-from posttrain.config.values import parse_scalar
+from posttrain.config.trainers import COMMAND_CONFIGS, CONFIG_CLASSES, TRAINERS, config_class
 from posttrain.config.yaml_io import load_yaml_values, read_yaml, typed_values
 
 # A token that is a negative number (as Python's float() reads it), hence a value and never a flag.
@@ -179,14 +179,15 @@ def parse_config(
     device: str | None = None,
     translation: Translation | None = None,
 ):
-    """Parse `argv` (default sys.argv[1:]) into the config dataclass of `trainer` ("sft" | "rm" | "dpo" | "ppo").
+    """Parse `argv` (default sys.argv[1:]) into the config dataclass of `trainer` ("sft" | "rm" | "dpo" | "ppo",
+    or the reward server's "serve-rm").
 
     `--config run.yaml` supplies values underneath the command line. With check=True the config is
     validated (`validate(cfg, world_size, device)`, world_size from env WORLD_SIZE) and its warnings are
     issued as `ConfigWarning`s. Raises ConfigError for unknown flags (with the closest flag or the
     0.10.2 replacement of an old flag), bad values, bad YAML and failed validation. `-h` prints the
     help grouped by section and exits."""
-    if trainer not in TRAINERS:
+    if trainer not in COMMAND_CONFIGS:
         raise ConfigError(f"unknown trainer {trainer!r}; valid: {', '.join(TRAINERS)}")
     cls = config_class(trainer)
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from posttrain.config import facts
 from posttrain.config.facts import MOE, Inert, needs, not_yet
-from posttrain.config.sections import OptimFields
+from posttrain.config.sections import OptimizerFields
 from posttrain.config.spec import opt, section
 
 ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo")
@@ -32,7 +32,7 @@ NO_REWARD_MODEL = Inert("no reward model: rewards come from --reward.remote_url"
 
 # --------------------------------------------------------------------------- single-model trainers
 @dataclass
-class Model:
+class ModelConfig:
     """The trained model (SFT / RM / DPO)."""
 
     model_name_or_path: str | None = opt(None, "model folder or Hugging Face hub id (required)",
@@ -43,14 +43,14 @@ class Model:
 
 
 @dataclass
-class SFTModel(Model):
+class SFTModelConfig(ModelConfig):
     """The trained model (SFT)."""
 
     pretrain_mode_enable: bool = opt(False, "next-token loss on the whole sequence, prompt included")
 
 
 @dataclass
-class RMModel(Model):
+class RMModelConfig(ModelConfig):
     """The reward model being trained."""
 
     loss_type: str = opt("sigmoid", "pairwise loss", choices=RM_LOSS_TYPES)
@@ -61,7 +61,7 @@ class RMModel(Model):
 
 
 @dataclass
-class DPOModel(Model):
+class DPOModelConfig(ModelConfig):
     """The policy trained with DPO / IPO / cDPO."""
 
     beta: float = opt(0.1, "DPO temperature beta", gt=0)
@@ -71,7 +71,7 @@ class DPOModel(Model):
 
 
 @dataclass
-class DPORef:
+class DPORefConfig:
     """The frozen reference model (DPO)."""
 
     model_name_or_path: str | None = opt(None, "reference model; default: --model.model_name_or_path")
@@ -83,7 +83,7 @@ IS_CORRECTION_OFF = needs("--algo.advantage.is_correction_enable", lambda c: c.a
 
 
 @dataclass
-class _ActorModel:
+class _ActorModelFields:
     model_name_or_path: str | None = opt(None, "policy model folder or hub id (required)",
                                          required="the policy model folder or hub id")
     num_nodes: int = opt(1, "Ray nodes for the actor", ge=1)
@@ -95,7 +95,7 @@ class _ActorModel:
 
 
 @dataclass
-class Actor(OptimFields, _ActorModel):
+class ActorConfig(OptimizerFields, _ActorModelFields):
     """The policy (PPO): model, optimizer and policy-loss knobs."""
 
     eps_clip: float = opt(0.2, "PPO ratio clip epsilon (both sides)", gt=0)
@@ -126,14 +126,14 @@ class Actor(OptimFields, _ActorModel):
 
 
 @dataclass
-class _CriticModel:
+class _CriticModelFields:
     model_name_or_path: str | None = opt(None, "critic model; default: reward model, else the actor")
     num_nodes: int = opt(1, "Ray nodes for the critic", ge=1)
     num_gpus_per_node: int = opt(1, "GPUs per node for the critic (OpenRLHF: 8)", ge=1)
 
 
 @dataclass
-class Critic(OptimFields, _CriticModel):
+class CriticConfig(OptimizerFields, _CriticModelFields):
     """The value model (PPO with the gae estimator): model, optimizer and value-loss knobs."""
 
     value_clip: float | None = opt(0.5, "value-loss clip range", gt=0, note="(or none)")
@@ -143,7 +143,7 @@ class Critic(OptimFields, _CriticModel):
 
 
 @dataclass
-class Ref:
+class RefConfig:
     """The frozen reference policy (PPO, used for the KL term)."""
 
     model_name_or_path: str | None = opt(None, "reference model; default: the actor's initial weights",
@@ -154,7 +154,7 @@ class Ref:
 
 
 @dataclass
-class Reward:
+class RewardConfig:
     """Reward source and reward shaping (PPO)."""
 
     model_name_or_path: str | None = opt(None, "reward model folder or hub id")
@@ -208,7 +208,7 @@ class Reward:
 
 
 @dataclass
-class Advantage:
+class AdvantageConfig:
     """Advantage estimation."""
 
     estimator: str = opt("gae", "advantage estimator", choices=ESTIMATORS)
@@ -234,7 +234,7 @@ class Advantage:
 
 
 @dataclass
-class KL:
+class KLConfig:
     """KL penalty towards the reference policy."""
 
     init_coef: float = opt(0.01, "KL coefficient (0: no reference model)", ge=0)
@@ -255,11 +255,11 @@ class KL:
 
 
 @dataclass
-class Algo:
+class AlgoConfig:
     """RL algorithm (PPO family)."""
 
-    advantage: Advantage = section(Advantage)
-    kl: KL = section(KL)
+    advantage: AdvantageConfig = section(AdvantageConfig)
+    kl: KLConfig = section(KLConfig)
     dynamic_filtering_enable: bool = opt(False, "drop prompt groups whose mean score is outside the range")
     dynamic_filtering_range: list[float] = opt(
         [0.0, 1.0], "dynamic filtering bounds: low high (exclusive)", nargs=2,

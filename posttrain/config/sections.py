@@ -31,6 +31,9 @@ from posttrain.config.facts import (
 from posttrain.config.spec import opt, section
 
 KNOWN_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+ATTENTION_RULE = dict(
+    check=lambda v: v in KNOWN_ATTENTION or "/" in v,
+    message=f"valid values: {', '.join(KNOWN_ATTENTION)} or a hub kernel like kernels-community/vllm-flash-attn3")
 
 PARAM_DTYPES = ("bf16", "fp16", "fp32")
 EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm", "deepgemm")
@@ -41,7 +44,7 @@ LR_SCHEDULERS = ("cosine_with_min_lr", "constant_with_warmup", "linear")
 
 # --------------------------------------------------------------------------- DeepSpeed + model loading
 @dataclass
-class LoRA:
+class LoRAConfig:
     """LoRA / QLoRA adapter; set --ds.lora.rank > 0 to enable (SFT / RM / DPO)."""
 
     rank: int = opt(0, "LoRA rank; 0 disables LoRA", ge=0, note="(0 disables LoRA)", inert=LORA_IN_PPO)
@@ -53,7 +56,7 @@ class LoRA:
 
 
 @dataclass
-class DS:
+class DSConfig:
     """DeepSpeed engine and model loading (shared by every model of the run)."""
 
     zero_stage: int = opt(2, "DeepSpeed ZeRO stage: 0, 1, 2 or 3", ge=0, le=3, message="valid values: 0, 1, 2, 3",
@@ -83,8 +86,7 @@ class DS:
         None,
         "attention backend: eager, sdpa, flash_attention_2, flash_attention_3 or a hub kernel "
         "(kernels-community/...); default auto: flash_attention_2 on GPU when installed, else sdpa",
-        check=lambda v: v in KNOWN_ATTENTION or "/" in v,
-        message=f"valid values: {', '.join(KNOWN_ATTENTION)} or a hub kernel like kernels-community/vllm-flash-attn3",
+        **ATTENTION_RULE,
         inert=Inert("flash attention needs a CUDA GPU with flash-attn; sdpa is used", facts.flash_unavailable),
     )
     experts_implementation: str | None = opt(
@@ -100,12 +102,12 @@ class DS:
                     lambda v, c, dev: dev != "cpu"))
     load_in_4bit: bool = opt(False, "load the base model in 4-bit (QLoRA; needs --ds.lora.rank > 0 and CUDA)",
                              inert=LORA_IN_PPO)
-    lora: LoRA = section(LoRA)
+    lora: LoRAConfig = section(LoRAConfig)
     packing_samples: bool = opt(False, "pack several samples into one row (no padding)")
 
 
 @dataclass
-class DSHead(DS):
+class ScoreDSConfig(DSConfig):
     """DeepSpeed engine and model loading; also names the score head of reward models."""
 
     value_head_prefix: str = opt(
@@ -115,7 +117,7 @@ class DSHead(DS):
 
 
 @dataclass
-class PPODS(DSHead):
+class PPODSConfig(ScoreDSConfig):
     """DeepSpeed engine and model loading (shared by actor, critic, reference and reward model)."""
 
     enable_sleep: bool = opt(False, "free DeepSpeed memory between training phases (hybrid engine)",
@@ -138,7 +140,7 @@ VLLM_ENGINE = Inert("the rollout engines run the Hugging Face engine, not vLLM: 
 
 
 @dataclass
-class VLLM:
+class VLLMConfig:
     """vLLM generation engines (PPO)."""
 
     num_engines: int | None = opt(None, "number of vLLM engines; 0 or unset: no vLLM")
@@ -154,7 +156,7 @@ class VLLM:
 
 
 @dataclass
-class Rollout:
+class RolloutConfig:
     """Sampling of experience (PPO)."""
 
     batch_size: int = opt(1024, "prompts per rollout step", ge=1)
@@ -181,7 +183,7 @@ class Rollout:
 
 # --------------------------------------------------------------------------- data
 @dataclass
-class Data:
+class DataConfig:
     """Dataset loading and tokenisation."""
 
     max_len: int = opt(2048, "max tokens per sample (prompt + response)", gt=0)
@@ -199,7 +201,7 @@ class Data:
 
 
 @dataclass
-class DatasetData(Data):
+class DatasetDataConfig(DataConfig):
     """Dataset loading and tokenisation."""
 
     dataset: str | None = opt(None, "training dataset path(s) or HF name(s); comma-separate to mix",
@@ -209,7 +211,7 @@ class DatasetData(Data):
 
 
 @dataclass
-class SFTData(DatasetData):
+class SFTDataConfig(DatasetDataConfig):
     """Dataset loading and tokenisation (SFT)."""
 
     input_key: str = opt("input", "JSON key of the prompt")
@@ -220,7 +222,7 @@ class SFTData(DatasetData):
 
 
 @dataclass
-class PreferenceData(DatasetData):
+class PreferenceDataConfig(DatasetDataConfig):
     """Dataset loading and tokenisation (preference pairs)."""
 
     prompt_key: str | None = opt(
@@ -231,7 +233,7 @@ class PreferenceData(DatasetData):
 
 
 @dataclass
-class PPOData(Data):
+class PPODataConfig(DataConfig):
     """Prompt dataset loading and tokenisation (PPO)."""
 
     prompt_dataset: str | None = opt(None, "prompt dataset path(s) or HF name(s); comma-separate to mix",
@@ -246,7 +248,7 @@ class PPOData(Data):
 
 # --------------------------------------------------------------------------- train / eval / ckpt / logger
 @dataclass
-class Train:
+class TrainConfig:
     """Training loop."""
 
     batch_size: int = opt(128, "global training batch size (samples per optimizer step)", ge=1)
@@ -264,7 +266,7 @@ class Train:
 
 
 @dataclass
-class PPOTrain(Train):
+class PPOTrainConfig(TrainConfig):
     """Training loop and Ray placement (PPO)."""
 
     num_episodes: int = opt(1, "passes over the prompt dataset", ge=1,
@@ -292,7 +294,7 @@ class PPOTrain(Train):
 
 
 @dataclass
-class Agent:
+class AgentConfig:
     """Multi-turn agent episodes (--train.agent_func_path; posttrain extensions)."""
 
     timeout: float = opt(300.0, "seconds per episode; an episode that runs longer fails (counted in agent/failed)",
@@ -302,7 +304,7 @@ class Agent:
 
 
 @dataclass
-class Eval:
+class EvalConfig:
     """Evaluation."""
 
     dataset: str | None = opt(None, "evaluation dataset path(s)")
@@ -312,7 +314,7 @@ class Eval:
 
 
 @dataclass
-class PPOEval(Eval):
+class PPOEvalConfig(EvalConfig):
     """Evaluation rollouts (PPO)."""
 
     temperature: float = opt(0.6, "sampling temperature of evaluation rollouts", ge=0, inert=EVAL_OFF)
@@ -320,7 +322,7 @@ class PPOEval(Eval):
 
 
 @dataclass
-class Ckpt:
+class CkptConfig:
     """Checkpoints and the final model."""
 
     output_dir: str = opt("./ckpt", "where the final Hugging Face model (and run files) are written",
@@ -340,7 +342,7 @@ class Ckpt:
 
 
 @dataclass
-class PPOCkpt(Ckpt):
+class PPOCkptConfig(CkptConfig):
     """Checkpoints and the final model (PPO)."""
 
     best_metric_key: str = opt(
@@ -349,7 +351,7 @@ class PPOCkpt(Ckpt):
 
 
 @dataclass
-class Wandb:
+class WandbConfig:
     """Weights & Biases logging (on when --logger.wandb.key is set)."""
 
     key: str | None = opt(None, "W&B API key, or True to use a prior `wandb login`")
@@ -360,12 +362,12 @@ class Wandb:
 
 
 @dataclass
-class Logger:
+class LoggerConfig:
     """Logging (metrics.jsonl is always written to the run directory)."""
 
     logging_steps: int = opt(1, "log every N steps", ge=1)
     tensorboard_dir: str | None = opt(None, "TensorBoard log directory")
-    wandb: Wandb = section(Wandb)
+    wandb: WandbConfig = section(WandbConfig)
 
 
 # --------------------------------------------------------------------------- optimizer
@@ -373,7 +375,7 @@ LR_NOTE = "(a learning rate cannot be negative)"
 
 
 @dataclass
-class Adam:
+class AdamConfig:
     """AdamW; with --optim muon it drives the auxiliary Adam group (embeddings, head, 1-D params)."""
 
     lr: float = opt(5e-6, "learning rate", ge=0, finite=True, note=LR_NOTE)
@@ -384,7 +386,7 @@ class Adam:
 
 
 @dataclass
-class Muon:
+class MuonConfig:
     """Muon for 2-D hidden weight matrices (with --optim muon)."""
 
     lr: float = opt(0.02, "learning rate of the Muon group", ge=0, finite=True, note=LR_NOTE)
@@ -394,12 +396,12 @@ class Muon:
 
 
 @dataclass
-class OptimFields:
+class OptimizerFields:
     """Optimizer, LR schedule and gradient clipping (flat in SFT/RM/DPO, per entity in PPO)."""
 
     optim: str = opt("adam", "optimizer", choices=OPTIMIZERS)
-    adam: Adam = section(Adam)
-    muon: Muon = section(Muon)
+    adam: AdamConfig = section(AdamConfig)
+    muon: MuonConfig = section(MuonConfig)
     lr_scheduler: str = opt("cosine_with_min_lr", "learning-rate schedule", choices=LR_SCHEDULERS)
     lr_warmup_ratio: float = opt(0.03, "fraction of the steps spent in linear warm-up", ge=0, le=1)
     min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak (cosine_with_min_lr)", ge=0, le=1)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from posttrain.config.flag_values import format_value
 from posttrain.config.hardware import resolved_values
 from posttrain.config.spec import changed_values, flag_specs, get_path
-from posttrain.config.values import format_value
 
 
 def derived_sizes(cfg, world_size: int = 1) -> dict[str, Any]:

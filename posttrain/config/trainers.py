@@ -11,44 +11,45 @@ from posttrain.config import facts
 from posttrain.config.facts import Inert
 from posttrain.config.roles import (
     NO_CRITIC,
-    Actor,
-    Algo,
-    Critic,
-    DPOModel,
-    DPORef,
-    Ref,
-    Reward,
-    RMModel,
-    SFTModel,
+    ActorConfig,
+    AlgoConfig,
+    CriticConfig,
+    DPOModelConfig,
+    DPORefConfig,
+    RefConfig,
+    RewardConfig,
+    RMModelConfig,
+    SFTModelConfig,
 )
 from posttrain.config.sections import (
-    DS,
-    PPODS,
-    VLLM,
-    Adam,
-    Agent,
-    Ckpt,
-    DSHead,
-    Eval,
-    Logger,
-    OptimFields,
-    PPOCkpt,
-    PPOData,
-    PPOEval,
-    PPOTrain,
-    PreferenceData,
-    Rollout,
-    SFTData,
-    Train,
-    Wandb,
+    AdamConfig,
+    AgentConfig,
+    CkptConfig,
+    DSConfig,
+    EvalConfig,
+    LoggerConfig,
+    OptimizerFields,
+    PPOCkptConfig,
+    PPODataConfig,
+    PPODSConfig,
+    PPOEvalConfig,
+    PPOTrainConfig,
+    PreferenceDataConfig,
+    RolloutConfig,
+    ScoreDSConfig,
+    SFTDataConfig,
+    TrainConfig,
+    VLLMConfig,
+    WandbConfig,
 )
+from posttrain.config.serving import ServeRMConfig
 from posttrain.config.spec import opt, section
 
 TRAINERS = ("sft", "rm", "dpo", "ppo")
 
 
 def _logger(trainer: str):
-    return section(Logger, wandb=Wandb(project=f"posttrain_{trainer}"))
+    return section(LoggerConfig, wandb=WandbConfig(project=f"posttrain_{trainer}"))
 
 
 def _ckpt(cls, trainer: str, **kw):
@@ -58,7 +59,7 @@ def _ckpt(cls, trainer: str, **kw):
 
 
 @dataclass
-class Launcher:
+class LauncherFields:
     """Flags set by launchers."""
 
     local_rank: int = opt(-1, "local rank (injected by the deepspeed launcher)",
@@ -69,82 +70,84 @@ class Launcher:
 
 
 @dataclass
-class SFTConfig(OptimFields, Launcher):
+class SFTConfig(OptimizerFields, LauncherFields):
     """posttrain sft: supervised fine-tuning."""
 
     trainer: ClassVar[str] = "sft"
-    adam: Adam = section(Adam, lr=5e-6)
-    model: SFTModel = section(SFTModel)
-    ds: DS = section(DS)
-    data: SFTData = section(SFTData, input_template="User: {}\nAssistant: ", max_len=2048)
-    train: Train = section(Train, micro_batch_size=8, max_epochs=2)
-    eval: Eval = section(Eval, split="train")
-    ckpt: Ckpt = _ckpt(Ckpt, "sft")
-    logger: Logger = _logger("sft")
+    adam: AdamConfig = section(AdamConfig, lr=5e-6)
+    model: SFTModelConfig = section(SFTModelConfig)
+    ds: DSConfig = section(DSConfig)
+    data: SFTDataConfig = section(SFTDataConfig, input_template="User: {}\nAssistant: ", max_len=2048)
+    train: TrainConfig = section(TrainConfig, micro_batch_size=8, max_epochs=2)
+    eval: EvalConfig = section(EvalConfig, split="train")
+    ckpt: CkptConfig = _ckpt(CkptConfig, "sft")
+    logger: LoggerConfig = _logger("sft")
 
 
 @dataclass
-class RMConfig(OptimFields, Launcher):
+class RMConfig(OptimizerFields, LauncherFields):
     """posttrain rm: reward-model training on preference pairs."""
 
     trainer: ClassVar[str] = "rm"
-    adam: Adam = section(Adam, lr=9e-6)
-    model: RMModel = section(RMModel)
-    ds: DSHead = section(DSHead)
-    data: PreferenceData = section(PreferenceData, max_len=512)
-    train: Train = section(Train, micro_batch_size=1, max_epochs=1)
-    eval: Eval = section(Eval, split="train")
-    ckpt: Ckpt = _ckpt(Ckpt, "rm")
-    logger: Logger = _logger("rm")
+    adam: AdamConfig = section(AdamConfig, lr=9e-6)
+    model: RMModelConfig = section(RMModelConfig)
+    ds: ScoreDSConfig = section(ScoreDSConfig)
+    data: PreferenceDataConfig = section(PreferenceDataConfig, max_len=512)
+    train: TrainConfig = section(TrainConfig, micro_batch_size=1, max_epochs=1)
+    eval: EvalConfig = section(EvalConfig, split="train")
+    ckpt: CkptConfig = _ckpt(CkptConfig, "rm")
+    logger: LoggerConfig = _logger("rm")
 
 
 @dataclass
-class DPOConfig(OptimFields, Launcher):
+class DPOConfig(OptimizerFields, LauncherFields):
     """posttrain dpo: direct preference optimisation (DPO / IPO / cDPO)."""
 
     trainer: ClassVar[str] = "dpo"
-    adam: Adam = section(Adam, lr=1e-5)
-    model: DPOModel = section(DPOModel)
-    ref: DPORef = section(DPORef)
-    ds: DS = section(DS)
-    data: PreferenceData = section(PreferenceData, max_len=512)
-    train: Train = section(Train, micro_batch_size=8, max_epochs=1)
-    eval: Eval = section(Eval, split="test")
-    ckpt: Ckpt = _ckpt(Ckpt, "dpo")
-    logger: Logger = _logger("dpo")
+    adam: AdamConfig = section(AdamConfig, lr=1e-5)
+    model: DPOModelConfig = section(DPOModelConfig)
+    ref: DPORefConfig = section(DPORefConfig)
+    ds: DSConfig = section(DSConfig)
+    data: PreferenceDataConfig = section(PreferenceDataConfig, max_len=512)
+    train: TrainConfig = section(TrainConfig, micro_batch_size=8, max_epochs=1)
+    eval: EvalConfig = section(EvalConfig, split="test")
+    ckpt: CkptConfig = _ckpt(CkptConfig, "dpo")
+    logger: LoggerConfig = _logger("dpo")
 
 
 @dataclass
-class PPOConfig(Launcher):
+class PPOConfig(LauncherFields):
     """posttrain ppo: RL from human or verifiable feedback (PPO, REINFORCE++, RLOO, GRPO, ...)."""
 
     trainer: ClassVar[str] = "ppo"
-    actor: Actor = section(Actor, adam=Adam(lr=1e-6))
-    critic: Critic = section(Critic, adam=Adam(lr=9e-6), inert=NO_CRITIC)
-    ref: Ref = section(Ref)
-    reward: Reward = section(Reward)
-    algo: Algo = section(Algo)
-    ds: PPODS = section(PPODS)
-    vllm: VLLM = section(VLLM)
-    rollout: Rollout = section(Rollout)
-    data: PPOData = section(PPOData, max_len=2048, max_samples=100000000)
-    train: PPOTrain = section(PPOTrain, micro_batch_size=1, max_epochs=1, max_tokens_per_gpu=16192)
-    agent: Agent = section(Agent)
-    eval: PPOEval = section(PPOEval, split="train")
-    ckpt: PPOCkpt = _ckpt(PPOCkpt, "ppo_ray", max_mem=float("inf"))
-    logger: Logger = _logger("ppo")
+    actor: ActorConfig = section(ActorConfig, adam=AdamConfig(lr=1e-6))
+    critic: CriticConfig = section(CriticConfig, adam=AdamConfig(lr=9e-6), inert=NO_CRITIC)
+    ref: RefConfig = section(RefConfig)
+    reward: RewardConfig = section(RewardConfig)
+    algo: AlgoConfig = section(AlgoConfig)
+    ds: PPODSConfig = section(PPODSConfig)
+    vllm: VLLMConfig = section(VLLMConfig)
+    rollout: RolloutConfig = section(RolloutConfig)
+    data: PPODataConfig = section(PPODataConfig, max_len=2048, max_samples=100000000)
+    train: PPOTrainConfig = section(PPOTrainConfig, micro_batch_size=1, max_epochs=1, max_tokens_per_gpu=16192)
+    agent: AgentConfig = section(AgentConfig)
+    eval: PPOEvalConfig = section(PPOEvalConfig, split="train")
+    ckpt: PPOCkptConfig = _ckpt(PPOCkptConfig, "ppo_ray", max_mem=float("inf"))
+    logger: LoggerConfig = _logger("ppo")
 
 
 CONFIG_CLASSES: dict[str, type] = {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig, "ppo": PPOConfig}
+# every command whose flags the dotted-flag parser reads: the trainers and the reward server
+COMMAND_CONFIGS: dict[str, type] = {**CONFIG_CLASSES, "serve-rm": ServeRMConfig}
 
 
-def config_class(trainer: str) -> type:
+def config_class(command: str) -> type:
     from posttrain.config.errors import ConfigError
 
     try:
-        return CONFIG_CLASSES[trainer]
+        return COMMAND_CONFIGS[command]
     except KeyError:
-        raise ConfigError(f"unknown trainer {trainer!r}; valid: {', '.join(TRAINERS)}") from None
+        raise ConfigError(f"unknown command {command!r}; valid: {', '.join(COMMAND_CONFIGS)}") from None
 
 
 def default_config(trainer: str):

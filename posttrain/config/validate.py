@@ -11,11 +11,11 @@ import math
 from typing import Any
 
 from posttrain.config.errors import ConfigError
+from posttrain.config.flag_values import check_flag_choice, format_value, parse_probs
 from posttrain.config.hardware import device_type, record_resolved, resolved_values
 from posttrain.config.ray_mode import role_ranks
 from posttrain.config.roles import GROUP_ESTIMATORS, SEQUENCE_POLICY_LOSSES
 from posttrain.config.spec import flag_specs, get_path
-from posttrain.config.values import check_choice, format_value
 
 
 class _Report:
@@ -33,13 +33,6 @@ class _Report:
             self.bad(flag, value, why)
 
 
-def parse_probs(text: str | None) -> list[float] | None:
-    """'0.3,0.7' -> [0.3, 0.7] (ValueError on a non-number)."""
-    if text is None or str(text).strip() == "":
-        return None
-    return [float(p) for p in str(text).split(",")]
-
-
 def validate(cfg, world_size: int = 1, device: Any = None) -> list[str]:
     """Check `cfg` for `world_size` data-parallel ranks on `device` ("cpu" / "cuda"; default: what torch
     sees). Raises ConfigError listing every problem; returns warnings (strings) otherwise. Resolves
@@ -51,6 +44,12 @@ def validate(cfg, world_size: int = 1, device: Any = None) -> list[str]:
                           "for more ranks, not under torchrun or deepspeed")
     r = _Report()
     dev = device_type(device)
+    if cfg.trainer == "serve-rm":
+        _declared(cfg, r)
+        _served_source(cfg, r)
+        if r.problems:
+            raise ConfigError.collect(r.problems)
+        return r.warnings
     r.need(
         world_size >= 1,
         "train.batch_size",
@@ -76,10 +75,8 @@ def validate(cfg, world_size: int = 1, device: Any = None) -> list[str]:
 def check_serving_model(ds, device: Any = None) -> list[str]:
     """The model-loading rules of `--ds.*` for a model that is only run, never trained (serve-rm):
     raises ConfigError (e.g. 4-bit on a CPU), returns warnings (e.g. bf16 on a CPU)."""
-    from types import SimpleNamespace
-
     r = _Report()
-    _engine(SimpleNamespace(ds=ds), r, device_type(device), trains=False)
+    _model_loading(ds, r, device_type(device))
     if r.problems:
         raise ConfigError.collect(r.problems)
     return r.warnings
@@ -91,7 +88,7 @@ def _declared(cfg, r: _Report) -> None:
         value = get_path(cfg, spec.path)
         for v in value if spec.is_list and value is not None else [value]:
             try:
-                check_choice(spec, v)
+                check_flag_choice(spec, v)
             except ValueError as e:
                 r.bad(spec.path, v, str(e))
         problem = spec.problem(value)
@@ -99,7 +96,16 @@ def _declared(cfg, r: _Report) -> None:
             r.bad(spec.path, None if problem.startswith("required: ") else value, problem)
 
 
-def _engine(cfg, r: _Report, dev: str, trains: bool = True) -> None:
+def _served_source(cfg, r: _Report) -> None:
+    """serve-rm serves exactly one source: a reward model or a reward_func .py file."""
+    model, url = cfg.reward.model_name_or_path, cfg.reward.remote_url
+    if bool(model) == bool(url):
+        r.problems.append("give exactly one of --reward.model_name_or_path DIR or --reward.remote_url FILE.py")
+    elif url and not url.endswith(".py"):
+        r.problems.append(f"--reward.remote_url={url!r}: serve-rm serves a .py reward function file")
+
+
+def _engine(cfg, r: _Report, dev: str) -> None:
     ds = cfg.ds
     if ds.tensor_parallel_size > 1 and ds.zero_stage == 3:
         r.bad(
@@ -114,15 +120,15 @@ def _engine(cfg, r: _Report, dev: str, trains: bool = True) -> None:
             lora.target_modules,
             "give module names (e.g. q_proj v_proj) or all-linear",
         )
-    if ds.load_in_4bit:
-        if trains and lora.rank <= 0:
-            r.bad(
-                "ds.load_in_4bit",
-                True,
-                "4-bit weights cannot be trained; use it with LoRA (--ds.lora.rank > 0)",
-            )
-        if dev != "cuda":
-            r.bad("ds.load_in_4bit", True, "bitsandbytes 4-bit loading needs a CUDA GPU; this run is on CPU")
+    if ds.load_in_4bit and lora.rank <= 0:
+        r.bad("ds.load_in_4bit", True, "4-bit weights cannot be trained; use it with LoRA (--ds.lora.rank > 0)")
+    _model_loading(ds, r, dev)
+
+
+def _model_loading(ds, r: _Report, dev: str) -> None:
+    """Loading rules shared by trained and served models: 4-bit needs CUDA; bf16 / fp16 on a CPU are slow."""
+    if ds.load_in_4bit and dev != "cuda":
+        r.bad("ds.load_in_4bit", True, "bitsandbytes 4-bit loading needs a CUDA GPU; this run is on CPU")
     if dev == "cpu" and ds.param_dtype == "bf16":
         r.warnings.append(
             "--ds.param_dtype bf16 on CPU: bf16 matmuls are ~140x slower than fp32 on this CPU; "

@@ -16,8 +16,8 @@ import yaml
 
 from posttrain.compat.flag_migration import REMOVED, renamed_to
 from posttrain.config.errors import ConfigError
+from posttrain.config.flag_values import coerce
 from posttrain.config.spec import flag_specs, spec_map
-from posttrain.config.values import coerce
 
 
 def config_to_dict(cfg) -> dict[str, Any]:

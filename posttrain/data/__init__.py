@@ -5,7 +5,7 @@ from .batching import oversized_indices, token_budget_batches
 from .collate import pack_collate, pad_collate
 from .errors import DataError, where
 from .loading import load_rows
-from .mixing import mix_rows, parse_probs
+from .mixing import mix_rows, mixing_weights
 from .preference_dataset import PreferenceDataset, pair_sides
 from .prompts import Prompt, PromptDataset
 from .readers import Row, read_file
@@ -43,7 +43,7 @@ __all__ = [
     "pack_collate",
     "pair_sides",
     "pad_collate",
-    "parse_probs",
+    "mixing_weights",
     "read_file",
     "render_chat",
     "rounded",

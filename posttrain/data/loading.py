@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .errors import DataError
-from .mixing import mix_rows, parse_probs
+from .mixing import mix_rows, mixing_weights
 from .readers import Row
 from .sources import load_source
 
@@ -47,7 +47,7 @@ def load_rows(
             f"file paths, folders or hub names."
         )
     cap = _parse_max_samples(max_samples)
-    weights = parse_probs(probs, len(names))
+    weights = mixing_weights(probs, len(names))
     per_source = [load_source(name, split) for name in names]
     if weights is None or len(per_source) == 1:
         rows = [row for rows in per_source for row in rows]

@@ -5,17 +5,20 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from posttrain.config.flag_values import parse_probs
+
 from .errors import DataError
 from .readers import Row
 
 
-def parse_probs(probs: str | Sequence[float] | None, n_sources: int) -> list[float] | None:
-    """``"0.3,0.7"`` → ``[0.3, 0.7]``; None/"" → None. Values must be ≥ 0, one per source, sum to 1."""
+def mixing_weights(probs: str | Sequence[float] | None, n_sources: int) -> list[float] | None:
+    """``"0.3,0.7"`` (parsed by `posttrain.config.parse_probs`) or a sequence → ``[0.3, 0.7]``; None/"" → None.
+    Values must be ≥ 0, one per source, sum to 1."""
     if probs is None or (isinstance(probs, str) and not probs.strip()):
         return None
     flag = "--data.dataset_probs / --data.prompt_probs"
     try:
-        values = [float(p) for p in probs.split(",")] if isinstance(probs, str) else [float(p) for p in probs]
+        values = parse_probs(probs) if isinstance(probs, str) else [float(p) for p in probs]
     except ValueError as e:
         raise DataError(f"{flag}: '{probs}' is not a comma-separated list of numbers ({e}).") from e
     if len(values) != n_sources:

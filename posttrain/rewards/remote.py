@@ -11,9 +11,9 @@ import os
 import re
 import time
 
+from posttrain.config.serving import TOKEN_ENV
 from posttrain.rewards.result import RewardError, RewardResult, check_batch, parse_output
 
-TOKEN_ENV = "POSTTRAIN_RM_TOKEN"
 _HINT = "start it with `posttrain serve-rm ...` or fix --reward.remote_url"
 
 

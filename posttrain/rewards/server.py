@@ -17,7 +17,8 @@ import hmac
 import json
 import threading
 
-DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
+from posttrain.config.serving import DEFAULT_MAX_REQUEST_BYTES
+
 TRUNCATED_LOG = "reward_model/truncated"  # RewardModelSource's per-query extra_logs entry (1.0 = cut)
 _DRAIN_BYTES = 1 << 30  # an over-limit body is read (and dropped) up to this much, so the client sees the 413
 

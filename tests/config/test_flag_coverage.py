@@ -137,6 +137,13 @@ ACTING: dict[str, frozenset[str]] = {
         "train: async_enable async_queue_size partial_rollout_enable",
         "rollout: vllm_generate_batch_size",
     ),
+    # posttrain serve-rm (cli/serve_rm.py and the reward source it builds)
+    "serve-rm": _paths(
+        "reward: model_name_or_path remote_url normalize_enable timeout retries",
+        "ds: value_head_prefix param_dtype attn_implementation onednn_linear load_in_4bit",
+        "data: max_len disable_fast_tokenizer",
+        "batch_size host port token max_request_bytes max_queries on_error device",
+    ),
 }
 
 REFUSED: dict[str, frozenset[str]] = {
@@ -144,6 +151,7 @@ REFUSED: dict[str, frozenset[str]] = {
     "rm": frozenset(),
     "dpo": frozenset(),
     "ppo": frozenset(),
+    "serve-rm": frozenset(),
 }
 
 
@@ -190,6 +198,12 @@ def test_every_flag_acts_or_is_reported_or_refused(trainer):
         assert coverage[spec.path], f"{trainer}: --{spec.path} is silently inert"
 
 
+def test_serve_rm_flags_act_or_are_reported():
+    """serve-rm's flags are declared like the trainers' and held to the same contract."""
+    assert contract_problems("serve-rm") == []
+    assert all(flag_coverage("serve-rm").values())
+
+
 def test_contract_catches_a_silent_flag(monkeypatch):
     original = ACTING
     acting = dict(original, sft=original["sft"] - {"ds.zero_stage"})
@@ -220,7 +234,7 @@ def test_acting_flags_are_read_by_the_code():
     read = _attributes_read_outside_config()
     unread = sorted(
         f"{trainer}: --{path}"
-        for trainer in TRAINERS
+        for trainer in ACTING
         for path in ACTING[trainer]
         if path.rsplit(".", 1)[-1] not in read
     )

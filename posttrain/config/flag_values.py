@@ -21,7 +21,7 @@ def _choices_text(spec: FlagSpec) -> str:
     return ", ".join(str(v) for v in vals)
 
 
-def check_choice(spec: FlagSpec, value: Any) -> None:
+def check_flag_choice(spec: FlagSpec, value: Any) -> None:
     if spec.choices is None or value is None:
         return
     if value not in spec.choices:
@@ -50,7 +50,7 @@ def parse_scalar(spec: FlagSpec, text: str) -> Any:
             value = text
     except ValueError:
         raise ValueError(f"expected {_TYPE_WORDS[base]}, got {text!r}") from None
-    check_choice(spec, value)
+    check_flag_choice(spec, value)
     return value
 
 
@@ -77,7 +77,7 @@ def _coerce_scalar(spec: FlagSpec, value: Any) -> Any:
         if isinstance(value, (list, dict)):
             raise ValueError(f"expected a string, got {value!r}")
         out = str(value)  # `key: true` for --logger.wandb.key, numbers as text
-        check_choice(spec, out)
+        check_flag_choice(spec, out)
         return out
     if isinstance(value, bool):
         raise ValueError(f"expected {_TYPE_WORDS[base]}, got {value!r}")
@@ -88,7 +88,7 @@ def _coerce_scalar(spec: FlagSpec, value: Any) -> Any:
             out = int(value)
         else:
             out = float(value)
-        check_choice(spec, out)
+        check_flag_choice(spec, out)
         return out
     if isinstance(value, str):  # YAML reads 1e-6 (no dot) as a string
         return parse_scalar(spec, value)
@@ -120,3 +120,11 @@ def format_value(value: Any) -> str:
     if isinstance(value, str):
         return repr(value) if (not value or any(c.isspace() for c in value)) else value
     return str(value)
+
+
+def parse_probs(text: str | None) -> list[float] | None:
+    """Mixing probabilities as typed: '0.3,0.7' -> [0.3, 0.7]; None or '' -> None (ValueError on a non-number).
+    The flag's rules (one per dataset, >= 0, sum 1) are checked by validation and again where data is mixed."""
+    if text is None or str(text).strip() == "":
+        return None
+    return [float(p) for p in str(text).split(",")]
