@@ -156,7 +156,7 @@ def run_trainer_steps(spec: dict, config: str, out_dir: Path, t_start: float) ->
         if trainer.reward_source is not None:
             trainer.reward_source.close()
         trainer._release_placement()
-        trainer.rundir.close()
+        trainer.folders.close()
         if config == "in-process + idle ray":
             ray.shutdown()
     return {"clock": clock, "rows": rows, "on_ray": trainer.on_ray, "ray_cpu": ray_cpu,

@@ -5,7 +5,7 @@ engine it wraps, on the same model and prompts.
 
 Table 1, one batch of B prompts (temperature 1, per-prompt seeds, the same budgets):
   - `engine.generate`: the single batch call (the reference);
-  - `generate_all`: the single-turn executor's path, every request submitted to the front at once;
+  - `generate_all`: `SingleTurnSampler`'s path, every request submitted to the front at once;
   - `B episodes`: B coroutines each awaiting `front.generate` for one prompt, as agent episodes do
     (each request carries its own seed, so the samples equal the batch call's seeds per prompt).
 Table 2, B agent-like episodes of `--turns` requests each, every request with its own budget drawn

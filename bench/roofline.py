@@ -189,7 +189,7 @@ def run_config(args, work: Path, size: str, long_prompt: int | None, dev) -> dic
             if step:  # the first step warms up
                 samples.append((times, step_flops(fm, exp)))
     finally:
-        trainer.rundir.close()
+        trainer.folders.close()
     phases = list(samples[0][0])
     out = {"name": name, "tokens": int(exp.attention_mask.sum()), "phases": {}}
     for p in phases:

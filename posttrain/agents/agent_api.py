@@ -15,7 +15,7 @@ token range, call `step` with the texts, append the action tokens as sampled and
 tokens, and stop at `done` or when the budget is spent. Rewards add up over turns (`rewards` as a
 tensor or number; None from every step: the run's reward source scores the episode); `scores` and
 `extra_logs` are the last step's. posttrain's deliberate differences
-(README, differences table): the feedback of the last turn is cut so the sequence never exceeds
+(docs/from-openrlhf.md, "Multi-turn agents"): the feedback of the last turn is cut so the sequence never exceeds
 `max_length` (OpenRLHF cuts the finished sequence at training time), `truncated` is set when the
 budget ended the episode, and a too-long initial observation is an error instead of being cut from the
 left. The result dict has OpenRLHF's keys (`observation_tokens`, `action_ranges`, `rollout_log_probs`,
@@ -59,18 +59,6 @@ class AgentExecutorBase(ABC):
         raise NotImplementedError("AgentExecutorBase.execute is not implemented")
 
 
-def _number(value, what: str) -> float:
-    """A reward/score as a float: a number, a bool or a one-element tensor."""
-    if hasattr(value, "numel"):
-        if value.numel() != 1:
-            raise ValueError(f"{what} must be a number or a one-element tensor, got a tensor of shape "
-                             f"{tuple(value.shape)}")
-        return float(value.item())
-    if isinstance(value, (int, float)):
-        return float(value)
-    raise ValueError(f"{what} must be a number or a one-element tensor, got {type(value).__name__}")
-
-
 def encode_text(tokenizer, text: str) -> list[int]:
     """Text as the model is fed it between turns: tokenised without special tokens added (OpenRLHF)."""
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -86,6 +74,9 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
 
     async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine,
                       images=None):
+        # imported here: an agent file's `from openrlhf.utils.agent import ...` stays light
+        from posttrain.rewards.result import reward_scalar
+
         if images:
             raise ValueError("images: vision-language agents are not available in this version")
         agent = self.agent_instance_cls()
@@ -121,7 +112,7 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             step_time += time.perf_counter() - t0
             result = _check_step(result)
             if result["rewards"] is not None:  # None: the run's reward source scores the episode (posttrain)
-                total_reward = (total_reward or 0.0) + _number(result["rewards"], "step()['rewards']")
+                total_reward = (total_reward or 0.0) + reward_scalar(result["rewards"], "step()['rewards']")
             scores = result.get("scores", total_reward)
             extra_logs = result.get("extra_logs") or {}
             feedback_text = result["environment_feedback"]
@@ -139,7 +130,8 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
                 break
         truncated = truncated or out.finish_reason == "length"  # the last action ran out of budget
         return {"prompt": prompt, "label": label, "images": images, "mm_train_inputs": None,
-                "reward": total_reward, "scores": _number(scores, "step()['scores']") if scores is not None else None,
+                "reward": total_reward,
+                "scores": reward_scalar(scores, "step()['scores']") if scores is not None else None,
                 "observation_tokens": context, "action_ranges": action_ranges, "rollout_log_probs": logprobs,
                 "extra_logs": extra_logs, "truncated": truncated, "prompt_length": prompt_len, "turns": turns,
                 "env_tokens": env_tokens, "step_time": step_time}
@@ -164,8 +156,9 @@ def _check_step(result) -> dict:
 
 class SingleTurnAgentExecutor(AgentExecutorBase):
     """OpenRLHF's `SingleTurnAgentExecutor(remote_rm_url=None)`: one generation; with a reward file or
-    URL, scored through posttrain's reward sources (`agents.rewards`). posttrain's own single-turn
-    rollout (`--reward.*` without an agent file) is `posttrain.rollout.single_turn`, batched."""
+    URL, scored through posttrain's reward sources (`posttrain.rewards`). posttrain's own single-turn
+    rollout (`--reward.*` without an agent file) is `posttrain.rollout.single_turn.SingleTurnSampler`,
+    batched."""
 
     def __init__(self, remote_rm_url=None):
         self.remote_rm_url = remote_rm_url

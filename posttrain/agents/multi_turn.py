@@ -1,6 +1,6 @@
-"""Agent episodes as a rollout batch (`--train.agent_func_path`): `AgentRunner.run` has the single-turn
-executor's interface, so collection, dynamic filtering, shaping, evaluation and every estimator work
-on multi-turn samples unchanged.
+"""Agent episodes as a rollout batch (`--train.agent_func_path`): `AgentRunner.run` has the interface of
+`SingleTurnSampler.run` (`rollout/single_turn.py`), so collection, dynamic filtering, shaping,
+evaluation and every estimator work on multi-turn samples unchanged.
 
 Each (prompt, sample) pair is one episode of the user's `AgentExecutor`, all run concurrently on one
 event loop over an `AsyncRolloutEngine` (continuous batching across episodes on the HF engine). On Ray
@@ -93,7 +93,8 @@ def episode_to_rollout(result, prompt, group: int, max_len: int, tokenizer) -> R
                    step_time=float(result.get("step_time", 0.0)))
 
 
-def _number_or_none(value, what: str) -> float | None:
+def _episode_float(value, what: str) -> float | None:
+    """A number of an `execute()` result (`reward`, `scores`, an extra_logs entry) as a float; None stays None."""
     if value is None:
         return None
     try:
@@ -193,11 +194,11 @@ class AgentRunner:
                 self.timeout)
             rollout = episode_to_rollout(result, prompt, group, self.max_len, self.tokenizer)
             rollout.policy_versions = sorted(engine.versions) or None
-            reward = _number_or_none(result.get("reward"), "reward")
-            score = _number_or_none(result.get("scores"), "scores")
+            reward = _episode_float(result.get("reward"), "reward")
+            score = _episode_float(result.get("scores"), "scores")
             extra = {}
             for k, v in (result.get("extra_logs") or {}).items():
-                value = _number_or_none(v, f"extra_logs.{k}") if not hasattr(v, "numel") or v.numel() == 1 else None
+                value = _episode_float(v, f"extra_logs.{k}") if not hasattr(v, "numel") or v.numel() == 1 else None
                 if value is not None:
                     extra[k] = value
             return rollout, reward, score, extra

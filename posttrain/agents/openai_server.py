@@ -81,7 +81,8 @@ def _messages(body: dict) -> list[dict]:
     return messages
 
 
-def _number(body: dict, key: str, default, low: float, high: float, integer: bool = False):
+def _request_number(body: dict, key: str, default, low: float, high: float, integer: bool = False):
+    """The request field `key` (`default` when absent), checked to be a number (an integer) in [low, high]."""
     value = body.get(key)
     if value is None:
         return default
@@ -241,13 +242,14 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         messages = _messages(body)
         if body.get("stream"):
             raise RequestError(400, "'stream': streaming responses are not supported")
-        if _number(body, "n", 1, 1, 1, integer=True) != 1:
+        if _request_number(body, "n", 1, 1, 1, integer=True) != 1:
             raise RequestError(400, "'n' must be 1")
         d = session.defaults
-        temperature = _number(body, "temperature", d.temperature, 0.0, 100.0)
-        top_p = _number(body, "top_p", d.top_p, 1e-9, 1.0)
-        max_tokens = _number(body, "max_tokens", _number(body, "max_completion_tokens", None, 1, 10**9, integer=True),
-                             1, 10**9, integer=True)
+        temperature = _request_number(body, "temperature", d.temperature, 0.0, 100.0)
+        top_p = _request_number(body, "top_p", d.top_p, 1e-9, 1.0)
+        max_tokens = _request_number(body, "max_tokens",
+                                     _request_number(body, "max_completion_tokens", None, 1, 10**9, integer=True),
+                                     1, 10**9, integer=True)
         try:
             text = self._render_text(messages, True)
         except Exception as e:  # the chat template refused these messages (roles, alternation, ...)

@@ -1,7 +1,7 @@
 """Advantage estimation: group baselines, token rewards, returns / GAE and whitening.
 
 Rewards are laid out group-contiguous: the ``n`` samples of prompt ``p`` are rows ``p*n .. p*n+n-1``.
-``compute_advantages`` runs the whole pipeline of ALGORITHMS.md in order:
+``compute_advantages`` runs the whole pipeline of docs/algorithms.md ("Advantage estimators") in order:
 (sequence-level KL) → group baseline → token rewards → returns / GAE → whitening.
 """
 from __future__ import annotations

@@ -195,14 +195,14 @@ def _numeric(value: Any) -> Any:
     return value
 
 
-def _int(name: str, value: Any, minimum: int = 1) -> int:
+def _field_int(name: str, value: Any, minimum: int = 1) -> int:
     value = _numeric(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < minimum:
         raise ConfigError(f"TRL field {name}: {value!r} must be an integer >= {minimum}")
     return int(value)
 
 
-def _number(name: str, value: Any) -> float:
+def _field_number(name: str, value: Any) -> float:
     value = _numeric(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"TRL field {name}: {value!r} must be a number")
@@ -210,10 +210,10 @@ def _number(name: str, value: Any) -> float:
 
 
 def _batches(b: _Builder, world_size: int) -> None:
-    per_device = _int("per_device_train_batch_size", b.get("per_device_train_batch_size"))
-    accumulation = _int("gradient_accumulation_steps", b.get("gradient_accumulation_steps"))
-    mini = _int("num_mini_batches", b.get("num_mini_batches"))
-    k = _int("rloo_k", b.get("rloo_k"), minimum=2)
+    per_device = _field_int("per_device_train_batch_size", b.get("per_device_train_batch_size"))
+    accumulation = _field_int("gradient_accumulation_steps", b.get("gradient_accumulation_steps"))
+    mini = _field_int("num_mini_batches", b.get("num_mini_batches"))
+    k = _field_int("rloo_k", b.get("rloo_k"), minimum=2)
     local = per_device * accumulation * mini
     if local % k:
         raise ConfigError(f"TRL fields: local_batch_size = per_device_train_batch_size x gradient_accumulation_steps x "
@@ -228,34 +228,35 @@ def _batches(b: _Builder, world_size: int) -> None:
           f"{samples // k} prompts x rloo_k")
     b.set("num_mini_batches", {"train.batch_size": samples // mini},
           f"{mini} optimizer step(s) per pass over the rollout")
-    b.set("num_ppo_epochs", {"train.max_epochs": _int("num_ppo_epochs", b.get("num_ppo_epochs"))})
+    b.set("num_ppo_epochs", {"train.max_epochs": _field_int("num_ppo_epochs", b.get("num_ppo_epochs"))})
     episodes = b.get("total_episodes")
     if episodes is None:
         raise ConfigError("TRL field total_episodes is not set: TRL derives it as num_train_epochs x the size of the "
                           "training dataset, which posttrain does not know before loading it; write total_episodes: "
                           "<num_train_epochs x number of training prompts> in the file")
-    rollouts = math.ceil(_int("total_episodes", episodes) / samples)
+    rollouts = math.ceil(_field_int("total_episodes", episodes) / samples)
     b.set("total_episodes", {"train.max_steps": rollouts},
           f"ceil(total_episodes / {samples}) rollouts, cycling the prompts as TRL's dataloader does")
     if "num_train_epochs" in b.given:
         b.line("num_train_epochs", _NO_EFFECT["num_train_epochs"])
-    b.set("local_rollout_forward_batch_size", {"rollout.micro_batch_size": _int(
+    b.set("local_rollout_forward_batch_size", {"rollout.micro_batch_size": _field_int(
         "local_rollout_forward_batch_size", b.get("local_rollout_forward_batch_size"))}, always=False)
 
 
 def _algorithm(b: _Builder) -> None:
-    b.set("kl_coef", {"algo.kl.init_coef": _number("kl_coef", b.get("kl_coef")), "algo.kl.estimator": "k1",
+    b.set("kl_coef", {"algo.kl.init_coef": _field_number("kl_coef", b.get("kl_coef")), "algo.kl.estimator": "k1",
                       "algo.kl.sequence_level_enable": True, "algo.kl.use_loss": False, "algo.kl.clamp": 0.0,
                       "reward.clip_range": [-1e9, 1e9]},
           "KL = summed log-ratio of the sequence, unclamped, subtracted from the score before the baseline; TRL clips "
           "no reward after the baseline")
     b.line("token_level_kl", _NO_EFFECT["token_level_kl"])
-    clip = _number("cliprange", b.get("cliprange"))
+    clip = _field_number("cliprange", b.get("cliprange"))
     b.set("cliprange", {"actor.eps_clip": clip, "actor.policy_loss_type": "seq_sum"},
           "ratio = exp(sum of the token log-ratios of a sequence), mean over sequences")
     b.set("normalize_reward", {"reward.batch_normalize_enable": bool(b.get("normalize_reward"))},
           "(score - batch mean) / (unbiased std + 1e-8)")
-    b.set("reward_clip_range", {"reward.batch_normalize_clip": _number("reward_clip_range", b.get("reward_clip_range"))},
+    b.set("reward_clip_range",
+          {"reward.batch_normalize_clip": _field_number("reward_clip_range", b.get("reward_clip_range"))},
           "clamps the normalised scores only")
     normalize = bool(b.get("normalize_advantage"))
     b.set("normalize_advantage", {"algo.advantage.whiten_enable": normalize, "algo.advantage.whiten_level": "sequence"},
@@ -263,7 +264,8 @@ def _algorithm(b: _Builder) -> None:
     b.line("whiten_rewards", _NO_EFFECT["whiten_rewards"])
     penalty = b.get("missing_eos_penalty")
     b.set("missing_eos_penalty", {"reward.missing_eos_penalty": None if penalty is None else
-                                  _number("missing_eos_penalty", penalty)}, "subtracted from the score without EOS")
+                                  _field_number("missing_eos_penalty", penalty)},
+          "subtracted from the score without EOS")
     b.set("bf16", {"ds.param_dtype": "fp32"}, "rloo.py loads every model in fp32 and bf16 is autocast over "
           "fp32 weights and optimizer state; posttrain's bf16 keeps no fp32 copy in one process, so fp32 here")
     if "fp16" in b.given:
@@ -273,8 +275,8 @@ def _algorithm(b: _Builder) -> None:
 
 
 def _sampling(b: _Builder) -> None:
-    b.set("response_length", {"rollout.max_new_tokens": _int("response_length", b.get("response_length"))})
-    b.set("temperature", {"rollout.temperature": _number("temperature", b.get("temperature"))},
+    b.set("response_length", {"rollout.max_new_tokens": _field_int("response_length", b.get("response_length"))})
+    b.set("temperature", {"rollout.temperature": _field_number("temperature", b.get("temperature"))},
           "also divides the training logits; TRL adds 1e-7")
     stop, stop_id = b.get("stop_token"), b.get("stop_token_id")
     if stop is not None and stop != "eos":
@@ -284,7 +286,7 @@ def _sampling(b: _Builder) -> None:
     if stop == "eos":
         b.set("stop_token", {"rollout.stop_token_ids": None}, "a sample ends at the tokenizer's EOS")
     elif stop_id is not None:
-        b.set("stop_token_id", {"rollout.stop_token_ids": [_int("stop_token_id", stop_id, minimum=0)]},
+        b.set("stop_token_id", {"rollout.stop_token_ids": [_field_int("stop_token_id", stop_id, minimum=0)]},
               "a sample ends at this token")
     else:
         b.set("stop_token", {"rollout.stop_token_ids": []},
@@ -297,16 +299,17 @@ _ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused", "a
 
 def _optimizer(b: _Builder) -> None:
     deepspeed = "deepspeed" in b.given
-    clip = _number("max_grad_norm", b.given.get("max_grad_norm", 1.0)) if deepspeed else 0.0
-    b.set("learning_rate", {"actor.adam.lr": _number("learning_rate", b.get("learning_rate")), "actor.optim": "adam",
-                            "actor.max_norm": clip},
+    clip = _field_number("max_grad_norm", b.given.get("max_grad_norm", 1.0)) if deepspeed else 0.0
+    b.set("learning_rate", {"actor.adam.lr": _field_number("learning_rate", b.get("learning_rate")),
+                            "actor.optim": "adam", "actor.max_norm": clip},
           "AdamW; " + ("under DeepSpeed the gradients are clipped at max_grad_norm ('auto')" if deepspeed else
                        "TRL's loop clips no gradient outside DeepSpeed"))
-    b.set("adam_beta1", {"actor.adam.betas": [_number("adam_beta1", b.get("adam_beta1")),
-                                              _number("adam_beta2", b.get("adam_beta2"))]})
+    b.set("adam_beta1", {"actor.adam.betas": [_field_number("adam_beta1", b.get("adam_beta1")),
+                                              _field_number("adam_beta2", b.get("adam_beta2"))]})
     b.line("adam_beta2", "with adam_beta1")
-    b.set("adam_epsilon", {"actor.adam.eps": _number("adam_epsilon", b.get("adam_epsilon"))}, always=False)
-    b.set("weight_decay", {"actor.adam.weight_decay": _number("weight_decay", b.get("weight_decay"))}, always=False)
+    b.set("adam_epsilon", {"actor.adam.eps": _field_number("adam_epsilon", b.get("adam_epsilon"))}, always=False)
+    b.set("weight_decay", {"actor.adam.weight_decay": _field_number("weight_decay", b.get("weight_decay"))},
+          always=False)
     optim = b.given.get("optim", "adamw_torch")
     if optim not in _ADAMW:
         raise ConfigError(f"TRL field optim: {optim!r} has no posttrain equivalent (posttrain's Adam is torch "
@@ -327,9 +330,9 @@ def _schedule(b: _Builder) -> None:
     schedule, floor = _SCHEDULES[name]
     if name == "cosine_with_min_lr":
         if "min_lr_rate" in kwargs:
-            floor = _number("lr_scheduler_kwargs.min_lr_rate", kwargs.pop("min_lr_rate"))
+            floor = _field_number("lr_scheduler_kwargs.min_lr_rate", kwargs.pop("min_lr_rate"))
         elif "min_lr" in kwargs:
-            floor = _number("lr_scheduler_kwargs.min_lr", kwargs.pop("min_lr")) / _number(
+            floor = _field_number("lr_scheduler_kwargs.min_lr", kwargs.pop("min_lr")) / _field_number(
                 "learning_rate", b.get("learning_rate"))
         else:
             raise ConfigError("TRL field lr_scheduler_type: cosine_with_min_lr needs lr_scheduler_kwargs min_lr or "
@@ -345,8 +348,8 @@ def _schedule(b: _Builder) -> None:
           "over the run's optimizer steps; TRL steps it once per rollout, the same when there is one optimizer "
           "step per rollout")
     total = b.out.values["train.max_steps"]
-    steps = _int("warmup_steps", b.get("warmup_steps"), minimum=0)
-    ratio = steps / total if steps else _number("warmup_ratio", b.get("warmup_ratio"))
+    steps = _field_int("warmup_steps", b.get("warmup_steps"), minimum=0)
+    ratio = steps / total if steps else _field_number("warmup_ratio", b.get("warmup_ratio"))
     if name == "constant":  # transformers' constant schedule has no warm-up
         ratio = 0.0
     b.set("warmup_ratio", {"actor.lr_warmup_ratio": min(ratio, 1.0)},
@@ -360,9 +363,9 @@ def _trl_steps(b: _Builder, name: str, value: Any) -> int:
     `state.max_steps = num_total_batches * num_mini_batches // 2`; TRL's global step counts rollouts."""
     value = _numeric(value)
     if isinstance(value, float) and 0 < value < 1:
-        max_steps = b.out.values["train.max_steps"] * _int("num_mini_batches", b.get("num_mini_batches")) // 2
+        max_steps = b.out.values["train.max_steps"] * _field_int("num_mini_batches", b.get("num_mini_batches")) // 2
         return max(1, math.ceil(max_steps * value))
-    return _int(name, value)
+    return _field_int(name, value)
 
 
 def _models_and_data(b: _Builder) -> None:
@@ -390,7 +393,7 @@ def _models_and_data(b: _Builder) -> None:
                           "point dataset_name at the files of that configuration")
     b.done.add("dataset_config")
     b.set("dataset_train_split", {"data.prompt_split": b.get("dataset_train_split")}, always=False)
-    b.set("seed", {"train.seed": _int("seed", b.get("seed"), minimum=0)}, always=False)
+    b.set("seed", {"train.seed": _field_int("seed", b.get("seed"), minimum=0)}, always=False)
     if "output_dir" in b.given:
         b.set("output_dir", {"ckpt.output_dir": b.given["output_dir"]})
     if "gradient_checkpointing" in b.given:

@@ -101,14 +101,18 @@ def _describe(value) -> str:
     return f"{text[:40]}... ({type(value).__name__})" if len(text) > 40 else f"{text} ({type(value).__name__})"
 
 
-def _number(value, what: str, origin: str) -> float:
+def reward_scalar(value, what: str, origin: str | None = None) -> float:
+    """One reward, score or logged statistic as a float: a real number (int, float, bool, numpy scalar)
+    or a one-element torch tensor or numpy array. Anything else raises RewardError
+    `<origin>: <what> is <value> (<type>), not a number` (without `origin`: from `<what>` on)."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return float(value.reshape(()).item())
     if isinstance(value, numbers.Real):  # int, float, bool, numpy scalars
         return float(value)
     if hasattr(value, "item") and getattr(value, "size", None) == 1:  # 0-d / 1-element numpy array
-        return _number(value.item(), what, origin)
-    raise RewardError(f"{origin}: {what} is {_describe(value)}, not a number")
+        return reward_scalar(value.item(), what, origin)
+    where = f"{origin}: " if origin is not None else ""
+    raise RewardError(f"{where}{what} is {_describe(value)}, not a number")
 
 
 def as_vector(value, n: int, name: str, origin: str) -> torch.Tensor:
@@ -123,7 +127,8 @@ def as_vector(value, n: int, name: str, origin: str) -> torch.Tensor:
         except (TypeError, ValueError) as err:
             raise RewardError(f"{origin}: {name} is an array of {value.dtype}, not numbers ({err})") from err
     elif isinstance(value, (list, tuple)):
-        t = torch.tensor([_number(v, f"{singular} {i}", origin) for i, v in enumerate(value)], dtype=torch.float32)
+        t = torch.tensor([reward_scalar(v, f"{singular} {i}", origin) for i, v in enumerate(value)],
+                         dtype=torch.float32)
     else:
         raise RewardError(f"{origin}: {name} must be a list, tuple, numpy array or 1-D torch tensor of {n} "
                           f"numbers, got {type(value).__name__}")
@@ -155,7 +160,7 @@ def _extra_logs(logs, n: int, origin: str) -> dict:
                      or (hasattr(value, "dim") and value.dim() == 0)
                      or (hasattr(value, "ndim") and value.ndim == 0))
         if is_scalar:
-            out[str(key)] = _number(value, what, origin)
+            out[str(key)] = reward_scalar(value, what, origin)
             continue
         try:
             out[str(key)] = as_vector(value, n, what, origin)

@@ -1,6 +1,8 @@
-"""Single-turn executor: prompt tokens → sampled response tokens → one batched reward call. The step's
-prompts form one engine batch (`rollout/async_engine.generate_all`: the samples the async front
-that agents use would give, decoded in the caller's thread).
+"""`SingleTurnSampler`: the RL trainer's rollouts without an agent file: prompt tokens → sampled
+response tokens → one batched reward call. (Not OpenRLHF's `SingleTurnAgentExecutor`, the agent-file
+class in `agents/agent_api.py`, which generates and scores each sample on its own.) The step's prompts
+form one engine batch (`rollout/async_engine.generate_all`: the samples the async front that agents
+use would give, decoded in the caller's thread).
 
 Token-in, token-out: the rollout keeps the engine's token ids and sampling log-probs. A reward
 function or server gets OpenRLHF's inputs: ``queries`` = the whole sampled sequence (prompt +
@@ -61,7 +63,10 @@ def sample_budgets(prompts, params, max_len: int | None) -> list[int] | None:
     return [max(1, max_len - len(p.token_ids)) for p in prompts]
 
 
-class SingleTurnExecutor:
+class SingleTurnSampler:
+    """Samples a batch of prompts on the rollout engine(s) and scores it with one reward call (module
+    docstring); `run` is what `trainers/rl/collect.collect` and `evaluate.eval_metrics` call."""
+
     def __init__(self, engine, reward_source, tokenizer) -> None:
         self.engine = engine
         self.reward_source = reward_source

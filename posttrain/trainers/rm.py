@@ -149,7 +149,7 @@ def train_rm(cfg) -> dict:
         info(f"reward statistics over {source}: mean {mean:.4g}, std {std:.4g} (stored in config.json as "
              "mean/std for --reward.normalize_enable)")
         if lora and loop.engine.is_main:  # an adapter folder has no config.json of its own
-            run.run_dir.mkdir(parents=True, exist_ok=True)
-            config.to_json_file(str(run.run_dir / "config.json"))
+            run.output_dir.mkdir(parents=True, exist_ok=True)
+            config.to_json_file(str(run.output_dir / "config.json"))
 
     return run.fit(objective, train_items, eval_items, on_trained=store_reward_stats)

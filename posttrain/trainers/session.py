@@ -1,12 +1,15 @@
-"""Set-up shared by every trainer (`RunStart`: SFT, RM, DPO and PPO) and the single-model trainers'
-session (`SingleModelRun`: SFT, RM, DPO): hardware defaults,
-config echo, run directory, seeding, tokenizer, data rows, model, train engine, metric sinks,
-the step loop, and the final Hugging Face export to `--ckpt.output_dir` (the run directory:
-config.yaml, metrics.jsonl, plots/ and the model all land there).
+"""How a run starts and, for the single-model trainers, how it is set up and ends:
 
-The run directory has one writer: `SingleModelRun(cfg)` locks it (and an outside `--ckpt.path`) and
-checks the checkpoint folder (`rundir.open_run_dir`) before it writes config.yaml or loads anything;
-the locks are released when `fit` returns or fails, or by `close()` (`with SingleModelRun(cfg) as run:`
+- `RunStart` — what every trainer (SFT, RM, DPO, PPO) does first: hardware defaults, config echo,
+  the run folders claimed (`run_folders.claim_run_folders`), config.yaml, seeding, metric sinks;
+- `SingleModelRun` — SFT/RM/DPO on top of it: tokenizer, data rows, model, train engine, the step
+  loop (`single_model_loop.SingleModelLoop`, a `run_loop.RunLoop`), and the final Hugging Face export
+  to `--ckpt.output_dir` (the run directory: config.yaml, metrics.jsonl, plots/ and the model all land
+  there). The RL trainer (`rl/ppo.RLTrainer`) uses `RunStart` and is itself a `RunLoop`.
+
+The run directory has one writer: `RunStart(cfg)` (inside `SingleModelRun(cfg)`) locks it (and an outside
+`--ckpt.path`) and checks the checkpoint folder before it writes config.yaml or loads anything; for
+SFT/RM/DPO the locks are released when `fit` returns or fails, or by `close()` (`with SingleModelRun(cfg) as run:`
 releases them whatever happens in between)."""
 from __future__ import annotations
 
@@ -23,9 +26,9 @@ from posttrain.config import derived_sizes, format_config, inert_flags, resolve_
 from posttrain.data import load_rows
 from posttrain.engines import make_train_engine
 from posttrain.models import load_causal_lm, load_tokenizer, save_pretrained
-from posttrain.trainers.loop import LoopSettings, StepLoop
-from posttrain.trainers.rundir import open_run_dir
-from posttrain.trainers.skeleton import plot_charts
+from posttrain.trainers.run_folders import claim_run_folders
+from posttrain.trainers.run_loop import plot_charts
+from posttrain.trainers.single_model_loop import LoopSettings, SingleModelLoop
 from posttrain.utils.interrupt import interrupt_as_error
 from posttrain.utils.log import info
 from posttrain.utils.metrics import MetricsLogger
@@ -41,7 +44,7 @@ def pick_device() -> torch.device:
 class RunStart:
     """The start every trainer shares (SFT, RM, DPO, PPO): the device; hardware defaults resolved and
     printed; the resolved config with its derived sizes and the notes on flags without effect; the
-    run directory locked and its checkpoints checked (`open_run_dir`) before anything is written;
+    run directory locked and its checkpoints checked (`claim_run_folders`) before anything is written;
     config.yaml; the seed. `close()` releases the run directory; a failure inside the start
     releases it too."""
 
@@ -51,19 +54,19 @@ class RunStart:
         self.is_main = int(os.environ.get("RANK", "0")) == 0
         for note in resolve_hardware_defaults(cfg, self.device.type) or []:
             info(note)
-        self.run_dir = Path(cfg.ckpt.output_dir)
+        self.output_dir = Path(cfg.ckpt.output_dir)
         translation = translation_of(cfg)
         if translation is not None:
             info(translation.report())
         info(format_config(cfg, derived_sizes(cfg, self.world_size)))
         for note in inert_flags(cfg, self.device.type):
             info(f"note: {note}")
-        self.rundir = open_run_dir(cfg, is_main=self.is_main)
+        self.folders = claim_run_folders(cfg, is_main=self.is_main)
         with self.closed_on_error():
             if self.is_main:
-                save_config(cfg, self.run_dir / "config.yaml")
+                save_config(cfg, self.output_dir / "config.yaml")
                 if translation is not None:
-                    (self.run_dir / TRL_REPORT_FILE).write_text(translation.report() + "\n", encoding="utf-8")
+                    (self.output_dir / TRL_REPORT_FILE).write_text(translation.report() + "\n", encoding="utf-8")
             set_seed(cfg.train.seed)
 
     @contextmanager
@@ -78,11 +81,11 @@ class RunStart:
     def open_logger(self, cfg, enabled: bool = True) -> MetricsLogger:
         """The run's metric sinks: metrics.jsonl in the run directory (continued after the resumed step
         with --ckpt.load_enable), TensorBoard and W&B when asked for."""
-        return MetricsLogger(self.run_dir, tensorboard_dir=cfg.logger.tensorboard_dir, wandb=wandb_settings(cfg),
+        return MetricsLogger(self.output_dir, tensorboard_dir=cfg.logger.tensorboard_dir, wandb=wandb_settings(cfg),
                              enabled=enabled, resume=cfg.ckpt.load_enable)
 
     def close(self) -> None:
-        self.rundir.close()
+        self.folders.close()
 
 
 def lora_settings(cfg) -> dict | None:
@@ -93,11 +96,14 @@ def lora_settings(cfg) -> dict | None:
 
 
 class SingleModelRun:
+    """SFT/RM/DPO's run: `RunStart`, then the tokenizer and data rows; `fit` loads the model, builds the
+    train engine, runs the `SingleModelLoop` and exports the final model."""
+
     def __init__(self, cfg, load_model=None) -> None:
         self.cfg = cfg
         self.start = RunStart(cfg)
         self.device, self.world_size, self.is_main = self.start.device, self.start.world_size, self.start.is_main
-        self.run_dir, self.rundir = self.start.run_dir, self.start.rundir
+        self.output_dir, self.folders = self.start.output_dir, self.start.folders
         with self.start.closed_on_error():
             self.tokenizer = load_tokenizer(cfg.model.model_name_or_path,
                                             use_fast=not cfg.data.disable_fast_tokenizer,
@@ -152,7 +158,7 @@ class SingleModelRun:
         """Ctrl-C outside the step loop (model loading, final export)."""
         if self._loop is not None:
             return self._loop.interrupted_message()
-        last = self.rundir.last_checkpoint()
+        last = self.folders.last_checkpoint()
         return f"interrupted before training started; last checkpoint: {last if last is not None else 'none'}"
 
     def _fit(self, objective, train_items, eval_items, on_trained) -> dict:
@@ -170,7 +176,7 @@ class SingleModelRun:
             param_dtype=cfg.ds.param_dtype, adam_offload=cfg.ds.adam_offload,
             grad_accum_dtype=cfg.ds.grad_accum_dtype, zpg=cfg.ds.zpg, overlap_comm=cfg.ds.overlap_comm)
         logger = self.start.open_logger(cfg, enabled=engine.is_main)
-        ckpt = self.rundir.ckpt
+        ckpt = self.folders.ckpt
         settings = LoopSettings(
             batch_size=cfg.train.batch_size, micro_batch_size=cfg.train.micro_batch_size,
             max_epochs=cfg.train.max_epochs, seed=cfg.train.seed,
@@ -179,8 +185,8 @@ class SingleModelRun:
             ckpt_path=str(ckpt.root) if ckpt is not None else None, ckpt_max_num=cfg.ckpt.max_num,
             ckpt_max_mem_gb=cfg.ckpt.max_mem if cfg.ckpt.max_mem is not None else math.inf,
             ckpt_disable_ds=cfg.ckpt.disable_ds, load_checkpoint=cfg.ckpt.load_enable, save_hf=cfg.ckpt.save_hf)
-        loop = StepLoop(engine=engine, objective=objective, train_items=train_items, eval_items=eval_items,
-                        settings=settings, run_dir=self.run_dir, logger=logger,
+        loop = SingleModelLoop(engine=engine, objective=objective, train_items=train_items, eval_items=eval_items,
+                        settings=settings, logger=logger,
                         save_hf=lambda d: self.export_hf(engine, d), device=self.device, ckpt=ckpt)
         self._loop = loop
         try:
@@ -189,10 +195,10 @@ class SingleModelRun:
             logger.close()
         if on_trained is not None:
             on_trained(loop, final)
-        self.export_hf(engine, self.run_dir)
+        self.export_hf(engine, self.output_dir)
         if engine.is_main:
-            plot_charts(self.run_dir)
-            info(f"final model saved to {self.run_dir}")
+            plot_charts(self.output_dir)
+            info(f"final model saved to {self.output_dir}")
         if self.world_size > 1:  # a launcher's process: end its process group before the interpreter exits
             from posttrain.engines.dist import shutdown
 

@@ -3,7 +3,7 @@
 loss = Σ_{i} m_i · (−log π(x_i | x_<i)) / N, with m the loss mask (response tokens and their EOS;
 every token but the first in pretrain mode; every assistant turn with --data.multiturn) and N the
 number of target tokens in the whole optimizer step across micro-batches and ranks, so the
-gradient does not depend on how the step is split (ALGORITHMS.md, aggregation).
+gradient does not depend on how the step is split (docs/algorithms.md, "Loss aggregation").
 """
 from __future__ import annotations
 

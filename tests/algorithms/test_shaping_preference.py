@@ -21,8 +21,8 @@ def t(x):
 
 def test_overlong_penalty_check_values():
     # buffer 128, max 1024: L = 896. len 950 -> e = 54 -> r - 54/128 = r - 0.421875.
-    # (ALGORITHMS.md's check value "r - 0.578125" is 74/128 = (1024-950)/128, which contradicts its own
-    # formula e = min(len - L, buffer); we follow the formula, which is DAPO's.)
+    # (DAPO's formula e = min(len - L, buffer), as docs/algorithms.md, "Reward shaping": not
+    # (1024 - 950) / 128 = 0.578125.)
     r = t([1.0, 1.0, 1.0, 1.0, 1.0])
     lengths = torch.tensor([950, 1024, 896, 500, 960])
     close(overlong_penalty(r, lengths, 1024, 128), t([1 - 0.421875, 0.0, 1.0, 1.0, 0.5]))

@@ -1,7 +1,7 @@
 """TRL RLOO (v0.14-v0.21, spec'd against v0.21.0) through posttrain.algorithms only: the missing-EOS
 penalty, batch reward normalisation with its clip, sequence-level advantage whitening and the
-sequence-sum ratio loss, against the vendored hand computation of issue 14 (§3), plus hand values
-for each new function."""
+sequence-sum ratio loss, against a vendored hand computation of TRL v0.21.0's RLOOTrainer, plus hand
+values for each new function."""
 import math
 
 import pytest
@@ -25,7 +25,7 @@ def t(x):
     return torch.tensor(x, dtype=torch.float32)
 
 
-# ---- vendored from TRL v0.21.0 RLOOTrainer semantics (see /work/notes/issue14_trl_rloo.md §3) ----
+# ---- vendored from TRL v0.21.0 RLOOTrainer semantics (docs/from-trl.md, docs/algorithms.md "TRL RLOO") ----
 # Layout: TRL sample-major rows [p0 s0, p1 s0, p0 s1, p1 s1]; to posttrain group-contiguous use PERM.
 RLOO_K, NUM_PROMPTS, RESPONSE_LENGTH = 2, 2, 4
 PAD_ID, EOS_ID = 0, 2              # stop_token="eos" -> stop_token_id = EOS_ID

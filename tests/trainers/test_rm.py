@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from posttrain.data.preference_dataset import PreferenceDataset
 from posttrain.data.synthetic import make_preference_rows, write_jsonl
 from posttrain.models import forward_values, load_score_model, load_tokenizer
-from posttrain.trainers.loop import summarize
 from posttrain.trainers.rm import RMObjective
+from posttrain.trainers.single_model_loop import summarize
 from posttrain.utils.metrics import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thread is fastest

@@ -99,7 +99,7 @@ def collect(executor, prompts, stream: PromptStream, params, *, batch_size: int,
     """`batch_size` prompt groups (fewer when filtering ran out of draws; logged). Each draw samples
     with its own seed (`params.seed` for the first, derived from it for refills), so refilled
     prompts never replay the first draw's random numbers. `max_len`: per-sample budgets
-    (`SingleTurnExecutor.run`); `on_generated`: passed to a single-turn executor's `run` (only
+    (`SingleTurnSampler.run`); `on_generated`: passed to `SingleTurnSampler.run` (only
     without filtering, where the first draw is the only one)."""
     n = params.n
     kept: list[ScoredRollouts] = []

@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def eval_metrics(executor, prompts, params, name: str, max_len: int | None = None) -> dict[str, float]:
-    """`max_len`: per-sample budgets as in training (`SingleTurnExecutor.run`)."""
+    """`max_len`: per-sample budgets as in training (`SingleTurnSampler.run`)."""
     scored = executor.run(list(prompts), params, max_len=max_len)
     k = params.n
     r = scored.rewards.view(-1, k)

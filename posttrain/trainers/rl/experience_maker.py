@@ -1,5 +1,5 @@
 """From scored rollouts to training experience: old / reference log-probs, values, KL, rewards →
-advantages and returns (ALGORITHMS.md), plus the rollout statistics the loop logs. Calls only role
+advantages and returns (docs/algorithms.md), plus the rollout statistics the loop logs. Calls only role
 methods (`logprobs`, `values`), so it is the same for both placements."""
 from __future__ import annotations
 
@@ -7,16 +7,13 @@ import math
 
 import torch
 
+from posttrain.algorithms import masked_mean
 from posttrain.algorithms.advantages import compute_advantages_with_stats, whiten
 from posttrain.algorithms.kl import approx_kl_with_stats
 from posttrain.algorithms.shaping import batch_normalize_scores
 from posttrain.trainers.rl.experience import Experience, build_experience
 from posttrain.trainers.rl.forward import Batching
 from posttrain.trainers.rl.updates import steps_per_rollout
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return float((x * mask).sum() / mask.sum().clamp(min=1))
 
 
 def sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -64,7 +61,7 @@ class ExperienceMaker:
         metrics: dict[str, float] = {}
         if self.needs_old_logp(len(scored.rollouts)):
             exp.old_logp = self.actor.logprobs(exp, mbs)
-            metrics["rollout/logprob_abs_gap"] = masked_mean((exp.old_logp - exp.rollout_logp).abs(), mask)
+            metrics["rollout/logprob_abs_gap"] = masked_mean((exp.old_logp - exp.rollout_logp).abs(), mask).item()
         kl = None
         if self.ref is not None:
             exp.ref_logp = self.ref.logprobs(exp, mbs)
@@ -84,7 +81,7 @@ class ExperienceMaker:
             sequence_kl=cfg.algo.kl.sequence_level_enable, whiten=True if adv.whiten_enable else None,
             whiten_level=adv.whiten_level if adv.whiten_enable else "token", valid=valid)
         metrics.update({f"advantage/{k}": float(v) for k, v in stats.items() if _scalar(v)})
-        metrics["advantage/mean"] = masked_mean(exp.advantages, mask)
+        metrics["advantage/mean"] = masked_mean(exp.advantages, mask).item()
         return exp, metrics
 
 

@@ -3,8 +3,8 @@
 the rollout engines' weights, then log, evaluate and checkpoint. The loop calls only role methods:
 the roles live in this process (`roles.py`), or are Ray actor groups with the same methods
 (`trainers/rl/placement/ray_placement.py`) when `config.ray_mode.uses_ray`. Resume, the eval / log / save
-cadence, Ctrl-C and the final charts are the run skeleton every trainer shares
-(`trainers/skeleton.RunLoop`)."""
+cadence, Ctrl-C and the final charts come from the loop every trainer shares
+(`trainers/run_loop.RunLoop`)."""
 from __future__ import annotations
 
 import json
@@ -26,7 +26,7 @@ from posttrain.config.roles import SEQUENCE_POLICY_LOSSES
 from posttrain.data import PromptDataset, load_rows
 from posttrain.models import load_tokenizer, unwrap_model
 from posttrain.rollout import HFRolloutEngine, SamplingParams, rank_seed
-from posttrain.rollout.single_turn import SingleTurnExecutor
+from posttrain.rollout.single_turn import SingleTurnSampler
 from posttrain.trainers.rl import build
 from posttrain.trainers.rl.async_pipeline import RolloutPipeline, staleness_metrics
 from posttrain.trainers.rl.collect import GroupBuffer, PromptStream, ShapingSettings, collect
@@ -34,8 +34,8 @@ from posttrain.trainers.rl.evaluate import dataset_name, eval_metrics
 from posttrain.trainers.rl.experience_maker import ExperienceMaker, rollout_metrics
 from posttrain.trainers.rl.forward import Batching
 from posttrain.trainers.rl.updates import UpdateSettings, steps_per_rollout
+from posttrain.trainers.run_loop import Cadence, RunLoop, plot_charts
 from posttrain.trainers.session import RunStart
-from posttrain.trainers.skeleton import Cadence, RunLoop, plot_charts
 from posttrain.utils.log import info, warn_once
 from posttrain.utils.seeding import rng_state, set_rng_state
 from posttrain.utils.timer import Timers
@@ -48,7 +48,7 @@ class RLTrainer(RunLoop):
     def __init__(self, cfg) -> None:
         self.cfg = cfg
         self.start = RunStart(cfg)  # the controller's process (validation refuses WORLD_SIZE > 1)
-        self.device, self.run_dir, self.rundir = self.start.device, self.start.run_dir, self.start.rundir
+        self.device, self.output_dir, self.folders = self.start.device, self.start.output_dir, self.start.folders
         self.on_ray, self.placement = uses_ray(cfg), None
         with self.start.closed_on_error():
             try:
@@ -155,7 +155,7 @@ class RLTrainer(RunLoop):
         """Single-turn sampling and batched rewards, or the agent's multi-turn episodes."""
         cfg = self.cfg
         if self.agent_executor is None:
-            return SingleTurnExecutor(self.rollout_engine, self.reward_source, self.tokenizer)
+            return SingleTurnSampler(self.rollout_engine, self.reward_source, self.tokenizer)
         from posttrain.agents.multi_turn import AgentRunner
 
         return AgentRunner.from_config(self.agent_executor, self.rollout_engine, self.tokenizer, self.reward_source, cfg)
@@ -216,7 +216,7 @@ class RLTrainer(RunLoop):
         # ckpt None: no --ckpt.save_steps and no --ckpt.load_enable, or --ckpt.disable_ds
         cadence = Cadence(logging_steps=cfg.logger.logging_steps, eval_steps=cfg.eval.steps,
                           save_steps=cfg.ckpt.save_steps, final_eval=False, load_checkpoint=cfg.ckpt.load_enable)
-        super().__init__(total_steps=self.total_steps, logger=self.start.open_logger(cfg), ckpt=self.rundir.ckpt,
+        super().__init__(total_steps=self.total_steps, logger=self.start.open_logger(cfg), ckpt=self.folders.ckpt,
                          cadence=cadence)
 
     def _eos_ids(self) -> tuple[int, ...]:
@@ -277,7 +277,7 @@ class RLTrainer(RunLoop):
         filt = tuple(cfg.algo.dynamic_filtering_range) if cfg.algo.dynamic_filtering_enable else None
         hook, version = {}, self.policy_version
         if (self.pipeline is not None and release_engines and filt is None
-                and isinstance(self.executor, SingleTurnExecutor)):
+                and isinstance(self.executor, SingleTurnSampler)):
             hook["on_generated"] = self.pipeline.generated
         params = self.sampling_params(step)
         if self.oversampled is not None:  # several draws per step, or none: seeded by where they start
@@ -354,13 +354,13 @@ class RLTrainer(RunLoop):
         return {"async/sync_wait": waited}
 
     def _write_samples(self, step: int, scored, k: int = 4) -> None:
-        with (self.run_dir / "samples.jsonl").open("a") as f:
+        with (self.output_dir / "samples.jsonl").open("a") as f:
             for r, reward in list(zip(scored.rollouts, scored.rewards.tolist()))[:k]:
                 f.write(json.dumps({"step": step, "prompt": r.prompt_text, "response": r.response_text,
                                     "label": r.label, "reward": reward, "finish_reason": r.finish_reason},
                                    default=str) + "\n")
 
-    # ---- the skeleton's hooks (trainers/skeleton.py) ---------------------------------------
+    # ---- RunLoop's hooks (trainers/run_loop.py) ---------------------------------------------
     def postfix(self, metrics: dict[str, float]) -> dict[str, str]:
         return {"reward": f"{metrics['reward/mean']:.3f}", "len": f"{metrics['response/length']:.1f}",
                 "kl": f"{metrics.get('kl/mean', 0.0):.4f}"}
@@ -387,9 +387,9 @@ class RLTrainer(RunLoop):
         if key is None or key not in metrics or metrics[key] <= self.best["value"]:
             return
         self.best = {"key": key, "value": metrics[key], "step": self.global_step}
-        self.actor.export(self.run_dir / "best", self.tokenizer, ema=False)
-        (self.run_dir / "best" / "best_metric.json").write_text(json.dumps(self.best))
-        info(f"new best {key} = {metrics[key]:.4f} at step {self.global_step}: saved to {self.run_dir / 'best'}")
+        self.actor.export(self.output_dir / "best", self.tokenizer, ema=False)
+        (self.output_dir / "best" / "best_metric.json").write_text(json.dumps(self.best))
+        info(f"new best {key} = {metrics[key]:.4f} at step {self.global_step}: saved to {self.output_dir / 'best'}")
 
     def write_checkpoint(self, d: Path) -> None:
         self.actor.save_state(d / "actor")
@@ -403,7 +403,7 @@ class RLTrainer(RunLoop):
 
     def restore(self, path: Path, meta: dict) -> None:
         state = torch.load(path / "trainer_state.pt", weights_only=False)
-        self.actor.load_state(path / "actor", legacy_ema=state.get("ema"))
+        self.actor.load_state(path / "actor")
         if self.critic is not None:
             self.critic.load_state(path / "critic")
         self.stream.cursor = self.trained_cursor = state["prompt_cursor"]
@@ -439,7 +439,7 @@ class RLTrainer(RunLoop):
     def after_loop(self) -> None:
         self._export()
         self.logger.close()
-        plot_charts(self.run_dir)
+        plot_charts(self.output_dir)
 
     def fit(self) -> dict[str, float]:
         """Train (resuming if asked); Ctrl-C ends in `Interrupted`; the run directory, the reward
@@ -453,7 +453,7 @@ class RLTrainer(RunLoop):
             if self.reward_source is not None:
                 self.reward_source.close()
             self._release_placement()
-            self.rundir.close()
+            self.folders.close()
 
     def _release_placement(self) -> None:
         if self.placement is not None:
@@ -479,10 +479,10 @@ class RLTrainer(RunLoop):
     def _export(self) -> None:
         if self.actor.keeps_ema:
             info("--train.enable_ema: the saved final model holds the EMA weights")
-        self.actor.export(self.run_dir, self.tokenizer)
+        self.actor.export(self.output_dir, self.tokenizer)
         if self.critic is not None and self.cfg.critic.save_value_network:
-            self.critic.export(self.run_dir / "critic", self.tokenizer)
-        info(f"final model saved to {self.run_dir}")
+            self.critic.export(self.output_dir / "critic", self.tokenizer)
+        info(f"final model saved to {self.output_dir}")
 
 
 def train_rl(cfg) -> dict[str, float]:

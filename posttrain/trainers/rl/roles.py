@@ -105,17 +105,14 @@ class Actor(_Scorer):
         if self.ema is not None and self.engine.is_main:
             torch.save(self.ema, Path(directory) / EMA_FILE)
 
-    def load_state(self, directory: Path, legacy_ema: dict | None = None) -> None:
-        """The state `save_state` wrote. A checkpoint without `ema.pt` (written before the EMA moved
-        into the actor's state) restores `legacy_ema` (its trainer state's copy); with neither, the EMA
+    def load_state(self, directory: Path) -> None:
+        """The state `save_state` wrote. With the EMA kept but no `ema.pt` in `directory`, the EMA
         restarts from the loaded weights, with a warning — never silently from the initial ones."""
         self.engine.load_state(directory)
         if self.ema is None:
             return
         if (Path(directory) / EMA_FILE).exists():
             self.ema = torch.load(Path(directory) / EMA_FILE, weights_only=True)
-        elif legacy_ema is not None:
-            self.ema = legacy_ema
         else:
             warn_once(f"checkpoint {directory} holds no EMA weights; the EMA restarts from the resumed weights")
             self.ema = {k: v.detach().clone().float() for k, v in self.model.state_dict().items()}

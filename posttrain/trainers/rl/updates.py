@@ -4,7 +4,7 @@ a token budget with --train.dynamic_batch_enable; packed rows with --ds.packing_
 Every kept sample trains: the last optimizer step of a pass takes the remainder when the rollout
 is not a multiple of the batch size (e.g. after dynamic filtering). Every loss is aggregated with
 its optimizer step's own token / sequence counts, so the gradient does not depend on the
-micro-batch split (ALGORITHMS.md, aggregation)."""
+micro-batch split (docs/algorithms.md, "Loss aggregation")."""
 from __future__ import annotations
 
 import math

@@ -8,7 +8,7 @@ from posttrain.data import Prompt
 from posttrain.rewards import RewardResult
 from posttrain.rollout import HFRolloutEngine, SamplingParams, rank_seed, sample_next
 from posttrain.rollout.decode_batch import Sequence
-from posttrain.rollout.single_turn import SingleTurnExecutor
+from posttrain.rollout.single_turn import SingleTurnSampler
 
 PROMPTS = [[5, 17, 300, 42, 9], [11], [700, 701, 702, 703, 704, 705, 706, 707, 708], [64, 65, 66]]
 FREQUENT_STOPS = list(range(100, 300))  # ~10% of the vocabulary: samples stop at varied lengths, rows compact
@@ -135,7 +135,7 @@ class Zero:
 
 
 def test_executor_seeds_prompts_by_their_index_in_the_step(engine, tokenizer):
-    executor = SingleTurnExecutor(engine, Zero(), tokenizer)
+    executor = SingleTurnSampler(engine, Zero(), tokenizer)
     prompts = [Prompt(f"p{i}", p, None, "") for i, p in enumerate(PROMPTS)]
     whole = executor.run(prompts, params())
     tail = executor.run(prompts[2:], params(), group_offset=2)
@@ -153,6 +153,6 @@ def test_executor_seeds_prompts_by_their_index_in_the_step(engine, tokenizer):
             seen.append(seeds)
             return engine.generate(prompt_token_ids, params, max_new_tokens=max_new_tokens, seeds=seeds)
 
-    SingleTurnExecutor(Spy(), Zero(), tokenizer).run(prompts[2:], params(), group_offset=2)
-    SingleTurnExecutor(Spy(), Zero(), tokenizer).run(prompts[2:], params(seed=None), group_offset=2)
+    SingleTurnSampler(Spy(), Zero(), tokenizer).run(prompts[2:], params(), group_offset=2)
+    SingleTurnSampler(Spy(), Zero(), tokenizer).run(prompts[2:], params(seed=None), group_offset=2)
     assert seen == [seeds_for([2, 3]), None]

@@ -1,4 +1,4 @@
-"""Token-in token-out layout (ALGORITHMS.md test 7): the reward lands on the last generated token
+"""Token-in token-out layout (docs/algorithms.md, pipeline step 4): the reward lands on the last generated token
 under padding, pad == eos, several eos ids and truncation; sampled tokens are never rewritten."""
 import pytest
 import torch

@@ -58,18 +58,12 @@ def test_actor_fit_state_round_trip_export_and_sync(tiny_model_dir, tmp_path):
     assert weights_hash(engine.model) == weights_hash(a.model)
 
 
-def test_ema_of_a_checkpoint_without_ema_file_is_restored_or_restarted_from_the_resumed_weights(tiny_model_dir,
-                                                                                               tmp_path):
-    """A checkpoint written before the EMA moved into the actor's state keeps its EMA in the trainer
-    state (`legacy_ema`); without any, the EMA restarts from the resumed weights, never the initial ones."""
+def test_ema_of_a_checkpoint_without_ema_file_restarts_from_the_resumed_weights(tiny_model_dir, tmp_path):
+    """A checkpoint without the EMA file: the EMA restarts from the resumed weights, never the initial ones."""
     tok = load_tokenizer(tiny_model_dir)
     a = actor(tiny_model_dir)
     a.fit(experience(tok), settings(3), 0.0, step=0)
-    a.engine.save_state(tmp_path / "old")  # the old layout: engine state only
-    legacy = {k: v + 1.0 for k, v in a.ema.items()}
-    b = actor(tiny_model_dir)
-    b.load_state(tmp_path / "old", legacy_ema=legacy)
-    assert all(torch.equal(b.ema[k], legacy[k]) for k in legacy)
+    a.engine.save_state(tmp_path / "old")  # engine state only, no ema.pt
     c = actor(tiny_model_dir)
     c.load_state(tmp_path / "old")
     assert all(torch.equal(c.ema[k], v.float()) for k, v in c.model.state_dict().items())

@@ -1,4 +1,4 @@
-"""The semantics around the math (ALGORITHMS.md, "Semantics around the math"), each a regression
+"""The semantics around the math (docs/algorithms.md, "Semantics around the math"), each a regression
 test of a divergence from OpenRLHF 0.10.2 found by a side-by-side reading: every kept row trains,
 per-sample generation budgets, OpenRLHF's reward-function inputs, EMA per optimizer step, the
 critic's normalisation, the KL statistic, refill seeds, and packed / dynamic batches."""
@@ -9,7 +9,7 @@ import torch
 from posttrain.data import Prompt
 from posttrain.models import load_causal_lm, load_score_model, load_tokenizer
 from posttrain.rollout import HFRolloutEngine, RolloutOutput, SamplingParams
-from posttrain.rollout.single_turn import Rollout, ScoredRollouts, SingleTurnExecutor
+from posttrain.rollout.single_turn import Rollout, ScoredRollouts, SingleTurnSampler
 from posttrain.trainers.rl.collect import PromptStream, ShapingSettings, collect, shape_rewards
 from posttrain.trainers.rl.experience import build_experience
 from posttrain.trainers.rl.experience_maker import sequence_mean as _sequence_mean
@@ -55,7 +55,7 @@ def test_each_sample_gets_its_own_budget(nano):
             from posttrain.rewards import RewardResult
             return RewardResult(torch.zeros(len(queries)))
 
-    executor = SingleTurnExecutor(HFRolloutEngine(model, tok, pad_token_id=tok.pad_token_id), Count(), tok)
+    executor = SingleTurnSampler(HFRolloutEngine(model, tok, pad_token_id=tok.pad_token_id), Count(), tok)
     prompts = [Prompt("", [5, 6, 7], None, "a"), Prompt("", list(range(10, 40)), None, "b")]
     params = SamplingParams(temperature=1.0, max_new_tokens=37, n=2, seed=1, stop_token_ids=[])
     out = executor.run(prompts, params, max_len=40)
@@ -100,7 +100,7 @@ def test_reward_function_sees_openrlhf_queries_with_the_eos(tmp_path, nano):
                                           add_generation_prompt=True)
     prompt = Prompt(prompt_text, tok(prompt_text, add_special_tokens=False)["input_ids"], "5", "row 1")
     answer = tok("5", add_special_tokens=False)["input_ids"]
-    executor = SingleTurnExecutor(FixedEngine([answer + [tok.eos_token_id], answer + answer]), source, tok)
+    executor = SingleTurnSampler(FixedEngine([answer + [tok.eos_token_id], answer + answer]), source, tok)
     out = executor.run([prompt], SamplingParams(n=2, max_new_tokens=4))
     assert out.rewards.tolist() == [1.0, 0.0]
     seen = source.fn.__globals__["SEEN"]
@@ -233,7 +233,7 @@ def test_refill_draws_use_their_own_seed():
     assert len(seen) >= 2 and seen[0] == 123 and len(set(seen)) == len(seen)
 
 
-# ---- TRL RLOO score pipeline (issue 14) ------------------------------------------------------------------
+# ---- TRL RLOO score pipeline ---------------------------------------------------------------------------
 def test_missing_eos_penalty_reads_generated_eos_before_other_shaping():
     """TRL missing_eos_penalty: subtracted from a sample whose generated tokens hold no EOS id (an EOS fed
     by the environment does not count), before the stop-properly penalty scales the truncated reward."""

@@ -136,8 +136,8 @@ class ActorGroup(_RoleGroup):
     def fit(self, exp, settings, kl_coef: float, step: int) -> dict[str, float]:
         return self._fit(exp, settings, step, kl_coef, step)
 
-    def load_state(self, directory, legacy_ema=None) -> None:
-        self.call("load_state", str(directory), legacy_ema)
+    def load_state(self, directory) -> None:
+        self.call("load_state", str(directory))
 
     def export(self, directory, tokenizer, ema: bool = True) -> None:
         self.call("export", str(directory), ema)

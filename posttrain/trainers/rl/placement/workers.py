@@ -120,11 +120,11 @@ class RoleWorker(_Process):
     def save_state(self, directory: str) -> None:
         self.obj.save_state(directory)
 
-    def load_state(self, directory: str, *args) -> None:
+    def load_state(self, directory: str) -> None:
         from posttrain.utils.checkpoint import CheckpointError
 
         try:
-            self.obj.load_state(directory, *args)
+            self.obj.load_state(directory)
         except Exception as e:  # one line for the user (e.g. other rank counts than the checkpoint's)
             raise CheckpointError(f"{self.role} rank {self.rank} cannot load {directory}: "
                                   f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from e

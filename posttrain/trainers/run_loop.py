@@ -1,13 +1,14 @@
-"""The run skeleton every trainer shares: resume, the step / evaluate / log / checkpoint cadence with a
-progress bar, Ctrl-C handling and the final charts. SFT, RM and DPO run it through `StepLoop`
-(`trainers/loop.py`), PPO and its estimators through `RLTrainer` (`trainers/rl/ppo.py`); set-up
-(hardware defaults, run directory, config echo, seed, metric sinks) is `trainers/session.RunStart`.
+"""`RunLoop`: the resumable step loop every trainer runs: resume, the step / evaluate / log / checkpoint
+cadence with a progress bar, Ctrl-C handling and the final charts. Its subclasses are
+`SingleModelLoop` (SFT, RM, DPO; `trainers/single_model_loop.py`) and `RLTrainer` (PPO and its
+estimators; `trainers/rl/ppo.py`). What happens before the loop (hardware defaults, run folders, config
+echo, seed, metric sinks) is `trainers/session.RunStart`.
 
 A trainer subclasses `RunLoop` and supplies:
-  - `step() -> metrics`: one optimizer step (or one RL step) at `self.global_step`, which the skeleton
+  - `step() -> metrics`: one optimizer step (or one RL step) at `self.global_step`, which `RunLoop`
     then advances;
   - `evaluate() -> metrics` (`{}`: nothing to evaluate);
-  - `write_checkpoint(dir)` (every rank) and `restore(path, meta)`: its own state; the skeleton writes
+  - `write_checkpoint(dir)` (every rank) and `restore(path, meta)`: its own state; `RunLoop` writes
     and reads `meta["global_step"]`, wraps an unloadable checkpoint in a CheckpointError and trims the
     metrics file after the resumed step;
   - optionally `checkpoint_meta()`, `postfix(metrics)` (progress-bar fields), `on_evaluated(...)`,
@@ -88,10 +89,10 @@ class RunLoop:
         return path
 
     def resume(self) -> None:
-        """Load the checkpoint the run directory chose, if any (module docstring)."""
+        """Load the checkpoint chosen when the run folders were claimed, if any (module docstring)."""
         if self.ckpt is None or not self.cadence.load_checkpoint:
             return
-        path = self.ckpt.prepare(True)  # the run directory's answer when it prepared the folder at start-up
+        path = self.ckpt.prepare(True)  # the answer `claim_run_folders` got at start-up
         if path is None:
             return
         meta = read_manifest(path)["meta"]
@@ -151,12 +152,12 @@ class RunLoop:
         return last_eval
 
 
-def plot_charts(run_dir: Path) -> list[Path]:
+def plot_charts(output_dir: Path) -> list[Path]:
     """The run's PNG charts from metrics.jsonl (`posttrain plot`); none when there is nothing to plot."""
     from posttrain.utils.plot import plot_run
 
     try:
-        plots = plot_run(run_dir)
+        plots = plot_run(output_dir)
     except ValueError as e:
         info(f"no plots: {e}")
         return []

@@ -1,4 +1,5 @@
-"""The optimizer-step loop shared by the single-model trainers (SFT now; RM and DPO reuse it).
+"""`SingleModelLoop`: the optimizer-step loop of the single-model trainers (SFT, RM, DPO), a `RunLoop`
+(`trainers/run_loop.py`) built and run by `SingleModelRun.fit` (`trainers/session.py`).
 
 A trainer supplies an `Objective`:
   - `units(item)`: how many normalisation units a sample contributes (SFT: its target tokens);
@@ -8,18 +9,17 @@ A trainer supplies an `Objective`:
   - `loss(model, batch, num_units) -> (loss, sums)`: the micro-batch's share of the step loss,
     already divided by `num_units` = the units of the WHOLE step (all micro-batches, all ranks), so
     the step loss is the plain sum of micro-batch losses — identical whatever the split
-    (ALGORITHMS.md, aggregation). `sums` are additive statistics (floats) summed over micro-batches
+    (docs/algorithms.md, "Loss aggregation"). `sums` are additive statistics (floats) summed over micro-batches
     and ranks and logged divided by their `*_count` partner when one exists; a `*_sqsum` partner
     (sum of squares) adds the sample standard deviation (`x_sum`, `x_sqsum`, `x_count` are logged
     as `x_mean` and `x_std`).
 The loop owns data order, micro-batching, rank padding for ZeRO-3 and its checkpoint state (weights,
 optimizer, scheduler, step counters and per-rank RNG); the step / eval / log / save / resume cadence
-and Ctrl-C are the run skeleton every trainer shares (`trainers/skeleton.RunLoop`).
+and Ctrl-C come from the loop every trainer shares (`trainers/run_loop.RunLoop`).
 """
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 
 from posttrain.trainers import batching
-from posttrain.trainers.skeleton import Cadence, RunLoop
+from posttrain.trainers.run_loop import Cadence, RunLoop
 from posttrain.utils.checkpoint import CheckpointManager
 from posttrain.utils.log import info
 from posttrain.utils.metrics import MetricsLogger
@@ -86,19 +86,18 @@ def summarize(sums: dict[str, float], prefix: str) -> dict[str, float]:
     return out
 
 
-class StepLoop(RunLoop):
+class SingleModelLoop(RunLoop):
     def __init__(self, *, engine, objective: Objective, train_items: list[dict], eval_items: list[dict] | None,
-                 settings: LoopSettings, run_dir: str | os.PathLike, logger: MetricsLogger,
+                 settings: LoopSettings, logger: MetricsLogger,
                  save_hf: Callable[[Path], None] | None = None, device=None,
                  ckpt: CheckpointManager | None = None) -> None:
         """`ckpt`: the run's checkpoint manager, already `prepare`d before the model loaded
-        (`posttrain.trainers.rundir.open_run_dir`); without it one is made from `settings.ckpt_path`."""
+        (`posttrain.trainers.run_folders.claim_run_folders`); without it one is made from `settings.ckpt_path`."""
         self.engine = engine
         self.obj = objective
         self.train_items = train_items
         self.eval_items = eval_items or []
         self.s = settings
-        self.run_dir = Path(run_dir)
         self.save_hf = save_hf
         self.device = device or torch.device("cpu")
         length = getattr(objective, "length", None) or (lambda it: len(it["input_ids"]) if "input_ids" in it else 1)
@@ -179,7 +178,7 @@ class StepLoop(RunLoop):
         self.engine.module.train()
         return summarize(sums, prefix)
 
-    # ---- the skeleton's hooks (trainers/skeleton.py) ---------------------------------------
+    # ---- RunLoop's hooks (trainers/run_loop.py) ---------------------------------------------
     def step(self) -> dict[str, float]:
         epoch, step_in_epoch = divmod(self.global_step, self.steps_per_epoch)
         groups = self._step_micro_batches(epoch, step_in_epoch)

@@ -1,13 +1,13 @@
 """Claiming a run's folders at start-up, shared by every trainer (SFT/RM/DPO through `SingleModelRun`,
 and the RL trainer).
 
-    run = open_run_dir(cfg, is_main=...)   # before config.yaml, metrics or any model
+    folders = claim_run_folders(cfg, is_main=...)   # before config.yaml, metrics or any model
     try:
-        ...; CheckpointManager in run.ckpt (None: no checkpoints); run.resume_from: what to resume
+        ...; CheckpointManager in folders.ckpt (None: no checkpoints); folders.resume_from: what to resume
     finally:
-        run.close()
+        folders.close()
 
-`open_run_dir` (1) locks `--ckpt.output_dir` against a second writer (main process; `RunLock`),
+`claim_run_folders` (1) locks `--ckpt.output_dir` against a second writer (main process; `RunLock`),
 (2) resolves the checkpoint folder (`checkpoint_dir`: `--ckpt.path`, unset ->
 `<--ckpt.output_dir>/checkpoints`) and prints it, (3) when the run uses it (`--ckpt.save_steps` > 0 or
 `--ckpt.load_enable`) locks it too if it lies outside the run directory, and checks it
@@ -34,7 +34,9 @@ def run_identity(cfg) -> RunIdentity:
 
 
 @dataclass
-class RunDir:
+class RunFolders:
+    """The folders a run has claimed: `path` (--ckpt.output_dir), the checkpoint manager, the locks."""
+
     path: Path
     ckpt: CheckpointManager | None = None
     resume_from: Path | None = None
@@ -50,7 +52,7 @@ class RunDir:
             lock.release()
         self.locks.clear()
 
-    def __enter__(self) -> RunDir:
+    def __enter__(self) -> RunFolders:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -61,24 +63,24 @@ def _inside(path: Path, folder: Path) -> bool:
     return path.resolve().is_relative_to(folder.resolve())
 
 
-def open_run_dir(cfg, *, is_main: bool = True) -> RunDir:
+def claim_run_folders(cfg, *, is_main: bool = True) -> RunFolders:
     """Lock and check the run's folders before anything is written (module docstring)."""
-    run = RunDir(Path(cfg.ckpt.output_dir))
+    folders = RunFolders(Path(cfg.ckpt.output_dir))
     try:
         if is_main:
-            run.locks.append(RunLock(run.path, "--ckpt.output_dir").acquire())
+            folders.locks.append(RunLock(folders.path, "--ckpt.output_dir").acquire())
         root = checkpoint_dir(cfg)
         if root is None or not (cfg.ckpt.save_steps > 0 or cfg.ckpt.load_enable):
-            return run
+            return folders
         how = " (--ckpt.path unset: <--ckpt.output_dir>/checkpoints)" if cfg.ckpt.path is None else ""
         info(f"checkpoints: {root.resolve()}{how}")
-        if is_main and not _inside(root, run.path):
-            run.locks.append(RunLock(root, "--ckpt.path").acquire())
+        if is_main and not _inside(root, folders.path):
+            folders.locks.append(RunLock(root, "--ckpt.path").acquire())
         max_mem = cfg.ckpt.max_mem if cfg.ckpt.max_mem is not None else math.inf
-        run.ckpt = CheckpointManager(root, max_num=cfg.ckpt.max_num, max_mem_gb=max_mem, is_main=is_main,
-                                     identity=run_identity(cfg))
-        run.resume_from = run.ckpt.prepare(cfg.ckpt.load_enable)
-        return run
+        folders.ckpt = CheckpointManager(root, max_num=cfg.ckpt.max_num, max_mem_gb=max_mem, is_main=is_main,
+                                         identity=run_identity(cfg))
+        folders.resume_from = folders.ckpt.prepare(cfg.ckpt.load_enable)
+        return folders
     except BaseException:
-        run.close()
+        folders.close()
         raise

@@ -1,4 +1,4 @@
-"""The run skeleton every trainer shares (trainers/skeleton.RunLoop): cadence, resume, Ctrl-C."""
+"""The resumable step loop every trainer shares (trainers/run_loop.RunLoop): cadence, resume, Ctrl-C."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from posttrain.trainers.skeleton import Cadence, RunLoop
+from posttrain.trainers.run_loop import Cadence, RunLoop
 from posttrain.utils.checkpoint import CheckpointError, CheckpointManager
 from posttrain.utils.interrupt import Interrupted
 from posttrain.utils.metrics import MetricsLogger
