@@ -27,7 +27,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not distributed"
+	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e and not slow"
 
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --quiet --site-dir site

@@ -1,9 +1,30 @@
-"""Shared fixtures. `tiny_model_dir`: a llama "nano" (~1M params) causal LM + tokenizer built
+"""Test tiers and shared fixtures.
+
+Tiers: every test under tests/unit/ is `unit` (no model training); a test marked `e2e` (several
+processes: Ray, DeepSpeed, torchrun, subprocess CLI runs and faults, the demo) is end-to-end; every
+other test is `integration` (tiny-model trainers, rollouts, servers in one process). `slow` marks
+integration tests that train for more than a few seconds. `make test` runs every tier; `make test-fast`
+runs `-m "not e2e and not slow"`.
+
+Fixtures: `tiny_model_dir`: a llama "nano" (~1M params) causal LM + tokenizer built
 once per session with `build_tiny` (seed 0), loadable with `from_pretrained`; `tiny_score_model_dir`, its score-head twin. `one_torch_thread`:
 request it (module scope) where tiny models run many small ops."""
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import settings
+
+UNIT_DIR = Path(__file__).parent / "unit"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test with its tier (`unit`, `integration` or `e2e`), so `-m` selects tiers."""
+    for item in items:
+        if UNIT_DIR in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.unit)
+        elif item.get_closest_marker("e2e") is None:
+            item.add_marker(pytest.mark.integration)
 
 # Property tests draw the same examples on every run, so CI results do not depend on luck.
 settings.register_profile("posttrain", derandomize=True, deadline=None)

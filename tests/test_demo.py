@@ -4,7 +4,11 @@ SFT model through the real entry points, with their metrics, plots and the summa
 multi-turn calculator task (SFT on transcripts, multi-turn RL, the single-turn control)."""
 import json
 
+import pytest
+
 from posttrain.utils.metrics import read_metrics
+
+pytestmark = pytest.mark.e2e
 
 
 def test_quick_demo_runs_every_stage(tmp_path, capsys):

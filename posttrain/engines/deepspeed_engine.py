@@ -25,13 +25,14 @@ from collections.abc import Iterator
 
 import torch
 
+from posttrain.config.sections import PARAM_DTYPES, DSConfig, OptimizerFields
 from posttrain.engines import dist as pdist
 from posttrain.engines.base import TrainEngine, read_meta, write_meta
 from posttrain.engines.optim import param_groups
 from posttrain.engines.schedulers import build_scheduler, lr_multiplier
 
 TAG = "engine"
-PARAM_DTYPES = ("fp32", "bf16", "fp16")
+
 GRAD_ACCUM_DTYPES = (None, "fp32", "bf16", "fp16")
 _GENERATION = "posttrain.gathered_for_generation"  # marks ZeRO-3 parameters held by a generation
 
@@ -101,14 +102,16 @@ class DeepSpeedEngine(TrainEngine):
 
     name = "deepspeed"
 
-    def __init__(self, model: torch.nn.Module, *, total_steps: int, zero_stage: int = 2, max_norm: float = 1.0,
-                 param_dtype: str = "fp32", adam_offload: bool = False, grad_accum_dtype: str | None = None,
-                 zpg: int = 1, overlap_comm: bool = False, lr_scheduler: str = "cosine_with_min_lr",
-                 warmup_ratio: float = 0.03, min_lr_ratio: float = 0.1, optim: str = "adam", lr: float,
-                 betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0, muon_lr: float = 0.02,
-                 muon_momentum: float = 0.95, muon_nesterov: bool = True, muon_ns_steps: int = 5):
-        lr_multiplier(lr_scheduler, total_steps=total_steps, warmup_ratio=warmup_ratio, min_lr_ratio=min_lr_ratio)
-        if optim == "muon" and (not muon_nesterov or muon_ns_steps != 5):
+    def __init__(self, model: torch.nn.Module, opt: OptimizerFields, *, total_steps: int, zero_stage: int = 2,
+                 ds: DSConfig | None = None):
+        """`opt`: the optimizer section; `ds`: the `--ds.*` section (param_dtype, adam_offload, grad_accum_dtype,
+        zpg, overlap_comm are read; default: DeepSpeed's defaults in fp32)."""
+        ds = ds or DSConfig(param_dtype="fp32")
+        param_dtype = ds.param_dtype or "fp32"
+        max_norm, a = opt.max_norm, opt.adam
+        lr_multiplier(opt.lr_scheduler, total_steps=total_steps, warmup_ratio=opt.lr_warmup_ratio,
+                      min_lr_ratio=opt.min_lr_ratio)
+        if opt.optim == "muon" and (not opt.muon.nesterov or opt.muon.ns_steps != 5):
             raise ValueError("with DeepSpeed, Muon uses Nesterov momentum and 5 Newton-Schulz steps; "
                              "muon_nesterov=False / muon_ns_steps != 5 need the TorchEngine (zero_stage=None)")
         self.zero_stage = zero_stage
@@ -123,14 +126,12 @@ class DeepSpeedEngine(TrainEngine):
         self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.max_norm = max_norm
         config = ds_config(zero_stage=zero_stage, world_size=self.world_size, max_norm=max_norm,
-                           param_dtype=param_dtype, adam_offload=adam_offload, grad_accum_dtype=grad_accum_dtype,
-                           zpg=zpg, overlap_comm=overlap_comm, clip_in_deepspeed=not self._hook_clip,
-                           muon=optim == "muon")
+                           param_dtype=param_dtype, adam_offload=ds.adam_offload, grad_accum_dtype=ds.grad_accum_dtype,
+                           zpg=ds.zpg, overlap_comm=ds.overlap_comm, clip_in_deepspeed=not self._hook_clip,
+                           muon=opt.optim == "muon")
 
-        groups = param_groups(model, optim=optim, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                              muon_lr=muon_lr, muon_momentum=muon_momentum, muon_nesterov=muon_nesterov,
-                              muon_ns_steps=muon_ns_steps)
-        if optim == "muon":
+        groups = param_groups(model, opt)
+        if opt.optim == "muon":
             from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
             for g in groups:
                 for p in g["params"]:
@@ -143,15 +144,15 @@ class DeepSpeedEngine(TrainEngine):
         else:
             for g in groups:
                 g.pop("use_muon")
-            optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+            optimizer = torch.optim.AdamW(groups, lr=a.lr, betas=tuple(a.betas), eps=a.eps, weight_decay=a.weight_decay,
                                           fused=torch.cuda.is_available() or None)
         self._pre_clip_norm: float | None = None
         if self._hook_clip:
             optimizer.register_step_pre_hook(self._clip_hook)
 
-        def scheduler(opt):
-            return build_scheduler(opt, lr_scheduler, total_steps=total_steps, warmup_ratio=warmup_ratio,
-                                   min_lr_ratio=min_lr_ratio)
+        def scheduler(optimizer_):
+            return build_scheduler(optimizer_, opt.lr_scheduler, total_steps=total_steps,
+                                   warmup_ratio=opt.lr_warmup_ratio, min_lr_ratio=opt.min_lr_ratio)
 
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)

@@ -26,7 +26,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-OPTIMIZERS = ("adam", "muon")
+from posttrain.config.sections import OPTIMIZERS, OptimizerFields
+
 _HEAD_NAMES = ("embed", "lm_head", "score", "value_head", "v_head", "wte", "wpe")
 _NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
@@ -69,17 +70,17 @@ def param_roles(model: nn.Module, optim: str = "adam") -> dict[str, list[tuple[s
     return roles
 
 
-def param_groups(model: nn.Module, *, optim: str = "adam", lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0, muon_lr: float = 0.02, muon_momentum: float = 0.95,
-                 muon_nesterov: bool = True, muon_ns_steps: int = 5) -> list[dict]:
-    """Optimizer param groups (empty groups dropped); each dict carries ``use_muon`` and ``name``."""
-    roles = param_roles(model, optim)
-    adam = {"lr": lr, "betas": tuple(betas), "eps": eps, "use_muon": False}
+def param_groups(model: nn.Module, opt: OptimizerFields) -> list[dict]:
+    """Optimizer param groups (empty groups dropped) for the optimizer section `opt` (`--optim`, `--adam.*`,
+    `--muon.*`); each dict carries ``use_muon`` and ``name``."""
+    roles = param_roles(model, opt.optim)
+    a, m = opt.adam, opt.muon
+    adam = {"lr": a.lr, "betas": tuple(a.betas), "eps": a.eps, "use_muon": False}
     groups = [
-        {"params": [p for _, p in roles["decay"]], "weight_decay": weight_decay, "name": "decay", **adam},
+        {"params": [p for _, p in roles["decay"]], "weight_decay": a.weight_decay, "name": "decay", **adam},
         {"params": [p for _, p in roles["no_decay"]], "weight_decay": 0.0, "name": "no_decay", **adam},
-        {"params": [p for _, p in roles["muon"]], "lr": muon_lr, "weight_decay": weight_decay,
-         "momentum": muon_momentum, "nesterov": muon_nesterov, "ns_steps": muon_ns_steps, "use_muon": True,
+        {"params": [p for _, p in roles["muon"]], "lr": m.lr, "weight_decay": a.weight_decay,
+         "momentum": m.momentum, "nesterov": m.nesterov, "ns_steps": m.ns_steps, "use_muon": True,
          "name": "muon"},
     ]
     return [g for g in groups if g["params"]]
@@ -147,15 +148,12 @@ class MuonAdamW(torch.optim.Optimizer):
         return loss
 
 
-def build_optimizer(model: nn.Module, *, optim: str = "adam", lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
-                    weight_decay: float = 0.0, muon_lr: float = 0.02, muon_momentum: float = 0.95,
-                    muon_nesterov: bool = True, muon_ns_steps: int = 5) -> torch.optim.Optimizer:
-    """``torch.optim.AdamW`` over decay/no_decay groups (optim="adam") or ``MuonAdamW`` (optim="muon")."""
-    groups = param_groups(model, optim=optim, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                          muon_lr=muon_lr, muon_momentum=muon_momentum, muon_nesterov=muon_nesterov,
-                          muon_ns_steps=muon_ns_steps)
-    if optim == "muon":
+def build_optimizer(model: nn.Module, opt: OptimizerFields) -> torch.optim.Optimizer:
+    """``torch.optim.AdamW`` over decay/no_decay groups (--optim adam) or ``MuonAdamW`` (--optim muon)."""
+    groups = param_groups(model, opt)
+    if opt.optim == "muon":
         return MuonAdamW(groups)
     for g in groups:
         g.pop("use_muon")
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+    a = opt.adam
+    return torch.optim.AdamW(groups, lr=a.lr, betas=tuple(a.betas), eps=a.eps, weight_decay=a.weight_decay)

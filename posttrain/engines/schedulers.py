@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-SCHEDULERS = ("cosine_with_min_lr", "constant_with_warmup", "linear")
+from posttrain.config.sections import LR_SCHEDULERS as SCHEDULERS  # --lr_scheduler's choices
 
 
 def num_warmup_steps(total_steps: int, warmup_ratio: float) -> int:

@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from posttrain.config.sections import OptimizerFields
 from posttrain.engines import dist as pdist
 from posttrain.engines.base import TrainEngine, read_meta, write_meta
 from posttrain.engines.optim import build_optimizer
@@ -21,7 +22,8 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class TorchEngine(TrainEngine):
-    """AdamW / Muon + LR schedule + global-norm clipping around ``model`` (kept on its device).
+    """AdamW / Muon + LR schedule + global-norm clipping around ``model`` (kept on its device), as the
+    optimizer section `opt` says (`--optim`, `--adam.*`, `--muon.*`, `--lr_scheduler`, `--max_norm`, ...).
 
     ``param_dtype="bf16"`` casts the weights to bf16 (pure bf16, no fp32 master copy; use DeepSpeed
     for mixed precision). fp16 is not supported here (it needs loss scaling).
@@ -29,9 +31,7 @@ class TorchEngine(TrainEngine):
 
     name = "torch"
 
-    def __init__(self, model: torch.nn.Module, *, total_steps: int, max_norm: float = 1.0,
-                 param_dtype: str = "fp32", lr_scheduler: str = "cosine_with_min_lr", warmup_ratio: float = 0.03,
-                 min_lr_ratio: float = 0.1, **optim_kwargs):
+    def __init__(self, model: torch.nn.Module, opt: OptimizerFields, *, total_steps: int, param_dtype: str = "fp32"):
         if param_dtype not in _DTYPES:
             raise ValueError(f"TorchEngine param_dtype must be one of {', '.join(_DTYPES)}, got {param_dtype!r} "
                              "(fp16 needs DeepSpeed's loss scaling: pass zero_stage=0..3)")
@@ -43,10 +43,10 @@ class TorchEngine(TrainEngine):
         if pdist.is_distributed():  # start every rank from rank 0's weights
             for t in list(self.module.parameters()) + list(self.module.buffers()):
                 torch.distributed.broadcast(t.data, src=0)
-        self.max_norm = max_norm
-        self.optimizer = build_optimizer(self.module, **optim_kwargs)
-        self.scheduler = build_scheduler(self.optimizer, lr_scheduler, total_steps=total_steps,
-                                         warmup_ratio=warmup_ratio, min_lr_ratio=min_lr_ratio)
+        self.max_norm = opt.max_norm
+        self.optimizer = build_optimizer(self.module, opt)
+        self.scheduler = build_scheduler(self.optimizer, opt.lr_scheduler, total_steps=total_steps,
+                                         warmup_ratio=opt.lr_warmup_ratio, min_lr_ratio=opt.min_lr_ratio)
         self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self._steps = 0
 

@@ -52,7 +52,7 @@ class Sequence:
 
     def uniform(self) -> float:
         """The next U[0, 1) float64 draw of this sample's generator, drawn `_DRAW_BLOCK` at a time (a CPU
-        generator gives the same numbers drawn one by one or as a block; tests/engines/rollout check it)."""
+        generator gives the same numbers drawn one by one or as a block; tests/rollout check it)."""
         if not self._draws:
             self._draws = torch.rand(_DRAW_BLOCK, generator=self.generator, dtype=torch.float64).tolist()[::-1]
         return self._draws.pop()

@@ -167,14 +167,8 @@ class SingleModelRun:
         if self.world_size == 1:
             model = model.to(self.device)
         steps = (len(train_items) // cfg.train.batch_size) * cfg.train.max_epochs
-        engine = make_train_engine(
-            model, optim=cfg.optim, lr=cfg.adam.lr, betas=tuple(cfg.adam.betas), eps=cfg.adam.eps,
-            weight_decay=cfg.adam.weight_decay, muon_lr=cfg.muon.lr, muon_momentum=cfg.muon.momentum,
-            muon_nesterov=cfg.muon.nesterov, muon_ns_steps=cfg.muon.ns_steps, lr_scheduler=cfg.lr_scheduler,
-            warmup_ratio=cfg.lr_warmup_ratio, min_lr_ratio=cfg.min_lr_ratio, total_steps=max(steps, 1),
-            max_norm=cfg.max_norm, zero_stage=cfg.ds.zero_stage if self._needs_deepspeed() else None,
-            param_dtype=cfg.ds.param_dtype, adam_offload=cfg.ds.adam_offload,
-            grad_accum_dtype=cfg.ds.grad_accum_dtype, zpg=cfg.ds.zpg, overlap_comm=cfg.ds.overlap_comm)
+        engine = make_train_engine(model, cfg, total_steps=max(steps, 1), ds=cfg.ds,
+                                   zero_stage=cfg.ds.zero_stage if self._needs_deepspeed() else None)
         logger = self.start.open_logger(cfg, enabled=engine.is_main)
         ckpt = self.folders.ckpt
         settings = LoopSettings(

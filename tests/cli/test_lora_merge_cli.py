@@ -12,6 +12,8 @@ from safetensors.torch import load_file
 from posttrain.cli.main import main as posttrain
 from posttrain.data.synthetic import make_arithmetic_rows, write_jsonl
 
+pytestmark = pytest.mark.e2e
+
 ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 IDS = torch.tensor([[5, 17, 230, 41, 9, 88, 3, 140]])
 

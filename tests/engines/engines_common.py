@@ -19,6 +19,42 @@ OPT = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-4, "weight_decay": 0.1, "lr_s
        "warmup_ratio": 0.0, "min_lr_ratio": 0.1, "total_steps": 4, "max_norm": 1.6}
 
 
+_ADAM = {"lr": "lr", "betas": "betas", "eps": "eps", "weight_decay": "weight_decay"}
+_MUON = {"muon_lr": "lr", "muon_momentum": "momentum", "muon_nesterov": "nesterov", "muon_ns_steps": "ns_steps"}
+_TOP = {"optim": "optim", "lr_scheduler": "lr_scheduler", "warmup_ratio": "lr_warmup_ratio",
+        "min_lr_ratio": "min_lr_ratio", "max_norm": "max_norm"}
+_DS = ("param_dtype", "adam_offload", "grad_accum_dtype", "zpg", "overlap_comm")
+
+
+def optimizer(**flat):
+    """The optimizer config section (`--optim`, `--adam.*`, `--muon.*`, ...) from flat test keywords
+    (lr, betas, eps, weight_decay, muon_lr, ..., lr_scheduler, warmup_ratio, min_lr_ratio, max_norm)."""
+    from posttrain.config.sections import AdamConfig, MuonConfig, OptimizerFields
+
+    unknown = set(flat) - set(_ADAM) - set(_MUON) - set(_TOP)
+    assert not unknown, unknown
+    return OptimizerFields(adam=AdamConfig(**{_ADAM[k]: v for k, v in flat.items() if k in _ADAM}),
+                           muon=MuonConfig(**{_MUON[k]: v for k, v in flat.items() if k in _MUON}),
+                           **{_TOP[k]: v for k, v in flat.items() if k in _TOP})
+
+
+def train_engine(model, *, total_steps: int, zero_stage=None, **flat):
+    """`make_train_engine` with flat test keywords: optimizer ones and the --ds ones (param_dtype, adam_offload,
+    grad_accum_dtype, zpg, overlap_comm)."""
+    from posttrain.config.sections import DSConfig
+    from posttrain.engines import make_train_engine
+
+    ds = DSConfig(**{"param_dtype": "fp32", **{k: flat.pop(k) for k in _DS if k in flat}})
+    return make_train_engine(model, optimizer(**flat), total_steps=total_steps, ds=ds, zero_stage=zero_stage)
+
+
+def torch_engine(model, *, total_steps: int, param_dtype: str = "fp32", **flat):
+    """`TorchEngine` with flat test keywords (see `optimizer`)."""
+    from posttrain.engines import TorchEngine
+
+    return TorchEngine(model, optimizer(**flat), total_steps=total_steps, param_dtype=param_dtype)
+
+
 def tiny_llama(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)

@@ -11,16 +11,13 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
-from engines_common import OPT, PLAN, make_data, run_step, tiny_llama, weights
-
-from posttrain.engines import make_train_engine
-from posttrain.engines.torch_engine import TorchEngine
+from engines_common import OPT, PLAN, make_data, run_step, tiny_llama, torch_engine, train_engine, weights
 
 
 def build(stage, seed):
     if stage < 0:
-        return TorchEngine(tiny_llama(seed), **OPT)
-    return make_train_engine(tiny_llama(seed), zero_stage=stage, **OPT)
+        return torch_engine(tiny_llama(seed), **OPT)
+    return train_engine(tiny_llama(seed), zero_stage=stage, **OPT)
 
 
 def main():

@@ -20,12 +20,11 @@ from engines_common import (
     one_thread,  # noqa: F401
     run_step,
     tiny_llama,
+    train_engine,
     weights,
 )
 
-from posttrain.engines import make_train_engine
-
-pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
 HERE = os.path.dirname(os.path.abspath(__file__))
 STAGES = (0, 1, 2, 3, -1)  # -1: TorchEngine, data parallel over gloo
 
@@ -49,7 +48,7 @@ def ds_results(tmp_path_factory):
 def reference():
     """The same steps in one process, one micro-batch per step."""
     data = make_data()
-    engine = make_train_engine(tiny_llama(0), **OPT)
+    engine = train_engine(tiny_llama(0), **OPT)
     ref = {"w": [], "norms": [], "lrs": []}
     for plan in PLAN:
         ref["lrs"].append(engine.lr)

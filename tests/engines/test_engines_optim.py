@@ -4,14 +4,15 @@ import pytest
 import torch
 from engines_common import (
     one_thread,  # noqa: F401
+    optimizer,
     tiny_llama,
+    torch_engine,
 )
 from torch import nn
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 from posttrain.engines import MuonAdamW, param_groups, param_roles
 from posttrain.engines.optim import newton_schulz
-from posttrain.engines.torch_engine import TorchEngine
 
 
 def test_weight_decay_exempts_1d_params():
@@ -22,7 +23,7 @@ def test_weight_decay_exempts_1d_params():
     assert not roles["muon"]
     # Effect: a zero-gradient AdamW step only decays: 2-D params shrink by (1 - lr*wd), 1-D stay.
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    engine = TorchEngine(model, lr=0.1, weight_decay=0.5, warmup_ratio=0.0, total_steps=5)
+    engine = torch_engine(model, lr=0.1, weight_decay=0.5, warmup_ratio=0.0, total_steps=5)
     model(input_ids=torch.ones(1, 3, dtype=torch.long)).logits.sum().mul(0).backward()
     engine.step()
     for n, p in model.named_parameters():
@@ -32,7 +33,7 @@ def test_weight_decay_exempts_1d_params():
 
 def test_muon_group_holds_only_hidden_matrices():
     model = tiny_llama(0)
-    groups = {g["name"]: g for g in param_groups(model, optim="muon", lr=1e-3, muon_lr=0.02)}
+    groups = {g["name"]: g for g in param_groups(model, optimizer(optim="muon", lr=1e-3, muon_lr=0.02))}
     names = {id(p): n for n, p in model.named_parameters()}
     muon = sorted(names[id(p)] for p in groups["muon"]["params"])
     expected = sorted(f"model.layers.{i}.{m}.weight" for i in range(2) for m in
@@ -89,7 +90,7 @@ def test_muon_keeps_aux_lr_and_reduces_regression_loss():
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
     x = torch.randn(64, 8)
     y = torch.sin(x.sum(1, keepdim=True))
-    engine = TorchEngine(model, optim="muon", lr=1e-2, muon_lr=0.05, warmup_ratio=0.1, total_steps=60,
+    engine = torch_engine(model, optim="muon", lr=1e-2, muon_lr=0.05, warmup_ratio=0.1, total_steps=60,
                          max_norm=0.0)
     groups = {g["name"]: g for g in engine.optimizer.param_groups}
     assert len(groups["muon"]["params"]) == 2  # the two hidden matrices; the 32->1 head is aux

@@ -4,17 +4,16 @@ import math
 
 import pytest
 import torch
-from engines_common import one_thread  # noqa: F401
+from engines_common import one_thread, torch_engine  # noqa: F401
 
 from posttrain.engines import SCHEDULERS, lr_multiplier, num_warmup_steps
-from posttrain.engines.torch_engine import TorchEngine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def lrs(name, steps=11, **kw):
     model = torch.nn.Linear(2, 2)
-    engine = TorchEngine(model, lr=1.0, total_steps=10, lr_scheduler=name, **kw)
+    engine = torch_engine(model, lr=1.0, total_steps=10, lr_scheduler=name, **kw)
     out = []
     for _ in range(steps):
         out.append(engine.lr)

@@ -16,12 +16,12 @@ from engines_common import (
     run_step,
     step_tokens,
     tiny_llama,
+    torch_engine,
+    train_engine,
     weights,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-from posttrain.engines import make_train_engine
-from posttrain.engines.torch_engine import TorchEngine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -35,7 +35,7 @@ def single_process(monkeypatch):
 def grads_and_weights(split):
     """Grads before the step and weights after it, for one step over samples 0..5 split as given."""
     data = make_data()
-    engine = make_train_engine(tiny_llama(0), **OPT)
+    engine = train_engine(tiny_llama(0), **OPT)
     total = step_tokens(data, {0: split})
     for mb in split:
         engine.backward(micro_loss(engine.model, data, mb, total))
@@ -58,12 +58,12 @@ def test_accumulated_micro_batches_equal_one_batch():
 
 def test_save_load_continues_identically(tmp_path):
     data = make_data()
-    engine = make_train_engine(tiny_llama(0), **OPT)
+    engine = train_engine(tiny_llama(0), **OPT)
     run_step(engine, data, merged(PLAN[0]), 0, pad=False)
     engine.save_state(str(tmp_path / "s"))
     for plan in PLAN[1:]:
         run_step(engine, data, merged(plan), 0, pad=False)
-    fresh = make_train_engine(tiny_llama(7), **OPT)
+    fresh = train_engine(tiny_llama(7), **OPT)
     fresh.load_state(str(tmp_path / "s"))
     assert fresh.global_step == 1
     for plan in PLAN[1:]:
@@ -74,11 +74,11 @@ def test_save_load_continues_identically(tmp_path):
 
 
 def test_load_state_missing_or_corrupt_changes_nothing(tmp_path):
-    engine = make_train_engine(tiny_llama(0), **OPT)
+    engine = train_engine(tiny_llama(0), **OPT)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         engine.load_state(str(tmp_path / "nope"))
     engine.save_state(str(tmp_path / "s"))
-    other = make_train_engine(tiny_llama(5), **OPT)
+    other = train_engine(tiny_llama(5), **OPT)
     before = weights(other)
     path = tmp_path / "s" / "optimizer.pt"
     path.write_bytes(path.read_bytes()[:40])
@@ -96,7 +96,8 @@ def test_load_state_missing_or_corrupt_changes_nothing(tmp_path):
 
 def test_factory_picks_torch_engine_without_importing_deepspeed():
     code = ("import sys, torch; from posttrain.engines import make_train_engine\n"
-            "e = make_train_engine(torch.nn.Linear(2, 2), lr=0.1, total_steps=3)\n"
+            "from posttrain.config.sections import AdamConfig, OptimizerFields\n"
+            "e = make_train_engine(torch.nn.Linear(2, 2), OptimizerFields(adam=AdamConfig(lr=0.1)), total_steps=3)\n"
             "assert type(e).__name__ == 'TorchEngine' and e.rank == 0 and e.world_size == 1 and e.is_main\n"
             "assert 'deepspeed' not in sys.modules, 'deepspeed imported'\n")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -106,15 +107,15 @@ def test_factory_picks_torch_engine_without_importing_deepspeed():
 
 def test_bad_arguments_name_the_option():
     with pytest.raises(ValueError, match="adam_offload, overlap_comm"):
-        make_train_engine(torch.nn.Linear(2, 2), lr=0.1, total_steps=3, adam_offload=True, overlap_comm=True)
+        train_engine(torch.nn.Linear(2, 2), lr=0.1, total_steps=3, adam_offload=True, overlap_comm=True)
     with pytest.raises(ValueError, match="param_dtype"):
-        TorchEngine(torch.nn.Linear(2, 2), lr=0.1, total_steps=3, param_dtype="fp16")
+        torch_engine(torch.nn.Linear(2, 2), lr=0.1, total_steps=3, param_dtype="fp16")
     with pytest.raises(ValueError, match="valid: cosine_with_min_lr"):
-        make_train_engine(torch.nn.Linear(2, 2), lr=0.1, total_steps=3, lr_scheduler="cosine")
+        train_engine(torch.nn.Linear(2, 2), lr=0.1, total_steps=3, lr_scheduler="cosine")
 
 
 def test_single_process_helpers():
-    engine = make_train_engine(torch.nn.Linear(2, 2), lr=0.1, total_steps=3)
+    engine = train_engine(torch.nn.Linear(2, 2), lr=0.1, total_steps=3)
     assert engine.max_across_ranks(3) == 3
     t = torch.tensor([2.0])
     assert engine.all_reduce(t, "max") is t and t.item() == 2.0

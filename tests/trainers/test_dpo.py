@@ -220,6 +220,7 @@ def test_lora_dpo_uses_the_base_as_reference_and_saves_an_adapter(sft_nano, pref
     assert train[-1]["train/margin"] > 0
 
 
+@pytest.mark.e2e
 def test_openrlhf_train_dpo_script_runs_with_only_the_module_renamed(tiny_model_dir, tmp_path):
     """examples/scripts/train_dpo_llama.sh of OpenRLHF (0.10.2 dotted flags): model and data point at
     local tiny ones, sizes shrunk, GPU-only flags (bf16, flash attention, wandb) left out. Chat data
@@ -250,7 +251,7 @@ def test_openrlhf_train_dpo_script_runs_with_only_the_module_renamed(tiny_model_
     AutoModelForCausalLM.from_pretrained(out)
 
 
-@pytest.mark.distributed
+@pytest.mark.e2e
 def test_two_process_zero3_matches_single_process(tiny_model_dir, pref_dir, tmp_path):
     """Pairs as units: 2 ranks x micro-batches of 2 pairs (ZeRO-3, reference replicated per rank) give
     the weights of one process with one micro-batch per step."""

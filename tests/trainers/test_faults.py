@@ -17,6 +17,8 @@ from posttrain.utils.checkpoint import CheckpointManager, verify_checkpoint
 from posttrain.utils.metrics import read_metrics
 from posttrain.utils.run_lock import LOCK_FILE
 
+pytestmark = pytest.mark.e2e
+
 ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 CLI = [sys.executable, "-m", "posttrain.cli.main", "sft"]
 DEADLINE_S = 240  # a guard against a hung test, not a speed requirement

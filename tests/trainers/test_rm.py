@@ -187,6 +187,7 @@ def padded(seqs, pad_id):
     return ids, mask
 
 
+@pytest.mark.slow
 def test_rm_learns_held_out_preferences_and_stores_reward_statistics(sft_nano, carry_dir, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
@@ -221,7 +222,7 @@ def test_rm_learns_held_out_preferences_and_stores_reward_statistics(sft_nano, c
     torch.testing.assert_close(logits, source.values(ids, mask), atol=1e-5, rtol=0)
 
 
-# OpenRLHF 0.10.2's examples/scripts/train_rm.sh with dotted flags, as in tests/config/test_launch_scripts.py;
+# OpenRLHF 0.10.2's examples/scripts/train_rm.sh with dotted flags, as in tests/unit/config/test_launch_scripts.py;
 # the local model, dataset and output replace the hub names, and the GPU-only flags are left out
 # (--ds.param_dtype bf16, --ds.attn_implementation flash_attention_2; --logger.wandb.key needs a network)
 TRAIN_RM_SH = """
@@ -246,6 +247,7 @@ TRAIN_RM_SH = """
 """
 
 
+@pytest.mark.e2e
 def test_train_rm_sh_runs_and_value_head_prefix_round_trips(sft_nano, tmp_path):
     from posttrain.rewards.reward_model import RewardModelSource
 

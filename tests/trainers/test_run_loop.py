@@ -111,6 +111,7 @@ def ctrl_c_enabled():
     signal.signal(signal.SIGINT, previous)
 
 
+@pytest.mark.slow
 def test_ctrl_c_names_the_step_and_the_last_checkpoint(tmp_path, ctrl_c_enabled):
     ckpt = CheckpointManager(tmp_path / "ck")
 

@@ -20,6 +20,7 @@ def test_sft_loss_falls_and_run_dir_is_complete(run_sft):
     assert {p.name for p in (out / "plots").iterdir()} == {"train.png", "eval.png"}
 
 
+@pytest.mark.slow
 def test_micro_batch_accumulation_and_dynamic_batch_give_same_weights(run_sft):
     one = run_sft("--train.micro_batch_size", 8, name="one")
     accum = run_sft("--train.micro_batch_size", 2, name="accum")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from sft_helpers import assert_same_weights, sft_flags
 
-pytestmark = pytest.mark.distributed
+pytestmark = pytest.mark.e2e
 
 
 def launch_sft(flags, nproc=2, launcher="torchrun"):

@@ -5,6 +5,8 @@ Each model is loaded right after seeding the RNG with `(train.seed, role)`, so a
 initialised head (a critic started from a policy) is the same in every placement."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from posttrain.config.ray_mode import present_roles
@@ -34,23 +36,18 @@ def _seed_for(cfg, role: str) -> None:
 
 def train_engine(model, role_cfg, cfg, total_steps: int, zero_stage: int | None):
     """The role's optimizer, scheduler and (with `zero_stage`) DeepSpeed ZeRO engine."""
-    return make_train_engine(
-        model, optim=role_cfg.optim, lr=role_cfg.adam.lr, betas=tuple(role_cfg.adam.betas), eps=role_cfg.adam.eps,
-        weight_decay=role_cfg.adam.weight_decay, muon_lr=role_cfg.muon.lr, muon_momentum=role_cfg.muon.momentum,
-        muon_nesterov=role_cfg.muon.nesterov, muon_ns_steps=role_cfg.muon.ns_steps,
-        lr_scheduler=role_cfg.lr_scheduler, warmup_ratio=role_cfg.lr_warmup_ratio,
-        min_lr_ratio=role_cfg.min_lr_ratio, total_steps=max(total_steps, 1), max_norm=role_cfg.max_norm,
-        zero_stage=zero_stage, param_dtype=cfg.ds.param_dtype,
-        **({} if zero_stage is None else _deepspeed_options(cfg)))
+    return make_train_engine(model, role_cfg, total_steps=max(total_steps, 1), ds=_engine_ds(cfg, zero_stage),
+                             zero_stage=zero_stage)
 
 
-def _deepspeed_options(cfg) -> dict:
-    """--ds flags of a ZeRO engine; offload, ZeRO++ and overlap only where there are GPUs (on CPU
-    they are reported inert at start-up)."""
-    options = {"grad_accum_dtype": cfg.ds.grad_accum_dtype}
-    if torch.cuda.is_available():
-        options.update(adam_offload=cfg.ds.adam_offload, zpg=cfg.ds.zpg, overlap_comm=cfg.ds.overlap_comm)
-    return options
+def _engine_ds(cfg, zero_stage: int | None):
+    """The --ds section a role's engine reads: without ZeRO only the dtype; under ZeRO the gradient
+    accumulation dtype, and offload, ZeRO++ and overlap only where there are GPUs (on CPU they are
+    reported inert at start-up)."""
+    gpu = zero_stage is not None and torch.cuda.is_available()
+    return dataclasses.replace(
+        cfg.ds, grad_accum_dtype=cfg.ds.grad_accum_dtype if zero_stage is not None else None,
+        adam_offload=cfg.ds.adam_offload and gpu, zpg=cfg.ds.zpg if gpu else 1, overlap_comm=cfg.ds.overlap_comm and gpu)
 
 
 def build_actor(cfg, tokenizer, device, total_steps: int, zero_stage: int | None = None) -> Actor:

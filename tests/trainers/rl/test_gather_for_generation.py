@@ -18,6 +18,8 @@ import torch
 
 from posttrain.utils.weights_hash import weights_hash
 
+pytestmark = pytest.mark.e2e
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REWARD = '''
 import torch
@@ -75,7 +77,6 @@ def test_in_process_generation_gathers_once_per_rollout_batch_with_the_same_resu
     assert all(torch.equal(on["weights"][k], off["weights"][k]) for k in on["weights"])
 
 
-@pytest.mark.distributed
 def test_weight_sync_gathers_one_tensor_at_a_time_when_off_and_sends_the_same_bytes(two_ranks):
     rank0 = two_ranks[0]
     expected = weights_hash(rank0["on"]["reference"])

@@ -66,6 +66,7 @@ def openrlhf_agent(tmp_path):
     return path
 
 
+@pytest.mark.slow
 def test_openrlhf_agent_file_trains_unchanged(rl_setup, openrlhf_agent, tmp_path, capfd):
     from posttrain.cli import train_ppo_ray
 
@@ -96,6 +97,7 @@ def test_agent_file_errors_stop_before_any_model_loads(rl_setup, tmp_path, capfd
     assert line.startswith("posttrain ppo: error: --train.agent_func_path ") and "defines no `AgentExecutor`" in line
 
 
+@pytest.mark.e2e
 def test_agent_episodes_run_inside_the_ray_rollout_engines(rl_setup, tmp_path, ray_session):
     """As OpenRLHF's: each prompt's episodes run in the actor of the engine it is dispatched to."""
     import os
@@ -134,6 +136,7 @@ class AgentExecutor(OpenAIServerAgentExecutor):
 """
 
 
+@pytest.mark.slow
 def test_an_openai_client_agent_trains_through_the_server(rl_setup, tmp_path):
     pytest.importorskip("openai")
     from posttrain.cli import train_ppo_ray
@@ -148,6 +151,7 @@ def test_an_openai_client_agent_trains_through_the_server(rl_setup, tmp_path):
     assert all(r["agent/failed"] <= 0.1 * 8 for r in rows)  # a re-rendering divergence is counted, never trained
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("estimator", ["gae", "reinforce", "rloo", "group_norm", "dr_grpo"])
 def test_every_estimator_trains_on_multi_turn_samples(estimator, rl_setup, openrlhf_agent, tmp_path):
     """One step each (reinforce_baseline: the tests above); GAE trains a critic on the episode tokens.
@@ -197,6 +201,7 @@ def test_a_reward_model_scores_episodes_the_environment_leaves_unscored(rl_setup
     assert sample["response"].count(" and?") == 2
 
 
+@pytest.mark.e2e
 def test_an_openai_client_agent_runs_inside_a_ray_rollout_engine(rl_setup, tmp_path, ray_session):
     pytest.importorskip("openai")
     from posttrain.cli import train_ppo_ray
@@ -235,6 +240,7 @@ REINFORCE_AGENT_ASYNC = """
 """.split()
 
 
+@pytest.mark.e2e
 def test_openrlhf_async_agent_script_runs_on_ray(rl_setup, openrlhf_agent, tmp_path, ray_session):
     """Async, partial rollout, an OpenRLHF agent file, ZeRO-3 over 2 actor ranks, colocate_all: through
     `python -m posttrain.cli.train_ppo_ray` as the script launches it."""

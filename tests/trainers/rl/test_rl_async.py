@@ -13,6 +13,8 @@ import pytest
 
 from posttrain.utils.metrics import read_metrics
 
+pytestmark = pytest.mark.slow
+
 ASYNC = ["--train.async_enable", "--algo.advantage.estimator", "group_norm", "--train.num_episodes", "1"]
 
 
@@ -88,6 +90,7 @@ def test_a_resume_neither_replays_nor_skips_a_prompt(run_ppo, tmp_path):
     assert again == {s: p for s, p in uninterrupted.items() if s >= 3}
 
 
+@pytest.mark.e2e
 def test_ctrl_c_during_async_training_ends_cleanly(rl_setup, tmp_path):
     from conftest import ppo_flags
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from posttrain.utils.metrics import read_metrics
 
-pytestmark = pytest.mark.distributed
+pytestmark = pytest.mark.e2e
 
 
 def _weights(run_dir):

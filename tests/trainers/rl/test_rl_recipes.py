@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 from rl_helpers import rewards_by_step
 
 from posttrain.utils.metrics import read_metrics
+
+pytestmark = pytest.mark.e2e
 
 # examples/scripts/train_dapo_ray_hybrid_engine.sh of OpenRLHF 0.10.2 plus the DAPO overlong
 # buffer of its README; paths, model, data and sizes are ours, ranks scaled from 8 to 2 (Ray, CPU ranks).

@@ -44,6 +44,7 @@ def reward_server(rl_setup):
         proc.wait(timeout=10)
 
 
+@pytest.mark.slow
 def test_remote_reward_server_drives_training(run_ppo, reward_server, monkeypatch):
     monkeypatch.setenv("POSTTRAIN_RM_TOKEN", "s3cret")
     out, _ = run_ppo("--reward.remote_url", reward_server, "--algo.advantage.estimator", "group_norm",
@@ -87,6 +88,7 @@ def test_reward_failure_mid_run_keeps_checkpoints(run_ppo, capsys, tmp_path, mon
     assert [s for s, _ in valid] == [2]
 
 
+@pytest.mark.slow
 def test_skip_errors_counts_skipped_samples(run_ppo, monkeypatch):
     monkeypatch.setenv("POSTTRAIN_TEST_FAIL_AFTER", "2")
     out, _ = run_ppo("--reward.skip_errors_enable", "--train.num_episodes", "1", reward="raises_late.py",

@@ -7,6 +7,7 @@ import pytest
 import torch
 from test_rl_semantics import experience, settings
 
+from posttrain.config.sections import AdamConfig, OptimizerFields
 from posttrain.engines import make_train_engine
 from posttrain.models import load_causal_lm, load_tokenizer
 from posttrain.rollout import HFRolloutEngine
@@ -25,7 +26,7 @@ def weights_hash(model) -> str:
 
 def actor(tiny_model_dir, ema_beta=0.5):
     model = load_causal_lm(tiny_model_dir)
-    engine = make_train_engine(model, optim="adam", lr=1e-2, total_steps=10, zero_stage=None, param_dtype="fp32")
+    engine = make_train_engine(model, OptimizerFields(adam=AdamConfig(lr=1e-2)), total_steps=10)
     return Actor(model, engine, 1.0, torch.device("cpu"), ema_beta=ema_beta)
 
 

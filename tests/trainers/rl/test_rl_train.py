@@ -7,6 +7,8 @@ from rl_helpers import rewards_by_step
 
 from posttrain.utils.metrics import read_metrics
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("estimator,extra", [
     ("group_norm", []),

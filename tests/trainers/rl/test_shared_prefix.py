@@ -14,7 +14,7 @@ from posttrain.trainers.rl.layout import build_layout
 from posttrain.trainers.rl.roles import Actor, Critic
 from posttrain.trainers.rl.updates import update_actor, update_critic
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 LAYOUTS = [dict(shared=True), dict(shared=True, packed=True), dict(packed=True)]
 

@@ -4,6 +4,7 @@ the run lasts TRL's number of rollouts, TRL's missing-EOS penalty and KL reach t
 run's config equals the one the posttrain flags of the translation give."""
 import json
 
+import pytest
 import torch
 import yaml
 
@@ -11,6 +12,7 @@ from posttrain.config import parse_config, translate_rloo
 from posttrain.config.yaml_io import config_to_dict
 
 
+@pytest.mark.slow
 def test_trl_rloo_yaml_runs_end_to_end(rl_setup, tmp_path, capsys):
     from posttrain.cli import train_ppo_ray
 

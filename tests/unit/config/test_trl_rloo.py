@@ -1,7 +1,6 @@
 """A TRL RLOOConfig (v0.14-v0.21) as a posttrain ppo config: every field of the seed's RLOOConfig is
 translated or noted, TRL's batch-size arithmetic, refusals with one clear line, detection of TRL
 files behind --config, the Python API on a dict and on a dataclass object."""
-import ast
 import dataclasses
 import json
 import subprocess
@@ -14,23 +13,13 @@ import yaml
 from posttrain.compat.trl_rloo import MODEL_FIELDS, ON_POLICY_FIELDS, RLOO_FIELDS, SCRIPT_FIELDS
 from posttrain.config import ConfigError, config_from_trl_rloo, parse_config, translate_rloo, translation_of
 
-SEED = Path(__file__).parents[2].parent / "shared" / "reference" / "trl-rloo-config.py.txt"
+SEED = Path(__file__).with_name("trl_rloo_config_fields.json")
 BASE = {"sft_model_path": "/models/sft", "total_episodes": 64}
 
 
 def seed_fields() -> dict:
-    """name -> default of every field of the seed's RLOOConfig (read from the file, not imported)."""
-    if not SEED.exists():
-        pytest.skip(f"seed RLOOConfig not found at {SEED} (the shared/ folder sits next to the repository)")
-    tree = ast.parse(SEED.read_text(encoding="utf-8").split("\n", 2)[2])
-    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "RLOOConfig")
-    out = {}
-    for stmt in cls.body:
-        if isinstance(stmt, ast.AnnAssign):
-            call = stmt.value
-            default = next(k.value for k in call.keywords if k.arg == "default")
-            out[stmt.target.id] = ast.literal_eval(default) if isinstance(default, ast.Constant) else "rloo"
-    return out
+    """name -> default of every field of TRL's RLOOConfig (extracted once from its source)."""
+    return json.loads(SEED.read_text(encoding="utf-8"))["fields"]
 
 
 def line_for(translation, name):

@@ -22,13 +22,13 @@ def test_rank_metrics_merge_as_one_process_computes_them():
 
 
 def _cfg(*extra):
-    from config_args import BASE  # tests/config
+    from config_args import BASE  # tests/unit/config
 
     return parse_config("ppo", BASE["ppo"] + list(extra), check=False)
 
 
 def test_engine_count_follows_the_flags(monkeypatch):
-    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parents[1] / "config"))
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parents[3] / "unit" / "config"))
     assert ray_placement.engine_count(_cfg("--vllm.num_engines", "3")) == 3
     assert ray_placement.engine_count(_cfg("--actor.num_gpus_per_node", "2")) == 1
     hybrid = _cfg("--actor.num_gpus_per_node", "4", "--train.colocate_all", "--vllm.tensor_parallel_size", "2")

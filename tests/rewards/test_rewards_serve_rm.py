@@ -20,6 +20,8 @@ from posttrain.rewards import RemoteReward, RewardError, make_reward_source
 from posttrain.rewards.python_func import PythonRewardFunction
 from posttrain.rewards.remote import TOKEN_ENV
 
+pytestmark = pytest.mark.e2e
+
 FUNCS = Path(__file__).parent / "reward_funcs"
 PROMPTS = ["Q: 2+3=", "Q: 4*4=", "Q: 9-1="]
 QUERIES = [p + r for p, r in zip(PROMPTS, [" 5", " 15", " it is 8"])]

@@ -31,7 +31,7 @@ from posttrain.config.inert import inert_rules
 from posttrain.config.spec import get_path, set_path
 from posttrain.config.trainers import default_config
 
-PACKAGE = Path(__file__).parents[2] / "posttrain"
+PACKAGE = Path(__file__).parents[3] / "posttrain"
 
 
 def _paths(*groups: str) -> frozenset[str]:
