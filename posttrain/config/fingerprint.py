@@ -5,7 +5,8 @@ trajectory (dotted path, plus `trainer`) to its value, from `config_to_dict`; `d
 16 hex digits of the SHA-256 of their canonical JSON. Call it after `resolve_hardware_defaults`:
 values resolved for the device count as used (`ds.param_dtype` auto is bf16 on GPU, fp32 on CPU), so
 a GPU run resumed on CPU is refused by name (`--ds.param_dtype: checkpoint bf16, this run fp32`)
-instead of silently changing precision. Left out:
+instead of silently changing precision. Each flag declares what a changed value means on resume
+(`opt(..., on_resume=...)`); left out of the fingerprint are:
 - volatile flags, which never change what is trained: `ckpt.*`, `logger.*` (W&B metadata included),
   `eval.*` (evaluation reads the model and never steps it), `data.dataloader_num_workers`, and the
   launcher flags `local_rank`, `use_ms`;
@@ -15,7 +16,7 @@ instead of silently changing precision. Left out:
     (SFT/RM/DPO), `train.num_episodes`, `train.max_steps` and `data.max_samples` (PPO, where `train.max_epochs` is the
     number of passes over each rollout batch and so part of the trajectory);
   * execution: how the same steps are computed or placed, not what they compute — micro-batching
-    and packing (the step loss is split-invariant, ALGORITHMS.md), gradient checkpointing, attention
+    and packing (the step loss is split-invariant, docs/algorithms.md), gradient checkpointing, attention
     and kernel backends, ZeRO stage/offload/partitioning, parallel sizes, vLLM engine settings, role
     placement, reward-server time-outs. An engine that cannot load the checkpoint says so on resume.
 
@@ -28,29 +29,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
+from posttrain.config.spec import flag_specs
 from posttrain.config.yaml_io import config_to_dict
 
 CHECKPOINTS_SUBDIR = "checkpoints"
-
-VOLATILE = ("ckpt.*", "logger.*", "eval.*", "data.dataloader_num_workers", "local_rank", "use_ms")
-RUN_LENGTH = {"ppo": ("train.num_episodes", "train.max_steps", "data.max_samples")}
-RUN_LENGTH_SINGLE_MODEL = ("train.max_epochs", "data.max_samples")
-EXECUTION = (
-    "train.micro_batch_size", "train.dynamic_batch_enable", "train.max_tokens_per_gpu",
-    "train.full_determinism_enable", "train.colocate_*", "rollout.micro_batch_size",
-    "rollout.max_tokens_per_gpu", "ds.packing_samples", "ds.shared_prefix", "ds.gather_for_generation", "*.gradient_checkpointing_enable",
-    "*.gradient_checkpointing_reentrant", "ds.attn_implementation", "ds.experts_implementation",
-    "ds.use_liger_kernel", "ds.onednn_linear", "ds.zero_stage", "ds.zpg", "ds.adam_offload", "ds.overlap_comm",
-    "ds.deepcompile", "ds.tensor_parallel_size", "ds.ring_attn_size", "ds.ring_attn_head_stride",
-    "ds.use_universal_ckpt", "ds.enable_sleep", "vllm.*", "*.num_nodes", "*.num_gpus_per_node",
-    "*.offload", "reward.timeout", "reward.retries", "critic.save_value_network", "agent.timeout",
-    "agent.max_failure_frac",
-)
-
 
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
@@ -67,27 +52,23 @@ def _values(cfg) -> dict[str, Any]:
     return _flat(config_to_dict(cfg))
 
 
-def _matches(path: str, patterns) -> bool:
-    return any(fnmatchcase(path, p) for p in patterns)
-
-
-def _adjustable_patterns(trainer: str) -> tuple[str, ...]:
-    return (*RUN_LENGTH.get(trainer, RUN_LENGTH_SINGLE_MODEL), *EXECUTION)
+def _kinds(cfg) -> dict[str, str]:
+    """Dotted path -> "trajectory" | "adjustable" | "volatile" (each flag's `on_resume`)."""
+    return {spec.path: spec.on_resume for spec in flag_specs(type(cfg))}
 
 
 def run_fingerprint(cfg) -> tuple[str, dict[str, Any]]:
     """(digest, fields) of the flags that decide the training trajectory (module docstring)."""
-    adjustable = _adjustable_patterns(cfg.trainer)
-    fields = {k: v for k, v in _values(cfg).items()
-              if not _matches(k, VOLATILE) and not _matches(k, adjustable)}
+    kinds = _kinds(cfg)
+    fields = {k: v for k, v in _values(cfg).items() if kinds.get(k, "trajectory") == "trajectory"}
     text = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16], fields
 
 
 def adjustable_values(cfg) -> dict[str, Any]:
     """Flags a resumed run may change (run length, execution): dotted path -> value."""
-    adjustable = _adjustable_patterns(cfg.trainer)
-    return {k: v for k, v in _values(cfg).items() if not _matches(k, VOLATILE) and _matches(k, adjustable)}
+    kinds = _kinds(cfg)
+    return {k: v for k, v in _values(cfg).items() if kinds.get(k) == "adjustable"}
 
 
 def checkpoint_dir(cfg) -> Path | None:

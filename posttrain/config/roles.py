@@ -1,6 +1,6 @@
 """Per-model sections: `model` (SFT / RM / DPO) and the PPO roles `actor`, `critic`, `ref`, `reward`, plus
 the PPO algorithm section `algo` (`algo.advantage`, `algo.kl`). Estimator, KL and loss names are the
-ones of ALGORITHMS.md."""
+ones of docs/algorithms.md."""
 
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ class ModelConfig:
 
     model_name_or_path: str | None = opt(None, "model folder or Hugging Face hub id (required)",
                                          required="a model folder or hub id")
-    gradient_checkpointing_enable: bool = opt(False, "recompute activations in the backward pass")
-    gradient_checkpointing_reentrant: bool = opt(False, "use reentrant gradient checkpointing")
+    gradient_checkpointing_enable: bool = opt(False, "recompute activations in the backward pass", on_resume="adjustable")
+    gradient_checkpointing_reentrant: bool = opt(False, "use reentrant gradient checkpointing", on_resume="adjustable")
     aux_loss_coef: float = opt(0.0, "MoE load-balancing loss coefficient", inert=not_yet(MOE))
 
 
@@ -75,7 +75,7 @@ class DPORefConfig:
     """The frozen reference model (DPO)."""
 
     model_name_or_path: str | None = opt(None, "reference model; default: --model.model_name_or_path")
-    offload: bool = opt(False, "keep the reference model on CPU between forwards", inert=REF_ON_CPU)
+    offload: bool = opt(False, "keep the reference model on CPU between forwards", inert=REF_ON_CPU, on_resume="adjustable")
 
 
 # --------------------------------------------------------------------------- PPO roles
@@ -86,10 +86,10 @@ IS_CORRECTION_OFF = needs("--algo.advantage.is_correction_enable", lambda c: c.a
 class _ActorModelFields:
     model_name_or_path: str | None = opt(None, "policy model folder or hub id (required)",
                                          required="the policy model folder or hub id")
-    num_nodes: int = opt(1, "Ray nodes for the actor", ge=1)
-    num_gpus_per_node: int = opt(1, "GPUs per node for the actor (OpenRLHF: 8)", ge=1)
-    gradient_checkpointing_enable: bool = opt(False, "recompute activations in the backward pass")
-    gradient_checkpointing_reentrant: bool = opt(False, "use reentrant gradient checkpointing")
+    num_nodes: int = opt(1, "Ray nodes for the actor", ge=1, on_resume="adjustable")
+    num_gpus_per_node: int = opt(1, "GPUs per node for the actor (OpenRLHF: 8)", ge=1, on_resume="adjustable")
+    gradient_checkpointing_enable: bool = opt(False, "recompute activations in the backward pass", on_resume="adjustable")
+    gradient_checkpointing_reentrant: bool = opt(False, "use reentrant gradient checkpointing", on_resume="adjustable")
     freeze_visual_encoder: bool = opt(False, "train only the language model of a vision-language model",
                                       inert=not_yet(facts.VLM))
 
@@ -128,8 +128,8 @@ class ActorConfig(OptimizerFields, _ActorModelFields):
 @dataclass
 class _CriticModelFields:
     model_name_or_path: str | None = opt(None, "critic model; default: reward model, else the actor")
-    num_nodes: int = opt(1, "Ray nodes for the critic", ge=1)
-    num_gpus_per_node: int = opt(1, "GPUs per node for the critic (OpenRLHF: 8)", ge=1)
+    num_nodes: int = opt(1, "Ray nodes for the critic", ge=1, on_resume="adjustable")
+    num_gpus_per_node: int = opt(1, "GPUs per node for the critic (OpenRLHF: 8)", ge=1, on_resume="adjustable")
 
 
 @dataclass
@@ -137,7 +137,7 @@ class CriticConfig(OptimizerFields, _CriticModelFields):
     """The value model (PPO with the gae estimator): model, optimizer and value-loss knobs."""
 
     value_clip: float | None = opt(0.5, "value-loss clip range", gt=0, note="(or none)")
-    save_value_network: bool = opt(False, "also save the critic at the end")
+    save_value_network: bool = opt(False, "also save the critic at the end", on_resume="adjustable")
     freezing_steps: int = opt(-1, "freeze the actor for the first N steps while the critic warms up",
                               section_inert=False)  # read by the step loop with or without a critic
 
@@ -148,9 +148,9 @@ class RefConfig:
 
     model_name_or_path: str | None = opt(None, "reference model; default: the actor's initial weights",
                                          inert=NO_REFERENCE)
-    num_nodes: int = opt(1, "Ray nodes for the reference model", ge=1, inert=NO_REFERENCE)
-    num_gpus_per_node: int = opt(1, "GPUs per node for the reference model (OpenRLHF: 8)", ge=1, inert=NO_REFERENCE)
-    offload: bool = opt(False, "keep the reference model on CPU between forwards", inert=(NO_REFERENCE, REF_ON_CPU))
+    num_nodes: int = opt(1, "Ray nodes for the reference model", ge=1, inert=NO_REFERENCE, on_resume="adjustable")
+    num_gpus_per_node: int = opt(1, "GPUs per node for the reference model (OpenRLHF: 8)", ge=1, inert=NO_REFERENCE, on_resume="adjustable")
+    offload: bool = opt(False, "keep the reference model on CPU between forwards", inert=(NO_REFERENCE, REF_ON_CPU), on_resume="adjustable")
 
 
 @dataclass
@@ -159,10 +159,10 @@ class RewardConfig:
 
     model_name_or_path: str | None = opt(None, "reward model folder or hub id")
     remote_url: str | None = opt(None, "HTTP reward endpoint(s) or a local .py reward function")
-    num_nodes: int = opt(1, "Ray nodes for the reward model", ge=1, inert=NO_REWARD_MODEL)
-    num_gpus_per_node: int = opt(1, "GPUs per node for the reward model (OpenRLHF: 8)", ge=1, inert=NO_REWARD_MODEL)
+    num_nodes: int = opt(1, "Ray nodes for the reward model", ge=1, inert=NO_REWARD_MODEL, on_resume="adjustable")
+    num_gpus_per_node: int = opt(1, "GPUs per node for the reward model (OpenRLHF: 8)", ge=1, inert=NO_REWARD_MODEL, on_resume="adjustable")
     offload: bool = opt(False, "keep the reward model on CPU between forwards",
-                        inert=not_yet("offloading the reward model (it stays on the run's device)"))
+                        inert=not_yet("offloading the reward model (it stays on the run's device)"), on_resume="adjustable")
     normalize_enable: bool = opt(
         False, "normalise reward-model scores with the mean/std stored in the model",
         inert=Inert("it normalises a reward model's scores (and a critic started from it); there is neither "
@@ -202,9 +202,9 @@ class RewardConfig:
     )
     timeout: float | None = opt(None, "seconds per reward call: an HTTP request (default 30) or one reward_func "
                                 "call on a rollout batch (default 300)", extension=True,
-                                gt=0, note="seconds (or unset for the default)", inert=REMOTE_ONLY)
+                                gt=0, note="seconds (or unset for the default)", inert=REMOTE_ONLY, on_resume="adjustable")
     retries: int = opt(3, "attempts per reward call (HTTP: connection errors, timeouts, 5xx; reward_func: raised "
-                          "or timed out)", extension=True, ge=1, note="(attempts in total)", inert=REMOTE_ONLY)
+                          "or timed out)", extension=True, ge=1, note="(attempts in total)", inert=REMOTE_ONLY, on_resume="adjustable")
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Config sections shared by several trainers: `ds` (+ `ds.lora`), `vllm`, `rollout`, `data`, `train`,
 `eval`, `ckpt`, `logger` (+ `logger.wandb`), `adam`, `muon` and the optimizer block.
 
-Flag names, meanings and defaults follow OpenRLHF 0.10.2 (`reference/openrlhf-0.10.2-cli-options.rst`).
+Flag names, meanings and defaults follow OpenRLHF 0.10.2's CLI reference (docs/from-openrlhf.md).
 Where a trainer lacks a field it gets a subclass without it; where only a default differs the trainer
 config builds the section with `section(Cls, field=value)`. Fields marked `extension=True` are posttrain
 additions. Deliberate default changes: `ds.param_dtype` and `ds.attn_implementation` default to None
@@ -60,50 +60,52 @@ class DSConfig:
     """DeepSpeed engine and model loading (shared by every model of the run)."""
 
     zero_stage: int = opt(2, "DeepSpeed ZeRO stage: 0, 1, 2 or 3", ge=0, le=3, message="valid values: 0, 1, 2, 3",
-                          inert=ON_ONE_RANK)
+                          inert=ON_ONE_RANK, on_resume="adjustable")
     param_dtype: str | None = opt(
         None, "parameter dtype; default auto: bf16 on GPU, fp32 on CPU", choices=PARAM_DTYPES
     )
     zpg: int = opt(1, "ZeRO++ max partition size", ge=1,
-                   inert=(ON_ONE_RANK, Inert("ZeRO++ partitioning needs GPUs", facts.on_cpu)))
+                   inert=(ON_ONE_RANK, Inert("ZeRO++ partitioning needs GPUs", facts.on_cpu)), on_resume="adjustable")
     adam_offload: bool = opt(False, "keep the Adam optimizer state on CPU (not with --optim muon)",
-                             inert=(ON_ONE_RANK, Inert("the optimizer state is already in CPU memory", facts.on_cpu)))
+                             inert=(ON_ONE_RANK, Inert("the optimizer state is already in CPU memory", facts.on_cpu)), on_resume="adjustable")
     overlap_comm: bool = opt(False, "overlap the backward pass with the gradient reduction (more memory)",
-                             inert=(ON_ONE_RANK, Inert("communication overlap needs GPU streams", facts.on_cpu)))
+                             inert=(ON_ONE_RANK, Inert("communication overlap needs GPU streams", facts.on_cpu)), on_resume="adjustable")
     grad_accum_dtype: str | None = opt(
         None, "dtype of the gradient accumulation buffer", choices=GRAD_ACCUM_DTYPES, inert=ON_ONE_RANK
     )
-    deepcompile: bool = opt(False, "enable DeepSpeed DeepCompile graph compilation", inert=not_yet("DeepSpeed DeepCompile"))
+    deepcompile: bool = opt(False, "enable DeepSpeed DeepCompile graph compilation", inert=not_yet("DeepSpeed DeepCompile"), on_resume="adjustable")
     tensor_parallel_size: int = opt(1, "DeepSpeed AutoTP tensor-parallel size (ZeRO stage 0/1/2 only)", ge=1,
-                                    inert=not_yet("DeepSpeed AutoTP tensor parallelism"))
+                                    inert=not_yet("DeepSpeed AutoTP tensor parallelism"), on_resume="adjustable")
     ring_attn_size: int = opt(1, "ring-attention sequence-parallel group size", ge=1,
-                              inert=not_yet("ring attention (sequence parallelism)"))
+                              inert=not_yet("ring attention (sequence parallelism)"), on_resume="adjustable")
     ring_attn_head_stride: int = opt(1, "heads per ring-attention step (a divisor of the head count)", ge=1,
-                                     inert=not_yet("ring attention (sequence parallelism)"))
+                                     inert=not_yet("ring attention (sequence parallelism)"), on_resume="adjustable")
     use_universal_ckpt: bool = opt(False, "write DeepSpeed universal checkpoints (stage/world-size agnostic)",
-                                   inert=not_yet("DeepSpeed universal checkpoints"))
+                                   inert=not_yet("DeepSpeed universal checkpoints"), on_resume="adjustable")
     attn_implementation: str | None = opt(
         None,
         "attention backend: eager, sdpa, flash_attention_2, flash_attention_3 or a hub kernel "
         "(kernels-community/...); default auto: flash_attention_2 on GPU when installed, else sdpa",
         **ATTENTION_RULE,
         inert=Inert("flash attention needs a CUDA GPU with flash-attn; sdpa is used", facts.flash_unavailable),
-    )
+    on_resume="adjustable",
+)
     experts_implementation: str | None = opt(
         None, "MoE expert kernels; default: transformers picks", choices=EXPERTS_IMPLEMENTATIONS,
         inert=not_yet("choosing MoE expert kernels (transformers picks)"),
-    )
-    use_liger_kernel: bool = opt(False, "use Liger fused kernels", inert=not_yet("Liger fused kernels"))
+    on_resume="adjustable",
+)
+    use_liger_kernel: bool = opt(False, "use Liger fused kernels", inert=not_yet("Liger fused kernels"), on_resume="adjustable")
     onednn_linear: bool = opt(
         True, "fp32 linear layers on CPU compute through oneDNN instead of torch's MKL call (1.2-1.6x faster "
         "matmuls where MKL is slow, e.g. AMD CPUs; the same math up to float rounding); no effect on GPU "
         "(--ds.no_onednn_linear turns it off)", negation="no_onednn_linear", extension=True,
         inert=Inert("oneDNN computes fp32 linear layers on CPU; on a GPU they use torch's F.linear",
-                    lambda v, c, dev: dev != "cpu"))
+                    lambda v, c, dev: dev != "cpu"), on_resume="adjustable")
     load_in_4bit: bool = opt(False, "load the base model in 4-bit (QLoRA; needs --ds.lora.rank > 0 and CUDA)",
                              inert=LORA_IN_PPO)
     lora: LoRAConfig = section(LoRAConfig)
-    packing_samples: bool = opt(False, "pack several samples into one row (no padding)")
+    packing_samples: bool = opt(False, "pack several samples into one row (no padding)", on_resume="adjustable")
 
 
 @dataclass
@@ -121,18 +123,18 @@ class PPODSConfig(ScoreDSConfig):
     """DeepSpeed engine and model loading (shared by actor, critic, reference and reward model)."""
 
     enable_sleep: bool = opt(False, "free DeepSpeed memory between training phases (hybrid engine)",
-                             inert=not_yet("the hybrid engine's sleep mode (it needs vLLM)"))
+                             inert=not_yet("the hybrid engine's sleep mode (it needs vLLM)"), on_resume="adjustable")
     shared_prefix: bool = opt(
         True, "RL forwards compute a prompt once for all its samples in a micro-batch, exact to float "
         "rounding (--ds.no_shared_prefix turns it off; off with flash attention)", negation="no_shared_prefix",
-        extension=True)
+        extension=True, on_resume="adjustable")
     gather_for_generation: bool = opt(
         False, "ZeRO-3 with several actor ranks: gather the actor's whole weights once for generation and for "
         "each weight sync (fast; every rank holds the whole model meanwhile: TRL's ds3_gather_for_generation); "
         "default: one tensor at a time (OpenRLHF's weight sync; fits models larger than one device)",
         negation="no_gather_for_generation", extension=True,
         inert=Inert("only read under --ds.zero_stage 3 with several actor ranks (in one process the actor trains "
-                    "without ZeRO)", lambda v, c, dev: facts.single_rank_roles(v, c, dev) or c.ds.zero_stage != 3))
+                    "without ZeRO)", lambda v, c, dev: facts.single_rank_roles(v, c, dev) or c.ds.zero_stage != 3), on_resume="adjustable")
 
 
 # --------------------------------------------------------------------------- vLLM + rollout (PPO)
@@ -160,7 +162,7 @@ class RolloutConfig:
     """Sampling of experience (PPO)."""
 
     batch_size: int = opt(1024, "prompts per rollout step", ge=1)
-    micro_batch_size: int = opt(1, "per-GPU micro-batch of the forward passes over generated samples", ge=1)
+    micro_batch_size: int = opt(1, "per-GPU micro-batch of the forward passes over generated samples", ge=1, on_resume="adjustable")
     n_samples_per_prompt: int = opt(1, "completions per prompt (> 1 for group estimators)", ge=1)
     temperature: float = opt(1.0, "sampling temperature", gt=0)
     top_p: float = opt(1.0, "nucleus sampling threshold", gt=0, le=1)
@@ -175,7 +177,8 @@ class RolloutConfig:
         "token budget per GPU for rollout-side forwards "
         "(dynamic batching); default: --train.max_tokens_per_gpu", gt=0,
         inert=needs("--train.dynamic_batch_enable", lambda c: c.train.dynamic_batch_enable),
-    )
+    on_resume="adjustable",
+)
     vllm_generate_batch_size: int | None = opt(
         None, "prompts per generation call; above --rollout.batch_size needs --train.async_enable", ge=1
     )
@@ -187,7 +190,7 @@ class DataConfig:
     """Dataset loading and tokenisation."""
 
     max_len: int = opt(2048, "max tokens per sample (prompt + response)", gt=0)
-    max_samples: int = opt(1000000, "max training samples", gt=0)
+    max_samples: int = opt(1000000, "max training samples", gt=0, on_resume="adjustable")
     input_template: str | None = opt(
         None, "plain-text prompt template containing {} (without a chat template)",
         check=lambda v: "{}" in v, message="must contain {} where the prompt goes",
@@ -197,7 +200,7 @@ class DataConfig:
     disable_fast_tokenizer: bool = opt(False, "load the slow (Python) tokenizer")
     dataloader_num_workers: int = opt(
         0, "DataLoader worker processes", ge=0,
-        inert=Inert("samples are tokenised once, up front, in the main process (no DataLoader workers)"))
+        inert=Inert("samples are tokenised once, up front, in the main process (no DataLoader workers)"), on_resume="volatile")
 
 
 @dataclass
@@ -252,17 +255,18 @@ class TrainConfig:
     """Training loop."""
 
     batch_size: int = opt(128, "global training batch size (samples per optimizer step)", ge=1)
-    micro_batch_size: int = opt(8, "samples per GPU per forward/backward", ge=1)
-    max_epochs: int = opt(1, "epochs over the dataset", ge=1)
+    micro_batch_size: int = opt(8, "samples per GPU per forward/backward", ge=1, on_resume="adjustable")
+    max_epochs: int = opt(1, "epochs over the dataset", ge=1, on_resume={"ppo": "trajectory", "*": "adjustable"})
     seed: int = opt(42, "random seed")
     full_determinism_enable: bool = opt(
         False, "bit-reproducible kernels (slower)",
-        inert=not_yet("deterministic kernels are not forced (runs are seeded with --train.seed)"))
-    dynamic_batch_enable: bool = opt(False, "form micro-batches by token budget instead of sample count")
+        inert=not_yet("deterministic kernels are not forced (runs are seeded with --train.seed)"), on_resume="adjustable")
+    dynamic_batch_enable: bool = opt(False, "form micro-batches by token budget instead of sample count", on_resume="adjustable")
     max_tokens_per_gpu: int | None = opt(
         None, "token budget per micro-batch with --train.dynamic_batch_enable", gt=0,
         inert=needs("--train.dynamic_batch_enable", lambda c: c.train.dynamic_batch_enable),
-    )
+    on_resume="adjustable",
+)
 
 
 @dataclass
@@ -271,11 +275,11 @@ class PPOTrainConfig(TrainConfig):
 
     num_episodes: int = opt(1, "passes over the prompt dataset", ge=1,
                             inert=Inert("--train.max_steps sets the run's length",
-                                        lambda v, c, dev: c.train.max_steps is not None))
+                                        lambda v, c, dev: c.train.max_steps is not None), on_resume="adjustable")
     max_steps: int | None = opt(
         None, "stop after this many rollout steps, cycling the prompts (a fresh shuffle per pass) as often "
         "as needed; replaces --train.num_episodes when set (TRL's total_episodes / batch size)", extension=True,
-        ge=1, note="(or unset)")
+        ge=1, note="(or unset)", on_resume="adjustable")
     async_enable: bool = opt(False, "overlap rollout and training (async pipeline)")
     async_queue_size: int = opt(
         1, "rollout batches buffered between sampler and trainer", ge=0,
@@ -288,9 +292,9 @@ class PPOTrainConfig(TrainConfig):
     agent_func_path: str | None = opt(None, "Python file defining a multi-turn agent",
                                       check=lambda v: not v or v.endswith(".py"),
                                       message="must be a .py file defining AgentExecutor")
-    colocate_actor_ref: bool = opt(False, "actor and reference model share GPUs", inert=ROLE_PLACEMENT)
-    colocate_critic_reward: bool = opt(False, "critic and reward model share GPUs", inert=ROLE_PLACEMENT)
-    colocate_all: bool = opt(False, "all models and vLLM engines share GPUs (hybrid engine)", inert=ROLE_PLACEMENT)
+    colocate_actor_ref: bool = opt(False, "actor and reference model share GPUs", inert=ROLE_PLACEMENT, on_resume="adjustable")
+    colocate_critic_reward: bool = opt(False, "critic and reward model share GPUs", inert=ROLE_PLACEMENT, on_resume="adjustable")
+    colocate_all: bool = opt(False, "all models and vLLM engines share GPUs (hybrid engine)", inert=ROLE_PLACEMENT, on_resume="adjustable")
 
 
 @dataclass
@@ -298,9 +302,9 @@ class AgentConfig:
     """Multi-turn agent episodes (--train.agent_func_path; posttrain extensions)."""
 
     timeout: float = opt(300.0, "seconds per episode; an episode that runs longer fails (counted in agent/failed)",
-                         extension=True, gt=0, note="seconds")
+                         extension=True, gt=0, note="seconds", on_resume="adjustable")
     max_failure_frac: float = opt(0.1, "stop the run when more than this fraction of a batch's episodes fail "
-                                  "(raise, time out or return a malformed result)", extension=True, ge=0, le=1)
+                                  "(raise, time out or return a malformed result)", extension=True, ge=0, le=1, on_resume="adjustable")
 
 
 @dataclass

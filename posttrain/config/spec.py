@@ -40,6 +40,7 @@ def opt(
     required: str | None = None,
     inert: Any = (),
     section_inert: bool = True,
+    on_resume: str | dict | None = None,
 ) -> Any:
     """Declare a config field with every fact that concerns it alone.
 
@@ -54,6 +55,10 @@ def opt(
     inert: one `posttrain.config.facts.Inert` or a tuple of them: when setting the flag has no effect
     (reported at start-up, never silent); the first that applies is reported. section_inert=False:
     the facts declared on an enclosing section do not apply to this field.
+    on_resume: what a different value means when a run resumes a checkpoint (`config/fingerprint.py`):
+    "trajectory" (the default: it decides what is trained, so the resume is refused), "adjustable" (run
+    length or execution: allowed and named in a note) or "volatile" (never changes training); a dict
+    {trainer: kind, "*": kind} where it differs by trainer. None: the enclosing section's, else trajectory.
     """
     md = {
         "help": help,
@@ -64,16 +69,30 @@ def opt(
         "bounds": Bounds(ge, gt, le, lt, finite, note, check, message, required),
         "inert": _facts(inert),
         "section_inert": section_inert,
+        "on_resume": on_resume,
     }
     if isinstance(default, list):
         return field(default_factory=functools.partial(list, default), metadata=md)
     return field(default=default, metadata=md)
 
 
-def section(cls: type, *, inert: Any = (), **overrides: Any) -> Any:
+def section(cls: type, *, inert: Any = (), on_resume: str | None = None, **overrides: Any) -> Any:
     """A nested section field whose defaults differ from `cls`'s by `overrides` (deep-copied per instance);
-    `inert` facts apply to every flag inside it (after each flag's own, unless it sets section_inert=False)."""
-    return field(default_factory=lambda: cls(**copy.deepcopy(overrides)), metadata={"inert": _facts(inert)})
+    `inert` facts apply to every flag inside it (after each flag's own, unless it sets section_inert=False),
+    and `on_resume` to every flag inside it that declares none."""
+    return field(default_factory=lambda: cls(**copy.deepcopy(overrides)),
+                 metadata={"inert": _facts(inert), "on_resume": on_resume})
+
+
+RESUME_KINDS = ("trajectory", "adjustable", "volatile")
+
+
+def _resume_kind(declared: str | dict | None, trainer: str | None) -> str | None:
+    if isinstance(declared, dict):
+        declared = declared.get(trainer, declared.get("*"))
+    if declared is not None and declared not in RESUME_KINDS:
+        raise TypeError(f"on_resume={declared!r}: one of {RESUME_KINDS}")
+    return declared
 
 
 def _facts(inert: Any) -> tuple:
@@ -153,6 +172,7 @@ class FlagSpec:
     section: str  # dotted path of the owning section ("" for flat flags)
     bounds: Bounds = Bounds()
     inert: tuple = ()  # `facts.Inert`s: its own, then those of its enclosing sections
+    on_resume: str = "trajectory"  # what a changed value means on resume (`opt(on_resume=...)`)
 
     def problem(self, value: Any) -> str | None:
         """Why `value` is refused by this flag's own declaration (range, check), or None."""
@@ -193,13 +213,16 @@ def flag_specs(cls: type) -> tuple[FlagSpec, ...]:
     """All leaf flags of config class `cls`, in declaration order (flat fields and sections)."""
     out: list[FlagSpec] = []
 
-    def walk(obj: Any, prefix: str, inherited: tuple) -> None:
+    trainer = getattr(cls, "trainer", None)
+
+    def walk(obj: Any, prefix: str, inherited: tuple, resume: str | None) -> None:
         hints = typing.get_type_hints(type(obj))
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
             path = prefix + f.name
             if is_section(value):
-                walk(value, path + ".", f.metadata.get("inert", ()) + inherited)
+                walk(value, path + ".", f.metadata.get("inert", ()) + inherited,
+                     _resume_kind(f.metadata.get("on_resume"), trainer) or resume)
                 continue
             base, optional, is_list = _unwrap(hints[f.name])
             if base not in _SCALARS:
@@ -223,10 +246,11 @@ def flag_specs(cls: type) -> tuple[FlagSpec, ...]:
                     section=prefix[:-1],
                     bounds=md["bounds"],
                     inert=md["inert"] + (inherited if md["section_inert"] else ()),
+                    on_resume=_resume_kind(md["on_resume"], trainer) or resume or "trajectory",
                 )
             )
 
-    walk(cls(), "", ())
+    walk(cls(), "", (), None)
     return tuple(out)
 
 

@@ -49,13 +49,13 @@ TRAINERS = ("sft", "rm", "dpo", "ppo")
 
 
 def _logger(trainer: str):
-    return section(LoggerConfig, wandb=WandbConfig(project=f"posttrain_{trainer}"))
+    return section(LoggerConfig, on_resume="volatile", wandb=WandbConfig(project=f"posttrain_{trainer}"))
 
 
 def _ckpt(cls, trainer: str, **kw):
     # --ckpt.path stays unset (-> <--ckpt.output_dir>/checkpoints at start-up), not OpenRLHF's
     # ./ckpt/checkpoints_<trainer>, which every run started from one folder would share
-    return section(cls, **kw)
+    return section(cls, on_resume="volatile", **kw)
 
 
 @dataclass
@@ -64,9 +64,9 @@ class LauncherFields:
 
     local_rank: int = opt(-1, "local rank (injected by the deepspeed launcher)",
                           inert=Inert("the device comes from the LOCAL_RANK environment variable the launcher sets",
-                                      facts.launcher_sets_local_rank))
+                                      facts.launcher_sets_local_rank), on_resume="volatile")
     use_ms: bool = opt(False, "download models from ModelScope instead of the HF hub",
-                       inert=Inert("ModelScope downloads are not supported; pass a local folder or an HF hub id"))
+                       inert=Inert("ModelScope downloads are not supported; pass a local folder or an HF hub id"), on_resume="volatile")
 
 
 @dataclass
@@ -79,7 +79,7 @@ class SFTConfig(OptimizerFields, LauncherFields):
     ds: DSConfig = section(DSConfig)
     data: SFTDataConfig = section(SFTDataConfig, input_template="User: {}\nAssistant: ", max_len=2048)
     train: TrainConfig = section(TrainConfig, micro_batch_size=8, max_epochs=2)
-    eval: EvalConfig = section(EvalConfig, split="train")
+    eval: EvalConfig = section(EvalConfig, on_resume="volatile", split="train")
     ckpt: CkptConfig = _ckpt(CkptConfig, "sft")
     logger: LoggerConfig = _logger("sft")
 
@@ -94,7 +94,7 @@ class RMConfig(OptimizerFields, LauncherFields):
     ds: ScoreDSConfig = section(ScoreDSConfig)
     data: PreferenceDataConfig = section(PreferenceDataConfig, max_len=512)
     train: TrainConfig = section(TrainConfig, micro_batch_size=1, max_epochs=1)
-    eval: EvalConfig = section(EvalConfig, split="train")
+    eval: EvalConfig = section(EvalConfig, on_resume="volatile", split="train")
     ckpt: CkptConfig = _ckpt(CkptConfig, "rm")
     logger: LoggerConfig = _logger("rm")
 
@@ -110,7 +110,7 @@ class DPOConfig(OptimizerFields, LauncherFields):
     ds: DSConfig = section(DSConfig)
     data: PreferenceDataConfig = section(PreferenceDataConfig, max_len=512)
     train: TrainConfig = section(TrainConfig, micro_batch_size=8, max_epochs=1)
-    eval: EvalConfig = section(EvalConfig, split="test")
+    eval: EvalConfig = section(EvalConfig, on_resume="volatile", split="test")
     ckpt: CkptConfig = _ckpt(CkptConfig, "dpo")
     logger: LoggerConfig = _logger("dpo")
 
@@ -126,12 +126,12 @@ class PPOConfig(LauncherFields):
     reward: RewardConfig = section(RewardConfig)
     algo: AlgoConfig = section(AlgoConfig)
     ds: PPODSConfig = section(PPODSConfig)
-    vllm: VLLMConfig = section(VLLMConfig)
+    vllm: VLLMConfig = section(VLLMConfig, on_resume="adjustable")
     rollout: RolloutConfig = section(RolloutConfig)
     data: PPODataConfig = section(PPODataConfig, max_len=2048, max_samples=100000000)
     train: PPOTrainConfig = section(PPOTrainConfig, micro_batch_size=1, max_epochs=1, max_tokens_per_gpu=16192)
     agent: AgentConfig = section(AgentConfig)
-    eval: PPOEvalConfig = section(PPOEvalConfig, split="train")
+    eval: PPOEvalConfig = section(PPOEvalConfig, on_resume="volatile", split="train")
     ckpt: PPOCkptConfig = _ckpt(PPOCkptConfig, "ppo_ray", max_mem=float("inf"))
     logger: LoggerConfig = _logger("ppo")
 
