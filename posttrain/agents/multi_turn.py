@@ -24,6 +24,7 @@ import asyncio
 import math
 import random
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,6 +35,9 @@ from posttrain.rollout.single_turn import Rollout, ScoredRollouts, score_rollout
 from posttrain.rollout.types import rank_seed
 from posttrain.utils.errors import UserError
 from posttrain.utils.log import info
+
+if TYPE_CHECKING:
+    from posttrain.config import PPOConfig
 
 
 class AgentError(UserError):
@@ -120,7 +124,8 @@ class AgentRunner:
             self.executor.close()
 
     @classmethod
-    def from_config(cls, executor: AgentExecutorBase, engine, tokenizer, reward_source, cfg) -> AgentRunner:
+    def from_config(cls, executor: AgentExecutorBase, engine, tokenizer, reward_source,
+                    cfg: PPOConfig) -> AgentRunner:
         return cls(executor, engine, tokenizer, reward_source, max_len=cfg.data.max_len, timeout=cfg.agent.timeout,
                    max_failure_frac=cfg.agent.max_failure_frac, turn_cap=cfg.rollout.max_new_tokens)
 

@@ -12,7 +12,7 @@ import sys
 
 from posttrain.config import ConfigError, inert_flags, parse_config
 from posttrain.config.hardware import device_type, record_resolved, resolve_hardware_defaults
-from posttrain.config.serving import TOKEN_ENV
+from posttrain.config.serving import TOKEN_ENV, ServeRMConfig
 from posttrain.config.validate import check_serving_model
 from posttrain.rewards.server import build_app
 
@@ -23,7 +23,7 @@ _LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 _POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
 
-def parse_args(argv: list[str] | None):
+def parse_args(argv: list[str] | None) -> ServeRMConfig:
     """serve-rm's flags (`posttrain.config.serving.ServeRMConfig`, through the trainers' dotted-flag parser:
     `--help`, `--config run.yaml`, typo hints). A bad flag or value ends in one `posttrain serve-rm: error:`
     line and exit status 2. `token` falls back to env POSTTRAIN_RM_TOKEN. Nothing is loaded here."""
@@ -53,7 +53,7 @@ def position_limit(model_path: str) -> int | None:
     return None
 
 
-def resolve_max_len(args) -> list[str]:
+def resolve_max_len(args: ServeRMConfig) -> list[str]:
     """Set `args.data.max_len` to the truncation length actually used: --data.max_len, capped at the
     model's position limit (the limit itself when --data.max_len is not given). Returns a note per change."""
     asked, limit = args.data.max_len, position_limit(args.reward.model_name_or_path)
@@ -66,7 +66,7 @@ def resolve_max_len(args) -> list[str]:
     return [record_resolved(args, "data.max_len", max(limit, 2), "the model's position limit; longer queries are cut")]
 
 
-def startup_notes(args, device) -> list[str]:
+def startup_notes(args: ServeRMConfig, device) -> list[str]:
     """Check and resolve the run for `device` before anything loads: raises ConfigError for a setting
     that cannot work here; resolves auto dtype / attention / --data.max_len in `args`; returns one line
     per resolution, warning and flag without effect, to print at start-up."""
@@ -112,7 +112,7 @@ def _pick_device(device: str | None) -> str:
     return device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def make_source(args, device: str):
+def make_source(args: ServeRMConfig, device: str):
     """The reward source to serve; call `startup_notes` first (it resolves dtype and --data.max_len)."""
     from posttrain.rewards import make_reward_source
 

@@ -468,6 +468,7 @@ def translate_rloo(config: Any, world_size: int = 1) -> Translation:
     return b.out
 
 
-def translation_of(cfg) -> Translation | None:
-    """The TRL translation a config was made from (None for a posttrain config)."""
+def translation_of(cfg: object) -> Translation | None:
+    """The TRL translation a config was made from (None for a posttrain config). `cfg` is any command's
+    config, typed `object`: compat/ sits below config/ in the layer order and cannot name its classes."""
     return getattr(cfg, ATTRIBUTE, None)

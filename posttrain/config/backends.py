@@ -4,6 +4,10 @@ environment and the config; the engines themselves live in `posttrain.rollout`."
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
+
+# `cfg` below is a PPOConfig, typed `Any`: posttrain.config.trainers imports this module through `facts`, so
+# naming PPOConfig here, even under TYPE_CHECKING, would be an import cycle (tests/unit/test_layers.py)
 
 VLLM_MISSING = ("VLLMRolloutEngine needs vLLM, which is not installed: pip install 'posttrain[vllm]' "
                 "(vLLM needs a CUDA GPU; on CPU use the HF engine, --rollout.engine hf)")
@@ -23,7 +27,7 @@ def vllm_unavailable() -> str | None:
     return "this machine has no CUDA GPU" if not torch.cuda.is_available() else vllm_missing()
 
 
-def rollout_backend(cfg) -> tuple[str, str]:
+def rollout_backend(cfg: Any) -> tuple[str, str]:
     """The rollout engines' backend: ("vllm", "") when --vllm.num_engines >= 1 and this process can run
     vLLM, else ("hf", why). Decided where the engine runs (a Ray worker on its node)."""
     if not (cfg.vllm.num_engines or 0) >= 1:
@@ -32,7 +36,7 @@ def rollout_backend(cfg) -> tuple[str, str]:
     return ("hf", why) if why else ("vllm", "")
 
 
-def partial_rollout_refusal(cfg) -> str | None:
+def partial_rollout_refusal(cfg: Any) -> str | None:
     """Partial rollout needs an engine that pauses between decode steps and takes weights mid-request:
     the HF engine does; vLLM's pause/resume (AsyncLLMEngine) is not wired into posttrain yet."""
     if cfg.train.partial_rollout_enable:
@@ -41,7 +45,7 @@ def partial_rollout_refusal(cfg) -> str | None:
     return None
 
 
-def hybrid_refusal(cfg) -> str | None:
+def hybrid_refusal(cfg: Any) -> str | None:
     """A vLLM engine that shares its GPU with the trainer (--train.colocate_all, not async) must sleep
     between rollouts to leave the trainer its memory; that comes with the async issue."""
     if cfg.train.colocate_all and not cfg.train.async_enable:

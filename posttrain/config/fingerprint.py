@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.config.spec import flag_specs
+from posttrain.config.trainers import TrainerConfig
 from posttrain.config.yaml_io import config_to_dict
 
 CHECKPOINTS_SUBDIR = "checkpoints"
@@ -47,17 +48,17 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _values(cfg) -> dict[str, Any]:
+def _values(cfg: TrainerConfig) -> dict[str, Any]:
     """Dotted path -> value of every flag, `trainer` first."""
     return _flat(config_to_dict(cfg))
 
 
-def _kinds(cfg) -> dict[str, str]:
+def _kinds(cfg: TrainerConfig) -> dict[str, str]:
     """Dotted path -> "trajectory" | "adjustable" | "volatile" (each flag's `on_resume`)."""
     return {spec.path: spec.on_resume for spec in flag_specs(type(cfg))}
 
 
-def run_fingerprint(cfg) -> tuple[str, dict[str, Any]]:
+def run_fingerprint(cfg: TrainerConfig) -> tuple[str, dict[str, Any]]:
     """(digest, fields) of the flags that decide the training trajectory (module docstring)."""
     kinds = _kinds(cfg)
     fields = {k: v for k, v in _values(cfg).items() if kinds.get(k, "trajectory") == "trajectory"}
@@ -65,13 +66,13 @@ def run_fingerprint(cfg) -> tuple[str, dict[str, Any]]:
     return hashlib.sha256(text.encode()).hexdigest()[:16], fields
 
 
-def adjustable_values(cfg) -> dict[str, Any]:
+def adjustable_values(cfg: TrainerConfig) -> dict[str, Any]:
     """Flags a resumed run may change (run length, execution): dotted path -> value."""
     kinds = _kinds(cfg)
     return {k: v for k, v in _values(cfg).items() if kinds.get(k) == "adjustable"}
 
 
-def checkpoint_dir(cfg) -> Path | None:
+def checkpoint_dir(cfg: TrainerConfig) -> Path | None:
     """`--ckpt.path`, or `<--ckpt.output_dir>/checkpoints` when it is unset; None when checkpoints
     are off (`--ckpt.disable_ds` or an empty `--ckpt.path`)."""
     c = cfg.ckpt

@@ -12,6 +12,7 @@ from typing import Any
 from posttrain.config.facts import installed
 from posttrain.config.flag_values import format_value
 from posttrain.config.spec import get_path, set_path
+from posttrain.config.trainers import CommandConfig
 
 _RESOLVED = "_posttrain_resolved"  # attribute on cfg: path -> (value asked for, value used, reason)
 
@@ -25,12 +26,12 @@ def device_type(device: Any = None) -> str:
     return str(getattr(device, "type", device)).split(":")[0]
 
 
-def resolved_values(cfg) -> dict[str, tuple[Any, Any, str]]:
+def resolved_values(cfg: CommandConfig) -> dict[str, tuple[Any, Any, str]]:
     """path -> (value asked for, value used, reason) for every value set by `record_resolved`."""
     return dict(getattr(cfg, _RESOLVED, {}))
 
 
-def record_resolved(cfg, path: str, new: Any, reason: str) -> str:
+def record_resolved(cfg: CommandConfig, path: str, new: Any, reason: str) -> str:
     """Set `path` to `new` on `cfg`, remembering what was asked for and why (shown by `format_config`);
     returns the printable note."""
     book = getattr(cfg, _RESOLVED, None)
@@ -44,7 +45,7 @@ def record_resolved(cfg, path: str, new: Any, reason: str) -> str:
     return f"--{path}: {asked} -> {format_value(new)} ({reason})"
 
 
-def resolve_hardware_defaults(cfg, device: Any) -> list[str]:
+def resolve_hardware_defaults(cfg: CommandConfig, device: Any) -> list[str]:
     """Resolve device-dependent settings in place; return one printable note per change.
 
     - `ds.param_dtype` unset -> bf16 on cuda, fp32 on cpu (bf16 matmuls are ~140x slower on CPU).

@@ -14,6 +14,7 @@ from posttrain.config.facts import Condition
 from posttrain.config.flag_values import format_value
 from posttrain.config.hardware import device_type, resolved_values
 from posttrain.config.spec import changed_values, flag_specs
+from posttrain.config.trainers import CommandConfig
 
 
 class InertRule(NamedTuple):
@@ -25,7 +26,7 @@ class InertRule(NamedTuple):
     reason: str
     when: Condition | None = None
 
-    def explain(self, value: Any, cfg, dev: str) -> str | None:
+    def explain(self, value: Any, cfg: CommandConfig, dev: str) -> str | None:
         """The reason the flag has no effect in this run, or None when it acts."""
         answer = True if self.when is None else self.when(value, cfg, dev)
         if not answer:
@@ -33,14 +34,14 @@ class InertRule(NamedTuple):
         return self.reason + answer if isinstance(answer, str) else self.reason
 
 
-def inert_rules(cfg) -> list[InertRule]:
+def inert_rules(cfg: CommandConfig) -> list[InertRule]:
     """Every declared fact of `cfg`'s trainer's flags, in flag order; a flag's own facts come before those of
     its sections, and the first that applies is the one reported."""
     return [InertRule(spec.path, fact.reason, fact.when) for spec in flag_specs(type(cfg)) for fact in spec.inert
             if fact.trainers is None or cfg.trainer in fact.trainers]
 
 
-def inert_flags(cfg, device: Any) -> list[str]:
+def inert_flags(cfg: CommandConfig, device: Any) -> list[str]:
     """`--flag value: reason` for every flag set away from its default that has no effect in this run
     (on `device`), once per flag, in --help order. Flags still parse everywhere; this only reports them."""
     dev = device_type(device)

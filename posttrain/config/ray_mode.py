@@ -7,9 +7,21 @@ the run stays in one process and never imports Ray."""
 from __future__ import annotations
 
 import os
+from typing import Any, Protocol
+
+# `cfg` below is a PPOConfig, typed `Any`: posttrain.config.trainers (and roles, sections) import this module
+# through `facts`, so naming PPOConfig or a role class here, even under TYPE_CHECKING, would be an import
+# cycle (tests/unit/test_layers.py); a role section is typed by the two fields it is read for.
 
 
-def present_roles(cfg) -> dict:
+class RolePlacement(Protocol):
+    """A role's section (ActorConfig, CriticConfig, RefConfig, RewardConfig) as its placement reads it."""
+
+    num_nodes: int
+    num_gpus_per_node: int
+
+
+def present_roles(cfg: Any) -> dict:
     """role name -> its config section, for the roles this run loads: the actor always; the
     reference with a KL term (in the reward or as a loss); the critic with GAE; the reward model
     when rewards come from one (not from --reward.remote_url)."""
@@ -23,16 +35,16 @@ def present_roles(cfg) -> dict:
     return roles
 
 
-def role_ranks(role_cfg) -> int:
+def role_ranks(role_cfg: RolePlacement) -> int:
     return role_cfg.num_nodes * role_cfg.num_gpus_per_node
 
 
-def uses_ray(cfg) -> bool:
+def uses_ray(cfg: Any) -> bool:
     return (bool(os.environ.get("RAY_ADDRESS")) or (cfg.vllm.num_engines or 0) >= 1
             or any(role_ranks(r) > 1 for r in present_roles(cfg).values()))
 
 
-def data_parallel(cfg) -> bool:
+def data_parallel(cfg: Any) -> bool:
     """A trained role (actor or critic) has several ranks, so DeepSpeed ZeRO shards it."""
     roles = present_roles(cfg)
     return uses_ray(cfg) and any(role_ranks(roles[r]) > 1 for r in ("actor", "critic") if r in roles)

@@ -7,9 +7,10 @@ from typing import Any
 from posttrain.config.flag_values import format_value
 from posttrain.config.hardware import resolved_values
 from posttrain.config.spec import changed_values, flag_specs, get_path
+from posttrain.config.trainers import CommandConfig, TrainerConfig
 
 
-def derived_sizes(cfg, world_size: int = 1) -> dict[str, Any]:
+def derived_sizes(cfg: TrainerConfig, world_size: int = 1) -> dict[str, Any]:
     """Sizes implied by the batch flags for `world_size` data-parallel ranks.
 
     world_size; samples_per_rank_per_step = train.batch_size / world_size;
@@ -42,7 +43,7 @@ def derived_sizes(cfg, world_size: int = 1) -> dict[str, Any]:
     return out
 
 
-def format_config(cfg, derived: dict[str, Any] | None = None) -> str:
+def format_config(cfg: CommandConfig, derived: dict[str, Any] | None = None) -> str:
     """Readable multi-line summary: every flag grouped by section (`*` marks values changed from the
     trainer default, `(reason)` on values resolved at start-up: hardware defaults, and auto values such
     as `--actor.loss_agg` resolved by validation), then the derived sizes."""

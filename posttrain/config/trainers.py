@@ -136,6 +136,11 @@ class PPOConfig(LauncherFields):
     logger: LoggerConfig = _logger("ppo")
 
 
+# the configs a function may be passed, for its annotations
+SingleModelConfig = SFTConfig | RMConfig | DPOConfig  # the single-model trainers (trainers/session.py)
+TrainerConfig = SingleModelConfig | PPOConfig  # any trainer's
+CommandConfig = TrainerConfig | ServeRMConfig  # any command's the dotted-flag parser reads (COMMAND_CONFIGS)
+
 CONFIG_CLASSES: dict[str, type] = {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig, "ppo": PPOConfig}
 # every command whose flags the dotted-flag parser reads: the trainers and the reward server
 COMMAND_CONFIGS: dict[str, type] = {**CONFIG_CLASSES, "serve-rm": ServeRMConfig}

@@ -15,7 +15,10 @@ from posttrain.config.flag_values import check_flag_choice, format_value, parse_
 from posttrain.config.hardware import device_type, record_resolved, resolved_values
 from posttrain.config.ray_mode import role_ranks
 from posttrain.config.roles import GROUP_ESTIMATORS, SEQUENCE_POLICY_LOSSES
+from posttrain.config.sections import DSConfig, OptimizerFields
+from posttrain.config.serving import ServedModelConfig, ServeRMConfig
 from posttrain.config.spec import flag_specs, get_path
+from posttrain.config.trainers import CommandConfig, PPOConfig, TrainerConfig
 
 
 class _Report:
@@ -33,7 +36,7 @@ class _Report:
             self.bad(flag, value, why)
 
 
-def validate(cfg, world_size: int = 1, device: Any = None) -> list[str]:
+def validate(cfg: CommandConfig, world_size: int = 1, device: Any = None) -> list[str]:
     """Check `cfg` for `world_size` data-parallel ranks on `device` ("cpu" / "cuda"; default: what torch
     sees). Raises ConfigError listing every problem; returns warnings (strings) otherwise. Resolves
     the auto value of `--actor.loss_agg` (PPO) on `cfg`, recorded like the hardware defaults."""
@@ -72,7 +75,7 @@ def validate(cfg, world_size: int = 1, device: Any = None) -> list[str]:
     return r.warnings
 
 
-def check_serving_model(ds, device: Any = None) -> list[str]:
+def check_serving_model(ds: ServedModelConfig, device: Any = None) -> list[str]:
     """The model-loading rules of `--ds.*` for a model that is only run, never trained (serve-rm):
     raises ConfigError (e.g. 4-bit on a CPU), returns warnings (e.g. bf16 on a CPU)."""
     r = _Report()
@@ -82,7 +85,7 @@ def check_serving_model(ds, device: Any = None) -> list[str]:
     return r.warnings
 
 
-def _declared(cfg, r: _Report) -> None:
+def _declared(cfg: CommandConfig, r: _Report) -> None:
     """Each flag's own facts: its choices (per element of a list), its range or check, required."""
     for spec in flag_specs(type(cfg)):
         value = get_path(cfg, spec.path)
@@ -96,7 +99,7 @@ def _declared(cfg, r: _Report) -> None:
             r.bad(spec.path, None if problem.startswith("required: ") else value, problem)
 
 
-def _served_source(cfg, r: _Report) -> None:
+def _served_source(cfg: ServeRMConfig, r: _Report) -> None:
     """serve-rm serves exactly one source: a reward model or a reward_func .py file."""
     model, url = cfg.reward.model_name_or_path, cfg.reward.remote_url
     if bool(model) == bool(url):
@@ -105,7 +108,7 @@ def _served_source(cfg, r: _Report) -> None:
         r.problems.append(f"--reward.remote_url={url!r}: serve-rm serves a .py reward function file")
 
 
-def _engine(cfg, r: _Report, dev: str) -> None:
+def _engine(cfg: TrainerConfig, r: _Report, dev: str) -> None:
     ds = cfg.ds
     if ds.tensor_parallel_size > 1 and ds.zero_stage == 3:
         r.bad(
@@ -125,7 +128,7 @@ def _engine(cfg, r: _Report, dev: str) -> None:
     _model_loading(ds, r, dev)
 
 
-def _model_loading(ds, r: _Report, dev: str) -> None:
+def _model_loading(ds: DSConfig | ServedModelConfig, r: _Report, dev: str) -> None:
     """Loading rules shared by trained and served models: 4-bit needs CUDA; bf16 / fp16 on a CPU are slow."""
     if ds.load_in_4bit and dev != "cuda":
         r.bad("ds.load_in_4bit", True, "bitsandbytes 4-bit loading needs a CUDA GPU; this run is on CPU")
@@ -138,7 +141,7 @@ def _model_loading(ds, r: _Report, dev: str) -> None:
         r.warnings.append("--ds.param_dtype fp16 on CPU is slow and numerically fragile; prefer fp32")
 
 
-def _data(cfg, r: _Report) -> None:
+def _data(cfg: TrainerConfig, r: _Report) -> None:
     d = cfg.data
     if d.input_template is not None and "{}" in d.input_template and "\\n" in d.input_template:
         r.warnings.append(
@@ -173,7 +176,7 @@ def _probs(r: _Report, flag: str, text: str | None, datasets: str | None, src_fl
         r.bad(flag, text, f"probabilities must sum to 1 (they sum to {sum(probs):g})")
 
 
-def _train(cfg, r: _Report, world_size: int) -> None:
+def _train(cfg: TrainerConfig, r: _Report, world_size: int) -> None:
     t = cfg.train
     if t.dynamic_batch_enable:
         if t.max_tokens_per_gpu is None or t.max_tokens_per_gpu <= 0:
@@ -198,13 +201,13 @@ def _train(cfg, r: _Report, world_size: int) -> None:
             )
 
 
-def _ckpt(cfg, r: _Report) -> None:
+def _ckpt(cfg: TrainerConfig, r: _Report) -> None:
     c = cfg.ckpt
     if c.load_enable and c.path == "":  # unset (None): <--ckpt.output_dir>/checkpoints (checkpoint_dir)
         r.bad("ckpt.load_enable", True, "needs --ckpt.path (where the checkpoints are)")
 
 
-def _optimizer(o, prefix: str, cfg, r: _Report) -> None:
+def _optimizer(o: OptimizerFields, prefix: str, cfg: TrainerConfig, r: _Report) -> None:
     if o.optim == "muon" and cfg.ds.adam_offload:
         r.bad(
             prefix + "optim",
@@ -219,7 +222,7 @@ def _pair(r: _Report, flag: str, pair: list[float] | None) -> None:
         r.bad(flag, pair, "needs low < high")
 
 
-def _loss_agg(cfg, r: _Report) -> None:
+def _loss_agg(cfg: PPOConfig, r: _Report) -> None:
     """`--actor.loss_agg` unset (auto) resolves to seq_mean_token_mean for a sequence-ratio policy loss
     (`--actor.policy_loss_type gspo`: OpenRLHF's GSPO loss is a per-sequence mean of token means; `seq_sum`:
     TRL RLOO's mean over sequences) and to token_mean otherwise, recorded like a hardware default
@@ -241,7 +244,7 @@ def _loss_agg(cfg, r: _Report) -> None:
         )
 
 
-def _ppo(cfg, r: _Report, world_size: int) -> None:
+def _ppo(cfg: PPOConfig, r: _Report, world_size: int) -> None:
     algo, ro, rw, t = cfg.algo, cfg.rollout, cfg.reward, cfg.train
     adv, kl = algo.advantage, algo.kl
     if rw.model_name_or_path and rw.remote_url:

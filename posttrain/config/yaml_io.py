@@ -18,14 +18,15 @@ from posttrain.compat.flag_migration import REMOVED, renamed_to
 from posttrain.config.errors import ConfigError
 from posttrain.config.flag_values import coerce
 from posttrain.config.spec import flag_specs, spec_map
+from posttrain.config.trainers import CommandConfig
 
 
-def config_to_dict(cfg) -> dict[str, Any]:
+def config_to_dict(cfg: CommandConfig) -> dict[str, Any]:
     """Nested plain dict of `cfg` (sections as dicts), led by `trainer`."""
     return {"trainer": type(cfg).trainer, **dataclasses.asdict(cfg)}
 
 
-def save_config(cfg, path: str | os.PathLike) -> Path:
+def save_config(cfg: CommandConfig, path: str | os.PathLike) -> Path:
     """Write `cfg` as YAML (atomically: temp file then rename); `--config path` loads it back equal."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

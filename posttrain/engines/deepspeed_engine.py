@@ -157,7 +157,7 @@ class DeepSpeedEngine(TrainEngine):
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
 
-    def _clip_hook(self, optimizer, args, kwargs):
+    def _clip_hook(self, optimizer, args: tuple, kwargs: dict) -> None:
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm if self.max_norm > 0 else float("inf"))
         self._pre_clip_norm = float(norm)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from posttrain.models.cpu_linear import use_onednn_linears
 from posttrain.models.lora import apply_lora, as_lora_spec
 from posttrain.utils.errors import UserError
 from posttrain.utils.log import info, warn_once
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -277,7 +281,7 @@ def _read_config(folder: str) -> dict:
         return {}
 
 
-def _arch_text(config) -> str:
+def _arch_text(config: PretrainedConfig) -> str:
     archs = getattr(config, "architectures", None) or []
     return archs[0] if archs else type(config).__name__
 

@@ -194,7 +194,7 @@ class PythonRewardFunction:
         self.num_skipped = 0
         self.num_timeouts = 0
 
-    def _attempt(self, args, kwargs):
+    def _attempt(self, args: tuple, kwargs: dict):
         if self.timeout is None:
             return self.fn(*args, **kwargs)
         box = {}
@@ -222,7 +222,7 @@ class PythonRewardFunction:
             raise box.pop("error")
         return box["value"]
 
-    def _call(self, args, kwargs):
+    def _call(self, args: tuple, kwargs: dict):
         """reward_func(*args, **kwargs) with timeout and retries; raises RewardError (message) when every
         attempt failed."""
         timeouts = 0

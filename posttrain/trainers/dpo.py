@@ -25,7 +25,7 @@ import torch
 
 from posttrain.algorithms.losses import token_logprobs
 from posttrain.algorithms.preference import dpo_loss
-from posttrain.config import ConfigError
+from posttrain.config import ConfigError, DPOConfig
 from posttrain.models import forward_logits, load_causal_lm, unwrap_model
 from posttrain.trainers.pairs import PairObjective, preference_items
 from posttrain.trainers.session import SingleModelRun, lora_settings
@@ -118,7 +118,7 @@ class DPOObjective(PairObjective):
         return loss, stats
 
 
-def load_reference(cfg, device: torch.device):
+def load_reference(cfg: DPOConfig, device: torch.device):
     """The frozen reference model, or None when it is the LoRA policy with adapters disabled (LoRA on
     and no other `--ref.model_name_or_path` than the policy's)."""
     path = cfg.ref.model_name_or_path or cfg.model.model_name_or_path
@@ -135,7 +135,7 @@ def load_reference(cfg, device: torch.device):
     return ref.to(where)
 
 
-def train_dpo(cfg) -> dict:
+def train_dpo(cfg: DPOConfig) -> dict:
     """Run DPO / IPO / cDPO as configured; returns the final eval metrics (empty without an eval set)."""
     check_loss_flags(cfg.model.ipo_enable, cfg.model.label_smoothing)
     run = SingleModelRun(cfg)

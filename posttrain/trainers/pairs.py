@@ -2,11 +2,16 @@
 dropped reported once (see `posttrain.data.preference_dataset` for the layout and checks)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from posttrain.data import pack_collate, pad_collate
 from posttrain.data.preference_dataset import PreferenceDataset, pair_sides
 from posttrain.utils.log import info
+
+if TYPE_CHECKING:
+    from posttrain.config import DPOConfig, RMConfig
 
 
 class PairObjective:
@@ -32,7 +37,8 @@ class PairObjective:
         return batch
 
 
-def preference_items(rows: list[dict], tokenizer, cfg, what: str, margin_key: str | None = None) -> list[dict]:
+def preference_items(rows: list[dict], tokenizer, cfg: RMConfig | DPOConfig, what: str,
+                     margin_key: str | None = None) -> list[dict]:
     """Items `{"chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask", "margin"}` of `rows`
     under `cfg.data` (prompt/chosen/rejected keys, template, chat template, max_len)."""
     data = PreferenceDataset(rows, tokenizer, cfg.data.max_len, prompt_key=cfg.data.prompt_key,

@@ -27,7 +27,7 @@ import math
 import torch
 
 from posttrain.algorithms.preference import reward_model_loss
-from posttrain.config import ConfigError
+from posttrain.config import ConfigError, RMConfig
 from posttrain.models import forward_values, load_score_model, unwrap_model
 from posttrain.models.loading import check_model_path, read_head
 from posttrain.rewards.reward_model import last_token_index
@@ -105,7 +105,7 @@ def _model_config(model):
     return base.config
 
 
-def train_rm(cfg) -> dict:
+def train_rm(cfg: RMConfig) -> dict:
     """Train a reward model as configured; returns the final eval metrics (empty without an eval set)."""
     use_margin = cfg.model.margin_loss_enable
     prefix = cfg.ds.value_head_prefix

@@ -21,13 +21,13 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from posttrain.config import adjustable_values, checkpoint_dir, run_fingerprint
+from posttrain.config import TrainerConfig, adjustable_values, checkpoint_dir, run_fingerprint
 from posttrain.utils.checkpoint import CheckpointManager, RunIdentity
 from posttrain.utils.log import info
 from posttrain.utils.run_lock import RunLock
 
 
-def run_identity(cfg) -> RunIdentity:
+def run_identity(cfg: TrainerConfig) -> RunIdentity:
     """This run's identity for its checkpoint manifests: a fresh run_id, the config fingerprint."""
     digest, fields = run_fingerprint(cfg)
     return RunIdentity(fingerprint=digest, fields=fields, adjustable=adjustable_values(cfg))
@@ -63,7 +63,7 @@ def _inside(path: Path, folder: Path) -> bool:
     return path.resolve().is_relative_to(folder.resolve())
 
 
-def claim_run_folders(cfg, *, is_main: bool = True) -> RunFolders:
+def claim_run_folders(cfg: TrainerConfig, *, is_main: bool = True) -> RunFolders:
     """Lock and check the run's folders before anything is written (module docstring)."""
     folders = RunFolders(Path(cfg.ckpt.output_dir))
     try:

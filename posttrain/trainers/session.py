@@ -22,7 +22,15 @@ import torch
 
 from posttrain.compat.trl_rloo import REPORT_FILE as TRL_REPORT_FILE
 from posttrain.compat.trl_rloo import translation_of
-from posttrain.config import derived_sizes, format_config, inert_flags, resolve_hardware_defaults, save_config
+from posttrain.config import (
+    SingleModelConfig,
+    TrainerConfig,
+    derived_sizes,
+    format_config,
+    inert_flags,
+    resolve_hardware_defaults,
+    save_config,
+)
 from posttrain.data import load_rows
 from posttrain.engines import make_train_engine
 from posttrain.models import load_causal_lm, load_tokenizer, save_pretrained
@@ -48,7 +56,7 @@ class RunStart:
     config.yaml; the seed. `close()` releases the run directory; a failure inside the start
     releases it too."""
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg: TrainerConfig) -> None:
         self.device = pick_device()
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.is_main = int(os.environ.get("RANK", "0")) == 0
@@ -78,7 +86,7 @@ class RunStart:
             self.close()
             raise
 
-    def open_logger(self, cfg, enabled: bool = True) -> MetricsLogger:
+    def open_logger(self, cfg: TrainerConfig, enabled: bool = True) -> MetricsLogger:
         """The run's metric sinks: metrics.jsonl in the run directory (continued after the resumed step
         with --ckpt.load_enable), TensorBoard and W&B when asked for."""
         return MetricsLogger(self.output_dir, tensorboard_dir=cfg.logger.tensorboard_dir, wandb=wandb_settings(cfg),
@@ -88,7 +96,7 @@ class RunStart:
         self.folders.close()
 
 
-def lora_settings(cfg) -> dict | None:
+def lora_settings(cfg: SingleModelConfig) -> dict | None:
     lora = cfg.ds.lora
     if not lora.rank:
         return None
@@ -99,7 +107,7 @@ class SingleModelRun:
     """SFT/RM/DPO's run: `RunStart`, then the tokenizer and data rows; `fit` loads the model, builds the
     train engine, runs the `SingleModelLoop` and exports the final model."""
 
-    def __init__(self, cfg, load_model=None) -> None:
+    def __init__(self, cfg: SingleModelConfig, load_model=None) -> None:
         self.cfg = cfg
         self.start = RunStart(cfg)
         self.device, self.world_size, self.is_main = self.start.device, self.start.world_size, self.start.is_main
@@ -216,6 +224,6 @@ class SingleModelRun:
         engine.barrier()
 
 
-def wandb_settings(cfg) -> dict:
+def wandb_settings(cfg: TrainerConfig) -> dict:
     w = cfg.logger.wandb
     return {"key": w.key, "org": w.org, "group": w.group, "project": w.project, "run_name": w.run_name}

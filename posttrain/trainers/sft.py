@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from posttrain.algorithms.losses import aggregate, token_logprobs
-from posttrain.config import changed_values
+from posttrain.config import SFTConfig, changed_values
 from posttrain.data import SFTDataset, pack_collate, pad_collate
 from posttrain.models import forward_logits
 from posttrain.trainers.session import SingleModelRun
@@ -40,7 +40,7 @@ class SFTObjective:
         return loss, stats
 
 
-def prompt_template(cfg) -> str | None:
+def prompt_template(cfg: SFTConfig) -> str | None:
     """The plain-text template, unless the chat template formats prompts. SFT's default
     template ("User: {}\\nAssistant: ") yields to --data.apply_chat_template as in OpenRLHF; a
     template the user set explicitly together with it is an error raised by the dataset."""
@@ -49,7 +49,7 @@ def prompt_template(cfg) -> str | None:
     return cfg.data.input_template
 
 
-def train_sft(cfg) -> dict:
+def train_sft(cfg: SFTConfig) -> dict:
     """Run SFT as configured; returns the final eval metrics (empty without an eval set)."""
     run = SingleModelRun(cfg)
     tok = run.tokenizer

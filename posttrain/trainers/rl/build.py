@@ -9,7 +9,9 @@ import dataclasses
 
 import torch
 
+from posttrain.config import PPOConfig
 from posttrain.config.ray_mode import present_roles
+from posttrain.config.roles import ActorConfig, CriticConfig
 from posttrain.engines import make_train_engine
 from posttrain.models import load_causal_lm, load_score_model
 from posttrain.trainers.rl.roles import Actor, Critic, Reference
@@ -18,29 +20,30 @@ from posttrain.utils.seeding import set_seed
 _ROLE_SEEDS = {"actor": 0, "critic": 1, "ref": 2}
 
 
-def needs_critic(cfg) -> bool:
+def needs_critic(cfg: PPOConfig) -> bool:
     return "critic" in present_roles(cfg)
 
 
-def needs_reference(cfg) -> bool:
+def needs_reference(cfg: PPOConfig) -> bool:
     return "ref" in present_roles(cfg)
 
 
-def critic_path(cfg) -> str:
+def critic_path(cfg: PPOConfig) -> str:
     return cfg.critic.model_name_or_path or cfg.reward.model_name_or_path or cfg.actor.model_name_or_path
 
 
-def _seed_for(cfg, role: str) -> None:
+def _seed_for(cfg: PPOConfig, role: str) -> None:
     set_seed(cfg.train.seed * 3 + _ROLE_SEEDS[role])
 
 
-def train_engine(model, role_cfg, cfg, total_steps: int, zero_stage: int | None):
+def train_engine(model, role_cfg: ActorConfig | CriticConfig, cfg: PPOConfig, total_steps: int,
+                 zero_stage: int | None):
     """The role's optimizer, scheduler and (with `zero_stage`) DeepSpeed ZeRO engine."""
     return make_train_engine(model, role_cfg, total_steps=max(total_steps, 1), ds=_engine_ds(cfg, zero_stage),
                              zero_stage=zero_stage)
 
 
-def _engine_ds(cfg, zero_stage: int | None):
+def _engine_ds(cfg: PPOConfig, zero_stage: int | None):
     """The --ds section a role's engine reads: without ZeRO only the dtype; under ZeRO the gradient
     accumulation dtype, and offload, ZeRO++ and overlap only where there are GPUs (on CPU they are
     reported inert at start-up)."""
@@ -50,7 +53,7 @@ def _engine_ds(cfg, zero_stage: int | None):
         adam_offload=cfg.ds.adam_offload and gpu, zpg=cfg.ds.zpg if gpu else 1, overlap_comm=cfg.ds.overlap_comm and gpu)
 
 
-def build_actor(cfg, tokenizer, device, total_steps: int, zero_stage: int | None = None) -> Actor:
+def build_actor(cfg: PPOConfig, tokenizer, device, total_steps: int, zero_stage: int | None = None) -> Actor:
     _seed_for(cfg, "actor")
     model = load_causal_lm(cfg.actor.model_name_or_path, dtype=cfg.ds.param_dtype, tokenizer=tokenizer,
                            attn_implementation=cfg.ds.attn_implementation, onednn_linear=cfg.ds.onednn_linear,
@@ -61,7 +64,7 @@ def build_actor(cfg, tokenizer, device, total_steps: int, zero_stage: int | None
                  device, ema_beta=cfg.train.ema_beta if cfg.train.enable_ema else None)
 
 
-def build_rollout_copy(cfg, tokenizer, device):
+def build_rollout_copy(cfg: PPOConfig, tokenizer, device):
     """An HF rollout engine over its own copy of the policy (loaded from --actor.model_name_or_path, eval
     mode): a Ray engine actor's, or the in-process async pipeline's; the trainer's weights reach it by
     sync. Its parameters keep `requires_grad` as the actor's do (it only runs under no_grad): torch picks
@@ -73,7 +76,8 @@ def build_rollout_copy(cfg, tokenizer, device):
     return HFRolloutEngine(model.to(device).eval(), tokenizer, pad_token_id=tokenizer.pad_token_id)
 
 
-def build_critic(cfg, tokenizer, device, total_steps: int, zero_stage: int | None = None) -> Critic:
+def build_critic(cfg: PPOConfig, tokenizer, device, total_steps: int,
+                 zero_stage: int | None = None) -> Critic:
     _seed_for(cfg, "critic")
     model = load_score_model(critic_path(cfg), dtype=cfg.ds.param_dtype, value_head_prefix=cfg.ds.value_head_prefix,
                              tokenizer=tokenizer, attn_implementation=cfg.ds.attn_implementation,
@@ -83,7 +87,7 @@ def build_critic(cfg, tokenizer, device, total_steps: int, zero_stage: int | Non
                   normalize=bool(cfg.reward.normalize_enable))
 
 
-def build_reference(cfg, tokenizer, device) -> Reference:
+def build_reference(cfg: PPOConfig, tokenizer, device) -> Reference:
     _seed_for(cfg, "ref")
     model = load_causal_lm(cfg.ref.model_name_or_path or cfg.actor.model_name_or_path, dtype=cfg.ds.param_dtype,
                            tokenizer=tokenizer, attn_implementation=cfg.ds.attn_implementation,
@@ -92,7 +96,7 @@ def build_reference(cfg, tokenizer, device) -> Reference:
     return Reference(model.to(device), cfg.rollout.temperature, device, offload=cfg.ref.offload)
 
 
-def build_reward_source(cfg, tokenizer, device):
+def build_reward_source(cfg: PPOConfig, tokenizer, device):
     """The reward source: a reward model, a `reward_func` file or an HTTP server
     (`--reward.model_name_or_path` / `--reward.remote_url`)."""
     from posttrain.rewards import make_reward_source
@@ -109,6 +113,6 @@ def build_reward_source(cfg, tokenizer, device):
     return source
 
 
-def has_reward_model(cfg) -> bool:
+def has_reward_model(cfg: PPOConfig) -> bool:
     """A reward model scores the samples (no `--reward.remote_url` file or server)."""
     return "reward" in present_roles(cfg)

@@ -4,6 +4,7 @@ methods (`logprobs`, `values`), so it is the same for both placements."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,9 @@ from posttrain.algorithms.shaping import batch_normalize_scores
 from posttrain.trainers.rl.experience import Experience, build_experience
 from posttrain.trainers.rl.forward import Batching
 from posttrain.trainers.rl.updates import steps_per_rollout
+
+if TYPE_CHECKING:
+    from posttrain.config import PPOConfig
 
 
 def sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -33,7 +37,7 @@ def _scalar(v) -> bool:
 class ExperienceMaker:
     """`make(scored, kl_coef)` → (Experience, metrics) with the run's roles (`ref`, `critic` may be None)."""
 
-    def __init__(self, cfg, actor, ref, critic, batching: Batching, pad_id: int) -> None:
+    def __init__(self, cfg: PPOConfig, actor, ref, critic, batching: Batching, pad_id: int) -> None:
         self.cfg, self.actor, self.ref, self.critic = cfg, actor, ref, critic
         self.batching, self.pad_id = batching, pad_id
 

@@ -20,6 +20,7 @@ import torch
 from posttrain.algorithms.kl import AdaptiveKLController, FixedKLController
 from posttrain.config import (
     ConfigError,
+    PPOConfig,
 )
 from posttrain.config.ray_mode import uses_ray
 from posttrain.config.roles import SEQUENCE_POLICY_LOSSES
@@ -45,7 +46,7 @@ from posttrain.utils.weights_hash import weights_hash
 class RLTrainer(RunLoop):
     desc = "rl"
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg: PPOConfig) -> None:
         self.cfg = cfg
         self.start = RunStart(cfg)  # the controller's process (validation refuses WORLD_SIZE > 1)
         self.device, self.output_dir, self.folders = self.start.device, self.start.output_dir, self.start.folders
@@ -485,5 +486,5 @@ class RLTrainer(RunLoop):
         info(f"final model saved to {self.output_dir}")
 
 
-def train_rl(cfg) -> dict[str, float]:
+def train_rl(cfg: PPOConfig) -> dict[str, float]:
     return RLTrainer(cfg).fit()

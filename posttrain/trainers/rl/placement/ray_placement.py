@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import ray
 import torch
@@ -34,6 +35,9 @@ from posttrain.trainers.rl.placement.workers import EngineWorker, RoleWorker
 from posttrain.trainers.rl.updates import critic_shuffle_step, optimizer_steps
 from posttrain.utils.errors import UserError, WorkerFailed
 from posttrain.utils.log import info, warn_once
+
+if TYPE_CHECKING:
+    from posttrain.config import PPOConfig
 
 PLACE_TIMEOUT_S = float(os.environ.get("POSTTRAIN_RAY_PLACE_TIMEOUT", "120"))
 SYNC_BUCKET_BYTES = 128 << 20
@@ -290,7 +294,7 @@ def merge_metrics(per_rank: list[dict[str, float]], weights: list[dict[str, floa
     return out
 
 
-def engine_count(cfg) -> int:
+def engine_count(cfg: PPOConfig) -> int:
     """Rollout engines: --vllm.num_engines; unset, one per `--vllm.tensor_parallel_size` actor bundles
     with --train.colocate_all (each actor GPU also generates, as OpenRLHF's actors do without vLLM),
     else one."""
@@ -327,7 +331,8 @@ class RayPlacement:
     """Start (or join) Ray, place every role of `cfg`, build each rank's model; `shutdown()` removes
     everything the run started."""
 
-    def __init__(self, cfg, total_steps: int, *, critic: bool, ref: bool, reward_model: bool) -> None:
+    def __init__(self, cfg: PPOConfig, total_steps: int, *, critic: bool, ref: bool,
+                 reward_model: bool) -> None:
         shape = lambda role: (role.num_nodes, role.num_gpus_per_node)  # noqa: E731
         self.plan = plan_placement(
             actor=shape(cfg.actor), ref=shape(cfg.ref) if ref else None, critic=shape(cfg.critic) if critic else None,
@@ -346,7 +351,7 @@ class RayPlacement:
             self.shutdown()
             raise
 
-    def _place(self, cfg, total_steps: int) -> None:
+    def _place(self, cfg: PPOConfig, total_steps: int) -> None:
         self.gpu = ray.cluster_resources().get("GPU", 0) >= 1
         for role, where in self.plan.table():
             info(f"ray placement: {role}: {where}" + ("" if self.gpu else " (a GPU is one CPU rank here)"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -14,6 +15,9 @@ import torch
 from posttrain.trainers.rl.placement.transport import experience_from_numpy
 from posttrain.trainers.rl.placement.weight_sync import SyncGroup
 from posttrain.utils.weights_hash import NamedTensors, WeightsDigest, named_tensors, weights_hash
+
+if TYPE_CHECKING:
+    from posttrain.config import PPOConfig
 
 
 def _device() -> torch.device:
@@ -77,7 +81,7 @@ class RoleWorker(_Process):
     def set_master(self, master: tuple[str, int]) -> None:
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
 
-    def setup(self, cfg, total_steps: int) -> None:
+    def setup(self, cfg: PPOConfig, total_steps: int) -> None:
         from posttrain.models import load_tokenizer
         from posttrain.trainers.rl import build
 
@@ -179,7 +183,7 @@ class EngineWorker(_Process):
     broadcast) or `load_numpy` (object store). A receive with `verify` records a digest of what
     arrived, the hash of an engine that cannot read its weights back by HF name (vLLM)."""
 
-    def setup(self, cfg) -> None:
+    def setup(self, cfg: PPOConfig) -> None:
         from posttrain.config.backends import rollout_backend
         from posttrain.models import load_tokenizer
 
@@ -261,7 +265,7 @@ def _ray_visible_gpu() -> None:
             os.environ["CUDA_VISIBLE_DEVICES"] = str(int(ids[0]))
 
 
-def build_hf_engine(cfg, tok):
+def build_hf_engine(cfg: PPOConfig, tok):
     from posttrain.trainers.rl.build import build_rollout_copy
 
     return build_rollout_copy(cfg, tok, _device())
@@ -270,7 +274,7 @@ def build_hf_engine(cfg, tok):
 VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def build_vllm_engine(cfg, tok):
+def build_vllm_engine(cfg: PPOConfig, tok):
     """A vLLM engine in this Ray actor's process on its GPU (`uni` executor, in-process engine core, so
     weight updates reach the model without serialising it); the stop ids are the HF engine's."""
     from posttrain.config import ConfigError
@@ -287,7 +291,7 @@ def build_vllm_engine(cfg, tok):
         cfg.actor.model_name_or_path, eos_token_ids=resolve_eos_ids(tok), **vllm_engine_kwargs(cfg))
 
 
-def vllm_engine_kwargs(cfg) -> dict:
+def vllm_engine_kwargs(cfg: PPOConfig) -> dict:
     """`vllm.LLM` arguments from the OpenRLHF flags (tensor parallelism is refused by `build_vllm_engine`)."""
     return dict(tensor_parallel_size=1, distributed_executor_backend="uni",
                 gpu_memory_utilization=cfg.vllm.gpu_memory_utilization, enforce_eager=cfg.vllm.enforce_eager,
