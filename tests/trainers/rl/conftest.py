@@ -1,5 +1,6 @@
 """RL test fixtures: the SFT-ed nano model and its data (`sft_nano`, tests/trainers/conftest.py),
 reward-function files, and a runner for the real `posttrain ppo` entry."""
+import contextlib
 
 import pytest
 
@@ -48,6 +49,32 @@ def reward_func(queries, prompts, labels, **kwargs):
 }
 
 
+def _not_drawn(run_dir, out_dir=None):
+    raise ValueError("charts are not drawn in the RL tests (tests/trainers/rl/conftest.py)")
+
+
+@contextlib.contextmanager
+def charts_not_drawn():
+    """Runs started in this process end without drawing their PNG charts: 2-5 s of matplotlib for an RL
+    run on 2 cores (eleven figures), more than the training of most runs here, and no test here reads
+    them (a run logs "no plots: ..." instead). Charts stay tested: `plot_run` in
+    tests/unit/utils/test_metrics_plot.py, the demo's RL charts in tests/test_demo.py, and every
+    command-line (subprocess) run here still draws its own."""
+    import posttrain.utils.plot
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(posttrain.utils.plot, "plot_run", _not_drawn)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def no_closing_charts():
+    """`charts_not_drawn` around every test here (a module-scoped fixture that runs a trainer enters it
+    itself)."""
+    with charts_not_drawn():
+        yield
+
+
 @pytest.fixture(scope="session")
 def rl_setup(tmp_path_factory, sft_nano):
     """(sft_model_dir, data_dir, reward_dir)."""
@@ -92,3 +119,11 @@ def ray_session():
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "DS_BUILD_OPS": "0"}})
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_address(ray_session):
+    """The session Ray's address: a command-line run given it as RAY_ADDRESS joins that instance, as
+    OpenRLHF's scripts join a running cluster (`ray job submit`), instead of starting and stopping one
+    of its own (seconds of start-up on 2 cores)."""
+    return ray_session.get_runtime_context().gcs_address

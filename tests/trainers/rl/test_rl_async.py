@@ -74,8 +74,10 @@ def test_partial_rollout_samples_span_the_weight_update_that_lands_mid_generatio
 
 def test_a_resume_neither_replays_nor_skips_a_prompt(run_ppo, tmp_path):
     """Queue 2: at the step-2 checkpoint the producer has drawn prompts for later steps; the checkpoint
-    keeps the cursor of step 2's batch, so the resumed run trains the prompts the uninterrupted one did."""
-    flags = [*ASYNC, "--train.async_queue_size", "2", "--ckpt.save_steps", "2", "--ckpt.max_num", "4"]
+    keeps the cursor of step 2's batch, so the resumed run trains the prompts the uninterrupted one did.
+    Five steps of 8 prompts: at step 2 the producer is still short of the data's end."""
+    flags = [*ASYNC, "--train.async_queue_size", "2", "--ckpt.save_steps", "2", "--ckpt.max_num", "4",
+             "--data.max_samples", "40"]
     full, _ = run_ppo(*flags, "--ckpt.path", tmp_path / "ck_full", name="full")
     import torch
 
@@ -86,7 +88,7 @@ def test_a_resume_neither_replays_nor_skips_a_prompt(run_ppo, tmp_path):
     shutil.copytree(tmp_path / "ck_full" / "global_step2", ck / "global_step2")
     resumed, _ = run_ppo(*flags, "--ckpt.path", ck, "--ckpt.load_enable", name="resumed")
     uninterrupted, again = first_prompts(full), first_prompts(resumed)
-    assert sorted(again) == list(range(3, 9))  # steps 3..8, each trained once
+    assert sorted(again) == list(range(3, 6))  # steps 3..5, each trained once
     assert again == {s: p for s, p in uninterrupted.items() if s >= 3}
 
 
@@ -123,22 +125,23 @@ def test_a_negative_queue_is_refused(run_ppo, size):
 
 def test_oversampling_buffers_groups_and_a_resume_regenerates_them(run_ppo, tmp_path):
     """--rollout.vllm_generate_batch_size 16 with batches of 8: one generation call every other step;
-    the step-1 checkpoint keeps the cursor of its 8 trained groups (8 more sit in the buffer), so a run
-    resumed there trains the same prompts as the uninterrupted one."""
+    the step-3 checkpoint keeps the cursor of its 8 trained groups (8 more sit in the buffer), so a run
+    resumed there trains the same prompts as the uninterrupted one (6 steps of 8 prompts)."""
     import torch
 
-    flags = [*ASYNC, "--rollout.vllm_generate_batch_size", "16", "--ckpt.save_steps", "1", "--ckpt.max_num", "8"]
+    flags = [*ASYNC, "--rollout.vllm_generate_batch_size", "16", "--ckpt.save_steps", "1", "--ckpt.max_num", "8",
+             "--data.max_samples", "48"]
     full, _ = run_ppo(*flags, "--ckpt.path", tmp_path / "ck_full", name="over")
     rows = read_metrics(full / "metrics.jsonl")
-    assert [r["rollout/generation_calls"] for r in rows] == [1, 0] * 4
-    assert [r["rollout/buffered_groups"] for r in rows] == [8, 0] * 4
+    assert [r["rollout/generation_calls"] for r in rows] == [1, 0] * 3
+    assert [r["rollout/buffered_groups"] for r in rows] == [8, 0] * 3
     assert all(r["async/staleness_max"] <= 2 for r in rows)  # a buffered group waits one more step
     cursors = [torch.load(tmp_path / "ck_full" / f"global_step{s}" / "trainer_state.pt",
-                          weights_only=False)["prompt_cursor"] for s in range(5, 9)]
-    assert cursors == [40, 48, 56, 64]
+                          weights_only=False)["prompt_cursor"] for s in range(3, 7)]
+    assert cursors == [24, 32, 40, 48]
     ck = tmp_path / "ck_resume"
     ck.mkdir()
-    shutil.copytree(tmp_path / "ck_full" / "global_step5", ck / "global_step5")
+    shutil.copytree(tmp_path / "ck_full" / "global_step3", ck / "global_step3")
     resumed, _ = run_ppo(*flags, "--ckpt.path", ck, "--ckpt.load_enable", name="over_resumed")
     again = first_prompts(resumed)
-    assert sorted(again) == [6, 7, 8] and again == {s: p for s, p in first_prompts(full).items() if s >= 6}
+    assert sorted(again) == [4, 5, 6] and again == {s: p for s, p in first_prompts(full).items() if s >= 4}

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import ppo_flags
+from conftest import charts_not_drawn, ppo_flags
 from rl_helpers import rewards_by_step
 from safetensors.torch import load_file
 
@@ -137,7 +137,8 @@ REINFORCE_HYBRID = """
 """.split()
 
 
-def test_openrlhf_reinforce_baseline_hybrid_script_runs(rl_setup, tmp_path, ray_session):
+def test_openrlhf_reinforce_baseline_hybrid_script_runs(rl_setup, tmp_path, ray_address):
+    """Through `python -m posttrain.cli.train_ppo_ray`, joining the running Ray instance as the script does."""
     sft, data, rewards = rl_setup
     out = tmp_path / "reinforce"
     r = subprocess.run([sys.executable, "-m", "posttrain.cli.train_ppo_ray", *REINFORCE_HYBRID,
@@ -146,22 +147,37 @@ def test_openrlhf_reinforce_baseline_hybrid_script_runs(rl_setup, tmp_path, ray_
                         "--train.batch_size", "16", "--data.max_samples", "8", "--rollout.max_new_tokens", "4",
                         "--data.max_len", "48", "--ckpt.output_dir", out],
                        check=False, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "RAY_ADDRESS": ""})
+                       env={**os.environ, "RAY_ADDRESS": ray_address})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ray placement: engine: group all" in r.stderr
     rows = read_metrics(out / "metrics.jsonl")
     assert len(rows) == 2 and all("actor/kl_loss" in x and "timing/weight_sync" in x for x in rows)
 
 
-@pytest.mark.parametrize("mode", ["colocate_actor_ref", "colocate_critic_reward"])
-def test_colocation_modes_share_bundles(mode, rl_setup, tiny_score_model_dir, tmp_path, ray_session, capfd):
-    out = tmp_path / mode
+@pytest.fixture(scope="module")
+def colocated_run(rl_setup, tiny_score_model_dir, tmp_path_factory, ray_session):
+    """(run dir, stderr) of one step with both colocation modes on: the two modes place disjoint role
+    pairs (actor + ref, critic + reward) in groups of their own, so one run shows both."""
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp("colocated") / "run"
     flags = _without_reward_url(ppo_flags(rl_setup, out)) + [
         "--reward.model_name_or_path", tiny_score_model_dir, "--algo.advantage.estimator", "gae",
-        "--algo.kl.init_coef", "0.01", "--vllm.num_engines", "1", f"--train.{mode}", "--data.max_samples", "8",
-        "--train.num_episodes", "1"]
-    _ppo(flags)
-    err = capfd.readouterr().err
+        "--algo.kl.init_coef", "0.01", "--vllm.num_engines", "1", "--train.colocate_actor_ref",
+        "--train.colocate_critic_reward", "--data.max_samples", "8", "--train.num_episodes", "1"]
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), charts_not_drawn():
+            _ppo(flags)
+    finally:
+        sys.stderr.write(err.getvalue())  # the run's messages, for a failure report
+    return out, err.getvalue()
+
+
+@pytest.mark.parametrize("mode", ["colocate_actor_ref", "colocate_critic_reward"])
+def test_colocation_modes_share_bundles(mode, colocated_run):
+    out, err = colocated_run
     pair = ("actor", "ref") if mode == "colocate_actor_ref" else ("critic", "reward")
     group = mode.removeprefix("colocate_")
     for role in pair:

@@ -91,8 +91,8 @@ def test_reward_failure_mid_run_keeps_checkpoints(run_ppo, capsys, tmp_path, mon
 @pytest.mark.slow
 def test_skip_errors_counts_skipped_samples(run_ppo, monkeypatch):
     monkeypatch.setenv("POSTTRAIN_TEST_FAIL_AFTER", "2")
-    out, _ = run_ppo("--reward.skip_errors_enable", "--train.num_episodes", "1", reward="raises_late.py",
-                     name="skip")
+    out, _ = run_ppo("--reward.skip_errors_enable", "--train.num_episodes", "1", "--data.max_samples", "24",
+                     reward="raises_late.py", name="skip")  # 3 steps: the third one's grader raises
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["reward/skipped"] for r in rows[:3]] == [0, 0, 32]
     assert rewards_by_step(out)[2] == 0.0

@@ -1,4 +1,5 @@
 """`posttrain ppo` end to end: every estimator raises the reward; resume, seeds, evaluation."""
+import json
 import shutil
 
 import pytest
@@ -96,9 +97,12 @@ def test_resume_reproduces_uninterrupted_rl_run(run_ppo, tmp_path):
 
 
 def test_different_seed_gives_different_rollouts(run_ppo):
-    a, _ = run_ppo("--train.num_episodes", "1", "--train.seed", "1", name="s1")
-    b, _ = run_ppo("--train.num_episodes", "1", "--train.seed", "2", name="s2")
-    c, _ = run_ppo("--train.num_episodes", "1", "--train.seed", "1", name="s1_again")
+    """Two steps each: the second step's rollouts come from weights the first step trained."""
+    short = ("--train.num_episodes", "1", "--data.max_samples", "16")
+    a, _ = run_ppo(*short, "--train.seed", "1", name="s1")
+    b, _ = run_ppo(*short, "--train.seed", "2", name="s2")
+    c, _ = run_ppo(*short, "--train.seed", "1", name="s1_again")
     samples = lambda d: (d / "samples.jsonl").read_text()
+    assert [json.loads(line)["step"] for line in samples(a).splitlines()] == [1] * 4 + [2] * 4  # 4 logged per step
     assert samples(a) == samples(c)
     assert samples(a) != samples(b)
