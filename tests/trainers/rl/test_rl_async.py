@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from conftest import ppo_flags  # at import: at run time `conftest` names the last conftest collected
 
 from posttrain.utils.metrics import read_metrics
 
@@ -94,8 +95,6 @@ def test_a_resume_neither_replays_nor_skips_a_prompt(run_ppo, tmp_path):
 
 @pytest.mark.e2e
 def test_ctrl_c_during_async_training_ends_cleanly(rl_setup, tmp_path):
-    from conftest import ppo_flags
-
     flags = ppo_flags(rl_setup, tmp_path / "run", *ASYNC, "--train.num_episodes", "30", "--ckpt.save_steps", "2")
     proc = subprocess.Popen([sys.executable, "-m", "posttrain.cli.train_ppo_ray", *map(str, flags)],
                             stderr=subprocess.PIPE, text=True,
