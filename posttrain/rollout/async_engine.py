@@ -38,7 +38,7 @@ class _Request:
 
 def _batch_key(params: SamplingParams, seeded: bool) -> tuple:
     stop = None if params.stop_token_ids is None else tuple(params.stop_token_ids)
-    return (float(params.temperature), float(params.top_p), stop, int(params.n), seeded)
+    return (float(params.temperature), float(params.top_p), stop, int(params.min_tokens), int(params.n), seeded)
 
 
 class AsyncRolloutEngine:

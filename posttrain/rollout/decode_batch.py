@@ -10,7 +10,7 @@ row) and `logits` [B, V] (next-token logits of each row).
   batch: the shorter of the two caches is left-padded with masked zero columns. A row never attends a
   masked column, so its logits do not depend on who shares its batch (up to float rounding).
 * `step()` samples one token per row (`sample_next`, each row from its own generator, rows grouped by
-  temperature and top-p), appends it, and returns the sequences that finished: a stop token (kept in
+  temperature and top-p; a row's stop ids banned until it has `min_tokens` tokens), appends it, and returns the sequences that finished: a stop token (kept in
   the output) or the row's own budget. Finished rows stay in the batch (their draws are discarded)
   until a quarter of it has finished, then leave it and the cache; columns every remaining row masks
   are trimmed from the left. The rows that remain take one decode forward for their next logits. A
@@ -43,6 +43,7 @@ class Sequence:
     stop: frozenset[int]
     generator: torch.Generator
     ticket: object = None
+    min_tokens: int = 0  # the stop ids cannot be drawn before this many tokens
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # the weights version of each token
@@ -237,7 +238,7 @@ class DecodeBatch:
         if temperature > 0:
             uniforms = torch.tensor([0.0 if s.done else s.uniform() for s in rows], dtype=torch.float64,
                                     device=logits.device)
-        return sample_next(logits, temperature, top_p, None, uniforms)
+        return sample_next(logits, temperature, top_p, None, uniforms, _banned(rows, logits))
 
     def _keep(self, index: torch.Tensor) -> None:
         """Keep the rows at `index` (drop finished ones), then trim columns no remaining row attends."""
@@ -249,6 +250,19 @@ class DecodeBatch:
             self.mask = self.mask[:, unused:]
             for layer in _layers(self.cache):
                 _store(layer, layer.keys[:, :, unused:], layer.values[:, :, unused:])
+
+
+def _banned(rows: list[Sequence], logits: torch.Tensor) -> torch.Tensor | None:
+    """[B, V] bool: the stop ids of every row still below its `min_tokens` (None when no row is)."""
+    below = [(i, s.stop) for i, s in enumerate(rows) if s.stop and len(s.tokens) < s.min_tokens and not s.done]
+    if not below:
+        return None
+    banned = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    vocab = logits.shape[-1]
+    for i, stop in below:
+        ids = [t for t in stop if t < vocab]
+        banned[i, ids] = True
+    return banned
 
 
 def _store(layer, keys: torch.Tensor, values: torch.Tensor) -> None:

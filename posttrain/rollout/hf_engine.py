@@ -6,7 +6,7 @@ log-probs, top-p, seeding and stopping are ours:
 * prompts are left-padded; ``attention_mask`` marks real tokens and ``position_ids`` are
   ``cumsum(mask) - 1``, so each row sees positions 0..L-1 exactly as if it ran alone;
 * each step samples one token per row (``sample_next``); a row stops at its first stop token
-  (kept in the output) or after its budget; finished rows leave the batch and the cache, and waiting
+  (kept in the output; never before ``params.min_tokens`` tokens) or after its budget; finished rows leave the batch and the cache, and waiting
   rows join it between decode steps (continuous batching, at most ``batch_size`` rows);
 * every sample draws from its own ``torch.Generator``, seeded from its prompt's seed (``seeds[i]``,
   else ``rank_seed(params.seed, 0, i)``) and its index j: a prompt's samples do not depend on the
@@ -222,7 +222,7 @@ class HFRolloutEngine:
         generators = iter(sample_generators(prompt_seeds, params.n))
         stop = frozenset(self.stop_ids(params))
         return [Sequence(prompt=p, limit=b, temperature=float(params.temperature), top_p=float(params.top_p),
-                         stop=stop, generator=next(generators))
+                         stop=stop, generator=next(generators), min_tokens=params.min_tokens)
                 for p, b in zip(prompts, budgets) for _ in range(params.n)]
 
     def stream(self, max_rows: int | None = None):

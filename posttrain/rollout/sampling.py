@@ -38,7 +38,8 @@ def sample_generators(prompt_seeds: Sequence[int], n: int) -> list[torch.Generat
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: Generators,
-                uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                uniforms: torch.Tensor | None = None,
+                banned: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` [B, V]; return (tokens [B] long, logprobs [B] float32).
 
     ``generator``: one ``torch.Generator`` (or None: the global RNG) for the whole batch, or a
@@ -51,20 +52,30 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
     ``top_p``). temperature 0: argmax. The draw walks the vocabulary in token-id order (the
     nucleus is a mask over it): float noise that reorders near-equal probabilities (other padding,
     other batch) cannot change which token a uniform maps to.
+    ``banned`` [B, V] bool (``min_tokens``: the stop ids of rows still below their minimum): those
+    tokens are never drawn; the nucleus is taken over the remaining mass (vLLM applies ``min_tokens``
+    before top-p too). A row whose every token is banned is sampled unbanned.
     The log-prob is always ``token_logprobs(logits, token, temperature)`` of the full
-    distribution (temperature 1 when greedy), never renormalised over the nucleus."""
+    distribution (temperature 1 when greedy), never renormalised over the nucleus or the ban: it is
+    what the trainer recomputes from the same weights."""
     logits = logits.float()
+    if banned is not None:
+        banned = banned & ~banned.all(-1, keepdim=True)
     if temperature == 0:
-        tokens = logits.argmax(-1)
+        tokens = (logits if banned is None else logits.masked_fill(banned, float("-inf"))).argmax(-1)
         return tokens, token_logprobs(logits, tokens, 1.0)
     # token_logprobs' arithmetic (z = logits / t, z[token] - logsumexp(z)), its logsumexp reused for the
     # probabilities exp(z - lse)
     z = logits / temperature if temperature != 1.0 else logits
     lse = torch.logsumexp(z, dim=-1, keepdim=True)
     probs = (z - lse).exp_()
+    mass = top_p
+    if banned is not None:
+        probs = probs.masked_fill_(banned, 0.0)
+        mass = top_p * probs.sum(-1, keepdim=True)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        outside = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p  # the first token always stays
+        outside = (sorted_probs.cumsum(-1) - sorted_probs) >= mass  # the first token always stays
         probs = probs.masked_fill(torch.zeros_like(outside).scatter_(-1, order, outside), 0.0)
     tokens = _draw(probs, generator, uniforms)
     return tokens, (z.gather(-1, tokens[:, None]) - lse).squeeze(-1)

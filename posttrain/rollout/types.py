@@ -35,6 +35,9 @@ class SamplingParams:
       seed); an int >= 0 → reproducible (same seed and inputs → identical outputs).
     * ``stop_token_ids``: None → the engine's eos ids (tokenizer + generation config; several
       allowed); a list → exactly these ids stop a sample (``[]`` → only ``max_new_tokens`` stops).
+    * ``min_tokens`` >= 0: the stop ids cannot be sampled before a sample has this many tokens (or
+      its budget, if smaller). Default 1, as OpenRLHF passes vLLM: a response is never empty. The
+      recorded log-probs stay those of the full distribution (see ``sampling.sample_next``).
     """
 
     temperature: float = 1.0
@@ -43,6 +46,7 @@ class SamplingParams:
     n: int = 1
     seed: int | None = None
     stop_token_ids: tuple[int, ...] | None = None
+    min_tokens: int = 1
 
     def __post_init__(self):
         t = self.temperature
@@ -55,6 +59,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
         if not (_is_int(self.n) and self.n >= 1):
             raise ValueError(f"SamplingParams.n={self.n!r} must be an integer >= 1")
+        if not (_is_int(self.min_tokens) and self.min_tokens >= 0):
+            raise ValueError(f"SamplingParams.min_tokens={self.min_tokens!r} must be an integer >= 0")
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**63):
             raise ValueError(f"SamplingParams.seed={self.seed!r} must be None or an integer in [0, 2**63)")
         if self.stop_token_ids is not None:

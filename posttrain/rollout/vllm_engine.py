@@ -108,6 +108,7 @@ class VLLMRolloutEngine:
         return import_vllm().SamplingParams(
             n=params.n, temperature=float(params.temperature), top_p=float(params.top_p),
             max_tokens=max_new_tokens or params.max_new_tokens, seed=seed, logprobs=0, detokenize=False,
+            min_tokens=min(params.min_tokens, max_new_tokens or params.max_new_tokens),
             # explicit stop ids replace the eos (ignore_eos) so exactly these ids stop a sample
             stop_token_ids=None if stop is None else list(stop), ignore_eos=stop is not None)
 

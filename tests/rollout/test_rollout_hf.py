@@ -57,7 +57,8 @@ def test_left_padded_batch_equals_each_prompt_alone(engine):
 
 
 def _sample(engine, prompt, seed, max_new=20, stop=()):
-    params = SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=seed, stop_token_ids=list(stop))
+    # min_tokens 0: a ban on the stop ids at the first token would change its draw (the mass it maps onto)
+    params = SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=seed, stop_token_ids=list(stop), min_tokens=0)
     return engine.generate([prompt], params)[0][0]
 
 
@@ -80,6 +81,33 @@ def test_truncated_sample_is_not_rewritten(engine):
     assert short.finish_reason == "length" and len(short.output_token_ids) == 6
     assert short.output_token_ids == long.output_token_ids[:6]  # the last token is the sampled one, not eos
     assert 257 not in short.output_token_ids
+
+
+def test_min_tokens_bans_the_stop_ids_until_reached(model, engine):
+    """FREQUENT_STOPS are ~10% of the vocabulary: without a minimum some samples stop at their first token;
+    min_tokens=1 (the default) and 4 never stop earlier, and the log-probs stay the trainer's."""
+    def lengths(min_tokens, max_new=12):
+        params = SamplingParams(temperature=1.0, max_new_tokens=max_new, n=8, seed=11, stop_token_ids=FREQUENT_STOPS,
+                                min_tokens=min_tokens)
+        outputs = [o for group in engine.generate(PROMPTS, params) for o in group]
+        return outputs, [len(o.output_token_ids) for o in outputs if o.finish_reason == "stop"]
+
+    _, free = lengths(0)
+    assert min(free) == 1, free  # without a minimum the first token can end a sample
+    assert min(lengths(1)[1]) >= 2 and SamplingParams().min_tokens == 1
+    outputs, stopped = lengths(4)
+    assert stopped and min(stopped) >= 5
+    for out, ref in zip(outputs, recomputed_logprobs(model, outputs, 1.0)):
+        torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-5, rtol=0)  # full distribution
+    # a budget below the minimum ends the sample at the budget ("length"), never at a stop id
+    outputs, stopped = lengths(4, max_new=3)
+    assert not stopped and {len(o.output_token_ids) for o in outputs} == {3}
+    # greedy: the first token is the best one that is not a stop id
+    first = engine.generate([[11]], SamplingParams(temperature=0, max_new_tokens=1))[0][0].output_token_ids[0]
+    banned = engine.generate([[11]], SamplingParams(temperature=0, max_new_tokens=2, stop_token_ids=[first]))[0][0]
+    assert banned.output_token_ids[0] != first
+    assert engine.generate([[11]], SamplingParams(temperature=0, max_new_tokens=2, stop_token_ids=[first],
+                                                  min_tokens=0))[0][0].output_token_ids == [first]
 
 
 def test_pad_id_equal_to_stop_id(model, engine):
@@ -209,7 +237,7 @@ def test_accepts_numpy_and_tensor_prompts(engine):
 def test_works_on_a_gradient_checkpointed_training_model(tiny_model_dir, engine):
     ckpt = load_causal_lm(tiny_model_dir, dtype="fp32", gradient_checkpointing=True).train()
     params = SamplingParams(temperature=0.7, max_new_tokens=6, n=2, seed=3)
-    got = HFRolloutEngine(ckpt, [2], pad_token_id=0).generate(PROMPTS, params)
+    got = HFRolloutEngine(ckpt, engine.eos_token_ids, pad_token_id=0).generate(PROMPTS, params)  # same stop ids
     ref = engine.generate(PROMPTS, params)
     assert [o.output_token_ids for g in got for o in g] == [o.output_token_ids for g in ref for o in g]
     assert ckpt.training

@@ -10,7 +10,8 @@ from posttrain.rollout import RolloutOutput, SamplingParams, rank_seed, sample_n
 
 def test_sampling_params_defaults_and_normalisation():
     p = SamplingParams()
-    assert (p.temperature, p.top_p, p.max_new_tokens, p.n, p.seed, p.stop_token_ids) == (1.0, 1.0, 16, 1, None, None)
+    assert (p.temperature, p.top_p, p.max_new_tokens, p.n, p.seed, p.stop_token_ids, p.min_tokens) == (
+        1.0, 1.0, 16, 1, None, None, 1)  # min_tokens 1: OpenRLHF's vLLM default, never an empty response
     assert SamplingParams(stop_token_ids=[2, 0]).stop_token_ids == (2, 0)
     greedy = SamplingParams(temperature=0)
     assert greedy.greedy and greedy.logprob_temperature == 1.0
@@ -24,6 +25,7 @@ def test_sampling_params_defaults_and_normalisation():
     ("n", 0), ("n", True),
     ("seed", -1), ("seed", 1.5), ("seed", 2**63),
     ("stop_token_ids", "2"), ("stop_token_ids", [2, -1]), ("stop_token_ids", 2),
+    ("min_tokens", -1), ("min_tokens", 1.0), ("min_tokens", True),
 ])
 def test_sampling_params_rejects_bad_values_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
@@ -89,6 +91,24 @@ def test_sample_next_temperature_and_greedy():
     assert tokens.tolist() == [0, 1]
     assert torch.allclose(lp, token_logprobs(logits, tokens, 1.0))
     assert math.isclose(lp[0].item(), 2.0 - math.log(sum(math.exp(x) for x in (2.0, 1.0, 0.0, -1.0))), rel_tol=1e-6)
+
+
+def test_sample_next_banned_tokens_are_never_drawn_and_keep_full_logprobs():
+    """probs [.5, .3, .2] with token 0 banned (min_tokens): the draw maps u·0.5 onto the cdf [0, .3, .5], the
+    log-prob stays log p of the unbanned distribution; the nucleus is top_p of the remaining mass."""
+    logits = torch.tensor([0.5, 0.3, 0.2]).log().repeat(3, 1)
+    banned = torch.tensor([[True, False, False]] * 3)
+    u = torch.tensor([0.0, 0.5, 0.7], dtype=torch.float64)
+    tokens, lp = sample_next(logits, 1.0, 1.0, None, u, banned)
+    assert tokens.tolist() == [1, 1, 2]  # u 0.5 → 0.25 < 0.3; u 0.7 → 0.35 >= 0.3
+    assert torch.allclose(lp, torch.tensor([0.3, 0.3, 0.2]).log(), atol=1e-6)
+    # top_p 0.5 of the remaining 0.5 keeps token 1 alone (0.3 >= 0.25); of the whole mass it would keep 1 and 2
+    tokens, _ = sample_next(logits, 1.0, 0.5, None, torch.tensor([0.9] * 3, dtype=torch.float64), banned)
+    assert tokens.tolist() == [1, 1, 1]
+    tokens, lp = sample_next(logits, 0, 1.0, None, None, banned)  # greedy: the best allowed token
+    assert tokens.tolist() == [1, 1, 1] and torch.allclose(lp, torch.tensor([0.3] * 3).log(), atol=1e-6)
+    everything = torch.ones(3, 3, dtype=torch.bool)  # nothing left to draw: the row is sampled unbanned
+    assert sample_next(logits, 0, 1.0, None, None, everything)[0].tolist() == [0, 0, 0]
 
 
 def test_sample_next_seeded_generator_is_reproducible():

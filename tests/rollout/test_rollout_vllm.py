@@ -116,7 +116,7 @@ def test_vllm_engine_request_and_lifecycle(fake_vllm):
     _, prompts, sampling, use_tqdm = engine.llm.calls[-1]
     assert prompts == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}] and use_tqdm is False
     assert sampling[0] == dict(n=2, temperature=0.7, top_p=1.0, max_tokens=5, seed=rank_seed(3, 0, 0) % 2**31, logprobs=0,
-                               detokenize=False, stop_token_ids=None, ignore_eos=False)
+                               detokenize=False, min_tokens=1, stop_token_ids=None, ignore_eos=False)
     assert sampling[1]["seed"] == rank_seed(3, 0, 1) % 2**31 != sampling[0]["seed"]  # duplicate prompts still differ
     assert [[o.output_token_ids for o in g] for g in out] == [[[10, 2], [11, 2]]] * 2
     assert out[1][0].prompt_token_ids == [3] and out[0][1].logprobs == [-0.5, -0.75]
@@ -125,6 +125,8 @@ def test_vllm_engine_request_and_lifecycle(fake_vllm):
     engine.generate([[1]], SamplingParams(stop_token_ids=[2, 0]))
     sp = engine.llm.calls[-1][2][0]
     assert (sp["stop_token_ids"], sp["ignore_eos"], sp["seed"]) == ([2, 0], True, None)
+    engine.generate([[1]], SamplingParams(max_new_tokens=3, min_tokens=5))  # vLLM refuses min_tokens > max_tokens
+    assert engine.llm.calls[-1][2][0]["min_tokens"] == 3
     with_eos = VLLMRolloutEngine(FakeLLM(), eos_token_ids=[7])
     with_eos.generate([[1]], SamplingParams())
     assert with_eos.llm.calls[-1][2][0]["stop_token_ids"] == [7]
