@@ -117,16 +117,17 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             extra_logs = result.get("extra_logs") or {}
             feedback_text = result["environment_feedback"]
             feedback = encode_text(hf_tokenizer, feedback_text)
-            room = max_length - len(context)
-            if len(feedback) > room:  # the feedback does not fit: cut it and end the episode
-                feedback, truncated = feedback[:room], not result["done"]
+            feedback = feedback[:max_length - len(context)]  # what does not fit is cut: the episode ends below
             observation_text = observation_text + out.text + feedback_text
             context += feedback
             logprobs += [0.0] * len(feedback)
             env_tokens += len(feedback)
             if result.get("sampling_params"):
                 sampling_params = result["sampling_params"]
-            if result["done"] or truncated or len(context) >= max_length:
+            if result["done"]:
+                break
+            if len(context) >= max_length:  # the budget, not the environment, ends it
+                truncated = True
                 break
         truncated = truncated or out.finish_reason == "length"  # the last action ran out of budget
         return {"prompt": prompt, "label": label, "images": images, "mm_train_inputs": None,

@@ -41,30 +41,56 @@ class RequestOutput:
 @dataclass
 class AgentSamplingParams:
     """The vLLM `SamplingParams` fields an agent reads or sets. `max_tokens` None: the episode's
-    remaining budget. Top-k sampling and `n > 1` within an episode are not available."""
+    remaining budget. Top-k sampling and `n > 1` within an episode are not available.
+
+    Stop ids follow vLLM: `stop_token_ids` are added to the EOS ids unless `ignore_eos`, in which case
+    exactly they stop a turn (`[]`: only the budget). posttrain gives an executor the run's
+    `--rollout.stop_token_ids` with `ignore_eos=True`, so they replace the EOS in agent turns as in
+    single-turn runs. `min_tokens` (1 as OpenRLHF sets it): no stop id before that many tokens."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     max_tokens: int | None = None
-    min_tokens: int = 0
+    min_tokens: int = 1
     n: int = 1
     seed: int | None = None
     logprobs: int | None = 0
     stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
     skip_special_tokens: bool = False
     extra: dict = field(default_factory=dict)
 
+    @classmethod
+    def for_run(cls, params: SamplingParams, **fields) -> AgentSamplingParams:
+        """An executor's parameters from the run's: temperature, top-p, `min_tokens`, and the run's stop
+        ids replacing the EOS (`ignore_eos`) when given."""
+        stop = params.stop_token_ids
+        return cls(temperature=params.temperature, top_p=params.top_p, min_tokens=params.min_tokens,
+                   stop_token_ids=None if stop is None else list(stop), ignore_eos=stop is not None, **fields)
+
     def to_engine(self, eos_token_ids=None) -> SamplingParams:
-        """The engine's parameters. Stop ids are added to `eos_token_ids` (the engine's defaults), as
-        vLLM adds a request's `stop_token_ids` to the EOS; None keeps the engine's defaults."""
+        """The engine's parameters: the stop ids as the class docstring says (None: the engine's defaults)."""
         if self.top_k not in (-1, 0, None):
             raise ValueError(f"sampling_params.top_k={self.top_k}: top-k sampling is not available in this version")
         if self.n != 1:
             raise ValueError(f"sampling_params.n={self.n}: an episode samples one continuation per call")
         return SamplingParams(temperature=float(self.temperature), top_p=float(self.top_p),
-                              max_new_tokens=max(1, int(self.max_tokens or 1)),
-                              stop_token_ids=None if self.stop_token_ids is None else
-                              tuple(dict.fromkeys([*(eos_token_ids or []), *map(int, self.stop_token_ids)])))
+                              max_new_tokens=max(1, int(self.max_tokens or 1)), stop_token_ids=self._stop_ids(eos_token_ids),
+                              min_tokens=int(self.min_tokens or 0))
+
+    def _stop_ids(self, eos_token_ids) -> tuple[int, ...] | None:
+        extra = [int(t) for t in self.stop_token_ids or ()]
+        if self.ignore_eos:
+            return tuple(dict.fromkeys(extra))
+        if self.stop_token_ids is None:
+            return None
+        return tuple(dict.fromkeys([*(eos_token_ids or []), *extra]))
+
+
+def shown_tokens(tokens: list[int], finish_reason: str) -> list[int]:
+    """The tokens of a turn's text, as vLLM's `.text`: a turn that ended on a stop id (EOS or any
+    `stop_token_ids`, special or not) leaves it out; `token_ids` and the log-probs keep it."""
+    return tokens[:-1] if finish_reason == "stop" and tokens else tokens
 
 
 class EpisodeEngine:
@@ -89,10 +115,8 @@ class EpisodeEngine:
                                         max_new_tokens=int(sampling_params.max_tokens))
         tokens = list(out.output_token_ids)
         self.versions.update(out.policy_versions or ())
-        shown = tokens
-        if out.finish_reason == "stop" and tokens and tokens[-1] in set(self.tokenizer.all_special_ids):
-            shown = tokens[:-1]  # as vLLM's `.text`: the stop token is in `token_ids`, not in the text
-        text = self.tokenizer.decode(shown, skip_special_tokens=sampling_params.skip_special_tokens)
+        text = self.tokenizer.decode(shown_tokens(tokens, out.finish_reason),
+                                     skip_special_tokens=sampling_params.skip_special_tokens)
         entries = [{t: Logprob(lp, rank=None)} for t, lp in zip(tokens, out.logprobs)]
         completion = CompletionOutput(0, text, tokens, entries, out.finish_reason, float(sum(out.logprobs)))
         return RequestOutput(ids, [completion])

@@ -34,7 +34,7 @@ from posttrain.rollout.async_engine import AsyncRolloutEngine, run_coroutine
 from posttrain.rollout.single_turn import Rollout, ScoredRollouts, score_rollouts
 from posttrain.rollout.types import rank_seed
 from posttrain.utils.errors import UserError
-from posttrain.utils.log import info
+from posttrain.utils.log import info, warn_once
 
 if TYPE_CHECKING:
     from posttrain.config import PPOConfig
@@ -105,6 +105,38 @@ def _episode_float(value, what: str) -> float | None:
         return float(value.item() if hasattr(value, "item") else value)
     except (TypeError, ValueError, RuntimeError):
         raise EpisodeFailed(f"execute()['{what}'] must be a number, got {value!r:.80}") from None
+
+
+def loggable(extra_logs) -> dict[str, float]:
+    """The numbers of an episode's `extra_logs`: a number, or a one-element sequence, array or tensor, as a
+    float. Anything else (text, several elements, a non-dict) is skipped with one warning per key: a logging
+    field never costs the episode its reward."""
+    if not isinstance(extra_logs, dict):
+        if extra_logs:
+            warn_once(f"agent extra_logs must be a dict of numbers, got {type(extra_logs).__name__}: not logged")
+        return {}
+    out = {}
+    for key, value in extra_logs.items():
+        number = _log_number(value)
+        if number is None:
+            warn_once(f"agent extra_logs[{key!r}] is not a number or a one-element sequence/tensor "
+                      f"({type(value).__name__}): not logged")
+        else:
+            out[str(key)] = number
+    return out
+
+
+def _log_number(value) -> float | None:
+    if isinstance(value, (list, tuple)):
+        value = value[0] if len(value) == 1 else None
+    elif hasattr(value, "numel") or hasattr(value, "size") and hasattr(value, "reshape"):  # tensor / numpy array
+        value = value.reshape(-1)[0] if (value.numel() if hasattr(value, "numel") else value.size) == 1 else None
+    if isinstance(value, (str, bytes)) or value is None:
+        return None
+    try:
+        return float(value.item() if hasattr(value, "item") else value)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        return None
 
 
 class AgentRunner:
@@ -190,8 +222,7 @@ class AgentRunner:
 
     async def _episode(self, front, prompt, params, seed: int, group: int):
         """(rollout, reward, score, extra_logs), or (reason, None, None, {}) for a failed episode."""
-        sampling = AgentSamplingParams(temperature=params.temperature, top_p=params.top_p, max_tokens=self.turn_cap,
-                                       stop_token_ids=None if params.stop_token_ids is None else list(params.stop_token_ids))
+        sampling = AgentSamplingParams.for_run(params, max_tokens=self.turn_cap)
         engine = _GuardedEngine(front, self.tokenizer, seed)
         try:
             result = await asyncio.wait_for(
@@ -201,12 +232,7 @@ class AgentRunner:
             rollout.policy_versions = sorted(engine.versions) or None
             reward = _episode_float(result.get("reward"), "reward")
             score = _episode_float(result.get("scores"), "scores")
-            extra = {}
-            for k, v in (result.get("extra_logs") or {}).items():
-                value = _episode_float(v, f"extra_logs.{k}") if not hasattr(v, "numel") or v.numel() == 1 else None
-                if value is not None:
-                    extra[k] = value
-            return rollout, reward, score, extra
+            return rollout, reward, score, loggable(result.get("extra_logs"))
         except _EngineFailed as e:
             raise e.args[0] from None
         except asyncio.TimeoutError:

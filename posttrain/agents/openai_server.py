@@ -16,7 +16,8 @@ a malformed one (bad JSON, no messages, a message without role/content, `n > 1`,
 
 Delta tokenisation: the first call's prompt is the chat template applied to the messages, tokenised.
 For a later call the messages are re-rendered as text; when the session's text so far (the rendered
-prompts and the completions decoded with their special tokens) is a prefix of it, the prompt is the
+prompts and the completions decoded with their special tokens; or the same with the last completion's stop
+token left out, as `message.content` shows it, like vLLM) is a prefix of it, the prompt is the
 session's tokens as fed and sampled plus only the new tail tokenised, so the model's output is never
 re-tokenised (OpenRLHF's example re-tokenises the whole history and asserts a token prefix, which BPE
 merges break). When it is not (the agent changed the history, or the template renders an assistant
@@ -34,11 +35,11 @@ import hmac
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from uuid import uuid4
 
 from posttrain.agents.agent_api import AgentExecutorBase, encode_text
-from posttrain.agents.episode import AgentSamplingParams
+from posttrain.agents.episode import AgentSamplingParams, shown_tokens
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Session:
     traces: list[dict] = field(default_factory=list)
     buffer: list[int] | None = None  # the session's tokens so far (last prompt + completion, as fed and sampled)
     text: str = ""  # their text: the rendered prompt pieces + the completions decoded with special tokens
+    shown: str | None = None  # the same, the last completion without its stop token (as `content` shows it)
     divergence: str | None = None
     engine_error: BaseException | None = None
 
@@ -256,8 +258,11 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
             raise RequestError(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
         prompt_ids = encode_text(self.tokenizer, text)
         if session.buffer is not None:
-            if text.startswith(session.text):  # the history as sampled, then only the new turns tokenised
-                prompt_ids = session.buffer + encode_text(self.tokenizer, text[len(session.text):])
+            # the history as sampled, then only the new turns tokenised; an echoed answer lacks a stop token
+            # that is not special (`content` leaves it out), the tokens keep it as sampled
+            seen = next((t for t in (session.text, session.shown) if t is not None and text.startswith(t)), None)
+            if seen is not None:
+                prompt_ids = session.buffer + encode_text(self.tokenizer, text[len(seen):])
             elif session.divergence is None:
                 session.divergence = (f"call {len(session.traces) + 1}: the re-rendered history differs from the "
                                       f"{len(session.buffer)} recorded tokens")
@@ -267,8 +272,7 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
             raise RequestError(413, f"the conversation has {len(prompt_ids)} tokens; the episode's budget "
                                     f"(--data.max_len {session.max_length}) is spent")
         caps = [remaining] + [c for c in (max_tokens, d.max_tokens) if c]
-        params = AgentSamplingParams(temperature=temperature, top_p=top_p, max_tokens=min(caps),
-                                     stop_token_ids=d.stop_token_ids)
+        params = replace(d, temperature=temperature, top_p=top_p, max_tokens=min(caps), skip_special_tokens=True)
         future = asyncio.run_coroutine_threadsafe(session.engine.generate(prompt_ids, params), session.loop)
         try:
             out = (await asyncio.wrap_future(future)).outputs[0]
@@ -279,6 +283,7 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         lps = [entry[t].logprob for entry, t in zip(out.logprobs, ids)]
         session.buffer = prompt_ids + ids
         session.text = text + self.tokenizer.decode(ids, skip_special_tokens=False)  # the text of `buffer`
+        session.shown = text + self.tokenizer.decode(shown_tokens(ids, out.finish_reason), skip_special_tokens=False)
         session.traces.append({"prompt_ids": prompt_ids, "completion_ids": ids, "logprobs": lps,
                                "finish_reason": out.finish_reason})
         content = None
@@ -287,8 +292,7 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
                         "top_logprobs": []} for t, lp in zip(ids, lps)]
         return {"id": f"chatcmpl-{uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
                 "model": session.model,
-                "choices": [{"index": 0, "message": {"role": "assistant",
-                                                     "content": self.tokenizer.decode(ids, skip_special_tokens=True)},
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
                              "finish_reason": out.finish_reason, "logprobs": {"content": content} if content else None}],
                 "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
                           "total_tokens": len(prompt_ids) + len(ids)},

@@ -88,8 +88,9 @@ def test_a_two_turn_episode_is_the_exact_token_trace(tok):
     assert batch.scores.tolist() == [1.0]  # the last step's score
     assert batch.extra_logs["turn"].tolist() == [1.0]
     # the environment saw the texts OpenRLHF passes: observation so far, the action's text, the label
-    assert calls[0]["observation_text"] == p.text and calls[0]["action_text"] == tok.decode(a1)
-    assert calls[1]["observation_text"] == p.text + tok.decode(a1) + " wrong, again:" and calls[1]["label"] == "7"
+    # (a1 ended on its stop token 13: as vLLM's `.text`, the action text leaves it out; the tokens keep it)
+    assert calls[0]["observation_text"] == p.text and calls[0]["action_text"] == tok.decode(a1[:-1])
+    assert calls[1]["observation_text"] == p.text + tok.decode(a1[:-1]) + " wrong, again:" and calls[1]["label"] == "7"
     # the second request's context is the first turn's exact tokens
     assert engine.batches[1] == [obs + a1 + fb1]
 
@@ -281,3 +282,117 @@ def test_a_prompt_length_outside_the_observation_fails_the_episode(tok):
     with pytest.raises(EpisodeFailed, match="prompt_length'] 0 must be between 1 and the 2 observation tokens"):
         episode_to_rollout(result, prompt, 0, 16, tok)
     assert episode_to_rollout(dict(result, prompt_length=1), prompt, 0, 16, tok).output_ids == [5]
+
+
+class RecordingEngine(ScriptedEngine):
+    eos_token_ids = [2, 0]
+
+    def generate(self, prompts, params, **kwargs):
+        self.params = params
+        return super().generate(prompts, params, **kwargs)
+
+
+class OneStep(AgentInstanceBase):
+    def __init__(self, *args, **kwargs):
+        pass
+
+    async def step(self, states, **kwargs):
+        return {"rewards": 1.0, "environment_feedback": "", "done": True}
+
+
+def _one_episode(executor, engine, tok, params, max_len=16):
+    return AgentRunner(executor, engine, tok, None, max_len=max_len, timeout=5, max_failure_frac=0).run(
+        [Prompt(text="Q", token_ids=[30], label=None, source="test")], params)
+
+
+@pytest.mark.parametrize("run_ids,agent_adds,expected", [
+    (None, None, None),  # the engine's EOS ids
+    ([9], None, (9,)),  # the run's ids replace the EOS, as in a single-turn run
+    ([], None, ()),  # no ids: only the budget ends a turn
+    ([9], [7], (9, 7)),  # an agent adding to the run's ids keeps them replacing the EOS
+])
+def test_the_runs_stop_ids_replace_the_eos_in_agent_turns_as_in_single_turn(tok, run_ids, agent_adds, expected):
+    class Executor(MultiTurnAgentExecutor):
+        async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images=None):
+            if agent_adds:
+                sampling_params.stop_token_ids = list(sampling_params.stop_token_ids) + agent_adds
+            return await super().execute(prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine)
+
+    engine = RecordingEngine({0: ([5], [-1.0], "stop")})
+    _one_episode(Executor(OneStep), engine, tok, SamplingParams(n=1, seed=1, stop_token_ids=run_ids))
+    assert engine.params.stop_token_ids == expected
+
+
+def test_min_tokens_reaches_the_engine_from_the_run_and_from_the_agent(tok):
+    class Executor(MultiTurnAgentExecutor):
+        async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images=None):
+            assert sampling_params.min_tokens == 1  # OpenRLHF's default, as the run's SamplingParams
+            sampling_params.min_tokens = 5
+            return await super().execute(prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine)
+
+    engine = RecordingEngine({0: ([5], [-1.0], "stop")})
+    _one_episode(Executor(OneStep), engine, tok, SamplingParams(n=1, seed=1))
+    assert engine.params.min_tokens == 5
+
+
+def test_the_action_text_ends_before_a_stop_token_that_is_not_special(tok):
+    """vLLM's `.text` leaves out the stop id a turn ended on (special or not); ids and log-probs keep it."""
+    close = tok("</tool_call>", add_special_tokens=False)["input_ids"][-1]
+    assert close not in tok.all_special_ids
+    calls = []
+    engine = RecordingEngine({0: ([5, 6, close], [-1.0] * 3, "stop")})
+    _one_episode(MultiTurnAgentExecutor(two_turn_env([""], [1.0], calls)), engine, tok,
+                 SamplingParams(n=1, seed=1, stop_token_ids=[close]))
+    assert calls[0]["action_text"] == tok.decode([5, 6])
+    length = RecordingEngine({0: ([5, 6, close], [-1.0] * 3, "length")})  # ran out of budget on that token
+    calls.clear()
+    _one_episode(MultiTurnAgentExecutor(two_turn_env([""], [1.0], calls)), length, tok, SamplingParams(n=1, seed=1))
+    assert calls[0]["action_text"] == tok.decode([5, 6, close])
+
+
+@pytest.mark.parametrize("feedback_extra", [0, 1])
+def test_an_episode_ended_by_the_budget_is_truncated_when_the_feedback_fills_it_exactly(tok, feedback_extra):
+    """Feedback that exactly fills the remaining budget ends the episode by the budget, as one token more does."""
+    p = prompt(tok)
+    P = len(p.token_ids)
+    fb = tok(" try again please", add_special_tokens=False)["input_ids"]
+    engine = ScriptedEngine({0: ([5, 6, 7], [-1.0] * 3, "stop")})
+    engine.turns = {P: 0}
+    env = two_turn_env([" try again please", ""], [0.0, 1.0])
+    r = AgentRunner(MultiTurnAgentExecutor(env), engine, tok, None, max_len=P + 3 + len(fb) - feedback_extra,
+                    timeout=30, max_failure_frac=0.0).run([p], SamplingParams(n=1, seed=1)).rollouts[0]
+    assert r.finish_reason == "length"
+
+
+def test_an_action_that_fills_the_budget_with_empty_feedback_is_truncated_unless_done(tok):
+    p = prompt(tok)
+    P = len(p.token_ids)
+    engine = ScriptedEngine({0: ([5, 6, 7], [-1.0] * 3, "stop")})
+    engine.turns = {P: 0}
+    not_done = two_turn_env(["", ""], [0.0, 1.0])  # the first step is not done
+    r = AgentRunner(MultiTurnAgentExecutor(not_done), engine, tok, None, max_len=P + 3, timeout=30,
+                    max_failure_frac=0.0).run([p], SamplingParams(n=1, seed=1)).rollouts[0]
+    assert r.finish_reason == "length"
+    done = two_turn_env([""], [1.0])  # the environment ends it: not truncated
+    r = AgentRunner(MultiTurnAgentExecutor(done), engine, tok, None, max_len=P + 3, timeout=30,
+                    max_failure_frac=0.0).run([p], SamplingParams(n=1, seed=1)).rollouts[0]
+    assert r.finish_reason == "stop"
+
+
+def test_extra_logs_that_are_not_numbers_are_skipped_with_a_warning_and_the_reward_kept(tok, capsys):
+    class Logging(AgentInstanceBase):
+        def __init__(self, *args, **kwargs):
+            pass
+
+        async def step(self, states, **kwargs):
+            return {"rewards": 0.75, "environment_feedback": "", "done": True,
+                    "extra_logs": {"acc": [1.0], "hits": torch.tensor([3.0]), "n": 2, "tag": "ok",
+                                   "several": torch.tensor([1.0, 2.0]), "empty": []}}
+
+    batch = _one_episode(MultiTurnAgentExecutor(Logging), ScriptedEngine({0: ([5], [-1.0], "stop")}), tok,
+                         SamplingParams(n=1, seed=1))
+    assert batch.rewards.tolist() == [0.75] and not batch.skipped.any()
+    assert {k: v.tolist() for k, v in batch.extra_logs.items()} == {"acc": [1.0], "hits": [3.0], "n": [2.0]}
+    err = capsys.readouterr().err
+    for key in ("tag", "several", "empty"):
+        assert f"extra_logs['{key}']" in err

@@ -169,3 +169,22 @@ def test_the_official_openai_client_drives_episodes(tok, engine):
     batch = run_batch(OfficialClient(), engine, tok, max_len=200, k=2, params=SamplingParams(n=2, seed=3))
     assert not batch.skipped.any() and [r.turns for r in batch.rollouts] == [2] * 4
     assert batch.rewards.tolist() == [5.0] * 4
+
+
+def test_content_ends_before_a_stop_token_that_is_not_special_and_the_echoed_history_still_continues(tok, engine):
+    """vLLM leaves the stop token out of `message.content`; an agent echoing that content back continues the
+    session from the sampled tokens (the stop token stays in the sample), with no divergence."""
+    stops = [t for t in range(100, 400) if t not in tok.all_special_ids]  # frequent, not special
+    TwoTurnHTTP.seen = []
+    executor = TwoTurnHTTP()
+    batch = run_batch(executor, engine, tok, max_len=200, k=3,
+                      params=SamplingParams(temperature=1.0, n=2, seed=5, stop_token_ids=stops))
+    assert not batch.skipped.any() and executor.divergent == 0
+    calls = [c for pair in TwoTurnHTTP.seen for c in pair]
+    ended = [c for c in calls if c["choices"][0]["finish_reason"] == "stop"]
+    assert ended, "no call ended on a stop id"
+    for call in calls:
+        ids = call["token_ids"]["completion_token_ids"]
+        shown = ids[:-1] if call["choices"][0]["finish_reason"] == "stop" else ids
+        assert call["choices"][0]["message"]["content"] == tok.decode(shown, skip_special_tokens=True)
+    assert all(c["token_ids"]["completion_token_ids"][-1] in stops for c in ended)
