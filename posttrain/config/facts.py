@@ -26,6 +26,15 @@ class Inert(NamedTuple):
     trainers: tuple[str, ...] | None = None
 
 
+def in_section(test: Callable[[Any, Any, str, str], "bool | str"]) -> Condition:
+    """A condition on the flag's own section: `test(value, section, device_type, prefix)`, where `section`
+    is the config object holding the flag (the whole config for a flat flag, `cfg.actor` for
+    `--actor.x`) and `prefix` its dotted path with a trailing dot ("" or "actor."). For facts shared by
+    sections that several roles inherit (the optimizer fields of `--actor.*` and `--critic.*`)."""
+    test.on_section = True  # read by `posttrain.config.inert.InertRule.explain`
+    return test
+
+
 def installed(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None

@@ -44,7 +44,7 @@ def _paths(*groups: str) -> frozenset[str]:
     return frozenset(out)
 
 
-_OPTIMIZER = ("optim", "lr_scheduler", "lr_warmup_ratio", "min_lr_ratio", "max_norm")
+_OPTIMIZER = ("optim", "lr_scheduler", "lr_warmup_ratio", "lr_warmup_steps", "min_lr_ratio", "max_norm")
 _ADAM_MUON = (
     "adam.lr",
     "adam.betas",
@@ -390,3 +390,26 @@ def test_every_trainer_prints_the_inert_notes_at_start_up():
     assert "RunStart" in calls(trainers / "session.py") and "RunStart" in calls(trainers / "rl" / "ppo.py")
     for name in ("sft", "rm", "dpo"):
         assert "SingleModelRun" in calls(trainers / f"{name}.py"), name
+
+
+def test_schedule_flags_without_effect_are_reported_in_their_own_section():
+    def notes(trainer, *extra):
+        cfg = parse_config(trainer, BASE[trainer] + list(extra), device="cpu")
+        return inert_flags(cfg, "cpu")
+
+    assert notes("sft", "--lr_scheduler", "linear", "--min_lr_ratio", "0.2") == [
+        "--min_lr_ratio 0.2 has no effect here: the schedule has no floor: --lr_scheduler linear (only "
+        "cosine_with_min_lr, cosine_warmup_with_min_lr and warmup_stable_decay end at one)"]
+    assert notes("sft", "--lr_scheduler", "warmup_stable_decay", "--min_lr_ratio", "0.2") == []
+    assert notes("sft", "--lr_warmup_steps", "5", "--lr_warmup_ratio", "0.1") == [
+        "--lr_warmup_ratio 0.1 has no effect here: the warm-up length comes from --lr_warmup_steps 5"]
+    assert notes("sft", "--lr_warmup_steps", "5") == []
+    assert notes("sft", "--lr_scheduler", "constant", "--lr_warmup_steps", "5") == [
+        "--lr_warmup_steps 5 has no effect here: the constant schedule has no warm-up (constant_with_warmup has one)"]
+    # ppo: each role's flags are read against that role's schedule
+    got = notes("ppo", "--actor.lr_scheduler", "cosine", "--actor.min_lr_ratio", "0.3", "--critic.min_lr_ratio",
+                "0.3", "--critic.lr_warmup_steps", "2", "--critic.lr_warmup_ratio", "0.5")
+    assert got == [
+        "--actor.min_lr_ratio 0.3 has no effect here: the schedule has no floor: --actor.lr_scheduler cosine (only "
+        "cosine_with_min_lr, cosine_warmup_with_min_lr and warmup_stable_decay end at one)",
+        "--critic.lr_warmup_ratio 0.5 has no effect here: the warm-up length comes from --critic.lr_warmup_steps 2"]
