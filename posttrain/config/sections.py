@@ -21,6 +21,7 @@ from posttrain.config.facts import (
     LORA_IN_PPO,
     LORA_OFF,
     ON_ONE_RANK,
+    ONE_PROCESS_ENGINE,
     PPO,
     ROLE_PLACEMENT,
     SAVES_OFF,
@@ -72,7 +73,7 @@ class DSConfig:
     """DeepSpeed engine and model loading (shared by every model of the run)."""
 
     zero_stage: int = opt(2, "DeepSpeed ZeRO stage: 0, 1, 2 or 3", ge=0, le=3, message="valid values: 0, 1, 2, 3",
-                          inert=ON_ONE_RANK, on_resume="adjustable")
+                          inert=(ON_ONE_RANK, ONE_PROCESS_ENGINE), on_resume="adjustable")
     param_dtype: str | None = opt(
         None, "parameter dtype; default auto: bf16 on GPU, fp32 on CPU", choices=PARAM_DTYPES
     )

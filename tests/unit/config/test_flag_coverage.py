@@ -206,9 +206,9 @@ def test_serve_rm_flags_act_or_are_reported():
 
 def test_contract_catches_a_silent_flag(monkeypatch):
     original = ACTING
-    acting = dict(original, sft=original["sft"] - {"ds.zero_stage"})
+    acting = dict(original, sft=original["sft"] - {"train.seed"})
     monkeypatch.setattr(sys.modules[__name__], "ACTING", acting)
-    assert contract_problems("sft") == ["sft: --ds.zero_stage is neither acting, inert-ruled nor refused"]
+    assert contract_problems("sft") == ["sft: --train.seed is neither acting, inert-ruled nor refused"]
     acting = dict(original, sft=original["sft"] | {"ds.deepcompile", "no.such_flag"})
     monkeypatch.setattr(sys.modules[__name__], "ACTING", acting)
     assert sorted(contract_problems("sft")) == [
@@ -390,6 +390,42 @@ def test_every_trainer_prints_the_inert_notes_at_start_up():
     assert "RunStart" in calls(trainers / "session.py") and "RunStart" in calls(trainers / "rl" / "ppo.py")
     for name in ("sft", "rm", "dpo"):
         assert "SingleModelRun" in calls(trainers / f"{name}.py"), name
+
+
+@pytest.mark.parametrize("trainer", ["sft", "rm", "dpo"])
+def test_zero_stage_in_one_process_is_reported_where_the_torch_engine_trains(trainer, monkeypatch):
+    """One process without a DeepSpeed-only flag trains with the plain torch engine
+    (SingleModelRun._needs_deepspeed), which has no ZeRO stage: a non-default --ds.zero_stage was silent."""
+    def notes(*extra):
+        cfg = parse_config(trainer, BASE[trainer] + list(extra), device="cpu")
+        return [n for n in inert_flags(cfg, "cuda") if n.startswith("--ds.zero_stage")]
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert notes("--ds.zero_stage", "3") == [
+        "--ds.zero_stage 3 has no effect here: one process trains with the plain torch engine, and ZeRO shards "
+        "the model over ranks: launch several ranks with torchrun or deepspeed (a DeepSpeed-only flag such as "
+        "--ds.adam_offload also starts DeepSpeed, on one rank)"]
+    assert notes("--ds.zero_stage", "2") == []  # the default: nothing was asked for
+    # DeepSpeed starts on one rank for a DeepSpeed-only flag, and its ZeRO stage is the one asked for
+    assert notes("--ds.zero_stage", "3", "--ds.adam_offload") == []
+    assert notes("--ds.zero_stage", "3", "--ds.zpg", "2") == []
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a launcher's ranks: DeepSpeed with that stage
+    assert notes("--ds.zero_stage", "3") == []
+
+
+def test_the_reported_engine_is_the_one_the_run_picks(monkeypatch):
+    """The fact and SingleModelRun._needs_deepspeed read the same deepspeed_only_flags."""
+    from posttrain.config.facts import deepspeed_only_flags, one_process_torch_engine
+    from posttrain.trainers.session import SingleModelRun
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for extra in ([], ["--ds.adam_offload"], ["--ds.overlap_comm"], ["--ds.grad_accum_dtype", "bf16"],
+                  ["--ds.grad_accum_dtype", "fp32"], ["--ds.zpg", "2"]):
+        cfg = parse_config("sft", BASE["sft"] + extra, device="cpu")
+        run = SingleModelRun.__new__(SingleModelRun)
+        run.cfg, run.world_size = cfg, 1
+        assert run._needs_deepspeed() is (not one_process_torch_engine(None, cfg, "cpu")), extra
+        assert bool(deepspeed_only_flags(cfg.ds)) is run._needs_deepspeed(), extra
 
 
 def test_schedule_flags_without_effect_are_reported_in_their_own_section():
