@@ -215,7 +215,8 @@ _CROSS = {
     },
 }
 
-_FLAT_OPTIM_ROOTS = ("optim", "adam", "muon", "lr_scheduler", "lr_warmup_ratio", "min_lr_ratio", "max_norm")
+_FLAT_OPTIM_ROOTS = ("optim", "adam", "muon", "lr_scheduler", "lr_warmup_ratio", "lr_warmup_steps", "min_lr_ratio",
+                     "max_norm")
 
 
 def _family(trainer: str) -> str:

@@ -68,8 +68,13 @@ DEFAULTS: dict[str, Any] = {
     "adam_beta2": 0.999, "adam_epsilon": 1e-8, "lr_scheduler_type": "linear", "warmup_ratio": 0.0,
     "warmup_steps": 0, "seed": 42, "dataset_train_split": "train", "bf16": True,
 }
-_SCHEDULES = {"linear": ("linear", 0.0), "cosine": ("cosine_with_min_lr", 0.0), "constant": ("constant_with_warmup", 0.0),
-              "constant_with_warmup": ("constant_with_warmup", 0.0), "cosine_with_min_lr": ("cosine_with_min_lr", None)}
+# transformers' schedule names that posttrain runs with the same formula, each with the lr_scheduler_kwargs
+# it accepts at transformers' default values (the min-LR ones also take min_lr / min_lr_rate)
+_SCHEDULES: dict[str, dict[str, Any]] = {
+    "linear": {}, "cosine": {"num_cycles": 0.5}, "cosine_with_restarts": {"num_cycles": 1},
+    "polynomial": {"power": 1.0, "lr_end": 1e-7}, "constant": {}, "constant_with_warmup": {},
+    "inverse_sqrt": {"timescale": None}, "cosine_with_min_lr": {"num_cycles": 0.5},
+    "cosine_warmup_with_min_lr": {"num_cycles": 0.5, "warmup_lr_rate": None}}
 _COMPUTED = "computed by TRL at start-up from the batch fields (the file's value is overwritten); posttrain derives it too"
 _NO_EFFECT = {
     "whiten_rewards": "no effect: TRL's RLOOTrainer never reads it",
@@ -322,40 +327,58 @@ def _optimizer(b: _Builder) -> None:
 
 
 def _schedule(b: _Builder) -> None:
-    """transformers' `get_scheduler(lr_scheduler_type, warm-up, num_total_batches, **lr_scheduler_kwargs)`."""
+    """transformers' `get_scheduler(lr_scheduler_type, warm-up, num_total_batches, **lr_scheduler_kwargs)`,
+    stepped once per rollout. The warm-up is carried as an integer count of posttrain optimizer steps:
+    TRL's warm-up rollouts (`warmup_steps`, else `ceil(rollouts x warmup_ratio)` as TrainingArguments
+    computes it) x the optimizer steps of one rollout (num_ppo_epochs x num_mini_batches), so the warm-up
+    ends at the first update of the same rollout as in TRL."""
     name, kwargs = b.get("lr_scheduler_type"), dict(b.given.get("lr_scheduler_kwargs") or {})
     if name not in _SCHEDULES:
         raise ConfigError(f"TRL field lr_scheduler_type: {name!r} has no posttrain equivalent; "
                           f"use one of {', '.join(_SCHEDULES)}")
-    schedule, floor = _SCHEDULES[name]
-    if name == "cosine_with_min_lr":
+    floor = None
+    if name in ("cosine_with_min_lr", "cosine_warmup_with_min_lr"):
         if "min_lr_rate" in kwargs:
             floor = _field_number("lr_scheduler_kwargs.min_lr_rate", kwargs.pop("min_lr_rate"))
         elif "min_lr" in kwargs:
             floor = _field_number("lr_scheduler_kwargs.min_lr", kwargs.pop("min_lr")) / _field_number(
                 "learning_rate", b.get("learning_rate"))
         else:
-            raise ConfigError("TRL field lr_scheduler_type: cosine_with_min_lr needs lr_scheduler_kwargs min_lr or "
+            raise ConfigError(f"TRL field lr_scheduler_type: {name} needs lr_scheduler_kwargs min_lr or "
                               "min_lr_rate (transformers refuses it too)")
-    if name == "cosine" and kwargs.get("num_cycles", 0.5) == 0.5:
-        kwargs.pop("num_cycles", None)
+    for key, default in _SCHEDULES[name].items():
+        if key in kwargs and _numeric(kwargs[key]) == default:
+            kwargs.pop(key)
     if kwargs:
+        defaults = ", ".join(f"{k}: {v}" for k, v in _SCHEDULES[name].items() if v is not None)
         raise ConfigError(f"TRL field lr_scheduler_kwargs: {sorted(kwargs)} have no posttrain equivalent for "
-                          f"{name}; remove them")
+                          f"{name}; remove them" + (f" (posttrain runs transformers' defaults {defaults})"
+                                                    if defaults else ""))
     if "lr_scheduler_kwargs" in b.given:
         b.line("lr_scheduler_kwargs", "with lr_scheduler_type")
-    b.set("lr_scheduler_type", {"actor.lr_scheduler": schedule, "actor.min_lr_ratio": floor},
+    settings = {"actor.lr_scheduler": name} | ({"actor.min_lr_ratio": floor} if floor is not None else {})
+    b.set("lr_scheduler_type", settings,
           "over the run's optimizer steps; TRL steps it once per rollout, the same when there is one optimizer "
           "step per rollout")
-    total = b.out.values["train.max_steps"]
+    b.done.update(("warmup_steps", "warmup_ratio"))
+    if name == "constant":
+        for field_ in ("warmup_ratio", "warmup_steps"):
+            b.line(field_, "none: transformers' constant schedule has no warm-up", always=field_ == "warmup_ratio")
+        return
+    rollouts = b.out.values["train.max_steps"]
+    per_rollout = b.out.values["train.max_epochs"] * math.ceil(
+        b.out.values["rollout.batch_size"] * b.out.values["rollout.n_samples_per_prompt"]
+        / b.out.values["train.batch_size"])
     steps = _field_int("warmup_steps", b.get("warmup_steps"), minimum=0)
-    ratio = steps / total if steps else _field_number("warmup_ratio", b.get("warmup_ratio"))
-    if name == "constant":  # transformers' constant schedule has no warm-up
-        ratio = 0.0
-    b.set("warmup_ratio", {"actor.lr_warmup_ratio": min(ratio, 1.0)},
-          "none for a constant schedule, as transformers" if name == "constant" else
-          "warmup_steps / rollouts when warmup_steps is set")
-    b.done.add("warmup_steps")
+    ratio = _field_number("warmup_ratio", b.get("warmup_ratio"))
+    warmup = steps if steps else math.ceil(rollouts * ratio)
+    why = (f"{warmup} warm-up rollout(s) x {per_rollout} optimizer step(s) per rollout (num_ppo_epochs x "
+           "num_mini_batches)")
+    b.set("warmup_steps" if steps else "warmup_ratio", {"actor.lr_warmup_steps": warmup * per_rollout},
+          why + ("" if steps else f"; ceil(rollouts {rollouts} x warmup_ratio) rollouts, as TRL"))
+    b.line("warmup_ratio" if steps else "warmup_steps",
+           "no effect: warmup_steps > 0 wins over it, as in TRL" if steps else "0: the warm-up comes from warmup_ratio",
+           always=False)
 
 
 def _trl_steps(b: _Builder, name: str, value: Any) -> int:

@@ -26,6 +26,15 @@ class Inert(NamedTuple):
     trainers: tuple[str, ...] | None = None
 
 
+def in_section(test: Callable[[Any, Any, str, str], "bool | str"]) -> Condition:
+    """A condition on the flag's own section: `test(value, section, device_type, prefix)`, where `section`
+    is the config object holding the flag (the whole config for a flat flag, `cfg.actor` for
+    `--actor.x`) and `prefix` its dotted path with a trailing dot ("" or "actor."). For facts shared by
+    sections that several roles inherit (the optimizer fields of `--actor.*` and `--critic.*`)."""
+    test.on_section = True  # read by `posttrain.config.inert.InertRule.explain`
+    return test
+
+
 def installed(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
@@ -50,6 +59,9 @@ VLM = "vision-language models (prompts are text only)"
 MOE = "the MoE load-balancing (router auxiliary) loss is not added"
 PPO_ENGINE = ("DeepSpeed ZeRO shards a role over its ranks: the actor and critic have one rank each here "
               "(--actor/--critic.num_nodes x num_gpus_per_node), so they train with the plain torch engine")
+SINGLE_ENGINE = ("one process trains with the plain torch engine, and ZeRO shards the model over ranks: launch "
+                 "several ranks with torchrun or deepspeed (a DeepSpeed-only flag such as --ds.adam_offload "
+                 "also starts DeepSpeed, on one rank)")
 PPO_LORA = ("posttrain ppo trains the full actor and critic (LoRA is for sft, rm and dpo; merge an adapter "
             "first with posttrain lora-merge)")
 NO_EVAL = "no --eval.dataset"
@@ -111,12 +123,27 @@ def launcher_sets_local_rank(v, c, dev: str) -> bool:
     return str(v) != os.environ.get("LOCAL_RANK", "")
 
 
+def deepspeed_only_flags(ds: Any) -> list[str]:
+    """The `--ds.*` flags set in `ds` that only the DeepSpeed engine implements: with any of them a
+    one-process sft / rm / dpo run starts DeepSpeed (on one rank) instead of the plain torch engine."""
+    set_ = {"adam_offload": ds.adam_offload, "zpg": ds.zpg != 1, "overlap_comm": ds.overlap_comm,
+            "grad_accum_dtype": ds.grad_accum_dtype not in (None, "fp32")}
+    return ["--ds." + name for name, on in set_.items() if on]
+
+
+def one_process_torch_engine(v, c, dev: str) -> bool:
+    """sft / rm / dpo in one process (WORLD_SIZE unset or 1) without a DeepSpeed-only flag: the run
+    trains with the plain torch engine, which has no ZeRO stage."""
+    return int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not deepspeed_only_flags(c.ds)
+
+
 def flash_unavailable(v, c, dev: str) -> bool:
     return str(v).startswith("flash_attention") and (dev != "cuda" or not installed("flash_attn"))
 
 
 # facts several sections declare
 ON_ONE_RANK = Inert(PPO_ENGINE, single_rank_roles, PPO)
+ONE_PROCESS_ENGINE = Inert(SINGLE_ENGINE, one_process_torch_engine, SINGLE_MODEL)
 EVAL_OFF = Inert(NO_EVAL, no_eval_dataset)
 SAVES_OFF = Inert("no checkpoints are saved (--ckpt.save_steps <= 0 or --ckpt.disable_ds)", no_saves)
 WANDB_OFF = Inert("W&B is off (no --logger.wandb.key)", wandb_off)

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 from posttrain.config.facts import Condition
 from posttrain.config.flag_values import format_value
 from posttrain.config.hardware import device_type, resolved_values
-from posttrain.config.spec import changed_values, flag_specs
+from posttrain.config.spec import changed_values, flag_specs, get_path
 from posttrain.config.trainers import CommandConfig
 
 
@@ -28,7 +28,14 @@ class InertRule(NamedTuple):
 
     def explain(self, value: Any, cfg: CommandConfig, dev: str) -> str | None:
         """The reason the flag has no effect in this run, or None when it acts."""
-        answer = True if self.when is None else self.when(value, cfg, dev)
+        if self.when is None:
+            answer: bool | str = True
+        elif getattr(self.when, "on_section", False):  # facts.in_section: the flag's own section
+            prefix = self.path.rpartition(".")[0]
+            section = get_path(cfg, prefix) if prefix else cfg
+            answer = self.when(value, section, dev, prefix + "." if prefix else "")
+        else:
+            answer = self.when(value, cfg, dev)
         if not answer:
             return None
         return self.reason + answer if isinstance(answer, str) else self.reason

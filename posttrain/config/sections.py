@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from posttrain.config import facts
 from posttrain.config.facts import (
     EVAL_OFF,
+    in_section,
     LORA_IN_PPO,
     LORA_OFF,
     ON_ONE_RANK,
+    ONE_PROCESS_ENGINE,
     PPO,
     ROLE_PLACEMENT,
     SAVES_OFF,
@@ -39,7 +41,18 @@ PARAM_DTYPES = ("bf16", "fp16", "fp32")
 EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm", "deepgemm")
 GRAD_ACCUM_DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "muon")
-LR_SCHEDULERS = ("cosine_with_min_lr", "constant_with_warmup", "linear")
+# transformers' SchedulerType names (the multipliers are posttrain's own: posttrain/engines/schedulers.py)
+LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                 "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
+                 "warmup_stable_decay", "greedy")
+# accepted names that are refused with this reason: they follow a metric, not the optimizer step
+METRIC_LR_SCHEDULERS = {
+    name: f"{name} changes the learning rate from a metric handed to it after each evaluation, and posttrain's "
+          "schedules are functions of the optimizer step; use a step schedule (cosine_with_min_lr, linear, "
+          "warmup_stable_decay, ...)"
+    for name in ("reduce_lr_on_plateau", "greedy")}
+POLYNOMIAL_LR_END = 1e-7  # the absolute end LR of `polynomial` (transformers' default lr_end)
+MIN_LR_SCHEDULERS = ("cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")  # read --min_lr_ratio
 
 
 # --------------------------------------------------------------------------- DeepSpeed + model loading
@@ -60,7 +73,7 @@ class DSConfig:
     """DeepSpeed engine and model loading (shared by every model of the run)."""
 
     zero_stage: int = opt(2, "DeepSpeed ZeRO stage: 0, 1, 2 or 3", ge=0, le=3, message="valid values: 0, 1, 2, 3",
-                          inert=ON_ONE_RANK, on_resume="adjustable")
+                          inert=(ON_ONE_RANK, ONE_PROCESS_ENGINE), on_resume="adjustable")
     param_dtype: str | None = opt(
         None, "parameter dtype; default auto: bf16 on GPU, fp32 on CPU", choices=PARAM_DTYPES
     )
@@ -376,6 +389,15 @@ class LoggerConfig:
 
 # --------------------------------------------------------------------------- optimizer
 LR_NOTE = "(a learning rate cannot be negative)"
+# facts of the schedule flags, read in the flag's own optimizer section (flat, --actor.* or --critic.*)
+NO_WARMUP = Inert("the constant schedule has no warm-up (constant_with_warmup has one)",
+                  in_section(lambda v, sec, dev, at: sec.lr_scheduler == "constant"))
+WARMUP_STEPS_SET = Inert("the warm-up length comes from ", in_section(
+    lambda v, sec, dev, at: sec.lr_warmup_steps is not None and f"--{at}lr_warmup_steps {sec.lr_warmup_steps}"))
+NO_FLOOR = Inert("the schedule has no floor: ", in_section(
+    lambda v, sec, dev, at: sec.lr_scheduler not in MIN_LR_SCHEDULERS and (
+        f"--{at}lr_scheduler {sec.lr_scheduler} (only {', '.join(MIN_LR_SCHEDULERS[:-1])} and "
+        f"{MIN_LR_SCHEDULERS[-1]} end at one)")))
 
 
 @dataclass
@@ -406,7 +428,12 @@ class OptimizerFields:
     optim: str = opt("adam", "optimizer", choices=OPTIMIZERS)
     adam: AdamConfig = section(AdamConfig)
     muon: MuonConfig = section(MuonConfig)
-    lr_scheduler: str = opt("cosine_with_min_lr", "learning-rate schedule", choices=LR_SCHEDULERS)
-    lr_warmup_ratio: float = opt(0.03, "fraction of the steps spent in linear warm-up", ge=0, le=1)
-    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak (cosine_with_min_lr)", ge=0, le=1)
+    lr_scheduler: str = opt("cosine_with_min_lr", "learning-rate schedule (transformers' names; formulas in docs)",
+                            choices=LR_SCHEDULERS, check=lambda v: METRIC_LR_SCHEDULERS.get(v, True))
+    lr_warmup_ratio: float = opt(0.03, "fraction of the steps spent in warm-up: ceil(steps x ratio) steps", ge=0, le=1,
+                                 inert=(NO_WARMUP, WARMUP_STEPS_SET))
+    lr_warmup_steps: int | None = opt(None, "warm-up length in optimizer steps; set, it replaces --lr_warmup_ratio",
+                                      ge=0, extension=True, inert=NO_WARMUP)
+    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak (" + ", ".join(MIN_LR_SCHEDULERS)
+                              + ")", ge=0, le=1, inert=NO_FLOOR)
     max_norm: float = opt(1.0, "gradient clipping norm (0: no clipping)", ge=0, note="(0: no clipping)")

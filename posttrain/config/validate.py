@@ -15,7 +15,7 @@ from posttrain.config.flag_values import check_flag_choice, format_value, parse_
 from posttrain.config.hardware import device_type, record_resolved, resolved_values
 from posttrain.config.ray_mode import role_ranks
 from posttrain.config.roles import GROUP_ESTIMATORS, SEQUENCE_POLICY_LOSSES
-from posttrain.config.sections import DSConfig, OptimizerFields
+from posttrain.config.sections import POLYNOMIAL_LR_END, DSConfig, OptimizerFields
 from posttrain.config.serving import ServedModelConfig, ServeRMConfig
 from posttrain.config.spec import flag_specs, get_path
 from posttrain.config.trainers import CommandConfig, PPOConfig, TrainerConfig
@@ -208,6 +208,9 @@ def _ckpt(cfg: TrainerConfig, r: _Report) -> None:
 
 
 def _optimizer(o: OptimizerFields, prefix: str, cfg: TrainerConfig, r: _Report) -> None:
+    if o.lr_scheduler == "polynomial" and not o.adam.lr > POLYNOMIAL_LR_END:
+        r.bad(prefix + "adam.lr", o.adam.lr, f"--{prefix}lr_scheduler polynomial decays to the learning rate "
+              f"{POLYNOMIAL_LR_END:g} (transformers' lr_end), so it must start above that; raise it or use linear")
     if o.optim == "muon" and cfg.ds.adam_offload:
         r.bad(
             prefix + "optim",

@@ -29,7 +29,7 @@ from posttrain.config.sections import PARAM_DTYPES, DSConfig, OptimizerFields
 from posttrain.engines import dist as pdist
 from posttrain.engines.base import TrainEngine, read_meta, write_meta
 from posttrain.engines.optim import param_groups
-from posttrain.engines.schedulers import build_scheduler, lr_multiplier
+from posttrain.engines.schedulers import build_scheduler, schedule_of
 
 TAG = "engine"
 
@@ -109,8 +109,7 @@ class DeepSpeedEngine(TrainEngine):
         ds = ds or DSConfig(param_dtype="fp32")
         param_dtype = ds.param_dtype or "fp32"
         max_norm, a = opt.max_norm, opt.adam
-        lr_multiplier(opt.lr_scheduler, total_steps=total_steps, warmup_ratio=opt.lr_warmup_ratio,
-                      min_lr_ratio=opt.min_lr_ratio)
+        schedule_of(opt, total_steps=total_steps)  # refuse a bad schedule before DeepSpeed starts
         if opt.optim == "muon" and (not opt.muon.nesterov or opt.muon.ns_steps != 5):
             raise ValueError("with DeepSpeed, Muon uses Nesterov momentum and 5 Newton-Schulz steps; "
                              "muon_nesterov=False / muon_ns_steps != 5 need the TorchEngine (zero_stage=None)")
@@ -151,8 +150,7 @@ class DeepSpeedEngine(TrainEngine):
             optimizer.register_step_pre_hook(self._clip_hook)
 
         def scheduler(optimizer_):
-            return build_scheduler(optimizer_, opt.lr_scheduler, total_steps=total_steps,
-                                   warmup_ratio=opt.lr_warmup_ratio, min_lr_ratio=opt.min_lr_ratio)
+            return build_scheduler(optimizer_, opt, total_steps=total_steps)
 
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)

@@ -16,7 +16,7 @@ _DEEPSPEED_ONLY = (("adam_offload", lambda ds: ds.adam_offload),
 def make_train_engine(model: torch.nn.Module, opt: OptimizerFields, *, total_steps: int,
                       ds: DSConfig | None = None, zero_stage: int | None = None) -> TrainEngine:
     """Train engine for ``model`` with the optimizer section ``opt`` (``--optim``, ``--adam.*``, ``--muon.*``,
-    ``--lr_scheduler``, ``--lr_warmup_ratio``, ``--min_lr_ratio``, ``--max_norm``) and the ``--ds.*`` section
+    ``--lr_scheduler``, ``--lr_warmup_ratio`` / ``--lr_warmup_steps``, ``--min_lr_ratio``, ``--max_norm``) and the ``--ds.*`` section
     ``ds`` (param_dtype; under ZeRO also adam_offload, grad_accum_dtype, zpg, overlap_comm).
 
     ``zero_stage=None`` → ``TorchEngine`` when ``WORLD_SIZE`` is unset or 1, else ``DeepSpeedEngine``

@@ -45,8 +45,7 @@ class TorchEngine(TrainEngine):
                 torch.distributed.broadcast(t.data, src=0)
         self.max_norm = opt.max_norm
         self.optimizer = build_optimizer(self.module, opt)
-        self.scheduler = build_scheduler(self.optimizer, opt.lr_scheduler, total_steps=total_steps,
-                                         warmup_ratio=opt.lr_warmup_ratio, min_lr_ratio=opt.min_lr_ratio)
+        self.scheduler = build_scheduler(self.optimizer, opt, total_steps=total_steps)
         self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self._steps = 0
 

@@ -31,6 +31,7 @@ from posttrain.config import (
     resolve_hardware_defaults,
     save_config,
 )
+from posttrain.config.facts import deepspeed_only_flags
 from posttrain.data import load_rows
 from posttrain.engines import make_train_engine
 from posttrain.models import load_causal_lm, load_tokenizer, save_pretrained
@@ -210,9 +211,7 @@ class SingleModelRun:
     def _needs_deepspeed(self) -> bool:
         """One process uses the plain torch engine (no DeepSpeed start-up) unless a DeepSpeed-only
         feature is asked for; several processes always use DeepSpeed with --ds.zero_stage."""
-        ds = self.cfg.ds
-        return (self.world_size > 1 or ds.adam_offload or ds.zpg != 1 or ds.overlap_comm
-                or ds.grad_accum_dtype not in (None, "fp32"))
+        return self.world_size > 1 or bool(deepspeed_only_flags(self.cfg.ds))
 
     def export_hf(self, engine, out_dir) -> None:
         """Write a `from_pretrained`-loadable model (all ranks call; ZeRO-3 gathers on rank 0)."""

@@ -22,13 +22,15 @@ OPT = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-4, "weight_decay": 0.1, "lr_s
 _ADAM = {"lr": "lr", "betas": "betas", "eps": "eps", "weight_decay": "weight_decay"}
 _MUON = {"muon_lr": "lr", "muon_momentum": "momentum", "muon_nesterov": "nesterov", "muon_ns_steps": "ns_steps"}
 _TOP = {"optim": "optim", "lr_scheduler": "lr_scheduler", "warmup_ratio": "lr_warmup_ratio",
+        "warmup_steps": "lr_warmup_steps",
         "min_lr_ratio": "min_lr_ratio", "max_norm": "max_norm"}
 _DS = ("param_dtype", "adam_offload", "grad_accum_dtype", "zpg", "overlap_comm")
 
 
 def optimizer(**flat):
     """The optimizer config section (`--optim`, `--adam.*`, `--muon.*`, ...) from flat test keywords
-    (lr, betas, eps, weight_decay, muon_lr, ..., lr_scheduler, warmup_ratio, min_lr_ratio, max_norm)."""
+    (lr, betas, eps, weight_decay, muon_lr, ..., lr_scheduler, warmup_ratio, warmup_steps, min_lr_ratio,
+    max_norm)."""
     from posttrain.config.sections import AdamConfig, MuonConfig, OptimizerFields
 
     unknown = set(flat) - set(_ADAM) - set(_MUON) - set(_TOP)

@@ -110,8 +110,8 @@ def test_bad_arguments_name_the_option():
         train_engine(torch.nn.Linear(2, 2), lr=0.1, total_steps=3, adam_offload=True, overlap_comm=True)
     with pytest.raises(ValueError, match="param_dtype"):
         torch_engine(torch.nn.Linear(2, 2), lr=0.1, total_steps=3, param_dtype="fp16")
-    with pytest.raises(ValueError, match="valid: cosine_with_min_lr"):
-        train_engine(torch.nn.Linear(2, 2), lr=0.1, total_steps=3, lr_scheduler="cosine")
+    with pytest.raises(ValueError, match="valid: linear, cosine,"):
+        train_engine(torch.nn.Linear(2, 2), lr=0.1, total_steps=3, lr_scheduler="cosine_restart")
 
 
 def test_single_process_helpers():

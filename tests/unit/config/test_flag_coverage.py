@@ -44,7 +44,7 @@ def _paths(*groups: str) -> frozenset[str]:
     return frozenset(out)
 
 
-_OPTIMIZER = ("optim", "lr_scheduler", "lr_warmup_ratio", "min_lr_ratio", "max_norm")
+_OPTIMIZER = ("optim", "lr_scheduler", "lr_warmup_ratio", "lr_warmup_steps", "min_lr_ratio", "max_norm")
 _ADAM_MUON = (
     "adam.lr",
     "adam.betas",
@@ -206,9 +206,9 @@ def test_serve_rm_flags_act_or_are_reported():
 
 def test_contract_catches_a_silent_flag(monkeypatch):
     original = ACTING
-    acting = dict(original, sft=original["sft"] - {"ds.zero_stage"})
+    acting = dict(original, sft=original["sft"] - {"train.seed"})
     monkeypatch.setattr(sys.modules[__name__], "ACTING", acting)
-    assert contract_problems("sft") == ["sft: --ds.zero_stage is neither acting, inert-ruled nor refused"]
+    assert contract_problems("sft") == ["sft: --train.seed is neither acting, inert-ruled nor refused"]
     acting = dict(original, sft=original["sft"] | {"ds.deepcompile", "no.such_flag"})
     monkeypatch.setattr(sys.modules[__name__], "ACTING", acting)
     assert sorted(contract_problems("sft")) == [
@@ -390,3 +390,62 @@ def test_every_trainer_prints_the_inert_notes_at_start_up():
     assert "RunStart" in calls(trainers / "session.py") and "RunStart" in calls(trainers / "rl" / "ppo.py")
     for name in ("sft", "rm", "dpo"):
         assert "SingleModelRun" in calls(trainers / f"{name}.py"), name
+
+
+@pytest.mark.parametrize("trainer", ["sft", "rm", "dpo"])
+def test_zero_stage_in_one_process_is_reported_where_the_torch_engine_trains(trainer, monkeypatch):
+    """One process without a DeepSpeed-only flag trains with the plain torch engine
+    (SingleModelRun._needs_deepspeed), which has no ZeRO stage: a non-default --ds.zero_stage was silent."""
+    def notes(*extra):
+        cfg = parse_config(trainer, BASE[trainer] + list(extra), device="cpu")
+        return [n for n in inert_flags(cfg, "cuda") if n.startswith("--ds.zero_stage")]
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert notes("--ds.zero_stage", "3") == [
+        "--ds.zero_stage 3 has no effect here: one process trains with the plain torch engine, and ZeRO shards "
+        "the model over ranks: launch several ranks with torchrun or deepspeed (a DeepSpeed-only flag such as "
+        "--ds.adam_offload also starts DeepSpeed, on one rank)"]
+    assert notes("--ds.zero_stage", "2") == []  # the default: nothing was asked for
+    # DeepSpeed starts on one rank for a DeepSpeed-only flag, and its ZeRO stage is the one asked for
+    assert notes("--ds.zero_stage", "3", "--ds.adam_offload") == []
+    assert notes("--ds.zero_stage", "3", "--ds.zpg", "2") == []
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a launcher's ranks: DeepSpeed with that stage
+    assert notes("--ds.zero_stage", "3") == []
+
+
+def test_the_reported_engine_is_the_one_the_run_picks(monkeypatch):
+    """The fact and SingleModelRun._needs_deepspeed read the same deepspeed_only_flags."""
+    from posttrain.config.facts import deepspeed_only_flags, one_process_torch_engine
+    from posttrain.trainers.session import SingleModelRun
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for extra in ([], ["--ds.adam_offload"], ["--ds.overlap_comm"], ["--ds.grad_accum_dtype", "bf16"],
+                  ["--ds.grad_accum_dtype", "fp32"], ["--ds.zpg", "2"]):
+        cfg = parse_config("sft", BASE["sft"] + extra, device="cpu")
+        run = SingleModelRun.__new__(SingleModelRun)
+        run.cfg, run.world_size = cfg, 1
+        assert run._needs_deepspeed() is (not one_process_torch_engine(None, cfg, "cpu")), extra
+        assert bool(deepspeed_only_flags(cfg.ds)) is run._needs_deepspeed(), extra
+
+
+def test_schedule_flags_without_effect_are_reported_in_their_own_section():
+    def notes(trainer, *extra):
+        cfg = parse_config(trainer, BASE[trainer] + list(extra), device="cpu")
+        return inert_flags(cfg, "cpu")
+
+    assert notes("sft", "--lr_scheduler", "linear", "--min_lr_ratio", "0.2") == [
+        "--min_lr_ratio 0.2 has no effect here: the schedule has no floor: --lr_scheduler linear (only "
+        "cosine_with_min_lr, cosine_warmup_with_min_lr and warmup_stable_decay end at one)"]
+    assert notes("sft", "--lr_scheduler", "warmup_stable_decay", "--min_lr_ratio", "0.2") == []
+    assert notes("sft", "--lr_warmup_steps", "5", "--lr_warmup_ratio", "0.1") == [
+        "--lr_warmup_ratio 0.1 has no effect here: the warm-up length comes from --lr_warmup_steps 5"]
+    assert notes("sft", "--lr_warmup_steps", "5") == []
+    assert notes("sft", "--lr_scheduler", "constant", "--lr_warmup_steps", "5") == [
+        "--lr_warmup_steps 5 has no effect here: the constant schedule has no warm-up (constant_with_warmup has one)"]
+    # ppo: each role's flags are read against that role's schedule
+    got = notes("ppo", "--actor.lr_scheduler", "cosine", "--actor.min_lr_ratio", "0.3", "--critic.min_lr_ratio",
+                "0.3", "--critic.lr_warmup_steps", "2", "--critic.lr_warmup_ratio", "0.5")
+    assert got == [
+        "--actor.min_lr_ratio 0.3 has no effect here: the schedule has no floor: --actor.lr_scheduler cosine (only "
+        "cosine_with_min_lr, cosine_warmup_with_min_lr and warmup_stable_decay end at one)",
+        "--critic.lr_warmup_ratio 0.5 has no effect here: the warm-up length comes from --critic.lr_warmup_steps 2"]

@@ -3,6 +3,7 @@ translated or noted, TRL's batch-size arithmetic, refusals with one clear line, 
 files behind --config, the Python API on a dict and on a dataclass object."""
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -74,7 +75,7 @@ def test_trl_defaults_fill_what_the_file_leaves_out():
     assert v["rollout.n_samples_per_prompt"] == 2 and v["algo.kl.init_coef"] == 0.05 and v["actor.eps_clip"] == 0.2
     assert v["train.max_epochs"] == 4 and v["rollout.temperature"] == 0.7 and v["rollout.max_new_tokens"] == 53
     assert v["actor.adam.lr"] == 5e-5 and v["actor.adam.betas"] == [0.9, 0.999] and v["actor.max_norm"] == 0.0
-    assert v["actor.lr_scheduler"] == "linear" and v["actor.lr_warmup_ratio"] == 0.0
+    assert v["actor.lr_scheduler"] == "linear" and v["actor.lr_warmup_steps"] == 0
     assert v["rollout.batch_size"] == 4 and v["train.batch_size"] == 8 and v["train.max_steps"] == 8
     assert v["rollout.stop_token_ids"] == []  # TRL without stop_token generates past EOS
     assert v["algo.kl.sequence_level_enable"] is True and v["reward.clip_range"][1] >= 1e9
@@ -91,17 +92,55 @@ def test_stop_token(given, expected):
 
 
 def test_schedule_and_warmup_as_transformers_get_scheduler():
+    # BASE: 8 rollouts, num_ppo_epochs 4 x num_mini_batches 1 = 4 optimizer steps per rollout
     v = translate_rloo({**BASE, "lr_scheduler_type": "cosine", "warmup_steps": 2}).values
-    assert v["actor.lr_scheduler"] == "cosine_with_min_lr" and v["actor.min_lr_ratio"] == 0.0
-    assert v["actor.lr_warmup_ratio"] == pytest.approx(2 / 8)
+    assert v["actor.lr_scheduler"] == "cosine" and "actor.min_lr_ratio" not in v
+    assert v["actor.lr_warmup_steps"] == 2 * 4 and "actor.lr_warmup_ratio" not in v
     v = translate_rloo({**BASE, "lr_scheduler_type": "cosine_with_min_lr",
                         "lr_scheduler_kwargs": {"min_lr_rate": 0.1}}).values
-    assert v["actor.min_lr_ratio"] == 0.1
-    v = translate_rloo({**BASE, "lr_scheduler_type": "cosine_with_min_lr", "learning_rate": 1e-4,
+    assert v["actor.lr_scheduler"] == "cosine_with_min_lr" and v["actor.min_lr_ratio"] == 0.1
+    v = translate_rloo({**BASE, "lr_scheduler_type": "cosine_warmup_with_min_lr", "learning_rate": 1e-4,
                         "lr_scheduler_kwargs": {"min_lr": 1e-5}}).values
-    assert v["actor.min_lr_ratio"] == pytest.approx(0.1)
-    v = translate_rloo({**BASE, "lr_scheduler_type": "constant", "warmup_ratio": 0.3}).values
-    assert v["actor.lr_warmup_ratio"] == 0.0  # transformers' constant schedule ignores warm-up
+    assert v["actor.lr_scheduler"] == "cosine_warmup_with_min_lr" and v["actor.min_lr_ratio"] == pytest.approx(0.1)
+    t = translate_rloo({**BASE, "lr_scheduler_type": "constant", "warmup_ratio": 0.3})
+    assert t.values["actor.lr_scheduler"] == "constant" and "actor.lr_warmup_steps" not in t.values
+    assert "no warm-up" in line_for(t, "warmup_ratio").effect  # transformers' constant schedule has none
+    for name in ("linear", "cosine_with_restarts", "polynomial", "constant_with_warmup", "inverse_sqrt"):
+        assert translate_rloo({**BASE, "lr_scheduler_type": name}).values["actor.lr_scheduler"] == name
+    # kwargs at transformers' defaults are the same schedule; others are refused
+    assert translate_rloo({**BASE, "lr_scheduler_type": "polynomial",
+                           "lr_scheduler_kwargs": {"power": 1.0, "lr_end": 1e-7}}).values["actor.lr_scheduler"]
+    with pytest.raises(ConfigError, match=r"\['power'\] have no posttrain equivalent for polynomial.*power: 1.0"):
+        translate_rloo({**BASE, "lr_scheduler_type": "polynomial", "lr_scheduler_kwargs": {"power": 2.0}})
+    # warmup_ratio: TrainingArguments' ceil(rollouts x ratio) rollouts: ceil(8 x 0.15) = 2 rollouts = 8 steps
+    assert translate_rloo({**BASE, "warmup_ratio": 0.15}).values["actor.lr_warmup_steps"] == 8
+
+
+def test_trl_warmup_steps_is_carried_as_an_exact_count():
+    """TRL's warmup_steps counts scheduler steps (one per rollout). It used to travel as the ratio
+    warmup_steps / rollouts, which ceil(total x ratio) rounds up one step too far for 590 pairs
+    (7 / 25 x 25 = 7.000000000000001 -> 8). Now the translation carries the count of optimizer steps:
+    exactly warmup_steps x the optimizer steps of one rollout, which the schedule uses as given."""
+    from posttrain.engines.schedulers import lr_multiplier, schedule_of
+
+    shifted = 0
+    for rollouts in range(1, 61):
+        for warmup in range(1, rollouts + 1):
+            v = translate_rloo({**BASE, "num_ppo_epochs": 1, "per_device_train_batch_size": 2,
+                                "total_episodes": 2 * rollouts, "warmup_steps": warmup}).values
+            assert v["train.max_steps"] == rollouts and v["actor.lr_warmup_steps"] == warmup, (rollouts, warmup)
+            f = lr_multiplier("constant_with_warmup", total_steps=rollouts, warmup_steps=v["actor.lr_warmup_steps"])
+            assert f(warmup) == 1.0 and f(warmup - 1) == (warmup - 1) / warmup  # TRL's end of warm-up
+            old_count = math.ceil(rollouts * (warmup / rollouts))  # what the ratio gave
+            shifted += old_count != warmup
+    assert shifted == 32 and math.ceil(25 * (7 / 25)) == 8  # pairs (rollouts <= 60) the ratio moved one step
+    # 4 optimizer steps per rollout (num_ppo_epochs 2 x num_mini_batches 2): the warm-up ends at the first
+    # update of rollout `warmup_steps`, as in TRL
+    cfg = config_from_trl_rloo({**BASE, "num_ppo_epochs": 2, "num_mini_batches": 2, "total_episodes": 16 * 25,
+                                "warmup_steps": 7}, check=False)
+    assert cfg.train.max_steps == 25 and cfg.actor.lr_warmup_steps == 28
+    f = schedule_of(cfg.actor, total_steps=25 * 4)
+    assert f(27) == 27 / 28 and f(28) == 1.0 and f(29) == (100 - 29) / (100 - 28)
 
 
 def test_clipping_precision_and_step_ratios():
@@ -127,7 +166,8 @@ def test_clipping_precision_and_step_ratios():
     ({"optim": "adamw_bnb_8bit"}, "no posttrain equivalent"),
     ({"lr_scheduler_type": "cosine_with_min_lr"}, "needs lr_scheduler_kwargs"),
     ({"lr_scheduler_kwargs": {"power": 2.0}}, "['power']"),
-    ({"lr_scheduler_type": "polynomial"}, "lr_scheduler_type"),
+    ({"lr_scheduler_type": "warmup_stable_decay"}, "lr_scheduler_type"),
+    ({"lr_scheduler_type": "cosine_warmup_with_min_lr"}, "needs lr_scheduler_kwargs"),
     ({"dataset_config": "plain_text"}, "dataset_config"),
     ({"sft_model_path": None}, "sft_model_path and model_name_or_path"),
     ({"rloo_k": 1}, "rloo_k: 1 must be an integer >= 2"),

@@ -170,6 +170,22 @@ def test_scheduler_and_optimizer_ranges():
         problem("ppo", "--critic.lr_warmup_ratio", "2") == "--critic.lr_warmup_ratio 2.0: must be in [0, 1]"
     )
     assert problem("sft", "--adam.betas", "0.9", "1.0") == "--adam.betas 0.9 1.0: each beta must be in [0, 1)"
+    assert problem("sft", "--lr_warmup_steps", "-1") == "--lr_warmup_steps -1: must be >= 0"
+
+
+def test_schedules_that_cannot_run_are_refused_with_the_reason():
+    for name in ("reduce_lr_on_plateau", "greedy"):
+        assert problem("sft", "--lr_scheduler", name) == (
+            f"--lr_scheduler {name}: {name} changes the learning rate from a metric handed to it after each "
+            "evaluation, and posttrain's schedules are functions of the optimizer step; use a step schedule "
+            "(cosine_with_min_lr, linear, warmup_stable_decay, ...)")
+    assert problem("ppo", "--actor.lr_scheduler", "polynomial", "--actor.adam.lr", "1e-7") == (
+        "--actor.adam.lr 1e-07: --actor.lr_scheduler polynomial decays to the learning rate 1e-07 (transformers' "
+        "lr_end), so it must start above that; raise it or use linear")
+    parse_config("sft", BASE["sft"] + ["--lr_scheduler", "polynomial", "--adam.lr", "1e-5"], device="cpu")
+    with pytest.raises(ConfigError, match="invalid choice 'cosine_restart'; valid values: linear, cosine, "
+                       "cosine_with_restarts, polynomial, constant, "):  # transformers' schedule names
+        parse_config("sft", BASE["sft"] + ["--lr_scheduler", "cosine_restart"], device="cpu")
 
 
 def test_checkpoint_rules():
