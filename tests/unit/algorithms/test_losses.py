@@ -257,3 +257,13 @@ def test_low_precision_inputs_computed_in_float32():
     assert loss.dtype == torch.float32 and metrics["clip_ratio"].dtype == torch.float32
     v = t([[1.0, 2.0]]).half()
     assert value_loss(v, v, v + 1, torch.ones(1, 2)).dtype == torch.float32
+
+
+def test_token_mean_over_two_micro_batches_is_the_steps_token_mean_not_the_mean_of_means():
+    """docs/algorithms.md's worked example: one token with loss 1, then three with loss 3 (4 tokens in the step)."""
+    first, second = torch.tensor([[1.0, 0.0, 0.0]]), torch.tensor([[3.0, 3.0, 3.0]])
+    m1, m2 = torch.tensor([[1.0, 0.0, 0.0]]), torch.ones(1, 3)
+    step = aggregate(first, m1, "token_mean", num_tokens=4) + aggregate(second, m2, "token_mean", num_tokens=4)
+    assert step.item() == pytest.approx(2.5)
+    per_micro_batch = (aggregate(first, m1, "token_mean") + aggregate(second, m2, "token_mean")) / 2  # OpenRLHF 0.10.2
+    assert per_micro_batch.item() == pytest.approx(2.0)
