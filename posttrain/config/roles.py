@@ -22,6 +22,31 @@ LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", 
 RM_LOSS_TYPES = ("sigmoid", "logexp")
 
 
+def reward_endpoints(value: str) -> list[str]:
+    """`--reward.remote_url` as a list of reward sources: [one .py file], [one http(s) URL] or several
+    http(s) URLs given comma-separated (spaces around an entry are ignored). Raises ValueError(why)
+    for anything else: an entry that is not an http(s):// URL with a host, an empty entry, a .py file
+    in a list."""
+    from urllib.parse import urlsplit
+
+    text = str(value).strip()
+    parts = [p.strip() for p in text.split(",")]
+
+    def is_url(p: str) -> bool:
+        return p.startswith(("http://", "https://")) and bool(urlsplit(p).netloc)
+
+    if len(parts) == 1:
+        if is_url(text) or (text.endswith(".py") and not text.startswith(("http:", "https:"))):
+            return [text]
+        raise ValueError("expected an http(s):// URL of a reward server (several comma-separated) or a .py file "
+                         "defining reward_func")
+    for i, p in enumerate(parts, 1):
+        if not is_url(p):
+            raise ValueError(f"entry {i} of {len(parts)} ({p!r}) is not an http(s):// URL; a comma-separated "
+                             "list holds reward server URLs only")
+    return parts
+
+
 REF_ON_CPU = Inert("the reference model is already in CPU memory", facts.on_cpu)
 NO_REFERENCE = Inert(f"no reference model {facts.NO_KL}", facts.no_reference)
 NO_CRITIC = Inert("no critic: only --algo.advantage.estimator gae trains one", facts.no_critic)
@@ -158,7 +183,8 @@ class RewardConfig:
     """Reward source and reward shaping (PPO)."""
 
     model_name_or_path: str | None = opt(None, "reward model folder or hub id")
-    remote_url: str | None = opt(None, "HTTP reward endpoint(s) or a local .py reward function")
+    remote_url: str | None = opt(None, "a reward server's http(s):// URL, several comma-separated (each batch is "
+                                 "spread over them), or a local .py file defining reward_func")
     num_nodes: int = opt(1, "Ray nodes for the reward model", ge=1, inert=NO_REWARD_MODEL, on_resume="adjustable")
     num_gpus_per_node: int = opt(1, "GPUs per node for the reward model (OpenRLHF: 8)", ge=1, inert=NO_REWARD_MODEL, on_resume="adjustable")
     offload: bool = opt(False, "keep the reward model on CPU between forwards",

@@ -14,7 +14,7 @@ from posttrain.config.errors import ConfigError
 from posttrain.config.flag_values import check_flag_choice, format_value, parse_probs
 from posttrain.config.hardware import device_type, record_resolved, resolved_values
 from posttrain.config.ray_mode import role_ranks
-from posttrain.config.roles import GROUP_ESTIMATORS, SEQUENCE_POLICY_LOSSES
+from posttrain.config.roles import GROUP_ESTIMATORS, SEQUENCE_POLICY_LOSSES, reward_endpoints
 from posttrain.config.sections import POLYNOMIAL_LR_END, DSConfig, OptimizerFields
 from posttrain.config.serving import ServedModelConfig, ServeRMConfig
 from posttrain.config.spec import flag_specs, get_path
@@ -255,10 +255,11 @@ def _ppo(cfg: PPOConfig, r: _Report, world_size: int) -> None:
             f"--reward.model_name_or_path {format_value(rw.model_name_or_path)} and --reward.remote_url "
             f"{format_value(rw.remote_url)}: a run takes its rewards from one source; drop one"
         )
-    elif rw.remote_url and (not str(rw.remote_url).strip().startswith(("http://", "https://"))
-                            and not str(rw.remote_url).strip().endswith(".py") or "," in str(rw.remote_url)):
-        r.bad("reward.remote_url", rw.remote_url, "expected one http(s):// URL of a reward server or one .py file "
-              "defining reward_func (several endpoints are not supported: serve them behind one server)")
+    elif rw.remote_url:
+        try:
+            reward_endpoints(rw.remote_url)
+        except ValueError as err:
+            r.bad("reward.remote_url", rw.remote_url, str(err))
     elif not (rw.model_name_or_path or rw.remote_url or t.agent_func_path):
         r.bad(
             "reward.model_name_or_path",

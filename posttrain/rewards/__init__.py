@@ -2,11 +2,11 @@
 one batched interface `score(queries, prompts, labels, **kwargs) -> RewardResult`."""
 from posttrain.rewards.factory import make_reward_source
 from posttrain.rewards.python_func import PythonRewardFunction
-from posttrain.rewards.remote import TOKEN_ENV, RemoteReward
+from posttrain.rewards.remote import TOKEN_ENV, RemoteReward, ShardedRemoteReward
 from posttrain.rewards.result import RewardError, RewardResult, RewardSource, parse_output
 from posttrain.rewards.reward_model import RewardModelSource, last_token_index
 
 __all__ = [
     "TOKEN_ENV", "PythonRewardFunction", "RemoteReward", "RewardError", "RewardModelSource", "RewardResult",
-    "RewardSource", "last_token_index", "make_reward_source", "parse_output",
+    "RewardSource", "ShardedRemoteReward", "last_token_index", "make_reward_source", "parse_output",
 ]

@@ -1,9 +1,10 @@
 """Pick the reward source from the `--reward.*` flags."""
 from __future__ import annotations
 
+from posttrain.config.roles import reward_endpoints
 from posttrain.rewards.python_func import DEFAULT_TIMEOUT as FUNC_TIMEOUT
 from posttrain.rewards.python_func import PythonRewardFunction
-from posttrain.rewards.remote import RemoteReward
+from posttrain.rewards.remote import RemoteReward, ShardedRemoteReward
 from posttrain.rewards.result import RewardError
 from posttrain.rewards.reward_model import RewardModelSource
 
@@ -18,6 +19,7 @@ def make_reward_source(remote_url: str | None = None, model_name_or_path: str | 
                        backoff: float = 0.5):
     """remote_url ending in .py → PythonRewardFunction(remote_url, on_error, timeout, retries, backoff);
     remote_url http(s):// → RemoteReward(remote_url, token, timeout, retries, backoff);
+    several comma-separated http(s):// URLs → ShardedRemoteReward(urls, ...) (each batch spread over them);
     timeout: seconds per reward call — None: 30 per HTTP request (HTTP_TIMEOUT), 300 per reward_func
     call on a rollout batch (FUNC_TIMEOUT: a Python grader such as math-verify needs tens of ms per
     sample, i.e. tens of seconds for a batch of a thousand);
@@ -31,19 +33,18 @@ def make_reward_source(remote_url: str | None = None, model_name_or_path: str | 
         raise RewardError("no reward source: give --reward.model_name_or_path (a reward model folder) or "
                          "--reward.remote_url (a reward_func .py file or an http(s):// reward server)")
     if remote_url:
-        url = str(remote_url).strip()
-        if "," in url:
-            raise RewardError(f"--reward.remote_url={url!r}: several reward endpoints are not supported; give one "
-                             "URL or .py file (serve several models behind one `posttrain serve-rm`-style server)")
+        try:
+            sources = reward_endpoints(remote_url)
+        except ValueError as err:
+            raise RewardError(f"--reward.remote_url={str(remote_url).strip()!r}: {err}") from None
+        timeout_http = HTTP_TIMEOUT if timeout is None else timeout
+        if len(sources) > 1:
+            return ShardedRemoteReward(sources, token=token, timeout=timeout_http, retries=retries, backoff=backoff)
+        url = sources[0]
         if url.startswith(("http://", "https://")):
-            return RemoteReward(url, token=token, timeout=HTTP_TIMEOUT if timeout is None else timeout,
-                                retries=retries, backoff=backoff)
-        if url.endswith(".py"):
-            return PythonRewardFunction(url, on_error=on_error,
-                                        timeout=FUNC_TIMEOUT if timeout is None else timeout,
-                                        retries=retries, backoff=backoff)
-        raise RewardError(f"--reward.remote_url={url!r}: expected an http(s):// URL of a reward server or the "
-                         "path of a .py file defining reward_func")
+            return RemoteReward(url, token=token, timeout=timeout_http, retries=retries, backoff=backoff)
+        return PythonRewardFunction(url, on_error=on_error, timeout=FUNC_TIMEOUT if timeout is None else timeout,
+                                    retries=retries, backoff=backoff)
     if normalize is None:
         normalize = False
     return RewardModelSource(model_name_or_path, value_head_prefix=value_head_prefix, normalize=normalize,

@@ -3,6 +3,9 @@
 Request (OpenRLHF's serve_rm shape): POST JSON `{"query": B prompt+response texts, "prompts": B
 prompts, "labels": B labels}`. Response: `{"rewards": B numbers, "scores": optional,
 "extra_logs": optional, "skipped": optional}`, validated like a reward_func's return value.
+
+Several servers (`--reward.remote_url http://a/get_reward,http://b/get_reward`): `ShardedRemoteReward`
+sends each server a contiguous share of the batch, all at once, and joins the answers in order.
 """
 from __future__ import annotations
 
@@ -10,9 +13,17 @@ import json
 import os
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from posttrain.config.serving import TOKEN_ENV
-from posttrain.rewards.result import RewardError, RewardResult, check_batch, parse_output
+from posttrain.rewards.result import (
+    RewardError,
+    RewardResult,
+    check_batch,
+    concat_results,
+    contiguous_chunks,
+    parse_output,
+)
 
 _HINT = "start it with `posttrain serve-rm ...` or fix --reward.remote_url"
 
@@ -113,3 +124,63 @@ class RemoteReward:
 
     def __repr__(self) -> str:
         return f"RemoteReward({self.url!r})"
+
+
+class ShardedRemoteReward:
+    """RewardSource spreading each batch of B samples over k reward servers (`urls`, in order).
+
+    Server i gets the contiguous chunk i of `contiguous_chunks(B, k)`: B // k samples each, and one
+    more for each of the first B % k servers; a server whose chunk is empty gets no request. The
+    requests go out concurrently (one thread per server) and the results are joined in the order
+    of the batch (`concat_results`). Each server is a `RemoteReward` with the same token, timeout,
+    retries and backoff; when one still fails, its RewardError (which names its URL) is raised, with
+    the URLs of any other failed servers appended."""
+
+    def __init__(self, urls: list[str], *, token: str | None = None, timeout: float = 30, retries: int = 3,
+                 backoff: float = 0.5):
+        if len(urls) < 2:
+            raise ValueError(f"ShardedRemoteReward needs at least two URLs, got {urls!r}")
+        self.servers = [RemoteReward(u, token=token, timeout=timeout, retries=retries, backoff=backoff)
+                        for u in urls]
+        self.urls = list(urls)
+        self.origin = "reward servers " + ", ".join(self.urls)
+        self.num_calls = 0
+        self._pool: ThreadPoolExecutor | None = None  # made at the first call
+
+
+    def score(self, queries, prompts, labels=None, **kwargs) -> RewardResult:
+        n = check_batch(queries, prompts, labels)
+        self.num_calls += 1
+        chunks = contiguous_chunks(n, len(self.servers))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=len(self.servers), thread_name_prefix="reward-server")
+
+        def part(values, chunk):
+            return None if values is None else [values[j] for j in chunk]
+
+        jobs = [(server, self._pool.submit(server.score, part(queries, c), part(prompts, c), part(labels, c)))
+                for server, c in zip(self.servers, chunks) if len(c)]
+        parts, errors = [], []
+        for server, job in jobs:
+            try:
+                parts.append(job.result())
+            except RewardError as err:
+                errors.append((server, err))
+        if errors:
+            first, err = errors[0]
+            others = [s.url for s, _ in errors[1:]]
+            also = f" (also failed: {', '.join(others)})" if others else ""
+            raise RewardError(f"{err}{also}") from None
+        try:
+            return concat_results(parts)
+        except RewardError as err:
+            raise RewardError(f"{self.origin}: {err}") from None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+        for server in self.servers:
+            server.close()
+
+    def __repr__(self) -> str:
+        return f"ShardedRemoteReward({self.urls!r})"

@@ -222,3 +222,44 @@ def _parse_structure(raw, n: int, origin: str) -> RewardResult:
 def skipped_batch(n: int, reason: str) -> RewardResult:
     """All n samples skipped (rewards and scores 0) because of `reason`."""
     return RewardResult(torch.zeros(n), torch.zeros(n), {}, torch.ones(n, dtype=torch.bool), [reason])
+
+
+def contiguous_chunks(n: int, parts: int) -> list[range]:
+    """`range(n)` cut into `parts` contiguous, nearly equal chunks: each holds n // parts samples and
+    the first n % parts chunks one more (a chunk is empty when n < parts)."""
+    size, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + size + (i < extra)
+        out.append(range(start, end))
+        start = end
+    return out
+
+
+def concat_results(parts: list[RewardResult]) -> RewardResult:
+    """The results of consecutive chunks of one batch, as one result in the same order: rewards,
+    scores, skipped and per-sample extra_logs concatenated; a batch statistic (a number in every
+    part) becomes the mean over the parts weighted by their sizes; a name that is per-sample in some
+    parts and a number in others is per-sample throughout (the number repeated over its part's
+    samples). A name missing from some part raises RewardError."""
+    if not parts:
+        return RewardResult(rewards=torch.zeros(0))
+    if len(parts) == 1:
+        return parts[0]
+    logs = {}
+    names = dict.fromkeys(k for p in parts for k in p.extra_logs)
+    for key in names:
+        missing = [i for i, p in enumerate(parts) if key not in p.extra_logs]
+        if missing:
+            raise RewardError(f"extra_logs[{key!r}] is logged for some chunks of the batch and not for chunk(s) "
+                              f"{missing}; every reward server must log the same names")
+        values = [p.extra_logs[key] for p in parts]
+        if all(not isinstance(v, torch.Tensor) for v in values):
+            total = sum(len(p) for p in parts)
+            logs[key] = float(sum(float(v) * len(p) for v, p in zip(values, parts)) / max(total, 1))
+        else:
+            logs[key] = torch.cat([v if isinstance(v, torch.Tensor) else torch.full((len(p),), float(v))
+                                   for v, p in zip(values, parts)])
+    return RewardResult(rewards=torch.cat([p.rewards for p in parts]), scores=torch.cat([p.scores for p in parts]),
+                        extra_logs=logs, skipped=torch.cat([p.skipped for p in parts]),
+                        skip_reasons=[r for p in parts for r in p.skip_reasons])

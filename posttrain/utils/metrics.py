@@ -9,6 +9,8 @@ import os
 import time
 from pathlib import Path
 
+from posttrain.utils.errors import UserError
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -77,7 +79,7 @@ def _start_wandb(cfg: dict, config: dict | None):
     try:
         import wandb
     except ImportError as e:
-        raise RuntimeError(
+        raise UserError(
             "--logger.wandb.key was given but wandb is not installed; install the extra with "
             "`pip install 'posttrain[wandb]'` or drop the flag"
         ) from e

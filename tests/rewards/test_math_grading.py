@@ -63,3 +63,29 @@ def test_grading_works_off_the_main_thread():
     worker.start()
     worker.join(30)
     assert out == [True, False]
+
+
+@pytest.mark.parametrize("given, truth, same", [
+    ("[1,2]", "[1,2]", True),
+    ("[1,2)", "[1, 2)", True),
+    ("[1,2]", "\\left[1,2\\right]", True),
+    ("[0.5,2]", "[\\frac{1}{2},2]", True),  # the ends compared as numbers
+    ("[1,2]", "[1,2)", False),  # the docs' example: the closed end matters
+    ("[1,2)", "[1,2]", False),
+    ("(1,2)", "[1,2]", False),
+    ("(1,2]", "[1,2)", False),
+    ("(1,2)", "(1,2]", False),
+    ("(-\\infty,1)", "(-\\infty,1]", False),
+    ("[1,2]\\cup[3,4]", "[1,2]\\cup[3,4)", False),
+])
+def test_intervals_are_compared_with_their_ends(given, truth, same):
+    """docs/rewards.md: `[1,2]` ≠ `[1,2)`; an interval equals another only with the same ends and the
+    same open / closed ends, whichever side is the label."""
+    assert grade_answer(given, truth) is same
+    assert grade_answer(truth, given) is same
+
+
+@pytest.mark.parametrize("given, truth", [("\\{1,2\\}", "\\{2,1\\}"), ("0.05", "5\\%")])
+def test_the_docs_set_and_percent_examples(given, truth):
+    """docs/rewards.md: `\\{1,2\\}` = `\\{2,1\\}` (sets, any order), `0.05` = `5\\%`."""
+    assert grade_answer(given, truth) is True and grade_answer(truth, given) is True

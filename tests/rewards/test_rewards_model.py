@@ -15,6 +15,7 @@ from posttrain.rewards import (
     RemoteReward,
     RewardError,
     RewardModelSource,
+    ShardedRemoteReward,
     last_token_index,
     make_reward_source,
 )
@@ -140,5 +141,7 @@ def test_make_reward_source_dispatch(rm_dir, tmp_path):
         make_reward_source()
     with pytest.raises(RewardError, match=r"--reward.remote_url='rm.json': expected an http\(s\):// URL"):
         make_reward_source("rm.json")
-    with pytest.raises(RewardError, match="several reward endpoints are not supported"):
-        make_reward_source("http://127.0.0.1:9/a,http://127.0.0.1:10/a")
+    several = make_reward_source("http://127.0.0.1:9/a,http://127.0.0.1:10/a")
+    assert isinstance(several, ShardedRemoteReward) and several.urls == ["http://127.0.0.1:9/a", "http://127.0.0.1:10/a"]
+    with pytest.raises(RewardError, match=r"entry 2 of 2 \('r.py'\) is not an http\(s\):// URL"):
+        make_reward_source("http://127.0.0.1:9/a,r.py")

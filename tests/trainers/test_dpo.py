@@ -278,3 +278,37 @@ def test_two_process_zero3_matches_single_process(tiny_model_dir, pref_dir, tmp_
     losses = [[r["train/loss"] for r in read_metrics(d / "metrics.jsonl") if "train/loss" in r] for d in (single, multi)]
     assert losses[0] == pytest.approx(losses[1], abs=1e-6) and losses[0][0] == pytest.approx(LN2, abs=1e-5)
     assert_same_weights(single, multi, atol=5e-6)
+
+
+def _dpo_formula(margin: float, beta: float, ipo: bool, eps: float) -> float:
+    """The per-pair loss from the logged margin β·h (h: the policy-minus-reference log-ratio gap)."""
+    if ipo:
+        return (margin / beta - 1.0 / (2.0 * beta)) ** 2
+    logsig = torch.nn.functional.logsigmoid
+    m = torch.tensor(margin, dtype=torch.float64)
+    return float(-(1.0 - eps) * logsig(m) - eps * logsig(-m))
+
+
+@pytest.mark.parametrize("flags, ipo, eps", [(("--model.ipo_enable",), True, 0.0),
+                                             (("--model.label_smoothing", "0.3"), False, 0.3)],
+                         ids=["ipo", "cdpo"])
+def test_ipo_and_cdpo_runs_log_their_loss_formula(sft_nano, pref_dir, tmp_path, flags, ipo, eps):
+    """`posttrain dpo` with one pair per step: every step's logged loss is the IPO / cDPO loss of that
+    step's logged margin (same forward). From step 2 on the policy has moved, so the margin is not 0
+    and the formula differs from plain DPO's: the flag must have acted."""
+    from posttrain.cli.main import main
+
+    beta = 0.5
+    out = tmp_path / "run"
+    main(["dpo", *dpo_flags(sft_nano[0], pref_dir, out, "--train.batch_size", 1, "--train.micro_batch_size", 1,
+                            "--data.max_samples", 3, "--adam.lr", "5e-2", "--model.beta", beta, *flags)])
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[0]["train/margin"] == pytest.approx(0, abs=1e-6)  # policy == reference at step 1
+    assert rows[0]["train/loss"] == pytest.approx(1 / (2 * beta) ** 2 if ipo else LN2, abs=1e-5)
+    for r in rows:
+        assert r["train/loss"] == pytest.approx(_dpo_formula(r["train/margin"], beta, ipo, eps), rel=1e-4, abs=1e-6)
+    moved = [r for r in rows[1:] if abs(r["train/margin"]) > 1e-2]
+    assert moved, rows  # a margin away from 0, where the formulas disagree
+    for r in moved:
+        assert abs(_dpo_formula(r["train/margin"], beta, False, 0.0) - r["train/loss"]) > 1e-3

@@ -265,3 +265,53 @@ def test_openrlhf_async_agent_script_runs_on_ray(rl_setup, openrlhf_agent, tmp_p
         assert 0 <= x["async/staleness_max"] <= 1 and "actor/kl_loss" in x  # never more than the queue
     assert (out / "model.safetensors").exists()
     assert (tmp_path / "ckpt" / "global_step4" / "hf" / "model.safetensors").exists()
+
+
+# One-turn episodes whose reward is the label divided by 10: the reward of a prompt depends on the
+# agent only, not on what the model samples (no reward source is given).
+LABEL_AGENT = '''
+from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
+
+
+class AgentInstance(AgentInstanceBase):
+    def __init__(self, *args, **kwargs):
+        pass
+
+    async def reset(self, states, **kwargs):
+        return {"observation": states["observation"]}
+
+    async def step(self, states, **kwargs):
+        reward = float(states["label"]) / 10
+        return {"rewards": reward, "scores": reward, "environment_feedback": "", "done": True,
+                "sampling_params": states.get("sampling_params")}
+
+
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)
+'''
+
+
+@pytest.mark.slow
+def test_eval_set_is_scored_by_the_agent(rl_setup, tmp_path):
+    """`--eval.dataset` with `--train.agent_func_path`: the evaluation episodes run through the agent,
+    so pass1 is the mean of label / 10 over the eval prompts, and pass2 (the best of 2 samples) too."""
+    from posttrain.cli import train_ppo_ray
+    from posttrain.data.synthetic import write_jsonl
+
+    agent = tmp_path / "label_agent.py"
+    agent.write_text(LABEL_AGENT)
+    labels = ["2", "4", "9", "1"]
+    write_jsonl([{"prompt": f"{a}+0=", "answer": a} for a in labels], tmp_path / "evalset" / "test.jsonl")
+    out = tmp_path / "run"
+    final = train_ppo_ray.main(agent_flags(rl_setup, out, agent, "--eval.dataset", tmp_path / "evalset",
+                                           "--eval.split", "test", "--eval.steps", "2",
+                                           "--eval.n_samples_per_prompt", "2", "--eval.temperature", "1.0"))
+    expected = sum(float(a) / 10 for a in labels) / len(labels)
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "eval_evalset_pass1" in r]
+    assert [r["step"] for r in rows] == [2]
+    assert rows[0]["eval_evalset_pass1"] == pytest.approx(expected)
+    assert rows[0]["eval_evalset_pass2"] == pytest.approx(expected)
+    assert final["eval_evalset_pass1"] == pytest.approx(expected)
+    train = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in train] == [1, 2]  # training ran on the agent's rewards too

@@ -4,7 +4,9 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 import requests
@@ -51,6 +53,54 @@ def test_remote_reward_server_drives_training(run_ppo, reward_server, monkeypatc
                      "--train.num_episodes", "1", name="remote")
     rows = read_metrics(out / "metrics.jsonl")
     assert len(rows) == 8 and "reward/accuracy" in rows[0]  # extra_logs came over HTTP
+
+
+class _Counting:
+    """A reward source that counts the queries it scores, then scores them with `inner`."""
+
+    def __init__(self, inner):
+        self.inner, self.seen = inner, []
+
+    def score(self, queries, prompts, labels=None, **kwargs):
+        self.seen.append(len(queries))
+        return self.inner.score(queries, prompts, labels)
+
+    def close(self):
+        self.inner.close()
+
+
+@contextmanager
+def _in_thread_server(source):
+    """`posttrain serve-rm`'s app for `source`, served by uvicorn in a thread on a free port."""
+    import uvicorn
+
+    from posttrain.rewards.server import build_app
+
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(source), host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "in-thread server did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}/get_reward"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_two_reward_servers_share_each_batch(run_ppo, rl_setup):
+    from posttrain.rewards import PythonRewardFunction
+
+    _, _, rewards = rl_setup
+    first, second = (_Counting(PythonRewardFunction(rewards / "correct.py")) for _ in range(2))
+    with _in_thread_server(first) as a, _in_thread_server(second) as b:
+        out, _ = run_ppo("--reward.remote_url", f"{a},{b}", "--train.max_steps", "1", name="two-servers")
+    assert first.seen == [16] and second.seen == [16]  # 8 prompts x 4 samples, split in two
+    rows = read_metrics(out / "metrics.jsonl")
+    assert len(rows) == 1 and "reward/accuracy" in rows[0]  # extra_logs joined over both servers
 
 
 def user_error(capsys, run, *args, **kwargs) -> str:

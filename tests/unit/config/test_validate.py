@@ -423,11 +423,16 @@ def test_negative_learning_rates_are_refused_by_validation(flag):
     assert problem("sft", flag, "inf").startswith(f"{flag} inf: must be a finite number >= 0")
 
 
-@pytest.mark.parametrize("url", ["ftp://host/rm", "rewards.txt", "http://a/x,http://b/x"])
+@pytest.mark.parametrize("url", ["ftp://host/rm", "rewards.txt", "http://", "http://a/x,b.py", "http://a/x,,http://b/x"])
 def test_reward_url_that_is_neither_a_server_nor_a_py_file_is_refused_before_loading(url):
     args = [a if a != "r.py" else url for a in BASE["ppo"]]
     with pytest.raises(ConfigError, match="reward.remote_url"):
         parse_config("ppo", args)
+
+
+def test_several_reward_servers_are_accepted():
+    args = [a if a != "r.py" else "http://a:5000/get_reward, https://b/get_reward" for a in BASE["ppo"]]
+    assert parse_config("ppo", args).reward.remote_url == "http://a:5000/get_reward, https://b/get_reward"
 
 
 def test_ray_placement_rules():

@@ -21,11 +21,10 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from posttrain.rewards.result import RewardResult
+from posttrain.rewards.result import RewardResult, concat_results, contiguous_chunks
 from posttrain.rollout.types import rank_seed
 from posttrain.trainers.rl.placement.plan import bundle_resources, group_bundles, plan_placement
 from posttrain.trainers.rl.placement.transport import (
-    contiguous_chunks,
     experience_to_numpy,
     least_loaded,
     plan_steps,
@@ -182,14 +181,7 @@ class RewardGroup(_Group):
         chunks = [c for c in contiguous_chunks(len(sequences), len(self.handles)) if len(c)]
         parts = wait_all([(self.handles[i].score_tokens.remote([sequences[j] for j in c]), self.label(i))
                           for i, c in enumerate(chunks)])
-        logs = {}
-        for key in parts[0].extra_logs:
-            values = [p.extra_logs[key] for p in parts]
-            per_sample = all(isinstance(v, torch.Tensor) and v.ndim == 1 for v in values)
-            logs[key] = torch.cat(values) if per_sample else float(sum(map(float, values)) / len(values))
-        return RewardResult(rewards=torch.cat([p.rewards for p in parts]), scores=torch.cat([p.scores for p in parts]),
-                            extra_logs=logs, skipped=torch.cat([p.skipped for p in parts]),
-                            skip_reasons=[r for p in parts for r in p.skip_reasons])
+        return concat_results(parts)
 
     def close(self) -> None:
         pass

@@ -47,17 +47,6 @@ def plan_steps(step_rows, lengths, ranks: int) -> list[list[list[int]]]:
     return plan
 
 
-def contiguous_chunks(n: int, parts: int) -> list[range]:
-    """`range(n)` cut into `parts` contiguous, nearly equal chunks (the first ones one longer)."""
-    size, extra = divmod(n, parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + size + (i < extra)
-        out.append(range(start, end))
-        start = end
-    return out
-
-
 def least_loaded(loads: list[int], costs: list[int]) -> list[int]:
     """The engine of each request, in order: each goes to the engine with the fewest rows in flight
     (ties: the lower index), which then carries its cost (OpenRLHF's heap dispatch). `loads` is updated."""
