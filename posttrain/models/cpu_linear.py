@@ -15,11 +15,34 @@ autograd function:
     y = x Wᵀ + b (oneDNN),  ∂x = ∂y W (oneDNN),  ∂W = ∂yᵀ x (torch's matmul),  ∂b = Σ_rows ∂y.
 `packed_weight(W)` is oneDNN's blocked copy of W for repeated no-grad calls (the rollout engine's
 decode step); `packed_linear(x, P, b)` multiplies with it. `--ds.no_onednn_linear` keeps torch's
-`F.linear` everywhere."""
+`F.linear` everywhere.
+
+Which path is faster depends on the shape (`bench/linear_paths.py`, bench/RESULTS.md): oneDNN with a
+dense weight re-lays the weight out on every call (~15-25 µs), so it loses on small matmuls and wins on
+large ones; a packed weight has no such cost but still loses on the smallest weights. So a
+`OneDNNLinear` takes oneDNN only where it measured faster (`worth_onednn`): a weight of at least
+`ONEDNN_MIN_WEIGHT` entries and a matmul of at least `ONEDNN_MIN_MACS` multiply-adds (rows x in x out);
+the decode step packs a weight of at least `PACKED_MIN_WEIGHT` entries (`worth_packing`). The rule reads
+only shapes, so a run takes the same path for the same batch every time (resumed runs stay bit-exact)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+
+ONEDNN_MIN_WEIGHT = 2**16  # in x out: below it torch's F.linear measured as fast or faster at every row count
+ONEDNN_MIN_MACS = 2**25  # rows x in x out: below it the per-call weight re-layout costs more than it saves
+PACKED_MIN_WEIGHT = 2**17  # in x out of a packed decode matmul: below it F.linear measured faster
+
+
+def worth_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether oneDNN (dense weight) is faster than `F.linear` for `x` [..., in] and `weight` [out, in]."""
+    return weight.numel() >= ONEDNN_MIN_WEIGHT and x.numel() * weight.shape[0] >= ONEDNN_MIN_MACS
+
+
+def worth_packing(weight: torch.Tensor) -> bool:
+    """Whether a packed copy of `weight` [out, in] multiplies faster than `F.linear` in a decode step."""
+    return weight.numel() >= PACKED_MIN_WEIGHT
 
 
 def onednn_available() -> bool:
@@ -77,10 +100,12 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 class OneDNNLinear(nn.Linear):
-    """An `nn.Linear` whose forward is `onednn_linear` (see the module docstring)."""
+    """An `nn.Linear` whose forward is `onednn_linear` where `worth_onednn`, else `F.linear` (module docstring)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return onednn_linear(x, self.weight, self.bias)
+        if worth_onednn(x, self.weight):
+            return onednn_linear(x, self.weight, self.bias)
+        return nn.functional.linear(x, self.weight, self.bias)
 
 
 def use_onednn_linears(model: nn.Module) -> int:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from posttrain.models import load_causal_lm, load_score_model, load_tokenizer
+from posttrain.models import cpu_linear, load_causal_lm, load_score_model, load_tokenizer
 from posttrain.models.cpu_linear import (
     OneDNNLinear,
     onednn_available,
@@ -17,6 +17,8 @@ from posttrain.models.cpu_linear import (
     packed_weight,
     takes_onednn,
     use_onednn_linears,
+    worth_onednn,
+    worth_packing,
 )
 from posttrain.rollout import HFRolloutEngine, SamplingParams
 
@@ -102,7 +104,35 @@ def test_conversion_keeps_parameters_and_skips_subclasses():
     torch.testing.assert_close(clone(x), model(x))
 
 
-def test_loaded_models_train_alike_with_and_without_onednn(tiny_model_dir, tiny_score_model_dir):
+def test_onednn_and_packing_only_where_they_measured_faster():
+    """bench/linear_paths.py: dense oneDNN pays a weight re-layout per call, so small matmuls keep F.linear."""
+    w_small, w_big = torch.randn(64, 128), torch.randn(512, 192)  # 8192 / 98304 entries
+    assert not worth_onednn(torch.randn(4096, 128), w_small)  # many rows, but a small weight
+    assert not worth_onednn(torch.randn(300, 192), w_big)  # 300 x 98304 = 29.5M < 2**25 multiply-adds
+    assert worth_onednn(torch.randn(2, 171, 192), w_big)  # 342 rows: 33.6M
+    assert not worth_packing(torch.randn(320, 192)) and worth_packing(torch.randn(704, 192))
+    layer = OneDNNLinear(192, 512)
+    calls = []
+    real = cpu_linear._matmul
+    cpu_linear._matmul = lambda *a: calls.append(a[0].shape) or real(*a)
+    try:
+        with torch.no_grad():
+            layer(torch.randn(8, 192))
+            layer(torch.randn(400, 192))
+    finally:
+        cpu_linear._matmul = real
+    assert calls == [torch.Size([400, 192])]
+
+
+@pytest.fixture
+def always_onednn(monkeypatch):
+    """Every OneDNNLinear call and decode matmul through oneDNN (the tiny test models are below the rule)."""
+    monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_WEIGHT", 0)
+    monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_MACS", 0)
+    monkeypatch.setattr(cpu_linear, "PACKED_MIN_WEIGHT", 0)
+
+
+def test_loaded_models_train_alike_with_and_without_onednn(tiny_model_dir, tiny_score_model_dir, always_onednn):
     """A causal LM and a score model loaded with `onednn_linear` True / False: every linear layer is a
     `OneDNNLinear` / a plain `nn.Linear`; the loss and every parameter's gradient agree to float rounding."""
     ids = torch.randint(3, 200, (3, 17), generator=torch.Generator().manual_seed(4))
@@ -122,7 +152,7 @@ def test_loaded_models_train_alike_with_and_without_onednn(tiny_model_dir, tiny_
             torch.testing.assert_close(grad, grads_b[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_rollouts_sample_alike_with_and_without_onednn(tiny_model_dir):
+def test_rollouts_sample_alike_with_and_without_onednn(tiny_model_dir, always_onednn):
     """The rollout engine's fast decode step multiplies by oneDNN-packed weights when the model's linears
     are `OneDNNLinear`, by dense ones otherwise: the same samples, log-probs within 1e-5."""
     tok = load_tokenizer(tiny_model_dir)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from posttrain.models.cpu_linear import OneDNNLinear, onednn_weight, packed_linear, packed_weight
+from posttrain.models.cpu_linear import OneDNNLinear, onednn_weight, packed_linear, packed_weight, worth_packing
 from posttrain.rollout.cpu import cpu_kernels
 
 _ARCHS = ("llama", "mistral", "qwen2")
@@ -310,8 +310,8 @@ class _Matmul:
             if order is not None:
                 order = order.to(weight.device)
                 weight, bias = weight[order], None if bias is None else bias[order]
-        self.packed = packed
-        self.weight = packed_weight(weight, _PACK_ROWS) if packed else weight
+        self.packed = packed and worth_packing(weight)
+        self.weight = packed_weight(weight, _PACK_ROWS) if self.packed else weight
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
