@@ -1,0 +1,81 @@
+"""How far `make demo`'s numbers move with the seed: the demo over several seeds, one table of each
+stage's range. A benchmark of the recipe, not a test.
+
+    .venv/bin/python bench/demo_spread.py --seeds 42,1,2 [--agent-only] [--recipes 640:3e-4,1280:3e-4]
+        [--flags "--ds.no_onednn_linear"] [--workdir runs/spread]
+
+Without `--agent-only`, each seed is one `posttrain demo --seed S` (its summary.json read back). With it,
+only the calculator task runs: per seed the base model and the agent SFT once, then multi-turn RL for each
+`--recipes` entry (RL prompts:learning rate) from that SFT model; the single-turn control is left out.
+`--flags` are appended to every training launch of the agent-only sweep (a rounding variant, e.g.
+`--ds.no_onednn_linear`); `POSTTRAIN_CPU_KERNELS=0` in the environment is another.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+
+def full_demo(seed: int, out: Path) -> dict[str, float]:
+    from posttrain.cli import demo
+
+    summary = demo.main(["--seed", str(seed), "--output", str(out)])
+    row = {k: v for k, v in summary["accuracy"].items() if k != "base (random init)"}
+    row["reward model (preference acc.)"] = summary["rm_preference_accuracy"]
+    row.update({f"calculator: {k}": v for k, v in summary["agent_success"].items()})
+    return row
+
+
+def agent_only(seed: int, out: Path, recipes: list[tuple[int, float]], flags: list[str]) -> dict[str, float]:
+    from posttrain.agents.examples import CALCULATOR_AGENT
+    from posttrain.cli import demo, train_ppo_ray, train_sft
+    from posttrain.models import build_tiny
+    from posttrain.trainers.task_eval import agent_success
+
+    scale = demo.FULL
+    base = out / "base"
+    build_tiny(str(base), arch="llama", size=scale.size, head="lm", seed=seed, overwrite=True)
+    test = demo.agent_data(scale, out, seed)
+    data, sft = out / "data" / "agent", out / "agent_sft"
+    train_sft.main(demo.agent_sft_flags(scale, base, data, sft, seed) + flags)
+    row = {"after SFT": agent_success(sft, test, CALCULATOR_AGENT)[0]}
+    for prompts, lr in recipes:
+        rl = out / f"agent_rl_{prompts}_{lr:g}"
+        recipe = replace(scale, agent_prompts=prompts, agent_rl_lr=lr)
+        train_ppo_ray.main(demo.agent_rl_flags(recipe, sft, data, rl, seed, CALCULATOR_AGENT) + flags)
+        row[f"RL {prompts} prompts, lr {lr:g}"] = agent_success(rl, test, CALCULATOR_AGENT)[0]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", default="42,1,2")
+    ap.add_argument("--agent-only", action="store_true")
+    ap.add_argument("--recipes", default="640:3e-4", help="agent RL prompts:lr, comma-separated (--agent-only)")
+    ap.add_argument("--flags", default="", help="extra training flags for the agent-only sweep")
+    ap.add_argument("--workdir", default="runs/spread")
+    args = ap.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    recipes = [(int(p), float(lr)) for p, lr in (r.split(":") for r in args.recipes.split(","))]
+    rows: dict[int, dict[str, float]] = {}
+    for seed in seeds:
+        start = time.time()
+        out = Path(args.workdir) / f"seed{seed}"
+        rows[seed] = (agent_only(seed, out, recipes, shlex.split(args.flags)) if args.agent_only
+                      else full_demo(seed, out))
+        print(f"seed {seed} ({(time.time() - start) / 60:.1f} min): {json.dumps(rows[seed])}", flush=True)
+    print(f"\n| stage | {' | '.join(f'seed {s}' for s in seeds)} | range | spread |")
+    print(f"|---|{'---|' * len(seeds)}---|---|")
+    for stage in rows[seeds[0]]:
+        values = [rows[s][stage] * 100 for s in seeds]
+        print(f"| {stage} | {' | '.join(f'{v:.1f}' for v in values)} | {min(values):.1f}-{max(values):.1f} | "
+              f"{max(values) - min(values):.1f} (sd {statistics.pstdev(values):.1f}) |")
+
+
+if __name__ == "__main__":
+    main()
