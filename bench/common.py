@@ -7,6 +7,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -330,6 +331,45 @@ def add_round_robin_args(p, workers: list[str]) -> None:
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
+
+
+PLUS = "posttrain+"  # the side that runs posttrain's default configuration plus --posttrain-flags
+
+
+def add_posttrain_flags_arg(p) -> None:
+    """--posttrain-flags: also time the side `posttrain+` (posttrain's default configuration plus these
+    flags) in the same run, so that a flag's effect is read against the same outside load."""
+    p.add_argument("--posttrain-flags", default=None,
+                   help=f"also time posttrain with these extra flags (side `{PLUS}`), e.g. "
+                        "--posttrain-flags=--ds.no_onednn_linear")
+
+
+def posttrain_flags(args) -> list[str]:
+    return shlex.split(args.posttrain_flags or "")
+
+
+def side_flags(spec: dict, side: str) -> list[str]:
+    """The extra posttrain flags of a worker side: spec["posttrain_flags"] for `posttrain+`, else none."""
+    return list(spec.get("posttrain_flags") or []) if side == PLUS else []
+
+
+def plus_lines(spec: dict, speed: dict[str, list[float]], steps: dict[str, list[list[float]]]) -> list[str]:
+    """Markdown bullets for a run with a `posttrain+` side: what it is, and its speed against `posttrain`
+    and TRL. `speed` = side -> one speed per repeat (higher = faster: tokens/s, 1 / s-per-step); `steps` =
+    side -> per repeat, the seconds of each timed step. The per-repeat ratios give the run-to-run spread;
+    the per-step ratio (the same step of the same repeat, i.e. the same batch; median over all of them)
+    is robust to the stalls of a few seconds that outside load puts into single steps."""
+    if PLUS not in speed:
+        return []
+    lines = [f"- `{PLUS}` = posttrain's default configuration plus `{shlex.join(spec['posttrain_flags'])}`"]
+    for num, den in (("posttrain", PLUS), (PLUS, "trl")):
+        if den in speed:
+            each = [a / b for a, b in zip(speed[num], speed[den])]
+            per_step = median(b / a for ra, rb in zip(steps[num], steps[den]) for a, b in zip(ra, rb))
+            lines.append(f"- speed {num} / {den}: **{median(speed[num]) / median(speed[den]):.3f}x** (each repeat: "
+                         f"{', '.join(f'{v:.3f}' for v in each)}; per step, median: {per_step:.3f}; "
+                         f"> 1 = {num} faster)")
+    return lines
 
 
 def check_step_args(p, args) -> None:

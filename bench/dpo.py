@@ -1,7 +1,7 @@
 """DPO step time: posttrain (`posttrain.cli.train_dpo.main`) vs TRL's `DPOTrainer`, same run.
 
     .venv/bin/python bench/dpo.py [--size tiny] [--steps 20] [--batch-size 16] [--micro-batch-size 8]
-                                  [--repeats 3] [--threads 0]
+                                  [--repeats 3] [--threads 0] [--posttrain-flags=--ds.no_onednn_linear]
 
 Both sides train a fresh copy of one tiny random-init model (`build_tiny`, loaded from the same
 folder; each side also loads its own frozen reference copy from that folder) on the same synthetic
@@ -23,7 +23,8 @@ steps (the other parked on a pipe read), rotating the order. A step's time (`com
 runs from the end of the previous step (or from getting the CPU back) to its own end: collation,
 reference forward, policy forward/backward, clipping, optimizer, scheduler and the previous step's
 logging. Step 1 is excluded; the result is seconds per optimizer step over steps 2..N, the median
-over the repeats.
+over the repeats. --posttrain-flags adds the side `posttrain+` (posttrain's default configuration plus
+those flags) to the same round-robin.
 
 Same-run checks: each side's collator is wrapped to record, per micro-batch, a digest of the pairs
 as (chosen ids, chosen loss mask, rejected ids, rejected loss mask); the script checks that both
@@ -44,21 +45,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    PLUS,
     Baton,
     TurnClock,
+    add_posttrain_flags_arg,
     add_round_robin_args,
     check_step_args,
     machine,
     md_table,
     median,
+    plus_lines,
+    posttrain_flags,
     run_round_robin,
+    side_flags,
     trl_step_callback,
     trl_training_args,
     versions,
     wait_for_quiet,
 )
 
-SIDES = ("posttrain", "trl")
+SIDES = ("posttrain", PLUS, "trl")  # PLUS only with --posttrain-flags
 
 
 # ---- worker side ---------------------------------------------------------------------------------
@@ -86,7 +92,7 @@ def _posttrain_argv(spec: dict, out_dir: Path) -> list[str]:
             "--ckpt.output_dir", str(out_dir), "--ckpt.save_steps", "-1", "--logger.logging_steps", "1"]
 
 
-def run_posttrain(spec: dict, out_dir: Path, clock: TurnClock) -> dict:
+def run_posttrain(spec: dict, out_dir: Path, clock: TurnClock, extra: list[str]) -> dict:
     from posttrain.cli import train_dpo
     from posttrain.engines.torch_engine import TorchEngine
     from posttrain.trainers import dpo as dpo_module
@@ -105,7 +111,7 @@ def run_posttrain(spec: dict, out_dir: Path, clock: TurnClock) -> dict:
         return inner_collate(self, items)
 
     TorchEngine.step, dpo_module.DPOObjective.collate = step, collate
-    argv = _posttrain_argv(spec, out_dir)
+    argv = _posttrain_argv(spec, out_dir) + extra
     train_dpo.main(argv)
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "train/loss" in r]
@@ -166,7 +172,10 @@ def worker(args) -> None:
         torch.set_num_threads(spec["threads"])
     steps, ga = spec["steps"], spec["batch_size"] // spec["micro_batch_size"]
     clock = TurnClock(steps, Baton(), chunk=spec["chunk"])
-    res = (run_posttrain if args.worker == "posttrain" else run_trl)(spec, Path(args.out), clock)
+    if args.worker == "trl":
+        res = run_trl(spec, Path(args.out), clock)
+    else:
+        res = run_posttrain(spec, Path(args.out), clock, side_flags(spec, args.worker))
     micro = res.pop("micro")
     if len(clock.steps) != steps or len(micro) < steps * ga:
         raise RuntimeError(f"{args.worker}: {len(clock.steps)} optimizer steps and {len(micro)} micro-batches, "
@@ -196,23 +205,29 @@ def prepare(args, work: Path) -> dict:
     return {"model": str(model), "data": str(work / "data"), "steps": args.steps, "batch_size": args.batch_size,
             "micro_batch_size": args.micro_batch_size, "max_len": args.max_len, "lr": args.lr, "beta": args.beta,
             "warmup_ratio": args.warmup_ratio, "min_lr_ratio": 0.1, "seed": args.seed, "chunk": args.chunk,
-            "threads": args.threads, "order": [int(i) for i in epoch_order(n, args.seed, 0)]}
+            "threads": args.threads, "order": [int(i) for i in epoch_order(n, args.seed, 0)],
+            "posttrain_flags": posttrain_flags(args)}
 
 
 def report(args, spec, results: dict[str, list[dict]], vers, started) -> str:
     summ = {side: {"s": median(r["s_per_step"] for r in runs), "all": [r["s_per_step"] for r in runs],
                    "others": max(r["others_share"] or 0.0 for r in runs), **runs[0]}
             for side, runs in results.items()}
+    base = summ["posttrain"] if PLUS in summ else None
     rows = [[f"`{side}`", f"{s['s']:.3f}", " / ".join(f"{v:.3f}" for v in s["all"]),
-             f"{s['s'] / summ['trl']['s']:.2f}", s["timed_steps"], f"{s['tokens']:,}", f"{s['final_loss']:.4f}",
+             f"{s['s'] / summ['trl']['s']:.2f}", *([f"{s['s'] / base['s']:.3f}"] if base else []), s["timed_steps"], f"{s['tokens']:,}", f"{s['final_loss']:.4f}",
              f"{s['others']:.0%}"] for side, s in summ.items()]
-    table = md_table(["side", "s/step (median)", "s/step (each run)", "time vs trl", "timed steps", "tokens (all steps)",
+    table = md_table(["side", "s/step (median)", "s/step (each run)", "time vs trl", *(["time vs posttrain"] if base else []),
+                      "timed steps", "tokens (all steps)",
                       "final train loss", "other CPU load (max)"], rows)
     ratio = summ["trl"]["s"] / summ["posttrain"]["s"]
     per_rep = [t["s_per_step"] / p["s_per_step"] for p, t in zip(results["posttrain"], results["trl"])]
     same = all(r["digests"] == summ["posttrain"]["digests"] for runs in results.values() for r in runs)
     lr_diff = max(abs(a - b) for a, b in zip(summ["posttrain"]["lrs"], summ["trl"]["lrs"]))
-    loss_diff = max(abs(a - b) for a, b in zip(summ["posttrain"]["losses"], summ["trl"]["losses"]))
+    loss_diff = {side: max(abs(a - b) for a, b in zip(summ["posttrain"]["losses"], s["losses"]))
+                 for side, s in summ.items() if side != "posttrain"}
+    plus = plus_lines(spec, {side: [1 / v for v in s["all"]] for side, s in summ.items()},
+                      {side: [r["step_seconds"][1:] for r in runs] for side, runs in results.items()})
     cmd = ".venv/bin/python bench/dpo.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     ga = args.batch_size // args.micro_batch_size
     setup = (f"model `build_tiny(arch='llama', size='{args.size}', seed=0)` (+ a frozen reference copy on each side); "
@@ -229,10 +244,11 @@ def report(args, spec, results: dict[str, list[dict]], vers, started) -> str:
         "Time per optimizer step = wall seconds of steps 2..N / (N - 1) (model load, tokenisation and the first "
         "step excluded on both sides; time parked while the other process had its turn excluded).", "", table, "",
         f"- trl s/step / posttrain s/step: **{ratio:.2f}x** (each repeat: {', '.join(f'{v:.2f}' for v in per_rep)}; "
-        "> 1 = posttrain faster)", "", "Checks:",
+        "> 1 = posttrain faster)", *plus,
+        "", "Checks:",
         f"- identical micro-batches (chosen/rejected ids + loss masks, every step, every run): {'yes' if same else 'NO'}",
         f"- learning rate per step: max |posttrain - trl| = {lr_diff:.2e}",
-        f"- per-step train loss: max |posttrain - trl| = {loss_diff:.2e}", ""])
+        *[f"- per-step train loss: max |posttrain - {side}| = {d:.2e}" for side, d in loss_diff.items()], ""])
 
 
 def main(argv=None) -> None:
@@ -249,6 +265,7 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--repeats", type=int, default=3, help="runs per side (median reported)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
+    add_posttrain_flags_arg(p)
     add_round_robin_args(p, list(SIDES))
     args = p.parse_args(argv)
     if args.worker:
@@ -261,22 +278,24 @@ def main(argv=None) -> None:
     print(f"workdir {work}", flush=True)
     spec = prepare(args, work)
     (work / "spec.json").write_text(json.dumps(spec))
-    results: dict[str, list[dict]] = {side: [] for side in SIDES}
+    sides = [side for side in SIDES if side != PLUS or args.posttrain_flags]
+    results: dict[str, list[dict]] = {side: [] for side in sides}
     script = str(Path(__file__).resolve())
     for rep in range(args.repeats):
         quiet = wait_for_quiet(args.max_wait)
-        tags = [f"{side}-{rep}" for side in SIDES]
+        tags = [f"{side}-{rep}" for side in sides]
         runs = run_round_robin([[script, "--worker", side, "--spec", str(work / "spec.json"), "--out", str(work / tag)]
-                                for side, tag in zip(SIDES, tags)], [work / f"{tag}.log" for tag in tags])
+                                for side, tag in zip(sides, tags)], [work / f"{tag}.log" for tag in tags])
         print(f"repeat {rep + 1}/{args.repeats} (others' CPU share just before: {quiet:.0%})", flush=True)
-        for side, res in zip(SIDES, runs):
+        for side, res in zip(sides, runs):
             results[side].append(res)
             print(f"  {side:<10} {res['s_per_step']:.3f} s/step ({res['seconds']:.2f} s over {res['timed_steps']} "
                   f"steps; other processes' CPU share {res['others_share']:.0%}; final loss {res['final_loss']:.4f})",
                   flush=True)
     text = report(args, spec, results, versions(), started)
     print("\n" + text)
-    print(f"posttrain side, exact launch: {results['posttrain'][0]['argv']}")
+    print(f"posttrain side, exact launch: {results['posttrain'][0]['argv']}"
+          + (f" (+ {shlex.join(spec['posttrain_flags'])} for {PLUS})" if args.posttrain_flags else ""))
     if args.markdown:
         Path(args.markdown).write_text(text)
 

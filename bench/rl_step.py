@@ -59,16 +59,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     REPO,
     StepClock,
+    add_posttrain_flags_arg,
     add_rl_step_args,
     machine,
     md_table,
     median,
+    plus_lines,
+    posttrain_flags,
     run_worker,
+    side_flags,
     versions,
     wait_for_quiet,
 )
 
-REWARD_FILE = REPO / "posttrain" / "agents" / "rewards" / "examples" / "arithmetic_reward.py"
+REWARD_FILE = REPO / "posttrain" / "rewards" / "examples" / "arithmetic_reward.py"
 SEED = 42
 
 
@@ -210,8 +214,7 @@ def worker(args) -> None:
     spec = json.loads(Path(args.spec).read_text())
     out_dir = Path(args.out)
     if args.worker in ("posttrain", "posttrain+"):
-        extra = spec["posttrain_flags"] if args.worker == "posttrain+" else []
-        res = run_posttrain(spec, out_dir, spec["warmup"] if args.profile else None, extra)
+        res = run_posttrain(spec, out_dir, spec["warmup"] if args.profile else None, side_flags(spec, args.worker))
     else:
         res = run_trl(spec, out_dir)
     clock = res.pop("clock")
@@ -263,7 +266,7 @@ def prepare(args, work: Path) -> dict:
             "max_new_tokens": args.max_new_tokens, "steps": args.steps, "warmup": args.warmup,
             "micro_batch_size": args.micro_batch_size, "lr": args.lr, "order": order,
             "num_parameters": info["num_parameters"], "vocab_size": info["vocab_size"],
-            "posttrain_flags": shlex.split(args.posttrain_flags or "")}
+            "posttrain_flags": posttrain_flags(args)}
 
 
 def main(argv=None) -> None:
@@ -283,10 +286,9 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-len", type=int, default=0,
                     help="pad every prompt with filler text to at least this many chat-rendered tokens (0: as is)")
     ap.add_argument("--work-dir", help="keep the model, data, runs and logs here (default: a temp dir)")
-    # worker mode (internal)
-    ap.add_argument("--posttrain-flags", default=None,
-                    help="also time posttrain with these extra flags (side `posttrain+`), e.g. --posttrain-flags=--ds.packing_samples")
+    add_posttrain_flags_arg(ap)
     ap.add_argument("--no-trl", action="store_true", help="leave TRL out (compare posttrain variants only)")
+    # worker mode (internal)
     ap.add_argument("--worker", choices=["posttrain", "posttrain+", "trl"])
     ap.add_argument("--spec")
     ap.add_argument("--out")
@@ -355,8 +357,8 @@ def report(args, spec, results, discarded, started) -> str:
              ""]
     lines.append(f"- machine: {machine()}; workers: " +
                  ", ".join(f"{k} {v[0]['num_threads']} threads" for k, v in results.items()))
-    if "posttrain+" in results:
-        lines.append(f"- `posttrain+` = posttrain with `{shlex.join(spec['posttrain_flags'])}`")
+    lines += plus_lines(spec, {k: [1 / r["median_step"] for r in v] for k, v in results.items()},
+                        {k: [r["step_seconds"] for r in v] for k, v in results.items()})
     lines.append("- versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()))
     lines.append(f"- setup: llama {args.size} ({spec['num_parameters']:,} params, vocab {spec['vocab_size']}), "
                  f"{args.prompts} prompts x {args.n} samples = {args.prompts * args.n} per step, "

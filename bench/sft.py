@@ -1,6 +1,7 @@
 """SFT training throughput: posttrain (`posttrain.cli.train_sft.main`) vs TRL's `SFTTrainer`, same run.
 
     .venv/bin/python bench/sft.py [--size tiny] [--steps 30] [--repeats 3] [--no-packed]
+                                  [--posttrain-flags=--ds.no_onednn_linear]
 
 Both sides train a fresh copy of one tiny random-init model (`build_tiny`, loaded from the same
 folder) on the same synthetic arithmetic rows, formatted by the tokenizer's chat template with the
@@ -17,7 +18,8 @@ start together and do their set-up (imports, model load, tokenisation) and first
 concurrently, untimed; then only one trains at a time, in turns of --chunk optimizer steps, the
 turn order rotating each round, while the others are parked on a pipe read (no CPU); after the last
 step all are released to export and exit. So outside load on a shared machine hits every
-configuration alike, and the repeats (fresh processes each) give the median.
+configuration alike, and the repeats (fresh processes each) give the median. --posttrain-flags adds
+the configuration `posttrain+` (posttrain's default one plus those flags) to the same round-robin.
 
 Timing: each worker calls `TurnClock.tick()` right after each optimizer step (posttrain: wrapping
 `TorchEngine.step`; TRL: a `TrainerCallback.on_step_end`). A step's time runs from the end of the
@@ -46,14 +48,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    PLUS,
     Baton,
     TurnClock,
+    add_posttrain_flags_arg,
     add_round_robin_args,
     check_step_args,
     machine,
     md_table,
     median,
+    plus_lines,
+    posttrain_flags,
     run_round_robin,
+    side_flags,
     trl_step_callback,
     trl_training_args,
     versions,
@@ -63,6 +70,7 @@ from common import (  # noqa: E402
 # name -> (framework, packed): packed = posttrain --ds.packing_samples / TRL padding_free=True
 CONFIGS = {
     "posttrain": ("posttrain", False),
+    PLUS: ("posttrain", False),  # only with --posttrain-flags
     "trl": ("trl", False),
     "posttrain --ds.packing_samples": ("posttrain", True),
     "trl padding_free=True": ("trl", True),
@@ -98,7 +106,7 @@ def _posttrain_argv(spec: dict, packed: bool, out_dir: Path) -> list[str]:
     return argv + (["--ds.packing_samples"] if packed else [])
 
 
-def run_posttrain(spec: dict, packed: bool, out_dir: Path, clock: TurnClock) -> dict:
+def run_posttrain(spec: dict, packed: bool, out_dir: Path, clock: TurnClock, extra: list[str]) -> dict:
     from posttrain.cli import train_sft
     from posttrain.engines.torch_engine import TorchEngine
     from posttrain.trainers import sft as sft_module
@@ -117,7 +125,7 @@ def run_posttrain(spec: dict, packed: bool, out_dir: Path, clock: TurnClock) -> 
         return inner_collate(self, items)
 
     TorchEngine.step, sft_module.SFTObjective.collate = step, collate
-    argv = _posttrain_argv(spec, packed, out_dir)
+    argv = _posttrain_argv(spec, packed, out_dir) + extra
     train_sft.main(argv)
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "train/loss" in r]
@@ -126,7 +134,7 @@ def run_posttrain(spec: dict, packed: bool, out_dir: Path, clock: TurnClock) -> 
             "argv": "python -m posttrain.cli.train_sft " + shlex.join(argv)}
 
 
-def run_trl(spec: dict, packed: bool, out_dir: Path, clock: TurnClock) -> dict:
+def run_trl(spec: dict, packed: bool, out_dir: Path, clock: TurnClock, extra: list[str]) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -169,7 +177,8 @@ def worker(args) -> None:
     framework, packed = CONFIGS[args.worker]
     steps, ga = spec["steps"], spec["batch_size"] // spec["micro_batch_size"]
     clock = TurnClock(steps, Baton(), chunk=spec["chunk"])
-    res = (run_posttrain if framework == "posttrain" else run_trl)(spec, packed, Path(args.out), clock)
+    res = (run_posttrain if framework == "posttrain" else run_trl)(spec, packed, Path(args.out), clock,
+                                                                  side_flags(spec, args.worker))
     micro = res.pop("micro")
     if len(clock.steps) != steps or len(micro) < steps * ga:
         raise RuntimeError(f"{args.worker}: {len(clock.steps)} optimizer steps and {len(micro)} micro-batches, "
@@ -203,7 +212,7 @@ def prepare(args, work: Path) -> dict:
     return {"model": str(model), "data": str(work / "data"), "steps": args.steps, "batch_size": args.batch_size,
             "micro_batch_size": args.micro_batch_size, "max_len": args.max_len, "lr": args.lr,
             "warmup_ratio": args.warmup_ratio, "min_lr_ratio": 0.1, "seed": args.seed, "chunk": args.chunk,
-            "order": [int(i) for i in epoch_order(n, args.seed, 0)]}
+            "order": [int(i) for i in epoch_order(n, args.seed, 0)], "posttrain_flags": posttrain_flags(args)}
 
 
 def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
@@ -246,20 +255,24 @@ def checks(results: dict[str, list[dict]], summary: dict[str, dict]) -> list[str
 def report(args, spec, results, summary, check_lines, vers, started) -> str:
     pairs = [("posttrain", "trl"), ("posttrain --ds.packing_samples", "trl padding_free=True"),
              ("posttrain --ds.packing_samples", "trl")]
-    ref = summary.get("trl")
+    ref, base = summary.get("trl"), summary.get("posttrain") if PLUS in summary else None
     rows = []
     for name, s in summary.items():
         pad = 1 - s["timed_tokens"] / s["timed_padded"] if not CONFIGS[name][1] else 0.0
         rows.append([f"`{name}`", f"{s['tokens_per_s']:,.0f}",
                      " / ".join(f"{v:,.0f}" for v in s["all_tps"]),
                      f"{s['tokens_per_s'] / ref['tokens_per_s']:.2f}" if ref else "-",
+                     *([f"{s['tokens_per_s'] / base['tokens_per_s']:.3f}"] if base else []),
                      f"{s['seconds']:.2f}", s["timed_steps"], f"{s['timed_tokens']:,}", f"{s['timed_targets']:,}",
                      f"{pad:.1%}", f"{s['final_loss']:.4f}", f"{s['others']:.0%}"])
-    table = md_table(["configuration", "tokens/s (median)", "tokens/s (each run)", "vs trl", "timed s (median)",
+    table = md_table(["configuration", "tokens/s (median)", "tokens/s (each run)", "vs trl",
+                      *(["vs posttrain"] if base else []), "timed s (median)",
                       "timed steps", "timed tokens", "timed target tokens", "padding", "final train loss",
                       "other CPU load (max)"], rows)
     ratios = [f"- {a} / {b}: **{summary[a]['tokens_per_s'] / summary[b]['tokens_per_s']:.2f}x**"
               for a, b in pairs if a in summary and b in summary]
+    ratios += plus_lines(spec, {name: s["all_tps"] for name, s in summary.items()},
+                         {name: [r["step_seconds"][1:] for r in runs] for name, runs in results.items()})
     cmd = ".venv/bin/python bench/sft.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     ga = args.batch_size // args.micro_batch_size
     setup = (f"model `build_tiny(arch='llama', size='{args.size}', seed=0)`; data `make_arithmetic_rows"
@@ -292,6 +305,7 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration (median reported)")
     p.add_argument("--no-packed", action="store_true", help="skip the packed / padding-free configurations")
+    add_posttrain_flags_arg(p)
     add_round_robin_args(p, list(CONFIGS))
     args = p.parse_args(argv)
     if args.worker:
@@ -306,7 +320,7 @@ def main(argv=None) -> None:
     print(f"workdir {work}; torch.get_num_threads() = {torch.get_num_threads()}", flush=True)
     spec = prepare(args, work)
     (work / "spec.json").write_text(json.dumps(spec))
-    names = [n for n in CONFIGS if not (args.no_packed and CONFIGS[n][1])]
+    names = [n for n in CONFIGS if not (args.no_packed and CONFIGS[n][1]) and (n != PLUS or args.posttrain_flags)]
     results: dict[str, list[dict]] = {n: [] for n in names}
     script = str(Path(__file__).resolve())
     for rep in range(args.repeats):
@@ -325,7 +339,8 @@ def main(argv=None) -> None:
     text = report(args, spec, results, summary, check_lines, versions(), started)
     posttrain_cmd = results["posttrain"][0].get("argv")
     print("\n" + text)
-    print(f"posttrain side, exact launch: {posttrain_cmd} (+ --ds.packing_samples for the packed row)")
+    print(f"posttrain side, exact launch: {posttrain_cmd} (+ --ds.packing_samples for the packed row"
+          + (f", + {shlex.join(spec['posttrain_flags'])} for {PLUS})" if args.posttrain_flags else ")"))
     if args.markdown:
         Path(args.markdown).write_text(text)
 
