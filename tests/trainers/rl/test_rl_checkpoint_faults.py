@@ -9,10 +9,10 @@ import sys
 
 import pytest
 import torch
+from conftest import ppo_flags  # at import: at run time `conftest` names the last conftest collected
 
 from posttrain.cli import train_ppo_ray
 from posttrain.utils.checkpoint import MANIFEST, _crc32, verify_checkpoint
-from conftest import ppo_flags  # at import: at run time `conftest` names the last conftest collected
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,13 @@ import math
 
 import pytest
 
-from posttrain.utils.checkpoint import MANIFEST, CheckpointError, CheckpointManager, read_manifest, verify_checkpoint
+from posttrain.utils.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    CheckpointManager,
+    read_manifest,
+    verify_checkpoint,
+)
 
 
 def _writer(payload: bytes):
