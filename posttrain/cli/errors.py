@@ -10,14 +10,15 @@ from contextlib import contextmanager
 @contextmanager
 def user_errors(prog: str):
     """Any `UserError` (bad flags, data, reward code, checkpoint, run folder) and a missing file
-    end in one `prog: error: ...` line on stderr and exit status 2, without a traceback."""
+    end in one `prog: error: ...` line on stderr and exit status 2 (or the error's own `exit_code`:
+    143 for SIGTERM), without a traceback."""
     from posttrain.utils.errors import UserError
 
     try:
         yield
     except (UserError, FileNotFoundError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(getattr(e, "exit_code", 2)) from None
     except KeyboardInterrupt:  # Ctrl-C before training started (training turns it into a UserError)
         print(f"{prog}: error: interrupted before training started", file=sys.stderr)
         raise SystemExit(2) from None

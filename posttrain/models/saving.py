@@ -1,6 +1,7 @@
 """Write a model folder atomically: into a temporary sibling, then rename into place."""
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -8,6 +9,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from posttrain.utils.checkpoint import disk_full_reason
 
 
 @contextmanager
@@ -58,7 +61,8 @@ def save_pretrained(model: torch.nn.Module, tokenizer, out_dir, state_dict: dict
     tensors (e.g. ZeRO-3 weights gathered by the engine). The files are written to a temporary
     folder first and then each is moved into `out_dir` with an atomic rename, so other files in
     `out_dir` (a run's metrics.jsonl, config.yaml, plots) stay, and no model file is ever half
-    written."""
+    written. A write that fails for lack of space (`disk_full_reason`: by errno or by the free space
+    left, before the partial files are removed) is re-raised as OSError(ENOSPC) naming `out_dir`."""
     model = unwrap_model(model)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -72,6 +76,11 @@ def save_pretrained(model: torch.nn.Module, tokenizer, out_dir, state_dict: dict
                 target = out / f.relative_to(tmp)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(f, target)
+    except Exception as e:
+        reason = disk_full_reason(e, tmp)
+        if reason is None:
+            raise
+        raise OSError(errno.ENOSPC, reason, str(out)) from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

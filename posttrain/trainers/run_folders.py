@@ -10,7 +10,8 @@ and the RL trainer).
 `claim_run_folders` (1) locks `--ckpt.output_dir` against a second writer (main process; `RunLock`),
 (2) resolves the checkpoint folder (`checkpoint_dir`: `--ckpt.path`, unset ->
 `<--ckpt.output_dir>/checkpoints`) and prints it, (3) when the run uses it (`--ckpt.save_steps` > 0 or
-`--ckpt.load_enable`) locks it too if it lies outside the run directory, and checks it
+`--ckpt.load_enable`) locks it too, with a lock of its own even inside the run directory (another run
+pointed at it with `--ckpt.path` takes that folder's lock, not the run directory's), and checks it
 (`CheckpointManager.prepare`): a fresh run into a folder holding checkpoints is refused; a resume
 picks the newest checkpoint that verifies and refuses one written with other training flags.
 Every refusal is a UserError raised before anything is written; the locks taken so far are released.
@@ -59,10 +60,6 @@ class RunFolders:
         self.close()
 
 
-def _inside(path: Path, folder: Path) -> bool:
-    return path.resolve().is_relative_to(folder.resolve())
-
-
 def claim_run_folders(cfg: TrainerConfig, *, is_main: bool = True) -> RunFolders:
     """Lock and check the run's folders before anything is written (module docstring)."""
     folders = RunFolders(Path(cfg.ckpt.output_dir))
@@ -74,7 +71,7 @@ def claim_run_folders(cfg: TrainerConfig, *, is_main: bool = True) -> RunFolders
             return folders
         how = " (--ckpt.path unset: <--ckpt.output_dir>/checkpoints)" if cfg.ckpt.path is None else ""
         info(f"checkpoints: {root.resolve()}{how}")
-        if is_main and not _inside(root, folders.path):
+        if is_main:
             folders.locks.append(RunLock(root, "--ckpt.path").acquire())
         max_mem = cfg.ckpt.max_mem if cfg.ckpt.max_mem is not None else math.inf
         folders.ckpt = CheckpointManager(root, max_num=cfg.ckpt.max_num, max_mem_gb=max_mem, is_main=is_main,

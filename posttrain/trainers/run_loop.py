@@ -18,7 +18,8 @@ evaluation), save every `save_steps`. With `final_eval` (SFT/RM/DPO) the last st
 evaluated; without it (RL, as OpenRLHF's PPO) `fit` returns the latest evaluation.
 Resume takes the checkpoint `CheckpointManager.prepare` chose (newest that verifies, same training
 flags) and never an older or another run's one instead. Ctrl-C ends `fit` with `Interrupted`:
-`interrupted at step N; last checkpoint: <path or none>`.
+`interrupted at step N; last checkpoint: <path or none>`; SIGTERM with `Terminated`: `terminated at
+step N; ...` (`utils/interrupt.py`).
 """
 from __future__ import annotations
 
@@ -98,6 +99,8 @@ class RunLoop:
         meta = read_manifest(path)["meta"]
         try:
             self.restore(path, meta)
+        except CheckpointError:  # already names the file and the fix
+            raise
         except Exception as e:  # verified, same flags, yet unloadable: never fall back to another checkpoint
             raise CheckpointError(
                 f"checkpoint {path} verifies but cannot be loaded by this run ({e}); resume on the set-up that "
@@ -106,9 +109,10 @@ class RunLoop:
         self.logger.truncate_after(self.global_step)
         info(f"resumed from {path} at step {self.global_step}")
 
-    def interrupted_message(self) -> str:
+    def interrupted_message(self, how: str = "interrupted") -> str:
+        """`how` ("interrupted": Ctrl-C, "terminated": SIGTERM) at step N; last checkpoint: <path or none>."""
         last = self.ckpt.last_good if self.ckpt is not None else None
-        return f"interrupted at step {self.global_step}; last checkpoint: {last if last is not None else 'none'}"
+        return f"{how} at step {self.global_step}; last checkpoint: {last if last is not None else 'none'}"
 
     # ---- the loop ---------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:

@@ -7,8 +7,8 @@
   to `--ckpt.output_dir` (the run directory: config.yaml, metrics.jsonl, plots/ and the model all land
   there). The RL trainer (`rl/ppo.RLTrainer`) uses `RunStart` and is itself a `RunLoop`.
 
-The run directory has one writer: `RunStart(cfg)` (inside `SingleModelRun(cfg)`) locks it (and an outside
-`--ckpt.path`) and checks the checkpoint folder before it writes config.yaml or loads anything; for
+The run directory has one writer: `RunStart(cfg)` (inside `SingleModelRun(cfg)`) locks it (and the
+checkpoint folder) and checks the checkpoint folder before it writes config.yaml or loads anything; for
 SFT/RM/DPO the locks are released when `fit` returns or fails, or by `close()` (`with SingleModelRun(cfg) as run:`
 releases them whatever happens in between)."""
 from __future__ import annotations
@@ -38,6 +38,7 @@ from posttrain.models import load_causal_lm, load_tokenizer, save_pretrained
 from posttrain.trainers.run_folders import claim_run_folders
 from posttrain.trainers.run_loop import plot_charts
 from posttrain.trainers.single_model_loop import LoopSettings, SingleModelLoop
+from posttrain.utils.checkpoint import disk_full_as_error
 from posttrain.utils.interrupt import interrupt_as_error
 from posttrain.utils.log import info
 from posttrain.utils.metrics import MetricsLogger
@@ -163,12 +164,12 @@ class SingleModelRun:
         finally:
             self.close()
 
-    def _interrupted_message(self) -> str:
-        """Ctrl-C outside the step loop (model loading, final export)."""
+    def _interrupted_message(self, how: str = "interrupted") -> str:
+        """Ctrl-C or SIGTERM outside the step loop (model loading, final export)."""
         if self._loop is not None:
-            return self._loop.interrupted_message()
+            return self._loop.interrupted_message(how)
         last = self.folders.last_checkpoint()
-        return f"interrupted before training started; last checkpoint: {last if last is not None else 'none'}"
+        return f"{how} before training started; last checkpoint: {last if last is not None else 'none'}"
 
     def _fit(self, objective, train_items, eval_items, on_trained) -> dict:
         cfg = self.cfg
@@ -198,7 +199,8 @@ class SingleModelRun:
             logger.close()
         if on_trained is not None:
             on_trained(loop, final)
-        self.export_hf(engine, self.output_dir)
+        with disk_full_as_error("the final model", self.output_dir, self.folders.last_checkpoint()):
+            self.export_hf(engine, self.output_dir)
         if engine.is_main:
             plot_charts(self.output_dir)
             info(f"final model saved to {self.output_dir}")

@@ -29,7 +29,7 @@ import torch
 
 from posttrain.trainers import batching
 from posttrain.trainers.run_loop import Cadence, RunLoop
-from posttrain.utils.checkpoint import CheckpointManager
+from posttrain.utils.checkpoint import CheckpointManager, load_state_file, save_state_file
 from posttrain.utils.log import info
 from posttrain.utils.metrics import MetricsLogger
 from posttrain.utils.seeding import rng_state, set_rng_state
@@ -199,7 +199,7 @@ class SingleModelLoop(RunLoop):
 
     def write_checkpoint(self, d: Path) -> None:
         self.engine.save_state(d / "engine")
-        torch.save({"rng": rng_state()}, d / f"trainer_rank{self.engine.rank}.pt")
+        save_state_file({"rng": rng_state()}, d / f"trainer_rank{self.engine.rank}.pt")
         if self.s.save_hf and self.save_hf is not None:
             self.save_hf(d / "hf")
 
@@ -212,7 +212,8 @@ class SingleModelLoop(RunLoop):
             info(f"checkpoint {path} was written with batch size {meta.get('batch_size')} on "
                  f"{meta.get('world_size')} ranks; this run uses {self.s.batch_size} on "
                  f"{self.engine.world_size} — resuming its weights and counters, data order may differ")
-        self.engine.load_state(path / "engine")
         rng_file = path / f"trainer_rank{self.engine.rank}.pt"
-        if rng_file.exists():
-            set_rng_state(torch.load(rng_file, weights_only=False)["rng"])
+        rng = load_state_file(rng_file)["rng"] if rng_file.exists() else None  # before the engine's files
+        self.engine.load_state(path / "engine")
+        if rng is not None:
+            set_rng_state(rng)

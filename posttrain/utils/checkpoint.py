@@ -19,7 +19,12 @@ Contract of `CheckpointManager`:
 - Rotation (`max_num`, `max_mem_gb`) runs after a successful save, considers only checkpoints of
   this run (same run_id; all of them when the manager has no identity) and never deletes the
   checkpoint just written.
-- Loading verifies sizes and CRC32 of every file (`verify_checkpoint`).
+- Loading verifies sizes and CRC32 of every file (`verify_checkpoint`); a checkpoint holding a file
+  its manifest does not list fails verification (only files its writer wrote are ever loaded).
+  posttrain's own state files (`save_state_file` / `load_state_file`) hold tensors and plain values
+  and are read with `torch.load(weights_only=True)`: a file holding any other object is refused
+  (CheckpointError naming the file), never unpickled. DeepSpeed's engine files are unpickled by
+  DeepSpeed: checkpoints must come from a trusted source.
 Multi-rank: every rank calls `prepare` and `save`; only the main one creates, renames and deletes
 folders. A rank that fails inside `write` while the others reach the barrier leaves them waiting
 (the usual disk-full case, one shared disk, fails on every rank).
@@ -34,7 +39,8 @@ import re
 import shutil
 import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,20 +95,54 @@ def flag_diffs(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     return out
 
 
-def disk_full_reason(exc: BaseException) -> str | None:
+LOW_SPACE_BYTES = 1 << 20  # a write that failed with less free space than this failed for lack of space
+
+
+def disk_full_reason(exc: BaseException, folder: str | os.PathLike | None = None) -> str | None:
     """'no space left on device' (or the quota / file-size variant) when `exc`, or an exception it
-    was raised from, says the disk is full; None otherwise. torch.save reports a full disk as a
-    RuntimeError ('file write failed')."""
+    was raised from, is an OSError with such an errno; or, whatever the exception says, when `folder`
+    (the write's target; its nearest existing parent) has less than LOW_SPACE_BYTES free. None
+    otherwise. The free-space test is what catches writers that lose the errno: torch.save reports a
+    full disk as a RuntimeError (`file write failed`, `basic_ios::clear: iostream error`, `unexpected
+    pos`), safetensors as a SafetensorError. Call it before removing what the failed write left."""
     seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
-            return _DISK_FULL[exc.errno]
-        if isinstance(exc, RuntimeError) and ("No space left on device" in str(exc)
-                                              or "file write failed" in str(exc)):
-            return _DISK_FULL[errno.ENOSPC]
-        exc = exc.__cause__ or exc.__context__
+    e = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _DISK_FULL:
+            return _DISK_FULL[e.errno]
+        e = e.__cause__ or e.__context__
+    if folder is not None and isinstance(exc, Exception) and free_bytes(folder) < LOW_SPACE_BYTES:
+        return _DISK_FULL[errno.ENOSPC]
     return None
+
+
+@contextmanager
+def disk_full_as_error(what: str, folder: str | os.PathLike, last_good: Path | None) -> Iterator[None]:
+    """A write of `what` into `folder` (the final model) that fails for lack of space ends in one
+    CheckpointError naming the folder, the cause and the last good checkpoint (which stays)."""
+    try:
+        yield
+    except Exception as e:
+        reason = disk_full_reason(e, folder)
+        if reason is None:
+            raise
+        raise CheckpointError(
+            f"{reason} while writing {what} to {folder}; the last good checkpoint is "
+            f"{last_good if last_good is not None else 'none'} (free space, then resume with --ckpt.load_enable "
+            f"or run again)") from e
+
+
+def free_bytes(folder: str | os.PathLike) -> float:
+    """Bytes free to this user on the file system of `folder` (or of its nearest existing parent);
+    infinite when that cannot be told."""
+    p = Path(folder).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return math.inf
 
 
 def _crc32(path: Path) -> int:
@@ -132,6 +172,10 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
         files = data["files"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         return f"{manifest} is unreadable ({e})"
+    listed = set(files)
+    for p in sorted(path.rglob("*")):
+        if p.is_file() and p.name != MANIFEST and p.relative_to(path).as_posix() not in listed:
+            return f"{p} is not listed in {manifest} (added after the save)"
     for rel, (size, crc) in files.items():
         p = path / rel
         if not p.is_file():
@@ -141,6 +185,29 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
         if _crc32(p) != crc:
             return f"{p} fails its CRC32 check (corrupted)"
     return None
+
+
+def save_state_file(state: dict, path: str | os.PathLike) -> None:
+    """Write trainer state (tensors, dicts, lists, tuples, str, int, float, bool, None only)."""
+    import torch
+
+    torch.save(state, path)
+
+
+def load_state_file(path: str | os.PathLike) -> dict:
+    """Read a `save_state_file` file with `torch.load(weights_only=True)`: nothing in it can run code.
+    A file holding other objects (an older posttrain's, or a crafted one) raises CheckpointError."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise CheckpointError(
+            f"checkpoint file {path} holds objects other than tensors and plain values (written by an older "
+            f"posttrain, or not by posttrain); it was not loaded — resume only checkpoints from a trusted "
+            f"source, or start a new run with another --ckpt.path") from None
 
 
 def read_manifest(path: str | os.PathLike) -> dict:
@@ -259,9 +326,9 @@ class CheckpointManager:
                     os.fsync(f.fileno())
                 self._publish(tmp, final, step)
         except BaseException as e:
+            reason = disk_full_reason(e, tmp)  # before the partial folder's space is freed
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
-            reason = disk_full_reason(e)
             if reason is None:
                 raise
             last = self._last_good()

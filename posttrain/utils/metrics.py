@@ -60,13 +60,8 @@ class MetricsLogger:
 
     def truncate_after(self, step: int) -> None:
         """On resume, drop rows logged after the checkpoint's step so the curve has no duplicates."""
-        if not self.enabled or not self.path.exists():
-            return
-        rows = read_metrics(self.path)
-        with self.path.open("w") as f:
-            for row in rows:
-                if row.get("step", 0) <= step:
-                    f.write(json.dumps(row) + "\n")
+        if self.enabled:
+            truncate_jsonl_after(self.path, step)
 
     def close(self) -> None:
         if self._tb is not None:
@@ -88,6 +83,19 @@ def _start_wandb(cfg: dict, config: dict | None):
         wandb.login(key=str(key))
     return wandb.init(entity=cfg.get("org"), project=cfg.get("project"), group=cfg.get("group"),
                       name=cfg.get("run_name"), config=config, reinit=True)
+
+
+def truncate_jsonl_after(path: str | os.PathLike, step: int) -> None:
+    """Keep only the rows of a JSONL log (metrics.jsonl, samples.jsonl) whose "step" is <= `step`
+    (resume: the steps after the checkpoint are logged again); a missing file is left alone."""
+    path = Path(path)
+    if not path.exists():
+        return
+    rows = read_metrics(path)
+    with path.open("w") as f:
+        for row in rows:
+            if row.get("step", 0) <= step:
+                f.write(json.dumps(row) + "\n")
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:

@@ -5,7 +5,9 @@
 
 Contract: `acquire` creates the folder if needed and takes the lock without waiting; when another
 process holds it, it raises `RunDirInUse` (a UserError): `<flag> <dir> is in use by another
-posttrain run (pid N, started T); wait for it or choose another <flag>`. The holder writes its pid,
+posttrain run (pid N, started T); wait for it or choose another <flag>`. A folder that cannot be
+created or written (a file of that name, a read-only file system, no permission) raises
+`RunDirUnusable` (a UserError) naming the flag, the path, the cause and the fix. The holder writes its pid,
 host and start time into the lock file for that message. The kernel drops a flock when its holder
 dies (also on `kill -9`), so a stale lock file never blocks; the file itself stays (deleting it
 would race with a process that just opened it). Forked children (DataLoader workers) share the
@@ -16,6 +18,7 @@ test session).
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -30,6 +33,21 @@ _HELD: dict[str, RunLock] = {}  # realpath of a folder -> the lock this process 
 
 class RunDirInUse(UserError):
     """Another live posttrain process writes into the folder."""
+
+
+class RunDirUnusable(UserError):
+    """The folder cannot be created or written (a file is in the way, read-only, no permission)."""
+
+
+def _unusable(flag: str, directory: Path, err: OSError) -> RunDirUnusable:
+    """The one-line reason why `directory` cannot be a run folder, from the OSError that said so."""
+    blocker = next((p for p in (directory, *directory.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        what = "is a file" if blocker == directory else f"lies under {blocker}, which is a file"
+        return RunDirUnusable(f"{flag} {directory} {what}, not a folder; choose a folder path for {flag}")
+    cause = {errno.EROFS: "it is on a read-only file system", errno.EACCES: "permission denied",
+             errno.EPERM: "permission denied"}.get(err.errno, err.strerror or str(err))
+    return RunDirUnusable(f"{flag} {directory} cannot be written ({cause}); choose a writable folder for {flag}")
 
 
 def lock_owner(directory: str | os.PathLike) -> dict:
@@ -56,12 +74,18 @@ class RunLock:
 
         if self._fd is not None:
             return self
-        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _unusable(self.flag, self.directory, e) from None
         key = os.path.realpath(self.directory)
         earlier = _HELD.pop(key, None)
         if earlier is not None:  # this process's own, left behind: take it over
             earlier.release()
-        fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise _unusable(self.flag, self.directory, e) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

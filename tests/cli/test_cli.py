@@ -40,6 +40,21 @@ def test_console_command_lists_subcommands_and_rejects_unknown():
     assert bad.returncode == 2 and "did you mean 'sft'" in bad.stderr
 
 
+def test_init_tiny_into_a_non_empty_folder_or_a_file_is_one_line(tmp_path):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("x")
+    proc = run("-m", "posttrain.cli.main", "init-tiny", "--output", tmp_path / "full", "--size", "nano", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"posttrain init-tiny: error: --output {tmp_path / 'full'} is not empty; choose a new or empty folder, or "
+        "pass --overwrite to replace its contents")
+    assert (tmp_path / "full" / "keep.txt").exists()
+    proc = run("-m", "posttrain.cli.main", "init-tiny", "--output", tmp_path / "full" / "keep.txt", check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        f"posttrain init-tiny: error: --output {tmp_path / 'full' / 'keep.txt'} is a file, not a folder; choose a "
+        "new or empty folder")
+
+
 def test_init_tiny_cli_builds_loadable_models(tmp_path):
     summary = json.loads(run("-m", "posttrain.cli.main", "init-tiny", "--output", tmp_path / "m",
                              "--arch", "qwen2", "--size", "nano").stdout)

@@ -1,5 +1,7 @@
 """Faults of real `posttrain sft` processes on the nano model: checkpoints of another run, resume with
-other flags, kill -9 and resume, two writers into one run directory, Ctrl-C, a full disk.
+other flags, kill -9 and resume, two writers into one run directory or one checkpoint folder, Ctrl-C,
+SIGTERM, a full disk (also when torch or safetensors lose the errno), a crafted state file, unusable
+folders.
 
 Each process trains 16 samples in batches of 4 (4 steps per epoch). Waits poll the file system for
 what the test needs (a checkpoint, a marker file) with a generous deadline; no test depends on how
@@ -137,24 +139,24 @@ def test_resume_after_kill_9_continues_from_the_last_good_checkpoint(tiny_model_
 DRIVER_PAUSE = """
 import pathlib, sys, time
 from posttrain.utils.metrics import MetricsLogger
-marker, go = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+marker, go, at = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), int(sys.argv[3])
 log = MetricsLogger.log
 def paused_log(self, step, metrics):
     log(self, step, metrics)
-    if step == 1:  # hold the run directory until the test says go
+    if step == at:  # hold the run directory until the test says go
         marker.touch()
         while not go.exists():
             time.sleep(0.05)
 MetricsLogger.log = paused_log
 from posttrain.cli.main import main
-main(["sft", *sys.argv[3:]])
+main(["sft", *sys.argv[4:]])
 """
 
 
 def test_second_writer_into_one_output_dir_is_refused(tiny_model_dir, arithmetic_dir, tmp_path):
     out = tmp_path / "run"
     marker, go = tmp_path / "training", tmp_path / "go"
-    first = start([sys.executable, "-c", DRIVER_PAUSE, marker, go, *flags(tiny_model_dir, arithmetic_dir, out)],
+    first = start([sys.executable, "-c", DRIVER_PAUSE, marker, go, "1", *flags(tiny_model_dir, arithmetic_dir, out)],
                   tmp_path / "first.log")
     try:
         wait_for(marker.exists, first, "the first run's first step")
@@ -172,6 +174,33 @@ def test_second_writer_into_one_output_dir_is_refused(tiny_model_dir, arithmetic
     assert (out / "model.safetensors").exists()
 
 
+def test_second_run_into_a_live_runs_checkpoint_folder_is_refused(tiny_model_dir, arithmetic_dir, tmp_path):
+    """Run A keeps its checkpoints in its run directory (--ckpt.path unset); run B, with a run directory
+    of its own, points --ckpt.path at them: B is refused by the checkpoint folder's own lock."""
+    a_out, ckpt = tmp_path / "A", tmp_path / "A" / "checkpoints"
+    marker, go = tmp_path / "training", tmp_path / "go"
+    first = start([sys.executable, "-c", DRIVER_PAUSE, marker, go, "2",
+                   *flags(tiny_model_dir, arithmetic_dir, a_out, "--ckpt.save_steps", 1, "--ckpt.max_num", 1)],
+                  tmp_path / "first.log")
+    try:
+        wait_for(marker.exists, first, "the first run's second step")
+        before = snapshot(ckpt)
+        assert [p.name for p in ckpt.glob("global_step*")] == ["global_step1"]
+        second = run(CLI + flags(tiny_model_dir, arithmetic_dir, tmp_path / "B", "--ckpt.path", ckpt,
+                                 "--ckpt.load_enable", "--ckpt.save_steps", 1, "--ckpt.max_num", 1))
+        assert second.returncode == 2
+        line = error_line(second.stderr)
+        assert line.startswith(f"posttrain sft: error: --ckpt.path {ckpt} is in use by another posttrain run "
+                               f"(pid {first.pid}, started "), line
+        assert "Loading weights" not in second.stderr and snapshot(ckpt) == before
+    finally:
+        go.touch()
+    err = finish(first)
+    assert first.returncode == 0, err[-3000:]
+    assert [p.name for p in ckpt.glob("global_step*")] == ["global_step4"]  # A's own rotation, alone
+    assert verify_checkpoint(ckpt / "global_step4") is None
+
+
 def test_ctrl_c_ends_with_one_line_and_no_temp_folders(tiny_model_dir, arithmetic_dir, tmp_path):
     out = tmp_path / "run"
     ckpt = out / "checkpoints"
@@ -187,6 +216,22 @@ def test_ctrl_c_ends_with_one_line_and_no_temp_folders(tiny_model_dir, arithmeti
     last = Path(line.split("; last checkpoint: ")[1])
     assert last.parent == ckpt and verify_checkpoint(last) is None
     assert step - 1 <= int(last.name.removeprefix("global_step")) <= step  # saved every step
+    assert not list(ckpt.glob(".tmp_step*")) and not list(ckpt.glob(".old_step*"))
+
+
+def test_sigterm_ends_with_one_line_exit_143_and_no_temp_folders(tiny_model_dir, arithmetic_dir, tmp_path):
+    out = tmp_path / "run"
+    ckpt = out / "checkpoints"
+    proc = start(CLI + flags(tiny_model_dir, arithmetic_dir, out, "--train.max_epochs", 100,
+                             "--ckpt.save_steps", 1, "--ckpt.max_num", 2), tmp_path / "run.log")
+    wait_for(lambda: list(ckpt.glob("global_step*")), proc, "a checkpoint")
+    proc.send_signal(signal.SIGTERM)
+    err = finish(proc)
+    assert proc.returncode == 143, err[-3000:]
+    line = error_line(err)
+    assert line.startswith("posttrain sft: error: terminated at step "), err[-3000:]
+    last = Path(line.split("; last checkpoint: ")[1])
+    assert last.parent == ckpt and verify_checkpoint(last) is None
     assert not list(ckpt.glob(".tmp_step*")) and not list(ckpt.glob(".old_step*"))
 
 
@@ -219,3 +264,137 @@ def test_disk_full_while_checkpointing_keeps_the_earlier_checkpoint(tiny_model_d
         f"checkpoint is {ckpt / 'global_step2'} (free space or lower --ckpt.max_num)")
     assert verify_checkpoint(ckpt / "global_step2") is None
     assert [p.name for p in ckpt.iterdir() if p.name.startswith(("global_step", ".tmp", ".old"))] == ["global_step2"]
+
+
+DRIVER_TORCH_LOSES_ERRNO = """
+import os, shutil, sys, collections
+import torch
+usage, save, calls = shutil.disk_usage, torch.save, []
+full = []
+def no_space(path):  # the file system once it is full
+    return collections.namedtuple("usage", "total used free")(1 << 30, 1 << 30, 0) if full else usage(path)
+def torch_save(obj, f, *a, **k):
+    calls.append(f)
+    if len(calls) == int(sys.argv[1]):  # as torch 2.13 reports a full disk: no errno, no 'No space left'
+        with open(f, "wb") as out:
+            out.write(b"partial")
+        full.append(True)
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4224 vs 4118; "
+                           "basic_ios::clear: iostream error")
+    return save(obj, f, *a, **k)
+shutil.disk_usage, torch.save = no_space, torch_save
+from posttrain.cli.main import main
+main(["sft", *sys.argv[2:]])
+"""
+
+
+def test_disk_full_reported_by_torch_without_errno_keeps_the_earlier_checkpoint(tiny_model_dir, arithmetic_dir,
+                                                                                  tmp_path):
+    out = tmp_path / "run"
+    ckpt = out / "checkpoints"
+    # 4 torch.save calls per checkpoint (model, optimizer, scheduler, trainer state): the 5th is step 4's model
+    proc = run([sys.executable, "-c", DRIVER_TORCH_LOSES_ERRNO, "5",
+                *flags(tiny_model_dir, arithmetic_dir, out, "--ckpt.save_steps", 2)])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert error_line(proc.stderr) == (
+        f"posttrain sft: error: no space left on device while writing checkpoint step 4 to {ckpt}; the last good "
+        f"checkpoint is {ckpt / 'global_step2'} (free space or lower --ckpt.max_num)")
+    assert verify_checkpoint(ckpt / "global_step2") is None
+    assert [p.name for p in ckpt.iterdir() if p.name.startswith(("global_step", ".tmp", ".old"))] == ["global_step2"]
+
+
+DRIVER_EXPORT_FULL = """
+import shutil, sys, collections
+import transformers.modeling_utils as mu
+from safetensors import SafetensorError
+def no_space(path):
+    return collections.namedtuple("usage", "total used free")(1 << 30, 1 << 30, 0)
+def save_file(*a, **k):  # the final export on a full disk
+    shutil.disk_usage = no_space
+    raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+mu.safe_save_file = save_file
+from posttrain.cli.main import main
+main(["sft", *sys.argv[1:]])
+"""
+
+
+def test_disk_full_during_the_final_export_is_one_line(tiny_model_dir, arithmetic_dir, tmp_path):
+    out = tmp_path / "run"
+    ckpt = out / "checkpoints"
+    proc = run([sys.executable, "-c", DRIVER_EXPORT_FULL,
+                *flags(tiny_model_dir, arithmetic_dir, out, "--ckpt.save_steps", 4)])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert error_line(proc.stderr) == (
+        f"posttrain sft: error: no space left on device while writing the final model to {out}; the last good "
+        f"checkpoint is {ckpt / 'global_step4'} (free space, then resume with --ckpt.load_enable or run again)")
+    assert verify_checkpoint(ckpt / "global_step4") is None and not (out / "model.safetensors").exists()
+
+
+class RunsCode:
+    """Unpickling it writes the marker file (what a crafted checkpoint would do with os.system)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_a_crafted_state_file_is_not_unpickled_on_resume(tiny_model_dir, arithmetic_dir, tmp_path):
+    import json
+
+    import torch
+
+    from posttrain.utils.checkpoint import MANIFEST, _crc32
+
+    out = tmp_path / "run"
+    ckpt = out / "checkpoints"
+    assert run(CLI + flags(tiny_model_dir, arithmetic_dir, out, "--ckpt.save_steps", 2)).returncode == 0
+    step = ckpt / "global_step4"
+    state = step / "trainer_rank0.pt"
+    marker = tmp_path / "code_ran"
+    torch.save({"rng": RunsCode(marker)}, state)
+    manifest = json.loads((step / MANIFEST).read_text())  # the CRC recomputed: the file verifies
+    manifest["files"]["trainer_rank0.pt"] = [state.stat().st_size, _crc32(state)]
+    (step / MANIFEST).write_text(json.dumps(manifest))
+    assert verify_checkpoint(step) is None
+    proc = run(CLI + flags(tiny_model_dir, arithmetic_dir, out, "--ckpt.save_steps", 2, "--ckpt.load_enable",
+                           "--train.max_epochs", 2))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert not marker.exists()
+    assert error_line(proc.stderr).startswith(
+        f"posttrain sft: error: checkpoint file {state} holds objects other than tensors and plain values")
+
+
+def test_unusable_output_folders_are_one_line(tiny_model_dir, arithmetic_dir, tmp_path):
+    a_file = tmp_path / "taken"
+    a_file.write_text("x")
+    proc = run(CLI + flags(tiny_model_dir, arithmetic_dir, a_file))
+    assert proc.returncode == 2
+    assert error_line(proc.stderr) == (f"posttrain sft: error: --ckpt.output_dir {a_file} is a file, not a folder; "
+                                       "choose a folder path for --ckpt.output_dir")
+    proc = run(CLI + flags(tiny_model_dir, arithmetic_dir, tmp_path / "run", "--ckpt.path", a_file / "ck",
+                           "--ckpt.save_steps", 2))
+    assert proc.returncode == 2
+    assert error_line(proc.stderr) == (f"posttrain sft: error: --ckpt.path {a_file / 'ck'} lies under {a_file}, "
+                                       "which is a file, not a folder; choose a folder path for --ckpt.path")
+
+
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """A folder on a read-only tmpfs (needs the right to mount; skipped without it)."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True,
+                      check=False).returncode != 0:
+        pytest.skip("cannot mount a read-only tmpfs here")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=False)
+
+
+def test_read_only_output_folder_is_one_line(tiny_model_dir, arithmetic_dir, read_only_folder):
+    proc = run(CLI + flags(tiny_model_dir, arithmetic_dir, read_only_folder / "run"))
+    assert proc.returncode == 2
+    assert error_line(proc.stderr) == (
+        f"posttrain sft: error: --ckpt.output_dir {read_only_folder / 'run'} cannot be written (it is on a "
+        "read-only file system); choose a writable folder for --ckpt.output_dir")

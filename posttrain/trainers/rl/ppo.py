@@ -37,7 +37,9 @@ from posttrain.trainers.rl.forward import Batching
 from posttrain.trainers.rl.updates import UpdateSettings, steps_per_rollout
 from posttrain.trainers.run_loop import Cadence, RunLoop, plot_charts
 from posttrain.trainers.session import RunStart
+from posttrain.utils.checkpoint import disk_full_as_error, load_state_file, save_state_file
 from posttrain.utils.log import info, warn_once
+from posttrain.utils.metrics import truncate_jsonl_after
 from posttrain.utils.seeding import rng_state, set_rng_state
 from posttrain.utils.timer import Timers
 from posttrain.utils.weights_hash import weights_hash
@@ -387,7 +389,7 @@ class RLTrainer(RunLoop):
             key = next((k for k in metrics if k.endswith("_pass1")), None)
         if key is None or key not in metrics or metrics[key] <= self.best["value"]:
             return
-        self.best = {"key": key, "value": metrics[key], "step": self.global_step}
+        self.best = {"key": key, "value": float(metrics[key]), "step": self.global_step}
         self.actor.export(self.output_dir / "best", self.tokenizer, ema=False)
         (self.output_dir / "best" / "best_metric.json").write_text(json.dumps(self.best))
         info(f"new best {key} = {metrics[key]:.4f} at step {self.global_step}: saved to {self.output_dir / 'best'}")
@@ -396,14 +398,14 @@ class RLTrainer(RunLoop):
         self.actor.save_state(d / "actor")
         if self.critic is not None:
             self.critic.save_state(d / "critic")
-        state = {"global_step": self.global_step, "prompt_cursor": self.trained_cursor,
+        state = {"global_step": self.global_step, "prompt_cursor": int(self.trained_cursor),
                  "kl_ctl": self.kl_ctl.state_dict(), "best": self.best, "rng": rng_state()}
-        torch.save(state, d / "trainer_state.pt")
+        save_state_file(state, d / "trainer_state.pt")
         if self.cfg.ckpt.save_hf:
             self.actor.export(d / "hf", self.tokenizer)  # as the final export (EMA weights when kept, as OpenRLHF)
 
     def restore(self, path: Path, meta: dict) -> None:
-        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        state = load_state_file(path / "trainer_state.pt")
         self.actor.load_state(path / "actor")
         if self.critic is not None:
             self.critic.load_state(path / "critic")
@@ -411,6 +413,8 @@ class RLTrainer(RunLoop):
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.best = state["best"]
         set_rng_state(state["rng"])
+        if self.is_main:  # samples of the steps after the checkpoint are written again
+            truncate_jsonl_after(self.output_dir / "samples.jsonl", int(meta["global_step"]))
 
     def before_loop(self) -> None:
         self.policy_version = self.global_step
@@ -480,9 +484,10 @@ class RLTrainer(RunLoop):
     def _export(self) -> None:
         if self.actor.keeps_ema:
             info("--train.enable_ema: the saved final model holds the EMA weights")
-        self.actor.export(self.output_dir, self.tokenizer)
-        if self.critic is not None and self.cfg.critic.save_value_network:
-            self.critic.export(self.output_dir / "critic", self.tokenizer)
+        with disk_full_as_error("the final model", self.output_dir, self.folders.last_checkpoint()):
+            self.actor.export(self.output_dir, self.tokenizer)
+            if self.critic is not None and self.cfg.critic.save_value_network:
+                self.critic.export(self.output_dir / "critic", self.tokenizer)
         info(f"final model saved to {self.output_dir}")
 
 

@@ -1,6 +1,14 @@
+import math
+
 import pytest
 
-from posttrain.utils.checkpoint import CheckpointError, CheckpointManager, read_manifest, verify_checkpoint
+from posttrain.utils.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    CheckpointManager,
+    read_manifest,
+    verify_checkpoint,
+)
 
 
 def _writer(payload: bytes):
@@ -165,13 +173,14 @@ def test_disk_full_keeps_earlier_checkpoints_and_names_the_last_good_one(tmp_pat
     assert _steps(tmp_path) == [2]
 
 
-def test_disk_full_reason_recognises_torch_save_and_quota_errors():
+def test_disk_full_reason_recognises_torch_save_and_quota_errors(tmp_path, monkeypatch):
     import errno
+    import shutil
+    from collections import namedtuple
 
     from posttrain.utils.checkpoint import disk_full_reason
 
     assert disk_full_reason(OSError(errno.EDQUOT, "quota")) == "disk quota exceeded"
-    assert disk_full_reason(RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed"))
     try:
         try:
             raise OSError(errno.ENOSPC, "full")
@@ -180,6 +189,51 @@ def test_disk_full_reason_recognises_torch_save_and_quota_errors():
     except RuntimeError as wrapped:
         assert disk_full_reason(wrapped) == "no space left on device"
     assert disk_full_reason(OSError(errno.EACCES, "denied")) is None
+    # torch 2.13 loses the errno: what decides is the free space of the target, never the message
+    torch_full = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 512 vs 448; "
+                              "basic_ios::clear: iostream error")
+    assert disk_full_reason(torch_full, tmp_path) is None  # plenty of space: another fault
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 << 20, 10 << 20, 0))
+    assert disk_full_reason(torch_full, tmp_path / "not" / "yet") == "no space left on device"
+    assert disk_full_reason(KeyboardInterrupt(), tmp_path) is None
+
+
+def test_a_file_the_manifest_does_not_list_fails_verification(tmp_path):
+    mgr = CheckpointManager(tmp_path, identity=_identity())
+    path = mgr.save(1, _writer(b"one"), {})
+    assert verify_checkpoint(path) is None
+    (path / "engine").mkdir()
+    (path / "engine" / "extra.pt").write_bytes(b"x")
+    assert verify_checkpoint(path) == f"{path / 'engine' / 'extra.pt'} is not listed in {path / MANIFEST} " \
+                                      "(added after the save)"
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))  # unpickling creates the marker file
+
+
+def test_state_files_hold_plain_values_and_a_crafted_one_never_runs(tmp_path):
+    import torch
+
+    from posttrain.utils.checkpoint import load_state_file, save_state_file
+    from posttrain.utils.seeding import rng_state
+
+    state = {"rng": rng_state(), "kl_ctl": {"value": 0.1}, "best": {"key": None, "value": -math.inf}}
+    save_state_file(state, tmp_path / "ok.pt")
+    back = load_state_file(tmp_path / "ok.pt")
+    assert torch.equal(back["rng"]["torch"], state["rng"]["torch"]) and back["best"] == state["best"]
+    marker = tmp_path / "ran"
+    torch.save({"rng": _RunsCode(marker)}, tmp_path / "bad.pt")
+    with pytest.raises(CheckpointError) as e:
+        load_state_file(tmp_path / "bad.pt")
+    assert not marker.exists()
+    assert str(e.value).startswith(f"checkpoint file {tmp_path / 'bad.pt'} holds objects other than tensors and "
+                                   "plain values") and "\n" not in str(e.value)
 
 
 def test_interrupted_save_leaves_no_temp_folder_and_stale_ones_are_cleaned(tmp_path):
