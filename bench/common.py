@@ -319,10 +319,12 @@ def trl_training_args(spec: dict, out_dir) -> dict:
 
 def add_round_robin_args(p, workers: list[str]) -> None:
     """The flags every round-robin bench shares: waiting for a quiet machine, the work folder, the
-    markdown output, and the internal flags a worker process is launched with."""
+    markdown output, torch threads per worker (`set_threads(spec)` in the worker), and the internal flags
+    a worker process is launched with."""
     import argparse
 
     p.add_argument("--chunk", type=int, default=5, help="optimizer steps per turn in the round-robin")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
     p.add_argument("--max-wait", type=float, default=30.0,
                    help="seconds to wait before each repeat for other processes to go idle")
     p.add_argument("--workdir", default=None, help="folder for model, data, logs (default: a temp dir)")
@@ -370,6 +372,14 @@ def plus_lines(spec: dict, speed: dict[str, list[float]], steps: dict[str, list[
                          f"{', '.join(f'{v:.3f}' for v in each)}; per step, median: {per_step:.3f}; "
                          f"> 1 = {num} faster)")
     return lines
+
+
+def set_threads(spec: dict) -> None:
+    """In a worker: torch.set_num_threads(spec["threads"]) unless it is 0 (torch's default)."""
+    if spec.get("threads"):
+        import torch
+
+        torch.set_num_threads(spec["threads"])
 
 
 def check_step_args(p, args) -> None:

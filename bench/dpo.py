@@ -57,6 +57,7 @@ from common import (  # noqa: E402
     plus_lines,
     posttrain_flags,
     run_round_robin,
+    set_threads,
     side_flags,
     trl_step_callback,
     trl_training_args,
@@ -168,8 +169,7 @@ def worker(args) -> None:
     import torch
 
     spec = json.loads(Path(args.spec).read_text())
-    if spec["threads"]:
-        torch.set_num_threads(spec["threads"])
+    set_threads(spec)
     steps, ga = spec["steps"], spec["batch_size"] // spec["micro_batch_size"]
     clock = TurnClock(steps, Baton(), chunk=spec["chunk"])
     if args.worker == "trl":
@@ -264,7 +264,6 @@ def main(argv=None) -> None:
     p.add_argument("--difficulty", type=int, default=4, help="make_preference_rows difficulty 0..4")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--repeats", type=int, default=3, help="runs per side (median reported)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
     add_posttrain_flags_arg(p)
     add_round_robin_args(p, list(SIDES))
     args = p.parse_args(argv)

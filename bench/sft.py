@@ -60,6 +60,7 @@ from common import (  # noqa: E402
     plus_lines,
     posttrain_flags,
     run_round_robin,
+    set_threads,
     side_flags,
     trl_step_callback,
     trl_training_args,
@@ -174,6 +175,7 @@ def worker(args) -> None:
     import torch
 
     spec = json.loads(Path(args.spec).read_text())
+    set_threads(spec)
     framework, packed = CONFIGS[args.worker]
     steps, ga = spec["steps"], spec["batch_size"] // spec["micro_batch_size"]
     clock = TurnClock(steps, Baton(), chunk=spec["chunk"])
@@ -212,7 +214,8 @@ def prepare(args, work: Path) -> dict:
     return {"model": str(model), "data": str(work / "data"), "steps": args.steps, "batch_size": args.batch_size,
             "micro_batch_size": args.micro_batch_size, "max_len": args.max_len, "lr": args.lr,
             "warmup_ratio": args.warmup_ratio, "min_lr_ratio": 0.1, "seed": args.seed, "chunk": args.chunk,
-            "order": [int(i) for i in epoch_order(n, args.seed, 0)], "posttrain_flags": posttrain_flags(args)}
+            "order": [int(i) for i in epoch_order(n, args.seed, 0)], "posttrain_flags": posttrain_flags(args),
+            "threads": args.threads}
 
 
 def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
@@ -280,7 +283,8 @@ def report(args, spec, results, summary, check_lines, vers, started) -> str:
              f"loss on the completion; global batch {args.batch_size} = micro-batch {args.micro_batch_size} x "
              f"{ga} accumulation; max_len {args.max_len}; {args.steps} optimizer steps (1 epoch); AdamW lr "
              f"{args.lr}, betas (0.9, 0.95), eps 1e-8, wd 0, clip 1.0, cosine_with_min_lr (min 0.1x) with "
-             f"{math.ceil(args.steps * args.warmup_ratio)} warm-up steps; fp32, sdpa; {args.repeats} repeats, each "
+             f"{math.ceil(args.steps * args.warmup_ratio)} warm-up steps; fp32, sdpa; torch threads per worker "
+             f"{next(iter(summary.values()))['num_threads']}; {args.repeats} repeats, each "
              f"configuration in its own process, the processes taking turns of {args.chunk} steps (round-robin).")
     vtext = ", ".join(f"{k} {v}" for k, v in vers.items())
     return "\n".join([
