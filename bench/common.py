@@ -355,21 +355,27 @@ def side_flags(spec: dict, side: str) -> list[str]:
     return list(spec.get("posttrain_flags") or []) if side == PLUS else []
 
 
-def plus_lines(spec: dict, speed: dict[str, list[float]], steps: dict[str, list[list[float]]]) -> list[str]:
+def plus_lines(spec: dict, speed: dict[str, list[float]], steps: dict[str, list[list[float]]],
+               cpu: dict[str, list[list[float]]] | None = None) -> list[str]:
     """Markdown bullets for a run with a `posttrain+` side: what it is, and its speed against `posttrain`
     and TRL. `speed` = side -> one speed per repeat (higher = faster: tokens/s, 1 / s-per-step); `steps` =
     side -> per repeat, the seconds of each timed step. The per-repeat ratios give the run-to-run spread;
     the per-step ratio (the same step of the same repeat, i.e. the same batch; median over all of them)
-    is robust to the stalls of a few seconds that outside load puts into single steps."""
+    is robust to the stalls of a few seconds that outside load puts into single steps. `cpu` (optional) = the
+    same with each step's CPU time of the worker process: with one torch thread, much less disturbed by
+    outside load than wall time (the process only counts while it runs)."""
     if PLUS not in speed:
         return []
     lines = [f"- `{PLUS}` = posttrain's default configuration plus `{shlex.join(spec['posttrain_flags'])}`"]
     for num, den in (("posttrain", PLUS), (PLUS, "trl")):
         if den in speed:
             each = [a / b for a, b in zip(speed[num], speed[den])]
-            per_step = median(b / a for ra, rb in zip(steps[num], steps[den]) for a, b in zip(ra, rb))
+            def per_step(clock):
+                return median(b / a for ra, rb in zip(clock[num], clock[den]) for a, b in zip(ra, rb))
+
+            cpu_text = f"; CPU time per step, median ratio: {per_step(cpu):.3f}" if cpu else ""
             lines.append(f"- speed {num} / {den}: **{median(speed[num]) / median(speed[den]):.3f}x** (each repeat: "
-                         f"{', '.join(f'{v:.3f}' for v in each)}; per step, median: {per_step:.3f}; "
+                         f"{', '.join(f'{v:.3f}' for v in each)}; per step, median: {per_step(steps):.3f}{cpu_text}; "
                          f"> 1 = {num} faster)")
     return lines
 

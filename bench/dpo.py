@@ -186,7 +186,8 @@ def worker(args) -> None:
                 "timed_steps": timed_steps, "s_per_step": seconds / timed_steps,
                 "tokens": sum(m["tokens"] for m in micro), "digests": [m["digest"] for m in micro],
                 "final_loss": res["losses"][-1] if res["losses"] else None,
-                "others_share": clock.others_share(skip=1), "step_seconds": [st[0] for st in clock.steps]})
+                "others_share": clock.others_share(skip=1), "step_seconds": [st[0] for st in clock.steps],
+                "step_cpu_seconds": [st[1] for st in clock.steps]})
     Path(args.result).write_text(json.dumps(res))
 
 
@@ -227,7 +228,8 @@ def report(args, spec, results: dict[str, list[dict]], vers, started) -> str:
     loss_diff = {side: max(abs(a - b) for a, b in zip(summ["posttrain"]["losses"], s["losses"]))
                  for side, s in summ.items() if side != "posttrain"}
     plus = plus_lines(spec, {side: [1 / v for v in s["all"]] for side, s in summ.items()},
-                      {side: [r["step_seconds"][1:] for r in runs] for side, runs in results.items()})
+                      {side: [r["step_seconds"][1:] for r in runs] for side, runs in results.items()},
+                      {side: [r["step_cpu_seconds"][1:] for r in runs] for side, runs in results.items()})
     cmd = ".venv/bin/python bench/dpo.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     ga = args.batch_size // args.micro_batch_size
     setup = (f"model `build_tiny(arch='llama', size='{args.size}', seed=0)` (+ a frozen reference copy on each side); "

@@ -358,7 +358,8 @@ def report(args, spec, results, discarded, started) -> str:
     lines.append(f"- machine: {machine()}; workers: " +
                  ", ".join(f"{k} {v[0]['num_threads']} threads" for k, v in results.items()))
     lines += plus_lines(spec, {k: [1 / r["median_step"] for r in v] for k, v in results.items()},
-                        {k: [r["step_seconds"] for r in v] for k, v in results.items()})
+                        {k: [r["step_seconds"] for r in v] for k, v in results.items()},
+                        {k: [r["step_cpu_seconds"] for r in v] for k, v in results.items()})
     lines.append("- versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()))
     lines.append(f"- setup: llama {args.size} ({spec['num_parameters']:,} params, vocab {spec['vocab_size']}), "
                  f"{args.prompts} prompts x {args.n} samples = {args.prompts * args.n} per step, "

@@ -195,7 +195,7 @@ def worker(args) -> None:
         "total_tokens": sum(m["tokens"] for m in micro), "total_targets": sum(m["targets"] for m in micro),
         "digests": [m["digest"] for m in micro], "final_loss": res["losses"][-1] if res["losses"] else None,
         "tokens_per_s": sum(m["tokens"] for m in timed) / seconds, "others_share": clock.others_share(skip=1),
-        "step_seconds": [st[0] for st in clock.steps]})
+        "step_seconds": [st[0] for st in clock.steps], "step_cpu_seconds": [st[1] for st in clock.steps]})
     Path(args.result).write_text(json.dumps(res))
 
 
@@ -275,7 +275,8 @@ def report(args, spec, results, summary, check_lines, vers, started) -> str:
     ratios = [f"- {a} / {b}: **{summary[a]['tokens_per_s'] / summary[b]['tokens_per_s']:.2f}x**"
               for a, b in pairs if a in summary and b in summary]
     ratios += plus_lines(spec, {name: s["all_tps"] for name, s in summary.items()},
-                         {name: [r["step_seconds"][1:] for r in runs] for name, runs in results.items()})
+                         {name: [r["step_seconds"][1:] for r in runs] for name, runs in results.items()},
+                         {name: [r["step_cpu_seconds"][1:] for r in runs] for name, runs in results.items()})
     cmd = ".venv/bin/python bench/sft.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     ga = args.batch_size // args.micro_batch_size
     setup = (f"model `build_tiny(arch='llama', size='{args.size}', seed=0)`; data `make_arithmetic_rows"
