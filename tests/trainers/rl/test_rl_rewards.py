@@ -1,31 +1,23 @@
 """Reward sources inside `posttrain ppo`: a real serve-rm on 127.0.0.1, and every way a reward can
 fail — each stops with a clear error (or a counted skip when asked) and never harms a checkpoint."""
 import re
-import socket
 import subprocess
 import sys
-import threading
 import time
-from contextlib import contextmanager
 
 import pytest
 import requests
+from rewards_http import free_port, in_thread_server
 from rl_helpers import rewards_by_step
 
 from posttrain.utils.checkpoint import CheckpointManager
 from posttrain.utils.metrics import read_metrics
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def reward_server(rl_setup):
     _, _, rewards = rl_setup
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "posttrain.cli.main", "serve-rm", "--reward.remote_url",
                              str(rewards / "correct.py"), "--port", str(port), "--token", "s3cret"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -69,35 +61,13 @@ class _Counting:
         self.inner.close()
 
 
-@contextmanager
-def _in_thread_server(source):
-    """`posttrain serve-rm`'s app for `source`, served by uvicorn in a thread on a free port."""
-    import uvicorn
-
-    from posttrain.rewards.server import build_app
-
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(source), host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 20
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "in-thread server did not start"
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}/get_reward"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
 def test_two_reward_servers_share_each_batch(run_ppo, rl_setup):
     from posttrain.rewards import PythonRewardFunction
 
     _, _, rewards = rl_setup
     first, second = (_Counting(PythonRewardFunction(rewards / "correct.py")) for _ in range(2))
-    with _in_thread_server(first) as a, _in_thread_server(second) as b:
-        out, _ = run_ppo("--reward.remote_url", f"{a},{b}", "--train.max_steps", "1", name="two-servers")
+    with in_thread_server(first) as a, in_thread_server(second) as b:
+        out, _ = run_ppo("--reward.remote_url", f"{a}/get_reward,{b}/get_reward", "--train.max_steps", "1", name="two-servers")
     assert first.seen == [16] and second.seen == [16]  # 8 prompts x 4 samples, split in two
     rows = read_metrics(out / "metrics.jsonl")
     assert len(rows) == 1 and "reward/accuracy" in rows[0]  # extra_logs joined over both servers
@@ -116,7 +86,7 @@ def user_error(capsys, run, *args, **kwargs) -> str:
 
 
 def test_unreachable_server_is_a_clear_error(run_ppo, capsys):
-    url = f"http://127.0.0.1:{_free_port()}/get_reward"
+    url = f"http://127.0.0.1:{free_port()}/get_reward"
     err = user_error(capsys, run_ppo, "--reward.remote_url", url, "--reward.retries", "2", "--reward.timeout", "1",
                      name="down")
     assert "unreachable after 2 attempts" in err
