@@ -25,6 +25,7 @@ from posttrain.config import (
 from posttrain.config.ray_mode import uses_ray
 from posttrain.config.roles import SEQUENCE_POLICY_LOSSES
 from posttrain.data import PromptDataset, load_rows
+from posttrain.data.errors import check_dropped
 from posttrain.models import load_tokenizer, unwrap_model
 from posttrain.rollout import HFRolloutEngine, SamplingParams, rank_seed
 from posttrain.rollout.single_turn import SingleTurnSampler
@@ -73,8 +74,11 @@ class RLTrainer(RunLoop):
                          cfg.data.max_samples)
         limit = cfg.data.max_len - (cfg.rollout.max_new_tokens or 1)
         self.prompts = PromptDataset(rows, tok, max_prompt_len=limit, **kw)
-        if self.prompts.dropped:
-            info(f"{len(self.prompts.dropped)} prompts longer than {limit} tokens dropped (--data.max_len)")
+        report = check_dropped("prompt dataset", self.prompts.dropped, len(self.prompts) + len(self.prompts.dropped),
+                               f"the prompt is longer than {limit} tokens (--data.max_len minus "
+                               "--rollout.max_new_tokens)", cfg.data.max_dropped_frac)
+        if report:
+            info(report)
         self._set_budgets([p.token_ids for p in self.prompts])
         self.eval_prompts, self.eval_name = None, None
         if cfg.eval.dataset:
