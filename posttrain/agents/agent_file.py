@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from posttrain.agents.agent_api import AgentExecutorBase
-from posttrain.compat.user_files import exec_user_file
+from posttrain.compat.user_files import call_user, exec_user_file
 from posttrain.utils.errors import UserError
 
 FLAG = "--train.agent_func_path"
@@ -35,6 +35,6 @@ def load_agent_executor(path: str) -> AgentExecutorBase:
         raise AgentFileError(f"{FLAG} {path}: AgentExecutor must be a subclass of AgentExecutorBase "
                              "(from openrlhf.utils.agent or posttrain.agents.agent_api)")
     try:
-        return cls()
+        return call_user(cls)
     except Exception as e:
         raise AgentFileError(f"{FLAG} {path}: AgentExecutor() raised {type(e).__name__}: {e}") from e
