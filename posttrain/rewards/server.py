@@ -5,7 +5,8 @@ POST /get_reward  body `{"query": [B str], "prompts": [B str] (optional, default
                   "truncated": [B bool] (query cut to the model's length limit), "num_truncated": int}`.
 GET  /health      → `{"status": "ok", "source": ...}`.
 With a token every request (health included) needs `Authorization: Bearer <token>`, else 401.
-Any problem with the body (not JSON, wrong shape, no queries) → 400 naming it; a body over
+Any problem with the body (not JSON, wrong shape, no queries, a string that is not valid Unicode such
+as a lone surrogate `"\\ud800"`) → 400 naming it; a body over
 `max_request_bytes` or more than `max_queries` queries → 413 naming the limit and its flag; a reward
 source error → 500 with its message. Requests are scored one at a time (the source need not be
 thread-safe).
@@ -25,6 +26,18 @@ _DRAIN_BYTES = 1 << 30  # an over-limit body is read (and dropped) up to this mu
 
 class BodyTooLarge(Exception):
     """The request exceeds a size limit; the message names the limit and the flag that sets it."""
+
+
+def _check_text(values, what: str) -> None:
+    """ValueError when a string of `values` is not valid Unicode text: JSON lets `\\ud800` (a lone UTF-16
+    surrogate) through, which no tokenizer or UTF-8 encoder takes."""
+    for i, value in enumerate(values):
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise ValueError(f"{what}[{i}] holds a lone UTF-16 surrogate ({value[err.start]!r} at character "
+                                 f"{err.start}), which is not valid Unicode text; send valid UTF-8 text") from None
 
 
 def _check_body(body) -> tuple[list[str], list[str], list | None]:
@@ -48,6 +61,9 @@ def _check_body(body) -> tuple[list[str], list[str], list | None]:
     labels = body.get("labels")
     if labels is not None and (not isinstance(labels, list) or len(labels) != n):
         raise ValueError(f"'labels' must be a list of {n} entries (one per query) or null")
+    _check_text(queries, "'query'")
+    _check_text(prompts, "'prompts'")
+    _check_text(labels or [], "'labels'")
     return queries, prompts, labels
 
 
