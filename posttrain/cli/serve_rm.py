@@ -42,8 +42,9 @@ def position_limit(model_path: str) -> int | None:
     """The model's position limit (max_position_embeddings or its equivalent) from its config, or None."""
     from transformers import AutoConfig
 
-    from posttrain.models.loading import check_model_path
+    from posttrain.models.loading import check_model_folder, check_model_path
 
+    check_model_folder(model_path)
     config = AutoConfig.from_pretrained(check_model_path(model_path))
     if hasattr(config, "get_text_config"):
         config = config.get_text_config()

@@ -61,3 +61,41 @@ def test_sft_reports_the_rows_it_drops(tiny_model_dir, tmp_path):
     assert "8 of 16 rows (50%) dropped because the prompt alone fills --data.max_len 48" in proc.stderr
     assert "(first: " in proc.stderr and "rows.jsonl, row 2)" in proc.stderr
     assert len(read_metrics(tmp_path / "o" / "metrics.jsonl")) == 2
+
+
+def broken_copy(src, dst, case):
+    import shutil
+
+    shutil.copytree(src, dst)
+    if case == "config_not_json":
+        (dst / "config.json").write_text('{"model_type": "llama",\n  "hidden_size": 64,,\n}')
+    elif case == "corrupt_safetensors":
+        (dst / "model.safetensors").write_bytes(b"\xff" * 64)  # the header length reads as ~1.8e19 bytes
+    elif case == "auto_map":
+        config = json.loads((dst / "config.json").read_text())
+        config["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
+        (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize("case, needles", [
+    ("config_not_json", ["config.json is not valid JSON", "line 2"]),
+    ("corrupt_safetensors", ["model.safetensors cannot be read", "header too large"]),
+    ("auto_map", ["config.json has `auto_map`", "trust_remote_code", "does not run"]),
+])
+def test_a_broken_model_folder_stops_sft_before_the_data_is_read(tiny_model_dir, tmp_path, case, needles):
+    from pathlib import Path
+
+    model = broken_copy(Path(tiny_model_dir), tmp_path / "model", case)
+    # the dataset does not exist: the model's error comes first, so the model is checked before the data
+    proc = sft(*flags(model, tmp_path / "missing.jsonl", tmp_path / "o"))
+    line = one_error_line(proc, str(model), *needles)
+    assert "missing.jsonl" not in line
+
+
+def test_a_model_path_that_is_a_file_is_named_a_file(tiny_model_dir, tmp_path):
+    from pathlib import Path
+
+    weights = Path(tiny_model_dir) / "model.safetensors"
+    proc = sft(*flags(weights, tmp_path / "missing.jsonl", tmp_path / "o"))
+    one_error_line(proc, "is a file, not a folder")

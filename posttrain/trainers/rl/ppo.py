@@ -26,7 +26,7 @@ from posttrain.config.ray_mode import uses_ray
 from posttrain.config.roles import SEQUENCE_POLICY_LOSSES
 from posttrain.data import PromptDataset, load_rows
 from posttrain.data.errors import check_dropped
-from posttrain.models import load_tokenizer, unwrap_model
+from posttrain.models import check_model_folder, load_tokenizer, unwrap_model
 from posttrain.rollout import HFRolloutEngine, SamplingParams, rank_seed
 from posttrain.rollout.single_turn import SingleTurnSampler
 from posttrain.trainers.rl import build
@@ -65,6 +65,10 @@ class RLTrainer(RunLoop):
     # ---- set-up -----------------------------------------------------------------------------
     def _load_data(self) -> None:
         cfg = self.cfg
+        for path in (cfg.actor.model_name_or_path, cfg.critic.model_name_or_path, cfg.ref.model_name_or_path,
+                     cfg.reward.model_name_or_path):
+            if path:  # a broken model folder stops the run before the data is read
+                check_model_folder(path)
         self.tokenizer = tok = load_tokenizer(cfg.actor.model_name_or_path,
                                               use_fast=not cfg.data.disable_fast_tokenizer,
                                               chat_template=cfg.data.tokenizer_chat_template)
