@@ -454,3 +454,26 @@ def test_a_lone_surrogate_is_400_and_sys_exit_in_reward_func_is_500(tmp_path):
         r = HTTP.post(url, json={"query": ["exit"]}, timeout=5)
         assert r.status_code == 500 and "called sys.exit(0) at" in r.json()["detail"]
         assert HTTP.post(url, json={"query": ["a"]}, timeout=5).json()["rewards"] == [1.0]  # still serving
+
+
+class Slow:
+    """A reward source that answers after `delay` seconds."""
+
+    def __init__(self, delay):
+        self.delay = delay
+
+    def score(self, queries, prompts, labels=None, **kwargs):
+        time.sleep(self.delay)
+        return make_reward_source(str(FUNCS / "plain_reward.py")).score(queries, prompts, labels)
+
+    def close(self):
+        pass
+
+
+def test_a_slow_server_is_reported_as_timed_out_not_unreachable():
+    with in_thread_server(Slow(1.5)) as base:
+        remote = RemoteReward(base + "/get_reward", timeout=0.3, retries=2, backoff=0.01)
+        with pytest.raises(RewardError, match=rf"reward server {base}/get_reward timed out after 0.3 s "
+                                              r"\(--reward.timeout\) on each of 2 attempts") as err:
+            remote.score(["a"], [""], None)
+        assert "unreachable" not in str(err.value)
