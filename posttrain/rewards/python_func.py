@@ -85,7 +85,8 @@ def _describe(err: BaseException, path: str) -> tuple[str, str]:
     """(one-line cause with the innermost frame of the user's code, traceback lines of the frames
     outside posttrain) for an exception raised while loading or calling the file `path`."""
     frames = _user_frames(traceback.extract_tb(err.__traceback__))
-    line = f"{type(err).__name__}: {err}{_at(frames, os.path.dirname(os.path.abspath(path)))}"
+    at = "" if isinstance(err, UserFileExit) else _at(frames, os.path.dirname(os.path.abspath(path)))  # it names it
+    line = f"{type(err).__name__}: {err}{at}"
     details = _format_frames(frames, "Traceback (user code, most recent call last)")
     if isinstance(err, SyntaxError):
         details += "\n" + "".join(traceback.format_exception_only(type(err), err)).rstrip()

@@ -25,7 +25,7 @@ def sft(*flags):
 
 def one_error_line(proc, *needles):
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback (most recent call last)" not in proc.stderr, proc.stderr[-3000:]  # posttrain's own
     line = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
     assert line, proc.stderr[-3000:]
     for needle in needles:
@@ -99,3 +99,32 @@ def test_a_model_path_that_is_a_file_is_named_a_file(tiny_model_dir, tmp_path):
     weights = Path(tiny_model_dir) / "model.safetensors"
     proc = sft(*flags(weights, tmp_path / "missing.jsonl", tmp_path / "o"))
     one_error_line(proc, "is a file, not a folder")
+
+
+def ppo(model, tmp_path, *extra):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(8)))
+    return run("-m", "posttrain.cli.main", "ppo", "--actor.model_name_or_path", model, "--data.prompt_dataset", data,
+               "--data.input_key", "prompt", "--data.label_key", "answer", "--data.max_len", "32",
+               "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "2", "--rollout.max_new_tokens", "2",
+               "--train.batch_size", "4", "--train.micro_batch_size", "2", "--data.max_samples", "4",
+               "--algo.kl.init_coef", "0", "--ckpt.output_dir", tmp_path / "out", "--ds.param_dtype", "fp32", *extra)
+
+
+def test_sys_exit_in_reward_func_ends_ppo_with_an_error_naming_the_file(tiny_model_dir, tmp_path):
+    reward = tmp_path / "exits.py"
+    reward.write_text("import sys\n\ndef reward_func(queries, prompts, labels, **kw):\n    sys.exit(0)\n")
+    proc = ppo(tiny_model_dir, tmp_path, "--reward.remote_url", reward)
+    one_error_line(proc, "exits.py", "called sys.exit(0) at", "exits.py:4")
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_an_agent_instance_that_cannot_be_created_stops_ppo_before_the_models_load(tiny_model_dir, tmp_path):
+    agent = tmp_path / "agent.py"
+    agent.write_text("from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor\n\n\n"
+                     "class AgentInstance(AgentInstanceBase):\n    def __init__(self, *args, **kwargs):\n        pass\n\n\n"
+                     "class AgentExecutor(MultiTurnAgentExecutor):\n    def __init__(self):\n"
+                     "        super().__init__(AgentInstance)\n")
+    proc = ppo(tiny_model_dir, tmp_path, "--train.agent_func_path", agent)
+    one_error_line(proc, "agent.py", "AgentInstance() with no arguments", "does not implement step")
+    assert not (tmp_path / "out" / "model.safetensors").exists()

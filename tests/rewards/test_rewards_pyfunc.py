@@ -357,23 +357,3 @@ def test_sys_exit_while_importing_or_calling_is_an_error_of_the_file(tmp_path):
             src.score(["a"], ["p"])
         assert "attempts" not in str(err.value)  # not retried
 
-
-def test_sys_exit_in_an_agent_file_or_its_executor_is_an_error_of_the_file(tmp_path):
-    from posttrain.agents.agent_file import AgentFileError, load_agent_executor
-
-    with pytest.raises(AgentFileError, match=r"agent.py: importing it raised UserFileExit: it called sys.exit\(0\)"):
-        load_agent_executor(write(tmp_path, "import sys\nsys.exit(0)\n", name="agent.py"))
-    body = """
-        import sys
-        from posttrain.agents.agent_api import AgentExecutorBase
-
-        class AgentExecutor(AgentExecutorBase):
-            def __init__(self):
-                sys.exit(1)
-
-            async def execute(self, *args, **kwargs):
-                pass
-        """
-    with pytest.raises(AgentFileError, match=r"AgentExecutor\(\) raised UserFileExit: it called sys.exit\(1\) at "
-                                             r".*agent2.py:7"):
-        load_agent_executor(write(tmp_path, body, name="agent2.py"))
