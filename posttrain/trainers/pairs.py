@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from posttrain.data import pack_collate, pad_collate
+from posttrain.data.capping import capped_note
 from posttrain.data.errors import check_dropped
 from posttrain.data.preference_dataset import PreferenceDataset, pair_sides
 from posttrain.utils.log import info
@@ -53,4 +54,6 @@ def preference_items(rows: list[dict], tokenizer, cfg: RMConfig | DPOConfig, wha
                            f"the prompt alone fills --data.max_len {cfg.data.max_len}", cfg.data.max_dropped_frac)
     if report:
         info(report)
+    if data.num_capped:
+        info(capped_note(what, data.num_capped, cfg.data.max_len, tokenizer))
     return [data[i] for i in range(len(data))]

@@ -12,6 +12,7 @@ import torch
 from posttrain.algorithms.losses import aggregate, token_logprobs
 from posttrain.config import SFTConfig, changed_values
 from posttrain.data import SFTDataset, pack_collate, pad_collate
+from posttrain.data.capping import capped_note
 from posttrain.data.errors import check_dropped
 from posttrain.models import forward_logits
 from posttrain.trainers.session import SingleModelRun
@@ -67,6 +68,8 @@ def train_sft(cfg: SFTConfig) -> dict:
                                    cfg.data.max_dropped_frac)
             if report:
                 info(report)
+            if data.num_capped:
+                info(capped_note(f"SFT {what} set", data.num_capped, cfg.data.max_len, tok))
     objective = SFTObjective(tok.pad_token_id, packing=cfg.ds.packing_samples)
     return run.fit(objective, [train_set[i] for i in range(len(train_set))],
                    [eval_set[i] for i in range(len(eval_set))] if eval_set else None)

@@ -128,3 +128,14 @@ def test_an_agent_instance_that_cannot_be_created_stops_ppo_before_the_models_lo
     proc = ppo(tiny_model_dir, tmp_path, "--train.agent_func_path", agent)
     one_error_line(proc, "agent.py", "AgentInstance() with no arguments", "does not implement step")
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_sft_cuts_a_huge_text_field_before_tokenising_and_reports_it(tiny_model_dir, tmp_path):
+    data = tmp_path / "rows.jsonl"
+    rows = [{"prompt": f"What is {i} + 1?", "response": str(i + 1)} for i in range(8)]
+    rows[3]["response"] = "many words " * 500_000  # 5.5 MB on one line
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = sft(*flags(tiny_model_dir, data, tmp_path / "o"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SFT train set: 1 rows have a text field longer than" in proc.stderr
+    assert "cut to that before tokenising" in proc.stderr

@@ -25,6 +25,7 @@ from posttrain.config import (
 from posttrain.config.ray_mode import uses_ray
 from posttrain.config.roles import SEQUENCE_POLICY_LOSSES
 from posttrain.data import PromptDataset, load_rows
+from posttrain.data.capping import capped_note
 from posttrain.data.errors import check_dropped
 from posttrain.models import check_model_folder, load_tokenizer, unwrap_model
 from posttrain.rollout import HFRolloutEngine, SamplingParams, rank_seed
@@ -83,6 +84,8 @@ class RLTrainer(RunLoop):
                                "--rollout.max_new_tokens)", cfg.data.max_dropped_frac)
         if report:
             info(report)
+        if self.prompts.num_capped:
+            info(capped_note("prompt dataset", self.prompts.num_capped, limit, tok, f"{limit} prompt tokens"))
         self._set_budgets([p.token_ids for p in self.prompts])
         self.eval_prompts, self.eval_name = None, None
         if cfg.eval.dataset:
