@@ -50,6 +50,9 @@ if TYPE_CHECKING:
     from posttrain.config import PPOConfig
 
 
+GATHER_WAIT = 0.002  # seconds the front waits, per round, for requests crossing from episode threads
+
+
 class AgentError(UserError):
     """Too many episodes of a batch failed."""
 
@@ -267,6 +270,7 @@ class AgentRunner:
 
     async def _collect(self, prompts, params, groups: list[int]) -> list[tuple]:
         front = AsyncRolloutEngine(self.engine)
+        front.gather_wait = GATHER_WAIT  # the episodes' requests cross from their own threads
         try:
             return await asyncio.gather(*(self._episode(front, prompts[g], params, rank_seed(params.seed, j, groups[g]),
                                                         groups[g])
