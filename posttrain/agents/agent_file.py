@@ -2,13 +2,15 @@
 `AgentExecutorBase` (OpenRLHF's contract; usually `class AgentExecutor(MultiTurnAgentExecutor)` whose
 `__init__` passes its `AgentInstance` class). The file may import `openrlhf.utils.agent`; without
 OpenRLHF installed that resolves to posttrain's implementation (`openrlhf_modules`). Every problem is a
-UserError naming the file, raised at start-up before any model loads."""
+UserError naming the file, raised at start-up before any model loads, including an `AgentInstance` that
+the executor could not create (an abstract method left out, an `__init__` that requires arguments)."""
 from __future__ import annotations
 
+import inspect
 import os
 
 from posttrain.agents.agent_api import AgentExecutorBase
-from posttrain.compat.user_files import exec_user_file
+from posttrain.compat.user_files import call_user, exec_user_file
 from posttrain.utils.errors import UserError
 
 FLAG = "--train.agent_func_path"
@@ -35,6 +37,29 @@ def load_agent_executor(path: str) -> AgentExecutorBase:
         raise AgentFileError(f"{FLAG} {path}: AgentExecutor must be a subclass of AgentExecutorBase "
                              "(from openrlhf.utils.agent or posttrain.agents.agent_api)")
     try:
-        return cls()
+        executor = call_user(cls)
     except Exception as e:
         raise AgentFileError(f"{FLAG} {path}: AgentExecutor() raised {type(e).__name__}: {e}") from e
+    instance_cls = getattr(executor, "agent_instance_cls", None)
+    if isinstance(instance_cls, type):
+        problem = _instantiation_problem(instance_cls)
+        if problem:
+            raise AgentFileError(f"{FLAG} {path}: every episode creates {instance_cls.__name__}() with no arguments, "
+                                 f"which cannot work: {problem}")
+    return executor
+
+
+def _instantiation_problem(cls: type) -> str | None:
+    """Why `cls()` cannot create an instance (an abstract method left out, an `__init__` that requires
+    arguments), found without creating one (no environment starts at start-up); None when it can."""
+    abstract = sorted(getattr(cls, "__abstractmethods__", ()) or ())
+    if abstract:
+        return (f"it does not implement {', '.join(abstract)} (abstract in AgentInstanceBase); define "
+                + " and ".join(f"`{'async ' if name != '__init__' else ''}def {name}(self, ...)`" for name in abstract))
+    try:
+        inspect.signature(cls).bind()
+    except TypeError as err:
+        return f"its __init__{inspect.signature(cls)} requires arguments ({err}); give them defaults"
+    except ValueError:  # no signature to read
+        pass
+    return None

@@ -16,13 +16,22 @@ on scheduling. An episode becomes a sample:
 An episode that raises, exceeds `--agent.timeout` seconds or returns a malformed result fails: it is
 logged with its reason, counted in `agent/failed`, and enters the batch as a skipped sample (no
 tokens, no gradient, out of its group's baseline). More than `--agent.max_failure_frac` of a batch
-failing stops the run with the first reason. An error of the rollout engine itself stops the run.
+failing stops the run with the first reason. An error of the rollout engine itself stops the run, and
+so does `sys.exit()` in the agent's code (an error of the agent file, not of one episode).
+
+Each episode's coroutine runs on a daemon thread with an event loop of its own (`_EpisodeThread`);
+its engine calls cross to the shared front on the collecting loop (`_LoopBridge`). So an agent whose
+`step()` blocks (`time.sleep`, a blocking socket, a busy loop) stalls only its own episode: the
+timeout still fires, the episode fails and is abandoned (its thread is cancelled at its next `await`
+and never blocks the exit), and the other episodes and the engine go on.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
 import random
+import threading
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -30,6 +39,7 @@ import torch
 
 from posttrain.agents.agent_api import AgentExecutorBase
 from posttrain.agents.episode import AgentSamplingParams, EpisodeEngine
+from posttrain.compat.user_files import UserFileExit, exiting
 from posttrain.rollout.async_engine import AsyncRolloutEngine, run_coroutine
 from posttrain.rollout.single_turn import Rollout, ScoredRollouts, score_rollouts
 from posttrain.rollout.types import rank_seed
@@ -38,6 +48,9 @@ from posttrain.utils.log import info, warn_once
 
 if TYPE_CHECKING:
     from posttrain.config import PPOConfig
+
+
+GATHER_WAIT = 0.002  # seconds the front waits, per round, for requests crossing from episode threads
 
 
 class AgentError(UserError):
@@ -60,6 +73,84 @@ class _GuardedEngine(EpisodeEngine):
             raise  # the agent's own request was malformed
         except Exception as e:
             raise _EngineFailed(e) from e
+
+
+class _Abandoned(Exception):
+    """The episode ran past its timeout; its late engine calls are refused."""
+
+
+class _LoopBridge:
+    """The shared `AsyncRolloutEngine` as an episode's thread sees it: `generate` runs on the front's
+    loop (`loop`) and is awaited from the episode's own loop; cancelled when the episode is abandoned."""
+
+    def __init__(self, front, loop) -> None:
+        self.front, self.loop, self.engine = front, loop, front.engine
+        self.abandoned = False
+        self._pending: set[concurrent.futures.Future] = set()
+
+    async def generate(self, *args, **kwargs):
+        if self.abandoned or self.loop.is_closed():
+            raise _Abandoned()
+        future = asyncio.run_coroutine_threadsafe(self.front.generate(*args, **kwargs), self.loop)
+        self._pending.add(future)
+        try:
+            return await asyncio.wrap_future(future)
+        finally:
+            self._pending.discard(future)
+
+    def abandon(self) -> None:
+        self.abandoned = True
+        for future in list(self._pending):
+            future.cancel()
+
+
+class _EpisodeThread:
+    """`make()`'s coroutine run to its end on a daemon thread with its own event loop; `future` gets its
+    result or exception (a SystemExit as `UserFileExit`). `abandon()` cancels it at its next `await`."""
+
+    def __init__(self, make, name: str) -> None:
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self._make = make
+        self._loop = self._task = None
+        self._started = threading.Event()
+        threading.Thread(target=self._main, name=name, daemon=True).start()
+
+    def _main(self) -> None:
+        loop = asyncio.new_event_loop()
+        try:
+            self._task = loop.create_task(self._run())
+            self._loop = loop
+            self._started.set()
+            outcome = ("result", loop.run_until_complete(self._task))
+        except SystemExit as err:
+            outcome = ("error", exiting(err))
+        except BaseException as err:  # the episode's error, or its cancellation once abandoned
+            outcome = ("error", err)
+        finally:
+            self._started.set()
+            try:
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            finally:
+                loop.close()
+        try:
+            if outcome[0] == "result":
+                self.future.set_result(outcome[1])
+            else:
+                self.future.set_exception(outcome[1])
+        except concurrent.futures.InvalidStateError:  # abandoned: nobody waits
+            pass
+
+    async def _run(self):
+        return await self._make()
+
+    def abandon(self) -> None:
+        self._started.wait(1.0)
+        loop, task = self._loop, self._task
+        if loop is not None and task is not None:
+            try:
+                loop.call_soon_threadsafe(task.cancel)
+            except RuntimeError:  # its loop has already closed
+                pass
 
 
 def episode_to_rollout(result, prompt, group: int, max_len: int, tokenizer) -> Rollout:
@@ -179,6 +270,7 @@ class AgentRunner:
 
     async def _collect(self, prompts, params, groups: list[int]) -> list[tuple]:
         front = AsyncRolloutEngine(self.engine)
+        front.gather_wait = GATHER_WAIT  # the episodes' requests cross from their own threads
         try:
             return await asyncio.gather(*(self._episode(front, prompts[g], params, rank_seed(params.seed, j, groups[g]),
                                                         groups[g])
@@ -223,11 +315,18 @@ class AgentRunner:
     async def _episode(self, front, prompt, params, seed: int, group: int):
         """(rollout, reward, score, extra_logs), or (reason, None, None, {}) for a failed episode."""
         sampling = AgentSamplingParams.for_run(params, max_tokens=self.turn_cap)
-        engine = _GuardedEngine(front, self.tokenizer, seed)
+        bridge = _LoopBridge(front, asyncio.get_running_loop())
+        engine = _GuardedEngine(bridge, self.tokenizer, seed)
+        worker = _EpisodeThread(
+            lambda: self.executor.execute(prompt.text, prompt.label, sampling, self.max_len, self.tokenizer, engine),
+            name=f"posttrain-episode-{group}-{seed}")
         try:
-            result = await asyncio.wait_for(
-                self.executor.execute(prompt.text, prompt.label, sampling, self.max_len, self.tokenizer, engine),
-                self.timeout)
+            try:
+                result = await asyncio.wait_for(asyncio.wrap_future(worker.future), self.timeout)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                bridge.abandon()
+                worker.abandon()
+                raise
             rollout = episode_to_rollout(result, prompt, group, self.max_len, self.tokenizer)
             rollout.policy_versions = sorted(engine.versions) or None
             reward = _episode_float(result.get("reward"), "reward")
@@ -235,6 +334,8 @@ class AgentRunner:
             return rollout, reward, score, loggable(result.get("extra_logs"))
         except _EngineFailed as e:
             raise e.args[0] from None
+        except UserFileExit as e:
+            raise AgentError(f"--train.agent_func_path: an agent episode stopped the run: {e}") from None
         except asyncio.TimeoutError:
             return f"timed out after {self.timeout:g} s (--agent.timeout)", None, None, {}
         except Exception as e:  # the environment's or the executor's error: this episode fails

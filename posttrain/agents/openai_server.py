@@ -11,8 +11,10 @@ talk to `session.base_url` with `session.api_key` (`session.openai_client()` bui
 The server (FastAPI on 127.0.0.1, a random port, its own thread, started on first use) serves
 `GET /health`, `GET /v1/models`, `POST /tokenize` and `POST /v1/chat/completions`. Every episode gets
 a session with its own bearer token: a request without the token of a live session gets 401;
-a malformed one (bad JSON, no messages, a message without role/content, `n > 1`, `stream`, a bad
-`max_tokens` / `temperature` / `top_p`) gets 400 with the reason; a history longer than the budget 413.
+a malformed one (bad JSON, no messages, a message without role/content, text that is not valid
+Unicode, `n > 1`, `stream`, a bad `max_tokens` / `temperature` / `top_p`) gets 400 with the reason; a
+history longer than the budget 413, and so does a body larger than `max_request_bytes` (32 MiB, as
+serve-rm's default), read no further than that.
 
 Delta tokenisation: the first call's prompt is the chat template applied to the messages, tokenised.
 For a later call the messages are re-rendered as text; when the session's text so far (the rendered
@@ -40,6 +42,8 @@ from uuid import uuid4
 
 from posttrain.agents.agent_api import AgentExecutorBase, encode_text
 from posttrain.agents.episode import AgentSamplingParams, shown_tokens
+from posttrain.config.serving import DEFAULT_MAX_REQUEST_BYTES
+from posttrain.rewards.server import BodyTooLarge, check_text, decode_json, read_body
 
 
 @dataclass
@@ -67,6 +71,10 @@ class Session:
         return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key)
 
 
+_LIMIT_WHY = ("the agent server's limit, OpenAIServerAgentExecutor.max_request_bytes, the same as serve-rm's "
+              "--max_request_bytes default); send a shorter conversation")
+
+
 class RequestError(Exception):
     def __init__(self, status: int, detail: str) -> None:
         super().__init__(detail)
@@ -80,6 +88,10 @@ def _messages(body: dict) -> list[dict]:
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise RequestError(400, f"messages[{i}] must be an object with string 'role' and 'content'")
+        try:
+            check_text([m["role"], m["content"]], f"messages[{i}] role/content")
+        except ValueError as e:
+            raise RequestError(400, str(e)) from None
     return messages
 
 
@@ -99,6 +111,7 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
     """Base of an OpenAI-API agent (module docstring). One server per executor, shared by its episodes."""
 
     model_name = "policy"
+    max_request_bytes = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get 413, as serve-rm's --max_request_bytes
 
     def __init__(self) -> None:
         self.sessions: dict[str, Session] = {}
@@ -207,9 +220,11 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
                 body = None
                 if request.method == "POST":
                     try:
-                        body = await request.json()
-                    except Exception:
-                        raise RequestError(400, "the body must be a JSON object") from None
+                        body = decode_json(await read_body(request, executor.max_request_bytes, _LIMIT_WHY))
+                    except BodyTooLarge as e:
+                        raise RequestError(413, str(e)) from None
+                    except ValueError as e:
+                        raise RequestError(400, f"the body must be a JSON object: {e}") from None
                     if not isinstance(body, dict):
                         raise RequestError(400, "the body must be a JSON object")
                 return await handler(session, body)

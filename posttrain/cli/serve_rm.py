@@ -7,6 +7,7 @@ once at start-up, and device-dependent settings (dtype, attention backend, the q
 resolved with a note."""
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
@@ -41,8 +42,9 @@ def position_limit(model_path: str) -> int | None:
     """The model's position limit (max_position_embeddings or its equivalent) from its config, or None."""
     from transformers import AutoConfig
 
-    from posttrain.models.loading import check_model_path
+    from posttrain.models.loading import check_model_folder, check_model_path
 
+    check_model_folder(model_path)
     config = AutoConfig.from_pretrained(check_model_path(model_path))
     if hasattr(config, "get_text_config"):
         config = config.get_text_config()
@@ -85,6 +87,7 @@ def main(argv: list[str] | None = None):
     from posttrain.utils.log import info
 
     try:
+        check_port_free(args.host, args.port)
         device = _pick_device(args.device)
         for note in startup_notes(args, device):
             info(note)
@@ -104,6 +107,29 @@ def main(argv: list[str] | None = None):
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
         source.close()
+
+
+def check_port_free(host: str, port: int) -> None:
+    """OSError naming --host/--port when `host:port` cannot be bound (in use, or not an address of this
+    machine), tested with a socket bound and closed at once, before any model loads. Port 0 (any free
+    port) is not checked."""
+    import socket
+
+    if not port:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        raise OSError(f"--host {host}: cannot resolve it ({err.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        try:
+            sock.bind(address)
+        except OSError as err:
+            why = "is already in use" if err.errno == errno.EADDRINUSE else f"cannot be bound ({err.strerror})"
+            raise OSError(f"--port {port}: {host}:{port} {why}; pick another --port, or stop the process that "
+                          "holds it") from None
 
 
 def _pick_device(device: str | None) -> str:

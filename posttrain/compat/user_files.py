@@ -1,14 +1,49 @@
 """Running a user's Python file (a reward function or an agent) as a module: OpenRLHF imports resolve
 to posttrain's stand-ins (`openrlhf_modules.install`), and the file's folder is importable while it
-loads so it can import its neighbours. Errors propagate as raised; callers turn them into one line."""
+loads so it can import its neighbours. Errors propagate as raised; callers turn them into one line.
+
+A user file is code that runs with the run's permissions. `sys.exit()` in it (a `SystemExit`, while
+it loads or when posttrain calls it) must not end the run silently with the file's exit status:
+`exec_user_file` and `call_user` turn it into `UserFileExit`, an ordinary exception that the callers
+report as an error of the file."""
 from __future__ import annotations
 
 import importlib.util
 import os
 import sys
+import traceback
 import types
 
+import posttrain
 from posttrain.compat import openrlhf_modules
+
+_POSTTRAIN_DIR = os.path.dirname(os.path.abspath(posttrain.__file__)) + os.sep
+
+
+class UserFileExit(RuntimeError):
+    """A user's file raised SystemExit (`sys.exit(code)`, `exit()`, `quit()`); the traceback is the
+    SystemExit's, so the caller's report points at the user's line."""
+
+    def __init__(self, err: SystemExit) -> None:
+        frames = [f for f in traceback.extract_tb(err.__traceback__)
+                  if not f.filename.startswith("<") and not os.path.abspath(f.filename).startswith(_POSTTRAIN_DIR)]
+        at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+        super().__init__(f"it called sys.exit({err.code!r}){at}; a reward or agent file must raise an exception "
+                         "(or return) instead of exiting the process")
+        self.code = err.code
+
+
+def exiting(err: SystemExit) -> UserFileExit:
+    """`UserFileExit` for `err`, carrying its traceback."""
+    return UserFileExit(err).with_traceback(err.__traceback__)
+
+
+def call_user(fn, *args, **kwargs):
+    """fn(*args, **kwargs), with a SystemExit raised by it turned into UserFileExit."""
+    try:
+        return fn(*args, **kwargs)
+    except SystemExit as err:
+        raise exiting(err) from None
 
 
 def exec_user_file(path: str, prefix: str) -> types.ModuleType:
@@ -20,6 +55,8 @@ def exec_user_file(path: str, prefix: str) -> types.ModuleType:
     sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
+    except SystemExit as err:
+        raise exiting(err) from None
     finally:
         if sys.path and sys.path[0] == folder:
             sys.path.pop(0)

@@ -27,11 +27,12 @@ from posttrain.config.spec import FlagSpec, flag_specs, set_path
 from posttrain.config.trainers import COMMAND_CONFIGS, CONFIG_CLASSES, TRAINERS, config_class
 from posttrain.config.yaml_io import load_yaml_values, read_yaml, typed_values
 
-# A token that is a negative number (as Python's float() reads it), hence a value and never a flag.
-# argparse's own pattern misses exponents (-1e-3) and would report "expected one argument".
-_NEGATIVE_NUMBER = re.compile(
-    r"^-(\d[\d_]*\.?[\d_]*|\.\d[\d_]*)(e[-+]?\d[\d_]*)?$|^-inf(inity)?$", re.IGNORECASE
-)
+# A token that is a negative number (as Python's float() reads it), or a comma-separated list of numbers
+# starting with one (`--data.dataset_probs -1,2`), hence a value and never a flag: validation then names
+# what is wrong with it. argparse's own pattern misses exponents (-1e-3) and lists, and would report
+# "expected one argument".
+_NUMBER = r"(\d[\d_]*\.?[\d_]*|\.\d[\d_]*)(e[-+]?\d[\d_]*)?|inf(inity)?"
+_NEGATIVE_NUMBER = re.compile(rf"^-({_NUMBER})(\s*,\s*-?({_NUMBER}))*$", re.IGNORECASE)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -211,6 +211,9 @@ class DataConfig:
     apply_chat_template: bool = opt(False, "format prompts with the tokenizer's chat template")
     tokenizer_chat_template: str | None = opt(None, "override the tokenizer's chat template")
     disable_fast_tokenizer: bool = opt(False, "load the slow (Python) tokenizer")
+    max_dropped_frac: float = opt(
+        0.1, "stop the run when more than this fraction of the rows is dropped because the prompt alone does "
+        "not fit --data.max_len (the drops are always reported)", extension=True, ge=0, le=1, on_resume="adjustable")
     dataloader_num_workers: int = opt(
         0, "DataLoader worker processes", ge=0,
         inert=Inert("samples are tokenised once, up front, in the main process (no DataLoader workers)"), on_resume="volatile")

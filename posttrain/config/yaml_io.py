@@ -37,13 +37,37 @@ def save_config(cfg: CommandConfig, path: str | os.PathLike) -> Path:
     return path
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: construct_mapping names it
+                continue
+            if first is not None:
+                raise _DuplicateKey(f"key '{key}' is given twice in one mapping (line {first} and line "
+                                    f"{key_node.start_mark.line + 1}); YAML would keep only the last, so keep one")
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"--config {path}: cannot read the file ({e.strerror or e})") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except _DuplicateKey as e:
+        raise ConfigError(f"--config {path}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"--config {path}: not valid YAML: {e}") from None
     if data is None:

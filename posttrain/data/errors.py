@@ -14,3 +14,16 @@ def where(row: dict) -> str:
     source = row.get("__source__", "<in-memory rows>")
     n = row.get("__row__")
     return f"{source}, row {n}" if n is not None else str(source)
+
+
+def check_dropped(what: str, dropped: list[str], total: int, reason: str, max_frac: float) -> str | None:
+    """The report of the rows `dropped` out of `total` (count, share, first location), or None when
+    none was; raises DataError when their share exceeds `max_frac` (--data.max_dropped_frac)."""
+    if not dropped:
+        return None
+    share = len(dropped) / max(total, 1)
+    line = f"{what}: {len(dropped)} of {total} rows ({share:.0%}) dropped because {reason} (first: {dropped[0]})"
+    if share > max_frac:
+        raise DataError(f"{line}; more than --data.max_dropped_frac {max_frac:g} of the rows. Raise --data.max_len, "
+                        "shorten those rows, or raise --data.max_dropped_frac to train on the rest.")
+    return line

@@ -26,6 +26,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
+from .capping import cap_text_fields
 from .errors import DataError, where
 from .sft_dataset import SFTDataset, encode_segments
 from .templates import check_input_template, format_prompt, render_chat, require_chat_template, to_messages
@@ -66,6 +67,7 @@ class PreferenceDataset(Dataset):
         rows = ensure_location(list(rows))
         if not rows:
             raise DataError("PreferenceDataset: no rows (the dataset is empty after loading/--data.max_samples).")
+        rows, self.num_capped = cap_text_fields(rows, self.keys, max_len, tokenizer)
         fields = [self._validate(row) for row in rows]  # every row, before any tokenisation
 
         self.pairs: list[dict] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .capping import cap_text_fields
 from .errors import DataError, where
 from .templates import check_input_template, format_prompt, render_chat, to_messages
 from .validation import get_field, require_text_or_messages
@@ -29,6 +30,9 @@ class PromptDataset:
         check_input_template(input_template)
         self.prompts: list[Prompt] = []
         self.dropped: list[str] = []
+        self.num_capped = 0
+        if max_prompt_len is not None:
+            rows, self.num_capped = cap_text_fields(rows, (input_key,), max_prompt_len, tokenizer)
         values = [(row, require_text_or_messages(row, input_key, "--data.input_key")) for row in rows]
         for row, value in values:
             if apply_chat_template:

@@ -28,6 +28,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
+from .capping import cap_text_fields
 from .errors import DataError, where
 from .templates import check_input_template, format_prompt, render_chat, require_chat_template, to_messages
 from .validation import ensure_location, require_messages, require_text, require_text_or_messages
@@ -68,6 +69,7 @@ class SFTDataset(Dataset):
             raise DataError(
                 "SFTDataset: no rows to tokenise (the dataset is empty after loading/--data.max_samples)."
             )
+        rows, self.num_capped = cap_text_fields(rows, (input_key, output_key), max_len, tokenizer)
         fields = [self._validate(row) for row in rows]  # all rows, before any tokenisation
 
         self.samples: list[dict] = []

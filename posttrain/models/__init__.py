@@ -2,6 +2,7 @@
 padded/packed forward passes, saving. Imports nothing above `posttrain.utils`."""
 from posttrain.models.forward import block_causal_mask, forward_logits, forward_values, model_inputs
 from posttrain.models.loading import (
+    check_model_folder,
     check_model_path,
     load_causal_lm,
     load_score_model,
@@ -15,7 +16,7 @@ from posttrain.models.tiny import PRESETS, build_tiny
 
 __all__ = [
     "PRESETS", "LoraSpec", "apply_lora", "as_lora_spec", "atomic_output_dir", "block_causal_mask",
-    "build_tiny", "check_model_path", "forward_logits", "forward_values", "load_causal_lm",
+    "build_tiny", "check_model_folder", "check_model_path", "forward_logits", "forward_values", "load_causal_lm",
     "load_score_model", "load_tokenizer", "merge_lora", "model_inputs", "parse_dtype",
     "save_pretrained", "unwrap_model",
 ]

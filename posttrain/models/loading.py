@@ -53,6 +53,10 @@ def check_model_path(path) -> str:
     p = os.path.expanduser(str(path))
     if os.path.isdir(p):
         return p
+    if os.path.exists(p):
+        raise ModelLoadError(f"model path {str(path)!r} is a file, not a folder: a model is a folder holding "
+                             "config.json and the weights (e.g. model.safetensors); give the folder that "
+                             f"holds this file, or {INIT_TINY_HINT}")
     parts = p.split("/")
     hub_like = (len(parts) == 2 and all(parts) and not p.startswith((".", "~"))
                 and not os.path.isdir(parts[0]))
@@ -270,7 +274,51 @@ def _checked_folder(path) -> str | None:
         raise ModelLoadError(f"model folder {p} has no model {' and no '.join(missing)}{only_tok}; point the "
                              "model flag at a saved model (config.json + weights), e.g. the output folder "
                              f"of a posttrain run, or {INIT_TINY_HINT}")
+    _check_config(p)
+    _check_safetensors(p)
     return p
+
+
+def check_model_folder(path) -> str | None:
+    """The checks a model load makes before it reads any weight, run alone, cheaply, at start-up (before
+    the data is read): `path` is a folder (or a hub id: None) with config.json and weights; config.json is
+    a JSON object without `auto_map` (custom model code, which posttrain never runs); each safetensors
+    file has a readable header. ModelLoadError naming the path otherwise."""
+    return _checked_folder(path)
+
+
+def _check_config(folder: str) -> None:
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except UnicodeDecodeError as err:
+        raise ModelLoadError(f"model config {path} is not UTF-8 text ({err.reason}); the model folder is "
+                             "damaged: save or download the model again") from None
+    except json.JSONDecodeError as err:
+        raise ModelLoadError(f"model config {path} is not valid JSON ({err.msg} at line {err.lineno}, column "
+                             f"{err.colno}); the model folder is damaged: save or download the model again") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"model config {path} holds a JSON {type(config).__name__}, not an object; save or "
+                             "download the model again")
+    if config.get("auto_map"):
+        classes = ", ".join(f"{k}: {v}" for k, v in list(config["auto_map"].items())[:3]) \
+            if isinstance(config["auto_map"], dict) else str(config["auto_map"])
+        raise ModelLoadError(f"model config {path} has `auto_map` ({classes}): the model needs its own Python code "
+                             "(trust_remote_code), which posttrain does not run; use a model whose architecture "
+                             "transformers ships, or convert this one to such an architecture")
+
+
+def _check_safetensors(folder: str) -> None:
+    from safetensors import safe_open
+
+    for file in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        try:
+            with safe_open(file, framework="pt") as f:
+                f.keys()
+        except Exception as err:  # SafetensorError: a truncated or overwritten file
+            raise ModelLoadError(f"model weights {file} cannot be read ({type(err).__name__}: {err}); the file is "
+                                 "damaged or incomplete: save or download the model again") from None
 
 
 def _read_config(folder: str) -> dict:

@@ -30,7 +30,7 @@ import time
 import traceback
 
 import posttrain
-from posttrain.compat.user_files import exec_user_file
+from posttrain.compat.user_files import UserFileExit, call_user, exec_user_file
 from posttrain.rewards.result import (
     ON_ERROR,
     RewardError,
@@ -85,7 +85,8 @@ def _describe(err: BaseException, path: str) -> tuple[str, str]:
     """(one-line cause with the innermost frame of the user's code, traceback lines of the frames
     outside posttrain) for an exception raised while loading or calling the file `path`."""
     frames = _user_frames(traceback.extract_tb(err.__traceback__))
-    line = f"{type(err).__name__}: {err}{_at(frames, os.path.dirname(os.path.abspath(path)))}"
+    at = "" if isinstance(err, UserFileExit) else _at(frames, os.path.dirname(os.path.abspath(path)))  # it names it
+    line = f"{type(err).__name__}: {err}{at}"
     details = _format_frames(frames, "Traceback (user code, most recent call last)")
     if isinstance(err, SyntaxError):
         details += "\n" + "".join(traceback.format_exception_only(type(err), err)).rstrip()
@@ -196,14 +197,14 @@ class PythonRewardFunction:
 
     def _attempt(self, args: tuple, kwargs: dict):
         if self.timeout is None:
-            return self.fn(*args, **kwargs)
+            return call_user(self.fn, *args, **kwargs)
         box = {}
         done = threading.Event()
 
         def work():
             try:
                 try:
-                    box["value"] = self.fn(*args, **kwargs)
+                    box["value"] = call_user(self.fn, *args, **kwargs)
                 except BaseException as err:  # handed to the caller (or dropped once abandoned)
                     box["error"] = err
                 finally:
@@ -234,9 +235,13 @@ class PythonRewardFunction:
             except _TimedOut as err:
                 timeouts += 1
                 last = err
+            except UserFileExit as err:  # sys.exit() is no transient failure: not retried
+                last = err
+                break
             except Exception as err:
                 last = err
-        tries = f" ({self.retries} attempts, --reward.retries)" if self.retries > 1 else ""
+        tries = f" ({self.retries} attempts, --reward.retries)" if self.retries > 1 and not isinstance(
+            last, UserFileExit) else ""
         if isinstance(last, _TimedOut):
             where = _format_frames(last.frames, "It was at (user code, most recent call last)")
             raise RewardError(f"{self.origin}: reward_func did not return within {self.timeout:g}s "

@@ -91,6 +91,9 @@ class RemoteReward:
                 time.sleep(self.backoff * 2 ** (attempt - 2))
             try:
                 response = self.session.post(self.url, data=body, headers=headers, timeout=self.timeout)
+            except requests.ReadTimeout:  # connected, but no answer in time: slow, not unreachable
+                last = "timeout"
+                continue
             except (requests.ConnectionError, requests.Timeout) as err:
                 last = _cause(err)
                 continue
@@ -108,6 +111,10 @@ class RemoteReward:
             except ValueError:
                 raise RewardError(f"{self.origin} answered HTTP {response.status_code} with a body that is not "
                                   f"JSON: {response.text[:200]!r}") from None
+        if last == "timeout":
+            raise RewardError(f"{self.origin} timed out after {self.timeout:g} s (--reward.timeout) on each of "
+                              f"{self.retries} attempts: it accepted the connection but did not answer in time; "
+                              "raise --reward.timeout, send smaller batches or speed the server up")
         if last.startswith("HTTP"):
             raise RewardError(f"{self.origin} failed after {self.retries} attempts ({last})")
         raise RewardError(f"{self.origin} unreachable after {self.retries} attempts ({last}); {_HINT}")

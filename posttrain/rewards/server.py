@@ -5,7 +5,8 @@ POST /get_reward  body `{"query": [B str], "prompts": [B str] (optional, default
                   "truncated": [B bool] (query cut to the model's length limit), "num_truncated": int}`.
 GET  /health      → `{"status": "ok", "source": ...}`.
 With a token every request (health included) needs `Authorization: Bearer <token>`, else 401.
-Any problem with the body (not JSON, wrong shape, no queries) → 400 naming it; a body over
+Any problem with the body (not JSON, wrong shape, no queries, a string that is not valid Unicode such
+as a lone surrogate `"\\ud800"`) → 400 naming it; a body over
 `max_request_bytes` or more than `max_queries` queries → 413 naming the limit and its flag; a reward
 source error → 500 with its message. Requests are scored one at a time (the source need not be
 thread-safe).
@@ -25,6 +26,18 @@ _DRAIN_BYTES = 1 << 30  # an over-limit body is read (and dropped) up to this mu
 
 class BodyTooLarge(Exception):
     """The request exceeds a size limit; the message names the limit and the flag that sets it."""
+
+
+def check_text(values, what: str) -> None:
+    """ValueError when a string of `values` is not valid Unicode text: JSON lets `\\ud800` (a lone UTF-16
+    surrogate) through, which no tokenizer or UTF-8 encoder takes."""
+    for i, value in enumerate(values):
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise ValueError(f"{what}[{i}] holds a lone UTF-16 surrogate ({value[err.start]!r} at character "
+                                 f"{err.start}), which is not valid Unicode text; send valid UTF-8 text") from None
 
 
 def _check_body(body) -> tuple[list[str], list[str], list | None]:
@@ -48,10 +61,13 @@ def _check_body(body) -> tuple[list[str], list[str], list | None]:
     labels = body.get("labels")
     if labels is not None and (not isinstance(labels, list) or len(labels) != n):
         raise ValueError(f"'labels' must be a list of {n} entries (one per query) or null")
+    check_text(queries, "'query'")
+    check_text(prompts, "'prompts'")
+    check_text(labels or [], "'labels'")
     return queries, prompts, labels
 
 
-def _decode(raw: bytes):
+def decode_json(raw: bytes):
     """The JSON value of a request body; ValueError saying why it is not valid JSON."""
     try:
         return json.loads(raw)
@@ -59,12 +75,15 @@ def _decode(raw: bytes):
         raise ValueError(f"body is not valid JSON ({type(err).__name__}: {str(err)[:200]})") from None
 
 
-async def _read_body(request, limit: int) -> bytes:
+_SERVE_RM_LIMIT = ("the server's --max_request_bytes); send fewer or shorter queries per request, or restart "
+                   "serve-rm with a larger --max_request_bytes")
+
+
+async def read_body(request, limit: int, why: str = _SERVE_RM_LIMIT) -> bytes:
     """The request body, at most `limit` bytes; BodyTooLarge (after dropping the rest, up to
-    _DRAIN_BYTES, so the client reads the answer) when it is longer."""
-    too_large = BodyTooLarge(f"request body larger than {limit} bytes (the server's --max_request_bytes); "
-                             "send fewer or shorter queries per request, or restart serve-rm with a larger "
-                             "--max_request_bytes")
+    _DRAIN_BYTES, so the client reads the answer) when it is longer. `why`: the limit's origin and the
+    fix, after "request body larger than N bytes (". Also used by the agents' OpenAI-compatible server."""
+    too_large = BodyTooLarge(f"request body larger than {limit} bytes ({why}")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit + _DRAIN_BYTES:
         raise too_large
@@ -134,7 +153,7 @@ def build_app(source, token: str | None = None, *, max_request_bytes: int = DEFA
         if refused:
             return refused
         try:
-            queries, prompts, labels = _check_body(_decode(await _read_body(request, max_request_bytes)))
+            queries, prompts, labels = _check_body(decode_json(await read_body(request, max_request_bytes)))
             _check_count(len(queries), max_queries)
         except BodyTooLarge as err:
             return JSONResponse({"detail": str(err)}, status_code=413)

@@ -56,6 +56,7 @@ class AsyncRolloutEngine:
         # calls in `asyncio.to_thread`) cannot starve it
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-rollout")
         self.batches = 0  # batched engine calls made (for tests and metrics)
+        self.gather_wait = 0.0  # seconds per `_gather` yield (agent episodes on their own threads: > 0)
         self._unseeded = 0  # requests so far without a seed of their own whose params carry one
 
     async def generate(self, token_ids: list[int], params: SamplingParams, *, seed: int,
@@ -95,13 +96,14 @@ class AsyncRolloutEngine:
 
     async def _gather(self, rounds: int = 8) -> None:
         """Yield to the event loop until no new request arrives (at most `rounds` times), so every
-        episode that is ready to ask joins this batch."""
+        episode that is ready to ask joins this batch. Each yield lasts `gather_wait` seconds (0: one
+        pass of the loop), which callers on other threads set so their requests can cross over."""
         seen = -1
         for _ in range(rounds):
             if self._num_waiting() == seen:
                 return
             seen = self._num_waiting()
-            await asyncio.sleep(0)
+            await asyncio.sleep(self.gather_wait)
 
     async def _run(self) -> None:
         await self._gather()

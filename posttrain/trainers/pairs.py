@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from posttrain.data import pack_collate, pad_collate
+from posttrain.data.capping import capped_note
+from posttrain.data.errors import check_dropped
 from posttrain.data.preference_dataset import PreferenceDataset, pair_sides
 from posttrain.utils.log import info
 
@@ -48,7 +50,10 @@ def preference_items(rows: list[dict], tokenizer, cfg: RMConfig | DPOConfig, wha
     if data.num_truncated:
         info(f"{what}: {data.num_truncated} responses longer than --data.max_len {cfg.data.max_len} were cut "
              "(their last token kept as EOS)")
-    if data.num_dropped:
-        info(f"{what}: {data.num_dropped} pairs dropped because the prompt alone fills --data.max_len "
-             f"{cfg.data.max_len} (first: {data.dropped[0]})")
+    report = check_dropped(what, data.dropped, len(data) + data.num_dropped,
+                           f"the prompt alone fills --data.max_len {cfg.data.max_len}", cfg.data.max_dropped_frac)
+    if report:
+        info(report)
+    if data.num_capped:
+        info(capped_note(what, data.num_capped, cfg.data.max_len, tokenizer))
     return [data[i] for i in range(len(data))]

@@ -34,7 +34,7 @@ from posttrain.config import (
 from posttrain.config.facts import deepspeed_only_flags
 from posttrain.data import load_rows
 from posttrain.engines import make_train_engine
-from posttrain.models import load_causal_lm, load_tokenizer, save_pretrained
+from posttrain.models import check_model_folder, load_causal_lm, load_tokenizer, save_pretrained
 from posttrain.trainers.run_folders import claim_run_folders
 from posttrain.trainers.run_loop import plot_charts
 from posttrain.trainers.single_model_loop import LoopSettings, SingleModelLoop
@@ -115,6 +115,9 @@ class SingleModelRun:
         self.device, self.world_size, self.is_main = self.start.device, self.start.world_size, self.start.is_main
         self.output_dir, self.folders = self.start.output_dir, self.start.folders
         with self.start.closed_on_error():
+            for path in (cfg.model.model_name_or_path, getattr(getattr(cfg, "ref", None), "model_name_or_path", None)):
+                if path:  # a broken model folder stops the run before the data is read
+                    check_model_folder(path)
             self.tokenizer = load_tokenizer(cfg.model.model_name_or_path,
                                             use_fast=not cfg.data.disable_fast_tokenizer,
                                             chat_template=cfg.data.tokenizer_chat_template)

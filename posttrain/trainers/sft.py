@@ -12,8 +12,11 @@ import torch
 from posttrain.algorithms.losses import aggregate, token_logprobs
 from posttrain.config import SFTConfig, changed_values
 from posttrain.data import SFTDataset, pack_collate, pad_collate
+from posttrain.data.capping import capped_note
+from posttrain.data.errors import check_dropped
 from posttrain.models import forward_logits
 from posttrain.trainers.session import SingleModelRun
+from posttrain.utils.log import info
 
 
 class SFTObjective:
@@ -58,6 +61,15 @@ def train_sft(cfg: SFTConfig) -> dict:
                        multiturn=cfg.data.multiturn, pretrain_mode=cfg.model.pretrain_mode_enable)
     train_set = SFTDataset(run.train_rows, tok, cfg.data.max_len, **data_kwargs)
     eval_set = SFTDataset(run.eval_rows, tok, cfg.data.max_len, **data_kwargs) if run.eval_rows else None
+    for what, data in (("train", train_set), ("eval", eval_set)):
+        if data is not None:
+            report = check_dropped(f"SFT {what} set", data.dropped, len(data) + data.num_dropped,
+                                   f"the prompt alone fills --data.max_len {cfg.data.max_len}",
+                                   cfg.data.max_dropped_frac)
+            if report:
+                info(report)
+            if data.num_capped:
+                info(capped_note(f"SFT {what} set", data.num_capped, cfg.data.max_len, tok))
     objective = SFTObjective(tok.pad_token_id, packing=cfg.ds.packing_samples)
     return run.fit(objective, [train_set[i] for i in range(len(train_set))],
                    [eval_set[i] for i in range(len(eval_set))] if eval_set else None)

@@ -396,3 +396,46 @@ def test_extra_logs_that_are_not_numbers_are_skipped_with_a_warning_and_the_rewa
     err = capsys.readouterr().err
     for key in ("tag", "several", "empty"):
         assert f"extra_logs['{key}']" in err
+
+
+class Blocking(AgentInstanceBase):
+    """`label` "block": step() blocks the thread (time.sleep), which asyncio cannot interrupt;
+    "exit": step() calls sys.exit(0)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    async def step(self, states, **kwargs):
+        import sys
+        import time
+
+        if states["label"] == "block":
+            time.sleep(30)
+        if states["label"] == "exit":
+            sys.exit(0)
+        return {"rewards": 1.0, "scores": 1.0, "environment_feedback": "", "done": True}
+
+
+def test_a_step_that_blocks_its_thread_times_out_and_the_others_finish(tok, capsys):
+    import time
+
+    engine = ScriptedEngine({0: ([5], [-1.0], "stop")})
+    prompts = [Prompt(text=f"Q{i}", token_ids=[30 + i], label=label, source="test")
+               for i, label in enumerate(["ok", "block", "ok"])]
+    runner = AgentRunner(MultiTurnAgentExecutor(Blocking), engine, tok, None, max_len=16, timeout=1,
+                         max_failure_frac=0.5)
+    start = time.monotonic()
+    batch = runner.run(prompts, SamplingParams(n=1, seed=1))
+    assert time.monotonic() - start < 15  # not the 30 s of the blocked step
+    assert batch.skipped.tolist() == [False, True, False]
+    assert batch.rollouts[1].error == "timed out after 1 s (--agent.timeout)"
+    assert batch.rewards.tolist() == [1.0, 0.0, 1.0]
+    assert "agent episode failed: timed out after 1 s (--agent.timeout)" in capsys.readouterr().err
+
+
+def test_sys_exit_in_step_stops_the_run_with_an_error_naming_the_file(tok):
+    engine = ScriptedEngine({0: ([5], [-1.0], "stop")})
+    runner = AgentRunner(MultiTurnAgentExecutor(Blocking), engine, tok, None, max_len=16, timeout=5,
+                         max_failure_frac=1.0)
+    with pytest.raises(AgentError, match=r"called sys.exit\(0\) at .*test_multi_turn.py:\d+"):
+        runner.run([Prompt(text="Q", token_ids=[30], label="exit", source="test")], SamplingParams(n=1, seed=1))

@@ -188,3 +188,35 @@ def test_content_ends_before_a_stop_token_that_is_not_special_and_the_echoed_his
         shown = ids[:-1] if call["choices"][0]["finish_reason"] == "stop" else ids
         assert call["choices"][0]["message"]["content"] == tok.decode(shown, skip_special_tokens=True)
     assert all(c["token_ids"]["completion_token_ids"][-1] in stops for c in ended)
+
+
+class LimitProbe(OpenAIServerAgentExecutor):
+    """A small body limit: oversized /tokenize and chat bodies, and a lone surrogate, then one good call."""
+
+    max_request_bytes = 4000
+    answers: dict = {}
+
+    async def run_agent(self, prompt, label, session):
+        def call(path, body):
+            r = post(session, path, body)
+            return r.status_code, r.json()
+        big = [{"role": "user", "content": "x" * 5000}]
+        cases = {
+            "tokenize_big": lambda: call("/tokenize", {"messages": big}),
+            "chat_big": lambda: call("/v1/chat/completions", {"messages": big}),
+            "surrogate": lambda: call("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]}),
+            "ok": lambda: call("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}],
+                                                        "max_tokens": 3}),
+        }
+        for name, fn in cases.items():
+            LimitProbe.answers[name] = await asyncio.to_thread(fn)
+        return {"reward": 0.5}
+
+
+def test_bodies_over_the_size_limit_are_413_and_invalid_text_is_400(tok, engine):
+    batch = run_batch(LimitProbe(), engine, tok, max_len=64, k=1, params=SamplingParams(n=1, seed=1))
+    a = LimitProbe.answers
+    for name in ("tokenize_big", "chat_big"):
+        assert a[name][0] == 413 and "request body larger than 4000 bytes" in a[name][1]["error"]["message"]
+    assert a["surrogate"][0] == 400 and "lone UTF-16 surrogate" in a["surrogate"][1]["error"]["message"]
+    assert a["ok"][0] == 200 and batch.rewards.tolist() == [0.5]

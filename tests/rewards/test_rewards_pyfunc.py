@@ -343,3 +343,17 @@ def test_deep_tracebacks_are_shortened(tmp_path):
     assert "  ... 22 frames left out ...\n" in msg and msg.count(f'File "{path}"') < 10
     assert msg.index('line 8, in reward_func\n    return down(30)') < msg.index("frames left out")
     assert msg.endswith('line 4, in down\n    raise RecursionError("too deep for this grader")')
+
+
+def test_sys_exit_while_importing_or_calling_is_an_error_of_the_file(tmp_path):
+    with pytest.raises(RewardError, match=r"importing reward function file .*exits_on_import.py raised UserFileExit: "
+                                          r"it called sys.exit\(3\) at .*exits_on_import.py:2"):
+        PythonRewardFunction(write(tmp_path, "import sys\nsys.exit(3)\n", name="exits_on_import.py"))
+    body = "import sys\n\ndef reward_func(queries, prompts, labels):\n    sys.exit(0)\n"
+    for timeout in (None, 5.0):
+        src = PythonRewardFunction(write(tmp_path, body, name="exits.py"), timeout=timeout, retries=3, backoff=0)
+        with pytest.raises(RewardError, match=r"exits.py raised UserFileExit: it called sys.exit\(0\) at "
+                                              r".*exits.py:4") as err:
+            src.score(["a"], ["p"])
+        assert "attempts" not in str(err.value)  # not retried
+

@@ -423,3 +423,57 @@ def test_too_many_queries_is_413(limited_server):
     r = HTTP.post(limited_server, json={"query": ["a", "b", "c", "d"]}, timeout=10)
     assert r.status_code == 413
     assert r.json()["detail"].startswith("4 queries in one request; the server takes at most 3 (--max_queries)")
+
+
+def test_a_port_in_use_stops_serve_rm_with_one_line_before_loading(tmp_path):
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "posttrain.cli.serve_rm", "--reward.remote_url",
+                               str(FUNCS / "plain_reward.py"), "--port", str(port)], check=False, capture_output=True,
+                              text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"--port {port}: 127.0.0.1:{port} is already in use" in proc.stderr
+    assert "serving" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_lone_surrogate_is_400_and_sys_exit_in_reward_func_is_500(tmp_path):
+    path = tmp_path / "exits.py"
+    path.write_text("import sys\n\ndef reward_func(queries, prompts, labels, **kw):\n"
+                    "    if queries[0] == 'exit':\n        sys.exit(0)\n    return [1.0] * len(queries)\n")
+    with in_thread_server(PythonRewardFunction(path)) as base:
+        url = base + "/get_reward"
+        body = '{"query": ["ok \\ud800"]}'
+        r = HTTP.post(url, data=body, headers={"content-type": "application/json"}, timeout=5)
+        assert r.status_code == 400 and "'query'[0] holds a lone UTF-16 surrogate" in r.json()["detail"]
+        r = HTTP.post(url, data='{"query": ["a"], "prompts": ["\\udfff"]}', timeout=5)
+        assert r.status_code == 400 and "'prompts'[0]" in r.json()["detail"]
+        r = HTTP.post(url, json={"query": ["exit"]}, timeout=5)
+        assert r.status_code == 500 and "called sys.exit(0) at" in r.json()["detail"]
+        assert HTTP.post(url, json={"query": ["a"]}, timeout=5).json()["rewards"] == [1.0]  # still serving
+
+
+class Slow:
+    """A reward source that answers after `delay` seconds."""
+
+    def __init__(self, delay):
+        self.delay = delay
+
+    def score(self, queries, prompts, labels=None, **kwargs):
+        time.sleep(self.delay)
+        return make_reward_source(str(FUNCS / "plain_reward.py")).score(queries, prompts, labels)
+
+    def close(self):
+        pass
+
+
+def test_a_slow_server_is_reported_as_timed_out_not_unreachable():
+    with in_thread_server(Slow(1.5)) as base:
+        remote = RemoteReward(base + "/get_reward", timeout=0.3, retries=2, backoff=0.01)
+        with pytest.raises(RewardError, match=rf"reward server {base}/get_reward timed out after 0.3 s "
+                                              r"\(--reward.timeout\) on each of 2 attempts") as err:
+            remote.score(["a"], [""], None)
+        assert "unreachable" not in str(err.value)

@@ -25,7 +25,9 @@ from posttrain.config import (
 from posttrain.config.ray_mode import uses_ray
 from posttrain.config.roles import SEQUENCE_POLICY_LOSSES
 from posttrain.data import PromptDataset, load_rows
-from posttrain.models import load_tokenizer, unwrap_model
+from posttrain.data.capping import capped_note
+from posttrain.data.errors import check_dropped
+from posttrain.models import check_model_folder, load_tokenizer, unwrap_model
 from posttrain.rollout import HFRolloutEngine, SamplingParams, rank_seed
 from posttrain.rollout.single_turn import SingleTurnSampler
 from posttrain.trainers.rl import build
@@ -66,6 +68,10 @@ class RLTrainer(RunLoop):
     # ---- set-up -----------------------------------------------------------------------------
     def _load_data(self) -> None:
         cfg = self.cfg
+        for path in (cfg.actor.model_name_or_path, cfg.critic.model_name_or_path, cfg.ref.model_name_or_path,
+                     cfg.reward.model_name_or_path):
+            if path:  # a broken model folder stops the run before the data is read
+                check_model_folder(path)
         self.tokenizer = tok = load_tokenizer(cfg.actor.model_name_or_path,
                                               use_fast=not cfg.data.disable_fast_tokenizer,
                                               chat_template=cfg.data.tokenizer_chat_template)
@@ -75,8 +81,13 @@ class RLTrainer(RunLoop):
                          cfg.data.max_samples)
         limit = cfg.data.max_len - (cfg.rollout.max_new_tokens or 1)
         self.prompts = PromptDataset(rows, tok, max_prompt_len=limit, **kw)
-        if self.prompts.dropped:
-            info(f"{len(self.prompts.dropped)} prompts longer than {limit} tokens dropped (--data.max_len)")
+        report = check_dropped("prompt dataset", self.prompts.dropped, len(self.prompts) + len(self.prompts.dropped),
+                               f"the prompt is longer than {limit} tokens (--data.max_len minus "
+                               "--rollout.max_new_tokens)", cfg.data.max_dropped_frac)
+        if report:
+            info(report)
+        if self.prompts.num_capped:
+            info(capped_note("prompt dataset", self.prompts.num_capped, limit, tok, f"{limit} prompt tokens"))
         self._set_budgets([p.token_ids for p in self.prompts])
         self.eval_prompts, self.eval_name = None, None
         if cfg.eval.dataset:

@@ -188,3 +188,12 @@ def test_negative_numbers_are_values():
     assert error("sft", "--ds.zero_stage", "-1e-3") == "--ds.zero_stage: expected an integer, got '-1e-3'"
     assert "--adam.lr: expected one argument" in error("sft", "--adam.lr", "-x")  # not a number: a flag
     assert "unexpected value '-1e-3'" in error("sft", "--adam.betas", "0.9", "0.95", "-1e-3")
+
+
+def test_a_list_of_numbers_starting_with_a_minus_is_a_value_then_validated():
+    args = ["--model.model_name_or_path", "m", "--data.dataset", "a.jsonl,b.jsonl"]
+    with pytest.raises(ConfigError, match=r"^--data.dataset_probs -1,2: probabilities must be >= 0$"):
+        parse_config("sft", [*args, "--data.dataset_probs", "-1,2"], device="cpu")
+    cfg = parse_config("sft", [*args, "--data.dataset_probs", "-0.5, 1.5"], check=False)
+    assert cfg.data.dataset_probs == "-0.5, 1.5"
+    assert "--adam.lr: expected one argument" in error("sft", "--adam.lr", "-1,x")

@@ -64,6 +64,7 @@ def _optimizer(prefix: str = "") -> frozenset[str]:
 _SHARED = _paths(
     "ds: param_dtype attn_implementation packing_samples onednn_linear",
     "data: max_len max_samples input_template apply_chat_template tokenizer_chat_template disable_fast_tokenizer",
+    "data: max_dropped_frac",
     "train: batch_size micro_batch_size max_epochs seed dynamic_batch_enable max_tokens_per_gpu",
     "eval: dataset split steps",
     "ckpt: output_dir path save_steps save_hf disable_ds max_num max_mem load_enable",

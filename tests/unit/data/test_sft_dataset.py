@@ -255,3 +255,28 @@ def test_one_bos_rule_for_sft_preference_and_ppo_prompts(tokenizer_bos, chat):
     bos = tok.convert_tokens_to_ids("<|endoftext|>")
     assert prompt[0] != bos and sft[0] != bos and pair[0] != bos
     assert sft[:len(prompt)] == prompt and pair[:len(prompt)] == prompt
+
+
+def test_huge_text_fields_are_cut_before_tokenising_and_the_samples_do_not_change(tokenizer, monkeypatch):
+    """A field far longer than --data.max_len can use is cut to 2 x max_len x the longest token's
+    characters before tokenisation (counted in num_capped); the samples are those of the whole text."""
+    import posttrain.data.capping as capping
+    import posttrain.data.sft_dataset as sft_dataset
+    from posttrain.data import PreferenceDataset, PromptDataset
+
+    words = " ".join(f"w{i % 97} {i}" for i in range(40_000))  # ~350k characters
+    rows = [{"prompt": "What?", "response": words}, {"prompt": words, "response": "5"}, ROWS[0]]
+    limit = capping.text_limit(32, tokenizer)
+    assert limit == 64 * capping.chars_per_token(tokenizer) < len(words) // 100
+    ds = SFTDataset(rows, tokenizer, 32, input_key="prompt", output_key="response")
+    assert ds.num_capped == 2 and ds.num_truncated == 2 and ds.num_dropped == 1
+    monkeypatch.setattr(sft_dataset, "cap_text_fields", lambda rows, keys, max_len, tok: (rows, 0))
+    whole = SFTDataset(rows, tokenizer, 32, input_key="prompt", output_key="response")
+    assert [s["input_ids"] for s in ds] == [s["input_ids"] for s in whole]
+    assert [s["loss_mask"] for s in ds] == [s["loss_mask"] for s in whole] and whole.dropped == ds.dropped
+    pairs = PreferenceDataset([{"prompt": "Q", "chosen": words, "rejected": "no", "label": words}], tokenizer, 32,
+                              prompt_key="prompt")
+    assert pairs.num_capped == 1 and len(pairs[0]["chosen_ids"]) == 32
+    prompts = PromptDataset([{"input": words, "label": words}, {"input": "hi", "label": "x"}], tokenizer,
+                            label_key="label", max_prompt_len=16)
+    assert prompts.num_capped == 1 and len(prompts.dropped) == 1 and prompts[0].label == "x"
