@@ -5,7 +5,8 @@ stage's range. A benchmark of the recipe, not a test.
         [--flags "--ds.no_onednn_linear"] [--workdir runs/spread]
 
 Without `--agent-only`, each seed is one `posttrain demo --seed S` (its summary.json read back). With it,
-only the calculator task runs: per seed the base model and the agent SFT once, then multi-turn RL for each
+only the calculator task runs: per seed the base model and the agent SFT once (reused from an earlier
+sweep in the same --workdir), then multi-turn RL for each
 `--recipes` entry (RL prompts:learning rate) from that SFT model; the single-turn control is left out.
 `--flags` are appended to every training launch of the agent-only sweep (a rounding variant, e.g.
 `--ds.no_onednn_linear`); `POSTTRAIN_CPU_KERNELS=0` in the environment is another.
@@ -39,10 +40,12 @@ def agent_only(seed: int, out: Path, recipes: list[tuple[int, float]], flags: li
 
     scale = demo.FULL
     base = out / "base"
-    build_tiny(str(base), arch="llama", size=scale.size, head="lm", seed=seed, overwrite=True)
+    if not (base / "config.json").exists():
+        build_tiny(str(base), arch="llama", size=scale.size, head="lm", seed=seed, overwrite=True)
     test = demo.agent_data(scale, out, seed)
     data, sft = out / "data" / "agent", out / "agent_sft"
-    train_sft.main(demo.agent_sft_flags(scale, base, data, sft, seed) + flags)
+    if not (sft / "config.json").exists():  # an earlier sweep's SFT model of this seed is reused
+        train_sft.main(demo.agent_sft_flags(scale, base, data, sft, seed) + flags)
     row = {"after SFT": agent_success(sft, test, CALCULATOR_AGENT)[0]}
     for prompts, lr in recipes:
         rl = out / f"agent_rl_{prompts}_{lr:g}"
