@@ -253,17 +253,22 @@ main(["sft", *sys.argv[2:]])
 """
 
 
-def test_disk_full_while_checkpointing_keeps_the_earlier_checkpoint(tiny_model_dir, arithmetic_dir, tmp_path):
+def _disk_full_at_step_4_keeps_step_2(driver: str, nth_save: int, model_dir, data_dir, tmp_path) -> None:
+    """SFT saving every 2 steps under `driver`, whose `nth_save`-th save fails for lack of space (step 4's):
+    one line naming step 4 and the kept step 2, which still verifies; nothing half-written is left."""
     out = tmp_path / "run"
     ckpt = out / "checkpoints"
-    proc = run([sys.executable, "-c", DRIVER_DISK_FULL, "2",
-                *flags(tiny_model_dir, arithmetic_dir, out, "--ckpt.save_steps", 2)])
+    proc = run([sys.executable, "-c", driver, str(nth_save), *flags(model_dir, data_dir, out, "--ckpt.save_steps", 2)])
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert error_line(proc.stderr) == (
         f"posttrain sft: error: no space left on device while writing checkpoint step 4 to {ckpt}; the last good "
         f"checkpoint is {ckpt / 'global_step2'} (free space or lower --ckpt.max_num)")
     assert verify_checkpoint(ckpt / "global_step2") is None
     assert [p.name for p in ckpt.iterdir() if p.name.startswith(("global_step", ".tmp", ".old"))] == ["global_step2"]
+
+
+def test_disk_full_while_checkpointing_keeps_the_earlier_checkpoint(tiny_model_dir, arithmetic_dir, tmp_path):
+    _disk_full_at_step_4_keeps_step_2(DRIVER_DISK_FULL, 2, tiny_model_dir, arithmetic_dir, tmp_path)
 
 
 DRIVER_TORCH_LOSES_ERRNO = """
@@ -290,17 +295,8 @@ main(["sft", *sys.argv[2:]])
 
 def test_disk_full_reported_by_torch_without_errno_keeps_the_earlier_checkpoint(tiny_model_dir, arithmetic_dir,
                                                                                   tmp_path):
-    out = tmp_path / "run"
-    ckpt = out / "checkpoints"
     # 4 torch.save calls per checkpoint (model, optimizer, scheduler, trainer state): the 5th is step 4's model
-    proc = run([sys.executable, "-c", DRIVER_TORCH_LOSES_ERRNO, "5",
-                *flags(tiny_model_dir, arithmetic_dir, out, "--ckpt.save_steps", 2)])
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert error_line(proc.stderr) == (
-        f"posttrain sft: error: no space left on device while writing checkpoint step 4 to {ckpt}; the last good "
-        f"checkpoint is {ckpt / 'global_step2'} (free space or lower --ckpt.max_num)")
-    assert verify_checkpoint(ckpt / "global_step2") is None
-    assert [p.name for p in ckpt.iterdir() if p.name.startswith(("global_step", ".tmp", ".old"))] == ["global_step2"]
+    _disk_full_at_step_4_keeps_step_2(DRIVER_TORCH_LOSES_ERRNO, 5, tiny_model_dir, arithmetic_dir, tmp_path)
 
 
 DRIVER_EXPORT_FULL = """
