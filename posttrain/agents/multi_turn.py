@@ -218,16 +218,12 @@ def loggable(extra_logs) -> dict[str, float]:
 
 
 def _log_number(value) -> float | None:
-    if isinstance(value, (list, tuple)):
-        value = value[0] if len(value) == 1 else None
-    elif hasattr(value, "numel") or hasattr(value, "size") and hasattr(value, "reshape"):  # tensor / numpy array
-        value = value.reshape(-1)[0] if (value.numel() if hasattr(value, "numel") else value.size) == 1 else None
-    if isinstance(value, (str, bytes)) or value is None:
-        return None
+    """`value` as a float when it is a number or holds exactly one (list, array, tensor); else None."""
     try:
-        return float(value.item() if hasattr(value, "item") else value)
-    except (TypeError, ValueError, RuntimeError, OverflowError):
+        values = torch.as_tensor(value, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError):
         return None
+    return float(values.reshape(-1)[0]) if values.numel() == 1 else None
 
 
 class AgentRunner:
