@@ -26,7 +26,7 @@ class Inert(NamedTuple):
     trainers: tuple[str, ...] | None = None
 
 
-def in_section(test: Callable[[Any, Any, str, str], "bool | str"]) -> Condition:
+def in_section(test: Callable[[Any, Any, str, str], bool | str]) -> Condition:
     """A condition on the flag's own section: `test(value, section, device_type, prefix)`, where `section`
     is the config object holding the flag (the whole config for a flat flag, `cfg.actor` for
     `--actor.x`) and `prefix` its dotted path with a trailing dot ("" or "actor."). For facts shared by

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from posttrain.config import facts
 from posttrain.config.facts import (
     EVAL_OFF,
-    in_section,
     LORA_IN_PPO,
     LORA_OFF,
     ON_ONE_RANK,
@@ -27,6 +26,7 @@ from posttrain.config.facts import (
     SAVES_OFF,
     WANDB_OFF,
     Inert,
+    in_section,
     needs,
     not_yet,
 )

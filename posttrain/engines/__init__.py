@@ -28,7 +28,13 @@ communication op, which takes about a minute once. Use fp32 on CPU.
 from posttrain.engines.base import TrainEngine
 from posttrain.engines.factory import make_train_engine
 from posttrain.engines.optim import MuonAdamW, build_optimizer, param_groups, param_roles
-from posttrain.engines.schedulers import SCHEDULERS, build_scheduler, lr_multiplier, num_warmup_steps, schedule_of
+from posttrain.engines.schedulers import (
+    SCHEDULERS,
+    build_scheduler,
+    lr_multiplier,
+    num_warmup_steps,
+    schedule_of,
+)
 
 
 def __getattr__(name):  # engines imported on demand (DeepSpeedEngine must not import deepspeed eagerly)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
 ONEDNN_MIN_WEIGHT = 2**16  # in x out: below it torch's F.linear measured as fast or faster at every row count
 ONEDNN_MIN_MACS = 2**25  # rows x in x out: below it the per-call weight re-layout costs more than it saves
 PACKED_MIN_WEIGHT = 2**17  # in x out of a packed decode matmul: below it F.linear measured faster

@@ -28,7 +28,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from posttrain.models.cpu_linear import OneDNNLinear, onednn_weight, packed_linear, packed_weight, worth_packing
+from posttrain.models.cpu_linear import (
+    OneDNNLinear,
+    onednn_weight,
+    packed_linear,
+    packed_weight,
+    worth_packing,
+)
 from posttrain.rollout.cpu import cpu_kernels
 
 _ARCHS = ("llama", "mistral", "qwen2")
