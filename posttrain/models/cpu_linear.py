@@ -19,24 +19,28 @@ decode step); `packed_linear(x, P, b)` multiplies with it. `--ds.no_onednn_linea
 
 Which path is faster depends on the shape (`bench/linear_paths.py`, bench/RESULTS.md): oneDNN with a
 dense weight re-lays the weight out on every call (~15-25 µs), so it loses on small matmuls and wins on
-large ones; a packed weight has no such cost but still loses on the smallest weights. So a
-`OneDNNLinear` takes oneDNN only where it measured faster (`worth_onednn`): a weight of at least
-`ONEDNN_MIN_WEIGHT` entries and a matmul of at least `ONEDNN_MIN_MACS` multiply-adds (rows x in x out);
-the decode step packs a weight of at least `PACKED_MIN_WEIGHT` entries (`worth_packing`). The rule reads
+large ones; a packed weight has no such cost but still loses on the smallest weights. A micro-benchmark
+of one matmul does not settle it: whole training steps (`bench/sft.py`, `bench/dpo.py`) read slower with
+oneDNN on layers that measured faster alone (a model's thin layers, the vocabulary head at ~180 rows),
+so the rule follows whole-step measurements. A `OneDNNLinear` takes oneDNN (`worth_onednn`) when both
+sides of its weight have at least `ONEDNN_MIN_SIDE` features and the matmul has at least
+`ONEDNN_MIN_MACS` multiply-adds (rows x in x out), and never for the model's output embedding (the LM
+head: 5-6% slower per step at small and base, `use_onednn_linears` marks it); the decode step packs a
+weight of at least `PACKED_MIN_WEIGHT` entries (`worth_packing`), the LM head included. The rule reads
 only shapes, so a run takes the same path for the same batch every time (resumed runs stay bit-exact)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-ONEDNN_MIN_WEIGHT = 2**16  # in x out: below it torch's F.linear measured as fast or faster at every row count
+ONEDNN_MIN_SIDE = 256  # min(in, out): thinner layers (nano/tiny presets, k/v) measured slower per whole step
 ONEDNN_MIN_MACS = 2**25  # rows x in x out: below it the per-call weight re-layout costs more than it saves
 PACKED_MIN_WEIGHT = 2**17  # in x out of a packed decode matmul: below it F.linear measured faster
 
 
 def worth_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether oneDNN (dense weight) is faster than `F.linear` for `x` [..., in] and `weight` [out, in]."""
-    return weight.numel() >= ONEDNN_MIN_WEIGHT and x.numel() * weight.shape[0] >= ONEDNN_MIN_MACS
+    return min(weight.shape) >= ONEDNN_MIN_SIDE and x.numel() * weight.shape[0] >= ONEDNN_MIN_MACS
 
 
 def worth_packing(weight: torch.Tensor) -> bool:
@@ -99,10 +103,14 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 class OneDNNLinear(nn.Linear):
-    """An `nn.Linear` whose forward is `onednn_linear` where `worth_onednn`, else `F.linear` (module docstring)."""
+    """An `nn.Linear` whose forward is `onednn_linear` where `worth_onednn`, else `F.linear` (module
+    docstring). `output_head` (set by `use_onednn_linears` on the model's output embedding) keeps
+    `F.linear` in the forward; the decode step still packs that weight."""
+
+    output_head = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if worth_onednn(x, self.weight):
+        if not self.output_head and worth_onednn(x, self.weight):
             return onednn_linear(x, self.weight, self.bias)
         return nn.functional.linear(x, self.weight, self.bias)
 
@@ -110,7 +118,8 @@ class OneDNNLinear(nn.Linear):
 def use_onednn_linears(model: nn.Module) -> int:
     """Make every plain `nn.Linear` in `model` a `OneDNNLinear`, in place; returns how many. A no-op
     (0) when `onednn_available()` is False. Subclasses of `nn.Linear` (quantized layers, adapters'
-    wrappers) keep their own forward; an adapter's inner plain layers are converted."""
+    wrappers) keep their own forward; an adapter's inner plain layers are converted. The model's output
+    embedding (`get_output_embeddings()`), when converted, is marked `output_head`."""
     if not onednn_available():
         return 0
     count = 0
@@ -118,6 +127,9 @@ def use_onednn_linears(model: nn.Module) -> int:
         if type(module) is nn.Linear:
             module.__class__ = OneDNNLinear
             count += 1
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, OneDNNLinear):
+        head.output_head = True
     return count
 
 

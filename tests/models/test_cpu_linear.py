@@ -105,30 +105,49 @@ def test_conversion_keeps_parameters_and_skips_subclasses():
 
 
 def test_onednn_and_packing_only_where_they_measured_faster():
-    """bench/linear_paths.py: dense oneDNN pays a weight re-layout per call, so small matmuls keep F.linear."""
-    w_small, w_big = torch.randn(64, 128), torch.randn(512, 192)  # 8192 / 98304 entries
-    assert not worth_onednn(torch.randn(4096, 128), w_small)  # many rows, but a small weight
-    assert not worth_onednn(torch.randn(300, 192), w_big)  # 300 x 98304 = 29.5M < 2**25 multiply-adds
-    assert worth_onednn(torch.randn(2, 171, 192), w_big)  # 342 rows: 33.6M
+    """bench/RESULTS.md (issue 28 item 13): whole training steps read slower through oneDNN on thin layers
+    (a side < 256) and on small matmuls, so those keep F.linear; decode packs weights of >= 2**17 entries."""
+    w_thin, w_wide = torch.randn(512, 192), torch.randn(1024, 384)  # the tiny / small presets' gate|up
+    assert not worth_onednn(torch.randn(4096, 192), w_thin)  # many rows, but a 192-wide layer
+    assert not worth_onednn(torch.randn(80, 384), w_wide)  # 80 x 393,216 = 31.5M < 2**25 multiply-adds
+    assert worth_onednn(torch.randn(2, 43, 384), w_wide)  # 86 rows: 33.8M
     assert not worth_packing(torch.randn(320, 192)) and worth_packing(torch.randn(704, 192))
-    layer = OneDNNLinear(192, 512)
+    layer = OneDNNLinear(384, 1024)
     calls = []
     real = cpu_linear._matmul
     cpu_linear._matmul = lambda *a: calls.append(a[0].shape) or real(*a)
     try:
         with torch.no_grad():
-            layer(torch.randn(8, 192))
-            layer(torch.randn(400, 192))
+            layer(torch.randn(8, 384))
+            layer(torch.randn(400, 384))
     finally:
         cpu_linear._matmul = real
-    assert calls == [torch.Size([400, 192])]
+    assert calls == [torch.Size([400, 384])]
+
+
+def test_the_output_head_keeps_f_linear_in_the_forward(tiny_model_dir, monkeypatch):
+    """The LM head through oneDNN measured 5-6% slower per training step (small, base at ~180 rows): the
+    converted head is marked and its forward is F.linear even where the shape rule would take oneDNN."""
+    monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_SIDE", 0)
+    monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_MACS", 0)
+    model = load_causal_lm(tiny_model_dir, dtype="fp32", onednn_linear=True)
+    assert type(model.lm_head) is OneDNNLinear and model.lm_head.output_head
+    assert not any(getattr(m, "output_head", False) for m in model.modules() if m is not model.lm_head)
+    assert copy.deepcopy(model).lm_head.output_head  # Ray and torch.save copy the mark
+    calls = []
+    real = cpu_linear._matmul
+    monkeypatch.setattr(cpu_linear, "_matmul", lambda *a: calls.append(a[1].shape) or real(*a))
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7]]))
+    assert calls and tuple(model.lm_head.weight.shape) not in [tuple(c) for c in calls]
 
 
 @pytest.fixture
 def always_onednn(monkeypatch):
-    """Every OneDNNLinear call and decode matmul through oneDNN (the tiny test models are below the rule)."""
-    monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_WEIGHT", 0)
+    """Every OneDNNLinear call (the LM head too) and decode matmul through oneDNN (the tiny test models are below the rule)."""
+    monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_SIDE", 0)
     monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_MACS", 0)
+    monkeypatch.setattr(cpu_linear.OneDNNLinear, "output_head", property(lambda self: False, lambda self, v: None))
     monkeypatch.setattr(cpu_linear, "PACKED_MIN_WEIGHT", 0)
 
 
