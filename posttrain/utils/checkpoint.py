@@ -24,7 +24,8 @@ Contract of `CheckpointManager`:
   posttrain's own state files (`save_state_file` / `load_state_file`) hold tensors and plain values
   and are read with `torch.load(weights_only=True)`: a file holding any other object is refused
   (CheckpointError naming the file), never unpickled. DeepSpeed's engine files are unpickled by
-  DeepSpeed: checkpoints must come from a trusted source.
+  DeepSpeed: checkpoints must come from a trusted source, and `prepare(resume=True)` resumes only a
+  checkpoint whose manifest records a run id (one a posttrain run wrote).
 Multi-rank: every rank calls `prepare` and `save`; only the main one creates, renames and deletes
 folders. A rank that fails inside `write` while the others reach the barrier leaves them waiting
 (the usual disk-full case, one shared disk, fails on every rank).
@@ -284,14 +285,17 @@ class CheckpointManager:
         return path
 
     def _adopt(self, path: Path) -> None:
-        """Refuse `path` when its training flags differ from this run's; else take its run_id."""
+        """Refuse `path` when its manifest records no run (no run_id: DeepSpeed would unpickle engine
+        files of unknown origin) or when its training flags differ from this run's; else take its run_id."""
         if self.identity is None:
             return
         run = read_manifest(path).get("run")
-        if not run:
-            warn_once(f"checkpoint {path} records no run fingerprint (written by an older posttrain): "
-                      "its training flags cannot be checked against this run's")
-            return
+        if not run or not run.get("run_id"):
+            raise CheckpointError(
+                f"cannot resume from checkpoint {path}: its manifest records no posttrain run id (written by a "
+                f"posttrain older than run ids, or not by posttrain), and DeepSpeed unpickles engine files when "
+                f"loading them; posttrain resumes only checkpoints a posttrain run wrote. Start a new run with "
+                f"another --ckpt.path")
         if run.get("fingerprint") != self.identity.fingerprint:
             diffs = flag_diffs(run.get("fields") or {}, self.identity.fields)
             if diffs:

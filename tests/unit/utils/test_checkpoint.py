@@ -209,6 +209,17 @@ def test_a_file_the_manifest_does_not_list_fails_verification(tmp_path):
                                       "(added after the save)"
 
 
+def test_resume_refuses_a_checkpoint_that_records_no_run(tmp_path):
+    """DeepSpeed unpickles its engine files: resume only what a posttrain run wrote (its manifest's run id),
+    and say so before anything is loaded."""
+    path = CheckpointManager(tmp_path).save(2, _writer(b"two"), {})  # a writer without a run identity
+    assert verify_checkpoint(path) is None and read_manifest(path)["run"] is None
+    with pytest.raises(CheckpointError) as e:
+        CheckpointManager(tmp_path, identity=_identity()).prepare(resume=True)
+    assert str(e.value).startswith(f"cannot resume from checkpoint {path}: its manifest records no posttrain run id")
+    assert "\n" not in str(e.value)
+
+
 class _RunsCode:
     def __init__(self, marker):
         self.marker = marker
