@@ -106,12 +106,12 @@ def test_conversion_keeps_parameters_and_skips_subclasses():
 
 def test_onednn_and_packing_only_where_they_measured_faster():
     """bench/RESULTS.md (issue 28 item 13): whole training steps read slower through oneDNN on thin layers
-    (a side < 256) and on small matmuls, so those keep F.linear; decode packs weights of >= 2**17 entries."""
+    (a side < 256) and on small matmuls, so those keep F.linear; decode packs weights both of whose sides are >= 256."""
     w_thin, w_wide = torch.randn(512, 192), torch.randn(1024, 384)  # the tiny / small presets' gate|up
     assert not worth_onednn(torch.randn(4096, 192), w_thin)  # many rows, but a 192-wide layer
     assert not worth_onednn(torch.randn(80, 384), w_wide)  # 80 x 393,216 = 31.5M < 2**25 multiply-adds
     assert worth_onednn(torch.randn(2, 43, 384), w_wide)  # 86 rows: 33.8M
-    assert not worth_packing(torch.randn(320, 192)) and worth_packing(torch.randn(704, 192))
+    assert not worth_packing(torch.randn(2048, 192)) and worth_packing(torch.randn(640, 384))
     layer = OneDNNLinear(384, 1024)
     calls = []
     real = cpu_linear._matmul
@@ -148,7 +148,6 @@ def always_onednn(monkeypatch):
     monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_SIDE", 0)
     monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_MACS", 0)
     monkeypatch.setattr(cpu_linear.OneDNNLinear, "output_head", property(lambda self: False, lambda self, v: None))
-    monkeypatch.setattr(cpu_linear, "PACKED_MIN_WEIGHT", 0)
 
 
 def test_loaded_models_train_alike_with_and_without_onednn(tiny_model_dir, tiny_score_model_dir, always_onednn):
