@@ -1,0 +1,157 @@
+"""Adapter-only weight sync: a peft LoRA model's tensors under the base model's HF names.
+
+Canonical names (what travels to a rollout engine):
+
+* base tensors: the HF name of the plain model (``base_name``: peft's ``base_model.model.`` prefix,
+  ``.base_layer`` and ``modules_to_save.default.`` dropped; ``original_module`` copies skipped);
+* adapter tensors: ``"{module}.lora_A.weight"`` [r, in] and ``"{module}.lora_B.weight"`` [out, r], with
+  ``module`` the HF name of the targeted linear layer.
+
+A targeted layer computes ``W x + s * B A x`` with ``s`` = ``scaling`` (read from the peft layers). An
+engine that merges keeps pristine copies ``W0`` and writes ``W = W0 + s * B A`` (``MergedBase``): never
+accumulated, so any number of syncs leaves ``W0`` bit-identical. ``lora_weights_hash`` covers base +
+adapter + ``s``: a trainer and an engine agree on it only if they sample the same function.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from posttrain.utils.weights_hash import weights_hash
+
+_PREFIX = "base_model.model."
+ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+
+
+def is_peft(model) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def base_name(peft_name: str) -> str | None:
+    """The plain model's name of a peft state-dict name; None for peft's ``original_module`` copies."""
+    if ".original_module." in peft_name:
+        return None
+    name = peft_name[len(_PREFIX):] if peft_name.startswith(_PREFIX) else peft_name
+    return name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+
+
+def is_adapter_name(name: str) -> bool:
+    """A canonical adapter tensor name (``{module}.lora_A.weight`` / ``.lora_B.weight``)."""
+    return name.endswith(ADAPTER_SUFFIXES)
+
+
+def adapter_module(name: str) -> str:
+    """``{module}`` of a canonical adapter name."""
+    return name.rsplit(".", 2)[0]
+
+
+def _lora_layers(model) -> Iterator[tuple[str, torch.nn.Module]]:
+    """(HF module name, peft lora layer) for every layer holding the ``default`` adapter."""
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {}):
+            yield base_name(name + ".")[:-1], module
+
+
+def adapter_params(model) -> dict[str, torch.Tensor]:
+    """Canonical adapter name -> the live peft parameter (the engine writes into these)."""
+    out = {}
+    for module, layer in _lora_layers(model):
+        out[f"{module}.lora_A.weight"] = layer.lora_A["default"].weight
+        out[f"{module}.lora_B.weight"] = layer.lora_B["default"].weight
+    return out
+
+
+def adapter_pairs(model) -> list[tuple[str, torch.Tensor]]:
+    """The adapter tensors (detached, not copied) under canonical names, in name order."""
+    return [(n, t.detach()) for n, t in sorted(adapter_params(model).items())]
+
+
+def base_pairs(model) -> list[tuple[str, torch.Tensor]]:
+    """Every other state tensor under its plain-model name (targeted layers: their frozen ``W0``)."""
+    out = []
+    for name, tensor in model.state_dict().items():
+        if ".lora_" in name:
+            continue
+        canonical = base_name(name)
+        if canonical is not None:
+            out.append((canonical, tensor.detach()))
+    return out
+
+
+def pair_bytes(pairs: Iterable[tuple[str, torch.Tensor]]) -> int:
+    return sum(t.numel() * t.element_size() for _, t in pairs)
+
+
+def adapter_bytes(model) -> int:
+    """Bytes of one adapter sync: sum over the lora_A / lora_B tensors of numel * itemsize."""
+    return pair_bytes(adapter_pairs(model))
+
+
+def scaling(model) -> float:
+    """``s`` of ``W x + s * B A x``, read from the peft layers (one value for every layer)."""
+    values = {float(layer.scaling["default"]) for _, layer in _lora_layers(model)}
+    if len(values) != 1:
+        raise ValueError(f"LoRA sync needs one scaling for every adapted layer, found {sorted(values)}")
+    return values.pop()
+
+
+def lora_weights_hash(base: Iterable[tuple[str, torch.Tensor]], adapter: Iterable[tuple[str, torch.Tensor]],
+                      s: float) -> str:
+    """``weights_hash`` over base + adapter + a 0-d float64 ``"lora.scaling"`` tensor."""
+    scale = [("lora.scaling", torch.tensor(float(s), dtype=torch.float64))]
+    return weights_hash([*base, *adapter, *scale])
+
+
+def model_lora_hash(model) -> str:
+    """``lora_weights_hash`` of a peft model (the trainer's side, or an engine in adapter mode)."""
+    return lora_weights_hash(base_pairs(model), adapter_pairs(model), scaling(model))
+
+
+class MergedBase:
+    """An engine's merged view of a LoRA policy: ``W = W0 + s * B A`` for every adapted layer.
+
+    ``keep(name, W0)`` stores a pristine copy of a base weight (``{module}.weight``); ``receive(pairs)``
+    takes adapter tensors (any split into buckets) and returns ``(weight name, merged W)`` for each
+    module whose A and B are both known, computed in fp32 from ``W0`` (cast back to its dtype)."""
+
+    def __init__(self, s: float, device: torch.device | str | None = None) -> None:
+        self.s = float(s)
+        self.device = device
+        self.base: dict[str, torch.Tensor] = {}     # "{module}.weight" -> W0
+        self.adapter: dict[str, torch.Tensor] = {}  # canonical adapter name -> last received tensor
+
+    def keep(self, name: str, tensor: torch.Tensor) -> None:
+        self.base[name] = tensor.detach().to(self.device or tensor.device, copy=True)
+
+    def merged(self, module: str) -> torch.Tensor:
+        w0 = self.base[f"{module}.weight"]
+        a = self.adapter[f"{module}.lora_A.weight"].to(w0.device, torch.float32)
+        b = self.adapter[f"{module}.lora_B.weight"].to(w0.device, torch.float32)
+        return (w0.float() + self.s * (b @ a)).to(w0.dtype)
+
+    def receive(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        touched = []
+        for name, tensor in pairs:
+            if not is_adapter_name(name):
+                raise KeyError(f"update_adapter: {name!r} is not an adapter tensor (*.lora_A/B.weight)")
+            self.adapter[name] = tensor.detach().to("cpu", copy=True)
+            touched.append(adapter_module(name))
+        out = []
+        for module in dict.fromkeys(touched):
+            if f"{module}.lora_A.weight" in self.adapter and f"{module}.lora_B.weight" in self.adapter:
+                if f"{module}.weight" not in self.base:
+                    raise KeyError(f"update_adapter: no base weight {module}.weight to merge into (send the "
+                                   "base weights first: a full sync)")
+                out.append((f"{module}.weight", self.merged(module)))
+        return out
+
+    def base_pairs(self, live: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """``live`` (the engine's current weights) with each merged weight replaced by its ``W0``."""
+        return [(n, self.base.get(n, t) if self._adapted(n) else t) for n, t in live]
+
+    def _adapted(self, name: str) -> bool:
+        return name.endswith(".weight") and f"{name[:-len('.weight')]}.lora_A.weight" in self.adapter
+
+    def hash(self, live: Iterable[tuple[str, torch.Tensor]]) -> str:
+        return lora_weights_hash(self.base_pairs(live), sorted(self.adapter.items()), self.s)
