@@ -138,7 +138,14 @@ class RolloutEngine(Protocol):
     ``load_weights(model_or_state_dict)`` copies policy weights into the engine; ``sync_weights(model)``
     makes the engine sample with ``model``'s current weights (a no-op when the engine shares the
     module). ``sleep()`` / ``wake_up()`` release / reacquire accelerator memory between rollouts
-    (no-ops in process)."""
+    (no-ops in process).
+
+    Weight sync, bucket by bucket: ``update_weights(pairs)`` copies HF-named base tensors;
+    ``update_adapter(pairs)`` applies LoRA adapter tensors under their canonical names
+    (``{module}.lora_A.weight`` / ``.lora_B.weight``, ``posttrain.models.lora_sync``) in the engine's
+    ``lora_sync`` mode ("merged": ``W = W0 + s·B·A`` from pristine copies; "adapter": the engine's own
+    LoRA support); ``weights_updated(version)`` ends a sync. ``weights_hash()`` (None where the engine
+    cannot hash its weights) is ``lora_weights_hash`` of base + adapter + scaling for a LoRA policy."""
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
                  max_new_tokens: list[int] | None = None,
