@@ -115,9 +115,11 @@ class MergedBase:
     takes adapter tensors (any split into buckets) and returns ``(weight name, merged W)`` for each
     module whose A and B are both known, computed in fp32 from ``W0`` (cast back to its dtype)."""
 
-    def __init__(self, s: float, device: torch.device | str | None = None) -> None:
+    def __init__(self, s: float, device: torch.device | str | None = None,
+                 compute: torch.device | str | None = None) -> None:
         self.s = float(s)
-        self.device = device
+        self.device = device  # where W0 is kept (None: where it came from)
+        self.compute = compute  # where W0 + s·B·A is computed (None: where W0 is)
         self.base: dict[str, torch.Tensor] = {}     # "{module}.weight" -> W0
         self.adapter: dict[str, torch.Tensor] = {}  # canonical adapter name -> last received tensor
 
@@ -126,6 +128,7 @@ class MergedBase:
 
     def merged(self, module: str) -> torch.Tensor:
         w0 = self.base[f"{module}.weight"]
+        w0 = w0 if self.compute is None else w0.to(self.compute)
         a = self.adapter[f"{module}.lora_A.weight"].to(w0.device, torch.float32)
         b = self.adapter[f"{module}.lora_B.weight"].to(w0.device, torch.float32)
         return (w0.float() + self.s * (b @ a)).to(w0.dtype)

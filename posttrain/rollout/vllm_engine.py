@@ -11,16 +11,31 @@ temperature, which equals our contract ``log softmax(logits / T)[token]`` when `
 (vLLM's default "raw_logprobs" would be the temperature-1 values). With ``top_p < 1`` vLLM
 renormalises over the nucleus, so its log-probs are higher than the trainer's recomputation by
 ``-log(nucleus mass)``; a warning says so once. Greedy (temperature 0): temperature-1 log-probs.
+
+A LoRA policy (``lora=``) is synced adapter-only (``update_adapter``, canonical names of
+``posttrain.models.lora_sync``), in one of two ``lora_sync`` modes:
+
+* ``merged``: the engine keeps CPU copies ``W0`` of the targeted base weights (from the full sync: every
+  2-D weight until the first adapter names the targets) and pushes ``W0 + s·B·A`` through vLLM's
+  ``load_weights`` (vLLM fuses q/k/v and gate/up itself): plain vLLM kernels, only the adapter on the wire;
+* ``adapter``: vLLM's own LoRA support (``enable_lora``); ``weights_updated(version)`` writes the adapter as
+  a PEFT folder (under ``/dev/shm`` where it exists) and samples with ``LoRARequest(id = version + 1)``;
+  the previous id is removed from vLLM and its folder deleted.
 """
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import tempfile
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
 from posttrain.config.backends import VLLM_MISSING
-from posttrain.models import unwrap_model
+from posttrain.models import as_lora_spec, unwrap_model
+from posttrain.models import lora_sync as lsync
 from posttrain.rollout.sampling import check_seeds
 from posttrain.rollout.types import (
     FINISH_REASONS,
@@ -30,6 +45,32 @@ from posttrain.rollout.types import (
     rank_seed,
 )
 from posttrain.utils.log import warn_once
+
+LORA_SYNC_MODES = ("merged", "adapter")
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed --max-lora-rank values
+
+
+def vllm_lora_kwargs(rank: int) -> dict:
+    """``vllm.LLM`` arguments for sampling with one LoRA adapter of this rank at a time."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"lora rank {rank}: vLLM supports LoRA ranks up to {VLLM_LORA_RANKS[-1]}")
+    return dict(enable_lora=True, max_lora_rank=fits[0], max_loras=1, max_cpu_loras=1)
+
+
+def write_peft_adapter(folder: str, adapter: Mapping[str, torch.Tensor], rank: int, alpha: float) -> None:
+    """A PEFT LoRA folder (``adapter_config.json`` + ``adapter_model.safetensors``, keys
+    ``base_model.model.{module}.lora_A.weight``) from canonical adapter tensors."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    targets = sorted({lsync.adapter_module(n).rsplit(".", 1)[-1] for n in adapter})
+    config = dict(peft_type="LORA", task_type="CAUSAL_LM", r=int(rank), lora_alpha=float(alpha), lora_dropout=0.0,
+                  bias="none", target_modules=targets, fan_in_fan_out=False, inference_mode=True)
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    save_file({f"base_model.model.{n}": t.contiguous() for n, t in adapter.items()},
+              os.path.join(folder, "adapter_model.safetensors"))
 
 
 def import_vllm():
@@ -86,7 +127,27 @@ class VLLMRolloutEngine:
     from ``params.seed`` (``rank_seed(seed, 0, prompt) % 2**31``) so duplicate prompts in one batch still
     get different samples."""
 
-    def __init__(self, llm_or_model_path, eos_token_ids: Sequence[int] | None = None, **llm_kwargs):
+    def __init__(self, llm_or_model_path, eos_token_ids: Sequence[int] | None = None, *, lora=None,
+                 lora_sync: str = "merged", lora_dir: str | None = None, **llm_kwargs):
+        if lora_sync not in LORA_SYNC_MODES:
+            raise ValueError(f"lora_sync={lora_sync!r}: valid values are {list(LORA_SYNC_MODES)}")
+        self.lora = as_lora_spec(lora)
+        self.lora_sync = lora_sync if self.lora is not None else None
+        self.lora_scaling = None if self.lora is None else self.lora.alpha / self.lora.rank  # peft's (no rslora)
+        compute = "cuda" if torch.cuda.is_available() else None
+        self._merged = lsync.MergedBase(self.lora_scaling, "cpu", compute) if self.lora_sync == "merged" else None
+        self._targets: set[str] | None = None  # merged: the adapted modules, once an adapter arrived
+        self._adapter: dict[str, torch.Tensor] = {}  # adapter mode: the tensors of the next request
+        self._adapter_dirty = False
+        self.lora_request = None
+        self._lora_folder = None
+        if self.lora_sync == "adapter":
+            root = lora_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+            self._lora_root = tempfile.mkdtemp(prefix=f"posttrain-lora-{os.getpid()}-", dir=root)
+            weakref.finalize(self, shutil.rmtree, self._lora_root, True)
+            if isinstance(llm_or_model_path, (str, os.PathLike)):
+                for key, value in vllm_lora_kwargs(self.lora.rank).items():
+                    llm_kwargs.setdefault(key, value)
         if isinstance(llm_or_model_path, (str, os.PathLike)):
             vllm = import_vllm()
             llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")
@@ -125,42 +186,116 @@ class VLLMRolloutEngine:
         prompt_seeds = check_seeds(seeds, len(prompts))
         sampling = [self.vllm_sampling_params(params, i, budgets[i], None if prompt_seeds is None else prompt_seeds[i])
                     for i in range(len(prompts))]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
+        extra = {} if self.lora_request is None else {"lora_request": self.lora_request}
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False, **extra)
         return convert_vllm_outputs(prompts, outputs, params.n)
 
-    def load_weights(self, model_or_state_dict) -> None:
-        """Push HF-named weights (a state dict, or a plain/merged HF module's) into every vLLM worker
-        through ``LLM.apply_model`` (the model's ``load_weights``), then drop the prefix cache."""
+    def load_weights(self, model_or_state_dict) -> int:
+        """Push HF-named weights (a state dict, or a plain/merged HF module's; a peft module's base and
+        adapter when the engine has ``lora``) into every vLLM worker through ``LLM.apply_model`` (the
+        model's ``load_weights``), then drop the prefix cache. Returns the bytes pushed."""
         state = model_or_state_dict
         if isinstance(state, torch.nn.Module):
             state = unwrap_model(state)
-            if hasattr(state, "peft_config"):
-                raise ValueError("load_weights: merge the LoRA adapter first (posttrain.models.merge_lora)")
+            if lsync.is_peft(state):
+                if self.lora_sync is None:
+                    raise ValueError("load_weights: merge the LoRA adapter first (posttrain.models.merge_lora) "
+                                     "or build the engine with lora=")
+                base = lsync.base_pairs(state)
+                self.update_weights(base)
+                sent = lsync.pair_bytes(base) + self.update_adapter(lsync.adapter_pairs(state))
+                self.weights_updated()
+                return sent
             state = state.state_dict()
         if not isinstance(state, Mapping):
             raise ValueError(f"load_weights expects a torch.nn.Module or a state dict, not {type(state).__name__}")
         self.update_weights(state.items())
         self.weights_updated()
+        return lsync.pair_bytes(state.items())
 
     def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Push some HF-named weights (one sync bucket) into vLLM's model (its ``load_weights`` maps
-        the names onto vLLM's fused layout)."""
+        the names onto vLLM's fused layout). Merged LoRA mode: a targeted weight becomes its new ``W0``
+        and goes out merged with the current adapter."""
         weights = [(name, tensor.detach()) for name, tensor in named]
+        if self._merged is not None:
+            weights = [self._merged_base(name, tensor) for name, tensor in weights]
+        self._push(weights)
+
+    def _merged_base(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        module = name[:-len(".weight")] if name.endswith(".weight") else None
+        if module is None or tensor.dim() != 2 or (self._targets is not None and module not in self._targets):
+            return name, tensor
+        self._merged.keep(name, tensor)
+        if f"{module}.lora_B.weight" in self._merged.adapter and f"{module}.lora_A.weight" in self._merged.adapter:
+            return name, self._merged.merged(module).to(tensor.device)
+        return name, tensor
+
+    def _push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         self.llm.apply_model(lambda model: model.load_weights(weights=weights))
+
+    def update_adapter(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Apply LoRA adapter tensors (canonical names, one sync bucket) in this engine's ``lora_sync``
+        mode (module docstring); ``weights_updated`` completes the sync. Returns their bytes."""
+        if self.lora_sync is None:
+            raise ValueError("update_adapter: this engine was built without lora= (no LoRA policy)")
+        pairs = [(n, t.detach()) for n, t in pairs]
+        bad = [n for n, _ in pairs if not lsync.is_adapter_name(n)]
+        if bad:
+            raise KeyError(f"update_adapter: {bad[0]!r} is not an adapter tensor (*.lora_A/B.weight)")
+        if self._merged is not None:
+            merged = self._merged.receive(pairs)
+            if merged:
+                self._push(merged)
+        else:
+            self._adapter.update({n: t.to("cpu", copy=True) for n, t in pairs})
+            self._adapter_dirty = True
+        return lsync.pair_bytes(pairs)
 
     def weights_updated(self, version: int | None = None) -> None:
         """After the last bucket of a sync: cached prefixes were computed with the old weights. `version`
         is not recorded per token here: generation never overlaps a sync on vLLM (partial rollout is
-        refused with it), so the trainer attributes each batch the version it was generated with."""
+        refused with it), so the trainer attributes each batch the version it was generated with. In
+        adapter LoRA mode a new adapter becomes the next ``LoRARequest`` (id ``version + 1``)."""
+        if self._merged is not None and self._targets is None and self._merged.adapter:
+            # the adapted modules are known now: drop the copies of the other base weights
+            self._targets = {lsync.adapter_module(n) for n in self._merged.adapter}
+            self._merged.base = {n: t for n, t in self._merged.base.items() if n[:-len(".weight")] in self._targets}
+        if self._adapter_dirty:
+            self._adapter_dirty = False
+            self._next_lora_request(version)
         self.llm.reset_prefix_cache()
+
+    def _next_lora_request(self, version: int | None) -> None:
+        from vllm.lora.request import LoRARequest
+
+        old = self.lora_request
+        old_id = 0 if old is None else old.lora_int_id
+        new_id = version + 1 if version is not None and version + 1 != old_id else old_id + 1
+        folder = os.path.join(self._lora_root, f"v{new_id}")
+        write_peft_adapter(folder, self._adapter, self.lora.rank, self.lora.alpha)
+        self.lora_request = LoRARequest(lora_name=f"policy-v{new_id}", lora_int_id=new_id, lora_path=folder)
+        if old is not None:
+            remove = getattr(getattr(self.llm, "llm_engine", None), "remove_lora", None) or getattr(
+                self.llm, "remove_lora", None)
+            if remove is not None:
+                remove(old_id)
+            shutil.rmtree(self._lora_folder, ignore_errors=True)
+        self._lora_folder = folder
 
     def weights_hash(self) -> None:
         """vLLM keeps the weights in its own fused layout, so they cannot be hashed by HF name here; a
         caller that must verify a sync hashes what it sent (`posttrain.utils.weights_hash.WeightsDigest`)."""
         return None
 
-    def sync_weights(self, model) -> None:
-        self.load_weights(model)
+    def sync_weights(self, model) -> int:
+        """Sample with ``model``'s weights; from a peft module only the adapter moves. Returns the bytes."""
+        src = unwrap_model(model)
+        if self.lora_sync is not None and lsync.is_peft(src):
+            sent = self.update_adapter(lsync.adapter_pairs(src))
+            self.weights_updated()
+            return sent
+        return self.load_weights(model)
 
     def sleep(self, level: int = 1) -> None:
         """Release GPU memory (the LLM must be built with ``enable_sleep_mode=True``)."""

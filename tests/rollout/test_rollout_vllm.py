@@ -1,5 +1,6 @@
 """VLLMRolloutEngine without vLLM: the output conversion on fake RequestOutput / CompletionOutput
 objects, the request it builds (through a fake `vllm` module), and the missing-vLLM error."""
+import os
 import sys
 from types import SimpleNamespace
 
@@ -76,8 +77,10 @@ class FakeLLM:
         self.init = dict(model=model, **kwargs)
         self.calls = []
 
-    def generate(self, prompts, sampling_params, use_tqdm=True):
-        self.calls.append(("generate", prompts, sampling_params, use_tqdm))
+        self.llm_engine = SimpleNamespace(remove_lora=lambda lora_id: self.calls.append(("remove_lora", lora_id)))
+
+    def generate(self, prompts, sampling_params, use_tqdm=True, lora_request=None):
+        self.calls.append(("generate", prompts, sampling_params, use_tqdm) + ((lora_request,) if lora_request else ()))
         return [request(p["prompt_token_ids"], [completion(i, [10 + i, 2], [-0.5, -0.75], "stop")
                                                  for i in range(sp["n"])])
                 for p, sp in zip(prompts, sampling_params)]
@@ -103,6 +106,9 @@ class FakeLLM:
 def fake_vllm(monkeypatch):
     module = SimpleNamespace(LLM=FakeLLM, SamplingParams=lambda **kw: kw)
     monkeypatch.setitem(sys.modules, "vllm", module)
+    request_module = SimpleNamespace(LoRARequest=lambda **kw: SimpleNamespace(**kw))
+    monkeypatch.setitem(sys.modules, "vllm.lora", SimpleNamespace(request=request_module))
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", request_module)
     return module
 
 
@@ -207,3 +213,97 @@ def test_engine_worker_runs_vllm_where_it_can_and_verifies_what_it_received(fake
     hf.setup(parse_config("ppo", argv, check=False))
     assert hf.backend_name() == ("hf", "this machine has no CUDA GPU")
     assert hf.weights_hash() == weights_hash(hf.engine.model.state_dict())  # the HF engine hashes its own module
+
+
+LORA = {"rank": 4, "alpha": 8}
+
+
+@pytest.fixture
+def lora_policy(tiny_model_dir):
+    from posttrain.models import apply_lora, load_causal_lm
+    from posttrain.models import lora_sync as ls
+
+    torch.manual_seed(0)
+    model = apply_lora(load_causal_lm(tiny_model_dir), LORA)
+    with torch.no_grad():
+        for p in ls.adapter_params(model).values():
+            p.normal_(0, 0.05)
+    return model
+
+
+def test_vllm_lora_adapter_mode_writes_a_peft_folder_per_version(fake_vllm, lora_policy, tiny_model_dir, tmp_path):
+    from peft import PeftModel
+
+    from posttrain.models import load_causal_lm
+    from posttrain.models import lora_sync as ls
+
+    engine = VLLMRolloutEngine(str(tiny_model_dir), lora=LORA, lora_sync="adapter", lora_dir=str(tmp_path))
+    assert {k: engine.llm.init[k] for k in ("enable_lora", "max_lora_rank", "max_loras")} == {
+        "enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
+    sent = engine.load_weights(lora_policy)  # full: the base through load_weights, the adapter as a request
+    (_, loaded), reset = engine.llm.calls[-2:]
+    assert [n for n, _ in loaded] == [n for n, _ in ls.base_pairs(lora_policy)] and reset == ("reset_prefix_cache",)
+    assert sent == ls.pair_bytes(ls.base_pairs(lora_policy)) + ls.adapter_bytes(lora_policy)
+    first = engine.lora_request
+    assert first.lora_int_id == 1
+    with torch.no_grad():
+        ls.adapter_params(lora_policy)["model.layers.0.mlp.up_proj.lora_A.weight"].add_(1.0)
+    engine.update_adapter(ls.adapter_pairs(lora_policy)[:3])  # bucket by bucket, finished by weights_updated
+    engine.update_adapter(ls.adapter_pairs(lora_policy)[3:])
+    engine.weights_updated(5)
+    req = engine.lora_request
+    assert (req.lora_int_id, req.lora_name) == (6, "policy-v6")
+    assert ("remove_lora", 1) in engine.llm.calls and not os.path.exists(first.lora_path)
+    assert [c[0] for c in engine.llm.calls].count("apply_model") == 1  # the adapter never goes through load_weights
+    loaded = PeftModel.from_pretrained(load_causal_lm(tiny_model_dir), req.lora_path)
+    theirs, ours = dict(ls.adapter_pairs(loaded)), dict(ls.adapter_pairs(lora_policy))
+    assert sorted(theirs) == sorted(ours) and all(torch.equal(theirs[n], ours[n]) for n in ours)
+    assert ls.scaling(loaded) == ls.scaling(lora_policy)
+    engine.generate([[1, 2]], SamplingParams())
+    assert engine.llm.calls[-1][-1] is req  # sampled with the newest adapter
+    assert engine.sync_weights(lora_policy) == ls.adapter_bytes(lora_policy)
+    assert engine.lora_request.lora_int_id == 7
+
+
+def test_vllm_lora_merged_mode_pushes_merged_weights(fake_vllm, lora_policy):
+    import copy
+
+    from posttrain.models import lora_sync as ls
+
+    engine = VLLMRolloutEngine(FakeLLM(), lora=LORA, lora_sync="merged")
+    engine.load_weights(lora_policy)
+    (_, base), (_, merged) = [c for c in engine.llm.calls if c[0] == "apply_model"]
+    targets = {f"{ls.adapter_module(n)}.weight" for n, _ in ls.adapter_pairs(lora_policy)}
+    assert [n for n, _ in base] == [n for n, _ in ls.base_pairs(lora_policy)]
+    assert {n for n, _ in merged} == targets == set(engine._merged.base)  # W0 kept for the targets only
+    reference = copy.deepcopy(lora_policy).merge_and_unload().state_dict()
+    assert max((w - reference[n]).abs().max().item() for n, w in merged) < 1e-6
+    with torch.no_grad():
+        for p in ls.adapter_params(lora_policy).values():
+            p.mul_(2)
+    engine.sync_weights(lora_policy)
+    (_, again), reset = engine.llm.calls[-2:]
+    reference = copy.deepcopy(lora_policy).merge_and_unload().state_dict()
+    assert reset == ("reset_prefix_cache",) and {n for n, _ in again} == targets
+    assert max((w - reference[n]).abs().max().item() for n, w in again) < 1e-6
+    with pytest.raises(KeyError, match="not an adapter tensor"):
+        engine.update_adapter([("lm_head.weight", torch.zeros(1))])
+    with pytest.raises(ValueError, match="lora_sync='both'"):
+        VLLMRolloutEngine(FakeLLM(), lora=LORA, lora_sync="both")
+    with pytest.raises(ValueError, match="built without lora="):
+        VLLMRolloutEngine(FakeLLM()).update_adapter([])
+
+
+def test_engine_worker_verifies_base_and_adapter(fake_vllm, lora_policy):
+    """A verified receive on a LoRA engine routes the adapter tensors to `update_adapter` and hashes
+    base + adapter + scaling, equal to the trainer's `lora_weights_hash`."""
+    from posttrain.models import lora_sync as ls
+    from posttrain.trainers.rl.placement.workers import EngineWorker, numpy_state
+
+    worker = EngineWorker(1, {})
+    worker.engine = VLLMRolloutEngine(FakeLLM(), lora=LORA, lora_sync="merged")
+    worker.received = None
+    state = dict(ls.base_pairs(lora_policy) + ls.adapter_pairs(lora_policy))
+    worker.load_numpy(numpy_state(state), verify=True)
+    assert worker.weights_hash() == ls.model_lora_hash(lora_policy)
+    assert set(worker.engine._merged.adapter) == {n for n, _ in ls.adapter_pairs(lora_policy)}

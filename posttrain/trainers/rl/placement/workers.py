@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from posttrain.models.lora_sync import is_adapter_name
 from posttrain.trainers.rl.placement.transport import experience_from_numpy
 from posttrain.trainers.rl.placement.weight_sync import SyncGroup
 from posttrain.utils.weights_hash import NamedTensors, WeightsDigest, named_tensors, weights_hash
@@ -222,17 +223,31 @@ class EngineWorker(_Process):
         own = self.engine.weights_hash()
         return own if own is not None else (self.received.hexdigest() if self.received is not None else None)
 
+    def _update(self, named) -> None:
+        """One bucket into the engine: LoRA adapter tensors (`*.lora_A/B.weight`) by `update_adapter`,
+        the others by `update_weights`."""
+        named = list(named)
+        adapter = [(n, t) for n, t in named if is_adapter_name(n)]
+        base = [(n, t) for n, t in named if not is_adapter_name(n)]
+        if base or not adapter:
+            self.engine.update_weights(base)
+        if adapter:
+            self.engine.update_adapter(adapter)
+
     def _loader(self, verify: bool):
         if not verify:
             self.received = None  # an older digest no longer describes the weights
-            return self.engine.update_weights
+            return self._update
         self.received = WeightsDigest()
+        scaling = getattr(self.engine, "lora_scaling", None)
 
         def load(named) -> None:
             named = list(named)
-            self.engine.update_weights(named)
+            self._update(named)
             for name, tensor in named:
                 self.received.add(name, tensor)
+            if scaling is not None:  # as `lora_weights_hash`: base + adapter + scaling
+                self.received.add("lora.scaling", torch.tensor(float(scaling), dtype=torch.float64))
         return load
 
     def sync_join(self, address: str, port: int, rank: int, world: int, backend: str, layout) -> None:
