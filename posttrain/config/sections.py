@@ -152,6 +152,8 @@ class PPODSConfig(ScoreDSConfig):
 
 # --------------------------------------------------------------------------- vLLM + rollout (PPO)
 VLLM_ENGINE = Inert("the rollout engines run the Hugging Face engine, not vLLM: ", facts.no_vllm)
+SHARED_MODULE = Inert("the rollout engine samples from the actor's own module (one process, no --train.async_enable): "
+                      "nothing is synced", lambda v, c, dev: facts.in_process(v, c, dev) and not c.train.async_enable, PPO)
 
 
 @dataclass
@@ -168,6 +170,11 @@ class VLLMConfig:
     enable_prefix_caching: bool = opt(False, "enable vLLM prefix caching", inert=VLLM_ENGINE)
     enable_sleep: bool = opt(False, "let vLLM release memory between rollouts (hybrid engine, not async)",
                              inert=not_yet("vLLM rollouts (rollouts use the Hugging Face engine)"))
+    lora_sync: str = opt(
+        "merged", "how rollout engines apply the LoRA adapter synced after each update (only the adapter travels): "
+        "merged (W0 + scaling * B A written into plain weights: plain kernels, a copy of the adapted base weights) "
+        "or adapter (vLLM's enable_lora with a LoRARequest per version; a peft copy in the HF engine)",
+        choices=("merged", "adapter"), extension=True, inert=(LORA_IN_PPO, LORA_OFF, SHARED_MODULE))
 
 
 @dataclass
