@@ -133,6 +133,15 @@ class MergedBase:
         b = self.adapter[f"{module}.lora_B.weight"].to(w0.device, torch.float32)
         return (w0.float() + self.s * (b @ a)).to(w0.dtype)
 
+    def set_base(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A new ``W0`` for ``name``; returns what the engine's weight must become (merged when the
+        module's adapter is known)."""
+        self.keep(name, tensor)
+        module = name[:-len(".weight")]
+        if f"{module}.lora_A.weight" in self.adapter and f"{module}.lora_B.weight" in self.adapter:
+            return self.merged(module).to(tensor.device)
+        return tensor
+
     def receive(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         touched = []
         for name, tensor in pairs:

@@ -182,12 +182,8 @@ class HFRolloutEngine:
             for name, tensor in named:
                 if name not in own:
                     raise KeyError(f"update_weights: the rollout model has no weight named {name!r}")
-                merged = self._merged
-                if merged is not None and name in merged.base:
-                    merged.keep(name, tensor)
-                    module = name[:-len(".weight")]
-                    if merged._adapted(name) and f"{module}.lora_B.weight" in merged.adapter:
-                        tensor = merged.merged(module)
+                if self._merged is not None and name in self._merged.base:
+                    tensor = self._merged.set_base(name, tensor)
                 own[name].copy_(tensor)
 
     def update_adapter(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> int:

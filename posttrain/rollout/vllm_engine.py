@@ -226,10 +226,7 @@ class VLLMRolloutEngine:
         module = name[:-len(".weight")] if name.endswith(".weight") else None
         if module is None or tensor.dim() != 2 or (self._targets is not None and module not in self._targets):
             return name, tensor
-        self._merged.keep(name, tensor)
-        if f"{module}.lora_B.weight" in self._merged.adapter and f"{module}.lora_A.weight" in self._merged.adapter:
-            return name, self._merged.merged(module).to(tensor.device)
-        return name, tensor
+        return name, self._merged.set_base(name, tensor)
 
     def _push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         self.llm.apply_model(lambda model: model.load_weights(weights=weights))

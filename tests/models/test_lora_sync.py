@@ -86,3 +86,13 @@ def test_merged_base_refuses_unknown_base_and_non_adapter_names():
         merged.receive([("x.weight", torch.zeros(1))])
     with pytest.raises(KeyError, match="a full sync"):
         merged.receive([("m.lora_A.weight", torch.zeros(1, 2)), ("m.lora_B.weight", torch.zeros(2, 1))])
+
+
+def test_a_new_base_is_merged_with_the_current_adapter():
+    merged = ls.MergedBase(0.5)
+    merged.keep("m.weight", torch.zeros(2, 3))
+    a, b = torch.ones(1, 3), torch.full((2, 1), 2.0)
+    (name, w), = merged.receive([("m.lora_A.weight", a), ("m.lora_B.weight", b)])
+    assert name == "m.weight" and torch.equal(w, torch.ones(2, 3))
+    assert torch.equal(merged.set_base("m.weight", torch.ones(2, 3)), torch.full((2, 3), 2.0))
+    assert torch.equal(merged.base["m.weight"], torch.ones(2, 3))
