@@ -6,6 +6,7 @@ import torch
 
 from posttrain.models import LoraSpec, apply_lora, load_causal_lm
 from posttrain.models import lora_sync as ls
+from posttrain.models.cpu_linear import onednn_available
 from posttrain.rollout import HFRolloutEngine, SamplingParams
 from tests.rollout.test_rollout_hf import PROMPTS, recomputed_logprobs
 
@@ -51,6 +52,8 @@ def test_adapter_sync_samples_with_the_trainers_weights(mode, policy, tiny_model
         assert engine._fast is not None and engine._fast.usable()  # the fast decode path stays
     else:
         assert engine._fast is None and ls.is_peft(engine.model)  # decode through transformers
+        # peft wrapped the loaded copy's oneDNN linears (an nn.Linear subclass) as their base layers
+        assert any(type(m).__name__ == "OneDNNLinear" for m in engine.model.modules()) or not onednn_available()
     with torch.no_grad():
         ls.adapter_params(policy)["model.layers.0.self_attn.q_proj.lora_B.weight"][0, 0] += 1e-3
     assert engine.weights_hash() != ls.model_lora_hash(policy)
