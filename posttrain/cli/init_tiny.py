@@ -1,5 +1,6 @@
 """`posttrain init-tiny --output DIR`: build a tiny random-init model and a locally trained
-tokenizer in Hugging Face format (no download), for tests, demos and debugging."""
+tokenizer in Hugging Face format (no download), for tests, demos and debugging; `--shape NAME`: a
+random-init model with the dimensions of a released one, to measure memory and speed at that size."""
 from __future__ import annotations
 
 import argparse
@@ -21,22 +22,40 @@ def check_output(out: Path, overwrite: bool) -> None:
                         "replace its contents")
 
 
+def check_shape(shape: str | None, size: str | None, arch: str | None) -> None:
+    """Refuse (UserError) an unknown --shape, or one given with --size or another --arch."""
+    from posttrain.models import SHAPES
+
+    if shape is None:
+        return
+    if shape not in SHAPES:
+        raise UserError(f"--shape {shape}: unknown shape; known shapes: {', '.join(SHAPES)}")
+    if size is not None:
+        raise UserError(f"--size {size} and --shape {shape}: give one (a tiny preset or a released model's shape)")
+    if arch not in (None, SHAPES[shape].arch):
+        raise UserError(f"--arch {arch}: --shape {shape} is a {SHAPES[shape].arch} model")
+
+
 def main(argv: list[str] | None = None) -> dict:
-    from posttrain.models import PRESETS, build_tiny
+    from posttrain.models import PRESETS, SHAPES, build_tiny
 
     p = argparse.ArgumentParser(prog=PROG, description=__doc__)
     p.add_argument("--output", required=True, help="folder to write the model and tokenizer into")
-    p.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
-    p.add_argument("--size", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--arch", default=None, choices=["llama", "qwen2"], help="default llama; a --shape sets its own")
+    p.add_argument("--size", default=None, choices=sorted(PRESETS), help="a tiny preset (default tiny)")
+    p.add_argument("--shape", default=None, metavar="NAME",
+                   help=f"a released model's dimensions and vocabulary, random init: {', '.join(SHAPES)}")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of the saved weights")
     p.add_argument("--head", default="lm", choices=["lm", "score"],
                    help="lm: causal LM; score: sequence-classification model (reward/critic)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty --output")
     args = p.parse_args(argv)
     with user_errors(PROG):
+        check_shape(args.shape, args.size, args.arch)
         check_output(Path(args.output), args.overwrite)
         summary = build_tiny(args.output, arch=args.arch, size=args.size, head=args.head, seed=args.seed,
-                             overwrite=args.overwrite)
+                             overwrite=args.overwrite, shape=args.shape, dtype=args.dtype)
     print(json.dumps(summary, indent=1, default=str))
     return summary
 

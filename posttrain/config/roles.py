@@ -113,8 +113,10 @@ class _ActorModelFields:
                                          required="the policy model folder or hub id")
     num_nodes: int = opt(1, "Ray nodes for the actor", ge=1, on_resume="adjustable")
     num_gpus_per_node: int = opt(1, "GPUs per node for the actor (OpenRLHF: 8)", ge=1, on_resume="adjustable")
-    gradient_checkpointing_enable: bool = opt(False, "recompute activations in the backward pass", on_resume="adjustable")
-    gradient_checkpointing_reentrant: bool = opt(False, "use reentrant gradient checkpointing", on_resume="adjustable")
+    gradient_checkpointing_enable: bool = opt(False, "recompute activations in the backward pass (actor and critic)",
+                                             on_resume="adjustable")
+    gradient_checkpointing_reentrant: bool = opt(False, "use reentrant gradient checkpointing (actor and critic)",
+                                                on_resume="adjustable")
     freeze_visual_encoder: bool = opt(False, "train only the language model of a vision-language model",
                                       inert=not_yet(facts.VLM))
 

@@ -12,11 +12,12 @@ from posttrain.models.loading import (
 from posttrain.models.lora import LoraSpec, apply_lora, as_lora_spec
 from posttrain.models.merge import merge_lora
 from posttrain.models.saving import atomic_output_dir, save_pretrained, unwrap_model
-from posttrain.models.tiny import PRESETS, build_tiny
+from posttrain.models.shapes import SHAPES, ModelShape
+from posttrain.models.tiny import PRESETS, build_tiny, model_config
 
 __all__ = [
-    "PRESETS", "LoraSpec", "apply_lora", "as_lora_spec", "atomic_output_dir", "block_causal_mask",
+    "PRESETS", "SHAPES", "LoraSpec", "ModelShape", "apply_lora", "as_lora_spec", "atomic_output_dir", "block_causal_mask",
     "build_tiny", "check_model_folder", "check_model_path", "forward_logits", "forward_values", "load_causal_lm",
-    "load_score_model", "load_tokenizer", "merge_lora", "model_inputs", "parse_dtype",
+    "load_score_model", "load_tokenizer", "merge_lora", "model_config", "model_inputs", "parse_dtype",
     "save_pretrained", "unwrap_model",
 ]

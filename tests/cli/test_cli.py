@@ -55,6 +55,14 @@ def test_init_tiny_into_a_non_empty_folder_or_a_file_is_one_line(tmp_path):
         "new or empty folder")
 
 
+def test_init_tiny_refuses_an_unknown_shape_in_one_line(tmp_path):
+    proc = run("-m", "posttrain.cli.main", "init-tiny", "--output", tmp_path / "m", "--shape", "gpt5", check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "posttrain init-tiny: error: --shape gpt5: unknown shape; known shapes: qwen2.5-0.5b, qwen2.5-1.5b, "
+        "llama3.2-1b"]
+    assert not (tmp_path / "m").exists()
+
+
 def test_init_tiny_cli_builds_loadable_models(tmp_path):
     summary = json.loads(run("-m", "posttrain.cli.main", "init-tiny", "--output", tmp_path / "m",
                              "--arch", "qwen2", "--size", "nano").stdout)

@@ -1,4 +1,5 @@
-"""build_tiny: HF-loadable folders, tokenizer behaviour, determinism, argument errors."""
+"""build_tiny: HF-loadable folders, tokenizer behaviour, determinism, argument errors; the shapes of
+released models (their configs without weights; one small custom shape built, loaded, sampled, trained)."""
 from pathlib import Path
 
 import pytest
@@ -8,7 +9,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from posttrain.models import build_tiny
+from posttrain.models import SHAPES, ModelShape, build_tiny, forward_logits, load_causal_lm, model_config
+from posttrain.rollout import HFRolloutEngine, SamplingParams
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"},
         {"role": "assistant", "content": "5"}]
@@ -102,3 +104,75 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(FileExistsError, match="overwrite"):
         build_tiny(tmp_path / "full", size="nano", verbose=False)
     assert (tmp_path / "full" / "keep.txt").exists()
+
+
+# From each model's published config.json, and its published parameter count (tied embeddings).
+PUBLISHED = {
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, rms_norm_eps=1e-6,
+                         rope={"rope_type": "default", "rope_theta": 1e6}, params=494_032_768),
+    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, intermediate_size=8960, vocab_size=151936, rms_norm_eps=1e-6,
+                         rope={"rope_type": "default", "rope_theta": 1e6}, params=1_543_714_304),
+    "llama3.2-1b": dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                        num_key_value_heads=8, intermediate_size=8192, vocab_size=128256, rms_norm_eps=1e-5,
+                        rope={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                        params=1_235_814_400),
+}
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_shape_configs_equal_the_released_models(name):
+    """The config of each shape (no weights: the model is built on the meta device) has the released
+    model's dimensions, rope and parameter count."""
+    from transformers import AutoModelForCausalLM
+
+    want = dict(PUBLISHED[name])
+    config = model_config(SHAPES[name])
+    assert config.model_type == want.pop("model_type") and config.tie_word_embeddings
+    assert config.rope_parameters == want.pop("rope")
+    params = want.pop("params")
+    assert {k: getattr(config, k) for k in want} == want
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == params
+
+
+@pytest.mark.parametrize("shape,dtype", [
+    (ModelShape("qwen2", 64, 2, 4, 2, 128, 40000, rope_theta=1e6), "fp32"),
+    (ModelShape("llama", 64, 2, 4, 2, 128, 40000, rope_theta=500000.0, rms_norm_eps=1e-5,
+                rope_scaling=SHAPES["llama3.2-1b"].rope_scaling, max_position_embeddings=131072), "bf16"),
+])
+def test_a_shape_with_a_vocabulary_larger_than_the_tokenizer_loads_samples_and_trains(tmp_path, shape, dtype):
+    summary = build_tiny(tmp_path / "m", shape=shape, dtype=dtype, verbose=False)
+    assert summary["shape"] == "custom" and summary["arch"] == shape.arch and summary["vocab_size"] == 40000
+    assert load_file(str(tmp_path / "m" / "model.safetensors"))["model.embed_tokens.weight"].dtype == (
+        torch.bfloat16 if dtype == "bf16" else torch.float32)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "m")
+    model = load_causal_lm(tmp_path / "m")  # the tokenizer has fewer tokens than the embedding has rows
+    assert len(tok) < model.config.vocab_size == 40000 and model.dtype == torch.float32
+    # sampling reaches ids the tokenizer does not have; they decode to nothing rather than failing
+    engine = HFRolloutEngine(model, tok, pad_token_id=tok.pad_token_id)
+    out = engine.generate([tok.encode("What is 2 + 3?")], SamplingParams(max_new_tokens=8, n=2, seed=0))[0]
+    ids = [t for o in out for t in o.output_token_ids]
+    assert max(ids) >= len(tok) and isinstance(tok.decode(ids), str)
+    # a training step on tokenizer ids: finite loss, gradient on every parameter
+    model.train()
+    ids = torch.tensor([tok.encode("What is 2 + 3? 5")])
+    logits = forward_logits(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    loss = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() and p.grad.any() for p in model.parameters())
+
+
+def test_shape_arguments(tmp_path):
+    with pytest.raises(ValueError, match=r"shape='gpt5'.*qwen2.5-0.5b"):
+        build_tiny(tmp_path / "x", shape="gpt5")
+    with pytest.raises(ValueError, match="not both"):
+        build_tiny(tmp_path / "x", shape="qwen2.5-0.5b", size="nano")
+    with pytest.raises(ValueError, match="is a llama model"):
+        build_tiny(tmp_path / "x", shape="llama3.2-1b", arch="qwen2")
+    with pytest.raises(ValueError, match="dtype='fp16'"):
+        build_tiny(tmp_path / "x", size="nano", dtype="fp16")

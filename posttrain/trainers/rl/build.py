@@ -81,7 +81,9 @@ def build_critic(cfg: PPOConfig, tokenizer, device, total_steps: int,
     _seed_for(cfg, "critic")
     model = load_score_model(critic_path(cfg), dtype=cfg.ds.param_dtype, value_head_prefix=cfg.ds.value_head_prefix,
                              tokenizer=tokenizer, attn_implementation=cfg.ds.attn_implementation,
-                             onednn_linear=cfg.ds.onednn_linear, new_head_ok=True)
+                             onednn_linear=cfg.ds.onednn_linear, new_head_ok=True,
+                             gradient_checkpointing=cfg.actor.gradient_checkpointing_enable,  # OpenRLHF: both roles
+                             gradient_checkpointing_reentrant=cfg.actor.gradient_checkpointing_reentrant)
     model.to(device).train()
     return Critic(model, train_engine(model, cfg.critic, cfg, total_steps, zero_stage), device,
                   normalize=bool(cfg.reward.normalize_enable))

@@ -1,0 +1,52 @@
+"""The peak memory of a call: on CUDA from the caching allocator's statistics; on CPU from the
+allocation and free events torch's profiler records (`profile_memory`), replayed in time order. Both
+count tensor memory only, relative to what was allocated when the call started, so the weights
+(allocated before) are not in it and the activations, gradients and temporaries are. Also the
+process's peak resident set size (`getrusage`), which never decreases."""
+from __future__ import annotations
+
+import resource
+import sys
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MemoryPeak:
+    peak_bytes: int  # most tensor memory held during the call, above what was held when it started
+    end_bytes: int  # tensor memory still held when it returned, above the start (e.g. new gradients)
+    rss_peak_bytes: int  # the process's peak resident set size so far (all memory, since the process started)
+
+
+def process_peak_rss() -> int:
+    """The process's peak resident set size in bytes (ru_maxrss: kilobytes on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def peak_memory(fn, device: str | torch.device = "cpu"):
+    """`(fn(), MemoryPeak)`: the tensor memory `fn` used at its peak on `device` ("cpu" or a CUDA
+    device). On CPU the profiler slows the call down; measure memory and time in separate calls."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result = fn()
+        torch.cuda.synchronize(device)
+        peak, end = torch.cuda.max_memory_allocated(device) - start, torch.cuda.memory_allocated(device) - start
+        return result, MemoryPeak(peak, end, process_peak_rss())
+    if device.type != "cpu":
+        raise ValueError(f"peak_memory: device {device} is neither cpu nor cuda")
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    held = peak = 0
+    for _, nbytes in events:
+        held += nbytes
+        peak = max(peak, held)
+    return result, MemoryPeak(peak, held, process_peak_rss())
