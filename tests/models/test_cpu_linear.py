@@ -195,3 +195,19 @@ def test_a_second_order_gradient_raises_instead_of_returning_zeros():
     (gx,) = torch.autograd.grad(onednn_linear(x, w).square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError):
         gx.sum().backward()
+
+
+def test_nano_and_tiny_presets_compute_as_plain_torch():
+    """Below hidden 256 no layer takes oneDNN or a packed weight at any row count (bench/RESULTS.md: the
+    default measured no faster there), so the nano and tiny presets compute as --ds.no_onednn_linear."""
+    from posttrain.models.tiny import PRESETS
+
+    for name in ("nano", "tiny"):
+        p = PRESETS[name]
+        kv = p.hidden_size // p.num_attention_heads * p.num_key_value_heads
+        h, i = p.hidden_size, p.intermediate_size
+        for out_f, in_f in ((h, h), (kv, h), (i, h), (h, i), (2048, h), (h + 2 * kv, h), (2 * i, h)):
+            w = torch.empty(out_f, in_f)
+            assert not worth_packing(w) and not worth_onednn(torch.empty(8192, in_f), w), (name, out_f, in_f)
+    small = PRESETS["small"]
+    assert worth_packing(torch.empty(2 * small.intermediate_size, small.hidden_size))
