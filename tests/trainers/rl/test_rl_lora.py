@@ -162,3 +162,30 @@ def test_async_engine_gets_the_merged_weights(run_ppo):
                      name="async")
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "rollout/logprob_abs_gap" in r]
     assert len(rows) == 3 and all(r["rollout/logprob_abs_gap"] < 1e-4 for r in rows)
+
+
+def test_lora_trains_on_multi_turn_agent_episodes(rl_setup, tmp_path):
+    """An OpenRLHF agent file with a LoRA actor and critic (gae) and the adapter-off reference (KL); the
+    critic's adapter (with its value head) merges with `posttrain lora-merge` into a score model."""
+    from peft import PeftModel
+    from test_rl_agents import OPENRLHF_STYLE_AGENT, agent_flags
+
+    from posttrain.cli import lora_combiner, train_ppo_ray
+    from posttrain.models import forward_values, load_score_model
+
+    agent = tmp_path / "agent_func.py"
+    agent.write_text(OPENRLHF_STYLE_AGENT)
+    out = tmp_path / "agent"
+    train_ppo_ray.main(agent_flags(rl_setup, out, agent, *LORA, "--algo.advantage.estimator", "gae",
+                                   "--algo.kl.init_coef", "0.01", "--data.max_samples", "4",
+                                   "--critic.save_value_network"))
+    (row,) = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
+    assert row["agent/turns_mean"] >= 1.0 and row["actor/policy_loss"] == row["actor/policy_loss"]
+    assert "critic/value_loss" in row and row["kl/mean"] == pytest.approx(0.0, abs=1e-6)
+    assert (out / "adapter_config.json").exists() and (out / "critic" / "adapter_config.json").exists()
+    lora_combiner.main(["--model_path", str(rl_setup[0]), "--lora_path", str(out / "critic"), "--output_path",
+                        str(tmp_path / "critic_merged"), "--ds.param_dtype", "fp32"])
+    ids = {"input_ids": torch.tensor([[5, 17, 30, 41, 9]]), "attention_mask": torch.ones(1, 5, dtype=torch.long)}
+    merged = forward_values(load_score_model(tmp_path / "critic_merged"), ids)
+    peft = PeftModel.from_pretrained(load_score_model(rl_setup[0], new_head_ok=True), str(out / "critic"))
+    torch.testing.assert_close(merged, forward_values(peft, ids), rtol=0, atol=1e-5)
