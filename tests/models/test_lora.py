@@ -136,3 +136,11 @@ def test_merged_state_is_peft_merge_under_base_names_and_leaves_the_model_unchan
     plain.load_state_dict(merged)
     assert not torch.equal(plain.state_dict()["model.layers.0.self_attn.q_proj.weight"],
                            load_causal_lm(tiny_model_dir, "fp32").state_dict()["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_an_adapter_on_a_tied_output_head_is_named(tiny_model_dir):
+    from posttrain.models import tied_lora_layers
+
+    head = load_causal_lm(tiny_model_dir, "fp32", lora={"rank": 4, "target_modules": ["q_proj", "lm_head"]})
+    assert head.config.tie_word_embeddings and tied_lora_layers(head) == ["base_model.model.lm_head"]
+    assert tied_lora_layers(load_causal_lm(tiny_model_dir, "fp32", lora={"rank": 4})) == []

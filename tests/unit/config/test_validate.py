@@ -90,6 +90,11 @@ def test_4bit_needs_lora_and_cuda():
         "--ds.load_in_4bit: bitsandbytes 4-bit loading needs a CUDA GPU; this run is on CPU"
     )
     assert warns("sft", "--ds.load_in_4bit", "--ds.lora.rank", "8", device="cuda") == []
+    qlora = ("--ds.load_in_4bit", "--ds.lora.rank", "8")
+    assert warns("ppo", *qlora, device="cuda") == []
+    for extra in (("--train.async_enable",), ("--vllm.num_engines", "1")):
+        assert problem("ppo", *qlora, *extra, device="cuda").startswith(
+            "--ds.load_in_4bit: a QLoRA actor cannot sync its weights to rollout engines"), extra
 
 
 def test_bf16_on_cpu_is_allowed_with_a_warning():
