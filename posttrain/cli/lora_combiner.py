@@ -1,5 +1,5 @@
 """`posttrain lora-merge` / `python -m posttrain.cli.lora_combiner`: merge a LoRA adapter saved by
-`posttrain sft|rm|dpo --ds.lora.rank N` into its base model, giving a standalone Hugging Face
+`posttrain sft|rm|dpo|ppo --ds.lora.rank N` into its base model, giving a standalone Hugging Face
 folder (W ← W + alpha/rank · B A) that loads with plain `from_pretrained`, no peft needed."""
 from __future__ import annotations
 

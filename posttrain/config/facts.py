@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from posttrain.config.ray_mode import data_parallel, present_roles, uses_ray
+from posttrain.config.ray_mode import data_parallel, present_roles, reference_in_actor, uses_ray
 
 Condition = Callable[[Any, Any, str], "bool | str"]
 PPO = ("ppo",)
@@ -62,8 +62,6 @@ PPO_ENGINE = ("DeepSpeed ZeRO shards a role over its ranks: the actor and critic
 SINGLE_ENGINE = ("one process trains with the plain torch engine, and ZeRO shards the model over ranks: launch "
                  "several ranks with torchrun or deepspeed (a DeepSpeed-only flag such as --ds.adam_offload "
                  "also starts DeepSpeed, on one rank)")
-PPO_LORA = ("posttrain ppo trains the full actor and critic (LoRA is for sft, rm and dpo; merge an adapter "
-            "first with posttrain lora-merge)")
 NO_EVAL = "no --eval.dataset"
 NO_KL = "(--algo.kl.init_coef 0 and no --algo.kl.use_loss)"
 
@@ -147,6 +145,7 @@ ONE_PROCESS_ENGINE = Inert(SINGLE_ENGINE, one_process_torch_engine, SINGLE_MODEL
 EVAL_OFF = Inert(NO_EVAL, no_eval_dataset)
 SAVES_OFF = Inert("no checkpoints are saved (--ckpt.save_steps <= 0 or --ckpt.disable_ds)", no_saves)
 WANDB_OFF = Inert("W&B is off (no --logger.wandb.key)", wandb_off)
-LORA_IN_PPO = Inert(PPO_LORA, None, PPO)
 LORA_OFF = Inert("LoRA is off (--ds.lora.rank 0)", lambda v, c, dev: c.ds.lora.rank <= 0)
 ROLE_PLACEMENT = Inert(ONE_PROCESS, in_process, PPO)
+REF_IN_ACTOR = Inert("the reference is the LoRA actor's base weights with the adapter disabled (no second copy, "
+                     "no reference role)", lambda v, c, dev: reference_in_actor(c), PPO)

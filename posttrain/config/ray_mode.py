@@ -21,12 +21,33 @@ class RolePlacement(Protocol):
     num_gpus_per_node: int
 
 
+def uses_kl(cfg: Any) -> bool:
+    """A KL term (in the reward or as a loss) needs reference log-probs."""
+    return cfg.algo.kl.init_coef > 0 or cfg.algo.kl.use_loss
+
+
+def _same_model(a: str, b: str) -> bool:
+    """Two model paths name the same weights: the same local folder, or the same hub id."""
+    if os.path.isdir(a) or os.path.isdir(b):
+        return os.path.realpath(a) == os.path.realpath(b)
+    return a == b
+
+
+def reference_in_actor(cfg: Any) -> bool:
+    """LoRA actor, KL term, and the reference starts from the actor's weights: the reference is the
+    actor's base with the adapter disabled (no second copy, no ref role)."""
+    ref = cfg.ref.model_name_or_path
+    return (cfg.ds.lora.rank > 0 and uses_kl(cfg)
+            and (not ref or _same_model(ref, cfg.actor.model_name_or_path or "")))
+
+
 def present_roles(cfg: Any) -> dict:
     """role name -> its config section, for the roles this run loads: the actor always; the
-    reference with a KL term (in the reward or as a loss); the critic with GAE; the reward model
-    when rewards come from one (not from --reward.remote_url)."""
+    reference with a KL term (in the reward or as a loss), unless it is the LoRA actor's base
+    (`reference_in_actor`); the critic with GAE; the reward model when rewards come from one (not
+    from --reward.remote_url)."""
     roles = {"actor": cfg.actor}
-    if cfg.algo.kl.init_coef > 0 or cfg.algo.kl.use_loss:
+    if uses_kl(cfg) and not reference_in_actor(cfg):
         roles["ref"] = cfg.ref
     if cfg.algo.advantage.estimator == "gae":
         roles["critic"] = cfg.critic

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posttrain.config import facts
-from posttrain.config.facts import MOE, Inert, needs, not_yet
+from posttrain.config.facts import MOE, REF_IN_ACTOR, Inert, needs, not_yet
 from posttrain.config.sections import OptimizerFields
 from posttrain.config.spec import opt, section
 
@@ -173,11 +173,15 @@ class CriticConfig(OptimizerFields, _CriticModelFields):
 class RefConfig:
     """The frozen reference policy (PPO, used for the KL term)."""
 
-    model_name_or_path: str | None = opt(None, "reference model; default: the actor's initial weights",
+    model_name_or_path: str | None = opt(None, "reference model; default: the actor's initial weights (with LoRA: "
+                                         "the actor's base, adapter disabled)",
                                          inert=NO_REFERENCE)
-    num_nodes: int = opt(1, "Ray nodes for the reference model", ge=1, inert=NO_REFERENCE, on_resume="adjustable")
-    num_gpus_per_node: int = opt(1, "GPUs per node for the reference model (OpenRLHF: 8)", ge=1, inert=NO_REFERENCE, on_resume="adjustable")
-    offload: bool = opt(False, "keep the reference model on CPU between forwards", inert=(NO_REFERENCE, REF_ON_CPU), on_resume="adjustable")
+    num_nodes: int = opt(1, "Ray nodes for the reference model", ge=1, inert=(NO_REFERENCE, REF_IN_ACTOR),
+                         on_resume="adjustable")
+    num_gpus_per_node: int = opt(1, "GPUs per node for the reference model (OpenRLHF: 8)", ge=1,
+                                 inert=(NO_REFERENCE, REF_IN_ACTOR), on_resume="adjustable")
+    offload: bool = opt(False, "keep the reference model on CPU between forwards",
+                        inert=(NO_REFERENCE, REF_IN_ACTOR, REF_ON_CPU), on_resume="adjustable")
 
 
 @dataclass

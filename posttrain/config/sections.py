@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from posttrain.config import facts
 from posttrain.config.facts import (
     EVAL_OFF,
-    LORA_IN_PPO,
     LORA_OFF,
     ON_ONE_RANK,
     ONE_PROCESS_ENGINE,
     PPO,
+    REF_IN_ACTOR,
     ROLE_PLACEMENT,
     SAVES_OFF,
     WANDB_OFF,
@@ -58,14 +58,14 @@ MIN_LR_SCHEDULERS = ("cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_
 # --------------------------------------------------------------------------- DeepSpeed + model loading
 @dataclass
 class LoRAConfig:
-    """LoRA / QLoRA adapter; set --ds.lora.rank > 0 to enable (SFT / RM / DPO)."""
+    """LoRA / QLoRA adapter; set --ds.lora.rank > 0 to enable (SFT / RM / DPO, and the PPO actor and critic)."""
 
-    rank: int = opt(0, "LoRA rank; 0 disables LoRA", ge=0, note="(0 disables LoRA)", inert=LORA_IN_PPO)
-    alpha: int = opt(16, "LoRA alpha (the update is scaled by alpha / rank)", gt=0, inert=(LORA_IN_PPO, LORA_OFF))
-    dropout: float = opt(0.0, "dropout on the LoRA branch, in [0, 1)", ge=0, lt=1, inert=(LORA_IN_PPO, LORA_OFF))
+    rank: int = opt(0, "LoRA rank; 0 disables LoRA", ge=0, note="(0 disables LoRA)")
+    alpha: int = opt(16, "LoRA alpha (the update is scaled by alpha / rank)", gt=0, inert=LORA_OFF)
+    dropout: float = opt(0.0, "dropout on the LoRA branch, in [0, 1)", ge=0, lt=1, inert=LORA_OFF)
     target_modules: list[str] = opt(
         ["all-linear"], "modules that get adapters, e.g. q_proj v_proj, or all-linear", nargs="*",
-        inert=(LORA_IN_PPO, LORA_OFF))
+        inert=LORA_OFF)
 
 
 @dataclass
@@ -115,8 +115,7 @@ class DSConfig:
         "(--ds.no_onednn_linear turns it off)", negation="no_onednn_linear", extension=True,
         inert=Inert("oneDNN computes fp32 linear layers on CPU; on a GPU they use torch's F.linear",
                     lambda v, c, dev: dev != "cpu"), on_resume="adjustable")
-    load_in_4bit: bool = opt(False, "load the base model in 4-bit (QLoRA; needs --ds.lora.rank > 0 and CUDA)",
-                             inert=LORA_IN_PPO)
+    load_in_4bit: bool = opt(False, "load the base model in 4-bit (QLoRA; needs --ds.lora.rank > 0 and CUDA)")
     lora: LoRAConfig = section(LoRAConfig)
     packing_samples: bool = opt(False, "pack several samples into one row (no padding)", on_resume="adjustable")
 
@@ -315,7 +314,7 @@ class PPOTrainConfig(TrainConfig):
     agent_func_path: str | None = opt(None, "Python file defining a multi-turn agent",
                                       check=lambda v: not v or v.endswith(".py"),
                                       message="must be a .py file defining AgentExecutor")
-    colocate_actor_ref: bool = opt(False, "actor and reference model share GPUs", inert=ROLE_PLACEMENT, on_resume="adjustable")
+    colocate_actor_ref: bool = opt(False, "actor and reference model share GPUs", inert=(ROLE_PLACEMENT, REF_IN_ACTOR), on_resume="adjustable")
     colocate_critic_reward: bool = opt(False, "critic and reward model share GPUs", inert=ROLE_PLACEMENT, on_resume="adjustable")
     colocate_all: bool = opt(False, "all models and vLLM engines share GPUs (hybrid engine)", inert=ROLE_PLACEMENT, on_resume="adjustable")
 
@@ -375,6 +374,11 @@ class PPOCkptConfig(CkptConfig):
     best_metric_key: str = opt(
         "", "eval metric for best-checkpoint saving ('' auto: first pass1 metric; 'none': off)", inert=EVAL_OFF
     )
+    save_merged: bool = opt(
+        False, "with LoRA, also write the merged weights (base + adapter) into merged/ next to each adapter "
+        "export (the final model and --ckpt.save_hf)", extension=True, on_resume="adjustable",
+        inert=Inert("LoRA is off (--ds.lora.rank 0): the exports already hold full weights",
+                    lambda v, c, dev: c.ds.lora.rank <= 0))
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import Any
 from posttrain.config.errors import ConfigError
 from posttrain.config.flag_values import check_flag_choice, format_value, parse_probs
 from posttrain.config.hardware import device_type, record_resolved, resolved_values
-from posttrain.config.ray_mode import role_ranks
+from posttrain.config.ray_mode import role_ranks, uses_ray
 from posttrain.config.roles import GROUP_ESTIMATORS, SEQUENCE_POLICY_LOSSES, reward_endpoints
 from posttrain.config.sections import POLYNOMIAL_LR_END, DSConfig, OptimizerFields
 from posttrain.config.serving import ServedModelConfig, ServeRMConfig
@@ -268,6 +268,10 @@ def _ppo(cfg: PPOConfig, r: _Report, world_size: int) -> None:
             "--reward.remote_url (an http(s) reward server or a .py file defining reward_func) or "
             "--train.agent_func_path (an agent file whose environment returns rewards)",
         )
+    if cfg.ds.load_in_4bit and cfg.ds.lora.rank > 0 and (t.async_enable or uses_ray(cfg)):
+        r.bad("ds.load_in_4bit", True, "a QLoRA actor cannot sync its weights to rollout engines of their own yet "
+              "(Ray, --vllm.num_engines, --train.async_enable): run in one process, where the engine samples "
+              "from the actor itself")
     _loss_agg(cfg, r)
     # rollout sizes
     if ro.max_new_tokens is not None:

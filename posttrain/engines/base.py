@@ -48,6 +48,26 @@ class TrainEngine:
     def device(self) -> torch.device:
         return next(self.module.parameters()).device
 
+    def frozen_names(self) -> set[str]:
+        """`state_dict` names of the frozen parameters (a LoRA model's base, tied copies included):
+        checkpoints leave them out, and record `frozen_hash` instead."""
+        return {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+    def frozen_hash(self) -> str:
+        """`weights_hash` of the frozen tensors (computed once: they never change)."""
+        if getattr(self, "_frozen_hash", None) is None:
+            from posttrain.utils.weights_hash import weights_hash
+
+            frozen = self.frozen_names()
+            self._frozen_hash = weights_hash((k, v) for k, v in self.module.state_dict().items() if k in frozen)
+        return self._frozen_hash
+
+    def check_frozen(self, directory: str, meta: dict) -> None:
+        """Refuse a trainable-only checkpoint whose frozen weights were not this model's."""
+        if meta.get("frozen_hash") not in (None, self.frozen_hash()):
+            raise ValueError(f"{directory!r} was trained on other frozen (base) weights than this model's: "
+                             "load it over the base model it was saved with")
+
     def backward(self, loss: torch.Tensor) -> None:
         raise NotImplementedError
 

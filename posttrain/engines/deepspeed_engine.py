@@ -221,14 +221,19 @@ class DeepSpeedEngine(TrainEngine):
                     p.ds_active_sub_modules.discard(_GENERATION)
 
     def save_state(self, directory: str) -> None:
-        """DeepSpeed checkpoint (weights, optimizer, scheduler) under tag ``engine``, then rank 0's meta."""
-        self.engine.save_checkpoint(directory, tag=TAG, save_latest=False)
+        """DeepSpeed checkpoint (weights, optimizer, scheduler) under tag ``engine``, then rank 0's meta;
+        without the frozen parameters (a LoRA base) when the model has some."""
+        frozen = bool(self.frozen_names())
+        self.engine.save_checkpoint(directory, tag=TAG, save_latest=False, exclude_frozen_parameters=frozen)
         self.barrier()
         if self.is_main:
             tag_dir = os.path.join(directory, TAG)
             files = {f: os.path.getsize(os.path.join(tag_dir, f)) for f in sorted(os.listdir(tag_dir))}
-            write_meta(directory, {"engine": self.name, "zero_stage": self.zero_stage,
-                                   "world_size": self.world_size, "global_step": self.global_step, "files": files})
+            meta = {"engine": self.name, "zero_stage": self.zero_stage, "world_size": self.world_size,
+                    "global_step": self.global_step, "files": files}
+            if frozen:  # under ZeRO-3 the frozen weights are sharded: no hash of them
+                meta.update(weights="trainable", frozen_hash=self.frozen_hash() if self.zero_stage != 3 else None)
+            write_meta(directory, meta)
         self.barrier()
 
     def load_state(self, directory: str) -> None:
@@ -242,7 +247,10 @@ class DeepSpeedEngine(TrainEngine):
             path = os.path.join(tag_dir, fname)
             if not os.path.isfile(path) or os.path.getsize(path) != size:
                 raise ValueError(f"{path!r} is missing or truncated: {directory!r} is not a complete engine state")
+        trainable_only = meta.get("weights") == "trainable"
+        if trainable_only and self.zero_stage != 3:
+            self.check_frozen(directory, meta)
         load_path, _ = self.engine.load_checkpoint(directory, tag=TAG, load_optimizer_states=True,
-                                                   load_lr_scheduler_states=True)
+                                                   load_lr_scheduler_states=True, load_module_strict=not trainable_only)
         if load_path is None:
             raise ValueError(f"DeepSpeed could not load the checkpoint in {directory!r}")

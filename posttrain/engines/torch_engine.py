@@ -75,13 +75,20 @@ class TorchEngine(TrainEngine):
         return self._steps
 
     def save_state(self, directory: str) -> None:
-        """Rank 0 writes model.pt, optimizer.pt, scheduler.pt, then engine_state.json; all ranks wait."""
+        """Rank 0 writes model.pt, optimizer.pt, scheduler.pt, then engine_state.json; all ranks wait.
+        A model with frozen parameters (LoRA) saves its trainable tensors only, with the frozen ones'
+        hash in the meta."""
         if self.is_main:
             os.makedirs(directory, exist_ok=True)
-            torch.save(self.module.state_dict(), os.path.join(directory, "model.pt"))
+            frozen = self.frozen_names()
+            meta = {"engine": self.name, "global_step": self._steps, "world_size": self.world_size}
+            if frozen:
+                meta.update(weights="trainable", frozen_hash=self.frozen_hash())
+            weights = {k: v for k, v in self.module.state_dict().items() if k not in frozen}
+            torch.save(weights, os.path.join(directory, "model.pt"))
             torch.save(self.optimizer.state_dict(), os.path.join(directory, "optimizer.pt"))
             torch.save(self.scheduler.state_dict(), os.path.join(directory, "scheduler.pt"))
-            write_meta(directory, {"engine": self.name, "global_step": self._steps, "world_size": self.world_size})
+            write_meta(directory, meta)
         self.barrier()
 
     def load_state(self, directory: str) -> None:
@@ -98,6 +105,10 @@ class TorchEngine(TrainEngine):
                 raise ValueError(f"{path!r} is corrupt: {e}") from e
         current = self.module.state_dict()
         weights = loaded["model.pt"]
+        if meta.get("weights") == "trainable":  # the frozen base stays as loaded, if it is the same
+            self.check_frozen(directory, meta)
+            frozen = self.frozen_names()
+            current = {k: v for k, v in current.items() if k not in frozen}
         if set(weights) != set(current):
             diff = sorted(set(weights) ^ set(current))[:5]
             raise ValueError(f"{directory}/model.pt does not match the model's parameters (e.g. {diff})")
@@ -107,5 +118,5 @@ class TorchEngine(TrainEngine):
                                  f"the model has {tuple(current[k].shape)}")
         self.optimizer.load_state_dict(loaded["optimizer.pt"])
         self.scheduler.load_state_dict(loaded["scheduler.pt"])
-        self.module.load_state_dict(weights)
+        self.module.load_state_dict(weights, strict=len(weights) == len(self.module.state_dict()))
         self._steps = int(meta["global_step"])

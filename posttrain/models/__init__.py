@@ -9,15 +9,26 @@ from posttrain.models.loading import (
     load_tokenizer,
     parse_dtype,
 )
-from posttrain.models.lora import LoraSpec, apply_lora, as_lora_spec
+from posttrain.models.lora import (
+    LoraSpec,
+    apply_lora,
+    as_lora_spec,
+    is_peft,
+    lora_scalings,
+    merged_pairs,
+    merged_state,
+    tied_lora_layers,
+    trainable_names,
+)
 from posttrain.models.merge import merge_lora
 from posttrain.models.saving import atomic_output_dir, save_pretrained, unwrap_model
 from posttrain.models.shapes import SHAPES, ModelShape
 from posttrain.models.tiny import PRESETS, build_tiny, model_config
 
 __all__ = [
-    "PRESETS", "SHAPES", "LoraSpec", "ModelShape", "apply_lora", "as_lora_spec", "atomic_output_dir", "block_causal_mask",
-    "build_tiny", "check_model_folder", "check_model_path", "forward_logits", "forward_values", "load_causal_lm",
-    "load_score_model", "load_tokenizer", "merge_lora", "model_config", "model_inputs", "parse_dtype",
-    "save_pretrained", "unwrap_model",
+    "PRESETS", "SHAPES", "LoraSpec", "ModelShape", "apply_lora", "as_lora_spec", "atomic_output_dir",
+    "block_causal_mask", "build_tiny", "check_model_folder", "check_model_path", "forward_logits", "forward_values",
+    "is_peft", "load_causal_lm", "load_score_model", "load_tokenizer", "lora_scalings", "merge_lora", "merged_pairs",
+    "merged_state", "model_config", "model_inputs", "parse_dtype", "save_pretrained", "tied_lora_layers",
+    "trainable_names", "unwrap_model",
 ]

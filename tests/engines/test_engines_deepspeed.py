@@ -83,3 +83,50 @@ def test_zero_save_load_continues_identically(ds_results, stage):
     for j, w in enumerate(res["resumed_w"]):
         assert max_diff(w, res["w"][j + 1]) == 0.0
     assert "does-not-exist" in res["missing_error"]
+
+
+FROZEN_ROUND_TRIP = """
+import json, sys
+import torch
+from engines_common import OPT, PLAN, make_data, merged, run_step, tiny_llama, train_engine, weights
+
+def partly_frozen(seed):
+    model = tiny_llama(seed)
+    for name, p in model.named_parameters():
+        p.requires_grad_("q_proj" in name)
+    return model
+
+out, data = sys.argv[1], make_data()
+engine = train_engine(partly_frozen(0), zero_stage=2, **OPT)
+run_step(engine, data, merged(PLAN[0]), 0, pad=False)
+engine.save_state(out)
+run_step(engine, data, merged(PLAN[1]), 0, pad=False)
+fresh = train_engine(partly_frozen(0), zero_stage=2, **OPT)
+fresh.load_state(out)
+run_step(fresh, data, merged(PLAN[1]), 0, pad=False)
+w, wf = weights(engine), weights(fresh)
+refused = ""
+try:
+    train_engine(partly_frozen(5), zero_stage=2, **OPT).load_state(out)
+except ValueError as e:
+    refused = str(e)
+print(json.dumps({"diff": max(float((w[k] - wf[k]).abs().max()) for k in w), "refused": refused}))
+"""
+
+
+def test_frozen_weights_stay_out_of_a_zero2_checkpoint(tmp_path):
+    """One DeepSpeed rank (a subprocess: its process group stays out of this one): a model with frozen
+    parameters (LoRA's shape) saves its trainable tensors only, resumes exactly, and refuses another base."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([HERE, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", FROZEN_ROUND_TRIP, str(tmp_path / "s")], env=env, cwd=HERE,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["diff"] == 0.0 and "other frozen" in result["refused"]
+    meta = json.loads((tmp_path / "s" / "engine_state.json").read_text())
+    assert meta["weights"] == "trainable" and meta["frozen_hash"]
+    states = torch.load(tmp_path / "s" / "engine" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert states and all("q_proj" in k for k in states)

@@ -123,3 +123,37 @@ def test_single_process_helpers():
         engine.all_reduce(t, "mean")
     engine.barrier()
     assert set(engine.full_state_dict()) == {"weight", "bias"}
+
+
+def _partly_frozen(seed: int):
+    """tiny_llama(seed) with only its q_proj weights trainable (a LoRA model's shape of state)."""
+    model = tiny_llama(seed)
+    for name, p in model.named_parameters():
+        p.requires_grad_("q_proj" in name)
+    return model
+
+
+def test_frozen_weights_stay_out_of_the_checkpoint_and_must_match_on_load(tmp_path):
+    data = make_data()
+    engine = train_engine(_partly_frozen(0), **OPT)
+    run_step(engine, data, merged(PLAN[0]), 0, pad=False)
+    engine.save_state(str(tmp_path / "s"))
+    saved = torch.load(tmp_path / "s" / "model.pt", weights_only=True)
+    assert saved and all("q_proj" in k for k in saved)
+    fresh = train_engine(_partly_frozen(0), **OPT)
+    fresh.load_state(str(tmp_path / "s"))
+    w, wf = weights(engine), weights(fresh)
+    assert all(torch.equal(w[k], wf[k]) for k in w)
+    with pytest.raises(ValueError, match="other frozen"):
+        train_engine(_partly_frozen(5), **OPT).load_state(str(tmp_path / "s"))
+    # a checkpoint from before trainable-only checkpoints (model.pt holds every weight) still loads
+    import json
+
+    meta_path = tmp_path / "s" / "engine_state.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["weights"], meta["frozen_hash"]
+    meta_path.write_text(json.dumps(meta))
+    torch.save(engine.module.state_dict(), tmp_path / "s" / "model.pt")
+    old = train_engine(_partly_frozen(5), **OPT)
+    old.load_state(str(tmp_path / "s"))
+    assert all(torch.equal(v, w[k]) for k, v in weights(old).items())

@@ -2,7 +2,8 @@
 trainer and by every rank of a Ray placement, so both start from identical models.
 
 Each model is loaded right after seeding the RNG with `(train.seed, role)`, so a freshly
-initialised head (a critic started from a policy) is the same in every placement."""
+initialised head (a critic started from a policy) and the LoRA adapters (`--ds.lora.*`, actor and
+critic; the critic's value head trains fully) are the same in every placement."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,7 @@ from posttrain.config import PPOConfig
 from posttrain.config.ray_mode import present_roles
 from posttrain.config.roles import ActorConfig, CriticConfig
 from posttrain.engines import make_train_engine
-from posttrain.models import load_causal_lm, load_score_model
+from posttrain.models import as_lora_spec, load_causal_lm, load_score_model
 from posttrain.trainers.rl.roles import Actor, Critic, Reference
 from posttrain.utils.seeding import set_seed
 
@@ -25,7 +26,13 @@ def needs_critic(cfg: PPOConfig) -> bool:
 
 
 def needs_reference(cfg: PPOConfig) -> bool:
+    """A reference model of its own is loaded (not the LoRA actor's base, `reference_in_actor`)."""
     return "ref" in present_roles(cfg)
+
+
+def _lora(cfg: PPOConfig) -> dict:
+    """The LoRA / QLoRA keywords of the trained roles' loaders."""
+    return {"lora": as_lora_spec(cfg.ds.lora), "load_in_4bit": cfg.ds.load_in_4bit}
 
 
 def critic_path(cfg: PPOConfig) -> str:
@@ -58,10 +65,13 @@ def build_actor(cfg: PPOConfig, tokenizer, device, total_steps: int, zero_stage:
     model = load_causal_lm(cfg.actor.model_name_or_path, dtype=cfg.ds.param_dtype, tokenizer=tokenizer,
                            attn_implementation=cfg.ds.attn_implementation, onednn_linear=cfg.ds.onednn_linear,
                            gradient_checkpointing=cfg.actor.gradient_checkpointing_enable,
-                           gradient_checkpointing_reentrant=cfg.actor.gradient_checkpointing_reentrant)
-    model.to(device).train()
+                           gradient_checkpointing_reentrant=cfg.actor.gradient_checkpointing_reentrant, **_lora(cfg))
+    if not cfg.ds.load_in_4bit:  # bitsandbytes places a 4-bit model itself
+        model.to(device)
+    model.train()
     return Actor(model, train_engine(model, cfg.actor, cfg, total_steps, zero_stage), cfg.rollout.temperature,
-                 device, ema_beta=cfg.train.ema_beta if cfg.train.enable_ema else None)
+                 device, ema_beta=cfg.train.ema_beta if cfg.train.enable_ema else None,
+                 base_path=cfg.actor.model_name_or_path, save_merged=cfg.ckpt.save_merged, dtype=cfg.ds.param_dtype or "fp32")
 
 
 def build_rollout_copy(cfg: PPOConfig, tokenizer, device):
@@ -83,8 +93,10 @@ def build_critic(cfg: PPOConfig, tokenizer, device, total_steps: int,
                              tokenizer=tokenizer, attn_implementation=cfg.ds.attn_implementation,
                              onednn_linear=cfg.ds.onednn_linear, new_head_ok=True,
                              gradient_checkpointing=cfg.actor.gradient_checkpointing_enable,  # OpenRLHF: both roles
-                             gradient_checkpointing_reentrant=cfg.actor.gradient_checkpointing_reentrant)
-    model.to(device).train()
+                             gradient_checkpointing_reentrant=cfg.actor.gradient_checkpointing_reentrant, **_lora(cfg))
+    if not cfg.ds.load_in_4bit:
+        model.to(device)
+    model.train()
     return Critic(model, train_engine(model, cfg.critic, cfg, total_steps, zero_stage), device,
                   normalize=bool(cfg.reward.normalize_enable))
 

@@ -22,12 +22,12 @@ from posttrain.config import (
     ConfigError,
     PPOConfig,
 )
-from posttrain.config.ray_mode import uses_ray
+from posttrain.config.ray_mode import reference_in_actor, uses_ray
 from posttrain.config.roles import SEQUENCE_POLICY_LOSSES
 from posttrain.data import PromptDataset, load_rows
 from posttrain.data.capping import capped_note
 from posttrain.data.errors import check_dropped
-from posttrain.models import check_model_folder, load_tokenizer, unwrap_model
+from posttrain.models import check_model_folder, load_tokenizer
 from posttrain.rollout import HFRolloutEngine, SamplingParams, rank_seed
 from posttrain.rollout.single_turn import SingleTurnSampler
 from posttrain.trainers.rl import build
@@ -36,6 +36,7 @@ from posttrain.trainers.rl.collect import GroupBuffer, PromptStream, ShapingSett
 from posttrain.trainers.rl.evaluate import dataset_name, eval_metrics
 from posttrain.trainers.rl.experience_maker import ExperienceMaker, rollout_metrics
 from posttrain.trainers.rl.forward import Batching
+from posttrain.trainers.rl.roles import AdapterOffReference
 from posttrain.trainers.rl.updates import UpdateSettings, steps_per_rollout
 from posttrain.trainers.run_loop import Cadence, RunLoop, plot_charts
 from posttrain.trainers.session import RunStart
@@ -44,7 +45,6 @@ from posttrain.utils.log import info, warn_once
 from posttrain.utils.metrics import truncate_jsonl_after
 from posttrain.utils.seeding import rng_state, set_rng_state
 from posttrain.utils.timer import Timers
-from posttrain.utils.weights_hash import weights_hash
 
 
 class RLTrainer(RunLoop):
@@ -158,12 +158,23 @@ class RLTrainer(RunLoop):
                 self.rollout_engine = HFRolloutEngine(self.actor.model, self.tokenizer,
                                                       pad_token_id=self.tokenizer.pad_token_id)
                 self.shares_actor_module = True
-        if self.ref is None:
-            info("no reference model loaded: --algo.kl.init_coef 0 and KL is not used as a loss")
+        self._report_reference()
         kl = cfg.algo.kl
         self.kl_ctl = (AdaptiveKLController(kl.init_coef, kl.target, kl.horizon) if kl.target
                        else FixedKLController(kl.init_coef))
         self.executor = self._executor()
+
+    def _report_reference(self) -> None:
+        """The reference of a LoRA run that starts from the actor's weights is the actor's base with the
+        adapter disabled (`reference_in_actor`); start-up names where the reference comes from."""
+        cfg = self.cfg
+        if reference_in_actor(cfg):
+            self.ref = AdapterOffReference(self.actor)
+            info("reference model: the actor's base weights with its LoRA adapter disabled (no second copy)")
+        elif self.ref is None:
+            info("no reference model loaded: --algo.kl.init_coef 0 and KL is not used as a loss")
+        elif cfg.ds.lora.rank > 0:
+            info(f"reference model: {cfg.ref.model_name_or_path} (a copy of its own, without LoRA)")
 
     def _executor(self):
         """Single-turn sampling and batched rewards, or the agent's multi-turn episodes."""
@@ -488,7 +499,7 @@ class RLTrainer(RunLoop):
                 raise RuntimeError(f"weight sync failed: rollout engine(s) {bad} hold other weights than the actor")
             info(f"weight sync verified: {len(got)} rollout engine(s) hold the actor's weights")
         elif verify and self.cfg.train.async_enable:  # in one process, the async engine's own copy
-            if self.rollout_engine.weights_hash() != weights_hash(unwrap_model(self.actor.model).state_dict()):
+            if self.rollout_engine.weights_hash() != self.actor.weights_hash():
                 raise RuntimeError("weight sync failed: the async rollout engine holds other weights than the actor")
             info("weight sync verified: the async rollout engine holds the actor's weights")
 

@@ -3,8 +3,9 @@ batch methods the RL loop needs — the loop calls only these, so another placem
 groups) can implement the same methods without changing the loop:
 
 - `Actor` (trained policy): `logprobs`, `fit`, `save_state` / `load_state`, `export`,
-  `broadcast_weights(engines)`, EMA of its weights;
-- `Reference` (frozen policy): `logprobs`;
+  `broadcast_weights(engines)`, EMA of its (trainable) weights; a LoRA actor also `reference_logprobs`
+  (its base, adapter disabled) and syncs its merged weights under the base model's names;
+- `Reference` (frozen policy): `logprobs`; `AdapterOffReference`: the same from a LoRA actor's base;
 - `Critic` (trained value model): `values`, `fit`, `save_state` / `load_state`, `export`.
 
 A role's state directory holds its engine state (weights, optimizer, scheduler) plus its own extras
@@ -17,11 +18,21 @@ from pathlib import Path
 
 import torch
 
-from posttrain.models import save_pretrained
+from posttrain.models import (
+    is_peft,
+    lora_scalings,
+    merge_lora,
+    merged_pairs,
+    save_pretrained,
+    tied_lora_layers,
+    trainable_names,
+    unwrap_model,
+)
 from posttrain.trainers.rl.experience import Experience
 from posttrain.trainers.rl.forward import Batching, policy_forward, to_device, value_forward
 from posttrain.trainers.rl.updates import UpdateSettings, lockstep, update_actor, update_critic
 from posttrain.utils.log import warn_once
+from posttrain.utils.weights_hash import weights_hash
 
 EMA_FILE = "ema.pt"
 
@@ -57,16 +68,26 @@ def sharded_weights(engine) -> dict | None:
 
 class Actor(_Scorer):
     """The trained policy. With `ema_beta`, an exponential moving average of its weights is kept
-    (`ema ← β·ema + (1-β)·θ` after every optimizer step, as OpenRLHF) for the exports."""
+    (`ema ← β·ema + (1-β)·θ` after every optimizer step, as OpenRLHF) for the exports: of every
+    weight, or of a LoRA actor's adapters only (its base is frozen). `base_path`: the folder the
+    actor was loaded from, and `dtype` its weights' (merged exports of a LoRA actor, `--ckpt.save_merged`)."""
 
-    def __init__(self, model, engine, temperature: float, device, ema_beta: float | None = None) -> None:
+    def __init__(self, model, engine, temperature: float, device, ema_beta: float | None = None,
+                 base_path: str | None = None, save_merged: bool = False, dtype: str = "fp32") -> None:
         super().__init__(model, device)
         self.engine = engine
         self.temperature = temperature
         self.ema_beta = ema_beta
+        self.peft = is_peft(model)
+        self.scalings = lora_scalings(model) if self.peft else {}
+        self.base_path, self.save_merged, self.dtype = base_path, save_merged and self.peft, dtype
         self.ema = None
         if ema_beta is not None:
-            self.ema = {k: v.detach().clone().float() for k, v in model.state_dict().items()}
+            self.ema = self._ema_start()
+
+    def _ema_start(self) -> dict[str, torch.Tensor]:
+        keep = trainable_names(self.model) if self.peft else None
+        return {k: v.detach().clone().float() for k, v in self.model.state_dict().items() if keep is None or k in keep}
 
     @property
     def keeps_ema(self) -> bool:
@@ -76,6 +97,12 @@ class Actor(_Scorer):
         return self._per_token(exp, batches,
                                lambda part: policy_forward(self.engine.model, part, self.temperature,
                                                            **batches.layout)[0])
+
+    def reference_logprobs(self, exp: Experience, batches: Batching) -> torch.Tensor:
+        """`logprobs` of a LoRA actor's base weights (adapter disabled): the reference of a run whose
+        reference starts from the actor's weights, without a second copy."""
+        with unwrap_model(self.engine.model).disable_adapter():
+            return self.logprobs(exp, batches)
 
     def fit(self, exp: Experience, settings: UpdateSettings, kl_coef: float, step: int,
             step_rows=None, weights_out: dict | None = None) -> dict[str, float]:
@@ -89,7 +116,8 @@ class Actor(_Scorer):
         beta = self.ema_beta
         with torch.no_grad():
             for k, v in self.model.state_dict().items():
-                self.ema[k].mul_(beta).add_(v.float(), alpha=1 - beta)
+                if k in self.ema:
+                    self.ema[k].mul_(beta).add_(v.float(), alpha=1 - beta)
 
     def ema_state_dict(self) -> dict | None:
         """The EMA weights in the model's own dtypes (None without EMA)."""
@@ -115,28 +143,52 @@ class Actor(_Scorer):
             self.ema = torch.load(Path(directory) / EMA_FILE, weights_only=True)
         else:
             warn_once(f"checkpoint {directory} holds no EMA weights; the EMA restarts from the resumed weights")
-            self.ema = {k: v.detach().clone().float() for k, v in self.model.state_dict().items()}
+            self.ema = self._ema_start()
 
     def export(self, directory: Path, tokenizer, ema: bool = True) -> None:
-        """A `from_pretrained`-loadable policy in `directory` (the EMA weights when kept and `ema`);
-        collective under ZeRO-3 (the full weights are gathered), written by rank 0."""
+        """A `from_pretrained`-loadable policy in `directory` (the EMA weights when kept and `ema`); a
+        LoRA actor writes its adapter (PEFT format), and with `save_merged` also the merged model in
+        `directory/merged`. Collective under ZeRO-3 (the full weights are gathered), written by rank 0."""
         state = self.ema_state_dict() if ema and self.ema is not None else sharded_weights(self.engine)
         if self.engine.is_main:
             save_pretrained(self.model, tokenizer, directory, state_dict=state)
+            if self.save_merged:
+                merge_lora(directory, Path(directory) / "merged", base_path=self.base_path, dtype=self.dtype)
 
     def full_weights(self, per_tensor: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """The current weights as `(name, CPU tensor)` pairs on rank 0, gathered all at once or one tensor
-        at a time (`TrainEngine.full_weights`: every rank exhausts them, collective under ZeRO-3)."""
-        return self.engine.full_weights(per_tensor)
+        at a time (`TrainEngine.full_weights`: every rank exhausts them, collective under ZeRO-3). A LoRA
+        actor's are merged (`W0 + s·B A`) under the base model's names (`models.lora.merged_pairs`): what a
+        plain rollout engine loads."""
+        if not self.peft:
+            return self.engine.full_weights(per_tensor)
+        if getattr(unwrap_model(self.model), "is_loaded_in_4bit", False):
+            raise ValueError("a QLoRA actor (--ds.load_in_4bit) cannot sync merged weights to rollout engines yet: "
+                             "run in one process without --train.async_enable (the engine samples from the actor)")
+        tied = tied_lora_layers(self.model)
+        if tied:
+            raise ValueError(f"LoRA on {tied[0]}, whose weight is tied to the input embeddings, cannot be synced "
+                             "to a rollout engine as merged weights: leave the output head out of "
+                             "--ds.lora.target_modules (or run in one process without --train.async_enable)")
+        return merged_pairs(self.engine.full_weights(per_tensor), self.scalings)
+
+    def weights_hash(self) -> str | None:
+        """`weights_hash` of `full_weights` (rank 0; None elsewhere): what a synced engine must hold."""
+        digest = weights_hash(self.full_weights())
+        return digest if self.engine.is_main else None
 
     def broadcast_weights(self, engines, verify: bool = False, version: int | None = None) -> None:
         """Make every rollout engine sample with the current weights (a no-op for an engine that
         shares this module in process; nothing to verify then); `version` (the policy version, async
         RL): recorded by the engine for the tokens it samples from now on. An engine with `paused()`
         takes the weights between two decode steps (partial rollout)."""
+        merged = None
         for engine in engines:
+            source = self.model
+            if self.peft and getattr(engine, "model", None) is not unwrap_model(self.model):
+                merged = source = merged if merged is not None else dict(self.full_weights())
             with engine.paused() if hasattr(engine, "paused") else nullcontext():
-                engine.sync_weights(self.model)
+                engine.sync_weights(source)
                 if version is not None:
                     engine.weights_updated(version)
 
@@ -158,6 +210,17 @@ class Reference(_Scorer):
         finally:
             if self.offload:
                 self.model.to("cpu")
+
+
+class AdapterOffReference:
+    """The reference of a LoRA run whose reference starts from the actor's weights: the actor's base
+    with its adapter disabled (`Actor.reference_logprobs`, or an actor group's on Ray)."""
+
+    def __init__(self, actor) -> None:
+        self.actor = actor
+
+    def logprobs(self, exp: Experience, batches: Batching) -> torch.Tensor:
+        return self.actor.reference_logprobs(exp, batches)
 
 
 class Critic(_Scorer):

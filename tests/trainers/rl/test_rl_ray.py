@@ -288,3 +288,22 @@ def test_ctrl_c_tears_down_what_the_run_started(rl_setup, tmp_path):
     left = subprocess.run(["pgrep", "-f", "ray::RoleWorker|ray::EngineWorker"], check=False, capture_output=True,
                           text=True).stdout.split()
     assert left == [], f"worker processes left: {left}"
+
+
+def test_lora_two_actor_ranks_two_engines_equal_one_process(run_ppo, ray_session):
+    """LoRA with a KL term on Ray: no reference group (the reference is the actor's base with the adapter
+    disabled, on the actor's own ranks), the engines take the merged weights (hash-checked at start-up),
+    and 2 actor ranks (ZeRO-2) give the in-process run's samples and adapter (same tolerance as above)."""
+    common = ("--train.num_episodes", "1", "--data.max_samples", "24", "--train.batch_size", "16",
+              "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8",
+              "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0.05",
+              "--ds.lora.rank", "8", "--ds.lora.alpha", "16", "--actor.adam.lr", "5e-3")
+    local, _ = run_ppo(*common, name="local")
+    ray_run, _ = run_ppo(*common, "--actor.num_gpus_per_node", "2", "--vllm.num_engines", "2",
+                         "--ds.zero_stage", "2", name="ray")
+    assert rewards_by_step(ray_run) == pytest.approx(rewards_by_step(local), abs=1e-6)  # same samples
+    a, b = (load_file(str(d / "adapter_model.safetensors")) for d in (local, ray_run))
+    assert _max_diff(a, b) < 3e-5
+    rows = read_metrics(ray_run / "metrics.jsonl")
+    assert all(r["rollout/logprob_abs_gap"] < 1e-4 for r in rows if "rollout/logprob_abs_gap" in r)
+    assert any(r["kl/mean"] > 0 for r in rows if "kl/mean" in r)

@@ -120,7 +120,10 @@ ACTING: dict[str, frozenset[str]] = {
         "data: prompt_dataset prompt_probs prompt_split input_key label_key",
         "train: num_episodes max_steps enable_ema ema_beta",
         "eval: temperature n_samples_per_prompt",
-        "ckpt: best_metric_key",
+        "ckpt: best_metric_key save_merged",
+        # LoRA / QLoRA actor and critic (trainers/rl/build.py; the reference from the adapter-off actor)
+        "ds: load_in_4bit",
+        "ds.lora: rank alpha dropout target_modules",
         # the Ray placement (config/ray_mode.py, distributed/)
         "actor: num_nodes num_gpus_per_node",
         "critic: num_nodes num_gpus_per_node",

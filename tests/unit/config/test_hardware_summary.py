@@ -224,11 +224,24 @@ def test_changed_values_and_format_config():
     assert text.count("[top-level]") == 1
 
 
-def test_lora_flags_are_inert_for_ppo_only():
-    ppo = parse_config("ppo", PPO + ["--ds.lora.rank", "8", "--ds.lora.alpha", "32"], device="cpu")
-    inert = inert_flags(ppo, "cuda")
-    assert [i.split(" has no effect")[0] for i in inert] == ["--ds.lora.rank 8", "--ds.lora.alpha 32"]
-    assert "lora-merge" in inert[0]
+def test_lora_flags_act_in_ppo_and_the_adapter_off_reference_makes_the_ref_placement_inert():
+    lora = ["--ds.lora.rank", "8", "--ds.lora.alpha", "32"]
+    ppo = parse_config("ppo", PPO + lora, device="cpu")
+    assert inert_flags(ppo, "cuda") == []
+    ref = ["--ref.offload", "--ref.num_gpus_per_node", "2", "--train.colocate_actor_ref"]
+    kl = ["--algo.kl.init_coef", "0.01"]
+    lines = inert_flags(parse_config("ppo", PPO + lora + kl + ref, device="cpu"), "cuda")
+    adapter_off = [i.split(" has no effect")[0] for i in lines if "adapter disabled" in i]
+    assert adapter_off == ["--ref.num_gpus_per_node 2", "--ref.offload"], lines
+    assert any(i.startswith("--train.colocate_actor_ref has no effect") for i in lines)  # one process
+    on_ray = inert_flags(parse_config("ppo", PPO + lora + kl + ref + ["--vllm.num_engines", "1"], device="cpu"), "cuda")
+    adapter_off = [i.split(" has no effect")[0] for i in on_ray if "adapter disabled" in i]
+    assert adapter_off == ["--ref.num_gpus_per_node 2", "--ref.offload", "--train.colocate_actor_ref"], on_ray
+    # a reference of its own (another folder) is placed and offloaded as without LoRA
+    other = parse_config("ppo", PPO + lora + kl + ref + ["--ref.model_name_or_path", "other/model"], device="cpu")
+    assert not any("adapter disabled" in i for i in inert_flags(other, "cuda"))
+    merged = parse_config("ppo", PPO + ["--ckpt.save_merged"], device="cpu")
+    assert [i.split(" has no effect")[0] for i in inert_flags(merged, "cuda")] == ["--ckpt.save_merged"]
     sft = parse_config("sft", SFT + ["--ds.lora.rank", "8"], device="cpu")
     assert inert_flags(sft, "cuda") == []
 

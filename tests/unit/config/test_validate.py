@@ -90,6 +90,11 @@ def test_4bit_needs_lora_and_cuda():
         "--ds.load_in_4bit: bitsandbytes 4-bit loading needs a CUDA GPU; this run is on CPU"
     )
     assert warns("sft", "--ds.load_in_4bit", "--ds.lora.rank", "8", device="cuda") == []
+    qlora = ("--ds.load_in_4bit", "--ds.lora.rank", "8")
+    assert warns("ppo", *qlora, device="cuda") == []
+    for extra in (("--train.async_enable",), ("--vllm.num_engines", "1")):
+        assert problem("ppo", *qlora, *extra, device="cuda").startswith(
+            "--ds.load_in_4bit: a QLoRA actor cannot sync its weights to rollout engines"), extra
 
 
 def test_bf16_on_cpu_is_allowed_with_a_warning():
@@ -450,3 +455,23 @@ def test_ray_placement_rules():
     with pytest.raises(ConfigError, match="--train.enable_ema: not available with --ds.zero_stage 3"):
         parse_config("ppo", BASE["ppo"] + ["--train.enable_ema", "--actor.num_gpus_per_node", "2",
                                            "--ds.zero_stage", "3"])
+
+
+def test_a_lora_reference_from_the_actors_weights_is_the_adapter_off_actor(tmp_path):
+    """LoRA + KL + no other reference: no ref role (`reference_in_actor`), so a ref rank count starts no Ray;
+    the actor's own folder spelled differently is the same weights; another folder loads its own reference."""
+    from posttrain.config.ray_mode import present_roles, reference_in_actor, uses_ray
+
+    actor = tmp_path / "actor"
+    actor.mkdir()
+    base = BASE["ppo"] + ["--actor.model_name_or_path", str(actor), "--algo.kl.init_coef", "0.01"]
+    lora = base + ["--ds.lora.rank", "8"]
+    cfg = parse_config("ppo", lora + ["--ref.num_gpus_per_node", "2"], check=False)
+    assert reference_in_actor(cfg) and "ref" not in present_roles(cfg) and not uses_ray(cfg)
+    same = parse_config("ppo", lora + ["--ref.model_name_or_path", f"{actor}/."], check=False)
+    assert reference_in_actor(same)
+    other = parse_config("ppo", lora + ["--ref.model_name_or_path", str(tmp_path)], check=False)
+    assert not reference_in_actor(other) and "ref" in present_roles(other)
+    assert not reference_in_actor(parse_config("ppo", base, check=False))  # no LoRA: a reference copy
+    no_kl = parse_config("ppo", lora + ["--algo.kl.init_coef", "0"], check=False)
+    assert not reference_in_actor(no_kl) and "ref" not in present_roles(no_kl)

@@ -136,6 +136,10 @@ class ActorGroup(_RoleGroup):
     def logprobs(self, exp, batches) -> torch.Tensor:
         return self._per_token("logprobs", exp, batches)
 
+    def reference_logprobs(self, exp, batches) -> torch.Tensor:
+        """A LoRA actor's base log-probs (adapter disabled): the reference without a ref group."""
+        return self._per_token("reference_logprobs", exp, batches)
+
     def fit(self, exp, settings, kl_coef: float, step: int) -> dict[str, float]:
         return self._fit(exp, settings, step, kl_coef, step)
 

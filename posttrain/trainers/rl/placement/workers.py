@@ -110,6 +110,9 @@ class RoleWorker(_Process):
     def logprobs(self, arrays, rows: list[int], batching) -> np.ndarray:
         return self.obj.logprobs(self._shard(arrays, rows), batching).numpy()[: len(rows)]
 
+    def reference_logprobs(self, arrays, rows: list[int], batching) -> np.ndarray:
+        return self.obj.reference_logprobs(self._shard(arrays, rows), batching).numpy()[: len(rows)]
+
     def values(self, arrays, rows: list[int], batching) -> np.ndarray:
         return self.obj.values(self._shard(arrays, rows), batching).numpy()[: len(rows)]
 
