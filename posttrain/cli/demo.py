@@ -54,7 +54,7 @@ class DemoScale:
 FULL = DemoScale(size="tiny", difficulty=1, n_train=8000, n_test=200, habit=0.7, epochs=3, batch_size=32, lr=2e-3,
                  rl_prompts=1600, rl_lr=3e-4, n_pairs=2000, rm_epochs=3, rm_lr=5e-4, ppo_prompts=1600,
                  ppo_lr=1e-4, critic_lr=1e-3, dpo_epochs=1, dpo_lr=1e-4, agent_train=4000, agent_lr=1e-3,
-                 agent_prompts=2560, agent_rl_lr=3e-4)
+                 agent_prompts=3840, agent_rl_lr=3e-4)
 QUICK = DemoScale(size="nano", difficulty=0, n_train=1200, n_test=100, habit=0.7, epochs=2, batch_size=16, lr=3e-3,
                   rl_prompts=80, rl_lr=3e-4, n_pairs=256, rm_epochs=1, rm_lr=1e-3, ppo_prompts=64, ppo_lr=3e-4,
                   critic_lr=1e-3, dpo_epochs=1, dpo_lr=1e-4, agent_train=400, agent_lr=3e-3, agent_prompts=32,
