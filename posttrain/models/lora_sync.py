@@ -2,12 +2,12 @@
 
 Canonical names (what travels to a rollout engine):
 
-* base tensors: the HF name of the plain model (``base_name``: peft's ``base_model.model.`` prefix,
-  ``.base_layer`` and ``modules_to_save.default.`` dropped; ``original_module`` copies skipped);
+* base tensors: the HF name of the plain model (``models.lora.base_name``; peft's ``original_module``
+  copies skipped);
 * adapter tensors: ``"{module}.lora_A.weight"`` [r, in] and ``"{module}.lora_B.weight"`` [out, r], with
   ``module`` the HF name of the targeted linear layer.
 
-A targeted layer computes ``W x + s * B A x`` with ``s`` = ``scaling`` (read from the peft layers). An
+A targeted layer computes ``W x + s * B A x`` with ``s`` = ``scaling`` (``models.lora.lora_scalings``). An
 engine that merges keeps pristine copies ``W0`` and writes ``W = W0 + s * B A`` (``MergedBase``): never
 accumulated, so any number of syncs leaves ``W0`` bit-identical. ``lora_weights_hash`` covers base +
 adapter + ``s``: a trainer and an engine agree on it only if they sample the same function.
@@ -18,22 +18,10 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from posttrain.models.lora import base_name, lora_scalings, merge_weight
 from posttrain.utils.weights_hash import weights_hash
 
-_PREFIX = "base_model.model."
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
-
-
-def is_peft(model) -> bool:
-    return hasattr(model, "peft_config")
-
-
-def base_name(peft_name: str) -> str | None:
-    """The plain model's name of a peft state-dict name; None for peft's ``original_module`` copies."""
-    if ".original_module." in peft_name:
-        return None
-    name = peft_name[len(_PREFIX):] if peft_name.startswith(_PREFIX) else peft_name
-    return name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
 
 
 def is_adapter_name(name: str) -> bool:
@@ -89,8 +77,8 @@ def adapter_bytes(model) -> int:
 
 
 def scaling(model) -> float:
-    """``s`` of ``W x + s * B A x``, read from the peft layers (one value for every layer)."""
-    values = {float(layer.scaling["default"]) for _, layer in _lora_layers(model)}
+    """``s`` of ``W x + s * B A x`` (``lora_scalings``: one value for every layer)."""
+    values = set(lora_scalings(model).values())
     if len(values) != 1:
         raise ValueError(f"LoRA sync needs one scaling for every adapted layer, found {sorted(values)}")
     return values.pop()
@@ -129,9 +117,8 @@ class MergedBase:
     def merged(self, module: str) -> torch.Tensor:
         w0 = self.base[f"{module}.weight"]
         w0 = w0 if self.compute is None else w0.to(self.compute)
-        a = self.adapter[f"{module}.lora_A.weight"].to(w0.device, torch.float32)
-        b = self.adapter[f"{module}.lora_B.weight"].to(w0.device, torch.float32)
-        return (w0.float() + self.s * (b @ a)).to(w0.dtype)
+        a, b = (self.adapter[f"{module}.lora_{x}.weight"].to(w0.device) for x in "AB")
+        return merge_weight(w0, a, b, self.s)
 
     def set_base(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A new ``W0`` for ``name``; returns what the engine's weight must become (merged when the

@@ -29,9 +29,9 @@ def _trainer(rl_setup, out, *extra):
 
 def _base(model) -> dict[str, torch.Tensor]:
     """The frozen tensors of a peft model under the base model's names."""
-    from posttrain.models.lora import _base_name
+    from posttrain.models.lora import base_name
 
-    return {_base_name(n): p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    return {base_name(n): p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
 
 
 @pytest.mark.parametrize("estimator,extra", [
