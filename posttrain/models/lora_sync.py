@@ -15,10 +15,11 @@ adapter + ``s``: a trainer and an engine agree on it only if they sample the sam
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from itertools import chain
 
 import torch
 
-from posttrain.models.lora import base_name, lora_scalings, merge_weight
+from posttrain.models.lora import base_name, lora_scalings
 from posttrain.utils.weights_hash import weights_hash
 
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
@@ -50,21 +51,35 @@ def adapter_params(model) -> dict[str, torch.Tensor]:
     return out
 
 
+def canonical_name(peft_name: str) -> str | None:
+    """The name a peft state-dict entry travels under (None: peft's ``original_module`` copies)."""
+    for x in "AB":
+        peft_name = peft_name.replace(f".lora_{x}.default.weight", f".lora_{x}.weight")
+    return base_name(peft_name)
+
+
+def is_peft_adapter_name(peft_name: str) -> bool:
+    """A peft state-dict name of an adapter tensor (travels as ``{module}.lora_A/B.weight``)."""
+    return is_adapter_name(canonical_name(peft_name) or "")
+
+
+def canonical_pairs(pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """peft-named pairs (a ``state_dict``'s, possibly streamed) under their canonical names."""
+    for name, tensor in pairs:
+        canonical = canonical_name(name)
+        if canonical is not None:
+            yield canonical, tensor
+
+
 def adapter_pairs(model) -> list[tuple[str, torch.Tensor]]:
     """The adapter tensors (detached, not copied) under canonical names, in name order."""
-    return [(n, t.detach()) for n, t in sorted(adapter_params(model).items())]
+    pairs = [(n, t) for n, t in canonical_pairs(model.state_dict().items()) if is_adapter_name(n)]
+    return sorted(pairs, key=lambda pair: pair[0])
 
 
 def base_pairs(model) -> list[tuple[str, torch.Tensor]]:
     """Every other state tensor under its plain-model name (targeted layers: their frozen ``W0``)."""
-    out = []
-    for name, tensor in model.state_dict().items():
-        if ".lora_" in name:
-            continue
-        canonical = base_name(name)
-        if canonical is not None:
-            out.append((canonical, tensor.detach()))
-    return out
+    return [(n, t) for n, t in canonical_pairs(model.state_dict().items()) if not is_adapter_name(n)]
 
 
 def pair_bytes(pairs: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -88,7 +103,7 @@ def lora_weights_hash(base: Iterable[tuple[str, torch.Tensor]], adapter: Iterabl
                       s: float) -> str:
     """``weights_hash`` over base + adapter + a 0-d float64 ``"lora.scaling"`` tensor."""
     scale = [("lora.scaling", torch.tensor(float(s), dtype=torch.float64))]
-    return weights_hash([*base, *adapter, *scale])
+    return weights_hash(chain(base, adapter, scale))  # streamed: one tensor at a time
 
 
 def model_lora_hash(model) -> str:
@@ -117,8 +132,8 @@ class MergedBase:
     def merged(self, module: str) -> torch.Tensor:
         w0 = self.base[f"{module}.weight"]
         w0 = w0 if self.compute is None else w0.to(self.compute)
-        a, b = (self.adapter[f"{module}.lora_{x}.weight"].to(w0.device) for x in "AB")
-        return merge_weight(w0, a, b, self.s)
+        a, b = (self.adapter[f"{module}.lora_{x}.weight"].to(w0.device, torch.float32) for x in "AB")
+        return (w0.float() + self.s * (b @ a)).to(w0.dtype)  # peft's own merge arithmetic
 
     def set_base(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A new ``W0`` for ``name``; returns what the engine's weight must become (merged when the
