@@ -122,45 +122,6 @@ def base_name(name: str) -> str | None:
     return name.replace(".modules_to_save.default.", ".").replace(".base_layer.", ".")
 
 
-def merge_weight(w0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
-    """`W0 + s·(B @ A)` in float32, cast back to W0's dtype (peft's own merge arithmetic)."""
-    return (w0.float() + s * (b.float() @ a.float())).to(w0.dtype)
-
-
-def merged_pairs(pairs, scalings: dict[str, float]):
-    """peft-named `(name, tensor)` pairs (a `state_dict`'s order: a LoRA layer's base weight, then its A
-    and B) -> the base model's names, each LoRA layer's weight merged (`merge_weight`). Streams: holds
-    one layer's three tensors at most; the inputs are never modified. 4-bit (QLoRA) bases are not merged here."""
-    held: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in pairs:
-        module, _, leaf = name.rpartition(".")
-        for part in (".base_layer", ".lora_A.default", ".lora_B.default"):
-            if module.endswith(part) and module[: -len(part)] in scalings and leaf == "weight":
-                owner = module[: -len(part)]
-                parts = held.setdefault(owner, {})
-                parts[part] = tensor
-                if len(parts) == 3:
-                    del held[owner]
-                    w0, a, b = parts[".base_layer"], parts[".lora_A.default"], parts[".lora_B.default"]
-                    yield base_name(owner + ".weight"), merge_weight(w0, a, b, scalings[owner])
-                break
-        else:
-            if ".lora_" in name:
-                raise ValueError(f"merged_pairs: {name} is not a LoRA A/B weight of a linear layer")
-            base = base_name(name)
-            if base is not None:
-                yield base, tensor
-    if held:
-        raise ValueError(f"merged_pairs: LoRA layers {sorted(held)[:3]} lack their base, A or B weight")
-
-
-def merged_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The weights a peft `model` computes with, merged and under the base model's names (detached
-    copies; the model itself is unchanged): what a plain rollout engine loads."""
-    state = {k: v.detach() for k, v in unwrap_model(model).state_dict().items()}
-    return dict(merged_pairs(state.items(), lora_scalings(model)))
-
-
 def trainable_names(model: torch.nn.Module) -> set[str]:
     """The `state_dict` names of the parameters that train (`requires_grad`)."""
     return {n for n, p in unwrap_model(model).named_parameters() if p.requires_grad}
