@@ -153,8 +153,6 @@ class PPODSConfig(ScoreDSConfig):
 VLLM_ENGINE = Inert("the rollout engines run the Hugging Face engine, not vLLM: ", facts.no_vllm)
 SHARED_MODULE = Inert("the rollout engine samples from the actor's own module (one process, no --train.async_enable): "
                       "nothing is synced", lambda v, c, dev: facts.in_process(v, c, dev) and not c.train.async_enable, PPO)
-MERGED_SYNC_ONLY = Inert("the trainer sends the merged weights to the rollout engines (adapter-only sync is not wired "
-                         "to the trainer yet)", None, PPO)
 
 
 @dataclass
@@ -175,7 +173,7 @@ class VLLMConfig:
         "merged", "how rollout engines apply the LoRA adapter synced after each update (only the adapter travels): "
         "merged (W0 + scaling * B A written into plain weights: plain kernels, a copy of the adapted base weights) "
         "or adapter (vLLM's enable_lora with a LoRARequest per version; a peft copy in the HF engine)",
-        choices=("merged", "adapter"), extension=True, inert=(MERGED_SYNC_ONLY, LORA_OFF, SHARED_MODULE))
+        choices=("merged", "adapter"), extension=True, inert=(LORA_OFF, SHARED_MODULE))
 
 
 @dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -127,13 +127,18 @@ class TrainEngine:
         with self.gathered_parameters() as module:
             yield module
 
-    def full_weights(self, per_tensor: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, full-weight CPU copy)`` for every entry of ``module.state_dict()``, in its order, on
-        rank 0; nothing on the other ranks, but every rank must exhaust the iterator (collective under
-        ZeRO-3). Gathered all at once (``per_tensor`` False: the whole model materialises on every rank
-        while the iterator runs), or one tensor at a time (no rank holds more than one full tensor)."""
+    def full_weights(self, per_tensor: bool = False,
+                     keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, full-weight CPU copy)`` for every entry of ``module.state_dict()`` (those whose name
+        ``keep`` accepts: only they are gathered), in its order, on rank 0; nothing on the other ranks,
+        but every rank must exhaust the iterator (collective under ZeRO-3). Gathered all at once
+        (``per_tensor`` False: the whole model materialises on every rank while the iterator runs), or
+        one tensor at a time (no rank holds more than one full tensor)."""
         state = self.module.state_dict(keep_vars=True)
-        with contextlib.nullcontext() if per_tensor else self.gathered_parameters():
+        if keep is not None:
+            state = {name: tensor for name, tensor in state.items() if keep(name)}
+        whole = list(state.values()) if keep is not None else list(self.module.parameters())
+        with contextlib.nullcontext() if per_tensor else self.gathered(whole):
             for name, tensor in state.items():
                 with self.gathered([tensor]) if per_tensor else contextlib.nullcontext():
                     if self.is_main:

@@ -15,8 +15,6 @@ from posttrain.models.lora import (
     as_lora_spec,
     is_peft,
     lora_scalings,
-    merged_pairs,
-    merged_state,
     tied_lora_layers,
     trainable_names,
 )
@@ -28,7 +26,7 @@ from posttrain.models.tiny import PRESETS, build_tiny, model_config
 __all__ = [
     "PRESETS", "SHAPES", "LoraSpec", "ModelShape", "apply_lora", "as_lora_spec", "atomic_output_dir",
     "block_causal_mask", "build_tiny", "check_model_folder", "check_model_path", "forward_logits", "forward_values",
-    "is_peft", "load_causal_lm", "load_score_model", "load_tokenizer", "lora_scalings", "merge_lora", "merged_pairs",
-    "merged_state", "model_config", "model_inputs", "parse_dtype", "save_pretrained", "tied_lora_layers",
+    "is_peft", "load_causal_lm", "load_score_model", "load_tokenizer", "lora_scalings", "merge_lora",
+    "model_config", "model_inputs", "parse_dtype", "save_pretrained", "tied_lora_layers",
     "trainable_names", "unwrap_model",
 ]

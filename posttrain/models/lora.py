@@ -21,6 +21,11 @@ class LoraSpec:
     dropout: float = 0.0
     target_modules: list[str] | str = field(default="all-linear")
 
+    @property
+    def scaling(self) -> float:
+        """`s` = alpha / rank, what `apply_lora`'s peft layers scale by (no rsLoRA)."""
+        return self.alpha / self.rank
+
 
 def as_lora_spec(lora) -> LoraSpec | None:
     """Accept None, a LoraSpec, a dict or any object with rank/alpha/dropout/target_modules
@@ -108,49 +113,13 @@ def tied_lora_layers(model: torch.nn.Module) -> list[str]:
                   if n.endswith(".base_layer.weight") and count[p.data_ptr()] > 1)
 
 
-def _base_name(name: str) -> str | None:
-    """A peft state-dict name under the base model's own names (None: a name that has none, the
-    original copy of a `modules_to_save` module)."""
+def base_name(name: str) -> str | None:
+    """A peft state-dict name under the base model's own names (peft's `base_model.model.` prefix,
+    `.base_layer` and `.modules_to_save.default` dropped; None: peft's `original_module` copies)."""
     if ".original_module." in name:
         return None
     name = name.removeprefix("base_model.model.")
     return name.replace(".modules_to_save.default.", ".").replace(".base_layer.", ".")
-
-
-def merged_pairs(pairs, scalings: dict[str, float]):
-    """peft-named `(name, tensor)` pairs (a `state_dict`'s order: a LoRA layer's base weight, then its A
-    and B) -> the base model's names, each LoRA layer's weight merged: `W0 + s·(B @ A)` in float32, cast
-    back to W0's dtype (peft's own merge arithmetic). Streams: holds one layer's three tensors at most;
-    the inputs are never modified. 4-bit (QLoRA) bases are not merged here."""
-    held: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in pairs:
-        module, _, leaf = name.rpartition(".")
-        for part in (".base_layer", ".lora_A.default", ".lora_B.default"):
-            if module.endswith(part) and module[: -len(part)] in scalings and leaf == "weight":
-                owner = module[: -len(part)]
-                parts = held.setdefault(owner, {})
-                parts[part] = tensor
-                if len(parts) == 3:
-                    del held[owner]
-                    w0, a, b = parts[".base_layer"], parts[".lora_A.default"], parts[".lora_B.default"]
-                    merged = (w0.float() + (b.float() @ a.float()) * scalings[owner]).to(w0.dtype)
-                    yield _base_name(owner + ".weight"), merged
-                break
-        else:
-            if ".lora_" in name:
-                raise ValueError(f"merged_pairs: {name} is not a LoRA A/B weight of a linear layer")
-            base = _base_name(name)
-            if base is not None:
-                yield base, tensor
-    if held:
-        raise ValueError(f"merged_pairs: LoRA layers {sorted(held)[:3]} lack their base, A or B weight")
-
-
-def merged_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The weights a peft `model` computes with, merged and under the base model's names (detached
-    copies; the model itself is unchanged): what a plain rollout engine loads."""
-    state = {k: v.detach() for k, v in unwrap_model(model).state_dict().items()}
-    return dict(merged_pairs(state.items(), lora_scalings(model)))
 
 
 def trainable_names(model: torch.nn.Module) -> set[str]:

@@ -2,12 +2,12 @@
 
 Canonical names (what travels to a rollout engine):
 
-* base tensors: the HF name of the plain model (``base_name``: peft's ``base_model.model.`` prefix,
-  ``.base_layer`` and ``modules_to_save.default.`` dropped; ``original_module`` copies skipped);
+* base tensors: the HF name of the plain model (``models.lora.base_name``; peft's ``original_module``
+  copies skipped);
 * adapter tensors: ``"{module}.lora_A.weight"`` [r, in] and ``"{module}.lora_B.weight"`` [out, r], with
   ``module`` the HF name of the targeted linear layer.
 
-A targeted layer computes ``W x + s * B A x`` with ``s`` = ``scaling`` (read from the peft layers). An
+A targeted layer computes ``W x + s * B A x`` with ``s`` = ``scaling`` (``models.lora.lora_scalings``). An
 engine that merges keeps pristine copies ``W0`` and writes ``W = W0 + s * B A`` (``MergedBase``): never
 accumulated, so any number of syncs leaves ``W0`` bit-identical. ``lora_weights_hash`` covers base +
 adapter + ``s``: a trainer and an engine agree on it only if they sample the same function.
@@ -15,25 +15,14 @@ adapter + ``s``: a trainer and an engine agree on it only if they sample the sam
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from itertools import chain
 
 import torch
 
+from posttrain.models.lora import base_name, lora_scalings
 from posttrain.utils.weights_hash import weights_hash
 
-_PREFIX = "base_model.model."
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
-
-
-def is_peft(model) -> bool:
-    return hasattr(model, "peft_config")
-
-
-def base_name(peft_name: str) -> str | None:
-    """The plain model's name of a peft state-dict name; None for peft's ``original_module`` copies."""
-    if ".original_module." in peft_name:
-        return None
-    name = peft_name[len(_PREFIX):] if peft_name.startswith(_PREFIX) else peft_name
-    return name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
 
 
 def is_adapter_name(name: str) -> bool:
@@ -62,21 +51,35 @@ def adapter_params(model) -> dict[str, torch.Tensor]:
     return out
 
 
+def canonical_name(peft_name: str) -> str | None:
+    """The name a peft state-dict entry travels under (None: peft's ``original_module`` copies)."""
+    for x in "AB":
+        peft_name = peft_name.replace(f".lora_{x}.default.weight", f".lora_{x}.weight")
+    return base_name(peft_name)
+
+
+def is_peft_adapter_name(peft_name: str) -> bool:
+    """A peft state-dict name of an adapter tensor (travels as ``{module}.lora_A/B.weight``)."""
+    return is_adapter_name(canonical_name(peft_name) or "")
+
+
+def canonical_pairs(pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """peft-named pairs (a ``state_dict``'s, possibly streamed) under their canonical names."""
+    for name, tensor in pairs:
+        canonical = canonical_name(name)
+        if canonical is not None:
+            yield canonical, tensor
+
+
 def adapter_pairs(model) -> list[tuple[str, torch.Tensor]]:
     """The adapter tensors (detached, not copied) under canonical names, in name order."""
-    return [(n, t.detach()) for n, t in sorted(adapter_params(model).items())]
+    pairs = [(n, t) for n, t in canonical_pairs(model.state_dict().items()) if is_adapter_name(n)]
+    return sorted(pairs, key=lambda pair: pair[0])
 
 
 def base_pairs(model) -> list[tuple[str, torch.Tensor]]:
     """Every other state tensor under its plain-model name (targeted layers: their frozen ``W0``)."""
-    out = []
-    for name, tensor in model.state_dict().items():
-        if ".lora_" in name:
-            continue
-        canonical = base_name(name)
-        if canonical is not None:
-            out.append((canonical, tensor.detach()))
-    return out
+    return [(n, t) for n, t in canonical_pairs(model.state_dict().items()) if not is_adapter_name(n)]
 
 
 def pair_bytes(pairs: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -89,8 +92,8 @@ def adapter_bytes(model) -> int:
 
 
 def scaling(model) -> float:
-    """``s`` of ``W x + s * B A x``, read from the peft layers (one value for every layer)."""
-    values = {float(layer.scaling["default"]) for _, layer in _lora_layers(model)}
+    """``s`` of ``W x + s * B A x`` (``lora_scalings``: one value for every layer)."""
+    values = set(lora_scalings(model).values())
     if len(values) != 1:
         raise ValueError(f"LoRA sync needs one scaling for every adapted layer, found {sorted(values)}")
     return values.pop()
@@ -100,7 +103,7 @@ def lora_weights_hash(base: Iterable[tuple[str, torch.Tensor]], adapter: Iterabl
                       s: float) -> str:
     """``weights_hash`` over base + adapter + a 0-d float64 ``"lora.scaling"`` tensor."""
     scale = [("lora.scaling", torch.tensor(float(s), dtype=torch.float64))]
-    return weights_hash([*base, *adapter, *scale])
+    return weights_hash(chain(base, adapter, scale))  # streamed: one tensor at a time
 
 
 def model_lora_hash(model) -> str:
@@ -129,9 +132,8 @@ class MergedBase:
     def merged(self, module: str) -> torch.Tensor:
         w0 = self.base[f"{module}.weight"]
         w0 = w0 if self.compute is None else w0.to(self.compute)
-        a = self.adapter[f"{module}.lora_A.weight"].to(w0.device, torch.float32)
-        b = self.adapter[f"{module}.lora_B.weight"].to(w0.device, torch.float32)
-        return (w0.float() + self.s * (b @ a)).to(w0.dtype)
+        a, b = (self.adapter[f"{module}.lora_{x}.weight"].to(w0.device, torch.float32) for x in "AB")
+        return (w0.float() + self.s * (b @ a)).to(w0.dtype)  # peft's own merge arithmetic
 
     def set_base(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A new ``W0`` for ``name``; returns what the engine's weight must become (merged when the

@@ -36,7 +36,7 @@ from contextlib import contextmanager
 
 import torch
 
-from posttrain.models import apply_lora, as_lora_spec, unwrap_model
+from posttrain.models import apply_lora, as_lora_spec, is_peft, unwrap_model
 from posttrain.models import lora_sync as lsync
 from posttrain.rollout.cpu.fast_decode import KVBuffer, fast_decoder
 from posttrain.rollout.decode_batch import DecodeBatch, Sequence
@@ -105,13 +105,13 @@ class HFRolloutEngine:
         spec = as_lora_spec(lora)
         self.lora_sync = lora_sync if spec is not None else None
         self._merged = None
-        if spec is not None and lora_sync == "adapter" and not lsync.is_peft(model):
+        if spec is not None and lora_sync == "adapter" and not is_peft(model):
             with torch.random.fork_rng(devices=[]):  # the adapter is overwritten by the first sync
                 model = apply_lora(model, spec)
         elif spec is not None and lora_sync == "merged":
-            if lsync.is_peft(model):
+            if is_peft(model):
                 raise ValueError("lora_sync='merged' needs a plain model (the engine merges the adapter itself)")
-            self._merged = lsync.MergedBase(spec.alpha / spec.rank)  # peft's scaling (no rslora)
+            self._merged = lsync.MergedBase(spec.scaling)
         self.model = model
         self.eos_token_ids = resolve_eos_ids(tokenizer_or_eos_ids, self.model)
         self.vocab_size = _hf_model(self.model).get_input_embeddings().num_embeddings
@@ -142,7 +142,7 @@ class HFRolloutEngine:
             src = unwrap_model(model_or_state_dict)
             if src is self.model:
                 return 0
-            if lsync.is_peft(src):
+            if is_peft(src):
                 base = lsync.base_pairs(src)
                 self.update_weights(base)
                 return lsync.pair_bytes(base) + self.update_adapter(lsync.adapter_pairs(src))
@@ -162,7 +162,7 @@ class HFRolloutEngine:
         """Sample with ``model``'s current weights; returns the bytes copied (0 when it is the shared
         module). From a peft module only the adapter moves (the base is the engine's since the load)."""
         src = unwrap_model(model)
-        if src is not self.model and lsync.is_peft(src):
+        if src is not self.model and is_peft(src):
             if self.lora_sync is None:
                 raise ValueError("sync_weights: the policy is a LoRA model but this engine was built without lora=")
             return self.update_adapter(lsync.adapter_pairs(src))
@@ -171,7 +171,7 @@ class HFRolloutEngine:
     def _own_state(self) -> dict[str, torch.Tensor]:
         """The engine's weights under the plain model's names."""
         model = self.model
-        return dict(lsync.base_pairs(model)) if lsync.is_peft(model) else model.state_dict()
+        return dict(lsync.base_pairs(model)) if is_peft(model) else model.state_dict()
 
     def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy some HF-named weights (one sync bucket) into the engine's model. In merged LoRA mode a
@@ -253,7 +253,7 @@ class HFRolloutEngine:
         `lora_sync.lora_weights_hash` of base (``W0``) + adapter + scaling, as the trainer's."""
         if self._merged is not None:
             return self._merged.hash(self.model.state_dict().items())
-        if lsync.is_peft(self.model):
+        if is_peft(self.model):
             return lsync.model_lora_hash(self.model)
         return weights_hash(self.model.state_dict())
 

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from posttrain.config.backends import VLLM_MISSING
-from posttrain.models import as_lora_spec, unwrap_model
+from posttrain.models import as_lora_spec, is_peft, unwrap_model
 from posttrain.models import lora_sync as lsync
 from posttrain.rollout.sampling import check_seeds
 from posttrain.rollout.types import (
@@ -133,7 +133,7 @@ class VLLMRolloutEngine:
             raise ValueError(f"lora_sync={lora_sync!r}: valid values are {list(LORA_SYNC_MODES)}")
         self.lora = as_lora_spec(lora)
         self.lora_sync = lora_sync if self.lora is not None else None
-        self.lora_scaling = None if self.lora is None else self.lora.alpha / self.lora.rank  # peft's (no rslora)
+        self.lora_scaling = None if self.lora is None else self.lora.scaling
         compute = "cuda" if torch.cuda.is_available() else None
         self._merged = lsync.MergedBase(self.lora_scaling, "cpu", compute) if self.lora_sync == "merged" else None
         self._targets: set[str] | None = None  # merged: the adapted modules, once an adapter arrived
@@ -197,7 +197,7 @@ class VLLMRolloutEngine:
         state = model_or_state_dict
         if isinstance(state, torch.nn.Module):
             state = unwrap_model(state)
-            if lsync.is_peft(state):
+            if is_peft(state):
                 if self.lora_sync is None:
                     raise ValueError("load_weights: merge the LoRA adapter first (posttrain.models.merge_lora) "
                                      "or build the engine with lora=")
@@ -288,7 +288,7 @@ class VLLMRolloutEngine:
     def sync_weights(self, model) -> int:
         """Sample with ``model``'s weights; from a peft module only the adapter moves. Returns the bytes."""
         src = unwrap_model(model)
-        if self.lora_sync is not None and lsync.is_peft(src):
+        if self.lora_sync is not None and is_peft(src):
             sent = self.update_adapter(lsync.adapter_pairs(src))
             self.weights_updated()
             return sent

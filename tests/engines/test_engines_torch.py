@@ -123,6 +123,10 @@ def test_single_process_helpers():
         engine.all_reduce(t, "mean")
     engine.barrier()
     assert set(engine.full_state_dict()) == {"weight", "bias"}
+    for per_tensor in (False, True):  # only the entries `keep` accepts, whole copies
+        (pair,) = engine.full_weights(per_tensor, keep=lambda name: name == "bias")
+        assert pair[0] == "bias" and torch.equal(pair[1], engine.module.bias.detach())
+        assert pair[1].data_ptr() != engine.module.bias.data_ptr()
 
 
 def _partly_frozen(seed: int):

@@ -7,6 +7,7 @@ import torch
 
 from posttrain.models import LoraSpec, apply_lora, load_causal_lm
 from posttrain.models import lora_sync as ls
+from posttrain.models.lora import base_name
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -41,8 +42,8 @@ def test_canonical_names_and_bytes(peft_model, tiny_model_dir):
     assert ls.adapter_bytes(peft_model) == sum(p.numel() * p.element_size() for n, p in peft_model.named_parameters()
                                                if "lora_" in n)
     assert ls.scaling(peft_model) == 2.0
-    assert ls.base_name("base_model.model.score.modules_to_save.default.weight") == "score.weight"
-    assert ls.base_name("base_model.model.score.original_module.weight") is None
+    assert base_name("base_model.model.score.modules_to_save.default.weight") == "score.weight"
+    assert base_name("base_model.model.score.original_module.weight") is None
 
 
 def test_merged_equals_merge_and_unload_and_never_accumulates(peft_model, tiny_model_dir):

@@ -4,7 +4,7 @@ the fast decode path and adapter falls back to transformers."""
 import pytest
 import torch
 
-from posttrain.models import LoraSpec, apply_lora, load_causal_lm
+from posttrain.models import LoraSpec, apply_lora, is_peft, load_causal_lm
 from posttrain.models import lora_sync as ls
 from posttrain.models.cpu_linear import onednn_available
 from posttrain.rollout import HFRolloutEngine, SamplingParams
@@ -51,7 +51,7 @@ def test_adapter_sync_samples_with_the_trainers_weights(mode, policy, tiny_model
     if mode == "merged":
         assert engine._fast is not None and engine._fast.usable()  # the fast decode path stays
     else:
-        assert engine._fast is None and ls.is_peft(engine.model)  # decode through transformers
+        assert engine._fast is None and is_peft(engine.model)  # decode through transformers
         # peft wrapped the loaded copy's oneDNN linears (an nn.Linear subclass) as their base layers
         assert any(type(m).__name__ == "OneDNNLinear" for m in engine.model.modules()) or not onednn_available()
     with torch.no_grad():

@@ -71,19 +71,22 @@ def build_actor(cfg: PPOConfig, tokenizer, device, total_steps: int, zero_stage:
     model.train()
     return Actor(model, train_engine(model, cfg.actor, cfg, total_steps, zero_stage), cfg.rollout.temperature,
                  device, ema_beta=cfg.train.ema_beta if cfg.train.enable_ema else None,
-                 base_path=cfg.actor.model_name_or_path, save_merged=cfg.ckpt.save_merged, dtype=cfg.ds.param_dtype or "fp32")
+                 base_path=cfg.actor.model_name_or_path, save_merged=cfg.ckpt.save_merged, dtype=cfg.ds.param_dtype or "fp32",
+                 lora_sync=cfg.vllm.lora_sync)
 
 
 def build_rollout_copy(cfg: PPOConfig, tokenizer, device):
     """An HF rollout engine over its own copy of the policy (loaded from --actor.model_name_or_path, eval
     mode): a Ray engine actor's, or the in-process async pipeline's; the trainer's weights reach it by
     sync. Its parameters keep `requires_grad` as the actor's do (it only runs under no_grad): torch picks
-    other CPU kernels for frozen weights, whose rounding would differ from the trainer's by ~1e-6."""
+    other CPU kernels for frozen weights, whose rounding would differ from the trainer's by ~1e-6. With a
+    LoRA actor it takes the adapter alone after the first sync, applied as --vllm.lora_sync says."""
     from posttrain.rollout import HFRolloutEngine
 
     model = load_causal_lm(cfg.actor.model_name_or_path, dtype=cfg.ds.param_dtype, tokenizer=tokenizer,
                            attn_implementation=cfg.ds.attn_implementation, onednn_linear=cfg.ds.onednn_linear)
-    return HFRolloutEngine(model.to(device).eval(), tokenizer, pad_token_id=tokenizer.pad_token_id)
+    return HFRolloutEngine(model.to(device).eval(), tokenizer, pad_token_id=tokenizer.pad_token_id,
+                           lora=as_lora_spec(cfg.ds.lora), lora_sync=cfg.vllm.lora_sync)
 
 
 def build_critic(cfg: PPOConfig, tokenizer, device, total_steps: int,

@@ -366,17 +366,17 @@ class RLTrainer(RunLoop):
         """The engines take the weights of step `step` (policy version step + 1). Async without partial
         rollout: once the batch that must be sampled by the previous version has started, and never
         during a generation (the producer holds `gen_lock` while it generates): `async/sync_wait` is
-        the time spent waiting for that (inside `timing/weight_sync`)."""
+        the time spent waiting for that (inside `timing/weight_sync`). `sync/bytes`: the bytes sent (a
+        LoRA actor's adapter only; 0 when the engine shares the actor's module)."""
         if self.pipeline is None:
-            self._sync_engines()
-            return {}
+            return {"sync/bytes": self._sync_engines()}
         t0 = time.perf_counter()
         self.pipeline.before_sync(step)
         with self.gen_lock if self.pipeline.hold_lock else nullcontext():
             waited = time.perf_counter() - t0
-            self._sync_engines(version=step + 1)
+            sent = self._sync_engines(version=step + 1)
             self.policy_version = step + 1
-        return {"async/sync_wait": waited}
+        return {"async/sync_wait": waited, "sync/bytes": sent}
 
     def _write_samples(self, step: int, scored, k: int = 4) -> None:
         with (self.output_dir / "samples.jsonl").open("a") as f:
@@ -487,11 +487,13 @@ class RLTrainer(RunLoop):
             self.placement.shutdown()
             self.placement = None
 
-    def _sync_engines(self, verify: bool = False, version: int | None = None) -> None:
+    def _sync_engines(self, verify: bool = False, version: int | None = None) -> int:
         """The rollout engines take the actor's weights (a no-op in one process without async: the engine
-        shares the actor's module). `verify`: check each engine's weights hash equals the trainer's;
-        `version`: the policy version the engines record per token (async)."""
-        self.actor.broadcast_weights([self.rollout_engine], verify, version)
+        shares the actor's module); a LoRA actor sends base + adapter with `verify` (the first sync), else
+        the adapter only. `verify`: check each engine's weights hash equals the trainer's (base + adapter +
+        scaling with LoRA); `version`: the policy version the engines record per token (async). Returns
+        the bytes sent."""
+        sent = self.actor.broadcast_weights([self.rollout_engine], verify, version)
         if verify and self.placement is not None:
             expected, got = self.actor.weights_hash(), self.rollout_engine.weights_hashes()
             bad = [i for i, h in enumerate(got) if h != expected]
@@ -502,6 +504,7 @@ class RLTrainer(RunLoop):
             if self.rollout_engine.weights_hash() != self.actor.weights_hash():
                 raise RuntimeError("weight sync failed: the async rollout engine holds other weights than the actor")
             info("weight sync verified: the async rollout engine holds the actor's weights")
+        return sent
 
     def _export(self) -> None:
         if self.actor.keeps_ema:

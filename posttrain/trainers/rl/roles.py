@@ -4,7 +4,7 @@ groups) can implement the same methods without changing the loop:
 
 - `Actor` (trained policy): `logprobs`, `fit`, `save_state` / `load_state`, `export`,
   `broadcast_weights(engines)`, EMA of its (trainable) weights; a LoRA actor also `reference_logprobs`
-  (its base, adapter disabled) and syncs its merged weights under the base model's names;
+  (its base, adapter disabled) and syncs base + adapter once, then the adapter only (`models.lora_sync`);
 - `Reference` (frozen policy): `logprobs`; `AdapterOffReference`: the same from a LoRA actor's base;
 - `Critic` (trained value model): `values`, `fit`, `save_state` / `load_state`, `export`.
 
@@ -20,14 +20,13 @@ import torch
 
 from posttrain.models import (
     is_peft,
-    lora_scalings,
     merge_lora,
-    merged_pairs,
     save_pretrained,
     tied_lora_layers,
     trainable_names,
     unwrap_model,
 )
+from posttrain.models import lora_sync as lsync
 from posttrain.trainers.rl.experience import Experience
 from posttrain.trainers.rl.forward import Batching, policy_forward, to_device, value_forward
 from posttrain.trainers.rl.updates import UpdateSettings, lockstep, update_actor, update_critic
@@ -70,16 +69,19 @@ class Actor(_Scorer):
     """The trained policy. With `ema_beta`, an exponential moving average of its weights is kept
     (`ema ← β·ema + (1-β)·θ` after every optimizer step, as OpenRLHF) for the exports: of every
     weight, or of a LoRA actor's adapters only (its base is frozen). `base_path`: the folder the
-    actor was loaded from, and `dtype` its weights' (merged exports of a LoRA actor, `--ckpt.save_merged`)."""
+    actor was loaded from, and `dtype` its weights' (merged exports of a LoRA actor, `--ckpt.save_merged`);
+    `lora_sync`: how the rollout engines apply a LoRA actor's adapter (--vllm.lora_sync)."""
 
     def __init__(self, model, engine, temperature: float, device, ema_beta: float | None = None,
-                 base_path: str | None = None, save_merged: bool = False, dtype: str = "fp32") -> None:
+                 base_path: str | None = None, save_merged: bool = False, dtype: str = "fp32",
+                 lora_sync: str = "merged") -> None:
         super().__init__(model, device)
         self.engine = engine
         self.temperature = temperature
         self.ema_beta = ema_beta
         self.peft = is_peft(model)
-        self.scalings = lora_scalings(model) if self.peft else {}
+        self.scaling = lsync.scaling(unwrap_model(model)) if self.peft else None
+        self.lora_sync = lora_sync
         self.base_path, self.save_merged, self.dtype = base_path, save_merged and self.peft, dtype
         self.ema = None
         if ema_beta is not None:
@@ -155,42 +157,53 @@ class Actor(_Scorer):
             if self.save_merged:
                 merge_lora(directory, Path(directory) / "merged", base_path=self.base_path, dtype=self.dtype)
 
-    def full_weights(self, per_tensor: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """The current weights as `(name, CPU tensor)` pairs on rank 0, gathered all at once or one tensor
-        at a time (`TrainEngine.full_weights`: every rank exhausts them, collective under ZeRO-3). A LoRA
-        actor's are merged (`W0 + s·B A`) under the base model's names (`models.lora.merged_pairs`): what a
-        plain rollout engine loads."""
+    def sync_pairs(self, kind: str = "full", per_tensor: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a rollout engine with its own copy takes, as `(name, CPU tensor)` pairs on rank 0, gathered
+        all at once or one tensor at a time (`TrainEngine.full_weights`: every rank must exhaust them,
+        collective under ZeRO-3). A full-parameter actor: every weight. A LoRA actor: under the canonical
+        names of `models.lora_sync`; `kind` "full": base + adapter (the first, verified sync), "adapter":
+        the adapter tensors only (only they are gathered)."""
         if not self.peft:
             return self.engine.full_weights(per_tensor)
-        if getattr(unwrap_model(self.model), "is_loaded_in_4bit", False):
-            raise ValueError("a QLoRA actor (--ds.load_in_4bit) cannot sync merged weights to rollout engines yet: "
-                             "run in one process without --train.async_enable (the engine samples from the actor)")
-        tied = tied_lora_layers(self.model)
-        if tied:
-            raise ValueError(f"LoRA on {tied[0]}, whose weight is tied to the input embeddings, cannot be synced "
-                             "to a rollout engine as merged weights: leave the output head out of "
-                             "--ds.lora.target_modules (or run in one process without --train.async_enable)")
-        return merged_pairs(self.engine.full_weights(per_tensor), self.scalings)
+        self._check_lora_sync()
+        if kind == "adapter":
+            return lsync.canonical_pairs(self.engine.full_weights(True, keep=lsync.is_peft_adapter_name))
+        return lsync.canonical_pairs(self.engine.full_weights(per_tensor))
 
-    def weights_hash(self) -> str | None:
-        """`weights_hash` of `full_weights` (rank 0; None elsewhere): what a synced engine must hold."""
-        digest = weights_hash(self.full_weights())
+    def _check_lora_sync(self) -> None:
+        if getattr(unwrap_model(self.model), "is_loaded_in_4bit", False):
+            raise ValueError("a QLoRA actor (--ds.load_in_4bit) cannot sync to rollout engines with their own copy "
+                             "yet: run in one process without --train.async_enable (the engine samples from the actor)")
+        tied = tied_lora_layers(self.model) if self.lora_sync == "merged" else []
+        if tied:
+            raise ValueError(f"LoRA on {tied[0]}, whose weight is tied to the input embeddings, cannot be merged by a "
+                             "rollout engine (--vllm.lora_sync merged): use --vllm.lora_sync adapter, or leave the "
+                             "output head out of --ds.lora.target_modules")
+
+    def weights_hash(self, per_tensor: bool = False) -> str | None:
+        """What a synced engine must hold (rank 0; None elsewhere; collective under ZeRO-3): `weights_hash`
+        of the weights, or for a LoRA actor `lora_sync.lora_weights_hash` (base + adapter + scaling)."""
+        named = self.sync_pairs("full", per_tensor)
+        digest = lsync.lora_weights_hash(named, [], self.scaling) if self.peft else weights_hash(named)
         return digest if self.engine.is_main else None
 
-    def broadcast_weights(self, engines, verify: bool = False, version: int | None = None) -> None:
+    def broadcast_weights(self, engines, verify: bool = False, version: int | None = None) -> int:
         """Make every rollout engine sample with the current weights (a no-op for an engine that
         shares this module in process; nothing to verify then); `version` (the policy version, async
         RL): recorded by the engine for the tokens it samples from now on. An engine with `paused()`
-        takes the weights between two decode steps (partial rollout)."""
-        merged = None
+        takes the weights between two decode steps (partial rollout). A LoRA actor sends base + adapter
+        with `verify` (the first sync), else the adapter only. Returns the bytes copied."""
+        sent = 0
         for engine in engines:
-            source = self.model
-            if self.peft and getattr(engine, "model", None) is not unwrap_model(self.model):
-                merged = source = merged if merged is not None else dict(self.full_weights())
+            own_copy = getattr(engine, "model", None) is not unwrap_model(self.model)
+            if self.peft and own_copy:
+                self._check_lora_sync()
             with engine.paused() if hasattr(engine, "paused") else nullcontext():
-                engine.sync_weights(source)
+                load = engine.load_weights if self.peft and own_copy and verify else engine.sync_weights
+                sent += load(self.model) or 0
                 if version is not None:
                     engine.weights_updated(version)
+        return sent
 
 
 class Reference(_Scorer):

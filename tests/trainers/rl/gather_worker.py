@@ -159,10 +159,10 @@ def run_sync(model, out_dir) -> None:
                     p.zero_()
             res["engine_before"] = engine.weights_hash()
             port = _free_port()
-            joining = _threaded(engine.sync_join, "127.0.0.1", port, 1, 2, "gloo", res["layout"])
+            joining = _threaded(engine.sync_join, "127.0.0.1", port, 1, 2, "gloo")
             worker.sync_join("127.0.0.1", port, 2, "gloo")
             joining.join()
-            receiving = _threaded(engine.sync_receive, verify=True)
+            receiving = _threaded(engine.sync_receive, res["layout"], verify=True)
         del calls[:]
         worker.sync_send(res["layout"])
         res["send_calls"] = list(calls)

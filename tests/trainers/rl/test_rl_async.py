@@ -20,8 +20,9 @@ ASYNC = ["--train.async_enable", "--algo.advantage.estimator", "group_norm", "--
 
 
 def comparable(rows):
-    """Every logged value except wall-clock timings and the async bookkeeping."""
-    return [{k: v for k, v in r.items() if not k.startswith(("timing/", "async/", "rollout/policy_versions"))
+    """Every logged value except wall-clock timings, the async bookkeeping and the bytes synced (none where
+    the engine shares the actor's module)."""
+    return [{k: v for k, v in r.items() if not k.startswith(("timing/", "async/", "sync/", "rollout/policy_versions"))
              and k not in ("time", "elapsed")} for r in rows]
 
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 LORA = ["--ds.lora.rank", "8", "--ds.lora.alpha", "16", "--actor.adam.lr", "5e-3"]
 # the nano model's reward moves within 8 steps only with an adapter on its output head too (in one process the
-# engine samples from the peft module itself: no merged sync, which a tied head would not allow)
+# engine samples from the peft module itself: no sync; merged sync refuses a tied head)
 WITH_HEAD = ["--ds.lora.target_modules", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
              "lm_head"]
 
@@ -29,9 +29,9 @@ def _trainer(rl_setup, out, *extra):
 
 def _base(model) -> dict[str, torch.Tensor]:
     """The frozen tensors of a peft model under the base model's names."""
-    from posttrain.models.lora import _base_name
+    from posttrain.models.lora import base_name
 
-    return {_base_name(n): p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    return {base_name(n): p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
 
 
 @pytest.mark.parametrize("estimator,extra", [
@@ -158,13 +158,72 @@ def test_save_hf_writes_the_adapter_and_the_merged_model(run_ppo, rl_setup):
     torch.testing.assert_close(forward_logits(combined, ids), forward_logits(merged, ids), rtol=0, atol=1e-6)
 
 
-def test_async_engine_gets_the_merged_weights(run_ppo):
-    """Async in one process (queue 0: no staleness): the engine's own plain copy takes the merged weights (hash-checked at start-up),
-    and samples what the trainer recomputes."""
-    out, _ = run_ppo(*LORA, "--train.async_enable", "--train.async_queue_size", "0", "--train.max_steps", "3",
-                     name="async")
+def _sync_sizes(model) -> tuple[int, int]:
+    """(adapter bytes, base + adapter bytes) of a peft model."""
+    from posttrain.models import lora_sync as ls
+
+    adapter = ls.adapter_bytes(model)
+    return adapter, adapter + ls.pair_bytes(ls.base_pairs(model))
+
+
+@pytest.mark.parametrize("mode", ["merged", "adapter"])
+def test_async_engine_takes_the_adapter_only(rl_setup, tmp_path, mode):
+    """Async in one process (queue 0: no staleness): the engine's own copy takes base + adapter once
+    (hash-checked at start-up), then the adapter alone after every step (`sync/bytes`), and samples what
+    the trainer recomputes."""
+    out = tmp_path / mode
+    trainer = _trainer(rl_setup, out, "--train.async_enable", "--train.async_queue_size", "0", "--train.max_steps", "3",
+                       "--vllm.lora_sync", mode)
+    assert trainer.rollout_engine.lora_sync == mode and not trainer.shares_actor_module
+    trainer.fit()
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "rollout/logprob_abs_gap" in r]
     assert len(rows) == 3 and all(r["rollout/logprob_abs_gap"] < 1e-4 for r in rows)
+    adapter, full = _sync_sizes(trainer.actor.model)
+    assert [r["sync/bytes"] for r in rows] == [adapter] * 3 and adapter < full / 10
+    assert trainer.rollout_engine.weights_hash() == trainer.actor.weights_hash()
+
+
+@pytest.mark.parametrize("mode", ["merged", "adapter"])
+def test_start_up_hash_covers_base_and_adapter(rl_setup, tmp_path, one_torch_thread, mode):
+    """The verified first sync sends base + adapter (their bytes), and the check fails on an engine whose
+    adapter (or base) differs from the actor's by one element."""
+    from posttrain.models import lora_sync as ls
+
+    trainer = _trainer(rl_setup, tmp_path / mode, "--train.async_enable", "--vllm.lora_sync", mode)
+    actor, engine = trainer.actor, trainer.rollout_engine
+    with torch.no_grad():
+        for n, p in actor.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    assert trainer._sync_engines(verify=True) == _sync_sizes(actor.model)[1]
+    assert engine.weights_hash() == actor.weights_hash() == ls.model_lora_hash(actor.model)
+    assert sorted(n for n, _ in actor.sync_pairs("adapter")) == [n for n, _ in ls.adapter_pairs(actor.model)]
+    actor.broadcast_weights = lambda *args, **kwargs: 0  # the check alone, on what the engine holds now
+    name = "model.layers.0.self_attn.q_proj.lora_B.weight"
+    held = engine._merged.adapter if mode == "merged" else ls.adapter_params(engine.model)
+    with torch.no_grad():
+        held[name][0, 0] += 1e-3
+    with pytest.raises(RuntimeError, match="weight sync failed"):
+        trainer._sync_engines(verify=True)
+    with torch.no_grad():
+        held[name][0, 0] -= 1e-3
+        trainer._sync_engines(verify=True)
+        engine._own_state()["model.layers.0.mlp.up_proj.weight"][0, 0] += 1.0  # the base (a merged mode W0 is
+        if mode == "merged":                                                    # kept apart: corrupt that)
+            engine._merged.base["model.layers.0.mlp.up_proj.weight"][0, 0] += 1.0
+    with pytest.raises(RuntimeError, match="weight sync failed"):
+        trainer._sync_engines(verify=True)
+
+
+def test_a_tied_head_adapter_syncs_in_adapter_mode_only(rl_setup, tmp_path, one_torch_thread):
+    """An adapter on the output head tied to the embeddings: a merging engine would change the embeddings
+    too, so merged sync refuses it in one line; adapter mode syncs it (hash-checked)."""
+    flags = ("--train.async_enable", "--algo.advantage.estimator", "group_norm", *WITH_HEAD)  # no critic
+    trainer = _trainer(rl_setup, tmp_path / "adapter", *flags, "--vllm.lora_sync", "adapter")
+    trainer._sync_engines(verify=True)
+    trainer = _trainer(rl_setup, tmp_path / "merged", *flags)
+    with pytest.raises(ValueError, match="tied to the input embeddings.*--vllm.lora_sync adapter"):
+        trainer._sync_engines(verify=True)
 
 
 def test_lora_trains_on_multi_turn_agent_episodes(rl_setup, tmp_path):

@@ -55,6 +55,9 @@ def test_two_actor_ranks_two_engines_equal_one_process(run_ppo, ray_session):
     assert _max_diff(_weights(local), _weights(ray_run)) < 3e-5
     rows = read_metrics(ray_run / "metrics.jsonl")
     assert all(r["timing/weight_sync"] > 0 for r in rows if "timing/weight_sync" in r)
+    weights = sum(t.numel() * t.element_size() for t in _weights(ray_run).values())
+    synced = {r["sync/bytes"] for r in rows if "sync/bytes" in r}  # every weight (and a tied copy), each sync
+    assert len(synced) == 1 and synced.pop() >= weights
     assert any(r["shaping/penalised_frac"] > 0 for r in rows if "shaping/penalised_frac" in r)
 
 
@@ -290,20 +293,24 @@ def test_ctrl_c_tears_down_what_the_run_started(rl_setup, tmp_path):
     assert left == [], f"worker processes left: {left}"
 
 
-def test_lora_two_actor_ranks_two_engines_equal_one_process(run_ppo, ray_session):
+@pytest.mark.parametrize("mode", ["merged", "adapter"])
+def test_lora_two_actor_ranks_two_engines_equal_one_process(run_ppo, ray_session, mode):
     """LoRA with a KL term on Ray: no reference group (the reference is the actor's base with the adapter
-    disabled, on the actor's own ranks), the engines take the merged weights (hash-checked at start-up),
-    and 2 actor ranks (ZeRO-2) give the in-process run's samples and adapter (same tolerance as above)."""
+    disabled, on the actor's own ranks), the engines take base + adapter once (hash-checked at start-up)
+    then the adapter alone (`sync/bytes`), applied as `--vllm.lora_sync` says, and 2 actor ranks (ZeRO-2)
+    give the in-process run's samples and adapter (same tolerance as above)."""
     common = ("--train.num_episodes", "1", "--data.max_samples", "24", "--train.batch_size", "16",
               "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8",
               "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0.05",
               "--ds.lora.rank", "8", "--ds.lora.alpha", "16", "--actor.adam.lr", "5e-3")
     local, _ = run_ppo(*common, name="local")
     ray_run, _ = run_ppo(*common, "--actor.num_gpus_per_node", "2", "--vllm.num_engines", "2",
-                         "--ds.zero_stage", "2", name="ray")
+                         "--ds.zero_stage", "2", "--vllm.lora_sync", mode, name="ray")
     assert rewards_by_step(ray_run) == pytest.approx(rewards_by_step(local), abs=1e-6)  # same samples
     a, b = (load_file(str(d / "adapter_model.safetensors")) for d in (local, ray_run))
     assert _max_diff(a, b) < 3e-5
     rows = read_metrics(ray_run / "metrics.jsonl")
     assert all(r["rollout/logprob_abs_gap"] < 1e-4 for r in rows if "rollout/logprob_abs_gap" in r)
     assert any(r["kl/mean"] > 0 for r in rows if "kl/mean" in r)
+    adapter = sum(t.numel() * t.element_size() for t in b.values())  # the adapter file: lora_A/B in fp32
+    assert {r["sync/bytes"] for r in rows if "sync/bytes" in r} == {adapter}

@@ -132,6 +132,8 @@ ACTING: dict[str, frozenset[str]] = {
         "vllm: num_engines sync_backend sync_with_ray tensor_parallel_size",
         # the vLLM engine (a Ray worker on a CUDA node with vLLM installed; trainers/rl/placement/workers.py)
         "vllm: gpu_memory_utilization enforce_eager enable_prefix_caching",
+        # a LoRA actor's adapter-only sync to engines with their own copy (build.py, placement/workers.py)
+        "vllm: lora_sync",
         "train: colocate_actor_ref colocate_critic_reward colocate_all",
         # multi-turn agents (agents/multi_turn.py)
         "train: agent_func_path",
@@ -280,10 +282,10 @@ def test_always_inert_flags_are_reported_once_when_set(trainer, device):
 
 def test_features_of_later_versions_say_so():
     cfg = parse_config("ppo", BASE["ppo"], check=False)
-    # act on the Ray placement, or on a vLLM engine (reported inert where the HF engine serves)
+    # act on the Ray placement, or on a vLLM engine (reported inert where the HF engine serves), or on the
+    # engines' copy of a LoRA actor (lora_sync)
     acting = {"vllm.num_engines", "vllm.sync_backend", "vllm.sync_with_ray", "vllm.tensor_parallel_size",
-              "vllm.gpu_memory_utilization", "vllm.enforce_eager", "vllm.enable_prefix_caching"}
-    acting.add("vllm.lora_sync")  # reported with LoRA in ppo (--ds.lora.rank) until the actor trains an adapter
+              "vllm.gpu_memory_utilization", "vllm.enforce_eager", "vllm.enable_prefix_caching", "vllm.lora_sync"}
     later = [p for p in flag_coverage("ppo") if p.split(".")[0] == "vllm" and p not in acting]
     later += ["ds.enable_sleep", "data.max_images_per_prompt", "actor.aux_loss_coef", "ds.deepcompile"]
     reasons = {r.path: r.reason for r in inert_rules(cfg) if r.when is None}

@@ -30,6 +30,7 @@ from posttrain.trainers.rl.placement.transport import (
     plan_steps,
     split_by_tokens,
 )
+from posttrain.trainers.rl.placement.weight_sync import layout_bytes
 from posttrain.trainers.rl.placement.workers import EngineWorker, RoleWorker
 from posttrain.trainers.rl.updates import critic_shuffle_step, optimizer_steps
 from posttrain.utils.errors import UserError, WorkerFailed
@@ -129,9 +130,9 @@ class _RoleGroup(_Group):
 
 
 class ActorGroup(_RoleGroup):
-    def __init__(self, name, handles, keeps_ema: bool) -> None:
+    def __init__(self, name, handles, keeps_ema: bool, lora: bool = False) -> None:
         super().__init__(name, handles)
-        self.keeps_ema = keeps_ema
+        self.keeps_ema, self.lora = keeps_ema, lora
 
     def logprobs(self, exp, batches) -> torch.Tensor:
         return self._per_token("logprobs", exp, batches)
@@ -152,9 +153,11 @@ class ActorGroup(_RoleGroup):
     def weights_hash(self) -> str:
         return self.first(self.call("weights_hash"))
 
-    def broadcast_weights(self, engines, verify: bool = False, version: int | None = None) -> None:
-        for engine_group in engines:
-            engine_group.receive_from(self, verify, version)
+    def broadcast_weights(self, engines, verify: bool = False, version: int | None = None) -> int:
+        """`Actor.broadcast_weights` on Ray: base + adapter of a LoRA actor with `verify`, else the adapter
+        only (a full-parameter actor: every weight). Returns the bytes sent."""
+        kind = "adapter" if self.lora and not verify else "full"
+        return sum(engine_group.receive_from(self, kind, verify, version) for engine_group in engines)
 
 
 class ReferenceGroup(_RoleGroup):
@@ -198,7 +201,8 @@ class EngineGroup(_Group):
     def __init__(self, name, handles, with_ray: bool, backend: str) -> None:
         super().__init__(name, handles)
         self.with_ray, self.backend = with_ray, backend
-        self.layout = None
+        self.group = None  # (address, port) of the sync process group, once joined
+        self.layouts: dict[str, list] = {}  # `Actor.sync_pairs` kind -> its bucket layout
         self.loads = [0] * len(handles)  # sample rows in flight per engine
         self.lock = threading.Lock()  # generate may be called from several threads (the async front)
 
@@ -239,26 +243,32 @@ class EngineGroup(_Group):
                 out[i] = outs[k] if per_item == 1 else outs[k * per_item:(k + 1) * per_item]
         return out
 
-    def receive_from(self, actor: ActorGroup, verify: bool = False, version: int | None = None) -> None:
-        """Load the actor's current weights: through Ray's object store (--vllm.sync_with_ray), or
+    def receive_from(self, actor: ActorGroup, kind: str = "full", verify: bool = False,
+                     version: int | None = None) -> int:
+        """Load the actor's `Actor.sync_pairs(kind)`: through Ray's object store (--vllm.sync_with_ray), or
         broadcast in buckets from actor rank 0 over a process group of its own. `verify`: the engines
-        record what they received, for `weights_hashes`; `version`: the policy version they record."""
+        record what they received, for `weights_hashes`; `version`: the policy version they record.
+        Returns the bytes sent (once for every engine)."""
         if self.with_ray:
-            ref = actor.first(actor.call("sync_put"))[0]
+            ref, sent = actor.first(actor.call("sync_put", kind))
             self.call("load_numpy", ref, verify, version)
-            return
-        if self.layout is None:
+            return sent
+        if self.group is None:
             self._join(actor)
-        wait_all([(h.sync_receive.remote(verify, version), self.label(i)) for i, h in enumerate(self.handles)]
-                 + [(h.sync_send.remote(self.layout), actor.label(i)) for i, h in enumerate(actor.handles)])
+        if kind not in self.layouts:  # the plan of each kind's buckets (names, shapes: fixed for a run)
+            self.layouts[kind] = actor.first(actor.call("sync_layout", SYNC_BUCKET_BYTES, kind))
+        layout = self.layouts[kind]
+        wait_all([(h.sync_receive.remote(layout, verify, version), self.label(i)) for i, h in enumerate(self.handles)]
+                 + [(h.sync_send.remote(layout, kind), actor.label(i)) for i, h in enumerate(actor.handles)])
+        return layout_bytes(layout)
 
     def _join(self, actor: ActorGroup) -> None:
-        self.layout = actor.first(actor.call("sync_layout", SYNC_BUCKET_BYTES))
         address, port = ray.get(actor.handles[0].address.remote())
         world = len(self.handles) + 1
         wait_all([(actor.handles[0].sync_join.remote(address, port, world, self.backend), actor.label(0))]
-                 + [(h.sync_join.remote(address, port, i + 1, world, self.backend, self.layout), self.label(i))
+                 + [(h.sync_join.remote(address, port, i + 1, world, self.backend), self.label(i))
                     for i, h in enumerate(self.handles)])
+        self.group = (address, port)
 
     def weights_hashes(self) -> list[str | None]:
         return self.call("weights_hash")
@@ -362,7 +372,8 @@ class RayPlacement:
                     f"{PLACE_TIMEOUT_S:.0f} s; the cluster has {ray.cluster_resources()}: lower the --*.num_nodes / "
                     "--*.num_gpus_per_node / --vllm.num_engines counts, colocate roles, or add nodes") from None
         roles = self.plan.roles
-        self.actor = ActorGroup("actor", self._ranks("actor"), keeps_ema=bool(cfg.train.enable_ema))
+        self.actor = ActorGroup("actor", self._ranks("actor"), keeps_ema=bool(cfg.train.enable_ema),
+                                lora=cfg.ds.lora.rank > 0)
         self.ref = ReferenceGroup("ref", self._ranks("ref")) if "ref" in roles else None
         self.critic = CriticGroup("critic", self._ranks("critic")) if "critic" in roles else None
         self.reward = RewardGroup("reward", self._ranks("reward")) if "reward" in roles else None

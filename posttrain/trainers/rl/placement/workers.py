@@ -15,7 +15,7 @@ import torch
 from posttrain.models.lora_sync import is_adapter_name
 from posttrain.trainers.rl.placement.transport import experience_from_numpy
 from posttrain.trainers.rl.placement.weight_sync import SyncGroup
-from posttrain.utils.weights_hash import NamedTensors, WeightsDigest, named_tensors, weights_hash
+from posttrain.utils.weights_hash import NamedTensors, WeightsDigest, named_tensors
 
 if TYPE_CHECKING:
     from posttrain.config import PPOConfig
@@ -145,12 +145,12 @@ class RoleWorker(_Process):
             self.obj.close()
 
     # ---- weights ----------------------------------------------------------------------------
-    def _on_rank0(self, consume):
-        """`consume(pairs)` of the actor's `(name, full CPU tensor)` pairs on rank 0, and its result (None
+    def _on_rank0(self, consume, kind: str = "full"):
+        """`consume(pairs)` of the actor's `Actor.sync_pairs(kind)` on rank 0, and its result (None
         elsewhere). Every rank calls it (the gathers are collective under ZeRO-3): one tensor at a time, so
         that no rank materialises the whole model, or all at once with --ds.gather_for_generation; the
         same names and bytes either way."""
-        named = self.obj.full_weights(per_tensor=not self.gather_for_generation)
+        named = iter(self.obj.sync_pairs(kind, per_tensor=not self.gather_for_generation))
         try:
             return consume(named) if self.rank == 0 else None
         finally:  # the gathers left (all of them off rank 0, any after an error), so no rank waits for this one
@@ -158,26 +158,29 @@ class RoleWorker(_Process):
                 pass
 
     def weights_hash(self) -> str | None:
-        return self._on_rank0(weights_hash)
+        return self.obj.weights_hash(per_tensor=not self.gather_for_generation)
 
-    def sync_layout(self, bucket_bytes: int):
+    def sync_layout(self, bucket_bytes: int, kind: str = "full"):
         from posttrain.trainers.rl.placement.weight_sync import sync_layout
 
-        return self._on_rank0(lambda named: sync_layout(named, bucket_bytes))
+        return self._on_rank0(lambda named: sync_layout(named, bucket_bytes), kind)
 
     def sync_join(self, address: str, port: int, world: int, backend: str) -> None:
         if self.rank == 0:
             self.sync = SyncGroup(address, port, 0, world, backend)
 
-    def sync_send(self, layout) -> None:
+    def sync_send(self, layout, kind: str = "full") -> None:
         """Every rank gathers (collective under ZeRO-3); rank 0 broadcasts the buckets as they fill."""
-        self._on_rank0(lambda named: self.sync.send(named, layout))
+        self._on_rank0(lambda named: self.sync.send(named, layout), kind)
 
-    def sync_put(self):
-        """Rank 0 puts the weights into Ray's object store as numpy; returns `[ref]` (None elsewhere)."""
+    def sync_put(self, kind: str = "full"):
+        """Rank 0 puts the weights into Ray's object store as numpy; returns `[ref, bytes]` (None elsewhere)."""
         import ray
 
-        return self._on_rank0(lambda named: [ray.put(numpy_state(named))])
+        def put(named):
+            state = numpy_state(named)
+            return [ray.put(state), sum(array.nbytes for array, _ in state.values())]
+        return self._on_rank0(put, kind)
 
 
 class EngineWorker(_Process):
@@ -197,7 +200,6 @@ class EngineWorker(_Process):
         self.backend, self.why = rollout_backend(cfg)
         self.engine = build_vllm_engine(cfg, tok) if self.backend == "vllm" else build_hf_engine(cfg, tok)
         self.sync: SyncGroup | None = None
-        self.layout = None
         self.received: WeightsDigest | None = None
         self.agents = None
         if cfg.train.agent_func_path:  # the agent's episodes run in this actor, next to its engine
@@ -253,17 +255,17 @@ class EngineWorker(_Process):
                 self.received.add("lora.scaling", torch.tensor(float(scaling), dtype=torch.float64))
         return load
 
-    def sync_join(self, address: str, port: int, rank: int, world: int, backend: str, layout) -> None:
-        self.layout = layout
+    def sync_join(self, address: str, port: int, rank: int, world: int, backend: str) -> None:
         self.sync = SyncGroup(address, port, rank, world, backend)
 
     def _paused(self):
         """No decode step runs while the weights load (partial rollout: generation continues afterwards)."""
         return self.engine.paused() if hasattr(self.engine, "paused") else contextlib.nullcontext()
 
-    def sync_receive(self, verify: bool = False, version: int | None = None) -> None:
+    def sync_receive(self, layout, verify: bool = False, version: int | None = None) -> None:
+        """The buckets of `layout` (the actor's `sync_layout`: full, or a LoRA actor's adapter only)."""
         with self._paused():
-            self.sync.receive(self.layout, self._loader(verify))
+            self.sync.receive(layout, self._loader(verify))
             self.engine.weights_updated(version)
 
     def load_numpy(self, arrays, verify: bool = False, version: int | None = None) -> None:
@@ -296,6 +298,7 @@ def build_vllm_engine(cfg: PPOConfig, tok):
     """A vLLM engine in this Ray actor's process on its GPU (`uni` executor, in-process engine core, so
     weight updates reach the model without serialising it); the stop ids are the HF engine's."""
     from posttrain.config import ConfigError
+    from posttrain.models import as_lora_spec
     from posttrain.rollout.hf_engine import resolve_eos_ids
     from posttrain.rollout.vllm_engine import VLLMRolloutEngine
 
@@ -305,8 +308,10 @@ def build_vllm_engine(cfg: PPOConfig, tok):
                           "more --vllm.num_engines")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # apply_model then runs in this process
     os.environ["VLLM_USE_V1"] = "1"
+    lora = as_lora_spec(cfg.ds.lora)  # only for a LoRA actor: the verified hash then includes the scaling
     return VLLMRolloutEngine(
-        cfg.actor.model_name_or_path, eos_token_ids=resolve_eos_ids(tok), **vllm_engine_kwargs(cfg))
+        cfg.actor.model_name_or_path, eos_token_ids=resolve_eos_ids(tok), **vllm_engine_kwargs(cfg),
+        **({"lora": lora, "lora_sync": cfg.vllm.lora_sync} if lora is not None else {}))
 
 
 def vllm_engine_kwargs(cfg: PPOConfig) -> dict:
