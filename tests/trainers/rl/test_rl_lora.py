@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from conftest import ppo_flags  # at import: at run time `conftest` names the last conftest collected
 from rl_helpers import rewards_by_step
 
 from posttrain.utils.metrics import read_metrics
@@ -19,7 +20,6 @@ WITH_HEAD = ["--ds.lora.target_modules", "q_proj", "k_proj", "v_proj", "o_proj",
 
 
 def _trainer(rl_setup, out, *extra):
-    from conftest import ppo_flags
 
     from posttrain.config import parse_config
     from posttrain.trainers.rl.ppo import RLTrainer
@@ -89,7 +89,6 @@ def test_reference_is_the_base_with_the_adapter_disabled(rl_setup, tmp_path, one
 
 
 def test_kl_starts_at_zero_and_another_reference_loads_its_own(run_ppo, rl_setup, tmp_path, capsys):
-    from conftest import ppo_flags
 
     from posttrain.config import parse_config
     from posttrain.trainers.rl import build
