@@ -8,6 +8,7 @@ random); a score model must carry a trained head unless the caller starts a new 
 the model has embedding rows."""
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -222,14 +223,7 @@ def load_score_model(path, dtype="fp32", value_head_prefix: str = "score", attn_
                                       load_in_4bit, num_labels=1)
     head = read_head(folder, value_head_prefix) if folder is not None and value_head_prefix != "score" else {}
     if head:
-        with torch.no_grad():
-            for name, tensor in head.items():
-                target = getattr(model.score, name, None)
-                if target is None or target.shape != tensor.shape:
-                    raise ModelLoadError(f"--ds.value_head_prefix={value_head_prefix!r}: checkpoint tensor "
-                                         f"{value_head_prefix}.{name} {tuple(tensor.shape)} does not fit the "
-                                         f"score head {None if target is None else tuple(target.shape)}")
-                target.copy_(tensor.to(target.dtype))
+        copy_head(model.score, head, value_head_prefix)
     elif "score.weight" in loading.get("missing_keys", ()):
         if not new_head_ok:
             raise _no_head_error(path, value_head_prefix, model.config.architectures)
@@ -237,6 +231,42 @@ def load_score_model(path, dtype="fp32", value_head_prefix: str = "score", attn_
     check_vocab(model, tokenizer if tokenizer is not None else _own_tokenizer(folder), path)
     return _finish(model, lora, "SEQ_CLS", gradient_checkpointing, gradient_checkpointing_reentrant,
                    load_in_4bit, onednn_linear)
+
+
+def _full_shape(param: torch.Tensor) -> torch.Size:
+    """The shape of the whole tensor: a ZeRO-3 partition (`ds_id`) is empty until gathered."""
+    return param.ds_shape if hasattr(param, "ds_id") else param.shape
+
+
+@contextlib.contextmanager
+def _writable(params: list[torch.Tensor]):
+    """Inside, `params` hold their whole values: ZeRO-3 partitions (`ds_id`, a model loaded under
+    `deepspeed.zero.Init`) are gathered, and what rank 0 writes into them is scattered back to every
+    rank's shard on exit; plain tensors are left as they are."""
+    sharded = [p for p in params if hasattr(p, "ds_id")]
+    if not sharded:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(sharded, modifier_rank=0):
+        yield
+
+
+def copy_head(head: torch.nn.Module, tensors: dict[str, torch.Tensor], prefix: str) -> None:
+    """Copy checkpoint tensors `{prefix}.weight` / `.bias` (`tensors`: name -> tensor) into the score
+    head `head`, also when the head is held as ZeRO-3 shards; ModelLoadError when one does not fit."""
+    targets = {}
+    for name, tensor in tensors.items():
+        target = getattr(head, name, None)
+        if target is None or _full_shape(target) != tensor.shape:
+            raise ModelLoadError(f"--ds.value_head_prefix={prefix!r}: checkpoint tensor {prefix}.{name} "
+                                 f"{tuple(tensor.shape)} does not fit the score head "
+                                 f"{None if target is None else tuple(_full_shape(target))}")
+        targets[name] = target
+    with torch.no_grad(), _writable(list(targets.values())):
+        for name, target in targets.items():
+            target.copy_(tensors[name].to(target.dtype))
 
 
 _CAUSAL_LM_FIX = ("give a causal LM here (a base or SFT model); a trained reward model belongs in "

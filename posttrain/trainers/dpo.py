@@ -18,6 +18,9 @@ share of pairs with chosen_reward > rejected_reward.
 Reference: ``--ref.model_name_or_path`` (default: the policy's initial weights). With LoRA and the
 default reference no second copy is loaded: the reference is the policy with its adapters disabled
 (the frozen base weights). ``--ref.offload`` keeps a separate reference on the CPU between forwards.
+With ``--ds.zero_stage 3`` over several ranks a separate reference is held as ZeRO-3 shards
+(``engines.zero3.FrozenShards``, loaded straight into them); ``--ref.offload`` then keeps the shards in
+CPU memory (DeepSpeed's ``offload_param``, on GPUs).
 """
 from __future__ import annotations
 
@@ -26,10 +29,11 @@ import torch
 from posttrain.algorithms.losses import token_logprobs
 from posttrain.algorithms.preference import dpo_loss
 from posttrain.config import ConfigError, DPOConfig
+from posttrain.engines.zero3 import FrozenShards, describe_shards, sharded_loading
 from posttrain.models import forward_logits, load_causal_lm, unwrap_model
 from posttrain.trainers.pairs import PairObjective, preference_items
 from posttrain.trainers.session import SingleModelRun, lora_settings
-from posttrain.utils.log import info
+from posttrain.utils.log import info, rank_info
 
 
 def sequence_logprobs(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,6 +89,8 @@ class DPOObjective(PairObjective):
             finally:
                 peft_model.train(was_training)
         ref = self.ref_model
+        if isinstance(ref, FrozenShards):  # ZeRO-3 shards: a collective forward, as many on every rank
+            return forward_logits(ref.module, batch)
         if self.ref_offload:
             ref.to(self.device)
         try:
@@ -118,18 +124,26 @@ class DPOObjective(PairObjective):
         return loss, stats
 
 
-def load_reference(cfg: DPOConfig, device: torch.device):
+def load_reference(cfg: DPOConfig, device: torch.device, world_size: int = 1):
     """The frozen reference model, or None when it is the LoRA policy with adapters disabled (LoRA on
-    and no other `--ref.model_name_or_path` than the policy's)."""
+    and no other `--ref.model_name_or_path` than the policy's). With --ds.zero_stage 3 over several
+    ranks it loads straight into shards and is returned as a `FrozenShards` (whose forwards every rank
+    runs together: the step loop pads ranks to the same number of micro-batches, and each calls `loss`)."""
     path = cfg.ref.model_name_or_path or cfg.model.model_name_or_path
     if lora_settings(cfg) is not None and path == cfg.model.model_name_or_path:
         info("reference model: the policy with its LoRA adapters disabled (no second copy loaded)")
         if cfg.ref.offload:
             info("note: --ref.offload has nothing to offload (the reference shares the policy's base weights)")
         return None
-    ref = load_causal_lm(path, dtype=cfg.ds.param_dtype, attn_implementation=cfg.ds.attn_implementation,
-                         onednn_linear=cfg.ds.onednn_linear)
+    with sharded_loading(cfg.ds, cfg.ds.zero_stage) as sharded:
+        ref = load_causal_lm(path, dtype=cfg.ds.param_dtype, attn_implementation=cfg.ds.attn_implementation,
+                             onednn_linear=cfg.ds.onednn_linear)
     ref.eval().requires_grad_(False)
+    if sharded:
+        info(f"reference model: {path} (frozen, held as ZeRO-3 shards across the {world_size} ranks"
+             f"{', shards in CPU memory' if cfg.ref.offload and torch.cuda.is_available() else ''})")
+        rank_info(describe_shards("reference model", ref))
+        return FrozenShards(ref, cfg.ds, offload=cfg.ref.offload)
     where = torch.device("cpu") if cfg.ref.offload else device
     info(f"reference model: {path} (frozen, on {where}{' between forwards' if cfg.ref.offload else ''})")
     return ref.to(where)
@@ -145,6 +159,6 @@ def train_dpo(cfg: DPOConfig) -> dict:
     m = cfg.model
     objective = DPOObjective(pad_id=tok.pad_token_id, packing=cfg.ds.packing_samples, beta=m.beta,
                              label_smoothing=m.label_smoothing, ipo=m.ipo_enable, nll_loss_coef=m.nll_loss_coef,
-                             ref_model=load_reference(cfg, run.device), ref_offload=cfg.ref.offload,
+                             ref_model=load_reference(cfg, run.device, run.world_size), ref_offload=cfg.ref.offload,
                              device=run.device)
     return run.fit(objective, train_items, eval_items)

@@ -34,13 +34,14 @@ from posttrain.config import (
 from posttrain.config.facts import deepspeed_only_flags
 from posttrain.data import load_rows
 from posttrain.engines import make_train_engine
+from posttrain.engines.zero3 import describe_shards, sharded_loading
 from posttrain.models import check_model_folder, load_causal_lm, load_tokenizer, save_pretrained
 from posttrain.trainers.run_folders import claim_run_folders
 from posttrain.trainers.run_loop import plot_charts
 from posttrain.trainers.single_model_loop import LoopSettings, SingleModelLoop
 from posttrain.utils.checkpoint import disk_full_as_error
 from posttrain.utils.interrupt import interrupt_as_error
-from posttrain.utils.log import info
+from posttrain.utils.log import info, rank_info
 from posttrain.utils.metrics import MetricsLogger
 from posttrain.utils.seeding import set_seed
 
@@ -107,7 +108,9 @@ def lora_settings(cfg: SingleModelConfig) -> dict | None:
 
 class SingleModelRun:
     """SFT/RM/DPO's run: `RunStart`, then the tokenizer and data rows; `fit` loads the model, builds the
-    train engine, runs the `SingleModelLoop` and exports the final model."""
+    train engine, runs the `SingleModelLoop` and exports the final model. With --ds.zero_stage 3 over
+    several ranks the model loads straight into ZeRO-3 shards (`engines.zero3.sharded_loading`): no rank
+    ever holds the whole model, and each prints the share it holds."""
 
     def __init__(self, cfg: SingleModelConfig, load_model=None) -> None:
         self.cfg = cfg
@@ -176,12 +179,15 @@ class SingleModelRun:
 
     def _fit(self, objective, train_items, eval_items, on_trained) -> dict:
         cfg = self.cfg
-        model = self._load_model()
-        if self.world_size == 1:
+        zero_stage = cfg.ds.zero_stage if self._needs_deepspeed() else None
+        with sharded_loading(cfg.ds, zero_stage) as sharded:
+            model = self._load_model()
+        if sharded:  # ZeRO-3 over several ranks: each rank holds only its shard; the engine gathers per layer
+            rank_info(describe_shards("model", model))
+        elif self.world_size == 1:
             model = model.to(self.device)
         steps = (len(train_items) // cfg.train.batch_size) * cfg.train.max_epochs
-        engine = make_train_engine(model, cfg, total_steps=max(steps, 1), ds=cfg.ds,
-                                   zero_stage=cfg.ds.zero_stage if self._needs_deepspeed() else None)
+        engine = make_train_engine(model, cfg, total_steps=max(steps, 1), ds=cfg.ds, zero_stage=zero_stage)
         logger = self.start.open_logger(cfg, enabled=engine.is_main)
         ckpt = self.folders.ckpt
         settings = LoopSettings(

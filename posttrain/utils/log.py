@@ -1,4 +1,5 @@
-"""Rank-aware console messages: `info` prints on the main process, `warn_once` never repeats."""
+"""Rank-aware console messages: `info` prints on the main process, `rank_info` on every rank (prefixed
+with the rank), `warn_once` never repeats."""
 from __future__ import annotations
 
 import os
@@ -14,6 +15,11 @@ def is_main_process() -> bool:
 def info(msg: str) -> None:
     if is_main_process():
         print(f"[posttrain] {msg}", file=sys.stderr, flush=True)
+
+
+def rank_info(msg: str) -> None:
+    """Print on every process, as `[posttrain] [rank R] msg` (per-rank facts: what each rank holds)."""
+    print(f"[posttrain] [rank {os.environ.get('RANK', '0')}] {msg}", file=sys.stderr, flush=True)
 
 
 def warn_once(msg: str) -> None:
