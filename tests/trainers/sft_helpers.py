@@ -20,3 +20,38 @@ def assert_same_weights(a, b, atol=1e-6):
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=atol, rtol=0, msg=k)
+
+
+def torchrun(module: str, flags, nproc: int = 2):
+    """`python -m torch.distributed.run --nproc_per_node nproc -m module *flags` on CPU (gloo) on a
+    free port; the finished process (asserted to have exited 0)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    with socket.socket() as sock:  # a free port (torchrun's --master_port 0 does not reach the workers)
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", port,
+           "-m", module, *map(str, flags)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def assert_loaded_as_shards(stderr: str, role: str, nproc: int = 2) -> None:
+    """Every rank reported (`[rank R] {role}: loaded as ZeRO-3 shards: this rank holds A M of B M`)
+    holding about its 1/nproc share of `role`'s parameters, and the shares cover the whole model
+    (the figures are printed to 0.01M)."""
+    import re
+
+    found = re.findall(rf"\[rank (\d+)\] {re.escape(role)}: loaded as ZeRO-3 shards: this rank holds "
+                       r"([\d.]+)M of ([\d.]+)M parameters", stderr)
+    shares = {int(rank): (float(own), float(full)) for rank, own, full in found}
+    assert sorted(shares) == list(range(nproc)), f"{role}: shard reports of ranks {sorted(shares)}\n{stderr[-3000:]}"
+    full = shares[0][1]
+    assert full > 0 and all(f == full for _, f in shares.values())
+    assert all(own < 1.2 / nproc * full for own, _ in shares.values()), shares
+    assert sum(own for own, _ in shares.values()) >= full - 0.01 * nproc, shares

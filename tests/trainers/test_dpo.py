@@ -253,30 +253,33 @@ def test_openrlhf_train_dpo_script_runs_with_only_the_module_renamed(tiny_model_
 
 @pytest.mark.e2e
 def test_two_process_zero3_matches_single_process(tiny_model_dir, pref_dir, tmp_path):
-    """Pairs as units: 2 ranks x micro-batches of 2 pairs (ZeRO-3, reference replicated per rank) give
-    the weights of one process with one micro-batch per step."""
-    import socket
-
-    from sft_helpers import assert_same_weights
+    """Pairs as units: 2 ranks x token-budget micro-batches (ZeRO-3; policy and reference loaded straight
+    into shards, each rank holding half of each) give the losses and weights of one process with one
+    micro-batch per step. The budget of 85 tokens (a pair is 82-86) splits some steps' 8 pairs per
+    rank into 4 micro-batches on one rank and 5 on the other: the padded micro-batch runs the sharded
+    reference's collective forward too. The first update is taken at lr 0 (warm-up), so the third step
+    is the one whose policy differs from the reference (margin != 0)."""
+    from sft_helpers import assert_loaded_as_shards, assert_same_weights, torchrun
 
     from posttrain.cli import train_dpo
 
-    common = ["--data.max_samples", 32, "--adam.lr", "1e-3"]
+    common = ["--data.max_samples", 48, "--adam.lr", "1e-3"]
     single = tmp_path / "single"
     train_dpo.main(dpo_flags(tiny_model_dir, pref_dir, single, *common, "--train.micro_batch_size", 16))
     multi = tmp_path / "zero3"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
-           "-m", "posttrain.cli.train_dpo",
-           *dpo_flags(tiny_model_dir, pref_dir, multi, *common, "--train.micro_batch_size", 2, "--ds.zero_stage", 3)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = torchrun("posttrain.cli.train_dpo", dpo_flags(
+        tiny_model_dir, pref_dir, multi, *common, "--train.micro_batch_size", 2, "--ds.zero_stage", 3,
+        "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", 85))
     assert "world_size = 2" in proc.stderr
-    losses = [[r["train/loss"] for r in read_metrics(d / "metrics.jsonl") if "train/loss" in r] for d in (single, multi)]
+    assert "reference model: " in proc.stderr and "held as ZeRO-3 shards across the 2 ranks" in proc.stderr
+    for role in ("model", "reference model"):
+        assert_loaded_as_shards(proc.stderr, role)
+    runs = [[r for r in read_metrics(d / "metrics.jsonl") if "train/loss" in r] for d in (single, multi)]
+    assert [r["train/micro_batches"] for r in runs[1]] == [4, 5, 5]  # rank 0's; rank 1 has 5, 5, 4
+    losses = [[r["train/loss"] for r in run] for run in runs]
     assert losses[0] == pytest.approx(losses[1], abs=1e-6) and losses[0][0] == pytest.approx(LN2, abs=1e-5)
+    assert runs[0][-1]["train/margin"] > 0.1
+    assert runs[1][-1]["train/margin"] == pytest.approx(runs[0][-1]["train/margin"], abs=1e-5)
     assert_same_weights(single, multi, atol=5e-6)
 
 

@@ -345,3 +345,52 @@ def test_lora_score_head_gets_gradients(tiny_model_dir, nano_rm):
     trained = {n for n, p in model.named_parameters() if p.requires_grad and p.grad is not None and p.grad.abs().sum() > 0}
     assert any("score" in n for n in trained) and any("lora_B" in n for n in trained)
     assert not any("embed_tokens" in n or "original_module" in n for n in trained)  # the base stays frozen
+
+
+@pytest.mark.e2e
+def test_two_process_zero3_value_head_prefix_matches_single_process(tiny_score_model_dir, tmp_path):
+    """A reward model whose head is stored as value_head.* (OpenRLHF naming), trained on 2 ranks under
+    ZeRO-3: it loads straight into shards (half per rank), its head is copied into the sharded `score`
+    head, and the final model, the --ckpt.save_hf export and the reward statistics equal the
+    1-process run's."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from sft_helpers import assert_loaded_as_shards, assert_same_weights, torchrun
+
+    from posttrain.cli import train_rm
+
+    model = tmp_path / "value-head-rm"
+    shutil.copytree(tiny_score_model_dir, model)
+    state = load_file(str(model / "model.safetensors"))
+    save_file({k.replace("score.", "value_head.", 1) if k.startswith("score.") else k: v for k, v in state.items()},
+              str(model / "model.safetensors"), metadata={"format": "pt"})
+    data = tmp_path / "data"
+    write_jsonl(carry_pairs(32, seed=4), data / "train.jsonl")
+    write_jsonl(carry_pairs(16, seed=2), data / "test.jsonl")
+
+    def flags(out, *extra):
+        return ["--model.model_name_or_path", model, "--data.dataset", data, "--data.prompt_key", "prompt",
+                "--data.apply_chat_template", "--data.max_len", 48, "--eval.dataset", data, "--eval.split", "test",
+                "--train.batch_size", 16, "--adam.lr", "1e-3", "--ds.value_head_prefix", "value_head",
+                "--ckpt.save_steps", 2, "--ckpt.save_hf", "--ckpt.output_dir", out, *extra]
+
+    single, multi = tmp_path / "single", tmp_path / "zero3"
+    train_rm.main([str(f) for f in flags(single, "--train.micro_batch_size", 16)])
+    proc = torchrun("posttrain.cli.train_rm", flags(multi, "--train.micro_batch_size", 4, "--ds.zero_stage", 3))
+    assert_loaded_as_shards(proc.stderr, "model")
+    # the loaded models are the same (the stored head reached the shards): equal first-step loss and gradient
+    steps = [[r for r in read_metrics(run / "metrics.jsonl") if "train/loss" in r] for run in (single, multi)]
+    for key in ("train/loss", "train/grad_norm"):
+        assert steps[1][0][key] == pytest.approx(steps[0][0][key], abs=1e-6)
+    # one Adam step moves each weight by ~lr = 1e-3; where a gradient is near Adam's eps, the summation
+    # order (1 micro-batch vs 2 ranks x 2) shows up to ~4e-5 (a 2-rank ZeRO-2 run, loaded whole, too)
+    assert_same_weights(single, multi, atol=1e-4)
+    saved = load_file(str(multi / "model.safetensors"))
+    assert "value_head.weight" in saved and not any(k.startswith("score.") for k in saved)
+    hf = [sorted(run.glob("checkpoints/*/hf")) for run in (single, multi)]
+    assert len(hf[0]) == len(hf[1]) == 1
+    assert_same_weights(hf[0][0], hf[1][0], atol=1e-4)
+    configs = [json.loads((run / "config.json").read_text()) for run in (single, multi)]
+    assert configs[1]["mean"] == pytest.approx(configs[0]["mean"], abs=1e-5)
+    assert configs[1]["std"] == pytest.approx(configs[0]["std"], abs=1e-5)

@@ -1,5 +1,6 @@
 """SFT across 2 processes (DeepSpeed ZeRO-2 / ZeRO-3, gloo on CPU) gives the weights of the
-single-process run: the token-mean loss is normalised by the global token count of each step."""
+single-process run: the token-mean loss is normalised by the global token count of each step. Under
+ZeRO-3 the model loads straight into shards: each rank reports holding half of it."""
 import os
 import socket
 import subprocess
@@ -7,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from sft_helpers import assert_same_weights, sft_flags
+from sft_helpers import assert_loaded_as_shards, assert_same_weights, sft_flags
 
 pytestmark = pytest.mark.e2e
 
@@ -57,4 +58,8 @@ def test_two_process_zero_matches_single_process(tiny_model_dir, arithmetic_dir,
     proc = launch_sft(sft_flags(tiny_model_dir, arithmetic_dir, multi, "--ds.zero_stage", stage, *common),
                       launcher=launcher)
     assert "world_size = 2" in proc.stderr
+    if stage == 3:
+        assert_loaded_as_shards(proc.stderr, "model")
+    else:
+        assert "loaded as ZeRO-3 shards" not in proc.stderr
     assert_same_weights(single, multi, atol=5e-6)
