@@ -1,12 +1,16 @@
-"""Peak resident memory per rank while a model loads: whole (one process, or each rank of a ZeRO-0/1/2
-run) vs straight into ZeRO-3 shards (`engines.zero3.sharded_loading`, 2 ranks, gloo on CPU).
+"""Resident memory per rank while a model loads and its engine is built: one process loading the
+whole model, 2 ranks loading it whole and then partitioning it in a ZeRO-3 engine (what a ZeRO-3 run
+did before `engines.zero3.sharded_loading`), and 2 ranks loading it straight into ZeRO-3 shards
+(gloo on CPU, fp32).
 
     python bench/zero3_load.py MODEL_DIR [MODEL_DIR ...]      # e.g. folders of `posttrain init-tiny`
 
-Each case runs in fresh processes; each rank prints its resident memory before loading (the
-interpreter with torch, transformers and DeepSpeed imported and, for the sharded case, the process group
-started), its peak (`ru_maxrss`) right after loading, and the parameters it holds. The model's share
-of the peak is peak - baseline. A benchmark, not a test: nothing is asserted."""
+Each case runs in fresh processes; each rank records its RSS before loading (torch, transformers and
+DeepSpeed imported, the process group started: the baseline), its peak (`ru_maxrss`) and RSS after
+loading, the same after the engine (`FrozenShards`; one process instead reads every weight once), and
+the parameters it holds. glibc keeps freed large buffers in the heap after its mmap threshold grows;
+`MALLOC_MMAP_THRESHOLD_=131072` in the environment fixes the threshold (bench/RESULTS.md has both).
+A benchmark, not a test: nothing is asserted."""
 from __future__ import annotations
 
 import json
