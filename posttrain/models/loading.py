@@ -222,7 +222,7 @@ def load_score_model(path, dtype="fp32", value_head_prefix: str = "score", attn_
                                       load_in_4bit, num_labels=1)
     head = read_head(folder, value_head_prefix) if folder is not None and value_head_prefix != "score" else {}
     if head:
-        with torch.no_grad():
+        with torch.no_grad(), _whole(list(model.score.parameters())):  # ZeRO-3 shards: gathered, rank 0's kept
             for name, tensor in head.items():
                 target = getattr(model.score, name, None)
                 if target is None or target.shape != tensor.shape:
@@ -237,6 +237,18 @@ def load_score_model(path, dtype="fp32", value_head_prefix: str = "score", attn_
     check_vocab(model, tokenizer if tokenizer is not None else _own_tokenizer(folder), path)
     return _finish(model, lora, "SEQ_CLS", gradient_checkpointing, gradient_checkpointing_reentrant,
                    load_in_4bit, onednn_linear)
+
+
+def _whole(params: list[torch.nn.Parameter]):
+    """A context in which `params` hold their full values: gathered (and written back from rank 0) when
+    they are ZeRO-3 shards of a model loaded under `engines.zero3.sharded_loading`, else nothing."""
+    import contextlib
+
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
 
 
 _CAUSAL_LM_FIX = ("give a causal LM here (a base or SFT model); a trained reward model belongs in "
