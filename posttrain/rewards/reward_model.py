@@ -116,9 +116,8 @@ class RewardModelSource:
         try:
             for i in starts:
                 if i is None:  # a stand-in batch of one token, its score discarded
-                    forward_values(self.model, {"input_ids": torch.zeros((1, 1), dtype=torch.long, device=self.device),
-                                                "attention_mask": torch.ones((1, 1), dtype=torch.long,
-                                                                             device=self.device)})
+                    one = torch.ones((1, 1), dtype=torch.long, device=self.device)
+                    forward_values(self.model, {"input_ids": one * 0, "attention_mask": one})
                     continue
                 ids = input_ids[i:i + self.batch_size].to(self.device)
                 mask = attention_mask[i:i + self.batch_size].to(self.device)
@@ -172,7 +171,8 @@ class RewardModelSource:
         model's vocabulary (checked by ``check_vocabulary``). No sequences: no scores (a sharded model
         still runs its share of the other ranks' forwards)."""
         if not token_ids:
-            return RewardResult(self.values(torch.zeros((0, 1), dtype=torch.long), torch.ones((0, 1), dtype=torch.long)))
+            none = torch.zeros((0, 1), dtype=torch.long)
+            return RewardResult(self.values(none, none))
         ids, mask = _right_padded(token_ids, 0)
         return RewardResult((self.values(ids, mask) - self.mean) / self.std)
 
