@@ -5,12 +5,14 @@ log-probs and the reward model's scores with ranks that run different numbers of
 with nothing to score), the LoRA actor's weights (base and freshly initialised adapters) and log-probs.
 The whole PPO run on Ray under ZeRO-3 is `test_rl_ray.py::test_openrlhf_ppo_hybrid_script_equals_one_process_and_resumes`."""
 import os
+import shutil
 import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from zero3_roles_worker import BATCHES, LORA, ROWS, config, experience
 
 from posttrain.models import load_tokenizer
@@ -24,14 +26,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 @pytest.fixture(scope="module")
 def sharded(tiny_model_dir, tiny_score_model_dir, tmp_path_factory):
     """[rank 0's results, rank 1's] of the worker (its docstring)."""
-    out = tmp_path_factory.mktemp("zero3_roles") / "out.pt"
+    tmp = tmp_path_factory.mktemp("zero3_roles")
+    out, value_head = tmp / "out.pt", tmp / "rm-value-head"
+    shutil.copytree(tiny_score_model_dir, value_head)
+    weights = load_file(value_head / "model.safetensors")
+    weights["value_head.weight"] = weights.pop("score.weight")
+    save_file(weights, value_head / "model.safetensors", metadata={"format": "pt"})
     with socket.socket() as sock:  # torchrun's --master_port 0 does not reach the workers' rendezvous
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
-           os.path.join(HERE, "zero3_roles_worker.py"), str(out), tiny_model_dir, tiny_score_model_dir]
+           os.path.join(HERE, "zero3_roles_worker.py"), str(out), tiny_model_dir, tiny_score_model_dir, str(value_head)]
     proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return torch.load(out, weights_only=False)
@@ -83,3 +90,15 @@ def test_sharded_reward_model_pads_its_batches_and_scores_as_the_whole_one(shard
             assert len(got) == len(rows)
             if rows:
                 assert torch.allclose(got, whole.score_tokens(rows).rewards, atol=1e-6, rtol=0)
+
+
+def test_a_head_stored_under_another_prefix_is_copied_into_the_sharded_head(sharded, tiny_model_dir,
+                                                                           tiny_score_model_dir):
+    """--ds.value_head_prefix value_head under ZeRO-3: the head is gathered, written from rank 0's copy of the
+    checkpoint tensor and partitioned again, so the scores are the whole model's."""
+    whole = RewardModelSource(tiny_score_model_dir, batch_size=2, tokenizer=load_tokenizer(tiny_model_dir))
+    for rank in (0, 1):
+        rows = ROWS["reward"][rank][1]
+        assert sharded[rank]["reward_value_head"]["sharded"]
+        assert torch.allclose(sharded[rank]["reward_value_head"]["scores"], whole.score_tokens(rows).rewards,
+                              atol=1e-6, rtol=0)

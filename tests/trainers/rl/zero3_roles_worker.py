@@ -1,7 +1,8 @@
 """Worker launched by torchrun from tests/trainers/rl/test_rl_zero3.py: the PPO roles under ZeRO-3 on
 2 ranks (gloo), each compared on rank 0 with the same role built whole in this process.
 
-Usage: torchrun --nproc_per_node 2 zero3_roles_worker.py OUT.pt POLICY_DIR RM_DIR
+Usage: torchrun --nproc_per_node 2 zero3_roles_worker.py OUT.pt POLICY_DIR RM_DIR RM_VALUE_HEAD_DIR
+(the last: RM_DIR with its head stored as `value_head.weight`)
 
 Writes (rank 0) [rank 0's results, rank 1's], each {role: ...}, which the test compares with the
 same roles built whole in its own process:
@@ -11,7 +12,9 @@ same roles built whole in its own process:
 - "ref": `build_reference(..., zero_stage=3)` (FrozenShards): held parameters and log-probs, the ranks
   running different numbers of micro-batches;
 - "reward": `RewardModelSource(..., zero_stage=3)`: held parameters and the scores of ROWS["reward"][rank]
-  (batches of two; a rank with fewer batches, or none, runs discarded ones).
+  (batches of two; a rank with fewer batches, or none, runs discarded ones);
+- "reward_value_head": the same reward model with its head stored under `value_head` (--ds.value_head_prefix),
+  copied into the sharded score head.
 """
 
 import os
@@ -57,7 +60,7 @@ def experience(rows: list[list[int]], pad_id: int) -> Experience:
 
 
 def main():
-    out, policy, rm = sys.argv[1:4]
+    out, policy, rm, rm_value_head = sys.argv[1:5]
     rank = int(os.environ["RANK"])
     device = torch.device("cpu")
     tok = load_tokenizer(policy)
@@ -80,6 +83,12 @@ def main():
     source = RewardModelSource(rm, batch_size=2, tokenizer=tok, ds=config(policy, rm).ds, zero_stage=3)
     results["reward"] = {"held": source.loaded_numel, "sharded": source.engine is not None,
                          "scores": [source.score_tokens(rows).rewards for rows in ROWS["reward"][rank]]}
+
+    # a reward model whose head is stored as value_head.weight: copied into the sharded score head
+    source = RewardModelSource(rm_value_head, value_head_prefix="value_head", batch_size=2, tokenizer=tok,
+                               ds=config(policy, rm).ds, zero_stage=3)
+    results["reward_value_head"] = {"sharded": source.engine is not None,
+                                    "scores": source.score_tokens(ROWS["reward"][rank][1]).rewards}
 
     gathered = [None, None]
     torch.distributed.all_gather_object(gathered, results)
