@@ -47,7 +47,10 @@ def reward_endpoints(value: str) -> list[str]:
     return parts
 
 
-REF_ON_CPU = Inert("the reference model is already in CPU memory", facts.on_cpu)
+REF_ON_CPU = Inert("the reference model is already in CPU memory: this machine has no accelerator, so there is "
+                   "nothing to offload to", facts.on_cpu)
+REWARD_ON_CPU = Inert("the reward model is already in CPU memory: this machine has no accelerator, so there is "
+                      "nothing to offload to", facts.on_cpu)
 NO_REFERENCE = Inert(f"no reference model {facts.NO_KL}", facts.no_reference)
 NO_CRITIC = Inert("no critic: only --algo.advantage.estimator gae trains one", facts.no_critic)
 REMOTE_ONLY = Inert("it applies to --reward.remote_url (a reward server or .py file) only",
@@ -180,8 +183,8 @@ class RefConfig:
                          on_resume="adjustable")
     num_gpus_per_node: int = opt(1, "GPUs per node for the reference model (OpenRLHF: 8)", ge=1,
                                  inert=(NO_REFERENCE, REF_IN_ACTOR), on_resume="adjustable")
-    offload: bool = opt(False, "keep the reference model on CPU between forwards",
-                        inert=(NO_REFERENCE, REF_IN_ACTOR, REF_ON_CPU), on_resume="adjustable")
+    offload: bool = opt(False, "keep the reference model on CPU between forwards (ZeRO-3 shards: DeepSpeed's "
+                        "offload_param)", inert=(NO_REFERENCE, REF_IN_ACTOR, REF_ON_CPU), on_resume="adjustable")
 
 
 @dataclass
@@ -193,8 +196,8 @@ class RewardConfig:
                                  "spread over them), or a local .py file defining reward_func")
     num_nodes: int = opt(1, "Ray nodes for the reward model", ge=1, inert=NO_REWARD_MODEL, on_resume="adjustable")
     num_gpus_per_node: int = opt(1, "GPUs per node for the reward model (OpenRLHF: 8)", ge=1, inert=NO_REWARD_MODEL, on_resume="adjustable")
-    offload: bool = opt(False, "keep the reward model on CPU between forwards",
-                        inert=not_yet("offloading the reward model (it stays on the run's device)"), on_resume="adjustable")
+    offload: bool = opt(False, "keep the reward model on CPU between forwards (ZeRO-3 shards: DeepSpeed's "
+                        "offload_param)", inert=(NO_REWARD_MODEL, REWARD_ON_CPU), on_resume="adjustable")
     normalize_enable: bool = opt(
         False, "normalise reward-model scores with the mean/std stored in the model",
         inert=Inert("it normalises a reward model's scores (and a critic started from it); there is neither "

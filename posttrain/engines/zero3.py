@@ -3,9 +3,10 @@ held as shards across a role's ranks.
 
 - ``sharded_loading(ds, zero_stage)``: a context inside which ``from_pretrained`` (``models.load_*``)
   builds the model under ``deepspeed.zero.Init`` (transformers' DeepSpeed integration, switched on by a
-  live ``HfDeepSpeedConfig``): every parameter is partitioned as it is created, rank 0 reads the
-  checkpoint one module at a time and scatters it, so no rank ever holds the whole model (peak per
-  rank: its 1/world shard plus one module's full weights). Active only with ``zero_stage == 3`` and
+  live ``HfDeepSpeedConfig``): every parameter is partitioned as it is created and the weights are
+  scattered one module at a time, so no accelerator ever holds the whole model. Host memory: rank 0
+  reads the whole checkpoint into CPU memory while it loads (transformers 5), the other ranks only its
+  shapes; once loaded each rank keeps its 1/world shard. Active only with ``zero_stage == 3`` and
   several ranks (``WORLD_SIZE > 1``); otherwise nothing changes. A model loaded so must then be
   wrapped by a ZeRO-3 ``DeepSpeedEngine`` (trained) or a ``FrozenShards`` (frozen), whose hooks gather
   each layer's weights for its forward.

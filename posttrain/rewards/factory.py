@@ -16,7 +16,7 @@ def make_reward_source(remote_url: str | None = None, model_name_or_path: str | 
                        batch_size: int = 16, max_len: int | None = None, tokenizer=None, device="cpu",
                        attn_implementation: str | None = None, onednn_linear: bool = True, on_error: str = "raise",
                        token: str | None = None, timeout: float | None = None, retries: int = 3,
-                       backoff: float = 0.5):
+                       backoff: float = 0.5, ds=None, zero_stage: int | None = None, offload: bool = False):
     """remote_url ending in .py → PythonRewardFunction(remote_url, on_error, timeout, retries, backoff);
     remote_url http(s):// → RemoteReward(remote_url, token, timeout, retries, backoff);
     several comma-separated http(s):// URLs → ShardedRemoteReward(urls, ...) (each batch spread over them);
@@ -24,7 +24,9 @@ def make_reward_source(remote_url: str | None = None, model_name_or_path: str | 
     call on a rollout batch (FUNC_TIMEOUT: a Python grader such as math-verify needs tens of ms per
     sample, i.e. tens of seconds for a batch of a thousand);
     model_name_or_path → RewardModelSource(model_name_or_path, value_head_prefix, normalize, dtype,
-    batch_size, max_len, tokenizer, device, attn_implementation, onednn_linear).
+    batch_size, max_len, tokenizer, device, attn_implementation, onednn_linear, ds, zero_stage, offload):
+    `zero_stage` 3 over several ranks holds it as ZeRO-3 shards; `offload` keeps it in CPU memory
+    between forwards where there is an accelerator.
     Exactly one of --reward.remote_url / --reward.model_name_or_path must be given."""
     if remote_url and model_name_or_path:
         raise RewardError(f"--reward.remote_url={remote_url!r} and --reward.model_name_or_path="
@@ -49,4 +51,5 @@ def make_reward_source(remote_url: str | None = None, model_name_or_path: str | 
         normalize = False
     return RewardModelSource(model_name_or_path, value_head_prefix=value_head_prefix, normalize=normalize,
                              dtype=dtype, batch_size=batch_size, max_len=max_len, tokenizer=tokenizer,
-                             device=device, attn_implementation=attn_implementation, onednn_linear=onednn_linear)
+                             device=device, attn_implementation=attn_implementation, onednn_linear=onednn_linear,
+                             ds=ds, zero_stage=zero_stage, offload=offload)

@@ -46,11 +46,20 @@ class RewardModelSource:
     max_len tokens, the last one made eos (as `posttrain rm` cuts its training pairs), counted in
     extra_logs["reward_model/truncated"] and warned. score(..., sequences=ids, attention_mask=mask)
     and `score_tokens(ids)` score given token ids instead (no re-tokenising). Forward passes run in
-    chunks of `batch_size` under torch.no_grad."""
+    chunks of `batch_size` under torch.no_grad.
+
+    Where the model is kept: `zero_stage` 3 in a process of several ranks (a Ray reward group): as this
+    rank's ZeRO-3 shards in an inference-only DeepSpeed engine (`engines.zero3.FrozenShards`, its config
+    from `ds`); its forwards are collective, so every rank runs as many batches (`values` pads with
+    discarded ones, and a rank with nothing to score still calls `score_tokens([])`). `offload`: the
+    model stays in CPU memory between forwards where there is an accelerator (a whole copy moves to it
+    for each call; shards by DeepSpeed's offload_param); on a CPU there is nothing to offload to."""
 
     def __init__(self, path, *, value_head_prefix: str = "score", normalize: bool = False, dtype="fp32",
                  batch_size: int = 16, max_len: int | None = None, tokenizer=None, device="cpu",
-                 attn_implementation: str | None = None, onednn_linear: bool = True):
+                 attn_implementation: str | None = None, onednn_linear: bool = True, ds=None,
+                 zero_stage: int | None = None, offload: bool = False):
+        from posttrain.engines.zero3 import FrozenShards, shard_numel, sharded_loading
         from posttrain.models import load_score_model, load_tokenizer
 
         if batch_size < 1:
@@ -61,9 +70,18 @@ class RewardModelSource:
         self.batch_size = batch_size
         self.max_len = max_len
         self.device = torch.device(device)
-        self.model = load_score_model(self.path, dtype, value_head_prefix=value_head_prefix,
-                                      attn_implementation=attn_implementation,
-                                      onednn_linear=onednn_linear).to(self.device).eval()
+        self.engine = None  # the FrozenShards of a sharded model
+        with sharded_loading(ds, zero_stage, offload_params=offload) as sharded:
+            model = load_score_model(self.path, dtype, value_head_prefix=value_head_prefix,
+                                     attn_implementation=attn_implementation, onednn_linear=onednn_linear)
+        self.offload = offload and self.device.type != "cpu" and not sharded
+        self.loaded_numel = shard_numel(model)  # (elements this rank holds, of the whole model) once loaded
+        if sharded:
+            self.engine = FrozenShards(model, ds, offload=offload)
+            model, self.device = self.engine.module, self.engine.device
+        elif not self.offload:
+            model = model.to(self.device)
+        self.model = model.eval()
         self.mean, self.std = 0.0, 1.0
         if normalize:
             mean = getattr(self.model.config, "mean", None)
@@ -90,11 +108,24 @@ class RewardModelSource:
             raise ValueError(f"sequences {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
                              "must both be [B, T]")
         out = []
-        for i in range(0, input_ids.shape[0], self.batch_size):
-            ids = input_ids[i:i + self.batch_size].to(self.device)
-            mask = attention_mask[i:i + self.batch_size].to(self.device)
-            v = forward_values(self.model, {"input_ids": ids, "attention_mask": mask})
-            out.append(v.gather(1, last_token_index(mask)[:, None]).squeeze(1).cpu())
+        starts = list(range(0, input_ids.shape[0], self.batch_size))
+        if self.engine is not None:  # as many forwards as the rank with the most batches (collective)
+            starts += [None] * (self.engine.max_across_ranks(len(starts)) - len(starts))
+        if self.offload:
+            self.model.to(self.device)
+        try:
+            for i in starts:
+                if i is None:  # a stand-in batch of one token, its score discarded
+                    one = torch.ones((1, 1), dtype=torch.long, device=self.device)
+                    forward_values(self.model, {"input_ids": one * 0, "attention_mask": one})
+                    continue
+                ids = input_ids[i:i + self.batch_size].to(self.device)
+                mask = attention_mask[i:i + self.batch_size].to(self.device)
+                v = forward_values(self.model, {"input_ids": ids, "attention_mask": mask})
+                out.append(v.gather(1, last_token_index(mask)[:, None]).squeeze(1).cpu())
+        finally:
+            if self.offload:
+                self.model.to("cpu")
         return torch.cat(out) if out else torch.zeros(0)
 
     def tokenize(self, queries: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -137,7 +168,11 @@ class RewardModelSource:
         """Rewards for sequences given as token ids, exactly as sampled (prompt + response; EOS only
         where the policy sampled it): no decoding, no re-tokenisation, no EOS appended, so a
         truncated response is scored as truncated. The ids must come from a tokenizer sharing this
-        model's vocabulary (checked by ``check_vocabulary``)."""
+        model's vocabulary (checked by ``check_vocabulary``). No sequences: no scores (a sharded model
+        still runs its share of the other ranks' forwards)."""
+        if not token_ids:
+            none = torch.zeros((0, 1), dtype=torch.long)
+            return RewardResult(self.values(none, none))
         ids, mask = _right_padded(token_ids, 0)
         return RewardResult((self.values(ids, mask) - self.mean) / self.std)
 

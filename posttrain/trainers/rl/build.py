@@ -14,6 +14,7 @@ from posttrain.config import PPOConfig
 from posttrain.config.ray_mode import present_roles
 from posttrain.config.roles import ActorConfig, CriticConfig
 from posttrain.engines import make_train_engine
+from posttrain.engines.zero3 import FrozenShards, shard_numel, sharded_loading
 from posttrain.models import as_lora_spec, load_causal_lm, load_score_model
 from posttrain.trainers.rl.roles import Actor, Critic, Reference
 from posttrain.utils.seeding import set_seed
@@ -61,18 +62,24 @@ def _engine_ds(cfg: PPOConfig, zero_stage: int | None):
 
 
 def build_actor(cfg: PPOConfig, tokenizer, device, total_steps: int, zero_stage: int | None = None) -> Actor:
+    """The trained policy. Under ZeRO-3 over several ranks it loads straight into shards
+    (`engines.zero3.sharded_loading`): no rank holds the whole model at any time."""
     _seed_for(cfg, "actor")
-    model = load_causal_lm(cfg.actor.model_name_or_path, dtype=cfg.ds.param_dtype, tokenizer=tokenizer,
-                           attn_implementation=cfg.ds.attn_implementation, onednn_linear=cfg.ds.onednn_linear,
-                           gradient_checkpointing=cfg.actor.gradient_checkpointing_enable,
-                           gradient_checkpointing_reentrant=cfg.actor.gradient_checkpointing_reentrant, **_lora(cfg))
-    if not cfg.ds.load_in_4bit:  # bitsandbytes places a 4-bit model itself
+    with sharded_loading(cfg.ds, zero_stage) as sharded:
+        model = load_causal_lm(cfg.actor.model_name_or_path, dtype=cfg.ds.param_dtype, tokenizer=tokenizer,
+                               attn_implementation=cfg.ds.attn_implementation, onednn_linear=cfg.ds.onednn_linear,
+                               gradient_checkpointing=cfg.actor.gradient_checkpointing_enable,
+                               gradient_checkpointing_reentrant=cfg.actor.gradient_checkpointing_reentrant, **_lora(cfg))
+    if not (cfg.ds.load_in_4bit or sharded):  # bitsandbytes places a 4-bit model itself; shards sit on their device
         model.to(device)
     model.train()
-    return Actor(model, train_engine(model, cfg.actor, cfg, total_steps, zero_stage), cfg.rollout.temperature,
-                 device, ema_beta=cfg.train.ema_beta if cfg.train.enable_ema else None,
-                 base_path=cfg.actor.model_name_or_path, save_merged=cfg.ckpt.save_merged, dtype=cfg.ds.param_dtype or "fp32",
-                 lora_sync=cfg.vllm.lora_sync)
+    loaded = shard_numel(model)
+    actor = Actor(model, train_engine(model, cfg.actor, cfg, total_steps, zero_stage), cfg.rollout.temperature,
+                  device, ema_beta=cfg.train.ema_beta if cfg.train.enable_ema else None,
+                  base_path=cfg.actor.model_name_or_path, save_merged=cfg.ckpt.save_merged,
+                  dtype=cfg.ds.param_dtype or "fp32", lora_sync=cfg.vllm.lora_sync)
+    actor.loaded_numel = loaded
+    return actor
 
 
 def build_rollout_copy(cfg: PPOConfig, tokenizer, device):
@@ -92,30 +99,51 @@ def build_rollout_copy(cfg: PPOConfig, tokenizer, device):
 def build_critic(cfg: PPOConfig, tokenizer, device, total_steps: int,
                  zero_stage: int | None = None) -> Critic:
     _seed_for(cfg, "critic")
-    model = load_score_model(critic_path(cfg), dtype=cfg.ds.param_dtype, value_head_prefix=cfg.ds.value_head_prefix,
-                             tokenizer=tokenizer, attn_implementation=cfg.ds.attn_implementation,
-                             onednn_linear=cfg.ds.onednn_linear, new_head_ok=True,
-                             gradient_checkpointing=cfg.actor.gradient_checkpointing_enable,  # OpenRLHF: both roles
-                             gradient_checkpointing_reentrant=cfg.actor.gradient_checkpointing_reentrant, **_lora(cfg))
-    if not cfg.ds.load_in_4bit:
+    with sharded_loading(cfg.ds, zero_stage) as sharded:  # as the actor's
+        model = load_score_model(critic_path(cfg), dtype=cfg.ds.param_dtype, value_head_prefix=cfg.ds.value_head_prefix,
+                                 tokenizer=tokenizer, attn_implementation=cfg.ds.attn_implementation,
+                                 onednn_linear=cfg.ds.onednn_linear, new_head_ok=True,
+                                 gradient_checkpointing=cfg.actor.gradient_checkpointing_enable,  # OpenRLHF: both
+                                 gradient_checkpointing_reentrant=cfg.actor.gradient_checkpointing_reentrant,
+                                 **_lora(cfg))
+    if not (cfg.ds.load_in_4bit or sharded):
         model.to(device)
     model.train()
-    return Critic(model, train_engine(model, cfg.critic, cfg, total_steps, zero_stage), device,
-                  normalize=bool(cfg.reward.normalize_enable))
+    loaded = shard_numel(model)
+    critic = Critic(model, train_engine(model, cfg.critic, cfg, total_steps, zero_stage), device,
+                    normalize=bool(cfg.reward.normalize_enable))
+    critic.loaded_numel = loaded
+    return critic
 
 
-def build_reference(cfg: PPOConfig, tokenizer, device) -> Reference:
+def build_reference(cfg: PPOConfig, tokenizer, device, zero_stage: int | None = None) -> Reference:
+    """The frozen reference policy. Under ZeRO-3 over several ranks (a Ray reference group) it is held
+    as shards across the group's ranks by an inference-only DeepSpeed engine (`engines.zero3.FrozenShards`),
+    with --ref.offload keeping the shards in CPU memory (DeepSpeed's offload_param, on an accelerator);
+    otherwise each rank holds a whole copy, moved to CPU between forwards with --ref.offload on an
+    accelerator."""
     _seed_for(cfg, "ref")
-    model = load_causal_lm(cfg.ref.model_name_or_path or cfg.actor.model_name_or_path, dtype=cfg.ds.param_dtype,
-                           tokenizer=tokenizer, attn_implementation=cfg.ds.attn_implementation,
-                           onednn_linear=cfg.ds.onednn_linear)
+    offload = cfg.ref.offload
+    with sharded_loading(cfg.ds, zero_stage, offload_params=offload) as sharded:
+        model = load_causal_lm(cfg.ref.model_name_or_path or cfg.actor.model_name_or_path, dtype=cfg.ds.param_dtype,
+                               tokenizer=tokenizer, attn_implementation=cfg.ds.attn_implementation,
+                               onednn_linear=cfg.ds.onednn_linear)
     model.requires_grad_(False)
-    return Reference(model.to(device), cfg.rollout.temperature, device, offload=cfg.ref.offload)
+    loaded = shard_numel(model)
+    if sharded:
+        shards = FrozenShards(model, cfg.ds, offload=offload)
+        ref = Reference(shards.module, cfg.rollout.temperature, shards.device, engine=shards)
+    else:
+        ref = Reference(model.to(device), cfg.rollout.temperature, device, offload=offload)
+    ref.loaded_numel = loaded
+    return ref
 
 
-def build_reward_source(cfg: PPOConfig, tokenizer, device):
+def build_reward_source(cfg: PPOConfig, tokenizer, device, zero_stage: int | None = None):
     """The reward source: a reward model, a `reward_func` file or an HTTP server
-    (`--reward.model_name_or_path` / `--reward.remote_url`)."""
+    (`--reward.model_name_or_path` / `--reward.remote_url`). A reward model under ZeRO-3 over several ranks
+    (a Ray reward group) is held as shards, as the reference is (`build_reference`); --reward.offload acts
+    as --ref.offload does."""
     from posttrain.rewards import make_reward_source
 
     source = make_reward_source(
@@ -124,7 +152,8 @@ def build_reward_source(cfg: PPOConfig, tokenizer, device):
         batch_size=max(cfg.rollout.micro_batch_size, 16), tokenizer=tokenizer, device=str(device),
         attn_implementation=cfg.ds.attn_implementation, onednn_linear=cfg.ds.onednn_linear,
         on_error="skip" if cfg.reward.skip_errors_enable else "raise",
-        timeout=cfg.reward.timeout, retries=cfg.reward.retries)
+        timeout=cfg.reward.timeout, retries=cfg.reward.retries, ds=cfg.ds, zero_stage=zero_stage,
+        offload=cfg.reward.offload)
     if hasattr(source, "check_vocabulary"):
         source.check_vocabulary(tokenizer)
     return source

@@ -207,10 +207,15 @@ class Actor(_Scorer):
 
 
 class Reference(_Scorer):
-    def __init__(self, model, temperature: float, device, offload: bool = False) -> None:
+    """The frozen reference policy: a whole copy (`offload`: moved to CPU memory between forwards, where
+    there is an accelerator), or this rank's ZeRO-3 shards (`engine`: an `engines.zero3.FrozenShards`, whose
+    forwards are collective, so every rank of the group runs as many; its own offload is DeepSpeed's)."""
+
+    def __init__(self, model, temperature: float, device, offload: bool = False, engine=None) -> None:
         super().__init__(model, device)
+        self.engine = engine
         self.temperature = temperature
-        self.offload = offload and device.type != "cpu"
+        self.offload = offload and device.type != "cpu" and engine is None
         if self.offload:
             self.model.to("cpu")
 

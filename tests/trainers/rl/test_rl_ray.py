@@ -2,6 +2,7 @@
 actor groups of CPU ranks (gloo), compared with the in-process run; OpenRLHF's hybrid-engine
 scripts with ranks scaled to 2; colocation, two simulated nodes, a killed engine, resume."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -99,16 +100,34 @@ def normalised_rm(tiny_score_model_dir, tmp_path_factory):
     return str(path)
 
 
-def test_openrlhf_ppo_hybrid_script_equals_one_process_and_resumes(rl_setup, normalised_rm, tmp_path, ray_session):
+def loaded_shards(stderr: str) -> dict[str, tuple[int, list[int]]]:
+    """role -> (parameters of its whole model, [parameters each rank held once loaded]) from the
+    placement's start-up lines ("ray placement: ROLE loaded as ... of N parameters: rank 0 n0 (..), ...")."""
+    out = {}
+    for role, full, held in re.findall(r"ray placement: (\w+) loaded as [^\n]* of (\d+) parameters: ([^\n]*)", stderr):
+        out[role] = (int(full), [int(n) for _, n in re.findall(r"rank (\d+) (\d+)", held)])
+    return out
+
+
+def test_openrlhf_ppo_hybrid_script_equals_one_process_and_resumes(rl_setup, normalised_rm, tmp_path, ray_session,
+                                                                   capfd):
     """GAE with critic, reference and reward-model groups of 2 ranks (ZeRO-3), all colocated with
-    one rollout engine: the same weights as the in-process run after 3 steps; a Ray run resumed from
-    its step-2 checkpoint ends where the uninterrupted one does. The Ray run computes each prompt once
-    per group (shared prefix, packed, under ZeRO-3); the in-process one per sample (--ds.no_shared_prefix)."""
+    one rollout engine: every role loads straight into ZeRO-3 shards (each rank holds about half of
+    every model once loaded; the reference and reward model stay sharded, in inference-only DeepSpeed
+    engines), and the run gives the same weights as the in-process run after 3 steps; a Ray run resumed
+    from its step-2 checkpoint ends where the uninterrupted one does. The Ray run computes each prompt
+    once per group (shared prefix, packed, under ZeRO-3); the in-process one per sample (--ds.no_shared_prefix)."""
     tiny_score_model_dir = normalised_rm
     local = tmp_path / "local"
     _ppo(_hybrid(rl_setup, tiny_score_model_dir, local, "--ds.no_shared_prefix", one_process=True))
+    assert loaded_shards(capfd.readouterr().err) == {}  # one process: whole models, nothing reported
     full = tmp_path / "full"
     _ppo(_hybrid(rl_setup, tiny_score_model_dir, full, "--ckpt.save_steps", "2", "--ckpt.path", tmp_path / "ck"))
+    shards = loaded_shards(capfd.readouterr().err)
+    assert sorted(shards) == ["actor", "critic", "ref", "reward"], shards
+    for role, (whole, held) in shards.items():
+        assert len(held) == 2 and sum(held) >= whole, (role, whole, held)
+        assert all(n < 0.6 * whole for n in held), (role, whole, held)
     assert len(rewards_by_step(full)) == 3
     assert rewards_by_step(full) == pytest.approx(rewards_by_step(local), abs=1e-6)
     assert _max_diff(_weights(local), _weights(full)) < 1e-5

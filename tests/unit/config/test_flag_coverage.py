@@ -107,7 +107,7 @@ ACTING: dict[str, frozenset[str]] = {
         "actor: eps_clip eps_clip_low_high dual_clip policy_loss_type entropy_coef loss_agg",
         "critic: model_name_or_path value_clip save_value_network freezing_steps",
         "ref: model_name_or_path offload",
-        "reward: model_name_or_path remote_url normalize_enable clip_range overlong_buffer_len",
+        "reward: model_name_or_path remote_url normalize_enable clip_range overlong_buffer_len offload",
         "reward: overlong_penalty_factor stop_properly_penalty_coef whiten_enable skip_errors_enable",
         "reward: timeout retries missing_eos_penalty batch_normalize_enable batch_normalize_clip",
         "algo.advantage: estimator gamma lambd no_std_norm whiten_enable whiten_level is_correction_enable",

@@ -252,3 +252,22 @@ def test_no_onednn_linear_is_inert_on_a_gpu_only():
         assert not any("onednn" in line for line in inert_flags(cfg, "cpu"))
         (line,) = [i for i in inert_flags(cfg, "cuda") if "onednn" in i]
         assert line.startswith("--ds.no_onednn_linear has no effect") and "F.linear" in line, line
+
+
+def test_ref_and_reward_offload_act_on_an_accelerator_and_say_there_is_nothing_to_offload_to_on_a_cpu():
+    """--ref.offload / --reward.offload act wherever there is an accelerator (a whole copy moves to CPU memory
+    between forwards; ZeRO-3 shards by DeepSpeed's offload_param); on a CPU-only machine both say why not."""
+    with_rm = ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "p.jsonl", "--reward.model_name_or_path",
+               "rm", "--algo.kl.init_coef", "0.01", "--ref.offload", "--reward.offload"]
+    sharded = ["--ds.zero_stage", "3"] + [f for role in ("actor", "ref", "reward")
+                                          for f in (f"--{role}.num_gpus_per_node", "2")]
+    for flags in (with_rm, with_rm + sharded):
+        cfg = parse_config("ppo", flags, device="cpu")
+        assert inert_flags(cfg, "cuda") == [], flags
+        on_cpu = inert_flags(cfg, "cpu")
+        assert [i.split(" has no effect")[0] for i in on_cpu] == ["--ref.offload", "--reward.offload"], on_cpu
+        assert all(i.endswith("this machine has no accelerator, so there is nothing to offload to") for i in on_cpu)
+        assert "the reward model is already in CPU memory" in on_cpu[1]
+    # rewards from a file: there is no reward model to offload, on any machine
+    remote = inert_flags(parse_config("ppo", PPO + ["--reward.offload"], device="cpu"), "cuda")
+    assert remote == ["--reward.offload has no effect here: no reward model: rewards come from --reward.remote_url"]

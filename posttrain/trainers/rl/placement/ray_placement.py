@@ -180,15 +180,21 @@ class CriticGroup(_RoleGroup):
 
 
 class RewardGroup(_Group):
-    """A reward model over ranks: each scores a contiguous chunk of the samples' token ids."""
+    """A reward model over ranks: each scores a contiguous chunk of the samples' token ids. `sharded`:
+    the model is held as ZeRO-3 shards across the ranks, whose forwards are collective, so every rank
+    is called, with an empty chunk when there are fewer samples than ranks."""
+
+    def __init__(self, name, handles, sharded: bool = False) -> None:
+        super().__init__(name, handles)
+        self.sharded = sharded and len(handles) > 1
 
     def score_tokens(self, sequences: list[list[int]]) -> RewardResult:
         if not sequences:
             return RewardResult(rewards=torch.zeros(0))
-        chunks = [c for c in contiguous_chunks(len(sequences), len(self.handles)) if len(c)]
+        chunks = [c for c in contiguous_chunks(len(sequences), len(self.handles)) if len(c) or self.sharded]
         parts = wait_all([(self.handles[i].score_tokens.remote([sequences[j] for j in c]), self.label(i))
                           for i, c in enumerate(chunks)])
-        return concat_results(parts)
+        return concat_results([p for p, c in zip(parts, chunks) if len(c)])
 
     def close(self) -> None:
         pass
@@ -349,6 +355,7 @@ class RayPlacement:
         self.groups: list[_Group] = []
         self.handles: list = []  # every process created so far, so a failure half-way kills them too
         self.pgs: dict = {}
+        self.shards: dict[str, list[tuple[int, int]]] = {}  # `_report_shards`
         self.started = False
         try:
             self.started = connect(self.plan.world)
@@ -376,7 +383,8 @@ class RayPlacement:
                                 lora=cfg.ds.lora.rank > 0)
         self.ref = ReferenceGroup("ref", self._ranks("ref")) if "ref" in roles else None
         self.critic = CriticGroup("critic", self._ranks("critic")) if "critic" in roles else None
-        self.reward = RewardGroup("reward", self._ranks("reward")) if "reward" in roles else None
+        self.reward = (RewardGroup("reward", self._ranks("reward"), sharded=cfg.ds.zero_stage == 3)
+                       if "reward" in roles else None)
         backend = cfg.vllm.sync_backend if self.gpu else "gloo"
         if cfg.vllm.sync_backend != "gloo" and not self.gpu:
             warn_once(f"--vllm.sync_backend {cfg.vllm.sync_backend}: no GPU in the cluster, weights sync over gloo")
@@ -399,6 +407,22 @@ class RayPlacement:
         wait_all(calls)
         info(f"ray placement: {sum(len(g.handles) for g in self.groups)} processes ready in "
              f"{time.perf_counter() - t0:.1f} s; {self.engines.describe()}")
+        self._report_shards()
+
+    def _report_shards(self) -> None:
+        """One line per role of several ranks: the parameters each rank held once its model was loaded
+        (its ZeRO-3 shard, or a whole copy); kept in `shards` (role -> [(own, full) per rank])."""
+        for group in (self.actor, self.ref, self.critic, self.reward):
+            if group is None or len(group.handles) < 2:
+                continue
+            sizes = group.call("shard_numel")
+            if any(size is None for size in sizes):
+                continue
+            self.shards[group.name] = [tuple(size) for size in sizes]
+            full = sizes[0][1]
+            kind = "ZeRO-3 shards" if any(own < whole for own, whole in sizes) else "a whole copy on each rank"
+            held = ", ".join(f"rank {i} {own} ({own / max(full, 1):.0%})" for i, (own, _) in enumerate(sizes))
+            info(f"ray placement: {group.name} loaded as {kind} of {full} parameters: {held}")
 
     def _options(self, role: str, rank: int) -> dict:
         spec = self.plan.roles[role]

@@ -96,11 +96,17 @@ class RoleWorker(_Process):
         elif self.role == "critic":
             self.obj = build.build_critic(cfg, self.tokenizer, device, total_steps, zero)
         elif self.role == "ref":
-            self.obj = build.build_reference(cfg, self.tokenizer, device)
+            self.obj = build.build_reference(cfg, self.tokenizer, device, zero)
         elif self.role == "reward":
-            self.obj = build.build_reward_source(cfg, self.tokenizer, device)
+            self.obj = build.build_reward_source(cfg, self.tokenizer, device, zero)
         else:
             raise ValueError(f"unknown role {self.role!r}")
+
+    def shard_numel(self) -> tuple[int, int] | None:
+        """(parameter elements this rank held right after loading its model, elements of the whole model):
+        equal for a whole copy, this rank's share when it loaded ZeRO-3 shards (`engines.zero3.shard_numel`);
+        None for a role without a model (a reward file or server)."""
+        return getattr(self.obj, "loaded_numel", None)
 
     # ---- batch methods ----------------------------------------------------------------------
     def _shard(self, arrays, rows: list[int]):
