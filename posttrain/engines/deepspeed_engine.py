@@ -34,6 +34,7 @@ from posttrain.engines.schedulers import build_scheduler, schedule_of
 TAG = "engine"
 
 GRAD_ACCUM_DTYPES = (None, "fp32", "bf16", "fp16")
+REDUCE_BUCKET_ELEMENTS = 50_000_000  # gradients reduced per bucket under ZeRO-2/3 (200 MB in fp32)
 _GENERATION = "posttrain.gathered_for_generation"  # marks ZeRO-3 parameters held by a generation
 
 
@@ -70,6 +71,8 @@ def ds_config(*, zero_stage: int, world_size: int, max_norm: float, param_dtype:
     if zpg > 1 and zero_stage != 3:
         raise ValueError("zpg (ZeRO++ hierarchical partitioning) needs zero_stage 3")
     zero: dict = {"stage": zero_stage, "overlap_comm": overlap_comm, "contiguous_gradients": zero_stage >= 2}
+    if zero_stage >= 2:  # DeepSpeed's 5e8-element default is a 1.9 GB fp32 gradient buffer on every rank
+        zero["reduce_bucket_size"] = REDUCE_BUCKET_ELEMENTS
     if muon:  # DeepSpeed's Muon needs whole-gradient reduction (it orthogonalizes full matrices)
         zero["reduce_scatter"] = False
     if adam_offload:

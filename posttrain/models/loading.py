@@ -18,6 +18,14 @@ import torch
 
 from posttrain.models.cpu_linear import use_onednn_linears
 from posttrain.models.lora import apply_lora, as_lora_spec
+from posttrain.models.shard_loading import (
+    fill_shards,
+    init_missing,
+    quiet_transformers,
+    safetensors_keys,
+    without_random_init,
+    zero3_loading,
+)
 from posttrain.utils.errors import UserError
 from posttrain.utils.log import info, warn_once
 
@@ -123,6 +131,58 @@ def _from_pretrained(cls, path, dtype, attn_implementation, load_in_4bit=False, 
     if load_in_4bit:
         kwargs["quantization_config"] = quantization_4bit(dtype)
     kwargs["output_loading_info"] = True
+    where = safetensors_keys(p) if not load_in_4bit and os.path.isdir(p) and zero3_loading() else {}
+    if where:  # ZeRO-3: each rank reads only its own slices (models/shard_loading.py)
+        rng = torch.random.get_rng_state()
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(p, **{k: v for k, v in kwargs.items() if k == "num_labels"})
+        # built under zero.Init from its config alone (nothing read; its random init drawn from a forked RNG)
+        with quiet_transformers(), torch.random.fork_rng():
+            model = _from_config(_model_class(cls, config), config, p, dtype, attn_implementation)
+        missing = fill_shards(model, where)
+        if set(missing) <= _NEW_HEAD_KEYS:
+            init_missing(model, missing, rng)  # from the RNG state an unsharded load starts with
+            return model, {"missing_keys": set(missing)}
+        info(f"{p}: its tensor names differ from the model's ({', '.join(sorted(missing)[:3])}, ...); loading "
+             "through transformers (rank 0 reads the whole checkpoint)")
+        del model
+        torch.random.set_rng_state(rng)
+    return _from_pretrained_attn(cls, p, dtype, attn_implementation, **kwargs)
+
+
+def _from_config(model_cls, config, path: str, dtype, attn_implementation):
+    """`model_cls` built from `config` (under a live HfDeepSpeedConfig: as ZeRO-3 shards, initialised one
+    module at a time), in eval mode with the folder's generation config, as `from_pretrained` returns it."""
+    from transformers import GenerationConfig
+
+    def build(attn):
+        with without_random_init():
+            return model_cls._from_config(config, dtype=parse_dtype(dtype), attn_implementation=attn)
+
+    try:
+        model = build(attn_implementation or "sdpa")
+    except (ValueError, ImportError) as err:
+        if attn_implementation is not None or "sdpa" not in str(err).lower():
+            raise
+        warn_once(f"{path}: sdpa attention is not available ({err}); using eager")
+        model = build("eager")
+    if model.can_generate() and os.path.isfile(os.path.join(path, "generation_config.json")):
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model.eval()
+
+
+def _model_class(auto_cls, config):
+    """The concrete class an Auto class picks for `config`."""
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    return _get_model_class(config, auto_cls._model_mapping)
+
+
+_NEW_HEAD_KEYS = {"score.weight", "score.bias"}  # a score model started from a causal LM gets a new head
+
+
+def _from_pretrained_attn(cls, p, dtype, attn_implementation, **kwargs):
     attn = attn_implementation or "sdpa"
     try:
         try:

@@ -108,9 +108,15 @@ def tied_lora_layers(model: torch.nn.Module) -> list[str]:
     params = list(unwrap_model(model).named_parameters(remove_duplicate=False))
     count: dict[int, int] = {}
     for _, p in params:
-        count[p.data_ptr()] = count.get(p.data_ptr(), 0) + 1
+        count[_storage_key(p)] = count.get(_storage_key(p), 0) + 1
     return sorted(n.removesuffix(".base_layer.weight") for n, p in params
-                  if n.endswith(".base_layer.weight") and count[p.data_ptr()] > 1)
+                  if n.endswith(".base_layer.weight") and count[_storage_key(p)] > 1)
+
+
+def _storage_key(p: torch.Tensor) -> int:
+    """What tied weights share: their storage, or under ZeRO-3 (every partitioned weight's `data` is one
+    empty tensor) their DeepSpeed id."""
+    return p.ds_id if hasattr(p, "ds_id") else p.data_ptr()
 
 
 def base_name(name: str) -> str | None:

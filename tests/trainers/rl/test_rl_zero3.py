@@ -58,6 +58,7 @@ def test_lora_actor_loads_sharded_and_equals_the_whole_actor(sharded, tiny_model
     tok = load_tokenizer(tiny_model_dir)
     whole = build.build_actor(config(tiny_model_dir, tiny_score_model_dir, *LORA), tok, torch.device("cpu"), 4)
     assert sharded[0]["actor_lora"]["peft"] and whole.peft
+    assert sharded[0]["actor_lora"]["tied"] == []  # partitioned weights share one empty `data`: not tied
     state = whole.model.state_dict()
     gathered = sharded[0]["actor_lora"]["weights"]
     assert sorted(gathered) == sorted(state) and any("lora_A" in k for k in state)

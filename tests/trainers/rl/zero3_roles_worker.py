@@ -68,7 +68,9 @@ def main():
 
     # LoRA actor: peft adds unpartitioned adapters to the sharded base; DeepSpeed partitions them
     actor = build.build_actor(config(policy, rm, *LORA), tok, device, 4, zero_stage=3)
-    results["actor_lora"] = {"held": actor.loaded_numel, "peft": actor.peft,
+    from posttrain.models import tied_lora_layers
+
+    results["actor_lora"] = {"held": actor.loaded_numel, "peft": actor.peft, "tied": tied_lora_layers(actor.model),
                              "logprobs": actor.logprobs(experience(ROWS["actor"][rank], tok.pad_token_id), BATCHES),
                              "weights": actor.engine.full_state_dict()}  # rank 0: every weight, adapters too
     del actor
