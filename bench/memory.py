@@ -29,8 +29,7 @@ Configurations (each in its own fresh process, one after the other):
 - `zero3`: on a local Ray instance, 2 actor ranks + 2 reference ranks (`--actor.num_gpus_per_node 2
   --ref.num_gpus_per_node 2 --ds.zero_stage 3`) + 1 HF rollout engine (`--vllm.num_engines 1`), each
   its own process; per-rank figures.
-- `zero3-lora`: the same with LoRA (no reference group), `--vllm.lora_sync adapter` (the default `merged`
-  is refused under ZeRO-3 today: `models.lora.tied_lora_layers` takes every shard for a tied weight).
+- `zero3-lora`: the same with LoRA (no reference group: the adapter-disabled base).
 - `trl-full`, `trl-lora`: `GRPOTrainer` without / with `peft_config=LoraConfig(r=8, lora_alpha=16,
   target_modules="all-linear")`.
 
@@ -77,7 +76,7 @@ GIB = 2**30
 SIZES = ("small", "base", "qwen2.5-0.5b", "qwen2.5-1.5b")
 CONFIGS = ("full", "lora", "zero3", "zero3-lora", "trl-full", "trl-lora")
 RAY_CONFIGS = ("zero3", "zero3-lora")
-BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements); posttrain's ZeRO config leaves it
+BUCKET = 50_000_000  # posttrain's reduce_bucket_size under ZeRO-2/3 (engines/deepspeed_engine.py REDUCE_BUCKET_ELEMENTS)
 LORA = {"rank": 8, "alpha": 16, "target": "all-linear"}
 
 REWARD_SOURCE = '''"""bench/memory.py's reward: a deterministic function of the response text (no model), the same
@@ -170,8 +169,6 @@ def posttrain_argv(spec: dict, config: str, out_dir: Path) -> list[str]:
         argv += ["--actor.num_gpus_per_node", "2", "--ds.zero_stage", "3", "--vllm.num_engines", "1"]
         if config == "zero3":
             argv += ["--ref.num_gpus_per_node", "2"]
-        else:  # merged sync under ZeRO-3 is refused today (tied_lora_layers compares data_ptr(), 0 for every shard)
-            argv += ["--vllm.lora_sync", "adapter"]
     return argv
 
 
@@ -352,15 +349,14 @@ def param_opt_bytes(config: str, m: dict) -> dict[str, int]:
         return {"actor rank": 16 * m["params_half"], "ref rank": 4 * m["params_half"],
                 "per rank (actor + ref)": 20 * m["params_half"], "engine": 4 * P}
     return {"actor rank": 4 * m["params_half"] + 16 * m["lora_half"], "per rank (actor + ref)":
-            4 * m["params_half"] + 16 * m["lora_half"], "engine": 4 * P + 4 * A}  # adapter sync: peft copy
+            4 * m["params_half"] + 16 * m["lora_half"], "engine": 4 * P + 4 * m["linear"]}  # merged sync: W0 of adapted weights
 
 
 def estimate_gib(config: str, m: dict, spec: dict) -> float:
     """Rough peak of the whole machine for a configuration (all its processes): the fp32 tensors the
     roles hold, the logits of one micro-batch (x4: logits, log-softmax, their gradients), ~0.8 GiB per
-    process, DeepSpeed's ZeRO-3 reduce bucket on each actor rank (`BUCKET` elements at most, touched as the
-    gradients fill it). Ray under whole-model loading (what the code does before ZeRO-3 sharded loading): every
-    actor and reference rank holds a whole copy at load time."""
+    process, DeepSpeed's reduce bucket on each actor rank (`BUCKET` elements at most, touched as the
+    gradients fill it). Ray under ZeRO-3: every actor and reference rank loads and keeps its half."""
     P, A = m["params"], m["lora"]
     tokens = spec["prompt_tokens"] + spec["max_new_tokens"]
     act = 4 * spec["micro_batch_size"] * tokens * m["vocab"] * 4 + 16 * spec["micro_batch_size"] * tokens * \
@@ -369,10 +365,10 @@ def estimate_gib(config: str, m: dict, spec: dict) -> float:
         b, procs = 20 * P, 1
     elif config in ("lora", "trl-lora"):
         b, procs = 4 * P + 16 * A, 1
-    elif config == "zero3":  # + DeepSpeed's reduce bucket (5e8 elements by default), filled by the gradients
-        b, procs = 2 * (max(16 * m["params_half"], 6 * P) + 4 * min(P, BUCKET)) + 2 * 4 * P + 4 * P, 6
+    elif config == "zero3":  # actor halves (param, grad, Adam) + reduce bucket, reference halves, the engine's copy
+        b, procs = 2 * (16 * m["params_half"] + 4 * min(P, BUCKET) + 4 * m["params_half"]) + 4 * P, 6
     else:
-        b, procs = 2 * max(4 * P, 4 * m["params_half"] + 16 * m["lora_half"]) + 4 * P + 4 * A, 4
+        b, procs = 2 * (4 * m["params_half"] + 16 * m["lora_half"] + 4 * min(A, BUCKET)) + 4 * P + 4 * A, 4
     return (b + act) / GIB + 0.8 * procs
 
 
