@@ -149,3 +149,33 @@ def test_kernels_are_skipped_where_the_rotary_halves_differ(tiny_model_dir):
     assert fast_decoder(model).kernels is None
     model.model.rotary_emb = rotary
     assert fast_decoder(model).kernels is not None
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch-ops"])
+def test_a_lora_model_decodes_fast_with_its_adapter_folded_in(tiny_model_dir, kernels):
+    """peft's LoRA layers (all linear projections, non-zero B): the fast path folds W0 + s·B·A into its
+    fused weights and samples as transformers' forward through the adapters does; it follows an in-place
+    change of an adapter and `disable_adapter()` (the reference's base)."""
+    from posttrain.models import apply_lora
+
+    model = apply_lora(load_causal_lm(tiny_model_dir, dtype="fp32"), {"rank": 4, "alpha": 8}).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    tok = load_tokenizer(tiny_model_dir)
+    hf = model.get_base_model()
+    fast = HFRolloutEngine(model, tok, pad_token_id=tok.pad_token_id)
+    fast._fast = fast_decoder(hf, kernels=kernels)
+    plain = HFRolloutEngine(model, tok, pad_token_id=tok.pad_token_id, fast_decode=False)
+    assert fast._fast is not None and fast._fast.usable() and plain._fast is None
+    params = SamplingParams(temperature=0.8, n=2, seed=3, max_new_tokens=16, stop_token_ids=[], min_tokens=0)
+    _assert_same(fast.generate(PROMPTS, params), plain.generate(PROMPTS, params))
+    with torch.no_grad():
+        hf.model.layers[1].mlp.down_proj.lora_B["default"].weight.mul_(3)
+    _assert_same(fast.generate(PROMPTS, params), plain.generate(PROMPTS, params))
+    with model.disable_adapter():
+        base = fast.generate(PROMPTS, params)
+        _assert_same(base, plain.generate(PROMPTS, params))
+    assert base != fast.generate(PROMPTS, params)  # the adapter changes the samples

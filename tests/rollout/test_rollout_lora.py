@@ -48,10 +48,9 @@ def test_adapter_sync_samples_with_the_trainers_weights(mode, policy, tiny_model
     recomputed = recomputed_logprobs(policy, outputs, params.temperature)
     gap = max((torch.tensor(o.logprobs) - r).abs().max().item() for o, r in zip(outputs, recomputed))
     assert gap < 1e-5
-    if mode == "merged":
-        assert engine._fast is not None and engine._fast.usable()  # the fast decode path stays
-    else:
-        assert engine._fast is None and is_peft(engine.model)  # decode through transformers
+    assert engine._fast is not None and engine._fast.usable()  # the fast decode path, adapter folded in
+    if mode == "adapter":
+        assert is_peft(engine.model)
         # peft wrapped the loaded copy's oneDNN linears (an nn.Linear subclass) as their base layers
         assert any(type(m).__name__ == "OneDNNLinear" for m in engine.model.modules()) or not onednn_available()
     with torch.no_grad():

@@ -20,7 +20,8 @@ attention; residual add with RMS scaling; silu(g) ⊙ u — runs in four kernel 
 The logits equal the transformers forward's up to float rounding (tested against it for llama and
 qwen2). `fast_decoder(model)` returns None — the engine then keeps transformers' forward — for any
 other architecture, sliding-window or non-default attention layouts, tensor-parallel llama
-(`pretraining_tp > 1`), adapters (a projection that is not a plain `nn.Linear`) or an attention
+(`pretraining_tp > 1`), adapters other than plain LoRA (a projection that is neither a plain `nn.Linear` nor
+peft's LoRA layer over one, whose W0 + s·B·A is folded into the fused copy) or an attention
 implementation other than sdpa / eager; and a decode batch started while a module carries forward
 hooks (`FastDecoder.usable`) runs transformers' forward, so the hooks fire."""
 from __future__ import annotations
@@ -100,7 +101,41 @@ class KVBuffer:
 
 
 def _plain_linear(module) -> bool:
-    return type(module) in (torch.nn.Linear, OneDNNLinear)
+    """A projection this path multiplies: a plain linear layer, or peft's LoRA linear over one (its
+    weight then folded: `_weight`)."""
+    if type(module) in (torch.nn.Linear, OneDNNLinear):
+        return True
+    return _lora_adapters(module) is not None
+
+
+def _lora_adapters(module) -> list[str] | None:
+    """The active adapters of a peft LoRA linear layer over a plain linear one (plain LoRA: no DoRA, no
+    bias on the adapters, not merged into the base), else None."""
+    if not hasattr(module, "lora_A") or not hasattr(module, "base_layer"):
+        return None
+    if type(module.base_layer) not in (torch.nn.Linear, OneDNNLinear) or getattr(module, "merged_adapters", None):
+        return None
+    active = [a for a in module.active_adapters if a in module.lora_A]
+    for a in active:
+        if getattr(module, "use_dora", {}).get(a) or module.lora_A[a].bias is not None or \
+                module.lora_B[a].bias is not None:
+            return None
+    return active
+
+
+def _base(module):
+    return module.base_layer if hasattr(module, "base_layer") else module
+
+
+def _weight(module) -> torch.Tensor:
+    """The weight `module` multiplies with: W, or for a LoRA layer W0 + Σ_a s_a·B_a·A_a over its active
+    adapters (none while adapters are disabled)."""
+    weight = _base(module).weight
+    if not hasattr(module, "lora_A") or module.disable_adapters:
+        return weight
+    for a in _lora_adapters(module):
+        weight = weight + module.scaling[a] * (module.lora_B[a].weight @ module.lora_A[a].weight)
+    return weight
 
 
 def _halves_share_angles(inner) -> bool:
@@ -208,7 +243,7 @@ class FastDecoder:
     @staticmethod
     def _packs(module) -> bool:
         """oneDNN-packed weights for a model whose linears compute through oneDNN (`OneDNNLinear`)."""
-        return isinstance(module, OneDNNLinear) and onednn_weight(module.weight)
+        return isinstance(_base(module), OneDNNLinear) and onednn_weight(_base(module).weight)
 
     def step(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: KVBuffer) -> torch.Tensor:
         """Logits [B, V] (float32) of one new token per row: `tokens`, `positions` [B]; `mask` [B, C]
@@ -287,10 +322,12 @@ def _grouped_rows(heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
 
 
 def _versions(modules) -> tuple:
-    """Where each parameter (weight, bias) of `modules` lives and how often it was written in place: a
-    changed key means a changed tensor. (A write through `.data` does not count; torch's optimizers,
-    weight syncs and `load_state_dict` write the tensors themselves.)"""
-    return tuple((t.data_ptr(), t._version) for m in modules for t in m._parameters.values() if t is not None)
+    """Where each parameter (weight, bias; a LoRA layer's base and adapters) of `modules` lives and how
+    often it was written in place, and whether LoRA adapters are switched off: a changed key means a
+    changed weight. (A write through `.data` does not count; torch's optimizers, weight syncs and
+    `load_state_dict` write the tensors themselves.)"""
+    return tuple((t.data_ptr(), t._version) for m in modules for t in m.parameters()) + tuple(
+        (m.disable_adapters, tuple(m.active_adapters)) for m in modules if hasattr(m, "lora_A"))
 
 
 def _rms_scaled(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -308,10 +345,10 @@ class _Matmul:
     def __init__(self, modules, packed: bool, norm_weight: torch.Tensor | None = None,
                  order: torch.Tensor | None = None) -> None:
         with torch.no_grad():
-            weight = torch.cat([m.weight for m in modules])
+            weight = torch.cat([_weight(m) for m in modules])
             if norm_weight is not None:
                 weight = weight * norm_weight[None, :]
-            biases = [m.bias for m in modules]
+            biases = [_base(m).bias for m in modules]
             bias = None if biases[0] is None else torch.cat(biases).detach()
             if order is not None:
                 order = order.to(weight.device)

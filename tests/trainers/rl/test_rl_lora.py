@@ -71,9 +71,8 @@ def test_reference_is_the_base_with_the_adapter_disabled(rl_setup, tmp_path, one
 
     trainer = _trainer(rl_setup, tmp_path / "ref", "--algo.kl.init_coef", "0.05", "--train.max_steps", "1")
     assert isinstance(trainer.ref, AdapterOffReference)
-    # the engine samples from the actor's peft module itself: the fast decode path (plain projections only)
-    # steps aside and decoding runs through transformers
-    assert trainer.shares_actor_module and trainer.rollout_engine._fast is None
+    # the engine samples from the actor's peft module itself; the fast decode path folds the adapter in
+    assert trainer.shares_actor_module and trainer.rollout_engine._fast is not None
     with torch.no_grad():
         for n, p in trainer.actor.model.named_parameters():
             if "lora_B" in n:
