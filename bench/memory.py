@@ -77,7 +77,7 @@ SIZES = ("small", "base", "qwen2.5-0.5b", "qwen2.5-1.5b")
 CONFIGS = ("full", "lora", "zero3", "zero3-lora", "trl-full", "trl-lora")
 RAY_CONFIGS = ("zero3", "zero3-lora")
 BUCKET = 50_000_000  # posttrain's reduce_bucket_size under ZeRO-2/3 (engines/deepspeed_engine.py REDUCE_BUCKET_ELEMENTS)
-LORA = {"rank": 8, "alpha": 16, "target": "all-linear"}
+BUCKET = 50_000_000  # the most elements of posttrain's reduce bucket under ZeRO-2/3 (at most the trainable ones)
 
 REWARD_SOURCE = '''"""bench/memory.py's reward: a deterministic function of the response text (no model), the same
 numbers for posttrain (`reward_func`, OpenRLHF format) and TRL (`trl_reward`)."""

@@ -34,7 +34,7 @@ from posttrain.engines.schedulers import build_scheduler, schedule_of
 TAG = "engine"
 
 GRAD_ACCUM_DTYPES = (None, "fp32", "bf16", "fp16")
-REDUCE_BUCKET_ELEMENTS = 50_000_000  # gradients reduced per bucket under ZeRO-2/3 (200 MB in fp32)
+REDUCE_BUCKET_ELEMENTS = 50_000_000  # most gradient elements reduced per bucket under ZeRO-2/3 (200 MB in fp32)
 _GENERATION = "posttrain.gathered_for_generation"  # marks ZeRO-3 parameters held by a generation
 
 
@@ -54,8 +54,12 @@ def import_deepspeed():
 
 def ds_config(*, zero_stage: int, world_size: int, max_norm: float, param_dtype: str = "fp32",
               adam_offload: bool = False, grad_accum_dtype: str | None = None, zpg: int = 1,
-              overlap_comm: bool = False, clip_in_deepspeed: bool = True, muon: bool = False) -> dict:
-    """The DeepSpeed config dict (validated arguments; see the module docstring for the choices)."""
+              overlap_comm: bool = False, clip_in_deepspeed: bool = True, muon: bool = False,
+              trainable: int | None = None) -> dict:
+    """The DeepSpeed config dict (validated arguments; see the module docstring for the choices).
+    `trainable`: the model's trainable elements; the gradient reduce bucket (ZeRO-2/3), which DeepSpeed
+    allocates whole on every rank, holds at most them (a LoRA adapter's) and at most
+    `REDUCE_BUCKET_ELEMENTS` (DeepSpeed's default, 5e8, is a 1.9 GB fp32 buffer)."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if param_dtype not in PARAM_DTYPES:
@@ -71,8 +75,8 @@ def ds_config(*, zero_stage: int, world_size: int, max_norm: float, param_dtype:
     if zpg > 1 and zero_stage != 3:
         raise ValueError("zpg (ZeRO++ hierarchical partitioning) needs zero_stage 3")
     zero: dict = {"stage": zero_stage, "overlap_comm": overlap_comm, "contiguous_gradients": zero_stage >= 2}
-    if zero_stage >= 2:  # DeepSpeed's 5e8-element default is a 1.9 GB fp32 gradient buffer on every rank
-        zero["reduce_bucket_size"] = REDUCE_BUCKET_ELEMENTS
+    if zero_stage >= 2:
+        zero["reduce_bucket_size"] = min(REDUCE_BUCKET_ELEMENTS, max(trainable or REDUCE_BUCKET_ELEMENTS, 1_000_000))
     if muon:  # DeepSpeed's Muon needs whole-gradient reduction (it orthogonalizes full matrices)
         zero["reduce_scatter"] = False
     if adam_offload:
@@ -130,7 +134,8 @@ class DeepSpeedEngine(TrainEngine):
         config = ds_config(zero_stage=zero_stage, world_size=self.world_size, max_norm=max_norm,
                            param_dtype=param_dtype, adam_offload=ds.adam_offload, grad_accum_dtype=ds.grad_accum_dtype,
                            zpg=ds.zpg, overlap_comm=ds.overlap_comm, clip_in_deepspeed=not self._hook_clip,
-                           muon=opt.optim == "muon")
+                           muon=opt.optim == "muon", trainable=sum(
+                               getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad))
 
         groups = param_groups(model, opt)
         if opt.optim == "muon":
