@@ -76,8 +76,8 @@ GIB = 2**30
 SIZES = ("small", "base", "qwen2.5-0.5b", "qwen2.5-1.5b")
 CONFIGS = ("full", "lora", "zero3", "zero3-lora", "trl-full", "trl-lora")
 RAY_CONFIGS = ("zero3", "zero3-lora")
-BUCKET = 50_000_000  # posttrain's reduce_bucket_size under ZeRO-2/3 (engines/deepspeed_engine.py REDUCE_BUCKET_ELEMENTS)
 BUCKET = 50_000_000  # the most elements of posttrain's reduce bucket under ZeRO-2/3 (at most the trainable ones)
+LORA = {"rank": 8, "alpha": 16, "target": "all-linear"}
 
 REWARD_SOURCE = '''"""bench/memory.py's reward: a deterministic function of the response text (no model), the same
 numbers for posttrain (`reward_func`, OpenRLHF format) and TRL (`trl_reward`)."""
@@ -368,7 +368,7 @@ def estimate_gib(config: str, m: dict, spec: dict) -> float:
     elif config == "zero3":  # actor halves (param, grad, Adam) + reduce bucket, reference halves, the engine's copy
         b, procs = 2 * (16 * m["params_half"] + 4 * min(P, BUCKET) + 4 * m["params_half"]) + 4 * P, 6
     else:
-        b, procs = 2 * (4 * m["params_half"] + 16 * m["lora_half"] + 4 * min(A, BUCKET)) + 4 * P + 4 * A, 4
+        b, procs = 2 * (4 * m["params_half"] + 16 * m["lora_half"] + 4 * min(max(A, 1_000_000), BUCKET)) + 4 * P + 4 * A, 4
     return (b + act) / GIB + 0.8 * procs
 
 
