@@ -158,6 +158,12 @@ class HFRolloutEngine:
             self._epoch += 1
         return lsync.pair_bytes(model_or_state_dict.items())
 
+    def release_decode_weights(self) -> None:
+        """Free the fast decode path's fused weight copies until the next decode (`FastDecoder.release`):
+        the in-process trainer calls it after each rollout of the module it trains."""
+        if self._fast is not None:
+            self._fast.release()
+
     def sync_weights(self, model) -> int:
         """Sample with ``model``'s current weights; returns the bytes copied (0 when it is the shared
         module). From a peft module only the adapter moves (the base is the engine's since the load)."""

@@ -196,6 +196,11 @@ class FastDecoder:
             self._kernels = loaded if suits and _halves_share_angles(self.model.model) else None
         return self._kernels
 
+    def release(self) -> None:
+        """Drop the fused weight copies (about one more copy of the model's linear weights); the next
+        step rebuilds them. For a model that trains between rollouts, whose weights change anyway."""
+        self._weight_cache.clear()
+
     def usable(self) -> bool:
         """False for a model off the CPU (on a GPU the fused copies would double the weights' memory for
         little gain), not in fp32 or under CPU autocast (in bf16 the folded norms and scalings round

@@ -78,6 +78,7 @@ def test_reference_is_the_base_with_the_adapter_disabled(rl_setup, tmp_path, one
             if "lora_B" in n:
                 p.normal_(0, 0.05)
     scored, _, _ = trainer.produce(0)
+    assert trainer.rollout_engine._fast._weight_cache == {}  # fused copies freed: the module trains next
     exp, _ = trainer.experience_maker.make(scored, 0.0)
     batches = trainer.forward_batching
     separate = Reference(load_causal_lm(rl_setup[0]), 1.0, trainer.device).logprobs(exp, batches)
