@@ -27,6 +27,7 @@ import torch
 from posttrain.config.sections import DSConfig
 from posttrain.engines import dist as pdist
 from posttrain.engines.base import TrainEngine
+from posttrain.utils.memory import mmap_threshold, release_freed_memory
 
 
 def zero3_active(zero_stage: int | None) -> bool:
@@ -70,44 +71,20 @@ def sharded_loading(ds: DSConfig | None, zero_stage: int | None, *, offload_para
     from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
 
     live = HfDeepSpeedConfig(zero3_config(ds, offload_params=offload_params))  # transformers keeps a weak reference
-    _mmap_threshold(_SMALL_MMAP)
+    mmap_threshold(_SMALL_MMAP)
     try:
         yield True
     finally:
         unset_hf_deepspeed_config()
         del live
-        _mmap_threshold(_LARGE_MMAP)
+        mmap_threshold(_LARGE_MMAP)
         release_freed_memory()
 
 
-# glibc: blocks at least this large get their own mapping, returned to the OS when freed. While a model is
-# built under zero.Init, each module's whole tensors are allocated, broadcast and freed in turn; with glibc's
-# rising default threshold they stayed in the heap (~1.2 GB more peak per rank at 0.5B, bench/RESULTS.md).
+# glibc: while a model is built under zero.Init, each module's whole tensors are allocated, broadcast and
+# freed in turn; with glibc's rising default mmap threshold they stayed in the heap (~1.2 GB more peak per rank
+# at 0.5B, bench/RESULTS.md): blocks from 128 KiB get their own mappings while loading.
 _SMALL_MMAP, _LARGE_MMAP = 128 * 1024, 32 * 1024 * 1024  # glibc's initial and largest default threshold
-_M_MMAP_THRESHOLD = -3
-
-
-def _libc():
-    import ctypes
-    import ctypes.util
-
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
-
-
-def _mmap_threshold(size: int) -> None:
-    libc = _libc()
-    if libc is not None and hasattr(libc, "mallopt"):
-        libc.mallopt(_M_MMAP_THRESHOLD, size)
-
-
-def release_freed_memory() -> None:
-    """Hand the heap's free pages back to the OS (glibc `malloc_trim`; nothing elsewhere)."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
 
 
 def shard_numel(model: torch.nn.Module) -> tuple[int, int]:

@@ -2,7 +2,9 @@
 allocation and free events torch's profiler records (`profile_memory`), replayed in time order. Both
 count tensor memory only, relative to what was allocated when the call started, so the weights
 (allocated before) are not in it and the activations, gradients and temporaries are. Also the
-process's peak resident set size (`getrusage`), which never decreases."""
+process's peak resident set size (`getrusage`), which never decreases. And glibc's heap controls:
+`release_freed_memory` (hand free heap pages back to the OS) and `mmap_threshold` (blocks at least this
+large get their own mapping, returned to the OS when freed)."""
 from __future__ import annotations
 
 import resource
@@ -50,3 +52,29 @@ def peak_memory(fn, device: str | torch.device = "cpu"):
         held += nbytes
         peak = max(peak, held)
     return result, MemoryPeak(peak, held, process_peak_rss())
+
+
+def _libc():
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc `malloc_trim`; nothing elsewhere): large blocks
+    freed in a row (a model's weights, gathered modules) otherwise stay resident."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+def mmap_threshold(size: int) -> None:
+    """glibc's `M_MMAP_THRESHOLD` (fixed from then on; glibc's default starts at 128 KiB and rises to at most
+    32 MiB as mapped blocks are freed); nothing without glibc."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(-3, size)  # M_MMAP_THRESHOLD
