@@ -69,7 +69,7 @@ def test_a_checkpoint_with_other_tensor_names_loads_through_transformers(tiny_mo
     out = tmp_path / "out.json"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            str(tmp_path / "worker.py"), str(folder), str(out)], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "its tensor names differ from the model's (model.norm.weight" in proc.stderr
     result = json.loads(out.read_text())
