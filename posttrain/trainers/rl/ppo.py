@@ -300,7 +300,7 @@ class RLTrainer(RunLoop):
     def _released_decode_weights(self):
         """The fast decode path's fused copies of the weights are freed after a batch from the trained
         module: training changes the weights anyway, and the copies would otherwise sit in memory through
-        the update (a second copy of the linear weights: +2.3 GiB of peak at the 0.5B shape)."""
+        the update (a second copy of the linear weights: +2.1 GiB of peak at the 0.5B shape)."""
         try:
             yield
         finally:
