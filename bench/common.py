@@ -317,6 +317,53 @@ def trl_training_args(spec: dict, out_dir) -> dict:
         report_to="none", logging_steps=1, dataloader_num_workers=0, dataloader_pin_memory=False)
 
 
+def trl_grpo_args(spec: dict, out_dir, *, beta: float, seed: int) -> dict:
+    """The TRL `GRPOConfig` fields the RL benches share with posttrain's side: CPU, fp32, one optimizer step
+    over the whole rollout (`prompts` x `n` samples in micro-batches), `n` generations per prompt, temperature
+    1 without top-p/top-k, the step's token mean (`loss_type="dapo"`), group-scaled rewards, clip 0.2, KL
+    weight `beta`, AdamW (0.9, 0.95, 1e-8, no decay), clip-norm 1.0, no warm-up, no vLLM / eval / checkpoints
+    / reporting, log every step. The LR schedule is the caller's (`lr_scheduler_type`)."""
+    total, mbs = spec["prompts"] * spec["n"], spec["micro_batch_size"]
+    return dict(
+        output_dir=str(out_dir), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        per_device_train_batch_size=mbs, gradient_accumulation_steps=total // mbs,
+        generation_batch_size=total, num_generations=spec["n"], num_iterations=1, shuffle_dataset=False,
+        max_completion_length=spec["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0,
+        beta=beta, loss_type="dapo", scale_rewards="group", epsilon=0.2, use_vllm=False,
+        max_steps=spec["steps"], learning_rate=spec["lr"], optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.95,
+        adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0, warmup_steps=0, seed=seed,
+        eval_strategy="no", save_strategy="no", report_to="none", logging_steps=1, log_completions=False,
+        dataloader_num_workers=0, dataloader_pin_memory=False)
+
+
+class Poller:
+    """A context manager calling `poll()` in a daemon thread every `interval` s while it is open (a
+    subclass defines `poll`)."""
+
+    def __init__(self, interval: float) -> None:
+        import threading
+
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def poll(self) -> None:
+        raise NotImplementedError
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.poll()
+            self._stop.wait(self.interval)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def add_round_robin_args(p, workers: list[str]) -> None:
     """The flags every round-robin bench shares: waiting for a quiet machine, the work folder, the
     markdown output, torch threads per worker (`set_threads(spec)` in the worker), and the internal flags

@@ -62,12 +62,11 @@ import os
 import shlex
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, machine, md_table, run_worker, versions  # noqa: E402
+from common import REPO, Poller, machine, md_table, run_worker, trl_grpo_args, versions  # noqa: E402
 
 sys.path.insert(0, str(REPO))  # this checkout's posttrain, not an installed copy; Ray's workers get it via PYTHONPATH
 
@@ -262,17 +261,7 @@ def run_trl(spec: dict, config: str, out_dir: Path, status: dict) -> dict:
         def on_step_end(self, args, state, control, **kw):
             stamps.append(time.perf_counter())
 
-    total, mbs = spec["prompts"] * spec["n"], spec["micro_batch_size"]
-    args = GRPOConfig(
-        output_dir=str(out_dir), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        per_device_train_batch_size=mbs, gradient_accumulation_steps=total // mbs,
-        generation_batch_size=total, num_generations=spec["n"], num_iterations=1, shuffle_dataset=False,
-        max_completion_length=spec["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0,
-        beta=spec["kl"], loss_type="dapo", scale_rewards="group", epsilon=0.2, use_vllm=False,
-        max_steps=spec["steps"], learning_rate=spec["lr"], optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.95,
-        adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0,
-        seed=SEED, eval_strategy="no", save_strategy="no", report_to="none", logging_steps=1,
-        log_completions=False, dataloader_num_workers=0, dataloader_pin_memory=False)
+    args = GRPOConfig(**trl_grpo_args(spec, out_dir, beta=spec["kl"], seed=SEED), lr_scheduler_type="constant")
     trainer = GRPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tok,
                           reward_funcs=[reward.trl_reward], callbacks=[Clock()], peft_config=peft_config)
     status["after_setup"] = proc_status()  # the optimizer is created lazily in train(): counted in the peak only
@@ -406,34 +395,23 @@ def prompt_tokens(model: str, rows: list[dict]) -> int:
                                            tokenize=True, return_dict=False)) for r in rows)
 
 
-class RayWatch:
+class RayWatch(Poller):
     """While a Ray configuration runs: the summed RSS of Ray's daemons (raylet, gcs, agents), sampled."""
 
     def __init__(self, interval: float = 0.5) -> None:
-        self.peak, self.interval = 0, interval
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
+        super().__init__(interval)
+        self.peak = 0
 
-    def _loop(self) -> None:
+    def poll(self) -> None:
         import psutil
 
-        while not self._stop.is_set():
-            total = 0
-            for p in psutil.process_iter(["cmdline", "memory_info"]):
-                cmd = p.info["cmdline"] or []
-                if cmd and not cmd[0].startswith("ray::") and any("site-packages/ray/" in c for c in cmd) \
-                        and p.info["memory_info"] is not None:
-                    total += p.info["memory_info"].rss
-            self.peak = max(self.peak, total)
-            self._stop.wait(self.interval)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+        total = 0
+        for p in psutil.process_iter(["cmdline", "memory_info"]):
+            cmd = p.info["cmdline"] or []
+            if cmd and not cmd[0].startswith("ray::") and any("site-packages/ray/" in c for c in cmd) \
+                    and p.info["memory_info"] is not None:
+                total += p.info["memory_info"].rss
+        self.peak = max(self.peak, total)
 
 
 def main(argv=None) -> None:

@@ -73,12 +73,12 @@ import os
 import shlex
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    Poller,
     StepClock,
     add_rl_step_args,
     machine,
@@ -286,26 +286,15 @@ def wait_for_no(pattern: str, max_wait: float, interval: float = 10.0) -> bool:
     return True
 
 
-class Watch:
+class Watch(Poller):
     """Polls in a thread, while a run is under way, whether a process matching `pattern` exists."""
 
     def __init__(self, pattern: str, interval: float = 2.0) -> None:
-        self.pattern, self.interval, self.seen = pattern, interval, False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
+        super().__init__(interval)
+        self.pattern, self.seen = pattern, False
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.seen = self.seen or bool(matching_processes(self.pattern))
-            self._stop.wait(self.interval)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+    def poll(self) -> None:
+        self.seen = self.seen or bool(matching_processes(self.pattern))
 
 
 def prepare(args, work: Path) -> dict:

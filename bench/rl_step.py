@@ -68,6 +68,7 @@ from common import (  # noqa: E402
     posttrain_flags,
     run_worker,
     side_flags,
+    trl_grpo_args,
     versions,
     wait_for_quiet,
 )
@@ -168,18 +169,8 @@ def run_trl(spec: dict, out_dir: Path) -> dict:
         def on_step_end(self, args, state, control, **kw):
             clock.tick()
 
-    total, mbs = spec["prompts"] * spec["n"], spec["micro_batch_size"]
-    config = GRPOConfig(
-        output_dir=str(out_dir), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        per_device_train_batch_size=mbs, gradient_accumulation_steps=total // mbs,
-        generation_batch_size=total, num_generations=spec["n"], num_iterations=1, shuffle_dataset=False,
-        max_completion_length=spec["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0,
-        beta=0.0, loss_type="dapo", scale_rewards="group", epsilon=0.2, use_vllm=False,
-        max_steps=spec["steps"], learning_rate=spec["lr"], optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.95,
-        adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr_rate": 0.1}, warmup_steps=0, seed=SEED,
-        eval_strategy="no", save_strategy="no", report_to="none", logging_steps=1, log_completions=False,
-        dataloader_num_workers=0, dataloader_pin_memory=False)
+    config = GRPOConfig(**trl_grpo_args(spec, out_dir, beta=0.0, seed=SEED), lr_scheduler_type="cosine_with_min_lr",
+                        lr_scheduler_kwargs={"min_lr_rate": 0.1})
     trainer = GRPOTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok,
                           reward_funcs=[arithmetic_reward], callbacks=[Clock()])
     inner_gen, inner_gas = trainer._generate_single_turn, trainer._generate_and_score_completions
