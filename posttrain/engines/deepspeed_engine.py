@@ -52,6 +52,16 @@ def import_deepspeed():
     return deepspeed
 
 
+def start_process_group() -> None:
+    """DeepSpeed's process group over the launcher's ranks (gloo on CPU, NCCL on GPU); idempotent."""
+    deepspeed = import_deepspeed()
+    pdist.ensure_single_process_env()
+    backend = pdist.default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(pdist.env_world()[2])
+    deepspeed.init_distributed(dist_backend=backend)
+
+
 def ds_config(*, zero_stage: int, world_size: int, max_norm: float, param_dtype: str = "fp32",
               adam_offload: bool = False, grad_accum_dtype: str | None = None, zpg: int = 1,
               overlap_comm: bool = False, clip_in_deepspeed: bool = True, muon: bool = False,
@@ -122,13 +132,8 @@ class DeepSpeedEngine(TrainEngine):
                              "muon_nesterov=False / muon_ns_steps != 5 need the TorchEngine (zero_stage=None)")
         self.zero_stage = zero_stage
         self._hook_clip = zero_stage == 0 and param_dtype == "fp32"
-        deepspeed = import_deepspeed()
-        self._ds = deepspeed
-        pdist.ensure_single_process_env()
-        backend = pdist.default_backend()
-        if backend == "nccl":
-            torch.cuda.set_device(pdist.env_world()[2])
-        deepspeed.init_distributed(dist_backend=backend)
+        self._ds = import_deepspeed()
+        start_process_group()
         self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.max_norm = max_norm
         config = ds_config(zero_stage=zero_stage, world_size=self.world_size, max_norm=max_norm,
@@ -160,7 +165,7 @@ class DeepSpeedEngine(TrainEngine):
         def scheduler(optimizer_):
             return build_scheduler(optimizer_, opt, total_steps=total_steps)
 
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+        self.engine, self.optimizer, _, self.scheduler = self._ds.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
 
     def _clip_hook(self, optimizer, args: tuple, kwargs: dict) -> None:

@@ -27,6 +27,7 @@ import torch
 from posttrain.config.sections import DSConfig
 from posttrain.engines import dist as pdist
 from posttrain.engines.base import TrainEngine
+from posttrain.engines.deepspeed_engine import ds_config, import_deepspeed, start_process_group
 from posttrain.utils.memory import mmap_threshold, release_freed_memory
 
 
@@ -38,8 +39,6 @@ def zero3_active(zero_stage: int | None) -> bool:
 def zero3_config(ds: DSConfig | None, *, offload_params: bool = False) -> dict:
     """The DeepSpeed config of a ZeRO-3 model of this world (dtype and ZeRO++ partitioning from `ds`;
     `offload_params`: shards in CPU memory, only with an accelerator)."""
-    from posttrain.engines.deepspeed_engine import ds_config
-
     ds = ds or DSConfig(param_dtype="fp32")
     gpu = torch.cuda.is_available()
     config = ds_config(zero_stage=3, world_size=pdist.env_world()[1], max_norm=0.0,
@@ -47,18 +46,6 @@ def zero3_config(ds: DSConfig | None, *, offload_params: bool = False) -> dict:
     if offload_params and gpu:
         config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     return config
-
-
-def start_process_group() -> None:
-    """DeepSpeed's process group over the launcher's ranks (gloo on CPU, NCCL on GPU); idempotent."""
-    from posttrain.engines.deepspeed_engine import import_deepspeed
-
-    deepspeed = import_deepspeed()
-    pdist.ensure_single_process_env()
-    backend = pdist.default_backend()
-    if backend == "nccl":
-        torch.cuda.set_device(pdist.env_world()[2])
-    deepspeed.init_distributed(dist_backend=backend)
 
 
 @contextlib.contextmanager
@@ -115,8 +102,6 @@ class FrozenShards(TrainEngine):
     zero_stage = 3
 
     def __init__(self, model: torch.nn.Module, ds: DSConfig | None = None, *, offload: bool = False) -> None:
-        from posttrain.engines.deepspeed_engine import import_deepspeed
-
         deepspeed = import_deepspeed()
         start_process_group()
         self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -136,6 +121,4 @@ class FrozenShards(TrainEngine):
         return self.engine.device
 
     def gathered(self, tensors) -> contextlib.AbstractContextManager:
-        from posttrain.engines.deepspeed_engine import import_deepspeed
-
         return import_deepspeed().zero.GatheredParameters(list(tensors), modifier_rank=None)

@@ -37,7 +37,6 @@ from posttrain.models.cpu_linear import (
     worth_packing,
 )
 from posttrain.rollout.cpu import cpu_kernels
-from posttrain.utils.memory import release_freed_memory
 
 _ARCHS = ("llama", "mistral", "qwen2")
 _GROWTH = 64  # spare columns allocated whenever a KVBuffer runs out
@@ -201,7 +200,6 @@ class FastDecoder:
         """Drop the fused weight copies (about one more copy of the model's linear weights); the next
         step rebuilds them. For a model that trains between rollouts, whose weights change anyway."""
         self._weight_cache.clear()
-        release_freed_memory()
 
     def usable(self) -> bool:
         """False for a model off the CPU (on a GPU the fused copies would double the weights' memory for
