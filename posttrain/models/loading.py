@@ -140,7 +140,11 @@ def _from_pretrained(cls, path, dtype, attn_implementation, load_in_4bit=False, 
         # built under zero.Init from its config alone (nothing read; its random init drawn from a forked RNG)
         with quiet_transformers(), torch.random.fork_rng():
             model = _from_config(_model_class(cls, config), config, p, dtype, attn_implementation)
-        missing = fill_shards(model, where)
+        try:
+            missing = fill_shards(model, where)
+        except ValueError as err:  # a tensor of another shape than the config's, or a truncated file
+            raise ModelLoadError(f"{err}: the model folder {p} is damaged or its config.json does not match its "
+                                 "weights; save or download the model again") from None
         if set(missing) <= _NEW_HEAD_KEYS:
             init_missing(model, missing, rng)  # from the RNG state an unsharded load starts with
             return model, {"missing_keys": set(missing)}

@@ -70,7 +70,7 @@ def _read_flat(f, entry: dict, lo: int, hi: int) -> torch.Tensor:
     buf = bytearray((hi - lo) * item)
     f.seek(entry["start"] + lo * item)
     if f.readinto(buf) != len(buf):
-        raise ValueError(f"{f.name}: the file ends inside a tensor; the model folder is damaged")
+        raise ValueError(f"{f.name}: the file ends inside a tensor")
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype) if buf else torch.empty(0, dtype=dtype)
 
 
