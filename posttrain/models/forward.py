@@ -15,14 +15,27 @@ sample alone.
 `forward_logits(..., keep=cols)` computes the LM head only at the columns `cols` (a 1D index
 tensor, transformers' `logits_to_keep`), so no [B, T, V] tensor exists beyond the positions a loss
 reads; a model without `logits_to_keep` computes all columns and is indexed afterwards.
+
+`forward_logprobs(..., keep, index, labels, temperature)` = `gathered_logprobs` of those logits, computed
+without holding them whole when they are large (more than `LOGITS_CHUNK_BYTES`): the LM head's input is
+taken at its pre-hook (the head itself runs on no rows there), and the head and the log-prob run on
+row chunks inside activation checkpoints, so forward keeps no logits and backward recomputes one chunk
+at a time (peak: about 4 chunks of logits instead of 4 whole [R, K, V] tensors; cost: the head's
+forward once more). The first call on a model checks the chunked result against the whole-logits one
+on a few rows and keeps the whole-logits path when they differ (a model that transforms its logits
+after the head, e.g. soft-capping) or when the head is a ZeRO-3 shard (one gather per chunk).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import weakref
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
+from posttrain.algorithms.losses import gathered_logprobs
 from posttrain.models.saving import unwrap_model
 
 _MASKED_BACKENDS = ("sdpa", "eager")
@@ -134,6 +147,110 @@ def forward_logits(model, batch: dict, keep: torch.Tensor | None = None) -> torc
     if accepts_logits_to_keep(model):
         return model(**kwargs, logits_to_keep=keep).logits.float()
     return model(**kwargs).logits[:, keep].float()
+
+
+LOGITS_CHUNK_BYTES = 128 * 2**20  # float32 logits above this are computed in row chunks of about this size
+_CHECK_ROWS = 4  # rows of the first call compared between the chunked and the whole-logits computation
+_chunking_ok: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the check's outcome
+
+
+def forward_logprobs(model, batch: dict, keep: torch.Tensor, index: torch.Tensor, labels: torch.Tensor,
+                     temperature: float = 1.0, chunk_bytes: int | None = None) -> torch.Tensor:
+    """`gathered_logprobs(forward_logits(model, batch, keep).reshape(-1, V), index, labels, temperature)`,
+    float32 [M], with the logits in row chunks when they exceed `chunk_bytes` (module doc)."""
+    budget = LOGITS_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    head = _plain_head(model)
+    rows = batch["input_ids"].shape[0] * len(keep)
+    vocab = head.out_features if head is not None else 0
+    if head is None or rows * vocab * 4 <= budget or not _chunks_match(model, head, batch, keep, temperature):
+        logits = forward_logits(model, batch, keep=keep)
+        return gathered_logprobs(logits.reshape(-1, logits.shape[-1]), index, labels, temperature)
+    hidden = _head_input(model, head, batch, keep)  # [R, K, H]
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    size = max(1, budget // (vocab * 4))
+    out, where = [], []
+    for start in range(0, flat.shape[0], size):
+        sel = ((index >= start) & (index < start + size)).nonzero().squeeze(-1)
+        if not len(sel):
+            continue
+        rows_at, ids = index[sel] - start, labels[sel]
+        out.append(checkpoint(_chunk_logprobs, head, flat[start:start + size], rows_at, ids, temperature,
+                              use_reentrant=False))
+        where.append(sel)
+    result = torch.zeros(len(index), dtype=torch.float32, device=flat.device)
+    return result.index_copy(0, torch.cat(where), torch.cat(out)) if out else result
+
+
+def _plain_head(model) -> torch.nn.Linear | None:
+    """The LM head when the chunked path may apply: a Linear output layer, not a ZeRO-3 shard, on a model
+    that takes `logits_to_keep`."""
+    base = unwrap_model(model)
+    if hasattr(base, "peft_config"):
+        base = base.get_base_model()
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if not isinstance(head, torch.nn.Linear) or weight is None or hasattr(weight, "ds_id"):
+        return None
+    return head if accepts_logits_to_keep(model) else None
+
+
+class _Bypass:
+    """The head's pre-hook: while `capture` is on, keep the head's input and hand the head no rows."""
+
+    def __init__(self) -> None:
+        self.capture = False
+        self.seen: list[torch.Tensor] = []
+
+    def __call__(self, _module, args):
+        if not self.capture:
+            return None
+        self.seen.append(args[0])
+        return (args[0][..., :0, :],) + tuple(args[1:])
+
+
+@contextlib.contextmanager
+def _captured_head_input(head):
+    bypass = _Bypass()
+    handle = head.register_forward_pre_hook(bypass)
+    bypass.capture = True
+    try:
+        yield bypass.seen
+    finally:
+        handle.remove()
+
+
+def _head_input(model, head, batch: dict, keep: torch.Tensor) -> torch.Tensor:
+    with _captured_head_input(head) as seen:
+        model(**model_inputs(model, batch), logits_to_keep=keep)
+    if len(seen) != 1:
+        raise RuntimeError(f"the LM head ran {len(seen)} times in one forward (expected once)")
+    return seen[0]
+
+
+def _chunk_logprobs(head, hidden: torch.Tensor, rows: torch.Tensor, labels: torch.Tensor,
+                    temperature: float) -> torch.Tensor:
+    return gathered_logprobs(head(hidden).float(), rows, labels, temperature)
+
+
+def _chunks_match(model, head, batch: dict, keep: torch.Tensor, temperature: float) -> bool:
+    """Once per model: the chunked computation equals the whole-logits one on the first rows (module doc)."""
+    base = unwrap_model(model)
+    known = _chunking_ok.get(base)
+    if known is not None:
+        return known
+    sub = {k: v[:1] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch["input_ids"].shape[0]
+           else v for k, v in batch.items()}
+    cols = keep[-_CHECK_ROWS:]
+    index = torch.arange(len(cols), device=keep.device)
+    labels = torch.zeros(len(cols), dtype=torch.long, device=keep.device)
+    with torch.no_grad():
+        whole = forward_logits(model, sub, keep=cols).reshape(len(cols), -1)
+        labels = whole.argmax(-1)
+        want = gathered_logprobs(whole, index, labels, temperature)
+        hidden = _head_input(model, head, sub, cols).reshape(len(cols), -1)
+        got = _chunk_logprobs(head, hidden, index, labels, temperature)
+    _chunking_ok[base] = ok = bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4))
+    return ok
 
 
 def forward_values(model, batch: dict) -> torch.Tensor:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.algorithms.losses import entropy, gathered_logprobs
-from posttrain.models import forward_logits, forward_values
+from posttrain.models import forward_logits, forward_logprobs, forward_values
 from posttrain.trainers import batching
 from posttrain.trainers.rl.experience import Experience
 from posttrain.trainers.rl.layout import build_layout
@@ -46,12 +46,13 @@ def policy_forward(model, exp: Experience, temperature: float, with_entropy: boo
     are 0 and must be masked by the caller's action mask."""
     lay = build_layout(exp, packed=packed, shared=shared)
     keep, at = lay.kept_columns()
+    index = lay.src_row * len(keep) + at
+    if not with_entropy:  # the logits in row chunks when they are large (models.forward_logprobs)
+        return lay.scatter(forward_logprobs(model, lay.inputs, keep, index, lay.targets, temperature)), None
     logits = forward_logits(model, lay.inputs, keep=keep)  # [R, K, V]
     flat = logits.reshape(-1, logits.shape[-1])
-    index = lay.src_row * logits.shape[1] + at
     logp = lay.scatter(gathered_logprobs(flat, index, lay.targets, temperature))
-    ent = lay.scatter(entropy(flat, temperature)[index]) if with_entropy else None
-    return logp, ent
+    return logp, lay.scatter(entropy(flat, temperature)[index])
 
 
 def value_forward(model, exp: Experience, packed: bool = False, shared: bool = False) -> torch.Tensor:

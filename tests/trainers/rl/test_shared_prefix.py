@@ -157,6 +157,33 @@ def test_gathered_logprobs_equal_token_logprobs():
         gathered_logprobs(logits, index, labels + 5)
 
 
+@pytest.mark.parametrize("layout", [dict()] + LAYOUTS, ids=["padded", "shared", "shared+packed", "packed"])
+def test_log_probs_in_row_chunks_equal_the_whole_logits(models, layout, monkeypatch):
+    """models.forward_logprobs with a budget of 3 rows of logits per chunk: values and gradients equal."""
+    import posttrain.models.forward as fwd
+
+    model, _, tok = models
+    exp = grouped_experience(tok)
+    mask = exp.action_mask
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        lp, _ = policy_forward(model, exp, 0.7, **layout)
+        (lp * mask * exp.advantages).sum().backward()
+        return lp * mask, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    whole, whole_grads = run()
+    monkeypatch.setattr(fwd, "LOGITS_CHUNK_BYTES", 3 * model.config.vocab_size * 4)
+    chunked, chunked_grads = run()
+    assert fwd._chunking_ok.get(model) is True  # the chunked path ran (its first-call check passed)
+    torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=0)
+    assert chunked_grads.keys() == whole_grads.keys()
+    for name, g in whole_grads.items():
+        scale = max(1.0, float(g.abs().max()))  # float rounding: another summation order over the chunks
+        torch.testing.assert_close(chunked_grads[name], g, atol=1e-5 * scale, rtol=1e-5)
+
+
+
 @pytest.mark.parametrize("estimator", ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"])
 def test_training_step_equals_the_unshared_one(run_ppo, estimator):
     """One RL step (two passes over the rollout, so the old log-probs are a forward of their own, a
