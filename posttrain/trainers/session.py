@@ -1,6 +1,7 @@
 """How a run starts and, for the single-model trainers, how it is set up and ends:
 
-- `RunStart` — what every trainer (SFT, RM, DPO, PPO) does first: hardware defaults, config echo,
+- `RunStart` — what every trainer (SFT, RM, DPO, PPO) does first: the heap policy
+  (`utils.memory.apply_heap_policy`), hardware defaults, config echo,
   the run folders claimed (`run_folders.claim_run_folders`), config.yaml, seeding, metric sinks;
 - `SingleModelRun` — SFT/RM/DPO on top of it: tokenizer, data rows, model, train engine, the step
   loop (`single_model_loop.SingleModelLoop`, a `run_loop.RunLoop`), and the final Hugging Face export
@@ -42,6 +43,7 @@ from posttrain.trainers.single_model_loop import LoopSettings, SingleModelLoop
 from posttrain.utils.checkpoint import disk_full_as_error
 from posttrain.utils.interrupt import interrupt_as_error
 from posttrain.utils.log import info, rank_info
+from posttrain.utils.memory import apply_heap_policy
 from posttrain.utils.metrics import MetricsLogger
 from posttrain.utils.seeding import set_seed
 
@@ -60,6 +62,7 @@ class RunStart:
     releases it too."""
 
     def __init__(self, cfg: TrainerConfig) -> None:
+        apply_heap_policy()
         self.device = pick_device()
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.is_main = int(os.environ.get("RANK", "0")) == 0

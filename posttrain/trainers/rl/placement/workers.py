@@ -15,6 +15,7 @@ import torch
 from posttrain.models.lora_sync import is_adapter_name
 from posttrain.trainers.rl.placement.transport import experience_from_numpy
 from posttrain.trainers.rl.placement.weight_sync import SyncGroup
+from posttrain.utils.memory import apply_heap_policy
 from posttrain.utils.weights_hash import NamedTensors, WeightsDigest, named_tensors
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ class _Process:
     def __init__(self, threads: int, env: dict[str, str]) -> None:
         os.environ.update(env)
         torch.set_num_threads(max(1, threads))
+        apply_heap_policy()
 
     def pid(self) -> int:
         return os.getpid()
