@@ -35,6 +35,20 @@ TAG = "engine"
 
 GRAD_ACCUM_DTYPES = (None, "fp32", "bf16", "fp16")
 REDUCE_BUCKET_ELEMENTS = 50_000_000  # most gradient elements reduced per bucket under ZeRO-2/3 (200 MB in fp32)
+# ZeRO-3: most parameter elements a rank holds gathered at once (`stage3_max_live_parameters`) and the distance
+# (in elements fetched) within which a gathered parameter is kept for its next use (`stage3_max_reuse_distance`):
+# both 1/8 of the model, between these bounds. DeepSpeed's defaults, 1e9 (the upper bound), exceed any model
+# below 1B parameters: once DeepSpeed had traced a step, every gathered parameter was kept until its next use,
+# so each rank held the whole model gathered at the turn from forward to backward, and a frozen model's ranks
+# held it between forwards (bench/RESULTS.md, issue 30). Both limits are needed: the first bounds the prefetch,
+# the second lets a used parameter go.
+LIVE_PARAMETERS_MIN, LIVE_PARAMETERS_MAX = 10_000_000, 1_000_000_000
+
+
+def live_parameters(model_numel: int) -> int:
+    """`stage3_max_live_parameters` and `stage3_max_reuse_distance` for a model of `model_numel` elements:
+    numel / 8 within the bounds above."""
+    return min(LIVE_PARAMETERS_MAX, max(LIVE_PARAMETERS_MIN, model_numel // 8))
 _GENERATION = "posttrain.gathered_for_generation"  # marks ZeRO-3 parameters held by a generation
 
 
@@ -65,11 +79,12 @@ def start_process_group() -> None:
 def ds_config(*, zero_stage: int, world_size: int, max_norm: float, param_dtype: str = "fp32",
               adam_offload: bool = False, grad_accum_dtype: str | None = None, zpg: int = 1,
               overlap_comm: bool = False, clip_in_deepspeed: bool = True, muon: bool = False,
-              trainable: int | None = None) -> dict:
+              trainable: int | None = None, model_numel: int | None = None) -> dict:
     """The DeepSpeed config dict (validated arguments; see the module docstring for the choices).
     `trainable`: the model's trainable elements; the gradient reduce bucket (ZeRO-2/3), which DeepSpeed
     allocates whole on every rank, holds at most them (a LoRA adapter's) and at most
-    `REDUCE_BUCKET_ELEMENTS` (DeepSpeed's default, 5e8, is a 1.9 GB fp32 buffer)."""
+    `REDUCE_BUCKET_ELEMENTS` (DeepSpeed's default, 5e8, is a 1.9 GB fp32 buffer). `model_numel`: the whole
+    model's elements; under ZeRO-3 a rank holds at most `live_parameters(model_numel)` of them gathered."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if param_dtype not in PARAM_DTYPES:
@@ -87,6 +102,8 @@ def ds_config(*, zero_stage: int, world_size: int, max_norm: float, param_dtype:
     zero: dict = {"stage": zero_stage, "overlap_comm": overlap_comm, "contiguous_gradients": zero_stage >= 2}
     if zero_stage >= 2:
         zero["reduce_bucket_size"] = min(REDUCE_BUCKET_ELEMENTS, max(trainable or REDUCE_BUCKET_ELEMENTS, 1_000_000))
+    if zero_stage == 3 and model_numel is not None:
+        zero["stage3_max_live_parameters"] = zero["stage3_max_reuse_distance"] = live_parameters(model_numel)
     if muon:  # DeepSpeed's Muon needs whole-gradient reduction (it orthogonalizes full matrices)
         zero["reduce_scatter"] = False
     if adam_offload:
@@ -114,6 +131,11 @@ def ds_config(*, zero_stage: int, world_size: int, max_norm: float, param_dtype:
     return cfg
 
 
+def numel(model: torch.nn.Module, trainable_only: bool = False) -> int:
+    """The model's parameter elements, whole (`ds_numel`) when they are ZeRO-3 shards."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
 class DeepSpeedEngine(TrainEngine):
     """``deepspeed.initialize`` around ``model`` with the gradient-sum contract (module docstring)."""
 
@@ -139,8 +161,7 @@ class DeepSpeedEngine(TrainEngine):
         config = ds_config(zero_stage=zero_stage, world_size=self.world_size, max_norm=max_norm,
                            param_dtype=param_dtype, adam_offload=ds.adam_offload, grad_accum_dtype=ds.grad_accum_dtype,
                            zpg=ds.zpg, overlap_comm=ds.overlap_comm, clip_in_deepspeed=not self._hook_clip,
-                           muon=opt.optim == "muon", trainable=sum(
-                               getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad))
+                           muon=opt.optim == "muon", trainable=numel(model, trainable_only=True), model_numel=numel(model))
 
         groups = param_groups(model, opt)
         if opt.optim == "muon":

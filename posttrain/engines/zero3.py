@@ -27,8 +27,8 @@ import torch
 from posttrain.config.sections import DSConfig
 from posttrain.engines import dist as pdist
 from posttrain.engines.base import TrainEngine
-from posttrain.engines.deepspeed_engine import ds_config, import_deepspeed, start_process_group
-from posttrain.utils.memory import mmap_threshold, release_freed_memory
+from posttrain.engines.deepspeed_engine import ds_config, import_deepspeed, numel, start_process_group
+from posttrain.utils.memory import mmap_threshold, release_freed_memory, run_mmap_threshold
 
 
 def zero3_active(zero_stage: int | None) -> bool:
@@ -36,13 +36,14 @@ def zero3_active(zero_stage: int | None) -> bool:
     return zero_stage == 3 and pdist.env_world()[1] > 1
 
 
-def zero3_config(ds: DSConfig | None, *, offload_params: bool = False) -> dict:
+def zero3_config(ds: DSConfig | None, *, offload_params: bool = False, model_numel: int | None = None) -> dict:
     """The DeepSpeed config of a ZeRO-3 model of this world (dtype and ZeRO++ partitioning from `ds`;
-    `offload_params`: shards in CPU memory, only with an accelerator)."""
+    `offload_params`: shards in CPU memory, only with an accelerator; `model_numel`: bounds the gathered
+    parameters, `deepspeed_engine.live_parameters`)."""
     ds = ds or DSConfig(param_dtype="fp32")
     gpu = torch.cuda.is_available()
     config = ds_config(zero_stage=3, world_size=pdist.env_world()[1], max_norm=0.0,
-                       param_dtype=ds.param_dtype or "fp32", zpg=ds.zpg if gpu else 1)
+                       param_dtype=ds.param_dtype or "fp32", zpg=ds.zpg if gpu else 1, model_numel=model_numel)
     if offload_params and gpu:
         config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     return config
@@ -64,7 +65,7 @@ def sharded_loading(ds: DSConfig | None, zero_stage: int | None, *, offload_para
     finally:
         unset_hf_deepspeed_config()
         del live
-        mmap_threshold(_LARGE_MMAP)
+        mmap_threshold(run_mmap_threshold() or _LARGE_MMAP)
         release_freed_memory()
 
 
@@ -106,7 +107,7 @@ class FrozenShards(TrainEngine):
         start_process_group()
         self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         model.requires_grad_(False)
-        config = zero3_config(ds, offload_params=offload)
+        config = zero3_config(ds, offload_params=offload, model_numel=numel(model))
         config.pop("gradient_clipping", None)
         self.engine, *_ = deepspeed.initialize(model=model, config=config)
         self.engine.eval()
