@@ -12,8 +12,9 @@ import sys
 import torch
 
 os.environ.setdefault("DS_BUILD_OPS", "0")
-import posttrain.engines.deepspeed_engine as ds_engine  # noqa: E402
 from engines_common import tiny_llama, train_engine  # noqa: E402
+
+import posttrain.engines.deepspeed_engine as ds_engine  # noqa: E402
 
 ds_engine.LIVE_PARAMETERS_MIN = 1  # numel / 8 of this tiny model
 make = ds_engine.ds_config
