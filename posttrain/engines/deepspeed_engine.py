@@ -82,8 +82,9 @@ def ds_config(*, zero_stage: int, world_size: int, max_norm: float, param_dtype:
               trainable: int | None = None, model_numel: int | None = None) -> dict:
     """The DeepSpeed config dict (validated arguments; see the module docstring for the choices).
     `trainable`: the model's trainable elements; the gradient reduce bucket (ZeRO-2/3), which DeepSpeed
-    allocates whole on every rank, holds at most them (a LoRA adapter's) and at most
-    `REDUCE_BUCKET_ELEMENTS` (DeepSpeed's default, 5e8, is a 1.9 GB fp32 buffer). `model_numel`: the whole
+    allocates whole on every rank, holds 1/8 of them, at least 1e6 and at most `REDUCE_BUCKET_ELEMENTS`
+    (DeepSpeed's default, 5e8, is a 1.9 GB fp32 buffer; a bucket as large as the gradient doubled a small
+    model's gradient memory per rank). `model_numel`: the whole
     model's elements; under ZeRO-3 a rank holds at most `live_parameters(model_numel)` of them gathered."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
@@ -101,7 +102,8 @@ def ds_config(*, zero_stage: int, world_size: int, max_norm: float, param_dtype:
         raise ValueError("zpg (ZeRO++ hierarchical partitioning) needs zero_stage 3")
     zero: dict = {"stage": zero_stage, "overlap_comm": overlap_comm, "contiguous_gradients": zero_stage >= 2}
     if zero_stage >= 2:
-        zero["reduce_bucket_size"] = min(REDUCE_BUCKET_ELEMENTS, max(trainable or REDUCE_BUCKET_ELEMENTS, 1_000_000))
+        zero["reduce_bucket_size"] = min(REDUCE_BUCKET_ELEMENTS,
+                                         max((trainable or 8 * REDUCE_BUCKET_ELEMENTS) // 8, 1_000_000))
     if zero_stage == 3 and model_numel is not None:
         zero["stage3_max_live_parameters"] = zero["stage3_max_reuse_distance"] = live_parameters(model_numel)
     if muon:  # DeepSpeed's Muon needs whole-gradient reduction (it orthogonalizes full matrices)
