@@ -43,13 +43,13 @@ REDUCE_BUCKET_ELEMENTS = 50_000_000  # most gradient elements reduced per bucket
 # held it between forwards (bench/RESULTS.md, issue 30). Both limits are needed: the first bounds the prefetch,
 # the second lets a used parameter go.
 LIVE_PARAMETERS_MIN, LIVE_PARAMETERS_MAX = 10_000_000, 1_000_000_000
+_GENERATION = "posttrain.gathered_for_generation"  # marks ZeRO-3 parameters held by a generation
 
 
 def live_parameters(model_numel: int) -> int:
     """`stage3_max_live_parameters` and `stage3_max_reuse_distance` for a model of `model_numel` elements:
     numel / 8 within the bounds above."""
     return min(LIVE_PARAMETERS_MAX, max(LIVE_PARAMETERS_MIN, model_numel // 8))
-_GENERATION = "posttrain.gathered_for_generation"  # marks ZeRO-3 parameters held by a generation
 
 
 def import_deepspeed():
@@ -84,8 +84,8 @@ def ds_config(*, zero_stage: int, world_size: int, max_norm: float, param_dtype:
     `trainable`: the model's trainable elements; the gradient reduce bucket (ZeRO-2/3), which DeepSpeed
     allocates whole on every rank, holds 1/8 of them, at least 1e6 and at most `REDUCE_BUCKET_ELEMENTS`
     (DeepSpeed's default, 5e8, is a 1.9 GB fp32 buffer; a bucket as large as the gradient doubled a small
-    model's gradient memory per rank). `model_numel`: the whole
-    model's elements; under ZeRO-3 a rank holds at most `live_parameters(model_numel)` of them gathered."""
+    model's gradient memory per rank). `model_numel`: the whole model's elements; under ZeRO-3 a rank
+    holds at most `live_parameters(model_numel)` of them gathered."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if param_dtype not in PARAM_DTYPES:

@@ -242,7 +242,6 @@ def _chunks_match(model, head, batch: dict, keep: torch.Tensor, temperature: flo
            else v for k, v in batch.items()}
     cols = keep[-_CHECK_ROWS:]
     index = torch.arange(len(cols), device=keep.device)
-    labels = torch.zeros(len(cols), dtype=torch.long, device=keep.device)
     with torch.no_grad():
         whole = forward_logits(model, sub, keep=cols).reshape(len(cols), -1)
         labels = whole.argmax(-1)
