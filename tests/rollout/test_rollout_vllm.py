@@ -307,3 +307,28 @@ def test_engine_worker_verifies_base_and_adapter(fake_vllm, lora_policy):
     worker.load_numpy(numpy_state(state), verify=True)
     assert worker.weights_hash() == ls.model_lora_hash(lora_policy)
     assert set(worker.engine._merged.adapter) == {n for n, _ in ls.adapter_pairs(lora_policy)}
+
+
+def test_engine_worker_frees_the_fused_decode_weights_after_each_batch(monkeypatch, tiny_model_dir):
+    """An HF engine in its own Ray process drops its fast-decode fused copies after every batch (the next
+    weight sync replaces them anyway); the next batch rebuilds them and samples the same tokens."""
+    from posttrain.config import backends, parse_config
+    from posttrain.rollout import SamplingParams
+    from posttrain.trainers.rl.placement.workers import EngineWorker
+
+    monkeypatch.setattr(backends, "vllm_unavailable", lambda: "this machine has no CUDA GPU")
+    worker = EngineWorker(1, {})
+    worker.setup(parse_config("ppo", ["--actor.model_name_or_path", str(tiny_model_dir), "--data.prompt_dataset", "x",
+                                      "--vllm.num_engines", "1", "--ds.param_dtype", "fp32"], check=False))
+    fast = worker.engine._fast
+    assert fast is not None  # the tiny llama in fp32 on CPU decodes on the fast path
+    built = []
+    pack = fast._packs
+    monkeypatch.setattr(fast, "_packs", lambda *a, **k: built.append(1) or pack(*a, **k))
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=3)
+    first = worker.generate([[5, 6, 7], [8, 9]], params, None, [11, 12])
+    assert built and fast._weight_cache == {}
+    count = len(built)
+    again = worker.generate([[5, 6, 7], [8, 9]], params, None, [11, 12])
+    assert len(built) == 2 * count and fast._weight_cache == {}  # rebuilt for the batch, freed after it
+    assert [[o.output_token_ids for o in g] for g in again] == [[o.output_token_ids for o in g] for g in first]

@@ -226,11 +226,25 @@ class EngineWorker(_Process):
         return self.engine.eos_token_ids
 
     def generate(self, prompts, params, max_new_tokens, seeds):
-        return self.engine.generate(prompts, params, max_new_tokens=max_new_tokens, seeds=seeds)
+        with self._released_decode_weights():
+            return self.engine.generate(prompts, params, max_new_tokens=max_new_tokens, seeds=seeds)
 
     def run_episodes(self, prompts, params, groups: list[int]) -> list[tuple]:
         """`AgentRunner.collect` of these prompts' episodes on this engine (continuous batching on HF)."""
-        return self.agents.collect(prompts, params, groups)
+        with self._released_decode_weights():
+            return self.agents.collect(prompts, params, groups)
+
+    @contextlib.contextmanager
+    def _released_decode_weights(self):
+        """The HF engine's fast-decode fused weight copies are freed after each batch: the next weight sync
+        replaces them anyway, and between batches they would hold a second copy of the linear weights in
+        this process through the actor's update (2 GB at the 0.5B shape; rebuilding them costs one copy)."""
+        try:
+            yield
+        finally:
+            release = getattr(self.engine, "release_decode_weights", None)
+            if release is not None:
+                release()
 
     def weights_hash(self) -> str | None:
         own = self.engine.weights_hash()
