@@ -23,7 +23,8 @@ row chunks inside activation checkpoints, so forward keeps no logits and backwar
 at a time (peak: about 4 chunks of logits instead of 4 whole [R, K, V] tensors; cost: the head's
 forward once more). The first call on a model checks the chunked result against the whole-logits one
 on a few rows and keeps the whole-logits path when they differ (a model that transforms its logits
-after the head, e.g. soft-capping) or when the head is a ZeRO-3 shard (one gather per chunk).
+after the head, e.g. soft-capping) or when the head is a ZeRO-3 shard (each chunk would gather it: a
+collective call, and ranks with other micro-batches would make other numbers of them).
 """
 from __future__ import annotations
 
