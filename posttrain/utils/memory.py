@@ -10,8 +10,9 @@ training process runs with.
 Why a heap policy: glibc serves blocks below its mmap threshold from the heap, and the threshold rises
 (up to 32 MiB) each time a mapped block is freed. A training step allocates and frees many 1-32 MiB
 activations in changing orders; freed heap memory stays resident and fragmented, so the resident set
-grows well above the live tensors (bench/RESULTS.md: 0.5B LoRA GRPO step, peak 7.46 GiB with glibc's
-default, 4.81 GiB with blocks from 1 MiB mapped, for ~14% more step time from the page faults)."""
+grows well above the live tensors. Blocks from 4 MiB get their own mapping (bench/RESULTS.md, 0.5B LoRA
+GRPO step: peak 7.10 GiB with glibc's default, 5.38 with 4 MiB; 1 MiB gave 4.86 but made a 29M-parameter
+model's step 1.5x slower, from page faults on every reuse of a mapped block)."""
 from __future__ import annotations
 
 import os
@@ -88,7 +89,7 @@ def mmap_threshold(size: int) -> None:
         libc.mallopt(-3, size)  # M_MMAP_THRESHOLD
 
 
-RUN_MMAP_THRESHOLD = 1 << 20  # blocks from 1 MiB get their own mapping in a training process
+RUN_MMAP_THRESHOLD = 4 << 20  # blocks from 4 MiB get their own mapping in a training process
 _USER_THRESHOLD = "MALLOC_MMAP_THRESHOLD_"  # glibc's own setting; when set, the user's choice stands
 
 

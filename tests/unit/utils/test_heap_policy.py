@@ -1,4 +1,4 @@
-"""The heap policy of a training process (utils.memory.apply_heap_policy): freed 2 MiB blocks go back to
+"""The heap policy of a training process (utils.memory.apply_heap_policy): freed 8 MiB blocks go back to
 the OS under it, and stay resident in glibc's heap without it; the user's MALLOC_MMAP_THRESHOLD_ wins."""
 import subprocess
 import sys
@@ -8,7 +8,7 @@ import pytest
 
 from posttrain.utils import memory
 
-# Raise glibc's dynamic threshold (free a 16 MiB mapped block), then allocate 256 x 2 MiB, free every other
+# Raise glibc's dynamic threshold (free a 24 MiB mapped block), then allocate 64 x 8 MiB, free every other
 # one and report how much of the freed 256 MiB left the resident set.
 _PROBE = textwrap.dedent("""
     import sys
@@ -18,9 +18,9 @@ _PROBE = textwrap.dedent("""
         memory.apply_heap_policy()
     def rss():
         return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) * 1024
-    big = torch.ones(4 << 20)
+    big = torch.ones(6 << 20)
     del big
-    blocks = [torch.ones(512 << 10) for _ in range(256)]
+    blocks = [torch.ones(2 << 20) for _ in range(64)]
     before = rss()
     del blocks[::2]
     print((before - rss()) / (256 << 20))
