@@ -577,9 +577,10 @@ def ratios(size: str, res: dict[str, dict], m: dict) -> list[str]:
         if z in ok and single in ok:
             procs, one = ok[z]["procs"], ok[single]
             model = param_opt_bytes(z, m)["per rank (actor + ref)"] / param_opt_bytes(single, m)["trainer"]
-            parts = []
+            parts, measured = [], []
             for r in range(2):
                 mine = [p for p in procs if p["role"] in ("actor", "ref") and p["rank"] == r]
+                measured.append(sum(_measured(p) or 0 for p in mine) / (_measured(one) or 1))
                 live = sum(p["live_tensors"][0] for p in mine) / one["live_tensors"][0]
                 # the actor rank's largest storage is DeepSpeed's reduce bucket, allocated whole, touched in part
                 bucket = max((p["live_tensors"][1] for p in mine if p["role"] == "actor"), default=0)
@@ -587,8 +588,6 @@ def ratios(size: str, res: dict[str, dict], m: dict) -> list[str]:
                 peak = sum(p["end"]["VmHWM"] for p in mine) / one["status"]["end"]["VmHWM"]
                 parts.append(f"rank {r}: live tensors {live:.2f}x ({rest:.2f}x without the reduce bucket), "
                              f"peak RSS {peak:.2f}x")
-            measured = [sum(_measured(p) or 0 for p in procs if p["role"] in ("actor", "ref") and p["rank"] == r)
-                        / (_measured(one) or 1) for r in range(2)]
             out.append(f"- {size}, {z} per rank (actor rank i + ref rank i) / {single} in one process: param + optimizer "
                        f"measured (live tensors before the optimizer step) **{max(measured):.2f}x** (goal <= 0.6; "
                        f"rank 0 {measured[0]:.2f}x, rank 1 {measured[1]:.2f}x), model {model:.2f}x; " + "; ".join(parts))

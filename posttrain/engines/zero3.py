@@ -77,15 +77,8 @@ _SMALL_MMAP, _LARGE_MMAP = 128 * 1024, 32 * 1024 * 1024  # glibc's initial and l
 
 def shard_numel(model: torch.nn.Module) -> tuple[int, int]:
     """(parameter elements held by this rank, elements of the whole model); equal when not sharded."""
-    own = full = 0
-    for p in model.parameters():
-        if hasattr(p, "ds_tensor"):
-            own += p.ds_tensor.numel()
-            full += p.ds_numel
-        else:
-            own += p.numel()
-            full += p.numel()
-    return own, full
+    own = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
+    return own, numel(model)
 
 
 def describe_shards(role: str, model: torch.nn.Module) -> str:

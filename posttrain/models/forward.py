@@ -195,27 +195,18 @@ def _plain_head(model) -> torch.nn.Linear | None:
     return head if accepts_logits_to_keep(model) else None
 
 
-class _Bypass:
-    """The head's pre-hook: while `capture` is on, keep the head's input and hand the head no rows."""
-
-    def __init__(self) -> None:
-        self.capture = False
-        self.seen: list[torch.Tensor] = []
-
-    def __call__(self, _module, args):
-        if not self.capture:
-            return None
-        self.seen.append(args[0])
-        return (args[0][..., :0, :],) + tuple(args[1:])
-
-
 @contextlib.contextmanager
 def _captured_head_input(head):
-    bypass = _Bypass()
+    """While inside, the head's pre-hook keeps the head's input (yielded list) and hands the head no rows."""
+    seen: list[torch.Tensor] = []
+
+    def bypass(_module, args):
+        seen.append(args[0])
+        return (args[0][..., :0, :],) + tuple(args[1:])
+
     handle = head.register_forward_pre_hook(bypass)
-    bypass.capture = True
     try:
-        yield bypass.seen
+        yield seen
     finally:
         handle.remove()
 
