@@ -30,6 +30,7 @@ from posttrain.engines import dist as pdist
 from posttrain.engines.base import TrainEngine, read_meta, write_meta
 from posttrain.engines.optim import param_groups
 from posttrain.engines.schedulers import build_scheduler, schedule_of
+from posttrain.engines.zero3_step import lean_step
 
 TAG = "engine"
 
@@ -190,6 +191,8 @@ class DeepSpeedEngine(TrainEngine):
 
         self.engine, self.optimizer, _, self.scheduler = self._ds.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+        if zero_stage == 3:  # no second copy of the weights or the gradients at the step (zero3_step)
+            lean_step(self.engine.optimizer)
 
     def _clip_hook(self, optimizer, args: tuple, kwargs: dict) -> None:
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
