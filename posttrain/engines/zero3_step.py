@@ -15,11 +15,16 @@ that hold nothing new when the parameters are already in the master dtype and no
   into a new tensor (``_prepare_fp32_grad_for_sub_group``); with the default ``sub_group_size`` (1e9
   elements, one sub-group below 1B parameters per rank) that is a second copy of the whole gradient
   partition, alive at the step's peak. The master gets a view of the gradient buffer instead when the
-  sub-group's gradients lie there in order, in the master's dtype; the next backward overwrites (does
-  not accumulate into) the buffer.
+  sub-group's gradients lie there in order, in the master's dtype, and the view is zeroed once the
+  sub-group has stepped. DeepSpeed never clears that buffer: the first backward of a step overwrites
+  the slots of the parameters that get a gradient, so a parameter without one in a step (not used by
+  its forwards, an expert no token was routed to) stepped again with its last gradient, and one first
+  used after the first micro-batch added to it. Zeroed, such a parameter steps with a zero gradient
+  and accumulates from zero.
 
 Where a condition does not hold (other dtypes, offload, other DeepSpeed internals) DeepSpeed's own
-behaviour stays. The weights are bit-identical either way (``tests/engines/test_zero3_step.py``).
+behaviour stays. When every trained parameter gets a gradient in the first micro-batch of each step
+the weights are bit-identical either way (``tests/engines/test_zero3_step.py``).
 """
 
 from __future__ import annotations
@@ -77,8 +82,12 @@ def share_flat_gradients(optimizer) -> bool:
     """Hand each sub-group its gradient as a view of the flat gradient buffer (module docstring); returns
     whether it was installed."""
     prepare = getattr(optimizer, "_prepare_fp32_grad_for_sub_group", None)
-    if prepare is None or not _in_memory(optimizer) or not hasattr(optimizer, "averaged_gradients"):
+    if (prepare is None or not hasattr(optimizer, "_release_sub_group") or not _in_memory(optimizer)
+            or not hasattr(optimizer, "averaged_gradients")):
         return False
+
+    release = optimizer._release_sub_group
+    handed: dict[int, torch.Tensor] = {}  # sub-group -> the buffer view its step reads
 
     def prepare_as_view(sub_group_id: int) -> None:
         master = optimizer.fp32_partitioned_groups_flat[sub_group_id]
@@ -86,8 +95,15 @@ def share_flat_gradients(optimizer) -> bool:
         if grad is None or grad.dtype != master.dtype or grad.numel() != master.numel() or grad.device != master.device:
             prepare(sub_group_id)
             return
-        master.grad = grad
+        master.grad = handed[sub_group_id] = grad
         optimizer.averaged_gradients[sub_group_id] = None
 
+    def release_cleared(sub_group_id: int, *args, **kwargs):
+        grad = handed.pop(sub_group_id, None)
+        if grad is not None:  # stepped: the next step starts from zero (module docstring)
+            grad.zero_()
+        return release(sub_group_id, *args, **kwargs)
+
     optimizer._prepare_fp32_grad_for_sub_group = prepare_as_view
+    optimizer._release_sub_group = release_cleared
     return True

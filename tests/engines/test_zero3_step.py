@@ -1,6 +1,6 @@
 """ZeRO-3's optimizer step without DeepSpeed's two extra copies (`engines.zero3_step`): the master weights
 are the parameter partitions and the step's gradient is the flat gradient buffer; the same weights bit
-for bit."""
+for bit; and a parameter without a gradient in a step steps with zero, not with its last gradient."""
 import os
 import re
 import subprocess
@@ -51,3 +51,6 @@ def test_the_step_shares_weights_and_gradients_and_trains_identically():
         assert runs[(name, False)][:2] == (False, False), out  # the control: DeepSpeed's copies
         assert f"{name} identical=True" in out, out
     assert runs[("split", True)][2] > runs[("default", True)][2], out  # several sub-groups per parameter group
+    unused = dict(re.findall(r"unused lean=(\w+) gradient=(\S+)", out))
+    assert float(unused["False"]) > 0, out  # DeepSpeed's own: the last step's gradient again
+    assert float(unused["True"]) == 0, out  # cleared after each step: a parameter without a gradient steps with 0
