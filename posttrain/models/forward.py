@@ -17,14 +17,16 @@ tensor, transformers' `logits_to_keep`), so no [B, T, V] tensor exists beyond th
 reads; a model without `logits_to_keep` computes all columns and is indexed afterwards.
 
 `forward_logprobs(..., keep, index, labels, temperature)` = `gathered_logprobs` of those logits, computed
-without holding them whole when they are large (more than `LOGITS_CHUNK_BYTES`): the LM head's input is
-taken at its pre-hook (the head itself runs on no rows there), and the head and the log-prob run on
-row chunks inside activation checkpoints, so forward keeps no logits and backward recomputes one chunk
-at a time (peak: about 4 chunks of logits instead of 4 whole [R, K, V] tensors; cost: the head's
-forward once more). The first call on a model checks the chunked result against the whole-logits one
-on a few rows and keeps the whole-logits path when they differ (a model that transforms its logits
-after the head, e.g. soft-capping) or when the head is a ZeRO-3 shard (each chunk would gather it: a
-collective call, and ranks with other micro-batches would make other numbers of them).
+without holding them whole when they are large (more than `LOGITS_CHUNK_BYTES`): for that one forward the
+LM head's `forward` is replaced by one that returns the log-probs instead of the logits, computing the
+head and the log-prob on row chunks inside activation checkpoints, so forward keeps no logits and backward
+recomputes one chunk at a time (peak: about 4 chunks of logits instead of 4 whole [R, K, V] tensors; cost:
+the head's forward once more). The head is still called once per forward, as a module, so ZeRO-3 gathers
+its weight once for the forward and once for the backward, as on the whole-logits path: ranks whose
+micro-batches take different paths make the same collective calls. The first call on a model checks the
+chunked result against the whole-logits one on a few rows and keeps the whole-logits path when they differ
+(a model that transforms its logits after the head, e.g. soft-capping); under ZeRO-3 every rank runs that
+check on its first call, whatever its micro-batch's size (the check's forwards are collective too).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import inspect
 import weakref
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from posttrain.algorithms.losses import gathered_logprobs
@@ -161,67 +164,65 @@ def forward_logprobs(model, batch: dict, keep: torch.Tensor, index: torch.Tensor
     float32 [M], with the logits in row chunks when they exceed `chunk_bytes` (module doc)."""
     budget = LOGITS_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     head = _plain_head(model)
-    rows = batch["input_ids"].shape[0] * len(keep)
     vocab = head.out_features if head is not None else 0
-    if head is None or rows * vocab * 4 <= budget or not _chunks_match(model, head, batch, keep, temperature):
+    large = batch["input_ids"].shape[0] * len(keep) * vocab * 4 > budget
+    checked = head is not None and (large or hasattr(head.weight, "ds_id")) and _chunks_match(
+        model, head, batch, keep, temperature)
+    if not (checked and large):
         logits = forward_logits(model, batch, keep=keep)
         return gathered_logprobs(logits.reshape(-1, logits.shape[-1]), index, labels, temperature)
-    hidden = _head_input(model, head, batch, keep)  # [R, K, H]
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    size = max(1, budget // (vocab * 4))
-    out, where = [], []
-    for start in range(0, flat.shape[0], size):
-        sel = ((index >= start) & (index < start + size)).nonzero().squeeze(-1)
-        if not len(sel):
-            continue
-        rows_at, ids = index[sel] - start, labels[sel]
-        out.append(checkpoint(_chunk_logprobs, head, flat[start:start + size], rows_at, ids, temperature,
-                              use_reentrant=False))
-        where.append(sel)
-    result = torch.zeros(len(index), dtype=torch.float32, device=flat.device)
-    return result.index_copy(0, torch.cat(where), torch.cat(out)) if out else result
+    with _head_returns_logprobs(head, index, labels, temperature, max(1, budget // (vocab * 4))) as calls:
+        out = model(**model_inputs(model, batch), logits_to_keep=keep).logits
+    if calls[0] != 1:
+        raise RuntimeError(f"the LM head ran {calls[0]} times in one forward (expected once)")
+    return out
 
 
 def _plain_head(model) -> torch.nn.Linear | None:
-    """The LM head when the chunked path may apply: a Linear output layer, not a ZeRO-3 shard, on a model
-    that takes `logits_to_keep`."""
+    """The LM head when the chunked path may apply: a Linear output layer of a model that takes
+    `logits_to_keep`."""
     base = unwrap_model(model)
     if hasattr(base, "peft_config"):
         base = base.get_base_model()
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    weight = getattr(head, "weight", None)
-    if not isinstance(head, torch.nn.Linear) or weight is None or hasattr(weight, "ds_id"):
+    if not isinstance(head, torch.nn.Linear) or getattr(head, "weight", None) is None:
         return None
     return head if accepts_logits_to_keep(model) else None
 
 
 @contextlib.contextmanager
-def _captured_head_input(head):
-    """While inside, the head's pre-hook keeps the head's input (yielded list) and hands the head no rows."""
-    seen: list[torch.Tensor] = []
+def _head_returns_logprobs(head: torch.nn.Linear, index: torch.Tensor, labels: torch.Tensor, temperature: float,
+                           chunk_rows: int):
+    """While inside, `head`'s forward returns `gathered_logprobs` [M] of its output's rows (flattened) at
+    `index` instead of the logits, `chunk_rows` rows of logits at a time, each chunk in an activation
+    checkpoint; yields [number of calls]."""
+    calls = [0]
 
-    def bypass(_module, args):
-        seen.append(args[0])
-        return (args[0][..., :0, :],) + tuple(args[1:])
+    def logprobs(hidden: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        out, where = [], []
+        for start in range(0, flat.shape[0], chunk_rows):
+            sel = ((index >= start) & (index < start + chunk_rows)).nonzero().squeeze(-1)
+            if len(sel):
+                out.append(checkpoint(_chunk_logprobs, head, flat[start:start + chunk_rows], index[sel] - start,
+                                      labels[sel], temperature, use_reentrant=False))
+                where.append(sel)
+        result = torch.zeros(len(index), dtype=torch.float32, device=flat.device)
+        return result.index_copy(0, torch.cat(where), torch.cat(out)) if out else result
 
-    handle = head.register_forward_pre_hook(bypass)
+    head.forward = logprobs
     try:
-        yield seen
+        yield calls
     finally:
-        handle.remove()
+        del head.forward
 
 
-def _head_input(model, head, batch: dict, keep: torch.Tensor) -> torch.Tensor:
-    with _captured_head_input(head) as seen:
-        model(**model_inputs(model, batch), logits_to_keep=keep)
-    if len(seen) != 1:
-        raise RuntimeError(f"the LM head ran {len(seen)} times in one forward (expected once)")
-    return seen[0]
-
-
-def _chunk_logprobs(head, hidden: torch.Tensor, rows: torch.Tensor, labels: torch.Tensor,
+def _chunk_logprobs(head: torch.nn.Linear, hidden: torch.Tensor, rows: torch.Tensor, labels: torch.Tensor,
                     temperature: float) -> torch.Tensor:
-    return gathered_logprobs(head(hidden).float(), rows, labels, temperature)
+    """The head's weights used directly (calling the module would re-enter its hooks and the replaced forward);
+    under ZeRO-3 they are gathered while the head's forward or backward runs."""
+    return gathered_logprobs(F.linear(hidden, head.weight, head.bias).float(), rows, labels, temperature)
 
 
 def _chunks_match(model, head, batch: dict, keep: torch.Tensor, temperature: float) -> bool:
@@ -238,9 +239,9 @@ def _chunks_match(model, head, batch: dict, keep: torch.Tensor, temperature: flo
         whole = forward_logits(model, sub, keep=cols).reshape(len(cols), -1)
         labels = whole.argmax(-1)
         want = gathered_logprobs(whole, index, labels, temperature)
-        hidden = _head_input(model, head, sub, cols).reshape(len(cols), -1)
-        got = _chunk_logprobs(head, hidden, index, labels, temperature)
-    _chunking_ok[base] = ok = bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4))
+        with _head_returns_logprobs(head, index, labels, temperature, chunk_rows=1):
+            got = model(**model_inputs(model, sub), logits_to_keep=cols).logits.float().reshape(-1)
+    _chunking_ok[base] = ok = got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4))
     return ok
 
 

@@ -2,7 +2,8 @@
 each rank loads only its shard of every model (a LoRA actor, the reference, the reward model), and
 what the sharded roles compute equals the same roles built whole in this process — the reference's
 log-probs and the reward model's scores with ranks that run different numbers of forwards (one rank
-with nothing to score), the LoRA actor's weights (base and freshly initialised adapters) and log-probs.
+with nothing to score), the LoRA actor's weights (base and freshly initialised adapters) and log-probs;
+and log-probs in row chunks on one rank and whole on the other equal the whole computation.
 The whole PPO run on Ray under ZeRO-3 is `test_rl_ray.py::test_openrlhf_ppo_hybrid_script_equals_one_process_and_resumes`."""
 import os
 import shutil
@@ -103,3 +104,19 @@ def test_a_head_stored_under_another_prefix_is_copied_into_the_sharded_head(shar
         assert sharded[rank]["reward_value_head"]["sharded"]
         assert torch.allclose(sharded[rank]["reward_value_head"]["scores"], whole.score_tokens(rows).rewards,
                               atol=1e-6, rtol=0)
+
+
+def test_log_probs_in_row_chunks_under_zero3_equal_the_whole_logits(sharded):
+    """Rank 0's micro-batches exceed the logits budget and go down the chunked path while rank 1's stay
+    whole: the head's gathers stay collective-matched (no hang), and the log-probs and the full gradients
+    equal the run with every micro-batch whole."""
+    for rank in (0, 1):
+        runs = sharded[rank]["actor_chunks"]
+        assert runs["whole"]["chunked_forwards"] == 1  # the first call's check, on every rank
+        assert runs["chunked"]["chunked_forwards"] == (3 if rank == 0 else 1)
+        for got, want in zip(runs["chunked"]["logprobs"], runs["whole"]["logprobs"], strict=True):
+            assert torch.allclose(got, want, atol=1e-6, rtol=0), rank
+    got, want = sharded[0]["actor_chunks"]["chunked"]["grads"], sharded[0]["actor_chunks"]["whole"]["grads"]
+    assert got.keys() == want.keys() and all(g is not None for g in want.values())
+    for name, g in want.items():
+        assert torch.allclose(got[name], g, atol=1e-5, rtol=1e-5), (name, float((got[name] - g).abs().max()))

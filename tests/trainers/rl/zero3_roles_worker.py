@@ -14,7 +14,11 @@ same roles built whole in its own process:
 - "reward": `RewardModelSource(..., zero_stage=3)`: held parameters and the scores of ROWS["reward"][rank]
   (batches of two; a rank with fewer batches, or none, runs discarded ones);
 - "reward_value_head": the same reward model with its head stored under `value_head` (--ds.value_head_prefix),
-  copied into the sharded score head.
+  copied into the sharded score head;
+- "actor_chunks": a full actor's log-probs (`forward_logprobs`, 2 micro-batches with a backward each) and
+  (rank 0) its full gradients, with a logits budget that sends rank 0's micro-batches down the chunked path
+  and rank 1's down the whole-logits one ("chunked"), and with every micro-batch whole ("whole"); and how
+  many forwards took the chunked path on the rank.
 """
 
 import os
@@ -34,7 +38,9 @@ LORA = ("--ds.lora.rank", "4", "--ds.lora.alpha", "8")
 BATCHES = Batching(2, None, False, False)
 # the rows each rank computes (rank 0, rank 1): different numbers of micro-batches, so a rank pads
 ROWS = {"actor": (SEQUENCES[:4], SEQUENCES[4:5]), "ref": (SEQUENCES[:5], SEQUENCES[4:5]),
-        "reward": ([SEQUENCES[:5], SEQUENCES[5:]], [[], SEQUENCES[:3]])}
+        "reward": ([SEQUENCES[:5], SEQUENCES[5:]], [[], SEQUENCES[:3]]),
+        "chunks": ([SEQUENCES[:2], SEQUENCES[2:4]], [SEQUENCES[1:2], SEQUENCES[3:4]])}
+CHUNK_ROWS = 3  # rows of logits per chunk: rank 0's micro-batches have 6 and 10, rank 1's 1 and 2
 
 
 def config(policy: str, rm: str, *extra: str):
@@ -57,6 +63,37 @@ def experience(rows: list[list[int]], pad_id: int) -> Experience:
     zeros = torch.zeros(action.shape)
     return Experience(sequences=seq, attention_mask=mask, action_mask=action, rollout_logp=zeros,
                       rewards=torch.zeros(len(rows)))
+
+
+def chunked_logprobs_and_grads(cfg, tok, rank: int, budget: int) -> dict:
+    """One ZeRO-3 actor's log-probs of ROWS["chunks"][rank] and, after their backwards, its full gradients
+    (collective gathers), with `LOGITS_CHUNK_BYTES` = `budget`."""
+    from deepspeed.utils import safe_get_full_grad
+
+    from posttrain.models import forward
+
+    forward.LOGITS_CHUNK_BYTES = budget
+    chunked, replace = [0], forward._head_returns_logprobs
+
+    def counted(*args, **kwargs):
+        chunked[0] += 1
+        return replace(*args, **kwargs)
+
+    forward._head_returns_logprobs = counted
+    actor = build.build_actor(cfg, tok, torch.device("cpu"), 4, zero_stage=3)
+    values = []
+    for rows in ROWS["chunks"][rank]:
+        exp = experience(rows, tok.pad_token_id)
+        keep = torch.arange(exp.sequences.shape[1] - 1)
+        index = torch.arange(exp.sequences.shape[0] * len(keep))
+        logp = forward.forward_logprobs(actor.engine.model, {"input_ids": exp.sequences,
+                                                             "attention_mask": exp.attention_mask},
+                                        keep, index, exp.sequences[:, 1:].reshape(-1))
+        actor.engine.backward((logp * torch.linspace(-1, 1, len(logp))).sum())
+        values.append(logp.detach())
+    grads = {n: safe_get_full_grad(p) for n, p in actor.engine.module.named_parameters()}
+    forward._head_returns_logprobs = replace
+    return {"logprobs": values, "grads": grads if rank == 0 else None, "chunked_forwards": chunked[0]}
 
 
 def main():
@@ -91,6 +128,13 @@ def main():
                                ds=config(policy, rm).ds, zero_stage=3)
     results["reward_value_head"] = {"sharded": source.engine is not None,
                                     "scores": source.score_tokens(ROWS["reward"][rank][1]).rewards}
+
+    # a full actor's log-probs and gradients with rank 0 chunked and rank 1 whole, and with both whole
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(policy).vocab_size
+    results["actor_chunks"] = {mode: chunked_logprobs_and_grads(config(policy, rm), tok, rank, budget)
+                               for mode, budget in (("chunked", CHUNK_ROWS * vocab * 4), ("whole", 2 ** 40))}
 
     gathered = [None, None]
     torch.distributed.all_gather_object(gathered, results)
