@@ -211,11 +211,15 @@ def _head_returns_logprobs(head: torch.nn.Linear, index: torch.Tensor, labels: t
         result = torch.zeros(len(index), dtype=torch.float32, device=flat.device)
         return result.index_copy(0, torch.cat(where), torch.cat(out)) if out else result
 
+    own = head.__dict__.get("forward")  # a wrapper set on the instance (e.g. accelerate's hooks) comes back after
     head.forward = logprobs
     try:
         yield calls
     finally:
-        del head.forward
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own
 
 
 def _chunk_logprobs(head: torch.nn.Linear, hidden: torch.Tensor, rows: torch.Tensor, labels: torch.Tensor,

@@ -102,3 +102,13 @@ def test_logits_transformed_after_the_head_keep_the_whole_path():
     got = forward_logprobs(model, batch, keep, index, labels, chunk_bytes=5 * VOCAB * 4)
     assert _chunking_ok[model] is False
     assert torch.allclose(got, whole(model, batch, keep, index, labels, 1.0), atol=1e-6, rtol=0)
+
+
+def test_a_forward_set_on_the_head_instance_comes_back():
+    model = llama()
+    own = model.lm_head.forward  # a bound method stored on the instance, as wrappers (accelerate's hooks) do
+    model.lm_head.forward = own
+    batch, keep, index, labels = batch_and_reads()
+    got = forward_logprobs(model, batch, keep, index, labels, chunk_bytes=5 * VOCAB * 4)
+    assert model.lm_head.__dict__["forward"] is own
+    assert torch.allclose(got, whole(model, batch, keep, index, labels, 1.0), atol=1e-6, rtol=0)
