@@ -32,10 +32,10 @@ from __future__ import annotations
 import torch
 
 
-def lean_step(optimizer) -> dict[str, int]:
-    """Both changes (module docstring) on a DeepSpeed ZeRO-3 optimizer; how many sub-groups share master
-    weights, and whether the gradient hand-over was installed."""
-    return {"master weights": share_master_weights(optimizer), "gradients": int(share_flat_gradients(optimizer))}
+def lean_step(optimizer) -> None:
+    """Both changes (module docstring) on a DeepSpeed ZeRO-3 optimizer, each where its conditions hold."""
+    share_master_weights(optimizer)
+    share_flat_gradients(optimizer)
 
 
 def _in_memory(optimizer) -> bool:

@@ -29,7 +29,7 @@ def zero3_engine(lean: bool, sub_group: int | None = None):
         return cfg
 
     ds_engine.ds_config = config
-    ds_engine.lean_step = lean_step if lean else (lambda optimizer: {})
+    ds_engine.lean_step = lean_step if lean else (lambda optimizer: None)
     return train_engine(tiny_llama(0), total_steps=4, zero_stage=3, lr=1e-2, max_norm=0.5, weight_decay=0.1)
 
 
