@@ -186,8 +186,17 @@ def _model_class(auto_cls, config):
 _NEW_HEAD_KEYS = {"score.weight", "score.bias"}  # a score model started from a causal LM gets a new head
 
 
+def hub_kernels_requested() -> bool:
+    """Whether layers may be swapped for kernels downloaded from the Hub (transformers' `use_kernels`). Recent
+    transformers turn that on by default whenever the `kernels` package is installed (it is one of its
+    requirements), so on a GPU loading would fetch and run remote code, and fail offline; posttrain loads
+    without them unless the user sets `USE_HUB_KERNELS` (1 / yes / true / on)."""
+    return os.environ.get("USE_HUB_KERNELS", "").strip().lower() in ("1", "yes", "true", "on")
+
+
 def _from_pretrained_attn(cls, p, dtype, attn_implementation, **kwargs):
     attn = attn_implementation or "sdpa"
+    kwargs["use_kernels"] = hub_kernels_requested()
     try:
         try:
             return cls.from_pretrained(p, dtype=parse_dtype(dtype), attn_implementation=attn, **kwargs)

@@ -74,7 +74,7 @@ def unused_parameter_gradient(lean: bool) -> float:
     data = make_data()
     run_step(engine, data, {0: [[0, 1]]}, 0, pad=False)
     handle = register_optimizer_step_pre_hook(record)
-    embeds = torch.randn(2, data["input_ids"].shape[1], 32, generator=torch.Generator().manual_seed(0))
+    embeds = torch.randn(2, data["input_ids"].shape[1], 32, generator=torch.Generator().manual_seed(0)).to(engine.device)
     engine.backward(engine.model(inputs_embeds=embeds).logits.float().logsumexp(-1).mean())
     engine.step()
     handle.remove()

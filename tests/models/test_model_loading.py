@@ -234,3 +234,17 @@ def test_gradient_checkpointing_same_logits_and_grads(tiny_model_dir):
         forward_logits(m, {"input_ids": IDS}).logsumexp(-1).sum().backward()
         grads.append(m.model.layers[0].mlp.up_proj.weight.grad)
     torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-5)
+
+
+def test_hub_kernels_are_off_unless_asked_for(tiny_model_dir, tiny_score_model_dir, monkeypatch):
+    """transformers turns Hub kernels on by default when `kernels` is installed (on a GPU: remote code
+    fetched at `train()`, an error offline); posttrain loads without them unless USE_HUB_KERNELS is set."""
+    from posttrain.models.loading import hub_kernels_requested
+
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
+    assert not hub_kernels_requested()
+    for model in (load_causal_lm(tiny_model_dir, "fp32"), load_score_model(tiny_score_model_dir, "fp32")):
+        assert getattr(model, "use_kernels", False) is False
+    for value, wanted in (("1", True), ("yes", True), ("0", False), ("", False)):
+        monkeypatch.setenv("USE_HUB_KERNELS", value)
+        assert hub_kernels_requested() is wanted
