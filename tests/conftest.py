@@ -7,7 +7,8 @@ integration tests that train for more than a few seconds. `make test` runs every
 runs `-m "not e2e and not slow"`.
 
 Fixtures: `tiny_model_dir`: a llama "nano" (~1M params) causal LM + tokenizer built
-once per session with `build_tiny` (seed 0), loadable with `from_pretrained`; `tiny_score_model_dir`, its score-head twin. `one_torch_thread`:
+once per session with `build_tiny` (seed 0), loadable with `from_pretrained`; `tiny_score_model_dir`, its score-head twin;
+`tiny_vision_dir`, a tiny Qwen2.5-VL (vision-language). `one_torch_thread`:
 request it (module scope) where tiny models run many small ops."""
 from pathlib import Path
 
@@ -48,6 +49,16 @@ def tiny_score_model_dir(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("tiny-rm") / "llama-nano-score"
     build_tiny(path, arch="llama", size="nano", head="score", seed=1, verbose=False)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_vision_dir(tmp_path_factory):
+    """A tiny Qwen2.5-VL ("nano" language model, `init-tiny --vision`), seed 0; read-only."""
+    from posttrain.models import build_tiny
+
+    path = tmp_path_factory.mktemp("tiny-vlm") / "qwen2_5_vl-nano"
+    build_tiny(path, size="nano", seed=0, verbose=False, vision=True)
     return str(path)
 
 

@@ -22,6 +22,16 @@ def check_output(out: Path, overwrite: bool) -> None:
                         "replace its contents")
 
 
+def check_vision(args) -> None:
+    """Refuse (UserError) --vision with a flag it does not combine with."""
+    if not args.vision:
+        return
+    clash = [f for f, bad in (("--shape", args.shape), ("--arch", args.arch), ("--head score", args.head != "lm"),
+                              ("--dtype bf16", args.dtype != "fp32")) if bad]
+    if clash:
+        raise UserError(f"--vision builds a tiny Qwen2.5-VL from a --size preset in fp32; drop {', '.join(clash)}")
+
+
 def check_shape(shape: str | None, size: str | None, arch: str | None) -> None:
     """Refuse (UserError) an unknown --shape, or one given with --size or another --arch."""
     from posttrain.models import SHAPES
@@ -48,14 +58,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of the saved weights")
     p.add_argument("--head", default="lm", choices=["lm", "score"],
                    help="lm: causal LM; score: sequence-classification model (reward/critic)")
+    p.add_argument("--vision", action="store_true",
+                   help="a tiny vision-language model (Qwen2.5-VL: the --size preset's language model, a small vision "
+                        "tower, an image processor and the tokenizer with the image tokens)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty --output")
     args = p.parse_args(argv)
     with user_errors(PROG):
         check_shape(args.shape, args.size, args.arch)
+        check_vision(args)
         check_output(Path(args.output), args.overwrite)
         summary = build_tiny(args.output, arch=args.arch, size=args.size, head=args.head, seed=args.seed,
-                             overwrite=args.overwrite, shape=args.shape, dtype=args.dtype)
+                             overwrite=args.overwrite, shape=args.shape, dtype=args.dtype,
+                             vision=args.vision)
     print(json.dumps(summary, indent=1, default=str))
     return summary
 

@@ -236,7 +236,17 @@ class DatasetDataConfig(DataConfig):
 
 
 @dataclass
-class SFTDataConfig(DatasetDataConfig):
+class ImageDataFields:
+    """Images in the rows, for a vision-language model (`posttrain sft`: beyond OpenRLHF 0.10.2, which reads
+    images in `ppo` only)."""
+
+    image_key: str = opt("images", "JSON key of the images (paths, data: URIs, base64, bytes; vision-language "
+                         "models)", extension=True)
+    max_images_per_prompt: int = opt(0, "max images per row (0: text only)", ge=0, extension=True)
+
+
+@dataclass
+class SFTDataConfig(ImageDataFields, DatasetDataConfig):
     """Dataset loading and tokenisation (SFT)."""
 
     input_key: str = opt("input", "JSON key of the prompt")

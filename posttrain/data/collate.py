@@ -11,9 +11,23 @@ def _as_list(x) -> list[int]:
     return x.tolist() if isinstance(x, torch.Tensor) else list(x)
 
 
+def merge_image_inputs(samples: Sequence[dict | None], device=None) -> dict[str, torch.Tensor]:
+    """One batch's image tensors (`image_inputs` of vision-language samples): each key concatenated along
+    dim 0 over the samples that have images, in row order, the order a model matches image tokens to
+    images (samples without images contribute nothing); {} when none has."""
+    present = [s for s in samples if s]
+    if not present:
+        return {}
+    keys = present[0].keys()
+    if any(s.keys() != keys for s in present):
+        raise ValueError(f"the samples' image inputs have different keys: {sorted({k for s in present for k in s})}")
+    return {k: torch.cat([torch.as_tensor(s[k]) for s in present]).to(device) for k in keys}
+
+
 def pad_collate(items: Sequence[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad to the longest sample → LongTensors ``input_ids`` (pad_id), ``attention_mask``
-    (1 on real tokens) and ``loss_mask`` (0 on padding), all [B, T]."""
+    (1 on real tokens) and ``loss_mask`` (0 on padding), all [B, T]; plus ``image_inputs`` when samples
+    carry images (`merge_image_inputs`)."""
     if not items:
         raise ValueError("pad_collate: empty batch")
     if pad_id is None:
@@ -32,7 +46,9 @@ def pad_collate(items: Sequence[dict], pad_id: int) -> dict[str, torch.Tensor]:
         ids[b, :n] = torch.tensor(row_ids, dtype=torch.long)
         attn[b, :n] = 1
         loss[b, :n] = torch.tensor(row_mask, dtype=torch.long)
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss}
+    batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": loss}
+    images = merge_image_inputs([it.get("image_inputs") for it in items])
+    return {**batch, "image_inputs": images} if images else batch
 
 
 def pack_collate(items: Sequence[dict]) -> dict:
@@ -41,6 +57,9 @@ def pack_collate(items: Sequence[dict]) -> dict:
     loss_mask entry must be 0 (the alignment contract), so no label crosses a sample boundary."""
     if not items:
         raise ValueError("pack_collate: empty batch")
+    if any(it.get("image_inputs") for it in items):
+        raise ValueError("pack_collate: samples with images cannot be packed (a vision-language model computes "
+                         "its rotary positions per row); drop --ds.packing_samples")
     ids: list[int] = []
     mask: list[int] = []
     pos: list[int] = []

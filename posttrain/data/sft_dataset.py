@@ -30,8 +30,10 @@ from torch.utils.data import Dataset
 
 from .capping import cap_text_fields
 from .errors import DataError, where
+from .images import check_image_count, count_image_parts, row_images, to_vision_messages
 from .templates import check_input_template, format_prompt, render_chat, require_chat_template, to_messages
 from .validation import ensure_location, require_messages, require_text, require_text_or_messages
+from .vision_samples import ImageEncoder, image_placeholder
 
 Segment = tuple[str, int]  # (text, trained 0/1)
 
@@ -57,8 +59,12 @@ class SFTDataset(Dataset):
         apply_chat_template: bool = False,
         multiturn: bool = False,
         pretrain_mode: bool = False,
+        processor: Any = None,
+        image_key: str = "images",
+        max_images: int = 0,
     ):
         self.tokenizer = tokenizer
+        self.processor, self.image_key, self.max_images = processor, image_key, max_images
         self.max_len = max_len
         self.input_key, self.output_key = input_key, output_key
         self.input_template = check_input_template(input_template)
@@ -77,20 +83,48 @@ class SFTDataset(Dataset):
         self.dropped: list[str] = []
         self.num_truncated = 0
         for row, field in zip(rows, fields):
-            ids, mask = self._encode(self._segments(row, field))
+            images = self._images(row, field)
+            if images:
+                encoder = ImageEncoder(tokenizer, processor, images, where(row))
+                ids, mask = encode_segments(tokenizer, self._segments(row, to_vision_field(field)), encoder)
+                sample = {"image_inputs": encoder.image_inputs()}
+            else:
+                ids, mask = self._encode(self._segments(row, field))
+                sample = {}
             if len(ids) > max_len:
+                if images and max(i for i, t in enumerate(ids) if t in self.image_token_ids) >= max_len:
+                    self.dropped.append(where(row))  # cutting an image's tokens would orphan its features
+                    continue
                 ids, mask = ids[:max_len], mask[:max_len]
                 self.num_truncated += 1
             if not any(mask):
                 self.dropped.append(where(row))
                 continue
-            self.samples.append({"input_ids": ids, "loss_mask": mask})
+            self.samples.append({"input_ids": ids, "loss_mask": mask, **sample})
             self.sample_rows.append(where(row))
         if not self.samples:
             raise DataError(
                 f"SFTDataset: all {len(rows)} samples were dropped because the prompt alone fills "
                 f"--data.max_len {max_len} (first: {self.dropped[0]}). Raise --data.max_len."
             )
+
+    # ---- images ----------------------------------------------------------------------------------
+    def _images(self, row: dict, field) -> list:
+        """The row's images (PIL) for a vision-language model, checked against the prompt's placeholders."""
+        if self.processor is None:
+            return []
+        images = row_images(row, self.image_key, self.max_images)
+        if images and not self.chat:
+            raise DataError(f"{where(row)}: a row with images needs --data.apply_chat_template (the chat template "
+                            "places the image tokens)")
+        if images or count_image_parts(field_messages(field)):
+            check_image_count(field_messages(field), images, where(row))
+        return images
+
+    @property
+    def image_token_ids(self) -> set[int]:
+        token = image_placeholder(self.processor)
+        return set(self.tokenizer.convert_tokens_to_ids([token]))
 
     # ---- options and row checks -------------------------------------------------------------
     def _check_options(self) -> None:
@@ -217,20 +251,37 @@ class SFTDataset(Dataset):
         return len(self.samples)
 
     def __getitem__(self, i: int) -> dict:
-        s = self.samples[i]
-        return {"input_ids": s["input_ids"], "loss_mask": s["loss_mask"]}
+        return dict(self.samples[i])
 
 
-def encode_segments(tokenizer: Any, segments: list[Segment]) -> tuple[list[int], list[int]]:
+def field_messages(field) -> list[dict] | str:
+    """The messages of a validated chat field (all of them: a multiturn list, or the full conversation)."""
+    if isinstance(field, tuple):
+        return field[-1] if isinstance(field[-1], list) else field[0]
+    return field
+
+
+def to_vision_field(field):
+    """A validated chat field with its messages' contents as typed parts (`<image>` tags become image parts)."""
+    if isinstance(field, tuple):
+        return tuple(to_vision_messages(f) if isinstance(f, list) else f for f in field)
+    return to_vision_messages(field)
+
+
+def encode_segments(tokenizer: Any, segments: list[Segment], encode=None) -> tuple[list[int], list[int]]:
     """Token ids and loss mask of ``segments`` (each tokenised on its own), with the EOS rule of
     the module doc; the first token's mask is 0. Never the tokenizer's own special tokens (no
     automatic BOS): the text (a chat template, or the input template) carries what it needs, and
     SFT, RM, DPO and PPO prompts all tokenise the same text to the same ids (OpenRLHF's
-    ``add_special_tokens=False``)."""
+    ``add_special_tokens=False``). `encode(text)` replaces the tokenizer's encoding of a segment (an
+    `ImageEncoder`: segments with image placeholders through the model's processor)."""
     ids: list[int] = []
     mask: list[int] = []
     for text, trained in segments:
-        piece = tokenizer.encode(text, add_special_tokens=False) if text else []
+        if encode is not None:
+            piece = encode(text) if text else []
+        else:
+            piece = tokenizer.encode(text, add_special_tokens=False) if text else []
         ids += piece
         mask += [trained] * len(piece)
     if segments[-1][1] and not _ends_with_eos(tokenizer, ids):

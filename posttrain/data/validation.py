@@ -43,8 +43,14 @@ def require_text(row: Row, key: str, flag: str) -> str:
     return value
 
 
+def _content_ok(content: Any) -> bool:
+    """Text, or a list of typed parts (``{"type": "text", "text": ...}``, ``{"type": "image"}``: images)."""
+    return isinstance(content, str) or (
+        isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("type"), str) for p in content))
+
+
 def check_messages(row: Row, key: str, value: Any, flag: str) -> list[dict]:
-    """A non-empty list of ``{"role": str, "content": str}`` dicts."""
+    """A non-empty list of ``{"role": str, "content": str | list of typed parts}`` dicts."""
     shape = 'a list of {"role": ..., "content": ...} messages'
     if not isinstance(value, list):
         raise DataError(
@@ -57,10 +63,11 @@ def check_messages(row: Row, key: str, value: Any, flag: str) -> list[dict]:
         if (
             not isinstance(msg, dict)
             or not isinstance(msg.get("role"), str)
-            or not isinstance(msg.get("content"), str)
+            or not _content_ok(msg.get("content"))
         ):
             raise DataError(
-                f"{where(row)}: key '{key}', message {i} must be a dict with string 'role' and 'content', "
+                f"{where(row)}: key '{key}', message {i} must be a dict with string 'role' and 'content' (text, or "
+                f"a list of typed parts for images), "
                 f"got {_short(msg)}. Fix the data ({shape})."
             )
     return value

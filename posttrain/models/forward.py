@@ -41,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from posttrain.algorithms.losses import gathered_logprobs
 from posttrain.models.saving import unwrap_model
+from posttrain.models.vision import is_vision_model, vision_forward_inputs
 
 _MASKED_BACKENDS = ("sdpa", "eager")
 
@@ -84,6 +85,8 @@ def model_inputs(model, batch: dict) -> dict:
         raise ValueError(f"batch['attention_mask'] shape {tuple(attention_mask.shape)} != input_ids "
                          f"shape {tuple(input_ids.shape)}")
     kwargs = {"input_ids": input_ids, "use_cache": False}
+    if is_vision_model(model):
+        return _vision_inputs(model, kwargs, batch)
     if attention_mask is not None and attention_mask.dim() == 4:
         return _explicit_mask_inputs(model, kwargs, attention_mask, position_ids)
     if position_ids is None:
@@ -103,6 +106,20 @@ def model_inputs(model, batch: dict) -> dict:
         raise ValueError(f"packed batch with padding needs the sdpa or eager backend, not {backend!r}; "
                          "drop the padding (flash attention takes sample boundaries from position_ids)")
     return kwargs
+
+
+def _vision_inputs(model, kwargs: dict, batch: dict) -> dict:
+    """A vision-language model's inputs for a padded batch: the ids, the 2D mask and the batch's image tensors
+    (`batch["image_inputs"]`, `vision.merge_image_inputs` of its rows); no position ids, as the model derives
+    its (multi-axis) rotary positions from the mask and the image grid itself. Packed and explicitly masked
+    layouts are refused: their position ids would be text positions."""
+    mask = batch.get("attention_mask")
+    if batch.get("position_ids") is not None or (mask is not None and mask.dim() == 4):
+        raise ValueError("a vision-language model takes padded batches only (no packing, no shared-prefix layout): "
+                         "it computes its rotary positions per row from the image grid")
+    if mask is not None:
+        kwargs["attention_mask"] = mask
+    return {**kwargs, **vision_forward_inputs(model, kwargs["input_ids"], batch.get("image_inputs") or {})}
 
 
 def _backend_mask(model, backend: str, mask: torch.Tensor) -> torch.Tensor:
@@ -235,8 +252,9 @@ def _chunks_match(model, head, batch: dict, keep: torch.Tensor, temperature: flo
     known = _chunking_ok.get(base)
     if known is not None:
         return known
-    sub = {k: v[:1] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch["input_ids"].shape[0]
-           else v for k, v in batch.items()}
+    sub = batch if batch.get("image_inputs") else {  # a row's images cannot be told apart: the whole batch
+        k: v[:1] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch["input_ids"].shape[0] else v
+        for k, v in batch.items()}
     cols = keep[-_CHECK_ROWS:]
     index = torch.arange(len(cols), device=keep.device)
     with torch.no_grad():

@@ -238,7 +238,8 @@ def _finish(model, lora, task_type, gradient_checkpointing, reentrant, load_in_4
 def load_causal_lm(path, dtype="fp32", attn_implementation: str | None = None, lora=None,
                    gradient_checkpointing: bool = False, gradient_checkpointing_reentrant: bool = False,
                    load_in_4bit: bool = False, tokenizer=None, onednn_linear: bool = True):
-    """AutoModelForCausalLM from `path` in `dtype` ("fp32"/"bf16"/"fp16").
+    """AutoModelForCausalLM from `path` in `dtype` ("fp32"/"bf16"/"fp16"); AutoModelForImageTextToText when the
+    folder's config has a vision part (a vision-language model, `models/vision.py`).
 
     attn_implementation: None → "sdpa" (eager where unsupported), or "eager",
     "flash_attention_2", ... `lora`: None, a LoraSpec, dict or `cfg.ds.lora`-like object
@@ -251,12 +252,16 @@ def load_causal_lm(path, dtype="fp32", attn_implementation: str | None = None, l
     is a reward/score model (a sequence-classification architecture, a score/value head without an
     LM head, or an LM head the checkpoint lacks); and when `tokenizer` (default: the folder's own,
     if it has one) has more tokens than the model's input embedding has rows."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from posttrain.models.vision import is_vision_folder
 
     folder = _checked_folder(path)
     if folder is not None:
         _refuse_score_checkpoint(folder)
-    model, loading = _from_pretrained(AutoModelForCausalLM, path, dtype, attn_implementation, load_in_4bit)
+    vision = folder is not None and is_vision_folder(folder)  # a VLM loads whole: vision tower and language model
+    model, loading = _from_pretrained(AutoModelForImageTextToText if vision else AutoModelForCausalLM, path, dtype,
+                                      attn_implementation, load_in_4bit)
     if "lm_head.weight" in loading.get("missing_keys", ()):
         raise ModelLoadError(f"model {path}: its checkpoint has no LM head (lm_head.weight), so it is not a "
                              f"causal language model (architecture {_arch_text(model.config)}) and its LM head "

@@ -6,8 +6,6 @@ a shape (`shapes.py`), a random-init model with the dimensions of a released one
 """
 from __future__ import annotations
 
-import json
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +23,7 @@ from transformers import (
 
 from posttrain.models.saving import atomic_output_dir
 from posttrain.models.shapes import SHAPES, ModelShape
-from posttrain.models.tiny_tokenizer import IM_END, PAD_TOKEN, train_tiny_tokenizer
+from posttrain.models.tiny_tokenizer import IM_END, PAD_TOKEN, portable_tokenizer_class, train_tiny_tokenizer
 from posttrain.utils.log import info
 
 
@@ -56,7 +54,7 @@ MAX_POSITION_EMBEDDINGS = 4096
 
 def build_tiny(output_dir, arch: str | None = None, size: str | None = None, head: str = "lm", seed: int = 0,
                vocab_size: int | None = None, overwrite: bool = False, verbose: bool = True,
-               shape: str | ModelShape | None = None, dtype: str = "fp32") -> dict:
+               shape: str | ModelShape | None = None, dtype: str = "fp32", vision: bool = False) -> dict:
     """Write tokenizer + random-init model (`seed` → identical weights) into `output_dir`.
 
     `size` (a PRESETS name, default "tiny", `arch` default "llama") or `shape` (a SHAPES name or a
@@ -64,7 +62,8 @@ def build_tiny(output_dir, arch: str | None = None, size: str | None = None, hea
     on `seed` (all tiny models share one vocabulary); a preset's vocabulary is exactly `len(tokenizer)`,
     a shape's is its own (larger: the rows past the tokenizer are never fed). Embeddings are tied for
     head="lm". `dtype`: "fp32" or "bf16" (initialised and saved in that dtype). The folder is written to
-    a temporary sibling and renamed into place. Returns a summary dict: {"path", "arch", "size",
+    a temporary sibling and renamed into place. `vision`: a tiny Qwen2.5-VL instead (`tiny_vision.py`: the
+    preset's language model with a small vision tower and an image processor; head "lm", fp32). Returns a summary dict: {"path", "arch", "size",
     "shape", "head", "seed", "dtype", "num_parameters", "vocab_size", "pad_token_id", "eos_token_id"}.
     """
     if isinstance(shape, str) and shape not in SHAPES:
@@ -84,10 +83,15 @@ def build_tiny(output_dir, arch: str | None = None, size: str | None = None, hea
         raise ValueError(f"head={head!r}: valid values are {list(_HEADS)}")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}: valid values are {list(_DTYPES)}")
+    if vision and (spec is not None or head != "lm" or dtype != "fp32" or arch != "llama" or vocab_size):
+        raise ValueError("vision builds a tiny Qwen2.5-VL from a size preset: give --size only (no --shape, "
+                         "--arch, --head score, --dtype bf16)")
     out = Path(output_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"output_dir {out} exists and is not empty; choose another directory "
                               "or pass overwrite=True (--overwrite)")
+    if vision:
+        return _build_vision(out, size, seed, verbose)
 
     max_len = spec.max_position_embeddings if spec is not None else MAX_POSITION_EMBEDDINGS
     tokenizer = train_tiny_tokenizer(vocab_size or 2048, model_max_length=max_len)
@@ -108,7 +112,7 @@ def build_tiny(output_dir, arch: str | None = None, size: str | None = None, hea
     with atomic_output_dir(out) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        _portable_tokenizer_class(tmp)
+        portable_tokenizer_class(tmp)
     name = shape if isinstance(shape, str) else ("custom" if shape is not None else None)
     summary = {"path": str(out), "arch": arch, "size": size, "shape": name, "head": head, "seed": seed,
                "dtype": dtype, "num_parameters": n_params, "vocab_size": spec.vocab_size,
@@ -117,6 +121,18 @@ def build_tiny(output_dir, arch: str | None = None, size: str | None = None, hea
         info(f"built {name or 'tiny ' + size} {arch} ({head} head, {dtype}): {n_params:,} parameters, "
              f"vocab {spec.vocab_size} (tokenizer {len(tokenizer)}), seed {seed} -> {out}")
     return summary
+
+
+def _build_vision(out: Path, size: str, seed: int, verbose: bool) -> dict:
+    from posttrain.models.tiny_vision import build_tiny_vision
+
+    n_params, vocab, pad_id, eos_id = build_tiny_vision(out, PRESETS[size], seed, MAX_POSITION_EMBEDDINGS)
+    if verbose:
+        info(f"built tiny {size} qwen2_5_vl (vision-language, fp32): {n_params:,} parameters, vocab {vocab}, "
+             f"seed {seed} -> {out}")
+    return {"path": str(out), "arch": "qwen2_5_vl", "size": size, "shape": None, "head": "lm", "seed": seed,
+            "dtype": "fp32", "num_parameters": n_params, "vocab_size": vocab, "pad_token_id": pad_id,
+            "eos_token_id": eos_id, "vision": True}
 
 
 def model_config(shape: ModelShape, head: str = "lm", pad_token_id: int | None = None,
@@ -136,17 +152,3 @@ def _default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(before)
-
-
-def _portable_tokenizer_class(folder: Path) -> None:
-    """Name the class `PreTrainedTokenizerFast` and list `<|im_start|>` under
-    `additional_special_tokens`: spellings that transformers 4.x and 5.x both read."""
-    path = os.path.join(folder, "tokenizer_config.json")
-    with open(path) as f:
-        cfg = json.load(f)
-    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    extra = cfg.pop("extra_special_tokens", None)
-    if extra:
-        cfg["additional_special_tokens"] = list(extra)
-    with open(path, "w") as f:
-        json.dump(cfg, f, indent=2)

@@ -6,6 +6,9 @@ Digits are split one per token (arithmetic-friendly). Special tokens, in id orde
 """
 from __future__ import annotations
 
+import json
+import os
+
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -55,3 +58,17 @@ def train_tiny_tokenizer(vocab_size: int = 2048, model_max_length: int = 4096) -
         padding_side="right",
         clean_up_tokenization_spaces=False,
     )
+
+
+def portable_tokenizer_class(folder) -> None:
+    """Name the class `PreTrainedTokenizerFast` and list `<|im_start|>` under
+    `additional_special_tokens`: spellings that transformers 4.x and 5.x both read."""
+    path = os.path.join(folder, "tokenizer_config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    extra = cfg.pop("extra_special_tokens", None)
+    if extra:
+        cfg["additional_special_tokens"] = list(extra)
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2)

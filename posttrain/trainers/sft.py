@@ -58,7 +58,9 @@ def train_sft(cfg: SFTConfig) -> dict:
     tok = run.tokenizer
     data_kwargs = dict(input_key=cfg.data.input_key, output_key=cfg.data.output_key,
                        input_template=prompt_template(cfg), apply_chat_template=cfg.data.apply_chat_template,
-                       multiturn=cfg.data.multiturn, pretrain_mode=cfg.model.pretrain_mode_enable)
+                       multiturn=cfg.data.multiturn, pretrain_mode=cfg.model.pretrain_mode_enable,
+                       processor=run.processor, image_key=cfg.data.image_key,
+                       max_images=cfg.data.max_images_per_prompt)
     train_set = SFTDataset(run.train_rows, tok, cfg.data.max_len, **data_kwargs)
     eval_set = SFTDataset(run.eval_rows, tok, cfg.data.max_len, **data_kwargs) if run.eval_rows else None
     for what, data in (("train", train_set), ("eval", eval_set)):

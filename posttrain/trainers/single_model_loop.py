@@ -61,7 +61,12 @@ class LoopSettings:
 
 
 def _to_device(batch: dict, device) -> dict:
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    """The batch's tensors, and those of a dict inside it (a vision batch's `image_inputs`), on `device`."""
+    def move(v):
+        if isinstance(v, dict):
+            return {k: move(t) for k, t in v.items()}
+        return v.to(device) if isinstance(v, torch.Tensor) else v
+    return {k: move(v) for k, v in batch.items()}
 
 
 def summarize(sums: dict[str, float], prefix: str) -> dict[str, float]:

@@ -63,6 +63,20 @@ def test_init_tiny_refuses_an_unknown_shape_in_one_line(tmp_path):
     assert not (tmp_path / "m").exists()
 
 
+def test_init_tiny_vision_builds_a_vlm_and_refuses_other_flags_in_one_line(tmp_path):
+    from posttrain.models.vision import is_vision_folder, load_processor
+
+    summary = json.loads(run("-m", "posttrain.cli.main", "init-tiny", "--output", tmp_path / "v", "--vision",
+                             "--size", "nano").stdout)
+    assert summary["arch"] == "qwen2_5_vl" and summary["vision"] and is_vision_folder(tmp_path / "v")
+    assert load_processor(tmp_path / "v").image_processor is not None
+    proc = run("-m", "posttrain.cli.main", "init-tiny", "--output", tmp_path / "w", "--vision", "--head", "score",
+               "--arch", "qwen2", check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "posttrain init-tiny: error: --vision builds a tiny Qwen2.5-VL from a --size preset in fp32; drop --arch, "
+        "--head score"]
+
+
 def test_init_tiny_cli_builds_loadable_models(tmp_path):
     summary = json.loads(run("-m", "posttrain.cli.main", "init-tiny", "--output", tmp_path / "m",
                              "--arch", "qwen2", "--size", "nano").stdout)

@@ -85,7 +85,8 @@ _SINGLE_MODEL = (
 )
 
 ACTING: dict[str, frozenset[str]] = {
-    "sft": _SINGLE_MODEL | _paths("model: pretrain_mode_enable", "data: input_key output_key multiturn"),
+    "sft": _SINGLE_MODEL | _paths("model: pretrain_mode_enable",
+                                  "data: input_key output_key multiturn image_key max_images_per_prompt"),
     "rm": _SINGLE_MODEL
     | _paths(
         "model: loss_type margin_loss_enable",

@@ -1,0 +1,348 @@
+"""Images of vision-language rows: loading image references, counting and normalising the image
+placeholders of prompts. Every failure is a one-line DataError naming the location, the reference
+(shortened) and the fix."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import re
+from typing import Any
+from urllib.parse import urlparse
+from urllib.request import url2pathname
+
+from PIL import Image, UnidentifiedImageError
+
+from .errors import DataError, where
+
+IMAGE_TAG = "<image>"
+IMAGE_PART_TYPES = ("image", "image_url", "input_image")  # "image_url"/"input_image": OpenAI style
+TEXT_PART_TYPES = ("text", "input_text")
+
+ACCEPTED = (
+    "a file path (absolute, or relative to the current folder or the data file's folder), a file:// URI, "
+    "an http(s) URL, a data:image/...;base64 URI, base64 text, image file bytes, a {'bytes', 'path'} dict "
+    "(Hugging Face Image feature) or a PIL image"
+)
+_MAX_REF = 80
+_B64_MIN = 64  # shorter strings that fail as paths are reported as missing files, not as bad base64
+
+
+def _short(ref: Any, limit: int = _MAX_REF) -> str:
+    """A repr of an image reference of at most about `limit` characters (never a whole base64 string)."""
+    if isinstance(ref, Image.Image):
+        return f"<PIL image {ref.mode} {ref.width}x{ref.height}>"
+    if isinstance(ref, (bytes, bytearray)):
+        head = repr(bytes(ref[:12]))
+        return f"{head}... ({len(ref)} bytes)" if len(ref) > 12 else head
+    if isinstance(ref, dict):
+        return "{" + ", ".join(f"{k!r}: {_short(v, 30)}" for k, v in list(ref.items())[:3]) + "}"
+    text = repr(ref)
+    if len(text) <= limit:
+        return text
+    size = f" ({len(ref)} chars)" if isinstance(ref, str) else ""
+    return text[: limit - 3 - len(size)] + "..." + size
+
+
+def _fail(location: str, ref: Any, why: str, fix: str) -> DataError:
+    return DataError(f"{location}: image {_short(ref)}: {why}. {fix}.")
+
+
+_FIX_DATA = "Fix the image reference in the data"
+
+
+def _try_decode(data: bytes) -> Image.Image | str:
+    """The RGB image encoded in `data`, or why it is not one (PIL's reason)."""
+    if not data:
+        return "empty (0 bytes)"
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            img.load()
+            return img.convert("RGB")
+    except UnidentifiedImageError:
+        return "not an image (no format PIL can read)"
+    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError, ...
+        return f"a corrupt or truncated image (PIL {type(e).__name__}: {_clip(e)})"
+
+
+def _clip(e: Exception, limit: int = 80) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _decode(data: bytes, location: str, ref: Any, what: str) -> Image.Image:
+    img = _try_decode(data)
+    if isinstance(img, str):
+        raise _fail(location, ref, f"{what} is {img}", _FIX_DATA + " or replace the image")
+    return img
+
+
+def _from_pil(img: Image.Image, location: str) -> Image.Image:
+    try:
+        img.load()
+        return img.convert("RGB")
+    except Exception as e:
+        raise _fail(location, img, f"the PIL image could not be loaded, it is corrupt or truncated "
+                    f"(PIL {type(e).__name__}: {_clip(e)})", _FIX_DATA + " or replace the image") from None
+
+
+def _from_file(path: str, location: str, ref: Any) -> Image.Image:
+    if os.path.isdir(path):
+        raise _fail(location, ref, f"{path} is a folder, not an image file", _FIX_DATA)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise _fail(location, ref, f"{path} could not be read ({e.strerror or e})",
+                    "Fix the file's permissions or the path in the data") from None
+    return _decode(data, location, ref, f"file {path}")
+
+
+def _b64(text: str) -> bytes | None:
+    """The bytes of base64 `text` (whitespace ignored; standard or URL-safe alphabet), or None."""
+    compact = "".join(text.split())
+    if not compact or not re.fullmatch(r"[A-Za-z0-9+/]*={0,2}|[A-Za-z0-9_-]*={0,2}", compact):
+        return None
+    try:
+        return base64.b64decode(compact + "=" * (-len(compact) % 4), altchars=b"-_" if "-" in compact
+                                or "_" in compact else None, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+
+
+def _from_data_uri(ref: str, location: str) -> Image.Image:
+    header, sep, payload = ref.partition(",")
+    form = "data:image/<format>;base64,<data>"
+    if not sep or not header.lower().startswith("data:image/") or not header.lower().endswith(";base64"):
+        raise _fail(location, ref, f"unsupported data URI (only {form} is read)", _FIX_DATA)
+    data = _b64(payload)
+    if data is None:
+        raise _fail(location, ref, "the data URI's payload is not valid base64", _FIX_DATA + f" ({form})")
+    return _decode(data, location, ref, "the data URI's image")
+
+
+def _from_url(url: str, location: str, timeout: float) -> Image.Image:
+    import requests
+
+    fix = ("This machine may have no network access: download the image and give its local path in the "
+           "data instead")
+    try:
+        resp = requests.get(url, timeout=timeout)
+    except requests.RequestException as e:
+        raise _fail(location, url, f"could not be downloaded ({type(e).__name__}: {_clip(e, 100)})",
+                    fix) from None
+    if resp.status_code != 200:
+        raise _fail(location, url, f"could not be downloaded (HTTP {resp.status_code})",
+                    fix + " (or fix the URL)")
+    return _decode(resp.content, location, url, "the downloaded file")
+
+
+def _candidates(path: str, base_dir: str | None) -> list[str]:
+    if os.path.isabs(path):
+        return [path]
+    tried = [os.path.abspath(path)]
+    if base_dir is not None:
+        other = os.path.abspath(os.path.join(base_dir, path))
+        if other not in tried:
+            tried.append(other)
+    return tried
+
+
+def _from_path(path: str, location: str, ref: Any, base_dir: str | None, allow_b64: bool) -> Image.Image:
+    tried = _candidates(path, base_dir)
+    for cand in tried:
+        if os.path.exists(cand):
+            return _from_file(cand, location, ref)
+    data = _b64(path) if allow_b64 else None
+    if data is not None:
+        img = _try_decode(data)
+        if not isinstance(img, str):
+            return img
+        if len(path) >= _B64_MIN:  # long base64 text: decoding it was the likely intent
+            raise _fail(location, ref, f"no such file, and decoded as base64 ({len(data)} bytes) it is {img}",
+                        _FIX_DATA)
+    names = ", ".join(_short(t, 120) if len(t) > 120 else t for t in tried)
+    where_hint = "relative paths are tried against the current folder" + (
+        " and the data file's folder" if base_dir is not None else "")
+    raise _fail(location, ref, f"file not found (tried: {names})",
+                f"Fix the path in the data ({where_hint}), or give an absolute path")
+
+
+def load_image(ref: Any, location: str, base_dir: str | None = None, timeout: float = 10.0) -> Image.Image:
+    """The RGB image `ref` refers to, fully decoded (so a truncated file fails here, not later).
+
+    `ref`: a PIL image; encoded image bytes; a Hugging Face Image-feature dict
+    ``{"bytes": b | None, "path": p | None}`` (bytes win); or a string: a ``data:image/...;base64,`` URI,
+    an http(s) URL (fetched with `timeout` seconds), a ``file://`` URI, a path (absolute, or relative: the
+    current folder first, then `base_dir`), or, last, bare base64 of image bytes. Any failure raises a
+    one-line DataError starting with `location` and naming the shortened reference, the cause and the fix.
+    """
+    if isinstance(ref, Image.Image):
+        return _from_pil(ref, location)
+    if isinstance(ref, (bytes, bytearray)):
+        return _decode(bytes(ref), location, ref, "the byte string")
+    if isinstance(ref, dict) and ("bytes" in ref or "path" in ref):
+        data, path = ref.get("bytes"), ref.get("path")
+        if data is not None:
+            if not isinstance(data, (bytes, bytearray)):
+                raise _fail(location, ref, f"'bytes' must be bytes, got {type(data).__name__}", _FIX_DATA)
+            return _decode(bytes(data), location, ref, "the 'bytes' of the image dict")
+        if isinstance(path, (str, os.PathLike)) and os.fspath(path):
+            return _from_path(os.fspath(path), location, ref, base_dir, allow_b64=False)
+        raise _fail(location, ref, "the image dict has neither 'bytes' nor a 'path'", _FIX_DATA)
+    if isinstance(ref, os.PathLike):
+        return _from_path(os.fspath(ref), location, ref, base_dir, allow_b64=False)
+    if isinstance(ref, str):
+        if not ref.strip():
+            raise _fail(location, ref, "the reference is empty", _FIX_DATA + " (or remove the row)")
+        low = ref[:8].lower()
+        if low.startswith("data:"):
+            return _from_data_uri(ref, location)
+        if low.startswith(("http://", "https://")):
+            return _from_url(ref, location, timeout)
+        if low.startswith("file:"):
+            parsed = urlparse(ref)
+            if parsed.netloc not in ("", "localhost"):
+                raise _fail(location, ref, f"file URI on another host ({parsed.netloc})",
+                            "Use file:///absolute/path or a plain path")
+            return _from_path(url2pathname(parsed.path), location, ref, base_dir, allow_b64=False)
+        return _from_path(ref, location, ref, base_dir, allow_b64=True)
+    raise _fail(location, ref, f"unsupported reference type {type(ref).__name__}",
+                f"Fix the data: give {ACCEPTED}")
+
+
+def row_images(row: dict, image_key: str, max_images: int, base_dir: str | None = None) -> list[Image.Image]:
+    """The RGB images of `row[image_key]`: none (key missing or None → []), one reference, or a list/tuple
+    of references (see `load_image`). More than `max_images` raises DataError before anything is loaded.
+    `base_dir` defaults to the folder of ``row["__source__"]`` when that is an existing file."""
+    value = row.get(image_key)
+    if value is None:
+        return []
+    refs = list(value) if isinstance(value, (list, tuple)) else [value]
+    key = f"{where(row)}, key '{image_key}'"
+    if len(refs) > max_images:
+        raise DataError(
+            f"{key}: {len(refs)} image(s), more than --data.max_images_per_prompt {max_images}. Raise "
+            "--data.max_images_per_prompt, or drop images from the row."
+        )
+    if base_dir is None:
+        source = row.get("__source__")
+        if isinstance(source, (str, os.PathLike)) and os.path.isfile(source):
+            base_dir = os.path.dirname(os.path.abspath(source))
+    if not isinstance(value, (list, tuple)):
+        return [load_image(value, key, base_dir)]
+    return [load_image(ref, f"{key}[{i}]", base_dir) for i, ref in enumerate(refs)]
+
+
+def _parts_count(parts: list, where_: str) -> int:
+    n = 0
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in IMAGE_PART_TYPES:
+            n += 1
+        elif kind not in TEXT_PART_TYPES:
+            raise _bad_part(part, f"{where_}, part {j}")
+    return n
+
+
+def _bad_part(part: Any, where_: str) -> DataError:
+    if isinstance(part, dict):
+        why = f"unknown content part type {part.get('type')!r}"
+    else:
+        why = f"a content part must be a dict with a 'type', got {type(part).__name__} {_short(part, 60)}"
+    return DataError(
+        f"{where_}: {why}. Fix the data: parts are {{'type': 'text', 'text': ...}} or "
+        f"{{'type': 'image'}} (OpenAI-style 'image_url' / 'input_image' parts also count as images)."
+    )
+
+
+def _messages(value: Any) -> list[dict]:
+    if not isinstance(value, list):
+        raise DataError(f"the prompt must be text or a list of messages, got {type(value).__name__} "
+                        f"{_short(value, 60)}. Fix the data.")
+    for i, msg in enumerate(value):
+        if not isinstance(msg, dict):
+            raise DataError(f"message {i} must be a dict with 'role' and 'content', got {_short(msg, 60)}. "
+                            "Fix the data.")
+    return value
+
+
+def count_image_parts(value: str | list[dict]) -> int:
+    """The image placeholders of a prompt: ``<image>`` tags in a string; for a list of chat messages, the
+    tags in string contents plus the image parts (type "image", "image_url" or "input_image") of list
+    contents. Tags inside "text" parts are literal text and do not count. DataError on a malformed value."""
+    if isinstance(value, str):
+        return value.count(IMAGE_TAG)
+    n = 0
+    for i, msg in enumerate(_messages(value)):
+        content = msg.get("content")
+        if isinstance(content, str):
+            n += content.count(IMAGE_TAG)
+        elif isinstance(content, list):
+            n += _parts_count(content, f"message {i}")
+        elif content is not None:
+            raise DataError(f"message {i}: content must be text or a list of parts, got "
+                            f"{type(content).__name__} {_short(content, 60)}. Fix the data.")
+    return n
+
+
+def _text_to_parts(text: str) -> list[dict]:
+    parts: list[dict] = []
+    for piece in re.split(f"({re.escape(IMAGE_TAG)})", text):
+        if piece == IMAGE_TAG:
+            parts.append({"type": "image"})
+        elif piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
+
+
+def to_vision_messages(messages: list[dict]) -> list[dict]:
+    """Copies of `messages` whose contents are all lists of parts ``{"type": "text", "text": ...}`` /
+    ``{"type": "image"}``: a string content is split at its ``<image>`` tags (empty text pieces dropped);
+    in list contents, "image" / "image_url" / "input_image" parts become ``{"type": "image"}`` (an inline
+    URL or payload is not kept: images come from the image column) and "text" / "input_text" parts
+    ``{"type": "text", ...}``. A None content becomes []. Unknown part types raise DataError."""
+    out = []
+    for i, msg in enumerate(_messages(messages)):
+        content = msg.get("content")
+        if content is None:
+            parts: list[dict] = []
+        elif isinstance(content, str):
+            parts = _text_to_parts(content)
+        elif isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in IMAGE_PART_TYPES:
+                    parts.append({"type": "image"})
+                elif kind in TEXT_PART_TYPES and isinstance(part.get("text"), str):
+                    parts.append({"type": "text", "text": part["text"]})
+                elif kind in TEXT_PART_TYPES:
+                    raise DataError(f"message {i}, part {j}: a {kind!r} part needs a string 'text', got "
+                                    f"{_short(part, 60)}. Fix the data.")
+                else:
+                    raise _bad_part(part, f"message {i}, part {j}")
+        else:
+            raise DataError(f"message {i}: content must be text or a list of parts, got "
+                            f"{type(content).__name__} {_short(content, 60)}. Fix the data.")
+        out.append({**msg, "content": parts})
+    return out
+
+
+def check_image_count(value: str | list[dict], images: list, location: str) -> None:
+    """DataError unless the prompt `value` has exactly one image placeholder per image in `images`
+    (no placeholders and no images is fine; images are never placed implicitly)."""
+    try:
+        n = count_image_parts(value)
+    except DataError as e:
+        raise DataError(f"{location}: {e}") from None
+    if n != len(images):
+        hint = (" Images inside message parts are not read: list them in the image column."
+                if n > len(images) else "")
+        raise DataError(
+            f"{location}: the prompt has {n} image placeholder(s) but the row has {len(images)} image(s). "
+            f"Put one {IMAGE_TAG} tag (text) or {{'type': 'image'}} part (messages) per image, in the "
+            f"images' order, or fix the image column (--data.image_key).{hint}"
+        )

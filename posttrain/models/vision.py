@@ -1,0 +1,130 @@
+"""Vision-language models (VLMs): detection, the processor, the vision tower, and a batch's image inputs.
+
+A model is a VLM when its config has a `vision_config` (Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5, Gemma 3/4,
+LLaVA-style ...); it loads through `AutoModelForImageTextToText` (`loading.load_causal_lm` picks it).
+
+Token-in-token-out with images: the processor expands each image placeholder of a rendered prompt into the
+image's run of image tokens once, when the data is read (`data.vision_samples.encode_with_images`); a sample
+keeps those token ids and the processor's image tensors (`pixel_values`, `image_grid_thw` or the family's
+equivalents), and every later pass feeds exactly them (`data.collate.merge_image_inputs` concatenates a
+batch's samples along dim 0, in row order, the order in which the model matches image tokens to images).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from posttrain.models.saving import unwrap_model
+
+# names whose parameters belong to the language model (everything else is the vision tower and its projector)
+_LANGUAGE_PARTS = ("language_model", "lm_head")
+
+
+def is_vision_config(config) -> bool:
+    """Whether an HF config (or its dict) describes a VLM: it has a `vision_config`."""
+    if isinstance(config, dict):
+        return bool(config.get("vision_config"))
+    return getattr(config, "vision_config", None) is not None
+
+
+def is_vision_model(model) -> bool:
+    return is_vision_config(getattr(unwrap_model(model), "config", None))
+
+
+def is_vision_folder(path) -> bool:
+    """Whether the model folder `path` holds a VLM (its config.json has a `vision_config`)."""
+    import json
+
+    cfg = os.path.join(str(path), "config.json")
+    if not os.path.isfile(cfg):
+        return False
+    with open(cfg) as f:
+        return is_vision_config(json.load(f))
+
+
+def load_processor(path, tokenizer=None):
+    """The model's processor (image processor + tokenizer, with the chat template), from `path`.
+
+    `AutoProcessor` first; where it cannot be built (a family whose processor also wants a video processor,
+    which needs torchvision) the family's processor class is built from the image processor and the
+    tokenizer alone, the parts a text-and-image model needs. `tokenizer` (e.g. with a replaced chat
+    template) replaces the folder's own."""
+    from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+    try:
+        processor = AutoProcessor.from_pretrained(str(path))
+    except (ImportError, AttributeError, ValueError, TypeError, OSError):
+        processor = None
+    if processor is None or getattr(processor, "image_processor", None) is None:
+        config = AutoConfig.from_pretrained(str(path))
+        cls = _processor_class(config.model_type)
+        parts = {name: None for name in cls.get_attributes()}
+        parts["image_processor"] = AutoImageProcessor.from_pretrained(str(path))
+        parts["tokenizer"] = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(str(path))
+        processor = _without_missing_parts(cls)(**parts, chat_template=parts["tokenizer"].chat_template)
+    if tokenizer is not None:
+        processor.tokenizer = tokenizer
+        processor.chat_template = tokenizer.chat_template
+    return processor
+
+
+def _processor_class(model_type: str):
+    import transformers
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    name = PROCESSOR_MAPPING_NAMES.get(model_type)
+    if name is None or not hasattr(transformers, name):
+        raise ValueError(f"no processor is known for model type {model_type!r}: this transformers version cannot "
+                         "prepare its images; upgrade transformers or use a supported vision-language model")
+    return getattr(transformers, name)
+
+
+def _without_missing_parts(cls):
+    """`cls` accepting None for a part it does not need here (its video processor)."""
+    class Processor(cls):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
+
+    Processor.__name__ = Processor.__qualname__ = cls.__name__
+    return Processor
+
+
+def image_token_types(config, input_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] token types over a whole sequence (prompt and response): 1 at image tokens, 2 at video tokens,
+    0 elsewhere; the model places its image features and its rotary positions by them."""
+    types = torch.zeros_like(input_ids)
+    for value, name in ((1, "image_token_id"), (2, "video_token_id")):
+        token = getattr(config, name, None)
+        if token is None:
+            token = getattr(config, name.replace("_id", "_index"), None)
+        if token is not None:
+            types[input_ids == token] = value
+    return types
+
+
+def vision_forward_inputs(model, input_ids: torch.Tensor, images: dict[str, torch.Tensor]) -> dict:
+    """The keyword arguments a VLM takes besides the ids and the mask: the image tensors and the token types
+    (`mm_token_type_ids` for families with an image grid, `token_type_ids` otherwise, as the model names them)."""
+    if not images:
+        return {}
+    config = unwrap_model(model).config
+    types = image_token_types(config, input_ids)
+    key = "mm_token_type_ids" if "image_grid_thw" in images else "token_type_ids"
+    return {**images, key: types}
+
+
+def freeze_visual_encoder(model) -> int:
+    """Freeze every parameter outside the language model (the vision tower and its projector); returns how
+    many tensors were frozen."""
+    frozen = 0
+    for name, param in unwrap_model(model).named_parameters():
+        if param.requires_grad and not any(part in name for part in _LANGUAGE_PARTS):
+            param.requires_grad_(False)
+            frozen += 1
+    return frozen
+
+
+def language_model_names(model) -> list[str]:
+    """The names of the language model's parameters (what a frozen vision tower leaves to sync)."""
+    return [n for n, _ in unwrap_model(model).named_parameters() if any(part in n for part in _LANGUAGE_PARTS)]
