@@ -120,8 +120,7 @@ class _ActorModelFields:
                                              on_resume="adjustable")
     gradient_checkpointing_reentrant: bool = opt(False, "use reentrant gradient checkpointing (actor and critic)",
                                                 on_resume="adjustable")
-    freeze_visual_encoder: bool = opt(False, "train only the language model of a vision-language model",
-                                      inert=not_yet(facts.VLM))
+    freeze_visual_encoder: bool = opt(False, "train only the language model of a vision-language model")
 
 
 @dataclass

@@ -277,8 +277,9 @@ class PPODataConfig(DataConfig):
     prompt_split: str = opt("train", "dataset split to sample prompts from")
     input_key: str = opt("input", "JSON key of the prompt")
     label_key: str | None = opt(None, "JSON key of the ground-truth label passed to the reward function")
-    image_key: str = opt("images", "JSON key of image paths/URLs (vision-language models)", inert=not_yet(facts.VLM))
-    max_images_per_prompt: int = opt(0, "max images per prompt (0: text only)", inert=not_yet(facts.VLM))
+    image_key: str = opt("images", "JSON key of the prompt's images (paths, URLs, data: URIs, base64, bytes; "
+                         "vision-language models)")
+    max_images_per_prompt: int = opt(0, "max images per prompt (0: text only)", ge=0)
 
 
 # --------------------------------------------------------------------------- train / eval / ckpt / logger

@@ -7,8 +7,10 @@ from typing import Any
 
 from .capping import cap_text_fields
 from .errors import DataError, where
+from .images import check_image_count, count_image_parts, row_images, to_vision_messages
 from .templates import check_input_template, format_prompt, render_chat, to_messages
 from .validation import get_field, require_text_or_messages
+from .vision_samples import ImageEncoder
 
 
 @dataclass
@@ -17,6 +19,8 @@ class Prompt:
     token_ids: list[int]
     label: Any
     source: str
+    image_inputs: dict | None = None  # the processor's image tensors (numpy) of a prompt with images
+    images: list | None = None  # its images (PIL), for engines that take raw images (vLLM)
 
 
 class PromptDataset:
@@ -26,7 +30,8 @@ class PromptDataset:
 
     def __init__(self, rows: list[dict], tokenizer, *, input_key: str = "input", label_key: str | None = None,
                  input_template: str | None = None, apply_chat_template: bool = False,
-                 max_prompt_len: int | None = None) -> None:
+                 max_prompt_len: int | None = None, processor=None, image_key: str = "images",
+                 max_images: int = 0) -> None:
         check_input_template(input_template)
         self.prompts: list[Prompt] = []
         self.dropped: list[str] = []
@@ -35,20 +40,32 @@ class PromptDataset:
             rows, self.num_capped = cap_text_fields(rows, (input_key,), max_prompt_len, tokenizer)
         values = [(row, require_text_or_messages(row, input_key, "--data.input_key")) for row in rows]
         for row, value in values:
+            images = prompt_images(row, value, processor, image_key, max_images, apply_chat_template)
             if apply_chat_template:
-                text = render_chat(tokenizer, to_messages(value, "user"), add_generation_prompt=True,
-                                   location=where(row))
+                messages = to_messages(value, "user")
+                text = render_chat(tokenizer, to_vision_messages(messages) if images else messages,
+                                   add_generation_prompt=True, location=where(row))
             elif isinstance(value, str):
                 text = format_prompt(input_template, value)
             else:
                 raise DataError(f"{where(row)}: key '{input_key}' holds chat messages; pass "
                                 "--data.apply_chat_template to render them, or point --data.input_key at text.")
             label = get_field(row, label_key, "--data.label_key") if label_key else None
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            image_inputs = None
+            if images:
+                encoder = ImageEncoder(tokenizer, processor, images, where(row))
+                ids = encoder(text)
+                image_inputs = encoder.image_inputs()
+                # the text a reward function sees is the prompt's tokens decoded, image tokens expanded, so that
+                # each decoded query (prompt + response) starts with it, as for a text prompt
+                text = tokenizer.decode(ids, skip_special_tokens=False)
+            else:
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if max_prompt_len is not None and len(ids) > max_prompt_len:
                 self.dropped.append(where(row))
                 continue
-            self.prompts.append(Prompt(text=text, token_ids=ids, label=label, source=where(row)))
+            self.prompts.append(Prompt(text=text, token_ids=ids, label=label, source=where(row),
+                                       image_inputs=image_inputs, images=images or None))
         if not rows:
             raise DataError("no prompts: the prompt dataset has no rows (an empty file, or a split without "
                             "rows); check --data.prompt_dataset / --data.prompt_split (--eval.dataset / "
@@ -61,5 +78,23 @@ class PromptDataset:
     def __len__(self) -> int:
         return len(self.prompts)
 
+    @property
+    def has_images(self) -> bool:
+        return any(p.image_inputs is not None for p in self.prompts)
+
     def __getitem__(self, i: int) -> Prompt:
         return self.prompts[i]
+
+
+def prompt_images(row: dict, value, processor, image_key: str, max_images: int, chat: bool) -> list:
+    """The row's images (PIL) for a vision-language model (`processor` set), checked against the prompt's
+    placeholders; [] for a text model or a row without images."""
+    if processor is None:
+        return []
+    images = row_images(row, image_key, max_images)
+    if images and not chat:
+        raise DataError(f"{where(row)}: a prompt with images needs --data.apply_chat_template (the chat template "
+                        "places the image tokens)")
+    if images or count_image_parts(value):
+        check_image_count(value, images, where(row))
+    return images

@@ -30,7 +30,8 @@ from torch.utils.data import Dataset
 
 from .capping import cap_text_fields
 from .errors import DataError, where
-from .images import check_image_count, count_image_parts, row_images, to_vision_messages
+from .images import to_vision_messages
+from .prompts import prompt_images
 from .templates import check_input_template, format_prompt, render_chat, require_chat_template, to_messages
 from .validation import ensure_location, require_messages, require_text, require_text_or_messages
 from .vision_samples import ImageEncoder, image_placeholder
@@ -111,15 +112,7 @@ class SFTDataset(Dataset):
     # ---- images ----------------------------------------------------------------------------------
     def _images(self, row: dict, field) -> list:
         """The row's images (PIL) for a vision-language model, checked against the prompt's placeholders."""
-        if self.processor is None:
-            return []
-        images = row_images(row, self.image_key, self.max_images)
-        if images and not self.chat:
-            raise DataError(f"{where(row)}: a row with images needs --data.apply_chat_template (the chat template "
-                            "places the image tokens)")
-        if images or count_image_parts(field_messages(field)):
-            check_image_count(field_messages(field), images, where(row))
-        return images
+        return prompt_images(row, field_messages(field), self.processor, self.image_key, self.max_images, self.chat)
 
     @property
     def image_token_ids(self) -> set[int]:

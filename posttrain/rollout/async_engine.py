@@ -189,7 +189,7 @@ def run_coroutine(coro):
         return pool.submit(asyncio.run, coro).result()
 
 
-def generate_all(engine, prompt_token_ids, params: SamplingParams, max_new_tokens=None, seeds=None):
+def generate_all(engine, prompt_token_ids, params: SamplingParams, max_new_tokens=None, seeds=None, images=None):
     """The samples the front gives these requests when they all wait together: one batch
     `engine.generate` call (a per-prompt budget None: `params.max_new_tokens`), checked against its
     contract (a list of `params.n` outputs per prompt). Made in the caller's thread, not through an
@@ -203,6 +203,8 @@ def generate_all(engine, prompt_token_ids, params: SamplingParams, max_new_token
         kwargs["max_new_tokens"] = [params.max_new_tokens if b is None else int(b) for b in max_new_tokens]
     if seeds is not None:
         kwargs["seeds"] = list(seeds)
+    if images is not None:  # a vision-language model: each prompt's image tensors (engine.generate's `images`)
+        kwargs["images"] = list(images)
     outputs = engine.generate(prompts, params, **kwargs)
     check_outputs(engine, outputs, len(prompts), params.n)
     return list(outputs)

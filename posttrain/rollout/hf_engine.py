@@ -42,6 +42,7 @@ from posttrain.rollout.cpu.fast_decode import KVBuffer, fast_decoder
 from posttrain.rollout.decode_batch import DecodeBatch, Sequence
 from posttrain.rollout.sampling import check_seeds, sample_generators
 from posttrain.rollout.types import RolloutOutput, SamplingParams, _is_int, check_budgets, rank_seed
+from posttrain.rollout.vision_decode import decode_with_images
 from posttrain.utils.weights_hash import weights_hash
 
 
@@ -275,14 +276,16 @@ class HFRolloutEngine:
 
     def generate(self, prompt_token_ids: Seq[Seq[int]], params: SamplingParams,
                  max_new_tokens: Seq[int] | None = None,
-                 seeds: Seq[int] | None = None) -> list[list[RolloutOutput]]:
+                 seeds: Seq[int] | None = None, images: Seq[dict | None] | None = None) -> list[list[RolloutOutput]]:
         """One list of ``params.n`` outputs per prompt; the n samples of a prompt are sampled as
         consecutive rows (group-contiguous) and returned in that order. ``max_new_tokens`` (one
         int >= 1 per prompt) overrides ``params.max_new_tokens`` prompt by prompt; a sample that
         reaches its own budget finishes with "length". ``seeds`` (one int in [0, 2**63) per prompt)
         gives each prompt its seed; None → ``rank_seed(params.seed, 0, i)`` for prompt i (a base
         seed drawn from torch's global RNG when ``params.seed`` is None). Sample j of prompt i
-        draws only from a generator seeded with ``rank_seed(seed_i, 1, j)``."""
+        draws only from a generator seeded with ``rank_seed(seed_i, 1, j)``. ``images`` (a vision-language
+        model: one dict of image tensors or None per prompt, `data.vision_samples`; the prompt ids hold their
+        image tokens) decodes through `vision_decode` instead, in static batches of ``batch_size`` rows."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, not {type(params).__name__}")
         prompts = self._check_prompts(prompt_token_ids)
@@ -292,7 +295,10 @@ class HFRolloutEngine:
         budgets = check_budgets(max_new_tokens, len(prompts), params)
         sequences = self.sequences(prompts, params, budgets, prompt_seeds)
         with self.inference():
-            self.run_to_completion(sequences)
+            if images is not None and any(im is not None for im in images):
+                self._decode_with_images(sequences, [im for im in images for _ in range(params.n)])
+            else:
+                self.run_to_completion(sequences)
         flat = [s.output() for s in sequences]
         return [flat[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
@@ -332,6 +338,16 @@ class HFRolloutEngine:
             with self.decode_step():  # a weight load (partial rollout) happens between steps
                 batch.admit_waiting(pending, cap)
                 batch.step()
+
+    def _decode_with_images(self, sequences: list[Sequence], images: list[dict | None]) -> None:
+        if len(images) != len(sequences):
+            raise ValueError(f"images: {len(images)} entries for {len(sequences)} rows (one per prompt expected)")
+        cap = self.batch_size or len(sequences)
+        for start in range(0, len(sequences), cap):
+            with self.decode_step():
+                decode_with_images(self.model, lambda: _new_cache(self.model), sequences[start:start + cap],
+                                   images[start:start + cap], self.pad_token_id, self._cache_kw, self._keep_kw,
+                                   self.weight_version)
 
     @contextmanager
     def inference(self):

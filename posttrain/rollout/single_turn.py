@@ -44,6 +44,7 @@ class Rollout:
     error: str | None = None
     policy_versions: list[int] | None = None  # the weights versions that sampled it (None: not recorded)
     cursor: int = 0  # the prompt stream's position after this sample's prompt (set by `collect`)
+    image_inputs: dict | None = None  # its prompt's image tensors (a vision-language model; numpy)
 
 
 @dataclass
@@ -85,6 +86,9 @@ class SingleTurnSampler:
         kwargs = {}
         if params.seed is not None:  # engines that take no seeds (test fakes) still work unseeded
             kwargs["seeds"] = [rank_seed(params.seed, 0, group_offset + g) for g in range(len(prompts))]
+        images = [getattr(p, "image_inputs", None) for p in prompts]
+        if any(im is not None for im in images):
+            kwargs["images"] = images
         outputs = generate_all(self.engine, [p.token_ids for p in prompts], params, max_new_tokens=budgets, **kwargs)
         if on_generated is not None:
             on_generated()
@@ -98,7 +102,7 @@ class SingleTurnSampler:
                                         group=group_offset + g,
                                         budget=budgets[g] if budgets else params.max_new_tokens,
                                         policy_versions=None if out.policy_versions is None
-                                        else sorted(set(out.policy_versions))))
+                                        else sorted(set(out.policy_versions)), image_inputs=images[g]))
         result = score_rollouts(self.reward_source, self.tokenizer, rollouts)
         return ScoredRollouts(rollouts=rollouts, rewards=result.rewards.float(), scores=result.scores.float(),
                               extra_logs=result.extra_logs, skipped=result.skipped)

@@ -37,12 +37,11 @@ from posttrain.data import load_rows
 from posttrain.engines import make_train_engine
 from posttrain.engines.zero3 import describe_shards, sharded_loading
 from posttrain.models import check_model_folder, load_causal_lm, load_tokenizer, save_pretrained
-from posttrain.models.vision import is_vision_folder, load_processor
 from posttrain.trainers.run_folders import claim_run_folders
 from posttrain.trainers.run_loop import plot_charts
 from posttrain.trainers.single_model_loop import LoopSettings, SingleModelLoop
+from posttrain.trainers.vision import vision_processor
 from posttrain.utils.checkpoint import disk_full_as_error
-from posttrain.utils.errors import UserError
 from posttrain.utils.interrupt import interrupt_as_error
 from posttrain.utils.log import info, rank_info
 from posttrain.utils.memory import apply_heap_policy
@@ -111,22 +110,6 @@ def lora_settings(cfg: SingleModelConfig) -> dict | None:
     return {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "target_modules": lora.target_modules}
 
 
-def vision_processor(cfg, tokenizer):
-    """The processor of a vision-language `--model.model_name_or_path` (images in the data), None for a text
-    model; refuses (UserError) image flags for a text model and packing for a VLM."""
-    path = cfg.model.model_name_or_path
-    images = getattr(cfg.data, "max_images_per_prompt", 0)
-    if not is_vision_folder(path):
-        if images:
-            raise UserError(f"--data.max_images_per_prompt {images}: {path} is not a vision-language model (its "
-                            "config has no vision part); drop the flag or train a vision-language model")
-        return None
-    if cfg.ds.packing_samples:
-        raise UserError(f"--ds.packing_samples: {path} is a vision-language model, which trains on padded batches "
-                        "(it computes its rotary positions per row from the image grid); drop the flag")
-    return load_processor(path, tokenizer)
-
-
 class SingleModelRun:
     """SFT/RM/DPO's run: `RunStart`, then the tokenizer and data rows; `fit` loads the model, builds the
     train engine, runs the `SingleModelLoop` and exports the final model. With --ds.zero_stage 3 over
@@ -145,7 +128,8 @@ class SingleModelRun:
             self.tokenizer = load_tokenizer(cfg.model.model_name_or_path,
                                             use_fast=not cfg.data.disable_fast_tokenizer,
                                             chat_template=cfg.data.tokenizer_chat_template)
-            self.processor = vision_processor(cfg, self.tokenizer)
+            self.processor = vision_processor(cfg.model.model_name_or_path, self.tokenizer,
+                                              getattr(cfg.data, "max_images_per_prompt", 0), cfg.ds.packing_samples)
             self.train_rows = load_rows(cfg.data.dataset, cfg.data.dataset_probs, cfg.data.dataset_split,
                                         cfg.train.seed, cfg.data.max_samples)
             self.eval_rows = self._eval_rows()

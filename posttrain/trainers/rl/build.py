@@ -16,7 +16,9 @@ from posttrain.config.roles import ActorConfig, CriticConfig
 from posttrain.engines import make_train_engine
 from posttrain.engines.zero3 import FrozenShards, shard_numel, sharded_loading
 from posttrain.models import as_lora_spec, load_causal_lm, load_score_model
+from posttrain.models.vision import freeze_visual_encoder, is_vision_model
 from posttrain.trainers.rl.roles import Actor, Critic, Reference
+from posttrain.utils.log import info
 from posttrain.utils.seeding import set_seed
 
 _ROLE_SEEDS = {"actor": 0, "critic": 1, "ref": 2}
@@ -73,6 +75,7 @@ def build_actor(cfg: PPOConfig, tokenizer, device, total_steps: int, zero_stage:
     if not (cfg.ds.load_in_4bit or sharded):  # bitsandbytes places a 4-bit model itself; shards sit on their device
         model.to(device)
     model.train()
+    _freeze_vision(cfg, model, announce=True)
     loaded = shard_numel(model)
     actor = Actor(model, train_engine(model, cfg.actor, cfg, total_steps, zero_stage), cfg.rollout.temperature,
                   device, ema_beta=cfg.train.ema_beta if cfg.train.enable_ema else None,
@@ -80,6 +83,21 @@ def build_actor(cfg: PPOConfig, tokenizer, device, total_steps: int, zero_stage:
                   dtype=cfg.ds.param_dtype or "fp32", lora_sync=cfg.vllm.lora_sync)
     actor.loaded_numel = loaded
     return actor
+
+
+def _freeze_vision(cfg: PPOConfig, model, announce: bool = False) -> None:
+    """--actor.freeze_visual_encoder: a vision-language actor trains its language model only."""
+    if not cfg.actor.freeze_visual_encoder:
+        return
+    if not is_vision_model(model):
+        if announce:
+            info(f"--actor.freeze_visual_encoder: {cfg.actor.model_name_or_path} has no vision tower; nothing to "
+                 "freeze")
+        return
+    frozen = freeze_visual_encoder(model)
+    if announce:
+        info(f"--actor.freeze_visual_encoder: {frozen} tensors of the vision tower and its projector frozen; the "
+             "language model trains")
 
 
 def build_rollout_copy(cfg: PPOConfig, tokenizer, device):
@@ -92,6 +110,7 @@ def build_rollout_copy(cfg: PPOConfig, tokenizer, device):
 
     model = load_causal_lm(cfg.actor.model_name_or_path, dtype=cfg.ds.param_dtype, tokenizer=tokenizer,
                            attn_implementation=cfg.ds.attn_implementation, onednn_linear=cfg.ds.onednn_linear)
+    _freeze_vision(cfg, model)  # frozen as the actor's (see above: the same kernels)
     return HFRolloutEngine(model.to(device).eval(), tokenizer, pad_token_id=tokenizer.pad_token_id,
                            lora=as_lora_spec(cfg.ds.lora), lora_sync=cfg.vllm.lora_sync)
 

@@ -5,7 +5,9 @@ aligned with the shifted targets: column t scores token t+1 given tokens ≤ t. 
 is 1 exactly when token t+1 is one the policy sampled (positions P_i-1 … P_i+R_i-2), so the last
 action column is the last generated token whatever the padding, the pad id or eos ids; tokens are
 never rewritten. A multi-turn sample's `Rollout.action_mask` keeps environment-feedback tokens
-inside the sequence but out of the action mask (and so out of every loss and statistic).
+inside the sequence but out of the action mask (and so out of every loss and statistic). A
+vision-language sample keeps its prompt's image tensors (`image_inputs`, one dict per row), which
+`model_batch` merges for every forward pass.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from posttrain.data.collate import merge_image_inputs
 from posttrain.rollout.single_turn import Rollout
 
 
@@ -31,6 +34,7 @@ class Experience:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     info: dict = field(default_factory=dict)
+    image_inputs: list[dict | None] | None = None  # per row: its prompt's image tensors (numpy; None: text)
 
     def __len__(self) -> int:
         return self.sequences.shape[0]
@@ -48,10 +52,13 @@ class Experience:
             sequences=self.sequences[rows][:, :width], attention_mask=self.attention_mask[rows][:, :width],
             action_mask=cut(self.action_mask), rollout_logp=cut(self.rollout_logp), rewards=self.rewards[rows],
             old_logp=cut(self.old_logp), ref_logp=cut(self.ref_logp), values=cut(self.values), kl=cut(self.kl),
-            advantages=cut(self.advantages), returns=cut(self.returns))
+            advantages=cut(self.advantages), returns=cut(self.returns),
+            image_inputs=None if self.image_inputs is None else [self.image_inputs[r] for r in rows.tolist()])
 
     def model_batch(self) -> dict:
-        return {"input_ids": self.sequences, "attention_mask": self.attention_mask}
+        batch = {"input_ids": self.sequences, "attention_mask": self.attention_mask}
+        images = merge_image_inputs(self.image_inputs or [], self.sequences.device)
+        return {**batch, "image_inputs": images} if images else batch
 
 
 def build_experience(rollouts: list[Rollout], rewards: torch.Tensor, pad_id: int) -> Experience:
@@ -74,5 +81,6 @@ def build_experience(rollouts: list[Rollout], rewards: torch.Tensor, pad_id: int
         if n:
             action[i, p - 1: p - 1 + n] = 1.0 if r.action_mask is None else torch.tensor(r.action_mask, dtype=torch.float32)
             rollout_logp[i, p - 1: p - 1 + n] = torch.tensor(r.rollout_logprobs, dtype=torch.float32)
+    images = [r.image_inputs for r in rollouts]
     return Experience(sequences=seq, attention_mask=attn, action_mask=action, rollout_logp=rollout_logp,
-                      rewards=rewards.float())
+                      rewards=rewards.float(), image_inputs=images if any(im is not None for im in images) else None)

@@ -40,6 +40,7 @@ from posttrain.trainers.rl.roles import AdapterOffReference
 from posttrain.trainers.rl.updates import UpdateSettings, steps_per_rollout
 from posttrain.trainers.run_loop import Cadence, RunLoop, plot_charts
 from posttrain.trainers.session import RunStart
+from posttrain.trainers.vision import vision_processor
 from posttrain.utils.checkpoint import disk_full_as_error, load_state_file, save_state_file
 from posttrain.utils.log import info, warn_once
 from posttrain.utils.metrics import truncate_jsonl_after
@@ -75,8 +76,13 @@ class RLTrainer(RunLoop):
         self.tokenizer = tok = load_tokenizer(cfg.actor.model_name_or_path,
                                               use_fast=not cfg.data.disable_fast_tokenizer,
                                               chat_template=cfg.data.tokenizer_chat_template)
+        self.processor = vision_processor(cfg.actor.model_name_or_path, tok, cfg.data.max_images_per_prompt,
+                                          cfg.ds.packing_samples)
+        if self.processor is not None:
+            self._check_vision_placement()
         kw = dict(input_key=cfg.data.input_key, label_key=cfg.data.label_key, input_template=cfg.data.input_template,
-                  apply_chat_template=cfg.data.apply_chat_template)
+                  apply_chat_template=cfg.data.apply_chat_template, processor=self.processor,
+                  image_key=cfg.data.image_key, max_images=cfg.data.max_images_per_prompt)
         rows = load_rows(cfg.data.prompt_dataset, cfg.data.prompt_probs, cfg.data.prompt_split, cfg.train.seed,
                          cfg.data.max_samples)
         limit = cfg.data.max_len - (cfg.rollout.max_new_tokens or 1)
@@ -94,6 +100,21 @@ class RLTrainer(RunLoop):
             eval_rows = load_rows(cfg.eval.dataset, None, cfg.eval.split, cfg.train.seed, cfg.data.max_samples)
             self.eval_prompts = PromptDataset(eval_rows, tok, max_prompt_len=limit, **kw)
             self.eval_name = dataset_name(cfg.eval.dataset)
+
+    def _check_vision_placement(self) -> None:
+        """A vision-language actor trains in one process with the HF engine in this version (ConfigError
+        otherwise, before anything loads); shared-prefix layouts are off (a VLM takes padded batches)."""
+        cfg = self.cfg
+        if self.on_ray:
+            raise ConfigError(f"{cfg.actor.model_name_or_path} is a vision-language model: vision-language RL runs "
+                              "in one process in this version; drop the Ray placement flags (--actor.num_gpus_per_node "
+                              "> 1, --vllm.num_engines, ...)")
+        if cfg.train.agent_func_path or cfg.train.async_enable:
+            raise ConfigError(f"{cfg.actor.model_name_or_path} is a vision-language model: agent files and "
+                              "--train.async_enable are not available with one in this version")
+        if cfg.ds.shared_prefix:
+            info("vision-language actor: padded batches (--ds.shared_prefix off: the model computes its rotary "
+                 "positions per row from the image grid)")
 
     def _set_budgets(self, prompt_ids: list[list[int]]) -> None:
         """Generation budgets. --rollout.max_new_tokens set: that many for every sample. Unset: each
@@ -207,12 +228,13 @@ class RLTrainer(RunLoop):
         # GSPO (as OpenRLHF) and seq_sum: --actor.loss_agg aggregates the policy term only (sequence-level
         # by default); the KL-loss / entropy / value terms stay token means. Otherwise it applies to all.
         other_agg = "token_mean" if a.policy_loss_type in SEQUENCE_POLICY_LOSSES else a.loss_agg
+        shared = cfg.ds.shared_prefix and self.processor is None  # a vision-language model takes padded batches
         self.train_batching = Batching(cfg.train.micro_batch_size, cfg.train.max_tokens_per_gpu if dynamic else None,
-                                       cfg.ds.packing_samples, cfg.ds.shared_prefix)
+                                       cfg.ds.packing_samples, shared)
         self.forward_batching = Batching(
             cfg.rollout.micro_batch_size,
             (cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu) if dynamic else None, cfg.ds.packing_samples,
-            cfg.ds.shared_prefix)
+            shared)
         self.update_settings = UpdateSettings(
             batch_size=cfg.train.batch_size, batching=self.train_batching,
             max_epochs=cfg.train.max_epochs, loss_agg=other_agg, policy_loss_agg=a.loss_agg,

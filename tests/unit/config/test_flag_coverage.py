@@ -119,6 +119,9 @@ ACTING: dict[str, frozenset[str]] = {
         "rollout: batch_size micro_batch_size n_samples_per_prompt temperature top_p max_new_tokens",
         "rollout: max_tokens_per_gpu stop_token_ids",
         "data: prompt_dataset prompt_probs prompt_split input_key label_key",
+        # vision-language actors (trainers/vision.py, data/prompts.py, trainers/rl/build.py)
+        "data: image_key max_images_per_prompt",
+        "actor: freeze_visual_encoder",
         "train: num_episodes max_steps enable_ema ema_beta",
         "eval: temperature n_samples_per_prompt",
         "ckpt: best_metric_key save_merged",
@@ -288,7 +291,7 @@ def test_features_of_later_versions_say_so():
     acting = {"vllm.num_engines", "vllm.sync_backend", "vllm.sync_with_ray", "vllm.tensor_parallel_size",
               "vllm.gpu_memory_utilization", "vllm.enforce_eager", "vllm.enable_prefix_caching", "vllm.lora_sync"}
     later = [p for p in flag_coverage("ppo") if p.split(".")[0] == "vllm" and p not in acting]
-    later += ["ds.enable_sleep", "data.max_images_per_prompt", "actor.aux_loss_coef", "ds.deepcompile"]
+    later += ["ds.enable_sleep", "actor.aux_loss_coef", "ds.deepcompile"]
     reasons = {r.path: r.reason for r in inert_rules(cfg) if r.when is None}
     for path in later:
         assert reasons[path].startswith("not available in this version: "), path

@@ -1,0 +1,106 @@
+"""RL with a vision-language actor in one process: prompts carry their images from the data through the
+HF engine's generation to every later pass (the trainer's log-probs equal the sampling ones, and another
+image gives other log-probs), `--actor.freeze_visual_encoder` keeps the vision tower as loaded, and the
+placements this version does not run with a VLM are one-line errors."""
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from posttrain.data.synthetic_vision import write_colour_dataset
+from posttrain.utils.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+REWARD = "posttrain/rewards/examples/colour_reward.py"
+
+
+@pytest.fixture(scope="module")
+def colours(tmp_path_factory):
+    return write_colour_dataset(tmp_path_factory.mktemp("colours"), 16, seed=0)
+
+
+def _flags(model, data, out, *extra):
+    return ["--actor.model_name_or_path", str(model), "--data.prompt_dataset", str(data), "--data.input_key", "prompt",
+            "--data.label_key", "answer", "--data.apply_chat_template", "--data.max_images_per_prompt", "1",
+            "--reward.remote_url", REWARD, "--algo.advantage.estimator", "group_norm",
+            "--rollout.n_samples_per_prompt", "4", "--rollout.batch_size", "4", "--rollout.max_new_tokens", "4",
+            "--rollout.micro_batch_size", "8", "--train.batch_size", "16", "--train.micro_batch_size", "8",
+            "--actor.adam.lr", "1e-3", "--actor.lr_warmup_ratio", "0", "--algo.kl.init_coef", "0",
+            "--ckpt.output_dir", str(out), *map(str, extra)]
+
+
+def _trainer(*flags):
+    from posttrain.config import parse_config
+    from posttrain.trainers.rl.ppo import RLTrainer
+
+    return RLTrainer(parse_config("ppo", list(flags), device="cpu"))
+
+
+def test_the_trainers_log_probs_equal_the_sampling_ones_and_the_image_matters(tiny_vision_dir, colours, tmp_path,
+                                                                                one_torch_thread):
+    trainer = _trainer(*_flags(tiny_vision_dir, colours, tmp_path / "o", "--train.max_steps", "1"))
+    scored, _, _ = trainer.produce(0)
+    exp, _ = trainer.experience_maker.make(scored, 0.0)
+    assert exp.image_inputs is not None and all(im is not None for im in exp.image_inputs)
+    mask = exp.action_mask.bool()
+    with torch.no_grad():
+        recomputed = trainer.actor.logprobs(exp, trainer.forward_batching)
+        torch.testing.assert_close(recomputed[mask], exp.rollout_logp[mask], rtol=0, atol=1e-5)
+        other = [{**im, "pixel_values": im["pixel_values"][::-1].copy()} for im in exp.image_inputs]
+        exp.image_inputs = other  # the same tokens with other pixels: other log-probs
+        assert (trainer.actor.logprobs(exp, trainer.forward_batching)[mask] - recomputed[mask]).abs().max() > 1e-4
+    # the reward function reads the response after the prompt text, which is the decoded (expanded) prompt
+    r = scored.rollouts[0]
+    assert r.prompt_text.count("<|image_pad|>") == 4
+    trainer.folders.close()
+
+
+def test_freeze_visual_encoder_trains_the_language_model_only(tiny_vision_dir, colours, tmp_path, run_ppo_cli):
+    spread = tmp_path / "spread.py"  # a reward with spread inside a group from a random-init policy
+    spread.write_text("import torch\n\ndef reward_func(queries, prompts, labels, **kw):\n"
+                      "    return torch.tensor([float(len(q) % 2) for q in queries])\n")
+    flags = _flags(tiny_vision_dir, colours, tmp_path / "o", "--train.max_steps", "2", "--actor.freeze_visual_encoder")
+    flags[flags.index(REWARD)] = str(spread)
+    out = run_ppo_cli(flags)
+    before, after = load_file(f"{tiny_vision_dir}/model.safetensors"), load_file(str(out / "model.safetensors"))
+    vision = [k for k in before if "visual." in k]  # the checkpoint's own names: visual.* and model.*
+    language = [k for k in before if "visual." not in k]
+    assert vision and language
+    assert all(torch.equal(before[k], after[k]) for k in vision)
+    assert any(not torch.equal(before[k], after[k]) for k in language)
+    assert len(read_metrics(out / "metrics.jsonl")) == 2
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--actor.num_gpus_per_node", "2"], "vision-language RL runs in one process in this version"),
+    (["--train.async_enable"], "agent files and --train.async_enable are not available"),
+    (["--ds.packing_samples"], "--ds.packing_samples: not supported with images"),
+])
+def test_what_this_version_does_not_run_with_a_vlm_is_one_line(tiny_vision_dir, colours, tmp_path, capsys, extra,
+                                                                 message):
+    import re
+
+    from posttrain.cli import train_ppo_ray
+
+    with pytest.raises(SystemExit) as exc:
+        train_ppo_ray.main(_flags(tiny_vision_dir, colours, tmp_path / "o", *extra))
+    assert exc.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("posttrain ppo: error")]
+    assert len(lines) == 1 and re.search(message, lines[0]), lines
+
+
+def test_images_with_a_text_actor_are_one_line(tiny_model_dir, colours, tmp_path, capsys):
+    from posttrain.cli import train_ppo_ray
+
+    with pytest.raises(SystemExit) as exc:
+        train_ppo_ray.main(_flags(tiny_model_dir, colours, tmp_path / "o"))
+    assert exc.value.code == 2 and "is not a vision-language model" in capsys.readouterr().err
+
+
+@pytest.fixture
+def run_ppo_cli():
+    def run(flags):
+        from posttrain.cli import train_ppo_ray
+
+        train_ppo_ray.main(flags)
+        return __import__("pathlib").Path(flags[flags.index("--ckpt.output_dir") + 1])
+    return run
