@@ -18,7 +18,12 @@ tensor or number; None from every step: the run's reward source scores the episo
 (docs/from-openrlhf.md, "Multi-turn agents"): the feedback of the last turn is cut so the sequence never exceeds
 `max_length` (OpenRLHF cuts the finished sequence at training time), `truncated` is set when the
 budget ended the episode, and a too-long initial observation is an error instead of being cut from the
-left. The result dict has OpenRLHF's keys (`observation_tokens`, `action_ranges`, `rollout_log_probs`,
+left. A vision-language model's processor as `hf_tokenizer` (as OpenRLHF passes it) and the prompt's
+`images`: the observation's image placeholders are expanded into image tokens, every turn is generated
+with the images so far, and `step()` may return `environment_images` (one per placeholder in its
+feedback), appended with their tokens when the whole feedback fits the budget, else left out with their
+tokens (the feedback's rest cut to fit, as for text); `mm_train_inputs` holds the episode's image
+tensors. The result dict has OpenRLHF's keys (`observation_tokens`, `action_ranges`, `rollout_log_probs`,
 `reward`, `scores`, `extra_logs`, ...) plus `truncated`, `turns`, `env_tokens` and `step_time`.
 
 `llm_engine` is an `EpisodeEngine` (`posttrain.agents.episode`): `await llm_engine.generate(token_ids,
@@ -60,8 +65,51 @@ class AgentExecutorBase(ABC):
 
 
 def encode_text(tokenizer, text: str) -> list[int]:
-    """Text as the model is fed it between turns: tokenised without special tokens added (OpenRLHF)."""
+    """Text as the model is fed it between turns: tokenised without special tokens added (OpenRLHF).
+    `tokenizer` may be a vision-language model's processor (its tokenizer encodes)."""
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+class EpisodeImages:
+    """The images of one episode (a vision-language model): the processor (`hf_tokenizer` is one, as in
+    OpenRLHF), every image so far (PIL, in the order their tokens appear) and their tensors. `encode` turns a
+    text with image placeholders and its images into token ids (the placeholders expanded) and keeps them."""
+
+    def __init__(self, processor) -> None:
+        self.processor = processor
+        self.pil: list = []
+        self.tensors: list[dict] = []
+
+    @staticmethod
+    def of(hf_tokenizer) -> EpisodeImages | None:
+        return EpisodeImages(hf_tokenizer) if getattr(hf_tokenizer, "image_processor", None) is not None else None
+
+    def encode(self, text: str, images) -> tuple[list[int], dict]:
+        from posttrain.data.vision_samples import encode_with_images
+
+        return encode_with_images(self.processor, text, list(images))
+
+    def keep(self, images, tensors: dict) -> None:
+        self.pil += list(images)
+        self.tensors.append(tensors)
+
+    def merged(self) -> dict | None:
+        from posttrain.data.vision_samples import concat_image_inputs
+
+        return concat_image_inputs(self.tensors)
+
+    def request(self) -> dict:
+        """`llm_engine.generate` keywords for the context so far: none without images."""
+        if not self.tensors:
+            return {}
+        return {"multi_modal_data": {"image": list(self.pil)}, "image_inputs": self.merged()}
+
+    def text_ids(self, text: str) -> list[int]:
+        """`text` tokenised without its image tokens (feedback whose images did not fit the budget)."""
+        placeholders = {getattr(self.processor, "image_token", None), getattr(self.processor, "video_token", None)}
+        drop = {self.processor.tokenizer.convert_tokens_to_ids(t) for t in placeholders if t}
+        return [t for t in encode_text(self.processor, text) if t not in drop]
 
 
 class MultiTurnAgentExecutor(AgentExecutorBase):
@@ -77,14 +125,19 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         # imported here: an agent file's `from openrlhf.utils.agent import ...` stays light
         from posttrain.rewards.result import reward_scalar
 
-        if images:
-            raise ValueError("images: vision-language agents are not available in this version")
+        seen = EpisodeImages.of(hf_tokenizer)
+        if images and seen is None:
+            raise ValueError("images: the prompt has images but the model is not a vision-language model")
         agent = self.agent_instance_cls()
         reset = await agent.reset({"observation": prompt, "label": label})
         if not isinstance(reset, dict) or not isinstance(reset.get("observation"), str):
             raise ValueError(f"reset() must return a dict with an 'observation' string, got {reset!r:.200}")
         observation_text = reset["observation"]
-        context = encode_text(hf_tokenizer, observation_text)
+        if images:
+            context, tensors = seen.encode(observation_text, images)
+            seen.keep(images, tensors)
+        else:
+            context = encode_text(hf_tokenizer, observation_text)
         if len(context) >= max_length:
             raise ValueError(f"the initial observation has {len(context)} tokens, no room to generate within "
                              f"--data.max_len {max_length}")
@@ -100,7 +153,8 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
                 truncated = True
                 break
             sampling_params.max_tokens = min(budget, turn_cap) if turn_cap else budget
-            out = (await llm_engine.generate(list(context), deepcopy(sampling_params))).outputs[0]
+            out = (await llm_engine.generate(list(context), deepcopy(sampling_params),
+                                             **(seen.request() if seen else {}))).outputs[0]
             action = list(out.token_ids)
             action_ranges.append((len(context), len(context) + len(action)))
             context += action
@@ -116,7 +170,8 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             scores = result.get("scores", total_reward)
             extra_logs = result.get("extra_logs") or {}
             feedback_text = result["environment_feedback"]
-            feedback = encode_text(hf_tokenizer, feedback_text)
+            feedback = self._feedback_ids(feedback_text, result.get("environment_images"), seen,
+                                          max_length - len(context), hf_tokenizer)
             feedback = feedback[:max_length - len(context)]  # what does not fit is cut: the episode ends below
             observation_text = observation_text + out.text + feedback_text
             context += feedback
@@ -130,12 +185,28 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
                 truncated = True
                 break
         truncated = truncated or out.finish_reason == "length"  # the last action ran out of budget
-        return {"prompt": prompt, "label": label, "images": images, "mm_train_inputs": None,
-                "reward": total_reward,
+        return {"prompt": prompt, "label": label, "images": seen.pil if seen and seen.pil else images,
+                "mm_train_inputs": seen.merged() if seen else None, "reward": total_reward,
                 "scores": reward_scalar(scores, "step()['scores']") if scores is not None else None,
                 "observation_tokens": context, "action_ranges": action_ranges, "rollout_log_probs": logprobs,
                 "extra_logs": extra_logs, "truncated": truncated, "prompt_length": prompt_len, "turns": turns,
                 "env_tokens": env_tokens, "step_time": step_time}
+
+
+    @staticmethod
+    def _feedback_ids(text: str, images, seen: EpisodeImages | None, room: int, hf_tokenizer) -> list[int]:
+        """The feedback's token ids. With `environment_images` (a vision-language model) its placeholders are
+        expanded and the images join the episode's, when the whole feedback fits the `room` left; when it does
+        not, the images are left out and their tokens dropped from the feedback (whose rest is cut to fit)."""
+        if not images:
+            return encode_text(hf_tokenizer, text)
+        if seen is None:
+            raise ValueError("step() returned environment_images but the model is not a vision-language model")
+        ids, tensors = seen.encode(text, images)
+        if len(ids) <= room:
+            seen.keep(images, tensors)
+            return ids
+        return seen.text_ids(text)
 
 
 _STEP_KEYS = ("rewards", "environment_feedback", "done")
@@ -167,18 +238,23 @@ class SingleTurnAgentExecutor(AgentExecutorBase):
 
     async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine,
                       images=None):
+        seen = EpisodeImages.of(hf_tokenizer)
+        if images and seen is None:
+            raise ValueError("images: the prompt has images but the model is not a vision-language model")
         if images:
-            raise ValueError("images: vision-language agents are not available in this version")
-        ids = encode_text(hf_tokenizer, prompt)
+            ids, tensors = seen.encode(prompt, images)
+            seen.keep(images, tensors)
+        else:
+            ids = encode_text(hf_tokenizer, prompt)
         if len(ids) >= max_length:
             raise ValueError(f"the prompt has {len(ids)} tokens, no room to generate within --data.max_len {max_length}")
         params = deepcopy(sampling_params)
         if getattr(params, "max_tokens", None) is None:
             params.max_tokens = max_length - len(ids)
         params.max_tokens = min(params.max_tokens, max_length - len(ids))
-        out = (await llm_engine.generate(list(ids), params)).outputs[0]
+        out = (await llm_engine.generate(list(ids), params, **(seen.request() if seen else {}))).outputs[0]
         action = list(out.token_ids)
-        result = {"prompt": prompt, "label": label, "images": None, "mm_train_inputs": None,
+        result = {"prompt": prompt, "label": label, "images": images, "mm_train_inputs": seen.merged() if seen else None,
                   "observation_tokens": ids + action, "action_ranges": [(len(ids), len(ids) + len(action))],
                   "rollout_log_probs": [0.0] * len(ids) + [e[t].logprob for e, t in zip(out.logprobs, action)],
                   "truncated": out.finish_reason == "length", "reward": None, "scores": None, "extra_logs": {},

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from posttrain.rollout.types import SamplingParams, rank_seed
+from posttrain.rollout.types import PromptImages, SamplingParams, rank_seed
 
 
 @dataclass
@@ -99,9 +99,15 @@ class EpisodeEngine:
         self.calls = 0
         self.versions: set[int] = set()  # the weights versions that sampled this episode's tokens
 
-    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None, **kwargs) -> RequestOutput:
-        if multi_modal_data:
-            raise ValueError("multi_modal_data: vision-language agents are not available in this version")
+    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None, image_inputs=None,
+                       **kwargs) -> RequestOutput:
+        """vLLM's `generate` shape. A prompt with images (vision-language model): `image_inputs`, the processor's
+        tensors of every image in the ids so far (posttrain's `MultiTurnAgentExecutor` passes them), and
+        `multi_modal_data={"image": [PIL, ...]}` as vLLM takes it."""
+        if multi_modal_data and image_inputs is None:
+            raise ValueError("multi_modal_data without image_inputs: posttrain's engines take the processor's image "
+                             "tensors beside the images; run the episode with posttrain's MultiTurnAgentExecutor "
+                             "(openrlhf.utils.agent), which passes both")
         if not isinstance(sampling_params, AgentSamplingParams):
             raise TypeError(f"sampling_params must be the AgentSamplingParams the executor was given (or a copy), "
                             f"got {type(sampling_params).__name__}")
@@ -111,8 +117,12 @@ class EpisodeEngine:
         self.calls += 1
         ids = [int(t) for t in prompt_token_ids]
         eos = getattr(self.front.engine, "eos_token_ids", None)
+        images = None
+        if image_inputs is not None:
+            images = PromptImages(image_inputs, list((multi_modal_data or {}).get("image") or []) or None)
         out = await self.front.generate(ids, sampling_params.to_engine(eos), seed=seed,
-                                        max_new_tokens=int(sampling_params.max_tokens))
+                                        max_new_tokens=int(sampling_params.max_tokens),
+                                        **({"images": images} if images is not None else {}))
         tokens = list(out.output_token_ids)
         self.versions.update(out.policy_versions or ())
         text = self.tokenizer.decode(shown_tokens(tokens, out.finish_reason),

@@ -35,6 +35,7 @@ import threading
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from posttrain.agents.agent_api import AgentExecutorBase
@@ -185,7 +186,17 @@ def episode_to_rollout(result, prompt, group: int, max_len: int, tokenizer) -> R
                    response_text=tokenizer.decode(response, skip_special_tokens=True), label=prompt.label,
                    group=group, budget=max(1, max_len - p), action_mask=mask, turns=int(result.get("turns", len(ranges))),
                    env_tokens=int(result.get("env_tokens", len(response) - sum(mask))),
-                   step_time=float(result.get("step_time", 0.0)))
+                   step_time=float(result.get("step_time", 0.0)), image_inputs=_image_inputs(result))
+
+
+def _image_inputs(result) -> dict | None:
+    """The episode's image tensors (`mm_train_inputs`: a dict of arrays, or None without images)."""
+    images = result.get("mm_train_inputs")
+    if images is None:
+        return None
+    if not isinstance(images, dict) or not images:
+        raise EpisodeFailed(f"execute()['mm_train_inputs'] must be a dict of image tensors or None, got {images!r:.80}")
+    return {k: np.asarray(v) for k, v in images.items()}
 
 
 def _episode_float(value, what: str) -> float | None:
@@ -232,8 +243,9 @@ class AgentRunner:
     `turn_cap`: the most tokens per turn (`--rollout.max_new_tokens`; None: the remaining budget)."""
 
     def __init__(self, executor: AgentExecutorBase, engine, tokenizer, reward_source, *, max_len: int,
-                 timeout: float, max_failure_frac: float, turn_cap: int | None = None) -> None:
+                 timeout: float, max_failure_frac: float, turn_cap: int | None = None, processor=None) -> None:
         self.executor, self.engine, self.tokenizer = executor, engine, tokenizer
+        self.processor = processor  # a vision-language model's: the executors get it as `hf_tokenizer` (OpenRLHF)
         self.reward_source, self.turn_cap = reward_source, turn_cap
         self.max_len, self.timeout, self.max_failure_frac = max_len, timeout, max_failure_frac
 
@@ -244,9 +256,10 @@ class AgentRunner:
 
     @classmethod
     def from_config(cls, executor: AgentExecutorBase, engine, tokenizer, reward_source,
-                    cfg: PPOConfig) -> AgentRunner:
+                    cfg: PPOConfig, processor=None) -> AgentRunner:
         return cls(executor, engine, tokenizer, reward_source, max_len=cfg.data.max_len, timeout=cfg.agent.timeout,
-                   max_failure_frac=cfg.agent.max_failure_frac, turn_cap=cfg.rollout.max_new_tokens)
+                   max_failure_frac=cfg.agent.max_failure_frac, turn_cap=cfg.rollout.max_new_tokens,
+                   processor=processor)
 
     def run(self, prompts, params, group_offset: int = 0, max_len: int | None = None) -> ScoredRollouts:
         """`max_len` is ignored: an episode's budget is `--data.max_len` over all its turns."""
@@ -314,7 +327,9 @@ class AgentRunner:
         bridge = _LoopBridge(front, asyncio.get_running_loop())
         engine = _GuardedEngine(bridge, self.tokenizer, seed)
         worker = _EpisodeThread(
-            lambda: self.executor.execute(prompt.text, prompt.label, sampling, self.max_len, self.tokenizer, engine),
+            lambda: self.executor.execute(prompt.text, prompt.label, sampling, self.max_len,
+                                          self.processor or self.tokenizer, engine,
+                                          **({"images": prompt.images} if getattr(prompt, "images", None) else {})),
             name=f"posttrain-episode-{group}-{seed}")
         try:
             try:

@@ -56,9 +56,6 @@ class PromptDataset:
                 encoder = ImageEncoder(tokenizer, processor, images, where(row))
                 ids = encoder(text)
                 image_inputs = encoder.image_inputs()
-                # the text a reward function sees is the prompt's tokens decoded, image tokens expanded, so that
-                # each decoded query (prompt + response) starts with it, as for a text prompt
-                text = tokenizer.decode(ids, skip_special_tokens=False)
             else:
                 ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if max_prompt_len is not None and len(ids) > max_prompt_len:

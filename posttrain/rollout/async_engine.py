@@ -49,7 +49,9 @@ class AsyncRolloutEngine:
     def __init__(self, engine, max_batch: int | None = None) -> None:
         self.engine = engine
         self.max_batch = max_batch
-        self.stream = engine.stream(max_batch) if hasattr(engine, "stream") else None
+        # a vision-language HF engine decodes in static batches (`vision_decode`): no streaming
+        self.stream = engine.stream(max_batch) if hasattr(engine, "stream") and not getattr(engine, "vision", False) \
+            else None
         self._waiting: dict[tuple, tuple[SamplingParams, list[_Request]]] = {}
         self._runner: asyncio.Task | None = None
         # the engine runs in a thread of its own: agents that block the loop's default pool (e.g. HTTP
@@ -60,11 +62,19 @@ class AsyncRolloutEngine:
         self._unseeded = 0  # requests so far without a seed of their own whose params carry one
 
     async def generate(self, token_ids: list[int], params: SamplingParams, *, seed: int,
-                       max_new_tokens: int) -> RolloutOutput:
+                       max_new_tokens: int, images=None) -> RolloutOutput:
         """One sample of `token_ids` with `params` (its `n` and `max_new_tokens` are ignored), seeded
-        with `seed`, at most `max_new_tokens` tokens."""
+        with `seed`, at most `max_new_tokens` tokens. `images` (a vision-language model: the prompt's
+        `engine.generate` images entry): the request is an engine call of its own, in the front's thread
+        (rows with images do not join a text decode batch)."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if images is not None:
+            call = functools.partial(self.engine.generate, [[int(t) for t in token_ids]], replace(params, n=1),
+                                     max_new_tokens=[int(max_new_tokens)], seeds=[int(seed)], images=[images])
+            outputs = await asyncio.get_running_loop().run_in_executor(self._thread, call)
+            check_outputs(self.engine, outputs, 1, 1)
+            return outputs[0][0]
         return (await self.generate_n(token_ids, replace(params, n=1), seed=seed, max_new_tokens=max_new_tokens))[0]
 
     async def generate_n(self, token_ids: list[int], params: SamplingParams, *, seed: int | None = None,
@@ -203,7 +213,7 @@ def generate_all(engine, prompt_token_ids, params: SamplingParams, max_new_token
         kwargs["max_new_tokens"] = [params.max_new_tokens if b is None else int(b) for b in max_new_tokens]
     if seeds is not None:
         kwargs["seeds"] = list(seeds)
-    if images is not None:  # a vision-language model: each prompt's image tensors (engine.generate's `images`)
+    if images is not None:  # a vision-language model: each prompt's image entry (engine.generate's `images`)
         kwargs["images"] = list(images)
     outputs = engine.generate(prompts, params, **kwargs)
     check_outputs(engine, outputs, len(prompts), params.n)

@@ -38,10 +38,18 @@ import torch
 
 from posttrain.models import apply_lora, as_lora_spec, is_peft, unwrap_model
 from posttrain.models import lora_sync as lsync
+from posttrain.models.vision import is_vision_model
 from posttrain.rollout.cpu.fast_decode import KVBuffer, fast_decoder
 from posttrain.rollout.decode_batch import DecodeBatch, Sequence
 from posttrain.rollout.sampling import check_seeds, sample_generators
-from posttrain.rollout.types import RolloutOutput, SamplingParams, _is_int, check_budgets, rank_seed
+from posttrain.rollout.types import (
+    PromptImages,
+    RolloutOutput,
+    SamplingParams,
+    _is_int,
+    check_budgets,
+    rank_seed,
+)
 from posttrain.rollout.vision_decode import decode_with_images
 from posttrain.utils.weights_hash import weights_hash
 
@@ -133,6 +141,7 @@ class HFRolloutEngine:
         self.weight_version = 0  # set by `weights_updated(version)`; recorded per sampled token
         # decode steps skip transformers' module machinery where the architecture allows (fast_decode)
         self._fast = fast_decoder(_hf_model(self.model)) if fast_decode else None
+        self.vision = is_vision_model(self.model)  # generates through `vision_decode` (module doc there)
 
     # -- weights -------------------------------------------------------------------------------
     def load_weights(self, model_or_state_dict) -> int:
@@ -276,7 +285,8 @@ class HFRolloutEngine:
 
     def generate(self, prompt_token_ids: Seq[Seq[int]], params: SamplingParams,
                  max_new_tokens: Seq[int] | None = None,
-                 seeds: Seq[int] | None = None, images: Seq[dict | None] | None = None) -> list[list[RolloutOutput]]:
+                 seeds: Seq[int] | None = None,
+                 images: Seq[dict | PromptImages | None] | None = None) -> list[list[RolloutOutput]]:
         """One list of ``params.n`` outputs per prompt; the n samples of a prompt are sampled as
         consecutive rows (group-contiguous) and returned in that order. ``max_new_tokens`` (one
         int >= 1 per prompt) overrides ``params.max_new_tokens`` prompt by prompt; a sample that
@@ -284,8 +294,9 @@ class HFRolloutEngine:
         gives each prompt its seed; None → ``rank_seed(params.seed, 0, i)`` for prompt i (a base
         seed drawn from torch's global RNG when ``params.seed`` is None). Sample j of prompt i
         draws only from a generator seeded with ``rank_seed(seed_i, 1, j)``. ``images`` (a vision-language
-        model: one dict of image tensors or None per prompt, `data.vision_samples`; the prompt ids hold their
-        image tokens) decodes through `vision_decode` instead, in static batches of ``batch_size`` rows."""
+        model: one dict of image tensors, a ``PromptImages`` (its tensors are used) or None per prompt,
+        `data.vision_samples`; the prompt ids hold their image tokens) decodes through `vision_decode` instead,
+        in static batches of ``batch_size`` rows."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, not {type(params).__name__}")
         prompts = self._check_prompts(prompt_token_ids)
@@ -295,8 +306,12 @@ class HFRolloutEngine:
         budgets = check_budgets(max_new_tokens, len(prompts), params)
         sequences = self.sequences(prompts, params, budgets, prompt_seeds)
         with self.inference():
-            if images is not None and any(im is not None for im in images):
-                self._decode_with_images(sequences, [im for im in images for _ in range(params.n)])
+            tensors = None if images is None else [PromptImages.tensors_of(im) for im in images]
+            if self.vision:  # text-only rows too: the image-structure tokens must never be sampled
+                tensors = tensors if tensors is not None else [None] * len(prompts)
+                self._decode_with_images(sequences, [im for im in tensors for _ in range(params.n)])
+            elif tensors is not None and any(im is not None for im in tensors):
+                raise ValueError("images were given for a model that is not a vision-language model")
             else:
                 self.run_to_completion(sequences)
         flat = [s.output() for s in sequences]

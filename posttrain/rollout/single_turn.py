@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.rollout.async_engine import generate_all
-from posttrain.rollout.types import rank_seed
+from posttrain.rollout.types import PromptImages, rank_seed
 
 
 @dataclass
@@ -87,8 +87,9 @@ class SingleTurnSampler:
         if params.seed is not None:  # engines that take no seeds (test fakes) still work unseeded
             kwargs["seeds"] = [rank_seed(params.seed, 0, group_offset + g) for g in range(len(prompts))]
         images = [getattr(p, "image_inputs", None) for p in prompts]
-        if any(im is not None for im in images):
-            kwargs["images"] = images
+        if any(im is not None for im in images):  # tensors for the HF engine, the PIL images for vLLM
+            kwargs["images"] = [None if im is None else PromptImages(im, getattr(p, "images", None))
+                                for p, im in zip(prompts, images)]
         outputs = generate_all(self.engine, [p.token_ids for p in prompts], params, max_new_tokens=budgets, **kwargs)
         if on_generated is not None:
             on_generated()
@@ -98,7 +99,7 @@ class SingleTurnSampler:
                 text = self.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
                 rollouts.append(Rollout(prompt_ids=list(prompt.token_ids), output_ids=list(out.output_token_ids),
                                         rollout_logprobs=list(out.logprobs), finish_reason=out.finish_reason,
-                                        prompt_text=prompt.text, response_text=text, label=prompt.label,
+                                        prompt_text=reward_prompt_text(self.tokenizer, prompt), response_text=text, label=prompt.label,
                                         group=group_offset + g,
                                         budget=budgets[g] if budgets else params.max_new_tokens,
                                         policy_versions=None if out.policy_versions is None
@@ -106,6 +107,15 @@ class SingleTurnSampler:
         result = score_rollouts(self.reward_source, self.tokenizer, rollouts)
         return ScoredRollouts(rollouts=rollouts, rewards=result.rewards.float(), scores=result.scores.float(),
                               extra_logs=result.extra_logs, skipped=result.skipped)
+
+
+def reward_prompt_text(tokenizer, prompt) -> str:
+    """The prompt text a reward function gets: the rendered prompt; for a prompt with images, its token ids
+    decoded (the image tokens expanded), so that each decoded query (prompt + response) starts with it, as a
+    text prompt's does."""
+    if getattr(prompt, "image_inputs", None) is None:
+        return prompt.text
+    return tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
 
 
 def score_rollouts(reward_source, tokenizer, rollouts: list[Rollout]):

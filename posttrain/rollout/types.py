@@ -115,6 +115,30 @@ class RolloutOutput:
         return self.finish_reason == "length"
 
 
+@dataclass(frozen=True)
+class PromptImages:
+    """One prompt's entry of ``generate(..., images=)`` (a vision-language model), in the two forms the
+    engines take: ``tensors``, the processor's image tensors (numpy, ``pixel_values``, ``image_grid_thw``
+    ...), which the HF engine feeds its model, and ``pil``, the images themselves (PIL, in prompt order),
+    which vLLM takes (it runs the processor itself). Either way the prompt ids hold the EXPANDED image
+    tokens, as the trainer sees them. A bare dict in ``images`` is the tensors alone (``tensors_of``)."""
+
+    tensors: dict | None = None
+    pil: list | None = None
+
+    @staticmethod
+    def tensors_of(entry) -> dict | None:
+        """An ``images`` entry's tensors: the entry itself when it is a dict (or None)."""
+        return entry.tensors if isinstance(entry, PromptImages) else entry
+
+    @staticmethod
+    def pil_of(entry) -> list | None:
+        """An ``images`` entry's raw images (None: it has none; a bare dict of tensors has none)."""
+        if isinstance(entry, PromptImages):
+            return None if entry.pil is None else list(entry.pil)
+        return None
+
+
 def check_budgets(max_new_tokens, num_prompts: int, params: SamplingParams) -> list[int]:
     """Per-prompt generation budgets: ``params.max_new_tokens`` for every prompt when
     ``max_new_tokens`` is None, else the given list (one int >= 1 per prompt)."""

@@ -2,8 +2,8 @@
 
 The rows are prefilled together, left-padded, with their image tensors (the vision tower runs once, at
 prefill); then the same sampling step as the text decode loop (`sample_next`, each row drawing from its
-own generator, stop ids banned below `min_tokens`) runs one token at a time on the KV cache until every
-row is done. Unlike `decode_batch.DecodeBatch` the batch is static (rows neither join nor leave, no shared
+own generator, stop ids banned below `min_tokens`, and the image-structure tokens never sampled:
+`structure_token_ids`) runs one token at a time on the KV cache until every row is done. Unlike `decode_batch.DecodeBatch` the batch is static (rows neither join nor leave, no shared
 prompt prefill). The prefill passes no position ids: the model derives its multi-axis rotary positions
 from the mask and the image grid, and keeps each row's offset (`rope_deltas`), from which the decode steps
 continue (`_next_positions`). Log-probs are those of the full
@@ -36,12 +36,13 @@ def decode_with_images(model, new_cache, rows: list[Sequence], images: Seq[dict 
     inputs = vision_forward_inputs(model, ids, merge_image_inputs(images, device))
     logits = model(input_ids=ids, attention_mask=mask, **inputs, **extra).logits[:, -1].float()
     temperature, top_p = rows[0].temperature, rows[0].top_p
+    never = structure_token_ids(model)
     while not all(s.done for s in rows):
         uniforms = None
         if temperature > 0:
             uniforms = torch.tensor([0.0 if s.done else s.uniform() for s in rows], dtype=torch.float64,
                                     device=device)
-        tokens, logprobs = sample_next(logits, temperature, top_p, None, uniforms, _banned(rows, logits))
+        tokens, logprobs = sample_next(logits, temperature, top_p, None, uniforms, _with(_banned(rows, logits), never, logits))
         for s, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
             if s.done:
                 continue  # finished earlier: its draw is discarded
@@ -54,6 +55,27 @@ def decode_with_images(model, new_cache, rows: list[Sequence], images: Seq[dict 
         mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.long, device=device)], dim=1)
         logits = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=_next_positions(model, mask),
                        **extra).logits[:, -1].float()
+
+
+def structure_token_ids(model) -> list[int]:
+    """The ids that mark images in a sequence (image / video placeholders, vision start / end): never sampled.
+    The model places image features at every image token of its input, so a sampled one would have no
+    image behind it and the training pass would fail; the log-probs stay those of the full distribution."""
+    config = model.config
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
+             "image_token_index", "boi_token_index", "eoi_token_index")
+    return sorted({int(v) for v in (getattr(config, n, None) for n in names) if v is not None})
+
+
+def _with(banned: torch.Tensor | None, ids: list[int], logits: torch.Tensor) -> torch.Tensor | None:
+    """`banned` ([B, V] bool, or None: nothing banned) with `ids` banned in every row as well."""
+    ids = [i for i in ids if i < logits.shape[-1]]
+    if not ids:
+        return banned
+    if banned is None:
+        banned = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    banned[:, ids] = True
+    return banned
 
 
 def _next_positions(model, mask: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,14 @@ A LoRA policy (``lora=``) is synced adapter-only (``update_adapter``, canonical 
 * ``adapter``: vLLM's own LoRA support (``enable_lora``); ``weights_updated(version)`` writes the adapter as
   a PEFT folder (under ``/dev/shm`` where it exists) and samples with ``LoRARequest(id = version + 1)``;
   the previous id is removed from vLLM and its folder deleted.
+
+Images (a vision-language model): ``generate(..., images=)`` takes one entry per prompt, a
+``types.PromptImages`` (or None: a text-only prompt). vLLM runs the model's processor itself, so it gets
+the raw images (``PromptImages.pil``) as ``multi_modal_data={"image": [...]}`` and the prompt ids with each
+run of the image pad token (and of the video pad token) collapsed to one token, the placeholder vLLM
+expands again; the outputs keep the caller's expanded prompt ids, as the trainer sees them. The engine
+needs ``limit_mm_per_prompt={"image": N}`` (``--data.max_images_per_prompt``) at construction, and the pad
+ids (``image_token_id`` / ``video_token_id``, read from the model's config when not given).
 """
 from __future__ import annotations
 
@@ -39,6 +47,7 @@ from posttrain.models import lora_sync as lsync
 from posttrain.rollout.sampling import check_seeds
 from posttrain.rollout.types import (
     FINISH_REASONS,
+    PromptImages,
     RolloutOutput,
     SamplingParams,
     check_budgets,
@@ -80,6 +89,29 @@ def import_vllm():
     except ImportError as err:
         raise ImportError(VLLM_MISSING) from err
     return vllm
+
+
+def vision_pad_token_ids(config) -> tuple[int | None, int | None]:
+    """(image pad id, video pad id) of an HF config (or its dict): ``image_token_id`` / ``video_token_id``
+    (``*_token_index`` in some families), None where it has none."""
+    def get(name):
+        value = config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+        return None if value is None else int(value)
+
+    return tuple(next((v for v in (get(f"{kind}_token_id"), get(f"{kind}_token_index")) if v is not None), None)
+                 for kind in ("image", "video"))
+
+
+def collapse_pad_runs(token_ids: Sequence[int], pad_ids: Iterable[int]) -> list[int]:
+    """``token_ids`` with each run of one of ``pad_ids`` (consecutive equal pad tokens) collapsed to one
+    token: an expanded image becomes the single placeholder vLLM expands itself."""
+    pads = {int(p) for p in pad_ids if p is not None}
+    out: list[int] = []
+    for t in token_ids:
+        if t in pads and out and out[-1] == t:
+            continue
+        out.append(int(t))
+    return out
 
 
 def _sampled_logprob(entry, token_id: int, where: str) -> float:
@@ -125,10 +157,17 @@ class VLLMRolloutEngine:
     ``eos_token_ids``: default stop ids (None → vLLM's own eos handling: tokenizer + generation
     config). Per-prompt seeds are ``seeds[prompt] % 2**31`` when ``generate`` gets ``seeds``, else derived
     from ``params.seed`` (``rank_seed(seed, 0, prompt) % 2**31``) so duplicate prompts in one batch still
-    get different samples."""
+    get different samples.
+
+    Images (module docstring): ``limit_mm_per_prompt`` (``{"image": N}``; None or N = 0: text only) goes to
+    ``vllm.LLM`` when the engine builds it (an ``LLM`` built by the caller must have been built with the
+    same); ``image_token_id`` / ``video_token_id``: the pad ids whose runs are collapsed (None: read from the
+    model's config, the LLM's or the folder's, when images are allowed)."""
 
     def __init__(self, llm_or_model_path, eos_token_ids: Sequence[int] | None = None, *, lora=None,
-                 lora_sync: str = "merged", lora_dir: str | None = None, **llm_kwargs):
+                 lora_sync: str = "merged", lora_dir: str | None = None,
+                 limit_mm_per_prompt: Mapping[str, int] | None = None, image_token_id: int | None = None,
+                 video_token_id: int | None = None, **llm_kwargs):
         if lora_sync not in LORA_SYNC_MODES:
             raise ValueError(f"lora_sync={lora_sync!r}: valid values are {list(LORA_SYNC_MODES)}")
         self.lora = as_lora_spec(lora)
@@ -148,14 +187,73 @@ class VLLMRolloutEngine:
             if isinstance(llm_or_model_path, (str, os.PathLike)):
                 for key, value in vllm_lora_kwargs(self.lora.rank).items():
                     llm_kwargs.setdefault(key, value)
+        self.limit_mm_per_prompt = {str(k): int(v) for k, v in (limit_mm_per_prompt or {}).items()}
+        if any(v < 0 for v in self.limit_mm_per_prompt.values()):
+            raise ValueError(f"limit_mm_per_prompt={limit_mm_per_prompt!r}: the limits must be integers >= 0")
+        self.max_images = self.limit_mm_per_prompt.get("image", 0)
         if isinstance(llm_or_model_path, (str, os.PathLike)):
             vllm = import_vllm()
             llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")
             llm_kwargs.setdefault("generation_config", "vllm")  # no sampling defaults from the model folder
+            if any(self.limit_mm_per_prompt.values()):
+                llm_kwargs["limit_mm_per_prompt"] = dict(self.limit_mm_per_prompt)
             self.llm = vllm.LLM(model=str(llm_or_model_path), **llm_kwargs)
         else:
             self.llm = llm_or_model_path
         self.eos_token_ids = None if eos_token_ids is None else [int(i) for i in eos_token_ids]
+        if self.max_images > 0 and image_token_id is None and video_token_id is None:
+            image_token_id, video_token_id = vision_pad_token_ids(
+                self._model_config(llm_or_model_path, llm_kwargs.get("trust_remote_code", False)))
+        self.image_token_id = None if image_token_id is None else int(image_token_id)
+        self.video_token_id = None if video_token_id is None else int(video_token_id)
+
+    def _model_config(self, llm_or_model_path, trust_remote_code: bool):
+        """The HF config of the model vLLM serves: its own (``llm_engine.model_config.hf_config``), else the
+        folder's (``AutoConfig``); {} when neither is at hand."""
+        config = getattr(getattr(getattr(self.llm, "llm_engine", None), "model_config", None), "hf_config", None)
+        if config is not None:
+            return config
+        if isinstance(llm_or_model_path, (str, os.PathLike)):
+            from transformers import AutoConfig
+
+            return AutoConfig.from_pretrained(str(llm_or_model_path), trust_remote_code=bool(trust_remote_code))
+        return {}
+
+    def vllm_prompts(self, prompts: list[list[int]], images: Sequence | None) -> list[dict]:
+        """vLLM ``TokensPrompt`` dicts: ``{"prompt_token_ids": ids}`` for a text-only prompt; for one with
+        images (``images[i]`` a ``PromptImages``) the ids with their image/video pad runs collapsed and
+        ``multi_modal_data={"image": [PIL, ...]}``. ValueError naming what is missing otherwise."""
+        if images is None:
+            return [{"prompt_token_ids": p} for p in prompts]
+        images = list(images)
+        if len(images) != len(prompts):
+            raise ValueError(f"images has {len(images)} entries for {len(prompts)} prompts (one per prompt, or None)")
+        result = []
+        for i, (ids, entry) in enumerate(zip(prompts, images)):
+            if entry is None:
+                result.append({"prompt_token_ids": ids})
+                continue
+            if self.max_images <= 0:
+                raise ValueError(f"images[{i}]: this vLLM engine was built without an image limit; build it with "
+                                 "limit_mm_per_prompt={'image': N} (--data.max_images_per_prompt N) to pass images")
+            pil = PromptImages.pil_of(entry)
+            if not pil:
+                raise ValueError(f"images[{i}]: the vLLM engine needs the prompt's raw images (PIL): pass "
+                                 "PromptImages(tensors, pil) (posttrain.data.Prompt.images); image tensors alone "
+                                 "are the HF engine's input")
+            if len(pil) > self.max_images:
+                raise ValueError(f"images[{i}]: {len(pil)} images, more than the engine's limit_mm_per_prompt "
+                                 f"image={self.max_images} (--data.max_images_per_prompt)")
+            if self.image_token_id is None:
+                raise ValueError(f"images[{i}]: the model's image token id is unknown (its config has no "
+                                 "image_token_id); build the engine with image_token_id=")
+            collapsed = collapse_pad_runs(ids, (self.image_token_id, self.video_token_id))
+            runs = collapsed.count(self.image_token_id)
+            if runs != len(pil):
+                raise ValueError(f"images[{i}]: the prompt holds {runs} run(s) of image tokens "
+                                 f"({self.image_token_id}) for {len(pil)} image(s)")
+            result.append({"prompt_token_ids": collapsed, "multi_modal_data": {"image": pil}})
+        return result
 
     def vllm_sampling_params(self, params: SamplingParams, prompt_index: int, max_new_tokens: int | None = None,
                              seed: int | None = None):
@@ -175,19 +273,23 @@ class VLLMRolloutEngine:
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams,
                  max_new_tokens: Sequence[int] | None = None,
-                 seeds: Sequence[int] | None = None) -> list[list[RolloutOutput]]:
+                 seeds: Sequence[int] | None = None,
+                 images: Sequence[PromptImages | None] | None = None) -> list[list[RolloutOutput]]:
         """One list of ``params.n`` outputs per prompt; ``max_new_tokens`` and ``seeds`` (one int in
-        [0, 2**63) per prompt) as in ``HFRolloutEngine.generate``."""
+        [0, 2**63) per prompt) as in ``HFRolloutEngine.generate``. ``images``: one ``PromptImages`` (its
+        ``pil`` images are sent) or None per prompt, whose ids hold the expanded image tokens (``vllm_prompts``);
+        the outputs keep these ids."""
         if params.top_p < 1.0:
             warn_once("vLLM log-probs with top_p < 1 are renormalised over the nucleus and differ from "
                       "the trainer's recomputation (full temperature-scaled distribution)")
         prompts = [[int(t) for t in p] for p in prompt_token_ids]
         budgets = check_budgets(max_new_tokens, len(prompts), params)
         prompt_seeds = check_seeds(seeds, len(prompts))
+        requests = self.vllm_prompts(prompts, images)
         sampling = [self.vllm_sampling_params(params, i, budgets[i], None if prompt_seeds is None else prompt_seeds[i])
                     for i in range(len(prompts))]
         extra = {} if self.lora_request is None else {"lora_request": self.lora_request}
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False, **extra)
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False, **extra)
         return convert_vllm_outputs(prompts, outputs, params.n)
 
     def load_weights(self, model_or_state_dict) -> int:

@@ -56,3 +56,32 @@ def agent_success(model_dir, rows: list[dict], agent_file: str, *, max_len: int 
     samples = [{"prompt": r[prompt_key], "episode": x.response_text, "reward": float(w), "turns": x.turns}
                for r, x, w in zip(rows, batch.rollouts, batch.rewards.tolist())]
     return sum(s["reward"] == 1.0 for s in samples) / max(len(samples), 1), samples
+
+
+@torch.no_grad()
+def colour_accuracy(model_dir, rows: list[dict], *, max_new_tokens: int = 4) -> tuple[float, list[dict]]:
+    """Held-out accuracy of a vision-language model on the colour task (`data.synthetic_vision`): greedy
+    generation with the images (the HF engine's path), correct when the response's first word is the colour.
+    Returns (accuracy, samples) with samples = [{"image", "response", "answer", "correct"}]."""
+    import re
+
+    from posttrain.data import PromptDataset
+    from posttrain.models import load_causal_lm, load_tokenizer
+    from posttrain.models.vision import load_processor
+    from posttrain.rollout import HFRolloutEngine
+    from posttrain.rollout.types import SamplingParams
+
+    tok = load_tokenizer(str(model_dir))
+    processor = load_processor(str(model_dir), tok)
+    prompts = PromptDataset(rows, tok, input_key="prompt", label_key="answer", apply_chat_template=True,
+                            processor=processor, max_images=1).prompts
+    engine = HFRolloutEngine(load_causal_lm(str(model_dir), dtype="fp32"), tok, pad_token_id=tok.pad_token_id)
+    outputs = engine.generate([p.token_ids for p in prompts], SamplingParams(temperature=0, max_new_tokens=max_new_tokens),
+                              images=[p.image_inputs for p in prompts])
+    samples = []
+    for row, p, (out,) in zip(rows, prompts, outputs):
+        text = tok.decode(out.output_token_ids, skip_special_tokens=True)
+        words = re.findall(r"[a-z]+", text.lower())
+        samples.append({"image": row["images"][0], "response": text, "answer": p.label,
+                        "correct": bool(words) and words[0] == p.label})
+    return sum(s["correct"] for s in samples) / max(len(samples), 1), samples

@@ -71,16 +71,19 @@ def test_missing_vllm_error(monkeypatch):
 
 
 class FakeLLM:
-    """Records what the engine asks of vllm.LLM and answers like it."""
+    """Records what the engine asks of vllm.LLM and answers like it: `init` holds the engine arguments,
+    `prompts` every prompt dict received (`prompt_token_ids`, `multi_modal_data` ...), `calls` the calls."""
 
     def __init__(self, model=None, **kwargs):
         self.init = dict(model=model, **kwargs)
         self.calls = []
+        self.prompts = []
 
         self.llm_engine = SimpleNamespace(remove_lora=lambda lora_id: self.calls.append(("remove_lora", lora_id)))
 
     def generate(self, prompts, sampling_params, use_tqdm=True, lora_request=None):
         self.calls.append(("generate", prompts, sampling_params, use_tqdm) + ((lora_request,) if lora_request else ()))
+        self.prompts.extend(prompts)
         return [request(p["prompt_token_ids"], [completion(i, [10 + i, 2], [-0.5, -0.75], "stop")
                                                  for i in range(sp["n"])])
                 for p, sp in zip(prompts, sampling_params)]
@@ -102,14 +105,19 @@ class FakeLLM:
         self.calls.append(("wake_up",))
 
 
-@pytest.fixture
-def fake_vllm(monkeypatch):
+def install_fake_vllm(monkeypatch):
+    """Put the stand-in `vllm` module (FakeLLM, SamplingParams as a dict, LoRARequest) in sys.modules."""
     module = SimpleNamespace(LLM=FakeLLM, SamplingParams=lambda **kw: kw)
     monkeypatch.setitem(sys.modules, "vllm", module)
     request_module = SimpleNamespace(LoRARequest=lambda **kw: SimpleNamespace(**kw))
     monkeypatch.setitem(sys.modules, "vllm.lora", SimpleNamespace(request=request_module))
     monkeypatch.setitem(sys.modules, "vllm.lora.request", request_module)
     return module
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    return install_fake_vllm(monkeypatch)
 
 
 def test_vllm_engine_request_and_lifecycle(fake_vllm):

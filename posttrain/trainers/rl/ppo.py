@@ -78,6 +78,8 @@ class RLTrainer(RunLoop):
                                               chat_template=cfg.data.tokenizer_chat_template)
         self.processor = vision_processor(cfg.actor.model_name_or_path, tok, cfg.data.max_images_per_prompt,
                                           cfg.ds.packing_samples)
+        # what an exported policy folder holds besides the model: the tokenizer (and a VLM's image processor)
+        self.savers = [tok] if self.processor is None else [tok, self.processor.image_processor]
         if self.processor is not None:
             self._check_vision_placement()
         kw = dict(input_key=cfg.data.input_key, label_key=cfg.data.label_key, input_template=cfg.data.input_template,
@@ -109,9 +111,9 @@ class RLTrainer(RunLoop):
             raise ConfigError(f"{cfg.actor.model_name_or_path} is a vision-language model: vision-language RL runs "
                               "in one process in this version; drop the Ray placement flags (--actor.num_gpus_per_node "
                               "> 1, --vllm.num_engines, ...)")
-        if cfg.train.agent_func_path or cfg.train.async_enable:
-            raise ConfigError(f"{cfg.actor.model_name_or_path} is a vision-language model: agent files and "
-                              "--train.async_enable are not available with one in this version")
+        if cfg.train.async_enable:
+            raise ConfigError(f"{cfg.actor.model_name_or_path} is a vision-language model: --train.async_enable is "
+                              "not available with one in this version")
         if cfg.ds.shared_prefix:
             info("vision-language actor: padded batches (--ds.shared_prefix off: the model computes its rotary "
                  "positions per row from the image grid)")
@@ -204,7 +206,8 @@ class RLTrainer(RunLoop):
             return SingleTurnSampler(self.rollout_engine, self.reward_source, self.tokenizer)
         from posttrain.agents.multi_turn import AgentRunner
 
-        return AgentRunner.from_config(self.agent_executor, self.rollout_engine, self.tokenizer, self.reward_source, cfg)
+        return AgentRunner.from_config(self.agent_executor, self.rollout_engine, self.tokenizer, self.reward_source, cfg,
+                                       processor=self.processor)
 
     def _place_on_ray(self, updates: int) -> None:
         """Every role as a Ray actor group (`distributed.ray_placement`); the groups have the roles'
@@ -447,7 +450,7 @@ class RLTrainer(RunLoop):
         if key is None or key not in metrics or metrics[key] <= self.best["value"]:
             return
         self.best = {"key": key, "value": float(metrics[key]), "step": self.global_step}
-        self.actor.export(self.output_dir / "best", self.tokenizer, ema=False)
+        self.actor.export(self.output_dir / "best", self.savers, ema=False)
         (self.output_dir / "best" / "best_metric.json").write_text(json.dumps(self.best))
         info(f"new best {key} = {metrics[key]:.4f} at step {self.global_step}: saved to {self.output_dir / 'best'}")
 
@@ -459,7 +462,7 @@ class RLTrainer(RunLoop):
                  "kl_ctl": self.kl_ctl.state_dict(), "best": self.best, "rng": rng_state()}
         save_state_file(state, d / "trainer_state.pt")
         if self.cfg.ckpt.save_hf:
-            self.actor.export(d / "hf", self.tokenizer)  # as the final export (EMA weights when kept, as OpenRLHF)
+            self.actor.export(d / "hf", self.savers)  # as the final export (EMA weights when kept, as OpenRLHF)
 
     def restore(self, path: Path, meta: dict) -> None:
         state = load_state_file(path / "trainer_state.pt")
@@ -545,7 +548,7 @@ class RLTrainer(RunLoop):
         if self.actor.keeps_ema:
             info("--train.enable_ema: the saved final model holds the EMA weights")
         with disk_full_as_error("the final model", self.output_dir, self.folders.last_checkpoint()):
-            self.actor.export(self.output_dir, self.tokenizer)
+            self.actor.export(self.output_dir, self.savers)
             if self.critic is not None and self.cfg.critic.save_value_network:
                 self.critic.export(self.output_dir / "critic", self.tokenizer)
         info(f"final model saved to {self.output_dir}")

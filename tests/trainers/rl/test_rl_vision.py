@@ -72,7 +72,7 @@ def test_freeze_visual_encoder_trains_the_language_model_only(tiny_vision_dir, c
 
 @pytest.mark.parametrize("extra,message", [
     (["--actor.num_gpus_per_node", "2"], "vision-language RL runs in one process in this version"),
-    (["--train.async_enable"], "agent files and --train.async_enable are not available"),
+    (["--train.async_enable"], "--train.async_enable is not available with one"),
     (["--ds.packing_samples"], "--ds.packing_samples: not supported with images"),
 ])
 def test_what_this_version_does_not_run_with_a_vlm_is_one_line(tiny_vision_dir, colours, tmp_path, capsys, extra,

@@ -337,9 +337,13 @@ def build_vllm_engine(cfg: PPOConfig, tok):
 
 
 def vllm_engine_kwargs(cfg: PPOConfig) -> dict:
-    """`vllm.LLM` arguments from the OpenRLHF flags (tensor parallelism is refused by `build_vllm_engine`)."""
+    """`vllm.LLM` arguments from the OpenRLHF flags (tensor parallelism is refused by `build_vllm_engine`);
+    with --data.max_images_per_prompt N > 0, `limit_mm_per_prompt={"image": N}` (the engine then reads the
+    image pad ids from the model's config)."""
+    images = cfg.data.max_images_per_prompt
     return dict(tensor_parallel_size=1, distributed_executor_backend="uni",
                 gpu_memory_utilization=cfg.vllm.gpu_memory_utilization, enforce_eager=cfg.vllm.enforce_eager,
                 enable_prefix_caching=cfg.vllm.enable_prefix_caching,
                 dtype=VLLM_DTYPES.get(cfg.ds.param_dtype, "auto"), seed=cfg.train.seed,
-                max_model_len=cfg.data.max_len, trust_remote_code=False)
+                max_model_len=cfg.data.max_len, trust_remote_code=False,
+                **({"limit_mm_per_prompt": {"image": images}} if images > 0 else {}))

@@ -1,0 +1,106 @@
+"""Multi-turn episodes of a vision-language policy (agents/agent_api.py): the prompt's images and the
+images the environment returns (`environment_images`) get their image tokens in the context, stay out of
+the action mask, count against the budget (left out, with their tokens, when they do not fit), and the
+trainer's log-probs of every action equal the sampling ones."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from posttrain.agents.agent_api import AgentInstanceBase, MultiTurnAgentExecutor
+from posttrain.agents.multi_turn import AgentRunner
+from posttrain.data import PromptDataset
+from posttrain.data.synthetic_vision import colour_rows
+from posttrain.rollout import HFRolloutEngine, SamplingParams
+from posttrain.trainers.rl.experience import build_experience
+from posttrain.trainers.rl.forward import policy_forward
+
+PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # Qwen-style, as an OpenRLHF VLM agent writes it
+
+
+def screen(seed: int) -> Image.Image:
+    return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (28, 28, 3), dtype=np.uint8))
+
+
+class ScreenshotEnv(AgentInstanceBase):
+    """Three turns: a screenshot after turn 1, text after turn 2, then the reward (OpenRLHF's VLM agent's
+    shape: `environment_images` beside a feedback holding one placeholder per image)."""
+
+    def __init__(self, *args, **kwargs):
+        self.turn = 0
+
+    async def reset(self, states, **kwargs):
+        return {"observation": states["observation"]}
+
+    async def step(self, states, **kwargs):
+        self.turn += 1
+        if self.turn == 3:
+            return {"rewards": torch.tensor(1.0), "environment_feedback": "<|im_end|>\n", "done": True}
+        feedback = "<|im_end|>\n<|im_start|>user\n" + (PLACEHOLDER if self.turn == 1 else "") + \
+                   "Again.<|im_end|>\n<|im_start|>assistant\n"
+        result = {"rewards": torch.tensor(0.0), "environment_feedback": feedback, "done": False}
+        if self.turn == 1:
+            result["environment_images"] = [screen(self.turn)]
+        return result
+
+
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(ScreenshotEnv)
+
+
+@pytest.fixture(scope="module")
+def vlm(tiny_vision_dir):
+    from posttrain.models import load_causal_lm, load_tokenizer
+    from posttrain.models.vision import load_processor
+
+    tok = load_tokenizer(tiny_vision_dir)
+    return load_causal_lm(tiny_vision_dir, "fp32"), tok, load_processor(tiny_vision_dir, tok)
+
+
+def _episodes(vlm, tmp_path, max_len: int):
+    model, tok, processor = vlm
+    prompts = PromptDataset(colour_rows(2, seed=0, folder=tmp_path), tok, input_key="prompt", label_key="answer",
+                            apply_chat_template=True, processor=processor, max_images=1).prompts
+    engine = HFRolloutEngine(model, tok, pad_token_id=tok.pad_token_id)
+    runner = AgentRunner(AgentExecutor(), engine, tok, None, max_len=max_len, timeout=60, max_failure_frac=0,
+                         turn_cap=4, processor=processor)
+    return runner.run(prompts, SamplingParams(max_new_tokens=4, n=2, seed=3)), model, tok
+
+
+def test_environment_images_join_the_context_outside_the_action_mask(vlm, tmp_path):
+    scored, model, tok = _episodes(vlm, tmp_path, max_len=200)
+    image_id = model.config.image_token_id
+    for r in scored.rollouts:
+        sequence = r.prompt_ids + r.output_ids
+        assert r.error is None and r.turns == 3
+        grid = r.image_inputs["image_grid_thw"]
+        assert len(grid) == 2  # the prompt's image and the screenshot, in order
+        assert sequence.count(image_id) == int(grid.prod(axis=1).sum()) // 4  # every image token has its image
+        actions = [t for t, m in zip(r.output_ids, r.action_mask) if m]
+        assert image_id not in actions and sum(r.action_mask) == len(actions) > 0
+        assert r.output_ids.count(image_id) == 4  # the screenshot's tokens: feedback, not actions
+    exp = build_experience(scored.rollouts, scored.rewards, tok.pad_token_id)
+    with torch.no_grad():
+        logp, _ = policy_forward(model, exp, 1.0)
+    mask = exp.action_mask.bool()
+    torch.testing.assert_close(logp[mask], exp.rollout_logp[mask], rtol=0, atol=1e-5)
+
+
+def test_an_image_that_does_not_fit_the_budget_is_left_out_with_its_tokens(vlm, tmp_path):
+    scored, model, _ = _episodes(vlm, tmp_path, max_len=40)  # room for the prompt and a turn, not the screenshot
+    image_id = model.config.image_token_id
+    for r in scored.rollouts:
+        assert r.error is None and len(r.prompt_ids) + len(r.output_ids) <= 40
+        assert len(r.image_inputs["image_grid_thw"]) == 1  # the prompt's image only
+        assert (r.prompt_ids + r.output_ids).count(image_id) == 4
+
+
+def test_environment_images_with_a_text_model_fail_the_episode(tiny_model_dir):
+    from posttrain.models import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir)
+    with pytest.raises(ValueError, match="not a vision-language model"):
+        MultiTurnAgentExecutor._feedback_ids("x", [screen(0)], None, 10, tok)
