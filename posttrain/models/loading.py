@@ -22,6 +22,7 @@ from posttrain.models.shard_loading import (
     fill_shards,
     init_missing,
     quiet_transformers,
+    renamed_to_module,
     safetensors_keys,
     without_random_init,
     zero3_loading,
@@ -141,7 +142,7 @@ def _from_pretrained(cls, path, dtype, attn_implementation, load_in_4bit=False, 
         with quiet_transformers(), torch.random.fork_rng():
             model = _from_config(_model_class(cls, config), config, p, dtype, attn_implementation)
         try:
-            missing = fill_shards(model, where)
+            missing = fill_shards(model, renamed_to_module(model, where))
         except ValueError as err:  # a tensor of another shape than the config's, or a truncated file
             raise ModelLoadError(f"{err}: the model folder {p} is damaged or its config.json does not match its "
                                  "weights; save or download the model again") from None

@@ -74,6 +74,31 @@ def _read_flat(f, entry: dict, lo: int, hi: int) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype) if buf else torch.empty(0, dtype=dtype)
 
 
+def renamed_to_module(model: torch.nn.Module, where: dict[str, tuple[str, dict]]) -> dict[str, tuple[str, dict]]:
+    """`where` (checkpoint name -> location) under the module's names, renamed as `from_pretrained` renames
+    checkpoint keys for the model's class (transformers' weight renamings: e.g. a Qwen2.5-VL checkpoint's
+    `model.*` / `visual.*` are the module's `model.language_model.*` / `model.visual.*`). The renamings that
+    changed a name are recorded on the model (`_weight_conversions`), as `from_pretrained` records them, so
+    that saving writes the checkpoint's own names again. Unchanged where transformers has no renamings."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:  # older transformers: names as they are
+        return where
+    renamings = [t for t in get_model_conversion_mapping(model, add_legacy=True) if type(t) is WeightRenaming]
+    out, used = {}, []
+    for name, location in where.items():
+        for renaming in renamings:
+            renamed, _ = renaming.rename_source_key(name)
+            if renamed != name and renaming not in used:
+                used.append(renaming)
+            name = renamed
+        out[name] = location
+    if used:
+        model._weight_conversions = used
+    return out
+
+
 def fill_shards(model: torch.nn.Module, where: dict[str, tuple[str, dict]]) -> list[str]:
     """Copy every parameter and buffer found in the checkpoint (`where`, from `safetensors_keys`) into
     `model`'s partitions (whole tensors for unpartitioned ones); returns the parameter names the

@@ -114,12 +114,17 @@ def vision_forward_inputs(model, input_ids: torch.Tensor, images: dict[str, torc
     return {**images, key: types}
 
 
+def is_vision_tower_name(name: str) -> bool:
+    """Whether a parameter name belongs to the vision tower or its projector (outside the language model)."""
+    return not any(part in name for part in _LANGUAGE_PARTS)
+
+
 def freeze_visual_encoder(model) -> int:
     """Freeze every parameter outside the language model (the vision tower and its projector); returns how
     many tensors were frozen."""
     frozen = 0
     for name, param in unwrap_model(model).named_parameters():
-        if param.requires_grad and not any(part in name for part in _LANGUAGE_PARTS):
+        if param.requires_grad and is_vision_tower_name(name):
             param.requires_grad_(False)
             frozen += 1
     return frozen
@@ -127,4 +132,4 @@ def freeze_visual_encoder(model) -> int:
 
 def language_model_names(model) -> list[str]:
     """The names of the language model's parameters (what a frozen vision tower leaves to sync)."""
-    return [n for n, _ in unwrap_model(model).named_parameters() if any(part in n for part in _LANGUAGE_PARTS)]
+    return [n for n, _ in unwrap_model(model).named_parameters() if not is_vision_tower_name(n)]

@@ -16,7 +16,7 @@ from posttrain.config.roles import ActorConfig, CriticConfig
 from posttrain.engines import make_train_engine
 from posttrain.engines.zero3 import FrozenShards, shard_numel, sharded_loading
 from posttrain.models import as_lora_spec, load_causal_lm, load_score_model
-from posttrain.models.vision import freeze_visual_encoder, is_vision_model
+from posttrain.models.vision import freeze_visual_encoder, is_vision_model, is_vision_tower_name
 from posttrain.trainers.rl.roles import Actor, Critic, Reference
 from posttrain.utils.log import info
 from posttrain.utils.seeding import set_seed
@@ -82,6 +82,8 @@ def build_actor(cfg: PPOConfig, tokenizer, device, total_steps: int, zero_stage:
                   base_path=cfg.actor.model_name_or_path, save_merged=cfg.ckpt.save_merged,
                   dtype=cfg.ds.param_dtype or "fp32", lora_sync=cfg.vllm.lora_sync)
     actor.loaded_numel = loaded
+    if cfg.actor.freeze_visual_encoder and is_vision_model(model):  # OpenRLHF: only the language model syncs
+        actor.sync_only = lambda name: not is_vision_tower_name(name)
     return actor
 
 

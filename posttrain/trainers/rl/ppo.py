@@ -104,13 +104,9 @@ class RLTrainer(RunLoop):
             self.eval_name = dataset_name(cfg.eval.dataset)
 
     def _check_vision_placement(self) -> None:
-        """A vision-language actor trains in one process with the HF engine in this version (ConfigError
-        otherwise, before anything loads); shared-prefix layouts are off (a VLM takes padded batches)."""
+        """A vision-language actor: --train.async_enable is refused in this version (ConfigError, before anything
+        loads); shared-prefix layouts are off (a VLM takes padded batches)."""
         cfg = self.cfg
-        if self.on_ray:
-            raise ConfigError(f"{cfg.actor.model_name_or_path} is a vision-language model: vision-language RL runs "
-                              "in one process in this version; drop the Ray placement flags (--actor.num_gpus_per_node "
-                              "> 1, --vllm.num_engines, ...)")
         if cfg.train.async_enable:
             raise ConfigError(f"{cfg.actor.model_name_or_path} is a vision-language model: --train.async_enable is "
                               "not available with one in this version")

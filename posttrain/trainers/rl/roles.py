@@ -12,7 +12,7 @@ A role's state directory holds its engine state (weights, optimizer, scheduler) 
 (the actor's EMA), so a checkpoint is one directory per role."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -83,6 +83,8 @@ class Actor(_Scorer):
         self.scaling = lsync.scaling(unwrap_model(model)) if self.peft else None
         self.lora_sync = lora_sync
         self.base_path, self.save_merged, self.dtype = base_path, save_merged and self.peft, dtype
+        # the weights a full-parameter sync sends (None: all); a frozen vision tower stays as the engines loaded it
+        self.sync_only: Callable[[str], bool] | None = None
         self.ema = None
         if ema_beta is not None:
             self.ema = self._ema_start()
@@ -160,11 +162,12 @@ class Actor(_Scorer):
     def sync_pairs(self, kind: str = "full", per_tensor: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """What a rollout engine with its own copy takes, as `(name, CPU tensor)` pairs on rank 0, gathered
         all at once or one tensor at a time (`TrainEngine.full_weights`: every rank must exhaust them,
-        collective under ZeRO-3). A full-parameter actor: every weight. A LoRA actor: under the canonical
-        names of `models.lora_sync`; `kind` "full": base + adapter (the first, verified sync), "adapter":
-        the adapter tensors only (only they are gathered)."""
+        collective under ZeRO-3). A full-parameter actor: every weight ("full": the first, verified sync), or
+        those `sync_only` keeps ("trained": a frozen vision tower is left out). A LoRA actor: under the
+        canonical names of `models.lora_sync`; `kind` "full": base + adapter (the first, verified sync),
+        "adapter": the adapter tensors only (only they are gathered)."""
         if not self.peft:
-            return self.engine.full_weights(per_tensor)
+            return self.engine.full_weights(per_tensor, keep=self.sync_only if kind == "trained" else None)
         self._check_lora_sync()
         if kind == "adapter":
             return lsync.canonical_pairs(self.engine.full_weights(True, keep=lsync.is_peft_adapter_name))

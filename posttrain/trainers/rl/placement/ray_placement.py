@@ -156,7 +156,7 @@ class ActorGroup(_RoleGroup):
     def broadcast_weights(self, engines, verify: bool = False, version: int | None = None) -> int:
         """`Actor.broadcast_weights` on Ray: base + adapter of a LoRA actor with `verify`, else the adapter
         only (a full-parameter actor: every weight). Returns the bytes sent."""
-        kind = "adapter" if self.lora and not verify else "full"
+        kind = "full" if verify else ("adapter" if self.lora else "trained")  # `Actor.sync_pairs`
         return sum(engine_group.receive_from(self, kind, verify, version) for engine_group in engines)
 
 
@@ -212,16 +212,18 @@ class EngineGroup(_Group):
         self.loads = [0] * len(handles)  # sample rows in flight per engine
         self.lock = threading.Lock()  # generate may be called from several threads (the async front)
 
-    def generate(self, prompt_token_ids, params, max_new_tokens=None, seeds=None):
+    def generate(self, prompt_token_ids, params, max_new_tokens=None, seeds=None, images=None):
         """Each prompt goes to the least-loaded engine (rows in flight, over concurrent callers); every
-        prompt carries its seed, so the samples do not depend on the dispatch."""
+        prompt carries its seed, so the samples do not depend on the dispatch. `images`: one entry per
+        prompt (a vision-language model; `engine.generate`'s), sent with its prompt."""
         n = len(prompt_token_ids)
         if seeds is None:
             base = params.seed if params.seed is not None else int(torch.randint(0, 2**63 - 1, (1,)).item())
             seeds = [rank_seed(base, 0, i) for i in range(n)]
         return self._spread(n, params.n, lambda h, rows: h.generate.remote(
             [prompt_token_ids[i] for i in rows], params,
-            None if max_new_tokens is None else [max_new_tokens[i] for i in rows], [seeds[i] for i in rows]))
+            None if max_new_tokens is None else [max_new_tokens[i] for i in rows], [seeds[i] for i in rows],
+            None if images is None else [images[i] for i in rows]))
 
     def run_episodes(self, prompts, params, groups: list[int]) -> list[tuple]:
         """Agent episodes: each prompt's n episodes run in the least-loaded engine's actor (seeds follow

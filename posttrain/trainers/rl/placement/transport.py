@@ -14,13 +14,35 @@ _TENSORS = ("sequences", "attention_mask", "action_mask", "rollout_logp", "rewar
             "values", "kl", "advantages", "returns")
 
 
+_IMAGE_ROWS = "image_rows/"  # + key: per row, how many dim-0 entries of "images/" + key are that row's
+_IMAGES = "images/"
+
+
 def experience_to_numpy(exp: Experience) -> dict[str, np.ndarray]:
-    return {k: getattr(exp, k).numpy() for k in _TENSORS if getattr(exp, k) is not None}
+    """Every tensor; a vision-language batch's per-row image tensors concatenated along dim 0 per key, with
+    each row's count beside them (a row without images counts 0)."""
+    arrays = {k: getattr(exp, k).numpy() for k in _TENSORS if getattr(exp, k) is not None}
+    if exp.image_inputs is not None:
+        keys = next(im for im in exp.image_inputs if im is not None).keys()
+        for k in keys:
+            parts = [np.asarray(im[k]) for im in exp.image_inputs if im is not None]
+            arrays[_IMAGES + k] = np.concatenate(parts)
+            arrays[_IMAGE_ROWS + k] = np.array([0 if im is None else len(im[k]) for im in exp.image_inputs])
+    return arrays
 
 
 def experience_from_numpy(arrays: dict[str, np.ndarray]) -> Experience:
-    """Tensors that own their memory (the object store's arrays are read-only)."""
-    return Experience(**{k: torch.from_numpy(np.array(v)) for k, v in arrays.items()})
+    """Tensors that own their memory (the object store's arrays are read-only); image tensors back per row."""
+    tensors = {k: torch.from_numpy(np.array(v)) for k, v in arrays.items() if not k.startswith(("images/", "image_rows/"))}
+    keys = [k[len(_IMAGES):] for k in arrays if k.startswith(_IMAGES)]
+    images = None
+    if keys:
+        counts = {k: arrays[_IMAGE_ROWS + k] for k in keys}
+        starts = {k: np.concatenate([[0], np.cumsum(counts[k])]) for k in keys}
+        images = [None if counts[keys[0]][i] == 0 else
+                  {k: np.array(arrays[_IMAGES + k][starts[k][i]:starts[k][i + 1]]) for k in keys}
+                  for i in range(len(counts[keys[0]]))]
+    return Experience(**tensors, image_inputs=images)
 
 
 def split_by_tokens(rows, lengths, ranks: int) -> list[list[int]]:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from posttrain.models.lora_sync import is_adapter_name
+from posttrain.models.vision import is_vision_folder, load_processor
 from posttrain.trainers.rl.placement.transport import experience_from_numpy
 from posttrain.trainers.rl.placement.weight_sync import SyncGroup
 from posttrain.utils.memory import apply_heap_policy
@@ -90,6 +91,7 @@ class RoleWorker(_Process):
 
         self.tokenizer = load_tokenizer(cfg.actor.model_name_or_path, use_fast=not cfg.data.disable_fast_tokenizer,
                                         chat_template=cfg.data.tokenizer_chat_template)
+        self.model_path = cfg.actor.model_name_or_path
         device = _device()
         zero = cfg.ds.zero_stage if self.world > 1 else None  # one rank: the in-process engine
         self.gather_for_generation = cfg.ds.gather_for_generation
@@ -146,7 +148,12 @@ class RoleWorker(_Process):
                                   f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from e
 
     def export(self, directory: str, *args) -> None:
-        self.obj.export(directory, self.tokenizer, *args)
+        """The role's `export`, with the tokenizer (and a vision-language actor's image processor, which a
+        VLM folder needs to load as one)."""
+        savers = [self.tokenizer]
+        if self.role == "actor" and is_vision_folder(self.model_path):
+            savers.append(load_processor(self.model_path, self.tokenizer).image_processor)
+        self.obj.export(directory, savers, *args)
 
     def close(self) -> None:
         if hasattr(self.obj, "close"):
@@ -213,9 +220,11 @@ class EngineWorker(_Process):
         if cfg.train.agent_func_path:  # the agent's episodes run in this actor, next to its engine
             from posttrain.agents.agent_file import load_agent_executor
             from posttrain.agents.multi_turn import AgentRunner
+            from posttrain.trainers.vision import vision_processor
 
+            processor = vision_processor(cfg.actor.model_name_or_path, tok, cfg.data.max_images_per_prompt, False)
             self.agents = AgentRunner.from_config(load_agent_executor(cfg.train.agent_func_path), self.engine, tok,
-                                                  None, cfg)
+                                                  None, cfg, processor=processor)
 
     def backend_name(self) -> tuple[str, str]:
         """("vllm" or "hf", why not vLLM)."""
@@ -225,9 +234,10 @@ class EngineWorker(_Process):
         """The engine's default stop ids (None: vLLM's own handling)."""
         return self.engine.eos_token_ids
 
-    def generate(self, prompts, params, max_new_tokens, seeds):
+    def generate(self, prompts, params, max_new_tokens, seeds, images=None):
         with self._released_decode_weights():
-            return self.engine.generate(prompts, params, max_new_tokens=max_new_tokens, seeds=seeds)
+            return self.engine.generate(prompts, params, max_new_tokens=max_new_tokens, seeds=seeds,
+                                        **({"images": images} if images is not None else {}))
 
     def run_episodes(self, prompts, params, groups: list[int]) -> list[tuple]:
         """`AgentRunner.collect` of these prompts' episodes on this engine (continuous batching on HF)."""
