@@ -6,6 +6,9 @@ A row: ``prompt`` "<image>What colour is the shape?" (the `<image>` tag marks wh
 ``response`` and ``answer`` the colour name, ``images`` [the PNG's path] (in a dataset file written by
 `write_colour_dataset`: its file name, relative to the file's folder).
 ``blank=True`` writes every image as the plain background (the control: the answer cannot be seen).
+``sloppy`` models a careless demonstrator: with that probability its ``response`` names a colour drawn at
+random (the right one a quarter of the time), while ``answer`` (the label a verifiable reward checks)
+stays right; SFT learns the format and some of the colours, RL with the reward can learn the rest.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ SIDE = 56  # pixels: 4 image tokens for the tiny Qwen2.5-VL (14-pixel patches me
 PROMPT = "<image>What colour is the shape?"
 
 
-def colour_rows(n: int, seed: int, folder, blank: bool = False, prefix: str = "img") -> list[dict]:
+def colour_rows(n: int, seed: int, folder, blank: bool = False, prefix: str = "img", sloppy: float = 0.0) -> list[dict]:
     """`n` rows whose images are written into `folder` as `{prefix}{i}.png`; deterministic in `seed`."""
     from PIL import Image, ImageDraw
 
@@ -37,13 +40,15 @@ def colour_rows(n: int, seed: int, folder, blank: bool = False, prefix: str = "i
             shape((x, y, x + size, y + size), fill=COLOURS[name])
         path = os.path.join(folder, f"{prefix}{i}.png")
         image.save(path)
-        rows.append({"prompt": PROMPT, "response": name, "answer": name, "images": [path]})
+        said = rng.choice(sorted(COLOURS)) if rng.random() < sloppy else name
+        rows.append({"prompt": PROMPT, "response": said, "answer": name, "images": [path]})
     return rows
 
 
-def write_colour_dataset(folder, n: int, seed: int, blank: bool = False, name: str = "train") -> str:
+def write_colour_dataset(folder, n: int, seed: int, blank: bool = False, name: str = "train",
+                         sloppy: float = 0.0) -> str:
     """`colour_rows` saved as `folder/{name}.jsonl` beside its images; returns the file's path."""
-    rows = colour_rows(n, seed, folder, blank=blank, prefix=f"{name}-")
+    rows = colour_rows(n, seed, folder, blank=blank, prefix=f"{name}-", sloppy=sloppy)
     path = os.path.join(folder, f"{name}.jsonl")
     with open(path, "w") as f:
         for row in rows:
