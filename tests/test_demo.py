@@ -41,3 +41,8 @@ def test_quick_demo_runs_every_stage(tmp_path, capsys):
     rl = [r for r in read_metrics(tmp_path / "agent_rl" / "metrics.jsonl") if "agent/turns_mean" in r]
     assert rl and all(r["agent/failed"] == 0 for r in rl)
     assert "held-out success on multiplication with a calculator tool" in out
+    # the vision-language stage: SFT, RL with the colour reward, the blank-image control (each ran and was scored)
+    assert list(summary["vision_accuracy"]) == ["base (random init)", *demo.VISION_STAGES]
+    assert all(0.0 <= v <= 1.0 for v in summary["vision_accuracy"].values())
+    assert any("reward/mean" in r for r in read_metrics(tmp_path / "vision" / "rl" / "metrics.jsonl"))
+    assert "the colour of a shape in an image" in out

@@ -9,7 +9,10 @@ and one table of held-out accuracy after each, plus the RM's held-out preference
 Then a task where turns matter (`posttrain.agents.examples.calculator`): multiplication with a
 calculator tool. SFT on transcripts where the demonstrator uses the tool only sometimes (otherwise it
 guesses), multi-turn RL with the environment's reward (`--train.agent_func_path`), and a single-turn
-control trained the same way without the tool; greedy held-out success for each.
+control trained the same way without the tool; greedy held-out success for each. Last, a task only the
+image answers (`posttrain.data.synthetic_vision`): the colour of a shape, on a tiny vision-language model.
+SFT on a sloppy demonstrator (it names a random colour in 70% of its answers), GRPO with the verifiable
+reward, and a control trained the same way on blank images.
 
 The task is locally generated two-digit addition. The demonstrator answers exactly but, in most
 answers, adds a rounded estimate ("81, roughly 80"), so the last number of its answer, which the
@@ -49,19 +52,26 @@ class DemoScale:
     agent_lr: float  # SFT on the calculator transcripts
     agent_prompts: int  # RL prompts of the calculator task
     agent_rl_lr: float
+    vision_sft_rows: int  # colour task (vision-language): the sloppy demonstrator's rows
+    vision_sft_epochs: int
+    vision_rl_steps: int
 
 
 FULL = DemoScale(size="tiny", difficulty=1, n_train=8000, n_test=200, habit=0.7, epochs=3, batch_size=32, lr=2e-3,
                  rl_prompts=1600, rl_lr=3e-4, n_pairs=2000, rm_epochs=3, rm_lr=5e-4, ppo_prompts=1600,
                  ppo_lr=1e-4, critic_lr=1e-3, dpo_epochs=1, dpo_lr=1e-4, agent_train=4000, agent_lr=1e-3,
-                 agent_prompts=3840, agent_rl_lr=3e-4)
+                 agent_prompts=3840, agent_rl_lr=3e-4, vision_sft_rows=512, vision_sft_epochs=4, vision_rl_steps=80)
 QUICK = DemoScale(size="nano", difficulty=0, n_train=1200, n_test=100, habit=0.7, epochs=2, batch_size=16, lr=3e-3,
                   rl_prompts=80, rl_lr=3e-4, n_pairs=256, rm_epochs=1, rm_lr=1e-3, ppo_prompts=64, ppo_lr=3e-4,
                   critic_lr=1e-3, dpo_epochs=1, dpo_lr=1e-4, agent_train=400, agent_lr=3e-3, agent_prompts=32,
-                  agent_rl_lr=3e-4)
+                  agent_rl_lr=3e-4, vision_sft_rows=192, vision_sft_epochs=2, vision_rl_steps=4)
 
 STAGES = ("after SFT", "after DPO", "after PPO with the RM", "after RL (GRPO, verifiable reward)")
 AGENT_STAGES = ("after SFT (tool available)", "after multi-turn RL with the tool", "single-turn control: RL, no tool")
+VISION_STAGES = ("after SFT (sloppy demonstrator)", "after RL (GRPO, verifiable reward)",
+                 "blank-image control: SFT + RL")
+VISION_SLOPPY = 0.7  # the colour demonstrator names a random colour in 70% of its answers
+VISION_RL_LR = 5e-4
 RM_STAGE = "reward model: held-out preference acc."
 TOOL_USE = 0.4  # the calculator demonstrator calls the tool in 40% of its transcripts, else guesses
 
@@ -228,6 +238,52 @@ def run_agent_task(scale: DemoScale, base: Path, out: Path, seed: int, timed) ->
     return success
 
 
+def _vision_flags(base: Path, sft_data: str, rl_data: str, out: Path, seed: int, scale: DemoScale):
+    """(SFT flags, RL flags) of the colour task: SFT on the sloppy demonstrator, then GRPO with the
+    verifiable colour reward, the vision tower frozen."""
+    common = ["--data.input_key", "prompt", "--data.apply_chat_template", "--data.max_images_per_prompt", "1",
+              "--data.max_len", "64", "--logger.logging_steps", "1", "--train.seed", str(seed)]
+    sft = ["--model.model_name_or_path", str(base), "--data.dataset", sft_data, "--data.output_key", "response",
+           "--train.batch_size", "16", "--train.micro_batch_size", "16", "--train.max_epochs",
+           str(scale.vision_sft_epochs), "--adam.lr", "2e-3", "--ckpt.output_dir", str(out / "sft"), *common]
+    rl = ["--actor.model_name_or_path", str(out / "sft"), "--data.prompt_dataset", rl_data, "--data.label_key", "answer",
+          "--reward.remote_url", str(Path(__file__).resolve().parents[1] / "rewards" / "examples" / "colour_reward.py"),
+          "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0", "--rollout.n_samples_per_prompt", "8",
+          "--rollout.batch_size", "16", "--rollout.max_new_tokens", "4", "--rollout.micro_batch_size", "64",
+          "--train.batch_size", "128", "--train.micro_batch_size", "64", "--train.max_steps", str(scale.vision_rl_steps),
+          "--actor.adam.lr", str(VISION_RL_LR), "--actor.lr_warmup_ratio", "0", "--actor.freeze_visual_encoder",
+          "--ckpt.output_dir", str(out / "rl"), *common]
+    return sft, rl
+
+
+def run_vision_task(scale: DemoScale, out: Path, seed: int, timed) -> dict[str, float]:
+    """The colour task on a tiny vision-language model: SFT on a demonstrator that names the right colour in
+    30% of its answers (plus chance), then GRPO with the verifiable reward; the control trains the same way on
+    blank images. Greedy held-out accuracy on real images after each."""
+    from posttrain.cli import train_ppo_ray, train_sft
+    from posttrain.data.synthetic_vision import colour_rows, write_colour_dataset
+    from posttrain.models import build_tiny
+    from posttrain.trainers.task_eval import colour_accuracy
+
+    base, data = out / "vision_base", out / "data" / "vision"
+    build_tiny(str(base), size="nano", seed=seed, overwrite=True, vision=True, verbose=False)
+    test = colour_rows(scale.n_test, seed=seed + 3, folder=data / "test")
+    acc = {"base (random init)": colour_accuracy(base, test)[0]}
+    for blank, folder, stages in ((False, out / "vision", VISION_STAGES[:2]),
+                                  (True, out / "vision_blank", VISION_STAGES[2:])):
+        kind = "blank" if blank else "images"
+        sft_data = write_colour_dataset(data / kind, scale.vision_sft_rows, seed + 1, blank=blank, name="sft",
+                                        sloppy=VISION_SLOPPY)
+        rl_data = write_colour_dataset(data / kind, 16 * scale.vision_rl_steps, seed + 2, blank=blank, name="rl")
+        sft, rl = _vision_flags(base, sft_data, rl_data, folder, seed, scale)
+        timed(stages[0] if not blank else f"{stages[0]} (sft)", train_sft.main, sft)
+        if not blank:
+            acc[stages[0]] = colour_accuracy(folder / "sft", test)[0]
+        timed(stages[-1], train_ppo_ray.main, rl)
+        acc[stages[-1]] = colour_accuracy(folder / "rl", test)[0]
+    return acc
+
+
 # Where `make demo` lands (percent, min-max) over MEASURED_SEEDS seeds on a 2-core CPU (bench/RESULTS.md, "the
 # calculator recipe over seeds"): the README's ranges. Another seed or CPU reads another number inside (or near)
 # these ranges; a number far outside them is worth a look. Stages not listed were measured on one seed.
@@ -255,6 +311,9 @@ def print_table(summary: dict) -> None:
     print(f"\nheld-out success on {summary['agent_task']} ({summary['held_out_prompts']} problems, greedy episodes)")
     for stage, acc in summary["agent_success"].items():
         print(_row(stage, acc, summary["minutes"][stage], quick))
+    print(f"\nheld-out accuracy on {summary['vision_task']} ({summary['held_out_prompts']} images, greedy)")
+    for stage, acc in summary["vision_accuracy"].items():
+        print(_row(stage, acc, summary["minutes"].get(stage), quick))
     print(f"done in {summary['seconds'] / 60:.1f} min; models, metrics and plots under {summary['output']}")
 
 
@@ -300,6 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
           "posttrain demo (grpo)")
     acc[STAGES[3]], samples = _accuracy(d["rl"], test)
     agent = run_agent_task(scale, base, out, args.seed, timed)
+    vision = run_vision_task(scale, out, args.seed, timed)
 
     summary = {"task": f"arithmetic difficulty {scale.difficulty}, demonstrations with the rounding habit "
                        f"in {scale.habit:.0%}", "held_out_prompts": len(test),
@@ -307,6 +367,8 @@ def main(argv: list[str] | None = None) -> dict:
                "rm_preference_accuracy": rm_eval.get("eval/acc", float("nan")), "minutes": minutes,
                "agent_task": f"multiplication with a calculator tool (demonstrator uses it in {TOOL_USE:.0%})",
                "agent_success": agent,
+               "vision_task": f"the colour of a shape in an image (vision-language; the demonstrator names a random "
+                              f"colour in {VISION_SLOPPY:.0%} of its answers)", "vision_accuracy": vision,
                "seconds": round(time.time() - t0, 1), "output": str(out), "quick": args.quick,
                "plots": {name: str(path / "plots") for name, path in d.items()}}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
