@@ -11,6 +11,8 @@ batch's samples along dim 0, in row order, the order in which the model matches 
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 
 import torch
@@ -104,14 +106,29 @@ def image_token_types(config, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def vision_forward_inputs(model, input_ids: torch.Tensor, images: dict[str, torch.Tensor]) -> dict:
-    """The keyword arguments a VLM takes besides the ids and the mask: the image tensors and the token types
-    (`mm_token_type_ids` for families with an image grid, `token_type_ids` otherwise, as the model names them)."""
+    """The keyword arguments a VLM takes besides the ids and the mask: the image tensors and the token types,
+    under the name the model's forward takes them by (`mm_token_type_ids`: Qwen-VL, Qwen3.5 and Gemma 4, whose
+    rotary positions or bidirectional image attention read them; `token_type_ids`: Gemma 3, PaliGemma; neither:
+    LLaVA-style models, which find the image tokens by id)."""
     if not images:
         return {}
-    config = unwrap_model(model).config
-    types = image_token_types(config, input_ids)
-    key = "mm_token_type_ids" if "image_grid_thw" in images else "token_type_ids"
-    return {**images, key: types}
+    key = _token_types_name(model)
+    if key is None:
+        return dict(images)
+    return {**images, key: image_token_types(unwrap_model(model).config, input_ids)}
+
+
+def _token_types_name(model) -> str | None:
+    base = unwrap_model(model)
+    if callable(getattr(base, "get_base_model", None)):  # a peft wrapper: its forward passes keywords through
+        base = base.get_base_model()
+    return _forward_token_types_name(type(base))
+
+
+@functools.cache
+def _forward_token_types_name(cls) -> str | None:
+    params = inspect.signature(cls.forward).parameters
+    return next((name for name in ("mm_token_type_ids", "token_type_ids") if name in params), None)
 
 
 def is_vision_tower_name(name: str) -> bool:

@@ -4,9 +4,10 @@ The rows are prefilled together, left-padded, with their image tensors (the visi
 prefill); then the same sampling step as the text decode loop (`sample_next`, each row drawing from its
 own generator, stop ids banned below `min_tokens`, and the image-structure tokens never sampled:
 `structure_token_ids`) runs one token at a time on the KV cache until every row is done. Unlike `decode_batch.DecodeBatch` the batch is static (rows neither join nor leave, no shared
-prompt prefill). The prefill passes no position ids: the model derives its multi-axis rotary positions
-from the mask and the image grid, and keeps each row's offset (`rope_deltas`), from which the decode steps
-continue (`_next_positions`). Log-probs are those of the full
+prompt prefill). A multi-axis rotary family's prefill with images passes no position ids: the model derives
+them from the mask and the image grid, and keeps each row's offset (`rope_deltas`), from which the decode steps
+continue (`_next_positions`); any other prefill (a plain-rotary family such as Gemma 4, a batch without images)
+passes each row's text positions (`_prefill_positions`). Log-probs are those of the full
 temperature-scaled distribution, as the trainer recomputes them from the padded prompt + response.
 """
 from __future__ import annotations
@@ -34,6 +35,10 @@ def decode_with_images(model, new_cache, rows: list[Sequence], images: Seq[dict 
         mask[i, width - len(s.prompt):] = 1
     extra = {cache_kw: new_cache(), "use_cache": True, **({"logits_to_keep": 1} if keep_kw else {})}
     inputs = vision_forward_inputs(model, ids, merge_image_inputs(images, device))
+    rotary = _rotary_offsets_owner(model)
+    positions = _prefill_positions(rotary, mask, bool(inputs))
+    if positions is not None:
+        inputs["position_ids"] = positions
     logits = model(input_ids=ids, attention_mask=mask, **inputs, **extra).logits[:, -1].float()
     temperature, top_p = rows[0].temperature, rows[0].top_p
     never = structure_token_ids(model)
@@ -53,7 +58,7 @@ def decode_with_images(model, new_cache, rows: list[Sequence], images: Seq[dict 
         if all(s.done for s in rows):
             break
         mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.long, device=device)], dim=1)
-        logits = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=_next_positions(model, mask),
+        logits = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=_next_positions(rotary, mask),
                        **extra).logits[:, -1].float()
 
 
@@ -63,7 +68,7 @@ def structure_token_ids(model) -> list[int]:
     image behind it and the training pass would fail; the log-probs stay those of the full distribution."""
     config = model.config
     names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
-             "image_token_index", "boi_token_index", "eoi_token_index")
+             "image_token_index", "boi_token_index", "eoi_token_index", "boi_token_id", "eoi_token_id")
     return sorted({int(v) for v in (getattr(config, n, None) for n in names) if v is not None})
 
 
@@ -78,12 +83,32 @@ def _with(banned: torch.Tensor | None, ids: list[int], logits: torch.Tensor) -> 
     return banned
 
 
-def _next_positions(model, mask: torch.Tensor) -> torch.Tensor:
+def _rotary_offsets_owner(model) -> torch.nn.Module | None:
+    """The submodule that keeps a multi-axis rotary family's per-row offsets (`rope_deltas`: the family's base
+    model, under its generation head and any peft wrapper); None for a plain-rotary family (Gemma 4)."""
+    return next((m for m in model.modules() if "rope_deltas" in vars(m)), None)
+
+
+def _prefill_positions(rotary, mask: torch.Tensor, with_images: bool) -> torch.Tensor | None:
+    """The prefill's position ids: None where the model derives them itself (`rotary`, a multi-axis rotary
+    family's offsets owner, given images: from the mask and the image grid); otherwise each row's text positions
+    (`cumsum(mask) - 1`, from its first real token), which `_next_positions` continues. Without them a left-padded
+    row would start at its padding's length (the model's default positions ignore the mask: Gemma 4, a Qwen-VL
+    batch without images) while its decode steps continue from its text positions. A multi-axis family's offsets
+    left from an earlier batch are dropped: a batch without images has none."""
+    if rotary is not None:
+        if with_images:
+            return None
+        rotary.rope_deltas = None
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _next_positions(rotary, mask: torch.Tensor) -> torch.Tensor:
     """The position ids of each row's newest token: its text position (`cumsum(mask) - 1`), shifted by the row's
-    rotary offset where the model keeps one from its prefill (`rope_deltas`: the image tokens of a multi-axis
-    rotary family take fewer positions than tokens), on each of its rotary axes."""
+    rotary offset where `rotary` (`_rotary_offsets_owner`) keeps one from the prefill (`rope_deltas`: the image
+    tokens of a multi-axis rotary family take fewer positions than tokens), on each of its rotary axes."""
     text = (mask.long().cumsum(-1) - 1)[:, -1:]
-    deltas = getattr(getattr(model, "model", None), "rope_deltas", None)
+    deltas = getattr(rotary, "rope_deltas", None)
     if deltas is None:
         return text
     return (text + deltas.to(text.device)).unsqueeze(0).expand(3, -1, -1)
