@@ -237,8 +237,8 @@ class DatasetDataConfig(DataConfig):
 
 @dataclass
 class ImageDataFields:
-    """Images in the rows, for a vision-language model (`posttrain sft`: beyond OpenRLHF 0.10.2, which reads
-    images in `ppo` only)."""
+    """Images in the rows, for a vision-language model (`posttrain sft` / `dpo`: beyond OpenRLHF 0.10.2, which
+    reads images in `ppo` only; `posttrain rm` refuses them)."""
 
     image_key: str = opt("images", "JSON key of the images (paths, data: URIs, base64, bytes; vision-language "
                          "models)", extension=True)
@@ -257,7 +257,7 @@ class SFTDataConfig(ImageDataFields, DatasetDataConfig):
 
 
 @dataclass
-class PreferenceDataConfig(DatasetDataConfig):
+class PreferenceDataConfig(ImageDataFields, DatasetDataConfig):
     """Dataset loading and tokenisation (preference pairs)."""
 
     prompt_key: str | None = opt(

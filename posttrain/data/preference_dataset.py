@@ -17,6 +17,14 @@ token a generated response ends with and where a reward model reads its score. A
 ``max_len`` is cut and ends with EOS (``num_truncated``); a pair whose prompt
 fills ``max_len`` is dropped and counted. Bad rows (missing key, empty response, chosen identical
 to rejected, non-numeric margin) raise DataError naming the row before anything is tokenised.
+
+Images (a vision-language model: ``processor`` set): the row's ``image_key`` column holds the images of
+the prompt, placed by its ``<image>`` tags or ``{"type": "image"}`` parts (at most ``max_images``; the
+chat template is needed). The prompt segment is encoded once per pair by the processor (its image
+placeholders expanded into image tokens), so chosen and rejected start with the same token ids, and the
+pair keeps the processor's tensors once, as ``image_inputs``, for both sides (``pair_sides``). Image tokens
+lie in the prompt, before its last (untrained) tokens, so a cut at ``max_len`` that reaches them leaves no
+trained token and the pair is dropped as above: no kept sequence holds part of an image.
 """
 
 from __future__ import annotations
@@ -28,15 +36,19 @@ from torch.utils.data import Dataset
 
 from .capping import cap_text_fields
 from .errors import DataError, where
+from .images import to_vision_messages
+from .prompts import prompt_images
 from .sft_dataset import SFTDataset, encode_segments
 from .templates import check_input_template, format_prompt, render_chat, require_chat_template, to_messages
 from .validation import ensure_location, require_text, require_text_or_messages
+from .vision_samples import ImageEncoder
 
 PROMPT_FLAG, CHOSEN_FLAG, REJECTED_FLAG = "--data.prompt_key", "--data.chosen_key", "--data.rejected_key"
 
 
 class PreferenceDataset(Dataset):
-    """Tokenised preference pairs; attributes ``num_truncated``, ``dropped``, ``pair_rows``."""
+    """Tokenised preference pairs; attributes ``num_truncated``, ``dropped``, ``pair_rows``. A pair with
+    images also has ``image_inputs`` (the processor's numpy tensors, shared by its two sides)."""
 
     def __init__(
         self,
@@ -50,6 +62,9 @@ class PreferenceDataset(Dataset):
         input_template: str | None = None,
         apply_chat_template: bool = False,
         margin_key: str | None = None,
+        processor: Any = None,
+        image_key: str = "images",
+        max_images: int = 0,
     ):
         if not isinstance(max_len, int) or max_len < 2:
             raise DataError(f"--data.max_len: must be an integer ≥ 2, got {max_len!r}.")
@@ -58,6 +73,7 @@ class PreferenceDataset(Dataset):
         self.tokenizer, self.max_len, self.chat = tokenizer, max_len, apply_chat_template
         self.keys = (prompt_key, chosen_key, rejected_key)
         self.margin_key = margin_key
+        self.processor, self.image_key, self.max_images = processor, image_key, max_images
         self.input_template = check_input_template(input_template)
         if self.chat:
             require_chat_template(tokenizer)
@@ -75,17 +91,28 @@ class PreferenceDataset(Dataset):
         self.dropped: list[str] = []
         self.num_truncated = 0
         for row, (prompt, chosen, rejected, margin) in zip(rows, fields):
-            sides = [self._encode(row, prompt, response) for response in (chosen, rejected)]
+            images = self._images(row, prompt)
+            encoder = _SharedPrompt(ImageEncoder(tokenizer, processor, images, where(row))) if images else None
+            sides = [self._encode(row, prompt, response, encoder) for response in (chosen, rejected)]
             if any(ids is None for ids, _ in sides):
                 self.dropped.append(where(row))
                 continue
             (c_ids, c_mask), (r_ids, r_mask) = sides
-            self.pairs.append({"chosen_ids": c_ids, "chosen_mask": c_mask, "rejected_ids": r_ids,
-                               "rejected_mask": r_mask, "margin": margin})
+            pair = {"chosen_ids": c_ids, "chosen_mask": c_mask, "rejected_ids": r_ids, "rejected_mask": r_mask,
+                    "margin": margin}
+            if encoder is not None:
+                pair["image_inputs"] = encoder.image_inputs()
+            self.pairs.append(pair)
             self.pair_rows.append(where(row))
         if not self.pairs:
             raise DataError(f"PreferenceDataset: all {len(rows)} pairs were dropped because the prompt alone "
                             f"fills --data.max_len {max_len} (first: {self.dropped[0]}). Raise --data.max_len.")
+
+    # ---- images -------------------------------------------------------------------------------
+    def _images(self, row: dict, prompt) -> list:
+        """The row's images (PIL) for a vision-language model, checked against the prompt's placeholders."""
+        return prompt_images(row, prompt if prompt is not None else "", self.processor, self.image_key,
+                             self.max_images, self.chat)
 
     # ---- row checks ---------------------------------------------------------------------------
     def _validate(self, row: dict):
@@ -105,7 +132,7 @@ class PreferenceDataset(Dataset):
                 prompt = to_messages(prompt, "user")
                 chosen, rejected = to_messages(chosen, "assistant"), to_messages(rejected, "assistant")
             for key, msgs in ((chosen_key, chosen), (rejected_key, rejected)):
-                if not msgs or not msgs[-1]["content"].strip():
+                if not msgs or not _content_text(msgs[-1]["content"]).strip():
                     raise DataError(f"{loc}: key '{key}' has an empty response. Fix the data (fill it in or "
                                     "remove the row).")
         if chosen == rejected:
@@ -139,12 +166,14 @@ class PreferenceDataset(Dataset):
         return chosen[-1:], rejected[-1:], chosen[:-1]
 
     # ---- tokens -------------------------------------------------------------------------------
-    def _segments(self, row: dict, prompt, response) -> list[tuple[str, int]]:
+    def _segments(self, row: dict, prompt, response, images: bool = False) -> list[tuple[str, int]]:
         loc = where(row)
         if not self.chat:
             if prompt is None:
                 return [(response, 1)]
             return [(format_prompt(self.input_template, prompt), 0), (response, 1)]
+        if images:  # the prompt's contents as typed parts (`<image>` tags become image parts); responses are text
+            prompt = to_vision_messages(prompt)
         full_msgs = prompt + response
         full = render_chat(self.tokenizer, full_msgs, False, loc)
         if not prompt:
@@ -153,8 +182,9 @@ class PreferenceDataset(Dataset):
         SFTDataset._check_prefix(head, full, len(prompt), len(full_msgs), loc)
         return [(head, 0), (full[len(head):], 1)]
 
-    def _encode(self, row: dict, prompt, response) -> tuple[list[int] | None, list[int] | None]:
-        ids, mask = encode_segments(self.tokenizer, self._segments(row, prompt, response))
+    def _encode(self, row: dict, prompt, response, encoder=None) -> tuple[list[int] | None, list[int] | None]:
+        ids, mask = encode_segments(self.tokenizer, self._segments(row, prompt, response, encoder is not None),
+                                    encoder)
         ids, mask = self._end_at_eos(ids, mask)
         if len(ids) > self.max_len:
             ids, mask = ids[: self.max_len], mask[: self.max_len]
@@ -184,9 +214,39 @@ class PreferenceDataset(Dataset):
         return self.pairs[i]
 
 
+class _SharedPrompt:
+    """`encode(text)` for both sides of one pair: an `ImageEncoder` whose results are kept per text, so the
+    prompt segment (the same text on both sides) is encoded, and takes its images, once."""
+
+    def __init__(self, encoder: ImageEncoder) -> None:
+        self.encoder, self.done = encoder, {}
+
+    def __call__(self, text: str) -> list[int]:
+        if text not in self.done:
+            self.done[text] = self.encoder(text)
+        return list(self.done[text])
+
+    def image_inputs(self):
+        return self.encoder.image_inputs()
+
+
 def pair_sides(items: Sequence[dict]) -> list[dict]:
     """Pairs → 2B SFT-shaped samples, all chosen sides first then all rejected sides (row b and
-    b + B are a pair), ready for ``pad_collate`` / ``pack_collate``."""
-    chosen = [{"input_ids": it["chosen_ids"], "loss_mask": it["chosen_mask"]} for it in items]
-    rejected = [{"input_ids": it["rejected_ids"], "loss_mask": it["rejected_mask"]} for it in items]
-    return chosen + rejected
+    b + B are a pair), ready for ``pad_collate`` / ``pack_collate``. A pair's ``image_inputs`` go with
+    both of its sides, so the collated ``image_inputs`` are the chosen sides' images in pair order, then
+    the rejected sides' in the same order: the order of the rows, in which the model matches images to
+    image tokens."""
+    def side(it: dict, name: str) -> dict:
+        sample = {"input_ids": it[f"{name}_ids"], "loss_mask": it[f"{name}_mask"]}
+        if it.get("image_inputs"):
+            sample["image_inputs"] = it["image_inputs"]
+        return sample
+
+    return [side(it, "chosen") for it in items] + [side(it, "rejected") for it in items]
+
+
+def _content_text(content) -> str:
+    """A message content's text: the string, or its text parts joined (a content given as typed parts)."""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if part.get("type") == "text")

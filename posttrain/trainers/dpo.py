@@ -21,6 +21,10 @@ default reference no second copy is loaded: the reference is the policy with its
 With ``--ds.zero_stage 3`` over several ranks a separate reference is held as ZeRO-3 shards
 (``engines.zero3.FrozenShards``, loaded straight into them); ``--ref.offload`` then keeps the shards in
 CPU memory (DeepSpeed's ``offload_param``, on GPUs).
+
+Vision-language models: a pair's prompt images (``--data.image_key``, ``--data.max_images_per_prompt``)
+go with both of its sequences (`pair_sides`), and the policy and the reference read the same batch, image
+tensors included; the log-ratios still cover the response tokens only.
 """
 from __future__ import annotations
 
@@ -154,8 +158,9 @@ def train_dpo(cfg: DPOConfig) -> dict:
     check_loss_flags(cfg.model.ipo_enable, cfg.model.label_smoothing)
     run = SingleModelRun(cfg)
     tok = run.tokenizer
-    train_items = preference_items(run.train_rows, tok, cfg, "train set")
-    eval_items = preference_items(run.eval_rows, tok, cfg, "eval set") if run.eval_rows else None
+    train_items = preference_items(run.train_rows, tok, cfg, "train set", processor=run.processor)
+    eval_items = preference_items(run.eval_rows, tok, cfg, "eval set", processor=run.processor) \
+        if run.eval_rows else None
     m = cfg.model
     objective = DPOObjective(pad_id=tok.pad_token_id, packing=cfg.ds.packing_samples, beta=m.beta,
                              label_smoothing=m.label_smoothing, ipo=m.ipo_enable, nll_loss_coef=m.nll_loss_coef,

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 class PairObjective:
     """What the RM and DPO objectives share: units are pairs, and a micro-batch of B pairs is one
     forward of 2B sequences (rows 0..B-1 chosen, B..2B-1 rejected; padded or packed) carrying
-    ``num_pairs`` = B and each pair's ``margin`` [B]."""
+    ``num_pairs`` = B and each pair's ``margin`` [B]; with images, ``image_inputs`` in the same row order
+    (pair b's images for row b and again for row B + b, see `pair_sides`)."""
 
     def __init__(self, pad_id: int, packing: bool) -> None:
         self.pad_id, self.packing = pad_id, packing
@@ -40,13 +41,17 @@ class PairObjective:
 
 
 def preference_items(rows: list[dict], tokenizer, cfg: RMConfig | DPOConfig, what: str,
-                     margin_key: str | None = None) -> list[dict]:
-    """Items `{"chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask", "margin"}` of `rows`
-    under `cfg.data` (prompt/chosen/rejected keys, template, chat template, max_len)."""
+                     margin_key: str | None = None, processor=None) -> list[dict]:
+    """Items `{"chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask", "margin"}` (plus
+    `"image_inputs"` for a pair with images) of `rows` under `cfg.data` (prompt/chosen/rejected keys,
+    template, chat template, max_len; the image column and its bound when `processor`, a vision-language
+    model's, is given)."""
     data = PreferenceDataset(rows, tokenizer, cfg.data.max_len, prompt_key=cfg.data.prompt_key,
                              chosen_key=cfg.data.chosen_key, rejected_key=cfg.data.rejected_key,
                              input_template=cfg.data.input_template,
-                             apply_chat_template=cfg.data.apply_chat_template, margin_key=margin_key)
+                             apply_chat_template=cfg.data.apply_chat_template, margin_key=margin_key,
+                             processor=processor, image_key=cfg.data.image_key,
+                             max_images=cfg.data.max_images_per_prompt)
     if data.num_truncated:
         info(f"{what}: {data.num_truncated} responses longer than --data.max_len {cfg.data.max_len} were cut "
              "(their last token kept as EOS)")

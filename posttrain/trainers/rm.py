@@ -19,9 +19,14 @@ After training, the mean / std of the rewards on the eval set (the training set 
 stored as `mean` / `std` in the saved config.json, which `--reward.normalize_enable` reads.
 With `--ds.value_head_prefix X` (X != score) the exported head is stored as `X.weight` (OpenRLHF's
 naming); `load_score_model(path, value_head_prefix=X)` loads it back.
+
+Reward models read text only: `--data.max_images_per_prompt` or `--data.image_key` is refused
+(`check_text_only`), as a score model (AutoModelForSequenceClassification) has no vision-language form for
+most families (Qwen-VL among them), and the reward-model scorers of `ppo` and `serve-rm` score text.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -33,6 +38,7 @@ from posttrain.models.loading import check_model_path, read_head
 from posttrain.rewards.reward_model import last_token_index
 from posttrain.trainers.pairs import PairObjective, preference_items
 from posttrain.trainers.session import SingleModelRun, lora_settings
+from posttrain.utils.errors import UserError
 from posttrain.utils.log import info
 
 MARGIN_KEY = "margin"
@@ -98,6 +104,16 @@ def load_prefix(path, prefix: str) -> str:
         return "score"
 
 
+def check_text_only(data) -> None:
+    """UserError when `data` (the `--data` section) asks for images: reward models read text only."""
+    defaults = {f.name: f.default for f in dataclasses.fields(data)}
+    for name in ("max_images_per_prompt", "image_key"):
+        value = getattr(data, name)
+        if value != defaults[name]:
+            raise UserError(f"--data.{name} {value}: posttrain rm trains text-only reward models (a score model has "
+                            "no vision-language form here, and ppo / serve-rm score text); drop the flag")
+
+
 def _model_config(model):
     base = unwrap_model(model)
     if hasattr(base, "peft_config"):
@@ -112,6 +128,7 @@ def train_rm(cfg: RMConfig) -> dict:
     if not prefix or not prefix.isidentifier():
         raise ConfigError(f"--ds.value_head_prefix {prefix!r}: must be a Python identifier such as score or value_head")
     RMObjective(0, False, cfg.model.loss_type, use_margin)  # flag conflicts fail before any loading
+    check_text_only(cfg.data)
 
     def load():
         return load_score_model(cfg.model.model_name_or_path, dtype=cfg.ds.param_dtype,

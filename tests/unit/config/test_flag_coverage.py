@@ -92,12 +92,14 @@ ACTING: dict[str, frozenset[str]] = {
         "model: loss_type margin_loss_enable",
         "ds: value_head_prefix",
         "data: prompt_key chosen_key rejected_key",
+        # refused when set (trainers/rm.py: check_text_only): reward models read text only
+        "data: image_key max_images_per_prompt",
     ),
     "dpo": _SINGLE_MODEL
     | _paths(
         "model: beta ipo_enable label_smoothing nll_loss_coef",
         "ref: model_name_or_path offload",
-        "data: prompt_key chosen_key rejected_key",
+        "data: prompt_key chosen_key rejected_key image_key max_images_per_prompt",
     ),
     # trainers/rl/ppo.py and what it builds (roles, updates, collect, reward sources)
     "ppo": _SHARED
