@@ -42,7 +42,7 @@ from posttrain.agents.agent_api import AgentExecutorBase
 from posttrain.agents.episode import AgentSamplingParams, EpisodeEngine
 from posttrain.compat.user_files import UserFileExit, exiting
 from posttrain.rollout.async_engine import AsyncRolloutEngine, run_coroutine
-from posttrain.rollout.single_turn import Rollout, ScoredRollouts, score_rollouts
+from posttrain.rollout.single_turn import Rollout, ScoredRollouts, reward_prompt_text, score_rollouts
 from posttrain.rollout.types import rank_seed
 from posttrain.utils.errors import UserError
 from posttrain.utils.log import info, warn_once
@@ -182,7 +182,10 @@ def episode_to_rollout(result, prompt, group: int, max_len: int, tokenizer) -> R
                             f"({len(obs)}), got {None if logprobs is None else len(logprobs)}")
     response = obs[p:]
     return Rollout(prompt_ids=obs[:p], output_ids=response, rollout_logprobs=[float(x) for x in logprobs[p:]],
-                   finish_reason="length" if result.get("truncated") else "stop", prompt_text=prompt.text,
+                   finish_reason="length" if result.get("truncated") else "stop",
+                   # with images, the prompt's expanded tokens decoded (`single_turn.reward_prompt_text`)
+                   prompt_text=prompt.text if result.get("mm_train_inputs") is None
+                   else tokenizer.decode(obs[:p], skip_special_tokens=False),
                    response_text=tokenizer.decode(response, skip_special_tokens=True), label=prompt.label,
                    group=group, budget=max(1, max_len - p), action_mask=mask, turns=int(result.get("turns", len(ranges))),
                    env_tokens=int(result.get("env_tokens", len(response) - sum(mask))),
@@ -298,8 +301,9 @@ class AgentRunner:
                 failed.append(rollout)
                 prompt = prompts[g]
                 rollout = Rollout(prompt_ids=list(prompt.token_ids), output_ids=[], rollout_logprobs=[],
-                                  finish_reason="stop", prompt_text=prompt.text, response_text="", label=prompt.label,
-                                  group=groups[g], budget=1, action_mask=[], turns=0, error=rollout)
+                                  finish_reason="stop", prompt_text=reward_prompt_text(self.tokenizer, prompt),
+                                  response_text="", label=prompt.label, group=groups[g], budget=1, action_mask=[],
+                                  turns=0, error=rollout, image_inputs=getattr(prompt, "image_inputs", None))
             rollouts.append(rollout)
             rewards.append(reward)
             scores.append(score)

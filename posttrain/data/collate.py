@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .vision_samples import concat_image_inputs
+
 
 def _as_list(x) -> list[int]:
     return x.tolist() if isinstance(x, torch.Tensor) else list(x)
@@ -15,13 +17,8 @@ def merge_image_inputs(samples: Sequence[dict | None], device=None) -> dict[str,
     """One batch's image tensors (`image_inputs` of vision-language samples): each key concatenated along
     dim 0 over the samples that have images, in row order, the order a model matches image tokens to
     images (samples without images contribute nothing); {} when none has."""
-    present = [s for s in samples if s]
-    if not present:
-        return {}
-    keys = present[0].keys()
-    if any(s.keys() != keys for s in present):
-        raise ValueError(f"the samples' image inputs have different keys: {sorted({k for s in present for k in s})}")
-    return {k: torch.cat([torch.as_tensor(s[k]) for s in present]).to(device) for k in keys}
+    merged = concat_image_inputs(samples)
+    return {} if merged is None else {k: torch.as_tensor(v).to(device) for k, v in merged.items()}
 
 
 def pad_collate(items: Sequence[dict], pad_id: int) -> dict[str, torch.Tensor]:

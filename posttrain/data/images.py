@@ -215,11 +215,13 @@ def load_image(ref: Any, location: str, base_dir: str | None = None, timeout: fl
 
 def row_images(row: dict, image_key: str, max_images: int, base_dir: str | None = None) -> list[Image.Image]:
     """The RGB images of `row[image_key]`: none (key missing or None → []), one reference, or a list/tuple
-    of references (see `load_image`). More than `max_images` raises DataError before anything is loaded.
+    of references (see `load_image`; None entries are skipped). More than `max_images` raises DataError before anything is loaded.
     `base_dir` defaults to the folder of ``row["__source__"]`` when that is an existing file."""
     value = row.get(image_key)
     if value is None:
         return []
+    if isinstance(value, (list, tuple)):  # None entries are no images (text-only rows of a mixed set, OpenRLHF)
+        value = [ref for ref in value if ref is not None]
     refs = list(value) if isinstance(value, (list, tuple)) else [value]
     key = f"{where(row)}, key '{image_key}'"
     if len(refs) > max_images:
@@ -289,18 +291,20 @@ def count_image_parts(value: str | list[dict]) -> int:
 
 
 def _text_to_parts(text: str) -> list[dict]:
+    """Text with `<image>` tags as parts; each text piece is stripped and empty ones dropped (OpenRLHF's rule,
+    so the same row gives the same tokens in both)."""
     parts: list[dict] = []
     for piece in re.split(f"({re.escape(IMAGE_TAG)})", text):
         if piece == IMAGE_TAG:
             parts.append({"type": "image"})
-        elif piece:
-            parts.append({"type": "text", "text": piece})
+        elif piece.strip():
+            parts.append({"type": "text", "text": piece.strip()})
     return parts
 
 
 def to_vision_messages(messages: list[dict]) -> list[dict]:
     """Copies of `messages` whose contents are all lists of parts ``{"type": "text", "text": ...}`` /
-    ``{"type": "image"}``: a string content is split at its ``<image>`` tags (empty text pieces dropped);
+    ``{"type": "image"}``: a string content is split at its ``<image>`` tags (text pieces stripped, empty ones dropped);
     in list contents, "image" / "image_url" / "input_image" parts become ``{"type": "image"}`` (an inline
     URL or payload is not kept: images come from the image column) and "text" / "input_text" parts
     ``{"type": "text", ...}``. A None content becomes []. Unknown part types raise DataError."""

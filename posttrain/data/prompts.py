@@ -75,10 +75,6 @@ class PromptDataset:
     def __len__(self) -> int:
         return len(self.prompts)
 
-    @property
-    def has_images(self) -> bool:
-        return any(p.image_inputs is not None for p in self.prompts)
-
     def __getitem__(self, i: int) -> Prompt:
         return self.prompts[i]
 

@@ -34,12 +34,16 @@ def encode_with_images(processor, text: str, images: Sequence) -> tuple[list[int
     return [int(t) for t in out["input_ids"][0]], {k: np.asarray(v) for k, v in out.items() if k not in _TEXT_KEYS}
 
 
-def concat_image_inputs(parts: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray] | None:
-    """The image tensors of several pieces of one sample, concatenated along dim 0; None for none."""
+def concat_image_inputs(parts: Sequence[dict | None]) -> dict[str, np.ndarray] | None:
+    """Image tensors (of a sample's pieces, or of a batch's samples in row order) concatenated along dim 0 per
+    key, skipping the parts without images; None when none has. Parts with other keys are a ValueError."""
     parts = [p for p in parts if p]
     if not parts:
         return None
-    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    keys = parts[0].keys()
+    if any(p.keys() != keys for p in parts):
+        raise ValueError(f"the image inputs have different keys: {sorted({k for p in parts for k in p})}")
+    return {k: np.concatenate([np.asarray(p[k]) for p in parts]) for k in keys}
 
 
 class ImageEncoder:

@@ -252,13 +252,14 @@ def _chunks_match(model, head, batch: dict, keep: torch.Tensor, temperature: flo
     known = _chunking_ok.get(base)
     if known is not None:
         return known
-    sub = batch if batch.get("image_inputs") else {  # a row's images cannot be told apart: the whole batch
+    # row 0 of the batch; a batch with images runs whole (its image tensors are not split by row here)
+    sub = batch if batch.get("image_inputs") else {
         k: v[:1] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch["input_ids"].shape[0] else v
         for k, v in batch.items()}
     cols = keep[-_CHECK_ROWS:]
-    index = torch.arange(len(cols), device=keep.device)
+    index = torch.arange(len(cols), device=keep.device)  # row 0's columns in the flattened rows
     with torch.no_grad():
-        whole = forward_logits(model, sub, keep=cols).reshape(len(cols), -1)
+        whole = forward_logits(model, sub, keep=cols)[0]
         labels = whole.argmax(-1)
         want = gathered_logprobs(whole, index, labels, temperature)
         with _head_returns_logprobs(head, index, labels, temperature, chunk_rows=1):

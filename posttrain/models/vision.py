@@ -35,14 +35,22 @@ def is_vision_model(model) -> bool:
 
 
 def is_vision_folder(path) -> bool:
-    """Whether the model folder `path` holds a VLM (its config.json has a `vision_config`)."""
+    """Whether the model at `path` is a VLM (its config has a `vision_config`): a local folder's config.json,
+    or a hub id's config through `AutoConfig` (False when it cannot be read: the loader names that error)."""
     import json
 
     cfg = os.path.join(str(path), "config.json")
-    if not os.path.isfile(cfg):
+    if os.path.isfile(cfg):
+        with open(cfg) as f:
+            return is_vision_config(json.load(f))
+    if os.path.isdir(str(path)):
         return False
-    with open(cfg) as f:
-        return is_vision_config(json.load(f))
+    try:
+        from transformers import AutoConfig
+
+        return is_vision_config(AutoConfig.from_pretrained(str(path)))
+    except (OSError, ValueError):
+        return False
 
 
 def load_processor(path, tokenizer=None):
@@ -68,6 +76,8 @@ def load_processor(path, tokenizer=None):
     if tokenizer is not None:
         processor.tokenizer = tokenizer
         processor.chat_template = tokenizer.chat_template
+    for name in ("pad_token", "pad_token_id", "eos_token", "eos_token_id"):  # as OpenRLHF's processor carries them
+        setattr(processor, name, getattr(processor.tokenizer, name))
     return processor
 
 
@@ -92,14 +102,22 @@ def _without_missing_parts(cls):
     return Processor
 
 
+def config_token_id(config, kind: str) -> int | None:
+    """A special token's id from an HF config (or its dict): `{kind}_token_id`, or `{kind}_token_index` (some
+    families' spelling); None where the config has neither. `kind`: "image", "video", "vision_start", "boi" ..."""
+    for name in (f"{kind}_token_id", f"{kind}_token_index"):
+        value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+        if value is not None:
+            return int(value)
+    return None
+
+
 def image_token_types(config, input_ids: torch.Tensor) -> torch.Tensor:
     """[B, T] token types over a whole sequence (prompt and response): 1 at image tokens, 2 at video tokens,
     0 elsewhere; the model places its image features and its rotary positions by them."""
     types = torch.zeros_like(input_ids)
-    for value, name in ((1, "image_token_id"), (2, "video_token_id")):
-        token = getattr(config, name, None)
-        if token is None:
-            token = getattr(config, name.replace("_id", "_index"), None)
+    for value, kind in ((1, "image"), (2, "video")):
+        token = config_token_id(config, kind)
         if token is not None:
             types[input_ids == token] = value
     return types
@@ -145,8 +163,3 @@ def freeze_visual_encoder(model) -> int:
             param.requires_grad_(False)
             frozen += 1
     return frozen
-
-
-def language_model_names(model) -> list[str]:
-    """The names of the language model's parameters (what a frozen vision tower leaves to sync)."""
-    return [n for n, _ in unwrap_model(model).named_parameters() if not is_vision_tower_name(n)]

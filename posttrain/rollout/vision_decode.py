@@ -17,7 +17,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from posttrain.data.collate import merge_image_inputs
-from posttrain.models.vision import vision_forward_inputs
+from posttrain.models.vision import config_token_id, vision_forward_inputs
 from posttrain.rollout.decode_batch import Sequence, _banned
 from posttrain.rollout.sampling import sample_next
 
@@ -66,10 +66,8 @@ def structure_token_ids(model) -> list[int]:
     """The ids that mark images in a sequence (image / video placeholders, vision start / end): never sampled.
     The model places image features at every image token of its input, so a sampled one would have no
     image behind it and the training pass would fail; the log-probs stay those of the full distribution."""
-    config = model.config
-    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
-             "image_token_index", "boi_token_index", "eoi_token_index", "boi_token_id", "eoi_token_id")
-    return sorted({int(v) for v in (getattr(config, n, None) for n in names) if v is not None})
+    kinds = ("image", "video", "vision_start", "vision_end", "boi", "eoi")
+    return sorted({t for t in (config_token_id(model.config, kind) for kind in kinds) if t is not None})
 
 
 def _with(banned: torch.Tensor | None, ids: list[int], logits: torch.Tensor) -> torch.Tensor | None:

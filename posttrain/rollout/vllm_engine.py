@@ -44,6 +44,7 @@ import torch
 from posttrain.config.backends import VLLM_MISSING
 from posttrain.models import as_lora_spec, is_peft, unwrap_model
 from posttrain.models import lora_sync as lsync
+from posttrain.models.vision import config_token_id
 from posttrain.rollout.sampling import check_seeds
 from posttrain.rollout.types import (
     FINISH_REASONS,
@@ -94,12 +95,8 @@ def import_vllm():
 def vision_pad_token_ids(config) -> tuple[int | None, int | None]:
     """(image pad id, video pad id) of an HF config (or its dict): ``image_token_id`` / ``video_token_id``
     (``*_token_index`` in some families), None where it has none."""
-    def get(name):
-        value = config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
-        return None if value is None else int(value)
-
-    return tuple(next((v for v in (get(f"{kind}_token_id"), get(f"{kind}_token_index")) if v is not None), None)
-                 for kind in ("image", "video"))
+    config = dict(config) if isinstance(config, Mapping) else config
+    return config_token_id(config, "image"), config_token_id(config, "video")
 
 
 def collapse_pad_runs(token_ids: Sequence[int], pad_ids: Iterable[int]) -> list[int]:

@@ -104,3 +104,38 @@ def test_environment_images_with_a_text_model_fail_the_episode(tiny_model_dir):
     tok = load_tokenizer(tiny_model_dir)
     with pytest.raises(ValueError, match="not a vision-language model"):
         MultiTurnAgentExecutor._feedback_ids("x", [screen(0)], None, 10, tok)
+
+
+class FailingFirstEnv(ScreenshotEnv):
+    """The first episode's environment fails at its first step; the others run."""
+    failed = False
+
+    async def step(self, states, **kwargs):
+        if not FailingFirstEnv.failed:
+            FailingFirstEnv.failed = True
+            raise RuntimeError("the environment broke")
+        return await super().step(states, **kwargs)
+
+
+def test_a_failed_episode_with_an_image_prompt_keeps_its_images(vlm, tmp_path):
+    """A failed episode stays in the batch (zero action mask) with its prompt's image tokens: its row carries the
+    prompt's image tensors, so the batch's forward passes still match tokens to images."""
+    model, tok, processor = vlm
+
+    class Executor(MultiTurnAgentExecutor):
+        def __init__(self):
+            super().__init__(FailingFirstEnv)
+
+    prompts = PromptDataset(colour_rows(2, seed=0, folder=tmp_path), tok, input_key="prompt", label_key="answer",
+                            apply_chat_template=True, processor=processor, max_images=1).prompts
+    engine = HFRolloutEngine(model, tok, pad_token_id=tok.pad_token_id)
+    runner = AgentRunner(Executor(), engine, tok, None, max_len=200, timeout=60, max_failure_frac=0.5, turn_cap=4,
+                         processor=processor)
+    scored = runner.run(prompts, SamplingParams(max_new_tokens=4, n=2, seed=3))
+    failed = [r for r in scored.rollouts if r.error is not None]
+    assert len(failed) == 1 and failed[0].image_inputs is not None
+    exp = build_experience(scored.rollouts, scored.rewards, tok.pad_token_id)
+    with torch.no_grad():
+        logp, _ = policy_forward(model, exp, 1.0)  # no "image features and image tokens do not match"
+    mask = exp.action_mask.bool()
+    torch.testing.assert_close(logp[mask], exp.rollout_logp[mask], rtol=0, atol=1e-5)

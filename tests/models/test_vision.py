@@ -14,7 +14,6 @@ from posttrain.models.vision import (
     image_token_types,
     is_vision_folder,
     is_vision_model,
-    language_model_names,
     load_processor,
 )
 
@@ -112,4 +111,41 @@ def test_freezing_the_visual_encoder_leaves_the_language_model_trainable(tiny_vi
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     assert n == len(frozen) > 0 and all(".visual." in name or name.startswith("model.visual") for name in frozen)
-    assert trainable == set(language_model_names(model)) and trainable
+    assert trainable and all("language_model" in name or name.startswith("lm_head") for name in trainable)
+
+
+def test_log_probs_in_row_chunks_with_images_equal_the_whole_logits(tiny_vision_dir, vlm):
+    """The first-call check of the chunked path runs a batch with images whole (its tensors are not split by
+    row) and compares row 0; the chunked log-probs equal the whole-logits ones."""
+    from posttrain.algorithms.losses import gathered_logprobs
+    from posttrain.models import forward_logprobs
+
+    model = load_causal_lm(tiny_vision_dir, "fp32")  # a fresh model: the check runs on its first call
+    _, processor, text = vlm
+    rows = [encode_with_images(processor, text, [_image(i)]) for i in range(2)]
+    ids = torch.tensor([r[0] for r in rows])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "image_inputs": merge_image_inputs(
+        [r[1] for r in rows])}
+    keep = torch.arange(ids.shape[1] - 4, ids.shape[1] - 1)
+    index = torch.arange(2 * len(keep))
+    labels = ids[:, keep + 1].reshape(-1)
+    with torch.no_grad():
+        chunked = forward_logprobs(model, batch, keep, index, labels, 1.0, chunk_bytes=1)
+        whole = forward_logits(model, batch, keep=keep)
+        want = gathered_logprobs(whole.reshape(-1, whole.shape[-1]), index, labels, 1.0)
+    torch.testing.assert_close(chunked, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_hub_id_is_detected_from_its_config(monkeypatch, tiny_vision_dir):
+    from transformers import AutoConfig
+
+    vlm_config = AutoConfig.from_pretrained(tiny_vision_dir)
+    monkeypatch.setattr(AutoConfig, "from_pretrained", lambda name, **kw: vlm_config if name == "org/vlm" else
+                        (_ for _ in ()).throw(OSError(f"{name} is not reachable")))
+    assert is_vision_folder("org/vlm") and not is_vision_folder("org/unreachable")
+
+
+def test_the_processor_carries_the_tokenizers_special_tokens(vlm):
+    _, processor, _ = vlm  # as OpenRLHF's processor does: agent code reads them from `hf_tokenizer`
+    assert processor.eos_token_id == processor.tokenizer.eos_token_id is not None
+    assert processor.pad_token_id == processor.tokenizer.pad_token_id is not None

@@ -418,7 +418,7 @@ def test_to_vision_messages_splits_tags():
     assert to_vision_messages(messages) == [
         {"role": "user", "name": "u1", "content": [
             {"type": "image"},
-            {"type": "text", "text": "What is in "},
+            {"type": "text", "text": "What is in"},  # stripped, as OpenRLHF strips each piece
             {"type": "image"},
             {"type": "text", "text": "?"},
             {"type": "image"},
@@ -494,3 +494,15 @@ def test_check_image_count_malformed_prompt_names_the_location():
     with pytest.raises(DataError) as err:
         check_image_count([{"role": "user", "content": [{"type": "audio"}]}], [], LOC)
     assert str(err.value).startswith(f"{LOC}: message 0, part 0: unknown content part type 'audio'")
+
+
+def test_text_around_image_tags_is_stripped_as_openrlhf_does():
+    assert to_vision_messages([{"role": "user", "content": "<image>\nFind x. "}])[0]["content"] == [
+        {"type": "image"}, {"type": "text", "text": "Find x."}]
+
+
+def test_none_entries_of_an_image_list_are_no_images(tmp_path):
+    path = tmp_path / "a.png"
+    Image.new("RGB", (8, 6), (10, 20, 30)).save(path)
+    assert row_images({"images": [None]}, "images", 0) == []
+    assert len(row_images({"images": [None, str(path)]}, "images", 1)) == 1
