@@ -1,0 +1,155 @@
+"""Context parallelism (`--ds.ring_attn_size N`): one packed row split over the N ranks of a group, each rank
+computing its contiguous slice of the tokens, with attention exact over the whole row.
+
+Layout (OpenRLHF's): the row's real tokens, packed, are padded to a multiple of N and cut into N equal
+contiguous slices; rank r holds slice r (`slice_row`). Every other per-token tensor is cut the same way, the
+next-token labels before the cut (`next_tokens`), so a rank's last token still has its label. Position ids stay
+each sample's own (0, 1, ... within its sample), so the rotary embedding is the unsplit row's.
+
+Attention (`attention`, registered with transformers as "posttrain_context_parallel"): the keys and values
+of the whole row are gathered from the group (`all_gather_rows`, differentiable: the backward sums every
+rank's gradient of the gathered tensor and keeps this rank's slice), `head_stride` key/value heads at a
+time (OpenRLHF's `--ds.ring_attn_head_stride`: fewer heads gathered at once, less memory, more calls); a
+query attends a key of its own sample at or before its position in the row (block-diagonal causal over
+the packed samples; padding attends nothing but itself). The result equals the unsplit row's attention to
+float rounding; the all-gather form is what ring-flash-attn calls its llama3 variant (used by OpenRLHF).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+ATTENTION_NAME = "posttrain_context_parallel"
+_state = threading.local()
+
+
+def padded_length(length: int, size: int) -> int:
+    """`length` rounded up to a multiple of `size`."""
+    return -(-length // size) * size
+
+
+def slice_row(tensor: torch.Tensor, rank: int, size: int, pad_value) -> torch.Tensor:
+    """Rank `rank`'s contiguous slice of a [1, T] (or [T, ...] along dim 0 after the batch dim) row, the row
+    padded with `pad_value` to a multiple of `size` first."""
+    length = tensor.shape[1]
+    total = padded_length(length, size)
+    if total > length:
+        pad = torch.full((tensor.shape[0], total - length, *tensor.shape[2:]), pad_value, dtype=tensor.dtype,
+                         device=tensor.device)
+        tensor = torch.cat([tensor, pad], dim=1)
+    part = total // size
+    return tensor[:, rank * part:(rank + 1) * part]
+
+
+def next_tokens(input_ids: torch.Tensor, pad_value: int) -> torch.Tensor:
+    """[1, T] the token after each one in the row (`pad_value` after the last): the labels, made before the
+    row is sliced so a slice's last token keeps its label."""
+    return torch.cat([input_ids[:, 1:], input_ids.new_full((input_ids.shape[0], 1), pad_value)], dim=1)
+
+
+class _AllGatherRows(torch.autograd.Function):
+    """[B, ..., T_local, D] from every rank of `group` concatenated along dim -2 (the sequence); backward: the
+    sum over ranks of the gathered tensor's gradient, this rank's slice (all-reduce: gloo has no reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        size = dist.get_world_size(group)
+        parts = [torch.empty_like(tensor) for _ in range(size)]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.cat(parts, dim=-2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        part = grad.shape[-2] // size
+        return grad.narrow(-2, rank * part, part), None
+
+
+def all_gather_rows(tensor: torch.Tensor, group) -> torch.Tensor:
+    return _AllGatherRows.apply(tensor, group)
+
+
+@dataclass
+class _Context:
+    group: object
+    head_stride: int
+    allowed: torch.Tensor  # [B, 1, T_local, T_total] bool: query (local) may attend key (whole row)
+
+
+@contextlib.contextmanager
+def context_parallel(group, position_ids: torch.Tensor, valid: torch.Tensor, head_stride: int = 1):
+    """Forwards inside run with context-parallel attention over `group`: `position_ids` [B, T_local] are this
+    rank's slice of the row's position ids (restarting at 0 for each packed sample), `valid` [B, T_local] its
+    real tokens (False: the padding that made the row divisible)."""
+    index = _gathered(torch.arange(position_ids.shape[1], device=position_ids.device).expand_as(position_ids)
+                      + dist.get_rank(group) * position_ids.shape[1], group)
+    sample = _gathered(_sample_ids(position_ids, valid, group), group)
+    keys_valid = _gathered(valid.long(), group).bool()
+    q_index = index.narrow(1, dist.get_rank(group) * position_ids.shape[1], position_ids.shape[1])
+    q_sample = sample.narrow(1, dist.get_rank(group) * position_ids.shape[1], position_ids.shape[1])
+    allowed = (q_sample[:, :, None] == sample[:, None, :]) & (index[:, None, :] <= q_index[:, :, None])
+    allowed &= keys_valid[:, None, :]
+    allowed |= (index[:, None, :] == q_index[:, :, None])  # every query attends itself: no empty row
+    previous = getattr(_state, "context", None)
+    _state.context = _Context(group, head_stride, allowed[:, None])
+    try:
+        yield
+    finally:
+        _state.context = previous
+
+
+def _gathered(tensor: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+def _sample_ids(position_ids: torch.Tensor, valid: torch.Tensor, group) -> torch.Tensor:
+    """The packed sample of each local token, numbered over the whole row: a sample starts where the position
+    is 0. A slice starting inside a sample continues the previous rank's last sample."""
+    starts = (position_ids == 0) & valid
+    local = starts.long().cumsum(1)
+    totals = _gathered(starts.long().sum(1, keepdim=True), group)  # [B, size]: sample starts per rank
+    rank = dist.get_rank(group)
+    before = totals[:, :rank].sum(1, keepdim=True)
+    return torch.where(valid, local + before, torch.full_like(local, -1))
+
+
+def attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention interface: query [B, H, T_local, D], key / value [B, H_kv, T_local, D] →
+    ([B, T_local, H, D], None); exact attention over the whole row (module doc)."""
+    ctx = getattr(_state, "context", None)
+    if ctx is None:
+        raise RuntimeError("context-parallel attention ran outside `context_parallel(...)`")
+    heads, kv_heads = query.shape[1], key.shape[1]
+    per_kv = heads // kv_heads
+    outs = []
+    for start in range(0, kv_heads, ctx.head_stride):
+        stop = min(start + ctx.head_stride, kv_heads)
+        k = all_gather_rows(key[:, start:stop], ctx.group).repeat_interleave(per_kv, dim=1)
+        v = all_gather_rows(value[:, start:stop], ctx.group).repeat_interleave(per_kv, dim=1)
+        q = query[:, start * per_kv:stop * per_kv]
+        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.allowed, scale=scaling))
+    return torch.cat(outs, dim=1).transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Register the attention function (and no mask: it builds its own) with transformers; returns its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, attention)
+    try:
+        from transformers import AttentionMaskInterface
+
+        AttentionMaskInterface.register(ATTENTION_NAME, lambda *args, **kwargs: None)
+    except ImportError:  # older transformers: the attention function ignores the mask it gets
+        pass
+    return ATTENTION_NAME

@@ -1,0 +1,70 @@
+"""Worker for test_context_parallel: a tiny llama's loss and gradients over one packed row (samples of lengths
+LENGTHS), computed whole in one process and split over the ranks of the group (context parallel). Prints
+`max_rel_loss=... max_abs_grad=... max_grad=...` on rank 0."""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from posttrain.models import build_tiny, forward_logits, load_causal_lm
+from posttrain.models.context_parallel import context_parallel, next_tokens, register, slice_row
+
+LENGTHS = [int(x) for x in os.environ.get("CP_LENGTHS", "5,7,6").split(",")]
+STRIDE = int(os.environ.get("CP_STRIDE", "1"))
+
+
+def row(vocab: int):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (1, sum(LENGTHS)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    labels = next_tokens(ids, -100)
+    ends = torch.tensor(LENGTHS).cumsum(0) - 1  # a sample's last token has no label (the next is another sample)
+    labels[0, ends] = -100
+    return ids, pos, labels
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    path = sys.argv[1]
+    if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
+        build_tiny(path, arch="llama", size="nano", seed=0, verbose=False)
+    dist.barrier()
+    model = load_causal_lm(path, "fp32", onednn_linear=False)
+    ids, pos, labels = row(model.config.vocab_size)
+    # whole, in one process (every rank computes it): posttrain's packed forward (block-causal mask)
+    logits = forward_logits(model, {"input_ids": ids, "position_ids": pos})
+    whole_loss = F.cross_entropy(logits[0], labels[0], ignore_index=-100, reduction="sum")
+    whole_loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    # split over the group
+    name = register()
+    model.set_attn_implementation(name)
+    local_ids, local_pos = slice_row(ids, rank, size, 0), slice_row(pos, rank, size, 0)
+    local_labels = slice_row(labels, rank, size, -100)
+    valid = slice_row(torch.ones_like(ids, dtype=torch.bool), rank, size, False)
+    with context_parallel(None, local_pos, valid, head_stride=STRIDE):
+        out = model(input_ids=local_ids, position_ids=local_pos, use_cache=False).logits.float()
+    loss = F.cross_entropy(out[0], local_labels[0], ignore_index=-100, reduction="sum")
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    grads = {}
+    for n, p in model.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        grads[n] = g
+    if rank == 0:
+        rel = abs(float(total) - float(whole_loss)) / abs(float(whole_loss))
+        diff = max(float((grads[n] - want[n]).abs().max()) for n in want)
+        scale = max(float(want[n].abs().max()) for n in want)
+        print(f"max_rel_loss={rel:.3g} max_abs_grad={diff:.3g} max_grad={scale:.3g}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
