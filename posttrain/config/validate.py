@@ -64,6 +64,8 @@ def validate(cfg: CommandConfig, world_size: int = 1, device: Any = None) -> lis
     _data(cfg, r)
     _train(cfg, r, world_size)
     _ckpt(cfg, r)
+    if cfg.trainer == "sft":
+        _context_parallel(cfg, r, world_size)
     if cfg.trainer == "ppo":
         _ppo(cfg, r, world_size)
         for role in ("actor", "critic"):
@@ -97,6 +99,18 @@ def _declared(cfg: CommandConfig, r: _Report) -> None:
         problem = spec.problem(value)
         if problem:
             r.bad(spec.path, None if problem.startswith("required: ") else value, problem)
+
+
+def _context_parallel(cfg, r: _Report, world_size: int) -> None:
+    """--ds.ring_attn_size N (sft): every packed row split over N ranks; N divides the ranks, rows are packed."""
+    n = cfg.ds.ring_attn_size
+    if n == 1:
+        return
+    if not cfg.ds.packing_samples:
+        r.bad("ds.ring_attn_size", n, "needs --ds.packing_samples (each packed row is split over the group)")
+    if world_size % n:
+        r.bad("ds.ring_attn_size", n, f"must divide the {world_size} ranks of the run (groups of {n} ranks share "
+              "each row)")
 
 
 def _served_source(cfg: ServeRMConfig, r: _Report) -> None:

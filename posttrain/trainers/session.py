@@ -37,6 +37,8 @@ from posttrain.data import load_rows
 from posttrain.engines import make_train_engine
 from posttrain.engines.zero3 import describe_shards, sharded_loading
 from posttrain.models import check_model_folder, load_causal_lm, load_tokenizer, save_pretrained
+from posttrain.models.context_parallel import register as register_context_parallel
+from posttrain.trainers.context_parallel import ContextGroups
 from posttrain.trainers.run_folders import claim_run_folders
 from posttrain.trainers.run_loop import plot_charts
 from posttrain.trainers.single_model_loop import LoopSettings, SingleModelLoop
@@ -188,12 +190,17 @@ class SingleModelRun:
         zero_stage = cfg.ds.zero_stage if self._needs_deepspeed() else None
         with sharded_loading(cfg.ds, zero_stage) as sharded:
             model = self._load_model()
+        split_rows = cfg.trainer == "sft" and cfg.ds.ring_attn_size > 1  # each packed row over that many ranks
+        if split_rows:
+            model.set_attn_implementation(register_context_parallel())
         if sharded:  # ZeRO-3 over several ranks: each rank holds only its shard; the engine gathers per layer
             rank_info(describe_shards("model", model))
         elif self.world_size == 1:
             model = model.to(self.device)
         steps = (len(train_items) // cfg.train.batch_size) * cfg.train.max_epochs
         engine = make_train_engine(model, cfg, total_steps=max(steps, 1), ds=cfg.ds, zero_stage=zero_stage)
+        context = ContextGroups.create(engine.rank, engine.world_size, cfg.ds.ring_attn_size,
+                                       cfg.ds.ring_attn_head_stride) if split_rows else None
         logger = self.start.open_logger(cfg, enabled=engine.is_main)
         ckpt = self.folders.ckpt
         settings = LoopSettings(
@@ -203,7 +210,8 @@ class SingleModelRun:
             logging_steps=cfg.logger.logging_steps, eval_steps=cfg.eval.steps, save_steps=cfg.ckpt.save_steps,
             ckpt_path=str(ckpt.root) if ckpt is not None else None, ckpt_max_num=cfg.ckpt.max_num,
             ckpt_max_mem_gb=cfg.ckpt.max_mem if cfg.ckpt.max_mem is not None else math.inf,
-            ckpt_disable_ds=cfg.ckpt.disable_ds, load_checkpoint=cfg.ckpt.load_enable, save_hf=cfg.ckpt.save_hf)
+            ckpt_disable_ds=cfg.ckpt.disable_ds, load_checkpoint=cfg.ckpt.load_enable, save_hf=cfg.ckpt.save_hf,
+            context=context)
         loop = SingleModelLoop(engine=engine, objective=objective, train_items=train_items, eval_items=eval_items,
                         settings=settings, logger=logger,
                         save_hf=lambda d: self.export_hf(engine, d), device=self.device, ckpt=ckpt)

@@ -58,6 +58,7 @@ class LoopSettings:
     load_checkpoint: bool = False
     save_hf: bool = False
     progress: bool = True
+    context: object = None  # `trainers.context_parallel.ContextGroups` (--ds.ring_attn_size > 1), or None
 
 
 def _to_device(batch: dict, device) -> dict:
@@ -131,9 +132,14 @@ class SingleModelLoop(RunLoop):
     def _step_micro_batches(self, epoch: int, step_in_epoch: int) -> list[list[int]]:
         order = batching.epoch_order(len(self.train_items), self.s.seed, epoch)
         step_idx = order[step_in_epoch * self.s.batch_size:(step_in_epoch + 1) * self.s.batch_size]
-        mine = batching.rank_slice(step_idx, self.engine.rank, self.engine.world_size)
+        mine = batching.rank_slice(step_idx, *self._data_rank())
         return batching.micro_batches(mine, self.lengths, micro_batch_size=self.s.micro_batch_size,
                                       max_tokens=self.s.max_tokens_per_gpu)
+
+    def _data_rank(self) -> tuple[int, int]:
+        """(this rank's data-parallel rank, their number): a context-parallel group shares its samples."""
+        cp = self.s.context
+        return (cp.dp_rank, cp.dp_size) if cp is not None else (self.engine.rank, self.engine.world_size)
 
     def _all_reduce_sums(self, sums: dict[str, float]) -> dict[str, float]:
         if self.engine.world_size == 1:
@@ -148,6 +154,8 @@ class SingleModelLoop(RunLoop):
         units = float(sum(self.obj.units(items[i]) for g in groups for i in g))
         if self.engine.world_size > 1:
             units = float(self.engine.all_reduce(torch.tensor([units], dtype=torch.float64, device=self.device))[0])
+            if self.s.context is not None:  # the ranks of a context-parallel group counted the same samples
+                units /= self.s.context.size
             n_micro = int(self.engine.all_reduce(torch.tensor([len(groups)], device=self.device), op="max")[0])
         else:
             n_micro = len(groups)
@@ -158,6 +166,8 @@ class SingleModelLoop(RunLoop):
             # makes the same number of forward/backward calls (ZeRO-3 gathers parameters in each)
             real = k < len(groups)
             batch = _to_device(self.obj.collate([items[i] for i in groups[k if real else 0]]), self.device)
+            if self.s.context is not None:  # this rank's slice of the packed row
+                batch = self.s.context.shard(batch)
             with torch.set_grad_enabled(train):
                 loss, stats = self.obj.loss(model, batch, max(units, 1.0))
             if not real:
@@ -176,8 +186,8 @@ class SingleModelLoop(RunLoop):
             return {}
         self.engine.module.eval()
         n = len(items)
-        idx = batching.rank_slice(torch.arange(n - n % self.engine.world_size).numpy(),
-                                  self.engine.rank, self.engine.world_size)
+        dp_rank, dp_size = self._data_rank()
+        idx = batching.rank_slice(torch.arange(n - n % dp_size).numpy(), dp_rank, dp_size)
         groups = batching.micro_batches(idx, None, micro_batch_size=self.s.micro_batch_size)
         sums = self._run_micro_batches(groups, items, train=False)
         self.engine.module.train()

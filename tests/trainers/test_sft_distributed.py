@@ -63,3 +63,17 @@ def test_two_process_zero_matches_single_process(tiny_model_dir, arithmetic_dir,
     else:
         assert "loaded as ZeRO-3 shards" not in proc.stderr
     assert_same_weights(single, multi, atol=5e-6)
+
+
+@pytest.mark.parametrize("stage,stride", [(2, 1), (3, 2)])
+def test_ring_attention_over_two_ranks_matches_single_process(tiny_model_dir, arithmetic_dir, tmp_path, single_process,
+                                                             stage, stride):
+    """--ds.ring_attn_size 2: both ranks take the same packed micro-batches and each computes half of every row
+    (context parallelism); the weights after training equal the single-process run's."""
+    common = ["--train.micro_batch_size", "4", "--data.max_samples", "32", "--ds.packing_samples"]
+    single = single_process(*common)
+    ring = tmp_path / f"ring{stage}"
+    proc = launch_sft(sft_flags(tiny_model_dir, arithmetic_dir, ring, "--ds.zero_stage", stage,
+                                "--ds.ring_attn_size", "2", "--ds.ring_attn_head_stride", stride, *common))
+    assert "world_size = 2" in proc.stderr and "--ds.ring_attn_size 2 has no effect" not in proc.stderr
+    assert_same_weights(single, ring, atol=2e-5)

@@ -86,7 +86,8 @@ _SINGLE_MODEL = (
 
 ACTING: dict[str, frozenset[str]] = {
     "sft": _SINGLE_MODEL | _paths("model: pretrain_mode_enable",
-                                  "data: input_key output_key multiturn image_key max_images_per_prompt"),
+                                  "data: input_key output_key multiturn image_key max_images_per_prompt",
+                                  "ds: ring_attn_size ring_attn_head_stride"),
     "rm": _SINGLE_MODEL
     | _paths(
         "model: loss_type margin_loss_enable",

@@ -85,8 +85,6 @@ def test_inert_flags_on_cpu_before_and_after_resolution():
     cfg = sft(
         "--ds.attn_implementation",
         "flash_attention_2",
-        "--ds.ring_attn_size",
-        "2",
         "--ds.packing_samples",
         "--ds.adam_offload",
         "--use_ms",
@@ -96,10 +94,6 @@ def test_inert_flags_on_cpu_before_and_after_resolution():
     expected = [  # in --help order
         "--use_ms has no effect here: ModelScope downloads are not supported; pass a local folder or an HF hub id",
         "--ds.adam_offload has no effect here: the optimizer state is already in CPU memory",
-        (
-            "--ds.ring_attn_size 2 has no effect here: not available in this version: ring attention "
-            "(sequence parallelism)"
-        ),
         (
             "--ds.attn_implementation flash_attention_2 has no effect here: flash attention needs a CUDA GPU with "
             "flash-attn; sdpa is used"

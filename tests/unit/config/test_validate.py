@@ -475,3 +475,16 @@ def test_a_lora_reference_from_the_actors_weights_is_the_adapter_off_actor(tmp_p
     assert not reference_in_actor(parse_config("ppo", base, check=False))  # no LoRA: a reference copy
     no_kl = parse_config("ppo", lora + ["--algo.kl.init_coef", "0"], check=False)
     assert not reference_in_actor(no_kl) and "ref" not in present_roles(no_kl)
+
+
+def test_ring_attention_needs_packing_and_a_group_that_divides_the_ranks():
+    from posttrain.config import parse_config
+    from posttrain.utils.errors import ConfigError
+
+    base = ["--model.model_name_or_path", "m", "--data.dataset", "d", "--ds.ring_attn_size", "2"]
+    with pytest.raises(ConfigError, match=r"--ds.ring_attn_size 2: needs --ds.packing_samples"):
+        parse_config("sft", base, world_size=2, device="cpu")
+    with pytest.raises(ConfigError, match=r"--ds.ring_attn_size 2: must divide the 3 ranks"):
+        parse_config("sft", [*base, "--ds.packing_samples", "--train.batch_size", "3"], world_size=3, device="cpu")
+    cfg = parse_config("sft", [*base, "--ds.packing_samples"], world_size=2, device="cpu")
+    assert cfg.ds.ring_attn_size == 2

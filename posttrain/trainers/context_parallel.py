@@ -1,0 +1,44 @@
+"""A trainer's context-parallel groups (`--ds.ring_attn_size N`): the run's ranks in consecutive groups of N;
+the ranks of a group take the same micro-batches (data parallelism runs over the groups), and each computes
+its contiguous slice of every packed row (`models.context_parallel`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from posttrain.models.context_parallel import next_tokens, slice_row
+
+
+@dataclass
+class ContextGroups:
+    size: int  # ranks per group (N)
+    rank: int  # this rank's place in its group
+    group: object  # its torch.distributed group
+    dp_rank: int  # its group's index: the data-parallel rank
+    dp_size: int  # the number of groups
+    head_stride: int
+
+    @staticmethod
+    def create(world_rank: int, world_size: int, size: int, head_stride: int) -> ContextGroups:
+        """Every rank calls this (creating a group is collective): groups of `size` consecutive ranks."""
+        mine = None
+        for start in range(0, world_size, size):
+            group = dist.new_group(list(range(start, start + size)))
+            if start <= world_rank < start + size:
+                mine = group
+        return ContextGroups(size, world_rank % size, mine, world_rank // size, world_size // size, head_stride)
+
+    def shard(self, batch: dict) -> dict:
+        """This rank's slice of a packed batch (`pack_collate`: one row, `position_ids`, `loss_mask`): the ids and
+        positions, `cp_labels` (the next token where it is a target, else -100; made before the cut) and
+        `cp_valid` (False on the padding that made the row divisible by the group)."""
+        ids, pos, mask = batch["input_ids"], batch["position_ids"], batch["loss_mask"]
+        labels = next_tokens(ids, -100)
+        trained = torch.cat([mask[:, 1:], mask.new_zeros((mask.shape[0], 1))], dim=1).bool()
+        labels = labels.masked_fill(~trained, -100)
+        valid = torch.ones_like(ids, dtype=torch.bool)
+        cut = lambda t, pad: slice_row(t, self.rank, self.size, pad)  # noqa: E731
+        return {"input_ids": cut(ids, 0), "position_ids": cut(pos, 0), "cp_labels": cut(labels, -100),
+                "cp_valid": cut(valid, False), "cp": self}
