@@ -64,7 +64,7 @@ def validate(cfg: CommandConfig, world_size: int = 1, device: Any = None) -> lis
     _data(cfg, r)
     _train(cfg, r, world_size)
     _ckpt(cfg, r)
-    if cfg.trainer == "sft":
+    if cfg.trainer in ("sft", "dpo"):
         _context_parallel(cfg, r, world_size)
     if cfg.trainer == "ppo":
         _ppo(cfg, r, world_size)
@@ -102,7 +102,7 @@ def _declared(cfg: CommandConfig, r: _Report) -> None:
 
 
 def _context_parallel(cfg, r: _Report, world_size: int) -> None:
-    """--ds.ring_attn_size N (sft): every packed row split over N ranks; N divides the ranks, rows are packed."""
+    """--ds.ring_attn_size N (sft, dpo): every packed row split over N ranks; N divides the ranks, rows are packed."""
     n = cfg.ds.ring_attn_size
     if n == 1:
         return

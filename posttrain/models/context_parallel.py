@@ -77,6 +77,28 @@ def all_gather_rows(tensor: torch.Tensor, group) -> torch.Tensor:
     return _AllGatherRows.apply(tensor, group)
 
 
+class _GroupSum(torch.autograd.Function):
+    """The sum over the ranks of `group` (every rank gets it). Backward: the gradient passes to each rank's
+    own part unchanged: every rank computes the same loss from the sum and back-propagates it through its
+    own part only, so the gradients summed over the ranks are the loss's gradient, once."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        out = tensor.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def group_sum(tensor: torch.Tensor, group) -> torch.Tensor:
+    """`tensor` summed over the ranks of `group`, differentiable (`_GroupSum`): e.g. a packed sample's log-prob
+    whose tokens lie on several ranks."""
+    return _GroupSum.apply(tensor, group)
+
+
 @dataclass
 class _Context:
     group: object
@@ -86,9 +108,10 @@ class _Context:
 
 @contextlib.contextmanager
 def context_parallel(group, position_ids: torch.Tensor, valid: torch.Tensor, head_stride: int = 1):
-    """Forwards inside run with context-parallel attention over `group`: `position_ids` [B, T_local] are this
-    rank's slice of the row's position ids (restarting at 0 for each packed sample), `valid` [B, T_local] its
-    real tokens (False: the padding that made the row divisible)."""
+    """Forwards inside (and their recomputation under gradient checkpointing, until the next call) run with
+    context-parallel attention over `group`: `position_ids` [B, T_local] are this rank's slice of the row's
+    position ids (restarting at 0 for each packed sample), `valid` [B, T_local] its real tokens (False: the
+    padding that made the row divisible)."""
     index = _gathered(torch.arange(position_ids.shape[1], device=position_ids.device).expand_as(position_ids)
                       + dist.get_rank(group) * position_ids.shape[1], group)
     sample = _gathered(_sample_ids(position_ids, valid, group), group)
@@ -98,12 +121,10 @@ def context_parallel(group, position_ids: torch.Tensor, valid: torch.Tensor, hea
     allowed = (q_sample[:, :, None] == sample[:, None, :]) & (index[:, None, :] <= q_index[:, :, None])
     allowed &= keys_valid[:, None, :]
     allowed |= (index[:, None, :] == q_index[:, :, None])  # every query attends itself: no empty row
-    previous = getattr(_state, "context", None)
+    # stays set after the block, until the next forward sets its own: gradient checkpointing recomputes the
+    # forward inside the backward, after the block has ended
     _state.context = _Context(group, head_stride, allowed[:, None])
-    try:
-        yield
-    finally:
-        _state.context = previous
+    yield
 
 
 def _gathered(tensor: torch.Tensor, group) -> torch.Tensor:
@@ -128,7 +149,7 @@ def attention(module, query, key, value, attention_mask=None, scaling=None, drop
     ([B, T_local, H, D], None); exact attention over the whole row (module doc)."""
     ctx = getattr(_state, "context", None)
     if ctx is None:
-        raise RuntimeError("context-parallel attention ran outside `context_parallel(...)`")
+        raise RuntimeError("context-parallel attention ran before any `context_parallel(...)`")
     heads, kv_heads = query.shape[1], key.shape[1]
     per_kv = heads // kv_heads
     outs = []

@@ -28,6 +28,8 @@ tensors included; the log-ratios still cover the response tokens only.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from posttrain.algorithms.losses import token_logprobs
@@ -35,6 +37,8 @@ from posttrain.algorithms.preference import dpo_loss
 from posttrain.config import ConfigError, DPOConfig
 from posttrain.engines.zero3 import FrozenShards, describe_shards, sharded_loading
 from posttrain.models import forward_logits, load_causal_lm, unwrap_model
+from posttrain.models.context_parallel import context_parallel, group_sum
+from posttrain.models.context_parallel import register as register_context_parallel
 from posttrain.trainers.pairs import PairObjective, preference_items
 from posttrain.trainers.session import SingleModelRun, lora_settings
 from posttrain.utils.log import info, rank_info
@@ -55,6 +59,20 @@ def sequence_logprobs(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, 
     owner = torch.repeat_interleave(torch.arange(len(lens), device=logp.device), lens)[1:]
     zeros = torch.zeros(len(lens), device=logp.device, dtype=logp.dtype)
     return zeros.index_add(0, owner, logp[0]), zeros.index_add(0, owner, mask[0])
+
+
+def split_sequence_logprobs(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sequence_logprobs` of a context-parallel slice (`trainers.context_parallel`): this rank's share of each
+    sample's sums, summed over its group (`group_sum`, differentiable)."""
+    labels = batch["cp_labels"]
+    mask = (labels != -100).float()
+    logp = token_logprobs(logits, labels.clamp(min=0)) * mask
+    n = len(batch["seq_lens"])
+    owner = batch["cp_owner"][0].clamp(min=0)  # padding's labels are masked: any owner
+    zeros = torch.zeros(n, device=logp.device, dtype=logp.dtype)
+    group = batch["cp"].group
+    return (group_sum(zeros.index_add(0, owner, logp[0]), group),
+            group_sum(zeros.index_add(0, owner, mask[0]), group).detach())
 
 
 def check_loss_flags(ipo: bool, label_smoothing: float) -> None:
@@ -105,15 +123,20 @@ class DPOObjective(PairObjective):
 
     def loss(self, model, batch: dict, num_units: float):
         b = batch["num_pairs"]
-        ref_logits = self.reference_logits(model, batch)
-        ref_vocab = ref_logits.shape[-1]
-        ref_logps = sequence_logprobs(ref_logits, batch)[0]
-        del ref_logits
-        logits = forward_logits(model, batch)
+        cp = batch.get("cp")  # a context-parallel slice of the packed row (--ds.ring_attn_size)
+        split = context_parallel(cp.group, batch["position_ids"], batch["cp_valid"], cp.head_stride) if cp \
+            else contextlib.nullcontext()
+        sums = split_sequence_logprobs if cp else sequence_logprobs
+        with split:
+            ref_logits = self.reference_logits(model, batch)
+            ref_vocab = ref_logits.shape[-1]
+            ref_logps = sums(ref_logits, batch)[0]
+            del ref_logits
+            logits = forward_logits(model, batch)
         if logits.shape[-1] != ref_vocab:
             raise ValueError(f"--ref.model_name_or_path: the reference has a vocabulary of {ref_vocab} tokens, "
                              f"the policy {logits.shape[-1]}; DPO needs both to share the tokenizer")
-        logps, counts = sequence_logprobs(logits, batch)
+        logps, counts = sums(logits, batch)
         mean_loss, chosen_r, rejected_r = dpo_loss(
             logps[:b], logps[b:], ref_logps[:b], ref_logps[b:], beta=self.beta,
             label_smoothing=self.label_smoothing, ipo=self.ipo)
@@ -143,6 +166,8 @@ def load_reference(cfg: DPOConfig, device: torch.device, world_size: int = 1):
         ref = load_causal_lm(path, dtype=cfg.ds.param_dtype, attn_implementation=cfg.ds.attn_implementation,
                              onednn_linear=cfg.ds.onednn_linear)
     ref.eval().requires_grad_(False)
+    if cfg.ds.ring_attn_size > 1:  # the reference reads the same slices of each row as the policy
+        ref.set_attn_implementation(register_context_parallel())
     if sharded:
         info(f"reference model: {path} (frozen, held as ZeRO-3 shards across the {world_size} ranks"
              f"{', shards in CPU memory' if cfg.ref.offload and torch.cuda.is_available() else ''})")

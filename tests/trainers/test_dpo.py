@@ -315,3 +315,28 @@ def test_ipo_and_cdpo_runs_log_their_loss_formula(sft_nano, pref_dir, tmp_path, 
     assert moved, rows  # a margin away from 0, where the formulas disagree
     for r in moved:
         assert abs(_dpo_formula(r["train/margin"], beta, False, 0.0) - r["train/loss"]) > 1e-3
+
+
+@pytest.mark.e2e
+def test_ring_attention_over_two_ranks_matches_single_process(tiny_model_dir, pref_dir, tmp_path):
+    """OpenRLHF's train_dpo_llama.sh flags (packing, ZeRO-3, gradient checkpointing; sizes ours) with
+    --ds.ring_attn_size 2: both ranks take the same packed pairs and each computes half of every row, the policy
+    and the reference alike; each pair's log-probs are summed over the two ranks. Losses, margins and weights
+    equal the single-process run's."""
+    from sft_helpers import assert_same_weights, torchrun
+
+    from posttrain.cli import train_dpo
+
+    common = ["--data.max_samples", 32, "--adam.lr", "1e-3", "--ds.packing_samples",
+              "--model.gradient_checkpointing_enable", "--train.micro_batch_size", 4]
+    single = tmp_path / "single"
+    train_dpo.main(dpo_flags(tiny_model_dir, pref_dir, single, *common))
+    ring = tmp_path / "ring"
+    proc = torchrun("posttrain.cli.train_dpo", dpo_flags(
+        tiny_model_dir, pref_dir, ring, *common, "--ds.zero_stage", 3, "--ds.ring_attn_size", 2,
+        "--ds.ring_attn_head_stride", 2))
+    assert "world_size = 2" in proc.stderr and "--ds.ring_attn_size 2 has no effect" not in proc.stderr
+    runs = [[r for r in read_metrics(d / "metrics.jsonl") if "train/loss" in r] for d in (single, ring)]
+    for key in ("train/loss", "train/margin"):
+        assert [r[key] for r in runs[0]] == pytest.approx([r[key] for r in runs[1]], abs=1e-5), key
+    assert_same_weights(single, ring, atol=2e-5)

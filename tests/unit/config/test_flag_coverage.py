@@ -101,6 +101,7 @@ ACTING: dict[str, frozenset[str]] = {
         "model: beta ipo_enable label_smoothing nll_loss_coef",
         "ref: model_name_or_path offload",
         "data: prompt_key chosen_key rejected_key image_key max_images_per_prompt",
+        "ds: ring_attn_size ring_attn_head_stride",
     ),
     # trainers/rl/ppo.py and what it builds (roles, updates, collect, reward sources)
     "ppo": _SHARED
