@@ -95,11 +95,12 @@ class SingleTurnSampler:
             on_generated()
         rollouts = []
         for g, (prompt, outs) in enumerate(zip(prompts, outputs)):
+            prompt_text = reward_prompt_text(self.tokenizer, prompt)  # once per prompt, not per sample
             for out in outs:
                 text = self.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
                 rollouts.append(Rollout(prompt_ids=list(prompt.token_ids), output_ids=list(out.output_token_ids),
                                         rollout_logprobs=list(out.logprobs), finish_reason=out.finish_reason,
-                                        prompt_text=reward_prompt_text(self.tokenizer, prompt), response_text=text, label=prompt.label,
+                                        prompt_text=prompt_text, response_text=text, label=prompt.label,
                                         group=group_offset + g,
                                         budget=budgets[g] if budgets else params.max_new_tokens,
                                         policy_versions=None if out.policy_versions is None

@@ -42,7 +42,7 @@ from posttrain.trainers.context_parallel import ContextGroups
 from posttrain.trainers.run_folders import claim_run_folders
 from posttrain.trainers.run_loop import plot_charts
 from posttrain.trainers.single_model_loop import LoopSettings, SingleModelLoop
-from posttrain.trainers.vision import vision_processor
+from posttrain.trainers.vision import export_savers, vision_processor
 from posttrain.utils.checkpoint import disk_full_as_error
 from posttrain.utils.interrupt import interrupt_as_error
 from posttrain.utils.log import info, rank_info
@@ -244,8 +244,7 @@ class SingleModelRun:
         if engine.is_main:
             if self.export_state is not None:
                 state = self.export_state(state if state is not None else engine.module.state_dict())
-            savers = [self.tokenizer] + ([self.processor.image_processor] if self.processor is not None else [])
-            save_pretrained(engine.module, savers, out_dir, state_dict=state)
+            save_pretrained(engine.module, export_savers(self.tokenizer, self.processor), out_dir, state_dict=state)
         engine.barrier()
 
 

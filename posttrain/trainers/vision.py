@@ -17,3 +17,9 @@ def vision_processor(model_path, tokenizer, max_images: int, packing: bool):
         raise UserError(f"--ds.packing_samples: {model_path} is a vision-language model, which trains on padded "
                         "batches (it computes its rotary positions per row from the image grid); drop the flag")
     return load_processor(model_path, tokenizer)
+
+
+def export_savers(tokenizer, processor) -> list:
+    """What an exported model folder holds besides the weights (`save_pretrained`'s savers): the tokenizer, and a
+    vision-language model's image processor (without it the folder does not load as a VLM again)."""
+    return [tokenizer] if processor is None else [tokenizer, processor.image_processor]

@@ -40,7 +40,7 @@ from posttrain.trainers.rl.roles import AdapterOffReference
 from posttrain.trainers.rl.updates import UpdateSettings, steps_per_rollout
 from posttrain.trainers.run_loop import Cadence, RunLoop, plot_charts
 from posttrain.trainers.session import RunStart
-from posttrain.trainers.vision import vision_processor
+from posttrain.trainers.vision import export_savers, vision_processor
 from posttrain.utils.checkpoint import disk_full_as_error, load_state_file, save_state_file
 from posttrain.utils.log import info, warn_once
 from posttrain.utils.metrics import truncate_jsonl_after
@@ -79,7 +79,7 @@ class RLTrainer(RunLoop):
         self.processor = vision_processor(cfg.actor.model_name_or_path, tok, cfg.data.max_images_per_prompt,
                                           cfg.ds.packing_samples)
         # what an exported policy folder holds besides the model: the tokenizer (and a VLM's image processor)
-        self.savers = [tok] if self.processor is None else [tok, self.processor.image_processor]
+        self.savers = export_savers(tok, self.processor)
         if self.processor is not None:
             self._check_vision_placement()
         kw = dict(input_key=cfg.data.input_key, label_key=cfg.data.label_key, input_template=cfg.data.input_template,

@@ -16,6 +16,7 @@ from posttrain.models.lora_sync import is_adapter_name
 from posttrain.models.vision import is_vision_folder, load_processor
 from posttrain.trainers.rl.placement.transport import experience_from_numpy
 from posttrain.trainers.rl.placement.weight_sync import SyncGroup
+from posttrain.trainers.vision import export_savers
 from posttrain.utils.memory import apply_heap_policy
 from posttrain.utils.weights_hash import NamedTensors, WeightsDigest, named_tensors
 
@@ -91,7 +92,10 @@ class RoleWorker(_Process):
 
         self.tokenizer = load_tokenizer(cfg.actor.model_name_or_path, use_fast=not cfg.data.disable_fast_tokenizer,
                                         chat_template=cfg.data.tokenizer_chat_template)
-        self.model_path = cfg.actor.model_name_or_path
+        processor = None
+        if self.role == "actor" and is_vision_folder(cfg.actor.model_name_or_path):
+            processor = load_processor(cfg.actor.model_name_or_path, self.tokenizer)
+        self.savers = export_savers(self.tokenizer, processor)  # what its exports hold besides the weights
         device = _device()
         zero = cfg.ds.zero_stage if self.world > 1 else None  # one rank: the in-process engine
         self.gather_for_generation = cfg.ds.gather_for_generation
@@ -148,12 +152,7 @@ class RoleWorker(_Process):
                                   f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from e
 
     def export(self, directory: str, *args) -> None:
-        """The role's `export`, with the tokenizer (and a vision-language actor's image processor, which a
-        VLM folder needs to load as one)."""
-        savers = [self.tokenizer]
-        if self.role == "actor" and is_vision_folder(self.model_path):
-            savers.append(load_processor(self.model_path, self.tokenizer).image_processor)
-        self.obj.export(directory, savers, *args)
+        self.obj.export(directory, self.savers, *args)
 
     def close(self) -> None:
         if hasattr(self.obj, "close"):
