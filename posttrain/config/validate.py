@@ -102,7 +102,7 @@ def _declared(cfg: CommandConfig, r: _Report) -> None:
 
 
 def _context_parallel(cfg, r: _Report, world_size: int) -> None:
-    """--ds.ring_attn_size N (sft, dpo): every packed row split over N ranks; N divides the ranks, rows are packed."""
+    """--ds.ring_attn_size N (sft, dpo, rm): every packed row split over N ranks; N divides the ranks, rows are packed."""
     n = cfg.ds.ring_attn_size
     if n == 1:
         return

@@ -13,11 +13,18 @@ time (OpenRLHF's `--ds.ring_attn_head_stride`: fewer heads gathered at once, les
 query attends a key of its own sample at or before its position in the row (block-diagonal causal over
 the packed samples; padding attends nothing but itself). The result equals the unsplit row's attention to
 float rounding; the all-gather form is what ring-flash-attn calls its llama3 variant (used by OpenRLHF).
+
+Outputs read by a loss that every rank of the group computes alike (a sample's reward at its last token, the
+RL losses over whole rows) are gathered with `gather_replicated`, whose backward keeps this rank's slice of
+the (identical) gradient: summed over the group's ranks the gradients are the loss's, once.
+
+Every collective here counts its bytes and seconds (`traffic()`), so a trainer reports what the flag costs.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +33,22 @@ import torch.nn.functional as F
 
 ATTENTION_NAME = "posttrain_context_parallel"
 _state = threading.local()
+_traffic = {"bytes": 0, "seconds": 0.0}
+
+
+def traffic(reset: bool = True) -> dict[str, float]:
+    """Bytes this rank sent into the group's collectives and the seconds they took since the last reset."""
+    out = dict(_traffic)
+    if reset:
+        _traffic.update(bytes=0, seconds=0.0)
+    return out
+
+
+def _timed(collective, tensor: torch.Tensor, *args, **kwargs):
+    start = time.perf_counter()
+    collective(*args, **kwargs)
+    _traffic["bytes"] += tensor.numel() * tensor.element_size()
+    _traffic["seconds"] += time.perf_counter() - start
 
 
 def padded_length(length: int, size: int) -> int:
@@ -59,15 +82,12 @@ class _AllGatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, group):
         ctx.group = group
-        size = dist.get_world_size(group)
-        parts = [torch.empty_like(tensor) for _ in range(size)]
-        dist.all_gather(parts, tensor.contiguous(), group=group)
-        return torch.cat(parts, dim=-2)
+        return _gather(tensor, group, dim=-2)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
+        _timed(dist.all_reduce, grad, grad, group=ctx.group)
         size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
         part = grad.shape[-2] // size
         return grad.narrow(-2, rank * part, part), None
@@ -75,6 +95,33 @@ class _AllGatherRows(torch.autograd.Function):
 
 def all_gather_rows(tensor: torch.Tensor, group) -> torch.Tensor:
     return _AllGatherRows.apply(tensor, group)
+
+
+def _gather(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    tensor = tensor.contiguous()
+    _timed(dist.all_gather, tensor, parts, tensor, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+class _GatherReplicated(torch.autograd.Function):
+    """[..., T_local] from every rank of `group` concatenated along the last dim; backward: this rank's slice
+    of the gradient (every rank computes the same loss from the gathered tensor, module doc)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.rank, ctx.part = dist.get_rank(group), tensor.shape[-1]
+        return _gather(tensor, group, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.narrow(-1, ctx.rank * ctx.part, ctx.part), None
+
+
+def gather_replicated(tensor: torch.Tensor, group) -> torch.Tensor:
+    """The whole row of a per-token output [..., T_local] (`_GatherReplicated`), for a loss every rank of
+    the group computes alike."""
+    return _GatherReplicated.apply(tensor, group)
 
 
 class _GroupSum(torch.autograd.Function):
@@ -85,7 +132,7 @@ class _GroupSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, group):
         out = tensor.clone()
-        dist.all_reduce(out, group=group)
+        _timed(dist.all_reduce, out, out, group=group)
         return out
 
     @staticmethod
@@ -128,9 +175,7 @@ def context_parallel(group, position_ids: torch.Tensor, valid: torch.Tensor, hea
 
 
 def _gathered(tensor: torch.Tensor, group) -> torch.Tensor:
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    return torch.cat(parts, dim=1)
+    return _gather(tensor, group, dim=1)
 
 
 def _sample_ids(position_ids: torch.Tensor, valid: torch.Tensor, group) -> torch.Tensor:

@@ -190,7 +190,7 @@ class SingleModelRun:
         zero_stage = cfg.ds.zero_stage if self._needs_deepspeed() else None
         with sharded_loading(cfg.ds, zero_stage) as sharded:
             model = self._load_model()
-        split_rows = cfg.trainer in ("sft", "dpo") and cfg.ds.ring_attn_size > 1  # each packed row over N ranks
+        split_rows = cfg.trainer in ("sft", "dpo", "rm") and cfg.ds.ring_attn_size > 1  # each packed row over N ranks
         if split_rows:
             model.set_attn_implementation(register_context_parallel())
         if sharded:  # ZeRO-3 over several ranks: each rank holds only its shard; the engine gathers per layer

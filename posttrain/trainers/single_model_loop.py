@@ -27,6 +27,7 @@ from typing import Protocol
 
 import torch
 
+from posttrain.models.context_parallel import traffic as cp_traffic
 from posttrain.trainers import batching
 from posttrain.trainers.run_loop import Cadence, RunLoop
 from posttrain.utils.checkpoint import CheckpointManager, load_state_file, save_state_file
@@ -196,6 +197,7 @@ class SingleModelLoop(RunLoop):
     # ---- RunLoop's hooks (trainers/run_loop.py) ---------------------------------------------
     def step(self) -> dict[str, float]:
         epoch, step_in_epoch = divmod(self.global_step, self.steps_per_epoch)
+        cp_traffic(reset=True)
         groups = self._step_micro_batches(epoch, step_in_epoch)
         sums = self._run_micro_batches(groups, self.train_items, train=True)
         lr = self.engine.lr  # the rate this step is taken with (step() advances the schedule)
@@ -204,6 +206,9 @@ class SingleModelLoop(RunLoop):
         metrics.update({"train/lr": lr, "train/grad_norm": grad_norm,
                         "train/epoch": epoch + (step_in_epoch + 1) / self.steps_per_epoch,
                         "train/micro_batches": len(groups)})
+        if self.s.context is not None:  # what the ring costs: this rank's collectives in the step
+            moved = cp_traffic()
+            metrics.update({"comm/cp_bytes": moved["bytes"], "comm/cp_seconds": moved["seconds"]})
         return metrics
 
     def postfix(self, metrics: dict[str, float]) -> dict[str, str]:

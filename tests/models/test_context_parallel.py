@@ -52,3 +52,11 @@ def test_two_ranks_give_the_unsplit_rows_loss_and_gradients(tmp_path, lengths, s
     assert found, proc.stdout[-2000:]
     rel, diff, scale = map(float, found.groups())
     assert rel < 1e-5 and diff < 1e-5 * scale, found.group(0)
+    # a loss every rank computes alike from the gathered row: its gradients summed over the ranks are the
+    # loss's once (not once per rank)
+    found = re.search(r"replicated: max_rel_loss=(\S+) max_abs_grad=(\S+) max_grad=(\S+)", proc.stdout)
+    assert found, proc.stdout[-2000:]
+    rel, diff, scale = map(float, found.groups())
+    assert rel < 1e-5 and diff < 1e-5 * scale, found.group(0)
+    moved = re.search(r"moved bytes=(\d+) seconds=(\S+)", proc.stdout)
+    assert moved and int(moved.group(1)) > 0 and float(moved.group(2)) > 0, proc.stdout[-2000:]
