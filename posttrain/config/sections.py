@@ -89,13 +89,10 @@ class DSConfig:
     deepcompile: bool = opt(False, "enable DeepSpeed DeepCompile graph compilation", inert=not_yet("DeepSpeed DeepCompile"), on_resume="adjustable")
     tensor_parallel_size: int = opt(1, "DeepSpeed AutoTP tensor-parallel size (ZeRO stage 0/1/2 only)", ge=1,
                                     inert=not_yet("DeepSpeed AutoTP tensor parallelism"), on_resume="adjustable")
-    ring_attn_size: int = opt(1, "ring-attention sequence-parallel group size (sft, dpo, rm: with --ds.packing_samples)",
-                              ge=1, inert=not_yet("ring attention (sequence parallelism)", ("ppo",)),
-                              on_resume="adjustable")
+    ring_attn_size: int = opt(1, "ring-attention sequence-parallel group size (with --ds.packing_samples)",
+                              ge=1, on_resume="adjustable")
     ring_attn_head_stride: int = opt(1, "key/value heads gathered per ring-attention step", ge=1,
-                                     inert=(not_yet("ring attention (sequence parallelism)", ("ppo",)),
-                                            needs("--ds.ring_attn_size > 1", lambda c: c.ds.ring_attn_size > 1,
-                                                  ("sft", "dpo", "rm"))),
+                                     inert=needs("--ds.ring_attn_size > 1", lambda c: c.ds.ring_attn_size > 1),
                                      on_resume="adjustable")
     use_universal_ckpt: bool = opt(False, "write DeepSpeed universal checkpoints (stage/world-size agnostic)",
                                    inert=not_yet("DeepSpeed universal checkpoints"), on_resume="adjustable")

@@ -13,7 +13,7 @@ from typing import Any
 from posttrain.config.errors import ConfigError
 from posttrain.config.flag_values import check_flag_choice, format_value, parse_probs
 from posttrain.config.hardware import device_type, record_resolved, resolved_values
-from posttrain.config.ray_mode import role_ranks, uses_ray
+from posttrain.config.ray_mode import present_roles, role_ranks, uses_ray
 from posttrain.config.roles import GROUP_ESTIMATORS, SEQUENCE_POLICY_LOSSES, reward_endpoints
 from posttrain.config.sections import POLYNOMIAL_LR_END, DSConfig, OptimizerFields
 from posttrain.config.serving import ServedModelConfig, ServeRMConfig
@@ -64,7 +64,7 @@ def validate(cfg: CommandConfig, world_size: int = 1, device: Any = None) -> lis
     _data(cfg, r)
     _train(cfg, r, world_size)
     _ckpt(cfg, r)
-    if cfg.trainer in ("sft", "dpo"):
+    if cfg.trainer in ("sft", "dpo", "rm", "ppo"):
         _context_parallel(cfg, r, world_size)
     if cfg.trainer == "ppo":
         _ppo(cfg, r, world_size)
@@ -102,15 +102,23 @@ def _declared(cfg: CommandConfig, r: _Report) -> None:
 
 
 def _context_parallel(cfg, r: _Report, world_size: int) -> None:
-    """--ds.ring_attn_size N (sft, dpo, rm): every packed row split over N ranks; N divides the ranks, rows are packed."""
+    """--ds.ring_attn_size N: every packed row split over N ranks; N divides the ranks (of the run, or of each
+    role of ppo that loads a model), rows are packed."""
     n = cfg.ds.ring_attn_size
     if n == 1:
         return
     if not cfg.ds.packing_samples:
         r.bad("ds.ring_attn_size", n, "needs --ds.packing_samples (each packed row is split over the group)")
-    if world_size % n:
-        r.bad("ds.ring_attn_size", n, f"must divide the {world_size} ranks of the run (groups of {n} ranks share "
-              "each row)")
+    if cfg.trainer != "ppo":
+        if world_size % n:
+            r.bad("ds.ring_attn_size", n, f"must divide the {world_size} ranks of the run (groups of {n} ranks "
+                  "share each row)")
+        return
+    for role, section in present_roles(cfg).items():
+        ranks = role_ranks(section)
+        if ranks % n or ranks == 1:
+            r.bad("ds.ring_attn_size", n, f"must divide the {ranks} rank(s) of the {role} role (groups of {n} ranks "
+                  f"share each row; set --{role}.num_gpus_per_node to a multiple of {n})")
 
 
 def _served_source(cfg: ServeRMConfig, r: _Report) -> None:

@@ -69,6 +69,13 @@ def slice_row(tensor: torch.Tensor, rank: int, size: int, pad_value) -> torch.Te
     return tensor[:, rank * part:(rank + 1) * part]
 
 
+def split_packed(input_ids: torch.Tensor, position_ids: torch.Tensor, rank: int, size: int) -> tuple[dict, torch.Tensor]:
+    """This rank's slice of a packed [1, T] row: model inputs `{"input_ids", "position_ids"}` and the bool
+    [1, T/size] of its real tokens (False on the padding that made the row divisible)."""
+    local = {"input_ids": slice_row(input_ids, rank, size, 0), "position_ids": slice_row(position_ids, rank, size, 0)}
+    return local, slice_row(torch.ones_like(input_ids, dtype=torch.bool), rank, size, False)
+
+
 def next_tokens(input_ids: torch.Tensor, pad_value: int) -> torch.Tensor:
     """[1, T] the token after each one in the row (`pad_value` after the last): the labels, made before the
     row is sliced so a slice's last token keeps its label."""

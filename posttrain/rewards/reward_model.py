@@ -71,6 +71,9 @@ class RewardModelSource:
         self.max_len = max_len
         self.device = torch.device(device)
         self.engine = None  # the FrozenShards of a sharded model
+        # --ds.ring_attn_size: a context-parallel group (group, rank, size, head_stride) whose ranks score the same
+        # sequences, each computing its slice of the packed batch (set by the RL build)
+        self.context = None
         with sharded_loading(ds, zero_stage, offload_params=offload) as sharded:
             model = load_score_model(self.path, dtype, value_head_prefix=value_head_prefix,
                                      attn_implementation=attn_implementation, onednn_linear=onednn_linear)
@@ -102,7 +105,6 @@ class RewardModelSource:
     @torch.no_grad()
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Raw (unnormalised) rewards [B] for padded token ids, read at each row's last non-pad token."""
-        from posttrain.models import forward_values
 
         if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
             raise ValueError(f"sequences {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
@@ -117,16 +119,32 @@ class RewardModelSource:
             for i in starts:
                 if i is None:  # a stand-in batch of one token, its score discarded
                     one = torch.ones((1, 1), dtype=torch.long, device=self.device)
-                    forward_values(self.model, {"input_ids": one * 0, "attention_mask": one})
+                    self._last_values(one * 0, one)
                     continue
                 ids = input_ids[i:i + self.batch_size].to(self.device)
                 mask = attention_mask[i:i + self.batch_size].to(self.device)
-                v = forward_values(self.model, {"input_ids": ids, "attention_mask": mask})
-                out.append(v.gather(1, last_token_index(mask)[:, None]).squeeze(1).cpu())
+                out.append(self._last_values(ids, mask).cpu())
         finally:
             if self.offload:
                 self.model.to("cpu")
         return torch.cat(out) if out else torch.zeros(0)
+
+    def _last_values(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[B] the head's value at each row's last real token; with a context-parallel group, of the rows packed
+        into one and split over the group (the row's values gathered, then read at each sample's end)."""
+        from posttrain.models import forward_values
+        from posttrain.models.context_parallel import context_parallel, gather_replicated, split_packed
+
+        cp = self.context
+        if cp is None:
+            v = forward_values(self.model, {"input_ids": ids, "attention_mask": mask})
+            return v.gather(1, last_token_index(mask)[:, None]).squeeze(1)
+        real = mask.bool()
+        positions = (mask.long().cumsum(1) - 1)[real][None]
+        local, valid = split_packed(ids[real][None], positions, cp.rank, cp.size)
+        with context_parallel(cp.group, local["position_ids"], valid, cp.head_stride):
+            values = forward_values(self.model, local)[0]
+        return gather_replicated(values, cp.group)[mask.long().sum(1).cumsum(0) - 1]
 
     def tokenize(self, queries: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Right-padded (input_ids, attention_mask) [B, T] and a bool [B] of truncated queries."""

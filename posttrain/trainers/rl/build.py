@@ -14,9 +14,12 @@ from posttrain.config import PPOConfig
 from posttrain.config.ray_mode import present_roles
 from posttrain.config.roles import ActorConfig, CriticConfig
 from posttrain.engines import make_train_engine
+from posttrain.engines.dist import env_world, init_process_group
 from posttrain.engines.zero3 import FrozenShards, shard_numel, sharded_loading
 from posttrain.models import as_lora_spec, load_causal_lm, load_score_model
+from posttrain.models.context_parallel import register as register_context_parallel
 from posttrain.models.vision import freeze_visual_encoder, is_vision_model, is_vision_tower_name
+from posttrain.trainers.context_parallel import ContextGroups
 from posttrain.trainers.rl.roles import Actor, Critic, Reference
 from posttrain.utils.log import info
 from posttrain.utils.seeding import set_seed
@@ -44,6 +47,17 @@ def critic_path(cfg: PPOConfig) -> str:
 
 def _seed_for(cfg: PPOConfig, role: str) -> None:
     set_seed(cfg.train.seed * 3 + _ROLE_SEEDS[role])
+
+
+def context_groups(cfg: PPOConfig, model):
+    """--ds.ring_attn_size N on a role of several ranks: the model's attention made context-parallel and the
+    role's ranks in groups of N (collective: every rank of the role calls it); None otherwise."""
+    rank, world, _ = env_world()
+    if cfg.ds.ring_attn_size == 1 or world == 1:
+        return None
+    init_process_group()
+    model.set_attn_implementation(register_context_parallel())
+    return ContextGroups.create(rank, world, cfg.ds.ring_attn_size, cfg.ds.ring_attn_head_stride)
 
 
 def train_engine(model, role_cfg: ActorConfig | CriticConfig, cfg: PPOConfig, total_steps: int,
@@ -82,6 +96,7 @@ def build_actor(cfg: PPOConfig, tokenizer, device, total_steps: int, zero_stage:
                   base_path=cfg.actor.model_name_or_path, save_merged=cfg.ckpt.save_merged,
                   dtype=cfg.ds.param_dtype or "fp32", lora_sync=cfg.vllm.lora_sync)
     actor.loaded_numel = loaded
+    actor.context = context_groups(cfg, model)
     if cfg.actor.freeze_visual_encoder and is_vision_model(model):  # OpenRLHF: only the language model syncs
         actor.sync_only = lambda name: not is_vision_tower_name(name)
     return actor
@@ -134,6 +149,7 @@ def build_critic(cfg: PPOConfig, tokenizer, device, total_steps: int,
     critic = Critic(model, train_engine(model, cfg.critic, cfg, total_steps, zero_stage), device,
                     normalize=bool(cfg.reward.normalize_enable))
     critic.loaded_numel = loaded
+    critic.context = context_groups(cfg, model)
     return critic
 
 
@@ -157,6 +173,7 @@ def build_reference(cfg: PPOConfig, tokenizer, device, zero_stage: int | None = 
     else:
         ref = Reference(model.to(device), cfg.rollout.temperature, device, offload=offload)
     ref.loaded_numel = loaded
+    ref.context = context_groups(cfg, model)
     return ref
 
 
@@ -177,6 +194,8 @@ def build_reward_source(cfg: PPOConfig, tokenizer, device, zero_stage: int | Non
         offload=cfg.reward.offload)
     if hasattr(source, "check_vocabulary"):
         source.check_vocabulary(tokenizer)
+    if hasattr(source, "context"):  # a reward model
+        source.context = context_groups(cfg, source.model)
     return source
 
 

@@ -38,6 +38,7 @@ EMA_FILE = "ema.pt"
 
 class _Scorer:
     engine = None  # a train engine (collective forwards under ZeRO-3), or None for a frozen model
+    context = None  # `trainers.context_parallel.ContextGroups` (--ds.ring_attn_size > 1): rows split over a group
 
     def __init__(self, model, device) -> None:
         self.model = model
@@ -100,7 +101,7 @@ class Actor(_Scorer):
     def logprobs(self, exp: Experience, batches: Batching) -> torch.Tensor:
         return self._per_token(exp, batches,
                                lambda part: policy_forward(self.engine.model, part, self.temperature,
-                                                           **batches.layout)[0])
+                                                           context=self.context, **batches.layout)[0])
 
     def reference_logprobs(self, exp: Experience, batches: Batching) -> torch.Tensor:
         """`logprobs` of a LoRA actor's base weights (adapter disabled): the reference of a run whose
@@ -227,7 +228,7 @@ class Reference(_Scorer):
             self.model.to(self.device)
         try:
             return self._per_token(exp, batches, lambda part: policy_forward(
-                self.model, part, self.temperature, **batches.layout)[0])
+                self.model, part, self.temperature, context=self.context, **batches.layout)[0])
         finally:
             if self.offload:
                 self.model.to("cpu")
@@ -266,7 +267,7 @@ class Critic(_Scorer):
         """Value of each state before an action: V(tokens ≤ t) in column t, `[b, T-1]` (normalised),
         in `batches`' layout (None: padded)."""
         layout = batches.layout if batches is not None else {}
-        return (value_forward(self.engine.model, part, **layout) - self.mean) / self.std
+        return (value_forward(self.engine.model, part, context=self.context, **layout) - self.mean) / self.std
 
     def fit(self, exp: Experience, settings: UpdateSettings, step: int, step_rows=None,
             weights_out: dict | None = None) -> dict[str, float]:

@@ -16,6 +16,7 @@ import torch
 
 from posttrain.algorithms.kl import approx_kl
 from posttrain.algorithms.losses import aggregate, policy_loss, value_loss
+from posttrain.models.context_parallel import traffic as cp_traffic
 from posttrain.trainers.rl.experience import Experience
 from posttrain.trainers.rl.forward import Batching, policy_forward, to_device
 
@@ -100,12 +101,15 @@ def _stand_in(batch: Experience) -> Experience:
     return part
 
 
-def _counts(exp: Experience, engine) -> tuple[float, float]:
+def _counts(exp: Experience, engine, context=None) -> tuple[float, float]:
     """Action tokens and sequences of one optimizer step, summed over the data-parallel ranks (each
-    holds a share of the step's rows), so every loss is normalised by the whole step's counts."""
+    holds a share of the step's rows), so every loss is normalised by the whole step's counts. The ranks
+    of a context-parallel group hold the same rows: counted once."""
     counts = torch.tensor([float(exp.action_mask.sum()), float((exp.action_mask.sum(1) > 0).sum())],
                           dtype=torch.float64)
     engine.all_reduce(counts)
+    if context is not None:
+        counts /= context.size
     return float(counts[0]), float(counts[1])
 
 
@@ -131,12 +135,12 @@ def update_actor(actor, exp: Experience, s: UpdateSettings, kl_coef: float, step
     engine = actor.engine
     for rows in local_steps(exp, s, step, step_rows):
         batch = exp.select(rows) if len(rows) else _stand_in(exp)
-        num_tokens, num_seqs = _counts(batch, engine)
+        num_tokens, num_seqs = _counts(batch, engine, actor.context)
         step_loss = 0.0
         for mb in _micro_batches(batch, s.batching, engine, actor.device):
             want_entropy = s.entropy_coef is not None
             logp, ent = policy_forward(engine.model, mb, actor.temperature, with_entropy=want_entropy,
-                                      **s.batching.layout)
+                                      context=actor.context, **s.batching.layout)
             mask = mb.action_mask
             old_logp = mb.old_logp
             if old_logp is None:  # one update per rollout: the sampling policy is this one (ratio 1)
@@ -174,10 +178,20 @@ def update_actor(actor, exp: Experience, s: UpdateSettings, kl_coef: float, step
     out["train/rows_per_step"] = out.pop("actor/rows_per_step")
     out.update(rollout_gap.result("rollout"))
     out["actor/lr"] = engine.lr
+    out.update(_ring_traffic(actor.context))
     if weights_out is not None:
         weights_out.update({f"actor/{k}": w for k, w in mean.weights.items()})
         weights_out.update({f"rollout/{k}": w for k, w in rollout_gap.weights.items()})
     return out
+
+
+def _ring_traffic(context) -> dict[str, float]:
+    """With a context-parallel group: the bytes and seconds of its collectives since the last report (this
+    step's forwards and the update), as `comm/cp_bytes` / `comm/cp_seconds`."""
+    if context is None:
+        return {}
+    moved = cp_traffic()
+    return {"comm/cp_bytes": float(moved["bytes"]), "comm/cp_seconds": moved["seconds"]}
 
 
 def critic_shuffle_step(step: int) -> int:
@@ -192,7 +206,7 @@ def update_critic(critic, exp: Experience, s: UpdateSettings, step: int, step_ro
     engine = critic.engine
     for rows in local_steps(exp, s, critic_shuffle_step(step), step_rows):
         batch = exp.select(rows) if len(rows) else _stand_in(exp)
-        num_tokens, num_seqs = _counts(batch, engine)
+        num_tokens, num_seqs = _counts(batch, engine, critic.context)
         step_loss = 0.0
         for mb in _micro_batches(batch, s.batching, engine, critic.device):
             values = critic.forward(mb, s.batching)
@@ -204,6 +218,7 @@ def update_critic(critic, exp: Experience, s: UpdateSettings, step: int, step_ro
         mean.add("grad_norm", engine.step())
     out = mean.result("critic")
     out["critic/lr"] = engine.lr
+    out.update(_ring_traffic(critic.context))
     if weights_out is not None:
         weights_out.update({f"critic/{k}": w for k, w in mean.weights.items()})
     return out

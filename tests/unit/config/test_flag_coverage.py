@@ -91,7 +91,7 @@ ACTING: dict[str, frozenset[str]] = {
     "rm": _SINGLE_MODEL
     | _paths(
         "model: loss_type margin_loss_enable",
-        "ds: value_head_prefix",
+        "ds: value_head_prefix ring_attn_size ring_attn_head_stride",
         "data: prompt_key chosen_key rejected_key",
         # refused when set (trainers/rm.py: check_text_only): reward models read text only
         "data: image_key max_images_per_prompt",
@@ -119,7 +119,7 @@ ACTING: dict[str, frozenset[str]] = {
         "algo.advantage: is_correction_type is_correction_threshold",
         "algo.kl: init_coef target horizon estimator use_loss sequence_level_enable clamp",
         "algo: dynamic_filtering_enable dynamic_filtering_range",
-        "ds: value_head_prefix shared_prefix gather_for_generation",
+        "ds: value_head_prefix shared_prefix gather_for_generation ring_attn_size ring_attn_head_stride",
         "rollout: batch_size micro_batch_size n_samples_per_prompt temperature top_p max_new_tokens",
         "rollout: max_tokens_per_gpu stop_token_ids",
         "data: prompt_dataset prompt_probs prompt_split input_key label_key",

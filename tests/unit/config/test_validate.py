@@ -488,3 +488,11 @@ def test_ring_attention_needs_packing_and_a_group_that_divides_the_ranks():
         parse_config("sft", [*base, "--ds.packing_samples", "--train.batch_size", "3"], world_size=3, device="cpu")
     cfg = parse_config("sft", [*base, "--ds.packing_samples"], world_size=2, device="cpu")
     assert cfg.ds.ring_attn_size == 2
+    # ppo: every role that loads a model has a multiple of the group size
+    ppo = ["--actor.model_name_or_path", "m", "--reward.model_name_or_path", "r", "--data.prompt_dataset", "d",
+           "--ds.ring_attn_size", "2", "--ds.packing_samples", "--actor.num_gpus_per_node", "2"]
+    with pytest.raises(ConfigError, match=r"must divide the 1 rank\(s\) of the reward role"):
+        parse_config("ppo", ppo, device="cpu")
+    cfg = parse_config("ppo", [*ppo, *[x for role in ("reward", "ref", "critic") for x in (f"--{role}.num_gpus_per_node", "2")]],
+                       device="cpu")
+    assert cfg.ds.ring_attn_size == 2

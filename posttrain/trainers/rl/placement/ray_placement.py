@@ -89,8 +89,23 @@ def worker_threads(ranks: int) -> int:
 
 
 class _Group:
-    def __init__(self, name: str, handles: list) -> None:
+    def __init__(self, name: str, handles: list, context_size: int = 1) -> None:
         self.name, self.handles = name, handles
+        # --ds.ring_attn_size: ranks in consecutive groups of this many take the same rows (context parallelism)
+        self.context_size = context_size if len(handles) > 1 else 1
+
+    @property
+    def data_ranks(self) -> int:
+        """The data-parallel ranks: the context-parallel groups."""
+        return len(self.handles) // self.context_size
+
+    def per_rank(self, shares: list) -> list:
+        """Each rank's share: its context-parallel group's."""
+        return [shares[r // self.context_size] for r in range(len(self.handles))]
+
+    def leaders(self, results: list) -> list:
+        """One result per context-parallel group (its first rank's; the others computed the same)."""
+        return results[::self.context_size]
 
     def label(self, rank: int) -> str:
         return f"{self.name} rank {rank}"
@@ -110,28 +125,34 @@ class _RoleGroup(_Group):
     """Ranks of one role; per-token outputs are computed on token-balanced row shares."""
 
     def _per_token(self, method: str, exp, batches) -> torch.Tensor:
-        shares = split_by_tokens(range(len(exp)), exp.attention_mask.sum(1).tolist(), len(self.handles))
+        shares = split_by_tokens(range(len(exp)), exp.attention_mask.sum(1).tolist(), self.data_ranks)
         arrays = ray.put(experience_to_numpy(exp))
         out = torch.zeros_like(exp.action_mask)
-        for share, part in zip(shares, self.call_each(method, [(arrays, s, batches) for s in shares])):
+        results = self.call_each(method, [(arrays, s, batches) for s in self.per_rank(shares)])
+        for share, part in zip(shares, self.leaders(results)):
             if share:
                 out[share, : part.shape[1]] = torch.from_numpy(part.copy())
         return out
 
     def _fit(self, exp, settings, shuffle_step: int, *args) -> dict[str, float]:
         steps = optimizer_steps(len(exp), settings, shuffle_step)
-        plan = plan_steps(steps, exp.attention_mask.sum(1).tolist(), len(self.handles))
+        plan = plan_steps(steps, exp.attention_mask.sum(1).tolist(), self.data_ranks)
         arrays = ray.put(experience_to_numpy(exp))
-        results = self.call_each("fit", [(arrays, plan[r], settings, *args) for r in range(len(plan))])
-        return merge_metrics([m for m, _ in results], [w for _, w in results])
+        results = self.call_each("fit", [(arrays, rows, settings, *args) for rows in self.per_rank(plan)])
+        metrics = merge_metrics([m for m, _ in self.leaders(results)], [w for _, w in self.leaders(results)])
+        if self.context_size > 1:  # what the ring cost in this step: the most any rank moved and waited
+            for key in ("bytes", "seconds"):
+                metrics.pop(f"comm/cp_{key}", None)
+                metrics[f"comm/{self.name}_cp_{key}"] = max(m.get(f"comm/cp_{key}", 0.0) for m, _ in results)
+        return metrics
 
     def save_state(self, directory) -> None:
         self.call("save_state", str(directory))
 
 
 class ActorGroup(_RoleGroup):
-    def __init__(self, name, handles, keeps_ema: bool, lora: bool = False) -> None:
-        super().__init__(name, handles)
+    def __init__(self, name, handles, keeps_ema: bool, lora: bool = False, context_size: int = 1) -> None:
+        super().__init__(name, handles, context_size)
         self.keeps_ema, self.lora = keeps_ema, lora
 
     def logprobs(self, exp, batches) -> torch.Tensor:
@@ -184,17 +205,20 @@ class RewardGroup(_Group):
     the model is held as ZeRO-3 shards across the ranks, whose forwards are collective, so every rank
     is called, with an empty chunk when there are fewer samples than ranks."""
 
-    def __init__(self, name, handles, sharded: bool = False) -> None:
-        super().__init__(name, handles)
-        self.sharded = sharded and len(handles) > 1
+    def __init__(self, name, handles, sharded: bool = False, context_size: int = 1) -> None:
+        super().__init__(name, handles, context_size)
+        # every rank is called (an empty chunk too) when its forwards are collective: ZeRO-3 shards or a ring
+        self.sharded = (sharded or context_size > 1) and len(handles) > 1
 
     def score_tokens(self, sequences: list[list[int]]) -> RewardResult:
         if not sequences:
             return RewardResult(rewards=torch.zeros(0))
-        chunks = [c for c in contiguous_chunks(len(sequences), len(self.handles)) if len(c) or self.sharded]
+        chunks = self.per_rank(contiguous_chunks(len(sequences), self.data_ranks))
+        calls = [(i, c) for i, c in enumerate(chunks) if len(c) or self.sharded]
         parts = wait_all([(self.handles[i].score_tokens.remote([sequences[j] for j in c]), self.label(i))
-                          for i, c in enumerate(chunks)])
-        return concat_results([p for p, c in zip(parts, chunks) if len(c)])
+                          for i, c in calls])
+        leaders = {i: p for (i, _), p in zip(calls, parts) if i % self.context_size == 0}
+        return concat_results([leaders[i] for i, c in enumerate(chunks) if len(c) and i % self.context_size == 0])
 
     def close(self) -> None:
         pass
@@ -381,11 +405,12 @@ class RayPlacement:
                     f"{PLACE_TIMEOUT_S:.0f} s; the cluster has {ray.cluster_resources()}: lower the --*.num_nodes / "
                     "--*.num_gpus_per_node / --vllm.num_engines counts, colocate roles, or add nodes") from None
         roles = self.plan.roles
+        ring = cfg.ds.ring_attn_size
         self.actor = ActorGroup("actor", self._ranks("actor"), keeps_ema=bool(cfg.train.enable_ema),
-                                lora=cfg.ds.lora.rank > 0)
-        self.ref = ReferenceGroup("ref", self._ranks("ref")) if "ref" in roles else None
-        self.critic = CriticGroup("critic", self._ranks("critic")) if "critic" in roles else None
-        self.reward = (RewardGroup("reward", self._ranks("reward"), sharded=cfg.ds.zero_stage == 3)
+                                lora=cfg.ds.lora.rank > 0, context_size=ring)
+        self.ref = ReferenceGroup("ref", self._ranks("ref"), ring) if "ref" in roles else None
+        self.critic = CriticGroup("critic", self._ranks("critic"), ring) if "critic" in roles else None
+        self.reward = (RewardGroup("reward", self._ranks("reward"), sharded=cfg.ds.zero_stage == 3, context_size=ring)
                        if "reward" in roles else None)
         backend = cfg.vllm.sync_backend if self.gpu else "gloo"
         if cfg.vllm.sync_backend != "gloo" and not self.gpu:
