@@ -217,10 +217,12 @@ def test_an_openai_client_agent_runs_inside_a_ray_rollout_engine(rl_setup, tmp_p
 
 # examples/scripts/train_reinforce_baseline_ray_agent_async.sh of OpenRLHF 0.10.2: its flags as the script
 # has them, with our nano model, data and the agent file above; ranks 4 -> 2, one engine of tp 2 (their
-# 2 x tp 2 over 4 GPUs), lengths and batch sizes scaled down.
+# 2 x tp 2 over 4 GPUs), lengths and batch sizes scaled down. --data.max_len leaves room for the agent's
+# turns: at 64 most episodes ran out of tokens before their random 0/1 reward, so most groups scored 0, 0 and
+# dynamic filtering (which drops groups whose samples agree) now and then kept none of the 20 it may draw.
 REINFORCE_AGENT_ASYNC = """
    --ckpt.load_enable --ckpt.save_hf --ckpt.max_num 3 --ckpt.save_steps 10
-   --data.input_key prompt --data.label_key answer --data.max_len 64 --rollout.max_new_tokens 4
+   --data.input_key prompt --data.label_key answer --data.max_len 128 --rollout.max_new_tokens 4
    --data.apply_chat_template --ds.packing_samples
    --rollout.batch_size 4 --rollout.n_samples_per_prompt 2 --train.batch_size 8
    --algo.dynamic_filtering_enable --algo.dynamic_filtering_range 0.0 1.0
