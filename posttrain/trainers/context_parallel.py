@@ -1,6 +1,6 @@
-"""A trainer's context-parallel groups (`--ds.ring_attn_size N`): the run's ranks in consecutive groups of N;
-the ranks of a group take the same micro-batches (data parallelism runs over the groups), and each computes
-its contiguous slice of every packed row (`models.context_parallel`)."""
+"""A trainer's context-parallel groups (`--ds.ring_attn_size N`): the run's ranks in groups of N
+(`parallel_layout.ParallelLayout`); the ranks of a group take the same micro-batches (data parallelism runs
+over the groups), and each computes its contiguous slice of every packed row (`models.context_parallel`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.models.context_parallel import next_tokens, slice_row
+from posttrain.trainers.parallel_layout import ParallelLayout
 
 
 @dataclass
@@ -21,14 +22,15 @@ class ContextGroups:
     head_stride: int
 
     @staticmethod
-    def create(world_rank: int, world_size: int, size: int, head_stride: int) -> ContextGroups:
-        """Every rank calls this (creating a group is collective): groups of `size` consecutive ranks."""
+    def create(world_rank: int, layout: ParallelLayout, head_stride: int) -> ContextGroups:
+        """Every rank calls this (creating a group is collective): the context-parallel groups of `layout`."""
         mine = None
-        for start in range(0, world_size, size):
-            group = dist.new_group(list(range(start, start + size)))
-            if start <= world_rank < start + size:
+        for ranks in layout.context_groups():
+            group = dist.new_group(ranks)
+            if world_rank in ranks:
                 mine = group
-        return ContextGroups(size, world_rank % size, mine, world_rank // size, world_size // size, head_stride)
+        dp, cp, _ = layout.coordinates(world_rank)
+        return ContextGroups(layout.context, cp, mine, dp, layout.data, head_stride)
 
     def shard(self, batch: dict) -> dict:
         """This rank's slice of a packed batch (`pack_collate`: one row, `position_ids`, `loss_mask`): the ids and

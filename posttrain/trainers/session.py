@@ -39,6 +39,7 @@ from posttrain.engines.zero3 import describe_shards, sharded_loading
 from posttrain.models import check_model_folder, load_causal_lm, load_tokenizer, save_pretrained
 from posttrain.models.context_parallel import register as register_context_parallel
 from posttrain.trainers.context_parallel import ContextGroups
+from posttrain.trainers.parallel_layout import ParallelLayout
 from posttrain.trainers.run_folders import claim_run_folders
 from posttrain.trainers.run_loop import plot_charts
 from posttrain.trainers.single_model_loop import LoopSettings, SingleModelLoop
@@ -199,8 +200,10 @@ class SingleModelRun:
             model = model.to(self.device)
         steps = (len(train_items) // cfg.train.batch_size) * cfg.train.max_epochs
         engine = make_train_engine(model, cfg, total_steps=max(steps, 1), ds=cfg.ds, zero_stage=zero_stage)
-        context = ContextGroups.create(engine.rank, engine.world_size, cfg.ds.ring_attn_size,
-                                       cfg.ds.ring_attn_head_stride) if split_rows else None
+        layout = ParallelLayout(engine.world_size, cfg.ds.ring_attn_size if split_rows else 1)
+        context = ContextGroups.create(engine.rank, layout, cfg.ds.ring_attn_head_stride) if split_rows else None
+        if layout.world > 1 and layout.data < layout.world:
+            info(f"parallel layout: {layout.describe()}")
         logger = self.start.open_logger(cfg, enabled=engine.is_main)
         ckpt = self.folders.ckpt
         settings = LoopSettings(

@@ -20,6 +20,7 @@ from posttrain.models import as_lora_spec, load_causal_lm, load_score_model
 from posttrain.models.context_parallel import register as register_context_parallel
 from posttrain.models.vision import freeze_visual_encoder, is_vision_model, is_vision_tower_name
 from posttrain.trainers.context_parallel import ContextGroups
+from posttrain.trainers.parallel_layout import ParallelLayout
 from posttrain.trainers.rl.roles import Actor, Critic, Reference
 from posttrain.utils.log import info
 from posttrain.utils.seeding import set_seed
@@ -57,7 +58,7 @@ def context_groups(cfg: PPOConfig, model):
         return None
     init_process_group()
     model.set_attn_implementation(register_context_parallel())
-    return ContextGroups.create(rank, world, cfg.ds.ring_attn_size, cfg.ds.ring_attn_head_stride)
+    return ContextGroups.create(rank, ParallelLayout(world, cfg.ds.ring_attn_size), cfg.ds.ring_attn_head_stride)
 
 
 def train_engine(model, role_cfg: ActorConfig | CriticConfig, cfg: PPOConfig, total_steps: int,

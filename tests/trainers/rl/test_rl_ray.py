@@ -143,14 +143,18 @@ def test_openrlhf_ppo_hybrid_script_equals_one_process_and_resumes(rl_setup, nor
 
 
 def test_openrlhf_ppo_hybrid_script_with_ring_attention_equals_one_process(rl_setup, normalised_rm, tmp_path,
-                                                                          ray_session):
+                                                                          ray_session, capfd):
     """The same script with --ds.ring_attn_size 2 --ds.ring_attn_head_stride 2: every role (actor, critic,
     reference, reward model; ZeRO-3) splits each packed micro-batch over its two ranks, which take the same
     rows; the per-token log-probs, values and rewards are gathered over the pair. Rewards and the trained
     weights equal the in-process run's, and each trained role logs what its ring moved."""
     local, ring = tmp_path / "local", tmp_path / "ring"
     _ppo(_hybrid(rl_setup, normalised_rm, local, "--ds.no_shared_prefix", one_process=True))
+    capfd.readouterr()
     _ppo(_hybrid(rl_setup, normalised_rm, ring, "--ds.ring_attn_size", "2", "--ds.ring_attn_head_stride", "2"))
+    err = capfd.readouterr().err
+    for role in ("actor", "critic", "ref", "reward"):  # each rank's coordinates, printed at start-up
+        assert f"ray placement: {role} ranks: rank 0 (dp 0, cp 0, tp 0), rank 1 (dp 0, cp 1, tp 0)" in err, role
     assert len(rewards_by_step(ring)) == 3
     assert rewards_by_step(ring) == pytest.approx(rewards_by_step(local), abs=1e-6)
     # the losses and gradient norms below agree to ~1e-6 relative (a gradient off by the group size would show

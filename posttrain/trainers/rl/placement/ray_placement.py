@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from posttrain.rewards.result import RewardResult, concat_results, contiguous_chunks
 from posttrain.rollout.types import rank_seed
+from posttrain.trainers.parallel_layout import ParallelLayout
 from posttrain.trainers.rl.placement.plan import bundle_resources, group_bundles, plan_placement
 from posttrain.trainers.rl.placement.transport import (
     experience_to_numpy,
@@ -425,6 +426,10 @@ class RayPlacement:
         self.engines = EngineGroup("rollout engine", self._engines(cfg.train.partial_rollout_enable), with_ray=with_ray,
                                    backend=backend)
         self.groups = [g for g in (self.actor, self.ref, self.critic, self.reward, self.engines) if g is not None]
+        for group in self.groups[:-1]:
+            if group.context_size > 1:  # each rank's coordinates: the ranks of a context-parallel group share rows
+                info(f"ray placement: {group.name} ranks: "
+                     f"{ParallelLayout(len(group.handles), group.context_size).describe()}")
         wait_all([(h.pid.remote(), g.label(i)) for g in self.groups for i, h in enumerate(g.handles)],
                  timeout=PLACE_TIMEOUT_S)
         t0 = time.perf_counter()
