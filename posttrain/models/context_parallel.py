@@ -13,6 +13,8 @@ time (OpenRLHF's `--ds.ring_attn_head_stride`: fewer heads gathered at once, les
 query attends a key of its own sample at or before its position in the row (block-diagonal causal over
 the packed samples; padding attends nothing but itself). The result equals the unsplit row's attention to
 float rounding; the all-gather form is what ring-flash-attn calls its llama3 variant (used by OpenRLHF).
+On CUDA in bf16/fp16 the attention over the gathered keys runs in torch's varlen flash kernel
+(`context_parallel_kernels`), elsewhere in sdpa with the boolean mask.
 
 Outputs read by a loss that every rank of the group computes alike (a sample's reward at its last token, the
 RL losses over whole rows) are gathered with `gather_replicated`, whose backward keeps this rank's slice of
@@ -30,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from posttrain.models.context_parallel_kernels import QueryRuns, fused_available, query_runs, varlen_attention
 
 ATTENTION_NAME = "posttrain_context_parallel"
 _state = threading.local()
@@ -158,6 +162,15 @@ class _Context:
     group: object
     head_stride: int
     allowed: torch.Tensor  # [B, 1, T_local, T_total] bool: query (local) may attend key (whole row)
+    q_sample: torch.Tensor  # [B, T_local] each query's sample (-1: padding)
+    q_index: torch.Tensor  # [B, T_local] its index in the row
+    sample: torch.Tensor  # [B, T_total] every row token's sample
+    runs: QueryRuns | None = None  # the fused kernel's query runs, built at its first use
+
+    def query_runs(self) -> QueryRuns:
+        if self.runs is None:
+            self.runs = query_runs(self.q_sample[0], self.q_index[0], self.sample[0])
+        return self.runs
 
 
 @contextlib.contextmanager
@@ -177,7 +190,7 @@ def context_parallel(group, position_ids: torch.Tensor, valid: torch.Tensor, hea
     allowed |= (index[:, None, :] == q_index[:, :, None])  # every query attends itself: no empty row
     # stays set after the block, until the next forward sets its own: gradient checkpointing recomputes the
     # forward inside the backward, after the block has ended
-    _state.context = _Context(group, head_stride, allowed[:, None])
+    _state.context = _Context(group, head_stride, allowed[:, None], q_sample, q_index, sample)
     yield
 
 
@@ -204,13 +217,18 @@ def attention(module, query, key, value, attention_mask=None, scaling=None, drop
         raise RuntimeError("context-parallel attention ran before any `context_parallel(...)`")
     heads, kv_heads = query.shape[1], key.shape[1]
     per_kv = heads // kv_heads
+    fused = fused_available(query)  # the varlen flash kernel (`context_parallel_kernels`), else masked sdpa
     outs = []
     for start in range(0, kv_heads, ctx.head_stride):
         stop = min(start + ctx.head_stride, kv_heads)
-        k = all_gather_rows(key[:, start:stop], ctx.group).repeat_interleave(per_kv, dim=1)
-        v = all_gather_rows(value[:, start:stop], ctx.group).repeat_interleave(per_kv, dim=1)
+        k = all_gather_rows(key[:, start:stop], ctx.group)
+        v = all_gather_rows(value[:, start:stop], ctx.group)
         q = query[:, start * per_kv:stop * per_kv]
-        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.allowed, scale=scaling))
+        if fused:
+            outs.append(varlen_attention(q, k, v, ctx.query_runs(), scaling))
+        else:
+            k, v = k.repeat_interleave(per_kv, dim=1), v.repeat_interleave(per_kv, dim=1)
+            outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.allowed, scale=scaling))
     return torch.cat(outs, dim=1).transpose(1, 2).contiguous(), None
 
 
