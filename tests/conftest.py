@@ -62,6 +62,16 @@ def tiny_vision_dir(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory):
+    """A tiny Qwen3-MoE ("nano" attention, 4 experts, 2 per token; `init-tiny --moe`), seed 0; read-only."""
+    from posttrain.models import build_tiny
+
+    path = tmp_path_factory.mktemp("tiny-moe") / "qwen3_moe-nano"
+    build_tiny(path, arch="qwen3_moe", size="nano", seed=0, verbose=False)
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny models run fastest on one thread (and stay fast when other processes load the CPUs)."""

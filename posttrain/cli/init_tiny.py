@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     p = argparse.ArgumentParser(prog=PROG, description=__doc__)
     p.add_argument("--output", required=True, help="folder to write the model and tokenizer into")
-    p.add_argument("--arch", default=None, choices=["llama", "qwen2"], help="default llama; a --shape sets its own")
+    p.add_argument("--arch", default=None, choices=["llama", "qwen2", "qwen3_moe"],
+                   help="default llama; a --shape sets its own; qwen3_moe: a mixture of experts (as --moe)")
     p.add_argument("--size", default=None, choices=sorted(PRESETS), help="a tiny preset (default tiny)")
     p.add_argument("--shape", default=None, metavar="NAME",
                    help=f"a released model's dimensions and vocabulary, random init: {', '.join(SHAPES)}")
@@ -61,10 +62,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--vision", action="store_true",
                    help="a tiny vision-language model (Qwen2.5-VL: the --size preset's language model, a small vision "
                         "tower, an image processor and the tokenizer with the image tokens)")
+    p.add_argument("--moe", action="store_true",
+                   help="a mixture-of-experts model (Qwen3-MoE: the --size preset's attention, 4 experts of half its "
+                        "MLP width per layer, 2 per token); the same as --arch qwen3_moe")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty --output")
     args = p.parse_args(argv)
     with user_errors(PROG):
+        if args.moe:
+            if args.arch not in (None, "qwen3_moe") or args.shape or args.vision:
+                raise UserError("--moe builds a tiny Qwen3-MoE from a --size preset; drop --arch / --shape / --vision")
+            args.arch = "qwen3_moe"
         check_shape(args.shape, args.size, args.arch)
         check_vision(args)
         check_output(Path(args.output), args.overwrite)

@@ -151,7 +151,8 @@ def make_source(args: ServeRMConfig, device: str):
                               normalize=args.reward.normalize_enable, dtype=args.ds.param_dtype or "fp32",
                               batch_size=args.batch_size, max_len=args.data.max_len, tokenizer=tokenizer,
                               device=device, attn_implementation=args.ds.attn_implementation,
-                              onednn_linear=args.ds.onednn_linear, on_error=args.on_error, timeout=args.reward.timeout, retries=args.reward.retries)
+                              onednn_linear=args.ds.onednn_linear, on_error=args.on_error, timeout=args.reward.timeout,
+                              retries=args.reward.retries, ds=args.ds)
 
 
 if __name__ == "__main__":

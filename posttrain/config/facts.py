@@ -55,7 +55,6 @@ def needs(flag: str, is_on: Callable[[Any], Any], trainers: tuple[str, ...] | No
 NOT_YET = "not available in this version: "
 ONE_PROCESS = ("every role runs in this one process (no role has more than one rank, no --vllm.num_engines, "
                "no RAY_ADDRESS), so there is nothing to place or sync")
-MOE = "the MoE load-balancing (router auxiliary) loss is not added"
 PPO_ENGINE = ("DeepSpeed ZeRO shards a role over its ranks: the actor and critic have one rank each here "
               "(--actor/--critic.num_nodes x num_gpus_per_node), so they train with the plain torch engine")
 SINGLE_ENGINE = ("one process trains with the plain torch engine, and ZeRO shards the model over ranks: launch "

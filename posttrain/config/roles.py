@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posttrain.config import facts
-from posttrain.config.facts import MOE, REF_IN_ACTOR, Inert, needs, not_yet
+from posttrain.config.facts import REF_IN_ACTOR, Inert, needs
 from posttrain.config.sections import OptimizerFields
 from posttrain.config.spec import opt, section
 
@@ -67,7 +67,7 @@ class ModelConfig:
                                          required="a model folder or hub id")
     gradient_checkpointing_enable: bool = opt(False, "recompute activations in the backward pass", on_resume="adjustable")
     gradient_checkpointing_reentrant: bool = opt(False, "use reentrant gradient checkpointing", on_resume="adjustable")
-    aux_loss_coef: float = opt(0.0, "MoE load-balancing loss coefficient", inert=not_yet(MOE))
+    aux_loss_coef: float = opt(0.0, "MoE router load-balancing loss coefficient (logged as aux_loss)", ge=0)
 
 
 @dataclass
@@ -138,7 +138,7 @@ class ActorConfig(OptimizerFields, _ActorModelFields):
         choices=POLICY_LOSS_TYPES,
     )
     entropy_coef: float | None = opt(None, "entropy bonus coefficient (0: log entropy only; unset: off)")
-    aux_loss_coef: float = opt(0.0, "MoE load-balancing loss coefficient", inert=not_yet(MOE))
+    aux_loss_coef: float = opt(0.0, "MoE router load-balancing loss coefficient (logged as aux_loss)", ge=0)
     loss_agg: str | None = opt(
         None,
         "loss aggregation over tokens and sequences; default auto: seq_mean_token_mean with "

@@ -106,8 +106,7 @@ class DSConfig:
 )
     experts_implementation: str | None = opt(
         None, "MoE expert kernels; default: transformers picks", choices=EXPERTS_IMPLEMENTATIONS,
-        inert=not_yet("choosing MoE expert kernels (transformers picks)"),
-    on_resume="adjustable",
+        on_resume="adjustable",
 )
     use_liger_kernel: bool = opt(False, "use Liger fused kernels", inert=not_yet("Liger fused kernels"), on_resume="adjustable")
     onednn_linear: bool = opt(

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from posttrain.config.facts import Inert, not_yet
+from posttrain.config.facts import Inert
 from posttrain.config.sections import ATTENTION_RULE, EXPERTS_IMPLEMENTATIONS, PARAM_DTYPES
 from posttrain.config.spec import opt, section
 
@@ -50,7 +50,7 @@ class ServedModelConfig:
         "GPU when installed, else sdpa", **ATTENTION_RULE, inert=FUNC_FILE)
     experts_implementation: str | None = opt(
         None, "MoE expert kernels; default: transformers picks", choices=EXPERTS_IMPLEMENTATIONS,
-        inert=(FUNC_FILE, not_yet("choosing MoE expert kernels (transformers picks)")))
+        inert=FUNC_FILE)
     onednn_linear: bool = opt(True, "fp32 linear layers on CPU through oneDNN (--ds.no_onednn_linear: torch's "
                               "F.linear)", negation="no_onednn_linear", extension=True, inert=FUNC_FILE)
     load_in_4bit: bool = opt(False, "4-bit weights (needs a CUDA GPU)", inert=(

@@ -31,6 +31,8 @@ from posttrain.engines.base import TrainEngine, read_meta, write_meta
 from posttrain.engines.optim import param_groups
 from posttrain.engines.schedulers import build_scheduler, schedule_of
 from posttrain.engines.zero3_step import lean_step
+from posttrain.models.moe import mark_zero3_leaves
+from posttrain.utils.log import info
 
 TAG = "engine"
 
@@ -189,6 +191,8 @@ class DeepSpeedEngine(TrainEngine):
         def scheduler(optimizer_):
             return build_scheduler(optimizer_, opt, total_steps=total_steps)
 
+        if zero_stage == 3 and (leaves := mark_zero3_leaves(model)):  # gathered whole (models.moe)
+            info(f"ZeRO-3 leaf modules (gathered whole, as routing varies): {', '.join(leaves)}")
         self.engine, self.optimizer, _, self.scheduler = self._ds.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
         if zero_stage == 3:  # no second copy of the weights or the gradients at the step (zero3_step)

@@ -28,6 +28,8 @@ from posttrain.config.sections import DSConfig
 from posttrain.engines import dist as pdist
 from posttrain.engines.base import TrainEngine
 from posttrain.engines.deepspeed_engine import ds_config, import_deepspeed, numel, start_process_group
+from posttrain.models.moe import mark_zero3_leaves
+from posttrain.utils.log import info
 from posttrain.utils.memory import mmap_threshold, release_freed_memory, run_mmap_threshold
 
 
@@ -102,6 +104,8 @@ class FrozenShards(TrainEngine):
         model.requires_grad_(False)
         config = zero3_config(ds, offload_params=offload, model_numel=numel(model))
         config.pop("gradient_clipping", None)
+        if leaves := mark_zero3_leaves(model):  # a mixture of experts' expert blocks are gathered whole
+            info(f"ZeRO-3 leaf modules (gathered whole, as routing varies): {', '.join(leaves)}")
         self.engine, *_ = deepspeed.initialize(model=model, config=config)
         self.engine.eval()
         release_freed_memory()

@@ -212,6 +212,23 @@ def _from_pretrained_attn(cls, p, dtype, attn_implementation, **kwargs):
         raise _hub_error(p, err) from err
 
 
+def set_experts(model, experts_implementation: str | None, path) -> None:
+    """--ds.experts_implementation: the MoE expert kernels (eager, batched_mm, grouped_mm, deepgemm); None leaves
+    transformers' choice. ModelLoadError when the model has no experts or cannot run that kernel here."""
+    if experts_implementation is None:
+        return
+    from posttrain.models.moe import is_moe
+
+    if not is_moe(model):
+        raise ModelLoadError(f"--ds.experts_implementation {experts_implementation}: model {path} is not a "
+                             "mixture of experts; drop the flag")
+    try:
+        model.set_experts_implementation(experts_implementation)
+    except (ValueError, ImportError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelLoadError(f"--ds.experts_implementation {experts_implementation}: {first}") from None
+
+
 def _finish(model, lora, task_type, gradient_checkpointing, reentrant, load_in_4bit=False, onednn_linear=True):
     if load_in_4bit:
         if as_lora_spec(lora) is None:
@@ -238,7 +255,8 @@ def _finish(model, lora, task_type, gradient_checkpointing, reentrant, load_in_4
 
 def load_causal_lm(path, dtype="fp32", attn_implementation: str | None = None, lora=None,
                    gradient_checkpointing: bool = False, gradient_checkpointing_reentrant: bool = False,
-                   load_in_4bit: bool = False, tokenizer=None, onednn_linear: bool = True):
+                   load_in_4bit: bool = False, tokenizer=None, onednn_linear: bool = True,
+                   experts_implementation: str | None = None):
     """AutoModelForCausalLM from `path` in `dtype` ("fp32"/"bf16"/"fp16"); AutoModelForImageTextToText when the
     folder's config has a vision part (a vision-language model, `models/vision.py`).
 
@@ -246,8 +264,9 @@ def load_causal_lm(path, dtype="fp32", attn_implementation: str | None = None, l
     "flash_attention_2", ... `lora`: None, a LoraSpec, dict or `cfg.ds.lora`-like object
     (rank 0 = off) → peft model with only adapters trainable; `load_in_4bit` (CUDA + bitsandbytes,
     with LoRA) loads the base in 4-bit NF4 (QLoRA). `onednn_linear`: its plain linear layers compute
-    fp32 on CPU through oneDNN (`cpu_linear`; --ds.no_onednn_linear passes False). Returned in eval
-    mode (call `.train()` to enable dropout).
+    fp32 on CPU through oneDNN (`cpu_linear`; --ds.no_onednn_linear passes False). `experts_implementation`:
+    a mixture of experts' expert kernels (`set_experts`). Returned in eval mode (call `.train()` to enable
+    dropout).
 
     Raises ModelLoadError when a local folder has no config.json or no weights; when the checkpoint
     is a reward/score model (a sequence-classification architecture, a score/value head without an
@@ -268,6 +287,7 @@ def load_causal_lm(path, dtype="fp32", attn_implementation: str | None = None, l
                              f"causal language model (architecture {_arch_text(model.config)}) and its LM head "
                              f"would be initialised at random; {_CAUSAL_LM_FIX}")
     check_vocab(model, tokenizer if tokenizer is not None else _own_tokenizer(folder), path)
+    set_experts(model, experts_implementation, path)
     return _finish(model, lora, "CAUSAL_LM", gradient_checkpointing, gradient_checkpointing_reentrant,
                    load_in_4bit, onednn_linear)
 
@@ -275,7 +295,8 @@ def load_causal_lm(path, dtype="fp32", attn_implementation: str | None = None, l
 def load_score_model(path, dtype="fp32", value_head_prefix: str = "score", attn_implementation: str | None = None,
                      lora=None, gradient_checkpointing: bool = False,
                      gradient_checkpointing_reentrant: bool = False, load_in_4bit: bool = False,
-                     new_head_ok: bool = False, tokenizer=None, onednn_linear: bool = True):
+                     new_head_ok: bool = False, tokenizer=None, onednn_linear: bool = True,
+                     experts_implementation: str | None = None):
     """AutoModelForSequenceClassification (num_labels=1: one scalar per token, a reward model or
     critic). The head is `model.score`; a checkpoint that stores it as `{value_head_prefix}.weight`
     / `.bias` (e.g. "value_head") is mapped onto it.
@@ -286,7 +307,7 @@ def load_score_model(path, dtype="fp32", value_head_prefix: str = "score", attn_
     from an SFT model); a reward model with a random head would make PPO train on noise. Also raises
     ModelLoadError for a local folder without config.json or weights and for a tokenizer (default:
     the folder's own, if it has one) with more tokens than the model has embedding rows.
-    `onednn_linear` as for `load_causal_lm`."""
+    `onednn_linear` and `experts_implementation` as for `load_causal_lm`."""
     from transformers import AutoModelForSequenceClassification
 
     folder = _checked_folder(path)
@@ -308,6 +329,7 @@ def load_score_model(path, dtype="fp32", value_head_prefix: str = "score", attn_
             raise _no_head_error(path, value_head_prefix, model.config.architectures)
         info(f"{path} has no score head; initialised a new one")
     check_vocab(model, tokenizer if tokenizer is not None else _own_tokenizer(folder), path)
+    set_experts(model, experts_implementation, path)
     return _finish(model, lora, "SEQ_CLS", gradient_checkpointing, gradient_checkpointing_reentrant,
                    load_in_4bit, onednn_linear)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ModelShape:
     """An architecture's dimensions; `config_kwargs()`: the fields of its HF config."""
-    arch: str  # "llama" | "qwen2"
+    arch: str  # "llama" | "qwen2" | "qwen3_moe"
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
@@ -20,12 +20,19 @@ class ModelShape:
     rope_scaling: dict | None = None
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 4096
+    num_experts: int = 0  # a mixture of experts (qwen3_moe): experts per layer, each of moe_intermediate_size
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
 
     def config_kwargs(self) -> dict:
         kwargs = dict(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
                       intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
                       num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
                       rms_norm_eps=self.rms_norm_eps, max_position_embeddings=self.max_position_embeddings)
+        if self.num_experts:
+            kwargs.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                          moe_intermediate_size=self.moe_intermediate_size, decoder_sparse_step=1,
+                          head_dim=self.hidden_size // self.num_attention_heads)
         if self.rope_theta is not None:
             kwargs["rope_theta"] = self.rope_theta
         if self.rope_scaling is not None:

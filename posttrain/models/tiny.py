@@ -19,6 +19,9 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen2ForSequenceClassification,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+    Qwen3MoeForSequenceClassification,
 )
 
 from posttrain.models.saving import atomic_output_dir
@@ -46,7 +49,11 @@ PRESETS: dict[str, TinyPreset] = {
 _ARCHS = {
     "llama": (LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification),
+    # a mixture of experts: a preset's attention, 4 experts of half its MLP width, 2 per token (the dense
+    # preset's active MLP size)
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3MoeForSequenceClassification),
 }
+MOE_EXPERTS, MOE_PER_TOKEN = 4, 2
 _HEADS = ("lm", "score")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MAX_POSITION_EMBEDDINGS = 4096
@@ -98,8 +105,10 @@ def build_tiny(output_dir, arch: str | None = None, size: str | None = None, hea
     pad_id, eos_id = tokenizer.convert_tokens_to_ids([PAD_TOKEN, IM_END])
     if spec is None:
         p = PRESETS[size]
+        moe = dict(num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_PER_TOKEN,
+                   moe_intermediate_size=p.intermediate_size // MOE_PER_TOKEN) if arch == "qwen3_moe" else {}
         spec = ModelShape(arch, p.hidden_size, p.num_hidden_layers, p.num_attention_heads, p.num_key_value_heads,
-                          p.intermediate_size, len(tokenizer), max_position_embeddings=MAX_POSITION_EMBEDDINGS)
+                          p.intermediate_size, len(tokenizer), max_position_embeddings=MAX_POSITION_EMBEDDINGS, **moe)
     config = model_config(spec, head, pad_id, eos_id)
     torch.manual_seed(seed)
     cls = _ARCHS[arch][1 if head == "lm" else 2]

@@ -76,7 +76,8 @@ class RewardModelSource:
         self.context = None
         with sharded_loading(ds, zero_stage, offload_params=offload) as sharded:
             model = load_score_model(self.path, dtype, value_head_prefix=value_head_prefix,
-                                     attn_implementation=attn_implementation, onednn_linear=onednn_linear)
+                                     attn_implementation=attn_implementation, onednn_linear=onednn_linear,
+                                     experts_implementation=getattr(ds, "experts_implementation", None))
         self.offload = offload and self.device.type != "cpu" and not sharded
         self.loaded_numel = shard_numel(model)  # (elements this rank holds, of the whole model) once loaded
         if sharded:

@@ -164,7 +164,8 @@ def load_reference(cfg: DPOConfig, device: torch.device, world_size: int = 1):
         return None
     with sharded_loading(cfg.ds, cfg.ds.zero_stage) as sharded:
         ref = load_causal_lm(path, dtype=cfg.ds.param_dtype, attn_implementation=cfg.ds.attn_implementation,
-                             onednn_linear=cfg.ds.onednn_linear)
+                             onednn_linear=cfg.ds.onednn_linear,
+                             experts_implementation=cfg.ds.experts_implementation)
     ref.eval().requires_grad_(False)
     if cfg.ds.ring_attn_size > 1:  # the reference reads the same slices of each row as the policy
         ref.set_attn_implementation(register_context_parallel())

@@ -146,6 +146,7 @@ def train_rm(cfg: RMConfig) -> dict:
         return load_score_model(cfg.model.model_name_or_path, dtype=cfg.ds.param_dtype,
                                 value_head_prefix=load_prefix(cfg.model.model_name_or_path, prefix),
                                 attn_implementation=cfg.ds.attn_implementation, onednn_linear=cfg.ds.onednn_linear,
+                                experts_implementation=cfg.ds.experts_implementation,
                                 lora=lora_settings(cfg),
                                 gradient_checkpointing=cfg.model.gradient_checkpointing_enable,
                                 gradient_checkpointing_reentrant=cfg.model.gradient_checkpointing_reentrant,

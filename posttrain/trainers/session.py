@@ -38,6 +38,7 @@ from posttrain.engines import make_train_engine
 from posttrain.engines.zero3 import describe_shards, sharded_loading
 from posttrain.models import check_model_folder, load_causal_lm, load_tokenizer, save_pretrained
 from posttrain.models.context_parallel import register as register_context_parallel
+from posttrain.models.moe import track_router_loss
 from posttrain.trainers.context_parallel import ContextGroups
 from posttrain.trainers.parallel_layout import ParallelLayout
 from posttrain.trainers.run_folders import claim_run_folders
@@ -163,6 +164,7 @@ class SingleModelRun:
         cfg = self.cfg
         return load_causal_lm(cfg.model.model_name_or_path, dtype=cfg.ds.param_dtype,
                               attn_implementation=cfg.ds.attn_implementation, onednn_linear=cfg.ds.onednn_linear,
+                              experts_implementation=cfg.ds.experts_implementation,
                               lora=lora_settings(cfg),
                               gradient_checkpointing=cfg.model.gradient_checkpointing_enable,
                               gradient_checkpointing_reentrant=cfg.model.gradient_checkpointing_reentrant,
@@ -191,6 +193,8 @@ class SingleModelRun:
         zero_stage = cfg.ds.zero_stage if self._needs_deepspeed() else None
         with sharded_loading(cfg.ds, zero_stage) as sharded:
             model = self._load_model()
+        if cfg.model.aux_loss_coef > 0:  # the MoE router loss of every forward (models.moe)
+            track_router_loss(model, f"--model.aux_loss_coef {cfg.model.aux_loss_coef}")
         split_rows = cfg.trainer in ("sft", "dpo", "rm") and cfg.ds.ring_attn_size > 1  # each packed row over N ranks
         if split_rows:
             model.set_attn_implementation(register_context_parallel())
@@ -214,7 +218,7 @@ class SingleModelRun:
             ckpt_path=str(ckpt.root) if ckpt is not None else None, ckpt_max_num=cfg.ckpt.max_num,
             ckpt_max_mem_gb=cfg.ckpt.max_mem if cfg.ckpt.max_mem is not None else math.inf,
             ckpt_disable_ds=cfg.ckpt.disable_ds, load_checkpoint=cfg.ckpt.load_enable, save_hf=cfg.ckpt.save_hf,
-            context=context)
+            context=context, aux_loss_coef=cfg.model.aux_loss_coef)
         loop = SingleModelLoop(engine=engine, objective=objective, train_items=train_items, eval_items=eval_items,
                         settings=settings, logger=logger,
                         save_hf=lambda d: self.export_hf(engine, d), device=self.device, ckpt=ckpt)

@@ -28,6 +28,7 @@ from typing import Protocol
 import torch
 
 from posttrain.models.context_parallel import traffic as cp_traffic
+from posttrain.models.moe import take_router_loss
 from posttrain.trainers import batching
 from posttrain.trainers.run_loop import Cadence, RunLoop
 from posttrain.utils.checkpoint import CheckpointManager, load_state_file, save_state_file
@@ -60,6 +61,7 @@ class LoopSettings:
     save_hf: bool = False
     progress: bool = True
     context: object = None  # `trainers.context_parallel.ContextGroups` (--ds.ring_attn_size > 1), or None
+    aux_loss_coef: float = 0.0  # --model.aux_loss_coef: the MoE router loss joins each micro-batch's loss
 
 
 def _to_device(batch: dict, device) -> dict:
@@ -171,6 +173,7 @@ class SingleModelLoop(RunLoop):
                 batch = self.s.context.shard(batch)
             with torch.set_grad_enabled(train):
                 loss, stats = self.obj.loss(model, batch, max(units, 1.0))
+                loss = self._with_router_loss(model, loss, stats, groups[k] if real else [], items, units)
             if not real:
                 loss = loss * 0.0
             if train:
@@ -179,6 +182,18 @@ class SingleModelLoop(RunLoop):
                 for key, v in stats.items():
                     sums[key] = sums.get(key, 0.0) + float(v)
         return self._all_reduce_sums(sums)
+
+    def _with_router_loss(self, model, loss, stats: dict, group: list[int], items: list[dict], units: float):
+        """`loss` + coef x the MoE router loss of the micro-batch's forward (`models.moe`), weighted by the
+        micro-batch's share of the step's units (its target tokens or pairs), so the step adds the units-weighted
+        mean of the micro-batches' router losses; logged as `aux_loss` (that mean)."""
+        aux = take_router_loss(model) if self.s.aux_loss_coef > 0 else None
+        if aux is None:
+            return loss
+        mine = float(sum(self.obj.units(items[i]) for i in group))
+        stats.update(aux_loss_sum=float(aux.detach()) * mine, aux_loss_count=mine)
+        ring = self.s.context.size if self.s.context is not None else 1  # each rank's router loss is its slice's
+        return loss + self.s.aux_loss_coef * aux * (mine / max(units, 1.0)) / ring
 
     def evaluate(self, items: list[dict] | None = None, prefix: str = "eval") -> dict[str, float]:
         """The objective's statistics over `items` (default: the eval set) without training."""

@@ -18,6 +18,7 @@ from posttrain.engines.dist import env_world, init_process_group
 from posttrain.engines.zero3 import FrozenShards, shard_numel, sharded_loading
 from posttrain.models import as_lora_spec, load_causal_lm, load_score_model
 from posttrain.models.context_parallel import register as register_context_parallel
+from posttrain.models.moe import is_moe, track_router_loss
 from posttrain.models.vision import freeze_visual_encoder, is_vision_model, is_vision_tower_name
 from posttrain.trainers.context_parallel import ContextGroups
 from posttrain.trainers.parallel_layout import ParallelLayout
@@ -85,11 +86,13 @@ def build_actor(cfg: PPOConfig, tokenizer, device, total_steps: int, zero_stage:
     with sharded_loading(cfg.ds, zero_stage) as sharded:
         model = load_causal_lm(cfg.actor.model_name_or_path, dtype=cfg.ds.param_dtype, tokenizer=tokenizer,
                                attn_implementation=cfg.ds.attn_implementation, onednn_linear=cfg.ds.onednn_linear,
+                               experts_implementation=cfg.ds.experts_implementation,
                                gradient_checkpointing=cfg.actor.gradient_checkpointing_enable,
                                gradient_checkpointing_reentrant=cfg.actor.gradient_checkpointing_reentrant, **_lora(cfg))
     if not (cfg.ds.load_in_4bit or sharded):  # bitsandbytes places a 4-bit model itself; shards sit on their device
         model.to(device)
     model.train()
+    _track_router_loss(cfg, model)
     _freeze_vision(cfg, model, announce=True)
     loaded = shard_numel(model)
     actor = Actor(model, train_engine(model, cfg.actor, cfg, total_steps, zero_stage), cfg.rollout.temperature,
@@ -101,6 +104,12 @@ def build_actor(cfg: PPOConfig, tokenizer, device, total_steps: int, zero_stage:
     if cfg.actor.freeze_visual_encoder and is_vision_model(model):  # OpenRLHF: only the language model syncs
         actor.sync_only = lambda name: not is_vision_tower_name(name)
     return actor
+
+
+def _track_router_loss(cfg: PPOConfig, model) -> None:
+    """--actor.aux_loss_coef: the actor's and the critic's MoE router loss join their losses (as OpenRLHF)."""
+    if cfg.actor.aux_loss_coef > 0:
+        track_router_loss(model, f"--actor.aux_loss_coef {cfg.actor.aux_loss_coef}")
 
 
 def _freeze_vision(cfg: PPOConfig, model, announce: bool = False) -> None:
@@ -127,7 +136,8 @@ def build_rollout_copy(cfg: PPOConfig, tokenizer, device):
     from posttrain.rollout import HFRolloutEngine
 
     model = load_causal_lm(cfg.actor.model_name_or_path, dtype=cfg.ds.param_dtype, tokenizer=tokenizer,
-                           attn_implementation=cfg.ds.attn_implementation, onednn_linear=cfg.ds.onednn_linear)
+                           attn_implementation=cfg.ds.attn_implementation, onednn_linear=cfg.ds.onednn_linear,
+                           experts_implementation=cfg.ds.experts_implementation)
     _freeze_vision(cfg, model)  # frozen as the actor's (see above: the same kernels)
     return HFRolloutEngine(model.to(device).eval(), tokenizer, pad_token_id=tokenizer.pad_token_id,
                            lora=as_lora_spec(cfg.ds.lora), lora_sync=cfg.vllm.lora_sync)
@@ -139,13 +149,16 @@ def build_critic(cfg: PPOConfig, tokenizer, device, total_steps: int,
     with sharded_loading(cfg.ds, zero_stage) as sharded:  # as the actor's
         model = load_score_model(critic_path(cfg), dtype=cfg.ds.param_dtype, value_head_prefix=cfg.ds.value_head_prefix,
                                  tokenizer=tokenizer, attn_implementation=cfg.ds.attn_implementation,
-                                 onednn_linear=cfg.ds.onednn_linear, new_head_ok=True,
+                                 onednn_linear=cfg.ds.onednn_linear,
+                                 experts_implementation=cfg.ds.experts_implementation, new_head_ok=True,
                                  gradient_checkpointing=cfg.actor.gradient_checkpointing_enable,  # OpenRLHF: both
                                  gradient_checkpointing_reentrant=cfg.actor.gradient_checkpointing_reentrant,
                                  **_lora(cfg))
     if not (cfg.ds.load_in_4bit or sharded):
         model.to(device)
     model.train()
+    if is_moe(model):  # a dense critic of a MoE actor has no router loss
+        _track_router_loss(cfg, model)
     loaded = shard_numel(model)
     critic = Critic(model, train_engine(model, cfg.critic, cfg, total_steps, zero_stage), device,
                     normalize=bool(cfg.reward.normalize_enable))
@@ -165,7 +178,8 @@ def build_reference(cfg: PPOConfig, tokenizer, device, zero_stage: int | None = 
     with sharded_loading(cfg.ds, zero_stage, offload_params=offload) as sharded:
         model = load_causal_lm(cfg.ref.model_name_or_path or cfg.actor.model_name_or_path, dtype=cfg.ds.param_dtype,
                                tokenizer=tokenizer, attn_implementation=cfg.ds.attn_implementation,
-                               onednn_linear=cfg.ds.onednn_linear)
+                               onednn_linear=cfg.ds.onednn_linear,
+                               experts_implementation=cfg.ds.experts_implementation)
     model.requires_grad_(False)
     loaded = shard_numel(model)
     if sharded:

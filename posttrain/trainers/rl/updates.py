@@ -17,6 +17,7 @@ import torch
 from posttrain.algorithms.kl import approx_kl
 from posttrain.algorithms.losses import aggregate, policy_loss, value_loss
 from posttrain.models.context_parallel import traffic as cp_traffic
+from posttrain.models.moe import take_router_loss
 from posttrain.trainers.rl.experience import Experience
 from posttrain.trainers.rl.forward import Batching, policy_forward, to_device
 
@@ -41,6 +42,7 @@ class UpdateSettings:
     seed: int
     policy_loss_agg: str | None = None  # the policy term (None: loss_agg); GSPO's auto default differs
     kl_clamp: float | None = 10.0  # bound of the per-token KL estimate; None: unbounded
+    aux_loss_coef: float = 0.0  # --actor.aux_loss_coef: the MoE router loss (actor and critic, as OpenRLHF)
 
     @property
     def policy_agg(self) -> str:
@@ -159,6 +161,7 @@ def update_actor(actor, exp: Experience, s: UpdateSettings, kl_coef: float, step
                 loss = loss + kl_coef * aggregate(kl, mask, s.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
                                                   max_len=s.max_len)
                 mean.add("kl_loss", float((kl.detach() * mask).sum()) / max(tokens, 1), tokens)
+            loss = _with_router_loss(loss, engine.model, s, mask, num_tokens, actor.context, mean)
             if ent is not None:
                 ent_agg = aggregate(ent, mask, s.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs, max_len=s.max_len)
                 if s.entropy_coef:
@@ -183,6 +186,18 @@ def update_actor(actor, exp: Experience, s: UpdateSettings, kl_coef: float, step
         weights_out.update({f"actor/{k}": w for k, w in mean.weights.items()})
         weights_out.update({f"rollout/{k}": w for k, w in rollout_gap.weights.items()})
     return out
+
+
+def _with_router_loss(loss, model, s: UpdateSettings, mask, num_tokens: float, context, mean: _Mean):
+    """`loss` + coef x the MoE router loss of the micro-batch's forward (`models.moe`), weighted by its share of
+    the step's action tokens (over a context-parallel group: each rank's slice, so divided by the group size);
+    logged as `aux_loss` (the token-weighted mean)."""
+    aux = take_router_loss(model) if s.aux_loss_coef > 0 else None
+    if aux is None:
+        return loss
+    tokens = float(mask.sum())
+    mean.add("aux_loss", float(aux.detach()), tokens)
+    return loss + s.aux_loss_coef * aux * tokens / max(num_tokens, 1.0) / (context.size if context else 1)
 
 
 def _ring_traffic(context) -> dict[str, float]:
@@ -212,6 +227,7 @@ def update_critic(critic, exp: Experience, s: UpdateSettings, step: int, step_ro
             values = critic.forward(mb, s.batching)
             loss = value_loss(values, mb.values, mb.returns, mb.action_mask, clip=s.value_clip, agg=s.loss_agg,
                               num_tokens=num_tokens, num_seqs=num_seqs, max_len=s.max_len)
+            loss = _with_router_loss(loss, engine.model, s, mb.action_mask, num_tokens, critic.context, mean)
             engine.backward(loss)
             step_loss += float(loss.detach())
         mean.add("value_loss", step_loss)

@@ -62,6 +62,29 @@ def test_two_actor_ranks_two_engines_equal_one_process(run_ppo, ray_session):
     assert any(r["shaping/penalised_frac"] > 0 for r in rows if "shaping/penalised_frac" in r)
 
 
+def test_moe_actor_on_two_zero3_ranks_equals_one_process_and_takes_the_router_loss(run_ppo, tiny_moe_dir,
+                                                                                   ray_session, capfd):
+    """GRPO with a tiny Qwen3-MoE actor: 2 actor ranks under ZeRO-3 (expert blocks gathered whole) and 2 rollout
+    engines give the in-process run's rewards and weights. With --actor.aux_loss_coef the router loss is logged
+    and moves the weights. (The router loss is a mean per micro-batch, and the ranks' micro-batches hold other
+    rows than one process's, so with it the two placements differ by design.)"""
+    common = ("--actor.model_name_or_path", tiny_moe_dir, "--train.num_episodes", "1", "--data.max_samples", "16",
+              "--train.batch_size", "16", "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8",
+              "--algo.advantage.estimator", "group_norm")
+    ray_flags = ("--actor.num_gpus_per_node", "2", "--vllm.num_engines", "2", "--ds.zero_stage", "3")
+    local, _ = run_ppo(*common, name="local")
+    capfd.readouterr()
+    ray_run, _ = run_ppo(*common, *ray_flags, name="ray")
+    assert "ZeRO-3 leaf modules (gathered whole, as routing varies): Qwen3MoeSparseMoeBlock" in capfd.readouterr().err
+    assert rewards_by_step(ray_run) == pytest.approx(rewards_by_step(local), abs=1e-6)
+    assert _max_diff(_weights(local), _weights(ray_run)) < 3e-5
+    aux, _ = run_ppo(*common, *ray_flags, "--actor.aux_loss_coef", "0.5", name="aux")
+    rows = [r for r in read_metrics(aux / "metrics.jsonl") if "actor/policy_loss" in r]
+    assert len(rows) == 2 and all(1.0 <= r["actor/aux_loss"] <= 4.0 for r in rows)
+    assert rewards_by_step(aux)[0] == pytest.approx(rewards_by_step(local)[0], abs=1e-6)  # same first rollout
+    assert _max_diff(_weights(aux), _weights(ray_run)) > 1e-4
+
+
 # examples/scripts/train_ppo_ray_hybrid_engine.sh of OpenRLHF 0.10.2: every rank count 8 -> 2,
 # model, reward model, data and sizes ours, bf16 -> fp32 (CPU).
 PPO_HYBRID = """

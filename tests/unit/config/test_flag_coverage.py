@@ -62,7 +62,7 @@ def _optimizer(prefix: str = "") -> frozenset[str]:
 
 
 _SHARED = _paths(
-    "ds: param_dtype attn_implementation packing_samples onednn_linear",
+    "ds: param_dtype attn_implementation packing_samples onednn_linear experts_implementation",
     "data: max_len max_samples input_template apply_chat_template tokenizer_chat_template disable_fast_tokenizer",
     "data: max_dropped_frac",
     "train: batch_size micro_batch_size max_epochs seed dynamic_batch_enable max_tokens_per_gpu",
@@ -77,7 +77,7 @@ _SINGLE_MODEL = (
     _SHARED
     | _optimizer()
     | _paths(
-        "model: model_name_or_path gradient_checkpointing_enable gradient_checkpointing_reentrant",
+        "model: model_name_or_path gradient_checkpointing_enable gradient_checkpointing_reentrant aux_loss_coef",
         "ds: zero_stage zpg adam_offload overlap_comm grad_accum_dtype load_in_4bit",
         "ds.lora: rank alpha dropout target_modules",
         "data: dataset dataset_probs dataset_split",
@@ -109,7 +109,7 @@ ACTING: dict[str, frozenset[str]] = {
     | _optimizer("critic.")
     | _paths(
         "actor: model_name_or_path gradient_checkpointing_enable gradient_checkpointing_reentrant",
-        "actor: eps_clip eps_clip_low_high dual_clip policy_loss_type entropy_coef loss_agg",
+        "actor: eps_clip eps_clip_low_high dual_clip policy_loss_type entropy_coef loss_agg aux_loss_coef",
         "critic: model_name_or_path value_clip save_value_network freezing_steps",
         "ref: model_name_or_path offload",
         "reward: model_name_or_path remote_url normalize_enable clip_range overlong_buffer_len offload",
@@ -295,7 +295,7 @@ def test_features_of_later_versions_say_so():
     acting = {"vllm.num_engines", "vllm.sync_backend", "vllm.sync_with_ray", "vllm.tensor_parallel_size",
               "vllm.gpu_memory_utilization", "vllm.enforce_eager", "vllm.enable_prefix_caching", "vllm.lora_sync"}
     later = [p for p in flag_coverage("ppo") if p.split(".")[0] == "vllm" and p not in acting]
-    later += ["ds.enable_sleep", "actor.aux_loss_coef", "ds.deepcompile"]
+    later += ["ds.enable_sleep", "ds.deepcompile"]
     reasons = {r.path: r.reason for r in inert_rules(cfg) if r.when is None}
     for path in later:
         assert reasons[path].startswith("not available in this version: "), path
