@@ -66,6 +66,8 @@ def validate(cfg: CommandConfig, world_size: int = 1, device: Any = None) -> lis
     _ckpt(cfg, r)
     if cfg.trainer in ("sft", "dpo", "rm", "ppo"):
         _context_parallel(cfg, r, world_size)
+    if cfg.trainer in ("sft", "rm", "dpo"):
+        _tensor_parallel(cfg, r, world_size)
     if cfg.trainer == "ppo":
         _ppo(cfg, r, world_size)
         for role in ("actor", "critic"):
@@ -119,6 +121,29 @@ def _context_parallel(cfg, r: _Report, world_size: int) -> None:
         if ranks % n or ranks == 1:
             r.bad("ds.ring_attn_size", n, f"must divide the {ranks} rank(s) of the {role} role (groups of {n} ranks "
                   f"share each row; set --{role}.num_gpus_per_node to a multiple of {n})")
+
+
+def _tensor_parallel(cfg, r: _Report, world_size: int) -> None:
+    """--ds.tensor_parallel_size N (sft, rm, dpo): the model split over groups of N ranks; N divides the ranks;
+    not with what changes the split layers (LoRA adapters, 4-bit weights), Muon (it orthogonalizes whole
+    matrices) or ring attention (one kind of group at a time). The heads are checked against N where the
+    model's config is read (`models.tensor_parallel.check_model_config`)."""
+    n, ds = cfg.ds.tensor_parallel_size, cfg.ds
+    if n == 1:
+        return
+    flag = "ds.tensor_parallel_size"
+    if world_size % n:
+        r.bad(flag, n, f"must divide the {world_size} ranks of the run (groups of {n} consecutive ranks hold one "
+              "copy of the model)")
+    if ds.lora.rank > 0:
+        r.bad(flag, n, "not with LoRA (--ds.lora.rank): the adapters would wrap the split layers; this version "
+              "splits plain linear layers only")
+    if ds.load_in_4bit:
+        r.bad(flag, n, "not with --ds.load_in_4bit: quantized weights cannot be split")
+    if cfg.optim == "muon":
+        r.bad(flag, n, "not with --optim muon: Muon orthogonalizes whole matrices, a rank holds a slice")
+    if ds.ring_attn_size > 1:
+        r.bad(flag, n, "not with --ds.ring_attn_size: use one kind of group (tensor or context parallel)")
 
 
 def _served_source(cfg: ServeRMConfig, r: _Report) -> None:
