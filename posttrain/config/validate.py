@@ -18,6 +18,7 @@ from posttrain.config.roles import GROUP_ESTIMATORS, SEQUENCE_POLICY_LOSSES, rew
 from posttrain.config.sections import POLYNOMIAL_LR_END, DSConfig, OptimizerFields
 from posttrain.config.serving import ServedModelConfig, ServeRMConfig
 from posttrain.config.spec import flag_specs, get_path
+from posttrain.config.summary import data_parallel_size
 from posttrain.config.trainers import CommandConfig, PPOConfig, TrainerConfig
 
 
@@ -225,6 +226,8 @@ def _probs(r: _Report, flag: str, text: str | None, datasets: str | None, src_fl
 
 def _train(cfg: TrainerConfig, r: _Report, world_size: int) -> None:
     t = cfg.train
+    dp = data_parallel_size(cfg, world_size)
+    ranks = "world size" if dp == world_size else "data-parallel size (ranks / --ds.tensor_parallel_size)"
     if t.dynamic_batch_enable:
         if t.max_tokens_per_gpu is None or t.max_tokens_per_gpu <= 0:
             r.bad(
@@ -235,16 +238,16 @@ def _train(cfg: TrainerConfig, r: _Report, world_size: int) -> None:
                 f"--train.max_tokens_per_gpu {t.max_tokens_per_gpu} < --data.max_len "
                 f"{cfg.data.max_len}: a longest sample gets a micro-batch of its own"
             )
-        if t.batch_size % max(world_size, 1):
-            r.bad("train.batch_size", t.batch_size, f"must be divisible by the world size {world_size}")
+        if t.batch_size % max(dp, 1):
+            r.bad("train.batch_size", t.batch_size, f"must be divisible by the {ranks} {dp}")
     elif t.batch_size >= 1 and t.micro_batch_size >= 1 and world_size >= 1:
-        step = t.micro_batch_size * world_size
+        step = t.micro_batch_size * dp
         if t.batch_size % step:
             r.bad(
                 "train.batch_size",
                 t.batch_size,
-                f"must be divisible by --train.micro_batch_size x world size = {t.micro_batch_size} x "
-                f"{world_size} = {step} (e.g. {max(step, t.batch_size // step * step)})",
+                f"must be divisible by --train.micro_batch_size x {ranks} = {t.micro_batch_size} x "
+                f"{dp} = {step} (e.g. {max(step, t.batch_size // step * step)})",
             )
 
 
