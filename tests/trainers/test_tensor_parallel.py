@@ -138,3 +138,31 @@ def test_dpo_and_rm_with_tensor_parallel_size_2_match_one_process(tiny_model_dir
     wa, wb = weights(single), weights(split)
     assert wa.keys() == wb.keys()
     assert max(rel_diff(wa[k], wb[k]) for k in wa) < 5e-5
+
+
+@pytest.mark.e2e
+def test_tensor_parallel_checkpoints_resume_on_the_same_layout(tiny_model_dir, arithmetic_dir, tmp_path):
+    """Engine states are per rank (DeepSpeed's model and optimizer files per tensor-parallel rank): a run resumed
+    from step 2 ends with the uninterrupted run's weights; the --ckpt.save_hf export is whole; a run with another
+    layout stops with the reason."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    def flags(out, ckpt, *more):
+        return sft_flags(tiny_model_dir, arithmetic_dir, out, *COMMON, "--ds.zero_stage", 1, "--ckpt.path", ckpt,
+                         "--ckpt.save_steps", 2, *more)
+
+    torchrun("posttrain.cli.train_sft", flags(tmp_path / "full", tmp_path / "ckpt_a", "--ds.tensor_parallel_size", 2,
+                                              "--ckpt.save_hf"))
+    step2 = tmp_path / "ckpt_a" / "global_step2"
+    assert AutoModelForCausalLM.from_pretrained(step2 / "hf").model.layers[0].mlp.down_proj.weight.shape == (128, 352)
+    shutil.copytree(step2, tmp_path / "ckpt_b" / "global_step2")
+    torchrun("posttrain.cli.train_sft", flags(tmp_path / "resumed", tmp_path / "ckpt_b", "--ds.tensor_parallel_size",
+                                              2, "--ckpt.load_enable"))
+    wa, wb = weights(tmp_path / "full"), weights(tmp_path / "resumed")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    shutil.copytree(step2, tmp_path / "ckpt_c" / "global_step2")  # the same 2 ranks without tensor parallelism
+    with pytest.raises(AssertionError, match="was saved with tensor_parallel_size=2, this run has tensor_parallel_size"
+                                             "=1: an engine state resumes on the layout that wrote it"):
+        torchrun("posttrain.cli.train_sft", flags(tmp_path / "other", tmp_path / "ckpt_c", "--ckpt.load_enable"))
