@@ -264,7 +264,10 @@ class DeepSpeedEngine(TrainEngine):
 
     def gathered(self, tensors) -> contextlib.AbstractContextManager:
         """Under ZeRO-3, ``GatheredParameters`` over the partitioned ones among ``tensors`` (collective;
-        read-only: changes made inside are dropped on exit); else nothing to do."""
+        read-only: changes made inside are dropped on exit); else nothing to do. Not with tensor parallelism (the
+        shards would pass for whole weights): there `full_weights` gathers copies."""
+        if self.tensor_parallel > 1:
+            raise NotImplementedError("whole weights of a tensor-parallel model in place: use full_weights()")
         if self.zero_stage != 3:
             return contextlib.nullcontext()
         return self._ds.zero.GatheredParameters(list(tensors), modifier_rank=None)

@@ -1,4 +1,4 @@
-"""Worker for test_tensor_parallel: a tiny model (TP_ARCH: llama, or qwen2 with q/k/v biases; both GQA: 4 heads,
+"""Worker for test_tensor_parallel_model: a tiny model (TP_ARCH: llama, or qwen2 with q/k/v biases; both GQA: 4 heads,
 2 key/value heads; TP_UNTIED=1: its own lm_head) run whole in one process and split over the 2 ranks of a
 tensor-parallel group (DeepSpeed AutoTP, ZeRO-0). Prints on rank 0 `max_rel_logits=... max_rel_grad=...
 rel_norm=... own=... split=... full=... opt=... max_rel_export=...`: logits, gathered gradients, the global
