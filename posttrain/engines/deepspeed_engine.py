@@ -214,12 +214,12 @@ class DeepSpeedEngine(TrainEngine):
         if self.tensor_parallel > 1:
             tp.check_split(self.engine.module)
             from deepspeed.utils import groups
-            self._tp_group = groups.get_tensor_model_parallel_group()
+            self.tensor_group = groups.get_tensor_model_parallel_group()  # DeepSpeed's: consecutive ranks
 
     def _clip_hook(self, optimizer, args: tuple, kwargs: dict) -> None:
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if self.tensor_parallel > 1:  # split parameters' squares summed over the group, replicated ones once
-            norm = tp.grad_norm(params, self._tp_group)
+            norm = tp.grad_norm(params, self.tensor_group)
             if self.max_norm > 0:
                 torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm)
         else:

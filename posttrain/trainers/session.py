@@ -219,6 +219,9 @@ class SingleModelRun:
         context = ContextGroups.create(engine.rank, layout, cfg.ds.ring_attn_head_stride) if split_rows else None
         if layout.world > 1 and layout.data < layout.world:
             info(f"parallel layout: {layout.describe()}")
+        if layout.tensor > 1 and torch.distributed.get_process_group_ranks(engine.tensor_group) not in \
+                layout.tensor_groups():
+            raise RuntimeError("DeepSpeed's tensor-parallel groups are not the run's layout (consecutive ranks)")
         logger = self.start.open_logger(cfg, enabled=engine.is_main)
         ckpt = self.folders.ckpt
         settings = LoopSettings(

@@ -68,7 +68,7 @@ def main():
     module = engine.module
     params = dict(module.named_parameters())
     grads = {n: tp.full_tensor(module, n, p, p.grad) for n, p in params.items()}
-    norm = tp.grad_norm(list(params.values()), engine._tp_group)
+    norm = tp.grad_norm(list(params.values()), engine.tensor_group)
     own, split = tp.elements(module)
     engine.step()
     opt_elements = tp.optimizer_elements(engine.optimizer)
