@@ -96,6 +96,20 @@ def test_heads_that_do_not_divide_by_the_group_stop_the_run_before_the_model_loa
         "4; each rank keeps whole heads and an equal share of the MLP")
 
 
+@pytest.mark.e2e
+def test_four_ranks_as_two_tensor_parallel_groups_match_one_process(tiny_model_dir, arithmetic_dir, tmp_path,
+                                                                   single_process):
+    """4 ranks, N = 2: ranks 0-1 and 2-3 each hold one split copy and take half of each step's samples (ZeRO-0:
+    DeepSpeed averages over the 2 ranks holding each shard, the norm is taken per group)."""
+    split = tmp_path / "tp2dp2"
+    proc = torchrun("posttrain.cli.train_sft", sft_flags(tiny_model_dir, arithmetic_dir, split, *COMMON,
+                                                          "--ds.zero_stage", 0, "--ds.tensor_parallel_size", 2),
+                    nproc=4)
+    assert "data_parallel_size = 2" in proc.stderr
+    assert "rank 2 (dp 1, cp 0, tp 0), rank 3 (dp 1, cp 0, tp 1)" in proc.stderr
+    assert_same_run(single_process(), split, norm_rtol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def pairs_dir(tmp_path_factory):
     from posttrain.data.synthetic import make_preference_rows, write_jsonl
