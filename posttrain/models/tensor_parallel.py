@@ -17,10 +17,12 @@ import json
 import math
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
+from posttrain.models.moe import is_moe
 from posttrain.utils.errors import ConfigError
 
 FLAG = "--ds.tensor_parallel_size"
@@ -34,9 +36,13 @@ def autotp_config(size: int) -> dict:
 
 
 def check_model_config(config: dict, size: int) -> None:
-    """The model's config.json (`text_config` for a VLM) against `size`: attention heads, key/value heads and
-    the MLP width must divide by it (each rank keeps whole heads); ConfigError otherwise."""
+    """The model's config.json (`text_config` for a VLM) against `size`: not a mixture of experts (its expert
+    blocks have no split here); attention heads, key/value heads and the MLP width divide by it (each rank keeps
+    whole heads); ConfigError otherwise."""
     text = config.get("text_config") or config
+    if is_moe(SimpleNamespace(**text)):
+        raise ConfigError(f"{FLAG} {size}: mixture-of-experts models have no tensor-parallel split in this version "
+                          "(their expert blocks would need one); use ZeRO-3 to spread the experts")
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = text.get(key, text.get("num_attention_heads") if key == "num_key_value_heads" else None)
         if isinstance(value, int) and value % size:

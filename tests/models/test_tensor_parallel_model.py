@@ -25,6 +25,8 @@ def test_heads_and_mlp_width_must_divide_by_the_group():
         tp.check_model_config(llama, 4)
     with pytest.raises(ConfigError, match=r"num_attention_heads \(6\)"):
         tp.check_model_config({"text_config": {"num_attention_heads": 6, "intermediate_size": 8}}, 4)
+    with pytest.raises(ConfigError, match=r"^--ds.tensor_parallel_size 2: mixture-of-experts models have no "):
+        tp.check_model_config({**llama, "num_experts": 8, "num_experts_per_tok": 2}, 2)
 
 
 def test_layers_without_a_split_are_refused_by_name():
