@@ -10,8 +10,16 @@ from posttrain.config.spec import changed_values, flag_specs, get_path
 from posttrain.config.trainers import CommandConfig, TrainerConfig
 
 
+def data_parallel_size(cfg: TrainerConfig, world_size: int) -> int:
+    """The ranks that take different samples: the world size, divided by --ds.tensor_parallel_size (sft, rm,
+    dpo: a tensor-parallel group takes the same samples) when it divides it."""
+    ws, tp = max(int(world_size), 1), cfg.ds.tensor_parallel_size if cfg.trainer in ("sft", "rm", "dpo") else 1
+    return ws // tp if ws % tp == 0 else ws
+
+
 def derived_sizes(cfg: TrainerConfig, world_size: int = 1) -> dict[str, Any]:
-    """Sizes implied by the batch flags for `world_size` data-parallel ranks.
+    """Sizes implied by the batch flags for `world_size` ranks, `data_parallel_size` of them taking different
+    samples (`world_size` unless --ds.tensor_parallel_size groups them; below, "world_size" means that size).
 
     world_size; samples_per_rank_per_step = train.batch_size / world_size;
     gradient_accumulation_steps = micro-batches per rank per optimizer step
@@ -21,8 +29,11 @@ def derived_sizes(cfg: TrainerConfig, world_size: int = 1) -> dict[str, Any]:
     optimizer_steps_per_rollout = samples_per_rollout / train.batch_size * train.max_epochs.
     Divisions are floor divisions; `validate` rejects sizes that do not divide."""
     t = cfg.train
-    ws = max(int(world_size), 1)
-    out: dict[str, Any] = {"world_size": ws, "samples_per_rank_per_step": t.batch_size // ws}
+    out: dict[str, Any] = {"world_size": max(int(world_size), 1)}
+    ws = data_parallel_size(cfg, world_size)  # with tensor parallelism, per tensor-parallel group
+    if ws != out["world_size"]:
+        out["data_parallel_size"] = ws
+    out["samples_per_rank_per_step"] = t.batch_size // ws
     if t.dynamic_batch_enable:
         out.update(
             micro_batches_per_step=None,

@@ -18,6 +18,7 @@ from posttrain.config.roles import GROUP_ESTIMATORS, SEQUENCE_POLICY_LOSSES, rew
 from posttrain.config.sections import POLYNOMIAL_LR_END, DSConfig, OptimizerFields
 from posttrain.config.serving import ServedModelConfig, ServeRMConfig
 from posttrain.config.spec import flag_specs, get_path
+from posttrain.config.summary import data_parallel_size
 from posttrain.config.trainers import CommandConfig, PPOConfig, TrainerConfig
 
 
@@ -66,6 +67,8 @@ def validate(cfg: CommandConfig, world_size: int = 1, device: Any = None) -> lis
     _ckpt(cfg, r)
     if cfg.trainer in ("sft", "dpo", "rm", "ppo"):
         _context_parallel(cfg, r, world_size)
+    if cfg.trainer in ("sft", "rm", "dpo"):
+        _tensor_parallel(cfg, r, world_size)
     if cfg.trainer == "ppo":
         _ppo(cfg, r, world_size)
         for role in ("actor", "critic"):
@@ -119,6 +122,29 @@ def _context_parallel(cfg, r: _Report, world_size: int) -> None:
         if ranks % n or ranks == 1:
             r.bad("ds.ring_attn_size", n, f"must divide the {ranks} rank(s) of the {role} role (groups of {n} ranks "
                   f"share each row; set --{role}.num_gpus_per_node to a multiple of {n})")
+
+
+def _tensor_parallel(cfg, r: _Report, world_size: int) -> None:
+    """--ds.tensor_parallel_size N (sft, rm, dpo): the model split over groups of N ranks; N divides the ranks;
+    not with what changes the split layers (LoRA adapters, 4-bit weights), Muon (it orthogonalizes whole
+    matrices) or ring attention (one kind of group at a time). The heads are checked against N where the
+    model's config is read (`models.tensor_parallel.check_model_config`)."""
+    n, ds = cfg.ds.tensor_parallel_size, cfg.ds
+    if n == 1:
+        return
+    flag = "ds.tensor_parallel_size"
+    if world_size % n:
+        r.bad(flag, n, f"must divide the {world_size} ranks of the run (groups of {n} consecutive ranks hold one "
+              "copy of the model)")
+    if ds.lora.rank > 0:
+        r.bad(flag, n, "not with LoRA (--ds.lora.rank): the adapters would wrap the split layers; this version "
+              "splits plain linear layers only")
+    if ds.load_in_4bit:
+        r.bad(flag, n, "not with --ds.load_in_4bit: quantized weights cannot be split")
+    if cfg.optim == "muon":
+        r.bad(flag, n, "not with --optim muon: Muon orthogonalizes whole matrices, a rank holds a slice")
+    if ds.ring_attn_size > 1:
+        r.bad(flag, n, "not with --ds.ring_attn_size: use one kind of group (tensor or context parallel)")
 
 
 def _served_source(cfg: ServeRMConfig, r: _Report) -> None:
@@ -200,6 +226,8 @@ def _probs(r: _Report, flag: str, text: str | None, datasets: str | None, src_fl
 
 def _train(cfg: TrainerConfig, r: _Report, world_size: int) -> None:
     t = cfg.train
+    dp = data_parallel_size(cfg, world_size)
+    ranks = "world size" if dp == world_size else "data-parallel size (ranks / --ds.tensor_parallel_size)"
     if t.dynamic_batch_enable:
         if t.max_tokens_per_gpu is None or t.max_tokens_per_gpu <= 0:
             r.bad(
@@ -210,16 +238,16 @@ def _train(cfg: TrainerConfig, r: _Report, world_size: int) -> None:
                 f"--train.max_tokens_per_gpu {t.max_tokens_per_gpu} < --data.max_len "
                 f"{cfg.data.max_len}: a longest sample gets a micro-batch of its own"
             )
-        if t.batch_size % max(world_size, 1):
-            r.bad("train.batch_size", t.batch_size, f"must be divisible by the world size {world_size}")
+        if t.batch_size % max(dp, 1):
+            r.bad("train.batch_size", t.batch_size, f"must be divisible by the {ranks} {dp}")
     elif t.batch_size >= 1 and t.micro_batch_size >= 1 and world_size >= 1:
-        step = t.micro_batch_size * world_size
+        step = t.micro_batch_size * dp
         if t.batch_size % step:
             r.bad(
                 "train.batch_size",
                 t.batch_size,
-                f"must be divisible by --train.micro_batch_size x world size = {t.micro_batch_size} x "
-                f"{world_size} = {step} (e.g. {max(step, t.batch_size // step * step)})",
+                f"must be divisible by --train.micro_batch_size x {ranks} = {t.micro_batch_size} x "
+                f"{dp} = {step} (e.g. {max(step, t.batch_size // step * step)})",
             )
 
 

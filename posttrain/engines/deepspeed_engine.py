@@ -5,11 +5,13 @@ DeepSpeed is imported only when this engine is built. How the gradient-sum contr
 - ``managed_gradient_accumulation: false`` + ``gradient_accumulation_steps: 1``: every ``step()`` is
   the accumulation boundary, whatever the number of backwards before it (dynamic batching), and
   ``backward(..., scale_wrt_gas=False)`` adds no ``1/accumulation`` factor;
-- DeepSpeed averages gradients over data-parallel ranks, so each loss is multiplied by the world size
-  before backward (exact for power-of-two world sizes);
+- DeepSpeed averages gradients over data-parallel ranks, so each loss is multiplied by their number (the
+  world size; with tensor parallelism, the number of tensor-parallel groups) before backward (exact for
+  power-of-two sizes);
 - clipping: ZeRO 1-3 / bf16 clip with DeepSpeed's global norm (``gradient_clipping``); ZeRO-0 fp32
   passes the torch optimizer through unwrapped, so a step pre-hook clips the (already reduced,
-  replicated) gradients and records the pre-clip norm.
+  replicated) gradients and records the pre-clip norm (with tensor parallelism, the norm of
+  `models.tensor_parallel.grad_norm`).
 The optimizer is a client optimizer (torch AdamW, or DeepSpeed's Muon-with-aux-Adam which ZeRO
 partitions correctly), so no DeepSpeed C++/CUDA op has to be built. With Muon under ZeRO 1-3,
 DeepSpeed orthogonalizes the Muon matrices' gradients before it measures the norm, so the returned
@@ -31,6 +33,7 @@ from posttrain.engines.base import TrainEngine, read_meta, write_meta
 from posttrain.engines.optim import param_groups
 from posttrain.engines.schedulers import build_scheduler, schedule_of
 from posttrain.engines.zero3_step import lean_step
+from posttrain.models import tensor_parallel as tp
 from posttrain.models.moe import mark_zero3_leaves
 from posttrain.utils.log import info
 
@@ -82,13 +85,14 @@ def start_process_group() -> None:
 def ds_config(*, zero_stage: int, world_size: int, max_norm: float, param_dtype: str = "fp32",
               adam_offload: bool = False, grad_accum_dtype: str | None = None, zpg: int = 1,
               overlap_comm: bool = False, clip_in_deepspeed: bool = True, muon: bool = False,
-              trainable: int | None = None, model_numel: int | None = None) -> dict:
+              trainable: int | None = None, model_numel: int | None = None, tensor_parallel: int = 1) -> dict:
     """The DeepSpeed config dict (validated arguments; see the module docstring for the choices).
     `trainable`: the model's trainable elements; the gradient reduce bucket (ZeRO-2/3), which DeepSpeed
     allocates whole on every rank, holds 1/8 of them, at least 1e6 and at most `REDUCE_BUCKET_ELEMENTS`
     (DeepSpeed's default, 5e8, is a 1.9 GB fp32 buffer; a bucket as large as the gradient doubled a small
     model's gradient memory per rank). `model_numel`: the whole model's elements; under ZeRO-3 a rank
-    holds at most `live_parameters(model_numel)` of them gathered."""
+    holds at most `live_parameters(model_numel)` of them gathered. `tensor_parallel` > 1: AutoTP splits the model
+    over groups of that many consecutive ranks (`models.tensor_parallel`; ZeRO 0/1/2)."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if param_dtype not in PARAM_DTYPES:
@@ -103,6 +107,8 @@ def ds_config(*, zero_stage: int, world_size: int, max_norm: float, param_dtype:
         raise ValueError(f"zpg must be >= 1, got {zpg}")
     if zpg > 1 and zero_stage != 3:
         raise ValueError("zpg (ZeRO++ hierarchical partitioning) needs zero_stage 3")
+    if tensor_parallel > 1 and (zero_stage == 3 or world_size % tensor_parallel):
+        raise ValueError(f"tensor_parallel {tensor_parallel} needs zero_stage 0-2 and to divide {world_size} ranks")
     zero: dict = {"stage": zero_stage, "overlap_comm": overlap_comm, "contiguous_gradients": zero_stage >= 2}
     if zero_stage >= 2:
         zero["reduce_bucket_size"] = min(REDUCE_BUCKET_ELEMENTS,
@@ -133,6 +139,8 @@ def ds_config(*, zero_stage: int, world_size: int, max_norm: float, param_dtype:
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 1000}
     if grad_accum_dtype is not None:
         cfg["data_types"] = {"grad_accum_dtype": grad_accum_dtype}
+    if tensor_parallel > 1:
+        cfg["tensor_parallel"] = tp.autotp_config(tensor_parallel)
     return cfg
 
 
@@ -147,9 +155,10 @@ class DeepSpeedEngine(TrainEngine):
     name = "deepspeed"
 
     def __init__(self, model: torch.nn.Module, opt: OptimizerFields, *, total_steps: int, zero_stage: int = 2,
-                 ds: DSConfig | None = None):
+                 ds: DSConfig | None = None, tensor_parallel: int = 1):
         """`opt`: the optimizer section; `ds`: the `--ds.*` section (param_dtype, adam_offload, grad_accum_dtype,
-        zpg, overlap_comm are read; default: DeepSpeed's defaults in fp32)."""
+        zpg, overlap_comm are read; default: DeepSpeed's defaults in fp32); `tensor_parallel`: ranks per model copy
+        (`models.tensor_parallel`)."""
         ds = ds or DSConfig(param_dtype="fp32")
         param_dtype = ds.param_dtype or "fp32"
         max_norm, a = opt.max_norm, opt.adam
@@ -163,10 +172,15 @@ class DeepSpeedEngine(TrainEngine):
         start_process_group()
         self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.max_norm = max_norm
+        self.tensor_parallel = tensor_parallel
+        self.dp_size = self.world_size // self.tensor_parallel  # ranks holding the same shard
+        if self.tensor_parallel > 1:
+            tp.check_modules(model, self.tensor_parallel)
         config = ds_config(zero_stage=zero_stage, world_size=self.world_size, max_norm=max_norm,
                            param_dtype=param_dtype, adam_offload=ds.adam_offload, grad_accum_dtype=ds.grad_accum_dtype,
                            zpg=ds.zpg, overlap_comm=ds.overlap_comm, clip_in_deepspeed=not self._hook_clip,
-                           muon=opt.optim == "muon", trainable=numel(model, trainable_only=True), model_numel=numel(model))
+                           muon=opt.optim == "muon", trainable=numel(model, trainable_only=True), model_numel=numel(model),
+                           tensor_parallel=self.tensor_parallel)
 
         groups = param_groups(model, opt)
         if opt.optim == "muon":
@@ -197,10 +211,19 @@ class DeepSpeedEngine(TrainEngine):
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
         if zero_stage == 3:  # no second copy of the weights or the gradients at the step (zero3_step)
             lean_step(self.engine.optimizer)
+        if self.tensor_parallel > 1:
+            tp.check_split(self.engine.module)
+            from deepspeed.utils import groups
+            self.tensor_group = groups.get_tensor_model_parallel_group()  # DeepSpeed's: consecutive ranks
 
     def _clip_hook(self, optimizer, args: tuple, kwargs: dict) -> None:
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm if self.max_norm > 0 else float("inf"))
+        if self.tensor_parallel > 1:  # split parameters' squares summed over the group, replicated ones once
+            norm = tp.grad_norm(params, self.tensor_group)
+            if self.max_norm > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm if self.max_norm > 0 else float("inf"))
         self._pre_clip_norm = float(norm)
 
     @property
@@ -219,7 +242,9 @@ class DeepSpeedEngine(TrainEngine):
         return self.engine.device
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+        """DeepSpeed averages each gradient over the ranks holding the same shard (all ranks; with tensor
+        parallelism, one per group), so the loss is scaled by their number."""
+        self.engine.backward(loss * self.dp_size, scale_wrt_gas=False)
 
     def step(self) -> float:
         self._pre_clip_norm = None
@@ -239,7 +264,10 @@ class DeepSpeedEngine(TrainEngine):
 
     def gathered(self, tensors) -> contextlib.AbstractContextManager:
         """Under ZeRO-3, ``GatheredParameters`` over the partitioned ones among ``tensors`` (collective;
-        read-only: changes made inside are dropped on exit); else nothing to do."""
+        read-only: changes made inside are dropped on exit); else nothing to do. Not with tensor parallelism (the
+        shards would pass for whole weights): there `full_weights` gathers copies."""
+        if self.tensor_parallel > 1:
+            raise NotImplementedError("whole weights of a tensor-parallel model in place: use full_weights()")
         if self.zero_stage != 3:
             return contextlib.nullcontext()
         return self._ds.zero.GatheredParameters(list(tensors), modifier_rank=None)
@@ -263,6 +291,18 @@ class DeepSpeedEngine(TrainEngine):
                 for p in params:
                     p.ds_active_sub_modules.discard(_GENERATION)
 
+    def full_weights(self, per_tensor: bool = False, keep=None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The base contract; with tensor parallelism each split tensor is all-gathered over its group, one at
+        a time (collective: every rank exhausts the iterator)."""
+        if self.tensor_parallel == 1:
+            yield from super().full_weights(per_tensor, keep)
+            return
+        for name, tensor in self.module.state_dict(keep_vars=True).items():
+            if keep is None or keep(name):
+                full = tp.full_tensor(self.module, name, tensor)
+                if self.is_main:
+                    yield name, full.detach().to("cpu", copy=True)
+
     def save_state(self, directory: str) -> None:
         """DeepSpeed checkpoint (weights, optimizer, scheduler) under tag ``engine``, then rank 0's meta;
         without the frozen parameters (a LoRA base) when the model has some."""
@@ -273,6 +313,7 @@ class DeepSpeedEngine(TrainEngine):
             tag_dir = os.path.join(directory, TAG)
             files = {f: os.path.getsize(os.path.join(tag_dir, f)) for f in sorted(os.listdir(tag_dir))}
             meta = {"engine": self.name, "zero_stage": self.zero_stage, "world_size": self.world_size,
+                    "tensor_parallel_size": self.tensor_parallel,
                     "global_step": self.global_step, "files": files}
             if frozen:  # under ZeRO-3 the frozen weights are sharded: no hash of them
                 meta.update(weights="trainable", frozen_hash=self.frozen_hash() if self.zero_stage != 3 else None)
@@ -282,9 +323,11 @@ class DeepSpeedEngine(TrainEngine):
     def load_state(self, directory: str) -> None:
         """Check the state is complete and matches this run (stage, world size), then load it all."""
         meta = read_meta(directory, self.name)
-        for key, mine in (("zero_stage", self.zero_stage), ("world_size", self.world_size)):
-            if meta.get(key) != mine:
-                raise ValueError(f"{directory!r} was saved with {key}={meta.get(key)}, this run has {key}={mine}")
+        for key, mine in (("zero_stage", self.zero_stage), ("world_size", self.world_size),
+                          ("tensor_parallel_size", self.tensor_parallel)):
+            if meta.get(key, 1 if key == "tensor_parallel_size" else None) != mine:
+                raise ValueError(f"{directory!r} was saved with {key}={meta.get(key)}, this run has {key}={mine}: "
+                                 "an engine state resumes on the layout that wrote it")
         tag_dir = os.path.join(directory, TAG)
         for fname, size in meta["files"].items():
             path = os.path.join(tag_dir, fname)

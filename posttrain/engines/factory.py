@@ -14,13 +14,15 @@ _DEEPSPEED_ONLY = (("adam_offload", lambda ds: ds.adam_offload),
 
 
 def make_train_engine(model: torch.nn.Module, opt: OptimizerFields, *, total_steps: int,
-                      ds: DSConfig | None = None, zero_stage: int | None = None) -> TrainEngine:
+                      ds: DSConfig | None = None, zero_stage: int | None = None,
+                      tensor_parallel: int = 1) -> TrainEngine:
     """Train engine for ``model`` with the optimizer section ``opt`` (``--optim``, ``--adam.*``, ``--muon.*``,
     ``--lr_scheduler``, ``--lr_warmup_ratio`` / ``--lr_warmup_steps``, ``--min_lr_ratio``, ``--max_norm``) and the ``--ds.*`` section
     ``ds`` (param_dtype; under ZeRO also adam_offload, grad_accum_dtype, zpg, overlap_comm).
 
     ``zero_stage=None`` → ``TorchEngine`` when ``WORLD_SIZE`` is unset or 1, else ``DeepSpeedEngine``
-    with ZeRO-2; ``zero_stage`` 0..3 → ``DeepSpeedEngine`` with that stage. ``--optim`` adam (AdamW, no
+    with ZeRO-2; ``zero_stage`` 0..3 → ``DeepSpeedEngine`` with that stage. ``tensor_parallel`` > 1 (DeepSpeed,
+    ZeRO 0-2): the model split over groups of that many ranks (``models.tensor_parallel``). ``--optim`` adam (AdamW, no
     decay on 1-D params) or muon (Muon on hidden matrices, AdamW at ``--adam.lr`` for the rest).
     """
     ds = ds or DSConfig(param_dtype="fp32")
@@ -32,4 +34,4 @@ def make_train_engine(model: torch.nn.Module, opt: OptimizerFields, *, total_ste
         return TorchEngine(model, opt, total_steps=total_steps, param_dtype=ds.param_dtype or "fp32")
     from posttrain.engines.deepspeed_engine import DeepSpeedEngine
     return DeepSpeedEngine(model, opt, total_steps=total_steps, zero_stage=2 if zero_stage is None else zero_stage,
-                           ds=ds)
+                           ds=ds, tensor_parallel=tensor_parallel)

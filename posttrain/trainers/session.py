@@ -36,7 +36,13 @@ from posttrain.config.facts import deepspeed_only_flags
 from posttrain.data import load_rows
 from posttrain.engines import make_train_engine
 from posttrain.engines.zero3 import describe_shards, sharded_loading
-from posttrain.models import check_model_folder, load_causal_lm, load_tokenizer, save_pretrained
+from posttrain.models import (
+    check_model_folder,
+    load_causal_lm,
+    load_tokenizer,
+    save_pretrained,
+    tensor_parallel,
+)
 from posttrain.models.context_parallel import register as register_context_parallel
 from posttrain.models.moe import track_router_loss
 from posttrain.trainers.context_parallel import ContextGroups
@@ -129,6 +135,8 @@ class SingleModelRun:
             for path in (cfg.model.model_name_or_path, getattr(getattr(cfg, "ref", None), "model_name_or_path", None)):
                 if path:  # a broken model folder stops the run before the data is read
                     check_model_folder(path)
+            if cfg.ds.tensor_parallel_size > 1:  # the heads divide by the group before anything loads
+                tensor_parallel.check_model_folder(cfg.model.model_name_or_path, cfg.ds.tensor_parallel_size)
             self.tokenizer = load_tokenizer(cfg.model.model_name_or_path,
                                             use_fast=not cfg.data.disable_fast_tokenizer,
                                             chat_template=cfg.data.tokenizer_chat_template)
@@ -203,11 +211,17 @@ class SingleModelRun:
         elif self.world_size == 1:
             model = model.to(self.device)
         steps = (len(train_items) // cfg.train.batch_size) * cfg.train.max_epochs
-        engine = make_train_engine(model, cfg, total_steps=max(steps, 1), ds=cfg.ds, zero_stage=zero_stage)
-        layout = ParallelLayout(engine.world_size, cfg.ds.ring_attn_size if split_rows else 1)
+        full_numel = sum(p.numel() for p in model.parameters())
+        engine = make_train_engine(model, cfg, total_steps=max(steps, 1), ds=cfg.ds, zero_stage=zero_stage,
+                                   tensor_parallel=cfg.ds.tensor_parallel_size)
+        layout = ParallelLayout(engine.world_size, cfg.ds.ring_attn_size if split_rows else 1,
+                                cfg.ds.tensor_parallel_size)
         context = ContextGroups.create(engine.rank, layout, cfg.ds.ring_attn_head_stride) if split_rows else None
         if layout.world > 1 and layout.data < layout.world:
             info(f"parallel layout: {layout.describe()}")
+        if layout.tensor > 1 and torch.distributed.get_process_group_ranks(engine.tensor_group) not in \
+                layout.tensor_groups():
+            raise RuntimeError("DeepSpeed's tensor-parallel groups are not the run's layout (consecutive ranks)")
         logger = self.start.open_logger(cfg, enabled=engine.is_main)
         ckpt = self.folders.ckpt
         settings = LoopSettings(
@@ -218,7 +232,7 @@ class SingleModelRun:
             ckpt_path=str(ckpt.root) if ckpt is not None else None, ckpt_max_num=cfg.ckpt.max_num,
             ckpt_max_mem_gb=cfg.ckpt.max_mem if cfg.ckpt.max_mem is not None else math.inf,
             ckpt_disable_ds=cfg.ckpt.disable_ds, load_checkpoint=cfg.ckpt.load_enable, save_hf=cfg.ckpt.save_hf,
-            context=context, aux_loss_coef=cfg.model.aux_loss_coef)
+            context=context, aux_loss_coef=cfg.model.aux_loss_coef, layout=layout)
         loop = SingleModelLoop(engine=engine, objective=objective, train_items=train_items, eval_items=eval_items,
                         settings=settings, logger=logger,
                         save_hf=lambda d: self.export_hf(engine, d), device=self.device, ckpt=ckpt)
@@ -227,6 +241,8 @@ class SingleModelRun:
             final = loop.fit()
         finally:
             logger.close()
+        if cfg.ds.tensor_parallel_size > 1:  # what each rank held: its share of the weights and optimizer state
+            rank_info(tensor_parallel.describe(engine.module, full_numel, cfg.ds.tensor_parallel_size, engine.optimizer))
         if on_trained is not None:
             on_trained(loop, final)
         with disk_full_as_error("the final model", self.output_dir, self.folders.last_checkpoint()):

@@ -62,6 +62,7 @@ class LoopSettings:
     progress: bool = True
     context: object = None  # `trainers.context_parallel.ContextGroups` (--ds.ring_attn_size > 1), or None
     aux_loss_coef: float = 0.0  # --model.aux_loss_coef: the MoE router loss joins each micro-batch's loss
+    layout: object = None  # `trainers.parallel_layout.ParallelLayout` of the run's ranks (None: each its own samples)
 
 
 def _to_device(batch: dict, device) -> dict:
@@ -140,16 +141,20 @@ class SingleModelLoop(RunLoop):
                                       max_tokens=self.s.max_tokens_per_gpu)
 
     def _data_rank(self) -> tuple[int, int]:
-        """(this rank's data-parallel rank, their number): a context-parallel group shares its samples."""
-        cp = self.s.context
-        return (cp.dp_rank, cp.dp_size) if cp is not None else (self.engine.rank, self.engine.world_size)
+        """(this rank's data-parallel rank, their number): the ranks of a context- or tensor-parallel group take the
+        same samples (`ParallelLayout`)."""
+        layout = self.s.layout
+        if layout is None:
+            return self.engine.rank, self.engine.world_size
+        return layout.coordinates(self.engine.rank)[0], layout.data
 
     def _all_reduce_sums(self, sums: dict[str, float]) -> dict[str, float]:
+        """Sums over the ranks; the ranks of a tensor-parallel group computed the same ones (counted once)."""
         if self.engine.world_size == 1:
             return sums
         keys = sorted(sums)
         t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
-        t = self.engine.all_reduce(t, op="sum")
+        t = self.engine.all_reduce(t, op="sum") / (self.s.layout.tensor if self.s.layout is not None else 1)
         return dict(zip(keys, t.tolist()))
 
     def _run_micro_batches(self, groups: list[list[int]], items: list[dict], train: bool) -> dict[str, float]:
@@ -157,8 +162,7 @@ class SingleModelLoop(RunLoop):
         units = float(sum(self.obj.units(items[i]) for g in groups for i in g))
         if self.engine.world_size > 1:
             units = float(self.engine.all_reduce(torch.tensor([units], dtype=torch.float64, device=self.device))[0])
-            if self.s.context is not None:  # the ranks of a context-parallel group counted the same samples
-                units /= self.s.context.size
+            units /= self.engine.world_size // self._data_rank()[1]  # a context-/tensor-parallel group counted alike
             n_micro = int(self.engine.all_reduce(torch.tensor([len(groups)], device=self.device), op="max")[0])
         else:
             n_micro = len(groups)

@@ -79,6 +79,7 @@ _SINGLE_MODEL = (
     | _paths(
         "model: model_name_or_path gradient_checkpointing_enable gradient_checkpointing_reentrant aux_loss_coef",
         "ds: zero_stage zpg adam_offload overlap_comm grad_accum_dtype load_in_4bit",
+        "ds: tensor_parallel_size",  # models/tensor_parallel.py (DeepSpeed AutoTP)
         "ds.lora: rank alpha dropout target_modules",
         "data: dataset dataset_probs dataset_split",
     )

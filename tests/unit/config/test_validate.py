@@ -67,7 +67,7 @@ def test_engine_rules():
         "--optim muon: Muon keeps its state on the accelerator: not compatible with --ds.adam_offload"
     )
     assert problem("ppo", "--critic.optim", "muon", "--ds.adam_offload").startswith("--critic.optim muon:")
-    assert problem("sft", "--ds.tensor_parallel_size", "2", "--ds.zero_stage", "3") == (
+    assert problem("sft", "--ds.tensor_parallel_size", "2", "--ds.zero_stage", "3", world_size=2) == (
         "--ds.tensor_parallel_size 2: AutoTP works only with --ds.zero_stage 0, 1 or 2"
     )
     assert "valid values: eager, sdpa" in problem("sft", "--ds.attn_implementation", "flash")
@@ -496,3 +496,34 @@ def test_ring_attention_needs_packing_and_a_group_that_divides_the_ranks():
     cfg = parse_config("ppo", [*ppo, *[x for role in ("reward", "ref", "critic") for x in (f"--{role}.num_gpus_per_node", "2")]],
                        device="cpu")
     assert cfg.ds.ring_attn_size == 2
+
+
+def test_tensor_parallel_rules():
+    """--ds.tensor_parallel_size N (sft, rm, dpo): N divides the ranks; not with LoRA, 4-bit, Muon or ring attention;
+    the batch rules count tensor-parallel groups (data-parallel ranks), not ranks; ppo reports it not available."""
+    from posttrain.config import derived_sizes, inert_flags
+
+    tp = ["--ds.tensor_parallel_size", "2"]
+    assert problem("sft", *tp, "--train.batch_size", "3", "--train.micro_batch_size", "1", world_size=3) == (
+        "--ds.tensor_parallel_size 2: must divide the 3 ranks of the run (groups of 2 consecutive ranks hold one "
+        "copy of the model)")
+    assert problem("sft", *tp).startswith("--ds.tensor_parallel_size 2: must divide the 1 ranks")
+    assert problem("rm", *tp, "--ds.lora.rank", "8", world_size=2).startswith(
+        "--ds.tensor_parallel_size 2: not with LoRA (--ds.lora.rank)")
+    assert problems("sft", *tp, "--ds.load_in_4bit", "--ds.lora.rank", "8", world_size=2, device="cuda")[1] == (
+        "--ds.tensor_parallel_size 2: not with --ds.load_in_4bit: quantized weights cannot be split")
+    assert problem("dpo", *tp, "--optim", "muon", world_size=2).startswith(
+        "--ds.tensor_parallel_size 2: not with --optim muon")
+    assert problem("sft", *tp, "--ds.ring_attn_size", "2", "--ds.packing_samples", world_size=4).startswith(
+        "--ds.tensor_parallel_size 2: not with --ds.ring_attn_size")
+    # 4 ranks in 2 groups: a step of 8 samples is 2 x micro-batch 4 (the world size alone would need 16)
+    cfg = parse_config("sft", [*BASE["sft"], *tp, "--train.batch_size", "8", "--train.micro_batch_size", "4"],
+                       world_size=4, device="cpu")
+    sizes = derived_sizes(cfg, 4)
+    assert (sizes["world_size"], sizes["data_parallel_size"], sizes["samples_per_rank_per_step"]) == (4, 2, 4)
+    assert "data-parallel size (ranks / --ds.tensor_parallel_size) = 4 x 2 = 8" in problem(
+        "sft", *tp, "--train.batch_size", "4", "--train.micro_batch_size", "4", world_size=4)
+    ppo = parse_config("ppo", [*BASE["ppo"], *tp], check=False)
+    assert [n for n in inert_flags(ppo, "cpu") if n.startswith("--ds.tensor_parallel_size")] == [
+        "--ds.tensor_parallel_size 2 has no effect here: not available in this version: tensor parallelism of the PPO "
+        "roles"]
