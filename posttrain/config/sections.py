@@ -88,8 +88,8 @@ class DSConfig:
     )
     deepcompile: bool = opt(False, "enable DeepSpeed DeepCompile graph compilation", inert=not_yet("DeepSpeed DeepCompile"), on_resume="adjustable")
     tensor_parallel_size: int = opt(1, "ranks per model copy: each decoder layer split over them with DeepSpeed "
-                                    "AutoTP (sft, rm, dpo; ZeRO stage 0/1/2; docs/scaling.md)", ge=1,
-                                    inert=not_yet("tensor parallelism of the PPO roles", facts.PPO), on_resume="adjustable")
+                                    "AutoTP (ZeRO stage 0/1/2; ppo: the actor and critic; docs/scaling.md)", ge=1,
+                                    on_resume="adjustable")
     ring_attn_size: int = opt(1, "ring-attention sequence-parallel group size (with --ds.packing_samples)",
                               ge=1, on_resume="adjustable")
     ring_attn_head_stride: int = opt(1, "key/value heads gathered per ring-attention step", ge=1,

@@ -11,10 +11,13 @@ from posttrain.config.trainers import CommandConfig, TrainerConfig
 
 
 def data_parallel_size(cfg: TrainerConfig, world_size: int) -> int:
-    """The ranks that take different samples: the world size, divided by --ds.tensor_parallel_size (sft, rm,
-    dpo: a tensor-parallel group takes the same samples) when it divides it."""
-    ws, tp = max(int(world_size), 1), cfg.ds.tensor_parallel_size if cfg.trainer in ("sft", "rm", "dpo") else 1
-    return ws // tp if ws % tp == 0 else ws
+    """The ranks that take different samples: the world size, divided by --ds.tensor_parallel_size x
+    --ds.ring_attn_size (sft, rm, dpo: a tensor- or context-parallel group takes the same samples) when that
+    divides it."""
+    single_model = cfg.trainer in ("sft", "rm", "dpo")
+    ws = max(int(world_size), 1)
+    same = cfg.ds.tensor_parallel_size * cfg.ds.ring_attn_size if single_model else 1
+    return ws // same if ws % same == 0 else ws
 
 
 def derived_sizes(cfg: TrainerConfig, world_size: int = 1) -> dict[str, Any]:

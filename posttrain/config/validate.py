@@ -67,7 +67,7 @@ def validate(cfg: CommandConfig, world_size: int = 1, device: Any = None) -> lis
     _ckpt(cfg, r)
     if cfg.trainer in ("sft", "dpo", "rm", "ppo"):
         _context_parallel(cfg, r, world_size)
-    if cfg.trainer in ("sft", "rm", "dpo"):
+    if cfg.trainer in ("sft", "rm", "dpo", "ppo"):
         _tensor_parallel(cfg, r, world_size)
     if cfg.trainer == "ppo":
         _ppo(cfg, r, world_size)
@@ -125,26 +125,36 @@ def _context_parallel(cfg, r: _Report, world_size: int) -> None:
 
 
 def _tensor_parallel(cfg, r: _Report, world_size: int) -> None:
-    """--ds.tensor_parallel_size N (sft, rm, dpo): the model split over groups of N ranks; N divides the ranks;
-    not with what changes the split layers (LoRA adapters, 4-bit weights), Muon (it orthogonalizes whole
-    matrices) or ring attention (one kind of group at a time). The heads are checked against N where the
-    model's config is read (`models.tensor_parallel.check_model_config`)."""
+    """--ds.tensor_parallel_size N: the model split over groups of N ranks; N divides the ranks (of the run, or
+    of each trained ppo role: the actor and a critic); not with what changes the split layers (LoRA adapters,
+    4-bit weights), Muon (it orthogonalizes whole matrices), ring attention (one kind of group at a time) or
+    the actor's EMA (kept per shard). The heads are checked against N where the model's config is read
+    (`models.tensor_parallel.check_model_config`)."""
     n, ds = cfg.ds.tensor_parallel_size, cfg.ds
     if n == 1:
         return
     flag = "ds.tensor_parallel_size"
-    if world_size % n:
-        r.bad(flag, n, f"must divide the {world_size} ranks of the run (groups of {n} consecutive ranks hold one "
-              "copy of the model)")
+    if cfg.trainer == "ppo":
+        for role in ("actor", "critic"):
+            section = present_roles(cfg).get(role)
+            if section is not None and (role_ranks(section) % n or role_ranks(section) == 1):
+                r.bad(flag, n, f"must divide the {role_ranks(section)} rank(s) of the {role} role (groups of {n} "
+                      f"ranks hold one copy of its model; set --{role}.num_gpus_per_node to a multiple of {n})")
+        if cfg.train.enable_ema:
+            r.bad(flag, n, "not with --train.enable_ema: the EMA would be kept per shard")
+        optims = {cfg.actor.optim, cfg.critic.optim}
+    else:
+        if world_size % n:
+            r.bad(flag, n, f"must divide the {world_size} ranks of the run (groups of {n} consecutive ranks hold one "
+                  "copy of the model)")
+        optims = {cfg.optim}
     if ds.lora.rank > 0:
         r.bad(flag, n, "not with LoRA (--ds.lora.rank): the adapters would wrap the split layers; this version "
               "splits plain linear layers only")
     if ds.load_in_4bit:
         r.bad(flag, n, "not with --ds.load_in_4bit: quantized weights cannot be split")
-    if cfg.optim == "muon":
+    if "muon" in optims:
         r.bad(flag, n, "not with --optim muon: Muon orthogonalizes whole matrices, a rank holds a slice")
-    if ds.ring_attn_size > 1:
-        r.bad(flag, n, "not with --ds.ring_attn_size: use one kind of group (tensor or context parallel)")
 
 
 def _served_source(cfg: ServeRMConfig, r: _Report) -> None:
@@ -227,7 +237,8 @@ def _probs(r: _Report, flag: str, text: str | None, datasets: str | None, src_fl
 def _train(cfg: TrainerConfig, r: _Report, world_size: int) -> None:
     t = cfg.train
     dp = data_parallel_size(cfg, world_size)
-    ranks = "world size" if dp == world_size else "data-parallel size (ranks / --ds.tensor_parallel_size)"
+    ranks = "world size" if dp == world_size else ("data-parallel size (ranks / (--ds.tensor_parallel_size x "
+                                                   "--ds.ring_attn_size))")
     if t.dynamic_batch_enable:
         if t.max_tokens_per_gpu is None or t.max_tokens_per_gpu <= 0:
             r.bad(

@@ -110,6 +110,23 @@ def test_four_ranks_as_two_tensor_parallel_groups_match_one_process(tiny_model_d
     assert_same_run(single_process(), split, norm_rtol=1e-5)
 
 
+@pytest.mark.e2e
+def test_four_ranks_as_ring_2_by_tensor_parallel_2_match_one_process(tiny_model_dir, arithmetic_dir, tmp_path,
+                                                                    single_process):
+    """4 ranks, ring 2 x TP 2 (data parallel 1): each rank holds half of every layer (tp) and computes half of every
+    packed row (cp), attending the row's keys of its own heads gathered from its context group (ranks 0, 2 and
+    1, 3). The run equals the one-process run."""
+    split = tmp_path / "cp2tp2"
+    proc = torchrun("posttrain.cli.train_sft", sft_flags(tiny_model_dir, arithmetic_dir, split, *COMMON,
+                                                          "--ds.packing_samples", "--ds.zero_stage", 0,
+                                                          "--ds.tensor_parallel_size", 2, "--ds.ring_attn_size", 2),
+                    nproc=4)
+    assert "data_parallel_size = 1" in proc.stderr
+    assert ("rank 0 (dp 0, cp 0, tp 0), rank 1 (dp 0, cp 0, tp 1), rank 2 (dp 0, cp 1, tp 0), "
+            "rank 3 (dp 0, cp 1, tp 1)") in proc.stderr
+    assert_same_run(single_process("--ds.packing_samples"), split, norm_rtol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def pairs_dir(tmp_path_factory):
     from posttrain.data.synthetic import make_preference_rows, write_jsonl

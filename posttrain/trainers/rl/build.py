@@ -51,22 +51,26 @@ def _seed_for(cfg: PPOConfig, role: str) -> None:
     set_seed(cfg.train.seed * 3 + _ROLE_SEEDS[role])
 
 
-def context_groups(cfg: PPOConfig, model):
+def context_groups(cfg: PPOConfig, model, trained: bool = False):
     """--ds.ring_attn_size N on a role of several ranks: the model's attention made context-parallel and the
-    role's ranks in groups of N (collective: every rank of the role calls it); None otherwise."""
+    role's ranks in groups of N (collective: every rank of the role calls it), laid out with the trained roles'
+    tensor-parallel groups; None otherwise."""
     rank, world, _ = env_world()
     if cfg.ds.ring_attn_size == 1 or world == 1:
         return None
     init_process_group()
     model.set_attn_implementation(register_context_parallel())
-    return ContextGroups.create(rank, ParallelLayout(world, cfg.ds.ring_attn_size), cfg.ds.ring_attn_head_stride)
+    layout = ParallelLayout(world, cfg.ds.ring_attn_size, cfg.ds.tensor_parallel_size if trained else 1)
+    return ContextGroups.create(rank, layout, cfg.ds.ring_attn_head_stride)
 
 
 def train_engine(model, role_cfg: ActorConfig | CriticConfig, cfg: PPOConfig, total_steps: int,
                  zero_stage: int | None):
-    """The role's optimizer, scheduler and (with `zero_stage`) DeepSpeed ZeRO engine."""
+    """The role's optimizer, scheduler and (with `zero_stage`: several ranks) DeepSpeed ZeRO engine, its model split
+    over groups of --ds.tensor_parallel_size ranks (AutoTP)."""
     return make_train_engine(model, role_cfg, total_steps=max(total_steps, 1), ds=_engine_ds(cfg, zero_stage),
-                             zero_stage=zero_stage)
+                             zero_stage=zero_stage,
+                             tensor_parallel=cfg.ds.tensor_parallel_size if zero_stage is not None else 1)
 
 
 def _engine_ds(cfg: PPOConfig, zero_stage: int | None):
@@ -100,7 +104,7 @@ def build_actor(cfg: PPOConfig, tokenizer, device, total_steps: int, zero_stage:
                   base_path=cfg.actor.model_name_or_path, save_merged=cfg.ckpt.save_merged,
                   dtype=cfg.ds.param_dtype or "fp32", lora_sync=cfg.vllm.lora_sync)
     actor.loaded_numel = loaded
-    actor.context = context_groups(cfg, model)
+    actor.context = context_groups(cfg, model, trained=True)
     if cfg.actor.freeze_visual_encoder and is_vision_model(model):  # OpenRLHF: only the language model syncs
         actor.sync_only = lambda name: not is_vision_tower_name(name)
     return actor
@@ -163,7 +167,7 @@ def build_critic(cfg: PPOConfig, tokenizer, device, total_steps: int,
     critic = Critic(model, train_engine(model, cfg.critic, cfg, total_steps, zero_stage), device,
                     normalize=bool(cfg.reward.normalize_enable))
     critic.loaded_numel = loaded
-    critic.context = context_groups(cfg, model)
+    critic.context = context_groups(cfg, model, trained=True)
     return critic
 
 

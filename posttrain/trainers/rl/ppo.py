@@ -27,7 +27,7 @@ from posttrain.config.roles import SEQUENCE_POLICY_LOSSES
 from posttrain.data import PromptDataset, load_rows
 from posttrain.data.capping import capped_note
 from posttrain.data.errors import check_dropped
-from posttrain.models import check_model_folder, load_tokenizer
+from posttrain.models import check_model_folder, load_tokenizer, tensor_parallel
 from posttrain.rollout import HFRolloutEngine, SamplingParams, rank_seed
 from posttrain.rollout.single_turn import SingleTurnSampler
 from posttrain.trainers.rl import build
@@ -73,6 +73,10 @@ class RLTrainer(RunLoop):
                      cfg.reward.model_name_or_path):
             if path:  # a broken model folder stops the run before the data is read
                 check_model_folder(path)
+        if cfg.ds.tensor_parallel_size > 1:  # the trained models' heads divide by the group before anything loads
+            for path in (cfg.actor.model_name_or_path, build.critic_path(cfg) if build.needs_critic(cfg) else None):
+                if path:
+                    tensor_parallel.check_model_folder(path, cfg.ds.tensor_parallel_size)
         self.tokenizer = tok = load_tokenizer(cfg.actor.model_name_or_path,
                                               use_fast=not cfg.data.disable_fast_tokenizer,
                                               chat_template=cfg.data.tokenizer_chat_template)

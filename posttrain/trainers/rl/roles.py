@@ -61,9 +61,10 @@ class _Scorer:
 
 
 def sharded_weights(engine) -> dict | None:
-    """The full weights gathered on rank 0 under ZeRO-3 (collective), else None: the module's own
-    tensors are whole."""
-    return engine.full_state_dict() if getattr(engine, "zero_stage", None) == 3 else None
+    """The full weights gathered on rank 0 under ZeRO-3 or tensor parallelism (collective), else None: the
+    module's own tensors are whole."""
+    split = getattr(engine, "zero_stage", None) == 3 or getattr(engine, "tensor_parallel", 1) > 1
+    return engine.full_state_dict() if split else None
 
 
 class Actor(_Scorer):

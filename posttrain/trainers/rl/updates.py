@@ -106,12 +106,11 @@ def _stand_in(batch: Experience) -> Experience:
 def _counts(exp: Experience, engine, context=None) -> tuple[float, float]:
     """Action tokens and sequences of one optimizer step, summed over the data-parallel ranks (each
     holds a share of the step's rows), so every loss is normalised by the whole step's counts. The ranks
-    of a context-parallel group hold the same rows: counted once."""
+    of a context- or tensor-parallel group hold the same rows: counted once."""
     counts = torch.tensor([float(exp.action_mask.sum()), float((exp.action_mask.sum(1) > 0).sum())],
                           dtype=torch.float64)
     engine.all_reduce(counts)
-    if context is not None:
-        counts /= context.size
+    counts /= (context.size if context is not None else 1) * getattr(engine, "tensor_parallel", 1)
     return float(counts[0]), float(counts[1])
 
 

@@ -62,6 +62,28 @@ def test_two_actor_ranks_two_engines_equal_one_process(run_ppo, ray_session):
     assert any(r["shaping/penalised_frac"] > 0 for r in rows if "shaping/penalised_frac" in r)
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_tensor_parallel_actor_and_critic_equal_one_process(run_ppo, ray_session, capfd, stage):
+    """PPO with GAE: the actor and the critic each split over 2 ranks (--ds.tensor_parallel_size 2, AutoTP), both
+    ranks of a role taking the same rows; the engines receive whole weights. Rewards, losses and the exported
+    (whole) weights equal the in-process run's."""
+    common = ("--train.num_episodes", "1", "--data.max_samples", "16", "--train.batch_size", "16",
+              "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8", "--algo.advantage.estimator",
+              "gae", "--critic.adam.lr", "1e-3")
+    local, _ = run_ppo(*common, name="local")
+    capfd.readouterr()
+    tp, _ = run_ppo(*common, "--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "2",
+                    "--vllm.num_engines", "1", "--ds.zero_stage", stage, "--ds.tensor_parallel_size", "2", name="tp")
+    err = capfd.readouterr().err
+    for role in ("actor", "critic"):
+        assert f"ray placement: {role} ranks: rank 0 (dp 0, cp 0, tp 0), rank 1 (dp 0, cp 0, tp 1)" in err, role
+    assert rewards_by_step(tp) == pytest.approx(rewards_by_step(local), abs=1e-6)
+    rows = [[r for r in read_metrics(d / "metrics.jsonl") if "actor/policy_loss" in r] for d in (local, tp)]
+    for key in ("actor/policy_loss", "critic/value_loss", "actor/grad_norm", "critic/grad_norm"):
+        assert [r[key] for r in rows[1]] == pytest.approx([r[key] for r in rows[0]], rel=1e-4, abs=1e-6), key
+    assert _max_diff(_weights(local), _weights(tp)) < 3e-5
+
+
 def test_moe_actor_on_two_zero3_ranks_equals_one_process_and_takes_the_router_loss(run_ppo, tiny_moe_dir,
                                                                                    ray_session, capfd):
     """GRPO with a tiny Qwen3-MoE actor: 2 actor ranks under ZeRO-3 (expert blocks gathered whole) and 2 rollout

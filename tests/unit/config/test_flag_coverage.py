@@ -121,6 +121,7 @@ ACTING: dict[str, frozenset[str]] = {
         "algo.kl: init_coef target horizon estimator use_loss sequence_level_enable clamp",
         "algo: dynamic_filtering_enable dynamic_filtering_range",
         "ds: value_head_prefix shared_prefix gather_for_generation ring_attn_size ring_attn_head_stride",
+        "ds: tensor_parallel_size",
         "rollout: batch_size micro_batch_size n_samples_per_prompt temperature top_p max_new_tokens",
         "rollout: max_tokens_per_gpu stop_token_ids",
         "data: prompt_dataset prompt_probs prompt_split input_key label_key",

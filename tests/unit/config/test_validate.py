@@ -499,8 +499,8 @@ def test_ring_attention_needs_packing_and_a_group_that_divides_the_ranks():
 
 
 def test_tensor_parallel_rules():
-    """--ds.tensor_parallel_size N (sft, rm, dpo): N divides the ranks; not with LoRA, 4-bit, Muon or ring attention;
-    the batch rules count tensor-parallel groups (data-parallel ranks), not ranks; ppo reports it not available."""
+    """--ds.tensor_parallel_size N: N divides the ranks (ppo: of the actor and the critic); not with LoRA, 4-bit,
+    Muon or (ppo) the EMA; the batch rules count data-parallel ranks (ranks / (TP x ring)), not ranks."""
     from posttrain.config import derived_sizes, inert_flags
 
     tp = ["--ds.tensor_parallel_size", "2"]
@@ -514,16 +514,19 @@ def test_tensor_parallel_rules():
         "--ds.tensor_parallel_size 2: not with --ds.load_in_4bit: quantized weights cannot be split")
     assert problem("dpo", *tp, "--optim", "muon", world_size=2).startswith(
         "--ds.tensor_parallel_size 2: not with --optim muon")
-    assert problem("sft", *tp, "--ds.ring_attn_size", "2", "--ds.packing_samples", world_size=4).startswith(
-        "--ds.tensor_parallel_size 2: not with --ds.ring_attn_size")
+    # tensor and context parallel together: 4 ranks are one data-parallel index
+    ring = parse_config("sft", [*BASE["sft"], *tp, "--ds.ring_attn_size", "2", "--ds.packing_samples",
+                                "--train.batch_size", "4", "--train.micro_batch_size", "4"], world_size=4, device="cpu")
+    assert derived_sizes(ring, 4)["data_parallel_size"] == 1
     # 4 ranks in 2 groups: a step of 8 samples is 2 x micro-batch 4 (the world size alone would need 16)
     cfg = parse_config("sft", [*BASE["sft"], *tp, "--train.batch_size", "8", "--train.micro_batch_size", "4"],
                        world_size=4, device="cpu")
     sizes = derived_sizes(cfg, 4)
     assert (sizes["world_size"], sizes["data_parallel_size"], sizes["samples_per_rank_per_step"]) == (4, 2, 4)
-    assert "data-parallel size (ranks / --ds.tensor_parallel_size) = 4 x 2 = 8" in problem(
+    assert "data-parallel size (ranks / (--ds.tensor_parallel_size x --ds.ring_attn_size)) = 4 x 2 = 8" in problem(
         "sft", *tp, "--train.batch_size", "4", "--train.micro_batch_size", "4", world_size=4)
     ppo = parse_config("ppo", [*BASE["ppo"], *tp], check=False)
-    assert [n for n in inert_flags(ppo, "cpu") if n.startswith("--ds.tensor_parallel_size")] == [
-        "--ds.tensor_parallel_size 2 has no effect here: not available in this version: tensor parallelism of the PPO "
-        "roles"]
+    assert [n for n in inert_flags(ppo, "cpu") if n.startswith("--ds.tensor_parallel_size")] == []
+    assert problems("ppo", *tp)[0].startswith("--ds.tensor_parallel_size 2: must divide the 1 rank(s) of the actor role")
+    assert "--ds.tensor_parallel_size 2: not with --train.enable_ema: the EMA would be kept per shard" in problems(
+        "ppo", *tp, "--actor.num_gpus_per_node", "2", "--train.enable_ema")

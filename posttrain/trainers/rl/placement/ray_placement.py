@@ -90,23 +90,29 @@ def worker_threads(ranks: int) -> int:
 
 
 class _Group:
-    def __init__(self, name: str, handles: list, context_size: int = 1) -> None:
+    def __init__(self, name: str, handles: list, layout: ParallelLayout | None = None) -> None:
         self.name, self.handles = name, handles
-        # --ds.ring_attn_size: ranks in consecutive groups of this many take the same rows (context parallelism)
-        self.context_size = context_size if len(handles) > 1 else 1
+        # --ds.ring_attn_size / --ds.tensor_parallel_size: the ranks of one data-parallel index (a block of
+        # context x tensor consecutive ranks) take the same rows
+        self.layout = layout if layout is not None and len(handles) > 1 else ParallelLayout(len(handles))
+        self.same_rows = self.layout.context * self.layout.tensor
+
+    @property
+    def context_size(self) -> int:
+        return self.layout.context
 
     @property
     def data_ranks(self) -> int:
-        """The data-parallel ranks: the context-parallel groups."""
-        return len(self.handles) // self.context_size
+        """The data-parallel ranks: groups of ranks that take the same rows."""
+        return self.layout.data
 
     def per_rank(self, shares: list) -> list:
-        """Each rank's share: its context-parallel group's."""
-        return [shares[r // self.context_size] for r in range(len(self.handles))]
+        """Each rank's share: its data-parallel index's."""
+        return [shares[r // self.same_rows] for r in range(len(self.handles))]
 
     def leaders(self, results: list) -> list:
-        """One result per context-parallel group (its first rank's; the others computed the same)."""
-        return results[::self.context_size]
+        """One result per data-parallel index (its first rank's; the others computed the same)."""
+        return results[::self.same_rows]
 
     def label(self, rank: int) -> str:
         return f"{self.name} rank {rank}"
@@ -152,8 +158,8 @@ class _RoleGroup(_Group):
 
 
 class ActorGroup(_RoleGroup):
-    def __init__(self, name, handles, keeps_ema: bool, lora: bool = False, context_size: int = 1) -> None:
-        super().__init__(name, handles, context_size)
+    def __init__(self, name, handles, keeps_ema: bool, lora: bool = False, layout: ParallelLayout | None = None) -> None:
+        super().__init__(name, handles, layout)
         self.keeps_ema, self.lora = keeps_ema, lora
 
     def logprobs(self, exp, batches) -> torch.Tensor:
@@ -206,10 +212,10 @@ class RewardGroup(_Group):
     the model is held as ZeRO-3 shards across the ranks, whose forwards are collective, so every rank
     is called, with an empty chunk when there are fewer samples than ranks."""
 
-    def __init__(self, name, handles, sharded: bool = False, context_size: int = 1) -> None:
-        super().__init__(name, handles, context_size)
+    def __init__(self, name, handles, sharded: bool = False, layout: ParallelLayout | None = None) -> None:
+        super().__init__(name, handles, layout)
         # every rank is called (an empty chunk too) when its forwards are collective: ZeRO-3 shards or a ring
-        self.sharded = (sharded or context_size > 1) and len(handles) > 1
+        self.sharded = (sharded or self.context_size > 1) and len(handles) > 1
 
     def score_tokens(self, sequences: list[list[int]]) -> RewardResult:
         if not sequences:
@@ -218,8 +224,8 @@ class RewardGroup(_Group):
         calls = [(i, c) for i, c in enumerate(chunks) if len(c) or self.sharded]
         parts = wait_all([(self.handles[i].score_tokens.remote([sequences[j] for j in c]), self.label(i))
                           for i, c in calls])
-        leaders = {i: p for (i, _), p in zip(calls, parts) if i % self.context_size == 0}
-        return concat_results([leaders[i] for i, c in enumerate(chunks) if len(c) and i % self.context_size == 0])
+        leaders = {i: p for (i, _), p in zip(calls, parts) if i % self.same_rows == 0}
+        return concat_results([leaders[i] for i, c in enumerate(chunks) if len(c) and i % self.same_rows == 0])
 
     def close(self) -> None:
         pass
@@ -406,13 +412,18 @@ class RayPlacement:
                     f"{PLACE_TIMEOUT_S:.0f} s; the cluster has {ray.cluster_resources()}: lower the --*.num_nodes / "
                     "--*.num_gpus_per_node / --vllm.num_engines counts, colocate roles, or add nodes") from None
         roles = self.plan.roles
-        ring = cfg.ds.ring_attn_size
+        def layout(role: str, trained: bool) -> ParallelLayout | None:  # the trained roles' models are split by TP
+            n = self.plan.roles[role].num_ranks
+            return ParallelLayout(n, cfg.ds.ring_attn_size, cfg.ds.tensor_parallel_size if trained else 1) \
+                if n > 1 else None
+
         self.actor = ActorGroup("actor", self._ranks("actor"), keeps_ema=bool(cfg.train.enable_ema),
-                                lora=cfg.ds.lora.rank > 0, context_size=ring)
-        self.ref = ReferenceGroup("ref", self._ranks("ref"), ring) if "ref" in roles else None
-        self.critic = CriticGroup("critic", self._ranks("critic"), ring) if "critic" in roles else None
-        self.reward = (RewardGroup("reward", self._ranks("reward"), sharded=cfg.ds.zero_stage == 3, context_size=ring)
-                       if "reward" in roles else None)
+                                lora=cfg.ds.lora.rank > 0, layout=layout("actor", True))
+        self.ref = ReferenceGroup("ref", self._ranks("ref"), layout("ref", False)) if "ref" in roles else None
+        self.critic = CriticGroup("critic", self._ranks("critic"), layout("critic", True)) if "critic" in roles \
+            else None
+        self.reward = (RewardGroup("reward", self._ranks("reward"), sharded=cfg.ds.zero_stage == 3,
+                                   layout=layout("reward", False)) if "reward" in roles else None)
         backend = cfg.vllm.sync_backend if self.gpu else "gloo"
         if cfg.vllm.sync_backend != "gloo" and not self.gpu:
             warn_once(f"--vllm.sync_backend {cfg.vllm.sync_backend}: no GPU in the cluster, weights sync over gloo")
@@ -427,9 +438,8 @@ class RayPlacement:
                                    backend=backend)
         self.groups = [g for g in (self.actor, self.ref, self.critic, self.reward, self.engines) if g is not None]
         for group in self.groups[:-1]:
-            if group.context_size > 1:  # each rank's coordinates: the ranks of a context-parallel group share rows
-                info(f"ray placement: {group.name} ranks: "
-                     f"{ParallelLayout(len(group.handles), group.context_size).describe()}")
+            if group.same_rows > 1:  # each rank's coordinates: the ranks of one data-parallel index share rows
+                info(f"ray placement: {group.name} ranks: {group.layout.describe()}")
         wait_all([(h.pid.remote(), g.label(i)) for g in self.groups for i, h in enumerate(g.handles)],
                  timeout=PLACE_TIMEOUT_S)
         t0 = time.perf_counter()
