@@ -96,7 +96,9 @@ class DSConfig:
                                      inert=needs("--ds.ring_attn_size > 1", lambda c: c.ds.ring_attn_size > 1),
                                      on_resume="adjustable")
     use_universal_ckpt: bool = opt(False, "write DeepSpeed universal checkpoints (stage/world-size agnostic)",
-                                   inert=not_yet("DeepSpeed universal checkpoints"), on_resume="adjustable")
+                                   inert=Inert("posttrain's checkpoints always hold a layout-free copy that resumes on "
+                                               "other ranks and ZeRO stages (docs/runs.md#elastic-resume)"),
+                                   on_resume="adjustable")
     attn_implementation: str | None = opt(
         None,
         "attention backend: eager, sdpa, flash_attention_2, flash_attention_3 or a hub kernel "

@@ -44,6 +44,45 @@ class TrainEngine:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    tensor_parallel: int = 1
+
+    def layout(self) -> dict:
+        """What an engine state depends on: the engine, its ranks, ZeRO stage and tensor-parallel size."""
+        return {"engine": self.name, "world_size": self.world_size, "zero_stage": self.zero_stage,
+                "tensor_parallel_size": self.tensor_parallel}
+
+    def set_global_step(self, step: int) -> None:
+        raise NotImplementedError
+
+    def save_layout_free(self, directory: str) -> None:
+        """The layout-free copy of the state (`engines.portable`) beside the engine's own files (every rank)."""
+        if self.tensor_parallel == 1:
+            from posttrain.engines.portable import save_portable
+
+            save_portable(self, directory)
+
+    def load_other_layout(self, directory: str) -> bool:
+        """When `directory` was written on another layout (ranks, ZeRO stage, engine), load its layout-free copy
+        and say what changed; False when the layout is this engine's (the caller loads its own files)."""
+        from posttrain.engines.portable import has_portable, load_portable
+        from posttrain.utils.log import info
+
+        saved, mine = saved_layout(directory), self.layout()
+        if saved is None or saved == mine:
+            return False
+        was, now = describe_layout(saved), describe_layout(mine)
+        if saved["tensor_parallel_size"] != 1 or mine["tensor_parallel_size"] != 1:
+            raise ValueError(f"{directory!r} was written on {was}, this run is {now}: a tensor-parallel engine state "
+                             "resumes only on the layout that wrote it")
+        if not has_portable(directory):
+            raise ValueError(f"{directory!r} was written on {was}, this run is {now}, and it holds no layout-free "
+                             "copy (written by posttrain before elastic resume): resume on the layout that wrote it")
+        load_portable(self, directory)
+        if self.is_main:
+            info(f"resumed {directory} written on {was} on {now}: weights, Adam moments and schedule from its "
+                 "layout-free copy (the same math; float sums may differ in the last bits)")
+        return True
+
     @property
     def device(self) -> torch.device:
         return next(self.module.parameters()).device
@@ -153,6 +192,26 @@ class TrainEngine:
 def write_meta(directory: str, meta: dict) -> None:
     with open(os.path.join(directory, STATE_META), "w") as f:
         json.dump(meta, f, indent=1, sort_keys=True)
+
+
+def saved_layout(directory: str) -> dict | None:
+    """The layout an engine state was written with ({"engine", "world_size", "zero_stage",
+    "tensor_parallel_size"}), or None when its meta is missing or unreadable."""
+    try:
+        with open(os.path.join(directory, STATE_META)) as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+    return {"engine": meta.get("engine"), "world_size": meta.get("world_size", 1),
+            "zero_stage": meta.get("zero_stage"), "tensor_parallel_size": meta.get("tensor_parallel_size", 1)}
+
+
+def describe_layout(layout: dict) -> str:
+    stage = layout.get("zero_stage")
+    ranks = layout.get("world_size") or 1
+    how = "one process" if layout.get("engine") == "torch" else f"ZeRO-{stage}"
+    return f"{ranks} rank(s), {how}" + (f", tensor parallel {layout['tensor_parallel_size']}"
+                                        if (layout.get("tensor_parallel_size") or 1) > 1 else "")
 
 
 def read_meta(directory: str, engine: str) -> dict:

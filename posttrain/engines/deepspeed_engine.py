@@ -262,6 +262,9 @@ class DeepSpeedEngine(TrainEngine):
     def global_step(self) -> int:
         return int(self.engine.global_steps)
 
+    def set_global_step(self, step: int) -> None:
+        self.engine.global_steps = step
+
     def gathered(self, tensors) -> contextlib.AbstractContextManager:
         """Under ZeRO-3, ``GatheredParameters`` over the partitioned ones among ``tensors`` (collective;
         read-only: changes made inside are dropped on exit); else nothing to do. Not with tensor parallelism (the
@@ -319,9 +322,13 @@ class DeepSpeedEngine(TrainEngine):
                 meta.update(weights="trainable", frozen_hash=self.frozen_hash() if self.zero_stage != 3 else None)
             write_meta(directory, meta)
         self.barrier()
+        self.save_layout_free(directory)
 
     def load_state(self, directory: str) -> None:
-        """Check the state is complete and matches this run (stage, world size), then load it all."""
+        """Check the state is complete and matches this run (stage, world size), then load it all; a state
+        written on another layout loads from its layout-free copy (`load_other_layout`)."""
+        if self.load_other_layout(directory):
+            return
         meta = read_meta(directory, self.name)
         for key, mine in (("zero_stage", self.zero_stage), ("world_size", self.world_size),
                           ("tensor_parallel_size", self.tensor_parallel)):

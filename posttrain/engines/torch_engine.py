@@ -74,6 +74,9 @@ class TorchEngine(TrainEngine):
     def global_step(self) -> int:
         return self._steps
 
+    def set_global_step(self, step: int) -> None:
+        self._steps = step
+
     def save_state(self, directory: str) -> None:
         """Rank 0 writes model.pt, optimizer.pt, scheduler.pt, then engine_state.json; all ranks wait.
         A model with frozen parameters (LoRA) saves its trainable tensors only, with the frozen ones'
@@ -90,9 +93,13 @@ class TorchEngine(TrainEngine):
             torch.save(self.scheduler.state_dict(), os.path.join(directory, "scheduler.pt"))
             write_meta(directory, meta)
         self.barrier()
+        self.save_layout_free(directory)
 
     def load_state(self, directory: str) -> None:
-        """Read and validate every file before changing anything; raise on a missing/corrupt state."""
+        """Read and validate every file before changing anything; raise on a missing/corrupt state. A state
+        written on another layout loads from its layout-free copy (`load_other_layout`)."""
+        if self.load_other_layout(directory):
+            return
         meta = read_meta(directory, self.name)
         loaded = {}
         for fname in _FILES:

@@ -84,6 +84,29 @@ def test_tensor_parallel_actor_and_critic_equal_one_process(run_ppo, ray_session
     assert _max_diff(_weights(local), _weights(tp)) < 3e-5
 
 
+@pytest.mark.parametrize("before,after", [("one", "zero2"), ("zero3", "one")])
+def test_a_ppo_checkpoint_resumes_on_another_layout(run_ppo, ray_session, tmp_path, before, after):
+    """Elastic resume of the actor and the critic (GAE): a checkpoint of step 2 written in one process resumes
+    on Ray with 2 ranks each under ZeRO-2 (and one of 2 ranks under ZeRO-3 in one process); the resumed steps
+    equal the uninterrupted run on the new layout (rewards 1e-6, weights 3e-5)."""
+    layouts = {"one": (), "zero2": ("--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "2",
+                                    "--vllm.num_engines", "1", "--ds.zero_stage", "2"),
+               "zero3": ("--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "2",
+                         "--vllm.num_engines", "1", "--ds.zero_stage", "3")}
+    common = ("--train.num_episodes", "1", "--data.max_samples", "24", "--train.batch_size", "16",
+              "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8", "--algo.advantage.estimator",
+              "gae", "--critic.adam.lr", "1e-3", "--ckpt.save_steps", "2")
+    run_ppo(*common, *layouts[before], "--ckpt.path", tmp_path / "ck_first", name="first")
+    straight, _ = run_ppo(*common, *layouts[after], "--ckpt.path", tmp_path / "ck_straight", name="straight")
+    resume = tmp_path / "ck_resume"
+    resume.mkdir()
+    shutil.copytree(tmp_path / "ck_first" / "global_step2", resume / "global_step2")
+    resumed, _ = run_ppo(*common, *layouts[after], "--ckpt.path", resume, "--ckpt.load_enable", name="resumed")
+    assert len(rewards_by_step(straight)) == 3
+    assert rewards_by_step(resumed, start=3) == pytest.approx(rewards_by_step(straight, start=3), abs=1e-6)
+    assert _max_diff(_weights(straight), _weights(resumed)) < 3e-5
+
+
 def test_moe_actor_on_two_zero3_ranks_equals_one_process_and_takes_the_router_loss(run_ppo, tiny_moe_dir,
                                                                                    ray_session, capfd):
     """GRPO with a tiny Qwen3-MoE actor: 2 actor ranks under ZeRO-3 (expert blocks gathered whole) and 2 rollout
