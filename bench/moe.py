@@ -75,7 +75,8 @@ def metric_rows(out_dir: Path) -> list[dict]:
 def sft_worker(spec: dict, side: str, out_dir: Path, clock: TurnClock) -> dict:
     """One SFT run of `side` (bench/sft.py's posttrain side); per-step tokens from its collator records."""
     kind, extra = SFT_SIDES[side]
-    res = sft.run_posttrain(dict(spec, model=spec["models"][kind]), False, out_dir, clock, extra)
+    res = sft.run_posttrain(dict(spec, model=spec["models"][kind]), False, out_dir, clock,
+                            extra + spec.get("flags", []))
     ga = spec["batch_size"] // spec["micro_batch_size"]
     micro = res.pop("micro")[: spec["steps"] * ga]
     tokens = [sum(m["tokens"] for m in micro[i * ga:(i + 1) * ga]) for i in range(spec["steps"])]
@@ -86,7 +87,8 @@ def sft_worker(spec: dict, side: str, out_dir: Path, clock: TurnClock) -> dict:
 def rl_worker(spec: dict, side: str, out_dir: Path, clock: TurnClock) -> dict:
     """One GRPO run of `side` (bench/rl_step.py's posttrain side); posttrain's timing/* per step."""
     kind, extra = RL_SIDES[side]
-    res = rl_step.run_posttrain(dict(spec, model=spec["models"][kind]), out_dir, None, extra, clock=clock)
+    res = rl_step.run_posttrain(dict(spec, model=spec["models"][kind]), out_dir, None, extra + spec.get("flags", []),
+                                clock=clock)
     rows = [r for r in metric_rows(out_dir) if "timing/step_total" in r]
     timing = {k: [r.get(k) for r in rows] for k in sorted({k for r in rows for k in r if k.startswith("timing/")})}
     aux = [r["actor/aux_loss"] for r in rows if "actor/aux_loss" in r]
@@ -160,14 +162,19 @@ def sft_spec(args, work: Path, models: dict) -> dict:
     return {"models": {k: v["path"] for k, v in models.items()}, "data": write_data(work / "data_sft", n, 4),
             "steps": args.sft_steps, "warmup": 1, "batch_size": args.batch_size,
             "micro_batch_size": args.micro_batch_size, "max_len": 64, "lr": 1e-3, "warmup_ratio": 0.1,
-            "min_lr_ratio": 0.1, "seed": 42, "chunk": args.chunk, "threads": args.threads}
+            "min_lr_ratio": 0.1, "seed": 42, "chunk": args.chunk, "threads": args.threads, "flags": flags(args)}
 
 
 def rl_spec(args, work: Path, models: dict) -> dict:
     data = write_data(work / "data_rl", args.rl_steps * args.prompts, 0)
     return {"models": {k: v["path"] for k, v in models.items()}, "data": data, "prompts": args.prompts,
             "n": args.n, "max_new_tokens": args.max_new_tokens, "micro_batch_size": args.rl_micro_batch_size,
-            "lr": 1e-5, "steps": args.rl_steps, "warmup": args.rl_warmup, "chunk": 1, "threads": args.threads}
+            "lr": 1e-5, "steps": args.rl_steps, "warmup": args.rl_warmup, "chunk": 1, "threads": args.threads,
+            "flags": flags(args)}
+
+
+def flags(args) -> list[str]:
+    return shlex.split(args.flags or "")
 
 
 def run_task(args, work: Path, task: str, size: str, spec: dict, sides: list[str]) -> dict[str, list[dict]]:
@@ -283,7 +290,8 @@ def report(args, started, sections: list[str]) -> str:
             f"micro-batch {args.micro_batch_size} x {args.batch_size // args.micro_batch_size}, max_len 64, arithmetic "
             f"rows (difficulty 4), {args.sft_steps} steps (1 warm-up). RL: GRPO, {args.prompts} prompts x {args.n} "
             f"samples, {args.max_new_tokens} new tokens, micro-batch {args.rl_micro_batch_size}, {args.rl_steps} steps "
-            f"({args.rl_warmup} warm-up). Router loss coefficient {AUX} on the `+aux` sides.", ""]
+            f"({args.rl_warmup} warm-up). Router loss coefficient {AUX} on the `+aux` sides."
+            + (f" Every side with `{args.flags}`." if args.flags else ""), ""]
     return "\n".join(head + sections)
 
 
@@ -303,6 +311,9 @@ def main(argv=None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--rl-micro-batch-size", type=int, default=16)
     p.add_argument("--rl-sides", default="dense,moe+aux", help="comma-separated of " + ", ".join(RL_SIDES))
+    p.add_argument("--flags", default=None, help="extra posttrain flags for every side, e.g. "
+                   "--flags=--ds.no_onednn_linear (posttrain's oneDNN path speeds the dense model's nn.Linear "
+                   "layers, not the experts' 3-D weights)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: sizes nano,small, 2 steps each (1 warm-up), 1 repeat, at most 5 s waiting")
     add_round_robin_args(p, ["sft", "rl"])
