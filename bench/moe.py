@@ -200,6 +200,90 @@ def run_task(args, work: Path, task: str, size: str, spec: dict, sides: list[str
     return results
 
 
+# ---- MLP block micro-benchmark (driver process) ----------------------------------------------------
+def block_times(models: dict, tokens: int, rounds: int) -> dict[str, float]:
+    """Median CPU milliseconds (this process, torch threads as set) of one layer's MLP block, forward + backward
+    on `tokens` rows of random hidden states, the variants interleaved over `rounds` rounds: the dense MLP with
+    posttrain's oneDNN linears (its default) and with torch's `F.linear`; the MoE router alone; the MoE block
+    with transformers' `grouped_mm` (its default) and `eager` (a Python loop over the hit experts) kernels."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.models.cpu_linear import use_onednn_linears
+
+    dense = AutoModelForCausalLM.from_pretrained(models["dense"]["path"], dtype=torch.float32).model.layers[0].mlp
+    onednn = copy.deepcopy(dense)
+    use_onednn_linears(onednn)
+    block = AutoModelForCausalLM.from_pretrained(models["moe"]["path"], dtype=torch.float32).model.layers[0].mlp
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, tokens, block.gate.hidden_dim, generator=gen)
+    grad = torch.randn(1, tokens, block.gate.hidden_dim, generator=gen)
+
+    def run_block(module, kernel=None):
+        if kernel:
+            block.experts.config._experts_implementation = kernel
+        xx = x.clone().requires_grad_()
+        module(xx).backward(grad)
+
+    def run_router():
+        xx = x.clone().requires_grad_()
+        logits, scores, _ = block.gate(xx.view(tokens, -1))
+        (logits.sum() + scores.sum()).backward()
+
+    variants = {"dense MLP (oneDNN linears, posttrain's default)": lambda: run_block(onednn),
+                "dense MLP (F.linear, --ds.no_onednn_linear)": lambda: run_block(dense),
+                "MoE router alone (linear, softmax, top-k)": run_router,
+                **{f"MoE block, experts `{k}`": (lambda k=k: run_block(block, k))
+                   for k in ("grouped_mm", "eager")}}  # batched_mm copies each row's expert weights: GiBs here
+    seconds: dict[str, list[float]] = {k: [] for k in variants}
+    for r in range(rounds + 1):  # round 0 is warm-up
+        for name, fn in variants.items():
+            t0 = time.process_time()
+            fn()
+            if r:
+                seconds[name].append(time.process_time() - t0)
+    return {k: 1000 * median(v) for k, v in seconds.items()}
+
+
+def optimizer_times(models: dict, rounds: int) -> dict[str, float]:
+    """Median CPU milliseconds of one optimizer step over a whole model, as posttrain's TorchEngine does it
+    (global-norm clipping to 1.0, then torch AdamW betas (0.9, 0.95), no decay), gradients random; dense and
+    MoE interleaved. The state exists from round 0 (warm-up) on."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    steps = {}
+    for kind in ("dense", "moe"):
+        model = AutoModelForCausalLM.from_pretrained(models[kind]["path"], dtype=torch.float32)
+        params = list(model.parameters())
+        for q in params:
+            q.grad = torch.randn_like(q)
+        opt = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+
+        def step(params=params, opt=opt):
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+        steps[f"optimizer step (clip + AdamW), whole {kind} model"] = step
+    seconds: dict[str, list[float]] = {k: [] for k in steps}
+    for r in range(rounds + 1):
+        for name, fn in steps.items():
+            t0 = time.process_time()
+            fn()
+            if r:
+                seconds[name].append(time.process_time() - t0)
+    return {k: 1000 * median(v) for k, v in seconds.items()}
+
+
+def block_table(size: str, blocks: dict[str, float], optim: dict[str, float], layers: int) -> str:
+    ref = blocks["dense MLP (oneDNN linears, posttrain's default)"]
+    rows = [[size, name, f"{ms:.2f}", f"{ms / ref:.2f}", f"{ms * layers:.0f}"] for name, ms in blocks.items()]
+    ref = next(iter(optim.values()))
+    rows += [[size, name, f"{ms:.2f}", f"{ms / ref:.2f}", "-"] for name, ms in optim.items()]
+    return md_table(["size", "variant", "CPU ms", "x dense", f"x {layers} layers (ms)"], rows)
+
+
 # ---- summary -------------------------------------------------------------------------------------
 def timed(res: dict, key: str, warmup: int) -> list[float]:
     return res[key][warmup:]
@@ -299,7 +383,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default=None, help="build_tiny presets, comma-separated (default small,base; "
                    "--quick: nano,small)")
-    p.add_argument("--only", choices=["sft", "rl"], default=None, help="run one of the two tasks")
+    p.add_argument("--only", choices=["sft", "rl", "blocks"], default=None, help="run one of the three parts")
+    p.add_argument("--block-tokens", type=int, default=512, help="rows of the MLP block micro-benchmark")
+    p.add_argument("--block-rounds", type=int, default=20, help="interleaved rounds of the MLP block benchmark")
     p.add_argument("--repeats", type=int, default=2, help="round-robin runs per task and size")
     p.add_argument("--sft-steps", type=int, default=8, help="SFT optimizer steps per run (the first is warm-up)")
     p.add_argument("--batch-size", type=int, default=32)
@@ -339,18 +425,30 @@ def main(argv=None) -> None:
     sections, summary = [], []
     for size in args.sizes.split(","):
         models = build_models(work, size)
-        if args.only != "rl":
+        if args.only in (None, "sft"):
             spec = sft_spec(args, work, models)
             runs = run_task(args, work, "sft", size, spec, list(SFT_SIDES))
             sections += [f"SFT step, {size}:", "", sft_table(size, models, runs, spec), ""]
             summary += [f"- SFT {size}: " + ratio_text(runs, side, "dense", 1) for side in ("moe", "moe+aux")]
-        if args.only != "sft":
+        if args.only in (None, "rl"):
             spec = rl_spec(args, work, models)
             sides = args.rl_sides.split(",")
             runs = run_task(args, work, "rl", size, spec, sides)
             sections += [f"GRPO step (one process), {size}:", "", rl_table(size, models, runs, spec), ""]
             summary += [f"- RL {size}: " + ratio_text(runs, side, "dense", spec["warmup"]) for side in sides
                         if side != "dense"]
+        if args.only in (None, "blocks"):
+            import torch
+            from transformers import AutoConfig
+
+            torch.set_num_threads(args.threads or torch.get_num_threads())
+            blocks = block_times(models, args.block_tokens, args.block_rounds)
+            optim = optimizer_times(models, args.block_rounds)
+            layers = AutoConfig.from_pretrained(models["dense"]["path"]).num_hidden_layers
+            sections += [f"Components, {size}: one layer's MLP block, forward + backward of {args.block_tokens} "
+                         "tokens (random hidden states), and one optimizer step over the whole model; median CPU time "
+                         f"of {args.block_rounds} interleaved rounds, one thread:", "",
+                         block_table(size, blocks, optim, layers), ""]
     sections += ["MoE / dense:", "", *summary, "", f"Total wall time {time.perf_counter() - t0:.0f} s.", ""]
     text = report(args, started, sections)
     print("\n" + text, flush=True)
