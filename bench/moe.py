@@ -1,6 +1,6 @@
 """Mixture of experts vs dense at the same active parameters: an SFT step and a GRPO step, time and memory.
 
-    PYTHONPATH=. .venv/bin/python bench/moe.py [--sizes small,base] [--only sft|rl] [--repeats 2]
+    PYTHONPATH=. .venv/bin/python bench/moe.py [--sizes small,base] [--only sft|rl|blocks] [--repeats 2]
         [--sft-steps 8] [--rl-steps 4] [--threads 1] [--quick] [--workdir DIR] [--markdown FILE]
 
 Models (random init, fp32, sdpa, one per preset `--sizes`): `build_tiny(dir, arch="llama", size=S)` (dense) and
@@ -18,6 +18,11 @@ block's parameters), counted on the meta device.
    TRL): sides `dense` and `moe+aux` (`--actor.aux_loss_coef 0.01`; `--rl-sides` adds `moe`), 8 prompts x 4
    samples, 16 new tokens, one optimizer step per rollout, `--rl-steps` steps of which `--rl-warmup` are warm-up.
    posttrain's own `timing/*` metrics (metrics.jsonl) give the split generation / experience / update.
+3. Components (in the driver process, one thread, CPU time, variants interleaved over `--block-rounds`): one
+   layer's MLP block, forward + backward of `--block-tokens` rows — the dense MLP with posttrain's oneDNN linears
+   (its default) and with `F.linear`, the MoE router alone, the MoE block with transformers' `grouped_mm` and
+   `eager` experts kernels — and one optimizer step (clip + AdamW) over each whole model: where the extra time
+   of a MoE step goes.
 
 Interleaving: for each size and task a repeat starts one process per side at once; they set up and run their
 first step concurrently (untimed), then take turns (`common.run_round_robin`): one trains while the others wait
@@ -366,8 +371,10 @@ def report(args, started, sections: list[str]) -> str:
     cmd = "PYTHONPATH=. .venv/bin/python bench/moe.py " + shlex.join(sys.argv[1:])
     head = ["## Mixture of experts vs dense (`bench/moe.py`)", "", f"Command: `{cmd}`  ",
             f"Date: {started:%Y-%m-%d %H:%M} UTC  ", f"Machine: {machine()}  ",
-            "Versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()), "",
-            f"Setup: dense = `build_tiny(arch='llama', size=S)`, MoE = `build_tiny(arch='qwen3_moe', size=S)` (4 experts "
+            "Versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()), ""]
+    if args.only == "blocks":
+        return "\n".join(head + sections)
+    head += [f"Setup: dense = `build_tiny(arch='llama', size=S)`, MoE = `build_tiny(arch='qwen3_moe', size=S)` (4 experts "
             f"of half the MLP width, 2 per token; the transformers default experts kernel), random init, fp32, sdpa; "
             f"torch threads per worker {args.threads or 'default'}; {args.repeats} repeat(s), each a round-robin of "
             f"one process per side (turns of {args.chunk} SFT / 1 RL step). SFT: global batch {args.batch_size} = "
@@ -410,7 +417,7 @@ def main(argv=None) -> None:
         return worker(args)
     if args.quick:
         args.sizes, args.sft_steps, args.rl_steps, args.rl_warmup = args.sizes or "nano,small", 2, 2, 1
-        args.repeats, args.max_wait = 1, min(args.max_wait, 5.0)
+        args.repeats, args.max_wait, args.block_rounds = 1, min(args.max_wait, 5.0), min(args.block_rounds, 5)
     args.sizes = args.sizes or "small,base"
     if args.sft_steps < 2 or args.rl_steps < args.rl_warmup + 1 or args.rl_warmup < 1:
         p.error("need --sft-steps >= 2, --rl-warmup >= 1 and --rl-steps > --rl-warmup")
@@ -449,7 +456,7 @@ def main(argv=None) -> None:
                          "tokens (random hidden states), and one optimizer step over the whole model; median CPU time "
                          f"of {args.block_rounds} interleaved rounds, one thread:", "",
                          block_table(size, blocks, optim, layers), ""]
-    sections += ["MoE / dense:", "", *summary, "", f"Total wall time {time.perf_counter() - t0:.0f} s.", ""]
+    sections += (["MoE / dense:", "", *summary, ""] if summary else []) + [f"Total wall time {time.perf_counter() - t0:.0f} s.", ""]
     text = report(args, started, sections)
     print("\n" + text, flush=True)
     if args.markdown:
