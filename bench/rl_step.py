@@ -101,12 +101,13 @@ def _posttrain_argv(spec: dict, out_dir: Path) -> list[str]:
             "--logger.logging_steps", "1"]
 
 
-def run_posttrain(spec: dict, out_dir: Path, profile_step: int | None, extra: list[str] = ()) -> dict:
+def run_posttrain(spec: dict, out_dir: Path, profile_step: int | None, extra: list[str] = (), clock=None) -> dict:
+    """`clock` (default a fresh `StepClock`) is ticked after every step; bench/moe.py passes a `TurnClock`."""
     from posttrain.cli import train_ppo_ray
     from posttrain.rollout import HFRolloutEngine
     from posttrain.trainers.rl import ppo as ppo_module
 
-    clock, prompts, gen_tokens, prof_text = StepClock(), [], [], []
+    clock, prompts, gen_tokens, prof_text = clock or StepClock(), [], [], []
     inner_step, inner_sequences = ppo_module.RLTrainer.step, HFRolloutEngine.sequences
     drawn = []  # the decode sequences of the current step (every generation path builds them here)
 
