@@ -194,6 +194,7 @@ def test_tensor_parallel_checkpoints_resume_on_the_same_layout(tiny_model_dir, a
     wa, wb = weights(tmp_path / "full"), weights(tmp_path / "resumed")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     shutil.copytree(step2, tmp_path / "ckpt_c" / "global_step2")  # the same 2 ranks without tensor parallelism
-    with pytest.raises(AssertionError, match="was saved with tensor_parallel_size=2, this run has tensor_parallel_size"
-                                             "=1: an engine state resumes on the layout that wrote it"):
+    with pytest.raises(AssertionError, match="was written on 2 rank\\(s\\), ZeRO-1, tensor parallel 2, this run is 2 "
+                                             "rank\\(s\\), ZeRO-1: a tensor-parallel engine state resumes only on "
+                                             "the layout that wrote it"):
         torchrun("posttrain.cli.train_sft", flags(tmp_path / "other", tmp_path / "ckpt_c", "--ckpt.load_enable"))
