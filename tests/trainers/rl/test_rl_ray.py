@@ -84,11 +84,12 @@ def test_tensor_parallel_actor_and_critic_equal_one_process(run_ppo, ray_session
     assert _max_diff(_weights(local), _weights(tp)) < 3e-5
 
 
-@pytest.mark.parametrize("before,after", [("one", "zero2"), ("zero3", "one")])
+@pytest.mark.parametrize("before,after", [("one", "zero2"), ("zero3", "one"), ("zero2", "zero3")])
 def test_a_ppo_checkpoint_resumes_on_another_layout(run_ppo, ray_session, tmp_path, before, after):
     """Elastic resume of the actor and the critic (GAE): a checkpoint of step 2 written in one process resumes
-    on Ray with 2 ranks each under ZeRO-2 (and one of 2 ranks under ZeRO-3 in one process); the resumed steps
-    equal the uninterrupted run on the new layout (rewards 1e-6, weights 3e-5)."""
+    on Ray with 2 ranks each under ZeRO-2, one of 2 ranks under ZeRO-3 in one process, and one of ZeRO-2 under
+    ZeRO-3 on the same ranks; the resumed steps equal the uninterrupted run on the new layout (rewards 1e-6,
+    weights 3e-5)."""
     layouts = {"one": (), "zero2": ("--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "2",
                                     "--vllm.num_engines", "1", "--ds.zero_stage", "2"),
                "zero3": ("--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "2",
