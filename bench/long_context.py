@@ -25,7 +25,10 @@ gloo; torch threads per rank = cores / ranks):
   note, found by parsing the configuration without running, or in a run's stderr), the rows say
   "n/a (flag not available in this checkout)" and nothing runs: after tensor parallelism lands, the same
   command measures it.
-- `dp2` (optional): 2 ranks plain data parallel with ZeRO-2, one whole row per rank (reference).
+- `ring2-hs2` (optional): `ring2` with `--ds.ring_attn_head_stride 2` (both key/value heads of the small
+  preset gathered in one call: one attention call per layer instead of two).
+- `dp2` (optional): 2 ranks plain data parallel with ZeRO-2, one whole row per rank (reference: the same
+  engine as the ring, no split).
 
 Measured per rank, by a wrapper that runs `posttrain.cli.train_sft.main` in the rank's process with global
 hooks (`StepProbe`): a forward pre-hook on every module, armed at the start and after each optimizer step,
@@ -84,6 +87,7 @@ TP_NA = "n/a (flag not available in this checkout)"
 CONFIGS = {
     "1proc": (1, []),
     "ring2": (2, ["--ds.ring_attn_size", "2", "--ds.zero_stage", "2"]),
+    "ring2-hs2": (2, ["--ds.ring_attn_size", "2", "--ds.ring_attn_head_stride", "2", "--ds.zero_stage", "2"]),
     "tp2": (2, ["--ds.tensor_parallel_size", "2"]),
     "dp2": (2, ["--ds.zero_stage", "2"]),
 }
@@ -226,7 +230,7 @@ def sft_argv(model: Path, data: Path, out: Path, length: int, batch: int, steps:
 
 
 def config_flags(name: str, tp_zero: int) -> tuple[int, list[str]]:
-    ranks, flags = CONFIGS[name.split("-")[0]]
+    ranks, flags = CONFIGS["tp2" if name.startswith("tp2") else name]
     if name.startswith("tp2"):
         flags = flags + ["--ds.zero_stage", str(tp_zero)]
     return ranks, flags
@@ -235,17 +239,24 @@ def config_flags(name: str, tp_zero: int) -> tuple[int, list[str]]:
 ROWS_PER_STEP = 2  # --train.batch_size of every configuration (module doc)
 
 
-def flag_unavailable(argv: list[str], flag: str = "--ds.tensor_parallel_size") -> str | None:
-    """posttrain's note when `flag` has no effect in this checkout (parsing the configuration only), else
-    None; a configuration error naming the flag counts as not available too."""
+def flag_unavailable(argv: list[str], ranks: int, flag: str = "--ds.tensor_parallel_size") -> str | None:
+    """posttrain's note that `flag` has no effect in this checkout, from parsing the configuration as `ranks`
+    ranks would (nothing runs), else None. A configuration that does not parse here is left to the run
+    (its stderr is checked too)."""
     from posttrain.config import parse_config
     from posttrain.config.inert import inert_flags
 
+    saved = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(ranks)
     try:
-        cfg = parse_config("sft", argv)
-    except Exception as e:  # noqa: BLE001  (a refusal of the flag itself)
-        return str(e).splitlines()[0] if flag.lstrip("-") in str(e) else None
-    notes = [n for n in inert_flags(cfg, "cpu") if n.startswith(flag)]
+        notes = [n for n in inert_flags(parse_config("sft", argv), "cpu") if n.startswith(flag)]
+    except Exception:  # noqa: BLE001
+        notes = []
+    finally:
+        if saved is None:
+            os.environ.pop("WORLD_SIZE")
+        else:
+            os.environ["WORLD_SIZE"] = saved
     return notes[0] if notes else None
 
 
@@ -340,7 +351,7 @@ def run_one(args, work: Path, model: Path, name: str, length: int) -> dict:
     data = write_rows(work, length, args.steps * ROWS_PER_STEP)
     out = work / "runs" / f"{name}_L{length}"
     argv = sft_argv(model, data, out, length, ROWS_PER_STEP, args.steps, flags)
-    if name.startswith("tp2") and (why := flag_unavailable(argv)):
+    if name.startswith("tp2") and (why := flag_unavailable(argv, ranks)):
         return {"name": name, "length": length, "na": why, "argv": argv}
     spec = work / "runs" / f"{name}_L{length}.spec.json"
     spec.parent.mkdir(parents=True, exist_ok=True)
@@ -493,26 +504,32 @@ def longest_fit(results: dict[str, list[dict]], lengths: list[int]) -> list[str]
 
 def balance_lines(results: dict[str, list[dict]]) -> list[str]:
     out = []
-    for res in results.get("ring2", []):
+    for res in [r for name in results if name.startswith("ring2") for r in results[name]]:
         if not res.get("ranks") or "error" in res:
             continue
         parts = [f"rank {r['rank']}: step {r['seconds']:.2f} s, in collectives {r['cp_seconds']:.2f} s, other "
                  f"{r['seconds'] - r['cp_seconds']:.2f} s, CPU {r['cpu']:.2f} s" for r in per_rank(res)]
-        out.append(f"- ring2 L={res['length']:,} (median of steps 2..N): " + "; ".join(parts))
+        out.append(f"- {res['name']} L={res['length']:,} (median of steps 2..N): " + "; ".join(parts))
     return out
 
 
 def ratio_lines(results: dict[str, list[dict]]) -> list[str]:
-    one = {r["length"]: per_rank(r)[0] for r in results.get("1proc", []) if r.get("ranks") and "error" not in r}
+    def by_length(name):
+        return {r["length"]: per_rank(r) for r in results.get(name, []) if r.get("ranks") and "error" not in r}
+
+    one, dp = {k: v[0] for k, v in by_length("1proc").items()}, by_length("dp2")
     out = []
-    pairs = [("ring2", "activation", "activation")] + [(n, "parameter + optimizer", "param_opt")
-                                                       for n in results if n.startswith("tp2")]
+    pairs = [(n, "activation", "activation") for n in results if n.startswith("ring2")]
+    pairs += [(n, "parameter + optimizer", "param_opt") for n in results if n.startswith("tp2")]
     for name, goal, key in pairs:
         for res in results.get(name, []):
             if res.get("ranks") and "error" not in res and res["length"] in one:
                 mine = max(r[key] or 0 for r in per_rank(res))
+                vs_dp = ""
+                if res["length"] in dp:
+                    vs_dp = f"; vs dp2 (ZeRO-2, whole row per rank) {mine / max(r[key] for r in dp[res['length']]):.2f}x"
                 out.append(f"- {name} / 1proc, per-rank {goal} at L={res['length']:,}: "
-                           f"**{mine / one[res['length']][key]:.2f}x** (goal <= 0.6)")
+                           f"**{mine / one[res['length']][key]:.2f}x** (goal <= 0.6){vs_dp}")
             elif "na" in res and res["length"] == min(one, default=0):
                 out.append(f"- {name}: {TP_NA} — {res['na']}")
     return out
@@ -521,6 +538,8 @@ def ratio_lines(results: dict[str, list[dict]]) -> list[str]:
 def command_line(args) -> str:
     cmd = ["--lengths", ",".join(map(str, args.lengths)), "--configs", ",".join(args.configs),
            "--steps", str(args.steps), "--budget-gib", f"{args.budget_gib:g}"]
+    if args.tp_zero_stages != [2]:
+        cmd += ["--tp-zero-stages", ",".join(map(str, args.tp_zero_stages))]
     return ".venv/bin/python bench/long_context.py " + shlex.join(cmd)
 
 
