@@ -344,8 +344,8 @@ def read_metrics(out_dir: Path) -> list[dict]:
 def run_one(args, work: Path, model: Path, name: str, length: int) -> dict:
     """One launch of configuration `name` at row length `length` (reused from WORKDIR/results with --reuse)."""
     cached = work / "results" / f"{name}_L{length}.json"
-    if args.reuse and cached.exists():
-        return json.loads(cached.read_text())
+    if (args.reuse or args.report_only) and cached.exists():
+        return {"finished": cached.stat().st_mtime, **json.loads(cached.read_text())}
     tp_zero = int(name.split("-zero")[1]) if "-zero" in name else args.tp_zero_stages[0]
     ranks, flags = config_flags(name, tp_zero)
     data = write_rows(work, length, args.steps * ROWS_PER_STEP)
@@ -353,12 +353,14 @@ def run_one(args, work: Path, model: Path, name: str, length: int) -> dict:
     argv = sft_argv(model, data, out, length, ROWS_PER_STEP, args.steps, flags)
     if name.startswith("tp2") and (why := flag_unavailable(argv, ranks)):
         return {"name": name, "length": length, "na": why, "argv": argv}
+    if args.report_only:
+        return {"name": name, "length": length, "skipped": "not run (--report-only)"}
     spec = work / "runs" / f"{name}_L{length}.spec.json"
     spec.parent.mkdir(parents=True, exist_ok=True)
     spec.write_text(json.dumps({"argv": argv}))
     res = launch(ranks, spec, work / "runs" / f"{name}_L{length}.result", work / "runs" / f"{name}_L{length}.log",
                  args.budget_gib * GIB, args.timeout)
-    res.update(name=name, length=length, argv=argv, ranks_n=ranks, metrics=read_metrics(out))
+    res.update(name=name, length=length, argv=argv, ranks_n=ranks, metrics=read_metrics(out), finished=time.time())
     if name.startswith("tp2") and res.get("unavailable"):
         res["na"] = res["unavailable"]
     cached.parent.mkdir(parents=True, exist_ok=True)
@@ -405,6 +407,8 @@ def sweep(args, work: Path, model: Path) -> dict[str, list[dict]]:
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
             if "na" in res:
                 stopped[name] = TP_NA
+            elif "skipped" in res:
+                stopped[name] = res["skipped"]
             elif "error" in res:
                 stopped[name] = f"L={length} failed: {res['error']}"
     return results
@@ -434,6 +438,8 @@ def per_rank(res: dict) -> list[dict]:
 def one_line(res: dict) -> str:
     if "na" in res:
         return f"n/a: {res['na']}"
+    if "skipped" in res:
+        return f"skipped: {res['skipped']}"
     if "error" in res:
         return f"FAILED: {res['error']}"
     ranks = per_rank(res)
@@ -535,6 +541,17 @@ def ratio_lines(results: dict[str, list[dict]]) -> list[str]:
     return out
 
 
+def run_dates(results: dict[str, list[dict]], started) -> str:
+    """When the launches ran (from their results: with --reuse / --report-only, when they were measured)."""
+    ends = [(r["finished"], r.get("wall", 0)) for runs in results.values() for r in runs if r.get("finished")]
+    if not ends:
+        return f"{started:%Y-%m-%d %H:%M} UTC"
+    utc = datetime.timezone.utc
+    first = datetime.datetime.fromtimestamp(min(e - w for e, w in ends), utc)
+    last = datetime.datetime.fromtimestamp(max(e for e, _ in ends), utc)
+    return f"{first:%Y-%m-%d %H:%M}-{last:%H:%M} UTC"
+
+
 def command_line(args) -> str:
     cmd = ["--lengths", ",".join(map(str, args.lengths)), "--configs", ",".join(args.configs),
            "--steps", str(args.steps), "--budget-gib", f"{args.budget_gib:g}"]
@@ -546,7 +563,7 @@ def command_line(args) -> str:
 def report(args, results, started, vers) -> str:
     lines = ["## Long rows: ring attention and tensor parallelism (`bench/long_context.py`)", "",
              f"- command: `{command_line(args)}`",
-             f"- date: {started:%Y-%m-%d %H:%M} UTC, {(datetime.datetime.now(datetime.timezone.utc) - started).seconds // 60} min",
+             f"- date: {run_dates(results, started)}",
              f"- machine: {machine()}, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GIB:.1f} GiB; "
              "torch threads per rank = cores / ranks (shared with other work: times are indicative)",
              "- versions: " + ", ".join(f"{k} {v}" for k, v in vers.items()),
@@ -576,6 +593,7 @@ def parse_args(argv):
     ap.add_argument("--quick", action="store_true", help="smoke test: lengths 512,1024")
     ap.add_argument("--workdir", help="model, data, runs, results (default: a temp dir)")
     ap.add_argument("--reuse", action="store_true", help="reuse WORKDIR/results/<config>_L<L>.json when present")
+    ap.add_argument("--report-only", action="store_true", help="run nothing: the report of WORKDIR/results")
     ap.add_argument("--markdown", help="also write the markdown section to this file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # internal: one rank
     ap.add_argument("--spec", help=argparse.SUPPRESS)
