@@ -285,7 +285,23 @@ class TreeWatch(Poller):
         self.peak = max(self.peak, total)
         if total > self.limit and not self.killed:
             self.killed = True
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            kill_tree(self.proc.pid)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and every descendant (torchrun's workers run in sessions of their own)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.Error:
+            pass
 
 
 def free_port() -> str:
@@ -309,12 +325,12 @@ def launch(ranks: int, spec_path: Path, result: Path, log: Path, limit: float, t
         old.unlink()
     t0 = time.perf_counter()
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
         with TreeWatch(proc, limit) as watch:
             try:
                 rc = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                kill_tree(proc.pid)
                 rc = proc.wait()
     text = log.read_text(errors="replace")
     res = {"rc": rc, "killed": watch.killed, "tree_peak": watch.peak, "wall": time.perf_counter() - t0,
