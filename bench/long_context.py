@@ -1,8 +1,9 @@
 """Memory that scales down: SFT on rows of L tokens with one process, ring attention over 2 ranks and
 tensor parallelism over 2 ranks (the `small` preset, CPU, fp32).
 
-    .venv/bin/python bench/long_context.py [--lengths 2048,4096,8192,16384] [--configs 1proc,ring2,tp2]
-        [--budget-gib 20] [--steps 3] [--workdir DIR] [--markdown FILE] [--reuse] [--quick]
+    .venv/bin/python bench/long_context.py [--lengths 2048,4096,8192,16384]
+        [--configs 1proc,ring2,tp2[,ring2-hs2,dp2]] [--tp-zero-stages 2] [--budget-gib 20] [--steps 3]
+        [--timeout S] [--workdir DIR] [--markdown FILE] [--reuse | --report-only] [--quick]
 
 Model: `posttrain init-tiny --size small` (`build_tiny`, llama, random init, seed 0, fp32), built once into
 `WORKDIR/model`; its `max_position_embeddings` is raised to the longest L (rotary embeddings: nothing else
@@ -18,7 +19,7 @@ schedule.
 
 Configurations (each L of each configuration is a fresh launch; 2 ranks = `torchrun --nproc_per_node 2`,
 gloo; torch threads per rank = cores / ranks):
-- `1proc`: one process (no ring, posttrain's default engine).
+- `1proc`: one process (no ring; posttrain's plain torch engine, as `posttrain sft` picks for one process).
 - `ring2`: 2 ranks, `--ds.ring_attn_size 2 --ds.zero_stage 2`: each rank computes one half of the row.
 - `tp2`: 2 ranks, `--ds.tensor_parallel_size 2 --ds.zero_stage 2` (`--tp-zero-stages 0,1,2` runs each
   stage). Where this checkout reports the flag as having no effect (its "has no effect" / "not available"
@@ -47,15 +48,18 @@ largest over the steps, i.e. with Adam's moments from step 2 on). A post-step ho
 - `s/step`: median of steps 2..N (a step's time = from the previous step's end; step 1 from its start).
 - `cp MiB/step`, `cp s/step`: `comm/cp_bytes` / `comm/cp_seconds` from the run's metrics.jsonl (rank 0's,
   median of steps 2..N); the final `train/loss` as a sanity check (ring 2 = one process, same data).
-Ratios: ring2 / 1proc of the per-rank activation at each L (goal <= 0.6 at 8k); tp2 / 1proc of the per-rank
-parameter + optimizer live tensors (goal <= 0.6). Rank balance of ring 2: each rank's step time, the seconds
-it spent in the ring's collectives (they include waiting for the other rank) and the difference (compute).
+Ratios: ring2 / 1proc of the per-rank activation at each L (goal <= 0.6 at 8k; also against dp2, the same
+ZeRO-2 engine without the split); tp2 / 1proc of the per-rank parameter + optimizer live tensors (goal <= 0.6).
+Rank balance of ring 2: each rank's step time, the seconds it spent in the ring's collectives (they include
+waiting for the other rank), the difference, and its CPU time per step (less disturbed by outside load).
 
 The longest row that fits: per configuration, L goes up in powers of two while the extrapolated peak of the
 next L (summed over the ranks) fits `--budget-gib` (default 20 GiB for the machine): with two measurements,
 growth at most quadratic in L gives next = last + 4 x (last - previous); with one, next = before + 4 x
 (peak - before) with `before` the RSS before step 1. A watchdog kills a launch whose processes together hold
-more than the budget (sampled every 0.2 s). `--quick`: lengths 512 and 1024, a smoke test of about a minute.
+more than the budget (sampled every 0.2 s), and one that runs past `--timeout`. `--quick`: lengths 512 and
+1024, a smoke test of a minute or two. Each launch's result is kept in `WORKDIR/results/`: `--reuse` skips the
+launches found there, `--report-only` runs nothing and prints the report of what is there.
 Not a test: nothing asserts.
 """
 from __future__ import annotations
