@@ -108,6 +108,24 @@ def test_a_ppo_checkpoint_resumes_on_another_layout(run_ppo, ray_session, tmp_pa
     assert _max_diff(_weights(straight), _weights(resumed)) < 3e-5
 
 
+def test_every_ppo_role_can_be_a_mixture_of_experts(rl_setup, tiny_moe_dir, tmp_path):
+    """PPO with GAE and a KL term, in one process, where the actor, the reference, the critic and the reward model
+    are all tiny Qwen3-MoE models: it trains, and --actor.aux_loss_coef adds the actor's and the critic's router
+    losses (both logged)."""
+    from posttrain.models import build_tiny
+
+    reward_model = tmp_path / "moe_rm"
+    build_tiny(reward_model, arch="qwen3_moe", size="nano", head="score", seed=1, verbose=False)
+    out = tmp_path / "run"
+    _ppo(_without_reward_url(ppo_flags(rl_setup, out)) + [
+        "--actor.model_name_or_path", tiny_moe_dir, "--reward.model_name_or_path", reward_model,
+        "--algo.advantage.estimator", "gae", "--algo.kl.init_coef", "0.01", "--actor.aux_loss_coef", "0.1",
+        "--data.max_samples", "8", "--train.num_episodes", "1", "--ds.experts_implementation", "eager"])
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "actor/policy_loss" in r]
+    assert rows and all(1.0 <= r["actor/aux_loss"] <= 4.0 and 1.0 <= r["critic/aux_loss"] <= 4.0 for r in rows)
+    assert all(r["kl/coef"] == pytest.approx(0.01) and "kl/mean" in r for r in rows)  # the MoE reference scored
+
+
 def test_moe_actor_on_two_zero3_ranks_equals_one_process_and_takes_the_router_loss(run_ppo, tiny_moe_dir,
                                                                                    ray_session, capfd):
     """GRPO with a tiny Qwen3-MoE actor: 2 actor ranks under ZeRO-3 (expert blocks gathered whole) and 2 rollout
