@@ -166,6 +166,16 @@ class _Context:
     q_index: torch.Tensor  # [B, T_local] its index in the row
     sample: torch.Tensor  # [B, T_total] every row token's sample
     runs: QueryRuns | None = None  # the fused kernel's query runs, built at its first use
+    bias: torch.Tensor | None = None  # `allowed` as an additive float mask, built at the first masked call
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """`allowed` as 0 / -inf in `dtype`, made once per forward: sdpa turns a boolean mask into a float copy at
+        every call and keeps it for the backward (one [T_local, T] copy per layer and head stride), while every
+        call shares a float one."""
+        if self.bias is None or self.bias.dtype != dtype:
+            self.bias = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device).masked_fill_(
+                ~self.allowed, float("-inf"))
+        return self.bias
 
     def query_runs(self) -> QueryRuns:
         if self.runs is None:
@@ -228,7 +238,8 @@ def attention(module, query, key, value, attention_mask=None, scaling=None, drop
             outs.append(varlen_attention(q, k, v, ctx.query_runs(), scaling))
         else:
             k, v = k.repeat_interleave(per_kv, dim=1), v.repeat_interleave(per_kv, dim=1)
-            outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.allowed, scale=scaling))
+            outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.additive_mask(q.dtype),
+                                                       scale=scaling))
     return torch.cat(outs, dim=1).transpose(1, 2).contiguous(), None
 
 

@@ -123,11 +123,12 @@ def _vision_inputs(model, kwargs: dict, batch: dict) -> dict:
 
 
 def _backend_mask(model, backend: str, mask: torch.Tensor) -> torch.Tensor:
-    """A boolean [B, 1, T, T] mask as the backend takes it: eager adds it to the attention scores."""
-    if backend != "eager":
-        return mask
+    """A boolean [B, 1, T, T] mask as an additive float one, made once per forward: eager adds it to the attention
+    scores (its dtype's minimum where masked); sdpa gets 0 / -inf, what it would make of the boolean mask itself,
+    but at every layer, keeping each [T, T] copy for the backward."""
     dtype = _param_dtype(model)
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    masked = torch.finfo(dtype).min if backend == "eager" else float("-inf")
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, masked)
 
 
 def _explicit_mask_inputs(model, kwargs: dict, mask: torch.Tensor, position_ids) -> dict:

@@ -84,11 +84,12 @@ def test_tensor_parallel_actor_and_critic_equal_one_process(run_ppo, ray_session
     assert _max_diff(_weights(local), _weights(tp)) < 3e-5
 
 
-@pytest.mark.parametrize("before,after", [("one", "zero2"), ("zero3", "one")])
+@pytest.mark.parametrize("before,after", [("one", "zero2"), ("zero3", "one"), ("zero2", "zero3")])
 def test_a_ppo_checkpoint_resumes_on_another_layout(run_ppo, ray_session, tmp_path, before, after):
     """Elastic resume of the actor and the critic (GAE): a checkpoint of step 2 written in one process resumes
-    on Ray with 2 ranks each under ZeRO-2 (and one of 2 ranks under ZeRO-3 in one process); the resumed steps
-    equal the uninterrupted run on the new layout (rewards 1e-6, weights 3e-5)."""
+    on Ray with 2 ranks each under ZeRO-2, one of 2 ranks under ZeRO-3 in one process, and one of ZeRO-2 under
+    ZeRO-3 on the same ranks; the resumed steps equal the uninterrupted run on the new layout (rewards 1e-6,
+    weights 3e-5)."""
     layouts = {"one": (), "zero2": ("--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "2",
                                     "--vllm.num_engines", "1", "--ds.zero_stage", "2"),
                "zero3": ("--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "2",
@@ -105,6 +106,24 @@ def test_a_ppo_checkpoint_resumes_on_another_layout(run_ppo, ray_session, tmp_pa
     assert len(rewards_by_step(straight)) == 3
     assert rewards_by_step(resumed, start=3) == pytest.approx(rewards_by_step(straight, start=3), abs=1e-6)
     assert _max_diff(_weights(straight), _weights(resumed)) < 3e-5
+
+
+def test_every_ppo_role_can_be_a_mixture_of_experts(rl_setup, tiny_moe_dir, tmp_path):
+    """PPO with GAE and a KL term, in one process, where the actor, the reference, the critic and the reward model
+    are all tiny Qwen3-MoE models: it trains, and --actor.aux_loss_coef adds the actor's and the critic's router
+    losses (both logged)."""
+    from posttrain.models import build_tiny
+
+    reward_model = tmp_path / "moe_rm"
+    build_tiny(reward_model, arch="qwen3_moe", size="nano", head="score", seed=1, verbose=False)
+    out = tmp_path / "run"
+    _ppo(_without_reward_url(ppo_flags(rl_setup, out)) + [
+        "--actor.model_name_or_path", tiny_moe_dir, "--reward.model_name_or_path", reward_model,
+        "--algo.advantage.estimator", "gae", "--algo.kl.init_coef", "0.01", "--actor.aux_loss_coef", "0.1",
+        "--data.max_samples", "8", "--train.num_episodes", "1", "--ds.experts_implementation", "eager"])
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "actor/policy_loss" in r]
+    assert rows and all(1.0 <= r["actor/aux_loss"] <= 4.0 and 1.0 <= r["critic/aux_loss"] <= 4.0 for r in rows)
+    assert all(r["kl/coef"] == pytest.approx(0.01) and "kl/mean" in r for r in rows)  # the MoE reference scored
 
 
 def test_moe_actor_on_two_zero3_ranks_equals_one_process_and_takes_the_router_loss(run_ppo, tiny_moe_dir,
