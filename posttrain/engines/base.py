@@ -55,10 +55,11 @@ class TrainEngine:
         raise NotImplementedError
 
     def save_layout_free(self, directory: str) -> None:
-        """The layout-free copy of the state (`engines.portable`) beside the engine's own files (every rank)."""
-        if self.tensor_parallel == 1:
-            from posttrain.engines.portable import save_portable
+        """The layout-free copy of the state (`engines.portable`) beside the engine's own files (every rank); not
+        for a tensor-parallel engine (its parameters are shards) or Muon (its state is not Adam's)."""
+        from posttrain.engines.portable import save_portable, uses_adam
 
+        if self.tensor_parallel == 1 and uses_adam(self):
             save_portable(self, directory)
 
     def load_other_layout(self, directory: str) -> bool:

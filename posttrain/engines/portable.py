@@ -4,9 +4,9 @@ M ranks at another (or in one process).
 Files (rank 0 writes them; every rank reads them): `portable.safetensors` holds, for every trainable parameter
 `name`, its whole fp32 value `weight/name` and, once the optimizer has stepped, Adam's moments `exp_avg/name` and
 `exp_avg_sq/name`; `portable.json` holds Adam's step count `t` (bias correction), the scheduler's state and the
-engine's step counter, the optimizer's current learning rates. Reading and writing go through DeepSpeed's `safe_get/set_full_*` accessors under ZeRO 1-3
-(collective under ZeRO-3: every rank takes part) and through the parameters and the torch optimizer's state
-otherwise (one process, ZeRO-0)."""
+engine's step counter, the optimizer's current learning rates. Reading and writing go through DeepSpeed's
+`safe_get/set_full_*` accessors under ZeRO 1-3 (collective under ZeRO-3: every rank takes part) and through the
+parameters and the torch optimizer's state otherwise (one process, ZeRO-0)."""
 from __future__ import annotations
 
 import contextlib
@@ -24,6 +24,11 @@ def _inner_optimizer(engine):
     while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "optimizer"):
         opt = opt.optimizer
     return opt
+
+
+def uses_adam(engine) -> bool:
+    """The engine steps with Adam(W) alone (the copy holds Adam's moments; Muon keeps other state)."""
+    return "Muon" not in type(_inner_optimizer(engine)).__name__
 
 
 def _zero(engine) -> int:
