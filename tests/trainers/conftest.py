@@ -47,3 +47,20 @@ def sft_nano(tmp_path_factory, tiny_model_dir):
                     "--train.batch_size", "16", "--train.micro_batch_size", "16", "--train.max_epochs", "1",
                     "--adam.lr", "3e-3", "--ckpt.output_dir", str(sft), "--data.max_len", "48"])
     return Path(sft), data
+
+
+@pytest.fixture(scope="module")
+def single_process(tiny_model_dir, arithmetic_dir, tmp_path_factory):
+    """The single-process SFT run (`sft_flags` on the nano model and the arithmetic data) of a flag list, trained
+    once per distinct list in a module: the reference that multi-rank runs are compared with."""
+    from posttrain.cli import train_sft
+
+    runs = {}
+
+    def run(*flags):
+        if flags not in runs:
+            out = tmp_path_factory.mktemp("single") / "run"
+            train_sft.main(sft_flags(tiny_model_dir, arithmetic_dir, out, *flags))
+            runs[flags] = out
+        return runs[flags]
+    return run

@@ -31,22 +31,6 @@ def launch_sft(flags, nproc=2, launcher="torchrun"):
     return proc
 
 
-@pytest.fixture(scope="module")
-def single_process(tiny_model_dir, arithmetic_dir, tmp_path_factory):
-    """The single-process run of a flag list, trained once per distinct list (two cases share one)."""
-    from posttrain.cli import train_sft
-
-    runs = {}
-
-    def run(*flags):
-        if flags not in runs:
-            out = tmp_path_factory.mktemp("single") / "run"
-            train_sft.main(sft_flags(tiny_model_dir, arithmetic_dir, out, *flags))
-            runs[flags] = out
-        return runs[flags]
-    return run
-
-
 @pytest.mark.parametrize("launcher,stage,extra", [
     ("torchrun", 2, []),
     ("torchrun", 3, ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "70"]),

@@ -15,22 +15,6 @@ from posttrain.utils.metrics import read_metrics
 COMMON = ("--train.micro_batch_size", "4", "--data.max_samples", "32")  # 4 steps, 2 micro-batches each
 
 
-@pytest.fixture(scope="module")
-def single_process(tiny_model_dir, arithmetic_dir, tmp_path_factory):
-    """The one-process run of a flag list, trained once per distinct list."""
-    from posttrain.cli import train_sft
-
-    runs = {}
-
-    def run(*flags):
-        if flags not in runs:
-            out = tmp_path_factory.mktemp("single") / "run"
-            train_sft.main(sft_flags(tiny_model_dir, arithmetic_dir, out, *COMMON, *flags))
-            runs[flags] = out
-        return runs[flags]
-    return run
-
-
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |a|"""
     return float((a - b).abs().max() / a.abs().max().clamp_min(1e-30))
@@ -60,7 +44,7 @@ def rank_shares(stderr: str) -> dict[int, tuple[int, int, int, int]]:
 def test_two_ranks_with_tensor_parallel_size_2_match_one_process(tiny_model_dir, arithmetic_dir, tmp_path,
                                                                  single_process, stage, packing):
     extra = ("--ds.packing_samples",) if packing else ()
-    single = single_process(*extra)
+    single = single_process(*COMMON, *extra)
     split = tmp_path / f"tp{stage}"
     proc = torchrun("posttrain.cli.train_sft", sft_flags(tiny_model_dir, arithmetic_dir, split, *COMMON, *extra,
                                                           "--ds.zero_stage", stage, "--ds.tensor_parallel_size", 2))
@@ -107,7 +91,7 @@ def test_four_ranks_as_two_tensor_parallel_groups_match_one_process(tiny_model_d
                     nproc=4)
     assert "data_parallel_size = 2" in proc.stderr
     assert "rank 2 (dp 1, cp 0, tp 0), rank 3 (dp 1, cp 0, tp 1)" in proc.stderr
-    assert_same_run(single_process(), split, norm_rtol=1e-5)
+    assert_same_run(single_process(*COMMON), split, norm_rtol=1e-5)
 
 
 @pytest.mark.e2e
@@ -124,7 +108,7 @@ def test_four_ranks_as_ring_2_by_tensor_parallel_2_match_one_process(tiny_model_
     assert "data_parallel_size = 1" in proc.stderr
     assert ("rank 0 (dp 0, cp 0, tp 0), rank 1 (dp 0, cp 0, tp 1), rank 2 (dp 0, cp 1, tp 0), "
             "rank 3 (dp 0, cp 1, tp 1)") in proc.stderr
-    assert_same_run(single_process("--ds.packing_samples"), split, norm_rtol=1e-5)
+    assert_same_run(single_process(*COMMON, "--ds.packing_samples"), split, norm_rtol=1e-5)
 
 
 @pytest.fixture(scope="module")
