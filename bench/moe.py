@@ -242,9 +242,14 @@ def block_times(models: dict, tokens: int, rounds: int) -> dict[str, float]:
                 "MoE router alone (linear, softmax, top-k)": run_router,
                 **{f"MoE block, experts `{k}`": (lambda k=k: run_block(block, k))
                    for k in ("grouped_mm", "eager")}}  # batched_mm copies each row's expert weights: GiBs here
-    seconds: dict[str, list[float]] = {k: [] for k in variants}
+    return interleaved_cpu_ms(variants, rounds)
+
+
+def interleaved_cpu_ms(calls: dict, rounds: int) -> dict[str, float]:
+    """Median CPU milliseconds of each call, the calls taking turns for `rounds` rounds after a warm-up round."""
+    seconds: dict[str, list[float]] = {k: [] for k in calls}
     for r in range(rounds + 1):  # round 0 is warm-up
-        for name, fn in variants.items():
+        for name, fn in calls.items():
             t0 = time.process_time()
             fn()
             if r:
@@ -271,14 +276,7 @@ def optimizer_times(models: dict, rounds: int) -> dict[str, float]:
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
         steps[f"optimizer step (clip + AdamW), whole {kind} model"] = step
-    seconds: dict[str, list[float]] = {k: [] for k in steps}
-    for r in range(rounds + 1):
-        for name, fn in steps.items():
-            t0 = time.process_time()
-            fn()
-            if r:
-                seconds[name].append(time.process_time() - t0)
-    return {k: 1000 * median(v) for k, v in seconds.items()}
+    return interleaved_cpu_ms(steps, rounds)
 
 
 def block_table(size: str, blocks: dict[str, float], optim: dict[str, float], layers: int) -> str:
