@@ -45,6 +45,13 @@ largest over the steps, i.e. with Adam's moments from step 2 on). A post-step ho
 - `activation` = step peak - RSS at the step's start, the largest over steps 2..N (activations, gradients,
   the ring's gathered keys / values and attention masks, allocator temporaries; step 1 also holds one-off
   allocations that stay, ~50 MiB here, so it is left out as the time is).
+- `saved act.`: the activations proper, independent of the allocator: a saved-tensor hook
+  (`torch.autograd.graph.saved_tensors_hooks`, around the whole run) adds up the storages autograd keeps for
+  the backward during one micro-batch (the outermost module's forward starts one), each storage once, the
+  parameters' own storages left out; the largest micro-batch of the step, the largest over steps 2..N. It
+  leaves out what the step peak also holds: gradients, the engine's reduce buffers, the backward's
+  temporaries and the allocator's slack. (With gradient checkpointing the recomputed forwards would be
+  counted as well; the bench does not use it.)
 - `s/step`: median of steps 2..N (a step's time = from the previous step's end; step 1 from its start).
 - `cp MiB/step`, `cp s/step`: `comm/cp_bytes` / `comm/cp_seconds` from the run's metrics.jsonl (rank 0's,
   median of steps 2..N); the final `train/loss` as a sanity check (ring 2 = one process, same data).
@@ -121,6 +128,23 @@ class StepProbe:
         self.armed = True
         self.steps: list[dict] = []  # per step: rss_start, hwm_before_reset, peak, cp, t/cpu start, end
         self.hwm_reset = None
+        self.top = None  # the outermost module: its forward starts each micro-batch
+        self.params: set[int] = set()  # the parameters' storages (saved by reference, not activations)
+        self.saved: dict[int, int] = {}  # this micro-batch's saved storages: data_ptr -> bytes
+        self.saved_max = 0  # the largest micro-batch's saved bytes in this step
+
+    def pack(self, tensor):
+        """Saved-tensor hook: count each storage autograd keeps for the backward once per micro-batch."""
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self.params:
+            self.saved.setdefault(ptr, storage.nbytes())
+        return tensor
+
+    def _micro_batch(self, module) -> None:
+        self.saved_max = max(self.saved_max, sum(self.saved.values()))
+        self.saved = {}
+        self.params = {p.untyped_storage().data_ptr() for p in module.parameters()}
 
     def install(self) -> None:
         from torch.nn.modules.module import register_module_forward_pre_hook
@@ -131,9 +155,14 @@ class StepProbe:
         register_optimizer_step_post_hook(self._step_post)
 
     def _forward_pre(self, module, args):
+        if self.top is None:
+            self.top = module
+        if module is self.top:
+            self._micro_batch(module)
         if not self.armed:
             return None
         self.armed = False
+        self.saved_max = 0
         _trim_heap()
         before = proc_status()
         self.hwm_reset = _reset_hwm()
@@ -145,8 +174,9 @@ class StepProbe:
         if self.steps and "peak" not in self.steps[-1]:
             from posttrain.models.context_parallel import _traffic
 
+            self.saved_max = max(self.saved_max, sum(self.saved.values()))
             self.steps[-1].update(peak=proc_status().get("VmHWM"), cp_bytes=_traffic["bytes"],
-                                  cp_seconds=_traffic["seconds"])
+                                  cp_seconds=_traffic["seconds"], saved=self.saved_max)
 
     def _step_post(self, optimizer, args, kwargs):
         if self.steps and "t_end" not in self.steps[-1]:
@@ -160,14 +190,14 @@ class StepProbe:
         return {"forward_marks": len(self.steps), "steps": len(steps), "hwm_reset": self.hwm_reset,
                 "rss_before_step1": steps[0]["rss_start"] if steps else None,
                 "rss_start": [s["rss_start"] for s in steps], "step_peak": [s["peak"] for s in steps],
-                "activation": [s["peak"] - s["rss_start"] for s in steps],
+                "activation": [s["peak"] - s["rss_start"] for s in steps], "saved": [s["saved"] for s in steps],
                 "step_seconds": seconds, "step_cpu_seconds": cpu,
                 "cp_bytes": [s["cp_bytes"] for s in steps], "cp_seconds": [s["cp_seconds"] for s in steps],
                 "hwm_readings": [s["hwm_before_reset"] for s in self.steps]}
 
 
 def worker(args) -> None:
-    import torch  # noqa: F401  (the baseline is read after the heavy imports)
+    import torch  # (the baseline is read after the heavy imports)
     import transformers  # noqa: F401
 
     from posttrain.cli import train_sft
@@ -178,7 +208,8 @@ def worker(args) -> None:
     probe = StepProbe()
     probe.install()
     watch_optimizer_steps()  # after the probe's hook: VmHWM is read before the live-tensor scan allocates
-    train_sft.main(spec["argv"])
+    with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda tensor: tensor):
+        train_sft.main(spec["argv"])
     end = proc_status()
     out = probe.summary()
     out.update(rank=rank, baseline=baseline["VmRSS"], end=end,
@@ -450,6 +481,7 @@ def per_rank(res: dict) -> list[dict]:
     for r in sorted(res["ranks"], key=lambda r: r["rank"]):
         out.append({"rank": r["rank"], "peak": r["peak"], "before": r["rss_before_step1"], "baseline": r["baseline"],
                     "activation": max(r["activation"][1:] or r["activation"]), "param_opt": r["param_opt_live"],
+                    "saved": max(r["saved"][1:] or r["saved"]) if r.get("saved") else None,
                     "seconds": _timed(r["step_seconds"]), "cp_seconds": _timed(r["cp_seconds"]),
                     "cpu": _timed(r["step_cpu_seconds"]), "threads": r["threads"]})
     return out
@@ -491,23 +523,26 @@ def table_rows(results: dict[str, list[dict]]) -> list[list[str]]:
                 continue
             label = f"`{name}`"
             if "na" in res:
-                rows.append([label, length, TP_NA, *[""] * 11])
+                rows.append([label, length, TP_NA, *[""] * 13])
                 continue
             if "skipped" in res or "error" in res:
                 rows.append([label, length, "skipped" if "skipped" in res else "FAILED",
-                             res.get("skipped") or res.get("error"), *[""] * 10])
+                             res.get("skipped") or res.get("error"), *[""] * 12])
                 continue
             ranks, base = per_rank(res), one.get(length)
             act = max(r["activation"] for r in ranks)
             po = max(r["param_opt"] or 0 for r in ranks)
-            act_ratio = po_ratio = "-"
+            saved = max(r["saved"] or 0 for r in ranks)
+            act_ratio = po_ratio = saved_ratio = "-"
             if base is not None and name != "1proc":
                 b = per_rank(base)[0]
                 act_ratio, po_ratio = f"{act / b['activation']:.2f}x", f"{po / b['param_opt']:.2f}x"
+                saved_ratio = f"{saved / b['saved']:.2f}x" if saved and b["saved"] else "-"
             cp_b, cp_s = _metric(res, "comm/cp_bytes"), _metric(res, "comm/cp_seconds")
             rows.append([label, length, len(ranks), " / ".join(_g(r["peak"]) for r in ranks),
                          " / ".join(_g(r["before"]) for r in ranks), " / ".join(_g(r["param_opt"]) for r in ranks),
-                         " / ".join(_g(r["activation"]) for r in ranks), act_ratio, po_ratio,
+                         " / ".join(_g(r["activation"]) for r in ranks), act_ratio,
+                         " / ".join(_g(r["saved"]) if r["saved"] else "-" for r in ranks), saved_ratio, po_ratio,
                          _secs(ranks),
                          "-" if cp_b is None else f"{cp_b / MIB:,.0f}", "-" if cp_s is None else f"{cp_s:.2f}",
                          final_loss(res), _g(total_peak(res))])
@@ -545,14 +580,15 @@ def ratio_lines(results: dict[str, list[dict]]) -> list[str]:
 
     one, dp = {k: v[0] for k, v in by_length("1proc").items()}, by_length("dp2")
     out = []
-    pairs = [(n, "activation", "activation") for n in results if n.startswith("ring2")]
+    pairs = [(n, goal, key) for n in results if n.startswith("ring2")
+             for goal, key in (("activation (step peak - start)", "activation"), ("saved activations", "saved"))]
     pairs += [(n, "parameter + optimizer", "param_opt") for n in results if n.startswith("tp2")]
     for name, goal, key in pairs:
         for res in results.get(name, []):
-            if res.get("ranks") and "error" not in res and res["length"] in one:
+            if res.get("ranks") and "error" not in res and res["length"] in one and one[res["length"]][key]:
                 mine = max(r[key] or 0 for r in per_rank(res))
                 vs_dp = ""
-                if res["length"] in dp:
+                if res["length"] in dp and all(r[key] for r in dp[res["length"]]):
                     vs_dp = f"; vs dp2 (ZeRO-2, whole row per rank) {mine / max(r[key] for r in dp[res['length']]):.2f}x"
                 out.append(f"- {name} / 1proc, per-rank {goal} at L={res['length']:,}: "
                            f"**{mine / one[res['length']][key]:.2f}x** (goal <= 0.6){vs_dp}")
@@ -593,10 +629,11 @@ def report(args, results, started, vers) -> str:
              "(sum over ranks)", "",
              "Per-rank columns read `rank 0 / rank 1`. peak = VmHWM of the whole run; before step 1 = VmRSS at the "
              "first step's start; param+opt = live tensor bytes before the optimizer step; activation = step peak "
-             "- RSS at the step's start (largest of steps 2..N); ratios vs `1proc` at the same L (activation, param+opt); "
+             "- RSS at the step's start (largest of steps 2..N); saved act. = the bytes of the storages autograd saved "
+             "for the backward in one micro-batch, parameters excluded (largest over steps 2..N); ratios vs `1proc` at the same L (activation, param+opt); "
              "cp = `comm/cp_bytes` / `comm/cp_seconds` per step (metrics.jsonl, rank 0).", "",
              md_table(["config", "L", "ranks", "peak GiB", "before step 1 GiB", "param+opt GiB", "activation GiB",
-                       "act. vs 1proc", "param+opt vs 1proc", "s/step", "cp MiB/step", "cp s/step", "final loss",
+                       "act. vs 1proc", "saved act. GiB", "saved vs 1proc", "param+opt vs 1proc", "s/step", "cp MiB/step", "cp s/step", "final loss",
                        "peak, sum of ranks GiB"], table_rows(results)), ""]
     lines += ratio_lines(results) + longest_fit(results, args.lengths) + balance_lines(results)
     return "\n".join(lines) + "\n"

@@ -236,10 +236,9 @@ def attention(module, query, key, value, attention_mask=None, scaling=None, drop
         q = query[:, start * per_kv:stop * per_kv]
         if fused:
             outs.append(varlen_attention(q, k, v, ctx.query_runs(), scaling))
-        else:
-            k, v = k.repeat_interleave(per_kv, dim=1), v.repeat_interleave(per_kv, dim=1)
+        else:  # enable_gqa: the gathered keys/values are saved for the backward once, not once per query head
             outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.additive_mask(q.dtype),
-                                                       scale=scaling))
+                                                       scale=scaling, enable_gqa=per_kv > 1))
     return torch.cat(outs, dim=1).transpose(1, 2).contiguous(), None
 
 

@@ -73,6 +73,17 @@ def test_engine_rules():
     assert "valid values: eager, sdpa" in problem("sft", "--ds.attn_implementation", "flash")
 
 
+def test_tensor_parallel_without_replicas_points_to_zero_0():
+    tp = ("--ds.tensor_parallel_size", "2", "--ds.zero_stage")
+    (w,) = [x for x in warns("sft", *tp, "2", world_size=2) if "tensor_parallel" in x]
+    assert w.startswith("--ds.tensor_parallel_size 2 on 2 ranks leaves one data-parallel replica: ZeRO-2 has "
+                        "nothing to partition") and w.endswith("--ds.zero_stage 0 trains the same")
+    assert not [x for x in warns("sft", *tp, "0", world_size=2) if "tensor_parallel" in x]
+    assert not [x for x in warns("sft", *tp, "2", world_size=4) if "tensor_parallel" in x]  # 2 replicas
+    assert not [x for x in warns("sft", *tp, "1", "--ds.ring_attn_size", "2", "--ds.packing_samples",
+                                 "--train.batch_size", "16", world_size=8) if "tensor_parallel" in x]
+
+
 def test_lora_rules():
     assert problem("sft", "--ds.lora.rank", "-1") == "--ds.lora.rank -1: must be >= 0 (0 disables LoRA)"
     assert problem("sft", "--ds.lora.alpha", "0") == "--ds.lora.alpha 0: must be > 0"
