@@ -3,6 +3,7 @@ tensor parallelism over 2 ranks (the `small` preset, CPU, fp32).
 
     .venv/bin/python bench/long_context.py [--lengths 2048,4096,8192,16384]
         [--configs 1proc,ring2,tp2[,ring2-hs2,dp2]] [--tp-zero-stages 2] [--budget-gib 20] [--steps 3]
+        [--rows-per-step 2]
         [--timeout S] [--workdir DIR] [--markdown FILE] [--reuse | --report-only] [--quick]
 
 Model: `posttrain init-tiny --size small` (`build_tiny`, llama, random init, seed 0, fp32), built once into
@@ -10,12 +11,12 @@ Model: `posttrain init-tiny --size small` (`build_tiny`, llama, random init, see
 depends on it). Data: for each L, rows of random words from the tiny tokenizer's corpus, each longer than L
 tokens, trained with `--model.pretrain_mode_enable --data.max_len L`, so every sample is cut to exactly L
 tokens and is the only sample of its packed row (`--ds.packing_samples --train.micro_batch_size 1`).
-`--train.batch_size 2` in every configuration: posttrain asks the global batch to divide by micro-batch x
-world size, ring ranks included, so a 2-rank ring group takes 2 rows per step, one after the other; one
-process takes the same 2 rows per step (2 micro-batches, gradient accumulation) and plain data parallelism
-one row per rank, so every configuration trains on the same rows in the same steps and the final losses
-compare. `--steps` (3) optimizer steps, fp32, sdpa, no eval, no checkpoints; AdamW lr 1e-4, constant
-schedule.
+`--train.batch_size 2` in every configuration by default: a 2-rank ring group (or tensor-parallel group)
+takes 2 rows per step, one after the other, one process the same 2 rows (2 micro-batches, gradient
+accumulation) and plain data parallelism one row per rank, so every configuration trains on the same rows
+in the same steps and the final losses compare. `--rows-per-step 1` trains one row per step (one
+micro-batch: no gradient accumulation inside the measured window; `dp2` is skipped). `--steps` (3)
+optimizer steps, fp32, sdpa, no eval, no checkpoints; AdamW lr 1e-4, constant schedule.
 
 Configurations (each L of each configuration is a fresh launch; 2 ranks = `torchrun --nproc_per_node 2`,
 gloo; torch threads per rank = cores / ranks):
@@ -271,7 +272,7 @@ def config_flags(name: str, tp_zero: int) -> tuple[int, list[str]]:
     return ranks, flags
 
 
-ROWS_PER_STEP = 2  # --train.batch_size of every configuration (module doc)
+ROWS_PER_STEP = 2  # --train.batch_size of every configuration (module doc; --rows-per-step)
 
 
 def flag_unavailable(argv: list[str], ranks: int, flag: str = "--ds.tensor_parallel_size") -> str | None:
@@ -399,9 +400,12 @@ def run_one(args, work: Path, model: Path, name: str, length: int) -> dict:
         return {"finished": cached.stat().st_mtime, **json.loads(cached.read_text())}
     tp_zero = int(name.split("-zero")[1]) if "-zero" in name else args.tp_zero_stages[0]
     ranks, flags = config_flags(name, tp_zero)
-    data = write_rows(work, length, args.steps * ROWS_PER_STEP)
+    if name == "dp2" and args.rows_per_step % ranks:
+        return {"name": name, "length": length,
+                "skipped": f"--rows-per-step {args.rows_per_step}: dp2 takes one row per rank"}
+    data = write_rows(work, length, args.steps * args.rows_per_step)
     out = work / "runs" / f"{name}_L{length}"
-    argv = sft_argv(model, data, out, length, ROWS_PER_STEP, args.steps, flags)
+    argv = sft_argv(model, data, out, length, args.rows_per_step, args.steps, flags)
     if name.startswith("tp2") and (why := flag_unavailable(argv, ranks)):
         return {"name": name, "length": length, "na": why, "argv": argv}
     if args.report_only:
@@ -613,6 +617,8 @@ def command_line(args) -> str:
            "--steps", str(args.steps), "--budget-gib", f"{args.budget_gib:g}"]
     if args.tp_zero_stages != [2]:
         cmd += ["--tp-zero-stages", ",".join(map(str, args.tp_zero_stages))]
+    if args.rows_per_step != ROWS_PER_STEP:
+        cmd += ["--rows-per-step", str(args.rows_per_step)]
     return ".venv/bin/python bench/long_context.py " + shlex.join(cmd)
 
 
@@ -624,7 +630,7 @@ def report(args, results, started, vers) -> str:
              "torch threads per rank = cores / ranks (shared with other work: times are indicative)",
              "- versions: " + ", ".join(f"{k} {v}" for k, v in vers.items()),
              f"- setup: `small` preset (build_tiny seed 0), rows of exactly L tokens, one per packed micro-batch, "
-             f"{ROWS_PER_STEP} rows per step in every configuration (pretrain mode, packing), {args.steps} steps, fp32, sdpa, AdamW lr 1e-4; 2 ranks = torchrun + gloo, "
+             f"{args.rows_per_step} row(s) per step in every configuration (pretrain mode, packing), {args.steps} steps, fp32, sdpa, AdamW lr 1e-4; 2 ranks = torchrun + gloo, "
              f"ZeRO-2 (tp2: ZeRO {','.join(map(str, args.tp_zero_stages))}); memory budget {args.budget_gib:g} GiB "
              "(sum over ranks)", "",
              "Per-rank columns read `rank 0 / rank 1`. peak = VmHWM of the whole run; before step 1 = VmRSS at the "
@@ -645,6 +651,8 @@ def parse_args(argv):
     ap.add_argument("--configs", default="1proc,ring2,tp2", help="comma-separated: " + ", ".join(CONFIGS))
     ap.add_argument("--tp-zero-stages", default="2", help="ZeRO stages to run tp2 with (0, 1, 2), comma-separated")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per launch (step 1 is not timed)")
+    ap.add_argument("--rows-per-step", type=int, default=ROWS_PER_STEP,
+                    help="rows per optimizer step (--train.batch_size); 1: one micro-batch per step, no accumulation")
     ap.add_argument("--budget-gib", type=float, default=20.0, help="memory for the whole launch (sum over ranks)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per launch")
     ap.add_argument("--quick", action="store_true", help="smoke test: lengths 512,1024")

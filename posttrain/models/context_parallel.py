@@ -14,7 +14,8 @@ query attends a key of its own sample at or before its position in the row (bloc
 the packed samples; padding attends nothing but itself). The result equals the unsplit row's attention to
 float rounding; the all-gather form is what ring-flash-attn calls its llama3 variant (used by OpenRLHF).
 On CUDA in bf16/fp16 the attention over the gathered keys runs in torch's varlen flash kernel
-(`context_parallel_kernels`), elsewhere in sdpa with the boolean mask.
+(`context_parallel_kernels`), elsewhere in sdpa with an additive mask (one per forward) and the key/value
+heads grouped (`enable_gqa`).
 
 Outputs read by a loss that every rank of the group computes alike (a sample's reward at its last token, the
 RL losses over whole rows) are gathered with `gather_replicated`, whose backward keeps this rank's slice of
@@ -161,20 +162,31 @@ def group_sum(tensor: torch.Tensor, group) -> torch.Tensor:
 class _Context:
     group: object
     head_stride: int
-    allowed: torch.Tensor  # [B, 1, T_local, T_total] bool: query (local) may attend key (whole row)
     q_sample: torch.Tensor  # [B, T_local] each query's sample (-1: padding)
     q_index: torch.Tensor  # [B, T_local] its index in the row
     sample: torch.Tensor  # [B, T_total] every row token's sample
+    index: torch.Tensor  # [B, T_total] every row token's index in the row
+    keys_valid: torch.Tensor  # [B, T_total] the row's real tokens
     runs: QueryRuns | None = None  # the fused kernel's query runs, built at its first use
-    bias: torch.Tensor | None = None  # `allowed` as an additive float mask, built at the first masked call
+    bias: torch.Tensor | None = None  # the additive mask, built at the first masked call of the forward
+
+    def allowed(self) -> torch.Tensor:
+        """[B, 1, T_local, T_total] bool: query (local) may attend key (whole row): a key of its own sample at or
+        before it, not padding; every query attends itself (no empty row)."""
+        allowed = self.q_sample[:, :, None] == self.sample[:, None, :]
+        allowed &= self.index[:, None, :] <= self.q_index[:, :, None]
+        allowed &= self.keys_valid[:, None, :]
+        allowed |= self.index[:, None, :] == self.q_index[:, :, None]
+        return allowed[:, None]
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """`allowed` as 0 / -inf in `dtype`, made once per forward: sdpa turns a boolean mask into a float copy at
+        """`allowed()` as 0 / -inf in `dtype`, made once per forward: sdpa turns a boolean mask into a float copy at
         every call and keeps it for the backward (one [T_local, T] copy per layer and head stride), while every
-        call shares a float one."""
+        call shares a float one. Built only where the masked path runs (the fused kernel needs no mask)."""
         if self.bias is None or self.bias.dtype != dtype:
-            self.bias = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device).masked_fill_(
-                ~self.allowed, float("-inf"))
+            blocked = ~self.allowed()
+            self.bias = torch.zeros(blocked.shape, dtype=dtype, device=blocked.device).masked_fill_(
+                blocked, float("-inf"))
         return self.bias
 
     def query_runs(self) -> QueryRuns:
@@ -195,12 +207,9 @@ def context_parallel(group, position_ids: torch.Tensor, valid: torch.Tensor, hea
     keys_valid = _gathered(valid.long(), group).bool()
     q_index = index.narrow(1, dist.get_rank(group) * position_ids.shape[1], position_ids.shape[1])
     q_sample = sample.narrow(1, dist.get_rank(group) * position_ids.shape[1], position_ids.shape[1])
-    allowed = (q_sample[:, :, None] == sample[:, None, :]) & (index[:, None, :] <= q_index[:, :, None])
-    allowed &= keys_valid[:, None, :]
-    allowed |= (index[:, None, :] == q_index[:, :, None])  # every query attends itself: no empty row
     # stays set after the block, until the next forward sets its own: gradient checkpointing recomputes the
     # forward inside the backward, after the block has ended
-    _state.context = _Context(group, head_stride, allowed[:, None], q_sample, q_index, sample)
+    _state.context = _Context(group, head_stride, q_sample, q_index, sample, index, keys_valid)
     yield
 
 
