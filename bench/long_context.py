@@ -189,6 +189,7 @@ class StepProbe:
         seconds = [s["t_end"] - (steps[i - 1]["t_end"] if i else s["t_start"]) for i, s in enumerate(steps)]
         cpu = [s["cpu_end"] - (steps[i - 1]["cpu_end"] if i else s["cpu_start"]) for i, s in enumerate(steps)]
         return {"forward_marks": len(self.steps), "steps": len(steps), "hwm_reset": self.hwm_reset,
+                "micro_batch_module": type(self.top).__name__,  # whose forward starts a micro-batch (the model)
                 "rss_before_step1": steps[0]["rss_start"] if steps else None,
                 "rss_start": [s["rss_start"] for s in steps], "step_peak": [s["peak"] for s in steps],
                 "activation": [s["peak"] - s["rss_start"] for s in steps], "saved": [s["saved"] for s in steps],

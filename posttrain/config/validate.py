@@ -68,7 +68,7 @@ def validate(cfg: CommandConfig, world_size: int = 1, device: Any = None) -> lis
     if cfg.trainer in ("sft", "dpo", "rm", "ppo"):
         _context_parallel(cfg, r, world_size)
     if cfg.trainer in ("sft", "rm", "dpo", "ppo"):
-        _tensor_parallel(cfg, r, world_size)
+        _tensor_parallel(cfg, r, world_size, dev)
     if cfg.trainer == "ppo":
         _ppo(cfg, r, world_size)
         for role in ("actor", "critic"):
@@ -124,7 +124,7 @@ def _context_parallel(cfg, r: _Report, world_size: int) -> None:
                   f"share each row; set --{role}.num_gpus_per_node to a multiple of {n})")
 
 
-def _tensor_parallel(cfg, r: _Report, world_size: int) -> None:
+def _tensor_parallel(cfg, r: _Report, world_size: int, dev: str) -> None:
     """--ds.tensor_parallel_size N: the model split over groups of N ranks; N divides the ranks (of the run, or
     of each trained ppo role: the actor and a critic); not with what changes the split layers (LoRA adapters,
     4-bit weights), Muon (it orthogonalizes whole matrices), ring attention (one kind of group at a time) or
@@ -134,6 +134,7 @@ def _tensor_parallel(cfg, r: _Report, world_size: int) -> None:
     if n == 1:
         return
     flag = "ds.tensor_parallel_size"
+    fp32 = (ds.param_dtype or ("bf16" if dev == "cuda" else "fp32")) == "fp32"
     if cfg.trainer == "ppo":
         for role in ("actor", "critic"):
             section = present_roles(cfg).get(role)
@@ -147,12 +148,12 @@ def _tensor_parallel(cfg, r: _Report, world_size: int) -> None:
         if world_size % n:
             r.bad(flag, n, f"must divide the {world_size} ranks of the run (groups of {n} consecutive ranks hold one "
                   "copy of the model)")
-        elif world_size == n * max(1, ds.ring_attn_size) and ds.zero_stage in (1, 2):
+        elif world_size == n and ds.zero_stage in (1, 2) and fp32:
             r.warnings.append(
-                f"--ds.tensor_parallel_size {n} on {world_size} ranks leaves one data-parallel replica: ZeRO-"
-                f"{ds.zero_stage} has nothing to partition and adds DeepSpeed's fp32 master copy and flat gradient "
-                "(measured 0.81x one process's parameter + optimizer memory per rank vs 0.54x); --ds.zero_stage 0 "
-                "trains the same")
+                f"--ds.tensor_parallel_size {n} on {world_size} ranks leaves ZeRO-{ds.zero_stage} nothing to partition "
+                "(one data-parallel replica); in fp32 it only adds DeepSpeed's master copy of the weights and a flat "
+                "gradient (measured 0.81x one process's parameter + optimizer memory per rank vs 0.54x): "
+                "--ds.zero_stage 0 trains the same")
         optims = {cfg.optim}
     if ds.lora.rank > 0:
         r.bad(flag, n, "not with LoRA (--ds.lora.rank): the adapters would wrap the split layers; this version "

@@ -14,8 +14,8 @@ query attends a key of its own sample at or before its position in the row (bloc
 the packed samples; padding attends nothing but itself). The result equals the unsplit row's attention to
 float rounding; the all-gather form is what ring-flash-attn calls its llama3 variant (used by OpenRLHF).
 On CUDA in bf16/fp16 the attention over the gathered keys runs in torch's varlen flash kernel
-(`context_parallel_kernels`), elsewhere in sdpa with an additive mask (one per forward) and the key/value
-heads grouped (`enable_gqa`).
+(`context_parallel_kernels`), elsewhere in sdpa with an additive mask (one per forward; on CPU with the
+key/value heads grouped, `enable_gqa`).
 
 Outputs read by a loss that every rank of the group computes alike (a sample's reward at its last token, the
 RL losses over whole rows) are gathered with `gather_replicated`, whose backward keeps this rank's slice of
@@ -245,10 +245,20 @@ def attention(module, query, key, value, attention_mask=None, scaling=None, drop
         q = query[:, start * per_kv:stop * per_kv]
         if fused:
             outs.append(varlen_attention(q, k, v, ctx.query_runs(), scaling))
-        else:  # enable_gqa: the gathered keys/values are saved for the backward once, not once per query head
-            outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.additive_mask(q.dtype),
-                                                       scale=scaling, enable_gqa=per_kv > 1))
+        else:
+            outs.append(_masked_attention(q, k, v, ctx.additive_mask(q.dtype), scaling, per_kv))
     return torch.cat(outs, dim=1).transpose(1, 2).contiguous(), None
+
+
+def _masked_attention(q, k, v, mask, scaling, per_kv: int) -> torch.Tensor:
+    """sdpa with the additive mask. On CPU the key/value heads go in grouped (`enable_gqa`): the CPU flash kernel
+    takes them so and saves the gathered keys/values once, not once per query head. On CUDA they are repeated
+    per query head first: with a mask and grouped heads torch falls back to its math kernel there, which keeps
+    the whole [H, T_local, T] attention weights for the backward."""
+    if per_kv > 1 and q.is_cuda:
+        k, v = k.repeat_interleave(per_kv, dim=1), v.repeat_interleave(per_kv, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
+                                          enable_gqa=per_kv > 1 and not q.is_cuda)
 
 
 def register() -> str:

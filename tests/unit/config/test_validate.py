@@ -75,13 +75,20 @@ def test_engine_rules():
 
 def test_tensor_parallel_without_replicas_points_to_zero_0():
     tp = ("--ds.tensor_parallel_size", "2", "--ds.zero_stage")
-    (w,) = [x for x in warns("sft", *tp, "2", world_size=2) if "tensor_parallel" in x]
-    assert w.startswith("--ds.tensor_parallel_size 2 on 2 ranks leaves one data-parallel replica: ZeRO-2 has "
-                        "nothing to partition") and w.endswith("--ds.zero_stage 0 trains the same")
-    assert not [x for x in warns("sft", *tp, "0", world_size=2) if "tensor_parallel" in x]
-    assert not [x for x in warns("sft", *tp, "2", world_size=4) if "tensor_parallel" in x]  # 2 replicas
-    assert not [x for x in warns("sft", *tp, "1", "--ds.ring_attn_size", "2", "--ds.packing_samples",
-                                 "--train.batch_size", "16", world_size=8) if "tensor_parallel" in x]
+    def tp_warnings(*extra, world_size=2, device="cpu"):
+        return [x for x in warns("sft", *tp, *extra, world_size=world_size, device=device) if "tensor_parallel" in x]
+
+    (w,) = tp_warnings("2")
+    assert w.startswith("--ds.tensor_parallel_size 2 on 2 ranks leaves ZeRO-2 nothing to partition (one "
+                        "data-parallel replica)") and w.endswith("--ds.zero_stage 0 trains the same")
+    assert tp_warnings("1")
+    assert not tp_warnings("0")
+    assert not tp_warnings("2", world_size=4)  # 2 replicas
+    # DeepSpeed's ZeRO group is every rank of a tensor-parallel index, ring ranks included: it partitions there
+    assert not tp_warnings("2", "--ds.ring_attn_size", "2", "--ds.packing_samples", "--train.batch_size", "8",
+                           world_size=4)
+    # bf16 (the GPU default): ZeRO-1/2 keep an fp32 master copy that ZeRO-0 would not: not the same training
+    assert not tp_warnings("2", device="cuda")
 
 
 def test_lora_rules():
