@@ -1,5 +1,6 @@
 """Memory that scales down: SFT on rows of L tokens with one process, ring attention over 2 ranks and
-tensor parallelism over 2 ranks (the `small` preset, CPU, fp32).
+tensor parallelism over 2 ranks (the `small` preset, CPU, fp32). One RL step on long rows, the same three
+ways: `bench/long_context_rl.py`.
 
     .venv/bin/python bench/long_context.py [--lengths 2048,4096,8192,16384]
         [--configs 1proc,ring2,tp2[,ring2-hs2,dp2]] [--tp-zero-stages 2] [--budget-gib 20] [--steps 3]
