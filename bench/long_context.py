@@ -74,6 +74,7 @@ Not a test: nothing asserts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -306,24 +307,59 @@ def unavailable_in_log(text: str, flag: str = "--ds.tensor_parallel_size") -> st
 
 
 class TreeWatch(Poller):
-    """Peak summed RSS of a process and its descendants; kills the process group above `limit` bytes."""
+    """Peak summed RSS of a process and its descendants, and each one's own peak (with its Ray class for Ray
+    workers, from the process title); kills the process tree above `limit` bytes summed."""
 
     def __init__(self, proc: subprocess.Popen, limit: float, interval: float = 0.2) -> None:
         super().__init__(interval)
         self.proc, self.limit, self.peak, self.killed = proc, limit, 0, False
+        self.peaks: dict[int, int] = {}  # pid -> its largest RSS
+        self.titles: dict[int, str] = {}  # pid -> "ray::ClassName" for Ray workers
 
     def poll(self) -> None:
         import psutil
 
         try:
             root = psutil.Process(self.proc.pid)
-            total = sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+            procs = [root, *root.children(recursive=True)]
         except psutil.Error:
             return
+        total = 0
+        for p in procs:
+            try:
+                rss, title = p.memory_info().rss, " ".join(p.cmdline())
+            except psutil.Error:
+                continue
+            total += rss
+            self.peaks[p.pid] = max(self.peaks.get(p.pid, 0), rss)
+            if title.startswith("ray::"):  # idle and busy titles differ ("ray::RoleWorker.fit"): keep the class
+                self.titles[p.pid] = title.split()[0].split(".")[0]
         self.peak = max(self.peak, total)
         if total > self.limit and not self.killed:
             self.killed = True
             kill_tree(self.proc.pid)
+
+    def by_title(self, title: str, count: int) -> list[int]:
+        """The `count` largest peaks of the processes titled `title` (Ray may start a spare worker too)."""
+        return sorted(self.peaks[pid] for pid, t in self.titles.items() if t == title)[-count:]
+
+
+@contextlib.contextmanager
+def work_folder(workdir: str | None, prefix: str):
+    """`workdir` (made if missing), or a temporary folder removed afterwards."""
+    if workdir:
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+        yield Path(workdir)
+    else:
+        with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+            yield Path(tmp)
+
+
+def publish(text: str, markdown: str | None) -> None:
+    """Print the report, and write it to `markdown` when given."""
+    print("\n" + text)
+    if markdown:
+        Path(markdown).write_text(text)
 
 
 def kill_tree(pid: int) -> None:
@@ -688,18 +724,11 @@ def main(argv=None) -> None:
     if args.worker:
         return worker(args)
     started = datetime.datetime.now(datetime.timezone.utc)
-    tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="bench_long_")
-    work = Path(args.workdir or tmp.name)
-    work.mkdir(parents=True, exist_ok=True)
-    model = build_model(work, max(args.lengths))
-    print(f"workdir {work}; model {model}", flush=True)
-    results = sweep(args, work, model)
-    text = report(args, results, started, versions())
-    print("\n" + text)
-    if args.markdown:
-        Path(args.markdown).write_text(text)
-    if tmp is not None:
-        tmp.cleanup()
+    with work_folder(args.workdir, "bench_long_") as work:
+        model = build_model(work, max(args.lengths))
+        print(f"workdir {work}; model {model}", flush=True)
+        results = sweep(args, work, model)
+        publish(report(args, results, started, versions()), args.markdown)
 
 
 if __name__ == "__main__":

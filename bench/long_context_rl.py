@@ -36,13 +36,12 @@ import json
 import random
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, Poller, _bench_env, machine, md_table, median, versions  # noqa: E402
-from long_context import GIB, MIB, SEED, build_model, kill_tree  # noqa: E402
+from common import REPO, _bench_env, machine, md_table, median, versions  # noqa: E402
+from long_context import GIB, MIB, SEED, TreeWatch, build_model, kill_tree, publish, work_folder  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 
@@ -62,43 +61,6 @@ def reward_func(queries, prompts, labels, **kwargs):
     out = [float((len(q) - len(p)) % 7 + ord(q[-1]) % 3) if q else 0.0 for q, p in zip(queries, prompts)]
     return torch.tensor(out)
 '''
-
-
-class ProcessWatch(Poller):
-    """Per-process peak RSS of a launch and its descendants (module doc); kills the tree above `limit` bytes
-    summed."""
-
-    def __init__(self, proc: subprocess.Popen, limit: float, interval: float = 0.2) -> None:
-        super().__init__(interval)
-        self.proc, self.limit, self.killed = proc, limit, False
-        self.peaks: dict[int, int] = {}
-        self.titles: dict[int, str] = {}
-
-    def poll(self) -> None:
-        import psutil
-
-        try:
-            procs = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
-        except psutil.Error:
-            return
-        total = 0
-        for p in procs:
-            try:
-                rss = p.memory_info().rss
-                title = " ".join(p.cmdline())[:80]
-            except psutil.Error:
-                continue
-            total += rss
-            self.peaks[p.pid] = max(self.peaks.get(p.pid, 0), rss)
-            if title.startswith("ray::"):  # idle and busy titles differ ("ray::RoleWorker.fit"): keep the class
-                self.titles[p.pid] = title.split()[0].split(".")[0]
-        if total > self.limit and not self.killed:
-            self.killed = True
-            kill_tree(self.proc.pid)
-
-    def by_title(self, title: str, count: int) -> list[int]:
-        """The `count` largest peaks of the processes titled `title` (Ray may start a spare worker too)."""
-        return sorted(self.peaks[pid] for pid, t in self.titles.items() if t == title)[-count:]
 
 
 def write_prompts(work: Path, model: Path, length: int, count: int) -> Path:
@@ -147,7 +109,7 @@ def run_one(args, work: Path, model: Path, reward: Path, name: str, length: int)
     with open(log, "w") as handle:
         proc = subprocess.Popen([sys.executable, "-m", "posttrain.cli.train_ppo_ray", *argv], cwd=REPO,
                                 env=_bench_env(), stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
-        watch = ProcessWatch(proc, args.budget_gib * GIB)
+        watch = TreeWatch(proc, args.budget_gib * GIB)
         with watch:
             try:
                 rc = proc.wait(timeout=args.timeout)
@@ -232,26 +194,19 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     started = datetime.datetime.now(datetime.timezone.utc)
-    tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="bench_long_rl_")
-    work = Path(args.workdir or tmp.name)
-    work.mkdir(parents=True, exist_ok=True)
-    model = build_model(work, max(args.lengths))
-    reward = work / "reward.py"
-    reward.write_text(REWARD)
-    results = []
-    for length in args.lengths:
-        for name in args.configs:
-            res = run_one(args, work, model, reward, name, length)
-            results.append(res)
-            peaks = " / ".join(f"{p / GIB:.2f}" for p in res["actor_peaks"])
-            print(f"[{time.strftime('%H:%M:%S')}] {name} L={length}: actor peak {peaks} GiB, "
-                  f"{res.get('error') or 'ok'} ({res['wall']:.0f} s)", flush=True)
-    text = report(args, results, started)
-    print("\n" + text)
-    if args.markdown:
-        Path(args.markdown).write_text(text)
-    if tmp is not None:
-        tmp.cleanup()
+    with work_folder(args.workdir, "bench_long_rl_") as work:
+        model = build_model(work, max(args.lengths))
+        reward = work / "reward.py"
+        reward.write_text(REWARD)
+        results = []
+        for length in args.lengths:
+            for name in args.configs:
+                res = run_one(args, work, model, reward, name, length)
+                results.append(res)
+                peaks = " / ".join(f"{p / GIB:.2f}" for p in res["actor_peaks"])
+                print(f"[{time.strftime('%H:%M:%S')}] {name} L={length}: actor peak {peaks} GiB, "
+                      f"{res.get('error') or 'ok'} ({res['wall']:.0f} s)", flush=True)
+        publish(report(args, results, started), args.markdown)
 
 
 if __name__ == "__main__":
