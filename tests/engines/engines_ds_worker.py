@@ -13,6 +13,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 from engines_common import OPT, PLAN, make_data, run_step, tiny_llama, torch_engine, train_engine, weights
 
+from posttrain.engines.dist import shutdown
+
 
 def build(stage, seed):
     if stage < 0:
@@ -55,3 +57,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    shutdown()  # no gloo thread left alive at exit (an exit-time abort otherwise)

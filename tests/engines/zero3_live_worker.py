@@ -15,6 +15,7 @@ os.environ.setdefault("DS_BUILD_OPS", "0")
 from engines_common import tiny_llama, train_engine  # noqa: E402
 
 import posttrain.engines.deepspeed_engine as ds_engine  # noqa: E402
+from posttrain.engines.dist import shutdown
 
 ds_engine.LIVE_PARAMETERS_MIN = 1  # numel / 8 of this tiny model
 make = ds_engine.ds_config
@@ -52,3 +53,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    shutdown()  # no gloo thread left alive at exit (an exit-time abort otherwise)

@@ -15,6 +15,7 @@ os.environ.setdefault("DS_BUILD_OPS", "0")
 from engines_common import PLAN, make_data, run_step, tiny_llama, train_engine, weights  # noqa: E402
 
 import posttrain.engines.deepspeed_engine as ds_engine  # noqa: E402
+from posttrain.engines.dist import shutdown
 
 SUB_GROUP = {"default": None, "split": 3000}
 make, lean_step = ds_engine.ds_config, ds_engine.lean_step
@@ -95,3 +96,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    shutdown()  # no gloo thread left alive at exit (an exit-time abort otherwise)

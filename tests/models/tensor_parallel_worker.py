@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from posttrain.config.sections import AdamConfig, DSConfig, OptimizerFields
 from posttrain.engines import make_train_engine
+from posttrain.engines.dist import shutdown
 from posttrain.models import build_tiny, load_causal_lm
 from posttrain.models import tensor_parallel as tp
 
@@ -82,6 +83,7 @@ def main():
         print(f"max_rel_logits={rel(logits, want_logits):.3g} max_rel_grad={max_grad:.3g} "
               f"rel_norm={rel(norm, want_norm):.3g} own={own} split={split} full={full} opt={opt_elements} "
               f"max_rel_export={max_export:.3g}")
+    shutdown()  # no gloo thread left alive at exit (an exit-time abort otherwise)
 
 
 if __name__ == "__main__":

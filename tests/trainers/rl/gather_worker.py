@@ -23,6 +23,7 @@ import torch
 
 os.environ.setdefault("DS_BUILD_OPS", "0")
 import posttrain.engines.deepspeed_engine as ds_engine  # noqa: E402
+from posttrain.engines.dist import shutdown  # noqa: E402
 
 BUCKET_BYTES = 64 * 1024  # several buckets for the nano model
 
@@ -181,3 +182,4 @@ if __name__ == "__main__":
         run_rl(*sys.argv[2:6])
     else:
         run_sync(*sys.argv[2:4])
+    shutdown()  # no gloo thread left alive at exit (an exit-time abort otherwise)

@@ -27,6 +27,7 @@ import sys
 import torch
 
 from posttrain.config import parse_config
+from posttrain.engines.dist import shutdown
 from posttrain.models import load_tokenizer
 from posttrain.rewards.reward_model import RewardModelSource
 from posttrain.trainers.rl import build
@@ -144,3 +145,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    shutdown()  # no gloo thread left alive at exit (an exit-time abort otherwise)
