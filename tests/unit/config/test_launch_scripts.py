@@ -218,3 +218,83 @@ def test_train_ppo_ray_reinforce_baseline_script():
     assert "--vllm.gpu_memory_utilization 0.5 has no effect here" in inert
     assert "--vllm.num_engines" not in inert and "--train.colocate_all" not in inert
     assert "--ds.enable_sleep" in inert
+
+
+# examples/scripts/train_prorlv2_math_hybrid_engine.sh (REINFORCE++-baseline, ICEPOP, dynamic batching, eval)
+PRORL_V2 = r"""
+   --ref.num_nodes 1 --ref.num_gpus_per_node 8 --actor.num_nodes 1 --actor.num_gpus_per_node 8
+   --vllm.num_engines 8 --vllm.tensor_parallel_size 1 --train.colocate_all --vllm.gpu_memory_utilization 0.75
+   --algo.kl.init_coef 1e-4 --algo.advantage.gamma 1.0 --algo.kl.use_loss --algo.kl.estimator k2
+   --algo.advantage.estimator reinforce_baseline --algo.dynamic_filtering_enable --algo.dynamic_filtering_range 0 1
+   --actor.eps_clip_low_high 0.2 0.27 --actor.model_name_or_path deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B
+   --reward.remote_url /w/examples/python/math_reward_func.py --ckpt.output_dir /w/exp/prorl
+   --ckpt.path /w/exp/prorl/ckpt --ckpt.save_steps 5 --ckpt.save_hf --train.batch_size 1024
+   --rollout.batch_size 512 --rollout.n_samples_per_prompt 16 --train.dynamic_batch_enable
+   --train.num_episodes 100 --data.max_len 9216 --rollout.max_new_tokens 8192 --ds.zero_stage 3
+   --ds.param_dtype bf16 --actor.adam.lr 1e-6 --data.prompt_dataset OpenRLHF/dapo-math-17k
+   --data.input_key prompt --data.label_key label --eval.dataset OpenRLHF/aime-2024 --eval.steps 5
+   --eval.temperature 1.0 --eval.n_samples_per_prompt 4 --data.apply_chat_template
+   --actor.gradient_checkpointing_enable --ds.packing_samples --vllm.sync_backend nccl --vllm.enforce_eager
+   --vllm.enable_sleep --ds.enable_sleep --algo.advantage.is_correction_enable
+   --algo.advantage.is_correction_threshold 0.5 5.0 --algo.advantage.is_correction_type icepop
+   --train.max_tokens_per_gpu 32768 --reward.stop_properly_penalty_coef 0.0
+"""
+
+# examples/scripts/train_ppo_with_reward_fn.sh (PPO with a critic, a reward-function file, optimizer offload)
+PPO_WITH_REWARD_FN = r"""
+   --ref.num_nodes 1 --ref.num_gpus_per_node 2 --critic.num_nodes 1 --critic.num_gpus_per_node 2
+   --actor.num_nodes 1 --actor.num_gpus_per_node 2 --vllm.num_engines 2 --vllm.tensor_parallel_size 2
+   --train.colocate_actor_ref --actor.model_name_or_path OpenRLHF/Llama-3-8b-sft-mixture
+   --reward.remote_url /openrlhf/examples/python/reward_func.py
+   --ckpt.output_dir /openrlhf/examples/checkpoint/llama3-8b-rlhf --train.micro_batch_size 8
+   --train.batch_size 128 --rollout.micro_batch_size 16 --rollout.batch_size 1024 --data.max_samples 100000
+   --train.max_epochs 1 --data.max_len 2048 --ds.zero_stage 3 --ds.param_dtype bf16 --actor.adam.lr 5e-7
+   --critic.adam.lr 9e-6 --algo.kl.init_coef 0.01 --data.prompt_dataset OpenRLHF/prompt-collection-v0.1
+   --data.input_key context_messages --data.apply_chat_template --reward.normalize_enable --ds.packing_samples
+   --ds.adam_offload --ds.attn_implementation flash_attention_2 --actor.gradient_checkpointing_enable
+   --logger.wandb.key WANDB_TOKEN
+"""
+
+# examples/scripts/train_sft_mixtral_lora.sh (LoRA SFT of a mixture-of-experts model with the router loss)
+SFT_MIXTRAL_LORA = r"""
+    --data.max_len 2048 --data.dataset Open-Orca/OpenOrca --data.input_key question --data.output_key response
+    --train.batch_size 128 --train.micro_batch_size 4 --data.max_samples 500000
+    --model.model_name_or_path mistralai/Mixtral-8x7B-v0.1 --ckpt.output_dir ./checkpoint/mixtral-sft-lora
+    --ckpt.save_steps -1 --logger.logging_steps 1 --eval.steps -1 --ds.zero_stage 3 --train.max_epochs 1
+    --ds.param_dtype bf16 --model.gradient_checkpointing_enable --ds.attn_implementation flash_attention_2
+    --adam.lr 5e-6 --ds.lora.rank 64 --ds.lora.alpha 64 --ds.packing_samples --model.aux_loss_coef 0.001
+"""
+
+
+def test_train_prorlv2_math_script():
+    cfg = parse("ppo", PRORL_V2)
+    assert cfg.algo.advantage.estimator == "reinforce_baseline" and cfg.algo.advantage.gamma == 1.0
+    assert cfg.algo.dynamic_filtering_enable and cfg.algo.dynamic_filtering_range == [0.0, 1.0]
+    assert cfg.algo.advantage.is_correction_type == "icepop"
+    assert cfg.algo.advantage.is_correction_threshold == [0.5, 5.0]
+    assert cfg.reward.stop_properly_penalty_coef == 0.0  # 0.0 is a value (zero reward when truncated), not "off"
+    assert cfg.train.dynamic_batch_enable and cfg.train.max_tokens_per_gpu == 32768
+    assert cfg.reward.remote_url.endswith("math_reward_func.py") and cfg.data.label_key == "label"
+    assert (cfg.eval.dataset, cfg.eval.steps, cfg.eval.n_samples_per_prompt) == ("OpenRLHF/aime-2024", 5, 4)
+    assert cfg.eval.temperature == 1.0 and cfg.train.num_episodes == 100
+    assert cfg.ckpt.path == "/w/exp/prorl/ckpt" and cfg.ckpt.save_steps == 5
+    assert derived_sizes(cfg, 8)["samples_per_rollout"] == 512 * 16
+    inert = "\n".join(inert_flags(cfg, "cpu"))
+    assert "--train.dynamic_batch_enable" not in inert and "--algo.advantage.is_correction_type" not in inert
+
+
+def test_train_ppo_with_reward_fn_script():
+    cfg = parse("ppo", PPO_WITH_REWARD_FN)
+    assert cfg.reward.remote_url == "/openrlhf/examples/python/reward_func.py"
+    assert cfg.critic.num_gpus_per_node == 2 and cfg.critic.adam.lr == 9e-6  # a critic: PPO with GAE
+    assert cfg.algo.advantage.estimator == "gae" and cfg.train.colocate_actor_ref
+    assert cfg.ds.adam_offload and cfg.ds.zero_stage == 3 and cfg.algo.kl.init_coef == 0.01
+    assert (cfg.rollout.batch_size, cfg.train.batch_size, cfg.data.max_samples) == (1024, 128, 100000)
+
+
+def test_train_sft_mixtral_lora_script():
+    cfg = parse("sft", SFT_MIXTRAL_LORA)
+    assert cfg.model.model_name_or_path == "mistralai/Mixtral-8x7B-v0.1"
+    assert (cfg.ds.lora.rank, cfg.ds.lora.alpha) == (64, 64) and cfg.ds.zero_stage == 3
+    assert cfg.model.aux_loss_coef == 0.001 and cfg.ds.packing_samples
+    assert derived_sizes(cfg, 8)["gradient_accumulation_steps"] == 128 // (4 * 8)
