@@ -73,13 +73,16 @@ def import_deepspeed():
 
 
 def start_process_group() -> None:
-    """DeepSpeed's process group over the launcher's ranks (gloo on CPU, NCCL on GPU); idempotent."""
+    """DeepSpeed's process group over the launcher's ranks (gloo on CPU, NCCL on GPU); one process: an
+    in-memory rendezvous; a group already formed (a Ray role's ranks) is used as it is. Idempotent."""
     deepspeed = import_deepspeed()
     pdist.ensure_single_process_env()
     backend = pdist.default_backend()
     if backend == "nccl":
         torch.cuda.set_device(pdist.env_world()[2])
-    deepspeed.init_distributed(dist_backend=backend)
+    if pdist.env_world()[1] == 1:
+        pdist.start_single_process_group(backend)
+    deepspeed.init_distributed(dist_backend=backend)  # a group already running (Ray's ranks, one process): used
 
 
 def ds_config(*, zero_stage: int, world_size: int, max_norm: float, param_dtype: str = "fp32",

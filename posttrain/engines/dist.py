@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -25,15 +25,39 @@ def default_backend() -> str:
 
 
 def ensure_single_process_env() -> None:
-    """Fill the rendezvous env for a one-process group when no launcher set it."""
+    """Fill the rank env for a one-process group when no launcher set it (DeepSpeed reads it)."""
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+
+def start_single_process_group(backend: str | None = None) -> None:
+    """The default process group of a one-process run, rendezvousing in memory: no port to bind, so
+    runs started side by side cannot collide on one (EADDRINUSE)."""
+    if not dist.is_initialized():
+        dist.init_process_group(backend or default_backend(), store=dist.HashStore(), rank=0, world_size=1)
+
+
+def serve_store(host: str, world: int) -> dist.TCPStore:
+    """Rank 0's rendezvous store for a group of `world` processes, listening on every interface at a port
+    the OS assigns (`.port`; `host` is this node's address, for the store's own client). Bound at once: a
+    port found free and bound later can be taken in between by any other process (EADDRINUSE at start-up)."""
+    return dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False, timeout=default_pg_timeout)
+
+
+def connect_store(host: str, port: int, world: int) -> dist.TCPStore:
+    """A client of rank 0's `serve_store` (retries until it answers, up to the default group timeout)."""
+    return dist.TCPStore(host, port, world, is_master=False, timeout=default_pg_timeout)
+
+
+def init_process_group_from_store(store: dist.Store, rank: int, world: int, backend: str | None = None) -> None:
+    """Start the default process group of `world` ranks over `store` (`serve_store` on rank 0,
+    `connect_store` elsewhere); the engines then find it running and use it."""
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(env_world()[2])
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
 
 
 def init_process_group(backend: str | None = None) -> None:

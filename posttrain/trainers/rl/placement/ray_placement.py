@@ -302,7 +302,7 @@ class EngineGroup(_Group):
         return layout_bytes(layout)
 
     def _join(self, actor: ActorGroup) -> None:
-        address, port = ray.get(actor.handles[0].address.remote())
+        address, port = ray.get(actor.handles[0].listen.remote(len(self.handles) + 1))
         world = len(self.handles) + 1
         wait_all([(actor.handles[0].sync_join.remote(address, port, world, self.backend), actor.label(0))]
                  + [(h.sync_join.remote(address, port, i + 1, world, self.backend), self.label(i))
@@ -480,9 +480,8 @@ class RayPlacement:
         cls = ray.remote(RoleWorker)
         first = cls.options(**self._options(role, 0)).remote(role, 0, n, None, worker_threads(n), env)
         self.handles.append(first)
-        master = wait_all([(first.address.remote(), f"{role} rank 0")], PLACE_TIMEOUT_S)[0] if n > 1 else None
-        if master is not None:  # rank 0 re-learns its own rendezvous address
-            wait_all([(first.set_master.remote(master), f"{role} rank 0")])
+        # rank 0 serves the group's rendezvous store on a port it binds at once, before the others start
+        master = wait_all([(first.listen_as_master.remote(), f"{role} rank 0")], PLACE_TIMEOUT_S)[0] if n > 1 else None
         rest = [cls.options(**self._options(role, r)).remote(role, r, n, master, worker_threads(n), env)
                 for r in range(1, n)]
         self.handles += rest

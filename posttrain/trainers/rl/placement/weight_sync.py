@@ -43,9 +43,12 @@ class SyncGroup:
     """Rank 0 sends, every other rank receives, one flat tensor per bucket."""
 
     def __init__(self, address: str, port: int, rank: int, world: int, backend: str = "gloo",
-                 timeout_s: float = 600) -> None:
+                 timeout_s: float = 600, store: dist.Store | None = None) -> None:
+        """`store`: the group's rendezvous store when the caller has it (rank 0's `engines.dist.serve_store`,
+        bound before its port was shared); else one is opened at `address:port` (served on rank 0)."""
         timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timeout)
+        self.store = store if store is not None else dist.TCPStore(address, port, world, is_master=rank == 0,
+                                                                   timeout=timeout)
         if backend == "nccl":
             self.group = dist.ProcessGroupNCCL(self.store, rank, world, dist.ProcessGroupNCCL.Options())
             self.device = torch.device("cuda", torch.cuda.current_device())

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from posttrain.engines import dist as pdist
 from posttrain.models.lora_sync import is_adapter_name
 from posttrain.models.vision import is_vision_folder, load_processor
 from posttrain.trainers.rl.placement.transport import experience_from_numpy
@@ -26,15 +26,6 @@ if TYPE_CHECKING:
 
 def _device() -> torch.device:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def free_address() -> tuple[str, int]:
-    """This node's IP and a free TCP port on it (a rendezvous point for a process group)."""
-    import ray
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return ray.util.get_node_ip_address(), s.getsockname()[1]
 
 
 def numpy_state(state: NamedTensors) -> dict[str, tuple[np.ndarray, str]]:
@@ -58,14 +49,23 @@ def torch_state(arrays: dict[str, tuple[np.ndarray, str]]) -> dict[str, torch.Te
 class _Process:
     def __init__(self, threads: int, env: dict[str, str]) -> None:
         os.environ.update(env)
+        self._listening: dict = {}  # port -> the store this process serves there (`listen`)
         torch.set_num_threads(max(1, threads))
         apply_heap_policy()
 
     def pid(self) -> int:
         return os.getpid()
 
-    def address(self) -> tuple[str, int]:
-        return free_address()
+    def listen(self, world: int) -> tuple[str, int]:
+        """Serve the rendezvous store of a new group of `world` processes, this one its rank 0; returns
+        (this node's IP, the port the OS gave it). The store is kept until the group is formed."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        store = pdist.serve_store(host, world)
+        self._listening[store.port] = store
+        return host, store.port
+
 
 
 class RoleWorker(_Process):
@@ -79,12 +79,27 @@ class RoleWorker(_Process):
             env.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
         super().__init__(threads, env)
         self.role, self.rank, self.world = role, rank, world
+        self.master = master  # rank 0's: set by `listen_as_master`; None: the launcher's env rendezvous (torchrun)
         self.obj = None
         self.gather_for_generation = False
         self.sync: SyncGroup | None = None
 
-    def set_master(self, master: tuple[str, int]) -> None:
-        os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
+    def listen_as_master(self) -> tuple[str, int]:
+        """Rank 0: serve the role group's store (`listen`) and take its address as MASTER_ADDR / MASTER_PORT."""
+        self.master = self.listen(self.world)
+        os.environ.update(MASTER_ADDR=self.master[0], MASTER_PORT=str(self.master[1]))
+        return self.master
+
+    def _join_role_group(self) -> None:
+        """Form the role's default process group over rank 0's store (every rank's `setup` runs at once)
+        before the engines need it; they find it running. Without a master (ranks started by a launcher
+        such as torchrun) the engines form it from the launcher's env."""
+        import torch.distributed as dist
+
+        if self.master is not None and not dist.is_initialized():
+            host, port = self.master
+            store = self._listening.pop(port) if self.rank == 0 else pdist.connect_store(host, port, self.world)
+            pdist.init_process_group_from_store(store, self.rank, self.world)
 
     def setup(self, cfg: PPOConfig, total_steps: int) -> None:
         from posttrain.models import load_tokenizer
@@ -97,6 +112,8 @@ class RoleWorker(_Process):
             processor = load_processor(cfg.actor.model_name_or_path, self.tokenizer)
         self.savers = export_savers(self.tokenizer, processor)  # what its exports hold besides the weights
         device = _device()
+        if self.world > 1:
+            self._join_role_group()
         zero = cfg.ds.zero_stage if self.world > 1 else None  # one rank: the in-process engine
         self.gather_for_generation = cfg.ds.gather_for_generation
         if self.role == "actor":
@@ -181,7 +198,8 @@ class RoleWorker(_Process):
 
     def sync_join(self, address: str, port: int, world: int, backend: str) -> None:
         if self.rank == 0:
-            self.sync = SyncGroup(address, port, 0, world, backend)
+            # the store `listen` serves there; none: SyncGroup serves one at that port itself
+            self.sync = SyncGroup(address, port, 0, world, backend, store=self._listening.pop(port, None))
 
     def sync_send(self, layout, kind: str = "full") -> None:
         """Every rank gathers (collective under ZeRO-3); rank 0 broadcasts the buckets as they fill."""
