@@ -29,12 +29,26 @@ def losses(run_dir, start=1):
     return [r["train/loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "train/loss" in r and r["step"] >= start]
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_on(tiny_model_dir, arithmetic_dir, tmp_path_factory):
+    """`layout -> (run dir, checkpoint dir)` of its uninterrupted run, run once for the module: the reference
+    a resume onto that layout must equal, and (its step-2 checkpoint) the start of a resume from it."""
+    runs = {}
+
+    def get(layout):
+        if layout not in runs:
+            tmp = tmp_path_factory.mktemp(f"uninterrupted_{layout}")
+            run(layout, tiny_model_dir, arithmetic_dir, tmp / "run", tmp / "ck")
+            runs[layout] = (tmp / "run", tmp / "ck")
+        return runs[layout]
+    return get
+
+
 @pytest.mark.parametrize("before,after", [("zero3", "one"), ("one", "zero2"), ("zero2", "zero3")])
-def test_a_checkpoint_resumes_on_another_layout(tiny_model_dir, arithmetic_dir, tmp_path, before, after):
-    first_ckpt = tmp_path / "ckpt_first"
-    run(before, tiny_model_dir, arithmetic_dir, tmp_path / "first", first_ckpt)
-    straight = tmp_path / "straight"
-    run(after, tiny_model_dir, arithmetic_dir, straight, tmp_path / "ckpt_straight")
+def test_a_checkpoint_resumes_on_another_layout(uninterrupted_on, tiny_model_dir, arithmetic_dir, tmp_path, before,
+                                                after):
+    _, first_ckpt = uninterrupted_on(before)
+    straight, _ = uninterrupted_on(after)
     resume_ckpt = tmp_path / "ckpt_resume"
     resume_ckpt.mkdir()
     shutil.copytree(first_ckpt / "global_step2", resume_ckpt / "global_step2")

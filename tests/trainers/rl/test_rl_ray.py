@@ -84,25 +84,47 @@ def test_tensor_parallel_actor_and_critic_equal_one_process(run_ppo, ray_session
     assert _max_diff(_weights(local), _weights(tp)) < 3e-5
 
 
+ELASTIC_LAYOUTS = {"one": (), "zero2": ("--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "2",
+                                        "--vllm.num_engines", "1", "--ds.zero_stage", "2"),
+                   "zero3": ("--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "2",
+                             "--vllm.num_engines", "1", "--ds.zero_stage", "3")}
+ELASTIC_COMMON = ("--train.num_episodes", "1", "--data.max_samples", "24", "--train.batch_size", "16",
+                  "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8", "--algo.advantage.estimator",
+                  "gae", "--critic.adam.lr", "1e-3", "--ckpt.save_steps", "2")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_on(rl_setup, tmp_path_factory):
+    """`layout -> (run dir, checkpoint dir)` of its uninterrupted run, run once for the module: the reference
+    a resume onto that layout must equal, and (its step-2 checkpoint) the start of a resume from it."""
+    from posttrain.cli import train_ppo_ray
+
+    runs = {}
+
+    def get(layout):
+        if layout not in runs:
+            tmp = tmp_path_factory.mktemp(f"uninterrupted_{layout}")
+            train_ppo_ray.main(ppo_flags(rl_setup, tmp / "run", *ELASTIC_COMMON, *ELASTIC_LAYOUTS[layout],
+                                         "--ckpt.path", tmp / "ck"))
+            runs[layout] = (tmp / "run", tmp / "ck")
+        return runs[layout]
+    return get
+
+
 @pytest.mark.parametrize("before,after", [("one", "zero2"), ("zero3", "one"), ("zero2", "zero3")])
-def test_a_ppo_checkpoint_resumes_on_another_layout(run_ppo, ray_session, tmp_path, before, after):
+def test_a_ppo_checkpoint_resumes_on_another_layout(run_ppo, uninterrupted_on, ray_session, tmp_path, before,
+                                                    after):
     """Elastic resume of the actor and the critic (GAE): a checkpoint of step 2 written in one process resumes
     on Ray with 2 ranks each under ZeRO-2, one of 2 ranks under ZeRO-3 in one process, and one of ZeRO-2 under
     ZeRO-3 on the same ranks; the resumed steps equal the uninterrupted run on the new layout (rewards 1e-6,
     weights 3e-5)."""
-    layouts = {"one": (), "zero2": ("--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "2",
-                                    "--vllm.num_engines", "1", "--ds.zero_stage", "2"),
-               "zero3": ("--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "2",
-                         "--vllm.num_engines", "1", "--ds.zero_stage", "3")}
-    common = ("--train.num_episodes", "1", "--data.max_samples", "24", "--train.batch_size", "16",
-              "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8", "--algo.advantage.estimator",
-              "gae", "--critic.adam.lr", "1e-3", "--ckpt.save_steps", "2")
-    run_ppo(*common, *layouts[before], "--ckpt.path", tmp_path / "ck_first", name="first")
-    straight, _ = run_ppo(*common, *layouts[after], "--ckpt.path", tmp_path / "ck_straight", name="straight")
+    _, first_ckpt = uninterrupted_on(before)
+    straight, _ = uninterrupted_on(after)
     resume = tmp_path / "ck_resume"
     resume.mkdir()
-    shutil.copytree(tmp_path / "ck_first" / "global_step2", resume / "global_step2")
-    resumed, _ = run_ppo(*common, *layouts[after], "--ckpt.path", resume, "--ckpt.load_enable", name="resumed")
+    shutil.copytree(first_ckpt / "global_step2", resume / "global_step2")
+    resumed, _ = run_ppo(*ELASTIC_COMMON, *ELASTIC_LAYOUTS[after], "--ckpt.path", resume, "--ckpt.load_enable",
+                         name="resumed")
     assert len(rewards_by_step(straight)) == 3
     assert rewards_by_step(resumed, start=3) == pytest.approx(rewards_by_step(straight, start=3), abs=1e-6)
     assert _max_diff(_weights(straight), _weights(resumed)) < 3e-5
