@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.constants import default_pg_timeout
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -33,31 +33,40 @@ def ensure_single_process_env() -> None:
 
 
 def start_single_process_group(backend: str | None = None) -> None:
-    """The default process group of a one-process run, rendezvousing in memory: no port to bind, so
-    runs started side by side cannot collide on one (EADDRINUSE)."""
+    """The default process group of a one-process run, rendezvousing in memory: no port to pick, so
+    runs started side by side, or a stale MASTER_PORT, cannot collide on one (EADDRINUSE)."""
     if not dist.is_initialized():
         dist.init_process_group(backend or default_backend(), store=dist.HashStore(), rank=0, world_size=1)
+
+
+def group_timeout() -> datetime.timedelta:
+    """The collective and rendezvous timeout of a group formed here: DeepSpeed's default (10 minutes,
+    `DEEPSPEED_TIMEOUT` minutes when set), as when DeepSpeed forms the group from a launcher's env."""
+    return datetime.timedelta(minutes=int(os.environ.get("DEEPSPEED_TIMEOUT", "10")))
 
 
 def serve_store(host: str, world: int) -> dist.TCPStore:
     """Rank 0's rendezvous store for a group of `world` processes, listening on every interface at a port
     the OS assigns (`.port`; `host` is this node's address, for the store's own client). Bound at once: a
     port found free and bound later can be taken in between by any other process (EADDRINUSE at start-up)."""
-    return dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False, timeout=default_pg_timeout)
+    return dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False, timeout=group_timeout())
 
 
 def connect_store(host: str, port: int, world: int) -> dist.TCPStore:
-    """A client of rank 0's `serve_store` (retries until it answers, up to the default group timeout)."""
-    return dist.TCPStore(host, port, world, is_master=False, timeout=default_pg_timeout)
+    """A client of rank 0's `serve_store` (retries until it answers, up to `group_timeout`)."""
+    return dist.TCPStore(host, port, world, is_master=False, timeout=group_timeout())
 
 
 def init_process_group_from_store(store: dist.Store, rank: int, world: int, backend: str | None = None) -> None:
     """Start the default process group of `world` ranks over `store` (`serve_store` on rank 0,
-    `connect_store` elsewhere); the engines then find it running and use it."""
+    `connect_store` elsewhere); the engines then find it running and use it. As DeepSpeed forms it: its
+    timeout, and on NCCL the rank's device bound at once (eager start; later groups split from it)."""
     backend = backend or default_backend()
+    kwargs = {}
     if backend == "nccl":
         torch.cuda.set_device(env_world()[2])
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+        kwargs["device_id"] = torch.device("cuda", env_world()[2])
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=group_timeout(), **kwargs)
 
 
 def init_process_group(backend: str | None = None) -> None:

@@ -12,8 +12,6 @@ import pytest
 
 from posttrain.engines import dist as pdist
 
-pytestmark = pytest.mark.e2e
-
 ONE_PROCESS = """
 import os, socket
 taken = socket.socket()
@@ -30,7 +28,8 @@ dist.destroy_process_group()
 """
 
 
-def test_a_one_process_deepspeed_group_binds_no_port():
+@pytest.mark.e2e
+def test_a_one_process_deepspeed_group_picks_no_port():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     proc = subprocess.run([sys.executable, "-c", ONE_PROCESS], capture_output=True, text=True, timeout=120,
                           check=False, env={**env, "DS_BUILD_OPS": "0", "OMP_NUM_THREADS": "1"})
@@ -62,6 +61,7 @@ def _rank(rank: int, ports, results) -> None:
     pdist.shutdown()
 
 
+@pytest.mark.e2e
 def test_two_ranks_form_a_group_through_rank_0s_served_store():
     ctx = mp.get_context("spawn")
     ports, results = ctx.Queue(), ctx.Queue()
@@ -70,5 +70,47 @@ def test_two_ranks_form_a_group_through_rank_0s_served_store():
         p.start()
     for p in procs:
         p.join(timeout=120)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
     assert [p.exitcode for p in procs] == [0, 0]
     assert sorted(results.get(timeout=5) for _ in procs) == [(0, 3.0, 2), (1, 3.0, 2)]
+
+
+@pytest.fixture
+def worker_module(monkeypatch):
+    """`placement.workers` with a role worker's process-wide effects kept out of this test process."""
+    import torch
+    import torch.distributed as dist
+
+    from posttrain.trainers.rl.placement import workers
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    monkeypatch.setattr(workers, "apply_heap_policy", lambda: None)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr("ray.util.get_node_ip_address", lambda: "127.0.0.1")
+    threads = torch.get_num_threads()
+    yield workers
+    torch.set_num_threads(threads)
+
+
+def test_a_ray_roles_rank_0_forms_its_group_over_the_store_it_served(worker_module, monkeypatch):
+    formed = {}
+    monkeypatch.setattr(pdist, "init_process_group_from_store",
+                        lambda store, rank, world: formed.update(store=store, rank=rank, world=world))
+    rank0 = worker_module.RoleWorker("actor", 0, 2, None, 1, {})
+    host, port = rank0.listen_as_master()
+    served = rank0._listening[port]
+    assert (host, port) == ("127.0.0.1", served.port) and os.environ["MASTER_PORT"] == str(port)
+    rank0._join_role_group()
+    assert formed == {"store": served, "rank": 0, "world": 2} and not rank0._listening
+
+
+def test_actor_rank_0_sends_weights_over_the_store_it_served(worker_module, monkeypatch):
+    groups = []
+    monkeypatch.setattr(worker_module, "SyncGroup", lambda *args, store=None: groups.append((args, store)))
+    rank0 = worker_module.RoleWorker("actor", 0, 1, None, 1, {})
+    host, port = rank0.listen(3)
+    served = rank0._listening[port]
+    rank0.sync_join(host, port, 3, "gloo")
+    assert groups == [((host, port, 0, 3, "gloo"), served)]

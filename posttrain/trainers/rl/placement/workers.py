@@ -67,7 +67,6 @@ class _Process:
         return host, store.port
 
 
-
 class RoleWorker(_Process):
     """Rank `rank` of `world` of a role ("actor", "critic", "ref", "reward"); the ranks of a
     trained role form a torch.distributed group (`master`: rank 0's address) for DeepSpeed."""
@@ -98,7 +97,10 @@ class RoleWorker(_Process):
 
         if self.master is not None and not dist.is_initialized():
             host, port = self.master
-            store = self._listening.pop(port) if self.rank == 0 else pdist.connect_store(host, port, self.world)
+            store = self._listening.pop(port, None) if self.rank == 0 else pdist.connect_store(host, port, self.world)
+            if store is None:  # rank 0 given an address it did not `listen` on: serve the store there
+                store = dist.TCPStore(host, port, self.world, is_master=True, wait_for_workers=False,
+                                      timeout=pdist.group_timeout())
             pdist.init_process_group_from_store(store, self.rank, self.world)
 
     def setup(self, cfg: PPOConfig, total_steps: int) -> None:
