@@ -45,11 +45,11 @@ def group_timeout() -> datetime.timedelta:
     return datetime.timedelta(minutes=int(os.environ.get("DEEPSPEED_TIMEOUT", "10")))
 
 
-def serve_store(host: str, world: int) -> dist.TCPStore:
-    """Rank 0's rendezvous store for a group of `world` processes, listening on every interface at a port
-    the OS assigns (`.port`; `host` is this node's address, for the store's own client). Bound at once: a
-    port found free and bound later can be taken in between by any other process (EADDRINUSE at start-up)."""
-    return dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False, timeout=group_timeout())
+def serve_store(host: str, world: int, port: int = 0) -> dist.TCPStore:
+    """Rank 0's rendezvous store for a group of `world` processes, listening on every interface at `port`
+    (0: one the OS assigns, `.port`; `host` is this node's address, for the store's own client). Bound at
+    once: a port found free and bound later can be taken in between by any other process (EADDRINUSE)."""
+    return dist.TCPStore(host, port, world, is_master=True, wait_for_workers=False, timeout=group_timeout())
 
 
 def connect_store(host: str, port: int, world: int) -> dist.TCPStore:

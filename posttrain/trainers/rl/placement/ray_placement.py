@@ -302,8 +302,8 @@ class EngineGroup(_Group):
         return layout_bytes(layout)
 
     def _join(self, actor: ActorGroup) -> None:
-        address, port = ray.get(actor.handles[0].listen.remote(len(self.handles) + 1))
         world = len(self.handles) + 1
+        address, port = ray.get(actor.handles[0].listen.remote(world))
         wait_all([(actor.handles[0].sync_join.remote(address, port, world, self.backend), actor.label(0))]
                  + [(h.sync_join.remote(address, port, i + 1, world, self.backend), self.label(i))
                     for i, h in enumerate(self.handles)])

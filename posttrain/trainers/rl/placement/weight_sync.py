@@ -47,10 +47,10 @@ class SyncGroup:
         """`store`: the group's rendezvous store when the caller has it (rank 0's `engines.dist.serve_store`,
         bound before its port was shared); else one is opened at `address:port` (served on rank 0)."""
         timeout = datetime.timedelta(seconds=timeout_s)
-        if store is not None:
-            store.set_timeout(timeout)
-        self.store = store if store is not None else dist.TCPStore(address, port, world, is_master=rank == 0,
-                                                                   timeout=timeout)
+        if store is None:
+            store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timeout)
+        store.set_timeout(timeout)
+        self.store = store
         if backend == "nccl":
             self.group = dist.ProcessGroupNCCL(self.store, rank, world, dist.ProcessGroupNCCL.Options())
             self.device = torch.device("cuda", torch.cuda.current_device())

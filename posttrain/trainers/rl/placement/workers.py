@@ -97,10 +97,12 @@ class RoleWorker(_Process):
 
         if self.master is not None and not dist.is_initialized():
             host, port = self.master
-            store = self._listening.pop(port, None) if self.rank == 0 else pdist.connect_store(host, port, self.world)
-            if store is None:  # rank 0 given an address it did not `listen` on: serve the store there
-                store = dist.TCPStore(host, port, self.world, is_master=True, wait_for_workers=False,
-                                      timeout=pdist.group_timeout())
+            if self.rank > 0:
+                store = pdist.connect_store(host, port, self.world)
+            elif port in self._listening:  # the store it served (`listen_as_master`)
+                store = self._listening.pop(port)
+            else:  # an address it was given: serve the store there
+                store = pdist.serve_store(host, self.world, port)
             pdist.init_process_group_from_store(store, self.rank, self.world)
 
     def setup(self, cfg: PPOConfig, total_steps: int) -> None:
