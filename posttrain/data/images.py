@@ -53,14 +53,25 @@ def _fail(location: str, ref: Any, why: str, fix: str) -> DataError:
 _FIX_DATA = "Fix the image reference in the data"
 
 
+def to_rgb(img: Image.Image) -> Image.Image:
+    """`img` in RGB, as Hugging Face image processors' `convert_to_rgb` makes it: an image with transparency
+    (an alpha band: RGBA, LA, PA, ...; or a transparent colour: a palette, L or RGB image with
+    ``info["transparency"]``) is composited over white; any other mode is converted. Every image posttrain
+    feeds a model or an engine passes through here once, so the processor's own conversion is a no-op."""
+    if "A" in img.getbands() or img.info.get("transparency") is not None:
+        white = Image.new("RGBA", img.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, img.convert("RGBA")).convert("RGB")
+    return img.convert("RGB")
+
+
 def _try_decode(data: bytes) -> Image.Image | str:
-    """The RGB image encoded in `data`, or why it is not one (PIL's reason)."""
+    """The RGB image encoded in `data` (`to_rgb`), or why it is not one (PIL's reason)."""
     if not data:
         return "empty (0 bytes)"
     try:
         with Image.open(io.BytesIO(data)) as img:
             img.load()
-            return img.convert("RGB")
+            return to_rgb(img)
     except UnidentifiedImageError:
         return "not an image (no format PIL can read)"
     except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError, ...
@@ -82,7 +93,7 @@ def _decode(data: bytes, location: str, ref: Any, what: str) -> Image.Image:
 def _from_pil(img: Image.Image, location: str) -> Image.Image:
     try:
         img.load()
-        return img.convert("RGB")
+        return to_rgb(img)
     except Exception as e:
         raise _fail(location, img, f"the PIL image could not be loaded, it is corrupt or truncated "
                     f"(PIL {type(e).__name__}: {_clip(e)})", _FIX_DATA + " or replace the image") from None
@@ -171,7 +182,7 @@ def _from_path(path: str, location: str, ref: Any, base_dir: str | None, allow_b
 
 
 def load_image(ref: Any, location: str, base_dir: str | None = None, timeout: float = 10.0) -> Image.Image:
-    """The RGB image `ref` refers to, fully decoded (so a truncated file fails here, not later).
+    """The RGB image `ref` refers to (`to_rgb`), fully decoded (so a truncated file fails here, not later).
 
     `ref`: a PIL image; encoded image bytes; a Hugging Face Image-feature dict
     ``{"bytes": b | None, "path": p | None}`` (bytes win); or a string: a ``data:image/...;base64,`` URI,
@@ -213,29 +224,60 @@ def load_image(ref: Any, location: str, base_dir: str | None = None, timeout: fl
                 f"Fix the data: give {ACCEPTED}")
 
 
-def row_images(row: dict, image_key: str, max_images: int, base_dir: str | None = None) -> list[Image.Image]:
-    """The RGB images of `row[image_key]`: none (key missing or None → []), one reference, or a list/tuple
-    of references (see `load_image`; None entries are skipped). More than `max_images` raises DataError before anything is loaded.
-    `base_dir` defaults to the folder of ``row["__source__"]`` when that is an existing file."""
-    value = row.get(image_key)
+def _refs(value: Any) -> list:
+    """The references of an image column's value: none (None), one, or a list/tuple without its None entries
+    (the text-only rows of a mixed set, as OpenRLHF writes them)."""
     if value is None:
         return []
-    if isinstance(value, (list, tuple)):  # None entries are no images (text-only rows of a mixed set, OpenRLHF)
-        value = [ref for ref in value if ref is not None]
-    refs = list(value) if isinstance(value, (list, tuple)) else [value]
-    key = f"{where(row)}, key '{image_key}'"
-    if len(refs) > max_images:
-        raise DataError(
-            f"{key}: {len(refs)} image(s), more than --data.max_images_per_prompt {max_images}. Raise "
-            "--data.max_images_per_prompt, or drop images from the row."
-        )
-    if base_dir is None:
-        source = row.get("__source__")
-        if isinstance(source, (str, os.PathLike)) and os.path.isfile(source):
-            base_dir = os.path.dirname(os.path.abspath(source))
+    return [ref for ref in value if ref is not None] if isinstance(value, (list, tuple)) else [value]
+
+
+def _data_folder(row: dict) -> str | None:
+    source = row.get("__source__")
+    if isinstance(source, (str, os.PathLike)) and os.path.isfile(source):
+        return os.path.dirname(os.path.abspath(source))
+    return None
+
+
+def load_images(value: Any, location: str, base_dir: str | None = None) -> list[Image.Image]:
+    """The RGB images of an image column's value (one reference or a list, None entries skipped; see
+    `load_image`); a list's entries are located as ``location[i]``."""
+    if value is None:
+        return []
     if not isinstance(value, (list, tuple)):
-        return [load_image(value, key, base_dir)]
-    return [load_image(ref, f"{key}[{i}]", base_dir) for i, ref in enumerate(refs)]
+        return [load_image(value, location, base_dir)]
+    return [load_image(ref, f"{location}[{i}]", base_dir) for i, ref in enumerate(_refs(value))]
+
+
+def row_images(row: dict, image_key: str, max_images: int, base_dir: str | None = None) -> list[Image.Image]:
+    """The RGB images of `row[image_key]` (`load_images`; key missing or None → []). More than `max_images`
+    raises DataError before anything is loaded. `base_dir` defaults to the folder of ``row["__source__"]``
+    when that is an existing file."""
+    value = row.get(image_key)
+    key = f"{where(row)}, key '{image_key}'"
+    if len(_refs(value)) > max_images:
+        raise DataError(
+            f"{key}: {len(_refs(value))} image(s), more than --data.max_images_per_prompt {max_images}. "
+            "Raise --data.max_images_per_prompt, or drop images from the row."
+        )
+    return load_images(value, key, base_dir if base_dir is not None else _data_folder(row))
+
+
+def row_image_refs(row: dict, image_key: str) -> Any:
+    """`row[image_key]` as OpenRLHF hands it to an agent executor (one reference or a list, None entries
+    kept), except that a relative file path that `row_images` found (current folder first, then the data
+    file's folder) becomes that file's absolute path, so that the reference opens from any folder."""
+    base_dir = _data_folder(row)
+
+    def absolute(ref):
+        if not isinstance(ref, str) or os.path.isabs(ref) or re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", ref):
+            return ref
+        return next((cand for cand in _candidates(ref, base_dir) if os.path.isfile(cand)), ref)
+
+    value = row.get(image_key)
+    if isinstance(value, (list, tuple)):
+        return type(value)(absolute(ref) for ref in value)
+    return absolute(value)
 
 
 def _parts_count(parts: list, where_: str) -> int:

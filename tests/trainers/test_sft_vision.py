@@ -3,8 +3,10 @@ image column), the samples (image tokens in the prompt, never trained), one-line
 and a run that learns a colour only the image shows."""
 import re
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from posttrain.data import SFTDataset
 from posttrain.data.collate import pad_collate
@@ -12,6 +14,7 @@ from posttrain.data.errors import DataError
 from posttrain.data.synthetic_vision import colour_rows, write_colour_dataset
 from posttrain.models import load_causal_lm, load_tokenizer
 from posttrain.models.vision import is_vision_folder, load_processor
+from posttrain.trainers.sft import SFTObjective
 from posttrain.utils.metrics import read_metrics
 
 
@@ -63,6 +66,32 @@ def test_bad_image_input_is_one_clear_error(processor, tmp_path, change, message
     with pytest.raises(DataError, match=message) as err:
         _dataset(processor, [change(row, tmp_path)])
     assert "\n" not in str(err.value)
+
+
+def test_a_transparent_image_trains_as_the_same_image_on_white(processor, tiny_vision_dir, tmp_path):
+    """A transparent PNG gives the pixel values the processor gives it (transparency over white), those of
+    the same image saved composited on white, and so the same loss; dropping the alpha band (the stored black
+    of the transparent pixels) would give other pixels."""
+    rgba = Image.new("RGBA", (56, 56), (0, 0, 0, 0))  # transparent pixels store black
+    rgba.paste((0, 0, 0, 255), (14, 14, 42, 42))  # an opaque black square
+    rgba.save(tmp_path / "rgba.png")
+    white = Image.new("RGB", (56, 56), (255, 255, 255))
+    white.paste((0, 0, 0), (14, 14, 42, 42))
+    white.save(tmp_path / "white.png")
+    rows = [{"prompt": "<image>What colour is the shape?", "response": "black",
+             "images": [str(tmp_path / name)]} for name in ("rgba.png", "white.png")]
+    samples = _dataset(processor, rows).samples
+    pixels = [s["image_inputs"]["pixel_values"] for s in samples]
+    own = processor.image_processor(images=[Image.open(tmp_path / "rgba.png")], return_tensors="np")
+    black = processor.image_processor(images=[rgba.convert("RGB")], return_tensors="np")["pixel_values"]
+    assert np.array_equal(pixels[0], pixels[1]) and np.array_equal(pixels[0], own["pixel_values"])
+    assert pixels[0].mean() > 0 > black.mean()  # a mostly white image, not a black one
+    model = load_causal_lm(tiny_vision_dir, "fp32")
+    objective = SFTObjective(processor.tokenizer.pad_token_id, packing=False)
+    with torch.no_grad():
+        pad = processor.tokenizer.pad_token_id
+        losses = [objective.loss(model, pad_collate([s], pad), 1.0)[0] for s in samples]
+    assert torch.equal(losses[0], losses[1])
 
 
 def test_images_need_the_chat_template(processor, tmp_path):

@@ -6,6 +6,7 @@ import base64
 import io
 import json
 
+import numpy as np
 import pytest
 import requests
 from PIL import Image
@@ -143,11 +144,66 @@ def test_hf_dict_with_path_only(png_file, tmp_path):
 
 def test_pil_images_are_converted_to_rgb():
     _assert_pixels(load_image(_image(), LOC))
-    rgba = _image("RGBA")
-    assert rgba.mode == "RGBA"
-    _assert_pixels(load_image(rgba, LOC))
     gray = load_image(Image.new("L", (W, H), 77), LOC)
     assert gray.mode == "RGB" and gray.getpixel((3, 2)) == (77, 77, 77)
+    opaque = _image()
+    opaque.putalpha(255)  # an alpha band that hides nothing changes nothing
+    _assert_pixels(load_image(opaque, LOC))
+
+
+def _transparent() -> Image.Image:
+    """RGBA: a black opaque square, a half-transparent red patch, the rest fully transparent black (the stored
+    colour of transparent pixels, which dropping the alpha band would show)."""
+    img = Image.new("RGBA", (W, H), (0, 0, 0, 0))
+    img.paste((0, 0, 0, 255), (1, 1, 4, 4))
+    img.paste((200, 30, 40, 100), (5, 2, 8, 6))
+    return img
+
+
+def _palette_with_transparent_index() -> Image.Image:
+    img = Image.new("P", (W, H), 0)
+    img.putpalette([0, 0, 0, 10, 200, 30])
+    img.paste(1, (2, 2, 5, 5))
+    img.info["transparency"] = 0
+    return img
+
+
+def _encoded(img: Image.Image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: _transparent(),
+    lambda: _transparent().convert("LA"),
+    lambda: _palette_with_transparent_index(),
+    lambda: _encoded(_transparent(), "PNG"),
+    lambda: _encoded(_palette_with_transparent_index(), "PNG"),
+    lambda: _encoded(_palette_with_transparent_index(), "GIF"),
+    lambda: _encoded(Image.new("L", (W, H), 9), "PNG", transparency=9),
+    lambda: _encoded(_image(), "PNG", transparency=_pixels(0, 0)),
+    lambda: _transparent().quantize(4),  # a palette image without transparency: plain conversion
+], ids=["RGBA", "LA", "P+transparency", "RGBA.png", "P.png", "P.gif", "L.png+tRNS", "RGB.png+tRNS", "P"])
+def test_transparency_is_composited_over_white_as_the_processor_does(make):
+    """Every kind of transparency gives the pixels of Hugging Face's `convert_to_rgb` (the processor's own
+    rule, transparency over white), for a PIL image and for encoded bytes (then also once opened by PIL)."""
+    from transformers.image_transforms import convert_to_rgb
+
+    ref = make()
+    img = Image.open(io.BytesIO(ref)) if isinstance(ref, bytes) else ref
+    expected = convert_to_rgb(img, return_numpy=True)
+    assert expected.shape == (H, W, 3)
+    for given in (ref, img):
+        ours = load_image(given, LOC)
+        assert ours.mode == "RGB" and (np.asarray(ours) == expected).all()
+
+
+def test_a_transparent_pixel_is_white_not_its_stored_colour():
+    img = load_image(_encoded(_transparent(), "PNG"), LOC)
+    assert img.getpixel((0, 0)) == (255, 255, 255)  # transparent black: white
+    assert img.getpixel((2, 2)) == (0, 0, 0)  # opaque black stays black
+    assert img.getpixel((6, 3)) == tuple(round((c * 100 + 255 * 155) / 255) for c in (200, 30, 40))
 
 
 def test_other_formats_decode():
