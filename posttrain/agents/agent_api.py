@@ -19,7 +19,10 @@ tensor or number; None from every step: the run's reward source scores the episo
 `max_length` (OpenRLHF cuts the finished sequence at training time), `truncated` is set when the
 budget ended the episode, and a too-long initial observation is an error instead of being cut from the
 left. A vision-language model's processor as `hf_tokenizer` (as OpenRLHF passes it) and the prompt's
-`images`: the observation's image placeholders are expanded into image tokens, every turn is generated
+`images`, the row's image references as OpenRLHF passes them (`Prompt.image_refs`: relative paths made
+absolute), decoded here as the data's images are (`data.images.load_images`, transparency over white; so
+are `environment_images`): the observation's image placeholders are expanded into image tokens, every turn
+is generated
 with the images so far, and `step()` may return `environment_images` (one per placeholder in its
 feedback), appended with their tokens when the whole feedback fits the budget, else left out with their
 tokens (the feedback's rest cut to fit, as for text); `mm_train_inputs` holds the episode's image
@@ -74,7 +77,8 @@ def encode_text(tokenizer, text: str) -> list[int]:
 class EpisodeImages:
     """The images of one episode (a vision-language model): the processor (`hf_tokenizer` is one, as in
     OpenRLHF), every image so far (PIL, in the order their tokens appear) and their tensors. `encode` turns a
-    text with image placeholders and its images into token ids (the placeholders expanded) and keeps them."""
+    text with image placeholders and its images (references or PIL images, decoded as the data's are) into
+    token ids (the placeholders expanded), image tensors and the decoded images, which `keep` keeps."""
 
     def __init__(self, processor) -> None:
         self.processor = processor
@@ -85,13 +89,17 @@ class EpisodeImages:
     def of(hf_tokenizer) -> EpisodeImages | None:
         return EpisodeImages(hf_tokenizer) if getattr(hf_tokenizer, "image_processor", None) is not None else None
 
-    def encode(self, text: str, images) -> tuple[list[int], dict]:
+    def encode(self, text: str, images, location: str) -> tuple[list[int], dict, list]:
+        """(ids, tensors, images) of `text`: `images` (one reference or a list, as `load_images` reads them; a
+        bad one is a DataError naming `location`) decoded to RGB (transparency over white) and encoded."""
+        from posttrain.data.images import load_images
         from posttrain.data.vision_samples import encode_with_images
 
-        return encode_with_images(self.processor, text, list(images))
+        pil = load_images(images, location)
+        return (*encode_with_images(self.processor, text, pil), pil)
 
-    def keep(self, images, tensors: dict) -> None:
-        self.pil += list(images)
+    def keep(self, pil: list, tensors: dict) -> None:
+        self.pil += list(pil)
         self.tensors.append(tensors)
 
     def merged(self) -> dict | None:
@@ -134,8 +142,8 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             raise ValueError(f"reset() must return a dict with an 'observation' string, got {reset!r:.200}")
         observation_text = reset["observation"]
         if images:
-            context, tensors = seen.encode(observation_text, images)
-            seen.keep(images, tensors)
+            context, tensors, pil = seen.encode(observation_text, images, "execute(images=)")
+            seen.keep(pil, tensors)
         else:
             context = encode_text(hf_tokenizer, observation_text)
         if len(context) >= max_length:
@@ -185,7 +193,7 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
                 truncated = True
                 break
         truncated = truncated or out.finish_reason == "length"  # the last action ran out of budget
-        return {"prompt": prompt, "label": label, "images": seen.pil if seen and seen.pil else images,
+        return {"prompt": prompt, "label": label, "images": images,
                 "mm_train_inputs": seen.merged() if seen else None, "reward": total_reward,
                 "scores": reward_scalar(scores, "step()['scores']") if scores is not None else None,
                 "observation_tokens": context, "action_ranges": action_ranges, "rollout_log_probs": logprobs,
@@ -202,9 +210,9 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             return encode_text(hf_tokenizer, text)
         if seen is None:
             raise ValueError("step() returned environment_images but the model is not a vision-language model")
-        ids, tensors = seen.encode(text, images)
+        ids, tensors, pil = seen.encode(text, images, "step()['environment_images']")
         if len(ids) <= room:
-            seen.keep(images, tensors)
+            seen.keep(pil, tensors)
             return ids
         return seen.text_ids(text)
 
@@ -242,8 +250,8 @@ class SingleTurnAgentExecutor(AgentExecutorBase):
         if images and seen is None:
             raise ValueError("images: the prompt has images but the model is not a vision-language model")
         if images:
-            ids, tensors = seen.encode(prompt, images)
-            seen.keep(images, tensors)
+            ids, tensors, pil = seen.encode(prompt, images, "execute(images=)")
+            seen.keep(pil, tensors)
         else:
             ids = encode_text(hf_tokenizer, prompt)
         if len(ids) >= max_length:

@@ -330,10 +330,12 @@ class AgentRunner:
         sampling = AgentSamplingParams.for_run(params, max_tokens=self.turn_cap)
         bridge = _LoopBridge(front, asyncio.get_running_loop())
         engine = _GuardedEngine(bridge, self.tokenizer, seed)
+        # the row's image references, as in OpenRLHF (a prompt built without them: its images)
+        images = getattr(prompt, "images", None) and (getattr(prompt, "image_refs", None) or prompt.images)
         worker = _EpisodeThread(
             lambda: self.executor.execute(prompt.text, prompt.label, sampling, self.max_len,
                                           self.processor or self.tokenizer, engine,
-                                          **({"images": prompt.images} if getattr(prompt, "images", None) else {})),
+                                          **({"images": images} if images else {})),
             name=f"posttrain-episode-{group}-{seed}")
         try:
             try:

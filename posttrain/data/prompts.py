@@ -7,7 +7,7 @@ from typing import Any
 
 from .capping import cap_text_fields
 from .errors import DataError, where
-from .images import check_image_count, count_image_parts, row_images, to_vision_messages
+from .images import check_image_count, count_image_parts, row_image_refs, row_images, to_vision_messages
 from .templates import check_input_template, format_prompt, render_chat, to_messages
 from .validation import get_field, require_text_or_messages
 from .vision_samples import ImageEncoder
@@ -21,6 +21,7 @@ class Prompt:
     source: str
     image_inputs: dict | None = None  # the processor's image tensors (numpy) of a prompt with images
     images: list | None = None  # its images (PIL), for engines that take raw images (vLLM)
+    image_refs: Any = None  # its image column as written (`row_image_refs`), what an agent executor gets
 
 
 class PromptDataset:
@@ -62,7 +63,8 @@ class PromptDataset:
                 self.dropped.append(where(row))
                 continue
             self.prompts.append(Prompt(text=text, token_ids=ids, label=label, source=where(row),
-                                       image_inputs=image_inputs, images=images or None))
+                                       image_inputs=image_inputs, images=images or None,
+                                       image_refs=row_image_refs(row, image_key) if images else None))
         if not rows:
             raise DataError("no prompts: the prompt dataset has no rows (an empty file, or a split without "
                             "rows); check --data.prompt_dataset / --data.prompt_split (--eval.dataset / "

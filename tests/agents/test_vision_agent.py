@@ -4,15 +4,18 @@ the action mask, count against the budget (left out, with their tokens, when the
 trainer's log-probs of every action equal the sampling ones."""
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from posttrain.agents.agent_api import AgentInstanceBase, MultiTurnAgentExecutor
+from posttrain.agents.agent_api import AgentExecutorBase, AgentInstanceBase, MultiTurnAgentExecutor
 from posttrain.agents.multi_turn import AgentRunner
 from posttrain.data import PromptDataset
-from posttrain.data.synthetic_vision import colour_rows
+from posttrain.data.synthetic_vision import colour_rows, write_colour_dataset
 from posttrain.rollout import HFRolloutEngine, SamplingParams
 from posttrain.trainers.rl.experience import build_experience
 from posttrain.trainers.rl.forward import policy_forward
@@ -139,3 +142,101 @@ def test_a_failed_episode_with_an_image_prompt_keeps_its_images(vlm, tmp_path):
         logp, _ = policy_forward(model, exp, 1.0)  # no "image features and image tokens do not match"
     mask = exp.action_mask.bool()
     torch.testing.assert_close(logp[mask], exp.rollout_logp[mask], rtol=0, atol=1e-5)
+
+
+class RecordingExecutor(AgentExecutorBase):
+    """A custom executor (OpenRLHF's contract): records the `images` it is given and the images that reach the
+    engine, and runs `MultiTurnAgentExecutor(env)` with them."""
+
+    def __init__(self, env):
+        self.inner, self.given, self.sent = MultiTurnAgentExecutor(env), [], []
+
+    async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine,
+                      images=None):
+        self.given.append(images)
+        recorder = self
+
+        class Engine:
+            async def generate(self, ids, params, multi_modal_data=None, **kw):
+                recorder.sent += (multi_modal_data or {}).get("image", [])
+                return await llm_engine.generate(ids, params, multi_modal_data=multi_modal_data, **kw)
+
+        return await self.inner.execute(prompt, label, sampling_params, max_length, hf_tokenizer, Engine(),
+                                        images=images)
+
+
+def _run(vlm, executor, prompts):
+    model, tok, processor = vlm
+    runner = AgentRunner(executor, HFRolloutEngine(model, tok, pad_token_id=tok.pad_token_id), tok, None,
+                         max_len=200, timeout=60, max_failure_frac=0, turn_cap=4, processor=processor)
+    scored = runner.run(prompts, SamplingParams(max_new_tokens=4, n=2, seed=3))
+    assert all(r.error is None for r in scored.rollouts)
+    return scored
+
+
+def test_a_custom_executor_gets_the_rows_image_references(vlm, tmp_path, monkeypatch):
+    """As in OpenRLHF, `images=` is the row's image column (here a list of paths relative to the data file),
+    not decoded images; a relative path the data resolved comes absolute, so it opens from any folder, and
+    posttrain's executor decodes it."""
+    path = write_colour_dataset(tmp_path / "data", 2, seed=0)
+    rows = [{**json.loads(line), "__source__": path, "__row__": i + 1} for i, line in enumerate(open(path))]
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    _, tok, processor = vlm
+    prompts = PromptDataset(rows, tok, input_key="prompt", label_key="answer", apply_chat_template=True,
+                            processor=processor, max_images=1).prompts
+    executor = RecordingExecutor(ScreenshotEnv)
+    scored = _run(vlm, executor, prompts)
+    expected = [[str(tmp_path / "data" / row["images"][0])] for row in rows]
+    assert sorted(executor.given) == sorted(expected * 2)  # two samples per prompt
+    assert all(os.path.isfile(p) for refs in executor.given for p in refs)
+    assert all(len(r.image_inputs["image_grid_thw"]) == 2 for r in scored.rollouts)  # prompt's, screenshot
+
+
+def _transparent(img: Image.Image, seed: int) -> Image.Image:
+    """`img` with a random alpha band; its transparent pixels keep their colours underneath."""
+    out = img.convert("RGBA")
+    out.putalpha(Image.fromarray(np.random.RandomState(seed).randint(0, 256, img.size[::-1], dtype=np.uint8)))
+    return out
+
+
+def _on_white(img: Image.Image) -> Image.Image:
+    return Image.alpha_composite(Image.new("RGBA", img.size, (255, 255, 255, 255)), img).convert("RGB")
+
+
+class TransparentScreenshotEnv(ScreenshotEnv):
+    white = False
+
+    async def step(self, states, **kwargs):
+        result = await super().step(states, **kwargs)
+        if "environment_images" in result:
+            shot = _transparent(result["environment_images"][0], 1)
+            result["environment_images"] = [_on_white(shot) if self.white else shot]
+        return result
+
+
+class WhiteScreenshotEnv(TransparentScreenshotEnv):
+    white = True
+
+
+def test_transparent_images_are_composited_over_white_everywhere(vlm, tmp_path):
+    """A transparent prompt image and a transparent screenshot give the episodes (tokens, image tensors) of
+    the same images composited on white, and the engine gets them composited: one rule for the data, the
+    environment's images and what an engine that takes raw images (vLLM) receives."""
+    _, tok, processor = vlm
+    runs = []
+    for env, white in ((TransparentScreenshotEnv, False), (WhiteScreenshotEnv, True)):
+        rows = colour_rows(2, seed=0, folder=tmp_path / env.__name__)
+        for row in rows:
+            shot = _transparent(Image.open(row["images"][0]), 2)
+            (_on_white(shot) if white else shot).save(row["images"][0])
+        prompts = PromptDataset(rows, tok, input_key="prompt", label_key="answer", apply_chat_template=True,
+                                processor=processor, max_images=1).prompts
+        executor = RecordingExecutor(env)
+        runs.append((_run(vlm, executor, prompts), executor.sent))
+    (transparent, sent), (white, _) = runs
+    assert sent and all(im.mode == "RGB" for im in sent)
+    for a, b in zip(transparent.rollouts, white.rollouts):
+        assert a.prompt_ids + a.output_ids == b.prompt_ids + b.output_ids
+        assert len(a.image_inputs["image_grid_thw"]) == 2
+        assert all(np.array_equal(a.image_inputs[k], b.image_inputs[k]) for k in b.image_inputs)
