@@ -83,7 +83,8 @@ def _hub_error(path: str, err: Exception) -> FileNotFoundError:
 def load_tokenizer(path, use_fast: bool = True, chat_template: str | None = None):
     """AutoTokenizer with `padding_side="right"` and a pad token (the eos token when the
     checkpoint has none, with a note). `chat_template` replaces the checkpoint's template:
-    either Jinja text or the path of a file holding it."""
+    either Jinja text or the path of a file holding it. Without it, a vision-language model's tokenizer
+    takes its processor's chat template (`_processor_template`)."""
     from transformers import AutoTokenizer
 
     p = check_model_path(path)
@@ -105,7 +106,21 @@ def load_tokenizer(path, use_fast: bool = True, chat_template: str | None = None
             with open(chat_template) as f:
                 chat_template = f.read()
         tok.chat_template = chat_template
+    else:
+        _processor_template(tok, p)
     return tok
+
+
+def _processor_template(tok, path) -> None:
+    """A VLM renders with its processor's chat template, as OpenRLHF does (it renders with the processor):
+    where the folder's processor template differs from the tokenizer's, the tokenizer takes it (said once)."""
+    from posttrain.models.vision import is_vision_folder, processor_chat_template
+
+    own = processor_chat_template(path) if is_vision_folder(path) else None
+    if own is not None and own != tok.chat_template:
+        info(f"{path}: the processor's chat template differs from the tokenizer's; prompts are rendered with "
+             "the processor's, as OpenRLHF renders them (--data.tokenizer_chat_template replaces both)")
+        tok.chat_template = own
 
 
 def quantization_4bit(dtype):

@@ -53,13 +53,29 @@ def is_vision_folder(path) -> bool:
         return False
 
 
+def processor_chat_template(path) -> str | None:
+    """The chat template the processor of the model at `path` loads (`chat_template.jinja`, or the legacy
+    `chat_template.json`; of several named ones, "default"), the one OpenRLHF renders a VLM's prompts with;
+    None where it has none or its files cannot be read."""
+    from transformers.processing_utils import ProcessorMixin
+
+    try:
+        template = ProcessorMixin.get_processor_dict(str(path))[0].get("chat_template")
+    except (OSError, ValueError):
+        return None
+    if isinstance(template, dict):
+        template = template.get("default")
+    return template if isinstance(template, str) and template else None
+
+
 def load_processor(path, tokenizer=None):
     """The model's processor (image processor + tokenizer, with the chat template), from `path`.
 
     `AutoProcessor` first; where it cannot be built (a family whose processor also wants a video processor,
     which needs torchvision) the family's processor class is built from the image processor and the
-    tokenizer alone, the parts a text-and-image model needs. `tokenizer` (e.g. with a replaced chat
-    template) replaces the folder's own."""
+    tokenizer alone, the parts a text-and-image model needs, with the processor's own chat template.
+    `tokenizer` (`load_tokenizer`'s: the processor's chat template, or `--data.tokenizer_chat_template`)
+    replaces the folder's own, and its chat template the processor's."""
     from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
 
     try:
@@ -72,7 +88,8 @@ def load_processor(path, tokenizer=None):
         parts = {name: None for name in cls.get_attributes()}
         parts["image_processor"] = AutoImageProcessor.from_pretrained(str(path))
         parts["tokenizer"] = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(str(path))
-        processor = _without_missing_parts(cls)(**parts, chat_template=parts["tokenizer"].chat_template)
+        template = processor_chat_template(path) or parts["tokenizer"].chat_template
+        processor = _without_missing_parts(cls)(**parts, chat_template=template)
     if tokenizer is not None:
         processor.tokenizer = tokenizer
         processor.chat_template = tokenizer.chat_template

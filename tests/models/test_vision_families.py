@@ -321,3 +321,42 @@ def test_freezing_the_visual_encoder_freezes_exactly_what_lies_outside_the_langu
     outside = {name for name, _ in model.named_parameters() if "language_model" not in name and "lm_head" not in name}
     assert frozen == outside and n == len(frozen) > 0
     assert all(p.requires_grad for name, p in model.named_parameters() if name not in outside)
+
+
+SYSTEM = "{{- '<|im_start|>system\\nLook at the image.<|im_end|>\\n' }}"  # the processor's own first turn
+
+
+def _legacy_layout(folder: Path, processor_template: str) -> None:
+    """Rewrite `folder` as released VLMs ship their templates: the tokenizer's in tokenizer_config.json, the
+    processor's in chat_template.json (no chat_template.jinja, which both would read)."""
+    jinja = folder / "chat_template.jinja"
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = jinja.read_text()
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": processor_template}))
+    jinja.unlink()
+
+
+@pytest.mark.parametrize("layout", ["as built", "processor template differs"])
+def test_prompts_render_as_the_processors_chat_template_renders_them(family, tmp_path, layout):
+    """OpenRLHF renders a VLM's prompts with its processor (`processor.apply_chat_template`). posttrain's prompt
+    text equals that rendering: where the folder has one template, and where the processor's template (legacy
+    chat_template.json) differs from the tokenizer's, as in released VLMs."""
+    import shutil
+
+    from posttrain.data import PromptDataset
+
+    folder = tmp_path / family["name"]
+    shutil.copytree(family["path"], folder)
+    template = family["processor"].tokenizer.chat_template
+    if layout != "as built":
+        template = SYSTEM + template
+        _legacy_layout(folder, template)
+    tok = load_tokenizer(str(folder))
+    processor = load_processor(str(folder), tok)
+    assert processor.chat_template == template
+    row = {"prompt": "<image>What colour?", "images": [_image(0)], "answer": "red"}
+    prompt = PromptDataset([row], tok, input_key="prompt", label_key="answer", apply_chat_template=True,
+                           processor=processor, max_images=1).prompts[0]
+    reference = processor.apply_chat_template(MESSAGES, chat_template=template, add_generation_prompt=True)
+    assert prompt.text == reference and ("Look at the image." in reference) == (layout != "as built")
