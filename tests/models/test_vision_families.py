@@ -339,9 +339,9 @@ def _legacy_layout(folder: Path, processor_template: str) -> None:
 
 @pytest.mark.parametrize("layout", ["as built", "processor template differs"])
 def test_prompts_render_as_the_processors_chat_template_renders_them(family, tmp_path, layout):
-    """OpenRLHF renders a VLM's prompts with its processor (`processor.apply_chat_template`). posttrain's prompt
-    text equals that rendering: where the folder has one template, and where the processor's template (legacy
-    chat_template.json) differs from the tokenizer's, as in released VLMs."""
+    """OpenRLHF renders a VLM's prompts with its processor (`processor.apply_chat_template`). posttrain's
+    prompt text equals that rendering: where the folder has one template, and where the processor's template
+    (legacy chat_template.json) differs from the tokenizer's, as in released VLMs."""
     import shutil
 
     from posttrain.data import PromptDataset
