@@ -360,3 +360,29 @@ def test_prompts_render_as_the_processors_chat_template_renders_them(family, tmp
                            processor=processor, max_images=1).prompts[0]
     reference = processor.apply_chat_template(MESSAGES, chat_template=template, add_generation_prompt=True)
     assert prompt.text == reference and ("Look at the image." in reference) == (layout != "as built")
+
+
+def test_the_token_types_go_under_the_name_the_forward_reads(family):
+    """posttrain passes the token types as `mm_token_type_ids` where the forward takes that name (every
+    tested family with the installed transformers), as the processor itself does. For Gemma 4, OpenRLHF
+    0.10.2 passes `token_type_ids` (its rule: Gemma reads that name); this forward does not read it: the
+    image's bidirectional attention is lost and the logits change."""
+    from posttrain.models.vision import vision_forward_inputs
+
+    model, processor, text = family["model"], family["processor"], family["text"]
+    own = processor(text=[text], images=[_image(0)], return_tensors="pt", add_special_tokens=False)
+    ids = own["input_ids"]
+    images = {k: v for k, v in own.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
+    ours = vision_forward_inputs(model, ids, images)
+    assert "mm_token_type_ids" in ours and "token_type_ids" not in ours
+    assert torch.equal(ours["mm_token_type_ids"], own["mm_token_type_ids"])
+    if family["name"] != "gemma4":
+        return
+    renamed = {("token_type_ids" if k == "mm_token_type_ids" else k): v for k, v in ours.items()}
+    with torch.no_grad():
+        right = model(input_ids=ids, attention_mask=own["attention_mask"], **ours).logits
+        wrong = model(input_ids=ids, attention_mask=own["attention_mask"], **renamed).logits
+        untyped = model(input_ids=ids, attention_mask=own["attention_mask"],
+                        **{k: v for k, v in ours.items() if k != "mm_token_type_ids"}).logits
+    assert (right - wrong).abs().max() > 1e-3  # the name matters ...
+    torch.testing.assert_close(wrong, untyped, rtol=0, atol=0)  # ... `token_type_ids` is not read at all
