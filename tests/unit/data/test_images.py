@@ -17,6 +17,7 @@ from posttrain.data.images import (
     check_image_count,
     count_image_parts,
     load_image,
+    row_image_refs,
     row_images,
     to_vision_messages,
 )
@@ -82,6 +83,20 @@ def test_pathlib_path(png_file):
 def test_relative_to_base_dir(png_file, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path / "imgs")  # not found from the current folder as "imgs/a.png"
     _assert_pixels(load_image("imgs/a.png", LOC, base_dir=str(tmp_path)))
+
+
+def test_image_refs_are_the_rows_value_with_found_relative_paths_absolute(png_file, tmp_path, monkeypatch):
+    """What an agent executor gets (OpenRLHF passes the row's image column as is): one reference stays one, a
+    list keeps its None entries and order; only a relative path found beside the data file becomes absolute."""
+    monkeypatch.chdir(tmp_path / "imgs")
+    source = tmp_path / "d.jsonl"
+    source.write_text("{}\n")
+    url, b64 = "https://example.com/x.png", base64.b64encode(_png()).decode()
+    row = {"__source__": str(source), "images": ["imgs/a.png", None, url, b64, "missing.png"]}
+    assert row_image_refs(row, "images") == [str(tmp_path / "imgs" / "a.png"), None, url, b64, "missing.png"]
+    assert row_image_refs({**row, "images": "imgs/a.png"}, "images") == str(tmp_path / "imgs" / "a.png")
+    assert row_image_refs({**row, "images": ("imgs/a.png",)}, "images") == (str(tmp_path / "imgs" / "a.png"),)
+    assert row_image_refs({"images": "imgs/a.png"}, "images") == "imgs/a.png"  # no data file, not found here
 
 
 def test_relative_to_cwd(png_file, tmp_path, monkeypatch):
