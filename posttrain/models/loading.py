@@ -113,7 +113,7 @@ def load_tokenizer(path, use_fast: bool = True, chat_template: str | None = None
 
 def _processor_template(tok, path) -> None:
     """A VLM renders with its processor's chat template, as OpenRLHF does (it renders with the processor):
-    where the folder's processor template differs from the tokenizer's, the tokenizer takes it, with a note."""
+    where the folder's processor template differs from the tokenizer's, the tokenizer takes it (a note)."""
     from posttrain.models.vision import is_vision_folder, processor_chat_template
 
     own = processor_chat_template(path) if is_vision_folder(path) else None

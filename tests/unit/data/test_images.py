@@ -86,8 +86,9 @@ def test_relative_to_base_dir(png_file, tmp_path, monkeypatch):
 
 
 def test_image_refs_are_the_rows_value_with_found_relative_paths_absolute(png_file, tmp_path, monkeypatch):
-    """What an agent executor gets (OpenRLHF passes the row's image column as is): one reference stays one, a
-    list keeps its None entries and order; only a relative path found beside the data file becomes absolute."""
+    """What an agent executor gets (OpenRLHF passes the row's image column as is): one reference stays one,
+    a list keeps its None entries and order; only a relative path found beside the data file becomes
+    absolute."""
     monkeypatch.chdir(tmp_path / "imgs")
     source = tmp_path / "d.jsonl"
     source.write_text("{}\n")
