@@ -143,6 +143,55 @@ def test_critic_gradient_equals_the_padded_gradient(tiny_score_model_dir, models
         torch.testing.assert_close(other[k], base[k], atol=1e-5, rtol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    """A tiny Qwen3-MoE policy and critic (`init-tiny --moe`, `--head score`)."""
+    from posttrain.models import build_tiny
+
+    root = tmp_path_factory.mktemp("moe-shared")
+    for head in ("lm", "score"):
+        build_tiny(root / head, arch="qwen3_moe", size="nano", head=head, seed=2, verbose=False)
+    return str(root / "lm"), str(root / "score")
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["shared", "shared+packed", "packed"])
+def test_router_loss_equals_the_padded_one(moe_dirs, models, layout, role):
+    """MoE router loss (--actor.aux_loss_coef) of the actor and the critic: the logged aux_loss and the step's
+    gradient equal the per-row padded computation's (a shared prompt counts once per sample, padding never),
+    with micro-batches of 6 rows that split the prompts' groups. The step's rows come in experience order, so
+    both layouts' micro-batches hold the same rows (the router loss is a mean per micro-batch)."""
+    from posttrain.models.moe import track_router_loss
+
+    _, _, tok = models
+    exp = grouped_experience(tok)
+    model_dir = moe_dirs[role == "critic"]
+    loader = load_score_model if role == "critic" else load_causal_lm
+    rows, logged = [list(range(len(exp)))], []
+
+    def fit(batching):
+        s = settings(len(exp), batching=batching, aux_loss_coef=0.5)
+
+        def run(m, engine):
+            track_router_loss(m)
+            if role == "critic":
+                critic = Critic(m, engine, torch.device("cpu"))
+                logged.append(update_critic(critic, exp, s, 0, step_rows=rows))
+            else:
+                logged.append(update_actor(Actor(m, engine, 0.7, torch.device("cpu")), exp, s, 0.1, 0,
+                                           step_rows=rows))
+        return run
+
+    base = _grads(model_dir, loader, exp, fit(Batching(6)))
+    other = _grads(model_dir, loader, exp, fit(Batching(6, packed=layout.get("packed", False),
+                                                        shared_prefix=layout.get("shared", False))))
+    assert logged[0][f"{role}/aux_loss"] > 1.0
+    assert logged[1][f"{role}/aux_loss"] == pytest.approx(logged[0][f"{role}/aux_loss"], rel=1e-5)
+    assert other.keys() == base.keys()
+    for k in base:
+        torch.testing.assert_close(other[k], base[k], atol=1e-5, rtol=1e-4, msg=lambda m: f"{k}: {m}")
+
+
 def test_gathered_logprobs_equal_token_logprobs():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 11, generator=g) * 3
