@@ -18,7 +18,7 @@ from posttrain.config.roles import GROUP_ESTIMATORS, SEQUENCE_POLICY_LOSSES, rew
 from posttrain.config.sections import POLYNOMIAL_LR_END, DSConfig, OptimizerFields
 from posttrain.config.serving import ServedModelConfig, ServeRMConfig
 from posttrain.config.spec import flag_specs, get_path
-from posttrain.config.summary import data_parallel_size
+from posttrain.config.summary import data_parallel_size, micro_batch_tokens
 from posttrain.config.trainers import CommandConfig, PPOConfig, TrainerConfig
 
 
@@ -251,9 +251,11 @@ def _train(cfg: TrainerConfig, r: _Report, world_size: int) -> None:
             r.bad(
                 "train.dynamic_batch_enable", True, "needs --train.max_tokens_per_gpu > 0 (the token budget)"
             )
-        elif t.max_tokens_per_gpu < cfg.data.max_len:
+        elif micro_batch_tokens(cfg, t.max_tokens_per_gpu) < cfg.data.max_len:
+            group = micro_batch_tokens(cfg, 1)
+            gpus = f" x {group} GPUs (ring-attention x tensor-parallel group)" if group > 1 else ""
             r.warnings.append(
-                f"--train.max_tokens_per_gpu {t.max_tokens_per_gpu} < --data.max_len "
+                f"--train.max_tokens_per_gpu {t.max_tokens_per_gpu}{gpus} < --data.max_len "
                 f"{cfg.data.max_len}: a longest sample gets a micro-batch of its own"
             )
         if t.batch_size % max(dp, 1):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.algorithms.losses import entropy, gathered_logprobs
+from posttrain.config.summary import micro_batch_tokens
 from posttrain.models import forward_logits, forward_logprobs, forward_values
 from posttrain.models.context_parallel import context_parallel, gather_replicated, next_tokens, split_packed
 from posttrain.models.moe import router_token_weights
@@ -43,6 +44,19 @@ class Batching:
         lengths = exp.attention_mask.sum(1).tolist()
         return batching.micro_batches(range(len(exp)), lengths, micro_batch_size=self.micro_batch_size,
                                       max_tokens=self.max_tokens)
+
+
+def ppo_batchings(cfg, shared: bool) -> tuple[Batching, Batching]:
+    """The training and the experience-making `Batching` of a `ppo` config: --train / --rollout.micro_batch_size
+    samples, or with --train.dynamic_batch_enable the --train / --rollout.max_tokens_per_gpu budgets (rollout:
+    default train's) per GPU, a micro-batch holding that x ring x TP tokens (`config.summary.micro_batch_tokens`).
+    `shared`: the shared-prefix layout."""
+    dynamic = cfg.train.dynamic_batch_enable
+    train = micro_batch_tokens(cfg, cfg.train.max_tokens_per_gpu) if dynamic else None
+    rollout = cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu
+    forward = micro_batch_tokens(cfg, rollout) if dynamic else None
+    return (Batching(cfg.train.micro_batch_size, train, cfg.ds.packing_samples, shared),
+            Batching(cfg.rollout.micro_batch_size, forward, cfg.ds.packing_samples, shared))
 
 
 def policy_forward(model, exp: Experience, temperature: float, with_entropy: bool = False, packed: bool = False,
