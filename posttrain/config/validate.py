@@ -40,7 +40,8 @@ class _Report:
 def validate(cfg: CommandConfig, world_size: int = 1, device: Any = None) -> list[str]:
     """Check `cfg` for `world_size` data-parallel ranks on `device` ("cpu" / "cuda"; default: what torch
     sees). Raises ConfigError listing every problem; returns warnings (strings) otherwise. Resolves
-    the auto value of `--actor.loss_agg` (PPO) on `cfg`, recorded like the hardware defaults."""
+    the auto value of `--actor.loss_agg` (PPO) and, with ring attention, `--ds.packing_samples` on (PPO) on
+    `cfg`, recorded like the hardware defaults."""
     if cfg.trainer == "ppo" and world_size > 1:
         raise ConfigError(f"posttrain ppo is one controller process that places its roles on Ray itself "
                           f"(WORLD_SIZE={world_size}): launch it once, as `posttrain ppo ...` or `python -m "
@@ -106,11 +107,15 @@ def _declared(cfg: CommandConfig, r: _Report) -> None:
 
 def _context_parallel(cfg, r: _Report, world_size: int) -> None:
     """--ds.ring_attn_size N: every packed row split over N ranks; N divides the ranks (of the run, or of each
-    role of ppo that loads a model), rows are packed."""
+    role of ppo that loads a model), rows are packed: sft / rm / dpo refuse unpacked rows, ppo turns
+    --ds.packing_samples on with a warning (both as OpenRLHF)."""
     n = cfg.ds.ring_attn_size
     if n == 1:
         return
-    if not cfg.ds.packing_samples:
+    if not cfg.ds.packing_samples and cfg.trainer == "ppo":
+        r.warnings.append(record_resolved(cfg, "ds.packing_samples", True, f"--ds.ring_attn_size {n} splits packed "
+                                          "rows over its group"))
+    elif not cfg.ds.packing_samples:
         r.bad("ds.ring_attn_size", n, "needs --ds.packing_samples (each packed row is split over the group)")
     if cfg.trainer != "ppo":
         if world_size % n:
