@@ -192,6 +192,36 @@ def test_router_loss_equals_the_padded_one(moe_dirs, models, layout, role):
         torch.testing.assert_close(other[k], base[k], atol=1e-5, rtol=1e-4, msg=lambda m: f"{k}: {m}")
 
 
+def test_moe_training_step_equals_the_unshared_one(moe_dirs, tmp_path):
+    """`posttrain ppo` with a MoE actor and --actor.aux_loss_coef: one step with the shared prefix (default) and
+    with --ds.no_shared_prefix logs the same router loss, gradient norm and policy loss (one micro-batch per
+    step, so both hold the same rows)."""
+    from posttrain.cli import train_ppo_ray
+    from posttrain.data.synthetic import make_arithmetic_rows, write_jsonl
+    from posttrain.utils.metrics import read_metrics
+
+    write_jsonl(make_arithmetic_rows(8, seed=11, difficulty=0), tmp_path / "data" / "train.jsonl")
+    reward = tmp_path / "varied.py"
+    reward.write_text("import torch\n\ndef reward_func(queries, prompts, labels, **kwargs):\n"
+                      "    return {'rewards': torch.tensor([len(set(q[len(p):])) / 8 for q, p in zip(queries, prompts)])}\n")
+
+    def run(name, *extra):
+        train_ppo_ray.main([
+            "--actor.model_name_or_path", moe_dirs[0], "--data.prompt_dataset", str(tmp_path / "data"),
+            "--data.input_key", "prompt", "--data.apply_chat_template", "--data.max_len", "48",
+            "--reward.remote_url", str(reward), "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4",
+            "--rollout.max_new_tokens", "4", "--rollout.micro_batch_size", "16", "--train.batch_size", "16",
+            "--train.micro_batch_size", "16", "--data.max_samples", "4", "--actor.aux_loss_coef", "0.01",
+            "--ckpt.output_dir", str(tmp_path / name), *extra])
+        (metrics,) = read_metrics(tmp_path / name / "metrics.jsonl")
+        return metrics
+
+    shared, plain = run("shared"), run("plain", "--ds.no_shared_prefix")
+    assert plain["actor/aux_loss"] > 1.0
+    for k in ("actor/aux_loss", "actor/grad_norm", "actor/policy_loss"):
+        assert shared[k] == pytest.approx(plain[k], rel=1e-5, abs=1e-6), k
+
+
 def test_gathered_logprobs_equal_token_logprobs():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 11, generator=g) * 3
