@@ -196,8 +196,8 @@ class RolloutConfig:
         "ids: only --rollout.max_new_tokens ends a sample (TRL without stop_token)", nargs="*", extension=True)
     max_tokens_per_gpu: int | None = opt(
         None,
-        "token budget per GPU for rollout-side forwards "
-        "(dynamic batching); default: --train.max_tokens_per_gpu", gt=0,
+        "token budget per GPU for rollout-side forwards (dynamic batching; a micro-batch holds up to this x "
+        "--ds.ring_attn_size x --ds.tensor_parallel_size tokens); default: --train.max_tokens_per_gpu", gt=0,
         inert=needs("--train.dynamic_batch_enable", lambda c: c.train.dynamic_batch_enable),
     on_resume="adjustable",
 )
@@ -299,7 +299,8 @@ class TrainConfig:
         inert=not_yet("deterministic kernels are not forced (runs are seeded with --train.seed)"), on_resume="adjustable")
     dynamic_batch_enable: bool = opt(False, "form micro-batches by token budget instead of sample count", on_resume="adjustable")
     max_tokens_per_gpu: int | None = opt(
-        None, "token budget per micro-batch with --train.dynamic_batch_enable", gt=0,
+        None, "token budget per GPU with --train.dynamic_batch_enable: a micro-batch holds up to this x "
+        "--ds.ring_attn_size x --ds.tensor_parallel_size tokens (its group's GPUs share it)", gt=0,
         inert=needs("--train.dynamic_batch_enable", lambda c: c.train.dynamic_batch_enable),
     on_resume="adjustable",
 )

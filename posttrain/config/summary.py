@@ -20,6 +20,13 @@ def data_parallel_size(cfg: TrainerConfig, world_size: int) -> int:
     return ws // same if ws % same == 0 else ws
 
 
+def micro_batch_tokens(cfg: TrainerConfig, per_gpu: int | None) -> int | None:
+    """A micro-batch's token budget with dynamic batching, from a `--*.max_tokens_per_gpu` value: x
+    --ds.ring_attn_size x --ds.tensor_parallel_size, the GPUs of a ring-attention / tensor-parallel group that
+    compute one micro-batch together (as OpenRLHF); None stays None."""
+    return None if per_gpu is None else per_gpu * cfg.ds.ring_attn_size * cfg.ds.tensor_parallel_size
+
+
 def derived_sizes(cfg: TrainerConfig, world_size: int = 1) -> dict[str, Any]:
     """Sizes implied by the batch flags for `world_size` ranks, `data_parallel_size` of them taking different
     samples (`world_size` unless --ds.tensor_parallel_size groups them; below, "world_size" means that size).
@@ -41,7 +48,7 @@ def derived_sizes(cfg: TrainerConfig, world_size: int = 1) -> dict[str, Any]:
         out.update(
             micro_batches_per_step=None,
             gradient_accumulation_steps=None,
-            max_tokens_per_micro_batch=t.max_tokens_per_gpu,
+            max_tokens_per_micro_batch=micro_batch_tokens(cfg, t.max_tokens_per_gpu),
         )
     else:
         accum = t.batch_size // max(t.micro_batch_size * ws, 1)

@@ -18,7 +18,7 @@ from posttrain.config.roles import GROUP_ESTIMATORS, SEQUENCE_POLICY_LOSSES, rew
 from posttrain.config.sections import POLYNOMIAL_LR_END, DSConfig, OptimizerFields
 from posttrain.config.serving import ServedModelConfig, ServeRMConfig
 from posttrain.config.spec import flag_specs, get_path
-from posttrain.config.summary import data_parallel_size
+from posttrain.config.summary import data_parallel_size, micro_batch_tokens
 from posttrain.config.trainers import CommandConfig, PPOConfig, TrainerConfig
 
 
@@ -40,7 +40,8 @@ class _Report:
 def validate(cfg: CommandConfig, world_size: int = 1, device: Any = None) -> list[str]:
     """Check `cfg` for `world_size` data-parallel ranks on `device` ("cpu" / "cuda"; default: what torch
     sees). Raises ConfigError listing every problem; returns warnings (strings) otherwise. Resolves
-    the auto value of `--actor.loss_agg` (PPO) on `cfg`, recorded like the hardware defaults."""
+    the auto value of `--actor.loss_agg` (PPO) and, with ring attention, `--ds.packing_samples` on (PPO) on
+    `cfg`, recorded like the hardware defaults."""
     if cfg.trainer == "ppo" and world_size > 1:
         raise ConfigError(f"posttrain ppo is one controller process that places its roles on Ray itself "
                           f"(WORLD_SIZE={world_size}): launch it once, as `posttrain ppo ...` or `python -m "
@@ -106,11 +107,15 @@ def _declared(cfg: CommandConfig, r: _Report) -> None:
 
 def _context_parallel(cfg, r: _Report, world_size: int) -> None:
     """--ds.ring_attn_size N: every packed row split over N ranks; N divides the ranks (of the run, or of each
-    role of ppo that loads a model), rows are packed."""
+    role of ppo that loads a model), rows are packed: sft / rm / dpo refuse unpacked rows, ppo turns
+    --ds.packing_samples on with a warning (both as OpenRLHF)."""
     n = cfg.ds.ring_attn_size
     if n == 1:
         return
-    if not cfg.ds.packing_samples:
+    if not cfg.ds.packing_samples and cfg.trainer == "ppo":
+        r.warnings.append(record_resolved(cfg, "ds.packing_samples", True, f"--ds.ring_attn_size {n} splits packed "
+                                          "rows over its group"))
+    elif not cfg.ds.packing_samples:
         r.bad("ds.ring_attn_size", n, "needs --ds.packing_samples (each packed row is split over the group)")
     if cfg.trainer != "ppo":
         if world_size % n:
@@ -251,9 +256,11 @@ def _train(cfg: TrainerConfig, r: _Report, world_size: int) -> None:
             r.bad(
                 "train.dynamic_batch_enable", True, "needs --train.max_tokens_per_gpu > 0 (the token budget)"
             )
-        elif t.max_tokens_per_gpu < cfg.data.max_len:
+        elif micro_batch_tokens(cfg, t.max_tokens_per_gpu) < cfg.data.max_len:
+            group = micro_batch_tokens(cfg, 1)
+            gpus = f" x {group} GPUs (ring-attention x tensor-parallel group)" if group > 1 else ""
             r.warnings.append(
-                f"--train.max_tokens_per_gpu {t.max_tokens_per_gpu} < --data.max_len "
+                f"--train.max_tokens_per_gpu {t.max_tokens_per_gpu}{gpus} < --data.max_len "
                 f"{cfg.data.max_len}: a longest sample gets a micro-batch of its own"
             )
         if t.batch_size % max(dp, 1):

@@ -322,7 +322,8 @@ def load_score_model(path, dtype="fp32", value_head_prefix: str = "score", attn_
     from an SFT model); a reward model with a random head would make PPO train on noise. Also raises
     ModelLoadError for a local folder without config.json or weights and for a tokenizer (default:
     the folder's own, if it has one) with more tokens than the model has embedding rows.
-    `onednn_linear` and `experts_implementation` as for `load_causal_lm`."""
+    `onednn_linear` and `experts_implementation` as for `load_causal_lm`. With `lora` the head trains fully
+    (peft's SEQ_CLS task keeps it as a module to save: saved with the adapter), said in one line."""
     from transformers import AutoModelForSequenceClassification
 
     folder = _checked_folder(path)
@@ -345,6 +346,9 @@ def load_score_model(path, dtype="fp32", value_head_prefix: str = "score", attn_
         info(f"{path} has no score head; initialised a new one")
     check_vocab(model, tokenizer if tokenizer is not None else _own_tokenizer(folder), path)
     set_experts(model, experts_implementation, path)
+    if as_lora_spec(lora) is not None:
+        info("LoRA on a score model: its head (score) trains fully (no adapter on it) and is saved with the "
+             "adapter; OpenRLHF 0.10.2 freezes the head and adapts it")
     return _finish(model, lora, "SEQ_CLS", gradient_checkpointing, gradient_checkpointing_reentrant,
                    load_in_4bit, onednn_linear)
 

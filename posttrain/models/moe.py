@@ -6,12 +6,15 @@ decoder to return its router logits; after each forward, `take_router_loss(model
 load-balancing loss of that forward (the `load_balancing_loss_func` of the model's transformers module: for
 Qwen3-MoE / Mixtral, E * sum_e f_e * P_e over the layers' tokens, f_e the share of routing slots (top-k) that
 chose expert e, P_e the mean router probability of e; padding left out when the batch has a 2-D attention mask).
+Inside `router_token_weights(model, w)` the means weigh token (r, t) by w[r, t] instead: a layout computing
+one token for several samples (a shared prompt) counts it once per sample, as the per-sample rows would.
 
 ZeRO-3 leaves (`mark_zero3_leaves`): DeepSpeed gathers a leaf module's parameters whole before its forward
 instead of following the order its hooks recorded; routing changes which experts run from batch to batch, so
 the sparse expert blocks are leaves (as OpenRLHF marks them)."""
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -74,13 +77,17 @@ class _RouterLoss:
             raise ValueError(f"{type(base).__name__}: its transformers module defines no load_balancing_loss_func, "
                              "so its router loss is unknown")
         self.last: tuple | None = None  # the last forward's router logits and token mask
+        self.weights: torch.Tensor | None = None  # set by `router_token_weights`
 
     def capture(self, _module, _args, kwargs, output) -> None:
         logits = getattr(output, "router_logits", None)
         if not logits:
             return
-        mask = kwargs.get("attention_mask")
         rows = logits[0].shape[0]  # a 2-D mask of these very tokens (not of a KV cache's past as well)
+        if self.weights is not None and self.weights.numel() == rows:
+            self.last = (logits, self.weights)
+            return
+        mask = kwargs.get("attention_mask")
         self.last = (logits, mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel() == rows
                      else None)
 
@@ -109,6 +116,22 @@ def track_router_loss(model: torch.nn.Module, flag: str = "the router loss") -> 
     decoder.register_forward_pre_hook(_with_router_logits, with_kwargs=True)
     decoder.register_forward_hook(tracker.capture, with_kwargs=True)
     setattr(base, _TRACKER, tracker)
+
+
+@contextlib.contextmanager
+def router_token_weights(model: torch.nn.Module, weights: torch.Tensor | None):
+    """While inside, the router loss of `model`'s forwards weighs token (r, t) by `weights[r, t]` (shaped as
+    the input ids) instead of using the attention mask: how many samples hold that token (0 for padding).
+    None, or an untracked model: no change."""
+    tracker = getattr(_base(model), _TRACKER, None)
+    if tracker is None or weights is None:
+        yield
+        return
+    tracker.weights = weights
+    try:
+        yield
+    finally:
+        tracker.weights = None
 
 
 def take_router_loss(model: torch.nn.Module) -> torch.Tensor | None:

@@ -2,7 +2,8 @@
 
 A step takes `train.batch_size` sample indices (the global batch). Rank r gets the contiguous
 slice r of `world_size` equal slices; its micro-batches hold `train.micro_batch_size` samples, or,
-with `--train.dynamic_batch_enable`, as many samples as fit `--train.max_tokens_per_gpu` tokens.
+with `--train.dynamic_batch_enable`, as many samples as fit `--train.max_tokens_per_gpu` tokens x the GPUs of a
+ring-attention / tensor-parallel group (`config.summary.micro_batch_tokens`).
 """
 from __future__ import annotations
 

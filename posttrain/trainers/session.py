@@ -33,6 +33,7 @@ from posttrain.config import (
     save_config,
 )
 from posttrain.config.facts import deepspeed_only_flags
+from posttrain.config.summary import micro_batch_tokens
 from posttrain.data import load_rows
 from posttrain.engines import make_train_engine
 from posttrain.engines.zero3 import describe_shards, sharded_loading
@@ -227,7 +228,8 @@ class SingleModelRun:
         settings = LoopSettings(
             batch_size=cfg.train.batch_size, micro_batch_size=cfg.train.micro_batch_size,
             max_epochs=cfg.train.max_epochs, seed=cfg.train.seed,
-            max_tokens_per_gpu=cfg.train.max_tokens_per_gpu if cfg.train.dynamic_batch_enable else None,
+            max_tokens=micro_batch_tokens(cfg, cfg.train.max_tokens_per_gpu)
+            if cfg.train.dynamic_batch_enable else None,
             logging_steps=cfg.logger.logging_steps, eval_steps=cfg.eval.steps, save_steps=cfg.ckpt.save_steps,
             ckpt_path=str(ckpt.root) if ckpt is not None else None, ckpt_max_num=cfg.ckpt.max_num,
             ckpt_max_mem_gb=cfg.ckpt.max_mem if cfg.ckpt.max_mem is not None else math.inf,

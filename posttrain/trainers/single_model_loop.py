@@ -49,7 +49,7 @@ class LoopSettings:
     micro_batch_size: int
     max_epochs: int
     seed: int
-    max_tokens_per_gpu: int | None = None  # set => dynamic batching
+    max_tokens: int | None = None  # set => dynamic batching: a micro-batch's token budget (ring x TP GPUs)
     logging_steps: int = 1
     eval_steps: int = -1
     save_steps: int = -1
@@ -138,7 +138,7 @@ class SingleModelLoop(RunLoop):
         step_idx = order[step_in_epoch * self.s.batch_size:(step_in_epoch + 1) * self.s.batch_size]
         mine = batching.rank_slice(step_idx, *self._data_rank())
         return batching.micro_batches(mine, self.lengths, micro_batch_size=self.s.micro_batch_size,
-                                      max_tokens=self.s.max_tokens_per_gpu)
+                                      max_tokens=self.s.max_tokens)
 
     def _data_rank(self) -> tuple[int, int]:
         """(this rank's data-parallel rank, their number): the ranks of a context- or tensor-parallel group take the

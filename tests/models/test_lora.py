@@ -128,3 +128,37 @@ def test_an_adapter_on_a_tied_output_head_is_named(tiny_model_dir):
     head = load_causal_lm(tiny_model_dir, "fp32", lora={"rank": 4, "target_modules": ["q_proj", "lm_head"]})
     assert head.config.tie_word_embeddings and tied_lora_layers(head) == ["base_model.model.lm_head"]
     assert tied_lora_layers(load_causal_lm(tiny_model_dir, "fp32", lora={"rank": 4})) == []
+
+
+def test_a_score_models_head_trains_fully_and_round_trips_through_the_adapter(tiny_model_dir, tmp_path, capsys):
+    """LoRA on a critic / reward model: the start-up says the `score` head trains fully; the head has no
+    adapter, its own weight changes in training, and base + saved adapter gives back the trained head (a fresh
+    random head in the base is replaced by the saved one)."""
+    from peft import PeftModel
+
+    from posttrain.models import forward_values, load_score_model
+
+    tok = load_tokenizer(tiny_model_dir)
+    torch.manual_seed(0)
+    model = load_score_model(tiny_model_dir, lora={"rank": 4, "target_modules": ["q_proj"]}, new_head_ok=True)
+    assert "its head (score) trains fully" in capsys.readouterr().err
+    head = model.base_model.model.score
+    assert not any("score" in n and "lora_" in n for n, _ in model.named_parameters())
+    before = head.modules_to_save["default"].weight.detach().clone()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    for _ in range(2):
+        opt.zero_grad()
+        forward_values(model, {"input_ids": IDS}).square().mean().backward()
+        opt.step()
+    trained = head.modules_to_save["default"].weight.detach().clone()
+    assert (trained - before).abs().max() > 1e-4
+    with torch.no_grad():
+        want = forward_values(model, {"input_ids": IDS})
+    save_pretrained(model, tok, tmp_path / "adapter")
+    torch.manual_seed(1)  # another random head in the base
+    base = load_score_model(tiny_model_dir, new_head_ok=True)
+    assert (base.score.weight - trained).abs().max() > 1e-4
+    reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    torch.testing.assert_close(reloaded.base_model.model.score.modules_to_save["default"].weight, trained)
+    with torch.no_grad():
+        torch.testing.assert_close(forward_values(reloaded, {"input_ids": IDS}), want, atol=1e-6, rtol=0)

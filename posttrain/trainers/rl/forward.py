@@ -18,8 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.algorithms.losses import entropy, gathered_logprobs
+from posttrain.config.summary import micro_batch_tokens
 from posttrain.models import forward_logits, forward_logprobs, forward_values
 from posttrain.models.context_parallel import context_parallel, gather_replicated, next_tokens, split_packed
+from posttrain.models.moe import router_token_weights
 from posttrain.trainers import batching
 from posttrain.trainers.rl.experience import Experience
 from posttrain.trainers.rl.layout import build_layout
@@ -44,6 +46,19 @@ class Batching:
                                       max_tokens=self.max_tokens)
 
 
+def ppo_batchings(cfg, shared: bool) -> tuple[Batching, Batching]:
+    """The training and the experience-making `Batching` of a `ppo` config: --train / --rollout.micro_batch_size
+    samples, or with --train.dynamic_batch_enable the --train / --rollout.max_tokens_per_gpu budgets (rollout:
+    default train's) per GPU, a micro-batch holding that x ring x TP tokens (`config.summary.micro_batch_tokens`).
+    `shared`: the shared-prefix layout."""
+    dynamic = cfg.train.dynamic_batch_enable
+    train = micro_batch_tokens(cfg, cfg.train.max_tokens_per_gpu) if dynamic else None
+    rollout = cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu
+    forward = micro_batch_tokens(cfg, rollout) if dynamic else None
+    return (Batching(cfg.train.micro_batch_size, train, cfg.ds.packing_samples, shared),
+            Batching(cfg.rollout.micro_batch_size, forward, cfg.ds.packing_samples, shared))
+
+
 def policy_forward(model, exp: Experience, temperature: float, with_entropy: bool = False, packed: bool = False,
                    shared: bool = False, context=None):
     """Log-probs `[b, T-1]` of the sampled tokens under `logits / temperature` (and the entropy of
@@ -56,8 +71,11 @@ def policy_forward(model, exp: Experience, temperature: float, with_entropy: boo
     keep, at = lay.kept_columns()
     index = lay.src_row * len(keep) + at
     if not with_entropy:  # the logits in row chunks when they are large (models.forward_logprobs)
-        return lay.scatter(forward_logprobs(model, lay.inputs, keep, index, lay.targets, temperature)), None
-    logits = forward_logits(model, lay.inputs, keep=keep)  # [R, K, V]
+        with router_token_weights(model, lay.token_weights):
+            logp = forward_logprobs(model, lay.inputs, keep, index, lay.targets, temperature)
+        return lay.scatter(logp), None
+    with router_token_weights(model, lay.token_weights):
+        logits = forward_logits(model, lay.inputs, keep=keep)  # [R, K, V]
     flat = logits.reshape(-1, logits.shape[-1])
     logp = lay.scatter(gathered_logprobs(flat, index, lay.targets, temperature))
     return logp, lay.scatter(entropy(flat, temperature)[index])
@@ -73,7 +91,9 @@ def value_forward(model, exp: Experience, packed: bool = False, shared: bool = F
             values = forward_values(model, local)[0]
         return lay.scatter(gather_replicated(values, context.group)[lay.src_col])
     lay = build_layout(exp, packed=packed, shared=shared)
-    return lay.scatter(forward_values(model, lay.inputs)[lay.src_row, lay.src_col])
+    with router_token_weights(model, lay.token_weights):
+        values = forward_values(model, lay.inputs)
+    return lay.scatter(values[lay.src_row, lay.src_col])
 
 
 def _slice(lay, context) -> tuple[dict, torch.Tensor, int]:

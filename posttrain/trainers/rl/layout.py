@@ -14,7 +14,9 @@ Layouts (`build_layout`):
   row, or every group in one row when also `packed`. The prefix is computed once per group and its
   gradient accumulates from every continuation, so outputs and gradients equal the per-row
   computation up to float rounding. With a prompt of P tokens, n samples and responses of R tokens,
-  a group costs P + nR token positions instead of n(P + R).
+  a group costs P + nR token positions instead of n(P + R). `token_weights` [R, N] says how many rows
+  hold each layout token (a prefix token: its group's size; padding: 0), so per-token means over the
+  layout (the MoE router loss, `models.moe.router_token_weights`) equal those over the rows.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ class Layout:
     src_col: torch.Tensor
     targets: torch.Tensor
     shape: tuple[int, int]  # [b, T-1] of the experience's per-token tensors
+    token_weights: torch.Tensor | None = None  # shared prefixes: rows holding each input token (module doc)
 
     def kept_columns(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The layout columns any read needs (sorted, unique) and, per read, its index among them."""
@@ -70,8 +73,9 @@ def build_layout(exp, packed: bool = False, shared: bool = False) -> Layout:
             read_cols.append(cols)
     rows = np.concatenate(read_rows) if read_rows else np.zeros(0, dtype=np.int64)
     cols = np.concatenate(read_cols) if read_cols else np.zeros(0, dtype=np.int64)
+    weights = None
     if shared:
-        inputs, src_row, src_col = _shared(exp, lengths, first, has, rows, cols, packed)
+        inputs, src_row, src_col, weights = _shared(exp, lengths, first, has, rows, cols, packed)
     elif packed:
         real = exp.attention_mask.bool()
         positions = exp.attention_mask.long().cumsum(1) - 1
@@ -83,34 +87,37 @@ def build_layout(exp, packed: bool = False, shared: bool = False) -> Layout:
     t = lambda a: torch.as_tensor(a, dtype=torch.long, device=device)  # noqa: E731
     rows_t, cols_t = t(rows), t(cols)
     return Layout(inputs=inputs, rows=rows_t, cols=cols_t, src_row=t(src_row), src_col=t(src_col),
-                  targets=seq[rows_t, cols_t + 1], shape=(b, width - 1))
+                  targets=seq[rows_t, cols_t + 1], shape=(b, width - 1), token_weights=weights)
 
 
 def _shared(exp, lengths, first, has, rows, cols, packed):
-    """The shared-prefix layout (module doc): model inputs and each read's source position."""
+    """The shared-prefix layout (module doc): model inputs, each read's source position, the token weights."""
     seq_np = exp.sequences.cpu().numpy()
     prefix = np.where(has, first + 1, lengths)  # a row without reads is all prefix (a group of its own)
     groups: dict[bytes, list[int]] = {}
     for i in range(len(lengths)):
         key = seq_np[i, :prefix[i]].tobytes() if has[i] else b"row%d" % i
         groups.setdefault(key, []).append(i)
-    ids, pos, branch, doc = [], [], [], []  # per layout row (one per group, or one in all when packed)
+    # per layout row (one per group, or one in all when packed)
+    ids, pos, branch, doc, count = [], [], [], [], []
     where_row = np.zeros(len(lengths), dtype=np.int64)  # row i's layout row, start of its prefix and own part
     where_prefix = np.zeros(len(lengths), dtype=np.int64)
     where_own = np.zeros(len(lengths), dtype=np.int64)
     for g, members in enumerate(groups.values()):
         if not ids or not packed:
-            ids.append([]), pos.append([]), branch.append([]), doc.append([])
+            ids.append([]), pos.append([]), branch.append([]), doc.append([]), count.append([])
         r, s, lead = len(ids) - 1, int(prefix[members[0]]), members[0]
         start = len(ids[r])
         ids[r] += seq_np[lead, :s].tolist()
         pos[r] += list(range(s))
         branch[r] += [0] * s
+        count[r] += [len(members)] * s
         for j, i in enumerate(members, start=1):
             where_row[i], where_prefix[i], where_own[i] = r, start, len(ids[r]) - s
             ids[r] += seq_np[i, s:lengths[i]].tolist()
             pos[r] += list(range(s, int(lengths[i])))
             branch[r] += [j] * int(lengths[i] - s)
+            count[r] += [1] * int(lengths[i] - s)
         doc[r] += [g] * (len(ids[r]) - start)
     n = max(len(x) for x in ids)
     pad = lambda xs, v: torch.tensor([x + [v] * (n - len(x)) for x in xs], dtype=torch.long)  # noqa: E731
@@ -125,4 +132,4 @@ def _shared(exp, lengths, first, has, rows, cols, packed):
               "attention_mask": mask[:, None].to(device)}
     s = prefix[rows]
     src_col = np.where(cols < s, where_prefix[rows] + cols, where_own[rows] + cols)
-    return inputs, where_row[rows], src_col
+    return inputs, where_row[rows], src_col, pad(count, 0).float().to(device)

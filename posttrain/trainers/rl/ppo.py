@@ -35,7 +35,7 @@ from posttrain.trainers.rl.async_pipeline import RolloutPipeline, staleness_metr
 from posttrain.trainers.rl.collect import GroupBuffer, PromptStream, ShapingSettings, collect
 from posttrain.trainers.rl.evaluate import dataset_name, eval_metrics
 from posttrain.trainers.rl.experience_maker import ExperienceMaker, rollout_metrics
-from posttrain.trainers.rl.forward import Batching
+from posttrain.trainers.rl.forward import ppo_batchings
 from posttrain.trainers.rl.roles import AdapterOffReference
 from posttrain.trainers.rl.updates import UpdateSettings, steps_per_rollout
 from posttrain.trainers.run_loop import Cadence, RunLoop, plot_charts
@@ -227,17 +227,11 @@ class RLTrainer(RunLoop):
         a = cfg.actor
         eps_low, eps_high = a.eps_clip_low_high if a.eps_clip_low_high else (a.eps_clip, a.eps_clip)
         adv = cfg.algo.advantage
-        dynamic = cfg.train.dynamic_batch_enable
         # GSPO (as OpenRLHF) and seq_sum: --actor.loss_agg aggregates the policy term only (sequence-level
         # by default); the KL-loss / entropy / value terms stay token means. Otherwise it applies to all.
         other_agg = "token_mean" if a.policy_loss_type in SEQUENCE_POLICY_LOSSES else a.loss_agg
         shared = cfg.ds.shared_prefix and self.processor is None  # a vision-language model takes padded batches
-        self.train_batching = Batching(cfg.train.micro_batch_size, cfg.train.max_tokens_per_gpu if dynamic else None,
-                                       cfg.ds.packing_samples, shared)
-        self.forward_batching = Batching(
-            cfg.rollout.micro_batch_size,
-            (cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu) if dynamic else None, cfg.ds.packing_samples,
-            shared)
+        self.train_batching, self.forward_batching = ppo_batchings(cfg, shared)
         self.update_settings = UpdateSettings(
             batch_size=cfg.train.batch_size, batching=self.train_batching,
             max_epochs=cfg.train.max_epochs, loss_agg=other_agg, policy_loss_agg=a.loss_agg,

@@ -13,7 +13,7 @@ from posttrain.rollout.single_turn import Rollout, ScoredRollouts, SingleTurnSam
 from posttrain.trainers.rl.collect import PromptStream, ShapingSettings, collect, shape_rewards
 from posttrain.trainers.rl.experience import build_experience
 from posttrain.trainers.rl.experience_maker import sequence_mean as _sequence_mean
-from posttrain.trainers.rl.forward import Batching, policy_forward, value_forward
+from posttrain.trainers.rl.forward import Batching, policy_forward, ppo_batchings, value_forward
 from posttrain.trainers.rl.roles import Actor, Critic
 from posttrain.trainers.rl.updates import UpdateSettings, optimizer_steps, update_actor
 
@@ -204,6 +204,29 @@ def test_packed_and_dynamic_batches_equal_padded(tiny_model_dir, tiny_score_mode
         other = grads(batching)
         for k in base:
             torch.testing.assert_close(other[k], base[k], atol=2e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout,gpus", [((), 1), (("--ds.ring_attn_size", "2"), 2),
+                                         (("--ds.tensor_parallel_size", "2"), 2),
+                                         (("--ds.ring_attn_size", "2", "--ds.tensor_parallel_size", "2"), 4)])
+def test_max_tokens_per_gpu_is_per_gpu_of_a_ring_or_tensor_parallel_group(layout, gpus):
+    """--train / --rollout.max_tokens_per_gpu are budgets per GPU (as OpenRLHF): the micro-batches of the
+    training and of the experience-making forwards hold up to budget x ring x TP tokens, the GPUs of the group
+    that computes them together. 8 rows of 10 tokens; budgets 20 (train) and 10 (rollout)."""
+    from posttrain.config import parse_config
+
+    flags = ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "p.jsonl", "--reward.remote_url", "r.py",
+             "--ds.packing_samples", "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "20",
+             "--rollout.max_tokens_per_gpu", "10", "--data.max_len", "16", *layout]
+    for role in ("actor", "ref", "critic"):
+        flags += [f"--{role}.num_gpus_per_node", "4"]
+    train, forward = ppo_batchings(parse_config("ppo", flags, device="cpu"), shared=True)
+    assert (train.max_tokens, forward.max_tokens) == (20 * gpus, 10 * gpus)
+    assert train.packed and train.shared_prefix and forward.packed
+    rolls = [Rollout([3, 4, 5, 6], [7 + i] * 6, [-1.0] * 6, "length", "", "") for i in range(8)]
+    exp = build_experience(rolls, torch.zeros(8), 0)
+    assert [len(m) for m in train.micro_batches(exp)] == [2 * gpus] * (4 // gpus)
+    assert [len(m) for m in forward.micro_batches(exp)] == [gpus] * (8 // gpus)
 
 
 def test_kl_statistic_is_per_sequence():

@@ -143,6 +143,85 @@ def test_critic_gradient_equals_the_padded_gradient(tiny_score_model_dir, models
         torch.testing.assert_close(other[k], base[k], atol=1e-5, rtol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    """A tiny Qwen3-MoE policy and critic (`init-tiny --moe`, `--head score`)."""
+    from posttrain.models import build_tiny
+
+    root = tmp_path_factory.mktemp("moe-shared")
+    for head in ("lm", "score"):
+        build_tiny(root / head, arch="qwen3_moe", size="nano", head=head, seed=2, verbose=False)
+    return str(root / "lm"), str(root / "score")
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["shared", "shared+packed", "packed"])
+def test_router_loss_equals_the_padded_one(moe_dirs, models, layout, role):
+    """MoE router loss (--actor.aux_loss_coef) of the actor and the critic: the logged aux_loss and the step's
+    gradient equal the per-row padded computation's (a shared prompt counts once per sample, padding never),
+    with micro-batches of 6 rows that split the prompts' groups. The step's rows come in experience order, so
+    both layouts' micro-batches hold the same rows (the router loss is a mean per micro-batch)."""
+    from posttrain.models.moe import track_router_loss
+
+    _, _, tok = models
+    exp = grouped_experience(tok)
+    model_dir = moe_dirs[role == "critic"]
+    loader = load_score_model if role == "critic" else load_causal_lm
+    rows, logged = [list(range(len(exp)))], []
+
+    def fit(batching):
+        s = settings(len(exp), batching=batching, aux_loss_coef=0.5)
+
+        def run(m, engine):
+            track_router_loss(m)
+            if role == "critic":
+                critic = Critic(m, engine, torch.device("cpu"))
+                logged.append(update_critic(critic, exp, s, 0, step_rows=rows))
+            else:
+                logged.append(update_actor(Actor(m, engine, 0.7, torch.device("cpu")), exp, s, 0.1, 0,
+                                           step_rows=rows))
+        return run
+
+    base = _grads(model_dir, loader, exp, fit(Batching(6)))
+    other = _grads(model_dir, loader, exp, fit(Batching(6, packed=layout.get("packed", False),
+                                                        shared_prefix=layout.get("shared", False))))
+    assert logged[0][f"{role}/aux_loss"] > 1.0
+    assert logged[1][f"{role}/aux_loss"] == pytest.approx(logged[0][f"{role}/aux_loss"], rel=1e-5)
+    assert other.keys() == base.keys()
+    for k in base:
+        torch.testing.assert_close(other[k], base[k], atol=1e-5, rtol=1e-4, msg=lambda m: f"{k}: {m}")
+
+
+def test_moe_training_step_equals_the_unshared_one(moe_dirs, tmp_path):
+    """`posttrain ppo` with a MoE actor and --actor.aux_loss_coef: one step with the shared prefix (default) and
+    with --ds.no_shared_prefix logs the same router loss, gradient norm and policy loss (one micro-batch per
+    step, so both hold the same rows)."""
+    from posttrain.cli import train_ppo_ray
+    from posttrain.data.synthetic import make_arithmetic_rows, write_jsonl
+    from posttrain.utils.metrics import read_metrics
+
+    write_jsonl(make_arithmetic_rows(8, seed=11, difficulty=0), tmp_path / "data" / "train.jsonl")
+    reward = tmp_path / "varied.py"
+    reward.write_text("import torch\n\ndef reward_func(queries, prompts, labels, **kwargs):\n"
+                      "    return {'rewards': torch.tensor([len(set(q[len(p):])) / 8 for q, p in zip(queries, prompts)])}\n")
+
+    def run(name, *extra):
+        train_ppo_ray.main([
+            "--actor.model_name_or_path", moe_dirs[0], "--data.prompt_dataset", str(tmp_path / "data"),
+            "--data.input_key", "prompt", "--data.apply_chat_template", "--data.max_len", "48",
+            "--reward.remote_url", str(reward), "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4",
+            "--rollout.max_new_tokens", "4", "--rollout.micro_batch_size", "16", "--train.batch_size", "16",
+            "--train.micro_batch_size", "16", "--data.max_samples", "4", "--actor.aux_loss_coef", "0.01",
+            "--ckpt.output_dir", str(tmp_path / name), *extra])
+        (metrics,) = read_metrics(tmp_path / name / "metrics.jsonl")
+        return metrics
+
+    shared, plain = run("shared"), run("plain", "--ds.no_shared_prefix")
+    assert plain["actor/aux_loss"] > 1.0
+    for k in ("actor/aux_loss", "actor/grad_norm", "actor/policy_loss"):
+        assert shared[k] == pytest.approx(plain[k], rel=1e-5, abs=1e-6), k
+
+
 def test_gathered_logprobs_equal_token_logprobs():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 11, generator=g) * 3

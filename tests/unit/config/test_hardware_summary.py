@@ -22,8 +22,8 @@ PPO = ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "p.jsonl", "-
 HAS_FLASH = importlib.util.find_spec("flash_attn") is not None
 
 
-def sft(*extra):
-    return parse_config("sft", SFT + list(extra), device="cpu")
+def sft(*extra, **kw):
+    return parse_config("sft", SFT + list(extra), device="cpu", **kw)
 
 
 def test_param_dtype_and_attention_resolve_per_device():
@@ -163,6 +163,10 @@ def test_derived_sizes_single_model():
         "gradient_accumulation_steps": None,
         "max_tokens_per_micro_batch": 4096,
     }
+    # per GPU: a ring-attention x tensor-parallel group of 4 GPUs shares a micro-batch of 4 x 4096 tokens
+    group = sft("--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "4096", "--ds.ring_attn_size", "2",
+                "--ds.tensor_parallel_size", "2", "--ds.packing_samples", world_size=4)
+    assert derived_sizes(group, 4)["max_tokens_per_micro_batch"] == 4 * 4096
 
 
 def test_derived_sizes_ppo():

@@ -516,6 +516,28 @@ def test_ring_attention_needs_packing_and_a_group_that_divides_the_ranks():
     assert cfg.ds.ring_attn_size == 2
 
 
+def test_ppo_with_ring_attention_turns_packing_on_and_says_so():
+    """As OpenRLHF: ppo with --ds.ring_attn_size > 1 and no --ds.packing_samples packs (one warning line, and the
+    summary shows why); sft / rm / dpo refuse unpacked rows (OpenRLHF asserts)."""
+    from posttrain.config import format_config, resolved_values
+
+    ring = ["--ds.ring_attn_size", "2"]
+    for role in ("actor", "ref", "critic"):
+        ring += [f"--{role}.num_gpus_per_node", "2"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = parse_config("ppo", BASE["ppo"] + ring, device="cpu")
+    assert cfg.ds.packing_samples is True
+    said = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+    assert said == ["--ds.packing_samples: False -> True (--ds.ring_attn_size 2 splits packed rows over its group)"]
+    assert resolved_values(cfg)["ds.packing_samples"][:2] == (False, True)
+    assert "packing_samples = True  (asked False; --ds.ring_attn_size 2" in format_config(cfg)
+    assert not [w for w in warns("ppo", *ring, "--ds.packing_samples") if "packing" in w]  # asked for: no line
+    for trainer in ("sft", "rm", "dpo"):
+        assert problem(trainer, "--ds.ring_attn_size", "2", world_size=2) == (
+            "--ds.ring_attn_size 2: needs --ds.packing_samples (each packed row is split over the group)")
+
+
 def test_tensor_parallel_rules():
     """--ds.tensor_parallel_size N: N divides the ranks (ppo: of the actor and the critic); not with LoRA, 4-bit,
     Muon or (ppo) the EMA; the batch rules count data-parallel ranks (ranks / (TP x ring)), not ranks."""

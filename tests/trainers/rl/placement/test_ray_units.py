@@ -101,3 +101,38 @@ def test_a_dispatch_that_fails_to_start_returns_its_load():
     with pytest.raises(RuntimeError, match="died"):
         group._spread(3, 2, broken)
     assert group.loads == [0, 0]  # the next dispatch is not skewed by rows that never ran
+
+
+@pytest.mark.parametrize("context,tensor", [(2, 1), (1, 2), (2, 2)])
+def test_the_ranks_of_a_ring_or_tensor_parallel_group_train_the_same_shuffled_rows(monkeypatch, context, tensor):
+    """The shuffle stays on with ring attention / tensor parallelism (OpenRLHF turns it off): the controller
+    shuffles each step's rows once, with the run's seed and step, and every rank of a ring / TP group gets its
+    data-parallel index's share, so the group's ranks train identical rows in identical order."""
+    from posttrain.rollout.single_turn import Rollout
+    from posttrain.trainers.parallel_layout import ParallelLayout
+    from posttrain.trainers.rl.experience import build_experience
+    from posttrain.trainers.rl.forward import Batching
+    from posttrain.trainers.rl.updates import UpdateSettings
+
+    rolls = [Rollout([3, 4, 5], [6] * (1 + i % 5), [-1.0] * (1 + i % 5), "length", "", "") for i in range(16)]
+    exp = build_experience(rolls, torch.zeros(16), 0)
+    settings = UpdateSettings(batch_size=8, batching=Batching(2), max_epochs=2, loss_agg="token_mean", max_len=8,
+                              eps_low=0.2, eps_high=0.2, dual_clip=None, policy_loss_type="ppo", entropy_coef=None,
+                              kl_use_loss=False, kl_estimator="k1", is_correction=None, is_threshold=(0.5, 5.0),
+                              value_clip=None, seed=0)
+    got = []
+    monkeypatch.setattr(ray_placement.ray, "put", lambda x: x)
+    monkeypatch.setattr(ray_placement._RoleGroup, "call_each",
+                        lambda self, method, args: got.append([a[1] for a in args]) or [({}, {})] * len(args))
+    layout = ParallelLayout(2 * context * tensor, context=context, tensor=tensor)
+    group = ray_placement.ActorGroup("actor", [object()] * layout.world, keeps_ema=False, layout=layout)
+    group.fit(exp, settings, 0.0, 3)
+    group.fit(exp, settings, 0.0, 4)
+    for plan in got:
+        block = context * tensor
+        for dp in range(2):
+            assert all(plan[r] == plan[dp * block] for r in range(dp * block, (dp + 1) * block))
+        steps = [sorted(a + b) for a, b in zip(plan[0], plan[block])]  # the two data indices' shares per step
+        assert len(steps) == 4 and sorted(r for s in steps[:2] for r in s) == list(range(16))  # 2 epochs
+        assert steps[0] != list(range(8)) and steps[2] != steps[0]  # shuffled, and again in the second epoch
+    assert got[0][0] != got[1][0]  # another step, another shuffle
