@@ -219,9 +219,9 @@ class PythonRewardFunction:
             return call_user(self.fn, *args, **kwargs)
         stuck = self.stuck_calls
         if stuck >= self.max_stuck:
-            raise RewardBusy(f"{self.origin}: {stuck} earlier reward_func calls still run past the {self.timeout:g}s "
-                             "--reward.timeout (a thread cannot be killed), so no new call is started; fix the hang "
-                             "in reward_func and restart")
+            raise RewardBusy(f"{self.origin}: {stuck} timed-out reward_func call(s) still running past the "
+                             f"{self.timeout:g}s --reward.timeout (a thread cannot be killed), so no new call is "
+                             "started; fix the hang in reward_func and restart")
         box = {}
         done = threading.Event()
 

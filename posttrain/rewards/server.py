@@ -15,9 +15,8 @@ its message. Requests are scored one at a time (the source need not be thread-sa
 `max_concurrent` requests scored or waiting → 503 at once, and so does a reward_func refusing new calls
 while too many earlier ones are stuck (RewardBusy).
 
-`server_config` serves an app with a header deadline: a connection whose request headers are not
-complete within `read_timeout` seconds of its opening (of their first byte on a kept-alive connection)
-gets 408 and is closed.
+`server_config` adds a header deadline: headers not complete within `read_timeout` seconds of the
+connection opening (of their first byte on a kept-alive connection) → 408 and the connection closed.
 A client that closes its connection before sending the whole body is logged in one counted line.
 """
 
@@ -158,11 +157,11 @@ def count_disconnects(app) -> None:
 def server_config(app, host: str, port: int, read_timeout: float = DEFAULT_READ_TIMEOUT,
                   flag: str = "--read_timeout", **kwargs):
     """uvicorn.Config serving `app` over h11 with a read deadline: request headers not complete within
-    `read_timeout` s of the connection (or of their first byte on a kept-alive connection) get 408 and
-    the connection closed (a connection that sends nothing is closed without an answer);
-    so is a connection whose body the app answered without reading (a 401) and the client has not sent
-    within as long. Each is counted in DROPPED and logged in one line naming `flag`. A body the app
-    reads has its own deadline in `read_body`. kwargs go to uvicorn.Config."""
+    `read_timeout` s of the connection (of their first byte on a kept-alive connection) get 408 and the
+    connection is closed (without an answer when nothing was sent); so is, after as long, a body the app
+    answered without reading (a 401) and the client has not finished. Each is counted in DROPPED and
+    logged in one line naming `flag`. A body the app reads has its own deadline (`read_body`). kwargs
+    go to uvicorn.Config."""
     import h11
     import uvicorn
     from uvicorn.protocols.http.h11_impl import H11Protocol
