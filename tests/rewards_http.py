@@ -1,4 +1,4 @@
-"""Test helpers: a free 127.0.0.1 port, and build_app(source) served by uvicorn in a thread."""
+"""Test helpers: a free 127.0.0.1 port, build_app(source) served by uvicorn in a thread, raw sockets."""
 import socket
 import threading
 import time
@@ -32,3 +32,23 @@ def in_thread_server(source, token=None):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def raw(base, data: bytes, close: bool = False) -> socket.socket:
+    """A connection to `base` (http://host:port) that has sent `data`; closed at once when `close`."""
+    host, port = base.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(data)
+    if close:
+        sock.close()
+    return sock
+
+
+def read_until_closed(sock, limit_s: float) -> bytes:
+    """What the server sends until it closes the connection; socket.timeout when it keeps it open."""
+    sock.settimeout(limit_s)
+    got = b""
+    while chunk := sock.recv(4096):
+        got += chunk
+    sock.close()
+    return got

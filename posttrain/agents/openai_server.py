@@ -14,7 +14,9 @@ a session with its own bearer token: a request without the token of a live sessi
 a malformed one (bad JSON, no messages, a message without role/content, text that is not valid
 Unicode, `n > 1`, `stream`, a bad `max_tokens` / `temperature` / `top_p`) gets 400 with the reason; a
 history longer than the budget 413, and so does a body larger than `max_request_bytes` (32 MiB, as
-serve-rm's default), read no further than that.
+serve-rm's default), read no further than that. Request headers not complete within `read_timeout`
+seconds (60, serve-rm's default), or a body not complete within as many again, get 408 and the
+connection is closed; a client gone mid-body is logged in one counted line.
 
 Delta tokenisation: the first call's prompt is the chat template applied to the messages, tokenised.
 For a later call the messages are re-rendered as text; when the session's text so far (the rendered
@@ -42,8 +44,16 @@ from uuid import uuid4
 
 from posttrain.agents.agent_api import AgentExecutorBase, encode_text
 from posttrain.agents.episode import AgentSamplingParams, shown_tokens
-from posttrain.config.serving import DEFAULT_MAX_REQUEST_BYTES
-from posttrain.rewards.server import BodyTooLarge, check_text, decode_json, read_body
+from posttrain.config.serving import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_READ_TIMEOUT
+from posttrain.rewards.server import (
+    BodyTimeout,
+    BodyTooLarge,
+    check_text,
+    count_disconnects,
+    decode_json,
+    read_body,
+    server_config,
+)
 
 
 @dataclass
@@ -73,6 +83,9 @@ class Session:
 
 _LIMIT_WHY = ("the agent server's limit, OpenAIServerAgentExecutor.max_request_bytes, the same as serve-rm's "
               "--max_request_bytes default); send a shorter conversation")
+
+
+_TIMEOUT_FLAG = "OpenAIServerAgentExecutor.read_timeout"
 
 
 class RequestError(Exception):
@@ -112,6 +125,7 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
 
     model_name = "policy"
     max_request_bytes = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get 413, as serve-rm's --max_request_bytes
+    read_timeout = DEFAULT_READ_TIMEOUT  # seconds for a request's headers, then for its body (408), as serve-rm's
 
     def __init__(self) -> None:
         self.sessions: dict[str, Session] = {}
@@ -180,8 +194,8 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
             with socket.socket() as s:
                 s.bind((self.host, 0))
                 self.port = s.getsockname()[1]
-            config = uvicorn.Config(self._app(), host=self.host, port=self.port, log_level="warning",
-                                    lifespan="off")
+            config = server_config(self._app(), self.host, self.port, self.read_timeout, _TIMEOUT_FLAG,
+                                   lifespan="off")
             self._server = uvicorn.Server(config)
             threading.Thread(target=self._server.run, name="posttrain-agent-server", daemon=True).start()
             deadline = time.monotonic() + 30
@@ -212,6 +226,7 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         from fastapi.responses import JSONResponse
 
         app = FastAPI(title="posttrain agent server")
+        count_disconnects(app)
         executor = self
 
         async def guarded(request: Request, handler):
@@ -220,9 +235,12 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
                 body = None
                 if request.method == "POST":
                     try:
-                        body = decode_json(await read_body(request, executor.max_request_bytes, _LIMIT_WHY))
+                        body = decode_json(await read_body(request, executor.max_request_bytes, _LIMIT_WHY,
+                                                           executor.read_timeout, _TIMEOUT_FLAG))
                     except BodyTooLarge as e:
                         raise RequestError(413, str(e)) from None
+                    except BodyTimeout as e:
+                        raise RequestError(408, str(e)) from None
                     except ValueError as e:
                         raise RequestError(400, f"the body must be a JSON object: {e}") from None
                     if not isinstance(body, dict):
@@ -230,7 +248,7 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
                 return await handler(session, body)
             except RequestError as e:
                 return JSONResponse({"error": {"message": e.detail, "type": "invalid_request_error"}},
-                                    status_code=e.status)
+                                    status_code=e.status, headers={"connection": "close"} if e.status == 408 else None)
 
         @app.get("/health")
         async def health(request: Request):

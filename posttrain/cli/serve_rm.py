@@ -15,7 +15,7 @@ from posttrain.config import ConfigError, inert_flags, parse_config
 from posttrain.config.hardware import device_type, record_resolved, resolve_hardware_defaults
 from posttrain.config.serving import TOKEN_ENV, ServeRMConfig
 from posttrain.config.validate import check_serving_model
-from posttrain.rewards.server import build_app
+from posttrain.rewards.server import build_app, server_config
 
 __all__ = ["build_app", "main", "make_source", "parse_args", "startup_notes"]
 PROG = "posttrain serve-rm"
@@ -102,9 +102,10 @@ def main(argv: list[str] | None = None):
 
     info(f"serving {source!r} at http://{args.host}:{args.port}/get_reward"
          f"{' (bearer token required)' if args.token else ''}")
-    app = build_app(source, token=args.token, max_request_bytes=args.max_request_bytes, max_queries=args.max_queries)
+    app = build_app(source, token=args.token, max_request_bytes=args.max_request_bytes, max_queries=args.max_queries,
+                    max_concurrent=args.max_concurrent, read_timeout=args.read_timeout)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        uvicorn.Server(server_config(app, args.host, args.port, args.read_timeout)).run()
     finally:
         source.close()
 

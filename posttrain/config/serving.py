@@ -14,6 +14,8 @@ from posttrain.config.spec import opt, section
 
 ON_ERROR = ("raise", "skip")
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024  # the reward server's request limit (rewards/server.py)
+DEFAULT_MAX_CONCURRENT = 64  # requests being scored or waiting their turn; more get HTTP 503
+DEFAULT_READ_TIMEOUT = 60.0  # seconds for a request's headers, then as many for its body (HTTP 408)
 TOKEN_ENV = "POSTTRAIN_RM_TOKEN"  # the bearer token of the reward server and its client (rewards/remote.py)
 FUNC_FILE = Inert("serve-rm serves a reward_func file, not a model", lambda v, c, dev: bool(c.reward.remote_url))
 FOR_FUNC_FILES = "they apply to reward_func files, not a reward model"
@@ -88,6 +90,11 @@ class ServeRMConfig:
                                  extension=True, ge=1)
     max_queries: int | None = opt(None, "requests with more queries get HTTP 413 (default: no limit)", extension=True,
                                   ge=1)
+    max_concurrent: int = opt(DEFAULT_MAX_CONCURRENT, "requests being scored or waiting their turn; more get HTTP "
+                              "503 at once", extension=True, ge=1)
+    read_timeout: float = opt(DEFAULT_READ_TIMEOUT, "seconds a client has to send a request's headers, then as "
+                              "many for its body; later: HTTP 408 and the connection closed", extension=True, gt=0,
+                              finite=True, note="seconds")
     on_error: str = opt("raise", "reward_func errors: fail the request (raise) or mark the samples skipped (skip)",
                         choices=ON_ERROR, extension=True,
                         inert=Inert("--on_error applies to reward_func files; a reward model error fails the "

@@ -14,7 +14,9 @@ raises or runs past the timeout is a failed attempt, retried up to `retries` att
 (`--reward.retries`), waiting backoff * 2**(attempt-2) s before attempt 2, 3, ... A call past the
 timeout is abandoned: posttrain raises an exception in its thread to stop it, which takes effect at
 the thread's next Python instruction (a call blocked inside C code, e.g. `time.sleep`, ends only when
-that C call returns; the thread never blocks interpreter exit). Errors caused by the file — a syntax
+that C call returns; the thread never blocks interpreter exit). Such a thread is a stuck call: while
+MAX_STUCK of them still run, no new call starts and each batch fails at once with a RewardBusy error
+(threads cannot be killed, so their number, not the time, is bounded). Errors caused by the file — a syntax
 error, an import that raises, reward_func raising, running too long, or returning a bad value — are
 RewardErrors naming the file and the cause, with the traceback lines of the user's code (frames of
 posttrain itself and of the import machinery are left out).
@@ -43,6 +45,7 @@ from posttrain.utils.log import warn_once
 
 FLAG = "--reward.remote_url"
 DEFAULT_TIMEOUT = 300.0  # seconds per reward_func call on a rollout batch
+MAX_STUCK = 4  # abandoned calls still running past the timeout before new calls are refused
 _POSTTRAIN_DIR = os.path.dirname(os.path.abspath(posttrain.__file__)) + os.sep
 _THREADING_FILE = os.path.abspath(threading.__file__)
 _IMPORTLIB_DIR = os.path.dirname(os.path.abspath(importlib.util.__file__)) + os.sep
@@ -134,6 +137,10 @@ class _Abandoned(BaseException):
     the user's `except Exception` does not swallow it)."""
 
 
+class RewardBusy(RewardError):
+    """No call was started: MAX_STUCK earlier calls still run past the timeout."""
+
+
 class _TimedOut(Exception):
     def __init__(self, frames):
         super().__init__("timed out")
@@ -170,10 +177,11 @@ class PythonRewardFunction:
     the batch when the function failed or returned the wrong shape; single samples for non-finite
     values) are marked `skipped` with reward 0, counted in `num_skipped` and reported with a warning.
     `labels=None` is passed as B `None`s. kwargs reach the function when it accepts them (by name, or
-    all with `**kwargs`)."""
+    all with `**kwargs`). max_stuck: timed-out calls still running (`stuck_calls`) at which no call
+    starts any more: every attempt then fails at once with RewardBusy (not retried)."""
 
     def __init__(self, path, on_error: str = "raise", *, timeout: float | None = DEFAULT_TIMEOUT,
-                 retries: int = 3, backoff: float = 0.5):
+                 retries: int = 3, backoff: float = 0.5, max_stuck: int = MAX_STUCK):
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error={on_error!r}: valid values are {list(ON_ERROR)}")
         if timeout is not None and not timeout > 0:
@@ -182,9 +190,13 @@ class PythonRewardFunction:
             raise ValueError(f"--reward.retries={retries}: must be >= 1 (attempts in total)")
         if backoff < 0:
             raise ValueError(f"backoff={backoff}: must be >= 0")
+        if max_stuck < 1:
+            raise ValueError(f"max_stuck={max_stuck}: must be >= 1")
         self.path = os.fspath(path)
         self.on_error = on_error
-        self.timeout, self.retries, self.backoff = timeout, retries, backoff
+        self.timeout, self.retries, self.backoff, self.max_stuck = timeout, retries, backoff, max_stuck
+        self._stuck: list[threading.Thread] = []  # abandoned workers, pruned when they end
+        self._stuck_lock = threading.Lock()
         self.fn = _load_function(self.path)
         self._params = _accepted_kwargs(self.fn)
         code = getattr(self.fn, "__code__", None)
@@ -195,9 +207,21 @@ class PythonRewardFunction:
         self.num_skipped = 0
         self.num_timeouts = 0
 
+    @property
+    def stuck_calls(self) -> int:
+        """Timed-out calls whose thread still runs."""
+        with self._stuck_lock:
+            self._stuck = [t for t in self._stuck if t.is_alive()]
+            return len(self._stuck)
+
     def _attempt(self, args: tuple, kwargs: dict):
         if self.timeout is None:
             return call_user(self.fn, *args, **kwargs)
+        stuck = self.stuck_calls
+        if stuck >= self.max_stuck:
+            raise RewardBusy(f"{self.origin}: {stuck} timed-out reward_func call(s) still running past the "
+                             f"{self.timeout:g}s --reward.timeout (a thread cannot be killed), so no new call is "
+                             "started; fix the hang in reward_func and restart")
         box = {}
         done = threading.Event()
 
@@ -217,6 +241,8 @@ class PythonRewardFunction:
         if not done.wait(self.timeout):
             frames = _stuck_frames(worker)
             _stop(worker)
+            with self._stuck_lock:
+                self._stuck.append(worker)
             self.num_timeouts += 1
             raise _TimedOut(frames)
         if "error" in box:
@@ -238,6 +264,8 @@ class PythonRewardFunction:
             except UserFileExit as err:  # sys.exit() is no transient failure: not retried
                 last = err
                 break
+            except RewardBusy:
+                raise
             except Exception as err:
                 last = err
         tries = f" ({self.retries} attempts, --reward.retries)" if self.retries > 1 and not isinstance(

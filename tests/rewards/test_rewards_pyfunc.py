@@ -19,6 +19,7 @@ from posttrain.rewards import (
     make_reward_source,
     parse_output,
 )
+from posttrain.rewards.python_func import RewardBusy
 
 FUNCS = Path(__file__).parent / "reward_funcs"
 
@@ -182,6 +183,30 @@ def test_a_function_that_never_returns_times_out(tmp_path):
     assert out.skipped.tolist() == [True, True] and skip.num_skipped == 2
     assert "did not return within 0.2s (--reward.timeout)" in out.skip_reasons[0]
     assert "\n" not in out.skip_reasons[0]
+
+
+def test_stuck_calls_are_bounded_then_refused_at_once(tmp_path):
+    path = write(tmp_path, """
+        import time
+        def reward_func(queries, prompts, labels):
+            if queries[0] == "quick":
+                return [1.0]
+            time.sleep(3600)
+    """, "hangs.py")
+    src = PythonRewardFunction(path, timeout=0.1, retries=3, backoff=0, max_stuck=2)
+    busy = rf"{path}: 2 timed-out reward_func call\(s\) still running past the 0.1s --reward.timeout \(a thread"
+    with pytest.raises(RewardBusy, match=busy):
+        src.score(["a"], [""], None)  # attempt 3 finds 2 stuck calls: refused, not retried
+    assert src.stuck_calls == 2 and src.num_timeouts == 2
+    for query in ("a", "quick"):  # no thread is started any more, a quick call included
+        with pytest.raises(RewardBusy, match=busy):
+            src.score([query], [""], None)
+    assert src.num_timeouts == 2 and src.stuck_calls == 2
+    skip = PythonRewardFunction(path, on_error="skip", timeout=0.1, retries=1, max_stuck=1)
+    assert "did not return within 0.1s" in skip.score(["a"], [""], None).skip_reasons[0]
+    out = skip.score(["a"], [""], None)
+    assert out.skipped.tolist() == [True] and "1 timed-out reward_func call(s) still running" in out.skip_reasons[0]
+    assert skip.stuck_calls == 1 and skip.num_timeouts == 1
 
 
 def test_a_function_that_hangs_once_is_retried(tmp_path):

@@ -158,7 +158,7 @@ ACTING: dict[str, frozenset[str]] = {
         "reward: model_name_or_path remote_url normalize_enable timeout retries",
         "ds: value_head_prefix param_dtype attn_implementation onednn_linear load_in_4bit",
         "data: max_len disable_fast_tokenizer",
-        "batch_size host port token max_request_bytes max_queries on_error device",
+        "batch_size host port token max_request_bytes max_queries max_concurrent read_timeout on_error device",
     ),
 }
 
