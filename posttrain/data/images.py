@@ -130,6 +130,8 @@ def _try_decode(data: bytes, limits: ImageLimits) -> Image.Image | str:
             return to_rgb(img)
     except UnidentifiedImageError:
         return "not an image (no format PIL can read)"
+    except Image.DecompressionBombError as e:  # a frame or layer beyond PIL's own limit, found while decoding
+        return f"too large (PIL: {_clip(e)})"
     except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, ...
         return f"a corrupt or truncated image (PIL {type(e).__name__}: {_clip(e)})"
 
@@ -170,7 +172,8 @@ def _from_file(path: str, location: str, ref: Any, limits: ImageLimits) -> Image
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # opening a FIFO must not block
         with open(fd, "rb") as f:
-            mode, size = os.fstat(fd).st_mode, os.fstat(fd).st_size
+            info = os.fstat(fd)
+            mode, size = info.st_mode, info.st_size
             if not stat.S_ISREG(mode):
                 kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
                 raise _fail(location, ref, f"{path} is {kind}, not a regular file; images are read from "
