@@ -96,7 +96,7 @@ class EpisodeImages:
         from posttrain.data.vision_samples import encode_with_images
 
         pil = load_images(images, location)
-        return (*encode_with_images(self.processor, text, pil), pil)
+        return (*encode_with_images(self.processor, text, pil, location), pil)
 
     def keep(self, pil: list, tensors: dict) -> None:
         self.pil += list(pil)

@@ -238,8 +238,26 @@ class DatasetDataConfig(DataConfig):
     dataset_split: str = opt("train", "dataset split to train on")
 
 
+IMAGE_MAX_BYTES = 64 * 2**20  # the defaults of the image limits (`posttrain.data.images.ImageLimits`)
+IMAGE_MAX_PIXELS = 89_478_485  # PIL's own MAX_IMAGE_PIXELS, above which it warns of a decompression bomb
+IMAGE_URL_TIMEOUT = 10.0
+IMAGES_ON = needs("--data.max_images_per_prompt", lambda c: c.data.max_images_per_prompt > 0)
+
+
 @dataclass
-class ImageDataFields:
+class ImageLimitFields:
+    """Bounds on reading one image reference (every trainer that reads images)."""
+
+    max_image_bytes: int = opt(IMAGE_MAX_BYTES, "max bytes of one image (file, download, data: URI or "
+                               "bytes), checked while reading", gt=0, extension=True, inert=IMAGES_ON)
+    max_image_pixels: int = opt(IMAGE_MAX_PIXELS, "max pixels (width x height) of one image, checked from "
+                                "its header before decoding", gt=0, extension=True, inert=IMAGES_ON)
+    image_url_timeout: float = opt(IMAGE_URL_TIMEOUT, "seconds one image URL may take, download included",
+                                   gt=0, finite=True, note="seconds", extension=True, inert=IMAGES_ON)
+
+
+@dataclass
+class ImageDataFields(ImageLimitFields):
     """Images in the rows, for a vision-language model (`posttrain sft` / `dpo`: beyond OpenRLHF 0.10.2, which
     reads images in `ppo` only; `posttrain rm` refuses them)."""
 
@@ -271,7 +289,7 @@ class PreferenceDataConfig(ImageDataFields, DatasetDataConfig):
 
 
 @dataclass
-class PPODataConfig(DataConfig):
+class PPODataConfig(ImageLimitFields, DataConfig):
     """Prompt dataset loading and tokenisation (PPO)."""
 
     prompt_dataset: str | None = opt(None, "prompt dataset path(s) or HF name(s); comma-separate to mix",

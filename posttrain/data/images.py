@@ -9,11 +9,17 @@ import binascii
 import io
 import os
 import re
+import stat
+import threading
+import time
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
 from PIL import Image, UnidentifiedImageError
+
+from posttrain.config.sections import IMAGE_MAX_BYTES, IMAGE_MAX_PIXELS, IMAGE_URL_TIMEOUT
 
 from .errors import DataError, where
 
@@ -53,6 +59,36 @@ def _fail(location: str, ref: Any, why: str, fix: str) -> DataError:
 _FIX_DATA = "Fix the image reference in the data"
 
 
+@dataclass(frozen=True)
+class ImageLimits:
+    """Bounds on reading one image reference: `max_bytes` read from a file, a download, a data: URI, base64
+    text or a byte string (checked while reading, never more read); `max_pixels` (width x height) of the
+    image, checked from its header before it is decoded; `url_timeout`, the seconds a URL may take in all
+    (connection and download). Defaults: 64 MiB, PIL's 89,478,485 pixels, 10 s."""
+
+    max_bytes: int = IMAGE_MAX_BYTES
+    max_pixels: int = IMAGE_MAX_PIXELS
+    url_timeout: float = IMAGE_URL_TIMEOUT
+
+    @classmethod
+    def of(cls, data_cfg) -> ImageLimits:
+        """The limits a `--data` section sets (`--data.max_image_bytes`, `--data.max_image_pixels`,
+        `--data.image_url_timeout`)."""
+        return cls(data_cfg.max_image_bytes, data_cfg.max_image_pixels, data_cfg.image_url_timeout)
+
+    def over_bytes(self, size: int | None = None) -> str:
+        """Why an image of `size` bytes (when known) is refused: more than `max_bytes`."""
+        known = f" ({size:,} bytes)" if size else ""
+        return f"larger than --data.max_image_bytes {self.max_bytes:,}{known}"
+
+
+_FIX_BYTES = "Shrink or replace the image, or raise --data.max_image_bytes"
+# PIL refuses an image above 2 x Image.MAX_IMAGE_PIXELS when it opens it, before its size can be read;
+# posttrain opens with PIL's check off (under this lock, for the header only) and checks
+# --data.max_image_pixels itself
+_OPEN_LOCK = threading.Lock()
+
+
 def to_rgb(img: Image.Image) -> Image.Image:
     """`img` in RGB, as Hugging Face image processors' `convert_to_rgb` makes it: an image with transparency
     (an alpha band: RGBA, LA, PA, ...; or a transparent colour: a palette, L or RGB image with
@@ -64,17 +100,39 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
-def _try_decode(data: bytes) -> Image.Image | str:
-    """The RGB image encoded in `data` (`to_rgb`), or why it is not one (PIL's reason)."""
+def _pixels_error(img: Image.Image, limits: ImageLimits) -> str | None:
+    """Why `img` is too large to decode (more pixels than `limits.max_pixels`), or None."""
+    if img.width * img.height <= limits.max_pixels:
+        return None
+    return (f"too large: {img.width}x{img.height} = {img.width * img.height:,} pixels, more than "
+            f"--data.max_image_pixels {limits.max_pixels:,} (raise it to read this image)")
+
+
+def _try_decode(data: bytes, limits: ImageLimits) -> Image.Image | str:
+    """The RGB image encoded in `data` (`to_rgb`), or why it is not one: larger than the limits (bytes, or
+    pixels read from the header before decoding), or PIL's reason."""
     if not data:
         return "empty (0 bytes)"
+    if len(data) > limits.max_bytes:
+        return limits.over_bytes(len(data))
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with _OPEN_LOCK:
+            pil_limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+            try:
+                img = Image.open(io.BytesIO(data))
+            finally:
+                Image.MAX_IMAGE_PIXELS = pil_limit
+        with img:
+            too_large = _pixels_error(img, limits)
+            if too_large:
+                return too_large
             img.load()
             return to_rgb(img)
     except UnidentifiedImageError:
         return "not an image (no format PIL can read)"
-    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError, ...
+    except Image.DecompressionBombError as e:  # a frame or layer beyond PIL's own limit, found while decoding
+        return f"too large (PIL: {_clip(e)})"
+    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, ...
         return f"a corrupt or truncated image (PIL {type(e).__name__}: {_clip(e)})"
 
 
@@ -83,14 +141,17 @@ def _clip(e: Exception, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _decode(data: bytes, location: str, ref: Any, what: str) -> Image.Image:
-    img = _try_decode(data)
+def _decode(data: bytes, location: str, ref: Any, what: str, limits: ImageLimits) -> Image.Image:
+    img = _try_decode(data, limits)
     if isinstance(img, str):
         raise _fail(location, ref, f"{what} is {img}", _FIX_DATA + " or replace the image")
     return img
 
 
-def _from_pil(img: Image.Image, location: str) -> Image.Image:
+def _from_pil(img: Image.Image, location: str, limits: ImageLimits) -> Image.Image:
+    too_large = _pixels_error(img, limits)
+    if too_large:
+        raise _fail(location, img, f"the PIL image is {too_large}", _FIX_DATA + " or replace the image")
     try:
         img.load()
         return to_rgb(img)
@@ -99,16 +160,31 @@ def _from_pil(img: Image.Image, location: str) -> Image.Image:
                     f"(PIL {type(e).__name__}: {_clip(e)})", _FIX_DATA + " or replace the image") from None
 
 
-def _from_file(path: str, location: str, ref: Any) -> Image.Image:
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _from_file(path: str, location: str, ref: Any, limits: ImageLimits) -> Image.Image:
+    """The image in the regular file `path`: a device, FIFO or socket is refused before a byte is read (it may
+    never end, or block forever), and at most `limits.max_bytes` + 1 bytes are read."""
     if os.path.isdir(path):
         raise _fail(location, ref, f"{path} is a folder, not an image file", _FIX_DATA)
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # opening a FIFO must not block
+        with open(fd, "rb") as f:
+            info = os.fstat(fd)
+            mode, size = info.st_mode, info.st_size
+            if not stat.S_ISREG(mode):
+                kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+                raise _fail(location, ref, f"{path} is {kind}, not a regular file; images are read from "
+                            "regular files only", _FIX_DATA + " (copy the image into a file)")
+            if size > limits.max_bytes:
+                raise _fail(location, ref, f"file {path} is {limits.over_bytes(size)}", _FIX_BYTES)
+            data = f.read(limits.max_bytes + 1)  # the file may have grown since
     except OSError as e:
         raise _fail(location, ref, f"{path} could not be read ({e.strerror or e})",
                     "Fix the file's permissions or the path in the data") from None
-    return _decode(data, location, ref, f"file {path}")
+    return _decode(data, location, ref, f"file {path}", limits)
 
 
 def _b64(text: str) -> bytes | None:
@@ -123,7 +199,7 @@ def _b64(text: str) -> bytes | None:
         return None
 
 
-def _from_data_uri(ref: str, location: str) -> Image.Image:
+def _from_data_uri(ref: str, location: str, limits: ImageLimits) -> Image.Image:
     header, sep, payload = ref.partition(",")
     form = "data:image/<format>;base64,<data>"
     if not sep or not header.lower().startswith("data:image/") or not header.lower().endswith(";base64"):
@@ -131,23 +207,56 @@ def _from_data_uri(ref: str, location: str) -> Image.Image:
     data = _b64(payload)
     if data is None:
         raise _fail(location, ref, "the data URI's payload is not valid base64", _FIX_DATA + f" ({form})")
-    return _decode(data, location, ref, "the data URI's image")
+    return _decode(data, location, ref, "the data URI's image", limits)
 
 
-def _from_url(url: str, location: str, timeout: float) -> Image.Image:
+_NO_NETWORK = ("This machine may have no network access: download the image and give its local path in the "
+               "data instead")
+
+
+def _download(url: str, limits: ImageLimits) -> bytes | tuple[str, str]:
+    """The body of `url`, or (why not, the fix). The whole download, connection included, gets
+    `limits.url_timeout` seconds: it runs in a daemon thread that the caller stops waiting for at the
+    deadline, and that itself stops at its next read after the deadline (each read waits at most
+    `url_timeout`); at most `limits.max_bytes` + 1 bytes are read."""
     import requests
 
-    fix = ("This machine may have no network access: download the image and give its local path in the "
-           "data instead")
-    try:
-        resp = requests.get(url, timeout=timeout)
-    except requests.RequestException as e:
-        raise _fail(location, url, f"could not be downloaded ({type(e).__name__}: {_clip(e, 100)})",
-                    fix) from None
-    if resp.status_code != 200:
-        raise _fail(location, url, f"could not be downloaded (HTTP {resp.status_code})",
-                    fix + " (or fix the URL)")
-    return _decode(resp.content, location, url, "the downloaded file")
+    deadline = time.monotonic() + limits.url_timeout
+    result: list = []
+
+    def fetch():
+        try:
+            with requests.get(url, stream=True, timeout=limits.url_timeout) as resp:
+                if resp.status_code != 200:
+                    result.append((f"could not be downloaded (HTTP {resp.status_code})",
+                                   _NO_NETWORK + " (or fix the URL)"))
+                    return
+                data = bytearray()
+                while chunk := resp.raw.read1(1 << 16, decode_content=True):
+                    data += chunk
+                    if len(data) > limits.max_bytes:
+                        result.append((f"the download is {limits.over_bytes()}", _FIX_BYTES))
+                        return
+                    if time.monotonic() > deadline:
+                        return
+                result.append(bytes(data))
+        except Exception as e:  # requests' RequestException, urllib3's errors while reading, ...
+            result.append((f"could not be downloaded ({type(e).__name__}: {_clip(e, 100)})", _NO_NETWORK))
+
+    worker = threading.Thread(target=fetch, name="posttrain-image-download", daemon=True)
+    worker.start()
+    worker.join(max(0.0, deadline - time.monotonic()))
+    if result:
+        return result[0]
+    return (f"not downloaded within --data.image_url_timeout {limits.url_timeout:g} s",
+            "Raise --data.image_url_timeout for a slow server, or download the image and give its local path")
+
+
+def _from_url(url: str, location: str, limits: ImageLimits) -> Image.Image:
+    data = _download(url, limits)
+    if isinstance(data, tuple):
+        raise _fail(location, url, *data)
+    return _decode(data, location, url, "the downloaded file", limits)
 
 
 def _candidates(path: str, base_dir: str | None) -> list[str]:
@@ -161,14 +270,15 @@ def _candidates(path: str, base_dir: str | None) -> list[str]:
     return tried
 
 
-def _from_path(path: str, location: str, ref: Any, base_dir: str | None, allow_b64: bool) -> Image.Image:
+def _from_path(path: str, location: str, ref: Any, base_dir: str | None, allow_b64: bool,
+               limits: ImageLimits) -> Image.Image:
     tried = _candidates(path, base_dir)
     for cand in tried:
         if os.path.exists(cand):
-            return _from_file(cand, location, ref)
+            return _from_file(cand, location, ref, limits)
     data = _b64(path) if allow_b64 else None
     if data is not None:
-        img = _try_decode(data)
+        img = _try_decode(data, limits)
         if not isinstance(img, str):
             return img
         if len(path) >= _B64_MIN:  # long base64 text: decoding it was the likely intent
@@ -181,45 +291,47 @@ def _from_path(path: str, location: str, ref: Any, base_dir: str | None, allow_b
                 f"Fix the path in the data ({where_hint}), or give an absolute path")
 
 
-def load_image(ref: Any, location: str, base_dir: str | None = None, timeout: float = 10.0) -> Image.Image:
+def load_image(ref: Any, location: str, base_dir: str | None = None,
+               limits: ImageLimits = ImageLimits()) -> Image.Image:
     """The RGB image `ref` refers to (`to_rgb`), fully decoded (so a truncated file fails here, not later).
 
     `ref`: a PIL image; encoded image bytes; a Hugging Face Image-feature dict
     ``{"bytes": b | None, "path": p | None}`` (bytes win); or a string: a ``data:image/...;base64,`` URI,
-    an http(s) URL (fetched with `timeout` seconds), a ``file://`` URI, a path (absolute, or relative: the
-    current folder first, then `base_dir`), or, last, bare base64 of image bytes. Any failure raises a
-    one-line DataError starting with `location` and naming the shortened reference, the cause and the fix.
+    an http(s) URL, a ``file://`` URI, a path (absolute, or relative: the current folder first, then
+    `base_dir`; a regular file), or, last, bare base64 of image bytes. Every read is bounded by `limits`
+    (`ImageLimits`: bytes, pixels, a URL's total seconds). Any failure raises a one-line DataError starting
+    with `location` and naming the shortened reference, the cause and the fix.
     """
     if isinstance(ref, Image.Image):
-        return _from_pil(ref, location)
+        return _from_pil(ref, location, limits)
     if isinstance(ref, (bytes, bytearray)):
-        return _decode(bytes(ref), location, ref, "the byte string")
+        return _decode(bytes(ref), location, ref, "the byte string", limits)
     if isinstance(ref, dict) and ("bytes" in ref or "path" in ref):
         data, path = ref.get("bytes"), ref.get("path")
         if data is not None:
             if not isinstance(data, (bytes, bytearray)):
                 raise _fail(location, ref, f"'bytes' must be bytes, got {type(data).__name__}", _FIX_DATA)
-            return _decode(bytes(data), location, ref, "the 'bytes' of the image dict")
+            return _decode(bytes(data), location, ref, "the 'bytes' of the image dict", limits)
         if isinstance(path, (str, os.PathLike)) and os.fspath(path):
-            return _from_path(os.fspath(path), location, ref, base_dir, allow_b64=False)
+            return _from_path(os.fspath(path), location, ref, base_dir, False, limits)
         raise _fail(location, ref, "the image dict has neither 'bytes' nor a 'path'", _FIX_DATA)
     if isinstance(ref, os.PathLike):
-        return _from_path(os.fspath(ref), location, ref, base_dir, allow_b64=False)
+        return _from_path(os.fspath(ref), location, ref, base_dir, False, limits)
     if isinstance(ref, str):
         if not ref.strip():
             raise _fail(location, ref, "the reference is empty", _FIX_DATA + " (or remove the row)")
         low = ref[:8].lower()
         if low.startswith("data:"):
-            return _from_data_uri(ref, location)
+            return _from_data_uri(ref, location, limits)
         if low.startswith(("http://", "https://")):
-            return _from_url(ref, location, timeout)
+            return _from_url(ref, location, limits)
         if low.startswith("file:"):
             parsed = urlparse(ref)
             if parsed.netloc not in ("", "localhost"):
                 raise _fail(location, ref, f"file URI on another host ({parsed.netloc})",
                             "Use file:///absolute/path or a plain path")
-            return _from_path(url2pathname(parsed.path), location, ref, base_dir, allow_b64=False)
-        return _from_path(ref, location, ref, base_dir, allow_b64=True)
+            return _from_path(url2pathname(parsed.path), location, ref, base_dir, False, limits)
+        return _from_path(ref, location, ref, base_dir, True, limits)
     raise _fail(location, ref, f"unsupported reference type {type(ref).__name__}",
                 f"Fix the data: give {ACCEPTED}")
 
@@ -239,20 +351,22 @@ def _data_folder(row: dict) -> str | None:
     return None
 
 
-def load_images(value: Any, location: str, base_dir: str | None = None) -> list[Image.Image]:
+def load_images(value: Any, location: str, base_dir: str | None = None,
+                limits: ImageLimits = ImageLimits()) -> list[Image.Image]:
     """The RGB images of an image column's value (one reference or a list, None entries skipped; see
-    `load_image`); a list's entries are located as ``location[i]``."""
+    `load_image`, each read bounded by `limits`); a list's entries are located as ``location[i]``."""
     if value is None:
         return []
     if not isinstance(value, (list, tuple)):
-        return [load_image(value, location, base_dir)]
-    return [load_image(ref, f"{location}[{i}]", base_dir) for i, ref in enumerate(_refs(value))]
+        return [load_image(value, location, base_dir, limits)]
+    return [load_image(ref, f"{location}[{i}]", base_dir, limits) for i, ref in enumerate(_refs(value))]
 
 
-def row_images(row: dict, image_key: str, max_images: int, base_dir: str | None = None) -> list[Image.Image]:
-    """The RGB images of `row[image_key]` (`load_images`; key missing or None → []). More than `max_images`
-    raises DataError before anything is loaded. `base_dir` defaults to the folder of ``row["__source__"]``
-    when that is an existing file."""
+def row_images(row: dict, image_key: str, max_images: int, base_dir: str | None = None,
+               limits: ImageLimits = ImageLimits()) -> list[Image.Image]:
+    """The RGB images of `row[image_key]` (`load_images`, each read bounded by `limits`; key missing or None
+    → []). More than `max_images` raises DataError before anything is loaded. `base_dir` defaults to the
+    folder of ``row["__source__"]`` when that is an existing file."""
     value = row.get(image_key)
     key = f"{where(row)}, key '{image_key}'"
     if len(_refs(value)) > max_images:
@@ -260,7 +374,16 @@ def row_images(row: dict, image_key: str, max_images: int, base_dir: str | None 
             f"{key}: {len(_refs(value))} image(s), more than --data.max_images_per_prompt {max_images}. "
             "Raise --data.max_images_per_prompt, or drop images from the row."
         )
-    return load_images(value, key, base_dir if base_dir is not None else _data_folder(row))
+    return load_images(value, key, base_dir if base_dir is not None else _data_folder(row), limits)
+
+
+def image_labels(row: dict, image_key: str) -> list[str]:
+    """One label per image `row_images` returns, as its errors name them: the key (and list index) and the
+    shortened reference, e.g. ``key 'images'[0]: image 'a.png'``."""
+    value = row.get(image_key)
+    if not isinstance(value, (list, tuple)):
+        return [f"key '{image_key}': image {_short(ref)}" for ref in _refs(value)]
+    return [f"key '{image_key}'[{i}]: image {_short(ref)}" for i, ref in enumerate(_refs(value))]
 
 
 def row_image_refs(row: dict, image_key: str) -> Any:

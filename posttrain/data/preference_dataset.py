@@ -36,7 +36,7 @@ from torch.utils.data import Dataset
 
 from .capping import cap_text_fields
 from .errors import DataError, where
-from .images import to_vision_messages
+from .images import ImageLimits, image_labels, to_vision_messages
 from .prompts import prompt_images
 from .sft_dataset import SFTDataset, encode_segments
 from .templates import check_input_template, format_prompt, render_chat, require_chat_template, to_messages
@@ -65,6 +65,7 @@ class PreferenceDataset(Dataset):
         processor: Any = None,
         image_key: str = "images",
         max_images: int = 0,
+        image_limits: ImageLimits = ImageLimits(),
     ):
         if not isinstance(max_len, int) or max_len < 2:
             raise DataError(f"--data.max_len: must be an integer ≥ 2, got {max_len!r}.")
@@ -74,6 +75,7 @@ class PreferenceDataset(Dataset):
         self.keys = (prompt_key, chosen_key, rejected_key)
         self.margin_key = margin_key
         self.processor, self.image_key, self.max_images = processor, image_key, max_images
+        self.image_limits = image_limits
         self.input_template = check_input_template(input_template)
         if self.chat:
             require_chat_template(tokenizer)
@@ -92,7 +94,8 @@ class PreferenceDataset(Dataset):
         self.num_truncated = 0
         for row, (prompt, chosen, rejected, margin) in zip(rows, fields):
             images = self._images(row, prompt)
-            encoder = _SharedPrompt(ImageEncoder(tokenizer, processor, images, where(row))) if images else None
+            encoder = _SharedPrompt(ImageEncoder(tokenizer, processor, images, where(row),
+                                                 image_labels(row, self.image_key))) if images else None
             sides = [self._encode(row, prompt, response, encoder) for response in (chosen, rejected)]
             if any(ids is None for ids, _ in sides):
                 self.dropped.append(where(row))
@@ -112,7 +115,7 @@ class PreferenceDataset(Dataset):
     def _images(self, row: dict, prompt) -> list:
         """The row's images (PIL) for a vision-language model, checked against the prompt's placeholders."""
         return prompt_images(row, prompt if prompt is not None else "", self.processor, self.image_key,
-                             self.max_images, self.chat)
+                             self.max_images, self.chat, self.image_limits)
 
     # ---- row checks ---------------------------------------------------------------------------
     def _validate(self, row: dict):

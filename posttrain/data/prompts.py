@@ -7,7 +7,8 @@ from typing import Any
 
 from .capping import cap_text_fields
 from .errors import DataError, where
-from .images import check_image_count, count_image_parts, row_image_refs, row_images, to_vision_messages
+from .images import (ImageLimits, check_image_count, count_image_parts, image_labels, row_image_refs,
+                     row_images, to_vision_messages)
 from .templates import check_input_template, format_prompt, render_chat, to_messages
 from .validation import get_field, require_text_or_messages
 from .vision_samples import ImageEncoder
@@ -32,7 +33,7 @@ class PromptDataset:
     def __init__(self, rows: list[dict], tokenizer, *, input_key: str = "input", label_key: str | None = None,
                  input_template: str | None = None, apply_chat_template: bool = False,
                  max_prompt_len: int | None = None, processor=None, image_key: str = "images",
-                 max_images: int = 0) -> None:
+                 max_images: int = 0, image_limits: ImageLimits = ImageLimits()) -> None:
         check_input_template(input_template)
         self.prompts: list[Prompt] = []
         self.dropped: list[str] = []
@@ -41,7 +42,8 @@ class PromptDataset:
             rows, self.num_capped = cap_text_fields(rows, (input_key,), max_prompt_len, tokenizer)
         values = [(row, require_text_or_messages(row, input_key, "--data.input_key")) for row in rows]
         for row, value in values:
-            images = prompt_images(row, value, processor, image_key, max_images, apply_chat_template)
+            images = prompt_images(row, value, processor, image_key, max_images, apply_chat_template,
+                                   image_limits)
             if apply_chat_template:
                 messages = to_messages(value, "user")
                 text = render_chat(tokenizer, to_vision_messages(messages) if images else messages,
@@ -54,7 +56,7 @@ class PromptDataset:
             label = get_field(row, label_key, "--data.label_key") if label_key else None
             image_inputs = None
             if images:
-                encoder = ImageEncoder(tokenizer, processor, images, where(row))
+                encoder = ImageEncoder(tokenizer, processor, images, where(row), image_labels(row, image_key))
                 ids = encoder(text)
                 image_inputs = encoder.image_inputs()
             else:
@@ -81,12 +83,13 @@ class PromptDataset:
         return self.prompts[i]
 
 
-def prompt_images(row: dict, value, processor, image_key: str, max_images: int, chat: bool) -> list:
-    """The row's images (PIL) for a vision-language model (`processor` set), checked against the prompt's
-    placeholders; [] for a text model or a row without images."""
+def prompt_images(row: dict, value, processor, image_key: str, max_images: int, chat: bool,
+                  limits: ImageLimits = ImageLimits()) -> list:
+    """The row's images (PIL, each read bounded by `limits`) for a vision-language model (`processor` set),
+    checked against the prompt's placeholders; [] for a text model or a row without images."""
     if processor is None:
         return []
-    images = row_images(row, image_key, max_images)
+    images = row_images(row, image_key, max_images, limits=limits)
     if images and not chat:
         raise DataError(f"{where(row)}: a prompt with images needs --data.apply_chat_template (the chat template "
                         "places the image tokens)")

@@ -30,7 +30,7 @@ from torch.utils.data import Dataset
 
 from .capping import cap_text_fields
 from .errors import DataError, where
-from .images import to_vision_messages
+from .images import ImageLimits, image_labels, to_vision_messages
 from .prompts import prompt_images
 from .templates import check_input_template, format_prompt, render_chat, require_chat_template, to_messages
 from .validation import ensure_location, require_messages, require_text, require_text_or_messages
@@ -63,9 +63,11 @@ class SFTDataset(Dataset):
         processor: Any = None,
         image_key: str = "images",
         max_images: int = 0,
+        image_limits: ImageLimits = ImageLimits(),
     ):
         self.tokenizer = tokenizer
         self.processor, self.image_key, self.max_images = processor, image_key, max_images
+        self.image_limits = image_limits
         self.max_len = max_len
         self.input_key, self.output_key = input_key, output_key
         self.input_template = check_input_template(input_template)
@@ -86,7 +88,8 @@ class SFTDataset(Dataset):
         for row, field in zip(rows, fields):
             images = self._images(row, field)
             if images:
-                encoder = ImageEncoder(tokenizer, processor, images, where(row))
+                labels = image_labels(row, self.image_key)
+                encoder = ImageEncoder(tokenizer, processor, images, where(row), labels)
                 ids, mask = encode_segments(tokenizer, self._segments(row, to_vision_field(field)), encoder)
                 sample = {"image_inputs": encoder.image_inputs()}
             else:
@@ -112,7 +115,8 @@ class SFTDataset(Dataset):
     # ---- images ----------------------------------------------------------------------------------
     def _images(self, row: dict, field) -> list:
         """The row's images (PIL) for a vision-language model, checked against the prompt's placeholders."""
-        return prompt_images(row, field_messages(field), self.processor, self.image_key, self.max_images, self.chat)
+        return prompt_images(row, field_messages(field), self.processor, self.image_key, self.max_images,
+                             self.chat, self.image_limits)
 
     @property
     def image_token_ids(self) -> set[int]:

@@ -27,10 +27,21 @@ def image_placeholder(processor) -> str:
     return token
 
 
-def encode_with_images(processor, text: str, images: Sequence) -> tuple[list[int], dict[str, np.ndarray]]:
+def encode_with_images(processor, text: str, images: Sequence, location: str,
+                       labels: Sequence[str] | None = None) -> tuple[list[int], dict[str, np.ndarray]]:
     """(token ids, image tensors) of `text`, whose placeholders (one per image, in order) the processor expands
-    into image tokens; no tokenizer special tokens are added (the text carries them)."""
-    out = processor(text=[text], images=list(images), add_special_tokens=False, return_tensors="np")
+    into image tokens; no tokenizer special tokens are added (the text carries them). An image the processor
+    refuses (a ValueError, e.g. Qwen-VL's aspect ratio of 200 or more) is a one-line DataError naming
+    `location`, the images (`labels`, one per image, e.g. their references) and their sizes."""
+    try:
+        out = processor(text=[text], images=list(images), add_special_tokens=False, return_tensors="np")
+    except ValueError as e:
+        names = labels if labels is not None and len(labels) == len(images) else ["image"] * len(images)
+        which = "; ".join(f"{name} ({img.width}x{img.height} px)" for name, img in zip(names, images))
+        reason = " ".join(str(e).split())[:160]
+        fix = "Replace the image, or crop or pad it to a shape this model's processor reads"
+        raise DataError(f"{location}, {which}: the model's processor refuses "
+                        f"{'it' if len(images) == 1 else 'one of them'} ({reason}). {fix}") from None
     return [int(t) for t in out["input_ids"][0]], {k: np.asarray(v) for k, v in out.items() if k not in _TEXT_KEYS}
 
 
@@ -50,8 +61,10 @@ class ImageEncoder:
     """`encode(text)` for `encode_segments`: token ids of one segment, taking the next images for its
     placeholders; `image_inputs()` once all segments are encoded (and every image was placed)."""
 
-    def __init__(self, tokenizer: Any, processor, images: Sequence, location: str) -> None:
+    def __init__(self, tokenizer: Any, processor, images: Sequence, location: str,
+                 labels: Sequence[str] | None = None) -> None:
         self.tokenizer, self.processor, self.images, self.location = tokenizer, processor, list(images), location
+        self.labels = list(labels) if labels is not None and len(labels) == len(self.images) else None
         self.placeholder = image_placeholder(processor)
         self.used = 0
         self.parts: list[dict[str, np.ndarray]] = []
@@ -63,7 +76,9 @@ class ImageEncoder:
         if self.used + k > len(self.images):
             raise DataError(f"{self.location}: the rendered text has more image placeholders than the row has "
                             f"images ({len(self.images)}); put one image per placeholder")
-        ids, tensors = encode_with_images(self.processor, text, self.images[self.used:self.used + k])
+        labels = self.labels[self.used:self.used + k] if self.labels else None
+        ids, tensors = encode_with_images(self.processor, text, self.images[self.used:self.used + k],
+                                          self.location, labels)
         self.used += k
         self.parts.append(tensors)
         return ids

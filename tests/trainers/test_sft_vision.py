@@ -60,6 +60,8 @@ def test_messages_with_image_parts_equal_image_tags(processor, tmp_path):
     (lambda r, d: {**r, "images": r["images"] * 2, "prompt": "<image><image>Colour?"},
      r"2 .*--data.max_images_per_prompt"),
     (lambda r, d: (d / r["images"][0]).write_bytes(b"not a png") and r, "d.jsonl, row 1.*image"),
+    (lambda r, d: Image.new("RGB", (100000, 3)).save(d / r["images"][0]) or r,
+     r"d.jsonl, row 1, key 'images'\[0\]: image .*\(100000x3 px\): the model's processor refuses it \(absolute"),
 ])
 def test_bad_image_input_is_one_clear_error(processor, tmp_path, change, message):
     row = {**colour_rows(1, seed=2, folder=tmp_path)[0], "__source__": str(tmp_path / "d.jsonl"), "__row__": 1}

@@ -27,6 +27,7 @@ from posttrain.config.roles import SEQUENCE_POLICY_LOSSES
 from posttrain.data import PromptDataset, load_rows
 from posttrain.data.capping import capped_note
 from posttrain.data.errors import check_dropped
+from posttrain.data.images import ImageLimits
 from posttrain.models import check_model_folder, load_tokenizer, tensor_parallel
 from posttrain.rollout import HFRolloutEngine, SamplingParams, rank_seed
 from posttrain.rollout.single_turn import SingleTurnSampler
@@ -88,7 +89,8 @@ class RLTrainer(RunLoop):
             self._check_vision_placement()
         kw = dict(input_key=cfg.data.input_key, label_key=cfg.data.label_key, input_template=cfg.data.input_template,
                   apply_chat_template=cfg.data.apply_chat_template, processor=self.processor,
-                  image_key=cfg.data.image_key, max_images=cfg.data.max_images_per_prompt)
+                  image_key=cfg.data.image_key, max_images=cfg.data.max_images_per_prompt,
+                  image_limits=ImageLimits.of(cfg.data))
         rows = load_rows(cfg.data.prompt_dataset, cfg.data.prompt_probs, cfg.data.prompt_split, cfg.train.seed,
                          cfg.data.max_samples)
         limit = cfg.data.max_len - (cfg.rollout.max_new_tokens or 1)

@@ -5,15 +5,18 @@ counting and message normalisation for vision-language prompts."""
 import base64
 import io
 import json
+import os
 
 import numpy as np
 import pytest
 import requests
+from image_sources import FOREVER, declared_png, image_server, trickle
 from PIL import Image
 
 from posttrain.data.errors import DataError
 from posttrain.data.images import (
     IMAGE_TAG,
+    ImageLimits,
     check_image_count,
     count_image_parts,
     load_image,
@@ -231,20 +234,9 @@ def test_other_formats_decode():
     assert load_image(gif.getvalue(), LOC).mode == "RGB"
 
 
-def test_url_is_fetched_with_the_timeout(monkeypatch):
-    calls = []
-
-    class Response:
-        status_code = 200
-        content = _png()
-
-    def fake_get(url, **kwargs):
-        calls.append((url, kwargs))
-        return Response()
-
-    monkeypatch.setattr(requests, "get", fake_get)
-    _assert_pixels(load_image("https://example.invalid/a.png", LOC, timeout=3.5))
-    assert calls == [("https://example.invalid/a.png", {"timeout": 3.5})]
+def test_url_is_downloaded():
+    with image_server({"/a.png": _png()}) as url:
+        _assert_pixels(load_image(f"{url}/a.png", LOC))
 
 
 # --- errors ----------------------------------------------------------------------------------------
@@ -339,28 +331,62 @@ def test_url_connection_error_advises_a_local_path(monkeypatch):
 
 
 def test_url_timeout_and_http_status(monkeypatch):
+    with image_server({"/html": b"<html>not an image</html>"}) as url:
+        msg = _error(f"{url}/missing.png")
+        assert "HTTP 404" in msg and "local path" in msg
+        assert "the downloaded file is not an image" in _error(f"{url}/html")
+
     def timeout_get(url, **kwargs):
         raise requests.Timeout("read timed out")
 
     monkeypatch.setattr(requests, "get", timeout_get)
     assert "Timeout" in _error("https://example.invalid/a.png")
 
-    class NotFound:
-        status_code = 404
-        content = b"<html>"
 
-    monkeypatch.setattr(requests, "get", lambda url, **kw: NotFound())
-    msg = _error("https://example.invalid/a.png")
-    assert "HTTP 404" in msg and "local path" in msg
+# --- limits: every read is bounded ------------------------------------------------------------------
 
 
-def test_downloaded_non_image(monkeypatch):
-    class Html:
-        status_code = 200
-        content = b"<html>not an image</html>"
+def test_an_endless_download_stops_at_the_byte_limit():
+    with image_server({"/zeros.png": FOREVER}) as url:
+        msg = _error(f"{url}/zeros.png", limits=ImageLimits(max_bytes=100_000))
+    assert "the download is larger than --data.max_image_bytes 100,000" in msg and "zeros.png" in msg
 
-    monkeypatch.setattr(requests, "get", lambda url, **kw: Html())
-    assert "the downloaded file is not an image" in _error("https://example.invalid/a.png")
+
+def test_a_trickling_download_stops_at_the_total_deadline():
+    """One byte every 0.2 s never trips a per-read timeout; the deadline is for the whole download."""
+    with image_server({"/slow.png": trickle(0.2)}) as url:
+        msg = _error(f"{url}/slow.png", limits=ImageLimits(url_timeout=1))
+    assert "not downloaded within --data.image_url_timeout 1 s" in msg and "slow.png" in msg
+
+
+@pytest.mark.parametrize("kind", ["character device", "FIFO"])
+def test_only_regular_files_are_read(tmp_path, kind):
+    path = "/dev/zero" if kind == "character device" else str(tmp_path / "f.png")
+    if kind == "FIFO":
+        os.mkfifo(path)  # nobody writes: opening it for reading would block
+    msg = _error(path)
+    assert f"{path} is a {kind}" in msg
+    assert "regular files only" in msg
+
+
+def test_the_byte_limit_covers_files_bytes_and_data_uris(png_file):
+    limits = ImageLimits(max_bytes=len(_png()) - 1)
+    data_uri = "data:image/png;base64," + base64.b64encode(_png()).decode()
+    for ref in (str(png_file), _png(), {"bytes": _png(), "path": None}, data_uri):
+        msg = _error(ref, limits=limits)
+        assert f"larger than --data.max_image_bytes {len(_png()) - 1:,} ({len(_png()):,} bytes)" in msg, msg
+    _assert_pixels(load_image(str(png_file), LOC, limits=ImageLimits(max_bytes=len(_png()))))
+
+
+def test_too_many_pixels_are_refused_from_the_header_as_too_large():
+    msg = _error(declared_png(20000, 20000))
+    assert "too large: 20000x20000 = 400,000,000 pixels, more than --data.max_image_pixels 89,478,485" in msg
+    assert "corrupt" not in msg
+    assert Image.MAX_IMAGE_PIXELS == 89_478_485  # PIL's own check is off only while the header is read
+    small = ImageLimits(max_pixels=W * H - 1)
+    assert f"more than --data.max_image_pixels {W * H - 1}" in _error(_png(), limits=small)
+    assert "the PIL image is too large: 8x6 = 48 pixels" in _error(_image(), limits=small)
+    _assert_pixels(load_image(_png(), LOC, limits=ImageLimits(max_pixels=W * H)))
 
 
 def test_huge_base64_is_shortened():
