@@ -368,8 +368,9 @@ class EvalConfig:
 
     dataset: str | None = opt(None, "evaluation dataset path(s)")
     split: str = opt("train", "evaluation split", inert=EVAL_OFF)
-    steps: int = opt(-1, "evaluate every N steps (-1: never)", check=lambda v: v == -1 or v >= 1,
-                     message="must be -1 (never) or >= 1", inert=EVAL_OFF)
+    steps: int = opt(-1, "evaluate every N steps and after the last one (-1: only after the last one)",
+                     check=lambda v: v == -1 or v >= 1, message="must be -1 (only the last step) or >= 1",
+                     inert=EVAL_OFF)
 
 
 @dataclass
@@ -393,9 +394,11 @@ class CkptConfig:
     )
     save_steps: int = opt(-1, "save a checkpoint every N steps (-1: never)", check=lambda v: v == -1 or v >= 1,
                           message="must be -1 (never) or >= 1")
-    save_hf: bool = opt(False, "also export a Hugging Face model with every checkpoint", inert=SAVES_OFF)
+    save_hf: bool = opt(False, "also export a Hugging Face model with every checkpoint, to "
+                         "<--ckpt.path>/global_step<N>_hf (never rotated)", inert=SAVES_OFF)
     disable_ds: bool = opt(False, "skip resumable checkpoints (progress cannot be resumed)")
-    max_num: int = opt(3, "checkpoints kept", ge=1, inert=SAVES_OFF)
+    max_num: int = opt(3, "checkpoints kept (rotation deletes those without an eval metric first, then the "
+                       "worst metric, then the oldest)", ge=1, inert=SAVES_OFF)
     max_mem: float = opt(1e8, "max total size of kept checkpoints in GB", gt=0, note="(GB)", inert=SAVES_OFF)
     load_enable: bool = opt(False, "resume from the newest checkpoint in --ckpt.path if there is one")
 
@@ -405,7 +408,8 @@ class PPOCkptConfig(CkptConfig):
     """Checkpoints and the final model (PPO)."""
 
     best_metric_key: str = opt(
-        "", "eval metric for best-checkpoint saving ('' auto: first pass1 metric; 'none': off)", inert=EVAL_OFF
+        "", "eval metric (higher is better) that ranks checkpoints and picks the best one ('' auto: the "
+        "first pass1 metric; 'none': off)", inert=EVAL_OFF
     )
     save_merged: bool = opt(
         False, "with LoRA, also write the merged weights (base + adapter) into merged/ next to each adapter "

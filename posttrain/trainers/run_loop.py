@@ -9,13 +9,22 @@ A trainer subclasses `RunLoop` and supplies:
     then advances;
   - `evaluate() -> metrics` (`{}`: nothing to evaluate);
   - `write_checkpoint(dir)` (every rank) and `restore(path, meta)`: its own state; `RunLoop` writes
-    and reads `meta["global_step"]`, wraps an unloadable checkpoint in a CheckpointError and trims the
-    metrics file after the resumed step;
+    and reads `meta["global_step"]`, `meta["metric"]` and `meta["best"]`, wraps an unloadable checkpoint
+    in a CheckpointError and trims the metrics file after the resumed step;
+  - `export_hf(dir)` (every rank) with `--ckpt.save_hf`: the HF export, written to
+    `<ckpt.path>/global_step<N>_hf` (atomic, never rotated);
+  - `metric_key(eval_metrics)` and `higher_is_better`: the evaluation metric that ranks checkpoints
+    (None: none); with `Cadence.keep_best` also `export_best(best)`;
   - optionally `checkpoint_meta()`, `postfix(metrics)` (progress-bar fields), `on_evaluated(...)`,
     `before_loop()` and `after_loop()`.
 Cadence (as OpenRLHF): evaluate every `eval_steps`, log every `logging_steps` (and at every
-evaluation), save every `save_steps`. With `final_eval` (SFT/RM/DPO) the last step is always
-evaluated; without it (RL, as OpenRLHF's PPO) `fit` returns the latest evaluation.
+evaluation), save every `save_steps`. Unlike OpenRLHF's PPO, the last step is always evaluated (when the
+trainer has an evaluation), before its checkpoint. A checkpoint records the metric of an evaluation of
+its own step (`meta["metric"]`), which rotation reads (`CheckpointManager`).
+Best (`Cadence.keep_best`, RL): the starting model is evaluated first (logged at step 0) as the
+baseline; an evaluation strictly better than every earlier one (the baseline included) saves the best
+checkpoint `best_global_step<N>` (resumable, never rotated; when the run saves checkpoints) and calls
+`export_best`. A run that never beats its baseline saves no best and says so.
 Resume takes the checkpoint `CheckpointManager.prepare` chose (newest that verifies, same training
 flags) and never an older or another run's one instead. Ctrl-C ends `fit` with `Interrupted`:
 `interrupted at step N; last checkpoint: <path or none>`; SIGTERM with `Terminated`: `terminated at
@@ -37,13 +46,15 @@ class Cadence:
     logging_steps: int = 1
     eval_steps: int = -1
     save_steps: int = -1
-    final_eval: bool = True
     load_checkpoint: bool = False
     progress: bool = True
+    save_hf: bool = False  # an HF export with every checkpoint (`export_hf`)
+    keep_best: bool = False  # a baseline evaluation, the best checkpoint and `export_best`
 
 
 class RunLoop:
     desc = "train"  # the progress bar's label
+    higher_is_better = True  # the direction of `metric_key`'s metric
 
     def __init__(self, *, total_steps: int, logger: MetricsLogger, ckpt: CheckpointManager | None,
                  cadence: Cadence, is_main: bool = True) -> None:
@@ -53,6 +64,8 @@ class RunLoop:
         self.cadence = cadence
         self.is_main = is_main
         self.global_step = 0
+        self.metric: dict | None = None  # the latest evaluation: {"key", "value", "step", "higher_is_better"}
+        self.best: dict = {"key": None, "value": None, "step": None}  # the best evaluation (or the baseline)
 
     # ---- what a trainer supplies ------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -70,6 +83,16 @@ class RunLoop:
     def checkpoint_meta(self) -> dict:
         return {}
 
+    def export_hf(self, directory: Path) -> None:
+        raise NotImplementedError
+
+    def metric_key(self, eval_metrics: dict[str, float]) -> str | None:
+        """The key in `eval_metrics` that ranks checkpoints and picks the best one; None: none."""
+        return None
+
+    def export_best(self, best: dict) -> None:
+        """After a new best (`Cadence.keep_best`): `best` = {"key", "value", "step"}."""
+
     def postfix(self, metrics: dict[str, float]) -> dict[str, str]:
         return {}
 
@@ -83,10 +106,17 @@ class RunLoop:
         """After the last step, still under the Ctrl-C handler (final export, charts)."""
 
     # ---- checkpoints ------------------------------------------------------------------------
-    def save_checkpoint(self) -> Path:
-        meta = {"global_step": self.global_step, **self.checkpoint_meta()}
-        path = self.ckpt.save(self.global_step, self.write_checkpoint, meta)
-        info(f"saved checkpoint {path}")
+    def save_checkpoint(self, best: bool = False) -> Path:
+        """The resumable checkpoint of this step (`best`: the best one), and with `Cadence.save_hf` (not for
+        the best) its HF export next to it."""
+        metric = self.metric if self.metric is not None and self.metric["step"] == self.global_step else None
+        meta = {"global_step": self.global_step, "metric": metric, "best": self.best,
+                **self.checkpoint_meta()}
+        path = self.ckpt.save(self.global_step, self.write_checkpoint, meta, best=best)
+        info(f"saved {'best ' if best else ''}checkpoint {path}")
+        if self.cadence.save_hf and not best:
+            export = self.ckpt.save_export(f"global_step{self.global_step}_hf", self.export_hf)
+            info(f"saved HF export {export}")
         return path
 
     def resume(self) -> None:
@@ -106,6 +136,7 @@ class RunLoop:
                 f"checkpoint {path} verifies but cannot be loaded by this run ({e}); resume on the set-up that "
                 f"wrote it (ranks, DeepSpeed flags), or start a new run with another --ckpt.path") from e
         self.global_step = int(meta["global_step"])
+        self.best = meta.get("best") or self.best
         self.logger.truncate_after(self.global_step)
         info(f"resumed from {path} at step {self.global_step}")
 
@@ -124,35 +155,83 @@ class RunLoop:
             self.after_loop()
             return result
 
+    def _evaluate(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Evaluate at this step, merge the results into `metrics` (logged by the caller) and remember the
+        checkpoint metric."""
+        result = self.evaluate()
+        metrics.update(result)
+        self.on_evaluated(result, metrics)
+        key = self.metric_key(result) if result else None
+        if key is not None:
+            self.metric = {"key": key, "value": float(result[key]), "step": self.global_step,
+                           "higher_is_better": self.higher_is_better}
+        return result
+
+    def _track_best(self) -> None:
+        """After this step's evaluation is logged: the first evaluation is the baseline; a later one strictly
+        better than the best so far saves the best checkpoint and export."""
+        m = self.metric
+        if not self.cadence.keep_best or m is None or m["step"] != self.global_step:
+            return
+        b = self.best
+        if b["value"] is not None and b["key"] == m["key"]:
+            better = m["value"] > b["value"] if self.higher_is_better else m["value"] < b["value"]
+            if not better:
+                return
+        self.best = {"key": m["key"], "value": m["value"], "step": self.global_step}
+        if b["value"] is None or b["key"] != m["key"]:
+            info(f"baseline {m['key']} = {m['value']:.4f} at step {self.global_step}; a best model is saved "
+                 f"when a later evaluation beats it")
+            return
+        info(f"new best {m['key']} = {m['value']:.4f} at step {self.global_step} (previous "
+             f"{b['value']:.4f} at step {b['step']})")
+        if self.ckpt is not None:
+            self.save_checkpoint(best=True)
+        self.export_best(self.best)
+
+    def _report_best(self) -> None:
+        b = self.best
+        if self.cadence.keep_best and b["value"] is not None and b["step"] == 0:
+            info(f"no improvement: {b['key']} never rose above the starting model's {b['value']:.4f} "
+                 f"(step 0); no best model saved")
+
     def _loop(self) -> dict[str, float]:
         from tqdm.auto import tqdm
 
         c = self.cadence
+        last_eval: dict[str, float] = {}
+        if c.keep_best and self.global_step == 0:  # the starting model: the baseline a best must beat
+            baseline: dict[str, float] = {}
+            last_eval = self._evaluate(baseline)
+            if last_eval:
+                self.logger.log(0, baseline)
+                self._track_best()
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc=self.desc, dynamic_ncols=True,
                    disable=not (c.progress and self.is_main))
-        last_eval: dict[str, float] = {}
-        evaluated = False
+        evaluated_at = None
         try:
             while self.global_step < self.total_steps:
                 metrics = self.step()
                 self.global_step += 1
                 bar.update(1)
                 bar.set_postfix(self.postfix(metrics))
-                evaluated = c.eval_steps > 0 and self.global_step % c.eval_steps == 0
-                if evaluated:
-                    last_eval = self.evaluate()
-                    metrics.update(last_eval)
-                    self.on_evaluated(last_eval, metrics)
-                if self.global_step % max(c.logging_steps, 1) == 0 or (evaluated and last_eval):
+                due = c.eval_steps > 0 and self.global_step % c.eval_steps == 0
+                if due or self.global_step == self.total_steps:
+                    last_eval, evaluated_at = self._evaluate(metrics), self.global_step
+                evaluated_now = evaluated_at == self.global_step and bool(last_eval)
+                if self.global_step % max(c.logging_steps, 1) == 0 or evaluated_now:
                     self.logger.log(self.global_step, metrics)
+                self._track_best()
                 if self.ckpt is not None and c.save_steps > 0 and self.global_step % c.save_steps == 0:
                     self.save_checkpoint()
         finally:
             bar.close()  # on Ctrl-C too: the error line starts on a line of its own
-        if c.final_eval and not evaluated:
-            last_eval = self.evaluate()
+        if evaluated_at != self.global_step:  # resumed at the last step: its model is evaluated here
+            final: dict[str, float] = {}
+            last_eval = self._evaluate(final)
             if last_eval:
-                self.logger.log(self.global_step, last_eval)
+                self.logger.log(self.global_step, final)
+        self._report_best()
         return last_eval
 
 

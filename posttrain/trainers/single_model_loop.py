@@ -97,6 +97,7 @@ def summarize(sums: dict[str, float], prefix: str) -> dict[str, float]:
 
 
 class SingleModelLoop(RunLoop):
+    higher_is_better = False  # `metric_key`: the evaluation loss
     def __init__(self, *, engine, objective: Objective, train_items: list[dict], eval_items: list[dict] | None,
                  settings: LoopSettings, logger: MetricsLogger,
                  save_hf: Callable[[Path], None] | None = None, device=None,
@@ -127,8 +128,8 @@ class SingleModelLoop(RunLoop):
                                      max_mem_gb=settings.ckpt_max_mem_gb, is_main=engine.is_main,
                                      barrier=engine.barrier)
         cadence = Cadence(logging_steps=settings.logging_steps, eval_steps=settings.eval_steps,
-                          save_steps=settings.save_steps, final_eval=True,
-                          load_checkpoint=settings.load_checkpoint, progress=settings.progress)
+                          save_steps=settings.save_steps, load_checkpoint=settings.load_checkpoint,
+                          progress=settings.progress, save_hf=settings.save_hf and save_hf is not None)
         super().__init__(total_steps=self.steps_per_epoch * settings.max_epochs, logger=logger, ckpt=ckpt,
                          cadence=cadence, is_main=engine.is_main)
 
@@ -239,8 +240,13 @@ class SingleModelLoop(RunLoop):
     def write_checkpoint(self, d: Path) -> None:
         self.engine.save_state(d / "engine")
         save_state_file({"rng": rng_state()}, d / f"trainer_rank{self.engine.rank}.pt")
-        if self.s.save_hf and self.save_hf is not None:
-            self.save_hf(d / "hf")
+
+    def export_hf(self, d: Path) -> None:
+        self.save_hf(d)
+
+    def metric_key(self, eval_metrics: dict[str, float]) -> str | None:
+        """The evaluation loss ranks checkpoints (lower is better)."""
+        return "eval/loss" if "eval/loss" in eval_metrics else None
 
     def checkpoint_meta(self) -> dict:
         return {"steps_per_epoch": self.steps_per_epoch, "world_size": self.engine.world_size,

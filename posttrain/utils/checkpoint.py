@@ -18,7 +18,13 @@ Contract of `CheckpointManager`:
   CheckpointError naming the step, the folder and the last good checkpoint.
 - Rotation (`max_num`, `max_mem_gb`) runs after a successful save, considers only checkpoints of
   this run (same run_id; all of them when the manager has no identity) and never deletes the
-  checkpoint just written.
+  checkpoint just written. It deletes checkpoints without a metric first, then the worst metric, then
+  the oldest (as OpenRLHF): a checkpoint's metric is `meta["metric"]` = {"key", "value",
+  "higher_is_better"} (None: not evaluated).
+- `save(..., best=True)` writes `<root>/best_global_step<N>/` the same way and then removes this run's
+  earlier best one; best checkpoints are never rotated and not counted by `max_num` / `max_mem_gb`.
+  They are resumable: resume takes the newest checkpoint of either kind (a regular one at equal steps).
+- `save_export(name, write)` writes `<root>/<name>/` (an HF export) atomically, outside rotation.
 - Loading verifies sizes and CRC32 of every file (`verify_checkpoint`); a checkpoint holding a file
   its manifest does not list fails verification (only files its writer wrote are ever loaded).
   posttrain's own state files (`save_state_file` / `load_state_file`) hold tensors and plain values
@@ -51,8 +57,9 @@ from posttrain.utils.log import info, warn_once
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^global_step(\d+)$")
+_BEST_DIR = re.compile(r"^best_global_step(\d+)$")
 _OLD_DIR = re.compile(r"^\.old_step(\d+)$")  # a checkpoint being replaced by a new save of its step
-_LEFTOVER = re.compile(r"^\.(tmp_step\d+|del_.+)$")  # a save or a deletion cut short
+_LEFTOVER = re.compile(r"^\.(tmp_.+|del_.+|old_best.+)$")  # a save, an export or a deletion cut short
 _DISK_FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
               errno.EFBIG: "file too large for the file system"}
 
@@ -222,6 +229,22 @@ def _run_id_of(path: Path) -> str | None:
         return None
 
 
+def checkpoint_metric(path: Path) -> dict | None:
+    """The evaluation metric a checkpoint was saved with ({"key", "value", "higher_is_better"}), or None."""
+    try:
+        m = read_manifest(path)["meta"].get("metric")
+        return m if m and isinstance(m.get("value"), (int, float)) else None
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        return None
+
+
+def _eviction_order(metric: dict | None, step: int) -> tuple:
+    """Sort key of rotation: no metric first, then the worst value (by its direction), then the oldest."""
+    if metric is None:
+        return (0, 0.0, step)
+    return (1, metric["value"] if metric.get("higher_is_better", True) else -metric["value"], step)
+
+
 class CheckpointManager:
     def __init__(self, root: str | os.PathLike, *, max_num: int = 3, max_mem_gb: float = math.inf,
                  is_main: bool = True, barrier: Callable[[], None] = lambda: None,
@@ -253,6 +276,13 @@ class CheckpointManager:
             found.setdefault(step, p)
         return sorted(found.items(), reverse=True)
 
+    def best_dirs(self) -> list[tuple[int, Path]]:
+        """Best checkpoints (`best_global_step<N>`), newest first (valid or not)."""
+        if not self.root.is_dir():
+            return []
+        return sorted(((int(m.group(1)), p) for p in self.root.iterdir() if (m := _BEST_DIR.match(p.name))),
+                      reverse=True)
+
     # ---- before the run -------------------------------------------------------------------
     def prepare(self, resume: bool) -> Path | None:
         """Check the folder before any model loads and return the checkpoint to resume (None: start
@@ -264,7 +294,7 @@ class CheckpointManager:
             for p in self.root.iterdir():
                 if _LEFTOVER.match(p.name):
                     shutil.rmtree(p, ignore_errors=True)
-        found = self.step_dirs()
+        found = sorted(self.step_dirs() + self.best_dirs(), reverse=True)
         path = None
         if not resume:
             if found:
@@ -308,10 +338,11 @@ class CheckpointManager:
         self.identity.run_id = run.get("run_id") or self.identity.run_id
 
     # ---- saving ----------------------------------------------------------------------------
-    def save(self, step: int, write: Callable[[Path], None], meta: dict) -> Path:
-        """Every rank calls this; `write(tmp_dir)` runs on every rank, the rest on the main one."""
-        tmp = self.root / f".tmp_step{step}"
-        final = self.root / f"global_step{step}"
+    def save(self, step: int, write: Callable[[Path], None], meta: dict, best: bool = False) -> Path:
+        """Every rank calls this; `write(tmp_dir)` runs on every rank, the rest on the main one.
+        `best`: the run's best checkpoint (`best_global_step<N>`, replaces its earlier one, no rotation)."""
+        tmp = self.root / (f".tmp_best_step{step}" if best else f".tmp_step{step}")
+        final = self.root / (f"best_global_step{step}" if best else f"global_step{step}")
         try:
             if self.is_main:
                 self.root.mkdir(parents=True, exist_ok=True)
@@ -328,7 +359,8 @@ class CheckpointManager:
                     json.dump(manifest, f, indent=1)
                     f.flush()
                     os.fsync(f.fileno())
-                self._publish(tmp, final, step)
+                old = self.root / (f".old_best_step{step}" if best else f".old_step{step}")
+                self._publish(tmp, final, old)
         except BaseException as e:
             reason = disk_full_reason(e, tmp)  # before the partial folder's space is freed
             if self.is_main:
@@ -340,14 +372,44 @@ class CheckpointManager:
                 f"{reason} while writing checkpoint step {step} to {self.root}; the last good checkpoint is "
                 f"{last if last is not None else 'none'} (free space or lower --ckpt.max_num)") from e
         self.last_good = final
-        if self.is_main:
+        if self.is_main and best:
+            for _, p in self.best_dirs():
+                if p != final and self._owned(p):
+                    info(f"removing the earlier best checkpoint {p}")
+                    self._delete(p)
+        elif self.is_main:
             self._rotate(final)
         self.barrier()
         return final
 
-    def _publish(self, tmp: Path, final: Path, step: int) -> None:
-        """Rename `tmp` to `final`; an existing `final` waits as `.old_step<N>` until the rename is done."""
-        old = self.root / f".old_step{step}"
+    def save_export(self, name: str, write: Callable[[Path], None]) -> Path:
+        """Write `<root>/<name>/` (an HF export; not a checkpoint, never rotated) atomically: `write(tmp)` on
+        every rank, then the main rank renames it into place (replacing an earlier one). A failure removes the
+        temp folder; a full disk ends in a CheckpointError naming the folder and the last good checkpoint."""
+        tmp, final = self.root / f".tmp_{name}", self.root / name
+        try:
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            self.barrier()
+            write(tmp)
+            self.barrier()
+            if self.is_main:
+                self._publish(tmp, final, self.root / f".del_{name}")
+        except BaseException as e:
+            reason = disk_full_reason(e, tmp)
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if reason is None:
+                raise
+            raise CheckpointError(
+                f"{reason} while writing the HF export {final}; the last good checkpoint is "
+                f"{self._last_good() or 'none'} (free space, or drop --ckpt.save_hf)") from e
+        self.barrier()
+        return final
+
+    def _publish(self, tmp: Path, final: Path, old: Path) -> None:
+        """Rename `tmp` to `final`; an existing `final` waits as `old` until the rename is done."""
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)
@@ -368,23 +430,36 @@ class CheckpointManager:
         return next((p for _, p in self.valid_checkpoints() if self._owned(p)), None)
 
     def _rotate(self, just_written: Path) -> None:
-        ours = [p for _, p in self.step_dirs() if p != just_written and self._owned(p)]
-        keep = [just_written, *ours]
-        keep, drop = keep[: self.max_num], keep[self.max_num:]
-        sizes = {p: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) for p in keep}
-        while len(keep) > 1 and sum(sizes[p] for p in keep) > self.max_mem_bytes:
-            drop.append(keep.pop())
-        for p in drop:
-            info(f"checkpoint rotation: removing {p} (--ckpt.max_num {self.max_num}, --ckpt.max_mem)")
-            trash = p.with_name(f".del_{p.name}")  # renamed first: an interrupted delete leaves no half checkpoint
-            p.rename(trash)
-            shutil.rmtree(trash, ignore_errors=True)
+        """Delete this run's regular checkpoints beyond `max_num` / `max_mem_bytes`: those without a metric
+        first, then the worst metric, then the oldest; never `just_written`."""
+        ours = [(s, p) for s, p in self.step_dirs() if p != just_written and self._owned(p)]
+        kept = [just_written, *(p for _, p in ours)]
+        sizes = {p: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) for p in kept}
+        metrics = {p: checkpoint_metric(p) for p in kept}
+        for _, p in sorted(ours, key=lambda sp: _eviction_order(metrics[sp[1]], sp[0])):
+            if len(kept) <= self.max_num and sum(sizes[q] for q in kept) <= self.max_mem_bytes:
+                break
+            kept.remove(p)
+            m = metrics[p]
+            why = "no metric" if m is None else f"{m['key']} {m['value']:.4g}, the worst kept"
+            info(f"checkpoint rotation: removing {p} ({why}; --ckpt.max_num {self.max_num}, --ckpt.max_mem)")
+            self._delete(p)
+
+    @staticmethod
+    def _delete(p: Path) -> None:
+        trash = p.with_name(f".del_{p.name}")  # renamed first: an interrupted delete leaves no half one
+        p.rename(trash)
+        shutil.rmtree(trash, ignore_errors=True)
 
     # ---- reading ---------------------------------------------------------------------------
     def valid_checkpoints(self) -> list[tuple[int, Path]]:
-        """Checkpoints that verify, newest first; each one that does not is reported once."""
+        """Checkpoints (regular and best) that verify, newest first; each one that does not is reported
+        once."""
         good = []
-        for step, p in self.step_dirs():
+        # newest first; at equal steps a regular checkpoint before the best one (the same state)
+        every = sorted([(s, 1, p) for s, p in self.step_dirs()] + [(s, 0, p) for s, p in self.best_dirs()],
+                       reverse=True)
+        for step, _, p in every:
             problem = verify_checkpoint(p)
             if problem is None:
                 good.append((step, p))

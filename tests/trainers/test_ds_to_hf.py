@@ -25,7 +25,7 @@ def test_a_zero_checkpoint_becomes_the_runs_own_export(tiny_model_dir, arithmeti
     out = tmp_path / "hf"
     main(["ds-to-hf", "--checkpoint", str(ckpt / "global_step2" / "engine"), "--tag", "engine", "--model_path",
           tiny_model_dir, "--output_path", str(out), "--ds.param_dtype", "fp32"])
-    want, got = (load_file(str(d / "model.safetensors")) for d in (ckpt / "global_step2" / "hf", out))
+    want, got = (load_file(str(d / "model.safetensors")) for d in (ckpt / "global_step2_hf", out))
     assert want.keys() == got.keys()
     assert max(float((want[k] - got[k]).abs().max()) for k in want) == 0.0
     from transformers import AutoModelForCausalLM

@@ -388,7 +388,7 @@ def test_two_process_zero3_value_head_prefix_matches_single_process(tiny_score_m
     assert_same_weights(single, multi, atol=1e-4)
     saved = load_file(str(multi / "model.safetensors"))
     assert "value_head.weight" in saved and not any(k.startswith("score.") for k in saved)
-    hf = [sorted(run.glob("checkpoints/*/hf")) for run in (single, multi)]
+    hf = [sorted(run.glob("checkpoints/global_step*_hf")) for run in (single, multi)]
     assert len(hf[0]) == len(hf[1]) == 1
     assert_same_weights(hf[0][0], hf[1][0], atol=1e-4)
     configs = [json.loads((run / "config.json").read_text()) for run in (single, multi)]

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from posttrain.trainers.run_loop import Cadence, RunLoop
-from posttrain.utils.checkpoint import CheckpointError, CheckpointManager
+from posttrain.utils.checkpoint import CheckpointError, CheckpointManager, read_manifest
 from posttrain.utils.interrupt import Interrupted
 from posttrain.utils.metrics import MetricsLogger
 
@@ -55,37 +55,85 @@ def logged(run_dir):
 
 def test_cadence_logs_evaluates_and_saves_on_their_steps(tmp_path):
     ckpt = CheckpointManager(tmp_path / "ck", max_num=5)
-    loop = Counter(tmp_path, 7, Cadence(logging_steps=3, eval_steps=2, save_steps=4, final_eval=False), ckpt)
+    loop = Counter(tmp_path, 7, Cadence(logging_steps=3, eval_steps=2, save_steps=4), ckpt)
     result = loop.fit()
     assert loop.value == sum(range(7))
-    assert loop.evals == [2, 4, 6]
+    assert loop.evals == [2, 4, 6, 7]  # and the last step
     rows = logged(tmp_path)
     # logged on multiples of 3 and at every evaluation, never twice
-    assert [r["step"] for r in rows] == [2, 3, 4, 6]
-    assert all(("eval/value" in r) == (r["step"] % 2 == 0) for r in rows)
+    assert [r["step"] for r in rows] == [2, 3, 4, 6, 7]
+    assert all(("eval/value" in r) == (r["step"] % 2 == 0 or r["step"] == 7) for r in rows)
     assert rows[0]["eval/extra"] == 1.0
     assert sorted(p.name for p in (tmp_path / "ck").glob("global_step*")) == ["global_step4"]
-    assert result == {"eval/value": float(sum(range(6)))}  # without final_eval: the latest evaluation
+    assert result == {"eval/value": float(sum(range(7)))}  # the last step's evaluation
     assert loop.events == [("before", 0), ("after", 7)]
 
 
-def test_final_eval_runs_once_after_the_last_step(tmp_path):
-    loop = Counter(tmp_path, 4, Cadence(eval_steps=3, final_eval=True))
+def test_the_last_step_is_evaluated_once(tmp_path):
+    loop = Counter(tmp_path, 4, Cadence(eval_steps=3))
     assert loop.fit() == {"eval/value": float(sum(range(4)))}
     assert loop.evals == [3, 4]
-    loop2 = Counter(tmp_path / "b", 4, Cadence(eval_steps=2, final_eval=True))
+    loop2 = Counter(tmp_path / "b", 4, Cadence(eval_steps=2))
     loop2.fit()
     assert loop2.evals == [2, 4]  # the last step was evaluated by the cadence: not again
 
 
+class Scored(Counter):
+    """Evaluations score the model by `scores[step]`; the best export is recorded."""
+
+    def __init__(self, *args, scores, **kw):
+        super().__init__(*args, **kw)
+        self.scores, self.exports = scores, []
+
+    def evaluate(self):
+        self.evals.append(self.global_step)
+        return {"eval/score": self.scores[self.global_step]}
+
+    def metric_key(self, eval_metrics):
+        return "eval/score"
+
+    def export_best(self, best):
+        self.exports.append(dict(best))
+
+
+def test_no_best_is_saved_when_nothing_beats_the_starting_model(tmp_path, capsys):
+    ckpt = CheckpointManager(tmp_path / "ck", max_num=5)
+    loop = Scored(tmp_path, 4, Cadence(eval_steps=2, save_steps=2, keep_best=True), ckpt, scores=[0.0] * 5)
+    loop.fit()
+    assert loop.evals == [0, 2, 4]  # the starting model first: the baseline
+    assert [r["step"] for r in logged(tmp_path) if "eval/score" in r] == [0, 2, 4]
+    assert loop.exports == [] and not list((tmp_path / "ck").glob("best*"))
+    err = capsys.readouterr().err
+    assert "no improvement: eval/score never rose above the starting model's 0.0000 (step 0)" in err
+
+
+def test_best_checkpoint_is_resumable_and_outlives_rotation(tmp_path):
+    scores = [0.1, 0.0, 0.5, 0.0, 0.3, 0.0, 0.7, 0.0, 0.7]
+    ckpt = CheckpointManager(tmp_path / "ck", max_num=1)
+    loop = Scored(tmp_path / "a", 8, Cadence(eval_steps=2, save_steps=2, keep_best=True), ckpt, scores=scores)
+    loop.fit()
+    assert [e["step"] for e in loop.exports] == [2, 6]  # strictly better than every earlier evaluation only
+    names = sorted(p.name for p in (tmp_path / "ck").iterdir() if not p.name.startswith("."))
+    assert names == ["best_global_step6", "global_step8"]  # the earlier best replaced; max_num: regular ones
+    best_meta = read_manifest(tmp_path / "ck" / "best_global_step6")["meta"]
+    assert best_meta["best"] == {"key": "eval/score", "value": 0.7, "step": 6}
+    assert best_meta["metric"] == {"key": "eval/score", "value": 0.7, "step": 6, "higher_is_better": True}
+    shutil.rmtree(tmp_path / "ck" / "global_step8")  # the best is the newest left: resume takes it
+    cadence = Cadence(eval_steps=2, save_steps=2, keep_best=True, load_checkpoint=True)
+    resumed = Scored(tmp_path / "a", 8, cadence, CheckpointManager(tmp_path / "ck", max_num=1), scores=scores)
+    resumed.fit()
+    assert resumed.events[0] == ("before", 6) and resumed.value == loop.value
+    assert resumed.evals == [8] and resumed.exports == []  # 0.7 again is no improvement on the restored best
+
+
 def test_resume_restores_state_and_trims_the_metrics_file(tmp_path):
     ckpt = CheckpointManager(tmp_path / "ck", max_num=5)
-    Counter(tmp_path / "a", 6, Cadence(save_steps=2, final_eval=False), ckpt).fit()
-    full = Counter(tmp_path / "full", 6, Cadence(final_eval=False))
+    Counter(tmp_path / "a", 6, Cadence(save_steps=2), ckpt).fit()
+    full = Counter(tmp_path / "full", 6, Cadence())
     full.fit()
     shutil.rmtree(tmp_path / "ck" / "global_step6")  # as if the run had died in step 5
     resumed_dir = tmp_path / "a"
-    resumed = Counter(resumed_dir, 6, Cadence(save_steps=2, final_eval=False, load_checkpoint=True),
+    resumed = Counter(resumed_dir, 6, Cadence(save_steps=2, load_checkpoint=True),
                       CheckpointManager(tmp_path / "ck", max_num=5))
     resumed.fit()
     assert resumed.events[0] == ("before", 4)

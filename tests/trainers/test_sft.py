@@ -84,7 +84,7 @@ def test_corrupt_checkpoint_falls_back_to_older_one(run_sft, tmp_path, capsys):
     run_sft("--ckpt.path", ckpt, "--ckpt.save_steps", 3, "--ckpt.save_hf", name="first")  # checkpoints 3, 6
     from transformers import AutoModelForCausalLM
 
-    AutoModelForCausalLM.from_pretrained(ckpt / "global_step3" / "hf")  # --ckpt.save_hf export loads
+    AutoModelForCausalLM.from_pretrained(ckpt / "global_step3_hf")  # --ckpt.save_hf export loads
     newest = ckpt / "global_step6"
     engine_files = sorted(p for p in (newest / "engine").rglob("*") if p.is_file())
     victim = max(engine_files, key=lambda p: p.stat().st_size)
@@ -95,6 +95,21 @@ def test_corrupt_checkpoint_falls_back_to_older_one(run_sft, tmp_path, capsys):
     assert "skipping checkpoint" in err and "global_step6" in err
     assert "resumed from" in err and "global_step3" in err
     assert (ckpt / "global_step3").exists()  # the older, good checkpoint is never lost
+
+
+def test_rotation_keeps_the_checkpoint_with_the_best_eval_loss(run_sft, tmp_path):
+    """--ckpt.max_num 2, a checkpoint every step, an evaluation every 2: rotation deletes a checkpoint without
+    an evaluation first, then the worse eval loss, so the newest and the best evaluated one survive."""
+    from posttrain.utils.checkpoint import read_manifest
+
+    ckpt = tmp_path / "ckpt"
+    out = run_sft("--ckpt.path", ckpt, "--ckpt.save_steps", 1, "--ckpt.max_num", 2, "--eval.steps", 2)
+    losses = {r["step"]: r["eval/loss"] for r in read_metrics(out / "metrics.jsonl") if "eval/loss" in r}
+    assert sorted(losses) == [2, 4, 6, 8]
+    best = min((2, 4, 6), key=losses.get)
+    assert sorted(p.name for p in ckpt.glob("global_step*")) == sorted([f"global_step{best}", "global_step8"])
+    metric = read_manifest(ckpt / f"global_step{best}")["meta"]["metric"]
+    assert metric == {"key": "eval/loss", "value": losses[best], "step": best, "higher_is_better": False}
 
 
 def test_load_enable_without_checkpoint_starts_fresh(run_sft, tmp_path, capsys):

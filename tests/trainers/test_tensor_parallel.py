@@ -171,7 +171,8 @@ def test_tensor_parallel_checkpoints_resume_on_the_same_layout(tiny_model_dir, a
     torchrun("posttrain.cli.train_sft", flags(tmp_path / "full", tmp_path / "ckpt_a", "--ds.tensor_parallel_size", 2,
                                               "--ckpt.save_hf"))
     step2 = tmp_path / "ckpt_a" / "global_step2"
-    assert AutoModelForCausalLM.from_pretrained(step2 / "hf").model.layers[0].mlp.down_proj.weight.shape == (128, 352)
+    export = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt_a" / "global_step2_hf")
+    assert export.model.layers[0].mlp.down_proj.weight.shape == (128, 352)
     shutil.copytree(step2, tmp_path / "ckpt_b" / "global_step2")
     torchrun("posttrain.cli.train_sft", flags(tmp_path / "resumed", tmp_path / "ckpt_b", "--ds.tensor_parallel_size",
                                               2, "--ckpt.load_enable"))

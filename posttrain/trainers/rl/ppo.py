@@ -8,7 +8,7 @@ cadence, Ctrl-C and the final charts come from the loop every trainer shares
 from __future__ import annotations
 
 import json
-import math
+import shutil
 import threading
 import time
 from contextlib import contextmanager, nullcontext
@@ -258,11 +258,11 @@ class RLTrainer(RunLoop):
         # async RL (`async_pipeline`): the producer, the lock generation and weight sync share, and the
         # policy version (the step count at the engines' last sync)
         self.pipeline, self.gen_lock, self.policy_version = None, threading.Lock(), 0
-        self.best = {"key": None, "value": -math.inf}
         self.timers = Timers()
         # ckpt None: no --ckpt.save_steps and no --ckpt.load_enable, or --ckpt.disable_ds
         cadence = Cadence(logging_steps=cfg.logger.logging_steps, eval_steps=cfg.eval.steps,
-                          save_steps=cfg.ckpt.save_steps, final_eval=False, load_checkpoint=cfg.ckpt.load_enable)
+                          save_steps=cfg.ckpt.save_steps, load_checkpoint=cfg.ckpt.load_enable,
+                          save_hf=cfg.ckpt.save_hf, keep_best=cfg.ckpt.best_metric_key != "none")
         super().__init__(total_steps=self.total_steps, logger=self.start.open_logger(cfg), ckpt=self.folders.ckpt,
                          cadence=cadence)
 
@@ -436,30 +436,41 @@ class RLTrainer(RunLoop):
 
     def on_evaluated(self, eval_metrics: dict[str, float], metrics: dict[str, float]) -> None:
         metrics.update(self.timers.pop_metrics())
-        self._maybe_save_best(eval_metrics)
 
-    def _maybe_save_best(self, metrics: dict[str, float]) -> None:
+    def metric_key(self, eval_metrics: dict[str, float]) -> str | None:
+        """--ckpt.best_metric_key ('none': None; '': the first `*_pass1` key, sorted, as OpenRLHF); higher is
+        better."""
         key = self.cfg.ckpt.best_metric_key
         if key == "none":
-            return
+            return None
         if not key:
-            key = next((k for k in metrics if k.endswith("_pass1")), None)
-        if key is None or key not in metrics or metrics[key] <= self.best["value"]:
-            return
-        self.best = {"key": key, "value": float(metrics[key]), "step": self.global_step}
-        self.actor.export(self.output_dir / "best", self.savers, ema=False)
-        (self.output_dir / "best" / "best_metric.json").write_text(json.dumps(self.best))
-        info(f"new best {key} = {metrics[key]:.4f} at step {self.global_step}: saved to {self.output_dir / 'best'}")
+            key = next((k for k in sorted(eval_metrics) if k.endswith("_pass1")), None)
+        return key if key in eval_metrics else None
+
+    def export_best(self, best: dict) -> None:
+        """The best policy's HF copy (EMA weights when kept) in `<output_dir>/best/`, with `best_metric.json`;
+        written to a temp folder and renamed into place."""
+        final, tmp, old = (self.output_dir / name for name in ("best", ".tmp_best", ".old_best"))
+        for p in (tmp, old):
+            shutil.rmtree(p, ignore_errors=True)
+        self.actor.export(tmp, self.savers)
+        (tmp / "best_metric.json").write_text(json.dumps(best))
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+        info(f"best model ({best['key']} = {best['value']:.4f} at step {best['step']}) saved to {final}")
 
     def write_checkpoint(self, d: Path) -> None:
         self.actor.save_state(d / "actor")
         if self.critic is not None:
             self.critic.save_state(d / "critic")
         state = {"global_step": self.global_step, "prompt_cursor": int(self.trained_cursor),
-                 "kl_ctl": self.kl_ctl.state_dict(), "best": self.best, "rng": rng_state()}
+                 "kl_ctl": self.kl_ctl.state_dict(), "rng": rng_state()}
         save_state_file(state, d / "trainer_state.pt")
-        if self.cfg.ckpt.save_hf:
-            self.actor.export(d / "hf", self.savers)  # as the final export (EMA weights when kept, as OpenRLHF)
+
+    def export_hf(self, d: Path) -> None:
+        self.actor.export(d, self.savers)  # as the final export (EMA weights when kept, as OpenRLHF)
 
     def restore(self, path: Path, meta: dict) -> None:
         state = load_state_file(path / "trainer_state.pt")
@@ -468,7 +479,6 @@ class RLTrainer(RunLoop):
             self.critic.load_state(path / "critic")
         self.stream.cursor = self.trained_cursor = state["prompt_cursor"]
         self.kl_ctl.load_state_dict(state["kl_ctl"])
-        self.best = state["best"]
         set_rng_state(state["rng"])
         if self.is_main:  # samples of the steps after the checkpoint are written again
             truncate_jsonl_after(self.output_dir / "samples.jsonl", int(meta["global_step"]))

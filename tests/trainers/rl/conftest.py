@@ -38,6 +38,18 @@ def reward_func(queries, prompts, labels, **kwargs):
         raise ZeroDivisionError("the grader divided by zero")
     return {"rewards": torch.zeros(len(queries))}
 ''',
+    # every call scores higher than the one before: each evaluation beats every earlier one
+    "rising.py": '''
+CALLS = {"n": 0}
+
+def reward_func(queries, prompts, labels, **kwargs):
+    CALLS["n"] += 1
+    return {"rewards": [float(CALLS["n"])] * len(queries)}
+''',
+    "zero.py": '''
+def reward_func(queries, prompts, labels, **kwargs):
+    return {"rewards": [0.0] * len(queries)}
+''',
     "wrong_length.py": '''
 def reward_func(queries, prompts, labels, **kwargs):
     return {"rewards": [0.0] * (len(queries) - 1)}

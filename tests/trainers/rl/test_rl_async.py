@@ -115,6 +115,17 @@ def test_ctrl_c_during_async_training_ends_cleanly(rl_setup, tmp_path):
     assert "Traceback" not in err, err[-3000:]
 
 
+def test_evaluation_under_async_rl_covers_the_starting_model_and_the_last_step(run_ppo, rl_setup):
+    """The baseline evaluation runs while the producer already generates the first batch (it waits for the
+    generation lock); evaluations at steps 0, 2 and 3 (the last), and a best model when one beats step 0."""
+    _, data, _ = rl_setup
+    out, _ = run_ppo(*ASYNC, "--train.max_steps", "3", "--eval.dataset", data, "--eval.split", "test",
+                     "--eval.steps", "2", "--eval.n_samples_per_prompt", "1", name="async_eval", reward="rising.py")
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows if "eval_data_pass1" in r] == [0, 2, 3]
+    assert json.loads((out / "best" / "best_metric.json").read_text())["step"] == 3
+
+
 @pytest.mark.parametrize("size", ["-1"])
 def test_a_negative_queue_is_refused(run_ppo, size):
     from posttrain.config import ConfigError

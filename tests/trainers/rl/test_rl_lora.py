@@ -142,8 +142,8 @@ def test_save_hf_writes_the_adapter_and_the_merged_model(run_ppo, rl_setup):
 
     out, _ = run_ppo(*LORA, "--train.max_steps", "1", "--ckpt.save_steps", "1", "--ckpt.save_hf",
                      "--ckpt.save_merged", name="hf")
-    step_dir = next(p for p in sorted((out / "checkpoints").iterdir()) if (p / "hf").exists())
-    assert (step_dir / "hf" / "adapter_config.json").exists()
+    export = out / "checkpoints" / "global_step1_hf"
+    assert (export / "adapter_config.json").exists()
     assert (out / "merged" / "model.safetensors").exists()
     from peft import PeftModel
 

@@ -248,7 +248,7 @@ def test_openrlhf_ppo_hybrid_script_equals_one_process_and_resumes(rl_setup, nor
                  "--ckpt.load_enable"))
     assert rewards_by_step(resumed, start=3) == pytest.approx(rewards_by_step(full)[2:], abs=1e-6)
     assert _max_diff(_weights(full), _weights(resumed)) < 1e-5
-    assert (tmp_path / "ck" / "global_step2" / "hf" / "model.safetensors").exists()
+    assert (tmp_path / "ck" / "global_step2_hf" / "model.safetensors").exists()
 
 
 def test_openrlhf_ppo_hybrid_script_with_ring_attention_equals_one_process(rl_setup, normalised_rm, tmp_path,

@@ -44,7 +44,7 @@ def test_dapo_recipe_runs(rl_setup, tmp_path, ray_session):
     rows = read_metrics(out / "metrics.jsonl")
     assert len(rows) == 8 and all("filter/pass_rate" in r and "actor/kl_loss" in r for r in rows)
     assert all(r["train/rows_per_step"] <= 32 for r in rows)
-    assert (tmp_path / "ck" / "global_step8" / "hf" / "model.safetensors").exists()
+    assert (tmp_path / "ck" / "global_step8_hf" / "model.safetensors").exists()
     assert len(rewards_by_step(out)) == 8
 
 

@@ -69,15 +69,51 @@ def test_kl_reward_and_loss_and_reference(run_ppo):
     assert rows[-1]["kl/coef"] != pytest.approx(0.05)  # the adaptive controller moved
 
 
-def test_eval_pass_at_k_and_best_checkpoint(run_ppo, rl_setup):
+def test_eval_pass_at_k_and_the_last_step_is_evaluated(run_ppo, rl_setup):
     _, data, _ = rl_setup
-    out, final = run_ppo("--eval.dataset", data, "--eval.split", "test", "--eval.steps", "2",
+    out, final = run_ppo("--eval.dataset", data, "--eval.split", "test", "--eval.steps", "3",
                          "--eval.n_samples_per_prompt", "3", "--eval.temperature", "1.0",
                          "--train.num_episodes", "1", name="eval", reward="correct.py")
     assert set(final) >= {"eval_data_pass1", "eval_data_pass3"}
     assert final["eval_data_pass3"] >= final["eval_data_pass1"]
-    assert (out / "best" / "best_metric.json").exists()
+    # the starting model (the best model's baseline), every 3 steps, and the last of the 8 steps
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "eval_data_pass1" in r] == [0, 3, 6, 8]
     assert (out / "samples.jsonl").read_text().count("\n") == 8 * 4  # 8 steps, 4 samples each
+
+
+def test_best_checkpoint_is_resumable_with_ema_weights_and_hf_exports_outlive_rotation(run_ppo, rl_setup):
+    from safetensors.torch import load_file
+
+    from posttrain.utils.checkpoint import read_manifest, verify_checkpoint
+
+    _, data, _ = rl_setup
+    out, _ = run_ppo("--eval.dataset", data, "--eval.split", "test", "--eval.steps", "3",
+                     "--eval.n_samples_per_prompt", "1", "--train.num_episodes", "1", "--train.enable_ema",
+                     "--ckpt.save_steps", "2", "--ckpt.max_num", "1", "--ckpt.save_hf", name="best",
+                     reward="rising.py")
+    ck = out / "checkpoints"
+    # every --ckpt.save_hf export is kept; rotation keeps one regular checkpoint and the best one
+    assert sorted(p.name for p in ck.iterdir() if not p.name.startswith(".")) == [
+        "best_global_step8", "global_step2_hf", "global_step4_hf", "global_step6_hf", "global_step8",
+        "global_step8_hf"]
+    best = ck / "best_global_step8"  # every evaluation beat the earlier ones: the last is the best
+    assert verify_checkpoint(best) is None
+    assert (best / "trainer_state.pt").exists() and (best / "actor").is_dir()
+    meta = read_manifest(best)["meta"]
+    assert meta["global_step"] == 8 and meta["best"]["key"] == "eval_data_pass1" and meta["best"]["step"] == 8
+    assert json.loads((out / "best" / "best_metric.json").read_text())["step"] == 8
+    final, best_copy = (load_file(str(d / "model.safetensors")) for d in (out, out / "best"))
+    assert all(torch.equal(final[k], best_copy[k]) for k in final)  # both the EMA weights of step 8
+
+
+def test_no_best_model_when_the_evaluation_never_improves(run_ppo, rl_setup, capsys):
+    _, data, _ = rl_setup
+    out, _ = run_ppo("--eval.dataset", data, "--eval.split", "test", "--eval.steps", "1",
+                     "--eval.n_samples_per_prompt", "1", "--train.max_steps", "2", "--ckpt.save_steps", "1",
+                     name="flat", reward="zero.py")
+    assert not (out / "best").exists() and not list((out / "checkpoints").glob("best*"))
+    assert "no improvement: eval_data_pass1 never rose above the starting model's 0.0000 (step 0)" in \
+        capsys.readouterr().err
 
 
 def test_resume_reproduces_uninterrupted_rl_run(run_ppo, tmp_path):

@@ -58,6 +58,68 @@ def test_rotation_by_count_and_size(tmp_path):
     assert [s for s, _ in tiny.step_dirs()] == [3]  # never deletes the newest
 
 
+def _metric(value, higher_is_better=True):
+    return {"metric": None if value is None else {"key": "eval/m", "value": value, "step": 0,
+                                                  "higher_is_better": higher_is_better}}
+
+
+def test_rotation_deletes_unevaluated_then_worst_then_oldest(tmp_path):
+    mgr = CheckpointManager(tmp_path, max_num=3)
+    kept = []
+    for step, value in [(1, None), (2, 0.9), (3, 0.2), (4, 0.5), (5, 0.4), (6, 0.5), (7, 0.9)]:
+        mgr.save(step, _writer(b"x"), _metric(value))
+        kept.append(sorted(s for s, _ in mgr.step_dirs()))
+    # 4: step 1 has no metric; 5: 3 is the worst; 6: 5 the worst; 7: 4 and 6 tie at 0.5, the older goes
+    assert kept[3:] == [[2, 3, 4], [2, 4, 5], [2, 4, 6], [2, 6, 7]]
+    (tmp_path / "global_step2" / MANIFEST).write_text("{not json")  # unreadable: counts as no metric
+    mgr.save(8, _writer(b"x"), _metric(0.1))
+    assert sorted(s for s, _ in mgr.step_dirs()) == [6, 7, 8]
+
+
+def test_rotation_of_a_loss_keeps_the_lowest_and_max_mem_follows_the_same_order(tmp_path):
+    mgr = CheckpointManager(tmp_path, max_num=2)
+    for step, loss in [(1, 1.0), (2, 0.5), (3, 2.0)]:
+        mgr.save(step, _writer(b"x"), _metric(loss, higher_is_better=False))
+    assert [s for s, _ in mgr.step_dirs()] == [3, 2]  # 1.0 is a worse loss than 0.5
+    mem = CheckpointManager(tmp_path / "mem", max_num=5)
+    for step, value in [(1, 0.9), (2, 0.1), (3, None)]:
+        path = mem.save(step, _writer(b"x" * 10), _metric(value))
+        mem.max_mem_bytes = 2.5 * sum(f.stat().st_size for f in path.rglob("*") if f.is_file())  # room for 2
+    assert [s for s, _ in mem.step_dirs()] == [3, 1]
+
+
+def test_best_checkpoints_outlive_rotation_and_resume(tmp_path):
+    mgr = CheckpointManager(tmp_path, max_num=1, identity=_identity(run_id="r"))
+    mgr.save(2, _writer(b"a"), {})
+    mgr.save(2, _writer(b"a"), {}, best=True)
+    mgr.save(4, _writer(b"b"), {})
+    mgr.save(6, _writer(b"c"), {}, best=True)  # replaces the earlier best
+    names = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
+    assert names == ["best_global_step6", "global_step4"]
+    with pytest.raises(CheckpointError, match="steps 4, 6"):  # a best one is a checkpoint of the run too
+        CheckpointManager(tmp_path, identity=_identity()).prepare(resume=False)
+    assert CheckpointManager(tmp_path, identity=_identity()).prepare(resume=True).name == "best_global_step6"
+    mgr.save(6, _writer(b"c"), {})
+    assert [p.name for _, p in mgr.valid_checkpoints()][:2] == ["global_step6", "best_global_step6"]
+
+
+def test_hf_exports_are_atomic_and_never_rotated(tmp_path):
+    mgr = CheckpointManager(tmp_path, max_num=1)
+    for step in (1, 2, 3):
+        mgr.save(step, _writer(b"x"), {})
+        mgr.save_export(f"global_step{step}_hf", lambda d: (d / "model.bin").write_bytes(b"w"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "global_step1_hf", "global_step2_hf", "global_step3", "global_step3_hf"]
+
+    def crashing(d):
+        (d / "model.bin").write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        mgr.save_export("global_step3_hf", crashing)
+    assert (tmp_path / "global_step3_hf" / "model.bin").read_bytes() == b"w" and not list(tmp_path.glob(".*"))
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "manifest", "delete"])
 def test_corrupt_checkpoint_is_detected_and_skipped(tmp_path, damage, capsys):
     mgr = CheckpointManager(tmp_path, max_num=5)
