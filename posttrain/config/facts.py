@@ -26,12 +26,13 @@ class Inert(NamedTuple):
     trainers: tuple[str, ...] | None = None
 
 
-def in_section(test: Callable[[Any, Any, str, str], bool | str]) -> Condition:
+def in_section(test: Callable[[Any, Any, str, str], bool | str], up: int = 0) -> Condition:
     """A condition on the flag's own section: `test(value, section, device_type, prefix)`, where `section`
     is the config object holding the flag (the whole config for a flat flag, `cfg.actor` for
-    `--actor.x`) and `prefix` its dotted path with a trailing dot ("" or "actor."). For facts shared by
-    sections that several roles inherit (the optimizer fields of `--actor.*` and `--critic.*`)."""
-    test.on_section = True  # read by `posttrain.config.inert.InertRule.explain`
+    `--actor.x`) and `prefix` its dotted path with a trailing dot ("" or "actor."); `up=1`: the section
+    holding the flag's section (`cfg.actor` for `--actor.muon.lr`). For facts shared by sections that
+    several roles inherit (the optimizer fields of `--actor.*` and `--critic.*`)."""
+    test.on_section = 1 + up  # dotted parts dropped from the path, read by `inert.InertRule.explain`
     return test
 
 

@@ -30,8 +30,8 @@ class InertRule(NamedTuple):
         """The reason the flag has no effect in this run, or None when it acts."""
         if self.when is None:
             answer: bool | str = True
-        elif getattr(self.when, "on_section", False):  # facts.in_section: the flag's own section
-            prefix = self.path.rpartition(".")[0]
+        elif getattr(self.when, "on_section", 0):  # facts.in_section: the flag's own section (or one above)
+            prefix = ".".join(self.path.split(".")[:-self.when.on_section])
             section = get_path(cfg, prefix) if prefix else cfg
             answer = self.when(value, section, dev, prefix + "." if prefix else "")
         else:

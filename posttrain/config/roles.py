@@ -66,7 +66,9 @@ class ModelConfig:
     model_name_or_path: str | None = opt(None, "model folder or Hugging Face hub id (required)",
                                          required="a model folder or hub id")
     gradient_checkpointing_enable: bool = opt(False, "recompute activations in the backward pass", on_resume="adjustable")
-    gradient_checkpointing_reentrant: bool = opt(False, "use reentrant gradient checkpointing", on_resume="adjustable")
+    gradient_checkpointing_reentrant: bool = opt(
+        False, "use reentrant gradient checkpointing", on_resume="adjustable",
+        inert=needs("--model.gradient_checkpointing_enable", lambda c: c.model.gradient_checkpointing_enable))
     aux_loss_coef: float = opt(0.0, "MoE router load-balancing loss coefficient (logged as aux_loss)", ge=0)
 
 
@@ -118,8 +120,9 @@ class _ActorModelFields:
     num_gpus_per_node: int = opt(1, "GPUs per node for the actor (OpenRLHF: 8)", ge=1, on_resume="adjustable")
     gradient_checkpointing_enable: bool = opt(False, "recompute activations in the backward pass (actor and critic)",
                                              on_resume="adjustable")
-    gradient_checkpointing_reentrant: bool = opt(False, "use reentrant gradient checkpointing (actor and critic)",
-                                                on_resume="adjustable")
+    gradient_checkpointing_reentrant: bool = opt(
+        False, "use reentrant gradient checkpointing (actor and critic)", on_resume="adjustable",
+        inert=needs("--actor.gradient_checkpointing_enable", lambda c: c.actor.gradient_checkpointing_enable))
     freeze_visual_encoder: bool = opt(False, "train only the language model of a vision-language model")
 
 
@@ -167,8 +170,7 @@ class CriticConfig(OptimizerFields, _CriticModelFields):
 
     value_clip: float | None = opt(0.5, "value-loss clip range", gt=0, note="(or none)")
     save_value_network: bool = opt(False, "also save the critic at the end", on_resume="adjustable")
-    freezing_steps: int = opt(-1, "freeze the actor for the first N steps while the critic warms up",
-                              section_inert=False)  # read by the step loop with or without a critic
+    freezing_steps: int = opt(-1, "freeze the actor for the first N steps while the critic warms up")
 
 
 @dataclass
@@ -247,7 +249,8 @@ class AdvantageConfig:
 
     estimator: str = opt("gae", "advantage estimator", choices=ESTIMATORS)
     gamma: float = opt(1.0, "discount factor in [0, 1]", ge=0, le=1)
-    lambd: float = opt(1.0, "GAE lambda in [0, 1]", ge=0, le=1)
+    lambd: float = opt(1.0, "GAE lambda in [0, 1]", ge=0, le=1,
+                       inert=Inert("only --algo.advantage.estimator gae reads it", facts.no_critic))
     no_std_norm: bool = opt(False, "whiten advantages by the mean only (no division by the std)")
     whiten_enable: bool = opt(
         False, "whiten the final advantages for every estimator", extension=True

@@ -242,6 +242,8 @@ IMAGE_MAX_BYTES = 64 * 2**20  # the defaults of the image limits (`posttrain.dat
 IMAGE_MAX_PIXELS = 89_478_485  # PIL's own MAX_IMAGE_PIXELS, above which it warns of a decompression bomb
 IMAGE_URL_TIMEOUT = 10.0
 IMAGES_ON = needs("--data.max_images_per_prompt", lambda c: c.data.max_images_per_prompt > 0)
+TEXT_ONLY = Inert("the run is text only (--data.max_images_per_prompt 0)",
+                  lambda v, c, dev: c.data.max_images_per_prompt == 0, ("sft", "dpo", "ppo"))
 
 
 @dataclass
@@ -262,7 +264,7 @@ class ImageDataFields(ImageLimitFields):
     reads images in `ppo` only; `posttrain rm` refuses them)."""
 
     image_key: str = opt("images", "JSON key of the images (paths, data: URIs, base64, bytes; vision-language "
-                         "models)", extension=True)
+                         "models)", extension=True, inert=TEXT_ONLY)
     max_images_per_prompt: int = opt(0, "max images per row (0: text only)", ge=0, extension=True)
 
 
@@ -299,7 +301,7 @@ class PPODataConfig(ImageLimitFields, DataConfig):
     input_key: str = opt("input", "JSON key of the prompt")
     label_key: str | None = opt(None, "JSON key of the ground-truth label passed to the reward function")
     image_key: str = opt("images", "JSON key of the prompt's images (paths, URLs, data: URIs, base64, bytes; "
-                         "vision-language models)")
+                         "vision-language models)", inert=TEXT_ONLY)
     max_images_per_prompt: int = opt(0, "max images per prompt (0: text only)", ge=0)
 
 
@@ -449,6 +451,8 @@ NO_FLOOR = Inert("the schedule has no floor: ", in_section(
     lambda v, sec, dev, at: sec.lr_scheduler not in MIN_LR_SCHEDULERS and (
         f"--{at}lr_scheduler {sec.lr_scheduler} (only {', '.join(MIN_LR_SCHEDULERS[:-1])} and "
         f"{MIN_LR_SCHEDULERS[-1]} end at one)")))
+MUON_OFF = Inert("the Muon group exists only under ", in_section(
+    lambda v, sec, dev, at: sec.optim != "muon" and f"--{at}optim muon (here {sec.optim})", up=1))
 
 
 @dataclass
@@ -478,7 +482,7 @@ class OptimizerFields:
 
     optim: str = opt("adam", "optimizer", choices=OPTIMIZERS)
     adam: AdamConfig = section(AdamConfig)
-    muon: MuonConfig = section(MuonConfig)
+    muon: MuonConfig = section(MuonConfig, inert=MUON_OFF)
     lr_scheduler: str = opt("cosine_with_min_lr", "learning-rate schedule (transformers' names; formulas in docs)",
                             choices=LR_SCHEDULERS, check=lambda v: METRIC_LR_SCHEDULERS.get(v, True))
     lr_warmup_ratio: float = opt(0.03, "fraction of the steps spent in warm-up: ceil(steps x ratio) steps", ge=0, le=1,

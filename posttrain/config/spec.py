@@ -39,7 +39,6 @@ def opt(
     message: str | None = None,
     required: str | None = None,
     inert: Any = (),
-    section_inert: bool = True,
     on_resume: str | dict | None = None,
 ) -> Any:
     """Declare a config field with every fact that concerns it alone.
@@ -53,8 +52,8 @@ def opt(
     cannot say, refused with `message` (which also replaces the generated range text when given); a
     check may instead return the problem itself as a string.
     inert: one `posttrain.config.facts.Inert` or a tuple of them: when setting the flag has no effect
-    (reported at start-up, never silent); the first that applies is reported. section_inert=False:
-    the facts declared on an enclosing section do not apply to this field.
+    (reported at start-up, never silent); the first that applies is reported, its own before those
+    declared on its enclosing sections.
     on_resume: what a different value means when a run resumes a checkpoint (`config/fingerprint.py`):
     "trajectory" (the default: it decides what is trained, so the resume is refused), "adjustable" (run
     length or execution: allowed and named in a note) or "volatile" (never changes training); a dict
@@ -68,7 +67,6 @@ def opt(
         "extension": extension,
         "bounds": Bounds(ge, gt, le, lt, finite, note, check, message, required),
         "inert": _facts(inert),
-        "section_inert": section_inert,
         "on_resume": on_resume,
     }
     if isinstance(default, list):
@@ -78,8 +76,7 @@ def opt(
 
 def section(cls: type, *, inert: Any = (), on_resume: str | None = None, **overrides: Any) -> Any:
     """A nested section field whose defaults differ from `cls`'s by `overrides` (deep-copied per instance);
-    `inert` facts apply to every flag inside it (after each flag's own, unless it sets section_inert=False),
-    and `on_resume` to every flag inside it that declares none."""
+    `inert` facts apply to every flag inside it (after each flag's own), and `on_resume` to every flag inside it that declares none."""
     return field(default_factory=lambda: cls(**copy.deepcopy(overrides)),
                  metadata={"inert": _facts(inert), "on_resume": on_resume})
 
@@ -245,7 +242,7 @@ def flag_specs(cls: type) -> tuple[FlagSpec, ...]:
                     extension=md["extension"],
                     section=prefix[:-1],
                     bounds=md["bounds"],
-                    inert=md["inert"] + (inherited if md["section_inert"] else ()),
+                    inert=md["inert"] + inherited,
                     on_resume=_resume_kind(md["on_resume"], trainer) or resume or "trajectory",
                 )
             )

@@ -7,6 +7,7 @@ and what would be valid). Allowed-but-suspicious settings are returned as warnin
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -17,7 +18,7 @@ from posttrain.config.ray_mode import present_roles, role_ranks, uses_ray
 from posttrain.config.roles import GROUP_ESTIMATORS, SEQUENCE_POLICY_LOSSES, reward_endpoints
 from posttrain.config.sections import POLYNOMIAL_LR_END, DSConfig, OptimizerFields
 from posttrain.config.serving import ServedModelConfig, ServeRMConfig
-from posttrain.config.spec import flag_specs, get_path
+from posttrain.config.spec import flag_specs, get_path, set_path
 from posttrain.config.summary import data_parallel_size, micro_batch_tokens
 from posttrain.config.trainers import CommandConfig, PPOConfig, TrainerConfig
 
@@ -61,7 +62,11 @@ def validate(cfg: CommandConfig, world_size: int = 1, device: Any = None) -> lis
         cfg.train.batch_size,
         f"world size must be >= 1, got {world_size}",
     )
-    _declared(cfg, r)
+    broken = _declared(cfg, r)
+    if broken:  # the rules below read each flag within its declared range (no division by a size of 0)
+        cfg = copy.deepcopy(cfg)
+        for spec in broken:
+            set_path(cfg, spec.path, copy.deepcopy(spec.default))
     _engine(cfg, r, dev)
     _data(cfg, r)
     _train(cfg, r, world_size)
@@ -91,10 +96,13 @@ def check_serving_model(ds: ServedModelConfig, device: Any = None) -> list[str]:
     return r.warnings
 
 
-def _declared(cfg: CommandConfig, r: _Report) -> None:
-    """Each flag's own facts: its choices (per element of a list), its range or check, required."""
+def _declared(cfg: CommandConfig, r: _Report) -> list:
+    """Each flag's own facts: its choices (per element of a list), its range or check, required. Returns the
+    specs of the flags that break theirs."""
+    broken = []
     for spec in flag_specs(type(cfg)):
         value = get_path(cfg, spec.path)
+        before = len(r.problems)
         for v in value if spec.is_list and value is not None else [value]:
             try:
                 check_flag_choice(spec, v)
@@ -103,6 +111,9 @@ def _declared(cfg: CommandConfig, r: _Report) -> None:
         problem = spec.problem(value)
         if problem:
             r.bad(spec.path, None if problem.startswith("required: ") else value, problem)
+        if len(r.problems) > before:
+            broken.append(spec)
+    return broken
 
 
 def _context_parallel(cfg, r: _Report, world_size: int) -> None:

@@ -90,10 +90,12 @@ def load_tokenizer(path, use_fast: bool = True, chat_template: str | None = None
     p = check_model_path(path)
     try:
         tok = AutoTokenizer.from_pretrained(p, use_fast=use_fast)
-    except OSError as err:
-        if os.path.isdir(p):
+    except Exception as err:  # noqa: BLE001  (tokenizers raises bare Exceptions for a garbled file)
+        if not os.path.isdir(p):
+            if isinstance(err, OSError):
+                raise _hub_error(p, err) from err
             raise
-        raise _hub_error(p, err) from err
+        raise _tokenizer_error(p, err) from None
     if tok.pad_token is None:
         if tok.eos_token is None:
             raise ModelLoadError(f"tokenizer at {p} has neither a pad nor an eos token; add one to its "
@@ -121,6 +123,17 @@ def _processor_template(tok, path) -> None:
         info(f"{path}: the processor's chat template differs from the tokenizer's; prompts are rendered with "
              "the processor's, as OpenRLHF renders them (--data.tokenizer_chat_template replaces both)")
         tok.chat_template = own
+
+
+def _tokenizer_error(folder: str, err: Exception) -> ModelLoadError:
+    """The tokenizer files of `folder` that do not load: which one, and the fix."""
+    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        what = "has no tokenizer.json (and no other tokenizer files that load)"
+    else:
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        what = f"has a tokenizer.json that cannot be read ({type(err).__name__}: {first})"
+    return ModelLoadError(f"model folder {folder} {what}; copy the tokenizer files (tokenizer.json, "
+                          "tokenizer_config.json) of the model it was trained from into it")
 
 
 def quantization_4bit(dtype):
@@ -225,6 +238,12 @@ def _from_pretrained_attn(cls, p, dtype, attn_implementation, **kwargs):
         if os.path.isdir(p):
             raise
         raise _hub_error(p, err) from err
+    except RuntimeError as err:
+        if "mismatched_sizes" not in str(err) and "size mismatch" not in str(err):
+            raise
+        raise ModelLoadError(f"model {p}: its weights do not have the shapes its config.json gives (the "
+                             "report above names the tensors); the folder is damaged or config.json was "
+                             "edited: save or download the model again") from None
 
 
 def set_experts(model, experts_implementation: str | None, path) -> None:

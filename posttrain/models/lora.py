@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 from posttrain.models.saving import unwrap_model
+from posttrain.utils.errors import UserError
+from posttrain.utils.log import info
 
 
 @dataclass
@@ -68,22 +70,80 @@ def _targets(target_modules) -> list[str] | str:
     return names
 
 
+def _short(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
+
+
+def adapted_linears(model: torch.nn.Module, targets: list[str] | str, task_type: str) -> dict:
+    """name -> linear layer, for the layers peft gives adapters: those whose last name part is a target, or
+    with all-linear every `nn.Linear` but the output head (a causal LM's LM head, a classifier's score
+    head)."""
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    if targets != "all-linear":
+        return {n: m for n, m in linears.items() if _short(n) in targets}
+    get_head = getattr(model, "get_output_embeddings", None)
+    heads = [get_head() if get_head else None]
+    if task_type == "SEQ_CLS":
+        heads += [getattr(model, n, None) for n in ("score", "classifier")]
+    return {n: m for n, m in linears.items() if not any(m is h for h in heads)}
+
+
+def _not_linear(model: torch.nn.Module) -> list[str]:
+    """Last name parts of the modules that hold weight matrices outside torch's own layers (a mixture of
+    experts' fused expert tensors and router): LoRA, which adapts linear layers, leaves them frozen."""
+    return sorted({_short(n) for n, m in model.named_modules()
+                   if not type(m).__module__.startswith("torch.nn") and not isinstance(m, torch.nn.Linear)
+                   and any(p.dim() >= 2 for p in m.parameters(recurse=False))})
+
+
+_noted: set[str] = set()
+
+
+class LoraError(UserError, ValueError):
+    """`--ds.lora.*` that cannot work on this model (a target it lacks, a rank beyond its layers)."""
+
+
+def check_lora(model: torch.nn.Module, spec: LoraSpec, task_type: str) -> None:
+    """LoraError when `--ds.lora.target_modules` names no linear layer of `model`, or `--ds.lora.rank` exceeds
+    min(in, out) of the smallest layer it adapts (more rank adds parameters, no capacity); with all-linear, a
+    start-up note naming the weights that get no adapter (a mixture of experts' experts and router)."""
+    targets = _targets(spec.target_modules)
+    if targets != "all-linear":
+        present = {_short(n) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        missing = [t for t in targets if t not in present]
+        if missing:
+            other = ", ".join(t for t in missing if t in _not_linear(model))
+            why = f" ({other}: weights outside linear layers, which LoRA cannot adapt)" if other else ""
+            raise LoraError(f"--ds.lora.target_modules {' '.join(missing)}: no linear layer of this model has"
+                            f" that name{why}; its linear layers are {' '.join(sorted(present))} (or use "
+                            "all-linear)")
+    layers = adapted_linears(model, targets, task_type)
+    if layers:
+        name, m = min(layers.items(), key=lambda kv: min(kv[1].in_features, kv[1].out_features))
+        smallest = min(m.in_features, m.out_features)
+        if spec.rank > smallest:
+            raise LoraError(f"--ds.lora.rank {spec.rank} exceeds the smallest layer it adapts ({name}: "
+                            f"{m.in_features} -> {m.out_features}), where a rank above {smallest} adds "
+                            f"parameters but no capacity; use --ds.lora.rank {smallest} or less")
+    skipped = _not_linear(model) if targets == "all-linear" else []
+    adapted = " ".join(sorted({_short(n) for n in layers}))
+    note = (f"note: --ds.lora.target_modules all-linear adapts the linear layers ({adapted}); "
+            f"{' '.join(skipped)} hold weights outside linear layers, so they get no adapter and stay frozen")
+    if skipped and note not in _noted:
+        _noted.add(note)
+        info(note)
+
+
 def apply_lora(model: torch.nn.Module, lora, task_type: str = "CAUSAL_LM",
                modules_to_save: list[str] | None = None) -> torch.nn.Module:
-    """Wrap `model` in a peft LoRA model (returns it unchanged when LoRA is off). A target
-    name that matches no module raises ValueError naming `lora.target_modules`."""
+    """Wrap `model` in a peft LoRA model (returns it unchanged when LoRA is off), after `check_lora`."""
     spec = as_lora_spec(lora)
     if spec is None:
         return model
     from peft import LoraConfig, get_peft_model
 
+    check_lora(model, spec, task_type)
     targets = _targets(spec.target_modules)
-    if targets != "all-linear":
-        present = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-        missing = [t for t in targets if t not in present]
-        if missing:
-            raise ValueError(f"lora.target_modules {missing} match no linear layer of this model; "
-                             f"its linear layers are {sorted(present)} (or use all-linear)")
     config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
                         target_modules=targets, bias="none", task_type=task_type,
                         modules_to_save=modules_to_save)

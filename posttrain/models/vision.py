@@ -18,6 +18,7 @@ import os
 import torch
 
 from posttrain.models.saving import unwrap_model
+from posttrain.utils.errors import UserError
 
 # names whose parameters belong to the language model (everything else is the vision tower and its projector)
 _LANGUAGE_PARTS = ("language_model", "lm_head")
@@ -86,7 +87,7 @@ def load_processor(path, tokenizer=None):
         config = AutoConfig.from_pretrained(str(path))
         cls = _processor_class(config.model_type)
         parts = {name: None for name in cls.get_attributes()}
-        parts["image_processor"] = AutoImageProcessor.from_pretrained(str(path))
+        parts["image_processor"] = _image_processor(AutoImageProcessor, str(path))
         parts["tokenizer"] = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(str(path))
         template = processor_chat_template(path) or parts["tokenizer"].chat_template
         processor = _without_missing_parts(cls)(**parts, chat_template=template)
@@ -96,6 +97,22 @@ def load_processor(path, tokenizer=None):
     for name in ("pad_token", "pad_token_id", "eos_token", "eos_token_id"):  # as OpenRLHF's processor carries them
         setattr(processor, name, getattr(processor.tokenizer, name))
     return processor
+
+
+def _image_processor(auto_cls, path: str):
+    """The image processor of `path`; UserError naming preprocessor_config.json when a local folder's is
+    missing or does not load."""
+    try:
+        return auto_cls.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        if not os.path.isdir(path):
+            raise
+        file = os.path.join(path, "preprocessor_config.json")
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        what = (f"{file} cannot be read ({type(err).__name__}: {first})" if os.path.isfile(file)
+                else f"vision-language model {path} has no preprocessor_config.json")
+        raise UserError(f"{what}: the image processor is part of a vision-language model; copy "
+                        "preprocessor_config.json from the model it was trained from") from None
 
 
 def _processor_class(model_type: str):

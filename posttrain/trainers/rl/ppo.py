@@ -375,7 +375,8 @@ class RLTrainer(RunLoop):
             with self.timers("ppo_train"):
                 if self.critic is not None:
                     metrics.update(self.critic.fit(exp, self.update_settings, step))
-                actor_trains = step >= cfg.critic.freezing_steps
+                # the actor waits only for a critic to warm up (without one, --critic.freezing_steps is inert)
+                actor_trains = self.critic is None or step >= cfg.critic.freezing_steps
                 if actor_trains:
                     metrics.update(self.actor.fit(exp, self.update_settings, self.kl_ctl.value, step))
                 if actor_trains or self.pipeline is not None:  # async: every step is a version
