@@ -1,7 +1,9 @@
 """`posttrain ds-to-hf` / `python -m posttrain.cli.ds_to_hf`: a DeepSpeed ZeRO checkpoint (stage 1-3, written by
 OpenRLHF, posttrain or any DeepSpeed run) as a plain Hugging Face folder, read safely (no unpickling of anything
-but tensors and DeepSpeed's plain types). To resume training on another layout, posttrain's own checkpoints need
-no conversion (docs/runs.md, elastic resume)."""
+but tensors and DeepSpeed's plain types), or posttrain's own one-process checkpoint (`global_stepN`) as
+one. The output is written atomically into a new or empty folder (`--overwrite` replaces a non-empty one),
+never into a posttrain checkpoint or run folder. To resume training on another layout, posttrain's own
+checkpoints need no conversion (docs/runs.md, elastic resume)."""
 from __future__ import annotations
 
 import argparse
@@ -20,7 +22,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tag", default=None, help="the tag folder to read (default: `latest`)")
     p.add_argument("--model_path", required=True, help="the base model folder the run started from (architecture, "
                                                        "tokenizer)")
-    p.add_argument("--output_path", required=True, help="folder to write the model and tokenizer into")
+    p.add_argument("--output_path", required=True,
+                   help="a new or empty folder to write the model and tokenizer into (never one inside a "
+                        "posttrain checkpoint or run folder)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --output_path when it is not empty (its old content is deleted once the new "
+                        "model is in place)")
     p.add_argument("--is_rm", action="store_true", help="a reward model or critic (score head)")
     p.add_argument("--ds.param_dtype", dest="param_dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
                    help="dtype of the saved weights (default bf16)")
@@ -33,7 +40,7 @@ def main(argv: list[str] | None = None) -> str:
 
     with user_errors(PROG):
         out = export_zero_checkpoint(args.checkpoint, args.model_path, args.output_path, tag=args.tag,
-                                     dtype=args.param_dtype, score=args.is_rm)
+                                     dtype=args.param_dtype, score=args.is_rm, overwrite=args.overwrite)
     print(out)
     return str(out)
 

@@ -11,7 +11,7 @@ COMMANDS = {
     "dpo": ("posttrain.cli.train_dpo", "direct preference optimisation (DPO / IPO / cDPO)"),
     "ppo": ("posttrain.cli.train_ppo_ray", "RL from a reward: PPO, REINFORCE++, RLOO, GRPO, Dr.GRPO"),
     "lora-merge": ("posttrain.cli.lora_combiner", "merge a LoRA adapter into a standalone HF model"),
-    "ds-to-hf": ("posttrain.cli.ds_to_hf", "a DeepSpeed ZeRO checkpoint (OpenRLHF's too) as a plain HF folder"),
+    "ds-to-hf": ("posttrain.cli.ds_to_hf", "a DeepSpeed ZeRO checkpoint (OpenRLHF's, posttrain's) as a plain HF folder"),
     "serve-rm": ("posttrain.cli.serve_rm", "serve a reward model or reward_func over HTTP"),
     "plot": ("posttrain.cli.plot", "PNG charts of a run's metrics.jsonl"),
     "demo": ("posttrain.cli.demo", "the main job: init-tiny -> SFT -> RM / DPO / RL on a synthetic task"),

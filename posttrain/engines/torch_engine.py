@@ -16,6 +16,7 @@ from posttrain.engines import dist as pdist
 from posttrain.engines.base import TrainEngine, read_meta, write_meta
 from posttrain.engines.optim import build_optimizer
 from posttrain.engines.schedulers import build_scheduler
+from posttrain.utils.checkpoint import CheckpointError, load_state_file
 
 _FILES = ("model.pt", "optimizer.pt", "scheduler.pt")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -105,7 +106,9 @@ class TorchEngine(TrainEngine):
         for fname in _FILES:
             path = os.path.join(directory, fname)
             try:
-                loaded[fname] = torch.load(path, map_location="cpu", weights_only=True)
+                loaded[fname] = load_state_file(path)  # more than tensors: a one-line CheckpointError
+            except CheckpointError:
+                raise
             except FileNotFoundError:
                 raise FileNotFoundError(f"{path!r} is missing: {directory!r} is not a complete engine state") from None
             except Exception as e:  # truncated / not a torch file

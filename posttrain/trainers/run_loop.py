@@ -132,9 +132,10 @@ class RunLoop:
         except CheckpointError:  # already names the file and the fix
             raise
         except Exception as e:  # verified, same flags, yet unloadable: never fall back to another checkpoint
+            why = " ".join(str(e).split())  # one line
             raise CheckpointError(
-                f"checkpoint {path} verifies but cannot be loaded by this run ({e}); resume on the set-up that "
-                f"wrote it (ranks, DeepSpeed flags), or start a new run with another --ckpt.path") from e
+                f"checkpoint {path} verifies but cannot be loaded by this run ({why}); resume on the set-up "
+                f"that wrote it (ranks, DeepSpeed flags), or start a new run with another --ckpt.path") from e
         self.global_step = int(meta["global_step"])
         self.best = meta.get("best") or self.best
         self.logger.truncate_after(self.global_step)

@@ -202,20 +202,50 @@ def save_state_file(state: dict, path: str | os.PathLike) -> None:
     torch.save(state, path)
 
 
+def refused_file(path, err: BaseException) -> CheckpointError:
+    """The one-line error for a file `torch.load(weights_only=True)` refused (`err`): it names the file
+    and what torch refused (e.g. `Unsupported global: GLOBAL io.open`), not torch's advice."""
+    found = re.search(r"Unsupported .*?(?= was not|\.\s|\.$|$)", str(err), re.MULTILINE)
+    what = found.group(0) if found else "refused by torch.load(weights_only=True)"
+    return CheckpointError(
+        f"checkpoint file {path} holds objects other than tensors and plain values ({what}); it was not "
+        f"loaded and nothing in it ran: use only checkpoints written by posttrain or DeepSpeed, from a "
+        f"trusted source")
+
+
 def load_state_file(path: str | os.PathLike) -> dict:
-    """Read a `save_state_file` file with `torch.load(weights_only=True)`: nothing in it can run code.
-    A file holding other objects (an older posttrain's, or a crafted one) raises CheckpointError."""
+    """Read a `save_state_file` file (or an engine's model.pt / optimizer.pt) with
+    `torch.load(weights_only=True)`: nothing in it can run code. A file holding other objects (an older
+    posttrain's, or a crafted one) raises `refused_file`'s CheckpointError before anything in it runs."""
     import pickle
+    import warnings
 
     import torch
 
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        raise CheckpointError(
-            f"checkpoint file {path} holds objects other than tensors and plain values (written by an older "
-            f"posttrain, or not by posttrain); it was not loaded — resume only checkpoints from a trusted "
-            f"source, or start a new run with another --ckpt.path") from None
+        with warnings.catch_warnings():  # torch warns about the pickle protocol of a file it then refuses
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise refused_file(path, err) from None
+
+
+def run_folder_at(path: str | os.PathLike) -> Path | None:
+    """The nearest folder at or above `path` that belongs to a posttrain run: a checkpoint (it holds a
+    manifest.json with a file table) or a folder a run locks (checkpoint root, run output folder: it holds
+    `.posttrain.lock`); None when there is none."""
+    from posttrain.utils.run_lock import LOCK_FILE
+
+    p = Path(path).absolute()
+    for folder in (p, *p.parents):
+        if (folder / LOCK_FILE).exists():
+            return folder
+        try:
+            if isinstance(read_manifest(folder).get("files"), dict):
+                return folder
+        except (OSError, ValueError, AttributeError):
+            pass
+    return None
 
 
 def read_manifest(path: str | os.PathLike) -> dict:

@@ -1,7 +1,14 @@
 """`posttrain ds-to-hf` (`models.deepspeed_export`): a DeepSpeed ZeRO checkpoint of a 2-rank run (ZeRO-2 and
 ZeRO-3) becomes a plain HF folder equal to the run's own export of the same step; a wrapper's `model.` prefix
-(OpenRLHF's Actor) is dropped; a crafted file is refused before it can run anything."""
+(OpenRLHF's Actor) is dropped; a crafted file is refused before it can run anything. Issue 46 (the real CLI
+as a subprocess): the output folder rules, a base model of another size or with custom code, a vision-language
+model's checkpoint (posttrain's own, torch engine and DeepSpeed), a crafted engine/model.pt."""
+import json
+import os
 import pickle
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,3 +65,217 @@ def test_a_wrappers_model_prefix_is_dropped_and_other_names_are_refused():
                                                                                       "score.weight"}
     with pytest.raises(UserError, match="do not match the base model's"):
         matched_names({"transformer.h.0.weight": torch.zeros(1)}, wanted)
+
+
+# ---- issue 46: the real CLI as a subprocess; user mistakes end in one line and exit status 2 ------------
+
+ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+       "DS_ACCELERATOR": "cpu"}
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "posttrain.cli.main", *map(str, args)], capture_output=True,
+                          text=True, env=ENV, timeout=600, check=False)
+
+
+def one_error_line(proc, *needles):
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback (most recent call last)" not in proc.stderr, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def sft_run(model, data, root, *extra, vision=False):
+    """A 2-step SFT run of `model` saving a checkpoint at each step (and its HF export: `--ckpt.save_hf`) into
+    `root`/ckpt, its model into `root`/run; the finished process."""
+    image = ["--data.max_images_per_prompt", "1", "--data.apply_chat_template"] if vision else []
+    return cli("sft", "--model.model_name_or_path", model, "--data.dataset", data, "--data.input_key",
+               "prompt", "--data.output_key", "response", "--data.max_len", "64", "--train.batch_size", "4",
+               "--train.micro_batch_size", "4", "--train.max_epochs", "1", "--data.max_samples", "8",
+               "--adam.lr", "1e-2", "--ds.param_dtype", "fp32", "--ckpt.output_dir", root / "run",
+               "--ckpt.path", root / "ckpt", "--ckpt.save_steps", "1", "--ckpt.save_hf", *image, *extra)
+
+
+def sft_checkpoint(model, data, root, *extra, vision=False):
+    """`sft_run`, asserted to succeed: (the run folder, its checkpoint root: global_step1, global_step2)."""
+    proc = sft_run(model, data, root, *extra, vision=vision)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root / "run", root / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def llm_ckpt(tiny_model_dir, arithmetic_dir, tmp_path_factory):
+    """(run folder, checkpoint root) of a one-process SFT run of the nano model under DeepSpeed ZeRO-2
+    (`--ds.overlap_comm` starts DeepSpeed on one rank); `engine(ckpt, step)` names a step's ZeRO files."""
+    return sft_checkpoint(tiny_model_dir, arithmetic_dir / "train.jsonl", tmp_path_factory.mktemp("llm_ckpt"),
+                          "--ds.zero_stage", "2", "--ds.overlap_comm")
+
+
+def engine(ckpt, step):
+    """`--checkpoint`, `--tag` of step `step`'s DeepSpeed files: the flags the old code read as well."""
+    return ckpt / f"global_step{step}" / "engine", "--tag", "engine"
+
+
+def to_hf(source, model, out, *extra):
+    """`posttrain ds-to-hf`; `source`: a `--checkpoint` folder, or (folder, "--tag", tag)."""
+    checkpoint, *tag = source if isinstance(source, tuple) else (source,)
+    return cli("ds-to-hf", "--checkpoint", checkpoint, *tag, "--model_path", model, "--output_path", out,
+               "--ds.param_dtype", "fp32", *extra)
+
+
+def files_of(folder):
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.e2e
+def test_a_non_empty_output_folder_is_refused_unless_overwrite_replaces_it(llm_ckpt, tiny_model_dir,
+                                                                           tmp_path):
+    _, ckpt = llm_ckpt
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    one_error_line(to_hf(engine(ckpt, 2), tiny_model_dir, out), f"--output_path {out} is not empty",
+                   "notes.txt", "--overwrite")
+    assert files_of(out) == {"notes.txt": b"mine"}
+    proc = to_hf(engine(ckpt, 2), tiny_model_dir, out, "--overwrite")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (out / "notes.txt").exists() and (out / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary folder left beside it
+    want, got = (load_file(str(d / "model.safetensors")) for d in (ckpt / "global_step2" / "hf", out))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("where, overwrite", [("engine", False), ("engine", True), ("step", False),
+                                             ("root", False), ("run", False)])
+def test_ds_to_hf_never_writes_inside_a_checkpoint_or_run_folder(llm_ckpt, tiny_model_dir, where, overwrite):
+    from posttrain.utils.checkpoint import CheckpointManager, verify_checkpoint
+
+    run, ckpt = llm_ckpt
+    out, owner = {"engine": (ckpt / "global_step2" / "engine", ckpt / "global_step2"),
+                  "step": (ckpt / "global_step2" / "hf2", ckpt / "global_step2"),
+                  "root": (ckpt / "converted", ckpt), "run": (run / "converted" / "hf", run)}[where]
+    before = files_of(ckpt), files_of(run)
+    proc = to_hf(engine(ckpt, 1), tiny_model_dir, out, *(["--overwrite"] if overwrite else []))
+    one_error_line(proc, f"--output_path {out}: {owner} is a posttrain checkpoint or run folder",
+                   "--overwrite included")
+    assert (files_of(ckpt), files_of(run)) == before
+    assert verify_checkpoint(ckpt / "global_step2") is None
+    assert CheckpointManager(ckpt).latest() == ckpt / "global_step2"
+
+
+@pytest.mark.e2e
+def test_overwrite_never_deletes_a_folder_that_holds_a_checkpoint(llm_ckpt, tiny_model_dir, tmp_path):
+    import shutil
+
+    _, ckpt = llm_ckpt
+    out = tmp_path / "out"
+    shutil.copytree(ckpt / "global_step1", out / "kept" / "global_step1")
+    proc = to_hf(engine(ckpt, 1), tiny_model_dir, out, "--overwrite")
+    one_error_line(proc, f"--output_path {out} holds {out / 'kept' / 'global_step1'}", "would delete it")
+    assert (out / "kept" / "global_step1" / "manifest.json").is_file()
+
+
+def test_a_failed_conversion_leaves_no_output_folder(tiny_model_dir, tmp_path, monkeypatch):
+    """The model is written into a temporary folder and renamed into place: a write that fails half-way (here
+    after the weights are written) leaves neither the output folder nor the temporary one."""
+    import posttrain.models.saving as saving
+    from posttrain.models import deepspeed_export
+
+    weights = load_file(str(os.path.join(tiny_model_dir, "model.safetensors")))
+    monkeypatch.setattr(deepspeed_export, "zero_fp32_state", lambda *a, **k: dict(weights))
+    real = saving.save_pretrained
+
+    def fails_half_way(model, tokenizer, out_dir, state_dict=None):
+        real(model, None, out_dir, state_dict)
+        raise OSError("the tokenizer could not be written")
+
+    monkeypatch.setattr(saving, "save_pretrained", fails_half_way)
+    out = tmp_path / "parent" / "hf"
+    with pytest.raises(OSError, match="tokenizer"):
+        deepspeed_export.export_zero_checkpoint("unused", tiny_model_dir, out, dtype="fp32")
+    assert not out.exists() and list((tmp_path / "parent").iterdir()) == []
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("field", ["intermediate_size", "vocab_size"])
+def test_a_base_model_of_another_size_is_one_line(llm_ckpt, tiny_model_dir, tmp_path, field):
+    import shutil
+
+    _, ckpt = llm_ckpt
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    config = json.loads((base / "config.json").read_text())
+    config[field] *= 2
+    (base / "config.json").write_text(json.dumps(config))
+    proc = to_hf(engine(ckpt, 2), base, tmp_path / "hf")
+    one_error_line(proc, "the checkpoint's", "has shape", f"the base model --model_path {base} has",
+                   "pass the base model the run started from")
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.e2e
+def test_a_base_model_with_custom_code_is_one_line(llm_ckpt, tiny_model_dir, tmp_path):
+    import shutil
+
+    _, ckpt = llm_ckpt
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    config = json.loads((base / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
+    (base / "config.json").write_text(json.dumps(config))
+    (base / "modeling_custom.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
+    proc = to_hf(engine(ckpt, 2), base, tmp_path / "hf")
+    one_error_line(proc, "has `auto_map`", "trust_remote_code", "does not run")
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "hf").exists()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("engine", ["torch", pytest.param("deepspeed", marks=pytest.mark.slow)])
+def test_a_vision_language_models_checkpoint_converts_to_its_trained_weights(tiny_vision_dir, tmp_path,
+                                                                              engine):
+    from posttrain.data.synthetic_vision import write_colour_dataset
+    from posttrain.models.vision import is_vision_folder, load_processor
+
+    data = write_colour_dataset(tmp_path / "data", 8, seed=0)
+    # --ds.overlap_comm: DeepSpeed on one rank
+    extra = ["--ds.zero_stage", "2", "--ds.overlap_comm"] if engine == "deepspeed" else []
+    _, ckpt = sft_checkpoint(tiny_vision_dir, data, tmp_path, *extra, vision=True)
+    step = ckpt / "global_step2"
+    proc = to_hf(step, tiny_vision_dir, tmp_path / "hf")  # a global_stepN folder, as either engine wrote it
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want, got, start = (load_file(str(Path(d) / "model.safetensors")) for d in (step / "hf", tmp_path / "hf",
+                                                                                  tiny_vision_dir))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert any(not torch.equal(start[k], got[k]) for k in got)  # trained weights, not the base model's
+    assert is_vision_folder(tmp_path / "hf") and load_processor(tmp_path / "hf").image_processor is not None
+
+
+def crafted_torch_file(path, marker):
+    torch.save({"weight": _Crafted(str(marker))}, path)
+
+
+@pytest.mark.e2e
+def test_a_crafted_engine_model_file_is_refused_in_one_line(tiny_model_dir, arithmetic_dir, tmp_path):
+    """engine/model.pt replaced by a pickle that would create a file, its manifest entry updated to match:
+    resuming and ds-to-hf refuse it with one line naming the file, and nothing in it runs."""
+    import zlib
+
+    _, ckpt = sft_checkpoint(tiny_model_dir, arithmetic_dir / "train.jsonl", tmp_path)
+    step = ckpt / "global_step2"
+    marker = tmp_path / "ran"
+    crafted_torch_file(step / "engine" / "model.pt", marker)
+    manifest = json.loads((step / "manifest.json").read_text())
+    data = (step / "engine" / "model.pt").read_bytes()
+    manifest["files"]["engine/model.pt"] = [len(data), zlib.crc32(data)]
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    proc = sft_run(tiny_model_dir, arithmetic_dir / "train.jsonl", tmp_path, "--ckpt.load_enable")
+    needles = (f"checkpoint file {step / 'engine' / 'model.pt'} holds objects other than tensors",
+               "Unsupported global: GLOBAL io.open", "nothing in it ran")
+    one_error_line(proc, *needles)
+    assert "Weights only load failed" not in proc.stderr
+    one_error_line(to_hf(step, tiny_model_dir, tmp_path / "hf"), *needles)
+    assert not marker.exists()

@@ -30,6 +30,7 @@ from posttrain.models import lora_sync as lsync
 from posttrain.trainers.rl.experience import Experience
 from posttrain.trainers.rl.forward import Batching, policy_forward, to_device, value_forward
 from posttrain.trainers.rl.updates import UpdateSettings, lockstep, update_actor, update_critic
+from posttrain.utils.checkpoint import load_state_file
 from posttrain.utils.log import warn_once
 from posttrain.utils.weights_hash import weights_hash
 
@@ -146,7 +147,7 @@ class Actor(_Scorer):
         if self.ema is None:
             return
         if (Path(directory) / EMA_FILE).exists():
-            self.ema = torch.load(Path(directory) / EMA_FILE, weights_only=True)
+            self.ema = load_state_file(Path(directory) / EMA_FILE)
         else:
             warn_once(f"checkpoint {directory} holds no EMA weights; the EMA restarts from the resumed weights")
             self.ema = self._ema_start()
