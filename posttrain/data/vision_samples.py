@@ -27,7 +27,7 @@ def image_placeholder(processor) -> str:
     return token
 
 
-def encode_with_images(processor, text: str, images: Sequence, location: str,
+def encode_with_images(processor, text: str, images: Sequence, location: str = "an image prompt",
                        labels: Sequence[str] | None = None) -> tuple[list[int], dict[str, np.ndarray]]:
     """(token ids, image tensors) of `text`, whose placeholders (one per image, in order) the processor expands
     into image tokens; no tokenizer special tokens are added (the text carries them). An image the processor
