@@ -498,6 +498,12 @@ class RayPlacement:
         return engines
 
     def shutdown(self) -> None:
+        """Remove what the run started. A local Ray the run started is stopped as a whole (its processes,
+        and with them every worker) without calls to its GCS: a SIGTERM to the run's process group (Slurm,
+        `timeout`) ends that GCS too, and a call to it would wait 60 s and exit 1. In a joined cluster,
+        the run's actors are killed and its placement groups removed."""
+        if self.started:
+            self.handles, self.pgs = [], {}
         for h in self.handles:
             try:
                 ray.kill(h, no_restart=True)

@@ -1,0 +1,73 @@
+"""Signals to a Ray RL run from the command line, as job schedulers send them: SIGTERM to the run's whole
+process group (Slurm at the end of a job's time, `timeout`), which the local Ray processes the run started
+receive too."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from conftest import ppo_flags
+
+from posttrain.utils.checkpoint import verify_checkpoint
+
+pytestmark = pytest.mark.e2e
+
+DEADLINE_S = 300  # a guard against a hung test, not a speed requirement
+
+
+def _wait_for_checkpoint(proc: subprocess.Popen, ckpt, log) -> None:
+    end = time.monotonic() + DEADLINE_S
+    while time.monotonic() < end:
+        if (ckpt / "global_step1").is_dir():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before its first checkpoint:\n"
+                                 f"{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"no checkpoint after {DEADLINE_S} s")
+
+
+@pytest.fixture
+def zero_reward(tmp_path):
+    path = tmp_path / "zero.py"
+    path.write_text("import torch\n\ndef reward_func(queries, prompts, labels, **kwargs):\n"
+                    "    return {'rewards': torch.zeros(len(queries))}\n")
+    return path
+
+
+def test_sigterm_to_the_process_group_of_a_ray_run_ends_like_sigterm_to_the_controller(tiny_model_dir, arithmetic_dir,
+                                                                                       zero_reward, tmp_path):
+    """`kill -TERM -<pgid>` after the first checkpoint of a run that started its own local Ray (actor,
+    reference and a rollout engine): the controller writes `terminated at step N; last checkpoint: ...` (exit 143) instead
+    of waiting on the Ray processes the same signal ended, and no process of the run is left behind."""
+    out = tmp_path / "run"
+    flags = ppo_flags((tiny_model_dir, arithmetic_dir, zero_reward.parent), out, "--vllm.num_engines", "1",
+                      "--algo.advantage.estimator", "group_norm", "--train.num_episodes", "50",
+                      "--ckpt.save_steps", "1", "--ckpt.max_num", "2", reward=zero_reward.name)
+    log = tmp_path / "run.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "posttrain.cli.main", "ppo", *map(str, flags)],
+                                stdout=subprocess.DEVNULL, stderr=f, start_new_session=True,
+                                env={**os.environ, "RAY_ADDRESS": ""})
+    try:
+        _wait_for_checkpoint(proc, out / "checkpoints", log)
+        started = psutil.Process(proc.pid).children(recursive=True)  # Ray's head, raylet, workers
+        assert any("raylet" in " ".join(p.cmdline()) for p in started), [p.cmdline()[:2] for p in started]
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=DEADLINE_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = log.read_text()
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("posttrain ppo: error:")]
+    assert len(errors) == 1 and errors[0].startswith("posttrain ppo: error: terminated at step "), err[-3000:]
+    last = errors[0].split("; last checkpoint: ")[1]
+    assert verify_checkpoint(last) is None
+    _, alive = psutil.wait_procs(started, timeout=30)
+    assert alive == [], f"processes of the run left: {[p.cmdline()[:3] for p in alive]}"
