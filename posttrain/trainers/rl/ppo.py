@@ -269,6 +269,8 @@ class RLTrainer(RunLoop):
                           save_steps=cfg.ckpt.save_steps, final_eval=False, load_checkpoint=cfg.ckpt.load_enable)
         super().__init__(total_steps=self.total_steps, logger=self.start.open_logger(cfg), ckpt=self.folders.ckpt,
                          cadence=cadence)
+        if self.folders.resume_from is None:  # a fresh start: samples.jsonl starts over, as metrics.jsonl
+            (self.output_dir / "samples.jsonl").unlink(missing_ok=True)
 
     def _eos_ids(self) -> tuple[int, ...]:
         """The rollout engines' default stop ids (the tokenizer's eos and the policy's generation config,
