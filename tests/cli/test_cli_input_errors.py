@@ -120,7 +120,7 @@ def test_sys_exit_in_reward_func_ends_ppo_with_an_error_naming_the_file(tiny_mod
 
 
 def test_os_exit_while_a_reward_file_loads_ends_ppo_with_an_error_naming_the_file(tiny_model_dir, tmp_path):
-    """`os._exit(0)` ends a process at once, with status 0: while the file loads it is an error of the file."""
+    """`os._exit(0)` ends a process at once with status 0: while the file loads it is an error of the file."""
     reward = tmp_path / "hard_exit.py"
     reward.write_text("import os\n\nos._exit(0)\n\n\ndef reward_func(queries, prompts, labels, **kw):\n"
                       "    return [0.0] * len(queries)\n")

@@ -77,8 +77,8 @@ def test_a_fresh_start_under_load_enable_rewinds_the_metrics_file(tiny_model_dir
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r] == [1, 2, 3, 4]
 
 
-def test_resuming_a_finished_run_into_a_new_output_folder_writes_its_final_model(tiny_model_dir, arithmetic_dir,
-                                                                                tmp_path):
+def test_resuming_a_finished_run_into_a_new_output_folder_writes_its_final_model(
+        tiny_model_dir, arithmetic_dir, tmp_path):
     """The checkpoint of a run's last step, resumed with another --ckpt.output_dir: nothing is left to train,
     so the run says so and writes the final model (the checkpoint's weights) to the new folder."""
     first, new = tmp_path / "first", tmp_path / "new"

@@ -1,6 +1,6 @@
-"""Signals to a Ray RL run from the command line, as job schedulers send them: SIGTERM to the run's whole
-process group (Slurm at the end of a job's time, `timeout`), which the local Ray processes the run started
-receive too."""
+"""How `posttrain ppo` runs end (issue 46): SIGTERM to the whole process group of a Ray run (Slurm at the
+end of a job's time, `timeout`), which the local Ray processes the run started receive too; a fresh start
+under --ckpt.load_enable starts samples.jsonl over."""
 import os
 import signal
 import subprocess
@@ -12,6 +12,7 @@ import pytest
 from conftest import ppo_flags
 
 from posttrain.utils.checkpoint import verify_checkpoint
+from posttrain.utils.metrics import read_metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -39,11 +40,12 @@ def zero_reward(tmp_path):
     return path
 
 
-def test_sigterm_to_the_process_group_of_a_ray_run_ends_like_sigterm_to_the_controller(tiny_model_dir, arithmetic_dir,
-                                                                                       zero_reward, tmp_path):
-    """`kill -TERM -<pgid>` after the first checkpoint of a run that started its own local Ray (actor,
-    reference and a rollout engine): the controller writes `terminated at step N; last checkpoint: ...` (exit 143) instead
-    of waiting on the Ray processes the same signal ended, and no process of the run is left behind."""
+def test_sigterm_to_the_process_group_of_a_ray_run_ends_like_sigterm_to_the_controller(
+        tiny_model_dir, arithmetic_dir, zero_reward, tmp_path):
+    """`kill -TERM -<pgid>` after the first checkpoint of a run that started its own local Ray (an actor rank
+    and a rollout engine): the controller writes `terminated at step N; last checkpoint: ...`
+    (exit 143) instead of waiting on the Ray processes the same signal ended, and no process of the run is
+    left behind."""
     out = tmp_path / "run"
     flags = ppo_flags((tiny_model_dir, arithmetic_dir, zero_reward.parent), out, "--vllm.num_engines", "1",
                       "--algo.advantage.estimator", "group_norm", "--train.num_episodes", "50",
@@ -71,3 +73,23 @@ def test_sigterm_to_the_process_group_of_a_ray_run_ends_like_sigterm_to_the_cont
     assert verify_checkpoint(last) is None
     _, alive = psutil.wait_procs(started, timeout=30)
     assert alive == [], f"processes of the run left: {[p.cmdline()[:3] for p in alive]}"
+
+
+def test_a_fresh_start_under_load_enable_starts_the_samples_file_over(tiny_model_dir, arithmetic_dir, zero_reward,
+                                                                      tmp_path):
+    """--ckpt.load_enable with no checkpoint to resume: the run starts fresh, and so do samples.jsonl and
+    metrics.jsonl (rows an earlier run left there are not continued)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    old = '{"step": 1, "prompt": "an earlier run", "response": "", "reward": 0.0}\n'
+    (out / "samples.jsonl").write_text(old * 3)
+    (out / "metrics.jsonl").write_text('{"step": 1, "time": 0, "reward/mean": 5.0}\n')
+    flags = ppo_flags((tiny_model_dir, arithmetic_dir, zero_reward.parent), out, "--data.max_samples", "8",
+                      "--train.num_episodes", "1", "--ckpt.load_enable", reward=zero_reward.name)
+    proc = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "ppo", *map(str, flags)], check=False,
+                          capture_output=True, text=True, timeout=DEADLINE_S, env={**os.environ, "RAY_ADDRESS": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "no valid checkpoint" in proc.stderr and "starting fresh" in proc.stderr
+    samples = read_metrics(out / "samples.jsonl")
+    assert samples and all(r["prompt"] != "an earlier run" for r in samples)
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1]
