@@ -9,7 +9,6 @@ import time
 
 import psutil
 import pytest
-from conftest import ppo_flags
 
 from posttrain.utils.checkpoint import verify_checkpoint
 from posttrain.utils.metrics import read_metrics
@@ -32,6 +31,16 @@ def _wait_for_checkpoint(proc: subprocess.Popen, ckpt, log) -> None:
     raise AssertionError(f"no checkpoint after {DEADLINE_S} s")
 
 
+def ppo_flags(model, data, reward, out, *extra) -> list[str]:
+    """A nano-model PPO run on the arithmetic prompts with a reward file (as tests/trainers/rl/conftest.py)."""
+    return ["--actor.model_name_or_path", model, "--data.prompt_dataset", data, "--data.input_key", "prompt",
+            "--data.label_key", "answer", "--data.apply_chat_template", "--data.max_len", "48",
+            "--reward.remote_url", reward, "--rollout.batch_size", "8", "--rollout.n_samples_per_prompt", "4",
+            "--rollout.max_new_tokens", "4", "--rollout.micro_batch_size", "16", "--train.batch_size", "32",
+            "--train.micro_batch_size", "16", "--data.max_samples", "64", "--algo.kl.init_coef", "0",
+            "--ckpt.output_dir", out, *extra]
+
+
 @pytest.fixture
 def zero_reward(tmp_path):
     path = tmp_path / "zero.py"
@@ -47,9 +56,9 @@ def test_sigterm_to_the_process_group_of_a_ray_run_ends_like_sigterm_to_the_cont
     (exit 143) instead of waiting on the Ray processes the same signal ended, and no process of the run is
     left behind."""
     out = tmp_path / "run"
-    flags = ppo_flags((tiny_model_dir, arithmetic_dir, zero_reward.parent), out, "--vllm.num_engines", "1",
+    flags = ppo_flags(tiny_model_dir, arithmetic_dir, zero_reward, out, "--vllm.num_engines", "1",
                       "--algo.advantage.estimator", "group_norm", "--train.num_episodes", "50",
-                      "--ckpt.save_steps", "1", "--ckpt.max_num", "2", reward=zero_reward.name)
+                      "--ckpt.save_steps", "1", "--ckpt.max_num", "2")
     log = tmp_path / "run.log"
     with log.open("w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "posttrain.cli.main", "ppo", *map(str, flags)],
@@ -84,8 +93,8 @@ def test_a_fresh_start_under_load_enable_starts_the_samples_file_over(tiny_model
     old = '{"step": 1, "prompt": "an earlier run", "response": "", "reward": 0.0}\n'
     (out / "samples.jsonl").write_text(old * 3)
     (out / "metrics.jsonl").write_text('{"step": 1, "time": 0, "reward/mean": 5.0}\n')
-    flags = ppo_flags((tiny_model_dir, arithmetic_dir, zero_reward.parent), out, "--data.max_samples", "8",
-                      "--train.num_episodes", "1", "--ckpt.load_enable", reward=zero_reward.name)
+    flags = ppo_flags(tiny_model_dir, arithmetic_dir, zero_reward, out, "--data.max_samples", "8",
+                      "--train.num_episodes", "1", "--ckpt.load_enable")
     proc = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "ppo", *map(str, flags)], check=False,
                           capture_output=True, text=True, timeout=DEADLINE_S, env={**os.environ, "RAY_ADDRESS": ""})
     assert proc.returncode == 0, proc.stderr[-3000:]
