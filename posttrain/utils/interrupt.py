@@ -79,6 +79,20 @@ def ignore_signals() -> None:
 
 
 @contextmanager
+def handlers_kept() -> Iterator[None]:
+    """Re-apply Python's SIGINT and SIGTERM handlers after the block (main thread): native code may reset
+    them behind Python's back (Ray's driver shutdown puts SIGTERM back to the default, which would let a
+    second signal kill a run that is stopping)."""
+    try:
+        yield
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                handler = signal.getsignal(s)
+                signal.signal(s, signal.SIG_DFL if handler is None else handler)
+
+
+@contextmanager
 def _signals_raise() -> Iterator[None]:
     """SIGINT and SIGTERM go to `_on_signal` inside the outermost block (main thread; else a no-op)."""
     if threading.current_thread() is not threading.main_thread() or _State.installed:

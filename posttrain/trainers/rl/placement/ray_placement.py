@@ -35,6 +35,7 @@ from posttrain.trainers.rl.placement.weight_sync import layout_bytes
 from posttrain.trainers.rl.placement.workers import EngineWorker, RoleWorker
 from posttrain.trainers.rl.updates import critic_shuffle_step, optimizer_steps
 from posttrain.utils.errors import UserError, WorkerFailed
+from posttrain.utils.interrupt import handlers_kept
 from posttrain.utils.log import info, warn_once
 
 if TYPE_CHECKING:
@@ -517,5 +518,6 @@ class RayPlacement:
                 pass
         self.groups, self.pgs = [], {}
         if self.started and ray.is_initialized():
-            ray.shutdown()
+            with handlers_kept():  # a stopping run keeps ignoring a second Ctrl-C / SIGTERM
+                ray.shutdown()
             self.started = False
