@@ -20,6 +20,9 @@ def user_errors(prog: str):
         print(f"{prog}: error: {e}", file=sys.stderr)
         raise SystemExit(getattr(e, "exit_code", 2)) from None
     except KeyboardInterrupt:  # Ctrl-C before training started (training turns it into a UserError)
+        from posttrain.utils.interrupt import ignore_signals
+
+        ignore_signals()  # a second Ctrl-C must not cut the line or change the exit status
         print(f"{prog}: error: interrupted before training started", file=sys.stderr)
         raise SystemExit(2) from None
 
@@ -33,8 +36,10 @@ def run_trainer(trainer: str, argv: list[str] | None, prog: str) -> dict:
     data exit 2 with one line. The trainer module is imported after parsing, so `--help` and flag
     errors stay fast. Returns the trainer's final metrics."""
     from posttrain.config import parse_config
+    from posttrain.utils.interrupt import signals_end_the_process
 
-    with user_errors(prog):
+    # after the first Ctrl-C or SIGTERM the run ends with its line and status, whatever else arrives
+    with user_errors(prog), signals_end_the_process():
         cfg = parse_config(trainer, sys.argv[1:] if argv is None else argv)
         module, name = TRAINERS[trainer].split(":")
         return getattr(importlib.import_module(module), name)(cfg)

@@ -5,11 +5,13 @@ loads so it can import its neighbours. Errors propagate as raised; callers turn 
 A user file is code that runs with the run's permissions. `sys.exit()` in it (a `SystemExit`, while
 it loads or when posttrain calls it) must not end the run silently with the file's exit status:
 `exec_user_file` and `call_user` turn it into `UserFileExit`, an ordinary exception that the callers
-report as an error of the file."""
+report as an error of the file. While a file loads, `os._exit()` (which would end the process at once,
+with no error and no model) raises the same way."""
 from __future__ import annotations
 
 import importlib.util
 import os
+import posix
 import sys
 import traceback
 import types
@@ -20,6 +22,16 @@ from posttrain.compat import openrlhf_modules
 _POSTTRAIN_DIR = os.path.dirname(os.path.abspath(posttrain.__file__)) + os.sep
 
 
+class _ProcessExit(SystemExit):
+    """`os._exit(code)` called while a user file loads."""
+
+    how = "os._exit"
+
+
+def _raise_process_exit(code: int = 0):
+    raise _ProcessExit(code)
+
+
 class UserFileExit(RuntimeError):
     """A user's file raised SystemExit (`sys.exit(code)`, `exit()`, `quit()`); the traceback is the
     SystemExit's, so the caller's report points at the user's line."""
@@ -28,7 +40,8 @@ class UserFileExit(RuntimeError):
         frames = [f for f in traceback.extract_tb(err.__traceback__)
                   if not f.filename.startswith("<") and not os.path.abspath(f.filename).startswith(_POSTTRAIN_DIR)]
         at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
-        super().__init__(f"it called sys.exit({err.code!r}){at}; a reward or agent file must raise an exception "
+        how = getattr(err, "how", "sys.exit")
+        super().__init__(f"it called {how}({err.code!r}){at}; a reward or agent file must raise an exception "
                          "(or return) instead of exiting the process")
         self.code = err.code
 
@@ -53,11 +66,14 @@ def exec_user_file(path: str, prefix: str) -> types.ModuleType:
     folder = os.path.dirname(os.path.abspath(path))
     openrlhf_modules.install()
     sys.path.insert(0, folder)
+    process_exit = os._exit
+    os._exit = posix._exit = _raise_process_exit
     try:
         spec.loader.exec_module(module)
     except SystemExit as err:
         raise exiting(err) from None
     finally:
+        os._exit = posix._exit = process_exit
         if sys.path and sys.path[0] == folder:
             sys.path.pop(0)
     return module

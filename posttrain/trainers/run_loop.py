@@ -38,7 +38,7 @@ from pathlib import Path
 from posttrain.utils.checkpoint import CheckpointError, CheckpointManager, read_manifest
 from posttrain.utils.interrupt import interrupt_as_error
 from posttrain.utils.log import info
-from posttrain.utils.metrics import MetricsLogger
+from posttrain.utils.metrics import METRICS_FILE, MetricsLogger
 
 
 @dataclass
@@ -140,6 +140,10 @@ class RunLoop:
         self.best = meta.get("best") or self.best
         self.logger.truncate_after(self.global_step)
         info(f"resumed from {path} at step {self.global_step}")
+        if self.global_step >= self.total_steps:  # e.g. a finished run resumed into another --ckpt.output_dir
+            at = "at" if self.global_step == self.total_steps else "past"
+            info(f"note: {path} is {at} the run's last step ({self.total_steps}); nothing is left to train, "
+                 "only the final model is written")
 
     def interrupted_message(self, how: str = "interrupted") -> str:
         """`how` ("interrupted": Ctrl-C, "terminated": SIGTERM) at step N; last checkpoint: <path or none>."""
@@ -240,6 +244,9 @@ def plot_charts(output_dir: Path) -> list[Path]:
     """The run's PNG charts from metrics.jsonl (`posttrain plot`); none when there is nothing to plot."""
     from posttrain.utils.plot import plot_run
 
+    if not (output_dir / METRICS_FILE).exists():  # a resumed run that had no step left to train
+        info(f"no plots: this run logged no step to {output_dir / METRICS_FILE}")
+        return []
     try:
         plots = plot_run(output_dir)
     except ValueError as e:

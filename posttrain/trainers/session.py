@@ -106,9 +106,10 @@ class RunStart:
 
     def open_logger(self, cfg: TrainerConfig, enabled: bool = True) -> MetricsLogger:
         """The run's metric sinks: metrics.jsonl in the run directory (continued after the resumed step
-        with --ckpt.load_enable), TensorBoard and W&B when asked for."""
+        when a checkpoint is resumed; a fresh start, also under --ckpt.load_enable with no checkpoint
+        left, starts it over), TensorBoard and W&B when asked for."""
         return MetricsLogger(self.output_dir, tensorboard_dir=cfg.logger.tensorboard_dir, wandb=wandb_settings(cfg),
-                             enabled=enabled, resume=cfg.ckpt.load_enable)
+                             enabled=enabled, resume=self.folders.resume_from is not None)
 
     def close(self) -> None:
         self.folders.close()

@@ -4,15 +4,23 @@ or a silent death.
     with interrupt_as_error(lambda how: f"{how} at step {loop.step}; last checkpoint: {path or 'none'}"):
         ...the training loop...
 
-Inside the block SIGTERM raises `Terminate` (a KeyboardInterrupt, so every clean-up written for Ctrl-C
-runs for it too: a checkpoint save removes its temp folder, `finally` blocks shut Ray workers down).
-A KeyboardInterrupt raised inside the block becomes `Interrupted(describe("interrupted"))`, exit status
-2; a `Terminate` becomes `Terminated(describe("terminated"))`, exit status 143 (128 + SIGTERM, what a
-shell reports for a process that SIGTERM ended). Both are UserErrors: the command line prints one
-`prog: error: <message>` line. `describe` is called when the signal arrives, so it reports the state
-at that moment. The SIGTERM handler is installed only from the main thread (where Python runs signal
-handlers) and the previous one is restored when the block ends. Clean-up of half-written files is the
-job of the code that writes them (`CheckpointManager.save` removes its temp folder)."""
+Inside the block SIGINT raises KeyboardInterrupt and SIGTERM raises `Terminate` (a KeyboardInterrupt, so
+every clean-up written for Ctrl-C runs for it too: a checkpoint save removes its temp folder, `finally`
+blocks shut Ray workers down). The first signal decides how the run ends: `Interrupted(describe(
+"interrupted"))` for SIGINT, exit status 2; `Terminated(describe("terminated"))` for SIGTERM, exit status
+143 (128 + SIGTERM, what a shell reports for a process that SIGTERM ended); also when a library turned the
+KeyboardInterrupt into one of its own (Ray raises a plain KeyboardInterrupt for any signal). Both are
+UserErrors: the command line prints one `prog: error: <message>` line. Every later SIGINT or SIGTERM
+(a second Ctrl-C, the group-wide TERM of a scheduler) is ignored, so the clean-up always completes and
+the exit status stays the first signal's. `describe` is called once the block has unwound to it, so it
+reports the state the clean-up left (the last checkpoint that survived).
+
+The handlers are installed only from the main thread (where Python runs signal handlers), by the outermost
+block (blocks nest: the trainers' and the step loop's); it restores the previous ones when it ends,
+unless it runs inside `signals_end_the_process()` (the command line: the process ends with the error, and
+from the first signal on both stay ignored). An ignored SIGINT (a job started in the background) stays
+ignored. Clean-up of half-written files is the job of the code that writes them (`CheckpointManager.save`
+removes its temp folder)."""
 from __future__ import annotations
 
 import signal
@@ -39,29 +47,80 @@ class Terminate(KeyboardInterrupt):
     """Raised by the SIGTERM handler inside `interrupt_as_error`."""
 
 
-def _on_sigterm(signum, frame) -> None:
-    raise Terminate()
+class _State:
+    installed = False  # the outermost `interrupt_as_error` block (main thread) holds the handlers
+    first: int | None = None  # the first signal received inside it
+    ends_process = False  # `signals_end_the_process()`
+
+
+def _on_signal(signum, frame) -> None:
+    if _State.first is not None:
+        return  # already stopping: let the clean-up finish
+    _State.first = signum
+    raise Terminate() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
 @contextmanager
-def sigterm_raises() -> Iterator[None]:
-    """Inside the block SIGTERM raises `Terminate` (main thread only; elsewhere a no-op)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+def signals_end_the_process() -> Iterator[None]:
+    """Inside the block, from the first SIGINT or SIGTERM of an `interrupt_as_error` block on, both stay
+    ignored until the process exits (the command line: the run ends with that signal's error line)."""
+    before, _State.ends_process = _State.ends_process, True
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        _State.ends_process = before
+
+
+def ignore_signals() -> None:
+    """Ignore SIGINT and SIGTERM from now on (main thread only; the process is ending)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+@contextmanager
+def handlers_kept() -> Iterator[None]:
+    """Re-apply Python's SIGINT and SIGTERM handlers after the block (main thread): native code may reset
+    them behind Python's back (Ray's driver shutdown puts SIGTERM back to the default, which would let a
+    second signal kill a run that is stopping)."""
+    try:
+        yield
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                handler = signal.getsignal(s)
+                signal.signal(s, signal.SIG_DFL if handler is None else handler)
+
+
+@contextmanager
+def _signals_raise() -> Iterator[None]:
+    """SIGINT and SIGTERM go to `_on_signal` inside the outermost block (main thread; else a no-op)."""
+    if threading.current_thread() is not threading.main_thread() or _State.installed:
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s, handler in previous.items():
+        if handler is not signal.SIG_IGN or s == signal.SIGTERM:  # a SIGINT ignored by the shell stays so
+            signal.signal(s, _on_signal)
+    _State.installed, _State.first = True, None
+    try:
+        yield
+    finally:
+        _State.installed = False
+        if _State.first is not None and _State.ends_process:
+            ignore_signals()
+        else:
+            for s, handler in previous.items():
+                signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        _State.first = None
 
 
 @contextmanager
 def interrupt_as_error(describe: Callable[[str], str]) -> Iterator[None]:
-    try:
-        with sigterm_raises():
+    with _signals_raise():
+        try:
             yield
-    except Terminate:
-        raise Terminated(describe("terminated")) from None
-    except KeyboardInterrupt:
-        raise Interrupted(describe("interrupted")) from None
+        except KeyboardInterrupt as e:
+            if isinstance(e, Terminate) or _State.first == signal.SIGTERM:
+                raise Terminated(describe("terminated")) from None
+            raise Interrupted(describe("interrupted")) from None

@@ -119,6 +119,16 @@ def test_sys_exit_in_reward_func_ends_ppo_with_an_error_naming_the_file(tiny_mod
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
+def test_os_exit_while_a_reward_file_loads_ends_ppo_with_an_error_naming_the_file(tiny_model_dir, tmp_path):
+    """`os._exit(0)` ends a process at once with status 0: while the file loads it is an error of the file."""
+    reward = tmp_path / "hard_exit.py"
+    reward.write_text("import os\n\nos._exit(0)\n\n\ndef reward_func(queries, prompts, labels, **kw):\n"
+                      "    return [0.0] * len(queries)\n")
+    proc = ppo(tiny_model_dir, tmp_path, "--reward.remote_url", reward)
+    one_error_line(proc, "hard_exit.py", "called os._exit(0) at", "hard_exit.py:3")
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
 def test_an_agent_instance_that_cannot_be_created_stops_ppo_before_the_models_load(tiny_model_dir, tmp_path):
     agent = tmp_path / "agent.py"
     agent.write_text("from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor\n\n\n"

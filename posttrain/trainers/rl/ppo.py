@@ -265,6 +265,8 @@ class RLTrainer(RunLoop):
                           save_hf=cfg.ckpt.save_hf, keep_best=cfg.ckpt.best_metric_key != "none")
         super().__init__(total_steps=self.total_steps, logger=self.start.open_logger(cfg), ckpt=self.folders.ckpt,
                          cadence=cadence)
+        if self.folders.resume_from is None:  # a fresh start: samples.jsonl starts over, as metrics.jsonl
+            (self.output_dir / "samples.jsonl").unlink(missing_ok=True)
 
     def _eos_ids(self) -> tuple[int, ...]:
         """The rollout engines' default stop ids (the tokenizer's eos and the policy's generation config,

@@ -35,6 +35,7 @@ from posttrain.trainers.rl.placement.weight_sync import layout_bytes
 from posttrain.trainers.rl.placement.workers import EngineWorker, RoleWorker
 from posttrain.trainers.rl.updates import critic_shuffle_step, optimizer_steps
 from posttrain.utils.errors import UserError, WorkerFailed
+from posttrain.utils.interrupt import handlers_kept
 from posttrain.utils.log import info, warn_once
 
 if TYPE_CHECKING:
@@ -498,6 +499,12 @@ class RayPlacement:
         return engines
 
     def shutdown(self) -> None:
+        """Remove what the run started. A local Ray the run started is stopped as a whole (its processes,
+        and with them every worker) without calls to its GCS: a SIGTERM to the run's process group (Slurm,
+        `timeout`) ends that GCS too, and a call to it would wait 60 s and exit 1. In a joined cluster,
+        the run's actors are killed and its placement groups removed."""
+        if self.started:
+            self.handles, self.pgs = [], {}
         for h in self.handles:
             try:
                 ray.kill(h, no_restart=True)
@@ -511,5 +518,6 @@ class RayPlacement:
                 pass
         self.groups, self.pgs = [], {}
         if self.started and ray.is_initialized():
-            ray.shutdown()
+            with handlers_kept():  # a stopping run keeps ignoring a second Ctrl-C / SIGTERM
+                ray.shutdown()
             self.started = False
