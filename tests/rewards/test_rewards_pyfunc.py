@@ -169,7 +169,8 @@ def test_a_function_that_never_returns_times_out(tmp_path):
     src = PythonRewardFunction(path, timeout=0.3, retries=2, backoff=0)
     with pytest.raises(RewardError) as err:
         src.score(["a"], [""], None)
-    assert any(t.name == "reward_func hangs.py" for t in threading.enumerate())  # returned while it still slept
+    # it returned while the function still slept
+    assert any(t.name == "reward_func hangs.py" for t in threading.enumerate())
     msg = str(err.value)
     assert msg.startswith(f"reward function {path}: reward_func did not return within 0.3s "
                           "(--reward.timeout) (2 attempts, --reward.retries)")
@@ -193,7 +194,7 @@ def test_a_function_that_hangs_once_is_retried(tmp_path):
                 time.sleep(3600)
             return [float(len(CALLS))] * len(queries)
     """, "flaky.py")
-    src = PythonRewardFunction(path, timeout=1, retries=2, backoff=0)  # 1 s: the retry's margin on a busy machine
+    src = PythonRewardFunction(path, timeout=1, retries=2, backoff=0)  # 1 s: the retry's margin when busy
     out = src.score(["a", "b"], ["", ""], None)
     assert out.rewards.tolist() == [2.0, 2.0] and src.fn.__globals__["CALLS"] == [2, 2]
     assert src.num_timeouts == 1 and src.num_calls == 1
