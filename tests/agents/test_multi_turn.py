@@ -3,6 +3,8 @@ exact token traces, the budget across turns, failures, and concurrency that does
 from __future__ import annotations
 
 import asyncio
+import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -153,10 +155,26 @@ class Broken(AgentInstanceBase):
         if label == "raise":
             raise RuntimeError("the simulator crashed")
         if label == "hang":
-            await asyncio.sleep(60)
+            await asyncio.sleep(3600)  # cancelled when the episode times out
         if label == "malformed":
             return {"rewards": 1.0, "done": True}
         return {"rewards": 1.0, "scores": 1.0, "environment_feedback": "", "done": True}
+
+
+def quick_episodes_timeout(runner, prompts) -> float:
+    """A timeout that the quick ("ok") episodes meet however loaded the machine is, set on `runner` and
+    returned: 50 times what a batch of as many "ok" episodes takes now, on this runner (so under the
+    same load; the second of two, past the first call's warm-up), and at least 0.5 s. A fixed 1 s did
+    not hold on a busy 2-core machine."""
+    import time
+
+    ok = [replace(p, label="ok") for p in prompts]
+    runner.timeout = 600
+    for _ in range(2):
+        start = time.monotonic()
+        assert not runner.run(ok, SamplingParams(n=1, seed=1)).skipped.any()
+    runner.timeout = max(0.5, round(50 * (time.monotonic() - start), 1))
+    return runner.timeout
 
 
 def test_failing_episodes_are_counted_skipped_and_stop_the_run_past_the_threshold(tok, capsys):
@@ -164,17 +182,19 @@ def test_failing_episodes_are_counted_skipped_and_stop_the_run_past_the_threshol
     engine.turns = {}
     prompts = [Prompt(text=f"Q{i}", token_ids=[30 + i], label=label, source="test")
                for i, label in enumerate(["ok", "raise", "hang", "malformed", "ok"])]
-    runner = AgentRunner(MultiTurnAgentExecutor(Broken), engine, tok, None, max_len=16, timeout=0.5,
+    runner = AgentRunner(MultiTurnAgentExecutor(Broken), engine, tok, None, max_len=16, timeout=0,
                          max_failure_frac=0.75)
+    timeout = quick_episodes_timeout(runner, prompts)
+    capsys.readouterr()
     batch = runner.run(prompts, SamplingParams(n=1, seed=1))
     assert batch.skipped.tolist() == [False, True, True, True, False]
     errors = [r.error for r in batch.rollouts]
     assert errors[1] == "RuntimeError: the simulator crashed"
-    assert errors[2] == "timed out after 0.5 s (--agent.timeout)"
+    assert errors[2] == f"timed out after {timeout:g} s (--agent.timeout)"
     assert "lacks 'environment_feedback'" in errors[3]
     assert batch.rollouts[1].output_ids == [] and batch.rewards.tolist() == [1.0, 0.0, 0.0, 0.0, 1.0]
     assert "agent episode failed: RuntimeError: the simulator crashed" in capsys.readouterr().err
-    strict = AgentRunner(MultiTurnAgentExecutor(Broken), engine, tok, None, max_len=16, timeout=0.5,
+    strict = AgentRunner(MultiTurnAgentExecutor(Broken), engine, tok, None, max_len=16, timeout=timeout,
                          max_failure_frac=0.5)
     with pytest.raises(AgentError, match=r"3 of 5 agent episodes failed .*first: RuntimeError: the simulator crashed"):
         strict.run(prompts, SamplingParams(n=1, seed=1))
@@ -399,38 +419,43 @@ def test_extra_logs_that_are_not_numbers_are_skipped_with_a_warning_and_the_rewa
 
 
 class Blocking(AgentInstanceBase):
-    """`label` "block": step() blocks the thread (time.sleep), which asyncio cannot interrupt;
-    "exit": step() calls sys.exit(0)."""
+    """`label` "block": step() blocks its thread (a threading.Event wait, which asyncio cannot interrupt)
+    until `release` is set, then sets `returned`; "exit": step() calls sys.exit(0)."""
+
+    release, returned = threading.Event(), threading.Event()
 
     def __init__(self, *args, **kwargs):
         pass
 
     async def step(self, states, **kwargs):
         import sys
-        import time
 
         if states["label"] == "block":
-            time.sleep(30)
+            Blocking.release.wait(600)
+            Blocking.returned.set()
         if states["label"] == "exit":
             sys.exit(0)
         return {"rewards": 1.0, "scores": 1.0, "environment_feedback": "", "done": True}
 
 
 def test_a_step_that_blocks_its_thread_times_out_and_the_others_finish(tok, capsys):
-    import time
-
     engine = ScriptedEngine({0: ([5], [-1.0], "stop")})
     prompts = [Prompt(text=f"Q{i}", token_ids=[30 + i], label=label, source="test")
                for i, label in enumerate(["ok", "block", "ok"])]
-    runner = AgentRunner(MultiTurnAgentExecutor(Blocking), engine, tok, None, max_len=16, timeout=1,
+    runner = AgentRunner(MultiTurnAgentExecutor(Blocking), engine, tok, None, max_len=16, timeout=0,
                          max_failure_frac=0.5)
-    start = time.monotonic()
-    batch = runner.run(prompts, SamplingParams(n=1, seed=1))
-    assert time.monotonic() - start < 15  # not the 30 s of the blocked step
+    timeout = quick_episodes_timeout(runner, prompts)
+    Blocking.release.clear()
+    Blocking.returned.clear()
+    try:
+        batch = runner.run(prompts, SamplingParams(n=1, seed=1))
+        assert not Blocking.returned.is_set()  # the run ended while the step still blocked its thread
+    finally:
+        Blocking.release.set()
     assert batch.skipped.tolist() == [False, True, False]
-    assert batch.rollouts[1].error == "timed out after 1 s (--agent.timeout)"
+    assert batch.rollouts[1].error == f"timed out after {timeout:g} s (--agent.timeout)"
     assert batch.rewards.tolist() == [1.0, 0.0, 1.0]
-    assert "agent episode failed: timed out after 1 s (--agent.timeout)" in capsys.readouterr().err
+    assert f"agent episode failed: timed out after {timeout:g} s (--agent.timeout)" in capsys.readouterr().err
 
 
 def test_sys_exit_in_step_stops_the_run_with_an_error_naming_the_file(tok):

@@ -168,10 +168,10 @@ def test_a_function_that_never_returns_times_out(tmp_path):
             time.sleep(3600)
     """, "hangs.py")
     src = PythonRewardFunction(path, timeout=0.3, retries=2, backoff=0)
-    start = time.monotonic()
     with pytest.raises(RewardError) as err:
         src.score(["a"], [""], None)
-    assert time.monotonic() - start < 3
+    # it returned while the function still slept
+    assert any(t.name == "reward_func hangs.py" for t in threading.enumerate())
     msg = str(err.value)
     assert msg.startswith(f"reward function {path}: reward_func did not return within 0.3s "
                           "(--reward.timeout) (2 attempts, --reward.retries)")
@@ -216,10 +216,10 @@ def test_a_function_that_hangs_once_is_retried(tmp_path):
         def reward_func(queries, prompts, labels):
             CALLS.append(len(queries))
             if len(CALLS) == 1:
-                time.sleep(5)
+                time.sleep(3600)
             return [float(len(CALLS))] * len(queries)
     """, "flaky.py")
-    src = PythonRewardFunction(path, timeout=0.3, retries=2, backoff=0)
+    src = PythonRewardFunction(path, timeout=1, retries=2, backoff=0)  # 1 s: the retry's margin when busy
     out = src.score(["a", "b"], ["", ""], None)
     assert out.rewards.tolist() == [2.0, 2.0] and src.fn.__globals__["CALLS"] == [2, 2]
     assert src.num_timeouts == 1 and src.num_calls == 1
@@ -235,7 +235,7 @@ def test_an_abandoned_busy_call_is_stopped(tmp_path):
     src = PythonRewardFunction(path, timeout=0.2, retries=1)
     with pytest.raises(RewardError, match=r"busy\.py: reward_func did not return within 0.2s"):
         src.score(["a"], [""], None)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # a generous cap: the loop ends as soon as the thread has stopped
     while any(t.name == "reward_func busy.py" for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not any(t.name == "reward_func busy.py" for t in threading.enumerate())  # not burning CPU any more

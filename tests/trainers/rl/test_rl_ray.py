@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import charts_not_drawn, ppo_flags
 from rl_helpers import rewards_by_step
+from rounding import ADAM_EPS, adam_weight_tolerance, assert_weights_within
 from safetensors.torch import load_file
 
 from posttrain.utils.metrics import read_metrics
@@ -26,6 +27,15 @@ def _weights(run_dir):
 def _max_diff(a, b) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def assert_same_actor_weights(a, b, rows, optimizer_steps_per_row: int = 2) -> None:
+    """The exported actors of runs `a` and `b` are equal up to rounding as Adam passes it on (at the
+    conftest's actor lr 2e-3 and ADAM_EPS; rounding.py); `rows`: the metrics rows with `actor/grad_norm`
+    (the mean of the row's `optimizer_steps_per_row` steps)."""
+    norms = [r["actor/grad_norm"] for r in rows if "actor/grad_norm" in r
+             for _ in range(optimizer_steps_per_row)]
+    assert_weights_within(_weights(a), _weights(b), adam_weight_tolerance(2e-3, norms))
 
 
 def _without_reward_url(flags: list[str]) -> list[str]:
@@ -45,15 +55,14 @@ def test_two_actor_ranks_two_engines_equal_one_process(run_ppo, ray_session):
     penalty reads the EOS ids of the engines in their Ray workers: the same rewards as in one process."""
     common = ("--train.num_episodes", "1", "--data.max_samples", "24", "--train.batch_size", "16",
               "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8",
-              "--algo.advantage.estimator", "group_norm", "--reward.missing_eos_penalty", "0.5")
+              "--algo.advantage.estimator", "group_norm", "--reward.missing_eos_penalty", "0.5",
+              "--actor.adam.eps", ADAM_EPS)
     local, _ = run_ppo(*common, name="local")
     ray_run, _ = run_ppo(*common, "--actor.num_gpus_per_node", "2", "--vllm.num_engines", "2",
                          "--ds.zero_stage", "2", name="ray")
     assert rewards_by_step(ray_run) == pytest.approx(rewards_by_step(local), abs=1e-6)  # same samples
-    # float rounding only: the gradients are summed in another order (two ranks' all-reduce), and Adam at
-    # lr 2e-3 turns that into up to ~1e-5 on weights with near-zero gradients (measured: 5.5e-6 with torch's
-    # linear, 1.1e-5 with oneDNN's); a wrong gradient or a missed step moves weights by ~lr
-    assert _max_diff(_weights(local), _weights(ray_run)) < 3e-5
+    # float rounding only: the gradients are summed in another order (two ranks' all-reduce)
+    assert_same_actor_weights(local, ray_run, read_metrics(local / "metrics.jsonl"))
     rows = read_metrics(ray_run / "metrics.jsonl")
     assert all(r["timing/weight_sync"] > 0 for r in rows if "timing/weight_sync" in r)
     weights = sum(t.numel() * t.element_size() for t in _weights(ray_run).values())
@@ -69,7 +78,8 @@ def test_tensor_parallel_actor_and_critic_equal_one_process(run_ppo, ray_session
     (whole) weights equal the in-process run's."""
     common = ("--train.num_episodes", "1", "--data.max_samples", "16", "--train.batch_size", "16",
               "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8", "--algo.advantage.estimator",
-              "gae", "--critic.adam.lr", "1e-3")
+              "gae", "--critic.adam.lr", "1e-3", "--actor.adam.eps", ADAM_EPS,
+              "--critic.adam.eps", ADAM_EPS)
     local, _ = run_ppo(*common, name="local")
     capfd.readouterr()
     tp, _ = run_ppo(*common, "--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "2",
@@ -81,7 +91,7 @@ def test_tensor_parallel_actor_and_critic_equal_one_process(run_ppo, ray_session
     rows = [[r for r in read_metrics(d / "metrics.jsonl") if "actor/policy_loss" in r] for d in (local, tp)]
     for key in ("actor/policy_loss", "critic/value_loss", "actor/grad_norm", "critic/grad_norm"):
         assert [r[key] for r in rows[1]] == pytest.approx([r[key] for r in rows[0]], rel=1e-4, abs=1e-6), key
-    assert _max_diff(_weights(local), _weights(tp)) < 3e-5
+    assert_same_actor_weights(local, tp, rows[0])
 
 
 ELASTIC_LAYOUTS = {"one": (), "zero2": ("--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "2",
@@ -90,7 +100,8 @@ ELASTIC_LAYOUTS = {"one": (), "zero2": ("--actor.num_gpus_per_node", "2", "--cri
                              "--vllm.num_engines", "1", "--ds.zero_stage", "3")}
 ELASTIC_COMMON = ("--train.num_episodes", "1", "--data.max_samples", "24", "--train.batch_size", "16",
                   "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8", "--algo.advantage.estimator",
-                  "gae", "--critic.adam.lr", "1e-3", "--ckpt.save_steps", "2")
+                  "gae", "--critic.adam.lr", "1e-3", "--ckpt.save_steps", "2",
+                  "--actor.adam.eps", str(ADAM_EPS), "--critic.adam.eps", str(ADAM_EPS))
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +128,7 @@ def test_a_ppo_checkpoint_resumes_on_another_layout(run_ppo, uninterrupted_on, r
     """Elastic resume of the actor and the critic (GAE): a checkpoint of step 2 written in one process resumes
     on Ray with 2 ranks each under ZeRO-2, one of 2 ranks under ZeRO-3 in one process, and one of ZeRO-2 under
     ZeRO-3 on the same ranks; the resumed steps equal the uninterrupted run on the new layout (rewards 1e-6,
-    weights 3e-5)."""
+    weights to rounding)."""
     _, first_ckpt = uninterrupted_on(before)
     straight, _ = uninterrupted_on(after)
     resume = tmp_path / "ck_resume"
@@ -127,7 +138,7 @@ def test_a_ppo_checkpoint_resumes_on_another_layout(run_ppo, uninterrupted_on, r
                          name="resumed")
     assert len(rewards_by_step(straight)) == 3
     assert rewards_by_step(resumed, start=3) == pytest.approx(rewards_by_step(straight, start=3), abs=1e-6)
-    assert _max_diff(_weights(straight), _weights(resumed)) < 3e-5
+    assert_same_actor_weights(straight, resumed, read_metrics(straight / "metrics.jsonl"))
 
 
 def test_every_ppo_role_can_be_a_mixture_of_experts(rl_setup, tiny_moe_dir, tmp_path):
@@ -391,9 +402,8 @@ def test_two_simulated_nodes_via_ray_address(rl_setup, tmp_path):
                               env={**os.environ, "RAY_ADDRESS": cluster.address,
                                    "POSTTRAIN_RAY_PLACE_TIMEOUT": timeout_s})
     try:
-        start = time.perf_counter()
         r = run(tmp_path / "too_big", "--vllm.num_engines", "2", timeout_s="10")
-        assert r.returncode == 2 and time.perf_counter() - start < 120, r.stderr[-3000:]
+        assert r.returncode == 2, r.stderr[-3000:]
         errors = [line for line in r.stderr.splitlines() if "posttrain ppo: error:" in line]
         assert len(errors) == 1 and ("cannot place" in errors[0] or "did not start within 10 s" in errors[0]), errors
         assert "Traceback" not in r.stderr
@@ -442,9 +452,13 @@ def test_ctrl_c_tears_down_what_the_run_started(rl_setup, tmp_path):
     err = "".join(seen) + rest
     assert proc.returncode == 2, err[-3000:]
     assert len([x for x in err.splitlines() if "posttrain ppo: error: interrupted" in x]) == 1, err[-3000:]
-    time.sleep(2)
-    left = subprocess.run(["pgrep", "-f", "ray::RoleWorker|ray::EngineWorker"], check=False, capture_output=True,
-                          text=True).stdout.split()
+    deadline = time.monotonic() + 60  # the workers exit a moment after the driver, later on a busy machine
+    while True:
+        left = subprocess.run(["pgrep", "-f", "ray::RoleWorker|ray::EngineWorker"], check=False,
+                              capture_output=True, text=True).stdout.split()
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert left == [], f"worker processes left: {left}"
 
 
@@ -453,7 +467,7 @@ def test_lora_two_actor_ranks_two_engines_equal_one_process(run_ppo, ray_session
     """LoRA with a KL term on Ray: no reference group (the reference is the actor's base with the adapter
     disabled, on the actor's own ranks), the engines take base + adapter once (hash-checked at start-up)
     then the adapter alone (`sync/bytes`), applied as `--vllm.lora_sync` says, and 2 actor ranks (ZeRO-2)
-    give the in-process run's samples and adapter (same tolerance as above)."""
+    give the in-process run's samples and adapter (to 3e-5)."""
     common = ("--train.num_episodes", "1", "--data.max_samples", "24", "--train.batch_size", "16",
               "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8",
               "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0.05",
