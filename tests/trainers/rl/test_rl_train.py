@@ -47,8 +47,9 @@ def policy_loss_calls(monkeypatch):
 
     def recorded(logp, old_logp, advantages, mask, **kw):
         loss, metrics = real(logp, old_logp, advantages, mask, **kw)
-        calls.append({"logp": logp.detach().clone(), "old": old_logp.detach().clone(), "adv": advantages.clone(),
-                      "mask": mask.clone(), "kw": kw, "loss": loss.detach(), "metrics": metrics})
+        calls.append({"logp": logp.detach().clone(), "old": old_logp.detach().clone(),
+                      "adv": advantages.clone(), "mask": mask.clone(), "kw": kw, "loss": loss.detach(),
+                      "metrics": metrics})
         return loss, metrics
     monkeypatch.setattr(updates, "policy_loss", recorded)
     return calls
@@ -56,8 +57,8 @@ def policy_loss_calls(monkeypatch):
 
 def openrlhf_policy_loss(call, kind, dual_clip=None, eps=0.2):
     """OpenRLHF 0.10.2's PolicyLoss (openrlhf/models/loss.py, no IS correction) on one recorded micro-batch:
-    (loss, clip fraction, dual-clip fraction). `kind` "gspo": the ratio is exp of the sequence's mean log-ratio
-    and the loss a mean over sequences of token means; "ppo": token ratios, one token mean."""
+    (loss, clip fraction, dual-clip fraction). `kind` "gspo": the ratio is exp of the sequence's mean
+    log-ratio and the loss a mean over sequences of token means; "ppo": token ratios, one token mean."""
     m = call["mask"].float()
     log_ratio = call["logp"] - call["old"]
     adv = call["adv"] * m
@@ -77,8 +78,9 @@ def openrlhf_policy_loss(call, kind, dual_clip=None, eps=0.2):
     return float(mean), token_frac((surr2 < surr1).float()), token_frac(floored)
 
 
-OFF_POLICY = ("--algo.advantage.estimator", "group_norm", "--train.num_episodes", "1", "--train.batch_size", "16",
-              "--train.micro_batch_size", "16")  # 2 optimizer steps per rollout: the second one is off-policy
+# 2 optimizer steps per rollout (the second one off-policy), one micro-batch each
+OFF_POLICY = ("--algo.advantage.estimator", "group_norm", "--train.num_episodes", "1",
+              "--train.batch_size", "16", "--train.micro_batch_size", "16")
 
 
 def test_gspo_trains_with_openrlhfs_sequence_ratio(run_ppo, policy_loss_calls):
