@@ -1,10 +1,13 @@
 """How far `make demo`'s numbers move with the seed: the demo over several seeds, one table of each
 stage's range. A benchmark of the recipe, not a test.
 
-    .venv/bin/python bench/demo_spread.py --seeds 42,1,2 [--agent-only] [--recipes 640:3e-4,1280:3e-4]
+    .venv/bin/python bench/demo_spread.py --seeds 42,1,2 [--agent-only | --arithmetic-only]
+        [--recipes 640:3e-4,1280:3e-4]
         [--flags "--ds.no_onednn_linear"] [--workdir runs/spread]
 
-Without `--agent-only`, each seed is one `posttrain demo --seed S` (its summary.json read back). With it,
+Without `--agent-only` or `--arithmetic-only`, each seed is one `posttrain demo --seed S` (its
+summary.json read back). With `--arithmetic-only`, only the arithmetic rows (the base model, SFT, DPO,
+the reward model, PPO with it, GRPO: `demo.run_arithmetic_task` on the FULL recipe). With `--agent-only`,
 only the calculator task runs: per seed the base model and the agent SFT once (reused from an earlier
 sweep in the same --workdir), then multi-turn RL for each
 `--recipes` entry (RL prompts:learning rate) from that SFT model; the single-turn control is left out.
@@ -30,6 +33,13 @@ def full_demo(seed: int, out: Path) -> dict[str, float]:
     row["reward model (preference acc.)"] = summary["rm_preference_accuracy"]
     row.update({f"calculator: {k}": v for k, v in summary["agent_success"].items()})
     return row
+
+
+def arithmetic_only(seed: int, out: Path) -> dict[str, float]:
+    from posttrain.cli import demo
+
+    result = demo.run_arithmetic_task(demo.FULL, out / "base", out, seed, lambda _stage, fn, *a: fn(*a))
+    return {**result["accuracy"], "reward model (preference acc.)": result["rm_preference_accuracy"]}
 
 
 def agent_only(seed: int, out: Path, recipes: list[tuple[int, float]], flags: list[str]) -> dict[str, float]:
@@ -58,7 +68,9 @@ def agent_only(seed: int, out: Path, recipes: list[tuple[int, float]], flags: li
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="42,1,2")
-    ap.add_argument("--agent-only", action="store_true")
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument("--agent-only", action="store_true")
+    only.add_argument("--arithmetic-only", action="store_true")
     ap.add_argument("--recipes", default="640:3e-4", help="agent RL prompts:lr, comma-separated (--agent-only)")
     ap.add_argument("--flags", default="", help="extra training flags for the agent-only sweep")
     ap.add_argument("--workdir", default="runs/spread")
@@ -70,7 +82,7 @@ def main() -> None:
         start = time.time()
         out = Path(args.workdir) / f"seed{seed}"
         rows[seed] = (agent_only(seed, out, recipes, shlex.split(args.flags)) if args.agent_only
-                      else full_demo(seed, out))
+                      else arithmetic_only(seed, out) if args.arithmetic_only else full_demo(seed, out))
         print(f"seed {seed} ({(time.time() - start) / 60:.1f} min): {json.dumps(rows[seed])}", flush=True)
     print(f"\n| stage | {' | '.join(f'seed {s}' for s in seeds)} | range | spread |")
     print(f"|---|{'---|' * len(seeds)}---|---|")

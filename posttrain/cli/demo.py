@@ -73,6 +73,7 @@ VISION_STAGES = ("after SFT (sloppy demonstrator)", "after RL (GRPO, verifiable 
 VISION_SLOPPY = 0.7  # the colour demonstrator names a random colour in 70% of its answers
 VISION_RL_LR = 5e-4
 RM_STAGE = "reward model: held-out preference acc."
+BASE = "base (random init)"
 TOOL_USE = 0.4  # the calculator demonstrator calls the tool in 40% of its transcripts, else guesses
 
 
@@ -219,6 +220,36 @@ def agent_rl_flags(scale: DemoScale, sft: Path, data: Path, out: Path, seed: int
     ]
 
 
+def run_arithmetic_task(scale: DemoScale, base: Path, out: Path, seed: int, timed) -> dict:
+    """The arithmetic task: the base model at `base`, SFT, then from it DPO, a reward model and PPO with it,
+    and GRPO; greedy held-out accuracy after each (keys: STAGES), the RM's held-out preference accuracy,
+    the test rows, whether their prompts are unseen in training, the model folders and GRPO's samples."""
+    from posttrain.cli import train_dpo, train_ppo_ray, train_rm, train_sft
+    from posttrain.models import build_tiny
+
+    build_tiny(str(base), arch="llama", size=scale.size, head="lm", seed=seed, overwrite=True)
+    data = write_data(scale, out, seed)
+    sft_data, pairs = out / "data" / "sft", out / "data" / "pairs"
+    test = data["test"]
+    acc: dict[str, float] = {BASE: _accuracy(base, test)[0]}
+    d = {name: out / name for name in ("sft", "rl", "rm", "ppo_rm", "dpo")}
+    timed(STAGES[0], train_sft.main, sft_flags(scale, base, sft_data, d["sft"], seed), "posttrain demo (sft)")
+    acc[STAGES[0]] = _accuracy(d["sft"], test)[0]
+    timed(STAGES[1], train_dpo.main, dpo_flags(scale, d["sft"], pairs, d["dpo"], seed),
+          "posttrain demo (dpo)")
+    acc[STAGES[1]] = _accuracy(d["dpo"], test)[0]
+    rm_eval = timed("reward model", train_rm.main, rm_flags(scale, d["sft"], pairs, d["rm"], seed),
+                    "posttrain demo (rm)")
+    timed(STAGES[2], train_ppo_ray.main, ppo_rm_flags(scale, d["sft"], d["rm"], sft_data, d["ppo_rm"], seed),
+          "posttrain demo (ppo with rm)")
+    acc[STAGES[2]] = _accuracy(d["ppo_rm"], test)[0]
+    timed(STAGES[3], train_ppo_ray.main, rl_flags(scale, d["sft"], sft_data, d["rl"], seed),
+          "posttrain demo (grpo)")
+    acc[STAGES[3]], samples = _accuracy(d["rl"], test)
+    return {"accuracy": acc, "rm_preference_accuracy": rm_eval.get("eval/acc", float("nan")), "test": test,
+            "disjoint": data["disjoint"], "models": d, "samples": samples}
+
+
 def run_agent_task(scale: DemoScale, base: Path, out: Path, seed: int, timed) -> dict[str, float]:
     """The calculator task: SFT → multi-turn RL, and the single-turn control; greedy held-out success."""
     from posttrain.agents.examples import CALCULATOR_AGENT, CALCULATOR_NO_TOOL
@@ -268,7 +299,7 @@ def run_vision_task(scale: DemoScale, out: Path, seed: int, timed) -> dict[str, 
     base, data = out / "vision_base", out / "data" / "vision"
     build_tiny(str(base), size="nano", seed=seed, overwrite=True, vision=True, verbose=False)
     test = colour_rows(scale.n_test, seed=seed + 3, folder=data / "test")
-    acc = {"base (random init)": colour_accuracy(base, test)[0]}
+    acc = {BASE: colour_accuracy(base, test)[0]}
     for blank, folder, stages in ((False, out / "vision", VISION_STAGES[:2]),
                                   (True, out / "vision_blank", VISION_STAGES[2:])):
         kind = "blank" if blank else "images"
@@ -284,47 +315,76 @@ def run_vision_task(scale: DemoScale, out: Path, seed: int, timed) -> dict[str, 
     return acc
 
 
-# Where `make demo` lands (percent, min-max) over MEASURED_SEEDS seeds on a 2-core CPU (bench/RESULTS.md, "the
-# calculator recipe over seeds"): the README's ranges. Another seed or CPU reads another number inside (or near)
-# these ranges; a number far outside them is worth a look. Stages not listed were measured on one seed.
+@dataclass(frozen=True)
+class MeasuredRange:
+    """Where one row of the demo's table landed over MEASURED_SEEDS seeds (held-out %, min-max), and the
+    first words of that row in the Results tables of README.md and docs/getting-started.md, which show
+    the same range."""
+    low: float
+    high: float
+    readme: str
+    guide: str
+
+
+# Where `make demo` lands over MEASURED_SEEDS seeds (42, 1, 2): the "range" column of the README and the
+# guide, printed beside each row's own number. How each was measured: bench/RESULTS.md ("The demo's rows
+# over 3 seeds"). Another seed or CPU reads another number inside (or near) these ranges; a number far
+# outside them is worth a look. The calculator's single-turn control has none (measured on one seed).
 MEASURED_SEEDS = 3
-MEASURED: dict[str, tuple[float, float]] = {
-    "after SFT (tool available)": (22.5, 27.0),
-    "after multi-turn RL with the tool": (90.5, 94.5),
-    # the colour task, seeds 42, 1, 2 (bench/RESULTS.md, "the vision-language demo stage")
-    "after SFT (sloppy demonstrator)": (45.5, 71.0),
-    "after RL (GRPO, verifiable reward)": (71.5, 85.0),
-    "blank-image control: SFT + RL": (24.0, 26.0),
+# Keyed by (task, stage): each task (arithmetic, calculator, colour) prints its own section of the table, and
+# one stage name can be a row of two tasks ("after RL (GRPO, verifiable reward)": arithmetic and colour).
+MEASURED: dict[tuple[str, str], MeasuredRange] = {
+    ("arithmetic", BASE): MeasuredRange(0.0, 0.0, "base model", "base (random init"),
+    ("arithmetic", STAGES[0]): MeasuredRange(9.5, 12.0, "SFT (", "after SFT ("),
+    ("arithmetic", STAGES[1]): MeasuredRange(95.0, 98.5, "DPO (", "after DPO ("),
+    ("arithmetic", STAGES[2]): MeasuredRange(88.5, 98.5, "PPO with the reward model",
+                                             "after PPO with the reward model"),
+    ("arithmetic", STAGES[3]): MeasuredRange(87.0, 99.0, "GRPO with the verifiable reward",
+                                             "after RL with the verifiable reward"),
+    ("arithmetic", RM_STAGE): MeasuredRange(94.0, 99.0, "reward model (", "reward model ("),
+    ("calculator", AGENT_STAGES[0]): MeasuredRange(22.5, 27.0, "calculator task: multi-turn SFT",
+                                                   "calculator task (multiplication"),
+    ("calculator", AGENT_STAGES[1]): MeasuredRange(90.5, 94.5, "calculator task: multi-turn RL",
+                                                   "calculator: after multi-turn RL"),
+    ("colour", BASE): MeasuredRange(0.0, 0.0, "colour task: base model", "colour: base (random init"),
+    ("colour", VISION_STAGES[0]): MeasuredRange(45.5, 71.0, "colour task (vision-language",
+                                                "colour task (vision-language"),
+    ("colour", VISION_STAGES[1]): MeasuredRange(71.5, 85.0, "colour task: GRPO", "colour: after GRPO"),
+    ("colour", VISION_STAGES[2]): MeasuredRange(24.0, 26.0, "colour task: blank-image control",
+                                                "colour: blank-image control"),
 }
 
 
-def _row(stage: str, value: float, minutes: float | None, quick: bool) -> str:
-    low_high = None if quick else MEASURED.get(stage)
-    measured = f"{low_high[0]:.1f}-{low_high[1]:.1f}%" if low_high else ""
+def measured_range(task: str, stage: str) -> str:
+    """The printed range of the row `stage` of `task` ("lo-hi%"), "" where none was measured."""
+    r = MEASURED.get((task, stage))
+    return f"{r.low:.1f}-{r.high:.1f}%" if r else ""
+
+
+def _row(task: str, stage: str, value: float, minutes: float | None, quick: bool) -> str:
+    measured = "" if quick else measured_range(task, stage)
     return f"  {stage:<42}{value:>9.1%}{'' if minutes is None else f'{minutes:>9.1f}':>9}{measured:>18}"
 
 
 def print_table(summary: dict) -> None:
     quick = summary.get("quick", False)
     header = f"  {'stage':<42}{'accuracy':>9}{'minutes':>9}{'' if quick else f'{MEASURED_SEEDS} seeds (README)':>18}"
+    minutes = summary["minutes"]
     print("\nheld-out accuracy on", summary["task"], f"({summary['held_out_prompts']} prompts, greedy)")
     print(header)
     for stage, acc in summary["accuracy"].items():
-        print(_row(stage, acc, summary["minutes"].get(stage), quick))
-    print(_row(RM_STAGE, summary["rm_preference_accuracy"], summary["minutes"]["reward model"], quick))
+        print(_row("arithmetic", stage, acc, minutes.get(stage), quick))
+    print(_row("arithmetic", RM_STAGE, summary["rm_preference_accuracy"], minutes["reward model"], quick))
     print(f"\nheld-out success on {summary['agent_task']} ({summary['held_out_prompts']} problems, greedy episodes)")
     for stage, acc in summary["agent_success"].items():
-        print(_row(stage, acc, summary["minutes"][stage], quick))
+        print(_row("calculator", stage, acc, minutes[stage], quick))
     print(f"\nheld-out accuracy on {summary['vision_task']} ({summary['held_out_prompts']} images, greedy)")
     for stage, acc in summary["vision_accuracy"].items():
-        print(_row(stage, acc, summary["minutes"].get(stage), quick))
+        print(_row("colour", stage, acc, minutes.get(stage), quick))
     print(f"done in {summary['seconds'] / 60:.1f} min; models, metrics and plots under {summary['output']}")
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from posttrain.cli import train_dpo, train_ppo_ray, train_rm, train_sft
-    from posttrain.models import build_tiny
-
     p = argparse.ArgumentParser(prog="posttrain demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", default="runs/demo", help="folder for models, data, metrics and plots")
@@ -343,32 +403,15 @@ def main(argv: list[str] | None = None) -> dict:
         return result
 
     base = out / "base"
-    build_tiny(str(base), arch="llama", size=scale.size, head="lm", seed=args.seed, overwrite=True)
-    data = write_data(scale, out, args.seed)
-    sft_data, pairs = out / "data" / "sft", out / "data" / "pairs"
-    test = data["test"]
-    acc: dict[str, float] = {"base (random init)": _accuracy(base, test)[0]}
-    d = {name: out / name for name in ("sft", "rl", "rm", "ppo_rm", "dpo")}
-
-    timed(STAGES[0], train_sft.main, sft_flags(scale, base, sft_data, d["sft"], args.seed), "posttrain demo (sft)")
-    acc[STAGES[0]] = _accuracy(d["sft"], test)[0]
-    timed(STAGES[1], train_dpo.main, dpo_flags(scale, d["sft"], pairs, d["dpo"], args.seed), "posttrain demo (dpo)")
-    acc[STAGES[1]] = _accuracy(d["dpo"], test)[0]
-    rm_eval = timed("reward model", train_rm.main, rm_flags(scale, d["sft"], pairs, d["rm"], args.seed),
-                    "posttrain demo (rm)")
-    timed(STAGES[2], train_ppo_ray.main, ppo_rm_flags(scale, d["sft"], d["rm"], sft_data, d["ppo_rm"], args.seed),
-          "posttrain demo (ppo with rm)")
-    acc[STAGES[2]] = _accuracy(d["ppo_rm"], test)[0]
-    timed(STAGES[3], train_ppo_ray.main, rl_flags(scale, d["sft"], sft_data, d["rl"], args.seed),
-          "posttrain demo (grpo)")
-    acc[STAGES[3]], samples = _accuracy(d["rl"], test)
+    arith = run_arithmetic_task(scale, base, out, args.seed, timed)
+    acc, test, d = arith["accuracy"], arith["test"], arith["models"]
     agent = run_agent_task(scale, base, out, args.seed, timed)
     vision = run_vision_task(scale, out, args.seed, timed)
 
     summary = {"task": f"arithmetic difficulty {scale.difficulty}, demonstrations with the rounding habit "
                        f"in {scale.habit:.0%}", "held_out_prompts": len(test),
-               "held_out_prompts_unseen_in_training": data["disjoint"], "accuracy": acc,
-               "rm_preference_accuracy": rm_eval.get("eval/acc", float("nan")), "minutes": minutes,
+               "held_out_prompts_unseen_in_training": arith["disjoint"], "accuracy": acc,
+               "rm_preference_accuracy": arith["rm_preference_accuracy"], "minutes": minutes,
                "agent_task": f"multiplication with a calculator tool (demonstrator uses it in {TOOL_USE:.0%})",
                "agent_success": agent,
                "vision_task": f"the colour of a shape in an image (vision-language; the demonstrator names a random "
@@ -377,7 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
                "plots": {name: str(path / "plots") for name, path in d.items()}}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     with (out / "samples_final.jsonl").open("w") as f:
-        for s in samples:
+        for s in arith["samples"]:
             f.write(json.dumps(s) + "\n")
     print_table(summary)
     return summary

@@ -436,7 +436,8 @@ class LoggerConfig:
     """Logging (metrics.jsonl is always written to the run directory)."""
 
     logging_steps: int = opt(1, "log every N steps", ge=1)
-    tensorboard_dir: str | None = opt(None, "TensorBoard log directory")
+    tensorboard_dir: str | None = opt(None, "TensorBoard folder; a run logs to <dir>/<run name> "
+                                            "(--logger.wandb.run_name)")
     wandb: WandbConfig = section(WandbConfig)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -107,9 +108,13 @@ class RunStart:
     def open_logger(self, cfg: TrainerConfig, enabled: bool = True) -> MetricsLogger:
         """The run's metric sinks: metrics.jsonl in the run directory (continued after the resumed step
         when a checkpoint is resumed; a fresh start, also under --ckpt.load_enable with no checkpoint
-        left, starts it over), TensorBoard and W&B when asked for."""
-        return MetricsLogger(self.output_dir, tensorboard_dir=cfg.logger.tensorboard_dir, wandb=wandb_settings(cfg),
-                             enabled=enabled, resume=self.folders.resume_from is not None)
+        left, starts it over), TensorBoard and W&B when asked for. TensorBoard writes to
+        `<--logger.tensorboard_dir>/<run name>` (`run_name`), one folder per run as in OpenRLHF."""
+        name = run_name(cfg)
+        tb = cfg.logger.tensorboard_dir
+        return MetricsLogger(self.output_dir, tensorboard_dir=os.path.join(tb, name) if tb else None,
+                             wandb=wandb_settings(cfg, name), enabled=enabled,
+                             resume=self.folders.resume_from is not None)
 
     def close(self) -> None:
         self.folders.close()
@@ -274,6 +279,12 @@ class SingleModelRun:
         engine.barrier()
 
 
-def wandb_settings(cfg: TrainerConfig) -> dict:
+def run_name(cfg: TrainerConfig) -> str:
+    """The run's name in TensorBoard and W&B: --logger.wandb.run_name, else OpenRLHF's default
+    `<trainer>_<MMDDTHH:MM>` (local time now)."""
+    return cfg.logger.wandb.run_name or f"{cfg.trainer}_{datetime.now():%m%dT%H:%M}"
+
+
+def wandb_settings(cfg: TrainerConfig, name: str) -> dict:
     w = cfg.logger.wandb
-    return {"key": w.key, "org": w.org, "group": w.group, "project": w.project, "run_name": w.run_name}
+    return {"key": w.key, "org": w.org, "group": w.group, "project": w.project, "run_name": name}

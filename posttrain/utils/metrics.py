@@ -59,9 +59,17 @@ class MetricsLogger:
             self._wandb.log(numeric, step=step)
 
     def truncate_after(self, step: int) -> None:
-        """On resume, drop rows logged after the checkpoint's step so the curve has no duplicates."""
-        if self.enabled:
-            truncate_jsonl_after(self.path, step)
+        """On resume, drop rows logged after the checkpoint's step so the curve has no duplicates; in
+        TensorBoard, the events an earlier writer logged after `step` are purged (`purge_step`)."""
+        if not self.enabled:
+            return
+        truncate_jsonl_after(self.path, step)
+        if self._tb is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            log_dir = self._tb.log_dir
+            self._tb.close()
+            self._tb = SummaryWriter(log_dir=log_dir, purge_step=step + 1)
 
     def close(self) -> None:
         if self._tb is not None:

@@ -1,4 +1,5 @@
-"""`posttrain ppo` end to end: every estimator raises the reward; resume, seeds, evaluation."""
+"""`posttrain ppo` end to end: every estimator raises the reward; GSPO and dual-clip train with OpenRLHF's
+loss; resume, seeds, evaluation."""
 import json
 import shutil
 
@@ -34,6 +35,95 @@ def test_each_estimator_raises_the_reward(run_ppo, estimator, extra):
         assert key in rows[0], key
     if estimator == "gae":
         assert "critic/value_loss" in rows[0]
+
+
+@pytest.fixture
+def policy_loss_calls(monkeypatch):
+    """Every `policy_loss` call of the actor update during a run (inputs, keywords, the loss and metrics it
+    returned); the real function computes them."""
+    import posttrain.trainers.rl.updates as updates
+
+    calls, real = [], updates.policy_loss
+
+    def recorded(logp, old_logp, advantages, mask, **kw):
+        loss, metrics = real(logp, old_logp, advantages, mask, **kw)
+        calls.append({"logp": logp.detach().clone(), "old": old_logp.detach().clone(),
+                      "adv": advantages.clone(), "mask": mask.clone(), "kw": kw, "loss": loss.detach(),
+                      "metrics": metrics})
+        return loss, metrics
+    monkeypatch.setattr(updates, "policy_loss", recorded)
+    return calls
+
+
+def openrlhf_policy_loss(call, kind, dual_clip=None, eps=0.2):
+    """OpenRLHF 0.10.2's PolicyLoss (openrlhf/models/loss.py, no IS correction) on one recorded micro-batch:
+    (loss, clip fraction, dual-clip fraction). `kind` "gspo": the ratio is exp of the sequence's mean
+    log-ratio and the loss a mean over sequences of token means; "ppo": token ratios, one token mean."""
+    m = call["mask"].float()
+    log_ratio = call["logp"] - call["old"]
+    adv = call["adv"] * m
+    if kind == "gspo":
+        ratio = ((log_ratio * m).sum(-1) / m.sum(-1)).exp()[:, None] * m
+    else:
+        ratio = log_ratio.exp()
+    surr1, surr2 = ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv
+    objective = torch.min(surr1, surr2)
+    floored = torch.zeros_like(m)
+    if dual_clip is not None:
+        floored = ((adv < 0) & (dual_clip * adv > objective)).float()
+        objective = torch.where(adv < 0, torch.max(objective, dual_clip * adv), objective)
+    loss = -objective * m
+    mean = (loss.sum(-1) / m.sum(-1)).mean() if kind == "gspo" else loss.sum() / m.sum()
+    token_frac = lambda t: float((t * m).sum() / m.sum())
+    return float(mean), token_frac((surr2 < surr1).float()), token_frac(floored)
+
+
+# 2 optimizer steps per rollout (the second one off-policy), one micro-batch each
+OFF_POLICY = ("--algo.advantage.estimator", "group_norm", "--train.num_episodes", "1",
+              "--train.batch_size", "16", "--train.micro_batch_size", "16")
+
+
+def test_gspo_trains_with_openrlhfs_sequence_ratio(run_ppo, policy_loss_calls):
+    """Every loss the actor backpropagates is OpenRLHF's GSPO loss of its batch (sequence ratio, clipped per
+    sequence, mean of token means), not the token-level one, and the reward rises."""
+    out, _ = run_ppo(*OFF_POLICY, "--actor.policy_loss_type", "gspo", "--actor.eps_clip", "0.05", name="gspo")
+    assert len(policy_loss_calls) == 16  # 8 rollouts x 2 optimizer steps x 1 micro-batch
+    differs_from_token_level = clipped = 0
+    for call in policy_loss_calls:
+        assert (call["kw"]["loss_type"], call["kw"]["agg"]) == ("gspo", "seq_mean_token_mean")
+        loss, clip_frac, _ = openrlhf_policy_loss(call, "gspo", eps=0.05)
+        assert float(call["loss"]) == pytest.approx(loss, rel=1e-5, abs=1e-6)
+        assert float(call["metrics"]["clip_ratio"]) == pytest.approx(clip_frac, abs=1e-6)
+        token_level, _, _ = openrlhf_policy_loss(call, "ppo", eps=0.05)
+        differs_from_token_level += abs(token_level - loss) > 1e-4
+        clipped += clip_frac > 0
+    assert differs_from_token_level >= 4 and clipped >= 2, (differs_from_token_level, clipped)
+    rows = read_metrics(out / "metrics.jsonl")
+    assert any(r["actor/clip_ratio"] > 0 for r in rows)
+    r = rewards_by_step(out)
+    assert sum(r[-2:]) / 2 > sum(r[:2]) / 2 + 0.15, r
+
+
+def test_dual_clip_bounds_the_loss_of_negative_advantages(run_ppo, policy_loss_calls):
+    """With --actor.dual_clip c, the loss of a token with a negative advantage is at most -c·Â (OpenRLHF's
+    dual-clip PPO): some tokens hit the bound, the logged dual-clip fraction says how many, every loss is
+    OpenRLHF's, and the reward rises."""
+    out, _ = run_ppo(*OFF_POLICY, "--actor.dual_clip", "1.05", name="dual_clip")
+    assert len(policy_loss_calls) == 16
+    floored_calls = 0
+    for call in policy_loss_calls:
+        assert call["kw"]["dual_clip"] == 1.05
+        loss, clip_frac, dual_frac = openrlhf_policy_loss(call, "ppo", dual_clip=1.05)
+        assert float(call["loss"]) == pytest.approx(loss, rel=1e-5, abs=1e-6)
+        assert float(call["metrics"]["clip_ratio"]) == pytest.approx(clip_frac, abs=1e-6)
+        assert float(call["metrics"]["dual_clip_frac"]) == pytest.approx(dual_frac, abs=1e-6)
+        if dual_frac > 0:
+            floored_calls += 1
+            assert loss < openrlhf_policy_loss(call, "ppo")[0] - 1e-6  # the bound lowers the loss
+    assert floored_calls >= 2, floored_calls
+    assert max(row["actor/dual_clip_frac"] for row in read_metrics(out / "metrics.jsonl")) > 0
+    r = rewards_by_step(out)
+    assert sum(r[-2:]) / 2 > sum(r[:2]) / 2 + 0.15, r
 
 
 def test_trl_rloo_flags_train(run_ppo):
