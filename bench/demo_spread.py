@@ -10,7 +10,8 @@ summary.json read back). With `--arithmetic-only`, only the arithmetic rows (the
 the reward model, PPO with it, GRPO: `demo.run_arithmetic_task` on the FULL recipe). With `--agent-only`,
 only the calculator task runs: per seed the base model and the agent SFT once (reused from an earlier
 sweep in the same --workdir), then multi-turn RL for each
-`--recipes` entry (RL prompts:learning rate) from that SFT model; the single-turn control is left out.
+`--recipes` entry (RL prompts:learning rate) from that SFT model; with `--control` also the
+single-turn control (its RL without the tool; `--recipes ""` runs only the SFT and the control).
 `--flags` are appended to every training launch of the agent-only sweep (a rounding variant, e.g.
 `--ds.no_onednn_linear`); `POSTTRAIN_CPU_KERNELS=0` in the environment is another.
 """
@@ -42,8 +43,9 @@ def arithmetic_only(seed: int, out: Path) -> dict[str, float]:
     return {**result["accuracy"], "reward model (preference acc.)": result["rm_preference_accuracy"]}
 
 
-def agent_only(seed: int, out: Path, recipes: list[tuple[int, float]], flags: list[str]) -> dict[str, float]:
-    from posttrain.agents.examples import CALCULATOR_AGENT
+def agent_only(seed: int, out: Path, recipes: list[tuple[int, float]], flags: list[str],
+               control: bool = False) -> dict[str, float]:
+    from posttrain.agents.examples import CALCULATOR_AGENT, CALCULATOR_NO_TOOL
     from posttrain.cli import demo, train_ppo_ray, train_sft
     from posttrain.models import build_tiny
     from posttrain.trainers.task_eval import agent_success
@@ -62,6 +64,10 @@ def agent_only(seed: int, out: Path, recipes: list[tuple[int, float]], flags: li
         recipe = replace(scale, agent_prompts=prompts, agent_rl_lr=lr)
         train_ppo_ray.main(demo.agent_rl_flags(recipe, sft, data, rl, seed, CALCULATOR_AGENT) + flags)
         row[f"RL {prompts} prompts, lr {lr:g}"] = agent_success(rl, test, CALCULATOR_AGENT)[0]
+    if control:  # the demo's single-turn control: its RL recipe without the tool
+        single = out / "agent_single_turn"
+        train_ppo_ray.main(demo.agent_rl_flags(scale, sft, data, single, seed, CALCULATOR_NO_TOOL) + flags)
+        row["single-turn control"] = agent_success(single, test, CALCULATOR_NO_TOOL)[0]
     return row
 
 
@@ -72,16 +78,17 @@ def main() -> None:
     only.add_argument("--agent-only", action="store_true")
     only.add_argument("--arithmetic-only", action="store_true")
     ap.add_argument("--recipes", default="640:3e-4", help="agent RL prompts:lr, comma-separated (--agent-only)")
+    ap.add_argument("--control", action="store_true", help="also the single-turn control (--agent-only)")
     ap.add_argument("--flags", default="", help="extra training flags for the agent-only sweep")
     ap.add_argument("--workdir", default="runs/spread")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
-    recipes = [(int(p), float(lr)) for p, lr in (r.split(":") for r in args.recipes.split(","))]
+    recipes = [(int(p), float(lr)) for p, lr in (r.split(":") for r in args.recipes.split(",") if r)]
     rows: dict[int, dict[str, float]] = {}
     for seed in seeds:
         start = time.time()
         out = Path(args.workdir) / f"seed{seed}"
-        rows[seed] = (agent_only(seed, out, recipes, shlex.split(args.flags)) if args.agent_only
+        rows[seed] = (agent_only(seed, out, recipes, shlex.split(args.flags), args.control) if args.agent_only
                       else arithmetic_only(seed, out) if args.arithmetic_only else full_demo(seed, out))
         print(f"seed {seed} ({(time.time() - start) / 60:.1f} min): {json.dumps(rows[seed])}", flush=True)
     print(f"\n| stage | {' | '.join(f'seed {s}' for s in seeds)} | range | spread |")
