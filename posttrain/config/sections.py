@@ -197,7 +197,8 @@ class RolloutConfig:
     max_tokens_per_gpu: int | None = opt(
         None,
         "token budget per GPU for rollout-side forwards (dynamic batching; a micro-batch holds up to this x "
-        "--ds.ring_attn_size x --ds.tensor_parallel_size tokens); default: --train.max_tokens_per_gpu", gt=0,
+        "--ds.ring_attn_size x --ds.tensor_parallel_size tokens, the reference's x --ds.ring_attn_size); "
+        "default: --train.max_tokens_per_gpu", gt=0,
         inert=needs("--train.dynamic_batch_enable", lambda c: c.train.dynamic_batch_enable),
     on_resume="adjustable",
 )

@@ -20,11 +20,13 @@ def data_parallel_size(cfg: TrainerConfig, world_size: int) -> int:
     return ws // same if ws % same == 0 else ws
 
 
-def micro_batch_tokens(cfg: TrainerConfig, per_gpu: int | None) -> int | None:
+def micro_batch_tokens(cfg: TrainerConfig, per_gpu: int | None, tensor: int | None = None) -> int | None:
     """A micro-batch's token budget with dynamic batching, from a `--*.max_tokens_per_gpu` value: x
-    --ds.ring_attn_size x --ds.tensor_parallel_size, the GPUs of a ring-attention / tensor-parallel group that
-    compute one micro-batch together (as OpenRLHF); None stays None."""
-    return None if per_gpu is None else per_gpu * cfg.ds.ring_attn_size * cfg.ds.tensor_parallel_size
+    --ds.ring_attn_size x the tensor-parallel size, the GPUs of a ring-attention / tensor-parallel group that
+    compute one micro-batch together (as OpenRLHF); None stays None. `tensor`: the model's own tensor-parallel
+    size (ppo's reference is not split: 1), default --ds.tensor_parallel_size."""
+    tp = cfg.ds.tensor_parallel_size if tensor is None else tensor
+    return None if per_gpu is None else per_gpu * cfg.ds.ring_attn_size * tp
 
 
 def derived_sizes(cfg: TrainerConfig, world_size: int = 1) -> dict[str, Any]:

@@ -35,11 +35,14 @@ def _scalar(v) -> bool:
 
 
 class ExperienceMaker:
-    """`make(scored, kl_coef)` → (Experience, metrics) with the run's roles (`ref`, `critic` may be None)."""
+    """`make(scored, kl_coef)` → (Experience, metrics) with the run's roles (`ref`, `critic` may be None); the
+    actor and critic forward in `batching`, the reference in `ref_batching` (default `batching`)."""
 
-    def __init__(self, cfg: PPOConfig, actor, ref, critic, batching: Batching, pad_id: int) -> None:
+    def __init__(self, cfg: PPOConfig, actor, ref, critic, batching: Batching, pad_id: int,
+                 ref_batching: Batching | None = None) -> None:
         self.cfg, self.actor, self.ref, self.critic = cfg, actor, ref, critic
         self.batching, self.pad_id = batching, pad_id
+        self.ref_batching = ref_batching or batching
 
     def needs_old_logp(self, num_samples: int) -> bool:
         """With exactly one optimizer step per rollout and no KL penalty in the reward, the policy that
@@ -68,7 +71,7 @@ class ExperienceMaker:
             metrics["rollout/logprob_abs_gap"] = masked_mean((exp.old_logp - exp.rollout_logp).abs(), mask).item()
         kl = None
         if self.ref is not None:
-            exp.ref_logp = self.ref.logprobs(exp, mbs)
+            exp.ref_logp = self.ref.logprobs(exp, self.ref_batching)
         if exp.ref_logp is not None and exp.old_logp is not None:
             kl, kl_stats = approx_kl_with_stats(exp.old_logp, exp.ref_logp, cfg.algo.kl.estimator,
                                                  clamp=cfg.algo.kl.clamp or None, mask=mask)

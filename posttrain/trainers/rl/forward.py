@@ -46,17 +46,20 @@ class Batching:
                                       max_tokens=self.max_tokens)
 
 
-def ppo_batchings(cfg, shared: bool) -> tuple[Batching, Batching]:
-    """The training and the experience-making `Batching` of a `ppo` config: --train / --rollout.micro_batch_size
-    samples, or with --train.dynamic_batch_enable the --train / --rollout.max_tokens_per_gpu budgets (rollout:
-    default train's) per GPU, a micro-batch holding that x ring x TP tokens (`config.summary.micro_batch_tokens`).
-    `shared`: the shared-prefix layout."""
+def ppo_batchings(cfg, shared: bool) -> tuple[Batching, Batching, Batching]:
+    """The training, the experience-making and the reference's `Batching` of a `ppo` config: --train /
+    --rollout.micro_batch_size samples, or with --train.dynamic_batch_enable the --train /
+    --rollout.max_tokens_per_gpu budgets (rollout: default train's) per GPU, a micro-batch holding that x ring x
+    the role's TP tokens (`config.summary.micro_batch_tokens`): the actor and critic are split by
+    --ds.tensor_parallel_size, the reference is not (TP 1). `shared`: the shared-prefix layout."""
     dynamic = cfg.train.dynamic_batch_enable
     train = micro_batch_tokens(cfg, cfg.train.max_tokens_per_gpu) if dynamic else None
     rollout = cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu
     forward = micro_batch_tokens(cfg, rollout) if dynamic else None
+    ref = micro_batch_tokens(cfg, rollout, tensor=1) if dynamic else None
     return (Batching(cfg.train.micro_batch_size, train, cfg.ds.packing_samples, shared),
-            Batching(cfg.rollout.micro_batch_size, forward, cfg.ds.packing_samples, shared))
+            Batching(cfg.rollout.micro_batch_size, forward, cfg.ds.packing_samples, shared),
+            Batching(cfg.rollout.micro_batch_size, ref, cfg.ds.packing_samples, shared))
 
 
 def policy_forward(model, exp: Experience, temperature: float, with_entropy: bool = False, packed: bool = False,

@@ -233,7 +233,7 @@ class RLTrainer(RunLoop):
         # by default); the KL-loss / entropy / value terms stay token means. Otherwise it applies to all.
         other_agg = "token_mean" if a.policy_loss_type in SEQUENCE_POLICY_LOSSES else a.loss_agg
         shared = cfg.ds.shared_prefix and self.processor is None  # a vision-language model takes padded batches
-        self.train_batching, self.forward_batching = ppo_batchings(cfg, shared)
+        self.train_batching, self.forward_batching, ref_batching = ppo_batchings(cfg, shared)
         self.update_settings = UpdateSettings(
             batch_size=cfg.train.batch_size, batching=self.train_batching,
             max_epochs=cfg.train.max_epochs, loss_agg=other_agg, policy_loss_agg=a.loss_agg,
@@ -249,7 +249,7 @@ class RLTrainer(RunLoop):
                                        cfg.reward.stop_properly_penalty_coef, penalty,
                                        self._eos_ids() if penalty is not None else ())
         self.experience_maker = ExperienceMaker(cfg, self.actor, self.ref, self.critic, self.forward_batching,
-                                                self.tokenizer.pad_token_id)
+                                                self.tokenizer.pad_token_id, ref_batching)
         self.stream = PromptStream(len(self.prompts), cfg.train.seed)
         self.trained_cursor = 0  # the prompt cursor after the last batch trained (what a checkpoint keeps)
         gen = cfg.rollout.vllm_generate_batch_size

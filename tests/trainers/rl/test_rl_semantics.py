@@ -206,27 +206,48 @@ def test_packed_and_dynamic_batches_equal_padded(tiny_model_dir, tiny_score_mode
             torch.testing.assert_close(other[k], base[k], atol=2e-6, rtol=1e-4)
 
 
-@pytest.mark.parametrize("layout,gpus", [((), 1), (("--ds.ring_attn_size", "2"), 2),
-                                         (("--ds.tensor_parallel_size", "2"), 2),
-                                         (("--ds.ring_attn_size", "2", "--ds.tensor_parallel_size", "2"), 4)])
-def test_max_tokens_per_gpu_is_per_gpu_of_a_ring_or_tensor_parallel_group(layout, gpus):
+@pytest.mark.parametrize("layout,ring,tp", [((), 1, 1), (("--ds.ring_attn_size", "2"), 2, 1),
+                                             (("--ds.tensor_parallel_size", "2"), 1, 2),
+                                             (("--ds.ring_attn_size", "2", "--ds.tensor_parallel_size", "2"), 2, 2)])
+def test_max_tokens_per_gpu_is_per_gpu_of_a_ring_or_tensor_parallel_group(layout, ring, tp):
     """--train / --rollout.max_tokens_per_gpu are budgets per GPU (as OpenRLHF): the micro-batches of the
     training and of the experience-making forwards hold up to budget x ring x TP tokens, the GPUs of the group
-    that computes them together. 8 rows of 10 tokens; budgets 20 (train) and 10 (rollout)."""
+    that computes them together; the reference is never split by TP, so its micro-batches hold budget x ring.
+    8 rows of 10 tokens; budgets 20 (train) and 10 (rollout)."""
     from posttrain.config import parse_config
+    from posttrain.rollout.single_turn import ScoredRollouts
+    from posttrain.trainers.rl.experience_maker import ExperienceMaker
 
     flags = ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "p.jsonl", "--reward.remote_url", "r.py",
              "--ds.packing_samples", "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "20",
              "--rollout.max_tokens_per_gpu", "10", "--data.max_len", "16", *layout]
     for role in ("actor", "ref", "critic"):
         flags += [f"--{role}.num_gpus_per_node", "4"]
-    train, forward = ppo_batchings(parse_config("ppo", flags, device="cpu"), shared=True)
-    assert (train.max_tokens, forward.max_tokens) == (20 * gpus, 10 * gpus)
-    assert train.packed and train.shared_prefix and forward.packed
+    cfg = parse_config("ppo", flags, device="cpu")
+    train, forward, ref = ppo_batchings(cfg, shared=True)
+    gpus = ring * tp
+    assert (train.max_tokens, forward.max_tokens, ref.max_tokens) == (20 * gpus, 10 * gpus, 10 * ring)
+    assert train.packed and train.shared_prefix and forward.packed and ref.packed
     rolls = [Rollout([3, 4, 5, 6], [7 + i] * 6, [-1.0] * 6, "length", "", "") for i in range(8)]
     exp = build_experience(rolls, torch.zeros(8), 0)
     assert [len(m) for m in train.micro_batches(exp)] == [2 * gpus] * (4 // gpus)
     assert [len(m) for m in forward.micro_batches(exp)] == [gpus] * (8 // gpus)
+
+    class Role:  # records the micro-batches each role's forward is given
+        def __init__(self):
+            self.sizes = []
+
+        def logprobs(self, exp, batching):
+            self.sizes += [len(m) for m in batching.micro_batches(exp)]
+            return torch.zeros_like(exp.action_mask)
+
+        values = logprobs
+
+    actor, reference, critic = Role(), Role(), Role()
+    scored = ScoredRollouts(rolls, torch.zeros(8), torch.zeros(8), {}, torch.zeros(8, dtype=torch.bool))
+    ExperienceMaker(cfg, actor, reference, critic, forward, 0, ref).make(scored, kl_coef=0.1)
+    assert reference.sizes == [ring] * (8 // ring)
+    assert actor.sizes == critic.sizes == [gpus] * (8 // gpus)
 
 
 def test_kl_statistic_is_per_sequence():
