@@ -260,10 +260,12 @@ def _run_id_of(path: Path) -> str | None:
 
 
 def checkpoint_metric(path: Path) -> dict | None:
-    """The evaluation metric a checkpoint was saved with ({"key", "value", "higher_is_better"}), or None."""
+    """The evaluation metric a checkpoint was saved with ({"key", "value", "higher_is_better"}), or None (also
+    for a non-finite value, which cannot be ranked: such a checkpoint is rotated out first)."""
     try:
         m = read_manifest(path)["meta"].get("metric")
-        return m if m and isinstance(m.get("value"), (int, float)) else None
+        ok = m and isinstance(m.get("value"), (int, float)) and math.isfinite(m["value"])
+        return m if ok else None
     except (OSError, ValueError, KeyError, AttributeError, TypeError):
         return None
 

@@ -332,3 +332,13 @@ def test_checkpoint_mid_replacement_still_counts(tmp_path):
     assert [s for s, _ in mgr.valid_checkpoints()] == [3]
     mgr.save(3, _writer(b"again"), {})
     assert [p.name for _, p in mgr.step_dirs()] == ["global_step3"] and not (tmp_path / ".old_step3").exists()
+
+
+def test_rotation_deletes_a_non_finite_metric_first(tmp_path):
+    """A NaN metric cannot be ranked: it counts as no metric, so the good checkpoints stay."""
+    mgr = CheckpointManager(tmp_path, max_num=2)
+    for step, value in [(1, math.nan), (2, 0.5), (3, 0.1), (4, 0.9)]:
+        mgr.save(step, _writer(b"x"), _metric(value))
+    assert sorted(s for s, _ in mgr.step_dirs()) == [2, 4]
+    mgr.save(5, _writer(b"x"), _metric(math.inf))
+    assert sorted(s for s, _ in mgr.step_dirs()) == [4, 5]  # the newest is never deleted; 0.5 < 0.9 goes
