@@ -9,8 +9,10 @@ A trainer subclasses `RunLoop` and supplies:
     then advances;
   - `evaluate() -> metrics` (`{}`: nothing to evaluate);
   - `write_checkpoint(dir)` (every rank) and `restore(path, meta)`: its own state; `RunLoop` writes
-    and reads `meta["global_step"]`, `meta["metric"]` and `meta["best"]`, wraps an unloadable checkpoint
-    in a CheckpointError and trims the metrics file after the resumed step;
+    and reads `meta["global_step"]`, `meta["metric"]`, `meta["best"]`, `meta["baseline_step"]` and
+    `meta["evaluation"]` (the results of an evaluation of the checkpoint's step, which a resume does not
+    repeat), wraps an unloadable checkpoint in a CheckpointError and trims the metrics file after the
+    resumed step;
   - `export_hf(dir)` (every rank) with `--ckpt.save_hf`: the HF export, written to
     `<ckpt.path>/global_step<N>_hf` (atomic, never rotated);
   - `metric_key(eval_metrics)` and `higher_is_better`: the evaluation metric that ranks checkpoints
@@ -23,8 +25,9 @@ trainer has an evaluation), before its checkpoint. A checkpoint records the metr
 its own step (`meta["metric"]`), which rotation reads (`CheckpointManager`).
 Best (`Cadence.keep_best`, RL): the starting model is evaluated first (logged at step 0) as the
 baseline; an evaluation strictly better than every earlier one (the baseline included) saves the best
-checkpoint `best_global_step<N>` (resumable, never rotated; when the run saves checkpoints) and calls
-`export_best`. A run that never beats its baseline saves no best and says so.
+checkpoint `best_global_step<N>` (resumable, never rotated; whenever the run has a checkpoint folder) and
+calls `export_best`. A resumed run without a recorded best takes its first evaluation as the baseline. A run
+that never beats its baseline saves no best and says so. A non-finite metric is neither.
 Resume takes the checkpoint `CheckpointManager.prepare` chose (newest that verifies, same training
 flags) and never an older or another run's one instead. Ctrl-C ends `fit` with `Interrupted`:
 `interrupted at step N; last checkpoint: <path or none>`; SIGTERM with `Terminated`: `terminated at
@@ -32,6 +35,7 @@ step N; ...` (`utils/interrupt.py`).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +56,14 @@ class Cadence:
     keep_best: bool = False  # a baseline evaluation, the best checkpoint and `export_best`
 
 
+def best_of_old_state(old: dict | None) -> dict | None:
+    """The best evaluation as checkpoints from before `meta["best"]` kept it in the trainer's own state
+    ({"key", "value", "step"}; {"value": -inf}: none yet), or None."""
+    if not old or not isinstance(old.get("value"), (int, float)) or not math.isfinite(old["value"]):
+        return None
+    return {"key": old.get("key"), "value": float(old["value"]), "step": old.get("step")}
+
+
 class RunLoop:
     desc = "train"  # the progress bar's label
     higher_is_better = True  # the direction of `metric_key`'s metric
@@ -66,6 +78,9 @@ class RunLoop:
         self.global_step = 0
         self.metric: dict | None = None  # the latest evaluation: {"key", "value", "step", "higher_is_better"}
         self.best: dict = {"key": None, "value": None, "step": None}  # the best evaluation (or the baseline)
+        self.baseline_step: int | None = None  # the step of the evaluation the best must beat
+        self.evaluated_at: int | None = None  # the step of the latest evaluation
+        self.last_eval: dict[str, float] = {}  # its results
 
     # ---- what a trainer supplies ------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -111,7 +126,8 @@ class RunLoop:
         the best) its HF export next to it."""
         metric = self.metric if self.metric is not None and self.metric["step"] == self.global_step else None
         meta = {"global_step": self.global_step, "metric": metric, "best": self.best,
-                **self.checkpoint_meta()}
+                "baseline_step": self.baseline_step, **self.checkpoint_meta(),
+                "evaluation": self.last_eval if self.evaluated_at == self.global_step else None}
         path = self.ckpt.save(self.global_step, self.write_checkpoint, meta, best=best)
         info(f"saved {'best ' if best else ''}checkpoint {path}")
         if self.cadence.save_hf and not best:
@@ -137,7 +153,12 @@ class RunLoop:
                 f"checkpoint {path} verifies but cannot be loaded by this run ({why}); resume on the set-up "
                 f"that wrote it (ranks, DeepSpeed flags), or start a new run with another --ckpt.path") from e
         self.global_step = int(meta["global_step"])
-        self.best = meta.get("best") or self.best
+        self.best = meta.get("best") or self.best  # `restore` may have set it (an older checkpoint's state)
+        # checkpoints written before these keys: a best at step 0 was the starting model's baseline; the
+        # checkpoint's metric is of an evaluation of its step
+        self.baseline_step = meta.get("baseline_step", 0 if self.best["step"] == 0 else None)
+        if meta.get("evaluation") is not None:  # this step was evaluated (and logged) before the save
+            self.evaluated_at, self.last_eval = self.global_step, meta["evaluation"]
         self.logger.truncate_after(self.global_step)
         info(f"resumed from {path} at step {self.global_step}")
         if self.global_step >= self.total_steps:  # e.g. a finished run resumed into another --ckpt.output_dir
@@ -166,6 +187,7 @@ class RunLoop:
         result = self.evaluate()
         metrics.update(result)
         self.on_evaluated(result, metrics)
+        self.evaluated_at, self.last_eval = self.global_step, result
         key = self.metric_key(result) if result else None
         if key is not None:
             self.metric = {"key": key, "value": float(result[key]), "step": self.global_step,
@@ -174,9 +196,11 @@ class RunLoop:
 
     def _track_best(self) -> None:
         """After this step's evaluation is logged: the first evaluation is the baseline; a later one strictly
-        better than the best so far saves the best checkpoint and export."""
+        better than the best so far saves the best checkpoint and export. A non-finite value is neither."""
         m = self.metric
         if not self.cadence.keep_best or m is None or m["step"] != self.global_step:
+            return
+        if not math.isfinite(m["value"]):
             return
         b = self.best
         if b["value"] is not None and b["key"] == m["key"]:
@@ -185,6 +209,7 @@ class RunLoop:
                 return
         self.best = {"key": m["key"], "value": m["value"], "step": self.global_step}
         if b["value"] is None or b["key"] != m["key"]:
+            self.baseline_step = self.global_step
             info(f"baseline {m['key']} = {m['value']:.4f} at step {self.global_step}; a best model is saved "
                  f"when a later evaluation beats it")
             return
@@ -196,24 +221,22 @@ class RunLoop:
 
     def _report_best(self) -> None:
         b = self.best
-        if self.cadence.keep_best and b["value"] is not None and b["step"] == 0:
-            info(f"no improvement: {b['key']} never rose above the starting model's {b['value']:.4f} "
-                 f"(step 0); no best model saved")
+        if self.cadence.keep_best and b["value"] is not None and b["step"] == self.baseline_step:
+            what = "the starting model's" if b["step"] == 0 else "the baseline"
+            info(f"no improvement: {b['key']} never rose above {what} {b['value']:.4f} "
+                 f"(step {b['step']}); no best model saved")
 
     def _loop(self) -> dict[str, float]:
         from tqdm.auto import tqdm
 
         c = self.cadence
-        last_eval: dict[str, float] = {}
         if c.keep_best and self.global_step == 0:  # the starting model: the baseline a best must beat
             baseline: dict[str, float] = {}
-            last_eval = self._evaluate(baseline)
-            if last_eval:
+            if self._evaluate(baseline):
                 self.logger.log(0, baseline)
                 self._track_best()
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc=self.desc, dynamic_ncols=True,
                    disable=not (c.progress and self.is_main))
-        evaluated_at = None
         try:
             while self.global_step < self.total_steps:
                 metrics = self.step()
@@ -222,8 +245,8 @@ class RunLoop:
                 bar.set_postfix(self.postfix(metrics))
                 due = c.eval_steps > 0 and self.global_step % c.eval_steps == 0
                 if due or self.global_step == self.total_steps:
-                    last_eval, evaluated_at = self._evaluate(metrics), self.global_step
-                evaluated_now = evaluated_at == self.global_step and bool(last_eval)
+                    self._evaluate(metrics)
+                evaluated_now = self.evaluated_at == self.global_step and bool(self.last_eval)
                 if self.global_step % max(c.logging_steps, 1) == 0 or evaluated_now:
                     self.logger.log(self.global_step, metrics)
                 self._track_best()
@@ -231,13 +254,12 @@ class RunLoop:
                     self.save_checkpoint()
         finally:
             bar.close()  # on Ctrl-C too: the error line starts on a line of its own
-        if evaluated_at != self.global_step:  # resumed at the last step: its model is evaluated here
+        if self.evaluated_at != self.global_step:  # resumed at a last step not evaluated yet: evaluated here
             final: dict[str, float] = {}
-            last_eval = self._evaluate(final)
-            if last_eval:
+            if self._evaluate(final):
                 self.logger.log(self.global_step, final)
         self._report_best()
-        return last_eval
+        return self.last_eval
 
 
 def plot_charts(output_dir: Path) -> list[Path]:

@@ -172,3 +172,49 @@ def test_ctrl_c_names_the_step_and_the_last_checkpoint(tmp_path, ctrl_c_enabled)
 
     with pytest.raises(Interrupted, match=r"interrupted at step 3; last checkpoint: .*global_step2"):
         Slow(tmp_path, 6, Cadence(save_steps=2), ckpt).fit()
+
+
+def test_resuming_a_finished_run_does_not_evaluate_its_last_step_again(tmp_path):
+    ckpt = CheckpointManager(tmp_path / "ck", max_num=5)
+    first = Counter(tmp_path, 4, Cadence(eval_steps=2, save_steps=4), ckpt)
+    result = first.fit()
+    resumed = Counter(tmp_path, 4, Cadence(eval_steps=2, save_steps=4, load_checkpoint=True),
+                      CheckpointManager(tmp_path / "ck", max_num=5))
+    assert resumed.fit() == result == {"eval/value": float(sum(range(4)))}  # the checkpoint's evaluation
+    assert resumed.evals == []
+    assert [r["step"] for r in logged(tmp_path) if "eval/value" in r] == [2, 4]
+
+
+def test_zero_steps_evaluate_the_baseline_once(tmp_path):
+    loop = Scored(tmp_path, 0, Cadence(keep_best=True), scores=[0.5])
+    assert loop.fit() == {"eval/score": 0.5}
+    assert loop.evals == [0] and [r["step"] for r in logged(tmp_path)] == [0]
+
+
+def test_a_nan_evaluation_is_neither_baseline_nor_best(tmp_path):
+    nan = float("nan")
+    loop = Scored(tmp_path, 4, Cadence(eval_steps=1, keep_best=True), scores=[nan, 0.2, nan, 0.1, 0.3])
+    loop.fit()
+    assert [e["step"] for e in loop.exports] == [4]  # 0.2 at step 1 is the baseline; NaN never counts
+    assert loop.best == {"key": "eval/score", "value": 0.3, "step": 4}
+
+
+def test_an_older_checkpoint_without_a_recorded_best_takes_a_baseline(tmp_path, capsys):
+    """A checkpoint written before meta["best"]: its first evaluation after the resume is the baseline, and a
+    run that never beats it says so."""
+    ckpt = CheckpointManager(tmp_path / "ck", max_num=5)
+    ckpt.save(2, lambda d: (d / "state.json").write_text('{"value": 1}'), {"global_step": 2, "metric": None})
+    cadence = Cadence(eval_steps=2, keep_best=True, load_checkpoint=True)
+    loop = Scored(tmp_path, 6, cadence, CheckpointManager(tmp_path / "ck", max_num=5), scores=[0.0] * 7)
+    loop.fit()
+    assert loop.evals == [4, 6] and loop.exports == []
+    said = capsys.readouterr().err
+    assert "no improvement: eval/score never rose above the baseline 0.0000 (step 4)" in said
+
+
+def test_the_best_of_an_older_trainer_state_is_kept():
+    from posttrain.trainers.run_loop import best_of_old_state
+
+    assert best_of_old_state({"key": None, "value": float("-inf")}) is None  # no evaluation yet
+    assert best_of_old_state({"key": "eval/m", "value": 0.5, "step": 3}) == {"key": "eval/m", "value": 0.5,
+                                                                             "step": 3}

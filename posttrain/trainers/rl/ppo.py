@@ -39,7 +39,7 @@ from posttrain.trainers.rl.experience_maker import ExperienceMaker, rollout_metr
 from posttrain.trainers.rl.forward import ppo_batchings
 from posttrain.trainers.rl.roles import AdapterOffReference
 from posttrain.trainers.rl.updates import UpdateSettings, steps_per_rollout
-from posttrain.trainers.run_loop import Cadence, RunLoop, plot_charts
+from posttrain.trainers.run_loop import Cadence, RunLoop, best_of_old_state, plot_charts
 from posttrain.trainers.session import RunStart
 from posttrain.trainers.vision import export_savers, vision_processor
 from posttrain.utils.checkpoint import disk_full_as_error, load_state_file, save_state_file
@@ -483,6 +483,8 @@ class RLTrainer(RunLoop):
         self.stream.cursor = self.trained_cursor = state["prompt_cursor"]
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         set_rng_state(state["rng"])
+        if "best" not in meta:  # a checkpoint from before meta["best"] kept it in its trainer state
+            self.best = best_of_old_state(state.get("best")) or self.best
         if self.is_main:  # samples of the steps after the checkpoint are written again
             truncate_jsonl_after(self.output_dir / "samples.jsonl", int(meta["global_step"]))
 
