@@ -20,9 +20,10 @@ tensor or number; None from every step: the run's reward source scores the episo
 budget ended the episode, and a too-long initial observation is an error instead of being cut from the
 left. A vision-language model's processor as `hf_tokenizer` (as OpenRLHF passes it) and the prompt's
 `images`, the row's image references as OpenRLHF passes them (`Prompt.image_refs`: relative paths made
-absolute), decoded here as the data's images are (`data.images.load_images`, transparency over white; so
-are `environment_images`): the observation's image placeholders are expanded into image tokens, every turn
-is generated
+absolute), decoded here as the data's images are (`data.images.load_images`, transparency over white, within
+the run's --data.max_image_bytes / --data.max_image_pixels / --data.image_url_timeout, which posttrain's
+`llm_engine` carries as `image_limits`; so are `environment_images`): the observation's image placeholders
+are expanded into image tokens, every turn is generated
 with the images so far, and `step()` may return `environment_images` (one per placeholder in its
 feedback), appended with their tokens when the whole feedback fits the budget, else left out with their
 tokens (the feedback's rest cut to fit, as for text); `mm_train_inputs` holds the episode's image
@@ -77,25 +78,32 @@ def encode_text(tokenizer, text: str) -> list[int]:
 class EpisodeImages:
     """The images of one episode (a vision-language model): the processor (`hf_tokenizer` is one, as in
     OpenRLHF), every image so far (PIL, in the order their tokens appear) and their tensors. `encode` turns a
-    text with image placeholders and its images (references or PIL images, decoded as the data's are) into
-    token ids (the placeholders expanded), image tensors and the decoded images, which `keep` keeps."""
+    text with image placeholders and its images (references or PIL images, decoded as the data's are, within
+    `limits`) into token ids (the placeholders expanded), image tensors and the decoded images, which `keep`
+    keeps."""
 
-    def __init__(self, processor) -> None:
-        self.processor = processor
+    def __init__(self, processor, limits=None) -> None:
+        self.processor, self.limits = processor, limits
         self.pil: list = []
         self.tensors: list[dict] = []
 
     @staticmethod
-    def of(hf_tokenizer) -> EpisodeImages | None:
-        return EpisodeImages(hf_tokenizer) if getattr(hf_tokenizer, "image_processor", None) is not None else None
+    def of(hf_tokenizer, llm_engine=None) -> EpisodeImages | None:
+        """The episode's images when `hf_tokenizer` is a processor, read within the run's image limits that
+        posttrain's episode engine carries (`llm_engine.image_limits`: --data.max_image_bytes,
+        --data.max_image_pixels, --data.image_url_timeout; without them the defaults)."""
+        if getattr(hf_tokenizer, "image_processor", None) is None:
+            return None
+        return EpisodeImages(hf_tokenizer, getattr(llm_engine, "image_limits", None))
 
     def encode(self, text: str, images, location: str) -> tuple[list[int], dict, list]:
-        """(ids, tensors, images) of `text`: `images` (one reference or a list, as `load_images` reads them; a
-        bad one is a DataError naming `location`) decoded to RGB (transparency over white) and encoded."""
-        from posttrain.data.images import load_images
+        """(ids, tensors, images) of `text`: `images` (one reference or a list, as `load_images` reads them,
+        within `limits`; a bad one is a DataError naming `location`) decoded to RGB (transparency over white)
+        and encoded."""
+        from posttrain.data.images import ImageLimits, load_images
         from posttrain.data.vision_samples import encode_with_images
 
-        pil = load_images(images, location)
+        pil = load_images(images, location, limits=self.limits or ImageLimits())
         return (*encode_with_images(self.processor, text, pil, location), pil)
 
     def keep(self, pil: list, tensors: dict) -> None:
@@ -133,7 +141,7 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         # imported here: an agent file's `from openrlhf.utils.agent import ...` stays light
         from posttrain.rewards.result import reward_scalar
 
-        seen = EpisodeImages.of(hf_tokenizer)
+        seen = EpisodeImages.of(hf_tokenizer, llm_engine)
         if images and seen is None:
             raise ValueError("images: the prompt has images but the model is not a vision-language model")
         agent = self.agent_instance_cls()
@@ -246,7 +254,7 @@ class SingleTurnAgentExecutor(AgentExecutorBase):
 
     async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine,
                       images=None):
-        seen = EpisodeImages.of(hf_tokenizer)
+        seen = EpisodeImages.of(hf_tokenizer, llm_engine)
         if images and seen is None:
             raise ValueError("images: the prompt has images but the model is not a vision-language model")
         if images:

@@ -1,10 +1,11 @@
 """What an agent executor sees of the rollout engine: vLLM-shaped sampling parameters and request
 outputs, so an executor written for OpenRLHF (which calls vLLM's `AsyncLLMEngine`) runs unchanged.
 
-`EpisodeEngine(front, tokenizer, seed)` serves one episode: its k-th `await generate(token_ids,
+`EpisodeEngine(front, tokenizer, seed, image_limits)` serves one episode: its k-th `await generate(token_ids,
 sampling_params)` samples one continuation through the shared `AsyncRolloutEngine` with seed
 `rank_seed(seed, 0, k)`, so an episode's samples depend only on its own seed and history, never on the
-other episodes running at the same time."""
+other episodes running at the same time. `image_limits` (`data.images.ImageLimits`, the run's --data image
+flags; None: the defaults) bound the images posttrain's executors decode in the episode."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -94,8 +95,9 @@ def shown_tokens(tokens: list[int], finish_reason: str) -> list[int]:
 
 
 class EpisodeEngine:
-    def __init__(self, front, tokenizer, seed: int) -> None:
+    def __init__(self, front, tokenizer, seed: int, image_limits=None) -> None:
         self.front, self.tokenizer, self.seed = front, tokenizer, seed
+        self.image_limits = image_limits
         self.calls = 0
         self.versions: set[int] = set()  # the weights versions that sampled this episode's tokens
 

@@ -246,8 +246,10 @@ class AgentRunner:
     `turn_cap`: the most tokens per turn (`--rollout.max_new_tokens`; None: the remaining budget)."""
 
     def __init__(self, executor: AgentExecutorBase, engine, tokenizer, reward_source, *, max_len: int,
-                 timeout: float, max_failure_frac: float, turn_cap: int | None = None, processor=None) -> None:
+                 timeout: float, max_failure_frac: float, turn_cap: int | None = None, processor=None,
+                 image_limits=None) -> None:
         self.executor, self.engine, self.tokenizer = executor, engine, tokenizer
+        self.image_limits = image_limits  # the episodes' engines carry them to the executors
         self.processor = processor  # a vision-language model's: the executors get it as `hf_tokenizer` (OpenRLHF)
         self.reward_source, self.turn_cap = reward_source, turn_cap
         self.max_len, self.timeout, self.max_failure_frac = max_len, timeout, max_failure_frac
@@ -260,9 +262,11 @@ class AgentRunner:
     @classmethod
     def from_config(cls, executor: AgentExecutorBase, engine, tokenizer, reward_source,
                     cfg: PPOConfig, processor=None) -> AgentRunner:
+        from posttrain.data.images import ImageLimits
+
         return cls(executor, engine, tokenizer, reward_source, max_len=cfg.data.max_len, timeout=cfg.agent.timeout,
                    max_failure_frac=cfg.agent.max_failure_frac, turn_cap=cfg.rollout.max_new_tokens,
-                   processor=processor)
+                   processor=processor, image_limits=ImageLimits.of(cfg.data))
 
     def run(self, prompts, params, group_offset: int = 0, max_len: int | None = None) -> ScoredRollouts:
         """`max_len` is ignored: an episode's budget is `--data.max_len` over all its turns."""
@@ -329,7 +333,7 @@ class AgentRunner:
         """(rollout, reward, score, extra_logs), or (reason, None, None, {}) for a failed episode."""
         sampling = AgentSamplingParams.for_run(params, max_tokens=self.turn_cap)
         bridge = _LoopBridge(front, asyncio.get_running_loop())
-        engine = _GuardedEngine(bridge, self.tokenizer, seed)
+        engine = _GuardedEngine(bridge, self.tokenizer, seed, self.image_limits)
         # the row's image references, as in OpenRLHF (a prompt built without them: its images)
         images = getattr(prompt, "images", None) and (getattr(prompt, "image_refs", None) or prompt.images)
         worker = _EpisodeThread(

@@ -240,3 +240,44 @@ def test_transparent_images_are_composited_over_white_everywhere(vlm, tmp_path):
         assert a.prompt_ids + a.output_ids == b.prompt_ids + b.output_ids
         assert len(a.image_inputs["image_grid_thw"]) == 2
         assert all(np.array_equal(a.image_inputs[k], b.image_inputs[k]) for k in b.image_inputs)
+
+
+class FileScreenshotEnv(ScreenshotEnv):
+    """The screenshot as a file reference, read by posttrain's executor (`environment_images`)."""
+    path = ""
+
+    async def step(self, states, **kwargs):
+        result = await super().step(states, **kwargs)
+        if "environment_images" in result:
+            result["environment_images"] = [FileScreenshotEnv.path]
+        return result
+
+
+def test_the_executor_reads_images_within_the_runs_image_limits(vlm, tmp_path):
+    """posttrain's executors decode the environment's image references within --data.max_image_pixels (and
+    the other --data image limits), not the built-in defaults: the run's engine handle carries them."""
+    from posttrain.config import parse_config
+
+    model, tok, processor = vlm
+    screen(1).resize((70, 70)).save(tmp_path / "shot.png")  # 4,900 pixels
+    FileScreenshotEnv.path = str(tmp_path / "shot.png")
+
+    class Executor(MultiTurnAgentExecutor):
+        def __init__(self):
+            super().__init__(FileScreenshotEnv)
+
+    rows = colour_rows(1, seed=0, folder=tmp_path)
+    prompts = PromptDataset(rows, tok, input_key="prompt", label_key="answer", apply_chat_template=True,
+                            processor=processor, max_images=1).prompts
+    errors = {}
+    for pixels in ("5000", "4000"):
+        cfg = parse_config("ppo", ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "p.jsonl",
+                                   "--train.agent_func_path", "a.py", "--data.max_len", "200",
+                                   "--rollout.max_new_tokens", "4", "--agent.max_failure_frac", "1",
+                                   "--data.max_image_pixels", pixels], check=False)
+        engine = HFRolloutEngine(model, tok, pad_token_id=tok.pad_token_id)
+        runner = AgentRunner.from_config(Executor(), engine, tok, None, cfg, processor=processor)
+        scored = runner.run(prompts, SamplingParams(max_new_tokens=4, n=1, seed=3))
+        errors[pixels] = scored.rollouts[0].error
+    assert errors["5000"] is None  # the flag raised to admit it (as it admits any image the defaults refuse)
+    assert "4,900 pixels, more than --data.max_image_pixels 4,000" in errors["4000"]
