@@ -434,5 +434,9 @@ def _ppo(cfg: PPOConfig, r: _Report, world_size: int) -> None:
                 cfg.data.max_images_per_prompt,
                 "vision-language training has no critic: use an estimator other than gae",
             )
-        if cfg.ds.packing_samples:
+        if cfg.ds.packing_samples and resolved_values(cfg).get("ds.packing_samples", (True,))[0] is False:
+            r.bad("ds.ring_attn_size", cfg.ds.ring_attn_size, "ring attention needs packed rows, which "
+                  "vision-language training cannot use (--data.max_images_per_prompt > 0); set "
+                  "--ds.ring_attn_size 1")
+        elif cfg.ds.packing_samples:
             r.bad("ds.packing_samples", True, "not supported with images (--data.max_images_per_prompt > 0)")

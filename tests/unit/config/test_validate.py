@@ -538,6 +538,20 @@ def test_ppo_with_ring_attention_turns_packing_on_and_says_so():
             "--ds.ring_attn_size 2: needs --ds.packing_samples (each packed row is split over the group)")
 
 
+def test_ppo_ring_attention_with_images_names_the_ring_flag_not_the_packing_it_turned_on():
+    """Ring attention turns packing on in ppo; a vision-language run cannot pack, so the error names the flag
+    the user set (--ds.ring_attn_size), not --ds.packing_samples; packing asked for by hand is named so."""
+    vlm = ["--ds.ring_attn_size", "2", "--data.max_images_per_prompt", "1", "--algo.advantage.estimator",
+           "group_norm", "--rollout.n_samples_per_prompt", "2"]
+    for role in ("actor", "ref"):
+        vlm += [f"--{role}.num_gpus_per_node", "2"]
+    assert problem("ppo", *vlm) == (
+        "--ds.ring_attn_size 2: ring attention needs packed rows, which vision-language training cannot use "
+        "(--data.max_images_per_prompt > 0); set --ds.ring_attn_size 1")
+    assert problem("ppo", *vlm, "--ds.packing_samples") == (
+        "--ds.packing_samples: not supported with images (--data.max_images_per_prompt > 0)")
+
+
 def test_tensor_parallel_rules():
     """--ds.tensor_parallel_size N: N divides the ranks (ppo: of the actor and the critic); not with LoRA, 4-bit,
     Muon or (ppo) the EMA; the batch rules count data-parallel ranks (ranks / (TP x ring)), not ranks."""
