@@ -371,9 +371,11 @@ class EvalConfig:
 
     dataset: str | None = opt(None, "evaluation dataset path(s)")
     split: str = opt("train", "evaluation split", inert=EVAL_OFF)
-    steps: int = opt(-1, "evaluate every N steps and after the last one (-1: only after the last one)",
-                     check=lambda v: v == -1 or v >= 1, message="must be -1 (only the last step) or >= 1",
-                     inert=EVAL_OFF)
+    steps: int = opt(-1, "evaluate every N steps and after the last one (-1: only after the last one); ppo "
+                     "also evaluates the starting model (step 0) unless --ckpt.best_metric_key none",
+                     check=lambda v: v == -1 or v >= 1, inert=EVAL_OFF,
+                     message="must be -1 (only the last step; ppo also evaluates step 0, the starting model, "
+                             "unless --ckpt.best_metric_key none) or >= 1")
 
 
 @dataclass

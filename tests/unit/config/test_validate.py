@@ -216,7 +216,9 @@ def test_checkpoint_rules():
         "--ckpt.load_enable: needs --ckpt.path (where the checkpoints are)"
     )
     assert problem("sft", "--ckpt.save_steps", "0") == "--ckpt.save_steps 0: must be -1 (never) or >= 1"
-    assert problem("sft", "--eval.steps", "0") == "--eval.steps 0: must be -1 (only the last step) or >= 1"
+    assert problem("sft", "--eval.steps", "0") == ("--eval.steps 0: must be -1 (only the last step; ppo also "
+                                                   "evaluates step 0, the starting model, unless "
+                                                   "--ckpt.best_metric_key none) or >= 1")
 
 
 def test_dpo_rules():
