@@ -127,7 +127,8 @@ class RunLoop:
         metric = self.metric if self.metric is not None and self.metric["step"] == self.global_step else None
         meta = {"global_step": self.global_step, "metric": metric, "best": self.best,
                 "baseline_step": self.baseline_step, **self.checkpoint_meta(),
-                "evaluation": self.last_eval if self.evaluated_at == self.global_step else None}
+                "evaluation": ({k: v.item() if hasattr(v, "item") else v for k, v in self.last_eval.items()}
+                               if self.evaluated_at == self.global_step else None)}
         path = self.ckpt.save(self.global_step, self.write_checkpoint, meta, best=best)
         info(f"saved {'best ' if best else ''}checkpoint {path}")
         if self.cadence.save_hf and not best:
@@ -154,8 +155,7 @@ class RunLoop:
                 f"that wrote it (ranks, DeepSpeed flags), or start a new run with another --ckpt.path") from e
         self.global_step = int(meta["global_step"])
         self.best = meta.get("best") or self.best  # `restore` may have set it (an older checkpoint's state)
-        # checkpoints written before these keys: a best at step 0 was the starting model's baseline; the
-        # checkpoint's metric is of an evaluation of its step
+        # a checkpoint written before "baseline_step": a best at step 0 was the starting model's baseline
         self.baseline_step = meta.get("baseline_step", 0 if self.best["step"] == 0 else None)
         if meta.get("evaluation") is not None:  # this step was evaluated (and logged) before the save
             self.evaluated_at, self.last_eval = self.global_step, meta["evaluation"]
