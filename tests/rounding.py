@@ -36,5 +36,6 @@ def assert_weights_within(want: dict, got: dict, tolerance: float) -> None:
     assert want.keys() == got.keys()
     diffs = {k: float((want[k].float() - got[k].float()).abs().max()) for k in want}
     worst = max(diffs, key=diffs.get)
+    print(f"weights: worst difference {diffs[worst]:.3g} ({worst}), rounding bound {tolerance:.3g}")
     assert diffs[worst] < tolerance, (f"{worst} differs by {diffs[worst]:.3g}, more than rounding explains "
                                       f"({tolerance:.3g})")
