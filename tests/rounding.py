@@ -18,6 +18,9 @@ runs.)
 """
 
 GRAD_REL = 1e-5  # a gradient element's rounding difference, relative to its gradient's norm
+# A gradient norm's: its elements' (GRAD_REL) and its own sum of squares' (another fp32 sum of thousands of
+# terms) rounding, with a factor 50 to spare; a gradient scaled by the rank count (2) is far outside it.
+NORM_REL = 1e-3
 ADAM_EPS = 1e-3  # --adam.eps of the runs whose weights are compared
 
 

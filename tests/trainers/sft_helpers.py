@@ -1,6 +1,7 @@
 """Helpers shared by the SFT trainer tests."""
+import pytest
 import torch
-from rounding import adam_weight_tolerance, assert_weights_within
+from rounding import NORM_REL, adam_weight_tolerance, assert_weights_within
 from safetensors.torch import load_file
 
 from posttrain.utils.metrics import read_metrics
@@ -32,6 +33,14 @@ def assert_weights_within_rounding(want, got, lr: float = 1e-3) -> None:
     norms = [r["train/grad_norm"] for r in read_metrics(want / "metrics.jsonl") if "train/grad_norm" in r]
     assert norms, f"no train/grad_norm in {want / 'metrics.jsonl'}"
     assert_weights_within(weights(want), weights(got), adam_weight_tolerance(lr, norms))
+
+
+def assert_same_grad_norms(want, got) -> None:
+    """The runs `want` and `got` (run dirs) logged the same gradient norm (before clipping) at every step, up to
+    rounding (NORM_REL): a gradient of the wrong scale shows here even where clipping hides it from the weights."""
+    norms = [[r["train/grad_norm"] for r in read_metrics(d / "metrics.jsonl") if "train/grad_norm" in r]
+             for d in (want, got)]
+    assert len(norms[1]) == len(norms[0]) > 0 and norms[1] == pytest.approx(norms[0], rel=NORM_REL), norms
 
 
 def torchrun(module: str, flags, nproc: int = 2):

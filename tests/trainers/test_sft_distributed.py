@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 from rounding import ADAM_EPS
-from sft_helpers import assert_loaded_as_shards, assert_weights_within_rounding, sft_flags
+from sft_helpers import (
+    assert_loaded_as_shards,
+    assert_same_grad_norms,
+    assert_weights_within_rounding,
+    sft_flags,
+)
 
 from posttrain.utils.metrics import read_metrics
 
@@ -49,6 +54,7 @@ def test_two_process_zero_matches_single_process(tiny_model_dir, arithmetic_dir,
         assert_loaded_as_shards(proc.stderr, "model")
     else:
         assert "loaded as ZeRO-3 shards" not in proc.stderr
+    assert_same_grad_norms(single, multi)
     assert_weights_within_rounding(single, multi)  # the ranks' all-reduce sums in another order
 
 
@@ -64,6 +70,7 @@ def test_ring_attention_over_two_ranks_matches_single_process(tiny_model_dir, ar
     proc = launch_sft(sft_flags(tiny_model_dir, arithmetic_dir, ring, "--ds.zero_stage", stage,
                                 "--ds.ring_attn_size", "2", "--ds.ring_attn_head_stride", stride, *common))
     assert "world_size = 2" in proc.stderr and "--ds.ring_attn_size 2 has no effect" not in proc.stderr
+    assert_same_grad_norms(single, ring)
     assert_weights_within_rounding(single, ring)  # the split attention sums in another order
 
 
