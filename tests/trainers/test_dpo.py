@@ -260,7 +260,12 @@ def test_two_process_zero3_matches_single_process(tiny_model_dir, pref_dir, tmp_
     reference's collective forward too. The first update is taken at lr 0 (warm-up), so the third step
     is the one whose policy differs from the reference (margin != 0)."""
     from rounding import ADAM_EPS
-    from sft_helpers import assert_loaded_as_shards, assert_weights_within_rounding, torchrun
+    from sft_helpers import (
+        assert_loaded_as_shards,
+        assert_same_grad_norms,
+        assert_weights_within_rounding,
+        torchrun,
+    )
 
     from posttrain.cli import train_dpo
 
@@ -281,6 +286,7 @@ def test_two_process_zero3_matches_single_process(tiny_model_dir, pref_dir, tmp_
     assert losses[0] == pytest.approx(losses[1], abs=1e-6) and losses[0][0] == pytest.approx(LN2, abs=1e-5)
     assert runs[0][-1]["train/margin"] > 0.1
     assert runs[1][-1]["train/margin"] == pytest.approx(runs[0][-1]["train/margin"], abs=1e-5)
+    assert_same_grad_norms(single, multi)
     assert_weights_within_rounding(single, multi)  # the ranks' all-reduce sums in another order
 
 
@@ -325,7 +331,7 @@ def test_ring_attention_over_two_ranks_matches_single_process(tiny_model_dir, pr
     and the reference alike; each pair's log-probs are summed over the two ranks. Losses, margins and weights
     equal the single-process run's."""
     from rounding import ADAM_EPS
-    from sft_helpers import assert_weights_within_rounding, torchrun
+    from sft_helpers import assert_same_grad_norms, assert_weights_within_rounding, torchrun
 
     from posttrain.cli import train_dpo
 
@@ -341,4 +347,5 @@ def test_ring_attention_over_two_ranks_matches_single_process(tiny_model_dir, pr
     runs = [[r for r in read_metrics(d / "metrics.jsonl") if "train/loss" in r] for d in (single, ring)]
     for key in ("train/loss", "train/margin"):
         assert [r[key] for r in runs[0]] == pytest.approx([r[key] for r in runs[1]], abs=1e-5), key
+    assert_same_grad_norms(single, ring)
     assert_weights_within_rounding(single, ring)  # the split attention sums in another order
