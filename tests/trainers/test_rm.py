@@ -404,7 +404,7 @@ def test_ring_attention_over_two_ranks_matches_single_process(tiny_score_model_d
     and each side's reward is read at its last token from the row's values gathered over the two ranks. Losses,
     accuracies and the trained weights equal the single-process run's; the step logs what the ring moved."""
     from rounding import ADAM_EPS
-    from sft_helpers import assert_weights_within_rounding, torchrun
+    from sft_helpers import assert_same_grad_norms, assert_weights_within_rounding, torchrun
 
     from posttrain.cli import train_rm
 
@@ -425,4 +425,5 @@ def test_ring_attention_over_two_ranks_matches_single_process(tiny_score_model_d
     for key in ("train/loss", "train/acc", "train/chosen_reward"):
         assert [r[key] for r in steps[1]] == pytest.approx([r[key] for r in steps[0]], abs=1e-5), key
     assert all(r["comm/cp_bytes"] > 0 and r["comm/cp_seconds"] > 0 for r in steps[1])
+    assert_same_grad_norms(single, ring)
     assert_weights_within_rounding(single, ring)  # the split attention sums in another order
