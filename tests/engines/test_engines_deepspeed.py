@@ -23,6 +23,7 @@ from engines_common import (
     train_engine,
     weights,
 )
+from rounding import adam_weight_tolerance
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -71,7 +72,13 @@ def test_reference_clips_some_steps(reference):
 def test_zero_weights_match_single_process(ds_results, reference, stage):
     res = ds_results[stage]
     for step in range(len(PLAN)):
-        assert max_diff(res["w"][step], reference["w"][step]) < 1e-5, f"stage {stage} step {step}"
+        # the ranks sum the gradients in another order: rounding as Adam at OPT's lr and eps passes it on
+        # (rounding.py; betas (0.9, 0.95) also keep |m| <= 1.01 sqrt(v) over these steps); a wrong scale
+        # shows in the norms
+        bound = adam_weight_tolerance(OPT["lr"], reference["norms"][:step + 1], OPT["eps"], OPT["max_norm"])
+        diff = max_diff(res["w"][step], reference["w"][step])
+        print(f"stage {stage} step {step}: weights differ by {diff:.3g}, rounding bound {bound:.3g}")
+        assert diff < bound, f"stage {stage} step {step}: {diff:.3g} >= {bound:.3g}"
         assert res["norms"][step] == pytest.approx(reference["norms"][step], rel=1e-5)
         assert res["lrs"][step] == pytest.approx(reference["lrs"][step], rel=1e-9)
 

@@ -1,6 +1,10 @@
 """Helpers shared by the SFT trainer tests."""
+import pytest
 import torch
+from rounding import NORM_REL, adam_weight_tolerance, assert_weights_within
 from safetensors.torch import load_file
+
+from posttrain.utils.metrics import read_metrics
 
 
 def sft_flags(model_dir, data_dir, out_dir, *extra) -> list[str]:
@@ -20,6 +24,23 @@ def assert_same_weights(a, b, atol=1e-6):
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=atol, rtol=0, msg=k)
+
+
+def assert_weights_within_rounding(want, got, lr: float = 1e-3) -> None:
+    """The runs `want` and `got` (run dirs, trained at `lr` with `--adam.eps` ADAM_EPS and a metrics row per
+    optimizer step) exported the same tensors up to the rounding Adam passes on (rounding.py), with the
+    gradient norms that `want` logged."""
+    norms = [r["train/grad_norm"] for r in read_metrics(want / "metrics.jsonl") if "train/grad_norm" in r]
+    assert norms, f"no train/grad_norm in {want / 'metrics.jsonl'}"
+    assert_weights_within(weights(want), weights(got), adam_weight_tolerance(lr, norms))
+
+
+def assert_same_grad_norms(want, got) -> None:
+    """The runs `want` and `got` (run dirs) logged the same gradient norm (before clipping) at every step, up to
+    rounding (NORM_REL): a gradient of the wrong scale shows here even where clipping hides it from the weights."""
+    norms = [[r["train/grad_norm"] for r in read_metrics(d / "metrics.jsonl") if "train/grad_norm" in r]
+             for d in (want, got)]
+    assert len(norms[1]) == len(norms[0]) > 0 and norms[1] == pytest.approx(norms[0], rel=NORM_REL), norms
 
 
 def torchrun(module: str, flags, nproc: int = 2):

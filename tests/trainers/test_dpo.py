@@ -259,11 +259,17 @@ def test_two_process_zero3_matches_single_process(tiny_model_dir, pref_dir, tmp_
     rank into 4 micro-batches on one rank and 5 on the other: the padded micro-batch runs the sharded
     reference's collective forward too. The first update is taken at lr 0 (warm-up), so the third step
     is the one whose policy differs from the reference (margin != 0)."""
-    from sft_helpers import assert_loaded_as_shards, assert_same_weights, torchrun
+    from rounding import ADAM_EPS
+    from sft_helpers import (
+        assert_loaded_as_shards,
+        assert_same_grad_norms,
+        assert_weights_within_rounding,
+        torchrun,
+    )
 
     from posttrain.cli import train_dpo
 
-    common = ["--data.max_samples", 48, "--adam.lr", "1e-3"]
+    common = ["--data.max_samples", 48, "--adam.lr", "1e-3", "--adam.eps", ADAM_EPS]
     single = tmp_path / "single"
     train_dpo.main(dpo_flags(tiny_model_dir, pref_dir, single, *common, "--train.micro_batch_size", 16))
     multi = tmp_path / "zero3"
@@ -280,7 +286,8 @@ def test_two_process_zero3_matches_single_process(tiny_model_dir, pref_dir, tmp_
     assert losses[0] == pytest.approx(losses[1], abs=1e-6) and losses[0][0] == pytest.approx(LN2, abs=1e-5)
     assert runs[0][-1]["train/margin"] > 0.1
     assert runs[1][-1]["train/margin"] == pytest.approx(runs[0][-1]["train/margin"], abs=1e-5)
-    assert_same_weights(single, multi, atol=5e-6)
+    assert_same_grad_norms(single, multi)
+    assert_weights_within_rounding(single, multi)  # the ranks' all-reduce sums in another order
 
 
 def _dpo_formula(margin: float, beta: float, ipo: bool, eps: float) -> float:
@@ -323,11 +330,12 @@ def test_ring_attention_over_two_ranks_matches_single_process(tiny_model_dir, pr
     --ds.ring_attn_size 2: both ranks take the same packed pairs and each computes half of every row, the policy
     and the reference alike; each pair's log-probs are summed over the two ranks. Losses, margins and weights
     equal the single-process run's."""
-    from sft_helpers import assert_same_weights, torchrun
+    from rounding import ADAM_EPS
+    from sft_helpers import assert_same_grad_norms, assert_weights_within_rounding, torchrun
 
     from posttrain.cli import train_dpo
 
-    common = ["--data.max_samples", 32, "--adam.lr", "1e-3", "--ds.packing_samples",
+    common = ["--data.max_samples", 32, "--adam.lr", "1e-3", "--adam.eps", ADAM_EPS, "--ds.packing_samples",
               "--model.gradient_checkpointing_enable", "--train.micro_batch_size", 4]
     single = tmp_path / "single"
     train_dpo.main(dpo_flags(tiny_model_dir, pref_dir, single, *common))
@@ -339,4 +347,5 @@ def test_ring_attention_over_two_ranks_matches_single_process(tiny_model_dir, pr
     runs = [[r for r in read_metrics(d / "metrics.jsonl") if "train/loss" in r] for d in (single, ring)]
     for key in ("train/loss", "train/margin"):
         assert [r[key] for r in runs[0]] == pytest.approx([r[key] for r in runs[1]], abs=1e-5), key
-    assert_same_weights(single, ring, atol=2e-5)
+    assert_same_grad_norms(single, ring)
+    assert_weights_within_rounding(single, ring)  # the split attention sums in another order

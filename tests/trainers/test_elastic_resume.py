@@ -4,14 +4,15 @@ one process -> 2 ranks ZeRO-2, ZeRO-2 -> ZeRO-3 on 2 ranks. The global batch is 
 import shutil
 
 import pytest
-from sft_helpers import assert_same_weights, sft_flags, torchrun
+from rounding import ADAM_EPS
+from sft_helpers import assert_weights_within_rounding, sft_flags, torchrun
 
 from posttrain.utils.metrics import read_metrics
 
 pytestmark = pytest.mark.e2e
 
 COMMON = ["--train.micro_batch_size", "4", "--data.max_samples", "32", "--ckpt.save_steps", "2",
-          "--ckpt.max_num", "5"]
+          "--ckpt.max_num", "5", "--adam.eps", str(ADAM_EPS)]
 LAYOUTS = {"one": [], "zero2": ["--ds.zero_stage", "2"], "zero3": ["--ds.zero_stage", "3"]}
 
 
@@ -58,4 +59,5 @@ def test_a_checkpoint_resumes_on_another_layout(uninterrupted_on, tiny_model_dir
         assert "from its layout-free copy" in err, err[-2000:]
     # the resumed steps are the uninterrupted run's (ZeRO-3 and one process differ by float sums: 1e-5)
     assert losses(resumed, start=3) == pytest.approx(losses(straight, start=3), rel=2e-5)
-    assert_same_weights(straight, resumed, atol=3e-5)
+    # the first two steps ran on another layout: the weights are equal up to rounding (rounding.py)
+    assert_weights_within_rounding(straight, resumed)

@@ -26,6 +26,11 @@ def reward_func(queries, prompts, labels, **kwargs):
     r = torch.tensor([1.0 if q[len(p):].strip().startswith("1") else 0.0 for q, p in zip(queries, prompts)])
     return {"rewards": r, "scores": r}
 ''',
+    # rewards that differ within a group whatever the model writes (the parity of the response's length)
+    "spread.py": '''
+def reward_func(queries, prompts, labels, **kwargs):
+    return {"rewards": [float(len(q) - len(p)) % 2 for q, p in zip(queries, prompts)]}
+''',
     "raises_late.py": '''
 import os
 import torch

@@ -5,6 +5,7 @@ flags on Ray (2 actor ranks, ZeRO-3, an engine of its own) give the one-process 
 does not run with a VLM is a one-line error."""
 import pytest
 import torch
+from rounding import ADAM_EPS, adam_weight_tolerance, assert_weights_within
 from safetensors.torch import load_file
 
 from posttrain.data.synthetic_vision import write_colour_dataset
@@ -132,14 +133,17 @@ def test_openrlhf_vlm_script_on_ray_equals_one_process(tiny_vision_dir, colours,
     spread.write_text("import torch\n\ndef reward_func(queries, prompts, labels, **kw):\n"
                       "    return torch.tensor([float(len(q) % 2) for q in queries])\n")
     base = ["--actor.model_name_or_path", tiny_vision_dir, "--data.prompt_dataset", colours,
-            "--reward.remote_url", str(spread), *VLM_HYBRID]
+            "--reward.remote_url", str(spread), *VLM_HYBRID, "--actor.adam.eps", str(ADAM_EPS)]
     one = ["--ref.num_gpus_per_node", "1", "--actor.num_gpus_per_node", "1", "--vllm.num_engines", "0"]
     train_ppo_ray.main([*base, *one, "--ckpt.output_dir", str(tmp_path / "local")])
     train_ppo_ray.main([*base, "--ckpt.output_dir", str(tmp_path / "ray")])
     local, ray_run = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("local", "ray"))
     rewards = [[r["reward/mean"] for r in read_metrics(tmp_path / d / "metrics.jsonl")] for d in ("local", "ray")]
     assert rewards[0] == pytest.approx(rewards[1], abs=1e-6) and len(rewards[0]) == 2  # the same samples
-    assert max(float((local[k] - ray_run[k]).abs().max()) for k in local) < 1e-5
+    # equal up to rounding (rounding.py): 2 steps of one optimizer step each at the script's lr 2e-3
+    norms = [r["actor/grad_norm"] for r in read_metrics(tmp_path / "local" / "metrics.jsonl")
+             if "actor/grad_norm" in r]
+    assert_weights_within(local, ray_run, adam_weight_tolerance(2e-3, norms))
     before = load_file(f"{tiny_vision_dir}/model.safetensors")
     assert all(torch.equal(before[k], ray_run[k]) for k in before if "visual." in k)
     assert any(not torch.equal(before[k], ray_run[k]) for k in before if "visual." not in k)
