@@ -382,3 +382,37 @@ def test_sys_exit_while_importing_or_calling_is_an_error_of_the_file(tmp_path):
             src.score(["a"], ["p"])
         assert "attempts" not in str(err.value)  # not retried
 
+
+
+@pytest.mark.e2e
+def test_a_fork_child_started_while_a_reward_file_loads_exits_normally(tmp_path):
+    """The `os._exit` guard of a loading file applies to the loading thread only: multiprocessing's fork
+    child ends with `os._exit(0)` and must not run posttrain's error path (and its clean-ups) instead."""
+    import subprocess
+    import sys
+
+    path = write(tmp_path, """\
+        import multiprocessing as mp
+        import os
+
+        def child():
+            print("child ran", flush=True)
+
+        proc = mp.get_context("fork").Process(target=child)
+        proc.start()
+        proc.join()
+        CHILD_EXIT = proc.exitcode
+
+        def reward_func(queries, prompts, labels):
+            return [float(CHILD_EXIT)] * len(queries)
+        """, name="forks_on_import.py")
+    script = ("import os, sys\nfrom posttrain.rewards import PythonRewardFunction\n"
+              "try:\n    src = PythonRewardFunction(sys.argv[1])\n"
+              "except BaseException as err:\n    print('pid', os.getpid(), 'failed:', err, flush=True)\n    raise\n"
+              "print('pid', os.getpid(), 'scores', src.score(['a'], ['p']).rewards.tolist(), flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", script, path], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "child ran" and len(lines) == 2 and lines[1].endswith("scores [0.0]"), out.stdout
+    assert "UserFileExit" not in out.stderr
