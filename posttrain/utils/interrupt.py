@@ -22,8 +22,7 @@ in-process caller (a sweep, a notebook) gets its own handling back. Only inside 
 (the command line, which exits with the error) do they stay until the process exits, still counting: the
 second signal ignored, the third ending the process. An ignored SIGINT (a job started in the background)
 stays ignored. Clean-up of half-written files is the job of the code that writes them
-(`CheckpointManager.save`
-removes its temp folder)."""
+(`CheckpointManager.save` removes its temp folder)."""
 from __future__ import annotations
 
 import os
