@@ -187,14 +187,19 @@ def _from_file(path: str, location: str, ref: Any, limits: ImageLimits) -> Image
     return _decode(data, location, ref, f"file {path}", limits)
 
 
-def _b64(text: str) -> bytes | None:
-    """The bytes of base64 `text` (whitespace ignored; standard or URL-safe alphabet), or None."""
+def _b64(text: str, limits: ImageLimits) -> bytes | str | None:
+    """The bytes of base64 `text` (whitespace ignored; standard or URL-safe alphabet), None when it is not
+    base64, or why not when it would decode to more than `limits.max_bytes` (checked before decoding)."""
     compact = "".join(text.split())
     if not compact or not re.fullmatch(r"[A-Za-z0-9+/]*={0,2}|[A-Za-z0-9_-]*={0,2}", compact):
         return None
+    padded = compact + "=" * (-len(compact) % 4)
+    size = len(padded) // 4 * 3 - (len(padded) - len(padded.rstrip("=")))
+    if size > limits.max_bytes:
+        return limits.over_bytes(size)
     try:
-        return base64.b64decode(compact + "=" * (-len(compact) % 4), altchars=b"-_" if "-" in compact
-                                or "_" in compact else None, validate=True)
+        return base64.b64decode(padded, altchars=b"-_" if "-" in compact or "_" in compact else None,
+                                validate=True)
     except (binascii.Error, ValueError):
         return None
 
@@ -204,9 +209,11 @@ def _from_data_uri(ref: str, location: str, limits: ImageLimits) -> Image.Image:
     form = "data:image/<format>;base64,<data>"
     if not sep or not header.lower().startswith("data:image/") or not header.lower().endswith(";base64"):
         raise _fail(location, ref, f"unsupported data URI (only {form} is read)", _FIX_DATA)
-    data = _b64(payload)
+    data = _b64(payload, limits)
     if data is None:
         raise _fail(location, ref, "the data URI's payload is not valid base64", _FIX_DATA + f" ({form})")
+    if isinstance(data, str):
+        raise _fail(location, ref, f"the data URI's image is {data}", _FIX_BYTES)
     return _decode(data, location, ref, "the data URI's image", limits)
 
 
@@ -276,8 +283,10 @@ def _from_path(path: str, location: str, ref: Any, base_dir: str | None, allow_b
     for cand in tried:
         if os.path.exists(cand):
             return _from_file(cand, location, ref, limits)
-    data = _b64(path) if allow_b64 else None
-    if data is not None:
+    data = _b64(path, limits) if allow_b64 else None
+    if isinstance(data, str) and len(path) >= _B64_MIN:
+        raise _fail(location, ref, f"no such file, and as base64 it is {data}", _FIX_BYTES)
+    if isinstance(data, bytes):
         img = _try_decode(data, limits)
         if not isinstance(img, str):
             return img

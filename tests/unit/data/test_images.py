@@ -378,6 +378,20 @@ def test_the_byte_limit_covers_files_bytes_and_data_uris(png_file):
     _assert_pixels(load_image(str(png_file), LOC, limits=ImageLimits(max_bytes=len(_png()))))
 
 
+def test_oversized_base64_is_refused_before_it_is_decoded(monkeypatch):
+    """A data URI or bare base64 whose decoded size exceeds --data.max_image_bytes is refused from its length
+    alone: decoding it would first hold the whole oversized payload in memory."""
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("base64 decoded before the size check")
+
+    monkeypatch.setattr(base64, "b64decode", no_decoding)
+    limits = ImageLimits(max_bytes=1000)
+    payload = "QUJD" * 334 + "QQ=="  # 1,002 + 1 bytes once decoded
+    for ref in (f"data:image/png;base64,{payload}", payload, "\n".join([payload[:700], payload[700:]])):
+        msg = _error(ref, limits=limits)
+        assert "larger than --data.max_image_bytes 1,000 (1,003 bytes)" in msg and "max_image_bytes" in msg, msg
+
+
 def test_too_many_pixels_are_refused_from_the_header_as_too_large():
     msg = _error(declared_png(20000, 20000))
     assert "too large: 20000x20000 = 400,000,000 pixels, more than --data.max_image_pixels 89,478,485" in msg
