@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import urljoin, urlparse
 from urllib.request import url2pathname
 
 from PIL import Image, UnidentifiedImageError
@@ -217,6 +217,7 @@ def _from_data_uri(ref: str, location: str, limits: ImageLimits) -> Image.Image:
     return _decode(data, location, ref, "the data URI's image", limits)
 
 
+MAX_REDIRECTS = 5  # an image URL's redirects followed before it is refused
 _NO_NETWORK = ("This machine may have no network access: download the image and give its local path in the "
                "data instead")
 
@@ -224,16 +225,33 @@ _NO_NETWORK = ("This machine may have no network access: download the image and 
 def _download(url: str, limits: ImageLimits) -> bytes | tuple[str, str]:
     """The body of `url`, or (why not, the fix). The whole download, connection included, gets
     `limits.url_timeout` seconds: it runs in a daemon thread that the caller stops waiting for at the
-    deadline, and that itself stops at its next read after the deadline (each read waits at most
-    `url_timeout`); at most `limits.max_bytes` + 1 bytes are read."""
+    deadline, and that itself stops at its next read or redirect after the deadline (each read waits at
+    most `url_timeout`); at most MAX_REDIRECTS redirects are followed and `limits.max_bytes` + 1 bytes read."""
     import requests
 
     deadline = time.monotonic() + limits.url_timeout
     result: list = []
 
+    def get(where: str):
+        """The response at the end of `where`'s redirects (None past the deadline or MAX_REDIRECTS)."""
+        for _ in range(MAX_REDIRECTS + 1):
+            resp = requests.get(where, stream=True, timeout=limits.url_timeout, allow_redirects=False)
+            if not resp.is_redirect:
+                return resp
+            resp.close()
+            if time.monotonic() > deadline:
+                return None
+            where = urljoin(resp.url, resp.headers["location"])
+        result.append((f"could not be downloaded: redirected more than {MAX_REDIRECTS} times",
+                       "Fix the URL (give the image's final address)"))
+        return None
+
     def fetch():
         try:
-            with requests.get(url, stream=True, timeout=limits.url_timeout) as resp:
+            resp = get(url)
+            if resp is None:
+                return
+            with resp:
                 if resp.status_code != 200:
                     result.append((f"could not be downloaded (HTTP {resp.status_code})",
                                    _NO_NETWORK + " (or fix the URL)"))

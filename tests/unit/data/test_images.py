@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 import requests
-from image_sources import FOREVER, declared_png, image_server, trickle
+from image_sources import FOREVER, declared_png, image_server, redirect, trickle
 from PIL import Image
 
 from posttrain.data.errors import DataError
@@ -357,6 +357,16 @@ def test_a_trickling_download_stops_at_the_total_deadline():
     with image_server({"/slow.png": trickle(0.2)}) as url:
         msg = _error(f"{url}/slow.png", limits=ImageLimits(url_timeout=1))
     assert "not downloaded within --data.image_url_timeout 1 s" in msg and "slow.png" in msg
+
+
+def test_redirects_are_followed_up_to_five_then_refused():
+    hits = {}
+    routes = {"/loop": redirect("/loop"), "/moved.png": redirect("/a.png"), "/a.png": _png()}
+    with image_server(routes, hits) as url:
+        _assert_pixels(load_image(f"{url}/moved.png", LOC))
+        msg = _error(f"{url}/loop")
+    assert "could not be downloaded: redirected more than 5 times" in msg and "Fix the URL" in msg, msg
+    assert hits["/loop"] == 6  # the first request and 5 redirects, not requests' 30
 
 
 @pytest.mark.parametrize("kind", ["character device", "FIFO"])
