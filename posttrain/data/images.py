@@ -226,7 +226,8 @@ def _download(url: str, limits: ImageLimits) -> bytes | tuple[str, str]:
     """The body of `url`, or (why not, the fix). The whole download, connection included, gets
     `limits.url_timeout` seconds: it runs in a daemon thread that the caller stops waiting for at the
     deadline, and that itself stops at its next read or redirect after the deadline (each read waits at
-    most `url_timeout`); at most MAX_REDIRECTS redirects are followed and `limits.max_bytes` + 1 bytes read."""
+    most `url_timeout`); at most MAX_REDIRECTS redirects are followed and `limits.max_bytes` + 1 bytes
+    read."""
     import requests
 
     deadline = time.monotonic() + limits.url_timeout
