@@ -40,10 +40,10 @@ def encode_with_images(processor, text: str, images: Sequence, location: str = "
     except ValueError as e:
         reason = " ".join(str(e).split())[:160]
         if "token" in reason.lower():
+            token = image_placeholder(processor)
             raise DataError(f"{location}: the rendered text's image placeholders do not match its "
                             f"{len(images)} image(s) ({reason}). Fix the chat template so that it puts one "
-                            f"{image_placeholder(processor)} per image, or remove image tokens written in the "
-                            "text itself") from None
+                            f"{token} per image, or remove image tokens written in the text itself") from None
         names = labels if labels is not None and len(labels) == len(images) else ["image"] * len(images)
         which = "; ".join(f"{name} ({img.width}x{img.height} px)" for name, img in zip(names, images))
         fix = "Replace the image, or crop or pad it to a shape this model's processor reads"

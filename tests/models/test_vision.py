@@ -159,7 +159,8 @@ def test_a_placeholder_count_the_images_do_not_match_is_a_template_error_not_an_
     with pytest.raises(DataError) as err:
         encode_with_images(processor, "a <|image_pad|> and b <|image_pad|>", [image], "d.jsonl, row 1")
     msg = str(err.value)
-    assert msg.startswith("d.jsonl, row 1: the rendered text's image placeholders do not match its 1 image(s)")
+    assert msg.startswith("d.jsonl, row 1: the rendered text's image placeholders do not match its "
+                          "1 image(s)")
     assert "Fix the chat template so that it puts one <|image_pad|> per image" in msg
     assert "refuses" not in msg and "Replace the image" not in msg
     with pytest.raises(DataError, match=r"row 1, image \(30000x3 px\): the model's processor refuses it "
