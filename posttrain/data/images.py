@@ -12,6 +12,7 @@ import re
 import stat
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urljoin, urlparse
@@ -83,10 +84,11 @@ class ImageLimits:
 
 
 _FIX_BYTES = "Shrink or replace the image, or raise --data.max_image_bytes"
-# PIL refuses an image above 2 x Image.MAX_IMAGE_PIXELS when it opens it, before its size can be read;
-# posttrain opens with PIL's check off (under this lock, for the header only) and checks
-# --data.max_image_pixels itself
+# PIL refuses an image above 2 x Image.MAX_IMAGE_PIXELS when it opens it (and warns above 1 x). posttrain
+# checks --data.max_image_pixels itself from the header; only a limit above PIL's raises PIL's global to it,
+# under this lock and for the header only (PIL's check stays on, at the higher limit)
 _OPEN_LOCK = threading.Lock()
+_PIL_PIXELS = re.compile(r"\((\d+) pixels\)")
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
@@ -116,12 +118,9 @@ def _try_decode(data: bytes, limits: ImageLimits) -> Image.Image | str:
     if len(data) > limits.max_bytes:
         return limits.over_bytes(len(data))
     try:
-        with _OPEN_LOCK:
-            pil_limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
-            try:
-                img = Image.open(io.BytesIO(data))
-            finally:
-                Image.MAX_IMAGE_PIXELS = pil_limit
+        img = _open(data, limits)
+        if isinstance(img, str):
+            return img
         with img:
             too_large = _pixels_error(img, limits)
             if too_large:
@@ -134,6 +133,26 @@ def _try_decode(data: bytes, limits: ImageLimits) -> Image.Image | str:
         return f"too large (PIL: {_clip(e)})"
     except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, ...
         return f"a corrupt or truncated image (PIL {type(e).__name__}: {_clip(e)})"
+
+
+def _open(data: bytes, limits: ImageLimits) -> Image.Image | str:
+    """`Image.open` of `data` (the header only), or why it is too large when PIL's own check refuses it."""
+    try:
+        with _OPEN_LOCK, warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the caller checks the pixels
+            pil_limit = Image.MAX_IMAGE_PIXELS
+            if pil_limit is None or limits.max_pixels <= pil_limit:
+                return Image.open(io.BytesIO(data))
+            Image.MAX_IMAGE_PIXELS = limits.max_pixels
+            try:
+                return Image.open(io.BytesIO(data))
+            finally:
+                Image.MAX_IMAGE_PIXELS = pil_limit
+    except Image.DecompressionBombError as e:  # over twice the limit: PIL names the pixels, not the size
+        found = _PIL_PIXELS.search(str(e))
+        size = f"{int(found.group(1)):,} pixels" if found else f"PIL: {_clip(e)}"
+        return (f"too large: {size}, more than --data.max_image_pixels {limits.max_pixels:,} (raise it to read "
+                "this image)")
 
 
 def _clip(e: Exception, limit: int = 80) -> str:

@@ -388,6 +388,23 @@ def test_the_byte_limit_covers_files_bytes_and_data_uris(png_file):
     _assert_pixels(load_image(str(png_file), LOC, limits=ImageLimits(max_bytes=len(_png()))))
 
 
+def test_pils_bomb_check_stays_on_and_is_raised_only_for_a_higher_limit(monkeypatch):
+    """Other threads open images while one is read: PIL's global limit is never switched off, and changed
+    (raised to --data.max_image_pixels) only when that limit is above PIL's."""
+    seen, real_open = [], Image.open
+
+    def spy(*args, **kwargs):
+        seen.append(Image.MAX_IMAGE_PIXELS)
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(Image, "open", spy)
+    _assert_pixels(load_image(_png(), LOC))
+    high = ImageLimits(max_pixels=100_000_000)
+    assert "too large: 400,000,000 pixels, more than" in _error(declared_png(20000, 20000), limits=high)
+    assert "12000x10000 = 120,000,000 pixels" in _error(declared_png(12000, 10000), limits=ImageLimits())
+    assert seen == [89_478_485, 100_000_000, 89_478_485] and Image.MAX_IMAGE_PIXELS == 89_478_485
+
+
 def test_oversized_base64_is_refused_before_it_is_decoded(monkeypatch):
     """A data URI or bare base64 whose decoded size exceeds --data.max_image_bytes is refused from its length
     alone: decoding it would first hold the whole oversized payload in memory."""
@@ -403,10 +420,11 @@ def test_oversized_base64_is_refused_before_it_is_decoded(monkeypatch):
 
 
 def test_too_many_pixels_are_refused_from_the_header_as_too_large():
-    msg = _error(declared_png(20000, 20000))
-    assert "too large: 20000x20000 = 400,000,000 pixels, more than --data.max_image_pixels 89,478,485" in msg
+    msg = _error(declared_png(12000, 10000))  # within twice PIL's limit: read from the header
+    assert "too large: 12000x10000 = 120,000,000 pixels, more than --data.max_image_pixels 89,478,485" in msg
+    msg = _error(declared_png(20000, 20000))  # beyond it, PIL's own check refuses it first
+    assert "too large: 400,000,000 pixels, more than --data.max_image_pixels 89,478,485" in msg
     assert "corrupt" not in msg
-    assert Image.MAX_IMAGE_PIXELS == 89_478_485  # PIL's own check is off only while the header is read
     small = ImageLimits(max_pixels=W * H - 1)
     assert f"more than --data.max_image_pixels {W * H - 1}" in _error(_png(), limits=small)
     assert "the PIL image is too large: 8x6 = 48 pixels" in _error(_image(), limits=small)
