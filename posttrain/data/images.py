@@ -151,8 +151,8 @@ def _open(data: bytes, limits: ImageLimits) -> Image.Image | str:
     except Image.DecompressionBombError as e:  # over twice the limit: PIL names the pixels, not the size
         found = _PIL_PIXELS.search(str(e))
         size = f"{int(found.group(1)):,} pixels" if found else f"PIL: {_clip(e)}"
-        return (f"too large: {size}, more than --data.max_image_pixels {limits.max_pixels:,} (raise it to read "
-                "this image)")
+        return (f"too large: {size}, more than --data.max_image_pixels {limits.max_pixels:,} (raise it to "
+                "read this image)")
 
 
 def _clip(e: Exception, limit: int = 80) -> str:
@@ -184,19 +184,26 @@ _KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character de
 
 
 def _from_file(path: str, location: str, ref: Any, limits: ImageLimits) -> Image.Image:
-    """The image in the regular file `path`: a device, FIFO or socket is refused before a byte is read (it may
-    never end, or block forever), and at most `limits.max_bytes` + 1 bytes are read."""
+    """The image in the regular file `path`: a device, FIFO or socket is refused before it is opened (opening
+    one may block, or act on the device; reading it may never end), checked again on the opened file (it may
+    have been replaced in between), and at most `limits.max_bytes` + 1 bytes are read."""
     if os.path.isdir(path):
         raise _fail(location, ref, f"{path} is a folder, not an image file", _FIX_DATA)
+
+    def regular(mode: int) -> None:
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+            raise _fail(location, ref, f"{path} is {kind}, not a regular file; images are read from "
+                        "regular files only", _FIX_DATA + " (copy the image into a file)")
+
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # opening a FIFO must not block
+        regular(os.stat(path).st_mode)
+        # no blocking open (a FIFO swapped in since the stat), never a controlling terminal
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
         with open(fd, "rb") as f:
             info = os.fstat(fd)
-            mode, size = info.st_mode, info.st_size
-            if not stat.S_ISREG(mode):
-                kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
-                raise _fail(location, ref, f"{path} is {kind}, not a regular file; images are read from "
-                            "regular files only", _FIX_DATA + " (copy the image into a file)")
+            regular(info.st_mode)
+            size = info.st_size
             if size > limits.max_bytes:
                 raise _fail(location, ref, f"file {path} is {limits.over_bytes(size)}", _FIX_BYTES)
             data = f.read(limits.max_bytes + 1)  # the file may have grown since

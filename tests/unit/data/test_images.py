@@ -370,13 +370,23 @@ def test_redirects_are_followed_up_to_five_then_refused():
 
 
 @pytest.mark.parametrize("kind", ["character device", "FIFO"])
-def test_only_regular_files_are_read(tmp_path, kind):
+def test_only_regular_files_are_read(tmp_path, kind, monkeypatch):
+    """A device or FIFO is refused before it is opened (opening a tty could make it the controlling terminal,
+    opening a device may act on it)."""
     path = "/dev/zero" if kind == "character device" else str(tmp_path / "f.png")
     if kind == "FIFO":
         os.mkfifo(path)  # nobody writes: opening it for reading would block
+    opened, real_open = [], os.open
+
+    def recording_open(file, *args, **kwargs):
+        opened.append(os.fspath(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", recording_open)
     msg = _error(path)
     assert f"{path} is a {kind}" in msg
     assert "regular files only" in msg
+    assert path not in opened
 
 
 def test_the_byte_limit_covers_files_bytes_and_data_uris(png_file):
