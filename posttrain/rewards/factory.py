@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from posttrain.config.roles import reward_endpoints
 from posttrain.rewards.python_func import DEFAULT_TIMEOUT as FUNC_TIMEOUT
-from posttrain.rewards.python_func import MAX_STUCK
-from posttrain.rewards.python_func import PythonRewardFunction
+from posttrain.rewards.python_func import MAX_STUCK, PythonRewardFunction
 from posttrain.rewards.remote import RemoteReward, ShardedRemoteReward
 from posttrain.rewards.result import RewardError
 from posttrain.rewards.reward_model import RewardModelSource

@@ -33,8 +33,8 @@ import time
 import traceback
 
 import posttrain
-from posttrain.config.serving import DEFAULT_MAX_STUCK as MAX_STUCK
 from posttrain.compat.user_files import UserFileExit, call_user, exec_user_file
+from posttrain.config.serving import DEFAULT_MAX_STUCK as MAX_STUCK
 from posttrain.rewards.result import (
     ON_ERROR,
     RewardError,
