@@ -21,6 +21,11 @@ def declared_png(width: int, height: int) -> bytes:
 FOREVER = "forever"  # 200 without a length, then zeros until the client hangs up
 
 
+def redirect(to: str) -> tuple:
+    """A route that answers 302 with `Location: to`."""
+    return ("redirect", to)
+
+
 def trickle(seconds: float) -> tuple:
     """A route that sends the headers of a 1 MB body, then one byte every `seconds`."""
     return ("trickle", seconds)
@@ -32,8 +37,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self):
         route, stop = self.server.routes.get(self.path, 404), self.server.stop
+        self.server.hits[self.path] = self.server.hits.get(self.path, 0) + 1
         try:
-            if isinstance(route, int):
+            if isinstance(route, tuple) and route[0] == "redirect":
+                self.send_response(302)
+                self.send_header("Location", route[1])
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+            elif isinstance(route, int):
                 self.send_error(route)
             elif isinstance(route, bytes):
                 self.send_response(200)
@@ -58,12 +69,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 
 @contextmanager
-def image_server(routes: dict):
-    """Serve `routes` ({path: bytes (200 with that body) | status code | FOREVER | trickle(s)}); yields the
-    base URL. Other paths are 404."""
+def image_server(routes: dict, hits: dict | None = None):
+    """Serve `routes` ({path: bytes (200 with that body) | status code | FOREVER | trickle(s) |
+    redirect(to)}); yields the base URL. Other paths are 404. `hits` (a dict, when given) counts the requests per path."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     server.daemon_threads = True
-    server.routes, server.stop = routes, threading.Event()
+    server.routes, server.stop, server.hits = routes, threading.Event(), {} if hits is None else hits
     thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 
 @contextmanager
@@ -20,9 +20,9 @@ def user_errors(prog: str):
         print(f"{prog}: error: {e}", file=sys.stderr)
         raise SystemExit(getattr(e, "exit_code", 2)) from None
     except KeyboardInterrupt:  # Ctrl-C before training started (training turns it into a UserError)
-        from posttrain.utils.interrupt import ignore_signals
+        from posttrain.utils.interrupt import stopping
 
-        ignore_signals()  # a second Ctrl-C must not cut the line or change the exit status
+        stopping()  # the command line: a second Ctrl-C must not cut the line or change the exit status
         print(f"{prog}: error: interrupted before training started", file=sys.stderr)
         raise SystemExit(2) from None
 
@@ -32,14 +32,21 @@ TRAINERS = {"sft": "posttrain.trainers.sft:train_sft", "rm": "posttrain.trainers
 
 
 def run_trainer(trainer: str, argv: list[str] | None, prog: str) -> dict:
-    """Parse `argv` (default: the process arguments) as `trainer`'s flags and run it; bad flags or
-    data exit 2 with one line. The trainer module is imported after parsing, so `--help` and flag
-    errors stay fast. Returns the trainer's final metrics."""
+    """Parse `argv` as `trainer`'s flags and run it; bad flags or data exit 2 with one line. `argv` None:
+    the process's own arguments, i.e. the command line (`command_line`). The trainer module is imported
+    after parsing, so `--help` and flag errors stay fast. Returns the trainer's final metrics."""
     from posttrain.config import parse_config
-    from posttrain.utils.interrupt import signals_end_the_process
 
-    # after the first Ctrl-C or SIGTERM the run ends with its line and status, whatever else arrives
-    with user_errors(prog), signals_end_the_process():
+    with command_line(argv is None), user_errors(prog):
         cfg = parse_config(trainer, sys.argv[1:] if argv is None else argv)
         module, name = TRAINERS[trainer].split(":")
         return getattr(importlib.import_module(module), name)(cfg)
+
+
+def command_line(active: bool = True):
+    """When `active` (the process runs this command and exits after it): after the first Ctrl-C or SIGTERM
+    the run ends with its line and status, a second is ignored, a third exits at once
+    (`signals_end_the_process`). Inactive (an in-process caller): a no-op, its handlers come back."""
+    from posttrain.utils.interrupt import signals_end_the_process
+
+    return signals_end_the_process() if active else nullcontext()

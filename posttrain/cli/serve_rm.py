@@ -153,7 +153,7 @@ def make_source(args: ServeRMConfig, device: str):
                               batch_size=args.batch_size, max_len=args.data.max_len, tokenizer=tokenizer,
                               device=device, attn_implementation=args.ds.attn_implementation,
                               onednn_linear=args.ds.onednn_linear, on_error=args.on_error, timeout=args.reward.timeout,
-                              retries=args.reward.retries, ds=args.ds)
+                              retries=args.reward.retries, max_stuck=args.reward.max_stuck, ds=args.ds)
 
 
 if __name__ == "__main__":

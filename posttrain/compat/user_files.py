@@ -6,13 +6,15 @@ A user file is code that runs with the run's permissions. `sys.exit()` in it (a 
 it loads or when posttrain calls it) must not end the run silently with the file's exit status:
 `exec_user_file` and `call_user` turn it into `UserFileExit`, an ordinary exception that the callers
 report as an error of the file. While a file loads, `os._exit()` (which would end the process at once,
-with no error and no model) raises the same way."""
+with no error and no model) raises the same way in the loading thread; other threads and forked
+children exit as usual."""
 from __future__ import annotations
 
 import importlib.util
 import os
 import posix
 import sys
+import threading
 import traceback
 import types
 
@@ -28,8 +30,17 @@ class _ProcessExit(SystemExit):
     how = "os._exit"
 
 
+_REAL_EXIT = posix._exit  # captured once: a concurrent load never restores a patched function
+_loading: dict[tuple[int, int], int] = {}  # (pid, thread id) -> nested loads in that thread
+_loading_lock = threading.Lock()
+
+
 def _raise_process_exit(code: int = 0):
-    raise _ProcessExit(code)
+    """Raises `_ProcessExit` in a thread that is loading a user file; every other thread, and a child
+    forked while a file loads (e.g. a multiprocessing fork child), exits for real."""
+    if (os.getpid(), threading.get_ident()) in _loading:
+        raise _ProcessExit(code)
+    _REAL_EXIT(code)
 
 
 class UserFileExit(RuntimeError):
@@ -66,14 +77,21 @@ def exec_user_file(path: str, prefix: str) -> types.ModuleType:
     folder = os.path.dirname(os.path.abspath(path))
     openrlhf_modules.install()
     sys.path.insert(0, folder)
-    process_exit = os._exit
-    os._exit = posix._exit = _raise_process_exit
+    key = (os.getpid(), threading.get_ident())
+    with _loading_lock:
+        _loading[key] = _loading.get(key, 0) + 1
+        os._exit = posix._exit = _raise_process_exit
     try:
         spec.loader.exec_module(module)
     except SystemExit as err:
         raise exiting(err) from None
     finally:
-        os._exit = posix._exit = process_exit
+        with _loading_lock:
+            _loading[key] -= 1
+            if not _loading[key]:
+                del _loading[key]
+            if not _loading:
+                os._exit = posix._exit = _REAL_EXIT
         if sys.path and sys.path[0] == folder:
             sys.path.pop(0)
     return module

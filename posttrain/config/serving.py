@@ -15,6 +15,7 @@ from posttrain.config.spec import opt, section
 ON_ERROR = ("raise", "skip")
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024  # the reward server's request limit (rewards/server.py)
 DEFAULT_MAX_CONCURRENT = 64  # requests being scored or waiting their turn; more get HTTP 503
+DEFAULT_MAX_STUCK = 4  # timed-out reward_func calls still running at which no call starts (python_func.py)
 DEFAULT_READ_TIMEOUT = 60.0  # seconds for a request's headers, then as many for its body (HTTP 408)
 TOKEN_ENV = "POSTTRAIN_RM_TOKEN"  # the bearer token of the reward server and its client (rewards/remote.py)
 FUNC_FILE = Inert("serve-rm serves a reward_func file, not a model", lambda v, c, dev: bool(c.reward.remote_url))
@@ -38,6 +39,9 @@ class ServedRewardConfig:
                                 gt=0, note="seconds", inert=Inert(FOR_FUNC_FILES, _serves_model))
     retries: int = opt(3, "attempts per reward_func call: raised or timed out", extension=True, ge=1,
                        note="(attempts in total)", inert=Inert(FOR_FUNC_FILES, _serves_model))
+    max_stuck: int = opt(DEFAULT_MAX_STUCK, "timed-out reward_func calls still running (blocked in C "
+                         "code) at which every request gets 503 until restart", extension=True, ge=1,
+                         inert=Inert(FOR_FUNC_FILES, _serves_model))
 
 
 @dataclass

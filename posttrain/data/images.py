@@ -12,9 +12,10 @@ import re
 import stat
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import urljoin, urlparse
 from urllib.request import url2pathname
 
 from PIL import Image, UnidentifiedImageError
@@ -83,10 +84,11 @@ class ImageLimits:
 
 
 _FIX_BYTES = "Shrink or replace the image, or raise --data.max_image_bytes"
-# PIL refuses an image above 2 x Image.MAX_IMAGE_PIXELS when it opens it, before its size can be read;
-# posttrain opens with PIL's check off (under this lock, for the header only) and checks
-# --data.max_image_pixels itself
+# PIL refuses an image above 2 x Image.MAX_IMAGE_PIXELS when it opens it (and warns above 1 x). posttrain
+# checks --data.max_image_pixels itself from the header; only a limit above PIL's raises PIL's global to it,
+# under this lock and for the header only (PIL's check stays on, at the higher limit)
 _OPEN_LOCK = threading.Lock()
+_PIL_PIXELS = re.compile(r"\((\d+) pixels\)")
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
@@ -116,12 +118,9 @@ def _try_decode(data: bytes, limits: ImageLimits) -> Image.Image | str:
     if len(data) > limits.max_bytes:
         return limits.over_bytes(len(data))
     try:
-        with _OPEN_LOCK:
-            pil_limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
-            try:
-                img = Image.open(io.BytesIO(data))
-            finally:
-                Image.MAX_IMAGE_PIXELS = pil_limit
+        img = _open(data, limits)
+        if isinstance(img, str):
+            return img
         with img:
             too_large = _pixels_error(img, limits)
             if too_large:
@@ -134,6 +133,26 @@ def _try_decode(data: bytes, limits: ImageLimits) -> Image.Image | str:
         return f"too large (PIL: {_clip(e)})"
     except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, ...
         return f"a corrupt or truncated image (PIL {type(e).__name__}: {_clip(e)})"
+
+
+def _open(data: bytes, limits: ImageLimits) -> Image.Image | str:
+    """`Image.open` of `data` (the header only), or why it is too large when PIL's own check refuses it."""
+    try:
+        with _OPEN_LOCK, warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the caller checks the pixels
+            pil_limit = Image.MAX_IMAGE_PIXELS
+            if pil_limit is None or limits.max_pixels <= pil_limit:
+                return Image.open(io.BytesIO(data))
+            Image.MAX_IMAGE_PIXELS = limits.max_pixels
+            try:
+                return Image.open(io.BytesIO(data))
+            finally:
+                Image.MAX_IMAGE_PIXELS = pil_limit
+    except Image.DecompressionBombError as e:  # over twice the limit: PIL names the pixels, not the size
+        found = _PIL_PIXELS.search(str(e))
+        size = f"{int(found.group(1)):,} pixels" if found else f"PIL: {_clip(e)}"
+        return (f"too large: {size}, more than --data.max_image_pixels {limits.max_pixels:,} (raise it to "
+                "read this image)")
 
 
 def _clip(e: Exception, limit: int = 80) -> str:
@@ -165,19 +184,26 @@ _KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character de
 
 
 def _from_file(path: str, location: str, ref: Any, limits: ImageLimits) -> Image.Image:
-    """The image in the regular file `path`: a device, FIFO or socket is refused before a byte is read (it may
-    never end, or block forever), and at most `limits.max_bytes` + 1 bytes are read."""
+    """The image in the regular file `path`: a device, FIFO or socket is refused before it is opened (opening
+    one may block, or act on the device; reading it may never end), checked again on the opened file (it may
+    have been replaced in between), and at most `limits.max_bytes` + 1 bytes are read."""
     if os.path.isdir(path):
         raise _fail(location, ref, f"{path} is a folder, not an image file", _FIX_DATA)
+
+    def regular(mode: int) -> None:
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+            raise _fail(location, ref, f"{path} is {kind}, not a regular file; images are read from "
+                        "regular files only", _FIX_DATA + " (copy the image into a file)")
+
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # opening a FIFO must not block
+        regular(os.stat(path).st_mode)
+        # no blocking open (a FIFO swapped in since the stat), never a controlling terminal
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
         with open(fd, "rb") as f:
             info = os.fstat(fd)
-            mode, size = info.st_mode, info.st_size
-            if not stat.S_ISREG(mode):
-                kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
-                raise _fail(location, ref, f"{path} is {kind}, not a regular file; images are read from "
-                            "regular files only", _FIX_DATA + " (copy the image into a file)")
+            regular(info.st_mode)
+            size = info.st_size
             if size > limits.max_bytes:
                 raise _fail(location, ref, f"file {path} is {limits.over_bytes(size)}", _FIX_BYTES)
             data = f.read(limits.max_bytes + 1)  # the file may have grown since
@@ -187,14 +213,19 @@ def _from_file(path: str, location: str, ref: Any, limits: ImageLimits) -> Image
     return _decode(data, location, ref, f"file {path}", limits)
 
 
-def _b64(text: str) -> bytes | None:
-    """The bytes of base64 `text` (whitespace ignored; standard or URL-safe alphabet), or None."""
+def _b64(text: str, limits: ImageLimits) -> bytes | str | None:
+    """The bytes of base64 `text` (whitespace ignored; standard or URL-safe alphabet), None when it is not
+    base64, or why not when it would decode to more than `limits.max_bytes` (checked before decoding)."""
     compact = "".join(text.split())
     if not compact or not re.fullmatch(r"[A-Za-z0-9+/]*={0,2}|[A-Za-z0-9_-]*={0,2}", compact):
         return None
+    padded = compact + "=" * (-len(compact) % 4)
+    size = len(padded) // 4 * 3 - (len(padded) - len(padded.rstrip("=")))
+    if size > limits.max_bytes:
+        return limits.over_bytes(size)
     try:
-        return base64.b64decode(compact + "=" * (-len(compact) % 4), altchars=b"-_" if "-" in compact
-                                or "_" in compact else None, validate=True)
+        return base64.b64decode(padded, altchars=b"-_" if "-" in compact or "_" in compact else None,
+                                validate=True)
     except (binascii.Error, ValueError):
         return None
 
@@ -204,12 +235,15 @@ def _from_data_uri(ref: str, location: str, limits: ImageLimits) -> Image.Image:
     form = "data:image/<format>;base64,<data>"
     if not sep or not header.lower().startswith("data:image/") or not header.lower().endswith(";base64"):
         raise _fail(location, ref, f"unsupported data URI (only {form} is read)", _FIX_DATA)
-    data = _b64(payload)
+    data = _b64(payload, limits)
     if data is None:
         raise _fail(location, ref, "the data URI's payload is not valid base64", _FIX_DATA + f" ({form})")
+    if isinstance(data, str):
+        raise _fail(location, ref, f"the data URI's image is {data}", _FIX_BYTES)
     return _decode(data, location, ref, "the data URI's image", limits)
 
 
+MAX_REDIRECTS = 5  # an image URL's redirects followed before it is refused
 _NO_NETWORK = ("This machine may have no network access: download the image and give its local path in the "
                "data instead")
 
@@ -217,16 +251,34 @@ _NO_NETWORK = ("This machine may have no network access: download the image and 
 def _download(url: str, limits: ImageLimits) -> bytes | tuple[str, str]:
     """The body of `url`, or (why not, the fix). The whole download, connection included, gets
     `limits.url_timeout` seconds: it runs in a daemon thread that the caller stops waiting for at the
-    deadline, and that itself stops at its next read after the deadline (each read waits at most
-    `url_timeout`); at most `limits.max_bytes` + 1 bytes are read."""
+    deadline, and that itself stops at its next read or redirect after the deadline (each read waits at
+    most `url_timeout`); at most MAX_REDIRECTS redirects are followed and `limits.max_bytes` + 1 bytes
+    read."""
     import requests
 
     deadline = time.monotonic() + limits.url_timeout
     result: list = []
 
+    def get(where: str):
+        """The response at the end of `where`'s redirects (None past the deadline or MAX_REDIRECTS)."""
+        for _ in range(MAX_REDIRECTS + 1):
+            resp = requests.get(where, stream=True, timeout=limits.url_timeout, allow_redirects=False)
+            if not resp.is_redirect:
+                return resp
+            resp.close()
+            if time.monotonic() > deadline:
+                return None
+            where = urljoin(resp.url, resp.headers["location"])
+        result.append((f"could not be downloaded: redirected more than {MAX_REDIRECTS} times",
+                       "Fix the URL (give the image's final address)"))
+        return None
+
     def fetch():
         try:
-            with requests.get(url, stream=True, timeout=limits.url_timeout) as resp:
+            resp = get(url)
+            if resp is None:
+                return
+            with resp:
                 if resp.status_code != 200:
                     result.append((f"could not be downloaded (HTTP {resp.status_code})",
                                    _NO_NETWORK + " (or fix the URL)"))
@@ -276,8 +328,10 @@ def _from_path(path: str, location: str, ref: Any, base_dir: str | None, allow_b
     for cand in tried:
         if os.path.exists(cand):
             return _from_file(cand, location, ref, limits)
-    data = _b64(path) if allow_b64 else None
-    if data is not None:
+    data = _b64(path, limits) if allow_b64 else None
+    if isinstance(data, str) and len(path) >= _B64_MIN:
+        raise _fail(location, ref, f"no such file, and as base64 it is {data}", _FIX_BYTES)
+    if isinstance(data, bytes):
         img = _try_decode(data, limits)
         if not isinstance(img, str):
             return img

@@ -30,15 +30,22 @@ def image_placeholder(processor) -> str:
 def encode_with_images(processor, text: str, images: Sequence, location: str = "an image prompt",
                        labels: Sequence[str] | None = None) -> tuple[list[int], dict[str, np.ndarray]]:
     """(token ids, image tensors) of `text`, whose placeholders (one per image, in order) the processor expands
-    into image tokens; no tokenizer special tokens are added (the text carries them). An image the processor
-    refuses (a ValueError, e.g. Qwen-VL's aspect ratio of 200 or more) is a one-line DataError naming
-    `location`, the images (`labels`, one per image, e.g. their references) and their sizes."""
+    into image tokens; no tokenizer special tokens are added (the text carries them). A ValueError of the
+    processor is a one-line DataError naming `location`: one about image tokens (their count in the text
+    against the images, or against the ids) is a template / placeholder problem; any other is an image the
+    processor refuses (e.g. Qwen-VL's aspect ratio of 200 or more), named with the images (`labels`, one per
+    image, e.g. their references) and their sizes."""
     try:
         out = processor(text=[text], images=list(images), add_special_tokens=False, return_tensors="np")
     except ValueError as e:
+        reason = " ".join(str(e).split())[:160]
+        if "token" in reason.lower():
+            token = image_placeholder(processor)
+            raise DataError(f"{location}: the rendered text's image placeholders do not match its "
+                            f"{len(images)} image(s) ({reason}). Fix the chat template so that it puts one "
+                            f"{token} per image, or remove image tokens written in the text itself") from None
         names = labels if labels is not None and len(labels) == len(images) else ["image"] * len(images)
         which = "; ".join(f"{name} ({img.width}x{img.height} px)" for name, img in zip(names, images))
-        reason = " ".join(str(e).split())[:160]
         fix = "Replace the image, or crop or pad it to a shape this model's processor reads"
         raise DataError(f"{location}, {which}: the model's processor refuses "
                         f"{'it' if len(images) == 1 else 'one of them'} ({reason}). {fix}") from None

@@ -138,8 +138,9 @@ def matched_names(state: dict[str, torch.Tensor], wanted: set[str]) -> dict[str,
 def check_output_folder(output, overwrite: bool = False) -> Path:
     """`output` as a folder ds-to-hf may write: not at or below a posttrain checkpoint or run folder
     (UserError whatever `overwrite` says), a new or empty folder, or with `overwrite` a folder that holds no
-    such folder and is neither the working directory, the home folder nor above one of them."""
-    out = Path(output).absolute()
+    such folder and is neither the working directory, the home folder nor above one of them. The checks
+    and the returned path follow symlinks and `..` (`Path.resolve`)."""
+    out = Path(output).resolve()
     owner = run_folder_at(out)
     if owner is not None:
         raise UserError(f"--output_path {output}: {owner} is a posttrain checkpoint or run folder, and "

@@ -105,8 +105,9 @@ class LoraError(UserError, ValueError):
 
 def check_lora(model: torch.nn.Module, spec: LoraSpec, task_type: str) -> None:
     """LoraError when `--ds.lora.target_modules` names no linear layer of `model`, or `--ds.lora.rank` exceeds
-    min(in, out) of the smallest layer it adapts (more rank adds parameters, no capacity); with all-linear, a
-    start-up note naming the weights that get no adapter (a mixture of experts' experts and router)."""
+    min(in, out) of every layer it adapts (more rank adds parameters, no capacity); a start-up note naming the
+    adapted layers narrower than the rank (e.g. a mixture of experts' 1-wide shared-expert gate), and with
+    all-linear one naming the weights that get no adapter (a mixture of experts' experts and router)."""
     targets = _targets(spec.target_modules)
     if targets != "all-linear":
         present = {_short(n) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -118,13 +119,20 @@ def check_lora(model: torch.nn.Module, spec: LoraSpec, task_type: str) -> None:
                             f" that name{why}; its linear layers are {' '.join(sorted(present))} (or use "
                             "all-linear)")
     layers = adapted_linears(model, targets, task_type)
+    width = {n: min(m.in_features, m.out_features) for n, m in layers.items()}
     if layers:
-        name, m = min(layers.items(), key=lambda kv: min(kv[1].in_features, kv[1].out_features))
-        smallest = min(m.in_features, m.out_features)
-        if spec.rank > smallest:
-            raise LoraError(f"--ds.lora.rank {spec.rank} exceeds the smallest layer it adapts ({name}: "
-                            f"{m.in_features} -> {m.out_features}), where a rank above {smallest} adds "
-                            f"parameters but no capacity; use --ds.lora.rank {smallest} or less")
+        name = max(width, key=width.get)
+        m, largest = layers[name], width[name]
+        if spec.rank > largest:
+            raise LoraError(f"--ds.lora.rank {spec.rank} exceeds every layer it adapts (the largest, {name}: "
+                            f"{m.in_features} -> {m.out_features}), where a rank above {largest} adds "
+                            f"parameters but no capacity; use --ds.lora.rank {largest} or less")
+    narrow = sorted({_short(n) for n, w in width.items() if w < spec.rank})
+    note = (f"note: --ds.lora.rank {spec.rank} exceeds min(in, out) of {' '.join(narrow)}; their adapters "
+            "get parameters beyond that width but no more capacity")
+    if narrow and note not in _noted:
+        _noted.add(note)
+        info(note)
     skipped = _not_linear(model) if targets == "all-linear" else []
     adapted = " ".join(sorted({_short(n) for n in layers}))
     note = (f"note: --ds.lora.target_modules all-linear adapts the linear layers ({adapted}); "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from posttrain.config.roles import reward_endpoints
 from posttrain.rewards.python_func import DEFAULT_TIMEOUT as FUNC_TIMEOUT
-from posttrain.rewards.python_func import PythonRewardFunction
+from posttrain.rewards.python_func import MAX_STUCK, PythonRewardFunction
 from posttrain.rewards.remote import RemoteReward, ShardedRemoteReward
 from posttrain.rewards.result import RewardError
 from posttrain.rewards.reward_model import RewardModelSource
@@ -16,8 +16,10 @@ def make_reward_source(remote_url: str | None = None, model_name_or_path: str | 
                        batch_size: int = 16, max_len: int | None = None, tokenizer=None, device="cpu",
                        attn_implementation: str | None = None, onednn_linear: bool = True, on_error: str = "raise",
                        token: str | None = None, timeout: float | None = None, retries: int = 3,
-                       backoff: float = 0.5, ds=None, zero_stage: int | None = None, offload: bool = False):
-    """remote_url ending in .py → PythonRewardFunction(remote_url, on_error, timeout, retries, backoff);
+                       backoff: float = 0.5, max_stuck: int = MAX_STUCK, ds=None,
+                       zero_stage: int | None = None, offload: bool = False):
+    """remote_url ending in .py → PythonRewardFunction(remote_url, on_error, timeout, retries, backoff,
+    max_stuck);
     remote_url http(s):// → RemoteReward(remote_url, token, timeout, retries, backoff);
     several comma-separated http(s):// URLs → ShardedRemoteReward(urls, ...) (each batch spread over them);
     timeout: seconds per reward call — None: 30 per HTTP request (HTTP_TIMEOUT), 300 per reward_func
@@ -46,7 +48,7 @@ def make_reward_source(remote_url: str | None = None, model_name_or_path: str | 
         if url.startswith(("http://", "https://")):
             return RemoteReward(url, token=token, timeout=timeout_http, retries=retries, backoff=backoff)
         return PythonRewardFunction(url, on_error=on_error, timeout=FUNC_TIMEOUT if timeout is None else timeout,
-                                    retries=retries, backoff=backoff)
+                                    retries=retries, backoff=backoff, max_stuck=max_stuck)
     if normalize is None:
         normalize = False
     return RewardModelSource(model_name_or_path, value_head_prefix=value_head_prefix, normalize=normalize,

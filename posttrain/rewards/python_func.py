@@ -14,11 +14,12 @@ raises or runs past the timeout is a failed attempt, retried up to `retries` att
 (`--reward.retries`), waiting backoff * 2**(attempt-2) s before attempt 2, 3, ... A call past the
 timeout is abandoned: posttrain raises an exception in its thread to stop it, which takes effect at
 the thread's next Python instruction (a call blocked inside C code, e.g. `time.sleep`, ends only when
-that C call returns; the thread never blocks interpreter exit). Such a thread is a stuck call: while
-MAX_STUCK of them still run, no new call starts and each batch fails at once with a RewardBusy error
-(threads cannot be killed, so their number, not the time, is bounded). Errors caused by the file — a syntax
-error, an import that raises, reward_func raising, running too long, or returning a bad value — are
-RewardErrors naming the file and the cause, with the traceback lines of the user's code (frames of
+that C call returns; the thread never blocks interpreter exit). Such a thread is a stuck call: its batch
+fails at once, not retried (a retry would strand one more thread), and while max_stuck (MAX_STUCK) of them
+still run, no new call starts and each batch fails at once with a RewardBusy error, even with
+on_error="skip" (threads cannot be killed, so their number, not the time, is bounded). Errors caused by
+the file — a syntax error, an import that raises, reward_func raising, running too long, or returning a
+bad value — are RewardErrors naming the file and the cause, with the traceback lines of the user's code (frames of
 posttrain itself and of the import machinery are left out).
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ import traceback
 
 import posttrain
 from posttrain.compat.user_files import UserFileExit, call_user, exec_user_file
+from posttrain.config.serving import DEFAULT_MAX_STUCK as MAX_STUCK
 from posttrain.rewards.result import (
     ON_ERROR,
     RewardError,
@@ -45,7 +47,7 @@ from posttrain.utils.log import warn_once
 
 FLAG = "--reward.remote_url"
 DEFAULT_TIMEOUT = 300.0  # seconds per reward_func call on a rollout batch
-MAX_STUCK = 4  # abandoned calls still running past the timeout before new calls are refused
+STOP_GRACE = 1.0  # seconds a timed-out call has to end once stopped before it counts as stuck
 _POSTTRAIN_DIR = os.path.dirname(os.path.abspath(posttrain.__file__)) + os.sep
 _THREADING_FILE = os.path.abspath(threading.__file__)
 _IMPORTLIB_DIR = os.path.dirname(os.path.abspath(importlib.util.__file__)) + os.sep
@@ -142,9 +144,9 @@ class RewardBusy(RewardError):
 
 
 class _TimedOut(Exception):
-    def __init__(self, frames):
+    def __init__(self, frames, stuck: bool):
         super().__init__("timed out")
-        self.frames = frames
+        self.frames, self.stuck = frames, stuck
 
 
 def _stop(thread: threading.Thread) -> None:
@@ -171,14 +173,16 @@ class PythonRewardFunction:
     timeout: seconds one call may run (None: no limit, the call runs in the caller's thread);
     retries: attempts per batch in total (>= 1); backoff: seconds before the 2nd attempt, doubling
     after. A call that raises or times out is a failed attempt and is retried; an invalid return value
-    is not (the function answered). on_error: "raise" (default) → when every attempt failed, or the
-    return value is invalid, raise RewardError naming the file and the problem (for a timeout: the
-    timeout, `--reward.timeout` and where the call was stuck). "skip" → the affected samples (all of
-    the batch when the function failed or returned the wrong shape; single samples for non-finite
+    is not (the function answered), nor a timed-out call still running STOP_GRACE s after it was stopped
+    (blocked in C code: it fails the batch at once). on_error: "raise" (default) → when every attempt
+    failed, or the return value is invalid, raise RewardError naming the file and the problem (for a
+    timeout: the timeout, `--reward.timeout` and where the call was stuck). "skip" → the affected samples
+    (all of the batch when the function failed or returned the wrong shape; single samples for non-finite
     values) are marked `skipped` with reward 0, counted in `num_skipped` and reported with a warning.
     `labels=None` is passed as B `None`s. kwargs reach the function when it accepts them (by name, or
     all with `**kwargs`). max_stuck: timed-out calls still running (`stuck_calls`) at which no call
-    starts any more: every attempt then fails at once with RewardBusy (not retried)."""
+    starts any more: every attempt then fails at once with RewardBusy (not retried, raised even with
+    on_error "skip": no sample was scored or skipped)."""
 
     def __init__(self, path, on_error: str = "raise", *, timeout: float | None = DEFAULT_TIMEOUT,
                  retries: int = 3, backoff: float = 0.5, max_stuck: int = MAX_STUCK):
@@ -241,10 +245,13 @@ class PythonRewardFunction:
         if not done.wait(self.timeout):
             frames = _stuck_frames(worker)
             _stop(worker)
-            with self._stuck_lock:
-                self._stuck.append(worker)
+            worker.join(STOP_GRACE)  # a call in Python code ends here; one blocked in C code is stuck
+            stuck = worker.is_alive()
+            if stuck:
+                with self._stuck_lock:
+                    self._stuck.append(worker)
             self.num_timeouts += 1
-            raise _TimedOut(frames)
+            raise _TimedOut(frames, stuck)
         if "error" in box:
             raise box.pop("error")
         return box["value"]
@@ -261,6 +268,8 @@ class PythonRewardFunction:
             except _TimedOut as err:
                 timeouts += 1
                 last = err
+                if err.stuck:  # blocked in C code: a retry would only strand one more thread
+                    break
             except UserFileExit as err:  # sys.exit() is no transient failure: not retried
                 last = err
                 break
@@ -268,12 +277,14 @@ class PythonRewardFunction:
                 raise
             except Exception as err:
                 last = err
-        tries = f" ({self.retries} attempts, --reward.retries)" if self.retries > 1 and not isinstance(
-            last, UserFileExit) else ""
+        tries = f" ({attempt} attempts, --reward.retries)" if attempt > 1 else ""
         if isinstance(last, _TimedOut):
             where = _format_frames(last.frames, "It was at (user code, most recent call last)")
+            stuck = (" and is still running (blocked outside Python code, so not retried)"
+                     if last.stuck else "")
             raise RewardError(f"{self.origin}: reward_func did not return within {self.timeout:g}s "
-                              f"(--reward.timeout){tries}; make it faster or raise --reward.timeout{where}")
+                              f"(--reward.timeout){stuck}{tries}; make it faster or raise --reward.timeout"
+                              f"{where}")
         line, details = _describe(last, self.path)
         if timeouts:
             tries += f"; {timeouts} of them timed out after {self.timeout:g}s (--reward.timeout)"
@@ -288,7 +299,7 @@ class PythonRewardFunction:
         try:
             raw = self._call((list(queries), list(prompts), list(labels)), extra)
         except RewardError as err:
-            if self.on_error == "raise":
+            if self.on_error == "raise" or isinstance(err, RewardBusy):  # busy: nothing was scored
                 raise
             result = skipped_batch(n, str(err).split("\n", 1)[0])
         else:

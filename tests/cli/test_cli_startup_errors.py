@@ -88,7 +88,7 @@ def test_a_vision_model_without_a_readable_image_processor_ends_in_one_line(tiny
     ("moe", ["--ds.lora.target_modules", "experts"],
      ["--ds.lora.target_modules experts", "weights outside linear layers"]),
     ("dense", ["--ds.lora.rank", "100000"],
-     ["--ds.lora.rank 100000 exceeds the smallest layer", "use --ds.lora.rank 64 or less"]),
+     ["--ds.lora.rank 100000 exceeds every layer it adapts", "use --ds.lora.rank 128 or less"]),
 ])
 def test_lora_the_model_cannot_take_ends_in_one_line_before_the_adapters_are_built(
         tiny_model_dir, tiny_moe_dir, tmp_path, model, extra, needles):

@@ -162,3 +162,23 @@ def test_a_score_models_head_trains_fully_and_round_trips_through_the_adapter(ti
     torch.testing.assert_close(reloaded.base_model.model.score.modules_to_save["default"].weight, trained)
     with torch.no_grad():
         torch.testing.assert_close(forward_values(reloaded, {"input_ids": IDS}), want, atol=1e-6, rtol=0)
+
+
+def test_a_rank_above_a_moe_gate_but_within_the_other_layers_adapts_them_all_with_a_note(capsys):
+    """Qwen2-MoE's shared-expert gate is hidden -> 1: rank 8 all-linear must not be refused for it (only a
+    rank above every adapted layer is); the note names the narrow gate."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from posttrain.models.lora import LoraError, apply_lora
+
+    config = Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = apply_lora(Qwen2MoeForCausalLM(config), LoraSpec(rank=8))
+    gates = [n for n, p in model.named_parameters() if "shared_expert_gate.lora_A" in n]
+    assert gates and all(model.get_parameter(n).shape == (8, 32) for n in gates)
+    assert "note: --ds.lora.rank 8 exceeds min(in, out) of shared_expert_gate;" in capsys.readouterr().err
+    with pytest.raises(LoraError, match=r"--ds.lora.rank 33 exceeds every layer it adapts \(the largest, "
+                                        r".*: 32 -> \d+\).*use --ds.lora.rank 32 or less"):
+        apply_lora(Qwen2MoeForCausalLM(config), LoraSpec(rank=33))

@@ -149,3 +149,20 @@ def test_the_processor_carries_the_tokenizers_special_tokens(vlm):
     _, processor, _ = vlm  # as OpenRLHF's processor does: agent code reads them from `hf_tokenizer`
     assert processor.eos_token_id == processor.tokenizer.eos_token_id is not None
     assert processor.pad_token_id == processor.tokenizer.pad_token_id is not None
+
+
+def test_a_placeholder_count_the_images_do_not_match_is_a_template_error_not_an_image_error(tiny_vision_dir):
+    from posttrain.data.errors import DataError
+
+    processor = load_processor(tiny_vision_dir)
+    image = Image.new("RGB", (32, 32))
+    with pytest.raises(DataError) as err:
+        encode_with_images(processor, "a <|image_pad|> and b <|image_pad|>", [image], "d.jsonl, row 1")
+    msg = str(err.value)
+    assert msg.startswith("d.jsonl, row 1: the rendered text's image placeholders do not match its "
+                          "1 image(s)")
+    assert "Fix the chat template so that it puts one <|image_pad|> per image" in msg
+    assert "refuses" not in msg and "Replace the image" not in msg
+    with pytest.raises(DataError, match=r"row 1, image \(30000x3 px\): the model's processor refuses it "
+                                        r"\(absolute aspect ratio"):
+        encode_with_images(processor, "a <|image_pad|>", [Image.new("RGB", (30000, 3))], "row 1")

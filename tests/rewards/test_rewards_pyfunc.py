@@ -174,9 +174,9 @@ def test_a_function_that_never_returns_times_out(tmp_path):
     assert any(t.name == "reward_func hangs.py" for t in threading.enumerate())
     msg = str(err.value)
     assert msg.startswith(f"reward function {path}: reward_func did not return within 0.3s "
-                          "(--reward.timeout) (2 attempts, --reward.retries)")
+                          "(--reward.timeout) and is still running (blocked outside Python code, so not retried);")
     assert f'File "{path}", line 4, in reward_func\n    time.sleep(3600)' in msg  # where it was stuck
-    assert "python_func.py" not in msg and src.num_timeouts == 2
+    assert "python_func.py" not in msg and src.num_timeouts == 1 and src.stuck_calls == 1
 
     skip = PythonRewardFunction(path, on_error="skip", timeout=0.2, retries=1)
     out = skip.score(["a", "b"], ["", ""], None)
@@ -193,30 +193,52 @@ def test_stuck_calls_are_bounded_then_refused_at_once(tmp_path):
                 return [1.0]
             time.sleep(3600)
     """, "hangs.py")
-    src = PythonRewardFunction(path, timeout=0.1, retries=3, backoff=0, max_stuck=2)
+    src = PythonRewardFunction(path, timeout=0.1, backoff=0, max_stuck=2)  # the default 3 attempts
+    for stuck in (1, 2):  # a call stuck in C code fails its batch at once: one thread per hang
+        with pytest.raises(RewardError, match="still running") as err:
+            src.score(["a"], [""], None)
+        assert not isinstance(err.value, RewardBusy) and src.stuck_calls == stuck == src.num_timeouts
     busy = rf"{path}: 2 timed-out reward_func call\(s\) still running past the 0.1s --reward.timeout \(a thread"
-    with pytest.raises(RewardBusy, match=busy):
-        src.score(["a"], [""], None)  # attempt 3 finds 2 stuck calls: refused, not retried
-    assert src.stuck_calls == 2 and src.num_timeouts == 2
     for query in ("a", "quick"):  # no thread is started any more, a quick call included
         with pytest.raises(RewardBusy, match=busy):
             src.score([query], [""], None)
     assert src.num_timeouts == 2 and src.stuck_calls == 2
-    skip = PythonRewardFunction(path, on_error="skip", timeout=0.1, retries=1, max_stuck=1)
+    skip = PythonRewardFunction(path, on_error="skip", timeout=0.1, max_stuck=1)
     assert "did not return within 0.1s" in skip.score(["a"], [""], None).skip_reasons[0]
-    out = skip.score(["a"], [""], None)
-    assert out.skipped.tolist() == [True] and "1 timed-out reward_func call(s) still running" in out.skip_reasons[0]
-    assert skip.stuck_calls == 1 and skip.num_timeouts == 1
+    with pytest.raises(RewardBusy, match="1 timed-out reward_func call"):  # not "skipped": nothing ran
+        skip.score(["quick"], [""], None)
+    assert skip.stuck_calls == 1 and skip.num_timeouts == 1 and skip.num_skipped == 1
 
 
-def test_a_function_that_hangs_once_is_retried(tmp_path):
+def test_one_call_stuck_in_c_code_strands_one_thread_and_later_batches_still_score(tmp_path):
+    """With the default 3 attempts and max_stuck 4, a batch that hangs in C code must not use up three of
+    the four threads: after two hanging batches, a quick batch is still scored."""
     path = write(tmp_path, """
-        import time
+        import threading
+        RELEASE = threading.Event()
+        def reward_func(queries, prompts, labels):
+            if queries[0] == "hang":
+                RELEASE.wait()
+            return [1.0] * len(queries)
+    """, "hangs_on_a_lock.py")
+    src = PythonRewardFunction(path, timeout=0.2, backoff=0)
+    try:
+        for _ in range(2):
+            with pytest.raises(RewardError, match="did not return within 0.2s"):
+                src.score(["hang"], [""], None)
+        assert src.stuck_calls == 2
+        assert src.score(["quick"], [""], None).rewards.tolist() == [1.0]
+    finally:
+        src.fn.__globals__["RELEASE"].set()
+
+
+def test_a_function_that_hangs_once_in_python_code_is_stopped_and_retried(tmp_path):
+    path = write(tmp_path, """
         CALLS = []
         def reward_func(queries, prompts, labels):
             CALLS.append(len(queries))
-            if len(CALLS) == 1:
-                time.sleep(3600)
+            while len(CALLS) == 1:
+                pass
             return [float(len(CALLS))] * len(queries)
     """, "flaky.py")
     src = PythonRewardFunction(path, timeout=1, retries=2, backoff=0)  # 1 s: the retry's margin when busy
@@ -382,3 +404,37 @@ def test_sys_exit_while_importing_or_calling_is_an_error_of_the_file(tmp_path):
             src.score(["a"], ["p"])
         assert "attempts" not in str(err.value)  # not retried
 
+
+
+@pytest.mark.e2e
+def test_a_fork_child_started_while_a_reward_file_loads_exits_normally(tmp_path):
+    """The `os._exit` guard of a loading file applies to the loading thread only: multiprocessing's fork
+    child ends with `os._exit(0)` and must not run posttrain's error path (and its clean-ups) instead."""
+    import subprocess
+    import sys
+
+    path = write(tmp_path, """\
+        import multiprocessing as mp
+        import os
+
+        def child():
+            print("child ran", flush=True)
+
+        proc = mp.get_context("fork").Process(target=child)
+        proc.start()
+        proc.join()
+        CHILD_EXIT = proc.exitcode
+
+        def reward_func(queries, prompts, labels):
+            return [float(CHILD_EXIT)] * len(queries)
+        """, name="forks_on_import.py")
+    script = ("import os, sys\nfrom posttrain.rewards import PythonRewardFunction\n"
+              "try:\n    src = PythonRewardFunction(sys.argv[1])\n"
+              "except BaseException as err:\n    print('pid', os.getpid(), 'failed:', err, flush=True)\n    raise\n"
+              "print('pid', os.getpid(), 'scores', src.score(['a'], ['p']).rewards.tolist(), flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", script, path], capture_output=True, text=True, timeout=120,
+                         check=False, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "child ran" and len(lines) == 2 and lines[1].endswith("scores [0.0]"), out.stdout
+    assert "UserFileExit" not in out.stderr

@@ -12,8 +12,6 @@ import pytest
 import requests
 from rewards_http import free_port, raw, read_until_closed
 
-from posttrain.rewards.python_func import MAX_STUCK
-
 pytestmark = pytest.mark.e2e
 
 HTTP = requests.Session()
@@ -24,6 +22,7 @@ HANGS = """import time
 def reward_func(queries, prompts, labels, **kwargs):
     time.sleep(3600)  # blocked in C: the abandoning exception cannot stop it
 """
+MAX_STUCK = 2  # --reward.max_stuck (default 4)
 ANSWER_S = 60  # every request must be answered within this (a liveness bound, not a speed check)
 
 
@@ -70,7 +69,8 @@ def health(base):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads through /proc")
 def test_a_hanging_reward_func_is_answered_bounded_and_reported(tmp_path):
-    proc, base = serve(tmp_path, "--reward.timeout", "2", "--reward.retries", "1", "--max_concurrent", "3")
+    proc, base = serve(tmp_path, "--reward.timeout", "2", "--reward.retries", "1", "--max_concurrent", "3",
+                       "--reward.max_stuck", str(MAX_STUCK))
     try:
         url, baseline = base + "/get_reward", threads(proc)
         assert health(base)[1]["status"] == "ok"

@@ -279,3 +279,20 @@ def test_a_crafted_engine_model_file_is_refused_in_one_line(tiny_model_dir, arit
     assert "Weights only load failed" not in proc.stderr
     one_error_line(to_hf(step, tiny_model_dir, tmp_path / "hf"), *needles)
     assert not marker.exists()
+
+
+def test_the_checkpoint_folder_rule_follows_symlinks_and_dot_dot(tmp_path):
+    """A symlink into a run folder is inside it; `ckpt/global_step1/../../other/out` is not."""
+    from posttrain.models.deepspeed_export import check_output_folder
+    from posttrain.utils.run_lock import LOCK_FILE
+
+    run = tmp_path / "run"
+    (run / "global_step1").mkdir(parents=True)
+    (run / LOCK_FILE).write_text("")
+    (tmp_path / "link").symlink_to(run / "global_step1")
+    with pytest.raises(UserError, match=rf"--output_path {tmp_path / 'link' / 'hf'}: {run} is a posttrain "
+                                        "checkpoint or run folder"):
+        check_output_folder(tmp_path / "link" / "hf")
+    assert not (run / "global_step1" / "hf").exists()
+    out = run / "global_step1" / ".." / ".." / "other" / "out"
+    assert check_output_folder(out) == tmp_path / "other" / "out"

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 from safetensors.torch import load_file
-from test_faults import CLI, error_line, flags, run
+from test_faults import CLI, flags, run
 
 from posttrain.utils.checkpoint import verify_checkpoint
 from posttrain.utils.metrics import read_metrics
@@ -38,23 +38,27 @@ def pressed_again(err, tmp):  # the first thing the save's clean-up does: Ctrl-C
     press()
     return disk_full_reason(err, tmp)
 checkpoint.disk_full_reason = pressed_again
-atexit.register(press)  # and once more while the process ends
+atexit.register(press)  # and a third time while the process ends
 from posttrain.cli.main import main
-main(["sft", *sys.argv[1:]])
+sys.argv = ["posttrain", "sft", *sys.argv[1:]]
+main()  # the console command (main(argv) is an in-process call, which gets its handlers back)
 """
 
 
 def test_ctrl_c_pressed_again_during_the_clean_up_ends_the_same_way(tiny_model_dir, arithmetic_dir, tmp_path):
-    """The first Ctrl-C decides the ending (exit 2, one line); the later presses (during the interrupted
-    save's clean-up, and while the process ends) are ignored: the half-written checkpoint is removed and
-    the last complete one resumes."""
+    """The first Ctrl-C decides the ending (exit 2, one line); the second (during the interrupted save's
+    clean-up) is ignored: the half-written checkpoint is removed and the last complete one resumes; the
+    third (while the process ends) ends it at once, with the same status."""
     out = tmp_path / "run"
     ckpt = out / "checkpoints"
     args = flags(tiny_model_dir, arithmetic_dir, out, "--ckpt.save_steps", 1, "--train.max_epochs", 2)
     proc = run([sys.executable, "-c", DRIVER_CTRL_C_TWICE, *args])
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert error_line(proc.stderr) == (
-        f"posttrain sft: error: interrupted at step 3; last checkpoint: {ckpt / 'global_step2'}")
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.count("[posttrain] stopping: the clean-up is running") == 1  # the second press
+    assert [line for line in proc.stderr.splitlines() if line.strip()][-2:] == [
+        f"posttrain sft: error: interrupted at step 3; last checkpoint: {ckpt / 'global_step2'}",
+        "[posttrain] SIGINT a third time: exiting at once, the clean-up unfinished"]
     left = sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".posttrain"))  # not the lock
     assert left == ["global_step1", "global_step2"]
     assert verify_checkpoint(ckpt / "global_step2") is None

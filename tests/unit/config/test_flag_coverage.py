@@ -155,7 +155,7 @@ ACTING: dict[str, frozenset[str]] = {
     ),
     # posttrain serve-rm (cli/serve_rm.py and the reward source it builds)
     "serve-rm": _paths(
-        "reward: model_name_or_path remote_url normalize_enable timeout retries",
+        "reward: model_name_or_path remote_url normalize_enable timeout retries max_stuck",
         "ds: value_head_prefix param_dtype attn_implementation onednn_linear load_in_4bit",
         "data: max_len disable_fast_tokenizer",
         "batch_size host port token max_request_bytes max_queries max_concurrent read_timeout on_error device",

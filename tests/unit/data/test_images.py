@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 import requests
-from image_sources import FOREVER, declared_png, image_server, trickle
+from image_sources import FOREVER, declared_png, image_server, redirect, trickle
 from PIL import Image
 
 from posttrain.data.errors import DataError
@@ -359,14 +359,34 @@ def test_a_trickling_download_stops_at_the_total_deadline():
     assert "not downloaded within --data.image_url_timeout 1 s" in msg and "slow.png" in msg
 
 
+def test_redirects_are_followed_up_to_five_then_refused():
+    hits = {}
+    routes = {"/loop": redirect("/loop"), "/moved.png": redirect("/a.png"), "/a.png": _png()}
+    with image_server(routes, hits) as url:
+        _assert_pixels(load_image(f"{url}/moved.png", LOC))
+        msg = _error(f"{url}/loop")
+    assert "could not be downloaded: redirected more than 5 times" in msg and "Fix the URL" in msg, msg
+    assert hits["/loop"] == 6  # the first request and 5 redirects, not requests' 30
+
+
 @pytest.mark.parametrize("kind", ["character device", "FIFO"])
-def test_only_regular_files_are_read(tmp_path, kind):
+def test_only_regular_files_are_read(tmp_path, kind, monkeypatch):
+    """A device or FIFO is refused before it is opened (opening a tty could make it the controlling terminal,
+    opening a device may act on it)."""
     path = "/dev/zero" if kind == "character device" else str(tmp_path / "f.png")
     if kind == "FIFO":
         os.mkfifo(path)  # nobody writes: opening it for reading would block
+    opened, real_open = [], os.open
+
+    def recording_open(file, *args, **kwargs):
+        opened.append(os.fspath(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", recording_open)
     msg = _error(path)
     assert f"{path} is a {kind}" in msg
     assert "regular files only" in msg
+    assert path not in opened
 
 
 def test_the_byte_limit_covers_files_bytes_and_data_uris(png_file):
@@ -378,11 +398,43 @@ def test_the_byte_limit_covers_files_bytes_and_data_uris(png_file):
     _assert_pixels(load_image(str(png_file), LOC, limits=ImageLimits(max_bytes=len(_png()))))
 
 
+def test_pils_bomb_check_stays_on_and_is_raised_only_for_a_higher_limit(monkeypatch):
+    """Other threads open images while one is read: PIL's global limit is never switched off, and changed
+    (raised to --data.max_image_pixels) only when that limit is above PIL's."""
+    seen, real_open = [], Image.open
+
+    def spy(*args, **kwargs):
+        seen.append(Image.MAX_IMAGE_PIXELS)
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(Image, "open", spy)
+    _assert_pixels(load_image(_png(), LOC))
+    high = ImageLimits(max_pixels=100_000_000)
+    assert "too large: 400,000,000 pixels, more than" in _error(declared_png(20000, 20000), limits=high)
+    assert "12000x10000 = 120,000,000 pixels" in _error(declared_png(12000, 10000), limits=ImageLimits())
+    assert seen == [89_478_485, 100_000_000, 89_478_485] and Image.MAX_IMAGE_PIXELS == 89_478_485
+
+
+def test_oversized_base64_is_refused_before_it_is_decoded(monkeypatch):
+    """A data URI or bare base64 whose decoded size exceeds --data.max_image_bytes is refused from its length
+    alone: decoding it would first hold the whole oversized payload in memory."""
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("base64 decoded before the size check")
+
+    monkeypatch.setattr(base64, "b64decode", no_decoding)
+    limits = ImageLimits(max_bytes=1000)
+    payload = "QUJD" * 334 + "QQ=="  # 1,002 + 1 bytes once decoded
+    for ref in (f"data:image/png;base64,{payload}", payload, "\n".join([payload[:700], payload[700:]])):
+        msg = _error(ref, limits=limits)
+        assert "larger than --data.max_image_bytes 1,000 (1,003 bytes)" in msg and "max_image_bytes" in msg, msg
+
+
 def test_too_many_pixels_are_refused_from_the_header_as_too_large():
-    msg = _error(declared_png(20000, 20000))
-    assert "too large: 20000x20000 = 400,000,000 pixels, more than --data.max_image_pixels 89,478,485" in msg
+    msg = _error(declared_png(12000, 10000))  # within twice PIL's limit: read from the header
+    assert "too large: 12000x10000 = 120,000,000 pixels, more than --data.max_image_pixels 89,478,485" in msg
+    msg = _error(declared_png(20000, 20000))  # beyond it, PIL's own check refuses it first
+    assert "too large: 400,000,000 pixels, more than --data.max_image_pixels 89,478,485" in msg
     assert "corrupt" not in msg
-    assert Image.MAX_IMAGE_PIXELS == 89_478_485  # PIL's own check is off only while the header is read
     small = ImageLimits(max_pixels=W * H - 1)
     assert f"more than --data.max_image_pixels {W * H - 1}" in _error(_png(), limits=small)
     assert "the PIL image is too large: 8x6 = 48 pixels" in _error(_image(), limits=small)

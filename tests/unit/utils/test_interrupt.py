@@ -28,3 +28,63 @@ def test_ctrl_c_stays_interrupted_with_exit_2():
             raise KeyboardInterrupt
     assert str(e.value) == "interrupted at step 1" and not isinstance(e.value, Terminated)
     assert getattr(e.value, "exit_code", 2) == 2
+
+
+def test_an_in_process_caller_gets_its_handlers_back_after_an_interrupt():
+    """`posttrain.cli.main(argv)` in a sweep or notebook: after a Ctrl-C (before or during training) the
+    process keeps its own SIGINT / SIGTERM handling; only the console command ignores later signals."""
+    from posttrain.cli.errors import user_errors
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as e:
+        with user_errors("posttrain sft"):
+            raise KeyboardInterrupt  # Ctrl-C before training started
+    assert e.value.code == 2 and (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    with pytest.raises(SystemExit) as e:
+        with user_errors("posttrain sft"), interrupt_as_error(lambda how: how):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises before this ends
+    assert e.value.code == 143
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_a_second_signal_during_the_clean_up_is_ignored():
+    cleaned = []
+    with pytest.raises(Terminated):
+        with interrupt_as_error(lambda how: how):
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+            finally:
+                os.kill(os.getpid(), signal.SIGINT)  # ignored: the clean-up below still runs
+                cleaned.append(True)
+    assert cleaned
+
+
+THIRD_SIGNAL = """
+import os, signal, time
+from posttrain.cli.errors import command_line, user_errors
+from posttrain.utils.interrupt import interrupt_as_error
+
+with command_line(), user_errors("prog"), interrupt_as_error(lambda how: how):
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+    finally:  # a clean-up that hangs
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("second ignored", flush=True)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)
+        print("clean-up finished", flush=True)
+"""
+
+
+@pytest.mark.e2e
+def test_a_third_signal_ends_the_process_at_once():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", THIRD_SIGNAL], capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert (out.returncode, out.stdout) == (143, "second ignored\n"), out.stderr
+    assert "[posttrain] SIGINT a third time: exiting at once, the clean-up unfinished" in out.stderr

@@ -357,20 +357,21 @@ def engine_count(cfg: PPOConfig) -> int:
 LOCAL_SYSTEM_CONFIG = {"worker_niceness": 0}
 
 
-def connect(num_bundles: int) -> bool:
-    """Join the cluster at RAY_ADDRESS, or start a local one (True: this run started it and shuts it
-    down). Locally, every bundle (a "GPU") gets a logical CPU of its own when the machine has fewer."""
+def connect(num_bundles: int) -> str | None:
+    """Join the cluster at RAY_ADDRESS ("joined") or start a local one ("local"); None when Ray was already
+    initialised by the caller (the run then neither kills its Ray nor disconnects from it). Locally, every
+    bundle (a "GPU") gets a logical CPU of its own when the machine has fewer."""
     if ray.is_initialized():
-        return False
+        return None
     runtime_env = {"env_vars": worker_env()}
     address = os.environ.get("RAY_ADDRESS")
     if address:
         info(f"joining the Ray cluster at {address}")
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
-    else:
-        ray.init(num_cpus=max(os.cpu_count() or 1, num_bundles + 1), include_dashboard=False,
-                 runtime_env=runtime_env, log_to_driver=True, _system_config=LOCAL_SYSTEM_CONFIG)
-    return True
+        return "joined"
+    ray.init(num_cpus=max(os.cpu_count() or 1, num_bundles + 1), include_dashboard=False,
+             runtime_env=runtime_env, log_to_driver=True, _system_config=LOCAL_SYSTEM_CONFIG)
+    return "local"
 
 
 class RayPlacement:
@@ -390,9 +391,9 @@ class RayPlacement:
         self.handles: list = []  # every process created so far, so a failure half-way kills them too
         self.pgs: dict = {}
         self.shards: dict[str, list[tuple[int, int]]] = {}  # `_report_shards`
-        self.started = False
+        self.ray: str | None = None  # `connect`: "local", "joined" or None (the caller's Ray)
         try:
-            self.started = connect(self.plan.world)
+            self.ray = connect(self.plan.world)
             self._place(cfg, total_steps)
         except BaseException:
             self.shutdown()
@@ -502,8 +503,9 @@ class RayPlacement:
         """Remove what the run started. A local Ray the run started is stopped as a whole (its processes,
         and with them every worker) without calls to its GCS: a SIGTERM to the run's process group (Slurm,
         `timeout`) ends that GCS too, and a call to it would wait 60 s and exit 1. In a joined cluster,
-        the run's actors are killed and its placement groups removed."""
-        if self.started:
+        the run's actors are killed and its placement groups removed (also in a Ray the caller started),
+        then the run disconnects from a cluster it joined."""
+        if self.ray == "local":
             self.handles, self.pgs = [], {}
         for h in self.handles:
             try:
@@ -517,7 +519,7 @@ class RayPlacement:
             except Exception:
                 pass
         self.groups, self.pgs = [], {}
-        if self.started and ray.is_initialized():
+        if self.ray and ray.is_initialized():
             with handlers_kept():  # a stopping run keeps ignoring a second Ctrl-C / SIGTERM
                 ray.shutdown()
-            self.started = False
+            self.ray = None

@@ -136,3 +136,32 @@ def test_the_ranks_of_a_ring_or_tensor_parallel_group_train_the_same_shuffled_ro
         assert len(steps) == 4 and sorted(r for s in steps[:2] for r in s) == list(range(16))  # 2 epochs
         assert steps[0] != list(range(8)) and steps[2] != steps[0]  # shuffled, and again in the second epoch
     assert got[0][0] != got[1][0]  # another step, another shuffle
+
+
+@pytest.mark.parametrize("address", ["10.0.0.1:6379", None])
+def test_a_joined_cluster_gets_the_runs_actors_killed_and_a_local_ray_is_stopped_whole(monkeypatch, address):
+    """A run that joined a cluster (RAY_ADDRESS) must remove its actors and placement groups there before it
+    disconnects; a local Ray it started is stopped as a whole (no calls to its GCS). Ray is stubbed at its
+    API: what is checked is which calls the shutdown makes."""
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parents[3] / "unit" / "config"))
+    calls, up = [], []
+    monkeypatch.setattr(ray_placement.ray, "is_initialized", lambda: bool(up))
+    monkeypatch.setattr(ray_placement.ray, "init",
+                        lambda **kw: (up.append(1), calls.append(("init", kw.get("address")))))
+    monkeypatch.setattr(ray_placement.ray, "shutdown", lambda: (up.clear(), calls.append(("shutdown",))))
+    monkeypatch.setattr(ray_placement.ray, "kill", lambda h, no_restart: calls.append(("kill", h)))
+    monkeypatch.setattr(ray_placement, "remove_placement_group", lambda pg: calls.append(("remove", pg)))
+    if address:
+        monkeypatch.setenv("RAY_ADDRESS", address)
+    else:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+    def place(self, cfg, total_steps):  # the run placed one actor in one placement group, then failed
+        self.handles, self.pgs = ["actor rank 0"], {"actor": "actor bundles"}
+        raise RuntimeError("a worker failed to start")
+
+    monkeypatch.setattr(ray_placement.RayPlacement, "_place", place)
+    with pytest.raises(RuntimeError, match="a worker failed to start"):
+        ray_placement.RayPlacement(_cfg(), 1, critic=False, ref=False, reward_model=False)
+    removed = [("kill", "actor rank 0"), ("remove", "actor bundles")] if address else []
+    assert calls == [("init", address), *removed, ("shutdown",)]
