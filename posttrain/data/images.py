@@ -83,6 +83,9 @@ class ImageLimits:
         return f"larger than --data.max_image_bytes {self.max_bytes:,}{known}"
 
 
+DEFAULT_IMAGE_LIMITS = ImageLimits()  # the flags' defaults
+
+
 _FIX_BYTES = "Shrink or replace the image, or raise --data.max_image_bytes"
 # PIL refuses an image above 2 x Image.MAX_IMAGE_PIXELS when it opens it (and warns above 1 x). posttrain
 # checks --data.max_image_pixels itself from the header; only a limit above PIL's raises PIL's global to it,
@@ -346,7 +349,7 @@ def _from_path(path: str, location: str, ref: Any, base_dir: str | None, allow_b
 
 
 def load_image(ref: Any, location: str, base_dir: str | None = None,
-               limits: ImageLimits = ImageLimits()) -> Image.Image:
+               limits: ImageLimits = DEFAULT_IMAGE_LIMITS) -> Image.Image:
     """The RGB image `ref` refers to (`to_rgb`), fully decoded (so a truncated file fails here, not later).
 
     `ref`: a PIL image; encoded image bytes; a Hugging Face Image-feature dict
@@ -406,7 +409,7 @@ def _data_folder(row: dict) -> str | None:
 
 
 def load_images(value: Any, location: str, base_dir: str | None = None,
-                limits: ImageLimits = ImageLimits()) -> list[Image.Image]:
+                limits: ImageLimits = DEFAULT_IMAGE_LIMITS) -> list[Image.Image]:
     """The RGB images of an image column's value (one reference or a list, None entries skipped; see
     `load_image`, each read bounded by `limits`); a list's entries are located as ``location[i]``."""
     if value is None:
@@ -417,7 +420,7 @@ def load_images(value: Any, location: str, base_dir: str | None = None,
 
 
 def row_images(row: dict, image_key: str, max_images: int, base_dir: str | None = None,
-               limits: ImageLimits = ImageLimits()) -> list[Image.Image]:
+               limits: ImageLimits = DEFAULT_IMAGE_LIMITS) -> list[Image.Image]:
     """The RGB images of `row[image_key]` (`load_images`, each read bounded by `limits`; key missing or None
     → []). More than `max_images` raises DataError before anything is loaded. `base_dir` defaults to the
     folder of ``row["__source__"]`` when that is an existing file."""

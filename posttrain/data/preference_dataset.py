@@ -36,7 +36,7 @@ from torch.utils.data import Dataset
 
 from .capping import cap_text_fields
 from .errors import DataError, where
-from .images import ImageLimits, image_labels, to_vision_messages
+from .images import DEFAULT_IMAGE_LIMITS, ImageLimits, image_labels, to_vision_messages
 from .prompts import prompt_images
 from .sft_dataset import SFTDataset, encode_segments
 from .templates import check_input_template, format_prompt, render_chat, require_chat_template, to_messages
@@ -65,7 +65,7 @@ class PreferenceDataset(Dataset):
         processor: Any = None,
         image_key: str = "images",
         max_images: int = 0,
-        image_limits: ImageLimits = ImageLimits(),
+        image_limits: ImageLimits = DEFAULT_IMAGE_LIMITS,
     ):
         if not isinstance(max_len, int) or max_len < 2:
             raise DataError(f"--data.max_len: must be an integer ≥ 2, got {max_len!r}.")

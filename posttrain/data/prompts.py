@@ -7,8 +7,16 @@ from typing import Any
 
 from .capping import cap_text_fields
 from .errors import DataError, where
-from .images import (ImageLimits, check_image_count, count_image_parts, image_labels, row_image_refs,
-                     row_images, to_vision_messages)
+from .images import (
+    DEFAULT_IMAGE_LIMITS,
+    ImageLimits,
+    check_image_count,
+    count_image_parts,
+    image_labels,
+    row_image_refs,
+    row_images,
+    to_vision_messages,
+)
 from .templates import check_input_template, format_prompt, render_chat, to_messages
 from .validation import get_field, require_text_or_messages
 from .vision_samples import ImageEncoder
@@ -33,7 +41,7 @@ class PromptDataset:
     def __init__(self, rows: list[dict], tokenizer, *, input_key: str = "input", label_key: str | None = None,
                  input_template: str | None = None, apply_chat_template: bool = False,
                  max_prompt_len: int | None = None, processor=None, image_key: str = "images",
-                 max_images: int = 0, image_limits: ImageLimits = ImageLimits()) -> None:
+                 max_images: int = 0, image_limits: ImageLimits = DEFAULT_IMAGE_LIMITS) -> None:
         check_input_template(input_template)
         self.prompts: list[Prompt] = []
         self.dropped: list[str] = []
@@ -84,7 +92,7 @@ class PromptDataset:
 
 
 def prompt_images(row: dict, value, processor, image_key: str, max_images: int, chat: bool,
-                  limits: ImageLimits = ImageLimits()) -> list:
+                  limits: ImageLimits = DEFAULT_IMAGE_LIMITS) -> list:
     """The row's images (PIL, each read bounded by `limits`) for a vision-language model (`processor` set),
     checked against the prompt's placeholders; [] for a text model or a row without images."""
     if processor is None:

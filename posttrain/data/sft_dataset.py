@@ -30,7 +30,7 @@ from torch.utils.data import Dataset
 
 from .capping import cap_text_fields
 from .errors import DataError, where
-from .images import ImageLimits, image_labels, to_vision_messages
+from .images import DEFAULT_IMAGE_LIMITS, ImageLimits, image_labels, to_vision_messages
 from .prompts import prompt_images
 from .templates import check_input_template, format_prompt, render_chat, require_chat_template, to_messages
 from .validation import ensure_location, require_messages, require_text, require_text_or_messages
@@ -63,7 +63,7 @@ class SFTDataset(Dataset):
         processor: Any = None,
         image_key: str = "images",
         max_images: int = 0,
-        image_limits: ImageLimits = ImageLimits(),
+        image_limits: ImageLimits = DEFAULT_IMAGE_LIMITS,
     ):
         self.tokenizer = tokenizer
         self.processor, self.image_key, self.max_images = processor, image_key, max_images
