@@ -144,7 +144,7 @@ def test_a_non_empty_output_folder_is_refused_unless_overwrite_replaces_it(llm_c
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not (out / "notes.txt").exists() and (out / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary folder left beside it
-    want, got = (load_file(str(d / "model.safetensors")) for d in (ckpt / "global_step2" / "hf", out))
+    want, got = (load_file(str(d / "model.safetensors")) for d in (ckpt / "global_step2_hf", out))
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
@@ -247,8 +247,9 @@ def test_a_vision_language_models_checkpoint_converts_to_its_trained_weights(tin
     step = ckpt / "global_step2"
     proc = to_hf(step, tiny_vision_dir, tmp_path / "hf")  # a global_stepN folder, as either engine wrote it
     assert proc.returncode == 0, proc.stderr[-3000:]
-    want, got, start = (load_file(str(Path(d) / "model.safetensors")) for d in (step / "hf", tmp_path / "hf",
-                                                                                  tiny_vision_dir))
+    exported = ckpt / "global_step2_hf"  # the run's own --ckpt.save_hf export of that step
+    want, got, start = (load_file(str(Path(d) / "model.safetensors"))
+                        for d in (exported, tmp_path / "hf", tiny_vision_dir))
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     assert any(not torch.equal(start[k], got[k]) for k in got)  # trained weights, not the base model's
     assert is_vision_folder(tmp_path / "hf") and load_processor(tmp_path / "hf").image_processor is not None
