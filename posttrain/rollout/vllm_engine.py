@@ -11,7 +11,9 @@ Log-probs: the engine is built with ``logprobs_mode="processed_logprobs"``, i.e.
 temperature, which equals our contract ``log softmax(logits / T)[token]`` when ``top_p == 1``
 (vLLM's default "raw_logprobs" would be the temperature-1 values). With ``top_p < 1`` vLLM
 renormalises over the nucleus, so its log-probs are higher than the trainer's recomputation by
-``-log(nucleus mass)``; a warning says so once. Greedy (temperature 0): temperature-1 log-probs.
+``-log(nucleus mass)``; a warning says so once. Greedy (temperature 0): temperature-1 log-probs, and
+vLLM takes one sample per greedy request (``n > 1``: copies). vLLM's processed log-probs also come after its
+``min_tokens`` ban: a token drawn under the ban is scored again unbanned (``_unban_logprobs``).
 
 A LoRA policy (``lora=``) is synced adapter-only (``update_adapter``, canonical names of
 ``posttrain.models.lora_sync``), in one of two ``lora_sync`` modes:
