@@ -4,6 +4,8 @@ environment and the config; the engines themselves live in `posttrain.rollout`."
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 from typing import Any
 
 # `cfg` below is a PPOConfig, typed `Any`: posttrain.config.trainers imports this module through `facts`, so
@@ -44,6 +46,23 @@ def vllm_unavailable() -> str | None:
     return None
 
 
+def vision_without_torchvision(model_path) -> str | None:
+    """Why vLLM cannot load ``model_path`` when it is a vision-language model (its ``config.json`` has a
+    ``vision_config``) and torchvision is missing (vLLM's Qwen2-VL family imports transformers' torchvision
+    image processor; the CPU setup has no torchvision: its PyPI wheel fails beside this torch); else None."""
+    try:
+        with open(os.path.join(str(model_path), "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if "vision_config" not in config or importlib.util.find_spec("torchvision") is not None:
+        return None
+    arch = ",".join(config.get("architectures") or [config.get("model_type", "?")])
+    return (f"vLLM cannot load the vision-language model {model_path} ({arch}) without torchvision, which is "
+            "not installed here (vLLM's CPU setup leaves it out); sample it with the HF engine: "
+            "--rollout.engine hf")
+
+
 def rollout_backend(cfg: Any) -> tuple[str, str]:
     """The rollout engines' backend: ("vllm", "") when --vllm.num_engines >= 1, --rollout.engine is not hf
     and this process can run vLLM, else ("hf", why). Decided where the engine runs (a Ray worker on its
@@ -52,7 +71,8 @@ def rollout_backend(cfg: Any) -> tuple[str, str]:
         return "hf", "--vllm.num_engines is unset"
     if cfg.rollout.engine == "hf":
         return "hf", "--rollout.engine hf"
-    why = vllm_unavailable() or hybrid_refusal(cfg) or partial_rollout_refusal(cfg)
+    why = (vllm_unavailable() or vision_without_torchvision(cfg.actor.model_name_or_path) or hybrid_refusal(cfg)
+           or partial_rollout_refusal(cfg))
     if why and cfg.rollout.engine == "vllm":
         from posttrain.config.errors import ConfigError
 

@@ -46,7 +46,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from posttrain.config.backends import VLLM_MISSING
+from posttrain.config.backends import VLLM_MISSING, vision_without_torchvision
 from posttrain.models import as_lora_spec, is_peft, unwrap_model
 from posttrain.models import lora_sync as lsync
 from posttrain.models.vision import config_token_id
@@ -117,25 +117,6 @@ def import_vllm():
     except ImportError as err:
         raise ImportError(VLLM_MISSING) from err
     return vllm
-
-
-def vision_without_torchvision(model_path) -> str | None:
-    """Why vLLM could not load ``model_path`` when it is a vision-language model (its ``config.json`` has a
-    ``vision_config``) and torchvision is missing (vLLM's Qwen2-VL family imports transformers' torchvision
-    image processor; the CPU setup has no torchvision: its PyPI wheel fails beside this torch); else None."""
-    import importlib.util
-
-    try:
-        with open(os.path.join(str(model_path), "config.json")) as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if "vision_config" not in config or importlib.util.find_spec("torchvision") is not None:
-        return None
-    arch = ",".join(config.get("architectures") or [config.get("model_type", "?")])
-    return (f"vLLM cannot load the vision-language model {model_path} ({arch}) without torchvision, which is "
-            "not installed here (vLLM's CPU setup leaves it out); sample it with the HF engine: "
-            "--rollout.engine hf")
 
 
 def vision_pad_token_ids(config) -> tuple[int | None, int | None]:

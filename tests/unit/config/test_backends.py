@@ -1,0 +1,46 @@
+"""Which engine the rollout engines run (`posttrain.config.backends.rollout_backend`): vLLM where
+`--vllm.num_engines` asks for engines and this machine runs vLLM, the HF engine with the reason otherwise;
+`--rollout.engine vllm` turns the reason into a one-line ConfigError, `--rollout.engine hf` always serves HF."""
+import json
+
+import pytest
+
+from posttrain.config import ConfigError, backends, parse_config
+
+
+def ppo(model, *flags):
+    return parse_config("ppo", ["--actor.model_name_or_path", str(model), "--data.prompt_dataset", "x", *flags],
+                        check=False)
+
+
+@pytest.fixture
+def vlm_folder(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2_5_VLForConditionalGeneration"],
+                                                      "vision_config": {}}))
+    return tmp_path
+
+
+def test_the_engine_choice(monkeypatch, tmp_path):
+    monkeypatch.setattr(backends, "vllm_unavailable", lambda: None)
+    assert backends.rollout_backend(ppo(tmp_path)) == ("hf", "--vllm.num_engines is unset")
+    assert backends.rollout_backend(ppo(tmp_path, "--vllm.num_engines", "2")) == ("vllm", "")
+    assert backends.rollout_backend(ppo(tmp_path, "--vllm.num_engines", "2", "--rollout.engine", "hf")) == (
+        "hf", "--rollout.engine hf")
+    monkeypatch.setattr(backends, "vllm_unavailable", lambda: "vLLM is not installed")
+    assert backends.rollout_backend(ppo(tmp_path, "--vllm.num_engines", "1")) == ("hf", "vLLM is not installed")
+    with pytest.raises(ConfigError, match="--rollout.engine vllm: vLLM is not installed"):
+        backends.rollout_backend(ppo(tmp_path, "--vllm.num_engines", "1", "--rollout.engine", "vllm"))
+
+
+def test_a_vision_model_without_torchvision_samples_with_the_hf_engine(monkeypatch, vlm_folder):
+    """vLLM's Qwen2-VL code needs torchvision, which the CPU setup cannot have: auto serves the HF engine and
+    says why; --rollout.engine vllm ends in one line naming the way out."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchvision" else real(name, *a))
+    monkeypatch.setattr(backends, "vllm_unavailable", lambda: None)
+    backend, why = backends.rollout_backend(ppo(vlm_folder, "--vllm.num_engines", "1"))
+    assert backend == "hf" and "without torchvision" in why and "--rollout.engine hf" in why
+    with pytest.raises(ConfigError, match="--rollout.engine vllm: vLLM cannot load the vision-language model"):
+        backends.rollout_backend(ppo(vlm_folder, "--vllm.num_engines", "1", "--rollout.engine", "vllm"))
