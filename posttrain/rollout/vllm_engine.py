@@ -142,10 +142,26 @@ def _sampled_logprob(entry, token_id: int, where: str) -> float:
     return float(getattr(value, "logprob", value))
 
 
+def token_versions(spans, num_tokens: int) -> list[int] | None:
+    """Per-token policy versions from vLLM's ``CompletionOutput.weight_versions`` (spans ``[start, end)`` of
+    output tokens, each labelled with the weights that sampled them; ``weights_updated(version)`` sets
+    the label ``str(version)``). None when a token has no integer label (vLLM's "default" before the
+    first labelled sync, or no spans)."""
+    if not spans or num_tokens == 0:
+        return None
+    versions: list[int] = []
+    for span in spans:
+        if not str(span.version).isdigit() or span.start != len(versions):
+            return None
+        versions += [int(span.version)] * (span.end - span.start)
+    return versions if len(versions) == num_tokens else None
+
+
 def convert_vllm_outputs(prompt_token_ids: Sequence[Sequence[int]], request_outputs, n: int) -> list[list[RolloutOutput]]:
     """vLLM ``RequestOutput`` list (one per prompt, in order) → one list of ``n`` RolloutOutputs per
     prompt. Uses ``outputs[i].token_ids``, ``.logprobs`` (one ``{token_id: Logprob}`` per token),
-    ``.finish_reason`` and ``.index`` (samples sorted by it); token ids are taken as returned."""
+    ``.finish_reason``, ``.index`` (samples sorted by it) and ``.weight_versions`` (``token_versions``); token
+    ids are taken as returned."""
     if len(request_outputs) != len(prompt_token_ids):
         raise ValueError(f"vLLM returned {len(request_outputs)} request outputs for {len(prompt_token_ids)} prompts")
     result = []
@@ -164,7 +180,8 @@ def convert_vllm_outputs(prompt_token_ids: Sequence[Sequence[int]], request_outp
                 raise RuntimeError(f"{where}: vLLM finished the sample with finish_reason={c.finish_reason!r} "
                                    f"(expected one of {list(FINISH_REASONS)})")
             logprobs = [_sampled_logprob(e, t, where) for e, t in zip(c.logprobs, tokens)]
-            group.append(RolloutOutput(list(prompt), tokens, logprobs, c.finish_reason))
+            group.append(RolloutOutput(list(prompt), tokens, logprobs, c.finish_reason,
+                                       token_versions(getattr(c, "weight_versions", None), len(tokens))))
         result.append(group)
     return result
 
@@ -218,7 +235,7 @@ class VLLMRolloutEngine:
             apply_cpu_defaults(llm_kwargs)
             if any(self.limit_mm_per_prompt.values()):
                 llm_kwargs["limit_mm_per_prompt"] = dict(self.limit_mm_per_prompt)
-            self.llm = vllm.LLM(model=str(llm_or_model_path), **llm_kwargs)
+            self.llm = self._make_llm(vllm, str(llm_or_model_path), llm_kwargs)
         else:
             self.llm = llm_or_model_path
         self.eos_token_ids = None if eos_token_ids is None else [int(i) for i in eos_token_ids]
@@ -227,6 +244,10 @@ class VLLMRolloutEngine:
                 self._model_config(llm_or_model_path, llm_kwargs.get("trust_remote_code", False)))
         self.image_token_id = None if image_token_id is None else int(image_token_id)
         self.video_token_id = None if video_token_id is None else int(video_token_id)
+
+    def _make_llm(self, vllm, model: str, llm_kwargs: dict):
+        """The vLLM engine over ``model`` (``vllm.LLM``; ``vllm_async_engine`` builds vLLM's ``AsyncLLM``)."""
+        return vllm.LLM(model=model, **llm_kwargs)
 
     def _model_config(self, llm_or_model_path, trust_remote_code: bool):
         """The HF config of the model vLLM serves: its own (``llm_engine.model_config.hf_config``), else the
