@@ -123,6 +123,7 @@ class AsyncLLMHandle:
             self.llm.shutdown()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(30)
+        self.loop.close()
 
 
 class VLLMAsyncRolloutEngine(VLLMRolloutEngine):

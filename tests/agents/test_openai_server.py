@@ -21,11 +21,25 @@ def tok(tiny_model_dir):
     return load_tokenizer(tiny_model_dir)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir, tok):
-    from posttrain.models import load_causal_lm
+@pytest.fixture(scope="module", params=["hf", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.e2e])])
+def engine(request, tiny_model_dir, tok):
+    """The HF engine, and real vLLM over AsyncLLM (each model call its own request, as on a Ray rollout
+    engine of an agent run; its engine core is a process of its own): the server drives both alike."""
+    if request.param == "hf":
+        from posttrain.models import load_causal_lm
 
-    return HFRolloutEngine(load_causal_lm(tiny_model_dir, dtype="fp32").eval(), tok, pad_token_id=tok.pad_token_id)
+        yield HFRolloutEngine(load_causal_lm(tiny_model_dir, dtype="fp32").eval(), tok, pad_token_id=tok.pad_token_id)
+        return
+    from posttrain.config.backends import vllm_unavailable
+    from posttrain.rollout.hf_engine import resolve_eos_ids
+    from posttrain.rollout.vllm_async_engine import VLLMAsyncRolloutEngine
+
+    if vllm_unavailable():
+        pytest.skip(f"real vLLM: {vllm_unavailable()}")
+    engine = VLLMAsyncRolloutEngine(tiny_model_dir, eos_token_ids=resolve_eos_ids(tok), dtype="float32",
+                                    enforce_eager=True, max_model_len=256)
+    yield engine
+    engine.close()
 
 
 def post(session, path, body, key=None):
