@@ -405,9 +405,9 @@ class VLLMRolloutEngine:
 
     def weights_updated(self, version: int | None = None) -> None:
         """After the last bucket of a sync: cached prefixes were computed with the old weights. `version`
-        is not recorded per token here: generation never overlaps a sync on vLLM (partial rollout is
-        refused with it), so the trainer attributes each batch the version it was generated with. In
-        adapter LoRA mode a new adapter becomes the next ``LoRARequest`` (id ``version + 1``)."""
+        is not recorded per token by this offline engine (a sync never overlaps its generation, so the
+        trainer attributes each batch the version it was generated with; ``VLLMAsyncRolloutEngine``
+        records it). In adapter LoRA mode a new adapter becomes the next ``LoRARequest`` (id ``version + 1``)."""
         if self._merged is not None and self._targets is None and self._merged.adapter:
             # the adapted modules are known now: drop the copies of the other base weights
             self._targets = {lsync.adapter_module(n) for n in self._merged.adapter}
