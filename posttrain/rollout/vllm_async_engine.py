@@ -52,7 +52,11 @@ class AsyncLLMHandle:
 
         async def build():  # on the loop: AsyncLLM's output handler runs there
             return AsyncLLM.from_engine_args(args)
-        self.llm = self.run(build())
+        try:
+            self.llm = self.run(build())
+        except BaseException:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            raise
         self.collective_rpc("posttrain_die_with_parent")
 
     def run(self, coro):
