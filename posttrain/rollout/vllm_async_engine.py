@@ -14,7 +14,9 @@ tokens so far) with the new weights, as the HF engine re-prefills. ``weights_upd
 the engine core's weights with ``str(version)`` while it is paused; vLLM stamps every step's outputs
 with that label (``CompletionOutput.weight_versions``, spans of output tokens), which become the
 samples' ``policy_versions``. So a sample that spans a sync records, token by token, the version that
-sampled it, and each token's log-prob is that version's.
+sampled it, and each token's log-prob is that version's (a token drawn under the ``min_tokens`` ban is
+scored again unbanned once its request ends, ``VLLMRolloutEngine._unban_logprobs``: by the weights current
+then).
 
 ``stream()`` is the ``AsyncRolloutEngine`` front's continuous-batching interface (as the HF engine's
 ``stream.DecodeServer``): each request is submitted to ``AsyncLLM`` at once, joins the running batch at
@@ -26,11 +28,12 @@ import contextlib
 import itertools
 import os
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import SimpleNamespace
 
 from posttrain.rollout.sampling import check_seeds
 from posttrain.rollout.types import SamplingParams, check_budgets
-from posttrain.rollout.vllm_engine import VLLMRolloutEngine, convert_vllm_outputs
+from posttrain.rollout.vllm_engine import VLLMRolloutEngine
 
 
 class AsyncLLMHandle:
@@ -39,7 +42,6 @@ class AsyncLLMHandle:
     ``reset_prefix_cache``, ``sleep``, ``wake_up``, ``remove_lora``), plus pause / resume and the weight
     label. Its engine core process dies with this thread (``posttrain_die_with_parent``)."""
 
-    llm_engine = None  # `VLLMRolloutEngine` reads the model config from the folder, removes LoRAs here
 
     def __init__(self, vllm, model: str, llm_kwargs: dict) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -58,6 +60,10 @@ class AsyncLLMHandle:
             self.loop.call_soon_threadsafe(self.loop.stop)
             raise
         self.collective_rpc("posttrain_die_with_parent")
+        # what `VLLMRolloutEngine` reads from `LLM.llm_engine` (the banned ids of `_unban_logprobs`, the model's
+        # config); LoRAs are removed through `remove_lora` below
+        self.llm_engine = SimpleNamespace(input_processor=self.llm.input_processor,
+                                          model_config=self.llm.model_config)
 
     def run(self, coro):
         """Run ``coro`` on the loop and wait for its result."""
@@ -174,13 +180,15 @@ class VLLMAsyncRolloutEngine(VLLMRolloutEngine):
 
 class RequestStream:
     """``submit_all`` as ``stream.DecodeServer``'s: each ``(prompt, params, seed, max_new_tokens, on_done)``
-    becomes one vLLM request; ``on_done(outputs, None)`` / ``on_done(None, error)`` is called once (on the
-    loop thread) unless its ticket (a ``concurrent.futures.Future``) is cancelled first, which aborts the
+    becomes one vLLM request; ``on_done(outputs, None)`` / ``on_done(None, error)`` is called once (on a
+    thread of the stream) unless its ticket (a ``concurrent.futures.Future``) is cancelled first, which aborts the
     request; a malformed request gets its ValueError at once (and None)."""
 
     def __init__(self, engine: VLLMAsyncRolloutEngine) -> None:
         self.engine = engine
         self._open: set[Future] = set()
+        # finishing an output may score tokens again (`finish_outputs`): a call into the loop, so not on it
+        self._finish = ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-vllm-finish")
 
     def submit_all(self, requests: list[tuple]) -> list[Future | None]:
         return [self._submit(*r) for r in requests]
@@ -197,19 +205,26 @@ class RequestStream:
             on_done(None, e)
             return None
         sampling = engine.vllm_sampling_params(params, 0, budget, None if seeds is None else seeds[0])
-        ticket = engine.llm.submit(engine.llm.request({"prompt_token_ids": ids}, sampling, engine.lora_request))
+        request, lora = {"prompt_token_ids": ids}, engine.lora_request
+        ticket = engine.llm.submit(engine.llm.request(request, sampling, lora))
         self._open.add(ticket)
 
-        def done(f: Future) -> None:
-            self._open.discard(f)
-            if f.cancelled():
-                return
+        def finish(f: Future) -> None:
             try:
-                outputs = convert_vllm_outputs([ids], [f.result()], params.n)[0]
+                extra = {} if lora is None else {"lora_request": lora}
+                outputs = engine.finish_outputs([ids], [request], [sampling], [f.result()], params, extra)[0]
             except BaseException as e:  # the engine's error, or outputs that break the contract
                 on_done(None, e)
             else:
                 on_done(outputs, None)
+
+        def done(f: Future) -> None:
+            self._open.discard(f)
+            if not f.cancelled():
+                try:
+                    self._finish.submit(finish, f)
+                except RuntimeError as e:  # the stream was closed meanwhile
+                    on_done(None, e)
         ticket.add_done_callback(done)
         return ticket
 
@@ -218,3 +233,4 @@ class RequestStream:
         if cancel:
             for ticket in list(self._open):
                 ticket.cancel()
+        self._finish.shutdown(wait=False)

@@ -11,7 +11,9 @@ Log-probs: the engine is built with ``logprobs_mode="processed_logprobs"``, i.e.
 temperature, which equals our contract ``log softmax(logits / T)[token]`` when ``top_p == 1``
 (vLLM's default "raw_logprobs" would be the temperature-1 values). With ``top_p < 1`` vLLM
 renormalises over the nucleus, so its log-probs are higher than the trainer's recomputation by
-``-log(nucleus mass)``; a warning says so once. Greedy (temperature 0): temperature-1 log-probs.
+``-log(nucleus mass)``; a warning says so once. Greedy (temperature 0): temperature-1 log-probs, and
+vLLM takes one sample per greedy request (``n > 1``: copies). vLLM's processed log-probs also come after its
+``min_tokens`` ban: a token drawn under the ban is scored again unbanned (``_unban_logprobs``).
 
 A LoRA policy (``lora=``) is synced adapter-only (``update_adapter``, canonical names of
 ``posttrain.models.lora_sync``), in one of two ``lora_sync`` modes:
@@ -33,7 +35,9 @@ ids (``image_token_id`` / ``video_token_id``, read from the model's config when 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -94,7 +98,8 @@ def apply_cpu_defaults(llm_kwargs: dict) -> None:
     model without serialising it) unless tensor parallelism needs vLLM's worker processes, and a KV cache of
     ``CPU_KV_CACHE_GIB`` GiB (the CPU build otherwise sizes it from ``gpu_memory_utilization`` of the machine's
     RAM); ``VLLM_CPU_KVCACHE_SPACE`` (GiB) or ``kv_cache_memory_bytes`` set it. ``gpu_memory_utilization``
-    means nothing there and is dropped."""
+    means nothing there and is dropped, and so is ``enable_sleep_mode`` (vLLM refuses it on CPU and ignores
+    ``sleep`` there anyway)."""
     if torch.cuda.is_available():
         return
     if int(llm_kwargs.get("tensor_parallel_size", 1) or 1) == 1:
@@ -102,6 +107,7 @@ def apply_cpu_defaults(llm_kwargs: dict) -> None:
     if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         llm_kwargs.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_GIB * 2**30)
     llm_kwargs.pop("gpu_memory_utilization", None)
+    llm_kwargs.pop("enable_sleep_mode", None)
 
 
 def import_vllm():
@@ -111,6 +117,25 @@ def import_vllm():
     except ImportError as err:
         raise ImportError(VLLM_MISSING) from err
     return vllm
+
+
+def vision_without_torchvision(model_path) -> str | None:
+    """Why vLLM could not load ``model_path`` when it is a vision-language model (its ``config.json`` has a
+    ``vision_config``) and torchvision is missing (vLLM's Qwen2-VL family imports transformers' torchvision
+    image processor; the CPU setup has no torchvision: its PyPI wheel fails beside this torch); else None."""
+    import importlib.util
+
+    try:
+        with open(os.path.join(str(model_path), "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if "vision_config" not in config or importlib.util.find_spec("torchvision") is not None:
+        return None
+    arch = ",".join(config.get("architectures") or [config.get("model_type", "?")])
+    return (f"vLLM cannot load the vision-language model {model_path} ({arch}) without torchvision, which is "
+            "not installed here (vLLM's CPU setup leaves it out); sample it with the HF engine: "
+            "--rollout.engine hf")
 
 
 def vision_pad_token_ids(config) -> tuple[int | None, int | None]:
@@ -216,6 +241,7 @@ class VLLMRolloutEngine:
         self.lora_request = None
         self._lora_folder = None
         self._reloading = False  # a weight sync is under way in vLLM's workers (`_push`)
+        self._weights_dropped = False  # a level-2 sleep dropped the weights: no generate before a sync
         if self.lora_sync == "adapter":
             root = lora_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
             self._lora_root = tempfile.mkdtemp(prefix=f"posttrain-lora-{os.getpid()}-", dir=root)
@@ -235,7 +261,13 @@ class VLLMRolloutEngine:
             apply_cpu_defaults(llm_kwargs)
             if any(self.limit_mm_per_prompt.values()):
                 llm_kwargs["limit_mm_per_prompt"] = dict(self.limit_mm_per_prompt)
-            self.llm = self._make_llm(vllm, str(llm_or_model_path), llm_kwargs)
+            try:
+                self.llm = self._make_llm(vllm, str(llm_or_model_path), llm_kwargs)
+            except Exception as err:
+                why = vision_without_torchvision(llm_or_model_path)
+                if why:
+                    raise RuntimeError(why) from err
+                raise
         else:
             self.llm = llm_or_model_path
         self.eos_token_ids = None if eos_token_ids is None else [int(i) for i in eos_token_ids]
@@ -307,7 +339,8 @@ class VLLMRolloutEngine:
             seed = rank_seed(params.seed, 0, prompt_index)
         seed = None if seed is None else seed % 2**31  # int32-safe
         return import_vllm().SamplingParams(
-            n=params.n, temperature=float(params.temperature), top_p=float(params.top_p),
+            n=1 if params.temperature == 0 else params.n,  # greedy: one sample, copied by `generate`
+            temperature=float(params.temperature), top_p=float(params.top_p),
             max_tokens=max_new_tokens or params.max_new_tokens, seed=seed, logprobs=0, detokenize=False,
             min_tokens=min(params.min_tokens, max_new_tokens or params.max_new_tokens),
             # explicit stop ids replace the eos (ignore_eos) so exactly these ids stop a sample
@@ -321,6 +354,10 @@ class VLLMRolloutEngine:
         [0, 2**63) per prompt) as in ``HFRolloutEngine.generate``. ``images``: one ``PromptImages`` (its
         ``pil`` images are sent) or None per prompt, whose ids hold the expanded image tokens (``vllm_prompts``);
         the outputs keep these ids."""
+        if self._weights_dropped:
+            raise RuntimeError("VLLMRolloutEngine.generate after sleep(level=2): the weights were dropped; sync "
+                               "the weights (load_weights / update_weights + weights_updated) after wake_up "
+                               "first")
         if params.top_p < 1.0:
             warn_once("vLLM log-probs with top_p < 1 are renormalised over the nucleus and differ from "
                       "the trainer's recomputation (full temperature-scaled distribution)")
@@ -332,7 +369,61 @@ class VLLMRolloutEngine:
                     for i in range(len(prompts))]
         extra = {} if self.lora_request is None else {"lora_request": self.lora_request}
         outputs = self.llm.generate(requests, sampling, use_tqdm=False, **extra)
-        return convert_vllm_outputs(prompts, outputs, params.n)
+        return self.finish_outputs(prompts, requests, sampling, outputs, params, extra)
+
+    def finish_outputs(self, prompts, requests, sampling, outputs, params: SamplingParams,
+                       extra: dict) -> list[list[RolloutOutput]]:
+        """vLLM's ``RequestOutput`` list of ``generate`` → ``params.n`` RolloutOutputs per prompt: converted,
+        log-probs unbanned (``_unban_logprobs``), a greedy request's one sample copied ``n`` times."""
+        greedy = params.temperature == 0  # vLLM takes greedy requests with n=1 only: the n samples are copies
+        result = convert_vllm_outputs(prompts, outputs, 1 if greedy else params.n)
+        self._unban_logprobs(requests, sampling, result, extra)
+        if greedy and params.n > 1:
+            result = [[dataclasses.replace(g[0], output_token_ids=list(g[0].output_token_ids),
+                                           logprobs=list(g[0].logprobs)) for _ in range(params.n)]
+                      for g in result]
+        return result
+
+    def _unban_logprobs(self, requests: list[dict], sampling: list, result: list[list[RolloutOutput]],
+                        extra: dict) -> None:
+        """vLLM takes its processed log-probs after the ``min_tokens`` ban, so a token drawn while the stop
+        ids were banned gets ``log p - log(1 - P(banned))``. Our contract is the full distribution's
+        ``log p``: one 1-token request per distinct (prompt, prefix) scores the banned ids unbanned
+        (``logprob_token_ids``, same temperature, top_p 1) and ``log(1 - P(banned))`` is added back, in place.
+        The banned ids are vLLM's own: the stop ids plus the eos (even with ``ignore_eos``) and any
+        generation-config eos."""
+        processor = getattr(getattr(self.llm, "llm_engine", None), "input_processor", None)
+        if processor is None:  # not vLLM's LLM
+            return
+        jobs: dict[tuple[int, tuple[int, ...]], list[tuple[int, int]]] = {}
+        banned = {}
+        for p, (sp, group) in enumerate(zip(sampling, result)):
+            if not sp.min_tokens:
+                continue
+            resolved = sp.clone()
+            resolved.update_from_generation_config(processor.generation_config_fields,
+                                                   processor.renderer.get_eos_token_id())
+            banned[p] = sorted(resolved.all_stop_token_ids)
+            if not banned[p]:
+                continue
+            for s, out in enumerate(group):
+                for j in range(min(sp.min_tokens, len(out.output_token_ids))):
+                    jobs.setdefault((p, tuple(out.output_token_ids[:j])), []).append((s, j))
+        if not jobs:
+            return
+        vllm = import_vllm()
+        keys = list(jobs)
+        score = [{**requests[p], "prompt_token_ids": list(requests[p]["prompt_token_ids"]) + list(prefix)}
+                 for p, prefix in keys]
+        params = [vllm.SamplingParams(n=1, temperature=sampling[p].temperature, top_p=1.0, max_tokens=1,
+                                      logprob_token_ids=banned[p], detokenize=False, ignore_eos=True)
+                  for p, _ in keys]
+        for (p, prefix), req in zip(keys, self.llm.generate(score, params, use_tqdm=False, **extra)):
+            entry = req.outputs[0].logprobs[0]
+            mass = sum(math.exp(_sampled_logprob(entry, t, f"prompt {p}")) for t in banned[p])
+            fix = math.log1p(-mass) if mass < 1.0 else -math.inf
+            for s, j in jobs[(p, prefix)]:
+                result[p][s].logprobs[j] += fix
 
     def load_weights(self, model_or_state_dict) -> int:
         """Push HF-named weights (a state dict, or a plain/merged HF module's; a peft module's base and
@@ -362,6 +453,7 @@ class VLLMRolloutEngine:
         the names onto vLLM's fused layout). Merged LoRA mode: a targeted weight becomes its new ``W0``
         and goes out merged with the current adapter."""
         weights = [(name, tensor.detach()) for name, tensor in named]
+        self._weights_dropped = False
         if self._merged is not None:
             weights = [self._merged_base(name, tensor) for name, tensor in weights]
         self._push(weights)
@@ -450,8 +542,13 @@ class VLLMRolloutEngine:
         return self.load_weights(model)
 
     def sleep(self, level: int = 1) -> None:
-        """Release GPU memory (the LLM must be built with ``enable_sleep_mode=True``)."""
+        """Release accelerator memory between rollouts (on a GPU the LLM must be built with
+        ``enable_sleep_mode=True``): level 1 offloads the weights and drops the KV cache, level 2 drops both,
+        so after ``wake_up`` the weights must be synced again before ``generate`` (which refuses until then).
+        vLLM's CPU build ignores sleep (nothing is freed); the level-2 contract is kept the same there."""
         self.llm.sleep(level=level)
+        if level >= 2:
+            self._weights_dropped = True
 
     def wake_up(self) -> None:
         self.llm.wake_up()

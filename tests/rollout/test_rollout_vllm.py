@@ -15,6 +15,7 @@ from posttrain.rollout import (
     make_rollout_engine,
     rank_seed,
 )
+from posttrain.rollout.vllm_engine import WORKER_EXTENSION
 
 
 def Logprob(x):  # vllm.sequence.Logprob(logprob, rank, decoded_token)
@@ -80,7 +81,7 @@ def test_convert_vllm_outputs_errors():
 
 def test_missing_vllm_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
-    with pytest.raises(ImportError, match=r"pip install 'posttrain\[vllm\]'.*CUDA GPU"):
+    with pytest.raises(ImportError, match=r"CUDA GPU pip install 'posttrain\[vllm\]'.*--rollout.engine hf"):
         VLLMRolloutEngine("/some/model")
     with pytest.raises(ImportError, match="posttrain"):
         make_rollout_engine("vllm", "/some/model")
@@ -104,11 +105,11 @@ class FakeLLM:
                                                  for i in range(sp["n"])])
                 for p, sp in zip(prompts, sampling_params)]
 
-    def apply_model(self, func):
-        model = SimpleNamespace(loaded=None)
-        model.load_weights = lambda weights: setattr(model, "loaded", list(weights))
-        func(model)
-        self.calls.append(("apply_model", model.loaded))
+    def collective_rpc(self, method, args=()):
+        """The worker extension's weight-sync methods (`vllm_worker`): each bucket is recorded as
+        ("apply_model", its weights), the loaded weights of one `load_weights` call."""
+        if method == "posttrain_reload_bucket":
+            self.calls.append(("apply_model", list(args[0])))
         return [None]
 
     def reset_prefix_cache(self):
@@ -136,11 +137,26 @@ def fake_vllm(monkeypatch):
     return install_fake_vllm(monkeypatch)
 
 
+def _vllm_runs_here() -> bool:
+    from posttrain.config.backends import vllm_unavailable
+
+    return vllm_unavailable() is None
+
+
+# a stand-in test whose real-vLLM twin (tests/rollout/test_vllm_real*.py) runs on this machine is skipped
+has_real_twin = pytest.mark.skipif(_vllm_runs_here(), reason="vLLM runs here: tests/rollout/test_vllm_real*.py")
+
+
+@has_real_twin
 def test_vllm_engine_request_and_lifecycle(fake_vllm):
     engine = make_rollout_engine("vllm", "/models/policy", gpu_memory_utilization=0.5)
     assert isinstance(engine, RolloutEngine)
-    assert engine.llm.init == {"model": "/models/policy", "gpu_memory_utilization": 0.5,
-                               "logprobs_mode": "processed_logprobs", "generation_config": "vllm"}
+    init = dict(engine.llm.init)
+    if not torch.cuda.is_available():  # the CPU build's defaults (apply_cpu_defaults)
+        assert init.pop("kv_cache_memory_bytes") == 2**30 and "gpu_memory_utilization" not in init
+        init["gpu_memory_utilization"] = 0.5
+    assert init == {"model": "/models/policy", "gpu_memory_utilization": 0.5, "logprobs_mode": "processed_logprobs",
+                    "generation_config": "vllm", "worker_extension_cls": WORKER_EXTENSION}
     params = SamplingParams(temperature=0.7, top_p=1.0, max_new_tokens=5, n=2, seed=3)
     out = engine.generate([[1, 2], [3]], params)
     _, prompts, sampling, use_tqdm = engine.llm.calls[-1]
@@ -175,6 +191,7 @@ def test_vllm_engine_request_and_lifecycle(fake_vllm):
     assert engine.llm.calls[-2:] == [("sleep", 1), ("wake_up",)]
 
 
+@has_real_twin
 def test_vllm_engine_per_prompt_seeds(fake_vllm):
     """`seeds` (one per prompt, in [0, 2**63)) → vLLM seed `seeds[i] % 2**31`, with or without
     params.seed; without `seeds` the derivation from params.seed is unchanged."""
@@ -196,12 +213,13 @@ def test_vllm_engine_per_prompt_seeds(fake_vllm):
         engine.generate([[1], [2]], whole, seeds=[1, -2])
 
 
+@has_real_twin
 def test_engine_worker_runs_vllm_where_it_can_and_verifies_what_it_received(fake_vllm, monkeypatch, tiny_model_dir):
     """The Ray rollout-engine process (distributed/workers.EngineWorker) without Ray: on a machine where
     vLLM runs it builds the vLLM engine from the OpenRLHF flags; a sync bucket goes through vLLM's
     `load_weights`; the prefix cache is dropped after the last bucket; a verified receive hashes equal
     to the trainer's state."""
-    from posttrain.config import ConfigError, backends, parse_config
+    from posttrain.config import backends, parse_config
     from posttrain.trainers.rl.placement.workers import EngineWorker, numpy_state
     from posttrain.utils.weights_hash import weights_hash
 
@@ -213,10 +231,11 @@ def test_engine_worker_runs_vllm_where_it_can_and_verifies_what_it_received(fake
     worker.setup(parse_config("ppo", argv, check=False))
     assert worker.backend_name() == ("vllm", "")
     init = worker.engine.llm.init
-    assert {k: init[k] for k in ("model", "gpu_memory_utilization", "enforce_eager", "dtype", "max_model_len", "seed",
+    assert {k: init[k] for k in ("model", "enforce_eager", "dtype", "max_model_len", "seed",
                                  "tensor_parallel_size", "logprobs_mode")} == {
-        "model": str(tiny_model_dir), "gpu_memory_utilization": 0.4, "enforce_eager": True, "dtype": "bfloat16",
+        "model": str(tiny_model_dir), "enforce_eager": True, "dtype": "bfloat16",
         "max_model_len": 96, "seed": 5, "tensor_parallel_size": 1, "logprobs_mode": "processed_logprobs"}
+    assert init.get("gpu_memory_utilization") == (0.4 if torch.cuda.is_available() else None)  # CPU: dropped
     assert worker.engine.eos_token_ids == [2]  # the tokenizer's eos, as the HF engine's default
     assert worker.weights_hash() is None  # nothing received yet: vLLM cannot be hashed by HF name
     state = {"model.embed_tokens.weight": torch.randn(4, 3), "lm_head.weight": torch.randn(4, 3)}
@@ -227,6 +246,18 @@ def test_engine_worker_runs_vllm_where_it_can_and_verifies_what_it_received(fake
     worker.load_numpy(numpy_state({k: v + 1 for k, v in state.items()}))  # unverified: no stale record
     assert worker.weights_hash() is None
 
+
+def test_engine_worker_refusals_and_the_hf_fallback(monkeypatch, tiny_model_dir):
+    """Where vLLM cannot serve (a colocated hybrid engine, tensor parallelism, no vLLM here) the engine worker
+    says why: the HF engine serves, or a ConfigError names the flag."""
+    from posttrain.config import ConfigError, backends, parse_config
+    from posttrain.trainers.rl.placement.workers import EngineWorker
+    from posttrain.utils.weights_hash import weights_hash
+
+    argv = ["--actor.model_name_or_path", str(tiny_model_dir), "--data.prompt_dataset", "x", "--vllm.num_engines", "1",
+            "--vllm.gpu_memory_utilization", "0.4", "--vllm.enforce_eager", "--ds.param_dtype", "bf16",
+            "--data.max_len", "96", "--train.seed", "5"]
+    monkeypatch.setattr(backends, "vllm_unavailable", lambda: None)
     hybrid = EngineWorker(1, {})
     hybrid.setup(parse_config("ppo", argv + ["--train.colocate_all"], check=False))
     assert hybrid.backend_name()[0] == "hf" and "needs sleep mode" in hybrid.backend_name()[1]
