@@ -88,6 +88,7 @@ def write_peft_adapter(folder: str, adapter: Mapping[str, torch.Tensor], rank: i
               os.path.join(folder, "adapter_model.safetensors"))
 
 
+UNBAN_CHUNK = 128  # vLLM's MAX_LOGPROB_TOKEN_IDS: the most ids one request's `logprob_token_ids` may score
 WORKER_EXTENSION = "posttrain.rollout.vllm_worker.PosttrainWorkerExtension"
 CPU_KV_CACHE_GIB = 1  # the CPU build's KV cache when neither VLLM_CPU_KVCACHE_SPACE nor kv_cache_memory_bytes is set
 
@@ -412,16 +413,20 @@ class VLLMRolloutEngine:
         if not jobs:
             return
         vllm = import_vllm()
-        keys = list(jobs)
+        # vLLM scores at most UNBAN_CHUNK ids per request: a longer stop list is scored in chunks
+        keys = [(p, prefix, banned[p][i:i + UNBAN_CHUNK]) for p, prefix in jobs
+                for i in range(0, len(banned[p]), UNBAN_CHUNK)]
         score = [{**requests[p], "prompt_token_ids": list(requests[p]["prompt_token_ids"]) + list(prefix)}
-                 for p, prefix in keys]
+                 for p, prefix, _ in keys]
         params = [vllm.SamplingParams(n=1, temperature=sampling[p].temperature, top_p=1.0, max_tokens=1,
-                                      logprob_token_ids=banned[p], detokenize=False, ignore_eos=True)
-                  for p, _ in keys]
-        for (p, prefix), req in zip(keys, self.llm.generate(score, params, use_tqdm=False, **extra)):
+                                      logprob_token_ids=chunk, detokenize=False, ignore_eos=True)
+                  for p, _, chunk in keys]
+        mass = dict.fromkeys(jobs, 0.0)
+        for (p, prefix, chunk), req in zip(keys, self.llm.generate(score, params, use_tqdm=False, **extra)):
             entry = req.outputs[0].logprobs[0]
-            mass = sum(math.exp(_sampled_logprob(entry, t, f"prompt {p}")) for t in banned[p])
-            fix = math.log1p(-mass) if mass < 1.0 else -math.inf
+            mass[(p, prefix)] += sum(math.exp(_sampled_logprob(entry, t, f"prompt {p}")) for t in chunk)
+        for (p, prefix), m in mass.items():
+            fix = math.log1p(-m) if m < 1.0 else -math.inf
             for s, j in jobs[(p, prefix)]:
                 result[p][s].logprobs[j] += fix
 
