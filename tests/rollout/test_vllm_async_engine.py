@@ -16,7 +16,7 @@ from posttrain.rollout import SamplingParams
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 PROMPTS = [[5, 6, 7, 8, 9], [14, 15], [20, 21, 22]]
-TOL = 2e-3  # vLLM's CPU kernels against the HF model's forward, fp32
+TOL = 1e-4  # vLLM's CPU kernels against the HF model's forward, fp32 (measured gaps ~1e-6)
 
 
 @pytest.fixture(scope="module")
