@@ -81,11 +81,12 @@ def rollout_backend(cfg: Any) -> tuple[str, str]:
 
 
 def partial_rollout_refusal(cfg: Any) -> str | None:
-    """Partial rollout needs an engine that pauses between decode steps and takes weights mid-request:
-    the HF engine does; vLLM's pause/resume (AsyncLLMEngine) is not wired into posttrain yet."""
-    if cfg.train.partial_rollout_enable:
-        return ("--train.partial_rollout_enable: posttrain's vLLM engine has no pause/resume yet; the HF engine "
-                "serves (it pauses between decode steps)")
+    """Partial rollout on vLLM pauses generation, loads the weights and resumes the requests in flight
+    (`rollout.vllm_async_engine`). A LoRA actor synced as a vLLM adapter (--vllm.lora_sync adapter) cannot
+    change weights under a request in flight (its adapter is fixed per request): the HF engine serves."""
+    if cfg.train.partial_rollout_enable and cfg.ds.lora.rank > 0 and cfg.vllm.lora_sync == "adapter":
+        return ("--train.partial_rollout_enable with --vllm.lora_sync adapter: a vLLM request keeps its LoRA "
+                "adapter until it ends; use --vllm.lora_sync merged")
     return None
 
 

@@ -88,6 +88,7 @@ def write_peft_adapter(folder: str, adapter: Mapping[str, torch.Tensor], rank: i
               os.path.join(folder, "adapter_model.safetensors"))
 
 
+UNBAN_CHUNK = 128  # vLLM's MAX_LOGPROB_TOKEN_IDS: the most ids one request's `logprob_token_ids` may score
 WORKER_EXTENSION = "posttrain.rollout.vllm_worker.PosttrainWorkerExtension"
 CPU_KV_CACHE_GIB = 1  # the CPU build's KV cache when neither VLLM_CPU_KVCACHE_SPACE nor kv_cache_memory_bytes is set
 
@@ -148,10 +149,26 @@ def _sampled_logprob(entry, token_id: int, where: str) -> float:
     return float(getattr(value, "logprob", value))
 
 
+def token_versions(spans, num_tokens: int) -> list[int] | None:
+    """Per-token policy versions from vLLM's ``CompletionOutput.weight_versions`` (spans ``[start, end)`` of
+    output tokens, each labelled with the weights that sampled them; ``weights_updated(version)`` sets
+    the label ``str(version)``). None when a token has no integer label (vLLM's "default" before the
+    first labelled sync, or no spans)."""
+    if not spans or num_tokens == 0:
+        return None
+    versions: list[int] = []
+    for span in spans:
+        if not str(span.version).isdigit() or span.start != len(versions):
+            return None
+        versions += [int(span.version)] * (span.end - span.start)
+    return versions if len(versions) == num_tokens else None
+
+
 def convert_vllm_outputs(prompt_token_ids: Sequence[Sequence[int]], request_outputs, n: int) -> list[list[RolloutOutput]]:
     """vLLM ``RequestOutput`` list (one per prompt, in order) → one list of ``n`` RolloutOutputs per
     prompt. Uses ``outputs[i].token_ids``, ``.logprobs`` (one ``{token_id: Logprob}`` per token),
-    ``.finish_reason`` and ``.index`` (samples sorted by it); token ids are taken as returned."""
+    ``.finish_reason``, ``.index`` (samples sorted by it) and ``.weight_versions`` (``token_versions``); token
+    ids are taken as returned."""
     if len(request_outputs) != len(prompt_token_ids):
         raise ValueError(f"vLLM returned {len(request_outputs)} request outputs for {len(prompt_token_ids)} prompts")
     result = []
@@ -170,7 +187,8 @@ def convert_vllm_outputs(prompt_token_ids: Sequence[Sequence[int]], request_outp
                 raise RuntimeError(f"{where}: vLLM finished the sample with finish_reason={c.finish_reason!r} "
                                    f"(expected one of {list(FINISH_REASONS)})")
             logprobs = [_sampled_logprob(e, t, where) for e, t in zip(c.logprobs, tokens)]
-            group.append(RolloutOutput(list(prompt), tokens, logprobs, c.finish_reason))
+            group.append(RolloutOutput(list(prompt), tokens, logprobs, c.finish_reason,
+                                       token_versions(getattr(c, "weight_versions", None), len(tokens))))
         result.append(group)
     return result
 
@@ -226,7 +244,7 @@ class VLLMRolloutEngine:
             if any(self.limit_mm_per_prompt.values()):
                 llm_kwargs["limit_mm_per_prompt"] = dict(self.limit_mm_per_prompt)
             try:
-                self.llm = vllm.LLM(model=str(llm_or_model_path), **llm_kwargs)
+                self.llm = self._make_llm(vllm, str(llm_or_model_path), llm_kwargs)
             except Exception as err:
                 why = vision_without_torchvision(llm_or_model_path)
                 if why:
@@ -240,6 +258,10 @@ class VLLMRolloutEngine:
                 self._model_config(llm_or_model_path, llm_kwargs.get("trust_remote_code", False)))
         self.image_token_id = None if image_token_id is None else int(image_token_id)
         self.video_token_id = None if video_token_id is None else int(video_token_id)
+
+    def _make_llm(self, vllm, model: str, llm_kwargs: dict):
+        """The vLLM engine over ``model`` (``vllm.LLM``; ``vllm_async_engine`` builds vLLM's ``AsyncLLM``)."""
+        return vllm.LLM(model=model, **llm_kwargs)
 
     def _model_config(self, llm_or_model_path, trust_remote_code: bool):
         """The HF config of the model vLLM serves: its own (``llm_engine.model_config.hf_config``), else the
@@ -329,6 +351,12 @@ class VLLMRolloutEngine:
                     for i in range(len(prompts))]
         extra = {} if self.lora_request is None else {"lora_request": self.lora_request}
         outputs = self.llm.generate(requests, sampling, use_tqdm=False, **extra)
+        return self.finish_outputs(prompts, requests, sampling, outputs, params, extra)
+
+    def finish_outputs(self, prompts, requests, sampling, outputs, params: SamplingParams,
+                       extra: dict) -> list[list[RolloutOutput]]:
+        """vLLM's ``RequestOutput`` list of ``generate`` → ``params.n`` RolloutOutputs per prompt: converted,
+        log-probs unbanned (``_unban_logprobs``), a greedy request's one sample copied ``n`` times."""
         greedy = params.temperature == 0  # vLLM takes greedy requests with n=1 only: the n samples are copies
         result = convert_vllm_outputs(prompts, outputs, 1 if greedy else params.n)
         self._unban_logprobs(requests, sampling, result, extra)
@@ -366,16 +394,20 @@ class VLLMRolloutEngine:
         if not jobs:
             return
         vllm = import_vllm()
-        keys = list(jobs)
+        # vLLM scores at most UNBAN_CHUNK ids per request: a longer stop list is scored in chunks
+        keys = [(p, prefix, banned[p][i:i + UNBAN_CHUNK]) for p, prefix in jobs
+                for i in range(0, len(banned[p]), UNBAN_CHUNK)]
         score = [{**requests[p], "prompt_token_ids": list(requests[p]["prompt_token_ids"]) + list(prefix)}
-                 for p, prefix in keys]
+                 for p, prefix, _ in keys]
         params = [vllm.SamplingParams(n=1, temperature=sampling[p].temperature, top_p=1.0, max_tokens=1,
-                                      logprob_token_ids=banned[p], detokenize=False, ignore_eos=True)
-                  for p, _ in keys]
-        for (p, prefix), req in zip(keys, self.llm.generate(score, params, use_tqdm=False, **extra)):
+                                      logprob_token_ids=chunk, detokenize=False, ignore_eos=True)
+                  for p, _, chunk in keys]
+        mass = dict.fromkeys(jobs, 0.0)
+        for (p, prefix, chunk), req in zip(keys, self.llm.generate(score, params, use_tqdm=False, **extra)):
             entry = req.outputs[0].logprobs[0]
-            mass = sum(math.exp(_sampled_logprob(entry, t, f"prompt {p}")) for t in banned[p])
-            fix = math.log1p(-mass) if mass < 1.0 else -math.inf
+            mass[(p, prefix)] += sum(math.exp(_sampled_logprob(entry, t, f"prompt {p}")) for t in chunk)
+        for (p, prefix), m in mass.items():
+            fix = math.log1p(-m) if m < 1.0 else -math.inf
             for s, j in jobs[(p, prefix)]:
                 result[p][s].logprobs[j] += fix
 
@@ -451,9 +483,9 @@ class VLLMRolloutEngine:
 
     def weights_updated(self, version: int | None = None) -> None:
         """After the last bucket of a sync: cached prefixes were computed with the old weights. `version`
-        is not recorded per token here: generation never overlaps a sync on vLLM (partial rollout is
-        refused with it), so the trainer attributes each batch the version it was generated with. In
-        adapter LoRA mode a new adapter becomes the next ``LoRARequest`` (id ``version + 1``)."""
+        is not recorded per token by this offline engine (a sync never overlaps its generation, so the
+        trainer attributes each batch the version it was generated with; ``VLLMAsyncRolloutEngine``
+        records it). In adapter LoRA mode a new adapter becomes the next ``LoRARequest`` (id ``version + 1``)."""
         if self._merged is not None and self._targets is None and self._merged.adapter:
             # the adapted modules are known now: drop the copies of the other base weights
             self._targets = {lsync.adapter_module(n) for n in self._merged.adapter}

@@ -21,7 +21,12 @@ class PosttrainWorkerExtension:
         initialize_layerwise_reload(self.model_runner.get_model())
 
     def posttrain_reload_bucket(self, weights) -> int:
-        """Load one bucket of ``(hf name, tensor)`` pairs; returns how many arrived."""
+        """Load one bucket of ``(hf name, tensor)`` pairs (or safetensors bytes of them: an engine core in a
+        process of its own); returns how many arrived."""
+        if isinstance(weights, (bytes, bytearray, memoryview)):
+            from safetensors.torch import load
+
+            weights = load(bytes(weights)).items()
         weights = list(weights)
         self.model_runner.get_model().load_weights(weights=weights)
         return len(weights)
@@ -36,6 +41,16 @@ class PosttrainWorkerExtension:
         for reset in ("reset_encoder_cache", "reset_mm_cache"):
             if hasattr(runner, reset):
                 getattr(runner, reset)()
+
+    def posttrain_die_with_parent(self) -> None:
+        """An engine core process of its own (``AsyncLLM``) is killed with the thread that started it (Linux
+        ``PR_SET_PDEATHSIG``), so a killed Ray actor leaves no engine behind."""
+        import ctypes
+        import signal
+        import sys
+
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
 
     def posttrain_model_class(self) -> str:
         return type(self.model_runner.get_model()).__name__

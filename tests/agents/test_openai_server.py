@@ -1,9 +1,11 @@
 """The OpenAI-compatible agent server (agents/openai_server.py): an agent program talking HTTP (or the
 official `openai` client) drives episodes; its calls' tokens are stitched into exact samples; bad
-requests are refused with a reason; a history that re-renders differently is never trained on."""
+requests are refused with a reason; a history that re-renders differently is never trained on. Every
+test runs on the HF engine and on real vLLM (`engine`), as does an `agent_func.py` executor's."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import requests
@@ -21,11 +23,28 @@ def tok(tiny_model_dir):
     return load_tokenizer(tiny_model_dir)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir, tok):
-    from posttrain.models import load_causal_lm
+@pytest.fixture(scope="module", params=["hf", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.e2e])])
+def engine(request, tiny_model_dir, tok):
+    """The HF engine, and real vLLM over AsyncLLM (each model call its own request, as on a Ray rollout
+    engine of an agent run; its engine core is a process of its own): the server drives both alike."""
+    if request.param == "hf":
+        from posttrain.models import load_causal_lm
 
-    return HFRolloutEngine(load_causal_lm(tiny_model_dir, dtype="fp32").eval(), tok, pad_token_id=tok.pad_token_id)
+        yield HFRolloutEngine(load_causal_lm(tiny_model_dir, dtype="fp32").eval(), tok, pad_token_id=tok.pad_token_id)
+        return
+    from posttrain.config.backends import vllm_unavailable
+    from posttrain.rollout.hf_engine import resolve_eos_ids
+    from posttrain.rollout.vllm_async_engine import VLLMAsyncRolloutEngine
+
+    if vllm_unavailable():
+        pytest.skip(f"real vLLM: {vllm_unavailable()}")
+    before = dict(os.environ)  # building the engine sets LD_PRELOAD, VLLM_*: put back for the later tests
+    engine = VLLMAsyncRolloutEngine(tiny_model_dir, eos_token_ids=resolve_eos_ids(tok), dtype="float32",
+                                    enforce_eager=True, max_model_len=256)
+    yield engine
+    engine.close()
+    os.environ.clear()
+    os.environ.update(before)
 
 
 def post(session, path, body, key=None):
@@ -220,3 +239,30 @@ def test_bodies_over_the_size_limit_are_413_and_invalid_text_is_400(tok, engine)
         assert a[name][0] == 413 and "request body larger than 4000 bytes" in a[name][1]["error"]["message"]
     assert a["surrogate"][0] == 400 and "lone UTF-16 surrogate" in a["surrogate"][1]["error"]["message"]
     assert a["ok"][0] == 200 and batch.rewards.tolist() == [0.5]
+
+
+def test_agent_func_episodes_together_equal_each_prompt_alone(tok, engine):
+    """An `agent_func.py` executor (OpenRLHF's `MultiTurnAgentExecutor`): 8 concurrent three-turn episodes
+    (each model call its own request, streamed into the running batch) give exactly the samples of each
+    prompt's episodes run alone with the same seeds."""
+    from posttrain.agents.agent_api import AgentInstanceBase, MultiTurnAgentExecutor
+
+    class Guess(AgentInstanceBase):
+        def __init__(self, *args, **kwargs):
+            self.turn = 0
+
+        async def step(self, states, **kwargs):
+            self.turn += 1
+            await asyncio.sleep(0.001 * (hash(states["action_text"]) % 5))  # episodes interleave differently
+            return {"rewards": 1.0, "environment_feedback": " again:", "done": self.turn == 3}
+
+    runner = AgentRunner(MultiTurnAgentExecutor(Guess), engine, tok, None, max_len=40, timeout=60,
+                         max_failure_frac=0, turn_cap=6)
+    params = SamplingParams(temperature=1.0, n=2, seed=11, max_new_tokens=6)
+    batch = prompts(tok, 4)
+    together = runner.run(batch, params)
+    alone = [r for g, p in enumerate(batch) for r in runner.run([p], params, group_offset=g).rollouts]
+    assert len(together.rollouts) == 8 and together.rollouts[0].turns == 3
+    for a, b in zip(together.rollouts, alone):
+        assert a.output_ids == b.output_ids and a.action_mask == b.action_mask
+        assert a.rollout_logprobs == pytest.approx(b.rollout_logprobs, abs=1e-5)

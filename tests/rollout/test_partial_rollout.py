@@ -128,16 +128,17 @@ def test_rows_admitted_after_a_weight_load_join_rows_refreshed_with_it(two_versi
 def test_a_ray_engine_process_takes_weights_while_it_generates(tiny_model_dir, monkeypatch):
     """The rollout-engine process (distributed/workers.EngineWorker, here without Ray; with partial
     rollout Ray gives it a second thread): a sync that arrives mid-`generate` loads between two decode
-    steps and the samples continue with the new version. With partial rollout, vLLM is not chosen."""
+    steps and the samples continue with the new version (the HF engine, --rollout.engine hf; vLLM's:
+    tests/rollout/test_vllm_async_engine.py)."""
     from posttrain.config import backends, parse_config
     from posttrain.trainers.rl.placement.workers import EngineWorker, numpy_state
 
     argv = ["--actor.model_name_or_path", str(tiny_model_dir), "--data.prompt_dataset", "x", "--vllm.num_engines", "1",
-            "--ds.param_dtype", "fp32", "--train.async_enable", "--train.partial_rollout_enable"]
+            "--ds.param_dtype", "fp32", "--train.async_enable", "--train.partial_rollout_enable", "--rollout.engine", "hf"]
     monkeypatch.setattr(backends, "vllm_unavailable", lambda: None)  # as on a GPU node with vLLM
     worker = EngineWorker(1, {})
     worker.setup(parse_config("ppo", argv, check=False))
-    assert worker.backend_name()[0] == "hf" and "no pause/resume yet" in worker.backend_name()[1]
+    assert worker.backend_name() == ("hf", "--rollout.engine hf")
     forwards = []
 
     def slow_forward(*args):

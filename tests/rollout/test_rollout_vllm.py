@@ -45,6 +45,22 @@ def test_convert_vllm_outputs():
     assert all(o.prompt_token_ids == prompts[p] for p, g in enumerate(got) for o in g)
 
 
+def test_convert_vllm_outputs_records_the_version_of_each_token():
+    """vLLM's weight-version spans (output tokens [start, end) per label; `weights_updated(version)` of the
+    async engine sets the label) become per-token policy versions; an unlabelled token ("default") or no
+    spans: None, not recorded."""
+    def span(version, start, end):  # vllm.outputs.WeightVersionSpan
+        return SimpleNamespace(version=version, start=start, end=end)
+
+    two = completion(0, [7, 8, 9, 9], [-1.0] * 4, "length")
+    two.weight_versions = [span("3", 0, 1), span("4", 1, 4)]
+    unlabelled = completion(0, [5, 6], [-1.0] * 2, "length")
+    unlabelled.weight_versions = [span("default", 0, 1), span("4", 1, 2)]
+    got = convert_vllm_outputs([[1], [2], [3]], [request([1], [two]), request([2], [unlabelled]),
+                                                 request([3], [completion(0, [5], [-1.0], "stop")])], n=1)
+    assert [g[0].policy_versions for g in got] == [[3, 4, 4, 4], None, None]
+
+
 def test_convert_vllm_outputs_errors():
     ok = request([1], [completion(0, [3], [-1.0], "stop")])
     with pytest.raises(ValueError, match="1 request outputs for 2 prompts"):

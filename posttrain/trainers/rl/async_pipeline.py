@@ -13,7 +13,8 @@ Protocol (OpenRLHF's `ppo_trainer_async.py`, in one process with a thread instea
    s + L has started (`before_sync`), so batch j is always sampled by version max(first, j - L):
    staleness is exactly L and a seeded run is reproducible whatever the timing (OpenRLHF's version
    depends on timing for L > 1). With partial rollout the producer does not hold the lock; the sync pauses the engines
-   between decode steps instead (`HFRolloutEngine.paused`) and generation goes on with new weights;
+   between decode steps instead (`HFRolloutEngine.paused`, `VLLMAsyncRolloutEngine.paused`) and generation
+   goes on with new weights;
  * each batch carries the policy version it started with and whatever `produce` returned (the
    trainer's prompt cursor after its draw: a checkpoint stores the cursor of the last batch trained,
    so a resumed run regenerates what was queued and neither replays nor skips a prompt).
@@ -159,7 +160,7 @@ class RolloutPipeline:
 def staleness_metrics(rollouts, batch_version: int, current_version: int) -> dict[str, float]:
     """`async/staleness_mean` / `_max`: how many policy versions behind the trainer's current one each
     sample's oldest token is; `rollout/policy_versions_per_sample`: the versions that sampled a sample
-    (> 1 only with partial rollout). A sample whose engine records no versions (vLLM, a failed episode)
+    (> 1 only with partial rollout). A sample whose engine records no versions (vLLM's offline engine, a failed episode)
     counts as sampled by `batch_version`, the version its batch started with."""
     versions = [r.policy_versions or [batch_version] for r in rollouts] or [[batch_version]]
     behind = [current_version - min(v) for v in versions]

@@ -216,8 +216,9 @@ def test_an_openai_client_agent_runs_inside_a_ray_rollout_engine(rl_setup, tmp_p
 
 
 # examples/scripts/train_reinforce_baseline_ray_agent_async.sh of OpenRLHF 0.10.2: its flags as the script
-# has them, with our nano model, data and the agent file above; ranks 4 -> 2, one engine of tp 2 (their
-# 2 x tp 2 over 4 GPUs), lengths and batch sizes scaled down. --data.max_len leaves room for the agent's
+# has them, with our nano model, data and the agent file above; ranks 4 -> 2, one vLLM engine of tp 1 (their
+# 2 x tp 2 over 4 GPUs; vLLM's tensor parallelism is refused in this version), lengths and batch sizes
+# scaled down. --data.max_len leaves room for the agent's
 # turns: at 64 most episodes ran out of tokens before their random 0/1 reward, so most groups scored 0, 0 and
 # dynamic filtering (which drops groups whose samples agree) now and then kept none of the 20 it may draw.
 REINFORCE_AGENT_ASYNC = """
@@ -231,7 +232,7 @@ REINFORCE_AGENT_ASYNC = """
    --train.num_episodes 1
    --train.async_enable --train.partial_rollout_enable
    --ref.num_nodes 1 --ref.num_gpus_per_node 2 --actor.num_nodes 1 --actor.num_gpus_per_node 2
-   --vllm.num_engines 1 --vllm.tensor_parallel_size 2 --vllm.gpu_memory_utilization 0.95 --train.colocate_all
+   --vllm.num_engines 1 --vllm.tensor_parallel_size 1 --vllm.gpu_memory_utilization 0.95 --train.colocate_all
    --ds.enable_sleep --vllm.sync_backend nccl --vllm.enforce_eager
    --ds.zero_stage 3 --actor.gradient_checkpointing_enable --ds.ring_attn_size 2 --ds.ring_attn_head_stride 2
    --ds.param_dtype fp32
@@ -245,10 +246,13 @@ REINFORCE_AGENT_ASYNC = """
 @pytest.mark.e2e
 def test_openrlhf_async_agent_script_runs_on_ray(rl_setup, openrlhf_agent, tmp_path, ray_session):
     """Async, partial rollout, an OpenRLHF agent file, ZeRO-3 over 2 actor ranks, colocate_all: through
-    `python -m posttrain.cli.train_ppo_ray` as the script launches it."""
+    `python -m posttrain.cli.train_ppo_ray` as the script launches it, on a real vLLM engine (AsyncLLM)
+    where this machine runs vLLM."""
     import os
     import subprocess
     import sys
+
+    from posttrain.config.backends import vllm_unavailable
 
     sft, data, _ = rl_setup
     out = tmp_path / "agent_async"
@@ -260,6 +264,7 @@ def test_openrlhf_async_agent_script_runs_on_ray(rl_setup, openrlhf_agent, tmp_p
                        env={**os.environ, "RAY_ADDRESS": ""})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "async RL: rollouts generated up to 1 step(s) ahead of training, partial rollout" in r.stderr
+    assert ("1 rollout engine(s): vllm" if vllm_unavailable() is None else "1 rollout engine(s): hf") in r.stderr
     rows = [x for x in read_metrics(out / "metrics.jsonl") if "reward/mean" in x]
     assert len(rows) == 4
     for x in rows:

@@ -349,10 +349,12 @@ VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 def build_vllm_engine(cfg: PPOConfig, tok):
     """A vLLM engine in this Ray actor's process on its GPU (`uni` executor, in-process engine core, so
-    weight updates reach the model without serialising it); the stop ids are the HF engine's."""
+    weight updates reach the model without serialising it), or over AsyncLLM (`needs_async_vllm`: its engine
+    core in a child process); the stop ids are the HF engine's."""
     from posttrain.config import ConfigError
     from posttrain.models import as_lora_spec
     from posttrain.rollout.hf_engine import resolve_eos_ids
+    from posttrain.rollout.vllm_async_engine import VLLMAsyncRolloutEngine
     from posttrain.rollout.vllm_engine import VLLMRolloutEngine
 
     if cfg.vllm.tensor_parallel_size != 1:
@@ -361,9 +363,17 @@ def build_vllm_engine(cfg: PPOConfig, tok):
                           "more --vllm.num_engines")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
     lora = as_lora_spec(cfg.ds.lora)  # only for a LoRA actor: the verified hash then includes the scaling
-    return VLLMRolloutEngine(
+    cls = VLLMAsyncRolloutEngine if needs_async_vllm(cfg) else VLLMRolloutEngine
+    return cls(
         cfg.actor.model_name_or_path, eos_token_ids=resolve_eos_ids(tok), **vllm_engine_kwargs(cfg),
         **({"lora": lora, "lora_sync": cfg.vllm.lora_sync} if lora is not None else {}))
+
+
+def needs_async_vllm(cfg: PPOConfig) -> bool:
+    """vLLM's AsyncLLM (`VLLMAsyncRolloutEngine`) where requests must be added, aborted or paused while others
+    run: async RL (a weight sync may arrive mid-generation: partial rollout) and agent episodes (each model
+    call its own request); else the offline `vllm.LLM`."""
+    return bool(cfg.train.async_enable or cfg.train.agent_func_path)
 
 
 def vllm_engine_kwargs(cfg: PPOConfig) -> dict:
