@@ -1,6 +1,8 @@
 """Which engine the rollout engines run (`posttrain.config.backends.rollout_backend`): vLLM where
 `--vllm.num_engines` asks for engines and this machine runs vLLM, the HF engine with the reason otherwise;
-`--rollout.engine vllm` turns the reason into a one-line ConfigError, `--rollout.engine hf` always serves HF."""
+`--rollout.engine vllm` turns the reason into a one-line ConfigError, `--rollout.engine hf` always serves HF;
+partial rollout runs on vLLM (its async engine pauses and resumes requests), except with a LoRA adapter
+synced as a vLLM adapter."""
 import json
 
 import pytest
@@ -44,3 +46,21 @@ def test_a_vision_model_without_torchvision_samples_with_the_hf_engine(monkeypat
     assert backend == "hf" and "without torchvision" in why and "--rollout.engine hf" in why
     with pytest.raises(ConfigError, match="--rollout.engine vllm: vLLM cannot load the vision-language model"):
         backends.rollout_backend(ppo(vlm_folder, "--vllm.num_engines", "1", "--rollout.engine", "vllm"))
+
+
+PARTIAL = ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "x", "--vllm.num_engines", "1",
+           "--train.async_enable", "--train.partial_rollout_enable"]
+
+
+def backend(*extra):
+    return backends.rollout_backend(parse_config("ppo", [*PARTIAL, *extra], check=False))
+
+
+def test_partial_rollout_runs_on_vllm_and_an_adapter_synced_lora_keeps_the_hf_engine(monkeypatch):
+    monkeypatch.setattr(backends, "vllm_unavailable", lambda: None)  # a machine that runs vLLM
+    assert backend() == ("vllm", "")
+    assert backend("--ds.lora.rank", "8", "--vllm.lora_sync", "merged") == ("vllm", "")
+    kind, why = backend("--ds.lora.rank", "8", "--vllm.lora_sync", "adapter")
+    assert kind == "hf" and why.endswith("use --vllm.lora_sync merged")
+    with pytest.raises(ConfigError, match=r"^--rollout.engine vllm: --train.partial_rollout_enable with --vllm.lora"):
+        backend("--ds.lora.rank", "8", "--vllm.lora_sync", "adapter", "--rollout.engine", "vllm")
