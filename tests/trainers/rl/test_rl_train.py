@@ -232,3 +232,14 @@ def test_different_seed_gives_different_rollouts(run_ppo):
     assert [json.loads(line)["step"] for line in samples(a).splitlines()] == [1] * 4 + [2] * 4  # 4 logged per step
     assert samples(a) == samples(c)
     assert samples(a) != samples(b)
+
+
+def test_one_process_says_which_engine_samples_and_why(run_ppo, capsys):
+    """Without --vllm.num_engines the run samples with the HF engine over the actor's module (vLLM was not
+    faster in the trainer's process on CPU: bench/RESULTS.md); start-up says so, and how to get vLLM."""
+    run_ppo("--train.max_steps", "1", name="engine_line")
+    lines = [line for line in capsys.readouterr().err.splitlines() if "rollout engine: " in line]
+    assert len(lines) == 1, lines
+    assert "posttrain's HF engine, over the actor's own module: no second copy of the weights" in lines[0]
+    assert "one process does not run vLLM" in lines[0] and "--vllm.num_engines N runs vLLM engines on Ray" in lines[0]
+

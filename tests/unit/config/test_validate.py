@@ -100,6 +100,16 @@ def test_lora_rules():
     )
 
 
+def test_asking_for_vllm_without_rollout_engines_is_an_error():
+    """--rollout.engine vllm says vLLM must sample; one process (no --vllm.num_engines) samples with the HF
+    engine over the actor's module, so the run stops with the flag that runs vLLM instead of ignoring it."""
+    assert problem("ppo", "--rollout.engine", "vllm") == (
+        "--rollout.engine vllm: vLLM runs in rollout engines of their own: add --vllm.num_engines 1 (on Ray); "
+        "one process samples with the HF engine over the actor's module")
+    assert warns("ppo", "--rollout.engine", "hf") == []
+    cfg_for("ppo", "--rollout.engine", "vllm", "--vllm.num_engines", "1")  # parses; the engine worker decides
+
+
 def test_4bit_needs_lora_and_cuda():
     assert problem("sft", "--ds.load_in_4bit", device="cuda") == (
         "--ds.load_in_4bit: 4-bit weights cannot be trained; use it with LoRA (--ds.lora.rank > 0)"
