@@ -10,6 +10,7 @@ Fixtures: `tiny_model_dir`: a llama "nano" (~1M params) causal LM + tokenizer bu
 once per session with `build_tiny` (seed 0), loadable with `from_pretrained`; `tiny_score_model_dir`, its score-head twin;
 `tiny_vision_dir`, a tiny Qwen2.5-VL (vision-language). `one_torch_thread`:
 request it (module scope) where tiny models run many small ops."""
+import os
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,21 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_state():
+    """What building an in-process vLLM engine changes for the rest of the process is put back after each test
+    module: the environment (it sets LD_PRELOAD, VLLM_*, OMP variables), `torch.set_num_threads` (vLLM's CPU
+    worker replaces it with a function that only warns) and the thread count, and the CPU affinity (its
+    thread binding)."""
+    environ, set_threads, threads = dict(os.environ), torch.set_num_threads, torch.get_num_threads()
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    yield
+    os.environ.clear()
+    os.environ.update(environ)
+    torch.set_num_threads = set_threads
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    if affinity is not None and os.sched_getaffinity(0) != affinity:
+        os.sched_setaffinity(0, affinity)

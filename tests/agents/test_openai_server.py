@@ -5,7 +5,6 @@ test runs on the HF engine and on real vLLM (`engine`), as does an `agent_func.p
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 import requests
@@ -38,13 +37,10 @@ def engine(request, tiny_model_dir, tok):
 
     if vllm_unavailable():
         pytest.skip(f"real vLLM: {vllm_unavailable()}")
-    before = dict(os.environ)  # building the engine sets LD_PRELOAD, VLLM_*: put back for the later tests
     engine = VLLMAsyncRolloutEngine(tiny_model_dir, eos_token_ids=resolve_eos_ids(tok), dtype="float32",
                                     enforce_eager=True, max_model_len=256)
     yield engine
     engine.close()
-    os.environ.clear()
-    os.environ.update(before)
 
 
 def post(session, path, body, key=None):

@@ -4,7 +4,6 @@ samples are in flight pauses generation, loads, and resumes them; every token re
 sampled it and keeps that version's log-prob (recomputed here by the HF model of each version). One
 engine for the module (its engine core is a process of its own)."""
 import copy
-import os
 import threading
 import time
 
@@ -28,13 +27,10 @@ def worker(tiny_model_dir):
         pytest.skip(f"real vLLM: {backends.vllm_unavailable()}")
     argv = ["--actor.model_name_or_path", str(tiny_model_dir), "--data.prompt_dataset", "x", "--vllm.num_engines", "1",
             "--ds.param_dtype", "fp32", "--train.async_enable", "--train.partial_rollout_enable", "--data.max_len", "256"]
-    before = dict(os.environ)  # building the engine sets LD_PRELOAD, VLLM_*: put back for the later tests
     w = EngineWorker(1, {})
     w.setup(parse_config("ppo", argv, check=False))
     yield w
     w.engine.close()
-    os.environ.clear()
-    os.environ.update(before)
 
 
 @pytest.fixture(scope="module")

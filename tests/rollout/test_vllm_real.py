@@ -4,7 +4,6 @@ the trainer's recomputation `log_softmax(logits / T)[token]` (also on the first 
 vLLM's own are those of the distribution with the stop ids banned); per-prompt seeds; `min_tokens`; explicit
 stop ids replace the eos; per-prompt budgets; a bucketed weight sync checked against a fresh engine loaded
 from the synced weights; sleep / wake_up (a level-2 sleep needs a sync before the next rollout)."""
-import os
 
 import pytest
 import torch
@@ -56,17 +55,7 @@ FRESH = {}  # what the engine sampled right after loading `policy_dir`, before a
 
 
 @pytest.fixture(scope="module")
-def vllm_environ():
-    """Building a vLLM engine sets process environment variables (LD_PRELOAD, VLLM_*): put them back after the
-    module, so that later tests and their subprocesses see the session's environment."""
-    before = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(before)
-
-
-@pytest.fixture(scope="module")
-def engine(policy_dir, vllm_environ):
+def engine(policy_dir):
     from posttrain.rollout import SamplingParams
     from posttrain.rollout.vllm_engine import VLLMRolloutEngine
 

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from posttrain.config.backends import vllm_unavailable
-from tests.rollout.test_vllm_real import vllm_environ  # noqa: F401 (a fixture)
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("vllm_environ"),
+pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(vllm_unavailable() is not None, reason=f"real vLLM: {vllm_unavailable()}")]
 
 
