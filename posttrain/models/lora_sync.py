@@ -116,9 +116,9 @@ class MergedBase:
 
     ``keep(name, W0)`` stores a pristine copy of a base tensor (``{module}.weight``, or any other tensor an
     engine must push again with it); ``store(pairs)`` takes adapter tensors (any split into buckets);
-    ``receive(pairs)`` stores them and returns ``(weight name, merged W)`` for each module whose A and B are
-    both known; ``current(name)`` is what a kept tensor must be now. Merging runs in fp32 from ``W0`` (cast back
-    to its dtype)."""
+    ``receive(pairs)`` stores them and returns ``(weight name, merged W)`` for each module whose A and B
+    are both known; ``current(name)`` is what a kept tensor must be now. Merging runs in fp32 from ``W0``
+    (cast back to its dtype)."""
 
     def __init__(self, s: float, device: torch.device | str | None = None,
                  compute: torch.device | str | None = None) -> None:
@@ -166,7 +166,8 @@ class MergedBase:
         return True
 
     def receive(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """``store`` the pairs; returns ``(weight name, merged W)`` of each touched module that is ``ready``."""
+        """``store`` the pairs; returns ``(weight name, merged W)`` of each touched module that is
+        ``ready``."""
         return [(f"{m}.weight", self.merged(m)) for m in self.store(pairs) if self.ready(m)]
 
     def current(self, name: str) -> torch.Tensor:

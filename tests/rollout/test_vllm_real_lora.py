@@ -1,10 +1,11 @@
 """Adapter-only weight sync into a real vLLM engine (its CPU build here, its CUDA build on a GPU), in both
-`lora_sync` modes, on the tiny qwen2 (biases on q/k/v) with adapters on q_proj, v_proj and up_proj: layers vLLM
-fuses with weights the adapter does not touch (k_proj and the biases, gate_proj). After a full sync (base +
-adapter) and an adapter-only sync of another adapter, the engine's greedy samples equal those of a fresh engine
-loaded from the merged model (`merge_and_unload`, saved to a folder), and its log-probs equal the peft policy's
-recomputation. Measured on the CPU build (fp32): the log-prob gap is at most ~1.1e-3 in both modes (vLLM's
-kernels against torch's, as without LoRA), the bound is 5e-3; without the adapter the gap is > 0.1."""
+`lora_sync` modes, on the tiny qwen2 (biases on q/k/v) with adapters on q_proj, v_proj and up_proj: layers
+vLLM fuses with tensors the adapter does not touch (k_proj and the biases, gate_proj). After a full sync
+(base + adapter) and an adapter-only sync of another adapter, the engine's greedy samples equal those of a
+fresh engine loaded from the merged model (`merge_and_unload`, saved to a folder), and its log-probs equal
+the peft policy's recomputation. Measured on the CPU build (fp32): the largest log-prob gap is ~1.1e-3 in
+both modes (vLLM's kernels against torch's, as without LoRA), the bound is 5e-3; to the base model without
+the adapter the gap is > 0.1."""
 import copy
 import gc
 import os
@@ -114,7 +115,7 @@ def test_adapter_sync_samples_from_the_peft_policy(mode, qwen2_dir, policy, refe
             gaps.append((got - recomputed(policy, prompt, o.output_token_ids)).abs())
             base_gaps.append((got - recomputed(base, prompt, o.output_token_ids)).abs())
     gap, base_gap = torch.cat(gaps).max().item(), torch.cat(base_gaps).max().item()
-    print(f"\n{mode}: max |log-prob gap| to the peft policy {gap:.2e}, to the base without adapter {base_gap:.2e}")
+    print(f"\n{mode}: max |log-prob gap| to the peft policy {gap:.2e}, to the base {base_gap:.2e}")
     assert gap < LOGPROB_TOL < base_gap
     if mode == "adapter":
         assert engine.lora_request.lora_int_id == 2  # one request per sync, the first removed
