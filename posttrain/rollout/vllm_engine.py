@@ -41,6 +41,7 @@ import io
 import json
 import os
 import shutil
+import sys
 import tempfile
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -99,11 +100,20 @@ def apply_cpu_defaults(llm_kwargs: dict) -> None:
     model without serialising it) unless tensor parallelism needs vLLM's worker processes, and a KV cache of
     ``CPU_KV_CACHE_GIB`` GiB (the CPU build otherwise sizes it from ``gpu_memory_utilization`` of the machine's
     RAM); ``VLLM_CPU_KVCACHE_SPACE`` (GiB) or ``kv_cache_memory_bytes`` set it. ``gpu_memory_utilization``
-    means nothing there and is dropped."""
+    means nothing there and is dropped. Tensor parallelism: vLLM's worker processes (``mp`` executor, gloo)
+    with ``VLLM_CPU_OMP_THREADS_BIND=nobind`` unless set (vLLM's ``auto`` binds each worker to a NUMA node of
+    its own and refuses more workers than nodes). vLLM freezes its environment once an engine started in
+    this process (``vllm.envs`` cache): the freeze is lifted so that a second engine reads these settings."""
     if torch.cuda.is_available():
         return
+    envs = sys.modules.get("vllm.envs")
+    if envs is not None and hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()
     if int(llm_kwargs.get("tensor_parallel_size", 1) or 1) == 1:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    else:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        llm_kwargs.setdefault("distributed_executor_backend", "mp")
     if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         llm_kwargs.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_GIB * 2**30)
     llm_kwargs.pop("gpu_memory_utilization", None)
@@ -201,7 +211,7 @@ class VLLMRolloutEngine:
         self._target_layers: set[tuple] | None = None  # merged: the adapted layers, once an adapter arrived
         self._held: set[str] = set()  # merged: kept tensors whose push waits for the end of the sync
         self._touched: set[str] = set()  # merged: modules with a new adapter in this sync
-        self._fused: dict[str, tuple[str, ...]] | None = None  # merged: HF leaf -> the leaves vLLM fuses it with
+        self._fused: dict[str, tuple[str, ...]] | None = None  # merged: HF leaf -> the leaves fused with it
         self._adapter: dict[str, torch.Tensor] = {}  # adapter mode: the tensors of the next request
         self._adapter_dirty = False
         self.lora_request = None
@@ -365,8 +375,8 @@ class VLLMRolloutEngine:
         return parent, self._fused.get(leaf, (leaf,))
 
     def _hold(self, name: str, tensor: torch.Tensor) -> bool:
-        """Merged mode: keep ``tensor`` as ``W0`` and defer its push when it belongs to an adapted layer (before
-        the first adapter: to a layer the LoRA spec may target)."""
+        """Merged mode: keep ``tensor`` as ``W0`` and defer its push when it belongs to an adapted layer
+        (before the first adapter: to a layer the LoRA spec may target)."""
         layer = self._layer(name)
         if self._target_layers is not None:
             held = layer in self._target_layers
@@ -379,18 +389,20 @@ class VLLMRolloutEngine:
         return held
 
     def _push_held(self) -> None:
-        """Merged mode, at the end of a sync: every tensor of each layer touched by this sync (new ``W0``s or a
-        new adapter), adapted weights merged; then, once the adapter names the adapted layers, drop the other
-        copies."""
+        """Merged mode, at the end of a sync: every tensor of each layer touched by this sync (new ``W0``s or
+        a new adapter), adapted weights merged; then, once the adapter names the adapted layers, drop the
+        other copies."""
         if self._target_layers is None and self._merged.adapter:
-            self._target_layers = {self._layer(f"{lsync.adapter_module(n)}.weight") for n in self._merged.adapter}
+            modules = {lsync.adapter_module(n) for n in self._merged.adapter}
+            self._target_layers = {self._layer(f"{m}.weight") for m in modules}
         touched = {self._layer(f"{m}.weight") for m in self._touched if self._merged.ready(m)}
         held = sorted(self._held | {n for n in self._merged.base if self._layer(n) in touched})
         self._held, self._touched = set(), set()
         if held:
             self._push([(name, self._merged.current(name)) for name in held])
         if self._target_layers is not None:
-            self._merged.base = {n: t for n, t in self._merged.base.items() if self._layer(n) in self._target_layers}
+            kept = self._merged.base.items()
+            self._merged.base = {n: t for n, t in kept if self._layer(n) in self._target_layers}
 
     def _push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """One bucket into every worker (``vllm_worker``): the first bucket of a sync starts vLLM's layerwise
@@ -401,8 +413,8 @@ class VLLMRolloutEngine:
         self.llm.collective_rpc("posttrain_reload_bucket", args=(self._wire(weights),))
 
     def _wire(self, weights: list[tuple[str, torch.Tensor]]):
-        """The bucket as ``collective_rpc`` carries it: the pairs themselves when vLLM's engine core runs in this
-        process; else ``torch.save`` bytes, because vLLM's msgpack encoder sends a tensor argument as
+        """The bucket as ``collective_rpc`` carries it: the pairs themselves when vLLM's engine core runs in
+        this process; else ``torch.save`` bytes, because vLLM's msgpack encoder sends a tensor argument as
         (dtype, shape, buffer index) and the engine core process decodes it, untyped, without its buffers."""
         client = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if not any(cls.__name__ == "MPClient" for cls in type(client).__mro__):  # vllm.v1.engine.core_client

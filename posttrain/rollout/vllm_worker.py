@@ -26,8 +26,8 @@ class PosttrainWorkerExtension:
         initialize_layerwise_reload(self.model_runner.get_model())
 
     def posttrain_reload_bucket(self, weights) -> int:
-        """Load one bucket of ``(hf name, tensor)`` pairs (or their ``torch.save`` bytes: ``VLLMRolloutEngine._wire``);
-        returns how many arrived."""
+        """Load one bucket of ``(hf name, tensor)`` pairs (or their ``torch.save`` bytes:
+        ``VLLMRolloutEngine._wire``); returns how many arrived."""
         if isinstance(weights, (bytes, bytearray, memoryview)):
             weights = torch.load(io.BytesIO(weights), map_location="cpu", weights_only=True)
         weights = list(weights)
@@ -47,8 +47,9 @@ class PosttrainWorkerExtension:
                 getattr(runner, reset)()
         if partial:
             raise RuntimeError(f"weight sync: {len(partial)} linear layer(s) got only some of their weights "
-                               f"({', '.join(partial[:4])}): vLLM fuses them (q/k/v + biases, gate/up) and needs all "
-                               "of a layer's tensors within one sync; the layer now holds uninitialised values")
+                               f"({', '.join(partial[:4])}): vLLM fuses them (q/k/v + biases, gate/up) and "
+                               "needs all of a layer's tensors within one sync; the layer now holds "
+                               "uninitialised values")
 
     def posttrain_packed_modules(self) -> dict[str, list[str]]:
         """The model's fused layers: vLLM layer name -> the HF module names loaded into it
