@@ -28,6 +28,11 @@ class LoraSpec:
         """`s` = alpha / rank, what `apply_lora`'s peft layers scale by (no rsLoRA)."""
         return self.alpha / self.rank
 
+    @property
+    def targets(self) -> list[str] | str:
+        """The adapted modules' last name parts, or "all-linear"."""
+        return _targets(self.target_modules)
+
 
 def as_lora_spec(lora) -> LoraSpec | None:
     """Accept None, a LoraSpec, a dict or any object with rank/alpha/dropout/target_modules

@@ -114,9 +114,11 @@ def model_lora_hash(model) -> str:
 class MergedBase:
     """An engine's merged view of a LoRA policy: ``W = W0 + s * B A`` for every adapted layer.
 
-    ``keep(name, W0)`` stores a pristine copy of a base weight (``{module}.weight``); ``receive(pairs)``
-    takes adapter tensors (any split into buckets) and returns ``(weight name, merged W)`` for each
-    module whose A and B are both known, computed in fp32 from ``W0`` (cast back to its dtype)."""
+    ``keep(name, W0)`` stores a pristine copy of a base tensor (``{module}.weight``, or any other tensor an
+    engine must push again with it); ``store(pairs)`` takes adapter tensors (any split into buckets);
+    ``receive(pairs)`` stores them and returns ``(weight name, merged W)`` for each module whose A and B
+    are both known; ``current(name)`` is what a kept tensor must be now. Merging runs in fp32 from ``W0``
+    (cast back to its dtype)."""
 
     def __init__(self, s: float, device: torch.device | str | None = None,
                  compute: torch.device | str | None = None) -> None:
@@ -144,21 +146,37 @@ class MergedBase:
             return self.merged(module).to(tensor.device)
         return tensor
 
-    def receive(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    def store(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Keep adapter tensors (any split into buckets); returns the modules they belong to, in order."""
         touched = []
         for name, tensor in pairs:
             if not is_adapter_name(name):
                 raise KeyError(f"update_adapter: {name!r} is not an adapter tensor (*.lora_A/B.weight)")
             self.adapter[name] = tensor.detach().to("cpu", copy=True)
             touched.append(adapter_module(name))
-        out = []
-        for module in dict.fromkeys(touched):
-            if f"{module}.lora_A.weight" in self.adapter and f"{module}.lora_B.weight" in self.adapter:
-                if f"{module}.weight" not in self.base:
-                    raise KeyError(f"update_adapter: no base weight {module}.weight to merge into (send the "
-                                   "base weights first: a full sync)")
-                out.append((f"{module}.weight", self.merged(module)))
-        return out
+        return list(dict.fromkeys(touched))
+
+    def ready(self, module: str) -> bool:
+        """Both A and B of ``module`` are known; KeyError when its ``W0`` is not (no full sync yet)."""
+        if not all(f"{module}.lora_{x}.weight" in self.adapter for x in "AB"):
+            return False
+        if f"{module}.weight" not in self.base:
+            raise KeyError(f"update_adapter: no base weight {module}.weight to merge into (send the "
+                           "base weights first: a full sync)")
+        return True
+
+    def receive(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """``store`` the pairs; returns ``(weight name, merged W)`` of each touched module that is
+        ``ready``."""
+        return [(f"{m}.weight", self.merged(m)) for m in self.store(pairs) if self.ready(m)]
+
+    def current(self, name: str) -> torch.Tensor:
+        """What a kept tensor must be in the engine: ``W0 + s·B·A`` for an adapted module's weight whose
+        adapter is known, else its kept copy."""
+        module = name[:-len(".weight")]
+        if name.endswith(".weight") and f"{module}.lora_A.weight" in self.adapter and self.ready(module):
+            return self.merged(module)
+        return self.base[name]
 
     def base_pairs(self, live: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """``live`` (the engine's current weights) with each merged weight replaced by its ``W0``."""

@@ -33,7 +33,7 @@ from types import SimpleNamespace
 
 from posttrain.rollout.sampling import check_seeds
 from posttrain.rollout.types import SamplingParams, check_budgets
-from posttrain.rollout.vllm_engine import VLLMRolloutEngine
+from posttrain.rollout.vllm_engine import VLLMRolloutEngine, bucket_bytes
 
 
 class AsyncLLMHandle:
@@ -96,12 +96,9 @@ class AsyncLLMHandle:
         return self.run(all_of())
 
     def collective_rpc(self, method: str, args: tuple = ()):
-        """A weight bucket crosses to the engine core process as safetensors bytes (vLLM's msgpack does not
-        carry tensors inside the arguments of a call)."""
+        """A weight bucket crosses to the engine core process as bytes (``vllm_engine.bucket_bytes``)."""
         if method == "posttrain_reload_bucket":
-            from safetensors.torch import save
-
-            args = (save({name: t.detach().to("cpu").contiguous() for name, t in args[0]}),)
+            args = (bucket_bytes(args[0]),)
         return self.run(self.llm.collective_rpc(method, args=args))
 
     def reset_prefix_cache(self) -> None:

@@ -18,9 +18,13 @@ vLLM takes one sample per greedy request (``n > 1``: copies). vLLM's processed l
 A LoRA policy (``lora=``) is synced adapter-only (``update_adapter``, canonical names of
 ``posttrain.models.lora_sync``), in one of two ``lora_sync`` modes:
 
-* ``merged``: the engine keeps CPU copies ``W0`` of the targeted base weights (from the full sync: every
-  2-D weight until the first adapter names the targets) and pushes ``W0 + s·B·A`` through vLLM's
-  ``load_weights`` (vLLM fuses q/k/v and gate/up itself): plain vLLM kernels, only the adapter on the wire;
+* ``merged``: plain vLLM kernels, only the adapter on the wire. vLLM fuses q/k/v and gate/up into one layer
+  (its model's ``packed_modules_mapping``), and a sync must give such a layer all its tensors once (the
+  worker refuses a layer left partial; a second load of a layer within one sync would be lost). So the
+  engine keeps CPU copies (``W0``) of every tensor of each adapted layer, e.g. q, k, v and their biases
+  (during the first sync: every tensor of a layer the LoRA spec may target, until the adapter names the
+  modules), and pushes these layers at the end of each sync (``weights_updated``), complete, with
+  ``W0 + s·B·A`` for the adapted weights;
 * ``adapter``: vLLM's own LoRA support (``enable_lora``); ``weights_updated(version)`` writes the adapter as
   a PEFT folder (under ``/dev/shm`` where it exists) and samples with ``LoRARequest(id = version + 1)``;
   the previous id is removed from vLLM and its folder deleted.
@@ -36,10 +40,12 @@ ids (``image_token_id`` / ``video_token_id``, read from the model's config when 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import os
 import shutil
+import sys
 import tempfile
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -88,6 +94,16 @@ def write_peft_adapter(folder: str, adapter: Mapping[str, torch.Tensor], rank: i
               os.path.join(folder, "adapter_model.safetensors"))
 
 
+def bucket_bytes(weights: Iterable[tuple[str, torch.Tensor]]) -> bytes:
+    """A weight bucket as ``torch.save`` bytes, for an engine core in a process of its own: vLLM's msgpack
+    encoder sends a tensor argument of ``collective_rpc`` as (dtype, shape, buffer index) and the engine core
+    decodes it without its buffers (``vllm_worker.PosttrainWorkerExtension.posttrain_reload_bucket`` loads
+    these bytes; tied tensors that share memory are kept, unlike safetensors)."""
+    buffer = io.BytesIO()
+    torch.save([(name, tensor.detach().cpu().contiguous()) for name, tensor in weights], buffer)
+    return buffer.getvalue()
+
+
 UNBAN_CHUNK = 128  # vLLM's MAX_LOGPROB_TOKEN_IDS: the most ids one request's `logprob_token_ids` may score
 WORKER_EXTENSION = "posttrain.rollout.vllm_worker.PosttrainWorkerExtension"
 CPU_KV_CACHE_GIB = 1  # the CPU build's KV cache when neither VLLM_CPU_KVCACHE_SPACE nor kv_cache_memory_bytes is set
@@ -100,11 +116,20 @@ def apply_cpu_defaults(llm_kwargs: dict) -> None:
     ``CPU_KV_CACHE_GIB`` GiB (the CPU build otherwise sizes it from ``gpu_memory_utilization`` of the machine's
     RAM); ``VLLM_CPU_KVCACHE_SPACE`` (GiB) or ``kv_cache_memory_bytes`` set it. ``gpu_memory_utilization``
     means nothing there and is dropped, and so is ``enable_sleep_mode`` (vLLM refuses it on CPU and ignores
-    ``sleep`` there anyway)."""
+    ``sleep`` there anyway). Tensor parallelism: vLLM's worker processes (``mp`` executor, gloo)
+    with ``VLLM_CPU_OMP_THREADS_BIND=nobind`` unless set (vLLM's ``auto`` binds each worker to a NUMA node of
+    its own and refuses more workers than nodes). vLLM freezes its environment once an engine started in
+    this process (``vllm.envs`` cache): the freeze is lifted so that a second engine reads these settings."""
     if torch.cuda.is_available():
         return
+    envs = sys.modules.get("vllm.envs")
+    if envs is not None and hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()
     if int(llm_kwargs.get("tensor_parallel_size", 1) or 1) == 1:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    else:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        llm_kwargs.setdefault("distributed_executor_backend", "mp")
     if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         llm_kwargs.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_GIB * 2**30)
     llm_kwargs.pop("gpu_memory_utilization", None)
@@ -217,7 +242,10 @@ class VLLMRolloutEngine:
         self.lora_scaling = None if self.lora is None else self.lora.scaling
         compute = "cuda" if torch.cuda.is_available() else None
         self._merged = lsync.MergedBase(self.lora_scaling, "cpu", compute) if self.lora_sync == "merged" else None
-        self._targets: set[str] | None = None  # merged: the adapted modules, once an adapter arrived
+        self._target_layers: set[tuple] | None = None  # merged: the adapted layers, once an adapter arrived
+        self._held: set[str] = set()  # merged: kept tensors whose push waits for the end of the sync
+        self._touched: set[str] = set()  # merged: modules with a new adapter in this sync
+        self._fused: dict[str, tuple[str, ...]] | None = None  # merged: HF leaf -> the leaves fused with it
         self._adapter: dict[str, torch.Tensor] = {}  # adapter mode: the tensors of the next request
         self._adapter_dirty = False
         self.lora_request = None
@@ -436,19 +464,54 @@ class VLLMRolloutEngine:
 
     def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Push some HF-named weights (one sync bucket) into vLLM's model (its ``load_weights`` maps
-        the names onto vLLM's fused layout). Merged LoRA mode: a targeted weight becomes its new ``W0``
-        and goes out merged with the current adapter."""
+        the names onto vLLM's fused layout). Merged LoRA mode: a tensor of an adapted layer becomes its new
+        ``W0`` and is pushed with its whole layer by ``weights_updated``."""
         weights = [(name, tensor.detach()) for name, tensor in named]
         self._weights_dropped = False
         if self._merged is not None:
-            weights = [self._merged_base(name, tensor) for name, tensor in weights]
-        self._push(weights)
+            weights = [(name, tensor) for name, tensor in weights if not self._hold(name, tensor)]
+        if weights:
+            self._push(weights)
 
-    def _merged_base(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
-        module = name[:-len(".weight")] if name.endswith(".weight") else None
-        if module is None or tensor.dim() != 2 or (self._targets is not None and module not in self._targets):
-            return name, tensor
-        return name, self._merged.set_base(name, tensor)
+    def _layer(self, name: str) -> tuple[str, tuple[str, ...]]:
+        """The vLLM layer an HF tensor name loads into: (parent module, the HF leaves fused into it), e.g.
+        ``model.layers.0.self_attn.k_proj.bias`` -> ``("model.layers.0.self_attn", ("q_proj", "k_proj",
+        "v_proj"))``, from the model's ``packed_modules_mapping`` (asked of the worker once)."""
+        if self._fused is None:
+            mapping = self.llm.collective_rpc("posttrain_packed_modules")[0]
+            self._fused = {leaf: tuple(leaves) for leaves in mapping.values() for leaf in leaves}
+        parent, _, leaf = name.rsplit(".", 1)[0].rpartition(".")
+        return parent, self._fused.get(leaf, (leaf,))
+
+    def _hold(self, name: str, tensor: torch.Tensor) -> bool:
+        """Merged mode: keep ``tensor`` as ``W0`` and defer its push when it belongs to an adapted layer
+        (before the first adapter: to a layer the LoRA spec may target)."""
+        layer = self._layer(name)
+        if self._target_layers is not None:
+            held = layer in self._target_layers
+        else:
+            targets = self.lora.targets
+            held = targets == "all-linear" or any(leaf in targets for leaf in layer[1])
+        if held:
+            self._merged.keep(name, tensor)
+            self._held.add(name)
+        return held
+
+    def _push_held(self) -> None:
+        """Merged mode, at the end of a sync: every tensor of each layer touched by this sync (new ``W0``s or
+        a new adapter), adapted weights merged; then, once the adapter names the adapted layers, drop the
+        other copies."""
+        if self._target_layers is None and self._merged.adapter:
+            modules = {lsync.adapter_module(n) for n in self._merged.adapter}
+            self._target_layers = {self._layer(f"{m}.weight") for m in modules}
+        touched = {self._layer(f"{m}.weight") for m in self._touched if self._merged.ready(m)}
+        held = sorted(self._held | {n for n in self._merged.base if self._layer(n) in touched})
+        self._held, self._touched = set(), set()
+        if held:
+            self._push([(name, self._merged.current(name)) for name in held])
+        if self._target_layers is not None:
+            kept = self._merged.base.items()
+            self._merged.base = {n: t for n, t in kept if self._layer(n) in self._target_layers}
 
     def _push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """One bucket into every worker (``vllm_worker``): the first bucket of a sync starts vLLM's layerwise
@@ -456,7 +519,16 @@ class VLLMRolloutEngine:
         if not self._reloading:
             self.llm.collective_rpc("posttrain_reload_begin")
             self._reloading = True
-        self.llm.collective_rpc("posttrain_reload_bucket", args=(weights,))
+        self.llm.collective_rpc("posttrain_reload_bucket", args=(self._wire(weights),))
+
+    def _wire(self, weights: list[tuple[str, torch.Tensor]]):
+        """The bucket as ``collective_rpc`` carries it: the pairs themselves when vLLM's engine core runs in
+        this process; else ``torch.save`` bytes, because vLLM's msgpack encoder sends a tensor argument as
+        (dtype, shape, buffer index) and the engine core process decodes it, untyped, without its buffers."""
+        client = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if not any(cls.__name__ == "MPClient" for cls in type(client).__mro__):  # vllm.v1.engine.core_client
+            return weights
+        return bucket_bytes(weights)
 
     def _end_reload(self) -> None:
         if self._reloading:
@@ -473,9 +545,7 @@ class VLLMRolloutEngine:
         if bad:
             raise KeyError(f"update_adapter: {bad[0]!r} is not an adapter tensor (*.lora_A/B.weight)")
         if self._merged is not None:
-            merged = self._merged.receive(pairs)
-            if merged:
-                self._push(merged)
+            self._touched.update(self._merged.store(pairs))
         else:
             self._adapter.update({n: t.to("cpu", copy=True) for n, t in pairs})
             self._adapter_dirty = True
@@ -486,10 +556,8 @@ class VLLMRolloutEngine:
         is not recorded per token by this offline engine (a sync never overlaps its generation, so the
         trainer attributes each batch the version it was generated with; ``VLLMAsyncRolloutEngine``
         records it). In adapter LoRA mode a new adapter becomes the next ``LoRARequest`` (id ``version + 1``)."""
-        if self._merged is not None and self._targets is None and self._merged.adapter:
-            # the adapted modules are known now: drop the copies of the other base weights
-            self._targets = {lsync.adapter_module(n) for n in self._merged.adapter}
-            self._merged.base = {n: t for n, t in self._merged.base.items() if n[:-len(".weight")] in self._targets}
+        if self._merged is not None:
+            self._push_held()
         self._end_reload()
         if self._adapter_dirty:
             self._adapter_dirty = False

@@ -7,9 +7,14 @@ loads each bucket through the model's ``load_weights`` (HF names; vLLM fuses q/k
 for tensor parallelism itself), and processes each layer again once all its weights arrived (the CPU build
 repacks every linear weight for oneDNN after loading, so a plain ``load_weights`` into the live model
 fails there: "'Parameter' object has no attribute 'weight_loader'"). A layer must receive all its weights
-within one sync (a fused q/k/v needs q, k, v and their biases): a layer given only some of them would be
-processed with the rest uninitialised."""
+within one sync (a fused q/k/v needs q, k, v and their biases): vLLM would process a layer given only some
+of them with the rest uninitialised, so ``reload_end`` raises naming such linear layers; and it ignores a
+second load of a layer already processed within the same sync."""
 from __future__ import annotations
+
+import io
+
+import torch
 
 
 class PosttrainWorkerExtension:
@@ -21,12 +26,10 @@ class PosttrainWorkerExtension:
         initialize_layerwise_reload(self.model_runner.get_model())
 
     def posttrain_reload_bucket(self, weights) -> int:
-        """Load one bucket of ``(hf name, tensor)`` pairs (or safetensors bytes of them: an engine core in a
-        process of its own); returns how many arrived."""
+        """Load one bucket of ``(hf name, tensor)`` pairs (or their ``torch.save`` bytes:
+        ``VLLMRolloutEngine._wire``); returns how many arrived."""
         if isinstance(weights, (bytes, bytearray, memoryview)):
-            from safetensors.torch import load
-
-            weights = load(bytes(weights)).items()
+            weights = torch.load(io.BytesIO(weights), map_location="cpu", weights_only=True)
         weights = list(weights)
         self.model_runner.get_model().load_weights(weights=weights)
         return len(weights)
@@ -37,10 +40,22 @@ class PosttrainWorkerExtension:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         runner = self.model_runner
+        partial = _partial_linear_layers(runner.get_model())
         finalize_layerwise_reload(runner.get_model(), runner.model_config)
         for reset in ("reset_encoder_cache", "reset_mm_cache"):
             if hasattr(runner, reset):
                 getattr(runner, reset)()
+        if partial:
+            raise RuntimeError(f"weight sync: {len(partial)} linear layer(s) got only some of their weights "
+                               f"({', '.join(partial[:4])}): vLLM fuses them (q/k/v + biases, gate/up) and "
+                               "needs all of a layer's tensors within one sync; the layer now holds "
+                               "uninitialised values")
+
+    def posttrain_packed_modules(self) -> dict[str, list[str]]:
+        """The model's fused layers: vLLM layer name -> the HF module names loaded into it
+        (``packed_modules_mapping``, e.g. ``{"qkv_proj": ["q_proj", "k_proj", "v_proj"]}``)."""
+        mapping = getattr(self.model_runner.get_model(), "packed_modules_mapping", None) or {}
+        return {str(k): [str(v) for v in values] for k, values in mapping.items()}
 
     def posttrain_die_with_parent(self) -> None:
         """An engine core process of its own (``AsyncLLM``) is killed with the thread that started it (Linux
@@ -54,3 +69,16 @@ class PosttrainWorkerExtension:
 
     def posttrain_model_class(self) -> str:
         return type(self.model_runner.get_model()).__name__
+
+
+def _partial_linear_layers(model) -> list[str]:
+    """Names of the linear layers that received some but not all of their weights in the current reload."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    partial = []
+    for name, layer in model.named_modules():
+        info = LAYERWISE_INFO.get(layer) if isinstance(layer, LinearBase) else None
+        if info is not None and info.can_load() and 0 < info.load_numel < info.load_numel_total:
+            partial.append(name)
+    return partial

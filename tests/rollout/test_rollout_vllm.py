@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from posttrain.config.backends import vllm_unavailable
 from posttrain.rollout import (
     RolloutEngine,
     SamplingParams,
@@ -261,8 +262,6 @@ def test_engine_worker_refusals_and_the_hf_fallback(monkeypatch, tiny_model_dir)
     hybrid = EngineWorker(1, {})
     hybrid.setup(parse_config("ppo", argv + ["--train.colocate_all"], check=False))
     assert hybrid.backend_name()[0] == "hf" and "needs sleep mode" in hybrid.backend_name()[1]
-    with pytest.raises(ConfigError, match="--vllm.tensor_parallel_size 2: vLLM engines with tensor parallelism"):
-        EngineWorker(1, {}).setup(parse_config("ppo", argv + ["--vllm.tensor_parallel_size", "2"], check=False))
     monkeypatch.setattr(backends, "vllm_unavailable", lambda: "this machine has no CUDA GPU")
     hf = EngineWorker(1, {})
     hf.setup(parse_config("ppo", argv, check=False))
@@ -270,7 +269,25 @@ def test_engine_worker_refusals_and_the_hf_fallback(monkeypatch, tiny_model_dir)
     assert hf.weights_hash() == weights_hash(hf.engine.model.state_dict())  # the HF engine hashes its own module
 
 
-LORA = {"rank": 4, "alpha": 8}
+LORA = {"rank": 4, "alpha": 8, "target_modules": "q_proj v_proj up_proj"}
+# the real-vLLM equivalents of these stand-in LoRA tests: tests/rollout/test_vllm_real_lora.py
+stand_in = pytest.mark.skipif(vllm_unavailable() is None,
+                              reason="vLLM runs here: tests/rollout/test_vllm_real_lora.py")
+
+
+class FakeReloadLLM(FakeLLM):
+    """FakeLLM with the worker extension's calls (`vllm_worker`): a bucket is recorded as ("push", pairs), the
+    end of a sync as ("reload_end",); a llama's fused layers."""
+    PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+    def collective_rpc(self, method, args=()):
+        if method == "posttrain_packed_modules":
+            return [self.PACKED]
+        if method == "posttrain_reload_bucket":
+            self.calls.append(("push", list(args[0])))
+        elif method == "posttrain_reload_end":
+            self.calls.append(("reload_end",))
+        return [None]
 
 
 @pytest.fixture
@@ -286,18 +303,25 @@ def lora_policy(tiny_model_dir):
     return model
 
 
+def pushed(llm) -> dict:
+    return dict(pair for call in llm.calls if call[0] == "push" for pair in call[1])
+
+
+@stand_in
 def test_vllm_lora_adapter_mode_writes_a_peft_folder_per_version(fake_vllm, lora_policy, tiny_model_dir, tmp_path):
     from peft import PeftModel
 
     from posttrain.models import load_causal_lm
     from posttrain.models import lora_sync as ls
 
+    fake_vllm.LLM = FakeReloadLLM
     engine = VLLMRolloutEngine(str(tiny_model_dir), lora=LORA, lora_sync="adapter", lora_dir=str(tmp_path))
     assert {k: engine.llm.init[k] for k in ("enable_lora", "max_lora_rank", "max_loras")} == {
         "enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
     sent = engine.load_weights(lora_policy)  # full: the base through load_weights, the adapter as a request
-    (_, loaded), reset = engine.llm.calls[-2:]
-    assert [n for n, _ in loaded] == [n for n, _ in ls.base_pairs(lora_policy)] and reset == ("reset_prefix_cache",)
+    (_, loaded), end, reset = engine.llm.calls[-3:]
+    assert [n for n, _ in loaded] == [n for n, _ in ls.base_pairs(lora_policy)]
+    assert (end, reset) == (("reload_end",), ("reset_prefix_cache",))
     assert sent == ls.pair_bytes(ls.base_pairs(lora_policy)) + ls.adapter_bytes(lora_policy)
     first = engine.lora_request
     assert first.lora_int_id == 1
@@ -309,7 +333,7 @@ def test_vllm_lora_adapter_mode_writes_a_peft_folder_per_version(fake_vllm, lora
     req = engine.lora_request
     assert (req.lora_int_id, req.lora_name) == (6, "policy-v6")
     assert ("remove_lora", 1) in engine.llm.calls and not os.path.exists(first.lora_path)
-    assert [c[0] for c in engine.llm.calls].count("apply_model") == 1  # the adapter never goes through load_weights
+    assert [c[0] for c in engine.llm.calls].count("push") == 1  # the adapter never goes through load_weights
     loaded = PeftModel.from_pretrained(load_causal_lm(tiny_model_dir), req.lora_path)
     theirs, ours = dict(ls.adapter_pairs(loaded)), dict(ls.adapter_pairs(lora_policy))
     assert sorted(theirs) == sorted(ours) and all(torch.equal(theirs[n], ours[n]) for n in ours)
@@ -320,27 +344,34 @@ def test_vllm_lora_adapter_mode_writes_a_peft_folder_per_version(fake_vllm, lora
     assert engine.lora_request.lora_int_id == 7
 
 
-def test_vllm_lora_merged_mode_pushes_merged_weights(fake_vllm, lora_policy):
+@stand_in
+def test_vllm_lora_merged_mode_pushes_whole_fused_layers_once_per_sync(fake_vllm, lora_policy):
+    """vLLM fuses q/k/v and gate/up: a sync gives each such layer all its tensors, each once (`vllm_worker`).
+    The full sync pushes every base tensor once, the adapted ones merged; an adapter-only sync pushes the
+    layers holding an adapted module whole (k_proj and gate_proj unchanged), merged from the kept `W0`."""
     import copy
 
     from posttrain.models import lora_sync as ls
 
-    engine = VLLMRolloutEngine(FakeLLM(), lora=LORA, lora_sync="merged")
+    engine = VLLMRolloutEngine(FakeReloadLLM(), lora=LORA, lora_sync="merged")
     engine.load_weights(lora_policy)
-    (_, base), (_, merged) = [c for c in engine.llm.calls if c[0] == "apply_model"]
-    targets = {f"{ls.adapter_module(n)}.weight" for n, _ in ls.adapter_pairs(lora_policy)}
-    assert [n for n, _ in base] == [n for n, _ in ls.base_pairs(lora_policy)]
-    assert {n for n, _ in merged} == targets == set(engine._merged.base)  # W0 kept for the targets only
+    names = [n for call in engine.llm.calls if call[0] == "push" for n, _ in call[1]]
+    assert sorted(names) == sorted(n for n, _ in ls.base_pairs(lora_policy))  # each tensor once
+    assert [c[0] for c in engine.llm.calls][-2:] == ["reload_end", "reset_prefix_cache"]
     reference = copy.deepcopy(lora_policy).merge_and_unload().state_dict()
-    assert max((w - reference[n]).abs().max().item() for n, w in merged) < 1e-6
+    assert max((w - reference[n]).abs().max().item() for n, w in pushed(engine.llm).items()) < 1e-6
+    fused = {n for n in names if any(f".{m}_proj." in n for m in ("q", "k", "v", "gate", "up"))}
+    assert set(engine._merged.base) == fused  # W0 kept for the adapted layers only
     with torch.no_grad():
         for p in ls.adapter_params(lora_policy).values():
             p.mul_(2)
+    engine.llm.calls.clear()
     engine.sync_weights(lora_policy)
-    (_, again), reset = engine.llm.calls[-2:]
+    again = pushed(engine.llm)
+    assert set(again) == fused
+    assert [c[0] for c in engine.llm.calls] == ["push", "reload_end", "reset_prefix_cache"]
     reference = copy.deepcopy(lora_policy).merge_and_unload().state_dict()
-    assert reset == ("reset_prefix_cache",) and {n for n, _ in again} == targets
-    assert max((w - reference[n]).abs().max().item() for n, w in again) < 1e-6
+    assert max((w - reference[n]).abs().max().item() for n, w in again.items()) < 1e-6
     with pytest.raises(KeyError, match="not an adapter tensor"):
         engine.update_adapter([("lm_head.weight", torch.zeros(1))])
     with pytest.raises(ValueError, match="lora_sync='both'"):
@@ -356,7 +387,7 @@ def test_engine_worker_verifies_base_and_adapter(fake_vllm, lora_policy):
     from posttrain.trainers.rl.placement.workers import EngineWorker, numpy_state
 
     worker = EngineWorker(1, {})
-    worker.engine = VLLMRolloutEngine(FakeLLM(), lora=LORA, lora_sync="merged")
+    worker.engine = VLLMRolloutEngine(FakeReloadLLM(), lora=LORA, lora_sync="merged")
     worker.received = None
     state = dict(ls.base_pairs(lora_policy) + ls.adapter_pairs(lora_policy))
     worker.load_numpy(numpy_state(state), verify=True)

@@ -357,10 +357,11 @@ def build_vllm_engine(cfg: PPOConfig, tok):
     from posttrain.rollout.vllm_async_engine import VLLMAsyncRolloutEngine
     from posttrain.rollout.vllm_engine import VLLMRolloutEngine
 
-    if cfg.vllm.tensor_parallel_size != 1:
-        raise ConfigError(f"--vllm.tensor_parallel_size {cfg.vllm.tensor_parallel_size}: vLLM engines with tensor "
-                          "parallelism are not available in this version; use --vllm.tensor_parallel_size 1 and "
-                          "more --vllm.num_engines")
+    tp = cfg.vllm.tensor_parallel_size
+    if tp > 1 and torch.cuda.is_available():
+        raise ConfigError(f"--vllm.tensor_parallel_size {tp}: a vLLM engine with tensor parallelism runs on "
+                          "CPUs (vLLM's CPU build) in this version, not on GPUs (its Ray process is given one "
+                          "GPU); use --vllm.tensor_parallel_size 1 and more --vllm.num_engines")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
     lora = as_lora_spec(cfg.ds.lora)  # only for a LoRA actor: the verified hash then includes the scaling
     cls = VLLMAsyncRolloutEngine if needs_async_vllm(cfg) else VLLMRolloutEngine
@@ -377,11 +378,13 @@ def needs_async_vllm(cfg: PPOConfig) -> bool:
 
 
 def vllm_engine_kwargs(cfg: PPOConfig) -> dict:
-    """`vllm.LLM` arguments from the OpenRLHF flags (tensor parallelism is refused by `build_vllm_engine`);
-    with --data.max_images_per_prompt N > 0, `limit_mm_per_prompt={"image": N}` (the engine then reads the
-    image pad ids from the model's config)."""
-    images = cfg.data.max_images_per_prompt
-    return dict(tensor_parallel_size=1, distributed_executor_backend="uni",
+    """`vllm.LLM` arguments from the OpenRLHF flags: one rank in this process (`uni` executor), or with
+    --vllm.tensor_parallel_size N > 1 N worker processes of vLLM's (`mp` executor: CPUs only,
+    `build_vllm_engine`; the placement reserves the engine N bundles, this process takes the first); with
+    --data.max_images_per_prompt N > 0, `limit_mm_per_prompt={"image": N}` (the engine then reads the image
+    pad ids from the model's config)."""
+    images, tp = cfg.data.max_images_per_prompt, cfg.vllm.tensor_parallel_size
+    return dict(tensor_parallel_size=tp, distributed_executor_backend="uni" if tp == 1 else "mp",
                 gpu_memory_utilization=cfg.vllm.gpu_memory_utilization, enforce_eager=cfg.vllm.enforce_eager,
                 enable_prefix_caching=cfg.vllm.enable_prefix_caching,
                 dtype=VLLM_DTYPES.get(cfg.ds.param_dtype, "auto"), seed=cfg.train.seed,
