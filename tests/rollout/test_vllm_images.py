@@ -148,6 +148,7 @@ def test_the_engine_worker_passes_max_images_per_prompt(fake_vllm, monkeypatch, 
     from posttrain.trainers.rl.placement.workers import EngineWorker
 
     monkeypatch.setattr(backends, "vllm_unavailable", lambda: None)
+    monkeypatch.setattr(backends, "vision_without_torchvision", lambda path: None)  # as on a GPU setup
 
     def worker(model, *extra):
         argv = ["--actor.model_name_or_path", str(model), "--data.prompt_dataset", "x", "--vllm.num_engines", "1",
