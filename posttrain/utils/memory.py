@@ -36,6 +36,15 @@ def process_peak_rss() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
+def current_rss() -> int | None:
+    """The process's resident set size now, in bytes (Linux's /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def peak_memory(fn, device: str | torch.device = "cpu"):
     """`(fn(), MemoryPeak)`: the tensor memory `fn` used at its peak on `device` ("cpu" or a CUDA
     device). On CPU the profiler slows the call down; measure memory and time in separate calls."""

@@ -230,7 +230,7 @@ def test_engine_worker_runs_vllm_where_it_can_and_verifies_what_it_received(fake
     monkeypatch.setattr(backends, "vllm_unavailable", lambda: None)
     worker = EngineWorker(1, {})
     worker.setup(parse_config("ppo", argv, check=False))
-    assert worker.backend_name() == ("vllm", "")
+    assert worker.backend_name()[0] == "vllm" and "--rollout.engine auto" in worker.backend_name()[1]
     init = worker.engine.llm.init
     assert {k: init[k] for k in ("model", "enforce_eager", "dtype", "max_model_len", "seed",
                                  "tensor_parallel_size", "logprobs_mode")} == {
@@ -261,7 +261,7 @@ def test_engine_worker_refusals_and_the_hf_fallback(monkeypatch, tiny_model_dir)
     monkeypatch.setattr(backends, "vllm_unavailable", lambda: None)
     hybrid = EngineWorker(1, {})
     hybrid.setup(parse_config("ppo", argv + ["--train.colocate_all"], check=False))
-    assert hybrid.backend_name()[0] == "hf" and "needs sleep mode" in hybrid.backend_name()[1]
+    assert hybrid.backend_name()[0] == "vllm"  # the hybrid engine: vLLM too, asleep between rollouts
     monkeypatch.setattr(backends, "vllm_unavailable", lambda: "this machine has no CUDA GPU")
     hf = EngineWorker(1, {})
     hf.setup(parse_config("ppo", argv, check=False))

@@ -155,7 +155,7 @@ def test_the_engine_worker_passes_max_images_per_prompt(fake_vllm, monkeypatch, 
                 "--data.max_len", "96", *extra]
         w = EngineWorker(1, {})
         w.setup(parse_config("ppo", argv, check=False))
-        assert w.backend_name() == ("vllm", "")
+        assert w.backend_name()[0] == "vllm"
         return w.engine
 
     vlm = worker(tiny_vision_dir, "--data.max_images_per_prompt", "2")

@@ -320,7 +320,19 @@ class RLTrainer(RunLoop):
             return self.actor.engine.gathered_for_generation()
         if self.shares_actor_module and hasattr(self.rollout_engine, "release_decode_weights"):
             return self._released_decode_weights()
+        if getattr(self.rollout_engine, "sleep_level", 0):
+            return self._awake_engines()
         return nullcontext()
+
+    @contextmanager
+    def _awake_engines(self):
+        """--vllm.enable_sleep: the Ray engines wake for a batch and sleep again after it (OpenRLHF's hybrid
+        engine)."""
+        self.rollout_engine.wake_up()
+        try:
+            yield
+        finally:
+            self.rollout_engine.sleep()
 
     @contextmanager
     def _released_decode_weights(self):

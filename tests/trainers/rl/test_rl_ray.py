@@ -1,6 +1,8 @@
 """RL on Ray (`trainers/rl/placement/ray_placement.py`): the same scenarios as in one process, placed as Ray
 actor groups of CPU ranks (gloo), compared with the in-process run; OpenRLHF's hybrid-engine
-scripts with ranks scaled to 2; colocation, two simulated nodes, a killed engine, resume."""
+scripts with ranks scaled to 2; colocation, two simulated nodes, a killed engine, resume. These test the placement
+and the HF engine's samples (equal to the in-process run's), so their engines run the HF engine (`HF`); the
+vLLM engines on Ray are tested in test_rl_ray_vllm.py."""
 import os
 import re
 import shutil
@@ -18,6 +20,7 @@ from safetensors.torch import load_file
 from posttrain.utils.metrics import read_metrics
 
 pytestmark = pytest.mark.e2e
+HF = ("--rollout.engine", "hf")  # Ray engines running the HF engine, as in one process
 
 
 def _weights(run_dir):
@@ -63,7 +66,7 @@ def test_two_actor_ranks_two_engines_equal_one_process(run_ppo, ray_session):
               "--actor.adam.eps", ADAM_EPS)
     local, _ = run_ppo(*common, name="local")
     ray_run, _ = run_ppo(*common, "--actor.num_gpus_per_node", "2", "--vllm.num_engines", "2",
-                         "--ds.zero_stage", "2", name="ray")
+                         "--ds.zero_stage", "2", *HF, name="ray")
     assert rewards_by_step(ray_run) == pytest.approx(rewards_by_step(local), abs=1e-6)  # same samples
     # float rounding only: the gradients are summed in another order (two ranks' all-reduce)
     assert_same_actor_weights(local, ray_run, read_metrics(local / "metrics.jsonl"))
@@ -87,7 +90,8 @@ def test_tensor_parallel_actor_and_critic_equal_one_process(run_ppo, ray_session
     local, _ = run_ppo(*common, name="local")
     capfd.readouterr()
     tp, _ = run_ppo(*common, "--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "2",
-                    "--vllm.num_engines", "1", "--ds.zero_stage", stage, "--ds.tensor_parallel_size", "2", name="tp")
+                    "--vllm.num_engines", "1", "--ds.zero_stage", stage, "--ds.tensor_parallel_size", "2", *HF,
+                    name="tp")
     err = capfd.readouterr().err
     for role in ("actor", "critic"):
         assert f"ray placement: {role} ranks: rank 0 (dp 0, cp 0, tp 0), rank 1 (dp 0, cp 0, tp 1)" in err, role
@@ -99,9 +103,9 @@ def test_tensor_parallel_actor_and_critic_equal_one_process(run_ppo, ray_session
 
 
 ELASTIC_LAYOUTS = {"one": (), "zero2": ("--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "2",
-                                        "--vllm.num_engines", "1", "--ds.zero_stage", "2"),
+                                        "--vllm.num_engines", "1", "--ds.zero_stage", "2", *HF),
                    "zero3": ("--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "2",
-                             "--vllm.num_engines", "1", "--ds.zero_stage", "3")}
+                             "--vllm.num_engines", "1", "--ds.zero_stage", "3", *HF)}
 ELASTIC_COMMON = ("--train.num_episodes", "1", "--data.max_samples", "24", "--train.batch_size", "16",
                   "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8", "--algo.advantage.estimator",
                   "gae", "--critic.adam.lr", "1e-3", "--ckpt.save_steps", "2",
@@ -172,7 +176,7 @@ def test_moe_actor_on_two_zero3_ranks_equals_one_process_and_takes_the_router_lo
     common = ("--actor.model_name_or_path", tiny_moe_dir, "--train.num_episodes", "1", "--data.max_samples", "16",
               "--train.batch_size", "16", "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8",
               "--algo.advantage.estimator", "group_norm", "--actor.adam.eps", ADAM_EPS)
-    ray_flags = ("--actor.num_gpus_per_node", "2", "--vllm.num_engines", "2", "--ds.zero_stage", "3")
+    ray_flags = ("--actor.num_gpus_per_node", "2", "--vllm.num_engines", "2", "--ds.zero_stage", "3", *HF)
     local, _ = run_ppo(*common, name="local", reward="spread.py")  # the tiny MoE never starts with 1
     capfd.readouterr()
     ray_run, _ = run_ppo(*common, *ray_flags, name="ray", reward="spread.py")
@@ -200,6 +204,7 @@ PPO_HYBRID = """
    --reward.normalize_enable --actor.gradient_checkpointing_enable --ds.packing_samples
    --vllm.sync_backend nccl --vllm.enforce_eager --vllm.enable_sleep --ds.enable_sleep
    --train.dynamic_batch_enable --train.max_tokens_per_gpu 256 --algo.advantage.is_correction_enable
+   --rollout.engine hf
 """.split()
 ONE_PROCESS = {"--ref.num_gpus_per_node": "1", "--reward.num_gpus_per_node": "1", "--critic.num_gpus_per_node": "1",
                "--actor.num_gpus_per_node": "1", "--vllm.num_engines": "0"}
@@ -312,7 +317,7 @@ REINFORCE_HYBRID = """
    --actor.gradient_checkpointing_enable --ds.ring_attn_size 2 --ds.ring_attn_head_stride 2 --ds.param_dtype fp32
    --algo.advantage.estimator reinforce_baseline --actor.entropy_coef 0.0 --algo.kl.init_coef 1e-5
    --algo.kl.use_loss --algo.kl.estimator k2 --algo.advantage.is_correction_enable
-   --algo.advantage.is_correction_type icepop --logger.logging_steps 1 --eval.steps -1
+   --algo.advantage.is_correction_type icepop --logger.logging_steps 1 --eval.steps -1 --rollout.engine hf
 """.split()
 
 
@@ -343,7 +348,7 @@ def colocated_run(rl_setup, tiny_score_model_dir, tmp_path_factory, ray_session)
     out = tmp_path_factory.mktemp("colocated") / "run"
     flags = _without_reward_url(ppo_flags(rl_setup, out)) + [
         "--reward.model_name_or_path", tiny_score_model_dir, "--algo.advantage.estimator", "gae",
-        "--algo.kl.init_coef", "0.01", "--vllm.num_engines", "1", "--train.colocate_actor_ref",
+        "--algo.kl.init_coef", "0.01", "--vllm.num_engines", "1", *HF, "--train.colocate_actor_ref",
         "--train.colocate_critic_reward", "--data.max_samples", "8", "--train.num_episodes", "1"]
     err = io.StringIO()
     try:
@@ -374,7 +379,7 @@ def test_killed_engine_ends_the_run_with_one_clear_error(rl_setup, tmp_path, ray
     from posttrain.utils.errors import WorkerFailed
 
     cfg = parse_config("ppo", [str(f) for f in ppo_flags(rl_setup, tmp_path / "killed")] +
-                       ["--vllm.num_engines", "2", "--train.num_episodes", "1"])
+                       ["--vllm.num_engines", "2", "--train.num_episodes", "1", *HF])
     trainer = RLTrainer(cfg)
     handles = trainer.rollout_engine.handles
     try:
@@ -406,7 +411,7 @@ def test_two_simulated_nodes_via_ray_address(rl_setup, tmp_path):
     def run(out, *extra, timeout_s="120"):
         flags = ppo_flags(rl_setup, out, "--actor.num_nodes", "2", "--actor.num_gpus_per_node", "1",
                           "--vllm.num_engines", "1", "--ds.zero_stage", "2", "--data.max_samples", "8",
-                          "--train.num_episodes", "1", "--algo.advantage.estimator", "group_norm", *extra)
+                          "--train.num_episodes", "1", "--algo.advantage.estimator", "group_norm", *HF, *extra)
         return subprocess.run([sys.executable, "-m", "posttrain.cli.train_ppo_ray", *map(str, flags)],
                               check=False, capture_output=True, text=True, timeout=600,
                               env={**os.environ, "RAY_ADDRESS": cluster.address,
@@ -446,7 +451,7 @@ def test_ctrl_c_tears_down_what_the_run_started(rl_setup, tmp_path):
     import signal
 
     flags = ppo_flags(rl_setup, tmp_path / "interrupted", "--vllm.num_engines", "1", "--actor.num_gpus_per_node",
-                      "2", "--algo.advantage.estimator", "group_norm", "--train.num_episodes", "50")
+                      "2", "--algo.advantage.estimator", "group_norm", "--train.num_episodes", "50", *HF)
     env = {**os.environ, "RAY_ADDRESS": ""}
     proc = subprocess.Popen([sys.executable, "-m", "posttrain.cli.train_ppo_ray", *map(str, flags)],
                             stderr=subprocess.PIPE, text=True, env=env,
@@ -485,7 +490,7 @@ def test_lora_two_actor_ranks_two_engines_equal_one_process(run_ppo, ray_session
               "--actor.adam.eps", ADAM_EPS)
     local, _ = run_ppo(*common, name="local")
     ray_run, _ = run_ppo(*common, "--actor.num_gpus_per_node", "2", "--vllm.num_engines", "2",
-                         "--ds.zero_stage", "2", "--vllm.lora_sync", mode, name="ray")
+                         "--ds.zero_stage", "2", "--vllm.lora_sync", mode, *HF, name="ray")
     assert rewards_by_step(ray_run) == pytest.approx(rewards_by_step(local), abs=1e-6)  # same samples
     assert_same_actor_weights(local, ray_run, read_metrics(local / "metrics.jsonl"), lr=5e-3,
                               file="adapter_model.safetensors")

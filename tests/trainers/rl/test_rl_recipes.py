@@ -13,10 +13,12 @@ from posttrain.utils.metrics import read_metrics
 pytestmark = pytest.mark.e2e
 
 # examples/scripts/train_dapo_ray_hybrid_engine.sh of OpenRLHF 0.10.2 plus the DAPO overlong
-# buffer of its README; paths, model, data and sizes are ours, ranks scaled from 8 to 2 (Ray, CPU ranks).
+# buffer of its README; paths, model, data and sizes are ours, ranks scaled from 8 to 2 (Ray, CPU ranks). Its
+# engines are real vLLM engines where vLLM runs (the hybrid engine: colocated, asleep between rollouts), 2 of
+# tensor-parallel size 1 for its 1 of size 2 (posttrain's vLLM engines have no tensor parallelism yet).
 DAPO = """
    --ref.num_nodes 1 --ref.num_gpus_per_node 2 --actor.num_nodes 1 --actor.num_gpus_per_node 2
-   --vllm.num_engines 1 --vllm.tensor_parallel_size 2 --train.colocate_all --vllm.gpu_memory_utilization 0.6
+   --vllm.num_engines 2 --vllm.tensor_parallel_size 1 --train.colocate_all --vllm.gpu_memory_utilization 0.6
    --algo.kl.init_coef 1e-3 --algo.advantage.gamma 1.0 --algo.kl.use_loss --algo.kl.estimator k3
    --algo.advantage.estimator group_norm --algo.dynamic_filtering_enable --algo.dynamic_filtering_range 0 1
    --actor.eps_clip_low_high 0.2 0.27 --ckpt.save_steps 2 --ckpt.save_hf
@@ -29,11 +31,12 @@ DAPO = """
 """.split()
 
 
-def test_dapo_recipe_runs(rl_setup, tmp_path, ray_session):
+def test_dapo_recipe_runs(rl_setup, tmp_path, ray_session, capfd):
     """DAPO: dynamic filtering, clip-higher, k3 KL loss, token-level IS correction, packing, the
     overlong buffer (a float flag; it used to crash at step 1) with per-sample budgets
-    (--rollout.max_new_tokens unset), HF exports in checkpoints."""
+    (--rollout.max_new_tokens unset), HF exports in checkpoints; vLLM engines where vLLM runs."""
     from posttrain.cli import train_ppo_ray
+    from posttrain.config.backends import vllm_unavailable
 
     sft, data, rewards = rl_setup
     out = tmp_path / "dapo"
@@ -41,6 +44,9 @@ def test_dapo_recipe_runs(rl_setup, tmp_path, ray_session):
                         "--data.label_key", "answer", "--reward.remote_url", str(rewards / "starts_with_1.py"),
                         "--ckpt.output_dir", str(out), "--ckpt.path", str(tmp_path / "ck"),
                         "--train.num_episodes", "1", "--ds.param_dtype", "fp32"])
+    if vllm_unavailable() is None:
+        err = capfd.readouterr().err
+        assert "2 rollout engine(s): vllm" in err and "--vllm.enable_sleep: " in err  # the engines sleep
     rows = read_metrics(out / "metrics.jsonl")
     assert len(rows) == 8 and all("filter/pass_rate" in r and "actor/kl_loss" in r for r in rows)
     assert all(r["train/rows_per_step"] <= 32 for r in rows)

@@ -57,7 +57,7 @@ def test_sigterm_to_the_process_group_of_a_ray_run_ends_like_sigterm_to_the_cont
     left behind."""
     out = tmp_path / "run"
     flags = ppo_flags(tiny_model_dir, arithmetic_dir, zero_reward, out, "--vllm.num_engines", "1",
-                      "--algo.advantage.estimator", "group_norm", "--train.num_episodes", "50",
+                      "--rollout.engine", "hf", "--algo.advantage.estimator", "group_norm", "--train.num_episodes", "50",
                       "--ckpt.save_steps", "1", "--ckpt.max_num", "2")
     log = tmp_path / "run.log"
     with log.open("w") as f:

@@ -121,8 +121,8 @@ VLM_HYBRID = """
    --ds.zero_stage 3 --ds.param_dtype fp32 --actor.adam.lr 2e-3 --data.input_key prompt --data.label_key answer
    --data.image_key images --data.max_images_per_prompt 1 --actor.freeze_visual_encoder --data.apply_chat_template
    --actor.gradient_checkpointing_enable --ds.attn_implementation eager --vllm.sync_backend nccl
-   --vllm.enforce_eager --vllm.enable_sleep --ds.enable_sleep --train.max_steps 2
-""".split()
+   --vllm.enforce_eager --vllm.enable_sleep --ds.enable_sleep --train.max_steps 2 --rollout.engine hf
+""".split()  # the HF engine: the test compares the Ray run's samples with the in-process run's
 
 
 @pytest.mark.e2e

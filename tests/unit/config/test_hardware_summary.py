@@ -16,6 +16,7 @@ from posttrain.config import (
     resolve_hardware_defaults,
     resolved_values,
 )
+from posttrain.config.backends import vllm_unavailable
 
 SFT = ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl"]
 PPO = ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "p.jsonl", "--reward.remote_url", "r.py"]
@@ -127,14 +128,17 @@ def test_ppo_cluster_flags_act_and_vllm_flags_say_why_the_hf_engine_serves():
     )
     inert = inert_flags(cfg, "cpu")
     # the Ray placement flags act (2 rollout engines, 4 actor ranks, actor and ref colocated)
+    why = vllm_unavailable()  # None where vLLM's CPU build is installed: the engines run vLLM
     assert [i.split(" has no effect")[0] for i in inert] == [
         "--ref.offload",
-        "--vllm.enforce_eager",
+        *(["--vllm.enforce_eager"] if why else []),
         "--vllm.enable_sleep",
         "--eval.temperature 0.2",
     ]
-    assert inert[1].endswith("the rollout engines run the Hugging Face engine, not vLLM: this machine has no CUDA GPU")
-    assert "not available in this version" in inert[2]
+    if why:
+        assert inert[1].endswith(f"the rollout engines run the Hugging Face engine, not vLLM: {why}")
+    else:  # vLLM runs; an engine sleeps only in the hybrid engine (OpenRLHF's rule)
+        assert "needs --train.colocate_all" in inert[1]
     on_gpu = [i.split(" has no effect")[0] for i in inert_flags(cfg, "cuda")]
     if importlib.util.find_spec("vllm") is None:  # a GPU without vLLM: the HF engine serves, and says why
         assert any(i.endswith("not vLLM: vLLM is not installed (pip install 'posttrain[vllm]')")
@@ -145,6 +149,16 @@ def test_ppo_cluster_flags_act_and_vllm_flags_say_why_the_hf_engine_serves():
     alone = parse_config("ppo", PPO + ["--train.colocate_all"], device="cpu")
     assert any(i.startswith("--train.colocate_all has no effect here: every role runs in this one process")
                for i in inert_flags(alone, "cpu"))
+
+
+@pytest.mark.skipif(vllm_unavailable() is not None, reason="the engines run vLLM only where it is installed")
+def test_on_vllms_cpu_build_the_gpu_memory_share_says_what_sizes_the_kv_cache():
+    cfg = parse_config("ppo", PPO + ["--vllm.num_engines", "2", "--vllm.gpu_memory_utilization", "0.5",
+                                     "--vllm.enforce_eager"], device="cpu")
+    inert = inert_flags(cfg, "cpu")
+    assert [i.split(" has no effect")[0] for i in inert] == ["--vllm.gpu_memory_utilization 0.5"]
+    assert "VLLM_CPU_KVCACHE_SPACE" in inert[0]
+    assert inert_flags(cfg, "cuda") == []
 
 
 def test_derived_sizes_single_model():

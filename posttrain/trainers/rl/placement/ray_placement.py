@@ -32,7 +32,7 @@ from posttrain.trainers.rl.placement.transport import (
     split_by_tokens,
 )
 from posttrain.trainers.rl.placement.weight_sync import layout_bytes
-from posttrain.trainers.rl.placement.workers import EngineWorker, RoleWorker
+from posttrain.trainers.rl.placement.workers import EngineWorker, RoleWorker, sleeps
 from posttrain.trainers.rl.updates import critic_shuffle_step, optimizer_steps
 from posttrain.utils.errors import UserError, WorkerFailed
 from posttrain.utils.interrupt import handlers_kept
@@ -185,8 +185,13 @@ class ActorGroup(_RoleGroup):
     def broadcast_weights(self, engines, verify: bool = False, version: int | None = None) -> int:
         """`Actor.broadcast_weights` on Ray: base + adapter of a LoRA actor with `verify`, else the adapter
         only (a full-parameter actor: every weight). Returns the bytes sent."""
-        kind = "full" if verify else ("adapter" if self.lora else "trained")  # `Actor.sync_pairs`
-        return sum(engine_group.receive_from(self, kind, verify, version) for engine_group in engines)
+        return sum(engine_group.receive_from(self, self.sync_kind(verify or engine_group.discarded), verify, version)
+                   for engine_group in engines)
+
+    def sync_kind(self, full: bool) -> str:
+        """What a sync sends (`Actor.sync_pairs`): every weight (`full`), else what training changed: the adapter
+        of a LoRA actor, the trained weights of a full-parameter one."""
+        return "full" if full else ("adapter" if self.lora else "trained")
 
 
 class ReferenceGroup(_RoleGroup):
@@ -243,6 +248,10 @@ class EngineGroup(_Group):
         self.layouts: dict[str, list] = {}  # `Actor.sync_pairs` kind -> its bucket layout
         self.loads = [0] * len(handles)  # sample rows in flight per engine
         self.lock = threading.Lock()  # generate may be called from several threads (the async front)
+        self.sleep_level = 0  # --vllm.sleep_level when the engines sleep between rollouts, else 0
+        self.asleep = set()  # what the sleeping engines released and have not taken back: "weights", "kv_cache"
+        self.discarded = False  # a level-2 sleep discarded the weights: the next sync sends all of them
+        self.kinds: list[str] = []  # the engines' backends ("hf", "vllm"), once `describe`d
 
     def generate(self, prompt_token_ids, params, max_new_tokens=None, seeds=None, images=None):
         """Each prompt goes to the least-loaded engine (rows in flight, over concurrent callers); every
@@ -289,6 +298,9 @@ class EngineGroup(_Group):
         broadcast in buckets from actor rank 0 over a process group of its own. `verify`: the engines
         record what they received, for `weights_hashes`; `version`: the policy version they record.
         Returns the bytes sent (once for every engine)."""
+        self.wake_up(("weights",))
+        if kind == "full":
+            self.discarded = False
         if self.with_ray:
             ref, sent = actor.first(actor.call("sync_put", kind))
             self.call("load_numpy", ref, verify, version)
@@ -313,13 +325,32 @@ class EngineGroup(_Group):
     def weights_hashes(self) -> list[str | None]:
         return self.call("weights_hash")
 
+    def sleep(self) -> list[dict]:
+        """Put the engines to sleep at `sleep_level` (a no-op when they do not sleep); what each freed
+        (`EngineWorker.sleep`)."""
+        if not self.sleep_level or self.asleep:
+            return []
+        freed = self.call("sleep", self.sleep_level)
+        self.asleep = {"weights", "kv_cache"}
+        self.discarded = self.discarded or self.sleep_level == 2
+        return freed
+
+    def wake_up(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+        """Take back what the sleeping engines released of `tags`, as OpenRLHF: the weights before a sync
+        (after a level-2 sleep they hold nothing until it), the KV cache before generating."""
+        tags = [t for t in tags if t in self.asleep]
+        if tags:
+            self.call("wake_up", tags)
+            self.asleep -= set(tags)
+
     def describe(self) -> str:
-        """Which backend the engines run, and why not vLLM when they do not."""
+        """Which backend the engines run, and why (why not vLLM when they do not)."""
         backends = self.call("backend_name")
-        kinds = sorted({b for b, _ in backends})
-        why = sorted({w for b, w in backends if b == "hf" and w})
+        self.kinds = kinds = sorted({b for b, _ in backends})
+        why = sorted({w for b, w in backends if w})
+        not_vllm = "vllm" not in kinds
         return (f"{len(backends)} rollout engine(s): {', '.join(kinds)}"
-                + (f" (not vLLM: {'; '.join(why)})" if why else ""))
+                + (f" ({'not vLLM: ' if not_vllm else ''}{'; '.join(why)})" if why else ""))
 
 
 def merge_metrics(per_rank: list[dict[str, float]], weights: list[dict[str, float]]) -> dict[str, float]:
@@ -449,8 +480,26 @@ class RayPlacement:
                  for i, h in enumerate(g.handles)]
         calls += [(h.setup.remote(cfg), self.engines.label(i)) for i, h in enumerate(self.engines.handles)]
         wait_all(calls)
+        described = self.engines.describe()
         info(f"ray placement: {sum(len(g.handles) for g in self.groups)} processes ready in "
-             f"{time.perf_counter() - t0:.1f} s; {self.engines.describe()}")
+             f"{time.perf_counter() - t0:.1f} s; {described}")
+        if sleeps(cfg) and self.engines.kinds == ["vllm"]:
+            self._sleep_engines(cfg.vllm.sleep_level)
+
+    def _sleep_engines(self, level: int) -> None:
+        """--vllm.enable_sleep: the engines sleep from now on between rollouts (OpenRLHF puts them to sleep once
+        built); start-up says what that frees here."""
+        self.engines.sleep_level = level
+        freed = self.engines.sleep()
+        rss = freed[0]["rss_bytes"] / 2**20 if freed else 0.0
+        if self.gpu:
+            info(f"--vllm.enable_sleep: the rollout engines sleep between rollouts (vLLM's sleep mode, level {level});"
+                 f" engine 0's process RSS fell by {rss:.0f} MiB")
+        else:
+            kv = freed[0]["kv_cache_bytes"] / 2**20 if freed else 0.0
+            info(f"--vllm.enable_sleep: vLLM's CPU build has no sleep mode, so posttrain frees each rollout engine's KV "
+                 f"cache between rollouts ({kv:.0f} MiB; engine 0's RSS fell by {rss:.0f} MiB); the weights stay"
+                 + (" in memory, and each sync sends all of them (level 2)" if level == 2 else ""))
         self._report_shards()
 
     def _report_shards(self) -> None:

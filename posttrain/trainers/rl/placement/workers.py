@@ -277,6 +277,30 @@ class EngineWorker(_Process):
             if release is not None:
                 release()
 
+    def sleep(self, level: int) -> dict:
+        """Release the vLLM engine's memory until `wake_up` (--vllm.enable_sleep): vLLM's sleep mode on a GPU
+        (level 1: KV cache freed, weights offloaded to CPU memory; 2: weights discarded too); on vLLM's CPU
+        build, which has no sleep mode, the KV cache is freed (`vllm_worker`) and the weights stay. Returns
+        what it freed: {"kv_cache_bytes", "rss_bytes" (this process's resident set, before - after)}."""
+        from posttrain.utils.memory import current_rss
+
+        before, kv = current_rss(), 0
+        if torch.cuda.is_available():
+            self.engine.sleep(level=level)
+        else:
+            kv = sum(self.engine.llm.collective_rpc("posttrain_release_kv_cache"))
+        after = current_rss()
+        return {"kv_cache_bytes": kv, "rss_bytes": (before - after) if before and after else 0}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo `sleep` for `tags` ("weights", "kv_cache"; None: both), as vLLM's `wake_up`: the weights before
+        a sync, the KV cache before generating."""
+        if torch.cuda.is_available():
+            self.engine.llm.wake_up(tags=tags)
+        elif tags is None or "kv_cache" in tags:
+            if sum(self.engine.llm.collective_rpc("posttrain_restore_kv_cache")):
+                self.engine.llm.reset_prefix_cache()  # its blocks were freed
+
     def weights_hash(self) -> str | None:
         own = self.engine.weights_hash()
         return own if own is not None else (self.received.hexdigest() if self.received is not None else None)
@@ -389,4 +413,11 @@ def vllm_engine_kwargs(cfg: PPOConfig) -> dict:
                 enable_prefix_caching=cfg.vllm.enable_prefix_caching,
                 dtype=VLLM_DTYPES.get(cfg.ds.param_dtype, "auto"), seed=cfg.train.seed,
                 max_model_len=cfg.data.max_len, trust_remote_code=False,
-                **({"limit_mm_per_prompt": {"image": images}} if images > 0 else {}))
+                **({"limit_mm_per_prompt": {"image": images}} if images > 0 else {}),
+                **({"enable_sleep_mode": True} if sleeps(cfg) and torch.cuda.is_available() else {}))
+
+
+def sleeps(cfg: PPOConfig) -> bool:
+    """Whether vLLM engines sleep between rollouts: --vllm.enable_sleep with --train.colocate_all (OpenRLHF turns
+    the flag off without it; async refuses it); vLLM's own sleep mode on a GPU, posttrain's on CPU."""
+    return bool(cfg.vllm.enable_sleep and cfg.train.colocate_all and not cfg.train.async_enable)
