@@ -315,7 +315,8 @@ class RLTrainer(RunLoop):
         `gathered_for_generation` (under ZeRO-3 the weights are gathered once per batch, not per layer
         and decode step; a no-op for other engines). Otherwise nothing: generation runs from the sharded
         module, or the engines hold their own copies (weight sync honours the flag, `distributed.workers`).
-        An engine sampling from the actor's module frees its fused decode weights after the batch."""
+        An engine sampling from the actor's module frees its fused decode weights after the batch; sleeping
+        Ray engines (--vllm.enable_sleep) wake for the batch and sleep after it."""
         if self.shares_actor_module and self.cfg.ds.gather_for_generation:
             return self.actor.engine.gathered_for_generation()
         if self.shares_actor_module and hasattr(self.rollout_engine, "release_decode_weights"):

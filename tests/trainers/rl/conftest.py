@@ -144,3 +144,16 @@ def ray_address(ray_session):
     OpenRLHF's scripts join a running cluster (`ray job submit`), instead of starting and stopping one
     of its own (seconds of start-up on 2 cores)."""
     return ray_session.get_runtime_context().gcs_address
+
+
+@pytest.fixture(scope="module")
+def normalised_rm(tiny_score_model_dir, tmp_path_factory):
+    """The tiny reward model with the reward mean/std `posttrain rm` stores (--reward.normalize_enable)."""
+    import json
+    import shutil
+
+    path = tmp_path_factory.mktemp("rm_norm") / "rm"
+    shutil.copytree(tiny_score_model_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "mean": 0.05, "std": 0.5}))
+    return str(path)

@@ -221,18 +221,6 @@ def _hybrid(rl_setup, rm_dir, out, *extra, one_process=False):
                            "--critic.adam.eps", str(ADAM_EPS), *extra]
 
 
-@pytest.fixture(scope="module")
-def normalised_rm(tiny_score_model_dir, tmp_path_factory):
-    """The tiny reward model with the reward mean/std `posttrain rm` stores (--reward.normalize_enable)."""
-    import json
-
-    path = tmp_path_factory.mktemp("rm_norm") / "rm"
-    shutil.copytree(tiny_score_model_dir, path)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "mean": 0.05, "std": 0.5}))
-    return str(path)
-
-
 def loaded_shards(stderr: str) -> dict[str, tuple[int, list[int]]]:
     """role -> (parameters of its whole model, [parameters each rank held once loaded]) from the
     placement's start-up lines ("ray placement: ROLE loaded as ... of N parameters: rank 0 n0 (..), ...")."""

@@ -25,7 +25,8 @@ def vlm_folder(tmp_path):
 def test_the_engine_choice(monkeypatch, tmp_path):
     monkeypatch.setattr(backends, "vllm_unavailable", lambda: None)
     assert backends.rollout_backend(ppo(tmp_path)) == ("hf", "--vllm.num_engines is unset")
-    assert backends.rollout_backend(ppo(tmp_path, "--vllm.num_engines", "2")) == ("vllm", "")
+    backend, why = backends.rollout_backend(ppo(tmp_path, "--vllm.num_engines", "2"))
+    assert backend == "vllm" and why.startswith("--rollout.engine auto, vLLM's ")  # printed at start-up
     assert backends.rollout_backend(ppo(tmp_path, "--vllm.num_engines", "2", "--rollout.engine", "hf")) == (
         "hf", "--rollout.engine hf")
     monkeypatch.setattr(backends, "vllm_unavailable", lambda: "vLLM is not installed")
@@ -58,9 +59,28 @@ def backend(*extra):
 
 def test_partial_rollout_runs_on_vllm_and_an_adapter_synced_lora_keeps_the_hf_engine(monkeypatch):
     monkeypatch.setattr(backends, "vllm_unavailable", lambda: None)  # a machine that runs vLLM
-    assert backend() == ("vllm", "")
-    assert backend("--ds.lora.rank", "8", "--vllm.lora_sync", "merged") == ("vllm", "")
+    assert backend()[0] == "vllm"
+    assert backend("--ds.lora.rank", "8", "--vllm.lora_sync", "merged")[0] == "vllm"
     kind, why = backend("--ds.lora.rank", "8", "--vllm.lora_sync", "adapter")
     assert kind == "hf" and why.endswith("use --vllm.lora_sync merged")
     with pytest.raises(ConfigError, match=r"^--rollout.engine vllm: --train.partial_rollout_enable with --vllm.lora"):
         backend("--ds.lora.rank", "8", "--vllm.lora_sync", "adapter", "--rollout.engine", "vllm")
+
+
+def test_the_hybrid_engine_runs_vllm(monkeypatch, tmp_path):
+    """--train.colocate_all (OpenRLHF's hybrid engine) no longer sends the engines to the HF engine: they sleep
+    between rollouts instead (--vllm.enable_sleep)."""
+    monkeypatch.setattr(backends, "vllm_unavailable", lambda: None)
+    hybrid = ppo(tmp_path, "--vllm.num_engines", "2", "--actor.num_gpus_per_node", "2", "--train.colocate_all",
+                 "--vllm.enable_sleep")
+    assert backends.rollout_backend(hybrid)[0] == "vllm"
+
+
+def test_sleep_level_acts_only_with_enable_sleep(tmp_path):
+    from posttrain.config import inert_flags
+
+    notes = inert_flags(ppo(tmp_path, "--vllm.sleep_level", "2"), "cpu")
+    assert any(n.startswith("--vllm.sleep_level 2 has no effect here: needs --vllm.enable_sleep") for n in notes)
+    with pytest.raises(ConfigError, match="--vllm.sleep_level"):
+        parse_config("ppo", ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "x", "--vllm.sleep_level",
+                             "3"])

@@ -220,8 +220,8 @@ class RoleWorker(_Process):
 
 
 class EngineWorker(_Process):
-    """A rollout engine: vLLM on a CUDA worker with vLLM installed, else the HF engine over its own copy
-    of the policy (`rollout_backend`); with `--train.agent_func_path` it also runs agent episodes
+    """A rollout engine: vLLM where this process runs it (a CUDA GPU with vLLM's CUDA build, or vLLM's CPU build),
+    else the HF engine over its own copy of the policy (`rollout_backend`); with `--train.agent_func_path` it also runs agent episodes
     (`run_episodes`). Its weights come from the actor by `sync_receive` (bucketed
     broadcast) or `load_numpy` (object store). A receive with `verify` records a digest of what
     arrived, the hash of an engine that cannot read its weights back by HF name (vLLM)."""
@@ -372,7 +372,7 @@ VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def build_vllm_engine(cfg: PPOConfig, tok):
-    """A vLLM engine in this Ray actor's process on its GPU (`uni` executor, in-process engine core, so
+    """A vLLM engine in this Ray actor's process, on its GPU or its CPU (`uni` executor, in-process engine core, so
     weight updates reach the model without serialising it), or over AsyncLLM (`needs_async_vllm`: its engine
     core in a child process); the stop ids are the HF engine's."""
     from posttrain.config import ConfigError
@@ -406,7 +406,8 @@ def vllm_engine_kwargs(cfg: PPOConfig) -> dict:
     --vllm.tensor_parallel_size N > 1 N worker processes of vLLM's (`mp` executor: CPUs only,
     `build_vllm_engine`; the placement reserves the engine N bundles, this process takes the first); with
     --data.max_images_per_prompt N > 0, `limit_mm_per_prompt={"image": N}` (the engine then reads the image
-    pad ids from the model's config)."""
+    pad ids from the model's config); `apply_cpu_defaults` drops gpu_memory_utilization on CPU; vLLM's sleep
+    mode on a GPU when the engines sleep (`sleeps`)."""
     images, tp = cfg.data.max_images_per_prompt, cfg.vllm.tensor_parallel_size
     return dict(tensor_parallel_size=tp, distributed_executor_backend="uni" if tp == 1 else "mp",
                 gpu_memory_utilization=cfg.vllm.gpu_memory_utilization, enforce_eager=cfg.vllm.enforce_eager,
