@@ -72,7 +72,7 @@ def fresh_engine():
     held.clear()
 
 
-@pytest.mark.parametrize("level", [2])  # level 1 ran too (by hand): on CPU both free the KV cache alone
+@pytest.mark.parametrize("level", [2])  # on CPU level 1 frees the same (the KV cache); 2 also resends all weights
 def test_openrlhf_hybrid_engine_script_sleeps_between_rollouts_and_its_syncs_land(
         rl_setup, normalised_rm, tmp_path, ray_session, capfd, fresh_engine, level):
     """OpenRLHF's train_ppo_ray_hybrid_engine.sh (test_rl_ray.py's PPO_HYBRID: actor, critic, reference and reward
