@@ -38,6 +38,8 @@ def test_two_actor_ranks_two_vllm_engines_equal_one_rank_one_engine(run_ppo, ray
     assert len(rewards_by_step(one)) == 2
     assert rewards_by_step(two) == pytest.approx(rewards_by_step(one), abs=1e-6)  # same samples
     assert_same_actor_weights(one, two, read_metrics(one / "metrics.jsonl"))
+    rows = read_metrics(two / "metrics.jsonl")  # the engines' log-probs are the trainer's recomputation
+    assert all(r["rollout/logprob_abs_gap"] < 1e-4 for r in rows if "rollout/logprob_abs_gap" in r)
 
 
 GREEDY_PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]

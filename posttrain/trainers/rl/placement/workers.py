@@ -285,9 +285,8 @@ class EngineWorker(_Process):
         from posttrain.utils.memory import current_rss
 
         before, kv = current_rss(), 0
-        if torch.cuda.is_available():
-            self.engine.sleep(level=level)
-        else:
+        self.engine.sleep(level=level)  # on CPU vLLM frees nothing; level 2: no generate before a sync
+        if not torch.cuda.is_available():
             kv = sum(self.engine.llm.collective_rpc("posttrain_release_kv_cache"))
         after = current_rss()
         return {"kv_cache_bytes": kv, "rss_bytes": (before - after) if before and after else 0}
@@ -295,9 +294,8 @@ class EngineWorker(_Process):
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Undo `sleep` for `tags` ("weights", "kv_cache"; None: both), as vLLM's `wake_up`: the weights before
         a sync, the KV cache before generating."""
-        if torch.cuda.is_available():
-            self.engine.llm.wake_up(tags=tags)
-        elif tags is None or "kv_cache" in tags:
+        self.engine.llm.wake_up(tags=tags)
+        if not torch.cuda.is_available() and (tags is None or "kv_cache" in tags):
             if sum(self.engine.llm.collective_rpc("posttrain_restore_kv_cache")):
                 self.engine.llm.reset_prefix_cache()  # its blocks were freed
 
