@@ -483,6 +483,7 @@ class RayPlacement:
         described = self.engines.describe()
         info(f"ray placement: {sum(len(g.handles) for g in self.groups)} processes ready in "
              f"{time.perf_counter() - t0:.1f} s; {described}")
+        self._report_shards()
         if sleeps(cfg) and self.engines.kinds == ["vllm"]:
             self._sleep_engines(cfg.vllm.sleep_level)
 
@@ -500,7 +501,6 @@ class RayPlacement:
             info(f"--vllm.enable_sleep: vLLM's CPU build has no sleep mode, so posttrain frees each rollout engine's KV "
                  f"cache between rollouts ({kv:.0f} MiB; engine 0's RSS fell by {rss:.0f} MiB); the weights stay"
                  + (" in memory, and each sync sends all of them (level 2)" if level == 2 else ""))
-        self._report_shards()
 
     def _report_shards(self) -> None:
         """One line per role of several ranks: the parameters each rank held once its model was loaded
