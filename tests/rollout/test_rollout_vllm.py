@@ -249,9 +249,9 @@ def test_engine_worker_runs_vllm_where_it_can_and_verifies_what_it_received(fake
 
 
 def test_engine_worker_refusals_and_the_hf_fallback(monkeypatch, tiny_model_dir):
-    """Where vLLM cannot serve (a colocated hybrid engine, tensor parallelism, no vLLM here) the engine worker
-    says why: the HF engine serves, or a ConfigError names the flag."""
-    from posttrain.config import ConfigError, backends, parse_config
+    """A colocated hybrid engine runs vLLM too (it sleeps between rollouts); where vLLM cannot serve (no vLLM
+    here) the engine worker says why and the HF engine serves."""
+    from posttrain.config import backends, parse_config
     from posttrain.trainers.rl.placement.workers import EngineWorker
     from posttrain.utils.weights_hash import weights_hash
 
