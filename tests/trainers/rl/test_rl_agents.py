@@ -217,7 +217,7 @@ def test_an_openai_client_agent_runs_inside_a_ray_rollout_engine(rl_setup, tmp_p
 
 # examples/scripts/train_reinforce_baseline_ray_agent_async.sh of OpenRLHF 0.10.2: its flags as the script
 # has them, with our nano model, data and the agent file above; ranks 4 -> 2, one vLLM engine of tp 1 (their
-# 2 x tp 2 over 4 GPUs; vLLM's tensor parallelism is refused in this version), lengths and batch sizes
+# 2 x tp 2 over 4 GPUs; a TP-2 engine is tested in test_rl_vllm_tp.py, slow to start here), lengths and batch sizes
 # scaled down. --data.max_len leaves room for the agent's
 # turns: at 64 most episodes ran out of tokens before their random 0/1 reward, so most groups scored 0, 0 and
 # dynamic filtering (which drops groups whose samples agree) now and then kept none of the 20 it may draw.

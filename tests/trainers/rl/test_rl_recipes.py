@@ -15,7 +15,8 @@ pytestmark = pytest.mark.e2e
 # examples/scripts/train_dapo_ray_hybrid_engine.sh of OpenRLHF 0.10.2 plus the DAPO overlong
 # buffer of its README; paths, model, data and sizes are ours, ranks scaled from 8 to 2 (Ray, CPU ranks). Its
 # engines are real vLLM engines where vLLM runs (the hybrid engine: colocated, asleep between rollouts), 2 of
-# tensor-parallel size 1 for its 1 of size 2 (posttrain's vLLM engines have no tensor parallelism yet).
+# tensor-parallel size 1 for its 1 of size 2 (a TP-2 engine runs here too, tests/trainers/rl/test_rl_vllm_tp.py,
+# but its two worker processes take minutes to start on two cores).
 DAPO = """
    --ref.num_nodes 1 --ref.num_gpus_per_node 2 --actor.num_nodes 1 --actor.num_gpus_per_node 2
    --vllm.num_engines 2 --vllm.tensor_parallel_size 1 --train.colocate_all --vllm.gpu_memory_utilization 0.6
