@@ -39,10 +39,10 @@ ids (``image_token_id`` / ``video_token_id``, read from the model's config when 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
-import math
 import os
 import shutil
 import sys
@@ -134,6 +134,18 @@ def apply_cpu_defaults(llm_kwargs: dict) -> None:
         llm_kwargs.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_GIB * 2**30)
     llm_kwargs.pop("gpu_memory_utilization", None)
     llm_kwargs.pop("enable_sleep_mode", None)
+
+
+def kv_cache_too_small(err: BaseException, llm_kwargs: Mapping) -> str | None:
+    """On vLLM's CPU build, the one line for vLLM's "KV cache cannot hold one max_model_len sequence" error
+    (whose own advice, ``gpu_memory_utilization``, does nothing there); None for any other error."""
+    text = str(err)
+    if torch.cuda.is_available() or "KV cache" not in text or "max_model_len" not in text:
+        return None
+    size = os.environ.get("VLLM_CPU_KVCACHE_SPACE") or llm_kwargs.get("kv_cache_memory_bytes", 0) / 2**30
+    return (f"vLLM's CPU KV cache ({size} GiB) cannot hold one sequence of --data.max_len "
+            f"{llm_kwargs.get('max_model_len')} tokens: set VLLM_CPU_KVCACHE_SPACE to more GiB (or lower "
+            "--data.max_len)")
 
 
 def import_vllm():
@@ -274,7 +286,7 @@ class VLLMRolloutEngine:
             try:
                 self.llm = self._make_llm(vllm, str(llm_or_model_path), llm_kwargs)
             except Exception as err:
-                why = vision_without_torchvision(llm_or_model_path)
+                why = vision_without_torchvision(llm_or_model_path) or kv_cache_too_small(err, llm_kwargs)
                 if why:
                     raise RuntimeError(why) from err
                 raise
@@ -398,23 +410,22 @@ class VLLMRolloutEngine:
                         extra: dict) -> None:
         """vLLM takes its processed log-probs after the ``min_tokens`` ban, so a token drawn while the stop
         ids were banned gets ``log p - log(1 - P(banned))``. Our contract is the full distribution's
-        ``log p``: one 1-token request per distinct (prompt, prefix) scores the banned ids unbanned
-        (``logprob_token_ids``, same temperature, top_p 1) and ``log(1 - P(banned))`` is added back, in place.
-        The banned ids are vLLM's own: the stop ids plus the eos (even with ``ignore_eos``) and any
-        generation-config eos."""
+        ``log p``: one 1-token request per distinct (prompt, prefix) scores the tokens sampled there unbanned
+        (``logprob_token_ids``, same temperature, top_p 1), and their log-probs replace vLLM's, in place
+        (exact, also where the banned ids hold almost all the mass). The banned ids are vLLM's own: the stop
+        ids plus the eos (even with ``ignore_eos``) and any generation-config eos; without any, nothing was
+        banned."""
         processor = getattr(getattr(self.llm, "llm_engine", None), "input_processor", None)
         if processor is None:  # not vLLM's LLM
             return
         jobs: dict[tuple[int, tuple[int, ...]], list[tuple[int, int]]] = {}
-        banned = {}
         for p, (sp, group) in enumerate(zip(sampling, result)):
             if not sp.min_tokens:
                 continue
             resolved = sp.clone()
             resolved.update_from_generation_config(processor.generation_config_fields,
                                                    processor.renderer.get_eos_token_id())
-            banned[p] = sorted(resolved.all_stop_token_ids)
-            if not banned[p]:
+            if not resolved.all_stop_token_ids:
                 continue
             for s, out in enumerate(group):
                 for j in range(min(sp.min_tokens, len(out.output_token_ids))):
@@ -422,22 +433,23 @@ class VLLMRolloutEngine:
         if not jobs:
             return
         vllm = import_vllm()
-        # vLLM scores at most UNBAN_CHUNK ids per request: a longer stop list is scored in chunks
-        keys = [(p, prefix, banned[p][i:i + UNBAN_CHUNK]) for p, prefix in jobs
-                for i in range(0, len(banned[p]), UNBAN_CHUNK)]
+        sampled = {key: sorted({result[key[0]][s].output_token_ids[j] for s, j in spots}) for key, spots in jobs.items()}
+        # vLLM scores at most UNBAN_CHUNK ids per request (n samples may draw more distinct tokens)
+        keys = [(p, prefix, sampled[(p, prefix)][i:i + UNBAN_CHUNK]) for p, prefix in jobs
+                for i in range(0, len(sampled[(p, prefix)]), UNBAN_CHUNK)]
         score = [{**requests[p], "prompt_token_ids": list(requests[p]["prompt_token_ids"]) + list(prefix)}
                  for p, prefix, _ in keys]
         params = [vllm.SamplingParams(n=1, temperature=sampling[p].temperature, top_p=1.0, max_tokens=1,
                                       logprob_token_ids=chunk, detokenize=False, ignore_eos=True)
                   for p, _, chunk in keys]
-        mass = dict.fromkeys(jobs, 0.0)
+        full: dict[tuple[int, tuple[int, ...]], dict[int, float]] = {key: {} for key in jobs}
         for (p, prefix, chunk), req in zip(keys, self.llm.generate(score, params, use_tqdm=False, **extra)):
             entry = req.outputs[0].logprobs[0]
-            mass[(p, prefix)] += sum(math.exp(_sampled_logprob(entry, t, f"prompt {p}")) for t in chunk)
-        for (p, prefix), m in mass.items():
-            fix = math.log1p(-m) if m < 1.0 else -math.inf
-            for s, j in jobs[(p, prefix)]:
-                result[p][s].logprobs[j] += fix
+            full[(p, prefix)].update({t: _sampled_logprob(entry, t, f"prompt {p}") for t in chunk})
+        for (p, prefix), spots in jobs.items():
+            for s, j in spots:
+                out = result[p][s]
+                out.logprobs[j] = full[(p, prefix)][out.output_token_ids[j]]
 
     def load_weights(self, model_or_state_dict) -> int:
         """Push HF-named weights (a state dict, or a plain/merged HF module's; a peft module's base and
@@ -519,7 +531,18 @@ class VLLMRolloutEngine:
         if not self._reloading:
             self.llm.collective_rpc("posttrain_reload_begin")
             self._reloading = True
-        self.llm.collective_rpc("posttrain_reload_bucket", args=(self._wire(weights),))
+        try:
+            self.llm.collective_rpc("posttrain_reload_bucket", args=(self._wire(weights),))
+        except Exception:
+            self._abort_reload()
+            raise
+
+    def _abort_reload(self) -> None:
+        """A bucket failed: end vLLM's reload anyway (best effort), so that the layers not loaded get their
+        kernel tensors back instead of staying on the meta device, and the error raised is the bucket's."""
+        self._reloading = False
+        with contextlib.suppress(Exception):
+            self.llm.collective_rpc("posttrain_reload_end")
 
     def _wire(self, weights: list[tuple[str, torch.Tensor]]):
         """The bucket as ``collective_rpc`` carries it: the pairs themselves when vLLM's engine core runs in

@@ -418,3 +418,19 @@ def test_engine_worker_frees_the_fused_decode_weights_after_each_batch(monkeypat
     again = worker.generate([[5, 6, 7], [8, 9]], params, None, [11, 12])
     assert len(built) == 2 * count and fast._weight_cache == {}  # rebuilt for the batch, freed after it
     assert [[o.output_token_ids for o in g] for g in again] == [[o.output_token_ids for o in g] for g in first]
+
+
+def test_a_kv_cache_too_small_for_one_sequence_says_which_variable_sizes_it(monkeypatch):
+    """vLLM's own advice (gpu_memory_utilization) does nothing on its CPU build: posttrain's line names
+    VLLM_CPU_KVCACHE_SPACE and --data.max_len; other errors pass through."""
+    from posttrain.rollout.vllm_engine import kv_cache_too_small
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    vllms = ValueError("To serve at least one request with the model's max seq len (8192), (2.0 GiB KV cache is "
+                       "needed, which is larger than the available KV cache memory (1.0 GiB). Try increasing "
+                       "`gpu_memory_utilization` ... or decreasing `max_model_len` when initializing the engine.")
+    why = kv_cache_too_small(vllms, {"kv_cache_memory_bytes": 2**30, "max_model_len": 8192})
+    assert why == ("vLLM's CPU KV cache (1.0 GiB) cannot hold one sequence of --data.max_len 8192 tokens: set "
+                   "VLLM_CPU_KVCACHE_SPACE to more GiB (or lower --data.max_len)")
+    assert kv_cache_too_small(ValueError("something else"), {}) is None

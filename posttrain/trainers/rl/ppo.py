@@ -328,8 +328,11 @@ class RLTrainer(RunLoop):
     @contextmanager
     def _awake_engines(self):
         """--vllm.enable_sleep: the Ray engines wake for a batch and sleep again after it (OpenRLHF's hybrid
-        engine)."""
+        engine). Engines whose weights a level-2 sleep discarded since the last sync (after an evaluation
+        batch, which follows the step's sync) take a full sync first."""
         self.rollout_engine.wake_up()
+        if getattr(self.rollout_engine, "discarded", False):
+            self._sync_engines()
         try:
             yield
         finally:

@@ -83,7 +83,8 @@ def test_openrlhf_hybrid_engine_script_sleeps_between_rollouts_and_its_syncs_lan
     CPU build frees their KV cache (start-up says how much; the process's RSS falls by most of it), and wake
     their weights for each sync and their KV cache for each rollout. After two steps, the engines' greedy
     log-probs equal those of a fresh engine built from the trainer's export, and differ from the untrained
-    model's: the syncs landed."""
+    model's: the syncs landed; a batch after a level-2 sleep that followed the last sync (an evaluation batch's)
+    syncs the weights again first."""
     from posttrain.config import parse_config
     from posttrain.trainers.rl.ppo import RLTrainer
 
@@ -109,10 +110,13 @@ def test_openrlhf_hybrid_engine_script_sleeps_between_rollouts_and_its_syncs_lan
             assert not engines.asleep
             synced = [greedy_logprobs(engines)]
         assert engines.asleep == {"weights", "kv_cache"} and engines.discarded == (level == 2)
+        with trainer._generation_weights():  # the next batch (a rollout after an evaluation): a level-2 sleep
+            again = greedy_logprobs(engines)  # since the last sync dropped the weights, so they are synced first
+        assert not engines.discarded
         trainer.actor.export(tmp_path / "export", trainer.savers)
         exported = greedy_logprobs(fresh_engine(tmp_path / "export"))
         untrained = greedy_logprobs(fresh_engine(rl_setup[0]))
     finally:
         trainer._release_placement()
-    assert max_gap(synced[0], exported) < 1e-4
+    assert max_gap(synced[0], exported) < 1e-4 and max_gap(again, exported) < 1e-4
     assert max_gap(untrained, exported) > 1e-2  # the training moved them: the comparison above can fail
