@@ -68,7 +68,7 @@ def sync(worker, model, version):
 def test_the_worker_builds_the_async_vllm_engine(worker):
     from posttrain.rollout.vllm_async_engine import VLLMAsyncRolloutEngine
 
-    assert worker.backend_name() == ("vllm", "") and isinstance(worker.engine, VLLMAsyncRolloutEngine)
+    assert worker.backend_name()[0] == "vllm" and isinstance(worker.engine, VLLMAsyncRolloutEngine)
 
 
 def test_a_sync_mid_generation_gives_samples_of_two_versions_with_their_logprobs(worker, versions):

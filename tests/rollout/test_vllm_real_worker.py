@@ -24,7 +24,7 @@ def test_engine_worker_builds_a_real_vllm_engine_from_the_flags(tiny_model_dir):
             "--ds.param_dtype", "fp32", "--data.max_len", "96", "--train.seed", "5"]
     worker = EngineWorker(1, {})
     worker.setup(parse_config("ppo", argv, check=False))
-    assert worker.backend_name() == ("vllm", "")
+    assert worker.backend_name()[0] == "vllm"
     config = worker.engine.llm.llm_engine.vllm_config
     mc = config.model_config
     assert (mc.model, mc.dtype, mc.max_model_len, mc.seed, mc.enforce_eager, mc.logprobs_mode,
