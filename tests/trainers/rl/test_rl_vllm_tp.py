@@ -1,9 +1,9 @@
 """PPO on Ray with one real vLLM engine split over 2 ranks (`--vllm.tensor_parallel_size 2`, vLLM's CPU
 build): vLLM's `mp` executor starts its two worker processes inside the engine's Ray process (which holds the
 first of the engine's 2 bundles), the start-up sync is hash-verified and the run trains 3 steps sampling on
-it. That a sync reaches both workers is checked on the engine itself (test_vllm_real_tensor_parallel.py);
-the run's `rollout/logprob_abs_gap` is not checked here: vLLM renormalises the log-prob of a first token
-drawn while `min_tokens` bans the stop ids (see test_rl_vllm_lora.py), measured 0.107, 0.034, 0.015."""
+it. That the engine has two ranks and a sync reaches both workers is checked on the engine itself
+(test_vllm_real_tensor_parallel.py: vLLM's own start-up line comes through Ray's log streaming, which a long
+test session may batch or deduplicate, so it is not asserted here)."""
 import pytest
 
 from posttrain.config.backends import vllm_unavailable
@@ -21,6 +21,5 @@ def test_ppo_with_a_tensor_parallel_vllm_engine(run_ppo, ray_session, capfd):
     captured = capfd.readouterr()
     log = captured.out + captured.err
     assert "1 rollout engine(s): vllm" in log and "weight sync verified: 1 rollout engine(s)" in log
-    assert "'tensor_parallel_size': 2" in log  # vLLM's own start-up line: the engine has two ranks
     rows = read_metrics(run / "metrics.jsonl")
     assert len([r for r in rows if "rollout/logprob_abs_gap" in r]) == 3
