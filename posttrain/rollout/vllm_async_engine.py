@@ -33,7 +33,8 @@ from types import SimpleNamespace
 
 from posttrain.rollout.sampling import check_seeds
 from posttrain.rollout.types import SamplingParams, check_budgets
-from posttrain.rollout.vllm_engine import VLLMRolloutEngine, bucket_bytes
+from posttrain.rollout.vllm_engine import VLLMRolloutEngine
+from posttrain.rollout.vllm_worker import bucket_bytes
 
 
 class AsyncLLMHandle:
@@ -96,7 +97,7 @@ class AsyncLLMHandle:
         return self.run(all_of())
 
     def collective_rpc(self, method: str, args: tuple = ()):
-        """A weight bucket crosses to the engine core process as bytes (``vllm_engine.bucket_bytes``)."""
+        """A weight bucket crosses to the engine core process as bytes (``vllm_worker.bucket_bytes``)."""
         if method == "posttrain_reload_bucket":
             args = (bucket_bytes(args[0]),)
         return self.run(self.llm.collective_rpc(method, args=args))

@@ -41,8 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
-import json
 import os
 import shutil
 import sys
@@ -65,45 +63,11 @@ from posttrain.rollout.types import (
     check_budgets,
     rank_seed,
 )
+from posttrain.rollout.vllm_lora import vllm_lora_kwargs, write_peft_adapter
+from posttrain.rollout.vllm_worker import bucket_bytes
 from posttrain.utils.log import warn_once
 
 LORA_SYNC_MODES = ("merged", "adapter")
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed --max-lora-rank values
-
-
-def vllm_lora_kwargs(rank: int) -> dict:
-    """``vllm.LLM`` arguments for sampling with one LoRA adapter of this rank at a time."""
-    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
-    if not fits:
-        raise ValueError(f"lora rank {rank}: vLLM supports LoRA ranks up to {VLLM_LORA_RANKS[-1]}")
-    return dict(enable_lora=True, max_lora_rank=fits[0], max_loras=1, max_cpu_loras=1)
-
-
-def write_peft_adapter(folder: str, adapter: Mapping[str, torch.Tensor], rank: int, alpha: float) -> None:
-    """A PEFT LoRA folder (``adapter_config.json`` + ``adapter_model.safetensors``, keys
-    ``base_model.model.{module}.lora_A.weight``) from canonical adapter tensors."""
-    from safetensors.torch import save_file
-
-    os.makedirs(folder, exist_ok=True)
-    targets = sorted({lsync.adapter_module(n).rsplit(".", 1)[-1] for n in adapter})
-    config = dict(peft_type="LORA", task_type="CAUSAL_LM", r=int(rank), lora_alpha=float(alpha), lora_dropout=0.0,
-                  bias="none", target_modules=targets, fan_in_fan_out=False, inference_mode=True)
-    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
-        json.dump(config, f)
-    save_file({f"base_model.model.{n}": t.contiguous() for n, t in adapter.items()},
-              os.path.join(folder, "adapter_model.safetensors"))
-
-
-def bucket_bytes(weights: Iterable[tuple[str, torch.Tensor]]) -> bytes:
-    """A weight bucket as ``torch.save`` bytes, for an engine core in a process of its own: vLLM's msgpack
-    encoder sends a tensor argument of ``collective_rpc`` as (dtype, shape, buffer index) and the engine core
-    decodes it without its buffers (``vllm_worker.PosttrainWorkerExtension.posttrain_reload_bucket`` loads
-    these bytes; tied tensors that share memory are kept, unlike safetensors)."""
-    buffer = io.BytesIO()
-    torch.save([(name, tensor.detach().cpu().contiguous()) for name, tensor in weights], buffer)
-    return buffer.getvalue()
-
-
 UNBAN_CHUNK = 128  # vLLM's MAX_LOGPROB_TOKEN_IDS: the most ids one request's `logprob_token_ids` may score
 WORKER_EXTENSION = "posttrain.rollout.vllm_worker.PosttrainWorkerExtension"
 CPU_KV_CACHE_GIB = 1  # the CPU build's KV cache when neither VLLM_CPU_KVCACHE_SPACE nor kv_cache_memory_bytes is set

@@ -13,8 +13,19 @@ second load of a layer already processed within the same sync."""
 from __future__ import annotations
 
 import io
+from collections.abc import Iterable
 
 import torch
+
+
+def bucket_bytes(weights: Iterable[tuple[str, torch.Tensor]]) -> bytes:
+    """A weight bucket as ``torch.save`` bytes, for an engine core in a process of its own: vLLM's msgpack
+    encoder sends a tensor argument of ``collective_rpc`` as (dtype, shape, buffer index) and the engine core
+    decodes it without its buffers (``PosttrainWorkerExtension.posttrain_reload_bucket`` loads
+    these bytes; tied tensors that share memory are kept, unlike safetensors)."""
+    buffer = io.BytesIO()
+    torch.save([(name, tensor.detach().cpu().contiguous()) for name, tensor in weights], buffer)
+    return buffer.getvalue()
 
 
 class PosttrainWorkerExtension:
