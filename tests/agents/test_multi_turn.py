@@ -216,15 +216,10 @@ def test_64_concurrent_episodes_equal_sequential_ones_with_the_same_seeds(tok, t
     model = load_causal_lm(tiny_model_dir, dtype="fp32").eval()
     engine = HFRolloutEngine(model, tok, pad_token_id=tok.pad_token_id)
 
-    class Guess(AgentInstanceBase):
-        def __init__(self, *args, **kwargs):
-            self.turn = 0
+    from tests.agents.three_turns import ThreeTurns
 
-        async def step(self, states, **kwargs):
-            self.turn += 1
-            await asyncio.sleep(0.001 * (hash(states["action_text"]) % 5))  # episodes interleave differently
-            return {"rewards": float(len(states["action_text"]) % 2), "environment_feedback": " again:",
-                    "done": self.turn == 3}
+    class Guess(ThreeTurns):
+        reward = staticmethod(lambda action_text: float(len(action_text) % 2))
 
     prompts = [Prompt(text=f"Q{i}:", token_ids=tok(f"Q{i}:", add_special_tokens=False)["input_ids"], label=None,
                       source="test") for i in range(16)]

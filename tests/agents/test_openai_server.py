@@ -241,18 +241,10 @@ def test_agent_func_episodes_together_equal_each_prompt_alone(tok, engine):
     """An `agent_func.py` executor (OpenRLHF's `MultiTurnAgentExecutor`): 8 concurrent three-turn episodes
     (each model call its own request, streamed into the running batch) give exactly the samples of each
     prompt's episodes run alone with the same seeds."""
-    from posttrain.agents.agent_api import AgentInstanceBase, MultiTurnAgentExecutor
+    from posttrain.agents.agent_api import MultiTurnAgentExecutor
+    from tests.agents.three_turns import ThreeTurns
 
-    class Guess(AgentInstanceBase):
-        def __init__(self, *args, **kwargs):
-            self.turn = 0
-
-        async def step(self, states, **kwargs):
-            self.turn += 1
-            await asyncio.sleep(0.001 * (hash(states["action_text"]) % 5))  # episodes interleave differently
-            return {"rewards": 1.0, "environment_feedback": " again:", "done": self.turn == 3}
-
-    runner = AgentRunner(MultiTurnAgentExecutor(Guess), engine, tok, None, max_len=40, timeout=60,
+    runner = AgentRunner(MultiTurnAgentExecutor(ThreeTurns), engine, tok, None, max_len=40, timeout=60,
                          max_failure_frac=0, turn_cap=6)
     params = SamplingParams(temperature=1.0, n=2, seed=11, max_new_tokens=6)
     batch = prompts(tok, 4)
