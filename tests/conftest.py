@@ -82,17 +82,26 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="session")
+def session_environ():
+    """Environment variables a session-scoped fixture set and later modules need (`ray.init` sets
+    RAY_AUTH_MODE=token: a subprocess joining the session's Ray without it is refused); `process_state`
+    puts them back after restoring a module's environment."""
+    return {}
+
+
 @pytest.fixture(scope="module", autouse=True)
-def process_state():
+def process_state(session_environ):
     """What building an in-process vLLM engine changes for the rest of the process is put back after each test
-    module: the environment (it sets LD_PRELOAD, VLLM_*, OMP variables), `torch.set_num_threads` (vLLM's CPU
-    worker replaces it with a function that only warns) and the thread count, and the CPU affinity (its
-    thread binding)."""
+    module: the environment (it sets LD_PRELOAD, VLLM_*, OMP variables; `session_environ` is kept),
+    `torch.set_num_threads` (vLLM's CPU worker replaces it with a function that only warns) and the thread
+    count, and the CPU affinity (its thread binding)."""
     environ, set_threads, threads = dict(os.environ), torch.set_num_threads, torch.get_num_threads()
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     yield
     os.environ.clear()
     os.environ.update(environ)
+    os.environ.update(session_environ)
     torch.set_num_threads = set_threads
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)

@@ -1,6 +1,7 @@
 """RL test fixtures: the SFT-ed nano model and its data (`sft_nano`, tests/trainers/conftest.py),
 reward-function files, and a runner for the real `posttrain ppo` entry."""
 import contextlib
+import os
 
 import pytest
 
@@ -125,15 +126,18 @@ def run_ppo(rl_setup, tmp_path):
 
 
 @pytest.fixture(scope="session")
-def ray_session():
+def ray_session(session_environ):
     """One local Ray instance for the whole test session (start-up costs seconds); every run places
-    its groups in it and removes them when it ends. 16 logical CPUs: a rank asks for one."""
+    its groups in it and removes them when it ends. 16 logical CPUs: a rank asks for one. What `ray.init`
+    sets in the environment (RAY_AUTH_MODE) outlives the module that started it."""
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():
         from posttrain.trainers.rl.placement.ray_placement import LOCAL_SYSTEM_CONFIG
 
+        before = dict(os.environ)
         ray.init(num_cpus=16, include_dashboard=False, log_to_driver=True, _system_config=LOCAL_SYSTEM_CONFIG,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "DS_BUILD_OPS": "0"}})
+        session_environ.update({k: v for k, v in os.environ.items() if before.get(k) != v})
     yield ray
     ray.shutdown()
 
