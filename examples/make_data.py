@@ -1,0 +1,62 @@
+"""Write the example datasets in examples/data/ (committed; re-running rewrites the same bytes).
+
+The rows come from the demo's generators (posttrain.data.synthetic, synthetic_vision): two-digit
+addition, whose answers posttrain/rewards/examples/arithmetic_reward.py grades, and the colour task.
+Usage, from the repository root: `python examples/make_data.py`.
+"""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+from posttrain.data.synthetic import make_arithmetic_rows, make_preference_rows, write_jsonl
+from posttrain.data.synthetic_vision import COLOURS, colour_rows
+
+OUT = Path(__file__).resolve().parent / "data"
+DIFFICULTY = 1  # a + b, a in [0, 99], b in [0, 9] (the demo's task)
+N_TRAIN, N_HELD = 256, 32  # rows per file; held-out prompts never appear in a training file
+SEED = 0
+
+
+def _split(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    held = list(dict.fromkeys(r["prompt"] for r in rows))[-N_HELD:]
+    test = list({r["prompt"]: r for r in rows if r["prompt"] in set(held)}.values())
+    return [r for r in rows if r["prompt"] not in set(held)][:N_TRAIN], test
+
+
+def main() -> None:
+    if OUT.exists():
+        shutil.rmtree(OUT)
+    arith, arith_test = _split(make_arithmetic_rows(2 * N_TRAIN, seed=SEED, difficulty=DIFFICULTY))
+    held = {r["prompt"] for r in arith_test}
+    write_jsonl([{"prompt": r["prompt"], "response": r["response"]} for r in arith], OUT / "sft.jsonl")
+    write_jsonl([{"prompt": r["prompt"], "answer": r["answer"]} for r in arith], OUT / "prompts.jsonl")
+    chat = []  # two questions in one conversation: the model learns to answer each user turn
+    for first, second in zip(arith[0::2], arith[1::2]):
+        chat.append({"messages": first["messages"] + second["messages"]})
+    write_jsonl(chat, OUT / "chat.jsonl")
+    pairs = make_preference_rows(2 * N_TRAIN, seed=SEED + 1, difficulty=DIFFICULTY, rounding_habit=0.5)
+    pairs = [p for p in pairs if p["prompt"] not in held][:N_TRAIN]
+    keep = ("prompt", "chosen", "rejected")
+    write_jsonl([{k: p[k] for k in keep} for p in pairs], OUT / "prefs.jsonl")
+    held_pairs = make_preference_rows(4 * N_TRAIN, seed=SEED + 2, difficulty=DIFFICULTY, rounding_habit=0.5)
+    held_pairs = list({p["prompt"]: p for p in held_pairs if p["prompt"] in held}.values())
+    write_jsonl([{k: p[k] for k in keep} for p in held_pairs], OUT / "heldout" / "prefs.jsonl")
+    write_jsonl([{"prompt": r["prompt"], "response": r["response"]} for r in arith_test],
+                OUT / "heldout" / "sft.jsonl")
+    write_jsonl([{"prompt": r["prompt"], "answer": r["answer"]} for r in arith_test],
+                OUT / "heldout" / "prompts.jsonl")
+    images = colour_rows(16, seed=SEED, folder=OUT / "images", prefix="shape-")
+    rng = random.Random(SEED)  # a pair per image too: the right colour chosen over another one
+    with open(OUT / "images.jsonl", "w") as f:
+        for row in images:
+            row["images"] = [f"images/{Path(p).name}" for p in row["images"]]
+            row["chosen"] = row["answer"]
+            row["rejected"] = rng.choice(sorted(set(COLOURS) - {row["answer"]}))
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
