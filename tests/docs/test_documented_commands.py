@@ -5,7 +5,7 @@ each page's commands in page order in a scratch folder that sees the repository'
 `posttrain/` (reward files are given by path), shortened by the flags `shorten` appends to the command
 (the last value of a flag wins). README.md runs first; the run folders it leaves (`runs/tiny`,
 `runs/sft`, ...) serve the other pages' commands that read a run folder the page does not make itself.
-A command in `NOT_RUN` is parsed but not run, for the reason given there.
+A command `NOT_RUN` names (by command or flag) is parsed but not run, for the reason given there.
 """
 from __future__ import annotations
 
@@ -35,11 +35,18 @@ def shorten(argv: list[str]) -> list[str]:
     return ["--data.max_samples", str(batch), "--train.max_epochs", "1"]
 
 
-NOT_RUN = {  # command name -> why it is only parsed
+NOT_RUN = {  # command name or flag -> why such a command is only parsed
     "serve-rm": "serves until it is stopped (tests/rewards test the server)",
     "demo": "the whole demo takes ~15 minutes (tests/test_demo.py runs `posttrain demo --quick`)",
+    "--vllm.num_engines": "Ray with rollout engines starts in ~2 minutes on 2 cores, over this test's budget "
+                          "(tests/trainers/rl/test_rl_ray.py runs 2 actor ranks with 2 engines)",
 }
 OUTPUT_FLAGS = ("--output", "--ckpt.output_dir", "--output_path")
+
+
+def not_run(cmd: Command) -> str | None:
+    """Why `cmd` is only parsed, or None: it runs."""
+    return next((why for key, why in NOT_RUN.items() if key in cmd.argv), None)
 
 
 def _all_commands() -> list[Command]:
@@ -89,8 +96,9 @@ def test_commands_are_found():
 def _run(cmd: Command, cwd: Path, shared: Path | None) -> None:
     argv = list(cmd.argv)
     outputs = {argv[i + 1] for i, a in enumerate(argv[:-1]) if a in OUTPUT_FLAGS}
-    if shared is not None:  # run folders this page reads but does not make: README's
-        for word in argv:
+    if shared is not None:  # run folders this page reads but does not make: those of README (folder `shared`)
+        config = argv[argv.index("--config") + 1] if "--config" in argv else None
+        for word in argv + ((cwd / config).read_text().split() if config else []):  # a config names them too
             top = Path(*Path(word).parts[:2]) if word.startswith("runs/") else None
             if top and word not in outputs and not (cwd / top).exists() and (shared / top).exists():
                 (cwd / top).parent.mkdir(exist_ok=True)
@@ -115,7 +123,9 @@ def _run(cmd: Command, cwd: Path, shared: Path | None) -> None:
         os.chdir(old)
 
 
-def _run_page(page: str, cwd: Path, shared: Path | None) -> list[str]:
+def _run_page(page: str, cwd: Path, shared: Path | None, seen: set) -> list[str]:
+    """Run the page's steps; a command run as written on an earlier page is not run again (its run folder,
+    README's, is linked where a later command reads it)."""
     cwd.mkdir(parents=True, exist_ok=True)
     for name in ("examples", "posttrain"):
         (cwd / name).symlink_to(ROOT / name)
@@ -123,25 +133,26 @@ def _run_page(page: str, cwd: Path, shared: Path | None) -> list[str]:
     for step in steps(page):
         if isinstance(step, WriteFile):
             (cwd / step.path).write_text(step.text)
-        elif step.argv[0] not in NOT_RUN:
+        elif not_run(step) is None and step.argv not in seen:
             _run(step, cwd, shared)
+            seen.add(step.argv)
             ran.append(str(step))
     return ran
 
 
 @pytest.fixture(scope="module")
 def readme_runs(tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("docs") / "README"
-    return cwd, _run_page("README.md", cwd, None)
+    cwd, seen = tmp_path_factory.mktemp("docs") / "README", set()
+    return cwd, _run_page("README.md", cwd, None, seen), seen
 
 
 @pytest.mark.e2e
 def test_readme_commands_run(readme_runs):
-    cwd, ran = readme_runs
+    cwd, ran, _ = readme_runs
     assert ran and (cwd / "runs" / "sft" / "config.json").exists()
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("page", [p for p in pages() if p != "README.md"])
 def test_docs_page_commands_run(page, readme_runs, tmp_path):
-    _run_page(page, tmp_path / "page", readme_runs[0] / "runs")
+    _run_page(page, tmp_path / "page", readme_runs[0], readme_runs[2])
