@@ -50,7 +50,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e and not slow"
 
 docs: $(STAMP)
-	$(VENV)/bin/mkdocs build --strict --quiet --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
 
 bench: $(STAMP)
 	$(PY) -m pip install -q --no-build-isolation -e '.[dev,bench]'
