@@ -83,16 +83,16 @@ def validate(cfg: CommandConfig, world_size: int = 1, device: Any = None) -> lis
             _optimizer(getattr(cfg, role), f"{role}.", cfg, r)
     else:
         _optimizer(cfg, "", cfg, r)
-    _optional_parts(cfg, r, world_size, dev)
+    _optional_parts(cfg, r, world_size)
     if r.problems:
         raise ConfigError.collect(r.problems)
     return r.warnings
 
 
-def _optional_parts(cfg: TrainerConfig, r: _Report, world_size: int, dev: str) -> None:
+def _optional_parts(cfg: TrainerConfig, r: _Report, world_size: int) -> None:
     """What the run asked for that needs an optional dependency which is not installed (`utils.extras`):
-    Ray for a run on Ray, DeepSpeed for ZeRO (several ranks, a DeepSpeed-only flag), TensorBoard, W&B,
-    bitsandbytes."""
+    Ray for a run on Ray, DeepSpeed for ZeRO (several ranks, a DeepSpeed-only flag), TensorBoard, W&B.
+    (bitsandbytes is checked where the 4-bit base loads, on a CUDA GPU only.)"""
     needs = []
     if cfg.trainer == "ppo":
         needs += [(ray_reason(cfg), "ray"), (several_ranks(cfg), "deepspeed")]
@@ -100,8 +100,7 @@ def _optional_parts(cfg: TrainerConfig, r: _Report, world_size: int, dev: str) -
         ranks = f"training on {world_size} ranks (WORLD_SIZE={world_size})" if world_size > 1 else None
         needs += [(ranks or ", ".join(deepspeed_only_flags(cfg.ds)), "deepspeed")]
     needs += [(cfg.logger.tensorboard_dir and "--logger.tensorboard_dir", "tensorboard"),
-              (cfg.logger.wandb.key is not None and "--logger.wandb.key", "wandb"),
-              (cfg.ds.load_in_4bit and dev == "cuda" and "--ds.load_in_4bit", "bitsandbytes")]
+              (cfg.logger.wandb.key is not None and "--logger.wandb.key", "wandb")]
     r.problems += [missing_message(module, what) for what, module in needs if what and not installed(module)]
 
 
