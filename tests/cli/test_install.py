@@ -73,13 +73,20 @@ def test_version_prints_posttrain_torch_and_transformers(tmp_path):
 
 
 def test_the_core_install_runs_init_tiny_and_one_process_sft_and_ppo(tmp_path):
-    """No Ray, DeepSpeed, FastAPI, uvicorn, math-verify or TensorBoard: init-tiny, then SFT (one step) and PPO
-    (one step, HF engine, reward file) run to the end in one process and save their models."""
+    """No Ray, DeepSpeed, FastAPI, uvicorn, math-verify or TensorBoard: init-tiny, then SFT (one step, with a
+    checkpoint that ds-to-hf converts) and PPO (one step, HF engine, reward file) run to the end in one
+    process and save their models."""
     tiny = cli(tmp_path, "init-tiny", "--output", tmp_path / "tiny", "--size", "nano", block=OPTIONAL)
     assert tiny.returncode == 0, tiny.stderr[-3000:]
-    sft = cli(tmp_path, *sft_flags(tmp_path / "tiny", tmp_path, "--data.max_samples", "4"), block=OPTIONAL)
+    flags = sft_flags(tmp_path / "tiny", tmp_path, "--data.max_samples", "4", "--ckpt.save_steps", "1")
+    sft = cli(tmp_path, *flags, block=OPTIONAL)
     assert sft.returncode == 0, sft.stderr[-3000:]
     assert (tmp_path / "sft" / "model.safetensors").exists()
+    hf = cli(tmp_path, "ds-to-hf", "--checkpoint", tmp_path / "sft" / "checkpoints" / "global_step1",
+             "--model_path", tmp_path / "tiny", "--output_path", tmp_path / "hf", "--ds.param_dtype", "fp32",
+             block=OPTIONAL)
+    assert hf.returncode == 0, hf.stderr[-3000:]
+    assert (tmp_path / "hf" / "model.safetensors").exists()
     rl = cli(tmp_path, *ppo_flags(tmp_path / "sft", tmp_path, ARITHMETIC, "--train.max_steps", "1"),
              block=OPTIONAL)
     assert rl.returncode == 0, rl.stderr[-3000:]
