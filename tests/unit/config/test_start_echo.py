@@ -50,6 +50,15 @@ def test_the_echo_is_one_screen_and_says_nothing_more_without_flags():
         "posttrain sft: 0 flag(s) set, all defaults", "every flag's value: config.yaml"]
 
 
+def test_a_config_built_in_code_lists_what_differs_from_the_defaults():
+    from posttrain.config.trainers import default_config
+
+    cfg = default_config("sft")
+    cfg.train.batch_size = 16
+    lines = format_set_flags(cfg).splitlines()
+    assert lines[:2] == ["posttrain sft: 1 flag(s) set:", "  --train.batch_size 16  (differs from the default)"]
+
+
 def opt(scheduler="cosine_with_min_lr", ratio=0.03, steps=None):
     return SimpleNamespace(lr_scheduler=scheduler, lr_warmup_ratio=ratio, lr_warmup_steps=steps)
 
