@@ -120,6 +120,6 @@ def format_set_flags(cfg: CommandConfig, derived: dict[str, Any] | None = None,
     head = f"posttrain {cfg.trainer}: {len(sources)} flag(s) set" + (":" if sources else ", all defaults")
     tail = []
     if derived:
-        tail.append("derived sizes: " + ", ".join(f"{k} {v}" for k, v in derived.items()))
+        tail.append("derived sizes: " + ", ".join(f"{k} = {v}" for k, v in derived.items()))
     tail.append(f"every flag's value: {full}")
     return "\n".join([head, *lines, *tail])

@@ -1,8 +1,10 @@
 """How a run starts and, for the single-model trainers, how it is set up and ends:
 
 - `RunStart` — what every trainer (SFT, RM, DPO, PPO) does first: the heap policy
-  (`utils.memory.apply_heap_policy`), hardware defaults, config echo,
-  the run folders claimed (`run_folders.claim_run_folders`), config.yaml, seeding, metric sinks;
+  (`utils.memory.apply_heap_policy`), hardware defaults, every input path checked (`inputs.check_inputs`),
+  the run folders claimed (`run_folders.claim_run_folders`), seeding; then, once the trainer has loaded
+  its inputs, `announce` (the echo of the flags set, config.yaml), metric sinks, and at the end `finish`
+  (`run_summary.finish_run`: the summary line and summary.json);
 - `SingleModelRun` — SFT/RM/DPO on top of it: tokenizer, data rows, model, train engine, the step
   loop (`single_model_loop.SingleModelLoop`, a `run_loop.RunLoop`), and the final Hugging Face export
   to `--ckpt.output_dir` (the run directory: config.yaml, metrics.jsonl, plots/ and the model all land
@@ -10,8 +12,9 @@
 
 The run directory has one writer: `RunStart(cfg)` (inside `SingleModelRun(cfg)`) locks it (and the
 checkpoint folder) and checks the checkpoint folder before it writes config.yaml or loads anything; for
-SFT/RM/DPO the locks are released when `fit` returns or fails, or by `close()` (`with SingleModelRun(cfg) as run:`
-releases them whatever happens in between)."""
+SFT/RM/DPO the locks are released when `fit` returns or fails, or by `close()` (`with SingleModelRun(cfg) as
+run:` releases them whatever happens in between, and a failure before training removes what the run created
+in its folders: `RunStart.abandon`)."""
 from __future__ import annotations
 
 import math

@@ -24,7 +24,7 @@ def test_sources_of_command_line_config_file_and_negations(tmp_path):
     assert "  --train.batch_size 16  (command line)" in text
     assert f"  --train.seed 7  (--config {config})" in text
     assert "  --muon.nesterov False  (command line)" in text
-    assert text[-2:] == ["derived sizes: world_size 1", "every flag's value: out/config.yaml"]
+    assert text[-2:] == ["derived sizes: world_size = 1", "every flag's value: out/config.yaml"]
     assert len(text) == 8
 
 
