@@ -67,7 +67,7 @@ _SHARED = _paths(
     "data: max_dropped_frac",
     "train: batch_size micro_batch_size max_epochs seed dynamic_batch_enable max_tokens_per_gpu",
     "eval: dataset split steps",
-    "ckpt: output_dir path save_steps save_hf disable_ds max_num max_mem load_enable",
+    "ckpt: output_dir path save_steps save_hf disable_ds max_num max_mem load_enable overwrite",
     "logger: logging_steps tensorboard_dir",
     "logger.wandb: key org group project run_name",
 )
