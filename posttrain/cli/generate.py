@@ -1,0 +1,70 @@
+"""`posttrain generate`: sample every prompt of --data.dataset --rollout.n_samples_per_prompt times into
+--output (JSONL, one row per sample: the dataset row's columns, `prompt`, `output`, `index`, `sample`, and
+`reward` when a reward scores them). `--best_of_n` keeps each prompt's best sample; `--pairs` writes
+`prompt`, `chosen`, `rejected` (best and worst) per prompt: rejection sampling and iterative DPO data.
+Flags: `posttrain generate --help` (`posttrain.config.inference.GenerateConfig`)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from posttrain.cli.errors import user_errors
+
+PROG = "posttrain generate"
+
+
+def main(argv: list[str] | None = None) -> str:
+    """Write --output and return its path. Bad flags, files or keys: one `posttrain generate: error:` line,
+    exit status 2."""
+    from posttrain.config import parse_config
+
+    with user_errors(PROG):
+        cfg = parse_config("generate", sys.argv[1:] if argv is None else argv)
+        from posttrain.trainers.inference import Policy, load_prompts, load_reward, sample, sampling_params
+
+        policy = Policy(cfg)  # the tokenizer: the data and the reward are checked before the weights load
+        rows, prompts = load_prompts(cfg, policy.tokenizer)
+        reward = load_reward(cfg, policy.tokenizer)
+        policy.start()
+        scored = sample(policy, prompts.prompts, sampling_params(cfg), reward)
+    n = cfg.rollout.n_samples_per_prompt
+    out = []
+    for g, (source, prompt) in enumerate(zip(rows, prompts.prompts)):  # no prompt is dropped (no length cap)
+        row = {k: v for k, v in source.items() if not k.startswith("__")}
+        samples = []
+        for j in range(n):
+            i = g * n + j
+            sample_row = {**row, "prompt": prompt.text, "output": scored.rollouts[i].response_text,
+                          "index": g, "sample": j}
+            if reward is not None:
+                sample_row["reward"] = float(scored.rewards[i])
+            samples.append(sample_row)
+        out += select(samples, cfg.best_of_n, cfg.pairs)
+    os.makedirs(os.path.dirname(os.path.abspath(cfg.output)), exist_ok=True)
+    with open(cfg.output, "w") as f:
+        for r in out:
+            f.write(json.dumps(r, default=str) + "\n")
+    print(f"{len(out)} rows ({len(prompts.prompts)} prompts x {n} samples"
+          f"{', best of n' if cfg.best_of_n else ', pairs' if cfg.pairs else ''}) written to {cfg.output}")
+    return cfg.output
+
+
+def select(samples: list[dict], best_of_n: bool, pairs: bool) -> list[dict]:
+    """A prompt's rows to write: all samples, its best one (the first of equal rewards), or one pair
+    {prompt, chosen, rejected, chosen_reward, rejected_reward} of its best and worst (none if all tie)."""
+    if not (best_of_n or pairs):
+        return samples
+    ranked = sorted(samples, key=lambda s: -s["reward"])  # stable: the earliest of equal rewards first
+    if best_of_n:
+        return ranked[:1]
+    best, worst = ranked[0], ranked[-1]
+    if best["reward"] == worst["reward"]:
+        return []
+    rest = {k: v for k, v in best.items() if k not in ("output", "reward", "sample")}
+    return [{**rest, "chosen": best["output"], "rejected": worst["output"], "chosen_reward": best["reward"],
+             "rejected_reward": worst["reward"]}]
+
+
+if __name__ == "__main__":
+    main()
