@@ -1,6 +1,6 @@
 """`posttrain generate`: sample every prompt of --data.dataset --rollout.n_samples_per_prompt times into
 --output (JSONL, one row per sample: the dataset row's columns, `prompt`, `output`, `index`, `sample`, and
-`reward` when a reward scores them). `--best_of_n` keeps each prompt's best sample; `--pairs` writes
+`reward` when a reward scores them). `--post_processor rs` keeps each prompt's best sample; `iter_dpo` writes
 `prompt`, `chosen`, `rejected` (best and worst) per prompt: rejection sampling and iterative DPO data.
 Flags: `posttrain generate --help` (`posttrain.config.inference.GenerateConfig`)."""
 from __future__ import annotations
@@ -40,23 +40,24 @@ def main(argv: list[str] | None = None) -> str:
             if reward is not None:
                 sample_row["reward"] = float(scored.rewards[i])
             samples.append(sample_row)
-        out += select(samples, cfg.best_of_n, cfg.pairs)
+        out += post_process(samples, cfg.post_processor)
     os.makedirs(os.path.dirname(os.path.abspath(cfg.output)), exist_ok=True)
     with open(cfg.output, "w") as f:
         for r in out:
             f.write(json.dumps(r, default=str) + "\n")
-    print(f"{len(out)} rows ({len(prompts.prompts)} prompts x {n} samples"
-          f"{', best of n' if cfg.best_of_n else ', pairs' if cfg.pairs else ''}) written to {cfg.output}")
+    post = f", --post_processor {cfg.post_processor}" if cfg.post_processor else ""
+    print(f"{len(out)} rows ({len(prompts.prompts)} prompts x {n} samples{post}) written to {cfg.output}")
     return cfg.output
 
 
-def select(samples: list[dict], best_of_n: bool, pairs: bool) -> list[dict]:
-    """A prompt's rows to write: all samples, its best one (the first of equal rewards), or one pair
-    {prompt, chosen, rejected, chosen_reward, rejected_reward} of its best and worst (none if all tie)."""
-    if not (best_of_n or pairs):
+def post_process(samples: list[dict], post_processor: str | None) -> list[dict]:
+    """A prompt's rows to write: all samples (None), its best one (rs: the first of equal rewards), or one
+    pair {prompt, chosen, rejected, chosen_reward, rejected_reward} of its best and worst (iter_dpo; none if
+    all tie)."""
+    if not post_processor:
         return samples
     ranked = sorted(samples, key=lambda s: -s["reward"])  # stable: the earliest of equal rewards first
-    if best_of_n:
+    if post_processor == "rs":
         return ranked[:1]
     best, worst = ranked[0], ranked[-1]
     if best["reward"] == worst["reward"]:

@@ -13,6 +13,7 @@ from posttrain.config.sections import PARAM_DTYPES
 from posttrain.config.spec import opt, section
 
 ENGINES = ("auto", "vllm", "hf")
+POST_PROCESSORS = ("rs", "iter_dpo")  # OpenRLHF 0.9's batch_inference names (its csft is not built)
 NO_REWARD = Inert("no --reward.remote_url or --reward.model_name_or_path: nothing scores the samples",
                   lambda v, c, dev: not (c.reward.remote_url or c.reward.model_name_or_path))
 
@@ -95,7 +96,8 @@ class ChatConfig:
 @dataclass
 class GenerateConfig:
     """posttrain generate: sample every prompt of a dataset n times into a JSONL file, optionally scored by a
-    reward and reduced to the best sample per prompt (rejection sampling / iterative DPO data)."""
+    reward and reduced to the best sample per prompt or best/worst pairs (rejection sampling / iterative DPO
+    data)."""
 
     trainer: ClassVar[str] = "generate"
     model: InferModelConfig = section(InferModelConfig)
@@ -105,11 +107,10 @@ class GenerateConfig:
     reward: InferRewardConfig = section(InferRewardConfig)
     output: str | None = opt(None, "the JSONL file to write: one row per sample",
                              required="where the samples go")
-    best_of_n: bool = opt(False, "keep only the best-scored sample of each prompt (needs a reward)",
-                          extension=True, inert=NO_REWARD)
-    pairs: bool = opt(False, "write preference pairs instead: each prompt's best sample as chosen, its worst "
-                      "as rejected (needs a reward, --rollout.n_samples_per_prompt >= 2)", extension=True,
-                      inert=NO_REWARD)
+    post_processor: str | None = opt(
+        None, "needs a reward: rs (rejection sampling: each prompt's best sample) or iter_dpo (iterative "
+        "DPO: each prompt's best and worst samples as one chosen/rejected pair; none when all tie)",
+        choices=POST_PROCESSORS, extension=True, inert=NO_REWARD)
 
 
 @dataclass

@@ -188,8 +188,8 @@ def _tensor_parallel(cfg, r: _Report, world_size: int, dev: str) -> None:
 
 
 def _inference(cfg, r: _Report) -> None:
-    """chat / generate / eval: at most one reward source; best-of-n and pairs need one (pairs: two
-    samples)."""
+    """chat / generate / eval: at most one reward source; --post_processor needs one (iter_dpo: two samples
+    per prompt)."""
     reward = getattr(cfg, "reward", None)
     if reward is not None and reward.remote_url and reward.model_name_or_path:
         r.problems.append("--reward.remote_url and --reward.model_name_or_path both given: samples are "
@@ -197,12 +197,11 @@ def _inference(cfg, r: _Report) -> None:
     if cfg.trainer != "generate":
         return
     has_reward = bool(reward.remote_url or reward.model_name_or_path)
-    for flag in ("best_of_n", "pairs"):
-        r.need(has_reward or not getattr(cfg, flag), flag, None, "needs a reward to rank the samples: "
-               "--reward.remote_url (a reward_func .py file or a server URL) or --reward.model_name_or_path")
-    r.need(not (cfg.best_of_n and cfg.pairs), "pairs", None, "and --best_of_n both given: pick one output")
+    post = cfg.post_processor
+    r.need(has_reward or not post, "post_processor", post, "needs a reward to rank the samples: "
+           "--reward.remote_url (a reward_func .py file or a server URL) or --reward.model_name_or_path")
     n = cfg.rollout.n_samples_per_prompt
-    r.need(not cfg.pairs or n >= 2, "pairs", None,
+    r.need(post != "iter_dpo" or n >= 2, "post_processor", post,
            f"needs two samples per prompt or more (--rollout.n_samples_per_prompt {n})")
 
 

@@ -151,7 +151,7 @@ def generated(sft_nano, tmp_path):
     return run
 
 
-def test_generate_writes_n_scored_samples_per_prompt_and_the_best_of_n(generated, sft_nano):
+def test_generate_writes_n_scored_samples_per_prompt_the_best_of_n_and_pairs(generated, sft_nano):
     rows = generated()
     assert len(rows) == 15
     assert [(r["index"], r["sample"]) for r in rows] == [(g, j) for g in range(5) for j in range(3)]
@@ -162,12 +162,12 @@ def test_generate_writes_n_scored_samples_per_prompt_and_the_best_of_n(generated
         assert source[r["index"]]["prompt"] in r["prompt"]
         assert r["reward"] > 0  # the reward file's score: the decoded response's length (with its eos)
     assert len({r["output"] for r in rows}) > 5  # sampled (temperature 1), not one answer per prompt
-    best = generated("--best_of_n")
+    best = generated("--post_processor", "rs")
     assert [r["index"] for r in best] == list(range(5))
     for b in best:
         group = [r for r in rows if r["index"] == b["index"]]
         assert b == max(group, key=lambda r: r["reward"])  # the same seed: the same samples
-    pairs = generated("--pairs")
+    pairs = generated("--post_processor", "iter_dpo")
     for p in pairs:
         group = [r for r in rows if r["index"] == p["index"]]
         assert p["chosen_reward"] == max(r["reward"] for r in group) > p["rejected_reward"]
@@ -178,7 +178,7 @@ def test_generate_writes_n_scored_samples_per_prompt_and_the_best_of_n(generated
 @pytest.mark.parametrize("flags, message", [
     (["--data.input_key", "question"], "question"),
     (["--data.dataset", "no/such.jsonl"], "no/such.jsonl"),
-    (["--best_of_n"], "--best_of_n: needs a reward"),
+    (["--post_processor", "rs"], "--post_processor rs: needs a reward"),
 ])
 def test_generate_user_mistakes_are_one_line_and_exit_2(sft_nano, tmp_path, capsys, flags, message):
     from posttrain.cli import generate

@@ -172,7 +172,7 @@ ACTING: dict[str, frozenset[str]] = {
     # posttrain chat / generate / eval (cli/chat.py, cli/generate.py, cli/evaluate.py, trainers/inference.py)
     "chat": _paths("model: model_name_or_path base_model param_dtype", "data: tokenizer_chat_template",
                    "rollout: temperature top_p max_new_tokens engine", "train: seed"),
-    "generate": _paths(*_INFERENCE, "output best_of_n pairs"),
+    "generate": _paths(*_INFERENCE, "output post_processor"),
     "eval": _paths(*_INFERENCE, "output"),
 }
 
