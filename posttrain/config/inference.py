@@ -39,8 +39,8 @@ class InferRolloutConfig:
     max_new_tokens: int = opt(256, "max generated tokens per sample", ge=1)
     n_samples_per_prompt: int = opt(1, "samples per prompt", ge=1,
                                     inert=Inert("chat samples one reply per message", None, ("chat",)))
-    engine: str = opt("auto", "auto (vLLM where this machine runs it, else the HF engine), vllm or hf",
-                      choices=ENGINES, extension=True)
+    engine: str = opt("auto", "auto (vLLM on a CUDA GPU where it is installed, else the HF engine), vllm "
+                      "(also vLLM's CPU build) or hf", choices=ENGINES, extension=True)
 
 
 @dataclass

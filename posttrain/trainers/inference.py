@@ -1,7 +1,8 @@
 """Sampling from a saved model for `posttrain chat`, `generate` and `eval`: the model (a run folder, an HF
 folder or hub id, a LoRA adapter folder merged into its base), the RL rollout engines (HF, or vLLM where
-this machine runs it), the RL prompt loading, the RL reward sources and `SingleTurnSampler`: the samples,
-rewards and eval metrics are the ones `posttrain ppo` computes for the same model, prompts and seed."""
+it runs: `--rollout.engine`), the RL prompt loading, the RL reward sources and `SingleTurnSampler`: the
+samples, rewards and eval metrics are the ones `posttrain ppo` computes for the same model, prompts and
+seed."""
 from __future__ import annotations
 
 import os
@@ -50,8 +51,8 @@ class Policy:
                  "followed by a newline (pass --data.tokenizer_chat_template to use one)")
 
     def start(self, device=None) -> Policy:
-        """Load the engine `--rollout.engine` picks (auto: vLLM where this process runs it and the folder is a
-        whole model, else the HF engine; said at start-up). ConfigError for --rollout.engine vllm where vLLM
+        """Load the engine `--rollout.engine` picks (auto: vLLM on a CUDA GPU where it runs and the folder is
+        a whole model, else the HF engine; said at start-up). ConfigError for --rollout.engine vllm where vLLM
         cannot run."""
         cfg, tok = self.cfg, self.tokenizer
         kind, why = _engine_kind(cfg.rollout.engine, self.base)
@@ -100,8 +101,14 @@ def _adapter_base(path: str, base: str | None) -> str | None:
 
 
 def _engine_kind(asked: str, adapter_base: str | None) -> tuple[str, str]:
+    """(engine, why). auto: vLLM on a CUDA GPU where it runs; on a CPU the HF engine, as in a one-process RL
+    run (`config.backends.one_process_engine`: vLLM's CPU build was no faster there and pins torch's threads
+    for the whole process)."""
     if asked == "hf":
         return "hf", "--rollout.engine hf"
+    if asked == "auto" and not torch.cuda.is_available():
+        return "hf", ("--rollout.engine auto on a CPU: vLLM's CPU build reached 0.5-1.08x the HF engine's "
+                      "tokens/s (bench/RESULTS.md); --rollout.engine vllm runs it")
     adapter = ("a LoRA adapter folder samples on the HF engine (merged into its base; `posttrain lora-merge` "
                "makes a folder vLLM loads)")
     why = vllm_unavailable() or (adapter if adapter_base else None)

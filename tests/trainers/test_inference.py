@@ -192,3 +192,15 @@ def test_generate_user_mistakes_are_one_line_and_exit_2(sft_nano, tmp_path, caps
     err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[posttrain]")]
     assert len(err) == 1 and err[0].startswith("posttrain generate: error:") and message in err[0]
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_engine_choice():
+    """auto: the HF engine on a CPU (as one-process RL); vLLM for an adapter folder is refused with the reason."""
+    from posttrain.config import ConfigError
+    from posttrain.trainers.inference import _engine_kind
+
+    if not torch.cuda.is_available():
+        assert _engine_kind("auto", None)[0] == "hf"
+    assert _engine_kind("hf", None) == ("hf", "--rollout.engine hf")
+    with pytest.raises(ConfigError, match="--rollout.engine vllm: .*(adapter|vLLM)"):
+        _engine_kind("vllm", "some/base")
