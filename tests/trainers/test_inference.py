@@ -195,7 +195,7 @@ def test_generate_user_mistakes_are_one_line_and_exit_2(sft_nano, tmp_path, caps
 
 
 def test_engine_choice():
-    """auto: the HF engine on a CPU (as one-process RL); vLLM for an adapter folder is refused with the reason."""
+    """auto: the HF engine on a CPU (as one-process RL); vLLM for an adapter folder is refused, with why."""
     from posttrain.config import ConfigError
     from posttrain.trainers.inference import _engine_kind
 
