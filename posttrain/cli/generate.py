@@ -1,7 +1,9 @@
 """`posttrain generate`: sample every prompt of --data.dataset --rollout.n_samples_per_prompt times into
---output (JSONL, one row per sample: the dataset row's columns, `prompt`, `output`, `index`, `sample`, and
-`reward` when a reward scores them). `--post_processor rs` keeps each prompt's best sample; `iter_dpo` writes
-`prompt`, `chosen`, `rejected` (best and worst) per prompt: rejection sampling and iterative DPO data.
+--output (JSONL, one row per sample: the dataset row's columns, `prompt` (its --data.input_key value, as in
+the dataset), `prompt_text` (the rendered prompt the model was given), `output`, `index` (the row's),
+`sample` (0..n-1), and `reward` when a reward scores them). `--post_processor rs` keeps each prompt's best
+sample; `iter_dpo` writes one row per prompt with `chosen` and `rejected` (its best and worst samples) in
+place of `output`: rejection sampling and iterative DPO data.
 Flags: `posttrain generate --help` (`posttrain.config.inference.GenerateConfig`)."""
 from __future__ import annotations
 
@@ -35,8 +37,8 @@ def main(argv: list[str] | None = None) -> str:
         samples = []
         for j in range(n):
             i = g * n + j
-            sample_row = {**row, "prompt": prompt.text, "output": scored.rollouts[i].response_text,
-                          "index": g, "sample": j}
+            sample_row = {**row, "prompt": row[cfg.data.input_key], "prompt_text": prompt.text,
+                          "output": scored.rollouts[i].response_text, "index": g, "sample": j}
             if reward is not None:
                 sample_row["reward"] = float(scored.rewards[i])
             samples.append(sample_row)

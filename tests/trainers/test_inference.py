@@ -158,8 +158,8 @@ def test_generate_writes_n_scored_samples_per_prompt_the_best_of_n_and_pairs(gen
     source = [json.loads(line) for line in (sft_nano[1] / "test.jsonl").read_text().splitlines()][:5]
     for r in rows:
         assert r["answer"] == source[r["index"]]["answer"] and r["response"] == source[r["index"]]["response"]
-        assert r["prompt"].endswith("\n") or r["prompt"]  # the rendered prompt
-        assert source[r["index"]]["prompt"] in r["prompt"]
+        assert r["prompt"] == source[r["index"]]["prompt"]  # the input as in the dataset
+        assert r["prompt_text"].startswith("<|im_start|>user\n" + r["prompt"])  # as the model was given it
         assert r["reward"] > 0  # the reward file's score: the decoded response's length (with its eos)
     assert len({r["output"] for r in rows}) > 5  # sampled (temperature 1), not one answer per prompt
     best = generated("--post_processor", "rs")
