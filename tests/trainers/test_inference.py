@@ -204,3 +204,11 @@ def test_engine_choice():
     assert _engine_kind("hf", None) == ("hf", "--rollout.engine hf")
     with pytest.raises(ConfigError, match="--rollout.engine vllm: .*(adapter|vLLM)"):
         _engine_kind("vllm", "some/base")
+
+
+def test_generate_scores_with_a_reward_model(generated, tiny_score_model_dir):
+    import math
+
+    rows = generated("--reward.model_name_or_path", tiny_score_model_dir, reward=False)
+    assert len(rows) == 15 and all(math.isfinite(r["reward"]) for r in rows)
+    assert len({r["reward"] for r in rows}) > 1  # the score head's value of each sample
