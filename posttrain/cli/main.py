@@ -22,9 +22,22 @@ COMMANDS = {
 
 
 def usage() -> str:
-    lines = ["usage: posttrain <command> [flags]   (posttrain <command> --help for its flags)", "", "commands:"]
+    lines = ["usage: posttrain <command> [flags]   (posttrain <command> --help for its flags)",
+             "       posttrain --version", "", "commands:"]
     lines += [f"  {name:<11} {desc}" for name, (_, desc) in COMMANDS.items()]
     return "\n".join(lines)
+
+
+def version() -> str:
+    """`posttrain <version>` (the package's `__version__`, which pyproject.toml reads too), then the versions
+    of torch, transformers and Python on the next line."""
+    import platform
+    from importlib.metadata import version as installed
+
+    import posttrain
+
+    return (f"posttrain {posttrain.__version__}\ntorch {installed('torch')}, "
+            f"transformers {installed('transformers')}, Python {platform.python_version()}")
 
 
 def main(argv: list[str] | None = None):
@@ -40,6 +53,9 @@ def main(argv: list[str] | None = None):
 def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(version())
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
