@@ -13,6 +13,9 @@ COMMANDS = {
     "lora-merge": ("posttrain.cli.lora_combiner", "merge a LoRA adapter into a standalone HF model"),
     "ds-to-hf": ("posttrain.cli.ds_to_hf", "a DeepSpeed ZeRO checkpoint (OpenRLHF's, posttrain's) as a plain HF folder"),
     "serve-rm": ("posttrain.cli.serve_rm", "serve a reward model or reward_func over HTTP"),
+    "chat": ("posttrain.cli.chat", "talk to a model: chat template, history, /reset"),
+    "generate": ("posttrain.cli.generate", "sample a dataset's prompts into JSONL, scored, best-of-n"),
+    "eval": ("posttrain.cli.evaluate", "pass@k and mean reward of a model on a labelled dataset"),
     "plot": ("posttrain.cli.plot", "PNG charts of a run's metrics.jsonl"),
     "demo": ("posttrain.cli.demo", "the main job: init-tiny -> SFT -> RM / DPO / RL on a synthetic task"),
 }

@@ -15,6 +15,7 @@ from posttrain.config.errors import ConfigError
 from posttrain.config.facts import deepspeed_only_flags
 from posttrain.config.flag_values import check_flag_choice, format_value, parse_probs
 from posttrain.config.hardware import device_type, record_resolved, resolved_values
+from posttrain.config.inference import INFERENCE_CONFIGS
 from posttrain.config.ray_mode import present_roles, ray_reason, role_ranks, several_ranks, uses_ray
 from posttrain.config.roles import GROUP_ESTIMATORS, SEQUENCE_POLICY_LOSSES, reward_endpoints
 from posttrain.config.sections import POLYNOMIAL_LR_END, DSConfig, OptimizerFields
@@ -55,6 +56,12 @@ def validate(cfg: CommandConfig, world_size: int = 1, device: Any = None) -> lis
     if cfg.trainer == "serve-rm":
         _declared(cfg, r)
         _served_source(cfg, r)
+        if r.problems:
+            raise ConfigError.collect(r.problems)
+        return r.warnings
+    if cfg.trainer in INFERENCE_CONFIGS:
+        _declared(cfg, r)
+        _inference(cfg, r)
         if r.problems:
             raise ConfigError.collect(r.problems)
         return r.warnings
@@ -196,6 +203,24 @@ def _tensor_parallel(cfg, r: _Report, world_size: int, dev: str) -> None:
         r.bad(flag, n, "not with --ds.load_in_4bit: quantized weights cannot be split")
     if "muon" in optims:
         r.bad(flag, n, "not with --optim muon: Muon orthogonalizes whole matrices, a rank holds a slice")
+
+
+def _inference(cfg, r: _Report) -> None:
+    """chat / generate / eval: at most one reward source; --post_processor needs one (iter_dpo: two samples
+    per prompt)."""
+    reward = getattr(cfg, "reward", None)
+    if reward is not None and reward.remote_url and reward.model_name_or_path:
+        r.problems.append("--reward.remote_url and --reward.model_name_or_path both given: samples are "
+                          "scored by one source, drop one")
+    if cfg.trainer != "generate":
+        return
+    has_reward = bool(reward.remote_url or reward.model_name_or_path)
+    post = cfg.post_processor
+    r.need(has_reward or not post, "post_processor", post, "needs a reward to rank the samples: "
+           "--reward.remote_url (a reward_func .py file or a server URL) or --reward.model_name_or_path")
+    n = cfg.rollout.n_samples_per_prompt
+    r.need(post != "iter_dpo" or n >= 2, "post_processor", post,
+           f"needs two samples per prompt or more (--rollout.n_samples_per_prompt {n})")
 
 
 def _served_source(cfg: ServeRMConfig, r: _Report) -> None:
