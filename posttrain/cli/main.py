@@ -13,15 +13,31 @@ COMMANDS = {
     "lora-merge": ("posttrain.cli.lora_combiner", "merge a LoRA adapter into a standalone HF model"),
     "ds-to-hf": ("posttrain.cli.ds_to_hf", "a DeepSpeed ZeRO checkpoint (OpenRLHF's, posttrain's) as a plain HF folder"),
     "serve-rm": ("posttrain.cli.serve_rm", "serve a reward model or reward_func over HTTP"),
+    "chat": ("posttrain.cli.chat", "talk to a model: chat template, history, /reset"),
+    "generate": ("posttrain.cli.generate", "sample a dataset's prompts into JSONL, scored, best-of-n"),
+    "eval": ("posttrain.cli.evaluate", "pass@k and mean reward of a model on a labelled dataset"),
     "plot": ("posttrain.cli.plot", "PNG charts of a run's metrics.jsonl"),
     "demo": ("posttrain.cli.demo", "the main job: init-tiny -> SFT -> RM / DPO / RL on a synthetic task"),
 }
 
 
 def usage() -> str:
-    lines = ["usage: posttrain <command> [flags]   (posttrain <command> --help for its flags)", "", "commands:"]
+    lines = ["usage: posttrain <command> [flags]   (posttrain <command> --help for its flags)",
+             "       posttrain --version", "", "commands:"]
     lines += [f"  {name:<11} {desc}" for name, (_, desc) in COMMANDS.items()]
     return "\n".join(lines)
+
+
+def version() -> str:
+    """`posttrain <version>` (the package's `__version__`, which pyproject.toml reads too), then the versions
+    of torch, transformers and Python on the next line."""
+    import platform
+    from importlib.metadata import version as installed
+
+    import posttrain
+
+    return (f"posttrain {posttrain.__version__}\ntorch {installed('torch')}, "
+            f"transformers {installed('transformers')}, Python {platform.python_version()}")
 
 
 def main(argv: list[str] | None = None):
@@ -37,6 +53,9 @@ def main(argv: list[str] | None = None):
 def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(version())
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

@@ -16,6 +16,7 @@ from posttrain.config.hardware import device_type, record_resolved, resolve_hard
 from posttrain.config.serving import TOKEN_ENV, ServeRMConfig
 from posttrain.config.validate import check_serving_model
 from posttrain.rewards.server import build_app, server_config
+from posttrain.utils.extras import require
 
 __all__ = ["build_app", "main", "make_source", "parse_args", "startup_notes"]
 PROG = "posttrain serve-rm"
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None):
     from posttrain.utils.log import info
 
     try:
+        require("serving over HTTP", "fastapi", "uvicorn")
         check_port_free(args.host, args.port)
         device = _pick_device(args.device)
         for note in startup_notes(args, device):

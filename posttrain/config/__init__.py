@@ -22,7 +22,7 @@ from posttrain.config.parser import (
 from posttrain.config.roles import ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS
 from posttrain.config.sections import LR_SCHEDULERS, OPTIMIZERS, PARAM_DTYPES
 from posttrain.config.spec import FlagSpec, changed_values, flag_specs
-from posttrain.config.summary import derived_sizes, format_config
+from posttrain.config.summary import derived_sizes, format_config, format_set_flags
 from posttrain.config.trainers import (
     CONFIG_CLASSES,
     TRAINERS,
@@ -65,6 +65,7 @@ __all__ = [
     "adjustable_values",
     "build_parser",
     "changed_values",
+    "format_set_flags",
     "checkpoint_dir",
     "config_class",
     "config_to_dict",

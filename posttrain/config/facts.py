@@ -8,12 +8,12 @@ flags share; `posttrain.config.inert` applies the facts."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from posttrain.config.ray_mode import data_parallel, present_roles, reference_in_actor, uses_ray
+from posttrain.utils.extras import installed
 
 Condition = Callable[[Any, Any, str], "bool | str"]
 PPO = ("ppo",)
@@ -34,13 +34,6 @@ def in_section(test: Callable[[Any, Any, str, str], bool | str], up: int = 0) ->
     several roles inherit (the optimizer fields of `--actor.*` and `--critic.*`)."""
     test.on_section = 1 + up  # dotted parts dropped from the path, read by `inert.InertRule.explain`
     return test
-
-
-def installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def not_yet(feature: str, trainers: tuple[str, ...] | None = None) -> Inert:

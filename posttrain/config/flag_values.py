@@ -25,7 +25,9 @@ def check_flag_choice(spec: FlagSpec, value: Any) -> None:
     if spec.choices is None or value is None:
         return
     if value not in spec.choices:
-        raise ValueError(f"invalid choice {value!r}; valid values: {_choices_text(spec)}")
+        alias = spec.aliases.get(str(value).strip().lower().replace("-", "_"))
+        hint = f"; {value} is called {alias} here ({spec.flag} {alias})" if alias else ""
+        raise ValueError(f"invalid choice {value!r}{hint}; valid values: {_choices_text(spec)}")
 
 
 def parse_scalar(spec: FlagSpec, text: str) -> Any:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from posttrain.config.facts import installed
 from posttrain.config.flag_values import format_value
 from posttrain.config.spec import get_path, set_path
 from posttrain.config.trainers import CommandConfig
+from posttrain.utils.extras import installed
 
 _RESOLVED = "_posttrain_resolved"  # attribute on cfg: path -> (value asked for, value used, reason)
 

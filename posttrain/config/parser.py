@@ -23,7 +23,7 @@ from posttrain.compat.trl_rloo import ATTRIBUTE as TRL_ATTRIBUTE
 from posttrain.compat.trl_rloo import Translation, is_trl_rloo, translate_rloo
 from posttrain.config.errors import ConfigError, ConfigWarning
 from posttrain.config.flag_values import parse_scalar
-from posttrain.config.spec import FlagSpec, flag_specs, set_path
+from posttrain.config.spec import SOURCES_ATTRIBUTE, FlagSpec, flag_specs, set_path
 from posttrain.config.trainers import COMMAND_CONFIGS, CONFIG_CLASSES, TRAINERS, config_class
 from posttrain.config.yaml_io import load_yaml_values, read_yaml, typed_values
 
@@ -194,23 +194,33 @@ def parse_config(
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(trainer)
     path = _config_path(argv)
+    sources: dict[str, str] = {}
+    trl_source = "TRL config"
     if path is not None:
         data = read_yaml(path)
         if is_trl_rloo(data):
             translation = _translate_trl(path, data, cls, parser, argv)
+            trl_source = f"TRL config {path}"
         else:
-            parser.set_defaults(**load_yaml_values(path, cls))
+            values = load_yaml_values(path, cls)
+            parser.set_defaults(**values)
+            sources.update(dict.fromkeys(values, f"--config {path}"))
     if translation is not None:
         problems: list[str] = []
-        parser.set_defaults(**typed_values(translation.values, cls, problems))
+        translated = typed_values(translation.values, cls, problems)
+        parser.set_defaults(**translated)
+        sources.update(dict.fromkeys(translated, trl_source))
         if problems:  # a value of a type the translation passes through (a path that is not a string)
             raise ConfigError.collect([f"TRL translation: {p}" for p in problems])
     ns, extras = parser.parse_known_args(argv)
     if extras:
         raise _unknown_error(extras, trainer)
+    sources.update(dict.fromkeys(_given_on_command_line(parser, argv), "command line"))
     cfg = cls()
     for spec in flag_specs(cls):
         set_path(cfg, spec.path, copy.deepcopy(getattr(ns, spec.path)))
+    object.__setattr__(cfg, SOURCES_ATTRIBUTE,
+                       {sp.path: sources[sp.path] for sp in flag_specs(cls) if sp.path in sources})
     if translation is not None:
         object.__setattr__(cfg, TRL_ATTRIBUTE, translation)
     if check:
@@ -220,6 +230,14 @@ def parse_config(
         for message in validate(cfg, world_size=ws, device=device):
             warnings.warn(message, ConfigWarning, stacklevel=2)
     return cfg
+
+
+def _given_on_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """The dests (flag paths) that `argv` itself sets (a negation sets its flag's path)."""
+    unset = object()
+    probe = argparse.Namespace(**{a.dest: unset for a in parser._actions if a.dest != "help"})
+    parser.parse_known_args(argv, namespace=probe)
+    return [dest for dest, value in vars(probe).items() if value is not unset and dest != "config"]
 
 
 def config_from_trl_rloo(trl_config: Any, argv: list[str] | None = None, *, world_size: int = 1,

@@ -60,9 +60,27 @@ def role_ranks(role_cfg: RolePlacement) -> int:
     return role_cfg.num_nodes * role_cfg.num_gpus_per_node
 
 
+def several_ranks(cfg: Any) -> str | None:
+    """The first present role with more than one rank, as its flags (`--actor.num_nodes 1 x
+    --actor.num_gpus_per_node 2`); None: every role has one rank."""
+    for name, r in present_roles(cfg).items():
+        if role_ranks(r) > 1:
+            return f"--{name}.num_nodes {r.num_nodes} x --{name}.num_gpus_per_node {r.num_gpus_per_node}"
+    return None
+
+
+def ray_reason(cfg: Any) -> str | None:
+    """What puts the run on Ray, for messages: `RAY_ADDRESS=...`, `--vllm.num_engines N` or a role's ranks
+    (`several_ranks`); None: the run stays in one process."""
+    if os.environ.get("RAY_ADDRESS"):
+        return f"RAY_ADDRESS={os.environ['RAY_ADDRESS']}"
+    if (cfg.vllm.num_engines or 0) >= 1:
+        return f"--vllm.num_engines {cfg.vllm.num_engines}"
+    return several_ranks(cfg)
+
+
 def uses_ray(cfg: Any) -> bool:
-    return (bool(os.environ.get("RAY_ADDRESS")) or (cfg.vllm.num_engines or 0) >= 1
-            or any(role_ranks(r) > 1 for r in present_roles(cfg).values()))
+    return ray_reason(cfg) is not None
 
 
 def data_parallel(cfg: Any) -> bool:

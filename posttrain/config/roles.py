@@ -14,6 +14,12 @@ from posttrain.config.spec import opt, section
 ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo")
 GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+# the names TRL / verl / OpenRLHF users bring for our estimators (lower case, `_` for `-`)
+ESTIMATOR_ALIASES = {"grpo": "group_norm", "ppo": "gae", "reinforce++": "reinforce",
+                     "reinforcepp": "reinforce", "reinforce_plus_plus": "reinforce", "reinforce++_baseline": "reinforce_baseline",
+                     "reinforce_plus_plus_baseline": "reinforce_baseline", "drgrpo": "dr_grpo",
+                     "dr_grpo": "dr_grpo", "rloo": "rloo", "group_norm": "group_norm",
+                     "reinforce_baseline": "reinforce_baseline"}
 IS_CORRECTION_TYPES = ("tis", "icepop", "seq-mask-tis")
 POLICY_LOSS_TYPES = ("ppo", "gspo", "seq_sum")
 SEQUENCE_POLICY_LOSSES = ("gspo", "seq_sum")  # per-sequence ratio: aggregated per sequence (auto loss_agg)
@@ -247,7 +253,7 @@ class RewardConfig:
 class AdvantageConfig:
     """Advantage estimation."""
 
-    estimator: str = opt("gae", "advantage estimator", choices=ESTIMATORS)
+    estimator: str = opt("gae", "advantage estimator", choices=ESTIMATORS, aliases=ESTIMATOR_ALIASES)
     gamma: float = opt(1.0, "discount factor in [0, 1]", ge=0, le=1)
     lambd: float = opt(1.0, "GAE lambda in [0, 1]", ge=0, le=1,
                        inert=Inert("only --algo.advantage.estimator gae reads it", facts.no_critic))

@@ -26,6 +26,7 @@ def opt(
     help: str,
     *,
     choices: tuple | None = None,
+    aliases: dict | None = None,
     nargs: int | str | None = None,
     negation: str | None = None,
     extension: bool = False,
@@ -43,7 +44,9 @@ def opt(
 ) -> Any:
     """Declare a config field with every fact that concerns it alone.
 
-    choices: allowed values (None stays allowed for Optional fields). nargs: 2 or "*" for list fields.
+    choices: allowed values (None stays allowed for Optional fields). aliases: names other tools give a
+    choice (lower case, `_` for `-`) -> that choice, named in the refusal of such a name.
+    nargs: 2 or "*" for list fields.
     negation: name of a companion store_false flag for a default-True boolean (`no_nesterov`).
     extension: the flag is a posttrain addition that OpenRLHF 0.10.2 does not have.
     ge / gt / le / lt / finite: the range of the value (of each element of a list; None is always
@@ -62,6 +65,7 @@ def opt(
     md = {
         "help": help,
         "choices": tuple(choices) if choices else None,
+        "aliases": dict(aliases or {}),
         "nargs": nargs,
         "negation": negation,
         "extension": extension,
@@ -170,6 +174,7 @@ class FlagSpec:
     bounds: Bounds = Bounds()
     inert: tuple = ()  # `facts.Inert`s: its own, then those of its enclosing sections
     on_resume: str = "trajectory"  # what a changed value means on resume (`opt(on_resume=...)`)
+    aliases: dict = field(default_factory=dict)  # other tools' names of a choice -> it (`opt(aliases=)`)
 
     def problem(self, value: Any) -> str | None:
         """Why `value` is refused by this flag's own declaration (range, check), or None."""
@@ -238,6 +243,7 @@ def flag_specs(cls: type) -> tuple[FlagSpec, ...]:
                     default=copy.deepcopy(value),
                     help=md["help"],
                     choices=md["choices"],
+                    aliases=md["aliases"],
                     negation=(prefix + neg) if neg else None,
                     extension=md["extension"],
                     section=prefix[:-1],
@@ -268,6 +274,15 @@ def set_path(cfg: Any, path: str, value: Any) -> None:
     for part in parents:
         obj = getattr(obj, part)
     setattr(obj, leaf, value)
+
+
+SOURCES_ATTRIBUTE = "_posttrain_flag_sources"  # set by the parser on the configs it builds
+
+
+def flag_sources(cfg: Any) -> dict[str, str]:
+    """Dotted path -> where the user set it ("command line", "--config FILE", "TRL config FILE") for every
+    flag the parser was given, in the order of the config's flags; {} for a config built in code."""
+    return dict(getattr(cfg, SOURCES_ATTRIBUTE, {}))
 
 
 def changed_values(cfg: Any) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from typing import Any
 
 from posttrain.config.flag_values import format_value
 from posttrain.config.hardware import resolved_values
-from posttrain.config.spec import changed_values, flag_specs, get_path
+from posttrain.config.spec import SOURCES_ATTRIBUTE, changed_values, flag_sources, flag_specs, get_path
 from posttrain.config.trainers import CommandConfig, TrainerConfig
 
 
@@ -93,3 +93,33 @@ def format_config(cfg: CommandConfig, derived: dict[str, Any] | None = None) -> 
         lines.append("[derived sizes]")
         lines.extend(f"   {k} = {v}" for k, v in derived.items())
     return "\n".join(lines)
+
+
+ECHO_LINES = 40  # the start-up echo fits one screen
+
+
+def format_set_flags(cfg: CommandConfig, derived: dict[str, Any] | None = None,
+                     full: str = "config.yaml") -> str:
+    """The start-up echo: the flags the user set, each with its value and where it came from (command line,
+    `--config` file, TRL config translation; a value start-up changed says so), at most one screen of them;
+    the derived sizes on one line; last, where the full configuration is (`full`). A config built in code
+    (not parsed) lists the flags that differ from the defaults instead."""
+    sources = flag_sources(cfg) if hasattr(cfg, SOURCES_ATTRIBUTE) else \
+        dict.fromkeys(changed_values(cfg), "differs from the default")
+    resolved = resolved_values(cfg)
+    lines = []
+    for path, source in sources.items():
+        note = ""
+        if path in resolved and resolved[path][0] is not None:
+            note = f"; asked {format_value(resolved[path][0])}: {resolved[path][2]}"
+        value = get_path(cfg, path)
+        shown = format_value(value) if value not in (None, "") else repr(value)
+        lines.append(f"  --{path} {shown}  ({source}{note})")
+    if len(lines) > ECHO_LINES:
+        lines[ECHO_LINES - 1:] = [f"  ... and {len(lines) - ECHO_LINES + 1} more"]
+    head = f"posttrain {cfg.trainer}: {len(sources)} flag(s) set" + (":" if sources else ", all defaults")
+    tail = []
+    if derived:
+        tail.append("derived sizes: " + ", ".join(f"{k} = {v}" for k, v in derived.items()))
+    tail.append(f"every flag's value: {full}")
+    return "\n".join([head, *lines, *tail])

@@ -9,6 +9,7 @@ from typing import ClassVar
 
 from posttrain.config import facts
 from posttrain.config.facts import Inert
+from posttrain.config.inference import INFERENCE_CONFIGS, ChatConfig, EvalCmdConfig, GenerateConfig
 from posttrain.config.roles import (
     NO_CRITIC,
     ActorConfig,
@@ -139,11 +140,12 @@ class PPOConfig(LauncherFields):
 # the configs a function may be passed, for its annotations
 SingleModelConfig = SFTConfig | RMConfig | DPOConfig  # the single-model trainers (trainers/session.py)
 TrainerConfig = SingleModelConfig | PPOConfig  # any trainer's
-CommandConfig = TrainerConfig | ServeRMConfig  # any command's the dotted-flag parser reads (COMMAND_CONFIGS)
+# any command's the dotted-flag parser reads (COMMAND_CONFIGS)
+CommandConfig = TrainerConfig | ServeRMConfig | ChatConfig | GenerateConfig | EvalCmdConfig
 
 CONFIG_CLASSES: dict[str, type] = {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig, "ppo": PPOConfig}
-# every command whose flags the dotted-flag parser reads: the trainers and the reward server
-COMMAND_CONFIGS: dict[str, type] = {**CONFIG_CLASSES, "serve-rm": ServeRMConfig}
+# every command whose flags the dotted-flag parser reads: the trainers, the reward server, chat/generate/eval
+COMMAND_CONFIGS: dict[str, type] = {**CONFIG_CLASSES, "serve-rm": ServeRMConfig, **INFERENCE_CONFIGS}
 
 
 def config_class(command: str) -> type:

@@ -12,15 +12,18 @@ import math
 from typing import Any
 
 from posttrain.config.errors import ConfigError
+from posttrain.config.facts import deepspeed_only_flags
 from posttrain.config.flag_values import check_flag_choice, format_value, parse_probs
 from posttrain.config.hardware import device_type, record_resolved, resolved_values
-from posttrain.config.ray_mode import present_roles, role_ranks, uses_ray
+from posttrain.config.inference import INFERENCE_CONFIGS
+from posttrain.config.ray_mode import present_roles, ray_reason, role_ranks, several_ranks, uses_ray
 from posttrain.config.roles import GROUP_ESTIMATORS, SEQUENCE_POLICY_LOSSES, reward_endpoints
 from posttrain.config.sections import POLYNOMIAL_LR_END, DSConfig, OptimizerFields
 from posttrain.config.serving import ServedModelConfig, ServeRMConfig
 from posttrain.config.spec import flag_specs, get_path, set_path
 from posttrain.config.summary import data_parallel_size, micro_batch_tokens
 from posttrain.config.trainers import CommandConfig, PPOConfig, TrainerConfig
+from posttrain.utils.extras import installed, missing_message
 
 
 class _Report:
@@ -56,6 +59,12 @@ def validate(cfg: CommandConfig, world_size: int = 1, device: Any = None) -> lis
         if r.problems:
             raise ConfigError.collect(r.problems)
         return r.warnings
+    if cfg.trainer in INFERENCE_CONFIGS:
+        _declared(cfg, r)
+        _inference(cfg, r)
+        if r.problems:
+            raise ConfigError.collect(r.problems)
+        return r.warnings
     r.need(
         world_size >= 1,
         "train.batch_size",
@@ -81,9 +90,25 @@ def validate(cfg: CommandConfig, world_size: int = 1, device: Any = None) -> lis
             _optimizer(getattr(cfg, role), f"{role}.", cfg, r)
     else:
         _optimizer(cfg, "", cfg, r)
+    _optional_parts(cfg, r, world_size)
     if r.problems:
         raise ConfigError.collect(r.problems)
     return r.warnings
+
+
+def _optional_parts(cfg: TrainerConfig, r: _Report, world_size: int) -> None:
+    """What the run asked for that needs an optional dependency which is not installed (`utils.extras`):
+    Ray for a run on Ray, DeepSpeed for ZeRO (several ranks, a DeepSpeed-only flag), TensorBoard, W&B.
+    (bitsandbytes is checked where the 4-bit base loads, on a CUDA GPU only.)"""
+    needs = []
+    if cfg.trainer == "ppo":
+        needs += [(ray_reason(cfg), "ray"), (several_ranks(cfg), "deepspeed")]
+    else:
+        ranks = f"training on {world_size} ranks (WORLD_SIZE={world_size})" if world_size > 1 else None
+        needs += [(ranks or ", ".join(deepspeed_only_flags(cfg.ds)), "deepspeed")]
+    needs += [(cfg.logger.tensorboard_dir and "--logger.tensorboard_dir", "tensorboard"),
+              (cfg.logger.wandb.key is not None and "--logger.wandb.key", "wandb")]
+    r.problems += [missing_message(module, what) for what, module in needs if what and not installed(module)]
 
 
 def check_serving_model(ds: ServedModelConfig, device: Any = None) -> list[str]:
@@ -178,6 +203,24 @@ def _tensor_parallel(cfg, r: _Report, world_size: int, dev: str) -> None:
         r.bad(flag, n, "not with --ds.load_in_4bit: quantized weights cannot be split")
     if "muon" in optims:
         r.bad(flag, n, "not with --optim muon: Muon orthogonalizes whole matrices, a rank holds a slice")
+
+
+def _inference(cfg, r: _Report) -> None:
+    """chat / generate / eval: at most one reward source; --post_processor needs one (iter_dpo: two samples
+    per prompt)."""
+    reward = getattr(cfg, "reward", None)
+    if reward is not None and reward.remote_url and reward.model_name_or_path:
+        r.problems.append("--reward.remote_url and --reward.model_name_or_path both given: samples are "
+                          "scored by one source, drop one")
+    if cfg.trainer != "generate":
+        return
+    has_reward = bool(reward.remote_url or reward.model_name_or_path)
+    post = cfg.post_processor
+    r.need(has_reward or not post, "post_processor", post, "needs a reward to rank the samples: "
+           "--reward.remote_url (a reward_func .py file or a server URL) or --reward.model_name_or_path")
+    n = cfg.rollout.n_samples_per_prompt
+    r.need(post != "iter_dpo" or n >= 2, "post_processor", post,
+           f"needs two samples per prompt or more (--rollout.n_samples_per_prompt {n})")
 
 
 def _served_source(cfg: ServeRMConfig, r: _Report) -> None:

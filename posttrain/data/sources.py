@@ -133,6 +133,15 @@ def _load_hub(name: str, split: str) -> list[Row]:
     return _arrow_rows(loaded, name)
 
 
+def missing_source(source: str) -> str | None:
+    """Why ``source`` names a local file or folder that does not exist (the error `load_source` would
+    raise), or None: it exists, or it is a hub name."""
+    path = os.path.expanduser(source)
+    if os.path.exists(path) or not _looks_local(source):
+        return None
+    return f"dataset '{source}': no such file or folder ({os.path.abspath(path)})."
+
+
 def load_source(source: str, split: str = "train") -> list[Row]:
     """All rows of ``split`` from one source (see the module docstring for the rules)."""
     path = os.path.expanduser(source)
@@ -145,6 +154,6 @@ def load_source(source: str, split: str = "train") -> list[Row]:
         return read_file(path)
     if os.path.isdir(path):
         return _load_saved(path, split) if _is_saved_dataset(path) else _load_folder(path, split)
-    if _looks_local(source):
-        raise DataError(f"dataset '{source}': no such file or folder ({os.path.abspath(path)}).")
+    if missing_source(source):
+        raise DataError(missing_source(source))
     return _load_hub(source, split)

@@ -35,6 +35,7 @@ from posttrain.engines.schedulers import build_scheduler, schedule_of
 from posttrain.engines.zero3_step import lean_step
 from posttrain.models import tensor_parallel as tp
 from posttrain.models.moe import mark_zero3_leaves
+from posttrain.utils.extras import require
 from posttrain.utils.log import info
 
 TAG = "engine"
@@ -63,11 +64,10 @@ def import_deepspeed():
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("DS_BUILD_OPS", "0")
-    try:
-        import deepspeed
-    except ImportError as e:
-        raise ImportError("zero_stage needs DeepSpeed: pip install 'deepspeed>=0.17'") from e
+    require("the DeepSpeed ZeRO engine", "deepspeed")
     import logging
+
+    import deepspeed
     deepspeed.utils.logger.setLevel(logging.WARNING)
     return deepspeed
 

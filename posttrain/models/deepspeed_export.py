@@ -29,6 +29,7 @@ import torch
 
 from posttrain.utils.checkpoint import MANIFEST, load_state_file, refused_file, run_folder_at
 from posttrain.utils.errors import UserError
+from posttrain.utils.extras import require
 from posttrain.utils.run_lock import LOCK_FILE
 
 
@@ -86,14 +87,15 @@ def zero_fp32_state(checkpoint, tag: str | None = None) -> dict[str, torch.Tenso
     """The whole fp32 weights of a ZeRO checkpoint (frozen parameters included when it saved them). A
     posttrain checkpoint (`global_stepN` or its `engine` folder, no `tag`) is read as its engine wrote it:
     DeepSpeed's files under `engine/engine`, or the plain torch engine's `model.pt` (weights-only)."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
     if tag is None and (found := posttrain_engine(checkpoint)) is not None:
         folder, engine = found
         if engine == "torch":
             return dict(load_state_file(folder / "model.pt"))
         checkpoint, tag = folder, "engine"
     folder, tag = resolve_tag(checkpoint, tag)
+    require(f"--checkpoint {folder / tag} (a DeepSpeed ZeRO checkpoint)", "deepspeed")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
     with weights_only_loads():
         try:
             return dict(get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag))

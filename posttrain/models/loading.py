@@ -28,6 +28,7 @@ from posttrain.models.shard_loading import (
     zero3_loading,
 )
 from posttrain.utils.errors import UserError
+from posttrain.utils.extras import require
 from posttrain.utils.log import info, warn_once
 
 if TYPE_CHECKING:
@@ -142,10 +143,7 @@ def quantization_4bit(dtype):
     if not torch.cuda.is_available():
         raise ValueError("--ds.load_in_4bit: bitsandbytes 4-bit loading needs a CUDA GPU and none is visible; "
                          "drop the flag (LoRA alone works on CPU)")
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError as err:
-        raise ValueError("--ds.load_in_4bit needs bitsandbytes: pip install 'posttrain[qlora]'") from err
+    require("--ds.load_in_4bit", "bitsandbytes")
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,

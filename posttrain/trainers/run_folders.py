@@ -14,16 +14,25 @@ and the RL trainer).
 pointed at it with `--ckpt.path` takes that folder's lock, not the run directory's), and checks it
 (`CheckpointManager.prepare`): a fresh run into a folder holding checkpoints is refused; a resume
 picks the newest checkpoint that verifies and refuses one written with other training flags.
+Before all that, (0) a finished run in `--ckpt.output_dir` (its `summary.json`, or a saved model:
+config.json or adapter_config.json beside weights) is refused unless `--ckpt.overwrite`, or
+`--ckpt.load_enable` with checkpoints in the checkpoint folder (which resumes, or starts fresh when none
+verifies, as before).
 Every refusal is a UserError raised before anything is written; the locks taken so far are released.
+`RunFolders.abandon()` (a start that fails before training) removes what the claim and the start
+created in these folders and nothing else.
 """
 from __future__ import annotations
 
 import math
+import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from posttrain.config import TrainerConfig, adjustable_values, checkpoint_dir, run_fingerprint
 from posttrain.utils.checkpoint import CheckpointManager, RunIdentity
+from posttrain.utils.errors import UserError
 from posttrain.utils.log import info
 from posttrain.utils.run_lock import RunLock
 
@@ -42,6 +51,8 @@ class RunFolders:
     ckpt: CheckpointManager | None = None
     resume_from: Path | None = None
     locks: list[RunLock] = field(default_factory=list)
+    # each folder this process locked: (it, the entries it held before, the folders its lock made)
+    found: list[tuple[Path, set[str] | None, list[Path]]] = field(default_factory=list)
 
     def last_checkpoint(self) -> Path | None:
         """The newest good checkpoint of this run (saved by it or resumed from), or None."""
@@ -53,6 +64,27 @@ class RunFolders:
             lock.release()
         self.locks.clear()
 
+    def abandon(self) -> None:
+        """A start that failed before training: remove what appeared in the locked folders since the claim
+        (config.yaml, the lock file, ...), each folder this run made (and the parents made for it) when
+        empty, then release the locks. Entries that were there before are left as they were."""
+        for folder, before, made in reversed(self.found):
+            if not folder.is_dir():
+                continue
+            for name in sorted(set(os.listdir(folder)) - (before or set())):
+                entry = folder / name
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+            for path in made:  # innermost first; one that something else filled meanwhile stays
+                try:
+                    path.rmdir()
+                except OSError:
+                    break
+        self.found.clear()
+        self.close()
+
     def __enter__(self) -> RunFolders:
         return self
 
@@ -60,24 +92,67 @@ class RunFolders:
         self.close()
 
 
+def _entries(folder: Path) -> set[str] | None:
+    return set(os.listdir(folder)) if folder.is_dir() else None
+
+
+def _lock(folders: RunFolders, folder: Path, flag: str) -> None:
+    """Lock `folder` (made if missing), noting for `abandon` what it held before, or which folders the
+    lock makes (it and its missing parents, innermost first)."""
+    made = []
+    for path in (folder, *folder.absolute().parents):
+        if path.exists():
+            break
+        made.append(path)
+    before = _entries(folder) if not made else None
+    folders.locks.append(RunLock(folder, flag).acquire())
+    folders.found.append((folder, before, made))
+
+
+def finished_run(folder: Path) -> str | None:
+    """What shows that `folder` holds a finished run: its summary.json or a saved model; None if nothing."""
+    names = _entries(folder) or set()
+    if "summary.json" in names:
+        return "summary.json"
+    weights = any(n.endswith((".safetensors", ".bin")) for n in names)
+    if weights and names & {"config.json", "adapter_config.json"}:
+        return "a saved model"
+    return None
+
+
+def _refuse_finished(cfg: TrainerConfig, folder: Path) -> None:
+    what = None if cfg.ckpt.overwrite else finished_run(folder)
+    if what:
+        how = (" and --ckpt.load_enable has no checkpoint to resume;" if cfg.ckpt.load_enable else
+               "; resume its checkpoints with --ckpt.load_enable,")
+        raise UserError(f"--ckpt.output_dir {folder} holds a finished run ({what}){how} replace it with "
+                        "--ckpt.overwrite, or choose another --ckpt.output_dir")
+
+
 def claim_run_folders(cfg: TrainerConfig, *, is_main: bool = True) -> RunFolders:
     """Lock and check the run's folders before anything is written (module docstring)."""
     folders = RunFolders(Path(cfg.ckpt.output_dir))
+    if not cfg.ckpt.load_enable:
+        _refuse_finished(cfg, folders.path)
     try:
         if is_main:
-            folders.locks.append(RunLock(folders.path, "--ckpt.output_dir").acquire())
+            _lock(folders, folders.path, "--ckpt.output_dir")
         root = checkpoint_dir(cfg)
         if root is None or not (cfg.ckpt.save_steps > 0 or cfg.ckpt.load_enable):
+            if cfg.ckpt.load_enable:
+                _refuse_finished(cfg, folders.path)
             return folders
         how = " (--ckpt.path unset: <--ckpt.output_dir>/checkpoints)" if cfg.ckpt.path is None else ""
         info(f"checkpoints: {root.resolve()}{how}")
         if is_main:
-            folders.locks.append(RunLock(root, "--ckpt.path").acquire())
+            _lock(folders, root, "--ckpt.path")
         max_mem = cfg.ckpt.max_mem if cfg.ckpt.max_mem is not None else math.inf
         folders.ckpt = CheckpointManager(root, max_num=cfg.ckpt.max_num, max_mem_gb=max_mem, is_main=is_main,
                                          identity=run_identity(cfg))
         folders.resume_from = folders.ckpt.prepare(cfg.ckpt.load_enable)
+        if cfg.ckpt.load_enable and not any(root.glob("global_step*")):  # nothing it could resume
+            _refuse_finished(cfg, folders.path)
         return folders
     except BaseException:
-        folders.close()
+        folders.abandon()
         raise

@@ -1,8 +1,10 @@
 """How a run starts and, for the single-model trainers, how it is set up and ends:
 
 - `RunStart` — what every trainer (SFT, RM, DPO, PPO) does first: the heap policy
-  (`utils.memory.apply_heap_policy`), hardware defaults, config echo,
-  the run folders claimed (`run_folders.claim_run_folders`), config.yaml, seeding, metric sinks;
+  (`utils.memory.apply_heap_policy`), hardware defaults, every input path checked (`inputs.check_inputs`),
+  the run folders claimed (`run_folders.claim_run_folders`), seeding; then, once the trainer has loaded
+  its inputs, `announce` (the echo of the flags set, config.yaml), metric sinks, and at the end `finish`
+  (`run_summary.finish_run`: the summary line and summary.json);
 - `SingleModelRun` — SFT/RM/DPO on top of it: tokenizer, data rows, model, train engine, the step
   loop (`single_model_loop.SingleModelLoop`, a `run_loop.RunLoop`), and the final Hugging Face export
   to `--ckpt.output_dir` (the run directory: config.yaml, metrics.jsonl, plots/ and the model all land
@@ -10,12 +12,14 @@
 
 The run directory has one writer: `RunStart(cfg)` (inside `SingleModelRun(cfg)`) locks it (and the
 checkpoint folder) and checks the checkpoint folder before it writes config.yaml or loads anything; for
-SFT/RM/DPO the locks are released when `fit` returns or fails, or by `close()` (`with SingleModelRun(cfg) as run:`
-releases them whatever happens in between)."""
+SFT/RM/DPO the locks are released when `fit` returns or fails, or by `close()` (`with SingleModelRun(cfg) as
+run:` releases them whatever happens in between, and a failure before training removes what the run created
+in its folders: `RunStart.abandon`)."""
 from __future__ import annotations
 
 import math
 import os
+import time
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
@@ -28,18 +32,18 @@ from posttrain.config import (
     SingleModelConfig,
     TrainerConfig,
     derived_sizes,
-    format_config,
+    format_set_flags,
     inert_flags,
     resolve_hardware_defaults,
     save_config,
 )
 from posttrain.config.facts import deepspeed_only_flags
+from posttrain.config.flag_values import format_value
 from posttrain.config.summary import micro_batch_tokens
 from posttrain.data import load_rows
-from posttrain.engines import make_train_engine
+from posttrain.engines import make_train_engine, num_warmup_steps
 from posttrain.engines.zero3 import describe_shards, sharded_loading
 from posttrain.models import (
-    check_model_folder,
     load_causal_lm,
     load_tokenizer,
     save_pretrained,
@@ -48,9 +52,11 @@ from posttrain.models import (
 from posttrain.models.context_parallel import register as register_context_parallel
 from posttrain.models.moe import track_router_loss
 from posttrain.trainers.context_parallel import ContextGroups
+from posttrain.trainers.inputs import check_inputs
 from posttrain.trainers.parallel_layout import ParallelLayout
 from posttrain.trainers.run_folders import claim_run_folders
 from posttrain.trainers.run_loop import plot_charts
+from posttrain.trainers.run_summary import finish_run
 from posttrain.trainers.single_model_loop import LoopSettings, SingleModelLoop
 from posttrain.trainers.vision import export_savers, vision_processor
 from posttrain.utils.checkpoint import disk_full_as_error
@@ -68,41 +74,61 @@ def pick_device() -> torch.device:
 
 
 class RunStart:
-    """The start every trainer shares (SFT, RM, DPO, PPO): the device; hardware defaults resolved and
-    printed; the resolved config with its derived sizes and the notes on flags without effect; the
-    run directory locked and its checkpoints checked (`claim_run_folders`) before anything is written;
-    config.yaml; the seed. `close()` releases the run directory; a failure inside the start
-    releases it too."""
+    """The start every trainer shares (SFT, RM, DPO, PPO), in this order: the device and hardware defaults
+    (resolved, not yet printed); every input path checked at once (`inputs.check_inputs`: one error naming
+    each missing or broken model, dataset and reward file); the run directory locked and checked
+    (`claim_run_folders`: a finished run is refused without --ckpt.overwrite); the seed. The trainer then
+    loads its inputs (tokenizer, rows, data keys, sizes) and calls `announce()`, which prints the echo and
+    writes config.yaml. A failure before training (`closed_on_error`, `abandon`) removes what the start
+    created in the run folders; `close()` only releases them."""
 
     def __init__(self, cfg: TrainerConfig) -> None:
         apply_heap_policy()
+        self.cfg = cfg
         self.device = pick_device()
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.is_main = int(os.environ.get("RANK", "0")) == 0
-        for note in resolve_hardware_defaults(cfg, self.device.type) or []:
-            info(note)
+        self.hardware_notes = resolve_hardware_defaults(cfg, self.device.type) or []
         self.output_dir = Path(cfg.ckpt.output_dir)
-        translation = translation_of(cfg)
-        if translation is not None:
-            info(translation.report())
-        info(format_config(cfg, derived_sizes(cfg, self.world_size)))
+        self.translation = translation_of(cfg)
+        self.began: float | None = None  # when training began (`begin`); a failure after it keeps the files
+        self.started = time.time()
+        check_inputs(cfg)
+        self.folders = claim_run_folders(cfg, is_main=self.is_main)
+        with self.closed_on_error():
+            set_seed(cfg.train.seed)
+
+    def announce(self, steps: int | None = None, optimizers: tuple = ()) -> None:
+        """The echo, once the inputs are loaded and checked: hardware notes, the TRL translation, the flags
+        the user set and where each came from, the derived sizes, notes on flags without effect and on a
+        warm-up longer than a quarter of the run (`optimizers`: (flag prefix, optimizer section) pairs that
+        train for `steps` optimizer steps); then config.yaml (every flag) and the TRL report are written."""
+        cfg = self.cfg
+        for note in self.hardware_notes:
+            info(note)
+        if self.translation is not None:
+            info(self.translation.report())
+        info(format_set_flags(cfg, derived_sizes(cfg, self.world_size), str(self.output_dir / "config.yaml")))
         for note in inert_flags(cfg, self.device.type):
             info(f"note: {note}")
-        self.folders = claim_run_folders(cfg, is_main=self.is_main)
+        for prefix, section in optimizers if steps else ():
+            note = warmup_note(section, steps, prefix)
+            if note:
+                info(f"note: {note}")
         with self.closed_on_error():
             if self.is_main:
                 save_config(cfg, self.output_dir / "config.yaml")
-                if translation is not None:
-                    (self.output_dir / TRL_REPORT_FILE).write_text(translation.report() + "\n", encoding="utf-8")
-            set_seed(cfg.train.seed)
+                if self.translation is not None:
+                    (self.output_dir / TRL_REPORT_FILE).write_text(self.translation.report() + "\n",
+                                                                   encoding="utf-8")
 
     @contextmanager
     def closed_on_error(self):
-        """Release the run directory if the block raises (a set-up that fails)."""
+        """`abandon()` if the block raises (a set-up that fails)."""
         try:
             yield
         except BaseException:
-            self.close()
+            self.abandon()
             raise
 
     def open_logger(self, cfg: TrainerConfig, enabled: bool = True) -> MetricsLogger:
@@ -118,6 +144,37 @@ class RunStart:
 
     def close(self) -> None:
         self.folders.close()
+
+    def begin(self) -> None:
+        """Training begins: from now on a failure keeps what the run wrote (checkpoints, metrics)."""
+        self.began = time.time()
+
+    def finish(self) -> None:
+        """The end of a run whose final model is saved: summary.json and the summary line (main process)."""
+        if self.is_main:
+            finish_run(self.cfg.trainer, self.output_dir, self.started, self.began)
+
+    def abandon(self) -> None:
+        """A failure: before training, remove what this run created in its folders (`RunFolders.abandon`)
+        and release them; once training began, only release them."""
+        if self.began is not None:
+            self.close()
+        else:
+            self.folders.abandon()
+
+
+def warmup_note(opt, steps: int, prefix: str = "") -> str | None:
+    """The note for a learning-rate warm-up (section `opt`, flags `--{prefix}lr_warmup_*`) longer than a
+    quarter of a run of `steps` optimizer steps, or None."""
+    if opt.lr_scheduler == "constant" or steps < 1:
+        return None
+    warm = min(num_warmup_steps(steps, opt.lr_warmup_ratio, opt.lr_warmup_steps), steps)
+    if warm * 4 <= steps:
+        return None
+    how = (f"--{prefix}lr_warmup_steps {opt.lr_warmup_steps}" if opt.lr_warmup_steps is not None
+           else f"--{prefix}lr_warmup_ratio {format_value(opt.lr_warmup_ratio)}")
+    return (f"lr warm-up covers {warm} of the {steps} steps ({100 * warm // steps}%, {how}): the first steps "
+            "log lr near 0")
 
 
 def lora_settings(cfg: SingleModelConfig) -> dict | None:
@@ -138,10 +195,7 @@ class SingleModelRun:
         self.start = RunStart(cfg)
         self.device, self.world_size, self.is_main = self.start.device, self.start.world_size, self.start.is_main
         self.output_dir, self.folders = self.start.output_dir, self.start.folders
-        with self.start.closed_on_error():
-            for path in (cfg.model.model_name_or_path, getattr(getattr(cfg, "ref", None), "model_name_or_path", None)):
-                if path:  # a broken model folder stops the run before the data is read
-                    check_model_folder(path)
+        with self.start.closed_on_error():  # the model folders were checked by RunStart (`check_inputs`)
             if cfg.ds.tensor_parallel_size > 1:  # the heads divide by the group before anything loads
                 tensor_parallel.check_model_folder(cfg.model.model_name_or_path, cfg.ds.tensor_parallel_size)
             self.tokenizer = load_tokenizer(cfg.model.model_name_or_path,
@@ -163,8 +217,9 @@ class SingleModelRun:
     def __enter__(self) -> SingleModelRun:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        """A failure before training (e.g. a data key the dataset lacks) leaves nothing this run created."""
+        self.start.abandon() if exc_type is not None else self.close()
 
     def _eval_rows(self) -> list[dict]:
         """Rows of `--eval.dataset` (split `--eval.split`); none without it, as in OpenRLHF."""
@@ -193,6 +248,9 @@ class SingleModelRun:
         try:
             with interrupt_as_error(self._interrupted_message):
                 return self._fit(objective, train_items, eval_items, on_trained)
+        except BaseException:
+            self.start.abandon()
+            raise
         finally:
             self.close()
 
@@ -205,6 +263,8 @@ class SingleModelRun:
 
     def _fit(self, objective, train_items, eval_items, on_trained) -> dict:
         cfg = self.cfg
+        steps = (len(train_items) // cfg.train.batch_size) * cfg.train.max_epochs
+        self.start.announce(steps, (("", cfg),))
         zero_stage = cfg.ds.zero_stage if self._needs_deepspeed() else None
         with sharded_loading(cfg.ds, zero_stage) as sharded:
             model = self._load_model()
@@ -217,7 +277,6 @@ class SingleModelRun:
             rank_info(describe_shards("model", model))
         elif self.world_size == 1:
             model = model.to(self.device)
-        steps = (len(train_items) // cfg.train.batch_size) * cfg.train.max_epochs
         full_numel = sum(p.numel() for p in model.parameters())
         engine = make_train_engine(model, cfg, total_steps=max(steps, 1), ds=cfg.ds, zero_stage=zero_stage,
                                    tensor_parallel=cfg.ds.tensor_parallel_size)
@@ -245,6 +304,7 @@ class SingleModelRun:
                         settings=settings, logger=logger,
                         save_hf=lambda d: self.export_hf(engine, d), device=self.device, ckpt=ckpt)
         self._loop = loop
+        self.start.begin()
         try:
             final = loop.fit()
         finally:
@@ -258,6 +318,7 @@ class SingleModelRun:
         if engine.is_main:
             plot_charts(self.output_dir)
             info(f"final model saved to {self.output_dir}")
+            self.start.finish()
         if self.world_size > 1:  # a launcher's process: end its process group before the interpreter exits
             from posttrain.engines.dist import shutdown
 

@@ -68,24 +68,25 @@ def prompt_template(cfg: SFTConfig) -> str | None:
 
 def train_sft(cfg: SFTConfig) -> dict:
     """Run SFT as configured; returns the final eval metrics (empty without an eval set)."""
-    run = SingleModelRun(cfg)
-    tok = run.tokenizer
-    data_kwargs = dict(input_key=cfg.data.input_key, output_key=cfg.data.output_key,
-                       input_template=prompt_template(cfg), apply_chat_template=cfg.data.apply_chat_template,
-                       multiturn=cfg.data.multiturn, pretrain_mode=cfg.model.pretrain_mode_enable,
-                       processor=run.processor, image_key=cfg.data.image_key,
-                       max_images=cfg.data.max_images_per_prompt, image_limits=ImageLimits.of(cfg.data))
-    train_set = SFTDataset(run.train_rows, tok, cfg.data.max_len, **data_kwargs)
-    eval_set = SFTDataset(run.eval_rows, tok, cfg.data.max_len, **data_kwargs) if run.eval_rows else None
-    for what, data in (("train", train_set), ("eval", eval_set)):
-        if data is not None:
-            report = check_dropped(f"SFT {what} set", data.dropped, len(data) + data.num_dropped,
-                                   f"the prompt alone fills --data.max_len {cfg.data.max_len}",
-                                   cfg.data.max_dropped_frac)
-            if report:
-                info(report)
-            if data.num_capped:
-                info(capped_note(f"SFT {what} set", data.num_capped, cfg.data.max_len, tok))
-    objective = SFTObjective(tok.pad_token_id, packing=cfg.ds.packing_samples)
-    return run.fit(objective, [train_set[i] for i in range(len(train_set))],
-                   [eval_set[i] for i in range(len(eval_set))] if eval_set else None)
+    with SingleModelRun(cfg) as run:  # a failure before training leaves no run files
+        tok = run.tokenizer
+        data_kwargs = dict(input_key=cfg.data.input_key, output_key=cfg.data.output_key,
+                           input_template=prompt_template(cfg),
+                           apply_chat_template=cfg.data.apply_chat_template,
+                           multiturn=cfg.data.multiturn, pretrain_mode=cfg.model.pretrain_mode_enable,
+                           processor=run.processor, image_key=cfg.data.image_key,
+                           max_images=cfg.data.max_images_per_prompt, image_limits=ImageLimits.of(cfg.data))
+        train_set = SFTDataset(run.train_rows, tok, cfg.data.max_len, **data_kwargs)
+        eval_set = SFTDataset(run.eval_rows, tok, cfg.data.max_len, **data_kwargs) if run.eval_rows else None
+        for what, data in (("train", train_set), ("eval", eval_set)):
+            if data is not None:
+                report = check_dropped(f"SFT {what} set", data.dropped, len(data) + data.num_dropped,
+                                       f"the prompt alone fills --data.max_len {cfg.data.max_len}",
+                                       cfg.data.max_dropped_frac)
+                if report:
+                    info(report)
+                if data.num_capped:
+                    info(capped_note(f"SFT {what} set", data.num_capped, cfg.data.max_len, tok))
+        objective = SFTObjective(tok.pad_token_id, packing=cfg.ds.packing_samples)
+        return run.fit(objective, [train_set[i] for i in range(len(train_set))],
+                       [eval_set[i] for i in range(len(eval_set))] if eval_set else None)

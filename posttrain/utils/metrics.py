@@ -9,7 +9,7 @@ import os
 import time
 from pathlib import Path
 
-from posttrain.utils.errors import UserError
+from posttrain.utils.extras import require
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -79,13 +79,9 @@ class MetricsLogger:
 
 
 def _start_wandb(cfg: dict, config: dict | None):
-    try:
-        import wandb
-    except ImportError as e:
-        raise UserError(
-            "--logger.wandb.key was given but wandb is not installed; install the extra with "
-            "`pip install 'posttrain[wandb]'` or drop the flag"
-        ) from e
+    require("--logger.wandb.key", "wandb")
+    import wandb
+
     key = cfg.get("key")
     if key and str(key) != "True":
         wandb.login(key=str(key))

@@ -1,6 +1,7 @@
 """Loading an agent file (agents/agent_file.py): what cannot work is refused at start-up, naming the file."""
 from __future__ import annotations
 
+import sys
 import textwrap
 
 import pytest
@@ -56,3 +57,21 @@ def test_an_agent_instance_with_default_arguments_loads(tmp_path):
             "    async def step(self, states, **k):\n        return {}\n\n\n"
             "class AgentExecutor(MultiTurnAgentExecutor):\n    def __init__(self):\n        super().__init__(Env)\n")
     assert load_agent_executor(write(tmp_path, body)).agent_instance_cls.__name__ == "Env"
+
+
+def test_an_openai_server_agent_without_fastapi_names_the_serve_extra(tmp_path, monkeypatch):
+    from posttrain.utils.errors import UserError
+
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # as if not installed
+    body = """
+        from posttrain.agents.openai_server import OpenAIServerAgentExecutor
+
+        class AgentExecutor(OpenAIServerAgentExecutor):
+            async def run_agent(self, prompt, label, session):
+                return {"reward": 0.0}
+        """
+    path = write(tmp_path, body)
+    with pytest.raises(UserError) as err:  # before the executor is built
+        load_agent_executor(path)
+    assert str(err.value) == (f"--train.agent_func_path {path} (an OpenAIServerAgentExecutor) needs FastAPI, "
+                              "which is not installed: pip install -e '.[serve]'")

@@ -159,5 +159,8 @@ def test_plot_cli(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "train/loss": 1 / i}) + "\n" for i in range(1, 4)))
     out = run("-m", "posttrain.cli.main", "plot", tmp_path).stdout
     assert Path(out.strip()).name == "train.png"
+    overlaid = run("-m", "posttrain.cli.main", "plot", tmp_path, tmp_path / "metrics.jsonl",
+                   "--out", tmp_path / "c")
+    assert overlaid.stdout.strip() == str(tmp_path / "c" / "train.png")
     missing = run("-m", "posttrain.cli.main", "plot", tmp_path / "nope", check=False)
     assert missing.returncode == 2 and "metrics.jsonl" in missing.stderr

@@ -83,14 +83,24 @@ def broken_copy(src, dst, case):
     ("corrupt_safetensors", ["model.safetensors cannot be read", "header too large"]),
     ("auto_map", ["config.json has `auto_map`", "trust_remote_code", "does not run"]),
 ])
-def test_a_broken_model_folder_stops_sft_before_the_data_is_read(tiny_model_dir, tmp_path, case, needles):
+def test_a_broken_model_folder_and_a_missing_dataset_are_named_together(tiny_model_dir, tmp_path, case, needles):
     from pathlib import Path
 
     model = broken_copy(Path(tiny_model_dir), tmp_path / "model", case)
-    # the dataset does not exist: the model's error comes first, so the model is checked before the data
+    # the dataset does not exist either: one error names both (issue 48: every problem, not only the first)
     proc = sft(*flags(model, tmp_path / "missing.jsonl", tmp_path / "o"))
-    line = one_error_line(proc, str(model), *needles)
-    assert "missing.jsonl" not in line
+    problems = both_named(proc)
+    assert str(model) in problems[0] and all(n in problems[0] for n in needles), problems
+    assert problems[1].startswith("--data.dataset: dataset") and "missing.jsonl" in problems[1], problems
+
+
+def both_named(proc) -> list[str]:
+    """The two problem lines of a 'missing or broken inputs' error (model first, then the data)."""
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    start = next(i for i, ln in enumerate(lines) if "error: missing or broken inputs (2 problems):" in ln)
+    return [ln.removeprefix("  - ") for ln in lines[start + 1:start + 3]]
 
 
 def test_a_model_path_that_is_a_file_is_named_a_file(tiny_model_dir, tmp_path):
@@ -98,7 +108,7 @@ def test_a_model_path_that_is_a_file_is_named_a_file(tiny_model_dir, tmp_path):
 
     weights = Path(tiny_model_dir) / "model.safetensors"
     proc = sft(*flags(weights, tmp_path / "missing.jsonl", tmp_path / "o"))
-    one_error_line(proc, "is a file, not a folder")
+    assert "is a file, not a folder" in both_named(proc)[0]
 
 
 def ppo(model, tmp_path, *extra):

@@ -1,4 +1,4 @@
-"""GPU tests: they need a CUDA GPU and vLLM (`pip install 'posttrain[vllm]'`); elsewhere every test
+"""GPU tests: they need a CUDA GPU and vLLM (`pip install -e '.[vllm]'`); elsewhere every test
 here is skipped with that reason. `bash tests/gpu/run.sh` runs them in one go on a GPU machine."""
 import pytest
 import torch

@@ -5,5 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 make setup
-.venv/bin/python -m pip install -q --no-build-isolation -e '.[dev,vllm]'
+.venv/bin/python -m pip install -q --no-build-isolation -e '.[all,dev,vllm]'
 .venv/bin/python -m pytest -q -p no:cacheprovider tests/gpu tests/rollout/test_vllm_real*.py "$@"

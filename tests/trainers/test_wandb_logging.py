@@ -71,5 +71,5 @@ def test_wandb_flag_without_wandb_installed_is_one_error_line(run_sft, monkeypat
         run_sft("--logger.wandb.key", "True", "--data.max_samples", "8", name="no-wandb")
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "posttrain sft: error: --logger.wandb.key was given but wandb is not installed; install the extra with "
-        "`pip install 'posttrain[wandb]'` or drop the flag")
+        "posttrain sft: error: --logger.wandb.key needs wandb, which is not installed: "
+        "pip install -e '.[wandb]'")

@@ -29,7 +29,7 @@ from posttrain.data import PromptDataset, load_rows
 from posttrain.data.capping import capped_note
 from posttrain.data.errors import check_dropped
 from posttrain.data.images import ImageLimits
-from posttrain.models import check_model_folder, load_tokenizer, tensor_parallel
+from posttrain.models import load_tokenizer, tensor_parallel
 from posttrain.rollout import HFRolloutEngine, SamplingParams, rank_seed
 from posttrain.rollout.single_turn import SingleTurnSampler
 from posttrain.trainers.rl import build
@@ -70,11 +70,7 @@ class RLTrainer(RunLoop):
 
     # ---- set-up -----------------------------------------------------------------------------
     def _load_data(self) -> None:
-        cfg = self.cfg
-        for path in (cfg.actor.model_name_or_path, cfg.critic.model_name_or_path, cfg.ref.model_name_or_path,
-                     cfg.reward.model_name_or_path):
-            if path:  # a broken model folder stops the run before the data is read
-                check_model_folder(path)
+        cfg = self.cfg  # the model folders were checked by RunStart (`check_inputs`)
         if cfg.ds.tensor_parallel_size > 1:  # the trained models' heads divide by the group before anything loads
             for path in (cfg.actor.model_name_or_path, build.critic_path(cfg) if build.needs_critic(cfg) else None):
                 if path:
@@ -169,6 +165,8 @@ class RLTrainer(RunLoop):
         self.total_steps = cfg.train.max_steps or self.steps_per_episode * cfg.train.num_episodes
         updates = self.total_steps * steps_per_rollout(cfg.rollout.batch_size * n, cfg.train.batch_size,
                                                        cfg.train.max_epochs)
+        trained = (("actor.", cfg.actor),) + ((("critic.", cfg.critic),) if build.needs_critic(cfg) else ())
+        self.start.announce(updates, trained)
         self.shares_actor_module = False  # the rollout engine samples from the actor's own module
         if self.on_ray:
             self._place_on_ray(updates)
@@ -535,10 +533,12 @@ class RLTrainer(RunLoop):
         self._export()
         self.logger.close()
         plot_charts(self.output_dir)
+        self.start.finish()
 
     def fit(self) -> dict[str, float]:
         """Train (resuming if asked); Ctrl-C ends in `Interrupted`; the run directory, the reward
         source and the Ray placement are released however it ends."""
+        self.start.begin()
         try:
             return super().fit()
         finally:

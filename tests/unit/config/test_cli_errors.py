@@ -73,13 +73,27 @@ def test_flags_of_the_other_trainer_family_point_to_the_right_one():
 
 def test_invalid_choice_lists_the_valid_values():
     assert error("sft", "--optim", "sgd") == "--optim: invalid choice 'sgd'; valid values: adam, muon"
-    assert error("ppo", "--algo.advantage.estimator", "grpo") == (
-        "--algo.advantage.estimator: invalid choice 'grpo'; valid values: "
+    assert error("ppo", "--algo.advantage.estimator", "a2c") == (
+        "--algo.advantage.estimator: invalid choice 'a2c'; valid values: "
         "gae, reinforce, reinforce_baseline, rloo, group_norm, dr_grpo"
     )
     assert error("sft", "--ds.param_dtype", "fp8") == (
         "--ds.param_dtype: invalid choice 'fp8'; valid values: bf16, fp16, fp32, None"
     )
+
+
+@pytest.mark.parametrize("name, ours", [
+    ("grpo", "group_norm"), ("GRPO", "group_norm"), ("RLOO", "rloo"), ("reinforce++", "reinforce"),
+    ("reinforce_plus_plus", "reinforce"), ("reinforce++-baseline", "reinforce_baseline"),
+    ("reinforce++_baseline", "reinforce_baseline"), ("dr-grpo", "dr_grpo"), ("drgrpo", "dr_grpo"),
+    ("Dr_GRPO", "dr_grpo"), ("ppo", "gae"),
+])
+def test_an_estimator_name_from_trl_verl_or_openrlhf_names_ours(name, ours):
+    """The names other frameworks give an estimator are refused with the one posttrain uses (issue 48)."""
+    assert error("ppo", "--algo.advantage.estimator", name) == (
+        f"--algo.advantage.estimator: invalid choice {name!r}; {name} is called {ours} here "
+        f"(--algo.advantage.estimator {ours}); valid values: gae, reinforce, reinforce_baseline, rloo, "
+        "group_norm, dr_grpo")
 
 
 def test_wrong_types_name_the_flag():

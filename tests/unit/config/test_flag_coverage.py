@@ -57,6 +57,12 @@ _ADAM_MUON = (
 )
 
 
+_INFERENCE = ("model: model_name_or_path base_model param_dtype",
+              "data: tokenizer_chat_template dataset input_key label_key apply_chat_template input_template",
+              "data: split max_samples", "rollout: temperature top_p max_new_tokens n_samples_per_prompt",
+              "rollout: engine", "train: seed", "reward: remote_url model_name_or_path")
+
+
 def _optimizer(prefix: str = "") -> frozenset[str]:
     return frozenset(prefix + name for name in _OPTIMIZER + _ADAM_MUON)
 
@@ -67,7 +73,7 @@ _SHARED = _paths(
     "data: max_dropped_frac",
     "train: batch_size micro_batch_size max_epochs seed dynamic_batch_enable max_tokens_per_gpu",
     "eval: dataset split steps",
-    "ckpt: output_dir path save_steps save_hf disable_ds max_num max_mem load_enable",
+    "ckpt: output_dir path save_steps save_hf disable_ds max_num max_mem load_enable overwrite",
     "logger: logging_steps tensorboard_dir",
     "logger.wandb: key org group project run_name",
 )
@@ -163,6 +169,11 @@ ACTING: dict[str, frozenset[str]] = {
         "data: max_len disable_fast_tokenizer",
         "batch_size host port token max_request_bytes max_queries max_concurrent read_timeout on_error device",
     ),
+    # posttrain chat / generate / eval (cli/chat.py, cli/generate.py, cli/evaluate.py, trainers/inference.py)
+    "chat": _paths("model: model_name_or_path base_model param_dtype", "data: tokenizer_chat_template",
+                   "rollout: temperature top_p max_new_tokens engine", "train: seed"),
+    "generate": _paths(*_INFERENCE, "output post_processor"),
+    "eval": _paths(*_INFERENCE, "output"),
 }
 
 REFUSED: dict[str, frozenset[str]] = {
@@ -171,6 +182,9 @@ REFUSED: dict[str, frozenset[str]] = {
     "dpo": frozenset(),
     "ppo": frozenset(),
     "serve-rm": frozenset(),
+    "chat": frozenset(),
+    "generate": frozenset(),
+    "eval": frozenset(),
 }
 
 
@@ -217,10 +231,12 @@ def test_every_flag_acts_or_is_reported_or_refused(trainer):
         assert coverage[spec.path], f"{trainer}: --{spec.path} is silently inert"
 
 
-def test_serve_rm_flags_act_or_are_reported():
-    """serve-rm's flags are declared like the trainers' and held to the same contract."""
-    assert contract_problems("serve-rm") == []
-    assert all(flag_coverage("serve-rm").values())
+@pytest.mark.parametrize("command", ["serve-rm", "chat", "generate", "eval"])
+def test_serve_rm_and_inference_flags_act_or_are_reported(command):
+    """serve-rm's, chat's, generate's and eval's flags are declared like the trainers' and held to the same
+    contract."""
+    assert contract_problems(command) == []
+    assert all(flag_coverage(command).values())
 
 
 def test_contract_catches_a_silent_flag(monkeypatch):

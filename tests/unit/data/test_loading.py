@@ -41,12 +41,18 @@ def test_json_single_object_is_rejected(tmp_path):
 
 
 def test_csv_and_parquet(tmp_path):
-    import pandas as pd
+    import csv as csv_module
+
+    import pyarrow as pa
+    import pyarrow.parquet as parquet
 
     csv = tmp_path / "d.csv"
-    pd.DataFrame(ROWS).to_csv(csv, index=False)
+    with csv.open("w", newline="") as f:
+        writer = csv_module.DictWriter(f, fieldnames=["q", "a"])
+        writer.writeheader()
+        writer.writerows(ROWS)
     pq = tmp_path / "d.parquet"
-    pd.DataFrame(ROWS).to_parquet(pq)
+    parquet.write_table(pa.Table.from_pylist(ROWS), pq)
     for path in (csv, pq):
         rows = load_rows(str(path), None, "train", 0, None)
         assert _user(rows) == ROWS

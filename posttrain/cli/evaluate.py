@@ -1,0 +1,46 @@
+"""`posttrain eval`: a model's pass@1 (the mean reward), pass@k (k = --rollout.n_samples_per_prompt > 1: the
+mean over prompts of the best of k) and mean response length on a labelled dataset, scored by a reward file,
+server or model (default: the math grader, `posttrain/rewards/examples/math_reward.py`). The numbers and names
+are those `posttrain ppo --eval.dataset` logs (`eval_<dataset>_pass1`, ...): the same code computes them, so
+the same checkpoint, prompts, temperature and samples give the same values. Flags: `posttrain eval --help`."""
+from __future__ import annotations
+
+import json
+import sys
+
+from posttrain.cli.errors import user_errors
+
+PROG = "posttrain eval"
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    """Print one line per metric and return them. Bad flags, files or keys: one `posttrain eval: error:` line,
+    exit status 2."""
+    from posttrain.config import parse_config
+
+    with user_errors(PROG):
+        cfg = parse_config("eval", sys.argv[1:] if argv is None else argv)
+        from posttrain.trainers.inference import (
+            MATH_GRADER,
+            Policy,
+            evaluate,
+            load_prompts,
+            load_reward,
+            sampling_params,
+        )
+
+        policy = Policy(cfg)  # the tokenizer: the data and the reward are checked before the weights load
+        _, prompts = load_prompts(cfg, policy.tokenizer)
+        reward = load_reward(cfg, policy.tokenizer, default=MATH_GRADER)
+        policy.start()
+        metrics = evaluate(policy, prompts.prompts, sampling_params(cfg), reward, cfg.data.dataset)
+    for key, value in metrics.items():
+        print(f"{key} {value:.6g}")
+    if cfg.output:
+        with open(cfg.output, "w") as f:
+            f.write(json.dumps(metrics) + "\n")
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

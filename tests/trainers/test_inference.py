@@ -1,0 +1,214 @@
+"""`posttrain chat` / `generate`: sampling a saved model with the RL rollout engine and reward code
+(posttrain/trainers/inference.py, posttrain/cli/chat.py, posttrain/cli/generate.py)."""
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.config.backends import vllm_unavailable
+
+ROOT = Path(__file__).resolve().parents[2]
+REWARD = '''
+import torch
+
+def reward_func(queries, prompts, labels, **kwargs):
+    return {"rewards": torch.tensor([float(len(q) - len(p)) for q, p in zip(queries, prompts)])}
+'''
+
+
+def _greedy_replies(model_dir, turns, max_new_tokens):
+    """The replies `model.generate` gives greedily to each user turn of `turns` ("/reset" clears), the
+    history rendered with the tokenizer's chat template."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    history, replies = [], []
+    for turn in turns:
+        if turn == "/reset":
+            history = []
+            continue
+        history.append({"role": "user", "content": turn})
+        text = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+        ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new_tokens, min_new_tokens=1,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        reply = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        history.append({"role": "assistant", "content": reply})
+        replies.append(reply)
+    return replies
+
+
+@pytest.mark.e2e
+def test_chat_over_a_pipe_replies_the_greedy_continuation_of_the_history(tiny_model_dir):
+    sft = tiny_model_dir  # random weights: replies that depend on the whole history
+    turns = ["hello", "how are you?", "/reset", "how are you?"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "chat", "--model.model_name_or_path",
+                           str(sft), "--rollout.temperature", "0", "--rollout.max_new_tokens", "6",
+                           "--rollout.engine", "hf"], input="\n".join(turns) + "\n", capture_output=True,
+                          check=False, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    replies = _greedy_replies(str(sft), turns, 6)
+    assert replies[1] != replies[2]  # the same message: with the first turn in its history, then without
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("chatting with")
+    expected = "\n".join([replies[0], replies[1], "(history cleared)", replies[2]])
+    assert "\n".join(lines[1:]) == expected
+
+
+@pytest.mark.e2e
+def test_chat_ends_with_status_0_on_ctrl_c(tiny_model_dir):
+    import signal
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen([sys.executable, "-m", "posttrain.cli.main", "chat", "--model.model_name_or_path",
+                             tiny_model_dir, "--rollout.engine", "hf"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().startswith("chatting with")  # waiting for the first line
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(vllm_unavailable() is not None, reason=f"real vLLM: {vllm_unavailable()}")
+def test_generate_samples_on_vllm(generated):
+    rows = generated("--rollout.engine", "vllm")
+    assert [(r["index"], r["sample"]) for r in rows] == [(g, j) for g in range(5) for j in range(3)]
+    assert all(r["reward"] > 0 and r["output"] for r in rows)
+
+
+def test_chat_without_a_chat_template_concatenates_and_says_so(tiny_model_dir, tmp_path, capsys):
+    import shutil
+
+    from posttrain.cli import chat
+
+    model = tmp_path / "plain"
+    shutil.copytree(tiny_model_dir, model)
+    for name in ("chat_template.jinja",):
+        (model / name).unlink(missing_ok=True)
+    tok_cfg = json.loads((model / "tokenizer_config.json").read_text())
+    tok_cfg.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    history = chat.main(["--model.model_name_or_path", str(model), "--rollout.temperature", "0",
+                         "--rollout.max_new_tokens", "3", "--rollout.engine", "hf"],
+                        stdin=io.StringIO("hello\nhi again\n"), stdout=io.StringIO())
+    assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant"]
+    assert capsys.readouterr().err.count("has no chat template") == 1
+
+
+def test_chat_loads_a_lora_adapter_folder(sft_nano, tmp_path):
+    """An adapter folder samples like the model its merge gives (`posttrain lora-merge`)."""
+    from peft import LoraConfig, get_peft_model
+
+    from posttrain.cli import chat, lora_combiner
+    from posttrain.models import load_causal_lm
+
+    sft, _ = sft_nano
+    torch.manual_seed(0)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    peft = get_peft_model(load_causal_lm(str(sft)), lora)
+    peft.save_pretrained(tmp_path / "adapter")
+    cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == str(sft)
+    lora_combiner.main(["--lora_path", str(tmp_path / "adapter"), "--output_path", str(tmp_path / "merged"),
+                        "--ds.param_dtype", "fp32"])
+    flags = ["--rollout.temperature", "0", "--rollout.max_new_tokens", "5", "--rollout.engine", "hf"]
+    folders = (tmp_path / "adapter", tmp_path / "merged", sft)
+    talk = [chat.main(["--model.model_name_or_path", str(path), *flags], stdout=io.StringIO(),
+                      stdin=io.StringIO("What is 3 + 4?\n")) for path in folders]
+    assert talk[0] == talk[1]
+    assert talk[0] != talk[2]  # the adapter acts
+
+
+@pytest.fixture
+def generated(sft_nano, tmp_path):
+    sft, data = sft_nano
+    (tmp_path / "length.py").write_text(REWARD)
+
+    def run(*extra, reward=True):
+        from posttrain.cli import generate
+
+        out = tmp_path / "out.jsonl"
+        generate.main(["--model.model_name_or_path", str(sft), "--data.dataset", str(data / "test.jsonl"),
+                       "--data.input_key", "prompt", "--data.apply_chat_template", "--data.max_samples", "5",
+                       "--rollout.n_samples_per_prompt", "3", "--rollout.max_new_tokens", "6",
+                       "--rollout.engine", "hf", "--output", str(out),
+                       *(["--reward.remote_url", str(tmp_path / "length.py")] if reward else []), *extra])
+        return [json.loads(line) for line in out.read_text().splitlines()]
+    return run
+
+
+def test_generate_writes_n_scored_samples_per_prompt_the_best_of_n_and_pairs(generated, sft_nano):
+    rows = generated()
+    assert len(rows) == 15
+    assert [(r["index"], r["sample"]) for r in rows] == [(g, j) for g in range(5) for j in range(3)]
+    source = [json.loads(line) for line in (sft_nano[1] / "test.jsonl").read_text().splitlines()][:5]
+    for r in rows:
+        assert r["answer"] == source[r["index"]]["answer"] and r["response"] == source[r["index"]]["response"]
+        assert r["prompt"] == source[r["index"]]["prompt"]  # the input as in the dataset
+        assert r["prompt_text"].startswith("<|im_start|>user\n" + r["prompt"])  # as the model was given it
+        assert r["reward"] > 0  # the reward file's score: the decoded response's length (with its eos)
+    assert len({r["output"] for r in rows}) > 5  # sampled (temperature 1), not one answer per prompt
+    best = generated("--post_processor", "rs")
+    assert [r["index"] for r in best] == list(range(5))
+    for b in best:
+        group = [r for r in rows if r["index"] == b["index"]]
+        assert b == max(group, key=lambda r: r["reward"])  # the same seed: the same samples
+    pairs = generated("--post_processor", "iter_dpo")
+    for p in pairs:
+        group = [r for r in rows if r["index"] == p["index"]]
+        assert p["chosen_reward"] == max(r["reward"] for r in group) > p["rejected_reward"]
+        assert p["rejected_reward"] == min(r["reward"] for r in group)
+    assert "reward" not in generated(reward=False)[0]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--data.input_key", "question"], "question"),
+    (["--data.dataset", "no/such.jsonl"], "no/such.jsonl"),
+    (["--post_processor", "rs"], "--post_processor rs: needs a reward"),
+])
+def test_generate_user_mistakes_are_one_line_and_exit_2(sft_nano, tmp_path, capsys, flags, message):
+    from posttrain.cli import generate
+
+    sft, data = sft_nano
+    base = ["--model.model_name_or_path", str(sft), "--data.dataset", str(data / "test.jsonl"),
+            "--data.input_key", "prompt", "--rollout.engine", "hf", "--output", str(tmp_path / "o.jsonl")]
+    with pytest.raises(SystemExit) as e:
+        generate.main(base + flags)
+    assert e.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[posttrain]")]
+    assert len(err) == 1 and err[0].startswith("posttrain generate: error:") and message in err[0]
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_engine_choice():
+    """auto: the HF engine on a CPU (as one-process RL); vLLM for an adapter folder is refused, with why."""
+    from posttrain.config import ConfigError
+    from posttrain.trainers.inference import _engine_kind
+
+    if not torch.cuda.is_available():
+        assert _engine_kind("auto", None)[0] == "hf"
+    assert _engine_kind("hf", None) == ("hf", "--rollout.engine hf")
+    with pytest.raises(ConfigError, match="--rollout.engine vllm: .*(adapter|vLLM)"):
+        _engine_kind("vllm", "some/base")
+
+
+def test_generate_scores_with_a_reward_model(generated, tiny_score_model_dir):
+    import math
+
+    rows = generated("--reward.model_name_or_path", tiny_score_model_dir, reward=False)
+    assert len(rows) == 15 and all(math.isfinite(r["reward"]) for r in rows)
+    assert len({r["reward"] for r in rows}) > 1  # the score head's value of each sample
