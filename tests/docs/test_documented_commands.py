@@ -9,6 +9,7 @@ A command `NOT_RUN` names (by command or flag) is parsed but not run, for the re
 """
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -41,7 +42,8 @@ NOT_RUN = {  # command name or flag -> why such a command is only parsed
     "--vllm.num_engines": "Ray with rollout engines starts in ~2 minutes on 2 cores, over this test's budget "
                           "(tests/trainers/rl/test_rl_ray.py runs 2 actor ranks with 2 engines)",
 }
-OUTPUT_FLAGS = ("--output", "--ckpt.output_dir", "--output_path")
+CHAT_INPUT = "What is 12 + 3?\n"
+OUTPUT_FLAGS = ("--output", "--ckpt.output_dir", "--ckpt.path", "--output_path")
 
 
 def not_run(cmd: Command) -> str | None:
@@ -95,14 +97,15 @@ def test_commands_are_found():
 
 def _run(cmd: Command, cwd: Path, shared: Path | None) -> None:
     argv = list(cmd.argv)
-    outputs = {argv[i + 1] for i, a in enumerate(argv[:-1]) if a in OUTPUT_FLAGS}
+    top = lambda word: Path(*Path(word).parts[:2]) if word.startswith("runs/") else None  # noqa: E731
+    outputs = {top(argv[i + 1]) for i, a in enumerate(argv[:-1]) if a in OUTPUT_FLAGS}
     if shared is not None:  # run folders this page reads but does not make: those of README (folder `shared`)
         config = argv[argv.index("--config") + 1] if "--config" in argv else None
         for word in argv + ((cwd / config).read_text().split() if config else []):  # a config names them too
-            top = Path(*Path(word).parts[:2]) if word.startswith("runs/") else None
-            if top and word not in outputs and not (cwd / top).exists() and (shared / top).exists():
-                (cwd / top).parent.mkdir(exist_ok=True)
-                (cwd / top).symlink_to(shared / top)
+            run = top(word)
+            if run and run not in outputs and not (cwd / run).exists() and (shared / run).exists():
+                (cwd / run).parent.mkdir(exist_ok=True)
+                (cwd / run).symlink_to(shared / run)
     argv += shorten(argv)
     ray = any(a in ("--vllm.num_engines", "--actor.num_gpus_per_node", "--actor.num_nodes") for a in argv)
     if ray or cmd.env:  # Ray's session outlives the command in-process: a process of its own
@@ -113,14 +116,16 @@ def _run(cmd: Command, cwd: Path, shared: Path | None) -> None:
         return
     from posttrain.cli.main import main
 
-    old = os.getcwd()
+    old, stdin = os.getcwd(), sys.stdin
     os.chdir(cwd)
+    sys.stdin = io.StringIO(CHAT_INPUT)  # `posttrain chat` answers one message, then reads the end of input
     try:
         main(argv)
     except SystemExit as e:
         assert e.code in (0, None), f"{cmd}: exit {e.code}"
     finally:
         os.chdir(old)
+        sys.stdin = stdin
 
 
 def _run_page(page: str, cwd: Path, shared: Path | None, seen: set) -> list[str]:
