@@ -421,8 +421,8 @@ class CkptConfig:
                        "worst metric, then the oldest)", ge=1, inert=SAVES_OFF)
     max_mem: float = opt(1e8, "max total size of kept checkpoints in GB", gt=0, note="(GB)", inert=SAVES_OFF)
     load_enable: bool = opt(False, "resume from the newest checkpoint in --ckpt.path if there is one")
-    overwrite: bool = opt(False, "replace the finished run in --ckpt.output_dir (its saved model or "
-                          "summary.json); without it such a folder is refused", extension=True,
+    overwrite: bool = opt(False, "write into a --ckpt.output_dir holding a finished run (its saved "
+                          "model or summary.json; nothing is deleted); without it such a folder is refused", extension=True,
                           on_resume="volatile")
 
 

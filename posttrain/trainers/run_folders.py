@@ -20,7 +20,9 @@ config.json or adapter_config.json beside weights) is refused unless `--ckpt.ove
 verifies, as before).
 Every refusal is a UserError raised before anything is written; the locks taken so far are released.
 `RunFolders.abandon()` (a start that fails before training) removes what the claim and the start
-created in these folders and nothing else.
+created in these folders and nothing else: in a folder that existed before, only the run's own files
+(`RUN_FILES`) that appeared since the claim, and the run files the start replaced (config.yaml,
+metrics.jsonl, ...) get their earlier bytes back; a folder the claim made is removed whole.
 """
 from __future__ import annotations
 
@@ -30,11 +32,15 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from posttrain.compat.trl_rloo import REPORT_FILE as TRL_REPORT_FILE
 from posttrain.config import TrainerConfig, adjustable_values, checkpoint_dir, run_fingerprint
 from posttrain.utils.checkpoint import CheckpointManager, RunIdentity
 from posttrain.utils.errors import UserError
 from posttrain.utils.log import info
-from posttrain.utils.run_lock import RunLock
+from posttrain.utils.run_lock import LOCK_FILE, RunLock
+
+# what a run writes into its folders before training begins (the start: lock, config, metric sinks)
+RUN_FILES = (LOCK_FILE, "config.yaml", TRL_REPORT_FILE, "metrics.jsonl", "plots", "summary.json")
 
 
 def run_identity(cfg: TrainerConfig) -> RunIdentity:
@@ -53,6 +59,7 @@ class RunFolders:
     locks: list[RunLock] = field(default_factory=list)
     # each folder this process locked: (it, the entries it held before, the folders its lock made)
     found: list[tuple[Path, set[str] | None, list[Path]]] = field(default_factory=list)
+    kept: dict[Path, bytes] = field(default_factory=dict)  # the run files found at the claim, as they were
 
     def last_checkpoint(self) -> Path | None:
         """The newest good checkpoint of this run (saved by it or resumed from), or None."""
@@ -65,13 +72,15 @@ class RunFolders:
         self.locks.clear()
 
     def abandon(self) -> None:
-        """A start that failed before training: remove what appeared in the locked folders since the claim
-        (config.yaml, the lock file, ...), each folder this run made (and the parents made for it) when
-        empty, then release the locks. Entries that were there before are left as they were."""
+        """A start that failed before training: remove the run files (`RUN_FILES`) that appeared in the
+        locked folders since the claim (everything in a folder the claim made), each folder this run made
+        (and the parents made for it) when empty, put back the run files it replaced, then release the
+        locks. Other entries (another process's, the user's) are left as they are."""
         for folder, before, made in reversed(self.found):
             if not folder.is_dir():
                 continue
-            for name in sorted(set(os.listdir(folder)) - (before or set())):
+            new = set(os.listdir(folder)) - (before or set())
+            for name in sorted(new if before is None else new & set(RUN_FILES)):
                 entry = folder / name
                 if entry.is_dir() and not entry.is_symlink():
                     shutil.rmtree(entry, ignore_errors=True)
@@ -82,7 +91,10 @@ class RunFolders:
                     path.rmdir()
                 except OSError:
                     break
+        for path, data in self.kept.items():
+            path.write_bytes(data)
         self.found.clear()
+        self.kept.clear()
         self.close()
 
     def __enter__(self) -> RunFolders:
@@ -106,6 +118,9 @@ def _lock(folders: RunFolders, folder: Path, flag: str) -> None:
         made.append(path)
     before = _entries(folder) if not made else None
     folders.locks.append(RunLock(folder, flag).acquire())
+    for name in set(RUN_FILES) & (before or set()):
+        if (folder / name).is_file() and not (folder / name).is_symlink():
+            folders.kept[folder / name] = (folder / name).read_bytes()
     folders.found.append((folder, before, made))
 
 

@@ -52,11 +52,12 @@ def versions() -> dict[str, str]:
 
 
 def _final(records: list[dict], eval_part: bool) -> dict:
-    """The last logged value of each metric (eval/* ones, or every other one)."""
+    """The last logged value of each metric: the evaluations' (SFT/RM/DPO's `eval/*`, RL's `eval_<name>_*`),
+    or every other one."""
     out: dict = {}
     for record in records:
         out.update({k: v for k, v in record.items()
-                    if k not in ("step", "time") and k.startswith("eval/") == eval_part})
+                    if k not in ("step", "time") and k.startswith(("eval/", "eval_")) == eval_part})
     return out
 
 
@@ -92,7 +93,7 @@ def finish_run(trainer: str, output_dir: str | os.PathLike, started: float, bega
     tmp.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     os.replace(tmp, out / SUMMARY_FILE)
     train = _shown(summary["final_train_metrics"], LINE_METRICS)
-    evals = _shown(summary["final_eval_metrics"], [k for k in summary["final_eval_metrics"] if "/" in k][:4])
+    evals = _shown(summary["final_eval_metrics"], list(summary["final_eval_metrics"])[:4])
     parts = [f"{trainer} finished: {summary['steps']} steps in {summary['timings']['wall_s']:.0f}s"]
     parts += [f"train {train}"] if train else []
     parts += [f"eval {evals}"] if evals else []
