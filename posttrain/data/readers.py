@@ -118,6 +118,50 @@ def read_parquet(path: str) -> list[Row]:
     return [_tag(r, path, i, "row") for i, r in enumerate(records, start=1)]
 
 
+def _first_json_line(path: str) -> list[Row]:
+    """The first row of a JSON-lines file (read up to its first non-blank line), as `read_jsonl` reads it."""
+    head = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                head.append(line)
+                if line.strip():
+                    break
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not valid UTF-8 text ({e}). Convert the file to UTF-8.") from e
+    return _parse_json_lines(path, "".join(head))
+
+
+def _csv_header(path: str) -> list[Row]:
+    """A CSV file's header as one row whose keys are the columns (`read_csv`'s errors for a bad header)."""
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            header = next(csv.reader(f), None)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not valid UTF-8 text ({e}). Convert the file to UTF-8.") from e
+    except csv.Error as e:
+        raise DataError(f"{path}: malformed CSV ({e}). Fix the data.") from e
+    if header is None:
+        raise DataError(f"{path}: empty CSV file (no header row). Fix the data.")
+    return [dict.fromkeys(header, "")]
+
+
+def read_columns(path: str) -> list[str] | None:
+    """The keys of a data file's first row in file order (a CSV file's header, a parquet file's schema),
+    without reading the whole file (a .json file is read whole); None for a file without rows. Raises
+    the DataError `read_file` raises for the same first row."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return list(pq.read_schema(path).names)
+        except Exception as e:  # pyarrow raises several types for corrupt files
+            raise DataError(f"{path}: cannot read parquet ({type(e).__name__}: {e}).") from e
+    first = {".jsonl": _first_json_line, ".csv": _csv_header}.get(ext, read_file)(path)
+    return [k for k in first[0] if k not in ("__source__", "__row__")] if first else None
+
+
 READERS: dict[str, Callable[[str], list[Row]]] = {
     ".json": read_json,
     ".jsonl": read_jsonl,

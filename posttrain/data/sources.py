@@ -17,7 +17,7 @@ import os
 import re
 
 from .errors import DataError
-from .readers import READERS, Row, read_file
+from .readers import READERS, Row, read_columns, read_file
 
 SPLIT_ALIASES = {"val": "validation", "valid": "validation", "dev": "validation", "eval": "validation"}
 KNOWN_SPLITS = ("train", "test", "validation", "val", "valid", "dev", "eval")
@@ -53,7 +53,8 @@ def _arrow_rows(dataset, source: str) -> list[Row]:
     return rows
 
 
-def _load_saved(folder: str, split: str) -> list[Row]:
+def _saved_split(folder: str, split: str):
+    """The ``datasets.Dataset`` of ``split`` in a ``save_to_disk`` folder."""
     import datasets
 
     try:
@@ -70,13 +71,13 @@ def _load_saved(folder: str, split: str) -> list[Row]:
                 f"{folder}: split '{split}' not found; this DatasetDict has splits {names}. "
                 f"Pass one of them as --data.dataset_split / --data.prompt_split / --eval.split."
             )
-        return _arrow_rows(loaded[match[0]], folder)
+        return loaded[match[0]]
     if _canonical_split(split) != "train":
         raise DataError(
             f"{folder}: is a single saved Dataset (only split 'train'), but split '{split}' was "
             f"requested. Use split 'train' or save a DatasetDict with a '{split}' split."
         )
-    return _arrow_rows(loaded, folder)
+    return loaded
 
 
 def _data_files(folder: str) -> list[str]:
@@ -89,7 +90,8 @@ def _data_files(folder: str) -> list[str]:
     return found
 
 
-def _load_folder(folder: str, split: str) -> list[Row]:
+def _split_files(folder: str, split: str) -> list[str]:
+    """The data files of ``split`` in a folder (see the module docstring)."""
     files = _data_files(folder)
     if not files:
         raise DataError(
@@ -105,10 +107,7 @@ def _load_folder(folder: str, split: str) -> list[Row]:
             f"{folder}: no files for split '{split}'; found splits {sorted(by_split)} "
             f"(a file belongs to split s when its name starts with s or it sits in a folder named s)."
         )
-    rows: list[Row] = []
-    for path in by_split[wanted]:
-        rows.extend(read_file(path))
-    return rows
+    return by_split[wanted]
 
 
 def _looks_local(source: str) -> bool:
@@ -142,18 +141,44 @@ def missing_source(source: str) -> str | None:
     return f"dataset '{source}': no such file or folder ({os.path.abspath(path)})."
 
 
+def _file_split(source: str, split: str) -> None:
+    """A single file is split ``train``; DataError for any other split."""
+    if _canonical_split(split) != "train":
+        raise DataError(
+            f"{source}: a single file has only the split 'train' (the whole file), but split "
+            f"'{split}' was requested. Pass a folder holding e.g. {split}.jsonl, or use split 'train'."
+        )
+
+
+def source_columns(source: str, split: str = "train") -> list[tuple[str, list[str]]] | None:
+    """``(file, keys of its first row)`` for every file ``load_source(source, split)`` reads that has rows
+    (a ``save_to_disk`` folder: the folder and its columns), read without loading the rows; None for a
+    hub name or a missing path. Raises the DataError ``load_source`` raises for a split the source lacks
+    or a file whose first row cannot be read."""
+    path = os.path.expanduser(source)
+    if os.path.isfile(path):
+        _file_split(source, split)
+        files = [path]
+    elif os.path.isdir(path):
+        if _is_saved_dataset(path):
+            return [(source, list(_saved_split(path, split).column_names))]
+        files = _split_files(path, split)
+    else:
+        return None
+    found = [(file, read_columns(file)) for file in files]
+    return [(file, columns) for file, columns in found if columns is not None]
+
+
 def load_source(source: str, split: str = "train") -> list[Row]:
     """All rows of ``split`` from one source (see the module docstring for the rules)."""
     path = os.path.expanduser(source)
     if os.path.isfile(path):
-        if _canonical_split(split) != "train":
-            raise DataError(
-                f"{source}: a single file has only the split 'train' (the whole file), but split "
-                f"'{split}' was requested. Pass a folder holding e.g. {split}.jsonl, or use split 'train'."
-            )
+        _file_split(source, split)
         return read_file(path)
     if os.path.isdir(path):
-        return _load_saved(path, split) if _is_saved_dataset(path) else _load_folder(path, split)
+        if _is_saved_dataset(path):
+            return _arrow_rows(_saved_split(path, split), path)
+        return [row for file in _split_files(path, split) for row in read_file(file)]
     if missing_source(source):
         raise DataError(missing_source(source))
     return _load_hub(source, split)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 from .errors import DataError, where
@@ -13,11 +14,22 @@ def _user_keys(row: Row) -> list[str]:
     return sorted(k for k in row if not (k.startswith("__") and k.endswith("__")))
 
 
+def close_key(key: str, keys) -> str | None:
+    """The one of ``keys`` closest to the missing ``key`` (difflib: a typo, another case), or None."""
+    lowered = {k.lower(): k for k in keys if isinstance(k, str)}
+    match = difflib.get_close_matches(key.lower(), lowered, n=1, cutoff=0.6)
+    return lowered[match[0]] if match else None
+
+
 def get_field(row: Row, key: str, flag: str) -> Any:
-    """``row[key]``, or DataError listing the keys the row has and the flag that picks the key."""
+    """``row[key]``, or DataError listing the keys the row has, the closest one, and the flag that picks
+    the key."""
     if key not in row:
+        keys = _user_keys(row)
+        close = close_key(key, keys)
+        hint = f" Did you mean '{close}'?" if close else ""
         raise DataError(
-            f"{where(row)}: missing key '{key}' (the row has keys {_user_keys(row)}). Fix the data, "
+            f"{where(row)}: missing key '{key}' (the row has keys {keys}).{hint} Fix the data, "
             f"or pass {flag} <key> naming the field to use."
         )
     return row[key]

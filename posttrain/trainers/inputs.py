@@ -1,25 +1,42 @@
-"""The files and folders a run names, checked together at start-up, before anything is printed or
-written: `check_inputs(cfg)` raises one ConfigError naming every model path (model, reference, critic,
-reward model), dataset (training, prompts, eval) and reward / agent file that is missing or broken;
-the loads that follow (tokenizer, rows, data keys) raise their own errors, still before the echo."""
+"""The files and folders a run names, and the data keys it reads, checked together at start-up, before
+anything is printed or written: `check_inputs(cfg)` raises one ConfigError naming every model path (model,
+reference, critic, reward model), dataset (training, prompts, eval) and reward / agent file that is missing
+or broken, and every key flag whose key a training or eval data file lacks (`key_problems`, from the first
+row of each file); the loads that follow (tokenizer, rows, sizes) raise their own errors, still before the
+echo."""
 from __future__ import annotations
 
+import dataclasses
 import os
+from typing import NamedTuple
 
-from posttrain.config import TrainerConfig, flag_specs
+from posttrain.config import TrainerConfig, changed_values, flag_specs
 from posttrain.config.spec import get_path
-from posttrain.data.sources import missing_source
+from posttrain.data.errors import DataError
+from posttrain.data.preference_dataset import MARGIN_KEY
+from posttrain.data.sources import missing_source, source_columns
+from posttrain.data.validation import close_key
 from posttrain.models import check_model_folder
 from posttrain.utils.errors import ConfigError, UserError
 
 MODEL_FLAGS = ("model.model_name_or_path", "actor.model_name_or_path", "critic.model_name_or_path",
                "ref.model_name_or_path", "reward.model_name_or_path")
 DATA_FLAGS = ("data.dataset", "data.prompt_dataset", "eval.dataset")
+SPLIT_FLAGS = {"data.dataset": "data.dataset_split", "data.prompt_dataset": "data.prompt_split",
+               "eval.dataset": "eval.split"}
 FILE_FLAGS = ("reward.remote_url", "train.agent_func_path")  # local .py files (a URL is checked when called)
 
 
+def dataset_names(cfg: TrainerConfig, flag: str) -> list[str]:
+    """The sources `flag` (one of DATA_FLAGS) names: comma-separated (or a list), [] when unset or absent."""
+    value = get_path(cfg, flag) if flag in {spec.path for spec in flag_specs(type(cfg))} else None
+    names = value.split(",") if isinstance(value, str) else value or ()
+    return [name.strip() for name in names if name.strip()]
+
+
 def input_problems(cfg: TrainerConfig) -> list[str]:
-    """One line per missing or broken input of `cfg` (each names its flag), in flag order."""
+    """One line per missing or broken input of `cfg` (each names its flag), in flag order; then the data
+    keys the data lacks (`key_problems`)."""
     paths = {spec.path for spec in flag_specs(type(cfg))}
     problems = []
     for flag in MODEL_FLAGS:
@@ -30,9 +47,8 @@ def input_problems(cfg: TrainerConfig) -> list[str]:
             except (UserError, FileNotFoundError) as e:
                 problems.append(f"--{flag}: {e}")
     for flag in DATA_FLAGS:
-        value = get_path(cfg, flag) if flag in paths else None
-        for name in (value or "").split(",") if isinstance(value, str) else value or ():
-            problem = missing_source(name.strip()) if name.strip() else None
+        for name in dataset_names(cfg, flag):
+            problem = missing_source(name)
             if problem:
                 problems.append(f"--{flag}: {problem}")
     for flag in FILE_FLAGS:
@@ -40,7 +56,82 @@ def input_problems(cfg: TrainerConfig) -> list[str]:
         if isinstance(value, str) and value.endswith(".py") and "://" not in value \
                 and not os.path.isfile(os.path.expanduser(value)):
             problems.append(f"--{flag}: no such file {os.path.abspath(os.path.expanduser(value))}")
-    return problems
+    return problems + key_problems(cfg)
+
+
+class RowKey(NamedTuple):
+    """A key the run reads from the rows of its training and eval data, and the flag that makes it read it;
+    `every_row`: each row must have it (else only some rows do, e.g. those with images)."""
+
+    flag: str
+    key: str
+    every_row: bool = True
+
+    def missing(self, where: str, columns: list[str], files: int = 1) -> str:
+        """The problem line: the key is not among `columns`, the keys of `where` (`files` files)."""
+        key_flag = self.flag.endswith("_key")
+        named = f"{self.flag} '{self.key}'" if key_flag else f"{self.flag} (key '{self.key}')"
+        close = close_key(self.key, columns)
+        fix = f"did you mean '{close}'?" if close else f"name one of them with {self.flag}, or fix the data" \
+            if key_flag else f"add it to every row, or drop {self.flag}"
+        whose = "their" if files > 1 else "its"
+        return f"{named}: missing from {where} ({whose} keys: [{', '.join(columns)}]); {fix}"
+
+
+def row_keys(cfg: TrainerConfig) -> list[RowKey]:
+    """The keys `cfg`'s trainer reads from every row of its training and eval data (the same keys for both):
+    the value of every `--data.*_key` flag that is set (SFT's input/output keys, whatever the template or
+    --data.multiturn; the preference trainers' prompt/chosen/rejected keys; ppo's input/label keys), except
+    `--data.image_key`, which is read only when the run reads images (--data.max_images_per_prompt > 0) and
+    is checked only when set (a row without images may lack it); and RM's margin with
+    --model.margin_loss_enable."""
+    keys = []
+    for field in dataclasses.fields(cfg.data):
+        value = getattr(cfg.data, field.name)
+        if not field.name.endswith("_key") or value is None:
+            continue
+        if field.name == "image_key":
+            if cfg.data.max_images_per_prompt > 0 and "data.image_key" in changed_values(cfg):
+                keys.append(RowKey("--data.image_key", value, every_row=False))
+        else:
+            keys.append(RowKey(f"--data.{field.name}", value))
+    if cfg.trainer == "rm" and cfg.model.margin_loss_enable:
+        keys.append(RowKey("--model.margin_loss_enable", MARGIN_KEY))
+    return keys
+
+
+def key_problems(cfg: TrainerConfig) -> list[str]:
+    """One line per key of `row_keys` that a data file of the run lacks (from the first row of each file of
+    each local dataset, split included; hub datasets are checked as their rows load): the flag, the file,
+    the keys it has and the closest one. A key that not every row needs is a problem only when no file of
+    the dataset flag has it. A split the dataset lacks or a first row that cannot be read is a problem of
+    its dataset flag."""
+    keys = row_keys(cfg)
+    problems: list[str] = []
+    for flag in DATA_FLAGS:
+        files = []
+        for name in dataset_names(cfg, flag):
+            if missing_source(name):
+                continue  # named by input_problems
+            try:
+                files += source_columns(name, get_path(cfg, SPLIT_FLAGS[flag])) or []
+            except DataError as e:
+                problems.append(f"--{flag}: {e}")
+        for key in keys:
+            lacking = [(file, columns) for file, columns in files if key.key not in columns]
+            if not key.every_row:  # only some rows need it: a problem when no file has it
+                if files and len(lacking) == len(files):
+                    where = files[0][0] if len(files) == 1 else f"each of the {len(files)} files of --{flag}"
+                    every = list(dict.fromkeys(c for _, columns in files for c in columns))
+                    problems.append(key.missing(where, every, len(files)))
+                continue
+            by_columns: dict[tuple, list[str]] = {}  # a folder of shards with the same keys: one line
+            for file, columns in lacking:
+                by_columns.setdefault(tuple(columns), []).append(file)
+            for columns, names in by_columns.items():
+                more = f" and {len(names) - 1} more files" if len(names) > 1 else ""
+                problems.append(key.missing(names[0] + more, list(columns), len(names)))
+    return list(dict.fromkeys(problems))  # a file that is both a training and an eval dataset: once
 
 
 def check_inputs(cfg: TrainerConfig) -> None:

@@ -1,10 +1,10 @@
 """How a run starts and, for the single-model trainers, how it is set up and ends:
 
 - `RunStart` — what every trainer (SFT, RM, DPO, PPO) does first: the heap policy
-  (`utils.memory.apply_heap_policy`), hardware defaults, every input path checked (`inputs.check_inputs`),
-  the run folders claimed (`run_folders.claim_run_folders`), seeding; then, once the trainer has loaded
-  its inputs, `announce` (the echo of the flags set, config.yaml), metric sinks, and at the end `finish`
-  (`run_summary.finish_run`: the summary line and summary.json);
+  (`utils.memory.apply_heap_policy`), hardware defaults, every input path and data key checked
+  (`inputs.check_inputs`), the run folders claimed (`run_folders.claim_run_folders`), seeding; then, once
+  the trainer has loaded its inputs, `announce` (the echo of the flags set, config.yaml), metric sinks, and
+  at the end `finish` (`run_summary.finish_run`: the summary line and summary.json);
 - `SingleModelRun` — SFT/RM/DPO on top of it: tokenizer, data rows, model, train engine, the step
   loop (`single_model_loop.SingleModelLoop`, a `run_loop.RunLoop`), and the final Hugging Face export
   to `--ckpt.output_dir` (the run directory: config.yaml, metrics.jsonl, plots/ and the model all land
@@ -75,12 +75,12 @@ def pick_device() -> torch.device:
 
 class RunStart:
     """The start every trainer shares (SFT, RM, DPO, PPO), in this order: the device and hardware defaults
-    (resolved, not yet printed); every input path checked at once (`inputs.check_inputs`: one error naming
-    each missing or broken model, dataset and reward file); the run directory locked and checked
-    (`claim_run_folders`: a finished run is refused without --ckpt.overwrite); the seed. The trainer then
-    loads its inputs (tokenizer, rows, data keys, sizes) and calls `announce()`, which prints the echo and
-    writes config.yaml. A failure before training (`closed_on_error`, `abandon`) removes what the start
-    created in the run folders; `close()` only releases them."""
+    (resolved, not yet printed); every input checked at once (`inputs.check_inputs`: one error naming
+    each missing or broken model, dataset and reward file, and each data key the data files lack); the run
+    directory locked and checked (`claim_run_folders`: a finished run is refused without --ckpt.overwrite);
+    the seed. The trainer then loads its inputs (tokenizer, rows, each row's fields, sizes) and calls
+    `announce()`, which prints the echo and writes config.yaml. A failure before training (`closed_on_error`,
+    `abandon`) removes what the start created in the run folders; `close()` only releases them."""
 
     def __init__(self, cfg: TrainerConfig) -> None:
         apply_heap_policy()
@@ -218,7 +218,8 @@ class SingleModelRun:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        """A failure before training (e.g. a data key the dataset lacks) leaves nothing this run created."""
+        """A failure before training (e.g. a row without a key the first rows have) leaves nothing this run
+        created."""
         self.start.abandon() if exc_type is not None else self.close()
 
     def _eval_rows(self) -> list[dict]:

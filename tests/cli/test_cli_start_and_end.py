@@ -117,18 +117,23 @@ def test_a_folder_with_a_saved_model_but_no_summary_is_a_finished_run_too(tiny_m
 
 
 def test_a_failed_start_leaves_nothing_it_created(tiny_model_dir, tmp_path):
-    """A data key the rows lack fails after the run folder is claimed: a folder the run made is gone, and in
-    a folder that was there only what was there before stays."""
+    """A row without a key the first row has fails after the run folder is claimed (the keys of the first
+    row are checked before): a folder the run made is gone, and in a folder that was there only what was
+    there before stays."""
+    data = rows(tmp_path)
+    lines = data.read_text().splitlines()
+    lines[4] = lines[4].replace('"response"', '"answer"')
+    data.write_text("\n".join(lines) + "\n")
     made = tmp_path / "runs" / "sft"
-    proc = sft(*sft_flags(tiny_model_dir, rows(tmp_path), made, "--data.input_key", "question"))
-    one_error_line(proc, "missing key 'question'")
+    proc = sft(*sft_flags(tiny_model_dir, data, made))
+    one_error_line(proc, "rows.jsonl, row 5: missing key 'response'")
     assert not (tmp_path / "runs").exists()
 
     kept = tmp_path / "kept"
     kept.mkdir()
     (kept / "notes.txt").write_text("mine")
-    proc = sft(*sft_flags(tiny_model_dir, rows(tmp_path), kept, "--data.input_key", "question"))
-    one_error_line(proc, "missing key 'question'")
+    proc = sft(*sft_flags(tiny_model_dir, data, kept))
+    one_error_line(proc, "rows.jsonl, row 5: missing key 'response'")
     assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]
 
 

@@ -185,3 +185,33 @@ def test_mixing_with_max_samples(tmp_path):
 def test_bad_probs(tmp_path, probs, msg):
     with pytest.raises(DataError, match=msg):
         load_rows(_mix_sources(tmp_path, 3), probs, "train", 0, None)
+
+
+def test_source_columns_reads_the_first_row_of_each_file_of_the_split(tmp_path):
+    """`source_columns`: the keys of each file's first row (a CSV header, a parquet schema, a saved dataset's
+    columns) for the files `load_rows` would read, without reading their rows; the loader's error for a split
+    the source lacks or a first row it cannot parse; None for a hub name or a missing path."""
+    import pyarrow as pa
+    import pyarrow.parquet as parquet
+
+    from posttrain.data.sources import source_columns
+
+    rows = _jsonl(tmp_path / "rows.jsonl", [{"q": "a", "a": "1"}, {"other": 1}])
+    assert source_columns(rows) == [(rows, ["q", "a"])]  # the first row only
+    folder = tmp_path / "folder"
+    (folder / "test").mkdir(parents=True)
+    (folder / "train.csv").write_text("question,answer\nx,y\n")
+    parquet.write_table(pa.Table.from_pylist([{"p": "x", "c": "y"}]), folder / "test" / "part.parquet")
+    _jsonl(folder / "test" / "empty.jsonl", [])
+    assert source_columns(str(folder)) == [(str(folder / "train.csv"), ["question", "answer"])]
+    assert source_columns(str(folder), "test") == [(str(folder / "test" / "part.parquet"), ["p", "c"])]
+    with pytest.raises(DataError, match="no files for split 'validation'"):
+        source_columns(str(folder), "validation")
+    with pytest.raises(DataError, match="only the split 'train'"):
+        source_columns(rows, "test")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('\n{"q": 1,}\n{"q": 2}\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl, line 2: malformed JSON"):
+        source_columns(str(bad))
+    assert source_columns(str(tmp_path / "missing.jsonl")) is None
+    assert source_columns("some-org/some-hub-dataset") is None

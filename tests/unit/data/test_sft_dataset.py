@@ -146,6 +146,12 @@ GOOD_MULTI = {
             r"row 2: missing key 'prompt' \(the row has keys \['question', 'response'\]\).*--data\.input_key",
         ),
         ({"prompt": "q", "answer": "2"}, {}, r"row 2: missing key 'response'.*--data\.output_key"),
+        (
+            {"prompt": "q", "Response": "2"},
+            {},
+            r"row 2: missing key 'response' \(the row has keys \['Response', 'prompt'\]\)\. Did you mean "
+            r"'Response'\? .*--data\.output_key",
+        ),
         ({"prompt": "q", "response": 2}, {}, r"row 2: key 'response' must be text \(a string\), got int 2"),
         ({"prompt": "  ", "response": "2"}, {}, r"row 2: key 'prompt' is empty text"),
         (
