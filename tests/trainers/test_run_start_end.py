@@ -1,6 +1,7 @@
 """A start that fails before training (`RunFolders.abandon`) takes back only what the run wrote: in a folder
 that existed before, another process's new entries stay, and the run files the start replaced
-(config.yaml, metrics.jsonl) get their earlier bytes back; a folder the claim made is removed."""
+(config.yaml, metrics.jsonl) get their earlier bytes back; a folder the claim made is removed. The end of a
+run: summary.json's eval metrics."""
 from posttrain.trainers.run_folders import RunFolders, _lock
 from posttrain.utils.run_lock import LOCK_FILE
 
@@ -34,3 +35,13 @@ def test_a_folder_the_claim_made_is_removed_whole(tmp_path):
     (run / "config.yaml").write_text("new config\n")
     folders.abandon()
     assert not (tmp_path / "a").exists()
+
+
+def test_the_summary_counts_rl_and_sft_evaluations_as_eval_metrics():
+    from posttrain.trainers.run_summary import _final
+
+    records = [{"step": 1, "train/loss": 2.0, "eval/loss": 1.5},
+               {"step": 2, "reward/mean": 0.4, "eval_prompts_pass1": 0.25, "eval_prompts_pass4": 0.5}]
+    assert _final(records, eval_part=True) == {"eval/loss": 1.5, "eval_prompts_pass1": 0.25,
+                                               "eval_prompts_pass4": 0.5}
+    assert _final(records, eval_part=False) == {"train/loss": 2.0, "reward/mean": 0.4}
