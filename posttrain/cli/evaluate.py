@@ -5,7 +5,6 @@ are those `posttrain ppo --eval.dataset` logs (`eval_<dataset>_pass1`, ...): the
 the same checkpoint, prompts, temperature and samples give the same values. Flags: `posttrain eval --help`."""
 from __future__ import annotations
 
-import json
 import sys
 
 from posttrain.cli.errors import user_errors
@@ -23,11 +22,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         from posttrain.trainers.inference import (
             MATH_GRADER,
             Policy,
+            check_output,
             evaluate,
             load_prompts,
             load_reward,
             sampling_params,
+            write_jsonl_output,
         )
+
+        check_output(cfg.output)
 
         policy = Policy(cfg)  # the tokenizer: the data and the reward are checked before the weights load
         _, prompts = load_prompts(cfg, policy.tokenizer)
@@ -37,8 +40,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     for key, value in metrics.items():
         print(f"{key} {value:.6g}")
     if cfg.output:
-        with open(cfg.output, "w") as f:
-            f.write(json.dumps(metrics) + "\n")
+        with user_errors(PROG):
+            write_jsonl_output(cfg.output, [metrics])
     return metrics
 
 

@@ -7,8 +7,6 @@ place of `output`: rejection sampling and iterative DPO data.
 Flags: `posttrain generate --help` (`posttrain.config.inference.GenerateConfig`)."""
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 from posttrain.cli.errors import user_errors
@@ -23,7 +21,17 @@ def main(argv: list[str] | None = None) -> str:
 
     with user_errors(PROG):
         cfg = parse_config("generate", sys.argv[1:] if argv is None else argv)
-        from posttrain.trainers.inference import Policy, load_prompts, load_reward, sample, sampling_params
+        from posttrain.trainers.inference import (
+            Policy,
+            check_output,
+            load_prompts,
+            load_reward,
+            sample,
+            sampling_params,
+            write_jsonl_output,
+        )
+
+        check_output(cfg.output)
 
         policy = Policy(cfg)  # the tokenizer: the data and the reward are checked before the weights load
         rows, prompts = load_prompts(cfg, policy.tokenizer)
@@ -43,10 +51,8 @@ def main(argv: list[str] | None = None) -> str:
                 sample_row["reward"] = float(scored.rewards[i])
             samples.append(sample_row)
         out += post_process(samples, cfg.post_processor)
-    os.makedirs(os.path.dirname(os.path.abspath(cfg.output)), exist_ok=True)
-    with open(cfg.output, "w") as f:
-        for r in out:
-            f.write(json.dumps(r, default=str) + "\n")
+    with user_errors(PROG):
+        write_jsonl_output(cfg.output, out)
     post = f", --post_processor {cfg.post_processor}" if cfg.post_processor else ""
     print(f"{len(out)} rows ({len(prompts.prompts)} prompts x {n} samples{post}) written to {cfg.output}")
     return cfg.output
@@ -54,15 +60,16 @@ def main(argv: list[str] | None = None) -> str:
 
 def post_process(samples: list[dict], post_processor: str | None) -> list[dict]:
     """A prompt's rows to write: all samples (None), its best one (rs: the first of equal rewards), or one
-    pair {prompt, chosen, rejected, chosen_reward, rejected_reward} of its best and worst (iter_dpo; none if
-    all tie)."""
+    pair {prompt, chosen, rejected, chosen_reward, rejected_reward} of its best and of its worst whose text
+    differs (iter_dpo; none if all tie or no text differs: `posttrain dpo` refuses identical pairs)."""
     if not post_processor:
         return samples
     ranked = sorted(samples, key=lambda s: -s["reward"])  # stable: the earliest of equal rewards first
     if post_processor == "rs":
         return ranked[:1]
-    best, worst = ranked[0], ranked[-1]
-    if best["reward"] == worst["reward"]:
+    best = ranked[0]
+    worst = next((s for s in reversed(ranked) if s["output"] != best["output"]), best)
+    if best["reward"] == worst["reward"]:  # all tie, or every other sample is the same text
         return []
     rest = {k: v for k, v in best.items() if k not in ("output", "reward", "sample")}
     return [{**rest, "chosen": best["output"], "rejected": worst["output"], "chosen_reward": best["reward"],

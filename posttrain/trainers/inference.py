@@ -30,6 +30,35 @@ VLLM_KW = dict(enforce_eager=True, trust_remote_code=False, distributed_executor
                kv_cache_memory_bytes=256 * 2**20)
 
 
+def write_jsonl_output(path: str, rows: list[dict]) -> None:
+    """`rows` as JSON lines into --output `path` (its folder made); an unwritable path is a `UserError`."""
+    import json
+
+    from posttrain.utils.errors import UserError
+
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r, default=str) + "\n" for r in rows)
+    except OSError as e:
+        raise UserError(f"--output {path}: cannot write it ({e.strerror or e}); name a file in a writable "
+                        "folder") from None
+
+
+def check_output(path: str | None) -> None:
+    """Refuse an --output that cannot be a file (a folder, or under a file) before any sampling: one line."""
+    from posttrain.utils.errors import UserError
+
+    if path and os.path.isdir(path):
+        raise UserError(f"--output {path} is a folder; name a .jsonl file in it, e.g. "
+                        f"{os.path.join(path, 'out.jsonl')}")
+    parent = os.path.dirname(os.path.abspath(path or "."))
+    while path and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if path and not os.path.isdir(parent):
+        raise UserError(f"--output {path}: {parent} is a file, not a folder; name a .jsonl file in a folder")
+
+
 class Policy:
     """A saved model to sample from: `open` reads its tokenizer (cheap: the data can be checked before the
     weights load), `start` loads the engine. `templated`: the tokenizer has a chat template."""

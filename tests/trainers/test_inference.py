@@ -179,6 +179,8 @@ def test_generate_writes_n_scored_samples_per_prompt_the_best_of_n_and_pairs(gen
     (["--data.input_key", "question"], "question"),
     (["--data.dataset", "no/such.jsonl"], "no/such.jsonl"),
     (["--post_processor", "rs"], "--post_processor rs: needs a reward"),
+    (["--output", "/tmp"], "--output /tmp is a folder"),
+    (["--output", "/etc/hostname/o.jsonl"], "is a file, not a folder"),
 ])
 def test_generate_user_mistakes_are_one_line_and_exit_2(sft_nano, tmp_path, capsys, flags, message):
     from posttrain.cli import generate
@@ -212,3 +214,14 @@ def test_generate_scores_with_a_reward_model(generated, tiny_score_model_dir):
     rows = generated("--reward.model_name_or_path", tiny_score_model_dir, reward=False)
     assert len(rows) == 15 and all(math.isfinite(r["reward"]) for r in rows)
     assert len({r["reward"] for r in rows}) > 1  # the score head's value of each sample
+
+
+def test_an_iter_dpo_pair_never_has_the_same_text_twice():
+    """Two copies of the best text scored apart (a reward model's batch noise) are not a pair."""
+    from posttrain.cli.generate import post_process
+
+    rows = [{"index": 0, "output": o, "reward": r, "sample": j} for j, (o, r) in
+            enumerate([("42", 0.9), ("41", 0.2), ("42", 0.1)])]
+    pair, = post_process(rows, "iter_dpo")
+    assert (pair["chosen"], pair["rejected"], pair["rejected_reward"]) == ("42", "41", 0.2)
+    assert post_process([{**r, "output": "42"} for r in rows], "iter_dpo") == []
