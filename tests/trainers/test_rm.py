@@ -328,7 +328,7 @@ def test_bad_preference_data_and_flags_fail_before_training(tiny_model_dir, tmp_
     assert exc.value.code == 2 and "train.jsonl" in err and "row 3" in err and "identical" in err
     with pytest.raises(SystemExit):
         train_rm.main([*base, "--data.chosen_key", "best"])
-    assert "row 1" in (err := capsys.readouterr().err) and "'best'" in err and "--data.chosen_key" in err
+    assert "missing from" in (err := capsys.readouterr().err) and "'best'" in err and "--data.chosen_key" in err
     with pytest.raises(SystemExit):
         train_rm.main([*base, "--model.loss_type", "logexp", "--model.margin_loss_enable"])
     err = capsys.readouterr().err
