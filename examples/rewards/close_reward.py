@@ -1,7 +1,7 @@
-"""A reward for a first RL run on examples/data/prompts.jsonl: partial credit for a number near the answer.
+"""A reward for examples/data/prompts.jsonl: partial credit for a number near the answer.
 
 The exact-match reward (posttrain/rewards/examples/arithmetic_reward.py) pays only a right answer, which a
-model after a short SFT rarely gives, so most groups of samples score all 0 and teach nothing. This one
+model after a very short SFT rarely gives, so most groups of samples score all 0 and teach nothing. This one
 pays 1 for the right answer and less the further off the response's last number is (0 from `SCALE` away,
 and for no number), so RL has a signal from its first step. Usable as `--reward.remote_url <this file>`.
 """
