@@ -111,7 +111,7 @@ def _run(cmd: Command, cwd: Path, shared: Path | None) -> None:
     if ray or cmd.env:  # Ray's session outlives the command in-process: a process of its own
         env = {**os.environ, **dict(cmd.env), "PYTHONPATH": str(ROOT)}
         done = subprocess.run([sys.executable, "-m", "posttrain.cli.main", *argv], cwd=cwd, env=env,
-                              capture_output=True, text=True, timeout=900)
+                              capture_output=True, text=True, timeout=900, check=False)
         assert done.returncode == 0, f"{cmd}\nexit {done.returncode}\n{done.stderr[-3000:]}"
         return
     from posttrain.cli.main import main
