@@ -21,21 +21,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         cfg = parse_config("eval", sys.argv[1:] if argv is None else argv)
         from posttrain.trainers.inference import (
             MATH_GRADER,
-            Policy,
-            check_output,
             evaluate,
-            load_prompts,
-            load_reward,
+            prepare,
             sampling_params,
             write_jsonl_output,
         )
 
-        check_output(cfg.output)
-
-        policy = Policy(cfg)  # the tokenizer: the data and the reward are checked before the weights load
-        _, prompts = load_prompts(cfg, policy.tokenizer)
-        reward = load_reward(cfg, policy.tokenizer, default=MATH_GRADER)
-        policy.start()
+        policy, _, prompts, reward = prepare(cfg, default_reward=MATH_GRADER)
         metrics = evaluate(policy, prompts.prompts, sampling_params(cfg), reward, cfg.data.dataset)
     for key, value in metrics.items():
         print(f"{key} {value:.6g}")

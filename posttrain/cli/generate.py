@@ -21,22 +21,9 @@ def main(argv: list[str] | None = None) -> str:
 
     with user_errors(PROG):
         cfg = parse_config("generate", sys.argv[1:] if argv is None else argv)
-        from posttrain.trainers.inference import (
-            Policy,
-            check_output,
-            load_prompts,
-            load_reward,
-            sample,
-            sampling_params,
-            write_jsonl_output,
-        )
+        from posttrain.trainers.inference import prepare, sample, sampling_params, write_jsonl_output
 
-        check_output(cfg.output)
-
-        policy = Policy(cfg)  # the tokenizer: the data and the reward are checked before the weights load
-        rows, prompts = load_prompts(cfg, policy.tokenizer)
-        reward = load_reward(cfg, policy.tokenizer)
-        policy.start()
+        policy, rows, prompts, reward = prepare(cfg)
         scored = sample(policy, prompts.prompts, sampling_params(cfg), reward)
     n = cfg.rollout.n_samples_per_prompt
     out = []

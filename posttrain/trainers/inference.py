@@ -197,3 +197,14 @@ def evaluate(policy: Policy, prompts, params: SamplingParams, reward, dataset: s
     """pass@1, pass@k (k = params.n > 1) and the mean response length: `posttrain ppo`'s `eval_<name>_*`."""
     return eval_metrics(SingleTurnSampler(policy.engine, reward, policy.tokenizer), prompts, params,
                         dataset_name(dataset))
+
+
+def prepare(cfg, default_reward: str | None = None):
+    """`generate`'s and `eval`'s set-up, cheapest checks first: --output, then the tokenizer, the data and
+    the reward (before the weights load), then the engine. Returns (policy, rows, prompts, reward)."""
+    check_output(cfg.output)
+    policy = Policy(cfg)
+    rows, prompts = load_prompts(cfg, policy.tokenizer)
+    reward = load_reward(cfg, policy.tokenizer, default=default_reward)
+    policy.start()
+    return policy, rows, prompts, reward
