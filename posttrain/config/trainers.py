@@ -141,7 +141,6 @@ class PPOConfig(LauncherFields):
     trl_translation: Translation | None = carried("the TRL RLOOConfig translation this config was made from")
 
 
-
 # the configs a function may be passed, for its annotations
 SingleModelConfig = SFTConfig | RMConfig | DPOConfig  # the single-model trainers (trainers/session.py)
 TrainerConfig = SingleModelConfig | PPOConfig  # any trainer's

@@ -65,8 +65,9 @@ def model_rule_problems(cfg: TrainerConfig, models: set[str]) -> list[str]:
     """The rules between flags and a model's config.json, for the model paths in `models` (those that passed
     `check_model_folder`): the trained models' attention heads and MLP divide by --ds.tensor_parallel_size
     (`models.tensor_parallel.check_model_folder`: sft / rm / dpo's model; ppo's actor and, with a critic,
-    the critic's starting weights); a vision-language actor is not trained with --train.async_enable in this
-    version. The modules that read them load only when these flags are set."""
+    the critic's starting weights); --data.max_images_per_prompt needs a vision-language model, which takes
+    neither --ds.packing_samples nor, in ppo, --train.async_enable in this version. The modules that read
+    them load only when these flags are set."""
     problems = []
     ppo = cfg.trainer == "ppo"
     if cfg.ds.tensor_parallel_size > 1:
@@ -80,12 +81,22 @@ def model_rule_problems(cfg: TrainerConfig, models: set[str]) -> list[str]:
                 check_split_sizes(path, cfg.ds.tensor_parallel_size)
             except ConfigError as e:
                 problems.append(str(e))
-    actor = cfg.actor.model_name_or_path if ppo else None
-    if ppo and cfg.train.async_enable and actor in models:
+    model = cfg.actor.model_name_or_path if ppo else cfg.model.model_name_or_path
+    images, packing, async_rl = (getattr(cfg.data, "max_images_per_prompt", 0), cfg.ds.packing_samples,
+                                 ppo and cfg.train.async_enable)
+    if model in models and (images or packing or async_rl):
         from posttrain.models.vision import is_vision_folder
 
-        if is_vision_folder(actor):
-            problems.append(f"{actor} is a vision-language model: --train.async_enable is not available "
+        vision = is_vision_folder(model)
+        if images and not vision:
+            problems.append(f"--data.max_images_per_prompt {images}: {model} is not a vision-language model "
+                            "(its config has no vision part); drop the flag or train a vision-language model")
+        if vision and packing:
+            problems.append(f"--ds.packing_samples: {model} is a vision-language model, which trains on "
+                            "padded batches (it computes its rotary positions per row from the image grid); "
+                            "drop the flag")
+        if vision and async_rl:
+            problems.append(f"{model} is a vision-language model: --train.async_enable is not available "
                             "with one in this version")
     return list(dict.fromkeys(problems))
 

@@ -200,8 +200,7 @@ class SingleModelRun:
             self.tokenizer = load_tokenizer(cfg.model.model_name_or_path,
                                             use_fast=not cfg.data.disable_fast_tokenizer,
                                             chat_template=cfg.data.tokenizer_chat_template)
-            self.processor = vision_processor(cfg.model.model_name_or_path, self.tokenizer,
-                                              getattr(cfg.data, "max_images_per_prompt", 0), cfg.ds.packing_samples)
+            self.processor = vision_processor(cfg.model.model_name_or_path, self.tokenizer)
             self.train_rows = load_rows(cfg.data.dataset, cfg.data.dataset_probs, cfg.data.dataset_split,
                                         cfg.train.seed, cfg.data.max_samples)
             self.eval_rows = self._eval_rows()

@@ -61,6 +61,21 @@ def test_a_vision_language_actor_with_async_rl_is_an_input_problem(tiny_vision_d
     assert input_problems(parse_config("ppo", ppo_flags(tiny_vision_dir, tmp_path), check=False)) == []
 
 
+def test_image_flags_against_the_model_are_input_problems(tiny_model_dir, tiny_vision_dir, tmp_path):
+    def sft(model, *extra):
+        return parse_config("sft", ["--model.model_name_or_path", model, "--data.dataset",
+                                    str(tmp_path / "missing.jsonl"), *extra], check=False)
+
+    found = input_problems(sft(tiny_model_dir, "--data.max_images_per_prompt", "1"))
+    assert (f"--data.max_images_per_prompt 1: {tiny_model_dir} is not a vision-language model (its config "
+            "has no vision part); drop the flag or train a vision-language model") in found, found
+    assert any(p.startswith("--data.dataset") for p in found)  # named together with the other problems
+    assert (f"--ds.packing_samples: {tiny_vision_dir} is a vision-language model, which trains on padded "
+            "batches (it computes its rotary positions per row from the image grid); drop the flag"
+            ) in input_problems(sft(tiny_vision_dir, "--ds.packing_samples"))
+    assert len(input_problems(sft(tiny_vision_dir, "--data.max_images_per_prompt", "1"))) == 1  # the dataset
+
+
 @pytest.mark.skipif(vllm_missing() is not None, reason="the rule applies where vLLM engines run")
 def test_vllm_tensor_parallel_on_a_gpu_machine_stops_before_ray_starts(tiny_model_dir, tmp_path, monkeypatch,
                                                                        capsys):

@@ -29,13 +29,9 @@ from posttrain.utils.seeding import set_seed
 _ROLE_SEEDS = {"actor": 0, "critic": 1, "ref": 2}
 
 
-def needs_critic(cfg: PPOConfig) -> bool:
-    return "critic" in run_roles(cfg).sections
-
-
 def needs_reference(cfg: PPOConfig) -> bool:
     """A reference model of its own is loaded (not the LoRA actor's base, `reference_in_actor`)."""
-    return "ref" in run_roles(cfg).sections
+    return run_roles(cfg).has("ref")
 
 
 def _lora(cfg: PPOConfig) -> dict:
@@ -213,7 +209,3 @@ def build_reward_source(cfg: PPOConfig, tokenizer, device, zero_stage: int | Non
         source.context = context_groups(cfg, source.model)
     return source
 
-
-def has_reward_model(cfg: PPOConfig) -> bool:
-    """A reward model scores the samples (no `--reward.remote_url` file or server)."""
-    return "reward" in run_roles(cfg).sections

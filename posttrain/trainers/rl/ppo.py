@@ -75,8 +75,7 @@ class RLTrainer(RunLoop):
         self.tokenizer = tok = load_tokenizer(cfg.actor.model_name_or_path,
                                               use_fast=not cfg.data.disable_fast_tokenizer,
                                               chat_template=cfg.data.tokenizer_chat_template)
-        self.processor = vision_processor(cfg.actor.model_name_or_path, tok, cfg.data.max_images_per_prompt,
-                                          cfg.ds.packing_samples)
+        self.processor = vision_processor(cfg.actor.model_name_or_path, tok)
         # what an exported policy folder holds besides the model: the tokenizer (and a VLM's image processor)
         self.savers = export_savers(tok, self.processor)
         if self.processor is not None and cfg.ds.shared_prefix:
@@ -108,7 +107,7 @@ class RLTrainer(RunLoop):
         """Generation budgets. --rollout.max_new_tokens set: that many for every sample. Unset: each
         sample may generate `--data.max_len - len(its prompt)` tokens (OpenRLHF), passed per sample
         (`sample_max_len`); `max_new_tokens` is then the largest budget (the constant of seq_sum_norm), and
-        --reward.overlong_buffer_len must fit the smallest (set, validation compares it with the flag)."""
+        --reward.overlong_buffer_len must fit the smallest (validation compares it with a set budget)."""
         cfg = self.cfg
         if cfg.rollout.max_new_tokens:
             self.sample_max_len, self.max_new_tokens = None, cfg.rollout.max_new_tokens

@@ -243,7 +243,7 @@ class EngineWorker(_Process):
             from posttrain.agents.multi_turn import AgentRunner
             from posttrain.trainers.vision import vision_processor
 
-            processor = vision_processor(cfg.actor.model_name_or_path, tok, cfg.data.max_images_per_prompt, False)
+            processor = vision_processor(cfg.actor.model_name_or_path, tok)
             self.agents = AgentRunner.from_config(load_agent_executor(cfg.train.agent_func_path), self.engine, tok,
                                                   None, cfg, processor=processor)
 
