@@ -34,7 +34,6 @@ from typing import Any
 from posttrain.utils.errors import ConfigError
 
 TRL_VERSION = "v0.21.0"
-ATTRIBUTE = "_posttrain_trl_rloo"  # on a translated cfg: the Translation (written to the run directory)
 REPORT_FILE = "trl_rloo_translation.txt"
 
 # The fields of the seed's RLOOConfig (trl/trainer/rloo_config.py) and of OnPolicyConfig.
@@ -490,8 +489,3 @@ def translate_rloo(config: Any, world_size: int = 1) -> Translation:
         raise ConfigError.collect(problems, header="TRL RLOO config")
     return b.out
 
-
-def translation_of(cfg: object) -> Translation | None:
-    """The TRL translation a config was made from (None for a posttrain config). `cfg` is any command's
-    config, typed `object`: compat/ sits below config/ in the layer order and cannot name its classes."""
-    return getattr(cfg, ATTRIBUTE, None)

@@ -5,7 +5,7 @@ parser (with `--config run.yaml`), validation, hardware defaults and the start-u
     cfg.ds.lora.rank, cfg.adam.lr, cfg.train.micro_batch_size, cfg.trainer == "sft"
 """
 
-from posttrain.compat.trl_rloo import translate_rloo, translation_of
+from posttrain.compat.trl_rloo import translate_rloo
 from posttrain.config.errors import ConfigError, ConfigWarning, main_error_exit
 from posttrain.config.fingerprint import adjustable_values, checkpoint_dir, run_fingerprint
 from posttrain.config.flag_values import parse_probs
@@ -35,6 +35,7 @@ from posttrain.config.trainers import (
     TrainerConfig,
     config_class,
     default_config,
+    translation_of,
 )
 from posttrain.config.validate import validate
 from posttrain.config.yaml_io import config_to_dict, save_config

@@ -19,7 +19,6 @@ import warnings
 from typing import Any
 
 from posttrain.compat.flag_migration import explain_unknown
-from posttrain.compat.trl_rloo import ATTRIBUTE as TRL_ATTRIBUTE
 from posttrain.compat.trl_rloo import Translation, is_trl_rloo, translate_rloo
 from posttrain.config.errors import ConfigError, ConfigWarning
 from posttrain.config.flag_values import parse_scalar
@@ -222,7 +221,7 @@ def parse_config(
     object.__setattr__(cfg, SOURCES_ATTRIBUTE,
                        {sp.path: sources[sp.path] for sp in flag_specs(cls) if sp.path in sources})
     if translation is not None:
-        object.__setattr__(cfg, TRL_ATTRIBUTE, translation)
+        cfg.trl_translation = translation
     if check:
         from posttrain.config.validate import validate
 

@@ -7,6 +7,7 @@ the run stays in one process and never imports Ray."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 # `cfg` below is a PPOConfig, typed `Any`: posttrain.config.trainers (and roles, sections) import this module
@@ -33,57 +34,97 @@ def _same_model(a: str, b: str) -> bool:
     return a == b
 
 
-def reference_in_actor(cfg: Any) -> bool:
-    """LoRA actor, KL term, and the reference starts from the actor's weights: the reference is the
-    actor's base with the adapter disabled (no second copy, no ref role)."""
+def _reference_in_actor(cfg: Any) -> bool:
     ref = cfg.ref.model_name_or_path
     return (cfg.ds.lora.rank > 0 and uses_kl(cfg)
             and (not ref or _same_model(ref, cfg.actor.model_name_or_path or "")))
-
-
-def present_roles(cfg: Any) -> dict:
-    """role name -> its config section, for the roles this run loads: the actor always; the
-    reference with a KL term (in the reward or as a loss), unless it is the LoRA actor's base
-    (`reference_in_actor`); the critic with GAE; the reward model when rewards come from one (not
-    from --reward.remote_url)."""
-    roles = {"actor": cfg.actor}
-    if uses_kl(cfg) and not reference_in_actor(cfg):
-        roles["ref"] = cfg.ref
-    if cfg.algo.advantage.estimator == "gae":
-        roles["critic"] = cfg.critic
-    if not cfg.reward.remote_url and cfg.reward.model_name_or_path:
-        roles["reward"] = cfg.reward
-    return roles
 
 
 def role_ranks(role_cfg: RolePlacement) -> int:
     return role_cfg.num_nodes * role_cfg.num_gpus_per_node
 
 
+@dataclass(frozen=True)
+class RunRoles:
+    """Which roles an RL run loads and where they run, computed in one place (`run_roles`); the helpers below
+    and the trainer read it.
+
+    sections: role name -> its config section, for the roles this run loads: the actor always; the reference
+    with a KL term (in the reward or as a loss), unless it is the LoRA actor's base (`reference_in_actor`);
+    the critic with GAE; the reward model when rewards come from one (not from --reward.remote_url).
+    reference_in_actor: LoRA actor, KL term, and the reference starts from the actor's weights: the reference
+    is the actor's base with the adapter disabled (no second copy, no ref role).
+    several_ranks: the first role with more than one rank, as its flags (`--actor.num_nodes 1 x
+    --actor.num_gpus_per_node 2`); None: every role has one rank.
+    ray_reason: what puts the run on Ray, for messages: `RAY_ADDRESS=...`, `--vllm.num_engines N` or
+    `several_ranks`; None: the run stays in one process."""
+
+    sections: dict
+    reference_in_actor: bool
+    several_ranks: str | None
+    ray_reason: str | None
+
+    def has(self, role: str) -> bool:
+        return role in self.sections
+
+    @property
+    def on_ray(self) -> bool:
+        return self.ray_reason is not None
+
+    @property
+    def data_parallel(self) -> bool:
+        """A trained role (actor or critic) has several ranks, so DeepSpeed ZeRO shards it."""
+        return self.on_ray and any(role_ranks(self.sections[r]) > 1 for r in ("actor", "critic")
+                                   if r in self.sections)
+
+
+def run_roles(cfg: Any) -> RunRoles:
+    """The `RunRoles` of `cfg` (and of the environment's RAY_ADDRESS)."""
+    in_actor = _reference_in_actor(cfg)
+    sections = {"actor": cfg.actor}
+    if uses_kl(cfg) and not in_actor:
+        sections["ref"] = cfg.ref
+    if cfg.algo.advantage.estimator == "gae":
+        sections["critic"] = cfg.critic
+    if not cfg.reward.remote_url and cfg.reward.model_name_or_path:
+        sections["reward"] = cfg.reward
+    several = next((f"--{name}.num_nodes {r.num_nodes} x --{name}.num_gpus_per_node {r.num_gpus_per_node}"
+                    for name, r in sections.items() if role_ranks(r) > 1), None)
+    if os.environ.get("RAY_ADDRESS"):
+        reason = f"RAY_ADDRESS={os.environ['RAY_ADDRESS']}"
+    elif (cfg.vllm.num_engines or 0) >= 1:
+        reason = f"--vllm.num_engines {cfg.vllm.num_engines}"
+    else:
+        reason = several
+    return RunRoles(sections, in_actor, several, reason)
+
+
+def critic_path(cfg: Any) -> str:
+    """Where the critic's weights start: --critic.model_name_or_path, else the reward model's, else the
+    actor's."""
+    return cfg.critic.model_name_or_path or cfg.reward.model_name_or_path or cfg.actor.model_name_or_path
+
+
+# The readings of `run_roles` that callers name.
+def reference_in_actor(cfg: Any) -> bool:
+    return run_roles(cfg).reference_in_actor
+
+
+def present_roles(cfg: Any) -> dict:
+    return run_roles(cfg).sections
+
+
 def several_ranks(cfg: Any) -> str | None:
-    """The first present role with more than one rank, as its flags (`--actor.num_nodes 1 x
-    --actor.num_gpus_per_node 2`); None: every role has one rank."""
-    for name, r in present_roles(cfg).items():
-        if role_ranks(r) > 1:
-            return f"--{name}.num_nodes {r.num_nodes} x --{name}.num_gpus_per_node {r.num_gpus_per_node}"
-    return None
+    return run_roles(cfg).several_ranks
 
 
 def ray_reason(cfg: Any) -> str | None:
-    """What puts the run on Ray, for messages: `RAY_ADDRESS=...`, `--vllm.num_engines N` or a role's ranks
-    (`several_ranks`); None: the run stays in one process."""
-    if os.environ.get("RAY_ADDRESS"):
-        return f"RAY_ADDRESS={os.environ['RAY_ADDRESS']}"
-    if (cfg.vllm.num_engines or 0) >= 1:
-        return f"--vllm.num_engines {cfg.vllm.num_engines}"
-    return several_ranks(cfg)
+    return run_roles(cfg).ray_reason
 
 
 def uses_ray(cfg: Any) -> bool:
-    return ray_reason(cfg) is not None
+    return run_roles(cfg).on_ray
 
 
 def data_parallel(cfg: Any) -> bool:
-    """A trained role (actor or critic) has several ranks, so DeepSpeed ZeRO shards it."""
-    roles = present_roles(cfg)
-    return uses_ray(cfg) and any(role_ranks(roles[r]) > 1 for r in ("actor", "critic") if r in roles)
+    return run_roles(cfg).data_parallel

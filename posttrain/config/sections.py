@@ -37,6 +37,9 @@ ATTENTION_RULE = dict(
     check=lambda v: v in KNOWN_ATTENTION or "/" in v,
     message=f"valid values: {', '.join(KNOWN_ATTENTION)} or a hub kernel like kernels-community/vllm-flash-attn3")
 
+# a score head is stored as `{prefix}.weight` and reached as an attribute of the model
+HEAD_PREFIX_RULE = dict(check=str.isidentifier,
+                        message="must be a Python identifier such as score or value_head")
 PARAM_DTYPES = ("bf16", "fp16", "fp32")
 EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm", "deepgemm")
 GRAD_ACCUM_DTYPES = ("fp32", "bf16", "fp16")
@@ -128,7 +131,7 @@ class ScoreDSConfig(DSConfig):
     """DeepSpeed engine and model loading; also names the score head of reward models."""
 
     value_head_prefix: str = opt(
-        "score", "attribute name of the scalar score head of reward models",
+        "score", "attribute name of the scalar score head of reward models", **HEAD_PREFIX_RULE,
         inert=Inert("no reward model and no critic (--algo.advantage.estimator gae)",
                     facts.no_reward_model_nor_critic, PPO))
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from posttrain.config.facts import Inert
-from posttrain.config.sections import ATTENTION_RULE, EXPERTS_IMPLEMENTATIONS, PARAM_DTYPES
+from posttrain.config.sections import ATTENTION_RULE, EXPERTS_IMPLEMENTATIONS, HEAD_PREFIX_RULE, PARAM_DTYPES
 from posttrain.config.spec import opt, section
 
 ON_ERROR = ("raise", "skip")
@@ -48,7 +48,8 @@ class ServedRewardConfig:
 class ServedModelConfig:
     """Loading the reward model."""
 
-    value_head_prefix: str = opt("score", "score-head name prefix in the checkpoint", inert=FUNC_FILE)
+    value_head_prefix: str = opt("score", "score-head name prefix in the checkpoint", **HEAD_PREFIX_RULE,
+                                 inert=FUNC_FILE)
     param_dtype: str | None = opt(None, "weights dtype; default auto: bf16 on GPU, fp32 on CPU", choices=PARAM_DTYPES,
                                   inert=FUNC_FILE)
     attn_implementation: str | None = opt(

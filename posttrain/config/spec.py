@@ -78,6 +78,16 @@ def opt(
     return field(default=default, metadata=md)
 
 
+def carried(help: str) -> Any:
+    """A config field that is not a flag: what the config carries from where it was made (default None). It is
+    not parsed, listed by `flag_specs`, written to YAML (`config_to_dict`) or compared."""
+    return field(default=None, repr=False, compare=False, metadata={"carried": help})
+
+
+def is_carried(f: dataclasses.Field) -> bool:
+    return "carried" in f.metadata
+
+
 def section(cls: type, *, inert: Any = (), on_resume: str | None = None, **overrides: Any) -> Any:
     """A nested section field whose defaults differ from `cls`'s by `overrides` (deep-copied per instance);
     `inert` facts apply to every flag inside it (after each flag's own), and `on_resume` to every flag inside it that declares none."""
@@ -220,6 +230,8 @@ def flag_specs(cls: type) -> tuple[FlagSpec, ...]:
     def walk(obj: Any, prefix: str, inherited: tuple, resume: str | None) -> None:
         hints = typing.get_type_hints(type(obj))
         for f in dataclasses.fields(obj):
+            if is_carried(f):
+                continue
             value = getattr(obj, f.name)
             path = prefix + f.name
             if is_section(value):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from posttrain.compat.trl_rloo import Translation
 from posttrain.config import facts
 from posttrain.config.facts import Inert
 from posttrain.config.inference import INFERENCE_CONFIGS, ChatConfig, EvalCmdConfig, GenerateConfig
@@ -44,7 +45,7 @@ from posttrain.config.sections import (
     WandbConfig,
 )
 from posttrain.config.serving import ServeRMConfig
-from posttrain.config.spec import opt, section
+from posttrain.config.spec import carried, opt, section
 
 TRAINERS = ("sft", "rm", "dpo", "ppo")
 
@@ -135,6 +136,9 @@ class PPOConfig(LauncherFields):
     eval: PPOEvalConfig = section(PPOEvalConfig, on_resume="volatile", split="train")
     ckpt: PPOCkptConfig = _ckpt(PPOCkptConfig, "ppo_ray", max_mem=float("inf"))
     logger: LoggerConfig = _logger("ppo")
+    # not a flag: the field-by-field translation of the TRL RLOOConfig this config was made from
+    # (`config_from_trl_rloo`, a TRL file given as --config), which the run prints and writes to its folder
+    trl_translation: Translation | None = carried("the TRL RLOOConfig translation this config was made from")
 
 
 # the configs a function may be passed, for its annotations
@@ -161,3 +165,7 @@ def default_config(trainer: str):
     """The config of `trainer` with every flag at its default (no validation)."""
     return config_class(trainer)()
 
+
+def translation_of(cfg: CommandConfig) -> Translation | None:
+    """The TRL translation `cfg` was made from (`PPOConfig.trl_translation`); None for a posttrain config."""
+    return cfg.trl_translation if isinstance(cfg, PPOConfig) else None

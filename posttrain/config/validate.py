@@ -11,18 +11,19 @@ import copy
 import math
 from typing import Any
 
+from posttrain.config.backends import rollout_backend
 from posttrain.config.errors import ConfigError
 from posttrain.config.facts import deepspeed_only_flags
 from posttrain.config.flag_values import check_flag_choice, format_value, parse_probs
 from posttrain.config.hardware import device_type, record_resolved, resolved_values
 from posttrain.config.inference import INFERENCE_CONFIGS
-from posttrain.config.ray_mode import present_roles, ray_reason, role_ranks, several_ranks, uses_ray
+from posttrain.config.ray_mode import role_ranks, run_roles, uses_ray
 from posttrain.config.roles import GROUP_ESTIMATORS, SEQUENCE_POLICY_LOSSES, reward_endpoints
 from posttrain.config.sections import POLYNOMIAL_LR_END, DSConfig, OptimizerFields
 from posttrain.config.serving import ServedModelConfig, ServeRMConfig
 from posttrain.config.spec import flag_specs, get_path, set_path
 from posttrain.config.summary import data_parallel_size, micro_batch_tokens
-from posttrain.config.trainers import CommandConfig, PPOConfig, TrainerConfig
+from posttrain.config.trainers import CommandConfig, DPOConfig, PPOConfig, RMConfig, TrainerConfig
 from posttrain.utils.extras import installed, missing_message
 
 
@@ -86,10 +87,15 @@ def validate(cfg: CommandConfig, world_size: int = 1, device: Any = None) -> lis
         _tensor_parallel(cfg, r, world_size, dev)
     if cfg.trainer == "ppo":
         _ppo(cfg, r, world_size)
+        _vllm_tensor_parallel(cfg, r, dev)
         for role in ("actor", "critic"):
             _optimizer(getattr(cfg, role), f"{role}.", cfg, r)
     else:
         _optimizer(cfg, "", cfg, r)
+    if cfg.trainer == "dpo":
+        _dpo(cfg, r)
+    if cfg.trainer == "rm":
+        _rm(cfg, r)
     _optional_parts(cfg, r, world_size)
     if r.problems:
         raise ConfigError.collect(r.problems)
@@ -102,7 +108,8 @@ def _optional_parts(cfg: TrainerConfig, r: _Report, world_size: int) -> None:
     (bitsandbytes is checked where the 4-bit base loads, on a CUDA GPU only.)"""
     needs = []
     if cfg.trainer == "ppo":
-        needs += [(ray_reason(cfg), "ray"), (several_ranks(cfg), "deepspeed")]
+        roles = run_roles(cfg)
+        needs += [(roles.ray_reason, "ray"), (roles.several_ranks, "deepspeed")]
     else:
         ranks = f"training on {world_size} ranks (WORLD_SIZE={world_size})" if world_size > 1 else None
         needs += [(ranks or ", ".join(deepspeed_only_flags(cfg.ds)), "deepspeed")]
@@ -158,7 +165,7 @@ def _context_parallel(cfg, r: _Report, world_size: int) -> None:
             r.bad("ds.ring_attn_size", n, f"must divide the {world_size} ranks of the run (groups of {n} ranks "
                   "share each row)")
         return
-    for role, section in present_roles(cfg).items():
+    for role, section in run_roles(cfg).sections.items():
         ranks = role_ranks(section)
         if ranks % n or ranks == 1:
             r.bad("ds.ring_attn_size", n, f"must divide the {ranks} rank(s) of the {role} role (groups of {n} ranks "
@@ -177,8 +184,9 @@ def _tensor_parallel(cfg, r: _Report, world_size: int, dev: str) -> None:
     flag = "ds.tensor_parallel_size"
     fp32 = (ds.param_dtype or ("bf16" if dev == "cuda" else "fp32")) == "fp32"
     if cfg.trainer == "ppo":
+        roles = run_roles(cfg).sections
         for role in ("actor", "critic"):
-            section = present_roles(cfg).get(role)
+            section = roles.get(role)
             if section is not None and (role_ranks(section) % n or role_ranks(section) == 1):
                 r.bad(flag, n, f"must divide the {role_ranks(section)} rank(s) of the {role} role (groups of {n} "
                       f"ranks hold one copy of its model; set --{role}.num_gpus_per_node to a multiple of {n})")
@@ -203,6 +211,47 @@ def _tensor_parallel(cfg, r: _Report, world_size: int, dev: str) -> None:
         r.bad(flag, n, "not with --ds.load_in_4bit: quantized weights cannot be split")
     if "muon" in optims:
         r.bad(flag, n, "not with --optim muon: Muon orthogonalizes whole matrices, a rank holds a slice")
+
+
+def _dpo(cfg: DPOConfig, r: _Report) -> None:
+    """IPO has no label smoothing: the two flags together are refused rather than one ignored."""
+    m = cfg.model
+    if m.ipo_enable and m.label_smoothing:
+        r.problems.append(f"--model.label_smoothing {m.label_smoothing} is cDPO's; IPO (--model.ipo_enable) "
+                          "does not use it. Drop one of the two flags.")
+
+
+def _rm(cfg: RMConfig, r: _Report) -> None:
+    """A margin is a term of the sigmoid loss only; reward models read text only (a score model has no
+    vision-language form for most families, and the scorers of ppo and serve-rm score text)."""
+    m = cfg.model
+    if m.margin_loss_enable and m.loss_type != "sigmoid":
+        r.problems.append(f"--model.margin_loss_enable needs --model.loss_type sigmoid, got {m.loss_type!r}: "
+                          "the logexp loss has no margin term. Drop one of the two flags.")
+    defaults = type(cfg.data)()
+    for name in ("max_images_per_prompt", "image_key"):
+        value = getattr(cfg.data, name)
+        if value != getattr(defaults, name):
+            r.problems.append(f"--data.{name} {value}: posttrain rm trains text-only reward models (a "
+                              "score model has no vision-language form here, and ppo / serve-rm score text); "
+                              "drop the flag")
+
+
+def _vllm_tensor_parallel(cfg: PPOConfig, r: _Report, dev: str) -> None:
+    """--vllm.tensor_parallel_size > 1 runs on CPUs only (vLLM's `mp` executor in the engine's process): where
+    the run's engines are vLLM engines (`backends.rollout_backend`) on a CUDA machine it is refused, before
+    Ray places anything (each engine's Ray process is given one GPU)."""
+    tp = cfg.vllm.tensor_parallel_size
+    if tp <= 1 or dev != "cuda":
+        return
+    try:
+        backend = rollout_backend(cfg)[0]
+    except ConfigError:  # --rollout.engine vllm where vLLM cannot run: the engine's worker names why
+        return
+    if backend == "vllm":
+        r.problems.append(f"--vllm.tensor_parallel_size {tp}: a vLLM engine with tensor parallelism runs on "
+                          "CPUs (vLLM's CPU build) in this version, not on GPUs (its Ray process is given "
+                          "one GPU); use --vllm.tensor_parallel_size 1 and more --vllm.num_engines")
 
 
 def _inference(cfg, r: _Report) -> None:

@@ -17,13 +17,15 @@ import yaml
 from posttrain.compat.flag_migration import REMOVED, renamed_to
 from posttrain.config.errors import ConfigError
 from posttrain.config.flag_values import coerce
-from posttrain.config.spec import flag_specs, spec_map
+from posttrain.config.spec import flag_specs, is_carried, spec_map
 from posttrain.config.trainers import CommandConfig
 
 
 def config_to_dict(cfg: CommandConfig) -> dict[str, Any]:
-    """Nested plain dict of `cfg` (sections as dicts), led by `trainer`."""
-    return {"trainer": type(cfg).trainer, **dataclasses.asdict(cfg)}
+    """Nested plain dict of `cfg`'s flags (sections as dicts), led by `trainer`."""
+    carried = {f.name for f in dataclasses.fields(cfg) if is_carried(f)}
+    flags = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in carried}
+    return {"trainer": type(cfg).trainer, **flags}
 
 
 def save_config(cfg: CommandConfig, path: str | os.PathLike) -> Path:

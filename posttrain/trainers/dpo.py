@@ -34,7 +34,7 @@ import torch
 
 from posttrain.algorithms.losses import token_logprobs
 from posttrain.algorithms.preference import dpo_loss
-from posttrain.config import ConfigError, DPOConfig
+from posttrain.config import DPOConfig
 from posttrain.engines.zero3 import FrozenShards, describe_shards, sharded_loading
 from posttrain.models import forward_logits, load_causal_lm, unwrap_model
 from posttrain.models.context_parallel import context_parallel, group_sum
@@ -75,20 +75,12 @@ def split_sequence_logprobs(logits: torch.Tensor, batch: dict) -> tuple[torch.Te
             group_sum(zeros.index_add(0, owner, mask[0]), group).detach())
 
 
-def check_loss_flags(ipo: bool, label_smoothing: float) -> None:
-    """IPO has no label smoothing: the two flags together are refused rather than one ignored."""
-    if ipo and label_smoothing:
-        raise ConfigError(f"--model.label_smoothing {label_smoothing} is cDPO's; IPO (--model.ipo_enable) "
-                          "does not use it. Drop one of the two flags.")
-
-
 class DPOObjective(PairObjective):
     """The `Objective` of the step loop for DPO (pairs as units, see `PairObjective`)."""
 
     def __init__(self, *, pad_id: int, packing: bool, beta: float = 0.1, label_smoothing: float = 0.0,
                  ipo: bool = False, nll_loss_coef: float = 0.0, ref_model=None, ref_offload: bool = False,
                  device=None) -> None:
-        check_loss_flags(ipo, label_smoothing)
         super().__init__(pad_id, packing)
         self.beta, self.label_smoothing, self.ipo, self.nll_coef = beta, label_smoothing, ipo, nll_loss_coef
         self.ref_model, self.ref_offload = ref_model, ref_offload
@@ -180,8 +172,8 @@ def load_reference(cfg: DPOConfig, device: torch.device, world_size: int = 1):
 
 
 def train_dpo(cfg: DPOConfig) -> dict:
-    """Run DPO / IPO / cDPO as configured; returns the final eval metrics (empty without an eval set)."""
-    check_loss_flags(cfg.model.ipo_enable, cfg.model.label_smoothing)
+    """Run DPO / IPO / cDPO as configured (the flags validated: `config.validate`); returns the final eval
+    metrics (empty without an eval set)."""
     with SingleModelRun(cfg) as run:  # a failure before training leaves no run files
         tok = run.tokenizer
         train_items = preference_items(run.train_rows, tok, cfg, "train set", processor=run.processor)

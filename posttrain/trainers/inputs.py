@@ -1,9 +1,9 @@
 """The files and folders a run names, and the data keys it reads, checked together at start-up, before
 anything is printed or written: `check_inputs(cfg)` raises one ConfigError naming every model path (model,
 reference, critic, reward model), dataset (training, prompts, eval) and reward / agent file that is missing
-or broken, and every key flag whose key a training or eval data file lacks (`key_problems`, from the first
-row of each file); the loads that follow (tokenizer, rows, sizes) raise their own errors, still before the
-echo."""
+or broken, every rule between the flags and a model's config.json (`model_rule_problems`), and every key flag
+whose key a training or eval data file lacks (`key_problems`, from the first row of each file); the loads
+that follow (tokenizer, rows, sizes) raise their own errors, still before the echo."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,6 +11,7 @@ import os
 from typing import NamedTuple
 
 from posttrain.config import TrainerConfig, changed_values, flag_specs
+from posttrain.config.ray_mode import critic_path, run_roles
 from posttrain.config.spec import get_path
 from posttrain.data.errors import DataError
 from posttrain.data.preference_dataset import MARGIN_KEY
@@ -38,12 +39,13 @@ def input_problems(cfg: TrainerConfig) -> list[str]:
     """One line per missing or broken input of `cfg` (each names its flag), in flag order; then the data
     keys the data lacks (`key_problems`)."""
     paths = {spec.path for spec in flag_specs(type(cfg))}
-    problems = []
+    problems, models = [], set()
     for flag in MODEL_FLAGS:
         value = get_path(cfg, flag) if flag in paths else None
         if value:
             try:
                 check_model_folder(value)
+                models.add(value)
             except (UserError, FileNotFoundError) as e:
                 problems.append(f"--{flag}: {e}")
     for flag in DATA_FLAGS:
@@ -56,7 +58,47 @@ def input_problems(cfg: TrainerConfig) -> list[str]:
         if isinstance(value, str) and value.endswith(".py") and "://" not in value \
                 and not os.path.isfile(os.path.expanduser(value)):
             problems.append(f"--{flag}: no such file {os.path.abspath(os.path.expanduser(value))}")
-    return problems + key_problems(cfg)
+    return problems + model_rule_problems(cfg, models) + key_problems(cfg)
+
+
+def model_rule_problems(cfg: TrainerConfig, models: set[str]) -> list[str]:
+    """The rules between flags and a model's config.json, for the model paths in `models` (those that passed
+    `check_model_folder`): the trained models' attention heads and MLP divide by --ds.tensor_parallel_size
+    (`models.tensor_parallel.check_model_folder`: sft / rm / dpo's model; ppo's actor and, with a critic,
+    the critic's starting weights); --data.max_images_per_prompt needs a vision-language model, which takes
+    neither --ds.packing_samples nor, in ppo, --train.async_enable in this version. The modules that read
+    them load only when these flags are set."""
+    problems = []
+    ppo = cfg.trainer == "ppo"
+    if cfg.ds.tensor_parallel_size > 1:
+        from posttrain.models.tensor_parallel import check_model_folder as check_split_sizes
+
+        trained = [cfg.actor.model_name_or_path] if ppo else [cfg.model.model_name_or_path]
+        if ppo and run_roles(cfg).has("critic"):
+            trained.append(critic_path(cfg))
+        for path in dict.fromkeys(p for p in trained if p in models):
+            try:
+                check_split_sizes(path, cfg.ds.tensor_parallel_size)
+            except ConfigError as e:
+                problems.append(str(e))
+    model = cfg.actor.model_name_or_path if ppo else cfg.model.model_name_or_path
+    images, packing, async_rl = (getattr(cfg.data, "max_images_per_prompt", 0), cfg.ds.packing_samples,
+                                 ppo and cfg.train.async_enable)
+    if model in models and (images or packing or async_rl):
+        from posttrain.models.vision import is_vision_folder
+
+        vision = is_vision_folder(model)
+        if images and not vision:
+            problems.append(f"--data.max_images_per_prompt {images}: {model} is not a vision-language model "
+                            "(its config has no vision part); drop the flag or train a vision-language model")
+        if vision and packing:
+            problems.append(f"--ds.packing_samples: {model} is a vision-language model, which trains on "
+                            "padded batches (it computes its rotary positions per row from the image grid); "
+                            "drop the flag")
+        if vision and async_rl:
+            problems.append(f"{model} is a vision-language model: --train.async_enable is not available "
+                            "with one in this version")
+    return list(dict.fromkeys(problems))
 
 
 class RowKey(NamedTuple):

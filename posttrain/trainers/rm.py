@@ -21,18 +21,17 @@ With `--ds.value_head_prefix X` (X != score) the exported head is stored as `X.w
 naming); `load_score_model(path, value_head_prefix=X)` loads it back.
 
 Reward models read text only: `--data.max_images_per_prompt` or `--data.image_key` is refused
-(`check_text_only`), as a score model (AutoModelForSequenceClassification) has no vision-language form for
+(`config.validate`), as a score model (AutoModelForSequenceClassification) has no vision-language form for
 most families (Qwen-VL among them), and the reward-model scorers of `ppo` and `serve-rm` score text.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 
 from posttrain.algorithms.preference import reward_model_loss
-from posttrain.config import ConfigError, RMConfig
+from posttrain.config import RMConfig
 from posttrain.data.preference_dataset import MARGIN_KEY
 from posttrain.models import forward_values, load_score_model, unwrap_model
 from posttrain.models.context_parallel import context_parallel, gather_replicated
@@ -40,7 +39,6 @@ from posttrain.models.loading import check_model_path, read_head
 from posttrain.rewards.reward_model import last_token_index
 from posttrain.trainers.pairs import PairObjective, preference_items
 from posttrain.trainers.session import SingleModelRun, lora_settings
-from posttrain.utils.errors import UserError
 from posttrain.utils.log import info
 
 
@@ -48,9 +46,6 @@ class RMObjective(PairObjective):
     """The step loop's `Objective` for reward models (pairs as units, see `PairObjective`)."""
 
     def __init__(self, pad_id: int, packing: bool, loss_type: str = "sigmoid", use_margin: bool = False) -> None:
-        if use_margin and loss_type != "sigmoid":
-            raise ConfigError(f"--model.margin_loss_enable needs --model.loss_type sigmoid, got {loss_type!r}: "
-                              "the logexp loss has no margin term. Drop one of the two flags.")
         super().__init__(pad_id, packing)
         self.loss_type, self.use_margin = loss_type, use_margin
 
@@ -115,16 +110,6 @@ def load_prefix(path, prefix: str) -> str:
         return "score"
 
 
-def check_text_only(data) -> None:
-    """UserError when `data` (the `--data` section) asks for images: reward models read text only."""
-    defaults = {f.name: f.default for f in dataclasses.fields(data)}
-    for name in ("max_images_per_prompt", "image_key"):
-        value = getattr(data, name)
-        if value != defaults[name]:
-            raise UserError(f"--data.{name} {value}: posttrain rm trains text-only reward models (a score model has "
-                            "no vision-language form here, and ppo / serve-rm score text); drop the flag")
-
-
 def _model_config(model):
     base = unwrap_model(model)
     if hasattr(base, "peft_config"):
@@ -133,13 +118,10 @@ def _model_config(model):
 
 
 def train_rm(cfg: RMConfig) -> dict:
-    """Train a reward model as configured; returns the final eval metrics (empty without an eval set)."""
+    """Train a reward model as configured (the flags validated: `config.validate`); returns the final eval
+    metrics (empty without an eval set)."""
     use_margin = cfg.model.margin_loss_enable
     prefix = cfg.ds.value_head_prefix
-    if not prefix or not prefix.isidentifier():
-        raise ConfigError(f"--ds.value_head_prefix {prefix!r}: must be a Python identifier such as score or value_head")
-    RMObjective(0, False, cfg.model.loss_type, use_margin)  # flag conflicts fail before any loading
-    check_text_only(cfg.data)
 
     def load():
         return load_score_model(cfg.model.model_name_or_path, dtype=cfg.ds.param_dtype,

@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 
 from posttrain.compat.trl_rloo import REPORT_FILE as TRL_REPORT_FILE
-from posttrain.compat.trl_rloo import translation_of
 from posttrain.config import (
     SingleModelConfig,
     TrainerConfig,
@@ -36,6 +35,7 @@ from posttrain.config import (
     inert_flags,
     resolve_hardware_defaults,
     save_config,
+    translation_of,
 )
 from posttrain.config.facts import deepspeed_only_flags
 from posttrain.config.flag_values import format_value
@@ -195,14 +195,12 @@ class SingleModelRun:
         self.start = RunStart(cfg)
         self.device, self.world_size, self.is_main = self.start.device, self.start.world_size, self.start.is_main
         self.output_dir, self.folders = self.start.output_dir, self.start.folders
-        with self.start.closed_on_error():  # the model folders were checked by RunStart (`check_inputs`)
-            if cfg.ds.tensor_parallel_size > 1:  # the heads divide by the group before anything loads
-                tensor_parallel.check_model_folder(cfg.model.model_name_or_path, cfg.ds.tensor_parallel_size)
+        # RunStart checked the model folders and their config.json (heads vs --ds.tensor_parallel_size)
+        with self.start.closed_on_error():
             self.tokenizer = load_tokenizer(cfg.model.model_name_or_path,
                                             use_fast=not cfg.data.disable_fast_tokenizer,
                                             chat_template=cfg.data.tokenizer_chat_template)
-            self.processor = vision_processor(cfg.model.model_name_or_path, self.tokenizer,
-                                              getattr(cfg.data, "max_images_per_prompt", 0), cfg.ds.packing_samples)
+            self.processor = vision_processor(cfg.model.model_name_or_path, self.tokenizer)
             self.train_rows = load_rows(cfg.data.dataset, cfg.data.dataset_probs, cfg.data.dataset_split,
                                         cfg.train.seed, cfg.data.max_samples)
             self.eval_rows = self._eval_rows()

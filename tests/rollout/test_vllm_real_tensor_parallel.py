@@ -81,13 +81,14 @@ def test_tensor_parallel_engine_samples_as_one_rank_and_takes_weight_syncs(qwen2
 
 
 def test_ppo_engines_run_tensor_parallel_on_cpus_and_refuse_it_on_gpus(monkeypatch, tiny_model_dir):
-    """--vllm.tensor_parallel_size 2 gives the engine vLLM's `mp` executor with 2 ranks; on a GPU the engine
-    worker stops with one line naming the flag and the way out."""
-    from posttrain.config import ConfigError, parse_config
-    from posttrain.trainers.rl.placement.workers import build_vllm_engine, vllm_engine_kwargs
+    """--vllm.tensor_parallel_size 2 gives the engine vLLM's `mp` executor with 2 ranks; on a GPU the run
+    stops at start-up (validation, before Ray places anything) with one line naming the flag and the way
+    out."""
+    from posttrain.config import ConfigError, parse_config, validate
+    from posttrain.trainers.rl.placement.workers import vllm_engine_kwargs
 
     argv = ["--actor.model_name_or_path", tiny_model_dir, "--data.prompt_dataset", "x",
-            "--vllm.num_engines", "1"]
+            "--vllm.num_engines", "1", "--reward.remote_url", "r.py"]
     one = vllm_engine_kwargs(parse_config("ppo", argv, check=False))
     assert (one["tensor_parallel_size"], one["distributed_executor_backend"]) == (1, "uni")
     cfg = parse_config("ppo", argv + ["--vllm.tensor_parallel_size", "2"], check=False)
@@ -96,4 +97,4 @@ def test_ppo_engines_run_tensor_parallel_on_cpus_and_refuse_it_on_gpus(monkeypat
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(ConfigError, match=r"^--vllm.tensor_parallel_size 2: .* runs on CPUs .*not on GPUs.*"
                                           r"use --vllm.tensor_parallel_size 1 and more --vllm.num_engines$"):
-        build_vllm_engine(cfg, None)
+        validate(cfg, device="cuda")

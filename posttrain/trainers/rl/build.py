@@ -11,7 +11,7 @@ import dataclasses
 import torch
 
 from posttrain.config import PPOConfig
-from posttrain.config.ray_mode import present_roles
+from posttrain.config.ray_mode import critic_path, run_roles
 from posttrain.config.roles import ActorConfig, CriticConfig
 from posttrain.engines import make_train_engine
 from posttrain.engines.dist import env_world, init_process_group
@@ -29,22 +29,14 @@ from posttrain.utils.seeding import set_seed
 _ROLE_SEEDS = {"actor": 0, "critic": 1, "ref": 2}
 
 
-def needs_critic(cfg: PPOConfig) -> bool:
-    return "critic" in present_roles(cfg)
-
-
 def needs_reference(cfg: PPOConfig) -> bool:
     """A reference model of its own is loaded (not the LoRA actor's base, `reference_in_actor`)."""
-    return "ref" in present_roles(cfg)
+    return run_roles(cfg).has("ref")
 
 
 def _lora(cfg: PPOConfig) -> dict:
     """The LoRA / QLoRA keywords of the trained roles' loaders."""
     return {"lora": as_lora_spec(cfg.ds.lora), "load_in_4bit": cfg.ds.load_in_4bit}
-
-
-def critic_path(cfg: PPOConfig) -> str:
-    return cfg.critic.model_name_or_path or cfg.reward.model_name_or_path or cfg.actor.model_name_or_path
 
 
 def _seed_for(cfg: PPOConfig, role: str) -> None:
@@ -217,7 +209,3 @@ def build_reward_source(cfg: PPOConfig, tokenizer, device, zero_stage: int | Non
         source.context = context_groups(cfg, source.model)
     return source
 
-
-def has_reward_model(cfg: PPOConfig) -> bool:
-    """A reward model scores the samples (no `--reward.remote_url` file or server)."""
-    return "reward" in present_roles(cfg)

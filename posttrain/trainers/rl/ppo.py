@@ -23,13 +23,13 @@ from posttrain.config import (
     PPOConfig,
 )
 from posttrain.config.backends import one_process_engine
-from posttrain.config.ray_mode import reference_in_actor, uses_ray
+from posttrain.config.ray_mode import run_roles
 from posttrain.config.roles import SEQUENCE_POLICY_LOSSES
 from posttrain.data import PromptDataset, load_rows
 from posttrain.data.capping import capped_note
 from posttrain.data.errors import check_dropped
 from posttrain.data.images import ImageLimits
-from posttrain.models import load_tokenizer, tensor_parallel
+from posttrain.models import load_tokenizer
 from posttrain.rollout import HFRolloutEngine, SamplingParams, rank_seed
 from posttrain.rollout.single_turn import SingleTurnSampler
 from posttrain.trainers.rl import build
@@ -57,7 +57,8 @@ class RLTrainer(RunLoop):
         self.cfg = cfg
         self.start = RunStart(cfg)  # the controller's process (validation refuses WORLD_SIZE > 1)
         self.device, self.output_dir, self.folders = self.start.device, self.start.output_dir, self.start.folders
-        self.on_ray, self.placement = uses_ray(cfg), None
+        self.roles = run_roles(cfg)  # which roles this run loads, and whether on Ray
+        self.placement = None
         with self.start.closed_on_error():
             try:
                 self._load_data()
@@ -70,20 +71,16 @@ class RLTrainer(RunLoop):
 
     # ---- set-up -----------------------------------------------------------------------------
     def _load_data(self) -> None:
-        cfg = self.cfg  # the model folders were checked by RunStart (`check_inputs`)
-        if cfg.ds.tensor_parallel_size > 1:  # the trained models' heads divide by the group before anything loads
-            for path in (cfg.actor.model_name_or_path, build.critic_path(cfg) if build.needs_critic(cfg) else None):
-                if path:
-                    tensor_parallel.check_model_folder(path, cfg.ds.tensor_parallel_size)
+        cfg = self.cfg  # the model folders and their config.json were checked by RunStart (`check_inputs`)
         self.tokenizer = tok = load_tokenizer(cfg.actor.model_name_or_path,
                                               use_fast=not cfg.data.disable_fast_tokenizer,
                                               chat_template=cfg.data.tokenizer_chat_template)
-        self.processor = vision_processor(cfg.actor.model_name_or_path, tok, cfg.data.max_images_per_prompt,
-                                          cfg.ds.packing_samples)
+        self.processor = vision_processor(cfg.actor.model_name_or_path, tok)
         # what an exported policy folder holds besides the model: the tokenizer (and a VLM's image processor)
         self.savers = export_savers(tok, self.processor)
-        if self.processor is not None:
-            self._check_vision_placement()
+        if self.processor is not None and cfg.ds.shared_prefix:
+            info("vision-language actor: padded batches (--ds.shared_prefix off: the model computes its "
+                 "rotary positions per row from the image grid)")
         kw = dict(input_key=cfg.data.input_key, label_key=cfg.data.label_key, input_template=cfg.data.input_template,
                   apply_chat_template=cfg.data.apply_chat_template, processor=self.processor,
                   image_key=cfg.data.image_key, max_images=cfg.data.max_images_per_prompt,
@@ -106,36 +103,25 @@ class RLTrainer(RunLoop):
             self.eval_prompts = PromptDataset(eval_rows, tok, max_prompt_len=limit, **kw)
             self.eval_name = dataset_name(cfg.eval.dataset)
 
-    def _check_vision_placement(self) -> None:
-        """A vision-language actor: --train.async_enable is refused in this version (ConfigError, before anything
-        loads); shared-prefix layouts are off (a VLM takes padded batches)."""
-        cfg = self.cfg
-        if cfg.train.async_enable:
-            raise ConfigError(f"{cfg.actor.model_name_or_path} is a vision-language model: --train.async_enable is "
-                              "not available with one in this version")
-        if cfg.ds.shared_prefix:
-            info("vision-language actor: padded batches (--ds.shared_prefix off: the model computes its rotary "
-                 "positions per row from the image grid)")
-
     def _set_budgets(self, prompt_ids: list[list[int]]) -> None:
         """Generation budgets. --rollout.max_new_tokens set: that many for every sample. Unset: each
         sample may generate `--data.max_len - len(its prompt)` tokens (OpenRLHF), passed per sample
-        (`sample_max_len`); `max_new_tokens` is then the largest budget (the constant of seq_sum_norm)."""
+        (`sample_max_len`); `max_new_tokens` is then the largest budget (the constant of seq_sum_norm), and
+        --reward.overlong_buffer_len must fit the smallest (validation compares it with a set budget)."""
         cfg = self.cfg
         if cfg.rollout.max_new_tokens:
             self.sample_max_len, self.max_new_tokens = None, cfg.rollout.max_new_tokens
-            smallest = self.max_new_tokens
-        else:
-            self.sample_max_len = cfg.data.max_len
-            self.max_new_tokens = max(1, cfg.data.max_len - min(map(len, prompt_ids)))
-            smallest = max(1, cfg.data.max_len - max(map(len, prompt_ids)))
-            info(f"--rollout.max_new_tokens unset: each sample may generate --data.max_len - len(its prompt) "
-                 f"tokens ({smallest} to {self.max_new_tokens} here)")
+            return
+        self.sample_max_len = cfg.data.max_len
+        self.max_new_tokens = max(1, cfg.data.max_len - min(map(len, prompt_ids)))
+        smallest = max(1, cfg.data.max_len - max(map(len, prompt_ids)))
+        info(f"--rollout.max_new_tokens unset: each sample may generate --data.max_len - len(its prompt) "
+             f"tokens ({smallest} to {self.max_new_tokens} here)")
         buffer = cfg.reward.overlong_buffer_len
         if buffer and smallest < buffer:
             raise ConfigError(f"--reward.overlong_buffer_len {buffer:g} is longer than the smallest generation budget "
-                              f"({smallest} tokens: --rollout.max_new_tokens, or --data.max_len minus the longest "
-                              "prompt); lower the buffer or raise the budget")
+                              f"({smallest} tokens: --data.max_len minus the longest prompt, "
+                              "--rollout.max_new_tokens unset); lower the buffer or raise the budget")
 
     def _load_reward_source(self) -> None:
         """The reward source (and the agent file) first, before the policy loads: a missing or broken
@@ -152,7 +138,7 @@ class RLTrainer(RunLoop):
                  f"--data.max_len {cfg.data.max_len} tokens over all turns")
         self.reward_source = None
         has_reward = cfg.reward.model_name_or_path or cfg.reward.remote_url
-        if has_reward and not (self.on_ray and build.has_reward_model(cfg)):
+        if has_reward and not (self.roles.on_ray and self.roles.has("reward")):
             self.reward_source = build.build_reward_source(cfg, self.tokenizer, self.device)
 
     def _load_models(self) -> None:
@@ -165,16 +151,17 @@ class RLTrainer(RunLoop):
         self.total_steps = cfg.train.max_steps or self.steps_per_episode * cfg.train.num_episodes
         updates = self.total_steps * steps_per_rollout(cfg.rollout.batch_size * n, cfg.train.batch_size,
                                                        cfg.train.max_epochs)
-        trained = (("actor.", cfg.actor),) + ((("critic.", cfg.critic),) if build.needs_critic(cfg) else ())
+        trained = (("actor.", cfg.actor),) + ((("critic.", cfg.critic),) if self.roles.has("critic") else ())
         self.start.announce(updates, trained)
         self.shares_actor_module = False  # the rollout engine samples from the actor's own module
-        if self.on_ray:
+        if self.roles.on_ray:
             self._place_on_ray(updates)
         else:
             self.actor = build.build_actor(cfg, self.tokenizer, self.device, updates)
             self.critic = (build.build_critic(cfg, self.tokenizer, self.device, updates)
-                           if build.needs_critic(cfg) else None)
-            self.ref = build.build_reference(cfg, self.tokenizer, self.device) if build.needs_reference(cfg) else None
+                           if self.roles.has("critic") else None)
+            self.ref = (build.build_reference(cfg, self.tokenizer, self.device) if self.roles.has("ref")
+                        else None)
             info(f"rollout engine: {one_process_engine(cfg)}")
             if cfg.train.async_enable:  # generation runs while the actor trains: an engine of its own
                 with torch.random.fork_rng(devices=[]):  # loading it draws nothing from the run's RNG
@@ -193,7 +180,7 @@ class RLTrainer(RunLoop):
         """The reference of a LoRA run that starts from the actor's weights is the actor's base with the
         adapter disabled (`reference_in_actor`); start-up names where the reference comes from."""
         cfg = self.cfg
-        if reference_in_actor(cfg):
+        if self.roles.reference_in_actor:
             self.ref = AdapterOffReference(self.actor)
             info("reference model: the actor's base weights with its LoRA adapter disabled (no second copy)")
         elif self.ref is None:
@@ -217,8 +204,9 @@ class RLTrainer(RunLoop):
         from posttrain.trainers.rl.placement.ray_placement import RayPlacement
 
         cfg = self.cfg
-        self.placement = RayPlacement(cfg, updates, critic=build.needs_critic(cfg), ref=build.needs_reference(cfg),
-                                      reward_model=build.has_reward_model(cfg))
+        roles = self.roles
+        self.placement = RayPlacement(cfg, updates, critic=roles.has("critic"), ref=roles.has("ref"),
+                                      reward_model=roles.has("reward"))
         p = self.placement
         self.actor, self.critic, self.ref, self.rollout_engine = p.actor, p.critic, p.ref, p.engines
         if p.reward is not None:

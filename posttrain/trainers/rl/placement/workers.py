@@ -243,7 +243,7 @@ class EngineWorker(_Process):
             from posttrain.agents.multi_turn import AgentRunner
             from posttrain.trainers.vision import vision_processor
 
-            processor = vision_processor(cfg.actor.model_name_or_path, tok, cfg.data.max_images_per_prompt, False)
+            processor = vision_processor(cfg.actor.model_name_or_path, tok)
             self.agents = AgentRunner.from_config(load_agent_executor(cfg.train.agent_func_path), self.engine, tok,
                                                   None, cfg, processor=processor)
 
@@ -373,17 +373,11 @@ def build_vllm_engine(cfg: PPOConfig, tok):
     """A vLLM engine in this Ray actor's process, on its GPU or its CPU (`uni` executor, in-process engine core, so
     weight updates reach the model without serialising it), or over AsyncLLM (`needs_async_vllm`: its engine
     core in a child process); the stop ids are the HF engine's."""
-    from posttrain.config import ConfigError
     from posttrain.models import as_lora_spec
     from posttrain.rollout.hf_engine import resolve_eos_ids
     from posttrain.rollout.vllm_async_engine import VLLMAsyncRolloutEngine
     from posttrain.rollout.vllm_engine import VLLMRolloutEngine
 
-    tp = cfg.vllm.tensor_parallel_size
-    if tp > 1 and torch.cuda.is_available():
-        raise ConfigError(f"--vllm.tensor_parallel_size {tp}: a vLLM engine with tensor parallelism runs on "
-                          "CPUs (vLLM's CPU build) in this version, not on GPUs (its Ray process is given one "
-                          "GPU); use --vllm.tensor_parallel_size 1 and more --vllm.num_engines")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
     lora = as_lora_spec(cfg.ds.lora)  # only for a LoRA actor: the verified hash then includes the scaling
     cls = VLLMAsyncRolloutEngine if needs_async_vllm(cfg) else VLLMRolloutEngine
