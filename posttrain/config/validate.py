@@ -238,20 +238,28 @@ def _rm(cfg: RMConfig, r: _Report) -> None:
 
 
 def _vllm_tensor_parallel(cfg: PPOConfig, r: _Report, dev: str) -> None:
+    problem = vllm_tensor_parallel_problem(cfg, dev)
+    if problem:
+        r.problems.append(problem)
+
+
+def vllm_tensor_parallel_problem(cfg: PPOConfig, dev: str) -> str | None:
     """--vllm.tensor_parallel_size > 1 runs on CPUs only (vLLM's `mp` executor in the engine's process): where
-    the run's engines are vLLM engines (`backends.rollout_backend`) on a CUDA machine it is refused, before
-    Ray places anything (each engine's Ray process is given one GPU)."""
+    the run's engines are vLLM engines (`backends.rollout_backend`) on a CUDA machine it is refused, at start-up
+    before Ray places anything (each engine's Ray process is given one GPU), and again by the engine's worker
+    (a cluster whose head has no GPU but whose workers do)."""
     tp = cfg.vllm.tensor_parallel_size
     if tp <= 1 or dev != "cuda":
-        return
+        return None
     try:
         backend = rollout_backend(cfg)[0]
     except ConfigError:  # --rollout.engine vllm where vLLM cannot run: the engine's worker names why
-        return
-    if backend == "vllm":
-        r.problems.append(f"--vllm.tensor_parallel_size {tp}: a vLLM engine with tensor parallelism runs on "
-                          "CPUs (vLLM's CPU build) in this version, not on GPUs (its Ray process is given "
-                          "one GPU); use --vllm.tensor_parallel_size 1 and more --vllm.num_engines")
+        return None
+    if backend != "vllm":
+        return None
+    return (f"--vllm.tensor_parallel_size {tp}: a vLLM engine with tensor parallelism runs on CPUs (vLLM's CPU "
+            "build) in this version, not on GPUs (its Ray process is given one GPU); use "
+            "--vllm.tensor_parallel_size 1 and more --vllm.num_engines")
 
 
 def _inference(cfg, r: _Report) -> None:

@@ -12,6 +12,7 @@ from config_args import BASE
 from test_validate import problem
 
 from posttrain.config import (
+    ConfigError,
     config_from_trl_rloo,
     config_to_dict,
     flag_specs,
@@ -73,6 +74,18 @@ def test_vllm_tensor_parallel_is_refused_on_a_gpu_machine_only(monkeypatch):
     parse_config("ppo", ppo + VLLM_TP + ["--rollout.engine", "hf"], device="cuda")  # no vLLM engine
     parse_config("ppo", ppo + ["--vllm.tensor_parallel_size", "2"], device="cuda")  # no engines at all
 
+
+
+def test_the_engines_worker_refuses_vllm_tensor_parallel_on_its_own_gpu(monkeypatch):
+    """A cluster whose head has no GPU passes start-up (decided on the head); the engine's worker, on a GPU,
+    refuses with the same line before building anything."""
+    from posttrain.trainers.rl.placement import workers
+
+    cfg = parse_config("ppo", BASE["ppo"] + VLLM_TP, device="cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError) as e:
+        workers.build_vllm_engine(cfg, tok=None)
+    assert str(e.value) == TP_REFUSAL
 
 NO_CRITIC_NO_KL = ("--algo.advantage.estimator", "reinforce", "--algo.kl.init_coef", "0")
 

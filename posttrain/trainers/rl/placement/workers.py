@@ -373,11 +373,16 @@ def build_vllm_engine(cfg: PPOConfig, tok):
     """A vLLM engine in this Ray actor's process, on its GPU or its CPU (`uni` executor, in-process engine core, so
     weight updates reach the model without serialising it), or over AsyncLLM (`needs_async_vllm`: its engine
     core in a child process); the stop ids are the HF engine's."""
+    from posttrain.config import ConfigError
+    from posttrain.config.validate import vllm_tensor_parallel_problem
     from posttrain.models import as_lora_spec
     from posttrain.rollout.hf_engine import resolve_eos_ids
     from posttrain.rollout.vllm_async_engine import VLLMAsyncRolloutEngine
     from posttrain.rollout.vllm_engine import VLLMRolloutEngine
 
+    problem = vllm_tensor_parallel_problem(cfg, "cuda" if torch.cuda.is_available() else "cpu")
+    if problem:  # start-up refused it where the head has a GPU; here the engine's own machine decides
+        raise ConfigError(problem)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
     lora = as_lora_spec(cfg.ds.lora)  # only for a LoRA actor: the verified hash then includes the scaling
     cls = VLLMAsyncRolloutEngine if needs_async_vllm(cfg) else VLLMRolloutEngine
