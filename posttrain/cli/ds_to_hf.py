@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> str:
     from posttrain.models.folders import check_model_folder
 
     with user_errors(PROG):
-        check_output_folder(args.output_path, args.overwrite)  # every path, before torch and transformers load
+        check_output_folder(args.output_path, args.overwrite)  # every path, before torch and transformers
         check_model_folder(args.model_path)
         checkpoint_source(args.checkpoint, args.tag)
         out = export_zero_checkpoint(args.checkpoint, args.model_path, args.output_path, tag=args.tag,

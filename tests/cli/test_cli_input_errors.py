@@ -99,8 +99,8 @@ def broken_copy(src, dst, case):
     ("corrupt_safetensors", ["model.safetensors cannot be read", "header too large"]),
     ("auto_map", ["config.json has `auto_map`", "trust_remote_code", "does not run"]),
 ])
-def test_a_broken_model_folder_and_a_missing_dataset_are_named_together(tiny_model_dir, tmp_path, case, needles,
-                                                                         capsys):
+def test_a_broken_model_folder_and_a_missing_dataset_are_named_together(tiny_model_dir, tmp_path, case,
+                                                                         needles, capsys):
     from pathlib import Path
 
     model = broken_copy(Path(tiny_model_dir), tmp_path / "model", case)

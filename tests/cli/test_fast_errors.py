@@ -54,8 +54,8 @@ def cases(tmp, model):
 def test_a_mistake_is_reported_before_torch_or_transformers_load(tiny_model_dir, tmp_path):
     failures = []
     for argv, needle in cases(tmp_path, tiny_model_dir):
-        proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "posttrain.cli.main", *map(str, argv)],
-                              capture_output=True, text=True, env=ENV, timeout=120, check=False)
+        command = [sys.executable, "-X", "importtime", "-m", "posttrain.cli.main", *map(str, argv)]
+        proc = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=120, check=False)
         said = "\n".join(ln for ln in proc.stderr.splitlines() if not ln.startswith("import time:"))
         assert proc.returncode == 2 and f"{argv[0]}: error:" in said and needle in said, (argv, said[-2000:])
         assert "Traceback" not in said, said[-2000:]
