@@ -16,7 +16,7 @@ def in_thread_server(source, token=None):
     """build_app(source) served by uvicorn in a thread of this process, on a free 127.0.0.1 port."""
     import uvicorn
 
-    from posttrain.cli.serve_rm import build_app
+    from posttrain.rewards.server import build_app
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(source, token=token), host="127.0.0.1", port=port,

@@ -17,10 +17,12 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None) -> list[dict]:
     """Run the conversation over `stdin` / `stdout` (default: the process's); returns the history at the end.
     Bad flags or model folders end in one `posttrain chat: error:` line and exit status 2."""
     from posttrain.config import parse_config
+    from posttrain.trainers.inputs import check_sampling_inputs
 
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     with user_errors(PROG):
         cfg = parse_config("chat", sys.argv[1:] if argv is None else argv)
+        check_sampling_inputs(cfg)
         from posttrain.trainers.inference import Policy, sampling_params
 
         policy = Policy(cfg).start()

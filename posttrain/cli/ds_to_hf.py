@@ -36,9 +36,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> str:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    from posttrain.models.deepspeed_export import export_zero_checkpoint
+    from posttrain.models.deepspeed_export import (
+        check_output_folder,
+        checkpoint_source,
+        export_zero_checkpoint,
+    )
+    from posttrain.models.folders import check_model_folder
 
     with user_errors(PROG):
+        check_output_folder(args.output_path, args.overwrite)  # every path, before torch and transformers
+        check_model_folder(args.model_path)
+        checkpoint_source(args.checkpoint, args.tag)
         out = export_zero_checkpoint(args.checkpoint, args.model_path, args.output_path, tag=args.tag,
                                      dtype=args.param_dtype, score=args.is_rm, overwrite=args.overwrite)
     print(out)

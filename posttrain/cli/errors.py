@@ -33,12 +33,19 @@ TRAINERS = {"sft": "posttrain.trainers.sft:train_sft", "rm": "posttrain.trainers
 
 def run_trainer(trainer: str, argv: list[str] | None, prog: str) -> dict:
     """Parse `argv` as `trainer`'s flags and run it; bad flags or data exit 2 with one line. `argv` None:
-    the process's own arguments, i.e. the command line (`command_line`). The trainer module is imported
-    after parsing, so `--help` and flag errors stay fast. Returns the trainer's final metrics."""
+    the process's own arguments, i.e. the command line (`command_line`). The trainer module (torch,
+    transformers) is imported only after the flags parse, the inputs check (`check_inputs`) and no finished
+    run is in the way (`refuse_finished_run`): a user's mistake is reported at once. (The trainer's start,
+    `RunStart`, checks these again for callers that do not come through here.) Returns the trainer's final
+    metrics."""
     from posttrain.config import parse_config
+    from posttrain.trainers.inputs import check_inputs
+    from posttrain.trainers.run_folders import refuse_finished_run
 
     with command_line(argv is None), user_errors(prog):
         cfg = parse_config(trainer, sys.argv[1:] if argv is None else argv)
+        check_inputs(cfg)
+        refuse_finished_run(cfg)
         module, name = TRAINERS[trainer].split(":")
         return getattr(importlib.import_module(module), name)(cfg)
 

@@ -16,9 +16,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     """Print one line per metric and return them. Bad flags, files or keys: one `posttrain eval: error:` line,
     exit status 2."""
     from posttrain.config import parse_config
+    from posttrain.trainers.inputs import check_sampling_inputs
 
     with user_errors(PROG):
         cfg = parse_config("eval", sys.argv[1:] if argv is None else argv)
+        check_sampling_inputs(cfg)
         from posttrain.trainers.inference import (
             MATH_GRADER,
             evaluate,

@@ -18,9 +18,11 @@ def main(argv: list[str] | None = None) -> str:
     """Write --output and return its path. Bad flags, files or keys: one `posttrain generate: error:` line,
     exit status 2."""
     from posttrain.config import parse_config
+    from posttrain.trainers.inputs import check_sampling_inputs
 
     with user_errors(PROG):
         cfg = parse_config("generate", sys.argv[1:] if argv is None else argv)
+        check_sampling_inputs(cfg)
         from posttrain.trainers.inference import prepare, sample, sampling_params, write_jsonl_output
 
         policy, rows, prompts, reward = prepare(cfg)

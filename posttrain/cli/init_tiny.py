@@ -34,7 +34,7 @@ def check_vision(args) -> None:
 
 def check_shape(shape: str | None, size: str | None, arch: str | None) -> None:
     """Refuse (UserError) an unknown --shape, or one given with --size or another --arch."""
-    from posttrain.models import SHAPES
+    from posttrain.models.shapes import SHAPES
 
     if shape is None:
         return
@@ -47,7 +47,7 @@ def check_shape(shape: str | None, size: str | None, arch: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from posttrain.models import PRESETS, SHAPES, build_tiny
+    from posttrain.models.shapes import PRESETS, SHAPES
 
     p = argparse.ArgumentParser(prog=PROG, description=__doc__)
     p.add_argument("--output", required=True, help="folder to write the model and tokenizer into")
@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> dict:
         check_shape(args.shape, args.size, args.arch)
         check_vision(args)
         check_output(Path(args.output), args.overwrite)
+        from posttrain.models import build_tiny
+
         summary = build_tiny(args.output, arch=args.arch, size=args.size, head=args.head, seed=args.seed,
                              overwrite=args.overwrite, shape=args.shape, dtype=args.dtype,
                              vision=args.vision)

@@ -33,10 +33,13 @@ def main(argv: list[str] | None = None) -> str:
     """Parse flags, merge, print and return the output folder. Bad input exits with status 2."""
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     from posttrain.config import ConfigError
-    from posttrain.models import merge_lora
+    from posttrain.models.folders import check_merge_paths
 
     with user_errors(PROG):
         try:
+            check_merge_paths(args.lora_path, args.output_path, args.model_path)  # before torch loads
+            from posttrain.models import merge_lora
+
             merge_lora(args.lora_path, args.output_path, base_path=args.model_path, dtype=args.param_dtype,
                        is_rm=args.is_rm, value_head_prefix=args.value_head_prefix)
         except ValueError as e:  # the models layer's clear bad-input errors

@@ -15,10 +15,9 @@ from posttrain.config import ConfigError, inert_flags, parse_config
 from posttrain.config.hardware import device_type, record_resolved, resolve_hardware_defaults
 from posttrain.config.serving import TOKEN_ENV, ServeRMConfig
 from posttrain.config.validate import check_serving_model
-from posttrain.rewards.server import build_app, server_config
 from posttrain.utils.extras import require
 
-__all__ = ["build_app", "main", "make_source", "parse_args", "startup_notes"]
+__all__ = ["main", "make_source", "parse_args", "startup_notes"]
 PROG = "posttrain serve-rm"
 _LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 # config attributes that hold a model's position limit, most common first
@@ -41,11 +40,11 @@ def parse_args(argv: list[str] | None) -> ServeRMConfig:
 
 def position_limit(model_path: str) -> int | None:
     """The model's position limit (max_position_embeddings or its equivalent) from its config, or None."""
+    from posttrain.models.folders import check_model_folder, check_model_path
+
+    check_model_folder(model_path)  # before transformers loads: a wrong path is reported at once
     from transformers import AutoConfig
 
-    from posttrain.models.loading import check_model_folder, check_model_path
-
-    check_model_folder(model_path)
     config = AutoConfig.from_pretrained(check_model_path(model_path))
     if hasattr(config, "get_text_config"):
         config = config.get_text_config()
@@ -102,6 +101,8 @@ def main(argv: list[str] | None = None):
         info(f"WARNING: serve-rm binds {args.host}:{args.port}, reachable from other machines{exposure}")
     import uvicorn
 
+    from posttrain.rewards.server import build_app, server_config
+
     info(f"serving {source!r} at http://{args.host}:{args.port}/get_reward"
          f"{' (bearer token required)' if args.token else ''}")
     app = build_app(source, token=args.token, max_request_bytes=args.max_request_bytes, max_queries=args.max_queries,
@@ -136,9 +137,7 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def _pick_device(device: str | None) -> str:
-    import torch
-
-    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return device or device_type()
 
 
 def make_source(args: ServeRMConfig, device: str):

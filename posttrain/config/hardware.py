@@ -7,6 +7,9 @@ shows both and the reason."""
 
 from __future__ import annotations
 
+import glob
+import os
+import sys
 from typing import Any
 
 from posttrain.config.flag_values import format_value
@@ -18,12 +21,25 @@ _RESOLVED = "_posttrain_resolved"  # attribute on cfg: path -> (value asked for,
 
 
 def device_type(device: Any = None) -> str:
-    """"cpu" / "cuda" / ... of a torch.device or a device string; None → what torch sees here."""
+    """"cpu" / "cuda" / ... of a torch.device or a device string; None → what torch sees here ("cpu" without
+    importing torch where it cannot see a GPU: `no_gpu_here`)."""
     if device is None:
+        if no_gpu_here():
+            return "cpu"
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
     return str(getattr(device, "type", device)).split(":")[0]
+
+
+def no_gpu_here() -> bool:
+    """Whether torch certainly sees no CUDA / ROCm GPU here, known without importing it (0.9 s, so that a bad
+    flag is reported at once): CUDA_VISIBLE_DEVICES hides every GPU, the machine is a Mac, or it is Linux
+    with no GPU driver device (/dev/nvidia*, ROCm's /dev/kfd, WSL's /dev/dxg)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1") or sys.platform == "darwin":
+        return True
+    return sys.platform.startswith("linux") and not (glob.glob("/dev/nvidia*") or os.path.exists("/dev/kfd")
+                                                     or os.path.exists("/dev/dxg"))
 
 
 def resolved_values(cfg: CommandConfig) -> dict[str, tuple[Any, Any, str]]:

@@ -1,58 +1,30 @@
 """Data layer: loading and mixing datasets, templates, SFT tokenisation, collators, token-budget
-batching, and the synthetic arithmetic task. Imports nothing from other posttrain layers."""
+batching, and the synthetic arithmetic task. Imports nothing from other posttrain layers.
 
-from .batching import oversized_indices, token_budget_batches
-from .collate import pack_collate, pad_collate
-from .errors import DataError, where
-from .loading import load_rows
-from .mixing import mix_rows, mixing_weights
-from .preference_dataset import PreferenceDataset, pair_sides
-from .prompts import Prompt, PromptDataset
-from .readers import Row, read_file
-from .sft_dataset import SFTDataset
-from .sources import load_source
-from .synthetic import (
-    extract_answer,
-    is_correct,
-    make_arithmetic_rows,
-    make_preference_rows,
-    rounded,
-    write_jsonl,
-)
-from .templates import check_input_template, format_prompt, render_chat, set_chat_template, to_messages
-from .validation import ensure_location, require_messages, require_text, require_text_or_messages
+The names below are imported on first use (`__getattr__`): importing one light module of this package
+does not import the heavy ones (torch, transformers), so a user's mistake is reported before they load."""
+from __future__ import annotations
 
-__all__ = [
-    "DataError",
-    "PreferenceDataset",
-    "Prompt",
-    "PromptDataset",
-    "Row",
-    "SFTDataset",
-    "check_input_template",
-    "ensure_location",
-    "extract_answer",
-    "format_prompt",
-    "is_correct",
-    "load_rows",
-    "load_source",
-    "make_arithmetic_rows",
-    "make_preference_rows",
-    "mix_rows",
-    "oversized_indices",
-    "pack_collate",
-    "pair_sides",
-    "pad_collate",
-    "mixing_weights",
-    "read_file",
-    "render_chat",
-    "rounded",
-    "require_messages",
-    "require_text",
-    "require_text_or_messages",
-    "set_chat_template",
-    "to_messages",
-    "token_budget_batches",
-    "where",
-    "write_jsonl",
-]
+import importlib
+
+_WHERE = {  # name -> the module of this package that defines it
+    "oversized_indices": "batching", "token_budget_batches": "batching", "pack_collate": "collate",
+    "pad_collate": "collate", "DataError": "errors", "where": "errors", "load_rows": "loading",
+    "mix_rows": "mixing", "mixing_weights": "mixing", "PreferenceDataset": "preference_dataset",
+    "pair_sides": "preference_dataset", "Prompt": "prompts", "PromptDataset": "prompts", "Row": "readers",
+    "read_file": "readers", "SFTDataset": "sft_dataset", "load_source": "sources",
+    "extract_answer": "synthetic", "is_correct": "synthetic", "make_arithmetic_rows": "synthetic",
+    "make_preference_rows": "synthetic", "rounded": "synthetic", "write_jsonl": "synthetic",
+    "check_input_template": "templates", "format_prompt": "templates", "render_chat": "templates",
+    "set_chat_template": "templates", "to_messages": "templates", "ensure_location": "validation",
+    "require_messages": "validation", "require_text": "validation", "require_text_or_messages": "validation",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value

@@ -44,7 +44,6 @@ from .validation import ensure_location, require_text, require_text_or_messages
 from .vision_samples import ImageEncoder
 
 PROMPT_FLAG, CHOSEN_FLAG, REJECTED_FLAG = "--data.prompt_key", "--data.chosen_key", "--data.rejected_key"
-MARGIN_KEY = "margin"  # the key of each row's margin, which RM's --model.margin_loss_enable reads
 
 
 class PreferenceDataset(Dataset):

@@ -8,6 +8,7 @@ from typing import Any
 from .errors import DataError, where
 
 Row = dict[str, Any]
+MARGIN_KEY = "margin"  # the key of each row's margin, which RM's --model.margin_loss_enable reads
 
 
 def _user_keys(row: Row) -> list[str]:

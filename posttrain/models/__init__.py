@@ -1,38 +1,28 @@
 """Models layer: tiny-model builder, loading (tokenizer, causal LM, score model), LoRA,
-padded/packed forward passes, saving. Imports nothing above `posttrain.utils`."""
-from posttrain.models.forward import (
-    block_causal_mask,
-    forward_logits,
-    forward_logprobs,
-    forward_values,
-    model_inputs,
-)
-from posttrain.models.loading import (
-    check_model_folder,
-    check_model_path,
-    load_causal_lm,
-    load_score_model,
-    load_tokenizer,
-    parse_dtype,
-)
-from posttrain.models.lora import (
-    LoraSpec,
-    apply_lora,
-    as_lora_spec,
-    is_peft,
-    lora_scalings,
-    tied_lora_layers,
-    trainable_names,
-)
-from posttrain.models.merge import merge_lora
-from posttrain.models.saving import atomic_output_dir, save_pretrained, unwrap_model
-from posttrain.models.shapes import SHAPES, ModelShape
-from posttrain.models.tiny import PRESETS, build_tiny, model_config
+padded/packed forward passes, saving. Imports nothing above `posttrain.utils`.
 
-__all__ = [
-    "PRESETS", "SHAPES", "LoraSpec", "ModelShape", "apply_lora", "as_lora_spec", "atomic_output_dir",
-    "block_causal_mask", "build_tiny", "check_model_folder", "check_model_path", "forward_logits", "forward_logprobs",
-    "forward_values", "is_peft", "load_causal_lm", "load_score_model", "load_tokenizer", "lora_scalings", "merge_lora",
-    "model_config", "model_inputs", "parse_dtype", "save_pretrained", "tied_lora_layers",
-    "trainable_names", "unwrap_model",
-]
+The names below are imported on first use (`__getattr__`): importing one light module of this package
+does not import the heavy ones (torch, transformers), so a user's mistake is reported before they load."""
+from __future__ import annotations
+
+import importlib
+
+_WHERE = {  # name -> the module of this package that defines it
+    "block_causal_mask": "forward", "forward_logits": "forward", "forward_logprobs": "forward",
+    "forward_values": "forward", "model_inputs": "forward", "check_model_folder": "folders",
+    "check_model_path": "folders", "load_causal_lm": "loading", "load_score_model": "loading",
+    "load_tokenizer": "loading", "parse_dtype": "loading", "LoraSpec": "lora", "apply_lora": "lora",
+    "as_lora_spec": "lora", "is_peft": "lora", "lora_scalings": "lora", "tied_lora_layers": "lora",
+    "trainable_names": "lora", "merge_lora": "merge", "atomic_output_dir": "saving",
+    "save_pretrained": "saving", "unwrap_model": "saving", "ModelShape": "shapes", "SHAPES": "shapes",
+    "PRESETS": "shapes", "build_tiny": "tiny", "model_config": "tiny",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value

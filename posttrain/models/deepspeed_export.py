@@ -24,13 +24,15 @@ import os
 import pickle
 import warnings
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from posttrain.utils.checkpoint import MANIFEST, load_state_file, refused_file, run_folder_at
 from posttrain.utils.errors import UserError
 from posttrain.utils.extras import require
 from posttrain.utils.run_lock import LOCK_FILE
+
+if TYPE_CHECKING:
+    import torch
 
 
 def resolve_tag(checkpoint: str | os.PathLike, tag: str | None) -> tuple[Path, str]:
@@ -55,6 +57,7 @@ def resolve_tag(checkpoint: str | os.PathLike, tag: str | None) -> tuple[Path, s
 @contextlib.contextmanager
 def weights_only_loads():
     """While inside, `torch.load` reads with weights_only=True, allowing DeepSpeed's three plain classes."""
+    import torch
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
@@ -83,17 +86,27 @@ def weights_only_loads():
         torch.load = real
 
 
+def checkpoint_source(checkpoint, tag: str | None = None) -> tuple[Path, str | None]:
+    """What `zero_fp32_state` reads, found without reading it: (the plain torch engine's model.pt, None) for a
+    posttrain checkpoint of that engine, else (the folder holding tag folders, the tag) of a DeepSpeed
+    checkpoint. UserError for a missing folder or tag, a LoRA-only posttrain checkpoint, or no DeepSpeed."""
+    if tag is None and (found := posttrain_engine(checkpoint)) is not None:
+        folder, engine = found
+        if engine == "torch":
+            return folder / "model.pt", None
+        checkpoint, tag = folder, "engine"
+    folder, tag = resolve_tag(checkpoint, tag)
+    require(f"--checkpoint {folder / tag} (a DeepSpeed ZeRO checkpoint)", "deepspeed")
+    return folder, tag
+
+
 def zero_fp32_state(checkpoint, tag: str | None = None) -> dict[str, torch.Tensor]:
     """The whole fp32 weights of a ZeRO checkpoint (frozen parameters included when it saved them). A
     posttrain checkpoint (`global_stepN` or its `engine` folder, no `tag`) is read as its engine wrote it:
     DeepSpeed's files under `engine/engine`, or the plain torch engine's `model.pt` (weights-only)."""
-    if tag is None and (found := posttrain_engine(checkpoint)) is not None:
-        folder, engine = found
-        if engine == "torch":
-            return dict(load_state_file(folder / "model.pt"))
-        checkpoint, tag = folder, "engine"
-    folder, tag = resolve_tag(checkpoint, tag)
-    require(f"--checkpoint {folder / tag} (a DeepSpeed ZeRO checkpoint)", "deepspeed")
+    folder, tag = checkpoint_source(checkpoint, tag)
+    if tag is None:
+        return dict(load_state_file(folder))
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     with weights_only_loads():
@@ -173,7 +186,13 @@ def export_zero_checkpoint(checkpoint, base, output, tag: str | None = None, dty
     architecture, tokenizer (and a VLM's image processor) with the checkpoint's weights in `dtype`; `score`:
     a reward model / critic (a sequence-classification head). UserError (one line) for a base model of
     another shape than the checkpoint's, one with custom code (`auto_map`), or an architecture transformers
-    lacks."""
+    lacks. The output and base model are checked before torch and transformers load."""
+    from posttrain.models.folders import check_model_folder, check_model_path
+
+    out = check_output_folder(output, overwrite)
+    path = check_model_path(base)
+    check_model_folder(path)  # config.json readable, no `auto_map` (custom code, never run)
+    import torch
     from transformers import (
         AutoConfig,
         AutoModelForCausalLM,
@@ -181,13 +200,10 @@ def export_zero_checkpoint(checkpoint, base, output, tag: str | None = None, dty
         AutoModelForSequenceClassification,
     )
 
-    from posttrain.models.loading import check_model_folder, check_model_path, load_tokenizer, parse_dtype
+    from posttrain.models.loading import load_tokenizer, parse_dtype
     from posttrain.models.saving import atomic_output_dir, save_pretrained
     from posttrain.models.vision import is_vision_config, load_processor
 
-    out = check_output_folder(output, overwrite)
-    path = check_model_path(base)
-    check_model_folder(path)  # config.json readable, no `auto_map` (custom code, never run)
     config = AutoConfig.from_pretrained(path, **({"num_labels": 1} if score else {}))
     vision = is_vision_config(config)
     cls = (AutoModelForSequenceClassification if score else

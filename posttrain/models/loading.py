@@ -17,6 +17,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from posttrain.models.cpu_linear import use_onednn_linears
+from posttrain.models.folders import (
+    _TOKENIZER_FILES,
+    INIT_TINY_HINT,
+    ModelLoadError,
+    _checked_folder,
+    check_model_path,
+)
 from posttrain.models.lora import apply_lora, as_lora_spec
 from posttrain.models.shard_loading import (
     fill_shards,
@@ -27,7 +34,6 @@ from posttrain.models.shard_loading import (
     without_random_init,
     zero3_loading,
 )
-from posttrain.utils.errors import UserError
 from posttrain.utils.extras import require
 from posttrain.utils.log import info, warn_once
 
@@ -36,17 +42,8 @@ if TYPE_CHECKING:
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-INIT_TINY_HINT = "build one with `posttrain init-tiny --output DIR`"
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 # names of scalar heads that reward / value models store (HF score, OpenRLHF value_head, TRL v_head)
 _HEAD_NAMES = ("score", "value_head", "v_head", "v_head.summary", "reward_head")
-
-
-class ModelLoadError(UserError, ValueError):
-    """A checkpoint that cannot serve the role it was given (missing weights, the wrong kind of
-    model, a tokenizer larger than the vocabulary, a missing score head); the message names the
-    folder, what is wrong and the fix."""
 
 
 def parse_dtype(dtype) -> torch.dtype:
@@ -56,24 +53,6 @@ def parse_dtype(dtype) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}: valid values are fp32, bf16, fp16")
     return _DTYPES[dtype]
-
-
-def check_model_path(path) -> str:
-    """Return `path` (user-expanded) if it is a local folder or looks like a hub id ("org/name"
-    whose "org" is not a local folder); otherwise raise FileNotFoundError with the init-tiny hint."""
-    p = os.path.expanduser(str(path))
-    if os.path.isdir(p):
-        return p
-    if os.path.exists(p):
-        raise ModelLoadError(f"model path {str(path)!r} is a file, not a folder: a model is a folder holding "
-                             "config.json and the weights (e.g. model.safetensors); give the folder that "
-                             f"holds this file, or {INIT_TINY_HINT}")
-    parts = p.split("/")
-    hub_like = (len(parts) == 2 and all(parts) and not p.startswith((".", "~"))
-                and not os.path.isdir(parts[0]))
-    if not hub_like:
-        raise FileNotFoundError(f"model path {str(path)!r} not found; {INIT_TINY_HINT}")
-    return p
 
 
 def _hub_error(path: str, err: Exception) -> FileNotFoundError:
@@ -420,72 +399,6 @@ def _no_head_error(path, prefix: str, architectures, keys=None) -> ModelLoadErro
     return ModelLoadError(
         f"model {path} has no trained score head (no {prefix}.weight in its weights{arch}), so it is not a "
         f"reward model: a new head would score at random and PPO would train on noise; {fix}")
-
-
-def _checked_folder(path) -> str | None:
-    """The local folder of `path` (None for a hub id), after checking that it holds a model: config.json
-    and weight files, unless it is a peft adapter folder (adapter_config.json)."""
-    p = check_model_path(path)
-    if not os.path.isdir(p):
-        return None
-    names = os.listdir(p)
-    if "adapter_config.json" in names and "config.json" not in names:
-        return None  # a LoRA adapter: transformers loads its base model
-    missing = []
-    if "config.json" not in names:
-        missing.append("config.json")
-    if not any(n.endswith(_WEIGHT_SUFFIXES) or n.endswith(".index.json") for n in names):
-        missing.append("weights (model.safetensors, pytorch_model.bin, ...)")
-    if missing:
-        only_tok = " (it holds only tokenizer files)" if any(n in _TOKENIZER_FILES for n in names) else ""
-        raise ModelLoadError(f"model folder {p} has no model {' and no '.join(missing)}{only_tok}; point the "
-                             "model flag at a saved model (config.json + weights), e.g. the output folder "
-                             f"of a posttrain run, or {INIT_TINY_HINT}")
-    _check_config(p)
-    _check_safetensors(p)
-    return p
-
-
-def check_model_folder(path) -> str | None:
-    """The checks a model load makes before it reads any weight, run alone, cheaply, at start-up (before
-    the data is read): `path` is a folder (or a hub id: None) with config.json and weights; config.json is
-    a JSON object without `auto_map` (custom model code, which posttrain never runs); each safetensors
-    file has a readable header. ModelLoadError naming the path otherwise."""
-    return _checked_folder(path)
-
-
-def _check_config(folder: str) -> None:
-    path = os.path.join(folder, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except UnicodeDecodeError as err:
-        raise ModelLoadError(f"model config {path} is not UTF-8 text ({err.reason}); the model folder is "
-                             "damaged: save or download the model again") from None
-    except json.JSONDecodeError as err:
-        raise ModelLoadError(f"model config {path} is not valid JSON ({err.msg} at line {err.lineno}, column "
-                             f"{err.colno}); the model folder is damaged: save or download the model again") from None
-    if not isinstance(config, dict):
-        raise ModelLoadError(f"model config {path} holds a JSON {type(config).__name__}, not an object; save or "
-                             "download the model again")
-    if config.get("auto_map"):
-        classes = ", ".join(f"{k}: {v}" for k, v in list(config["auto_map"].items())[:3]) \
-            if isinstance(config["auto_map"], dict) else str(config["auto_map"])
-        raise ModelLoadError(f"model config {path} has `auto_map` ({classes}): the model needs its own Python code "
-                             "(trust_remote_code), which posttrain does not run; use a model whose architecture "
-                             "transformers ships, or convert this one to such an architecture")
-
-
-def _check_safetensors(folder: str) -> None:
-    from safetensors import safe_open
-
-    for file in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
-        try:
-            with safe_open(file, framework="pt") as f:
-                f.keys()
-        except Exception as err:  # SafetensorError: a truncated or overwritten file
-            raise ModelLoadError(f"model weights {file} cannot be read ({type(err).__name__}: {err}); the file is "
-                                 "damaged or incomplete: save or download the model again") from None
 
 
 def _read_config(folder: str) -> dict:

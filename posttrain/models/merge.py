@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+from posttrain.models.folders import check_merge_paths
 from posttrain.models.loading import (
-    check_model_path,
     load_causal_lm,
     load_score_model,
     load_tokenizer,
@@ -15,31 +15,7 @@ from posttrain.models.loading import (
 from posttrain.models.saving import save_pretrained
 from posttrain.utils.log import info
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 REWARD_STATS = ("mean", "std", "normalize_reward")  # reward normalisation read by reward models
-
-
-def read_adapter_config(adapter_path) -> dict:
-    """The adapter folder's `adapter_config.json` as a dict. FileNotFoundError when the folder
-    is missing; ValueError when it is not a LoRA adapter folder (e.g. a full model)."""
-    p = os.path.expanduser(str(adapter_path))
-    if not os.path.isdir(p):
-        raise FileNotFoundError(f"lora_path {str(adapter_path)!r}: no such folder")
-    config_file = os.path.join(p, ADAPTER_CONFIG)
-    if not os.path.isfile(config_file):
-        full = os.path.isfile(os.path.join(p, "config.json"))
-        why = ("it holds a full model (config.json), not an adapter: was it trained without "
-               "--ds.lora.rank > 0? then it needs no merge" if full else "no adapter_config.json")
-        raise ValueError(f"lora_path {p}: not a LoRA adapter folder ({why})")
-    if not any(os.path.isfile(os.path.join(p, w)) for w in ADAPTER_WEIGHTS):
-        raise ValueError(f"lora_path {p}: has {ADAPTER_CONFIG} but no adapter weights "
-                         f"({' or '.join(ADAPTER_WEIGHTS)})")
-    with open(config_file) as f:
-        cfg = json.load(f)
-    if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
-        raise ValueError(f"{config_file}: peft_type {cfg.get('peft_type')!r} is not LORA")
-    return cfg
 
 
 def _adapter_state(adapter_path: str) -> dict:
@@ -100,22 +76,10 @@ def merge_lora(adapter_path, out_dir, base_path=None, dtype="fp32", is_rm: bool 
     Returns the merged model."""
     from peft import PeftModel
 
-    adapter_cfg = read_adapter_config(adapter_path)
-    adapter_path = os.path.expanduser(str(adapter_path))
+    adapter_cfg, adapter_path, base_path = check_merge_paths(adapter_path, out_dir, base_path)
     recorded = adapter_cfg.get("base_model_name_or_path")
-    base_path = str(base_path) if base_path else recorded
-    if not base_path:
-        raise ValueError(f"{adapter_path}/{ADAPTER_CONFIG} names no base model; pass --model_path")
-    base_path = check_model_path(base_path)
     if recorded and os.path.abspath(os.path.expanduser(recorded)) != os.path.abspath(base_path):
         info(f"adapter {adapter_path} was trained on {recorded}; merging into {base_path}")
-    out = os.path.abspath(os.path.expanduser(str(out_dir)))
-    for name, p in (("lora_path", adapter_path), ("model_path", base_path)):
-        if os.path.isdir(p) and os.path.abspath(p) == out:
-            raise ValueError(f"output_path {out_dir} is the {name}; write the merged model to a new folder")
-    if os.path.isfile(os.path.join(out, ADAPTER_CONFIG)):
-        raise ValueError(f"output_path {out_dir} holds a LoRA adapter ({ADAPTER_CONFIG}); "
-                         "choose another folder")
 
     info(f"merging LoRA adapter {adapter_path} into {base_path} ({dtype})")
     saved = _adapter_state(adapter_path)

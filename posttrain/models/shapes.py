@@ -1,6 +1,7 @@
 """The dimensions of common released models (`posttrain init-tiny --shape`): random-init models of the
 exact size of Qwen2.5 0.5B / 1.5B and Llama-3.2 1B, to measure memory and speed at realistic sizes
-without a download. The numbers are those of each model's published `config.json`."""
+without a download. The numbers are those of each model's published `config.json`. Also the tiny presets
+(`--size`). No torch or transformers here: `init-tiny` checks its flags against these before they load."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,4 +50,23 @@ SHAPES: dict[str, ModelShape] = {
                               max_position_embeddings=131072,
                               rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+}
+
+
+@dataclass(frozen=True)
+class TinyPreset:
+    """A tiny model's dimensions (`posttrain init-tiny --size`)."""
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+
+
+# Parameter counts with the default ~2k vocabulary and tied embeddings (llama; qwen2 adds q/k/v biases).
+PRESETS: dict[str, TinyPreset] = {
+    "nano": TinyPreset(128, 4, 4, 2, 352),     # ~1.0M
+    "tiny": TinyPreset(192, 6, 6, 2, 512),     # ~2.7M
+    "small": TinyPreset(384, 6, 6, 2, 1024),   # ~10M
+    "base": TinyPreset(512, 10, 8, 2, 1408),   # ~29M
 }

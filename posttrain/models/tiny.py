@@ -7,7 +7,6 @@ a shape (`shapes.py`), a random-init model with the dimensions of a released one
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,27 +24,10 @@ from transformers import (
 )
 
 from posttrain.models.saving import atomic_output_dir
-from posttrain.models.shapes import SHAPES, ModelShape
+from posttrain.models.shapes import PRESETS, SHAPES, ModelShape
 from posttrain.models.tiny_tokenizer import IM_END, PAD_TOKEN, portable_tokenizer_class, train_tiny_tokenizer
 from posttrain.utils.log import info
 
-
-@dataclass(frozen=True)
-class TinyPreset:
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    intermediate_size: int
-
-
-# Parameter counts with the default ~2k vocabulary and tied embeddings (llama; qwen2 adds q/k/v biases).
-PRESETS: dict[str, TinyPreset] = {
-    "nano": TinyPreset(128, 4, 4, 2, 352),     # ~1.0M
-    "tiny": TinyPreset(192, 6, 6, 2, 512),     # ~2.7M
-    "small": TinyPreset(384, 6, 6, 2, 1024),   # ~10M
-    "base": TinyPreset(512, 10, 8, 2, 1408),   # ~29M
-}
 _ARCHS = {
     "llama": (LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification),

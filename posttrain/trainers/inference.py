@@ -15,11 +15,11 @@ from posttrain.config.inert import inert_flags
 from posttrain.data import PromptDataset, load_rows
 from posttrain.data.templates import render_chat
 from posttrain.models import load_causal_lm, load_tokenizer
-from posttrain.models.loading import check_model_folder
-from posttrain.models.merge import ADAPTER_CONFIG, read_adapter_config
+from posttrain.models.folders import ADAPTER_CONFIG, check_model_folder, read_adapter_config
 from posttrain.rollout import SamplingParams
 from posttrain.rollout.factory import make_rollout_engine
 from posttrain.rollout.single_turn import SingleTurnSampler
+from posttrain.trainers.inputs import check_output
 from posttrain.trainers.rl.evaluate import dataset_name, eval_metrics
 from posttrain.trainers.session import pick_device
 from posttrain.utils.log import info
@@ -43,20 +43,6 @@ def write_jsonl_output(path: str, rows: list[dict]) -> None:
     except OSError as e:
         raise UserError(f"--output {path}: cannot write it ({e.strerror or e}); name a file in a writable "
                         "folder") from None
-
-
-def check_output(path: str | None) -> None:
-    """Refuse an --output that cannot be a file (a folder, or under a file) before any sampling: one line."""
-    from posttrain.utils.errors import UserError
-
-    if path and os.path.isdir(path):
-        raise UserError(f"--output {path} is a folder; name a .jsonl file in it, e.g. "
-                        f"{os.path.join(path, 'out.jsonl')}")
-    parent = os.path.dirname(os.path.abspath(path or "."))
-    while path and not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if path and not os.path.isdir(parent):
-        raise UserError(f"--output {path}: {parent} is a file, not a folder; name a .jsonl file in a folder")
 
 
 class Policy:

@@ -3,7 +3,10 @@ anything is printed or written: `check_inputs(cfg)` raises one ConfigError namin
 reference, critic, reward model), dataset (training, prompts, eval) and reward / agent file that is missing
 or broken, every rule between the flags and a model's config.json (`model_rule_problems`), and every key flag
 whose key a training or eval data file lacks (`key_problems`, from the first row of each file); the loads
-that follow (tokenizer, rows, sizes) raise their own errors, still before the echo."""
+that follow (tokenizer, rows, sizes) raise their own errors, still before the echo. `check_sampling_inputs(cfg)`:
+the same for chat, generate and eval. Nothing here imports torch or transformers at module level (a
+config.json rule imports torch only where its flag is set), so the CLI runs these checks before it imports a
+trainer."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,10 +17,9 @@ from posttrain.config import TrainerConfig, changed_values, flag_specs
 from posttrain.config.ray_mode import critic_path, run_roles
 from posttrain.config.spec import get_path
 from posttrain.data.errors import DataError
-from posttrain.data.preference_dataset import MARGIN_KEY
 from posttrain.data.sources import missing_source, source_columns
-from posttrain.data.validation import close_key
-from posttrain.models import check_model_folder
+from posttrain.data.validation import MARGIN_KEY, close_key
+from posttrain.models.folders import check_model_folder
 from posttrain.utils.errors import ConfigError, UserError
 
 MODEL_FLAGS = ("model.model_name_or_path", "actor.model_name_or_path", "critic.model_name_or_path",
@@ -181,3 +183,22 @@ def check_inputs(cfg: TrainerConfig) -> None:
     problems = input_problems(cfg)
     if problems:
         raise ConfigError.collect(problems, header="missing or broken inputs")
+
+
+def check_output(path: str | None) -> None:
+    """Refuse an --output that cannot be a file (a folder, or under a file) before any sampling: one line."""
+    if path and os.path.isdir(path):
+        raise UserError(f"--output {path} is a folder; name a .jsonl file in it, e.g. "
+                        f"{os.path.join(path, 'out.jsonl')}")
+    parent = os.path.dirname(os.path.abspath(path or "."))
+    while path and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if path and not os.path.isdir(parent):
+        raise UserError(f"--output {path}: {parent} is a file, not a folder; name a .jsonl file in a folder")
+
+
+def check_sampling_inputs(cfg) -> None:
+    """What `chat`, `generate` and `eval` check before the imports of sampling (torch, transformers): --output
+    (`check_output`; chat has none), then the model folder. `trainers.inference` checks them again."""
+    check_output(getattr(cfg, "output", None))
+    check_model_folder(cfg.model.model_name_or_path)

@@ -32,7 +32,7 @@ import torch
 
 from posttrain.algorithms.preference import reward_model_loss
 from posttrain.config import RMConfig
-from posttrain.data.preference_dataset import MARGIN_KEY
+from posttrain.data.validation import MARGIN_KEY
 from posttrain.models import forward_values, load_score_model, unwrap_model
 from posttrain.models.context_parallel import context_parallel, gather_replicated
 from posttrain.models.loading import check_model_path, read_head

@@ -144,6 +144,16 @@ def _refuse_finished(cfg: TrainerConfig, folder: Path) -> None:
                         "--ckpt.overwrite, or choose another --ckpt.output_dir")
 
 
+def refuse_finished_run(cfg: TrainerConfig) -> None:
+    """Step (0) of `claim_run_folders` alone, locking and writing nothing: UserError when --ckpt.output_dir
+    holds a finished run, unless --ckpt.overwrite, or --ckpt.load_enable with checkpoints to resume."""
+    if cfg.ckpt.load_enable:
+        root = checkpoint_dir(cfg)
+        if root is not None and any(root.glob("global_step*")):
+            return
+    _refuse_finished(cfg, Path(cfg.ckpt.output_dir))
+
+
 def claim_run_folders(cfg: TrainerConfig, *, is_main: bool = True) -> RunFolders:
     """Lock and check the run's folders before anything is written (module docstring)."""
     folders = RunFolders(Path(cfg.ckpt.output_dir))

@@ -1,5 +1,7 @@
 """Bad input caught with one line and exit status 2 (issue 29, round 2): SFT's dropped rows, broken
-model folders, YAML duplicates, values starting with '-'. The real entry points run as subprocesses."""
+model folders, YAML duplicates, values starting with '-'. The real entry points run as subprocesses where the
+process matters (training runs, a reward file that exits); the start-up mistakes through the same entry in
+this process (`in_process`)."""
 import json
 import os
 import subprocess
@@ -8,8 +10,6 @@ import sys
 import pytest
 
 from posttrain.utils.metrics import read_metrics
-
-pytestmark = pytest.mark.e2e
 
 ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 
@@ -21,6 +21,21 @@ def run(*args, timeout=300):
 
 def sft(*flags):
     return run("-m", "posttrain.cli.train_sft", *flags)
+
+
+def in_process(capsys, *argv) -> subprocess.CompletedProcess:
+    """`posttrain *argv` called in this process through the console command's entry
+    (`posttrain.cli.main.main`, which turns a user's mistake into one line on stderr and SystemExit(2)), as
+    the CompletedProcess a subprocess run would give (exit status, stdout, stderr)."""
+    from posttrain.cli.main import main
+
+    try:
+        main([str(a) for a in argv])
+        code = 0
+    except SystemExit as ended:
+        code = 0 if ended.code is None else ended.code
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out, err)
 
 
 def one_error_line(proc, *needles):
@@ -47,13 +62,14 @@ def half_long_rows(path):
     return path
 
 
-def test_sft_stops_when_more_than_max_dropped_frac_of_rows_do_not_fit(tiny_model_dir, tmp_path):
+def test_sft_stops_when_more_than_max_dropped_frac_of_rows_do_not_fit(tiny_model_dir, tmp_path, capsys):
     data = half_long_rows(tmp_path / "rows.jsonl")
-    proc = sft(*flags(tiny_model_dir, data, tmp_path / "o"))
+    proc = in_process(capsys, "sft", *flags(tiny_model_dir, data, tmp_path / "o"))
     one_error_line(proc, "8 of 16 rows (50%)", "rows.jsonl, row 2", "--data.max_dropped_frac 0.1")
     assert not (tmp_path / "o" / "model.safetensors").exists()
 
 
+@pytest.mark.e2e
 def test_sft_reports_the_rows_it_drops(tiny_model_dir, tmp_path):
     data = half_long_rows(tmp_path / "rows.jsonl")
     proc = sft(*flags(tiny_model_dir, data, tmp_path / "o", "--data.max_dropped_frac", "0.5"))
@@ -83,12 +99,13 @@ def broken_copy(src, dst, case):
     ("corrupt_safetensors", ["model.safetensors cannot be read", "header too large"]),
     ("auto_map", ["config.json has `auto_map`", "trust_remote_code", "does not run"]),
 ])
-def test_a_broken_model_folder_and_a_missing_dataset_are_named_together(tiny_model_dir, tmp_path, case, needles):
+def test_a_broken_model_folder_and_a_missing_dataset_are_named_together(tiny_model_dir, tmp_path, case,
+                                                                         needles, capsys):
     from pathlib import Path
 
     model = broken_copy(Path(tiny_model_dir), tmp_path / "model", case)
     # the dataset does not exist either: one error names both (issue 48: every problem, not only the first)
-    proc = sft(*flags(model, tmp_path / "missing.jsonl", tmp_path / "o"))
+    proc = in_process(capsys, "sft", *flags(model, tmp_path / "missing.jsonl", tmp_path / "o"))
     problems = both_named(proc)
     assert str(model) in problems[0] and all(n in problems[0] for n in needles), problems
     assert problems[1].startswith("--data.dataset: dataset") and "missing.jsonl" in problems[1], problems
@@ -103,11 +120,11 @@ def both_named(proc) -> list[str]:
     return [ln.removeprefix("  - ") for ln in lines[start + 1:start + 3]]
 
 
-def test_a_model_path_that_is_a_file_is_named_a_file(tiny_model_dir, tmp_path):
+def test_a_model_path_that_is_a_file_is_named_a_file(tiny_model_dir, tmp_path, capsys):
     from pathlib import Path
 
     weights = Path(tiny_model_dir) / "model.safetensors"
-    proc = sft(*flags(weights, tmp_path / "missing.jsonl", tmp_path / "o"))
+    proc = in_process(capsys, "sft", *flags(weights, tmp_path / "missing.jsonl", tmp_path / "o"))
     assert "is a file, not a folder" in both_named(proc)[0]
 
 
@@ -121,6 +138,7 @@ def ppo(model, tmp_path, *extra):
                "--algo.kl.init_coef", "0", "--ckpt.output_dir", tmp_path / "out", "--ds.param_dtype", "fp32", *extra)
 
 
+@pytest.mark.e2e
 def test_sys_exit_in_reward_func_ends_ppo_with_an_error_naming_the_file(tiny_model_dir, tmp_path):
     reward = tmp_path / "exits.py"
     reward.write_text("import sys\n\ndef reward_func(queries, prompts, labels, **kw):\n    sys.exit(0)\n")
@@ -129,6 +147,7 @@ def test_sys_exit_in_reward_func_ends_ppo_with_an_error_naming_the_file(tiny_mod
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
+@pytest.mark.e2e
 def test_os_exit_while_a_reward_file_loads_ends_ppo_with_an_error_naming_the_file(tiny_model_dir, tmp_path):
     """`os._exit(0)` ends a process at once with status 0: while the file loads it is an error of the file."""
     reward = tmp_path / "hard_exit.py"
@@ -139,6 +158,7 @@ def test_os_exit_while_a_reward_file_loads_ends_ppo_with_an_error_naming_the_fil
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
+@pytest.mark.e2e
 def test_an_agent_instance_that_cannot_be_created_stops_ppo_before_the_models_load(tiny_model_dir, tmp_path):
     agent = tmp_path / "agent.py"
     agent.write_text("from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor\n\n\n"
@@ -150,6 +170,7 @@ def test_an_agent_instance_that_cannot_be_created_stops_ppo_before_the_models_lo
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
+@pytest.mark.e2e
 def test_sft_cuts_a_huge_text_field_before_tokenising_and_reports_it(tiny_model_dir, tmp_path):
     data = tmp_path / "rows.jsonl"
     rows = [{"prompt": f"What is {i} + 1?", "response": str(i + 1)} for i in range(8)]

@@ -399,10 +399,10 @@ def test_model_position_limit_caps_the_length(tiny_score_model_dir, rm_source, t
 @pytest.fixture
 def limited_server(monkeypatch):
     """An in-thread reward_func server with --max_request_bytes 2000 --max_queries 3."""
-    from posttrain.cli import serve_rm
+    from posttrain.rewards import server
 
-    monkeypatch.setattr(serve_rm, "build_app", functools.partial(serve_rm.build_app, max_request_bytes=2000,
-                                                                  max_queries=3))
+    monkeypatch.setattr(server, "build_app", functools.partial(server.build_app, max_request_bytes=2000,
+                                                                max_queries=3))
     with in_thread_server(PythonRewardFunction(FUNCS / "plain_reward.py")) as base:
         yield base + "/get_reward"
 
