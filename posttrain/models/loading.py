@@ -446,6 +446,25 @@ def _checked_folder(path) -> str | None:
     return p
 
 
+# config attributes that hold a model's position limit, most common first
+_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def position_limit(model_path: str) -> int | None:
+    """The model's position limit (max_position_embeddings or its equivalent) from its config, or None."""
+    from transformers import AutoConfig
+
+    check_model_folder(model_path)
+    config = AutoConfig.from_pretrained(check_model_path(model_path))
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    for key in _POSITION_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def check_model_folder(path) -> str | None:
     """The checks a model load makes before it reads any weight, run alone, cheaply, at start-up (before
     the data is read): `path` is a folder (or a hub id: None) with config.json and weights; config.json is

@@ -83,6 +83,33 @@ def _copy_reward_stats(adapter_path: str, merged) -> None:
             setattr(merged.config, key, cfg[key])
 
 
+def adapter_base(adapter_path, flag: str = "--model.base_model") -> str | None:
+    """The base model an adapter folder's adapter_config.json records (`base_model_name_or_path`; None when
+    it names none): an absolute path or a hub id as written, a relative path resolved against the adapter
+    folder, then the current folder. A relative path found in neither place that cannot be a hub id, or a
+    hub id in offline mode (HF_HUB_OFFLINE) that is not a local folder either, is a ValueError naming the
+    field and the fix (`flag`, the flag that names the base instead)."""
+    folder = os.path.expanduser(str(adapter_path))
+    recorded = read_adapter_config(folder).get("base_model_name_or_path")
+    if not recorded or os.path.isabs(os.path.expanduser(recorded)):
+        return recorded
+    beside = os.path.normpath(os.path.join(folder, recorded))
+    for path in (beside, recorded):
+        if os.path.isdir(os.path.expanduser(path)):
+            return path
+    from huggingface_hub import constants
+
+    try:
+        hub_id = check_model_path(recorded) and not constants.HF_HUB_OFFLINE
+    except FileNotFoundError:
+        hub_id = False
+    if hub_id:
+        return recorded
+    raise ValueError(f"{os.path.join(folder, ADAPTER_CONFIG)}: base_model_name_or_path {recorded!r} is found "
+                     f"neither beside the adapter ({beside}) nor in the current folder; pass the base model "
+                     f"with {flag}, or write its path into base_model_name_or_path")
+
+
 def merge_lora(adapter_path, out_dir, base_path=None, dtype="fp32", is_rm: bool | None = None,
                value_head_prefix: str = "score"):
     """Load the base (`base_path`, default: the adapter's `base_model_name_or_path`) in `dtype`,
@@ -101,9 +128,9 @@ def merge_lora(adapter_path, out_dir, base_path=None, dtype="fp32", is_rm: bool 
     from peft import PeftModel
 
     adapter_cfg = read_adapter_config(adapter_path)
-    adapter_path = os.path.expanduser(str(adapter_path))
     recorded = adapter_cfg.get("base_model_name_or_path")
-    base_path = str(base_path) if base_path else recorded
+    base_path = str(base_path) if base_path else adapter_base(adapter_path, "--model_path")
+    adapter_path = os.path.expanduser(str(adapter_path))
     if not base_path:
         raise ValueError(f"{adapter_path}/{ADAPTER_CONFIG} names no base model; pass --model_path")
     base_path = check_model_path(base_path)

@@ -15,8 +15,8 @@ from posttrain.config.inert import inert_flags
 from posttrain.data import PromptDataset, load_rows
 from posttrain.data.templates import render_chat
 from posttrain.models import load_causal_lm, load_tokenizer
-from posttrain.models.loading import check_model_folder
-from posttrain.models.merge import ADAPTER_CONFIG, read_adapter_config
+from posttrain.models.loading import check_model_folder, position_limit
+from posttrain.models.merge import ADAPTER_CONFIG, adapter_base
 from posttrain.rollout import SamplingParams
 from posttrain.rollout.factory import make_rollout_engine
 from posttrain.rollout.single_turn import SingleTurnSampler
@@ -61,7 +61,8 @@ def check_output(path: str | None) -> None:
 
 class Policy:
     """A saved model to sample from: `open` reads its tokenizer (cheap: the data can be checked before the
-    weights load), `start` loads the engine. `templated`: the tokenizer has a chat template."""
+    weights load), `start` loads the engine. `templated`: the tokenizer has a chat template; `context`: the
+    model's position limit (None when its config names none)."""
 
     def __init__(self, cfg) -> None:
         self.cfg, self.path, self.engine = cfg, cfg.model.model_name_or_path, None
@@ -75,6 +76,7 @@ class Policy:
         tok_path = self.path if own or self.base is None else self.base
         self.tokenizer = load_tokenizer(tok_path, chat_template=cfg.data.tokenizer_chat_template)
         self.templated = bool(getattr(self.tokenizer, "chat_template", None))
+        self.context = position_limit(self.base or self.path)  # tokens the model attends over; None: no limit
         if not self.templated:
             info(f"{self.path}: the tokenizer has no chat template; prompts are the messages' texts, each "
                  "followed by a newline (pass --data.tokenizer_chat_template to use one)")
@@ -122,11 +124,14 @@ def _adapter_base(path: str, base: str | None) -> str | None:
     if (not os.path.isfile(os.path.join(folder, ADAPTER_CONFIG))
             or os.path.isfile(os.path.join(folder, "config.json"))):
         return None
-    recorded = read_adapter_config(folder).get("base_model_name_or_path")
-    if not (base or recorded):
+    try:
+        recorded = base or adapter_base(folder)
+    except ValueError as e:
+        raise ConfigError(f"--model.model_name_or_path {path}: a LoRA adapter; {e}") from None
+    if not recorded:
         raise ConfigError(f"--model.model_name_or_path {path}: a LoRA adapter whose {ADAPTER_CONFIG} names "
                           "no base model; pass it with --model.base_model")
-    return base or recorded
+    return recorded
 
 
 def _engine_kind(asked: str, adapter_base: str | None) -> tuple[str, str]:
@@ -200,9 +205,14 @@ def evaluate(policy: Policy, prompts, params: SamplingParams, reward, dataset: s
 
 
 def prepare(cfg, default_reward: str | None = None):
-    """`generate`'s and `eval`'s set-up, cheapest checks first: --output, then the tokenizer, the data and
-    the reward (before the weights load), then the engine. Returns (policy, rows, prompts, reward)."""
+    """`generate`'s and `eval`'s set-up, cheapest checks first: --output, then every input path and data key
+    at once (`inputs.check_inputs`, as the trainers check theirs: before any part of the model is read),
+    then the tokenizer, the data and the reward (before the weights load), then the engine. Returns
+    (policy, rows, prompts, reward)."""
+    from posttrain.trainers.inputs import check_inputs
+
     check_output(cfg.output)
+    check_inputs(cfg)
     policy = Policy(cfg)
     rows, prompts = load_prompts(cfg, policy.tokenizer)
     reward = load_reward(cfg, policy.tokenizer, default=default_reward)

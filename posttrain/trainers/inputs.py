@@ -1,5 +1,6 @@
 """The files and folders a run names, and the data keys it reads, checked together at start-up, before
-anything is printed or written: `check_inputs(cfg)` raises one ConfigError naming every model path (model,
+anything is printed or written (the trainers' configs, and `posttrain generate` / `eval`'s, which read
+--data.dataset with --data.split): `check_inputs(cfg)` raises one ConfigError naming every model path (model,
 reference, critic, reward model), dataset (training, prompts, eval) and reward / agent file that is missing
 or broken, and every key flag whose key a training or eval data file lacks (`key_problems`, from the first
 row of each file); the loads that follow (tokenizer, rows, sizes) raise their own errors, still before the
@@ -23,7 +24,7 @@ MODEL_FLAGS = ("model.model_name_or_path", "actor.model_name_or_path", "critic.m
                "ref.model_name_or_path", "reward.model_name_or_path")
 DATA_FLAGS = ("data.dataset", "data.prompt_dataset", "eval.dataset")
 SPLIT_FLAGS = {"data.dataset": "data.dataset_split", "data.prompt_dataset": "data.prompt_split",
-               "eval.dataset": "eval.split"}
+               "eval.dataset": "eval.split"}  # `generate` / `eval` name --data.dataset's split --data.split
 FILE_FLAGS = ("reward.remote_url", "train.agent_func_path")  # local .py files (a URL is checked when called)
 
 
@@ -114,7 +115,7 @@ def key_problems(cfg: TrainerConfig) -> list[str]:
             if missing_source(name):
                 continue  # named by input_problems
             try:
-                files += source_columns(name, get_path(cfg, SPLIT_FLAGS[flag])) or []
+                files += source_columns(name, _split(cfg, flag)) or []
             except DataError as e:
                 problems.append(f"--{flag}: {e}")
         for key in keys:
@@ -132,6 +133,12 @@ def key_problems(cfg: TrainerConfig) -> list[str]:
                 more = f" and {len(names) - 1} more files" if len(names) > 1 else ""
                 problems.append(key.missing(names[0] + more, list(columns), len(names)))
     return list(dict.fromkeys(problems))  # a file that is both a training and an eval dataset: once
+
+
+def _split(cfg, flag: str) -> str:
+    """The split the dataset flag `flag` reads (its SPLIT_FLAGS flag, else --data.split)."""
+    paths = {spec.path for spec in flag_specs(type(cfg))}
+    return get_path(cfg, SPLIT_FLAGS[flag] if SPLIT_FLAGS[flag] in paths else "data.split")
 
 
 def check_inputs(cfg: TrainerConfig) -> None:
