@@ -9,7 +9,8 @@ runs `-m "not e2e and not slow"`.
 Fixtures: `tiny_model_dir`: a llama "nano" (~1M params) causal LM + tokenizer built
 once per session with `build_tiny` (seed 0), loadable with `from_pretrained`; `tiny_score_model_dir`, its score-head twin;
 `tiny_vision_dir`, a tiny Qwen2.5-VL (vision-language). `one_torch_thread`:
-request it (module scope) where tiny models run many small ops."""
+request it (module scope) where tiny models run many small ops. `ray_session` / `ray_address`: one local Ray
+instance for the session, and its address for a command-line run to join (RAY_ADDRESS)."""
 import os
 from pathlib import Path
 
@@ -107,3 +108,28 @@ def process_state(session_environ):
         torch.set_num_threads(threads)
     if affinity is not None and os.sched_getaffinity(0) != affinity:
         os.sched_setaffinity(0, affinity)
+
+
+@pytest.fixture(scope="session")
+def ray_session(session_environ):
+    """One local Ray instance for the whole test session (start-up costs seconds); every run places
+    its groups in it and removes them when it ends. 16 logical CPUs: a rank asks for one. What `ray.init`
+    sets in the environment (RAY_AUTH_MODE) outlives the module that started it."""
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        from posttrain.trainers.rl.placement.ray_placement import LOCAL_SYSTEM_CONFIG
+
+        before = dict(os.environ)
+        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=True, _system_config=LOCAL_SYSTEM_CONFIG,
+                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "DS_BUILD_OPS": "0"}})
+        session_environ.update({k: v for k, v in os.environ.items() if before.get(k) != v})
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_address(ray_session):
+    """The session Ray's address: a command-line run given it as RAY_ADDRESS joins that instance, as
+    OpenRLHF's scripts join a running cluster (`ray job submit`), instead of starting and stopping one
+    of its own (seconds of start-up on 2 cores)."""
+    return ray_session.get_runtime_context().gcs_address

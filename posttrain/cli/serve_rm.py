@@ -20,8 +20,6 @@ from posttrain.utils.extras import require
 __all__ = ["main", "make_source", "parse_args", "startup_notes"]
 PROG = "posttrain serve-rm"
 _LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
-# config attributes that hold a model's position limit, most common first
-_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
 
 def parse_args(argv: list[str] | None) -> ServeRMConfig:
@@ -38,26 +36,11 @@ def parse_args(argv: list[str] | None) -> ServeRMConfig:
     return args
 
 
-def position_limit(model_path: str) -> int | None:
-    """The model's position limit (max_position_embeddings or its equivalent) from its config, or None."""
-    from posttrain.models.folders import check_model_folder, check_model_path
-
-    check_model_folder(model_path)  # before transformers loads: a wrong path is reported at once
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(check_model_path(model_path))
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    for key in _POSITION_KEYS:
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 def resolve_max_len(args: ServeRMConfig) -> list[str]:
     """Set `args.data.max_len` to the truncation length actually used: --data.max_len, capped at the
     model's position limit (the limit itself when --data.max_len is not given). Returns a note per change."""
+    from posttrain.models.folders import position_limit
+
     asked, limit = args.data.max_len, position_limit(args.reward.model_name_or_path)
     if limit is None:
         if asked is None:
@@ -82,6 +65,7 @@ def startup_notes(args: ServeRMConfig, device) -> list[str]:
 
 
 def main(argv: list[str] | None = None):
+    """Serve until stopped: Ctrl-C (SIGINT) ends it with status 0, after the requests being scored."""
     args = parse_args(argv)
     from posttrain.utils.errors import UserError
     from posttrain.utils.log import info
@@ -107,8 +91,10 @@ def main(argv: list[str] | None = None):
          f"{' (bearer token required)' if args.token else ''}")
     app = build_app(source, token=args.token, max_request_bytes=args.max_request_bytes, max_queries=args.max_queries,
                     max_concurrent=args.max_concurrent, read_timeout=args.read_timeout)
-    try:
+    try:  # uvicorn stops on Ctrl-C (SIGINT), then raises it again once its requests are done
         uvicorn.Server(server_config(app, args.host, args.port, args.read_timeout)).run()
+    except KeyboardInterrupt:
+        info("serve-rm stopped (Ctrl-C)")
     finally:
         source.close()
 

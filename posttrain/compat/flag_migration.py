@@ -1,6 +1,7 @@
 """Explanations for flags a trainer does not know: flat flags of OpenRLHF before 0.10.2 (with the dotted
-flag that replaced them), flags that were removed, flags that belong to another trainer, and typos
-(closest known flag by difflib)."""
+flag that replaced them; for `chat` / `generate` / `eval` also the flags of OpenRLHF 0.9's
+`batch_inference` and `interactive_chat`), flags that were removed, flags that belong to another trainer,
+and typos (closest known flag by difflib)."""
 
 from __future__ import annotations
 
@@ -191,6 +192,20 @@ RENAMED: dict[str, str | dict[str, str]] = {
     "--loss": "--model.loss_type",
 }
 
+# OpenRLHF 0.9.0-0.9.5's batch_inference / interactive_chat flags -> posttrain chat / generate / eval's
+# (those not here fall back to RENAMED, read as a single-model trainer's: --max_len -> --data.max_len, ...).
+BATCH_INFERENCE_RENAMED: dict[str, str] = {
+    "--pretrain": "--model.model_name_or_path",
+    "--dataset": "--data.dataset",
+    "--best_of_n": "--rollout.n_samples_per_prompt",
+    "--greedy_sampling": "--rollout.temperature 0",
+    "--output_path": "--output",
+    "--bf16": "--model.param_dtype bf16",
+    "--param_dtype": "--model.param_dtype",
+    "--eval_task": "--rollout.engine",
+}
+_BATCH_INFERENCE, _RENAMED = "OpenRLHF 0.9's batch_inference flag", "renamed in OpenRLHF 0.10.2"
+
 REMOVED: dict[str, str] = {
     "--muon_adam_lr": "the auxiliary Adam group of Muon uses --adam.lr (PPO: --actor.adam.lr)",
     "--actor_init_on_gpu": "the legacy init-on-GPU path is gone",
@@ -208,6 +223,7 @@ _CROSS = {
         "--data.dataset_split": "--data.prompt_split",
     },
     "serve": {},
+    "infer": {},
     "single": {
         "--data.prompt_dataset": "--data.dataset",
         "--data.prompt_probs": "--data.dataset_probs",
@@ -220,16 +236,27 @@ _FLAT_OPTIM_ROOTS = ("optim", "adam", "muon", "lr_scheduler", "lr_warmup_ratio",
 
 
 def _family(trainer: str) -> str:
-    """"ppo", "single" (sft / rm / dpo) or "serve" (serve-rm, whose renamed flags are PPO's)."""
-    return {"ppo": "ppo", "serve-rm": "serve"}.get(trainer, "single")
+    """"ppo", "single" (sft / rm / dpo), "serve" (serve-rm, whose renamed flags are PPO's) or "infer" (chat,
+    generate, eval: OpenRLHF 0.9's batch_inference names first, then a single-model trainer's)."""
+    return {"ppo": "ppo", "serve-rm": "serve", "chat": "infer", "generate": "infer", "eval": "infer"}.get(
+        trainer, "single")
+
+
+def renamed(old: str, trainer: str) -> tuple[str | None, str]:
+    """(the flag(s) replacing OpenRLHF's old flag `old` for `trainer`, or None; where the old name is from:
+    "renamed in OpenRLHF 0.10.2" or OpenRLHF 0.9's batch_inference)."""
+    family = _family(trainer)
+    if family == "infer" and old in BATCH_INFERENCE_RENAMED:
+        return BATCH_INFERENCE_RENAMED[old], _BATCH_INFERENCE
+    new = RENAMED.get(old)
+    if isinstance(new, dict):
+        new = new["ppo" if family in ("ppo", "serve") else "single"]
+    return new, _RENAMED
 
 
 def renamed_to(old: str, trainer: str) -> str | None:
-    """The flag(s) replacing OpenRLHF's pre-0.10.2 flag `old` for `trainer`, or None."""
-    new = RENAMED.get(old)
-    if isinstance(new, dict):
-        new = new[_family(trainer).replace("serve", "ppo")]
-    return new
+    """The flag(s) replacing OpenRLHF's old flag `old` for `trainer` (`renamed`), or None."""
+    return renamed(old, trainer)[0]
 
 
 def explain_unknown(flag: str, trainer: str, known: set[str], owners: dict[str, list[str]]) -> str:
@@ -240,16 +267,17 @@ def explain_unknown(flag: str, trainer: str, known: set[str], owners: dict[str, 
     if flag in REMOVED:
         return f"unknown flag {flag}: removed in OpenRLHF 0.10.2 ({REMOVED[flag]})"
     family = _family(trainer)
-    new = renamed_to(flag, trainer)
+    new, why = renamed(flag, trainer)
     if new is not None:
         first = new.split()[0]
         if first in known:
-            return f"unknown flag {flag}: renamed in OpenRLHF 0.10.2; use {new}"
+            return f"unknown flag {flag}: {why}; use {new}"
         cross = _CROSS[family].get(first)
         if cross:
-            return f"unknown flag {flag}: renamed in OpenRLHF 0.10.2; {prog} uses {cross}"
+            return f"unknown flag {flag}: {why}; {prog} uses {cross}"
         where = ("posttrain " + ", ".join(owners[first])) if owners.get(first) else "no posttrain trainer"
-        return f"unknown flag {flag}: renamed in OpenRLHF 0.10.2 to {new}, a flag of {where}, not of {prog}"
+        to = " to" if why == _RENAMED else "; posttrain's is"
+        return f"unknown flag {flag}: {why}{to} {new}, a flag of {where}, not of {prog}"
     cross = _CROSS[family].get(flag)
     if cross:
         return f"unknown flag {flag}: {prog} reads this from {cross}"

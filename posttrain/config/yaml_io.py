@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from posttrain.compat.flag_migration import REMOVED, renamed_to
+from posttrain.compat.flag_migration import REMOVED, renamed
 from posttrain.config.errors import ConfigError
 from posttrain.config.flag_values import coerce
 from posttrain.config.spec import flag_specs, is_carried, spec_map
@@ -142,9 +142,9 @@ def _unknown_key(key: str, trainer: str, specs: dict) -> str:
     flag = "--" + key
     if flag in REMOVED:
         return f"unknown key '{key}': removed in OpenRLHF 0.10.2 ({REMOVED[flag]})"
-    new = renamed_to(flag, trainer)
+    new, why = renamed(flag, trainer)
     if new is not None and new.split()[0][2:] in specs:
-        return f"unknown key '{key}': renamed in OpenRLHF 0.10.2; use '{new.split()[0][2:]}'"
+        return f"unknown key '{key}': {why}; use '{new.split()[0][2:]}'"
     close = difflib.get_close_matches(key, sorted(specs), n=1, cutoff=0.75)
     if close:
         return f"unknown key '{key}'; did you mean '{close[0]}'?"

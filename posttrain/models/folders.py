@@ -129,6 +129,33 @@ def read_adapter_config(adapter_path) -> dict:
     return cfg
 
 
+def adapter_base(adapter_path, flag: str = "--model.base_model") -> str | None:
+    """The base model an adapter folder's adapter_config.json records (`base_model_name_or_path`; None when
+    it names none): an absolute path or a hub id as written, a relative path resolved against the adapter
+    folder, then the current folder. A relative path found in neither place that cannot be a hub id, or a
+    hub id in offline mode (HF_HUB_OFFLINE) that is not a local folder either, is a ValueError naming the
+    field and the fix (`flag`, the flag that names the base instead)."""
+    folder = os.path.expanduser(str(adapter_path))
+    recorded = read_adapter_config(folder).get("base_model_name_or_path")
+    if not recorded or os.path.isabs(os.path.expanduser(recorded)):
+        return recorded
+    beside = os.path.normpath(os.path.join(folder, recorded))
+    for path in (beside, recorded):
+        if os.path.isdir(os.path.expanduser(path)):
+            return path
+    from huggingface_hub import constants
+
+    try:
+        hub_id = check_model_path(recorded) and not constants.HF_HUB_OFFLINE
+    except FileNotFoundError:
+        hub_id = False
+    if hub_id:
+        return recorded
+    raise ValueError(f"{os.path.join(folder, ADAPTER_CONFIG)}: base_model_name_or_path {recorded!r} is found "
+                     f"neither beside the adapter ({beside}) nor in the current folder; pass the base model "
+                     f"with {flag}, or write its path into base_model_name_or_path")
+
+
 def check_merge_paths(adapter_path, out_dir, base_path=None) -> tuple[dict, str, str]:
     """`merge_lora`'s checks before anything loads: the adapter folder (`read_adapter_config`), its base
     (`base_path`, default the adapter's `base_model_name_or_path`; `check_model_path`), and an `out_dir` that
@@ -136,7 +163,7 @@ def check_merge_paths(adapter_path, out_dir, base_path=None) -> tuple[dict, str,
     FileNotFoundError or ValueError naming the flag otherwise."""
     adapter_cfg = read_adapter_config(adapter_path)
     adapter_path = os.path.expanduser(str(adapter_path))
-    base_path = str(base_path) if base_path else adapter_cfg.get("base_model_name_or_path")
+    base_path = str(base_path) if base_path else adapter_base(adapter_path, "--model_path")
     if not base_path:
         raise ValueError(f"{adapter_path}/{ADAPTER_CONFIG} names no base model; pass --model_path")
     base_path = check_model_path(base_path)
@@ -148,3 +175,22 @@ def check_merge_paths(adapter_path, out_dir, base_path=None) -> tuple[dict, str,
         raise ValueError(f"output_path {out_dir} holds a LoRA adapter ({ADAPTER_CONFIG}); "
                          "choose another folder")
     return adapter_cfg, adapter_path, base_path
+
+
+# config attributes that hold a model's position limit, most common first
+_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def position_limit(model_path: str) -> int | None:
+    """The model's position limit (max_position_embeddings or its equivalent) from its config, or None."""
+    check_model_folder(model_path)  # before transformers loads: a wrong path is reported at once
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(check_model_path(model_path))
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    for key in _POSITION_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

@@ -15,11 +15,10 @@ from posttrain.config.inert import inert_flags
 from posttrain.data import PromptDataset, load_rows
 from posttrain.data.templates import render_chat
 from posttrain.models import load_causal_lm, load_tokenizer
-from posttrain.models.folders import ADAPTER_CONFIG, check_model_folder, read_adapter_config
+from posttrain.models.folders import ADAPTER_CONFIG, adapter_base, check_model_folder, position_limit
 from posttrain.rollout import SamplingParams
 from posttrain.rollout.factory import make_rollout_engine
 from posttrain.rollout.single_turn import SingleTurnSampler
-from posttrain.trainers.inputs import check_output
 from posttrain.trainers.rl.evaluate import dataset_name, eval_metrics
 from posttrain.trainers.session import pick_device
 from posttrain.utils.log import info
@@ -47,7 +46,8 @@ def write_jsonl_output(path: str, rows: list[dict]) -> None:
 
 class Policy:
     """A saved model to sample from: `open` reads its tokenizer (cheap: the data can be checked before the
-    weights load), `start` loads the engine. `templated`: the tokenizer has a chat template."""
+    weights load), `start` loads the engine. `templated`: the tokenizer has a chat template; `context`: the
+    model's position limit (None when its config names none)."""
 
     def __init__(self, cfg) -> None:
         self.cfg, self.path, self.engine = cfg, cfg.model.model_name_or_path, None
@@ -61,6 +61,7 @@ class Policy:
         tok_path = self.path if own or self.base is None else self.base
         self.tokenizer = load_tokenizer(tok_path, chat_template=cfg.data.tokenizer_chat_template)
         self.templated = bool(getattr(self.tokenizer, "chat_template", None))
+        self.context = position_limit(self.base or self.path)  # tokens the model attends over; None: no limit
         if not self.templated:
             info(f"{self.path}: the tokenizer has no chat template; prompts are the messages' texts, each "
                  "followed by a newline (pass --data.tokenizer_chat_template to use one)")
@@ -108,11 +109,14 @@ def _adapter_base(path: str, base: str | None) -> str | None:
     if (not os.path.isfile(os.path.join(folder, ADAPTER_CONFIG))
             or os.path.isfile(os.path.join(folder, "config.json"))):
         return None
-    recorded = read_adapter_config(folder).get("base_model_name_or_path")
-    if not (base or recorded):
+    try:
+        recorded = base or adapter_base(folder)
+    except ValueError as e:
+        raise ConfigError(f"--model.model_name_or_path {path}: a LoRA adapter; {e}") from None
+    if not recorded:
         raise ConfigError(f"--model.model_name_or_path {path}: a LoRA adapter whose {ADAPTER_CONFIG} names "
                           "no base model; pass it with --model.base_model")
-    return base or recorded
+    return recorded
 
 
 def _engine_kind(asked: str, adapter_base: str | None) -> tuple[str, str]:
@@ -186,9 +190,13 @@ def evaluate(policy: Policy, prompts, params: SamplingParams, reward, dataset: s
 
 
 def prepare(cfg, default_reward: str | None = None):
-    """`generate`'s and `eval`'s set-up, cheapest checks first: --output, then the tokenizer, the data and
-    the reward (before the weights load), then the engine. Returns (policy, rows, prompts, reward)."""
-    check_output(cfg.output)
+    """`generate`'s and `eval`'s set-up, cheapest checks first: --output, then every input path and data key
+    at once (`inputs.check_sampling_inputs`, as the trainers check theirs: before the model is read),
+    then the tokenizer, the data and the reward (before the weights load), then the engine. Returns
+    (policy, rows, prompts, reward)."""
+    from posttrain.trainers.inputs import check_sampling_inputs
+
+    check_sampling_inputs(cfg)
     policy = Policy(cfg)
     rows, prompts = load_prompts(cfg, policy.tokenizer)
     reward = load_reward(cfg, policy.tokenizer, default=default_reward)

@@ -1,12 +1,13 @@
 """The files and folders a run names, and the data keys it reads, checked together at start-up, before
-anything is printed or written: `check_inputs(cfg)` raises one ConfigError naming every model path (model,
+anything is printed or written (the trainers' configs, and `posttrain generate` / `eval`'s, which read
+--data.dataset with --data.split): `check_inputs(cfg)` raises one ConfigError naming every model path (model,
 reference, critic, reward model), dataset (training, prompts, eval) and reward / agent file that is missing
 or broken, every rule between the flags and a model's config.json (`model_rule_problems`), and every key flag
 whose key a training or eval data file lacks (`key_problems`, from the first row of each file); the loads
-that follow (tokenizer, rows, sizes) raise their own errors, still before the echo. `check_sampling_inputs(cfg)`:
-the same for chat, generate and eval. Nothing here imports torch or transformers at module level (a
-config.json rule imports torch only where its flag is set), so the CLI runs these checks before it imports a
-trainer."""
+that follow (tokenizer, rows, sizes) raise their own errors, still before the echo.
+`check_sampling_inputs(cfg)`: the same for chat, generate and eval. Nothing here imports torch or
+transformers at module level (a config.json rule imports torch only where its flag is set), so the CLI runs
+these checks before it imports a trainer."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,7 +27,7 @@ MODEL_FLAGS = ("model.model_name_or_path", "actor.model_name_or_path", "critic.m
                "ref.model_name_or_path", "reward.model_name_or_path")
 DATA_FLAGS = ("data.dataset", "data.prompt_dataset", "eval.dataset")
 SPLIT_FLAGS = {"data.dataset": "data.dataset_split", "data.prompt_dataset": "data.prompt_split",
-               "eval.dataset": "eval.split"}
+               "eval.dataset": "eval.split"}  # `generate` / `eval` name --data.dataset's split --data.split
 FILE_FLAGS = ("reward.remote_url", "train.agent_func_path")  # local .py files (a URL is checked when called)
 
 
@@ -71,6 +72,8 @@ def model_rule_problems(cfg: TrainerConfig, models: set[str]) -> list[str]:
     neither --ds.packing_samples nor, in ppo, --train.async_enable in this version. The modules that read
     them load only when these flags are set."""
     problems = []
+    if not hasattr(cfg, "ds"):  # chat / generate / eval: no training flags to check against the model
+        return problems
     ppo = cfg.trainer == "ppo"
     if cfg.ds.tensor_parallel_size > 1:
         from posttrain.models.tensor_parallel import check_model_folder as check_split_sizes
@@ -158,7 +161,7 @@ def key_problems(cfg: TrainerConfig) -> list[str]:
             if missing_source(name):
                 continue  # named by input_problems
             try:
-                files += source_columns(name, get_path(cfg, SPLIT_FLAGS[flag])) or []
+                files += source_columns(name, _split(cfg, flag)) or []
             except DataError as e:
                 problems.append(f"--{flag}: {e}")
         for key in keys:
@@ -176,6 +179,12 @@ def key_problems(cfg: TrainerConfig) -> list[str]:
                 more = f" and {len(names) - 1} more files" if len(names) > 1 else ""
                 problems.append(key.missing(names[0] + more, list(columns), len(names)))
     return list(dict.fromkeys(problems))  # a file that is both a training and an eval dataset: once
+
+
+def _split(cfg, flag: str) -> str:
+    """The split the dataset flag `flag` reads (its SPLIT_FLAGS flag, else --data.split)."""
+    paths = {spec.path for spec in flag_specs(type(cfg))}
+    return get_path(cfg, SPLIT_FLAGS[flag] if SPLIT_FLAGS[flag] in paths else "data.split")
 
 
 def check_inputs(cfg: TrainerConfig) -> None:
@@ -199,6 +208,6 @@ def check_output(path: str | None) -> None:
 
 def check_sampling_inputs(cfg) -> None:
     """What `chat`, `generate` and `eval` check before the imports of sampling (torch, transformers): --output
-    (`check_output`; chat has none), then the model folder. `trainers.inference` checks them again."""
+    (`check_output`; chat has none), then every input path and data key at once (`check_inputs`)."""
     check_output(getattr(cfg, "output", None))
-    check_model_folder(cfg.model.model_name_or_path)
+    check_inputs(cfg)

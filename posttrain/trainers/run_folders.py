@@ -17,7 +17,8 @@ picks the newest checkpoint that verifies and refuses one written with other tra
 Before all that, (0) a finished run in `--ckpt.output_dir` (its `summary.json`, or a saved model:
 config.json or adapter_config.json beside weights) is refused unless `--ckpt.overwrite`, or
 `--ckpt.load_enable` with checkpoints in the checkpoint folder (which resumes, or starts fresh when none
-verifies, as before).
+verifies, as before) that are that run's own: the folder is inside `--ckpt.output_dir` or is the
+`--ckpt.path` its config.yaml records (another run's checkpoints would replace it).
 Every refusal is a UserError raised before anything is written; the locks taken so far are released.
 `RunFolders.abandon()` (a start that fails before training) removes what the claim and the start
 created in these folders and nothing else: in a folder that existed before, only the run's own files
@@ -135,34 +136,53 @@ def finished_run(folder: Path) -> str | None:
     return None
 
 
-def _refuse_finished(cfg: TrainerConfig, folder: Path) -> None:
+def _refuse_finished(cfg: TrainerConfig, folder: Path, how: str | None = None) -> None:
+    """UserError when `folder` holds a finished run and --ckpt.overwrite is not given; `how`: why resuming
+    does not count (default: it was not asked for, or there is nothing to resume)."""
     what = None if cfg.ckpt.overwrite else finished_run(folder)
     if what:
-        how = (" and --ckpt.load_enable has no checkpoint to resume;" if cfg.ckpt.load_enable else
-               "; resume its checkpoints with --ckpt.load_enable,")
+        how = how or (" and --ckpt.load_enable has no checkpoint to resume;" if cfg.ckpt.load_enable else
+                      "; resume its checkpoints with --ckpt.load_enable,")
         raise UserError(f"--ckpt.output_dir {folder} holds a finished run ({what}){how} replace it with "
                         "--ckpt.overwrite, or choose another --ckpt.output_dir")
 
 
+def _foreign_checkpoints(folder: Path, root: Path) -> str | None:
+    """Why the checkpoints in `root` are not those of the run in `folder`, or None when they are: `root` is
+    inside `folder`, or is the --ckpt.path that `folder`'s config.yaml records."""
+    import yaml
+
+    if root.resolve().is_relative_to(folder.resolve()):
+        return None
+    try:
+        recorded = yaml.safe_load((folder / "config.yaml").read_text())["ckpt"]["path"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        recorded = None
+    if recorded and Path(recorded).resolve() == root.resolve():
+        return None
+    return f" and --ckpt.path {root} is not its checkpoint folder (resuming another run's would replace it);"
+
+
 def refuse_finished_run(cfg: TrainerConfig) -> None:
     """Step (0) of `claim_run_folders` alone, locking and writing nothing: UserError when --ckpt.output_dir
-    holds a finished run, unless --ckpt.overwrite, or --ckpt.load_enable with checkpoints to resume."""
-    if cfg.ckpt.load_enable:
-        root = checkpoint_dir(cfg)
-        if root is not None and any(root.glob("global_step*")):
-            return
-    _refuse_finished(cfg, Path(cfg.ckpt.output_dir))
+    holds a finished run, unless --ckpt.overwrite, or --ckpt.load_enable with that run's own checkpoints to
+    resume (`_foreign_checkpoints`)."""
+    folder, root = Path(cfg.ckpt.output_dir), checkpoint_dir(cfg)
+    if cfg.ckpt.load_enable and root is not None and any(root.glob("global_step*")):
+        foreign = _foreign_checkpoints(folder, root)
+        if foreign:
+            _refuse_finished(cfg, folder, foreign)
+        return
+    _refuse_finished(cfg, folder)
 
 
 def claim_run_folders(cfg: TrainerConfig, *, is_main: bool = True) -> RunFolders:
     """Lock and check the run's folders before anything is written (module docstring)."""
-    folders = RunFolders(Path(cfg.ckpt.output_dir))
-    if not cfg.ckpt.load_enable:
-        _refuse_finished(cfg, folders.path)
+    folders, root = RunFolders(Path(cfg.ckpt.output_dir)), checkpoint_dir(cfg)
+    refuse_finished_run(cfg)
     try:
         if is_main:
             _lock(folders, folders.path, "--ckpt.output_dir")
-        root = checkpoint_dir(cfg)
         if root is None or not (cfg.ckpt.save_steps > 0 or cfg.ckpt.load_enable):
             if cfg.ckpt.load_enable:
                 _refuse_finished(cfg, folders.path)

@@ -5,14 +5,21 @@ each page's commands in page order in a scratch folder that sees the repository'
 `posttrain/` (reward files are given by path), shortened by the flags `shorten` appends to the command
 (the last value of a flag wins). README.md runs first; the run folders it leaves (`runs/tiny`,
 `runs/sft`, ...) serve the other pages' commands that read a run folder the page does not make itself.
-A command `NOT_RUN` names (by command or flag) is parsed but not run, for the reason given there.
+Every documented command runs: `serve-rm` in the background until it has answered a scored request (its
+own check, `_serve_rm`); README's `OWN_TEST` commands (the demo, RL on Ray with vLLM engines) each in a
+test of their own (`test_readme_command_of_its_own`), from README's folder once its other commands ran.
 """
 from __future__ import annotations
 
 import io
+import json
 import os
+import re
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,8 +31,11 @@ PPO_SHORT = ["--train.max_steps", "1", "--rollout.max_new_tokens", "4"]  # one r
 
 def shorten(argv: list[str]) -> list[str]:
     """The flags that make a documented run short without changing its batch sizes: one optimizer step of
-    the command's own `--train.batch_size` (SFT, RM, DPO: as many rows, one epoch), one rollout step (PPO).
-    A command that sets `--data.max_samples` is short already."""
+    the command's own `--train.batch_size` (SFT, RM, DPO: as many rows, one epoch), one rollout step (PPO),
+    the demo's small variant (`--quick`, what `make demo-quick` runs). A command that sets
+    `--data.max_samples` is short already."""
+    if argv[0] == "demo":
+        return ["--quick"]
     if argv[0] == "ppo":
         return PPO_SHORT
     if argv[0] not in ("sft", "rm", "dpo") or "--data.max_samples" in argv:
@@ -36,19 +46,14 @@ def shorten(argv: list[str]) -> list[str]:
     return ["--data.max_samples", str(batch), "--train.max_epochs", "1"]
 
 
-NOT_RUN = {  # command name or flag -> why such a command is only parsed
-    "serve-rm": "serves until it is stopped (tests/rewards test the server)",
-    "demo": "the whole demo takes ~15 minutes (tests/test_demo.py runs `posttrain demo --quick`)",
-    "--vllm.num_engines": "Ray with rollout engines starts in ~2 minutes on 2 cores, over this test's budget "
-                          "(tests/trainers/rl/test_rl_ray.py runs 2 actor ranks with 2 engines)",
-}
+OWN_TEST = ("demo", "--vllm.num_engines")  # a README command naming one runs in a test of its own
 CHAT_INPUT = "What is 12 + 3?\n"
 OUTPUT_FLAGS = ("--output", "--ckpt.output_dir", "--ckpt.path", "--output_path")
 
 
-def not_run(cmd: Command) -> str | None:
-    """Why `cmd` is only parsed, or None: it runs."""
-    return next((why for key, why in NOT_RUN.items() if key in cmd.argv), None)
+def own_test(cmd: Command) -> bool:
+    """README's `cmd` runs in `test_readme_command_of_its_own` (the demo, ~1 min; Ray with vLLM engines)."""
+    return cmd.page == "README.md" and any(key in cmd.argv for key in OWN_TEST)
 
 
 def _all_commands() -> list[Command]:
@@ -95,7 +100,8 @@ def test_commands_are_found():
     assert any(c.page == "README.md" for c in found) and len({c.page for c in found}) >= 8
 
 
-def _run(cmd: Command, cwd: Path, shared: Path | None) -> None:
+def _run(cmd: Command, cwd: Path, shared: Path | None, env: dict | None = None) -> None:
+    """Run `cmd` shortened in `cwd` (`env`: variables for a command run as a process of its own)."""
     argv = list(cmd.argv)
     top = lambda word: Path(*Path(word).parts[:2]) if word.startswith("runs/") else None  # noqa: E731
     outputs = {top(argv[i + 1]) for i, a in enumerate(argv[:-1]) if a in OUTPUT_FLAGS}
@@ -107,9 +113,12 @@ def _run(cmd: Command, cwd: Path, shared: Path | None) -> None:
                 (cwd / run).parent.mkdir(exist_ok=True)
                 (cwd / run).symlink_to(shared / run)
     argv += shorten(argv)
+    env = {**os.environ, **dict(cmd.env), **(env or {}), "PYTHONPATH": str(ROOT)}
+    if argv[0] == "serve-rm":
+        _serve_rm(argv, cwd, env)
+        return
     ray = any(a in ("--vllm.num_engines", "--actor.num_gpus_per_node", "--actor.num_nodes") for a in argv)
     if ray or cmd.env:  # Ray's session outlives the command in-process: a process of its own
-        env = {**os.environ, **dict(cmd.env), "PYTHONPATH": str(ROOT)}
         done = subprocess.run([sys.executable, "-m", "posttrain.cli.main", *argv], cwd=cwd, env=env,
                               capture_output=True, text=True, timeout=900, check=False)
         assert done.returncode == 0, f"{cmd}\nexit {done.returncode}\n{done.stderr[-3000:]}"
@@ -128,9 +137,64 @@ def _run(cmd: Command, cwd: Path, shared: Path | None) -> None:
         sys.stdin = stdin
 
 
+def _port_free(port: int) -> bool:
+    """`port` on 127.0.0.1 can be bound (as serve-rm checks it)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _serve_rm(argv: list[str], cwd: Path, env: dict) -> None:
+    """Run `posttrain serve-rm` in the background until it scores a request sent with its `--token` (and
+    refuses one without), then stop it with Ctrl-C (SIGINT): it exits 0. The documented `--port` is used
+    when it is free; where another process holds it (a CI machine may), a free port takes its place."""
+    import requests
+
+    port = int(argv[argv.index("--port") + 1])
+    if not _port_free(port):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        argv = [*argv, "--port", str(port)]
+    token = argv[argv.index("--token") + 1]
+    url, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {token}"}
+    body = {"query": ["What is 17 + 5? 22"], "prompts": ["What is 17 + 5?"]}
+    with open(cwd / "serve-rm.log", "w+") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "posttrain.cli.main", *argv], cwd=cwd, env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+        try:
+            for _ in range(600):  # the model loads in seconds; 5 minutes on a loaded machine at most
+                assert proc.poll() is None, f"serve-rm exited {proc.returncode}:\n{_tail(log)}"
+                try:
+                    scored = requests.post(f"{url}/get_reward", json=body, headers=auth, timeout=30)
+                    break
+                except requests.ConnectionError:
+                    time.sleep(0.5)
+            else:
+                raise AssertionError(f"serve-rm did not answer on port {port}:\n{_tail(log)}")
+            assert scored.status_code == 200, scored.text
+            assert len(scored.json()["rewards"]) == 1 and isinstance(scored.json()["rewards"][0], float)
+            assert requests.post(f"{url}/get_reward", json=body, timeout=30).status_code == 401
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=60) == 0, _tail(log)
+            assert "Traceback" not in _tail(log)
+        finally:
+            proc.kill()
+
+
+def _tail(log) -> str:
+    log.seek(0)
+    return log.read()[-3000:]
+
+
 def _run_page(page: str, cwd: Path, shared: Path | None, seen: set) -> list[str]:
     """Run the page's steps; a command run as written on an earlier page is not run again (its run folder,
-    README's, is linked where a later command reads it)."""
+    README's, is linked where a later command reads it), nor one that runs in a test of its own (`own_test`).
+    """
     cwd.mkdir(parents=True, exist_ok=True)
     for name in ("examples", "posttrain"):
         (cwd / name).symlink_to(ROOT / name)
@@ -138,10 +202,11 @@ def _run_page(page: str, cwd: Path, shared: Path | None, seen: set) -> list[str]
     for step in steps(page):
         if isinstance(step, WriteFile):
             (cwd / step.path).write_text(step.text)
-        elif not_run(step) is None and step.argv not in seen:
-            _run(step, cwd, shared)
+        elif step.argv not in seen:
+            if not own_test(step):
+                _run(step, cwd, shared)
+                ran.append(str(step))
             seen.add(step.argv)
-            ran.append(str(step))
     return ran
 
 
@@ -155,6 +220,71 @@ def readme_runs(tmp_path_factory):
 def test_readme_commands_run(readme_runs):
     cwd, ran, _ = readme_runs
     assert ran and (cwd / "runs" / "sft" / "config.json").exists()
+    assert any(" serve-rm " in line for line in ran)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("cmd", [c for c in steps("README.md") if isinstance(c, Command) and own_test(c)],
+                         ids=lambda c: c.argv[0] if c.argv[0] == "demo" else "ray-vllm")
+def test_readme_command_of_its_own(cmd, readme_runs, request, capsys):
+    """The demo (checked by `check_demo`), and RL on Ray with vLLM engines: one rollout step of short
+    samples joining the session's Ray instance (RAY_ADDRESS), as OpenRLHF's scripts join a running cluster;
+    the engines are vLLM's CPU build where it is installed, as the command says at start-up."""
+    cwd = readme_runs[0]
+    if cmd.argv[0] == "demo":
+        _run(cmd, cwd, None)
+        check_demo(cwd / cmd.argv[cmd.argv.index("--output") + 1], capsys.readouterr().out)
+        return
+    _run(cmd, cwd, None, env={"RAY_ADDRESS": request.getfixturevalue("ray_address")})
+    out = cwd / cmd.argv[cmd.argv.index("--ckpt.output_dir") + 1]
+    assert (out / "config.json").exists() and (out / "summary.json").exists()
+
+
+def check_demo(out: Path, printed: str) -> None:
+    """`posttrain demo --quick` ran every stage end to end into `out`: SFT learns the task and the
+    demonstrator's habit, then DPO, the reward model + PPO, and GRPO each train from the SFT model through
+    the real entry points, with their metrics, plots and the summary table; then the multi-turn calculator
+    task (SFT on transcripts, multi-turn RL, the single-turn control) and the vision-language colour task."""
+    from posttrain.cli import demo
+    from posttrain.utils.metrics import read_metrics
+
+    summary = json.loads((out / "summary.json").read_text())
+    acc = summary["accuracy"]
+    assert list(acc) == ["base (random init)", *demo.STAGES]
+    assert acc["base (random init)"] < 0.1
+    sft = read_metrics(out / "sft" / "metrics.jsonl")
+    losses = [r["train/loss"] for r in sft if "train/loss" in r]
+    assert losses[-1] < losses[0] / 4  # SFT learns
+    assert acc["after SFT"] < 0.5  # ... the demonstrator's habit too: a rounded number is read last
+    samples = [json.loads(line) for line in (out / "samples_final.jsonl").read_text().splitlines()]
+    assert len(samples) == summary["held_out_prompts"]
+    assert 0.5 < summary["rm_preference_accuracy"] <= 1.0  # the RM learned something from the pairs
+    for stage in ("sft", "dpo", "rm"):
+        assert (out / stage / "plots" / "train.png").exists(), stage
+    for stage in ("rl", "ppo_rm"):
+        assert (out / stage / "plots" / "reward.png").exists(), stage
+        assert any("reward/mean" in r for r in read_metrics(out / stage / "metrics.jsonl")), stage
+    assert any("critic/value_loss" in k for r in read_metrics(out / "ppo_rm" / "metrics.jsonl") for k in r)
+    assert "held-out accuracy" in printed and all(stage in printed for stage in demo.STAGES)
+    assert "preference acc" in printed
+    # the multi-turn stage: SFT on transcripts, multi-turn RL with the tool, the single-turn control
+    assert list(summary["agent_success"]) == list(demo.AGENT_STAGES)
+    assert all(0.0 <= v <= 1.0 for v in summary["agent_success"].values())
+    rl = [r for r in read_metrics(out / "agent_rl" / "metrics.jsonl") if "agent/turns_mean" in r]
+    assert rl and all(r["agent/failed"] == 0 for r in rl)
+    assert "held-out success on multiplication with a calculator tool" in printed
+    # the vision-language stage: SFT, RL with the colour reward, the blank-image control (each ran)
+    assert list(summary["vision_accuracy"]) == ["base (random init)", *demo.VISION_STAGES]
+    assert all(0.0 <= v <= 1.0 for v in summary["vision_accuracy"].values())
+    assert any("reward/mean" in r for r in read_metrics(out / "vision" / "rl" / "metrics.jsonl"))
+    assert "the colour of a shape in an image" in printed
+
+
+def test_make_demo_runs_the_documented_demo_command():
+    """`make demo` runs README's demo command (which `test_readme_command_of_its_own[demo]` runs)."""
+    recipe = re.search(r"^demo: .*\n\t(.*)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    demo = next(c for c in steps("README.md") if isinstance(c, Command) and c.argv[0] == "demo")
+    assert recipe.split() == ["$(VENV)/bin/posttrain", *demo.argv]
 
 
 @pytest.mark.e2e

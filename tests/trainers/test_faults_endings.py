@@ -94,3 +94,26 @@ def test_resuming_a_finished_run_into_a_new_output_folder_writes_its_final_model
     assert f"{first / 'checkpoints' / 'global_step4'} is at the run's last step (4)" in proc.stderr
     ours, theirs = load_file(str(new / "model.safetensors")), load_file(str(first / "model.safetensors"))
     assert ours.keys() == theirs.keys() and all(ours[k].equal(theirs[k]) for k in ours)
+
+
+def test_resuming_another_runs_checkpoints_over_a_finished_run_is_refused(tiny_model_dir, arithmetic_dir,
+                                                                          tmp_path):
+    """--ckpt.load_enable with a --ckpt.path holding another run's checkpoints does not replace the finished
+    run in --ckpt.output_dir (one line, exit 2, its files unchanged); a finished run's own checkpoints, at
+    the --ckpt.path its config.yaml records, still resume."""
+    first, second, ckpt = tmp_path / "first", tmp_path / "second", tmp_path / "ckpt"
+    own = ("--ckpt.path", ckpt, "--ckpt.save_steps", 2)
+    assert run(CLI + flags(tiny_model_dir, arithmetic_dir, first, *own)).returncode == 0
+    assert run(CLI + flags(tiny_model_dir, arithmetic_dir, second)).returncode == 0
+    files = lambda: {p.name: p.read_bytes() for p in second.iterdir() if p.is_file()}  # noqa: E731
+    before = files()
+    proc = run(CLI + flags(tiny_model_dir, arithmetic_dir, second, *own, "--ckpt.load_enable"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1] == (
+        f"posttrain sft: error: --ckpt.output_dir {second} holds a finished run (summary.json) and "
+        f"--ckpt.path {ckpt} is not its checkpoint folder (resuming another run's would replace it); "
+        "replace it with --ckpt.overwrite, or choose another --ckpt.output_dir")
+    assert files() == before
+    again = run(CLI + flags(tiny_model_dir, arithmetic_dir, first, *own, "--ckpt.load_enable"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"{ckpt / 'global_step4'} is at the run's last step (4)" in again.stderr

@@ -225,3 +225,105 @@ def test_an_iter_dpo_pair_never_has_the_same_text_twice():
     pair, = post_process(rows, "iter_dpo")
     assert (pair["chosen"], pair["rejected"], pair["rejected_reward"]) == ("42", "41", 0.2)
     assert post_process([{**r, "output": "42"} for r in rows], "iter_dpo") == []
+
+
+@pytest.mark.parametrize("command", ["generate", "eval"])
+def test_data_keys_are_checked_before_any_part_of_the_model_is_read(command, tiny_model_dir, tmp_path,
+                                                                    capsys):
+    """A wrong --data.input_key and a --data.label_key the file lacks (eval's default 'label'): one error
+    naming both, with the file's keys and the close match, exit 2, before the tokenizer is read (here a
+    damaged one, which would fail otherwise)."""
+    import importlib
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "tokenizer.json").write_text("{not json")
+    prompts = ROOT / "examples" / "data" / "prompts.jsonl"
+    main = importlib.import_module(f"posttrain.cli.{'evaluate' if command == 'eval' else command}").main
+    with pytest.raises(SystemExit) as e:
+        main(["--model.model_name_or_path", str(model), "--data.dataset", str(prompts), "--data.input_key",
+              "promt", "--data.label_key", "label", "--output", str(tmp_path / "o.jsonl")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"posttrain {command}: error: missing or broken inputs (2 problems):")
+    keys = f"missing from {prompts} (its keys: [prompt, answer])"
+    assert f"--data.input_key 'promt': {keys}; did you mean 'prompt'?" in err
+    assert f"--data.label_key 'label': {keys}; name one of them with --data.label_key" in err
+
+
+def test_chat_drops_the_oldest_turns_when_the_conversation_outgrows_the_context(tiny_model_dir, tmp_path,
+                                                                                capsys):
+    """A model with a 96-token context and 16 tokens kept for each reply: the oldest turns are left out, with
+    a note, so that every prompt fits; a message too long on its own is answered with a line saying so, and
+    the conversation goes on."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from posttrain.cli import chat
+
+    model = shutil.copytree(tiny_model_dir, tmp_path / "short")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 96}))
+    turns = [f"message {i}: what is {i} plus {i}, and why?" for i in range(8)]
+    out = io.StringIO()
+    history = chat.main(["--model.model_name_or_path", str(model), "--rollout.temperature", "0",
+                         "--rollout.max_new_tokens", "16", "--rollout.engine", "hf"], stdout=out,
+                        stdin=io.StringIO("\n".join([*turns[:-1], "a b c " * 40, turns[-1]]) + "\n"))
+    err = capsys.readouterr().err
+    assert "note: the conversation outgrew the model's context (96 tokens, 16 of them kept for the reply" \
+        in err
+    assert "(message too long: it and --rollout.max_new_tokens 16 exceed the model's context of 96" in \
+        out.getvalue()
+    users = [m["content"] for m in history if m["role"] == "user"]
+    assert users[-1] == turns[-1] and turns[0] not in users  # the newest kept, the oldest left out
+    assert users == turns[len(turns) - len(users):]
+    assert [m["role"] for m in history[:2]] == ["user", "assistant"]
+    tok = AutoTokenizer.from_pretrained(model)
+    prompt = tok.apply_chat_template(history[:-1], tokenize=False, add_generation_prompt=True)
+    assert len(tok(prompt, add_special_tokens=False)["input_ids"]) + 16 <= 96  # the last prompt fitted
+
+
+def test_chat_refuses_a_reply_budget_as_long_as_the_context(tiny_model_dir, capsys):
+    from posttrain.cli import chat
+
+    with pytest.raises(SystemExit) as e:
+        chat.main(["--model.model_name_or_path", tiny_model_dir, "--rollout.max_new_tokens", "4096"],
+                  stdin=io.StringIO(""), stdout=io.StringIO())
+    assert e.value.code == 2
+    assert "--rollout.max_new_tokens 4096: the model's context is 4096 tokens" in capsys.readouterr().err
+
+
+def test_a_lora_adapter_with_a_relative_base_path(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """adapter_config.json's base_model_name_or_path "../base" is read against the adapter folder (from any
+    current folder); one found nowhere is one line naming the field and --model.base_model."""
+    import shutil
+
+    from peft import LoraConfig, get_peft_model
+
+    from posttrain.cli import chat
+    from posttrain.models import load_causal_lm
+
+    base = shutil.copytree(tiny_model_dir, tmp_path / "runs" / "base")
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    get_peft_model(load_causal_lm(str(base)), lora).save_pretrained(tmp_path / "runs" / "adapter")
+    config = tmp_path / "runs" / "adapter" / "adapter_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "base_model_name_or_path": "../base"}))
+    monkeypatch.chdir(tmp_path)
+    flags = ["--model.model_name_or_path", "runs/adapter", "--rollout.max_new_tokens", "3",
+             "--rollout.engine", "hf"]
+    assert len(chat.main(flags, stdin=io.StringIO("hi\n"), stdout=io.StringIO())) == 2
+    assert f"merged into its base {os.path.join('runs', 'base')}" in capsys.readouterr().err
+
+    config.write_text(json.dumps({**json.loads(config.read_text()), "base_model_name_or_path": "./gone"}))
+    with pytest.raises(SystemExit) as e:
+        chat.main(flags, stdin=io.StringIO("hi\n"), stdout=io.StringIO())
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    adapter = os.path.join("runs", "adapter")
+    assert err == (f"posttrain chat: error: --model.model_name_or_path runs/adapter: a LoRA adapter; "
+                   f"{os.path.join(adapter, 'adapter_config.json')}: base_model_name_or_path './gone' "
+                   f"is found neither beside the adapter ({os.path.join(adapter, 'gone')}) nor in the "
+                   "current folder; pass the base model with --model.base_model, or write its path into "
+                   "base_model_name_or_path")

@@ -1,7 +1,6 @@
 """RL test fixtures: the SFT-ed nano model and its data (`sft_nano`, tests/trainers/conftest.py),
 reward-function files, and a runner for the real `posttrain ppo` entry."""
 import contextlib
-import os
 
 import pytest
 
@@ -76,8 +75,8 @@ def charts_not_drawn():
     """Runs started in this process end without drawing their PNG charts: 2-5 s of matplotlib for an RL
     run on 2 cores (eleven figures), more than the training of most runs here, and no test here reads
     them (a run logs "no plots: ..." instead). Charts stay tested: `plot_run` in
-    tests/unit/utils/test_metrics_plot.py, the demo's RL charts in tests/test_demo.py, and every
-    command-line (subprocess) run here still draws its own."""
+    tests/unit/utils/test_metrics_plot.py, the demo's RL charts in tests/docs/test_documented_commands.py,
+    and every command-line (subprocess) run here still draws its own."""
     import posttrain.utils.plot
 
     with pytest.MonkeyPatch.context() as mp:
@@ -123,31 +122,6 @@ def run_ppo(rl_setup, tmp_path):
         result = train_ppo_ray.main(ppo_flags(rl_setup, out, *extra, reward=reward))
         return out, result
     return run
-
-
-@pytest.fixture(scope="session")
-def ray_session(session_environ):
-    """One local Ray instance for the whole test session (start-up costs seconds); every run places
-    its groups in it and removes them when it ends. 16 logical CPUs: a rank asks for one. What `ray.init`
-    sets in the environment (RAY_AUTH_MODE) outlives the module that started it."""
-    ray = pytest.importorskip("ray")
-    if not ray.is_initialized():
-        from posttrain.trainers.rl.placement.ray_placement import LOCAL_SYSTEM_CONFIG
-
-        before = dict(os.environ)
-        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=True, _system_config=LOCAL_SYSTEM_CONFIG,
-                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "DS_BUILD_OPS": "0"}})
-        session_environ.update({k: v for k, v in os.environ.items() if before.get(k) != v})
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="session")
-def ray_address(ray_session):
-    """The session Ray's address: a command-line run given it as RAY_ADDRESS joins that instance, as
-    OpenRLHF's scripts join a running cluster (`ray job submit`), instead of starting and stopping one
-    of its own (seconds of start-up on 2 cores)."""
-    return ray_session.get_runtime_context().gcs_address
 
 
 @pytest.fixture(scope="module")

@@ -57,10 +57,30 @@ def test_old_flags_name_the_new_dotted_flag():
     assert "--learning_rate: renamed in OpenRLHF 0.10.2; use --adam.lr" in msg
     assert "--zero_stage: renamed in OpenRLHF 0.10.2; use --ds.zero_stage" in msg
     assert "--use_wandb: renamed in OpenRLHF 0.10.2; use --logger.wandb.key" in msg
+
     # the same old flag maps per trainer family
     assert "use --actor.model_name_or_path" in error("ppo", "--pretrain", "m")
     assert "use --actor.adam.lr" in error("ppo", "--learning_rate", "1e-6")
     assert "posttrain ppo uses --data.prompt_dataset" in error("ppo", "--dataset", "d")
+
+
+def test_openrlhf_09_batch_inference_flags_name_posttrains():
+    """An OpenRLHF 0.9 `batch_inference` command line (best-of-n sampling) given to `posttrain generate`:
+    each flag's hint names posttrain's flag; the 0.10.2 renames still apply where 0.9 used the old name."""
+    msg = error("generate", "--eval_task", "generate_vllm", "--pretrain", "m", "--dataset", "d.jsonl",
+                "--best_of_n", "4", "--greedy_sampling", "--max_new_tokens", "64", "--output_path", "o.jsonl",
+                "--bf16")
+    assert "unknown flags (8 problems)" in msg
+    batch = "OpenRLHF 0.9's batch_inference flag; use"
+    for old, new in [("--eval_task", "--rollout.engine"), ("--pretrain", "--model.model_name_or_path"),
+                     ("--dataset", "--data.dataset"), ("--best_of_n", "--rollout.n_samples_per_prompt"),
+                     ("--greedy_sampling", "--rollout.temperature 0"), ("--output_path", "--output"),
+                     ("--bf16", "--model.param_dtype bf16")]:
+        assert f"{old}: {batch} {new}" in msg
+    assert "--max_new_tokens: renamed in OpenRLHF 0.10.2; use --rollout.max_new_tokens" in msg
+    assert error("eval", "--best_of_n", "4") == \
+        f"unknown flag --best_of_n: {batch} --rollout.n_samples_per_prompt"
+    assert "--best_of_n (see posttrain ppo --help)" in error("ppo", "--best_of_n", "4")  # not a ppo name
 
 
 def test_flags_of_the_other_trainer_family_point_to_the_right_one():

@@ -32,7 +32,7 @@ from posttrain.trainers.rl.placement.transport import (
     split_by_tokens,
 )
 from posttrain.trainers.rl.placement.weight_sync import layout_bytes
-from posttrain.trainers.rl.placement.workers import EngineWorker, RoleWorker, sleeps
+from posttrain.trainers.rl.placement.workers import DRIVER_CWD, EngineWorker, RoleWorker, sleeps
 from posttrain.trainers.rl.updates import critic_shuffle_step, optimizer_steps
 from posttrain.utils.errors import UserError, WorkerFailed
 from posttrain.utils.interrupt import handlers_kept
@@ -79,9 +79,12 @@ def wait_all(calls: list[tuple[ray.ObjectRef, str]], timeout: float | None = Non
 
 def worker_env() -> dict[str, str]:
     """What every worker process gets: posttrain's settings plus the driver's NCCL_* / GLOO_* variables
-    (network interface choices and debugging reach the ranks)."""
+    (network interface choices and debugging reach the ranks), and the driver's working directory
+    (`DRIVER_CWD`: a worker changes to it where that folder exists, so relative paths read as the
+    command line meant them also in a cluster joined through RAY_ADDRESS)."""
     env = dict(WORKER_ENV)
     env.update({k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "GLOO_"))})
+    env[DRIVER_CWD] = os.getcwd()
     return env
 
 

@@ -46,9 +46,14 @@ def torch_state(arrays: dict[str, tuple[np.ndarray, str]]) -> dict[str, torch.Te
     return out
 
 
+DRIVER_CWD = "POSTTRAIN_DRIVER_CWD"  # the driver's working directory (`ray_placement.worker_env`)
+
+
 class _Process:
     def __init__(self, threads: int, env: dict[str, str]) -> None:
         os.environ.update(env)
+        if os.path.isdir(env.get(DRIVER_CWD, "")):  # a joined cluster's worker starts in the cluster's own
+            os.chdir(env[DRIVER_CWD])
         self._listening: dict = {}  # port -> the store this process serves there (`listen`)
         torch.set_num_threads(max(1, threads))
         apply_heap_policy()
