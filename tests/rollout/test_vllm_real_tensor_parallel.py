@@ -84,7 +84,8 @@ def test_ppo_engines_run_tensor_parallel_on_cpus_and_refuse_it_on_gpus(monkeypat
     """--vllm.tensor_parallel_size 2 gives the engine vLLM's `mp` executor with 2 ranks; on a GPU the engine
     worker stops with one line naming the flag and the way out."""
     from posttrain.config import ConfigError, parse_config
-    from posttrain.trainers.rl.placement.workers import build_vllm_engine, vllm_engine_kwargs
+    from posttrain.rollout.factory import vllm_engine_kwargs
+    from posttrain.trainers.rl.placement.workers import build_vllm_engine
 
     argv = ["--actor.model_name_or_path", tiny_model_dir, "--data.prompt_dataset", "x",
             "--vllm.num_engines", "1"]
