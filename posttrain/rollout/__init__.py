@@ -7,7 +7,9 @@
   ``stream()`` serves requests from other threads (``stream.py``, used by ``async_engine.py``).
 - ``VLLMRolloutEngine`` (``vllm_engine.py``): vLLM's offline ``LLM`` (CUDA only, imported lazily);
   ``convert_vllm_outputs`` is the pure conversion of its outputs.
-- ``make_rollout_engine(kind="hf" | "vllm", ...)`` (``factory.py``).
+- ``make_rollout_engine(kind="hf" | "vllm", ...)``, and ``build_rollout_engine(cfg, ...)``: an RL run's
+  engine from its config, built in this one place for the one-process trainer and the Ray workers
+  (``factory.py``).
 
 Contract: ``generate(prompt_token_ids, params)`` returns, per prompt, ``params.n`` outputs holding
 the sampled token ids exactly as sampled (stop token included, nothing padded or rewritten), one

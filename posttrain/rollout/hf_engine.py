@@ -15,32 +15,30 @@ log-probs, top-p, seeding and stopping are ours:
 ``stream()`` serves single requests from other threads on the same loop (``stream.DecodeServer``):
 that is what the async front (``async_engine``) uses for agent episodes.
 
-A LoRA policy (``lora=`` a ``LoraSpec``) is synced adapter-only (``update_adapter``), applied in one of two
-``lora_sync`` modes: ``merged`` (a plain model; each targeted weight is rewritten ``W0 + s·B·A`` from a
-pristine copy, ``models.lora_sync.MergedBase``: the fast decode path stays, at the memory of the copies) or
-``adapter`` (the engine's model is wrapped in peft and the adapter tensors are copied into it: exactly the
-trainer's math, no copies, decode through transformers).
+The engine composes two parts: ``hf_weights.HFWeights`` (loads, bucketed syncs, and a LoRA policy's
+adapter-only sync in one of two ``lora_sync`` modes, ``merged`` or ``adapter``) and ``pause.PauseGate`` (one
+decode step at a time, weight loads between them).
 
 Weights may change while samples are in flight (partial rollout): a load waits for the decode step in
-flight (``step_lock``), and the rows in flight are re-prefilled with the new weights before their next
+flight (``paused()``), and the rows in flight are re-prefilled with the new weights before their next
 token; every token records the ``weight_version`` that sampled it (``RolloutOutput.policy_versions``).
 """
 from __future__ import annotations
 
 import inspect
-import threading
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
 
 import torch
 
-from posttrain.models import apply_lora, as_lora_spec, is_peft, unwrap_model
-from posttrain.models import lora_sync as lsync
+from posttrain.models import unwrap_model
 from posttrain.models.vision import is_vision_model
 from posttrain.rollout.cpu.fast_decode import KVBuffer, fast_decoder
 from posttrain.rollout.decode_batch import DecodeBatch, Sequence
+from posttrain.rollout.hf_weights import HFWeights
+from posttrain.rollout.pause import PauseGate
 from posttrain.rollout.sampling import check_seeds, sample_generators
 from posttrain.rollout.types import (
     PromptImages,
@@ -51,7 +49,6 @@ from posttrain.rollout.types import (
     rank_seed,
 )
 from posttrain.rollout.vision_decode import decode_with_images
-from posttrain.utils.weights_hash import weights_hash
 
 
 def _as_id_list(ids) -> list[int]:
@@ -84,9 +81,6 @@ def _hf_model(model):
     return base.get_base_model() if hasattr(base, "peft_config") else base
 
 
-LORA_SYNC_MODES = ("merged", "adapter")
-
-
 def _new_cache(model):
     from transformers import DynamicCache
 
@@ -104,24 +98,13 @@ class HFRolloutEngine:
     ``generate``. ``tokenizer_or_eos_ids`` gives the default stop ids (see ``resolve_eos_ids``);
     ``pad_token_id`` fills the left padding; ``batch_size`` caps the rows (prompts × n) per
     forward batch (None → all rows in one batch). ``lora`` (a ``LoraSpec``-like, None/rank 0: off) and
-    ``lora_sync`` ("merged" or "adapter", module docstring): how a synced LoRA adapter is applied."""
+    ``lora_sync`` ("merged" or "adapter", `hf_weights`): how a synced LoRA adapter is applied."""
 
     def __init__(self, model: torch.nn.Module, tokenizer_or_eos_ids, *, pad_token_id: int,
                  batch_size: int | None = None, fast_decode: bool = True, lora=None, lora_sync: str = "merged"):
-        if lora_sync not in LORA_SYNC_MODES:
-            raise ValueError(f"lora_sync={lora_sync!r}: valid values are {list(LORA_SYNC_MODES)}")
-        model = unwrap_model(model)
-        spec = as_lora_spec(lora)
-        self.lora_sync = lora_sync if spec is not None else None
-        self._merged = None
-        if spec is not None and lora_sync == "adapter" and not is_peft(model):
-            with torch.random.fork_rng(devices=[]):  # the adapter is overwritten by the first sync
-                model = apply_lora(model, spec)
-        elif spec is not None and lora_sync == "merged":
-            if is_peft(model):
-                raise ValueError("lora_sync='merged' needs a plain model (the engine merges the adapter itself)")
-            self._merged = lsync.MergedBase(spec.scaling)
-        self.model = model
+        self.gate = PauseGate()  # one decode step at a time; a weight load waits for the step in flight
+        self.weights = HFWeights(model, self.gate, lora, lora_sync)  # wraps the model in peft in adapter mode
+        self.model = self.weights.model
         self.eos_token_ids = resolve_eos_ids(tokenizer_or_eos_ids, self.model)
         self.vocab_size = _hf_model(self.model).get_input_embeddings().num_embeddings
         if not (_is_int(pad_token_id) and 0 <= pad_token_id < self.vocab_size):
@@ -133,40 +116,24 @@ class HFRolloutEngine:
         params = inspect.signature(_hf_model(self.model).forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers 5.x / 4.x
         self._keep_kw = "logits_to_keep" in params
-        # one decode step (admit + step) at a time; a weight load waits for the step in flight
-        self.step_lock = threading.RLock()
-        self._loads = threading.Condition()  # `paused` callers waiting for the lock (weight loads)
-        self._loads_waiting = 0
-        self._epoch = 0  # bumped by every weight load: decode batches re-prefill their rows
-        self.weight_version = 0  # set by `weights_updated(version)`; recorded per sampled token
         # decode steps skip transformers' module machinery where the architecture allows (fast_decode)
         self._fast = fast_decoder(_hf_model(self.model)) if fast_decode else None
         self.vision = is_vision_model(self.model)  # generates through `vision_decode` (module doc there)
 
-    # -- weights -------------------------------------------------------------------------------
+    # -- weights (`hf_weights.HFWeights`) and the pause protocol (`pause.PauseGate`) --------------
+    @property
+    def lora_sync(self) -> str | None:
+        return self.weights.lora_sync
+
+    @property
+    def weight_version(self) -> int:
+        return self.weights.version
+
     def load_weights(self, model_or_state_dict) -> int:
         """Copy weights into the engine's model (a state dict, or another module's; from a peft module:
         its base weights and its adapter); no-op when given the engine's own module. Returns the bytes
         copied."""
-        if isinstance(model_or_state_dict, torch.nn.Module):
-            src = unwrap_model(model_or_state_dict)
-            if src is self.model:
-                return 0
-            if is_peft(src):
-                base = lsync.base_pairs(src)
-                self.update_weights(base)
-                return lsync.pair_bytes(base) + self.update_adapter(lsync.adapter_pairs(src))
-            model_or_state_dict = src.state_dict()
-        if not isinstance(model_or_state_dict, Mapping):
-            raise ValueError(f"load_weights expects a torch.nn.Module or a state dict, not "
-                             f"{type(model_or_state_dict).__name__}")
-        if self.lora_sync is not None:  # names are the plain model's: route them as a sync would
-            self.update_weights(model_or_state_dict.items())
-            return lsync.pair_bytes(model_or_state_dict.items())
-        with self.paused(), torch.no_grad():
-            self.model.load_state_dict(model_or_state_dict, strict=True)
-            self._epoch += 1
-        return lsync.pair_bytes(model_or_state_dict.items())
+        return self.weights.load(model_or_state_dict)
 
     def release_decode_weights(self) -> None:
         """Free the fast decode path's fused weight copies until the next decode (`FastDecoder.release`):
@@ -177,101 +144,41 @@ class HFRolloutEngine:
     def sync_weights(self, model) -> int:
         """Sample with ``model``'s current weights; returns the bytes copied (0 when it is the shared
         module). From a peft module only the adapter moves (the base is the engine's since the load)."""
-        src = unwrap_model(model)
-        if src is not self.model and is_peft(src):
-            if self.lora_sync is None:
-                raise ValueError("sync_weights: the policy is a LoRA model but this engine was built without lora=")
-            return self.update_adapter(lsync.adapter_pairs(src))
-        return self.load_weights(model)
-
-    def _own_state(self) -> dict[str, torch.Tensor]:
-        """The engine's weights under the plain model's names."""
-        model = self.model
-        return dict(lsync.base_pairs(model)) if is_peft(model) else model.state_dict()
+        return self.weights.sync(model)
 
     def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy some HF-named weights (one sync bucket) into the engine's model. In merged LoRA mode a
         targeted weight replaces ``W0`` and is merged again with the current adapter."""
-        own = self._own_state()
-        with self.paused(), torch.no_grad():
-            self._epoch += 1
-            for name, tensor in named:
-                if name not in own:
-                    raise KeyError(f"update_weights: the rollout model has no weight named {name!r}")
-                if self._merged is not None and name in self._merged.base:
-                    tensor = self._merged.set_base(name, tensor)
-                own[name].copy_(tensor)
+        self.weights.update(named)
 
     def update_adapter(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Apply LoRA adapter tensors (canonical names ``{module}.lora_A.weight`` / ``.lora_B.weight``,
         ``models.lora_sync``; one sync bucket) in this engine's ``lora_sync`` mode; returns their bytes."""
-        if self.lora_sync is None:
-            raise ValueError("update_adapter: this engine was built without lora= (no LoRA policy)")
-        pairs = list(pairs)
-        with self.paused(), torch.no_grad():
-            self._epoch += 1
-            if self._merged is None:  # adapter mode: copy into the peft layers
-                params = lsync.adapter_params(self.model)
-                for name, tensor in pairs:
-                    if name not in params:
-                        raise KeyError(f"update_adapter: the rollout model has no adapter tensor named {name!r}")
-                    params[name].copy_(tensor)
-            else:
-                own = self.model.state_dict()
-                for name, _ in pairs:
-                    weight = f"{lsync.adapter_module(name)}.weight"
-                    if lsync.is_adapter_name(name) and weight not in self._merged.base:
-                        if weight not in own:
-                            raise KeyError(f"update_adapter: the rollout model has no weight named {weight!r}")
-                        self._merged.keep(weight, own[weight])  # pristine: before its first merge
-                for name, weight in self._merged.receive(pairs):
-                    own[name].copy_(weight)
-        return lsync.pair_bytes(pairs)
+        return self.weights.update_adapter(pairs)
 
     def weights_updated(self, version: int | None = None) -> None:
         """After the last bucket of a sync: tokens sampled from now on record ``version`` (the trainer's
         policy version; None: unchanged). Hold ``paused()`` over the whole sync when generation runs
         concurrently, so no token is sampled from half-loaded weights."""
-        with self.step_lock:
-            if version is not None:
-                self.weight_version = int(version)
+        self.weights.updated(version)
 
-    @contextmanager
     def paused(self):
         """A context in which no decode step runs (those in flight continue afterwards, re-prefilled with
         the weights loaded meanwhile): partial rollout's weight sync holds it. It gets the engine at the
-        next step boundary: the decode loop (`decode_step`) waits while a caller is waiting here."""
-        with self._loads:
-            self._loads_waiting += 1
-        try:
-            with self.step_lock:
-                yield
-        finally:
-            with self._loads:
-                self._loads_waiting -= 1
-                self._loads.notify_all()
+        next step boundary; the thread inside may still generate (`pause.PauseGate`)."""
+        return self.gate.paused()
 
-    @contextmanager
     def decode_step(self):
-        """Hold the engine for one decode step (admit + step), after any weight load waiting in `paused`
-        (a lock alone would let the loop take it back before the loader wakes)."""
-        if not self.step_lock._is_owned():  # a thread inside `paused` or a step goes on (no self-wait)
-            with self._loads:
-                self._loads.wait_for(lambda: self._loads_waiting == 0)
-        with self.step_lock:
-            yield
+        """Hold the engine for one decode step (admit + step), after any weight load waiting in `paused`."""
+        return self.gate.step()
 
     def _weights(self) -> tuple[int, int]:
-        return self._epoch, self.weight_version
+        return self.weights.epoch, self.weights.version
 
     def weights_hash(self) -> str:
         """`posttrain.utils.weights_hash` of the weights the engine samples with; with LoRA
         `lora_sync.lora_weights_hash` of base (``W0``) + adapter + scaling, as the trainer's."""
-        if self._merged is not None:
-            return self._merged.hash(self.model.state_dict().items())
-        if is_peft(self.model):
-            return lsync.model_lora_hash(self.model)
-        return weights_hash(self.model.state_dict())
+        return self.weights.hash()
 
     def sleep(self) -> None:
         """No-op: the in-process engine holds no memory of its own between calls."""

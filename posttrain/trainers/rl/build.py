@@ -20,6 +20,7 @@ from posttrain.models import as_lora_spec, load_causal_lm, load_score_model
 from posttrain.models.context_parallel import register as register_context_parallel
 from posttrain.models.moe import is_moe, track_router_loss
 from posttrain.models.vision import freeze_visual_encoder, is_vision_model, is_vision_tower_name
+from posttrain.rollout.factory import build_rollout_engine
 from posttrain.trainers.context_parallel import ContextGroups
 from posttrain.trainers.parallel_layout import ParallelLayout
 from posttrain.trainers.rl.roles import Actor, Critic, Reference
@@ -124,19 +125,16 @@ def _freeze_vision(cfg: PPOConfig, model, announce: bool = False) -> None:
 
 
 def build_rollout_copy(cfg: PPOConfig, tokenizer, device):
-    """An HF rollout engine over its own copy of the policy (loaded from --actor.model_name_or_path, eval
-    mode): a Ray engine actor's, or the in-process async pipeline's; the trainer's weights reach it by
-    sync. Its parameters keep `requires_grad` as the actor's do (it only runs under no_grad): torch picks
-    other CPU kernels for frozen weights, whose rounding would differ from the trainer's by ~1e-6. With a
-    LoRA actor it takes the adapter alone after the first sync, applied as --vllm.lora_sync says."""
-    from posttrain.rollout import HFRolloutEngine
-
+    """An HF rollout engine (`rollout.factory.build_rollout_engine`) over its own copy of the policy (loaded
+    from --actor.model_name_or_path, eval mode): a Ray engine worker's, or the in-process async pipeline's; the
+    trainer's weights reach it by sync. Its parameters keep `requires_grad` as the actor's do (it only runs
+    under no_grad): torch picks other CPU kernels for frozen weights, whose rounding would differ from the
+    trainer's by ~1e-6."""
     model = load_causal_lm(cfg.actor.model_name_or_path, dtype=cfg.ds.param_dtype, tokenizer=tokenizer,
                            attn_implementation=cfg.ds.attn_implementation, onednn_linear=cfg.ds.onednn_linear,
                            experts_implementation=cfg.ds.experts_implementation)
     _freeze_vision(cfg, model)  # frozen as the actor's (see above: the same kernels)
-    return HFRolloutEngine(model.to(device).eval(), tokenizer, pad_token_id=tokenizer.pad_token_id,
-                           lora=as_lora_spec(cfg.ds.lora), lora_sync=cfg.vllm.lora_sync)
+    return build_rollout_engine(cfg, tokenizer, "hf", model.to(device).eval())
 
 
 def build_critic(cfg: PPOConfig, tokenizer, device, total_steps: int,

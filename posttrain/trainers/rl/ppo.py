@@ -30,7 +30,8 @@ from posttrain.data.capping import capped_note
 from posttrain.data.errors import check_dropped
 from posttrain.data.images import ImageLimits
 from posttrain.models import load_tokenizer
-from posttrain.rollout import HFRolloutEngine, SamplingParams, rank_seed
+from posttrain.rollout import SamplingParams, rank_seed
+from posttrain.rollout.factory import build_rollout_engine
 from posttrain.rollout.single_turn import SingleTurnSampler
 from posttrain.trainers.rl import build
 from posttrain.trainers.rl.async_pipeline import RolloutPipeline, staleness_metrics
@@ -167,8 +168,7 @@ class RLTrainer(RunLoop):
                 with torch.random.fork_rng(devices=[]):  # loading it draws nothing from the run's RNG
                     self.rollout_engine = build.build_rollout_copy(cfg, self.tokenizer, self.device)
             else:  # in one process the rollout engine samples from the actor's own module (no weight copy)
-                self.rollout_engine = HFRolloutEngine(self.actor.model, self.tokenizer,
-                                                      pad_token_id=self.tokenizer.pad_token_id)
+                self.rollout_engine = build_rollout_engine(cfg, self.tokenizer, "hf", self.actor.model, shared=True)
                 self.shares_actor_module = True
         self._report_reference()
         kl = cfg.algo.kl

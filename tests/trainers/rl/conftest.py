@@ -1,87 +1,7 @@
 """RL test fixtures: the SFT-ed nano model and its data (`sft_nano`, tests/trainers/conftest.py),
 reward-function files, and a runner for the real `posttrain ppo` entry."""
-import contextlib
-
 import pytest
-
-REWARD_FUNCS = {
-    # verifiable: the last integer of the response equals the label
-    "correct.py": '''
-import re
-import torch
-
-def reward_func(queries, prompts, labels, **kwargs):
-    out = []
-    for q, p, label in zip(queries, prompts, labels):
-        nums = re.findall(r"-?\\d+", q[len(p):])
-        out.append(1.0 if nums and nums[-1] == str(label) else 0.0)
-    r = torch.tensor(out)
-    return {"rewards": r, "scores": r, "extra_logs": {"accuracy": r}}
-''',
-    # dense and easy: answers starting with the digit 1
-    "starts_with_1.py": '''
-import torch
-
-def reward_func(queries, prompts, labels, **kwargs):
-    r = torch.tensor([1.0 if q[len(p):].strip().startswith("1") else 0.0 for q, p in zip(queries, prompts)])
-    return {"rewards": r, "scores": r}
-''',
-    # rewards that differ within a group whatever the model writes (the parity of the response's length)
-    "spread.py": '''
-def reward_func(queries, prompts, labels, **kwargs):
-    return {"rewards": [float(len(q) - len(p)) % 2 for q, p in zip(queries, prompts)]}
-''',
-    "raises_late.py": '''
-import os
-import torch
-
-CALLS = {"n": 0}
-
-def reward_func(queries, prompts, labels, **kwargs):
-    CALLS["n"] += 1
-    if CALLS["n"] > int(os.environ.get("POSTTRAIN_TEST_FAIL_AFTER", "3")):
-        raise ZeroDivisionError("the grader divided by zero")
-    return {"rewards": torch.zeros(len(queries))}
-''',
-    # every call scores higher than the one before: each evaluation beats every earlier one
-    "rising.py": '''
-CALLS = {"n": 0}
-
-def reward_func(queries, prompts, labels, **kwargs):
-    CALLS["n"] += 1
-    return {"rewards": [float(CALLS["n"])] * len(queries)}
-''',
-    "zero.py": '''
-def reward_func(queries, prompts, labels, **kwargs):
-    return {"rewards": [0.0] * len(queries)}
-''',
-    "wrong_length.py": '''
-def reward_func(queries, prompts, labels, **kwargs):
-    return {"rewards": [0.0] * (len(queries) - 1)}
-''',
-    "nan.py": '''
-def reward_func(queries, prompts, labels, **kwargs):
-    return {"rewards": [float("nan")] * len(queries)}
-''',
-}
-
-
-def _not_drawn(run_dir, out_dir=None):
-    raise ValueError("charts are not drawn in the RL tests (tests/trainers/rl/conftest.py)")
-
-
-@contextlib.contextmanager
-def charts_not_drawn():
-    """Runs started in this process end without drawing their PNG charts: 2-5 s of matplotlib for an RL
-    run on 2 cores (eleven figures), more than the training of most runs here, and no test here reads
-    them (a run logs "no plots: ..." instead). Charts stay tested: `plot_run` in
-    tests/unit/utils/test_metrics_plot.py, the demo's RL charts in tests/docs/test_documented_commands.py,
-    and every command-line (subprocess) run here still draws its own."""
-    import posttrain.utils.plot
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(posttrain.utils.plot, "plot_run", _not_drawn)
-        yield
+from rl_runs import REWARD_FUNCS, charts_not_drawn, ppo_flags
 
 
 @pytest.fixture(autouse=True)
@@ -100,17 +20,6 @@ def rl_setup(tmp_path_factory, sft_nano):
     for name, text in REWARD_FUNCS.items():
         (rewards / name).write_text(text)
     return sft, data, rewards
-
-
-def ppo_flags(setup, out, *extra, reward="starts_with_1.py"):
-    sft, data, rewards = setup
-    return ["--actor.model_name_or_path", str(sft), "--data.prompt_dataset", str(data), "--data.input_key", "prompt",
-            "--data.label_key", "answer", "--data.apply_chat_template", "--data.max_len", "48",
-            "--reward.remote_url", str(rewards / reward), "--rollout.batch_size", "8",
-            "--rollout.n_samples_per_prompt", "4", "--rollout.max_new_tokens", "4", "--rollout.micro_batch_size", "16",
-            "--train.batch_size", "32", "--train.micro_batch_size", "16", "--data.max_samples", "64",
-            "--actor.adam.lr", "2e-3", "--actor.lr_warmup_ratio", "0", "--algo.kl.init_coef", "0",
-            "--ckpt.output_dir", str(out), *map(str, extra)]
 
 
 @pytest.fixture

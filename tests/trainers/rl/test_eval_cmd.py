@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from conftest import ppo_flags  # at import: at run time `conftest` names the last conftest collected
+from rl_runs import ppo_flags
 
 
 def test_eval_reproduces_the_pass_at_k_ppo_logged_for_its_final_model(rl_setup, tiny_model_dir, tmp_path,

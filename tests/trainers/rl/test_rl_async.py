@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from conftest import ppo_flags  # at import: at run time `conftest` names the last conftest collected
+from rl_runs import ppo_flags
 
 from posttrain.utils.metrics import read_metrics
 

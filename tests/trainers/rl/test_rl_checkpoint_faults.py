@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ppo_flags  # at import: at run time `conftest` names the last conftest collected
+from rl_runs import ppo_flags
 
 from posttrain.cli import train_ppo_ray
 from posttrain.utils.checkpoint import MANIFEST, _crc32, verify_checkpoint

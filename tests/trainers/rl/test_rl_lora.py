@@ -5,8 +5,8 @@ import json
 
 import pytest
 import torch
-from conftest import ppo_flags  # at import: at run time `conftest` names the last conftest collected
 from rl_helpers import rewards_by_step
+from rl_runs import ppo_flags
 
 from posttrain.utils.metrics import read_metrics
 
@@ -199,7 +199,7 @@ def test_start_up_hash_covers_base_and_adapter(rl_setup, tmp_path, one_torch_thr
     assert sorted(n for n, _ in actor.sync_pairs("adapter")) == [n for n, _ in ls.adapter_pairs(actor.model)]
     actor.broadcast_weights = lambda *args, **kwargs: 0  # the check alone, on what the engine holds now
     name = "model.layers.0.self_attn.q_proj.lora_B.weight"
-    held = engine._merged.adapter if mode == "merged" else ls.adapter_params(engine.model)
+    held = engine.weights.merged.adapter if mode == "merged" else ls.adapter_params(engine.model)
     with torch.no_grad():
         held[name][0, 0] += 1e-3
     with pytest.raises(RuntimeError, match="weight sync failed"):
@@ -207,9 +207,10 @@ def test_start_up_hash_covers_base_and_adapter(rl_setup, tmp_path, one_torch_thr
     with torch.no_grad():
         held[name][0, 0] -= 1e-3
         trainer._sync_engines(verify=True)
-        engine._own_state()["model.layers.0.mlp.up_proj.weight"][0, 0] += 1.0  # the base (a merged mode W0 is
-        if mode == "merged":                                                    # kept apart: corrupt that)
-            engine._merged.base["model.layers.0.mlp.up_proj.weight"][0, 0] += 1.0
+        # the base (a merged mode W0 is kept apart: corrupt that)
+        engine.weights._own_state()["model.layers.0.mlp.up_proj.weight"][0, 0] += 1.0
+        if mode == "merged":
+            engine.weights.merged.base["model.layers.0.mlp.up_proj.weight"][0, 0] += 1.0
     with pytest.raises(RuntimeError, match="weight sync failed"):
         trainer._sync_engines(verify=True)
 

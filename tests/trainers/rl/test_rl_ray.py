@@ -12,8 +12,8 @@ import time
 
 import pytest
 import torch
-from conftest import charts_not_drawn, ppo_flags
 from rl_helpers import rewards_by_step
+from rl_runs import charts_not_drawn, ppo_flags
 from rounding import ADAM_EPS, NORM_REL, adam_weight_tolerance, assert_weights_within
 from safetensors.torch import load_file
 

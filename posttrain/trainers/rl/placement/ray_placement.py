@@ -22,6 +22,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from posttrain.rewards.result import RewardResult, concat_results, contiguous_chunks
+from posttrain.rollout.factory import sleeps
 from posttrain.rollout.types import rank_seed
 from posttrain.trainers.parallel_layout import ParallelLayout
 from posttrain.trainers.rl.placement.plan import bundle_resources, group_bundles, plan_placement
@@ -32,7 +33,7 @@ from posttrain.trainers.rl.placement.transport import (
     split_by_tokens,
 )
 from posttrain.trainers.rl.placement.weight_sync import layout_bytes
-from posttrain.trainers.rl.placement.workers import DRIVER_CWD, EngineWorker, RoleWorker, sleeps
+from posttrain.trainers.rl.placement.workers import DRIVER_CWD, EngineWorker, RoleWorker
 from posttrain.trainers.rl.updates import critic_shuffle_step, optimizer_steps
 from posttrain.utils.errors import UserError, WorkerFailed
 from posttrain.utils.interrupt import handlers_kept

@@ -234,12 +234,15 @@ class EngineWorker(_Process):
     def setup(self, cfg: PPOConfig) -> None:
         from posttrain.config.backends import rollout_backend
         from posttrain.models import load_tokenizer
+        from posttrain.trainers.rl.build import build_rollout_copy
 
         _ray_visible_gpu()
         tok = load_tokenizer(cfg.actor.model_name_or_path, use_fast=not cfg.data.disable_fast_tokenizer,
                              chat_template=cfg.data.tokenizer_chat_template)
         self.backend, self.why = rollout_backend(cfg)
-        self.engine = build_vllm_engine(cfg, tok) if self.backend == "vllm" else build_hf_engine(cfg, tok)
+        # HF: over its own copy of the policy on this process's device; the actor's weights arrive by sync
+        self.engine = (build_vllm_engine(cfg, tok) if self.backend == "vllm"
+                       else build_rollout_copy(cfg, tok, _device()))
         self.sync: SyncGroup | None = None
         self.received: WeightsDigest | None = None
         self.agents = None
@@ -365,62 +368,14 @@ def _ray_visible_gpu() -> None:
             os.environ["CUDA_VISIBLE_DEVICES"] = str(int(ids[0]))
 
 
-def build_hf_engine(cfg: PPOConfig, tok):
-    from posttrain.trainers.rl.build import build_rollout_copy
-
-    return build_rollout_copy(cfg, tok, _device())
-
-
-VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
 def build_vllm_engine(cfg: PPOConfig, tok):
-    """A vLLM engine in this Ray actor's process, on its GPU or its CPU (`uni` executor, in-process engine core, so
-    weight updates reach the model without serialising it), or over AsyncLLM (`needs_async_vllm`: its engine
-    core in a child process); the stop ids are the HF engine's."""
+    """This worker's vLLM engine (`rollout.factory.build_rollout_engine`: on its GPU or its CPU, or over
+    AsyncLLM), after the refusal of tensor parallelism on a GPU."""
     from posttrain.config import ConfigError
     from posttrain.config.validate import vllm_tensor_parallel_problem
-    from posttrain.models import as_lora_spec
-    from posttrain.rollout.hf_engine import resolve_eos_ids
-    from posttrain.rollout.vllm_async_engine import VLLMAsyncRolloutEngine
-    from posttrain.rollout.vllm_engine import VLLMRolloutEngine
+    from posttrain.rollout.factory import build_rollout_engine
 
     problem = vllm_tensor_parallel_problem(cfg, "cuda" if torch.cuda.is_available() else "cpu")
     if problem:  # start-up refused it where the head has a GPU; here the engine's own machine decides
         raise ConfigError(problem)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
-    lora = as_lora_spec(cfg.ds.lora)  # only for a LoRA actor: the verified hash then includes the scaling
-    cls = VLLMAsyncRolloutEngine if needs_async_vllm(cfg) else VLLMRolloutEngine
-    return cls(
-        cfg.actor.model_name_or_path, eos_token_ids=resolve_eos_ids(tok), **vllm_engine_kwargs(cfg),
-        **({"lora": lora, "lora_sync": cfg.vllm.lora_sync} if lora is not None else {}))
-
-
-def needs_async_vllm(cfg: PPOConfig) -> bool:
-    """vLLM's AsyncLLM (`VLLMAsyncRolloutEngine`) where requests must be added, aborted or paused while others
-    run: async RL (a weight sync may arrive mid-generation: partial rollout) and agent episodes (each model
-    call its own request); else the offline `vllm.LLM`."""
-    return bool(cfg.train.async_enable or cfg.train.agent_func_path)
-
-
-def vllm_engine_kwargs(cfg: PPOConfig) -> dict:
-    """`vllm.LLM` arguments from the OpenRLHF flags: one rank in this process (`uni` executor), or with
-    --vllm.tensor_parallel_size N > 1 N worker processes of vLLM's (`mp` executor: CPUs only,
-    `build_vllm_engine`; the placement reserves the engine N bundles, this process takes the first); with
-    --data.max_images_per_prompt N > 0, `limit_mm_per_prompt={"image": N}` (the engine then reads the image
-    pad ids from the model's config); `apply_cpu_defaults` drops gpu_memory_utilization on CPU; vLLM's sleep
-    mode on a GPU when the engines sleep (`sleeps`)."""
-    images, tp = cfg.data.max_images_per_prompt, cfg.vllm.tensor_parallel_size
-    return dict(tensor_parallel_size=tp, distributed_executor_backend="uni" if tp == 1 else "mp",
-                gpu_memory_utilization=cfg.vllm.gpu_memory_utilization, enforce_eager=cfg.vllm.enforce_eager,
-                enable_prefix_caching=cfg.vllm.enable_prefix_caching,
-                dtype=VLLM_DTYPES.get(cfg.ds.param_dtype, "auto"), seed=cfg.train.seed,
-                max_model_len=cfg.data.max_len, trust_remote_code=False,
-                **({"limit_mm_per_prompt": {"image": images}} if images > 0 else {}),
-                **({"enable_sleep_mode": True} if sleeps(cfg) and torch.cuda.is_available() else {}))
-
-
-def sleeps(cfg: PPOConfig) -> bool:
-    """Whether vLLM engines sleep between rollouts: --vllm.enable_sleep with --train.colocate_all (OpenRLHF turns
-    the flag off without it; async refuses it); vLLM's own sleep mode on a GPU, posttrain's on CPU."""
-    return bool(cfg.vllm.enable_sleep and cfg.train.colocate_all and not cfg.train.async_enable)
+    return build_rollout_engine(cfg, tok, "vllm")
