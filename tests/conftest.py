@@ -12,6 +12,7 @@ once per session with `build_tiny` (seed 0), loadable with `from_pretrained`; `t
 request it (module scope) where tiny models run many small ops. `ray_session` / `ray_address`: one local Ray
 instance for the session, and its address for a command-line run to join (RAY_ADDRESS)."""
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -21,8 +22,56 @@ from hypothesis import settings
 UNIT_DIR = Path(__file__).parent / "unit"
 
 
+# Under `pytest -n N` (make test), the tests that share the session's Ray or run vLLM engines go to one worker,
+# one after another: one Ray instance serves them, and no two vLLM engines bind the same cores at once. The
+# scheduler sees only test ids, so such a test says "ray" or "vllm" in its id (file or test name); collection
+# refuses one that uses Ray's fixtures or a vLLM fixture without it.
+SHARES_RAY_OR_VLLM = re.compile(r"vllm|(?<![a-z])ray(?![a-z])", re.IGNORECASE)
+RAY_OR_VLLM_FIXTURES = re.compile(r"^ray_session$|^ray_address$|vllm")
+
+
+def shares_ray_or_vllm(nodeid: str) -> bool:
+    return bool(SHARES_RAY_OR_VLLM.search(nodeid))
+
+
+def unnamed_ray_or_vllm_tests(items) -> list[str]:
+    """The tests that use Ray's fixtures or a vLLM fixture but whose ids name neither."""
+    found = []
+    for item in items:
+        used = [name for name in item.fixturenames if RAY_OR_VLLM_FIXTURES.search(name)]
+        if used and not shares_ray_or_vllm(item.nodeid):
+            found.append(f"{item.nodeid} (uses {', '.join(used)})")
+    return found
+
+
+try:
+    import xdist.scheduler
+except ImportError:  # pytest-xdist is a dev dependency; without it the suite runs in one process
+    xdist = None
+else:
+    class RayAndVllmOnOneWorker(xdist.scheduler.LoadScopeScheduling):
+        """`--dist load` for every test, except that the tests `shares_ray_or_vllm` names form one scope (one
+        worker, in order); scheduled first, as the largest scope."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return "ray-vllm" if shares_ray_or_vllm(nodeid) else nodeid
+
+    def pytest_xdist_make_scheduler(config, log):
+        return RayAndVllmOnOneWorker(config, log)
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers share the cores: one torch thread each (2 cores, -n 2)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
+
 def pytest_collection_modifyitems(config, items):
-    """Mark each test with its tier (`unit`, `integration` or `e2e`), so `-m` selects tiers."""
+    """Mark each test with its tier (`unit`, `integration` or `e2e`), so `-m` selects tiers; refuse a Ray or
+    vLLM test whose id does not say so (`shares_ray_or_vllm`)."""
+    unnamed = unnamed_ray_or_vllm_tests(items)
+    if unnamed:
+        raise pytest.UsageError("these tests use Ray or vLLM but their ids name neither (put ray or vllm in the "
+                                "file or test name: tests/conftest.py groups them onto one pytest-xdist worker "
+                                "by id): " + "; ".join(unnamed))
     for item in items:
         if UNIT_DIR in Path(item.fspath).parents:
             item.add_marker(pytest.mark.unit)

@@ -32,7 +32,7 @@ DAPO = """
 """.split()
 
 
-def test_dapo_recipe_runs(rl_setup, tmp_path, ray_session, capfd):
+def test_dapo_recipe_runs_on_ray_with_vllm_engines(rl_setup, tmp_path, ray_session, capfd):
     """DAPO: dynamic filtering, clip-higher, k3 KL loss, token-level IS correction, packing, the
     overlong buffer (a float flag; it used to crash at step 1) with per-sample budgets
     (--rollout.max_new_tokens unset), HF exports in checkpoints; vLLM engines where vLLM runs."""
