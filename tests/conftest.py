@@ -22,12 +22,17 @@ from hypothesis import settings
 UNIT_DIR = Path(__file__).parent / "unit"
 
 
-# Under `pytest -n N` (make test), the tests that share the session's Ray or run vLLM engines go to one worker,
-# one after another: one Ray instance serves them, and no two vLLM engines bind the same cores at once. The
-# scheduler sees only test ids, so such a test says "ray" or "vllm" in its id (file or test name); collection
-# refuses one that uses Ray's fixtures or a vLLM fixture without it.
+# Under `pytest -n N` (make test), the tests that share the session's Ray or run vLLM engines go to one
+# worker, one after another: one Ray instance serves them, and no two vLLM engines bind the same cores at
+# once. The scheduler sees only test ids, so such a test says "ray" or "vllm" in its id (file or test name);
+# collection refuses one that uses Ray's fixtures or a vLLM fixture without it.
 SHARES_RAY_OR_VLLM = re.compile(r"vllm|(?<![a-z])ray(?![a-z])", re.IGNORECASE)
 RAY_OR_VLLM_FIXTURES = re.compile(r"^ray_session$|^ray_address$|vllm")
+
+
+# modules whose tests share a module-scoped fixture with a Ray test: on one worker it is built once
+# (test_documented_commands: README's runs, which its Ray + vLLM command and every page's commands read)
+WITH_THE_RAY_TESTS = {"tests/docs/test_documented_commands.py"}
 
 
 def shares_ray_or_vllm(nodeid: str) -> bool:
@@ -54,14 +59,16 @@ else:
         worker, in order); scheduled first, as the largest scope."""
 
         def _split_scope(self, nodeid: str) -> str:
-            return "ray-vllm" if shares_ray_or_vllm(nodeid) else nodeid
+            module = nodeid.split("::", 1)[0]
+            return "ray-vllm" if shares_ray_or_vllm(nodeid) or module in WITH_THE_RAY_TESTS else nodeid
 
     def pytest_xdist_make_scheduler(config, log):
         return RayAndVllmOnOneWorker(config, log)
 
 
-if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers share the cores: one torch thread each (2 cores, -n 2)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers share the cores: 2 cores, -n 2: one torch thread each
+    WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORKERS))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -69,9 +76,9 @@ def pytest_collection_modifyitems(config, items):
     vLLM test whose id does not say so (`shares_ray_or_vllm`)."""
     unnamed = unnamed_ray_or_vllm_tests(items)
     if unnamed:
-        raise pytest.UsageError("these tests use Ray or vLLM but their ids name neither (put ray or vllm in the "
-                                "file or test name: tests/conftest.py groups them onto one pytest-xdist worker "
-                                "by id): " + "; ".join(unnamed))
+        raise pytest.UsageError("these tests use Ray or vLLM but their ids name neither (put ray or vllm in "
+                                "the file or test name: tests/conftest.py groups them onto one pytest-xdist "
+                                "worker by id): " + "; ".join(unnamed))
     for item in items:
         if UNIT_DIR in Path(item.fspath).parents:
             item.add_marker(pytest.mark.unit)

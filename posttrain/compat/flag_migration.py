@@ -202,7 +202,8 @@ BATCH_INFERENCE_RENAMED: dict[str, str] = {
     "--output_path": "--output",
     "--bf16": "--model.param_dtype bf16",
     "--param_dtype": "--model.param_dtype",
-    "--eval_task": "--rollout.engine",
+    "--eval_task": "--rollout.engine hf|vllm (generate -> hf, generate_vllm -> vllm; rm: score the samples "
+                   "with generate --reward.model_name_or_path)",
 }
 _BATCH_INFERENCE, _RENAMED = "OpenRLHF 0.9's batch_inference flag", "renamed in OpenRLHF 0.10.2"
 

@@ -177,7 +177,7 @@ def _tensor_parallel(cfg, r: _Report, world_size: int, dev: str) -> None:
     of each trained ppo role: the actor and a critic); not with what changes the split layers (LoRA adapters,
     4-bit weights), Muon (it orthogonalizes whole matrices), ring attention (one kind of group at a time) or
     the actor's EMA (kept per shard). The heads are checked against N where the model's config is read
-    (`models.tensor_parallel.check_model_config`)."""
+    (`models.config_facts.check_tensor_parallel_config`)."""
     n, ds = cfg.ds.tensor_parallel_size, cfg.ds
     if n == 1:
         return

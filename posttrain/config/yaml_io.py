@@ -144,7 +144,8 @@ def _unknown_key(key: str, trainer: str, specs: dict) -> str:
         return f"unknown key '{key}': removed in OpenRLHF 0.10.2 ({REMOVED[flag]})"
     new, why = renamed(flag, trainer)
     if new is not None and new.split()[0][2:] in specs:
-        return f"unknown key '{key}': {why}; use '{new.split()[0][2:]}'"
+        target, *value = new.split(maxsplit=1)
+        return f"unknown key '{key}': {why}; use '{target[2:]}'" + (f" ({value[0]})" if value else "")
     close = difflib.get_close_matches(key, sorted(specs), n=1, cutoff=0.75)
     if close:
         return f"unknown key '{key}'; did you mean '{close[0]}'?"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from posttrain.models.folders import check_merge_paths
+from posttrain.models.folders import adapter_base, check_merge_paths
 from posttrain.models.loading import (
     load_causal_lm,
     load_score_model,
@@ -76,10 +76,16 @@ def merge_lora(adapter_path, out_dir, base_path=None, dtype="fp32", is_rm: bool 
     Returns the merged model."""
     from peft import PeftModel
 
+    given = base_path
     adapter_cfg, adapter_path, base_path = check_merge_paths(adapter_path, out_dir, base_path)
     recorded = adapter_cfg.get("base_model_name_or_path")
-    if recorded and os.path.abspath(os.path.expanduser(recorded)) != os.path.abspath(base_path):
-        info(f"adapter {adapter_path} was trained on {recorded}; merging into {base_path}")
+    if given and recorded:  # another base than the one the adapter records (resolved as `adapter_base` does)
+        try:
+            recorded_path = adapter_base(adapter_path)
+        except ValueError:  # the recorded base is found nowhere: certainly another one
+            recorded_path = recorded
+        if os.path.abspath(os.path.expanduser(recorded_path)) != os.path.abspath(base_path):
+            info(f"adapter {adapter_path} was trained on {recorded}; merging into {base_path}")
 
     info(f"merging LoRA adapter {adapter_path} into {base_path} ({dtype})")
     saved = _adapter_state(adapter_path)

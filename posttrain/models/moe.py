@@ -19,22 +19,11 @@ import sys
 
 import torch
 
+from posttrain.models.config_facts import EXPERT_COUNT_KEYS, is_moe, text_config  # noqa: F401 (imported from here)
 from posttrain.models.saving import unwrap_model
 from posttrain.utils.errors import UserError
 
-_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _TRACKER = "_posttrain_router_loss"
-
-
-def text_config(config):
-    return getattr(config, "text_config", None) or config
-
-
-def is_moe(model_or_config) -> bool:
-    """A mixture-of-experts model (or config): it names a number of experts and of experts per token."""
-    config = text_config(getattr(model_or_config, "config", model_or_config))
-    return any(getattr(config, k, None) for k in _EXPERT_COUNT_KEYS) and bool(getattr(config, "num_experts_per_tok",
-                                                                                        None))
 
 
 def expert_block_classes(model: torch.nn.Module) -> list[type]:
@@ -69,7 +58,7 @@ def _base(model):
 class _RouterLoss:
     def __init__(self, base: torch.nn.Module) -> None:
         config = text_config(base.config)
-        self.num_experts = next(getattr(config, k) for k in _EXPERT_COUNT_KEYS if getattr(config, k, None))
+        self.num_experts = next(getattr(config, k) for k in EXPERT_COUNT_KEYS if getattr(config, k, None))
         self.top_k = config.num_experts_per_tok
         module = sys.modules[type(base).__module__]
         self.loss_fn = getattr(module, "load_balancing_loss_func", None)

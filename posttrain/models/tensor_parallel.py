@@ -13,19 +13,15 @@ tensor-parallel group and counts a replicated parameter once, so it equals the u
 """
 from __future__ import annotations
 
-import json
 import math
 import re
-from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
-from posttrain.models.moe import is_moe
+from posttrain.models.config_facts import TENSOR_PARALLEL_FLAG as FLAG
 from posttrain.utils.errors import ConfigError
 
-FLAG = "--ds.tensor_parallel_size"
 SPLIT_LAYERS = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)$")
 WHOLE_LAYERS = ("lm_head", "score")  # output heads: kept whole (tied) or split with gathered output (untied)
 
@@ -33,28 +29,6 @@ WHOLE_LAYERS = ("lm_head", "score")  # output heads: kept whole (tied) or split 
 def autotp_config(size: int) -> dict:
     """The DeepSpeed config's `tensor_parallel` entry for `size` ranks per model copy."""
     return {"autotp_size": size, "vocab_parallel_lm_head": False}
-
-
-def check_model_config(config: dict, size: int) -> None:
-    """The model's config.json (`text_config` for a VLM) against `size`: not a mixture of experts (its expert
-    blocks have no split here); attention heads, key/value heads and the MLP width divide by it (each rank keeps
-    whole heads); ConfigError otherwise."""
-    text = config.get("text_config") or config
-    if is_moe(SimpleNamespace(**text)):
-        raise ConfigError(f"{FLAG} {size}: mixture-of-experts models have no tensor-parallel split in this version "
-                          "(their expert blocks would need one); use ZeRO-3 to spread the experts")
-    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = text.get(key, text.get("num_attention_heads") if key == "num_key_value_heads" else None)
-        if isinstance(value, int) and value % size:
-            raise ConfigError(f"{FLAG} {size}: the model's {key} ({value}) is not divisible by {size}; each rank "
-                              "keeps whole heads and an equal share of the MLP")
-
-
-def check_model_folder(path, size: int) -> None:
-    """`check_model_config` on a local model folder's config.json (a hub id is checked when it loads)."""
-    config = Path(path) / "config.json"
-    if config.is_file():
-        check_model_config(json.loads(config.read_text(encoding="utf-8")), size)
 
 
 def check_modules(model: torch.nn.Module, size: int) -> None:

@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from posttrain.models.config_facts import is_vision_config, is_vision_folder  # noqa: F401 (imported from here)
 from posttrain.models.saving import unwrap_model
 from posttrain.utils.errors import UserError
 
@@ -24,34 +25,8 @@ from posttrain.utils.errors import UserError
 _LANGUAGE_PARTS = ("language_model", "lm_head")
 
 
-def is_vision_config(config) -> bool:
-    """Whether an HF config (or its dict) describes a VLM: it has a `vision_config`."""
-    if isinstance(config, dict):
-        return bool(config.get("vision_config"))
-    return getattr(config, "vision_config", None) is not None
-
-
 def is_vision_model(model) -> bool:
     return is_vision_config(getattr(unwrap_model(model), "config", None))
-
-
-def is_vision_folder(path) -> bool:
-    """Whether the model at `path` is a VLM (its config has a `vision_config`): a local folder's config.json,
-    or a hub id's config through `AutoConfig` (False when it cannot be read: the loader names that error)."""
-    import json
-
-    cfg = os.path.join(str(path), "config.json")
-    if os.path.isfile(cfg):
-        with open(cfg) as f:
-            return is_vision_config(json.load(f))
-    if os.path.isdir(str(path)):
-        return False
-    try:
-        from transformers import AutoConfig
-
-        return is_vision_config(AutoConfig.from_pretrained(str(path)))
-    except (OSError, ValueError):
-        return False
 
 
 def processor_chat_template(path) -> str | None:

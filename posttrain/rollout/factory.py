@@ -33,10 +33,11 @@ def build_rollout_engine(cfg: PPOConfig, tokenizer, backend: str, model: torch.n
     """The rollout engine an RL run samples with. ``backend`` ("hf" or "vllm") is
     `config.backends.rollout_backend`'s choice, made in the process that runs the engine.
 
-    * "vllm": vLLM in this process, loaded from --actor.model_name_or_path (`vllm_engine_kwargs`; the `uni`
-      executor keeps the engine core in this process, so weight updates reach the model without serialising
-      it): over AsyncLLM where requests are added, aborted or paused while others run (`needs_async_vllm`),
-      else the offline `vllm.LLM`. Its stop ids are the HF engine's default; ``model`` is not used.
+    * "vllm": vLLM loaded from --actor.model_name_or_path (`vllm_engine_kwargs`): the offline `vllm.LLM`,
+      whose `uni` executor keeps the engine core in this process (weight updates reach the model without
+      serialising it), or AsyncLLM, its engine core in a child process, where requests are added, aborted or
+      paused while others run (`needs_async_vllm`). Its stop ids are the HF engine's default; ``model`` is not
+      used.
     * "hf": posttrain's HF engine over ``model``.
 
     ``shared`` is where the one-process path and an engine of its own genuinely differ. True: ``model`` is

@@ -5,6 +5,7 @@ samples, rewards and eval metrics are the ones `posttrain ppo` computes for the 
 seed."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -61,10 +62,15 @@ class Policy:
         tok_path = self.path if own or self.base is None else self.base
         self.tokenizer = load_tokenizer(tok_path, chat_template=cfg.data.tokenizer_chat_template)
         self.templated = bool(getattr(self.tokenizer, "chat_template", None))
-        self.context = position_limit(self.base or self.path)  # tokens the model attends over; None: no limit
         if not self.templated:
             info(f"{self.path}: the tokenizer has no chat template; prompts are the messages' texts, each "
                  "followed by a newline (pass --data.tokenizer_chat_template to use one)")
+
+    @functools.cached_property
+    def context(self) -> int | None:
+        """The tokens the model attends over (its config's position limit; None: no limit), read when asked
+        (chat)."""
+        return position_limit(self.base or self.path)
 
     def start(self, device=None) -> Policy:
         """Load the engine `--rollout.engine` picks (auto: vLLM on a CUDA GPU where it runs and the folder is

@@ -20,6 +20,7 @@ from posttrain.config.spec import get_path
 from posttrain.data.errors import DataError
 from posttrain.data.sources import missing_source, source_columns
 from posttrain.data.validation import MARGIN_KEY, close_key
+from posttrain.models.config_facts import check_tensor_parallel_folder, is_vision_folder
 from posttrain.models.folders import check_model_folder
 from posttrain.utils.errors import ConfigError, UserError
 
@@ -67,31 +68,27 @@ def input_problems(cfg: TrainerConfig) -> list[str]:
 def model_rule_problems(cfg: TrainerConfig, models: set[str]) -> list[str]:
     """The rules between flags and a model's config.json, for the model paths in `models` (those that passed
     `check_model_folder`): the trained models' attention heads and MLP divide by --ds.tensor_parallel_size
-    (`models.tensor_parallel.check_model_folder`: sft / rm / dpo's model; ppo's actor and, with a critic,
-    the critic's starting weights); --data.max_images_per_prompt needs a vision-language model, which takes
-    neither --ds.packing_samples nor, in ppo, --train.async_enable in this version. The modules that read
-    them load only when these flags are set."""
+    (`models.config_facts.check_tensor_parallel_folder`: sft / rm / dpo's model; ppo's actor and, with a
+    critic, the critic's starting weights); --data.max_images_per_prompt needs a vision-language model,
+    which takes neither --ds.packing_samples nor, in ppo, --train.async_enable in this version. These read
+    config.json only (no torch)."""
     problems = []
     if not hasattr(cfg, "ds"):  # chat / generate / eval: no training flags to check against the model
         return problems
     ppo = cfg.trainer == "ppo"
     if cfg.ds.tensor_parallel_size > 1:
-        from posttrain.models.tensor_parallel import check_model_folder as check_split_sizes
-
         trained = [cfg.actor.model_name_or_path] if ppo else [cfg.model.model_name_or_path]
         if ppo and run_roles(cfg).has("critic"):
             trained.append(critic_path(cfg))
         for path in dict.fromkeys(p for p in trained if p in models):
             try:
-                check_split_sizes(path, cfg.ds.tensor_parallel_size)
+                check_tensor_parallel_folder(path, cfg.ds.tensor_parallel_size)
             except ConfigError as e:
                 problems.append(str(e))
     model = cfg.actor.model_name_or_path if ppo else cfg.model.model_name_or_path
     images, packing, async_rl = (getattr(cfg.data, "max_images_per_prompt", 0), cfg.ds.packing_samples,
                                  ppo and cfg.train.async_enable)
     if model in models and (images or packing or async_rl):
-        from posttrain.models.vision import is_vision_folder
-
         vision = is_vision_folder(model)
         if images and not vision:
             problems.append(f"--data.max_images_per_prompt {images}: {model} is not a vision-language model "

@@ -35,6 +35,9 @@ def cases(tmp, model):
         (["sft", *train, "--data.input_key", "prompt", "--data.output_key", "response",
           "--ckpt.output_dir", finished], "holds a finished run"),
         (["rm", *train], "--data.chosen_key 'chosen'"),
+        # a flag whose rule reads the model's config.json (packing: not with a vision-language model) stays light
+        (["sft", *train, "--ds.packing_samples", "--data.input_key", "promt"],
+         "did you mean 'prompt'"),
         (["dpo", *train, "--train.batch_size", "0"], "--train.batch_size 0"),
         (["ppo", "--actor.model_name_or_path", model, "--data.prompt_dataset", rows], "a reward source"),
         (["generate", "--model.model_name_or_path", model, "--data.dataset", rows, "--output", tmp],

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from posttrain.models import tensor_parallel as tp
+from posttrain.models.config_facts import check_tensor_parallel_config
 from posttrain.utils.errors import ConfigError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -19,14 +20,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def test_heads_and_mlp_width_must_divide_by_the_group():
     llama = {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 352}
-    tp.check_model_config(llama, 2)
+    check_tensor_parallel_config(llama, 2)
     with pytest.raises(ConfigError, match=r"^--ds.tensor_parallel_size 4: the model's num_key_value_heads \(2\) is "
                                           r"not divisible by 4"):
-        tp.check_model_config(llama, 4)
+        check_tensor_parallel_config(llama, 4)
     with pytest.raises(ConfigError, match=r"num_attention_heads \(6\)"):
-        tp.check_model_config({"text_config": {"num_attention_heads": 6, "intermediate_size": 8}}, 4)
+        check_tensor_parallel_config({"text_config": {"num_attention_heads": 6, "intermediate_size": 8}}, 4)
     with pytest.raises(ConfigError, match=r"^--ds.tensor_parallel_size 2: mixture-of-experts models have no "):
-        tp.check_model_config({**llama, "num_experts": 8, "num_experts_per_tok": 2}, 2)
+        check_tensor_parallel_config({**llama, "num_experts": 8, "num_experts_per_tok": 2}, 2)
 
 
 def test_layers_without_a_split_are_refused_by_name():

@@ -88,7 +88,10 @@ def test_a_step_nested_in_a_step_goes_on_while_a_load_waits(engine):
         with engine.decode_step():
             inside.set()
             load_waiting.wait(STUCK_S)
-            time.sleep(0.05)  # the load is now blocked on the engine this thread holds
+            deadline = time.monotonic() + STUCK_S
+            while engine.gate._loads_waiting == 0 and time.monotonic() < deadline:  # the load is now blocked
+                time.sleep(0.001)                                                  # on the engine held here
+            assert engine.gate._loads_waiting == 1
             with engine.decode_step():
                 order.append("nested step")
 

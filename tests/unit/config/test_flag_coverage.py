@@ -100,7 +100,7 @@ ACTING: dict[str, frozenset[str]] = {
         "model: loss_type margin_loss_enable",
         "ds: value_head_prefix ring_attn_size ring_attn_head_stride",
         "data: prompt_key chosen_key rejected_key",
-        # refused when set (trainers/rm.py: check_text_only): reward models read text only
+        # refused when set (config/validate.py: _rm): reward models read text only
         "data: image_key max_images_per_prompt",
     ),
     "dpo": _SINGLE_MODEL

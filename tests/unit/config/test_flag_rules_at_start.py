@@ -75,7 +75,7 @@ def test_vllm_tensor_parallel_is_refused_on_a_gpu_machine_only(monkeypatch):
     parse_config("ppo", ppo + ["--vllm.tensor_parallel_size", "2"], device="cuda")  # no engines at all
 
 
-
+@pytest.mark.skipif(vllm_missing() is not None, reason="the rule applies where vLLM engines run")
 def test_the_engines_worker_refuses_vllm_tensor_parallel_on_its_own_gpu(monkeypatch):
     """A cluster whose head has no GPU passes start-up (decided on the head); the engine's worker, on a GPU,
     refuses with the same line before building anything."""
@@ -86,6 +86,7 @@ def test_the_engines_worker_refuses_vllm_tensor_parallel_on_its_own_gpu(monkeypa
     with pytest.raises(ConfigError) as e:
         workers.build_vllm_engine(cfg, tok=None)
     assert str(e.value) == TP_REFUSAL
+
 
 NO_CRITIC_NO_KL = ("--algo.advantage.estimator", "reinforce", "--algo.kl.init_coef", "0")
 
