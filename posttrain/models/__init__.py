@@ -5,7 +5,7 @@ The names below are imported on first use (`__getattr__`): importing one light m
 does not import the heavy ones (torch, transformers), so a user's mistake is reported before they load."""
 from __future__ import annotations
 
-import importlib
+from posttrain.utils.lazy_names import lazy_names
 
 _WHERE = {  # name -> the module of this package that defines it
     "block_causal_mask": "forward", "forward_logits": "forward", "forward_logprobs": "forward",
@@ -20,9 +20,4 @@ _WHERE = {  # name -> the module of this package that defines it
 __all__ = sorted(_WHERE)
 
 
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _WHERE)
