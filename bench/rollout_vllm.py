@@ -69,7 +69,7 @@ def kv_cache_bytes(config, tokens: int) -> int:
 def vllm_kwargs(max_len: int, eager: bool) -> dict:
     """What a posttrain engine worker passes to `vllm.LLM` (fp32, `--data.max_len max_len`)."""
     from posttrain.config.trainers import PPOConfig
-    from posttrain.rollout.factory import vllm_engine_kwargs
+    from posttrain.rollout.engine_builder import vllm_engine_kwargs
 
     cfg = PPOConfig()
     cfg.ds.param_dtype, cfg.data.max_len, cfg.vllm.enforce_eager = "fp32", max_len, eager

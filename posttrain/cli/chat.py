@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from posttrain.cli.errors import user_errors
+from posttrain.cli.exits import user_errors
 
 PROG = "posttrain chat"
 RESET = "/reset"

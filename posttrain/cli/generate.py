@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from posttrain.cli.errors import user_errors
+from posttrain.cli.exits import user_errors
 
 PROG = "posttrain generate"
 

@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from posttrain.cli.errors import user_errors
+from posttrain.cli.exits import user_errors
 from posttrain.utils.errors import UserError
 
 PROG = "posttrain init-tiny"

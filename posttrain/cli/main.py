@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None):
     """Run `posttrain <command>`. `argv` None: the process's arguments, i.e. the console command, which
     exits after it (signals: `errors.command_line`); a list: an in-process call, which gets its signal
     handlers back however the command ends."""
-    from posttrain.cli.errors import command_line
+    from posttrain.cli.exits import command_line
 
     with command_line(argv is None):
         return _main(sys.argv[1:] if argv is None else argv)

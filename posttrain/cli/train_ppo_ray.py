@@ -4,7 +4,7 @@ groups when a role has several ranks, vLLM engines are asked for or RAY_ADDRESS 
 (`config.ray_mode.uses_ray`, `trainers/rl/placement`)."""
 from __future__ import annotations
 
-from posttrain.cli.errors import run_trainer
+from posttrain.cli.exits import run_trainer
 
 
 def main(argv: list[str] | None = None, prog: str = "posttrain ppo") -> dict:

@@ -4,7 +4,7 @@ Several processes: `torchrun --nproc_per_node 2 -m posttrain.cli.train_sft ...` 
 `deepspeed --num_gpus 2 --module posttrain.cli.train_sft ...` (gloo on CPU, NCCL on GPU)."""
 from __future__ import annotations
 
-from posttrain.cli.errors import run_trainer
+from posttrain.cli.exits import run_trainer
 
 
 def main(argv: list[str] | None = None, prog: str = "posttrain sft") -> dict:

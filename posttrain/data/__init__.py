@@ -8,8 +8,8 @@ from __future__ import annotations
 from posttrain.utils.lazy_names import lazy_names
 
 _WHERE = {  # name -> the module of this package that defines it
-    "oversized_indices": "batching", "token_budget_batches": "batching", "pack_collate": "collate",
-    "pad_collate": "collate", "DataError": "errors", "where": "errors", "load_rows": "loading",
+    "oversized_indices": "token_budget", "token_budget_batches": "token_budget", "pack_collate": "collate",
+    "pad_collate": "collate", "DataError": "errors", "where": "errors", "load_rows": "rows",
     "mix_rows": "mixing", "mixing_weights": "mixing", "PreferenceDataset": "preference_dataset",
     "pair_sides": "preference_dataset", "Prompt": "prompts", "PromptDataset": "prompts", "Row": "readers",
     "read_file": "readers", "SFTDataset": "sft_dataset", "load_source": "sources",

@@ -172,3 +172,15 @@ def freeze_visual_encoder(model) -> int:
             param.requires_grad_(False)
             frozen += 1
     return frozen
+
+
+def vision_processor(model_path, tokenizer):
+    """The processor of a vision-language `model_path` (its rows may carry images), None for a text model (the
+    flags were checked against the model at start-up: `trainers.inputs.model_rule_problems`)."""
+    return load_processor(model_path, tokenizer) if is_vision_folder(model_path) else None
+
+
+def export_savers(tokenizer, processor) -> list:
+    """What an exported model folder holds besides the weights (`save_pretrained`'s savers): the tokenizer, and a
+    vision-language model's image processor (without it the folder does not load as a VLM again)."""
+    return [tokenizer] if processor is None else [tokenizer, processor.image_processor]

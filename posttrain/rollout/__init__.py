@@ -9,7 +9,7 @@
   ``convert_vllm_outputs`` is the pure conversion of its outputs.
 - ``make_rollout_engine(kind="hf" | "vllm", ...)``, and ``build_rollout_engine(cfg, ...)``: an RL run's
   engine from its config, built in this one place for the one-process trainer and the Ray workers
-  (``factory.py``).
+  (``engine_builder.py``).
 
 Contract: ``generate(prompt_token_ids, params)`` returns, per prompt, ``params.n`` outputs holding
 the sampled token ids exactly as sampled (stop token included, nothing padded or rewritten), one
@@ -17,7 +17,7 @@ log-prob per token ``log softmax(logits / temperature)[token]`` over the full vo
 (computed by ``posttrain.algorithms.losses.token_logprobs``, so the trainer's recomputation on the
 same weights matches), and ``finish_reason`` "stop" | "length".
 """
-from posttrain.rollout.factory import ROLLOUT_ENGINES, make_rollout_engine
+from posttrain.rollout.engine_builder import ROLLOUT_ENGINES, make_rollout_engine
 from posttrain.rollout.hf_engine import HFRolloutEngine, resolve_eos_ids
 from posttrain.rollout.sampling import sample_next
 from posttrain.rollout.types import RolloutEngine, RolloutOutput, SamplingParams, rank_seed

@@ -62,7 +62,7 @@ def sequence_logprobs(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, 
 
 
 def split_sequence_logprobs(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sequence_logprobs` of a context-parallel slice (`trainers.context_parallel`): this rank's share of each
+    """`sequence_logprobs` of a context-parallel slice (`models.parallel_groups`): this rank's share of each
     sample's sums, summed over its group (`group_sum`, differentiable)."""
     labels = batch["cp_labels"]
     mask = (labels != -100).float()

@@ -18,9 +18,9 @@ from posttrain.data.templates import render_chat
 from posttrain.models import load_causal_lm, load_tokenizer
 from posttrain.models.folders import ADAPTER_CONFIG, adapter_base, check_model_folder, position_limit
 from posttrain.rollout import SamplingParams
-from posttrain.rollout.factory import make_rollout_engine
+from posttrain.rollout.engine_builder import make_rollout_engine
 from posttrain.rollout.single_turn import SingleTurnSampler
-from posttrain.trainers.rl.evaluate import dataset_name, eval_metrics
+from posttrain.trainers.rl.eval_rollouts import dataset_name, eval_metrics
 from posttrain.trainers.session import pick_device
 from posttrain.utils.log import info
 

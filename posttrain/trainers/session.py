@@ -51,14 +51,13 @@ from posttrain.models import (
 )
 from posttrain.models.context_parallel import register as register_context_parallel
 from posttrain.models.moe import track_router_loss
-from posttrain.trainers.context_parallel import ContextGroups
+from posttrain.models.parallel_groups import ContextGroups, ParallelLayout
+from posttrain.models.vision import export_savers, vision_processor
 from posttrain.trainers.inputs import check_inputs
-from posttrain.trainers.parallel_layout import ParallelLayout
 from posttrain.trainers.run_folders import claim_run_folders
 from posttrain.trainers.run_loop import plot_charts
 from posttrain.trainers.run_summary import finish_run
 from posttrain.trainers.single_model_loop import LoopSettings, SingleModelLoop
-from posttrain.trainers.vision import export_savers, vision_processor
 from posttrain.utils.checkpoint import disk_full_as_error
 from posttrain.utils.interrupt import interrupt_as_error
 from posttrain.utils.log import info, rank_info

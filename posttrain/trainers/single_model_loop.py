@@ -60,9 +60,9 @@ class LoopSettings:
     load_checkpoint: bool = False
     save_hf: bool = False
     progress: bool = True
-    context: object = None  # `trainers.context_parallel.ContextGroups` (--ds.ring_attn_size > 1), or None
+    context: object = None  # `models.parallel_groups.ContextGroups` (--ds.ring_attn_size > 1), or None
     aux_loss_coef: float = 0.0  # --model.aux_loss_coef: the MoE router loss joins each micro-batch's loss
-    layout: object = None  # `trainers.parallel_layout.ParallelLayout` of the run's ranks (None: each its own samples)
+    layout: object = None  # `models.parallel_groups.ParallelLayout` of the run's ranks (None: each its own samples)
 
 
 def _to_device(batch: dict, device) -> dict:

@@ -17,8 +17,8 @@ from posttrain.agents.multi_turn import AgentRunner
 from posttrain.data import PromptDataset
 from posttrain.data.synthetic_vision import colour_rows, write_colour_dataset
 from posttrain.rollout import HFRolloutEngine, SamplingParams
+from posttrain.trainers.rl.batch_forward import policy_forward
 from posttrain.trainers.rl.experience import build_experience
-from posttrain.trainers.rl.forward import policy_forward
 
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # Qwen-style, as an OpenRLHF VLM agent writes it
 

@@ -1,4 +1,4 @@
-"""`rollout.factory.build_rollout_engine`: the one place an RL run's engine is built from its config, for the
+"""`rollout.engine_builder.build_rollout_engine`: the one place an RL run's engine is built from its config, for the
 one-process trainer (over the actor's own module) and the Ray engine workers (an engine of its own)."""
 import copy
 
@@ -7,7 +7,7 @@ import pytest
 from posttrain.config import parse_config
 from posttrain.models import is_peft
 from posttrain.rollout import HFRolloutEngine, resolve_eos_ids
-from posttrain.rollout.factory import build_rollout_engine
+from posttrain.rollout.engine_builder import build_rollout_engine
 
 
 def ppo(tiny_model_dir, *flags):

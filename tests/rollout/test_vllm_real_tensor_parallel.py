@@ -85,7 +85,7 @@ def test_ppo_engines_run_tensor_parallel_on_cpus_and_refuse_it_on_gpus(monkeypat
     stops at start-up (validation, before Ray places anything) with one line naming the flag and the way
     out."""
     from posttrain.config import ConfigError, parse_config, validate
-    from posttrain.rollout.factory import vllm_engine_kwargs
+    from posttrain.rollout.engine_builder import vllm_engine_kwargs
 
     argv = ["--actor.model_name_or_path", tiny_model_dir, "--data.prompt_dataset", "x",
             "--vllm.num_engines", "1", "--reward.remote_url", "r.py"]

@@ -19,10 +19,9 @@ from posttrain.engines.zero3 import FrozenShards, shard_numel, sharded_loading
 from posttrain.models import as_lora_spec, load_causal_lm, load_score_model
 from posttrain.models.context_parallel import register as register_context_parallel
 from posttrain.models.moe import is_moe, track_router_loss
+from posttrain.models.parallel_groups import ContextGroups, ParallelLayout
 from posttrain.models.vision import freeze_visual_encoder, is_vision_model, is_vision_tower_name
-from posttrain.rollout.factory import build_rollout_engine
-from posttrain.trainers.context_parallel import ContextGroups
-from posttrain.trainers.parallel_layout import ParallelLayout
+from posttrain.rollout.engine_builder import build_rollout_engine
 from posttrain.trainers.rl.roles import Actor, Critic, Reference
 from posttrain.utils.log import info
 from posttrain.utils.seeding import set_seed
@@ -125,7 +124,7 @@ def _freeze_vision(cfg: PPOConfig, model, announce: bool = False) -> None:
 
 
 def build_rollout_copy(cfg: PPOConfig, tokenizer, device):
-    """An HF rollout engine (`rollout.factory.build_rollout_engine`) over its own copy of the policy (loaded
+    """An HF rollout engine (`rollout.engine_builder.build_rollout_engine`) over its own copy of the policy (loaded
     from --actor.model_name_or_path, eval mode): a Ray engine worker's, or the in-process async pipeline's; the
     trainer's weights reach it by sync. Its parameters keep `requires_grad` as the actor's do (it only runs
     under no_grad): torch picks other CPU kernels for frozen weights, whose rounding would differ from the

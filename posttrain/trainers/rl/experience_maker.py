@@ -12,8 +12,8 @@ from posttrain.algorithms import masked_mean
 from posttrain.algorithms.advantages import compute_advantages_with_stats, whiten
 from posttrain.algorithms.kl import approx_kl_with_stats
 from posttrain.algorithms.shaping import batch_normalize_scores
+from posttrain.trainers.rl.batch_forward import Batching
 from posttrain.trainers.rl.experience import Experience, build_experience
-from posttrain.trainers.rl.forward import Batching
 from posttrain.trainers.rl.updates import steps_per_rollout
 
 if TYPE_CHECKING:

@@ -30,20 +30,20 @@ from posttrain.data.capping import capped_note
 from posttrain.data.errors import check_dropped
 from posttrain.data.images import ImageLimits
 from posttrain.models import load_tokenizer
+from posttrain.models.vision import export_savers, vision_processor
 from posttrain.rollout import SamplingParams, rank_seed
-from posttrain.rollout.factory import build_rollout_engine
+from posttrain.rollout.engine_builder import build_rollout_engine
 from posttrain.rollout.single_turn import SingleTurnSampler
 from posttrain.trainers.rl import build
 from posttrain.trainers.rl.async_pipeline import RolloutPipeline, staleness_metrics
+from posttrain.trainers.rl.batch_forward import ppo_batchings
 from posttrain.trainers.rl.collect import GroupBuffer, PromptStream, ShapingSettings, collect
-from posttrain.trainers.rl.evaluate import dataset_name, eval_metrics
+from posttrain.trainers.rl.eval_rollouts import dataset_name, eval_metrics
 from posttrain.trainers.rl.experience_maker import ExperienceMaker, rollout_metrics
-from posttrain.trainers.rl.forward import ppo_batchings
 from posttrain.trainers.rl.roles import AdapterOffReference
 from posttrain.trainers.rl.updates import UpdateSettings, steps_per_rollout
 from posttrain.trainers.run_loop import Cadence, RunLoop, best_of_old_state, plot_charts
 from posttrain.trainers.session import RunStart
-from posttrain.trainers.vision import export_savers, vision_processor
 from posttrain.utils.checkpoint import disk_full_as_error, load_state_file, save_state_file
 from posttrain.utils.log import info, warn_once
 from posttrain.utils.metrics import truncate_jsonl_after

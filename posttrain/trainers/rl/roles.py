@@ -27,8 +27,8 @@ from posttrain.models import (
     unwrap_model,
 )
 from posttrain.models import lora_sync as lsync
+from posttrain.trainers.rl.batch_forward import Batching, policy_forward, to_device, value_forward
 from posttrain.trainers.rl.experience import Experience
-from posttrain.trainers.rl.forward import Batching, policy_forward, to_device, value_forward
 from posttrain.trainers.rl.updates import UpdateSettings, lockstep, update_actor, update_critic
 from posttrain.utils.checkpoint import load_state_file
 from posttrain.utils.log import warn_once
@@ -39,7 +39,7 @@ EMA_FILE = "ema.pt"
 
 class _Scorer:
     engine = None  # a train engine (collective forwards under ZeRO-3), or None for a frozen model
-    context = None  # `trainers.context_parallel.ContextGroups` (--ds.ring_attn_size > 1): rows split over a group
+    context = None  # `models.parallel_groups.ContextGroups` (--ds.ring_attn_size > 1): rows split over a group
 
     def __init__(self, model, device) -> None:
         self.model = model

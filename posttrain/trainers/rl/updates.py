@@ -18,8 +18,8 @@ from posttrain.algorithms.kl import approx_kl
 from posttrain.algorithms.losses import aggregate, policy_loss, value_loss
 from posttrain.models.context_parallel import traffic as cp_traffic
 from posttrain.models.moe import take_router_loss
+from posttrain.trainers.rl.batch_forward import Batching, policy_forward, to_device
 from posttrain.trainers.rl.experience import Experience
-from posttrain.trainers.rl.forward import Batching, policy_forward, to_device
 
 
 @dataclass

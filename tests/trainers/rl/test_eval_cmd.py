@@ -1,5 +1,5 @@
 """`posttrain eval` reproduces what `posttrain ppo --eval.dataset` logged for the same checkpoint
-(posttrain/cli/evaluate.py over trainers/inference.py and trainers/rl/evaluate.py)."""
+(posttrain/cli/evaluate.py over trainers/inference.py and trainers/rl/eval_rollouts.py)."""
 import json
 
 import pytest

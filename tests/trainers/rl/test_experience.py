@@ -55,8 +55,8 @@ def test_kl_clamp_flag_bounds_the_per_token_kl_in_the_reward(clamp, kl_sum):
     """--algo.kl.clamp: OpenRLHF's +-10 per token by default; 0 leaves it unbounded (TRL)."""
     from posttrain.config import parse_config
     from posttrain.rollout.single_turn import ScoredRollouts
+    from posttrain.trainers.rl.batch_forward import Batching
     from posttrain.trainers.rl.experience_maker import ExperienceMaker
-    from posttrain.trainers.rl.forward import Batching
 
     class Policy:  # log-probs [0, -0.5] on the two actions; the reference 15 nats lower on the first
         def __init__(self, first):

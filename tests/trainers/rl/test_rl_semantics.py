@@ -10,10 +10,10 @@ from posttrain.data import Prompt
 from posttrain.models import load_causal_lm, load_score_model, load_tokenizer
 from posttrain.rollout import HFRolloutEngine, RolloutOutput, SamplingParams
 from posttrain.rollout.single_turn import Rollout, ScoredRollouts, SingleTurnSampler
+from posttrain.trainers.rl.batch_forward import Batching, policy_forward, ppo_batchings, value_forward
 from posttrain.trainers.rl.collect import PromptStream, ShapingSettings, collect, shape_rewards
 from posttrain.trainers.rl.experience import build_experience
 from posttrain.trainers.rl.experience_maker import sequence_mean as _sequence_mean
-from posttrain.trainers.rl.forward import Batching, policy_forward, ppo_batchings, value_forward
 from posttrain.trainers.rl.roles import Actor, Critic
 from posttrain.trainers.rl.updates import UpdateSettings, optimizer_steps, update_actor
 

@@ -1,4 +1,4 @@
-"""Shared-prefix layout (trainers/rl/layout.py, --ds.shared_prefix, on by default): the samples of a
+"""Shared-prefix layout (trainers/rl/batch_layout.py, --ds.shared_prefix, on by default): the samples of a
 prompt share one copy of it in every RL forward. Log-probs, entropies, values and the accumulated
 gradients equal the per-row (padded) computation to 1e-5, for every layout, mask shape and loss."""
 import pytest
@@ -8,9 +8,9 @@ from test_rl_semantics import RecordingEngine, settings
 from posttrain.algorithms import gathered_logprobs, token_logprobs
 from posttrain.models import load_causal_lm, load_score_model, load_tokenizer
 from posttrain.rollout.single_turn import Rollout
+from posttrain.trainers.rl.batch_forward import Batching, policy_forward, value_forward
+from posttrain.trainers.rl.batch_layout import build_layout
 from posttrain.trainers.rl.experience import build_experience
-from posttrain.trainers.rl.forward import Batching, policy_forward, value_forward
-from posttrain.trainers.rl.layout import build_layout
 from posttrain.trainers.rl.roles import Actor, Critic
 from posttrain.trainers.rl.updates import update_actor, update_critic
 

@@ -31,8 +31,8 @@ from posttrain.engines.dist import shutdown
 from posttrain.models import load_tokenizer
 from posttrain.rewards.reward_model import RewardModelSource
 from posttrain.trainers.rl import build
+from posttrain.trainers.rl.batch_forward import Batching
 from posttrain.trainers.rl.experience import Experience
-from posttrain.trainers.rl.forward import Batching
 
 SEQUENCES = [[5, 9, 11, 3], [7, 8], [12, 4, 6, 9, 10, 2], [3, 3, 3], [20, 21, 22], [6]]
 LORA = ("--ds.lora.rank", "4", "--ds.lora.alpha", "8")

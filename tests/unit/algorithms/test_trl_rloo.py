@@ -256,9 +256,9 @@ def test_translated_trl_config_through_shaping_experience_and_loss(name):
     the config's loss type, aggregation and clip: TRL's advantages, loss and gradient."""
     from posttrain.config import config_from_trl_rloo
     from posttrain.rollout.single_turn import Rollout, ScoredRollouts
+    from posttrain.trainers.rl.batch_forward import Batching
     from posttrain.trainers.rl.collect import ShapingSettings, shape_rewards
     from posttrain.trainers.rl.experience_maker import ExperienceMaker
-    from posttrain.trainers.rl.forward import Batching
 
     exp_values = EXPECTED[name]
     normalize_reward, clip, token_level_kl, normalize_advantage = exp_values["flags"]

@@ -131,7 +131,7 @@ ACTING: dict[str, frozenset[str]] = {
         "rollout: batch_size micro_batch_size n_samples_per_prompt temperature top_p max_new_tokens",
         "rollout: max_tokens_per_gpu stop_token_ids",
         "data: prompt_dataset prompt_probs prompt_split input_key label_key",
-        # vision-language actors (trainers/vision.py, data/prompts.py, trainers/rl/build.py)
+        # vision-language actors (models/vision.py, data/prompts.py, trainers/rl/build.py)
         "data: image_key max_images_per_prompt",
         "actor: freeze_visual_encoder",
         "train: num_episodes max_steps enable_ema ema_beta",

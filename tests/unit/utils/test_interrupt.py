@@ -33,7 +33,7 @@ def test_ctrl_c_stays_interrupted_with_exit_2():
 def test_an_in_process_caller_gets_its_handlers_back_after_an_interrupt():
     """`posttrain.cli.main(argv)` in a sweep or notebook: after a Ctrl-C (before or during training) the
     process keeps its own SIGINT / SIGTERM handling; only the console command ignores later signals."""
-    from posttrain.cli.errors import user_errors
+    from posttrain.cli.exits import user_errors
 
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     with pytest.raises(SystemExit) as e:
@@ -63,7 +63,7 @@ def test_a_second_signal_during_the_clean_up_is_ignored():
 
 THIRD_SIGNAL = """
 import os, signal, time
-from posttrain.cli.errors import command_line, user_errors
+from posttrain.cli.exits import command_line, user_errors
 from posttrain.utils.interrupt import interrupt_as_error
 
 with command_line(), user_errors("prog"), interrupt_as_error(lambda how: how):

@@ -21,10 +21,10 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from posttrain.models.parallel_groups import ParallelLayout
 from posttrain.rewards.result import RewardResult, concat_results, contiguous_chunks
-from posttrain.rollout.factory import sleeps
+from posttrain.rollout.engine_builder import sleeps
 from posttrain.rollout.types import rank_seed
-from posttrain.trainers.parallel_layout import ParallelLayout
 from posttrain.trainers.rl.placement.plan import bundle_resources, group_bundles, plan_placement
 from posttrain.trainers.rl.placement.transport import (
     experience_to_numpy,

@@ -13,10 +13,9 @@ import torch
 
 from posttrain.engines import dist as pdist
 from posttrain.models.lora_sync import is_adapter_name
-from posttrain.models.vision import is_vision_folder, load_processor
+from posttrain.models.vision import export_savers, is_vision_folder, load_processor
 from posttrain.trainers.rl.placement.transport import experience_from_numpy
 from posttrain.trainers.rl.placement.weight_sync import SyncGroup
-from posttrain.trainers.vision import export_savers
 from posttrain.utils.memory import apply_heap_policy
 from posttrain.utils.weights_hash import NamedTensors, WeightsDigest, named_tensors
 
@@ -249,7 +248,7 @@ class EngineWorker(_Process):
         if cfg.train.agent_func_path:  # the agent's episodes run in this actor, next to its engine
             from posttrain.agents.agent_file import load_agent_executor
             from posttrain.agents.multi_turn import AgentRunner
-            from posttrain.trainers.vision import vision_processor
+            from posttrain.models.vision import vision_processor
 
             processor = vision_processor(cfg.actor.model_name_or_path, tok)
             self.agents = AgentRunner.from_config(load_agent_executor(cfg.train.agent_func_path), self.engine, tok,
@@ -369,11 +368,11 @@ def _ray_visible_gpu() -> None:
 
 
 def build_vllm_engine(cfg: PPOConfig, tok):
-    """This worker's vLLM engine (`rollout.factory.build_rollout_engine`: on its GPU or its CPU, or over
+    """This worker's vLLM engine (`rollout.engine_builder.build_rollout_engine`: on its GPU or its CPU, or over
     AsyncLLM), after the refusal of tensor parallelism on a GPU."""
     from posttrain.config import ConfigError
     from posttrain.config.validate import vllm_tensor_parallel_problem
-    from posttrain.rollout.factory import build_rollout_engine
+    from posttrain.rollout.engine_builder import build_rollout_engine
 
     problem = vllm_tensor_parallel_problem(cfg, "cuda" if torch.cuda.is_available() else "cpu")
     if problem:  # start-up refused it where the head has a GPU; here the engine's own machine decides

@@ -108,10 +108,10 @@ def test_the_ranks_of_a_ring_or_tensor_parallel_group_train_the_same_shuffled_ro
     """The shuffle stays on with ring attention / tensor parallelism (OpenRLHF turns it off): the controller
     shuffles each step's rows once, with the run's seed and step, and every rank of a ring / TP group gets its
     data-parallel index's share, so the group's ranks train identical rows in identical order."""
+    from posttrain.models.parallel_groups import ParallelLayout
     from posttrain.rollout.single_turn import Rollout
-    from posttrain.trainers.parallel_layout import ParallelLayout
+    from posttrain.trainers.rl.batch_forward import Batching
     from posttrain.trainers.rl.experience import build_experience
-    from posttrain.trainers.rl.forward import Batching
     from posttrain.trainers.rl.updates import UpdateSettings
 
     rolls = [Rollout([3, 4, 5], [6] * (1 + i % 5), [-1.0] * (1 + i % 5), "length", "", "") for i in range(16)]

@@ -1,7 +1,7 @@
-"""`trainers.parallel_layout`: rank = (dp * CP + cp) * TP + tp, checked by hand on 8 ranks."""
+"""`models.parallel_groups.ParallelLayout`: rank = (dp * CP + cp) * TP + tp, checked by hand on 8 ranks."""
 import pytest
 
-from posttrain.trainers.parallel_layout import ParallelLayout
+from posttrain.models.parallel_groups import ParallelLayout
 
 
 def test_eight_ranks_as_two_data_two_context_two_tensor():

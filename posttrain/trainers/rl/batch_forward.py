@@ -7,7 +7,7 @@ once for all its samples in the micro-batch; on by default, --ds.no_shared_prefi
 Only the columns a loss reads are computed (the LM head runs at those positions only), and the
 per-token outputs come back in the padded `[b, T-1]` layout, equal to the padded computation.
 
-With a `context` (`trainers.context_parallel.ContextGroups`, --ds.ring_attn_size N) the micro-batch is packed
+With a `context` (`models.parallel_groups.ContextGroups`, --ds.ring_attn_size N) the micro-batch is packed
 into one row and every rank of the group computes its contiguous slice of it (`models.context_parallel`); the
 per-token outputs of the slices are gathered over the group (`gather_replicated`), so every rank holds the
 whole micro-batch's outputs and computes the same loss from them."""
@@ -23,8 +23,8 @@ from posttrain.models import forward_logits, forward_logprobs, forward_values
 from posttrain.models.context_parallel import context_parallel, gather_replicated, next_tokens, split_packed
 from posttrain.models.moe import router_token_weights
 from posttrain.trainers import batching
+from posttrain.trainers.rl.batch_layout import build_layout
 from posttrain.trainers.rl.experience import Experience
-from posttrain.trainers.rl.layout import build_layout
 
 
 @dataclass(frozen=True)
