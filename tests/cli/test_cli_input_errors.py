@@ -51,13 +51,14 @@ def one_error_line(proc, *needles):
 def flags(model, data, out, *extra):
     return ["--model.model_name_or_path", model, "--data.dataset", data, "--data.input_key", "prompt",
             "--data.output_key", "response", "--train.batch_size", "4", "--train.micro_batch_size", "2",
-            "--train.max_epochs", "1", "--ckpt.output_dir", out, "--data.max_len", "48", "--ckpt.save_steps", "-1",
-            "--eval.steps", "-1", "--logger.logging_steps", "1", *extra]
+            "--train.max_epochs", "1", "--ckpt.output_dir", out, "--data.max_len", "48", "--ckpt.save_steps",
+            "-1", "--eval.steps", "-1", "--logger.logging_steps", "1", *extra]
 
 
 def half_long_rows(path):
     """16 rows; the odd ones have a prompt far longer than 48 tokens."""
-    rows = [{"prompt": ("word " * 200 if i % 2 else f"What is {i} + 1?"), "response": str(i + 1)} for i in range(16)]
+    rows = [{"prompt": ("word " * 200 if i % 2 else f"What is {i} + 1?"), "response": str(i + 1)}
+            for i in range(16)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -128,14 +129,22 @@ def test_a_model_path_that_is_a_file_is_named_a_file(tiny_model_dir, tmp_path, c
     assert "is a file, not a folder" in both_named(proc)[0]
 
 
-def ppo(model, tmp_path, *extra):
+def ppo_argv(model, tmp_path, *extra) -> list:
+    """`posttrain ppo` of `model` on 8 arithmetic prompts written into `tmp_path`, output in `tmp_path`/out:
+    its arguments (from "ppo" on)."""
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(8)))
-    return run("-m", "posttrain.cli.main", "ppo", "--actor.model_name_or_path", model, "--data.prompt_dataset", data,
-               "--data.input_key", "prompt", "--data.label_key", "answer", "--data.max_len", "32",
-               "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "2", "--rollout.max_new_tokens", "2",
-               "--train.batch_size", "4", "--train.micro_batch_size", "2", "--data.max_samples", "4",
-               "--algo.kl.init_coef", "0", "--ckpt.output_dir", tmp_path / "out", "--ds.param_dtype", "fp32", *extra)
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+                            for i in range(8)))
+    return ["ppo", "--actor.model_name_or_path", model, "--data.prompt_dataset", data, "--data.input_key",
+            "prompt", "--data.label_key", "answer", "--data.max_len", "32", "--rollout.batch_size", "2",
+            "--rollout.n_samples_per_prompt", "2", "--rollout.max_new_tokens", "2", "--train.batch_size", "4",
+            "--train.micro_batch_size", "2", "--data.max_samples", "4", "--algo.kl.init_coef", "0",
+            "--ckpt.output_dir", tmp_path / "out", "--ds.param_dtype", "fp32", *extra]
+
+
+def ppo(model, tmp_path, *extra):
+    """`ppo_argv`'s run as a subprocess of the console command's module."""
+    return run("-m", "posttrain.cli.main", *ppo_argv(model, tmp_path, *extra))
 
 
 @pytest.mark.e2e
@@ -162,7 +171,8 @@ def test_os_exit_while_a_reward_file_loads_ends_ppo_with_an_error_naming_the_fil
 def test_an_agent_instance_that_cannot_be_created_stops_ppo_before_the_models_load(tiny_model_dir, tmp_path):
     agent = tmp_path / "agent.py"
     agent.write_text("from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor\n\n\n"
-                     "class AgentInstance(AgentInstanceBase):\n    def __init__(self, *args, **kwargs):\n        pass\n\n\n"
+                     "class AgentInstance(AgentInstanceBase):\n"
+                     "    def __init__(self, *args, **kwargs):\n        pass\n\n\n"
                      "class AgentExecutor(MultiTurnAgentExecutor):\n    def __init__(self):\n"
                      "        super().__init__(AgentInstance)\n")
     proc = ppo(tiny_model_dir, tmp_path, "--train.agent_func_path", agent)

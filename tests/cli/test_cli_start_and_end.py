@@ -1,15 +1,14 @@
 """A run's start and end as a new user meets them (issue 48): every missing input named at once before
 anything is printed; an echo of only the flags the user set, with where each came from; a finished run's
 folder kept unless --ckpt.overwrite; a failed start leaves nothing it created; the summary line and
-summary.json; the warm-up note. The real CLI runs as a subprocess."""
+summary.json; the warm-up note. The run whose summary.json records its command line is a real process (a
+subprocess); the others run in this process through the console command's entry (`in_process`)."""
 import hashlib
 import json
 
 import pytest
 
-from tests.cli.test_cli_input_errors import one_error_line, ppo, run
-
-pytestmark = pytest.mark.e2e
+from tests.cli.test_cli_input_errors import in_process, one_error_line, ppo_argv, run
 
 
 def sft(*flags):
@@ -47,9 +46,9 @@ def echo(stderr: str) -> dict[str, str]:
     return out
 
 
-def test_two_missing_paths_are_both_named_before_anything_is_echoed(tmp_path):
+def test_two_missing_paths_are_both_named_before_anything_is_echoed(tmp_path, capfd):
     out = tmp_path / "new" / "run"
-    proc = sft(*sft_flags(tmp_path / "no-model", tmp_path / "no-rows.jsonl", out))
+    proc = in_process(capfd, "sft", *sft_flags(tmp_path / "no-model", tmp_path / "no-rows.jsonl", out))
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     text = proc.stderr
@@ -60,7 +59,8 @@ def test_two_missing_paths_are_both_named_before_anything_is_echoed(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
-def test_the_echo_the_summary_and_a_finished_run_folder(tiny_model_dir, tmp_path):
+@pytest.mark.e2e
+def test_the_echo_the_summary_and_a_finished_run_folder(tiny_model_dir, tmp_path, capfd):
     """One SFT run: the echo lists exactly the flags set, with their sources, and says where the whole
     config is; a warm-up over half the run is noted; the run ends with the summary line and summary.json.
     A re-run into its folder exits 2 and leaves the model byte-identical; with --ckpt.overwrite it runs."""
@@ -97,26 +97,26 @@ def test_the_echo_the_summary_and_a_finished_run_folder(tiny_model_dir, tmp_path
     assert line[0].endswith(f"model in {out} (summary.json there)")
 
     before = hashes(out)
-    again = sft(*flags)
+    again = in_process(capfd, "sft", *flags)
     one_error_line(again, f"--ckpt.output_dir {out} holds a finished run (summary.json)", "--ckpt.overwrite")
     assert hashes(out) == before
-    replaced = sft(*flags, "--ckpt.overwrite")
+    replaced = in_process(capfd, "sft", *flags, "--ckpt.overwrite")
     assert replaced.returncode == 0, replaced.stderr[-3000:]
     assert "sft finished: 2 steps" in replaced.stderr
 
 
-def test_a_folder_with_a_saved_model_but_no_summary_is_a_finished_run_too(tiny_model_dir, tmp_path):
+def test_a_folder_with_a_saved_model_but_no_summary_is_a_finished_run_too(tiny_model_dir, tmp_path, capfd):
     """A model folder from before summary.json (or from OpenRLHF) is not overwritten either."""
     import shutil
 
     out = shutil.copytree(tiny_model_dir, tmp_path / "model-folder")
     before = hashes(out)
-    proc = sft(*sft_flags(tiny_model_dir, rows(tmp_path), out))
+    proc = in_process(capfd, "sft", *sft_flags(tiny_model_dir, rows(tmp_path), out))
     one_error_line(proc, "holds a finished run (a saved model)")
     assert hashes(out) == before
 
 
-def test_a_failed_start_leaves_nothing_it_created(tiny_model_dir, tmp_path):
+def test_a_failed_start_leaves_nothing_it_created(tiny_model_dir, tmp_path, capfd):
     """A row without a key the first row has fails after the run folder is claimed (the keys of the first
     row are checked before): a folder the run made is gone, and in a folder that was there only what was
     there before stays."""
@@ -125,23 +125,23 @@ def test_a_failed_start_leaves_nothing_it_created(tiny_model_dir, tmp_path):
     lines[4] = lines[4].replace('"response"', '"answer"')
     data.write_text("\n".join(lines) + "\n")
     made = tmp_path / "runs" / "sft"
-    proc = sft(*sft_flags(tiny_model_dir, data, made))
+    proc = in_process(capfd, "sft", *sft_flags(tiny_model_dir, data, made))
     one_error_line(proc, "rows.jsonl, row 5: missing key 'response'")
     assert not (tmp_path / "runs").exists()
 
     kept = tmp_path / "kept"
     kept.mkdir()
     (kept / "notes.txt").write_text("mine")
-    proc = sft(*sft_flags(tiny_model_dir, data, kept))
+    proc = in_process(capfd, "sft", *sft_flags(tiny_model_dir, data, kept))
     one_error_line(proc, "rows.jsonl, row 5: missing key 'response'")
     assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]
 
 
-def test_ppo_ends_with_the_summary_line_and_summary_json(tiny_model_dir, tmp_path):
+def test_ppo_ends_with_the_summary_line_and_summary_json(tiny_model_dir, tmp_path, capfd):
     reward = tmp_path / "zero.py"
     reward.write_text("def reward_func(queries, prompts, labels, **kw):\n    return [0.0] * len(queries)\n")
-    proc = ppo(tiny_model_dir, tmp_path, "--reward.remote_url", reward, "--train.max_steps", "1",
-               "--algo.advantage.estimator", "group_norm")
+    proc = in_process(capfd, *ppo_argv(tiny_model_dir, tmp_path, "--reward.remote_url", reward,
+                                       "--train.max_steps", "1", "--algo.advantage.estimator", "group_norm"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "out"
     summary = json.loads((out / "summary.json").read_text())

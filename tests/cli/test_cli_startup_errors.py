@@ -1,6 +1,7 @@
 """Start-up mistakes end in one line and exit status 2, and flags without effect are named (issue 46,
 round 3): broken tokenizer / weights / image-processor files, LoRA targets and ranks the model cannot take,
-sizes of 0, and inert flags. The real CLI runs as a subprocess."""
+sizes of 0, and inert flags. In this process through the console command's entry (`in_process`: its exit
+status, stdout and stderr, the file descriptors' included): nothing here is about the process itself."""
 import json
 import shutil
 from pathlib import Path
@@ -8,9 +9,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.utils.metrics import read_metrics
-from tests.cli.test_cli_input_errors import flags, one_error_line, ppo, sft
-
-pytestmark = pytest.mark.e2e
+from tests.cli.test_cli_input_errors import flags, in_process, one_error_line, ppo_argv
 
 
 def rows(tmp_path):
@@ -20,8 +19,9 @@ def rows(tmp_path):
     return path
 
 
-def sft_run(model, tmp_path, *extra):
-    return sft(*flags(model, rows(tmp_path), tmp_path / "o", "--data.max_samples", "4", *extra))
+def sft_run(capfd, model, tmp_path, *extra):
+    return in_process(capfd, "sft", *flags(model, rows(tmp_path), tmp_path / "o", "--data.max_samples", "4",
+                                           *extra))
 
 
 def copy(src, dst, edit):
@@ -49,9 +49,9 @@ def wider_mlp_in_config(d):
     (garbled_tokenizer_json, ["tokenizer.json that cannot be read", "copy the tokenizer files"]),
     (wider_mlp_in_config, ["do not have the shapes its config.json gives", "save or download the model"]),
 ])
-def test_a_broken_model_folder_ends_sft_in_one_line(tiny_model_dir, tmp_path, edit, needles):
+def test_a_broken_model_folder_ends_sft_in_one_line(tiny_model_dir, tmp_path, capfd, edit, needles):
     model = copy(tiny_model_dir, tmp_path / "model", edit)
-    one_error_line(sft_run(model, tmp_path), str(model), *needles)
+    one_error_line(sft_run(capfd, model, tmp_path), str(model), *needles)
 
 
 def zero_reward(tmp_path):
@@ -60,9 +60,9 @@ def zero_reward(tmp_path):
     return reward
 
 
-def test_a_missing_tokenizer_json_ends_ppo_in_one_line(tiny_model_dir, tmp_path):
+def test_a_missing_tokenizer_json_ends_ppo_in_one_line(tiny_model_dir, tmp_path, capfd):
     model = copy(tiny_model_dir, tmp_path / "model", no_tokenizer_json)
-    proc = ppo(model, tmp_path, "--reward.remote_url", zero_reward(tmp_path))
+    proc = in_process(capfd, *ppo_argv(model, tmp_path, "--reward.remote_url", zero_reward(tmp_path)))
     one_error_line(proc, str(model), "has no tokenizer.json")
 
 
@@ -70,7 +70,7 @@ def test_a_missing_tokenizer_json_ends_ppo_in_one_line(tiny_model_dir, tmp_path)
     (None, ["has no preprocessor_config.json"]),
     ("{bad", ["preprocessor_config.json cannot be read", "not a valid JSON"]),
 ])
-def test_a_vision_model_without_a_readable_image_processor_ends_in_one_line(tiny_vision_dir, tmp_path,
+def test_a_vision_model_without_a_readable_image_processor_ends_in_one_line(tiny_vision_dir, tmp_path, capfd,
                                                                            content, needles):
     def edit(d):
         if content is None:
@@ -79,7 +79,7 @@ def test_a_vision_model_without_a_readable_image_processor_ends_in_one_line(tiny
             (d / "preprocessor_config.json").write_text(content)
 
     model = copy(tiny_vision_dir, tmp_path / "vlm", edit)
-    one_error_line(sft_run(model, tmp_path), *needles, "copy preprocessor_config.json")
+    one_error_line(sft_run(capfd, model, tmp_path), *needles, "copy preprocessor_config.json")
 
 
 @pytest.mark.parametrize("model, extra, needles", [
@@ -91,20 +91,22 @@ def test_a_vision_model_without_a_readable_image_processor_ends_in_one_line(tiny
      ["--ds.lora.rank 100000 exceeds every layer it adapts", "use --ds.lora.rank 128 or less"]),
 ])
 def test_lora_the_model_cannot_take_ends_in_one_line_before_the_adapters_are_built(
-        tiny_model_dir, tiny_moe_dir, tmp_path, model, extra, needles):
+        tiny_model_dir, tiny_moe_dir, tmp_path, capfd, model, extra, needles):
     path = tiny_moe_dir if model == "moe" else tiny_model_dir
-    proc = sft_run(path, tmp_path, "--ds.lora.rank", "4", *extra)
+    proc = sft_run(capfd, path, tmp_path, "--ds.lora.rank", "4", *extra)
     one_error_line(proc, *needles)
     assert "trainable params" not in proc.stdout + proc.stderr  # peft never built the adapters
 
 
 @pytest.mark.parametrize("command", ["sft", "ppo"])
 @pytest.mark.parametrize("flag", ["--ds.tensor_parallel_size", "--ds.ring_attn_size"])
-def test_a_group_size_of_0_is_a_range_error(tmp_path, command, flag):
+def test_a_group_size_of_0_is_a_range_error(tmp_path, capfd, command, flag):
     if command == "sft":
-        proc = sft(*flags("no-such-model-dir", rows(tmp_path), tmp_path / "o", flag, "0"))
+        proc = in_process(capfd, "sft", *flags("no-such-model-dir", rows(tmp_path), tmp_path / "o", flag,
+                                               "0"))
     else:
-        proc = ppo("no-such-model-dir", tmp_path, "--reward.remote_url", zero_reward(tmp_path), flag, "0")
+        proc = in_process(capfd, *ppo_argv("no-such-model-dir", tmp_path, "--reward.remote_url",
+                                           zero_reward(tmp_path), flag, "0"))
     one_error_line(proc, f"{flag} 0: must be >= 1")
 
 
@@ -113,9 +115,11 @@ def notes(proc):
     return "\n".join(ln for ln in proc.stderr.splitlines() if "note:" in ln)
 
 
-def test_sft_names_flags_without_effect_and_what_lora_all_linear_leaves_out_of_a_moe(tiny_moe_dir, tmp_path):
-    text = notes(sft_run(tiny_moe_dir, tmp_path, "--ds.lora.rank", "4", "--muon.lr", "0.1", "--muon.momentum",
-                         "0.9", "--model.gradient_checkpointing_reentrant", "--data.image_key", "pics"))
+def test_sft_names_flags_without_effect_and_what_lora_all_linear_leaves_out_of_a_moe(tiny_moe_dir, tmp_path,
+                                                                                     capfd):
+    text = notes(sft_run(capfd, tiny_moe_dir, tmp_path, "--ds.lora.rank", "4", "--muon.lr", "0.1",
+                         "--muon.momentum", "0.9", "--model.gradient_checkpointing_reentrant",
+                         "--data.image_key", "pics"))
     assert ("--model.gradient_checkpointing_reentrant has no effect here: needs "
             "--model.gradient_checkpointing_enable") in text
     assert "--muon.lr 0.1 has no effect here: the Muon group exists only under --optim muon (here adam)" \
@@ -126,11 +130,12 @@ def test_sft_names_flags_without_effect_and_what_lora_all_linear_leaves_out_of_a
         in text
 
 
-def test_ppo_names_flags_without_effect(tiny_model_dir, tmp_path):
-    proc = ppo(tiny_model_dir, tmp_path, "--reward.remote_url", zero_reward(tmp_path), "--train.max_steps",
-               "1", "--algo.advantage.estimator", "group_norm", "--algo.advantage.lambd", "0.9",
-               "--critic.freezing_steps", "3", "--actor.gradient_checkpointing_reentrant", "--actor.muon.lr",
-               "0.1", "--data.image_key", "pics")
+def test_ppo_names_flags_without_effect(tiny_model_dir, tmp_path, capfd):
+    proc = in_process(capfd, *ppo_argv(
+        tiny_model_dir, tmp_path, "--reward.remote_url", zero_reward(tmp_path), "--train.max_steps", "1",
+        "--algo.advantage.estimator", "group_norm", "--algo.advantage.lambd", "0.9",
+        "--critic.freezing_steps", "3", "--actor.gradient_checkpointing_reentrant", "--actor.muon.lr", "0.1",
+        "--data.image_key", "pics"))
     text = notes(proc)
     assert ("--actor.gradient_checkpointing_reentrant has no effect here: needs "
             "--actor.gradient_checkpointing_enable") in text
