@@ -1,8 +1,8 @@
 """RL on Ray (`trainers/rl/placement/ray_placement.py`): the same scenarios as in one process, placed as Ray
 actor groups of CPU ranks (gloo), compared with the in-process run; OpenRLHF's hybrid-engine
-scripts with ranks scaled to 2; colocation, two simulated nodes, a killed engine, resume. These test the placement
-and the HF engine's samples (equal to the in-process run's), so their engines run the HF engine (`HF`); the
-vLLM engines on Ray are tested in test_rl_ray_vllm.py."""
+scripts with ranks scaled to 2; colocation, two simulated nodes, a killed engine, resume. These test the
+placement and the HF engine's samples (equal to the in-process run's), so their engines run the HF engine
+(`HF`); the vLLM engines on Ray are tested in test_rl_ray_vllm.py."""
 import os
 import re
 import shutil
@@ -80,21 +80,22 @@ def test_two_actor_ranks_two_engines_equal_one_process(run_ppo, ray_session):
 
 @pytest.mark.parametrize("stage", [2])  # ZeRO-0 passed too (run by hand); SFT's tests cover stages 0-2
 def test_tensor_parallel_actor_and_critic_equal_one_process(run_ppo, ray_session, capfd, stage):
-    """PPO with GAE: the actor and the critic each split over 2 ranks (--ds.tensor_parallel_size 2, AutoTP), both
-    ranks of a role taking the same rows; the engines receive whole weights. Rewards, losses and the exported
-    (whole) weights equal the in-process run's."""
+    """PPO with GAE: the actor and the critic each split over 2 ranks (--ds.tensor_parallel_size 2, AutoTP),
+    both ranks of a role taking the same rows; the engines receive whole weights. Rewards, losses and the
+    exported (whole) weights equal the in-process run's."""
     common = ("--train.num_episodes", "1", "--data.max_samples", "16", "--train.batch_size", "16",
-              "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8", "--algo.advantage.estimator",
-              "gae", "--critic.adam.lr", "1e-3", "--actor.adam.eps", ADAM_EPS,
+              "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8",
+              "--algo.advantage.estimator", "gae", "--critic.adam.lr", "1e-3", "--actor.adam.eps", ADAM_EPS,
               "--critic.adam.eps", ADAM_EPS)
     local, _ = run_ppo(*common, name="local")
     capfd.readouterr()
     tp, _ = run_ppo(*common, "--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "2",
-                    "--vllm.num_engines", "1", "--ds.zero_stage", stage, "--ds.tensor_parallel_size", "2", *HF,
-                    name="tp")
+                    "--vllm.num_engines", "1", "--ds.zero_stage", stage, "--ds.tensor_parallel_size", "2",
+                    *HF, name="tp")
     err = capfd.readouterr().err
     for role in ("actor", "critic"):
-        assert f"ray placement: {role} ranks: rank 0 (dp 0, cp 0, tp 0), rank 1 (dp 0, cp 0, tp 1)" in err, role
+        assert (f"ray placement: {role} ranks: rank 0 (dp 0, cp 0, tp 0), rank 1 (dp 0, cp 0, tp 1)"
+                in err), role
     assert rewards_by_step(tp) == pytest.approx(rewards_by_step(local), abs=1e-6)
     rows = [[r for r in read_metrics(d / "metrics.jsonl") if "actor/policy_loss" in r] for d in (local, tp)]
     for key in ("actor/policy_loss", "critic/value_loss", "actor/grad_norm", "critic/grad_norm"):
@@ -107,8 +108,8 @@ ELASTIC_LAYOUTS = {"one": (), "zero2": ("--actor.num_gpus_per_node", "2", "--cri
                    "zero3": ("--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "2",
                              "--vllm.num_engines", "1", "--ds.zero_stage", "3", *HF)}
 ELASTIC_COMMON = ("--train.num_episodes", "1", "--data.max_samples", "24", "--train.batch_size", "16",
-                  "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8", "--algo.advantage.estimator",
-                  "gae", "--critic.adam.lr", "1e-3", "--ckpt.save_steps", "2",
+                  "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8",
+                  "--algo.advantage.estimator", "gae", "--critic.adam.lr", "1e-3", "--ckpt.save_steps", "2",
                   "--actor.adam.eps", str(ADAM_EPS), "--critic.adam.eps", str(ADAM_EPS))
 
 
@@ -142,17 +143,17 @@ def test_a_ppo_checkpoint_resumes_on_another_layout(run_ppo, uninterrupted_on, r
     resume = tmp_path / "ck_resume"
     resume.mkdir()
     shutil.copytree(first_ckpt / "global_step2", resume / "global_step2")
-    resumed, _ = run_ppo(*ELASTIC_COMMON, *ELASTIC_LAYOUTS[after], "--ckpt.path", resume, "--ckpt.load_enable",
-                         name="resumed")
+    resumed, _ = run_ppo(*ELASTIC_COMMON, *ELASTIC_LAYOUTS[after], "--ckpt.path", resume,
+                         "--ckpt.load_enable", name="resumed")
     assert len(rewards_by_step(straight)) == 3
     assert rewards_by_step(resumed, start=3) == pytest.approx(rewards_by_step(straight, start=3), abs=1e-6)
     assert_same_actor_weights(straight, resumed, read_metrics(straight / "metrics.jsonl"))
 
 
 def test_every_ppo_role_can_be_a_mixture_of_experts(rl_setup, tiny_moe_dir, tmp_path):
-    """PPO with GAE and a KL term, in one process, where the actor, the reference, the critic and the reward model
-    are all tiny Qwen3-MoE models: it trains, and --actor.aux_loss_coef adds the actor's and the critic's router
-    losses (both logged)."""
+    """PPO with GAE and a KL term, in one process, where the actor, the reference, the critic and the reward
+    model are all tiny Qwen3-MoE models: it trains, and --actor.aux_loss_coef adds the actor's and the
+    critic's router losses (both logged)."""
     from posttrain.models import build_tiny
 
     reward_model = tmp_path / "moe_rm"
@@ -163,24 +164,27 @@ def test_every_ppo_role_can_be_a_mixture_of_experts(rl_setup, tiny_moe_dir, tmp_
         "--algo.advantage.estimator", "gae", "--algo.kl.init_coef", "0.01", "--actor.aux_loss_coef", "0.1",
         "--data.max_samples", "8", "--train.num_episodes", "1", "--ds.experts_implementation", "eager"])
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "actor/policy_loss" in r]
-    assert rows and all(1.0 <= r["actor/aux_loss"] <= 4.0 and 1.0 <= r["critic/aux_loss"] <= 4.0 for r in rows)
-    assert all(r["kl/coef"] == pytest.approx(0.01) and "kl/mean" in r for r in rows)  # the MoE reference scored
+    assert rows and all(1.0 <= r["actor/aux_loss"] <= 4.0 and 1.0 <= r["critic/aux_loss"] <= 4.0
+                        for r in rows)
+    # the MoE reference scored
+    assert all(r["kl/coef"] == pytest.approx(0.01) and "kl/mean" in r for r in rows)
 
 
 def test_moe_actor_on_two_zero3_ranks_equals_one_process_and_takes_the_router_loss(run_ppo, tiny_moe_dir,
                                                                                    ray_session, capfd):
-    """GRPO with a tiny Qwen3-MoE actor: 2 actor ranks under ZeRO-3 (expert blocks gathered whole) and 2 rollout
-    engines give the in-process run's rewards and weights. With --actor.aux_loss_coef the router loss is logged
-    and moves the weights. (The router loss is a mean per micro-batch, and the ranks' micro-batches hold other
-    rows than one process's, so with it the two placements differ by design.)"""
-    common = ("--actor.model_name_or_path", tiny_moe_dir, "--train.num_episodes", "1", "--data.max_samples", "16",
-              "--train.batch_size", "16", "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8",
-              "--algo.advantage.estimator", "group_norm", "--actor.adam.eps", ADAM_EPS)
+    """GRPO with a tiny Qwen3-MoE actor: 2 actor ranks under ZeRO-3 (expert blocks gathered whole) and 2
+    rollout engines give the in-process run's rewards and weights. With --actor.aux_loss_coef the router loss
+    is logged and moves the weights. (The router loss is a mean per micro-batch, and the ranks' micro-batches
+    hold other rows than one process's, so with it the two placements differ by design.)"""
+    common = ("--actor.model_name_or_path", tiny_moe_dir, "--train.num_episodes", "1", "--data.max_samples",
+              "16", "--train.batch_size", "16", "--train.micro_batch_size", "4", "--rollout.micro_batch_size",
+              "8", "--algo.advantage.estimator", "group_norm", "--actor.adam.eps", ADAM_EPS)
     ray_flags = ("--actor.num_gpus_per_node", "2", "--vllm.num_engines", "2", "--ds.zero_stage", "3", *HF)
     local, _ = run_ppo(*common, name="local", reward="spread.py")  # the tiny MoE never starts with 1
     capfd.readouterr()
     ray_run, _ = run_ppo(*common, *ray_flags, name="ray", reward="spread.py")
-    assert "ZeRO-3 leaf modules (gathered whole, as routing varies): Qwen3MoeSparseMoeBlock" in capfd.readouterr().err
+    assert ("ZeRO-3 leaf modules (gathered whole, as routing varies): Qwen3MoeSparseMoeBlock"
+            in capfd.readouterr().err)
     assert rewards_by_step(ray_run) == pytest.approx(rewards_by_step(local), abs=1e-6)
     rows = read_metrics(local / "metrics.jsonl")
     assert all(r["actor/grad_norm"] > 0 for r in rows if "actor/grad_norm" in r)  # the policy loss acts
@@ -206,14 +210,15 @@ PPO_HYBRID = """
    --train.dynamic_batch_enable --train.max_tokens_per_gpu 256 --algo.advantage.is_correction_enable
    --rollout.engine hf
 """.split()
-ONE_PROCESS = {"--ref.num_gpus_per_node": "1", "--reward.num_gpus_per_node": "1", "--critic.num_gpus_per_node": "1",
-               "--actor.num_gpus_per_node": "1", "--vllm.num_engines": "0"}
+ONE_PROCESS = {"--ref.num_gpus_per_node": "1", "--reward.num_gpus_per_node": "1",
+               "--critic.num_gpus_per_node": "1", "--actor.num_gpus_per_node": "1", "--vllm.num_engines": "0"}
 
 
 def _hybrid(rl_setup, rm_dir, out, *extra, one_process=False):
     flags = list(PPO_HYBRID)
     if one_process:
-        flags = [ONE_PROCESS.get(prev, f) if prev in ONE_PROCESS else f for prev, f in zip([""] + flags, flags)]
+        flags = [ONE_PROCESS.get(prev, f) if prev in ONE_PROCESS else f
+                 for prev, f in zip([""] + flags, flags)]
     base = _without_reward_url(ppo_flags(rl_setup, out))
     return base + flags + ["--reward.model_name_or_path", rm_dir, "--data.max_samples", "24",
                            "--rollout.n_samples_per_prompt", "2", "--train.batch_size", "8",
@@ -225,25 +230,45 @@ def loaded_shards(stderr: str) -> dict[str, tuple[int, list[int]]]:
     """role -> (parameters of its whole model, [parameters each rank held once loaded]) from the
     placement's start-up lines ("ray placement: ROLE loaded as ... of N parameters: rank 0 n0 (..), ...")."""
     out = {}
-    for role, full, held in re.findall(r"ray placement: (\w+) loaded as [^\n]* of (\d+) parameters: ([^\n]*)", stderr):
+    for role, full, held in re.findall(r"ray placement: (\w+) loaded as [^\n]* of (\d+) parameters: ([^\n]*)",
+                                       stderr):
         out[role] = (int(full), [int(n) for _, n in re.findall(r"rank (\d+) (\d+)", held)])
     return out
 
 
-def test_openrlhf_ppo_hybrid_script_equals_one_process_and_resumes(rl_setup, normalised_rm, tmp_path, ray_session,
-                                                                   capfd):
+@pytest.fixture(scope="module")
+def hybrid_in_one_process(rl_setup, normalised_rm, tmp_path_factory):
+    """The hybrid script's run in one process (--ds.no_shared_prefix), trained once for the module: the
+    reference the Ray runs of both hybrid tests equal. `get(capfd)` -> (run dir, what the run wrote to stderr,
+    captured by the first caller's `capfd`)."""
+    runs = {}
+
+    def get(capfd):
+        if not runs:
+            out = tmp_path_factory.mktemp("hybrid") / "local"
+            capfd.readouterr()
+            _ppo(_hybrid(rl_setup, normalised_rm, out, "--ds.no_shared_prefix", one_process=True))
+            runs["local"] = out, capfd.readouterr().err
+        return runs["local"]
+    return get
+
+
+def test_openrlhf_ppo_hybrid_script_equals_one_process_and_resumes(rl_setup, normalised_rm,
+                                                                   hybrid_in_one_process, tmp_path,
+                                                                   ray_session, capfd):
     """GAE with critic, reference and reward-model groups of 2 ranks (ZeRO-3), all colocated with
     one rollout engine: every role loads straight into ZeRO-3 shards (each rank holds about half of
     every model once loaded; the reference and reward model stay sharded, in inference-only DeepSpeed
     engines), and the run gives the same weights as the in-process run after 3 steps; a Ray run resumed
     from its step-2 checkpoint ends where the uninterrupted one does. The Ray run computes each prompt
-    once per group (shared prefix, packed, under ZeRO-3); the in-process one per sample (--ds.no_shared_prefix)."""
+    once per group (shared prefix, packed, under ZeRO-3); the in-process one per sample
+    (--ds.no_shared_prefix)."""
     tiny_score_model_dir = normalised_rm
-    local = tmp_path / "local"
-    _ppo(_hybrid(rl_setup, tiny_score_model_dir, local, "--ds.no_shared_prefix", one_process=True))
-    assert loaded_shards(capfd.readouterr().err) == {}  # one process: whole models, nothing reported
+    local, err = hybrid_in_one_process(capfd)
+    assert loaded_shards(err) == {}  # one process: whole models, nothing reported
     full = tmp_path / "full"
-    _ppo(_hybrid(rl_setup, tiny_score_model_dir, full, "--ckpt.save_steps", "2", "--ckpt.path", tmp_path / "ck"))
+    _ppo(_hybrid(rl_setup, tiny_score_model_dir, full, "--ckpt.save_steps", "2", "--ckpt.path",
+                 tmp_path / "ck"))
     shards = loaded_shards(capfd.readouterr().err)
     assert sorted(shards) == ["actor", "critic", "ref", "reward"], shards
     for role, (whole, held) in shards.items():
@@ -264,19 +289,21 @@ def test_openrlhf_ppo_hybrid_script_equals_one_process_and_resumes(rl_setup, nor
     assert (tmp_path / "ck" / "global_step2_hf" / "model.safetensors").exists()
 
 
-def test_openrlhf_ppo_hybrid_script_with_ring_attention_equals_one_process(rl_setup, normalised_rm, tmp_path,
+def test_openrlhf_ppo_hybrid_script_with_ring_attention_equals_one_process(rl_setup, normalised_rm,
+                                                                          hybrid_in_one_process, tmp_path,
                                                                           ray_session, capfd):
     """The same script with --ds.ring_attn_size 2 --ds.ring_attn_head_stride 2: every role (actor, critic,
     reference, reward model; ZeRO-3) splits each packed micro-batch over its two ranks, which take the same
     rows; the per-token log-probs, values and rewards are gathered over the pair. Rewards and the trained
     weights equal the in-process run's, and each trained role logs what its ring moved."""
-    local, ring = tmp_path / "local", tmp_path / "ring"
-    _ppo(_hybrid(rl_setup, normalised_rm, local, "--ds.no_shared_prefix", one_process=True))
+    (local, _), ring = hybrid_in_one_process(capfd), tmp_path / "ring"
     capfd.readouterr()
-    _ppo(_hybrid(rl_setup, normalised_rm, ring, "--ds.ring_attn_size", "2", "--ds.ring_attn_head_stride", "2"))
+    _ppo(_hybrid(rl_setup, normalised_rm, ring, "--ds.ring_attn_size", "2", "--ds.ring_attn_head_stride",
+                 "2"))
     err = capfd.readouterr().err
     for role in ("actor", "critic", "ref", "reward"):  # each rank's coordinates, printed at start-up
-        assert f"ray placement: {role} ranks: rank 0 (dp 0, cp 0, tp 0), rank 1 (dp 0, cp 1, tp 0)" in err, role
+        assert (f"ray placement: {role} ranks: rank 0 (dp 0, cp 0, tp 0), rank 1 (dp 0, cp 1, tp 0)"
+                in err), role
     assert len(rewards_by_step(ring)) == 3
     assert rewards_by_step(ring) == pytest.approx(rewards_by_step(local), abs=1e-6)
     # the split attention sums in another order: weights equal up to rounding (rounding.py; 3 steps of 2
@@ -289,7 +316,8 @@ def test_openrlhf_ppo_hybrid_script_with_ring_attention_equals_one_process(rl_se
     # rounding as for a gradient norm (NORM_REL), relative to the size of the terms the loss averages: the
     # policy loss's terms (advantage times ratio, ~1) nearly cancel, so its rounding is not relative to it
     for key in ("actor/policy_loss", "critic/value_loss", "actor/grad_norm"):
-        assert [r[key] for r in rows] == pytest.approx([r[key] for r in ones], rel=NORM_REL, abs=NORM_REL), key
+        assert [r[key] for r in rows] == pytest.approx([r[key] for r in ones], rel=NORM_REL,
+                                                       abs=NORM_REL), key
 
 
 # examples/scripts/train_reinforce_baseline_hybrid_engine.sh: ranks 4 -> 2, its agent
@@ -302,22 +330,24 @@ REINFORCE_HYBRID = """
    --ref.num_nodes 1 --ref.num_gpus_per_node 2 --actor.num_nodes 1 --actor.num_gpus_per_node 2
    --vllm.num_engines 1 --vllm.tensor_parallel_size 2 --vllm.gpu_memory_utilization 0.7 --train.colocate_all
    --ds.enable_sleep --vllm.sync_backend nccl --vllm.enforce_eager --ds.zero_stage 3
-   --actor.gradient_checkpointing_enable --ds.ring_attn_size 2 --ds.ring_attn_head_stride 2 --ds.param_dtype fp32
-   --algo.advantage.estimator reinforce_baseline --actor.entropy_coef 0.0 --algo.kl.init_coef 1e-5
+   --actor.gradient_checkpointing_enable --ds.ring_attn_size 2 --ds.ring_attn_head_stride 2
+   --ds.param_dtype fp32 --algo.advantage.estimator reinforce_baseline --actor.entropy_coef 0.0
+   --algo.kl.init_coef 1e-5
    --algo.kl.use_loss --algo.kl.estimator k2 --algo.advantage.is_correction_enable
    --algo.advantage.is_correction_type icepop --logger.logging_steps 1 --eval.steps -1 --rollout.engine hf
 """.split()
 
 
 def test_openrlhf_reinforce_baseline_hybrid_script_runs(rl_setup, tmp_path, ray_address):
-    """Through `python -m posttrain.cli.train_ppo_ray`, joining the running Ray instance as the script does."""
+    """Through `python -m posttrain.cli.train_ppo_ray`, joining the running Ray instance as the script
+    does."""
     sft, data, rewards = rl_setup
     out = tmp_path / "reinforce"
     r = subprocess.run([sys.executable, "-m", "posttrain.cli.train_ppo_ray", *REINFORCE_HYBRID,
                         "--actor.model_name_or_path", sft, "--data.prompt_dataset", data,
                         "--reward.remote_url", rewards / "starts_with_1.py", "--rollout.batch_size", "4",
-                        "--train.batch_size", "16", "--data.max_samples", "8", "--rollout.max_new_tokens", "4",
-                        "--data.max_len", "48", "--ckpt.output_dir", out],
+                        "--train.batch_size", "16", "--data.max_samples", "8", "--rollout.max_new_tokens",
+                        "4", "--data.max_len", "48", "--ckpt.output_dir", out],
                        check=False, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "RAY_ADDRESS": ray_address})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -399,7 +429,8 @@ def test_two_simulated_nodes_via_ray_address(rl_setup, tmp_path):
     def run(out, *extra, timeout_s="120"):
         flags = ppo_flags(rl_setup, out, "--actor.num_nodes", "2", "--actor.num_gpus_per_node", "1",
                           "--vllm.num_engines", "1", "--ds.zero_stage", "2", "--data.max_samples", "8",
-                          "--train.num_episodes", "1", "--algo.advantage.estimator", "group_norm", *HF, *extra)
+                          "--train.num_episodes", "1", "--algo.advantage.estimator", "group_norm", *HF,
+                          *extra)
         return subprocess.run([sys.executable, "-m", "posttrain.cli.train_ppo_ray", *map(str, flags)],
                               check=False, capture_output=True, text=True, timeout=600,
                               env={**os.environ, "RAY_ADDRESS": cluster.address,
@@ -408,7 +439,8 @@ def test_two_simulated_nodes_via_ray_address(rl_setup, tmp_path):
         r = run(tmp_path / "too_big", "--vllm.num_engines", "2", timeout_s="10")
         assert r.returncode == 2, r.stderr[-3000:]
         errors = [line for line in r.stderr.splitlines() if "posttrain ppo: error:" in line]
-        assert len(errors) == 1 and ("cannot place" in errors[0] or "did not start within 10 s" in errors[0]), errors
+        assert len(errors) == 1, errors
+        assert "cannot place" in errors[0] or "did not start within 10 s" in errors[0], errors
         assert "Traceback" not in r.stderr
         out = tmp_path / "two_nodes"
         r = run(out)
@@ -438,12 +470,14 @@ def test_ctrl_c_tears_down_what_the_run_started(rl_setup, tmp_path):
     started its own local Ray and stops it)."""
     import signal
 
-    flags = ppo_flags(rl_setup, tmp_path / "interrupted", "--vllm.num_engines", "1", "--actor.num_gpus_per_node",
-                      "2", "--algo.advantage.estimator", "group_norm", "--train.num_episodes", "50", *HF)
+    flags = ppo_flags(rl_setup, tmp_path / "interrupted", "--vllm.num_engines", "1",
+                      "--actor.num_gpus_per_node", "2", "--algo.advantage.estimator", "group_norm",
+                      "--train.num_episodes", "50", *HF)
     env = {**os.environ, "RAY_ADDRESS": ""}
     proc = subprocess.Popen([sys.executable, "-m", "posttrain.cli.train_ppo_ray", *map(str, flags)],
                             stderr=subprocess.PIPE, text=True, env=env,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # not ignored if ours is
+                            # not ignored if ours is
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = []
     for line in proc.stderr:
         seen.append(line)
@@ -465,19 +499,31 @@ def test_ctrl_c_tears_down_what_the_run_started(rl_setup, tmp_path):
     assert left == [], f"worker processes left: {left}"
 
 
+LORA_COMMON = ("--train.num_episodes", "1", "--data.max_samples", "24", "--train.batch_size", "16",
+               "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8",
+               "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0.05",
+               "--ds.lora.rank", "8", "--ds.lora.alpha", "16", "--actor.adam.lr", "5e-3",
+               "--actor.adam.eps", ADAM_EPS)
+
+
+@pytest.fixture(scope="module")
+def lora_in_one_process(rl_setup, tmp_path_factory):
+    """The LoRA run in one process that both `--vllm.lora_sync` modes equal, trained once for the module."""
+    from posttrain.cli import train_ppo_ray
+
+    out = tmp_path_factory.mktemp("lora") / "local"
+    train_ppo_ray.main(ppo_flags(rl_setup, out, *LORA_COMMON))
+    return out
+
+
 @pytest.mark.parametrize("mode", ["merged", "adapter"])
-def test_lora_two_actor_ranks_two_engines_equal_one_process(run_ppo, ray_session, mode):
+def test_lora_two_actor_ranks_two_engines_equal_one_process(run_ppo, lora_in_one_process, ray_session, mode):
     """LoRA with a KL term on Ray: no reference group (the reference is the actor's base with the adapter
     disabled, on the actor's own ranks), the engines take base + adapter once (hash-checked at start-up)
     then the adapter alone (`sync/bytes`), applied as `--vllm.lora_sync` says, and 2 actor ranks (ZeRO-2)
     give the in-process run's samples and adapter (up to rounding: rounding.py)."""
-    common = ("--train.num_episodes", "1", "--data.max_samples", "24", "--train.batch_size", "16",
-              "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8",
-              "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0.05",
-              "--ds.lora.rank", "8", "--ds.lora.alpha", "16", "--actor.adam.lr", "5e-3",
-              "--actor.adam.eps", ADAM_EPS)
-    local, _ = run_ppo(*common, name="local")
-    ray_run, _ = run_ppo(*common, "--actor.num_gpus_per_node", "2", "--vllm.num_engines", "2",
+    local = lora_in_one_process
+    ray_run, _ = run_ppo(*LORA_COMMON, "--actor.num_gpus_per_node", "2", "--vllm.num_engines", "2",
                          "--ds.zero_stage", "2", "--vllm.lora_sync", mode, *HF, name="ray")
     assert rewards_by_step(ray_run) == pytest.approx(rewards_by_step(local), abs=1e-6)  # same samples
     assert_same_actor_weights(local, ray_run, read_metrics(local / "metrics.jsonl"), lr=5e-3,
