@@ -1,8 +1,9 @@
 """`posttrain ds-to-hf` (`models.deepspeed_export`): a DeepSpeed ZeRO checkpoint of a 2-rank run (ZeRO-2 and
 ZeRO-3) becomes a plain HF folder equal to the run's own export of the same step; a wrapper's `model.` prefix
-(OpenRLHF's Actor) is dropped; a crafted file is refused before it can run anything. Issue 46 (the real CLI
-as a subprocess): the output folder rules, a base model of another size or with custom code, a vision-language
-model's checkpoint (posttrain's own, torch engine and DeepSpeed), a crafted engine/model.pt."""
+(OpenRLHF's Actor) is dropped; a crafted file is refused before it can run anything. Issue 46 (the training
+runs as subprocesses, `posttrain ds-to-hf` through the console command's entry in this process: `to_hf`): the
+output folder rules, a base model of another size or with custom code, a vision-language model's checkpoint
+(posttrain's own, torch engine and DeepSpeed), a crafted engine/model.pt."""
 import json
 import os
 import pickle
@@ -17,6 +18,7 @@ from sft_helpers import sft_flags, torchrun
 
 from posttrain.models.deepspeed_export import matched_names
 from posttrain.utils.errors import UserError
+from tests.cli.test_cli_input_errors import in_process
 
 
 @pytest.mark.e2e
@@ -26,12 +28,12 @@ def test_a_zero_checkpoint_becomes_the_runs_own_export(tiny_model_dir, arithmeti
 
     ckpt = tmp_path / "ckpt"
     torchrun("posttrain.cli.train_sft", sft_flags(tiny_model_dir, arithmetic_dir, tmp_path / "run",
-                                                   "--train.micro_batch_size", "4", "--data.max_samples", "32",
-                                                   "--ds.zero_stage", stage, "--ckpt.path", ckpt,
+                                                   "--train.micro_batch_size", "4", "--data.max_samples",
+                                                   "32", "--ds.zero_stage", stage, "--ckpt.path", ckpt,
                                                    "--ckpt.save_steps", "2", "--ckpt.save_hf"))
     out = tmp_path / "hf"
-    main(["ds-to-hf", "--checkpoint", str(ckpt / "global_step2" / "engine"), "--tag", "engine", "--model_path",
-          tiny_model_dir, "--output_path", str(out), "--ds.param_dtype", "fp32"])
+    main(["ds-to-hf", "--checkpoint", str(ckpt / "global_step2" / "engine"), "--tag", "engine",
+          "--model_path", tiny_model_dir, "--output_path", str(out), "--ds.param_dtype", "fp32"])
     want, got = (load_file(str(d / "model.safetensors")) for d in (ckpt / "global_step2_hf", out))
     assert want.keys() == got.keys()
     assert max(float((want[k] - got[k]).abs().max()) for k in want) == 0.0
@@ -43,8 +45,8 @@ def test_a_zero_checkpoint_becomes_the_runs_own_export(tiny_model_dir, arithmeti
     marker = tmp_path / "ran"
     crafted.write_bytes(pickle.dumps(_Crafted(str(marker))))
     with pytest.raises(SystemExit) as exit_info:
-        main(["ds-to-hf", "--checkpoint", str(ckpt / "global_step2" / "engine"), "--tag", "engine", "--model_path",
-              tiny_model_dir, "--output_path", str(tmp_path / "hf2")])
+        main(["ds-to-hf", "--checkpoint", str(ckpt / "global_step2" / "engine"), "--tag", "engine",
+              "--model_path", tiny_model_dir, "--output_path", str(tmp_path / "hf2")])
     assert exit_info.value.code == 2 and not marker.exists()
 
 
@@ -60,14 +62,15 @@ def test_a_wrappers_model_prefix_is_dropped_and_other_names_are_refused():
     state = {"model.model.embed_tokens.weight": torch.zeros(2), "model.lm_head.weight": torch.ones(2)}
     wanted = {"model.embed_tokens.weight", "lm_head.weight"}
     assert set(matched_names(state, wanted)) == wanted
-    critic = {"model.layers.0.weight": torch.zeros(1), "value_head.weight": torch.ones(1)}  # OpenRLHF's critic
+    # OpenRLHF's critic
+    critic = {"model.layers.0.weight": torch.zeros(1), "value_head.weight": torch.ones(1)}
     assert set(matched_names(critic, {"model.layers.0.weight", "score.weight"})) == {"model.layers.0.weight",
                                                                                       "score.weight"}
     with pytest.raises(UserError, match="do not match the base model's"):
         matched_names({"transformer.h.0.weight": torch.zeros(1)}, wanted)
 
 
-# ---- issue 46: the real CLI as a subprocess; user mistakes end in one line and exit status 2 ------------
+# ---- issue 46: the CLI; user mistakes end in one line and exit status 2 ------------------------------------
 
 ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
        "DS_ACCELERATOR": "cpu"}
@@ -119,11 +122,13 @@ def engine(ckpt, step):
     return ckpt / f"global_step{step}" / "engine", "--tag", "engine"
 
 
-def to_hf(source, model, out, *extra):
-    """`posttrain ds-to-hf`; `source`: a `--checkpoint` folder, or (folder, "--tag", tag)."""
+def to_hf(capfd, source, model, out, *extra):
+    """`posttrain ds-to-hf` in this process (`in_process`: its exit status and what it wrote, `capfd`'s
+    earlier output left out); `source`: a `--checkpoint` folder, or (folder, "--tag", tag)."""
     checkpoint, *tag = source if isinstance(source, tuple) else (source,)
-    return cli("ds-to-hf", "--checkpoint", checkpoint, *tag, "--model_path", model, "--output_path", out,
-               "--ds.param_dtype", "fp32", *extra)
+    capfd.readouterr()
+    return in_process(capfd, "ds-to-hf", "--checkpoint", checkpoint, *tag, "--model_path", model,
+                      "--output_path", out, "--ds.param_dtype", "fp32", *extra)
 
 
 def files_of(folder):
@@ -132,15 +137,15 @@ def files_of(folder):
 
 @pytest.mark.e2e
 def test_a_non_empty_output_folder_is_refused_unless_overwrite_replaces_it(llm_ckpt, tiny_model_dir,
-                                                                           tmp_path):
+                                                                           tmp_path, capfd):
     _, ckpt = llm_ckpt
     out = tmp_path / "hf"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    one_error_line(to_hf(engine(ckpt, 2), tiny_model_dir, out), f"--output_path {out} is not empty",
-                   "notes.txt", "--overwrite")
+    one_error_line(to_hf(capfd, engine(ckpt, 2), tiny_model_dir, out),
+                   f"--output_path {out} is not empty", "notes.txt", "--overwrite")
     assert files_of(out) == {"notes.txt": b"mine"}
-    proc = to_hf(engine(ckpt, 2), tiny_model_dir, out, "--overwrite")
+    proc = to_hf(capfd, engine(ckpt, 2), tiny_model_dir, out, "--overwrite")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not (out / "notes.txt").exists() and (out / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary folder left beside it
@@ -151,7 +156,8 @@ def test_a_non_empty_output_folder_is_refused_unless_overwrite_replaces_it(llm_c
 @pytest.mark.e2e
 @pytest.mark.parametrize("where, overwrite", [("engine", False), ("engine", True), ("step", False),
                                              ("root", False), ("run", False)])
-def test_ds_to_hf_never_writes_inside_a_checkpoint_or_run_folder(llm_ckpt, tiny_model_dir, where, overwrite):
+def test_ds_to_hf_never_writes_inside_a_checkpoint_or_run_folder(llm_ckpt, tiny_model_dir, capfd, where,
+                                                                  overwrite):
     from posttrain.utils.checkpoint import CheckpointManager, verify_checkpoint
 
     run, ckpt = llm_ckpt
@@ -159,7 +165,7 @@ def test_ds_to_hf_never_writes_inside_a_checkpoint_or_run_folder(llm_ckpt, tiny_
                   "step": (ckpt / "global_step2" / "hf2", ckpt / "global_step2"),
                   "root": (ckpt / "converted", ckpt), "run": (run / "converted" / "hf", run)}[where]
     before = files_of(ckpt), files_of(run)
-    proc = to_hf(engine(ckpt, 1), tiny_model_dir, out, *(["--overwrite"] if overwrite else []))
+    proc = to_hf(capfd, engine(ckpt, 1), tiny_model_dir, out, *(["--overwrite"] if overwrite else []))
     one_error_line(proc, f"--output_path {out}: {owner} is a posttrain checkpoint or run folder",
                    "--overwrite included")
     assert (files_of(ckpt), files_of(run)) == before
@@ -168,13 +174,13 @@ def test_ds_to_hf_never_writes_inside_a_checkpoint_or_run_folder(llm_ckpt, tiny_
 
 
 @pytest.mark.e2e
-def test_overwrite_never_deletes_a_folder_that_holds_a_checkpoint(llm_ckpt, tiny_model_dir, tmp_path):
+def test_overwrite_never_deletes_a_folder_that_holds_a_checkpoint(llm_ckpt, tiny_model_dir, tmp_path, capfd):
     import shutil
 
     _, ckpt = llm_ckpt
     out = tmp_path / "out"
     shutil.copytree(ckpt / "global_step1", out / "kept" / "global_step1")
-    proc = to_hf(engine(ckpt, 1), tiny_model_dir, out, "--overwrite")
+    proc = to_hf(capfd, engine(ckpt, 1), tiny_model_dir, out, "--overwrite")
     one_error_line(proc, f"--output_path {out} holds {out / 'kept' / 'global_step1'}", "would delete it")
     assert (out / "kept" / "global_step1" / "manifest.json").is_file()
 
@@ -202,7 +208,7 @@ def test_a_failed_conversion_leaves_no_output_folder(tiny_model_dir, tmp_path, m
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("field", ["intermediate_size", "vocab_size"])
-def test_a_base_model_of_another_size_is_one_line(llm_ckpt, tiny_model_dir, tmp_path, field):
+def test_a_base_model_of_another_size_is_one_line(llm_ckpt, tiny_model_dir, tmp_path, capfd, field):
     import shutil
 
     _, ckpt = llm_ckpt
@@ -211,14 +217,14 @@ def test_a_base_model_of_another_size_is_one_line(llm_ckpt, tiny_model_dir, tmp_
     config = json.loads((base / "config.json").read_text())
     config[field] *= 2
     (base / "config.json").write_text(json.dumps(config))
-    proc = to_hf(engine(ckpt, 2), base, tmp_path / "hf")
+    proc = to_hf(capfd, engine(ckpt, 2), base, tmp_path / "hf")
     one_error_line(proc, "the checkpoint's", "has shape", f"the base model --model_path {base} has",
                    "pass the base model the run started from")
     assert not (tmp_path / "hf").exists()
 
 
 @pytest.mark.e2e
-def test_a_base_model_with_custom_code_is_one_line(llm_ckpt, tiny_model_dir, tmp_path):
+def test_a_base_model_with_custom_code_is_one_line(llm_ckpt, tiny_model_dir, tmp_path, capfd):
     import shutil
 
     _, ckpt = llm_ckpt
@@ -228,14 +234,14 @@ def test_a_base_model_with_custom_code_is_one_line(llm_ckpt, tiny_model_dir, tmp
     config["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
     (base / "config.json").write_text(json.dumps(config))
     (base / "modeling_custom.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
-    proc = to_hf(engine(ckpt, 2), base, tmp_path / "hf")
+    proc = to_hf(capfd, engine(ckpt, 2), base, tmp_path / "hf")
     one_error_line(proc, "has `auto_map`", "trust_remote_code", "does not run")
     assert not (tmp_path / "ran").exists() and not (tmp_path / "hf").exists()
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("engine", ["torch", pytest.param("deepspeed", marks=pytest.mark.slow)])
-def test_a_vision_language_models_checkpoint_converts_to_its_trained_weights(tiny_vision_dir, tmp_path,
+def test_a_vision_language_models_checkpoint_converts_to_its_trained_weights(tiny_vision_dir, tmp_path, capfd,
                                                                               engine):
     from posttrain.data.synthetic_vision import write_colour_dataset
     from posttrain.models.vision import is_vision_folder, load_processor
@@ -245,7 +251,8 @@ def test_a_vision_language_models_checkpoint_converts_to_its_trained_weights(tin
     extra = ["--ds.zero_stage", "2", "--ds.overlap_comm"] if engine == "deepspeed" else []
     _, ckpt = sft_checkpoint(tiny_vision_dir, data, tmp_path, *extra, vision=True)
     step = ckpt / "global_step2"
-    proc = to_hf(step, tiny_vision_dir, tmp_path / "hf")  # a global_stepN folder, as either engine wrote it
+    # a global_stepN folder, as either engine wrote it
+    proc = to_hf(capfd, step, tiny_vision_dir, tmp_path / "hf")
     assert proc.returncode == 0, proc.stderr[-3000:]
     exported = ckpt / "global_step2_hf"  # the run's own --ckpt.save_hf export of that step
     want, got, start = (load_file(str(Path(d) / "model.safetensors"))
@@ -260,7 +267,7 @@ def crafted_torch_file(path, marker):
 
 
 @pytest.mark.e2e
-def test_a_crafted_engine_model_file_is_refused_in_one_line(tiny_model_dir, arithmetic_dir, tmp_path):
+def test_a_crafted_engine_model_file_is_refused_in_one_line(tiny_model_dir, arithmetic_dir, tmp_path, capfd):
     """engine/model.pt replaced by a pickle that would create a file, its manifest entry updated to match:
     resuming and ds-to-hf refuse it with one line naming the file, and nothing in it runs."""
     import zlib
@@ -278,7 +285,7 @@ def test_a_crafted_engine_model_file_is_refused_in_one_line(tiny_model_dir, arit
                "Unsupported global: GLOBAL io.open", "nothing in it ran")
     one_error_line(proc, *needles)
     assert "Weights only load failed" not in proc.stderr
-    one_error_line(to_hf(step, tiny_model_dir, tmp_path / "hf"), *needles)
+    one_error_line(to_hf(capfd, step, tiny_model_dir, tmp_path / "hf"), *needles)
     assert not marker.exists()
 
 

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 from safetensors.torch import load_file
-from test_faults import CLI, flags, run
+from test_faults import CLI, flags, run, trained
 
 from posttrain.utils.checkpoint import verify_checkpoint
 from posttrain.utils.metrics import read_metrics
@@ -72,7 +72,7 @@ def test_a_fresh_start_under_load_enable_rewinds_the_metrics_file(tiny_model_dir
     too, as a resume cuts it back to the checkpoint's step (no step logged twice)."""
     out = tmp_path / "run"
     ckpt = out / "checkpoints"
-    assert run(CLI + flags(tiny_model_dir, arithmetic_dir, out, "--ckpt.save_steps", 2)).returncode == 0
+    trained(flags(tiny_model_dir, arithmetic_dir, out, "--ckpt.save_steps", 2))
     for step in ckpt.glob("global_step*"):
         (step / "trainer_rank0.pt").write_bytes(b"torn")  # no longer verifies
     proc = run(CLI + flags(tiny_model_dir, arithmetic_dir, out, "--ckpt.save_steps", 2, "--ckpt.load_enable"))
@@ -86,7 +86,7 @@ def test_resuming_a_finished_run_into_a_new_output_folder_writes_its_final_model
     """The checkpoint of a run's last step, resumed with another --ckpt.output_dir: nothing is left to train,
     so the run says so and writes the final model (the checkpoint's weights) to the new folder."""
     first, new = tmp_path / "first", tmp_path / "new"
-    assert run(CLI + flags(tiny_model_dir, arithmetic_dir, first, "--ckpt.save_steps", 2)).returncode == 0
+    trained(flags(tiny_model_dir, arithmetic_dir, first, "--ckpt.save_steps", 2))
     proc = run(CLI + flags(tiny_model_dir, arithmetic_dir, new, "--ckpt.path", first / "checkpoints",
                            "--ckpt.save_steps", 2, "--ckpt.load_enable"))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -103,8 +103,8 @@ def test_resuming_another_runs_checkpoints_over_a_finished_run_is_refused(tiny_m
     the --ckpt.path its config.yaml records, still resume."""
     first, second, ckpt = tmp_path / "first", tmp_path / "second", tmp_path / "ckpt"
     own = ("--ckpt.path", ckpt, "--ckpt.save_steps", 2)
-    assert run(CLI + flags(tiny_model_dir, arithmetic_dir, first, *own)).returncode == 0
-    assert run(CLI + flags(tiny_model_dir, arithmetic_dir, second)).returncode == 0
+    trained(flags(tiny_model_dir, arithmetic_dir, first, *own))
+    trained(flags(tiny_model_dir, arithmetic_dir, second))
     files = lambda: {p.name: p.read_bytes() for p in second.iterdir() if p.is_file()}  # noqa: E731
     before = files()
     proc = run(CLI + flags(tiny_model_dir, arithmetic_dir, second, *own, "--ckpt.load_enable"))
