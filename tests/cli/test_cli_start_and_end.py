@@ -137,6 +137,7 @@ def test_a_failed_start_leaves_nothing_it_created(tiny_model_dir, tmp_path, capf
     assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]
 
 
+@pytest.mark.slow  # a run of a few seconds
 def test_ppo_ends_with_the_summary_line_and_summary_json(tiny_model_dir, tmp_path, capfd):
     reward = tmp_path / "zero.py"
     reward.write_text("def reward_func(queries, prompts, labels, **kw):\n    return [0.0] * len(queries)\n")

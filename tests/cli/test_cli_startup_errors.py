@@ -115,6 +115,7 @@ def notes(proc):
     return "\n".join(ln for ln in proc.stderr.splitlines() if "note:" in ln)
 
 
+@pytest.mark.slow  # a run of a few seconds
 def test_sft_names_flags_without_effect_and_what_lora_all_linear_leaves_out_of_a_moe(tiny_moe_dir, tmp_path,
                                                                                      capfd):
     text = notes(sft_run(capfd, tiny_moe_dir, tmp_path, "--ds.lora.rank", "4", "--muon.lr", "0.1",
@@ -130,6 +131,7 @@ def test_sft_names_flags_without_effect_and_what_lora_all_linear_leaves_out_of_a
         in text
 
 
+@pytest.mark.slow  # a run of a few seconds
 def test_ppo_names_flags_without_effect(tiny_model_dir, tmp_path, capfd):
     proc = in_process(capfd, *ppo_argv(
         tiny_model_dir, tmp_path, "--reward.remote_url", zero_reward(tmp_path), "--train.max_steps", "1",
