@@ -1,7 +1,7 @@
 """Bad input caught with one line and exit status 2 (issue 29, round 2): SFT's dropped rows, broken
 model folders, YAML duplicates, values starting with '-'. The real entry points run as subprocesses where the
-process matters (training runs, a reward file that exits); the start-up mistakes through the same entry in
-this process (`in_process`)."""
+process matters (a reward file that exits, an agent file); the rest through the same entry in this process
+(`in_process`)."""
 import json
 import os
 import subprocess
@@ -17,10 +17,6 @@ ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 def run(*args, timeout=300):
     return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, env=ENV,
                           timeout=timeout, check=False)
-
-
-def sft(*flags):
-    return run("-m", "posttrain.cli.train_sft", *flags)
 
 
 def in_process(capsys, *argv) -> subprocess.CompletedProcess:
@@ -70,10 +66,11 @@ def test_sft_stops_when_more_than_max_dropped_frac_of_rows_do_not_fit(tiny_model
     assert not (tmp_path / "o" / "model.safetensors").exists()
 
 
-@pytest.mark.e2e
-def test_sft_reports_the_rows_it_drops(tiny_model_dir, tmp_path):
+@pytest.mark.slow  # a run of a few seconds
+def test_sft_reports_the_rows_it_drops(tiny_model_dir, tmp_path, capfd):
     data = half_long_rows(tmp_path / "rows.jsonl")
-    proc = sft(*flags(tiny_model_dir, data, tmp_path / "o", "--data.max_dropped_frac", "0.5"))
+    proc = in_process(capfd, "sft", *flags(tiny_model_dir, data, tmp_path / "o", "--data.max_dropped_frac",
+                                           "0.5"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "8 of 16 rows (50%) dropped because the prompt alone fills --data.max_len 48" in proc.stderr
     assert "(first: " in proc.stderr and "rows.jsonl, row 2)" in proc.stderr
@@ -180,13 +177,13 @@ def test_an_agent_instance_that_cannot_be_created_stops_ppo_before_the_models_lo
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
-@pytest.mark.e2e
-def test_sft_cuts_a_huge_text_field_before_tokenising_and_reports_it(tiny_model_dir, tmp_path):
+@pytest.mark.slow  # a run of a few seconds
+def test_sft_cuts_a_huge_text_field_before_tokenising_and_reports_it(tiny_model_dir, tmp_path, capfd):
     data = tmp_path / "rows.jsonl"
     rows = [{"prompt": f"What is {i} + 1?", "response": str(i + 1)} for i in range(8)]
     rows[3]["response"] = "many words " * 500_000  # 5.5 MB on one line
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = sft(*flags(tiny_model_dir, data, tmp_path / "o"))
+    proc = in_process(capfd, "sft", *flags(tiny_model_dir, data, tmp_path / "o"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "SFT train set: 1 rows have a text field longer than" in proc.stderr
     assert "cut to that before tokenising" in proc.stderr
