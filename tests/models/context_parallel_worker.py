@@ -1,8 +1,10 @@
-"""Worker for test_context_parallel: a tiny llama's loss and gradients over one packed row (samples of lengths
-LENGTHS), computed whole in one process and split over the ranks of the group (context parallel). Two losses: a
-sum over tokens (each rank its share) and one every rank computes alike from the row's per-token log-probs
-gathered over the group (`gather_replicated`, as RL losses and reward reads). Prints `max_rel_loss=...
-max_abs_grad=... max_grad=...` and `replicated: ...` (the same for the second loss) and the bytes moved on rank 0."""
+"""Worker for test_context_parallel: a tiny llama's loss and gradients over one packed row (samples of given
+lengths), computed whole in one process and split over the ranks of the group (context parallel), for each
+case of CP_CASES ("LENGTHS:STRIDE;...", e.g. "5,7,6:1;9,9:1"; one launch for all, each case loads the model
+afresh). Two losses: a sum over tokens (each rank its share) and one every rank computes alike from the row's
+per-token log-probs gathered over the group (`gather_replicated`, as RL losses and reward reads). Rank 0
+prints, after a `case LENGTHS:STRIDE` line, `max_rel_loss=... max_abs_grad=... max_grad=...` and
+`replicated: ...` (the same for the second loss) and the bytes moved."""
 import os
 import sys
 
@@ -20,16 +22,15 @@ from posttrain.models.context_parallel import (
     traffic,
 )
 
-LENGTHS = [int(x) for x in os.environ.get("CP_LENGTHS", "5,7,6").split(",")]
-STRIDE = int(os.environ.get("CP_STRIDE", "1"))
+CASES = os.environ.get("CP_CASES", "5,7,6:1").split(";")
 
 
-def row(vocab: int):
+def row(vocab: int, lengths: list[int]):
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, vocab, (1, sum(LENGTHS)), generator=g)
-    pos = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    ids = torch.randint(3, vocab, (1, sum(lengths)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
     labels = next_tokens(ids, -100)
-    ends = torch.tensor(LENGTHS).cumsum(0) - 1  # a sample's last token has no label (the next is another sample)
+    ends = torch.tensor(lengths).cumsum(0) - 1  # a sample's last token has no label (the next is another one)
     labels[0, ends] = -100
     return ids, pos, labels
 
@@ -64,21 +65,33 @@ def report(label, rank, split_loss, whole_loss, grads, want):
 
 def main():
     dist.init_process_group("gloo")
-    rank, size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.manual_seed(0)
     path = sys.argv[1]
     if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
         build_tiny(path, arch="llama", size="nano", seed=0, verbose=False)
     dist.barrier()
+    for case in CASES:
+        lengths, stride = case.split(":")
+        if rank == 0:
+            print(f"case {case}", flush=True)
+        one_case(path, [int(n) for n in lengths.split(",")], int(stride))
+    dist.destroy_process_group()
+
+
+def one_case(path: str, lengths: list[int], stride: int) -> None:
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
     model = load_causal_lm(path, "fp32", onednn_linear=False)
-    ids, pos, labels = row(model.config.vocab_size)
+    ids, pos, labels = row(model.config.vocab_size, lengths)
     # whole, in one process (every rank computes it): posttrain's packed forward (block-causal mask)
     logits = forward_logits(model, {"input_ids": ids, "position_ids": pos})
     whole_loss = F.cross_entropy(logits[0], labels[0], ignore_index=-100, reduction="sum")
     whole_loss.backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    whole_rep = replicated_loss(forward_logits(model, {"input_ids": ids, "position_ids": pos}), labels, ids.shape[1])
+    whole_rep = replicated_loss(forward_logits(model, {"input_ids": ids, "position_ids": pos}), labels,
+                                ids.shape[1])
     whole_rep.backward()
     want_rep = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
@@ -88,7 +101,7 @@ def main():
     local_ids, local_pos = slice_row(ids, rank, size, 0), slice_row(pos, rank, size, 0)
     local_labels = slice_row(labels, rank, size, -100)
     valid = slice_row(torch.ones_like(ids, dtype=torch.bool), rank, size, False)
-    with context_parallel(None, local_pos, valid, head_stride=STRIDE):
+    with context_parallel(None, local_pos, valid, head_stride=stride):
         out = model(input_ids=local_ids, position_ids=local_pos, use_cache=False).logits.float()
     loss = F.cross_entropy(out[0], local_labels[0], ignore_index=-100, reduction="sum")
     loss.backward()
@@ -96,7 +109,7 @@ def main():
     dist.all_reduce(total)
     report("", rank, total, whole_loss, summed_grads(model, rank), want)
     traffic(reset=True)
-    with context_parallel(None, local_pos, valid, head_stride=STRIDE):
+    with context_parallel(None, local_pos, valid, head_stride=stride):
         out = model(input_ids=local_ids, position_ids=local_pos, use_cache=False).logits.float()
     rep = replicated_loss(out, local_labels, ids.shape[1], group=dist.group.WORLD)
     rep.backward()
@@ -104,7 +117,6 @@ def main():
     moved = traffic()
     if rank == 0:
         print(f"moved bytes={moved['bytes']} seconds={moved['seconds']:.3g}", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

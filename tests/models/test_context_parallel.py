@@ -27,36 +27,58 @@ def test_labels_are_made_before_the_cut():
     ids = torch.tensor([[5, 6, 7, 8]])
     labels = next_tokens(ids, -100)
     assert labels.tolist() == [[6, 7, 8, -100]]
-    assert slice_row(labels, 0, 2, -100).tolist() == [[6, 7]]  # rank 0's last token keeps its label (8 is rank 1's)
+    # rank 0's last token keeps its label (8 is rank 1's)
+    assert slice_row(labels, 0, 2, -100).tolist() == [[6, 7]]
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("lengths,stride", [
+# (lengths, stride): the cases of one launch of the worker (`all_cases`; it loads the model afresh for each)
+CASES = [
     ("5,7,6", 1),  # the slice boundary inside the second sample
     ("5,7,5", 2),  # 17 tokens: one padding token; two key/value heads at a time
     ("9,9", 1),    # the boundary on a sample boundary
     ("1,16", 2),   # a one-token sample
     ("3", 1),      # a row shorter than two slices of its own length
-])
-def test_two_ranks_give_the_unsplit_rows_loss_and_gradients(tmp_path, lengths, stride):
+]
+
+
+@pytest.fixture(scope="module")
+def all_cases(tmp_path_factory):
+    """One torchrun launch of context_parallel_worker.py over every case of CASES (a launch costs seconds of
+    start-up, a case a fraction of one): the finished process."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    env = {**os.environ, "CP_LENGTHS": lengths, "CP_STRIDE": str(stride), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           port, os.path.join(HERE, "context_parallel_worker.py"), str(tmp_path / "model")],
+    env = {**os.environ, "CP_CASES": ";".join(f"{lengths}:{stride}" for lengths, stride in CASES),
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
+    model = tmp_path_factory.mktemp("context_parallel") / "model"
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", port, os.path.join(HERE, "context_parallel_worker.py"),
+                           str(model)],
                           capture_output=True, text=True, env=env, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found = re.search(r"max_rel_loss=(\S+) max_abs_grad=(\S+) max_grad=(\S+)", proc.stdout)
-    assert found, proc.stdout[-2000:]
+
+
+def case_output(proc, lengths: str, stride: int) -> str:
+    """What rank 0 printed for the case `lengths`:`stride` (from its `case` line to the next)."""
+    sections = re.split(r"^case (\S+)\n", proc.stdout, flags=re.M)
+    found = dict(zip(sections[1::2], sections[2::2]))
+    assert f"{lengths}:{stride}" in found, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return found[f"{lengths}:{stride}"]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("lengths,stride", CASES)
+def test_two_ranks_give_the_unsplit_rows_loss_and_gradients(all_cases, lengths, stride):
+    assert all_cases.returncode == 0, all_cases.stderr[-3000:]
+    out = case_output(all_cases, lengths, stride)
+    found = re.search(r"max_rel_loss=(\S+) max_abs_grad=(\S+) max_grad=(\S+)", out)
+    assert found, out[-2000:]
     rel, diff, scale = map(float, found.groups())
     assert rel < 1e-5 and diff < 1e-5 * scale, found.group(0)
     # a loss every rank computes alike from the gathered row: its gradients summed over the ranks are the
     # loss's once (not once per rank)
-    found = re.search(r"replicated: max_rel_loss=(\S+) max_abs_grad=(\S+) max_grad=(\S+)", proc.stdout)
-    assert found, proc.stdout[-2000:]
+    found = re.search(r"replicated: max_rel_loss=(\S+) max_abs_grad=(\S+) max_grad=(\S+)", out)
+    assert found, out[-2000:]
     rel, diff, scale = map(float, found.groups())
     assert rel < 1e-5 and diff < 1e-5 * scale, found.group(0)
-    moved = re.search(r"moved bytes=(\d+) seconds=(\S+)", proc.stdout)
-    assert moved and int(moved.group(1)) > 0 and float(moved.group(2)) > 0, proc.stdout[-2000:]
+    moved = re.search(r"moved bytes=(\d+) seconds=(\S+)", out)
+    assert moved and int(moved.group(1)) > 0 and float(moved.group(2)) > 0, out[-2000:]
