@@ -1,9 +1,11 @@
-"""Worker for test_tensor_parallel_model: a tiny model (TP_ARCH: llama, or qwen2 with q/k/v biases; both GQA: 4 heads,
-2 key/value heads; TP_UNTIED=1: its own lm_head) run whole in one process and split over the 2 ranks of a
-tensor-parallel group (DeepSpeed AutoTP, ZeRO-0). Prints on rank 0 `max_rel_logits=... max_rel_grad=...
-rel_norm=... own=... split=... full=... opt=... max_rel_export=...`: logits, gathered gradients, the global
-gradient norm, this rank's parameter / split / whole-model / optimizer-state elements and the gathered weights
-after one step against the unsplit model's after the same AdamW step."""
+"""Worker for test_tensor_parallel_model: a tiny model (ARCH: llama, or qwen2 with q/k/v biases; both GQA: 4
+heads, 2 key/value heads; UNTIED 1: its own lm_head) run whole in one process and split over the 2 ranks of a
+tensor-parallel group (DeepSpeed AutoTP, ZeRO-0), for each case of TP_CASES ("ARCH:UNTIED;...", one launch
+for all; each case builds its model into its own folder under argv[1]). Prints on rank 0, after a
+`case ARCH:UNTIED` line, `max_rel_logits=... max_rel_grad=... rel_norm=... own=... split=... full=... opt=...
+max_rel_export=...`: logits, gathered gradients, the global gradient norm, this rank's parameter / split /
+whole-model / optimizer-state elements and the gathered weights after one step against the unsplit model's
+after the same AdamW step."""
 import os
 import sys
 
@@ -17,8 +19,7 @@ from posttrain.engines.dist import shutdown
 from posttrain.models import build_tiny, load_causal_lm
 from posttrain.models import tensor_parallel as tp
 
-ARCH = os.environ.get("TP_ARCH", "llama")
-UNTIED = os.environ.get("TP_UNTIED") == "1"
+CASES = os.environ.get("TP_CASES", "llama:0").split(";")
 
 
 def batch(vocab: int) -> dict:
@@ -40,10 +41,18 @@ def rel(a, b) -> float:
 
 def main():
     dist.init_process_group("gloo")
-    path = sys.argv[1]
+    for case in CASES:
+        arch, untied = case.split(":")
+        if dist.get_rank() == 0:
+            print(f"case {case}", flush=True)
+        one_case(os.path.join(sys.argv[1], f"{arch}-{untied}"), arch, untied == "1")
+    shutdown()  # no gloo thread left alive at exit (an exit-time abort otherwise)
+
+
+def one_case(path: str, arch: str, untied: bool) -> None:
     if dist.get_rank() == 0 and not os.path.exists(os.path.join(path, "config.json")):
-        build_tiny(path, arch=ARCH, size="nano", seed=0, verbose=False)
-        if UNTIED:  # a head of its own (AutoTP splits it column-wise and gathers the logits)
+        build_tiny(path, arch=arch, size="nano", seed=0, verbose=False)
+        if untied:  # a head of its own (AutoTP splits it column-wise and gathers the logits)
             m = load_causal_lm(path, "fp32", onednn_linear=False)
             m.config.tie_word_embeddings = False
             m.lm_head.weight = torch.nn.Parameter(m.lm_head.weight.detach() * 0.5 + 0.01)
@@ -57,7 +66,8 @@ def main():
     want_norm = torch.nn.utils.get_total_norm([p.grad for p in whole.parameters()])
     full = sum(p.numel() for p in whole.parameters())
     # eps 1: a step proportional to the gradient (a first Adam step is its sign, which rounding flips near 0)
-    opt = OptimizerFields(adam=AdamConfig(lr=1e-2, eps=1.0), max_norm=1e9, lr_scheduler="constant", lr_warmup_ratio=0.0)
+    opt = OptimizerFields(adam=AdamConfig(lr=1e-2, eps=1.0), max_norm=1e9, lr_scheduler="constant",
+                          lr_warmup_ratio=0.0)
     a = opt.adam
     torch.optim.AdamW(whole.parameters(), lr=a.lr, betas=tuple(a.betas), eps=a.eps, weight_decay=0.0).step()
 
@@ -82,8 +92,7 @@ def main():
         max_export = max(rel(export[n], state[n]) for n in state)
         print(f"max_rel_logits={rel(logits, want_logits):.3g} max_rel_grad={max_grad:.3g} "
               f"rel_norm={rel(norm, want_norm):.3g} own={own} split={split} full={full} opt={opt_elements} "
-              f"max_rel_export={max_export:.3g}")
-    shutdown()  # no gloo thread left alive at exit (an exit-time abort otherwise)
+              f"max_rel_export={max_export:.3g}", flush=True)
 
 
 if __name__ == "__main__":
