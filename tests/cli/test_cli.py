@@ -69,7 +69,6 @@ def test_init_tiny_refuses_an_unknown_shape_in_one_line(tmp_path, capsys):
 def test_init_tiny_vision_builds_a_vlm_and_refuses_other_flags_in_one_line(tmp_path, capfd):
     from posttrain.models.vision import is_vision_folder, load_processor
 
-    capfd.readouterr()
     summary = json.loads(in_process(capfd, "init-tiny", "--output", tmp_path / "v", "--vision", "--size",
                                     "nano").stdout)
     assert summary["arch"] == "qwen2_5_vl" and summary["vision"] and is_vision_folder(tmp_path / "v")
@@ -82,7 +81,6 @@ def test_init_tiny_vision_builds_a_vlm_and_refuses_other_flags_in_one_line(tmp_p
 
 
 def test_init_tiny_cli_builds_loadable_models(tmp_path, capfd):
-    capfd.readouterr()
     summary = json.loads(in_process(capfd, "init-tiny", "--output", tmp_path / "m", "--arch", "qwen2",
                                     "--size", "nano").stdout)
     assert summary["arch"] == "qwen2" and summary["num_parameters"] > 500_000

@@ -9,6 +9,12 @@ import sys
 
 import pytest
 
+# transformers' log handler writes to the sys.stderr of transformers' first import: imported here, at
+# collection, that is pytest's session-long capture, not the capsys/capfd stream of the first test that loads
+# a model in process (closed after it: a later warning would print a logging traceback into `in_process`'s
+# stderr)
+import transformers.utils.logging  # noqa: F401
+
 from posttrain.utils.metrics import read_metrics
 
 ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
@@ -22,9 +28,11 @@ def run(*args, timeout=300):
 def in_process(capsys, *argv) -> subprocess.CompletedProcess:
     """`posttrain *argv` called in this process through the console command's entry
     (`posttrain.cli.main.main`, which turns a user's mistake into one line on stderr and SystemExit(2)), as
-    the CompletedProcess a subprocess run would give (exit status, stdout, stderr)."""
+    the CompletedProcess a subprocess run would give (exit status, stdout, stderr: what the call wrote, read
+    through `capsys` or `capfd`; what the test wrote before is dropped)."""
     from posttrain.cli.main import main
 
+    capsys.readouterr()
     try:
         main([str(a) for a in argv])
         code = 0

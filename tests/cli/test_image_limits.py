@@ -37,8 +37,7 @@ def sft_on_image(model, tmp_path, ref, *flags):
 
 
 def sft_on_image_here(capfd, model, tmp_path, ref, *flags):
-    """`sft_on_image` in this process (`in_process`; `capfd`'s earlier output left out)."""
-    capfd.readouterr()
+    """`sft_on_image` in this process (`in_process`)."""
     return in_process(capfd, "sft", *image_row_flags(model, tmp_path, ref, *flags))
 
 

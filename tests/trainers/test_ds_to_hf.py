@@ -123,10 +123,9 @@ def engine(ckpt, step):
 
 
 def to_hf(capfd, source, model, out, *extra):
-    """`posttrain ds-to-hf` in this process (`in_process`: its exit status and what it wrote, `capfd`'s
-    earlier output left out); `source`: a `--checkpoint` folder, or (folder, "--tag", tag)."""
+    """`posttrain ds-to-hf` in this process (`in_process`: its exit status and what it wrote); `source`: a
+    `--checkpoint` folder, or (folder, "--tag", tag)."""
     checkpoint, *tag = source if isinstance(source, tuple) else (source,)
-    capfd.readouterr()
     return in_process(capfd, "ds-to-hf", "--checkpoint", checkpoint, *tag, "--model_path", model,
                       "--output_path", out, "--ds.param_dtype", "fp32", *extra)
 
