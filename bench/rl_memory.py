@@ -34,8 +34,8 @@ from posttrain.config.sections import AdamConfig, OptimizerFields  # noqa: E402
 from posttrain.engines import make_train_engine  # noqa: E402
 from posttrain.models import build_tiny, load_causal_lm, load_score_model  # noqa: E402
 from posttrain.rollout.single_turn import Rollout  # noqa: E402
-from posttrain.trainers.rl.experience import build_experience  # noqa: E402
 from posttrain.trainers.rl.batch_forward import Batching  # noqa: E402
+from posttrain.trainers.rl.experience import build_experience  # noqa: E402
 from posttrain.trainers.rl.roles import Actor, Critic  # noqa: E402
 from posttrain.trainers.rl.updates import UpdateSettings  # noqa: E402
 from posttrain.utils.memory import peak_memory, process_peak_rss  # noqa: E402
