@@ -88,7 +88,8 @@ def test_max_len_cuts_ends_with_eos_and_counts(rm_dir, source):
     assert len(long_ids) > 4
     out = cut.score(["one two three four five six", "hi"], None, None)
     assert out.extra_logs["reward_model/truncated"].tolist() == [1.0, 0.0] and cut.num_truncated == 1
-    assert out.rewards[0].item() == pytest.approx(alone(cut.model, long_ids[:3] + [tok.eos_token_id]), abs=1e-5)
+    assert out.rewards[0].item() == pytest.approx(alone(cut.model, long_ids[:3] + [tok.eos_token_id]),
+                                                  abs=1e-5)
 
 
 def test_normalisation_from_config(rm_dir, source, tmp_path):
@@ -135,13 +136,15 @@ def test_make_reward_source_dispatch(rm_dir, tmp_path):
     assert isinstance(make_reward_source(str(fn)), PythonRewardFunction)
     assert isinstance(make_reward_source("http://127.0.0.1:9/get_reward"), RemoteReward)
     assert isinstance(make_reward_source(model_name_or_path=str(rm_dir)), RewardModelSource)
-    with pytest.raises(RewardError, match=r"--reward.remote_url='r.py' and --reward.model_name_or_path='m' both"):
+    with pytest.raises(RewardError, match=r"--reward.remote_url='r.py' and --reward.model_name_or_path='m' "
+                                          r"both"):
         make_reward_source("r.py", "m")
     with pytest.raises(RewardError, match="no reward source: give --reward.model_name_or_path"):
         make_reward_source()
     with pytest.raises(RewardError, match=r"--reward.remote_url='rm.json': expected an http\(s\):// URL"):
         make_reward_source("rm.json")
     several = make_reward_source("http://127.0.0.1:9/a,http://127.0.0.1:10/a")
-    assert isinstance(several, ShardedRemoteReward) and several.urls == ["http://127.0.0.1:9/a", "http://127.0.0.1:10/a"]
+    assert (isinstance(several, ShardedRemoteReward)
+            and several.urls == ["http://127.0.0.1:9/a", "http://127.0.0.1:10/a"])
     with pytest.raises(RewardError, match=r"entry 2 of 2 \('r.py'\) is not an http\(s\):// URL"):
         make_reward_source("http://127.0.0.1:9/a,r.py")

@@ -146,14 +146,16 @@ def test_an_unloadable_checkpoint_is_a_checkpoint_error_naming_it(tmp_path):
     Counter(tmp_path, 2, Cadence(save_steps=2), ckpt).fit()
     broken = Counter(tmp_path, 4, Cadence(load_checkpoint=True), CheckpointManager(tmp_path / "ck"),
                      fail_restore=True)
-    with pytest.raises(CheckpointError, match=r"global_step2 verifies but cannot be loaded by this run \(truncated file\)"):
+    with pytest.raises(CheckpointError, match=r"global_step2 verifies but cannot be loaded by this run "
+                                              r"\(truncated file\)"):
         broken.fit()
     assert (tmp_path / "ck" / "global_step2" / "state.json").exists()  # never lost
 
 
 @pytest.fixture
 def ctrl_c_enabled():
-    """A shell that starts the suite in the background hands it SIGINT ignored; Ctrl-C means the default here."""
+    """A shell that starts the suite in the background hands it SIGINT ignored; Ctrl-C means
+    the default here."""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, previous)

@@ -51,12 +51,14 @@ def test_a_vision_language_actor_on_the_gpu(tiny_vision_dir, tmp_path, capsys):
     from posttrain.trainers.rl.ppo import RLTrainer
 
     data = write_colour_dataset(tmp_path / "colours", 16, seed=0)
-    flags = ["--actor.model_name_or_path", tiny_vision_dir, "--data.prompt_dataset", data, "--data.input_key", "prompt",
-             "--data.label_key", "answer", "--data.apply_chat_template", "--data.max_images_per_prompt", "1",
-             "--reward.remote_url", "posttrain/rewards/examples/colour_reward.py", "--algo.advantage.estimator",
-             "group_norm", "--rollout.n_samples_per_prompt", "4", "--rollout.batch_size", "4",
-             "--rollout.max_new_tokens", "4", "--train.batch_size", "16", "--train.micro_batch_size", "8",
-             "--rollout.micro_batch_size", "8", "--algo.kl.init_coef", "0", "--actor.freeze_visual_encoder"]
+    flags = ["--actor.model_name_or_path", tiny_vision_dir, "--data.prompt_dataset", data,
+             "--data.input_key", "prompt", "--data.label_key", "answer", "--data.apply_chat_template",
+             "--data.max_images_per_prompt", "1",
+             "--reward.remote_url", "posttrain/rewards/examples/colour_reward.py",
+             "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "4",
+             "--rollout.batch_size", "4", "--rollout.max_new_tokens", "4", "--train.batch_size", "16",
+             "--train.micro_batch_size", "8", "--rollout.micro_batch_size", "8", "--algo.kl.init_coef", "0",
+             "--actor.freeze_visual_encoder"]
     trainer = RLTrainer(parse_config("ppo", [*flags, "--ds.param_dtype", "fp32", "--train.max_steps", "1",
                                              "--ckpt.output_dir", str(tmp_path / "exact")]))
     assert trainer.device.type == "cuda"

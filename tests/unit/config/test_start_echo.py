@@ -56,7 +56,8 @@ def test_a_config_built_in_code_lists_what_differs_from_the_defaults():
     cfg = default_config("sft")
     cfg.train.batch_size = 16
     lines = format_set_flags(cfg).splitlines()
-    assert lines[:2] == ["posttrain sft: 1 flag(s) set:", "  --train.batch_size 16  (differs from the default)"]
+    assert lines[:2] == ["posttrain sft: 1 flag(s) set:",
+                         "  --train.batch_size 16  (differs from the default)"]
 
 
 def opt(scheduler="cosine_with_min_lr", ratio=0.03, steps=None):
