@@ -1,5 +1,5 @@
-"""One forward pass for padded or packed batches, with log-probs identical to running each
-sample alone.
+"""The one forward pass every trainer and role runs: padded or packed batches, with log-probs identical
+to running each sample alone, and context-parallel slices of a packed row.
 
 * padded: `input_ids`, `attention_mask` [B, T] (left or right padding); position ids are
   `cumsum(attention_mask) - 1`, so every sample's real tokens sit at positions 0..L-1.
@@ -12,7 +12,7 @@ sample alone.
   (True: query q may attend key k), e.g. a shared-prefix layout where several continuations attend
   one copy of their prompt. sdpa / eager only.
 
-Every forward here also runs the other two layouts a trainer hands over, so trainers compute only their loss:
+Every forward here also takes the rest of what a trainer or role hands over, so they compute only their loss:
 * a context-parallel slice (`cp` in the batch: `ContextGroups.shard` / `.split`, --ds.ring_attn_size): this
   rank's contiguous part of one packed row, run with attention over the whole row (`slice_context`);
   `forward_values` returns the whole row's values (gathered over the group), the logits stay this rank's;
