@@ -10,13 +10,13 @@ import torch
 from rewards_http import in_thread_server
 from safetensors.torch import load_file, save_file
 
+from posttrain.models.forward import last_token_index
 from posttrain.rewards import (
     PythonRewardFunction,
     RemoteReward,
     RewardError,
     RewardModelSource,
     ShardedRemoteReward,
-    last_token_index,
     make_reward_source,
 )
 
@@ -64,6 +64,26 @@ def test_padded_reward_equals_unpadded_forward(source, side):
     out = source.score(["ignored"] * 4, None, None, sequences=ids, attention_mask=mask)
     torch.testing.assert_close(out.rewards, torch.tensor(expected), atol=1e-5, rtol=1e-4)
     assert out.skipped.tolist() == [False] * 4
+
+
+def test_a_context_parallel_group_scores_as_one_process(rm_dir, source, tmp_path):
+    """With `context` the rows are packed into one and this rank's slice is run over the group
+    (`models.last_token_values`); a one-rank group (its slice the whole row) gives the unsplit rewards."""
+    import torch.distributed as dist
+
+    from posttrain.models.context_parallel import register
+    from posttrain.models.parallel_groups import ContextGroups
+
+    rows = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
+    ring = RewardModelSource(rm_dir, batch_size=2)
+    ring.model.set_attn_implementation(register())
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ring.context = ContextGroups(1, 0, dist.group.WORLD, 0, 1, head_stride=1)
+        got = ring.score_tokens(rows).rewards
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(got, torch.tensor([alone(source.model, r) for r in rows]), atol=1e-5, rtol=0)
 
 
 def test_text_queries_are_scored_as_given(source):

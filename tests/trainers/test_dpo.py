@@ -43,8 +43,8 @@ def heldout_logprob_gap(model_dir, pref_dir) -> float:
     saved model, computed outside the trainer."""
     from posttrain.data.preference_dataset import PreferenceDataset
     from posttrain.data.readers import read_file
-    from posttrain.models import forward_logits, load_causal_lm, load_tokenizer
-    from posttrain.trainers.dpo import DPOObjective, sequence_logprobs
+    from posttrain.models import forward_logits, load_causal_lm, load_tokenizer, sequence_logprobs
+    from posttrain.trainers.dpo import DPOObjective
 
     tok = load_tokenizer(model_dir)
     rows = read_file(str(pref_dir / "test.jsonl"))
@@ -149,8 +149,8 @@ def test_response_logprobs_cover_the_response_only_padded_and_packed(tiny_model_
     from posttrain.algorithms.losses import token_logprobs
     from posttrain.data.preference_dataset import PreferenceDataset
     from posttrain.data.synthetic import make_preference_rows
-    from posttrain.models import forward_logits, load_causal_lm, load_tokenizer
-    from posttrain.trainers.dpo import DPOObjective, sequence_logprobs
+    from posttrain.models import forward_logits, load_causal_lm, load_tokenizer, sequence_logprobs
+    from posttrain.trainers.dpo import DPOObjective
 
     tok = load_tokenizer(tiny_model_dir)
     model = load_causal_lm(tiny_model_dir)

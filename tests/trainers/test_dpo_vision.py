@@ -13,9 +13,9 @@ import torch
 from posttrain.data.errors import DataError
 from posttrain.data.preference_dataset import PreferenceDataset
 from posttrain.data.synthetic_vision import COLOURS, colour_rows, write_colour_dataset
-from posttrain.models import forward_logits, load_causal_lm, load_tokenizer
+from posttrain.models import forward_logits, load_causal_lm, load_tokenizer, sequence_logprobs
 from posttrain.models.vision import is_vision_folder, load_processor
-from posttrain.trainers.dpo import DPOObjective, sequence_logprobs
+from posttrain.trainers.dpo import DPOObjective
 from posttrain.utils.metrics import read_metrics
 
 LN2 = math.log(2.0)

@@ -80,6 +80,38 @@ def test_outputs_equal_the_padded_computation(models, layout):
     assert float(mask.sum()) > 30 and bool((lp * mask).abs().sum() > 0)
 
 
+def test_a_context_parallel_group_of_one_rank_equals_the_packed_computation(tiny_model_dir,
+                                                                             tiny_score_model_dir, models,
+                                                                             tmp_path):
+    """`context`: the row packed, this rank's slice run by `models.forward` over its group with the
+    context-parallel attention, the per-token outputs gathered (the group here: one rank, so its slice is the
+    row; two ranks run in test_rl_ray.py)."""
+    import torch.distributed as dist
+
+    from posttrain.models.context_parallel import register
+    from posttrain.models.parallel_groups import ContextGroups
+
+    model, critic, tok = models
+    exp = grouped_experience(tok)
+    mask = exp.action_mask
+    ring, ring_critic = load_causal_lm(tiny_model_dir), load_score_model(tiny_score_model_dir)
+    for m in (ring, ring_critic):
+        m.set_attn_implementation(register())
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        context = ContextGroups(1, 0, dist.group.WORLD, 0, 1, head_stride=1)
+        lp, ent = policy_forward(model, exp, 0.7, with_entropy=True, packed=True)
+        lp_c, ent_c = policy_forward(ring, exp, 0.7, with_entropy=True, context=context)
+        values = value_forward(critic, exp, packed=True)
+        values_c = value_forward(ring_critic, exp, context=context)
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(lp_c * mask, lp * mask, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent_c * mask, ent * mask, atol=1e-5, rtol=0)
+    torch.testing.assert_close(values_c * mask, values * mask, atol=1e-5, rtol=0)
+    assert bool((values * mask).abs().sum() > 0)
+
+
 def test_only_read_columns_are_computed(models):
     """The LM head runs at the read positions only: a padded batch of one long prompt and a 2-token
     response computes 2 columns of logits, not T."""
