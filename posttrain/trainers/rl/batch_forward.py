@@ -2,7 +2,7 @@
 
 `Batching`: micro-batches of `micro_batch_size` samples, or with a token budget (`max_tokens`,
 --train/--rollout.max_tokens_per_gpu with --train.dynamic_batch_enable). Each micro-batch runs in a
-`layout.Layout`: padded, packed (--ds.packing_samples) and/or with shared prefixes (a prompt computed
+`batch_layout.Layout`: padded, packed (--ds.packing_samples) and/or with shared prefixes (a prompt computed
 once for all its samples in the micro-batch; on by default, --ds.no_shared_prefix turns it off).
 Only the columns a loss reads are computed (the LM head runs at those positions only), and the
 per-token outputs come back in the padded `[b, T-1]` layout, equal to the padded computation.
