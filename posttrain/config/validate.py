@@ -434,8 +434,19 @@ def _loss_agg(cfg: PPOConfig, r: _Report) -> None:
 
 
 def _ppo(cfg: PPOConfig, r: _Report, world_size: int) -> None:
-    algo, ro, rw, t = cfg.algo, cfg.rollout, cfg.reward, cfg.train
-    adv, kl = algo.advantage, algo.kl
+    """The rules of `posttrain ppo`, by subject (problems are reported in this order)."""
+    _reward_source(cfg, r)
+    _rollout_engines(cfg, r)
+    _loss_agg(cfg, r)
+    _rollout_sizes(cfg, r)
+    _advantage_and_kl(cfg, r)
+    _async_and_ema(cfg, r)
+    _vision_rl(cfg, r)
+
+
+def _reward_source(cfg: PPOConfig, r: _Report) -> None:
+    """Exactly one reward source: a reward model, a remote URL (or .py file), or an agent file."""
+    rw, t = cfg.reward, cfg.train
     if rw.model_name_or_path and rw.remote_url:
         r.problems.append(
             f"--reward.model_name_or_path {format_value(rw.model_name_or_path)} and --reward.remote_url "
@@ -454,15 +465,24 @@ def _ppo(cfg: PPOConfig, r: _Report, world_size: int) -> None:
             "--reward.remote_url (an http(s) reward server or a .py file defining reward_func) or "
             "--train.agent_func_path (an agent file whose environment returns rewards)",
         )
+
+
+def _rollout_engines(cfg: PPOConfig, r: _Report) -> None:
+    """What the rollout engines can run: a QLoRA actor only in one process, vLLM only in engines of
+    its own."""
+    t = cfg.train
     if cfg.ds.load_in_4bit and cfg.ds.lora.rank > 0 and (t.async_enable or uses_ray(cfg)):
-        r.bad("ds.load_in_4bit", True, "a QLoRA actor cannot sync its weights to rollout engines of their own yet "
-              "(Ray, --vllm.num_engines, --train.async_enable): run in one process, where the engine samples "
-              "from the actor itself")
+        r.bad("ds.load_in_4bit", True, "a QLoRA actor cannot sync its weights to rollout engines of their "
+              "own yet (Ray, --vllm.num_engines, --train.async_enable): run in one process, where the engine "
+              "samples from the actor itself")
     if cfg.rollout.engine == "vllm" and not (cfg.vllm.num_engines or 0) >= 1:
-        r.bad("rollout.engine", "vllm", "vLLM runs in rollout engines of their own: add --vllm.num_engines 1 (on Ray); "
-              "one process samples with the HF engine over the actor's module")
-    _loss_agg(cfg, r)
-    # rollout sizes
+        r.bad("rollout.engine", "vllm", "vLLM runs in rollout engines of their own: add --vllm.num_engines 1 "
+              "(on Ray); one process samples with the HF engine over the actor's module")
+
+
+def _rollout_sizes(cfg: PPOConfig, r: _Report) -> None:
+    """Generation budget and batch sizes of a rollout."""
+    ro, t = cfg.rollout, cfg.train
     if ro.max_new_tokens is not None:
         r.need(
             0 < ro.max_new_tokens < cfg.data.max_len,
@@ -478,12 +498,19 @@ def _ppo(cfg: PPOConfig, r: _Report, world_size: int) -> None:
             f"must divide the samples per rollout --rollout.batch_size x --rollout.n_samples_per_prompt = "
             f"{ro.batch_size} x {ro.n_samples_per_prompt} = {samples}",
         )
-    if ro.vllm_generate_batch_size is not None and ro.vllm_generate_batch_size > ro.batch_size and not t.async_enable:
+    gen = ro.vllm_generate_batch_size
+    if gen is not None and gen > ro.batch_size and not t.async_enable:
         r.bad(
             "rollout.vllm_generate_batch_size",
             ro.vllm_generate_batch_size,
             f"larger than --rollout.batch_size {ro.batch_size} needs --train.async_enable (oversampling)",
         )
+
+
+def _advantage_and_kl(cfg: PPOConfig, r: _Report) -> None:
+    """Estimators, KL, dynamic filtering and reward shaping."""
+    algo, ro, rw = cfg.algo, cfg.rollout, cfg.reward
+    adv, kl = algo.advantage, algo.kl
     # estimators
     if adv.estimator in GROUP_ESTIMATORS and ro.n_samples_per_prompt < 2:
         r.bad(
@@ -522,14 +549,24 @@ def _ppo(cfg: PPOConfig, r: _Report, world_size: int) -> None:
                 rw.overlong_buffer_len,
                 f"must be <= --rollout.max_new_tokens {ro.max_new_tokens}",
             )
-    # async / placement
+
+
+def _async_and_ema(cfg: PPOConfig, r: _Report) -> None:
+    """Async RL (partial rollout, sleeping engines) and the EMA copy under ZeRO-3."""
+    t = cfg.train
     if t.partial_rollout_enable and not t.async_enable:
         r.bad("train.partial_rollout_enable", True, "needs --train.async_enable")
     if t.async_enable and cfg.vllm.enable_sleep:
         r.bad("vllm.enable_sleep", True, "not compatible with --train.async_enable")
     if t.enable_ema and cfg.ds.zero_stage == 3 and role_ranks(cfg.actor) > 1:
-        r.bad("train.enable_ema", True, "not available with --ds.zero_stage 3 and several actor ranks in this "
-              "version (each rank holds a shard of the weights); use --ds.zero_stage 2 or one actor rank")
+        r.bad("train.enable_ema", True, "not available with --ds.zero_stage 3 and several actor ranks in "
+              "this version (each rank holds a shard of the weights); use --ds.zero_stage 2 or one actor "
+              "rank")
+
+
+def _vision_rl(cfg: PPOConfig, r: _Report) -> None:
+    """Vision-language RL: no critic, no packed rows."""
+    adv = cfg.algo.advantage
     if cfg.data.max_images_per_prompt > 0:
         if adv.estimator == "gae":
             r.bad(
