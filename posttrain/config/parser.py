@@ -22,7 +22,7 @@ from posttrain.compat.flag_migration import explain_unknown
 from posttrain.compat.trl_rloo import Translation, is_trl_rloo, translate_rloo
 from posttrain.config.errors import ConfigError, ConfigWarning
 from posttrain.config.flag_values import parse_scalar
-from posttrain.config.spec import SOURCES_ATTRIBUTE, FlagSpec, flag_specs, set_path
+from posttrain.config.spec import FlagSpec, flag_specs, set_path
 from posttrain.config.trainers import COMMAND_CONFIGS, CONFIG_CLASSES, TRAINERS, config_class
 from posttrain.config.yaml_io import load_yaml_values, read_yaml, typed_values
 
@@ -218,8 +218,7 @@ def parse_config(
     cfg = cls()
     for spec in flag_specs(cls):
         set_path(cfg, spec.path, copy.deepcopy(getattr(ns, spec.path)))
-    object.__setattr__(cfg, SOURCES_ATTRIBUTE,
-                       {sp.path: sources[sp.path] for sp in flag_specs(cls) if sp.path in sources})
+    cfg.flag_sources = {sp.path: sources[sp.path] for sp in flag_specs(cls) if sp.path in sources}
     if translation is not None:
         cfg.trl_translation = translation
     if check:
