@@ -99,8 +99,9 @@ class ParsedFields:
 
 
 def section(cls: type, *, inert: Any = (), on_resume: str | None = None, **overrides: Any) -> Any:
-    """A nested section field whose defaults differ from `cls`'s by `overrides` (deep-copied per instance);
-    `inert` facts apply to every flag inside it (after each flag's own), and `on_resume` to every flag inside it that declares none."""
+    """A nested section field whose defaults differ from `cls`'s by `overrides` (deep-copied per
+    instance); `inert` facts apply to every flag inside it (after each flag's own), and `on_resume` to every
+    flag inside it that declares none."""
     return field(default_factory=lambda: cls(**copy.deepcopy(overrides)),
                  metadata={"inert": _facts(inert), "on_resume": on_resume})
 

@@ -212,8 +212,9 @@ class RLTrainer(RunLoop):
         if ids is None and hasattr(self.rollout_engine, "call"):
             ids = self.rollout_engine.first(self.rollout_engine.call("eos_token_ids") + [[]])
         if not ids:
-            raise ConfigError("--reward.missing_eos_penalty: the rollout engine has no EOS id (the tokenizer and "
-                              "the model's generation config name none), so every sample would be penalised")
+            raise ConfigError("--reward.missing_eos_penalty: the rollout engine has no EOS id (the tokenizer "
+                              "and the model's generation config name none), so every sample would be "
+                              "penalised")
         return tuple(int(i) for i in ids)
 
     # ---- one step ---------------------------------------------------------------------------
@@ -505,11 +506,13 @@ class RLTrainer(RunLoop):
             expected, got = self.actor.weights_hash(), self.rollout_engine.weights_hashes()
             bad = [i for i, h in enumerate(got) if h != expected]
             if bad:
-                raise RuntimeError(f"weight sync failed: rollout engine(s) {bad} hold other weights than the actor")
+                raise RuntimeError(f"weight sync failed: rollout engine(s) {bad} hold other weights than the "
+                                   "actor")
             info(f"weight sync verified: {len(got)} rollout engine(s) hold the actor's weights")
         elif verify and self.cfg.train.async_enable:  # in one process, the async engine's own copy
             if self.rollout_engine.weights_hash() != self.actor.weights_hash():
-                raise RuntimeError("weight sync failed: the async rollout engine holds other weights than the actor")
+                raise RuntimeError("weight sync failed: the async rollout engine holds other weights than "
+                                   "the actor")
             info("weight sync verified: the async rollout engine holds the actor's weights")
         return sent
 
