@@ -45,7 +45,7 @@ from posttrain.config.sections import (
     WandbConfig,
 )
 from posttrain.config.serving import ServeRMConfig
-from posttrain.config.spec import carried, opt, section
+from posttrain.config.spec import ParsedFields, carried, opt, section
 
 TRAINERS = ("sft", "rm", "dpo", "ppo")
 
@@ -61,7 +61,7 @@ def _ckpt(cls, trainer: str, **kw):
 
 
 @dataclass
-class LauncherFields:
+class LauncherFields(ParsedFields):
     """Flags set by launchers."""
 
     local_rank: int = opt(-1, "local rank (injected by the deepspeed launcher)",

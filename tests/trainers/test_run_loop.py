@@ -198,7 +198,7 @@ def test_a_nan_evaluation_is_neither_baseline_nor_best(tmp_path):
     loop = Scored(tmp_path, 4, Cadence(eval_steps=1, keep_best=True), scores=[nan, 0.2, nan, 0.1, 0.3])
     loop.fit()
     assert [e["step"] for e in loop.exports] == [4]  # 0.2 at step 1 is the baseline; NaN never counts
-    assert loop.best == {"key": "eval/score", "value": 0.3, "step": 4}
+    assert loop.record.best == {"key": "eval/score", "value": 0.3, "step": 4}
 
 
 def test_an_older_checkpoint_without_a_recorded_best_takes_a_baseline(tmp_path, capsys):

@@ -66,8 +66,8 @@ def test_a_vision_language_actor_on_the_gpu(tiny_vision_dir, tmp_path, capsys):
     exp, _ = trainer.experience_maker.make(scored, 0.0)
     mask = exp.action_mask.bool()
     with torch.no_grad():
-        recomputed = trainer.actor.logprobs(exp, trainer.forward_batching).cpu()
+        recomputed = trainer.actor.logprobs(exp, trainer.experience_maker.batching).cpu()
     torch.testing.assert_close(recomputed[mask.cpu()], exp.rollout_logp.cpu()[mask.cpu()], rtol=0, atol=1e-4)
-    trainer.folders.close()
+    trainer.start.folders.close()
     train_ppo_ray.main([*flags, "--train.max_steps", "2", "--ckpt.output_dir", str(tmp_path / "bf16")])
     _finite_steps(tmp_path / "bf16", keys=("actor/policy_loss",))

@@ -83,12 +83,12 @@ def test_reference_is_the_base_with_the_adapter_disabled(rl_setup, tmp_path, one
     scored, _, _ = trainer.produce(0)
     assert trainer.rollout_engine._fast._weight_cache == {}  # fused copies freed: the module trains next
     exp, _ = trainer.experience_maker.make(scored, 0.0)
-    batches = trainer.forward_batching
+    batches = trainer.experience_maker.batching
     separate = Reference(load_causal_lm(rl_setup[0]), 1.0, trainer.device).logprobs(exp, batches)
     adapter_off = trainer.ref.logprobs(exp, batches)
     torch.testing.assert_close(adapter_off, separate, rtol=0, atol=1e-6)
     assert (trainer.actor.logprobs(exp, batches) - adapter_off).abs().max() > 1e-3
-    trainer.folders.close()
+    trainer.start.folders.close()
 
 
 def test_kl_starts_at_zero_and_another_reference_loads_its_own(run_ppo, rl_setup, tmp_path, capsys):

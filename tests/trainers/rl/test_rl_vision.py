@@ -47,17 +47,17 @@ def test_the_trainers_log_probs_equal_the_sampling_ones_and_the_image_matters(ti
     exp, _ = trainer.experience_maker.make(scored, 0.0)
     assert exp.image_inputs is not None and all(im is not None for im in exp.image_inputs)
     mask = exp.action_mask.bool()
+    batching = trainer.experience_maker.batching
     with torch.no_grad():
-        recomputed = trainer.actor.logprobs(exp, trainer.forward_batching)
+        recomputed = trainer.actor.logprobs(exp, batching)
         torch.testing.assert_close(recomputed[mask], exp.rollout_logp[mask], rtol=0, atol=1e-5)
         other = [{**im, "pixel_values": im["pixel_values"][::-1].copy()} for im in exp.image_inputs]
         exp.image_inputs = other  # the same tokens with other pixels: other log-probs
-        assert ((trainer.actor.logprobs(exp, trainer.forward_batching)[mask] - recomputed[mask]).abs().max()
-                > 1e-4)
+        assert (trainer.actor.logprobs(exp, batching)[mask] - recomputed[mask]).abs().max() > 1e-4
     # the reward function reads the response after the prompt text, which is the decoded (expanded) prompt
     r = scored.rollouts[0]
     assert r.prompt_text.count("<|image_pad|>") == 4
-    trainer.folders.close()
+    trainer.start.folders.close()
 
 
 def test_freeze_visual_encoder_trains_the_language_model_only(tiny_vision_dir, colours, tmp_path,
