@@ -1,13 +1,14 @@
 """Mixture-of-experts models: detection, the router load-balancing loss, and the expert blocks that ZeRO-3
 must gather whole.
 
-Router loss (`--model.aux_loss_coef`, `--actor.aux_loss_coef`): `track_router_loss(model)` hooks the model's
-decoder to return its router logits; after each forward, `take_router_loss(model)` returns the family's own
-load-balancing loss of that forward (the `load_balancing_loss_func` of the model's transformers module: for
-Qwen3-MoE / Mixtral, E * sum_e f_e * P_e over the layers' tokens, f_e the share of routing slots (top-k) that
-chose expert e, P_e the mean router probability of e; padding left out when the batch has a 2-D attention mask).
-Inside `router_token_weights(model, w)` the means weigh token (r, t) by w[r, t] instead: a layout computing
-one token for several samples (a shared prompt) counts it once per sample, as the per-sample rows would.
+Router loss (its coefficient: `models.setup.ModelSetup.router_loss_coef`): `track_router_loss(model)` hooks
+the model's decoder to return its router logits; after each forward, `take_router_loss(model)` returns the
+family's own load-balancing loss of that forward (the `load_balancing_loss_func` of the model's transformers
+module: for Qwen3-MoE / Mixtral, E * sum_e f_e * P_e over the layers' tokens, f_e the share of routing slots
+(top-k) that chose expert e, P_e the mean router probability of e; padding left out when the batch has a 2-D
+attention mask). Inside `router_token_weights(model, w)` the means weigh token (r, t) by w[r, t] instead: a
+layout computing one token for several samples (a shared prompt) counts it once per sample, as the per-sample
+rows would.
 
 ZeRO-3 leaves (`mark_zero3_leaves`): DeepSpeed gathers a leaf module's parameters whole before its forward
 instead of following the order its hooks recorded; routing changes which experts run from batch to batch, so

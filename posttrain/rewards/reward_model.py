@@ -38,7 +38,8 @@ def _right_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
 
 
 class RewardModelSource:
-    """RewardSource backed by a score model loaded with `posttrain.models.load_score_model`.
+    """RewardSource backed by a score model built by `setup` (a `models.setup.ModelSetup`, role "reward": its
+    dtype, attention and expert kernels, head prefix; default: `ModelSetup()`).
 
     score(queries, ...) tokenises the query texts as given, without the tokenizer's automatic special
     tokens (OpenRLHF's serve_rm: `add_special_tokens=False`, nothing appended, so a query that ends in
@@ -55,47 +56,54 @@ class RewardModelSource:
     model stays in CPU memory between forwards where there is an accelerator (a whole copy moves to it
     for each call; shards by DeepSpeed's offload_param); on a CPU there is nothing to offload to."""
 
-    def __init__(self, path, *, value_head_prefix: str = "score", normalize: bool = False, dtype="fp32",
-                 batch_size: int = 16, max_len: int | None = None, tokenizer=None, device="cpu",
-                 attn_implementation: str | None = None, onednn_linear: bool = True, ds=None,
+    def __init__(self, path, *, setup=None, normalize: bool = False, batch_size: int = 16,
+                 max_len: int | None = None, tokenizer=None, device="cpu", ds=None,
                  zero_stage: int | None = None, offload: bool = False):
-        from posttrain.engines.zero3 import FrozenShards, shard_numel, sharded_loading
-        from posttrain.models import load_score_model, load_tokenizer
+        from posttrain.engines.dist import env_world, init_process_group
+        from posttrain.engines.zero3 import FrozenShards, sharded_loading
+        from posttrain.models import load_tokenizer
+        from posttrain.models.setup import ModelSetup
 
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size}: must be >= 1")
         if max_len is not None and max_len < 2:
             raise ValueError(f"max_len={max_len}: must be >= 2 (or None for no limit)")
+        setup = setup if setup is not None else ModelSetup()
         self.path = str(path)
         self.batch_size = batch_size
         self.max_len = max_len
         self.device = torch.device(device)
         self.engine = None  # the FrozenShards of a sharded model
-        # --ds.ring_attn_size: a context-parallel group (group, rank, size, head_stride) whose ranks score the same
-        # sequences, each computing its slice of the packed batch (set by the RL build)
-        self.context = None
-        with sharded_loading(ds, zero_stage, offload_params=offload) as sharded:
-            model = load_score_model(self.path, dtype, value_head_prefix=value_head_prefix,
-                                     attn_implementation=attn_implementation, onednn_linear=onednn_linear,
-                                     experts_implementation=getattr(ds, "experts_implementation", None))
-        self.offload = offload and self.device.type != "cpu" and not sharded
-        self.loaded_numel = shard_numel(model)  # (elements this rank holds, of the whole model) once loaded
-        if sharded:
+        rank, world, _ = env_world()
+        split = setup.ring > 1 and world > 1  # context parallelism over this process's ranks
+        built = setup.build(self.path, "reward", split_rows=split,
+                            sharding=sharded_loading(ds, zero_stage, offload_params=offload))
+        model = built.model
+        self.offload = offload and self.device.type != "cpu" and not built.sharded
+        self.loaded_numel = built.loaded_numel  # (elements this rank holds, of the whole model) once loaded
+        if built.sharded:
             self.engine = FrozenShards(model, ds, offload=offload)
             model, self.device = self.engine.module, self.engine.device
         elif not self.offload:
             model = model.to(self.device)
         self.model = model.eval()
+        # a context-parallel group whose ranks score the same sequences, each computing its slice of the
+        # packed batch (collective: every rank of the reward model builds it), or None
+        self.context = None
+        if split:
+            init_process_group()
+            self.context = setup.parallel(built, rank, world, trained=False).context
         self.mean, self.std = 0.0, 1.0
         if normalize:
             mean = getattr(self.model.config, "mean", None)
             std = getattr(self.model.config, "std", None)
             if mean is None or std is None:
-                raise RewardError(f"--reward.normalize_enable: reward model {self.path} has no `mean`/`std` in its "
-                                 "config.json; train the RM with posttrain rm, or drop --reward.normalize_enable")
+                raise RewardError(f"--reward.normalize_enable: reward model {self.path} has no `mean`/`std` in "
+                                  "its config.json; train the RM with posttrain rm, or drop "
+                                  "--reward.normalize_enable")
             if not (math.isfinite(mean) and math.isfinite(std) and std > 0):
-                raise RewardError(f"--reward.normalize_enable: reward model {self.path} has mean={mean}, std={std} "
-                                 "in its config.json; std must be a positive finite number")
+                raise RewardError(f"--reward.normalize_enable: reward model {self.path} has mean={mean}, "
+                                  f"std={std} in its config.json; std must be a positive finite number")
             self.mean, self.std = float(mean), float(std)
         self.normalize = normalize
         if tokenizer is None or isinstance(tokenizer, str):

@@ -33,7 +33,7 @@ class SFTObjective:
         return pack_collate(items) if self.packing else pad_collate(items, self.pad_id)
 
     def loss(self, model, batch: dict, num_units: float):
-        if "cp" in batch:  # this rank's slice of a packed row (--ds.ring_attn_size): its labels came with it
+        if "cp" in batch:  # this rank's slice of a packed row (context parallelism): its labels came with it
             cp = batch["cp"]
             with context_parallel(cp.group, batch["position_ids"], batch["cp_valid"], cp.head_stride):
                 logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],

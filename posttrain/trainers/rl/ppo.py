@@ -30,6 +30,7 @@ from posttrain.data.capping import capped_note
 from posttrain.data.errors import check_dropped
 from posttrain.data.images import ImageLimits
 from posttrain.models import load_tokenizer
+from posttrain.models.setup import ModelSetup
 from posttrain.models.vision import export_savers, vision_processor
 from posttrain.rollout import SamplingParams, rank_seed
 from posttrain.rollout.engine_builder import build_rollout_engine
@@ -231,7 +232,7 @@ class RLTrainer(RunLoop):
             kl_clamp=cfg.algo.kl.clamp or None,
             is_correction=adv.is_correction_type if adv.is_correction_enable else None,
             is_threshold=tuple(adv.is_correction_threshold), value_clip=cfg.critic.value_clip, seed=cfg.train.seed,
-            aux_loss_coef=a.aux_loss_coef)
+            aux_loss_coef=ModelSetup.of(cfg).router_loss_coef)
         penalty = cfg.reward.missing_eos_penalty
         self.shaping = ShapingSettings(cfg.reward.overlong_buffer_len, cfg.reward.overlong_penalty_factor,
                                        cfg.reward.stop_properly_penalty_coef, penalty,

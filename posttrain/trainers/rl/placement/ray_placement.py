@@ -22,6 +22,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from posttrain.models.parallel_groups import ParallelLayout
+from posttrain.models.setup import ModelSetup
 from posttrain.rewards.result import RewardResult, concat_results, contiguous_chunks
 from posttrain.rollout.engine_builder import sleeps
 from posttrain.rollout.types import rank_seed
@@ -97,8 +98,8 @@ def worker_threads(ranks: int) -> int:
 class _Group:
     def __init__(self, name: str, handles: list, layout: ParallelLayout | None = None) -> None:
         self.name, self.handles = name, handles
-        # --ds.ring_attn_size / --ds.tensor_parallel_size: the ranks of one data-parallel index (a block of
-        # context x tensor consecutive ranks) take the same rows
+        # context and tensor parallelism: the ranks of one data-parallel index (a block of context x tensor
+        # consecutive ranks) take the same rows
         self.layout = layout if layout is not None and len(handles) > 1 else ParallelLayout(len(handles))
         self.same_rows = self.layout.context * self.layout.tensor
 
@@ -449,10 +450,11 @@ class RayPlacement:
                     f"{PLACE_TIMEOUT_S:.0f} s; the cluster has {ray.cluster_resources()}: lower the --*.num_nodes / "
                     "--*.num_gpus_per_node / --vllm.num_engines counts, colocate roles, or add nodes") from None
         roles = self.plan.roles
+        setup = ModelSetup.of(cfg)
+
         def layout(role: str, trained: bool) -> ParallelLayout | None:  # the trained roles' models are split by TP
             n = self.plan.roles[role].num_ranks
-            return ParallelLayout(n, cfg.ds.ring_attn_size, cfg.ds.tensor_parallel_size if trained else 1) \
-                if n > 1 else None
+            return setup.layout(n, trained) if n > 1 else None
 
         self.actor = ActorGroup("actor", self._ranks("actor"), keeps_ema=bool(cfg.train.enable_ema),
                                 lora=cfg.ds.lora.rank > 0, layout=layout("actor", True))
