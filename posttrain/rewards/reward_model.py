@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import math
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from posttrain.rewards.result import RewardError, RewardResult, check_batch
 from posttrain.utils.log import warn_once
+
+if TYPE_CHECKING:
+    from posttrain.models.setup import ModelSetup
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -56,7 +60,7 @@ class RewardModelSource:
     model stays in CPU memory between forwards where there is an accelerator (a whole copy moves to it
     for each call; shards by DeepSpeed's offload_param); on a CPU there is nothing to offload to."""
 
-    def __init__(self, path, *, setup=None, normalize: bool = False, batch_size: int = 16,
+    def __init__(self, path, *, setup: ModelSetup | None = None, normalize: bool = False, batch_size: int = 16,
                  max_len: int | None = None, tokenizer=None, device="cpu", ds=None,
                  zero_stage: int | None = None, offload: bool = False):
         from posttrain.engines.dist import env_world, init_process_group
