@@ -60,8 +60,8 @@ class RewardModelSource:
     model stays in CPU memory between forwards where there is an accelerator (a whole copy moves to it
     for each call; shards by DeepSpeed's offload_param); on a CPU there is nothing to offload to."""
 
-    def __init__(self, path, *, setup: ModelSetup | None = None, normalize: bool = False, batch_size: int = 16,
-                 max_len: int | None = None, tokenizer=None, device="cpu", ds=None,
+    def __init__(self, path, *, setup: ModelSetup | None = None, normalize: bool = False,
+                 batch_size: int = 16, max_len: int | None = None, tokenizer=None, device="cpu", ds=None,
                  zero_stage: int | None = None, offload: bool = False):
         from posttrain.engines.dist import env_world, init_process_group
         from posttrain.engines.zero3 import FrozenShards, sharded_loading
@@ -102,8 +102,8 @@ class RewardModelSource:
             mean = getattr(self.model.config, "mean", None)
             std = getattr(self.model.config, "std", None)
             if mean is None or std is None:
-                raise RewardError(f"--reward.normalize_enable: reward model {self.path} has no `mean`/`std` in "
-                                  "its config.json; train the RM with posttrain rm, or drop "
+                raise RewardError(f"--reward.normalize_enable: reward model {self.path} has no `mean`/`std` "
+                                  "in its config.json; train the RM with posttrain rm, or drop "
                                   "--reward.normalize_enable")
             if not (math.isfinite(mean) and math.isfinite(std) and std > 0):
                 raise RewardError(f"--reward.normalize_enable: reward model {self.path} has mean={mean}, "

@@ -269,9 +269,9 @@ class Critic(_Scorer):
         mean, std = getattr(config, "mean", None), getattr(config, "std", None)
         self.mean, self.std = (float(mean), float(std)) if normalize and mean is not None and std else (0.0, 1.0)
         if normalize and (mean is None or not std):
-            warn_once("--reward.normalize_enable: the critic's model has no reward mean/std in its config (it "
-                      "was not started from a reward model trained by posttrain rm), so its values are not "
-                      "normalised")
+            warn_once("--reward.normalize_enable: the critic's model has no reward mean/std in its config "
+                      "(it was not started from a reward model trained by posttrain rm), so its values are "
+                      "not normalised")
 
     def values(self, exp: Experience, batches: Batching) -> torch.Tensor:
         return self._per_token(exp, batches, lambda part: self.forward(part, batches))
