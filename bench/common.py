@@ -22,7 +22,8 @@ def versions() -> dict[str, str]:
     import torch
     import transformers
 
-    out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+    out = {"python": platform.python_version(), "torch": torch.__version__,
+           "transformers": transformers.__version__}
     try:
         import trl
 
@@ -194,7 +195,8 @@ def run_worker(script: Path, args: list[str], log_path: Path, timeout: float = 9
     t0 = time.perf_counter()
     with log_path.open("w") as log:
         proc = subprocess.run([sys.executable, str(script), *args, "--result", str(result)], check=False,
-                              cwd=REPO, env=_bench_env(), stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+                              cwd=REPO, env=_bench_env(), stdout=log, stderr=subprocess.STDOUT,
+                              timeout=timeout)
     if proc.returncode != 0 or not result.exists():
         raise RuntimeError(f"worker {' '.join(args)} failed (exit {proc.returncode}); log {log_path}:\n"
                            f"{_log_tail(log_path)}")
@@ -220,8 +222,8 @@ def run_round_robin(commands: list[list[str]], logs: list[Path], timeout: float 
             r_go, w_go = os.pipe()
             env = dict(_bench_env(), BENCH_READY_FD=str(w_ready), BENCH_GO_FD=str(r_go))
             with log.open("w") as out:
-                p = subprocess.Popen([sys.executable, *cmd, "--result", str(res)], cwd=REPO, env=env, stdout=out,
-                                     stderr=subprocess.STDOUT, pass_fds=(w_ready, r_go))
+                p = subprocess.Popen([sys.executable, *cmd, "--result", str(res)], cwd=REPO, env=env,
+                                     stdout=out, stderr=subprocess.STDOUT, pass_fds=(w_ready, r_go))
             os.close(w_ready)
             os.close(r_go)
             procs.append((p, r_ready, w_go, log))
@@ -312,9 +314,10 @@ def trl_training_args(spec: dict, out_dir) -> dict:
         gradient_accumulation_steps=spec["batch_size"] // spec["micro_batch_size"],
         max_steps=steps, learning_rate=spec["lr"], optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.95,
         adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr_rate": spec["min_lr_ratio"]}, warmup_steps=math.ceil(steps * spec["warmup_ratio"]),
-        seed=spec["seed"], train_sampling_strategy="sequential", eval_strategy="no", save_strategy="no",
-        report_to="none", logging_steps=1, dataloader_num_workers=0, dataloader_pin_memory=False)
+        lr_scheduler_kwargs={"min_lr_rate": spec["min_lr_ratio"]},
+        warmup_steps=math.ceil(steps * spec["warmup_ratio"]), seed=spec["seed"],
+        train_sampling_strategy="sequential", eval_strategy="no", save_strategy="no", report_to="none",
+        logging_steps=1, dataloader_num_workers=0, dataloader_pin_memory=False)
 
 
 def trl_grpo_args(spec: dict, out_dir, *, beta: float, seed: int) -> dict:
@@ -330,8 +333,8 @@ def trl_grpo_args(spec: dict, out_dir, *, beta: float, seed: int) -> dict:
         generation_batch_size=total, num_generations=spec["n"], num_iterations=1, shuffle_dataset=False,
         max_completion_length=spec["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0,
         beta=beta, loss_type="dapo", scale_rewards="group", epsilon=0.2, use_vllm=False,
-        max_steps=spec["steps"], learning_rate=spec["lr"], optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.95,
-        adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0, warmup_steps=0, seed=seed,
+        max_steps=spec["steps"], learning_rate=spec["lr"], optim="adamw_torch", adam_beta1=0.9,
+        adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0, warmup_steps=0, seed=seed,
         eval_strategy="no", save_strategy="no", report_to="none", logging_steps=1, log_completions=False,
         dataloader_num_workers=0, dataloader_pin_memory=False)
 
@@ -421,9 +424,9 @@ def plus_lines(spec: dict, speed: dict[str, list[float]], steps: dict[str, list[
                 return median(b / a for ra, rb in zip(clock[num], clock[den]) for a, b in zip(ra, rb))
 
             cpu_text = f"; CPU time per step, median ratio: {per_step(cpu):.3f}" if cpu else ""
-            lines.append(f"- speed {num} / {den}: **{median(speed[num]) / median(speed[den]):.3f}x** (each repeat: "
-                         f"{', '.join(f'{v:.3f}' for v in each)}; per step, median: {per_step(steps):.3f}{cpu_text}; "
-                         f"> 1 = {num} faster)")
+            lines.append(f"- speed {num} / {den}: **{median(speed[num]) / median(speed[den]):.3f}x** (each "
+                         f"repeat: {', '.join(f'{v:.3f}' for v in each)}; per step, median: "
+                         f"{per_step(steps):.3f}{cpu_text}; > 1 = {num} faster)")
     return lines
 
 
@@ -438,6 +441,7 @@ def set_threads(spec: dict) -> None:
 def check_step_args(p, args) -> None:
     """Refuse a global batch that is not whole micro-batches, and runs with no timed step."""
     if args.batch_size % args.micro_batch_size:
-        p.error(f"--batch-size {args.batch_size} must be a multiple of --micro-batch-size {args.micro_batch_size}")
+        p.error(f"--batch-size {args.batch_size} must be a multiple of --micro-batch-size "
+                f"{args.micro_batch_size}")
     if args.steps < 2:
         p.error("--steps must be at least 2 (step 1 is excluded as warm-up)")

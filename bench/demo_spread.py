@@ -77,7 +77,8 @@ def main() -> None:
     only = ap.add_mutually_exclusive_group()
     only.add_argument("--agent-only", action="store_true")
     only.add_argument("--arithmetic-only", action="store_true")
-    ap.add_argument("--recipes", default="640:3e-4", help="agent RL prompts:lr, comma-separated (--agent-only)")
+    ap.add_argument("--recipes", default="640:3e-4", help="agent RL prompts:lr, comma-separated "
+                                                          "(--agent-only)")
     ap.add_argument("--control", action="store_true", help="also the single-turn control (--agent-only)")
     ap.add_argument("--flags", default="", help="extra training flags for the agent-only sweep")
     ap.add_argument("--workdir", default="runs/spread")

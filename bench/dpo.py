@@ -9,8 +9,8 @@ preference pairs (`make_preference_rows`: an arithmetic prompt, the right answer
 rejected), formatted by the tokenizer's chat template with the loss on the responses (posttrain:
 `--data.prompt_key prompt --data.apply_chat_template`; TRL: the conversational prompt / chosen /
 rejected format, each response cut after its EOS as posttrain's pairs are, dropping the newline the
-chat template renders after it), in the same order (posttrain's epoch-0 permutation; TRL gets the rows pre-ordered
-with a sequential sampler), with the same global batch of pairs, micro-batch / gradient
+chat template renders after it), in the same order (posttrain's epoch-0 permutation; TRL gets the rows
+pre-ordered with a sequential sampler), with the same global batch of pairs, micro-batch / gradient
 accumulation, sigmoid DPO loss (beta 0.1) on summed response log-probs with the reference forward
 every step (TRL `precompute_ref_log_probs=False`), AdamW (betas 0.9/0.95, eps 1e-8, no weight
 decay), clip 1.0, cosine-with-min-lr schedule and warm-up, fp32, sdpa, no gradient checkpointing,
@@ -70,7 +70,8 @@ SIDES = ("posttrain", PLUS, "trl")  # PLUS only with --posttrain-flags
 
 # ---- worker side ---------------------------------------------------------------------------------
 def record(pairs) -> dict:
-    """One micro-batch as the collator received it: [(chosen ids, chosen mask, rejected ids, rejected mask)]."""
+    """One micro-batch as the collator received it: [(chosen ids, chosen mask, rejected
+    ids, rejected mask)]."""
     h = hashlib.sha1()
     tokens = 0
     for c_ids, c_mask, r_ids, r_mask in pairs:
@@ -82,15 +83,17 @@ def record(pairs) -> dict:
 
 def _posttrain_argv(spec: dict, out_dir: Path) -> list[str]:
     return ["--model.model_name_or_path", spec["model"], "--data.dataset", spec["data"],
-            "--data.prompt_key", "prompt", "--data.apply_chat_template", "--data.max_len", str(spec["max_len"]),
+            "--data.prompt_key", "prompt", "--data.apply_chat_template",
+            "--data.max_len", str(spec["max_len"]),
             "--eval.split", "test",  # no test split => no eval set
-            "--train.batch_size", str(spec["batch_size"]), "--train.micro_batch_size", str(spec["micro_batch_size"]),
-            "--train.max_epochs", "1", "--train.seed", str(spec["seed"]), "--model.beta", str(spec["beta"]),
+            "--train.batch_size", str(spec["batch_size"]),
+            "--train.micro_batch_size", str(spec["micro_batch_size"]), "--train.max_epochs", "1",
+            "--train.seed", str(spec["seed"]), "--model.beta", str(spec["beta"]),
             "--adam.lr", str(spec["lr"]), "--adam.betas", "0.9", "0.95", "--adam.eps", "1e-8",
             "--adam.weight_decay", "0.0", "--max_norm", "1.0", "--lr_scheduler", "cosine_with_min_lr",
             "--lr_warmup_ratio", str(spec["warmup_ratio"]), "--min_lr_ratio", str(spec["min_lr_ratio"]),
-            "--ds.param_dtype", "fp32", "--ds.attn_implementation", "sdpa",
-            "--ckpt.output_dir", str(out_dir), "--ckpt.save_steps", "-1", "--logger.logging_steps", "1"]
+            "--ds.param_dtype", "fp32", "--ds.attn_implementation", "sdpa", "--ckpt.output_dir", str(out_dir),
+            "--ckpt.save_steps", "-1", "--logger.logging_steps", "1"]
 
 
 def run_posttrain(spec: dict, out_dir: Path, clock: TurnClock, extra: list[str]) -> dict:
@@ -130,15 +133,18 @@ def run_trl(spec: dict, out_dir: Path, clock: TurnClock) -> dict:
     ordered = [rows[i] for i in spec["order"]]  # posttrain's epoch-0 order, consumed sequentially
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],
                                   "chosen": [{"role": "assistant", "content": r["chosen"]}],
-                                  "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in ordered])
+                                  "rejected": [{"role": "assistant", "content": r["rejected"]}]}
+                                 for r in ordered])
     tok = AutoTokenizer.from_pretrained(spec["model"])
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32,
+                                                 attn_implementation="sdpa")
     micro, lrs = [], []
 
     config = DPOConfig(
         **trl_training_args(spec, out_dir), beta=spec["beta"], loss_type=["sigmoid"],
         precompute_ref_log_probs=False, max_length=spec["max_len"])
-    trainer = DPOTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok, callbacks=[trl_step_callback(clock, lrs)])
+    trainer = DPOTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok,
+                         callbacks=[trl_step_callback(clock, lrs)])
     eos = tok.eos_token_id
 
     def end_at_eos(ids: list[int]) -> list[int]:  # posttrain's pairs end at EOS, without the template's "\n"
@@ -148,13 +154,15 @@ def run_trl(spec: dict, out_dir: Path, clock: TurnClock) -> dict:
     trainer.train_dataset = trainer.train_dataset.map(
         lambda e: {"chosen_ids": end_at_eos(e["chosen_ids"]), "rejected_ids": end_at_eos(e["rejected_ids"])})
     longest = max(len(p) + max(len(c), len(r)) for p, c, r in zip(
-        trainer.train_dataset["prompt_ids"], trainer.train_dataset["chosen_ids"], trainer.train_dataset["rejected_ids"]))
+        trainer.train_dataset["prompt_ids"], trainer.train_dataset["chosen_ids"],
+        trainer.train_dataset["rejected_ids"]))
     if longest > spec["max_len"]:
         raise ValueError(f"a TRL pair has {longest} tokens > max_len {spec['max_len']}; raise --max-len")
     inner = trainer.data_collator
 
     def collate(examples):
-        micro.append(record((e["prompt_ids"] + e["chosen_ids"], [0] * len(e["prompt_ids"]) + [1] * len(e["chosen_ids"]),
+        micro.append(record((e["prompt_ids"] + e["chosen_ids"],
+                             [0] * len(e["prompt_ids"]) + [1] * len(e["chosen_ids"]),
                              e["prompt_ids"] + e["rejected_ids"],
                              [0] * len(e["prompt_ids"]) + [1] * len(e["rejected_ids"])) for e in examples))
         return inner(examples)
@@ -178,8 +186,8 @@ def worker(args) -> None:
         res = run_posttrain(spec, Path(args.out), clock, side_flags(spec, args.worker))
     micro = res.pop("micro")
     if len(clock.steps) != steps or len(micro) < steps * ga:
-        raise RuntimeError(f"{args.worker}: {len(clock.steps)} optimizer steps and {len(micro)} micro-batches, "
-                           f"expected {steps} and {steps * ga}")
+        raise RuntimeError(f"{args.worker}: {len(clock.steps)} optimizer steps and {len(micro)} "
+                           f"micro-batches, expected {steps} and {steps * ga}")
     micro = micro[: steps * ga]
     seconds, timed_steps = clock.window(skip=1)
     res.update({"side": args.worker, "num_threads": torch.get_num_threads(), "seconds": seconds,
@@ -202,12 +210,13 @@ def prepare(args, work: Path) -> dict:
         build_tiny(str(model), arch="llama", size=args.size, head="lm", seed=0, verbose=False, overwrite=True)
     n = args.steps * args.batch_size  # exactly one epoch of `steps` full global batches
     rows = make_preference_rows(n, seed=args.seed, difficulty=args.difficulty)
-    write_jsonl([{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows], work / "data" / "train.jsonl")
-    return {"model": str(model), "data": str(work / "data"), "steps": args.steps, "batch_size": args.batch_size,
-            "micro_batch_size": args.micro_batch_size, "max_len": args.max_len, "lr": args.lr, "beta": args.beta,
-            "warmup_ratio": args.warmup_ratio, "min_lr_ratio": 0.1, "seed": args.seed, "chunk": args.chunk,
-            "threads": args.threads, "order": [int(i) for i in epoch_order(n, args.seed, 0)],
-            "posttrain_flags": posttrain_flags(args)}
+    write_jsonl([{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows],
+                work / "data" / "train.jsonl")
+    return {"model": str(model), "data": str(work / "data"), "steps": args.steps,
+            "batch_size": args.batch_size, "micro_batch_size": args.micro_batch_size, "max_len": args.max_len,
+            "lr": args.lr, "beta": args.beta, "warmup_ratio": args.warmup_ratio, "min_lr_ratio": 0.1,
+            "seed": args.seed, "chunk": args.chunk, "threads": args.threads,
+            "order": [int(i) for i in epoch_order(n, args.seed, 0)], "posttrain_flags": posttrain_flags(args)}
 
 
 def report(args, spec, results: dict[str, list[dict]], vers, started) -> str:
@@ -216,10 +225,11 @@ def report(args, spec, results: dict[str, list[dict]], vers, started) -> str:
             for side, runs in results.items()}
     base = summ["posttrain"] if PLUS in summ else None
     rows = [[f"`{side}`", f"{s['s']:.3f}", " / ".join(f"{v:.3f}" for v in s["all"]),
-             f"{s['s'] / summ['trl']['s']:.2f}", *([f"{s['s'] / base['s']:.3f}"] if base else []), s["timed_steps"], f"{s['tokens']:,}", f"{s['final_loss']:.4f}",
-             f"{s['others']:.0%}"] for side, s in summ.items()]
-    table = md_table(["side", "s/step (median)", "s/step (each run)", "time vs trl", *(["time vs posttrain"] if base else []),
-                      "timed steps", "tokens (all steps)",
+             f"{s['s'] / summ['trl']['s']:.2f}", *([f"{s['s'] / base['s']:.3f}"] if base else []),
+             s["timed_steps"], f"{s['tokens']:,}", f"{s['final_loss']:.4f}", f"{s['others']:.0%}"]
+            for side, s in summ.items()]
+    table = md_table(["side", "s/step (median)", "s/step (each run)", "time vs trl",
+                      *(["time vs posttrain"] if base else []), "timed steps", "tokens (all steps)",
                       "final train loss", "other CPU load (max)"], rows)
     ratio = summ["trl"]["s"] / summ["posttrain"]["s"]
     per_rep = [t["s_per_step"] / p["s_per_step"] for p, t in zip(results["posttrain"], results["trl"])]
@@ -232,24 +242,27 @@ def report(args, spec, results: dict[str, list[dict]], vers, started) -> str:
                       {side: [r["step_cpu_seconds"][1:] for r in runs] for side, runs in results.items()})
     cmd = ".venv/bin/python bench/dpo.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     ga = args.batch_size // args.micro_batch_size
-    setup = (f"model `build_tiny(arch='llama', size='{args.size}', seed=0)` (+ a frozen reference copy on each side); "
-             f"data `make_preference_rows({spec['steps'] * args.batch_size}, seed={args.seed}, "
-             f"difficulty={args.difficulty})`, chat template, loss on the responses; global batch {args.batch_size} "
-             f"pairs = micro-batch {args.micro_batch_size} x {ga} accumulation; max_len {args.max_len}; "
-             f"{args.steps} optimizer steps (1 epoch); sigmoid DPO, beta {args.beta}; AdamW lr {args.lr}, betas "
-             f"(0.9, 0.95), eps 1e-8, wd 0, clip 1.0, cosine_with_min_lr (min 0.1x) with "
+    setup = (f"model `build_tiny(arch='llama', size='{args.size}', seed=0)` (+ a frozen reference copy on "
+             f"each side); data `make_preference_rows({spec['steps'] * args.batch_size}, seed={args.seed}, "
+             f"difficulty={args.difficulty})`, chat template, loss on the responses; global batch "
+             f"{args.batch_size} pairs = micro-batch {args.micro_batch_size} x {ga} accumulation; max_len "
+             f"{args.max_len}; {args.steps} optimizer steps (1 epoch); sigmoid DPO, beta {args.beta}; AdamW "
+             f"lr {args.lr}, betas (0.9, 0.95), eps 1e-8, wd 0, clip 1.0, cosine_with_min_lr (min 0.1x) with "
              f"{math.ceil(args.steps * args.warmup_ratio)} warm-up steps; fp32, sdpa; torch threads "
-             f"{summ['posttrain']['num_threads']}; {args.repeats} repeats, round-robin in turns of {args.chunk} steps.")
+             f"{summ['posttrain']['num_threads']}; {args.repeats} repeats, round-robin in turns of "
+             f"{args.chunk} steps.")
     return "\n".join([
-        "## DPO", "", f"Command: `{cmd}`  ", f"Date: {started:%Y-%m-%d %H:%M} UTC  ", f"Machine: {machine()}  ",
-        f"Versions: {', '.join(f'{k} {v}' for k, v in vers.items())}", "", f"Setup: {setup}", "",
-        "Time per optimizer step = wall seconds of steps 2..N / (N - 1) (model load, tokenisation and the first "
-        "step excluded on both sides; time parked while the other process had its turn excluded).", "", table, "",
-        f"- trl s/step / posttrain s/step: **{ratio:.2f}x** (each repeat: {', '.join(f'{v:.2f}' for v in per_rep)}; "
-        "> 1 = posttrain faster)", *plus,
+        "## DPO", "", f"Command: `{cmd}`  ", f"Date: {started:%Y-%m-%d %H:%M} UTC  ",
+        f"Machine: {machine()}  ", f"Versions: {', '.join(f'{k} {v}' for k, v in vers.items())}", "",
+        f"Setup: {setup}", "",
+        "Time per optimizer step = wall seconds of steps 2..N / (N - 1) (model load, tokenisation and the "
+        "first step excluded on both sides; time parked while the other process had its turn excluded).", "",
+        table, "",
+        f"- trl s/step / posttrain s/step: **{ratio:.2f}x** (each repeat: "
+        f"{', '.join(f'{v:.2f}' for v in per_rep)}; > 1 = posttrain faster)", *plus,
         "", "Checks:",
-        f"- identical micro-batches (chosen/rejected ids + loss masks, every step, every run): {'yes' if same else 'NO'}",
-        f"- learning rate per step: max |posttrain - trl| = {lr_diff:.2e}",
+        f"- identical micro-batches (chosen/rejected ids + loss masks, every step, every run): "
+        f"{'yes' if same else 'NO'}", f"- learning rate per step: max |posttrain - trl| = {lr_diff:.2e}",
         *[f"- per-step train loss: max |posttrain - {side}| = {d:.2e}" for side, d in loss_diff.items()], ""])
 
 
@@ -285,14 +298,15 @@ def main(argv=None) -> None:
     for rep in range(args.repeats):
         quiet = wait_for_quiet(args.max_wait)
         tags = [f"{side}-{rep}" for side in sides]
-        runs = run_round_robin([[script, "--worker", side, "--spec", str(work / "spec.json"), "--out", str(work / tag)]
+        runs = run_round_robin([[script, "--worker", side, "--spec", str(work / "spec.json"),
+                                 "--out", str(work / tag)]
                                 for side, tag in zip(sides, tags)], [work / f"{tag}.log" for tag in tags])
         print(f"repeat {rep + 1}/{args.repeats} (others' CPU share just before: {quiet:.0%})", flush=True)
         for side, res in zip(sides, runs):
             results[side].append(res)
-            print(f"  {side:<10} {res['s_per_step']:.3f} s/step ({res['seconds']:.2f} s over {res['timed_steps']} "
-                  f"steps; other processes' CPU share {res['others_share']:.0%}; final loss {res['final_loss']:.4f})",
-                  flush=True)
+            print(f"  {side:<10} {res['s_per_step']:.3f} s/step ({res['seconds']:.2f} s over "
+                  f"{res['timed_steps']} steps; other processes' CPU share {res['others_share']:.0%}; final "
+                  f"loss {res['final_loss']:.4f})", flush=True)
     text = report(args, spec, results, versions(), started)
     print("\n" + text)
     print(f"posttrain side, exact launch: {results['posttrain'][0]['argv']}"

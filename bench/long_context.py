@@ -58,9 +58,10 @@ largest over the steps, i.e. with Adam's moments from step 2 on). A post-step ho
 - `cp MiB/step`, `cp s/step`: `comm/cp_bytes` / `comm/cp_seconds` from the run's metrics.jsonl (rank 0's,
   median of steps 2..N); the final `train/loss` as a sanity check (ring 2 = one process, same data).
 Ratios: ring2 / 1proc of the per-rank activation at each L (goal <= 0.6 at 8k; also against dp2, the same
-ZeRO-2 engine without the split); tp2 / 1proc of the per-rank parameter + optimizer live tensors (goal <= 0.6).
-Rank balance of ring 2: each rank's step time, the seconds it spent in the ring's collectives (they include
-waiting for the other rank), the difference, and its CPU time per step (less disturbed by outside load).
+ZeRO-2 engine without the split); tp2 / 1proc of the per-rank parameter + optimizer live tensors (goal <=
+0.6). Rank balance of ring 2: each rank's step time, the seconds it spent in the ring's collectives (they
+include waiting for the other rank), the difference, and its CPU time per step (less disturbed
+by outside load).
 
 The longest row that fits: per configuration, L goes up in powers of two while the extrapolated peak of the
 next L (summed over the ranks) fits `--budget-gib` (default 20 GiB for the machine): with two measurements,
@@ -191,11 +192,12 @@ class StepProbe:
         seconds = [s["t_end"] - (steps[i - 1]["t_end"] if i else s["t_start"]) for i, s in enumerate(steps)]
         cpu = [s["cpu_end"] - (steps[i - 1]["cpu_end"] if i else s["cpu_start"]) for i, s in enumerate(steps)]
         return {"forward_marks": len(self.steps), "steps": len(steps), "hwm_reset": self.hwm_reset,
-                "micro_batch_module": type(self.top).__name__,  # whose forward starts a micro-batch (the model)
+                # whose forward starts a micro-batch (the model)
+                "micro_batch_module": type(self.top).__name__,
                 "rss_before_step1": steps[0]["rss_start"] if steps else None,
                 "rss_start": [s["rss_start"] for s in steps], "step_peak": [s["peak"] for s in steps],
-                "activation": [s["peak"] - s["rss_start"] for s in steps], "saved": [s["saved"] for s in steps],
-                "step_seconds": seconds, "step_cpu_seconds": cpu,
+                "activation": [s["peak"] - s["rss_start"] for s in steps],
+                "saved": [s["saved"] for s in steps], "step_seconds": seconds, "step_cpu_seconds": cpu,
                 "cp_bytes": [s["cp_bytes"] for s in steps], "cp_seconds": [s["cp_seconds"] for s in steps],
                 "hwm_readings": [s["hwm_before_reset"] for s in self.steps]}
 
@@ -230,7 +232,8 @@ def build_model(work: Path, longest: int) -> Path:
 
     model = work / "model"
     if not (model / "config.json").exists():
-        build_tiny(str(model), arch="llama", size="small", head="lm", seed=SEED, verbose=False, overwrite=True)
+        build_tiny(str(model), arch="llama", size="small", head="lm", seed=SEED, verbose=False,
+                   overwrite=True)
     config = json.loads((model / "config.json").read_text())
     if config.get("max_position_embeddings", 0) < longest:
         config["max_position_embeddings"] = longest
@@ -258,7 +261,8 @@ def write_rows(work: Path, length: int, count: int) -> Path:
     return folder
 
 
-def sft_argv(model: Path, data: Path, out: Path, length: int, batch: int, steps: int, extra: list[str]) -> list[str]:
+def sft_argv(model: Path, data: Path, out: Path, length: int, batch: int, steps: int,
+             extra: list[str]) -> list[str]:
     return ["--model.model_name_or_path", str(model), "--model.pretrain_mode_enable",
             "--data.dataset", str(data), "--data.input_key", "text", "--data.max_len", str(length),
             "--data.max_samples", str(steps * batch), "--ds.packing_samples",
@@ -332,7 +336,8 @@ class TreeWatch(Poller):
                 continue
             total += rss
             self.peaks[p.pid] = max(self.peaks.get(p.pid, 0), rss)
-            if title.startswith("ray::"):  # idle and busy titles differ ("ray::RoleWorker.fit"): keep the class
+            # idle and busy titles differ ("ray::RoleWorker.fit"): keep the class
+            if title.startswith("ray::"):
                 self.titles[p.pid] = title.split()[0].split(".")[0]
         self.peak = max(self.peak, total)
         if total > self.limit and not self.killed:
@@ -432,7 +437,8 @@ def read_metrics(out_dir: Path) -> list[dict]:
 
 
 def run_one(args, work: Path, model: Path, name: str, length: int) -> dict:
-    """One launch of configuration `name` at row length `length` (reused from WORKDIR/results with --reuse)."""
+    """One launch of configuration `name` at row length `length` (reused from
+    WORKDIR/results with --reuse)."""
     cached = work / "results" / f"{name}_L{length}.json"
     if (args.reuse or args.report_only) and cached.exists():
         return {"finished": cached.stat().st_mtime, **json.loads(cached.read_text())}
@@ -451,9 +457,10 @@ def run_one(args, work: Path, model: Path, name: str, length: int) -> dict:
     spec = work / "runs" / f"{name}_L{length}.spec.json"
     spec.parent.mkdir(parents=True, exist_ok=True)
     spec.write_text(json.dumps({"argv": argv}))
-    res = launch(ranks, spec, work / "runs" / f"{name}_L{length}.result", work / "runs" / f"{name}_L{length}.log",
-                 args.budget_gib * GIB, args.timeout)
-    res.update(name=name, length=length, argv=argv, ranks_n=ranks, metrics=read_metrics(out), finished=time.time())
+    res = launch(ranks, spec, work / "runs" / f"{name}_L{length}.result",
+                 work / "runs" / f"{name}_L{length}.log", args.budget_gib * GIB, args.timeout)
+    res.update(name=name, length=length, argv=argv, ranks_n=ranks, metrics=read_metrics(out),
+               finished=time.time())
     if name.startswith("tp2") and res.get("unavailable"):
         res["na"] = res["unavailable"]
     cached.parent.mkdir(parents=True, exist_ok=True)
@@ -489,7 +496,8 @@ def sweep(args, work: Path, model: Path) -> dict[str, list[dict]]:
             est = next_peak(results[name])
             if est is not None and est > args.budget_gib * GIB:
                 stopped[name] = f"extrapolated peak {est / GIB:.1f} GiB > budget {args.budget_gib:g} GiB"
-                results[name].append({"name": name, "length": length, "skipped": stopped[name], "estimate": est})
+                results[name].append({"name": name, "length": length, "skipped": stopped[name],
+                                      "estimate": est})
                 print(f"[{name} L={length}] skipped: {stopped[name]}", flush=True)
                 continue
             t0 = time.perf_counter()
@@ -521,8 +529,9 @@ def per_rank(res: dict) -> list[dict]:
     """The figures of each rank of a finished launch."""
     out = []
     for r in sorted(res["ranks"], key=lambda r: r["rank"]):
-        out.append({"rank": r["rank"], "peak": r["peak"], "before": r["rss_before_step1"], "baseline": r["baseline"],
-                    "activation": max(r["activation"][1:] or r["activation"]), "param_opt": r["param_opt_live"],
+        out.append({"rank": r["rank"], "peak": r["peak"], "before": r["rss_before_step1"],
+                    "baseline": r["baseline"], "activation": max(r["activation"][1:] or r["activation"]),
+                    "param_opt": r["param_opt_live"],
                     "saved": max(r["saved"][1:] or r["saved"]) if r.get("saved") else None,
                     "seconds": _timed(r["step_seconds"]), "cp_seconds": _timed(r["cp_seconds"]),
                     "cpu": _timed(r["step_cpu_seconds"]), "threads": r["threads"]})
@@ -582,12 +591,12 @@ def table_rows(results: dict[str, list[dict]]) -> list[list[str]]:
                 saved_ratio = f"{saved / b['saved']:.2f}x" if saved and b["saved"] else "-"
             cp_b, cp_s = _metric(res, "comm/cp_bytes"), _metric(res, "comm/cp_seconds")
             rows.append([label, length, len(ranks), " / ".join(_g(r["peak"]) for r in ranks),
-                         " / ".join(_g(r["before"]) for r in ranks), " / ".join(_g(r["param_opt"]) for r in ranks),
+                         " / ".join(_g(r["before"]) for r in ranks),
+                         " / ".join(_g(r["param_opt"]) for r in ranks),
                          " / ".join(_g(r["activation"]) for r in ranks), act_ratio,
-                         " / ".join(_g(r["saved"]) if r["saved"] else "-" for r in ranks), saved_ratio, po_ratio,
-                         _secs(ranks),
-                         "-" if cp_b is None else f"{cp_b / MIB:,.0f}", "-" if cp_s is None else f"{cp_s:.2f}",
-                         final_loss(res), _g(total_peak(res))])
+                         " / ".join(_g(r["saved"]) if r["saved"] else "-" for r in ranks), saved_ratio,
+                         po_ratio, _secs(ranks), "-" if cp_b is None else f"{cp_b / MIB:,.0f}",
+                         "-" if cp_s is None else f"{cp_s:.2f}", final_loss(res), _g(total_peak(res))])
     return rows
 
 
@@ -601,7 +610,8 @@ def longest_fit(results: dict[str, list[dict]], lengths: list[int]) -> list[str]
         more = "" if top < max(lengths) or any("skipped" in r or "error" in r for r in runs) else \
             f" (the longest tried; the next would need an extrapolated {next_peak(runs) / GIB:.1f} GiB)"
         why = next((r.get("skipped") or r.get("error") for r in runs if "skipped" in r or "error" in r), None)
-        out.append(f"- longest row that ran, `{name}`: **{top:,} tokens**{more}" + (f"; stopped: {why}" if why else ""))
+        out.append(f"- longest row that ran, `{name}`: **{top:,} "
+                   f"tokens**{more}" + (f"; stopped: {why}" if why else ""))
     return out
 
 
@@ -610,20 +620,22 @@ def balance_lines(results: dict[str, list[dict]]) -> list[str]:
     for res in [r for name in results if name.startswith("ring2") for r in results[name]]:
         if not res.get("ranks") or "error" in res:
             continue
-        parts = [f"rank {r['rank']}: step {r['seconds']:.2f} s, in collectives {r['cp_seconds']:.2f} s, other "
-                 f"{r['seconds'] - r['cp_seconds']:.2f} s, CPU {r['cpu']:.2f} s" for r in per_rank(res)]
+        parts = [f"rank {r['rank']}: step {r['seconds']:.2f} s, in collectives {r['cp_seconds']:.2f} s, "
+                 f"other {r['seconds'] - r['cp_seconds']:.2f} s, CPU {r['cpu']:.2f} s" for r in per_rank(res)]
         out.append(f"- {res['name']} L={res['length']:,} (median of steps 2..N): " + "; ".join(parts))
     return out
 
 
 def ratio_lines(results: dict[str, list[dict]]) -> list[str]:
     def by_length(name):
-        return {r["length"]: per_rank(r) for r in results.get(name, []) if r.get("ranks") and "error" not in r}
+        return {r["length"]: per_rank(r) for r in results.get(name, []) if r.get("ranks")
+                and "error" not in r}
 
     one, dp = {k: v[0] for k, v in by_length("1proc").items()}, by_length("dp2")
     out = []
     pairs = [(n, goal, key) for n in results if n.startswith("ring2")
-             for goal, key in (("activation (step peak - start)", "activation"), ("saved activations", "saved"))]
+             for goal, key in (("activation (step peak - start)", "activation"),
+                               ("saved activations", "saved"))]
     pairs += [(n, "parameter + optimizer", "param_opt") for n in results if n.startswith("tp2")]
     for name, goal, key in pairs:
         for res in results.get(name, []):
@@ -631,7 +643,8 @@ def ratio_lines(results: dict[str, list[dict]]) -> list[str]:
                 mine = max(r[key] or 0 for r in per_rank(res))
                 vs_dp = ""
                 if res["length"] in dp and all(r[key] for r in dp[res["length"]]):
-                    vs_dp = f"; vs dp2 (ZeRO-2, whole row per rank) {mine / max(r[key] for r in dp[res['length']]):.2f}x"
+                    vs_dp = (f"; vs dp2 (ZeRO-2, whole row per rank) "
+                             f"{mine / max(r[key] for r in dp[res['length']]):.2f}x")
                 out.append(f"- {name} / 1proc, per-rank {goal} at L={res['length']:,}: "
                            f"**{mine / one[res['length']][key]:.2f}x** (goal <= 0.6){vs_dp}")
             elif "na" in res and res["length"] == min(one, default=0):
@@ -664,20 +677,23 @@ def report(args, results, started, vers) -> str:
     lines = ["## Long rows: ring attention and tensor parallelism (`bench/long_context.py`)", "",
              f"- command: `{command_line(args)}`",
              f"- date: {run_dates(results, started)}",
-             f"- machine: {machine()}, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GIB:.1f} GiB; "
-             "torch threads per rank = cores / ranks (shared with other work: times are indicative)",
+             f"- machine: {machine()}, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GIB:.1f} "
+             f"GiB; torch threads per rank = cores / ranks (shared with other work: times are indicative)",
              "- versions: " + ", ".join(f"{k} {v}" for k, v in vers.items()),
-             f"- setup: `small` preset (build_tiny seed 0), rows of exactly L tokens, one per packed micro-batch, "
-             f"{args.rows_per_step} row(s) per step in every configuration (pretrain mode, packing), {args.steps} steps, fp32, sdpa, AdamW lr 1e-4; 2 ranks = torchrun + gloo, "
-             f"ZeRO-2 (tp2: ZeRO {','.join(map(str, args.tp_zero_stages))}); memory budget {args.budget_gib:g} GiB "
-             "(sum over ranks)", "",
-             "Per-rank columns read `rank 0 / rank 1`. peak = VmHWM of the whole run; before step 1 = VmRSS at the "
-             "first step's start; param+opt = live tensor bytes before the optimizer step; activation = step peak "
-             "- RSS at the step's start (largest of steps 2..N); saved act. = the bytes of the storages autograd saved "
-             "for the backward in one micro-batch, parameters excluded (largest over steps 2..N); ratios vs `1proc` at the same L (activation, param+opt); "
-             "cp = `comm/cp_bytes` / `comm/cp_seconds` per step (metrics.jsonl, rank 0).", "",
-             md_table(["config", "L", "ranks", "peak GiB", "before step 1 GiB", "param+opt GiB", "activation GiB",
-                       "act. vs 1proc", "saved act. GiB", "saved vs 1proc", "param+opt vs 1proc", "s/step", "cp MiB/step", "cp s/step", "final loss",
+             f"- setup: `small` preset (build_tiny seed 0), rows of exactly L tokens, one per packed "
+             f"micro-batch, {args.rows_per_step} row(s) per step in every configuration (pretrain mode, "
+             f"packing), {args.steps} steps, fp32, sdpa, AdamW lr 1e-4; 2 ranks = torchrun + gloo, ZeRO-2 "
+             f"(tp2: ZeRO {','.join(map(str, args.tp_zero_stages))}); memory budget {args.budget_gib:g} GiB "
+             f"(sum over ranks)", "",
+             "Per-rank columns read `rank 0 / rank 1`. peak = VmHWM of the whole run; before step 1 = VmRSS "
+             "at the first step's start; param+opt = live tensor bytes before the optimizer step; activation "
+             "= step peak - RSS at the step's start (largest of steps 2..N); saved act. = the bytes of the "
+             "storages autograd saved for the backward in one micro-batch, parameters excluded (largest over "
+             "steps 2..N); ratios vs `1proc` at the same L (activation, param+opt); cp = `comm/cp_bytes` / "
+             "`comm/cp_seconds` per step (metrics.jsonl, rank 0).", "",
+             md_table(["config", "L", "ranks", "peak GiB", "before step 1 GiB", "param+opt GiB",
+                       "activation GiB", "act. vs 1proc", "saved act. GiB", "saved vs 1proc",
+                       "param+opt vs 1proc", "s/step", "cp MiB/step", "cp s/step", "final loss",
                        "peak, sum of ranks GiB"], table_rows(results)), ""]
     lines += ratio_lines(results) + longest_fit(results, args.lengths) + balance_lines(results)
     return "\n".join(lines) + "\n"
@@ -685,17 +701,22 @@ def report(args, results, started, vers) -> str:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", default="2048,4096,8192,16384", help="row lengths in tokens, comma-separated")
+    ap.add_argument("--lengths", default="2048,4096,8192,16384",
+                    help="row lengths in tokens, comma-separated")
     ap.add_argument("--configs", default="1proc,ring2,tp2", help="comma-separated: " + ", ".join(CONFIGS))
-    ap.add_argument("--tp-zero-stages", default="2", help="ZeRO stages to run tp2 with (0, 1, 2), comma-separated")
+    ap.add_argument("--tp-zero-stages", default="2", help="ZeRO stages to run tp2 with (0, 1, 2), "
+                                                          "comma-separated")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per launch (step 1 is not timed)")
     ap.add_argument("--rows-per-step", type=int, default=ROWS_PER_STEP,
-                    help="rows per optimizer step (--train.batch_size); 1: one micro-batch per step, no accumulation")
-    ap.add_argument("--budget-gib", type=float, default=20.0, help="memory for the whole launch (sum over ranks)")
+                    help="rows per optimizer step (--train.batch_size); 1: one micro-batch per step, no "
+                         "accumulation")
+    ap.add_argument("--budget-gib", type=float, default=20.0,
+                    help="memory for the whole launch (sum over ranks)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per launch")
     ap.add_argument("--quick", action="store_true", help="smoke test: lengths 512,1024")
     ap.add_argument("--workdir", help="model, data, runs, results (default: a temp dir)")
-    ap.add_argument("--reuse", action="store_true", help="reuse WORKDIR/results/<config>_L<L>.json when present")
+    ap.add_argument("--reuse", action="store_true", help="reuse WORKDIR/results/<config>_L<L>.json when "
+                                                         "present")
     ap.add_argument("--report-only", action="store_true", help="run nothing: the report of WORKDIR/results")
     ap.add_argument("--markdown", help="also write the markdown section to this file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # internal: one rank
@@ -712,7 +733,8 @@ def parse_args(argv):
     for c in (x.strip() for x in args.configs.split(",") if x.strip()):
         if c not in CONFIGS:
             ap.error(f"--configs: unknown {c!r}; valid: {', '.join(CONFIGS)}")
-        configs += [f"tp2-zero{z}" for z in args.tp_zero_stages] if c == "tp2" and len(args.tp_zero_stages) > 1 else [c]
+        configs += ([f"tp2-zero{z}" for z in args.tp_zero_stages] if c == "tp2"
+                    and len(args.tp_zero_stages) > 1 else [c])
     args.configs = configs
     if args.steps < 2:
         ap.error("--steps must be at least 2 (step 1 is not timed)")

@@ -25,8 +25,8 @@ the `ray::EngineWorker` one. Reported per actor rank: the peak RSS, and its grow
 of the run (the part that grows with the row: activations, logits, masks); the engine's peak; s/step
 (`timing/step_total`, median of steps 2..N) and the update's share (`timing/ppo_train`); the actor's ring
 traffic (`comm/actor_cp_bytes`); each step's reward mean and the actor's gradient norm (the same rollouts
-and the same gradient in every configuration: a check that they train alike). Sampling every 0.2 s can miss a peak shorter than that. Not a test:
-nothing asserts.
+and the same gradient in every configuration: a check that they train alike). Sampling every 0.2 s can miss a
+peak shorter than that. Not a test: nothing asserts.
 """
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ def write_prompts(work: Path, model: Path, length: int, count: int) -> Path:
 
     folder = work / "prompts" / f"L{length}"
     if not (folder / "train.jsonl").exists():
-        tokenizer, lines, rng = AutoTokenizer.from_pretrained(str(model)), tiny_corpus(), random.Random(SEED + length)
+        tokenizer, lines, rng = (AutoTokenizer.from_pretrained(str(model)), tiny_corpus(),
+                                 random.Random(SEED + length))
         rows = []
         for _ in range(count):
             text = []
@@ -84,16 +85,18 @@ def write_prompts(work: Path, model: Path, length: int, count: int) -> Path:
     return folder
 
 
-def ppo_argv(model: Path, prompts: Path, reward: Path, out: Path, length: int, steps: int, extra: list[str]) -> list[str]:
+def ppo_argv(model: Path, prompts: Path, reward: Path, out: Path, length: int, steps: int,
+             extra: list[str]) -> list[str]:
     return ["--actor.model_name_or_path", str(model), "--data.prompt_dataset", str(prompts),
             "--data.input_key", "prompt", "--data.max_len", str(length), "--data.max_samples", str(2 * steps),
-            "--reward.remote_url", str(reward), "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "2",
-            "--rollout.max_new_tokens", str(NEW_TOKENS), "--rollout.micro_batch_size", "1",
-            "--train.batch_size", "4", "--train.micro_batch_size", "1", "--train.max_epochs", "1",
-            "--train.num_episodes", "1", "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
-            "--actor.adam.lr", "1e-6", "--actor.lr_warmup_ratio", "0", "--ds.packing_samples",
-            "--ds.param_dtype", "fp32", "--ds.attn_implementation", "sdpa", "--vllm.num_engines", "1",
-            "--ckpt.output_dir", str(out), "--ckpt.save_steps", "-1", "--logger.logging_steps", "1", *extra]
+            "--reward.remote_url", str(reward), "--rollout.batch_size", "2",
+            "--rollout.n_samples_per_prompt", "2", "--rollout.max_new_tokens", str(NEW_TOKENS),
+            "--rollout.micro_batch_size", "1", "--train.batch_size", "4", "--train.micro_batch_size", "1",
+            "--train.max_epochs", "1", "--train.num_episodes", "1",
+            "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0", "--actor.adam.lr", "1e-6",
+            "--actor.lr_warmup_ratio", "0", "--ds.packing_samples", "--ds.param_dtype", "fp32",
+            "--ds.attn_implementation", "sdpa", "--vllm.num_engines", "1", "--ckpt.output_dir", str(out),
+            "--ckpt.save_steps", "-1", "--logger.logging_steps", "1", *extra]
 
 
 def run_one(args, work: Path, model: Path, reward: Path, name: str, length: int) -> dict:
@@ -108,7 +111,8 @@ def run_one(args, work: Path, model: Path, reward: Path, name: str, length: int)
     started = time.perf_counter()
     with open(log, "w") as handle:
         proc = subprocess.Popen([sys.executable, "-m", "posttrain.cli.train_ppo_ray", *argv], cwd=REPO,
-                                env=_bench_env(), stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+                                env=_bench_env(), stdout=handle, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         watch = TreeWatch(proc, args.budget_gib * GIB)
         with watch:
             try:
@@ -118,7 +122,8 @@ def run_one(args, work: Path, model: Path, reward: Path, name: str, length: int)
                 rc = "timeout"
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] \
         if (out / "metrics.jsonl").exists() else []
-    res = {"name": name, "length": length, "rc": rc, "killed": watch.killed, "wall": time.perf_counter() - started,
+    res = {"name": name, "length": length, "rc": rc, "killed": watch.killed,
+           "wall": time.perf_counter() - started,
            "actor_peaks": watch.by_title("ray::RoleWorker", RANKS[name]),
            "engine_peaks": watch.by_title("ray::EngineWorker", 1),
            "metrics": [m for m in metrics if "timing/step_total" in m], "argv": argv}
@@ -137,7 +142,8 @@ def _steady(res: dict, key: str) -> float | None:
 
 def report(args, results: list[dict], started) -> str:
     ok = [r for r in results if "error" not in r and r["actor_peaks"]]
-    shortest = {n: min((r for r in ok if r["name"] == n), key=lambda r: r["length"]) for n in {r["name"] for r in ok}}
+    shortest = {n: min((r for r in ok if r["name"] == n), key=lambda r: r["length"])
+                for n in {r["name"] for r in ok}}
     rows, growth = [], {}
     for r in results:
         if "error" in r:
@@ -149,26 +155,28 @@ def report(args, results: list[dict], started) -> str:
         cp = _steady(r, "comm/actor_cp_bytes")
         rows.append([f"`{r['name']}`", r["length"], len(r["actor_peaks"]),
                      " / ".join(f"{p / GIB:.2f}" for p in r["actor_peaks"]),
-                     " / ".join(f"{g / GIB:.2f}" for g in grow), f"{max(r['engine_peaks'], default=0) / GIB:.2f}",
+                     " / ".join(f"{g / GIB:.2f}" for g in grow),
+                     f"{max(r['engine_peaks'], default=0) / GIB:.2f}",
                      f"{_steady(r, 'timing/step_total'):.1f}", f"{_steady(r, 'timing/ppo_train'):.1f}",
                      "-" if cp is None else f"{cp / MIB:,.0f}",
                      " / ".join(f"{m.get('reward/mean', 0):.3f}" for m in r["metrics"]),
                      " / ".join(f"{m.get('actor/grad_norm', 0):.4f}" for m in r["metrics"])])
     lines = ["## Long rows in RL: one GRPO step (`bench/long_context_rl.py`)", "",
-             f"- command: `.venv/bin/python bench/long_context_rl.py --lengths {','.join(map(str, args.lengths))} "
-             f"--configs {','.join(args.configs)} --steps {args.steps} --budget-gib {args.budget_gib:g}`",
-             f"- date: {started:%Y-%m-%d %H:%M} UTC",
-             f"- machine: {machine()}", "- versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()), "",
-             md_table(["config", "L", "actor ranks", "actor peak GiB", f"growth from L={min(args.lengths)} GiB",
-                       "engine peak GiB", "s/step", "update s", "actor cp MiB/step", "reward mean per step",
-                       "actor grad norm per step"], rows), ""]
+             f"- command: `.venv/bin/python bench/long_context_rl.py --lengths "
+             f"{','.join(map(str, args.lengths))} --configs {','.join(args.configs)} --steps {args.steps} "
+             f"--budget-gib {args.budget_gib:g}`", f"- date: {started:%Y-%m-%d %H:%M} UTC",
+             f"- machine: {machine()}", "- versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()),
+             "",
+             md_table(["config", "L", "actor ranks", "actor peak GiB",
+                       f"growth from L={min(args.lengths)} GiB", "engine peak GiB", "s/step", "update s",
+                       "actor cp MiB/step", "reward mean per step", "actor grad norm per step"], rows), ""]
     for length in args.lengths:
         one = growth.get(("rl1", length))
         for name in ("ring2", "tp2"):
             mine = growth.get((name, length))
             if one and mine is not None and length != min(args.lengths):
-                lines.append(f"- {name} / rl1, growth of the actor rank's peak from L={min(args.lengths):,} to "
-                             f"L={length:,}: **{mine / one:.2f}x**")
+                lines.append(f"- {name} / rl1, growth of the actor rank's peak from L={min(args.lengths):,} "
+                             f"to L={length:,}: **{mine / one:.2f}x**")
     return "\n".join(lines) + "\n"
 
 
@@ -180,7 +188,8 @@ def parse_args(argv=None):
     ap.add_argument("--budget-gib", type=float, default=16.0, help="memory for a launch (all its processes)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per launch")
     ap.add_argument("--workdir", help="model, prompts, runs, results (default: a temp dir)")
-    ap.add_argument("--reuse", action="store_true", help="reuse WORKDIR/results/<config>_L<L>.json when present")
+    ap.add_argument("--reuse", action="store_true", help="reuse WORKDIR/results/<config>_L<L>.json when "
+                                                         "present")
     ap.add_argument("--markdown", help="also write the markdown section to this file")
     args = ap.parse_args(argv)
     args.lengths = sorted(int(x) for x in args.lengths.split(",") if x.strip())

@@ -55,8 +55,9 @@ def engine_modes(size: str, rank: int, prompts: int, new_tokens: int, repeats: i
     rows = []
     for mode in ("none", "merged", "adapter"):
         lora = None if mode == "none" else LoraSpec(rank=rank, alpha=2 * rank)
-        engine = HFRolloutEngine(load_causal_lm(str(folder), dtype="fp32").eval(), tok, pad_token_id=tok.pad_token_id,
-                                 lora=lora, lora_sync=mode if lora else "merged")
+        engine = HFRolloutEngine(load_causal_lm(str(folder), dtype="fp32").eval(), tok,
+                                 pad_token_id=tok.pad_token_id, lora=lora,
+                                 lora_sync=mode if lora else "merged")
         if lora:
             engine.load_weights(policy)  # the first sync: base + adapter
             sync = []
@@ -65,7 +66,8 @@ def engine_modes(size: str, rank: int, prompts: int, new_tokens: int, repeats: i
                 sent = engine.sync_weights(policy)
                 sync.append(time.perf_counter() - start)
         else:
-            sent, sync = sum(t.numel() * t.element_size() for t in engine.model.state_dict().values()), [float("nan")]
+            sent, sync = (sum(t.numel() * t.element_size() for t in engine.model.state_dict().values()),
+                          [float("nan")])
         engine.generate(batch[:2], SamplingParams(max_new_tokens=4, seed=0))  # warm-up
         best = float("inf")
         for _ in range(repeats):
@@ -91,8 +93,8 @@ def main() -> None:
           f"({b['tensors']} tensors), bf16:")
     print(f"  full weights {b['full_bytes'] / 2**20:.1f} MiB, adapter {b['adapter_bytes'] / 2**20:.2f} MiB, "
           f"ratio {100 * b['ratio']:.3f}%")
-    print(f"\nHF engine, llama '{args.size}' fp32, {torch.get_num_threads()} threads, {args.prompts} prompts x "
-          f"{args.new_tokens} new tokens, best of {args.repeats}:")
+    print(f"\nHF engine, llama '{args.size}' fp32, {torch.get_num_threads()} threads, {args.prompts} prompts "
+          f"x {args.new_tokens} new tokens, best of {args.repeats}:")
     print("| mode | bytes per sync | sync s | decode tokens/s | fast decode |")
     print("| --- | ---: | ---: | ---: | --- |")
     for r in engine_modes(args.size, args.rank, args.prompts, args.new_tokens, args.repeats):

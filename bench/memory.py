@@ -68,18 +68,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, Poller, machine, md_table, run_worker, trl_grpo_args, versions  # noqa: E402
 
-sys.path.insert(0, str(REPO))  # this checkout's posttrain, not an installed copy; Ray's workers get it via PYTHONPATH
+# this checkout's posttrain, not an installed copy; Ray's workers get it via PYTHONPATH
+sys.path.insert(0, str(REPO))
 
 SEED = 42
 GIB = 2**30
 SIZES = ("small", "base", "qwen2.5-0.5b", "qwen2.5-1.5b")
 CONFIGS = ("full", "lora", "zero3", "zero3-lora", "trl-full", "trl-lora")
 RAY_CONFIGS = ("zero3", "zero3-lora")
-BUCKET = 50_000_000  # the most elements of posttrain's reduce bucket under ZeRO-2/3 (at most the trainable ones)
+# the most elements of posttrain's reduce bucket under ZeRO-2/3 (at most the trainable ones)
+BUCKET = 50_000_000
 LORA = {"rank": 8, "alpha": 16, "target": "all-linear"}
 
-REWARD_SOURCE = '''"""bench/memory.py's reward: a deterministic function of the response text (no model), the same
-numbers for posttrain (`reward_func`, OpenRLHF format) and TRL (`trl_reward`)."""
+REWARD_SOURCE = '''"""bench/memory.py's reward: a deterministic function of the response text (no model),
+the same numbers for posttrain (`reward_func`, OpenRLHF format) and TRL (`trl_reward`)."""
 import zlib
 
 
@@ -116,7 +118,8 @@ def proc_status(pid: int | str = "self") -> dict[str, int]:
 def live_tensor_bytes(_self=None) -> list[int]:
     """[total, largest]: bytes of every CPU tensor storage alive in this process (each storage once), and
     of the largest one (an allocated buffer counts whole even where it was never touched, so it can
-    exceed the RSS). `_self` lets it run as `handle.__ray_call__.remote(live_tensor_bytes)` in a Ray worker."""
+    exceed the RSS). `_self` lets it run as `handle.__ray_call__.remote(live_tensor_bytes)` in
+    a Ray worker."""
     import gc
     import warnings
 
@@ -180,10 +183,11 @@ def posttrain_argv(spec: dict, config: str, out_dir: Path) -> list[str]:
             "--actor.loss_agg", "token_mean", "--actor.eps_clip", "0.2",
             "--algo.kl.init_coef", str(spec["kl"]), "--algo.kl.use_loss", "--algo.kl.estimator", "k3",
             "--algo.kl.clamp", "0",
-            "--actor.adam.lr", str(spec["lr"]), "--actor.adam.betas", "0.9", "0.95", "--actor.adam.eps", "1e-8",
-            "--actor.adam.weight_decay", "0.0", "--actor.max_norm", "1.0",
-            "--actor.lr_scheduler", "constant", "--ds.param_dtype", "fp32", "--ds.attn_implementation", "sdpa",
-            "--ckpt.output_dir", str(out_dir), "--ckpt.path", str(out_dir / "checkpoints"), "--ckpt.save_steps", "-1",
+            "--actor.adam.lr", str(spec["lr"]), "--actor.adam.betas", "0.9", "0.95",
+            "--actor.adam.eps", "1e-8", "--actor.adam.weight_decay", "0.0", "--actor.max_norm", "1.0",
+            "--actor.lr_scheduler", "constant", "--ds.param_dtype", "fp32",
+            "--ds.attn_implementation", "sdpa", "--ckpt.output_dir", str(out_dir),
+            "--ckpt.path", str(out_dir / "checkpoints"), "--ckpt.save_steps", "-1",
             "--logger.logging_steps", "1"]
     if config in ("lora", "zero3-lora"):
         argv += ["--ds.lora.rank", str(LORA["rank"]), "--ds.lora.alpha", str(LORA["alpha"]),
@@ -251,8 +255,8 @@ def run_posttrain(spec: dict, config: str, out_dir: Path, status: dict) -> dict:
             trainer.reward_source.close()
         trainer._release_placement()
         trainer.folders.close()
-    return {"step_seconds": steps, "procs": procs, "argv": "posttrain ppo " + shlex.join(argv), "live_tensors": live,
-            "step_live": step_live_bytes(),
+    return {"step_seconds": steps, "procs": procs, "argv": "posttrain ppo " + shlex.join(argv),
+            "live_tensors": live, "step_live": step_live_bytes(),
             "reward_mean": [r.get("reward/mean") for r in rows],
             "phases": [{k: r[k] for k in r if k.startswith("timing/")} for r in rows]}
 
@@ -273,7 +277,8 @@ def run_trl(spec: dict, config: str, out_dir: Path, status: dict) -> dict:
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
                                  for r in ordered])
     tok = AutoTokenizer.from_pretrained(spec["model"])
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32,
+                                                 attn_implementation="sdpa")
     peft_config = None
     if config == "trl-lora":
         from peft import LoraConfig
@@ -289,18 +294,20 @@ def run_trl(spec: dict, config: str, out_dir: Path, status: dict) -> dict:
         def on_step_end(self, args, state, control, **kw):
             stamps.append(time.perf_counter())
 
-    args = GRPOConfig(**trl_grpo_args(spec, out_dir, beta=spec["kl"], seed=SEED), lr_scheduler_type="constant")
+    args = GRPOConfig(**trl_grpo_args(spec, out_dir, beta=spec["kl"], seed=SEED),
+                      lr_scheduler_type="constant")
     trainer = GRPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tok,
                           reward_funcs=[reward.trl_reward], callbacks=[Clock()], peft_config=peft_config)
-    status["after_setup"] = proc_status()  # the optimizer is created lazily in train(): counted in the peak only
+    # the optimizer is created lazily in train(): counted in the peak only
+    status["after_setup"] = proc_status()
     watch_optimizer_steps()
     trainer.train()
     live = live_tensor_bytes()  # while the trainer, its models and optimizer are alive
     # a step = on_step_begin -> on_step_end: the generation of the step's rollout happens inside it
     steps = [b - a for a, b in zip(stamps[0::2], stamps[1::2])]
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    return {"step_seconds": steps, "procs": [], "reward_mean": [h.get("reward") for h in logs], "live_tensors": live,
-            "step_live": step_live_bytes(), "ref_model": trainer.ref_model is not None,
+    return {"step_seconds": steps, "procs": [], "reward_mean": [h.get("reward") for h in logs],
+            "live_tensors": live, "step_live": step_live_bytes(), "ref_model": trainer.ref_model is not None,
             "trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)}
 
 
@@ -347,13 +354,16 @@ def model_numbers(model_dir: str) -> dict:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
         params = list(model.parameters())
-        peft = apply_lora(model, LoraSpec(rank=LORA["rank"], alpha=LORA["alpha"], target_modules=LORA["target"]))
+        peft = apply_lora(model,
+                          LoraSpec(rank=LORA["rank"], alpha=LORA["alpha"], target_modules=LORA["target"]))
     adapters = [p for n, p in peft.named_parameters() if "lora_" in n]
-    linear = [m.base_layer.weight for m in peft.modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")]
+    linear = [m.base_layer.weight for m in peft.modules() if hasattr(m, "base_layer")
+              and hasattr(m, "lora_A")]
     half = lambda ts: sum(math.ceil(t.numel() / 2) for t in ts)  # noqa: E731
     return {"params": sum(p.numel() for p in params), "lora": sum(p.numel() for p in adapters),
-            "linear": sum(p.numel() for p in linear), "params_half": half(params), "lora_half": half(adapters),
-            "vocab": config.vocab_size, "hidden": config.hidden_size, "layers": config.num_hidden_layers}
+            "linear": sum(p.numel() for p in linear), "params_half": half(params),
+            "lora_half": half(adapters), "vocab": config.vocab_size, "hidden": config.hidden_size,
+            "layers": config.num_hidden_layers}
 
 
 def param_opt_bytes(config: str, m: dict) -> dict[str, int]:
@@ -367,7 +377,8 @@ def param_opt_bytes(config: str, m: dict) -> dict[str, int]:
         return {"actor rank": 16 * m["params_half"], "ref rank": 4 * m["params_half"],
                 "per rank (actor + ref)": 20 * m["params_half"], "engine": 4 * P}
     return {"actor rank": 4 * m["params_half"] + 16 * m["lora_half"], "per rank (actor + ref)":
-            4 * m["params_half"] + 16 * m["lora_half"], "engine": 4 * P + 4 * m["linear"]}  # merged sync: W0 of adapted weights
+            # merged sync: W0 of adapted weights
+            4 * m["params_half"] + 16 * m["lora_half"], "engine": 4 * P + 4 * m["linear"]}
 
 
 def estimate_gib(config: str, m: dict, spec: dict) -> float:
@@ -383,10 +394,12 @@ def estimate_gib(config: str, m: dict, spec: dict) -> float:
         b, procs = 20 * P, 1
     elif config in ("lora", "trl-lora"):
         b, procs = 4 * P + 16 * A, 1
-    elif config == "zero3":  # actor halves (param, grad, Adam) + reduce bucket, reference halves, the engine's copy
+    # actor halves (param, grad, Adam) + reduce bucket, reference halves, the engine's copy
+    elif config == "zero3":
         b, procs = 2 * (16 * m["params_half"] + 4 * min(P, BUCKET) + 4 * m["params_half"]) + 4 * P, 6
     else:
-        b, procs = 2 * (4 * m["params_half"] + 16 * m["lora_half"] + 4 * min(max(A, 1_000_000), BUCKET)) + 4 * P + 4 * A, 4
+        b, procs = (2 * (4 * m["params_half"] + 16 * m["lora_half"] + 4 * min(max(A, 1_000_000), BUCKET))
+                    + 4 * P + 4 * A, 4)
     return (b + act) / GIB + 0.8 * procs
 
 
@@ -400,9 +413,10 @@ def prepare(args, work: Path) -> tuple[dict, dict[str, dict]]:
     rows = make_arithmetic_rows(n_prompts, seed=0)
     write_jsonl(rows, str(work / "data" / "train.jsonl"))
     (work / "reward.py").write_text(REWARD_SOURCE)
-    common = {"data": str(work / "data"), "reward": str(work / "reward.py"), "prompts": args.prompts, "n": args.n,
-              "max_new_tokens": args.max_new_tokens, "steps": args.steps, "micro_batch_size": args.micro_batch_size,
-              "lr": args.lr, "kl": args.kl, "order": PromptStream(n_prompts, SEED).take(n_prompts)}
+    common = {"data": str(work / "data"), "reward": str(work / "reward.py"), "prompts": args.prompts,
+              "n": args.n, "max_new_tokens": args.max_new_tokens, "steps": args.steps,
+              "micro_batch_size": args.micro_batch_size, "lr": args.lr, "kl": args.kl,
+              "order": PromptStream(n_prompts, SEED).take(n_prompts)}
     per_size = {}
     for size in args.sizes:
         folder = work / "models" / size
@@ -420,8 +434,9 @@ def prompt_tokens(model: str, rows: list[dict]) -> int:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    return max(len(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
-                                           tokenize=True, return_dict=False)) for r in rows)
+    return max(len(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}],
+                                           add_generation_prompt=True, tokenize=True, return_dict=False))
+               for r in rows)
 
 
 class RayWatch(Poller):
@@ -451,16 +466,20 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=4, help="samples per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--micro-batch-size", type=int, default=8, help="train / log-prob micro-batch, both sides")
+    ap.add_argument("--micro-batch-size", type=int, default=8,
+                    help="train / log-prob micro-batch, both sides")
     ap.add_argument("--lr", type=float, default=1e-6)
-    ap.add_argument("--kl", type=float, default=0.04, help="KL coefficient (k3 loss term): > 0 keeps a reference")
+    ap.add_argument("--kl", type=float, default=0.04, help="KL coefficient (k3 loss term): > 0 keeps a "
+                                                           "reference")
     ap.add_argument("--threads", type=int, default=0,
-                    help="torch threads in the trainer process (0: torch's default); Ray's ranks set their own")
+                    help="torch threads in the trainer process (0: torch's default); Ray's ranks set their "
+                         "own")
     ap.add_argument("--max-gib", type=float, default=None,
                     help="skip a configuration estimated above this (default: 90%% of the machine's memory)")
     ap.add_argument("--force", action="store_true", help="run configurations estimated above --max-gib too")
     ap.add_argument("--timeout", type=float, default=7200, help="seconds per configuration")
-    ap.add_argument("--workdir", help="models, data, logs (default: a temp dir; models are reused when present)")
+    ap.add_argument("--workdir", help="models, data, logs (default: a temp dir; models are reused when "
+                                      "present)")
     ap.add_argument("--markdown", help="also append the markdown report to this file")
     ap.add_argument("--config", help=argparse.SUPPRESS)  # worker mode (internal)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
@@ -513,8 +532,9 @@ def main(argv=None) -> None:
                 continue
             res["estimate"] = est
             results[size][config] = res
-            print(f"[{datetime.datetime.now():%H:%M:%S}] {size} {config}: peak {res['status']['end']['VmHWM'] / GIB:.2f}"
-                  f" GiB (trainer process), steps {', '.join(f'{s:.1f}' for s in res['step_seconds'])} s, process "
+            print(f"[{datetime.datetime.now():%H:%M:%S}] {size} {config}: peak "
+                  f"{res['status']['end']['VmHWM'] / GIB:.2f} GiB (trainer process), steps "
+                  f"{', '.join(f'{s:.1f}' for s in res['step_seconds'])} s, process "
                   f"{time.perf_counter() - t0:.0f} s", flush=True)
     text = report(args, common, per_size, results, started)
     print(text)
@@ -543,14 +563,15 @@ def rows_of(size: str, config: str, res: dict, m: dict) -> list[list[str]]:
     st = res["status"]
     step = res["step_seconds"][-1]
     rows = [[size, config, "trainer process" if config in RAY_CONFIGS else "trainer (all roles)",
-             _g(st["baseline"].get("VmRSS")), _g(st["after_setup"].get("VmRSS")), _g(st["after_setup"].get("VmHWM")),
-             f"**{_g(st['end'].get('VmHWM'))}**", _g(res["live_tensors"][0]), _g(res["live_tensors"][1]),
-             _g(model.get("trainer")), _g(_measured(res)), f"{step:.1f}"]]
+             _g(st["baseline"].get("VmRSS")), _g(st["after_setup"].get("VmRSS")),
+             _g(st["after_setup"].get("VmHWM")), f"**{_g(st['end'].get('VmHWM'))}**",
+             _g(res["live_tensors"][0]), _g(res["live_tensors"][1]), _g(model.get("trainer")),
+             _g(_measured(res)), f"{step:.1f}"]]
     for p in res["procs"]:
         key = {"actor": "actor rank", "ref": "ref rank", "rollout engine": "engine"}.get(p["role"])
-        rows.append([size, config, f"{p['role']} {p['rank']}", _g(p["baseline"]), _g(p["after_setup"].get("VmRSS")),
-                     _g(p["after_setup"].get("VmHWM")), f"**{_g(p['end'].get('VmHWM'))}**",
-                     _g(p["live_tensors"][0]), _g(p["live_tensors"][1]),
+        rows.append([size, config, f"{p['role']} {p['rank']}", _g(p["baseline"]),
+                     _g(p["after_setup"].get("VmRSS")), _g(p["after_setup"].get("VmHWM")),
+                     f"**{_g(p['end'].get('VmHWM'))}**", _g(p["live_tensors"][0]), _g(p["live_tensors"][1]),
                      _g(model.get(key)), _g(_measured(p)), ""])
     return rows
 
@@ -567,12 +588,14 @@ def ratios(size: str, res: dict[str, dict], m: dict) -> list[str]:
     out = []
     if "lora" in ok and "trl-lora" in ok:
         a, b = ok["lora"], ok["trl-lora"]
-        out.append(f"- {size}, LoRA: posttrain / TRL peak RSS = **{a['status']['end']['VmHWM'] / b['status']['end']['VmHWM']:.2f}x** "
-                   f"(goal <= 1), s/step = **{a['step_seconds'][-1] / b['step_seconds'][-1]:.2f}x** (goal <= 0.8)")
+        out.append(f"- {size}, LoRA: posttrain / TRL peak RSS = "
+                   f"**{a['status']['end']['VmHWM'] / b['status']['end']['VmHWM']:.2f}x** (goal <= 1), "
+                   f"s/step = **{a['step_seconds'][-1] / b['step_seconds'][-1]:.2f}x** (goal <= 0.8)")
     if "full" in ok and "trl-full" in ok:
         a, b = ok["full"], ok["trl-full"]
-        out.append(f"- {size}, full: posttrain / TRL peak RSS = {a['status']['end']['VmHWM'] / b['status']['end']['VmHWM']:.2f}x, "
-                   f"s/step = {a['step_seconds'][-1] / b['step_seconds'][-1]:.2f}x")
+        out.append(f"- {size}, full: posttrain / TRL peak RSS = "
+                   f"{a['status']['end']['VmHWM'] / b['status']['end']['VmHWM']:.2f}x, s/step = "
+                   f"{a['step_seconds'][-1] / b['step_seconds'][-1]:.2f}x")
     for z, single in (("zero3", "full"), ("zero3-lora", "lora")):
         if z in ok and single in ok:
             procs, one = ok[z]["procs"], ok[single]
@@ -582,22 +605,25 @@ def ratios(size: str, res: dict[str, dict], m: dict) -> list[str]:
                 mine = [p for p in procs if p["role"] in ("actor", "ref") and p["rank"] == r]
                 measured.append(sum(_measured(p) or 0 for p in mine) / (_measured(one) or 1))
                 live = sum(p["live_tensors"][0] for p in mine) / one["live_tensors"][0]
-                # the actor rank's largest storage is DeepSpeed's reduce bucket, allocated whole, touched in part
+                # the actor rank's largest storage is DeepSpeed's reduce bucket, allocated whole,
+                # touched in part
                 bucket = max((p["live_tensors"][1] for p in mine if p["role"] == "actor"), default=0)
                 rest = (sum(p["live_tensors"][0] for p in mine) - bucket) / one["live_tensors"][0]
                 peak = sum(p["end"]["VmHWM"] for p in mine) / one["status"]["end"]["VmHWM"]
                 parts.append(f"rank {r}: live tensors {live:.2f}x ({rest:.2f}x without the reduce bucket), "
                              f"peak RSS {peak:.2f}x")
-            out.append(f"- {size}, {z} per rank (actor rank i + ref rank i) / {single} in one process: param + optimizer "
-                       f"measured (live tensors before the optimizer step) **{max(measured):.2f}x** (goal <= 0.6; "
-                       f"rank 0 {measured[0]:.2f}x, rank 1 {measured[1]:.2f}x), model {model:.2f}x; " + "; ".join(parts))
+            out.append(f"- {size}, {z} per rank (actor rank i + ref rank i) / {single} in one process: param "
+                       f"+ optimizer measured (live tensors before the optimizer step) "
+                       f"**{max(measured):.2f}x** (goal <= 0.6; rank 0 {measured[0]:.2f}x, rank 1 "
+                       f"{measured[1]:.2f}x), model {model:.2f}x; " + "; ".join(parts))
     return out
 
 
 def report(args, common, per_size, results, started) -> str:
     lines = ["", "## Issue 30 item 7: peak memory per role (bench/memory.py)", ""]
     lines.append(f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
-    lines.append(f"- machine: {machine()}, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GIB:.1f} GiB")
+    lines.append(f"- machine: {machine()}, "
+                 f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GIB:.1f} GiB")
     try:
         import ray
 
@@ -612,10 +638,10 @@ def report(args, common, per_size, results, started) -> str:
         if getattr(args, k) != d:
             cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     lines.append(f"- command: `.venv/bin/python bench/memory.py {shlex.join(cmd)}`")
-    lines.append(f"- setup: {common['prompts']} prompts x {common['n']} samples, {common['max_new_tokens']} new "
-                 f"tokens, micro-batch {common['micro_batch_size']}, KL k3 loss {common['kl']} with a reference, "
-                 f"LoRA rank {LORA['rank']} alpha {LORA['alpha']} {LORA['target']}, fp32, {args.steps} step(s) per "
-                 "run (s/step: the last)")
+    lines.append(f"- setup: {common['prompts']} prompts x {common['n']} samples, {common['max_new_tokens']} "
+                 f"new tokens, micro-batch {common['micro_batch_size']}, KL k3 loss {common['kl']} with a "
+                 f"reference, LoRA rank {LORA['rank']} alpha {LORA['alpha']} {LORA['target']}, fp32, "
+                 f"{args.steps} step(s) per run (s/step: the last)")
     for size in args.sizes:
         m, pt = per_size[size]["numbers"], per_size[size]["prompt_tokens"]
         lines.append(f"- {size}: {m['params']:,} parameters (vocab {m['vocab']:,}, hidden {m['hidden']}, "
@@ -631,10 +657,11 @@ def report(args, common, per_size, results, started) -> str:
             rows += rows_of(size, config, res, per_size[size]["numbers"])
             if res.get("ray_daemons_peak"):
                 notes.append(f"{size} {config}: Ray's daemons (raylet, gcs, agents) held up to "
-                             f"{res['ray_daemons_peak'] / GIB:.2f} GiB RSS (sampled every 0.5 s), not in the table")
+                             f"{res['ray_daemons_peak'] / GIB:.2f} GiB RSS (sampled every 0.5 s), not in the "
+                             f"table")
     lines.append(md_table(["size", "config", "process", "baseline GiB", "after setup RSS", "after setup HWM",
-                           "peak RSS (VmHWM) GiB", "live tensors GiB", "largest tensor GiB", "param+opt model GiB",
-                           "param+opt measured GiB", "s/step"], rows))
+                           "peak RSS (VmHWM) GiB", "live tensors GiB", "largest tensor GiB",
+                           "param+opt model GiB", "param+opt measured GiB", "s/step"], rows))
     lines.append("")
     for size in args.sizes:
         lines += ratios(size, results[size], per_size[size]["numbers"])

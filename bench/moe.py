@@ -3,39 +3,42 @@
     PYTHONPATH=. .venv/bin/python bench/moe.py [--sizes small,base] [--only sft|rl|blocks] [--repeats 2]
         [--sft-steps 8] [--rl-steps 4] [--threads 1] [--quick] [--workdir DIR] [--markdown FILE]
 
-Models (random init, fp32, sdpa, one per preset `--sizes`): `build_tiny(dir, arch="llama", size=S)` (dense) and
-`build_tiny(dir, arch="qwen3_moe", size=S)` (`posttrain init-tiny --moe`): the preset's attention, and in every
-layer 4 experts of half the preset's MLP width, 2 per token, so the MoE's ACTIVE parameters equal the dense
-model's (+ the router, and Qwen3's q/k norms) while its total is larger. Both use the same tokenizer. The tables
-give total and active parameters (active = total - the unchosen experts' share, (E - k) / E, of every expert
-block's parameters), counted on the meta device.
+Models (random init, fp32, sdpa, one per preset `--sizes`): `build_tiny(dir, arch="llama", size=S)` (dense)
+and `build_tiny(dir, arch="qwen3_moe", size=S)` (`posttrain init-tiny --moe`): the preset's attention, and in
+every layer 4 experts of half the preset's MLP width, 2 per token, so the MoE's ACTIVE parameters equal the
+dense model's (+ the router, and Qwen3's q/k norms) while its total is larger. Both use the same tokenizer.
+The tables give total and active parameters (active = total - the unchosen experts' share, (E - k) / E, of
+every expert block's parameters), counted on the meta device.
 
 1. SFT step (`posttrain.cli.train_sft.main`, through bench/sft.py's `run_posttrain`, one process each): sides
-   `dense`, `moe` and `moe+aux` (`--model.aux_loss_coef 0.01`), on the same synthetic arithmetic rows in the same
-   order (bench/sft.py's recipe: chat template, loss on the completion, global batch 32 = micro-batch 8 x 4,
-   max_len 64, AdamW, cosine with warm-up), `--sft-steps` optimizer steps; the first is warm-up.
+   `dense`, `moe` and `moe+aux` (`--model.aux_loss_coef 0.01`), on the same synthetic arithmetic rows in the
+   same order (bench/sft.py's recipe: chat template, loss on the completion, global batch 32 = micro-batch 8 x
+   4, max_len 64, AdamW, cosine with warm-up), `--sft-steps` optimizer steps; the first is warm-up.
 2. RL step (`posttrain ppo` in one process, GRPO = group_norm, through bench/rl_step.py's `run_posttrain`: no
    TRL): sides `dense` and `moe+aux` (`--actor.aux_loss_coef 0.01`; `--rl-sides` adds `moe`), 8 prompts x 4
-   samples, 16 new tokens, one optimizer step per rollout, `--rl-steps` steps of which `--rl-warmup` are warm-up.
-   posttrain's own `timing/*` metrics (metrics.jsonl) give the split generation / experience / update.
+   samples, 16 new tokens, one optimizer step per rollout, `--rl-steps` steps of which `--rl-warmup` are
+   warm-up. posttrain's own `timing/*` metrics (metrics.jsonl) give the split generation /
+   experience / update.
 3. Components (in the driver process, one thread, CPU time, variants interleaved over `--block-rounds`): one
-   layer's MLP block, forward + backward of `--block-tokens` rows — the dense MLP with posttrain's oneDNN linears
-   (its default) and with `F.linear`, the MoE router alone, the MoE block with transformers' `grouped_mm` and
-   `eager` experts kernels — and one optimizer step (clip + AdamW) over each whole model: where the extra time
-   of a MoE step goes.
+   layer's MLP block, forward + backward of `--block-tokens` rows — the dense MLP with posttrain's oneDNN
+   linears (its default) and with `F.linear`, the MoE router alone, the MoE block with transformers'
+   `grouped_mm` and `eager` experts kernels — and one optimizer step (clip + AdamW) over each whole model:
+   where the extra time of a MoE step goes.
 
 Interleaving: for each size and task a repeat starts one process per side at once; they set up and run their
-first step concurrently (untimed), then take turns (`common.run_round_robin`): one trains while the others wait
-on a pipe, `--chunk` SFT steps (1 RL step) per turn, the order rotating each round: dense, MoE, dense, MoE... so
-outside load on a shared machine hits every side alike. A step's time (`common.TurnClock`) runs from the end of
-the previous step, or from getting the CPU back, to its own end; its own CPU time is recorded too. Reported per
-side: the median step over the timed steps of all repeats; MoE / dense ratios as the median of per-repeat ratios
-(with the spread over repeats) and of per-step ratios (the same step of the same repeat: the same batch).
+first step concurrently (untimed), then take turns (`common.run_round_robin`): one trains while the others
+wait on a pipe, `--chunk` SFT steps (1 RL step) per turn, the order rotating each round: dense, MoE, dense,
+MoE... so outside load on a shared machine hits every side alike. A step's time (`common.TurnClock`) runs from
+the end of the previous step, or from getting the CPU back, to its own end; its own CPU time is recorded too.
+Reported per side: the median step over the timed steps of all repeats; MoE / dense ratios as the median of
+per-repeat ratios (with the spread over repeats) and of per-step ratios (the same step of the same repeat:
+the same batch).
 
-Memory per worker process (/proc/self/status): `baseline` = VmRSS after the imports, before any model is loaded;
-`peak` = VmHWM at the end (the kernel's high-water mark of the resident set, set-up and all steps); `peak -
-baseline` is the part the run's tensors and allocator took. `16 B x params` = fp32 parameters + gradients +
-Adam's two moments of the trained model, for reference. Not a test: nothing asserts on time or memory.
+Memory per worker process (/proc/self/status): `baseline` = VmRSS after the imports, before any model is
+loaded; `peak` = VmHWM at the end (the kernel's high-water mark of the resident set, set-up and all steps);
+`peak - baseline` is the part the run's tensors and allocator took. `16 B x params` = fp32 parameters +
+gradients + Adam's two moments of the trained model, for reference. Not a test: nothing asserts on
+time or memory.
 """
 from __future__ import annotations
 
@@ -92,10 +95,11 @@ def sft_worker(spec: dict, side: str, out_dir: Path, clock: TurnClock) -> dict:
 def rl_worker(spec: dict, side: str, out_dir: Path, clock: TurnClock) -> dict:
     """One GRPO run of `side` (bench/rl_step.py's posttrain side); posttrain's timing/* per step."""
     kind, extra = RL_SIDES[side]
-    res = rl_step.run_posttrain(dict(spec, model=spec["models"][kind]), out_dir, None, extra + spec.get("flags", []),
-                                clock=clock)
+    res = rl_step.run_posttrain(dict(spec, model=spec["models"][kind]), out_dir, None,
+                                extra + spec.get("flags", []), clock=clock)
     rows = [r for r in metric_rows(out_dir) if "timing/step_total" in r]
-    timing = {k: [r.get(k) for r in rows] for k in sorted({k for r in rows for k in r if k.startswith("timing/")})}
+    timing = {k: [r.get(k) for r in rows]
+              for k in sorted({k for r in rows for k in r if k.startswith("timing/")})}
     aux = [r["actor/aux_loss"] for r in rows if "actor/aux_loss" in r]
     return {"timing": timing, "gen_tokens": res["gen_tokens"], "aux_loss": aux, "argv": res["argv"],
             "reward_mean": [x for x in res["reward_mean"] if x is not None]}
@@ -117,13 +121,15 @@ def worker(args) -> None:
         raise RuntimeError(f"{args.side}: {len(clock.steps)} steps, expected {spec['steps']}")
     res.update({"side": args.side, "num_threads": torch.get_num_threads(), "baseline": baseline,
                 "end": proc_status(), "step_seconds": [s[0] for s in clock.steps],
-                "step_cpu_seconds": [s[1] for s in clock.steps], "others_share": clock.others_share(spec["warmup"])})
+                "step_cpu_seconds": [s[1] for s in clock.steps],
+                "others_share": clock.others_share(spec["warmup"])})
     Path(args.result).write_text(json.dumps(res))
 
 
 # ---- driver side ---------------------------------------------------------------------------------
 def param_counts(model_dir: str) -> dict[str, int]:
-    """Total parameters and active ones per token: a sparse block's experts count (k / E) of their elements."""
+    """Total parameters and active ones per token: a sparse block's experts count (k / E)
+    of their elements."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -167,7 +173,8 @@ def sft_spec(args, work: Path, models: dict) -> dict:
     return {"models": {k: v["path"] for k, v in models.items()}, "data": write_data(work / "data_sft", n, 4),
             "steps": args.sft_steps, "warmup": 1, "batch_size": args.batch_size,
             "micro_batch_size": args.micro_batch_size, "max_len": 64, "lr": 1e-3, "warmup_ratio": 0.1,
-            "min_lr_ratio": 0.1, "seed": 42, "chunk": args.chunk, "threads": args.threads, "flags": flags(args)}
+            "min_lr_ratio": 0.1, "seed": 42, "chunk": args.chunk, "threads": args.threads,
+            "flags": flags(args)}
 
 
 def rl_spec(args, work: Path, models: dict) -> dict:
@@ -193,24 +200,26 @@ def run_task(args, work: Path, task: str, size: str, spec: dict, sides: list[str
         order = sides if rep % 2 == 0 else sides[::-1]
         tags = [f"{task}-{size}-{side}-{rep}" for side in order]
         runs = run_round_robin([[script, "--worker", task, "--side", side, "--spec", str(spec_path), "--out",
-                                 str(work / tag)] for side, tag in zip(order, tags)], [work / f"{t}.log" for t in tags])
-        print(f"[{datetime.datetime.now():%H:%M:%S}] {task} {size} repeat {rep + 1}/{args.repeats} (others' CPU "
-              f"share before: {quiet:.0%})", flush=True)
+                                 str(work / tag)] for side, tag in zip(order, tags)],
+                               [work / f"{t}.log" for t in tags])
+        print(f"[{datetime.datetime.now():%H:%M:%S}] {task} {size} repeat {rep + 1}/{args.repeats} (others' "
+              f"CPU share before: {quiet:.0%})", flush=True)
         for side, res in zip(order, runs):
             results[side].append(res)
             timed = res["step_seconds"][spec["warmup"]:]
-            print(f"  {side:<8} median step {median(timed):.3f} s (steps {', '.join(f'{x:.2f}' for x in timed)}); "
-                  f"peak RSS {res['end']['VmHWM'] / GIB:.2f} GiB; others' CPU share {res['others_share'] or 0:.0%}",
-                  flush=True)
+            print(f"  {side:<8} median step {median(timed):.3f} s (steps "
+                  f"{', '.join(f'{x:.2f}' for x in timed)}); peak RSS {res['end']['VmHWM'] / GIB:.2f} GiB; "
+                  f"others' CPU share {res['others_share'] or 0:.0%}", flush=True)
     return results
 
 
 # ---- MLP block micro-benchmark (driver process) ----------------------------------------------------
 def block_times(models: dict, tokens: int, rounds: int) -> dict[str, float]:
-    """Median CPU milliseconds (this process, torch threads as set) of one layer's MLP block, forward + backward
-    on `tokens` rows of random hidden states, the variants interleaved over `rounds` rounds: the dense MLP with
-    posttrain's oneDNN linears (its default) and with torch's `F.linear`; the MoE router alone; the MoE block
-    with transformers' `grouped_mm` (its default) and `eager` (a Python loop over the hit experts) kernels."""
+    """Median CPU milliseconds (this process, torch threads as set) of one layer's MLP block, forward +
+    backward on `tokens` rows of random hidden states, the variants interleaved over `rounds` rounds: the
+    dense MLP with posttrain's oneDNN linears (its default) and with torch's `F.linear`; the MoE router alone;
+    the MoE block with transformers' `grouped_mm` (its default) and `eager` (a Python loop over the
+    hit experts) kernels."""
     import copy
 
     import torch
@@ -218,10 +227,12 @@ def block_times(models: dict, tokens: int, rounds: int) -> dict[str, float]:
 
     from posttrain.models.cpu_linear import use_onednn_linears
 
-    dense = AutoModelForCausalLM.from_pretrained(models["dense"]["path"], dtype=torch.float32).model.layers[0].mlp
+    dense = AutoModelForCausalLM.from_pretrained(models["dense"]["path"],
+                                                 dtype=torch.float32).model.layers[0].mlp
     onednn = copy.deepcopy(dense)
     use_onednn_linears(onednn)
-    block = AutoModelForCausalLM.from_pretrained(models["moe"]["path"], dtype=torch.float32).model.layers[0].mlp
+    block = AutoModelForCausalLM.from_pretrained(models["moe"]["path"],
+                                                 dtype=torch.float32).model.layers[0].mlp
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, tokens, block.gate.hidden_dim, generator=gen)
     grad = torch.randn(1, tokens, block.gate.hidden_dim, generator=gen)
@@ -241,12 +252,14 @@ def block_times(models: dict, tokens: int, rounds: int) -> dict[str, float]:
                 "dense MLP (F.linear, --ds.no_onednn_linear)": lambda: run_block(dense),
                 "MoE router alone (linear, softmax, top-k)": run_router,
                 **{f"MoE block, experts `{k}`": (lambda k=k: run_block(block, k))
-                   for k in ("grouped_mm", "eager")}}  # batched_mm copies each row's expert weights: GiBs here
+                   # batched_mm copies each row's expert weights: GiBs here
+                   for k in ("grouped_mm", "eager")}}
     return interleaved_cpu_ms(variants, rounds)
 
 
 def interleaved_cpu_ms(calls: dict, rounds: int) -> dict[str, float]:
-    """Median CPU milliseconds of each call, the calls taking turns for `rounds` rounds after a warm-up round."""
+    """Median CPU milliseconds of each call, the calls taking turns for `rounds` rounds after
+    a warm-up round."""
     seconds: dict[str, list[float]] = {k: [] for k in calls}
     for r in range(rounds + 1):  # round 0 is warm-up
         for name, fn in calls.items():
@@ -313,10 +326,12 @@ def ratio_text(runs: dict[str, list[dict]], num: str, den: str, warmup: int) -> 
     def spread(values):
         return f"**{median(values):.2f}x** (repeats {min(values):.2f}-{max(values):.2f})"
 
-    step = [p / q for x, y in zip(a, b) for p, q in zip(timed(x, "step_seconds", warmup), timed(y, "step_seconds", warmup))]
+    step = [p / q for x, y in zip(a, b)
+            for p, q in zip(timed(x, "step_seconds", warmup), timed(y, "step_seconds", warmup))]
     sa, sb = side_summary(a, warmup), side_summary(b, warmup)
-    text = (f"`{num}` / `{den}`: wall step time {spread(per_repeat('step_seconds'))}, per step {median(step):.2f}x "
-            f"(range {min(step):.2f}-{max(step):.2f}); CPU time per step {spread(per_repeat('step_cpu_seconds'))}")
+    text = (f"`{num}` / `{den}`: wall step time {spread(per_repeat('step_seconds'))}, per step "
+            f"{median(step):.2f}x (range {min(step):.2f}-{max(step):.2f}); CPU time per step "
+            f"{spread(per_repeat('step_cpu_seconds'))}")
     if "timing" in a[0]:
         phases = []
         for k in ("generation", "ppo_train"):
@@ -344,8 +359,8 @@ def sft_table(size: str, models: dict, runs: dict[str, list[dict]], spec: dict) 
                      f"{s['peak'] / GIB:.2f}", f"{s['growth'] / GIB:.2f}", f"{rs[0]['final_loss']:.3f}",
                      f"{aux[-1]:.3f}" if aux else "-", f"{s['others']:.0%}"])
     return md_table(["size", "side", "total params", "active params", "16 B x params GiB", "median s/step",
-                     "each repeat", "CPU s/step", "tokens/s", "peak RSS GiB", "peak - baseline GiB", "final loss",
-                     "aux loss (last)", "others' CPU (max)"], rows)
+                     "each repeat", "CPU s/step", "tokens/s", "peak RSS GiB", "peak - baseline GiB",
+                     "final loss", "aux loss (last)", "others' CPU (max)"], rows)
 
 
 def rl_table(size: str, models: dict, runs: dict[str, list[dict]], spec: dict) -> str:
@@ -358,11 +373,12 @@ def rl_table(size: str, models: dict, runs: dict[str, list[dict]], spec: dict) -
         aux = rs[0]["aux_loss"]
         rows.append([size, f"`{side}`", *_params(models, RL_SIDES[side][0]), f"{s['step']:.3f}",
                      " / ".join(f"{x:.3f}" for x in s["each"]), f"{s['cpu']:.3f}",
-                     *(f"{phase[k]:.3f}" for k in phase), f"{s['peak'] / GIB:.2f}", f"{s['growth'] / GIB:.2f}",
-                     f"{aux[-1]:.3f}" if aux else "-", f"{s['others']:.0%}"])
+                     *(f"{phase[k]:.3f}" for k in phase), f"{s['peak'] / GIB:.2f}",
+                     f"{s['growth'] / GIB:.2f}", f"{aux[-1]:.3f}" if aux else "-", f"{s['others']:.0%}"])
     return md_table(["size", "side", "total params", "active params", "16 B x params GiB", "median s/step",
-                     "each repeat", "CPU s/step", "timing/generation", "timing/make_experience", "timing/ppo_train",
-                     "peak RSS GiB", "peak - baseline GiB", "aux loss (last)", "others' CPU (max)"], rows)
+                     "each repeat", "CPU s/step", "timing/generation", "timing/make_experience",
+                     "timing/ppo_train", "peak RSS GiB", "peak - baseline GiB", "aux loss (last)",
+                     "others' CPU (max)"], rows)
 
 
 def report(args, started, sections: list[str]) -> str:
@@ -372,14 +388,16 @@ def report(args, started, sections: list[str]) -> str:
             "Versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()), ""]
     if args.only == "blocks":
         return "\n".join(head + sections)
-    head += [f"Setup: dense = `build_tiny(arch='llama', size=S)`, MoE = `build_tiny(arch='qwen3_moe', size=S)` (4 experts "
-            f"of half the MLP width, 2 per token; the transformers default experts kernel), random init, fp32, sdpa; "
-            f"torch threads per worker {args.threads or 'default'}; {args.repeats} repeat(s), each a round-robin of "
-            f"one process per side (turns of {args.chunk} SFT / 1 RL step). SFT: global batch {args.batch_size} = "
-            f"micro-batch {args.micro_batch_size} x {args.batch_size // args.micro_batch_size}, max_len 64, arithmetic "
-            f"rows (difficulty 4), {args.sft_steps} steps (1 warm-up). RL: GRPO, {args.prompts} prompts x {args.n} "
-            f"samples, {args.max_new_tokens} new tokens, micro-batch {args.rl_micro_batch_size}, {args.rl_steps} steps "
-            f"({args.rl_warmup} warm-up). Router loss coefficient {AUX} on the `+aux` sides."
+    head += [f"Setup: dense = `build_tiny(arch='llama', size=S)`, MoE = `build_tiny(arch='qwen3_moe', "
+             f"size=S)` (4 experts "
+            f"of half the MLP width, 2 per token; the transformers default experts kernel), random init, "
+            f"fp32, sdpa; torch threads per worker {args.threads or 'default'}; {args.repeats} repeat(s), "
+            f"each a round-robin of one process per side (turns of {args.chunk} SFT / 1 RL step). SFT: "
+            f"global batch {args.batch_size} = micro-batch {args.micro_batch_size} x "
+            f"{args.batch_size // args.micro_batch_size}, max_len 64, arithmetic rows (difficulty 4), "
+            f"{args.sft_steps} steps (1 warm-up). RL: GRPO, {args.prompts} prompts x {args.n} samples, "
+            f"{args.max_new_tokens} new tokens, micro-batch {args.rl_micro_batch_size}, {args.rl_steps} "
+            f"steps ({args.rl_warmup} warm-up). Router loss coefficient {AUX} on the `+aux` sides."
             + (f" Every side with `{args.flags}`." if args.flags else ""), ""]
     return "\n".join(head + sections)
 
@@ -390,9 +408,11 @@ def main(argv=None) -> None:
                    "--quick: nano,small)")
     p.add_argument("--only", choices=["sft", "rl", "blocks"], default=None, help="run one of the three parts")
     p.add_argument("--block-tokens", type=int, default=512, help="rows of the MLP block micro-benchmark")
-    p.add_argument("--block-rounds", type=int, default=20, help="interleaved rounds of the MLP block benchmark")
+    p.add_argument("--block-rounds", type=int, default=20, help="interleaved rounds of the MLP block "
+                                                                "benchmark")
     p.add_argument("--repeats", type=int, default=2, help="round-robin runs per task and size")
-    p.add_argument("--sft-steps", type=int, default=8, help="SFT optimizer steps per run (the first is warm-up)")
+    p.add_argument("--sft-steps", type=int, default=8, help="SFT optimizer steps per run (the first is "
+                                                            "warm-up)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--rl-steps", type=int, default=4, help="GRPO steps per run")
@@ -403,10 +423,11 @@ def main(argv=None) -> None:
     p.add_argument("--rl-micro-batch-size", type=int, default=16)
     p.add_argument("--rl-sides", default="dense,moe+aux", help="comma-separated of " + ", ".join(RL_SIDES))
     p.add_argument("--flags", default=None, help="extra posttrain flags for every side, e.g. "
-                   "--flags=--ds.no_onednn_linear (posttrain's oneDNN path speeds the dense model's nn.Linear "
-                   "layers, not the experts' 3-D weights)")
+                   "--flags=--ds.no_onednn_linear (posttrain's oneDNN path speeds the dense model's "
+                   "nn.Linear layers, not the experts' 3-D weights)")
     p.add_argument("--quick", action="store_true",
-                   help="smoke run: sizes nano,small, 2 steps each (1 warm-up), 1 repeat, at most 5 s waiting")
+                   help="smoke run: sizes nano,small, 2 steps each (1 warm-up), 1 repeat, at most 5 s "
+                        "waiting")
     add_round_robin_args(p, ["sft", "rl"])
     p.add_argument("--side", help=argparse.SUPPRESS)
     p.set_defaults(threads=1, chunk=2)
@@ -450,11 +471,12 @@ def main(argv=None) -> None:
             blocks = block_times(models, args.block_tokens, args.block_rounds)
             optim = optimizer_times(models, args.block_rounds)
             layers = AutoConfig.from_pretrained(models["dense"]["path"]).num_hidden_layers
-            sections += [f"Components, {size}: one layer's MLP block, forward + backward of {args.block_tokens} "
-                         "tokens (random hidden states), and one optimizer step over the whole model; median CPU time "
-                         f"of {args.block_rounds} interleaved rounds, one thread:", "",
-                         block_table(size, blocks, optim, layers), ""]
-    sections += (["MoE / dense:", "", *summary, ""] if summary else []) + [f"Total wall time {time.perf_counter() - t0:.0f} s.", ""]
+            sections += [f"Components, {size}: one layer's MLP block, forward + backward of "
+                         f"{args.block_tokens} tokens (random hidden states), and one optimizer step over "
+                         f"the whole model; median CPU time of {args.block_rounds} interleaved rounds, one "
+                         f"thread:", "", block_table(size, blocks, optim, layers), ""]
+    sections += ((["MoE / dense:", "", *summary, ""] if summary else [])
+                 + [f"Total wall time {time.perf_counter() - t0:.0f} s.", ""])
     text = report(args, started, sections)
     print("\n" + text, flush=True)
     if args.markdown:

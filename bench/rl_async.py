@@ -7,8 +7,8 @@ not compute (a sandbox, a judge model, a tool), on the same model, prompts and s
 The reward (`digit_reward`: 1 for the right arithmetic answer, else the share of digits in the
 response, a signal a random-init model can climb) is served over HTTP from this driver (127.0.0.1,
 OpenRLHF's remote-RM request shape), answering each batch after a fixed `--delay` seconds (auto: the
-training time T measured by the first run). The policy has one rank and the rollout engine is its own copy of the
-policy in the same process (async), or the policy's own module (sync); both share the machine's
+training time T measured by the first run). The policy has one rank and the rollout engine is its own copy of
+the policy in the same process (async), or the policy's own module (sync); both share the machine's
 cores. Runs, each in its own subprocess, after a warm-up of `--warmup` steps (not timed):
   1. sync, no delay: G (generation + scoring compute, `timing/generation`) and T (the rest of the step);
   2. sync, delay D;   3. async, delay D;   4. async, no delay.
@@ -78,7 +78,8 @@ def prepare(args, work: Path) -> dict:
     from posttrain.models import build_tiny
 
     model = work / "base"
-    info = build_tiny(str(model), arch="llama", size=args.size, head="lm", seed=0, verbose=False, overwrite=True)
+    info = build_tiny(str(model), arch="llama", size=args.size, head="lm", seed=0, verbose=False,
+                      overwrite=True)
     write_jsonl(make_arithmetic_rows(args.steps * args.prompts, seed=0), str(work / "data" / "train.jsonl"))
     return {"model": str(model), "data": str(work / "data"), "num_parameters": info["num_parameters"]}
 
@@ -99,7 +100,8 @@ def flags(args, spec: dict, url: str, out: Path, async_run: bool) -> list[str]:
     return argv
 
 
-def run(args, spec: dict, server: DelayedReward, work: Path, name: str, delay: float, async_run: bool) -> dict:
+def run(args, spec: dict, server: DelayedReward, work: Path, name: str, delay: float,
+        async_run: bool) -> dict:
     import subprocess
 
     server.delay = delay
@@ -163,11 +165,12 @@ def main(argv=None) -> None:
     bound = max(g + t, g + delay, t)
     print(f"# bench/rl_async.py  ({machine()})\n")
     print(f"versions: {versions()}\n")
-    print(f"model: llama {args.size} ({spec['num_parameters'] / 1e6:.1f}M), {args.prompts} prompts x {args.n} "
-          f"samples x {args.max_new_tokens} tokens per step, queue {args.queue}, {args.steps} steps "
+    print(f"model: llama {args.size} ({spec['num_parameters'] / 1e6:.1f}M), {args.prompts} prompts x "
+          f"{args.n} samples x {args.max_new_tokens} tokens per step, queue {args.queue}, {args.steps} steps "
           f"({args.warmup} warm-up), torch threads {args.threads or 'default'}\n")
     print(f"G (generation + scoring compute) {g:.2f} s, T (training) {t:.2f} s, delay D {delay:.2f} s\n")
-    rows = [[r["name"], f"{r['delay']:.2f}", f"{r['step']:.2f}", f"{r['generation']:.2f}", f"{r['staleness']:.0f}"]
+    rows = [[r["name"], f"{r['delay']:.2f}", f"{r['step']:.2f}", f"{r['generation']:.2f}",
+             f"{r['staleness']:.0f}"]
             for r in (base, sync, asy, asy0)]
     print(md_table(["run", "delay s", "step s (median)", "generation s", "max staleness"], rows))
     print(f"\nwith delay: bound max(G+T, G+D, T) = {bound:.2f} s; async {asy['step']:.2f} s = "

@@ -34,8 +34,8 @@ from posttrain.config.sections import AdamConfig, OptimizerFields  # noqa: E402
 from posttrain.engines import make_train_engine  # noqa: E402
 from posttrain.models import build_tiny, load_causal_lm, load_score_model  # noqa: E402
 from posttrain.rollout.single_turn import Rollout  # noqa: E402
-from posttrain.trainers.rl.experience import build_experience  # noqa: E402
 from posttrain.trainers.rl.batch_forward import Batching  # noqa: E402
+from posttrain.trainers.rl.experience import build_experience  # noqa: E402
 from posttrain.trainers.rl.roles import Actor, Critic  # noqa: E402
 from posttrain.trainers.rl.updates import UpdateSettings  # noqa: E402
 from posttrain.utils.memory import peak_memory, process_peak_rss  # noqa: E402
@@ -46,7 +46,8 @@ MB = 2**20
 def experience(rows: int, length: int, pad_id: int):
     g = torch.Generator().manual_seed(0)
     rolls = [Rollout(torch.randint(3, 1000, (16,), generator=g).tolist(),
-                     torch.randint(3, 1000, (length,), generator=g).tolist(), [-1.0] * length, "length", "", "")
+                     torch.randint(3, 1000, (length,), generator=g).tolist(), [-1.0] * length, "length", "",
+                     "")
              for _ in range(rows)]
     exp = build_experience(rolls, torch.zeros(rows), pad_id)
     for name in ("advantages", "values", "returns"):
@@ -105,8 +106,8 @@ def main() -> None:
                 exp, s = experience(args.rows, length, summary["pad_token_id"]), settings(args.rows, length)
                 plain, t0 = measure(kind, summary["path"], False, exp, s)
                 ckpt, t1 = measure(kind, summary["path"], True, exp, s)
-                print(f"| {kind} | {length} | {plain:.1f} | {ckpt:.1f} | {ckpt / plain:.2f} | {t0:.2f} | {t1:.2f} |",
-                      flush=True)
+                print(f"| {kind} | {length} | {plain:.1f} | {ckpt:.1f} | {ckpt / plain:.2f} | {t0:.2f} | "
+                      f"{t1:.2f} |", flush=True)
     print(f"process peak RSS (whole run): {process_peak_rss() / MB:.0f} MiB")
 
 

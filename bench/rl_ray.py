@@ -218,7 +218,8 @@ def transport_bench(rows: int, tokens: int, reps: int) -> dict:
                     read.append(t4 - t3)
                 del ref, got
             out[kind] = {"put": median(put), "get": median(get), "get + own copy": median(own),
-                         "actor reads ref": median(read), "put + get": median([a + b for a, b in zip(put, get)])}
+                         "actor reads ref": median(read),
+                         "put + get": median([a + b for a, b in zip(put, get)])}
         return out
     finally:
         ray.shutdown()
@@ -251,7 +252,8 @@ def worker(args) -> None:
         cpu = {k: v / steps for k, v in cpu.items()}  # CPU seconds per timed step
     timed = rows[w:]
     phases = {p: median(r.get(f"timing/{p}", 0.0) for r in timed) for p in PHASES}
-    phases["rest"] = median(t - sum(r.get(f"timing/{p}", 0.0) for p in ("generation", "make_experience", "ppo_train"))
+    phases["rest"] = median(t - sum(r.get(f"timing/{p}", 0.0)
+                                    for p in ("generation", "make_experience", "ppo_train"))
                             for t, r in zip(wall, timed))  # the same step's wall time minus its phases
     res.update({"config": args.worker, "num_threads": torch.get_num_threads(), "step_seconds": wall,
                 "median_step": median(wall), "machine_busy": busy, "cpu_per_step": cpu, "phases": phases,
@@ -304,7 +306,8 @@ def prepare(args, work: Path) -> dict:
     from posttrain.models import build_tiny
 
     model = work / "base"
-    info = build_tiny(str(model), arch="llama", size=args.size, head="lm", seed=0, verbose=False, overwrite=True)
+    info = build_tiny(str(model), arch="llama", size=args.size, head="lm", seed=0, verbose=False,
+                      overwrite=True)
     write_jsonl(make_arithmetic_rows(args.steps * args.prompts, seed=0), str(work / "data" / "train.jsonl"))
     state = AutoModelForCausalLM.from_pretrained(str(model)).state_dict()
     return {"model": str(model), "data": str(work / "data"), "prompts": args.prompts, "n": args.n,
@@ -318,7 +321,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_rl_step_args(ap, size="small", max_new_tokens=32, steps=6)
     ap.add_argument("--threads", type=int, default=0,
-                    help="torch threads in the worker process (0: torch's default); Ray's processes set their own")
+                    help="torch threads in the worker process (0: torch's default); Ray's processes set "
+                         "their own")
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                     help="comma-separated list of: " + ", ".join(CONFIGS) + " (default: all but the last)")
     ap.add_argument("--rows", type=int, default=512, help="transport: experience rows")
@@ -327,11 +331,13 @@ def main(argv=None) -> None:
     ap.add_argument("--max-wait", type=float, default=30.0,
                     help="seconds to wait before each run for the other processes to go idle")
     ap.add_argument("--busy-pattern", default="pytest",
-                    help="before each run, wait (up to --max-wait) until no process has this in its command line; a "
-                         "run during which one appeared is rerun (--retries) and flagged ('' turns this off)")
+                    help="before each run, wait (up to --max-wait) until no process has this in its command "
+                         "line; a run during which one appeared is rerun (--retries) and flagged ('' turns "
+                         "this off)")
     ap.add_argument("--retries", type=int, default=1, help="reruns of a run disturbed by --busy-pattern")
     ap.add_argument("--quick", action="store_true",
-                    help="smoke run: size tiny, 3 steps (1 warm-up), 1 repeat, 4 prompts, 8 new tokens, 5 transport reps")
+                    help="smoke run: size tiny, 3 steps (1 warm-up), 1 repeat, 4 prompts, 8 new tokens, 5 "
+                         "transport reps")
     ap.add_argument("--work-dir", help="keep the model, data, runs and logs here (default: a temp dir)")
     # worker mode (internal)
     ap.add_argument("--worker", choices=[*CONFIGS, "transport"])
@@ -347,7 +353,8 @@ def main(argv=None) -> None:
     if args.warmup < 1 or args.steps < args.warmup + 2:
         raise SystemExit("need --warmup >= 1 and --steps >= --warmup + 2")
     if (args.prompts * args.n) % args.micro_batch_size:
-        raise SystemExit(f"--prompts x --n = {args.prompts * args.n} must be a multiple of --micro-batch-size")
+        raise SystemExit(f"--prompts x --n = {args.prompts * args.n} must be a multiple of "
+                         f"--micro-batch-size")
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
     if unknown := [c for c in names if c not in CONFIGS]:
         raise SystemExit(f"unknown --configs {unknown}; valid: {list(CONFIGS)}")
@@ -372,10 +379,12 @@ def main(argv=None) -> None:
                 try:
                     with Watch(args.busy_pattern) as watch:
                         res = run_worker(script, ["--worker", config, "--spec", str(spec_path), "--threads",
-                                                  str(args.threads), "--out", str(work / tag)], work / f"{tag}.log")
+                                                  str(args.threads), "--out", str(work / tag)],
+                                         work / f"{tag}.log")
                 except Exception as e:  # report and go on with the other configurations
                     failures.append(f"{config} (repeat {r}): {e}")
-                    print(f"[{datetime.datetime.now():%H:%M:%S}] {config} repeat {r} FAILED:\n{e}", flush=True)
+                    print(f"[{datetime.datetime.now():%H:%M:%S}] {config} repeat {r} FAILED:\n{e}",
+                          flush=True)
                     res = None
                     break
                 res["quiet_before"], res["disturbed"] = quiet, watch.seen
@@ -387,12 +396,12 @@ def main(argv=None) -> None:
                 continue
             results[config].append(res)
             ph = res["phases"]
-            print(f"[{datetime.datetime.now():%H:%M:%S}] {config} repeat {r}: median step {res['median_step']:.3f} s "
-                  f"(steps {', '.join(f'{x:.2f}' for x in res['step_seconds'])}); generation {ph['generation']:.3f}, "
-                  f"make_experience {ph['make_experience']:.3f}, ppo_train {ph['ppo_train']:.3f}, weight_sync "
-                  f"{ph['weight_sync']:.4f}; start-up {res['startup']['total']:.1f} s; process "
-                  f"{res['process_seconds']:.0f} s; machine CPU busy {_pct(res['machine_busy'])} "
-                  f"(before: {_pct(quiet)})", flush=True)
+            print(f"[{datetime.datetime.now():%H:%M:%S}] {config} repeat {r}: median step "
+                  f"{res['median_step']:.3f} s (steps {', '.join(f'{x:.2f}' for x in res['step_seconds'])}); "
+                  f"generation {ph['generation']:.3f}, make_experience {ph['make_experience']:.3f}, "
+                  f"ppo_train {ph['ppo_train']:.3f}, weight_sync {ph['weight_sync']:.4f}; start-up "
+                  f"{res['startup']['total']:.1f} s; process {res['process_seconds']:.0f} s; machine CPU "
+                  f"busy {_pct(res['machine_busy'])} (before: {_pct(quiet)})", flush=True)
     transport = None
     wait_for_no(args.busy_pattern, args.max_wait)
     wait_for_quiet(args.max_wait)
@@ -421,12 +430,14 @@ def report(args, spec, results, transport, failures, started) -> str:
     lines = ["", "## RL on Ray (bench/rl_ray.py)", ""]
     lines.append(f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     lines.append(f"- machine: {machine()}")
-    lines.append("- versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()) + ", ray " + _ray_version())
-    lines.append(f"- setup: llama {args.size} ({spec['num_parameters']:,} params, vocab {spec['vocab_size']}), "
-                 f"{args.prompts} prompts x {args.n} samples = {args.prompts * args.n} per step, max_new_tokens "
-                 f"{args.max_new_tokens}, micro-batch {args.micro_batch_size}, group_norm, no KL / no reference, one "
-                 f"optimizer step per rollout, {args.steps} steps per run ({args.warmup} warm-up), {args.repeats} "
-                 f"repeat(s), each run in its own process")
+    lines.append("- versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()) + ", ray "
+                 + _ray_version())
+    lines.append(f"- setup: llama {args.size} ({spec['num_parameters']:,} params, vocab "
+                 f"{spec['vocab_size']}), {args.prompts} prompts x {args.n} samples = "
+                 f"{args.prompts * args.n} per step, max_new_tokens {args.max_new_tokens}, micro-batch "
+                 f"{args.micro_batch_size}, group_norm, no KL / no reference, one optimizer step per "
+                 f"rollout, {args.steps} steps per run ({args.warmup} warm-up), {args.repeats} repeat(s), "
+                 f"each run in its own process")
     lines.append(f"- command: `.venv/bin/python bench/rl_ray.py {shlex.join(argv_of(args))}`")
     lines.append("")
     if ok:
@@ -439,9 +450,9 @@ def report(args, spec, results, transport, failures, started) -> str:
                          " / ".join(f"{r['startup']['total']:.1f}" for r in v),
                          " / ".join(_pct(r["machine_busy"]) + (" (disturbed)" if r["disturbed"] else "")
                                     for r in v)])
-        lines.append(md_table(["configuration", "median s/step", "each repeat", "generation", "make_experience",
-                               "ppo_train (incl. sync)", "weight_sync", "rest", "start-up s (not in steps)",
-                               "machine CPU busy"], rows))
+        lines.append(md_table(["configuration", "median s/step", "each repeat", "generation",
+                               "make_experience", "ppo_train (incl. sync)", "weight_sync", "rest",
+                               "start-up s (not in steps)", "machine CPU busy"], rows))
         lines.append("")
         if "in-process" in med:
             for k in ok:
@@ -450,19 +461,21 @@ def report(args, spec, results, transport, failures, started) -> str:
                                  + (" (goal <= 1.15x)" if k == "ray 1+1 gloo" else ""))
         if "ray 2+1 zero2" in med and "ray 1+1 gloo" in med:
             d = {p: ph["ray 2+1 zero2"][p] - ph["ray 1+1 gloo"][p] for p in PHASES}
-            lines.append(f"- **ray 2+1 zero2 / ray 1+1 gloo = {med['ray 2+1 zero2'] / med['ray 1+1 gloo']:.2f}x**; "
-                         "difference per phase (2+1 minus 1+1): "
+            lines.append(f"- **ray 2+1 zero2 / ray 1+1 gloo = "
+                         f"{med['ray 2+1 zero2'] / med['ray 1+1 gloo']:.2f}x**; difference per phase (2+1 "
+                         f"minus 1+1): "
                          + ", ".join(f"{p} {d[p]:+.3f} s" for p in PHASES if p != "step_total"))
         cpu_rows = []
         for k, v in ok.items():
             if all(r["cpu_per_step"] for r in v):
                 c = {key: median(r["cpu_per_step"][key] for r in v) for key in v[0]["cpu_per_step"]}
-                cpu_rows.append([k, f"{med[k]:.3f}", *(f"{x:.3f}" for x in c.values()), f"{sum(c.values()):.3f}",
-                                 f"{med[k] * (os.cpu_count() or 1):.3f}"])
+                cpu_rows.append([k, f"{med[k]:.3f}", *(f"{x:.3f}" for x in c.values()),
+                                 f"{sum(c.values()):.3f}", f"{med[k] * (os.cpu_count() or 1):.3f}"])
         if cpu_rows:
             lines.append("")
-            lines.append("Where the CPU goes during the timed steps (CPU seconds per step, median over repeats; "
-                         "`driver` = the trainer process, `rest of machine` = everything else that ran):")
+            lines.append("Where the CPU goes during the timed steps (CPU seconds per step, median over "
+                         "repeats; `driver` = the trainer process, `rest of machine` = everything else that "
+                         "ran):")
             lines.append("")
             lines.append(md_table(["configuration", "wall s/step", "driver", "ray workers", "ray daemons",
                                    "rest of machine", "total CPU", "cores x wall"], cpu_rows))
@@ -472,7 +485,8 @@ def report(args, spec, results, transport, failures, started) -> str:
             for k, v in ok.items()))
         if "in-process" in ok:
             ref = ok["in-process"][0]
-            same = {k: v[0]["reward_mean"] == ref["reward_mean"] and v[0]["response_length"] == ref["response_length"]
+            same = {k: v[0]["reward_mean"] == ref["reward_mean"]
+                    and v[0]["response_length"] == ref["response_length"]
                     for k, v in ok.items() if k != "in-process"}
             lines.append("- same per-step reward mean and response length as in-process (repeat 0): "
                          + ", ".join(f"{k} {'yes' if s else 'NO'}" for k, s in same.items()))
@@ -482,21 +496,21 @@ def report(args, spec, results, transport, failures, started) -> str:
         for k in ("ray 1+1 gloo", "ray 1+1 object store", "ray 2+1 zero2"):
             if k in ph:
                 s = ph[k]["weight_sync"]
-                sync_rows.append([k, f"{s * 1e3:.1f}", f"{s * 1e9 / param_bytes:.2f}", f"{s * 1e9 / sent:.2f}",
-                                  f"{sent / s / 1e9:.2f}" if s > 0 else "-"])
+                sync_rows.append([k, f"{s * 1e3:.1f}", f"{s * 1e9 / param_bytes:.2f}",
+                                  f"{s * 1e9 / sent:.2f}", f"{sent / s / 1e9:.2f}" if s > 0 else "-"])
         if sync_rows:
-            lines.append(f"Weight sync actor -> engine, per step (median `timing/weight_sync`); parameter bytes = "
-                         f"{spec['num_parameters']:,} x 4 = {param_bytes / 2**20:.1f} MiB; state-dict bytes sent = "
-                         f"{sent / 2**20:.1f} MiB (tied embedding counted twice):")
+            lines.append(f"Weight sync actor -> engine, per step (median `timing/weight_sync`); parameter "
+                         f"bytes = {spec['num_parameters']:,} x 4 = {param_bytes / 2**20:.1f} MiB; "
+                         f"state-dict bytes sent = {sent / 2**20:.1f} MiB (tied embedding counted twice):")
             lines.append("")
             lines.append(md_table(["configuration", "weight_sync ms", "ns / parameter byte", "ns / byte sent",
                                    "GB/s sent"], sync_rows))
             lines.append("")
     if transport:
         t = transport
-        lines.append(f"Transport through the object store: {t['rows']} rows x {t['tokens']} tokens, {t['arrays']} "
-                     f"arrays (2 int64, 6 float32), {t['bytes'] / 2**20:.1f} MiB; median of {args.transport_reps}; "
-                     f"empty actor call {t['empty actor call'] * 1e3:.2f} ms"
+        lines.append(f"Transport through the object store: {t['rows']} rows x {t['tokens']} tokens, "
+                     f"{t['arrays']} arrays (2 int64, 6 float32), {t['bytes'] / 2**20:.1f} MiB; median of "
+                     f"{args.transport_reps}; empty actor call {t['empty actor call'] * 1e3:.2f} ms"
                      + (f" (a '{args.busy_pattern}' process ran meanwhile)" if t["disturbed"] else "") + ":")
         lines.append("")
         keys = ["put", "get", "put + get", "get + own copy", "actor reads ref"]

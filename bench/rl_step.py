@@ -93,15 +93,16 @@ def _posttrain_argv(spec: dict, out_dir: Path) -> list[str]:
             "--train.batch_size", str(total), "--train.micro_batch_size", str(spec["micro_batch_size"]),
             "--train.max_epochs", "1", "--train.num_episodes", "1", "--train.seed", str(SEED),
             "--actor.loss_agg", "token_mean", "--actor.eps_clip", "0.2", "--algo.kl.init_coef", "0",
-            "--actor.adam.lr", str(spec["lr"]), "--actor.adam.betas", "0.9", "0.95", "--actor.adam.eps", "1e-8",
-            "--actor.adam.weight_decay", "0.0", "--actor.max_norm", "1.0",
-            "--actor.lr_scheduler", "cosine_with_min_lr", "--actor.lr_warmup_ratio", "0", "--actor.min_lr_ratio", "0.1",
-            "--ds.param_dtype", "fp32", "--ds.attn_implementation", "sdpa",
-            "--ckpt.output_dir", str(out_dir), "--ckpt.path", str(out_dir / "checkpoints"), "--ckpt.save_steps", "-1",
-            "--logger.logging_steps", "1"]
+            "--actor.adam.lr", str(spec["lr"]), "--actor.adam.betas", "0.9", "0.95",
+            "--actor.adam.eps", "1e-8", "--actor.adam.weight_decay", "0.0", "--actor.max_norm", "1.0",
+            "--actor.lr_scheduler", "cosine_with_min_lr", "--actor.lr_warmup_ratio", "0",
+            "--actor.min_lr_ratio", "0.1", "--ds.param_dtype", "fp32", "--ds.attn_implementation", "sdpa",
+            "--ckpt.output_dir", str(out_dir), "--ckpt.path", str(out_dir / "checkpoints"),
+            "--ckpt.save_steps", "-1", "--logger.logging_steps", "1"]
 
 
-def run_posttrain(spec: dict, out_dir: Path, profile_step: int | None, extra: list[str] = (), clock=None) -> dict:
+def run_posttrain(spec: dict, out_dir: Path, profile_step: int | None, extra: list[str] = (),
+                  clock=None) -> dict:
     """`clock` (default a fresh `StepClock`) is ticked after every step; bench/moe.py passes a `TurnClock`."""
     from posttrain.cli import train_ppo_ray
     from posttrain.rollout import HFRolloutEngine
@@ -140,7 +141,8 @@ def run_posttrain(spec: dict, out_dir: Path, profile_step: int | None, extra: li
     phases = {k: [r[k] for r in rows if k in r] for k in
               ("timing/step_total", "timing/generation", "timing/make_experience", "timing/ppo_train")}
     return {"clock": clock, "prompt_digests": prompts, "gen_tokens": gen_tokens, "phases": phases,
-            "reward_mean": [r.get("reward/mean") for r in rows], "profile": prof_text[0] if prof_text else None,
+            "reward_mean": [r.get("reward/mean") for r in rows],
+            "profile": prof_text[0] if prof_text else None,
             "argv": "python -m posttrain.cli.train_ppo_ray " + shlex.join(argv)}
 
 
@@ -162,7 +164,8 @@ def run_trl(spec: dict, out_dir: Path) -> dict:
                 for c, a in zip(completions, answer)]
 
     tok = AutoTokenizer.from_pretrained(spec["model"])
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32,
+                                                 attn_implementation="sdpa")
     clock, prompts, gen_tokens = StepClock(), [], []
     phases = {"generate": [], "generate_and_score": []}
 
@@ -170,8 +173,8 @@ def run_trl(spec: dict, out_dir: Path) -> dict:
         def on_step_end(self, args, state, control, **kw):
             clock.tick()
 
-    config = GRPOConfig(**trl_grpo_args(spec, out_dir, beta=0.0, seed=SEED), lr_scheduler_type="cosine_with_min_lr",
-                        lr_scheduler_kwargs={"min_lr_rate": 0.1})
+    config = GRPOConfig(**trl_grpo_args(spec, out_dir, beta=0.0, seed=SEED),
+                        lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1})
     trainer = GRPOTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok,
                           reward_funcs=[arithmetic_reward], callbacks=[Clock()])
     inner_gen, inner_gas = trainer._generate_single_turn, trainer._generate_and_score_completions
@@ -190,7 +193,8 @@ def run_trl(spec: dict, out_dir: Path) -> dict:
         phases["generate_and_score"].append(time.perf_counter() - t0)
         return out
 
-    trainer._generate_single_turn, trainer._generate_and_score_completions = generate_single_turn, generate_and_score
+    trainer._generate_single_turn, trainer._generate_and_score_completions = (generate_single_turn,
+                                                                             generate_and_score)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     return {"clock": clock, "prompt_digests": prompts, "gen_tokens": gen_tokens, "phases": phases,
@@ -206,7 +210,8 @@ def worker(args) -> None:
     spec = json.loads(Path(args.spec).read_text())
     out_dir = Path(args.out)
     if args.worker in ("posttrain", "posttrain+"):
-        res = run_posttrain(spec, out_dir, spec["warmup"] if args.profile else None, side_flags(spec, args.worker))
+        res = run_posttrain(spec, out_dir, spec["warmup"] if args.profile else None,
+                            side_flags(spec, args.worker))
     else:
         res = run_trl(spec, out_dir)
     clock = res.pop("clock")
@@ -247,7 +252,8 @@ def prepare(args, work: Path) -> dict:
     from posttrain.trainers.rl.collect import PromptStream
 
     model = work / "base"
-    info = build_tiny(str(model), arch="llama", size=args.size, head="lm", seed=0, verbose=False, overwrite=True)
+    info = build_tiny(str(model), arch="llama", size=args.size, head="lm", seed=0, verbose=False,
+                      overwrite=True)
     n_prompts = args.steps * args.prompts  # exactly `steps` rollout batches in one episode
     rows = make_arithmetic_rows(n_prompts, seed=0)
     if args.prompt_len:
@@ -265,18 +271,20 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_rl_step_args(ap, size="tiny", max_new_tokens=8, steps=8)
     ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads in the workers (0: torch's default, the core count). 1 by default: "
-                         "on a shared machine a multi-threaded step is dominated by scheduling, one thread's wall "
-                         "time stays ~ its CPU time")
+                    help="torch intra-op threads in the workers (0: torch's default, the core count). 1 by "
+                         "default: on a shared machine a multi-threaded step is dominated by scheduling, one "
+                         "thread's wall time stays ~ its CPU time")
     ap.add_argument("--max-others", type=float, default=None,
-                    help="a run during whose timed steps other processes used more than this CPU share is rerun "
-                         "(default: the share of cores the workers leave free + 0.1)")
+                    help="a run during whose timed steps other processes used more than this CPU share is "
+                         "rerun (default: the share of cores the workers leave free + 0.1)")
     ap.add_argument("--retries", type=int, default=1, help="reruns allowed per run (the last one is kept)")
     ap.add_argument("--max-wait", type=float, default=20.0,
                     help="seconds to wait before each run for the other processes to go idle")
-    ap.add_argument("--profile", action="store_true", help="cProfile the first timed posttrain step (repeat 0)")
+    ap.add_argument("--profile", action="store_true", help="cProfile the first timed posttrain step (repeat "
+                                                           "0)")
     ap.add_argument("--prompt-len", type=int, default=0,
-                    help="pad every prompt with filler text to at least this many chat-rendered tokens (0: as is)")
+                    help="pad every prompt with filler text to at least this many chat-rendered tokens (0: "
+                         "as is)")
     ap.add_argument("--work-dir", help="keep the model, data, runs and logs here (default: a temp dir)")
     add_posttrain_flags_arg(ap)
     ap.add_argument("--no-trl", action="store_true", help="leave TRL out (compare posttrain variants only)")
@@ -298,7 +306,8 @@ def main(argv=None) -> None:
         cores = os.cpu_count() or 1
         args.max_others = max(0.0, 1 - (args.threads or torch.get_num_threads()) / cores) + 0.1
     if (args.prompts * args.n) % args.micro_batch_size:
-        raise SystemExit(f"--prompts x --n = {args.prompts * args.n} must be a multiple of --micro-batch-size")
+        raise SystemExit(f"--prompts x --n = {args.prompts * args.n} must be a multiple of "
+                         f"--micro-batch-size")
 
     started = time.perf_counter()
     tmp = None if args.work_dir else tempfile.TemporaryDirectory()
@@ -307,7 +316,8 @@ def main(argv=None) -> None:
     spec = prepare(args, work)
     spec_path = work / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    names = ["posttrain"] + (["posttrain+"] if args.posttrain_flags else []) + ([] if args.no_trl else ["trl"])
+    names = (["posttrain"] + (["posttrain+"] if args.posttrain_flags else [])
+             + ([] if args.no_trl else ["trl"]))
     results: dict[str, list[dict]] = {name: [] for name in names}
     discarded: list[str] = []
     for r in range(args.repeats):
@@ -318,15 +328,17 @@ def main(argv=None) -> None:
             for attempt in range(args.retries + 1):
                 quiet = wait_for_quiet(args.max_wait, threshold=args.max_others)
                 tag = f"{side}_{r}_{attempt}"
-                res = run_worker(Path(__file__).resolve(), ["--worker", side, "--spec", str(spec_path), "--threads",
-                                                            str(args.threads), "--out", str(work / tag), *extra],
+                res = run_worker(Path(__file__).resolve(), ["--worker", side, "--spec", str(spec_path),
+                                                            "--threads", str(args.threads),
+                                                            "--out", str(work / tag), *extra],
                                  work / f"{tag}.log")
                 others = res["others_share"]
                 steps = ", ".join(f"{x:.2f}" for x in res["step_seconds"])
-                print(f"[{datetime.datetime.now():%H:%M:%S}] {side} repeat {r}: median step {res['median_step']:.3f} s "
-                      f"wall, {res['median_cpu']:.3f} s CPU (steps {steps}); first step (+ set-up) "
-                      f"{res['first_step_seconds']:.1f} s; process {res['process_seconds']:.0f} s; "
-                      f"other processes' CPU share {others:.0%} (before: {quiet:.0%})", flush=True)
+                print(f"[{datetime.datetime.now():%H:%M:%S}] {side} repeat {r}: median step "
+                      f"{res['median_step']:.3f} s wall, {res['median_cpu']:.3f} s CPU (steps {steps}); "
+                      f"first step (+ set-up) {res['first_step_seconds']:.1f} s; process "
+                      f"{res['process_seconds']:.0f} s; other processes' CPU share {others:.0%} (before: "
+                      f"{quiet:.0%})", flush=True)
                 attempts.append(res)
                 if others <= args.max_others:
                     break
@@ -345,7 +357,8 @@ def report(args, spec, results, discarded, started) -> str:
     ours, trl = results["posttrain"], results.get("trl")
     med = {k: median(r["median_step"] for r in v) for k, v in results.items()}
     cpu = {k: median(r["median_cpu"] for r in v) for k, v in results.items()}
-    lines = ["", "## RL step time: posttrain ppo (group_norm) vs " + ", ".join(k for k in results if k != "posttrain"),
+    lines = ["", "## RL step time: posttrain ppo (group_norm) "
+                 "vs " + ", ".join(k for k in results if k != "posttrain"),
              ""]
     lines.append(f"- machine: {machine()}; workers: " +
                  ", ".join(f"{k} {v[0]['num_threads']} threads" for k, v in results.items()))
@@ -353,10 +366,12 @@ def report(args, spec, results, discarded, started) -> str:
                         {k: [r["step_seconds"] for r in v] for k, v in results.items()},
                         {k: [r["step_cpu_seconds"] for r in v] for k, v in results.items()})
     lines.append("- versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()))
-    lines.append(f"- setup: llama {args.size} ({spec['num_parameters']:,} params, vocab {spec['vocab_size']}), "
-                 f"{args.prompts} prompts x {args.n} samples = {args.prompts * args.n} per step, "
+    lines.append(f"- setup: llama {args.size} ({spec['num_parameters']:,} params, vocab "
+                 f"{spec['vocab_size']}), {args.prompts} prompts x {args.n} samples = "
+                 f"{args.prompts * args.n} per step, "
                  + (f"prompts padded to >= {args.prompt_len} tokens, " if args.prompt_len else "")
-                 + f"max_new_tokens {args.max_new_tokens}, micro-batch {args.micro_batch_size}, one optimizer step "
+                 + f"max_new_tokens {args.max_new_tokens}, micro-batch {args.micro_batch_size}, one "
+                   f"optimizer step "
                  f"per rollout, {args.steps} steps per run ({args.warmup} warm-up), {args.repeats} repeats; "
                  f"TRL loss_type='dapo' (= posttrain token_mean over the optimizer step), beta=0, no vLLM")
     lines.append(f"- command: `.venv/bin/python bench/rl_step.py {shlex.join(argv_of(args))}`")
@@ -368,29 +383,33 @@ def report(args, spec, results, discarded, started) -> str:
                      f"{median(r['first_step_seconds'] for r in runs):.1f}",
                      " / ".join(f"{r['others_share']:.0%}" for r in runs)])
     lines.append(md_table(["side", "median s/step (wall)", "each repeat", "median CPU s/step (process)",
-                           "timed steps, repeat 0 (s)", "set-up + step 1 (s)", "other processes' CPU share"], rows))
+                           "timed steps, repeat 0 (s)", "set-up + step 1 (s)", "other processes' CPU share"],
+                          rows))
     lines.append("")
     if trl:
         lines.append(f"**posttrain / TRL step time = {med['posttrain'] / med['trl']:.2f}x wall, "
                      f"{cpu['posttrain'] / cpu['trl']:.2f}x CPU** (< 1: posttrain faster)")
     if "posttrain+" in results:
-        lines.append(f"**posttrain+ / posttrain step time = {med['posttrain+'] / med['posttrain']:.2f}x wall, "
-                     f"{cpu['posttrain+'] / cpu['posttrain']:.2f}x CPU** (< 1: the extra flags are faster)")
+        lines.append(f"**posttrain+ / posttrain step time = {med['posttrain+'] / med['posttrain']:.2f}x "
+                     f"wall, {cpu['posttrain+'] / cpu['posttrain']:.2f}x CPU** (< 1: the extra flags are "
+                     f"faster)")
     lines.append("")
     w = args.warmup
-    b = {k: median(x for r in ours for x in r["phases"][k][w:]) for k in ours[0]["phases"] if ours[0]["phases"][k]}
+    b = {k: median(x for r in ours for x in r["phases"][k][w:]) for k in ours[0]["phases"]
+         if ours[0]["phases"][k]}
     lines.append("- posttrain breakdown (median over timed steps, metrics.jsonl): " +
                  ", ".join(f"`{k}` {v:.3f} s" for k, v in b.items()))
     if "posttrain+" in results:
         plus = results["posttrain+"]
-        b = {k: median(x for r in plus for x in r["phases"][k][w:]) for k in plus[0]["phases"] if plus[0]["phases"][k]}
+        b = {k: median(x for r in plus for x in r["phases"][k][w:]) for k in plus[0]["phases"]
+             if plus[0]["phases"][k]}
         lines.append("- posttrain+ breakdown: " + ", ".join(f"`{k}` {v:.3f} s" for k, v in b.items()))
     if trl:
         g = median(x for r in trl for x in r["phases"]["generate"][w:])
         gs = median(x for r in trl for x in r["phases"]["generate_and_score"][w:])
-        lines.append(f"- TRL breakdown (median over timed steps): generate {g:.3f} s, generate + reward + advantages "
-                     f"{gs:.3f} s, rest of the step (training forward/backward, optimizer, logging) "
-                     f"~{med['trl'] - gs:.3f} s")
+        lines.append(f"- TRL breakdown (median over timed steps): generate {g:.3f} s, generate + reward + "
+                     f"advantages {gs:.3f} s, rest of the step (training forward/backward, optimizer, "
+                     f"logging) ~{med['trl'] - gs:.3f} s")
     same_prompts = all(r["prompt_digests"] == ours[0]["prompt_digests"] for v in results.values() for r in v)
     lines.append(f"- identical prompt token ids (one row per sample) every step, both sides, every run: "
                  f"{'yes' if same_prompts else 'NO'}")
@@ -399,8 +418,8 @@ def report(args, spec, results, discarded, started) -> str:
     lines.append("- mean reward per step (repeat 0): " + ", ".join(
         f"{k} {[round(x, 3) for x in v[0]['reward_mean'] if x is not None]}" for k, v in results.items()))
     if discarded:
-        lines.append(f"- runs discarded (other processes used > {args.max_others:.0%} of the CPU; the quietest attempt "
-                     f"is kept): "
+        lines.append(f"- runs discarded (other processes used > {args.max_others:.0%} of the CPU; the "
+                     f"quietest attempt is kept): "
                      + "; ".join(discarded))
     lines.append(f"- posttrain launch: `{ours[0]['argv']}`")
     lines.append(f"- total wall time {time.perf_counter() - started:.0f} s")
@@ -411,8 +430,8 @@ def report(args, spec, results, discarded, started) -> str:
 
 def argv_of(args) -> list[str]:
     out = []
-    for k in ("size", "prompts", "n", "max_new_tokens", "micro_batch_size", "steps", "warmup", "repeats", "lr",
-              "threads", "max_others", "retries", "max_wait", "prompt_len"):
+    for k in ("size", "prompts", "n", "max_new_tokens", "micro_batch_size", "steps", "warmup", "repeats",
+              "lr", "threads", "max_others", "retries", "max_wait", "prompt_len"):
         out += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     if args.posttrain_flags:
         out += [f"--posttrain-flags={args.posttrain_flags}"]

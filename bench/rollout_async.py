@@ -1,7 +1,8 @@
 """Rollout throughput through the async front (`rollout/async_engine.py`) against the batch
 engine it wraps, on the same model and prompts.
 
-    .venv/bin/python bench/rollout_async.py [--size tiny] [--batches 16 64] [--max-new-tokens 32] [--repeats 5]
+    .venv/bin/python bench/rollout_async.py [--size tiny] [--batches 16 64] [--max-new-tokens
+    32] [--repeats 5]
 
 Table 1, one batch of B prompts (temperature 1, per-prompt seeds, the same budgets):
   - `engine.generate`: the single batch call (the reference);
@@ -40,7 +41,8 @@ def episodes(engine, prompts, params, seeds) -> int:
     async def main():
         front = AsyncRolloutEngine(engine)
         try:
-            outs = await asyncio.gather(*(front.generate(p, params, seed=s, max_new_tokens=params.max_new_tokens)
+            outs = await asyncio.gather(*(front.generate(p, params, seed=s,
+                                                         max_new_tokens=params.max_new_tokens)
                                           for p, s in zip(prompts, seeds)))
         finally:
             front.close()
@@ -93,8 +95,8 @@ def main(argv=None):
     args, info, _, tokenizer, engine = rollout_setup(__doc__.splitlines()[0], argv, extra=[
         ("--turns", dict(type=int, default=3, help="requests per episode in table 2"))])
     params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens)
-    print(f"# rollout tokens/s through the async front, {args.size} model ({info['num_parameters']:,} params), "
-          f"max_new_tokens {args.max_new_tokens}")
+    print(f"# rollout tokens/s through the async front, {args.size} model ({info['num_parameters']:,} "
+          f"params), max_new_tokens {args.max_new_tokens}")
     print(f"# {machine()}")
     print(f"# {versions()}")
     rows = []
@@ -110,7 +112,8 @@ def main(argv=None):
         ref = rate["engine.generate"]
         rows.append([str(batch), f"{ref:,.0f}"] + [f"{rate[k]:,.0f} ({rate[k] / ref:.2f}x)"
                                                    for k in ("generate_all", "B episodes")])
-    print(md_table(["batch", "engine.generate tok/s", "generate_all tok/s (ratio)", "B episodes tok/s (ratio)"], rows))
+    print(md_table(["batch", "engine.generate tok/s", "generate_all tok/s (ratio)",
+                    "B episodes tok/s (ratio)"], rows))
 
     rng = random.Random(0)
     no_stop = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, stop_token_ids=(10**9,))
@@ -118,7 +121,8 @@ def main(argv=None):
     for batch in args.batches:
         prompts = _prompts(tokenizer, batch)
         budgets = [[rng.randint(1, args.max_new_tokens) for _ in range(args.turns)] for _ in prompts]
-        sides = {"batch boundary": lambda: multi_turn(BatchBoundary(engine), prompts, no_stop, args.turns, budgets),
+        sides = {"batch boundary": lambda: multi_turn(BatchBoundary(engine), prompts, no_stop, args.turns,
+                                                      budgets),
                  "continuous": lambda: multi_turn(engine, prompts, no_stop, args.turns, budgets)}
         rate = timed(sides, args.repeats)
         rows.append([str(batch), str(args.turns), f"{rate['batch boundary']:,.0f}",

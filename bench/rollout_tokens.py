@@ -1,6 +1,7 @@
 """Rollout throughput: posttrain's `HFRolloutEngine` vs transformers' `model.generate(do_sample=True)`.
 
-    .venv/bin/python bench/rollout_tokens.py [--size tiny] [--batches 16 64] [--max-new-tokens 32] [--repeats 3]
+    .venv/bin/python bench/rollout_tokens.py [--size tiny] [--batches 16 64] [--max-new-tokens
+    32] [--repeats 3]
 
 One tiny random-init model (`build_tiny(dir, size)`, fp32, sdpa), loaded once and shared by both
 sides. The prompts are the synthetic arithmetic prompts under the tokenizer's chat template (with
@@ -61,7 +62,8 @@ def run_hf_generate(model, prompts, pad_id, stop, max_new, seed) -> int:
 
 
 def run_engine(engine, prompts, max_new, seed) -> int:
-    out = engine.generate(prompts, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=max_new, seed=seed))
+    out = engine.generate(prompts,
+                          SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=max_new, seed=seed))
     return sum(len(o.output_token_ids) for group in out for o in group)
 
 
@@ -84,7 +86,8 @@ def rollout_setup(description: str, argv=None, extra=()):
         info = build_tiny(Path(tmp) / "model", size=args.size, verbose=False)
         model = load_causal_lm(info["path"], dtype="fp32").eval()
         tokenizer = load_tokenizer(info["path"])
-    return args, info, model, tokenizer, HFRolloutEngine(model, tokenizer, pad_token_id=tokenizer.pad_token_id)
+    return (args, info, model, tokenizer,
+            HFRolloutEngine(model, tokenizer, pad_token_id=tokenizer.pad_token_id))
 
 
 def main(argv=None):
@@ -93,7 +96,8 @@ def main(argv=None):
     stop = engine.eos_token_ids
     sides = {
         "posttrain HFRolloutEngine": lambda p, s: run_engine(engine, p, args.max_new_tokens, s),
-        "transformers model.generate": lambda p, s: run_hf_generate(model, p, pad_id, stop, args.max_new_tokens, s),
+        "transformers "
+        "model.generate": lambda p, s: run_hf_generate(model, p, pad_id, stop, args.max_new_tokens, s),
     }
     print(f"# rollout tokens/s, {args.size} model ({info['num_parameters']:,} params), "
           f"max_new_tokens {args.max_new_tokens}, stop ids {stop}")

@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import machine, md_table, versions  # noqa: E402
 
-REWARD = "def reward_func(queries, prompts, labels, **kw):\n    return {'rewards': [float(len(q)) % 2 for q in queries]}\n"
+REWARD = ("def reward_func(queries, prompts, labels, **kw):\n    return {'rewards': [float(len(q)) % 2 for q "
+          "in queries]}\n")
 FILLER = "Read the question below carefully and answer with one integer. "
 
 
@@ -172,11 +173,13 @@ def run_config(args, work: Path, size: str, long_prompt: int | None, dev) -> dic
     total = args.prompts * args.n
     argv = ["--actor.model_name_or_path", str(model), "--critic.model_name_or_path", str(model),
             "--data.prompt_dataset", str(data), "--data.input_key", "prompt", "--data.label_key", "answer",
-            "--data.max_len", str((long_prompt or 64) + args.max_new_tokens + 64), "--reward.remote_url", str(reward),
-            "--algo.advantage.estimator", "gae", "--algo.kl.init_coef", "0.01",
-            "--rollout.batch_size", str(args.prompts), "--rollout.n_samples_per_prompt", str(args.n),
-            "--rollout.max_new_tokens", str(args.max_new_tokens), "--rollout.micro_batch_size", str(min(32, total)),
-            "--rollout.temperature", "1.0", "--train.batch_size", str(total), "--train.micro_batch_size", str(min(32, total)),
+            "--data.max_len", str((long_prompt or 64) + args.max_new_tokens + 64),
+            "--reward.remote_url", str(reward), "--algo.advantage.estimator", "gae",
+            "--algo.kl.init_coef", "0.01", "--rollout.batch_size", str(args.prompts),
+            "--rollout.n_samples_per_prompt", str(args.n),
+            "--rollout.max_new_tokens", str(args.max_new_tokens),
+            "--rollout.micro_batch_size", str(min(32, total)), "--rollout.temperature", "1.0",
+            "--train.batch_size", str(total), "--train.micro_batch_size", str(min(32, total)),
             "--train.max_epochs", "1", "--train.num_episodes", "1", "--ds.param_dtype", "fp32",
             "--ckpt.output_dir", str(work / f"run_{size}_{long_prompt or 0}"), "--ckpt.save_steps", "-1",
             *args.flags.split()]
@@ -205,10 +208,12 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--long-prompt", type=int, default=128, help="prompt tokens of the long-prompt config (0: none)")
+    ap.add_argument("--long-prompt", type=int, default=128,
+                    help="prompt tokens of the long-prompt config (0: none)")
     ap.add_argument("--repeats", type=int, default=2, help="timed steps per config (after one warm-up)")
     ap.add_argument("--json", help="also write the results here")
-    ap.add_argument("--flags", default="", help="extra `posttrain ppo` flags, e.g. --flags=--ds.no_onednn_linear")
+    ap.add_argument("--flags", default="", help="extra `posttrain ppo` flags, e.g. "
+                                                "--flags=--ds.no_onednn_linear")
     args = ap.parse_args(argv)
     dev = device()
     peak, where = matmul_peak(dev)
@@ -221,8 +226,8 @@ def main(argv=None) -> None:
     print(f"versions: {versions()}\n")
     if args.flags:
         print(f"posttrain flags: {args.flags}\n")
-    print(f"fp32 matmul peak: {peak:.1f} GFLOP/s ({where}); one step = {args.prompts} prompts x {args.n} samples "
-          f"x {args.max_new_tokens} new tokens; median of {args.repeats} steps after a warm-up\n")
+    print(f"fp32 matmul peak: {peak:.1f} GFLOP/s ({where}); one step = {args.prompts} prompts x {args.n} "
+          f"samples x {args.max_new_tokens} new tokens; median of {args.repeats} steps after a warm-up\n")
     phases = list(results[0]["phases"])
     rows = []
     for r in results:

@@ -97,13 +97,14 @@ def _posttrain_argv(spec: dict, packed: bool, out_dir: Path) -> list[str]:
     argv = ["--model.model_name_or_path", spec["model"], "--data.dataset", spec["data"],
             "--data.input_key", "prompt", "--data.output_key", "response", "--data.apply_chat_template",
             "--data.max_len", str(spec["max_len"]), "--eval.split", "test",  # no test split => no eval set
-            "--train.batch_size", str(spec["batch_size"]), "--train.micro_batch_size", str(spec["micro_batch_size"]),
-            "--train.max_epochs", "1", "--train.seed", str(spec["seed"]),
-            "--adam.lr", str(spec["lr"]), "--adam.betas", "0.9", "0.95", "--adam.eps", "1e-8",
-            "--adam.weight_decay", "0.0", "--max_norm", "1.0", "--lr_scheduler", "cosine_with_min_lr",
-            "--lr_warmup_ratio", str(spec["warmup_ratio"]), "--min_lr_ratio", str(spec["min_lr_ratio"]),
-            "--ds.param_dtype", "fp32", "--ds.attn_implementation", "sdpa",
-            "--ckpt.output_dir", str(out_dir), "--ckpt.save_steps", "-1", "--logger.logging_steps", "1"]
+            "--train.batch_size", str(spec["batch_size"]),
+            "--train.micro_batch_size", str(spec["micro_batch_size"]), "--train.max_epochs", "1",
+            "--train.seed", str(spec["seed"]), "--adam.lr", str(spec["lr"]), "--adam.betas", "0.9", "0.95",
+            "--adam.eps", "1e-8", "--adam.weight_decay", "0.0", "--max_norm", "1.0",
+            "--lr_scheduler", "cosine_with_min_lr", "--lr_warmup_ratio", str(spec["warmup_ratio"]),
+            "--min_lr_ratio", str(spec["min_lr_ratio"]), "--ds.param_dtype", "fp32",
+            "--ds.attn_implementation", "sdpa", "--ckpt.output_dir", str(out_dir), "--ckpt.save_steps", "-1",
+            "--logger.logging_steps", "1"]
     return argv + (["--ds.packing_samples"] if packed else [])
 
 
@@ -144,9 +145,11 @@ def run_trl(spec: dict, packed: bool, out_dir: Path, clock: TurnClock, extra: li
     rows = [json.loads(line) for line in Path(spec["data"], "train.jsonl").read_text().splitlines()]
     ordered = [rows[i] for i in spec["order"]]  # posttrain's epoch-0 order, consumed sequentially
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],
-                                  "completion": [{"role": "assistant", "content": r["response"]}]} for r in ordered])
+                                  "completion": [{"role": "assistant", "content": r["response"]}]}
+                                 for r in ordered])
     tok = AutoTokenizer.from_pretrained(spec["model"])
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32,
+                                                 attn_implementation="sdpa")
     micro, lrs = [], []
 
     config = SFTConfig(
@@ -154,7 +157,8 @@ def run_trl(spec: dict, packed: bool, out_dir: Path, clock: TurnClock, extra: li
         # padding_free without packing refuses max_length (it is not enforced there); the worker checks
         # below that no sample reaches max_len, so nothing is truncated on either side
         max_length=None if packed else spec["max_len"], padding_free=packed)
-    trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok, callbacks=[trl_step_callback(clock, lrs)])
+    trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok,
+                         callbacks=[trl_step_callback(clock, lrs)])
     longest = max(len(ids) for ids in trainer.train_dataset["input_ids"])
     if longest > spec["max_len"]:
         raise ValueError(f"a TRL sample has {longest} tokens > max_len {spec['max_len']}; raise --max-len")
@@ -183,15 +187,15 @@ def worker(args) -> None:
                                                                   side_flags(spec, args.worker))
     micro = res.pop("micro")
     if len(clock.steps) != steps or len(micro) < steps * ga:
-        raise RuntimeError(f"{args.worker}: {len(clock.steps)} optimizer steps and {len(micro)} micro-batches, "
-                           f"expected {steps} and {steps * ga}")
+        raise RuntimeError(f"{args.worker}: {len(clock.steps)} optimizer steps and {len(micro)} "
+                           f"micro-batches, expected {steps} and {steps * ga}")
     micro = micro[: steps * ga]
     seconds, timed_steps = clock.window(skip=1)
     timed = micro[ga:]  # steps 2..N
     res.update({
-        "config": args.worker, "num_threads": torch.get_num_threads(), "seconds": seconds, "timed_steps": timed_steps,
-        "timed_tokens": sum(m["tokens"] for m in timed), "timed_targets": sum(m["targets"] for m in timed),
-        "timed_padded": sum(m["padded"] for m in timed),
+        "config": args.worker, "num_threads": torch.get_num_threads(), "seconds": seconds,
+        "timed_steps": timed_steps, "timed_tokens": sum(m["tokens"] for m in timed),
+        "timed_targets": sum(m["targets"] for m in timed), "timed_padded": sum(m["padded"] for m in timed),
         "total_tokens": sum(m["tokens"] for m in micro), "total_targets": sum(m["targets"] for m in micro),
         "digests": [m["digest"] for m in micro], "final_loss": res["losses"][-1] if res["losses"] else None,
         "tokens_per_s": sum(m["tokens"] for m in timed) / seconds, "others_share": clock.others_share(skip=1),
@@ -211,22 +215,23 @@ def prepare(args, work: Path) -> dict:
     n = args.steps * args.batch_size  # exactly one epoch of `steps` full global batches
     rows = make_arithmetic_rows(n, seed=args.seed, difficulty=args.difficulty)
     write_jsonl(rows, work / "data" / "train.jsonl")  # no test split: the posttrain run has no eval set
-    return {"model": str(model), "data": str(work / "data"), "steps": args.steps, "batch_size": args.batch_size,
-            "micro_batch_size": args.micro_batch_size, "max_len": args.max_len, "lr": args.lr,
-            "warmup_ratio": args.warmup_ratio, "min_lr_ratio": 0.1, "seed": args.seed, "chunk": args.chunk,
-            "order": [int(i) for i in epoch_order(n, args.seed, 0)], "posttrain_flags": posttrain_flags(args),
-            "threads": args.threads}
+    return {"model": str(model), "data": str(work / "data"), "steps": args.steps,
+            "batch_size": args.batch_size, "micro_batch_size": args.micro_batch_size, "max_len": args.max_len,
+            "lr": args.lr, "warmup_ratio": args.warmup_ratio, "min_lr_ratio": 0.1, "seed": args.seed,
+            "chunk": args.chunk, "order": [int(i) for i in epoch_order(n, args.seed, 0)],
+            "posttrain_flags": posttrain_flags(args), "threads": args.threads}
 
 
 def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
     out = {}
     for name, runs in results.items():
         out[name] = {"tokens_per_s": median(r["tokens_per_s"] for r in runs),
-                     "seconds": median(r["seconds"] for r in runs), "all_tps": [r["tokens_per_s"] for r in runs],
+                     "seconds": median(r["seconds"] for r in runs),
+                     "all_tps": [r["tokens_per_s"] for r in runs],
                      "others": max(r["others_share"] or 0.0 for r in runs),
-                     **{k: runs[0][k] for k in ("timed_steps", "timed_tokens", "timed_targets", "timed_padded",
-                                                "total_tokens", "total_targets", "final_loss", "losses", "lrs",
-                                                "digests", "num_threads")}}
+                     **{k: runs[0][k] for k in ("timed_steps", "timed_tokens", "timed_targets",
+                                                "timed_padded", "total_tokens", "total_targets", "final_loss",
+                                                "losses", "lrs", "digests", "num_threads")}}
     return out
 
 
@@ -242,7 +247,8 @@ def checks(results: dict[str, list[dict]], summary: dict[str, dict]) -> list[str
         vals = {s[key] for s in summary.values()}
         lines.append(f"{key}: {', '.join(str(v) for v in sorted(vals))} "
                      f"({'same on every side' if len(vals) == 1 else 'DIFFERENT'})")
-    trl_counts = {r["trl_total_train_tokens"] for runs in results.values() for r in runs if "trl_total_train_tokens" in r}
+    trl_counts = {r["trl_total_train_tokens"] for runs in results.values() for r in runs
+                  if "trl_total_train_tokens" in r}
     if trl_counts:
         lines.append(f"TRL's own num_tokens counter: {', '.join(map(str, sorted(trl_counts)))}")
     lr_diff = max(abs(a - b) for s in summary.values() for a, b in zip(s["lrs"], ref["lrs"]))
@@ -266,8 +272,8 @@ def report(args, spec, results, summary, check_lines, vers, started) -> str:
                      " / ".join(f"{v:,.0f}" for v in s["all_tps"]),
                      f"{s['tokens_per_s'] / ref['tokens_per_s']:.2f}" if ref else "-",
                      *([f"{s['tokens_per_s'] / base['tokens_per_s']:.3f}"] if base else []),
-                     f"{s['seconds']:.2f}", s["timed_steps"], f"{s['timed_tokens']:,}", f"{s['timed_targets']:,}",
-                     f"{pad:.1%}", f"{s['final_loss']:.4f}", f"{s['others']:.0%}"])
+                     f"{s['seconds']:.2f}", s["timed_steps"], f"{s['timed_tokens']:,}",
+                     f"{s['timed_targets']:,}", f"{pad:.1%}", f"{s['final_loss']:.4f}", f"{s['others']:.0%}"])
     table = md_table(["configuration", "tokens/s (median)", "tokens/s (each run)", "vs trl",
                       *(["vs posttrain"] if base else []), "timed s (median)",
                       "timed steps", "timed tokens", "timed target tokens", "padding", "final train loss",
@@ -280,20 +286,21 @@ def report(args, spec, results, summary, check_lines, vers, started) -> str:
     cmd = ".venv/bin/python bench/sft.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     ga = args.batch_size // args.micro_batch_size
     setup = (f"model `build_tiny(arch='llama', size='{args.size}', seed=0)`; data `make_arithmetic_rows"
-             f"({spec['steps'] * args.batch_size}, seed={args.seed}, difficulty={args.difficulty})`, chat template, "
-             f"loss on the completion; global batch {args.batch_size} = micro-batch {args.micro_batch_size} x "
-             f"{ga} accumulation; max_len {args.max_len}; {args.steps} optimizer steps (1 epoch); AdamW lr "
-             f"{args.lr}, betas (0.9, 0.95), eps 1e-8, wd 0, clip 1.0, cosine_with_min_lr (min 0.1x) with "
-             f"{math.ceil(args.steps * args.warmup_ratio)} warm-up steps; fp32, sdpa; torch threads per worker "
-             f"{next(iter(summary.values()))['num_threads']}; {args.repeats} repeats, each "
-             f"configuration in its own process, the processes taking turns of {args.chunk} steps (round-robin).")
+             f"({spec['steps'] * args.batch_size}, seed={args.seed}, difficulty={args.difficulty})`, chat "
+             f"template, loss on the completion; global batch {args.batch_size} = micro-batch "
+             f"{args.micro_batch_size} x {ga} accumulation; max_len {args.max_len}; {args.steps} optimizer "
+             f"steps (1 epoch); AdamW lr {args.lr}, betas (0.9, 0.95), eps 1e-8, wd 0, clip 1.0, "
+             f"cosine_with_min_lr (min 0.1x) with {math.ceil(args.steps * args.warmup_ratio)} warm-up steps; "
+             f"fp32, sdpa; torch threads per worker {next(iter(summary.values()))['num_threads']}; "
+             f"{args.repeats} repeats, each configuration in its own process, the processes taking turns of "
+             f"{args.chunk} steps (round-robin).")
     vtext = ", ".join(f"{k} {v}" for k, v in vers.items())
     return "\n".join([
         "## SFT", "", f"Command: `{cmd}`  ", f"Date: {started:%Y-%m-%d %H:%M} UTC  ",
         f"Machine: {machine()}  ", f"Versions: {vtext}", "", f"Setup: {setup}", "",
-        "Throughput = non-pad tokens of optimizer steps 2..N / the wall seconds those steps took (model load, "
-        "tokenisation and the first step excluded on both sides; time parked while another process had its "
-        "turn excluded).", "",
+        "Throughput = non-pad tokens of optimizer steps 2..N / the wall seconds those steps took (model "
+        "load, tokenisation and the first step excluded on both sides; time parked while another process had "
+        "its turn excluded).", "",
         table, "", *ratios, "", "Checks:", *[f"- {c}" for c in check_lines], ""])
 
 
@@ -325,13 +332,15 @@ def main(argv=None) -> None:
     print(f"workdir {work}; torch.get_num_threads() = {torch.get_num_threads()}", flush=True)
     spec = prepare(args, work)
     (work / "spec.json").write_text(json.dumps(spec))
-    names = [n for n in CONFIGS if not (args.no_packed and CONFIGS[n][1]) and (n != PLUS or args.posttrain_flags)]
+    names = [n for n in CONFIGS if not (args.no_packed and CONFIGS[n][1])
+             and (n != PLUS or args.posttrain_flags)]
     results: dict[str, list[dict]] = {n: [] for n in names}
     script = str(Path(__file__).resolve())
     for rep in range(args.repeats):
         quiet = wait_for_quiet(args.max_wait)
         tags = [f"{name.split()[0]}{'-packed' if CONFIGS[name][1] else ''}-{rep}" for name in names]
-        runs = run_round_robin([[script, "--worker", name, "--spec", str(work / "spec.json"), "--out", str(work / tag)]
+        runs = run_round_robin([[script, "--worker", name, "--spec", str(work / "spec.json"),
+                                 "--out", str(work / tag)]
                                 for name, tag in zip(names, tags)], [work / f"{tag}.log" for tag in tags])
         print(f"repeat {rep + 1}/{args.repeats} (others' CPU share just before: {quiet:.0%})", flush=True)
         for name, res in zip(names, runs):

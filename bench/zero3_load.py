@@ -85,8 +85,8 @@ def run_case(model_dir: str, case: str) -> list[dict]:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = str(sock.getsockname()[1])
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", port,
-               *script]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", port, *script]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-3000:])
@@ -109,9 +109,10 @@ def main(model_dirs: list[str]) -> None:
             for r in run_case(model_dir, case):
                 engine = ("(read once) " if case == "whole" else "")
                 print(f"| {Path(model_dir).name} ({r['full_params'] / 1e6:.0f}M, {size:.0f} MB) | {label} | "
-                      f"{r['rank']} | {r['baseline_rss_mb']:.0f} | {r['loaded_peak_mb']:.0f} | {r['loaded_rss_mb']:.0f} "
-                      f"| {engine}{r['peak_mb']:.0f} | {engine}{r['rss_mb']:.0f} | "
-                      f"{r['own_params'] / 1e6:.1f}M ({r['own_params'] / r['full_params']:.0%}) |", flush=True)
+                      f"{r['rank']} | {r['baseline_rss_mb']:.0f} | {r['loaded_peak_mb']:.0f} | "
+                      f"{r['loaded_rss_mb']:.0f} | {engine}{r['peak_mb']:.0f} | {engine}{r['rss_mb']:.0f} | "
+                      f"{r['own_params'] / 1e6:.1f}M ({r['own_params'] / r['full_params']:.0%}) |",
+                      flush=True)
 
 
 if __name__ == "__main__":

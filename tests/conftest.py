@@ -7,8 +7,8 @@ integration tests that train for more than a few seconds. `make test` runs every
 runs `-m "not e2e and not slow"`.
 
 Fixtures: `tiny_model_dir`: a llama "nano" (~1M params) causal LM + tokenizer built
-once per session with `build_tiny` (seed 0), loadable with `from_pretrained`; `tiny_score_model_dir`, its score-head twin;
-`tiny_vision_dir`, a tiny Qwen2.5-VL (vision-language). `one_torch_thread`:
+once per session with `build_tiny` (seed 0), loadable with `from_pretrained`; `tiny_score_model_dir`, its
+score-head twin; `tiny_vision_dir`, a tiny Qwen2.5-VL (vision-language). `one_torch_thread`:
 request it (module scope) where tiny models run many small ops. `ray_session` / `ray_address`: one local Ray
 instance for the session, and its address for a command-line run to join (RAY_ADDRESS)."""
 import os

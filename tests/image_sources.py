@@ -71,7 +71,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 @contextmanager
 def image_server(routes: dict, hits: dict | None = None):
     """Serve `routes` ({path: bytes (200 with that body) | status code | FOREVER | trickle(s) |
-    redirect(to)}); yields the base URL. Other paths are 404. `hits` (a dict, when given) counts the requests per path."""
+    redirect(to)}); yields the base URL. Other paths are 404. `hits` (a dict, when given) counts the
+    requests per path."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     server.daemon_threads = True
     server.routes, server.stop, server.hits = routes, threading.Event(), {} if hits is None else hits

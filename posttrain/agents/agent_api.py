@@ -15,8 +15,8 @@ token range, call `step` with the texts, append the action tokens as sampled and
 tokens, and stop at `done` or when the budget is spent. Rewards add up over turns (`rewards` as a
 tensor or number; None from every step: the run's reward source scores the episode); `scores` and
 `extra_logs` are the last step's. posttrain's deliberate differences
-(docs/from-openrlhf.md, "Multi-turn agents"): the feedback of the last turn is cut so the sequence never exceeds
-`max_length` (OpenRLHF cuts the finished sequence at training time), `truncated` is set when the
+(docs/from-openrlhf.md, "Multi-turn agents"): the feedback of the last turn is cut so the sequence never
+exceeds `max_length` (OpenRLHF cuts the finished sequence at training time), `truncated` is set when the
 budget ended the episode, and a too-long initial observation is an error instead of being cut from the
 left. A vision-language model's processor as `hf_tokenizer` (as OpenRLHF passes it) and the prompt's
 `images`, the row's image references as OpenRLHF passes them (`Prompt.image_refs`: relative paths made
@@ -123,7 +123,8 @@ class EpisodeImages:
 
     def text_ids(self, text: str) -> list[int]:
         """`text` tokenised without its image tokens (feedback whose images did not fit the budget)."""
-        placeholders = {getattr(self.processor, "image_token", None), getattr(self.processor, "video_token", None)}
+        placeholders = {getattr(self.processor, "image_token", None),
+                        getattr(self.processor, "video_token", None)}
         drop = {self.processor.tokenizer.convert_tokens_to_ids(t) for t in placeholders if t}
         return [t for t in encode_text(self.processor, text) if t not in drop]
 
@@ -133,7 +134,8 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
 
     def __init__(self, agent_instance_cls):
         if not (isinstance(agent_instance_cls, type) and issubclass(agent_instance_cls, AgentInstanceBase)):
-            raise TypeError(f"MultiTurnAgentExecutor needs a subclass of AgentInstanceBase, got {agent_instance_cls!r}")
+            raise TypeError(f"MultiTurnAgentExecutor needs a subclass of AgentInstanceBase, got "
+                            f"{agent_instance_cls!r}")
         self.agent_instance_cls = agent_instance_cls
 
     async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine,
@@ -162,7 +164,8 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         action_ranges: list[tuple[int, int]] = []
         total_reward, scores, extra_logs = None, None, {}
         truncated, env_tokens, step_time, turns = False, 0, 0.0, 0
-        turn_cap = getattr(sampling_params, "max_tokens", None)  # posttrain: --rollout.max_new_tokens per turn
+        # posttrain: --rollout.max_new_tokens per turn
+        turn_cap = getattr(sampling_params, "max_tokens", None)
         while True:
             budget = max_length - len(context)
             if budget <= 0:
@@ -188,7 +191,8 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             feedback_text = result["environment_feedback"]
             feedback = self._feedback_ids(feedback_text, result.get("environment_images"), seen,
                                           max_length - len(context), hf_tokenizer)
-            feedback = feedback[:max_length - len(context)]  # what does not fit is cut: the episode ends below
+            # what does not fit is cut: the episode ends below
+            feedback = feedback[:max_length - len(context)]
             observation_text = observation_text + out.text + feedback_text
             context += feedback
             logprobs += [0.0] * len(feedback)
@@ -217,7 +221,8 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         if not images:
             return encode_text(hf_tokenizer, text)
         if seen is None:
-            raise ValueError("step() returned environment_images but the model is not a vision-language model")
+            raise ValueError("step() returned environment_images but the model is not a vision-language "
+                             "model")
         ids, tensors, pil = seen.encode(text, images, "step()['environment_images']")
         if len(ids) <= room:
             seen.keep(pil, tensors)
@@ -263,18 +268,21 @@ class SingleTurnAgentExecutor(AgentExecutorBase):
         else:
             ids = encode_text(hf_tokenizer, prompt)
         if len(ids) >= max_length:
-            raise ValueError(f"the prompt has {len(ids)} tokens, no room to generate within --data.max_len {max_length}")
+            raise ValueError(f"the prompt has {len(ids)} tokens, no room to generate within --data.max_len "
+                             f"{max_length}")
         params = deepcopy(sampling_params)
         if getattr(params, "max_tokens", None) is None:
             params.max_tokens = max_length - len(ids)
         params.max_tokens = min(params.max_tokens, max_length - len(ids))
         out = (await llm_engine.generate(list(ids), params, **(seen.request() if seen else {}))).outputs[0]
         action = list(out.token_ids)
-        result = {"prompt": prompt, "label": label, "images": images, "mm_train_inputs": seen.merged() if seen else None,
-                  "observation_tokens": ids + action, "action_ranges": [(len(ids), len(ids) + len(action))],
-                  "rollout_log_probs": [0.0] * len(ids) + [e[t].logprob for e, t in zip(out.logprobs, action)],
-                  "truncated": out.finish_reason == "length", "reward": None, "scores": None, "extra_logs": {},
-                  "prompt_length": len(ids), "turns": 1, "env_tokens": 0, "step_time": 0.0}
+        result = {"prompt": prompt, "label": label, "images": images,
+                  "mm_train_inputs": seen.merged() if seen else None, "observation_tokens": ids + action,
+                  "action_ranges": [(len(ids), len(ids) + len(action))],
+                  "rollout_log_probs": [0.0] * len(ids) + [e[t].logprob
+                                                           for e, t in zip(out.logprobs, action)],
+                  "truncated": out.finish_reason == "length", "reward": None, "scores": None,
+                  "extra_logs": {}, "prompt_length": len(ids), "turns": 1, "env_tokens": 0, "step_time": 0.0}
         if self.remote_rm_url:
             import asyncio
 

@@ -48,8 +48,8 @@ def load_agent_executor(path: str) -> AgentExecutorBase:
     if isinstance(instance_cls, type):
         problem = _instantiation_problem(instance_cls)
         if problem:
-            raise AgentFileError(f"{FLAG} {path}: every episode creates {instance_cls.__name__}() with no arguments, "
-                                 f"which cannot work: {problem}")
+            raise AgentFileError(f"{FLAG} {path}: every episode creates {instance_cls.__name__}() with no "
+                                 f"arguments, which cannot work: {problem}")
     return executor
 
 
@@ -59,7 +59,8 @@ def _instantiation_problem(cls: type) -> str | None:
     abstract = sorted(getattr(cls, "__abstractmethods__", ()) or ())
     if abstract:
         return (f"it does not implement {', '.join(abstract)} (abstract in AgentInstanceBase); define "
-                + " and ".join(f"`{'async ' if name != '__init__' else ''}def {name}(self, ...)`" for name in abstract))
+                + " and ".join(f"`{'async ' if name != '__init__' else ''}def {name}(self, "
+                               f"...)`" for name in abstract))
     try:
         inspect.signature(cls).bind()
     except TypeError as err:

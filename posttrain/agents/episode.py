@@ -72,11 +72,13 @@ class AgentSamplingParams:
     def to_engine(self, eos_token_ids=None) -> SamplingParams:
         """The engine's parameters: the stop ids as the class docstring says (None: the engine's defaults)."""
         if self.top_k not in (-1, 0, None):
-            raise ValueError(f"sampling_params.top_k={self.top_k}: top-k sampling is not available in this version")
+            raise ValueError(f"sampling_params.top_k={self.top_k}: top-k sampling is not available in this "
+                             f"version")
         if self.n != 1:
             raise ValueError(f"sampling_params.n={self.n}: an episode samples one continuation per call")
         return SamplingParams(temperature=float(self.temperature), top_p=float(self.top_p),
-                              max_new_tokens=max(1, int(self.max_tokens or 1)), stop_token_ids=self._stop_ids(eos_token_ids),
+                              max_new_tokens=max(1, int(self.max_tokens or 1)),
+                              stop_token_ids=self._stop_ids(eos_token_ids),
                               min_tokens=int(self.min_tokens or 0))
 
     def _stop_ids(self, eos_token_ids) -> tuple[int, ...] | None:
@@ -103,16 +105,16 @@ class EpisodeEngine:
 
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None, image_inputs=None,
                        **kwargs) -> RequestOutput:
-        """vLLM's `generate` shape. A prompt with images (vision-language model): `image_inputs`, the processor's
-        tensors of every image in the ids so far (posttrain's `MultiTurnAgentExecutor` passes them), and
-        `multi_modal_data={"image": [PIL, ...]}` as vLLM takes it."""
+        """vLLM's `generate` shape. A prompt with images (vision-language model): `image_inputs`, the
+        processor's tensors of every image in the ids so far (posttrain's `MultiTurnAgentExecutor` passes
+        them), and `multi_modal_data={"image": [PIL, ...]}` as vLLM takes it."""
         if multi_modal_data and image_inputs is None:
-            raise ValueError("multi_modal_data without image_inputs: posttrain's engines take the processor's image "
-                             "tensors beside the images; run the episode with posttrain's MultiTurnAgentExecutor "
-                             "(openrlhf.utils.agent), which passes both")
+            raise ValueError("multi_modal_data without image_inputs: posttrain's engines take the "
+                             "processor's image tensors beside the images; run the episode with posttrain's "
+                             "MultiTurnAgentExecutor (openrlhf.utils.agent), which passes both")
         if not isinstance(sampling_params, AgentSamplingParams):
-            raise TypeError(f"sampling_params must be the AgentSamplingParams the executor was given (or a copy), "
-                            f"got {type(sampling_params).__name__}")
+            raise TypeError(f"sampling_params must be the AgentSamplingParams the executor was given (or a "
+                            f"copy), got {type(sampling_params).__name__}")
         if sampling_params.max_tokens is None or sampling_params.max_tokens < 1:
             raise ValueError(f"sampling_params.max_tokens={sampling_params.max_tokens}: set a budget >= 1")
         seed = rank_seed(self.seed, 0, self.calls)

@@ -165,13 +165,14 @@ def episode_to_rollout(result, prompt, group: int, max_len: int, tokenizer) -> R
         raise EpisodeFailed("execute()['action_ranges'] must be a non-empty list of (start, end) pairs")
     p = int(result.get("prompt_length", ranges[0][0]))
     if not 1 <= p <= len(obs):
-        raise EpisodeFailed(f"execute()['prompt_length'] {p} must be between 1 and the {len(obs)} observation tokens")
+        raise EpisodeFailed(f"execute()['prompt_length'] {p} must be between 1 and the {len(obs)} "
+                            f"observation tokens")
     end = p
     mask = [0] * (len(obs) - p)
     for r in ranges:
         if not (isinstance(r, (list, tuple)) and len(r) == 2 and end <= r[0] <= r[1] <= len(obs)):
-            raise EpisodeFailed(f"execute()['action_ranges'] {ranges}: ranges must be ordered, after the prompt "
-                                f"({p} tokens) and within the {len(obs)} observation tokens")
+            raise EpisodeFailed(f"execute()['action_ranges'] {ranges}: ranges must be ordered, after the "
+                                f"prompt ({p} tokens) and within the {len(obs)} observation tokens")
         mask[r[0] - p: r[1] - p] = [1] * (r[1] - r[0])
         end = r[1]
     if len(obs) > max_len:
@@ -187,7 +188,8 @@ def episode_to_rollout(result, prompt, group: int, max_len: int, tokenizer) -> R
                    prompt_text=prompt.text if result.get("mm_train_inputs") is None
                    else tokenizer.decode(obs[:p], skip_special_tokens=False),
                    response_text=tokenizer.decode(response, skip_special_tokens=True), label=prompt.label,
-                   group=group, budget=max(1, max_len - p), action_mask=mask, turns=int(result.get("turns", len(ranges))),
+                   group=group, budget=max(1, max_len - p), action_mask=mask,
+                   turns=int(result.get("turns", len(ranges))),
                    env_tokens=int(result.get("env_tokens", len(response) - sum(mask))),
                    step_time=float(result.get("step_time", 0.0)), image_inputs=_image_inputs(result))
 
@@ -198,12 +200,14 @@ def _image_inputs(result) -> dict | None:
     if images is None:
         return None
     if not isinstance(images, dict) or not images:
-        raise EpisodeFailed(f"execute()['mm_train_inputs'] must be a dict of image tensors or None, got {images!r:.80}")
+        raise EpisodeFailed(f"execute()['mm_train_inputs'] must be a dict of image tensors or None, got "
+                            f"{images!r:.80}")
     return {k: np.asarray(v) for k, v in images.items()}
 
 
 def _episode_float(value, what: str) -> float | None:
-    """A number of an `execute()` result (`reward`, `scores`, an extra_logs entry) as a float; None stays None."""
+    """A number of an `execute()` result (`reward`, `scores`, an extra_logs entry) as a float;
+    None stays None."""
     if value is None:
         return None
     try:
@@ -218,7 +222,8 @@ def loggable(extra_logs) -> dict[str, float]:
     field never costs the episode its reward."""
     if not isinstance(extra_logs, dict):
         if extra_logs:
-            warn_once(f"agent extra_logs must be a dict of numbers, got {type(extra_logs).__name__}: not logged")
+            warn_once(f"agent extra_logs must be a dict of numbers, got {type(extra_logs).__name__}: not "
+                      f"logged")
         return {}
     out = {}
     for key, value in extra_logs.items():
@@ -250,7 +255,8 @@ class AgentRunner:
                  image_limits=None) -> None:
         self.executor, self.engine, self.tokenizer = executor, engine, tokenizer
         self.image_limits = image_limits  # the episodes' engines carry them to the executors
-        self.processor = processor  # a vision-language model's: the executors get it as `hf_tokenizer` (OpenRLHF)
+        # a vision-language model's: the executors get it as `hf_tokenizer` (OpenRLHF)
+        self.processor = processor
         self.reward_source, self.turn_cap = reward_source, turn_cap
         self.max_len, self.timeout, self.max_failure_frac = max_len, timeout, max_failure_frac
 
@@ -264,9 +270,10 @@ class AgentRunner:
                     cfg: PPOConfig, processor=None) -> AgentRunner:
         from posttrain.data.images import ImageLimits
 
-        return cls(executor, engine, tokenizer, reward_source, max_len=cfg.data.max_len, timeout=cfg.agent.timeout,
-                   max_failure_frac=cfg.agent.max_failure_frac, turn_cap=cfg.rollout.max_new_tokens,
-                   processor=processor, image_limits=ImageLimits.of(cfg.data))
+        return cls(executor, engine, tokenizer, reward_source, max_len=cfg.data.max_len,
+                   timeout=cfg.agent.timeout, max_failure_frac=cfg.agent.max_failure_frac,
+                   turn_cap=cfg.rollout.max_new_tokens, processor=processor,
+                   image_limits=ImageLimits.of(cfg.data))
 
     def run(self, prompts, params, group_offset: int = 0, max_len: int | None = None) -> ScoredRollouts:
         """`max_len` is ignored: an episode's budget is `--data.max_len` over all its turns."""
@@ -288,8 +295,8 @@ class AgentRunner:
         front = AsyncRolloutEngine(self.engine)
         front.gather_wait = GATHER_WAIT  # the episodes' requests cross from their own threads
         try:
-            return await asyncio.gather(*(self._episode(front, prompts[g], params, rank_seed(params.seed, j, groups[g]),
-                                                        groups[g])
+            return await asyncio.gather(*(self._episode(front, prompts[g], params,
+                                                        rank_seed(params.seed, j, groups[g]), groups[g])
                                           for g in range(len(prompts)) for j in range(params.n)))
         finally:
             front.close()
@@ -305,9 +312,10 @@ class AgentRunner:
                 failed.append(rollout)
                 prompt = prompts[g]
                 rollout = Rollout(prompt_ids=list(prompt.token_ids), output_ids=[], rollout_logprobs=[],
-                                  finish_reason="stop", prompt_text=reward_prompt_text(self.tokenizer, prompt),
-                                  response_text="", label=prompt.label, group=groups[g], budget=1, action_mask=[],
-                                  turns=0, error=rollout, image_inputs=getattr(prompt, "image_inputs", None))
+                                  finish_reason="stop",
+                                  prompt_text=reward_prompt_text(self.tokenizer, prompt), response_text="",
+                                  label=prompt.label, group=groups[g], budget=1, action_mask=[], turns=0,
+                                  error=rollout, image_inputs=getattr(prompt, "image_inputs", None))
             rollouts.append(rollout)
             rewards.append(reward)
             scores.append(score)
@@ -317,17 +325,19 @@ class AgentRunner:
         need = [i for i, r in enumerate(rewards) if r is None and rollouts[i].error is None]
         if need:
             if self.reward_source is None:
-                raise AgentError("the agent returned no reward (reward None) and the run has no reward source: return "
-                                 "'rewards' from step(), or add --reward.model_name_or_path / --reward.remote_url")
+                raise AgentError("the agent returned no reward (reward None) and the run has no reward "
+                                 "source: return 'rewards' from step(), or add --reward.model_name_or_path / "
+                                 "--reward.remote_url")
             scored = score_rollouts(self.reward_source, self.tokenizer, [rollouts[i] for i in need])
             for k, i in enumerate(need):
                 rewards[i] = float(scored.rewards[k])
                 scores[i] = float(scored.scores[k]) if scores[i] is None else scores[i]
                 skipped[i] = bool(scored.skipped[k])
         rewards_t = torch.tensor([0.0 if r is None else r for r in rewards], dtype=torch.float32)
-        scores_t = torch.tensor([rewards_t[i] if s is None else s for i, s in enumerate(scores)], dtype=torch.float32)
-        return ScoredRollouts(rollouts=rollouts, rewards=rewards_t, scores=scores_t, extra_logs=_merge_logs(logs),
-                              skipped=skipped)
+        scores_t = torch.tensor([rewards_t[i] if s is None else s for i, s in enumerate(scores)],
+                                dtype=torch.float32)
+        return ScoredRollouts(rollouts=rollouts, rewards=rewards_t, scores=scores_t,
+                              extra_logs=_merge_logs(logs), skipped=skipped)
 
     async def _episode(self, front, prompt, params, seed: int, group: int):
         """(rollout, reward, score, extra_logs), or (reason, None, None, {}) for a failed episode."""
@@ -370,8 +380,8 @@ class AgentRunner:
         if len(failed) > 3:
             info(f"... and {len(failed) - 3} more failed episodes in this batch")
         if len(failed) > self.max_failure_frac * total:
-            raise AgentError(f"{len(failed)} of {total} agent episodes failed (more than --agent.max_failure_frac "
-                             f"{self.max_failure_frac:g}); first: {failed[0]}")
+            raise AgentError(f"{len(failed)} of {total} agent episodes failed (more than "
+                             f"--agent.max_failure_frac {self.max_failure_frac:g}); first: {failed[0]}")
 
 
 def _merge_logs(logs: list[dict]) -> dict:

@@ -68,7 +68,8 @@ class Session:
     defaults: AgentSamplingParams = field(repr=False)
     max_length: int = 0
     traces: list[dict] = field(default_factory=list)
-    buffer: list[int] | None = None  # the session's tokens so far (last prompt + completion, as fed and sampled)
+    # the session's tokens so far (last prompt + completion, as fed and sampled)
+    buffer: list[int] | None = None
     text: str = ""  # their text: the rendered prompt pieces + the completions decoded with special tokens
     shown: str | None = None  # the same, the last completion without its stop token (as `content` shows it)
     divergence: str | None = None
@@ -113,7 +114,8 @@ def _request_number(body: dict, key: str, default, low: float, high: float, inte
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+        or (integer and not isinstance(value, int))):
         raise RequestError(400, f"'{key}' must be a {'integer' if integer else 'number'}, got {value!r:.40}")
     if not low <= value <= high:
         raise RequestError(400, f"'{key}' must be in [{low:g}, {high:g}], got {value}")
@@ -125,7 +127,8 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
 
     model_name = "policy"
     max_request_bytes = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get 413, as serve-rm's --max_request_bytes
-    read_timeout = DEFAULT_READ_TIMEOUT  # seconds for a request's headers, then for its body (408), as serve-rm's
+    # seconds for a request's headers, then for its body (408), as serve-rm's
+    read_timeout = DEFAULT_READ_TIMEOUT
 
     def __init__(self) -> None:
         self.sessions: dict[str, Session] = {}
@@ -136,10 +139,12 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
 
     # ---- what a user writes ---------------------------------------------------------------------
     async def run_agent(self, prompt: str, label, session: Session) -> dict:
-        raise NotImplementedError("write `async def run_agent(self, prompt, label, session)` in your AgentExecutor")
+        raise NotImplementedError("write `async def run_agent(self, prompt, label, session)` in your "
+                                  "AgentExecutor")
 
     # ---- one episode ------------------------------------------------------------------------------
-    async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine, images=None):
+    async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine,
+                      images=None):
         if images:
             raise ValueError("images: vision-language agents are not available in this version")
         self._ensure_server(hf_tokenizer)
@@ -151,13 +156,16 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
             try:
                 result = await self.run_agent(prompt, label, session) or {}
             except Exception:
-                if session.engine_error is not None:  # the engine failed under the agent: not the agent's fault
+                # the engine failed under the agent: not the agent's fault
+                if session.engine_error is not None:
                     raise session.engine_error
                 raise
-            if session.engine_error is not None:  # the agent caught the server's 500: still the engine's fault
+            # the agent caught the server's 500: still the engine's fault
+            if session.engine_error is not None:
                 raise session.engine_error
             if not isinstance(result, dict):
-                raise ValueError(f"run_agent must return a dict (reward, scores, extra_logs), got {type(result).__name__}")
+                raise ValueError(f"run_agent must return a dict (reward, scores, extra_logs), got "
+                                 f"{type(result).__name__}")
             return self._stitch(session, prompt, label, result)
         finally:
             self.sessions.pop(key, None)
@@ -219,7 +227,8 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
                            "unknown bearer token: use the api_key of a live session")
 
     def _render_text(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
 
     def _app(self):
         from fastapi import FastAPI, Request
@@ -248,7 +257,8 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
                 return await handler(session, body)
             except RequestError as e:
                 return JSONResponse({"error": {"message": e.detail, "type": "invalid_request_error"}},
-                                    status_code=e.status, headers={"connection": "close"} if e.status == 408 else None)
+                                    status_code=e.status,
+                                    headers={"connection": "close"} if e.status == 408 else None)
 
         @app.get("/health")
         async def health(request: Request):
@@ -283,29 +293,33 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         temperature = _request_number(body, "temperature", d.temperature, 0.0, 100.0)
         top_p = _request_number(body, "top_p", d.top_p, 1e-9, 1.0)
         max_tokens = _request_number(body, "max_tokens",
-                                     _request_number(body, "max_completion_tokens", None, 1, 10**9, integer=True),
+                                     _request_number(body, "max_completion_tokens", None, 1, 10**9,
+                                                     integer=True),
                                      1, 10**9, integer=True)
         try:
             text = self._render_text(messages, True)
         except Exception as e:  # the chat template refused these messages (roles, alternation, ...)
-            raise RequestError(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
+            raise RequestError(400, f"the chat template cannot render these messages: {type(e).__name__}: "
+                                    f"{e}") from None
         prompt_ids = encode_text(self.tokenizer, text)
         if session.buffer is not None:
             # the history as sampled, then only the new turns tokenised; an echoed answer lacks a stop token
             # that is not special (`content` leaves it out), the tokens keep it as sampled
-            seen = next((t for t in (session.text, session.shown) if t is not None and text.startswith(t)), None)
+            seen = next((t for t in (session.text, session.shown) if t is not None and text.startswith(t)),
+                        None)
             if seen is not None:
                 prompt_ids = session.buffer + encode_text(self.tokenizer, text[len(seen):])
             elif session.divergence is None:
-                session.divergence = (f"call {len(session.traces) + 1}: the re-rendered history differs from the "
-                                      f"{len(session.buffer)} recorded tokens")
+                session.divergence = (f"call {len(session.traces) + 1}: the re-rendered history differs from "
+                                      f"the {len(session.buffer)} recorded tokens")
                 self.divergent += 1
         remaining = session.max_length - len(prompt_ids)
         if remaining <= 0:
             raise RequestError(413, f"the conversation has {len(prompt_ids)} tokens; the episode's budget "
                                     f"(--data.max_len {session.max_length}) is spent")
         caps = [remaining] + [c for c in (max_tokens, d.max_tokens) if c]
-        params = replace(d, temperature=temperature, top_p=top_p, max_tokens=min(caps), skip_special_tokens=True)
+        params = replace(d, temperature=temperature, top_p=top_p, max_tokens=min(caps),
+                         skip_special_tokens=True)
         future = asyncio.run_coroutine_threadsafe(session.engine.generate(prompt_ids, params), session.loop)
         try:
             out = (await asyncio.wrap_future(future)).outputs[0]
@@ -316,17 +330,20 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         lps = [entry[t].logprob for entry, t in zip(out.logprobs, ids)]
         session.buffer = prompt_ids + ids
         session.text = text + self.tokenizer.decode(ids, skip_special_tokens=False)  # the text of `buffer`
-        session.shown = text + self.tokenizer.decode(shown_tokens(ids, out.finish_reason), skip_special_tokens=False)
+        session.shown = (text
+                         + self.tokenizer.decode(shown_tokens(ids, out.finish_reason),
+                                                 skip_special_tokens=False))
         session.traces.append({"prompt_ids": prompt_ids, "completion_ids": ids, "logprobs": lps,
                                "finish_reason": out.finish_reason})
         content = None
         if body.get("logprobs"):
             content = [{"token": self.tokenizer.decode([t]), "token_id": t, "logprob": lp, "bytes": None,
                         "top_logprobs": []} for t, lp in zip(ids, lps)]
-        return {"id": f"chatcmpl-{uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
-                "model": session.model,
+        return {"id": f"chatcmpl-{uuid4().hex[:24]}", "object": "chat.completion",
+                "created": int(time.time()), "model": session.model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                             "finish_reason": out.finish_reason, "logprobs": {"content": content} if content else None}],
+                             "finish_reason": out.finish_reason,
+                             "logprobs": {"content": content} if content else None}],
                 "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
                           "total_tokens": len(prompt_ids) + len(ids)},
                 "token_ids": {"prompt_token_ids": prompt_ids, "completion_token_ids": ids}}

@@ -277,8 +277,8 @@ def compute_advantages_with_stats(
     if spec.group and gamma != 1.0:
         if estimator not in _warned_gamma:
             _warned_gamma.add(estimator)
-            warnings.warn(f"estimator={estimator!r} is a group estimator: gamma={gamma} is ignored, using 1.0",
-                          stacklevel=2)
+            warnings.warn(f"estimator={estimator!r} is a group estimator: gamma={gamma} is ignored, using "
+                          f"1.0", stacklevel=2)
         gamma = 1.0
 
     r = f32(rewards)

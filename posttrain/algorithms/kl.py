@@ -126,7 +126,8 @@ class AdaptiveKLController:
         self.compounded = x > 1
         # exp(x·log(1+e)) = (1+e)^x; the exponent and the coefficient are bounded so that no horizon /
         # sample count overflows (a coefficient of MAX_COEF already pins the policy to the reference)
-        factor = math.exp(max(min(x * math.log1p(error), 50.0), -50.0)) if self.compounded else 1.0 + error * x
+        factor = (math.exp(max(min(x * math.log1p(error), 50.0), -50.0)) if self.compounded
+                  else 1.0 + error * x)
         self.value = min(self.value * factor, MAX_COEF)
 
     def state_dict(self) -> dict:

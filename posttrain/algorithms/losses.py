@@ -144,6 +144,29 @@ def _seq_mask_tis(w, log_w, m, lo, hi):
 IS_CORRECTIONS = {"tis": _tis, "icepop": _icepop, "seq-mask-tis": _seq_mask_tis}
 
 
+def _check_policy_args(logp, old_logp, advantages, mask, rollout_logp, eps_low, eps_high, dual_clip,
+                       loss_type, is_correction, is_threshold, agg) -> tuple[float, float]:
+    """`policy_loss`'s argument checks (a ValueError naming the argument); returns `is_threshold`'s
+    (lo, hi)."""
+    check_choice("loss_type", loss_type, POLICY_LOSSES)
+    check_choice("agg", agg, AGGREGATIONS)
+    if is_correction is not None:
+        check_choice("is_correction", is_correction, IS_CORRECTIONS)
+        if rollout_logp is None:
+            raise ValueError(f"is_correction={is_correction!r} needs rollout_logp (rollout engine log-probs)")
+    check_ndim("logp", logp, 2, "[B, A]")
+    for name, t in (("old_logp", old_logp), ("advantages", advantages), ("mask", mask)):
+        check_shape(name, t, "logp", logp)
+    if rollout_logp is not None:
+        check_shape("rollout_logp", rollout_logp, "logp", logp)
+    for name, eps in (("eps_low", eps_low), ("eps_high", eps_high)):
+        if not isinstance(eps, (int, float)) or eps < 0:
+            raise ValueError(f"{name}={eps!r} must be a number >= 0")
+    if dual_clip is not None and not (isinstance(dual_clip, (int, float)) and dual_clip > 1):
+        raise ValueError(f"dual_clip={dual_clip!r} must be None or a number > 1")
+    return check_pair("is_threshold", is_threshold, min_low=0.0)
+
+
 def policy_loss(
     logp, old_logp, advantages, mask, *, eps_low=0.2, eps_high=0.2, dual_clip=None, loss_type="ppo",
     rollout_logp=None, is_correction=None, is_threshold=(0.5, 5.0), agg="token_mean",
@@ -173,23 +196,8 @@ def policy_loss(
     (local masked means): ``clip_ratio``, ``ppo_kl`` (old - new), ``dual_clip_frac``, ``tokens``,
     and with rollout_logp ``rollout_kl`` (rollout - old), ``logprob_abs_gap`` (|old - rollout|),
     and the IS correction's ``is_clamp_frac`` / ``is_filter_frac`` / ``is_seq_filter_frac``."""
-    check_choice("loss_type", loss_type, POLICY_LOSSES)
-    check_choice("agg", agg, AGGREGATIONS)
-    if is_correction is not None:
-        check_choice("is_correction", is_correction, IS_CORRECTIONS)
-        if rollout_logp is None:
-            raise ValueError(f"is_correction={is_correction!r} needs rollout_logp (rollout engine log-probs)")
-    check_ndim("logp", logp, 2, "[B, A]")
-    for name, t in (("old_logp", old_logp), ("advantages", advantages), ("mask", mask)):
-        check_shape(name, t, "logp", logp)
-    if rollout_logp is not None:
-        check_shape("rollout_logp", rollout_logp, "logp", logp)
-    for name, eps in (("eps_low", eps_low), ("eps_high", eps_high)):
-        if not isinstance(eps, (int, float)) or eps < 0:
-            raise ValueError(f"{name}={eps!r} must be a number >= 0")
-    if dual_clip is not None and not (isinstance(dual_clip, (int, float)) and dual_clip > 1):
-        raise ValueError(f"dual_clip={dual_clip!r} must be None or a number > 1")
-    lo, hi = check_pair("is_threshold", is_threshold, min_low=0.0)
+    lo, hi = _check_policy_args(logp, old_logp, advantages, mask, rollout_logp, eps_low, eps_high, dual_clip,
+                                loss_type, is_correction, is_threshold, agg)
 
     m = bool_mask(mask)
     # Zero every input at masked-out positions first: padding garbage (even inf/NaN) can then
@@ -199,7 +207,8 @@ def policy_loss(
     adv = torch.where(m, f32(advantages).detach(), 0.0)
     roll = None if rollout_logp is None else torch.where(m, f32(rollout_logp).detach(), 0.0)
 
-    log_ratio, adv, weight_applies = POLICY_LOSSES[loss_type](logp, old, roll, adv, m, is_correction is not None)
+    is_on = is_correction is not None
+    log_ratio, adv, weight_applies = POLICY_LOSSES[loss_type](logp, old, roll, adv, m, is_on)
     ratio = log_ratio.clamp(-20.0, 20.0).exp()
     surr = ratio * adv
     surr_clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv

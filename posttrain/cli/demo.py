@@ -57,17 +57,20 @@ class DemoScale:
     vision_rl_steps: int
 
 
-FULL = DemoScale(size="tiny", difficulty=1, n_train=8000, n_test=200, habit=0.7, epochs=3, batch_size=32, lr=2e-3,
-                 rl_prompts=1600, rl_lr=3e-4, n_pairs=2000, rm_epochs=3, rm_lr=5e-4, ppo_prompts=1600,
-                 ppo_lr=1e-4, critic_lr=1e-3, dpo_epochs=1, dpo_lr=1e-4, agent_train=4000, agent_lr=1e-3,
-                 agent_prompts=3840, agent_rl_lr=3e-4, vision_sft_rows=512, vision_sft_epochs=4, vision_rl_steps=80)
-QUICK = DemoScale(size="nano", difficulty=0, n_train=1200, n_test=100, habit=0.7, epochs=2, batch_size=16, lr=3e-3,
-                  rl_prompts=80, rl_lr=3e-4, n_pairs=256, rm_epochs=1, rm_lr=1e-3, ppo_prompts=64, ppo_lr=3e-4,
-                  critic_lr=1e-3, dpo_epochs=1, dpo_lr=1e-4, agent_train=400, agent_lr=3e-3, agent_prompts=32,
-                  agent_rl_lr=3e-4, vision_sft_rows=192, vision_sft_epochs=2, vision_rl_steps=4)
+FULL = DemoScale(size="tiny", difficulty=1, n_train=8000, n_test=200, habit=0.7, epochs=3, batch_size=32,
+                 lr=2e-3, rl_prompts=1600, rl_lr=3e-4, n_pairs=2000, rm_epochs=3, rm_lr=5e-4,
+                 ppo_prompts=1600, ppo_lr=1e-4, critic_lr=1e-3, dpo_epochs=1, dpo_lr=1e-4, agent_train=4000,
+                 agent_lr=1e-3, agent_prompts=3840, agent_rl_lr=3e-4, vision_sft_rows=512,
+                 vision_sft_epochs=4, vision_rl_steps=80)
+QUICK = DemoScale(size="nano", difficulty=0, n_train=1200, n_test=100, habit=0.7, epochs=2, batch_size=16,
+                  lr=3e-3, rl_prompts=80, rl_lr=3e-4, n_pairs=256, rm_epochs=1, rm_lr=1e-3, ppo_prompts=64,
+                  ppo_lr=3e-4, critic_lr=1e-3, dpo_epochs=1, dpo_lr=1e-4, agent_train=400, agent_lr=3e-3,
+                  agent_prompts=32, agent_rl_lr=3e-4, vision_sft_rows=192, vision_sft_epochs=2,
+                  vision_rl_steps=4)
 
 STAGES = ("after SFT", "after DPO", "after PPO with the RM", "after RL (GRPO, verifiable reward)")
-AGENT_STAGES = ("after SFT (tool available)", "after multi-turn RL with the tool", "single-turn control: RL, no tool")
+AGENT_STAGES = ("after SFT (tool available)", "after multi-turn RL with the tool",
+                "single-turn control: RL, no tool")
 VISION_STAGES = ("after SFT (sloppy demonstrator)", "after RL (GRPO, verifiable reward)",
                  "blank-image control: SFT + RL")
 VISION_SLOPPY = 0.7  # the colour demonstrator names a random colour in 70% of its answers
@@ -104,7 +107,8 @@ def write_data(scale: DemoScale, out: Path, seed: int) -> dict:
 
     n = scale.n_train + 2 * scale.n_test
     train, test, disjoint = split_held_out(
-        make_arithmetic_rows(n, seed=seed, difficulty=scale.difficulty, rounding_habit=scale.habit), scale.n_test)
+        make_arithmetic_rows(n, seed=seed, difficulty=scale.difficulty, rounding_habit=scale.habit),
+        scale.n_test)
     held = {r["prompt"] for r in test}
     pairs = make_preference_rows(n, seed=seed, difficulty=scale.difficulty, rounding_habit=0.5)
     pair_train = [p for p in pairs if p["prompt"] not in held][: scale.n_pairs]
@@ -133,9 +137,9 @@ def sft_flags(scale: DemoScale, base: Path, data: Path, out: Path, seed: int) ->
 
 def _rl_common(sft: Path, data: Path, out: Path, seed: int, prompts: int, lr: float, kl: float) -> list[str]:
     return [
-        "--actor.model_name_or_path", str(sft), "--data.prompt_dataset", str(data), "--data.input_key", "prompt",
-        "--data.label_key", "answer", "--data.apply_chat_template", "--data.max_len", "64",
-        "--data.max_samples", str(prompts), "--algo.kl.init_coef", str(kl),
+        "--actor.model_name_or_path", str(sft), "--data.prompt_dataset", str(data),
+        "--data.input_key", "prompt", "--data.label_key", "answer", "--data.apply_chat_template",
+        "--data.max_len", "64", "--data.max_samples", str(prompts), "--algo.kl.init_coef", str(kl),
         "--rollout.batch_size", "16", "--rollout.n_samples_per_prompt", "8", "--rollout.max_new_tokens", "10",
         "--rollout.micro_batch_size", "64", "--train.batch_size", "128", "--train.micro_batch_size", "64",
         "--actor.adam.lr", str(lr), "--actor.lr_warmup_ratio", "0.05", "--train.seed", str(seed),
@@ -159,8 +163,8 @@ def _pair_flags(sft: Path, pairs: Path, out: Path, seed: int, epochs: int, lr: f
         "--data.chosen_key", "chosen", "--data.rejected_key", "rejected", "--data.apply_chat_template",
         "--data.max_len", "64", "--train.batch_size", "32", "--train.micro_batch_size", "32",
         "--train.max_epochs", str(epochs), "--train.seed", str(seed), "--adam.lr", str(lr),
-        "--lr_warmup_ratio", "0.05", "--eval.dataset", str(pairs), "--eval.split", "test", "--eval.steps", "-1",
-        "--ckpt.output_dir", str(out), "--ckpt.overwrite", "--ckpt.save_steps", "-1",
+        "--lr_warmup_ratio", "0.05", "--eval.dataset", str(pairs), "--eval.split", "test",
+        "--eval.steps", "-1", "--ckpt.output_dir", str(out), "--ckpt.overwrite", "--ckpt.save_steps", "-1",
         "--logger.logging_steps", "5",
     ]
 
@@ -210,17 +214,19 @@ def agent_sft_flags(scale: DemoScale, base: Path, data: Path, out: Path, seed: i
     ]
 
 
-def agent_rl_flags(scale: DemoScale, sft: Path, data: Path, out: Path, seed: int, agent_file: str) -> list[str]:
+def agent_rl_flags(scale: DemoScale, sft: Path, data: Path, out: Path, seed: int,
+                   agent_file: str) -> list[str]:
     """Multi-turn RL: episodes of the agent file, rewards from its environment (train_ppo_ray flags)."""
     return [
-        "--actor.model_name_or_path", str(sft), "--data.prompt_dataset", str(data), "--data.input_key", "prompt",
-        "--data.label_key", "answer", "--data.apply_chat_template", "--data.max_len", "96",
-        "--data.max_samples", str(scale.agent_prompts), "--train.agent_func_path", agent_file,
-        "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
-        "--rollout.batch_size", "16", "--rollout.n_samples_per_prompt", "8", "--rollout.max_new_tokens", "12",
-        "--rollout.micro_batch_size", "64", "--train.batch_size", "128", "--train.micro_batch_size", "64",
-        "--actor.adam.lr", str(scale.agent_rl_lr), "--actor.lr_warmup_ratio", "0.05", "--train.seed", str(seed),
-        "--ckpt.output_dir", str(out), "--ckpt.overwrite", "--logger.logging_steps", "1",
+        "--actor.model_name_or_path", str(sft), "--data.prompt_dataset", str(data),
+        "--data.input_key", "prompt", "--data.label_key", "answer", "--data.apply_chat_template",
+        "--data.max_len", "96", "--data.max_samples", str(scale.agent_prompts),
+        "--train.agent_func_path", agent_file, "--algo.advantage.estimator", "group_norm",
+        "--algo.kl.init_coef", "0", "--rollout.batch_size", "16", "--rollout.n_samples_per_prompt", "8",
+        "--rollout.max_new_tokens", "12", "--rollout.micro_batch_size", "64", "--train.batch_size", "128",
+        "--train.micro_batch_size", "64", "--actor.adam.lr", str(scale.agent_rl_lr),
+        "--actor.lr_warmup_ratio", "0.05", "--train.seed", str(seed), "--ckpt.output_dir", str(out),
+        "--ckpt.overwrite", "--logger.logging_steps", "1",
     ]
 
 
@@ -261,13 +267,16 @@ def run_agent_task(scale: DemoScale, base: Path, out: Path, seed: int, timed) ->
     from posttrain.trainers.task_eval import agent_success
 
     test = agent_data(scale, out, seed)
-    data, sft, rl, single = out / "data" / "agent", out / "agent_sft", out / "agent_rl", out / "agent_single_turn"
-    timed(AGENT_STAGES[0], train_sft.main, agent_sft_flags(scale, base, data, sft, seed), "posttrain demo (agent sft)")
+    data, sft, rl, single = (out / "data" / "agent", out / "agent_sft", out / "agent_rl",
+                             out / "agent_single_turn")
+    timed(AGENT_STAGES[0], train_sft.main, agent_sft_flags(scale, base, data, sft, seed),
+          "posttrain demo (agent sft)")
     success = {AGENT_STAGES[0]: agent_success(sft, test, CALCULATOR_AGENT)[0]}
     timed(AGENT_STAGES[1], train_ppo_ray.main, agent_rl_flags(scale, sft, data, rl, seed, CALCULATOR_AGENT),
           "posttrain demo (multi-turn rl)")
     success[AGENT_STAGES[1]] = agent_success(rl, test, CALCULATOR_AGENT)[0]
-    timed(AGENT_STAGES[2], train_ppo_ray.main, agent_rl_flags(scale, sft, data, single, seed, CALCULATOR_NO_TOOL),
+    timed(AGENT_STAGES[2], train_ppo_ray.main,
+          agent_rl_flags(scale, sft, data, single, seed, CALCULATOR_NO_TOOL),
           "posttrain demo (single-turn control)")
     success[AGENT_STAGES[2]] = agent_success(single, test, CALCULATOR_NO_TOOL)[0]
     return success
@@ -278,17 +287,20 @@ def _vision_flags(base: Path, sft_data: str, rl_data: str, out: Path, seed: int,
     verifiable colour reward, the vision tower frozen."""
     common = ["--data.input_key", "prompt", "--data.apply_chat_template", "--data.max_images_per_prompt", "1",
               "--data.max_len", "64", "--logger.logging_steps", "1", "--train.seed", str(seed)]
-    sft = ["--model.model_name_or_path", str(base), "--data.dataset", sft_data, "--data.output_key", "response",
-           "--train.batch_size", "16", "--train.micro_batch_size", "16", "--train.max_epochs",
-           str(scale.vision_sft_epochs), "--adam.lr", "2e-3", "--ckpt.output_dir", str(out / "sft"),
-           "--ckpt.overwrite", *common]
-    rl = ["--actor.model_name_or_path", str(out / "sft"), "--data.prompt_dataset", rl_data, "--data.label_key", "answer",
-          "--reward.remote_url", str(Path(__file__).resolve().parents[1] / "rewards" / "examples" / "colour_reward.py"),
-          "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0", "--rollout.n_samples_per_prompt", "8",
-          "--rollout.batch_size", "16", "--rollout.max_new_tokens", "4", "--rollout.micro_batch_size", "64",
-          "--train.batch_size", "128", "--train.micro_batch_size", "64", "--train.max_steps", str(scale.vision_rl_steps),
-          "--actor.adam.lr", str(VISION_RL_LR), "--actor.lr_warmup_ratio", "0", "--actor.freeze_visual_encoder",
-          "--ckpt.output_dir", str(out / "rl"), "--ckpt.overwrite", *common]
+    sft = ["--model.model_name_or_path", str(base), "--data.dataset", sft_data,
+           "--data.output_key", "response", "--train.batch_size", "16", "--train.micro_batch_size", "16",
+           "--train.max_epochs", str(scale.vision_sft_epochs), "--adam.lr", "2e-3",
+           "--ckpt.output_dir", str(out / "sft"), "--ckpt.overwrite", *common]
+    rl = ["--actor.model_name_or_path", str(out / "sft"), "--data.prompt_dataset", rl_data,
+          "--data.label_key", "answer",
+          "--reward.remote_url",
+          str(Path(__file__).resolve().parents[1] / "rewards" / "examples" / "colour_reward.py"),
+          "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
+          "--rollout.n_samples_per_prompt", "8", "--rollout.batch_size", "16",
+          "--rollout.max_new_tokens", "4", "--rollout.micro_batch_size", "64", "--train.batch_size", "128",
+          "--train.micro_batch_size", "64", "--train.max_steps", str(scale.vision_rl_steps),
+          "--actor.adam.lr", str(VISION_RL_LR), "--actor.lr_warmup_ratio", "0",
+          "--actor.freeze_visual_encoder", "--ckpt.output_dir", str(out / "rl"), "--ckpt.overwrite", *common]
     return sft, rl
 
 
@@ -310,7 +322,8 @@ def run_vision_task(scale: DemoScale, out: Path, seed: int, timed) -> dict[str, 
         kind = "blank" if blank else "images"
         sft_data = write_colour_dataset(data / kind, scale.vision_sft_rows, seed + 1, blank=blank, name="sft",
                                         sloppy=VISION_SLOPPY)
-        rl_data = write_colour_dataset(data / kind, 16 * scale.vision_rl_steps, seed + 2, blank=blank, name="rl")
+        rl_data = write_colour_dataset(data / kind, 16 * scale.vision_rl_steps, seed + 2, blank=blank,
+                                       name="rl")
         sft, rl = _vision_flags(base, sft_data, rl_data, folder, seed, scale)
         timed(stages[0] if not blank else f"{stages[0]} (sft)", train_sft.main, sft)
         if not blank:
@@ -375,14 +388,16 @@ def _row(task: str, stage: str, value: float, minutes: float | None, quick: bool
 
 def print_table(summary: dict) -> None:
     quick = summary.get("quick", False)
-    header = f"  {'stage':<42}{'accuracy':>9}{'minutes':>9}{'' if quick else f'{MEASURED_SEEDS} seeds (README)':>18}"
+    header = (f"  {'stage':<42}{'accuracy':>9}{'minutes':>9}"
+              f"{'' if quick else f'{MEASURED_SEEDS} seeds (README)':>18}")
     minutes = summary["minutes"]
     print("\nheld-out accuracy on", summary["task"], f"({summary['held_out_prompts']} prompts, greedy)")
     print(header)
     for stage, acc in summary["accuracy"].items():
         print(_row("arithmetic", stage, acc, minutes.get(stage), quick))
     print(_row("arithmetic", RM_STAGE, summary["rm_preference_accuracy"], minutes["reward model"], quick))
-    print(f"\nheld-out success on {summary['agent_task']} ({summary['held_out_prompts']} problems, greedy episodes)")
+    print(f"\nheld-out success on {summary['agent_task']} ({summary['held_out_prompts']} problems, greedy "
+          f"episodes)")
     for stage, acc in summary["agent_success"].items():
         print(_row("calculator", stage, acc, minutes[stage], quick))
     print(f"\nheld-out accuracy on {summary['vision_task']} ({summary['held_out_prompts']} images, greedy)")
@@ -419,12 +434,13 @@ def main(argv: list[str] | None = None) -> dict:
                        f"in {scale.habit:.0%}", "held_out_prompts": len(test),
                "held_out_prompts_unseen_in_training": arith["disjoint"], "accuracy": acc,
                "rm_preference_accuracy": arith["rm_preference_accuracy"], "minutes": minutes,
-               "agent_task": f"multiplication with a calculator tool (demonstrator uses it in {TOOL_USE:.0%})",
+               "agent_task": f"multiplication with a calculator tool (demonstrator uses it in "
+                             f"{TOOL_USE:.0%})",
                "agent_success": agent,
-               "vision_task": f"the colour of a shape in an image (vision-language; the demonstrator names a random "
-                              f"colour in {VISION_SLOPPY:.0%} of its answers)", "vision_accuracy": vision,
-               "seconds": round(time.time() - t0, 1), "output": str(out), "quick": args.quick,
-               "plots": {name: str(path / "plots") for name, path in d.items()}}
+               "vision_task": f"the colour of a shape in an image (vision-language; the demonstrator names a "
+                              f"random colour in {VISION_SLOPPY:.0%} of its answers)",
+               "vision_accuracy": vision, "seconds": round(time.time() - t0, 1), "output": str(out),
+               "quick": args.quick, "plots": {name: str(path / "plots") for name, path in d.items()}}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     with (out / "samples_final.jsonl").open("w") as f:
         for s in arith["samples"]:

@@ -1,7 +1,7 @@
-"""`posttrain ds-to-hf` / `python -m posttrain.cli.ds_to_hf`: a DeepSpeed ZeRO checkpoint (stage 1-3, written by
-OpenRLHF, posttrain or any DeepSpeed run) as a plain Hugging Face folder, read safely (no unpickling of anything
-but tensors and DeepSpeed's plain types), or posttrain's own one-process checkpoint (`global_stepN`) as
-one. The output is written atomically into a new or empty folder (`--overwrite` replaces a non-empty one),
+"""`posttrain ds-to-hf` / `python -m posttrain.cli.ds_to_hf`: a DeepSpeed ZeRO checkpoint (stage 1-3, written
+by OpenRLHF, posttrain or any DeepSpeed run) as a plain Hugging Face folder, read safely (no unpickling of
+anything but tensors and DeepSpeed's plain types), or posttrain's own one-process checkpoint (`global_stepN`)
+as one. The output is written atomically into a new or empty folder (`--overwrite` replaces a non-empty one),
 never into a posttrain checkpoint or run folder. To resume training on another layout, posttrain's own
 checkpoints need no conversion (docs/runs.md, elastic resume)."""
 from __future__ import annotations
@@ -17,11 +17,11 @@ PROG = "posttrain ds-to-hf"
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__)
     p.add_argument("--checkpoint", required=True,
-                   help="the folder holding tag folders (with a `latest` file, e.g. OpenRLHF's ckpt_path/_actor) or "
-                        "one tag folder (global_step100)")
+                   help="the folder holding tag folders (with a `latest` file, e.g. OpenRLHF's "
+                        "ckpt_path/_actor) or one tag folder (global_step100)")
     p.add_argument("--tag", default=None, help="the tag folder to read (default: `latest`)")
-    p.add_argument("--model_path", required=True, help="the base model folder the run started from (architecture, "
-                                                       "tokenizer)")
+    p.add_argument("--model_path", required=True, help="the base model folder the run started from "
+                                                       "(architecture, tokenizer)")
     p.add_argument("--output_path", required=True,
                    help="a new or empty folder to write the model and tokenizer into (never one inside a "
                         "posttrain checkpoint or run folder)")

@@ -26,10 +26,12 @@ def check_vision(args) -> None:
     """Refuse (UserError) --vision with a flag it does not combine with."""
     if not args.vision:
         return
-    clash = [f for f, bad in (("--shape", args.shape), ("--arch", args.arch), ("--head score", args.head != "lm"),
-                              ("--dtype bf16", args.dtype != "fp32")) if bad]
+    clash = [f for f, bad in (("--shape", args.shape), ("--arch", args.arch),
+                              ("--head score", args.head != "lm"), ("--dtype bf16", args.dtype != "fp32"))
+             if bad]
     if clash:
-        raise UserError(f"--vision builds a tiny Qwen2.5-VL from a --size preset in fp32; drop {', '.join(clash)}")
+        raise UserError(f"--vision builds a tiny Qwen2.5-VL from a --size preset in fp32; drop "
+                        f"{', '.join(clash)}")
 
 
 def check_shape(shape: str | None, size: str | None, arch: str | None) -> None:
@@ -41,7 +43,8 @@ def check_shape(shape: str | None, size: str | None, arch: str | None) -> None:
     if shape not in SHAPES:
         raise UserError(f"--shape {shape}: unknown shape; known shapes: {', '.join(SHAPES)}")
     if size is not None:
-        raise UserError(f"--size {size} and --shape {shape}: give one (a tiny preset or a released model's shape)")
+        raise UserError(f"--size {size} and --shape {shape}: give one (a tiny preset or a released model's "
+                        f"shape)")
     if arch not in (None, SHAPES[shape].arch):
         raise UserError(f"--arch {arch}: --shape {shape} is a {SHAPES[shape].arch} model")
 
@@ -60,18 +63,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--head", default="lm", choices=["lm", "score"],
                    help="lm: causal LM; score: sequence-classification model (reward/critic)")
     p.add_argument("--vision", action="store_true",
-                   help="a tiny vision-language model (Qwen2.5-VL: the --size preset's language model, a small vision "
-                        "tower, an image processor and the tokenizer with the image tokens)")
+                   help="a tiny vision-language model (Qwen2.5-VL: the --size preset's language model, a "
+                        "small vision tower, an image processor and the tokenizer with the image tokens)")
     p.add_argument("--moe", action="store_true",
-                   help="a mixture-of-experts model (Qwen3-MoE: the --size preset's attention, 4 experts of half its "
-                        "MLP width per layer, 2 per token); the same as --arch qwen3_moe")
+                   help="a mixture-of-experts model (Qwen3-MoE: the --size preset's attention, 4 experts of "
+                        "half its MLP width per layer, 2 per token); the same as --arch qwen3_moe")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty --output")
     args = p.parse_args(argv)
     with user_errors(PROG):
         if args.moe:
             if args.arch not in (None, "qwen3_moe") or args.shape or args.vision:
-                raise UserError("--moe builds a tiny Qwen3-MoE from a --size preset; drop --arch / --shape / --vision")
+                raise UserError("--moe builds a tiny Qwen3-MoE from a --size preset; drop --arch / --shape / "
+                                "--vision")
             args.arch = "qwen3_moe"
         check_shape(args.shape, args.size, args.arch)
         check_vision(args)

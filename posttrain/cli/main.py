@@ -11,7 +11,8 @@ COMMANDS = {
     "dpo": ("posttrain.cli.train_dpo", "direct preference optimisation (DPO / IPO / cDPO)"),
     "ppo": ("posttrain.cli.train_ppo_ray", "RL from a reward: PPO, REINFORCE++, RLOO, GRPO, Dr.GRPO"),
     "lora-merge": ("posttrain.cli.lora_combiner", "merge a LoRA adapter into a standalone HF model"),
-    "ds-to-hf": ("posttrain.cli.ds_to_hf", "a DeepSpeed ZeRO checkpoint (OpenRLHF's, posttrain's) as a plain HF folder"),
+    "ds-to-hf": ("posttrain.cli.ds_to_hf", "a DeepSpeed ZeRO checkpoint (OpenRLHF's, posttrain's) as a plain "
+                                           "HF folder"),
     "serve-rm": ("posttrain.cli.serve_rm", "serve a reward model or reward_func over HTTP"),
     "chat": ("posttrain.cli.chat", "talk to a model: chat template, history, /reset"),
     "generate": ("posttrain.cli.generate", "sample a dataset's prompts into JSONL, scored, best-of-n"),

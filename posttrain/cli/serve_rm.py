@@ -44,11 +44,13 @@ def resolve_max_len(args: ServeRMConfig) -> list[str]:
     asked, limit = args.data.max_len, position_limit(args.reward.model_name_or_path)
     if limit is None:
         if asked is None:
-            return ["--data.max_len: no limit (the model config names no position limit); pass --data.max_len"]
+            return ["--data.max_len: no limit (the model config names no position limit); pass "
+                    "--data.max_len"]
         return []
     if asked is not None and asked <= limit:
         return []
-    return [record_resolved(args, "data.max_len", max(limit, 2), "the model's position limit; longer queries are cut")]
+    return [record_resolved(args, "data.max_len", max(limit, 2),
+                            "the model's position limit; longer queries are cut")]
 
 
 def startup_notes(args: ServeRMConfig, device) -> list[str]:
@@ -89,8 +91,9 @@ def main(argv: list[str] | None = None):
 
     info(f"serving {source!r} at http://{args.host}:{args.port}/get_reward"
          f"{' (bearer token required)' if args.token else ''}")
-    app = build_app(source, token=args.token, max_request_bytes=args.max_request_bytes, max_queries=args.max_queries,
-                    max_concurrent=args.max_concurrent, read_timeout=args.read_timeout)
+    app = build_app(source, token=args.token, max_request_bytes=args.max_request_bytes,
+                    max_queries=args.max_queries, max_concurrent=args.max_concurrent,
+                    read_timeout=args.read_timeout)
     try:  # uvicorn stops on Ctrl-C (SIGINT), then raises it again once its requests are done
         uvicorn.Server(server_config(app, args.host, args.port, args.read_timeout)).run()
     except KeyboardInterrupt:
@@ -117,9 +120,10 @@ def check_port_free(host: str, port: int) -> None:
         try:
             sock.bind(address)
         except OSError as err:
-            why = "is already in use" if err.errno == errno.EADDRINUSE else f"cannot be bound ({err.strerror})"
-            raise OSError(f"--port {port}: {host}:{port} {why}; pick another --port, or stop the process that "
-                          "holds it") from None
+            why = ("is already in use" if err.errno == errno.EADDRINUSE
+                   else f"cannot be bound ({err.strerror})")
+            raise OSError(f"--port {port}: {host}:{port} {why}; pick another --port, or stop the process "
+                          f"that holds it") from None
 
 
 def _pick_device(device: str | None) -> str:

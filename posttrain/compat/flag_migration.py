@@ -232,8 +232,8 @@ _CROSS = {
     },
 }
 
-_FLAT_OPTIM_ROOTS = ("optim", "adam", "muon", "lr_scheduler", "lr_warmup_ratio", "lr_warmup_steps", "min_lr_ratio",
-                     "max_norm")
+_FLAT_OPTIM_ROOTS = ("optim", "adam", "muon", "lr_scheduler", "lr_warmup_ratio", "lr_warmup_steps",
+                     "min_lr_ratio", "max_norm")
 
 
 def _family(trainer: str) -> str:
@@ -285,7 +285,8 @@ def explain_unknown(flag: str, trainer: str, known: set[str], owners: dict[str, 
     name = flag[2:]
     root = name.split(".")[0]
     if family == "ppo" and root in _FLAT_OPTIM_ROOTS:
-        return f"unknown flag {flag}: {prog} sets the optimizer per model; use --actor.{name} (and --critic.{name})"
+        return (f"unknown flag {flag}: {prog} sets the optimizer per model; use --actor.{name} (and "
+                f"--critic.{name})")
     if family == "ppo" and root == "model" and f"--actor.{name[6:]}" in known:
         return f"unknown flag {flag}: {prog} configures the policy under --actor.*; use --actor.{name[6:]}"
     if family == "single" and root == "actor":

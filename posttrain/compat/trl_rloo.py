@@ -37,20 +37,22 @@ TRL_VERSION = "v0.21.0"
 REPORT_FILE = "trl_rloo_translation.txt"
 
 # The fields of the seed's RLOOConfig (trl/trainer/rloo_config.py) and of OnPolicyConfig.
-RLOO_FIELDS = ("exp_name", "reward_model_path", "num_ppo_epochs", "whiten_rewards", "kl_coef", "cliprange", "rloo_k",
-               "normalize_reward", "reward_clip_range", "normalize_advantage", "token_level_kl",
+RLOO_FIELDS = ("exp_name", "reward_model_path", "num_ppo_epochs", "whiten_rewards", "kl_coef", "cliprange",
+               "rloo_k", "normalize_reward", "reward_clip_range", "normalize_advantage", "token_level_kl",
                "ds3_gather_for_generation")
-ON_POLICY_FIELDS = ("logging_steps", "bf16", "run_name", "dataset_num_proc", "num_mini_batches", "total_episodes",
-                    "local_rollout_forward_batch_size", "num_sample_generations", "response_length", "stop_token",
-                    "stop_token_id", "temperature", "missing_eos_penalty", "sft_model_path", "world_size",
-                    "num_total_batches", "micro_batch_size", "local_batch_size", "batch_size",
-                    "local_mini_batch_size", "mini_batch_size", "push_to_hub")
-SCRIPT_FIELDS = ("dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split", "dataset_streaming",
-                 "gradient_checkpointing_use_reentrant", "ignore_bias_buffers")
-MODEL_FIELDS = ("model_name_or_path", "model_revision", "torch_dtype", "trust_remote_code", "attn_implementation",
-                "use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
-                "lora_modules_to_save", "lora_task_type", "use_rslora", "use_dora", "load_in_8bit", "load_in_4bit",
-                "bnb_4bit_quant_type", "use_bnb_nested_quant")
+ON_POLICY_FIELDS = ("logging_steps", "bf16", "run_name", "dataset_num_proc", "num_mini_batches",
+                    "total_episodes", "local_rollout_forward_batch_size", "num_sample_generations",
+                    "response_length", "stop_token", "stop_token_id", "temperature", "missing_eos_penalty",
+                    "sft_model_path", "world_size", "num_total_batches", "micro_batch_size",
+                    "local_batch_size", "batch_size", "local_mini_batch_size", "mini_batch_size",
+                    "push_to_hub")
+SCRIPT_FIELDS = ("dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split",
+                 "dataset_streaming", "gradient_checkpointing_use_reentrant", "ignore_bias_buffers")
+MODEL_FIELDS = ("model_name_or_path", "model_revision", "torch_dtype", "trust_remote_code",
+                "attn_implementation", "use_peft", "lora_r", "lora_alpha", "lora_dropout",
+                "lora_target_modules", "lora_target_parameters", "lora_modules_to_save", "lora_task_type",
+                "use_rslora", "use_dora", "load_in_8bit", "load_in_4bit", "bnb_4bit_quant_type",
+                "use_bnb_nested_quant")
 # Keys that only a TRL RLOO file has (a posttrain file's top-level keys are sections or dotted flags).
 MARKERS = frozenset(RLOO_FIELDS + ON_POLICY_FIELDS + ("learning_rate", "per_device_train_batch_size",
                                                       "gradient_accumulation_steps", "model_name_or_path",
@@ -74,28 +76,34 @@ _SCHEDULES: dict[str, dict[str, Any]] = {
     "polynomial": {"power": 1.0, "lr_end": 1e-7}, "constant": {}, "constant_with_warmup": {},
     "inverse_sqrt": {"timescale": None}, "cosine_with_min_lr": {"num_cycles": 0.5},
     "cosine_warmup_with_min_lr": {"num_cycles": 0.5, "warmup_lr_rate": None}}
-_COMPUTED = "computed by TRL at start-up from the batch fields (the file's value is overwritten); posttrain derives it too"
+_COMPUTED = ("computed by TRL at start-up from the batch fields (the file's value is overwritten); posttrain "
+             "derives it too")
 _NO_EFFECT = {
     "whiten_rewards": "no effect: TRL's RLOOTrainer never reads it",
-    "token_level_kl": "no effect: TRL sums the token-level KL rewards into the sequence return before the baseline, "
-                      "the same sum as the sequence-level KL (--algo.kl.sequence_level_enable); the field's default "
-                      "is False although its docstring says True",
+    "token_level_kl": "no effect: TRL sums the token-level KL rewards into the sequence return before the "
+                      "baseline, the same sum as the sequence-level KL (--algo.kl.sequence_level_enable); "
+                      "the field's default is False although its docstring says True",
     "exp_name": "no effect: names TRL's run (exp_name__seed__time); posttrain's run is --ckpt.output_dir",
     "run_name": "no effect: TRL overwrites it with exp_name__seed__time; use --logger.wandb.run_name",
     "dataset_num_proc": "no effect: posttrain tokenizes prompts in the trainer process",
-    "num_sample_generations": "no effect: TRL's sample-completion tables; posttrain logs rollouts in metrics.jsonl",
-    "dataset_test_split": "no effect: TRL's rloo.py holds out the last 100 training rows instead; use --eval.dataset",
+    "num_sample_generations": "no effect: TRL's sample-completion tables; posttrain logs rollouts in "
+                              "metrics.jsonl",
+    "dataset_test_split": "no effect: TRL's rloo.py holds out the last 100 training rows instead; use "
+                          "--eval.dataset",
     "dataset_streaming": "no effect: rloo.py loads the dataset whole, as posttrain does",
     "ignore_bias_buffers": "no effect: rloo.py does not read it",
-    "gradient_checkpointing_use_reentrant": "no effect: rloo.py does not read it (--actor.gradient_checkpointing_reentrant)",
+    "gradient_checkpointing_use_reentrant": "no effect: rloo.py does not read it "
+                                            "(--actor.gradient_checkpointing_reentrant)",
     "model_revision": "no effect: rloo.py loads the policy from sft_model_path without it",
-    "torch_dtype": "no effect: rloo.py loads the models without it; posttrain resolves --ds.param_dtype per device",
+    "torch_dtype": "no effect: rloo.py loads the models without it; posttrain resolves --ds.param_dtype per "
+                   "device",
     "trust_remote_code": "no effect here: posttrain loads local Hugging Face checkpoints",
-    "attn_implementation": "no effect: rloo.py does not pass it; posttrain resolves --ds.attn_implementation per device",
+    "attn_implementation": "no effect: rloo.py does not pass it; posttrain resolves --ds.attn_implementation "
+                           "per device",
     "max_grad_norm": "no effect: RLOOTrainer steps the optimizer without clipping (--actor.max_norm 0)",
     "num_train_epochs": "no effect: total_episodes is set",
-    "report_to": "no effect: posttrain always writes metrics.jsonl; W&B with --logger.wandb.*, TensorBoard with "
-                 "--logger.tensorboard_dir",
+    "report_to": "no effect: posttrain always writes metrics.jsonl; W&B with --logger.wandb.*, TensorBoard "
+                 "with --logger.tensorboard_dir",
     "push_to_hub": "no effect: posttrain writes the model to --ckpt.output_dir and never uploads",
     "env": "no effect: TrlParser's environment variables; set them in the shell",
 }
@@ -104,7 +112,8 @@ for _name in ("world_size", "num_total_batches", "micro_batch_size", "local_batc
     _NO_EFFECT[_name] = f"no effect: {_COMPUTED}"
 for _name in MODEL_FIELDS:
     if _name.startswith(("use_peft", "lora_", "use_rslora", "use_dora", "load_in_", "bnb_", "use_bnb")):
-        _NO_EFFECT[_name] = "no effect: TRL's rloo.py never passes a PEFT or quantisation config to RLOOTrainer"
+        _NO_EFFECT[_name] = ("no effect: TRL's rloo.py never passes a PEFT or quantisation config to "
+                             "RLOOTrainer")
 
 
 @dataclass(frozen=True)
@@ -145,8 +154,9 @@ def fields_of(config: Any) -> dict[str, Any]:
         return dict(config)
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         if not hasattr(config, "rloo_k"):
-            raise ConfigError(f"{type(config).__name__} has no rloo_k: it is not the RLOOConfig of TRL v0.14-v0.21 "
-                              "(TRL 0.22+ rebuilt RLOO on GRPO's config); pass the fields as a dict instead")
+            raise ConfigError(f"{type(config).__name__} has no rloo_k: it is not the RLOOConfig of TRL "
+                              f"v0.14-v0.21 (TRL 0.22+ rebuilt RLOO on GRPO's config); pass the fields as a "
+                              f"dict instead")
         out = {}
         for f in dataclasses.fields(config):
             default = (f.default if f.default is not dataclasses.MISSING
@@ -201,7 +211,8 @@ def _numeric(value: Any) -> Any:
 
 def _field_int(name: str, value: Any, minimum: int = 1) -> int:
     value = _numeric(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < minimum:
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value
+        or value < minimum):
         raise ConfigError(f"TRL field {name}: {value!r} must be an integer >= {minimum}")
     return int(value)
 
@@ -220,8 +231,9 @@ def _batches(b: _Builder, world_size: int) -> None:
     k = _field_int("rloo_k", b.get("rloo_k"), minimum=2)
     local = per_device * accumulation * mini
     if local % k:
-        raise ConfigError(f"TRL fields: local_batch_size = per_device_train_batch_size x gradient_accumulation_steps x "
-                          f"num_mini_batches = {local} must be a multiple of rloo_k {k} (TRL refuses it too)")
+        raise ConfigError(f"TRL fields: local_batch_size = per_device_train_batch_size x "
+                          f"gradient_accumulation_steps x num_mini_batches = {local} must be a multiple of "
+                          f"rloo_k {k} (TRL refuses it too)")
     samples = local * world_size
     where = f"{world_size} processes" if world_size > 1 else "one process"
     b.set("rloo_k", {"rollout.n_samples_per_prompt": k, "algo.advantage.estimator": "rloo"},
@@ -235,9 +247,9 @@ def _batches(b: _Builder, world_size: int) -> None:
     b.set("num_ppo_epochs", {"train.max_epochs": _field_int("num_ppo_epochs", b.get("num_ppo_epochs"))})
     episodes = b.get("total_episodes")
     if episodes is None:
-        raise ConfigError("TRL field total_episodes is not set: TRL derives it as num_train_epochs x the size of the "
-                          "training dataset, which posttrain does not know before loading it; write total_episodes: "
-                          "<num_train_epochs x number of training prompts> in the file")
+        raise ConfigError("TRL field total_episodes is not set: TRL derives it as num_train_epochs x the "
+                          "size of the training dataset, which posttrain does not know before loading it; "
+                          "write total_episodes: <num_train_epochs x number of training prompts> in the file")
     rollouts = math.ceil(_field_int("total_episodes", episodes) / samples)
     b.set("total_episodes", {"train.max_steps": rollouts},
           f"ceil(total_episodes / {samples}) rollouts, cycling the prompts as TRL's dataloader does")
@@ -248,11 +260,11 @@ def _batches(b: _Builder, world_size: int) -> None:
 
 
 def _algorithm(b: _Builder) -> None:
-    b.set("kl_coef", {"algo.kl.init_coef": _field_number("kl_coef", b.get("kl_coef")), "algo.kl.estimator": "k1",
-                      "algo.kl.sequence_level_enable": True, "algo.kl.use_loss": False, "algo.kl.clamp": 0.0,
-                      "reward.clip_range": [-1e9, 1e9]},
-          "KL = summed log-ratio of the sequence, unclamped, subtracted from the score before the baseline; TRL clips "
-          "no reward after the baseline")
+    b.set("kl_coef", {"algo.kl.init_coef": _field_number("kl_coef", b.get("kl_coef")),
+                      "algo.kl.estimator": "k1", "algo.kl.sequence_level_enable": True,
+                      "algo.kl.use_loss": False, "algo.kl.clamp": 0.0, "reward.clip_range": [-1e9, 1e9]},
+          "KL = summed log-ratio of the sequence, unclamped, subtracted from the score before the baseline; "
+          "TRL clips no reward after the baseline")
     b.line("token_level_kl", _NO_EFFECT["token_level_kl"])
     clip = _field_number("cliprange", b.get("cliprange"))
     b.set("cliprange", {"actor.eps_clip": clip, "actor.policy_loss_type": "seq_sum"},
@@ -263,7 +275,8 @@ def _algorithm(b: _Builder) -> None:
           {"reward.batch_normalize_clip": _field_number("reward_clip_range", b.get("reward_clip_range"))},
           "clamps the normalised scores only")
     normalize = bool(b.get("normalize_advantage"))
-    b.set("normalize_advantage", {"algo.advantage.whiten_enable": normalize, "algo.advantage.whiten_level": "sequence"},
+    b.set("normalize_advantage",
+          {"algo.advantage.whiten_enable": normalize, "algo.advantage.whiten_level": "sequence"},
           "one advantage per sequence, / (unbiased std + 1e-8)")
     b.line("whiten_rewards", _NO_EFFECT["whiten_rewards"])
     penalty = b.get("missing_eos_penalty")
@@ -271,7 +284,8 @@ def _algorithm(b: _Builder) -> None:
                                   _field_number("missing_eos_penalty", penalty)},
           "subtracted from the score without EOS")
     b.set("bf16", {"ds.param_dtype": "fp32"}, "rloo.py loads every model in fp32 and bf16 is autocast over "
-          "fp32 weights and optimizer state; posttrain's bf16 keeps no fp32 copy in one process, so fp32 here")
+          "fp32 weights and optimizer state; posttrain's bf16 keeps no fp32 copy in one process, so fp32 "
+          "here")
     if "fp16" in b.given:
         b.line("fp16", "as bf16: fp32 weights here")
     b.set("ds3_gather_for_generation", {"ds.gather_for_generation": bool(b.get("ds3_gather_for_generation"))},
@@ -279,7 +293,8 @@ def _algorithm(b: _Builder) -> None:
 
 
 def _sampling(b: _Builder) -> None:
-    b.set("response_length", {"rollout.max_new_tokens": _field_int("response_length", b.get("response_length"))})
+    b.set("response_length",
+          {"rollout.max_new_tokens": _field_int("response_length", b.get("response_length"))})
     b.set("temperature", {"rollout.temperature": _field_number("temperature", b.get("temperature"))},
           "also divides the training logits; TRL adds 1e-7")
     stop, stop_id = b.get("stop_token"), b.get("stop_token_id")
@@ -298,7 +313,8 @@ def _sampling(b: _Builder) -> None:
     b.done |= {"stop_token", "stop_token_id"}
 
 
-_ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused", "adamw_torch_xla", "adamw_torch_npu_fused")
+_ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused", "adamw_torch_xla",
+          "adamw_torch_npu_fused")
 
 
 def _optimizer(b: _Builder) -> None:
@@ -311,13 +327,14 @@ def _optimizer(b: _Builder) -> None:
     b.set("adam_beta1", {"actor.adam.betas": [_field_number("adam_beta1", b.get("adam_beta1")),
                                               _field_number("adam_beta2", b.get("adam_beta2"))]})
     b.line("adam_beta2", "with adam_beta1")
-    b.set("adam_epsilon", {"actor.adam.eps": _field_number("adam_epsilon", b.get("adam_epsilon"))}, always=False)
+    b.set("adam_epsilon", {"actor.adam.eps": _field_number("adam_epsilon", b.get("adam_epsilon"))},
+          always=False)
     b.set("weight_decay", {"actor.adam.weight_decay": _field_number("weight_decay", b.get("weight_decay"))},
           always=False)
     optim = b.given.get("optim", "adamw_torch")
     if optim not in _ADAMW:
-        raise ConfigError(f"TRL field optim: {optim!r} has no posttrain equivalent (posttrain's Adam is torch "
-                          f"AdamW in full precision); use one of {', '.join(_ADAMW)}")
+        raise ConfigError(f"TRL field optim: {optim!r} has no posttrain equivalent (posttrain's Adam is "
+                          f"torch AdamW in full precision); use one of {', '.join(_ADAMW)}")
     if "optim" in b.given:
         b.line("optim", "--actor.optim adam (AdamW)")
     if deepspeed or "max_grad_norm" in b.given:
@@ -357,12 +374,13 @@ def _schedule(b: _Builder) -> None:
         b.line("lr_scheduler_kwargs", "with lr_scheduler_type")
     settings = {"actor.lr_scheduler": name} | ({"actor.min_lr_ratio": floor} if floor is not None else {})
     b.set("lr_scheduler_type", settings,
-          "over the run's optimizer steps; TRL steps it once per rollout, the same when there is one optimizer "
-          "step per rollout")
+          "over the run's optimizer steps; TRL steps it once per rollout, the same when there is one "
+          "optimizer step per rollout")
     b.done.update(("warmup_steps", "warmup_ratio"))
     if name == "constant":
         for field_ in ("warmup_ratio", "warmup_steps"):
-            b.line(field_, "none: transformers' constant schedule has no warm-up", always=field_ == "warmup_ratio")
+            b.line(field_, "none: transformers' constant schedule has no warm-up",
+                   always=field_ == "warmup_ratio")
         return
     rollouts = b.out.values["train.max_steps"]
     per_rollout = b.out.values["train.max_epochs"] * math.ceil(
@@ -376,8 +394,8 @@ def _schedule(b: _Builder) -> None:
     b.set("warmup_steps" if steps else "warmup_ratio", {"actor.lr_warmup_steps": warmup * per_rollout},
           why + ("" if steps else f"; ceil(rollouts {rollouts} x warmup_ratio) rollouts, as TRL"))
     b.line("warmup_ratio" if steps else "warmup_steps",
-           "no effect: warmup_steps > 0 wins over it, as in TRL" if steps else "0: the warm-up comes from warmup_ratio",
-           always=False)
+           "no effect: warmup_steps > 0 wins over it, as in "
+           "TRL" if steps else "0: the warm-up comes from warmup_ratio", always=False)
 
 
 def _trl_steps(b: _Builder, name: str, value: Any) -> int:
@@ -385,7 +403,8 @@ def _trl_steps(b: _Builder, name: str, value: Any) -> int:
     `state.max_steps = num_total_batches * num_mini_batches // 2`; TRL's global step counts rollouts."""
     value = _numeric(value)
     if isinstance(value, float) and 0 < value < 1:
-        max_steps = b.out.values["train.max_steps"] * _field_int("num_mini_batches", b.get("num_mini_batches")) // 2
+        max_steps = b.out.values["train.max_steps"] * _field_int("num_mini_batches",
+                                                                 b.get("num_mini_batches")) // 2
         return max(1, math.ceil(max_steps * value))
     return _field_int(name, value)
 
@@ -396,33 +415,37 @@ def _models_and_data(b: _Builder) -> None:
         raise ConfigError("TRL fields sft_model_path and model_name_or_path are both unset: name the policy "
                           "checkpoint (TRL's default EleutherAI/pythia-160m is not fetched here)")
     why = "policy and reference" + ("" if "sft_model_path" in b.given else
-                                    "; sft_model_path unset, so model_name_or_path (TRL would load pythia-160m)")
+                                    "; sft_model_path unset, so model_name_or_path (TRL would load "
+                                    "pythia-160m)")
     b.out.values["actor.model_name_or_path"] = policy
     b.line("sft_model_path", f"--actor.model_name_or_path {policy} ({why})", always=False)
     b.done.add("sft_model_path")
     if "model_name_or_path" in b.given:
-        b.line("model_name_or_path", "the tokenizer in rloo.py; posttrain reads the tokenizer of the policy checkpoint"
+        b.line("model_name_or_path", "the tokenizer in rloo.py; posttrain reads the tokenizer of the policy "
+                                     "checkpoint"
                if "sft_model_path" in b.given else f"--actor.model_name_or_path {policy}")
     if "reward_model_path" in b.given:
         b.set("reward_model_path", {"reward.model_name_or_path": b.given["reward_model_path"]})
     if "dataset_name" in b.given:
         b.set("dataset_name", {"data.prompt_dataset": b.given["dataset_name"], "data.input_key": "prompt",
                                "data.apply_chat_template": False},
-              "rloo.py tokenizes the raw 'prompt' column; it also holds out the last 100 rows for evaluation, "
-              "posttrain trains on all of them")
+              "rloo.py tokenizes the raw 'prompt' column; it also holds out the last 100 rows for "
+              "evaluation, posttrain trains on all of them")
     if b.given.get("dataset_config") is not None:
-        raise ConfigError("TRL field dataset_config: posttrain loads a dataset path or name without a config name; "
-                          "point dataset_name at the files of that configuration")
+        raise ConfigError("TRL field dataset_config: posttrain loads a dataset path or name without a config "
+                          "name; point dataset_name at the files of that configuration")
     b.done.add("dataset_config")
     b.set("dataset_train_split", {"data.prompt_split": b.get("dataset_train_split")}, always=False)
     b.set("seed", {"train.seed": _field_int("seed", b.get("seed"), minimum=0)}, always=False)
     if "output_dir" in b.given:
         b.set("output_dir", {"ckpt.output_dir": b.given["output_dir"]})
     if "gradient_checkpointing" in b.given:
-        b.set("gradient_checkpointing", {"actor.gradient_checkpointing_enable": bool(b.given["gradient_checkpointing"])},
+        b.set("gradient_checkpointing",
+              {"actor.gradient_checkpointing_enable": bool(b.given["gradient_checkpointing"])},
               "memory only; TRL's RLOOTrainer never turns it on")
     if "logging_steps" in b.given:
-        b.set("logging_steps", {"logger.logging_steps": _trl_steps(b, "logging_steps", b.given["logging_steps"])})
+        b.set("logging_steps",
+              {"logger.logging_steps": _trl_steps(b, "logging_steps", b.given["logging_steps"])})
     if "save_steps" in b.given or "save_strategy" in b.given:
         strategy = b.given.get("save_strategy", "steps")
         if strategy == "no":
@@ -432,10 +455,12 @@ def _models_and_data(b: _Builder) -> None:
             b.set("save_steps", {"ckpt.save_steps": every}, "a resumable checkpoint every N rollouts")
             b.done.add("save_strategy")
         else:
-            raise ConfigError(f"TRL field save_strategy: {strategy!r} has no posttrain equivalent; use 'steps' or 'no'")
+            raise ConfigError(f"TRL field save_strategy: {strategy!r} has no posttrain equivalent; use "
+                              f"'steps' or 'no'")
         b.done |= {"save_steps", "save_strategy"}
     if "deepspeed" in b.given:
-        b.set("deepspeed", {"ds.zero_stage": _zero_stage(b.given["deepspeed"])}, "the ZeRO stage of the DeepSpeed "
+        b.set("deepspeed", {"ds.zero_stage": _zero_stage(b.given["deepspeed"])},
+              "the ZeRO stage of the DeepSpeed "
               "config; the rest of it is posttrain's (--ds.*)")
 
 
@@ -448,7 +473,8 @@ def _zero_stage(config: Any) -> int:
             with open(config, encoding="utf-8") as f:
                 config = json.load(f)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"TRL field deepspeed: cannot read the DeepSpeed config {config!r} ({e})") from None
+            raise ConfigError(f"TRL field deepspeed: cannot read the DeepSpeed config {config!r} "
+                              f"({e})") from None
     stage = config.get("zero_optimization", {}).get("stage", 0) if isinstance(config, dict) else None
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"TRL field deepspeed: no zero_optimization.stage in 0..3 in {config!r}")
@@ -472,14 +498,15 @@ def translate_rloo(config: Any, world_size: int = 1) -> Translation:
     _optimizer(b)
     _models_and_data(b)
     rest = [name for name in b.given if name not in b.done]
-    known = set(RLOO_FIELDS + ON_POLICY_FIELDS + SCRIPT_FIELDS + MODEL_FIELDS) | _known_training_arguments() | {"env"}
+    known = (set(RLOO_FIELDS + ON_POLICY_FIELDS + SCRIPT_FIELDS + MODEL_FIELDS) | _known_training_arguments()
+             | {"env"})
     problems = []
     for name in rest:
         if name in _NO_EFFECT:
             b.line(name, _NO_EFFECT[name])
         elif name in known:
-            b.line(name, "no effect: a transformers TrainingArguments field that TRL's RLOOTrainer loop does not "
-                         "read for the training itself (logging, saving, evaluation or hub plumbing)")
+            b.line(name, "no effect: a transformers TrainingArguments field that TRL's RLOOTrainer loop does "
+                         "not read for the training itself (logging, saving, evaluation or hub plumbing)")
         else:
             close = difflib.get_close_matches(str(name), sorted(known), n=1, cutoff=0.75)
             problems.append(f"unknown TRL field {name!r}" + (f"; did you mean {close[0]!r}?" if close else

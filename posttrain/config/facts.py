@@ -51,9 +51,9 @@ ONE_PROCESS = ("every role runs in this one process (no role has more than one r
                "no RAY_ADDRESS), so there is nothing to place or sync")
 PPO_ENGINE = ("DeepSpeed ZeRO shards a role over its ranks: the actor and critic have one rank each here "
               "(--actor/--critic.num_nodes x num_gpus_per_node), so they train with the plain torch engine")
-SINGLE_ENGINE = ("one process trains with the plain torch engine, and ZeRO shards the model over ranks: launch "
-                 "several ranks with torchrun or deepspeed (a DeepSpeed-only flag such as --ds.adam_offload "
-                 "also starts DeepSpeed, on one rank)")
+SINGLE_ENGINE = ("one process trains with the plain torch engine, and ZeRO shards the model over ranks: "
+                 "launch several ranks with torchrun or deepspeed (a DeepSpeed-only flag such as "
+                 "--ds.adam_offload also starts DeepSpeed, on one rank)")
 NO_EVAL = "no --eval.dataset"
 NO_KL = "(--algo.kl.init_coef 0 and no --algo.kl.use_loss)"
 
@@ -139,5 +139,5 @@ SAVES_OFF = Inert("no checkpoints are saved (--ckpt.save_steps <= 0 or --ckpt.di
 WANDB_OFF = Inert("W&B is off (no --logger.wandb.key)", wandb_off)
 LORA_OFF = Inert("LoRA is off (--ds.lora.rank 0)", lambda v, c, dev: c.ds.lora.rank <= 0)
 ROLE_PLACEMENT = Inert(ONE_PROCESS, in_process, PPO)
-REF_IN_ACTOR = Inert("the reference is the LoRA actor's base weights with the adapter disabled (no second copy, "
-                     "no reference role)", lambda v, c, dev: reference_in_actor(c), PPO)
+REF_IN_ACTOR = Inert("the reference is the LoRA actor's base weights with the adapter disabled (no second "
+                     "copy, no reference role)", lambda v, c, dev: reference_in_actor(c), PPO)

@@ -13,8 +13,8 @@ instead of silently changing precision. Each flag declares what a changed value 
 - adjustable flags (`adjustable_values(cfg)`), which a resumed run may change; the resume names each
   change in a start-up note:
   * run length, which a user may legitimately extend: `train.max_epochs` and `data.max_samples`
-    (SFT/RM/DPO), `train.num_episodes`, `train.max_steps` and `data.max_samples` (PPO, where `train.max_epochs` is the
-    number of passes over each rollout batch and so part of the trajectory);
+    (SFT/RM/DPO), `train.num_episodes`, `train.max_steps` and `data.max_samples` (PPO, where
+    `train.max_epochs` is the number of passes over each rollout batch and so part of the trajectory);
   * execution: how the same steps are computed or placed, not what they compute — micro-batching
     and packing (the step loss is split-invariant, docs/algorithms.md), gradient checkpointing, attention
     and kernel backends, ZeRO stage/offload/partitioning, parallel sizes, vLLM engine settings, role

@@ -125,8 +125,9 @@ def format_value(value: Any) -> str:
 
 
 def parse_probs(text: str | None) -> list[float] | None:
-    """Mixing probabilities as typed: '0.3,0.7' -> [0.3, 0.7]; None or '' -> None (ValueError on a non-number).
-    The flag's rules (one per dataset, >= 0, sum 1) are checked by validation and again where data is mixed."""
+    """Mixing probabilities as typed: '0.3,0.7' -> [0.3, 0.7]; None or '' -> None (ValueError on a
+    non-number). The flag's rules (one per dataset, >= 0, sum 1) are checked by validation and again where
+    data is mixed."""
     if text is None or str(text).strip() == "":
         return None
     return [float(p) for p in str(text).split(",")]

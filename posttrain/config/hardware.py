@@ -17,8 +17,6 @@ from posttrain.config.spec import get_path, set_path
 from posttrain.config.trainers import CommandConfig
 from posttrain.utils.extras import installed
 
-_RESOLVED = "_posttrain_resolved"  # attribute on cfg: path -> (value asked for, value used, reason)
-
 
 def device_type(device: Any = None) -> str:
     """"cpu" / "cuda" / ... of a torch.device or a device string; None → what torch sees here ("cpu" without
@@ -44,18 +42,15 @@ def no_gpu_here() -> bool:
 
 def resolved_values(cfg: CommandConfig) -> dict[str, tuple[Any, Any, str]]:
     """path -> (value asked for, value used, reason) for every value set by `record_resolved`."""
-    return dict(getattr(cfg, _RESOLVED, {}))
+    return dict(cfg.resolved or {})
 
 
 def record_resolved(cfg: CommandConfig, path: str, new: Any, reason: str) -> str:
     """Set `path` to `new` on `cfg`, remembering what was asked for and why (shown by `format_config`);
     returns the printable note."""
-    book = getattr(cfg, _RESOLVED, None)
-    if book is None:
-        book = {}
-        object.__setattr__(cfg, _RESOLVED, book)
+    book = cfg.resolved if cfg.resolved is not None else {}
     asked = book[path][0] if path in book else get_path(cfg, path)
-    book[path] = (asked, new, reason)
+    cfg.resolved = {**book, path: (asked, new, reason)}
     set_path(cfg, path, new)
     asked = "auto" if asked is None else format_value(asked)
     return f"--{path}: {asked} -> {format_value(new)} ({reason})"

@@ -44,7 +44,8 @@ class InertRule(NamedTuple):
 def inert_rules(cfg: CommandConfig) -> list[InertRule]:
     """Every declared fact of `cfg`'s trainer's flags, in flag order; a flag's own facts come before those of
     its sections, and the first that applies is the one reported."""
-    return [InertRule(spec.path, fact.reason, fact.when) for spec in flag_specs(type(cfg)) for fact in spec.inert
+    return [InertRule(spec.path, fact.reason, fact.when) for spec in flag_specs(type(cfg))
+            for fact in spec.inert
             if fact.trainers is None or cfg.trainer in fact.trainers]
 
 
@@ -58,7 +59,8 @@ def inert_flags(cfg: CommandConfig, device: Any) -> list[str]:
             changed.pop(path, None)  # an auto default, not something the user set
         else:
             changed[path] = asked
-    negations = {s.path: s.negation_flag for s in flag_specs(type(cfg)) if s.negation}  # default-True: --ds.no_x
+    # default-True: --ds.no_x
+    negations = {s.path: s.negation_flag for s in flag_specs(type(cfg)) if s.negation}
     found: dict[str, str] = {}
     for rule in inert_rules(cfg):
         if rule.path not in changed or rule.path in found:

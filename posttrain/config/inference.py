@@ -10,7 +10,7 @@ from typing import ClassVar
 
 from posttrain.config.facts import Inert
 from posttrain.config.sections import PARAM_DTYPES
-from posttrain.config.spec import opt, section
+from posttrain.config.spec import ParsedFields, opt, section
 
 ENGINES = ("auto", "vllm", "hf")
 POST_PROCESSORS = ("rs", "iter_dpo")  # OpenRLHF 0.9's batch_inference names (its csft is not built)
@@ -82,7 +82,7 @@ class InferRewardConfig:
 
 
 @dataclass
-class ChatConfig:
+class ChatConfig(ParsedFields):
     """posttrain chat: talk to a model on the terminal (history kept, chat template applied; /reset clears the
     history, Ctrl-D or Ctrl-C ends)."""
 
@@ -94,7 +94,7 @@ class ChatConfig:
 
 
 @dataclass
-class GenerateConfig:
+class GenerateConfig(ParsedFields):
     """posttrain generate: sample every prompt of a dataset n times into a JSONL file, optionally scored by a
     reward and reduced to the best sample per prompt or best/worst pairs (rejection sampling / iterative DPO
     data)."""
@@ -114,7 +114,7 @@ class GenerateConfig:
 
 
 @dataclass
-class EvalCmdConfig:
+class EvalCmdConfig(ParsedFields):
     """posttrain eval: pass@k and mean reward of a model on a labelled dataset, the numbers --eval.dataset
     logs during `posttrain ppo`."""
 

@@ -22,7 +22,7 @@ from posttrain.compat.flag_migration import explain_unknown
 from posttrain.compat.trl_rloo import Translation, is_trl_rloo, translate_rloo
 from posttrain.config.errors import ConfigError, ConfigWarning
 from posttrain.config.flag_values import parse_scalar
-from posttrain.config.spec import SOURCES_ATTRIBUTE, FlagSpec, flag_specs, set_path
+from posttrain.config.spec import FlagSpec, flag_specs, set_path
 from posttrain.config.trainers import COMMAND_CONFIGS, CONFIG_CLASSES, TRAINERS, config_class
 from posttrain.config.yaml_io import load_yaml_values, read_yaml, typed_values
 
@@ -179,8 +179,8 @@ def parse_config(
     device: str | None = None,
     translation: Translation | None = None,
 ):
-    """Parse `argv` (default sys.argv[1:]) into the config dataclass of `trainer` ("sft" | "rm" | "dpo" | "ppo",
-    or the reward server's "serve-rm").
+    """Parse `argv` (default sys.argv[1:]) into the config dataclass of `trainer` ("sft" | "rm" | "dpo" |
+    "ppo", or the reward server's "serve-rm").
 
     `--config run.yaml` supplies values underneath the command line. With check=True the config is
     validated (`validate(cfg, world_size, device)`, world_size from env WORLD_SIZE) and its warnings are
@@ -218,8 +218,7 @@ def parse_config(
     cfg = cls()
     for spec in flag_specs(cls):
         set_path(cfg, spec.path, copy.deepcopy(getattr(ns, spec.path)))
-    object.__setattr__(cfg, SOURCES_ATTRIBUTE,
-                       {sp.path: sources[sp.path] for sp in flag_specs(cls) if sp.path in sources})
+    cfg.flag_sources = {sp.path: sources[sp.path] for sp in flag_specs(cls) if sp.path in sources}
     if translation is not None:
         cfg.trl_translation = translation
     if check:
@@ -244,7 +243,8 @@ def config_from_trl_rloo(trl_config: Any, argv: list[str] | None = None, *, worl
     """posttrain's PPO config for a TRL RLOO config (a dict of TRL field names or a `trl.RLOOConfig`)
     with TRL's semantics (`trl_rloo.translate_rloo`; `world_size` = TRL's processes); `argv` are
     posttrain flags on top (a reward, Ray placement). `translation_of(cfg)` is the field-by-field report."""
-    return parse_config("ppo", list(argv or []), check=check, translation=translate_rloo(trl_config, world_size))
+    return parse_config("ppo", list(argv or []), check=check,
+                        translation=translate_rloo(trl_config, world_size))
 
 
 def _translate_trl(path: str, data: dict, cls: type, parser, argv: list[str]):
@@ -256,8 +256,9 @@ def _translate_trl(path: str, data: dict, cls: type, parser, argv: list[str]):
     sections = {spec.path.split(".")[0] for spec in flag_specs(cls)}
     mixed = sorted(k for k in data if isinstance(k, str) and ("." in k or k in sections or k == "trainer"))
     if mixed:
-        raise ConfigError(f"--config {path}: TRL RLOOConfig fields mixed with posttrain keys ({', '.join(mixed)}); "
-                          "a TRL file holds TRL field names only: give posttrain flags on the command line")
+        raise ConfigError(f"--config {path}: TRL RLOOConfig fields mixed with posttrain keys "
+                          f"({', '.join(mixed)}); a TRL file holds TRL field names only: give posttrain "
+                          "flags on the command line")
     ns, _ = parser.parse_known_args(argv)
     ranks = getattr(ns, "actor.num_nodes") * getattr(ns, "actor.num_gpus_per_node")
     world = ranks if ranks > 1 else int(os.environ.get("WORLD_SIZE", "1"))

@@ -16,7 +16,8 @@ GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 # the names TRL / verl / OpenRLHF users bring for our estimators (lower case, `_` for `-`)
 ESTIMATOR_ALIASES = {"grpo": "group_norm", "ppo": "gae", "reinforce++": "reinforce",
-                     "reinforcepp": "reinforce", "reinforce_plus_plus": "reinforce", "reinforce++_baseline": "reinforce_baseline",
+                     "reinforcepp": "reinforce", "reinforce_plus_plus": "reinforce",
+                     "reinforce++_baseline": "reinforce_baseline",
                      "reinforce_plus_plus_baseline": "reinforce_baseline", "drgrpo": "dr_grpo",
                      "dr_grpo": "dr_grpo", "rloo": "rloo", "group_norm": "group_norm",
                      "reinforce_baseline": "reinforce_baseline"}
@@ -44,8 +45,8 @@ def reward_endpoints(value: str) -> list[str]:
     if len(parts) == 1:
         if is_url(text) or (text.endswith(".py") and not text.startswith(("http:", "https:"))):
             return [text]
-        raise ValueError("expected an http(s):// URL of a reward server (several comma-separated) or a .py file "
-                         "defining reward_func")
+        raise ValueError("expected an http(s):// URL of a reward server (several comma-separated) or a .py "
+                         "file defining reward_func")
     for i, p in enumerate(parts, 1):
         if not is_url(p):
             raise ValueError(f"entry {i} of {len(parts)} ({p!r}) is not an http(s):// URL; a comma-separated "
@@ -53,10 +54,10 @@ def reward_endpoints(value: str) -> list[str]:
     return parts
 
 
-REF_ON_CPU = Inert("the reference model is already in CPU memory: this machine has no accelerator, so there is "
-                   "nothing to offload to", facts.on_cpu)
-REWARD_ON_CPU = Inert("the reward model is already in CPU memory: this machine has no accelerator, so there is "
-                      "nothing to offload to", facts.on_cpu)
+REF_ON_CPU = Inert("the reference model is already in CPU memory: this machine has no accelerator, so there "
+                   "is nothing to offload to", facts.on_cpu)
+REWARD_ON_CPU = Inert("the reward model is already in CPU memory: this machine has no accelerator, so there "
+                      "is nothing to offload to", facts.on_cpu)
 NO_REFERENCE = Inert(f"no reference model {facts.NO_KL}", facts.no_reference)
 NO_CRITIC = Inert("no critic: only --algo.advantage.estimator gae trains one", facts.no_critic)
 REMOTE_ONLY = Inert("it applies to --reward.remote_url (a reward server or .py file) only",
@@ -71,7 +72,8 @@ class ModelConfig:
 
     model_name_or_path: str | None = opt(None, "model folder or Hugging Face hub id (required)",
                                          required="a model folder or hub id")
-    gradient_checkpointing_enable: bool = opt(False, "recompute activations in the backward pass", on_resume="adjustable")
+    gradient_checkpointing_enable: bool = opt(False, "recompute activations in the backward pass",
+                                              on_resume="adjustable")
     gradient_checkpointing_reentrant: bool = opt(
         False, "use reentrant gradient checkpointing", on_resume="adjustable",
         inert=needs("--model.gradient_checkpointing_enable", lambda c: c.model.gradient_checkpointing_enable))
@@ -111,11 +113,13 @@ class DPORefConfig:
     """The frozen reference model (DPO)."""
 
     model_name_or_path: str | None = opt(None, "reference model; default: --model.model_name_or_path")
-    offload: bool = opt(False, "keep the reference model on CPU between forwards", inert=REF_ON_CPU, on_resume="adjustable")
+    offload: bool = opt(False, "keep the reference model on CPU between forwards", inert=REF_ON_CPU,
+                        on_resume="adjustable")
 
 
 # --------------------------------------------------------------------------- PPO roles
-IS_CORRECTION_OFF = needs("--algo.advantage.is_correction_enable", lambda c: c.algo.advantage.is_correction_enable)
+IS_CORRECTION_OFF = needs("--algo.advantage.is_correction_enable",
+                          lambda c: c.algo.advantage.is_correction_enable)
 
 
 @dataclass
@@ -124,7 +128,8 @@ class _ActorModelFields:
                                          required="the policy model folder or hub id")
     num_nodes: int = opt(1, "Ray nodes for the actor", ge=1, on_resume="adjustable")
     num_gpus_per_node: int = opt(1, "GPUs per node for the actor (OpenRLHF: 8)", ge=1, on_resume="adjustable")
-    gradient_checkpointing_enable: bool = opt(False, "recompute activations in the backward pass (actor and critic)",
+    gradient_checkpointing_enable: bool = opt(False, "recompute activations in the backward pass (actor and "
+                                                     "critic)",
                                              on_resume="adjustable")
     gradient_checkpointing_reentrant: bool = opt(
         False, "use reentrant gradient checkpointing (actor and critic)", on_resume="adjustable",
@@ -142,8 +147,8 @@ class ActorConfig(OptimizerFields, _ActorModelFields):
     dual_clip: float | None = opt(None, "dual-clip constant c > 1 for negative advantages", gt=1)
     policy_loss_type: str = opt(
         "ppo",
-        "policy loss: ppo (token ratio), gspo (ratio of the mean log-ratio of a sequence), seq_sum (TRL RLOO: "
-        "ratio of the summed log-ratio of a sequence, the whole response's probability ratio)",
+        "policy loss: ppo (token ratio), gspo (ratio of the mean log-ratio of a sequence), seq_sum (TRL "
+        "RLOO: ratio of the summed log-ratio of a sequence, the whole response's probability ratio)",
         choices=POLICY_LOSS_TYPES,
     )
     entropy_coef: float | None = opt(None, "entropy bonus coefficient (0: log entropy only; unset: off)")
@@ -167,7 +172,8 @@ class ActorConfig(OptimizerFields, _ActorModelFields):
 class _CriticModelFields:
     model_name_or_path: str | None = opt(None, "critic model; default: reward model, else the actor")
     num_nodes: int = opt(1, "Ray nodes for the critic", ge=1, on_resume="adjustable")
-    num_gpus_per_node: int = opt(1, "GPUs per node for the critic (OpenRLHF: 8)", ge=1, on_resume="adjustable")
+    num_gpus_per_node: int = opt(1, "GPUs per node for the critic (OpenRLHF: 8)", ge=1,
+                                 on_resume="adjustable")
 
 
 @dataclass
@@ -183,7 +189,8 @@ class CriticConfig(OptimizerFields, _CriticModelFields):
 class RefConfig:
     """The frozen reference policy (PPO, used for the KL term)."""
 
-    model_name_or_path: str | None = opt(None, "reference model; default: the actor's initial weights (with LoRA: "
+    model_name_or_path: str | None = opt(None, "reference model; default: the actor's initial weights (with "
+                                               "LoRA: "
                                          "the actor's base, adapter disabled)",
                                          inert=NO_REFERENCE)
     num_nodes: int = opt(1, "Ray nodes for the reference model", ge=1, inert=(NO_REFERENCE, REF_IN_ACTOR),
@@ -191,7 +198,8 @@ class RefConfig:
     num_gpus_per_node: int = opt(1, "GPUs per node for the reference model (OpenRLHF: 8)", ge=1,
                                  inert=(NO_REFERENCE, REF_IN_ACTOR), on_resume="adjustable")
     offload: bool = opt(False, "keep the reference model on CPU between forwards (ZeRO-3 shards: DeepSpeed's "
-                        "offload_param)", inert=(NO_REFERENCE, REF_IN_ACTOR, REF_ON_CPU), on_resume="adjustable")
+                        "offload_param)", inert=(NO_REFERENCE, REF_IN_ACTOR, REF_ON_CPU),
+                        on_resume="adjustable")
 
 
 @dataclass
@@ -199,10 +207,13 @@ class RewardConfig:
     """Reward source and reward shaping (PPO)."""
 
     model_name_or_path: str | None = opt(None, "reward model folder or hub id")
-    remote_url: str | None = opt(None, "a reward server's http(s):// URL, several comma-separated (each batch is "
+    remote_url: str | None = opt(None, "a reward server's http(s):// URL, several comma-separated (each "
+                                       "batch is "
                                  "spread over them), or a local .py file defining reward_func")
-    num_nodes: int = opt(1, "Ray nodes for the reward model", ge=1, inert=NO_REWARD_MODEL, on_resume="adjustable")
-    num_gpus_per_node: int = opt(1, "GPUs per node for the reward model (OpenRLHF: 8)", ge=1, inert=NO_REWARD_MODEL, on_resume="adjustable")
+    num_nodes: int = opt(1, "Ray nodes for the reward model", ge=1, inert=NO_REWARD_MODEL,
+                         on_resume="adjustable")
+    num_gpus_per_node: int = opt(1, "GPUs per node for the reward model (OpenRLHF: 8)", ge=1,
+                                 inert=NO_REWARD_MODEL, on_resume="adjustable")
     offload: bool = opt(False, "keep the reward model on CPU between forwards (ZeRO-3 shards: DeepSpeed's "
                         "offload_param)", inert=(NO_REWARD_MODEL, REWARD_ON_CPU), on_resume="adjustable")
     normalize_enable: bool = opt(
@@ -226,12 +237,13 @@ class RewardConfig:
     )
     batch_normalize_enable: bool = opt(
         False, "normalise the rewards over the rollout batch: (r - mean) / (unbiased std + 1e-8), clamped to "
-        "+-batch_normalize_clip, after the reward shaping and before the KL and the baseline (TRL normalize_reward)",
-        extension=True,
+        "+-batch_normalize_clip, after the reward shaping and before the KL and the baseline (TRL "
+        "normalize_reward)", extension=True,
     )
     batch_normalize_clip: float = opt(
-        10.0, "clip of --reward.batch_normalize_enable's normalised rewards (TRL reward_clip_range)", extension=True,
-        gt=0, finite=True, inert=needs("--reward.batch_normalize_enable", lambda c: c.reward.batch_normalize_enable),
+        10.0, "clip of --reward.batch_normalize_enable's normalised rewards (TRL reward_clip_range)",
+        extension=True, gt=0, finite=True,
+        inert=needs("--reward.batch_normalize_enable", lambda c: c.reward.batch_normalize_enable),
     )
     whiten_enable: bool = opt(
         False, "whiten scalar rewards over the batch before the baseline", extension=True
@@ -242,11 +254,14 @@ class RewardConfig:
         inert=Inert("it applies to a reward_func file (--reward.remote_url FILE.py) only",
                     lambda v, c, dev: not str(c.reward.remote_url or "").endswith(".py")),
     )
-    timeout: float | None = opt(None, "seconds per reward call: an HTTP request (default 30) or one reward_func "
+    timeout: float | None = opt(None, "seconds per reward call: an HTTP request (default 30) or one "
+                                      "reward_func "
                                 "call on a rollout batch (default 300)", extension=True,
-                                gt=0, note="seconds (or unset for the default)", inert=REMOTE_ONLY, on_resume="adjustable")
-    retries: int = opt(3, "attempts per reward call (HTTP: connection errors, timeouts, 5xx; reward_func: raised "
-                          "or timed out)", extension=True, ge=1, note="(attempts in total)", inert=REMOTE_ONLY, on_resume="adjustable")
+                                gt=0, note="seconds (or unset for the default)", inert=REMOTE_ONLY,
+                                on_resume="adjustable")
+    retries: int = opt(3, "attempts per reward call (HTTP: connection errors, timeouts, 5xx; reward_func: "
+                          "raised or timed out)", extension=True, ge=1, note="(attempts in total)",
+                       inert=REMOTE_ONLY, on_resume="adjustable")
 
 
 @dataclass
@@ -270,9 +285,11 @@ class AdvantageConfig:
         inert=needs("--algo.advantage.whiten_enable", lambda c: c.algo.advantage.whiten_enable),
     )
     is_correction_enable: bool = opt(False, "importance-sampling correction of rollout/training mismatch")
-    is_correction_type: str = opt("tis", "IS correction type", choices=IS_CORRECTION_TYPES, inert=IS_CORRECTION_OFF)
+    is_correction_type: str = opt("tis", "IS correction type", choices=IS_CORRECTION_TYPES,
+                                  inert=IS_CORRECTION_OFF)
     is_correction_threshold: list[float] = opt(
-        [0.5, 5.0], "IS weight bounds: low high", nargs=2, check=lambda p: "needs low < high" if p[0] >= p[1] else p[0] >= 0 or "low must be >= 0",
+        [0.5, 5.0], "IS weight bounds: low high", nargs=2,
+        check=lambda p: "needs low < high" if p[0] >= p[1] else p[0] >= 0 or "low must be >= 0",
         inert=IS_CORRECTION_OFF)
 
 
@@ -287,8 +304,9 @@ class KLConfig:
                        inert=needs("--algo.kl.target (the adaptive controller)", lambda c: c.algo.kl.target))
     estimator: str = opt("k1", "KL estimator", choices=KL_ESTIMATORS)
     use_loss: bool = opt(False, "KL as a loss term instead of a reward penalty")
-    clamp: float = opt(10.0, "bound of the per-token KL estimate, +-clamp (OpenRLHF); 0: unbounded (TRL)", extension=True,
-                       ge=0, note="(0: unbounded)", inert=Inert(f"no KL term {facts.NO_KL}", facts.no_reference))
+    clamp: float = opt(10.0, "bound of the per-token KL estimate, +-clamp (OpenRLHF); 0: unbounded (TRL)",
+                       extension=True, ge=0, note="(0: unbounded)",
+                       inert=Inert(f"no KL term {facts.NO_KL}", facts.no_reference))
     sequence_level_enable: bool = opt(
         False,
         "subtract the summed sequence KL from the scalar reward "

@@ -10,7 +10,7 @@ from typing import ClassVar
 
 from posttrain.config.facts import Inert
 from posttrain.config.sections import ATTENTION_RULE, EXPERTS_IMPLEMENTATIONS, HEAD_PREFIX_RULE, PARAM_DTYPES
-from posttrain.config.spec import opt, section
+from posttrain.config.spec import ParsedFields, opt, section
 
 ON_ERROR = ("raise", "skip")
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024  # the reward server's request limit (rewards/server.py)
@@ -78,7 +78,7 @@ class ServedDataConfig:
 
 
 @dataclass
-class ServeRMConfig:
+class ServeRMConfig(ParsedFields):
     """posttrain serve-rm: serve a reward model or a reward_func file over HTTP for
     `--reward.remote_url http://HOST:PORT/get_reward` (POST /get_reward, GET /health)."""
 

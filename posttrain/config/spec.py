@@ -88,9 +88,20 @@ def is_carried(f: dataclasses.Field) -> bool:
     return "carried" in f.metadata
 
 
+@dataclass
+class ParsedFields:
+    """The carried fields of every command's config (`carried`: not flags, not in YAML, not compared, not
+    echoed). `flag_sources`: dotted path -> where the user set it (`flag_sources`), for every flag the
+    parser was given; None for a config built in code. `resolved`: dotted path -> (value asked for,
+    value used, reason) for every value start-up or validation resolved (`hardware.record_resolved`)."""
+    flag_sources: dict[str, str] | None = carried("where each flag the parser was given was set")
+    resolved: dict[str, tuple[Any, Any, str]] | None = carried("the values start-up resolved, and why")
+
+
 def section(cls: type, *, inert: Any = (), on_resume: str | None = None, **overrides: Any) -> Any:
-    """A nested section field whose defaults differ from `cls`'s by `overrides` (deep-copied per instance);
-    `inert` facts apply to every flag inside it (after each flag's own), and `on_resume` to every flag inside it that declares none."""
+    """A nested section field whose defaults differ from `cls`'s by `overrides` (deep-copied per
+    instance); `inert` facts apply to every flag inside it (after each flag's own), and `on_resume` to every
+    flag inside it that declares none."""
     return field(default_factory=lambda: cls(**copy.deepcopy(overrides)),
                  metadata={"inert": _facts(inert), "on_resume": on_resume})
 
@@ -288,13 +299,10 @@ def set_path(cfg: Any, path: str, value: Any) -> None:
     setattr(obj, leaf, value)
 
 
-SOURCES_ATTRIBUTE = "_posttrain_flag_sources"  # set by the parser on the configs it builds
-
-
-def flag_sources(cfg: Any) -> dict[str, str]:
+def flag_sources(cfg: ParsedFields) -> dict[str, str]:
     """Dotted path -> where the user set it ("command line", "--config FILE", "TRL config FILE") for every
     flag the parser was given, in the order of the config's flags; {} for a config built in code."""
-    return dict(getattr(cfg, SOURCES_ATTRIBUTE, {}))
+    return dict(cfg.flag_sources or {})
 
 
 def changed_values(cfg: Any) -> dict[str, Any]:

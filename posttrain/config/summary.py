@@ -6,7 +6,7 @@ from typing import Any
 
 from posttrain.config.flag_values import format_value
 from posttrain.config.hardware import resolved_values
-from posttrain.config.spec import SOURCES_ATTRIBUTE, changed_values, flag_sources, flag_specs, get_path
+from posttrain.config.spec import changed_values, flag_sources, flag_specs, get_path
 from posttrain.config.trainers import CommandConfig, TrainerConfig
 
 
@@ -104,7 +104,7 @@ def format_set_flags(cfg: CommandConfig, derived: dict[str, Any] | None = None,
     `--config` file, TRL config translation; a value start-up changed says so), at most one screen of them;
     the derived sizes on one line; last, where the full configuration is (`full`). A config built in code
     (not parsed) lists the flags that differ from the defaults instead."""
-    sources = flag_sources(cfg) if hasattr(cfg, SOURCES_ATTRIBUTE) else \
+    sources = flag_sources(cfg) if cfg.flag_sources is not None else \
         dict.fromkeys(changed_values(cfg), "differs from the default")
     resolved = resolved_values(cfg)
     lines = []

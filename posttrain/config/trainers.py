@@ -45,7 +45,7 @@ from posttrain.config.sections import (
     WandbConfig,
 )
 from posttrain.config.serving import ServeRMConfig
-from posttrain.config.spec import carried, opt, section
+from posttrain.config.spec import ParsedFields, carried, opt, section
 
 TRAINERS = ("sft", "rm", "dpo", "ppo")
 
@@ -61,14 +61,15 @@ def _ckpt(cls, trainer: str, **kw):
 
 
 @dataclass
-class LauncherFields:
+class LauncherFields(ParsedFields):
     """Flags set by launchers."""
 
     local_rank: int = opt(-1, "local rank (injected by the deepspeed launcher)",
-                          inert=Inert("the device comes from the LOCAL_RANK environment variable the launcher sets",
-                                      facts.launcher_sets_local_rank), on_resume="volatile")
+                          inert=Inert("the device comes from the LOCAL_RANK environment variable the "
+                                      "launcher sets", facts.launcher_sets_local_rank), on_resume="volatile")
     use_ms: bool = opt(False, "download models from ModelScope instead of the HF hub",
-                       inert=Inert("ModelScope downloads are not supported; pass a local folder or an HF hub id"), on_resume="volatile")
+                       inert=Inert("ModelScope downloads are not supported; pass a local folder or an "
+                                   "HF hub id"), on_resume="volatile")
 
 
 @dataclass
@@ -131,7 +132,8 @@ class PPOConfig(LauncherFields):
     vllm: VLLMConfig = section(VLLMConfig, on_resume="adjustable")
     rollout: RolloutConfig = section(RolloutConfig)
     data: PPODataConfig = section(PPODataConfig, max_len=2048, max_samples=100000000)
-    train: PPOTrainConfig = section(PPOTrainConfig, micro_batch_size=1, max_epochs=1, max_tokens_per_gpu=16192)
+    train: PPOTrainConfig = section(PPOTrainConfig, micro_batch_size=1, max_epochs=1,
+                                    max_tokens_per_gpu=16192)
     agent: AgentConfig = section(AgentConfig)
     eval: PPOEvalConfig = section(PPOEvalConfig, on_resume="volatile", split="train")
     ckpt: PPOCkptConfig = _ckpt(PPOCkptConfig, "ppo_ray", max_mem=float("inf"))

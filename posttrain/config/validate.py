@@ -50,8 +50,8 @@ def validate(cfg: CommandConfig, world_size: int = 1, device: Any = None) -> lis
     if cfg.trainer == "ppo" and world_size > 1:
         raise ConfigError(f"posttrain ppo is one controller process that places its roles on Ray itself "
                           f"(WORLD_SIZE={world_size}): launch it once, as `posttrain ppo ...` or `python -m "
-                          "posttrain.cli.train_ppo_ray ...`, with --actor.num_gpus_per_node / --vllm.num_engines "
-                          "for more ranks, not under torchrun or deepspeed")
+                          "posttrain.cli.train_ppo_ray ...`, with --actor.num_gpus_per_node / "
+                          "--vllm.num_engines for more ranks, not under torchrun or deepspeed")
     r = _Report()
     dev = device_type(device)
     if cfg.trainer == "serve-rm":
@@ -156,28 +156,28 @@ def _context_parallel(cfg, r: _Report, world_size: int) -> None:
     if n == 1:
         return
     if not cfg.ds.packing_samples and cfg.trainer == "ppo":
-        r.warnings.append(record_resolved(cfg, "ds.packing_samples", True, f"--ds.ring_attn_size {n} splits packed "
-                                          "rows over its group"))
+        r.warnings.append(record_resolved(cfg, "ds.packing_samples", True,
+                                          f"--ds.ring_attn_size {n} splits packed rows over its group"))
     elif not cfg.ds.packing_samples:
         r.bad("ds.ring_attn_size", n, "needs --ds.packing_samples (each packed row is split over the group)")
     if cfg.trainer != "ppo":
         if world_size % n:
-            r.bad("ds.ring_attn_size", n, f"must divide the {world_size} ranks of the run (groups of {n} ranks "
-                  "share each row)")
+            r.bad("ds.ring_attn_size", n, f"must divide the {world_size} ranks of the run (groups of {n} "
+                  "ranks share each row)")
         return
     for role, section in run_roles(cfg).sections.items():
         ranks = role_ranks(section)
         if ranks % n or ranks == 1:
-            r.bad("ds.ring_attn_size", n, f"must divide the {ranks} rank(s) of the {role} role (groups of {n} ranks "
-                  f"share each row; set --{role}.num_gpus_per_node to a multiple of {n})")
+            r.bad("ds.ring_attn_size", n, f"must divide the {ranks} rank(s) of the {role} role (groups of "
+                  f"{n} ranks share each row; set --{role}.num_gpus_per_node to a multiple of {n})")
 
 
 def _tensor_parallel(cfg, r: _Report, world_size: int, dev: str) -> None:
-    """--ds.tensor_parallel_size N: the model split over groups of N ranks; N divides the ranks (of the run, or
-    of each trained ppo role: the actor and a critic); not with what changes the split layers (LoRA adapters,
-    4-bit weights), Muon (it orthogonalizes whole matrices), ring attention (one kind of group at a time) or
-    the actor's EMA (kept per shard). The heads are checked against N where the model's config is read
-    (`models.config_facts.check_tensor_parallel_config`)."""
+    """--ds.tensor_parallel_size N: the model split over groups of N ranks; N divides the ranks (of the
+    run, or of each trained ppo role: the actor and a critic); not with what changes the split layers (LoRA
+    adapters, 4-bit weights), Muon (it orthogonalizes whole matrices), ring attention (one kind of group at
+    a time) or the actor's EMA (kept per shard). The heads are checked against N where the model's config
+    is read (`models.config_facts.check_tensor_parallel_config`)."""
     n, ds = cfg.ds.tensor_parallel_size, cfg.ds
     if n == 1:
         return
@@ -188,25 +188,26 @@ def _tensor_parallel(cfg, r: _Report, world_size: int, dev: str) -> None:
         for role in ("actor", "critic"):
             section = roles.get(role)
             if section is not None and (role_ranks(section) % n or role_ranks(section) == 1):
-                r.bad(flag, n, f"must divide the {role_ranks(section)} rank(s) of the {role} role (groups of {n} "
-                      f"ranks hold one copy of its model; set --{role}.num_gpus_per_node to a multiple of {n})")
+                r.bad(flag, n, f"must divide the {role_ranks(section)} rank(s) of the {role} role (groups of "
+                      f"{n} ranks hold one copy of its model; set --{role}.num_gpus_per_node to a multiple "
+                      f"of {n})")
         if cfg.train.enable_ema:
             r.bad(flag, n, "not with --train.enable_ema: the EMA would be kept per shard")
         optims = {cfg.actor.optim, cfg.critic.optim}
     else:
         if world_size % n:
-            r.bad(flag, n, f"must divide the {world_size} ranks of the run (groups of {n} consecutive ranks hold one "
-                  "copy of the model)")
+            r.bad(flag, n, f"must divide the {world_size} ranks of the run (groups of {n} consecutive ranks "
+                  "hold one copy of the model)")
         elif world_size == n and ds.zero_stage in (1, 2) and fp32:
             r.warnings.append(
-                f"--ds.tensor_parallel_size {n} on {world_size} ranks leaves ZeRO-{ds.zero_stage} nothing to partition "
-                "(one data-parallel replica); in fp32 it only adds DeepSpeed's master copy of the weights and a flat "
-                "gradient (measured 0.81x one process's parameter + optimizer memory per rank vs 0.54x): "
-                "--ds.zero_stage 0 trains the same")
+                f"--ds.tensor_parallel_size {n} on {world_size} ranks leaves ZeRO-{ds.zero_stage} nothing to "
+                "partition (one data-parallel replica); in fp32 it only adds DeepSpeed's master copy of the "
+                "weights and a flat gradient (measured 0.81x one process's parameter + optimizer memory per "
+                "rank vs 0.54x): --ds.zero_stage 0 trains the same")
         optims = {cfg.optim}
     if ds.lora.rank > 0:
-        r.bad(flag, n, "not with LoRA (--ds.lora.rank): the adapters would wrap the split layers; this version "
-              "splits plain linear layers only")
+        r.bad(flag, n, "not with LoRA (--ds.lora.rank): the adapters would wrap the split layers; this "
+              "version splits plain linear layers only")
     if ds.load_in_4bit:
         r.bad(flag, n, "not with --ds.load_in_4bit: quantized weights cannot be split")
     if "muon" in optims:
@@ -244,10 +245,10 @@ def _vllm_tensor_parallel(cfg: PPOConfig, r: _Report, dev: str) -> None:
 
 
 def vllm_tensor_parallel_problem(cfg: PPOConfig, dev: str) -> str | None:
-    """--vllm.tensor_parallel_size > 1 runs on CPUs only (vLLM's `mp` executor in the engine's process): where
-    the run's engines are vLLM engines (`backends.rollout_backend`) on a CUDA machine it is refused, at start-up
-    before Ray places anything (each engine's Ray process is given one GPU), and again by the engine's worker
-    (a cluster whose head has no GPU but whose workers do)."""
+    """--vllm.tensor_parallel_size > 1 runs on CPUs only (vLLM's `mp` executor in the engine's process):
+    where the run's engines are vLLM engines (`backends.rollout_backend`) on a CUDA machine it is refused,
+    at start-up before Ray places anything (each engine's Ray process is given one GPU), and again by the
+    engine's worker (a cluster whose head has no GPU but whose workers do)."""
     tp = cfg.vllm.tensor_parallel_size
     if tp <= 1 or dev != "cuda":
         return None
@@ -257,8 +258,8 @@ def vllm_tensor_parallel_problem(cfg: PPOConfig, dev: str) -> str | None:
         return None
     if backend != "vllm":
         return None
-    return (f"--vllm.tensor_parallel_size {tp}: a vLLM engine with tensor parallelism runs on CPUs (vLLM's CPU "
-            "build) in this version, not on GPUs (its Ray process is given one GPU); use "
+    return (f"--vllm.tensor_parallel_size {tp}: a vLLM engine with tensor parallelism runs on CPUs "
+            "(vLLM's CPU build) in this version, not on GPUs (its Ray process is given one GPU); use "
             "--vllm.tensor_parallel_size 1 and more --vllm.num_engines")
 
 
@@ -284,7 +285,8 @@ def _served_source(cfg: ServeRMConfig, r: _Report) -> None:
     """serve-rm serves exactly one source: a reward model or a reward_func .py file."""
     model, url = cfg.reward.model_name_or_path, cfg.reward.remote_url
     if bool(model) == bool(url):
-        r.problems.append("give exactly one of --reward.model_name_or_path DIR or --reward.remote_url FILE.py")
+        r.problems.append("give exactly one of --reward.model_name_or_path DIR or --reward.remote_url "
+                          "FILE.py")
     elif url and not url.endswith(".py"):
         r.problems.append(f"--reward.remote_url={url!r}: serve-rm serves a .py reward function file")
 
@@ -305,7 +307,8 @@ def _engine(cfg: TrainerConfig, r: _Report, dev: str) -> None:
             "give module names (e.g. q_proj v_proj) or all-linear",
         )
     if ds.load_in_4bit and lora.rank <= 0:
-        r.bad("ds.load_in_4bit", True, "4-bit weights cannot be trained; use it with LoRA (--ds.lora.rank > 0)")
+        r.bad("ds.load_in_4bit", True,
+              "4-bit weights cannot be trained; use it with LoRA (--ds.lora.rank > 0)")
     _model_loading(ds, r, dev)
 
 
@@ -396,7 +399,8 @@ def _ckpt(cfg: TrainerConfig, r: _Report) -> None:
 def _optimizer(o: OptimizerFields, prefix: str, cfg: TrainerConfig, r: _Report) -> None:
     if o.lr_scheduler == "polynomial" and not o.adam.lr > POLYNOMIAL_LR_END:
         r.bad(prefix + "adam.lr", o.adam.lr, f"--{prefix}lr_scheduler polynomial decays to the learning rate "
-              f"{POLYNOMIAL_LR_END:g} (transformers' lr_end), so it must start above that; raise it or use linear")
+              f"{POLYNOMIAL_LR_END:g} (transformers' lr_end), so it must start above that; raise it or use "
+              "linear")
     if o.optim == "muon" and cfg.ds.adam_offload:
         r.bad(
             prefix + "optim",
@@ -424,7 +428,8 @@ def _loss_agg(cfg: PPOConfig, r: _Report) -> None:
         why = f"auto for --actor.policy_loss_type {a.policy_loss_type}"
         record_resolved(cfg, "actor.loss_agg", auto, why)
     elif asked == "token_mean" and per_sequence:
-        name, source = {"gspo": ("GSPO", "as OpenRLHF"), "seq_sum": ("seq_sum", "as TRL RLOO")}[a.policy_loss_type]
+        names = {"gspo": ("GSPO", "as OpenRLHF"), "seq_sum": ("seq_sum", "as TRL RLOO")}
+        name, source = names[a.policy_loss_type]
         r.bad(
             "actor.loss_agg",
             asked,
@@ -434,8 +439,19 @@ def _loss_agg(cfg: PPOConfig, r: _Report) -> None:
 
 
 def _ppo(cfg: PPOConfig, r: _Report, world_size: int) -> None:
-    algo, ro, rw, t = cfg.algo, cfg.rollout, cfg.reward, cfg.train
-    adv, kl = algo.advantage, algo.kl
+    """The rules of `posttrain ppo`, by subject (problems are reported in this order)."""
+    _reward_source(cfg, r)
+    _rollout_engines(cfg, r)
+    _loss_agg(cfg, r)
+    _rollout_sizes(cfg, r)
+    _advantage_and_kl(cfg, r)
+    _async_and_ema(cfg, r)
+    _vision_rl(cfg, r)
+
+
+def _reward_source(cfg: PPOConfig, r: _Report) -> None:
+    """Exactly one reward source: a reward model, a remote URL (or .py file), or an agent file."""
+    rw, t = cfg.reward, cfg.train
     if rw.model_name_or_path and rw.remote_url:
         r.problems.append(
             f"--reward.model_name_or_path {format_value(rw.model_name_or_path)} and --reward.remote_url "
@@ -454,15 +470,24 @@ def _ppo(cfg: PPOConfig, r: _Report, world_size: int) -> None:
             "--reward.remote_url (an http(s) reward server or a .py file defining reward_func) or "
             "--train.agent_func_path (an agent file whose environment returns rewards)",
         )
+
+
+def _rollout_engines(cfg: PPOConfig, r: _Report) -> None:
+    """What the rollout engines can run: a QLoRA actor only in one process, vLLM only in engines of
+    its own."""
+    t = cfg.train
     if cfg.ds.load_in_4bit and cfg.ds.lora.rank > 0 and (t.async_enable or uses_ray(cfg)):
-        r.bad("ds.load_in_4bit", True, "a QLoRA actor cannot sync its weights to rollout engines of their own yet "
-              "(Ray, --vllm.num_engines, --train.async_enable): run in one process, where the engine samples "
-              "from the actor itself")
+        r.bad("ds.load_in_4bit", True, "a QLoRA actor cannot sync its weights to rollout engines of their "
+              "own yet (Ray, --vllm.num_engines, --train.async_enable): run in one process, where the engine "
+              "samples from the actor itself")
     if cfg.rollout.engine == "vllm" and not (cfg.vllm.num_engines or 0) >= 1:
-        r.bad("rollout.engine", "vllm", "vLLM runs in rollout engines of their own: add --vllm.num_engines 1 (on Ray); "
-              "one process samples with the HF engine over the actor's module")
-    _loss_agg(cfg, r)
-    # rollout sizes
+        r.bad("rollout.engine", "vllm", "vLLM runs in rollout engines of their own: add --vllm.num_engines 1 "
+              "(on Ray); one process samples with the HF engine over the actor's module")
+
+
+def _rollout_sizes(cfg: PPOConfig, r: _Report) -> None:
+    """Generation budget and batch sizes of a rollout."""
+    ro, t = cfg.rollout, cfg.train
     if ro.max_new_tokens is not None:
         r.need(
             0 < ro.max_new_tokens < cfg.data.max_len,
@@ -478,12 +503,19 @@ def _ppo(cfg: PPOConfig, r: _Report, world_size: int) -> None:
             f"must divide the samples per rollout --rollout.batch_size x --rollout.n_samples_per_prompt = "
             f"{ro.batch_size} x {ro.n_samples_per_prompt} = {samples}",
         )
-    if ro.vllm_generate_batch_size is not None and ro.vllm_generate_batch_size > ro.batch_size and not t.async_enable:
+    gen = ro.vllm_generate_batch_size
+    if gen is not None and gen > ro.batch_size and not t.async_enable:
         r.bad(
             "rollout.vllm_generate_batch_size",
             ro.vllm_generate_batch_size,
             f"larger than --rollout.batch_size {ro.batch_size} needs --train.async_enable (oversampling)",
         )
+
+
+def _advantage_and_kl(cfg: PPOConfig, r: _Report) -> None:
+    """Estimators, KL, dynamic filtering and reward shaping."""
+    algo, ro, rw = cfg.algo, cfg.rollout, cfg.reward
+    adv, kl = algo.advantage, algo.kl
     # estimators
     if adv.estimator in GROUP_ESTIMATORS and ro.n_samples_per_prompt < 2:
         r.bad(
@@ -522,14 +554,24 @@ def _ppo(cfg: PPOConfig, r: _Report, world_size: int) -> None:
                 rw.overlong_buffer_len,
                 f"must be <= --rollout.max_new_tokens {ro.max_new_tokens}",
             )
-    # async / placement
+
+
+def _async_and_ema(cfg: PPOConfig, r: _Report) -> None:
+    """Async RL (partial rollout, sleeping engines) and the EMA copy under ZeRO-3."""
+    t = cfg.train
     if t.partial_rollout_enable and not t.async_enable:
         r.bad("train.partial_rollout_enable", True, "needs --train.async_enable")
     if t.async_enable and cfg.vllm.enable_sleep:
         r.bad("vllm.enable_sleep", True, "not compatible with --train.async_enable")
     if t.enable_ema and cfg.ds.zero_stage == 3 and role_ranks(cfg.actor) > 1:
-        r.bad("train.enable_ema", True, "not available with --ds.zero_stage 3 and several actor ranks in this "
-              "version (each rank holds a shard of the weights); use --ds.zero_stage 2 or one actor rank")
+        r.bad("train.enable_ema", True, "not available with --ds.zero_stage 3 and several actor ranks in "
+              "this version (each rank holds a shard of the weights); use --ds.zero_stage 2 or one actor "
+              "rank")
+
+
+def _vision_rl(cfg: PPOConfig, r: _Report) -> None:
+    """Vision-language RL: no critic, no packed rows."""
+    adv = cfg.algo.advantage
     if cfg.data.max_images_per_prompt > 0:
         if adv.estimator == "gae":
             r.bad(

@@ -56,7 +56,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 continue
             if first is not None:
                 raise _DuplicateKey(f"key '{key}' is given twice in one mapping (line {first} and line "
-                                    f"{key_node.start_mark.line + 1}); YAML would keep only the last, so keep one")
+                                    f"{key_node.start_mark.line + 1}); YAML would keep only the last, so "
+                                    f"keep one")
             seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
 

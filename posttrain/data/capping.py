@@ -35,12 +35,14 @@ def _cap(value, limit: int):
         return value[:limit] if len(value) > limit else value
     if isinstance(value, list) and any(isinstance(m, dict) and isinstance(m.get("content"), str)
                                        and len(m["content"]) > limit for m in value):
-        return [{**m, "content": m["content"][:limit]} if isinstance(m, dict) and isinstance(m.get("content"), str)
+        return [{**m, "content": m["content"][:limit]} if isinstance(m, dict)
+                and isinstance(m.get("content"), str)
                 and len(m["content"]) > limit else m for m in value]
     return value
 
 
-def cap_text_fields(rows: list[dict], keys: Iterable[str | None], max_len: int, tokenizer) -> tuple[list[dict], int]:
+def cap_text_fields(rows: list[dict], keys: Iterable[str | None], max_len: int,
+                    tokenizer) -> tuple[list[dict], int]:
     """(rows with each field of `keys` cut to `text_limit(max_len, tokenizer)` characters, how many rows
     were cut); a cut row is a copy (its location kept), the others are the same objects."""
     limit, keys = text_limit(max_len, tokenizer), [k for k in keys if k]
@@ -62,6 +64,6 @@ def capped_note(what: str, count: int, max_len: int, tokenizer, budget: str | No
     """The start-up line reporting `count` rows whose text was cut (module docstring); `budget` names
     `max_len` (default: --data.max_len)."""
     budget = budget or f"--data.max_len {max_len}"
-    return (f"{what}: {count} rows have a text field longer than {text_limit(max_len, tokenizer)} characters (2 x "
-            f"{budget} x {chars_per_token(tokenizer)}, the longest token's characters): cut to that before "
-            "tokenising, which changes no sample")
+    return (f"{what}: {count} rows have a text field longer than {text_limit(max_len, tokenizer)} characters "
+            f"(2 x {budget} x {chars_per_token(tokenizer)}, the longest token's characters): cut to that "
+            f"before tokenising, which changes no sample")

@@ -55,8 +55,8 @@ def pack_collate(items: Sequence[dict]) -> dict:
     if not items:
         raise ValueError("pack_collate: empty batch")
     if any(it.get("image_inputs") for it in items):
-        raise ValueError("pack_collate: samples with images cannot be packed (a vision-language model computes "
-                         "its rotary positions per row); drop --ds.packing_samples")
+        raise ValueError("pack_collate: samples with images cannot be packed (a vision-language model "
+                         "computes its rotary positions per row); drop --ds.packing_samples")
     ids: list[int] = []
     mask: list[int] = []
     pos: list[int] = []

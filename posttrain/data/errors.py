@@ -22,8 +22,10 @@ def check_dropped(what: str, dropped: list[str], total: int, reason: str, max_fr
     if not dropped:
         return None
     share = len(dropped) / max(total, 1)
-    line = f"{what}: {len(dropped)} of {total} rows ({share:.0%}) dropped because {reason} (first: {dropped[0]})"
+    line = (f"{what}: {len(dropped)} of {total} rows ({share:.0%}) dropped because {reason} (first: "
+            f"{dropped[0]})")
     if share > max_frac:
-        raise DataError(f"{line}; more than --data.max_dropped_frac {max_frac:g} of the rows. Raise --data.max_len, "
-                        "shorten those rows, or raise --data.max_dropped_frac to train on the rest.")
+        raise DataError(f"{line}; more than --data.max_dropped_frac {max_frac:g} of the rows. Raise "
+                        f"--data.max_len, shorten those rows, or raise --data.max_dropped_frac to train on "
+                        f"the rest.")
     return line

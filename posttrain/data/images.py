@@ -526,9 +526,9 @@ def _text_to_parts(text: str) -> list[dict]:
 
 def to_vision_messages(messages: list[dict]) -> list[dict]:
     """Copies of `messages` whose contents are all lists of parts ``{"type": "text", "text": ...}`` /
-    ``{"type": "image"}``: a string content is split at its ``<image>`` tags (text pieces stripped, empty ones dropped);
-    in list contents, "image" / "image_url" / "input_image" parts become ``{"type": "image"}`` (an inline
-    URL or payload is not kept: images come from the image column) and "text" / "input_text" parts
+    ``{"type": "image"}``: a string content is split at its ``<image>`` tags (text pieces stripped, empty ones
+    dropped); in list contents, "image" / "image_url" / "input_image" parts become ``{"type": "image"}`` (an
+    inline URL or payload is not kept: images come from the image column) and "text" / "input_text" parts
     ``{"type": "text", ...}``. A None content becomes []. Unknown part types raise DataError."""
     out = []
     for i, msg in enumerate(_messages(messages)):

@@ -12,8 +12,8 @@ from .readers import Row
 
 
 def mixing_weights(probs: str | Sequence[float] | None, n_sources: int) -> list[float] | None:
-    """``"0.3,0.7"`` (parsed by `posttrain.config.parse_probs`) or a sequence → ``[0.3, 0.7]``; None/"" → None.
-    Values must be ≥ 0, one per source, sum to 1."""
+    """``"0.3,0.7"`` (parsed by `posttrain.config.parse_probs`) or a sequence → ``[0.3, 0.7]``; None/"" →
+    None. Values must be ≥ 0, one per source, sum to 1."""
     if probs is None or (isinstance(probs, str) and not probs.strip()):
         return None
     flag = "--data.dataset_probs / --data.prompt_probs"

@@ -80,11 +80,12 @@ class PreferenceDataset(Dataset):
         if self.chat:
             require_chat_template(tokenizer)
             if self.input_template is not None:
-                raise DataError("--data.input_template and --data.apply_chat_template are exclusive: the chat "
-                                "template formats the prompt. Pass one of them.")
+                raise DataError("--data.input_template and --data.apply_chat_template are exclusive: the "
+                                "chat template formats the prompt. Pass one of them.")
         rows = ensure_location(list(rows))
         if not rows:
-            raise DataError("PreferenceDataset: no rows (the dataset is empty after loading/--data.max_samples).")
+            raise DataError("PreferenceDataset: no rows (the dataset is empty after "
+                            "loading/--data.max_samples).")
         rows, self.num_capped = cap_text_fields(rows, self.keys, max_len, tokenizer)
         fields = [self._validate(row) for row in rows]  # every row, before any tokenisation
 
@@ -101,15 +102,16 @@ class PreferenceDataset(Dataset):
                 self.dropped.append(where(row))
                 continue
             (c_ids, c_mask), (r_ids, r_mask) = sides
-            pair = {"chosen_ids": c_ids, "chosen_mask": c_mask, "rejected_ids": r_ids, "rejected_mask": r_mask,
-                    "margin": margin}
+            pair = {"chosen_ids": c_ids, "chosen_mask": c_mask, "rejected_ids": r_ids,
+                    "rejected_mask": r_mask, "margin": margin}
             if encoder is not None:
                 pair["image_inputs"] = encoder.image_inputs()
             self.pairs.append(pair)
             self.pair_rows.append(where(row))
         if not self.pairs:
             raise DataError(f"PreferenceDataset: all {len(rows)} pairs were dropped because the prompt alone "
-                            f"fills --data.max_len {max_len} (first: {self.dropped[0]}). Raise --data.max_len.")
+                            f"fills --data.max_len {max_len} (first: {self.dropped[0]}). Raise "
+                            f"--data.max_len.")
 
     # ---- images -------------------------------------------------------------------------------
     def _images(self, row: dict, prompt) -> list:
@@ -146,12 +148,13 @@ class PreferenceDataset(Dataset):
             if self.margin_key not in row:
                 raise DataError(f"{loc}: missing key '{self.margin_key}' (the row has keys "
                                 f"{sorted(k for k in row if not k.startswith('__'))}), which "
-                                "--model.margin_loss_enable reads in every row of the training and eval data. "
-                                f"Add a numeric '{self.margin_key}' to each row, or drop --model.margin_loss_enable.")
+                                "--model.margin_loss_enable reads in every row of the training and eval "
+                                f"data. Add a numeric '{self.margin_key}' to each row, or drop "
+                                f"--model.margin_loss_enable.")
             value = row[self.margin_key]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-                raise DataError(f"{loc}: key '{self.margin_key}' must be a number, got {value!r}. Fix the data, "
-                                "or drop --model.margin_loss_enable.")
+                raise DataError(f"{loc}: key '{self.margin_key}' must be a number, got {value!r}. Fix the "
+                                f"data, or drop --model.margin_loss_enable.")
             margin = float(value)
         return prompt, chosen, rejected, margin
 
@@ -161,11 +164,12 @@ class PreferenceDataset(Dataset):
         loc = where(row)
         for key, side in ((chosen_key, chosen), (rejected_key, rejected)):
             if not isinstance(side, list) or side[-1]["role"] != "assistant":
-                raise DataError(f"{loc}: without --data.prompt_key, key '{key}' must be a message list ending in "
-                                "an assistant message. Fix the data, or pass --data.prompt_key.")
+                raise DataError(f"{loc}: without --data.prompt_key, key '{key}' must be a message list "
+                                f"ending in an assistant message. Fix the data, or pass --data.prompt_key.")
         if chosen[:-1] != rejected[:-1]:
-            raise DataError(f"{loc}: '{chosen_key}' and '{rejected_key}' have different prompts (the messages "
-                            "before the last assistant reply differ). A pair must share its prompt.")
+            raise DataError(f"{loc}: '{chosen_key}' and '{rejected_key}' have different prompts (the "
+                            f"messages before the last assistant reply differ). A pair must share its "
+                            f"prompt.")
         return chosen[-1:], rejected[-1:], chosen[:-1]
 
     # ---- tokens -------------------------------------------------------------------------------
@@ -175,7 +179,8 @@ class PreferenceDataset(Dataset):
             if prompt is None:
                 return [(response, 1)]
             return [(format_prompt(self.input_template, prompt), 0), (response, 1)]
-        if images:  # the prompt's contents as typed parts (`<image>` tags become image parts); responses are text
+        # the prompt's contents as typed parts (`<image>` tags become image parts); responses are text
+        if images:
             prompt = to_vision_messages(prompt)
         full_msgs = prompt + response
         full = render_chat(self.tokenizer, full_msgs, False, loc)
@@ -186,8 +191,8 @@ class PreferenceDataset(Dataset):
         return [(head, 0), (full[len(head):], 1)]
 
     def _encode(self, row: dict, prompt, response, encoder=None) -> tuple[list[int] | None, list[int] | None]:
-        ids, mask = encode_segments(self.tokenizer, self._segments(row, prompt, response, encoder is not None),
-                                    encoder)
+        ids, mask = encode_segments(self.tokenizer,
+                                    self._segments(row, prompt, response, encoder is not None), encoder)
         ids, mask = self._end_at_eos(ids, mask)
         if len(ids) > self.max_len:
             ids, mask = ids[: self.max_len], mask[: self.max_len]

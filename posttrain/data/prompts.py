@@ -60,7 +60,8 @@ class PromptDataset:
                 text = format_prompt(input_template, value)
             else:
                 raise DataError(f"{where(row)}: key '{input_key}' holds chat messages; pass "
-                                "--data.apply_chat_template to render them, or point --data.input_key at text.")
+                                "--data.apply_chat_template to render them, or point --data.input_key at "
+                                "text.")
             label = get_field(row, label_key, "--data.label_key") if label_key else None
             image_inputs = None
             if images:
@@ -80,9 +81,9 @@ class PromptDataset:
                             "rows); check --data.prompt_dataset / --data.prompt_split (--eval.dataset / "
                             "--eval.split for the eval set)")
         if not self.prompts:  # every row was read and dropped as too long
-            raise DataError(f"no usable prompts: all {len(rows)} rows are longer than {max_prompt_len} tokens "
-                            f"(first: {self.dropped[0]}); raise --data.max_len, lower --rollout.max_new_tokens "
-                            "or shorten the prompts")
+            raise DataError(f"no usable prompts: all {len(rows)} rows are longer than {max_prompt_len} "
+                            f"tokens (first: {self.dropped[0]}); raise --data.max_len, lower "
+                            f"--rollout.max_new_tokens or shorten the prompts")
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -99,8 +100,8 @@ def prompt_images(row: dict, value, processor, image_key: str, max_images: int, 
         return []
     images = row_images(row, image_key, max_images, limits=limits)
     if images and not chat:
-        raise DataError(f"{where(row)}: a prompt with images needs --data.apply_chat_template (the chat template "
-                        "places the image tokens)")
+        raise DataError(f"{where(row)}: a prompt with images needs --data.apply_chat_template (the chat "
+                        f"template places the image tokens)")
     if images or count_image_parts(value):
         check_image_count(value, images, where(row))
     return images

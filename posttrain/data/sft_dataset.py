@@ -145,8 +145,8 @@ class SFTDataset(Dataset):
         if not self.pretrain and not self.chat and self.output_key is None:
             raise DataError(
                 "--data.output_key is required for SFT without a chat template (the response field); or "
-                "pass --model.pretrain_mode_enable to train on the whole input, or --data.apply_chat_template "
-                "with message lists ending in an assistant turn."
+                "pass --model.pretrain_mode_enable to train on the whole input, or "
+                "--data.apply_chat_template with message lists ending in an assistant turn."
             )
 
     def _validate(self, row: dict):
@@ -259,7 +259,8 @@ def field_messages(field) -> list[dict] | str:
 
 
 def to_vision_field(field):
-    """A validated chat field with its messages' contents as typed parts (`<image>` tags become image parts)."""
+    """A validated chat field with its messages' contents as typed parts (`<image>` tags
+    become image parts)."""
     if isinstance(field, tuple):
         return tuple(to_vision_messages(f) if isinstance(f, list) else f for f in field)
     return to_vision_messages(field)

@@ -52,7 +52,8 @@ def rounded(value: int) -> str:
     return f", roughly {(value + 5) // 10 * 10}"
 
 
-def make_arithmetic_rows(n: int, seed: int = 0, difficulty: int = 0, rounding_habit: float = 0.0) -> list[dict]:
+def make_arithmetic_rows(n: int, seed: int = 0, difficulty: int = 0,
+                         rounding_habit: float = 0.0) -> list[dict]:
     """``n`` problems, a pure function of the arguments; keys prompt/messages/response/answer.
     With ``rounding_habit`` p > 0, each response gets the rounded tail with probability p (the
     answer stays exact); the problems are the same whatever p."""
@@ -76,7 +77,8 @@ def make_arithmetic_rows(n: int, seed: int = 0, difficulty: int = 0, rounding_ha
     return rows
 
 
-def make_preference_rows(n: int, seed: int = 0, difficulty: int = 0, rounding_habit: float = 0.0) -> list[dict]:
+def make_preference_rows(n: int, seed: int = 0, difficulty: int = 0,
+                         rounding_habit: float = 0.0) -> list[dict]:
     """``n`` preference pairs: ``prompt``, ``chosen`` (the exact answer), ``rejected``, ``answer``, and
     ``chosen_messages`` / ``rejected_messages`` (full conversations, for chat-template RM/DPO data).
     ``rejected`` is a wrong answer (correct ± 1..5, never negative), or with probability

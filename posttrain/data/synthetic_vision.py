@@ -22,7 +22,8 @@ SIDE = 56  # pixels: 4 image tokens for the tiny Qwen2.5-VL (14-pixel patches me
 PROMPT = "<image>What colour is the shape?"
 
 
-def colour_rows(n: int, seed: int, folder, blank: bool = False, prefix: str = "img", sloppy: float = 0.0) -> list[dict]:
+def colour_rows(n: int, seed: int, folder, blank: bool = False, prefix: str = "img",
+                sloppy: float = 0.0) -> list[dict]:
     """`n` rows whose images are written into `folder` as `{prefix}{i}.png`; deterministic in `seed`."""
     from PIL import Image, ImageDraw
 

@@ -59,7 +59,8 @@ def require_text(row: Row, key: str, flag: str) -> str:
 def _content_ok(content: Any) -> bool:
     """Text, or a list of typed parts (``{"type": "text", "text": ...}``, ``{"type": "image"}``: images)."""
     return isinstance(content, str) or (
-        isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("type"), str) for p in content))
+        isinstance(content, list)
+        and all(isinstance(p, dict) and isinstance(p.get("type"), str) for p in content))
 
 
 def check_messages(row: Row, key: str, value: Any, flag: str) -> list[dict]:
@@ -79,8 +80,8 @@ def check_messages(row: Row, key: str, value: Any, flag: str) -> list[dict]:
             or not _content_ok(msg.get("content"))
         ):
             raise DataError(
-                f"{where(row)}: key '{key}', message {i} must be a dict with string 'role' and 'content' (text, or "
-                f"a list of typed parts for images), "
+                f"{where(row)}: key '{key}', message {i} must be a dict with string 'role' and 'content' "
+                f"(text, or a list of typed parts for images), "
                 f"got {_short(msg)}. Fix the data ({shape})."
             )
     return value

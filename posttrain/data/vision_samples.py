@@ -29,9 +29,9 @@ def image_placeholder(processor) -> str:
 
 def encode_with_images(processor, text: str, images: Sequence, location: str = "an image prompt",
                        labels: Sequence[str] | None = None) -> tuple[list[int], dict[str, np.ndarray]]:
-    """(token ids, image tensors) of `text`, whose placeholders (one per image, in order) the processor expands
-    into image tokens; no tokenizer special tokens are added (the text carries them). A ValueError of the
-    processor is a one-line DataError naming `location`: one about image tokens (their count in the text
+    """(token ids, image tensors) of `text`, whose placeholders (one per image, in order) the processor
+    expands into image tokens; no tokenizer special tokens are added (the text carries them). A ValueError of
+    the processor is a one-line DataError naming `location`: one about image tokens (their count in the text
     against the images, or against the ids) is a template / placeholder problem; any other is an image the
     processor refuses (e.g. Qwen-VL's aspect ratio of 200 or more), named with the images (`labels`, one per
     image, e.g. their references) and their sizes."""
@@ -49,7 +49,8 @@ def encode_with_images(processor, text: str, images: Sequence, location: str = "
         fix = "Replace the image, or crop or pad it to a shape this model's processor reads"
         raise DataError(f"{location}, {which}: the model's processor refuses "
                         f"{'it' if len(images) == 1 else 'one of them'} ({reason}). {fix}") from None
-    return [int(t) for t in out["input_ids"][0]], {k: np.asarray(v) for k, v in out.items() if k not in _TEXT_KEYS}
+    return ([int(t) for t in out["input_ids"][0]],
+            {k: np.asarray(v) for k, v in out.items() if k not in _TEXT_KEYS})
 
 
 def concat_image_inputs(parts: Sequence[dict | None]) -> dict[str, np.ndarray] | None:
@@ -70,7 +71,8 @@ class ImageEncoder:
 
     def __init__(self, tokenizer: Any, processor, images: Sequence, location: str,
                  labels: Sequence[str] | None = None) -> None:
-        self.tokenizer, self.processor, self.images, self.location = tokenizer, processor, list(images), location
+        self.tokenizer, self.processor, self.images, self.location = tokenizer, processor, list(
+            images), location
         self.labels = list(labels) if labels is not None and len(labels) == len(self.images) else None
         self.placeholder = image_placeholder(processor)
         self.used = 0
@@ -81,8 +83,8 @@ class ImageEncoder:
         if k == 0:
             return self.tokenizer.encode(text, add_special_tokens=False)
         if self.used + k > len(self.images):
-            raise DataError(f"{self.location}: the rendered text has more image placeholders than the row has "
-                            f"images ({len(self.images)}); put one image per placeholder")
+            raise DataError(f"{self.location}: the rendered text has more image placeholders than the row "
+                            f"has images ({len(self.images)}); put one image per placeholder")
         labels = self.labels[self.used:self.used + k] if self.labels else None
         ids, tensors = encode_with_images(self.processor, text, self.images[self.used:self.used + k],
                                           self.location, labels)
@@ -92,6 +94,7 @@ class ImageEncoder:
 
     def image_inputs(self) -> dict[str, np.ndarray] | None:
         if self.used != len(self.images):
-            raise DataError(f"{self.location}: the rendered text placed {self.used} of the row's {len(self.images)} "
-                            "images; the chat template dropped image parts, or the prompt has too few placeholders")
+            raise DataError(f"{self.location}: the rendered text placed {self.used} of the row's "
+                            f"{len(self.images)} images; the chat template dropped image parts, or the "
+                            f"prompt has too few placeholders")
         return concat_image_inputs(self.parts)

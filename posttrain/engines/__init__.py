@@ -3,7 +3,8 @@
 - ``TorchEngine`` (``torch_engine.py``): plain PyTorch, one process (or data parallel under torchrun);
   never imports DeepSpeed, so the embedded CPU default starts fast.
 - ``DeepSpeedEngine`` (``deepspeed_engine.py``): DeepSpeed ZeRO stage 0-3, gloo on CPU, NCCL on GPU.
-- ``make_train_engine(model, opt, *, total_steps, ds=None, zero_stage=None)`` (``make_engine.py``) picks one; ``opt`` is
+- ``make_train_engine(model, opt, *, total_steps, ds=None, zero_stage=None)`` (``make_engine.py``) picks
+one; ``opt`` is
   an optimizer config section (``--optim``, ``--adam.*``, ``--muon.*``, ...), ``ds`` the ``--ds.*`` section.
 - Optimisers (``optim.py``: AdamW without decay on 1-D params; Muon + auxiliary AdamW) and LR
   schedules (``schedulers.py``: cosine_with_min_lr, constant_with_warmup, linear).

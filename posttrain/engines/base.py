@@ -55,16 +55,16 @@ class TrainEngine:
         raise NotImplementedError
 
     def save_layout_free(self, directory: str) -> None:
-        """The layout-free copy of the state (`engines.portable`) beside the engine's own files (every rank); not
-        for a tensor-parallel engine (its parameters are shards) or Muon (its state is not Adam's)."""
+        """The layout-free copy of the state (`engines.portable`) beside the engine's own files (every rank);
+        not for a tensor-parallel engine (its parameters are shards) or Muon (its state is not Adam's)."""
         from posttrain.engines.portable import save_portable, uses_adam
 
         if self.tensor_parallel == 1 and uses_adam(self):
             save_portable(self, directory)
 
     def load_other_layout(self, directory: str) -> bool:
-        """When `directory` was written on another layout (ranks, ZeRO stage, engine), load its layout-free copy
-        and say what changed; False when the layout is this engine's (the caller loads its own files)."""
+        """When `directory` was written on another layout (ranks, ZeRO stage, engine), load its layout-free
+        copy and say what changed; False when the layout is this engine's (the caller loads its own files)."""
         from posttrain.engines.portable import has_portable, load_portable
         from posttrain.utils.log import info
 
@@ -73,15 +73,16 @@ class TrainEngine:
             return False
         was, now = describe_layout(saved), describe_layout(mine)
         if saved["tensor_parallel_size"] != 1 or mine["tensor_parallel_size"] != 1:
-            raise ValueError(f"{directory!r} was written on {was}, this run is {now}: a tensor-parallel engine state "
-                             "resumes only on the layout that wrote it")
+            raise ValueError(f"{directory!r} was written on {was}, this run is {now}: a tensor-parallel "
+                             f"engine state resumes only on the layout that wrote it")
         if not has_portable(directory):
-            raise ValueError(f"{directory!r} was written on {was}, this run is {now}, and it holds no layout-free "
-                             "copy (written by posttrain before elastic resume): resume on the layout that wrote it")
+            raise ValueError(f"{directory!r} was written on {was}, this run is {now}, and it holds no "
+                             f"layout-free copy (written by posttrain before elastic resume): resume on the "
+                             f"layout that wrote it")
         load_portable(self, directory)
         if self.is_main:
-            info(f"resumed {directory} written on {was} on {now}: weights, Adam moments and schedule from its "
-                 "layout-free copy (the same math; float sums may differ in the last bits)")
+            info(f"resumed {directory} written on {was} on {now}: weights, Adam moments and schedule from "
+                 f"its layout-free copy (the same math; float sums may differ in the last bits)")
         return True
 
     @property
@@ -99,7 +100,8 @@ class TrainEngine:
             from posttrain.utils.weights_hash import weights_hash
 
             frozen = self.frozen_names()
-            self._frozen_hash = weights_hash((k, v) for k, v in self.module.state_dict().items() if k in frozen)
+            self._frozen_hash = weights_hash((k, v) for k, v in self.module.state_dict().items()
+                                             if k in frozen)
         return self._frozen_hash
 
     def check_frozen(self, directory: str, meta: dict) -> None:
@@ -224,9 +226,11 @@ def read_meta(directory: str, engine: str) -> dict:
         with open(path) as f:
             meta = json.load(f)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path!r} is missing: {directory!r} is not a complete engine state") from None
+        raise FileNotFoundError(f"{path!r} is missing: {directory!r} is not a complete engine "
+                                f"state") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path!r} is corrupt ({e}); the engine state cannot be loaded") from None
     if meta.get("engine") != engine:
-        raise ValueError(f"{directory!r} holds a {meta.get('engine')!r} engine state, this is a {engine!r} engine")
+        raise ValueError(f"{directory!r} holds a {meta.get('engine')!r} engine state, this is a {engine!r} "
+                         f"engine")
     return meta

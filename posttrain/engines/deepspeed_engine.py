@@ -41,14 +41,15 @@ from posttrain.utils.log import info
 TAG = "engine"
 
 GRAD_ACCUM_DTYPES = (None, "fp32", "bf16", "fp16")
-REDUCE_BUCKET_ELEMENTS = 50_000_000  # most gradient elements reduced per bucket under ZeRO-2/3 (200 MB in fp32)
-# ZeRO-3: most parameter elements a rank holds gathered at once (`stage3_max_live_parameters`) and the distance
-# (in elements fetched) within which a gathered parameter is kept for its next use (`stage3_max_reuse_distance`):
-# both 1/8 of the model, between these bounds. DeepSpeed's defaults, 1e9 (the upper bound), exceed any model
-# below 1B parameters: once DeepSpeed had traced a step, every gathered parameter was kept until its next use,
-# so each rank held the whole model gathered at the turn from forward to backward, and a frozen model's ranks
-# held it between forwards (bench/RESULTS.md, issue 30). Both limits are needed: the first bounds the prefetch,
-# the second lets a used parameter go.
+# most gradient elements reduced per bucket under ZeRO-2/3 (200 MB in fp32)
+REDUCE_BUCKET_ELEMENTS = 50_000_000
+# ZeRO-3: most parameter elements a rank holds gathered at once (`stage3_max_live_parameters`) and the
+# distance (in elements fetched) within which a gathered parameter is kept for its next use
+# (`stage3_max_reuse_distance`): both 1/8 of the model, between these bounds. DeepSpeed's defaults, 1e9 (the
+# upper bound), exceed any model below 1B parameters: once DeepSpeed had traced a step, every gathered
+# parameter was kept until its next use, so each rank held the whole model gathered at the turn from forward
+# to backward, and a frozen model's ranks held it between forwards (bench/RESULTS.md, issue 30). Both limits
+# are needed: the first bounds the prefetch, the second lets a used parameter go.
 LIVE_PARAMETERS_MIN, LIVE_PARAMETERS_MAX = 10_000_000, 1_000_000_000
 _GENERATION = "posttrain.gathered_for_generation"  # marks ZeRO-3 parameters held by a generation
 
@@ -82,7 +83,8 @@ def start_process_group() -> None:
         torch.cuda.set_device(pdist.env_world()[2])
     if pdist.env_world()[1] == 1:
         pdist.start_single_process_group(backend)
-    deepspeed.init_distributed(dist_backend=backend)  # a group already running (Ray's ranks, one process): used
+    # a group already running (Ray's ranks, one process): used
+    deepspeed.init_distributed(dist_backend=backend)
 
 
 def ds_config(*, zero_stage: int, world_size: int, max_norm: float, param_dtype: str = "fp32",
@@ -94,8 +96,8 @@ def ds_config(*, zero_stage: int, world_size: int, max_norm: float, param_dtype:
     allocates whole on every rank, holds 1/8 of them, at least 1e6 and at most `REDUCE_BUCKET_ELEMENTS`
     (DeepSpeed's default, 5e8, is a 1.9 GB fp32 buffer; a bucket as large as the gradient doubled a small
     model's gradient memory per rank). `model_numel`: the whole model's elements; under ZeRO-3 a rank
-    holds at most `live_parameters(model_numel)` of them gathered. `tensor_parallel` > 1: AutoTP splits the model
-    over groups of that many consecutive ranks (`models.tensor_parallel`; ZeRO 0/1/2)."""
+    holds at most `live_parameters(model_numel)` of them gathered. `tensor_parallel` > 1: AutoTP splits the
+    model over groups of that many consecutive ranks (`models.tensor_parallel`; ZeRO 0/1/2)."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if param_dtype not in PARAM_DTYPES:
@@ -111,7 +113,8 @@ def ds_config(*, zero_stage: int, world_size: int, max_norm: float, param_dtype:
     if zpg > 1 and zero_stage != 3:
         raise ValueError("zpg (ZeRO++ hierarchical partitioning) needs zero_stage 3")
     if tensor_parallel > 1 and (zero_stage == 3 or world_size % tensor_parallel):
-        raise ValueError(f"tensor_parallel {tensor_parallel} needs zero_stage 0-2 and to divide {world_size} ranks")
+        raise ValueError(f"tensor_parallel {tensor_parallel} needs zero_stage 0-2 and to divide {world_size} "
+                         f"ranks")
     zero: dict = {"stage": zero_stage, "overlap_comm": overlap_comm, "contiguous_gradients": zero_stage >= 2}
     if zero_stage >= 2:
         zero["reduce_bucket_size"] = min(REDUCE_BUCKET_ELEMENTS,
@@ -149,7 +152,8 @@ def ds_config(*, zero_stage: int, world_size: int, max_norm: float, param_dtype:
 
 def numel(model: torch.nn.Module, trainable_only: bool = False) -> int:
     """The model's parameter elements, whole (`ds_numel`) when they are ZeRO-3 shards."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad or not trainable_only)
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad
+               or not trainable_only)
 
 
 class DeepSpeedEngine(TrainEngine):
@@ -159,16 +163,17 @@ class DeepSpeedEngine(TrainEngine):
 
     def __init__(self, model: torch.nn.Module, opt: OptimizerFields, *, total_steps: int, zero_stage: int = 2,
                  ds: DSConfig | None = None, tensor_parallel: int = 1):
-        """`opt`: the optimizer section; `ds`: the `--ds.*` section (param_dtype, adam_offload, grad_accum_dtype,
-        zpg, overlap_comm are read; default: DeepSpeed's defaults in fp32); `tensor_parallel`: ranks per model copy
-        (`models.tensor_parallel`)."""
+        """`opt`: the optimizer section; `ds`: the `--ds.*` section (param_dtype, adam_offload,
+        grad_accum_dtype, zpg, overlap_comm are read; default: DeepSpeed's defaults in fp32);
+        `tensor_parallel`: ranks per model copy (`models.tensor_parallel`)."""
         ds = ds or DSConfig(param_dtype="fp32")
         param_dtype = ds.param_dtype or "fp32"
         max_norm, a = opt.max_norm, opt.adam
         schedule_of(opt, total_steps=total_steps)  # refuse a bad schedule before DeepSpeed starts
         if opt.optim == "muon" and (not opt.muon.nesterov or opt.muon.ns_steps != 5):
             raise ValueError("with DeepSpeed, Muon uses Nesterov momentum and 5 Newton-Schulz steps; "
-                             "muon_nesterov=False / muon_ns_steps != 5 need the TorchEngine (zero_stage=None)")
+                             "muon_nesterov=False / muon_ns_steps != 5 need the TorchEngine "
+                             "(zero_stage=None)")
         self.zero_stage = zero_stage
         self._hook_clip = zero_stage == 0 and param_dtype == "fp32"
         self._ds = import_deepspeed()
@@ -180,9 +185,10 @@ class DeepSpeedEngine(TrainEngine):
         if self.tensor_parallel > 1:
             tp.check_modules(model, self.tensor_parallel)
         config = ds_config(zero_stage=zero_stage, world_size=self.world_size, max_norm=max_norm,
-                           param_dtype=param_dtype, adam_offload=ds.adam_offload, grad_accum_dtype=ds.grad_accum_dtype,
-                           zpg=ds.zpg, overlap_comm=ds.overlap_comm, clip_in_deepspeed=not self._hook_clip,
-                           muon=opt.optim == "muon", trainable=numel(model, trainable_only=True), model_numel=numel(model),
+                           param_dtype=param_dtype, adam_offload=ds.adam_offload,
+                           grad_accum_dtype=ds.grad_accum_dtype, zpg=ds.zpg, overlap_comm=ds.overlap_comm,
+                           clip_in_deepspeed=not self._hook_clip, muon=opt.optim == "muon",
+                           trainable=numel(model, trainable_only=True), model_numel=numel(model),
                            tensor_parallel=self.tensor_parallel)
 
         groups = param_groups(model, opt)
@@ -199,8 +205,9 @@ class DeepSpeedEngine(TrainEngine):
         else:
             for g in groups:
                 g.pop("use_muon")
-            optimizer = torch.optim.AdamW(groups, lr=a.lr, betas=tuple(a.betas), eps=a.eps, weight_decay=a.weight_decay,
-                                          fused=torch.cuda.is_available() or None)
+            optimizer = torch.optim.AdamW(groups, lr=a.lr, betas=tuple(a.betas), eps=a.eps,
+                                          weight_decay=a.weight_decay, fused=torch.cuda.is_available()
+                                          or None)
         self._pre_clip_norm: float | None = None
         if self._hook_clip:
             optimizer.register_step_pre_hook(self._clip_hook)
@@ -226,7 +233,8 @@ class DeepSpeedEngine(TrainEngine):
             if self.max_norm > 0:
                 torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm)
         else:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm if self.max_norm > 0 else float("inf"))
+            norm = torch.nn.utils.clip_grad_norm_(params,
+                                                  self.max_norm if self.max_norm > 0 else float("inf"))
         self._pre_clip_norm = float(norm)
 
     @property
@@ -270,8 +278,8 @@ class DeepSpeedEngine(TrainEngine):
 
     def gathered(self, tensors) -> contextlib.AbstractContextManager:
         """Under ZeRO-3, ``GatheredParameters`` over the partitioned ones among ``tensors`` (collective;
-        read-only: changes made inside are dropped on exit); else nothing to do. Not with tensor parallelism (the
-        shards would pass for whole weights): there `full_weights` gathers copies."""
+        read-only: changes made inside are dropped on exit); else nothing to do. Not with tensor parallelism
+        (the shards would pass for whole weights): there `full_weights` gathers copies."""
         if self.tensor_parallel > 1:
             raise NotImplementedError("whole weights of a tensor-parallel model in place: use full_weights()")
         if self.zero_stage != 3:
@@ -322,7 +330,8 @@ class DeepSpeedEngine(TrainEngine):
                     "tensor_parallel_size": self.tensor_parallel,
                     "global_step": self.global_step, "files": files}
             if frozen:  # under ZeRO-3 the frozen weights are sharded: no hash of them
-                meta.update(weights="trainable", frozen_hash=self.frozen_hash() if self.zero_stage != 3 else None)
+                meta.update(weights="trainable",
+                            frozen_hash=self.frozen_hash() if self.zero_stage != 3 else None)
             write_meta(directory, meta)
         self.barrier()
         self.save_layout_free(directory)
@@ -336,17 +345,19 @@ class DeepSpeedEngine(TrainEngine):
         for key, mine in (("zero_stage", self.zero_stage), ("world_size", self.world_size),
                           ("tensor_parallel_size", self.tensor_parallel)):
             if meta.get(key, 1 if key == "tensor_parallel_size" else None) != mine:
-                raise ValueError(f"{directory!r} was saved with {key}={meta.get(key)}, this run has {key}={mine}: "
-                                 "an engine state resumes on the layout that wrote it")
+                raise ValueError(f"{directory!r} was saved with {key}={meta.get(key)}, this run has "
+                                 f"{key}={mine}: an engine state resumes on the layout that wrote it")
         tag_dir = os.path.join(directory, TAG)
         for fname, size in meta["files"].items():
             path = os.path.join(tag_dir, fname)
             if not os.path.isfile(path) or os.path.getsize(path) != size:
-                raise ValueError(f"{path!r} is missing or truncated: {directory!r} is not a complete engine state")
+                raise ValueError(f"{path!r} is missing or truncated: {directory!r} is not a complete engine "
+                                 f"state")
         trainable_only = meta.get("weights") == "trainable"
         if trainable_only and self.zero_stage != 3:
             self.check_frozen(directory, meta)
         load_path, _ = self.engine.load_checkpoint(directory, tag=TAG, load_optimizer_states=True,
-                                                   load_lr_scheduler_states=True, load_module_strict=not trainable_only)
+                                                   load_lr_scheduler_states=True,
+                                                   load_module_strict=not trainable_only)
         if load_path is None:
             raise ValueError(f"DeepSpeed could not load the checkpoint in {directory!r}")

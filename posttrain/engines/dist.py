@@ -12,7 +12,8 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 
 
 def env_world() -> tuple[int, int, int]:
-    """``(rank, world_size, local_rank)`` from ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` (defaults 0, 1, 0)."""
+    """``(rank, world_size, local_rank)`` from ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` (defaults
+    0, 1, 0)."""
     try:
         return (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
                 int(os.environ.get("LOCAL_RANK", "0")))
@@ -57,7 +58,8 @@ def connect_store(host: str, port: int, world: int) -> dist.TCPStore:
     return dist.TCPStore(host, port, world, is_master=False, timeout=group_timeout())
 
 
-def init_process_group_from_store(store: dist.Store, rank: int, world: int, backend: str | None = None) -> None:
+def init_process_group_from_store(store: dist.Store, rank: int, world: int,
+                                  backend: str | None = None) -> None:
     """Start the default process group of `world` ranks over `store` (`serve_store` on rank 0,
     `connect_store` elsewhere); the engines then find it running and use it. As DeepSpeed forms it: its
     timeout, and on NCCL the rank's device bound at once (eager start; later groups split from it)."""
@@ -66,7 +68,8 @@ def init_process_group_from_store(store: dist.Store, rank: int, world: int, back
     if backend == "nccl":
         torch.cuda.set_device(env_world()[2])
         kwargs["device_id"] = torch.device("cuda", env_world()[2])
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=group_timeout(), **kwargs)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=group_timeout(),
+                            **kwargs)
 
 
 def init_process_group(backend: str | None = None) -> None:

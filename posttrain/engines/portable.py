@@ -1,12 +1,12 @@
-"""A layout-free copy of a train engine's state, so a checkpoint written on N ranks at one ZeRO stage resumes on
-M ranks at another (or in one process).
+"""A layout-free copy of a train engine's state, so a checkpoint written on N ranks at one ZeRO stage resumes
+on M ranks at another (or in one process).
 
 Files (rank 0 writes them; every rank reads them): `portable.safetensors` holds, for every trainable parameter
-`name`, its whole fp32 value `weight/name` and, once the optimizer has stepped, Adam's moments `exp_avg/name` and
-`exp_avg_sq/name`; `portable.json` holds Adam's step count `t` (bias correction), the scheduler's state and the
-engine's step counter, the optimizer's current learning rates. Reading and writing go through DeepSpeed's
-`safe_get/set_full_*` accessors under ZeRO 1-3 (collective under ZeRO-3: every rank takes part) and through the
-parameters and the torch optimizer's state otherwise (one process, ZeRO-0)."""
+`name`, its whole fp32 value `weight/name` and, once the optimizer has stepped, Adam's moments `exp_avg/name`
+and `exp_avg_sq/name`; `portable.json` holds Adam's step count `t` (bias correction), the scheduler's state
+and the engine's step counter, the optimizer's current learning rates. Reading and writing go through
+DeepSpeed's `safe_get/set_full_*` accessors under ZeRO 1-3 (collective under ZeRO-3: every rank takes part)
+and through the parameters and the torch optimizer's state otherwise (one process, ZeRO-0)."""
 from __future__ import annotations
 
 import contextlib
@@ -48,7 +48,8 @@ def _adam_step(engine) -> int:
 
 
 def _full(engine, param) -> dict[str, torch.Tensor]:
-    """`weight` (and the moments once they exist) of one parameter, whole, fp32, on CPU; collective under ZeRO-3."""
+    """`weight` (and the moments once they exist) of one parameter, whole, fp32, on CPU;
+    collective under ZeRO-3."""
     if _zero(engine) >= 1:
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
@@ -84,7 +85,8 @@ def save_portable(engine, directory: str) -> None:
     if engine.is_main:
         save_file(tensors, os.path.join(directory, WEIGHTS))
         meta = {"adam_step": _adam_step(engine), "scheduler": engine.scheduler.state_dict(),
-                "lrs": [g["lr"] for g in _inner_optimizer(engine).param_groups], "global_step": engine.global_step}
+                "lrs": [g["lr"] for g in _inner_optimizer(engine).param_groups],
+                "global_step": engine.global_step}
         with open(os.path.join(directory, META), "w") as f:
             json.dump(meta, f, indent=1, default=float)
     engine.barrier()
@@ -95,8 +97,8 @@ def has_portable(directory: str) -> bool:
 
 
 def _optimized_tensors(engine) -> list[torch.Tensor]:
-    """The tensors the torch optimizer keeps Adam's state for: ZeRO 1/2 and 3 hand it flat fp32 partitions (ZeRO-3
-    only while it steps), otherwise the parameters themselves."""
+    """The tensors the torch optimizer keeps Adam's state for: ZeRO 1/2 and 3 hand it flat fp32 partitions
+    (ZeRO-3 only while it steps), otherwise the parameters themselves."""
     wrapper, stage = getattr(getattr(engine, "engine", None), "optimizer", None), _zero(engine)
     if stage in (1, 2):
         return list(wrapper.single_partition_of_fp32_groups)
@@ -106,8 +108,8 @@ def _optimized_tensors(engine) -> list[torch.Tensor]:
 
 
 def _start_moments(engine, step: int) -> None:
-    """Adam's state for every tensor the torch optimizer steps, at `step`: DeepSpeed creates it at the first step
-    only, and its accessors need it to exist."""
+    """Adam's state for every tensor the torch optimizer steps, at `step`: DeepSpeed creates it at the first
+    step only, and its accessors need it to exist."""
     opt = _inner_optimizer(engine)
     for p in _optimized_tensors(engine):
         state = opt.state[p]
@@ -128,14 +130,16 @@ def load_portable(engine, directory: str) -> dict:
     saved = {k.split("/", 1)[1] for k in tensors if k.startswith("weight/")}
     if saved != names:
         diff = sorted(saved ^ names)[:3]
-        raise ValueError(f"{directory}/{WEIGHTS} holds other trainable parameters than the model's (e.g. {diff})")
+        raise ValueError(f"{directory}/{WEIGHTS} holds other trainable parameters than the model's (e.g. "
+                         f"{diff})")
     step = int(meta["adam_step"])
     if step:
         _start_moments(engine, step)
     for name, param in _trainable(engine):
         _set(engine, param, {k: tensors[f"{k}/{name}"] for k in ("weight", "exp_avg", "exp_avg_sq")
                              if f"{k}/{name}" in tensors})
-    engine.scheduler.load_state_dict(meta["scheduler"])  # (it does not set the optimizer's rates: they follow)
+    # (it does not set the optimizer's rates: they follow)
+    engine.scheduler.load_state_dict(meta["scheduler"])
     for group, lr in zip(_inner_optimizer(engine).param_groups, meta["lrs"]):
         group["lr"] = lr
     engine.set_global_step(int(meta["global_step"]))
@@ -158,7 +162,8 @@ def _set(engine, param, values: dict[str, torch.Tensor]) -> None:
         for key in ("exp_avg", "exp_avg_sq"):
             if key in values:
                 safe_set_full_optimizer_state(param, values[key].to(param.device), key)
-        # the module's own (low-precision) copy: whole on every rank under ZeRO 1/2, re-partitioned under ZeRO-3
+        # the module's own (low-precision) copy: whole on every rank under ZeRO 1/2,
+        # re-partitioned under ZeRO-3
         with _writable(param) if stage == 3 else contextlib.nullcontext(), torch.no_grad():
             param.copy_(values["weight"].to(param.device, param.dtype))
         return

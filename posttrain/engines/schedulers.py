@@ -82,8 +82,8 @@ def lr_multiplier(name: str, *, total_steps: int, warmup_ratio: float = 0.03, wa
     end = 0.0
     if name == "polynomial":
         if peak_lr is None or not peak_lr > POLYNOMIAL_LR_END:
-            raise ValueError(f"lr_scheduler 'polynomial' decays to lr {POLYNOMIAL_LR_END:g}: the peak learning rate "
-                             f"must be above it, got {peak_lr}")
+            raise ValueError(f"lr_scheduler 'polynomial' decays to lr {POLYNOMIAL_LR_END:g}: the peak "
+                             f"learning rate must be above it, got {peak_lr}")
         end = POLYNOMIAL_LR_END / peak_lr
     decay = wsd_decay_steps(total, w)
     stable_end = total - decay  # warmup_stable_decay: the decay covers steps [T - d, T)

@@ -32,10 +32,11 @@ class TorchEngine(TrainEngine):
 
     name = "torch"
 
-    def __init__(self, model: torch.nn.Module, opt: OptimizerFields, *, total_steps: int, param_dtype: str = "fp32"):
+    def __init__(self, model: torch.nn.Module, opt: OptimizerFields, *, total_steps: int,
+                 param_dtype: str = "fp32"):
         if param_dtype not in _DTYPES:
-            raise ValueError(f"TorchEngine param_dtype must be one of {', '.join(_DTYPES)}, got {param_dtype!r} "
-                             "(fp16 needs DeepSpeed's loss scaling: pass zero_stage=0..3)")
+            raise ValueError(f"TorchEngine param_dtype must be one of {', '.join(_DTYPES)}, got "
+                             f"{param_dtype!r} (fp16 needs DeepSpeed's loss scaling: pass zero_stage=0..3)")
         pdist.init_process_group()
         self.rank, self.world_size, _ = pdist.env_world()
         if pdist.is_distributed():
@@ -110,7 +111,8 @@ class TorchEngine(TrainEngine):
             except CheckpointError:
                 raise
             except FileNotFoundError:
-                raise FileNotFoundError(f"{path!r} is missing: {directory!r} is not a complete engine state") from None
+                raise FileNotFoundError(f"{path!r} is missing: {directory!r} is not a complete engine "
+                                        f"state") from None
             except Exception as e:  # truncated / not a torch file
                 raise ValueError(f"{path!r} is corrupt: {e}") from e
         current = self.module.state_dict()

@@ -39,21 +39,24 @@ def zero3_active(zero_stage: int | None) -> bool:
     return zero_stage == 3 and pdist.env_world()[1] > 1
 
 
-def zero3_config(ds: DSConfig | None, *, offload_params: bool = False, model_numel: int | None = None) -> dict:
+def zero3_config(ds: DSConfig | None, *, offload_params: bool = False,
+                 model_numel: int | None = None) -> dict:
     """The DeepSpeed config of a ZeRO-3 model of this world (dtype and ZeRO++ partitioning from `ds`;
     `offload_params`: shards in CPU memory, only with an accelerator; `model_numel`: bounds the gathered
     parameters, `deepspeed_engine.live_parameters`)."""
     ds = ds or DSConfig(param_dtype="fp32")
     gpu = torch.cuda.is_available()
     config = ds_config(zero_stage=3, world_size=pdist.env_world()[1], max_norm=0.0,
-                       param_dtype=ds.param_dtype or "fp32", zpg=ds.zpg if gpu else 1, model_numel=model_numel)
+                       param_dtype=ds.param_dtype or "fp32", zpg=ds.zpg if gpu else 1,
+                       model_numel=model_numel)
     if offload_params and gpu:
         config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     return config
 
 
 @contextlib.contextmanager
-def sharded_loading(ds: DSConfig | None, zero_stage: int | None, *, offload_params: bool = False) -> Iterator[bool]:
+def sharded_loading(ds: DSConfig | None, zero_stage: int | None, *,
+                    offload_params: bool = False) -> Iterator[bool]:
     """Inside: models load straight into ZeRO-3 shards (module docstring); yields whether they do."""
     if not zero3_active(zero_stage):
         yield False
@@ -61,7 +64,8 @@ def sharded_loading(ds: DSConfig | None, zero_stage: int | None, *, offload_para
     start_process_group()
     from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
 
-    live = HfDeepSpeedConfig(zero3_config(ds, offload_params=offload_params))  # transformers keeps a weak reference
+    # transformers keeps a weak reference
+    live = HfDeepSpeedConfig(zero3_config(ds, offload_params=offload_params))
     mmap_threshold(_SMALL_MMAP)
     try:
         yield True
@@ -73,15 +77,15 @@ def sharded_loading(ds: DSConfig | None, zero_stage: int | None, *, offload_para
 
 
 # glibc: while a model is built under zero.Init, each module's whole tensors are allocated, broadcast and
-# freed in turn; with glibc's rising default mmap threshold they stayed in the heap (~1.2 GB more peak per rank
-# at 0.5B, bench/RESULTS.md): blocks from 128 KiB get their own mappings while loading.
+# freed in turn; with glibc's rising default mmap threshold they stayed in the heap (~1.2 GB more peak per
+# rank at 0.5B, bench/RESULTS.md): blocks from 128 KiB get their own mappings while loading.
 _SMALL_MMAP, _LARGE_MMAP = 128 * 1024, 32 * 1024 * 1024  # glibc's initial and largest default threshold
 
 
 def describe_shards(role: str, model: torch.nn.Module) -> str:
     own, full = shard_numel(model)
-    return (f"{role}: loaded as ZeRO-3 shards: this rank holds {own / 1e6:.2f}M of {full / 1e6:.2f}M parameters "
-            f"({own / max(full, 1):.0%})")
+    return (f"{role}: loaded as ZeRO-3 shards: this rank holds {own / 1e6:.2f}M of {full / 1e6:.2f}M "
+            f"parameters ({own / max(full, 1):.0%})")
 
 
 class FrozenShards(TrainEngine):

@@ -40,8 +40,10 @@ def lean_step(optimizer) -> None:
 
 def _in_memory(optimizer) -> bool:
     """A ZeRO-3 optimizer of the expected shape whose partitions all stay in this device's memory."""
-    return (not getattr(optimizer, "offload_optimizer", True) and not getattr(optimizer, "swap_optimizer", False)
-            and hasattr(optimizer, "fp16_partitioned_groups_flat") and hasattr(optimizer, "fp32_partitioned_groups_flat"))
+    return (not getattr(optimizer, "offload_optimizer", True)
+            and not getattr(optimizer, "swap_optimizer", False)
+            and hasattr(optimizer, "fp16_partitioned_groups_flat")
+            and hasattr(optimizer, "fp32_partitioned_groups_flat"))
 
 
 def share_master_weights(optimizer) -> int:
@@ -51,7 +53,8 @@ def share_master_weights(optimizer) -> int:
         return 0
     shared = 0
     for low, master in zip(optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat):
-        if low is None or low.dtype != master.dtype or low.device != master.device or low.shape != master.shape:
+        if (low is None or low.dtype != master.dtype or low.device != master.device
+            or low.shape != master.shape):
             continue
         if low.data_ptr() != master.data_ptr():
             if not torch.equal(low, master):
@@ -92,7 +95,8 @@ def share_flat_gradients(optimizer) -> bool:
     def prepare_as_view(sub_group_id: int) -> None:
         master = optimizer.fp32_partitioned_groups_flat[sub_group_id]
         grad = adjacent_view(optimizer.averaged_gradients[sub_group_id])
-        if grad is None or grad.dtype != master.dtype or grad.numel() != master.numel() or grad.device != master.device:
+        if (grad is None or grad.dtype != master.dtype or grad.numel() != master.numel()
+            or grad.device != master.device):
             prepare(sub_group_id)
             return
         master.grad = handed[sub_group_id] = grad

@@ -9,7 +9,8 @@ from posttrain.utils.lazy_names import lazy_names
 
 _WHERE = {  # name -> the module of this package that defines it
     "block_causal_mask": "forward", "forward_logits": "forward", "forward_logprobs": "forward",
-    "forward_values": "forward", "model_inputs": "forward", "check_model_folder": "folders",
+    "forward_values": "forward", "model_inputs": "forward", "last_token_values": "forward",
+    "next_token_logits": "forward", "sequence_logprobs": "forward", "check_model_folder": "folders",
     "check_model_path": "folders", "load_causal_lm": "loading", "load_score_model": "loading",
     "load_tokenizer": "loading", "parse_dtype": "loading", "LoraSpec": "lora", "apply_lora": "lora",
     "as_lora_spec": "lora", "is_peft": "lora", "lora_scalings": "lora", "tied_lora_layers": "lora",

@@ -213,6 +213,24 @@ def context_parallel(group, position_ids: torch.Tensor, valid: torch.Tensor, hea
     yield
 
 
+@contextlib.contextmanager
+def slice_context(batch: dict):
+    """Forwards inside run over the group of `batch` when it is a context-parallel slice (its `cp`, made by
+    `ContextGroups.shard` / `.split`: `context_parallel` of its `position_ids` and `cp_valid`); any other
+    batch: no change. Re-entrant for one batch: a block inside another for the same batch sets nothing up
+    again, so several forwards of one slice (e.g. DPO's reference and policy) share one set-up."""
+    cp = batch.get("cp")
+    if cp is None or getattr(_state, "batch", None) is batch:
+        yield
+        return
+    _state.batch = batch
+    try:
+        with context_parallel(cp.group, batch["position_ids"], batch["cp_valid"], cp.head_stride):
+            yield
+    finally:
+        _state.batch = None
+
+
 def _gathered(tensor: torch.Tensor, group) -> torch.Tensor:
     return _gather(tensor, group, dim=1)
 

@@ -83,6 +83,6 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         else:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    out = varlen_attn(q, k.contiguous(), v.contiguous(), runs.cu_q, runs.cu_k, runs.max_q, runs.max_k, scale=scale,
-                      **options)
+    out = varlen_attn(q, k.contiguous(), v.contiguous(), runs.cu_q, runs.cu_k, runs.max_q, runs.max_k,
+                      scale=scale, **options)
     return out.transpose(0, 1)[None]

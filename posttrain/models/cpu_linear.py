@@ -28,8 +28,9 @@ sides of its weight have at least `ONEDNN_MIN_SIDE` features and the matmul has 
 head: 5-6% slower per step at small and base, `use_onednn_linears` marks it); the decode step packs a
 weight both of whose sides have at least `ONEDNN_MIN_SIDE` features (`worth_packing`), the LM head included.
 So a model whose hidden size is below 256 (the nano and tiny presets) computes exactly as with
-`--ds.no_onednn_linear`; at the small and base presets SFT, DPO and the RL step measured faster. The rule reads
-only shapes, so a run takes the same path for the same batch every time (resumed runs stay bit-exact)."""
+`--ds.no_onednn_linear`; at the small and base presets SFT, DPO and the RL step measured faster. The rule
+reads only shapes, so a run takes the same path for the same batch every time (resumed
+runs stay bit-exact)."""
 from __future__ import annotations
 
 import torch
@@ -85,8 +86,8 @@ class _OneDNNLinearFunction(torch.autograd.Function):
 
 def onednn_weight(weight: torch.Tensor) -> bool:
     """Whether oneDNN multiplies by `weight`: a 2-D fp32 CPU tensor that is not a ZeRO-3 partition."""
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2 and not hasattr(
-        weight, "ds_id")
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and not hasattr(weight, "ds_id"))
 
 
 def takes_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -1,16 +1,16 @@
-"""A DeepSpeed ZeRO checkpoint (stage 1, 2 or 3; OpenRLHF's `ckpt_path/_actor/global_stepN`, or any other run's)
-turned into a plain Hugging Face folder: the fp32 weights DeepSpeed's `zero_to_fp32` reassembles from every
-rank's partition, put into the architecture of a base model folder and saved with its tokenizer.
+"""A DeepSpeed ZeRO checkpoint (stage 1, 2 or 3; OpenRLHF's `ckpt_path/_actor/global_stepN`, or any other
+run's) turned into a plain Hugging Face folder: the fp32 weights DeepSpeed's `zero_to_fp32` reassembles from
+every rank's partition, put into the architecture of a base model folder and saved with its tokenizer.
 
 Safety: DeepSpeed's reader unpickles its files. Here every file is read with `torch.load(weights_only=True)`,
 which allows tensors, plain containers and the three DeepSpeed classes its files hold (`LossScaler`,
 `fragment_address`, `ZeroStageEnum`); any other object (e.g. a function a crafted file would call) is refused
 before anything runs.
 
-Key names: a checkpoint of a wrapper (OpenRLHF's `Actor` holds the HF model as `.model`) stores `model.<hf name>`;
-the prefix is dropped when that is what makes the names match the base model's. OpenRLHF's reward model and critic
-store their head as `value_head.*`: it becomes the score model's `score.*`. A base model with a
-`vision_config` (a vision-language model) is rebuilt as one (`AutoModelForImageTextToText`) and saved with
+Key names: a checkpoint of a wrapper (OpenRLHF's `Actor` holds the HF model as `.model`) stores `model.<hf
+name>`; the prefix is dropped when that is what makes the names match the base model's. OpenRLHF's reward
+model and critic store their head as `value_head.*`: it becomes the score model's `score.*`. A base model with
+a `vision_config` (a vision-language model) is rebuilt as one (`AutoModelForImageTextToText`) and saved with
 its image processor. posttrain's own one-process checkpoints (plain torch engine: `engine/model.pt`) are read
 too, weights-only; a posttrain checkpoint's `global_stepN` folder is read as its engine wrote it.
 
@@ -36,8 +36,8 @@ if TYPE_CHECKING:
 
 
 def resolve_tag(checkpoint: str | os.PathLike, tag: str | None) -> tuple[Path, str]:
-    """(the folder holding tag folders, the tag): `checkpoint` may be that folder (tag from `tag` or its `latest`
-    file) or a tag folder itself."""
+    """(the folder holding tag folders, the tag): `checkpoint` may be that folder (tag from `tag` or its
+    `latest` file) or a tag folder itself."""
     path = Path(checkpoint)
     if not path.is_dir():
         raise UserError(f"--checkpoint {path}: no such folder")
@@ -46,8 +46,8 @@ def resolve_tag(checkpoint: str | os.PathLike, tag: str | None) -> tuple[Path, s
     if tag is None:
         latest = path / "latest"
         if not latest.is_file():
-            raise UserError(f"--checkpoint {path}: no `latest` file and no model_states.pt files; pass --tag (e.g. "
-                            "global_step100) or the tag folder itself")
+            raise UserError(f"--checkpoint {path}: no `latest` file and no model_states.pt files; pass --tag "
+                            f"(e.g. global_step100) or the tag folder itself")
         tag = latest.read_text().strip()
     if not (path / tag).is_dir():
         raise UserError(f"--checkpoint {path}: no tag folder {tag!r}")
@@ -113,7 +113,8 @@ def zero_fp32_state(checkpoint, tag: str | None = None) -> dict[str, torch.Tenso
         try:
             return dict(get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag))
         except (FileNotFoundError, ValueError) as err:
-            raise UserError(f"--checkpoint {folder / tag}: not a readable DeepSpeed ZeRO checkpoint ({err})") from None
+            raise UserError(f"--checkpoint {folder / tag}: not a readable DeepSpeed ZeRO checkpoint "
+                            f"({err})") from None
 
 
 def posttrain_engine(checkpoint) -> tuple[Path, str] | None:
@@ -140,14 +141,15 @@ def posttrain_engine(checkpoint) -> tuple[Path, str] | None:
 def matched_names(state: dict[str, torch.Tensor], wanted: set[str]) -> dict[str, torch.Tensor]:
     """`state` under the base model's names: as they are, or without a wrapper's `model.` prefix; a score head
     stored as `value_head.*` (OpenRLHF's reward model and critic) as `score.*`."""
-    heads = {k.replace("value_head.", "score.", 1) if k.startswith("value_head.") else k: v for k, v in state.items()}
+    heads = {k.replace("value_head.", "score.", 1) if k.startswith("value_head.") else k: v
+             for k, v in state.items()}
     for strip in ("", "model."):
         renamed = {(k[len(strip):] if strip and k.startswith(strip) else k): v for k, v in heads.items()}
         if wanted <= set(renamed):
             return {k: v for k, v in renamed.items() if k in wanted}
     missing = sorted(wanted - set(state))[:3]
-    raise UserError(f"the checkpoint's tensors do not match the base model's (missing e.g. {missing}; the checkpoint "
-                    f"has e.g. {sorted(state)[:3]}): pass the base model the run started from")
+    raise UserError(f"the checkpoint's tensors do not match the base model's (missing e.g. {missing}; the "
+                    f"checkpoint has e.g. {sorted(state)[:3]}): pass the base model the run started from")
 
 
 def check_output_folder(output, overwrite: bool = False) -> Path:
@@ -240,5 +242,5 @@ def _check_shapes(weights: dict[str, torch.Tensor], own: dict[str, torch.Tensor]
 
 def _tied(model, key: str) -> bool:
     """A tied copy (e.g. lm_head.weight with tied embeddings): a checkpoint may store it or not."""
-    return getattr(model.config, "tie_word_embeddings", False) and key in (getattr(model, "_tied_weights_keys",
-                                                                                   None) or {})
+    return (getattr(model.config, "tie_word_embeddings", False)
+            and key in (getattr(model, "_tied_weights_keys", None) or {}))

@@ -83,16 +83,18 @@ def _check_config(folder: str) -> None:
                              "damaged: save or download the model again") from None
     except json.JSONDecodeError as err:
         raise ModelLoadError(f"model config {path} is not valid JSON ({err.msg} at line {err.lineno}, column "
-                             f"{err.colno}); the model folder is damaged: save or download the model again") from None
+                             f"{err.colno}); the model folder is damaged: save or download the model "
+                             f"again") from None
     if not isinstance(config, dict):
-        raise ModelLoadError(f"model config {path} holds a JSON {type(config).__name__}, not an object; save or "
-                             "download the model again")
+        raise ModelLoadError(f"model config {path} holds a JSON {type(config).__name__}, not an object; save "
+                             f"or download the model again")
     if config.get("auto_map"):
         classes = ", ".join(f"{k}: {v}" for k, v in list(config["auto_map"].items())[:3]) \
             if isinstance(config["auto_map"], dict) else str(config["auto_map"])
-        raise ModelLoadError(f"model config {path} has `auto_map` ({classes}): the model needs its own Python code "
-                             "(trust_remote_code), which posttrain does not run; use a model whose architecture "
-                             "transformers ships, or convert this one to such an architecture")
+        raise ModelLoadError(f"model config {path} has `auto_map` ({classes}): the model needs its own "
+                             f"Python code (trust_remote_code), which posttrain does not run; use a model "
+                             f"whose architecture transformers ships, or convert this one to such an "
+                             f"architecture")
 
 
 def _check_safetensors(folder: str) -> None:
@@ -103,8 +105,8 @@ def _check_safetensors(folder: str) -> None:
             with safe_open(file, framework="numpy") as f:  # the header only: no torch
                 f.keys()
         except Exception as err:  # SafetensorError: a truncated or overwritten file
-            raise ModelLoadError(f"model weights {file} cannot be read ({type(err).__name__}: {err}); the file is "
-                                 "damaged or incomplete: save or download the model again") from None
+            raise ModelLoadError(f"model weights {file} cannot be read ({type(err).__name__}: {err}); the "
+                                 f"file is damaged or incomplete: save or download the model again") from None
 
 
 def read_adapter_config(adapter_path) -> dict:

@@ -1,5 +1,5 @@
-"""One forward pass for padded or packed batches, with log-probs identical to running each
-sample alone.
+"""The one forward pass every trainer and role runs: padded or packed batches, with log-probs identical
+to running each sample alone, and context-parallel slices of a packed row.
 
 * padded: `input_ids`, `attention_mask` [B, T] (left or right padding); position ids are
   `cumsum(attention_mask) - 1`, so every sample's real tokens sit at positions 0..L-1.
@@ -11,6 +11,15 @@ sample alone.
 * explicit mask: `input_ids`, `position_ids` [B, T] and a boolean `attention_mask` [B, 1, T, T]
   (True: query q may attend key k), e.g. a shared-prefix layout where several continuations attend
   one copy of their prompt. sdpa / eager only.
+
+Every forward here also takes the rest of what a trainer or role hands over, so they compute only their loss:
+* a context-parallel slice (`cp` in the batch: `ContextGroups.shard` / `.split`, --ds.ring_attn_size): this
+  rank's contiguous part of one packed row, run with attention over the whole row (`slice_context`);
+  `forward_values` returns the whole row's values (gathered over the group), the logits stay this rank's;
+* `token_weights` in the batch (RL's shared-prefix layout): the MoE router loss weighs each token so
+  (`moe.router_token_weights`).
+`next_token_logits` aligns logits, labels and loss mask for each layout, `sequence_logprobs` sums them per
+sample (over the group for a slice) and `last_token_values` reads each sequence's value at its last token.
 
 `forward_logits(..., keep=cols)` computes the LM head only at the columns `cols` (a 1D index
 tensor, transformers' `logits_to_keep`), so no [B, T, V] tensor exists beyond the positions a loss
@@ -39,7 +48,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from posttrain.algorithms.losses import gathered_logprobs
+from posttrain.algorithms.losses import gathered_logprobs, token_logprobs
+from posttrain.models.context_parallel import gather_replicated, group_sum, slice_context
+from posttrain.models.moe import router_token_weights
 from posttrain.models.saving import unwrap_model
 from posttrain.models.vision import is_vision_model, vision_forward_inputs
 
@@ -159,10 +170,24 @@ def _takes_logits_to_keep(cls) -> bool:
     return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
+def _running(model, batch: dict) -> contextlib.ExitStack:
+    """What a forward of `batch` runs inside (module doc): its context-parallel group, its router token
+    weights."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(slice_context(batch))
+    stack.enter_context(router_token_weights(model, batch.get("token_weights")))
+    return stack
+
+
 def forward_logits(model, batch: dict, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """Float32 logits [B, T, V] of a causal LM for a padded, packed or explicitly masked batch (see
-    module doc); with `keep` (1D column indices) only those columns: [B, len(keep), V]. Call through
-    the wrapper (DDP / DeepSpeed / peft) so its hooks run."""
+    """Float32 logits [B, T, V] of a causal LM for a padded, packed, explicitly masked batch or a
+    context-parallel slice (module doc); with `keep` (1D column indices) only those columns:
+    [B, len(keep), V]. Call through the wrapper (DDP / DeepSpeed / peft) so its hooks run."""
+    with _running(model, batch):
+        return _logits(model, batch, keep)
+
+
+def _logits(model, batch: dict, keep: torch.Tensor | None) -> torch.Tensor:
     kwargs = model_inputs(model, batch)
     if keep is None:
         return model(**kwargs).logits.float()
@@ -180,6 +205,12 @@ def forward_logprobs(model, batch: dict, keep: torch.Tensor, index: torch.Tensor
                      temperature: float = 1.0, chunk_bytes: int | None = None) -> torch.Tensor:
     """`gathered_logprobs(forward_logits(model, batch, keep).reshape(-1, V), index, labels, temperature)`,
     float32 [M], with the logits in row chunks when they exceed `chunk_bytes` (module doc)."""
+    with _running(model, batch):
+        return _logprobs(model, batch, keep, index, labels, temperature, chunk_bytes)
+
+
+def _logprobs(model, batch: dict, keep: torch.Tensor, index: torch.Tensor, labels: torch.Tensor,
+              temperature: float, chunk_bytes: int | None) -> torch.Tensor:
     budget = LOGITS_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     head = _plain_head(model)
     vocab = head.out_features if head is not None else 0
@@ -187,7 +218,7 @@ def forward_logprobs(model, batch: dict, keep: torch.Tensor, index: torch.Tensor
     checked = head is not None and (large or hasattr(head.weight, "ds_id")) and _chunks_match(
         model, head, batch, keep, temperature)
     if not (checked and large):
-        logits = forward_logits(model, batch, keep=keep)
+        logits = _logits(model, batch, keep)
         return gathered_logprobs(logits.reshape(-1, logits.shape[-1]), index, labels, temperature)
     with _head_returns_logprobs(head, index, labels, temperature, max(1, budget // (vocab * 4))) as calls:
         out = model(**model_inputs(model, batch), logits_to_keep=keep).logits
@@ -255,24 +286,26 @@ def _chunks_match(model, head, batch: dict, keep: torch.Tensor, temperature: flo
         return known
     # row 0 of the batch; a batch with images runs whole (its image tensors are not split by row here)
     sub = batch if batch.get("image_inputs") else {
-        k: v[:1] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch["input_ids"].shape[0] else v
-        for k, v in batch.items()}
+        k: v[:1] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch["input_ids"].shape[0]
+        else v for k, v in batch.items()}
     cols = keep[-_CHECK_ROWS:]
     index = torch.arange(len(cols), device=keep.device)  # row 0's columns in the flattened rows
     with torch.no_grad():
-        whole = forward_logits(model, sub, keep=cols)[0]
+        whole = _logits(model, sub, cols)[0]
         labels = whole.argmax(-1)
         want = gathered_logprobs(whole, index, labels, temperature)
         with _head_returns_logprobs(head, index, labels, temperature, chunk_rows=1):
             got = model(**model_inputs(model, sub), logits_to_keep=cols).logits.float().reshape(-1)
-    _chunking_ok[base] = ok = got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4))
+    ok = got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4))
+    _chunking_ok[base] = ok
     return ok
 
 
 def forward_values(model, batch: dict) -> torch.Tensor:
     """Float32 per-token scalars [B, T] of a score model (reward model / critic, num_labels=1):
-    the head applied to every position, before any pooling. The trainer picks the positions it
-    needs (e.g. each sample's last token)."""
+    the head applied to every position, before any pooling; of a context-parallel slice the whole row's
+    [1, T_row] (`gather_replicated`: every rank computes the same loss from it). The trainer picks the
+    positions it needs (e.g. `last_token_values`)."""
     base = unwrap_model(model)
     if hasattr(base, "peft_config"):
         base = base.get_base_model()
@@ -282,7 +315,69 @@ def forward_values(model, batch: dict) -> torch.Tensor:
     captured = []
     hook = head.register_forward_hook(lambda _m, _i, out: captured.append(out))
     try:
-        model(**model_inputs(model, batch))
+        with _running(model, batch):
+            model(**model_inputs(model, batch))
     finally:
         hook.remove()
-    return captured[-1].squeeze(-1).float()
+    values = captured[-1].squeeze(-1).float()
+    return gather_replicated(values, batch["cp"].group) if "cp" in batch else values
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] 0/1 mask → [B] index of each row's last 1 (works for left and right padding)."""
+    mask = attention_mask.long()
+    if bool((mask.sum(-1) == 0).any()):
+        raise ValueError("attention_mask has a row without any token")
+    t = mask.shape[-1]
+    return t - 1 - mask.flip(-1).argmax(-1)
+
+
+def last_token_values(model, batch: dict) -> torch.Tensor:
+    """Float32 [N]: a score model's value at each sequence's last real token (a reward): of a padded batch the
+    last 1 of `attention_mask` (left or right padding; no mask: the last column), of a packed row or a
+    context-parallel slice of one (`seq_lens`) each sample's end `cumsum(seq_lens) - 1` in the whole row."""
+    values = forward_values(model, batch)
+    if "seq_lens" in batch:
+        ends = torch.as_tensor(batch["seq_lens"], device=values.device).cumsum(0) - 1
+        return values[0, ends]
+    if "attention_mask" not in batch:
+        return values[:, -1]
+    return values.gather(1, last_token_index(batch["attention_mask"])[:, None]).squeeze(1)
+
+
+def next_token_logits(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`align_next_tokens(forward_logits(model, batch), batch)`."""
+    return align_next_tokens(forward_logits(model, batch), batch)
+
+
+def align_next_tokens(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`forward_logits(model, batch)` aligned with what they predict: (logits [B, L, V], labels [B, L]
+    long, loss mask [B, L] float32), position t scoring the token after t. Padded / packed: the columns but
+    the last, `input_ids[:, 1:]`, `loss_mask[:, 1:]`; a context-parallel slice: every column, its
+    `cp_labels` (-100, where no target, as label 0 with mask 0)."""
+    if "cp" in batch:
+        mask = (batch["cp_labels"] != -100).float()
+        return logits, batch["cp_labels"].clamp(min=0), mask
+    return logits[:, :-1], batch["input_ids"][:, 1:], batch["loss_mask"][:, 1:].float()
+
+
+def sequence_logprobs(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample `(Σ_t m_t log π(x_t | x_<t), Σ_t m_t)` [N] over the loss-masked tokens of
+    `forward_logits(model, batch)` (`align_next_tokens`): N rows of a padded batch, N = len(seq_lens) samples
+    of a packed row; of a context-parallel slice this rank's share summed over its group (`group_sum`,
+    differentiable; the counts detached)."""
+    logits, labels, mask = align_next_tokens(logits, batch)
+    logp = token_logprobs(logits, labels) * mask
+    if "seq_lens" not in batch:
+        return logp.sum(-1), mask.sum(-1)
+    lens = torch.as_tensor(batch["seq_lens"], device=logp.device)
+    if "cp" in batch:
+        owner = batch["cp_owner"][0].clamp(min=0)  # padding's labels are masked: any owner
+    else:  # the label at t+1 belongs to the sample of token t+1; one crossing a boundary has loss_mask 0
+        owner = torch.repeat_interleave(torch.arange(len(lens), device=logp.device), lens)[1:]
+    zeros = torch.zeros(len(lens), device=logp.device, dtype=logp.dtype)
+    sums, counts = zeros.index_add(0, owner, logp[0]), zeros.index_add(0, owner, mask[0])
+    if "cp" in batch:
+        group = batch["cp"].group
+        return group_sum(sums, group), group_sum(counts, group).detach()
+    return sums, counts

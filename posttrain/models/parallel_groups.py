@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from posttrain.models.context_parallel import next_tokens, slice_row
+from posttrain.models.context_parallel import gather_replicated, next_tokens, slice_row, split_packed
 
 
 @dataclass(frozen=True)
@@ -86,22 +86,33 @@ class ContextGroups:
         dp, cp, _ = layout.coordinates(world_rank)
         return ContextGroups(layout.context, cp, mine, dp, layout.data, head_stride)
 
+    def split(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict:
+        """This rank's slice of one packed row [1, T] as a batch the forwards of `models.forward` run over
+        the group: its `input_ids`, `position_ids`, `cp_valid` (False on the padding that made the row
+        divisible by the group) and `cp` (this object)."""
+        local, valid = split_packed(input_ids, position_ids, self.rank, self.size)
+        return {**local, "cp_valid": valid, "cp": self}
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A per-token output of this rank's slice [..., T_local] → the whole row's [..., T_row]
+        (`gather_replicated`: for a loss every rank of the group computes alike)."""
+        return gather_replicated(tensor, self.group)
+
     def shard(self, batch: dict) -> dict:
-        """This rank's slice of a packed batch (`pack_collate`: one row, `position_ids`, `loss_mask`): the ids and
-        positions, `cp_labels` (the next token where it is a target, else -100; made before the cut),
+        """This rank's slice of a packed batch (`pack_collate`: one row, `position_ids`, `loss_mask`): the ids
+        and positions, `cp_labels` (the next token where it is a target, else -100; made before the cut),
         `cp_valid` (False on the padding that made the row divisible by the group) and, with `seq_lens`,
         `cp_owner` (each label's sample, -1 on padding); the batch's other keys (`num_pairs`) pass through."""
         ids, pos, mask = batch["input_ids"], batch["position_ids"], batch["loss_mask"]
         labels = next_tokens(ids, -100)
         trained = torch.cat([mask[:, 1:], mask.new_zeros((mask.shape[0], 1))], dim=1).bool()
         labels = labels.masked_fill(~trained, -100)
-        valid = torch.ones_like(ids, dtype=torch.bool)
         cut = lambda t, pad: slice_row(t, self.rank, self.size, pad)  # noqa: E731
-        out = {"input_ids": cut(ids, 0), "position_ids": cut(pos, 0), "cp_labels": cut(labels, -100),
-               "cp_valid": cut(valid, False), "cp": self}
+        out = {**self.split(ids, pos), "cp_labels": cut(labels, -100)}
         if "seq_lens" in batch:  # the packed sample each label belongs to (that of the token it predicts)
             lens = torch.as_tensor(batch["seq_lens"], device=ids.device)
             owner = torch.repeat_interleave(torch.arange(len(lens), device=ids.device), lens)[1:]
             owner = torch.cat([owner, owner.new_full((1,), -1)])[None]
             out.update(cp_owner=cut(owner, -1), seq_lens=batch["seq_lens"])
-        return {**{k: v for k, v in batch.items() if k not in ("input_ids", "position_ids", "loss_mask")}, **out}
+        rest = {k: v for k, v in batch.items() if k not in ("input_ids", "position_ids", "loss_mask")}
+        return {**rest, **out}

@@ -56,11 +56,11 @@ def _without_tied_copies(model: torch.nn.Module, state_dict: dict) -> dict:
 
 def save_pretrained(model: torch.nn.Module, tokenizer, out_dir, state_dict: dict | None = None) -> Path:
     """Save a plain HF folder (config, safetensors weights, generation config, tokenizer) that
-    `from_pretrained` loads (`tokenizer` may be a list: the tokenizer and a VLM's image processor); a peft-wrapped model saves only its adapter
-    (`adapter_config.json` + `adapter_model.safetensors`). `state_dict` overrides the model's own
-    tensors (e.g. ZeRO-3 weights gathered by the engine). The files are written to a temporary
-    folder first and then each is moved into `out_dir` with an atomic rename, so other files in
-    `out_dir` (a run's metrics.jsonl, config.yaml, plots) stay, and no model file is ever half
+    `from_pretrained` loads (`tokenizer` may be a list: the tokenizer and a VLM's image processor); a
+    peft-wrapped model saves only its adapter (`adapter_config.json` + `adapter_model.safetensors`).
+    `state_dict` overrides the model's own tensors (e.g. ZeRO-3 weights gathered by the engine). The files are
+    written to a temporary folder first and then each is moved into `out_dir` with an atomic rename, so other
+    files in `out_dir` (a run's metrics.jsonl, config.yaml, plots) stay, and no model file is ever half
     written. A write that fails for lack of space (`disk_full_reason`: by errno or by the free space
     left, before the partial files are removed) is re-raised as OSError(ENOSPC) naming `out_dir`."""
     model = unwrap_model(model)
@@ -68,7 +68,9 @@ def save_pretrained(model: torch.nn.Module, tokenizer, out_dir, state_dict: dict
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        model.save_pretrained(tmp, state_dict=None if state_dict is None else _without_tied_copies(model, state_dict))
+        model.save_pretrained(tmp,
+                              state_dict=None if state_dict is None
+                              else _without_tied_copies(model, state_dict))
         for saver in tokenizer if isinstance(tokenizer, (list, tuple)) else [tokenizer]:
             if saver is not None:
                 saver.save_pretrained(tmp)

@@ -28,8 +28,9 @@ class ModelShape:
     def config_kwargs(self) -> dict:
         kwargs = dict(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
                       intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
-                      num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-                      rms_norm_eps=self.rms_norm_eps, max_position_embeddings=self.max_position_embeddings)
+                      num_attention_heads=self.num_attention_heads,
+                      num_key_value_heads=self.num_key_value_heads, rms_norm_eps=self.rms_norm_eps,
+                      max_position_embeddings=self.max_position_embeddings)
         if self.num_experts:
             kwargs.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
                           moe_intermediate_size=self.moe_intermediate_size, decoder_sparse_step=1,
@@ -43,13 +44,15 @@ class ModelShape:
 
 # Parameter counts (tied embeddings): 494,032,768 / 1,543,714,304 / 1,235,814,400.
 SHAPES: dict[str, ModelShape] = {
-    "qwen2.5-0.5b": ModelShape("qwen2", 896, 24, 14, 2, 4864, 151936, rope_theta=1e6, max_position_embeddings=32768),
+    "qwen2.5-0.5b": ModelShape("qwen2", 896, 24, 14, 2, 4864, 151936, rope_theta=1e6,
+                               max_position_embeddings=32768),
     "qwen2.5-1.5b": ModelShape("qwen2", 1536, 28, 12, 2, 8960, 151936, rope_theta=1e6,
                                max_position_embeddings=131072),
     "llama3.2-1b": ModelShape("llama", 2048, 16, 32, 8, 8192, 128256, rope_theta=500000.0, rms_norm_eps=1e-5,
                               max_position_embeddings=131072,
                               rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+                                            "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 8192}),
 }
 
 

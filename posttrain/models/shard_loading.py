@@ -7,8 +7,9 @@ the model is built the same way with an empty state dict (nothing read), then ev
 into its partition `p.ds_tensor` exactly the elements it owns — DeepSpeed's layout: the flattened
 tensor cut into `world` equal parts (the last one padded), rank r holding elements
 `[r·n, (r+1)·n)` — reading only their bytes from the safetensors file (plain reads at the offsets its
-header gives). No rank ever holds more than its shard plus one slice being copied. Parameters the checkpoint lacks (a new score head) are
-then initialised from the RNG state the load started from, as an unsharded load initialises them.
+header gives). No rank ever holds more than its shard plus one slice being copied. Parameters the checkpoint
+lacks (a new score head) are then initialised from the RNG state the load started from, as an unsharded
+load initialises them.
 
 Used only for local folders of safetensors files whose tensor names are the model's own; anything
 else (renamed keys, other formats, quantised loads) goes through transformers' path."""
@@ -50,7 +51,8 @@ def safetensors_keys(folder: str | None) -> dict[str, tuple[str, dict]]:
             if entry["dtype"] not in _DTYPES:
                 return {}
             begin, _ = entry["data_offsets"]
-            where[name] = (file, {"dtype": _DTYPES[entry["dtype"]], "shape": entry["shape"], "start": base + begin})
+            where[name] = (file,
+                           {"dtype": _DTYPES[entry["dtype"]], "shape": entry["shape"], "start": base + begin})
     return where
 
 
@@ -74,7 +76,8 @@ def _read_flat(f, entry: dict, lo: int, hi: int) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype) if buf else torch.empty(0, dtype=dtype)
 
 
-def renamed_to_module(model: torch.nn.Module, where: dict[str, tuple[str, dict]]) -> dict[str, tuple[str, dict]]:
+def renamed_to_module(model: torch.nn.Module,
+                      where: dict[str, tuple[str, dict]]) -> dict[str, tuple[str, dict]]:
     """`where` (checkpoint name -> location) under the module's names, renamed as `from_pretrained` renames
     checkpoint keys for the model's class (transformers' weight renamings: e.g. a Qwen2.5-VL checkpoint's
     `model.*` / `visual.*` are the module's `model.language_model.*` / `model.visual.*`). The renamings that
@@ -114,7 +117,8 @@ def fill_shards(model: torch.nn.Module, where: dict[str, tuple[str, dict]]) -> l
             file, entry = where[name]
             shape = tuple(t.ds_shape) if hasattr(t, "ds_tensor") else tuple(t.shape)
             if tuple(entry["shape"]) != shape:
-                raise ValueError(f"{file}: tensor {name} has shape {tuple(entry['shape'])}, the model's is {shape}")
+                raise ValueError(f"{file}: tensor {name} has shape {tuple(entry['shape'])}, the model's is "
+                                 f"{shape}")
             if file not in files:
                 files[file] = stack.enter_context(open(file, "rb"))
             if hasattr(t, "ds_tensor"):

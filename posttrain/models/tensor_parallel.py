@@ -37,16 +37,18 @@ def check_modules(model: torch.nn.Module, size: int) -> None:
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and not SPLIT_LAYERS.search(name) \
                 and name.split(".")[-1] not in WHOLE_LAYERS:
-            raise ConfigError(f"{FLAG} {size}: module {name} ({type(module).__name__}) has no tensor-parallel split "
-                              "in this version (supported: self_attn.q/k/v/o_proj and mlp.gate/up/down_proj of "
-                              "decoder layers, lm_head, score)")
+            raise ConfigError(f"{FLAG} {size}: module {name} ({type(module).__name__}) has no "
+                              f"tensor-parallel split in this version (supported: self_attn.q/k/v/o_proj and "
+                              f"mlp.gate/up/down_proj of decoder layers, lm_head, score)")
 
 
 def check_split(model: torch.nn.Module) -> None:
-    """After AutoTP: every decoder projection was split (else the model's plan left one whole: RuntimeError)."""
+    """After AutoTP: every decoder projection was split (else the model's plan left
+    one whole: RuntimeError)."""
     for name, module in model.named_modules():
         if SPLIT_LAYERS.search(name) and not is_split(getattr(module, "weight", None)):
-            raise RuntimeError(f"{FLAG}: DeepSpeed AutoTP left {name} whole; this model's layout is not supported")
+            raise RuntimeError(f"{FLAG}: DeepSpeed AutoTP left {name} whole; this model's layout is not "
+                               f"supported")
 
 
 def is_split(param) -> bool:
@@ -54,9 +56,9 @@ def is_split(param) -> bool:
 
 
 def grad_norm(params, group) -> torch.Tensor:
-    """The global L2 norm of the gradients of `params` (those with one), as `torch.nn.utils.get_total_norm` takes
-    it (the norm of the per-tensor norms): a split tensor's norm is sqrt(Σ over the group of its shards' squared
-    norms), a replicated tensor's is its own (counted once)."""
+    """The global L2 norm of the gradients of `params` (those with one), as `torch.nn.utils.get_total_norm`
+    takes it (the norm of the per-tensor norms): a split tensor's norm is sqrt(Σ over the group of its shards'
+    squared norms), a replicated tensor's is its own (counted once)."""
     grads = [(p.grad.detach(), is_split(p)) for p in params if p.grad is not None]
     norms = torch.stack([torch.linalg.vector_norm(g) for g, _ in grads])
     split = torch.tensor([s for _, s in grads])
@@ -66,9 +68,10 @@ def grad_norm(params, group) -> torch.Tensor:
 
 
 def full_tensor(model: torch.nn.Module, name: str, tensor: torch.Tensor, value: torch.Tensor | None = None):
-    """The whole value of `model.state_dict()[name]` (or of `value` shaped like it: its gradient), all-gathered
-    from the shards when it is split (collective over the tensor-parallel group: every rank calls it for the same
-    names in the same order); a new tensor, the shard is untouched (ZeRO 1/2 keep views into flat buffers)."""
+    """The whole value of `model.state_dict()[name]` (or of `value` shaped like it: its gradient),
+    all-gathered from the shards when it is split (collective over the tensor-parallel group: every rank calls
+    it for the same names in the same order); a new tensor, the shard is untouched (ZeRO 1/2 keep views
+    into flat buffers)."""
     value = tensor if value is None else value
     if not is_split(tensor):
         return value
@@ -84,8 +87,8 @@ def elements(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def optimizer_elements(optimizer) -> int:
-    """Elements of the optimizer's state tensors (Adam: both moments) on this rank; the innermost torch optimizer
-    of a DeepSpeed wrapper (ZeRO 1/2: its partition)."""
+    """Elements of the optimizer's state tensors (Adam: both moments) on this rank; the innermost torch
+    optimizer of a DeepSpeed wrapper (ZeRO 1/2: its partition)."""
     while hasattr(optimizer, "optimizer"):
         optimizer = optimizer.optimizer
     return sum(t.numel() for state in optimizer.state.values() for t in state.values()
@@ -98,4 +101,6 @@ def describe(model: torch.nn.Module, full: int, size: int, optimizer=None) -> st
     own, split = elements(model)
     text = (f"tensor parallel over {size} ranks: this rank holds {own} of {full} parameter elements "
             f"({split} split, {math.floor(100 * own / max(full, 1))}%)")
-    return text + (f", {optimizer_elements(optimizer)} optimizer-state elements" if optimizer is not None else "")
+    return (text
+            + (f", {optimizer_elements(optimizer)} optimizer-state "
+               f"elements" if optimizer is not None else ""))

@@ -52,8 +52,9 @@ def build_tiny(output_dir, arch: str | None = None, size: str | None = None, hea
     a shape's is its own (larger: the rows past the tokenizer are never fed). Embeddings are tied for
     head="lm". `dtype`: "fp32" or "bf16" (initialised and saved in that dtype). The folder is written to
     a temporary sibling and renamed into place. `vision`: a tiny Qwen2.5-VL instead (`tiny_vision.py`: the
-    preset's language model with a small vision tower and an image processor; head "lm", fp32). Returns a summary dict: {"path", "arch", "size",
-    "shape", "head", "seed", "dtype", "num_parameters", "vocab_size", "pad_token_id", "eos_token_id"}.
+    preset's language model with a small vision tower and an image processor; head "lm", fp32). Returns a
+    summary dict: {"path", "arch", "size", "shape", "head", "seed", "dtype", "num_parameters",
+    "vocab_size", "pad_token_id", "eos_token_id"}.
     """
     if isinstance(shape, str) and shape not in SHAPES:
         raise ValueError(f"shape={shape!r}: valid values are {list(SHAPES)}")
@@ -89,8 +90,9 @@ def build_tiny(output_dir, arch: str | None = None, size: str | None = None, hea
         p = PRESETS[size]
         moe = dict(num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_PER_TOKEN,
                    moe_intermediate_size=p.intermediate_size // MOE_PER_TOKEN) if arch == "qwen3_moe" else {}
-        spec = ModelShape(arch, p.hidden_size, p.num_hidden_layers, p.num_attention_heads, p.num_key_value_heads,
-                          p.intermediate_size, len(tokenizer), max_position_embeddings=MAX_POSITION_EMBEDDINGS, **moe)
+        spec = ModelShape(arch, p.hidden_size, p.num_hidden_layers, p.num_attention_heads,
+                          p.num_key_value_heads, p.intermediate_size, len(tokenizer),
+                          max_position_embeddings=MAX_POSITION_EMBEDDINGS, **moe)
     config = model_config(spec, head, pad_id, eos_id)
     torch.manual_seed(seed)
     cls = _ARCHS[arch][1 if head == "lm" else 2]
@@ -130,8 +132,8 @@ def model_config(shape: ModelShape, head: str = "lm", pad_token_id: int | None =
                  eos_token_id: int | None = None):
     """The HF config of `shape` (no weights): tied embeddings for head="lm", one label for "score"."""
     return _ARCHS[shape.arch][0](
-        **shape.config_kwargs(), initializer_range=0.02, tie_word_embeddings=(head == "lm"), bos_token_id=None,
-        eos_token_id=eos_token_id, pad_token_id=pad_token_id, num_labels=1)
+        **shape.config_kwargs(), initializer_range=0.02, tie_word_embeddings=(head == "lm"),
+        bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=pad_token_id, num_labels=1)
 
 
 @contextmanager

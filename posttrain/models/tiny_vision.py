@@ -18,7 +18,8 @@ from posttrain.models.tiny_tokenizer import (
     train_tiny_tokenizer,
 )
 
-VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                                                  "<|video_pad|>")
 IMAGE_PLACEHOLDER = VISION_START + IMAGE_PAD + VISION_END
 PATCH, MERGE = 14, 2  # pixels per patch side; patches merged per side into one image token
 
@@ -44,7 +45,8 @@ def _mrope_section(head_dim: int) -> list[int]:
     return [half - 2 * side, side, side]
 
 
-def build_tiny_vision(out: Path, preset, seed: int, max_position_embeddings: int) -> tuple[int, int, int, int]:
+def build_tiny_vision(out: Path, preset, seed: int,
+                      max_position_embeddings: int) -> tuple[int, int, int, int]:
     """Write the tiny VLM into `out` (an empty or new folder, replaced atomically). Returns
     (parameters, vocabulary size, pad id, eos id)."""
     from transformers import (
@@ -64,14 +66,16 @@ def build_tiny_vision(out: Path, preset, seed: int, max_position_embeddings: int
     config = Qwen2_5_VLConfig(
         text_config=dict(hidden_size=preset.hidden_size, num_hidden_layers=preset.num_hidden_layers,
                          num_attention_heads=preset.num_attention_heads,
-                         num_key_value_heads=preset.num_key_value_heads, intermediate_size=preset.intermediate_size,
-                         vocab_size=len(tokenizer), max_position_embeddings=max_position_embeddings,
+                         num_key_value_heads=preset.num_key_value_heads,
+                         intermediate_size=preset.intermediate_size, vocab_size=len(tokenizer),
+                         max_position_embeddings=max_position_embeddings,
                          rope_scaling={"type": "mrope", "mrope_section": _mrope_section(head_dim)},
                          tie_word_embeddings=True, initializer_range=0.02, pad_token_id=pad_id,
                          eos_token_id=eos_id, bos_token_id=None),
         vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=PATCH,
-                           spatial_merge_size=MERGE, temporal_patch_size=2, out_hidden_size=preset.hidden_size,
-                           window_size=PATCH * MERGE * 2, fullatt_block_indexes=[1], initializer_range=0.02),
+                           spatial_merge_size=MERGE, temporal_patch_size=2,
+                           out_hidden_size=preset.hidden_size, window_size=PATCH * MERGE * 2,
+                           fullatt_block_indexes=[1], initializer_range=0.02),
         image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
         tie_word_embeddings=True, pad_token_id=pad_id, eos_token_id=eos_id, bos_token_id=None)
     torch.manual_seed(seed)

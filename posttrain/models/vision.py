@@ -17,7 +17,10 @@ import os
 
 import torch
 
-from posttrain.models.config_facts import is_vision_config, is_vision_folder  # noqa: F401 (imported from here)
+from posttrain.models.config_facts import (  # noqa: F401 (imported from here)
+    is_vision_config,
+    is_vision_folder,
+)
 from posttrain.models.saving import unwrap_model
 from posttrain.utils.errors import UserError
 
@@ -69,7 +72,8 @@ def load_processor(path, tokenizer=None):
     if tokenizer is not None:
         processor.tokenizer = tokenizer
         processor.chat_template = tokenizer.chat_template
-    for name in ("pad_token", "pad_token_id", "eos_token", "eos_token_id"):  # as OpenRLHF's processor carries them
+    # as OpenRLHF's processor carries them
+    for name in ("pad_token", "pad_token_id", "eos_token", "eos_token_id"):
         setattr(processor, name, getattr(processor.tokenizer, name))
     return processor
 
@@ -96,8 +100,9 @@ def _processor_class(model_type: str):
 
     name = PROCESSOR_MAPPING_NAMES.get(model_type)
     if name is None or not hasattr(transformers, name):
-        raise ValueError(f"no processor is known for model type {model_type!r}: this transformers version cannot "
-                         "prepare its images; upgrade transformers or use a supported vision-language model")
+        raise ValueError(f"no processor is known for model type {model_type!r}: this transformers version "
+                         f"cannot prepare its images; upgrade transformers or use a supported "
+                         f"vision-language model")
     return getattr(transformers, name)
 
 
@@ -105,7 +110,8 @@ def _without_missing_parts(cls):
     """`cls` accepting None for a part it does not need here (its video processor)."""
     class Processor(cls):
         def check_argument_for_proper_class(self, argument_name, argument):
-            return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
+            return (None if argument is None
+                    else super().check_argument_for_proper_class(argument_name, argument))
 
     Processor.__name__ = Processor.__qualname__ = cls.__name__
     return Processor
@@ -113,7 +119,8 @@ def _without_missing_parts(cls):
 
 def config_token_id(config, kind: str) -> int | None:
     """A special token's id from an HF config (or its dict): `{kind}_token_id`, or `{kind}_token_index` (some
-    families' spelling); None where the config has neither. `kind`: "image", "video", "vision_start", "boi" ..."""
+    families' spelling); None where the config has neither. `kind`: "image", "video",
+    "vision_start", "boi" ..."""
     for name in (f"{kind}_token_id", f"{kind}_token_index"):
         value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
         if value is not None:
@@ -135,8 +142,8 @@ def image_token_types(config, input_ids: torch.Tensor) -> torch.Tensor:
 def vision_forward_inputs(model, input_ids: torch.Tensor, images: dict[str, torch.Tensor]) -> dict:
     """The keyword arguments a VLM takes besides the ids and the mask: the image tensors and the token types,
     under the name the model's forward takes them by (`mm_token_type_ids`: Qwen-VL, Qwen3.5 and Gemma 4, whose
-    rotary positions or bidirectional image attention read them; `token_type_ids`: Gemma 3, PaliGemma; neither:
-    LLaVA-style models, which find the image tokens by id)."""
+    rotary positions or bidirectional image attention read them; `token_type_ids`: Gemma 3, PaliGemma;
+    neither: LLaVA-style models, which find the image tokens by id)."""
     if not images:
         return {}
     key = _token_types_name(model)
@@ -181,6 +188,6 @@ def vision_processor(model_path, tokenizer):
 
 
 def export_savers(tokenizer, processor) -> list:
-    """What an exported model folder holds besides the weights (`save_pretrained`'s savers): the tokenizer, and a
-    vision-language model's image processor (without it the folder does not load as a VLM again)."""
+    """What an exported model folder holds besides the weights (`save_pretrained`'s savers): the tokenizer,
+    and a vision-language model's image processor (without it the folder does not load as a VLM again)."""
     return [tokenizer] if processor is None else [tokenizer, processor.image_processor]

@@ -4,9 +4,9 @@ from posttrain.rewards.pick_source import make_reward_source
 from posttrain.rewards.python_func import PythonRewardFunction
 from posttrain.rewards.remote import TOKEN_ENV, RemoteReward, ShardedRemoteReward
 from posttrain.rewards.result import RewardError, RewardResult, RewardSource, parse_output
-from posttrain.rewards.reward_model import RewardModelSource, last_token_index
+from posttrain.rewards.reward_model import RewardModelSource
 
 __all__ = [
     "TOKEN_ENV", "PythonRewardFunction", "RemoteReward", "RewardError", "RewardModelSource", "RewardResult",
-    "RewardSource", "ShardedRemoteReward", "last_token_index", "make_reward_source", "parse_output",
+    "RewardSource", "ShardedRemoteReward", "make_reward_source", "parse_output",
 ]

@@ -19,8 +19,8 @@ fails at once, not retried (a retry would strand one more thread), and while max
 still run, no new call starts and each batch fails at once with a RewardBusy error, even with
 on_error="skip" (threads cannot be killed, so their number, not the time, is bounded). Errors caused by
 the file — a syntax error, an import that raises, reward_func raising, running too long, or returning a
-bad value — are RewardErrors naming the file and the cause, with the traceback lines of the user's code (frames of
-posttrain itself and of the import machinery are left out).
+bad value — are RewardErrors naming the file and the cause, with the traceback lines of the user's code
+(frames of posttrain itself and of the import machinery are left out).
 """
 from __future__ import annotations
 
@@ -92,7 +92,8 @@ def _describe(err: BaseException, path: str) -> tuple[str, str]:
     """(one-line cause with the innermost frame of the user's code, traceback lines of the frames
     outside posttrain) for an exception raised while loading or calling the file `path`."""
     frames = _user_frames(traceback.extract_tb(err.__traceback__))
-    at = "" if isinstance(err, UserFileExit) else _at(frames, os.path.dirname(os.path.abspath(path)))  # it names it
+    # it names it
+    at = "" if isinstance(err, UserFileExit) else _at(frames, os.path.dirname(os.path.abspath(path)))
     line = f"{type(err).__name__}: {err}{at}"
     details = _format_frames(frames, "Traceback (user code, most recent call last)")
     if isinstance(err, SyntaxError):
@@ -127,12 +128,13 @@ def _load_function(path: str):
                           f"{', '.join(defined) or 'nothing callable'}); add "
                           "`def reward_func(queries, prompts, labels, **kwargs)`")
     if not callable(fn):
-        raise RewardError(f"reward function file {path}: `reward_func` is a {type(fn).__name__}, not a function")
+        raise RewardError(f"reward function file {path}: `reward_func` is a {type(fn).__name__}, not a "
+                          f"function")
     try:
         inspect.signature(fn).bind([], [], [])
     except TypeError as err:
-        raise RewardError(f"reward function file {path}: reward_func{inspect.signature(fn)} cannot be called as "
-                          f"reward_func(queries, prompts, labels) ({err})") from None
+        raise RewardError(f"reward function file {path}: reward_func{inspect.signature(fn)} cannot be called "
+                          f"as reward_func(queries, prompts, labels) ({err})") from None
     except ValueError:  # builtins without a signature
         pass
     return fn
@@ -228,8 +230,8 @@ class PythonRewardFunction:
         stuck = self.stuck_calls
         if stuck >= self.max_stuck:
             raise RewardBusy(f"{self.origin}: {stuck} timed-out reward_func call(s) still running past the "
-                             f"{self.timeout:g}s --reward.timeout (a thread cannot be killed), so no new call is "
-                             "started; fix the hang in reward_func and restart")
+                             f"{self.timeout:g}s --reward.timeout (a thread cannot be killed), so no new "
+                             f"call is started; fix the hang in reward_func and restart")
         box = {}
         done = threading.Event()
 

@@ -109,12 +109,12 @@ class RemoteReward:
             try:
                 return response.json()
             except ValueError:
-                raise RewardError(f"{self.origin} answered HTTP {response.status_code} with a body that is not "
-                                  f"JSON: {response.text[:200]!r}") from None
+                raise RewardError(f"{self.origin} answered HTTP {response.status_code} with a body that is "
+                                  f"not JSON: {response.text[:200]!r}") from None
         if last == "timeout":
-            raise RewardError(f"{self.origin} timed out after {self.timeout:g} s (--reward.timeout) on each of "
-                              f"{self.retries} attempts: it accepted the connection but did not answer in time; "
-                              "raise --reward.timeout, send smaller batches or speed the server up")
+            raise RewardError(f"{self.origin} timed out after {self.timeout:g} s (--reward.timeout) on each "
+                              f"of {self.retries} attempts: it accepted the connection but did not answer in "
+                              f"time; raise --reward.timeout, send smaller batches or speed the server up")
         if last.startswith("HTTP"):
             raise RewardError(f"{self.origin} failed after {self.retries} attempts ({last})")
         raise RewardError(f"{self.origin} unreachable after {self.retries} attempts ({last}); {_HINT}")

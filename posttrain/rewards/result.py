@@ -62,8 +62,10 @@ class RewardResult:
         return int(self.skipped.sum())
 
     def to_json(self) -> dict:
-        """Plain JSON types: rewards, scores, skipped (lists), extra_logs (name -> list or float), skip_reasons."""
-        logs = {k: (v.tolist() if isinstance(v, torch.Tensor) else float(v)) for k, v in self.extra_logs.items()}
+        """Plain JSON types: rewards, scores, skipped (lists), extra_logs (name -> list
+        or float), skip_reasons."""
+        logs = {k: (v.tolist() if isinstance(v, torch.Tensor) else float(v))
+                for k, v in self.extra_logs.items()}
         return {"rewards": self.rewards.tolist(), "scores": self.scores.tolist(), "extra_logs": logs,
                 "skipped": self.skipped.tolist(), "skip_reasons": list(self.skip_reasons)}
 
@@ -76,7 +78,8 @@ class RewardSource(Protocol):
     None). kwargs: extra per-batch data a source may use (e.g. `sequences` / `attention_mask` token
     ids for a reward model); sources ignore what they do not use."""
 
-    def score(self, queries: list[str], prompts: list[str], labels: list | None = None, **kwargs) -> RewardResult: ...
+    def score(self, queries: list[str], prompts: list[str], labels: list | None = None,
+              **kwargs) -> RewardResult: ...
 
     def close(self) -> None: ...
 
@@ -90,7 +93,8 @@ def check_batch(queries, prompts, labels) -> int:
         if values is None:
             continue
         if isinstance(values, str) or not hasattr(values, "__len__"):
-            raise TypeError(f"{name} must be a list of {n} entries (one per query), got {type(values).__name__}")
+            raise TypeError(f"{name} must be a list of {n} entries (one per query), got "
+                            f"{type(values).__name__}")
         if len(values) != n:
             raise ValueError(f"{name} has {len(values)} entries for {n} queries")
     return n
@@ -98,7 +102,8 @@ def check_batch(queries, prompts, labels) -> int:
 
 def _describe(value) -> str:
     text = repr(value)
-    return f"{text[:40]}... ({type(value).__name__})" if len(text) > 40 else f"{text} ({type(value).__name__})"
+    return (f"{text[:40]}... "
+            f"({type(value).__name__})" if len(text) > 40 else f"{text} ({type(value).__name__})")
 
 
 def reward_scalar(value, what: str, origin: str | None = None) -> float:
@@ -143,7 +148,8 @@ def nonfinite(t: torch.Tensor, name: str) -> tuple[torch.Tensor, list[str]]:
     """Mask of the non-finite entries of `t` and one message per entry ("reward 3 is NaN")."""
     bad = ~torch.isfinite(t)
     singular = name[:-1] if name.endswith("s") else name
-    msgs = [f"{singular} {i} is {'NaN' if math.isnan(t[i]) else t[i].item()}" for i in bad.nonzero().flatten().tolist()]
+    msgs = [f"{singular} {i} is "
+            f"{'NaN' if math.isnan(t[i]) else t[i].item()}" for i in bad.nonzero().flatten().tolist()]
     return bad, msgs
 
 
@@ -192,7 +198,8 @@ def parse_output(raw, n: int, origin: str, on_error: str = "raise") -> RewardRes
         msgs = msgs_r + msgs_s
         if on_error == "raise":
             more = f" (and {len(msgs) - _MAX_LISTED} more)" if len(msgs) > _MAX_LISTED else ""
-            raise RewardError(f"{origin}: {'; '.join(msgs[:_MAX_LISTED])}{more}; rewards must be finite numbers")
+            raise RewardError(f"{origin}: {'; '.join(msgs[:_MAX_LISTED])}{more}; rewards must be finite "
+                              f"numbers")
         result.skipped |= bad
         result.skip_reasons += [f"{origin}: {m}" for m in msgs]
     if bool(result.skipped.any()):
@@ -208,8 +215,9 @@ def _parse_structure(raw, n: int, origin: str) -> RewardResult:
         raise RewardError(f"{origin}: returned {type(raw).__name__}; expected a dict with a 'rewards' key "
                           f"(and optional 'scores', 'extra_logs') or a sequence of {n} rewards")
     if "rewards" not in raw:
-        raise RewardError(f"{origin}: returned a dict without a 'rewards' key (keys: {sorted(map(str, raw))}); "
-                          f"expected {{'rewards': {n} numbers, 'scores': optional, 'extra_logs': optional}}")
+        raise RewardError(f"{origin}: returned a dict without a 'rewards' key (keys: "
+                          f"{sorted(map(str, raw))}); expected {{'rewards': {n} numbers, 'scores': optional, "
+                          f"'extra_logs': optional}}")
     rewards = as_vector(raw["rewards"], n, "rewards", origin)
     scores = None if raw.get("scores") is None else as_vector(raw["scores"], n, "scores", origin)
     skipped = None
@@ -251,8 +259,8 @@ def concat_results(parts: list[RewardResult]) -> RewardResult:
     for key in names:
         missing = [i for i, p in enumerate(parts) if key not in p.extra_logs]
         if missing:
-            raise RewardError(f"extra_logs[{key!r}] is logged for some chunks of the batch and not for chunk(s) "
-                              f"{missing}; every reward server must log the same names")
+            raise RewardError(f"extra_logs[{key!r}] is logged for some chunks of the batch and not for "
+                              f"chunk(s) {missing}; every reward server must log the same names")
         values = [p.extra_logs[key] for p in parts]
         if all(not isinstance(v, torch.Tensor) for v in values):
             total = sum(len(p) for p in parts)
@@ -260,6 +268,7 @@ def concat_results(parts: list[RewardResult]) -> RewardResult:
         else:
             logs[key] = torch.cat([v if isinstance(v, torch.Tensor) else torch.full((len(p),), float(v))
                                    for v, p in zip(values, parts)])
-    return RewardResult(rewards=torch.cat([p.rewards for p in parts]), scores=torch.cat([p.scores for p in parts]),
-                        extra_logs=logs, skipped=torch.cat([p.skipped for p in parts]),
+    return RewardResult(rewards=torch.cat([p.rewards for p in parts]),
+                        scores=torch.cat([p.scores for p in parts]), extra_logs=logs,
+                        skipped=torch.cat([p.skipped for p in parts]),
                         skip_reasons=[r for p in parts for r in p.skip_reasons])

@@ -19,15 +19,6 @@ if TYPE_CHECKING:
     from posttrain.models.setup import ModelSetup
 
 
-def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B, T] 0/1 mask → [B] index of each row's last 1 (works for left and right padding)."""
-    mask = attention_mask.long()
-    if bool((mask.sum(-1) == 0).any()):
-        raise ValueError("attention_mask has a row without any token")
-    t = mask.shape[-1]
-    return t - 1 - mask.flip(-1).argmax(-1)
-
-
 def _right_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-id lists → right-padded (input_ids, attention_mask) [B, T]; every row needs a token."""
     if not rows or any(len(r) == 0 for r in rows):
@@ -143,21 +134,15 @@ class RewardModelSource:
         return torch.cat(out) if out else torch.zeros(0)
 
     def _last_values(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """[B] the head's value at each row's last real token; with a context-parallel group, of the rows packed
-        into one and split over the group (the row's values gathered, then read at each sample's end)."""
-        from posttrain.models import forward_values
-        from posttrain.models.context_parallel import context_parallel, gather_replicated, split_packed
+        """[B] the head's value at each row's last real token; with a context-parallel group, of the rows
+        packed into one and split over the group (`models.last_token_values` of the slice)."""
+        from posttrain.models import last_token_values
 
-        cp = self.context
-        if cp is None:
-            v = forward_values(self.model, {"input_ids": ids, "attention_mask": mask})
-            return v.gather(1, last_token_index(mask)[:, None]).squeeze(1)
+        if self.context is None:
+            return last_token_values(self.model, {"input_ids": ids, "attention_mask": mask})
         real = mask.bool()
-        positions = (mask.long().cumsum(1) - 1)[real][None]
-        local, valid = split_packed(ids[real][None], positions, cp.rank, cp.size)
-        with context_parallel(cp.group, local["position_ids"], valid, cp.head_stride):
-            values = forward_values(self.model, local)[0]
-        return gather_replicated(values, cp.group)[mask.long().sum(1).cumsum(0) - 1]
+        part = self.context.split(ids[real][None], (mask.long().cumsum(1) - 1)[real][None])
+        return last_token_values(self.model, {**part, "seq_lens": mask.long().sum(1)})
 
     def tokenize(self, queries: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Right-padded (input_ids, attention_mask) [B, T] and a bool [B] of truncated queries."""

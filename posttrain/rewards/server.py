@@ -33,7 +33,8 @@ from posttrain.utils.log import info
 
 TRUNCATED_LOG = "reward_model/truncated"  # RewardModelSource's per-query extra_logs entry (1.0 = cut)
 _DRAIN_BYTES = 1 << 30  # an over-limit body is read (and dropped) up to this much, so the client sees the 413
-DROPPED = Counter()  # connections this process dropped: "disconnected" mid-body, "timed out" reading a request
+# connections this process dropped: "disconnected" mid-body, "timed out" reading a request
+DROPPED = Counter()
 
 
 class BodyTooLarge(Exception):
@@ -58,8 +59,9 @@ def check_text(values, what: str) -> None:
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError as err:
-                raise ValueError(f"{what}[{i}] holds a lone UTF-16 surrogate ({value[err.start]!r} at character "
-                                 f"{err.start}), which is not valid Unicode text; send valid UTF-8 text") from None
+                raise ValueError(f"{what}[{i}] holds a lone UTF-16 surrogate ({value[err.start]!r} at "
+                                 f"character {err.start}), which is not valid Unicode text; send valid UTF-8 "
+                                 f"text") from None
 
 
 def _check_body(body) -> tuple[list[str], list[str], list | None]:
@@ -73,7 +75,8 @@ def _check_body(body) -> tuple[list[str], list[str], list | None]:
         raise ValueError("'query' is an empty list; send at least one prompt + response text")
     empty = [i for i, q in enumerate(queries) if not q]
     if empty:
-        raise ValueError(f"'query'[{empty[0]}] is an empty string; every query needs the prompt + response text")
+        raise ValueError(f"'query'[{empty[0]}] is an empty string; every query needs the prompt + response "
+                         f"text")
     n = len(queries)
     prompts = body.get("prompts")
     if prompts is None:
@@ -192,8 +195,10 @@ def server_config(app, host: str, port: int, read_timeout: float = DEFAULT_READ_
                 return
             host, port = self.client or ("?", 0)
             if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:
-                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
-            dropped("timed out", f"client {host}:{port}: request not complete within {read_timeout:g} s ({flag}); "
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: "
+                                     b"close\r\n\r\n")
+            dropped("timed out", f"client {host}:{port}: request not complete within {read_timeout:g} s "
+                                 f"({flag}); "
                     "connection closed")
             self.transport.close()
 
@@ -216,7 +221,8 @@ def server_config(app, host: str, port: int, read_timeout: float = DEFAULT_READ_
 
     if not read_timeout > 0:
         raise ValueError(f"{flag}={read_timeout}: must be > 0 seconds")
-    return uvicorn.Config(app, host=host, port=port, http=HeaderDeadline, **{"log_level": "warning", **kwargs})
+    return uvicorn.Config(app, host=host, port=port, http=HeaderDeadline,
+                          **{"log_level": "warning", **kwargs})
 
 
 def _check_count(n: int, max_queries: int | None) -> None:
@@ -261,7 +267,8 @@ def build_app(source, token: str | None = None, *, max_request_bytes: int = DEFA
         if hmac.compare_digest(given.encode(), expected.encode()):
             return None
         why = "missing Authorization header" if not given else "wrong bearer token"
-        return JSONResponse({"detail": f"{why}; send `Authorization: Bearer <token>` with the server's --token"},
+        return JSONResponse({"detail": f"{why}; send `Authorization: Bearer <token>` with the server's "
+                                       f"--token"},
                             status_code=401)
 
     def run(queries, prompts, labels):
@@ -296,8 +303,8 @@ def build_app(source, token: str | None = None, *, max_request_bytes: int = DEFA
             return JSONResponse({"detail": str(err)}, status_code=400)
         if in_flight >= max_concurrent:
             return JSONResponse({"detail": f"server busy: {in_flight} requests are being scored or waiting "
-                                 f"(--max_concurrent {max_concurrent}); retry later, or restart serve-rm with a "
-                                 "larger --max_concurrent"}, status_code=503)
+                                 f"(--max_concurrent {max_concurrent}); retry later, or restart serve-rm "
+                                 f"with a larger --max_concurrent"}, status_code=503)
         in_flight += 1
         try:
             async with turn:

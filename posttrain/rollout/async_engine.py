@@ -38,7 +38,8 @@ class _Request:
 
 def _batch_key(params: SamplingParams, seeded: bool) -> tuple:
     stop = None if params.stop_token_ids is None else tuple(params.stop_token_ids)
-    return (float(params.temperature), float(params.top_p), stop, int(params.min_tokens), int(params.n), seeded)
+    return (float(params.temperature), float(params.top_p), stop, int(params.min_tokens), int(params.n),
+            seeded)
 
 
 class AsyncRolloutEngine:
@@ -50,8 +51,9 @@ class AsyncRolloutEngine:
         self.engine = engine
         self.max_batch = max_batch
         # a vision-language HF engine decodes in static batches (`vision_decode`): no streaming
-        self.stream = engine.stream(max_batch) if hasattr(engine, "stream") and not getattr(engine, "vision", False) \
-            else None
+        self.stream = (engine.stream(max_batch) if hasattr(engine, "stream")
+                       and not getattr(engine, "vision", False) \
+             else None)
         self._waiting: dict[tuple, tuple[SamplingParams, list[_Request]]] = {}
         self._runner: asyncio.Task | None = None
         # the engine runs in a thread of its own: agents that block the loop's default pool (e.g. HTTP
@@ -70,12 +72,14 @@ class AsyncRolloutEngine:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if images is not None:
-            call = functools.partial(self.engine.generate, [[int(t) for t in token_ids]], replace(params, n=1),
-                                     max_new_tokens=[int(max_new_tokens)], seeds=[int(seed)], images=[images])
+            call = functools.partial(self.engine.generate, [[int(t) for t in token_ids]],
+                                     replace(params, n=1), max_new_tokens=[int(max_new_tokens)],
+                                     seeds=[int(seed)], images=[images])
             outputs = await asyncio.get_running_loop().run_in_executor(self._thread, call)
             check_outputs(self.engine, outputs, 1, 1)
             return outputs[0][0]
-        return (await self.generate_n(token_ids, replace(params, n=1), seed=seed, max_new_tokens=max_new_tokens))[0]
+        return (await self.generate_n(token_ids, replace(params, n=1), seed=seed,
+                                      max_new_tokens=max_new_tokens))[0]
 
     async def generate_n(self, token_ids: list[int], params: SamplingParams, *, seed: int | None = None,
                          max_new_tokens: int | None = None) -> list[RolloutOutput]:
@@ -199,7 +203,8 @@ def run_coroutine(coro):
         return pool.submit(asyncio.run, coro).result()
 
 
-def generate_all(engine, prompt_token_ids, params: SamplingParams, max_new_tokens=None, seeds=None, images=None):
+def generate_all(engine, prompt_token_ids, params: SamplingParams, max_new_tokens=None, seeds=None,
+                 images=None):
     """The samples the front gives these requests when they all wait together: one batch
     `engine.generate` call (a per-prompt budget None: `params.max_new_tokens`), checked against its
     contract (a list of `params.n` outputs per prompt). Made in the caller's thread, not through an

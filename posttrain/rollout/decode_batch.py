@@ -10,11 +10,12 @@ row) and `logits` [B, V] (next-token logits of each row).
   batch: the shorter of the two caches is left-padded with masked zero columns. A row never attends a
   masked column, so its logits do not depend on who shares its batch (up to float rounding).
 * `step()` samples one token per row (`sample_next`, each row from its own generator, rows grouped by
-  temperature and top-p; a row's stop ids banned until it has `min_tokens` tokens), appends it, and returns the sequences that finished: a stop token (kept in
-  the output) or the row's own budget. Finished rows stay in the batch (their draws are discarded)
-  until a quarter of it has finished, then leave it and the cache; columns every remaining row masks
-  are trimmed from the left. The rows that remain take one decode forward for their next logits. A
-  cancelled row (`Sequence.cancelled`, its caller gave up) counts as finished and is never returned.
+  temperature and top-p; a row's stop ids banned until it has `min_tokens` tokens), appends it, and returns
+  the sequences that finished: a stop token (kept in the output) or the row's own budget. Finished rows stay
+  in the batch (their draws are discarded) until a quarter of it has finished, then leave it and the cache;
+  columns every remaining row masks are trimmed from the left. The rows that remain take one decode forward
+  for their next logits. A cancelled row (`Sequence.cancelled`, its caller gave up) counts as finished and
+  is never returned.
 
 A model whose cache is not made of plain full-attention layers (sliding-window, linear-attention or
 hybrid caches) cannot merge caches: there `mergeable` is False and a sequence joins only an empty batch
@@ -55,7 +56,8 @@ class Sequence:
         """The next U[0, 1) float64 draw of this sample's generator, drawn `_DRAW_BLOCK` at a time (a CPU
         generator gives the same numbers drawn one by one or as a block; tests/rollout check it)."""
         if not self._draws:
-            self._draws = torch.rand(_DRAW_BLOCK, generator=self.generator, dtype=torch.float64).tolist()[::-1]
+            self._draws = torch.rand(_DRAW_BLOCK, generator=self.generator,
+                                     dtype=torch.float64).tolist()[::-1]
         return self._draws.pop()
 
     @property
@@ -111,7 +113,8 @@ class DecodeBatch:
         if not sequences:
             return
         if not self.can_admit():
-            raise RuntimeError("this model's cache cannot merge sequences mid-generation; admit into an empty batch")
+            raise RuntimeError("this model's cache cannot merge sequences mid-generation; admit into an "
+                               "empty batch")
         self._refresh_if_stale()
         self.epoch = self._weights()[0]
         texts = [s.prompt + s.tokens for s in sequences]  # tokens: a sequence re-admitted after new weights
@@ -119,7 +122,8 @@ class DecodeBatch:
         layers = _layers(cache)
         t = mask.shape[1]
         if not self.rows:
-            self.rows, self.cache, self.mask, self.positions, self.logits = list(sequences), cache, mask, lengths, logits
+            self.rows, self.cache, self.mask, self.positions, self.logits = (list(sequences), cache, mask,
+                                                                               lengths, logits)
             return
         width = max(self.mask.shape[1], t)
         for own, new in zip(_layers(self.cache), layers):
@@ -158,7 +162,8 @@ class DecodeBatch:
         cache = self._new_cache()
         logits = self._forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache, True)
         layers = _layers(cache)
-        self.mergeable = layers is not None and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
+        self.mergeable = (layers is not None
+                          and all(type(layer).__name__ == "DynamicLayer" for layer in layers))
         if self.mergeable:
             cache = self._adopt(cache)
         return cache, mask, lengths, logits
@@ -227,8 +232,9 @@ class DecodeBatch:
         logprobs = torch.zeros(len(self.rows), dtype=torch.float32, device=self.device)
         for (temperature, top_p), idx in groups.items():
             index = torch.tensor(idx, device=self.device)
-            tokens[index], logprobs[index] = self._sample_rows(self.logits[index], [self.rows[i] for i in idx],
-                                                               temperature, top_p)
+            tokens[index], logprobs[index] = self._sample_rows(self.logits[index],
+                                                               [self.rows[i] for i in idx], temperature,
+                                                               top_p)
         return tokens, logprobs
 
     def _sample_rows(self, logits: torch.Tensor, rows: list[Sequence], temperature: float, top_p: float):
@@ -254,7 +260,8 @@ class DecodeBatch:
 
 def _banned(rows: list[Sequence], logits: torch.Tensor) -> torch.Tensor | None:
     """[B, V] bool: the stop ids of every row still below its `min_tokens` (None when no row is)."""
-    below = [(i, s.stop) for i, s in enumerate(rows) if s.stop and len(s.tokens) < s.min_tokens and not s.done]
+    below = [(i, s.stop) for i, s in enumerate(rows) if s.stop and len(s.tokens) < s.min_tokens
+             and not s.done]
     if not below:
         return None
     banned = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
@@ -274,7 +281,8 @@ def _store(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
 
 
 def _left_pad(x: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:
-    """`x` left-padded with zeros to `width` along `dim` (a cache [B, H, T, D] by default, a mask with dim 1)."""
+    """`x` left-padded with zeros to `width` along `dim` (a cache [B, H, T, D] by default, a mask
+    with dim 1)."""
     missing = width - x.shape[dim]
     if missing == 0:
         return x

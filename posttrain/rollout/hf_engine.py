@@ -6,8 +6,9 @@ log-probs, top-p, seeding and stopping are ours:
 * prompts are left-padded; ``attention_mask`` marks real tokens and ``position_ids`` are
   ``cumsum(mask) - 1``, so each row sees positions 0..L-1 exactly as if it ran alone;
 * each step samples one token per row (``sample_next``); a row stops at its first stop token
-  (kept in the output; never before ``params.min_tokens`` tokens) or after its budget; finished rows leave the batch and the cache, and waiting
-  rows join it between decode steps (continuous batching, at most ``batch_size`` rows);
+  (kept in the output; never before ``params.min_tokens`` tokens) or after its budget; finished rows leave the
+  batch and the cache, and waiting rows join it between decode steps (continuous batching, at
+  most ``batch_size`` rows);
 * every sample draws from its own ``torch.Generator``, seeded from its prompt's seed (``seeds[i]``,
   else ``rank_seed(params.seed, 0, i)``) and its index j: a prompt's samples do not depend on the
   other prompts, its position, the ``batch_size`` or how prompts are split across engines.
@@ -62,7 +63,8 @@ def _as_id_list(ids) -> list[int]:
 def resolve_eos_ids(tokenizer_or_eos_ids, model=None) -> list[int]:
     """Default stop ids: an int or a list of ints as given; a tokenizer → its ``eos_token_id``
     plus the model's ``generation_config.eos_token_id`` (int or list), deduplicated in order."""
-    if tokenizer_or_eos_ids is None or _is_int(tokenizer_or_eos_ids) or isinstance(tokenizer_or_eos_ids, (list, tuple)):
+    if (tokenizer_or_eos_ids is None or _is_int(tokenizer_or_eos_ids)
+        or isinstance(tokenizer_or_eos_ids, (list, tuple))):
         ids = _as_id_list(tokenizer_or_eos_ids)
         if not all(_is_int(i) and i >= 0 for i in ids):
             raise ValueError(f"tokenizer_or_eos_ids={tokenizer_or_eos_ids!r}: eos ids must be integers >= 0")
@@ -101,7 +103,8 @@ class HFRolloutEngine:
     ``lora_sync`` ("merged" or "adapter", `hf_weights`): how a synced LoRA adapter is applied."""
 
     def __init__(self, model: torch.nn.Module, tokenizer_or_eos_ids, *, pad_token_id: int,
-                 batch_size: int | None = None, fast_decode: bool = True, lora=None, lora_sync: str = "merged"):
+                 batch_size: int | None = None, fast_decode: bool = True, lora=None,
+                 lora_sync: str = "merged"):
         self.gate = PauseGate()  # one decode step at a time; a weight load waits for the step in flight
         self.weights = HFWeights(model, self.gate, lora, lora_sync)  # wraps the model in peft in adapter mode
         self.model = self.weights.model
@@ -202,8 +205,8 @@ class HFRolloutEngine:
         seed drawn from torch's global RNG when ``params.seed`` is None). Sample j of prompt i
         draws only from a generator seeded with ``rank_seed(seed_i, 1, j)``. ``images`` (a vision-language
         model: one dict of image tensors, a ``PromptImages`` (its tensors are used) or None per prompt,
-        `data.vision_samples`; the prompt ids hold their image tokens) decodes through `vision_decode` instead,
-        in static batches of ``batch_size`` rows."""
+        `data.vision_samples`; the prompt ids hold their image tokens) decodes through `vision_decode`
+        instead, in static batches of ``batch_size`` rows."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, not {type(params).__name__}")
         prompts = self._check_prompts(prompt_token_ids)
@@ -263,13 +266,14 @@ class HFRolloutEngine:
 
     def _decode_with_images(self, sequences: list[Sequence], images: list[dict | None]) -> None:
         if len(images) != len(sequences):
-            raise ValueError(f"images: {len(images)} entries for {len(sequences)} rows (one per prompt expected)")
+            raise ValueError(f"images: {len(images)} entries for {len(sequences)} rows (one per prompt "
+                             f"expected)")
         cap = self.batch_size or len(sequences)
         for start in range(0, len(sequences), cap):
             with self.decode_step():
                 decode_with_images(self.model, lambda: _new_cache(self.model), sequences[start:start + cap],
-                                   images[start:start + cap], self.pad_token_id, self._cache_kw, self._keep_kw,
-                                   self.weight_version)
+                                   images[start:start + cap], self.pad_token_id, self._cache_kw,
+                                   self._keep_kw, self.weight_version)
 
     @contextmanager
     def inference(self):

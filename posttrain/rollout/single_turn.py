@@ -90,7 +90,8 @@ class SingleTurnSampler:
         if any(im is not None for im in images):  # tensors for the HF engine, the PIL images for vLLM
             kwargs["images"] = [None if im is None else PromptImages(im, getattr(p, "images", None))
                                 for p, im in zip(prompts, images)]
-        outputs = generate_all(self.engine, [p.token_ids for p in prompts], params, max_new_tokens=budgets, **kwargs)
+        outputs = generate_all(self.engine, [p.token_ids for p in prompts], params, max_new_tokens=budgets,
+                               **kwargs)
         if on_generated is not None:
             on_generated()
         rollouts = []
@@ -98,7 +99,8 @@ class SingleTurnSampler:
             prompt_text = reward_prompt_text(self.tokenizer, prompt)  # once per prompt, not per sample
             for out in outs:
                 text = self.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
-                rollouts.append(Rollout(prompt_ids=list(prompt.token_ids), output_ids=list(out.output_token_ids),
+                rollouts.append(Rollout(prompt_ids=list(prompt.token_ids),
+                                        output_ids=list(out.output_token_ids),
                                         rollout_logprobs=list(out.logprobs), finish_reason=out.finish_reason,
                                         prompt_text=prompt_text, response_text=text, label=prompt.label,
                                         group=group_offset + g,

@@ -50,8 +50,10 @@ class SamplingParams:
 
     def __post_init__(self):
         t = self.temperature
-        if not (isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0 and t == t and t != float("inf")):
-            raise ValueError(f"SamplingParams.temperature={t!r} must be a finite number > 0 (or 0 for greedy)")
+        if not (isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0 and t == t
+                and t != float("inf")):
+            raise ValueError(f"SamplingParams.temperature={t!r} must be a finite number > 0 (or 0 for "
+                             f"greedy)")
         p = self.top_p
         if not (isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p <= 1):
             raise ValueError(f"SamplingParams.top_p={p!r} must be in (0, 1]")

@@ -3,12 +3,13 @@
 The rows are prefilled together, left-padded, with their image tensors (the vision tower runs once, at
 prefill); then the same sampling step as the text decode loop (`sample_next`, each row drawing from its
 own generator, stop ids banned below `min_tokens`, and the image-structure tokens never sampled:
-`structure_token_ids`) runs one token at a time on the KV cache until every row is done. Unlike `decode_batch.DecodeBatch` the batch is static (rows neither join nor leave, no shared
-prompt prefill). A multi-axis rotary family's prefill with images passes no position ids: the model derives
-them from the mask and the image grid, and keeps each row's offset (`rope_deltas`), from which the decode steps
-continue (`_next_positions`); any other prefill (a plain-rotary family such as Gemma 4, a batch without images)
-passes each row's text positions (`_prefill_positions`). Log-probs are those of the full
-temperature-scaled distribution, as the trainer recomputes them from the padded prompt + response.
+`structure_token_ids`) runs one token at a time on the KV cache until every row is done. Unlike
+`decode_batch.DecodeBatch` the batch is static (rows neither join nor leave, no shared prompt prefill). A
+multi-axis rotary family's prefill with images passes no position ids: the model derives them from the mask
+and the image grid, and keeps each row's offset (`rope_deltas`), from which the decode steps continue
+(`_next_positions`); any other prefill (a plain-rotary family such as Gemma 4, a batch without images) passes
+each row's text positions (`_prefill_positions`). Log-probs are those of the full temperature-scaled
+distribution, as the trainer recomputes them from the padded prompt + response.
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ from posttrain.rollout.sampling import sample_next
 
 def decode_with_images(model, new_cache, rows: list[Sequence], images: Seq[dict | None], pad_token_id: int,
                        cache_kw: str, keep_kw: bool, version: int = 0) -> None:
-    """Decode `rows` to completion; `images[i]`: row i's image tensors (None: a text-only row). `cache_kw`: the
-    name the model's forward takes its KV cache by; `keep_kw`: whether it takes `logits_to_keep`."""
+    """Decode `rows` to completion; `images[i]`: row i's image tensors (None: a text-only row). `cache_kw`:
+    the name the model's forward takes its KV cache by; `keep_kw`: whether it takes `logits_to_keep`."""
     device = next(model.parameters()).device
     width = max(len(s.prompt) for s in rows)
     ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long, device=device)
@@ -47,7 +48,8 @@ def decode_with_images(model, new_cache, rows: list[Sequence], images: Seq[dict 
         if temperature > 0:
             uniforms = torch.tensor([0.0 if s.done else s.uniform() for s in rows], dtype=torch.float64,
                                     device=device)
-        tokens, logprobs = sample_next(logits, temperature, top_p, None, uniforms, _with(_banned(rows, logits), never, logits))
+        tokens, logprobs = sample_next(logits, temperature, top_p, None, uniforms,
+                                       _with(_banned(rows, logits), never, logits))
         for s, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
             if s.done:
                 continue  # finished earlier: its draw is discarded
@@ -58,8 +60,8 @@ def decode_with_images(model, new_cache, rows: list[Sequence], images: Seq[dict 
         if all(s.done for s in rows):
             break
         mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.long, device=device)], dim=1)
-        logits = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=_next_positions(rotary, mask),
-                       **extra).logits[:, -1].float()
+        logits = model(input_ids=tokens[:, None], attention_mask=mask,
+                       position_ids=_next_positions(rotary, mask), **extra).logits[:, -1].float()
 
 
 def structure_token_ids(model) -> list[int]:
@@ -89,11 +91,11 @@ def _rotary_offsets_owner(model) -> torch.nn.Module | None:
 
 def _prefill_positions(rotary, mask: torch.Tensor, with_images: bool) -> torch.Tensor | None:
     """The prefill's position ids: None where the model derives them itself (`rotary`, a multi-axis rotary
-    family's offsets owner, given images: from the mask and the image grid); otherwise each row's text positions
-    (`cumsum(mask) - 1`, from its first real token), which `_next_positions` continues. Without them a left-padded
-    row would start at its padding's length (the model's default positions ignore the mask: Gemma 4, a Qwen-VL
-    batch without images) while its decode steps continue from its text positions. A multi-axis family's offsets
-    left from an earlier batch are dropped: a batch without images has none."""
+    family's offsets owner, given images: from the mask and the image grid); otherwise each row's text
+    positions (`cumsum(mask) - 1`, from its first real token), which `_next_positions` continues. Without them
+    a left-padded row would start at its padding's length (the model's default positions ignore the mask:
+    Gemma 4, a Qwen-VL batch without images) while its decode steps continue from its text positions. A
+    multi-axis family's offsets left from an earlier batch are dropped: a batch without images has none."""
     if rotary is not None:
         if with_images:
             return None
@@ -102,9 +104,10 @@ def _prefill_positions(rotary, mask: torch.Tensor, with_images: bool) -> torch.T
 
 
 def _next_positions(rotary, mask: torch.Tensor) -> torch.Tensor:
-    """The position ids of each row's newest token: its text position (`cumsum(mask) - 1`), shifted by the row's
-    rotary offset where `rotary` (`_rotary_offsets_owner`) keeps one from the prefill (`rope_deltas`: the image
-    tokens of a multi-axis rotary family take fewer positions than tokens), on each of its rotary axes."""
+    """The position ids of each row's newest token: its text position (`cumsum(mask) - 1`), shifted by the
+    row's rotary offset where `rotary` (`_rotary_offsets_owner`) keeps one from the prefill (`rope_deltas`:
+    the image tokens of a multi-axis rotary family take fewer positions than tokens), on each of
+    its rotary axes."""
     text = (mask.long().cumsum(-1) - 1)[:, -1:]
     deltas = getattr(rotary, "rope_deltas", None)
     if deltas is None:

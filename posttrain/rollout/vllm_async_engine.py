@@ -49,7 +49,8 @@ class AsyncLLMHandle:
 
         self._ids = itertools.count()
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="posttrain-vllm-async", daemon=True)
+        self._thread = threading.Thread(target=self.loop.run_forever, name="posttrain-vllm-async",
+                                        daemon=True)
         self._thread.start()
         args = vllm.AsyncEngineArgs(model=model, **llm_kwargs)
 
@@ -61,8 +62,8 @@ class AsyncLLMHandle:
             self.loop.call_soon_threadsafe(self.loop.stop)
             raise
         self.collective_rpc("posttrain_die_with_parent")
-        # what `VLLMRolloutEngine` reads from `LLM.llm_engine` (the banned ids of `_unban_logprobs`, the model's
-        # config); LoRAs are removed through `remove_lora` below
+        # what `VLLMRolloutEngine` reads from `LLM.llm_engine` (the banned ids of `_unban_logprobs`, the
+        # model's config); LoRAs are removed through `remove_lora` below
         self.llm_engine = SimpleNamespace(input_processor=self.llm.input_processor,
                                           model_config=self.llm.model_config)
 
@@ -88,7 +89,8 @@ class AsyncLLMHandle:
         """As ``vllm.LLM.generate``: one final output per prompt, in order; the requests run together and
         the others are aborted when one fails."""
         async def all_of():
-            tasks = [asyncio.ensure_future(self.request(p, s, lora_request)) for p, s in zip(prompts, sampling)]
+            tasks = [asyncio.ensure_future(self.request(p, s, lora_request))
+                     for p, s in zip(prompts, sampling)]
             try:
                 return await asyncio.gather(*tasks)
             finally:
@@ -179,8 +181,8 @@ class VLLMAsyncRolloutEngine(VLLMRolloutEngine):
 class RequestStream:
     """``submit_all`` as ``stream.DecodeServer``'s: each ``(prompt, params, seed, max_new_tokens, on_done)``
     becomes one vLLM request; ``on_done(outputs, None)`` / ``on_done(None, error)`` is called once (on a
-    thread of the stream) unless its ticket (a ``concurrent.futures.Future``) is cancelled first, which aborts the
-    request; a malformed request gets its ValueError at once (and None)."""
+    thread of the stream) unless its ticket (a ``concurrent.futures.Future``) is cancelled first, which aborts
+    the request; a malformed request gets its ValueError at once (and None)."""
 
     def __init__(self, engine: VLLMAsyncRolloutEngine) -> None:
         self.engine = engine

@@ -70,20 +70,22 @@ from posttrain.utils.log import warn_once
 LORA_SYNC_MODES = ("merged", "adapter")
 UNBAN_CHUNK = 128  # vLLM's MAX_LOGPROB_TOKEN_IDS: the most ids one request's `logprob_token_ids` may score
 WORKER_EXTENSION = "posttrain.rollout.vllm_worker.PosttrainWorkerExtension"
-CPU_KV_CACHE_GIB = 1  # the CPU build's KV cache when neither VLLM_CPU_KVCACHE_SPACE nor kv_cache_memory_bytes is set
+# the CPU build's KV cache when neither VLLM_CPU_KVCACHE_SPACE nor kv_cache_memory_bytes is set
+CPU_KV_CACHE_GIB = 1
 
 
 def apply_cpu_defaults(llm_kwargs: dict) -> None:
     """On a machine without CUDA (vLLM's CPU build): the engine core in this process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set: no second process per engine, and weight syncs reach the
     model without serialising it) unless tensor parallelism needs vLLM's worker processes, and a KV cache of
-    ``CPU_KV_CACHE_GIB`` GiB (the CPU build otherwise sizes it from ``gpu_memory_utilization`` of the machine's
-    RAM); ``VLLM_CPU_KVCACHE_SPACE`` (GiB) or ``kv_cache_memory_bytes`` set it. ``gpu_memory_utilization``
-    means nothing there and is dropped, and so is ``enable_sleep_mode`` (vLLM refuses it on CPU and ignores
-    ``sleep`` there anyway). Tensor parallelism: vLLM's worker processes (``mp`` executor, gloo)
-    with ``VLLM_CPU_OMP_THREADS_BIND=nobind`` unless set (vLLM's ``auto`` binds each worker to a NUMA node of
-    its own and refuses more workers than nodes). vLLM freezes its environment once an engine started in
-    this process (``vllm.envs`` cache): the freeze is lifted so that a second engine reads these settings."""
+    ``CPU_KV_CACHE_GIB`` GiB (the CPU build otherwise sizes it from ``gpu_memory_utilization`` of the
+    machine's RAM); ``VLLM_CPU_KVCACHE_SPACE`` (GiB) or ``kv_cache_memory_bytes`` set it.
+    ``gpu_memory_utilization`` means nothing there and is dropped, and so is ``enable_sleep_mode`` (vLLM
+    refuses it on CPU and ignores ``sleep`` there anyway). Tensor parallelism: vLLM's worker processes (``mp``
+    executor, gloo) with ``VLLM_CPU_OMP_THREADS_BIND=nobind`` unless set (vLLM's ``auto`` binds each worker to
+    a NUMA node of its own and refuses more workers than nodes). vLLM freezes its environment once an engine
+    started in this process (``vllm.envs`` cache): the freeze is lifted so that a second engine
+    reads these settings."""
     if torch.cuda.is_available():
         return
     envs = sys.modules.get("vllm.envs")
@@ -165,13 +167,15 @@ def token_versions(spans, num_tokens: int) -> list[int] | None:
     return versions if len(versions) == num_tokens else None
 
 
-def convert_vllm_outputs(prompt_token_ids: Sequence[Sequence[int]], request_outputs, n: int) -> list[list[RolloutOutput]]:
+def convert_vllm_outputs(prompt_token_ids: Sequence[Sequence[int]], request_outputs,
+                         n: int) -> list[list[RolloutOutput]]:
     """vLLM ``RequestOutput`` list (one per prompt, in order) → one list of ``n`` RolloutOutputs per
     prompt. Uses ``outputs[i].token_ids``, ``.logprobs`` (one ``{token_id: Logprob}`` per token),
     ``.finish_reason``, ``.index`` (samples sorted by it) and ``.weight_versions`` (``token_versions``); token
     ids are taken as returned."""
     if len(request_outputs) != len(prompt_token_ids):
-        raise ValueError(f"vLLM returned {len(request_outputs)} request outputs for {len(prompt_token_ids)} prompts")
+        raise ValueError(f"vLLM returned {len(request_outputs)} request outputs for {len(prompt_token_ids)} "
+                         f"prompts")
     result = []
     for p, (prompt, req) in enumerate(zip(prompt_token_ids, request_outputs)):
         completions = sorted(req.outputs, key=lambda c: getattr(c, "index", 0))
@@ -183,10 +187,12 @@ def convert_vllm_outputs(prompt_token_ids: Sequence[Sequence[int]], request_outp
             tokens = [int(t) for t in c.token_ids]
             if c.logprobs is None or len(c.logprobs) != len(tokens):
                 raise ValueError(f"{where}: vLLM returned {0 if c.logprobs is None else len(c.logprobs)} "
-                                 f"log-prob entries for {len(tokens)} tokens; pass SamplingParams(logprobs=0)")
+                                 f"log-prob entries for {len(tokens)} tokens; pass "
+                                 f"SamplingParams(logprobs=0)")
             if c.finish_reason not in FINISH_REASONS:
-                raise RuntimeError(f"{where}: vLLM finished the sample with finish_reason={c.finish_reason!r} "
-                                   f"(expected one of {list(FINISH_REASONS)})")
+                raise RuntimeError(f"{where}: vLLM finished the sample with "
+                                   f"finish_reason={c.finish_reason!r} (expected one of "
+                                   f"{list(FINISH_REASONS)})")
             logprobs = [_sampled_logprob(e, t, where) for e, t in zip(c.logprobs, tokens)]
             group.append(RolloutOutput(list(prompt), tokens, logprobs, c.finish_reason,
                                        token_versions(getattr(c, "weight_versions", None), len(tokens))))
@@ -217,7 +223,8 @@ class VLLMRolloutEngine:
         self.lora_sync = lora_sync if self.lora is not None else None
         self.lora_scaling = None if self.lora is None else self.lora.scaling
         compute = "cuda" if torch.cuda.is_available() else None
-        self._merged = lsync.MergedBase(self.lora_scaling, "cpu", compute) if self.lora_sync == "merged" else None
+        self._merged = (lsync.MergedBase(self.lora_scaling, "cpu", compute) if self.lora_sync == "merged"
+                        else None)
         self._target_layers: set[tuple] | None = None  # merged: the adapted layers, once an adapter arrived
         self._held: set[str] = set()  # merged: kept tensors whose push waits for the end of the sync
         self._touched: set[str] = set()  # merged: modules with a new adapter in this sync
@@ -270,13 +277,15 @@ class VLLMRolloutEngine:
     def _model_config(self, llm_or_model_path, trust_remote_code: bool):
         """The HF config of the model vLLM serves: its own (``llm_engine.model_config.hf_config``), else the
         folder's (``AutoConfig``); {} when neither is at hand."""
-        config = getattr(getattr(getattr(self.llm, "llm_engine", None), "model_config", None), "hf_config", None)
+        config = getattr(getattr(getattr(self.llm, "llm_engine", None), "model_config", None), "hf_config",
+                         None)
         if config is not None:
             return config
         if isinstance(llm_or_model_path, (str, os.PathLike)):
             from transformers import AutoConfig
 
-            return AutoConfig.from_pretrained(str(llm_or_model_path), trust_remote_code=bool(trust_remote_code))
+            return AutoConfig.from_pretrained(str(llm_or_model_path),
+                                              trust_remote_code=bool(trust_remote_code))
         return {}
 
     def vllm_prompts(self, prompts: list[list[int]], images: Sequence | None) -> list[dict]:
@@ -287,23 +296,26 @@ class VLLMRolloutEngine:
             return [{"prompt_token_ids": p} for p in prompts]
         images = list(images)
         if len(images) != len(prompts):
-            raise ValueError(f"images has {len(images)} entries for {len(prompts)} prompts (one per prompt, or None)")
+            raise ValueError(f"images has {len(images)} entries for {len(prompts)} prompts (one per prompt, "
+                             f"or None)")
         result = []
         for i, (ids, entry) in enumerate(zip(prompts, images)):
             if entry is None:
                 result.append({"prompt_token_ids": ids})
                 continue
             if self.max_images <= 0:
-                raise ValueError(f"images[{i}]: this vLLM engine was built without an image limit; build it with "
-                                 "limit_mm_per_prompt={'image': N} (--data.max_images_per_prompt N) to pass images")
+                raise ValueError(f"images[{i}]: this vLLM engine was built without an image limit; build it "
+                                 f"with limit_mm_per_prompt={{'image': N}} (--data.max_images_per_prompt N) "
+                                 f"to pass images")
             pil = PromptImages.pil_of(entry)
             if not pil:
                 raise ValueError(f"images[{i}]: the vLLM engine needs the prompt's raw images (PIL): pass "
-                                 "PromptImages(tensors, pil) (posttrain.data.Prompt.images); image tensors alone "
-                                 "are the HF engine's input")
+                                 "PromptImages(tensors, pil) (posttrain.data.Prompt.images); image tensors "
+                                 "alone are the HF engine's input")
             if len(pil) > self.max_images:
-                raise ValueError(f"images[{i}]: {len(pil)} images, more than the engine's limit_mm_per_prompt "
-                                 f"image={self.max_images} (--data.max_images_per_prompt)")
+                raise ValueError(f"images[{i}]: {len(pil)} images, more than the engine's "
+                                 f"limit_mm_per_prompt image={self.max_images} "
+                                 f"(--data.max_images_per_prompt)")
             if self.image_token_id is None:
                 raise ValueError(f"images[{i}]: the model's image token id is unknown (its config has no "
                                  "image_token_id); build the engine with image_token_id=")
@@ -315,8 +327,8 @@ class VLLMRolloutEngine:
             result.append({"prompt_token_ids": collapsed, "multi_modal_data": {"image": pil}})
         return result
 
-    def vllm_sampling_params(self, params: SamplingParams, prompt_index: int, max_new_tokens: int | None = None,
-                             seed: int | None = None):
+    def vllm_sampling_params(self, params: SamplingParams, prompt_index: int,
+                             max_new_tokens: int | None = None, seed: int | None = None):
         """vLLM ``SamplingParams`` for prompt ``prompt_index``; ``seed`` (the prompt's seed, in
         [0, 2**63)) → ``seed % 2**31``, None → ``rank_seed(params.seed, 0, prompt_index) % 2**31``
         (None when ``params.seed`` is None: vLLM draws)."""
@@ -338,12 +350,12 @@ class VLLMRolloutEngine:
                  images: Sequence[PromptImages | None] | None = None) -> list[list[RolloutOutput]]:
         """One list of ``params.n`` outputs per prompt; ``max_new_tokens`` and ``seeds`` (one int in
         [0, 2**63) per prompt) as in ``HFRolloutEngine.generate``. ``images``: one ``PromptImages`` (its
-        ``pil`` images are sent) or None per prompt, whose ids hold the expanded image tokens (``vllm_prompts``);
-        the outputs keep these ids."""
+        ``pil`` images are sent) or None per prompt, whose ids hold the expanded image tokens
+        (``vllm_prompts``); the outputs keep these ids."""
         if self._weights_dropped:
-            raise RuntimeError("VLLMRolloutEngine.generate after sleep(level=2): the weights were dropped; sync "
-                               "the weights (load_weights / update_weights + weights_updated) after wake_up "
-                               "first")
+            raise RuntimeError("VLLMRolloutEngine.generate after sleep(level=2): the weights were dropped; "
+                               "sync the weights (load_weights / update_weights + weights_updated) after "
+                               "wake_up first")
         if params.top_p < 1.0:
             warn_once("vLLM log-probs with top_p < 1 are renormalised over the nucleus and differ from "
                       "the trainer's recomputation (full temperature-scaled distribution)")
@@ -351,7 +363,8 @@ class VLLMRolloutEngine:
         budgets = check_budgets(max_new_tokens, len(prompts), params)
         prompt_seeds = check_seeds(seeds, len(prompts))
         requests = self.vllm_prompts(prompts, images)
-        sampling = [self.vllm_sampling_params(params, i, budgets[i], None if prompt_seeds is None else prompt_seeds[i])
+        sampling = [self.vllm_sampling_params(params, i, budgets[i],
+                                              None if prompt_seeds is None else prompt_seeds[i])
                     for i in range(len(prompts))]
         extra = {} if self.lora_request is None else {"lora_request": self.lora_request}
         outputs = self.llm.generate(requests, sampling, use_tqdm=False, **extra)
@@ -397,7 +410,8 @@ class VLLMRolloutEngine:
         if not jobs:
             return
         vllm = import_vllm()
-        sampled = {key: sorted({result[key[0]][s].output_token_ids[j] for s, j in spots}) for key, spots in jobs.items()}
+        sampled = {key: sorted({result[key[0]][s].output_token_ids[j] for s, j in spots})
+                   for key, spots in jobs.items()}
         # vLLM scores at most UNBAN_CHUNK ids per request (n samples may draw more distinct tokens)
         keys = [(p, prefix, sampled[(p, prefix)][i:i + UNBAN_CHUNK]) for p, prefix in jobs
                 for i in range(0, len(sampled[(p, prefix)]), UNBAN_CHUNK)]
@@ -424,8 +438,8 @@ class VLLMRolloutEngine:
             state = unwrap_model(state)
             if is_peft(state):
                 if self.lora_sync is None:
-                    raise ValueError("load_weights: merge the LoRA adapter first (posttrain.models.merge_lora) "
-                                     "or build the engine with lora=")
+                    raise ValueError("load_weights: merge the LoRA adapter first "
+                                     "(posttrain.models.merge_lora) or build the engine with lora=")
                 base = lsync.base_pairs(state)
                 self.update_weights(base)
                 sent = lsync.pair_bytes(base) + self.update_adapter(lsync.adapter_pairs(state))
@@ -433,7 +447,8 @@ class VLLMRolloutEngine:
                 return sent
             state = state.state_dict()
         if not isinstance(state, Mapping):
-            raise ValueError(f"load_weights expects a torch.nn.Module or a state dict, not {type(state).__name__}")
+            raise ValueError(f"load_weights expects a torch.nn.Module or a state dict, not "
+                             f"{type(state).__name__}")
         self.update_weights(state.items())
         self.weights_updated()
         return lsync.pair_bytes(state.items())
@@ -542,7 +557,8 @@ class VLLMRolloutEngine:
         """After the last bucket of a sync: cached prefixes were computed with the old weights. `version`
         is not recorded per token by this offline engine (a sync never overlaps its generation, so the
         trainer attributes each batch the version it was generated with; ``VLLMAsyncRolloutEngine``
-        records it). In adapter LoRA mode a new adapter becomes the next ``LoRARequest`` (id ``version + 1``)."""
+        records it). In adapter LoRA mode a new adapter becomes the next ``LoRARequest`` (id
+        ``version + 1``)."""
         if self._merged is not None:
             self._push_held()
         self._end_reload()

@@ -1,5 +1,5 @@
-"""vLLM's LoRA support as the vLLM engine's ``adapter`` sync mode uses it: the engine arguments for one adapter
-of a given rank, and an adapter written as the PEFT folder a ``LoRARequest`` loads."""
+"""vLLM's LoRA support as the vLLM engine's ``adapter`` sync mode uses it: the engine arguments for one
+adapter of a given rank, and an adapter written as the PEFT folder a ``LoRARequest`` loads."""
 from __future__ import annotations
 
 import json
@@ -28,8 +28,9 @@ def write_peft_adapter(folder: str, adapter: Mapping[str, torch.Tensor], rank: i
 
     os.makedirs(folder, exist_ok=True)
     targets = sorted({lsync.adapter_module(n).rsplit(".", 1)[-1] for n in adapter})
-    config = dict(peft_type="LORA", task_type="CAUSAL_LM", r=int(rank), lora_alpha=float(alpha), lora_dropout=0.0,
-                  bias="none", target_modules=targets, fan_in_fan_out=False, inference_mode=True)
+    config = dict(peft_type="LORA", task_type="CAUSAL_LM", r=int(rank), lora_alpha=float(alpha),
+                  lora_dropout=0.0, bias="none", target_modules=targets, fan_in_fan_out=False,
+                  inference_mode=True)
     with open(os.path.join(folder, "adapter_config.json"), "w") as f:
         json.dump(config, f)
     save_file({f"base_model.model.{n}": t.contiguous() for n, t in adapter.items()},

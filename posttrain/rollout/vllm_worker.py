@@ -47,7 +47,8 @@ class PosttrainWorkerExtension:
 
     def posttrain_reload_end(self) -> None:
         """Process the layers still waiting, restore the others, and drop what was computed with the old
-        weights (the encoder and multimodal caches; the prefix cache is the engine's: ``reset_prefix_cache``)."""
+        weights (the encoder and multimodal caches; the prefix cache is
+        the engine's: ``reset_prefix_cache``)."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         runner = self.model_runner

@@ -2,8 +2,8 @@
 
 A step takes `train.batch_size` sample indices (the global batch). Rank r gets the contiguous
 slice r of `world_size` equal slices; its micro-batches hold `train.micro_batch_size` samples, or,
-with `--train.dynamic_batch_enable`, as many samples as fit `--train.max_tokens_per_gpu` tokens x the GPUs of a
-ring-attention / tensor-parallel group (`config.summary.micro_batch_tokens`).
+with `--train.dynamic_batch_enable`, as many samples as fit `--train.max_tokens_per_gpu` tokens x the GPUs of
+a ring-attention / tensor-parallel group (`config.summary.micro_batch_tokens`).
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def rank_slice(step_indices: np.ndarray, rank: int, world_size: int) -> np.ndarr
     return step_indices[rank * per_rank:(rank + 1) * per_rank]
 
 
-def micro_batches(indices, lengths, *, micro_batch_size: int, max_tokens: int | None = None) -> list[list[int]]:
+def micro_batches(indices, lengths, *, micro_batch_size: int,
+                  max_tokens: int | None = None) -> list[list[int]]:
     """Split `indices` into micro-batches by count, or by token budget when `max_tokens` is set."""
     indices = [int(i) for i in indices]
     if max_tokens is None:

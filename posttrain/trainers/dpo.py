@@ -28,51 +28,17 @@ tensors included; the log-ratios still cover the response tokens only.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from posttrain.algorithms.losses import token_logprobs
 from posttrain.algorithms.preference import dpo_loss
 from posttrain.config import DPOConfig
 from posttrain.engines.zero3 import FrozenShards, describe_shards, sharded_loading
-from posttrain.models import forward_logits, unwrap_model
-from posttrain.models.context_parallel import context_parallel, group_sum
+from posttrain.models import forward_logits, sequence_logprobs, unwrap_model
+from posttrain.models.context_parallel import slice_context
 from posttrain.models.setup import ModelSetup
 from posttrain.trainers.pairs import PairObjective, preference_items
 from posttrain.trainers.session import SingleModelRun
 from posttrain.utils.log import info, rank_info
-
-
-def sequence_logprobs(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample ``(Σ_t m_t log π(x_t | x_<t), Σ_t m_t)`` over the loss-masked tokens
-    (``m = loss_mask[:, 1:]``), shapes ``[N]``; padded batches have N rows, packed ones
-    (``seq_lens``) N = len(seq_lens) samples in one row."""
-    labels = batch["input_ids"][:, 1:]
-    mask = batch["loss_mask"][:, 1:].float()
-    logp = token_logprobs(logits[:, :-1], labels) * mask
-    if "seq_lens" not in batch:
-        return logp.sum(-1), mask.sum(-1)
-    lens = torch.as_tensor(batch["seq_lens"], device=logp.device)
-    # sample of each label position (the label at t+1 belongs to the sample of token t+1; a label
-    # that would cross a boundary is the next sample's first token, whose loss_mask is 0)
-    owner = torch.repeat_interleave(torch.arange(len(lens), device=logp.device), lens)[1:]
-    zeros = torch.zeros(len(lens), device=logp.device, dtype=logp.dtype)
-    return zeros.index_add(0, owner, logp[0]), zeros.index_add(0, owner, mask[0])
-
-
-def split_sequence_logprobs(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sequence_logprobs` of a context-parallel slice (`models.parallel_groups`): this rank's share of each
-    sample's sums, summed over its group (`group_sum`, differentiable)."""
-    labels = batch["cp_labels"]
-    mask = (labels != -100).float()
-    logp = token_logprobs(logits, labels.clamp(min=0)) * mask
-    n = len(batch["seq_lens"])
-    owner = batch["cp_owner"][0].clamp(min=0)  # padding's labels are masked: any owner
-    zeros = torch.zeros(n, device=logp.device, dtype=logp.dtype)
-    group = batch["cp"].group
-    return (group_sum(zeros.index_add(0, owner, logp[0]), group),
-            group_sum(zeros.index_add(0, owner, mask[0]), group).detach())
 
 
 class DPOObjective(PairObjective):
@@ -115,20 +81,16 @@ class DPOObjective(PairObjective):
 
     def loss(self, model, batch: dict, num_units: float):
         b = batch["num_pairs"]
-        cp = batch.get("cp")  # a context-parallel slice of the packed row
-        split = context_parallel(cp.group, batch["position_ids"], batch["cp_valid"], cp.head_stride) if cp \
-            else contextlib.nullcontext()
-        sums = split_sequence_logprobs if cp else sequence_logprobs
-        with split:
+        with slice_context(batch):  # a context-parallel slice: both forwards under one set-up of its group
             ref_logits = self.reference_logits(model, batch)
             ref_vocab = ref_logits.shape[-1]
-            ref_logps = sums(ref_logits, batch)[0]
+            ref_logps = sequence_logprobs(ref_logits, batch)[0]
             del ref_logits
             logits = forward_logits(model, batch)
         if logits.shape[-1] != ref_vocab:
             raise ValueError(f"--ref.model_name_or_path: the reference has a vocabulary of {ref_vocab} tokens, "
                              f"the policy {logits.shape[-1]}; DPO needs both to share the tokenizer")
-        logps, counts = sums(logits, batch)
+        logps, counts = sequence_logprobs(logits, batch)
         mean_loss, chosen_r, rejected_r = dpo_loss(
             logps[:b], logps[b:], ref_logps[:b], ref_logps[b:], beta=self.beta,
             label_smoothing=self.label_smoothing, ipo=self.ipo)
@@ -136,9 +98,10 @@ class DPOObjective(PairObjective):
         loss = (mean_loss * b + self.nll_coef * nll.sum()) / num_units
         with torch.no_grad():
             dpo_sum, nll_sum = float(mean_loss) * b, float(nll.sum())
-            stats = {"loss_sum": dpo_sum + self.nll_coef * nll_sum, "dpo_loss_sum": dpo_sum, "nll_sum": nll_sum,
-                     "acc_sum": float((chosen_r > rejected_r).sum()), "chosen_reward_sum": float(chosen_r.sum()),
-                     "rejected_reward_sum": float(rejected_r.sum()), "margin_sum": float((chosen_r - rejected_r).sum())}
+            stats = {"loss_sum": dpo_sum + self.nll_coef * nll_sum, "dpo_loss_sum": dpo_sum,
+                     "nll_sum": nll_sum, "acc_sum": float((chosen_r > rejected_r).sum()),
+                     "chosen_reward_sum": float(chosen_r.sum()), "rejected_reward_sum": float(rejected_r.sum()),
+                     "margin_sum": float((chosen_r - rejected_r).sum())}
             stats.update({k[: -len("_sum")] + "_count": float(b) for k in list(stats)})
         return loss, stats
 

@@ -33,10 +33,8 @@ import torch
 from posttrain.algorithms.preference import reward_model_loss
 from posttrain.config import RMConfig
 from posttrain.data.validation import MARGIN_KEY
-from posttrain.models import forward_values, unwrap_model
-from posttrain.models.context_parallel import context_parallel, gather_replicated
+from posttrain.models import last_token_values, unwrap_model
 from posttrain.models.loading import check_model_path, read_head
-from posttrain.rewards.reward_model import last_token_index
 from posttrain.trainers.pairs import PairObjective, preference_items
 from posttrain.trainers.session import SingleModelRun
 from posttrain.utils.log import info
@@ -49,28 +47,8 @@ class RMObjective(PairObjective):
         super().__init__(pad_id, packing)
         self.loss_type, self.use_margin = loss_type, use_margin
 
-    @staticmethod
-    def rewards(model, batch: dict) -> torch.Tensor:
-        """Float32 rewards [N], one per sequence: the value at its last real token (padded batch:
-        last 1 of `attention_mask`, left or right padding; packed: `cumsum(seq_lens) - 1`; a context-parallel
-        slice: the same, of the row's values gathered over the group)."""
-        cp = batch.get("cp")
-        if cp is not None:
-            with context_parallel(cp.group, batch["position_ids"], batch["cp_valid"], cp.head_stride):
-                return RMObjective._rewards(model, batch)
-        return RMObjective._rewards(model, batch)
-
-    @staticmethod
-    def _rewards(model, batch: dict) -> torch.Tensor:
-        values = forward_values(model, batch)
-        if "cp" in batch:  # this rank's slice of the packed row (context parallelism): the whole row's values
-            values = gather_replicated(values, batch["cp"].group)
-        if "seq_lens" in batch:
-            ends = torch.as_tensor(batch["seq_lens"], device=values.device).cumsum(0) - 1
-            return values[0, ends]
-        if "attention_mask" not in batch:
-            return values[:, -1]
-        return values.gather(1, last_token_index(batch["attention_mask"])[:, None]).squeeze(1)
+    # float32 rewards [N], one per sequence: its value at its last real token (padded, packed or a slice)
+    rewards = staticmethod(last_token_values)
 
     def loss(self, model, batch: dict, num_units: float):
         r = self.rewards(model, batch)

@@ -36,7 +36,7 @@ step N; ...` (`utils/interrupt.py`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from posttrain.utils.checkpoint import CheckpointError, CheckpointManager, read_manifest
@@ -54,6 +54,19 @@ class Cadence:
     progress: bool = True
     save_hf: bool = False  # an HF export with every checkpoint (`export_hf`)
     keep_best: bool = False  # a baseline evaluation, the best checkpoint and `export_best`
+
+
+@dataclass
+class EvalRecord:
+    """What the loop remembers of its evaluations (and a checkpoint's meta keeps): `metric`, the latest
+    checkpoint metric {"key", "value", "step", "higher_is_better"} (None: none yet); `best`, the best
+    evaluation or the baseline {"key", "value", "step"}; `baseline_step`, the step of the evaluation
+    the best must beat; `evaluated_at`, the step of the latest evaluation, and `last`, its results."""
+    metric: dict | None = None
+    best: dict = field(default_factory=lambda: {"key": None, "value": None, "step": None})
+    baseline_step: int | None = None
+    evaluated_at: int | None = None
+    last: dict[str, float] = field(default_factory=dict)
 
 
 def best_of_old_state(old: dict | None) -> dict | None:
@@ -76,11 +89,7 @@ class RunLoop:
         self.cadence = cadence
         self.is_main = is_main
         self.global_step = 0
-        self.metric: dict | None = None  # the latest evaluation: {"key", "value", "step", "higher_is_better"}
-        self.best: dict = {"key": None, "value": None, "step": None}  # the best evaluation (or the baseline)
-        self.baseline_step: int | None = None  # the step of the evaluation the best must beat
-        self.evaluated_at: int | None = None  # the step of the latest evaluation
-        self.last_eval: dict[str, float] = {}  # its results
+        self.record = EvalRecord()
 
     # ---- what a trainer supplies ------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -124,11 +133,12 @@ class RunLoop:
     def save_checkpoint(self, best: bool = False) -> Path:
         """The resumable checkpoint of this step (`best`: the best one), and with `Cadence.save_hf` (not for
         the best) its HF export next to it."""
-        metric = self.metric if self.metric is not None and self.metric["step"] == self.global_step else None
-        meta = {"global_step": self.global_step, "metric": metric, "best": self.best,
-                "baseline_step": self.baseline_step, **self.checkpoint_meta(),
-                "evaluation": ({k: v.item() if hasattr(v, "item") else v for k, v in self.last_eval.items()}
-                               if self.evaluated_at == self.global_step else None)}
+        ev = self.record
+        metric = ev.metric if ev.metric is not None and ev.metric["step"] == self.global_step else None
+        meta = {"global_step": self.global_step, "metric": metric, "best": ev.best,
+                "baseline_step": ev.baseline_step, **self.checkpoint_meta(),
+                "evaluation": ({k: v.item() if hasattr(v, "item") else v for k, v in ev.last.items()}
+                               if ev.evaluated_at == self.global_step else None)}
         path = self.ckpt.save(self.global_step, self.write_checkpoint, meta, best=best)
         info(f"saved {'best ' if best else ''}checkpoint {path}")
         if self.cadence.save_hf and not best:
@@ -154,11 +164,12 @@ class RunLoop:
                 f"checkpoint {path} verifies but cannot be loaded by this run ({why}); resume on the set-up "
                 f"that wrote it (ranks, DeepSpeed flags), or start a new run with another --ckpt.path") from e
         self.global_step = int(meta["global_step"])
-        self.best = meta.get("best") or self.best  # `restore` may have set it (an older checkpoint's state)
+        # `restore` may have set the best (an older checkpoint's state)
+        self.record.best = meta.get("best") or self.record.best
         # a checkpoint written before "baseline_step": a best at step 0 was the starting model's baseline
-        self.baseline_step = meta.get("baseline_step", 0 if self.best["step"] == 0 else None)
+        self.record.baseline_step = meta.get("baseline_step", 0 if self.record.best["step"] == 0 else None)
         if meta.get("evaluation") is not None:  # this step was evaluated (and logged) before the save
-            self.evaluated_at, self.last_eval = self.global_step, meta["evaluation"]
+            self.record.evaluated_at, self.record.last = self.global_step, meta["evaluation"]
         self.logger.truncate_after(self.global_step)
         info(f"resumed from {path} at step {self.global_step}")
         if self.global_step >= self.total_steps:  # e.g. a finished run resumed into another --ckpt.output_dir
@@ -187,29 +198,29 @@ class RunLoop:
         result = self.evaluate()
         metrics.update(result)
         self.on_evaluated(result, metrics)
-        self.evaluated_at, self.last_eval = self.global_step, result
+        self.record.evaluated_at, self.record.last = self.global_step, result
         key = self.metric_key(result) if result else None
         if key is not None:
-            self.metric = {"key": key, "value": float(result[key]), "step": self.global_step,
-                           "higher_is_better": self.higher_is_better}
+            self.record.metric = {"key": key, "value": float(result[key]), "step": self.global_step,
+                                  "higher_is_better": self.higher_is_better}
         return result
 
     def _track_best(self) -> None:
         """After this step's evaluation is logged: the first evaluation is the baseline; a later one strictly
         better than the best so far saves the best checkpoint and export. A non-finite value is neither."""
-        m = self.metric
+        m = self.record.metric
         if not self.cadence.keep_best or m is None or m["step"] != self.global_step:
             return
         if not math.isfinite(m["value"]):
             return
-        b = self.best
+        b = self.record.best
         if b["value"] is not None and b["key"] == m["key"]:
             better = m["value"] > b["value"] if self.higher_is_better else m["value"] < b["value"]
             if not better:
                 return
-        self.best = {"key": m["key"], "value": m["value"], "step": self.global_step}
+        self.record.best = {"key": m["key"], "value": m["value"], "step": self.global_step}
         if b["value"] is None or b["key"] != m["key"]:
-            self.baseline_step = self.global_step
+            self.record.baseline_step = self.global_step
             info(f"baseline {m['key']} = {m['value']:.4f} at step {self.global_step}; a best model is saved "
                  f"when a later evaluation beats it")
             return
@@ -217,11 +228,11 @@ class RunLoop:
              f"{b['value']:.4f} at step {b['step']})")
         if self.ckpt is not None:
             self.save_checkpoint(best=True)
-        self.export_best(self.best)
+        self.export_best(self.record.best)
 
     def _report_best(self) -> None:
-        b = self.best
-        if self.cadence.keep_best and b["value"] is not None and b["step"] == self.baseline_step:
+        b = self.record.best
+        if self.cadence.keep_best and b["value"] is not None and b["step"] == self.record.baseline_step:
             what = "the starting model's" if b["step"] == 0 else "the baseline"
             info(f"no improvement: {b['key']} never rose above {what} {b['value']:.4f} "
                  f"(step {b['step']}); no best model saved")
@@ -246,7 +257,7 @@ class RunLoop:
                 due = c.eval_steps > 0 and self.global_step % c.eval_steps == 0
                 if due or self.global_step == self.total_steps:
                     self._evaluate(metrics)
-                evaluated_now = self.evaluated_at == self.global_step and bool(self.last_eval)
+                evaluated_now = self.record.evaluated_at == self.global_step and bool(self.record.last)
                 if self.global_step % max(c.logging_steps, 1) == 0 or evaluated_now:
                     self.logger.log(self.global_step, metrics)
                 self._track_best()
@@ -254,12 +265,13 @@ class RunLoop:
                     self.save_checkpoint()
         finally:
             bar.close()  # on Ctrl-C too: the error line starts on a line of its own
-        if self.evaluated_at != self.global_step:  # resumed at a last step not evaluated yet: evaluated here
+        # resumed at a last step not evaluated yet: evaluated here
+        if self.record.evaluated_at != self.global_step:
             final: dict[str, float] = {}
             if self._evaluate(final):
                 self.logger.log(self.global_step, final)
         self._report_best()
-        return self.last_eval
+        return self.record.last
 
 
 def plot_charts(output_dir: Path) -> list[Path]:

@@ -15,8 +15,7 @@ from posttrain.data import SFTDataset, pack_collate, pad_collate
 from posttrain.data.capping import capped_note
 from posttrain.data.errors import check_dropped
 from posttrain.data.images import ImageLimits
-from posttrain.models import forward_logits
-from posttrain.models.context_parallel import context_parallel
+from posttrain.models import next_token_logits
 from posttrain.trainers.session import SingleModelRun
 from posttrain.utils.log import info
 
@@ -33,21 +32,7 @@ class SFTObjective:
         return pack_collate(items) if self.packing else pad_collate(items, self.pad_id)
 
     def loss(self, model, batch: dict, num_units: float):
-        if "cp" in batch:  # this rank's slice of a packed row (context parallelism): its labels came with it
-            cp = batch["cp"]
-            with context_parallel(cp.group, batch["position_ids"], batch["cp_valid"], cp.head_stride):
-                logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                               use_cache=False).logits.float()
-            mask = (batch["cp_labels"] != -100).float()
-            labels = batch["cp_labels"].clamp(min=0)
-            return self._token_loss(logits, labels, mask, num_units)
-        logits = forward_logits(model, batch)[:, :-1]
-        labels = batch["input_ids"][:, 1:]
-        mask = batch["loss_mask"][:, 1:].float()
-        return self._token_loss(logits, labels, mask, num_units)
-
-    @staticmethod
-    def _token_loss(logits, labels, mask, num_units: float):
+        logits, labels, mask = next_token_logits(model, batch)  # padded, packed or a context-parallel slice
         nll = -token_logprobs(logits, labels)
         loss = aggregate(nll, mask, "token_mean", num_tokens=num_units)
         with torch.no_grad():

@@ -22,18 +22,20 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], *, max_new_tokens: int =
         pad = tokenizer.pad_token_id
         ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc])  # left padding for generation
         attn = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
-        out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
+        out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
         for r, row_out in zip(chunk, out[:, width:]):
             text = tokenizer.decode(row_out, skip_special_tokens=True)
             ok = is_correct(text, r[answer_key])
-            samples.append({"prompt": r[prompt_key], "response": text, "answer": r[answer_key], "correct": ok})
+            samples.append({"prompt": r[prompt_key], "response": text, "answer": r[answer_key],
+                            "correct": ok})
     acc = sum(s["correct"] for s in samples) / max(len(samples), 1)
     return acc, samples
 
 
-def agent_success(model_dir, rows: list[dict], agent_file: str, *, max_len: int = 96, max_new_tokens: int = 12,
-                  prompt_key: str = "prompt", answer_key: str = "answer") -> tuple[float, list[dict]]:
+def agent_success(model_dir, rows: list[dict], agent_file: str, *, max_len: int = 96,
+                  max_new_tokens: int = 12, prompt_key: str = "prompt",
+                  answer_key: str = "answer") -> tuple[float, list[dict]]:
     """Greedy multi-turn episodes of the agent file's executor on `rows` (prompts under the chat
     template): (fraction with reward 1, samples = [{"prompt", "episode", "reward", "turns"}])."""
     from posttrain.agents.agent_file import load_agent_executor
@@ -44,7 +46,8 @@ def agent_success(model_dir, rows: list[dict], agent_file: str, *, max_len: int 
     from posttrain.rollout import HFRolloutEngine, SamplingParams
 
     tok = load_tokenizer(str(model_dir))
-    engine = HFRolloutEngine(load_causal_lm(str(model_dir), dtype="fp32").eval(), tok, pad_token_id=tok.pad_token_id)
+    engine = HFRolloutEngine(load_causal_lm(str(model_dir), dtype="fp32").eval(), tok,
+                             pad_token_id=tok.pad_token_id)
     prompts = []
     for r in rows:
         text = render_chat(tok, [{"role": "user", "content": r[prompt_key]}], add_generation_prompt=True)
@@ -76,7 +79,8 @@ def colour_accuracy(model_dir, rows: list[dict], *, max_new_tokens: int = 4) -> 
     prompts = PromptDataset(rows, tok, input_key="prompt", label_key="answer", apply_chat_template=True,
                             processor=processor, max_images=1).prompts
     engine = HFRolloutEngine(load_causal_lm(str(model_dir), dtype="fp32"), tok, pad_token_id=tok.pad_token_id)
-    outputs = engine.generate([p.token_ids for p in prompts], SamplingParams(temperature=0, max_new_tokens=max_new_tokens),
+    outputs = engine.generate([p.token_ids for p in prompts],
+                              SamplingParams(temperature=0, max_new_tokens=max_new_tokens),
                               images=[p.image_inputs for p in prompts])
     samples = []
     for row, p, (out,) in zip(rows, prompts, outputs):

@@ -137,8 +137,8 @@ def disk_full_as_error(what: str, folder: str | os.PathLike, last_good: Path | N
             raise
         raise CheckpointError(
             f"{reason} while writing {what} to {folder}; the last good checkpoint is "
-            f"{last_good if last_good is not None else 'none'} (free space, then resume with --ckpt.load_enable "
-            f"or run again)") from e
+            f"{last_good if last_good is not None else 'none'} (free space, then resume with "
+            f"--ckpt.load_enable or run again)") from e
 
 
 def free_bytes(folder: str | os.PathLike) -> float:
@@ -354,10 +354,10 @@ class CheckpointManager:
         run = read_manifest(path).get("run")
         if not run or not run.get("run_id"):
             raise CheckpointError(
-                f"cannot resume from checkpoint {path}: its manifest records no posttrain run id (written by a "
-                f"posttrain older than run ids, or not by posttrain), and DeepSpeed unpickles engine files when "
-                f"loading them; posttrain resumes only checkpoints a posttrain run wrote. Start a new run with "
-                f"another --ckpt.path")
+                f"cannot resume from checkpoint {path}: its manifest records no posttrain run id (written by "
+                f"a posttrain older than run ids, or not by posttrain), and DeepSpeed unpickles engine files "
+                f"when loading them; posttrain resumes only checkpoints a posttrain run wrote. Start a new "
+                f"run with another --ckpt.path")
         if run.get("fingerprint") != self.identity.fingerprint:
             diffs = flag_diffs(run.get("fields") or {}, self.identity.fields)
             if diffs:

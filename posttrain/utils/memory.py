@@ -55,7 +55,8 @@ def peak_memory(fn, device: str | torch.device = "cpu"):
         torch.cuda.reset_peak_memory_stats(device)
         result = fn()
         torch.cuda.synchronize(device)
-        peak, end = torch.cuda.max_memory_allocated(device) - start, torch.cuda.memory_allocated(device) - start
+        peak, end = (torch.cuda.max_memory_allocated(device) - start,
+                     torch.cuda.memory_allocated(device) - start)
         return result, MemoryPeak(peak, end, process_peak_rss())
     if device.type != "cpu":
         raise ValueError(f"peak_memory: device {device} is neither cpu nor cuda")

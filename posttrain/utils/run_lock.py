@@ -47,7 +47,8 @@ def _unusable(flag: str, directory: Path, err: OSError) -> RunDirUnusable:
         return RunDirUnusable(f"{flag} {directory} {what}, not a folder; choose a folder path for {flag}")
     cause = {errno.EROFS: "it is on a read-only file system", errno.EACCES: "permission denied",
              errno.EPERM: "permission denied"}.get(err.errno, err.strerror or str(err))
-    return RunDirUnusable(f"{flag} {directory} cannot be written ({cause}); choose a writable folder for {flag}")
+    return RunDirUnusable(f"{flag} {directory} cannot be written ({cause}); choose a writable folder for "
+                          f"{flag}")
 
 
 def lock_owner(directory: str | os.PathLike) -> dict:

@@ -21,7 +21,8 @@ def write(tmp_path, body, name="agent.py"):
 
 
 def test_sys_exit_in_an_agent_file_or_its_executor_is_an_error_of_the_file(tmp_path):
-    with pytest.raises(AgentFileError, match=r"agent.py: importing it raised UserFileExit: it called sys.exit\(0\)"):
+    with pytest.raises(AgentFileError, match=r"agent.py: importing it raised UserFileExit: it called "
+                                             r"sys.exit\(0\)"):
         load_agent_executor(write(tmp_path, "sys.exit(0)\n"))
     body = """
         class AgentExecutor(AgentExecutorBase):
@@ -31,14 +32,15 @@ def test_sys_exit_in_an_agent_file_or_its_executor_is_an_error_of_the_file(tmp_p
             async def execute(self, *args, **kwargs):
                 pass
         """
-    with pytest.raises(AgentFileError, match=r"AgentExecutor\(\) raised UserFileExit: it called sys.exit\(1\) at "
-                                             r".*agent2.py:\d+"):
+    with pytest.raises(AgentFileError, match=r"AgentExecutor\(\) raised UserFileExit: it called "
+                                             r"sys.exit\(1\) at .*agent2.py:\d+"):
         load_agent_executor(write(tmp_path, body, name="agent2.py"))
 
 
 @pytest.mark.parametrize("instance, needle", [
     ("class Env(AgentInstanceBase):\n    def __init__(self, *a, **k):\n        pass\n",
-     r"Env\(\) with no arguments, which cannot work: it does not implement step \(abstract in AgentInstanceBase\)"),
+     r"Env\(\) with no arguments, which cannot work: it does not implement step \(abstract in "
+     r"AgentInstanceBase\)"),
     ("class Env(AgentInstanceBase):\n    async def step(self, states, **k):\n        return {}\n",
      r"Env\(\) with no arguments, which cannot work: it does not implement __init__"),
     ("class Env(AgentInstanceBase):\n    def __init__(self, world):\n        self.world = world\n\n"
@@ -48,14 +50,16 @@ def test_sys_exit_in_an_agent_file_or_its_executor_is_an_error_of_the_file(tmp_p
 def test_an_agent_instance_that_cannot_be_created_is_refused_at_load(tmp_path, instance, needle):
     body = instance + ("\n\nclass AgentExecutor(MultiTurnAgentExecutor):\n    def __init__(self):\n"
                        "        super().__init__(Env)\n")
-    with pytest.raises(AgentFileError, match=r"--train.agent_func_path .*agent.py: every episode creates " + needle):
+    with pytest.raises(AgentFileError, match=r"--train.agent_func_path .*agent.py: every episode "
+                                             r"creates " + needle):
         load_agent_executor(write(tmp_path, body))
 
 
 def test_an_agent_instance_with_default_arguments_loads(tmp_path):
     body = ("class Env(AgentInstanceBase):\n    def __init__(self, world=None, **kwargs):\n        pass\n\n"
             "    async def step(self, states, **k):\n        return {}\n\n\n"
-            "class AgentExecutor(MultiTurnAgentExecutor):\n    def __init__(self):\n        super().__init__(Env)\n")
+            "class AgentExecutor(MultiTurnAgentExecutor):\n    def __init__(self):\n        "
+            "super().__init__(Env)\n")
     assert load_agent_executor(write(tmp_path, body)).agent_instance_cls.__name__ == "Env"
 
 

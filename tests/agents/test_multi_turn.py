@@ -61,12 +61,14 @@ def two_turn_env(feedback_texts, rewards, calls=None):
             self.turn += 1
             return {"rewards": torch.tensor(rewards[k]), "scores": torch.tensor(float(k)),
                     "environment_feedback": feedback_texts[k], "done": k == len(feedback_texts) - 1,
-                    "sampling_params": states["sampling_params"], "extra_logs": {"turn": torch.tensor(float(k))}}
+                    "sampling_params": states["sampling_params"],
+                    "extra_logs": {"turn": torch.tensor(float(k))}}
     return Env
 
 
 def prompt(tok, text="Q: 3+4?"):
-    return Prompt(text=text, token_ids=tok(text, add_special_tokens=False)["input_ids"], label="7", source="test")
+    return Prompt(text=text, token_ids=tok(text, add_special_tokens=False)["input_ids"], label="7",
+                  source="test")
 
 
 def test_a_two_turn_episode_is_the_exact_token_trace(tok):
@@ -77,8 +79,8 @@ def test_a_two_turn_episode_is_the_exact_token_trace(tok):
     engine = ScriptedEngine({0: (a1, [-0.5, -0.25, -1.0], "stop"), 1: (a2, [-2.0, -0.125], "stop")})
     engine.turns = {len(obs): 0, len(obs) + 3 + len(fb1): 1}
     calls = []
-    runner = AgentRunner(MultiTurnAgentExecutor(two_turn_env([" wrong, again:", ""], [0.25, 1.0], calls)), engine,
-                         tok, None, max_len=64, timeout=30, max_failure_frac=0.0)
+    runner = AgentRunner(MultiTurnAgentExecutor(two_turn_env([" wrong, again:", ""], [0.25, 1.0], calls)),
+                         engine, tok, None, max_len=64, timeout=30, max_failure_frac=0.0)
     batch = runner.run([p], SamplingParams(temperature=1.0, n=1, seed=3))
     r = batch.rollouts[0]
     assert r.prompt_ids == obs
@@ -92,7 +94,8 @@ def test_a_two_turn_episode_is_the_exact_token_trace(tok):
     # the environment saw the texts OpenRLHF passes: observation so far, the action's text, the label
     # (a1 ended on its stop token 13: as vLLM's `.text`, the action text leaves it out; the tokens keep it)
     assert calls[0]["observation_text"] == p.text and calls[0]["action_text"] == tok.decode(a1[:-1])
-    assert calls[1]["observation_text"] == p.text + tok.decode(a1[:-1]) + " wrong, again:" and calls[1]["label"] == "7"
+    assert (calls[1]["observation_text"] == p.text + tok.decode(a1[:-1]) + " wrong, again:"
+            and calls[1]["label"] == "7")
     # the second request's context is the first turn's exact tokens
     assert engine.batches[1] == [obs + a1 + fb1]
 
@@ -131,8 +134,8 @@ def test_the_budget_spans_all_turns_and_the_last_turn_is_cut_to_fit(tok):
     engine = ScriptedEngine({0: ([5, 6, 7], [-1.0] * 3, "stop"), 1: ([8] * 10, [-0.5] * 10, "stop")})
     engine.turns = {P: 0, P + 3 + len(fb): 1}
     env = two_turn_env([" try again please", " more", ""], [0.0, 0.0, 1.0])
-    runner = AgentRunner(MultiTurnAgentExecutor(env), engine, tok, None, max_len=P + 3 + len(fb) + 4, timeout=30,
-                         max_failure_frac=0.0)
+    runner = AgentRunner(MultiTurnAgentExecutor(env), engine, tok, None, max_len=P + 3 + len(fb) + 4,
+                         timeout=30, max_failure_frac=0.0)
     r = runner.run([p], SamplingParams(n=1, seed=1)).rollouts[0]
     assert len(r.prompt_ids) + len(r.output_ids) == P + 3 + len(fb) + 4  # never beyond --data.max_len
     assert r.output_ids[-4:] == [8] * 4 and r.finish_reason == "length"  # truncated flag set
@@ -141,7 +144,8 @@ def test_the_budget_spans_all_turns_and_the_last_turn_is_cut_to_fit(tok):
     engine2.turns = {P: 0}
     cut = AgentRunner(MultiTurnAgentExecutor(env), engine2, tok, None, max_len=P + 3 + 1, timeout=30,
                       max_failure_frac=0.0).run([p], SamplingParams(n=1, seed=1)).rollouts[0]
-    assert cut.output_ids == [5, 6, 7, fb[0]] and cut.action_mask == [1, 1, 1, 0] and cut.finish_reason == "length"
+    assert (cut.output_ids == [5, 6, 7, fb[0]] and cut.action_mask == [1, 1, 1, 0]
+            and cut.finish_reason == "length")
 
 
 class Broken(AgentInstanceBase):
@@ -196,7 +200,8 @@ def test_failing_episodes_are_counted_skipped_and_stop_the_run_past_the_threshol
     assert "agent episode failed: RuntimeError: the simulator crashed" in capsys.readouterr().err
     strict = AgentRunner(MultiTurnAgentExecutor(Broken), engine, tok, None, max_len=16, timeout=timeout,
                          max_failure_frac=0.5)
-    with pytest.raises(AgentError, match=r"3 of 5 agent episodes failed .*first: RuntimeError: the simulator crashed"):
+    with pytest.raises(AgentError, match=r"3 of 5 agent episodes failed .*first: RuntimeError: the simulator "
+                                         r"crashed"):
         strict.run(prompts, SamplingParams(n=1, seed=1))
 
 
@@ -205,7 +210,8 @@ def test_an_engine_error_stops_the_run_instead_of_failing_episodes(tok):
         def generate(self, *a, **k):
             raise ConnectionError("rollout engine rank 0 died")
 
-    runner = AgentRunner(MultiTurnAgentExecutor(Broken), Dead(), tok, None, max_len=16, timeout=5, max_failure_frac=1.0)
+    runner = AgentRunner(MultiTurnAgentExecutor(Broken), Dead(), tok, None, max_len=16, timeout=5,
+                         max_failure_frac=1.0)
     with pytest.raises(ConnectionError, match="rank 0 died"):
         runner.run([Prompt(text="Q", token_ids=[30], label="ok", source="test")], SamplingParams(n=1, seed=1))
 
@@ -221,8 +227,8 @@ def test_64_concurrent_episodes_equal_sequential_ones_with_the_same_seeds(tok, t
     class Guess(ThreeTurns):
         reward = staticmethod(lambda action_text: float(len(action_text) % 2))
 
-    prompts = [Prompt(text=f"Q{i}:", token_ids=tok(f"Q{i}:", add_special_tokens=False)["input_ids"], label=None,
-                      source="test") for i in range(16)]
+    prompts = [Prompt(text=f"Q{i}:", token_ids=tok(f"Q{i}:", add_special_tokens=False)["input_ids"],
+                      label=None, source="test") for i in range(16)]
     params = SamplingParams(temperature=1.0, n=4, seed=11, max_new_tokens=6)
     class Counting:
         calls = 0
@@ -278,7 +284,8 @@ def test_an_agents_stop_ids_are_added_to_the_engines_eos_as_vllm_does(tok):
             return {"rewards": 1.0, "environment_feedback": "", "done": True}
 
     class Executor(MultiTurnAgentExecutor):
-        async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images=None):
+        async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine,
+                          images=None):
             sampling_params.stop_token_ids = [7, 2]
             return await super().execute(prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine)
 
@@ -294,7 +301,8 @@ def test_a_prompt_length_outside_the_observation_fails_the_episode(tok):
     prompt = Prompt(text="Q", token_ids=[30], label=None, source="test")
     result = {"observation_tokens": [30, 5], "action_ranges": [(1, 2)], "rollout_log_probs": [0.0, -1.0],
               "prompt_length": 0}
-    with pytest.raises(EpisodeFailed, match="prompt_length'] 0 must be between 1 and the 2 observation tokens"):
+    with pytest.raises(EpisodeFailed, match="prompt_length'] 0 must be between 1 and the 2 observation "
+                                            "tokens"):
         episode_to_rollout(result, prompt, 0, 16, tok)
     assert episode_to_rollout(dict(result, prompt_length=1), prompt, 0, 16, tok).output_ids == [5]
 
@@ -326,9 +334,11 @@ def _one_episode(executor, engine, tok, params, max_len=16):
     ([], None, ()),  # no ids: only the budget ends a turn
     ([9], [7], (9, 7)),  # an agent adding to the run's ids keeps them replacing the EOS
 ])
-def test_the_runs_stop_ids_replace_the_eos_in_agent_turns_as_in_single_turn(tok, run_ids, agent_adds, expected):
+def test_the_runs_stop_ids_replace_the_eos_in_agent_turns_as_in_single_turn(tok, run_ids, agent_adds,
+                                                                            expected):
     class Executor(MultiTurnAgentExecutor):
-        async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images=None):
+        async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine,
+                          images=None):
             if agent_adds:
                 sampling_params.stop_token_ids = list(sampling_params.stop_token_ids) + agent_adds
             return await super().execute(prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine)
@@ -340,7 +350,8 @@ def test_the_runs_stop_ids_replace_the_eos_in_agent_turns_as_in_single_turn(tok,
 
 def test_min_tokens_reaches_the_engine_from_the_run_and_from_the_agent(tok):
     class Executor(MultiTurnAgentExecutor):
-        async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images=None):
+        async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine,
+                          images=None):
             assert sampling_params.min_tokens == 1  # OpenRLHF's default, as the run's SamplingParams
             sampling_params.min_tokens = 5
             return await super().execute(prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine)
@@ -361,13 +372,15 @@ def test_the_action_text_ends_before_a_stop_token_that_is_not_special(tok):
     assert calls[0]["action_text"] == tok.decode([5, 6])
     length = RecordingEngine({0: ([5, 6, close], [-1.0] * 3, "length")})  # ran out of budget on that token
     calls.clear()
-    _one_episode(MultiTurnAgentExecutor(two_turn_env([""], [1.0], calls)), length, tok, SamplingParams(n=1, seed=1))
+    _one_episode(MultiTurnAgentExecutor(two_turn_env([""], [1.0], calls)), length, tok,
+                 SamplingParams(n=1, seed=1))
     assert calls[0]["action_text"] == tok.decode([5, 6, close])
 
 
 @pytest.mark.parametrize("feedback_extra", [0, 1])
 def test_an_episode_ended_by_the_budget_is_truncated_when_the_feedback_fills_it_exactly(tok, feedback_extra):
-    """Feedback that exactly fills the remaining budget ends the episode by the budget, as one token more does."""
+    """Feedback that exactly fills the remaining budget ends the episode by the budget, as one
+    token more does."""
     p = prompt(tok)
     P = len(p.token_ids)
     fb = tok(" try again please", add_special_tokens=False)["input_ids"]
@@ -458,4 +471,5 @@ def test_sys_exit_in_step_stops_the_run_with_an_error_naming_the_file(tok):
     runner = AgentRunner(MultiTurnAgentExecutor(Blocking), engine, tok, None, max_len=16, timeout=5,
                          max_failure_frac=1.0)
     with pytest.raises(AgentError, match=r"called sys.exit\(0\) at .*test_multi_turn.py:\d+"):
-        runner.run([Prompt(text="Q", token_ids=[30], label="exit", source="test")], SamplingParams(n=1, seed=1))
+        runner.run([Prompt(text="Q", token_ids=[30], label="exit", source="test")],
+                   SamplingParams(n=1, seed=1))

@@ -22,14 +22,16 @@ def tok(tiny_model_dir):
     return load_tokenizer(tiny_model_dir)
 
 
-@pytest.fixture(scope="module", params=["hf", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.e2e])])
+@pytest.fixture(scope="module",
+                params=["hf", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.e2e])])
 def engine(request, tiny_model_dir, tok):
     """The HF engine, and real vLLM over AsyncLLM (each model call its own request, as on a Ray rollout
     engine of an agent run; its engine core is a process of its own): the server drives both alike."""
     if request.param == "hf":
         from posttrain.models import load_causal_lm
 
-        yield HFRolloutEngine(load_causal_lm(tiny_model_dir, dtype="fp32").eval(), tok, pad_token_id=tok.pad_token_id)
+        yield HFRolloutEngine(load_causal_lm(tiny_model_dir, dtype="fp32").eval(), tok,
+                              pad_token_id=tok.pad_token_id)
         return
     from posttrain.config.backends import vllm_unavailable
     from posttrain.rollout.hf_engine import resolve_eos_ids
@@ -66,13 +68,15 @@ class TwoTurnHTTP(OpenAIServerAgentExecutor):
 
 
 def prompts(tok, k):
-    return [Prompt(text=f"What is {i}+{i}?", token_ids=tok(f"What is {i}+{i}?", add_special_tokens=False)["input_ids"],
+    return [Prompt(text=f"What is {i}+{i}?",
+                   token_ids=tok(f"What is {i}+{i}?", add_special_tokens=False)["input_ids"],
                    label=str(2 * i), source="test") for i in range(k)]
 
 
 def run_batch(executor, engine, tok, *, max_len, k, params, max_failure_frac=0.0):
     """One rollout batch of `k` prompts through `executor`, its server stopped afterwards."""
-    runner = AgentRunner(executor, engine, tok, None, max_len=max_len, timeout=60, max_failure_frac=max_failure_frac)
+    runner = AgentRunner(executor, engine, tok, None, max_len=max_len, timeout=60,
+                         max_failure_frac=max_failure_frac)
     try:
         return runner.run(prompts(tok, k), params)
     finally:
@@ -80,7 +84,8 @@ def run_batch(executor, engine, tok, *, max_len, k, params, max_failure_frac=0.0
 
 
 def test_http_agent_episodes_are_stitched_from_the_exact_tokens(tok, engine):
-    batch = run_batch(TwoTurnHTTP(), engine, tok, max_len=200, k=3, params=SamplingParams(temperature=1.0, n=2, seed=5))
+    batch = run_batch(TwoTurnHTTP(), engine, tok, max_len=200, k=3,
+                      params=SamplingParams(temperature=1.0, n=2, seed=5))
     assert len(batch.rollouts) == 6 and not batch.skipped.any()
     for r in batch.rollouts:  # the calls of this sample's episode (episodes finish in any order)
         first, second = next((f, s) for f, s in TwoTurnHTTP.seen if s["token_ids"]["prompt_token_ids"]
@@ -110,7 +115,8 @@ class Probe(OpenAIServerAgentExecutor):
         def call(path, body, key=None, method="post"):
             if method == "get":
                 r = requests.get(session.base_url.removesuffix("/v1") + path, timeout=30,
-                                 headers={} if key == "" else {"Authorization": f"Bearer {key or session.api_key}"})
+                                 headers={} if key == ""
+                                 else {"Authorization": f"Bearer {key or session.api_key}"})
             else:
                 r = post(session, path, body, key)
             return r.status_code, r.json()
@@ -123,14 +129,16 @@ class Probe(OpenAIServerAgentExecutor):
             "stream": lambda: call("/v1/chat/completions", {"messages": good, "stream": True}),
             "n2": lambda: call("/v1/chat/completions", {"messages": good, "n": 2}),
             "temperature": lambda: call("/v1/chat/completions", {"messages": good, "temperature": "hot"}),
-            "too_long": lambda: call("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 400}]}),
+            "too_long": lambda: call("/v1/chat/completions",
+                                     {"messages": [{"role": "user", "content": "x " * 400}]}),
             "models": lambda: call("/v1/models", None, method="get"),
             "health": lambda: call("/health", None, method="get"),
             "tokenize": lambda: call("/tokenize", {"messages": good}),
         }
         for name, fn in cases.items():
             Probe.answers[name] = await asyncio.to_thread(fn)
-        Probe.answers["ok"] = await asyncio.to_thread(call, "/v1/chat/completions", {"messages": good, "max_tokens": 3})
+        Probe.answers["ok"] = await asyncio.to_thread(call, "/v1/chat/completions",
+                                                      {"messages": good, "max_tokens": 3})
         return {"reward": 0.5}
 
 
@@ -139,30 +147,39 @@ def test_bad_requests_are_refused_with_a_reason(tok, engine):
     a = Probe.answers
     assert a["no_auth"][0] == 401 and "missing Authorization" in a["no_auth"][1]["error"]["message"]
     assert a["wrong_key"][0] == 401 and "unknown bearer token" in a["wrong_key"][1]["error"]["message"]
-    assert a["no_messages"] == (400, {"error": {"message": "'messages' must be a non-empty list of {role, content} "
-                                                           "objects", "type": "invalid_request_error"}})
+    assert a["no_messages"] == (400, {"error": {"message": "'messages' must be a non-empty list of {role, "
+                                                           "content} objects",
+                                                "type": "invalid_request_error"}})
     assert a["bad_message"][0] == 400 and "messages[0]" in a["bad_message"][1]["error"]["message"]
     assert a["stream"][0] == 400 and a["n2"][0] == 400
-    assert a["temperature"][0] == 400 and "'temperature' must be a number" in a["temperature"][1]["error"]["message"]
+    assert (a["temperature"][0] == 400
+            and "'temperature' must be a number" in a["temperature"][1]["error"]["message"])
     assert a["too_long"][0] == 413 and "--data.max_len 64" in a["too_long"][1]["error"]["message"]
-    assert a["models"] == (200, {"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "posttrain"}]})
+    assert a["models"] == (200,
+                           {"object": "list",
+                            "data": [{"id": "policy", "object": "model", "owned_by": "posttrain"}]})
     assert a["health"][0] == 200 and a["tokenize"][1]["count"] == len(a["tokenize"][1]["tokens"]) > 0
-    assert a["ok"][0] == 200 and batch.rewards.tolist() == [0.5] and batch.rollouts[0].turns == 1  # only the good call
+    # only the good call
+    assert a["ok"][0] == 200 and batch.rewards.tolist() == [0.5] and batch.rollouts[0].turns == 1
 
 
 class RewritesHistory(OpenAIServerAgentExecutor):
     async def run_agent(self, prompt, label, session):
         messages = [{"role": "user", "content": prompt}]
-        await asyncio.to_thread(post, session, "/v1/chat/completions", {"messages": messages, "max_tokens": 3})
-        messages += [{"role": "assistant", "content": "something it never said"}, {"role": "user", "content": "ok?"}]
-        r = await asyncio.to_thread(post, session, "/v1/chat/completions", {"messages": messages, "max_tokens": 3})
+        await asyncio.to_thread(post, session, "/v1/chat/completions",
+                                {"messages": messages, "max_tokens": 3})
+        messages += [{"role": "assistant", "content": "something it never said"},
+                     {"role": "user", "content": "ok?"}]
+        r = await asyncio.to_thread(post, session, "/v1/chat/completions",
+                                    {"messages": messages, "max_tokens": 3})
         assert r.status_code == 200  # the agent is still served...
         return {"reward": 1.0}
 
 
 def test_a_history_that_diverges_from_the_sampled_tokens_is_counted_and_not_trained(tok, engine):
     executor = RewritesHistory()
-    batch = run_batch(executor, engine, tok, max_len=128, k=2, params=SamplingParams(n=1, seed=1), max_failure_frac=1.0)
+    batch = run_batch(executor, engine, tok, max_len=128, k=2, params=SamplingParams(n=1, seed=1),
+                      max_failure_frac=1.0)
     assert batch.skipped.tolist() == [True, True] and executor.divergent == 2  # ...but never trained on
     assert "session diverged: call 2: the re-rendered history differs" in batch.rollouts[0].error
 
@@ -186,7 +203,8 @@ def test_the_official_openai_client_drives_episodes(tok, engine):
     assert batch.rewards.tolist() == [5.0] * 4
 
 
-def test_content_ends_before_a_stop_token_that_is_not_special_and_the_echoed_history_still_continues(tok, engine):
+def test_content_ends_before_a_stop_token_that_is_not_special_and_the_echoed_history_still_continues(tok,
+                                                                                                     engine):
     """vLLM leaves the stop token out of `message.content`; an agent echoing that content back continues the
     session from the sampled tokens (the stop token stays in the sample), with no divergence."""
     stops = [t for t in range(100, 400) if t not in tok.all_special_ids]  # frequent, not special
@@ -219,7 +237,8 @@ class LimitProbe(OpenAIServerAgentExecutor):
         cases = {
             "tokenize_big": lambda: call("/tokenize", {"messages": big}),
             "chat_big": lambda: call("/v1/chat/completions", {"messages": big}),
-            "surrogate": lambda: call("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]}),
+            "surrogate": lambda: call("/v1/chat/completions",
+                                      {"messages": [{"role": "user", "content": "a\ud800"}]}),
             "ok": lambda: call("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}],
                                                         "max_tokens": 3}),
         }

@@ -39,7 +39,8 @@ def test_dropped_and_stalled_clients_are_counted_and_closed():
                    "body": raw(base, head + b"Content-Length: 1000\r\n\r\n" + b'{"messages": ')}
         got = {k: read_until_closed(s, READ_TIMEOUT + 10) for k, s in stalled.items()}
         assert got["headers"].startswith(b"HTTP/1.1 408 ")
-        assert got["body"].startswith(b"HTTP/1.1 408 ") and b"OpenAIServerAgentExecutor.read_timeout" in got["body"]
+        assert (got["body"].startswith(b"HTTP/1.1 408 ")
+                and b"OpenAIServerAgentExecutor.read_timeout" in got["body"])
     finally:
         proc.kill()
         text = proc.communicate(timeout=20)[0]

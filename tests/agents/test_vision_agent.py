@@ -65,8 +65,9 @@ def vlm(tiny_vision_dir):
 
 def _episodes(vlm, tmp_path, max_len: int):
     model, tok, processor = vlm
-    prompts = PromptDataset(colour_rows(2, seed=0, folder=tmp_path), tok, input_key="prompt", label_key="answer",
-                            apply_chat_template=True, processor=processor, max_images=1).prompts
+    prompts = PromptDataset(colour_rows(2, seed=0, folder=tmp_path), tok, input_key="prompt",
+                            label_key="answer", apply_chat_template=True, processor=processor,
+                            max_images=1).prompts
     engine = HFRolloutEngine(model, tok, pad_token_id=tok.pad_token_id)
     runner = AgentRunner(AgentExecutor(), engine, tok, None, max_len=max_len, timeout=60, max_failure_frac=0,
                          turn_cap=4, processor=processor)
@@ -81,7 +82,8 @@ def test_environment_images_join_the_context_outside_the_action_mask(vlm, tmp_pa
         assert r.error is None and r.turns == 3
         grid = r.image_inputs["image_grid_thw"]
         assert len(grid) == 2  # the prompt's image and the screenshot, in order
-        assert sequence.count(image_id) == int(grid.prod(axis=1).sum()) // 4  # every image token has its image
+        # every image token has its image
+        assert sequence.count(image_id) == int(grid.prod(axis=1).sum()) // 4
         actions = [t for t, m in zip(r.output_ids, r.action_mask) if m]
         assert image_id not in actions and sum(r.action_mask) == len(actions) > 0
         assert r.output_ids.count(image_id) == 4  # the screenshot's tokens: feedback, not actions
@@ -93,7 +95,8 @@ def test_environment_images_join_the_context_outside_the_action_mask(vlm, tmp_pa
 
 
 def test_an_image_that_does_not_fit_the_budget_is_left_out_with_its_tokens(vlm, tmp_path):
-    scored, model, _ = _episodes(vlm, tmp_path, max_len=40)  # room for the prompt and a turn, not the screenshot
+    # room for the prompt and a turn, not the screenshot
+    scored, model, _ = _episodes(vlm, tmp_path, max_len=40)
     image_id = model.config.image_token_id
     for r in scored.rollouts:
         assert r.error is None and len(r.prompt_ids) + len(r.output_ids) <= 40
@@ -121,19 +124,20 @@ class FailingFirstEnv(ScreenshotEnv):
 
 
 def test_a_failed_episode_with_an_image_prompt_keeps_its_images(vlm, tmp_path):
-    """A failed episode stays in the batch (zero action mask) with its prompt's image tokens: its row carries the
-    prompt's image tensors, so the batch's forward passes still match tokens to images."""
+    """A failed episode stays in the batch (zero action mask) with its prompt's image tokens: its row carries
+    the prompt's image tensors, so the batch's forward passes still match tokens to images."""
     model, tok, processor = vlm
 
     class Executor(MultiTurnAgentExecutor):
         def __init__(self):
             super().__init__(FailingFirstEnv)
 
-    prompts = PromptDataset(colour_rows(2, seed=0, folder=tmp_path), tok, input_key="prompt", label_key="answer",
-                            apply_chat_template=True, processor=processor, max_images=1).prompts
+    prompts = PromptDataset(colour_rows(2, seed=0, folder=tmp_path), tok, input_key="prompt",
+                            label_key="answer", apply_chat_template=True, processor=processor,
+                            max_images=1).prompts
     engine = HFRolloutEngine(model, tok, pad_token_id=tok.pad_token_id)
-    runner = AgentRunner(Executor(), engine, tok, None, max_len=200, timeout=60, max_failure_frac=0.5, turn_cap=4,
-                         processor=processor)
+    runner = AgentRunner(Executor(), engine, tok, None, max_len=200, timeout=60, max_failure_frac=0.5,
+                         turn_cap=4, processor=processor)
     scored = runner.run(prompts, SamplingParams(max_new_tokens=4, n=2, seed=3))
     failed = [r for r in scored.rollouts if r.error is not None]
     assert len(failed) == 1 and failed[0].image_inputs is not None

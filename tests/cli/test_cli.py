@@ -19,7 +19,8 @@ def run(*args, check=True, timeout=300):
     proc = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, env=ENV,
                           timeout=timeout, check=False)
     if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
+        raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
+                             f"stderr:\n{proc.stderr[-3000:]}")
     return proc
 
 
@@ -48,13 +49,13 @@ def test_init_tiny_into_a_non_empty_folder_or_a_file_is_one_line(tmp_path, capsy
     proc = in_process(capsys, "init-tiny", "--output", tmp_path / "full", "--size", "nano")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"posttrain init-tiny: error: --output {tmp_path / 'full'} is not empty; choose a new or empty folder, or "
-        "pass --overwrite to replace its contents")
+        f"posttrain init-tiny: error: --output {tmp_path / 'full'} is not empty; choose a new or empty "
+        f"folder, or pass --overwrite to replace its contents")
     assert (tmp_path / "full" / "keep.txt").exists()
     proc = in_process(capsys, "init-tiny", "--output", tmp_path / "full" / "keep.txt")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
-        f"posttrain init-tiny: error: --output {tmp_path / 'full' / 'keep.txt'} is a file, not a folder; choose a "
-        "new or empty folder")
+        f"posttrain init-tiny: error: --output {tmp_path / 'full' / 'keep.txt'} is a file, not a folder; "
+        f"choose a new or empty folder")
 
 
 def test_init_tiny_refuses_an_unknown_shape_in_one_line(tmp_path, capsys):
@@ -73,11 +74,11 @@ def test_init_tiny_vision_builds_a_vlm_and_refuses_other_flags_in_one_line(tmp_p
                              "--size", "nano").stdout)
     assert summary["arch"] == "qwen2_5_vl" and summary["vision"] and is_vision_folder(tmp_path / "v")
     assert load_processor(tmp_path / "v").image_processor is not None
-    proc = run("-m", "posttrain.cli.main", "init-tiny", "--output", tmp_path / "w", "--vision", "--head", "score",
-               "--arch", "qwen2", check=False)
+    proc = run("-m", "posttrain.cli.main", "init-tiny", "--output", tmp_path / "w", "--vision",
+               "--head", "score", "--arch", "qwen2", check=False)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        "posttrain init-tiny: error: --vision builds a tiny Qwen2.5-VL from a --size preset in fp32; drop --arch, "
-        "--head score"]
+        "posttrain init-tiny: error: --vision builds a tiny Qwen2.5-VL from a --size preset in fp32; drop "
+        "--arch, --head score"]
 
 
 @pytest.mark.e2e
@@ -85,7 +86,8 @@ def test_init_tiny_cli_builds_loadable_models(tmp_path):
     summary = json.loads(run("-m", "posttrain.cli.main", "init-tiny", "--output", tmp_path / "m",
                              "--arch", "qwen2", "--size", "nano").stdout)
     assert summary["arch"] == "qwen2" and summary["num_parameters"] > 500_000
-    run("-m", "posttrain.cli.main", "init-tiny", "--output", tmp_path / "rm", "--size", "nano", "--head", "score")
+    run("-m", "posttrain.cli.main", "init-tiny", "--output", tmp_path / "rm", "--size", "nano",
+        "--head", "score")
     from transformers import (
         AutoConfig,
         AutoModelForCausalLM,
@@ -106,15 +108,16 @@ def test_openrlhf_train_sft_script_runs_with_only_the_module_renamed(tiny_model_
     from posttrain.data.synthetic import make_arithmetic_rows, write_jsonl
 
     data = tmp_path / "data.jsonl"
-    write_jsonl([{"question": r["prompt"], "response": r["response"]} for r in make_arithmetic_rows(24, seed=1)], data)
+    write_jsonl([{"question": r["prompt"], "response": r["response"]}
+                 for r in make_arithmetic_rows(24, seed=1)], data)
     out = tmp_path / "sft"
     proc = sft(
         "--data.max_len", "64", "--data.dataset", data, "--data.input_key", "question",
         "--data.output_key", "response", "--data.input_template", "User: {}\nAssistant: ",
         "--train.batch_size", "8", "--train.micro_batch_size", "2", "--data.max_samples", "500000",
         "--model.model_name_or_path", tiny_model_dir, "--ckpt.output_dir", out, "--ckpt.save_steps", "-1",
-        "--logger.logging_steps", "1", "--eval.steps", "-1", "--ds.zero_stage", "2", "--train.max_epochs", "1",
-        "--ds.packing_samples", "--ds.param_dtype", "fp32", "--adam.lr", "5e-6",
+        "--logger.logging_steps", "1", "--eval.steps", "-1", "--ds.zero_stage", "2",
+        "--train.max_epochs", "1", "--ds.packing_samples", "--ds.param_dtype", "fp32", "--adam.lr", "5e-6",
         "--model.gradient_checkpointing_enable", check=True)
     assert len(read_metrics(out / "metrics.jsonl")) == 3
     from transformers import AutoModelForCausalLM
@@ -134,7 +137,8 @@ def test_malformed_jsonl_row_names_file_and_line(tiny_model_dir, tmp_path, capsy
 
 def test_missing_key_names_row_key_and_flag(tiny_model_dir, tmp_path, capsys):
     data = tmp_path / "rows.jsonl"
-    data.write_text('{"prompt": "What is 1 + 1?", "response": "2"}\n{"question": "What is 2 + 2?", "response": "4"}\n')
+    data.write_text('{"prompt": "What is 1 + 1?", "response": "2"}\n{"question": "What is 2 + 2?", '
+                    '"response": "4"}\n')
     proc = in_process(capsys, "sft", *base_flags(tiny_model_dir, data, tmp_path / "o"))
     assert proc.returncode == 2
     assert "rows.jsonl" in proc.stderr and "2" in proc.stderr and "'prompt'" in proc.stderr
@@ -163,7 +167,8 @@ def test_invalid_combination_fails_before_loading_anything(tiny_model_dir, tmp_p
 
 @pytest.mark.e2e
 def test_plot_cli(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "train/loss": 1 / i}) + "\n" for i in range(1, 4)))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "train/loss": 1 / i}) + "\n"
+                                                    for i in range(1, 4)))
     out = run("-m", "posttrain.cli.main", "plot", tmp_path).stdout
     assert Path(out.strip()).name == "train.png"
     overlaid = run("-m", "posttrain.cli.main", "plot", tmp_path, tmp_path / "metrics.jsonl",

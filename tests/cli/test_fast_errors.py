@@ -35,7 +35,8 @@ def cases(tmp, model):
         (["sft", *train, "--data.input_key", "prompt", "--data.output_key", "response",
           "--ckpt.output_dir", finished], "holds a finished run"),
         (["rm", *train], "--data.chosen_key 'chosen'"),
-        # a flag whose rule reads the model's config.json (packing: not with a vision-language model) stays light
+        # a flag whose rule reads the model's config.json (packing: not with a vision-language
+        # model) stays light
         (["sft", *train, "--ds.packing_samples", "--data.input_key", "promt"],
          "did you mean 'prompt'"),
         (["dpo", *train, "--train.batch_size", "0"], "--train.batch_size 0"),

@@ -16,12 +16,14 @@ PLAN = [
     {0: [[10]], 1: [[11], [0], [5]]},
 ]
 # eps: rounding.py's ADAM_EPS, so that the rounding of other summation orders stays small in the weights
-OPT = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-3, "weight_decay": 0.1, "lr_scheduler": "cosine_with_min_lr",
-       "warmup_ratio": 0.0, "min_lr_ratio": 0.1, "total_steps": 4, "max_norm": 1.6}
+OPT = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-3, "weight_decay": 0.1,
+       "lr_scheduler": "cosine_with_min_lr", "warmup_ratio": 0.0, "min_lr_ratio": 0.1, "total_steps": 4,
+       "max_norm": 1.6}
 
 
 _ADAM = {"lr": "lr", "betas": "betas", "eps": "eps", "weight_decay": "weight_decay"}
-_MUON = {"muon_lr": "lr", "muon_momentum": "momentum", "muon_nesterov": "nesterov", "muon_ns_steps": "ns_steps"}
+_MUON = {"muon_lr": "lr", "muon_momentum": "momentum", "muon_nesterov": "nesterov",
+         "muon_ns_steps": "ns_steps"}
 _TOP = {"optim": "optim", "lr_scheduler": "lr_scheduler", "warmup_ratio": "lr_warmup_ratio",
         "warmup_steps": "lr_warmup_steps",
         "min_lr_ratio": "min_lr_ratio", "max_norm": "max_norm"}
@@ -42,8 +44,8 @@ def optimizer(**flat):
 
 
 def train_engine(model, *, total_steps: int, zero_stage=None, **flat):
-    """`make_train_engine` with flat test keywords: optimizer ones and the --ds ones (param_dtype, adam_offload,
-    grad_accum_dtype, zpg, overlap_comm)."""
+    """`make_train_engine` with flat test keywords: optimizer ones and the --ds ones (param_dtype,
+    adam_offload, grad_accum_dtype, zpg, overlap_comm)."""
     from posttrain.config.sections import DSConfig
     from posttrain.engines import make_train_engine
 

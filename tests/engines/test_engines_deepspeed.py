@@ -37,7 +37,8 @@ def ds_results(tmp_path_factory):
     with socket.socket() as sock:  # torchrun's --master_port 0 does not reach the workers' rendezvous
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
            os.path.join(HERE, "engines_ds_worker.py"), str(out), str(tmp), ",".join(map(str, STAGES)), "2,3"]
     proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=600)
@@ -126,7 +127,8 @@ def test_frozen_weights_stay_out_of_a_zero2_checkpoint(tmp_path):
     parameters (LoRA's shape) saves its trainable tensors only, resumes exactly, and refuses another base."""
     import json
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join([HERE, env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-c", FROZEN_ROUND_TRIP, str(tmp_path / "s")], env=env, cwd=HERE,
                           capture_output=True, text=True, timeout=600, check=False)
@@ -135,7 +137,8 @@ def test_frozen_weights_stay_out_of_a_zero2_checkpoint(tmp_path):
     assert result["diff"] == 0.0 and "other frozen" in result["refused"]
     meta = json.loads((tmp_path / "s" / "engine_state.json").read_text())
     assert meta["weights"] == "trainable" and meta["frozen_hash"]
-    states = torch.load(tmp_path / "s" / "engine" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    states = torch.load(tmp_path / "s" / "engine" / "mp_rank_00_model_states.pt",
+                        weights_only=False)["module"]
     assert states and all("q_proj" in k for k in states)
 
 
@@ -145,9 +148,11 @@ def test_the_gradient_reduce_bucket_fits_the_trainable_elements():
     from posttrain.engines.deepspeed_engine import ds_config
 
     def bucket(stage, trainable):
-        zero = ds_config(zero_stage=stage, world_size=2, max_norm=1.0, trainable=trainable)["zero_optimization"]
+        zero = ds_config(zero_stage=stage, world_size=2, max_norm=1.0,
+                         trainable=trainable)["zero_optimization"]
         return zero.get("reduce_bucket_size")
 
-    assert bucket(3, 325_632) == 1_000_000 and bucket(2, 10_199_424) == 1_274_928 and bucket(3, 200_000_000) == 25_000_000
+    assert (bucket(3, 325_632) == 1_000_000 and bucket(2, 10_199_424) == 1_274_928
+            and bucket(3, 200_000_000) == 25_000_000)
     assert bucket(3, 494_032_768) == 50_000_000 and bucket(3, None) == 50_000_000
     assert bucket(1, 10_199_424) is None and bucket(0, 10_199_424) is None

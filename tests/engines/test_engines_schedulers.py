@@ -72,7 +72,8 @@ HAND = [
     ("constant", {}, [1.0] * 11),
     ("constant_with_warmup", {}, [0, 0.5] + [1.0] * 9),
     ("inverse_sqrt", {}, [0, 0.5] + [math.sqrt(2 / s) for s in range(2, 11)]),
-    ("cosine_with_min_lr", {"min_lr_ratio": 0.1}, [0, 0.5] + [0.1 + 0.9 * cos_down((s - 2) / 8) for s in range(2, 11)]),
+    ("cosine_with_min_lr", {"min_lr_ratio": 0.1},
+     [0, 0.5] + [0.1 + 0.9 * cos_down((s - 2) / 8) for s in range(2, 11)]),
     # warm-up one step ahead: (s + 1) / 2; decay p' = (s - 1) / 8 (past 1 at s = T, as transformers)
     ("cosine_warmup_with_min_lr", {"min_lr_ratio": 0.1},
      [0.5, 1.0] + [0.1 + 0.9 * cos_down((s - 1) / 8) for s in range(2, 11)]),
@@ -89,11 +90,13 @@ def test_every_schedule_by_hand(name, kw, expected):
 def test_hand_tables_spot_values():
     assert factors("cosine")[6] == pytest.approx(0.5)  # p = 1/2
     assert factors("inverse_sqrt")[8] == pytest.approx(0.5)  # sqrt(2 / 8)
-    assert factors("linear")[6] == 0.5 and factors("cosine_with_min_lr", min_lr_ratio=0.1)[10] == pytest.approx(0.1)
+    assert (factors("linear")[6] == 0.5
+            and factors("cosine_with_min_lr", min_lr_ratio=0.1)[10] == pytest.approx(0.1))
     # no warm-up: inverse_sqrt's timescale is 10000; wsd over 30 steps decays in the last ceil(30 / 10) = 3
     assert factors("inverse_sqrt", warmup=0)[10] == pytest.approx(math.sqrt(10000 / 10010))
     wsd = factors("warmup_stable_decay", total=30, warmup=0, min_lr_ratio=0.0)
-    assert wsd[26] == 1.0 and wsd[27] == 1.0 and wsd[28] == pytest.approx(0.75) and wsd[29] == pytest.approx(0.25)
+    assert (wsd[26] == 1.0 and wsd[27] == 1.0 and wsd[28] == pytest.approx(0.75)
+            and wsd[29] == pytest.approx(0.25))
     assert wsd[30] == 0.0
 
 

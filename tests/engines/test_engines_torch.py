@@ -97,11 +97,12 @@ def test_load_state_missing_or_corrupt_changes_nothing(tmp_path):
 def test_factory_picks_torch_engine_without_importing_deepspeed():
     code = ("import sys, torch; from posttrain.engines import make_train_engine\n"
             "from posttrain.config.sections import AdamConfig, OptimizerFields\n"
-            "e = make_train_engine(torch.nn.Linear(2, 2), OptimizerFields(adam=AdamConfig(lr=0.1)), total_steps=3)\n"
-            "assert type(e).__name__ == 'TorchEngine' and e.rank == 0 and e.world_size == 1 and e.is_main\n"
-            "assert 'deepspeed' not in sys.modules, 'deepspeed imported'\n")
+            "e = make_train_engine(torch.nn.Linear(2, 2), OptimizerFields(adam=AdamConfig(lr=0.1)), "
+            "total_steps=3)\nassert type(e).__name__ == 'TorchEngine' and e.rank == 0 and e.world_size == 1 "
+            "and e.is_main\nassert 'deepspeed' not in sys.modules, 'deepspeed imported'\n")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

@@ -30,7 +30,8 @@ dist.destroy_process_group()
 
 @pytest.mark.e2e
 def test_a_one_process_deepspeed_group_picks_no_port():
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     proc = subprocess.run([sys.executable, "-c", ONE_PROCESS], capture_output=True, text=True, timeout=120,
                           check=False, env={**env, "DS_BUILD_OPS": "0", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]

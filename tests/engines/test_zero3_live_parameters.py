@@ -16,10 +16,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def gathered_fractions(mode: str) -> list[float]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join([HERE, env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "zero3_live_worker.py"), mode], check=False, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "zero3_live_worker.py"), mode], check=False,
+                          env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     pairs = re.findall(r"gathered (\d+) of (\d+)", proc.stdout)
     assert len(pairs) == 3, proc.stdout[-2000:]

@@ -18,7 +18,8 @@ def test_adjacent_views_of_one_buffer_become_one_view():
     buf = torch.arange(10.0)
     parts = [buf.narrow(0, 2, 3), buf.narrow(0, 5, 4)]
     view = adjacent_view(parts)
-    assert torch.equal(view, torch.cat(parts)) and view.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    assert (torch.equal(view, torch.cat(parts))
+            and view.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr())
     view.mul_(2)  # a view, not a copy
     assert buf[2:9].tolist() == [4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0]
 
@@ -37,20 +38,24 @@ def test_anything_else_keeps_deepspeeds_copy(parts):
 
 @pytest.mark.e2e
 def test_the_step_shares_weights_and_gradients_and_trains_identically():
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join([HERE, env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, os.path.join(HERE, "zero3_step_worker.py")], check=False, env=env,
                           capture_output=True, text=True, timeout=300)
     out = proc.stdout
     assert proc.returncode == 0, out[-2000:] + proc.stderr[-4000:]
-    runs = {(name, lean == "True"): (masters == "True", grads == "True", int(groups)) for name, lean, masters, grads, groups
+    runs = {(name, lean == "True"): (masters == "True", grads == "True", int(groups))
+            for name, lean, masters, grads, groups
             in re.findall(r"(\w+) lean=(\w+) masters=(\w+) grads=(\w+) groups=(\d+)", out)}
     assert len(runs) == 4, out
     for name in ("default", "split"):
         assert runs[(name, True)][:2] == (True, True), out
         assert runs[(name, False)][:2] == (False, False), out  # the control: DeepSpeed's copies
         assert f"{name} identical=True" in out, out
-    assert runs[("split", True)][2] > runs[("default", True)][2], out  # several sub-groups per parameter group
+    # several sub-groups per parameter group
+    assert runs[("split", True)][2] > runs[("default", True)][2], out
     unused = dict(re.findall(r"unused lean=(\w+) gradient=(\S+)", out))
     assert float(unused["False"]) > 0, out  # DeepSpeed's own: the last step's gradient again
-    assert float(unused["True"]) == 0, out  # cleared after each step: a parameter without a gradient steps with 0
+    # cleared after each step: a parameter without a gradient steps with 0
+    assert float(unused["True"]) == 0, out

@@ -26,7 +26,8 @@ def config(**kwargs):
     cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # partition every parameter
     cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = 10_000
     if sys.argv[1] == "deepspeed":
-        del cfg["zero_optimization"]["stage3_max_live_parameters"], cfg["zero_optimization"]["stage3_max_reuse_distance"]
+        del cfg["zero_optimization"]["stage3_max_live_parameters"], \
+            cfg["zero_optimization"]["stage3_max_reuse_distance"]
     return cfg
 
 

@@ -2,9 +2,9 @@
 1-2 micro-batches (with clipping and weight decay), with and without `lean_step`, at DeepSpeed's default
 sub-group size and at one that splits the model into several sub-groups. Prints one line per run: whether
 every master partition the optimizer stepped was a view of the parameter partitions and its gradient a
-view of the flat gradient buffer, and the sub-group count; then whether both runs of each sub-group size ended bit-identical.
-Last, with and without `lean_step`: the largest |gradient| in the input embedding's slot when the optimizer
-stepped in a step whose forward did not use the embedding (it was fed `inputs_embeds`).
+view of the flat gradient buffer, and the sub-group count; then whether both runs of each sub-group size ended
+bit-identical. Last, with and without `lean_step`: the largest |gradient| in the input embedding's slot when
+the optimizer stepped in a step whose forward did not use the embedding (it was fed `inputs_embeds`).
 """
 import os
 
@@ -75,7 +75,8 @@ def unused_parameter_gradient(lean: bool) -> float:
     data = make_data()
     run_step(engine, data, {0: [[0, 1]]}, 0, pad=False)
     handle = register_optimizer_step_pre_hook(record)
-    embeds = torch.randn(2, data["input_ids"].shape[1], 32, generator=torch.Generator().manual_seed(0)).to(engine.device)
+    embeds = torch.randn(2, data["input_ids"].shape[1], 32,
+                         generator=torch.Generator().manual_seed(0)).to(engine.device)
     engine.backward(engine.model(inputs_embeds=embeds).logits.float().logsumexp(-1).mean())
     engine.step()
     handle.remove()

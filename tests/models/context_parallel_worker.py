@@ -1,8 +1,9 @@
 """Worker for test_context_parallel: a tiny llama's loss and gradients over one packed row (samples of lengths
-LENGTHS), computed whole in one process and split over the ranks of the group (context parallel). Two losses: a
-sum over tokens (each rank its share) and one every rank computes alike from the row's per-token log-probs
+LENGTHS), computed whole in one process and split over the ranks of the group (context parallel). Two losses:
+a sum over tokens (each rank its share) and one every rank computes alike from the row's per-token log-probs
 gathered over the group (`gather_replicated`, as RL losses and reward reads). Prints `max_rel_loss=...
-max_abs_grad=... max_grad=...` and `replicated: ...` (the same for the second loss) and the bytes moved on rank 0."""
+max_abs_grad=... max_grad=...` and `replicated: ...` (the same for the second loss) and the bytes moved
+on rank 0."""
 import os
 import sys
 
@@ -29,7 +30,8 @@ def row(vocab: int):
     ids = torch.randint(3, vocab, (1, sum(LENGTHS)), generator=g)
     pos = torch.cat([torch.arange(n) for n in LENGTHS])[None]
     labels = next_tokens(ids, -100)
-    ends = torch.tensor(LENGTHS).cumsum(0) - 1  # a sample's last token has no label (the next is another sample)
+    # a sample's last token has no label (the next is another sample)
+    ends = torch.tensor(LENGTHS).cumsum(0) - 1
     labels[0, ends] = -100
     return ids, pos, labels
 
@@ -78,7 +80,8 @@ def main():
     whole_loss.backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    whole_rep = replicated_loss(forward_logits(model, {"input_ids": ids, "position_ids": pos}), labels, ids.shape[1])
+    whole_rep = replicated_loss(forward_logits(model, {"input_ids": ids, "position_ids": pos}), labels,
+                                ids.shape[1])
     whole_rep.backward()
     want_rep = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()

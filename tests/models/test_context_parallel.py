@@ -27,7 +27,8 @@ def test_labels_are_made_before_the_cut():
     ids = torch.tensor([[5, 6, 7, 8]])
     labels = next_tokens(ids, -100)
     assert labels.tolist() == [[6, 7, 8, -100]]
-    assert slice_row(labels, 0, 2, -100).tolist() == [[6, 7]]  # rank 0's last token keeps its label (8 is rank 1's)
+    # rank 0's last token keeps its label (8 is rank 1's)
+    assert slice_row(labels, 0, 2, -100).tolist() == [[6, 7]]
 
 
 @pytest.mark.e2e
@@ -44,8 +45,9 @@ def test_two_ranks_give_the_unsplit_rows_loss_and_gradients(tmp_path, lengths, s
         port = str(s.getsockname()[1])
     env = {**os.environ, "CP_LENGTHS": lengths, "CP_STRIDE": str(stride), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           port, os.path.join(HERE, "context_parallel_worker.py"), str(tmp_path / "model")],
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", port, os.path.join(HERE, "context_parallel_worker.py"),
+                           str(tmp_path / "model")],
                           capture_output=True, text=True, env=env, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = re.search(r"max_rel_loss=(\S+) max_abs_grad=(\S+) max_grad=(\S+)", proc.stdout)

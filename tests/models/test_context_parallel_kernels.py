@@ -32,8 +32,8 @@ def runs_attention(q, k, v, runs, scale=None):
         keys = runs.key_index[ks:ke]
         lq, lk = qe - qs, ke - ks
         mask = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
-        outs.append(F.scaled_dot_product_attention(q[:, :, qs:qe], k[:, :, keys], v[:, :, keys], attn_mask=mask,
-                                                   scale=scale))
+        outs.append(F.scaled_dot_product_attention(q[:, :, qs:qe], k[:, :, keys], v[:, :, keys],
+                                                   attn_mask=mask, scale=scale))
     return torch.cat(outs, dim=2)
 
 
@@ -117,7 +117,8 @@ def test_a_bf16_model_on_the_gpu_runs_context_parallel_attention_in_the_fused_ke
 
         want, want_grads = loss_and_grads(forward_logits(model, {"input_ids": ids, "position_ids": pos}))
         calls = []
-        monkeypatch.setattr(cp, "varlen_attention", lambda *a: calls.append(1) or kernels.varlen_attention(*a))
+        monkeypatch.setattr(cp, "varlen_attention", lambda *a: calls.append(1)
+                            or kernels.varlen_attention(*a))
         model.set_attn_implementation(cp.register())
         with cp.context_parallel(dist.group.WORLD, pos, torch.ones_like(ids, dtype=torch.bool)):
             got, got_grads = loss_and_grads(model(input_ids=ids, position_ids=pos, use_cache=False).logits)

@@ -93,11 +93,14 @@ class Custom(torch.nn.Linear):
 
 
 def test_conversion_keeps_parameters_and_skips_subclasses():
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), Custom(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 2)))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), Custom(4, 4),
+                                torch.nn.Sequential(torch.nn.Linear(4, 2)))
     keys = {k: v.clone() for k, v in model.state_dict().items()}
     assert use_onednn_linears(model) == 2
-    assert [type(m).__name__ for m in (model[0], model[1], model[2][0])] == ["OneDNNLinear", "Custom", "OneDNNLinear"]
-    assert all(torch.equal(keys[k], v) for k, v in model.state_dict().items()) and keys.keys() == model.state_dict().keys()
+    assert ([type(m).__name__ for m in (model[0], model[1], model[2][0])]
+            == ["OneDNNLinear", "Custom", "OneDNNLinear"])
+    assert (all(torch.equal(keys[k], v) for k, v in model.state_dict().items())
+            and keys.keys() == model.state_dict().keys())
     clone = pickle.loads(pickle.dumps(model))  # Ray and torch.save pickle modules
     assert type(clone[0]) is OneDNNLinear and type(copy.deepcopy(model)[2][0]) is OneDNNLinear
     x = torch.randn(3, 4)
@@ -106,7 +109,8 @@ def test_conversion_keeps_parameters_and_skips_subclasses():
 
 def test_onednn_and_packing_only_where_they_measured_faster():
     """bench/RESULTS.md (issue 28 item 13): whole training steps read slower through oneDNN on thin layers
-    (a side < 256) and on small matmuls, so those keep F.linear; decode packs weights both of whose sides are >= 256."""
+    (a side < 256) and on small matmuls, so those keep F.linear; decode packs weights both of whose sides
+    are >= 256."""
     w_thin, w_wide = torch.randn(512, 192), torch.randn(1024, 384)  # the tiny / small presets' gate|up
     assert not worth_onednn(torch.randn(4096, 192), w_thin)  # many rows, but a 192-wide layer
     assert not worth_onednn(torch.randn(80, 384), w_wide)  # 80 x 393,216 = 31.5M < 2**25 multiply-adds
@@ -144,13 +148,16 @@ def test_the_output_head_keeps_f_linear_in_the_forward(tiny_model_dir, monkeypat
 
 @pytest.fixture
 def always_onednn(monkeypatch):
-    """Every OneDNNLinear call (the LM head too) and decode matmul through oneDNN (the tiny test models are below the rule)."""
+    """Every OneDNNLinear call (the LM head too) and decode matmul through oneDNN (the tiny test models are
+    below the rule)."""
     monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_SIDE", 0)
     monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_MACS", 0)
-    monkeypatch.setattr(cpu_linear.OneDNNLinear, "output_head", property(lambda self: False, lambda self, v: None))
+    monkeypatch.setattr(cpu_linear.OneDNNLinear, "output_head",
+                        property(lambda self: False, lambda self, v: None))
 
 
-def test_loaded_models_train_alike_with_and_without_onednn(tiny_model_dir, tiny_score_model_dir, always_onednn):
+def test_loaded_models_train_alike_with_and_without_onednn(tiny_model_dir, tiny_score_model_dir,
+                                                           always_onednn):
     """A causal LM and a score model loaded with `onednn_linear` True / False: every linear layer is a
     `OneDNNLinear` / a plain `nn.Linear`; the loss and every parameter's gradient agree to float rounding."""
     ids = torch.randint(3, 200, (3, 17), generator=torch.Generator().manual_seed(4))

@@ -33,7 +33,8 @@ def trainable(model):
 
 
 def test_lora_targets_and_trainable_count(tiny_model_dir):
-    model = load_causal_lm(tiny_model_dir, "fp32", lora={"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    model = load_causal_lm(tiny_model_dir, "fp32",
+                           lora={"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
     names = trainable(model)
     assert names and all("lora_" in n and (".q_proj." in n or ".v_proj." in n) for n in names)
     assert sum(names.values()) == expected_lora_params(model.config, 4, ["q_proj", "v_proj"])
@@ -73,7 +74,8 @@ def test_lora_bad_specs(tiny_model_dir):
 
 def test_lora_save_adapter_and_merge(tiny_model_dir, tmp_path):
     tok = load_tokenizer(tiny_model_dir)
-    model = load_causal_lm(tiny_model_dir, "fp32", lora={"rank": 4, "alpha": 8, "target_modules": "all-linear"})
+    model = load_causal_lm(tiny_model_dir, "fp32",
+                           lora={"rank": 4, "alpha": 8, "target_modules": "all-linear"})
     torch.manual_seed(0)
     with torch.no_grad():  # a trained-looking adapter: B != 0
         for n, p in model.named_parameters():
@@ -118,7 +120,8 @@ def test_load_in_4bit_without_a_gpu_says_why(tiny_model_dir):
 def test_trainable_names_are_the_adapter_tensors(tiny_model_dir):
     from posttrain.models import trainable_names
 
-    model = load_causal_lm(tiny_model_dir, "fp32", lora={"rank": 4, "alpha": 8, "target_modules": "all-linear"})
+    model = load_causal_lm(tiny_model_dir, "fp32",
+                           lora={"rank": 4, "alpha": 8, "target_modules": "all-linear"})
     assert trainable_names(model) == {n for n in model.state_dict() if "lora_" in n}
 
 
@@ -130,7 +133,8 @@ def test_an_adapter_on_a_tied_output_head_is_named(tiny_model_dir):
     assert tied_lora_layers(load_causal_lm(tiny_model_dir, "fp32", lora={"rank": 4})) == []
 
 
-def test_a_score_models_head_trains_fully_and_round_trips_through_the_adapter(tiny_model_dir, tmp_path, capsys):
+def test_a_score_models_head_trains_fully_and_round_trips_through_the_adapter(tiny_model_dir, tmp_path,
+                                                                              capsys):
     """LoRA on a critic / reward model: the start-up says the `score` head trains fully; the head has no
     adapter, its own weight changes in training, and base + saved adapter gives back the trained head (a fresh
     random head in the base is replaced by the saved one)."""

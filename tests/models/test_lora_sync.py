@@ -39,7 +39,8 @@ def test_canonical_names_and_bytes(peft_model, tiny_model_dir):
     plain = load_causal_lm(tiny_model_dir).state_dict()
     base = dict(ls.base_pairs(peft_model))
     assert sorted(base) == sorted(plain) and all(torch.equal(base[n], plain[n]) for n in plain)
-    assert ls.adapter_bytes(peft_model) == sum(p.numel() * p.element_size() for n, p in peft_model.named_parameters()
+    assert ls.adapter_bytes(peft_model) == sum(p.numel() * p.element_size()
+                                               for n, p in peft_model.named_parameters()
                                                if "lora_" in n)
     assert ls.scaling(peft_model) == 2.0
     assert base_name("base_model.model.score.modules_to_save.default.weight") == "score.weight"

@@ -142,8 +142,8 @@ def test_tokenizer_larger_than_the_vocabulary_is_refused(tiny_model_dir, tmp_pat
             load(folder)
         assert str(err.value).startswith(f"tokenizer {folder} has {rows + 2} tokens but model {folder} has a "
                                          f"vocabulary of {rows} (input embedding rows)")
-    with pytest.raises(ModelLoadError, match=f"has {rows + 2} tokens but model {tiny_model_dir} has a vocabulary "
-                                             f"of {rows}"):
+    with pytest.raises(ModelLoadError, match=f"has {rows + 2} tokens but model {tiny_model_dir} has a "
+                                             f"vocabulary of {rows}"):
         load_causal_lm(tiny_model_dir, tokenizer=tok)  # the run's tokenizer against another folder's model
     smaller = load_tokenizer(tiny_model_dir)
     assert load_causal_lm(folder, tokenizer=smaller).config.vocab_size == rows  # fewer tokens are fine
@@ -171,8 +171,8 @@ def test_causal_lm_given_as_reward_model_is_refused(tiny_model_dir, tmp_path):
     with pytest.raises(ModelLoadError) as err:
         load_score_model(tiny_model_dir)
     msg = str(err.value)
-    assert msg.startswith(f"model {tiny_model_dir} has no trained score head (no score.weight in its weights; "
-                          "architecture LlamaForCausalLM), so it is not a reward model")
+    assert msg.startswith(f"model {tiny_model_dir} has no trained score head (no score.weight in its "
+                          f"weights; architecture LlamaForCausalLM), so it is not a reward model")
     assert "posttrain rm" in msg
     with pytest.raises(ModelLoadError, match="no trained score head"):
         load_score_model(as_bin(tiny_model_dir, tmp_path / "bin"))  # found after loading, too
@@ -184,8 +184,8 @@ def test_head_under_another_name_is_named_in_the_refusal(tiny_score_model_dir, t
     weights = load_file(os.path.join(tiny_score_model_dir, "model.safetensors"))
     weights["value_head.weight"] = weights.pop("score.weight")
     save_file(weights, str(renamed / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ModelLoadError, match="its weights hold value_head.weight: pass --ds.value_head_prefix "
-                                             "value_head"):
+    with pytest.raises(ModelLoadError, match="its weights hold value_head.weight: pass "
+                                             "--ds.value_head_prefix value_head"):
         load_score_model(renamed)
     assert torch.equal(load_score_model(renamed, value_head_prefix="value_head").score.weight,
                        weights["value_head.weight"])
@@ -207,7 +207,8 @@ def test_save_pretrained_unwraps_and_is_atomic(tiny_model_dir, tmp_path):
     (out / "stale.bin").write_text("old")
     save_pretrained(Wrapper(model), tok, out)
     assert (out / "stale.bin").read_text() == "old"  # other files of a run directory are kept
-    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= set(os.listdir(out))
+    assert ({"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"}
+            <= set(os.listdir(out)))
     assert sorted(os.listdir(tmp_path)) == ["export"]  # no temp folders left behind
     reloaded = load_causal_lm(out, "fp32")
     with torch.no_grad():

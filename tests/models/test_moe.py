@@ -11,9 +11,10 @@ from posttrain.utils.errors import UserError
 
 
 def test_load_balancing_loss_by_hand():
-    """2 tokens, 4 experts, top 2. Token A: probabilities (4, 2, 1, 1)/8 -> experts 0, 1; token B: (1, 2, 4, 1)/8 ->
-    experts 2, 1. Slot shares: slot 0 picks e0 and e2 half the time each, slot 1 always e1; mean probabilities
-    (0.3125, 0.25, 0.3125, 0.125). Loss = 4 x (0.5 x 0.3125 + 0.5 x 0.3125 + 1 x 0.25) = 2.25."""
+    """2 tokens, 4 experts, top 2. Token A: probabilities (4, 2, 1, 1)/8 -> experts 0, 1; token B: (1, 2, 4,
+    1)/8 -> experts 2, 1. Slot shares: slot 0 picks e0 and e2 half the time each, slot 1 always e1; mean
+    probabilities (0.3125, 0.25, 0.3125, 0.125). Loss = 4 x (0.5 x 0.3125 + 0.5 x 0.3125 + 1 x
+    0.25) = 2.25."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     logits = torch.log(torch.tensor([[4.0, 2.0, 1.0, 1.0], [1.0, 2.0, 4.0, 1.0]]))
@@ -21,8 +22,8 @@ def test_load_balancing_loss_by_hand():
 
 
 def test_the_tracked_loss_is_the_familys_on_the_models_own_router_logits(tiny_moe_dir):
-    """The hook's loss equals transformers' load_balancing_loss_func on the router logits the model returns, with
-    the padding of a 2-D attention mask left out; the loss is taken once."""
+    """The hook's loss equals transformers' load_balancing_loss_func on the router logits the model returns,
+    with the padding of a 2-D attention mask left out; the loss is taken once."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     model = load_causal_lm(tiny_moe_dir)
@@ -35,7 +36,9 @@ def test_the_tracked_loss_is_the_familys_on_the_models_own_router_logits(tiny_mo
     want = load_balancing_loss_func(out.router_logits, 4, 2, mask)
     got = take_router_loss(model)
     assert got is not None and float(got.detach()) == pytest.approx(float(want), rel=1e-6)
-    assert float(got.detach()) != pytest.approx(float(load_balancing_loss_func(out.router_logits, 4, 2)), rel=1e-4)  # mask
+    # mask
+    assert float(got.detach()) != pytest.approx(float(load_balancing_loss_func(out.router_logits, 4, 2)),
+                                                rel=1e-4)
     assert got.requires_grad and take_router_loss(model) is None
     assert 1.0 <= float(got.detach()) <= 4.0  # E x sum f_e P_e: 1 when balanced
 
@@ -43,7 +46,8 @@ def test_the_tracked_loss_is_the_familys_on_the_models_own_router_logits(tiny_mo
 def test_a_dense_model_has_no_router_loss(tiny_model_dir):
     model = load_causal_lm(tiny_model_dir)
     assert not is_moe(model) and expert_block_classes(model) == []
-    with pytest.raises(UserError, match=r"--model.aux_loss_coef 0.01: LlamaForCausalLM is not a mixture of experts"):
+    with pytest.raises(UserError, match=r"--model.aux_loss_coef 0.01: LlamaForCausalLM is not a mixture of "
+                                        r"experts"):
         track_router_loss(model, "--model.aux_loss_coef 0.01")
 
 
@@ -66,6 +70,7 @@ def test_init_tiny_moe_has_the_dense_presets_active_size(tiny_moe_dir, tiny_mode
 
     moe = json.loads((Path(tiny_moe_dir) / "config.json").read_text())
     dense = json.loads((Path(tiny_model_dir) / "config.json").read_text())
-    assert moe["num_local_experts"] == 4 and moe["num_experts_per_tok"] == 2  # transformers saves num_experts so
+    # transformers saves num_experts so
+    assert moe["num_local_experts"] == 4 and moe["num_experts_per_tok"] == 2
     assert moe["moe_intermediate_size"] * moe["num_experts_per_tok"] == dense["intermediate_size"]
     assert math.isclose(moe["hidden_size"], dense["hidden_size"])

@@ -72,7 +72,9 @@ def test_block_causal_mask_by_hand():
         [0, 0, 0, 0, 0, 1]], dtype=torch.bool)
     assert torch.equal(block_causal_mask(pos)[0, 0], expected)
     padded = block_causal_mask(pos, attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0]]))[0, 0]
-    assert torch.equal(padded, expected & torch.tensor([1, 1, 1, 1, 0, 0], dtype=torch.bool) | torch.eye(6, dtype=torch.bool))
+    assert torch.equal(padded,
+                       expected & torch.tensor([1, 1, 1, 1, 0, 0], dtype=torch.bool)
+                       | torch.eye(6, dtype=torch.bool))
 
 
 @torch.no_grad()

@@ -50,8 +50,8 @@ if torch.distributed.get_rank() == 0:
 
 @pytest.mark.e2e
 def test_a_checkpoint_with_other_tensor_names_loads_through_transformers(tiny_model_dir, tmp_path):
-    """A tensor name the model does not have (older naming) sends the load to transformers' ZeRO-3 path, with a
-    note: still sharded, the renamed tensor freshly initialised (as transformers does), the rest loaded."""
+    """A tensor name the model does not have (older naming) sends the load to transformers' ZeRO-3 path, with
+    a note: still sharded, the renamed tensor freshly initialised (as transformers does), the rest loaded."""
     import json
     import os
     import shutil
@@ -68,8 +68,8 @@ def test_a_checkpoint_with_other_tensor_names_loads_through_transformers(tiny_mo
     (tmp_path / "worker.py").write_text(WORKER)
     out = tmp_path / "out.json"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           str(tmp_path / "worker.py"), str(folder), str(out)], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+                           str(tmp_path / "worker.py"), str(folder), str(out)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "its tensor names differ from the model's (model.norm.weight" in proc.stderr
     result = json.loads(out.read_text())

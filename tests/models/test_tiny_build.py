@@ -116,8 +116,9 @@ PUBLISHED = {
                          rope={"rope_type": "default", "rope_theta": 1e6}, params=1_543_714_304),
     "llama3.2-1b": dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                         num_key_value_heads=8, intermediate_size=8192, vocab_size=128256, rms_norm_eps=1e-5,
-                        rope={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                        rope={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192},
                         params=1_235_814_400),
 }
 
@@ -164,7 +165,8 @@ def test_a_shape_with_a_vocabulary_larger_than_the_tokenizer_loads_samples_and_t
     loss = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
     loss.backward()
     assert torch.isfinite(loss)
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() and p.grad.any() for p in model.parameters())
+    assert all(p.grad is not None and torch.isfinite(p.grad).all()
+               and p.grad.any() for p in model.parameters())
 
 
 def test_shape_arguments(tmp_path):

@@ -110,7 +110,8 @@ def test_freezing_the_visual_encoder_leaves_the_language_model_trainable(tiny_vi
     n = freeze_visual_encoder(model)
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
-    assert n == len(frozen) > 0 and all(".visual." in name or name.startswith("model.visual") for name in frozen)
+    assert (n == len(frozen) > 0
+            and all(".visual." in name or name.startswith("model.visual") for name in frozen))
     assert trainable and all("language_model" in name or name.startswith("lm_head") for name in trainable)
 
 

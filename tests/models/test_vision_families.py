@@ -1,17 +1,17 @@
-"""The vision-language families transformers ships, each as a tiny random-init model (few layers, small hidden sizes,
-small images; Qwen2.5-VL is `init-tiny --vision`, the others are built here), checked through posttrain's own
-functions:
+"""The vision-language families transformers ships, each as a tiny random-init model (few layers, small hidden
+sizes, small images; Qwen2.5-VL is `init-tiny --vision`, the others are built here), checked through
+posttrain's own functions:
 detected from the config and loaded as the family's `ForConditionalGeneration`; the processor loads without
 torchvision and expands one image into the family's number of image tokens; `forward_logits` with our image
 inputs equals the model run on the processor's own output, and the image reaches the logits; the HF engine's
-sampled log-probs equal the trainer's recomputation over the right-padded prompt + response (the rotary positions
-of the prefill and the decode steps, `vision_decode._next_positions`); `freeze_visual_encoder` freezes exactly
-what lies outside the language model.
+sampled log-probs equal the trainer's recomputation over the right-padded prompt + response (the rotary
+positions of the prefill and the decode steps, `vision_decode._next_positions`); `freeze_visual_encoder`
+freezes exactly what lies outside the language model.
 
-Families: Qwen3-VL (3-axis interleaved rotary positions, deepstack features), Qwen3.5 (a hybrid language model:
-gated delta-net linear attention beside full attention, with Qwen3-VL's vision part and processor), Gemma 4
-(plain 1D rotary positions, bidirectional attention inside each image, image tokens wrapped in begin / end of
-image tokens the processor adds, soft-capped logits, per-layer input embeddings)."""
+Families: Qwen3-VL (3-axis interleaved rotary positions, deepstack features), Qwen3.5 (a hybrid language
+model: gated delta-net linear attention beside full attention, with Qwen3-VL's vision part and processor),
+Gemma 4 (plain 1D rotary positions, bidirectional attention inside each image, image tokens wrapped in begin /
+end of image tokens the processor adds, soft-capped logits, per-layer input embeddings)."""
 import json
 from pathlib import Path
 
@@ -43,7 +43,8 @@ from posttrain.rollout import HFRolloutEngine, SamplingParams
 from posttrain.rollout.vision_decode import structure_token_ids
 
 MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}]
-LONGER = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape here?"}]}]
+LONGER = [{"role": "user",
+           "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape here?"}]}]
 SIDE = 32  # pixels per image side
 
 # Gemma 4's named tokens (its tokenizer's `image_token`, `boi_token`, ... as the processor reads them)
@@ -75,7 +76,8 @@ def _save(out: Path, model, tokenizer, image_processor, named_tokens: dict | Non
 
 def _qwen_parts(base_tok_dir: Path):
     tok = load_tokenizer(str(base_tok_dir))
-    tok.add_special_tokens({"additional_special_tokens": [IM_START, VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD]})
+    tok.add_special_tokens({"additional_special_tokens": [IM_START, VISION_START, VISION_END, IMAGE_PAD,
+                                                          VIDEO_PAD]})
     tok.chat_template = VISION_CHAT_TEMPLATE
     ids = dict(zip(("start", "end", "image", "video", "pad", "eos"), tok.convert_tokens_to_ids(
         [VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD, PAD_TOKEN, IM_END])))
@@ -90,8 +92,8 @@ def build_qwen3_vl(out: Path, base_tok_dir: Path) -> None:
     config = transformers.Qwen3VLConfig(
         text_config=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=16, intermediate_size=128, vocab_size=len(tok), max_position_embeddings=512,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
-                                          "mrope_interleaved": True},
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [4, 2, 2], "mrope_interleaved": True},
                          pad_token_id=ids["pad"]),
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8,
                            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64,
@@ -100,20 +102,23 @@ def build_qwen3_vl(out: Path, base_tok_dir: Path) -> None:
         vision_end_token_id=ids["end"], tie_word_embeddings=True)
     torch.manual_seed(0)
     model = transformers.Qwen3VLForConditionalGeneration(config).eval()
-    model.generation_config = transformers.GenerationConfig(eos_token_id=[ids["eos"]], pad_token_id=ids["pad"])
+    model.generation_config = transformers.GenerationConfig(eos_token_id=[ids["eos"]],
+                                                            pad_token_id=ids["pad"])
     _save(out, model, tok, image_processor)
 
 
 def build_qwen3_5(out: Path, base_tok_dir: Path) -> None:
     tok, ids, image_processor = _qwen_parts(base_tok_dir)
     config = transformers.Qwen3_5Config(
-        text_config=dict(hidden_size=64, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-                         linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-                         linear_num_value_heads=4, vocab_size=len(tok), max_position_embeddings=512,
+        text_config=dict(hidden_size=64, num_hidden_layers=2,
+                         layer_types=["linear_attention", "full_attention"], num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, intermediate_size=128, linear_key_head_dim=8,
+                         linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                         vocab_size=len(tok), max_position_embeddings=512,
                          # half of the 16 head dims rotate: 4 frequencies, on (time, height, width) 2, 1, 1
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                                          "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
+                                          "mrope_interleaved": True},
                          pad_token_id=ids["pad"]),
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8,
                            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64,
@@ -122,7 +127,8 @@ def build_qwen3_5(out: Path, base_tok_dir: Path) -> None:
         vision_end_token_id=ids["end"], tie_word_embeddings=True)
     torch.manual_seed(0)
     model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
-    model.generation_config = transformers.GenerationConfig(eos_token_id=[ids["eos"]], pad_token_id=ids["pad"])
+    model.generation_config = transformers.GenerationConfig(eos_token_id=[ids["eos"]],
+                                                            pad_token_id=ids["pad"])
     _save(out, model, tok, image_processor)
 
 
@@ -133,25 +139,27 @@ def build_gemma4(out: Path, base_tok_dir: Path) -> None:
     named = dict(zip(GEMMA4_TOKENS, tok.convert_tokens_to_ids(list(GEMMA4_TOKENS.values()))))
     pad, eos = tok.convert_tokens_to_ids([PAD_TOKEN, IM_END])
     config = transformers.Gemma4Config(
-        text_config=dict(hidden_size=64, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=16,
-                         intermediate_size=128, vocab_size=len(tok), vocab_size_per_layer_input=len(tok),
+        text_config=dict(hidden_size=64, num_hidden_layers=2,
+                         layer_types=["sliding_attention", "full_attention"], num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, global_head_dim=16, intermediate_size=128,
+                         vocab_size=len(tok), vocab_size_per_layer_input=len(tok),
                          hidden_size_per_layer_input=8, max_position_embeddings=512, sliding_window=32,
-                         use_bidirectional_attention="vision", final_logit_softcapping=30.0,
-                         pad_token_id=pad, eos_token_id=eos, bos_token_id=None),
+                         use_bidirectional_attention="vision", final_logit_softcapping=30.0, pad_token_id=pad,
+                         eos_token_id=eos, bos_token_id=None),
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                            num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=3,
                            position_embedding_size=64),
         audio_config=None,
         image_token_id=named["image_token"], boi_token_id=named["boi_token"], eoi_token_id=named["eoi_token"],
-        video_token_id=named["video_token"], audio_token_id=named["audio_token"], boa_token_id=named["boa_token"],
-        eoa_token_index=named["eoa_token"], tie_word_embeddings=True)
+        video_token_id=named["video_token"], audio_token_id=named["audio_token"],
+        boa_token_id=named["boa_token"], eoa_token_index=named["eoa_token"], tie_word_embeddings=True)
     torch.manual_seed(0)
     model = transformers.Gemma4ForConditionalGeneration(config).eval()
     model.generation_config = transformers.GenerationConfig(eos_token_id=[eos], pad_token_id=pad)
-    # 4 px patches pooled 3x3 into one soft token, at most 70 soft tokens (the smallest budget Gemma 4 takes): any
-    # image is resized to 96x96 px -> 24x24 patches -> 64 image tokens
-    image_processor = transformers.Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=70, pooling_kernel_size=3)
+    # 4 px patches pooled 3x3 into one soft token, at most 70 soft tokens (the smallest budget Gemma 4 takes):
+    # any image is resized to 96x96 px -> 24x24 patches -> 64 image tokens
+    image_processor = transformers.Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=70,
+                                                           pooling_kernel_size=3)
     _save(out, model, tok, image_processor, named_tokens=GEMMA4_TOKENS)
 
 
@@ -210,7 +218,8 @@ def test_the_processor_expands_one_image_into_the_familys_image_tokens(family):
     cfg = model.config
     assert image_placeholder(processor) in text
     ids, images = encode_with_images(processor, text, [_image(0)])
-    assert ids.count(cfg.image_token_id) == family["n_image"] == _image_tokens_by_the_image_processor(processor)
+    assert (ids.count(cfg.image_token_id) == family["n_image"]
+            == _image_tokens_by_the_image_processor(processor))
     own = processor(text=[text], images=[_image(0)], return_tensors="pt", add_special_tokens=False)
     assert own["input_ids"][0].tolist() == ids
     assert set(images) == {k for k in own if k not in ("input_ids", "attention_mask", "mm_token_type_ids",
@@ -223,8 +232,8 @@ def test_the_processor_expands_one_image_into_the_familys_image_tokens(family):
 
 
 def _image_tokens_by_the_image_processor(processor) -> int:
-    """The image tokens of one SIDE x SIDE image as the family's image processor counts them: Qwen, one per merged
-    block of its patch grid; Gemma 4, its soft tokens (patches pooled k x k)."""
+    """The image tokens of one SIDE x SIDE image as the family's image processor counts them: Qwen, one per
+    merged block of its patch grid; Gemma 4, its soft tokens (patches pooled k x k)."""
     out = processor.image_processor([_image(0)], return_tensors="np")
     if "image_grid_thw" in out:
         return int(out["image_grid_thw"][0].prod()) // processor.image_processor.merge_size ** 2
@@ -239,7 +248,8 @@ def test_our_inputs_give_the_logits_of_the_processors_own_and_the_image_matters(
         own = model(**processor(text=[text], images=[_image(0)], return_tensors="pt",
                                 add_special_tokens=False)).logits.float()
         other = forward_logits(model, _batch(ids, encode_with_images(processor, text, [_image(5)])[1]))
-        padded = forward_logits(model, _batch(ids, images, width=len(ids) + 3))  # right padding changes nothing
+        # right padding changes nothing
+        padded = forward_logits(model, _batch(ids, images, width=len(ids) + 3))
     torch.testing.assert_close(ours, own, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(padded[:, :len(ids)], ours, rtol=1e-5, atol=1e-5)
     image_end = max(i for i, t in enumerate(ids) if t == model.config.image_token_id)
@@ -247,8 +257,9 @@ def test_our_inputs_give_the_logits_of_the_processors_own_and_the_image_matters(
 
 
 def _trainer_logprobs_match(model, rows, pad_id: int) -> None:
-    """`rows`: (prompt ids, image tensors or None, RolloutOutput). The engine's log-probs equal those the trainer
-    recomputes: one forward over the right-padded prompt + response (temperature 1, log-softmax, gather)."""
+    """`rows`: (prompt ids, image tensors or None, RolloutOutput). The engine's log-probs equal those the
+    trainer recomputes: one forward over the right-padded prompt + response (temperature
+    1, log-softmax, gather)."""
     width = max(len(ids) + len(out.output_token_ids) for ids, _, out in rows)
     seq = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
@@ -258,7 +269,8 @@ def _trainer_logprobs_match(model, rows, pad_id: int) -> None:
     batch = {"input_ids": seq, "attention_mask": mask}
     images = merge_image_inputs([im for _, im, _ in rows])
     with torch.no_grad():
-        logp = torch.log_softmax(forward_logits(model, {**batch, "image_inputs": images} if images else batch), -1)
+        logp = torch.log_softmax(forward_logits(model,
+                                                {**batch, "image_inputs": images} if images else batch), -1)
     for r, (ids, _, out) in enumerate(rows):
         p, n = len(ids), len(out.output_token_ids)
         assert n >= 1
@@ -282,7 +294,8 @@ def _generate(engine, prompts):
 def test_sampled_logprobs_equal_the_trainers_recomputation(family):
     model, tok = family["model"], family["processor"].tokenizer
     engine = HFRolloutEngine(model, tok, pad_token_id=tok.pad_token_id)
-    rows = _generate(engine, _two_prompts(family))  # prompts of two lengths: the shorter is left-padded at prefill
+    # prompts of two lengths: the shorter is left-padded at prefill
+    rows = _generate(engine, _two_prompts(family))
     never = set(structure_token_ids(model))
     assert {model.config.image_token_id, model.config.video_token_id} <= never
     if family["name"] == "gemma4":
@@ -292,8 +305,8 @@ def test_sampled_logprobs_equal_the_trainers_recomputation(family):
 
 
 def test_text_only_rows_after_an_image_batch_decode_at_their_text_positions(family):
-    """A batch without images, rows of two lengths, after a batch with images: no rotary offset of that earlier
-    batch carries over, and the left-padded row is positioned from its first token."""
+    """A batch without images, rows of two lengths, after a batch with images: no rotary offset of that
+    earlier batch carries over, and the left-padded row is positioned from its first token."""
     model, tok = family["model"], family["processor"].tokenizer
     engine = HFRolloutEngine(model, tok, pad_token_id=tok.pad_token_id)
     _generate(engine, _two_prompts(family))
@@ -310,7 +323,8 @@ def test_a_peft_wrapped_model_decodes_at_the_same_positions(family):
     from posttrain.models import LoraSpec
 
     model, tok = load_causal_lm(family["path"], "fp32"), family["processor"].tokenizer
-    engine = HFRolloutEngine(model, tok, pad_token_id=tok.pad_token_id, lora=LoraSpec(rank=4), lora_sync="adapter")
+    engine = HFRolloutEngine(model, tok, pad_token_id=tok.pad_token_id, lora=LoraSpec(rank=4),
+                             lora_sync="adapter")
     _trainer_logprobs_match(family["model"], _generate(engine, _two_prompts(family)), tok.pad_token_id)
 
 
@@ -318,7 +332,8 @@ def test_freezing_the_visual_encoder_freezes_exactly_what_lies_outside_the_langu
     model = load_causal_lm(family["path"], "fp32")
     n = freeze_visual_encoder(model)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
-    outside = {name for name, _ in model.named_parameters() if "language_model" not in name and "lm_head" not in name}
+    outside = {name for name, _ in model.named_parameters() if "language_model" not in name
+               and "lm_head" not in name}
     assert frozen == outside and n == len(frozen) > 0
     assert all(p.requires_grad for name, p in model.named_parameters() if name not in outside)
 

@@ -10,6 +10,7 @@ import torch
 from rewards_http import in_thread_server
 from safetensors.torch import load_file, save_file
 
+from posttrain.models.forward import last_token_index
 from posttrain.models.setup import ModelSetup
 from posttrain.rewards import (
     PythonRewardFunction,
@@ -17,7 +18,6 @@ from posttrain.rewards import (
     RewardError,
     RewardModelSource,
     ShardedRemoteReward,
-    last_token_index,
     make_reward_source,
 )
 
@@ -67,6 +67,26 @@ def test_padded_reward_equals_unpadded_forward(source, side):
     assert out.skipped.tolist() == [False] * 4
 
 
+def test_a_context_parallel_group_scores_as_one_process(rm_dir, source, tmp_path):
+    """With `context` the rows are packed into one and this rank's slice is run over the group
+    (`models.last_token_values`); a one-rank group (its slice the whole row) gives the unsplit rewards."""
+    import torch.distributed as dist
+
+    from posttrain.models.context_parallel import register
+    from posttrain.models.parallel_groups import ContextGroups
+
+    rows = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
+    ring = RewardModelSource(rm_dir, batch_size=2)
+    ring.model.set_attn_implementation(register())
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ring.context = ContextGroups(1, 0, dist.group.WORLD, 0, 1, head_stride=1)
+        got = ring.score_tokens(rows).rewards
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(got, torch.tensor([alone(source.model, r) for r in rows]), atol=1e-5, rtol=0)
+
+
 def test_text_queries_are_scored_as_given(source):
     """OpenRLHF's serve_rm: no automatic special tokens, nothing appended — a query ending in the EOS
     text is scored at that EOS, one without it (a truncated response) at its own last token."""
@@ -89,7 +109,8 @@ def test_max_len_cuts_ends_with_eos_and_counts(rm_dir, source):
     assert len(long_ids) > 4
     out = cut.score(["one two three four five six", "hi"], None, None)
     assert out.extra_logs["reward_model/truncated"].tolist() == [1.0, 0.0] and cut.num_truncated == 1
-    assert out.rewards[0].item() == pytest.approx(alone(cut.model, long_ids[:3] + [tok.eos_token_id]), abs=1e-5)
+    assert out.rewards[0].item() == pytest.approx(alone(cut.model, long_ids[:3] + [tok.eos_token_id]),
+                                                  abs=1e-5)
 
 
 def test_normalisation_from_config(rm_dir, source, tmp_path):
@@ -137,13 +158,15 @@ def test_make_reward_source_dispatch(rm_dir, tmp_path):
     assert isinstance(make_reward_source(str(fn)), PythonRewardFunction)
     assert isinstance(make_reward_source("http://127.0.0.1:9/get_reward"), RemoteReward)
     assert isinstance(make_reward_source(model_name_or_path=str(rm_dir)), RewardModelSource)
-    with pytest.raises(RewardError, match=r"--reward.remote_url='r.py' and --reward.model_name_or_path='m' both"):
+    with pytest.raises(RewardError, match=r"--reward.remote_url='r.py' and --reward.model_name_or_path='m' "
+                                          r"both"):
         make_reward_source("r.py", "m")
     with pytest.raises(RewardError, match="no reward source: give --reward.model_name_or_path"):
         make_reward_source()
     with pytest.raises(RewardError, match=r"--reward.remote_url='rm.json': expected an http\(s\):// URL"):
         make_reward_source("rm.json")
     several = make_reward_source("http://127.0.0.1:9/a,http://127.0.0.1:10/a")
-    assert isinstance(several, ShardedRemoteReward) and several.urls == ["http://127.0.0.1:9/a", "http://127.0.0.1:10/a"]
+    assert (isinstance(several, ShardedRemoteReward)
+            and several.urls == ["http://127.0.0.1:9/a", "http://127.0.0.1:10/a"])
     with pytest.raises(RewardError, match=r"entry 2 of 2 \('r.py'\) is not an http\(s\):// URL"):
         make_reward_source("http://127.0.0.1:9/a,r.py")

@@ -87,8 +87,8 @@ BAD = {
             r"bad_reward\.py: reward 2 is NaN; reward 3 is inf"),
     "no_rewards_key": ("def reward_func(queries, prompts, labels, **kw):\n    return {'score': [0] * 4}\n",
                        r"bad_reward\.py: returned a dict without a 'rewards' key \(keys: \['score'\]\)"),
-    "not_numbers": ("def reward_func(queries, prompts, labels, **kw):\n    return {'rewards': [0, 1, 'x', 2]}\n",
-                    r"bad_reward\.py: reward 2 is 'x' \(str\), not a number"),
+    "not_numbers": ("def reward_func(queries, prompts, labels, **kw):\n    return {'rewards': [0, 1, 'x', "
+                    "2]}\n", r"bad_reward\.py: reward 2 is 'x' \(str\), not a number"),
     "bad_extra_log": ("def reward_func(queries, prompts, labels, **kw):\n"
                       "    return {'rewards': [0] * 4, 'extra_logs': {'acc': [1, 2]}}\n",
                       r"returned 2 extra_logs\['acc'\] for 4 samples; an extra_logs value is one number"),
@@ -110,7 +110,8 @@ def test_bad_files(tmp_path):
         PythonRewardFunction(tmp_path / "reward.txt")
     with pytest.raises(RewardError, match=r"defines no `reward_func` \(it defines: reward\)"):
         PythonRewardFunction(write(tmp_path, "def reward(q, p, l):\n    return q\n"))
-    with pytest.raises(RewardError, match=r"importing .*bad_reward\.py raised ModuleNotFoundError: .*no_such_mod"):
+    with pytest.raises(RewardError, match=r"importing .*bad_reward\.py raised ModuleNotFoundError: "
+                                          r".*no_such_mod"):
         PythonRewardFunction(write(tmp_path, "import no_such_mod\n"))
     with pytest.raises(RewardError, match=r"cannot be called as reward_func\(queries, prompts, labels\)"):
         PythonRewardFunction(write(tmp_path, "def reward_func(queries):\n    return queries\n"))
@@ -174,7 +175,8 @@ def test_a_function_that_never_returns_times_out(tmp_path):
     assert any(t.name == "reward_func hangs.py" for t in threading.enumerate())
     msg = str(err.value)
     assert msg.startswith(f"reward function {path}: reward_func did not return within 0.3s "
-                          "(--reward.timeout) and is still running (blocked outside Python code, so not retried);")
+                          "(--reward.timeout) and is still running (blocked outside Python code, so not "
+                          "retried);")
     assert f'File "{path}", line 4, in reward_func\n    time.sleep(3600)' in msg  # where it was stuck
     assert "python_func.py" not in msg and src.num_timeouts == 1 and src.stuck_calls == 1
 
@@ -198,7 +200,8 @@ def test_stuck_calls_are_bounded_then_refused_at_once(tmp_path):
         with pytest.raises(RewardError, match="still running") as err:
             src.score(["a"], [""], None)
         assert not isinstance(err.value, RewardBusy) and src.stuck_calls == stuck == src.num_timeouts
-    busy = rf"{path}: 2 timed-out reward_func call\(s\) still running past the 0.1s --reward.timeout \(a thread"
+    busy = (rf"{path}: 2 timed-out reward_func call\(s\) still running past the 0.1s --reward.timeout \(a "
+            rf"thread")
     for query in ("a", "quick"):  # no thread is started any more, a quick call included
         with pytest.raises(RewardBusy, match=busy):
             src.score([query], [""], None)
@@ -393,12 +396,13 @@ def test_deep_tracebacks_are_shortened(tmp_path):
 
 
 def test_sys_exit_while_importing_or_calling_is_an_error_of_the_file(tmp_path):
-    with pytest.raises(RewardError, match=r"importing reward function file .*exits_on_import.py raised UserFileExit: "
-                                          r"it called sys.exit\(3\) at .*exits_on_import.py:2"):
+    with pytest.raises(RewardError, match=r"importing reward function file .*exits_on_import.py raised "
+                                          r"UserFileExit: it called sys.exit\(3\) at .*exits_on_import.py:2"):
         PythonRewardFunction(write(tmp_path, "import sys\nsys.exit(3)\n", name="exits_on_import.py"))
     body = "import sys\n\ndef reward_func(queries, prompts, labels):\n    sys.exit(0)\n"
     for timeout in (None, 5.0):
-        src = PythonRewardFunction(write(tmp_path, body, name="exits.py"), timeout=timeout, retries=3, backoff=0)
+        src = PythonRewardFunction(write(tmp_path, body, name="exits.py"), timeout=timeout, retries=3,
+                                   backoff=0)
         with pytest.raises(RewardError, match=r"exits.py raised UserFileExit: it called sys.exit\(0\) at "
                                               r".*exits.py:4") as err:
             src.score(["a"], ["p"])
@@ -430,8 +434,9 @@ def test_a_fork_child_started_while_a_reward_file_loads_exits_normally(tmp_path)
         """, name="forks_on_import.py")
     script = ("import os, sys\nfrom posttrain.rewards import PythonRewardFunction\n"
               "try:\n    src = PythonRewardFunction(sys.argv[1])\n"
-              "except BaseException as err:\n    print('pid', os.getpid(), 'failed:', err, flush=True)\n    raise\n"
-              "print('pid', os.getpid(), 'scores', src.score(['a'], ['p']).rewards.tolist(), flush=True)\n")
+              "except BaseException as err:\n    print('pid', os.getpid(), 'failed:', err, flush=True)\n    "
+              "raise\nprint('pid', os.getpid(), 'scores', src.score(['a'], ['p']).rewards.tolist(), "
+              "flush=True)\n")
     out = subprocess.run([sys.executable, "-c", script, path], capture_output=True, text=True, timeout=120,
                          check=False, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr

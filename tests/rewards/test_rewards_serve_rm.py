@@ -36,8 +36,9 @@ def start_server(*flags, env_token=None):
     env.update(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     if env_token:
         env[TOKEN_ENV] = env_token
-    cmd = [sys.executable, "-m", "posttrain.cli.serve_rm", "--reward.remote_url", str(FUNCS / "plain_reward.py"),
-           "--host", "127.0.0.1", "--port", str(port), *flags]
+    cmd = [sys.executable, "-m", "posttrain.cli.serve_rm",
+           "--reward.remote_url", str(FUNCS / "plain_reward.py"), "--host", "127.0.0.1", "--port", str(port),
+           *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     return proc, f"http://127.0.0.1:{port}"
 
@@ -100,7 +101,8 @@ def test_token_required(servers, monkeypatch):
         RemoteReward(url).score(QUERIES, PROMPTS, LABELS)
     with pytest.raises(RewardError, match="HTTP 401: wrong bearer token"):
         RemoteReward(url, token="guess").score(QUERIES, PROMPTS, LABELS)
-    assert RemoteReward(url, token="s3cret").score(QUERIES, PROMPTS, LABELS).rewards.tolist() == [1.0, 0.0, 1.0]
+    assert (RemoteReward(url, token="s3cret").score(QUERIES, PROMPTS, LABELS).rewards.tolist()
+            == [1.0, 0.0, 1.0])
     monkeypatch.setenv(TOKEN_ENV, "s3cret")
     assert make_reward_source(url).score(QUERIES, PROMPTS, LABELS).rewards.tolist() == [1.0, 0.0, 1.0]
 
@@ -132,10 +134,11 @@ class Raising:
 def test_source_error_is_500_retried_then_reported():
     with in_thread_server(Raising()) as base:
         r = HTTP.post(base + "/get_reward", json={"query": ["a"]}, timeout=5)
-        assert r.status_code == 500 and r.json()["detail"] == "RewardError: reward function r.py raised KeyError: 'answer'"
+        assert (r.status_code == 500 and r.json()["detail"] == "RewardError: reward function r.py raised "
+                                                               "KeyError: 'answer'")
         remote = RemoteReward(base + "/get_reward", retries=2, backoff=0.01, timeout=5)
-        with pytest.raises(RewardError, match=r"failed after 2 attempts \(HTTP 500: RewardError: reward function r.py "
-                                              r"raised KeyError: 'answer'\)"):
+        with pytest.raises(RewardError, match=r"failed after 2 attempts \(HTTP 500: RewardError: reward "
+                                              r"function r.py raised KeyError: 'answer'\)"):
             remote.score(["a"], [""], None)
 
 
@@ -172,7 +175,8 @@ def test_serve_rm_cli_errors(capsys):
     assert e.value.code == 2 and "exactly one of --reward.model_name_or_path" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_args(["--reward_pretrain", "m"])
-    assert "--reward_pretrain: renamed in OpenRLHF 0.10.2; use --reward.model_name_or_path" in capsys.readouterr().err
+    assert ("--reward_pretrain: renamed in OpenRLHF 0.10.2; use --reward.model_name_or_path"
+            in capsys.readouterr().err)
     args = parse_args(["--reward.model_name_or_path", "m", "--ds.value_head_prefix", "value_head",
                        "--reward.normalize_enable", "--token", "t"])
     assert (args.ds.value_head_prefix, args.reward.normalize_enable, args.token, args.host, args.port) == (
@@ -191,10 +195,11 @@ def test_serve_rm_cli_errors(capsys):
 
 # every flag of OpenRLHF 0.10.2's openrlhf/cli/serve_rm.py, with a value away from its default
 OPENRLHF_FLAGS = {
-    "--reward.model_name_or_path": "m", "--reward.normalize_enable": None, "--ds.value_head_prefix": "value_head",
-    "--data.max_len": "64", "--port": "5001", "--host": "0.0.0.0", "--ds.load_in_4bit": None,
-    "--ds.param_dtype": "fp16", "--ds.attn_implementation": "eager", "--ds.experts_implementation": "grouped_mm",
-    "--data.disable_fast_tokenizer": None, "--ds.packing_samples": None, "--batch_size": "4", "--use_ms": None,
+    "--reward.model_name_or_path": "m", "--reward.normalize_enable": None,
+    "--ds.value_head_prefix": "value_head", "--data.max_len": "64", "--port": "5001", "--host": "0.0.0.0",
+    "--ds.load_in_4bit": None, "--ds.param_dtype": "fp16", "--ds.attn_implementation": "eager",
+    "--ds.experts_implementation": "grouped_mm", "--data.disable_fast_tokenizer": None,
+    "--ds.packing_samples": None, "--batch_size": "4", "--use_ms": None,
 }
 EXAMPLE = Path(__file__).parent / "serve_rm_example.sh"
 
@@ -226,7 +231,8 @@ def test_every_openrlhf_flag_parses_and_lands():
 
     argv = [w for flag, value in OPENRLHF_FLAGS.items() for w in ([flag] if value is None else [flag, value])]
     a = parse_args(argv)
-    assert (a.reward.model_name_or_path, a.reward.normalize_enable, a.ds.value_head_prefix) == ("m", True, "value_head")
+    assert ((a.reward.model_name_or_path, a.reward.normalize_enable, a.ds.value_head_prefix)
+            == ("m", True, "value_head"))
     assert (a.data.max_len, a.port, a.host, a.batch_size) == (64, 5001, "0.0.0.0", 4)
     assert (a.ds.load_in_4bit, a.ds.param_dtype, a.ds.attn_implementation) == (True, "fp16", "eager")
     assert (a.ds.experts_implementation, a.data.disable_fast_tokenizer, a.ds.packing_samples, a.use_ms) == (
@@ -241,7 +247,8 @@ def test_openrlhf_example_script_parses_and_resolves_on_cpu(normalized_rm):
         str(normalized_rm), 5000, "bf16", "flash_attention_2")
     assert (a.reward.normalize_enable, a.data.max_len, a.batch_size) == (True, 8192, 16)
     notes = "\n".join(startup_notes(a, "cpu"))
-    # like the trainers: bf16 kept with a warning, flash attention -> sdpa, and the 4096-position model caps max_len
+    # like the trainers: bf16 kept with a warning, flash attention -> sdpa, and the 4096-position
+    # model caps max_len
     assert "WARNING: --ds.param_dtype bf16 on CPU" in notes
     assert "--ds.attn_implementation: flash_attention_2 -> sdpa (flash attention needs a CUDA GPU)" in notes
     assert "--data.max_len: 8192 -> 4096 (the model's position limit" in notes
@@ -249,7 +256,8 @@ def test_openrlhf_example_script_parses_and_resolves_on_cpu(normalized_rm):
 
 
 def test_example_script_serves(normalized_rm):
-    """The example's command line as a real server: start-up notes printed, rewards normalised, the new fields."""
+    """The example's command line as a real server: start-up notes printed, rewards normalised,
+    the new fields."""
     port = free_port()
     argv = [*example_argv(normalized_rm), "--port", str(port), "--ds.param_dtype", "fp32"]
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
@@ -297,14 +305,14 @@ def test_load_in_4bit_on_cpu_stops_at_once(tiny_score_model_dir, capsys):
 def test_flags_without_effect_are_named_at_startup(tiny_score_model_dir):
     from posttrain.cli.serve_rm import parse_args, startup_notes
 
-    func = parse_args(["--reward.remote_url", "f.py", "--ds.param_dtype", "bf16", "--data.max_len", "64", "--use_ms",
-                       "--ds.no_onednn_linear"])
+    func = parse_args(["--reward.remote_url", "f.py", "--ds.param_dtype", "bf16", "--data.max_len", "64",
+                       "--use_ms", "--ds.no_onednn_linear"])
     assert startup_notes(func, "cpu") == [
         "note: --ds.param_dtype bf16 has no effect here: serve-rm serves a reward_func file, not a model",
         "note: --ds.no_onednn_linear has no effect here: serve-rm serves a reward_func file, not a model",
         "note: --data.max_len 64 has no effect here: serve-rm serves a reward_func file, not a model",
-        "note: --use_ms has no effect here: ModelScope downloads are not supported; pass a local folder or an "
-        "HF hub id"]
+        "note: --use_ms has no effect here: ModelScope downloads are not supported; pass a local folder or "
+        "an HF hub id"]
     model = parse_args(["--reward.model_name_or_path", tiny_score_model_dir, "--ds.packing_samples",
                         "--ds.experts_implementation", "eager", "--on_error", "skip"])
     notes = startup_notes(model, "cpu")
@@ -316,7 +324,8 @@ def test_flags_without_effect_are_named_at_startup(tiny_score_model_dir):
 
 
 def test_no_onednn_linear_reaches_the_served_model(tiny_score_model_dir):
-    """serve-rm loads the reward model with oneDNN linears (models/cpu_linear.py) unless --ds.no_onednn_linear."""
+    """serve-rm loads the reward model with oneDNN linears
+    (models/cpu_linear.py) unless --ds.no_onednn_linear."""
     import torch
 
     from posttrain.models.cpu_linear import OneDNNLinear, onednn_available
@@ -387,7 +396,8 @@ def test_model_position_limit_caps_the_length(tiny_score_model_dir, rm_source, t
     short_model = model_copy(Path(tiny_score_model_dir), tmp_path / "rm16", max_position_embeddings=16)
     long_text, short_text = long_and_short(rm_source)
     expected = rm_source.score([long_text, short_text]).rewards.tolist()  # cut at --data.max_len 16
-    for flags, note in (((), "--data.max_len: auto -> 16"), (("--data.max_len", "1000"), "--data.max_len: 1000 -> 16")):
+    for flags, note in (((), "--data.max_len: auto -> 16"),
+                        (("--data.max_len", "1000"), "--data.max_len: 1000 -> 16")):
         source, notes = model_source("--reward.model_name_or_path", str(short_model), *flags)
         assert source.max_len == 16 and any(n.startswith(note) for n in notes), notes
         with in_thread_server(source) as base:
@@ -415,7 +425,8 @@ def test_request_size_limit_is_413(limited_server):
     chunks = (c.encode() for c in [json.dumps(big)[:1500], json.dumps(big)[1500:]])  # no Content-Length
     r = HTTP.post(limited_server, data=chunks, headers={"Content-Type": "application/json"}, timeout=10)
     assert r.status_code == 413 and "--max_request_bytes" in r.json()["detail"]
-    with pytest.raises(RewardError, match=r"HTTP 413: request body larger than 2000 bytes .*--max_request_bytes"):
+    with pytest.raises(RewardError, match=r"HTTP 413: request body larger than 2000 bytes "
+                                          r".*--max_request_bytes"):
         RemoteReward(limited_server, timeout=10).score(big["query"], big["prompts"], big["labels"])
     assert HTTP.post(limited_server, json={"query": ["x"] * 3}, timeout=10).status_code == 200
 
@@ -423,7 +434,8 @@ def test_request_size_limit_is_413(limited_server):
 def test_too_many_queries_is_413(limited_server):
     r = HTTP.post(limited_server, json={"query": ["a", "b", "c", "d"]}, timeout=10)
     assert r.status_code == 413
-    assert r.json()["detail"].startswith("4 queries in one request; the server takes at most 3 (--max_queries)")
+    assert r.json()["detail"].startswith("4 queries in one request; the server takes at most 3 "
+                                         "(--max_queries)")
 
 
 def test_a_port_in_use_stops_serve_rm_with_one_line_before_loading(tmp_path):
@@ -434,8 +446,8 @@ def test_a_port_in_use_stops_serve_rm_with_one_line_before_loading(tmp_path):
         held.listen()
         port = held.getsockname()[1]
         proc = subprocess.run([sys.executable, "-m", "posttrain.cli.serve_rm", "--reward.remote_url",
-                               str(FUNCS / "plain_reward.py"), "--port", str(port)], check=False, capture_output=True,
-                              text=True, timeout=60)
+                               str(FUNCS / "plain_reward.py"), "--port", str(port)], check=False,
+                              capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"--port {port}: 127.0.0.1:{port} is already in use" in proc.stderr
     assert "serving" not in proc.stderr and "Traceback" not in proc.stderr

@@ -27,7 +27,8 @@ class Recorder:
             self.barrier.wait(timeout=10)
         values = [float(q) for q in queries]
         return RewardResult(values, [10 * v for v in values],
-                            extra_logs={"twice": torch.tensor([2 * v for v in values]), "server": float(self.ident)})
+                            extra_logs={"twice": torch.tensor([2 * v for v in values]),
+                                        "server": float(self.ident)})
 
     def close(self):
         pass

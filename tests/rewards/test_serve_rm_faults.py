@@ -83,7 +83,8 @@ def test_a_hanging_reward_func_is_answered_bounded_and_reported(tmp_path):
 
         def ask():
             start.wait()
-            r = requests.post(url, json={"query": ["a"]}, timeout=ANSWER_S)  # raises when not answered in time
+            # raises when not answered in time
+            r = requests.post(url, json={"query": ["a"]}, timeout=ANSWER_S)
             answers.append((r.status_code, r.json()["detail"]))
 
         workers = [threading.Thread(target=ask) for _ in range(8)]
@@ -130,5 +131,6 @@ def test_dropped_and_stalled_clients_are_counted_and_closed(tmp_path):
     assert "Traceback" not in text and "ClientDisconnect" not in text, text[-3000:]
     gone = [line for line in text.splitlines() if "closed its connection before sending the whole" in line]
     assert len(gone) == 1 and gone[0].endswith("(1 disconnected so far)"), text[-3000:]
-    late = [line for line in text.splitlines() if f"not complete within {read_timeout} s (--read_timeout)" in line]
+    late = [line for line in text.splitlines() if f"not complete within {read_timeout} s "
+                                                  f"(--read_timeout)" in line]
     assert len(late) == 3 and late[-1].endswith("(3 timed out so far)"), text[-3000:]

@@ -27,7 +27,8 @@ def test_generate_all_is_the_one_batch_call(engine):
     spy = Counting(engine)
     front = generate_all(spy, PROMPTS, params, max_new_tokens=budgets, seeds=seeds)
     assert spy.calls == [(4, ["max_new_tokens", "seeds"])]
-    assert [[o.output_token_ids for o in g] for g in front] == [[o.output_token_ids for o in g] for g in direct]
+    assert [[o.output_token_ids for o in g] for g in front] == [[o.output_token_ids for o in g]
+                                                                for g in direct]
     assert [[o.logprobs for o in g] for g in front] == [[o.logprobs for o in g] for g in direct]
     generate_all(spy, PROMPTS, SamplingParams(n=2, max_new_tokens=3))  # unseeded, no budgets: passed as such
     assert spy.calls[-1] == (4, [])
@@ -48,7 +49,8 @@ def test_an_engine_error_reaches_every_waiting_caller():
     async def main():
         front = AsyncRolloutEngine(Broken())
         try:
-            return await asyncio.gather(*(front.generate(p, SamplingParams(), seed=1, max_new_tokens=2) for p in PROMPTS),
+            return await asyncio.gather(*(front.generate(p, SamplingParams(), seed=1, max_new_tokens=2)
+                                          for p in PROMPTS),
                                         return_exceptions=True)
         finally:
             front.close()
@@ -66,7 +68,8 @@ def test_requests_with_different_budgets_share_one_batch(engine):
         front = AsyncRolloutEngine(spy)
         try:
             return await asyncio.gather(*(front.generate(p, SamplingParams(max_new_tokens=k + 1), seed=k,
-                                                         max_new_tokens=k + 1) for k, p in enumerate(PROMPTS)))
+                                                         max_new_tokens=k + 1)
+                                          for k, p in enumerate(PROMPTS)))
         finally:
             front.close()
     outs = asyncio.run(main())

@@ -26,7 +26,8 @@ def sequences(engine, prompt, params, seed, budget):
     return engine.sequences([prompt], params, [budget], [seed])
 
 
-@pytest.mark.parametrize("first,second", [(SHORT, LONG), (LONG, SHORT)], ids=["joiner-longer", "joiner-shorter"])
+@pytest.mark.parametrize("first,second", [(SHORT, LONG), (LONG, SHORT)],
+                         ids=["joiner-longer", "joiner-shorter"])
 def test_a_sequence_joining_mid_generation_samples_as_if_alone(engine, first, second):
     """The joiner's prompt is longer, then shorter, than the running row's cache: either side is padded."""
     params = SamplingParams(temperature=1.0, n=1, stop_token_ids=(10**6,))  # never stops early
@@ -67,7 +68,8 @@ def test_finished_rows_leave_and_unused_columns_are_trimmed(engine):
         batch.admit([a, b])
         assert batch.mask.shape == (2, 40)
         assert batch.step() == [a]  # a's budget is one token
-        assert len(batch) == 1 and batch.mask.shape[1] == 3  # b's 2 prompt tokens + 1 new; 38 pad columns gone
+        # b's 2 prompt tokens + 1 new; 38 pad columns gone
+        assert len(batch) == 1 and batch.mask.shape[1] == 3
         assert all(layer.keys.shape[2] == 3 for layer in batch.cache.layers)  # the cache too
         while len(batch):
             batch.step()
@@ -94,8 +96,8 @@ def test_a_model_whose_cache_cannot_merge_joins_at_batch_boundaries(tokenizer):
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    cfg = MistralConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=2, num_key_value_heads=1, sliding_window=64)
+    cfg = MistralConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, sliding_window=64)
     engine = HFRolloutEngine(MistralForCausalLM(cfg).eval(), tokenizer, pad_token_id=tokenizer.pad_token_id,
                              batch_size=2)
     params = SamplingParams(temperature=1.0, stop_token_ids=(10**6,))
@@ -169,7 +171,8 @@ def test_a_malformed_request_fails_alone_and_an_engine_error_fails_those_in_flig
         server.submit_all([([10**7], params, 1, None, results.callback("bad", 2)),
                            (SHORT, params, 2, None, results.callback("good", 2))])
         assert results.event.wait(60)
-        assert isinstance(results.done["bad"][1], ValueError) and "token ids must be integers" in str(results.done["bad"][1])
+        assert (isinstance(results.done["bad"][1], ValueError)
+                and "token ids must be integers" in str(results.done["bad"][1]))
         assert results.done["good"][1] is None
 
         def lost(*args):

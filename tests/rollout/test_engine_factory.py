@@ -1,5 +1,6 @@
-"""`rollout.engine_builder.build_rollout_engine`: the one place an RL run's engine is built from its config, for the
-one-process trainer (over the actor's own module) and the Ray engine workers (an engine of its own)."""
+"""`rollout.engine_builder.build_rollout_engine`: the one place an RL run's engine is built from its config,
+for the one-process trainer (over the actor's own module) and the Ray engine workers (an engine
+of its own)."""
 import copy
 
 import pytest
@@ -11,8 +12,9 @@ from posttrain.rollout.engine_builder import build_rollout_engine
 
 
 def ppo(tiny_model_dir, *flags):
-    return parse_config("ppo", ["--actor.model_name_or_path", str(tiny_model_dir), "--data.prompt_dataset", "x",
-                                "--reward.remote_url", "r.py", *flags], check=False)
+    return parse_config("ppo", ["--actor.model_name_or_path", str(tiny_model_dir),
+                                "--data.prompt_dataset", "x", "--reward.remote_url", "r.py", *flags],
+                        check=False)
 
 
 @pytest.mark.parametrize("mode", ["merged", "adapter"])
@@ -27,13 +29,15 @@ def test_hf_over_the_actors_module_or_over_its_own_copy(model, tokenizer, tiny_m
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """The vLLM engine classes replaced by recorders of what they were built with: {class name: (path, kwargs)}."""
+    """The vLLM engine classes replaced by recorders of what they were built with: {class
+    name: (path, kwargs)}."""
     from posttrain.rollout import vllm_async_engine, vllm_engine
 
     built = {}
     for module, name in ((vllm_engine, "VLLMRolloutEngine"), (vllm_async_engine, "VLLMAsyncRolloutEngine")):
         monkeypatch.setattr(module, name, lambda path, name=name, **kw: built.setdefault(name, (path, kw)))
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the factory's setting, kept out of this process
+    # the factory's setting, kept out of this process
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     return built
 
 

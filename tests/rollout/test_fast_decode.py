@@ -111,7 +111,8 @@ def test_hooks_and_unsupported_models_use_transformers_forward(tiny_model_dir):
         assert len(seen) == 5  # the prefill and 4 decode steps all ran the hooked module
     finally:
         hook.remove()
-    for change in ({"pretraining_tp": 2}, {"_attn_implementation": "flash_attention_2"}, {"model_type": "gpt2"}):
+    for change in ({"pretraining_tp": 2}, {"_attn_implementation": "flash_attention_2"},
+                   {"model_type": "gpt2"}):
         other = copy.deepcopy(model)
         for key, value in change.items():
             setattr(other.config, key, value)

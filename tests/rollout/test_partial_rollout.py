@@ -119,7 +119,8 @@ def test_rows_admitted_after_a_weight_load_join_rows_refreshed_with_it(two_versi
         while len(batch):
             batch.step()
     assert a.versions == [0, 0, 0] + [1] * 5 and b.versions == [1] * 5
-    expect_a = (recomputed_logprobs(old, a.prompt, a.tokens, 1.0)[:3] + recomputed_logprobs(new, a.prompt, a.tokens,
+    expect_a = (recomputed_logprobs(old, a.prompt, a.tokens, 1.0)[:3] + recomputed_logprobs(new, a.prompt,
+                                                                                            a.tokens,
                                                                                           1.0)[3:])
     assert a.logprobs == pytest.approx(expect_a, abs=2e-4)
     assert b.logprobs == pytest.approx(recomputed_logprobs(new, b.prompt, b.tokens, 1.0), abs=2e-4)
@@ -133,8 +134,9 @@ def test_a_ray_engine_process_takes_weights_while_it_generates(tiny_model_dir, m
     from posttrain.config import backends, parse_config
     from posttrain.trainers.rl.placement.workers import EngineWorker, numpy_state
 
-    argv = ["--actor.model_name_or_path", str(tiny_model_dir), "--data.prompt_dataset", "x", "--vllm.num_engines", "1",
-            "--ds.param_dtype", "fp32", "--train.async_enable", "--train.partial_rollout_enable", "--rollout.engine", "hf"]
+    argv = ["--actor.model_name_or_path", str(tiny_model_dir), "--data.prompt_dataset", "x",
+            "--vllm.num_engines", "1", "--ds.param_dtype", "fp32", "--train.async_enable",
+            "--train.partial_rollout_enable", "--rollout.engine", "hf"]
     monkeypatch.setattr(backends, "vllm_unavailable", lambda: None)  # as on a GPU node with vLLM
     worker = EngineWorker(1, {})
     worker.setup(parse_config("ppo", argv, check=False))
@@ -148,7 +150,9 @@ def test_a_ray_engine_process_takes_weights_while_it_generates(tiny_model_dir, m
     hook = worker.engine.model.register_forward_pre_hook(slow_forward)
     params = SamplingParams(temperature=1.0, n=2, max_new_tokens=16, stop_token_ids=(10**6,))
     result = {}
-    thread = threading.Thread(target=lambda: result.setdefault("out", worker.generate(PROMPTS, params, None, [1, 2, 3])))
+    thread = threading.Thread(target=lambda: result.setdefault("out",
+                                                               worker.generate(PROMPTS, params, None,
+                                                                               [1, 2, 3])))
     thread.start()
     deadline = time.time() + 60
     while len(forwards) < 4 and time.time() < deadline:

@@ -52,13 +52,16 @@ def test_left_padded_batch_equals_each_prompt_alone(engine):
     for b, a, c in zip(batched, alone, chunked):
         assert b[0].output_token_ids == a[0].output_token_ids == c[0].output_token_ids
         assert b[0].finish_reason == a[0].finish_reason
-        torch.testing.assert_close(torch.tensor(b[0].logprobs), torch.tensor(a[0].logprobs), atol=1e-5, rtol=0)
-    assert {o[0].finish_reason for o in batched} == {"stop", "length"}  # prompt [11] stops at 257, others don't
+        torch.testing.assert_close(torch.tensor(b[0].logprobs), torch.tensor(a[0].logprobs), atol=1e-5,
+                                   rtol=0)
+    # prompt [11] stops at 257, others don't
+    assert {o[0].finish_reason for o in batched} == {"stop", "length"}
 
 
 def _sample(engine, prompt, seed, max_new=20, stop=()):
     # min_tokens 0: a ban on the stop ids at the first token would change its draw (the mass it maps onto)
-    params = SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=seed, stop_token_ids=list(stop), min_tokens=0)
+    params = SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=seed, stop_token_ids=list(stop),
+                            min_tokens=0)
     return engine.generate([prompt], params)[0][0]
 
 
@@ -87,8 +90,8 @@ def test_min_tokens_bans_the_stop_ids_until_reached(model, engine):
     """FREQUENT_STOPS are ~10% of the vocabulary: without a minimum some samples stop at their first token;
     min_tokens=1 (the default) and 4 never stop earlier, and the log-probs stay the trainer's."""
     def lengths(min_tokens, max_new=12):
-        params = SamplingParams(temperature=1.0, max_new_tokens=max_new, n=8, seed=11, stop_token_ids=FREQUENT_STOPS,
-                                min_tokens=min_tokens)
+        params = SamplingParams(temperature=1.0, max_new_tokens=max_new, n=8, seed=11,
+                                stop_token_ids=FREQUENT_STOPS, min_tokens=min_tokens)
         outputs = [o for group in engine.generate(PROMPTS, params) for o in group]
         return outputs, [len(o.output_token_ids) for o in outputs if o.finish_reason == "stop"]
 
@@ -104,7 +107,8 @@ def test_min_tokens_bans_the_stop_ids_until_reached(model, engine):
     assert not stopped and {len(o.output_token_ids) for o in outputs} == {3}
     # greedy: the first token is the best one that is not a stop id
     first = engine.generate([[11]], SamplingParams(temperature=0, max_new_tokens=1))[0][0].output_token_ids[0]
-    banned = engine.generate([[11]], SamplingParams(temperature=0, max_new_tokens=2, stop_token_ids=[first]))[0][0]
+    banned = engine.generate([[11]],
+                             SamplingParams(temperature=0, max_new_tokens=2, stop_token_ids=[first]))[0][0]
     assert banned.output_token_ids[0] != first
     assert engine.generate([[11]], SamplingParams(temperature=0, max_new_tokens=2, stop_token_ids=[first],
                                                   min_tokens=0))[0][0].output_token_ids == [first]
@@ -123,7 +127,9 @@ def test_pad_id_equal_to_stop_id(model, engine):
     for g, r in zip(got, ref):
         assert g[0].output_token_ids == r[0].output_token_ids and g[0].finish_reason == r[0].finish_reason
     # default stop ids (None) = the engine's eos ids
-    assert pad_is_eos.generate([[11]], SamplingParams(temperature=0, max_new_tokens=10))[0][0].output_token_ids[-1] == 257
+    assert (pad_is_eos.generate([[11]],
+                                SamplingParams(temperature=0, max_new_tokens=10))[0][0].output_token_ids[-1]
+            == 257)
 
 
 def test_default_eos_ids_from_tokenizer_and_generation_config(model, tokenizer):
@@ -139,7 +145,9 @@ def test_seeding(engine):
     a, b = engine.generate(PROMPTS, params), engine.generate(PROMPTS, params)
     assert tokens(a) == tokens(b)
     assert [o.logprobs for g in a for o in g] == [o.logprobs for g in b for o in g]
-    assert tokens(engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=12))) != tokens(a)
+    assert tokens(engine.generate(PROMPTS,
+                                  SamplingParams(temperature=1.0, max_new_tokens=8, n=2,
+                                                 seed=12))) != tokens(a)
     # seed None: drawn from torch's global RNG, so the training seed decides the rollouts
     unseeded = SamplingParams(temperature=1.0, max_new_tokens=8)
     torch.manual_seed(0)
@@ -237,7 +245,8 @@ def test_accepts_numpy_and_tensor_prompts(engine):
 def test_works_on_a_gradient_checkpointed_training_model(tiny_model_dir, engine):
     ckpt = load_causal_lm(tiny_model_dir, dtype="fp32", gradient_checkpointing=True).train()
     params = SamplingParams(temperature=0.7, max_new_tokens=6, n=2, seed=3)
-    got = HFRolloutEngine(ckpt, engine.eos_token_ids, pad_token_id=0).generate(PROMPTS, params)  # same stop ids
+    # same stop ids
+    got = HFRolloutEngine(ckpt, engine.eos_token_ids, pad_token_id=0).generate(PROMPTS, params)
     ref = engine.generate(PROMPTS, params)
     assert [o.output_token_ids for g in got for o in g] == [o.output_token_ids for g in ref for o in g]
     assert ckpt.training
@@ -291,7 +300,8 @@ def test_generate_inside_paused_on_the_same_thread(engine):
 
     def run():
         with engine.paused():
-            out["o"] = engine.generate([[5, 6]], SamplingParams(temperature=0, max_new_tokens=3, stop_token_ids=[]))
+            out["o"] = engine.generate([[5, 6]],
+                                       SamplingParams(temperature=0, max_new_tokens=3, stop_token_ids=[]))
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()

@@ -30,7 +30,8 @@ def build(tiny_model_dir, tokenizer, mode):
 
 
 @pytest.mark.parametrize("mode", ["merged", "adapter"])
-def test_adapter_sync_samples_with_the_trainers_weights(mode, policy, tiny_model_dir, tokenizer, one_torch_thread):
+def test_adapter_sync_samples_with_the_trainers_weights(mode, policy, tiny_model_dir, tokenizer,
+                                                        one_torch_thread):
     engine = build(tiny_model_dir, tokenizer, mode)
     assert engine.weights_hash() != ls.model_lora_hash(policy)
     sent = engine.load_weights(policy)  # the first (verified) sync: base + adapter
@@ -52,7 +53,8 @@ def test_adapter_sync_samples_with_the_trainers_weights(mode, policy, tiny_model
     if mode == "adapter":
         assert is_peft(engine.model)
         # peft wrapped the loaded copy's oneDNN linears (an nn.Linear subclass) as their base layers
-        assert any(type(m).__name__ == "OneDNNLinear" for m in engine.model.modules()) or not onednn_available()
+        assert (any(type(m).__name__ == "OneDNNLinear" for m in engine.model.modules())
+                or not onednn_available())
     with torch.no_grad():
         ls.adapter_params(policy)["model.layers.0.self_attn.q_proj.lora_B.weight"][0, 0] += 1e-3
     assert engine.weights_hash() != ls.model_lora_hash(policy)

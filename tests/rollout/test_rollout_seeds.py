@@ -49,7 +49,8 @@ def test_split_across_calls_equals_one_call(engine):
 @pytest.mark.parametrize("batch_size", [1, 2, 5])
 def test_batch_size_chunking_changes_nothing(engine, batch_size):
     full = engine.generate(PROMPTS, params())
-    chunked = HFRolloutEngine(engine.model, [2], pad_token_id=0, batch_size=batch_size).generate(PROMPTS, params())
+    chunked = HFRolloutEngine(engine.model, [2], pad_token_id=0,
+                              batch_size=batch_size).generate(PROMPTS, params())
     assert_same(chunked, full)
 
 
@@ -119,14 +120,17 @@ def test_block_draws_are_the_generators_one_by_one_draws():
         assert seq.uniform() == torch.rand(1, generator=one_by_one, dtype=torch.float64).item()
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     gens = [torch.Generator().manual_seed(s) for s in (1, 2, 3, 4)]
-    uniforms = torch.tensor([torch.rand(1, generator=torch.Generator().manual_seed(s), dtype=torch.float64).item()
+    uniforms = torch.tensor([torch.rand(1, generator=torch.Generator().manual_seed(s),
+                                        dtype=torch.float64).item()
                              for s in (1, 2, 3, 4)], dtype=torch.float64)
     for top_p in (1.0, 0.9):
-        by_generator = sample_next(logits, 0.7, top_p, [torch.Generator().manual_seed(s) for s in (1, 2, 3, 4)])
+        by_generator = sample_next(logits, 0.7, top_p,
+                                   [torch.Generator().manual_seed(s) for s in (1, 2, 3, 4)])
         by_uniforms = sample_next(logits, 0.7, top_p, gens, uniforms)
         assert torch.equal(by_generator[0], by_uniforms[0]) and torch.equal(by_generator[1], by_uniforms[1])
+    # given uniforms, generators are unused
     assert [g.initial_seed() for g in gens] == [1, 2, 3, 4] and torch.rand(1, generator=gens[0]).item() == \
-        torch.rand(1, generator=torch.Generator().manual_seed(1)).item()  # given uniforms, generators are unused
+        torch.rand(1, generator=torch.Generator().manual_seed(1)).item()
 
 
 class Zero:

@@ -86,11 +86,13 @@ def test_sample_next_temperature_and_greedy():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, 0.5]])
     gen = torch.Generator().manual_seed(2)
     tokens, lp = sample_next(logits, 1.7, 1.0, gen)
-    assert torch.allclose(lp, torch.log_softmax(logits / 1.7, -1).gather(-1, tokens[:, None]).squeeze(-1), atol=1e-6)
+    assert torch.allclose(lp, torch.log_softmax(logits / 1.7, -1).gather(-1, tokens[:, None]).squeeze(-1),
+                          atol=1e-6)
     tokens, lp = sample_next(logits, 0, 1.0, gen)
     assert tokens.tolist() == [0, 1]
     assert torch.allclose(lp, token_logprobs(logits, tokens, 1.0))
-    assert math.isclose(lp[0].item(), 2.0 - math.log(sum(math.exp(x) for x in (2.0, 1.0, 0.0, -1.0))), rel_tol=1e-6)
+    assert math.isclose(lp[0].item(), 2.0 - math.log(sum(math.exp(x) for x in (2.0, 1.0, 0.0, -1.0))),
+                        rel_tol=1e-6)
 
 
 def test_sample_next_banned_tokens_are_never_drawn_and_keep_full_logprobs():
@@ -102,7 +104,8 @@ def test_sample_next_banned_tokens_are_never_drawn_and_keep_full_logprobs():
     tokens, lp = sample_next(logits, 1.0, 1.0, None, u, banned)
     assert tokens.tolist() == [1, 1, 2]  # u 0.5 → 0.25 < 0.3; u 0.7 → 0.35 >= 0.3
     assert torch.allclose(lp, torch.tensor([0.3, 0.3, 0.2]).log(), atol=1e-6)
-    # top_p 0.5 of the remaining 0.5 keeps token 1 alone (0.3 >= 0.25); of the whole mass it would keep 1 and 2
+    # top_p 0.5 of the remaining 0.5 keeps token 1 alone (0.3 >= 0.25); of the whole mass it would keep
+    # 1 and 2
     tokens, _ = sample_next(logits, 1.0, 0.5, None, torch.tensor([0.9] * 3, dtype=torch.float64), banned)
     assert tokens.tolist() == [1, 1, 1]
     tokens, lp = sample_next(logits, 0, 1.0, None, None, banned)  # greedy: the best allowed token
@@ -115,6 +118,7 @@ def test_sample_next_seeded_generator_is_reproducible():
     logits = torch.randn(8, 50)
     a = sample_next(logits, 1.0, 0.9, torch.Generator().manual_seed(5))[0]
     b = sample_next(logits, 1.0, 0.9, torch.Generator().manual_seed(5))[0]
-    c = torch.stack([sample_next(logits, 1.0, 0.9, torch.Generator().manual_seed(s))[0] for s in range(6, 10)])
+    c = torch.stack([sample_next(logits, 1.0, 0.9, torch.Generator().manual_seed(s))[0]
+                     for s in range(6, 10)])
     assert torch.equal(a, b)
     assert not all(torch.equal(a, row) for row in c)

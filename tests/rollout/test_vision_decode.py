@@ -33,8 +33,9 @@ def test_a_prompts_samples_do_not_depend_on_its_batch(vlm):
     engine = HFRolloutEngine(model, tok, pad_token_id=tok.pad_token_id)
     params = SamplingParams(max_new_tokens=5, n=2, seed=7)
     alone = engine.generate([ids], params, seeds=[11], images=[tensors])[0]
-    text_ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
-                                                  tokenize=False), add_special_tokens=False)
+    text_ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}],
+                                                  add_generation_prompt=True, tokenize=False),
+                          add_special_tokens=False)
     both = engine.generate([text_ids, ids], params, seeds=[5, 11], images=[None, PromptImages(tensors)])
     assert [o.output_token_ids for o in both[1]] == [o.output_token_ids for o in alone]
     np.testing.assert_allclose([o.logprobs for o in both[1]], [o.logprobs for o in alone], atol=1e-5)
@@ -45,7 +46,8 @@ def test_the_image_structure_tokens_are_never_sampled(vlm):
     model, tok, ids, tensors = vlm
     cfg = model.config
     never = structure_token_ids(model)
-    assert set(never) == {cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id}
+    assert set(never) == {cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id,
+                          cfg.vision_end_token_id}
     bias = torch.zeros(cfg.text_config.vocab_size if hasattr(cfg, "text_config") else cfg.vocab_size)
     bias[cfg.image_token_id] = 30.0  # the model now wants an image token next, almost surely
     handle = model.lm_head.register_forward_hook(lambda module, args, out: out + bias)
@@ -65,4 +67,5 @@ def test_images_for_a_text_model_are_refused(tiny_model_dir):
     tok = load_tokenizer(tiny_model_dir)
     engine = HFRolloutEngine(load_causal_lm(tiny_model_dir, "fp32"), tok, pad_token_id=tok.pad_token_id)
     with pytest.raises(ValueError, match="not a vision-language model"):
-        engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2), images=[{"pixel_values": np.zeros((4, 8))}])
+        engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2),
+                        images=[{"pixel_values": np.zeros((4, 8))}])

@@ -43,16 +43,17 @@ def sft_nano(tmp_path_factory, tiny_model_dir):
     write_jsonl(rows[360:], data / "test.jsonl")
     sft = root / "sft"
     train_sft.main(["--model.model_name_or_path", tiny_model_dir, "--data.dataset", str(data),
-                    "--data.input_key", "prompt", "--data.output_key", "response", "--data.apply_chat_template",
-                    "--train.batch_size", "16", "--train.micro_batch_size", "16", "--train.max_epochs", "1",
-                    "--adam.lr", "3e-3", "--ckpt.output_dir", str(sft), "--data.max_len", "48"])
+                    "--data.input_key", "prompt", "--data.output_key", "response",
+                    "--data.apply_chat_template", "--train.batch_size", "16",
+                    "--train.micro_batch_size", "16", "--train.max_epochs", "1", "--adam.lr", "3e-3",
+                    "--ckpt.output_dir", str(sft), "--data.max_len", "48"])
     return Path(sft), data
 
 
 @pytest.fixture(scope="module")
 def single_process(tiny_model_dir, arithmetic_dir, tmp_path_factory):
-    """The single-process SFT run (`sft_flags` on the nano model and the arithmetic data) of a flag list, trained
-    once per distinct list in a module: the reference that multi-rank runs are compared with."""
+    """The single-process SFT run (`sft_flags` on the nano model and the arithmetic data) of a flag list,
+    trained once per distinct list in a module: the reference that multi-rank runs are compared with."""
     from posttrain.cli import train_sft
 
     runs = {}

@@ -12,7 +12,8 @@ def sft_flags(model_dir, data_dir, out_dir, *extra) -> list[str]:
             "--data.input_key", "prompt", "--data.output_key", "response", "--data.apply_chat_template",
             "--data.max_len", "48", "--train.batch_size", "8", "--train.micro_batch_size", "8",
             "--train.max_epochs", "1", "--adam.lr", "1e-3", "--ckpt.output_dir", str(out_dir),
-            "--eval.dataset", str(data_dir), "--eval.split", "test", "--logger.logging_steps", "1", *map(str, extra)]
+            "--eval.dataset", str(data_dir), "--eval.split", "test", "--logger.logging_steps", "1",
+            *map(str, extra)]
 
 
 def weights(run_dir):
@@ -36,8 +37,9 @@ def assert_weights_within_rounding(want, got, lr: float = 1e-3) -> None:
 
 
 def assert_same_grad_norms(want, got) -> None:
-    """The runs `want` and `got` (run dirs) logged the same gradient norm (before clipping) at every step, up to
-    rounding (NORM_REL): a gradient of the wrong scale shows here even where clipping hides it from the weights."""
+    """The runs `want` and `got` (run dirs) logged the same gradient norm (before clipping) at every step, up
+    to rounding (NORM_REL): a gradient of the wrong scale shows here even where clipping hides it
+    from the weights."""
     norms = [[r["train/grad_norm"] for r in read_metrics(d / "metrics.jsonl") if "train/grad_norm" in r]
              for d in (want, got)]
     assert len(norms[1]) == len(norms[0]) > 0 and norms[1] == pytest.approx(norms[0], rel=NORM_REL), norms
@@ -55,8 +57,8 @@ def torchrun(module: str, flags, nproc: int = 2):
     with socket.socket() as sock:  # a free port (torchrun's --master_port 0 does not reach the workers)
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", port,
-           "-m", module, *map(str, flags)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", port, "-m", module, *map(str, flags)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
@@ -71,7 +73,8 @@ def assert_loaded_as_shards(stderr: str, role: str, nproc: int = 2) -> None:
     found = re.findall(rf"\[rank (\d+)\] {re.escape(role)}: loaded as ZeRO-3 shards: this rank holds "
                        r"([\d.]+)M of ([\d.]+)M parameters", stderr)
     shares = {int(rank): (float(own), float(full)) for rank, own, full in found}
-    assert sorted(shares) == list(range(nproc)), f"{role}: shard reports of ranks {sorted(shares)}\n{stderr[-3000:]}"
+    assert (sorted(shares) == list(range(nproc))), (f"{role}: shard reports of ranks "
+                                                    f"{sorted(shares)}\n{stderr[-3000:]}")
     full = shares[0][1]
     assert full > 0 and all(f == full for _, f in shares.values())
     assert all(own < 1.2 / nproc * full for own, _ in shares.values()), shares

@@ -16,10 +16,10 @@ LN2 = math.log(2.0)
 
 
 def dpo_flags(model, data, out, *extra):
-    return ["--model.model_name_or_path", str(model), "--data.dataset", str(data), "--data.prompt_key", "prompt",
-            "--data.apply_chat_template", "--data.max_len", "48", "--train.batch_size", "16",
-            "--train.micro_batch_size", "8", "--ckpt.output_dir", str(out), "--logger.logging_steps", "1",
-            *map(str, extra)]
+    return ["--model.model_name_or_path", str(model), "--data.dataset", str(data),
+            "--data.prompt_key", "prompt", "--data.apply_chat_template", "--data.max_len", "48",
+            "--train.batch_size", "16", "--train.micro_batch_size", "8", "--ckpt.output_dir", str(out),
+            "--logger.logging_steps", "1", *map(str, extra)]
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +43,8 @@ def heldout_logprob_gap(model_dir, pref_dir) -> float:
     saved model, computed outside the trainer."""
     from posttrain.data.preference_dataset import PreferenceDataset
     from posttrain.data.readers import read_file
-    from posttrain.models import forward_logits, load_causal_lm, load_tokenizer
-    from posttrain.trainers.dpo import DPOObjective, sequence_logprobs
+    from posttrain.models import forward_logits, load_causal_lm, load_tokenizer, sequence_logprobs
+    from posttrain.trainers.dpo import DPOObjective
 
     tok = load_tokenizer(model_dir)
     rows = read_file(str(pref_dir / "test.jsonl"))
@@ -136,7 +136,8 @@ def test_prompt_and_padding_get_no_gradient():
     loss, _ = DPOObjective(pad_id=0, packing=False, nll_loss_coef=0.3, ref_model=ref).loss(policy, batch, 1)
     loss.backward()
     g = policy.logits.grad.abs().sum(-1)  # [2 rows, 4 positions]
-    # position t predicts token t+1: chosen 1 (prompt) 2 3 (response) -; rejected 1 (prompt) 2 (response) pad -
+    # position t predicts token t+1: chosen 1 (prompt) 2 3 (response) -; rejected 1 (prompt) 2
+    # (response) pad -
     assert g[0, 0] == 0 and g[1, 0] == 0, "the prompt of chosen and rejected must be masked"
     assert g[1, 2] == 0 and g[1, 3] == 0 and g[0, 3] == 0, "padding / the last position must be masked"
     assert g[0, 1] > 0 and g[0, 2] > 0 and g[1, 1] > 0
@@ -148,8 +149,8 @@ def test_response_logprobs_cover_the_response_only_padded_and_packed(tiny_model_
     from posttrain.algorithms.losses import token_logprobs
     from posttrain.data.preference_dataset import PreferenceDataset
     from posttrain.data.synthetic import make_preference_rows
-    from posttrain.models import forward_logits, load_causal_lm, load_tokenizer
-    from posttrain.trainers.dpo import DPOObjective, sequence_logprobs
+    from posttrain.models import forward_logits, load_causal_lm, load_tokenizer, sequence_logprobs
+    from posttrain.trainers.dpo import DPOObjective
 
     tok = load_tokenizer(tiny_model_dir)
     model = load_causal_lm(tiny_model_dir)
@@ -234,11 +235,11 @@ def test_openrlhf_train_dpo_script_runs_with_only_the_module_renamed(tiny_model_
     cmd = [sys.executable, "-m", "posttrain.cli.train_dpo",
            "--ckpt.output_dir", out, "--ckpt.save_steps", "-1", "--logger.logging_steps", "1",
            "--eval.steps", "-1", "--train.batch_size", "8", "--train.micro_batch_size", "2",
-           "--model.model_name_or_path", tiny_model_dir, "--ds.param_dtype", "fp32", "--train.max_epochs", "1",
-           "--data.max_len", "64", "--adam.lr", "5e-7", "--model.beta", "0.1", "--data.dataset", data,
-           "--data.apply_chat_template", "--data.chosen_key", "chosen", "--data.rejected_key", "rejected",
-           "--ckpt.load_enable", "--ds.packing_samples", "--model.gradient_checkpointing_enable",
-           "--ref.offload"]
+           "--model.model_name_or_path", tiny_model_dir, "--ds.param_dtype", "fp32",
+           "--train.max_epochs", "1", "--data.max_len", "64", "--adam.lr", "5e-7", "--model.beta", "0.1",
+           "--data.dataset", data, "--data.apply_chat_template", "--data.chosen_key", "chosen",
+           "--data.rejected_key", "rejected", "--ckpt.load_enable", "--ds.packing_samples",
+           "--model.gradient_checkpointing_enable", "--ref.offload"]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([str(c) for c in cmd], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300, check=False)
@@ -310,14 +311,16 @@ def test_ipo_and_cdpo_runs_log_their_loss_formula(sft_nano, pref_dir, tmp_path, 
 
     beta = 0.5
     out = tmp_path / "run"
-    main(["dpo", *dpo_flags(sft_nano[0], pref_dir, out, "--train.batch_size", 1, "--train.micro_batch_size", 1,
-                            "--data.max_samples", 3, "--adam.lr", "5e-2", "--model.beta", beta, *flags)])
+    main(["dpo", *dpo_flags(sft_nano[0], pref_dir, out, "--train.batch_size", 1,
+                            "--train.micro_batch_size", 1, "--data.max_samples", 3, "--adam.lr", "5e-2",
+                            "--model.beta", beta, *flags)])
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[0]["train/margin"] == pytest.approx(0, abs=1e-6)  # policy == reference at step 1
     assert rows[0]["train/loss"] == pytest.approx(1 / (2 * beta) ** 2 if ipo else LN2, abs=1e-5)
     for r in rows:
-        assert r["train/loss"] == pytest.approx(_dpo_formula(r["train/margin"], beta, ipo, eps), rel=1e-4, abs=1e-6)
+        assert r["train/loss"] == pytest.approx(_dpo_formula(r["train/margin"], beta, ipo, eps), rel=1e-4,
+                                                abs=1e-6)
     moved = [r for r in rows[1:] if abs(r["train/margin"]) > 1e-2]
     assert moved, rows  # a margin away from 0, where the formulas disagree
     for r in moved:
@@ -327,9 +330,9 @@ def test_ipo_and_cdpo_runs_log_their_loss_formula(sft_nano, pref_dir, tmp_path, 
 @pytest.mark.e2e
 def test_ring_attention_over_two_ranks_matches_single_process(tiny_model_dir, pref_dir, tmp_path):
     """OpenRLHF's train_dpo_llama.sh flags (packing, ZeRO-3, gradient checkpointing; sizes ours) with
-    --ds.ring_attn_size 2: both ranks take the same packed pairs and each computes half of every row, the policy
-    and the reference alike; each pair's log-probs are summed over the two ranks. Losses, margins and weights
-    equal the single-process run's."""
+    --ds.ring_attn_size 2: both ranks take the same packed pairs and each computes half of every row, the
+    policy and the reference alike; each pair's log-probs are summed over the two ranks. Losses, margins and
+    weights equal the single-process run's."""
     from rounding import ADAM_EPS
     from sft_helpers import assert_same_grad_norms, assert_weights_within_rounding, torchrun
 

@@ -13,9 +13,9 @@ import torch
 from posttrain.data.errors import DataError
 from posttrain.data.preference_dataset import PreferenceDataset
 from posttrain.data.synthetic_vision import COLOURS, colour_rows, write_colour_dataset
-from posttrain.models import forward_logits, load_causal_lm, load_tokenizer
+from posttrain.models import forward_logits, load_causal_lm, load_tokenizer, sequence_logprobs
 from posttrain.models.vision import is_vision_folder, load_processor
-from posttrain.trainers.dpo import DPOObjective, sequence_logprobs
+from posttrain.trainers.dpo import DPOObjective
 from posttrain.utils.metrics import read_metrics
 
 LN2 = math.log(2.0)
@@ -35,7 +35,8 @@ def vlm(tiny_vision_dir):
 def with_pairs(rows: list[dict], seed: int) -> list[dict]:
     """Colour rows as preference pairs: chosen = the shape's colour, rejected = another colour."""
     rng = random.Random(seed)
-    return [{**r, "chosen": r["answer"], "rejected": rng.choice([c for c in sorted(COLOURS) if c != r["answer"]])}
+    return [{**r, "chosen": r["answer"],
+             "rejected": rng.choice([c for c in sorted(COLOURS) if c != r["answer"]])}
             for r in rows]
 
 
@@ -82,8 +83,10 @@ def test_both_sides_carry_the_prompt_image_tokens_untrained_and_one_set_of_tenso
 
 def test_conversations_with_image_parts_equal_a_prompt_key_with_image_tags(processor, tmp_path):
     row = colour_pairs(1, seed=1, folder=tmp_path)[0]
-    user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]}
-    conversations = {"images": row["images"], "chosen": [user, {"role": "assistant", "content": row["chosen"]}],
+    user = {"role": "user",
+            "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]}
+    conversations = {"images": row["images"],
+                     "chosen": [user, {"role": "assistant", "content": row["chosen"]}],
                      "rejected": [user, {"role": "assistant", "content": row["rejected"]}]}
     a, b = _dataset(processor, [row]).pairs[0], _dataset(processor, [conversations], prompt_key=None).pairs[0]
     for key in ("chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask"):
@@ -108,7 +111,8 @@ def test_pair_batch_image_tensors_follow_its_rows(processor, vlm, tmp_path):
     assert row_pairs == [0, 2, 0, 2]
     assert pixels.shape[0] == 16 * len(row_pairs) and grids.shape[0] == len(row_pairs)
     for n, pair in enumerate(row_pairs):
-        assert torch.equal(pixels[16 * n:16 * (n + 1)], torch.as_tensor(items[pair]["image_inputs"]["pixel_values"]))
+        assert torch.equal(pixels[16 * n:16 * (n + 1)],
+                           torch.as_tensor(items[pair]["image_inputs"]["pixel_values"]))
     image_id = _image_id(processor)
     for k in range(2 * b):  # the image tokens of row k are those of pair k % B's side
         side = "chosen" if k < b else "rejected"
@@ -121,14 +125,16 @@ def test_pair_batch_image_tensors_follow_its_rows(processor, vlm, tmp_path):
         for k in range(2 * b):
             one = objective.collate([items[k % b]])
             alone.append(sequence_logprobs(forward_logits(vlm, one), one)[0][0 if k < b else 1])
-        swapped = {**batch, "image_inputs": {"pixel_values": torch.cat([pixels[16:32], pixels[:16], pixels[32:]]),
+        swapped = {**batch, "image_inputs": {"pixel_values": torch.cat([pixels[16:32], pixels[:16],
+                                                                        pixels[32:]]),
                                              "image_grid_thw": grids}}
         wrong = sequence_logprobs(forward_logits(vlm, swapped), swapped)[0]
     assert torch.allclose(together, torch.stack(alone), atol=1e-5)
     assert not torch.allclose(wrong, together, atol=1e-4)  # the check can tell rows' images apart
 
 
-def test_reference_reads_the_same_images_so_the_margin_starts_at_zero(processor, vlm, tiny_vision_dir, tmp_path):
+def test_reference_reads_the_same_images_so_the_margin_starts_at_zero(processor, vlm, tiny_vision_dir,
+                                                                      tmp_path):
     items = list(_dataset(processor, colour_pairs(4, seed=3, folder=tmp_path)))
     ref = load_causal_lm(tiny_vision_dir, "fp32").eval()  # the same weights, a separate copy
     objective = DPOObjective(pad_id=processor.tokenizer.pad_token_id, packing=False, ref_model=ref)
@@ -177,8 +183,8 @@ def test_dpo_learns_to_prefer_the_colour_only_the_image_shows(tiny_vision_dir, t
     final = train_dpo.main([
         "--model.model_name_or_path", tiny_vision_dir, "--data.dataset", data, "--data.prompt_key", "prompt",
         "--data.apply_chat_template", "--data.max_images_per_prompt", "1", "--data.max_len", "64",
-        "--train.batch_size", "16", "--train.micro_batch_size", "8", "--train.max_epochs", "6", "--adam.lr", "3e-3",
-        "--model.beta", "0.5",
+        "--train.batch_size", "16", "--train.micro_batch_size", "8", "--train.max_epochs", "6",
+        "--adam.lr", "3e-3", "--model.beta", "0.5",
         "--eval.dataset", heldout, "--eval.split", "train", "--ckpt.output_dir", str(out),
         "--logger.logging_steps", "1", "--train.seed", "0"])
     train = [row for row in read_metrics(out / "metrics.jsonl") if "train/loss" in row]
@@ -196,7 +202,8 @@ def test_dpo_learns_to_prefer_the_colour_only_the_image_shows(tiny_vision_dir, t
     assert type(load_causal_lm(out, "fp32")).__name__ == "Qwen2_5_VLForConditionalGeneration"
 
 
-@pytest.mark.parametrize("flag,value", [("--data.max_images_per_prompt", "1"), ("--data.image_key", "pictures")])
+@pytest.mark.parametrize("flag,value",
+                         [("--data.max_images_per_prompt", "1"), ("--data.image_key", "pictures")])
 def test_reward_models_refuse_the_image_flags(tiny_model_dir, tmp_path, capsys, flag, value):
     from posttrain.cli import train_rm
 
@@ -207,7 +214,8 @@ def test_reward_models_refuse_the_image_flags(tiny_model_dir, tmp_path, capsys, 
                        "--ckpt.output_dir", str(tmp_path / "o"), flag, value])
     assert exc.value.code == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
-    assert len(err) == 1 and re.search(f"{flag} {value}: posttrain rm trains text-only reward models", err[0]), err
+    assert (len(err) == 1
+            and re.search(f"{flag} {value}: posttrain rm trains text-only reward models", err[0])), err
 
 
 def test_an_assistant_reply_given_as_text_parts_is_read(processor):

@@ -1,6 +1,7 @@
-"""Elastic resume (`engines.portable`): an SFT checkpoint written on one layout (ranks, ZeRO stage, one process)
-resumes on another and ends where the uninterrupted run on the new layout ends: 2 ranks ZeRO-3 -> one process,
-one process -> 2 ranks ZeRO-2, ZeRO-2 -> ZeRO-3 on 2 ranks. The global batch is the same, so the math is."""
+"""Elastic resume (`engines.portable`): an SFT checkpoint written on one layout (ranks, ZeRO stage, one
+process) resumes on another and ends where the uninterrupted run on the new layout ends: 2 ranks ZeRO-3 -> one
+process, one process -> 2 ranks ZeRO-2, ZeRO-2 -> ZeRO-3 on 2 ranks. The global batch is the same, so
+the math is."""
 import shutil
 
 import pytest
@@ -27,7 +28,8 @@ def run(layout: str, model, data, out, ckpt, *extra):
 
 
 def losses(run_dir, start=1):
-    return [r["train/loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "train/loss" in r and r["step"] >= start]
+    return [r["train/loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "train/loss" in r
+            and r["step"] >= start]
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +48,8 @@ def uninterrupted_on(tiny_model_dir, arithmetic_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("before,after", [("zero3", "one"), ("one", "zero2"), ("zero2", "zero3")])
-def test_a_checkpoint_resumes_on_another_layout(uninterrupted_on, tiny_model_dir, arithmetic_dir, tmp_path, before,
-                                                after):
+def test_a_checkpoint_resumes_on_another_layout(uninterrupted_on, tiny_model_dir, arithmetic_dir, tmp_path,
+                                                before, after):
     _, first_ckpt = uninterrupted_on(before)
     straight, _ = uninterrupted_on(after)
     resume_ckpt = tmp_path / "ckpt_resume"

@@ -87,36 +87,41 @@ def earlier_run(tiny_model_dir, arithmetic_dir, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("earlier")
     ckpt = root / "ckpt"
-    train_sft.main(flags(tiny_model_dir, arithmetic_dir, root / "run", "--train.seed", 1, "--train.max_epochs", 2,
-                         "--ckpt.path", ckpt, "--ckpt.save_steps", 2))
-    assert sorted(p.name for p in ckpt.glob("global_step*")) == ["global_step4", "global_step6", "global_step8"]
+    train_sft.main(flags(tiny_model_dir, arithmetic_dir, root / "run", "--train.seed", 1,
+                         "--train.max_epochs", 2, "--ckpt.path", ckpt, "--ckpt.save_steps", 2))
+    assert (sorted(p.name for p in ckpt.glob("global_step*"))
+            == ["global_step4", "global_step6", "global_step8"])
     return ckpt
 
 
-def test_fresh_run_into_another_runs_checkpoints_is_refused(earlier_run, tiny_model_dir, arithmetic_dir, tmp_path):
+def test_fresh_run_into_another_runs_checkpoints_is_refused(earlier_run, tiny_model_dir, arithmetic_dir,
+                                                            tmp_path):
     before = snapshot(earlier_run)
     proc = run(CLI + flags(tiny_model_dir, arithmetic_dir, tmp_path / "new", "--train.seed", 1,
                            "--ckpt.path", earlier_run, "--ckpt.save_steps", 2))
     assert proc.returncode == 2
     assert error_line(proc.stderr) == (
-        f"posttrain sft: error: --ckpt.path {earlier_run} already holds checkpoints (steps 4, 6, 8) of an earlier "
-        f"run; pass --ckpt.load_enable to resume it, or choose another (or empty) --ckpt.path")
+        f"posttrain sft: error: --ckpt.path {earlier_run} already holds checkpoints (steps 4, 6, 8) of an "
+        f"earlier run; pass --ckpt.load_enable to resume it, or choose another (or empty) --ckpt.path")
     assert "Loading weights" not in proc.stderr  # refused before any model loads
     assert snapshot(earlier_run) == before and not (tmp_path / "new" / "config.yaml").exists()
 
 
-def test_resume_with_another_seed_is_refused_naming_the_flag(earlier_run, tiny_model_dir, arithmetic_dir, tmp_path):
+def test_resume_with_another_seed_is_refused_naming_the_flag(earlier_run, tiny_model_dir, arithmetic_dir,
+                                                             tmp_path):
     before = snapshot(earlier_run)
     proc = run(CLI + flags(tiny_model_dir, arithmetic_dir, tmp_path / "resume", "--train.seed", 2,
                            "--train.max_epochs", 2, "--ckpt.path", earlier_run, "--ckpt.load_enable"))
     assert proc.returncode == 2
     line = error_line(proc.stderr)
-    assert line.startswith(f"posttrain sft: error: cannot resume from checkpoint {earlier_run / 'global_step8'}: ")
+    assert line.startswith(f"posttrain sft: error: cannot resume from checkpoint "
+                           f"{earlier_run / 'global_step8'}: ")
     assert "(--train.seed: checkpoint 1, this run 2)" in line and "another --ckpt.path" in line
     assert snapshot(earlier_run) == before
 
 
-def test_resume_after_kill_9_continues_from_the_last_good_checkpoint(tiny_model_dir, arithmetic_dir, tmp_path):
+def test_resume_after_kill_9_continues_from_the_last_good_checkpoint(tiny_model_dir, arithmetic_dir,
+                                                                     tmp_path):
     out = tmp_path / "run"
     ckpt = out / "checkpoints"  # --ckpt.path unset: it follows --ckpt.output_dir
     long_run = start(CLI + flags(tiny_model_dir, arithmetic_dir, out, "--train.max_epochs", 100,
@@ -156,15 +161,16 @@ main(["sft", *sys.argv[4:]])
 def test_second_writer_into_one_output_dir_is_refused(tiny_model_dir, arithmetic_dir, tmp_path):
     out = tmp_path / "run"
     marker, go = tmp_path / "training", tmp_path / "go"
-    first = start([sys.executable, "-c", DRIVER_PAUSE, marker, go, "1", *flags(tiny_model_dir, arithmetic_dir, out)],
+    first = start([sys.executable, "-c", DRIVER_PAUSE, marker, go, "1",
+                   *flags(tiny_model_dir, arithmetic_dir, out)],
                   tmp_path / "first.log")
     try:
         wait_for(marker.exists, first, "the first run's first step")
         second = run(CLI + flags(tiny_model_dir, arithmetic_dir, out, "--train.seed", 7))
         assert second.returncode == 2
         line = error_line(second.stderr)
-        assert line.startswith(f"posttrain sft: error: --ckpt.output_dir {out} is in use by another posttrain run "
-                               f"(pid {first.pid}, started ")
+        assert line.startswith(f"posttrain sft: error: --ckpt.output_dir {out} is in use by another "
+                               f"posttrain run (pid {first.pid}, started ")
         assert line.endswith("; wait for it or choose another --ckpt.output_dir")
     finally:
         go.touch()
@@ -180,7 +186,8 @@ def test_second_run_into_a_live_runs_checkpoint_folder_is_refused(tiny_model_dir
     a_out, ckpt = tmp_path / "A", tmp_path / "A" / "checkpoints"
     marker, go = tmp_path / "training", tmp_path / "go"
     first = start([sys.executable, "-c", DRIVER_PAUSE, marker, go, "2",
-                   *flags(tiny_model_dir, arithmetic_dir, a_out, "--ckpt.save_steps", 1, "--ckpt.max_num", 1)],
+                   *flags(tiny_model_dir, arithmetic_dir, a_out, "--ckpt.save_steps", 1,
+                          "--ckpt.max_num", 1)],
                   tmp_path / "first.log")
     try:
         wait_for(marker.exists, first, "the first run's second step")
@@ -258,13 +265,15 @@ def _disk_full_at_step_4_keeps_step_2(driver: str, nth_save: int, model_dir, dat
     one line naming step 4 and the kept step 2, which still verifies; nothing half-written is left."""
     out = tmp_path / "run"
     ckpt = out / "checkpoints"
-    proc = run([sys.executable, "-c", driver, str(nth_save), *flags(model_dir, data_dir, out, "--ckpt.save_steps", 2)])
+    proc = run([sys.executable, "-c", driver, str(nth_save),
+                *flags(model_dir, data_dir, out, "--ckpt.save_steps", 2)])
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert error_line(proc.stderr) == (
-        f"posttrain sft: error: no space left on device while writing checkpoint step 4 to {ckpt}; the last good "
-        f"checkpoint is {ckpt / 'global_step2'} (free space or lower --ckpt.max_num)")
+        f"posttrain sft: error: no space left on device while writing checkpoint step 4 to {ckpt}; the last "
+        f"good checkpoint is {ckpt / 'global_step2'} (free space or lower --ckpt.max_num)")
     assert verify_checkpoint(ckpt / "global_step2") is None
-    assert [p.name for p in ckpt.iterdir() if p.name.startswith(("global_step", ".tmp", ".old"))] == ["global_step2"]
+    assert ([p.name for p in ckpt.iterdir() if p.name.startswith(("global_step", ".tmp", ".old"))]
+            == ["global_step2"])
 
 
 def test_disk_full_while_checkpointing_keeps_the_earlier_checkpoint(tiny_model_dir, arithmetic_dir, tmp_path):
@@ -293,9 +302,11 @@ main(["sft", *sys.argv[2:]])
 """
 
 
-def test_disk_full_reported_by_torch_without_errno_keeps_the_earlier_checkpoint(tiny_model_dir, arithmetic_dir,
+def test_disk_full_reported_by_torch_without_errno_keeps_the_earlier_checkpoint(tiny_model_dir,
+                                                                                arithmetic_dir,
                                                                                   tmp_path):
-    # 4 torch.save calls per checkpoint (model, optimizer, scheduler, trainer state): the 5th is step 4's model
+    # 4 torch.save calls per checkpoint (model, optimizer, scheduler, trainer state): the 5th is
+    # step 4's model
     _disk_full_at_step_4_keeps_step_2(DRIVER_TORCH_LOSES_ERRNO, 5, tiny_model_dir, arithmetic_dir, tmp_path)
 
 
@@ -321,8 +332,9 @@ def test_disk_full_during_the_final_export_is_one_line(tiny_model_dir, arithmeti
                 *flags(tiny_model_dir, arithmetic_dir, out, "--ckpt.save_steps", 4)])
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert error_line(proc.stderr) == (
-        f"posttrain sft: error: no space left on device while writing the final model to {out}; the last good "
-        f"checkpoint is {ckpt / 'global_step4'} (free space, then resume with --ckpt.load_enable or run again)")
+        f"posttrain sft: error: no space left on device while writing the final model to {out}; the last "
+        f"good checkpoint is {ckpt / 'global_step4'} (free space, then resume with --ckpt.load_enable or run "
+        f"again)")
     assert verify_checkpoint(ckpt / "global_step4") is None and not (out / "model.safetensors").exists()
 
 
@@ -367,13 +379,14 @@ def test_unusable_output_folders_are_one_line(tiny_model_dir, arithmetic_dir, tm
     a_file.write_text("x")
     proc = run(CLI + flags(tiny_model_dir, arithmetic_dir, a_file))
     assert proc.returncode == 2
-    assert error_line(proc.stderr) == (f"posttrain sft: error: --ckpt.output_dir {a_file} is a file, not a folder; "
-                                       "choose a folder path for --ckpt.output_dir")
+    assert error_line(proc.stderr) == (f"posttrain sft: error: --ckpt.output_dir {a_file} is a file, not a "
+                                       f"folder; choose a folder path for --ckpt.output_dir")
     proc = run(CLI + flags(tiny_model_dir, arithmetic_dir, tmp_path / "run", "--ckpt.path", a_file / "ck",
                            "--ckpt.save_steps", 2))
     assert proc.returncode == 2
-    assert error_line(proc.stderr) == (f"posttrain sft: error: --ckpt.path {a_file / 'ck'} lies under {a_file}, "
-                                       "which is a file, not a folder; choose a folder path for --ckpt.path")
+    assert error_line(proc.stderr) == (f"posttrain sft: error: --ckpt.path {a_file / 'ck'} lies under "
+                                       f"{a_file}, which is a file, not a folder; choose a folder path for "
+                                       f"--ckpt.path")
 
 
 @pytest.fixture

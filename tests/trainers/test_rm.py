@@ -127,15 +127,19 @@ def test_ppo_scores_the_sampled_ids_as_the_rm_trained_on_them(nano_rm, tmp_path,
     obj = RMObjective(tok.pad_token_id, packing=False)
     with torch.no_grad():
         trained = obj.rewards(model, obj.collate([items[i] for i in range(4)]))
-        cut = [{k: v[:-1] if k.endswith(("_ids", "_mask")) else v for k, v in items[i].items()} for i in range(4)]
+        cut = [{k: v[:-1] if k.endswith(("_ids", "_mask")) else v for k, v in items[i].items()}
+               for i in range(4)]
         trained_cut = obj.rewards(model, obj.collate(cut))
     prompts = PromptDataset(rows, tok, input_key="prompt", apply_chat_template=True)
     sampled = [(prompts[i].token_ids, tok(r[side], add_special_tokens=False)["input_ids"])
                for side in ("chosen", "rejected") for i, r in enumerate(rows)]
-    finished = [Rollout(p, out + [tok.eos_token_id], [0.0] * (len(out) + 1), "stop", "", "") for p, out in sampled]
+    finished = [Rollout(p, out + [tok.eos_token_id], [0.0] * (len(out) + 1), "stop", "", "")
+                for p, out in sampled]
     truncated = [Rollout(p, out, [0.0] * len(out), "length", "", "") for p, out in sampled]
-    torch.testing.assert_close(score_rollouts(source, tok, finished).rewards.float(), trained, atol=1e-5, rtol=0)
-    torch.testing.assert_close(score_rollouts(source, tok, truncated).rewards.float(), trained_cut, atol=1e-5, rtol=0)
+    torch.testing.assert_close(score_rollouts(source, tok, finished).rewards.float(), trained, atol=1e-5,
+                               rtol=0)
+    torch.testing.assert_close(score_rollouts(source, tok, truncated).rewards.float(), trained_cut, atol=1e-5,
+                               rtol=0)
     assert not torch.allclose(trained, trained_cut)
 
 
@@ -164,7 +168,8 @@ def test_loss_formula_split_and_packing_invariance(nano_rm):
     assert sums["acc_sum"] == float((r[:4] > r[4:]).sum()) and sums["loss_count"] == 4
     assert sums["reward_count"] == 8 and sums["reward_sum"] == pytest.approx(float(r.sum()), abs=1e-5)
     split, _, grad_split = run(obj, [items[:1], items[1:]])
-    packed, _, grad_packed = run(RMObjective(tok.pad_token_id, packing=True, use_margin=True), [items[:3], items[3:]])
+    packed, _, grad_packed = run(RMObjective(tok.pad_token_id, packing=True, use_margin=True),
+                                 [items[:3], items[3:]])
     assert split == pytest.approx(whole, abs=1e-6) and packed == pytest.approx(whole, abs=1e-6)
     torch.testing.assert_close(grad_split, grad, atol=1e-6, rtol=0)
     torch.testing.assert_close(grad_packed, grad, atol=1e-6, rtol=0)
@@ -176,7 +181,8 @@ def test_reward_mean_and_std_from_sums():
     # rewards 1, 2, 3, 6: mean 3, sample std sqrt(14/3)
     out = summarize({"reward_sum": 12.0, "reward_sqsum": 50.0, "reward_count": 4.0, "acc_sum": 1.0,
                      "acc_count": 2.0}, "eval")
-    assert out == pytest.approx({"eval/reward_mean": 3.0, "eval/reward_std": math.sqrt(14 / 3), "eval/acc": 0.5})
+    assert out == pytest.approx({"eval/reward_mean": 3.0, "eval/reward_std": math.sqrt(14 / 3),
+                                 "eval/acc": 0.5})
 
 
 def padded(seqs, pad_id):
@@ -198,24 +204,26 @@ def test_rm_learns_held_out_preferences_and_stores_reward_statistics(sft_nano, c
     sft, _ = sft_nano
     out = tmp_path / "rm"
     final = train_rm.main(["--model.model_name_or_path", str(sft), "--data.dataset", str(carry_dir),
-                           "--data.prompt_key", "prompt", "--data.input_template", "{} ", "--data.max_len", "32",
-                           "--eval.dataset", str(carry_dir), "--eval.split", "test", "--train.batch_size", "16",
-                           "--train.micro_batch_size", "16", "--train.max_epochs", "5", "--adam.lr", "1e-3",
-                           "--ckpt.output_dir", str(out)])
+                           "--data.prompt_key", "prompt", "--data.input_template", "{} ",
+                           "--data.max_len", "32", "--eval.dataset", str(carry_dir), "--eval.split", "test",
+                           "--train.batch_size", "16", "--train.micro_batch_size", "16",
+                           "--train.max_epochs", "5", "--adam.lr", "1e-3", "--ckpt.output_dir", str(out)])
     assert final["eval/acc"] > 0.9, final
     train = [r for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
     assert len(train) == 160 and sum(r["train/loss"] for r in train[-10:]) / 10 < 0.2
     assert train[0]["train/acc"] <= 0.75
     # the reward statistics of the held-out set are stored for --reward.normalize_enable
     config = json.loads((out / "config.json").read_text())
-    assert (config["mean"], config["std"]) == pytest.approx((final["eval/reward_mean"], final["eval/reward_std"]))
+    assert ((config["mean"], config["std"])
+            == pytest.approx((final["eval/reward_mean"], final["eval/reward_std"])))
     tok = load_tokenizer(out)
     held_out = PreferenceDataset(carry_pairs(64, seed=2), tok, 32, prompt_key="prompt", input_template="{} ")
     seqs = [it[f"{side}_ids"] for side in ("chosen", "rejected") for it in held_out]
     ids, mask = padded(seqs, tok.pad_token_id)
     source = RewardModelSource(out, normalize=True)
     normed = source.score([""] * len(seqs), sequences=ids, attention_mask=mask).rewards
-    assert float(normed.mean()) == pytest.approx(0.0, abs=1e-4) and float(normed.std()) == pytest.approx(1.0, abs=1e-4)
+    assert (float(normed.mean()) == pytest.approx(0.0, abs=1e-4)
+            and float(normed.std()) == pytest.approx(1.0, abs=1e-4))
     # the default head name `score`: plain transformers loads the same reward model
     hf = AutoModelForSequenceClassification.from_pretrained(out, num_labels=1).eval()
     with torch.no_grad():
@@ -223,9 +231,10 @@ def test_rm_learns_held_out_preferences_and_stores_reward_statistics(sft_nano, c
     torch.testing.assert_close(logits, source.values(ids, mask), atol=1e-5, rtol=0)
 
 
-# OpenRLHF 0.10.2's examples/scripts/train_rm.sh with dotted flags, as in tests/unit/config/test_launch_scripts.py;
-# the local model, dataset and output replace the hub names, and the GPU-only flags are left out
-# (--ds.param_dtype bf16, --ds.attn_implementation flash_attention_2; --logger.wandb.key needs a network)
+# OpenRLHF 0.10.2's examples/scripts/train_rm.sh with dotted flags, as in
+# tests/unit/config/test_launch_scripts.py; the local model, dataset and output replace the hub names, and the
+# GPU-only flags are left out (--ds.param_dtype bf16, --ds.attn_implementation flash_attention_2;
+# --logger.wandb.key needs a network)
 TRAIN_RM_SH = """
    --ckpt.output_dir {out} \\
    --ckpt.save_steps -1 \\
@@ -258,8 +267,9 @@ def test_train_rm_sh_runs_and_value_head_prefix_round_trips(sft_nano, tmp_path):
             for r in make_preference_rows(256, seed=3)]  # whole conversations, as in OpenRLHF's datasets
     write_jsonl(rows, data / "train.jsonl")
     flags = shlex.split(TRAIN_RM_SH.format(out=out, model=sft, data=data).replace("\\\n", " "))
-    proc = subprocess.run([sys.executable, "-m", "posttrain.cli.train_rm", *flags], check=False, capture_output=True,
-                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "posttrain.cli.train_rm", *flags], check=False,
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [r for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
     assert len(steps) == 1 and steps[0]["train/micro_batches"] == 256
@@ -290,16 +300,17 @@ def test_lora_rm_trains_and_saves_the_score_head_with_margins(sft_nano, tmp_path
     write_jsonl([{**r, "margin": 0.5} for r in carry_pairs(64, seed=2)], data / "test.jsonl")
     out = tmp_path / "lora"
     final = train_rm.main(["--model.model_name_or_path", str(sft), "--data.dataset", str(data),
-                           "--data.prompt_key", "prompt", "--data.apply_chat_template", "--data.max_len", "48",
-                           "--eval.dataset", str(data), "--eval.split", "test", "--train.batch_size", "16",
-                           "--train.micro_batch_size", "8", "--adam.lr", "1e-2", "--model.margin_loss_enable",
-                           "--ds.lora.rank", "4", "--ds.lora.target_modules", "q_proj", "v_proj",
-                           "--ckpt.output_dir", str(out)])
+                           "--data.prompt_key", "prompt", "--data.apply_chat_template",
+                           "--data.max_len", "48", "--eval.dataset", str(data), "--eval.split", "test",
+                           "--train.batch_size", "16", "--train.micro_batch_size", "8", "--adam.lr", "1e-2",
+                           "--model.margin_loss_enable", "--ds.lora.rank", "4",
+                           "--ds.lora.target_modules", "q_proj", "v_proj", "--ckpt.output_dir", str(out)])
     names = {p.name for p in out.iterdir()}
     assert {"adapter_config.json", "adapter_model.safetensors", "config.json"} <= names
     assert "model.safetensors" not in names
     adapter = load_file(str(out / "adapter_model.safetensors"))
-    assert all(adapter[k].abs().max() > 0 for k in adapter if "lora_B" in k)  # B starts at 0: the adapters trained
+    # B starts at 0: the adapters trained
+    assert all(adapter[k].abs().max() > 0 for k in adapter if "lora_B" in k)
     assert any("score" in k for k in adapter)  # the head is saved with the adapter (peft modules_to_save)
     config = json.loads((out / "config.json").read_text())
     assert config["mean"] == pytest.approx(final["eval/reward_mean"])
@@ -321,15 +332,16 @@ def test_bad_preference_data_and_flags_fail_before_training(tiny_model_dir, tmp_
     rows = make_preference_rows(4, seed=1)
     rows[2]["rejected"] = rows[2]["chosen"]
     write_jsonl(rows, data / "train.jsonl")
-    base = ["--model.model_name_or_path", tiny_model_dir, "--data.dataset", str(data), "--data.prompt_key", "prompt",
-            "--ckpt.output_dir", str(tmp_path / "out")]
+    base = ["--model.model_name_or_path", tiny_model_dir, "--data.dataset", str(data),
+            "--data.prompt_key", "prompt", "--ckpt.output_dir", str(tmp_path / "out")]
     with pytest.raises(SystemExit) as exc:
         train_rm.main(base)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "train.jsonl" in err and "row 3" in err and "identical" in err
     with pytest.raises(SystemExit):
         train_rm.main([*base, "--data.chosen_key", "best"])
-    assert "missing from" in (err := capsys.readouterr().err) and "'best'" in err and "--data.chosen_key" in err
+    assert ("missing from" in (err := capsys.readouterr().err) and "'best'" in err
+            and "--data.chosen_key" in err)
     with pytest.raises(SystemExit):
         train_rm.main([*base, "--model.loss_type", "logexp", "--model.margin_loss_enable"])
     err = capsys.readouterr().err
@@ -343,7 +355,8 @@ def test_lora_score_head_gets_gradients(tiny_model_dir, nano_rm):
     obj = RMObjective(tok.pad_token_id, packing=False)
     loss, _ = obj.loss(model, obj.collate(pairs(tok, 4, input_template="{} ")), 4.0)
     loss.backward()
-    trained = {n for n, p in model.named_parameters() if p.requires_grad and p.grad is not None and p.grad.abs().sum() > 0}
+    trained = {n for n, p in model.named_parameters() if p.requires_grad and p.grad is not None
+               and p.grad.abs().sum() > 0}
     assert any("score" in n for n in trained) and any("lora_B" in n for n in trained)
     assert not any("embed_tokens" in n or "original_module" in n for n in trained)  # the base stays frozen
 
@@ -365,7 +378,8 @@ def test_two_process_zero3_value_head_prefix_matches_single_process(tiny_score_m
     model = tmp_path / "value-head-rm"
     shutil.copytree(tiny_score_model_dir, model)
     state = load_file(str(model / "model.safetensors"))
-    save_file({k.replace("score.", "value_head.", 1) if k.startswith("score.") else k: v for k, v in state.items()},
+    save_file({k.replace("score.", "value_head.", 1) if k.startswith("score.") else k: v
+               for k, v in state.items()},
               str(model / "model.safetensors"), metadata={"format": "pt"})
     data = tmp_path / "data"
     write_jsonl(carry_pairs(32, seed=4), data / "train.jsonl")
@@ -373,14 +387,15 @@ def test_two_process_zero3_value_head_prefix_matches_single_process(tiny_score_m
 
     def flags(out, *extra):
         return ["--model.model_name_or_path", model, "--data.dataset", data, "--data.prompt_key", "prompt",
-                "--data.apply_chat_template", "--data.max_len", 48, "--eval.dataset", data, "--eval.split", "test",
-                "--train.batch_size", 16, "--adam.lr", "1e-3", "--adam.eps", ADAM_EPS,
+                "--data.apply_chat_template", "--data.max_len", 48, "--eval.dataset", data,
+                "--eval.split", "test", "--train.batch_size", 16, "--adam.lr", "1e-3", "--adam.eps", ADAM_EPS,
                 "--ds.value_head_prefix", "value_head",
                 "--ckpt.save_steps", 2, "--ckpt.save_hf", "--ckpt.output_dir", out, *extra]
 
     single, multi = tmp_path / "single", tmp_path / "zero3"
     train_rm.main([str(f) for f in flags(single, "--train.micro_batch_size", 16)])
-    proc = torchrun("posttrain.cli.train_rm", flags(multi, "--train.micro_batch_size", 4, "--ds.zero_stage", 3))
+    proc = torchrun("posttrain.cli.train_rm",
+                    flags(multi, "--train.micro_batch_size", 4, "--ds.zero_stage", 3))
     assert_loaded_as_shards(proc.stderr, "model")
     # the loaded models are the same (the stored head reached the shards): equal first-step loss and gradient
     steps = [[r for r in read_metrics(run / "metrics.jsonl") if "train/loss" in r] for run in (single, multi)]
@@ -401,9 +416,10 @@ def test_two_process_zero3_value_head_prefix_matches_single_process(tiny_score_m
 
 @pytest.mark.e2e
 def test_ring_attention_over_two_ranks_matches_single_process(tiny_score_model_dir, tmp_path):
-    """--ds.ring_attn_size 2 with packing: both ranks take the same packed pairs, each computes half of every row,
-    and each side's reward is read at its last token from the row's values gathered over the two ranks. Losses,
-    accuracies and the trained weights equal the single-process run's; the step logs what the ring moved."""
+    """--ds.ring_attn_size 2 with packing: both ranks take the same packed pairs, each computes half of every
+    row, and each side's reward is read at its last token from the row's values gathered over the two ranks.
+    Losses, accuracies and the trained weights equal the single-process run's; the step logs what
+    the ring moved."""
     from rounding import ADAM_EPS
     from sft_helpers import assert_same_grad_norms, assert_weights_within_rounding, torchrun
 
@@ -413,10 +429,10 @@ def test_ring_attention_over_two_ranks_matches_single_process(tiny_score_model_d
     write_jsonl(carry_pairs(32, seed=4), data / "train.jsonl")
 
     def flags(out, *extra):
-        return ["--model.model_name_or_path", tiny_score_model_dir, "--data.dataset", data, "--data.prompt_key",
-                "prompt", "--data.apply_chat_template", "--data.max_len", 48, "--train.batch_size", 16,
-                "--train.micro_batch_size", 4, "--adam.lr", "1e-3", "--adam.eps", ADAM_EPS, "--ds.packing_samples",
-                "--ckpt.output_dir", out, *extra]
+        return ["--model.model_name_or_path", tiny_score_model_dir, "--data.dataset", data,
+                "--data.prompt_key", "prompt", "--data.apply_chat_template", "--data.max_len", 48,
+                "--train.batch_size", 16, "--train.micro_batch_size", 4, "--adam.lr", "1e-3",
+                "--adam.eps", ADAM_EPS, "--ds.packing_samples", "--ckpt.output_dir", out, *extra]
 
     single, ring = tmp_path / "single", tmp_path / "ring"
     train_rm.main([str(f) for f in flags(single)])

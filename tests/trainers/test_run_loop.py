@@ -146,14 +146,16 @@ def test_an_unloadable_checkpoint_is_a_checkpoint_error_naming_it(tmp_path):
     Counter(tmp_path, 2, Cadence(save_steps=2), ckpt).fit()
     broken = Counter(tmp_path, 4, Cadence(load_checkpoint=True), CheckpointManager(tmp_path / "ck"),
                      fail_restore=True)
-    with pytest.raises(CheckpointError, match=r"global_step2 verifies but cannot be loaded by this run \(truncated file\)"):
+    with pytest.raises(CheckpointError, match=r"global_step2 verifies but cannot be loaded by this run "
+                                              r"\(truncated file\)"):
         broken.fit()
     assert (tmp_path / "ck" / "global_step2" / "state.json").exists()  # never lost
 
 
 @pytest.fixture
 def ctrl_c_enabled():
-    """A shell that starts the suite in the background hands it SIGINT ignored; Ctrl-C means the default here."""
+    """A shell that starts the suite in the background hands it SIGINT ignored; Ctrl-C means
+    the default here."""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, previous)
@@ -196,7 +198,7 @@ def test_a_nan_evaluation_is_neither_baseline_nor_best(tmp_path):
     loop = Scored(tmp_path, 4, Cadence(eval_steps=1, keep_best=True), scores=[nan, 0.2, nan, 0.1, 0.3])
     loop.fit()
     assert [e["step"] for e in loop.exports] == [4]  # 0.2 at step 1 is the baseline; NaN never counts
-    assert loop.best == {"key": "eval/score", "value": 0.3, "step": 4}
+    assert loop.record.best == {"key": "eval/score", "value": 0.3, "step": 4}
 
 
 def test_an_older_checkpoint_without_a_recorded_best_takes_a_baseline(tmp_path, capsys):

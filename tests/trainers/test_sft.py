@@ -30,7 +30,8 @@ def test_micro_batch_accumulation_and_dynamic_batch_give_same_weights(run_sft):
     for other in (accum, dyn, packed):
         assert_same_weights(one, other, atol=2e-6)
     steps = read_metrics(dyn / "metrics.jsonl")
-    assert any(r["train/micro_batches"] not in (8,) for r in steps)  # the token budget really split differently
+    # the token budget really split differently
+    assert any(r["train/micro_batches"] not in (8,) for r in steps)
 
 
 def test_packed_and_padded_batches_give_same_logprobs_and_loss(tiny_model_dir, arithmetic_dir):
@@ -74,7 +75,8 @@ def test_resume_reproduces_uninterrupted_run(run_sft, tmp_path):
                       "--ckpt.load_enable", name="resumed")
     assert_same_weights(full, resumed, atol=1e-6)
     loss_full = [r["train/loss"] for r in read_metrics(full / "metrics.jsonl") if "train/loss" in r]
-    loss_res = [(r["step"], r["train/loss"]) for r in read_metrics(resumed / "metrics.jsonl") if "train/loss" in r]
+    loss_res = [(r["step"], r["train/loss"]) for r in read_metrics(resumed / "metrics.jsonl")
+                if "train/loss" in r]
     assert [s for s, _ in loss_res] == list(range(7, 17))
     assert [v for _, v in loss_res] == pytest.approx(loss_full[6:], abs=1e-6)
 
@@ -142,8 +144,10 @@ def test_multiturn_sft_runs(tiny_model_dir, tmp_path):
     out = tmp_path / "mt"
     train_sft.main(["--model.model_name_or_path", tiny_model_dir, "--data.dataset", str(tmp_path / "chat"),
                     "--data.input_key", "messages", "--data.apply_chat_template", "--data.multiturn",
-                    "--train.batch_size", "4", "--train.micro_batch_size", "2", "--ckpt.output_dir", str(out)])
-    assert len([r for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]) == 4  # 2 steps x 2 epochs (SFT default)
+                    "--train.batch_size", "4", "--train.micro_batch_size", "2",
+                    "--ckpt.output_dir", str(out)])
+    # 2 steps x 2 epochs (SFT default)
+    assert len([r for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]) == 4
     cfg = (out / "config.yaml").read_text()
     assert "multiturn: true" in cfg
 

@@ -30,8 +30,8 @@ def launch_sft(flags, nproc=2, launcher="torchrun"):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
                port, "-m", "posttrain.cli.train_sft", *flags]
     else:  # DeepSpeed's launcher; on GPUs it would be --num_gpus
-        cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_accelerators", str(nproc), "--master_port",
-               port, "--module", "posttrain.cli.train_sft", *flags]
+        cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_accelerators", str(nproc),
+               "--master_port", port, "--module", "posttrain.cli.train_sft", *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
@@ -59,10 +59,11 @@ def test_two_process_zero_matches_single_process(tiny_model_dir, arithmetic_dir,
 
 
 @pytest.mark.parametrize("stage,stride", [(2, 1), (3, 2)])
-def test_ring_attention_over_two_ranks_matches_single_process(tiny_model_dir, arithmetic_dir, tmp_path, single_process,
+def test_ring_attention_over_two_ranks_matches_single_process(tiny_model_dir, arithmetic_dir, tmp_path,
+                                                              single_process,
                                                              stage, stride):
-    """--ds.ring_attn_size 2: both ranks take the same packed micro-batches and each computes half of every row
-    (context parallelism); the weights after training equal the single-process run's."""
+    """--ds.ring_attn_size 2: both ranks take the same packed micro-batches and each computes half of every
+    row (context parallelism); the weights after training equal the single-process run's."""
     common = ["--train.micro_batch_size", "4", "--data.max_samples", "32", "--ds.packing_samples",
               "--adam.eps", ADAM_EPS]
     single = single_process(*common)
@@ -74,10 +75,11 @@ def test_ring_attention_over_two_ranks_matches_single_process(tiny_model_dir, ar
     assert_weights_within_rounding(single, ring)  # the split attention sums in another order
 
 
-def test_moe_with_router_loss_on_two_ranks_zero3_matches_single_process(tiny_moe_dir, arithmetic_dir, tmp_path):
-    """A tiny Qwen3-MoE with --model.aux_loss_coef: the router loss joins the loss (logged as train/aux_loss) and
-    the gradient; on 2 ranks under ZeRO-3 the expert blocks are leaf modules (gathered whole) and the run equals
-    the single-process one: losses, router losses and weights."""
+def test_moe_with_router_loss_on_two_ranks_zero3_matches_single_process(tiny_moe_dir, arithmetic_dir,
+                                                                        tmp_path):
+    """A tiny Qwen3-MoE with --model.aux_loss_coef: the router loss joins the loss (logged as train/aux_loss)
+    and the gradient; on 2 ranks under ZeRO-3 the expert blocks are leaf modules (gathered whole) and the run
+    equals the single-process one: losses, router losses and weights."""
     from posttrain.cli import train_sft
 
     common = ["--train.micro_batch_size", "4", "--data.max_samples", "32", "--model.aux_loss_coef", "0.5",
@@ -93,12 +95,14 @@ def test_moe_with_router_loss_on_two_ranks_zero3_matches_single_process(tiny_moe
         assert [r[key] for r in runs[1]] == pytest.approx([r[key] for r in runs[0]], rel=1e-5), key
     # ZeRO-3's gradient norm differs from one process by 2-6e-5 relative for the dense nano llama too (its
     # reduction order); a router-loss gradient counted twice or not at all moves it by far more (see below)
-    assert [r["train/grad_norm"] for r in runs[1]] == pytest.approx([r["train/grad_norm"] for r in runs[0]], rel=1e-4)
+    assert ([r["train/grad_norm"] for r in runs[1]]
+            == pytest.approx([r["train/grad_norm"] for r in runs[0]], rel=1e-4))
     assert_weights_within_rounding(single, multi)
     # the coefficient acts: without it the first step's gradient differs
     plain = tmp_path / "plain"
     train_sft.main(sft_flags(tiny_moe_dir, arithmetic_dir, plain, "--train.micro_batch_size", "4",
                              "--data.max_samples", "32"))
     first = [r for r in read_metrics(plain / "metrics.jsonl") if "train/loss" in r][0]
-    assert "train/aux_loss" not in first and first["train/grad_norm"] != pytest.approx(runs[0][0]["train/grad_norm"],
-                                                                                       rel=1e-4)
+    assert ("train/aux_loss" not in first and first["train/grad_norm"] != pytest.approx(
+        runs[0][0]["train/grad_norm"],
+                                                                                        rel=1e-4))

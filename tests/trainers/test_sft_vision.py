@@ -49,7 +49,8 @@ def test_samples_carry_their_image_tokens_and_tensors_untrained(processor, tmp_p
 def test_messages_with_image_parts_equal_image_tags(processor, tmp_path):
     row = colour_rows(1, seed=1, folder=tmp_path)[0]
     parts = {**row, "prompt": [{"role": "user", "content": [{"type": "image"},
-                                                            {"type": "text", "text": "What colour is the shape?"}]}]}
+                                                            {"type": "text",
+                                                             "text": "What colour is the shape?"}]}]}
     a, b = _dataset(processor, [row]).samples[0], _dataset(processor, [parts]).samples[0]
     assert a["input_ids"] == b["input_ids"] and a["loss_mask"] == b["loss_mask"]
 
@@ -61,10 +62,12 @@ def test_messages_with_image_parts_equal_image_tags(processor, tmp_path):
      r"2 .*--data.max_images_per_prompt"),
     (lambda r, d: (d / r["images"][0]).write_bytes(b"not a png") and r, "d.jsonl, row 1.*image"),
     (lambda r, d: Image.new("RGB", (100000, 3)).save(d / r["images"][0]) or r,
-     r"d.jsonl, row 1, key 'images'\[0\]: image .*\(100000x3 px\): the model's processor refuses it \(absolute"),
+     r"d.jsonl, row 1, key 'images'\[0\]: image .*\(100000x3 px\): the model's processor refuses it "
+     r"\(absolute"),
 ])
 def test_bad_image_input_is_one_clear_error(processor, tmp_path, change, message):
-    row = {**colour_rows(1, seed=2, folder=tmp_path)[0], "__source__": str(tmp_path / "d.jsonl"), "__row__": 1}
+    row = {**colour_rows(1, seed=2, folder=tmp_path)[0], "__source__": str(tmp_path / "d.jsonl"),
+           "__row__": 1}
     with pytest.raises(DataError, match=message) as err:
         _dataset(processor, [change(row, tmp_path)])
     assert "\n" not in str(err.value)
@@ -108,18 +111,20 @@ def test_sft_learns_the_colour_that_only_the_image_shows(tiny_vision_dir, tmp_pa
     data = write_colour_dataset(tmp_path / "data", 64, seed=0)
     out = tmp_path / "out"
     train_sft.main(["--model.model_name_or_path", tiny_vision_dir, "--data.dataset", data,
-                    "--data.input_key", "prompt", "--data.output_key", "response", "--data.apply_chat_template",
-                    "--data.max_images_per_prompt", "1", "--data.max_len", "64", "--train.batch_size", "16",
-                    "--train.micro_batch_size", "8", "--train.max_epochs", "4", "--adam.lr", "3e-3",
-                    "--ckpt.output_dir", str(out), "--logger.logging_steps", "1", "--train.seed", "0"])
+                    "--data.input_key", "prompt", "--data.output_key", "response",
+                    "--data.apply_chat_template", "--data.max_images_per_prompt", "1", "--data.max_len", "64",
+                    "--train.batch_size", "16", "--train.micro_batch_size", "8", "--train.max_epochs", "4",
+                    "--adam.lr", "3e-3", "--ckpt.output_dir", str(out), "--logger.logging_steps", "1",
+                    "--train.seed", "0"])
     losses = [row["train/loss"] for row in read_metrics(out / "metrics.jsonl") if "train/loss" in row]
     assert losses[-1] < 0.5 * losses[0]
     assert is_vision_folder(out) and load_processor(out).image_processor is not None  # a loadable VLM folder
     assert type(load_causal_lm(out, "fp32")).__name__ == "Qwen2_5_VLForConditionalGeneration"
 
 
-def test_image_flags_with_a_text_model_and_packing_with_a_vlm_are_one_line_errors(tiny_model_dir, tiny_vision_dir,
-                                                                                  tmp_path, capsys):
+def test_image_flags_with_a_text_model_and_packing_with_a_vlm_are_one_line_errors(tiny_model_dir,
+                                                                                  tiny_vision_dir, tmp_path,
+                                                                                  capsys):
     from posttrain.cli import train_sft
 
     data = write_colour_dataset(tmp_path / "data", 4, seed=0)

@@ -43,7 +43,8 @@ def assert_tensorboard_matches_metrics(tb_folder: Path, run_dir: Path) -> dict[s
     for key, by_step in logged.items():
         assert sorted(tb[key]) == sorted(by_step), key
         for step, value in by_step.items():
-            assert math.isclose(tb[key][step], value, rel_tol=1e-6, abs_tol=1e-30), (key, step, tb[key][step], value)
+            assert math.isclose(tb[key][step], value, rel_tol=1e-6,
+                                abs_tol=1e-30), (key, step, tb[key][step], value)
     return logged
 
 
@@ -83,13 +84,14 @@ def test_ppo_run_logs_its_metrics_to_tensorboard(sft_nano, tmp_path):
     sft, data = sft_nano
     out, tb = tmp_path / "ppo", tmp_path / "tb"
     train_ppo_ray.main([
-        "--actor.model_name_or_path", str(sft), "--data.prompt_dataset", str(data), "--data.input_key", "prompt",
-        "--data.label_key", "answer", "--data.apply_chat_template", "--data.max_len", "48",
-        "--data.max_samples", "16", "--reward.remote_url", ARITHMETIC, "--algo.advantage.estimator", "group_norm",
-        "--algo.kl.init_coef", "0", "--rollout.batch_size", "8", "--rollout.n_samples_per_prompt", "4",
-        "--rollout.max_new_tokens", "4", "--train.batch_size", "32", "--train.micro_batch_size", "16",
-        "--actor.adam.lr", "1e-3", "--eval.dataset", str(data), "--eval.split", "test", "--eval.steps", "1",
-        "--ckpt.output_dir", str(out), "--logger.tensorboard_dir", str(tb), "--logger.wandb.run_name", "grpo"])
+        "--actor.model_name_or_path", str(sft), "--data.prompt_dataset", str(data),
+        "--data.input_key", "prompt", "--data.label_key", "answer", "--data.apply_chat_template",
+        "--data.max_len", "48", "--data.max_samples", "16", "--reward.remote_url", ARITHMETIC,
+        "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0", "--rollout.batch_size", "8",
+        "--rollout.n_samples_per_prompt", "4", "--rollout.max_new_tokens", "4", "--train.batch_size", "32",
+        "--train.micro_batch_size", "16", "--actor.adam.lr", "1e-3", "--eval.dataset", str(data),
+        "--eval.split", "test", "--eval.steps", "1", "--ckpt.output_dir", str(out),
+        "--logger.tensorboard_dir", str(tb), "--logger.wandb.run_name", "grpo"])
     assert [p.name for p in tb.iterdir()] == ["grpo"]
     logged = assert_tensorboard_matches_metrics(tb / "grpo", out)
     for key in ("reward/mean", "actor/policy_loss", "actor/grad_norm", "timing/step_total"):

@@ -19,8 +19,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "posttrain"
 # top to bottom; the root package `posttrain/__init__.py` (the version) is below them all
-LAYERS = ["cli", "trainers", "agents", "rollout", "rewards", "engines", "models", "data", "algorithms", "config",
-          "compat", "utils"]
+LAYERS = ["cli", "trainers", "agents", "rollout", "rewards", "engines", "models", "data", "algorithms",
+          "config", "compat", "utils"]
 
 
 def module_name(path: Path) -> str:
@@ -44,7 +44,8 @@ def imported_names(tree: ast.AST, name: str, package: bool, modules: dict[str, P
                 base = ".".join(parent + ([node.module] if node.module else []))
             found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
         elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module"
-              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+              and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)):
             found.add(node.args[0].value)
     return {n for n in found if n == "posttrain" or n.startswith("posttrain.")}
 
@@ -135,7 +136,8 @@ def test_every_module_belongs_to_a_layer(graph):
 
 
 def test_no_import_against_the_layer_order(graph):
-    upward = [f"{source} imports {target}" for source, targets in sorted(graph.items()) for target in sorted(targets)
+    upward = [f"{source} imports {target}" for source, targets in sorted(graph.items())
+              for target in sorted(targets)
               if layer_of(target) < layer_of(source)]
     assert not upward, "imports against the layer order (docs/design.md):\n" + "\n".join(upward)
 

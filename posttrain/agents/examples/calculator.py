@@ -6,8 +6,8 @@ number (its final answer: reward 1 when it equals the label, episode over) or wi
 `calc` (the question's product) or `calc A * B` (any product, sum or difference); the environment
 replies as the user with `= <value>` and the policy continues. A transcript therefore renders exactly
 as the chat template renders the conversation [user question, assistant "calc", user "= 1081",
-assistant "1081"], so multi-turn SFT data and RL episodes have the same tokens. At most `max_tool_calls` calls per episode; with 0 (the single-turn
-control) a tool call ends the episode with reward 0.
+assistant "1081"], so multi-turn SFT data and RL episodes have the same tokens. At most `max_tool_calls` calls
+per episode; with 0 (the single-turn control) a tool call ends the episode with reward 0.
 """
 from __future__ import annotations
 
@@ -57,8 +57,8 @@ class CalculatorInstance(AgentInstanceBase):
         if value is not None:
             self.calls += 1
             if self.calls <= self.max_tool_calls:
-                return {"rewards": 0.0, "scores": 0.0, "environment_feedback": feedback(f"= {value}"), "done": False,
-                        "extra_logs": {"tool_calls": float(self.calls)}}
+                return {"rewards": 0.0, "scores": 0.0, "environment_feedback": feedback(f"= {value}"),
+                        "done": False, "extra_logs": {"tool_calls": float(self.calls)}}
             return {"rewards": 0.0, "scores": 0.0, "environment_feedback": "", "done": True,
                     "extra_logs": {"tool_calls": float(self.calls)}}
         correct = float(final_answer(action) == str(states["label"]))
@@ -71,9 +71,9 @@ class NoToolInstance(CalculatorInstance):
 
 
 def make_calculator_rows(n: int, seed: int = 0, tool_use: float = 0.4) -> list[dict]:
-    """`n` problems `What is A * B?` (A in [10, 99], B in [2, 9]) with `answer` and a demonstration in `messages`:
-    with probability `tool_use` the calculator transcript, otherwise a direct answer that is a guess (the
-    true product with its last digit redrawn, as a model that cannot multiply would answer)."""
+    """`n` problems `What is A * B?` (A in [10, 99], B in [2, 9]) with `answer` and a demonstration in
+    `messages`: with probability `tool_use` the calculator transcript, otherwise a direct answer that is a
+    guess (the true product with its last digit redrawn, as a model that cannot multiply would answer)."""
     import random
 
     rng = random.Random(f"calc-{seed}")
@@ -83,7 +83,8 @@ def make_calculator_rows(n: int, seed: int = 0, tool_use: float = 0.4) -> list[d
         question, value = f"What is {a} * {b}?", a * b
         if rng.random() < tool_use:
             messages = [{"role": "user", "content": question}, {"role": "assistant", "content": "calc"},
-                        {"role": "user", "content": f"= {value}"}, {"role": "assistant", "content": str(value)}]
+                        {"role": "user", "content": f"= {value}"},
+                        {"role": "assistant", "content": str(value)}]
         else:
             guess = value // 10 * 10 + rng.randint(0, 9)
             messages = [{"role": "user", "content": question}, {"role": "assistant", "content": str(guess)}]

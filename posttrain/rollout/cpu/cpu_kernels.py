@@ -1,8 +1,8 @@
 """The fast decode step's fused fp32 CPU kernels (`decode_kernels.c`): RMS scaling (alone or after the
-residual add), silu(gate) ⊙ up, and rope + KV-cache append + attention of one decode step per layer. Built on first use with the system C compiler
-(`$CC`, else `cc`; `-O3 -march=native -fopenmp`) into a per-user cache, keyed by the source, the
-flags, the compiler and the CPU, then loaded with ctypes; OpenMP is the libgomp torch already loaded,
-so the kernels share torch's thread pool and thread count.
+residual add), silu(gate) ⊙ up, and rope + KV-cache append + attention of one decode step per layer. Built on
+first use with the system C compiler (`$CC`, else `cc`; `-O3 -march=native -fopenmp`) into a per-user cache,
+keyed by the source, the flags, the compiler and the CPU, then loaded with ctypes; OpenMP is the libgomp torch
+already loaded, so the kernels share torch's thread pool and thread count.
 
 `load()` returns the kernels, or None — one warning line says why, and the decode step keeps its
 torch-op path (same results, slower) — when: `POSTTRAIN_CPU_KERNELS=0`; torch's CPU threads are not
@@ -42,7 +42,8 @@ class DecodeKernels:
         library.silu_mul.argtypes = [_P, _P, _I, _I, _T]
         for name in ("rms_scaled", "residual_rms", "silu_mul"):
             getattr(library, name).restype = None
-        library.decode_attention.argtypes = [_P, _P, _P, _F, _P, _P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _T]
+        library.decode_attention.argtypes = [_P, _P, _P, _F, _P, _P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I,
+                                             _T]
         library.decode_attention.restype = _T
 
     @staticmethod
@@ -53,7 +54,8 @@ class DecodeKernels:
         """x / sqrt(mean(x²) + eps) per row of a contiguous [rows, n] tensor."""
         _check(x=x)
         out = torch.empty_like(x)
-        self._lib.rms_scaled(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+        self._lib.rms_scaled(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
+                             torch.get_num_threads())
         return out
 
     def residual_rms(self, h: torch.Tensor, y: torch.Tensor, eps: float) -> torch.Tensor:
@@ -85,11 +87,13 @@ class DecodeKernels:
         _check(qkv=qkv, cos=cos, sin=sin, keys=keys, values=values, scores=scores)
         b = qkv.shape[0]
         group = qkv.shape[1] // (kv_heads * head_dim) - 2
-        if (mask.dtype != torch.int64 or mask.stride(1) != 1 or mask.shape[1] < length or keys.shape != values.shape
+        if (mask.dtype != torch.int64 or mask.stride(1) != 1 or mask.shape[1] < length
+            or keys.shape != values.shape
                 or scores.numel() < b * kv_heads * group * length or cos.shape != (b, head_dim // 2)
                 or sin.shape != cos.shape or keys.shape[:2] != (b, kv_heads) or keys.shape[3] != head_dim):
-            raise ValueError("decode_attention: mismatched inputs (mask int64 [B, >= length] with unit column "
-                             "stride, cos / sin [B, D/2], keys / values [B, hkv, capacity, D], enough scores)")
+            raise ValueError("decode_attention: mismatched inputs (mask int64 [B, >= length] with unit "
+                             "column stride, cos / sin [B, D/2], keys / values [B, hkv, capacity, D], enough "
+                             "scores)")
         out = qkv.new_empty(b, kv_heads * group * head_dim)
         failed = self._lib.decode_attention(
             qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), scaling, keys.data_ptr(), values.data_ptr(),
@@ -148,8 +152,10 @@ def _cpu_id() -> str:
 
 def _build(compiler: list[str]) -> Path:
     """Compile the kernels (once per source, flags, compiler and CPU) and return the library's path."""
-    version = subprocess.run([*compiler, "--version"], check=True, capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_id()]).encode()).hexdigest()
+    version = subprocess.run([*compiler, "--version"], check=True, capture_output=True, text=True,
+                             timeout=60).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version,
+                                    _cpu_id()]).encode()).hexdigest()
     target = _cache_dir() / f"decode_kernels-{key[:20]}.so"
     if target.exists():
         return target

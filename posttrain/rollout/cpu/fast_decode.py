@@ -113,7 +113,8 @@ def _lora_adapters(module) -> list[str] | None:
     bias on the adapters, not merged into the base), else None."""
     if not hasattr(module, "lora_A") or not hasattr(module, "base_layer"):
         return None
-    if type(module.base_layer) not in (torch.nn.Linear, OneDNNLinear) or getattr(module, "merged_adapters", None):
+    if (type(module.base_layer) not in (torch.nn.Linear, OneDNNLinear)
+        or getattr(module, "merged_adapters", None)):
         return None
     active = [a for a in module.active_adapters if a in module.lora_A]
     for a in active:
@@ -166,7 +167,8 @@ def fast_decoder(model, kernels: bool = True) -> FastDecoder | None:
         return None
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
-    if layers is None or not hasattr(inner, "rotary_emb") or not _plain_linear(getattr(model, "lm_head", None)):
+    if (layers is None or not hasattr(inner, "rotary_emb")
+        or not _plain_linear(getattr(model, "lm_head", None))):
         return None
     for layer in layers:
         a, m = layer.self_attn, layer.mlp
@@ -205,15 +207,16 @@ class FastDecoder:
         """False for a model off the CPU (on a GPU the fused copies would double the weights' memory for
         little gain), not in fp32 or under CPU autocast (in bf16 the folded norms and scalings round
         differently from transformers' forward: greedy log-probs ~8e-3 apart), and while a hook sits on a
-        module whose call this path skips (a forward hook a user or a test registered, ZeRO-3's parameter gathering,
-        torch's global module hooks): transformers' forward then runs, so every hook fires. Checked
+        module whose call this path skips (a forward hook a user or a test registered, ZeRO-3's parameter
+        gathering, torch's global module hooks): transformers' forward then runs, so every hook fires. Checked
         when a decode batch starts."""
         from torch.nn.modules import module as nn_module
 
         weight = self.model.lm_head.weight
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
             return False
-        if any(getattr(nn_module, name, None) for name in ("_global_forward_pre_hooks", "_global_forward_hooks")):
+        if any(getattr(nn_module, name, None)
+               for name in ("_global_forward_pre_hooks", "_global_forward_hooks")):
             return False
         for mod in self.model.modules():
             if mod._forward_pre_hooks or mod._forward_hooks or hasattr(mod, "ds_id") or any(
@@ -232,7 +235,9 @@ class FastDecoder:
         cached = self._weight_cache.get(id(layer))
         if cached is None or cached[0] != key:
             order = _grouped_rows(self.heads, self.kv_heads, self.head_dim) if self.kernels else None
-            cached = self._weight_cache[id(layer)] = (key, _LayerWeights(parts, norms, self._packs(a.q_proj), order))
+            cached = self._weight_cache[id(layer)] = (key,
+                                                      _LayerWeights(parts, norms, self._packs(a.q_proj),
+                                                                    order))
         return cached[1]
 
     def _head(self, model) -> _Matmul:
@@ -250,7 +255,8 @@ class FastDecoder:
         """oneDNN-packed weights for a model whose linears compute through oneDNN (`OneDNNLinear`)."""
         return isinstance(_base(module), OneDNNLinear) and onednn_weight(_base(module).weight)
 
-    def step(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: KVBuffer) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+             cache: KVBuffer) -> torch.Tensor:
         """Logits [B, V] (float32) of one new token per row: `tokens`, `positions` [B]; `mask` [B, C]
         marks the real cache columns including the new one; `cache` gains one column."""
         if self.kernels is not None:
@@ -302,7 +308,8 @@ class FastDecoder:
             x = kernels.residual_rms(h, w.down(kernels.silu_mul(w.gate_up(x))), self.eps)
         return self._head(self.model)(x).float()
 
-    def _rope(self, h: torch.Tensor, positions: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, h: torch.Tensor, positions: torch.Tensor,
+              scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's rotary angles for `positions`, as factors for x ↦ x cos + flip(x) sin over the
         q|k heads [B, hq + hkv, D] (flip swaps the two halves of a head, the sign of rotate-half sits in
         sin; the q heads' factors carry the attention scaling)."""

@@ -2,15 +2,15 @@
 
 `Batching`: micro-batches of `micro_batch_size` samples, or with a token budget (`max_tokens`,
 --train/--rollout.max_tokens_per_gpu with --train.dynamic_batch_enable). Each micro-batch runs in a
-`layout.Layout`: padded, packed (--ds.packing_samples) and/or with shared prefixes (a prompt computed
+`batch_layout.Layout`: padded, packed (--ds.packing_samples) and/or with shared prefixes (a prompt computed
 once for all its samples in the micro-batch; on by default, --ds.no_shared_prefix turns it off).
 Only the columns a loss reads are computed (the LM head runs at those positions only), and the
 per-token outputs come back in the padded `[b, T-1]` layout, equal to the padded computation.
 
 With a `context` (`models.parallel_groups.ContextGroups`: context parallelism) the micro-batch is packed
-into one row and every rank of the group computes its contiguous slice of it (`models.context_parallel`); the
-per-token outputs of the slices are gathered over the group (`gather_replicated`), so every rank holds the
-whole micro-batch's outputs and computes the same loss from them."""
+into one row and every rank of the group computes its contiguous slice of it (`ContextGroups.split`, run by
+`models.forward`); the per-token outputs of the slices are gathered over the group (`ContextGroups.gather`),
+so every rank holds the whole micro-batch's outputs and computes the same loss from them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,8 +20,7 @@ import torch
 from posttrain.algorithms.losses import entropy, gathered_logprobs
 from posttrain.config.summary import micro_batch_tokens
 from posttrain.models import forward_logits, forward_logprobs, forward_values
-from posttrain.models.context_parallel import context_parallel, gather_replicated, next_tokens, split_packed
-from posttrain.models.moe import router_token_weights
+from posttrain.models.context_parallel import next_tokens
 from posttrain.trainers import batching
 from posttrain.trainers.rl.batch_layout import build_layout
 from posttrain.trainers.rl.experience import Experience
@@ -62,8 +61,8 @@ def ppo_batchings(cfg, shared: bool) -> tuple[Batching, Batching, Batching]:
             Batching(cfg.rollout.micro_batch_size, ref, cfg.ds.packing_samples, shared))
 
 
-def policy_forward(model, exp: Experience, temperature: float, with_entropy: bool = False, packed: bool = False,
-                   shared: bool = False, context=None):
+def policy_forward(model, exp: Experience, temperature: float, with_entropy: bool = False,
+                   packed: bool = False, shared: bool = False, context=None):
     """Log-probs `[b, T-1]` of the sampled tokens under `logits / temperature` (and the entropy of
     that distribution when asked) — the same computation as the rollout engine's. Column t scores
     token t+1; only the columns from each row's first action to its end are computed, the others
@@ -74,35 +73,22 @@ def policy_forward(model, exp: Experience, temperature: float, with_entropy: boo
     keep, at = lay.kept_columns()
     index = lay.src_row * len(keep) + at
     if not with_entropy:  # the logits in row chunks when they are large (models.forward_logprobs)
-        with router_token_weights(model, lay.token_weights):
-            logp = forward_logprobs(model, lay.inputs, keep, index, lay.targets, temperature)
-        return lay.scatter(logp), None
-    with router_token_weights(model, lay.token_weights):
-        logits = forward_logits(model, lay.inputs, keep=keep)  # [R, K, V]
+        return lay.scatter(forward_logprobs(model, lay.inputs, keep, index, lay.targets, temperature)), None
+    logits = forward_logits(model, lay.inputs, keep=keep)  # [R, K, V]
     flat = logits.reshape(-1, logits.shape[-1])
     logp = lay.scatter(gathered_logprobs(flat, index, lay.targets, temperature))
     return logp, lay.scatter(entropy(flat, temperature)[index])
 
 
-def value_forward(model, exp: Experience, packed: bool = False, shared: bool = False, context=None) -> torch.Tensor:
+def value_forward(model, exp: Experience, packed: bool = False, shared: bool = False,
+                  context=None) -> torch.Tensor:
     """Value of each state before an action: V(tokens ≤ t) in column t, `[b, T-1]` (0 outside the
     columns from each row's first action to its end). `context`: split over a context-parallel group."""
-    if context is not None:
-        lay = build_layout(exp, packed=True)
-        local, valid, _ = _slice(lay, context)
-        with context_parallel(context.group, local["position_ids"], valid, context.head_stride):
-            values = forward_values(model, local)[0]
-        return lay.scatter(gather_replicated(values, context.group)[lay.src_col])
-    lay = build_layout(exp, packed=packed, shared=shared)
-    with router_token_weights(model, lay.token_weights):
-        values = forward_values(model, lay.inputs)
+    split = context is not None  # packed into one row, this rank's slice run; the whole row's values come back
+    lay = build_layout(exp, packed=packed or split, shared=shared and not split)
+    batch = context.split(lay.inputs["input_ids"], lay.inputs["position_ids"]) if split else lay.inputs
+    values = forward_values(model, batch)
     return lay.scatter(values[lay.src_row, lay.src_col])
-
-
-def _slice(lay, context) -> tuple[dict, torch.Tensor, int]:
-    """This rank's slice of a packed layout's row: model inputs, its real tokens, its first column in the row."""
-    local, valid = split_packed(lay.inputs["input_ids"], lay.inputs["position_ids"], context.rank, context.size)
-    return local, valid, context.rank * local["input_ids"].shape[1]
 
 
 def _split_policy_forward(model, exp: Experience, temperature: float, with_entropy: bool, context):
@@ -110,19 +96,19 @@ def _split_policy_forward(model, exp: Experience, temperature: float, with_entro
     labels, the next tokens, taken from the whole row), zeros elsewhere; the slices gathered over the group.
     Every rank runs exactly one forward (the attention's collectives pair up across the group)."""
     lay = build_layout(exp, packed=True)
-    local, valid, start = _slice(lay, context)
+    local = context.split(lay.inputs["input_ids"], lay.inputs["position_ids"])
     width = local["input_ids"].shape[1]
+    start = context.rank * width
     keep = torch.unique(lay.src_col)
     keep = keep[(keep >= start) & (keep < start + width)]
     labels = next_tokens(lay.inputs["input_ids"], 0)[0, keep]
-    with context_parallel(context.group, local["position_ids"], valid, context.head_stride):
-        logits = forward_logits(model, local, keep=keep - start)
+    logits = forward_logits(model, local, keep=keep - start)
     flat = logits.reshape(-1, logits.shape[-1])
     index = torch.arange(len(keep), device=flat.device)
 
     def whole_row(values: torch.Tensor) -> torch.Tensor:
         row = values.new_zeros(width).index_put((keep - start,), values)
-        return lay.scatter(gather_replicated(row, context.group)[lay.src_col])
+        return lay.scatter(context.gather(row)[lay.src_col])
 
     logp = whole_row(gathered_logprobs(flat, index, labels, temperature))
     return logp, whole_row(entropy(flat, temperature)) if with_entropy else None

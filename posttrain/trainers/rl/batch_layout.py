@@ -14,9 +14,9 @@ Layouts (`build_layout`):
   row, or every group in one row when also `packed`. The prefix is computed once per group and its
   gradient accumulates from every continuation, so outputs and gradients equal the per-row
   computation up to float rounding. With a prompt of P tokens, n samples and responses of R tokens,
-  a group costs P + nR token positions instead of n(P + R). `token_weights` [R, N] says how many rows
-  hold each layout token (a prefix token: its group's size; padding: 0), so per-token means over the
-  layout (the MoE router loss, `models.moe.router_token_weights`) equal those over the rows.
+  a group costs P + nR token positions instead of n(P + R). `inputs["token_weights"]` [R, N] says how many
+  rows hold each layout token (a prefix token: its group's size; padding: 0), so per-token means over the
+  layout (the MoE router loss, which `models.forward` weighs so) equal those over the rows.
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ import torch
 
 @dataclass
 class Layout:
-    """`inputs` for the model; read m is experience cell (`rows[m]`, `cols[m]`), computed at layout
-    position (`src_row[m]`, `src_col[m]`), and scores token `targets[m]`."""
+    """`inputs` for the model (`models.forward`); read m is experience cell (`rows[m]`, `cols[m]`), computed
+    at layout position (`src_row[m]`, `src_col[m]`), and scores token `targets[m]`."""
     inputs: dict
     rows: torch.Tensor
     cols: torch.Tensor
@@ -37,7 +37,6 @@ class Layout:
     src_col: torch.Tensor
     targets: torch.Tensor
     shape: tuple[int, int]  # [b, T-1] of the experience's per-token tensors
-    token_weights: torch.Tensor | None = None  # shared prefixes: rows holding each input token (module doc)
 
     def kept_columns(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The layout columns any read needs (sorted, unique) and, per read, its index among them."""
@@ -73,9 +72,8 @@ def build_layout(exp, packed: bool = False, shared: bool = False) -> Layout:
             read_cols.append(cols)
     rows = np.concatenate(read_rows) if read_rows else np.zeros(0, dtype=np.int64)
     cols = np.concatenate(read_cols) if read_cols else np.zeros(0, dtype=np.int64)
-    weights = None
     if shared:
-        inputs, src_row, src_col, weights = _shared(exp, lengths, first, has, rows, cols, packed)
+        inputs, src_row, src_col = _shared(exp, lengths, first, has, rows, cols, packed)
     elif packed:
         real = exp.attention_mask.bool()
         positions = exp.attention_mask.long().cumsum(1) - 1
@@ -87,11 +85,12 @@ def build_layout(exp, packed: bool = False, shared: bool = False) -> Layout:
     t = lambda a: torch.as_tensor(a, dtype=torch.long, device=device)  # noqa: E731
     rows_t, cols_t = t(rows), t(cols)
     return Layout(inputs=inputs, rows=rows_t, cols=cols_t, src_row=t(src_row), src_col=t(src_col),
-                  targets=seq[rows_t, cols_t + 1], shape=(b, width - 1), token_weights=weights)
+                  targets=seq[rows_t, cols_t + 1], shape=(b, width - 1))
 
 
 def _shared(exp, lengths, first, has, rows, cols, packed):
-    """The shared-prefix layout (module doc): model inputs, each read's source position, the token weights."""
+    """The shared-prefix layout (module doc): model inputs (with the token weights), each read's source
+    position."""
     seq_np = exp.sequences.cpu().numpy()
     prefix = np.where(has, first + 1, lengths)  # a row without reads is all prefix (a group of its own)
     groups: dict[bytes, list[int]] = {}
@@ -129,7 +128,7 @@ def _shared(exp, lengths, first, has, rows, cols, packed):
     mask |= torch.eye(n, dtype=torch.bool)  # padding queries attend themselves (finite, never read)
     device = exp.sequences.device
     inputs = {"input_ids": pad(ids, 0).to(device), "position_ids": pad(pos, 0).to(device),
-              "attention_mask": mask[:, None].to(device)}
+              "attention_mask": mask[:, None].to(device), "token_weights": pad(count, 0).float().to(device)}
     s = prefix[rows]
     src_col = np.where(cols < s, where_prefix[rows] + cols, where_own[rows] + cols)
-    return inputs, where_row[rows], src_col, pad(count, 0).float().to(device)
+    return inputs, where_row[rows], src_col

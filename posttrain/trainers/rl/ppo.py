@@ -4,12 +4,12 @@ the rollout engines' weights, then log, evaluate and checkpoint. The loop calls 
 the roles live in this process (`roles.py`), or are Ray actor groups with the same methods
 (`trainers/rl/placement/ray_placement.py`) when `config.ray_mode.uses_ray`. Resume, the eval / log / save
 cadence, Ctrl-C and the final charts come from the loop every trainer shares
-(`trainers/run_loop.RunLoop`)."""
+(`trainers/run_loop.RunLoop`). Besides the roles, the trainer holds the run's prompts and generation
+budgets (`run_parts.PromptData`) and where the loop stands (`run_parts.LoopState`)."""
 from __future__ import annotations
 
 import json
 import shutil
-import threading
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
@@ -25,23 +25,19 @@ from posttrain.config import (
 from posttrain.config.backends import one_process_engine
 from posttrain.config.ray_mode import run_roles
 from posttrain.config.roles import SEQUENCE_POLICY_LOSSES
-from posttrain.data import PromptDataset, load_rows
-from posttrain.data.capping import capped_note
-from posttrain.data.errors import check_dropped
-from posttrain.data.images import ImageLimits
 from posttrain.models import load_tokenizer
 from posttrain.models.setup import ModelSetup
-from posttrain.models.vision import export_savers, vision_processor
 from posttrain.rollout import SamplingParams, rank_seed
 from posttrain.rollout.engine_builder import build_rollout_engine
 from posttrain.rollout.single_turn import SingleTurnSampler
 from posttrain.trainers.rl import build
 from posttrain.trainers.rl.async_pipeline import RolloutPipeline, staleness_metrics
 from posttrain.trainers.rl.batch_forward import ppo_batchings
-from posttrain.trainers.rl.collect import GroupBuffer, PromptStream, ShapingSettings, collect
-from posttrain.trainers.rl.eval_rollouts import dataset_name, eval_metrics
+from posttrain.trainers.rl.collect import ShapingSettings, collect
+from posttrain.trainers.rl.eval_rollouts import eval_metrics
 from posttrain.trainers.rl.experience_maker import ExperienceMaker, rollout_metrics
 from posttrain.trainers.rl.roles import AdapterOffReference
+from posttrain.trainers.rl.run_parts import load_prompt_data, loop_state
 from posttrain.trainers.rl.updates import UpdateSettings, steps_per_rollout
 from posttrain.trainers.run_loop import Cadence, RunLoop, best_of_old_state, plot_charts
 from posttrain.trainers.session import RunStart
@@ -58,104 +54,64 @@ class RLTrainer(RunLoop):
     def __init__(self, cfg: PPOConfig) -> None:
         self.cfg = cfg
         self.start = RunStart(cfg)  # the controller's process (validation refuses WORLD_SIZE > 1)
-        self.device, self.output_dir, self.folders = self.start.device, self.start.output_dir, self.start.folders
         self.roles = run_roles(cfg)  # which roles this run loads, and whether on Ray
         self.placement = None
         with self.start.closed_on_error():
             try:
-                self._load_data()
-                self._load_reward_source()
-                self._load_models()
+                # the model folders and their config.json were checked by RunStart (`check_inputs`)
+                self.tokenizer = load_tokenizer(cfg.actor.model_name_or_path,
+                                                use_fast=not cfg.data.disable_fast_tokenizer,
+                                                chat_template=cfg.data.tokenizer_chat_template)
+                self.data = load_prompt_data(cfg, self.tokenizer)
+                agent = self._load_reward_source()
+                self._load_models(agent)
                 self._build_loop_state()
             except BaseException:
                 self._release_placement()
                 raise
 
+    @property
+    def device(self):
+        return self.start.device
+
+    @property
+    def shares_actor_module(self) -> bool:
+        """The rollout engine samples from the actor's own module (one process, not async)."""
+        return not self.roles.on_ray and not self.cfg.train.async_enable
+
     # ---- set-up -----------------------------------------------------------------------------
-    def _load_data(self) -> None:
-        cfg = self.cfg  # the model folders and their config.json were checked by RunStart (`check_inputs`)
-        self.tokenizer = tok = load_tokenizer(cfg.actor.model_name_or_path,
-                                              use_fast=not cfg.data.disable_fast_tokenizer,
-                                              chat_template=cfg.data.tokenizer_chat_template)
-        self.processor = vision_processor(cfg.actor.model_name_or_path, tok)
-        # what an exported policy folder holds besides the model: the tokenizer (and a VLM's image processor)
-        self.savers = export_savers(tok, self.processor)
-        if self.processor is not None and cfg.ds.shared_prefix:
-            info("vision-language actor: padded batches (--ds.shared_prefix off: the model computes its "
-                 "rotary positions per row from the image grid)")
-        kw = dict(input_key=cfg.data.input_key, label_key=cfg.data.label_key, input_template=cfg.data.input_template,
-                  apply_chat_template=cfg.data.apply_chat_template, processor=self.processor,
-                  image_key=cfg.data.image_key, max_images=cfg.data.max_images_per_prompt,
-                  image_limits=ImageLimits.of(cfg.data))
-        rows = load_rows(cfg.data.prompt_dataset, cfg.data.prompt_probs, cfg.data.prompt_split, cfg.train.seed,
-                         cfg.data.max_samples)
-        limit = cfg.data.max_len - (cfg.rollout.max_new_tokens or 1)
-        self.prompts = PromptDataset(rows, tok, max_prompt_len=limit, **kw)
-        report = check_dropped("prompt dataset", self.prompts.dropped, len(self.prompts) + len(self.prompts.dropped),
-                               f"the prompt is longer than {limit} tokens (--data.max_len minus "
-                               "--rollout.max_new_tokens)", cfg.data.max_dropped_frac)
-        if report:
-            info(report)
-        if self.prompts.num_capped:
-            info(capped_note("prompt dataset", self.prompts.num_capped, limit, tok, f"{limit} prompt tokens"))
-        self._set_budgets([p.token_ids for p in self.prompts])
-        self.eval_prompts, self.eval_name = None, None
-        if cfg.eval.dataset:
-            eval_rows = load_rows(cfg.eval.dataset, None, cfg.eval.split, cfg.train.seed, cfg.data.max_samples)
-            self.eval_prompts = PromptDataset(eval_rows, tok, max_prompt_len=limit, **kw)
-            self.eval_name = dataset_name(cfg.eval.dataset)
-
-    def _set_budgets(self, prompt_ids: list[list[int]]) -> None:
-        """Generation budgets. --rollout.max_new_tokens set: that many for every sample. Unset: each
-        sample may generate `--data.max_len - len(its prompt)` tokens (OpenRLHF), passed per sample
-        (`sample_max_len`); `max_new_tokens` is then the largest budget (the constant of seq_sum_norm), and
-        --reward.overlong_buffer_len must fit the smallest (validation compares it with a set budget)."""
+    def _load_reward_source(self):
+        """The reward source (and the agent file, returned: None without one) first, before the policy
+        loads: a missing or broken reward or agent file, an unreachable-by-design URL or a mismatched
+        reward model stops the run before the expensive part. Under Ray a reward model is loaded by its
+        own ranks (with the other roles). With an agent file and no reward flag, the environment gives
+        every reward."""
         cfg = self.cfg
-        if cfg.rollout.max_new_tokens:
-            self.sample_max_len, self.max_new_tokens = None, cfg.rollout.max_new_tokens
-            return
-        self.sample_max_len = cfg.data.max_len
-        self.max_new_tokens = max(1, cfg.data.max_len - min(map(len, prompt_ids)))
-        smallest = max(1, cfg.data.max_len - max(map(len, prompt_ids)))
-        info(f"--rollout.max_new_tokens unset: each sample may generate --data.max_len - len(its prompt) "
-             f"tokens ({smallest} to {self.max_new_tokens} here)")
-        buffer = cfg.reward.overlong_buffer_len
-        if buffer and smallest < buffer:
-            raise ConfigError(f"--reward.overlong_buffer_len {buffer:g} is longer than the smallest generation budget "
-                              f"({smallest} tokens: --data.max_len minus the longest prompt, "
-                              "--rollout.max_new_tokens unset); lower the buffer or raise the budget")
-
-    def _load_reward_source(self) -> None:
-        """The reward source (and the agent file) first, before the policy loads: a missing or broken
-        reward or agent file, an unreachable-by-design URL or a mismatched reward model stops the run
-        before the expensive part. Under Ray a reward model is loaded by its own ranks (with the other
-        roles). With an agent file and no reward flag, the environment gives every reward."""
-        cfg = self.cfg
-        self.agent_executor = None
+        agent = None
         if cfg.train.agent_func_path:
             from posttrain.agents.agent_file import load_agent_executor
 
-            self.agent_executor = load_agent_executor(cfg.train.agent_func_path)
-            info(f"agent: {type(self.agent_executor).__name__} from {cfg.train.agent_func_path}; episodes of up to "
+            agent = load_agent_executor(cfg.train.agent_func_path)
+            info(f"agent: {type(agent).__name__} from {cfg.train.agent_func_path}; episodes of up to "
                  f"--data.max_len {cfg.data.max_len} tokens over all turns")
         self.reward_source = None
         has_reward = cfg.reward.model_name_or_path or cfg.reward.remote_url
         if has_reward and not (self.roles.on_ray and self.roles.has("reward")):
             self.reward_source = build.build_reward_source(cfg, self.tokenizer, self.device)
+        return agent
 
-    def _load_models(self) -> None:
+    def _load_models(self, agent) -> None:
         cfg = self.cfg
         n = cfg.rollout.n_samples_per_prompt
-        self.steps_per_episode = len(self.prompts) // cfg.rollout.batch_size
-        if self.steps_per_episode == 0:
-            raise ConfigError(f"{len(self.prompts)} prompts are fewer than one rollout batch "
-                             f"(--rollout.batch_size {cfg.rollout.batch_size}); lower it or add prompts")
-        self.total_steps = cfg.train.max_steps or self.steps_per_episode * cfg.train.num_episodes
+        steps_per_episode = len(self.data.prompts) // cfg.rollout.batch_size
+        if steps_per_episode == 0:
+            raise ConfigError(f"{len(self.data.prompts)} prompts are fewer than one rollout batch "
+                              f"(--rollout.batch_size {cfg.rollout.batch_size}); lower it or add prompts")
+        self.total_steps = cfg.train.max_steps or steps_per_episode * cfg.train.num_episodes
         updates = self.total_steps * steps_per_rollout(cfg.rollout.batch_size * n, cfg.train.batch_size,
                                                        cfg.train.max_epochs)
         trained = (("actor.", cfg.actor),) + ((("critic.", cfg.critic),) if self.roles.has("critic") else ())
         self.start.announce(updates, trained)
-        self.shares_actor_module = False  # the rollout engine samples from the actor's own module
         if self.roles.on_ray:
             self._place_on_ray(updates)
         else:
@@ -170,12 +126,11 @@ class RLTrainer(RunLoop):
                     self.rollout_engine = build.build_rollout_copy(cfg, self.tokenizer, self.device)
             else:  # in one process the rollout engine samples from the actor's own module (no weight copy)
                 self.rollout_engine = build_rollout_engine(cfg, self.tokenizer, "hf", self.actor.model, shared=True)
-                self.shares_actor_module = True
         self._report_reference()
         kl = cfg.algo.kl
         self.kl_ctl = (AdaptiveKLController(kl.init_coef, kl.target, kl.horizon) if kl.target
                        else FixedKLController(kl.init_coef))
-        self.executor = self._executor()
+        self.executor = self._executor(agent)
 
     def _report_reference(self) -> None:
         """The reference of a LoRA run that starts from the actor's weights is the actor's base with the
@@ -189,15 +144,14 @@ class RLTrainer(RunLoop):
         elif cfg.ds.lora.rank > 0:
             info(f"reference model: {cfg.ref.model_name_or_path} (a copy of its own, without LoRA)")
 
-    def _executor(self):
-        """Single-turn sampling and batched rewards, or the agent's multi-turn episodes."""
-        cfg = self.cfg
-        if self.agent_executor is None:
+    def _executor(self, agent):
+        """Single-turn sampling and batched rewards, or the `agent`'s multi-turn episodes."""
+        if agent is None:
             return SingleTurnSampler(self.rollout_engine, self.reward_source, self.tokenizer)
         from posttrain.agents.multi_turn import AgentRunner
 
-        return AgentRunner.from_config(self.agent_executor, self.rollout_engine, self.tokenizer, self.reward_source, cfg,
-                                       processor=self.processor)
+        return AgentRunner.from_config(agent, self.rollout_engine, self.tokenizer, self.reward_source,
+                                       self.cfg, processor=self.data.processor)
 
     def _place_on_ray(self, updates: int) -> None:
         """Every role as a Ray actor group (`distributed.ray_placement`); the groups have the roles'
@@ -221,12 +175,12 @@ class RLTrainer(RunLoop):
         # GSPO (as OpenRLHF) and seq_sum: --actor.loss_agg aggregates the policy term only (sequence-level
         # by default); the KL-loss / entropy / value terms stay token means. Otherwise it applies to all.
         other_agg = "token_mean" if a.policy_loss_type in SEQUENCE_POLICY_LOSSES else a.loss_agg
-        shared = cfg.ds.shared_prefix and self.processor is None  # a vision-language model takes padded batches
-        self.train_batching, self.forward_batching, ref_batching = ppo_batchings(cfg, shared)
+        shared = cfg.ds.shared_prefix and self.data.processor is None  # a VLM takes padded batches
+        train_batching, forward_batching, ref_batching = ppo_batchings(cfg, shared)
         self.update_settings = UpdateSettings(
-            batch_size=cfg.train.batch_size, batching=self.train_batching,
+            batch_size=cfg.train.batch_size, batching=train_batching,
             max_epochs=cfg.train.max_epochs, loss_agg=other_agg, policy_loss_agg=a.loss_agg,
-            max_len=self.max_new_tokens, eps_low=eps_low,
+            max_len=self.data.max_new_tokens, eps_low=eps_low,
             eps_high=eps_high, dual_clip=a.dual_clip, policy_loss_type=a.policy_loss_type,
             entropy_coef=a.entropy_coef, kl_use_loss=cfg.algo.kl.use_loss, kl_estimator=cfg.algo.kl.estimator,
             kl_clamp=cfg.algo.kl.clamp or None,
@@ -237,25 +191,19 @@ class RLTrainer(RunLoop):
         self.shaping = ShapingSettings(cfg.reward.overlong_buffer_len, cfg.reward.overlong_penalty_factor,
                                        cfg.reward.stop_properly_penalty_coef, penalty,
                                        self._eos_ids() if penalty is not None else ())
-        self.experience_maker = ExperienceMaker(cfg, self.actor, self.ref, self.critic, self.forward_batching,
+        self.experience_maker = ExperienceMaker(cfg, self.actor, self.ref, self.critic, forward_batching,
                                                 self.tokenizer.pad_token_id, ref_batching)
-        self.stream = PromptStream(len(self.prompts), cfg.train.seed)
-        self.trained_cursor = 0  # the prompt cursor after the last batch trained (what a checkpoint keeps)
-        gen = cfg.rollout.vllm_generate_batch_size
-        self.oversampled = (GroupBuffer(cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt)
-                            if gen and gen != cfg.rollout.batch_size else None)
-        # async RL (`async_pipeline`): the producer, the lock generation and weight sync share, and the
-        # policy version (the step count at the engines' last sync)
-        self.pipeline, self.gen_lock, self.policy_version = None, threading.Lock(), 0
+        self.state = loop_state(cfg, len(self.data.prompts))
         self.timers = Timers()
         # ckpt None: no --ckpt.save_steps and no --ckpt.load_enable, or --ckpt.disable_ds
         cadence = Cadence(logging_steps=cfg.logger.logging_steps, eval_steps=cfg.eval.steps,
                           save_steps=cfg.ckpt.save_steps, load_checkpoint=cfg.ckpt.load_enable,
                           save_hf=cfg.ckpt.save_hf, keep_best=cfg.ckpt.best_metric_key != "none")
-        super().__init__(total_steps=self.total_steps, logger=self.start.open_logger(cfg), ckpt=self.folders.ckpt,
-                         cadence=cadence)
-        if self.folders.resume_from is None:  # a fresh start: samples.jsonl starts over, as metrics.jsonl
-            (self.output_dir / "samples.jsonl").unlink(missing_ok=True)
+        super().__init__(total_steps=self.total_steps, logger=self.start.open_logger(cfg),
+                         ckpt=self.start.folders.ckpt, cadence=cadence)
+        # a fresh start: samples.jsonl starts over, as metrics.jsonl
+        if self.start.folders.resume_from is None:
+            (self.start.output_dir / "samples.jsonl").unlink(missing_ok=True)
 
     def _eos_ids(self) -> tuple[int, ...]:
         """The rollout engines' default stop ids (the tokenizer's eos and the policy's generation config,
@@ -265,33 +213,35 @@ class RLTrainer(RunLoop):
         if ids is None and hasattr(self.rollout_engine, "call"):
             ids = self.rollout_engine.first(self.rollout_engine.call("eos_token_ids") + [[]])
         if not ids:
-            raise ConfigError("--reward.missing_eos_penalty: the rollout engine has no EOS id (the tokenizer and "
-                              "the model's generation config name none), so every sample would be penalised")
+            raise ConfigError("--reward.missing_eos_penalty: the rollout engine has no EOS id (the tokenizer "
+                              "and the model's generation config name none), so every sample would be "
+                              "penalised")
         return tuple(int(i) for i in ids)
 
     # ---- one step ---------------------------------------------------------------------------
     def sampling_params(self, step: int, evaluation: bool = False) -> SamplingParams:
         cfg = self.cfg
+        budget, stops = self.data.max_new_tokens, cfg.rollout.stop_token_ids
         if evaluation:
             return SamplingParams(temperature=cfg.eval.temperature, top_p=cfg.rollout.top_p,
-                                  max_new_tokens=self.max_new_tokens, n=cfg.eval.n_samples_per_prompt,
-                                  seed=rank_seed(cfg.train.seed + 1, 0, step), stop_token_ids=cfg.rollout.stop_token_ids)
+                                  max_new_tokens=budget, n=cfg.eval.n_samples_per_prompt,
+                                  seed=rank_seed(cfg.train.seed + 1, 0, step), stop_token_ids=stops)
         return SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                              max_new_tokens=self.max_new_tokens, n=cfg.rollout.n_samples_per_prompt,
-                              seed=rank_seed(cfg.train.seed, 0, step), stop_token_ids=cfg.rollout.stop_token_ids)
+                              max_new_tokens=budget, n=cfg.rollout.n_samples_per_prompt,
+                              seed=rank_seed(cfg.train.seed, 0, step), stop_token_ids=stops)
 
     def produce(self, step: int):
         """The rollout batch of `step`: (scored rollouts, their metrics, the prompt cursor after its last
-        group). On the producer thread in async mode. With oversampling (`self.oversampled`) the batch
+        group). On the producer thread in async mode. With oversampling (`self.state.oversampled`) the batch
         comes from the group buffer, refilled by generation calls of --rollout.vllm_generate_batch_size
         prompts."""
         cfg = self.cfg
         with self._generation_weights():
-            if self.oversampled is None:
+            if self.state.oversampled is None:
                 scored, metrics = self._draw(step, cfg.rollout.batch_size, release_engines=True)
-                cursor = self.stream.cursor
+                cursor = self.state.stream.cursor
             else:
-                scored, metrics, cursor = self.oversampled.take(
+                scored, metrics, cursor = self.state.oversampled.take(
                     lambda: self._draw(step, cfg.rollout.vllm_generate_batch_size, release_engines=False))
         metrics.update(rollout_metrics(scored, cfg.rollout.n_samples_per_prompt))
         return scored, metrics, cursor
@@ -342,31 +292,31 @@ class RLTrainer(RunLoop):
         draw may follow the scores)."""
         cfg = self.cfg
         filt = tuple(cfg.algo.dynamic_filtering_range) if cfg.algo.dynamic_filtering_enable else None
-        hook, version = {}, self.policy_version
-        if (self.pipeline is not None and release_engines and filt is None
+        hook, version = {}, self.state.policy_version
+        if (self.state.pipeline is not None and release_engines and filt is None
                 and isinstance(self.executor, SingleTurnSampler)):
-            hook["on_generated"] = self.pipeline.generated
+            hook["on_generated"] = self.state.pipeline.generated
         params = self.sampling_params(step)
-        if self.oversampled is not None:  # several draws per step, or none: seeded by where they start
-            params = replace(params, seed=rank_seed(cfg.train.seed, 2, self.stream.cursor))
-        scored, metrics = collect(self.executor, self.prompts, self.stream, params,
+        if self.state.oversampled is not None:  # several draws per step, or none: seeded by where they start
+            params = replace(params, seed=rank_seed(cfg.train.seed, 2, self.state.stream.cursor))
+        scored, metrics = collect(self.executor, self.data.prompts, self.state.stream, params,
                                   batch_size=prompts, shaping=self.shaping, filter_range=filt,
-                                  max_extra_draws=4 * prompts, max_len=self.sample_max_len, **hook)
-        if self.pipeline is not None:
+                                  max_extra_draws=4 * prompts, max_len=self.data.sample_max_len, **hook)
+        if self.state.pipeline is not None:
             for r in scored.rollouts:
                 r.policy_versions = r.policy_versions or [version]
         return scored, metrics
 
     def _next_batch(self, step: int):
         """This step's rollouts: generated now (sync), or taken from the pipeline with its async metrics."""
-        if self.pipeline is None:
+        if self.state.pipeline is None:
             with self.timers("generation"):
-                scored, metrics, self.trained_cursor = self.produce(step)
+                scored, metrics, self.state.trained_cursor = self.produce(step)
             return scored, metrics
         t0 = time.perf_counter()
-        item = self.pipeline.get(step)
-        scored, metrics, self.trained_cursor = item.result
-        metrics.update(staleness_metrics(scored.rollouts, item.version, self.policy_version))
+        item = self.state.pipeline.get(step)
+        scored, metrics, self.state.trained_cursor = item.result
+        metrics.update(staleness_metrics(scored.rollouts, item.version, self.state.policy_version))
         metrics["async/queue_wait"] = time.perf_counter() - t0
         self.timers.add("generation", item.seconds)
         return scored, metrics
@@ -386,7 +336,7 @@ class RLTrainer(RunLoop):
                 actor_trains = self.critic is None or step >= cfg.critic.freezing_steps
                 if actor_trains:
                     metrics.update(self.actor.fit(exp, self.update_settings, self.kl_ctl.value, step))
-                if actor_trains or self.pipeline is not None:  # async: every step is a version
+                if actor_trains or self.state.pipeline is not None:  # async: every step is a version
                     with self.timers("weight_sync"):
                         metrics.update(self._sync_after(step))
             # OpenRLHF's statistic: the experience KL, or with KL as a loss the KL measured in training;
@@ -396,11 +346,12 @@ class RLTrainer(RunLoop):
                 self.kl_ctl.update(current_kl, len(exp))
                 if getattr(self.kl_ctl, "compounded", False):
                     warn_once(f"adaptive KL: {len(exp)} samples per step exceed --algo.kl.horizon "
-                              f"({cfg.algo.kl.horizon}); the per-horizon change is compounded (OpenRLHF's linear "
-                              "update would overshoot, and turn the coefficient negative beyond 5 x horizon)")
+                              f"({cfg.algo.kl.horizon}); the per-horizon change is compounded (OpenRLHF's "
+                              "linear update would overshoot, and turn the coefficient negative beyond 5 x "
+                              "horizon)")
             metrics["kl/coef"] = self.kl_ctl.value
-        if self.pipeline is not None:
-            self.pipeline.step_done(step)
+        if self.state.pipeline is not None:
+            self.state.pipeline.step_done(step)
         metrics.update(self.timers.pop_metrics())
         self._write_samples(step + 1, scored)
         return metrics
@@ -411,18 +362,18 @@ class RLTrainer(RunLoop):
         during a generation (the producer holds `gen_lock` while it generates): `async/sync_wait` is
         the time spent waiting for that (inside `timing/weight_sync`). `sync/bytes`: the bytes sent (a
         LoRA actor's adapter only; 0 when the engine shares the actor's module)."""
-        if self.pipeline is None:
+        if self.state.pipeline is None:
             return {"sync/bytes": self._sync_engines()}
         t0 = time.perf_counter()
-        self.pipeline.before_sync(step)
-        with self.gen_lock if self.pipeline.hold_lock else nullcontext():
+        self.state.pipeline.before_sync(step)
+        with self.state.gen_lock if self.state.pipeline.hold_lock else nullcontext():
             waited = time.perf_counter() - t0
             sent = self._sync_engines(version=step + 1)
-            self.policy_version = step + 1
+            self.state.policy_version = step + 1
         return {"async/sync_wait": waited, "sync/bytes": sent}
 
     def _write_samples(self, step: int, scored, k: int = 4) -> None:
-        with (self.output_dir / "samples.jsonl").open("a") as f:
+        with (self.start.output_dir / "samples.jsonl").open("a") as f:
             for r, reward in list(zip(scored.rollouts, scored.rewards.tolist()))[:k]:
                 f.write(json.dumps({"step": step, "prompt": r.prompt_text, "response": r.response_text,
                                     "label": r.label, "reward": reward, "finish_reason": r.finish_reason},
@@ -434,13 +385,14 @@ class RLTrainer(RunLoop):
                 "kl": f"{metrics.get('kl/mean', 0.0):.4f}"}
 
     def evaluate(self) -> dict[str, float]:
-        if self.eval_prompts is None:
+        if self.data.eval_prompts is None:
             return {}
         # async: evaluation does not interleave with the producer's generation (OpenRLHF holds its lock)
-        with (self.timers("eval"), self.gen_lock if self.pipeline is not None else nullcontext(),
-              self._generation_weights()):
-            return eval_metrics(self.executor, self.eval_prompts, self.sampling_params(self.global_step, True),
-                                self.eval_name, max_len=self.sample_max_len)
+        lock = self.state.gen_lock if self.state.pipeline is not None else nullcontext()
+        with self.timers("eval"), lock, self._generation_weights():
+            return eval_metrics(self.executor, self.data.eval_prompts,
+                                self.sampling_params(self.global_step, True), self.data.eval_name,
+                                max_len=self.data.sample_max_len)
 
     def on_evaluated(self, eval_metrics: dict[str, float], metrics: dict[str, float]) -> None:
         metrics.update(self.timers.pop_metrics())
@@ -458,10 +410,10 @@ class RLTrainer(RunLoop):
     def export_best(self, best: dict) -> None:
         """The best policy's HF copy (EMA weights when kept) in `<output_dir>/best/`, with `best_metric.json`;
         written to a temp folder and renamed into place."""
-        final, tmp, old = (self.output_dir / name for name in ("best", ".tmp_best", ".old_best"))
+        final, tmp, old = (self.start.output_dir / name for name in ("best", ".tmp_best", ".old_best"))
         for p in (tmp, old):
             shutil.rmtree(p, ignore_errors=True)
-        self.actor.export(tmp, self.savers)
+        self.actor.export(tmp, self.data.savers)
         (tmp / "best_metric.json").write_text(json.dumps(best))
         if final.exists():
             final.rename(old)
@@ -473,55 +425,55 @@ class RLTrainer(RunLoop):
         self.actor.save_state(d / "actor")
         if self.critic is not None:
             self.critic.save_state(d / "critic")
-        state = {"global_step": self.global_step, "prompt_cursor": int(self.trained_cursor),
+        state = {"global_step": self.global_step, "prompt_cursor": int(self.state.trained_cursor),
                  "kl_ctl": self.kl_ctl.state_dict(), "rng": rng_state()}
         save_state_file(state, d / "trainer_state.pt")
 
     def export_hf(self, d: Path) -> None:
-        self.actor.export(d, self.savers)  # as the final export (EMA weights when kept, as OpenRLHF)
+        self.actor.export(d, self.data.savers)  # as the final export (EMA weights when kept, as OpenRLHF)
 
     def restore(self, path: Path, meta: dict) -> None:
         state = load_state_file(path / "trainer_state.pt")
         self.actor.load_state(path / "actor")
         if self.critic is not None:
             self.critic.load_state(path / "critic")
-        self.stream.cursor = self.trained_cursor = state["prompt_cursor"]
+        self.state.stream.cursor = self.state.trained_cursor = state["prompt_cursor"]
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         set_rng_state(state["rng"])
         if "best" not in meta:  # a checkpoint from before meta["best"] kept it in its trainer state
-            self.best = best_of_old_state(state.get("best")) or self.best
+            self.record.best = best_of_old_state(state.get("best")) or self.record.best
         if self.is_main:  # samples of the steps after the checkpoint are written again
-            truncate_jsonl_after(self.output_dir / "samples.jsonl", int(meta["global_step"]))
+            truncate_jsonl_after(self.start.output_dir / "samples.jsonl", int(meta["global_step"]))
 
     def before_loop(self) -> None:
-        self.policy_version = self.global_step
-        self._sync_engines(verify=True, version=self.policy_version)
+        self.state.policy_version = self.global_step
+        self._sync_engines(verify=True, version=self.state.policy_version)
         cfg = self.cfg
         if cfg.train.async_enable and self.global_step < self.total_steps:
-            self.pipeline = RolloutPipeline(
-                self.produce, lambda: self.policy_version, first=self.global_step, last=self.total_steps,
-                lookahead=cfg.train.async_queue_size, lock=self.gen_lock,
+            self.state.pipeline = RolloutPipeline(
+                self.produce, lambda: self.state.policy_version, first=self.global_step,
+                last=self.total_steps, lookahead=cfg.train.async_queue_size, lock=self.state.gen_lock,
                 hold_lock=not cfg.train.partial_rollout_enable)
-            self.pipeline.start()  # after the assignment: `produce` reads `self.pipeline`
+            self.state.pipeline.start()  # after the assignment: `produce` reads `self.state.pipeline`
             info(f"async RL: rollouts generated up to {cfg.train.async_queue_size} step(s) ahead of training"
-                 + (", partial rollout (weights sync between decode steps)" if cfg.train.partial_rollout_enable
-                    else f" (staleness {cfg.train.async_queue_size})"))
+                 + (", partial rollout (weights sync between decode steps)"
+                    if cfg.train.partial_rollout_enable else f" (staleness {cfg.train.async_queue_size})"))
 
     def _close_pipeline(self) -> None:
         """Stop the producer; a batch generated but never trained is dropped (a resume regenerates it)."""
-        if self.pipeline is None:
+        if self.state.pipeline is None:
             return
-        dropped = self.pipeline.close(timeout=30)
+        dropped = self.state.pipeline.close(timeout=30)
         if dropped:
             info(f"async RL: {dropped} generated batch(es) dropped untrained; a resume regenerates them")
-        if self.pipeline.running:
+        if self.state.pipeline.running:
             info("async RL: the rollout producer is still generating; it stops with this process")
-        self.pipeline = None
+        self.state.pipeline = None
 
     def after_loop(self) -> None:
         self._export()
         self.logger.close()
-        plot_charts(self.output_dir)
+        plot_charts(self.start.output_dir)
         self.start.finish()
 
     def fit(self) -> dict[str, float]:
@@ -537,7 +489,7 @@ class RLTrainer(RunLoop):
             if self.reward_source is not None:
                 self.reward_source.close()
             self._release_placement()
-            self.folders.close()
+            self.start.folders.close()
 
     def _release_placement(self) -> None:
         if self.placement is not None:
@@ -555,22 +507,25 @@ class RLTrainer(RunLoop):
             expected, got = self.actor.weights_hash(), self.rollout_engine.weights_hashes()
             bad = [i for i, h in enumerate(got) if h != expected]
             if bad:
-                raise RuntimeError(f"weight sync failed: rollout engine(s) {bad} hold other weights than the actor")
+                raise RuntimeError(f"weight sync failed: rollout engine(s) {bad} hold other weights than the "
+                                   "actor")
             info(f"weight sync verified: {len(got)} rollout engine(s) hold the actor's weights")
         elif verify and self.cfg.train.async_enable:  # in one process, the async engine's own copy
             if self.rollout_engine.weights_hash() != self.actor.weights_hash():
-                raise RuntimeError("weight sync failed: the async rollout engine holds other weights than the actor")
+                raise RuntimeError("weight sync failed: the async rollout engine holds other weights than "
+                                   "the actor")
             info("weight sync verified: the async rollout engine holds the actor's weights")
         return sent
 
     def _export(self) -> None:
         if self.actor.keeps_ema:
             info("--train.enable_ema: the saved final model holds the EMA weights")
-        with disk_full_as_error("the final model", self.output_dir, self.folders.last_checkpoint()):
-            self.actor.export(self.output_dir, self.savers)
+        out = self.start.output_dir
+        with disk_full_as_error("the final model", out, self.start.folders.last_checkpoint()):
+            self.actor.export(out, self.data.savers)
             if self.critic is not None and self.cfg.critic.save_value_network:
-                self.critic.export(self.output_dir / "critic", self.tokenizer)
-        info(f"final model saved to {self.output_dir}")
+                self.critic.export(out / "critic", self.tokenizer)
+        info(f"final model saved to {out}")
 
 
 def train_rl(cfg: PPOConfig) -> dict[str, float]:

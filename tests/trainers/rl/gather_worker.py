@@ -103,18 +103,20 @@ def run_rl(model, data, reward, out) -> None:
     RLTrainer.produce = recording
     flags = ["--actor.model_name_or_path", model, "--data.prompt_dataset", data, "--data.input_key", "prompt",
              "--data.label_key", "answer", "--data.apply_chat_template", "--data.max_len", "40",
-             "--reward.remote_url", reward, "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "2",
-             "--rollout.max_new_tokens", "5", "--rollout.micro_batch_size", "8", "--train.batch_size", "8",
-             "--train.micro_batch_size", "4", "--data.max_samples", "8", "--actor.adam.lr", "1e-2",
-             "--actor.lr_warmup_ratio", "0", "--algo.kl.init_coef", "0", "--algo.advantage.estimator", "rloo",
-             "--ds.zero_stage", "3", "--train.seed", "7"]
+             "--reward.remote_url", reward, "--rollout.batch_size", "4",
+             "--rollout.n_samples_per_prompt", "2", "--rollout.max_new_tokens", "5",
+             "--rollout.micro_batch_size", "8", "--train.batch_size", "8", "--train.micro_batch_size", "4",
+             "--data.max_samples", "8", "--actor.adam.lr", "1e-2", "--actor.lr_warmup_ratio", "0",
+             "--algo.kl.init_coef", "0", "--algo.advantage.estimator", "rloo", "--ds.zero_stage", "3",
+             "--train.seed", "7"]
     results = {}
     for mode, extra in (("on", ["--ds.gather_for_generation"]), ("off", ["--ds.no_gather_for_generation"])):
         record.update(released=0, rollouts=[])
         entered["n"] = 0
         run_dir = os.path.join(os.path.dirname(out), mode)
         train_ppo_ray.main(flags + ["--ckpt.output_dir", run_dir] + extra)
-        results[mode] = {"entered": entered["n"], "released": record["released"], "rollouts": record["rollouts"],
+        results[mode] = {"entered": entered["n"], "released": record["released"],
+                         "rollouts": record["rollouts"],
                          "weights": load_file(os.path.join(run_dir, "model.safetensors"))}
     torch.save(results, out)
 
@@ -137,10 +139,12 @@ def run_sync(model, out_dir) -> None:
     from posttrain.trainers.rl.placement.workers import EngineWorker, RoleWorker
 
     rank = int(os.environ["RANK"])
-    flags = ["--actor.model_name_or_path", model, "--data.prompt_dataset", "p.jsonl", "--reward.remote_url", "r.py",
-             "--ds.zero_stage", "3", "--actor.num_gpus_per_node", "2", "--ds.param_dtype", "fp32"]
+    flags = ["--actor.model_name_or_path", model, "--data.prompt_dataset", "p.jsonl",
+             "--reward.remote_url", "r.py", "--ds.zero_stage", "3", "--actor.num_gpus_per_node", "2",
+             "--ds.param_dtype", "fp32"]
     worker = None
-    calls = _gathered_parameters_spy(lambda: None if worker is None or worker.obj is None else worker.obj.model)
+    calls = _gathered_parameters_spy(lambda: None if worker is None
+                                     or worker.obj is None else worker.obj.model)
     results = {}
     for mode, extra in (("on", ["--ds.gather_for_generation"]), ("off", ["--ds.no_gather_for_generation"])):
         cfg = parse_config("ppo", flags + extra, check=False)

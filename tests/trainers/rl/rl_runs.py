@@ -1,6 +1,7 @@
 """What the RL tests share besides fixtures: reward-function files (`REWARD_FUNCS`), `charts_not_drawn`, and
 `ppo_flags` (a small `posttrain ppo` run on the SFT-ed nano model). A module of its own, imported by name
-(`from rl_runs import ppo_flags`): `from conftest import ...` would find whichever conftest was imported last."""
+(`from rl_runs import ppo_flags`): `from conftest import ...` would find whichever conftest
+was imported last."""
 import contextlib
 
 import pytest
@@ -87,10 +88,10 @@ def charts_not_drawn():
 
 def ppo_flags(setup, out, *extra, reward="starts_with_1.py"):
     sft, data, rewards = setup
-    return ["--actor.model_name_or_path", str(sft), "--data.prompt_dataset", str(data), "--data.input_key", "prompt",
-            "--data.label_key", "answer", "--data.apply_chat_template", "--data.max_len", "48",
-            "--reward.remote_url", str(rewards / reward), "--rollout.batch_size", "8",
-            "--rollout.n_samples_per_prompt", "4", "--rollout.max_new_tokens", "4", "--rollout.micro_batch_size", "16",
-            "--train.batch_size", "32", "--train.micro_batch_size", "16", "--data.max_samples", "64",
-            "--actor.adam.lr", "2e-3", "--actor.lr_warmup_ratio", "0", "--algo.kl.init_coef", "0",
-            "--ckpt.output_dir", str(out), *map(str, extra)]
+    return ["--actor.model_name_or_path", str(sft), "--data.prompt_dataset", str(data),
+            "--data.input_key", "prompt", "--data.label_key", "answer", "--data.apply_chat_template",
+            "--data.max_len", "48", "--reward.remote_url", str(rewards / reward), "--rollout.batch_size", "8",
+            "--rollout.n_samples_per_prompt", "4", "--rollout.max_new_tokens", "4",
+            "--rollout.micro_batch_size", "16", "--train.batch_size", "32", "--train.micro_batch_size", "16",
+            "--data.max_samples", "64", "--actor.adam.lr", "2e-3", "--actor.lr_warmup_ratio", "0",
+            "--algo.kl.init_coef", "0", "--ckpt.output_dir", str(out), *map(str, extra)]

@@ -143,11 +143,13 @@ def test_the_group_buffer_serves_batches_from_larger_generation_calls():
         rollouts = [Rollout([1], [2], [0.0], "stop", f"p{start + g}", "", group=g, cursor=start + g + 1)
                     for g in range(3) for _ in range(2)]
         rewards = torch.arange(6, dtype=torch.float32) + 10 * start
-        return ScoredRollouts(rollouts, rewards, rewards.clone(), {}, torch.zeros(6, dtype=torch.bool)), {"x": 1}
+        return (ScoredRollouts(rollouts, rewards, rewards.clone(), {}, torch.zeros(6, dtype=torch.bool)),
+                {"x": 1})
 
     buf = GroupBuffer(batch_size=2, n=2)
     taken = [buf.take(draw) for _ in range(3)]
-    assert calls == [0, 3]  # batch 1 from call 1; batch 2 = call 1's last group + call 2's first; batch 3 from call 2
+    # batch 1 from call 1; batch 2 = call 1's last group + call 2's first; batch 3 from call 2
+    assert calls == [0, 3]
     prompts = [[r.prompt_text for r in b.rollouts[::2]] for b, _, _ in taken]
     assert prompts == [["p0", "p1"], ["p2", "p3"], ["p4", "p5"]]
     assert [c for _, _, c in taken] == [2, 4, 6]

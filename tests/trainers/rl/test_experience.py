@@ -1,5 +1,5 @@
-"""Token-in token-out layout (docs/algorithms.md, pipeline step 4): the reward lands on the last generated token
-under padding, pad == eos, several eos ids and truncation; sampled tokens are never rewritten."""
+"""Token-in token-out layout (docs/algorithms.md, pipeline step 4): the reward lands on the last generated
+token under padding, pad == eos, several eos ids and truncation; sampled tokens are never rewritten."""
 import pytest
 import torch
 
@@ -70,7 +70,8 @@ def test_kl_clamp_flag_bounds_the_per_token_kl_in_the_reward(clamp, kl_sum):
     cfg = parse_config("ppo", ["--actor.model_name_or_path", "m", "--reward.remote_url", "r.py",
                                "--data.prompt_dataset", "d", "--algo.advantage.estimator", "reinforce",
                                "--algo.kl.sequence_level_enable", "--algo.kl.init_coef", "1",
-                               "--algo.kl.clamp", str(clamp), "--reward.clip_range", "-100", "100"], check=False)
+                               "--algo.kl.clamp", str(clamp), "--reward.clip_range", "-100", "100"],
+                       check=False)
     rolls = [rollout([5, 6], [7, 8])]
     scored = ScoredRollouts(rolls, torch.tensor([0.0]), torch.tensor([0.0]), {}, torch.tensor([False]))
     maker = ExperienceMaker(cfg, Policy(0.0), Policy(-15.0), None, Batching(4), pad_id=0)

@@ -30,7 +30,8 @@ def reward_func(queries, prompts, labels, **kwargs):  # the response length: adv
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     return dict(env, DS_BUILD_OPS="0", TOKENIZERS_PARALLELISM="false")
 
 
@@ -63,7 +64,8 @@ def two_ranks(tiny_model_dir, tmp_path_factory):
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 
-def test_in_process_generation_gathers_once_per_rollout_batch_with_the_same_results(in_process, tiny_model_dir):
+def test_in_process_generation_gathers_once_per_rollout_batch_with_the_same_results(in_process,
+                                                                                    tiny_model_dir):
     on, off = in_process["on"], in_process["off"]
     steps = len(on["rollouts"])
     assert steps == 2 and on["entered"] == steps and off["entered"] == 0

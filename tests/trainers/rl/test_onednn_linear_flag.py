@@ -13,8 +13,9 @@ from posttrain.trainers.rl.build import build_actor, build_critic, build_referen
 @pytest.mark.parametrize("flags,onednn", [((), True), (("--ds.no_onednn_linear",), False)])
 def test_the_flag_reaches_every_role(tiny_model_dir, tmp_path, flags, onednn):
     cfg = parse_config("ppo", ["--actor.model_name_or_path", tiny_model_dir, "--reward.remote_url", "r.py",
-                               "--data.prompt_dataset", "p.jsonl", "--algo.kl.init_coef", "0.01", "--ds.param_dtype", "fp32",
-                               "--ckpt.output_dir", str(tmp_path), *flags], device="cpu")
+                               "--data.prompt_dataset", "p.jsonl", "--algo.kl.init_coef", "0.01",
+                               "--ds.param_dtype", "fp32", "--ckpt.output_dir", str(tmp_path), *flags],
+                       device="cpu")
     assert cfg.ds.onednn_linear is onednn
     tok, cpu = load_tokenizer(tiny_model_dir), torch.device("cpu")
     models = [build_actor(cfg, tok, cpu, 1).model, build_critic(cfg, tok, cpu, 1).model,

@@ -30,7 +30,8 @@ class AgentInstance(AgentInstanceBase):
     async def step(self, states: dict, **kwargs) -> Dict[str, Any]:
         done = self.step_idx >= self.max_steps
         reward = torch.randint(0, 2, (1,)).float() if done else torch.tensor(0)
-        feedback = "\\n\\nHuman: [CORRECT]\\n</s>" if done else "\\n\\nHuman: [INCORRECT]\\nTry again.\\n</s>\\n\\nAssistant: "
+        feedback = ("\\n\\nHuman: [CORRECT]\\n</s>" if done
+                    else "\\n\\nHuman: [INCORRECT]\\nTry again.\\n</s>\\n\\nAssistant: ")
         self.step_idx += 1
         return {
             "rewards": reward,
@@ -50,12 +51,13 @@ class AgentExecutor(MultiTurnAgentExecutor):
 
 def agent_flags(rl_setup, out, agent, *extra):
     sft, data, _ = rl_setup
-    return ["--actor.model_name_or_path", str(sft), "--data.prompt_dataset", str(data), "--data.input_key", "prompt",
-            "--data.label_key", "answer", "--data.apply_chat_template", "--data.max_len", "64",
-            "--train.agent_func_path", str(agent), "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "2",
-            "--rollout.max_new_tokens", "4", "--rollout.micro_batch_size", "8", "--train.batch_size", "8",
-            "--train.micro_batch_size", "8", "--data.max_samples", "8", "--algo.advantage.estimator",
-            "reinforce_baseline", "--algo.kl.init_coef", "0", "--train.num_episodes", "1", "--actor.adam.lr", "1e-3",
+    return ["--actor.model_name_or_path", str(sft), "--data.prompt_dataset", str(data),
+            "--data.input_key", "prompt", "--data.label_key", "answer", "--data.apply_chat_template",
+            "--data.max_len", "64", "--train.agent_func_path", str(agent), "--rollout.batch_size", "4",
+            "--rollout.n_samples_per_prompt", "2", "--rollout.max_new_tokens", "4",
+            "--rollout.micro_batch_size", "8", "--train.batch_size", "8", "--train.micro_batch_size", "8",
+            "--data.max_samples", "8", "--algo.advantage.estimator", "reinforce_baseline",
+            "--algo.kl.init_coef", "0", "--train.num_episodes", "1", "--actor.adam.lr", "1e-3",
             "--ckpt.output_dir", str(out), *map(str, extra)]
 
 
@@ -94,7 +96,8 @@ def test_agent_file_errors_stop_before_any_model_loads(rl_setup, tmp_path, capfd
         train_ppo_ray.main(agent_flags(rl_setup, tmp_path / "bad", bad))
     assert exit_.value.code == 2
     line = capfd.readouterr().err.strip().splitlines()[-1]
-    assert line.startswith("posttrain ppo: error: --train.agent_func_path ") and "defines no `AgentExecutor`" in line
+    assert (line.startswith("posttrain ppo: error: --train.agent_func_path ")
+            and "defines no `AgentExecutor`" in line)
 
 
 @pytest.mark.e2e
@@ -107,11 +110,13 @@ def test_agent_episodes_run_inside_the_ray_rollout_engines(rl_setup, tmp_path, r
     pids = tmp_path / "pids"
     pids.mkdir()
     agent = tmp_path / "agent_func.py"
-    agent.write_text(OPENRLHF_STYLE_AGENT.replace("        self.step_idx += 1\n", f"        self.step_idx += 1\n"
-                                                  f"        open({str(pids)!r} + '/' + str(__import__('os').getpid()), 'a')"
-                                                  ".close()\n"))
+    agent.write_text(OPENRLHF_STYLE_AGENT.replace("        self.step_idx += 1\n",
+                                                  f"        self.step_idx += 1\n"
+                                                  f"        open({str(pids)!r} + '/' + "
+                                                  f"str(__import__('os').getpid()), 'a').close()\n"))
     out = tmp_path / "agent_ray"
-    train_ppo_ray.main(agent_flags(rl_setup, out, agent, "--vllm.num_engines", "2", "--data.max_samples", "4"))
+    train_ppo_ray.main(agent_flags(rl_setup, out, agent, "--vllm.num_engines", "2",
+                                   "--data.max_samples", "4"))
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
     assert len(rows) == 1 and rows[0]["agent/turns_mean"] >= 1.0 and rows[0]["agent/failed"] == 0.0
     stepped_in = {int(p.name) for p in pids.iterdir()}
@@ -128,7 +133,8 @@ class AgentExecutor(OpenAIServerAgentExecutor):
         messages = [{"role": "user", "content": prompt}]
         reply = await client.chat.completions.create(model=session.model, messages=messages)
         answer = reply.choices[0].message.content
-        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Sure? Answer again."}]
+        messages += [{"role": "assistant", "content": answer},
+                     {"role": "user", "content": "Sure? Answer again."}]
         again = await client.chat.completions.create(model=session.model, messages=messages)
         await client.close()
         final = again.choices[0].message.content.strip()
@@ -148,7 +154,8 @@ def test_an_openai_client_agent_trains_through_the_server(rl_setup, tmp_path):
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["agent/turns_mean"] == 2.0 and r["agent/env_tokens"] > 0 for r in rows)
-    assert all(r["agent/failed"] <= 0.1 * 8 for r in rows)  # a re-rendering divergence is counted, never trained
+    # a re-rendering divergence is counted, never trained
+    assert all(r["agent/failed"] <= 0.1 * 8 for r in rows)
 
 
 @pytest.mark.slow
@@ -187,7 +194,8 @@ class AgentExecutor(MultiTurnAgentExecutor):
 '''
 
 
-def test_a_reward_model_scores_episodes_the_environment_leaves_unscored(rl_setup, tiny_score_model_dir, tmp_path):
+def test_a_reward_model_scores_episodes_the_environment_leaves_unscored(rl_setup, tiny_score_model_dir,
+                                                                        tmp_path):
     from posttrain.cli import train_ppo_ray
 
     agent = tmp_path / "unscored.py"
@@ -217,8 +225,8 @@ def test_an_openai_client_agent_runs_inside_a_ray_rollout_engine(rl_setup, tmp_p
 
 # examples/scripts/train_reinforce_baseline_ray_agent_async.sh of OpenRLHF 0.10.2: its flags as the script
 # has them, with our nano model, data and the agent file above; ranks 4 -> 2, one vLLM engine of tp 1 (their
-# 2 x tp 2 over 4 GPUs; a TP-2 engine is tested in test_rl_vllm_tp.py, slow to start here), lengths and batch sizes
-# scaled down. --data.max_len leaves room for the agent's
+# 2 x tp 2 over 4 GPUs; a TP-2 engine is tested in test_rl_vllm_tp.py, slow to start here), lengths and batch
+# sizes scaled down. --data.max_len leaves room for the agent's
 # turns: at 64 most episodes ran out of tokens before their random 0/1 reward, so most groups scored 0, 0 and
 # dynamic filtering (which drops groups whose samples agree) now and then kept none of the 20 it may draw.
 REINFORCE_AGENT_ASYNC = """
@@ -259,12 +267,14 @@ def test_openrlhf_async_agent_script_runs_on_ray(rl_setup, openrlhf_agent, tmp_p
     r = subprocess.run([sys.executable, "-m", "posttrain.cli.train_ppo_ray", *REINFORCE_AGENT_ASYNC,
                         "--actor.model_name_or_path", sft, "--data.prompt_dataset", data,
                         "--train.agent_func_path", openrlhf_agent, "--ckpt.output_dir", out,
-                        "--ckpt.path", tmp_path / "ckpt", "--ckpt.save_steps", "2"],  # 10 > this run's 4 steps
+                        # 10 > this run's 4 steps
+                        "--ckpt.path", tmp_path / "ckpt", "--ckpt.save_steps", "2"],
                        check=False, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "RAY_ADDRESS": ""})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "async RL: rollouts generated up to 1 step(s) ahead of training, partial rollout" in r.stderr
-    assert ("1 rollout engine(s): vllm" if vllm_unavailable() is None else "1 rollout engine(s): hf") in r.stderr
+    assert ("1 rollout engine(s): vllm" if vllm_unavailable() is None
+            else "1 rollout engine(s): hf") in r.stderr
     rows = [x for x in read_metrics(out / "metrics.jsonl") if "reward/mean" in x]
     assert len(rows) == 4
     for x in rows:

@@ -22,7 +22,8 @@ ASYNC = ["--train.async_enable", "--algo.advantage.estimator", "group_norm", "--
 def comparable(rows):
     """Every logged value except wall-clock timings, the async bookkeeping and the bytes synced (none where
     the engine shares the actor's module)."""
-    return [{k: v for k, v in r.items() if not k.startswith(("timing/", "async/", "sync/", "rollout/policy_versions"))
+    return [{k: v for k, v in r.items()
+             if not k.startswith(("timing/", "async/", "sync/", "rollout/policy_versions"))
              and k not in ("time", "elapsed")} for r in rows]
 
 
@@ -96,7 +97,8 @@ def test_a_resume_neither_replays_nor_skips_a_prompt(run_ppo, tmp_path):
 
 @pytest.mark.e2e
 def test_ctrl_c_during_async_training_ends_cleanly(rl_setup, tmp_path):
-    flags = ppo_flags(rl_setup, tmp_path / "run", *ASYNC, "--train.num_episodes", "30", "--ckpt.save_steps", "2")
+    flags = ppo_flags(rl_setup, tmp_path / "run", *ASYNC, "--train.num_episodes", "30",
+                      "--ckpt.save_steps", "2")
     proc = subprocess.Popen([sys.executable, "-m", "posttrain.cli.train_ppo_ray", *map(str, flags)],
                             stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -120,7 +122,8 @@ def test_evaluation_under_async_rl_covers_the_starting_model_and_the_last_step(r
     generation lock); evaluations at steps 0, 2 and 3 (the last), and a best model when one beats step 0."""
     _, data, _ = rl_setup
     out, _ = run_ppo(*ASYNC, "--train.max_steps", "3", "--eval.dataset", data, "--eval.split", "test",
-                     "--eval.steps", "2", "--eval.n_samples_per_prompt", "1", name="async_eval", reward="rising.py")
+                     "--eval.steps", "2", "--eval.n_samples_per_prompt", "1", name="async_eval",
+                     reward="rising.py")
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows if "eval_data_pass1" in r] == [0, 2, 3]
     assert json.loads((out / "best" / "best_metric.json").read_text())["step"] == 3
@@ -140,8 +143,8 @@ def test_oversampling_buffers_groups_and_a_resume_regenerates_them(run_ppo, tmp_
     resumed there trains the same prompts as the uninterrupted one (6 steps of 8 prompts)."""
     import torch
 
-    flags = [*ASYNC, "--rollout.vllm_generate_batch_size", "16", "--ckpt.save_steps", "1", "--ckpt.max_num", "8",
-             "--data.max_samples", "48"]
+    flags = [*ASYNC, "--rollout.vllm_generate_batch_size", "16", "--ckpt.save_steps", "1",
+             "--ckpt.max_num", "8", "--data.max_samples", "48"]
     full, _ = run_ppo(*flags, "--ckpt.path", tmp_path / "ck_full", name="over")
     rows = read_metrics(full / "metrics.jsonl")
     assert [r["rollout/generation_calls"] for r in rows] == [1, 0] * 3

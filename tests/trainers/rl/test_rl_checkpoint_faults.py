@@ -26,7 +26,8 @@ def test_a_checkpoint_folder_held_by_another_run_is_refused(rl_setup, tmp_path, 
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(SystemExit) as e:
-            train_ppo_ray.main(ppo_flags(rl_setup, tmp_path / "mine", "--ckpt.path", ckpt, "--ckpt.load_enable"))
+            train_ppo_ray.main(ppo_flags(rl_setup, tmp_path / "mine", "--ckpt.path", ckpt,
+                                         "--ckpt.load_enable"))
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
@@ -47,7 +48,8 @@ class RunsCode:
 
 def test_resume_rewinds_samples_and_refuses_a_crafted_state_file(rl_setup, tmp_path, capsys):
     out, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    short = ["--train.num_episodes", "1", "--data.max_samples", "32", "--ckpt.save_steps", "2", "--ckpt.max_num", "4"]
+    short = ["--train.num_episodes", "1", "--data.max_samples", "32", "--ckpt.save_steps", "2",
+             "--ckpt.max_num", "4"]
     train_ppo_ray.main(ppo_flags(rl_setup, out, *short))  # 4 steps, checkpoints 2 and 4
     steps = lambda: [json.loads(line)["step"] for line in (out / "samples.jsonl").read_text().splitlines()]
     assert steps() == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4

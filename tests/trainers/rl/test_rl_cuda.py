@@ -51,12 +51,14 @@ def test_a_vision_language_actor_on_the_gpu(tiny_vision_dir, tmp_path, capsys):
     from posttrain.trainers.rl.ppo import RLTrainer
 
     data = write_colour_dataset(tmp_path / "colours", 16, seed=0)
-    flags = ["--actor.model_name_or_path", tiny_vision_dir, "--data.prompt_dataset", data, "--data.input_key", "prompt",
-             "--data.label_key", "answer", "--data.apply_chat_template", "--data.max_images_per_prompt", "1",
-             "--reward.remote_url", "posttrain/rewards/examples/colour_reward.py", "--algo.advantage.estimator",
-             "group_norm", "--rollout.n_samples_per_prompt", "4", "--rollout.batch_size", "4",
-             "--rollout.max_new_tokens", "4", "--train.batch_size", "16", "--train.micro_batch_size", "8",
-             "--rollout.micro_batch_size", "8", "--algo.kl.init_coef", "0", "--actor.freeze_visual_encoder"]
+    flags = ["--actor.model_name_or_path", tiny_vision_dir, "--data.prompt_dataset", data,
+             "--data.input_key", "prompt", "--data.label_key", "answer", "--data.apply_chat_template",
+             "--data.max_images_per_prompt", "1",
+             "--reward.remote_url", "posttrain/rewards/examples/colour_reward.py",
+             "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "4",
+             "--rollout.batch_size", "4", "--rollout.max_new_tokens", "4", "--train.batch_size", "16",
+             "--train.micro_batch_size", "8", "--rollout.micro_batch_size", "8", "--algo.kl.init_coef", "0",
+             "--actor.freeze_visual_encoder"]
     trainer = RLTrainer(parse_config("ppo", [*flags, "--ds.param_dtype", "fp32", "--train.max_steps", "1",
                                              "--ckpt.output_dir", str(tmp_path / "exact")]))
     assert trainer.device.type == "cuda"
@@ -64,8 +66,8 @@ def test_a_vision_language_actor_on_the_gpu(tiny_vision_dir, tmp_path, capsys):
     exp, _ = trainer.experience_maker.make(scored, 0.0)
     mask = exp.action_mask.bool()
     with torch.no_grad():
-        recomputed = trainer.actor.logprobs(exp, trainer.forward_batching).cpu()
+        recomputed = trainer.actor.logprobs(exp, trainer.experience_maker.batching).cpu()
     torch.testing.assert_close(recomputed[mask.cpu()], exp.rollout_logp.cpu()[mask.cpu()], rtol=0, atol=1e-4)
-    trainer.folders.close()
+    trainer.start.folders.close()
     train_ppo_ray.main([*flags, "--train.max_steps", "2", "--ckpt.output_dir", str(tmp_path / "bf16")])
     _finite_steps(tmp_path / "bf16", keys=("actor/policy_loss",))

@@ -15,8 +15,8 @@ pytestmark = pytest.mark.slow
 LORA = ["--ds.lora.rank", "8", "--ds.lora.alpha", "16", "--actor.adam.lr", "5e-3"]
 # the nano model's reward moves within 8 steps only with an adapter on its output head too (in one process the
 # engine samples from the peft module itself: no sync; merged sync refuses a tied head)
-WITH_HEAD = ["--ds.lora.target_modules", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-             "lm_head"]
+WITH_HEAD = ["--ds.lora.target_modules", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+             "down_proj", "lm_head"]
 
 
 def _trainer(rl_setup, out, *extra):
@@ -24,7 +24,8 @@ def _trainer(rl_setup, out, *extra):
     from posttrain.config import parse_config
     from posttrain.trainers.rl.ppo import RLTrainer
 
-    return RLTrainer(parse_config("ppo", [str(f) for f in ppo_flags(rl_setup, out, *LORA, *extra)], device="cpu"))
+    return RLTrainer(parse_config("ppo", [str(f) for f in ppo_flags(rl_setup, out, *LORA, *extra)],
+                                  device="cpu"))
 
 
 def _base(model) -> dict[str, torch.Tensor]:
@@ -36,13 +37,15 @@ def _base(model) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("estimator,extra", [
     ("group_norm", WITH_HEAD),
-    ("gae", ["--critic.adam.lr", "3e-3", "--critic.lr_warmup_ratio", "0"]),  # all-linear (a critic has no lm_head)
+    # all-linear (a critic has no lm_head)
+    ("gae", ["--critic.adam.lr", "3e-3", "--critic.lr_warmup_ratio", "0"]),
 ])
 def test_lora_raises_the_reward_and_leaves_the_base_bit_identical(rl_setup, tmp_path, estimator, extra):
     from posttrain.models import load_causal_lm, load_score_model
 
     out = tmp_path / estimator
-    trainer = _trainer(rl_setup, out, "--algo.advantage.estimator", estimator, "--train.num_episodes", "1", *extra)
+    trainer = _trainer(rl_setup, out, "--algo.advantage.estimator", estimator, "--train.num_episodes", "1",
+                       *extra)
     trainer.fit()
     r = rewards_by_step(out)
     assert len(r) == 8
@@ -80,12 +83,12 @@ def test_reference_is_the_base_with_the_adapter_disabled(rl_setup, tmp_path, one
     scored, _, _ = trainer.produce(0)
     assert trainer.rollout_engine._fast._weight_cache == {}  # fused copies freed: the module trains next
     exp, _ = trainer.experience_maker.make(scored, 0.0)
-    batches = trainer.forward_batching
+    batches = trainer.experience_maker.batching
     separate = Reference(load_causal_lm(rl_setup[0]), 1.0, trainer.device).logprobs(exp, batches)
     adapter_off = trainer.ref.logprobs(exp, batches)
     torch.testing.assert_close(adapter_off, separate, rtol=0, atol=1e-6)
     assert (trainer.actor.logprobs(exp, batches) - adapter_off).abs().max() > 1e-3
-    trainer.folders.close()
+    trainer.start.folders.close()
 
 
 def test_kl_starts_at_zero_and_another_reference_loads_its_own(run_ppo, rl_setup, tmp_path, capsys):
@@ -95,7 +98,8 @@ def test_kl_starts_at_zero_and_another_reference_loads_its_own(run_ppo, rl_setup
 
     out, _ = run_ppo(*LORA, "--algo.kl.init_coef", "0.05", "--train.max_steps", "2", name="kl")
     assert read_metrics(out / "metrics.jsonl")[0]["kl/mean"] == pytest.approx(0.0, abs=1e-6)  # B starts at 0
-    assert "reference model: the actor's base weights with its LoRA adapter disabled" in capsys.readouterr().err
+    assert ("reference model: the actor's base weights with its LoRA adapter disabled"
+            in capsys.readouterr().err)
 
     def cfg(*extra):
         flags = ppo_flags(rl_setup, tmp_path / "cfg", *LORA, "--algo.kl.init_coef", "0.05", *extra)
@@ -113,9 +117,9 @@ def test_resume_from_a_lora_checkpoint_equals_the_uninterrupted_run(run_ppo, tmp
 
     from safetensors.torch import load_file
 
-    flags = [*LORA, "--algo.advantage.estimator", "gae", "--critic.adam.lr", "3e-3", "--critic.lr_warmup_ratio", "0",
-             "--algo.kl.init_coef", "0.01", "--train.enable_ema", "--train.max_steps", "4", "--ckpt.save_steps", "2",
-             "--ckpt.max_num", "4"]
+    flags = [*LORA, "--algo.advantage.estimator", "gae", "--critic.adam.lr", "3e-3",
+             "--critic.lr_warmup_ratio", "0", "--algo.kl.init_coef", "0.01", "--train.enable_ema",
+             "--train.max_steps", "4", "--ckpt.save_steps", "2", "--ckpt.max_num", "4"]
     full, _ = run_ppo(*flags, "--ckpt.path", tmp_path / "ck_full", name="full")
     step2 = tmp_path / "ck_full" / "global_step2"
     weights = torch.load(step2 / "actor" / "model.pt", weights_only=True)
@@ -148,7 +152,8 @@ def test_save_hf_writes_the_adapter_and_the_merged_model(run_ppo, rl_setup):
     from peft import PeftModel
 
     peft = PeftModel.from_pretrained(load_causal_lm(rl_setup[0]), str(out))
-    ids = {"input_ids": torch.tensor([[5, 17, 30, 41, 9]]), "attention_mask": torch.ones(1, 5, dtype=torch.long)}
+    ids = {"input_ids": torch.tensor([[5, 17, 30, 41, 9]]),
+           "attention_mask": torch.ones(1, 5, dtype=torch.long)}
     merged = load_causal_lm(out / "merged")
     torch.testing.assert_close(forward_logits(merged, ids), forward_logits(peft, ids), rtol=0, atol=1e-5)
     lora_combiner.main(["--model_path", str(rl_setup[0]), "--lora_path", str(out), "--output_path",
@@ -171,8 +176,8 @@ def test_async_engine_takes_the_adapter_only(rl_setup, tmp_path, mode):
     (hash-checked at start-up), then the adapter alone after every step (`sync/bytes`), and samples what
     the trainer recomputes."""
     out = tmp_path / mode
-    trainer = _trainer(rl_setup, out, "--train.async_enable", "--train.async_queue_size", "0", "--train.max_steps", "3",
-                       "--vllm.lora_sync", mode)
+    trainer = _trainer(rl_setup, out, "--train.async_enable", "--train.async_queue_size", "0",
+                       "--train.max_steps", "3", "--vllm.lora_sync", mode)
     assert trainer.rollout_engine.lora_sync == mode and not trainer.shares_actor_module
     trainer.fit()
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "rollout/logprob_abs_gap" in r]
@@ -247,7 +252,8 @@ def test_lora_trains_on_multi_turn_agent_episodes(rl_setup, tmp_path):
     assert (out / "adapter_config.json").exists() and (out / "critic" / "adapter_config.json").exists()
     lora_combiner.main(["--model_path", str(rl_setup[0]), "--lora_path", str(out / "critic"), "--output_path",
                         str(tmp_path / "critic_merged"), "--ds.param_dtype", "fp32"])
-    ids = {"input_ids": torch.tensor([[5, 17, 30, 41, 9]]), "attention_mask": torch.ones(1, 5, dtype=torch.long)}
+    ids = {"input_ids": torch.tensor([[5, 17, 30, 41, 9]]),
+           "attention_mask": torch.ones(1, 5, dtype=torch.long)}
     merged = forward_values(load_score_model(tmp_path / "critic_merged"), ids)
     peft = PeftModel.from_pretrained(load_score_model(rl_setup[0], new_head_ok=True), str(out / "critic"))
     torch.testing.assert_close(merged, forward_values(peft, ids), rtol=0, atol=1e-5)

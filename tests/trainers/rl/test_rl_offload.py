@@ -24,10 +24,10 @@ def test_offload_on_a_cpu_leaves_the_models_where_they_are(tiny_model_dir, tiny_
     assert _device_of(ref.model) == _device_of(source.model) == "cpu"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: offload moves a model between GPU "
-                    "and CPU memory")
-def test_offloaded_reference_and_reward_model_wait_in_cpu_memory_and_compute_as_kept_ones(tiny_model_dir,
-                                                                                          tiny_score_model_dir):
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU: offload moves a model between GPU and CPU memory")
+def test_offloaded_reference_and_reward_model_wait_in_cpu_memory_and_compute_as_kept_ones(
+        tiny_model_dir, tiny_score_model_dir):
     cuda = torch.device("cuda", 0)
     tok = load_tokenizer(tiny_model_dir)
     kept_cfg = config(tiny_model_dir, tiny_score_model_dir)
@@ -40,6 +40,6 @@ def test_offloaded_reference_and_reward_model_wait_in_cpu_memory_and_compute_as_
     kept, off = build.build_reward_source(kept_cfg, tok, cuda), build.build_reward_source(off_cfg, tok, cuda)
     assert off.offload and _device_of(off.model) == "cpu" and _device_of(kept.model) == "cuda"
     assert isinstance(off, RewardModelSource)
-    assert torch.allclose(off.score_tokens(SEQUENCES).rewards, kept.score_tokens(SEQUENCES).rewards, atol=1e-6,
-                          rtol=0)
+    assert torch.allclose(off.score_tokens(SEQUENCES).rewards, kept.score_tokens(SEQUENCES).rewards,
+                          atol=1e-6, rtol=0)
     assert _device_of(off.model) == "cpu"

@@ -112,7 +112,7 @@ def test_openrlhf_hybrid_engine_script_sleeps_between_rollouts_and_its_syncs_lan
         assert engines.asleep == {"weights", "kv_cache"} and engines.discarded == (level == 2)
         with trainer._generation_weights():  # the next batch (a rollout after an evaluation): a level-2 sleep
             again = greedy_logprobs(engines)  # since the last sync dropped the weights, so they are synced first
-        trainer.actor.export(tmp_path / "export", trainer.savers)
+        trainer.actor.export(tmp_path / "export", trainer.data.savers)
         exported = greedy_logprobs(fresh_engine(tmp_path / "export"))
         untrained = greedy_logprobs(fresh_engine(rl_setup[0]))
     finally:

@@ -15,8 +15,8 @@ pytestmark = pytest.mark.e2e
 # examples/scripts/train_dapo_ray_hybrid_engine.sh of OpenRLHF 0.10.2 plus the DAPO overlong
 # buffer of its README; paths, model, data and sizes are ours, ranks scaled from 8 to 2 (Ray, CPU ranks). Its
 # engines are real vLLM engines where vLLM runs (the hybrid engine: colocated, asleep between rollouts), 2 of
-# tensor-parallel size 1 for its 1 of size 2 (a TP-2 engine runs here too, tests/trainers/rl/test_rl_vllm_tp.py,
-# but its two worker processes take minutes to start on two cores).
+# tensor-parallel size 1 for its 1 of size 2 (a TP-2 engine runs here too,
+# tests/trainers/rl/test_rl_vllm_tp.py, but its two worker processes take minutes to start on two cores).
 DAPO = """
    --ref.num_nodes 1 --ref.num_gpus_per_node 2 --actor.num_nodes 1 --actor.num_gpus_per_node 2
    --vllm.num_engines 2 --vllm.tensor_parallel_size 1 --train.colocate_all --vllm.gpu_memory_utilization 0.6
@@ -42,7 +42,8 @@ def test_dapo_recipe_runs_on_ray_with_vllm_engines(rl_setup, tmp_path, ray_sessi
     sft, data, rewards = rl_setup
     out = tmp_path / "dapo"
     train_ppo_ray.main([*DAPO, "--actor.model_name_or_path", str(sft), "--data.prompt_dataset", str(data),
-                        "--data.label_key", "answer", "--reward.remote_url", str(rewards / "starts_with_1.py"),
+                        "--data.label_key", "answer",
+                        "--reward.remote_url", str(rewards / "starts_with_1.py"),
                         "--ckpt.output_dir", str(out), "--ckpt.path", str(tmp_path / "ck"),
                         "--train.num_episodes", "1", "--ds.param_dtype", "fp32"])
     if vllm_unavailable() is None:
@@ -62,11 +63,12 @@ def run_cli(*args, env=None, timeout=240):
 
 def ppo_args(rl_setup, out, reward):
     sft, data, rewards = rl_setup
-    return ["ppo", "--actor.model_name_or_path", sft, "--data.prompt_dataset", data, "--data.input_key", "prompt",
-            "--data.label_key", "answer", "--data.apply_chat_template", "--data.max_len", "48",
-            "--reward.remote_url", rewards / reward, "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt",
-            "2", "--rollout.max_new_tokens", "4", "--train.batch_size", "8", "--train.micro_batch_size", "4",
-            "--data.max_samples", "16", "--algo.kl.init_coef", "0", "--ckpt.output_dir", out]
+    return ["ppo", "--actor.model_name_or_path", sft, "--data.prompt_dataset", data,
+            "--data.input_key", "prompt", "--data.label_key", "answer", "--data.apply_chat_template",
+            "--data.max_len", "48", "--reward.remote_url", rewards / reward, "--rollout.batch_size", "4",
+            "--rollout.n_samples_per_prompt", "2", "--rollout.max_new_tokens", "4", "--train.batch_size", "8",
+            "--train.micro_batch_size", "4", "--data.max_samples", "16", "--algo.kl.init_coef", "0",
+            "--ckpt.output_dir", out]
 
 
 def one_error_line(proc) -> str:

@@ -67,7 +67,8 @@ def test_two_reward_servers_share_each_batch(run_ppo, rl_setup):
     _, _, rewards = rl_setup
     first, second = (_Counting(PythonRewardFunction(rewards / "correct.py")) for _ in range(2))
     with in_thread_server(first) as a, in_thread_server(second) as b:
-        out, _ = run_ppo("--reward.remote_url", f"{a}/get_reward,{b}/get_reward", "--train.max_steps", "1", name="two-servers")
+        out, _ = run_ppo("--reward.remote_url", f"{a}/get_reward,{b}/get_reward", "--train.max_steps", "1",
+                         name="two-servers")
     assert first.seen == [16] and second.seen == [16]  # 8 prompts x 4 samples, split in two
     rows = read_metrics(out / "metrics.jsonl")
     assert len(rows) == 1 and "reward/accuracy" in rows[0]  # extra_logs joined over both servers
@@ -87,8 +88,8 @@ def user_error(capsys, run, *args, **kwargs) -> str:
 
 def test_unreachable_server_is_a_clear_error(run_ppo, capsys):
     url = f"http://127.0.0.1:{free_port()}/get_reward"
-    err = user_error(capsys, run_ppo, "--reward.remote_url", url, "--reward.retries", "2", "--reward.timeout", "1",
-                     name="down")
+    err = user_error(capsys, run_ppo, "--reward.remote_url", url, "--reward.retries", "2",
+                     "--reward.timeout", "1", name="down")
     assert "unreachable after 2 attempts" in err
 
 
@@ -101,8 +102,8 @@ def test_bad_reward_values_are_clear_errors(run_ppo, capsys, reward, message):
 def test_reward_failure_mid_run_keeps_checkpoints(run_ppo, capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("POSTTRAIN_TEST_FAIL_AFTER", "3")
     ckpt = tmp_path / "ck"
-    err = user_error(capsys, run_ppo, "--ckpt.path", ckpt, "--ckpt.save_steps", "2", "--train.num_episodes", "1",
-                     reward="raises_late.py", name="crash")
+    err = user_error(capsys, run_ppo, "--ckpt.path", ckpt, "--ckpt.save_steps", "2",
+                     "--train.num_episodes", "1", reward="raises_late.py", name="crash")
     assert "ZeroDivisionError: the grader divided by zero" in err
     valid = CheckpointManager(ckpt).valid_checkpoints()
     assert [s for s, _ in valid] == [2]

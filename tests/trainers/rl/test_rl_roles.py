@@ -60,7 +60,8 @@ def test_actor_fit_state_round_trip_export_and_sync(tiny_model_dir, tmp_path):
 
 
 def test_ema_of_a_checkpoint_without_ema_file_restarts_from_the_resumed_weights(tiny_model_dir, tmp_path):
-    """A checkpoint without the EMA file: the EMA restarts from the resumed weights, never the initial ones."""
+    """A checkpoint without the EMA file: the EMA restarts from the resumed weights, never
+    the initial ones."""
     tok = load_tokenizer(tiny_model_dir)
     a = actor(tiny_model_dir)
     a.fit(experience(tok), settings(3), 0.0, step=0)
@@ -80,7 +81,8 @@ def test_gspo_aggregates_only_its_policy_term_per_sequence(tiny_model_dir):
     def grad(**kw):
         a = actor(tiny_model_dir, ema_beta=None)
         captured = {}
-        a.engine.step = lambda: captured.update({k: p.grad.clone() for k, p in a.model.named_parameters()}) or 0.0
+        a.engine.step = lambda: captured.update({k: p.grad.clone()
+                                                 for k, p in a.model.named_parameters()}) or 0.0
         a.fit(exp, settings(6, entropy_coef=0.1, **kw), 0.0, step=0)
         return captured
 

@@ -32,7 +32,8 @@ def _wait_for_checkpoint(proc: subprocess.Popen, ckpt, log) -> None:
 
 
 def ppo_flags(model, data, reward, out, *extra) -> list[str]:
-    """A nano-model PPO run on the arithmetic prompts with a reward file (as tests/trainers/rl/conftest.py)."""
+    """A nano-model PPO run on the arithmetic prompts with a reward
+    file (as tests/trainers/rl/conftest.py)."""
     return ["--actor.model_name_or_path", model, "--data.prompt_dataset", data, "--data.input_key", "prompt",
             "--data.label_key", "answer", "--data.apply_chat_template", "--data.max_len", "48",
             "--reward.remote_url", reward, "--rollout.batch_size", "8", "--rollout.n_samples_per_prompt", "4",
@@ -57,8 +58,8 @@ def test_sigterm_to_the_process_group_of_a_ray_run_ends_like_sigterm_to_the_cont
     left behind."""
     out = tmp_path / "run"
     flags = ppo_flags(tiny_model_dir, arithmetic_dir, zero_reward, out, "--vllm.num_engines", "1",
-                      "--rollout.engine", "hf", "--algo.advantage.estimator", "group_norm", "--train.num_episodes", "50",
-                      "--ckpt.save_steps", "1", "--ckpt.max_num", "2")
+                      "--rollout.engine", "hf", "--algo.advantage.estimator", "group_norm",
+                      "--train.num_episodes", "50", "--ckpt.save_steps", "1", "--ckpt.max_num", "2")
     log = tmp_path / "run.log"
     with log.open("w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "posttrain.cli.main", "ppo", *map(str, flags)],
@@ -84,8 +85,8 @@ def test_sigterm_to_the_process_group_of_a_ray_run_ends_like_sigterm_to_the_cont
     assert alive == [], f"processes of the run left: {[p.cmdline()[:3] for p in alive]}"
 
 
-def test_a_fresh_start_under_load_enable_starts_the_samples_file_over(tiny_model_dir, arithmetic_dir, zero_reward,
-                                                                      tmp_path):
+def test_a_fresh_start_under_load_enable_starts_the_samples_file_over(tiny_model_dir, arithmetic_dir,
+                                                                      zero_reward, tmp_path):
     """--ckpt.load_enable with no checkpoint to resume: the run starts fresh, and so do samples.jsonl and
     metrics.jsonl (rows an earlier run left there are not continued)."""
     out = tmp_path / "run"
@@ -96,7 +97,8 @@ def test_a_fresh_start_under_load_enable_starts_the_samples_file_over(tiny_model
     flags = ppo_flags(tiny_model_dir, arithmetic_dir, zero_reward, out, "--data.max_samples", "8",
                       "--train.num_episodes", "1", "--ckpt.load_enable")
     proc = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "ppo", *map(str, flags)], check=False,
-                          capture_output=True, text=True, timeout=DEADLINE_S, env={**os.environ, "RAY_ADDRESS": ""})
+                          capture_output=True, text=True, timeout=DEADLINE_S,
+                          env={**os.environ, "RAY_ADDRESS": ""})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "no valid checkpoint" in proc.stderr and "starting fresh" in proc.stderr
     samples = read_metrics(out / "samples.jsonl")

@@ -21,10 +21,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def settings(batch_size, max_epochs=1, **kw) -> UpdateSettings:
-    base = dict(batch_size=batch_size, batching=Batching(8), max_epochs=max_epochs, loss_agg="token_mean", max_len=8,
-                eps_low=0.2, eps_high=0.2, dual_clip=None, policy_loss_type="ppo", entropy_coef=None,
-                kl_use_loss=False, kl_estimator="k1", is_correction=None, is_threshold=(0.5, 5.0), value_clip=None,
-                seed=0)
+    base = dict(batch_size=batch_size, batching=Batching(8), max_epochs=max_epochs, loss_agg="token_mean",
+                max_len=8, eps_low=0.2, eps_high=0.2, dual_clip=None, policy_loss_type="ppo",
+                entropy_coef=None, kl_use_loss=False, kl_estimator="k1", is_correction=None,
+                is_threshold=(0.5, 5.0), value_clip=None, seed=0)
     base.update(kw)
     return UpdateSettings(**base)
 
@@ -39,7 +39,7 @@ def test_every_kept_row_trains(rows, batch, expected):
         assert sorted(np.concatenate(epoch).tolist()) == list(range(rows))
 
 
-# ---- executor: budgets and reward inputs --------------------------------------------------------------------
+# ---- executor: budgets and reward inputs -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def nano(tiny_model_dir):
     return load_causal_lm(tiny_model_dir), load_tokenizer(tiny_model_dir)
@@ -186,8 +186,8 @@ def test_packed_and_dynamic_batches_equal_padded(tiny_model_dir, tiny_score_mode
     torch.testing.assert_close(lp_p * mask, lp * mask, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent_p * mask, ent * mask, atol=1e-5, rtol=0)
     critic = load_score_model(tiny_score_model_dir)
-    torch.testing.assert_close(value_forward(critic, exp, packed=True) * mask, value_forward(critic, exp) * mask,
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(value_forward(critic, exp, packed=True) * mask,
+                               value_forward(critic, exp) * mask, atol=1e-5, rtol=0)
 
     def grads(batching):
         m = load_causal_lm(tiny_model_dir)
@@ -195,7 +195,8 @@ def test_packed_and_dynamic_batches_equal_padded(tiny_model_dir, tiny_score_mode
         engine.lr = 0.0  # keep the weights: compare the gradient of the same loss
         captured = {}
         engine.step = lambda: captured.update({k: p.grad.clone() for k, p in m.named_parameters()}) or 0.0
-        update_actor(Actor(m, engine, 0.7, torch.device("cpu")), exp, settings(7, batching=batching), 0.0, step=0)
+        update_actor(Actor(m, engine, 0.7, torch.device("cpu")), exp, settings(7, batching=batching), 0.0,
+                     step=0)
         return captured
 
     base = grads(Batching(7))
@@ -208,7 +209,8 @@ def test_packed_and_dynamic_batches_equal_padded(tiny_model_dir, tiny_score_mode
 
 @pytest.mark.parametrize("layout,ring,tp", [((), 1, 1), (("--ds.ring_attn_size", "2"), 2, 1),
                                              (("--ds.tensor_parallel_size", "2"), 1, 2),
-                                             (("--ds.ring_attn_size", "2", "--ds.tensor_parallel_size", "2"), 2, 2)])
+                                             (("--ds.ring_attn_size", "2", "--ds.tensor_parallel_size", "2"),
+                                              2, 2)])
 def test_max_tokens_per_gpu_is_per_gpu_of_a_ring_or_tensor_parallel_group(layout, ring, tp):
     """--train / --rollout.max_tokens_per_gpu are budgets per GPU (as OpenRLHF): the micro-batches of the
     training and of the experience-making forwards hold up to budget x ring x TP tokens, the GPUs of the group
@@ -218,9 +220,10 @@ def test_max_tokens_per_gpu_is_per_gpu_of_a_ring_or_tensor_parallel_group(layout
     from posttrain.rollout.single_turn import ScoredRollouts
     from posttrain.trainers.rl.experience_maker import ExperienceMaker
 
-    flags = ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "p.jsonl", "--reward.remote_url", "r.py",
-             "--ds.packing_samples", "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "20",
-             "--rollout.max_tokens_per_gpu", "10", "--data.max_len", "16", *layout]
+    flags = ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "p.jsonl",
+             "--reward.remote_url", "r.py", "--ds.packing_samples", "--train.dynamic_batch_enable",
+             "--train.max_tokens_per_gpu", "20", "--rollout.max_tokens_per_gpu", "10", "--data.max_len", "16",
+             *layout]
     for role in ("actor", "ref", "critic"):
         flags += [f"--{role}.num_gpus_per_node", "4"]
     cfg = parse_config("ppo", flags, device="cpu")
@@ -297,13 +300,14 @@ def _trl_maker(*flags):
     cfg = parse_config("ppo", ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "p.jsonl",
                                "--reward.remote_url", "r.py", "--rollout.batch_size", "2",
                                "--rollout.n_samples_per_prompt", "2", "--train.batch_size", "4",
-                               "--algo.advantage.estimator", "rloo", "--algo.kl.init_coef", "0", *flags], device="cpu")
+                               "--algo.advantage.estimator", "rloo", "--algo.kl.init_coef", "0", *flags],
+                       device="cpu")
     return ExperienceMaker(cfg, None, None, None, Batching(4), pad_id=0)
 
 
 @pytest.mark.parametrize("flags,expected", [
-    # rewards [1, 2, 2, -1] (after the penalty): mean 1, unbiased std sqrt(2) -> [0, a, a, -2a], a = 1/sqrt(2);
-    # rloo with n = 2: [-a, a, 3a, -3a]
+    # rewards [1, 2, 2, -1] (after the penalty): mean 1, unbiased std sqrt(2) -> [0, a, a, -2a], a =
+    # 1/sqrt(2); rloo with n = 2: [-a, a, 3a, -3a]
     ((), [-0.5 ** 0.5, 0.5 ** 0.5, 3 * 0.5 ** 0.5, -3 * 0.5 ** 0.5]),
     (("--reward.batch_normalize_clip", "1"), [-0.5 ** 0.5, 0.5 ** 0.5, 0.5 ** 0.5 + 1, -0.5 ** 0.5 - 1]),
     # sequence whitening of [-1, 1, 3, -3]·a: mean 0, unbiased std sqrt(20/3)·a

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
     ("dr_grpo", ["--actor.loss_agg", "seq_sum_norm"]),
     ("rloo", []),
     ("reinforce_baseline", []),
-    ("reinforce", ["--rollout.n_samples_per_prompt", "1", "--rollout.batch_size", "32", "--data.max_samples", "256"]),
+    ("reinforce",
+     ["--rollout.n_samples_per_prompt", "1", "--rollout.batch_size", "32", "--data.max_samples", "256"]),
     ("gae", ["--critic.adam.lr", "3e-3", "--critic.lr_warmup_ratio", "0"]),
 ])
 def test_each_estimator_raises_the_reward(run_ppo, estimator, extra):
@@ -139,7 +140,8 @@ def test_trl_rloo_flags_train(run_ppo):
     assert len(rows) == 8
     for row in rows:
         assert row["shaping/penalised_frac"] == pytest.approx(row["response/truncated_frac"])
-        assert row["reward/mean"] == pytest.approx(row["score/mean"] - 0.5 * row["response/truncated_frac"], abs=1e-6)
+        assert row["reward/mean"] == pytest.approx(row["score/mean"] - 0.5 * row["response/truncated_frac"],
+                                                   abs=1e-6)
     assert 0 < sum(r["response/truncated_frac"] for r in rows) < len(rows)
     scores = [r["score/mean"] for r in rows]
     assert sum(scores[-2:]) / 2 > sum(scores[:2]) / 2 + 0.15, scores
@@ -229,7 +231,8 @@ def test_different_seed_gives_different_rollouts(run_ppo):
     b, _ = run_ppo(*short, "--train.seed", "2", name="s2")
     c, _ = run_ppo(*short, "--train.seed", "1", name="s1_again")
     samples = lambda d: (d / "samples.jsonl").read_text()
-    assert [json.loads(line)["step"] for line in samples(a).splitlines()] == [1] * 4 + [2] * 4  # 4 logged per step
+    # 4 logged per step
+    assert [json.loads(line)["step"] for line in samples(a).splitlines()] == [1] * 4 + [2] * 4
     assert samples(a) == samples(c)
     assert samples(a) != samples(b)
 
@@ -241,5 +244,6 @@ def test_one_process_says_which_engine_samples_and_why(run_ppo, capsys):
     lines = [line for line in capsys.readouterr().err.splitlines() if "rollout engine: " in line]
     assert len(lines) == 1, lines
     assert "posttrain's HF engine, over the actor's own module: no second copy of the weights" in lines[0]
-    assert "one process does not run vLLM" in lines[0] and "--vllm.num_engines N runs vLLM engines on Ray" in lines[0]
+    assert ("one process does not run vLLM" in lines[0] and "--vllm.num_engines N runs vLLM engines on "
+                                                            "Ray" in lines[0])
 

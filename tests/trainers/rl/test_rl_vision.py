@@ -22,13 +22,14 @@ def colours(tmp_path_factory):
 
 
 def _flags(model, data, out, *extra):
-    return ["--actor.model_name_or_path", str(model), "--data.prompt_dataset", str(data), "--data.input_key", "prompt",
-            "--data.label_key", "answer", "--data.apply_chat_template", "--data.max_images_per_prompt", "1",
-            "--reward.remote_url", REWARD, "--algo.advantage.estimator", "group_norm",
-            "--rollout.n_samples_per_prompt", "4", "--rollout.batch_size", "4", "--rollout.max_new_tokens", "4",
-            "--rollout.micro_batch_size", "8", "--train.batch_size", "16", "--train.micro_batch_size", "8",
-            "--actor.adam.lr", "1e-3", "--actor.lr_warmup_ratio", "0", "--algo.kl.init_coef", "0",
-            "--ckpt.output_dir", str(out), *map(str, extra)]
+    return ["--actor.model_name_or_path", str(model), "--data.prompt_dataset", str(data),
+            "--data.input_key", "prompt", "--data.label_key", "answer", "--data.apply_chat_template",
+            "--data.max_images_per_prompt", "1", "--reward.remote_url", REWARD,
+            "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "4",
+            "--rollout.batch_size", "4", "--rollout.max_new_tokens", "4", "--rollout.micro_batch_size", "8",
+            "--train.batch_size", "16", "--train.micro_batch_size", "8", "--actor.adam.lr", "1e-3",
+            "--actor.lr_warmup_ratio", "0", "--algo.kl.init_coef", "0", "--ckpt.output_dir", str(out),
+            *map(str, extra)]
 
 
 def _trainer(*flags):
@@ -38,33 +39,38 @@ def _trainer(*flags):
     return RLTrainer(parse_config("ppo", list(flags), device="cpu"))
 
 
-def test_the_trainers_log_probs_equal_the_sampling_ones_and_the_image_matters(tiny_vision_dir, colours, tmp_path,
+def test_the_trainers_log_probs_equal_the_sampling_ones_and_the_image_matters(tiny_vision_dir, colours,
+                                                                              tmp_path,
                                                                                 one_torch_thread):
     trainer = _trainer(*_flags(tiny_vision_dir, colours, tmp_path / "o", "--train.max_steps", "1"))
     scored, _, _ = trainer.produce(0)
     exp, _ = trainer.experience_maker.make(scored, 0.0)
     assert exp.image_inputs is not None and all(im is not None for im in exp.image_inputs)
     mask = exp.action_mask.bool()
+    batching = trainer.experience_maker.batching
     with torch.no_grad():
-        recomputed = trainer.actor.logprobs(exp, trainer.forward_batching)
+        recomputed = trainer.actor.logprobs(exp, batching)
         torch.testing.assert_close(recomputed[mask], exp.rollout_logp[mask], rtol=0, atol=1e-5)
         other = [{**im, "pixel_values": im["pixel_values"][::-1].copy()} for im in exp.image_inputs]
         exp.image_inputs = other  # the same tokens with other pixels: other log-probs
-        assert (trainer.actor.logprobs(exp, trainer.forward_batching)[mask] - recomputed[mask]).abs().max() > 1e-4
+        assert (trainer.actor.logprobs(exp, batching)[mask] - recomputed[mask]).abs().max() > 1e-4
     # the reward function reads the response after the prompt text, which is the decoded (expanded) prompt
     r = scored.rollouts[0]
     assert r.prompt_text.count("<|image_pad|>") == 4
-    trainer.folders.close()
+    trainer.start.folders.close()
 
 
-def test_freeze_visual_encoder_trains_the_language_model_only(tiny_vision_dir, colours, tmp_path, run_ppo_cli):
+def test_freeze_visual_encoder_trains_the_language_model_only(tiny_vision_dir, colours, tmp_path,
+                                                              run_ppo_cli):
     spread = tmp_path / "spread.py"  # a reward with spread inside a group from a random-init policy
     spread.write_text("import torch\n\ndef reward_func(queries, prompts, labels, **kw):\n"
                       "    return torch.tensor([float(len(q) % 2) for q in queries])\n")
-    flags = _flags(tiny_vision_dir, colours, tmp_path / "o", "--train.max_steps", "2", "--actor.freeze_visual_encoder")
+    flags = _flags(tiny_vision_dir, colours, tmp_path / "o", "--train.max_steps", "2",
+                   "--actor.freeze_visual_encoder")
     flags[flags.index(REWARD)] = str(spread)
     out = run_ppo_cli(flags)
-    before, after = load_file(f"{tiny_vision_dir}/model.safetensors"), load_file(str(out / "model.safetensors"))
+    before, after = (load_file(f"{tiny_vision_dir}/model.safetensors"),
+                     load_file(str(out / "model.safetensors")))
     vision = [k for k in before if "visual." in k]  # the checkpoint's own names: visual.* and model.*
     language = [k for k in before if "visual." not in k]
     assert vision and language
@@ -78,7 +84,8 @@ def test_freeze_visual_encoder_trains_the_language_model_only(tiny_vision_dir, c
     (["--train.async_enable"], "--train.async_enable is not available with one"),
     (["--ds.packing_samples"], "--ds.packing_samples: not supported with images"),
 ])
-def test_what_this_version_does_not_run_with_a_vlm_is_one_line(tiny_vision_dir, colours, tmp_path, capsys, extra,
+def test_what_this_version_does_not_run_with_a_vlm_is_one_line(tiny_vision_dir, colours, tmp_path, capsys,
+                                                               extra,
                                                                  message):
     import re
 
@@ -118,8 +125,9 @@ VLM_HYBRID = """
    --algo.advantage.estimator reinforce_baseline --ckpt.save_hf --eval.steps -1
    --train.micro_batch_size 1 --rollout.micro_batch_size 1 --train.batch_size 16 --rollout.batch_size 4
    --rollout.n_samples_per_prompt 4 --train.num_episodes 1 --data.max_len 64 --rollout.max_new_tokens 4
-   --ds.zero_stage 3 --ds.param_dtype fp32 --actor.adam.lr 2e-3 --data.input_key prompt --data.label_key answer
-   --data.image_key images --data.max_images_per_prompt 1 --actor.freeze_visual_encoder --data.apply_chat_template
+   --ds.zero_stage 3 --ds.param_dtype fp32 --actor.adam.lr 2e-3 --data.input_key prompt
+   --data.label_key answer --data.image_key images --data.max_images_per_prompt 1
+   --actor.freeze_visual_encoder --data.apply_chat_template
    --actor.gradient_checkpointing_enable --ds.attn_implementation eager --vllm.sync_backend nccl
    --vllm.enforce_eager --vllm.enable_sleep --ds.enable_sleep --train.max_steps 2 --rollout.engine hf
 """.split()  # the HF engine: the test compares the Ray run's samples with the in-process run's
@@ -138,7 +146,8 @@ def test_openrlhf_vlm_script_on_ray_equals_one_process(tiny_vision_dir, colours,
     train_ppo_ray.main([*base, *one, "--ckpt.output_dir", str(tmp_path / "local")])
     train_ppo_ray.main([*base, "--ckpt.output_dir", str(tmp_path / "ray")])
     local, ray_run = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("local", "ray"))
-    rewards = [[r["reward/mean"] for r in read_metrics(tmp_path / d / "metrics.jsonl")] for d in ("local", "ray")]
+    rewards = [[r["reward/mean"] for r in read_metrics(tmp_path / d / "metrics.jsonl")]
+               for d in ("local", "ray")]
     assert rewards[0] == pytest.approx(rewards[1], abs=1e-6) and len(rewards[0]) == 2  # the same samples
     # equal up to rounding (rounding.py): 2 steps of one optimizer step each at the script's lr 2e-3
     norms = [r["actor/grad_norm"] for r in read_metrics(tmp_path / "local" / "metrics.jsonl")

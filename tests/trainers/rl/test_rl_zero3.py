@@ -4,7 +4,8 @@ what the sharded roles compute equals the same roles built whole in this process
 log-probs and the reward model's scores with ranks that run different numbers of forwards (one rank
 with nothing to score), the LoRA actor's weights (base and freshly initialised adapters) and log-probs;
 and log-probs in row chunks on one rank and whole on the other equal the whole computation.
-The whole PPO run on Ray under ZeRO-3 is `test_rl_ray.py::test_openrlhf_ppo_hybrid_script_equals_one_process_and_resumes`."""
+The whole PPO run on Ray under
+ZeRO-3 is `test_rl_ray.py::test_openrlhf_ppo_hybrid_script_equals_one_process_and_resumes`."""
 import os
 import shutil
 import socket
@@ -36,10 +37,13 @@ def sharded(tiny_model_dir, tiny_score_model_dir, tmp_path_factory):
     with socket.socket() as sock:  # torchrun's --master_port 0 does not reach the workers' rendezvous
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")])))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
-           os.path.join(HERE, "zero3_roles_worker.py"), str(out), tiny_model_dir, tiny_score_model_dir, str(value_head)]
+           os.path.join(HERE, "zero3_roles_worker.py"), str(out), tiny_model_dir, tiny_score_model_dir,
+           str(value_head)]
     proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return torch.load(out, weights_only=False)
@@ -57,7 +61,8 @@ def test_lora_actor_loads_sharded_and_equals_the_whole_actor(sharded, tiny_model
     DeepSpeed partitions them at initialisation: the gathered weights equal the whole actor's exactly."""
     _each_rank_holds_a_shard([r["actor_lora"]["held"] for r in sharded])
     tok = load_tokenizer(tiny_model_dir)
-    whole = build.build_actor(config(tiny_model_dir, tiny_score_model_dir, *LORA), tok, torch.device("cpu"), 4)
+    whole = build.build_actor(config(tiny_model_dir, tiny_score_model_dir, *LORA), tok, torch.device("cpu"),
+                              4)
     assert sharded[0]["actor_lora"]["peft"] and whole.peft
     assert sharded[0]["actor_lora"]["tied"] == []  # partitioned weights share one empty `data`: not tied
     state = whole.model.state_dict()
@@ -69,7 +74,8 @@ def test_lora_actor_loads_sharded_and_equals_the_whole_actor(sharded, tiny_model
         assert torch.allclose(sharded[rank]["actor_lora"]["logprobs"], expected, atol=1e-6, rtol=0)
 
 
-def test_reference_is_held_as_shards_and_equals_the_whole_model(sharded, tiny_model_dir, tiny_score_model_dir):
+def test_reference_is_held_as_shards_and_equals_the_whole_model(sharded, tiny_model_dir,
+                                                                tiny_score_model_dir):
     assert [r["ref"]["engine"] for r in sharded] == ["FrozenShards", "FrozenShards"]
     _each_rank_holds_a_shard([r["ref"]["held"] for r in sharded])
     tok = load_tokenizer(tiny_model_dir)

@@ -44,7 +44,8 @@ def grouped_experience(tok, seed=0):
 
 @pytest.fixture(scope="module")
 def models(tiny_model_dir, tiny_score_model_dir):
-    return load_causal_lm(tiny_model_dir), load_score_model(tiny_score_model_dir), load_tokenizer(tiny_model_dir)
+    return (load_causal_lm(tiny_model_dir), load_score_model(tiny_score_model_dir),
+            load_tokenizer(tiny_model_dir))
 
 
 def test_a_group_computes_its_prompt_once(models):
@@ -77,6 +78,38 @@ def test_outputs_equal_the_padded_computation(models, layout):
     torch.testing.assert_close(value_forward(critic, exp, **layout) * mask, value_forward(critic, exp) * mask,
                                atol=1e-5, rtol=0)
     assert float(mask.sum()) > 30 and bool((lp * mask).abs().sum() > 0)
+
+
+def test_a_context_parallel_group_of_one_rank_equals_the_packed_computation(tiny_model_dir,
+                                                                             tiny_score_model_dir, models,
+                                                                             tmp_path):
+    """`context`: the row packed, this rank's slice run by `models.forward` over its group with the
+    context-parallel attention, the per-token outputs gathered (the group here: one rank, so its slice is the
+    row; two ranks run in test_rl_ray.py)."""
+    import torch.distributed as dist
+
+    from posttrain.models.context_parallel import register
+    from posttrain.models.parallel_groups import ContextGroups
+
+    model, critic, tok = models
+    exp = grouped_experience(tok)
+    mask = exp.action_mask
+    ring, ring_critic = load_causal_lm(tiny_model_dir), load_score_model(tiny_score_model_dir)
+    for m in (ring, ring_critic):
+        m.set_attn_implementation(register())
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        context = ContextGroups(1, 0, dist.group.WORLD, 0, 1, head_stride=1)
+        lp, ent = policy_forward(model, exp, 0.7, with_entropy=True, packed=True)
+        lp_c, ent_c = policy_forward(ring, exp, 0.7, with_entropy=True, context=context)
+        values = value_forward(critic, exp, packed=True)
+        values_c = value_forward(ring_critic, exp, context=context)
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(lp_c * mask, lp * mask, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent_c * mask, ent * mask, atol=1e-5, rtol=0)
+    torch.testing.assert_close(values_c * mask, values * mask, atol=1e-5, rtol=0)
+    assert bool((values * mask).abs().sum() > 0)
 
 
 def test_only_read_columns_are_computed(models):
@@ -193,9 +226,9 @@ def test_router_loss_equals_the_padded_one(moe_dirs, models, layout, role):
 
 
 def test_moe_training_step_equals_the_unshared_one(moe_dirs, tmp_path):
-    """`posttrain ppo` with a MoE actor and --actor.aux_loss_coef: one step with the shared prefix (default) and
-    with --ds.no_shared_prefix logs the same router loss, gradient norm and policy loss (one micro-batch per
-    step, so both hold the same rows)."""
+    """`posttrain ppo` with a MoE actor and --actor.aux_loss_coef: one step with the shared prefix (default)
+    and with --ds.no_shared_prefix logs the same router loss, gradient norm and policy loss (one micro-batch
+    per step, so both hold the same rows)."""
     from posttrain.cli import train_ppo_ray
     from posttrain.data.synthetic import make_arithmetic_rows, write_jsonl
     from posttrain.utils.metrics import read_metrics
@@ -203,15 +236,17 @@ def test_moe_training_step_equals_the_unshared_one(moe_dirs, tmp_path):
     write_jsonl(make_arithmetic_rows(8, seed=11, difficulty=0), tmp_path / "data" / "train.jsonl")
     reward = tmp_path / "varied.py"
     reward.write_text("import torch\n\ndef reward_func(queries, prompts, labels, **kwargs):\n"
-                      "    return {'rewards': torch.tensor([len(set(q[len(p):])) / 8 for q, p in zip(queries, prompts)])}\n")
+                      "    return {'rewards': torch.tensor([len(set(q[len(p):])) / 8 for q, p in "
+                      "zip(queries, prompts)])}\n")
 
     def run(name, *extra):
         train_ppo_ray.main([
             "--actor.model_name_or_path", moe_dirs[0], "--data.prompt_dataset", str(tmp_path / "data"),
             "--data.input_key", "prompt", "--data.apply_chat_template", "--data.max_len", "48",
-            "--reward.remote_url", str(reward), "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4",
-            "--rollout.max_new_tokens", "4", "--rollout.micro_batch_size", "16", "--train.batch_size", "16",
-            "--train.micro_batch_size", "16", "--data.max_samples", "4", "--actor.aux_loss_coef", "0.01",
+            "--reward.remote_url", str(reward), "--rollout.batch_size", "4",
+            "--rollout.n_samples_per_prompt", "4", "--rollout.max_new_tokens", "4",
+            "--rollout.micro_batch_size", "16", "--train.batch_size", "16", "--train.micro_batch_size", "16",
+            "--data.max_samples", "4", "--actor.aux_loss_coef", "0.01",
             "--ckpt.output_dir", str(tmp_path / name), *extra])
         (metrics,) = read_metrics(tmp_path / name / "metrics.jsonl")
         return metrics
@@ -231,7 +266,8 @@ def test_gathered_logprobs_equal_token_logprobs():
     torch.testing.assert_close(gathered_logprobs(logits, index, labels, 0.6), expected)
     # hand-computed: log softmax([0, ln 3])[1] = ln(3/4)
     two = torch.tensor([[0.0, float(torch.log(torch.tensor(3.0)))]])
-    assert float(gathered_logprobs(two, torch.tensor([0]), torch.tensor([1]))) == pytest.approx(-0.2876821, abs=1e-6)
+    assert (float(gathered_logprobs(two, torch.tensor([0]), torch.tensor([1])))
+            == pytest.approx(-0.2876821, abs=1e-6))
     with pytest.raises(ValueError, match="token ids in"):
         gathered_logprobs(logits, index, labels + 5)
 
@@ -263,7 +299,8 @@ def test_log_probs_in_row_chunks_equal_the_whole_logits(models, layout, monkeypa
 
 
 
-@pytest.mark.parametrize("estimator", ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"])
+@pytest.mark.parametrize("estimator",
+                         ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"])
 def test_training_step_equals_the_unshared_one(run_ppo, estimator):
     """One RL step (two passes over the rollout, so the old log-probs are a forward of their own, a
     reference model and a KL penalty in the reward, the critic for GAE) with the shared prefix (default)

@@ -22,8 +22,9 @@ def test_trl_rloo_yaml_runs_end_to_end(rl_setup, tmp_path, capsys):
            "sft_model_path": str(sft), "output_dir": str(out), "learning_rate": "2e-3", "rloo_k": 4,
            "num_ppo_epochs": 1, "num_mini_batches": 1, "per_device_train_batch_size": 16,
            "gradient_accumulation_steps": 2, "total_episodes": 96, "response_length": 4, "stop_token": "eos",
-           "missing_eos_penalty": 1.0, "kl_coef": 0.01, "temperature": 1.0, "local_rollout_forward_batch_size": 16,
-           "seed": 1, "report_to": "none", "whiten_rewards": False, "bf16": True}
+           "missing_eos_penalty": 1.0, "kl_coef": 0.01, "temperature": 1.0,
+           "local_rollout_forward_batch_size": 16, "seed": 1, "report_to": "none", "whiten_rewards": False,
+           "bf16": True}
     path = tmp_path / "rloo.yaml"
     path.write_text(yaml.safe_dump(trl))
     extra = ["--reward.remote_url", str(rewards / "starts_with_1.py"), "--data.label_key", "answer"]

@@ -47,8 +47,8 @@ CHUNK_ROWS = 3  # rows of logits per chunk: rank 0's micro-batches have 6 and 10
 
 def config(policy: str, rm: str, *extra: str):
     return parse_config("ppo", ["--actor.model_name_or_path", policy, "--reward.model_name_or_path", rm,
-                                "--data.prompt_dataset", policy, "--ds.zero_stage", "3", "--ds.param_dtype", "fp32",
-                                *extra], check=False)
+                                "--data.prompt_dataset", policy, "--ds.zero_stage", "3",
+                                "--ds.param_dtype", "fp32", *extra], check=False)
 
 
 def experience(rows: list[list[int]], pad_id: int) -> Experience:
@@ -109,8 +109,10 @@ def main():
     actor = build.build_actor(config(policy, rm, *LORA), tok, device, 4, zero_stage=3)
     from posttrain.models import tied_lora_layers
 
-    results["actor_lora"] = {"held": actor.loaded_numel, "peft": actor.peft, "tied": tied_lora_layers(actor.model),
-                             "logprobs": actor.logprobs(experience(ROWS["actor"][rank], tok.pad_token_id), BATCHES),
+    results["actor_lora"] = {"held": actor.loaded_numel, "peft": actor.peft,
+                             "tied": tied_lora_layers(actor.model),
+                             "logprobs": actor.logprobs(experience(ROWS["actor"][rank], tok.pad_token_id),
+                                                        BATCHES),
                              "weights": actor.engine.full_state_dict()}  # rank 0: every weight, adapters too
     del actor
 

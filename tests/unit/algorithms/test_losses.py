@@ -89,7 +89,8 @@ def test_gspo_sequence_ratio():
     logp = t([[0.1, 0.3], [0.1, 5.0]]).requires_grad_()
     mask = torch.tensor([[1, 1], [1, 0]])
     adv = t([[1.0, 1.0], [2.0, 2.0]])
-    loss, metrics = policy_loss(logp, torch.zeros(2, 2), adv, mask, loss_type="gspo", agg="seq_mean_token_mean")
+    loss, metrics = policy_loss(logp, torch.zeros(2, 2), adv, mask, loss_type="gspo",
+                                agg="seq_mean_token_mean")
     # row 0: s = e^0.2 = 1.2214 clipped to 1.2 -> -1.2 ; row 1: s = e^0.1 -> -2 e^0.1
     assert loss.item() == pytest.approx((-1.2 - 2 * math.exp(0.1)) / 2)
     assert metrics["clip_ratio"].item() == pytest.approx(2 / 3)
@@ -148,7 +149,8 @@ def _batch(seed=0, b=6, a=5):
 def _grad(rows_per_part, mode, logp0, old, adv, mask, trim=True, loss_type="ppo"):
     """Sum of gradients of per-part losses with global counts; each part trimmed to its own width."""
     logp = logp0.clone().requires_grad_()
-    counts = {"num_tokens": int(mask.sum()), "num_seqs": int((mask.sum(1) > 0).sum()), "max_len": mask.shape[1]}
+    counts = {"num_tokens": int(mask.sum()), "num_seqs": int((mask.sum(1) > 0).sum()),
+              "max_len": mask.shape[1]}
     for rows in rows_per_part:
         m = mask[rows]
         width = int(m.nonzero()[:, 1].max()) + 1 if trim and m.any() else m.shape[1]
@@ -207,7 +209,8 @@ def test_padding_changes_no_loss_or_metric(mode):
 
 # --- value loss --------------------------------------------------------------------------------------------
 def test_value_loss_hand_values():
-    v, old, g, mask = t([[1.0, 2.0, 50.0]]), t([[0.5, 2.0, 0.0]]), t([[2.0, 1.0, 0.0]]), torch.tensor([[1, 1, 0]])
+    v, old, g, mask = (t([[1.0, 2.0, 50.0]]), t([[0.5, 2.0, 0.0]]), t([[2.0, 1.0, 0.0]]),
+                       torch.tensor([[1, 1, 0]]))
     # clip 0.2: pos 0 max((0.7-2)², (1-2)²) = 1.69 ; pos 1: max(1, 1) = 1
     loss, stats = value_loss_with_stats(v, old, g, mask, clip=0.2)
     assert loss.item() == pytest.approx(0.5 * (1.69 + 1.0) / 2)
@@ -218,7 +221,7 @@ def test_value_loss_hand_values():
     close(vv.grad, t([[0.0, 0.5, 0.0]]))  # pos 0: clipped term chosen -> no gradient; pos 1: 0.5·2·1/2
 
 
-# --- entropy / log-probs -------------------------------------------------------------------------------------
+# --- entropy / log-probs ------------------------------------------------------------------------------------
 def test_entropy_hand_values():
     h = 0.25 * LN(4) + 0.75 * LN(4 / 3)  # p = [1/4, 3/4]
     logits = t([[0.0, 0.0], [0.0, LN(3)]])
@@ -260,10 +263,13 @@ def test_low_precision_inputs_computed_in_float32():
 
 
 def test_token_mean_over_two_micro_batches_is_the_steps_token_mean_not_the_mean_of_means():
-    """docs/algorithms.md's worked example: one token with loss 1, then three with loss 3 (4 tokens in the step)."""
+    """docs/algorithms.md's worked example: one token with loss 1, then three with loss 3 (4 tokens
+    in the step)."""
     first, second = torch.tensor([[1.0, 0.0, 0.0]]), torch.tensor([[3.0, 3.0, 3.0]])
     m1, m2 = torch.tensor([[1.0, 0.0, 0.0]]), torch.ones(1, 3)
-    step = aggregate(first, m1, "token_mean", num_tokens=4) + aggregate(second, m2, "token_mean", num_tokens=4)
+    step = (aggregate(first, m1, "token_mean", num_tokens=4)
+            + aggregate(second, m2, "token_mean", num_tokens=4))
     assert step.item() == pytest.approx(2.5)
-    per_micro_batch = (aggregate(first, m1, "token_mean") + aggregate(second, m2, "token_mean")) / 2  # OpenRLHF 0.10.2
+    # OpenRLHF 0.10.2
+    per_micro_batch = (aggregate(first, m1, "token_mean") + aggregate(second, m2, "token_mean")) / 2
     assert per_micro_batch.item() == pytest.approx(2.0)

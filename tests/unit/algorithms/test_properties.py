@@ -41,7 +41,8 @@ def test_aggregate_gradient_split_invariant(batch, mode):
     mask, seed, cuts = batch
     g = torch.Generator().manual_seed(seed)
     x0, w = torch.randn(*mask.shape, generator=g), torch.randn(*mask.shape, generator=g)
-    counts = {"num_tokens": int(mask.sum()), "num_seqs": int((mask.sum(1) > 0).sum()), "max_len": mask.shape[1]}
+    counts = {"num_tokens": int(mask.sum()), "num_seqs": int((mask.sum(1) > 0).sum()),
+              "max_len": mask.shape[1]}
 
     def grad(parts):
         x = x0.clone().requires_grad_()

@@ -32,11 +32,11 @@ PAD_ID, EOS_ID = 0, 2              # stop_token="eos" -> stop_token_id = EOS_ID
 KL_COEF, MISSING_EOS_PENALTY, CLIPRANGE = 0.1, 1.0, 0.2
 PERM = [0, 2, 1, 3]                # posttrain row j = TRL row PERM[j]
 RESPONSES = [[5, 2, 7, 8], [6, 7, 9, 3], [4, 5, 2, 9], [2, 3, 3, 3]]          # raw, generated (fixed length)
-LOGPROBS = [[-0.5, -1.2, -2.0, -0.3], [-0.8, -0.6, -1.1, -0.9],               # rollout/old, temperature-scaled;
-            [-1.0, -0.4, -0.7, -2.5], [-0.2, -1.5, -0.9, -1.3]]               # values at pad positions are ignored
+LOGPROBS = [[-0.5, -1.2, -2.0, -0.3], [-0.8, -0.6, -1.1, -0.9],  # rollout/old, temperature-scaled;
+            [-1.0, -0.4, -0.7, -2.5], [-0.2, -1.5, -0.9, -1.3]]  # values at pad positions are ignored
 REF_LOGPROBS = [[-0.7, -1.1, -1.8, -0.6], [-1.1, -0.5, -1.6, -0.7],
                 [-0.9, -0.8, -0.6, -1.0], [-0.4, -1.2, -0.5, -0.8]]
-SCORES = [1.0, 2.5, -0.5, 0.3]                                                # RM output on postprocessed responses
+SCORES = [1.0, 2.5, -0.5, 0.3]  # RM output on postprocessed responses
 NEW_LOGPROBS = [[-0.3, -1.0, -5.0, -5.0], [-0.85, -0.65, -1.05, -0.95],
                 [-1.1, -0.5, -0.9, -5.0], [-0.1, -5.0, -5.0, -5.0]]
 
@@ -121,8 +121,8 @@ def trl_pipeline(normalize_reward, reward_clip_range, normalize_advantage):
     adv, _ = compute_advantages("rloo", scores, mask, n=RLOO_K, kl=kl, kl_coef=KL_COEF, clip_range=None,
                                 sequence_kl=True, whiten=normalize_advantage or None, whiten_level="sequence")
     new = group_order(NEW_LOGPROBS).requires_grad_()
-    loss, metrics = policy_loss(new, old, adv, mask, eps_low=CLIPRANGE, eps_high=CLIPRANGE, loss_type="seq_sum",
-                                agg="seq_mean_token_mean")
+    loss, metrics = policy_loss(new, old, adv, mask, eps_low=CLIPRANGE, eps_high=CLIPRANGE,
+                                loss_type="seq_sum", agg="seq_mean_token_mean")
     loss.backward()
     return dict(mask=mask, has_eos=has_eos, scores=scores, kl=kl, advantages=adv, pg_loss=loss, grad=new.grad,
                 metrics=metrics)
@@ -177,13 +177,15 @@ def test_rloo_k3_baseline_and_sequence_normalisation():
     rewards, mask = group_order(RLHF_K3, perm), torch.ones(6, 2)
     adv, _ = compute_advantages("rloo", rewards, mask, n=3, clip_range=None)
     close(adv[:, 0], group_order(EXPECTED_ADV_K3, perm), **TOL)
-    adv, _ = compute_advantages("rloo", rewards, mask, n=3, clip_range=None, whiten=True, whiten_level="sequence")
+    adv, _ = compute_advantages("rloo", rewards, mask, n=3, clip_range=None, whiten=True,
+                                whiten_level="sequence")
     close(adv, group_order(EXPECTED_ADV_K3_NORMALIZED, perm)[:, None].expand(6, 2), **TOL)
 
 
 # ---- each new function against hand values -----------------------------------------------------------
 def test_missing_eos_penalty_subtracts_where_no_eos():
-    close(missing_eos_penalty(t([1.0, 2.5, -0.5]), torch.tensor([True, False, False]), 1.0), t([1.0, 1.5, -1.5]))
+    close(missing_eos_penalty(t([1.0, 2.5, -0.5]), torch.tensor([True, False, False]), 1.0),
+          t([1.0, 1.5, -1.5]))
     close(missing_eos_penalty(t([1.0, 2.0]), torch.tensor([1, 0]), 0.0), t([1.0, 2.0]))
     with pytest.raises(ValueError, match="penalty"):
         missing_eos_penalty(t([1.0]), torch.tensor([True]), float("nan"))
@@ -223,7 +225,8 @@ def test_seq_sum_loss_hand_values():
     logp = t([[0.1, 0.2], [-0.1, 7.0]]).requires_grad_()
     mask = torch.tensor([[1, 1], [1, 0]])
     adv = t([[1.0, 1.0], [3.0, 100.0]])
-    loss, metrics = policy_loss(logp, torch.zeros(2, 2), adv, mask, loss_type="seq_sum", agg="seq_mean_token_mean")
+    loss, metrics = policy_loss(logp, torch.zeros(2, 2), adv, mask, loss_type="seq_sum",
+                                agg="seq_mean_token_mean")
     assert loss.item() == pytest.approx((-1.2 - 3 * math.exp(-0.1)) / 2)
     assert metrics["clip_ratio"].item() == pytest.approx(2 / 3)
     loss.backward()
@@ -238,7 +241,8 @@ def test_seq_sum_with_is_correction_uses_rollout_ratio_like_gspo():
     w = [0.25, 1.0, 8.0]  # exp(old - rollout) with old = 0: Σ log w = log 2
     rollout = t([[-math.log(x) for x in w]])
     loss, _ = policy_loss(torch.zeros(1, 3), torch.zeros(1, 3), torch.ones(1, 3), torch.ones(1, 3),
-                          rollout_logp=rollout, is_correction="tis", loss_type="seq_sum", agg="seq_mean_token_mean")
+                          rollout_logp=rollout, is_correction="tis", loss_type="seq_sum",
+                          agg="seq_mean_token_mean")
     assert loss.item() == pytest.approx(-1.2)  # ρ = 2 clipped to 1.2, no extra weight
 
 
@@ -262,11 +266,12 @@ def test_translated_trl_config_through_shaping_experience_and_loss(name):
 
     exp_values = EXPECTED[name]
     normalize_reward, clip, token_level_kl, normalize_advantage = exp_values["flags"]
-    cfg = config_from_trl_rloo({"sft_model_path": "m", "dataset_name": "d", "total_episodes": 4, "rloo_k": RLOO_K,
-                                "per_device_train_batch_size": 4, "kl_coef": KL_COEF, "cliprange": CLIPRANGE,
-                                "missing_eos_penalty": MISSING_EOS_PENALTY, "stop_token": "eos",
-                                "normalize_reward": normalize_reward, "reward_clip_range": clip,
-                                "token_level_kl": token_level_kl, "normalize_advantage": normalize_advantage},
+    cfg = config_from_trl_rloo({"sft_model_path": "m", "dataset_name": "d", "total_episodes": 4,
+                                "rloo_k": RLOO_K, "per_device_train_batch_size": 4, "kl_coef": KL_COEF,
+                                "cliprange": CLIPRANGE, "missing_eos_penalty": MISSING_EOS_PENALTY,
+                                "stop_token": "eos", "normalize_reward": normalize_reward,
+                                "reward_clip_range": clip, "token_level_kl": token_level_kl,
+                                "normalize_advantage": normalize_advantage},
                                ["--reward.remote_url", "r.py"])
     prompts = [[10, 11], [12, 13]]  # TRL row r: prompt r % 2
     rollouts, logps, refs = [], [], []
@@ -274,7 +279,8 @@ def test_translated_trl_config_through_shaping_experience_and_loss(name):
         kept = RESPONSES[row][: EXPECTED_SEQUENCE_LENGTHS[row] + 1]  # the response up to its first EOS
         finish = "stop" if EOS_ID in kept else "length"
         rollouts.append(Rollout(prompt_ids=prompts[row % 2], output_ids=kept, finish_reason=finish,
-                                rollout_logprobs=LOGPROBS[row][: len(kept)], prompt_text="", response_text=""))
+                                rollout_logprobs=LOGPROBS[row][: len(kept)], prompt_text="",
+                                response_text=""))
         logps.append(LOGPROBS[row][: len(kept)])
         refs.append(REF_LOGPROBS[row][: len(kept)])
 
@@ -288,7 +294,8 @@ def test_translated_trl_config_through_shaping_experience_and_loss(name):
                 out[i, exp.action_mask[i].nonzero().flatten()] = t(values)
             return out
 
-    scored = ScoredRollouts(rollouts, group_order(SCORES), group_order(SCORES), {}, torch.zeros(4, dtype=torch.bool))
+    scored = ScoredRollouts(rollouts, group_order(SCORES), group_order(SCORES), {},
+                            torch.zeros(4, dtype=torch.bool))
     r = cfg.reward
     shape_rewards(scored, ShapingSettings(r.overlong_buffer_len, r.overlong_penalty_factor,
                                           r.stop_properly_penalty_coef, r.missing_eos_penalty, (EOS_ID,)))

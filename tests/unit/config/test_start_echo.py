@@ -56,7 +56,8 @@ def test_a_config_built_in_code_lists_what_differs_from_the_defaults():
     cfg = default_config("sft")
     cfg.train.batch_size = 16
     lines = format_set_flags(cfg).splitlines()
-    assert lines[:2] == ["posttrain sft: 1 flag(s) set:", "  --train.batch_size 16  (differs from the default)"]
+    assert lines[:2] == ["posttrain sft: 1 flag(s) set:",
+                         "  --train.batch_size 16  (differs from the default)"]
 
 
 def opt(scheduler="cosine_with_min_lr", ratio=0.03, steps=None):
@@ -82,3 +83,33 @@ def test_warmup_longer_than_a_quarter_of_the_run_is_noted(section, steps, note):
 
 def test_the_warmup_note_names_the_role_flag():
     assert "--actor.lr_warmup_steps 2" in warmup_note(opt(steps=2), 4, "actor.")
+
+
+@pytest.mark.parametrize("command,argv", [
+    ("sft", ["--ds.attn_implementation", "flash_attention_2", "--train.seed", "3"]),
+    ("chat", ["--model.model_name_or_path", "m", "--model.param_dtype", "bf16"]),
+])
+def test_sources_and_resolved_values_are_declared_fields_not_hidden_attributes(command, argv):
+    """What a parsed config carries besides its flags (where each flag was set, what start-up resolved) is
+    a declared field of every command's config: nothing outside `dataclasses.fields` sits on it, a copy
+    (`dataclasses.replace`) keeps it, and it is neither a flag, nor YAML, nor compared."""
+    import dataclasses
+
+    from posttrain.config import config_to_dict, resolved_values
+    from posttrain.config.hardware import record_resolved
+
+    cfg = parse_config(command, argv, check=False)
+    path, asked, used = (("ds.attn_implementation", "flash_attention_2", "sdpa") if command == "sft"
+                         else ("model.param_dtype", "bf16", "fp32"))
+    record_resolved(cfg, path, used, "a CPU run")
+    declared = {f.name for f in dataclasses.fields(cfg)}
+    assert {"flag_sources", "resolved"} <= declared
+    assert set(vars(cfg)) == declared  # no attribute outside the declared fields
+    copy = dataclasses.replace(cfg)
+    assert flag_sources(copy) == flag_sources(cfg) and flag_sources(cfg)
+    assert resolved_values(copy) == resolved_values(cfg) == {
+        path: (asked, used, "a CPU run")}
+    flags = {s.path.split(".")[0] for s in flag_specs(type(cfg))}
+    assert not {"flag_sources", "resolved"} & (flags | set(config_to_dict(cfg)))
+    assert copy == type(cfg)(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+                                if f.name not in ("flag_sources", "resolved")})

@@ -31,7 +31,8 @@ def line_for(translation, name):
 
 def test_every_field_of_the_seed_rloo_config_is_translated_or_noted():
     fields = seed_fields()
-    assert set(fields) == set(RLOO_FIELDS), "the seed's RLOOConfig and trl_rloo.RLOO_FIELDS must list the same fields"
+    assert set(fields) == set(RLOO_FIELDS), ("the seed's RLOOConfig and trl_rloo.RLOO_FIELDS must list the "
+                                             "same fields")
     given = {**BASE, **fields, "reward_model_path": "/models/rm"}
     t = translate_rloo(given)
     for name in fields:
@@ -62,7 +63,8 @@ def test_trl_batch_arithmetic_with_two_processes():
                         "num_mini_batches": 2, "rloo_k": 4, "total_episodes": 1000,
                         "local_rollout_forward_batch_size": 16}, world_size=2)
     v = t.values
-    # local_batch = 4*2*2 = 16 per process, 32 samples = 8 prompts x 4; 2 mini-batches of 16; ceil(1000/32) = 32
+    # local_batch = 4*2*2 = 16 per process, 32 samples = 8 prompts x 4; 2 mini-batches of 16;
+    # ceil(1000/32) = 32
     assert v["rollout.batch_size"] == 8 and v["rollout.n_samples_per_prompt"] == 4
     assert v["train.batch_size"] == 16 and v["train.micro_batch_size"] == 4
     assert v["train.max_steps"] == 32 and v["rollout.micro_batch_size"] == 16
@@ -72,8 +74,10 @@ def test_trl_batch_arithmetic_with_two_processes():
 def test_trl_defaults_fill_what_the_file_leaves_out():
     t = translate_rloo(BASE)
     v = t.values
-    assert v["rollout.n_samples_per_prompt"] == 2 and v["algo.kl.init_coef"] == 0.05 and v["actor.eps_clip"] == 0.2
-    assert v["train.max_epochs"] == 4 and v["rollout.temperature"] == 0.7 and v["rollout.max_new_tokens"] == 53
+    assert (v["rollout.n_samples_per_prompt"] == 2 and v["algo.kl.init_coef"] == 0.05
+            and v["actor.eps_clip"] == 0.2)
+    assert (v["train.max_epochs"] == 4 and v["rollout.temperature"] == 0.7
+            and v["rollout.max_new_tokens"] == 53)
     assert v["actor.adam.lr"] == 5e-5 and v["actor.adam.betas"] == [0.9, 0.999] and v["actor.max_norm"] == 0.0
     assert v["actor.lr_scheduler"] == "linear" and v["actor.lr_warmup_steps"] == 0
     assert v["rollout.batch_size"] == 4 and v["train.batch_size"] == 8 and v["train.max_steps"] == 8
@@ -101,7 +105,8 @@ def test_schedule_and_warmup_as_transformers_get_scheduler():
     assert v["actor.lr_scheduler"] == "cosine_with_min_lr" and v["actor.min_lr_ratio"] == 0.1
     v = translate_rloo({**BASE, "lr_scheduler_type": "cosine_warmup_with_min_lr", "learning_rate": 1e-4,
                         "lr_scheduler_kwargs": {"min_lr": 1e-5}}).values
-    assert v["actor.lr_scheduler"] == "cosine_warmup_with_min_lr" and v["actor.min_lr_ratio"] == pytest.approx(0.1)
+    assert (v["actor.lr_scheduler"] == "cosine_warmup_with_min_lr"
+            and v["actor.min_lr_ratio"] == pytest.approx(0.1))
     t = translate_rloo({**BASE, "lr_scheduler_type": "constant", "warmup_ratio": 0.3})
     assert t.values["actor.lr_scheduler"] == "constant" and "actor.lr_warmup_steps" not in t.values
     assert "no warm-up" in line_for(t, "warmup_ratio").effect  # transformers' constant schedule has none
@@ -109,8 +114,10 @@ def test_schedule_and_warmup_as_transformers_get_scheduler():
         assert translate_rloo({**BASE, "lr_scheduler_type": name}).values["actor.lr_scheduler"] == name
     # kwargs at transformers' defaults are the same schedule; others are refused
     assert translate_rloo({**BASE, "lr_scheduler_type": "polynomial",
-                           "lr_scheduler_kwargs": {"power": 1.0, "lr_end": 1e-7}}).values["actor.lr_scheduler"]
-    with pytest.raises(ConfigError, match=r"\['power'\] have no posttrain equivalent for polynomial.*power: 1.0"):
+                           "lr_scheduler_kwargs": {"power": 1.0, "lr_end": 1e-7}}
+                          ).values["actor.lr_scheduler"]
+    with pytest.raises(ConfigError,
+                       match=r"\['power'\] have no posttrain equivalent for polynomial.*power: 1.0"):
         translate_rloo({**BASE, "lr_scheduler_type": "polynomial", "lr_scheduler_kwargs": {"power": 2.0}})
     # warmup_ratio: TrainingArguments' ceil(rollouts x ratio) rollouts: ceil(8 x 0.15) = 2 rollouts = 8 steps
     assert translate_rloo({**BASE, "warmup_ratio": 0.15}).values["actor.lr_warmup_steps"] == 8
@@ -128,8 +135,10 @@ def test_trl_warmup_steps_is_carried_as_an_exact_count():
         for warmup in range(1, rollouts + 1):
             v = translate_rloo({**BASE, "num_ppo_epochs": 1, "per_device_train_batch_size": 2,
                                 "total_episodes": 2 * rollouts, "warmup_steps": warmup}).values
-            assert v["train.max_steps"] == rollouts and v["actor.lr_warmup_steps"] == warmup, (rollouts, warmup)
-            f = lr_multiplier("constant_with_warmup", total_steps=rollouts, warmup_steps=v["actor.lr_warmup_steps"])
+            assert (v["train.max_steps"] == rollouts
+                    and v["actor.lr_warmup_steps"] == warmup), (rollouts, warmup)
+            f = lr_multiplier("constant_with_warmup", total_steps=rollouts,
+                              warmup_steps=v["actor.lr_warmup_steps"])
             assert f(warmup) == 1.0 and f(warmup - 1) == (warmup - 1) / warmup  # TRL's end of warm-up
             old_count = math.ceil(rollouts * (warmup / rollouts))  # what the ratio gave
             shifted += old_count != warmup
@@ -145,7 +154,8 @@ def test_trl_warmup_steps_is_carried_as_an_exact_count():
 
 def test_clipping_precision_and_step_ratios():
     v = translate_rloo(BASE).values
-    assert v["actor.max_norm"] == 0.0 and v["ds.param_dtype"] == "fp32"  # fp32 weights, bf16 only autocast in TRL
+    # fp32 weights, bf16 only autocast in TRL
+    assert v["actor.max_norm"] == 0.0 and v["ds.param_dtype"] == "fp32"
     stage3 = {"zero_optimization": {"stage": 3}}
     v = translate_rloo({**BASE, "deepspeed": stage3}).values
     assert v["actor.max_norm"] == 1.0 and v["ds.zero_stage"] == 3  # DeepSpeed clips at max_grad_norm ('auto')
@@ -188,8 +198,10 @@ def write(path, data):
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])
 def test_config_file_detected_translated_and_overridden_by_flags(tmp_path, suffix):
     path = write(tmp_path / f"rloo{suffix}", {**BASE, "rloo_k": 4, "per_device_train_batch_size": 8,
-                                              "learning_rate": 3e-6, "missing_eos_penalty": 1.0, "stop_token": "eos"})
-    cfg = parse_config("ppo", ["--config", path, "--reward.remote_url", "r.py", "--rollout.temperature", "1.0"],
+                                              "learning_rate": 3e-6, "missing_eos_penalty": 1.0,
+                                              "stop_token": "eos"})
+    cfg = parse_config("ppo",
+                       ["--config", path, "--reward.remote_url", "r.py", "--rollout.temperature", "1.0"],
                        check=False)
     assert cfg.rollout.n_samples_per_prompt == 4 and cfg.rollout.batch_size == 2 and cfg.train.batch_size == 8
     assert cfg.actor.adam.lr == 3e-6 and cfg.reward.missing_eos_penalty == 1.0
@@ -199,7 +211,8 @@ def test_config_file_detected_translated_and_overridden_by_flags(tmp_path, suffi
 
 
 def test_translated_config_validates(tmp_path):
-    cfg = config_from_trl_rloo({**BASE, "normalize_advantage": True, "normalize_reward": True, "dataset_name": "d"},
+    cfg = config_from_trl_rloo({**BASE, "normalize_advantage": True, "normalize_reward": True,
+                                "dataset_name": "d"},
                                ["--reward.remote_url", "r.py"])
     assert cfg.algo.advantage.whiten_enable and cfg.algo.advantage.whiten_level == "sequence"
     assert cfg.reward.batch_normalize_enable and cfg.actor.loss_agg == "seq_mean_token_mean"

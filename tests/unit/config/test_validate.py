@@ -76,7 +76,8 @@ def test_engine_rules():
 def test_tensor_parallel_without_replicas_points_to_zero_0():
     tp = ("--ds.tensor_parallel_size", "2", "--ds.zero_stage")
     def tp_warnings(*extra, world_size=2, device="cpu"):
-        return [x for x in warns("sft", *tp, *extra, world_size=world_size, device=device) if "tensor_parallel" in x]
+        return [x for x in warns("sft", *tp, *extra, world_size=world_size, device=device)
+                if "tensor_parallel" in x]
 
     (w,) = tp_warnings("2")
     assert w.startswith("--ds.tensor_parallel_size 2 on 2 ranks leaves ZeRO-2 nothing to partition (one "
@@ -84,7 +85,8 @@ def test_tensor_parallel_without_replicas_points_to_zero_0():
     assert tp_warnings("1")
     assert not tp_warnings("0")
     assert not tp_warnings("2", world_size=4)  # 2 replicas
-    # DeepSpeed's ZeRO group is every rank of a tensor-parallel index, ring ranks included: it partitions there
+    # DeepSpeed's ZeRO group is every rank of a tensor-parallel index, ring ranks included:
+    # it partitions there
     assert not tp_warnings("2", "--ds.ring_attn_size", "2", "--ds.packing_samples", "--train.batch_size", "8",
                            world_size=4)
     # bf16 (the GPU default): ZeRO-1/2 keep an fp32 master copy that ZeRO-0 would not: not the same training
@@ -104,8 +106,8 @@ def test_asking_for_vllm_without_rollout_engines_is_an_error():
     """--rollout.engine vllm says vLLM must sample; one process (no --vllm.num_engines) samples with the HF
     engine over the actor's module, so the run stops with the flag that runs vLLM instead of ignoring it."""
     assert problem("ppo", "--rollout.engine", "vllm") == (
-        "--rollout.engine vllm: vLLM runs in rollout engines of their own: add --vllm.num_engines 1 (on Ray); "
-        "one process samples with the HF engine over the actor's module")
+        "--rollout.engine vllm: vLLM runs in rollout engines of their own: add --vllm.num_engines 1 (on "
+        "Ray); one process samples with the HF engine over the actor's module")
     assert warns("ppo", "--rollout.engine", "hf") == []
     cfg_for("ppo", "--rollout.engine", "vllm", "--vllm.num_engines", "1")  # parses; the engine worker decides
 
@@ -133,7 +135,8 @@ def test_bf16_on_cpu_is_allowed_with_a_warning():
 
 def test_batch_divisibility():
     assert problem("sft", "--train.batch_size", "10", "--train.micro_batch_size", "4") == (
-        "--train.batch_size 10: must be divisible by --train.micro_batch_size x world size = 4 x 1 = 4 (e.g. 8)"
+        "--train.batch_size 10: must be divisible by --train.micro_batch_size x world size = 4 x 1 = 4 (e.g. "
+        "8)"
     )
     assert "= 8 x 2 = 16" in problem("sft", "--train.batch_size", "8", world_size=2)
     assert warns("sft", "--train.batch_size", "32", "--train.micro_batch_size", "8", world_size=4) == []
@@ -213,8 +216,8 @@ def test_schedules_that_cannot_run_are_refused_with_the_reason():
             "evaluation, and posttrain's schedules are functions of the optimizer step; use a step schedule "
             "(cosine_with_min_lr, linear, warmup_stable_decay, ...)")
     assert problem("ppo", "--actor.lr_scheduler", "polynomial", "--actor.adam.lr", "1e-7") == (
-        "--actor.adam.lr 1e-07: --actor.lr_scheduler polynomial decays to the learning rate 1e-07 (transformers' "
-        "lr_end), so it must start above that; raise it or use linear")
+        "--actor.adam.lr 1e-07: --actor.lr_scheduler polynomial decays to the learning rate 1e-07 "
+        "(transformers' lr_end), so it must start above that; raise it or use linear")
     parse_config("sft", BASE["sft"] + ["--lr_scheduler", "polynomial", "--adam.lr", "1e-5"], device="cpu")
     with pytest.raises(ConfigError, match="invalid choice 'cosine_restart'; valid values: linear, cosine, "
                        "cosine_with_restarts, polynomial, constant, "):  # transformers' schedule names
@@ -241,7 +244,8 @@ def test_dpo_rules():
 def test_ppo_estimators_need_groups():
     for est in ("rloo", "reinforce_baseline", "group_norm", "dr_grpo"):
         assert problem("ppo", "--algo.advantage.estimator", est) == (
-            f"--algo.advantage.estimator {est}: a group estimator needs --rollout.n_samples_per_prompt >= 2 (got 1)"
+            f"--algo.advantage.estimator {est}: a group estimator needs --rollout.n_samples_per_prompt >= 2 "
+            f"(got 1)"
         )
         assert warns("ppo", "--algo.advantage.estimator", est, "--rollout.n_samples_per_prompt", "4") == []
     assert warns("ppo", "--algo.advantage.estimator", "reinforce") == []
@@ -265,8 +269,8 @@ def test_ppo_rollout_sizes():
         "--rollout.n_samples_per_prompt = 6 x 2 = 12"
     )
     assert problem("ppo", "--rollout.vllm_generate_batch_size", "32") == (
-        "--rollout.vllm_generate_batch_size 32: larger than --rollout.batch_size 16 needs --train.async_enable "
-        "(oversampling)"
+        "--rollout.vllm_generate_batch_size 32: larger than --rollout.batch_size 16 needs "
+        "--train.async_enable (oversampling)"
     )
     assert warns("ppo", "--rollout.vllm_generate_batch_size", "32", "--train.async_enable") == []
     assert problem("ppo", "--rollout.max_new_tokens", "2048") == (
@@ -371,7 +375,8 @@ def test_agent_flags_are_checked():
     assert problem("ppo", "--train.agent_func_path", "agent.txt") == (
         "--train.agent_func_path agent.txt: must be a .py file defining AgentExecutor")
     assert problem("ppo", "--agent.timeout", "0") == "--agent.timeout 0.0: must be > 0 seconds"
-    assert problem("ppo", "--agent.max_failure_frac", "1.5") == "--agent.max_failure_frac 1.5: must be in [0, 1]"
+    assert (problem("ppo", "--agent.max_failure_frac", "1.5")
+            == "--agent.max_failure_frac 1.5: must be in [0, 1]")
 
 
 def test_gspo_aggregates_per_sequence_by_default(tmp_path):
@@ -415,19 +420,22 @@ def test_trl_rloo_flags(tmp_path):
     assert resolved_values(seq_sum)["actor.loss_agg"] == (
         None, "seq_mean_token_mean", "auto for --actor.policy_loss_type seq_sum")
     assert problem("ppo", "--actor.policy_loss_type", "seq_sum", "--actor.loss_agg", "token_mean") == (
-        "--actor.loss_agg token_mean: seq_sum's importance ratio is per sequence, and a token mean would weight "
-        "each sequence by its length; leave --actor.loss_agg unset (auto: seq_mean_token_mean, as TRL RLOO)"
+        "--actor.loss_agg token_mean: seq_sum's importance ratio is per sequence, and a token mean would "
+        "weight each sequence by its length; leave --actor.loss_agg unset (auto: seq_mean_token_mean, as TRL "
+        "RLOO)"
     )
     trl = ["--reward.missing_eos_penalty", "1.0", "--reward.batch_normalize_enable",
            "--reward.batch_normalize_clip", "0.5", "--algo.advantage.whiten_enable",
            "--algo.advantage.whiten_level", "sequence", "--actor.policy_loss_type", "seq_sum"]
     cfg = parse_config("ppo", BASE["ppo"] + trl, device="cpu")
-    assert (cfg.reward.missing_eos_penalty, cfg.reward.batch_normalize_enable, cfg.reward.batch_normalize_clip,
-            cfg.algo.advantage.whiten_level) == (1.0, True, 0.5, "sequence")
+    assert ((cfg.reward.missing_eos_penalty, cfg.reward.batch_normalize_enable,
+             cfg.reward.batch_normalize_clip, cfg.algo.advantage.whiten_level)
+            == (1.0, True, 0.5, "sequence"))
     assert inert_flags(cfg, "cpu") == []
     defaults = parse_config("ppo", BASE["ppo"], device="cpu")
-    assert (defaults.reward.missing_eos_penalty, defaults.reward.batch_normalize_enable,
-            defaults.reward.batch_normalize_clip, defaults.algo.advantage.whiten_level) == (None, False, 10.0, "token")
+    assert ((defaults.reward.missing_eos_penalty, defaults.reward.batch_normalize_enable,
+             defaults.reward.batch_normalize_clip, defaults.algo.advantage.whiten_level)
+            == (None, False, 10.0, "token"))
     alone = parse_config("ppo", BASE["ppo"] + ["--reward.batch_normalize_clip", "0.5",
                                                "--algo.advantage.whiten_level", "sequence"], device="cpu")
     assert inert_flags(alone, "cpu") == [
@@ -458,7 +466,9 @@ def test_negative_learning_rates_are_refused_by_validation(flag):
     assert problem("sft", flag, "inf").startswith(f"{flag} inf: must be a finite number >= 0")
 
 
-@pytest.mark.parametrize("url", ["ftp://host/rm", "rewards.txt", "http://", "http://a/x,b.py", "http://a/x,,http://b/x"])
+@pytest.mark.parametrize("url",
+                         ["ftp://host/rm", "rewards.txt", "http://", "http://a/x,b.py",
+                          "http://a/x,,http://b/x"])
 def test_reward_url_that_is_neither_a_server_nor_a_py_file_is_refused_before_loading(url):
     args = [a if a != "r.py" else url for a in BASE["ppo"]]
     with pytest.raises(ConfigError, match="reward.remote_url"):
@@ -474,7 +484,8 @@ def test_ray_placement_rules():
     from posttrain.config.ray_mode import data_parallel, present_roles, uses_ray
 
     one = parse_config("ppo", BASE["ppo"], check=False)
-    assert not uses_ray(one) and list(present_roles(one)) == ["actor", "ref", "critic"]  # gae, KL in the reward
+    # gae, KL in the reward
+    assert not uses_ray(one) and list(present_roles(one)) == ["actor", "ref", "critic"]
     two = parse_config("ppo", BASE["ppo"] + ["--actor.num_gpus_per_node", "2"], check=False)
     assert uses_ray(two) and data_parallel(two)
     engines = parse_config("ppo", BASE["ppo"] + ["--vllm.num_engines", "1"], check=False)
@@ -515,22 +526,26 @@ def test_ring_attention_needs_packing_and_a_group_that_divides_the_ranks():
     with pytest.raises(ConfigError, match=r"--ds.ring_attn_size 2: needs --ds.packing_samples"):
         parse_config("sft", base, world_size=2, device="cpu")
     with pytest.raises(ConfigError, match=r"--ds.ring_attn_size 2: must divide the 3 ranks"):
-        parse_config("sft", [*base, "--ds.packing_samples", "--train.batch_size", "3"], world_size=3, device="cpu")
+        parse_config("sft", [*base, "--ds.packing_samples", "--train.batch_size", "3"], world_size=3,
+                     device="cpu")
     cfg = parse_config("sft", [*base, "--ds.packing_samples"], world_size=2, device="cpu")
     assert cfg.ds.ring_attn_size == 2
     # ppo: every role that loads a model has a multiple of the group size
-    ppo = ["--actor.model_name_or_path", "m", "--reward.model_name_or_path", "r", "--data.prompt_dataset", "d",
-           "--ds.ring_attn_size", "2", "--ds.packing_samples", "--actor.num_gpus_per_node", "2"]
+    ppo = ["--actor.model_name_or_path", "m", "--reward.model_name_or_path", "r",
+           "--data.prompt_dataset", "d", "--ds.ring_attn_size", "2", "--ds.packing_samples",
+           "--actor.num_gpus_per_node", "2"]
     with pytest.raises(ConfigError, match=r"must divide the 1 rank\(s\) of the reward role"):
         parse_config("ppo", ppo, device="cpu")
-    cfg = parse_config("ppo", [*ppo, *[x for role in ("reward", "ref", "critic") for x in (f"--{role}.num_gpus_per_node", "2")]],
-                       device="cpu")
+    cfg = parse_config("ppo",
+                       [*ppo,
+                        *[x for role in ("reward", "ref", "critic")
+                          for x in (f"--{role}.num_gpus_per_node", "2")]], device="cpu")
     assert cfg.ds.ring_attn_size == 2
 
 
 def test_ppo_with_ring_attention_turns_packing_on_and_says_so():
-    """As OpenRLHF: ppo with --ds.ring_attn_size > 1 and no --ds.packing_samples packs (one warning line, and the
-    summary shows why); sft / rm / dpo refuse unpacked rows (OpenRLHF asserts)."""
+    """As OpenRLHF: ppo with --ds.ring_attn_size > 1 and no --ds.packing_samples packs (one warning line, and
+    the summary shows why); sft / rm / dpo refuse unpacked rows (OpenRLHF asserts)."""
     from posttrain.config import format_config, resolved_values
 
     ring = ["--ds.ring_attn_size", "2"]
@@ -541,10 +556,12 @@ def test_ppo_with_ring_attention_turns_packing_on_and_says_so():
         cfg = parse_config("ppo", BASE["ppo"] + ring, device="cpu")
     assert cfg.ds.packing_samples is True
     said = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
-    assert said == ["--ds.packing_samples: False -> True (--ds.ring_attn_size 2 splits packed rows over its group)"]
+    assert said == ["--ds.packing_samples: False -> True (--ds.ring_attn_size 2 splits packed rows over its "
+                    "group)"]
     assert resolved_values(cfg)["ds.packing_samples"][:2] == (False, True)
     assert "packing_samples = True  (asked False; --ds.ring_attn_size 2" in format_config(cfg)
-    assert not [w for w in warns("ppo", *ring, "--ds.packing_samples") if "packing" in w]  # asked for: no line
+    # asked for: no line
+    assert not [w for w in warns("ppo", *ring, "--ds.packing_samples") if "packing" in w]
     for trainer in ("sft", "rm", "dpo"):
         assert problem(trainer, "--ds.ring_attn_size", "2", world_size=2) == (
             "--ds.ring_attn_size 2: needs --ds.packing_samples (each packed row is split over the group)")
@@ -565,34 +582,37 @@ def test_ppo_ring_attention_with_images_names_the_ring_flag_not_the_packing_it_t
 
 
 def test_tensor_parallel_rules():
-    """--ds.tensor_parallel_size N: N divides the ranks (ppo: of the actor and the critic); not with LoRA, 4-bit,
-    Muon or (ppo) the EMA; the batch rules count data-parallel ranks (ranks / (TP x ring)), not ranks."""
+    """--ds.tensor_parallel_size N: N divides the ranks (ppo: of the actor and the critic); not with LoRA,
+    4-bit, Muon or (ppo) the EMA; the batch rules count data-parallel ranks (ranks / (TP x
+    ring)), not ranks."""
     from posttrain.config import derived_sizes, inert_flags
 
     tp = ["--ds.tensor_parallel_size", "2"]
     assert problem("sft", *tp, "--train.batch_size", "3", "--train.micro_batch_size", "1", world_size=3) == (
-        "--ds.tensor_parallel_size 2: must divide the 3 ranks of the run (groups of 2 consecutive ranks hold one "
-        "copy of the model)")
+        "--ds.tensor_parallel_size 2: must divide the 3 ranks of the run (groups of 2 consecutive ranks hold "
+        "one copy of the model)")
     assert problem("sft", *tp).startswith("--ds.tensor_parallel_size 2: must divide the 1 ranks")
     assert problem("rm", *tp, "--ds.lora.rank", "8", world_size=2).startswith(
         "--ds.tensor_parallel_size 2: not with LoRA (--ds.lora.rank)")
-    assert problems("sft", *tp, "--ds.load_in_4bit", "--ds.lora.rank", "8", world_size=2, device="cuda")[1] == (
-        "--ds.tensor_parallel_size 2: not with --ds.load_in_4bit: quantized weights cannot be split")
+    assert (problems("sft", *tp, "--ds.load_in_4bit", "--ds.lora.rank", "8", world_size=2, device="cuda")[1]
+            == "--ds.tensor_parallel_size 2: not with --ds.load_in_4bit: quantized weights cannot be split")
     assert problem("dpo", *tp, "--optim", "muon", world_size=2).startswith(
         "--ds.tensor_parallel_size 2: not with --optim muon")
     # tensor and context parallel together: 4 ranks are one data-parallel index
     ring = parse_config("sft", [*BASE["sft"], *tp, "--ds.ring_attn_size", "2", "--ds.packing_samples",
-                                "--train.batch_size", "4", "--train.micro_batch_size", "4"], world_size=4, device="cpu")
+                                "--train.batch_size", "4", "--train.micro_batch_size", "4"], world_size=4,
+                        device="cpu")
     assert derived_sizes(ring, 4)["data_parallel_size"] == 1
     # 4 ranks in 2 groups: a step of 8 samples is 2 x micro-batch 4 (the world size alone would need 16)
     cfg = parse_config("sft", [*BASE["sft"], *tp, "--train.batch_size", "8", "--train.micro_batch_size", "4"],
                        world_size=4, device="cpu")
     sizes = derived_sizes(cfg, 4)
     assert (sizes["world_size"], sizes["data_parallel_size"], sizes["samples_per_rank_per_step"]) == (4, 2, 4)
-    assert "data-parallel size (ranks / (--ds.tensor_parallel_size x --ds.ring_attn_size)) = 4 x 2 = 8" in problem(
-        "sft", *tp, "--train.batch_size", "4", "--train.micro_batch_size", "4", world_size=4)
+    assert ("data-parallel size (ranks / (--ds.tensor_parallel_size x --ds.ring_attn_size)) = 4 x 2 = 8"
+            in problem("sft", *tp, "--train.batch_size", "4", "--train.micro_batch_size", "4", world_size=4))
     ppo = parse_config("ppo", [*BASE["ppo"], *tp], check=False)
     assert [n for n in inert_flags(ppo, "cpu") if n.startswith("--ds.tensor_parallel_size")] == []
-    assert problems("ppo", *tp)[0].startswith("--ds.tensor_parallel_size 2: must divide the 1 rank(s) of the actor role")
-    assert "--ds.tensor_parallel_size 2: not with --train.enable_ema: the EMA would be kept per shard" in problems(
-        "ppo", *tp, "--actor.num_gpus_per_node", "2", "--train.enable_ema")
+    assert problems("ppo", *tp)[0].startswith("--ds.tensor_parallel_size 2: must divide the 1 rank(s) of the "
+                                              "actor role")
+    assert ("--ds.tensor_parallel_size 2: not with --train.enable_ema: the EMA would be kept per shard"
+            in problems("ppo", *tp, "--actor.num_gpus_per_node", "2", "--train.enable_ema"))

@@ -128,7 +128,8 @@ def test_missing_or_malformed_file(tmp_path):
 
 def test_a_key_given_twice_is_refused_with_both_lines(tmp_path):
     path = write(tmp_path, "train:\n  batch_size: 8\n  max_epochs: 1\n  batch_size: 16\n")
-    with pytest.raises(ConfigError, match=r"key 'batch_size' is given twice in one mapping \(line 2 and line 4\)"):
+    with pytest.raises(ConfigError, match=r"key 'batch_size' is given twice in one mapping \(line 2 and line "
+                                          r"4\)"):
         parse_config("sft", BASE["sft"] + ["--config", path])
     path = write(tmp_path, "optim: adam\noptim: muon\n")
     with pytest.raises(ConfigError, match=r"key 'optim' is given twice .*line 1 and line 2"):

@@ -73,6 +73,7 @@ def tokenizer_bos(tokenizer):
 
     tok = copy.deepcopy(tokenizer)
     tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", tok.convert_tokens_to_ids("<|endoftext|>"))])
+        single="<|endoftext|> $A",
+        special_tokens=[("<|endoftext|>", tok.convert_tokens_to_ids("<|endoftext|>"))])
     assert tok("hi")["input_ids"][0] == tok.convert_tokens_to_ids("<|endoftext|>")
     return tok

@@ -426,7 +426,8 @@ def test_oversized_base64_is_refused_before_it_is_decoded(monkeypatch):
     payload = "QUJD" * 334 + "QQ=="  # 1,002 + 1 bytes once decoded
     for ref in (f"data:image/png;base64,{payload}", payload, "\n".join([payload[:700], payload[700:]])):
         msg = _error(ref, limits=limits)
-        assert "larger than --data.max_image_bytes 1,000 (1,003 bytes)" in msg and "max_image_bytes" in msg, msg
+        assert ("larger than --data.max_image_bytes 1,000 (1,003 bytes)" in msg
+                and "max_image_bytes" in msg), msg
 
 
 def test_too_many_pixels_are_refused_from_the_header_as_too_large():

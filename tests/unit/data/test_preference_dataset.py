@@ -27,8 +27,8 @@ def test_prompt_key_plain_text_masks_only_the_responses(tokenizer):
 
 def test_chat_conversations_without_prompt_key_share_the_prompt(tokenizer):
     row = make_preference_rows(1, seed=4)[0]
-    ds = PreferenceDataset([row], tokenizer, 64, chosen_key="chosen_messages", rejected_key="rejected_messages",
-                           apply_chat_template=True)
+    ds = PreferenceDataset([row], tokenizer, 64, chosen_key="chosen_messages",
+                           rejected_key="rejected_messages", apply_chat_template=True)
     item = ds[0]
     head = f"<|im_start|>user\n{row['prompt']}<|im_end|>\n<|im_start|>assistant\n"
     for side, answer in (("chosen", row["chosen"]), ("rejected", row["rejected"])):
@@ -62,7 +62,8 @@ def test_pair_sides_puts_chosen_first_and_collates(tokenizer):
                            input_template="{} ")
     items = [ds[i] for i in range(3)]
     sides = pair_sides(items)
-    assert [s["input_ids"] for s in sides] == [it["chosen_ids"] for it in items] + [it["rejected_ids"] for it in items]
+    assert ([s["input_ids"] for s in sides] == [it["chosen_ids"] for it in items]
+            + [it["rejected_ids"] for it in items])
     padded = pad_collate(sides, tokenizer.pad_token_id)
     assert padded["input_ids"].shape[0] == 6
     assert padded["attention_mask"].sum(-1).tolist() == [len(s["input_ids"]) for s in sides]
@@ -90,7 +91,8 @@ def test_pairs_whose_prompt_fills_max_len_are_dropped_and_counted(tokenizer):
     ({"prompt": "p", "chosen": "a"}, {}, r"row 2.*'rejected'.*--data.rejected_key"),
     ({"prompt": "p", "chosen": "same", "rejected": "same"}, {}, r"row 2.*identical"),
     ({"prompt": "p", "chosen": "", "rejected": "b"}, {}, r"row 2.*'chosen'.*empty"),
-    ({"prompt": "p", "chosen": "a", "rejected": " "}, {"apply_chat_template": True}, r"row 2.*'rejected'.*empty"),
+    ({"prompt": "p", "chosen": "a", "rejected": " "}, {"apply_chat_template": True},
+     r"row 2.*'rejected'.*empty"),
     ({"chosen": "a", "rejected": "b"}, {}, r"row 2.*'prompt'.*--data.prompt_key"),
 ])
 def test_bad_pairs_raise_naming_the_row(tokenizer, row, kwargs, message):

@@ -280,8 +280,8 @@ def test_huge_text_fields_are_cut_before_tokenising_and_the_samples_do_not_chang
     whole = SFTDataset(rows, tokenizer, 32, input_key="prompt", output_key="response")
     assert [s["input_ids"] for s in ds] == [s["input_ids"] for s in whole]
     assert [s["loss_mask"] for s in ds] == [s["loss_mask"] for s in whole] and whole.dropped == ds.dropped
-    pairs = PreferenceDataset([{"prompt": "Q", "chosen": words, "rejected": "no", "label": words}], tokenizer, 32,
-                              prompt_key="prompt")
+    pairs = PreferenceDataset([{"prompt": "Q", "chosen": words, "rejected": "no", "label": words}], tokenizer,
+                              32, prompt_key="prompt")
     assert pairs.num_capped == 1 and len(pairs[0]["chosen_ids"]) == 32
     prompts = PromptDataset([{"input": words, "label": words}, {"input": "hi", "label": "x"}], tokenizer,
                             label_key="label", max_prompt_len=16)

@@ -31,7 +31,8 @@ def test_arithmetic_rows_deterministic_and_correct():
 
 def test_level_ranges():
     for level, a_max, b_max in ((0, 9, 9), (1, 99, 9), (2, 99, 99)):
-        pairs = [r["prompt"].removeprefix("What is ").rstrip("?").split(" + ") for r in make_arithmetic_rows(500, 1, level)]
+        pairs = [r["prompt"].removeprefix("What is ").rstrip("?").split(" + ")
+                 for r in make_arithmetic_rows(500, 1, level)]
         assert max(int(a) for a, _ in pairs) == a_max and max(int(b) for _, b in pairs) == b_max, level
 
 
@@ -80,7 +81,8 @@ def test_preference_rows():
         assert r["rejected_messages"][0]["content"] == r["prompt"]
     habit = make_preference_rows(100, seed=1, difficulty=1, rounding_habit=1.0)
     for r, h in zip(rows, habit):
-        assert h["prompt"] == r["prompt"] and h["chosen"] == r["chosen"] and not is_correct(h["rejected"], h["answer"])
+        assert (h["prompt"] == r["prompt"] and h["chosen"] == r["chosen"]
+                and not is_correct(h["rejected"], h["answer"]))
         tail = int(r["answer"]) % 10 != 0
         assert h["rejected"] == (r["answer"] + rounded(int(r["answer"])) if tail else r["rejected"])
 

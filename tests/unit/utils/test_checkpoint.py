@@ -229,8 +229,8 @@ def test_disk_full_keeps_earlier_checkpoints_and_names_the_last_good_one(tmp_pat
 
     with pytest.raises(CheckpointError) as e:
         mgr.save(4, full, {})
-    assert str(e.value) == (f"no space left on device while writing checkpoint step 4 to {tmp_path}; the last "
-                            f"good checkpoint is {good} (free space or lower --ckpt.max_num)")
+    assert str(e.value) == (f"no space left on device while writing checkpoint step 4 to {tmp_path}; the "
+                            f"last good checkpoint is {good} (free space or lower --ckpt.max_num)")
     assert not list(tmp_path.glob(".tmp_step*")) and verify_checkpoint(good) is None
     assert _steps(tmp_path) == [2]
 
@@ -278,7 +278,8 @@ def test_resume_refuses_a_checkpoint_that_records_no_run(tmp_path):
     assert verify_checkpoint(path) is None and read_manifest(path)["run"] is None
     with pytest.raises(CheckpointError) as e:
         CheckpointManager(tmp_path, identity=_identity()).prepare(resume=True)
-    assert str(e.value).startswith(f"cannot resume from checkpoint {path}: its manifest records no posttrain run id")
+    assert str(e.value).startswith(f"cannot resume from checkpoint {path}: its manifest records no posttrain "
+                                   f"run id")
     assert "\n" not in str(e.value)
 
 
@@ -305,8 +306,8 @@ def test_state_files_hold_plain_values_and_a_crafted_one_never_runs(tmp_path):
     with pytest.raises(CheckpointError) as e:
         load_state_file(tmp_path / "bad.pt")
     assert not marker.exists()
-    assert str(e.value).startswith(f"checkpoint file {tmp_path / 'bad.pt'} holds objects other than tensors and "
-                                   "plain values") and "\n" not in str(e.value)
+    assert (str(e.value).startswith(f"checkpoint file {tmp_path / 'bad.pt'} holds objects other than tensors "
+                                    f"and plain values") and "\n" not in str(e.value))
 
 
 def test_interrupted_save_leaves_no_temp_folder_and_stale_ones_are_cleaned(tmp_path):

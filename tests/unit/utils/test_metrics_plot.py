@@ -32,7 +32,8 @@ def test_resume_truncates_rows_after_checkpoint(tmp_path):
     resumed = MetricsLogger(tmp_path, resume=True)
     resumed.truncate_after(2)
     resumed.log(3, {"loss": 30})
-    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [(1, 1), (2, 2), (3, 30)]
+    assert ([(r["step"], r["loss"]) for r in read_metrics(tmp_path / "metrics.jsonl")]
+            == [(1, 1), (2, 2), (3, 30)])
 
 
 def test_plot_errors_name_the_problem(tmp_path):

@@ -40,7 +40,8 @@ def test_a_lock_left_behind_in_this_process_is_taken_over(tmp_path):
     with RunLock(tmp_path) as lock:
         assert lock.held and not left_behind.held
     code = "import sys; from posttrain.utils.run_lock import RunLock; RunLock(sys.argv[1]).acquire()"
-    assert subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=False).returncode == 0  # released
+    # released
+    assert subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=False).returncode == 0
 
 
 def test_a_folder_that_cannot_be_written_is_one_clear_error(tmp_path, monkeypatch):
@@ -49,7 +50,8 @@ def test_a_folder_that_cannot_be_written_is_one_clear_error(tmp_path, monkeypatc
     from posttrain.utils.run_lock import RunDirUnusable
 
     (tmp_path / "file").write_text("x")
-    with pytest.raises(RunDirUnusable, match=r"--ckpt.output_dir .*/file is a file, not a folder; choose a folder"):
+    with pytest.raises(RunDirUnusable, match=r"--ckpt.output_dir .*/file is a file, not a folder; choose a "
+                                             r"folder"):
         RunLock(tmp_path / "file").acquire()
     real_open = os.open
 
@@ -61,5 +63,5 @@ def test_a_folder_that_cannot_be_written_is_one_clear_error(tmp_path, monkeypatc
     monkeypatch.setattr(os, "open", read_only)
     with pytest.raises(RunDirUnusable) as e:
         RunLock(tmp_path / "ro", "--ckpt.path").acquire()
-    assert str(e.value) == (f"--ckpt.path {tmp_path / 'ro'} cannot be written (it is on a read-only file system); "
-                            "choose a writable folder for --ckpt.path")
+    assert str(e.value) == (f"--ckpt.path {tmp_path / 'ro'} cannot be written (it is on a read-only file "
+                            f"system); choose a writable folder for --ckpt.path")

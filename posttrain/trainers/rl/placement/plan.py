@@ -110,22 +110,9 @@ def plan_placement(
     if ref is not None:
         place("ref", ref, pg)
 
-    # vLLM engines: hybrid (colocate_all, not async) share that group, else their own PACK group of
-    # num_engines * tp bundles; engine i starts at bundle i * tp (get_bundle_indices).
     if num_engines > 0:
         hybrid = colocate_all and not async_enable
-        if hybrid and _ranks(actor) != num_engines * engine_tp:
-            raise PlacementError(
-                "--train.colocate_all needs --actor.num_nodes x --actor.num_gpus_per_node equal to "
-                f"--vllm.num_engines x --vllm.tensor_parallel_size ({_ranks(actor)} vs "
-                f"{num_engines * engine_tp}); or set --train.async_enable to give the engines their own GPUs"
-            )
-        if not hybrid:
-            groups["engines"] = num_engines * engine_tp
-        bundles = tuple(i * engine_tp for i in range(num_engines))
-        roles["engine"] = RoleSpec(
-            "engine", num_engines, pg if hybrid else "engines", bundles, SHARED if hybrid else 1.0, engine_tp
-        )
+        roles["engine"] = _place_engines(groups, pg, actor, num_engines, engine_tp, hybrid)
 
     # Critic and reward model keep the shared group only under colocate_all; colocate_critic_reward
     # (with a critic) replaces it by a group of critic-many bundles.
@@ -144,6 +131,24 @@ def plan_placement(
     if reward is not None:
         place("reward", reward, pg)
     return Placement(roles, groups)
+
+
+def _place_engines(groups: dict[str, int], pg: str | None, actor: tuple[int, int], num_engines: int,
+                   engine_tp: int, hybrid: bool) -> RoleSpec:
+    """The vLLM engines: hybrid (colocate_all, not async) share the actor's group `pg`, else their own
+    PACK group of num_engines * tp bundles (added to `groups`); engine i starts at bundle i * tp
+    (get_bundle_indices)."""
+    if hybrid and _ranks(actor) != num_engines * engine_tp:
+        raise PlacementError(
+            "--train.colocate_all needs --actor.num_nodes x --actor.num_gpus_per_node equal to "
+            f"--vllm.num_engines x --vllm.tensor_parallel_size ({_ranks(actor)} vs "
+            f"{num_engines * engine_tp}); or set --train.async_enable to give the engines their own GPUs"
+        )
+    if not hybrid:
+        groups["engines"] = num_engines * engine_tp
+    bundles = tuple(i * engine_tp for i in range(num_engines))
+    return RoleSpec("engine", num_engines, pg if hybrid else "engines", bundles, SHARED if hybrid else 1.0,
+                    engine_tp)
 
 
 def bundle_resources(share: float, gpu: bool, cpus_per_bundle: float) -> dict:

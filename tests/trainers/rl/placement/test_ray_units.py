@@ -9,10 +9,12 @@ ray_placement = pytest.importorskip("posttrain.trainers.rl.placement.ray_placeme
 
 
 def test_rank_metrics_merge_as_one_process_computes_them():
-    per_rank = [{"actor/kl_loss": 1.0, "actor/policy_loss": 0.25, "actor/grad_norm": 2.0, "train/rows_per_step": 3},
-                {"actor/kl_loss": 3.0, "actor/policy_loss": 0.5, "actor/grad_norm": 2.0, "train/rows_per_step": 5,
-                 "rollout/logprob_abs_gap": 0.1}]
-    weights = [{"actor/kl_loss": 10.0, "actor/grad_norm": 2.0}, {"actor/kl_loss": 30.0, "actor/grad_norm": 2.0,
+    per_rank = [{"actor/kl_loss": 1.0, "actor/policy_loss": 0.25, "actor/grad_norm": 2.0,
+                 "train/rows_per_step": 3},
+                {"actor/kl_loss": 3.0, "actor/policy_loss": 0.5, "actor/grad_norm": 2.0,
+                 "train/rows_per_step": 5, "rollout/logprob_abs_gap": 0.1}]
+    weights = [{"actor/kl_loss": 10.0, "actor/grad_norm": 2.0}, {"actor/kl_loss": 30.0,
+                                                                 "actor/grad_norm": 2.0,
                                                                  "rollout/logprob_abs_gap": 7.0}]
     out = ray_placement.merge_metrics(per_rank, weights)
     assert out["actor/kl_loss"] == pytest.approx((1.0 * 10 + 3.0 * 30) / 40)  # token-weighted, not (1+3)/2
@@ -31,7 +33,8 @@ def test_engine_count_follows_the_flags(monkeypatch):
     monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parents[3] / "unit" / "config"))
     assert ray_placement.engine_count(_cfg("--vllm.num_engines", "3")) == 3
     assert ray_placement.engine_count(_cfg("--actor.num_gpus_per_node", "2")) == 1
-    hybrid = _cfg("--actor.num_gpus_per_node", "4", "--train.colocate_all", "--vllm.tensor_parallel_size", "2")
+    hybrid = _cfg("--actor.num_gpus_per_node", "4", "--train.colocate_all",
+                  "--vllm.tensor_parallel_size", "2")
     assert ray_placement.engine_count(hybrid) == 2  # one per tp actor bundles, sharing them
 
 
@@ -39,8 +42,8 @@ def test_weights_hash_covers_every_tensor_kind():
     from posttrain.trainers.rl.placement.weight_sync import sync_layout
     from posttrain.utils.weights_hash import WeightsDigest, weights_hash
 
-    state = {"w": torch.arange(6.0).view(2, 3), "scalar": torch.tensor(1.5), "half": torch.ones(3, dtype=torch.bfloat16),
-             "empty": torch.zeros(0)}
+    state = {"w": torch.arange(6.0).view(2, 3), "scalar": torch.tensor(1.5),
+             "half": torch.ones(3, dtype=torch.bfloat16), "empty": torch.zeros(0)}
     h = weights_hash(state)
     assert h == weights_hash({k: v.clone() for k, v in reversed(list(state.items()))})  # order-free
     changed = dict(state, scalar=torch.tensor(1.5000001))
@@ -79,7 +82,8 @@ def test_a_worker_that_cannot_load_its_state_says_so_in_one_line(tmp_path):
 
     worker = RoleWorker.__new__(RoleWorker)  # not its __init__: that sets this process's RANK / WORLD_SIZE
     worker.role, worker.rank, worker.obj = "actor", 1, Saved()
-    with pytest.raises(CheckpointError, match=r"^actor rank 1 cannot load .* world_size=2, this run has world_size=1$"):
+    with pytest.raises(CheckpointError, match=r"^actor rank 1 cannot load .* world_size=2, this run has "
+                                              r"world_size=1$"):
         worker.load_state(str(tmp_path))
 
 
@@ -104,7 +108,8 @@ def test_a_dispatch_that_fails_to_start_returns_its_load():
 
 
 @pytest.mark.parametrize("context,tensor", [(2, 1), (1, 2), (2, 2)])
-def test_the_ranks_of_a_ring_or_tensor_parallel_group_train_the_same_shuffled_rows(monkeypatch, context, tensor):
+def test_the_ranks_of_a_ring_or_tensor_parallel_group_train_the_same_shuffled_rows(monkeypatch, context,
+                                                                                   tensor):
     """The shuffle stays on with ring attention / tensor parallelism (OpenRLHF turns it off): the controller
     shuffles each step's rows once, with the run's seed and step, and every rank of a ring / TP group gets its
     data-parallel index's share, so the group's ranks train identical rows in identical order."""
@@ -116,10 +121,10 @@ def test_the_ranks_of_a_ring_or_tensor_parallel_group_train_the_same_shuffled_ro
 
     rolls = [Rollout([3, 4, 5], [6] * (1 + i % 5), [-1.0] * (1 + i % 5), "length", "", "") for i in range(16)]
     exp = build_experience(rolls, torch.zeros(16), 0)
-    settings = UpdateSettings(batch_size=8, batching=Batching(2), max_epochs=2, loss_agg="token_mean", max_len=8,
-                              eps_low=0.2, eps_high=0.2, dual_clip=None, policy_loss_type="ppo", entropy_coef=None,
-                              kl_use_loss=False, kl_estimator="k1", is_correction=None, is_threshold=(0.5, 5.0),
-                              value_clip=None, seed=0)
+    settings = UpdateSettings(batch_size=8, batching=Batching(2), max_epochs=2, loss_agg="token_mean",
+                              max_len=8, eps_low=0.2, eps_high=0.2, dual_clip=None, policy_loss_type="ppo",
+                              entropy_coef=None, kl_use_loss=False, kl_estimator="k1", is_correction=None,
+                              is_threshold=(0.5, 5.0), value_clip=None, seed=0)
     got = []
     monkeypatch.setattr(ray_placement.ray, "put", lambda x: x)
     monkeypatch.setattr(ray_placement._RoleGroup, "call_each",
