@@ -111,8 +111,8 @@ class RewardModelSource:
         """Raw (unnormalised) rewards [B] for padded token ids, read at each row's last non-pad token."""
 
         if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
-            raise ValueError(f"sequences {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
-                             "must both be [B, T]")
+            raise ValueError(f"sequences {tuple(input_ids.shape)} and attention_mask "
+                             f"{tuple(attention_mask.shape)} must both be [B, T]")
         out = []
         starts = list(range(0, input_ids.shape[0], self.batch_size))
         if self.engine is not None:  # as many forwards as the rank with the most batches (collective)
@@ -174,8 +174,8 @@ class RewardModelSource:
             ids, mask, truncated = self.tokenize(list(queries))
             if bool(truncated.any()):
                 self.num_truncated += int(truncated.sum())
-                warn_once(f"reward model {self.path}: queries longer than max_len={self.max_len} tokens are cut "
-                          "(counted in reward_model/truncated)")
+                warn_once(f"reward model {self.path}: queries longer than max_len={self.max_len} tokens are "
+                          "cut (counted in reward_model/truncated)")
             logs["reward_model/truncated"] = truncated.float()
         rewards = (self.values(ids, mask) - self.mean) / self.std
         return RewardResult(rewards, extra_logs=logs)
@@ -203,8 +203,9 @@ class RewardModelSource:
         if not any(os.path.isfile(os.path.join(self.path, f)) for f in files):
             return  # no tokenizer in the folder: the embedding-size check above is all we can do
         if load_tokenizer(self.path).get_vocab() != tokenizer.get_vocab():
-            raise RewardError(f"reward model {self.path} has a different tokenizer than the policy; PPO scores "
-                              "the policy's sampled token ids (as OpenRLHF does), so both must share one vocabulary")
+            raise RewardError(f"reward model {self.path} has a different tokenizer than the policy; PPO "
+                              "scores the policy's sampled token ids (as OpenRLHF does), so both must share "
+                              "one vocabulary")
 
     def close(self) -> None:
         self.model = None

@@ -315,7 +315,8 @@ class SingleModelRun:
         if engine.is_main:
             if self.export_state is not None:
                 state = self.export_state(state if state is not None else engine.module.state_dict())
-            save_pretrained(engine.module, export_savers(self.tokenizer, self.processor), out_dir, state_dict=state)
+            savers = export_savers(self.tokenizer, self.processor)
+            save_pretrained(engine.module, savers, out_dir, state_dict=state)
         engine.barrier()
 
 

@@ -101,7 +101,8 @@ class Actor(_Scorer):
 
     def _ema_start(self) -> dict[str, torch.Tensor]:
         keep = trainable_names(self.model) if self.peft else None
-        return {k: v.detach().clone().float() for k, v in self.model.state_dict().items() if keep is None or k in keep}
+        return {k: v.detach().clone().float() for k, v in self.model.state_dict().items()
+                if keep is None or k in keep}
 
     @property
     def keeps_ema(self) -> bool:
@@ -156,7 +157,8 @@ class Actor(_Scorer):
         if (Path(directory) / EMA_FILE).exists():
             self.ema = load_state_file(Path(directory) / EMA_FILE)
         else:
-            warn_once(f"checkpoint {directory} holds no EMA weights; the EMA restarts from the resumed weights")
+            warn_once(f"checkpoint {directory} holds no EMA weights; the EMA restarts from the resumed "
+                      "weights")
             self.ema = self._ema_start()
 
     def export(self, directory: Path, tokenizer, ema: bool = True) -> None:
@@ -185,12 +187,14 @@ class Actor(_Scorer):
 
     def _check_lora_sync(self) -> None:
         if getattr(unwrap_model(self.model), "is_loaded_in_4bit", False):
-            raise ValueError("a QLoRA actor (--ds.load_in_4bit) cannot sync to rollout engines with their own copy "
-                             "yet: run in one process without --train.async_enable (the engine samples from the actor)")
+            raise ValueError("a QLoRA actor (--ds.load_in_4bit) cannot sync to rollout engines with their "
+                             "own copy yet: run in one process without --train.async_enable (the engine "
+                             "samples from the actor)")
         tied = tied_lora_layers(self.model) if self.lora_sync == "merged" else []
         if tied:
-            raise ValueError(f"LoRA on {tied[0]}, whose weight is tied to the input embeddings, cannot be merged by a "
-                             "rollout engine (--vllm.lora_sync merged): use --vllm.lora_sync adapter, or leave the "
+            raise ValueError(f"LoRA on {tied[0]}, whose weight is tied to the input embeddings, cannot be "
+                             "merged by a rollout engine (--vllm.lora_sync merged): use --vllm.lora_sync "
+                             "adapter, or leave the "
                              "output head out of --ds.lora.target_modules")
 
     def weights_hash(self, per_tensor: bool = False) -> str | None:
@@ -267,7 +271,8 @@ class Critic(_Scorer):
         self.engine = engine
         config = getattr(model, "config", None)
         mean, std = getattr(config, "mean", None), getattr(config, "std", None)
-        self.mean, self.std = (float(mean), float(std)) if normalize and mean is not None and std else (0.0, 1.0)
+        known = normalize and mean is not None and std
+        self.mean, self.std = (float(mean), float(std)) if known else (0.0, 1.0)
         if normalize and (mean is None or not std):
             warn_once("--reward.normalize_enable: the critic's model has no reward mean/std in its config "
                       "(it was not started from a reward model trained by posttrain rm), so its values are "
