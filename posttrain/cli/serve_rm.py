@@ -132,6 +132,7 @@ def _pick_device(device: str | None) -> str:
 
 def make_source(args: ServeRMConfig, device: str):
     """The reward source to serve; call `startup_notes` first (it resolves dtype and --data.max_len)."""
+    from posttrain.models.setup import ModelSetup
     from posttrain.rewards import make_reward_source
 
     path, tokenizer = args.reward.model_name_or_path, None
@@ -139,13 +140,11 @@ def make_source(args: ServeRMConfig, device: str):
         from posttrain.models import load_tokenizer
 
         tokenizer = load_tokenizer(path, use_fast=not args.data.disable_fast_tokenizer)
-    return make_reward_source(args.reward.remote_url, path, value_head_prefix=args.ds.value_head_prefix,
-                              normalize=args.reward.normalize_enable, dtype=args.ds.param_dtype or "fp32",
-                              batch_size=args.batch_size, max_len=args.data.max_len, tokenizer=tokenizer,
-                              device=device, attn_implementation=args.ds.attn_implementation,
-                              onednn_linear=args.ds.onednn_linear, on_error=args.on_error,
-                              timeout=args.reward.timeout, retries=args.reward.retries,
-                              max_stuck=args.reward.max_stuck, ds=args.ds)
+    return make_reward_source(args.reward.remote_url, path, setup=ModelSetup.of(args),
+                              normalize=args.reward.normalize_enable, batch_size=args.batch_size,
+                              max_len=args.data.max_len, tokenizer=tokenizer, device=device,
+                              on_error=args.on_error, timeout=args.reward.timeout,
+                              retries=args.reward.retries, max_stuck=args.reward.max_stuck)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from posttrain.engines import dist as pdist
 from posttrain.engines.base import TrainEngine
 from posttrain.engines.deepspeed_engine import ds_config, import_deepspeed, numel, start_process_group
 from posttrain.models.moe import mark_zero3_leaves
+from posttrain.models.setup import shard_numel
 from posttrain.utils.log import info
 from posttrain.utils.memory import mmap_threshold, release_freed_memory, run_mmap_threshold
 
@@ -79,12 +80,6 @@ def sharded_loading(ds: DSConfig | None, zero_stage: int | None, *,
 # freed in turn; with glibc's rising default mmap threshold they stayed in the heap (~1.2 GB more peak per
 # rank at 0.5B, bench/RESULTS.md): blocks from 128 KiB get their own mappings while loading.
 _SMALL_MMAP, _LARGE_MMAP = 128 * 1024, 32 * 1024 * 1024  # glibc's initial and largest default threshold
-
-
-def shard_numel(model: torch.nn.Module) -> tuple[int, int]:
-    """(parameter elements held by this rank, elements of the whole model); equal when not sharded."""
-    own = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
-    return own, numel(model)
 
 
 def describe_shards(role: str, model: torch.nn.Module) -> str:

@@ -1,5 +1,6 @@
-"""Context parallelism (`--ds.ring_attn_size N`): one packed row split over the N ranks of a group, each rank
-computing its contiguous slice of the tokens, with attention exact over the whole row.
+"""Context parallelism (a ring of N ranks, `models.setup.ModelSetup.ring`): one packed row split over the N
+ranks of a group, each rank computing its contiguous slice of the tokens, with attention exact over the
+whole row.
 
 Layout (OpenRLHF's): the row's real tokens, packed, are padded to a multiple of N and cut into N equal
 contiguous slices; rank r holds slice r (`slice_row`). Every other per-token tensor is cut the same way, the

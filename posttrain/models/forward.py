@@ -13,7 +13,7 @@ to running each sample alone, and context-parallel slices of a packed row.
   one copy of their prompt. sdpa / eager only.
 
 Every forward here also takes the rest of what a trainer or role hands over, so they compute only their loss:
-* a context-parallel slice (`cp` in the batch: `ContextGroups.shard` / `.split`, --ds.ring_attn_size): this
+* a context-parallel slice (`cp` in the batch: `ContextGroups.shard` / `.split`): this
   rank's contiguous part of one packed row, run with attention over the whole row (`slice_context`);
   `forward_values` returns the whole row's values (gathered over the group), the logits stay this rank's;
 * `token_weights` in the batch (RL's shared-prefix layout): the MoE router loss weighs each token so

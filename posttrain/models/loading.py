@@ -57,7 +57,8 @@ def parse_dtype(dtype) -> torch.dtype:
 
 def _hub_error(path: str, err: Exception) -> FileNotFoundError:
     return FileNotFoundError(f"model path {path!r} not found locally and could not be loaded from the hub "
-                             f"({type(err).__name__}: {err}); {INIT_TINY_HINT} (HF_HUB_OFFLINE=1 skips the hub retries)")
+                             f"({type(err).__name__}: {err}); {INIT_TINY_HINT} (HF_HUB_OFFLINE=1 skips the "
+                             "hub retries)")
 
 
 def load_tokenizer(path, use_fast: bool = True, chat_template: str | None = None):
@@ -120,8 +121,8 @@ def quantization_4bit(dtype):
     """QLoRA's 4-bit NF4 weights (double quantisation, compute in `dtype`) via bitsandbytes, which
     needs a CUDA GPU; raises ValueError saying why when it cannot work here."""
     if not torch.cuda.is_available():
-        raise ValueError("--ds.load_in_4bit: bitsandbytes 4-bit loading needs a CUDA GPU and none is visible; "
-                         "drop the flag (LoRA alone works on CPU)")
+        raise ValueError("--ds.load_in_4bit: bitsandbytes 4-bit loading needs a CUDA GPU and none is "
+                         "visible; drop the flag (LoRA alone works on CPU)")
     require("--ds.load_in_4bit", "bitsandbytes")
     from transformers import BitsAndBytesConfig
 
@@ -149,13 +150,13 @@ def _from_pretrained(cls, path, dtype, attn_implementation, load_in_4bit=False, 
         try:
             missing = fill_shards(model, renamed_to_module(model, where))
         except ValueError as err:  # a tensor of another shape than the config's, or a truncated file
-            raise ModelLoadError(f"{err}: the model folder {p} is damaged or its config.json does not match its "
-                                 "weights; save or download the model again") from None
+            raise ModelLoadError(f"{err}: the model folder {p} is damaged or its config.json does not match "
+                                 "its weights; save or download the model again") from None
         if set(missing) <= _NEW_HEAD_KEYS:
             init_missing(model, missing, rng)  # from the RNG state an unsharded load starts with
             return model, {"missing_keys": set(missing)}
-        info(f"{p}: its tensor names differ from the model's ({', '.join(sorted(missing)[:3])}, ...); loading "
-             "through transformers (rank 0 reads the whole checkpoint)")
+        info(f"{p}: its tensor names differ from the model's ({', '.join(sorted(missing)[:3])}, ...); "
+             "loading through transformers (rank 0 reads the whole checkpoint)")
         del model
         torch.random.set_rng_state(rng)
     return _from_pretrained_attn(cls, p, dtype, attn_implementation, **kwargs)
@@ -224,8 +225,9 @@ def _from_pretrained_attn(cls, p, dtype, attn_implementation, **kwargs):
 
 
 def set_experts(model, experts_implementation: str | None, path) -> None:
-    """--ds.experts_implementation: the MoE expert kernels (eager, batched_mm, grouped_mm, deepgemm); None leaves
-    transformers' choice. ModelLoadError when the model has no experts or cannot run that kernel here."""
+    """--ds.experts_implementation: the MoE expert kernels (eager, batched_mm, grouped_mm, deepgemm); None
+    leaves transformers' choice. ModelLoadError when the model has no experts or cannot run that kernel
+    here."""
     if experts_implementation is None:
         return
     from posttrain.models.moe import is_moe
@@ -240,10 +242,12 @@ def set_experts(model, experts_implementation: str | None, path) -> None:
         raise ModelLoadError(f"--ds.experts_implementation {experts_implementation}: {first}") from None
 
 
-def _finish(model, lora, task_type, gradient_checkpointing, reentrant, load_in_4bit=False, onednn_linear=True):
+def _finish(model, lora, task_type, gradient_checkpointing, reentrant, load_in_4bit=False,
+            onednn_linear=True):
     if load_in_4bit:
         if as_lora_spec(lora) is None:
-            raise ValueError("--ds.load_in_4bit: 4-bit weights cannot be trained; add LoRA (--ds.lora.rank > 0)")
+            raise ValueError("--ds.load_in_4bit: 4-bit weights cannot be trained; add LoRA "
+                             "(--ds.lora.rank > 0)")
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
@@ -268,16 +272,16 @@ def load_causal_lm(path, dtype="fp32", attn_implementation: str | None = None, l
                    gradient_checkpointing: bool = False, gradient_checkpointing_reentrant: bool = False,
                    load_in_4bit: bool = False, tokenizer=None, onednn_linear: bool = True,
                    experts_implementation: str | None = None):
-    """AutoModelForCausalLM from `path` in `dtype` ("fp32"/"bf16"/"fp16"); AutoModelForImageTextToText when the
-    folder's config has a vision part (a vision-language model, `models/vision.py`).
+    """AutoModelForCausalLM from `path` in `dtype` ("fp32"/"bf16"/"fp16"); AutoModelForImageTextToText when
+    the folder's config has a vision part (a vision-language model, `models/vision.py`).
 
     attn_implementation: None → "sdpa" (eager where unsupported), or "eager",
     "flash_attention_2", ... `lora`: None, a LoraSpec, dict or `cfg.ds.lora`-like object
     (rank 0 = off) → peft model with only adapters trainable; `load_in_4bit` (CUDA + bitsandbytes,
     with LoRA) loads the base in 4-bit NF4 (QLoRA). `onednn_linear`: its plain linear layers compute
-    fp32 on CPU through oneDNN (`cpu_linear`; --ds.no_onednn_linear passes False). `experts_implementation`:
-    a mixture of experts' expert kernels (`set_experts`). Returned in eval mode (call `.train()` to enable
-    dropout).
+    fp32 on CPU through oneDNN (`cpu_linear`; --ds.no_onednn_linear passes False).
+    `experts_implementation`: a mixture of experts' expert kernels (`set_experts`). Returned in eval mode
+    (call `.train()` to enable dropout).
 
     Raises ModelLoadError when a local folder has no config.json or no weights; when the checkpoint
     is a reward/score model (a sequence-classification architecture, a score/value head without an
@@ -290,21 +294,21 @@ def load_causal_lm(path, dtype="fp32", attn_implementation: str | None = None, l
     folder = _checked_folder(path)
     if folder is not None:
         _refuse_score_checkpoint(folder)
-    vision = folder is not None and is_vision_folder(folder)  # a VLM loads whole: vision tower and language model
-    model, loading = _from_pretrained(AutoModelForImageTextToText if vision else AutoModelForCausalLM, path, dtype,
-                                      attn_implementation, load_in_4bit)
+    vision = folder is not None and is_vision_folder(folder)  # a VLM loads whole: vision tower and LM
+    model, loading = _from_pretrained(AutoModelForImageTextToText if vision else AutoModelForCausalLM, path,
+                                      dtype, attn_implementation, load_in_4bit)
     if "lm_head.weight" in loading.get("missing_keys", ()):
         raise ModelLoadError(f"model {path}: its checkpoint has no LM head (lm_head.weight), so it is not a "
-                             f"causal language model (architecture {_arch_text(model.config)}) and its LM head "
-                             f"would be initialised at random; {_CAUSAL_LM_FIX}")
+                             f"causal language model (architecture {_arch_text(model.config)}) and its LM "
+                             f"head would be initialised at random; {_CAUSAL_LM_FIX}")
     check_vocab(model, tokenizer if tokenizer is not None else _own_tokenizer(folder), path)
     set_experts(model, experts_implementation, path)
     return _finish(model, lora, "CAUSAL_LM", gradient_checkpointing, gradient_checkpointing_reentrant,
                    load_in_4bit, onednn_linear)
 
 
-def load_score_model(path, dtype="fp32", value_head_prefix: str = "score", attn_implementation: str | None = None,
-                     lora=None, gradient_checkpointing: bool = False,
+def load_score_model(path, dtype="fp32", value_head_prefix: str = "score",
+                     attn_implementation: str | None = None, lora=None, gradient_checkpointing: bool = False,
                      gradient_checkpointing_reentrant: bool = False, load_in_4bit: bool = False,
                      new_head_ok: bool = False, tokenizer=None, onednn_linear: bool = True,
                      experts_implementation: str | None = None):
@@ -476,8 +480,8 @@ def check_vocab(model, tokenizer, model_path) -> None:
     if n > rows:
         source = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
         raise ModelLoadError(f"tokenizer {source} has {n} tokens but model {model_path} has a vocabulary of "
-                             f"{rows} (input embedding rows): ids >= {rows} would index past the embedding. Use "
-                             "the tokenizer the model was trained with, or resize the model's embeddings "
+                             f"{rows} (input embedding rows): ids >= {rows} would index past the embedding. "
+                             "Use the tokenizer the model was trained with, or resize the model's embeddings "
                              "(model.resize_token_embeddings(len(tokenizer))) and save it")
 
 

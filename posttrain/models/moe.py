@@ -1,13 +1,14 @@
 """Mixture-of-experts models: detection, the router load-balancing loss, and the expert blocks that ZeRO-3
 must gather whole.
 
-Router loss (`--model.aux_loss_coef`, `--actor.aux_loss_coef`): `track_router_loss(model)` hooks the model's
-decoder to return its router logits; after each forward, `take_router_loss(model)` returns the family's own
-load-balancing loss of that forward (the `load_balancing_loss_func` of the model's transformers module: for
-Qwen3-MoE / Mixtral, E * sum_e f_e * P_e over the layers' tokens, f_e the share of routing slots (top-k) that
-chose expert e, P_e the mean router probability of e; padding left out when the batch has a 2-D attention mask).
-Inside `router_token_weights(model, w)` the means weigh token (r, t) by w[r, t] instead: a layout computing
-one token for several samples (a shared prompt) counts it once per sample, as the per-sample rows would.
+Router loss (its coefficient: `models.setup.ModelSetup.router_loss_coef`): `track_router_loss(model)` hooks
+the model's decoder to return its router logits; after each forward, `take_router_loss(model)` returns the
+family's own load-balancing loss of that forward (the `load_balancing_loss_func` of the model's transformers
+module: for Qwen3-MoE / Mixtral, E * sum_e f_e * P_e over the layers' tokens, f_e the share of routing slots
+(top-k) that chose expert e, P_e the mean router probability of e; padding left out when the batch has a 2-D
+attention mask). Inside `router_token_weights(model, w)` the means weigh token (r, t) by w[r, t] instead: a
+layout computing one token for several samples (a shared prompt) counts it once per sample, as the per-sample
+rows would.
 
 ZeRO-3 leaves (`mark_zero3_leaves`): DeepSpeed gathers a leaf module's parameters whole before its forward
 instead of following the order its hooks recorded; routing changes which experts run from batch to batch, so
@@ -27,8 +28,8 @@ _TRACKER = "_posttrain_router_loss"
 
 
 def expert_block_classes(model: torch.nn.Module) -> list[type]:
-    """The classes of the model's sparse expert blocks: modules with an `experts` child and a router (`gate` or
-    `router`), e.g. Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock."""
+    """The classes of the model's sparse expert blocks: modules with an `experts` child and a router (`gate`
+    or `router`), e.g. Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock."""
     found: dict[type, None] = {}
     for module in model.modules():
         children = dict(module.named_children())
@@ -63,8 +64,8 @@ class _RouterLoss:
         module = sys.modules[type(base).__module__]
         self.loss_fn = getattr(module, "load_balancing_loss_func", None)
         if self.loss_fn is None:
-            raise ValueError(f"{type(base).__name__}: its transformers module defines no load_balancing_loss_func, "
-                             "so its router loss is unknown")
+            raise ValueError(f"{type(base).__name__}: its transformers module defines no "
+                             "load_balancing_loss_func, so its router loss is unknown")
         self.last: tuple | None = None  # the last forward's router logits and token mask
         self.weights: torch.Tensor | None = None  # set by `router_token_weights`
 
@@ -77,8 +78,8 @@ class _RouterLoss:
             self.last = (logits, self.weights)
             return
         mask = kwargs.get("attention_mask")
-        self.last = (logits, mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel() == rows
-                     else None)
+        mine = isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel() == rows
+        self.last = (logits, mask if mine else None)
 
     def take(self) -> torch.Tensor | None:
         if self.last is None:
@@ -92,12 +93,13 @@ def _with_router_logits(_module, args, kwargs):
 
 
 def track_router_loss(model: torch.nn.Module, flag: str = "the router loss") -> None:
-    """Every forward of `model` (a MoE model, possibly peft-wrapped) computes its routers' logits and keeps the
-    load-balancing loss of the last forward for `take_router_loss`. A UserError naming `flag` for a dense model."""
+    """Every forward of `model` (a MoE model, possibly peft-wrapped) computes its routers' logits and keeps
+    the load-balancing loss of the last forward for `take_router_loss`. A UserError naming `flag` for a dense
+    model."""
     base = _base(model)
     if not is_moe(base):
-        raise UserError(f"{flag}: {type(base).__name__} is not a mixture of experts (it has no router); drop the "
-                        "flag or train a MoE model")
+        raise UserError(f"{flag}: {type(base).__name__} is not a mixture of experts (it has no router); drop "
+                        "the flag or train a MoE model")
     tracker = _RouterLoss(base)
     decoder = base.get_decoder() if hasattr(base, "get_decoder") else base.model
     # the decoder returns its router logits; the model around it does not compute its own router loss (it
@@ -124,6 +126,7 @@ def router_token_weights(model: torch.nn.Module, weights: torch.Tensor | None):
 
 
 def take_router_loss(model: torch.nn.Module) -> torch.Tensor | None:
-    """The load-balancing loss of `model`'s last forward (once: it is cleared), None when untracked or none ran."""
+    """The load-balancing loss of `model`'s last forward (once: it is cleared), None when untracked or none
+    ran."""
     tracker = getattr(_base(model), _TRACKER, None)
     return tracker.take() if tracker is not None else None

@@ -9,8 +9,8 @@ so a tensor-parallel group is TP consecutive ranks, a context-parallel group the
 index and one tp, spaced TP apart; with TP = 1 the context-parallel groups are CP consecutive ranks. The
 ranks of a context- or tensor-parallel group take the same rows (data parallelism runs over `dp`).
 
-`ContextGroups`: a model's context-parallel groups (ring attention over N ranks): the run's ranks in groups of N
-(`ParallelLayout`); the ranks of a group take the same micro-batches (data parallelism runs
+`ContextGroups`: a model's context-parallel groups (ring attention over N ranks): the run's ranks in groups
+of N (`ParallelLayout`); the ranks of a group take the same micro-batches (data parallelism runs
 over the groups), and each computes its contiguous slice of every packed row (`models.context_parallel`)."""
 from __future__ import annotations
 

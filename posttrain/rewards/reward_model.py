@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import math
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from posttrain.rewards.result import RewardError, RewardResult, check_batch
 from posttrain.utils.log import warn_once
+
+if TYPE_CHECKING:
+    from posttrain.models.setup import ModelSetup
 
 
 def _right_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,7 +33,8 @@ def _right_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
 
 
 class RewardModelSource:
-    """RewardSource backed by a score model loaded with `posttrain.models.load_score_model`.
+    """RewardSource backed by a score model built by `setup` (a `models.setup.ModelSetup`, role "reward": its
+    dtype, attention and expert kernels, head prefix; default: `ModelSetup()`).
 
     score(queries, ...) tokenises the query texts as given, without the tokenizer's automatic special
     tokens (OpenRLHF's serve_rm: `add_special_tokens=False`, nothing appended, so a query that ends in
@@ -46,47 +51,54 @@ class RewardModelSource:
     model stays in CPU memory between forwards where there is an accelerator (a whole copy moves to it
     for each call; shards by DeepSpeed's offload_param); on a CPU there is nothing to offload to."""
 
-    def __init__(self, path, *, value_head_prefix: str = "score", normalize: bool = False, dtype="fp32",
-                 batch_size: int = 16, max_len: int | None = None, tokenizer=None, device="cpu",
-                 attn_implementation: str | None = None, onednn_linear: bool = True, ds=None,
+    def __init__(self, path, *, setup: ModelSetup | None = None, normalize: bool = False,
+                 batch_size: int = 16, max_len: int | None = None, tokenizer=None, device="cpu", ds=None,
                  zero_stage: int | None = None, offload: bool = False):
-        from posttrain.engines.zero3 import FrozenShards, shard_numel, sharded_loading
-        from posttrain.models import load_score_model, load_tokenizer
+        from posttrain.engines.dist import env_world, init_process_group
+        from posttrain.engines.zero3 import FrozenShards, sharded_loading
+        from posttrain.models import load_tokenizer
+        from posttrain.models.setup import ModelSetup
 
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size}: must be >= 1")
         if max_len is not None and max_len < 2:
             raise ValueError(f"max_len={max_len}: must be >= 2 (or None for no limit)")
+        setup = setup if setup is not None else ModelSetup()
         self.path = str(path)
         self.batch_size = batch_size
         self.max_len = max_len
         self.device = torch.device(device)
         self.engine = None  # the FrozenShards of a sharded model
-        # --ds.ring_attn_size: a context-parallel group (group, rank, size, head_stride) whose ranks score the same
-        # sequences, each computing its slice of the packed batch (set by the RL build)
-        self.context = None
-        with sharded_loading(ds, zero_stage, offload_params=offload) as sharded:
-            model = load_score_model(self.path, dtype, value_head_prefix=value_head_prefix,
-                                     attn_implementation=attn_implementation, onednn_linear=onednn_linear,
-                                     experts_implementation=getattr(ds, "experts_implementation", None))
-        self.offload = offload and self.device.type != "cpu" and not sharded
-        self.loaded_numel = shard_numel(model)  # (elements this rank holds, of the whole model) once loaded
-        if sharded:
+        rank, world, _ = env_world()
+        split = setup.ring > 1 and world > 1  # context parallelism over this process's ranks
+        built = setup.build(self.path, "reward", split_rows=split,
+                            sharding=sharded_loading(ds, zero_stage, offload_params=offload))
+        model = built.model
+        self.offload = offload and self.device.type != "cpu" and not built.sharded
+        self.loaded_numel = built.loaded_numel  # (elements this rank holds, of the whole model) once loaded
+        if built.sharded:
             self.engine = FrozenShards(model, ds, offload=offload)
             model, self.device = self.engine.module, self.engine.device
         elif not self.offload:
             model = model.to(self.device)
         self.model = model.eval()
+        # a context-parallel group whose ranks score the same sequences, each computing its slice of the
+        # packed batch (collective: every rank of the reward model builds it), or None
+        self.context = None
+        if split:
+            init_process_group()
+            self.context = setup.parallel(built, rank, world, trained=False).context
         self.mean, self.std = 0.0, 1.0
         if normalize:
             mean = getattr(self.model.config, "mean", None)
             std = getattr(self.model.config, "std", None)
             if mean is None or std is None:
-                raise RewardError(f"--reward.normalize_enable: reward model {self.path} has no `mean`/`std` in its "
-                                 "config.json; train the RM with posttrain rm, or drop --reward.normalize_enable")
+                raise RewardError(f"--reward.normalize_enable: reward model {self.path} has no `mean`/`std` "
+                                  "in its config.json; train the RM with posttrain rm, or drop "
+                                  "--reward.normalize_enable")
             if not (math.isfinite(mean) and math.isfinite(std) and std > 0):
-                raise RewardError(f"--reward.normalize_enable: reward model {self.path} has mean={mean}, std={std} "
-                                 "in its config.json; std must be a positive finite number")
+                raise RewardError(f"--reward.normalize_enable: reward model {self.path} has mean={mean}, "
+                                  f"std={std} in its config.json; std must be a positive finite number")
             self.mean, self.std = float(mean), float(std)
         self.normalize = normalize
         if tokenizer is None or isinstance(tokenizer, str):
@@ -99,8 +111,8 @@ class RewardModelSource:
         """Raw (unnormalised) rewards [B] for padded token ids, read at each row's last non-pad token."""
 
         if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
-            raise ValueError(f"sequences {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
-                             "must both be [B, T]")
+            raise ValueError(f"sequences {tuple(input_ids.shape)} and attention_mask "
+                             f"{tuple(attention_mask.shape)} must both be [B, T]")
         out = []
         starts = list(range(0, input_ids.shape[0], self.batch_size))
         if self.engine is not None:  # as many forwards as the rank with the most batches (collective)
@@ -162,8 +174,8 @@ class RewardModelSource:
             ids, mask, truncated = self.tokenize(list(queries))
             if bool(truncated.any()):
                 self.num_truncated += int(truncated.sum())
-                warn_once(f"reward model {self.path}: queries longer than max_len={self.max_len} tokens are cut "
-                          "(counted in reward_model/truncated)")
+                warn_once(f"reward model {self.path}: queries longer than max_len={self.max_len} tokens are "
+                          "cut (counted in reward_model/truncated)")
             logs["reward_model/truncated"] = truncated.float()
         rewards = (self.values(ids, mask) - self.mean) / self.std
         return RewardResult(rewards, extra_logs=logs)
@@ -191,8 +203,9 @@ class RewardModelSource:
         if not any(os.path.isfile(os.path.join(self.path, f)) for f in files):
             return  # no tokenizer in the folder: the embedding-size check above is all we can do
         if load_tokenizer(self.path).get_vocab() != tokenizer.get_vocab():
-            raise RewardError(f"reward model {self.path} has a different tokenizer than the policy; PPO scores "
-                              "the policy's sampled token ids (as OpenRLHF does), so both must share one vocabulary")
+            raise RewardError(f"reward model {self.path} has a different tokenizer than the policy; PPO "
+                              "scores the policy's sampled token ids (as OpenRLHF does), so both must share "
+                              "one vocabulary")
 
     def close(self) -> None:
         self.model = None

@@ -33,11 +33,11 @@ import torch
 from posttrain.algorithms.preference import dpo_loss
 from posttrain.config import DPOConfig
 from posttrain.engines.zero3 import FrozenShards, describe_shards, sharded_loading
-from posttrain.models import forward_logits, load_causal_lm, sequence_logprobs, unwrap_model
-from posttrain.models.context_parallel import register as register_context_parallel
+from posttrain.models import forward_logits, sequence_logprobs, unwrap_model
 from posttrain.models.context_parallel import slice_context
+from posttrain.models.setup import ModelSetup
 from posttrain.trainers.pairs import PairObjective, preference_items
-from posttrain.trainers.session import SingleModelRun, lora_settings
+from posttrain.trainers.session import SingleModelRun
 from posttrain.utils.log import info, rank_info
 
 
@@ -112,26 +112,23 @@ def load_reference(cfg: DPOConfig, device: torch.device, world_size: int = 1):
     ranks it loads straight into shards and is returned as a `FrozenShards` (whose forwards every rank
     runs together: the step loop pads ranks to the same number of micro-batches, and each calls `loss`)."""
     path = cfg.ref.model_name_or_path or cfg.model.model_name_or_path
-    if lora_settings(cfg) is not None and path == cfg.model.model_name_or_path:
+    setup = ModelSetup.of(cfg)
+    if setup.lora is not None and path == cfg.model.model_name_or_path:
         info("reference model: the policy with its LoRA adapters disabled (no second copy loaded)")
         if cfg.ref.offload:
             info("note: --ref.offload has nothing to offload (the reference shares the policy's base weights)")
         return None
-    with sharded_loading(cfg.ds, cfg.ds.zero_stage) as sharded:
-        ref = load_causal_lm(path, dtype=cfg.ds.param_dtype, attn_implementation=cfg.ds.attn_implementation,
-                             onednn_linear=cfg.ds.onednn_linear,
-                             experts_implementation=cfg.ds.experts_implementation)
-    ref.eval().requires_grad_(False)
-    if cfg.ds.ring_attn_size > 1:  # the reference reads the same slices of each row as the policy
-        ref.set_attn_implementation(register_context_parallel())
-    if sharded:
+    where = torch.device("cpu") if cfg.ref.offload else device
+    # with context parallelism the reference reads the same slices of each row as the policy
+    built = setup.build(path, "ref", device=where, sharding=sharded_loading(cfg.ds, cfg.ds.zero_stage),
+                        split_rows=setup.ring > 1)
+    if built.sharded:
         info(f"reference model: {path} (frozen, held as ZeRO-3 shards across the {world_size} ranks"
              f"{', shards in CPU memory' if cfg.ref.offload and torch.cuda.is_available() else ''})")
-        rank_info(describe_shards("reference model", ref))
-        return FrozenShards(ref, cfg.ds, offload=cfg.ref.offload)
-    where = torch.device("cpu") if cfg.ref.offload else device
+        rank_info(describe_shards("reference model", built.model))
+        return FrozenShards(built.model, cfg.ds, offload=cfg.ref.offload)
     info(f"reference model: {path} (frozen, on {where}{' between forwards' if cfg.ref.offload else ''})")
-    return ref.to(where)
+    return built.model
 
 
 def train_dpo(cfg: DPOConfig) -> dict:

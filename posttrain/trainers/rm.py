@@ -33,10 +33,10 @@ import torch
 from posttrain.algorithms.preference import reward_model_loss
 from posttrain.config import RMConfig
 from posttrain.data.validation import MARGIN_KEY
-from posttrain.models import last_token_values, load_score_model, unwrap_model
+from posttrain.models import last_token_values, unwrap_model
 from posttrain.models.loading import check_model_path, read_head
 from posttrain.trainers.pairs import PairObjective, preference_items
-from posttrain.trainers.session import SingleModelRun, lora_settings
+from posttrain.trainers.session import SingleModelRun
 from posttrain.utils.log import info
 
 
@@ -101,24 +101,17 @@ def train_rm(cfg: RMConfig) -> dict:
     use_margin = cfg.model.margin_loss_enable
     prefix = cfg.ds.value_head_prefix
 
-    def load():
-        return load_score_model(cfg.model.model_name_or_path, dtype=cfg.ds.param_dtype,
-                                value_head_prefix=load_prefix(cfg.model.model_name_or_path, prefix),
-                                attn_implementation=cfg.ds.attn_implementation, onednn_linear=cfg.ds.onednn_linear,
-                                experts_implementation=cfg.ds.experts_implementation,
-                                lora=lora_settings(cfg),
-                                gradient_checkpointing=cfg.model.gradient_checkpointing_enable,
-                                gradient_checkpointing_reentrant=cfg.model.gradient_checkpointing_reentrant,
-                                load_in_4bit=cfg.ds.load_in_4bit, new_head_ok=True)
+    def head_prefix() -> str:
+        return load_prefix(cfg.model.model_name_or_path, prefix)
 
-    with SingleModelRun(cfg, load_model=load) as run:  # a failure before training leaves no run files
+    with SingleModelRun(cfg, head_prefix=head_prefix) as run:  # a failure before training leaves no run files
         tok = run.tokenizer
         margin_key = MARGIN_KEY if use_margin else None
         train_items = preference_items(run.train_rows, tok, cfg, "train set", margin_key)
         eval_items = preference_items(run.eval_rows, tok, cfg, "eval set", margin_key) \
             if run.eval_rows else None
         objective = RMObjective(tok.pad_token_id, cfg.ds.packing_samples, cfg.model.loss_type, use_margin)
-        lora = lora_settings(cfg) is not None
+        lora = run.setup.lora is not None
         if prefix != "score":
             if lora:
                 info(f"--ds.value_head_prefix {prefix}: a LoRA adapter keeps peft's names for the head; "

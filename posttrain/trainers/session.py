@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
@@ -43,15 +44,8 @@ from posttrain.config.summary import micro_batch_tokens
 from posttrain.data import load_rows
 from posttrain.engines import make_train_engine, num_warmup_steps
 from posttrain.engines.zero3 import describe_shards, sharded_loading
-from posttrain.models import (
-    load_causal_lm,
-    load_tokenizer,
-    save_pretrained,
-    tensor_parallel,
-)
-from posttrain.models.context_parallel import register as register_context_parallel
-from posttrain.models.moe import track_router_loss
-from posttrain.models.parallel_groups import ContextGroups, ParallelLayout
+from posttrain.models import load_tokenizer, save_pretrained, tensor_parallel
+from posttrain.models.setup import ModelSetup
 from posttrain.models.vision import export_savers, vision_processor
 from posttrain.trainers.inputs import check_inputs
 from posttrain.trainers.run_folders import claim_run_folders
@@ -176,26 +170,23 @@ def warmup_note(opt, steps: int, prefix: str = "") -> str | None:
             "log lr near 0")
 
 
-def lora_settings(cfg: SingleModelConfig) -> dict | None:
-    lora = cfg.ds.lora
-    if not lora.rank:
-        return None
-    return {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "target_modules": lora.target_modules}
-
-
 class SingleModelRun:
     """SFT/RM/DPO's run: `RunStart`, then the tokenizer and data rows; `fit` loads the model, builds the
     train engine, runs the `SingleModelLoop` and exports the final model. With --ds.zero_stage 3 over
     several ranks the model loads straight into ZeRO-3 shards (`engines.zero3.sharded_loading`): no rank
     ever holds the whole model, and each prints the share it holds."""
 
-    def __init__(self, cfg: SingleModelConfig, load_model=None) -> None:
+    def __init__(self, cfg: SingleModelConfig, head_prefix: Callable[[], str] | None = None) -> None:
+        """`head_prefix`: the trained model is a score model (RM), loaded with the head prefix this returns
+        (called when the model loads), and may start a new head; None: a causal LM."""
         self.cfg = cfg
         self.start = RunStart(cfg)
-        self.device, self.world_size, self.is_main = self.start.device, self.start.world_size, self.start.is_main
+        start = self.start
+        self.device, self.world_size, self.is_main = start.device, start.world_size, start.is_main
         self.output_dir, self.folders = self.start.output_dir, self.start.folders
-        # RunStart checked the model folders and their config.json (heads vs --ds.tensor_parallel_size)
+        # RunStart checked the model folders and their config.json (heads vs the tensor-parallel size)
         with self.start.closed_on_error():
+            self.setup = ModelSetup.of(cfg)  # after RunStart resolved the hardware defaults
             self.tokenizer = load_tokenizer(cfg.model.model_name_or_path,
                                             use_fast=not cfg.data.disable_fast_tokenizer,
                                             chat_template=cfg.data.tokenizer_chat_template)
@@ -203,7 +194,7 @@ class SingleModelRun:
             self.train_rows = load_rows(cfg.data.dataset, cfg.data.dataset_probs, cfg.data.dataset_split,
                                         cfg.train.seed, cfg.data.max_samples)
             self.eval_rows = self._eval_rows()
-        self._load_model = load_model or self._load_causal_lm
+        self.head_prefix = head_prefix
         # optional: state dict -> state dict applied to every HF export (e.g. RM head renaming)
         self.export_state = None
 
@@ -227,16 +218,6 @@ class SingleModelRun:
         rows = load_rows(cfg.eval.dataset, None, cfg.eval.split, cfg.train.seed, cfg.data.max_samples)
         info(f"eval set: {len(rows)} rows from {cfg.eval.dataset} split '{cfg.eval.split}'")
         return rows
-
-    def _load_causal_lm(self):
-        cfg = self.cfg
-        return load_causal_lm(cfg.model.model_name_or_path, dtype=cfg.ds.param_dtype,
-                              attn_implementation=cfg.ds.attn_implementation, onednn_linear=cfg.ds.onednn_linear,
-                              experts_implementation=cfg.ds.experts_implementation,
-                              lora=lora_settings(cfg),
-                              gradient_checkpointing=cfg.model.gradient_checkpointing_enable,
-                              gradient_checkpointing_reentrant=cfg.model.gradient_checkpointing_reentrant,
-                              load_in_4bit=cfg.ds.load_in_4bit)
 
     def fit(self, objective, train_items: list[dict], eval_items: list[dict] | None, on_trained=None) -> dict:
         """Train, then call `on_trained(loop, final_metrics)` (all ranks; e.g. RM reward statistics
@@ -264,28 +245,26 @@ class SingleModelRun:
         steps = (len(train_items) // cfg.train.batch_size) * cfg.train.max_epochs
         self.start.announce(steps, (("", cfg),))
         zero_stage = cfg.ds.zero_stage if self._needs_deepspeed() else None
-        with sharded_loading(cfg.ds, zero_stage) as sharded:
-            model = self._load_model()
-        if cfg.model.aux_loss_coef > 0:  # the MoE router loss of every forward (models.moe)
-            track_router_loss(model, f"--model.aux_loss_coef {cfg.model.aux_loss_coef}")
-        split_rows = cfg.trainer in ("sft", "dpo", "rm") and cfg.ds.ring_attn_size > 1  # each packed row over N ranks
-        if split_rows:
-            model.set_attn_implementation(register_context_parallel())
-        if sharded:  # ZeRO-3 over several ranks: each rank holds only its shard; the engine gathers per layer
+        setup = self.setup
+        split_rows = setup.ring > 1  # context parallelism: each packed row over a group of ranks
+        head = self.head_prefix is not None
+        built = setup.build(cfg.model.model_name_or_path, "policy", head=head, new_head_ok=head,
+                            head_prefix=self.head_prefix() if head else None,
+                            device=self.device if self.world_size == 1 else None,
+                            sharding=sharded_loading(cfg.ds, zero_stage), split_rows=split_rows)
+        model = built.model
+        if built.sharded:  # ZeRO-3 over several ranks: each holds its shard; the engine gathers per layer
             rank_info(describe_shards("model", model))
-        elif self.world_size == 1:
-            model = model.to(self.device)
-        full_numel = sum(p.numel() for p in model.parameters())
         engine = make_train_engine(model, cfg, total_steps=max(steps, 1), ds=cfg.ds, zero_stage=zero_stage,
-                                   tensor_parallel=cfg.ds.tensor_parallel_size)
-        layout = ParallelLayout(engine.world_size, cfg.ds.ring_attn_size if split_rows else 1,
-                                cfg.ds.tensor_parallel_size)
-        context = ContextGroups.create(engine.rank, layout, cfg.ds.ring_attn_head_stride) if split_rows else None
+                                   tensor_parallel=setup.tensor)
+        built = setup.parallel(built, engine.rank, engine.world_size, split_rows=split_rows)
+        layout = built.layout
         if layout.world > 1 and layout.data < layout.world:
             info(f"parallel layout: {layout.describe()}")
         if layout.tensor > 1 and torch.distributed.get_process_group_ranks(engine.tensor_group) not in \
                 layout.tensor_groups():
-            raise RuntimeError("DeepSpeed's tensor-parallel groups are not the run's layout (consecutive ranks)")
+            raise RuntimeError("DeepSpeed's tensor-parallel groups are not the run's layout "
+                               "(consecutive ranks)")
         logger = self.start.open_logger(cfg, enabled=engine.is_main)
         ckpt = self.folders.ckpt
         settings = LoopSettings(
@@ -296,19 +275,21 @@ class SingleModelRun:
             logging_steps=cfg.logger.logging_steps, eval_steps=cfg.eval.steps, save_steps=cfg.ckpt.save_steps,
             ckpt_path=str(ckpt.root) if ckpt is not None else None, ckpt_max_num=cfg.ckpt.max_num,
             ckpt_max_mem_gb=cfg.ckpt.max_mem if cfg.ckpt.max_mem is not None else math.inf,
-            ckpt_disable_ds=cfg.ckpt.disable_ds, load_checkpoint=cfg.ckpt.load_enable, save_hf=cfg.ckpt.save_hf,
-            context=context, aux_loss_coef=cfg.model.aux_loss_coef, layout=layout)
-        loop = SingleModelLoop(engine=engine, objective=objective, train_items=train_items, eval_items=eval_items,
-                        settings=settings, logger=logger,
-                        save_hf=lambda d: self.export_hf(engine, d), device=self.device, ckpt=ckpt)
+            ckpt_disable_ds=cfg.ckpt.disable_ds, load_checkpoint=cfg.ckpt.load_enable,
+            save_hf=cfg.ckpt.save_hf,
+            context=built.context, aux_loss_coef=built.router_loss_coef, layout=layout)
+        loop = SingleModelLoop(engine=engine, objective=objective, train_items=train_items,
+                               eval_items=eval_items, settings=settings, logger=logger,
+                               save_hf=lambda d: self.export_hf(engine, d), device=self.device, ckpt=ckpt)
         self._loop = loop
         self.start.begin()
         try:
             final = loop.fit()
         finally:
             logger.close()
-        if cfg.ds.tensor_parallel_size > 1:  # what each rank held: its share of the weights and optimizer state
-            rank_info(tensor_parallel.describe(engine.module, full_numel, cfg.ds.tensor_parallel_size, engine.optimizer))
+        if setup.tensor > 1:  # what each rank held: its share of the weights and optimizer state
+            rank_info(tensor_parallel.describe(engine.module, built.loaded_numel[1], setup.tensor,
+                                               engine.optimizer))
         if on_trained is not None:
             on_trained(loop, final)
         with disk_full_as_error("the final model", self.output_dir, self.folders.last_checkpoint()):
@@ -334,7 +315,8 @@ class SingleModelRun:
         if engine.is_main:
             if self.export_state is not None:
                 state = self.export_state(state if state is not None else engine.module.state_dict())
-            save_pretrained(engine.module, export_savers(self.tokenizer, self.processor), out_dir, state_dict=state)
+            savers = export_savers(self.tokenizer, self.processor)
+            save_pretrained(engine.module, savers, out_dir, state_dict=state)
         engine.barrier()
 
 

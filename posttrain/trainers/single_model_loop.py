@@ -60,8 +60,8 @@ class LoopSettings:
     load_checkpoint: bool = False
     save_hf: bool = False
     progress: bool = True
-    context: object = None  # `models.parallel_groups.ContextGroups` (--ds.ring_attn_size > 1), or None
-    aux_loss_coef: float = 0.0  # --model.aux_loss_coef: the MoE router loss joins each micro-batch's loss
+    context: object = None  # `models.parallel_groups.ContextGroups` (context parallelism), or None
+    aux_loss_coef: float = 0.0  # the MoE router loss's coefficient in force: joins each micro-batch's loss
     layout: object = None  # `models.parallel_groups.ParallelLayout` of the run's ranks (None: each its own samples)
 
 

@@ -11,6 +11,7 @@ from rewards_http import in_thread_server
 from safetensors.torch import load_file, save_file
 
 from posttrain.models.forward import last_token_index
+from posttrain.models.setup import ModelSetup
 from posttrain.rewards import (
     PythonRewardFunction,
     RemoteReward,
@@ -136,10 +137,11 @@ def test_head_under_another_prefix(rm_dir, source, tmp_path):
     weights["value_head.weight"] = weights.pop("score.weight")
     save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
     queries = ["5-2=3", "the reward model reads this"]
-    loaded = RewardModelSource(other, value_head_prefix="value_head").score(queries, None, None)
+    head = ModelSetup(value_head_prefix="value_head")
+    loaded = RewardModelSource(other, setup=head).score(queries, None, None)
     torch.testing.assert_close(loaded.rewards, source.score(queries, None, None).rewards)
     with pytest.raises(ValueError, match="value_head_prefix='value_head': no tensor value_head.weight"):
-        RewardModelSource(rm_dir, value_head_prefix="value_head")
+        RewardModelSource(rm_dir, setup=ModelSetup(value_head_prefix="value_head"))
 
 
 def test_reward_model_served_over_http(source):

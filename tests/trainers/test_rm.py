@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from posttrain.data.preference_dataset import PreferenceDataset
 from posttrain.data.synthetic import make_preference_rows, write_jsonl
 from posttrain.models import forward_values, load_score_model, load_tokenizer
+from posttrain.models.setup import ModelSetup
 from posttrain.trainers.rm import RMObjective
 from posttrain.trainers.single_model_loop import summarize
 from posttrain.utils.metrics import read_metrics
@@ -283,7 +284,7 @@ def test_train_rm_sh_runs_and_value_head_prefix_round_trips(sft_nano, tmp_path):
     tok = load_tokenizer(out)
     ds = PreferenceDataset(rows, tok, 8192, apply_chat_template=True)
     ids, mask = padded([it[f"{side}_ids"] for side in ("chosen", "rejected") for it in ds], tok.pad_token_id)
-    rewards = RewardModelSource(out, value_head_prefix="value_head").values(ids, mask)
+    rewards = RewardModelSource(out, setup=ModelSetup(value_head_prefix="value_head")).values(ids, mask)
     config = json.loads((out / "config.json").read_text())
     assert config["mean"] == pytest.approx(float(rewards.mean()), abs=1e-6)
     assert config["std"] == pytest.approx(float(rewards.std()), rel=1e-3)

@@ -7,7 +7,7 @@ once for all its samples in the micro-batch; on by default, --ds.no_shared_prefi
 Only the columns a loss reads are computed (the LM head runs at those positions only), and the
 per-token outputs come back in the padded `[b, T-1]` layout, equal to the padded computation.
 
-With a `context` (`models.parallel_groups.ContextGroups`, --ds.ring_attn_size N) the micro-batch is packed
+With a `context` (`models.parallel_groups.ContextGroups`: context parallelism) the micro-batch is packed
 into one row and every rank of the group computes its contiguous slice of it (`ContextGroups.split`, run by
 `models.forward`); the per-token outputs of the slices are gathered over the group (`ContextGroups.gather`),
 so every rank holds the whole micro-batch's outputs and computes the same loss from them."""
@@ -50,7 +50,7 @@ def ppo_batchings(cfg, shared: bool) -> tuple[Batching, Batching, Batching]:
     --rollout.micro_batch_size samples, or with --train.dynamic_batch_enable the --train /
     --rollout.max_tokens_per_gpu budgets (rollout: default train's) per GPU, a micro-batch holding that x ring x
     the role's TP tokens (`config.summary.micro_batch_tokens`): the actor and critic are split by
-    --ds.tensor_parallel_size, the reference is not (TP 1). `shared`: the shared-prefix layout."""
+    tensor parallelism, the reference is not (TP 1). `shared`: the shared-prefix layout."""
     dynamic = cfg.train.dynamic_batch_enable
     train = micro_batch_tokens(cfg, cfg.train.max_tokens_per_gpu) if dynamic else None
     rollout = cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu

@@ -26,6 +26,7 @@ from posttrain.config.backends import one_process_engine
 from posttrain.config.ray_mode import run_roles
 from posttrain.config.roles import SEQUENCE_POLICY_LOSSES
 from posttrain.models import load_tokenizer
+from posttrain.models.setup import ModelSetup
 from posttrain.rollout import SamplingParams, rank_seed
 from posttrain.rollout.engine_builder import build_rollout_engine
 from posttrain.rollout.single_turn import SingleTurnSampler
@@ -124,7 +125,8 @@ class RLTrainer(RunLoop):
                 with torch.random.fork_rng(devices=[]):  # loading it draws nothing from the run's RNG
                     self.rollout_engine = build.build_rollout_copy(cfg, self.tokenizer, self.device)
             else:  # in one process the rollout engine samples from the actor's own module (no weight copy)
-                self.rollout_engine = build_rollout_engine(cfg, self.tokenizer, "hf", self.actor.model, shared=True)
+                self.rollout_engine = build_rollout_engine(cfg, self.tokenizer, "hf", self.actor.model,
+                                                           shared=True)
         self._report_reference()
         kl = cfg.algo.kl
         self.kl_ctl = (AdaptiveKLController(kl.init_coef, kl.target, kl.horizon) if kl.target
@@ -184,8 +186,8 @@ class RLTrainer(RunLoop):
             entropy_coef=a.entropy_coef, kl_use_loss=cfg.algo.kl.use_loss, kl_estimator=cfg.algo.kl.estimator,
             kl_clamp=cfg.algo.kl.clamp or None,
             is_correction=adv.is_correction_type if adv.is_correction_enable else None,
-            is_threshold=tuple(adv.is_correction_threshold), value_clip=cfg.critic.value_clip, seed=cfg.train.seed,
-            aux_loss_coef=a.aux_loss_coef)
+            is_threshold=tuple(adv.is_correction_threshold), value_clip=cfg.critic.value_clip,
+            seed=cfg.train.seed, aux_loss_coef=ModelSetup.of(cfg).router_loss_coef)
         penalty = cfg.reward.missing_eos_penalty
         self.shaping = ShapingSettings(cfg.reward.overlong_buffer_len, cfg.reward.overlong_penalty_factor,
                                        cfg.reward.stop_properly_penalty_coef, penalty,

@@ -38,12 +38,17 @@ EMA_FILE = "ema.pt"
 
 
 class _Scorer:
+    """A role's model on `device`. `context`: its context-parallel groups
+    (`models.parallel_groups.ContextGroups`: rows split over a group), or None; `loaded_numel`: (parameter
+    elements this rank held once loaded, elements of the whole model), or None when not known (both from
+    `models.setup.BuiltModel`)."""
     engine = None  # a train engine (collective forwards under ZeRO-3), or None for a frozen model
-    context = None  # `models.parallel_groups.ContextGroups` (--ds.ring_attn_size > 1): rows split over a group
 
-    def __init__(self, model, device) -> None:
+    def __init__(self, model, device, context=None, loaded_numel: tuple[int, int] | None = None) -> None:
         self.model = model
         self.device = device
+        self.context = context
+        self.loaded_numel = loaded_numel
 
     def _per_token(self, exp: Experience, batches: Batching, fn) -> torch.Tensor:
         """`fn` over the micro-batches of `exp`, masked per token, `[B, T-1]`. Under data parallelism
@@ -73,12 +78,15 @@ class Actor(_Scorer):
     (`ema ← β·ema + (1-β)·θ` after every optimizer step, as OpenRLHF) for the exports: of every
     weight, or of a LoRA actor's adapters only (its base is frozen). `base_path`: the folder the
     actor was loaded from, and `dtype` its weights' (merged exports of a LoRA actor, `--ckpt.save_merged`);
-    `lora_sync`: how the rollout engines apply a LoRA actor's adapter (--vllm.lora_sync)."""
+    `lora_sync`: how the rollout engines apply a LoRA actor's adapter (--vllm.lora_sync); `sync_only`: the
+    weights a full-parameter sync sends (None: all; a frozen vision tower stays as the engines loaded it);
+    `context`, `loaded_numel` as `_Scorer`'s."""
 
     def __init__(self, model, engine, temperature: float, device, ema_beta: float | None = None,
                  base_path: str | None = None, save_merged: bool = False, dtype: str = "fp32",
-                 lora_sync: str = "merged") -> None:
-        super().__init__(model, device)
+                 lora_sync: str = "merged", sync_only: Callable[[str], bool] | None = None, context=None,
+                 loaded_numel: tuple[int, int] | None = None) -> None:
+        super().__init__(model, device, context, loaded_numel)
         self.engine = engine
         self.temperature = temperature
         self.ema_beta = ema_beta
@@ -86,15 +94,15 @@ class Actor(_Scorer):
         self.scaling = lsync.scaling(unwrap_model(model)) if self.peft else None
         self.lora_sync = lora_sync
         self.base_path, self.save_merged, self.dtype = base_path, save_merged and self.peft, dtype
-        # the weights a full-parameter sync sends (None: all); a frozen vision tower stays as the engines loaded it
-        self.sync_only: Callable[[str], bool] | None = None
+        self.sync_only = sync_only
         self.ema = None
         if ema_beta is not None:
             self.ema = self._ema_start()
 
     def _ema_start(self) -> dict[str, torch.Tensor]:
         keep = trainable_names(self.model) if self.peft else None
-        return {k: v.detach().clone().float() for k, v in self.model.state_dict().items() if keep is None or k in keep}
+        return {k: v.detach().clone().float() for k, v in self.model.state_dict().items()
+                if keep is None or k in keep}
 
     @property
     def keeps_ema(self) -> bool:
@@ -149,7 +157,8 @@ class Actor(_Scorer):
         if (Path(directory) / EMA_FILE).exists():
             self.ema = load_state_file(Path(directory) / EMA_FILE)
         else:
-            warn_once(f"checkpoint {directory} holds no EMA weights; the EMA restarts from the resumed weights")
+            warn_once(f"checkpoint {directory} holds no EMA weights; the EMA restarts from the resumed "
+                      "weights")
             self.ema = self._ema_start()
 
     def export(self, directory: Path, tokenizer, ema: bool = True) -> None:
@@ -178,12 +187,14 @@ class Actor(_Scorer):
 
     def _check_lora_sync(self) -> None:
         if getattr(unwrap_model(self.model), "is_loaded_in_4bit", False):
-            raise ValueError("a QLoRA actor (--ds.load_in_4bit) cannot sync to rollout engines with their own copy "
-                             "yet: run in one process without --train.async_enable (the engine samples from the actor)")
+            raise ValueError("a QLoRA actor (--ds.load_in_4bit) cannot sync to rollout engines with their "
+                             "own copy yet: run in one process without --train.async_enable (the engine "
+                             "samples from the actor)")
         tied = tied_lora_layers(self.model) if self.lora_sync == "merged" else []
         if tied:
-            raise ValueError(f"LoRA on {tied[0]}, whose weight is tied to the input embeddings, cannot be merged by a "
-                             "rollout engine (--vllm.lora_sync merged): use --vllm.lora_sync adapter, or leave the "
+            raise ValueError(f"LoRA on {tied[0]}, whose weight is tied to the input embeddings, cannot be "
+                             "merged by a rollout engine (--vllm.lora_sync merged): use --vllm.lora_sync "
+                             "adapter, or leave the "
                              "output head out of --ds.lora.target_modules")
 
     def weights_hash(self, per_tensor: bool = False) -> str | None:
@@ -215,10 +226,12 @@ class Actor(_Scorer):
 class Reference(_Scorer):
     """The frozen reference policy: a whole copy (`offload`: moved to CPU memory between forwards, where
     there is an accelerator), or this rank's ZeRO-3 shards (`engine`: an `engines.zero3.FrozenShards`, whose
-    forwards are collective, so every rank of the group runs as many; its own offload is DeepSpeed's)."""
+    forwards are collective, so every rank of the group runs as many; its own offload is DeepSpeed's).
+    `context`, `loaded_numel` as `_Scorer`'s."""
 
-    def __init__(self, model, temperature: float, device, offload: bool = False, engine=None) -> None:
-        super().__init__(model, device)
+    def __init__(self, model, temperature: float, device, offload: bool = False, engine=None, context=None,
+                 loaded_numel: tuple[int, int] | None = None) -> None:
+        super().__init__(model, device, context, loaded_numel)
         self.engine = engine
         self.temperature = temperature
         self.offload = offload and device.type != "cpu" and engine is None
@@ -252,15 +265,18 @@ class Critic(_Scorer):
     `(v - mean) / std` with the mean/std stored in its config (a critic started from a reward model
     trained by `posttrain rm` carries them; OpenRLHF's critic does the same); without them, unchanged."""
 
-    def __init__(self, model, engine, device, normalize: bool = False) -> None:
-        super().__init__(model, device)
+    def __init__(self, model, engine, device, normalize: bool = False, context=None,
+                 loaded_numel: tuple[int, int] | None = None) -> None:
+        super().__init__(model, device, context, loaded_numel)
         self.engine = engine
         config = getattr(model, "config", None)
         mean, std = getattr(config, "mean", None), getattr(config, "std", None)
-        self.mean, self.std = (float(mean), float(std)) if normalize and mean is not None and std else (0.0, 1.0)
+        known = normalize and mean is not None and std
+        self.mean, self.std = (float(mean), float(std)) if known else (0.0, 1.0)
         if normalize and (mean is None or not std):
-            warn_once("--reward.normalize_enable: the critic's model has no reward mean/std in its config (it was "
-                      "not started from a reward model trained by posttrain rm), so its values are not normalised")
+            warn_once("--reward.normalize_enable: the critic's model has no reward mean/std in its config "
+                      "(it was not started from a reward model trained by posttrain rm), so its values are "
+                      "not normalised")
 
     def values(self, exp: Experience, batches: Batching) -> torch.Tensor:
         return self._per_token(exp, batches, lambda part: self.forward(part, batches))

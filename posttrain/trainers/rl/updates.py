@@ -42,7 +42,7 @@ class UpdateSettings:
     seed: int
     policy_loss_agg: str | None = None  # the policy term (None: loss_agg); GSPO's auto default differs
     kl_clamp: float | None = 10.0  # bound of the per-token KL estimate; None: unbounded
-    aux_loss_coef: float = 0.0  # --actor.aux_loss_coef: the MoE router loss (actor and critic, as OpenRLHF)
+    aux_loss_coef: float = 0.0  # the MoE router loss's coefficient (actor and critic, as OpenRLHF)
 
     @property
     def policy_agg(self) -> str:

@@ -29,6 +29,7 @@ import torch
 from posttrain.config import parse_config
 from posttrain.engines.dist import shutdown
 from posttrain.models import load_tokenizer
+from posttrain.models.setup import ModelSetup
 from posttrain.rewards.reward_model import RewardModelSource
 from posttrain.trainers.rl import build
 from posttrain.trainers.rl.batch_forward import Batching
@@ -127,8 +128,8 @@ def main():
                          "scores": [source.score_tokens(rows).rewards for rows in ROWS["reward"][rank]]}
 
     # a reward model whose head is stored as value_head.weight: copied into the sharded score head
-    source = RewardModelSource(rm_value_head, value_head_prefix="value_head", batch_size=2, tokenizer=tok,
-                               ds=config(policy, rm).ds, zero_stage=3)
+    source = RewardModelSource(rm_value_head, setup=ModelSetup(value_head_prefix="value_head"), batch_size=2,
+                               tokenizer=tok, ds=config(policy, rm).ds, zero_stage=3)
     results["reward_value_head"] = {"sharded": source.engine is not None,
                                     "scores": source.score_tokens(ROWS["reward"][rank][1]).rewards}
 

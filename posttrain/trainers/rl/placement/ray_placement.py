@@ -22,6 +22,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from posttrain.models.parallel_groups import ParallelLayout
+from posttrain.models.setup import ModelSetup
 from posttrain.rewards.result import RewardResult, concat_results, contiguous_chunks
 from posttrain.rollout.engine_builder import sleeps
 from posttrain.rollout.types import rank_seed
@@ -62,7 +63,8 @@ def wait_all(calls: list[tuple[ray.ObjectRef, str]], timeout: float | None = Non
         if not ready:
             names = ", ".join(label[r] for r in pending)
             raise WorkerFailed(f"{names} did not start within {timeout:.0f} s (the cluster has "
-                               f"{ray.cluster_resources()}): lower the rank counts, colocate roles, or add nodes")
+                               f"{ray.cluster_resources()}): lower the rank counts, colocate roles, or add "
+                               "nodes")
         for ref in ready:
             try:
                 results[ref] = ray.get(ref)
@@ -97,8 +99,8 @@ def worker_threads(ranks: int) -> int:
 class _Group:
     def __init__(self, name: str, handles: list, layout: ParallelLayout | None = None) -> None:
         self.name, self.handles = name, handles
-        # --ds.ring_attn_size / --ds.tensor_parallel_size: the ranks of one data-parallel index (a block of
-        # context x tensor consecutive ranks) take the same rows
+        # context and tensor parallelism: the ranks of one data-parallel index (a block of context x tensor
+        # consecutive ranks) take the same rows
         self.layout = layout if layout is not None and len(handles) > 1 else ParallelLayout(len(handles))
         self.same_rows = self.layout.context * self.layout.tensor
 
@@ -123,7 +125,8 @@ class _Group:
         return f"{self.name} rank {rank}"
 
     def call(self, method: str, *args) -> list:
-        return wait_all([(getattr(h, method).remote(*args), self.label(i)) for i, h in enumerate(self.handles)])
+        return wait_all([(getattr(h, method).remote(*args), self.label(i))
+                         for i, h in enumerate(self.handles)])
 
     def call_each(self, method: str, per_rank: list[tuple]) -> list:
         return wait_all([(getattr(h, method).remote(*a), self.label(i))
@@ -163,7 +166,8 @@ class _RoleGroup(_Group):
 
 
 class ActorGroup(_RoleGroup):
-    def __init__(self, name, handles, keeps_ema: bool, lora: bool = False, layout: ParallelLayout | None = None) -> None:
+    def __init__(self, name, handles, keeps_ema: bool, lora: bool = False,
+                 layout: ParallelLayout | None = None) -> None:
         super().__init__(name, handles, layout)
         self.keeps_ema, self.lora = keeps_ema, lora
 
@@ -189,12 +193,13 @@ class ActorGroup(_RoleGroup):
     def broadcast_weights(self, engines, verify: bool = False, version: int | None = None) -> int:
         """`Actor.broadcast_weights` on Ray: base + adapter of a LoRA actor with `verify`, else the adapter
         only (a full-parameter actor: every weight). Returns the bytes sent."""
-        return sum(engine_group.receive_from(self, self.sync_kind(verify or engine_group.discarded), verify, version)
+        return sum(engine_group.receive_from(self, self.sync_kind(verify or engine_group.discarded), verify,
+                                             version)
                    for engine_group in engines)
 
     def sync_kind(self, full: bool) -> str:
-        """What a sync sends (`Actor.sync_pairs`): every weight (`full`), else what training changed: the adapter
-        of a LoRA actor, the trained weights of a full-parameter one."""
+        """What a sync sends (`Actor.sync_pairs`): every weight (`full`), else what training changed: the
+        adapter of a LoRA actor, the trained weights of a full-parameter one."""
         return "full" if full else ("adapter" if self.lora else "trained")
 
 
@@ -235,7 +240,8 @@ class RewardGroup(_Group):
         parts = wait_all([(self.handles[i].score_tokens.remote([sequences[j] for j in c]), self.label(i))
                           for i, c in calls])
         leaders = {i: p for (i, _), p in zip(calls, parts) if i % self.same_rows == 0}
-        return concat_results([leaders[i] for i, c in enumerate(chunks) if len(c) and i % self.same_rows == 0])
+        return concat_results([leaders[i] for i, c in enumerate(chunks)
+                               if len(c) and i % self.same_rows == 0])
 
     def close(self) -> None:
         pass
@@ -253,7 +259,8 @@ class EngineGroup(_Group):
         self.loads = [0] * len(handles)  # sample rows in flight per engine
         self.lock = threading.Lock()  # generate may be called from several threads (the async front)
         self.sleep_level = 0  # --vllm.sleep_level when the engines sleep between rollouts, else 0
-        self.asleep = set()  # what the sleeping engines released and have not taken back: "weights", "kv_cache"
+        # what the sleeping engines released and have not taken back: "weights", "kv_cache"
+        self.asleep = set()
         self.discarded = False  # a level-2 sleep discarded the weights: the next sync sends all of them
         self.kinds: list[str] = []  # the engines' backends ("hf", "vllm"), once `describe`d
 
@@ -314,7 +321,8 @@ class EngineGroup(_Group):
         if kind not in self.layouts:  # the plan of each kind's buckets (names, shapes: fixed for a run)
             self.layouts[kind] = actor.first(actor.call("sync_layout", SYNC_BUCKET_BYTES, kind))
         layout = self.layouts[kind]
-        wait_all([(h.sync_receive.remote(layout, verify, version), self.label(i)) for i, h in enumerate(self.handles)]
+        wait_all([(h.sync_receive.remote(layout, verify, version), self.label(i))
+                  for i, h in enumerate(self.handles)]
                  + [(h.sync_send.remote(layout, kind), actor.label(i)) for i, h in enumerate(actor.handles)])
         return layout_bytes(layout)
 
@@ -417,7 +425,8 @@ class RayPlacement:
                  reward_model: bool) -> None:
         shape = lambda role: (role.num_nodes, role.num_gpus_per_node)  # noqa: E731
         self.plan = plan_placement(
-            actor=shape(cfg.actor), ref=shape(cfg.ref) if ref else None, critic=shape(cfg.critic) if critic else None,
+            actor=shape(cfg.actor), ref=shape(cfg.ref) if ref else None,
+            critic=shape(cfg.critic) if critic else None,
             reward=shape(cfg.reward) if reward_model else None, num_engines=engine_count(cfg),
             engine_tp=cfg.vllm.tensor_parallel_size, colocate_actor_ref=cfg.train.colocate_actor_ref,
             colocate_critic_reward=cfg.train.colocate_critic_reward, colocate_all=cfg.train.colocate_all,
@@ -445,37 +454,42 @@ class RayPlacement:
                 ray.get(pg.ready(), timeout=PLACE_TIMEOUT_S)
             except GetTimeoutError:
                 raise WorkerFailed(
-                    f"Ray cannot place the {name} group ({n} bundles of {group_bundles(1, self.gpu, 1)[0]}) within "
-                    f"{PLACE_TIMEOUT_S:.0f} s; the cluster has {ray.cluster_resources()}: lower the --*.num_nodes / "
-                    "--*.num_gpus_per_node / --vllm.num_engines counts, colocate roles, or add nodes") from None
+                    f"Ray cannot place the {name} group ({n} bundles of {group_bundles(1, self.gpu, 1)[0]}) "
+                    f"within {PLACE_TIMEOUT_S:.0f} s; the cluster has {ray.cluster_resources()}: lower the "
+                    "--*.num_nodes / --*.num_gpus_per_node / --vllm.num_engines counts, colocate roles, or "
+                    "add nodes") from None
         roles = self.plan.roles
-        def layout(role: str, trained: bool) -> ParallelLayout | None:  # the trained roles' models are split by TP
+        setup = ModelSetup.of(cfg)
+
+        def layout(role: str, trained: bool) -> ParallelLayout | None:  # trained roles: split by TP too
             n = self.plan.roles[role].num_ranks
-            return ParallelLayout(n, cfg.ds.ring_attn_size, cfg.ds.tensor_parallel_size if trained else 1) \
-                if n > 1 else None
+            return setup.layout(n, trained) if n > 1 else None
 
         self.actor = ActorGroup("actor", self._ranks("actor"), keeps_ema=bool(cfg.train.enable_ema),
                                 lora=cfg.ds.lora.rank > 0, layout=layout("actor", True))
         self.ref = ReferenceGroup("ref", self._ranks("ref"), layout("ref", False)) if "ref" in roles else None
-        self.critic = CriticGroup("critic", self._ranks("critic"), layout("critic", True)) if "critic" in roles \
-            else None
+        self.critic = (CriticGroup("critic", self._ranks("critic"), layout("critic", True))
+                       if "critic" in roles else None)
         self.reward = (RewardGroup("reward", self._ranks("reward"), sharded=cfg.ds.zero_stage == 3,
                                    layout=layout("reward", False)) if "reward" in roles else None)
         backend = cfg.vllm.sync_backend if self.gpu else "gloo"
         if cfg.vllm.sync_backend != "gloo" and not self.gpu:
-            warn_once(f"--vllm.sync_backend {cfg.vllm.sync_backend}: no GPU in the cluster, weights sync over gloo")
+            warn_once(f"--vllm.sync_backend {cfg.vllm.sync_backend}: no GPU in the cluster, weights sync "
+                      "over gloo")
         with_ray = cfg.vllm.sync_with_ray
         hybrid = self.plan.roles["engine"].group == self.plan.roles["actor"].group != ""
         if hybrid and backend == "nccl" and not with_ray:
-            # NCCL refuses two ranks on one GPU, and engine 0 shares actor rank 0's (OpenRLHF uses CUDA IPC there)
-            info("--train.colocate_all: engine 0 shares actor rank 0's GPU, which NCCL cannot pair; weights sync "
-                 "through Ray's object store")
+            # NCCL refuses two ranks on one GPU, and engine 0 shares actor rank 0's (OpenRLHF uses CUDA IPC
+            # there)
+            info("--train.colocate_all: engine 0 shares actor rank 0's GPU, which NCCL cannot pair; weights "
+                 "sync through Ray's object store")
             with_ray = True
-        self.engines = EngineGroup("rollout engine", self._engines(cfg.train.partial_rollout_enable), with_ray=with_ray,
-                                   backend=backend)
-        self.groups = [g for g in (self.actor, self.ref, self.critic, self.reward, self.engines) if g is not None]
+        self.engines = EngineGroup("rollout engine", self._engines(cfg.train.partial_rollout_enable),
+                                   with_ray=with_ray, backend=backend)
+        self.groups = [g for g in (self.actor, self.ref, self.critic, self.reward, self.engines)
+                       if g is not None]
         for group in self.groups[:-1]:
-            if group.same_rows > 1:  # each rank's coordinates: the ranks of one data-parallel index share rows
+            if group.same_rows > 1:  # each rank's coordinates: a data-parallel index's ranks share rows
                 info(f"ray placement: {group.name} ranks: {group.layout.describe()}")
         wait_all([(h.pid.remote(), g.label(i)) for g in self.groups for i, h in enumerate(g.handles)],
                  timeout=PLACE_TIMEOUT_S)
@@ -492,18 +506,19 @@ class RayPlacement:
             self._sleep_engines(cfg.vllm.sleep_level)
 
     def _sleep_engines(self, level: int) -> None:
-        """--vllm.enable_sleep: the engines sleep from now on between rollouts (OpenRLHF puts them to sleep once
-        built); start-up says what that frees here."""
+        """--vllm.enable_sleep: the engines sleep from now on between rollouts (OpenRLHF puts them to sleep
+        once built); start-up says what that frees here."""
         self.engines.sleep_level = level
         freed = self.engines.sleep()
         rss = freed[0]["rss_bytes"] / 2**20 if freed else 0.0
         if self.gpu:
-            info(f"--vllm.enable_sleep: the rollout engines sleep between rollouts (vLLM's sleep mode, level {level});"
-                 f" engine 0's process RSS fell by {rss:.0f} MiB")
+            info(f"--vllm.enable_sleep: the rollout engines sleep between rollouts (vLLM's sleep mode, level "
+                 f"{level}); engine 0's process RSS fell by {rss:.0f} MiB")
         else:
             kv = freed[0]["kv_cache_bytes"] / 2**20 if freed else 0.0
-            info(f"--vllm.enable_sleep: vLLM's CPU build has no sleep mode, so posttrain frees each rollout engine's KV "
-                 f"cache between rollouts ({kv:.0f} MiB; engine 0's RSS fell by {rss:.0f} MiB); the weights stay"
+            info(f"--vllm.enable_sleep: vLLM's CPU build has no sleep mode, so posttrain frees each rollout "
+                 f"engine's KV cache between rollouts ({kv:.0f} MiB; engine 0's RSS fell by {rss:.0f} MiB); "
+                 "the weights stay"
                  + (" in memory, and each sync sends all of them (level 2)" if level == 2 else ""))
 
     def _report_shards(self) -> None:
@@ -517,7 +532,8 @@ class RayPlacement:
                 continue
             self.shards[group.name] = [tuple(size) for size in sizes]
             full = sizes[0][1]
-            kind = "ZeRO-3 shards" if any(own < whole for own, whole in sizes) else "a whole copy on each rank"
+            sharded = any(own < whole for own, whole in sizes)
+            kind = "ZeRO-3 shards" if sharded else "a whole copy on each rank"
             held = ", ".join(f"rank {i} {own} ({own / max(full, 1):.0%})" for i, (own, _) in enumerate(sizes))
             info(f"ray placement: {group.name} loaded as {kind} of {full} parameters: {held}")
 
@@ -536,7 +552,8 @@ class RayPlacement:
         first = cls.options(**self._options(role, 0)).remote(role, 0, n, None, worker_threads(n), env)
         self.handles.append(first)
         # rank 0 serves the group's rendezvous store on a port it binds at once, before the others start
-        master = wait_all([(first.listen_as_master.remote(), f"{role} rank 0")], PLACE_TIMEOUT_S)[0] if n > 1 else None
+        master = (wait_all([(first.listen_as_master.remote(), f"{role} rank 0")], PLACE_TIMEOUT_S)[0]
+                  if n > 1 else None)
         rest = [cls.options(**self._options(role, r)).remote(role, r, n, master, worker_threads(n), env)
                 for r in range(1, n)]
         self.handles += rest
@@ -547,7 +564,8 @@ class RayPlacement:
         cls = ray.remote(EngineWorker)
         # partial rollout: a weight sync arrives while generate runs (a second thread of the actor)
         concurrency = {"max_concurrency": 2} if partial_rollout else {}
-        engines = [cls.options(**self._options("engine", i), **concurrency).remote(worker_threads(n), worker_env())
+        engines = [cls.options(**self._options("engine", i), **concurrency).remote(worker_threads(n),
+                                                                                  worker_env())
                    for i in range(n)]
         self.handles += engines
         return engines

@@ -82,13 +82,15 @@ class RoleWorker(_Process):
             env.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
         super().__init__(threads, env)
         self.role, self.rank, self.world = role, rank, world
-        self.master = master  # rank 0's: set by `listen_as_master`; None: the launcher's env rendezvous (torchrun)
+        # rank 0's: set by `listen_as_master`; None: the launcher's env rendezvous (torchrun)
+        self.master = master
         self.obj = None
         self.gather_for_generation = False
         self.sync: SyncGroup | None = None
 
     def listen_as_master(self) -> tuple[str, int]:
-        """Rank 0: serve the role group's store (`listen`) and take its address as MASTER_ADDR / MASTER_PORT."""
+        """Rank 0: serve the role group's store (`listen`) and take its address as MASTER_ADDR /
+        MASTER_PORT."""
         self.master = self.listen(self.world)
         os.environ.update(MASTER_ADDR=self.master[0], MASTER_PORT=str(self.master[1]))
         return self.master
@@ -113,7 +115,8 @@ class RoleWorker(_Process):
         from posttrain.models import load_tokenizer
         from posttrain.trainers.rl import build
 
-        self.tokenizer = load_tokenizer(cfg.actor.model_name_or_path, use_fast=not cfg.data.disable_fast_tokenizer,
+        self.tokenizer = load_tokenizer(cfg.actor.model_name_or_path,
+                                        use_fast=not cfg.data.disable_fast_tokenizer,
                                         chat_template=cfg.data.tokenizer_chat_template)
         processor = None
         if self.role == "actor" and is_vision_folder(cfg.actor.model_name_or_path):
@@ -173,8 +176,8 @@ class RoleWorker(_Process):
         try:
             self.obj.load_state(directory)
         except Exception as e:  # one line for the user (e.g. other rank counts than the checkpoint's)
-            raise CheckpointError(f"{self.role} rank {self.rank} cannot load {directory}: "
-                                  f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from e
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"{self.role} rank {self.rank} cannot load {directory}: {first}") from e
 
     def export(self, directory: str, *args) -> None:
         self.obj.export(directory, self.savers, *args)
@@ -192,7 +195,7 @@ class RoleWorker(_Process):
         named = iter(self.obj.sync_pairs(kind, per_tensor=not self.gather_for_generation))
         try:
             return consume(named) if self.rank == 0 else None
-        finally:  # the gathers left (all of them off rank 0, any after an error), so no rank waits for this one
+        finally:  # the gathers left (all off rank 0, any after an error), so no rank waits for this one
             for _ in named:
                 pass
 
@@ -214,7 +217,8 @@ class RoleWorker(_Process):
         self._on_rank0(lambda named: self.sync.send(named, layout), kind)
 
     def sync_put(self, kind: str = "full"):
-        """Rank 0 puts the weights into Ray's object store as numpy; returns `[ref, bytes]` (None elsewhere)."""
+        """Rank 0 puts the weights into Ray's object store as numpy; returns `[ref, bytes]` (None
+        elsewhere)."""
         import ray
 
         def put(named):
@@ -224,11 +228,11 @@ class RoleWorker(_Process):
 
 
 class EngineWorker(_Process):
-    """A rollout engine: vLLM where this process runs it (a CUDA GPU with vLLM's CUDA build, or vLLM's CPU build),
-    else the HF engine over its own copy of the policy (`rollout_backend`); with `--train.agent_func_path` it also runs agent episodes
-    (`run_episodes`). Its weights come from the actor by `sync_receive` (bucketed
-    broadcast) or `load_numpy` (object store). A receive with `verify` records a digest of what
-    arrived, the hash of an engine that cannot read its weights back by HF name (vLLM)."""
+    """A rollout engine: vLLM where this process runs it (a CUDA GPU with vLLM's CUDA build, or vLLM's CPU
+    build), else the HF engine over its own copy of the policy (`rollout_backend`); with
+    `--train.agent_func_path` it also runs agent episodes (`run_episodes`). Its weights come from the actor by
+    `sync_receive` (bucketed broadcast) or `load_numpy` (object store). A receive with `verify` records a
+    digest of what arrived, the hash of an engine that cannot read its weights back by HF name (vLLM)."""
 
     def setup(self, cfg: PPOConfig) -> None:
         from posttrain.config.backends import rollout_backend
@@ -251,8 +255,8 @@ class EngineWorker(_Process):
             from posttrain.models.vision import vision_processor
 
             processor = vision_processor(cfg.actor.model_name_or_path, tok)
-            self.agents = AgentRunner.from_config(load_agent_executor(cfg.train.agent_func_path), self.engine, tok,
-                                                  None, cfg, processor=processor)
+            self.agents = AgentRunner.from_config(load_agent_executor(cfg.train.agent_func_path), self.engine,
+                                                  tok, None, cfg, processor=processor)
 
     def backend_name(self) -> tuple[str, str]:
         """("vllm" or "hf", why not vLLM)."""
@@ -299,8 +303,8 @@ class EngineWorker(_Process):
         return {"kv_cache_bytes": kv, "rss_bytes": (before - after) if before and after else 0}
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Undo `sleep` for `tags` ("weights", "kv_cache"; None: both), as vLLM's `wake_up`: the weights before
-        a sync, the KV cache before generating."""
+        """Undo `sleep` for `tags` ("weights", "kv_cache"; None: both), as vLLM's `wake_up`: the weights
+        before a sync, the KV cache before generating."""
         self.engine.llm.wake_up(tags=tags)
         if not torch.cuda.is_available() and (tags is None or "kv_cache" in tags):
             if sum(self.engine.llm.collective_rpc("posttrain_restore_kv_cache")):
@@ -368,8 +372,8 @@ def _ray_visible_gpu() -> None:
 
 
 def build_vllm_engine(cfg: PPOConfig, tok):
-    """This worker's vLLM engine (`rollout.engine_builder.build_rollout_engine`: on its GPU or its CPU, or over
-    AsyncLLM), after the refusal of tensor parallelism on a GPU."""
+    """This worker's vLLM engine (`rollout.engine_builder.build_rollout_engine`: on its GPU or its CPU, or
+    over AsyncLLM), after the refusal of tensor parallelism on a GPU."""
     from posttrain.config import ConfigError
     from posttrain.config.validate import vllm_tensor_parallel_problem
     from posttrain.rollout.engine_builder import build_rollout_engine
