@@ -121,7 +121,8 @@ def _section_doc(cls: type, path: str) -> str:
     obj: Any = cls()
     for part in path.split("."):
         obj = getattr(obj, part)
-    return ((type(obj).__doc__ or "").strip().splitlines() or [""])[0].replace("%", "%%")
+    first_paragraph = (type(obj).__doc__ or "").strip().split("\n\n")[0]
+    return " ".join(first_paragraph.split()).replace("%", "%%")
 
 
 def _config_path(argv: list[str]) -> str | None:

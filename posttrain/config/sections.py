@@ -35,7 +35,8 @@ from posttrain.config.spec import opt, section
 KNOWN_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 ATTENTION_RULE = dict(
     check=lambda v: v in KNOWN_ATTENTION or "/" in v,
-    message=f"valid values: {', '.join(KNOWN_ATTENTION)} or a hub kernel like kernels-community/vllm-flash-attn3")
+    message=f"valid values: {', '.join(KNOWN_ATTENTION)} or a hub kernel like "
+            f"kernels-community/vllm-flash-attn3")
 
 # a score head is stored as `{prefix}.weight` and reached as an attribute of the model
 HEAD_PREFIX_RULE = dict(check=str.isidentifier,
@@ -50,18 +51,20 @@ LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "cons
                  "warmup_stable_decay", "greedy")
 # accepted names that are refused with this reason: they follow a metric, not the optimizer step
 METRIC_LR_SCHEDULERS = {
-    name: f"{name} changes the learning rate from a metric handed to it after each evaluation, and posttrain's "
-          "schedules are functions of the optimizer step; use a step schedule (cosine_with_min_lr, linear, "
-          "warmup_stable_decay, ...)"
+    name: f"{name} changes the learning rate from a metric handed to it after each evaluation, and "
+          f"posttrain's schedules are functions of the optimizer step; use a step schedule "
+          f"(cosine_with_min_lr, linear, warmup_stable_decay, ...)"
     for name in ("reduce_lr_on_plateau", "greedy")}
 POLYNOMIAL_LR_END = 1e-7  # the absolute end LR of `polynomial` (transformers' default lr_end)
-MIN_LR_SCHEDULERS = ("cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")  # read --min_lr_ratio
+# read --min_lr_ratio
+MIN_LR_SCHEDULERS = ("cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
 
 
 # --------------------------------------------------------------------------- DeepSpeed + model loading
 @dataclass
 class LoRAConfig:
-    """LoRA / QLoRA adapter; set --ds.lora.rank > 0 to enable (SFT / RM / DPO, and the PPO actor and critic)."""
+    """LoRA / QLoRA adapter; set --ds.lora.rank > 0 to enable (SFT / RM / DPO, and the PPO
+    actor and critic)."""
 
     rank: int = opt(0, "LoRA rank; 0 disables LoRA", ge=0, note="(0 disables LoRA)")
     alpha: int = opt(16, "LoRA alpha (the update is scaled by alpha / rank)", gt=0, inert=LORA_OFF)
@@ -75,46 +78,58 @@ class LoRAConfig:
 class DSConfig:
     """DeepSpeed engine and model loading (shared by every model of the run)."""
 
-    zero_stage: int = opt(2, "DeepSpeed ZeRO stage: 0, 1, 2 or 3", ge=0, le=3, message="valid values: 0, 1, 2, 3",
-                          inert=(ON_ONE_RANK, ONE_PROCESS_ENGINE), on_resume="adjustable")
+    zero_stage: int = opt(2, "DeepSpeed ZeRO stage: 0, 1, 2 or 3", ge=0, le=3,
+                          message="valid values: 0, 1, 2, 3", inert=(ON_ONE_RANK, ONE_PROCESS_ENGINE),
+                          on_resume="adjustable")
     param_dtype: str | None = opt(
         None, "parameter dtype; default auto: bf16 on GPU, fp32 on CPU", choices=PARAM_DTYPES
     )
     zpg: int = opt(1, "ZeRO++ max partition size", ge=1,
-                   inert=(ON_ONE_RANK, Inert("ZeRO++ partitioning needs GPUs", facts.on_cpu)), on_resume="adjustable")
+                   inert=(ON_ONE_RANK, Inert("ZeRO++ partitioning needs GPUs", facts.on_cpu)),
+                   on_resume="adjustable")
     adam_offload: bool = opt(False, "keep the Adam optimizer state on CPU (not with --optim muon)",
-                             inert=(ON_ONE_RANK, Inert("the optimizer state is already in CPU memory", facts.on_cpu)), on_resume="adjustable")
+                             inert=(ON_ONE_RANK,
+                                    Inert("the optimizer state is already in CPU memory", facts.on_cpu)),
+                             on_resume="adjustable")
     overlap_comm: bool = opt(False, "overlap the backward pass with the gradient reduction (more memory)",
-                             inert=(ON_ONE_RANK, Inert("communication overlap needs GPU streams", facts.on_cpu)), on_resume="adjustable")
+                             inert=(ON_ONE_RANK,
+                                    Inert("communication overlap needs GPU streams", facts.on_cpu)),
+                             on_resume="adjustable")
     grad_accum_dtype: str | None = opt(
         None, "dtype of the gradient accumulation buffer", choices=GRAD_ACCUM_DTYPES, inert=ON_ONE_RANK
     )
-    deepcompile: bool = opt(False, "enable DeepSpeed DeepCompile graph compilation", inert=not_yet("DeepSpeed DeepCompile"), on_resume="adjustable")
-    tensor_parallel_size: int = opt(1, "ranks per model copy: each decoder layer split over them with DeepSpeed "
-                                    "AutoTP (ZeRO stage 0/1/2; ppo: the actor and critic; docs/scaling.md)", ge=1,
-                                    on_resume="adjustable")
+    deepcompile: bool = opt(False, "enable DeepSpeed DeepCompile graph compilation",
+                            inert=not_yet("DeepSpeed DeepCompile"), on_resume="adjustable")
+    tensor_parallel_size: int = opt(1, "ranks per model copy: each decoder layer split over them with "
+                                       "DeepSpeed "
+                                    "AutoTP (ZeRO stage 0/1/2; ppo: the actor and critic; docs/scaling.md)",
+                                    ge=1, on_resume="adjustable")
     ring_attn_size: int = opt(1, "ring-attention sequence-parallel group size (with --ds.packing_samples)",
                               ge=1, on_resume="adjustable")
     ring_attn_head_stride: int = opt(1, "key/value heads gathered per ring-attention step", ge=1,
-                                     inert=needs("--ds.ring_attn_size > 1", lambda c: c.ds.ring_attn_size > 1),
+                                     inert=needs("--ds.ring_attn_size > 1", lambda c: c.ds.ring_attn_size
+                                                 > 1),
                                      on_resume="adjustable")
     use_universal_ckpt: bool = opt(False, "write DeepSpeed universal checkpoints (stage/world-size agnostic)",
-                                   inert=Inert("posttrain's checkpoints always hold a layout-free copy that resumes on "
-                                               "other ranks and ZeRO stages (docs/runs.md#elastic-resume)"),
+                                   inert=Inert("posttrain's checkpoints always hold a layout-free copy that "
+                                               "resumes on other ranks and ZeRO stages "
+                                               "(docs/runs.md#elastic-resume)"),
                                    on_resume="adjustable")
     attn_implementation: str | None = opt(
         None,
         "attention backend: eager, sdpa, flash_attention_2, flash_attention_3 or a hub kernel "
         "(kernels-community/...); default auto: flash_attention_2 on GPU when installed, else sdpa",
         **ATTENTION_RULE,
-        inert=Inert("flash attention needs a CUDA GPU with flash-attn; sdpa is used", facts.flash_unavailable),
+        inert=Inert("flash attention needs a CUDA GPU with flash-attn; sdpa is used",
+                    facts.flash_unavailable),
     on_resume="adjustable",
 )
     experts_implementation: str | None = opt(
         None, "MoE expert kernels; default: transformers picks", choices=EXPERTS_IMPLEMENTATIONS,
         on_resume="adjustable",
 )
-    use_liger_kernel: bool = opt(False, "use Liger fused kernels", inert=not_yet("Liger fused kernels"), on_resume="adjustable")
+    use_liger_kernel: bool = opt(False, "use Liger fused kernels", inert=not_yet("Liger fused kernels"),
+                                 on_resume="adjustable")
     onednn_linear: bool = opt(
         True, "fp32 linear layers on CPU compute through oneDNN instead of torch's MKL call (1.2-1.6x faster "
         "matmuls where MKL is slow, e.g. AMD CPUs; the same math up to float rounding); no effect on GPU "
@@ -123,7 +138,8 @@ class DSConfig:
                     lambda v, c, dev: dev != "cpu"), on_resume="adjustable")
     load_in_4bit: bool = opt(False, "load the base model in 4-bit (QLoRA; needs --ds.lora.rank > 0 and CUDA)")
     lora: LoRAConfig = section(LoRAConfig)
-    packing_samples: bool = opt(False, "pack several samples into one row (no padding)", on_resume="adjustable")
+    packing_samples: bool = opt(False, "pack several samples into one row (no padding)",
+                                on_resume="adjustable")
 
 
 @dataclass
@@ -141,28 +157,34 @@ class PPODSConfig(ScoreDSConfig):
     """DeepSpeed engine and model loading (shared by actor, critic, reference and reward model)."""
 
     enable_sleep: bool = opt(False, "free DeepSpeed memory between training phases (hybrid engine)",
-                             inert=not_yet("the hybrid engine's sleep mode (it needs vLLM)"), on_resume="adjustable")
+                             inert=not_yet("the hybrid engine's sleep mode (it needs vLLM)"),
+                             on_resume="adjustable")
     shared_prefix: bool = opt(
         True, "RL forwards compute a prompt once for all its samples in a micro-batch, exact to float "
-        "rounding (--ds.no_shared_prefix turns it off; off with flash attention)", negation="no_shared_prefix",
-        extension=True, on_resume="adjustable")
+        "rounding (--ds.no_shared_prefix turns it off; off with flash attention)",
+        negation="no_shared_prefix", extension=True, on_resume="adjustable")
     gather_for_generation: bool = opt(
-        False, "ZeRO-3 with several actor ranks: gather the actor's whole weights once for generation and for "
-        "each weight sync (fast; every rank holds the whole model meanwhile: TRL's ds3_gather_for_generation); "
-        "default: one tensor at a time (OpenRLHF's weight sync; fits models larger than one device)",
-        negation="no_gather_for_generation", extension=True,
-        inert=Inert("only read under --ds.zero_stage 3 with several actor ranks (in one process the actor trains "
-                    "without ZeRO)", lambda v, c, dev: facts.single_rank_roles(v, c, dev) or c.ds.zero_stage != 3), on_resume="adjustable")
+        False, "ZeRO-3 with several actor ranks: gather the actor's whole weights once for generation and "
+               "for "
+        "each weight sync (fast; every rank holds the whole model meanwhile: TRL's "
+        "ds3_gather_for_generation); default: one tensor at a time (OpenRLHF's weight sync; fits models "
+        "larger than one device)", negation="no_gather_for_generation", extension=True,
+        inert=Inert("only read under --ds.zero_stage 3 with several actor ranks (in one process the actor "
+                    "trains without ZeRO)", lambda v, c, dev: facts.single_rank_roles(v, c, dev)
+                    or c.ds.zero_stage != 3), on_resume="adjustable")
 
 
 # --------------------------------------------------------------------------- vLLM + rollout (PPO)
 VLLM_ENGINE = Inert("the rollout engines run the Hugging Face engine, not vLLM: ", facts.no_vllm)
-CPU_KV_CACHE = Inert("vLLM's CPU build sizes its KV cache by VLLM_CPU_KVCACHE_SPACE (GiB; posttrain's default 1 GiB), "
-                     "not by a fraction of memory", facts.on_cpu, PPO)
-NOT_HYBRID = Inert("needs --train.colocate_all: an engine sleeps only when it shares its GPU with the trainer "
-                   "(OpenRLHF turns the flag off without it)", lambda v, c, dev: not c.train.colocate_all, PPO)
-SHARED_MODULE = Inert("the rollout engine samples from the actor's own module (one process, no --train.async_enable): "
-                      "nothing is synced", lambda v, c, dev: facts.in_process(v, c, dev) and not c.train.async_enable, PPO)
+CPU_KV_CACHE = Inert("vLLM's CPU build sizes its KV cache by VLLM_CPU_KVCACHE_SPACE (GiB; posttrain's "
+                     "default 1 GiB), not by a fraction of memory", facts.on_cpu, PPO)
+NOT_HYBRID = Inert("needs --train.colocate_all: an engine sleeps only when it shares its GPU with the "
+                   "trainer (OpenRLHF turns the flag off without it)",
+                   lambda v, c, dev: not c.train.colocate_all, PPO)
+SHARED_MODULE = Inert("the rollout engine samples from the actor's own module (one process, no "
+                      "--train.async_enable): nothing is "
+                      "synced", lambda v, c, dev: facts.in_process(v, c, dev) and not c.train.async_enable,
+                      PPO)
 
 
 @dataclass
@@ -178,17 +200,20 @@ class VLLMConfig:
     enforce_eager: bool = opt(False, "disable CUDA graphs in vLLM", inert=VLLM_ENGINE)
     enable_prefix_caching: bool = opt(False, "enable vLLM prefix caching", inert=VLLM_ENGINE)
     enable_sleep: bool = opt(
-        False, "let vLLM release memory between rollouts (hybrid engine, not async); on vLLM's CPU build, which "
+        False, "let vLLM release memory between rollouts (hybrid engine, not async); on vLLM's CPU build, "
+               "which "
         "has no sleep mode, posttrain frees the engines' KV cache instead", inert=(VLLM_ENGINE, NOT_HYBRID))
     sleep_level: int = opt(
-        1, "what a sleeping vLLM engine releases: 1 the KV cache, the weights offloaded to CPU memory (GPU); 2 the "
+        1, "what a sleeping vLLM engine releases: 1 the KV cache, the weights offloaded to CPU memory (GPU); "
+           "2 the "
         "weights discarded too (GPU), so every sync after a sleep sends all of them", choices=(1, 2),
         extension=True, inert=needs("--vllm.enable_sleep", lambda c: c.vllm.enable_sleep, PPO))
     lora_sync: str = opt(
-        "merged", "how rollout engines apply the LoRA adapter synced after each update (only the adapter travels): "
-        "merged (W0 + scaling * B A written into plain weights: plain kernels, a copy of the adapted base weights) "
-        "or adapter (vLLM's enable_lora with a LoRARequest per version; a peft copy in the HF engine)",
-        choices=("merged", "adapter"), extension=True, inert=(LORA_OFF, SHARED_MODULE))
+        "merged", "how rollout engines apply the LoRA adapter synced after each update (only the adapter "
+                  "travels): "
+        "merged (W0 + scaling * B A written into plain weights: plain kernels, a copy of the adapted base "
+        "weights) or adapter (vLLM's enable_lora with a LoRARequest per version; a peft copy in the HF "
+        "engine)", choices=("merged", "adapter"), extension=True, inert=(LORA_OFF, SHARED_MODULE))
 
 
 @dataclass
@@ -196,7 +221,8 @@ class RolloutConfig:
     """Sampling of experience (PPO)."""
 
     batch_size: int = opt(1024, "prompts per rollout step", ge=1)
-    micro_batch_size: int = opt(1, "per-GPU micro-batch of the forward passes over generated samples", ge=1, on_resume="adjustable")
+    micro_batch_size: int = opt(1, "per-GPU micro-batch of the forward passes over generated samples", ge=1,
+                                on_resume="adjustable")
     n_samples_per_prompt: int = opt(1, "completions per prompt (> 1 for group estimators)", ge=1)
     temperature: float = opt(1.0, "sampling temperature", gt=0)
     top_p: float = opt(1.0, "nucleus sampling threshold", gt=0, le=1)
@@ -204,8 +230,10 @@ class RolloutConfig:
         None, "max generated tokens per sample; default: max_len - prompt length"
     )
     stop_token_ids: list[int] | None = opt(
-        None, "token ids that end a sample; default: the tokenizer's and generation config's EOS; given with no "
-        "ids: only --rollout.max_new_tokens ends a sample (TRL without stop_token)", nargs="*", extension=True)
+        None, "token ids that end a sample; default: the tokenizer's and generation config's EOS; given with "
+              "no "
+        "ids: only --rollout.max_new_tokens ends a sample (TRL without stop_token)", nargs="*",
+        extension=True)
     max_tokens_per_gpu: int | None = opt(
         None,
         "token budget per GPU for rollout-side forwards (dynamic batching; a micro-batch holds up to this x "
@@ -218,10 +246,11 @@ class RolloutConfig:
         None, "prompts per generation call; above --rollout.batch_size needs --train.async_enable", ge=1
     )
     engine: str = opt(
-        "auto", "which engine the --vllm.num_engines rollout engines run: auto (vLLM where this machine runs it: "
-        "a CUDA GPU with vllm, or a CPU with vllm-cpu; else the Hugging Face engine, with the reason at start-up), "
-        "vllm (the same, said as a requirement: a machine without vLLM ends with that reason) or hf (the Hugging "
-        "Face engine in each engine process)", choices=("auto", "vllm", "hf"), extension=True,
+        "auto", "which engine the --vllm.num_engines rollout engines run: auto (vLLM where this machine runs "
+                "it: "
+        "a CUDA GPU with vllm, or a CPU with vllm-cpu; else the Hugging Face engine, with the reason at "
+        "start-up), vllm (the same, said as a requirement: a machine without vLLM ends with that reason) or "
+        "hf (the Hugging Face engine in each engine process)", choices=("auto", "vllm", "hf"), extension=True,
         inert=needs("--vllm.num_engines", lambda c: (c.vllm.num_engines or 0) >= 1), on_resume="adjustable")
 
 
@@ -241,10 +270,12 @@ class DataConfig:
     disable_fast_tokenizer: bool = opt(False, "load the slow (Python) tokenizer")
     max_dropped_frac: float = opt(
         0.1, "stop the run when more than this fraction of the rows is dropped because the prompt alone does "
-        "not fit --data.max_len (the drops are always reported)", extension=True, ge=0, le=1, on_resume="adjustable")
+        "not fit --data.max_len (the drops are always reported)", extension=True, ge=0, le=1,
+        on_resume="adjustable")
     dataloader_num_workers: int = opt(
         0, "DataLoader worker processes", ge=0,
-        inert=Inert("samples are tokenised once, up front, in the main process (no DataLoader workers)"), on_resume="volatile")
+        inert=Inert("samples are tokenised once, up front, in the main process (no DataLoader workers)"),
+        on_resume="volatile")
 
 
 @dataclass
@@ -282,7 +313,8 @@ class ImageDataFields(ImageLimitFields):
     """Images in the rows, for a vision-language model (`posttrain sft` / `dpo`: beyond OpenRLHF 0.10.2, which
     reads images in `ppo` only; `posttrain rm` refuses them)."""
 
-    image_key: str = opt("images", "JSON key of the images (paths, data: URIs, base64, bytes; vision-language "
+    image_key: str = opt("images", "JSON key of the images (paths, data: URIs, base64, bytes; "
+                                   "vision-language "
                          "models)", extension=True, inert=TEXT_ONLY)
     max_images_per_prompt: int = opt(0, "max images per row (0: text only)", ge=0, extension=True)
 
@@ -331,12 +363,15 @@ class TrainConfig:
 
     batch_size: int = opt(128, "global training batch size (samples per optimizer step)", ge=1)
     micro_batch_size: int = opt(8, "samples per GPU per forward/backward", ge=1, on_resume="adjustable")
-    max_epochs: int = opt(1, "epochs over the dataset", ge=1, on_resume={"ppo": "trajectory", "*": "adjustable"})
+    max_epochs: int = opt(1, "epochs over the dataset", ge=1,
+                          on_resume={"ppo": "trajectory", "*": "adjustable"})
     seed: int = opt(42, "random seed")
     full_determinism_enable: bool = opt(
         False, "bit-reproducible kernels (slower)",
-        inert=not_yet("deterministic kernels are not forced (runs are seeded with --train.seed)"), on_resume="adjustable")
-    dynamic_batch_enable: bool = opt(False, "form micro-batches by token budget instead of sample count", on_resume="adjustable")
+        inert=not_yet("deterministic kernels are not forced (runs are seeded with --train.seed)"),
+        on_resume="adjustable")
+    dynamic_batch_enable: bool = opt(False, "form micro-batches by token budget instead of sample count",
+                                     on_resume="adjustable")
     max_tokens_per_gpu: int | None = opt(
         None, "token budget per GPU with --train.dynamic_batch_enable: a micro-batch holds up to this x "
         "--ds.ring_attn_size x --ds.tensor_parallel_size tokens (its group's GPUs share it)", gt=0,
@@ -351,11 +386,12 @@ class PPOTrainConfig(TrainConfig):
 
     num_episodes: int = opt(1, "passes over the prompt dataset", ge=1,
                             inert=Inert("--train.max_steps sets the run's length",
-                                        lambda v, c, dev: c.train.max_steps is not None), on_resume="adjustable")
+                                        lambda v, c, dev: c.train.max_steps is not None),
+                            on_resume="adjustable")
     max_steps: int | None = opt(
         None, "stop after this many rollout steps, cycling the prompts (a fresh shuffle per pass) as often "
-        "as needed; replaces --train.num_episodes when set (TRL's total_episodes / batch size)", extension=True,
-        ge=1, note="(or unset)", on_resume="adjustable")
+        "as needed; replaces --train.num_episodes when set (TRL's total_episodes / batch size)",
+        extension=True, ge=1, note="(or unset)", on_resume="adjustable")
     async_enable: bool = opt(False, "overlap rollout and training (async pipeline)")
     async_queue_size: int = opt(
         1, "rollout batches buffered between sampler and trainer", ge=0,
@@ -368,19 +404,24 @@ class PPOTrainConfig(TrainConfig):
     agent_func_path: str | None = opt(None, "Python file defining a multi-turn agent",
                                       check=lambda v: not v or v.endswith(".py"),
                                       message="must be a .py file defining AgentExecutor")
-    colocate_actor_ref: bool = opt(False, "actor and reference model share GPUs", inert=(ROLE_PLACEMENT, REF_IN_ACTOR), on_resume="adjustable")
-    colocate_critic_reward: bool = opt(False, "critic and reward model share GPUs", inert=ROLE_PLACEMENT, on_resume="adjustable")
-    colocate_all: bool = opt(False, "all models and vLLM engines share GPUs (hybrid engine)", inert=ROLE_PLACEMENT, on_resume="adjustable")
+    colocate_actor_ref: bool = opt(False, "actor and reference model share GPUs",
+                                   inert=(ROLE_PLACEMENT, REF_IN_ACTOR), on_resume="adjustable")
+    colocate_critic_reward: bool = opt(False, "critic and reward model share GPUs", inert=ROLE_PLACEMENT,
+                                       on_resume="adjustable")
+    colocate_all: bool = opt(False, "all models and vLLM engines share GPUs (hybrid engine)",
+                             inert=ROLE_PLACEMENT, on_resume="adjustable")
 
 
 @dataclass
 class AgentConfig:
     """Multi-turn agent episodes (--train.agent_func_path; posttrain extensions)."""
 
-    timeout: float = opt(300.0, "seconds per episode; an episode that runs longer fails (counted in agent/failed)",
+    timeout: float = opt(300.0, "seconds per episode; an episode that runs longer fails (counted in "
+                                "agent/failed)",
                          extension=True, gt=0, note="seconds", on_resume="adjustable")
     max_failure_frac: float = opt(0.1, "stop the run when more than this fraction of a batch's episodes fail "
-                                  "(raise, time out or return a malformed result)", extension=True, ge=0, le=1, on_resume="adjustable")
+                                  "(raise, time out or return a malformed result)", extension=True, ge=0,
+                                  le=1, on_resume="adjustable")
 
 
 @dataclass
@@ -415,8 +456,8 @@ class CkptConfig:
         "directory of resumable training checkpoints; unset: <--ckpt.output_dir>/checkpoints "
         "(each run directory holds its own; OpenRLHF: ./ckpt/checkpoints_<trainer>)",
     )
-    save_steps: int = opt(-1, "save a checkpoint every N steps (-1: never)", check=lambda v: v == -1 or v >= 1,
-                          message="must be -1 (never) or >= 1")
+    save_steps: int = opt(-1, "save a checkpoint every N steps (-1: never)", check=lambda v: v == -1
+                          or v >= 1, message="must be -1 (never) or >= 1")
     save_hf: bool = opt(False, "also export a Hugging Face model with every checkpoint, to "
                          "<--ckpt.path>/global_step<N>_hf (never rotated)", inert=SAVES_OFF)
     disable_ds: bool = opt(False, "skip resumable checkpoints (progress cannot be resumed)")
@@ -425,8 +466,8 @@ class CkptConfig:
     max_mem: float = opt(1e8, "max total size of kept checkpoints in GB", gt=0, note="(GB)", inert=SAVES_OFF)
     load_enable: bool = opt(False, "resume from the newest checkpoint in --ckpt.path if there is one")
     overwrite: bool = opt(False, "write into a --ckpt.output_dir holding a finished run (its saved "
-                          "model or summary.json; nothing is deleted); without it such a folder is refused", extension=True,
-                          on_resume="volatile")
+                          "model or summary.json; nothing is deleted); without it such a folder is refused",
+                          extension=True, on_resume="volatile")
 
 
 @dataclass
@@ -471,7 +512,8 @@ LR_NOTE = "(a learning rate cannot be negative)"
 NO_WARMUP = Inert("the constant schedule has no warm-up (constant_with_warmup has one)",
                   in_section(lambda v, sec, dev, at: sec.lr_scheduler == "constant"))
 WARMUP_STEPS_SET = Inert("the warm-up length comes from ", in_section(
-    lambda v, sec, dev, at: sec.lr_warmup_steps is not None and f"--{at}lr_warmup_steps {sec.lr_warmup_steps}"))
+    lambda v, sec, dev, at: sec.lr_warmup_steps is not None and f"--{at}lr_warmup_steps "
+                                                                f"{sec.lr_warmup_steps}"))
 NO_FLOOR = Inert("the schedule has no floor: ", in_section(
     lambda v, sec, dev, at: sec.lr_scheduler not in MIN_LR_SCHEDULERS and (
         f"--{at}lr_scheduler {sec.lr_scheduler} (only {', '.join(MIN_LR_SCHEDULERS[:-1])} and "
@@ -508,12 +550,15 @@ class OptimizerFields:
     optim: str = opt("adam", "optimizer", choices=OPTIMIZERS)
     adam: AdamConfig = section(AdamConfig)
     muon: MuonConfig = section(MuonConfig, inert=MUON_OFF)
-    lr_scheduler: str = opt("cosine_with_min_lr", "learning-rate schedule (transformers' names; formulas in docs)",
+    lr_scheduler: str = opt("cosine_with_min_lr", "learning-rate schedule (transformers' names; formulas in "
+                                                  "docs)",
                             choices=LR_SCHEDULERS, check=lambda v: METRIC_LR_SCHEDULERS.get(v, True))
-    lr_warmup_ratio: float = opt(0.03, "fraction of the steps spent in warm-up: ceil(steps x ratio) steps", ge=0, le=1,
-                                 inert=(NO_WARMUP, WARMUP_STEPS_SET))
-    lr_warmup_steps: int | None = opt(None, "warm-up length in optimizer steps; set, it replaces --lr_warmup_ratio",
+    lr_warmup_ratio: float = opt(0.03, "fraction of the steps spent in warm-up: ceil(steps x ratio) steps",
+                                 ge=0, le=1, inert=(NO_WARMUP, WARMUP_STEPS_SET))
+    lr_warmup_steps: int | None = opt(None, "warm-up length in optimizer steps; set, it replaces "
+                                            "--lr_warmup_ratio",
                                       ge=0, extension=True, inert=NO_WARMUP)
-    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak (" + ", ".join(MIN_LR_SCHEDULERS)
+    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak "
+                                   "(" + ", ".join(MIN_LR_SCHEDULERS)
                               + ")", ge=0, le=1, inert=NO_FLOOR)
     max_norm: float = opt(1.0, "gradient clipping norm (0: no clipping)", ge=0, note="(0: no clipping)")

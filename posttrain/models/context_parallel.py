@@ -4,8 +4,8 @@ whole row.
 
 Layout (OpenRLHF's): the row's real tokens, packed, are padded to a multiple of N and cut into N equal
 contiguous slices; rank r holds slice r (`slice_row`). Every other per-token tensor is cut the same way, the
-next-token labels before the cut (`next_tokens`), so a rank's last token still has its label. Position ids stay
-each sample's own (0, 1, ... within its sample), so the rotary embedding is the unsplit row's.
+next-token labels before the cut (`next_tokens`), so a rank's last token still has its label. Position ids
+stay each sample's own (0, 1, ... within its sample), so the rotary embedding is the unsplit row's.
 
 Attention (`attention`, registered with transformers as "posttrain_context_parallel"): the keys and values
 of the whole row are gathered from the group (`all_gather_rows`, differentiable: the backward sums every
@@ -75,10 +75,12 @@ def slice_row(tensor: torch.Tensor, rank: int, size: int, pad_value) -> torch.Te
     return tensor[:, rank * part:(rank + 1) * part]
 
 
-def split_packed(input_ids: torch.Tensor, position_ids: torch.Tensor, rank: int, size: int) -> tuple[dict, torch.Tensor]:
+def split_packed(input_ids: torch.Tensor, position_ids: torch.Tensor, rank: int,
+                 size: int) -> tuple[dict, torch.Tensor]:
     """This rank's slice of a packed [1, T] row: model inputs `{"input_ids", "position_ids"}` and the bool
     [1, T/size] of its real tokens (False on the padding that made the row divisible)."""
-    local = {"input_ids": slice_row(input_ids, rank, size, 0), "position_ids": slice_row(position_ids, rank, size, 0)}
+    local = {"input_ids": slice_row(input_ids, rank, size, 0),
+             "position_ids": slice_row(position_ids, rank, size, 0)}
     return local, slice_row(torch.ones_like(input_ids, dtype=torch.bool), rank, size, False)
 
 
@@ -90,7 +92,8 @@ def next_tokens(input_ids: torch.Tensor, pad_value: int) -> torch.Tensor:
 
 class _AllGatherRows(torch.autograd.Function):
     """[B, ..., T_local, D] from every rank of `group` concatenated along dim -2 (the sequence); backward: the
-    sum over ranks of the gathered tensor's gradient, this rank's slice (all-reduce: gloo has no reduce-scatter)."""
+    sum over ranks of the gathered tensor's gradient, this rank's slice (all-reduce: gloo
+    has no reduce-scatter)."""
 
     @staticmethod
     def forward(ctx, tensor, group):
@@ -154,8 +157,8 @@ class _GroupSum(torch.autograd.Function):
 
 
 def group_sum(tensor: torch.Tensor, group) -> torch.Tensor:
-    """`tensor` summed over the ranks of `group`, differentiable (`_GroupSum`): e.g. a packed sample's log-prob
-    whose tokens lie on several ranks."""
+    """`tensor` summed over the ranks of `group`, differentiable (`_GroupSum`): e.g. a packed sample's
+    log-prob whose tokens lie on several ranks."""
     return _GroupSum.apply(tensor, group)
 
 
@@ -172,8 +175,8 @@ class _Context:
     bias: torch.Tensor | None = None  # the additive mask, built at the first masked call of the forward
 
     def allowed(self) -> torch.Tensor:
-        """[B, 1, T_local, T_total] bool: query (local) may attend key (whole row): a key of its own sample at or
-        before it, not padding; every query attends itself (no empty row)."""
+        """[B, 1, T_local, T_total] bool: query (local) may attend key (whole row): a key of its own sample at
+        or before it, not padding; every query attends itself (no empty row)."""
         allowed = self.q_sample[:, :, None] == self.sample[:, None, :]
         allowed &= self.index[:, None, :] <= self.q_index[:, :, None]
         allowed &= self.keys_valid[:, None, :]
@@ -181,9 +184,10 @@ class _Context:
         return allowed[:, None]
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """`allowed()` as 0 / -inf in `dtype`, made once per forward: sdpa turns a boolean mask into a float copy at
-        every call and keeps it for the backward (one [T_local, T] copy per layer and head stride), while every
-        call shares a float one. Built only where the masked path runs (the fused kernel needs no mask)."""
+        """`allowed()` as 0 / -inf in `dtype`, made once per forward: sdpa turns a boolean mask into a float
+        copy at every call and keeps it for the backward (one [T_local, T] copy per layer and head stride),
+        while every call shares a float one. Built only where the masked path runs (the fused kernel
+        needs no mask)."""
         if self.bias is None or self.bias.dtype != dtype:
             blocked = ~self.allowed()
             self.bias = torch.zeros(blocked.shape, dtype=dtype, device=blocked.device).masked_fill_(
@@ -270,10 +274,10 @@ def attention(module, query, key, value, attention_mask=None, scaling=None, drop
 
 
 def _masked_attention(q, k, v, mask, scaling, per_kv: int) -> torch.Tensor:
-    """sdpa with the additive mask. On CPU the key/value heads go in grouped (`enable_gqa`): the CPU flash kernel
-    takes them so and saves the gathered keys/values once, not once per query head. On CUDA they are repeated
-    per query head first: with a mask and grouped heads torch falls back to its math kernel there, which keeps
-    the whole [H, T_local, T] attention weights for the backward."""
+    """sdpa with the additive mask. On CPU the key/value heads go in grouped (`enable_gqa`): the CPU flash
+    kernel takes them so and saves the gathered keys/values once, not once per query head. On CUDA they are
+    repeated per query head first: with a mask and grouped heads torch falls back to its math kernel there,
+    which keeps the whole [H, T_local, T] attention weights for the backward."""
     if per_kv > 1 and q.is_cuda:
         k, v = k.repeat_interleave(per_kv, dim=1), v.repeat_interleave(per_kv, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
@@ -281,7 +285,8 @@ def _masked_attention(q, k, v, mask, scaling, per_kv: int) -> torch.Tensor:
 
 
 def register() -> str:
-    """Register the attention function (and no mask: it builds its own) with transformers; returns its name."""
+    """Register the attention function (and no mask: it builds its own) with transformers;
+    returns its name."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION_NAME, attention)

@@ -112,7 +112,8 @@ def model_inputs(model, batch: dict) -> dict:
     kwargs["position_ids"] = position_ids
     backend = _attn_backend(model)
     if backend in _MASKED_BACKENDS:
-        kwargs["attention_mask"] = _backend_mask(model, backend, block_causal_mask(position_ids, attention_mask))
+        kwargs["attention_mask"] = _backend_mask(model, backend,
+                                                 block_causal_mask(position_ids, attention_mask))
     elif attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError(f"packed batch with padding needs the sdpa or eager backend, not {backend!r}; "
                          "drop the padding (flash attention takes sample boundaries from position_ids)")
@@ -126,17 +127,17 @@ def _vision_inputs(model, kwargs: dict, batch: dict) -> dict:
     layouts are refused: their position ids would be text positions."""
     mask = batch.get("attention_mask")
     if batch.get("position_ids") is not None or (mask is not None and mask.dim() == 4):
-        raise ValueError("a vision-language model takes padded batches only (no packing, no shared-prefix layout): "
-                         "it computes its rotary positions per row from the image grid")
+        raise ValueError("a vision-language model takes padded batches only (no packing, no shared-prefix "
+                         "layout): it computes its rotary positions per row from the image grid")
     if mask is not None:
         kwargs["attention_mask"] = mask
     return {**kwargs, **vision_forward_inputs(model, kwargs["input_ids"], batch.get("image_inputs") or {})}
 
 
 def _backend_mask(model, backend: str, mask: torch.Tensor) -> torch.Tensor:
-    """A boolean [B, 1, T, T] mask as an additive float one, made once per forward: eager adds it to the attention
-    scores (its dtype's minimum where masked); sdpa gets 0 / -inf, what it would make of the boolean mask itself,
-    but at every layer, keeping each [T, T] copy for the backward."""
+    """A boolean [B, 1, T, T] mask as an additive float one, made once per forward: eager adds it to the
+    attention scores (its dtype's minimum where masked); sdpa gets 0 / -inf, what it would make of the boolean
+    mask itself, but at every layer, keeping each [T, T] copy for the backward."""
     dtype = _param_dtype(model)
     masked = torch.finfo(dtype).min if backend == "eager" else float("-inf")
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, masked)
@@ -240,8 +241,8 @@ def _plain_head(model) -> torch.nn.Linear | None:
 
 
 @contextlib.contextmanager
-def _head_returns_logprobs(head: torch.nn.Linear, index: torch.Tensor, labels: torch.Tensor, temperature: float,
-                           chunk_rows: int):
+def _head_returns_logprobs(head: torch.nn.Linear, index: torch.Tensor, labels: torch.Tensor,
+                           temperature: float, chunk_rows: int):
     """While inside, `head`'s forward returns `gathered_logprobs` [M] of its output's rows (flattened) at
     `index` instead of the logits, `chunk_rows` rows of logits at a time, each chunk in an activation
     checkpoint; yields [number of calls]."""
@@ -254,13 +255,14 @@ def _head_returns_logprobs(head: torch.nn.Linear, index: torch.Tensor, labels: t
         for start in range(0, flat.shape[0], chunk_rows):
             sel = ((index >= start) & (index < start + chunk_rows)).nonzero().squeeze(-1)
             if len(sel):
-                out.append(checkpoint(_chunk_logprobs, head, flat[start:start + chunk_rows], index[sel] - start,
-                                      labels[sel], temperature, use_reentrant=False))
+                out.append(checkpoint(_chunk_logprobs, head, flat[start:start + chunk_rows],
+                                      index[sel] - start, labels[sel], temperature, use_reentrant=False))
                 where.append(sel)
         result = torch.zeros(len(index), dtype=torch.float32, device=flat.device)
         return result.index_copy(0, torch.cat(where), torch.cat(out)) if out else result
 
-    own = head.__dict__.get("forward")  # a wrapper set on the instance (e.g. accelerate's hooks) comes back after
+    # a wrapper set on the instance (e.g. accelerate's hooks) comes back after
+    own = head.__dict__.get("forward")
     head.forward = logprobs
     try:
         yield calls
@@ -273,8 +275,8 @@ def _head_returns_logprobs(head: torch.nn.Linear, index: torch.Tensor, labels: t
 
 def _chunk_logprobs(head: torch.nn.Linear, hidden: torch.Tensor, rows: torch.Tensor, labels: torch.Tensor,
                     temperature: float) -> torch.Tensor:
-    """The head's weights used directly (calling the module would re-enter its hooks and the replaced forward);
-    under ZeRO-3 they are gathered while the head's forward or backward runs."""
+    """The head's weights used directly (calling the module would re-enter its hooks and the replaced
+    forward); under ZeRO-3 they are gathered while the head's forward or backward runs."""
     return gathered_logprobs(F.linear(hidden, head.weight, head.bias).float(), rows, labels, temperature)
 
 

@@ -11,8 +11,8 @@ The step loss is ``Σ_pairs (ℓ + c·ℓ_nll) / P`` with ``c = --model.nll_loss
 the whole optimizer step (all micro-batches, all ranks), so the split does not change it. At
 initialisation (policy = reference) ``h = 0`` and the DPO loss is log 2.
 
-Logged per pair (means): ``loss`` (ℓ + c·ℓ_nll), ``dpo_loss`` (ℓ), ``nll``, ``chosen_reward`` = β(π_c - ref_c),
-``rejected_reward`` = β(π_r - ref_r), ``margin`` = chosen_reward - rejected_reward and ``acc`` =
+Logged per pair (means): ``loss`` (ℓ + c·ℓ_nll), ``dpo_loss`` (ℓ), ``nll``, ``chosen_reward`` = β(π_c -
+ref_c), ``rejected_reward`` = β(π_r - ref_r), ``margin`` = chosen_reward - rejected_reward and ``acc`` =
 share of pairs with chosen_reward > rejected_reward.
 
 Reference: ``--ref.model_name_or_path`` (default: the policy's initial weights). With LoRA and the
@@ -88,8 +88,8 @@ class DPOObjective(PairObjective):
             del ref_logits
             logits = forward_logits(model, batch)
         if logits.shape[-1] != ref_vocab:
-            raise ValueError(f"--ref.model_name_or_path: the reference has a vocabulary of {ref_vocab} tokens, "
-                             f"the policy {logits.shape[-1]}; DPO needs both to share the tokenizer")
+            raise ValueError(f"--ref.model_name_or_path: the reference has a vocabulary of {ref_vocab} "
+                             f"tokens, the policy {logits.shape[-1]}; DPO needs both to share the tokenizer")
         logps, counts = sequence_logprobs(logits, batch)
         mean_loss, chosen_r, rejected_r = dpo_loss(
             logps[:b], logps[b:], ref_logps[:b], ref_logps[b:], beta=self.beta,
@@ -100,7 +100,8 @@ class DPOObjective(PairObjective):
             dpo_sum, nll_sum = float(mean_loss) * b, float(nll.sum())
             stats = {"loss_sum": dpo_sum + self.nll_coef * nll_sum, "dpo_loss_sum": dpo_sum,
                      "nll_sum": nll_sum, "acc_sum": float((chosen_r > rejected_r).sum()),
-                     "chosen_reward_sum": float(chosen_r.sum()), "rejected_reward_sum": float(rejected_r.sum()),
+                     "chosen_reward_sum": float(chosen_r.sum()),
+                     "rejected_reward_sum": float(rejected_r.sum()),
                      "margin_sum": float((chosen_r - rejected_r).sum())}
             stats.update({k[: -len("_sum")] + "_count": float(b) for k in list(stats)})
         return loss, stats
@@ -116,7 +117,8 @@ def load_reference(cfg: DPOConfig, device: torch.device, world_size: int = 1):
     if setup.lora is not None and path == cfg.model.model_name_or_path:
         info("reference model: the policy with its LoRA adapters disabled (no second copy loaded)")
         if cfg.ref.offload:
-            info("note: --ref.offload has nothing to offload (the reference shares the policy's base weights)")
+            info("note: --ref.offload has nothing to offload (the reference shares the policy's base "
+                 "weights)")
         return None
     where = torch.device("cpu") if cfg.ref.offload else device
     # with context parallelism the reference reads the same slices of each row as the policy

@@ -57,7 +57,8 @@ def preference_items(rows: list[dict], tokenizer, cfg: RMConfig | DPOConfig, wha
         info(f"{what}: {data.num_truncated} responses longer than --data.max_len {cfg.data.max_len} were cut "
              "(their last token kept as EOS)")
     report = check_dropped(what, data.dropped, len(data) + data.num_dropped,
-                           f"the prompt alone fills --data.max_len {cfg.data.max_len}", cfg.data.max_dropped_frac)
+                           f"the prompt alone fills --data.max_len {cfg.data.max_len}",
+                           cfg.data.max_dropped_frac)
     if report:
         info(report)
     if data.num_capped:

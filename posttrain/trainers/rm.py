@@ -43,7 +43,8 @@ from posttrain.utils.log import info
 class RMObjective(PairObjective):
     """The step loop's `Objective` for reward models (pairs as units, see `PairObjective`)."""
 
-    def __init__(self, pad_id: int, packing: bool, loss_type: str = "sigmoid", use_margin: bool = False) -> None:
+    def __init__(self, pad_id: int, packing: bool, loss_type: str = "sigmoid",
+                 use_margin: bool = False) -> None:
         super().__init__(pad_id, packing)
         self.loss_type, self.use_margin = loss_type, use_margin
 
@@ -59,8 +60,9 @@ class RMObjective(PairObjective):
         loss = per_pair_mean * b / num_units
         with torch.no_grad():
             n = float(b)
-            stats = {"loss_sum": float(per_pair_mean.detach()) * n, "acc_sum": float((chosen > rejected).sum()),
-                     "chosen_reward_sum": float(chosen.sum()), "rejected_reward_sum": float(rejected.sum()),
+            stats = {"loss_sum": float(per_pair_mean.detach()) * n,
+                     "acc_sum": float((chosen > rejected).sum()), "chosen_reward_sum": float(chosen.sum()),
+                     "rejected_reward_sum": float(rejected.sum()),
                      "margin_sum": float((chosen - rejected).sum())}
             stats.update({k.replace("_sum", "_count"): n for k in list(stats)})
             rd = r.double()

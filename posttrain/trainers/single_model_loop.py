@@ -9,8 +9,8 @@ A trainer supplies an `Objective`:
   - `loss(model, batch, num_units) -> (loss, sums)`: the micro-batch's share of the step loss,
     already divided by `num_units` = the units of the WHOLE step (all micro-batches, all ranks), so
     the step loss is the plain sum of micro-batch losses — identical whatever the split
-    (docs/algorithms.md, "Loss aggregation"). `sums` are additive statistics (floats) summed over micro-batches
-    and ranks and logged divided by their `*_count` partner when one exists; a `*_sqsum` partner
+    (docs/algorithms.md, "Loss aggregation"). `sums` are additive statistics (floats) summed over
+    micro-batches and ranks and logged divided by their `*_count` partner when one exists; a `*_sqsum` partner
     (sum of squares) adds the sample standard deviation (`x_sum`, `x_sqsum`, `x_count` are logged
     as `x_mean` and `x_std`).
 The loop owns data order, micro-batching, rank padding for ZeRO-3 and its checkpoint state (weights,
@@ -62,7 +62,8 @@ class LoopSettings:
     progress: bool = True
     context: object = None  # `models.parallel_groups.ContextGroups` (context parallelism), or None
     aux_loss_coef: float = 0.0  # the MoE router loss's coefficient in force: joins each micro-batch's loss
-    layout: object = None  # `models.parallel_groups.ParallelLayout` of the run's ranks (None: each its own samples)
+    # `models.parallel_groups.ParallelLayout` of the run's ranks (None: each its own samples)
+    layout: object = None
 
 
 def _to_device(batch: dict, device) -> dict:
@@ -98,12 +99,13 @@ def summarize(sums: dict[str, float], prefix: str) -> dict[str, float]:
 
 class SingleModelLoop(RunLoop):
     higher_is_better = False  # `metric_key`: the evaluation loss
-    def __init__(self, *, engine, objective: Objective, train_items: list[dict], eval_items: list[dict] | None,
-                 settings: LoopSettings, logger: MetricsLogger,
+    def __init__(self, *, engine, objective: Objective, train_items: list[dict],
+                 eval_items: list[dict] | None, settings: LoopSettings, logger: MetricsLogger,
                  save_hf: Callable[[Path], None] | None = None, device=None,
                  ckpt: CheckpointManager | None = None) -> None:
         """`ckpt`: the run's checkpoint manager, already `prepare`d before the model loaded
-        (`posttrain.trainers.run_folders.claim_run_folders`); without it one is made from `settings.ckpt_path`."""
+        (`posttrain.trainers.run_folders.claim_run_folders`); without it one is
+        made from `settings.ckpt_path`."""
         self.engine = engine
         self.obj = objective
         self.train_items = train_items
@@ -111,7 +113,8 @@ class SingleModelLoop(RunLoop):
         self.s = settings
         self.save_hf = save_hf
         self.device = device or torch.device("cpu")
-        length = getattr(objective, "length", None) or (lambda it: len(it["input_ids"]) if "input_ids" in it else 1)
+        length = getattr(objective, "length",
+                         None) or (lambda it: len(it["input_ids"]) if "input_ids" in it else 1)
         self.lengths = [length(it) for it in train_items]
         self.steps_per_epoch = batching.steps_per_epoch(len(train_items), settings.batch_size)
         if self.steps_per_epoch == 0:
@@ -120,7 +123,8 @@ class SingleModelLoop(RunLoop):
                 f"(--train.batch_size {settings.batch_size}); lower --train.batch_size or add data")
         dropped = len(train_items) - self.steps_per_epoch * settings.batch_size
         if dropped:
-            info(f"{dropped} samples per epoch do not fill a whole batch of {settings.batch_size} and are skipped")
+            info(f"{dropped} samples per epoch do not fill a whole batch of {settings.batch_size} and are "
+                 f"skipped")
         if ckpt is not None:
             ckpt.is_main, ckpt.barrier = engine.is_main, engine.barrier
         elif settings.ckpt_path and not settings.ckpt_disable_ds:
@@ -142,8 +146,8 @@ class SingleModelLoop(RunLoop):
                                       max_tokens=self.s.max_tokens)
 
     def _data_rank(self) -> tuple[int, int]:
-        """(this rank's data-parallel rank, their number): the ranks of a context- or tensor-parallel group take the
-        same samples (`ParallelLayout`)."""
+        """(this rank's data-parallel rank, their number): the ranks of a context- or tensor-parallel group
+        take the same samples (`ParallelLayout`)."""
         layout = self.s.layout
         if layout is None:
             return self.engine.rank, self.engine.world_size
@@ -162,9 +166,12 @@ class SingleModelLoop(RunLoop):
         """Forward (and backward when training) every micro-batch of one step; return global sums."""
         units = float(sum(self.obj.units(items[i]) for g in groups for i in g))
         if self.engine.world_size > 1:
-            units = float(self.engine.all_reduce(torch.tensor([units], dtype=torch.float64, device=self.device))[0])
-            units /= self.engine.world_size // self._data_rank()[1]  # a context-/tensor-parallel group counted alike
-            n_micro = int(self.engine.all_reduce(torch.tensor([len(groups)], device=self.device), op="max")[0])
+            units = float(self.engine.all_reduce(torch.tensor([units], dtype=torch.float64,
+                                                              device=self.device))[0])
+            # a context-/tensor-parallel group counted alike
+            units /= self.engine.world_size // self._data_rank()[1]
+            n_micro = int(self.engine.all_reduce(torch.tensor([len(groups)], device=self.device),
+                                                 op="max")[0])
         else:
             n_micro = len(groups)
         sums: dict[str, float] = {}
@@ -190,14 +197,15 @@ class SingleModelLoop(RunLoop):
 
     def _with_router_loss(self, model, loss, stats: dict, group: list[int], items: list[dict], units: float):
         """`loss` + coef x the MoE router loss of the micro-batch's forward (`models.moe`), weighted by the
-        micro-batch's share of the step's units (its target tokens or pairs), so the step adds the units-weighted
-        mean of the micro-batches' router losses; logged as `aux_loss` (that mean)."""
+        micro-batch's share of the step's units (its target tokens or pairs), so the step adds the
+        units-weighted mean of the micro-batches' router losses; logged as `aux_loss` (that mean)."""
         aux = take_router_loss(model) if self.s.aux_loss_coef > 0 else None
         if aux is None:
             return loss
         mine = float(sum(self.obj.units(items[i]) for i in group))
         stats.update(aux_loss_sum=float(aux.detach()) * mine, aux_loss_count=mine)
-        ring = self.s.context.size if self.s.context is not None else 1  # each rank's router loss is its slice's
+        # each rank's router loss is its slice's
+        ring = self.s.context.size if self.s.context is not None else 1
         return loss + self.s.aux_loss_coef * aux * (mine / max(units, 1.0)) / ring
 
     def evaluate(self, items: list[dict] | None = None, prefix: str = "eval") -> dict[str, float]:
@@ -232,7 +240,8 @@ class SingleModelLoop(RunLoop):
         return metrics
 
     def postfix(self, metrics: dict[str, float]) -> dict[str, str]:
-        return {k.split("/")[-1]: f"{v:.4g}" for k, v in metrics.items() if k in ("train/loss", "train/lr", "train/acc")}
+        return {k.split("/")[-1]: f"{v:.4g}" for k, v in metrics.items()
+                if k in ("train/loss", "train/lr", "train/acc")}
 
     def before_loop(self) -> None:
         self.engine.module.train()

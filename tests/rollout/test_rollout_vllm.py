@@ -26,22 +26,30 @@ def Logprob(x):  # vllm.sequence.Logprob(logprob, rank, decoded_token)
 def completion(index, tokens, logprobs, finish_reason, extra=True):
     """A CompletionOutput: `.logprobs` holds one {token_id: Logprob} per token (with logprobs=0 the
     sampled token, sometimes plus the top-1 token when it differs)."""
-    entries = [{t: Logprob(lp), **({t + 1: Logprob(-0.01)} if extra else {})} for t, lp in zip(tokens, logprobs)]
+    entries = [{t: Logprob(lp), **({t + 1: Logprob(-0.01)} if extra else {})}
+               for t, lp in zip(tokens, logprobs)]
     return SimpleNamespace(index=index, text="", token_ids=tuple(tokens), cumulative_logprob=sum(logprobs),
                            logprobs=entries, finish_reason=finish_reason, stop_reason=None)
 
 
 def request(prompt, completions):
-    return SimpleNamespace(request_id="0", prompt=None, prompt_token_ids=prompt, outputs=completions, finished=True)
+    return SimpleNamespace(request_id="0", prompt=None, prompt_token_ids=prompt, outputs=completions,
+                           finished=True)
 
 
 def test_convert_vllm_outputs():
     prompts = [[1, 2, 3], [4]]
-    outs = [request([1, 2, 3], [completion(1, [9, 2], [-0.5, -1.5], "stop"), completion(0, [7, 8, 8], [-1.0, -2.0, -3.0], "length")]),
-            request([4], [completion(0, [5], [-0.25], "stop", extra=False), completion(1, [6, 6], [-4.0, -0.125], "length")])]
+    outs = [request([1, 2, 3],
+                    [completion(1, [9, 2], [-0.5, -1.5], "stop"),
+                     completion(0, [7, 8, 8], [-1.0, -2.0, -3.0], "length")]),
+            request([4],
+                    [completion(0, [5], [-0.25], "stop", extra=False),
+                     completion(1, [6, 6], [-4.0, -0.125], "length")])]
     got = convert_vllm_outputs(prompts, outs, n=2)
-    assert [[o.output_token_ids for o in g] for g in got] == [[[7, 8, 8], [9, 2]], [[5], [6, 6]]]  # sorted by index
-    assert [[o.logprobs for o in g] for g in got] == [[[-1.0, -2.0, -3.0], [-0.5, -1.5]], [[-0.25], [-4.0, -0.125]]]
+    # sorted by index
+    assert [[o.output_token_ids for o in g] for g in got] == [[[7, 8, 8], [9, 2]], [[5], [6, 6]]]
+    assert [[o.logprobs for o in g] for g in got] == [[[-1.0, -2.0, -3.0], [-0.5, -1.5]],
+                                                      [[-0.25], [-4.0, -0.125]]]
     assert [[o.finish_reason for o in g] for g in got] == [["length", "stop"], ["stop", "length"]]
     assert all(o.prompt_token_ids == prompts[p] for p, g in enumerate(got) for o in g)
 
@@ -97,10 +105,12 @@ class FakeLLM:
         self.calls = []
         self.prompts = []
 
-        self.llm_engine = SimpleNamespace(remove_lora=lambda lora_id: self.calls.append(("remove_lora", lora_id)))
+        self.llm_engine = SimpleNamespace(remove_lora=lambda lora_id: self.calls.append(("remove_lora",
+                                                                                         lora_id)))
 
     def generate(self, prompts, sampling_params, use_tqdm=True, lora_request=None):
-        self.calls.append(("generate", prompts, sampling_params, use_tqdm) + ((lora_request,) if lora_request else ()))
+        self.calls.append(("generate", prompts, sampling_params, use_tqdm)
+                          + ((lora_request,) if lora_request else ()))
         self.prompts.extend(prompts)
         return [request(p["prompt_token_ids"], [completion(i, [10 + i, 2], [-0.5, -0.75], "stop")
                                                  for i in range(sp["n"])])
@@ -145,7 +155,8 @@ def _vllm_runs_here() -> bool:
 
 
 # a stand-in test whose real-vLLM twin (tests/rollout/test_vllm_real*.py) runs on this machine is skipped
-has_real_twin = pytest.mark.skipif(_vllm_runs_here(), reason="vLLM runs here: tests/rollout/test_vllm_real*.py")
+has_real_twin = pytest.mark.skipif(_vllm_runs_here(), reason="vLLM runs here: "
+                                                             "tests/rollout/test_vllm_real*.py")
 
 
 @has_real_twin
@@ -156,15 +167,18 @@ def test_vllm_engine_request_and_lifecycle(fake_vllm):
     if not torch.cuda.is_available():  # the CPU build's defaults (apply_cpu_defaults)
         assert init.pop("kv_cache_memory_bytes") == 2**30 and "gpu_memory_utilization" not in init
         init["gpu_memory_utilization"] = 0.5
-    assert init == {"model": "/models/policy", "gpu_memory_utilization": 0.5, "logprobs_mode": "processed_logprobs",
-                    "generation_config": "vllm", "worker_extension_cls": WORKER_EXTENSION}
+    assert init == {"model": "/models/policy", "gpu_memory_utilization": 0.5,
+                    "logprobs_mode": "processed_logprobs", "generation_config": "vllm",
+                    "worker_extension_cls": WORKER_EXTENSION}
     params = SamplingParams(temperature=0.7, top_p=1.0, max_new_tokens=5, n=2, seed=3)
     out = engine.generate([[1, 2], [3]], params)
     _, prompts, sampling, use_tqdm = engine.llm.calls[-1]
     assert prompts == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}] and use_tqdm is False
-    assert sampling[0] == dict(n=2, temperature=0.7, top_p=1.0, max_tokens=5, seed=rank_seed(3, 0, 0) % 2**31, logprobs=0,
-                               detokenize=False, min_tokens=1, stop_token_ids=None, ignore_eos=False)
-    assert sampling[1]["seed"] == rank_seed(3, 0, 1) % 2**31 != sampling[0]["seed"]  # duplicate prompts still differ
+    assert sampling[0] == dict(n=2, temperature=0.7, top_p=1.0, max_tokens=5, seed=rank_seed(3, 0, 0) % 2**31,
+                               logprobs=0, detokenize=False, min_tokens=1, stop_token_ids=None,
+                               ignore_eos=False)
+    # duplicate prompts still differ
+    assert sampling[1]["seed"] == rank_seed(3, 0, 1) % 2**31 != sampling[0]["seed"]
     assert [[o.output_token_ids for o in g] for g in out] == [[[10, 2], [11, 2]]] * 2
     assert out[1][0].prompt_token_ids == [3] and out[0][1].logprobs == [-0.5, -0.75]
 
@@ -172,7 +186,8 @@ def test_vllm_engine_request_and_lifecycle(fake_vllm):
     engine.generate([[1]], SamplingParams(stop_token_ids=[2, 0]))
     sp = engine.llm.calls[-1][2][0]
     assert (sp["stop_token_ids"], sp["ignore_eos"], sp["seed"]) == ([2, 0], True, None)
-    engine.generate([[1]], SamplingParams(max_new_tokens=3, min_tokens=5))  # vLLM refuses min_tokens > max_tokens
+    # vLLM refuses min_tokens > max_tokens
+    engine.generate([[1]], SamplingParams(max_new_tokens=3, min_tokens=5))
     assert engine.llm.calls[-1][2][0]["min_tokens"] == 3
     with_eos = VLLMRolloutEngine(FakeLLM(), eos_token_ids=[7])
     with_eos.generate([[1]], SamplingParams())
@@ -215,7 +230,8 @@ def test_vllm_engine_per_prompt_seeds(fake_vllm):
 
 
 @has_real_twin
-def test_engine_worker_runs_vllm_where_it_can_and_verifies_what_it_received(fake_vllm, monkeypatch, tiny_model_dir):
+def test_engine_worker_runs_vllm_where_it_can_and_verifies_what_it_received(fake_vllm, monkeypatch,
+                                                                            tiny_model_dir):
     """The Ray rollout-engine process (distributed/workers.EngineWorker) without Ray: on a machine where
     vLLM runs it builds the vLLM engine from the OpenRLHF flags; a sync bucket goes through vLLM's
     `load_weights`; the prefix cache is dropped after the last bucket; a verified receive hashes equal
@@ -224,9 +240,9 @@ def test_engine_worker_runs_vllm_where_it_can_and_verifies_what_it_received(fake
     from posttrain.trainers.rl.placement.workers import EngineWorker, numpy_state
     from posttrain.utils.weights_hash import weights_hash
 
-    argv = ["--actor.model_name_or_path", str(tiny_model_dir), "--data.prompt_dataset", "x", "--vllm.num_engines", "1",
-            "--vllm.gpu_memory_utilization", "0.4", "--vllm.enforce_eager", "--ds.param_dtype", "bf16",
-            "--data.max_len", "96", "--train.seed", "5"]
+    argv = ["--actor.model_name_or_path", str(tiny_model_dir), "--data.prompt_dataset", "x",
+            "--vllm.num_engines", "1", "--vllm.gpu_memory_utilization", "0.4", "--vllm.enforce_eager",
+            "--ds.param_dtype", "bf16", "--data.max_len", "96", "--train.seed", "5"]
     monkeypatch.setattr(backends, "vllm_unavailable", lambda: None)
     worker = EngineWorker(1, {})
     worker.setup(parse_config("ppo", argv, check=False))
@@ -255,9 +271,9 @@ def test_engine_worker_refusals_and_the_hf_fallback(monkeypatch, tiny_model_dir)
     from posttrain.trainers.rl.placement.workers import EngineWorker
     from posttrain.utils.weights_hash import weights_hash
 
-    argv = ["--actor.model_name_or_path", str(tiny_model_dir), "--data.prompt_dataset", "x", "--vllm.num_engines", "1",
-            "--vllm.gpu_memory_utilization", "0.4", "--vllm.enforce_eager", "--ds.param_dtype", "bf16",
-            "--data.max_len", "96", "--train.seed", "5"]
+    argv = ["--actor.model_name_or_path", str(tiny_model_dir), "--data.prompt_dataset", "x",
+            "--vllm.num_engines", "1", "--vllm.gpu_memory_utilization", "0.4", "--vllm.enforce_eager",
+            "--ds.param_dtype", "bf16", "--data.max_len", "96", "--train.seed", "5"]
     monkeypatch.setattr(backends, "vllm_unavailable", lambda: None)
     hybrid = EngineWorker(1, {})
     hybrid.setup(parse_config("ppo", argv + ["--train.colocate_all"], check=False))
@@ -266,7 +282,8 @@ def test_engine_worker_refusals_and_the_hf_fallback(monkeypatch, tiny_model_dir)
     hf = EngineWorker(1, {})
     hf.setup(parse_config("ppo", argv, check=False))
     assert hf.backend_name() == ("hf", "this machine has no CUDA GPU")
-    assert hf.weights_hash() == weights_hash(hf.engine.model.state_dict())  # the HF engine hashes its own module
+    # the HF engine hashes its own module
+    assert hf.weights_hash() == weights_hash(hf.engine.model.state_dict())
 
 
 LORA = {"rank": 4, "alpha": 8, "target_modules": "q_proj v_proj up_proj"}
@@ -308,7 +325,8 @@ def pushed(llm) -> dict:
 
 
 @stand_in
-def test_vllm_lora_adapter_mode_writes_a_peft_folder_per_version(fake_vllm, lora_policy, tiny_model_dir, tmp_path):
+def test_vllm_lora_adapter_mode_writes_a_peft_folder_per_version(fake_vllm, lora_policy, tiny_model_dir,
+                                                                 tmp_path):
     from peft import PeftModel
 
     from posttrain.models import load_causal_lm
@@ -404,8 +422,9 @@ def test_engine_worker_frees_the_fused_decode_weights_after_each_batch(monkeypat
 
     monkeypatch.setattr(backends, "vllm_unavailable", lambda: "this machine has no CUDA GPU")
     worker = EngineWorker(1, {})
-    worker.setup(parse_config("ppo", ["--actor.model_name_or_path", str(tiny_model_dir), "--data.prompt_dataset", "x",
-                                      "--vllm.num_engines", "1", "--ds.param_dtype", "fp32"], check=False))
+    worker.setup(parse_config("ppo", ["--actor.model_name_or_path", str(tiny_model_dir),
+                                      "--data.prompt_dataset", "x", "--vllm.num_engines", "1",
+                                      "--ds.param_dtype", "fp32"], check=False))
     fast = worker.engine._fast
     assert fast is not None  # the tiny llama in fp32 on CPU decodes on the fast path
     built = []
@@ -417,7 +436,8 @@ def test_engine_worker_frees_the_fused_decode_weights_after_each_batch(monkeypat
     count = len(built)
     again = worker.generate([[5, 6, 7], [8, 9]], params, None, [11, 12])
     assert len(built) == 2 * count and fast._weight_cache == {}  # rebuilt for the batch, freed after it
-    assert [[o.output_token_ids for o in g] for g in again] == [[o.output_token_ids for o in g] for g in first]
+    assert [[o.output_token_ids for o in g] for g in again] == [[o.output_token_ids for o in g]
+                                                                for g in first]
 
 
 def test_a_kv_cache_too_small_for_one_sequence_says_which_variable_sizes_it(monkeypatch):
@@ -427,10 +447,11 @@ def test_a_kv_cache_too_small_for_one_sequence_says_which_variable_sizes_it(monk
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    vllms = ValueError("To serve at least one request with the model's max seq len (8192), (2.0 GiB KV cache is "
-                       "needed, which is larger than the available KV cache memory (1.0 GiB). Try increasing "
-                       "`gpu_memory_utilization` ... or decreasing `max_model_len` when initializing the engine.")
+    vllms = ValueError("To serve at least one request with the model's max seq len (8192), (2.0 GiB KV cache "
+                       "is needed, which is larger than the available KV cache memory (1.0 GiB). Try "
+                       "increasing `gpu_memory_utilization` ... or decreasing `max_model_len` when "
+                       "initializing the engine.")
     why = kv_cache_too_small(vllms, {"kv_cache_memory_bytes": 2**30, "max_model_len": 8192})
-    assert why == ("vLLM's CPU KV cache (1.0 GiB) cannot hold one sequence of --data.max_len 8192 tokens: set "
-                   "VLLM_CPU_KVCACHE_SPACE to more GiB (or lower --data.max_len)")
+    assert why == ("vLLM's CPU KV cache (1.0 GiB) cannot hold one sequence of --data.max_len 8192 tokens: "
+                   "set VLLM_CPU_KVCACHE_SPACE to more GiB (or lower --data.max_len)")
     assert kv_cache_too_small(ValueError("something else"), {}) is None

@@ -25,8 +25,9 @@ def worker(tiny_model_dir):
 
     if backends.vllm_unavailable():
         pytest.skip(f"real vLLM: {backends.vllm_unavailable()}")
-    argv = ["--actor.model_name_or_path", str(tiny_model_dir), "--data.prompt_dataset", "x", "--vllm.num_engines", "1",
-            "--ds.param_dtype", "fp32", "--train.async_enable", "--train.partial_rollout_enable", "--data.max_len", "256"]
+    argv = ["--actor.model_name_or_path", str(tiny_model_dir), "--data.prompt_dataset", "x",
+            "--vllm.num_engines", "1", "--ds.param_dtype", "fp32", "--train.async_enable",
+            "--train.partial_rollout_enable", "--data.max_len", "256"]
     w = EngineWorker(1, {})
     w.setup(parse_config("ppo", argv, check=False))
     yield w
@@ -78,7 +79,9 @@ def test_a_sync_mid_generation_gives_samples_of_two_versions_with_their_logprobs
     # ends, by the weights current then (docs/rl.md#partial-rollout: the one approximation)
     params = SamplingParams(temperature=0.9, n=2, max_new_tokens=96, stop_token_ids=(), min_tokens=0)
     result = {}
-    thread = threading.Thread(target=lambda: result.setdefault("out", worker.generate(PROMPTS, params, None, [1, 2, 3])))
+    thread = threading.Thread(target=lambda: result.setdefault("out",
+                                                               worker.generate(PROMPTS, params, None,
+                                                                               [1, 2, 3])))
     thread.start()
     deadline = time.time() + 300
     while not (len(tokens_so_far(worker.engine)) == 6 and min(tokens_so_far(worker.engine)) >= 3):

@@ -1,8 +1,8 @@
-"""VLLMRolloutEngine with images, without vLLM (the stand-in `vllm` module of test_rollout_vllm.py): the prompts
-vLLM gets hold each run of image (and video) pad tokens collapsed to one token plus the raw images
-(`multi_modal_data`), the outputs keep the caller's expanded ids, `limit_mm_per_prompt` reaches `vllm.LLM` (from
---data.max_images_per_prompt in the Ray engine worker), text-only prompts are unchanged, and what cannot be sent
-is refused. Also: the HF engine and the single-turn sampler take the same `PromptImages` entries."""
+"""VLLMRolloutEngine with images, without vLLM (the stand-in `vllm` module of test_rollout_vllm.py): the
+prompts vLLM gets hold each run of image (and video) pad tokens collapsed to one token plus the raw images
+(`multi_modal_data`), the outputs keep the caller's expanded ids, `limit_mm_per_prompt` reaches `vllm.LLM`
+(from --data.max_images_per_prompt in the Ray engine worker), text-only prompts are unchanged, and what cannot
+be sent is refused. Also: the HF engine and the single-turn sampler take the same `PromptImages` entries."""
 import numpy as np
 import pytest
 import torch
@@ -32,7 +32,8 @@ def entry(*images) -> PromptImages:
 
 def test_collapse_pad_runs():
     ids = [1, START, IMG, IMG, IMG, END, IMG, 5, START, VID, VID, END, START, IMG, END]
-    assert collapse_pad_runs(ids, (IMG, VID)) == [1, START, IMG, END, IMG, 5, START, VID, END, START, IMG, END]
+    assert collapse_pad_runs(ids, (IMG, VID)) == [1, START, IMG, END, IMG, 5, START, VID, END, START, IMG,
+                                                  END]
     assert collapse_pad_runs([7, 7, 7, IMG], (IMG, None)) == [7, 7, 7, IMG]  # only pad ids collapse
     assert collapse_pad_runs([], (IMG,)) == []
     assert vision_pad_token_ids({"image_token_id": 3, "video_token_id": 4}) == (3, 4)
@@ -71,7 +72,8 @@ def test_collapsed_ids_and_raw_images_reach_vllm_and_the_outputs_keep_the_expand
 
 
 def test_video_pad_runs_collapse_too(fake_vllm):
-    engine = VLLMRolloutEngine(FakeLLM(), limit_mm_per_prompt={"image": 1}, image_token_id=IMG, video_token_id=VID)
+    engine = VLLMRolloutEngine(FakeLLM(), limit_mm_per_prompt={"image": 1}, image_token_id=IMG,
+                               video_token_id=VID)
     ids = [START, VID, VID, VID, END, START, IMG, IMG, END, 4]
     image = pil(3)
     out = engine.generate([ids], SamplingParams(), images=[entry(image)])
@@ -92,8 +94,10 @@ def test_refusals(fake_vllm):
 
     engine = VLLMRolloutEngine("/models/vlm", limit_mm_per_prompt={"image": 1}, image_token_id=IMG,
                                video_token_id=VID)
-    with pytest.raises(ValueError, match=r"needs the prompt's raw images \(PIL\).*PromptImages\(tensors, pil\)"):
-        engine.generate([ids], params, images=[{"pixel_values": np.zeros((4, 8))}])  # tensors alone: the HF input
+    with pytest.raises(ValueError, match=r"needs the prompt's raw images \(PIL\).*PromptImages\(tensors, "
+                                         r"pil\)"):
+        # tensors alone: the HF input
+        engine.generate([ids], params, images=[{"pixel_values": np.zeros((4, 8))}])
     with pytest.raises(ValueError, match="raw images"):
         engine.generate([ids], params, images=[PromptImages({"pixel_values": np.zeros((4, 8))}, None)])
     with pytest.raises(ValueError, match=r"2 images, more than the engine's limit_mm_per_prompt image=1"):
@@ -111,8 +115,8 @@ def test_refusals(fake_vllm):
 
 
 def test_a_real_processor_prompt_and_the_pad_ids_from_the_model_config(fake_vllm, tiny_vision_dir):
-    """The tiny Qwen2.5-VL: the engine reads `image_token_id` / `video_token_id` from the folder's config; a prompt
-    the processor expanded (`encode_with_images`) reaches vLLM with one `<|image_pad|>` per image."""
+    """The tiny Qwen2.5-VL: the engine reads `image_token_id` / `video_token_id` from the folder's config; a
+    prompt the processor expanded (`encode_with_images`) reaches vLLM with one `<|image_pad|>` per image."""
     from transformers import AutoConfig
 
     from posttrain.data.vision_samples import encode_with_images
@@ -134,12 +138,14 @@ def test_a_real_processor_prompt_and_the_pad_ids_from_the_model_config(fake_vllm
     assert sent["prompt_token_ids"].count(config.image_token_id) == 1
     assert len(sent["prompt_token_ids"]) == len(ids) - expanded + 1
     start = sent["prompt_token_ids"].index(config.image_token_id)
-    assert sent["prompt_token_ids"][start - 1:start + 2] == [config.vision_start_token_id, config.image_token_id,
+    assert sent["prompt_token_ids"][start - 1:start + 2] == [config.vision_start_token_id,
+                                                             config.image_token_id,
                                                              config.vision_end_token_id]
     assert out[0][0].prompt_token_ids == ids
 
 
-def test_the_engine_worker_passes_max_images_per_prompt(fake_vllm, monkeypatch, tiny_vision_dir, tiny_model_dir):
+def test_the_engine_worker_passes_max_images_per_prompt(fake_vllm, monkeypatch, tiny_vision_dir,
+                                                        tiny_model_dir):
     """The Ray rollout-engine process builds vLLM with `limit_mm_per_prompt={"image": N}` from
     --data.max_images_per_prompt N (none for a text run) and reads the pad ids from the model's config."""
     from transformers import AutoConfig
@@ -151,8 +157,8 @@ def test_the_engine_worker_passes_max_images_per_prompt(fake_vllm, monkeypatch, 
     monkeypatch.setattr(backends, "vision_without_torchvision", lambda path: None)  # as on a GPU setup
 
     def worker(model, *extra):
-        argv = ["--actor.model_name_or_path", str(model), "--data.prompt_dataset", "x", "--vllm.num_engines", "1",
-                "--data.max_len", "96", *extra]
+        argv = ["--actor.model_name_or_path", str(model), "--data.prompt_dataset", "x",
+                "--vllm.num_engines", "1", "--data.max_len", "96", *extra]
         w = EngineWorker(1, {})
         w.setup(parse_config("ppo", argv, check=False))
         assert w.backend_name()[0] == "vllm"
@@ -166,8 +172,8 @@ def test_the_engine_worker_passes_max_images_per_prompt(fake_vllm, monkeypatch, 
 
 
 def test_the_hf_engine_takes_prompt_images_as_its_tensors(tiny_vision_dir, one_torch_thread):
-    """`images` entries as `PromptImages` (what the single-turn sampler passes every engine) sample exactly what
-    the bare tensors do on the HF engine."""
+    """`images` entries as `PromptImages` (what the single-turn sampler passes every engine) sample exactly
+    what the bare tensors do on the HF engine."""
     from posttrain.data.vision_samples import encode_with_images
     from posttrain.models import load_causal_lm, load_tokenizer
     from posttrain.models.vision import load_processor
@@ -189,7 +195,8 @@ def test_the_hf_engine_takes_prompt_images_as_its_tensors(tiny_vision_dir, one_t
 
 
 def test_the_single_turn_sampler_gives_engines_tensors_and_raw_images():
-    """The sampler passes each prompt's `PromptImages(image_inputs, images)`; its rollouts keep the tensors."""
+    """The sampler passes each prompt's `PromptImages(image_inputs, images)`; its rollouts
+    keep the tensors."""
     from posttrain.data import Prompt
     from posttrain.rewards import RewardResult
     from posttrain.rollout.single_turn import SingleTurnSampler

@@ -1,9 +1,9 @@
-"""`posttrain sft --ds.tensor_parallel_size 2` on 2 gloo ranks (one tensor-parallel group: DeepSpeed AutoTP splits
-every decoder layer, both ranks take the same micro-batches) equals the one-process run: the loss of every step,
-the gradient norm, the exported weights (gathered into the unsplit layout, loadable as a plain model); each rank
-holds half of the split layers plus the replicated rest, and optimizer state for what it holds. DPO and RM (the
-same loop) likewise. A model whose key/value heads do not divide by the group is refused in one line before it
-loads."""
+"""`posttrain sft --ds.tensor_parallel_size 2` on 2 gloo ranks (one tensor-parallel group: DeepSpeed AutoTP
+splits every decoder layer, both ranks take the same micro-batches) equals the one-process run: the loss of
+every step, the gradient norm, the exported weights (gathered into the unsplit layout, loadable as a plain
+model); each rank holds half of the split layers plus the replicated rest, and optimizer state for what it
+holds. DPO and RM (the same loop) likewise. A model whose key/value heads do not divide by the group is
+refused in one line before it loads."""
 import re
 
 import pytest
@@ -32,8 +32,8 @@ def assert_same_run(single, split, norm_rtol: float) -> None:
 
 
 def rank_shares(stderr: str) -> dict[int, tuple[int, int, int, int]]:
-    found = re.findall(r"\[rank (\d)\] tensor parallel over 2 ranks: this rank holds (\d+) of (\d+) parameter elements "
-                       r"\((\d+) split, \d+%\), (\d+) optimizer-state elements", stderr)
+    found = re.findall(r"\[rank (\d)\] tensor parallel over 2 ranks: this rank holds (\d+) of (\d+) "
+                       r"parameter elements \((\d+) split, \d+%\), (\d+) optimizer-state elements", stderr)
     return {int(r): tuple(map(int, v)) for r, *v in found}
 
 
@@ -44,19 +44,23 @@ def test_two_ranks_with_tensor_parallel_size_2_match_one_process(tiny_model_dir,
     extra = ("--ds.packing_samples",) if packing else ()
     single = single_process(*COMMON, *extra)
     split = tmp_path / f"tp{stage}"
-    proc = torchrun("posttrain.cli.train_sft", sft_flags(tiny_model_dir, arithmetic_dir, split, *COMMON, *extra,
-                                                          "--ds.zero_stage", stage, "--ds.tensor_parallel_size", 2))
+    proc = torchrun("posttrain.cli.train_sft", sft_flags(tiny_model_dir, arithmetic_dir, split, *COMMON,
+                                                         *extra,
+                                                          "--ds.zero_stage", stage,
+                                                         "--ds.tensor_parallel_size", 2))
     assert "world_size = 2" in proc.stderr and "data_parallel_size = 1" in proc.stderr
     assert "--ds.tensor_parallel_size 2 has no effect" not in proc.stderr
-    # ZeRO-0: the norm of models.tensor_parallel.grad_norm; ZeRO 1/2: DeepSpeed's own, which differs from the one
-    # process's torch norm by ~2e-5 without tensor parallelism too (its summation order)
+    # ZeRO-0: the norm of models.tensor_parallel.grad_norm; ZeRO 1/2: DeepSpeed's own, which differs from the
+    # one process's torch norm by ~2e-5 without tensor parallelism too (its summation order)
     assert_same_run(single, split, norm_rtol=1e-5 if stage == 0 else 1e-4)
     shares = rank_shares(proc.stderr)
     assert sorted(shares) == [0, 1], proc.stderr[-3000:]
     for own, full, split_elements, optimizer in shares.values():
         assert full == sum(t.numel() for t in weights(single).values())  # (the tied head is saved once)
-        assert split_elements > 0.3 * full and full - own == split_elements  # the other half is on the other rank
-        assert optimizer == 2 * own  # Adam's two moments of what the rank holds (one group: no ZeRO partition)
+        # the other half is on the other rank
+        assert split_elements > 0.3 * full and full - own == split_elements
+        # Adam's two moments of what the rank holds (one group: no ZeRO partition)
+        assert optimizer == 2 * own
     if stage == 0:
         from transformers import AutoModelForCausalLM
 
@@ -64,28 +68,31 @@ def test_two_ranks_with_tensor_parallel_size_2_match_one_process(tiny_model_dir,
         assert model.model.layers[0].self_attn.q_proj.weight.shape == (128, 128)
 
 
-def test_heads_that_do_not_divide_by_the_group_stop_the_run_before_the_model_loads(tiny_model_dir, arithmetic_dir,
-                                                                                   tmp_path, monkeypatch, capsys):
+def test_heads_that_do_not_divide_by_the_group_stop_the_run_before_the_model_loads(tiny_model_dir,
+                                                                                   arithmetic_dir, tmp_path,
+                                                                                   monkeypatch, capsys):
     from posttrain.cli import train_sft
 
     monkeypatch.setenv("WORLD_SIZE", "4")  # as a launcher's rank 0 would see it; nothing distributed starts
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(SystemExit) as exit_:
-        train_sft.main(sft_flags(tiny_model_dir, arithmetic_dir, tmp_path / "run", "--ds.tensor_parallel_size", 4))
+        train_sft.main(sft_flags(tiny_model_dir, arithmetic_dir, tmp_path / "run",
+                                 "--ds.tensor_parallel_size", 4))
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "posttrain sft: error: --ds.tensor_parallel_size 4: the model's num_key_value_heads (2) is not divisible by "
-        "4; each rank keeps whole heads and an equal share of the MLP")
+        "posttrain sft: error: --ds.tensor_parallel_size 4: the model's num_key_value_heads (2) is not "
+        "divisible by 4; each rank keeps whole heads and an equal share of the MLP")
 
 
 @pytest.mark.e2e
 def test_four_ranks_as_two_tensor_parallel_groups_match_one_process(tiny_model_dir, arithmetic_dir, tmp_path,
                                                                    single_process):
-    """4 ranks, N = 2: ranks 0-1 and 2-3 each hold one split copy and take half of each step's samples (ZeRO-0:
-    DeepSpeed averages over the 2 ranks holding each shard, the norm is taken per group)."""
+    """4 ranks, N = 2: ranks 0-1 and 2-3 each hold one split copy and take half of each step's samples
+    (ZeRO-0: DeepSpeed averages over the 2 ranks holding each shard, the norm is taken per group)."""
     split = tmp_path / "tp2dp2"
     proc = torchrun("posttrain.cli.train_sft", sft_flags(tiny_model_dir, arithmetic_dir, split, *COMMON,
-                                                          "--ds.zero_stage", 0, "--ds.tensor_parallel_size", 2),
+                                                          "--ds.zero_stage", 0,
+                                                         "--ds.tensor_parallel_size", 2),
                     nproc=4)
     assert "data_parallel_size = 2" in proc.stderr
     assert "rank 2 (dp 1, cp 0, tp 0), rank 3 (dp 1, cp 0, tp 1)" in proc.stderr
@@ -95,13 +102,14 @@ def test_four_ranks_as_two_tensor_parallel_groups_match_one_process(tiny_model_d
 @pytest.mark.e2e
 def test_four_ranks_as_ring_2_by_tensor_parallel_2_match_one_process(tiny_model_dir, arithmetic_dir, tmp_path,
                                                                     single_process):
-    """4 ranks, ring 2 x TP 2 (data parallel 1): each rank holds half of every layer (tp) and computes half of every
-    packed row (cp), attending the row's keys of its own heads gathered from its context group (ranks 0, 2 and
-    1, 3). The run equals the one-process run."""
+    """4 ranks, ring 2 x TP 2 (data parallel 1): each rank holds half of every layer (tp) and computes half of
+    every packed row (cp), attending the row's keys of its own heads gathered from its context group (ranks 0,
+    2 and 1, 3). The run equals the one-process run."""
     split = tmp_path / "cp2tp2"
     proc = torchrun("posttrain.cli.train_sft", sft_flags(tiny_model_dir, arithmetic_dir, split, *COMMON,
                                                           "--ds.packing_samples", "--ds.zero_stage", 0,
-                                                          "--ds.tensor_parallel_size", 2, "--ds.ring_attn_size", 2),
+                                                          "--ds.tensor_parallel_size", 2,
+                                                         "--ds.ring_attn_size", 2),
                     nproc=4)
     assert "data_parallel_size = 1" in proc.stderr
     assert ("rank 0 (dp 0, cp 0, tp 0), rank 1 (dp 0, cp 0, tp 1), rank 2 (dp 0, cp 1, tp 0), "
@@ -122,19 +130,21 @@ def pairs_dir(tmp_path_factory):
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("trainer,stage,extra", [("dpo", 2, ("--ds.packing_samples",)), ("rm", 1, ())])
-def test_dpo_and_rm_with_tensor_parallel_size_2_match_one_process(tiny_model_dir, tiny_score_model_dir, pairs_dir,
-                                                                  tmp_path, trainer, stage, extra):
-    """The same loop for pairs: DPO (its reference whole on every rank) and a reward model (the score head whole)."""
+def test_dpo_and_rm_with_tensor_parallel_size_2_match_one_process(tiny_model_dir, tiny_score_model_dir,
+                                                                  pairs_dir, tmp_path, trainer, stage, extra):
+    """The same loop for pairs: DPO (its reference whole on every rank) and a reward model (the
+    score head whole)."""
     import importlib
 
     model = tiny_score_model_dir if trainer == "rm" else tiny_model_dir
 
     def flags(out, *more):
-        return [str(f) for f in ("--model.model_name_or_path", model, "--data.dataset", pairs_dir, "--data.prompt_key",
-                                 "prompt", "--data.apply_chat_template", "--data.max_len", 48, "--train.batch_size", 16,
+        return [str(f) for f in ("--model.model_name_or_path", model, "--data.dataset", pairs_dir,
+                                 "--data.prompt_key", "prompt", "--data.apply_chat_template",
+                                 "--data.max_len", 48, "--train.batch_size", 16,
                                  "--train.micro_batch_size", 4, "--data.max_samples", 48, "--adam.lr", "1e-3",
-                                 "--eval.dataset", pairs_dir, "--eval.split", "test", "--ckpt.output_dir", out,
-                                 "--adam.eps", ADAM_EPS, *extra, *more)]
+                                 "--eval.dataset", pairs_dir, "--eval.split", "test",
+                                 "--ckpt.output_dir", out, "--adam.eps", ADAM_EPS, *extra, *more)]
 
     single, split = tmp_path / "single", tmp_path / "tp"
     importlib.import_module(f"posttrain.cli.train_{trainer}").main(flags(single))
@@ -152,29 +162,31 @@ def test_dpo_and_rm_with_tensor_parallel_size_2_match_one_process(tiny_model_dir
 
 @pytest.mark.e2e
 def test_tensor_parallel_checkpoints_resume_on_the_same_layout(tiny_model_dir, arithmetic_dir, tmp_path):
-    """Engine states are per rank (DeepSpeed's model and optimizer files per tensor-parallel rank): a run resumed
-    from step 2 ends with the uninterrupted run's weights; the --ckpt.save_hf export is whole; a run with another
-    layout stops with the reason."""
+    """Engine states are per rank (DeepSpeed's model and optimizer files per tensor-parallel rank): a run
+    resumed from step 2 ends with the uninterrupted run's weights; the --ckpt.save_hf export is whole; a run
+    with another layout stops with the reason."""
     import shutil
 
     from transformers import AutoModelForCausalLM
 
     def flags(out, ckpt, *more):
-        return sft_flags(tiny_model_dir, arithmetic_dir, out, *COMMON, "--ds.zero_stage", 1, "--ckpt.path", ckpt,
-                         "--ckpt.save_steps", 2, *more)
+        return sft_flags(tiny_model_dir, arithmetic_dir, out, *COMMON, "--ds.zero_stage", 1,
+                         "--ckpt.path", ckpt, "--ckpt.save_steps", 2, *more)
 
-    torchrun("posttrain.cli.train_sft", flags(tmp_path / "full", tmp_path / "ckpt_a", "--ds.tensor_parallel_size", 2,
-                                              "--ckpt.save_hf"))
+    torchrun("posttrain.cli.train_sft", flags(tmp_path / "full", tmp_path / "ckpt_a",
+                                              "--ds.tensor_parallel_size", 2, "--ckpt.save_hf"))
     step2 = tmp_path / "ckpt_a" / "global_step2"
     export = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt_a" / "global_step2_hf")
     assert export.model.layers[0].mlp.down_proj.weight.shape == (128, 352)
     shutil.copytree(step2, tmp_path / "ckpt_b" / "global_step2")
-    torchrun("posttrain.cli.train_sft", flags(tmp_path / "resumed", tmp_path / "ckpt_b", "--ds.tensor_parallel_size",
-                                              2, "--ckpt.load_enable"))
+    torchrun("posttrain.cli.train_sft", flags(tmp_path / "resumed", tmp_path / "ckpt_b",
+                                              "--ds.tensor_parallel_size", 2, "--ckpt.load_enable"))
     wa, wb = weights(tmp_path / "full"), weights(tmp_path / "resumed")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    shutil.copytree(step2, tmp_path / "ckpt_c" / "global_step2")  # the same 2 ranks without tensor parallelism
-    with pytest.raises(AssertionError, match="was written on 2 rank\\(s\\), ZeRO-1, tensor parallel 2, this run is 2 "
-                                             "rank\\(s\\), ZeRO-1: a tensor-parallel engine state resumes only on "
-                                             "the layout that wrote it"):
-        torchrun("posttrain.cli.train_sft", flags(tmp_path / "other", tmp_path / "ckpt_c", "--ckpt.load_enable"))
+    # the same 2 ranks without tensor parallelism
+    shutil.copytree(step2, tmp_path / "ckpt_c" / "global_step2")
+    with pytest.raises(AssertionError, match="was written on 2 rank\\(s\\), ZeRO-1, tensor parallel 2, this "
+                                             "run is 2 rank\\(s\\), ZeRO-1: a tensor-parallel engine state "
+                                             "resumes only on the layout that wrote it"):
+        torchrun("posttrain.cli.train_sft",
+                 flags(tmp_path / "other", tmp_path / "ckpt_c", "--ckpt.load_enable"))

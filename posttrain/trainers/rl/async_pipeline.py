@@ -12,9 +12,9 @@ Protocol (OpenRLHF's `ppo_trainer_async.py`, in one process with a thread instea
    interleaves with generation. Before the sync that follows step s the trainer waits until batch
    s + L has started (`before_sync`), so batch j is always sampled by version max(first, j - L):
    staleness is exactly L and a seeded run is reproducible whatever the timing (OpenRLHF's version
-   depends on timing for L > 1). With partial rollout the producer does not hold the lock; the sync pauses the engines
-   between decode steps instead (`HFRolloutEngine.paused`, `VLLMAsyncRolloutEngine.paused`) and generation
-   goes on with new weights;
+   depends on timing for L > 1). With partial rollout the producer does not hold the lock; the sync pauses the
+   engines between decode steps instead (`HFRolloutEngine.paused`, `VLLMAsyncRolloutEngine.paused`) and
+   generation goes on with new weights;
  * each batch carries the policy version it started with and whatever `produce` returned (the
    trainer's prompt cursor after its draw: a checkpoint stores the cursor of the last batch trained,
    so a resumed run regenerates what was queued and neither replays nor skips a prompt).
@@ -111,11 +111,13 @@ class RolloutPipeline:
     def get(self, step: int) -> Produced:
         """The batch of `step` (blocks until it is ready); the producer's error if it failed."""
         with self._cond:
-            self._cond.wait_for(lambda: self._ready or self._error is not None or self._stop or self._finished)
+            self._cond.wait_for(lambda: self._ready or self._error is not None or self._stop
+                                or self._finished)
             if self._ready:
                 item = self._ready.popleft()
                 if item.step != step:
-                    raise RuntimeError(f"the rollout pipeline produced step {item.step}, the trainer expected {step}")
+                    raise RuntimeError(f"the rollout pipeline produced step {item.step}, the trainer "
+                                       f"expected {step}")
                 return item
             if self._error is not None:
                 raise self._error
@@ -160,8 +162,8 @@ class RolloutPipeline:
 def staleness_metrics(rollouts, batch_version: int, current_version: int) -> dict[str, float]:
     """`async/staleness_mean` / `_max`: how many policy versions behind the trainer's current one each
     sample's oldest token is; `rollout/policy_versions_per_sample`: the versions that sampled a sample
-    (> 1 only with partial rollout). A sample whose engine records no versions (vLLM's offline engine, a failed episode)
-    counts as sampled by `batch_version`, the version its batch started with."""
+    (> 1 only with partial rollout). A sample whose engine records no versions (vLLM's offline engine, a
+    failed episode) counts as sampled by `batch_version`, the version its batch started with."""
     versions = [r.policy_versions or [batch_version] for r in rollouts] or [[batch_version]]
     behind = [current_version - min(v) for v in versions]
     return {"async/staleness_mean": sum(behind) / len(behind), "async/staleness_max": float(max(behind)),

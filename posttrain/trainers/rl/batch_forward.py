@@ -48,8 +48,8 @@ class Batching:
 def ppo_batchings(cfg, shared: bool) -> tuple[Batching, Batching, Batching]:
     """The training, the experience-making and the reference's `Batching` of a `ppo` config: --train /
     --rollout.micro_batch_size samples, or with --train.dynamic_batch_enable the --train /
-    --rollout.max_tokens_per_gpu budgets (rollout: default train's) per GPU, a micro-batch holding that x ring x
-    the role's TP tokens (`config.summary.micro_batch_tokens`): the actor and critic are split by
+    --rollout.max_tokens_per_gpu budgets (rollout: default train's) per GPU, a micro-batch holding that x ring
+    x the role's TP tokens (`config.summary.micro_batch_tokens`): the actor and critic are split by
     tensor parallelism, the reference is not (TP 1). `shared`: the shared-prefix layout."""
     dynamic = cfg.train.dynamic_batch_enable
     train = micro_batch_tokens(cfg, cfg.train.max_tokens_per_gpu) if dynamic else None
@@ -84,7 +84,8 @@ def value_forward(model, exp: Experience, packed: bool = False, shared: bool = F
                   context=None) -> torch.Tensor:
     """Value of each state before an action: V(tokens ≤ t) in column t, `[b, T-1]` (0 outside the
     columns from each row's first action to its end). `context`: split over a context-parallel group."""
-    split = context is not None  # packed into one row, this rank's slice run; the whole row's values come back
+    # packed into one row, this rank's slice run; the whole row's values come back
+    split = context is not None
     lay = build_layout(exp, packed=packed or split, shared=shared and not split)
     batch = context.split(lay.inputs["input_ids"], lay.inputs["position_ids"]) if split else lay.inputs
     values = forward_values(model, batch)

@@ -79,7 +79,8 @@ def concat(parts: list[ScoredRollouts]) -> ScoredRollouts:
         for k, v in p.extra_logs.items():
             logs.setdefault(k, []).append(torch.as_tensor(v, dtype=torch.float32).reshape(-1))
     return ScoredRollouts(rollouts=[r for p in parts for r in p.rollouts],
-                          rewards=torch.cat([p.rewards for p in parts]), scores=torch.cat([p.scores for p in parts]),
+                          rewards=torch.cat([p.rewards for p in parts]),
+                          scores=torch.cat([p.scores for p in parts]),
                           extra_logs={k: torch.cat(v) for k, v in logs.items()},
                           skipped=torch.cat([p.skipped for p in parts]))
 
@@ -88,7 +89,8 @@ def keep_groups(batch: ScoredRollouts, keep: torch.Tensor, n: int) -> ScoredRoll
     rows = torch.nonzero(keep.repeat_interleave(n)).flatten().tolist()
     return ScoredRollouts(rollouts=[batch.rollouts[i] for i in rows], rewards=batch.rewards[rows],
                           scores=batch.scores[rows],
-                          extra_logs={k: v[rows] if isinstance(v, torch.Tensor) and v.numel() == len(keep) * n else v
+                          extra_logs={k: v[rows] if isinstance(v, torch.Tensor)
+                                      and v.numel() == len(keep) * n else v
                                       for k, v in batch.extra_logs.items()},
                           skipped=batch.skipped[rows])
 
@@ -127,8 +129,8 @@ def collect(executor, prompts, stream: PromptStream, params, *, batch_size: int,
         kept_groups += len(batch.rollouts) // n
     if kept_groups == 0:
         raise RewardError(
-            f"dynamic filtering kept no prompt group out of {drawn} drawn (every group's mean score was at or "
-            f"outside --algo.dynamic_filtering_range {filter_range}); widen the range or check the reward")
+            f"dynamic filtering kept no prompt group out of {drawn} drawn (every group's mean score was at "
+            f"or outside --algo.dynamic_filtering_range {filter_range}); widen the range or check the reward")
     metrics["shaping/penalised_frac"] = penalised / max(sampled, 1)  # over every draw
     if filter_range:
         metrics["filter/pass_rate"] = kept_groups / drawn

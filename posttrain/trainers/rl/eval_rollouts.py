@@ -14,7 +14,8 @@ def eval_metrics(executor, prompts, params, name: str, max_len: int | None = Non
     out = {f"eval_{name}_pass1": float(r.mean())}
     if k > 1:
         out[f"eval_{name}_pass{k}"] = float(r.max(dim=1).values.mean())
-    out[f"eval_{name}_response_length"] = sum(len(x.output_ids) for x in scored.rollouts) / len(scored.rollouts)
+    out[f"eval_{name}_response_length"] = sum(len(x.output_ids)
+                                              for x in scored.rollouts) / len(scored.rollouts)
     return out
 
 

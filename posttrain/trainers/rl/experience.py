@@ -50,9 +50,10 @@ class Experience:
             return t[:, : width - 1] if per_token else t
         return Experience(
             sequences=self.sequences[rows][:, :width], attention_mask=self.attention_mask[rows][:, :width],
-            action_mask=cut(self.action_mask), rollout_logp=cut(self.rollout_logp), rewards=self.rewards[rows],
-            old_logp=cut(self.old_logp), ref_logp=cut(self.ref_logp), values=cut(self.values), kl=cut(self.kl),
-            advantages=cut(self.advantages), returns=cut(self.returns),
+            action_mask=cut(self.action_mask), rollout_logp=cut(self.rollout_logp),
+            rewards=self.rewards[rows], old_logp=cut(self.old_logp), ref_logp=cut(self.ref_logp),
+            values=cut(self.values), kl=cut(self.kl), advantages=cut(self.advantages),
+            returns=cut(self.returns),
             image_inputs=None if self.image_inputs is None else [self.image_inputs[r] for r in rows.tolist()])
 
     def model_batch(self) -> dict:
@@ -73,14 +74,18 @@ def build_experience(rollouts: list[Rollout], rewards: torch.Tensor, pad_id: int
     for i, r in enumerate(rollouts):
         p, n = len(r.prompt_ids), len(r.output_ids)
         if len(r.rollout_logprobs) != n:
-            raise ValueError(f"sample {i}: {n} output tokens but {len(r.rollout_logprobs)} log-probs from the rollout engine")
+            raise ValueError(f"sample {i}: {n} output tokens but {len(r.rollout_logprobs)} log-probs from "
+                             f"the rollout engine")
         seq[i, : p + n] = torch.tensor(r.prompt_ids + r.output_ids, dtype=torch.long)
         attn[i, : p + n] = 1
         if r.action_mask is not None and len(r.action_mask) != n:
             raise ValueError(f"sample {i}: {n} output tokens but an action mask of {len(r.action_mask)}")
         if n:
-            action[i, p - 1: p - 1 + n] = 1.0 if r.action_mask is None else torch.tensor(r.action_mask, dtype=torch.float32)
+            action[i,
+                   p - 1: p - 1 + n] = (1.0 if r.action_mask is None
+                                        else torch.tensor(r.action_mask, dtype=torch.float32))
             rollout_logp[i, p - 1: p - 1 + n] = torch.tensor(r.rollout_logprobs, dtype=torch.float32)
     images = [r.image_inputs for r in rollouts]
     return Experience(sequences=seq, attention_mask=attn, action_mask=action, rollout_logp=rollout_logp,
-                      rewards=rewards.float(), image_inputs=images if any(im is not None for im in images) else None)
+                      rewards=rewards.float(),
+                      image_inputs=images if any(im is not None for im in images) else None)

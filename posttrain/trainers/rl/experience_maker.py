@@ -63,12 +63,14 @@ class ExperienceMaker:
         if cfg.reward.whiten_enable:  # whiten the scalar rewards before the baseline
             rewards = whiten(rewards[:, None], valid.float()[:, None])[:, 0]
         exp = build_experience(scored.rollouts, rewards, self.pad_id)
-        exp.action_mask[scored.skipped] = 0.0  # samples without a reward train nothing (counted in reward/skipped)
+        # samples without a reward train nothing (counted in reward/skipped)
+        exp.action_mask[scored.skipped] = 0.0
         mask = exp.action_mask
         metrics: dict[str, float] = {}
         if self.needs_old_logp(len(scored.rollouts)):
             exp.old_logp = self.actor.logprobs(exp, mbs)
-            metrics["rollout/logprob_abs_gap"] = masked_mean((exp.old_logp - exp.rollout_logp).abs(), mask).item()
+            metrics["rollout/logprob_abs_gap"] = masked_mean((exp.old_logp - exp.rollout_logp).abs(),
+                                                             mask).item()
         kl = None
         if self.ref is not None:
             exp.ref_logp = self.ref.logprobs(exp, self.ref_batching)
@@ -76,7 +78,8 @@ class ExperienceMaker:
             kl, kl_stats = approx_kl_with_stats(exp.old_logp, exp.ref_logp, cfg.algo.kl.estimator,
                                                  clamp=cfg.algo.kl.clamp or None, mask=mask)
             kl = kl * mask
-            metrics.update({"kl/mean": sequence_mean(kl, mask), "kl/clamp_frac": float(kl_stats["kl_clamp_frac"])})
+            metrics.update({"kl/mean": sequence_mean(kl, mask),
+                            "kl/clamp_frac": float(kl_stats["kl_clamp_frac"])})
         if self.critic is not None:
             exp.values = self.critic.values(exp, mbs)
         in_reward = kl is not None and not cfg.algo.kl.use_loss
@@ -84,8 +87,9 @@ class ExperienceMaker:
         exp.advantages, exp.returns, stats = compute_advantages_with_stats(
             adv.estimator, exp.rewards, mask, n=cfg.rollout.n_samples_per_prompt,
             kl=kl if in_reward else None, kl_coef=kl_coef if in_reward else 0.0, values=exp.values,
-            gamma=adv.gamma, lam=adv.lambd, clip_range=tuple(cfg.reward.clip_range), std_norm=not adv.no_std_norm,
-            sequence_kl=cfg.algo.kl.sequence_level_enable, whiten=True if adv.whiten_enable else None,
+            gamma=adv.gamma, lam=adv.lambd, clip_range=tuple(cfg.reward.clip_range),
+            std_norm=not adv.no_std_norm, sequence_kl=cfg.algo.kl.sequence_level_enable,
+            whiten=True if adv.whiten_enable else None,
             whiten_level=adv.whiten_level if adv.whiten_enable else "token", valid=valid)
         metrics.update({f"advantage/{k}": float(v) for k, v in stats.items() if _scalar(v)})
         metrics["advantage/mean"] = masked_mean(exp.advantages, mask).item()
@@ -101,7 +105,8 @@ def rollout_metrics(scored, n: int) -> dict[str, float]:
     out = {"reward/mean": float(rv.mean()), "reward/std": float(rv.std(unbiased=False)),
            "score/mean": float(scored.scores.mean()), "score/std": float(scored.scores.std(unbiased=False)),
            "response/length": float(lengths.mean()), "response/length_max": float(lengths.max()),
-           "response/truncated_frac": sum(x.finish_reason == "length" for x in scored.rollouts) / len(scored.rollouts),
+           "response/truncated_frac": sum(x.finish_reason == "length"
+                                          for x in scored.rollouts) / len(scored.rollouts),
            "reward/skipped": float(scored.skipped.sum())}
     if n > 1:  # spread of the valid rewards of each group (a skipped sample has no reward)
         groups, ok = r.view(-1, n), valid.view(-1, n)

@@ -147,7 +147,8 @@ def update_actor(actor, exp: Experience, s: UpdateSettings, kl_coef: float, step
             if old_logp is None:  # one update per rollout: the sampling policy is this one (ratio 1)
                 old_logp = logp.detach()
                 gap = ((old_logp - mb.rollout_logp).abs() * mask).sum()
-                rollout_gap.add("logprob_abs_gap", float(gap) / max(float(mask.sum()), 1.0), float(mask.sum()))
+                rollout_gap.add("logprob_abs_gap", float(gap) / max(float(mask.sum()), 1.0),
+                                float(mask.sum()))
             loss, m = policy_loss(
                 logp, old_logp, mb.advantages, mask, eps_low=s.eps_low, eps_high=s.eps_high,
                 dual_clip=s.dual_clip, loss_type=s.policy_loss_type,
@@ -157,12 +158,13 @@ def update_actor(actor, exp: Experience, s: UpdateSettings, kl_coef: float, step
             tokens = float(mask.sum())
             if s.kl_use_loss and mb.ref_logp is not None:
                 kl = approx_kl(logp, mb.ref_logp, s.kl_estimator, clamp=s.kl_clamp)
-                loss = loss + kl_coef * aggregate(kl, mask, s.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
-                                                  max_len=s.max_len)
+                loss = (loss + kl_coef * aggregate(kl, mask, s.loss_agg, num_tokens=num_tokens,
+                                                   num_seqs=num_seqs, max_len=s.max_len))
                 mean.add("kl_loss", float((kl.detach() * mask).sum()) / max(tokens, 1), tokens)
             loss = _with_router_loss(loss, engine.model, s, mask, num_tokens, actor.context, mean)
             if ent is not None:
-                ent_agg = aggregate(ent, mask, s.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs, max_len=s.max_len)
+                ent_agg = aggregate(ent, mask, s.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
+                                    max_len=s.max_len)
                 if s.entropy_coef:
                     loss = loss - s.entropy_coef * ent_agg
                 mean.add("entropy", float((ent.detach() * mask).sum()) / max(tokens, 1), tokens)
@@ -188,9 +190,9 @@ def update_actor(actor, exp: Experience, s: UpdateSettings, kl_coef: float, step
 
 
 def _with_router_loss(loss, model, s: UpdateSettings, mask, num_tokens: float, context, mean: _Mean):
-    """`loss` + coef x the MoE router loss of the micro-batch's forward (`models.moe`), weighted by its share of
-    the step's action tokens (over a context-parallel group: each rank's slice, so divided by the group size);
-    logged as `aux_loss` (the token-weighted mean)."""
+    """`loss` + coef x the MoE router loss of the micro-batch's forward (`models.moe`), weighted by its share
+    of the step's action tokens (over a context-parallel group: each rank's slice, so divided by the group
+    size); logged as `aux_loss` (the token-weighted mean)."""
     aux = take_router_loss(model) if s.aux_loss_coef > 0 else None
     if aux is None:
         return loss
@@ -224,8 +226,8 @@ def update_critic(critic, exp: Experience, s: UpdateSettings, step: int, step_ro
         step_loss = 0.0
         for mb in _micro_batches(batch, s.batching, engine, critic.device):
             values = critic.forward(mb, s.batching)
-            loss = value_loss(values, mb.values, mb.returns, mb.action_mask, clip=s.value_clip, agg=s.loss_agg,
-                              num_tokens=num_tokens, num_seqs=num_seqs, max_len=s.max_len)
+            loss = value_loss(values, mb.values, mb.returns, mb.action_mask, clip=s.value_clip,
+                              agg=s.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs, max_len=s.max_len)
             loss = _with_router_loss(loss, engine.model, s, mb.action_mask, num_tokens, critic.context, mean)
             engine.backward(loss)
             step_loss += float(loss.detach())

@@ -33,7 +33,8 @@ def experience_to_numpy(exp: Experience) -> dict[str, np.ndarray]:
 
 def experience_from_numpy(arrays: dict[str, np.ndarray]) -> Experience:
     """Tensors that own their memory (the object store's arrays are read-only); image tensors back per row."""
-    tensors = {k: torch.from_numpy(np.array(v)) for k, v in arrays.items() if not k.startswith(("images/", "image_rows/"))}
+    tensors = {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()
+               if not k.startswith(("images/", "image_rows/"))}
     keys = [k[len(_IMAGES):] for k in arrays if k.startswith(_IMAGES)]
     images = None
     if keys:

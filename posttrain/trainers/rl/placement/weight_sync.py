@@ -32,7 +32,8 @@ def sync_layout(state: NamedTensors, bucket_bytes: int) -> list[list[tuple[str, 
 
 def layout_bytes(layout) -> int:
     """The bytes one broadcast of `layout` sends."""
-    return sum(torch.Size(shape).numel() * _dtype(dtype).itemsize for bucket in layout for _, shape, dtype in bucket)
+    return sum(torch.Size(shape).numel() * _dtype(dtype).itemsize for bucket in layout
+               for _, shape, dtype in bucket)
 
 
 def _dtype(name: str) -> torch.dtype:
