@@ -86,6 +86,13 @@ class ImageLimits:
 DEFAULT_IMAGE_LIMITS = ImageLimits()  # the flags' defaults
 
 
+def image_reading(data_cfg) -> dict:
+    """The image keywords of the datasets (`SFTDataset`, `PreferenceDataset`, `PromptDataset`) that a `--data`
+    section sets: the row's image column, the most images a prompt may carry, and `ImageLimits.of`."""
+    return {"image_key": data_cfg.image_key, "max_images": data_cfg.max_images_per_prompt,
+            "image_limits": ImageLimits.of(data_cfg)}
+
+
 _FIX_BYTES = "Shrink or replace the image, or raise --data.max_image_bytes"
 # PIL refuses an image above 2 x Image.MAX_IMAGE_PIXELS when it opens it (and warns above 1 x). posttrain
 # checks --data.max_image_pixels itself from the header; only a limit above PIL's raises PIL's global to it,

@@ -22,7 +22,7 @@ With ``--ds.zero_stage 3`` over several ranks a separate reference is held as Ze
 (``engines.zero3.FrozenShards``, loaded straight into them); ``--ref.offload`` then keeps the shards in
 CPU memory (DeepSpeed's ``offload_param``, on GPUs).
 
-Vision-language models: a pair's prompt images (``--data.image_key``, ``--data.max_images_per_prompt``)
+Vision-language models: a pair's prompt images (the ``--data`` image flags)
 go with both of its sequences (`pair_sides`), and the policy and the reference read the same batch, image
 tensors included; the log-ratios still cover the response tokens only.
 """

@@ -9,7 +9,7 @@ import torch
 from posttrain.data import pack_collate, pad_collate
 from posttrain.data.capping import capped_note
 from posttrain.data.errors import check_dropped
-from posttrain.data.images import ImageLimits
+from posttrain.data.images import image_reading
 from posttrain.data.preference_dataset import PreferenceDataset, pair_sides
 from posttrain.utils.log import info
 
@@ -51,8 +51,7 @@ def preference_items(rows: list[dict], tokenizer, cfg: RMConfig | DPOConfig, wha
                              chosen_key=cfg.data.chosen_key, rejected_key=cfg.data.rejected_key,
                              input_template=cfg.data.input_template,
                              apply_chat_template=cfg.data.apply_chat_template, margin_key=margin_key,
-                             processor=processor, image_key=cfg.data.image_key,
-                             max_images=cfg.data.max_images_per_prompt, image_limits=ImageLimits.of(cfg.data))
+                             processor=processor, **image_reading(cfg.data))
     if data.num_truncated:
         info(f"{what}: {data.num_truncated} responses longer than --data.max_len {cfg.data.max_len} were cut "
              "(their last token kept as EOS)")

@@ -20,7 +20,7 @@ stored as `mean` / `std` in the saved config.json, which `--reward.normalize_ena
 With `--ds.value_head_prefix X` (X != score) the exported head is stored as `X.weight` (OpenRLHF's
 naming); `load_score_model(path, value_head_prefix=X)` loads it back.
 
-Reward models read text only: `--data.max_images_per_prompt` or `--data.image_key` is refused
+Reward models read text only: the `--data` image flags are refused
 (`config.validate`), as a score model (AutoModelForSequenceClassification) has no vision-language form for
 most families (Qwen-VL among them), and the reward-model scorers of `ppo` and `serve-rm` score text.
 """

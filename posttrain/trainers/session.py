@@ -277,7 +277,7 @@ class SingleModelRun:
             ckpt_max_mem_gb=cfg.ckpt.max_mem if cfg.ckpt.max_mem is not None else math.inf,
             ckpt_disable_ds=cfg.ckpt.disable_ds, load_checkpoint=cfg.ckpt.load_enable,
             save_hf=cfg.ckpt.save_hf,
-            context=built.context, aux_loss_coef=built.router_loss_coef, layout=layout)
+            context=built.context, router_loss_coef=built.router_loss_coef, layout=layout)
         loop = SingleModelLoop(engine=engine, objective=objective, train_items=train_items,
                                eval_items=eval_items, settings=settings, logger=logger,
                                save_hf=lambda d: self.export_hf(engine, d), device=self.device, ckpt=ckpt)

@@ -14,7 +14,7 @@ from posttrain.config import SFTConfig, changed_values
 from posttrain.data import SFTDataset, pack_collate, pad_collate
 from posttrain.data.capping import capped_note
 from posttrain.data.errors import check_dropped
-from posttrain.data.images import ImageLimits
+from posttrain.data.images import image_reading
 from posttrain.models import next_token_logits
 from posttrain.trainers.session import SingleModelRun
 from posttrain.utils.log import info
@@ -59,8 +59,7 @@ def train_sft(cfg: SFTConfig) -> dict:
                            input_template=prompt_template(cfg),
                            apply_chat_template=cfg.data.apply_chat_template,
                            multiturn=cfg.data.multiturn, pretrain_mode=cfg.model.pretrain_mode_enable,
-                           processor=run.processor, image_key=cfg.data.image_key,
-                           max_images=cfg.data.max_images_per_prompt, image_limits=ImageLimits.of(cfg.data))
+                           processor=run.processor, **image_reading(cfg.data))
         train_set = SFTDataset(run.train_rows, tok, cfg.data.max_len, **data_kwargs)
         eval_set = SFTDataset(run.eval_rows, tok, cfg.data.max_len, **data_kwargs) if run.eval_rows else None
         for what, data in (("train", train_set), ("eval", eval_set)):

@@ -61,7 +61,7 @@ class LoopSettings:
     save_hf: bool = False
     progress: bool = True
     context: object = None  # `models.parallel_groups.ContextGroups` (context parallelism), or None
-    aux_loss_coef: float = 0.0  # the MoE router loss's coefficient in force: joins each micro-batch's loss
+    router_loss_coef: float = 0.0  # the MoE router loss's coefficient in force: joins each micro-batch's loss
     # `models.parallel_groups.ParallelLayout` of the run's ranks (None: each its own samples)
     layout: object = None
 
@@ -199,14 +199,14 @@ class SingleModelLoop(RunLoop):
         """`loss` + coef x the MoE router loss of the micro-batch's forward (`models.moe`), weighted by the
         micro-batch's share of the step's units (its target tokens or pairs), so the step adds the
         units-weighted mean of the micro-batches' router losses; logged as `aux_loss` (that mean)."""
-        aux = take_router_loss(model) if self.s.aux_loss_coef > 0 else None
+        aux = take_router_loss(model) if self.s.router_loss_coef > 0 else None
         if aux is None:
             return loss
         mine = float(sum(self.obj.units(items[i]) for i in group))
         stats.update(aux_loss_sum=float(aux.detach()) * mine, aux_loss_count=mine)
         # each rank's router loss is its slice's
         ring = self.s.context.size if self.s.context is not None else 1
-        return loss + self.s.aux_loss_coef * aux * (mine / max(units, 1.0)) / ring
+        return loss + self.s.router_loss_coef * aux * (mine / max(units, 1.0)) / ring
 
     def evaluate(self, items: list[dict] | None = None, prefix: str = "eval") -> dict[str, float]:
         """The objective's statistics over `items` (default: the eval set) without training."""

@@ -187,7 +187,7 @@ class RLTrainer(RunLoop):
             kl_clamp=cfg.algo.kl.clamp or None,
             is_correction=adv.is_correction_type if adv.is_correction_enable else None,
             is_threshold=tuple(adv.is_correction_threshold), value_clip=cfg.critic.value_clip,
-            seed=cfg.train.seed, aux_loss_coef=ModelSetup.of(cfg).router_loss_coef)
+            seed=cfg.train.seed, router_loss_coef=ModelSetup.of(cfg).router_loss_coef)
         penalty = cfg.reward.missing_eos_penalty
         self.shaping = ShapingSettings(cfg.reward.overlong_buffer_len, cfg.reward.overlong_penalty_factor,
                                        cfg.reward.stop_properly_penalty_coef, penalty,

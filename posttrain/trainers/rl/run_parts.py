@@ -10,7 +10,7 @@ from posttrain.config import ConfigError, PPOConfig
 from posttrain.data import PromptDataset, load_rows
 from posttrain.data.capping import capped_note
 from posttrain.data.errors import check_dropped
-from posttrain.data.images import ImageLimits
+from posttrain.data.images import image_reading
 from posttrain.models.vision import export_savers, vision_processor
 from posttrain.trainers.rl.async_pipeline import RolloutPipeline
 from posttrain.trainers.rl.collect import GroupBuffer, PromptStream
@@ -43,8 +43,7 @@ def load_prompt_data(cfg: PPOConfig, tok) -> PromptData:
              "rotary positions per row from the image grid)")
     kw = dict(input_key=cfg.data.input_key, label_key=cfg.data.label_key,
               input_template=cfg.data.input_template, apply_chat_template=cfg.data.apply_chat_template,
-              processor=processor, image_key=cfg.data.image_key, max_images=cfg.data.max_images_per_prompt,
-              image_limits=ImageLimits.of(cfg.data))
+              processor=processor, **image_reading(cfg.data))
     rows = load_rows(cfg.data.prompt_dataset, cfg.data.prompt_probs, cfg.data.prompt_split, cfg.train.seed,
                      cfg.data.max_samples)
     limit = cfg.data.max_len - (cfg.rollout.max_new_tokens or 1)

@@ -42,7 +42,7 @@ class UpdateSettings:
     seed: int
     policy_loss_agg: str | None = None  # the policy term (None: loss_agg); GSPO's auto default differs
     kl_clamp: float | None = 10.0  # bound of the per-token KL estimate; None: unbounded
-    aux_loss_coef: float = 0.0  # the MoE router loss's coefficient (actor and critic, as OpenRLHF)
+    router_loss_coef: float = 0.0  # the MoE router loss's coefficient (actor and critic, as OpenRLHF)
 
     @property
     def policy_agg(self) -> str:
@@ -193,12 +193,12 @@ def _with_router_loss(loss, model, s: UpdateSettings, mask, num_tokens: float, c
     """`loss` + coef x the MoE router loss of the micro-batch's forward (`models.moe`), weighted by its share
     of the step's action tokens (over a context-parallel group: each rank's slice, so divided by the group
     size); logged as `aux_loss` (the token-weighted mean)."""
-    aux = take_router_loss(model) if s.aux_loss_coef > 0 else None
+    aux = take_router_loss(model) if s.router_loss_coef > 0 else None
     if aux is None:
         return loss
     tokens = float(mask.sum())
     mean.add("aux_loss", float(aux.detach()), tokens)
-    return loss + s.aux_loss_coef * aux * tokens / max(num_tokens, 1.0) / (context.size if context else 1)
+    return loss + s.router_loss_coef * aux * tokens / max(num_tokens, 1.0) / (context.size if context else 1)
 
 
 def _ring_traffic(context) -> dict[str, float]:

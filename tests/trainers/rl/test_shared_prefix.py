@@ -203,7 +203,7 @@ def test_router_loss_equals_the_padded_one(moe_dirs, models, layout, role):
     rows, logged = [list(range(len(exp)))], []
 
     def fit(batching):
-        s = settings(len(exp), batching=batching, aux_loss_coef=0.5)
+        s = settings(len(exp), batching=batching, router_loss_coef=0.5)
 
         def run(m, engine):
             track_router_loss(m)
