@@ -254,7 +254,7 @@ def run_posttrain(spec: dict, config: str, out_dir: Path, status: dict) -> dict:
         if trainer.reward_source is not None:
             trainer.reward_source.close()
         trainer._release_placement()
-        trainer.folders.close()
+        trainer.start.folders.close()
     return {"step_seconds": steps, "procs": procs, "argv": "posttrain ppo " + shlex.join(argv),
             "live_tensors": live, "step_live": step_live_bytes(),
             "reward_mean": [r.get("reward/mean") for r in rows],

@@ -156,10 +156,10 @@ def run_trainer_steps(spec: dict, config: str, out_dir: Path, t_start: float) ->
         if trainer.reward_source is not None:
             trainer.reward_source.close()
         trainer._release_placement()
-        trainer.folders.close()
+        trainer.start.folders.close()
         if config == "in-process + idle ray":
             ray.shutdown()
-    return {"clock": clock, "rows": rows, "on_ray": trainer.on_ray, "ray_cpu": ray_cpu,
+    return {"clock": clock, "rows": rows, "on_ray": trainer.roles.on_ray, "ray_cpu": ray_cpu,
             "startup": {"imports+parse": t_build - t_start, "RLTrainer(cfg)": built - t_build,
                         "first verified sync": synced - built, "total": synced - t_start},
             "argv": "python -m posttrain.cli.train_ppo_ray " + shlex.join(argv)}

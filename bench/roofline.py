@@ -137,7 +137,7 @@ def one_step(trainer, step: int, dev) -> tuple[dict[str, float], object]:
     t = {}
     (scored, _, _), t["generation"] = timed(dev, lambda: trainer.produce(step))
     exp = build_experience(scored.rollouts, scored.rewards.clone(), trainer.tokenizer.pad_token_id)
-    mbs = trainer.forward_batching
+    mbs = trainer.experience_maker.batching
     _, t["old logp"] = timed(dev, lambda: trainer.actor.logprobs(exp, mbs))
     _, t["ref logp"] = timed(dev, lambda: trainer.ref.logprobs(exp, mbs))
     _, t["values"] = timed(dev, lambda: trainer.critic.values(exp, mbs))
@@ -192,7 +192,7 @@ def run_config(args, work: Path, size: str, long_prompt: int | None, dev) -> dic
             if step:  # the first step warms up
                 samples.append((times, step_flops(fm, exp)))
     finally:
-        trainer.folders.close()
+        trainer.start.folders.close()
     phases = list(samples[0][0])
     out = {"name": name, "tokens": int(exp.attention_mask.sum()), "phases": {}}
     for p in phases:

@@ -43,7 +43,7 @@ def version() -> str:
 
 def main(argv: list[str] | None = None):
     """Run `posttrain <command>`. `argv` None: the process's arguments, i.e. the console command, which
-    exits after it (signals: `errors.command_line`); a list: an in-process call, which gets its signal
+    exits after it (signals: `exits.command_line`); a list: an in-process call, which gets its signal
     handlers back however the command ends."""
     from posttrain.cli.exits import command_line
 

@@ -66,6 +66,8 @@ class ParallelLayout:
         """One line: each rank's (dp, cp, tp), e.g. `rank 0 (dp 0, cp 0, tp 0), rank 1 (dp 0, cp 1, tp 0)`."""
         return ", ".join(f"{label} {r} (dp {dp}, cp {cp}, tp {tp})"
                          for r, (dp, cp, tp) in ((r, self.coordinates(r)) for r in range(self.world)))
+
+
 @dataclass
 class ContextGroups:
     size: int  # ranks per group (N)
