@@ -60,23 +60,24 @@ class ModelSetup:
 
     @staticmethod
     def of(cfg) -> ModelSetup:
-        """The set-up of `cfg` (a trainer's config or serve-rm's; a field its sections lack takes its default
-        here: sft / dpo have no head prefix, serve-rm no LoRA nor parallelism)."""
+        """The set-up of `cfg`: a trainer's config (its `ds` section and its trained model's section), or
+        serve-rm's (one frozen score model: no LoRA, checkpointing, router loss nor parallelism)."""
         ds = cfg.ds
-        trained = cfg.actor if cfg.trainer == "ppo" else getattr(cfg, "model", None)
-        coef = getattr(trained, "aux_loss_coef", 0.0)
-        return ModelSetup(
-            dtype=ds.param_dtype or "fp32", attn=ds.attn_implementation, onednn=ds.onednn_linear,
-            experts=ds.experts_implementation, load_in_4bit=ds.load_in_4bit,
-            lora=as_lora_spec(getattr(ds, "lora", None)),
-            value_head_prefix=getattr(ds, "value_head_prefix", "score"),
-            checkpointing=getattr(trained, "gradient_checkpointing_enable", False),
-            checkpointing_reentrant=getattr(trained, "gradient_checkpointing_reentrant", False),
-            router_loss_coef=coef,
-            router_loss_flag=f"--{'actor' if cfg.trainer == 'ppo' else 'model'}.aux_loss_coef {coef}",
-            ring=getattr(ds, "ring_attn_size", 1), head_stride=getattr(ds, "ring_attn_head_stride", 1),
-            tensor=getattr(ds, "tensor_parallel_size", 1),
-            freeze_vision=bool(getattr(trained, "freeze_visual_encoder", False)) and cfg.trainer == "ppo")
+        frozen = ModelSetup(dtype=ds.param_dtype or "fp32", attn=ds.attn_implementation,
+                            onednn=ds.onednn_linear, experts=ds.experts_implementation,
+                            load_in_4bit=ds.load_in_4bit,
+                            value_head_prefix=getattr(ds, "value_head_prefix", "score"))
+        if cfg.trainer == "serve-rm":
+            return frozen
+        ppo = cfg.trainer == "ppo"
+        trained = cfg.actor if ppo else cfg.model
+        coef = trained.aux_loss_coef
+        return replace(
+            frozen, lora=as_lora_spec(ds.lora), checkpointing=trained.gradient_checkpointing_enable,
+            checkpointing_reentrant=trained.gradient_checkpointing_reentrant, router_loss_coef=coef,
+            router_loss_flag=f"--{'actor' if ppo else 'model'}.aux_loss_coef {coef}", ring=ds.ring_attn_size,
+            head_stride=ds.ring_attn_head_stride, tensor=ds.tensor_parallel_size,
+            freeze_vision=ppo and bool(trained.freeze_visual_encoder))
 
     def load_kwargs(self, trained: bool) -> dict:
         """The loader keywords (`load_causal_lm` / `load_score_model`) of a trained or a frozen model."""
