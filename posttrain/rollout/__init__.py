@@ -5,8 +5,8 @@
   a KV cache and our own sampling loop (CPU or GPU, any transformers causal LM); continuous
   batching: sequences join and leave the running decode batch (``decode_batch.py``), and
   ``stream()`` serves requests from other threads (``stream.py``, used by ``async_engine.py``).
-- ``VLLMRolloutEngine`` (``vllm_engine.py``): vLLM's offline ``LLM`` (CUDA only, imported lazily);
-  ``convert_vllm_outputs`` is the pure conversion of its outputs.
+- ``VLLMRolloutEngine`` (``vllm_engine.py``; the CPU build's settings in ``vllm_cpu.py``): vLLM's offline
+  ``LLM`` (imported lazily); ``convert_vllm_outputs`` is the pure conversion of its outputs.
 - ``make_rollout_engine(kind="hf" | "vllm", ...)``, and ``build_rollout_engine(cfg, ...)``: an RL run's
   engine from its config, built in this one place for the one-process trainer and the Ray workers
   (``engine_builder.py``).

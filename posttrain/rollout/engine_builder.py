@@ -84,8 +84,8 @@ def vllm_engine_kwargs(cfg: PPOConfig) -> dict:
     --vllm.tensor_parallel_size N > 1 N worker processes of vLLM's (`mp` executor: CPUs only,
     `placement.workers.build_vllm_engine`; the placement reserves the engine N bundles, this process takes the
     first); with --data.max_images_per_prompt N > 0, `limit_mm_per_prompt={"image": N}` (the engine then reads
-    the image pad ids from the model's config); `apply_cpu_defaults` drops gpu_memory_utilization on CPU;
-    vLLM's sleep mode on a GPU when the engines sleep (`sleeps`)."""
+    the image pad ids from the model's config); `vllm_cpu.apply_cpu_defaults` drops gpu_memory_utilization on
+    CPU; vLLM's sleep mode on a GPU when the engines sleep (`sleeps`)."""
     images, tp = cfg.data.max_images_per_prompt, cfg.vllm.tensor_parallel_size
     return dict(tensor_parallel_size=tp, distributed_executor_backend="uni" if tp == 1 else "mp",
                 gpu_memory_utilization=cfg.vllm.gpu_memory_utilization, enforce_eager=cfg.vllm.enforce_eager,

@@ -43,7 +43,6 @@ import contextlib
 import dataclasses
 import os
 import shutil
-import sys
 import tempfile
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -63,6 +62,7 @@ from posttrain.rollout.types import (
     check_budgets,
     rank_seed,
 )
+from posttrain.rollout.vllm_cpu import apply_cpu_defaults, kv_cache_too_small
 from posttrain.rollout.vllm_lora import vllm_lora_kwargs, write_peft_adapter
 from posttrain.rollout.vllm_worker import bucket_bytes
 from posttrain.utils.log import warn_once
@@ -70,50 +70,6 @@ from posttrain.utils.log import warn_once
 LORA_SYNC_MODES = ("merged", "adapter")
 UNBAN_CHUNK = 128  # vLLM's MAX_LOGPROB_TOKEN_IDS: the most ids one request's `logprob_token_ids` may score
 WORKER_EXTENSION = "posttrain.rollout.vllm_worker.PosttrainWorkerExtension"
-# the CPU build's KV cache when neither VLLM_CPU_KVCACHE_SPACE nor kv_cache_memory_bytes is set
-CPU_KV_CACHE_GIB = 1
-
-
-def apply_cpu_defaults(llm_kwargs: dict) -> None:
-    """On a machine without CUDA (vLLM's CPU build): the engine core in this process
-    (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set: no second process per engine, and weight syncs reach the
-    model without serialising it) unless tensor parallelism needs vLLM's worker processes, and a KV cache of
-    ``CPU_KV_CACHE_GIB`` GiB (the CPU build otherwise sizes it from ``gpu_memory_utilization`` of the
-    machine's RAM); ``VLLM_CPU_KVCACHE_SPACE`` (GiB) or ``kv_cache_memory_bytes`` set it.
-    ``gpu_memory_utilization`` means nothing there and is dropped, and so is ``enable_sleep_mode`` (vLLM
-    refuses it on CPU and ignores ``sleep`` there anyway). Tensor parallelism: vLLM's worker processes (``mp``
-    executor, gloo) with ``VLLM_CPU_OMP_THREADS_BIND=nobind`` unless set (vLLM's ``auto`` binds each worker to
-    a NUMA node of its own and refuses more workers than nodes). vLLM freezes its environment once an engine
-    started in this process (``vllm.envs`` cache): the freeze is lifted so that a second engine
-    reads these settings."""
-    if torch.cuda.is_available():
-        return
-    envs = sys.modules.get("vllm.envs")
-    if envs is not None and hasattr(envs, "disable_envs_cache"):
-        envs.disable_envs_cache()
-    if int(llm_kwargs.get("tensor_parallel_size", 1) or 1) == 1:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    else:
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        llm_kwargs.setdefault("distributed_executor_backend", "mp")
-    if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-        llm_kwargs.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_GIB * 2**30)
-    llm_kwargs.pop("gpu_memory_utilization", None)
-    llm_kwargs.pop("enable_sleep_mode", None)
-
-
-def kv_cache_too_small(err: BaseException, llm_kwargs: Mapping) -> str | None:
-    """On vLLM's CPU build, the one line for vLLM's "KV cache cannot hold one max_model_len sequence" error
-    (whose own advice, ``gpu_memory_utilization``, does nothing there); None for any other error."""
-    text = str(err)
-    if torch.cuda.is_available() or "KV cache" not in text or "max_model_len" not in text:
-        return None
-    size = os.environ.get("VLLM_CPU_KVCACHE_SPACE") or llm_kwargs.get("kv_cache_memory_bytes", 0) / 2**30
-    return (f"vLLM's CPU KV cache ({size} GiB) cannot hold one sequence of --data.max_len "
-            f"{llm_kwargs.get('max_model_len')} tokens: set VLLM_CPU_KVCACHE_SPACE to more GiB (or lower "
-            "--data.max_len)")
-
-
 def import_vllm():
     """The ``vllm`` module, or ImportError with the install hint."""
     try:
