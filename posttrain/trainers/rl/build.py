@@ -49,12 +49,12 @@ def _parallel(setup: ModelSetup, built: BuiltModel, trained: bool = False) -> Bu
 
 
 def train_engine(model, role_cfg: ActorConfig | CriticConfig, cfg: PPOConfig, total_steps: int,
-                 zero_stage: int | None):
+                 zero_stage: int | None, tensor: int):
     """The role's optimizer, scheduler and (with `zero_stage`: several ranks) DeepSpeed ZeRO engine, its model
-    split over tensor-parallel groups (AutoTP)."""
+    split over tensor-parallel groups of `tensor` ranks (AutoTP)."""
     return make_train_engine(model, role_cfg, total_steps=max(total_steps, 1), ds=_engine_ds(cfg, zero_stage),
                              zero_stage=zero_stage,
-                             tensor_parallel=ModelSetup.of(cfg).tensor if zero_stage is not None else 1)
+                             tensor_parallel=tensor if zero_stage is not None else 1)
 
 
 def _engine_ds(cfg: PPOConfig, zero_stage: int | None):
@@ -76,7 +76,7 @@ def build_actor(cfg: PPOConfig, tokenizer, device, total_steps: int, zero_stage:
     built = setup.build(cfg.actor.model_name_or_path, "actor", tokenizer=tokenizer, device=device,
                         sharding=sharded_loading(cfg.ds, zero_stage), split_rows=_split_rows(setup),
                         announce=True)
-    engine = train_engine(built.model, cfg.actor, cfg, total_steps, zero_stage)
+    engine = train_engine(built.model, cfg.actor, cfg, total_steps, zero_stage, setup.tensor)
     built = _parallel(setup, built, trained=True)
     return Actor(built.model, engine, cfg.rollout.temperature, device,
                  ema_beta=cfg.train.ema_beta if cfg.train.enable_ema else None,
@@ -104,7 +104,7 @@ def build_critic(cfg: PPOConfig, tokenizer, device, total_steps: int,
     _seed_for(cfg, "critic")
     built = setup.build(critic_path(cfg), "critic", tokenizer=tokenizer, device=device, new_head_ok=True,
                         sharding=sharded_loading(cfg.ds, zero_stage), split_rows=_split_rows(setup))
-    engine = train_engine(built.model, cfg.critic, cfg, total_steps, zero_stage)
+    engine = train_engine(built.model, cfg.critic, cfg, total_steps, zero_stage, setup.tensor)
     built = _parallel(setup, built, trained=True)
     return Critic(built.model, engine, device, normalize=bool(cfg.reward.normalize_enable),
                   context=built.context, loaded_numel=built.loaded_numel)
