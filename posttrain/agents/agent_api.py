@@ -11,7 +11,8 @@ MultiTurnAgentExecutor)` (or any `AgentExecutorBase` with `async execute(...)`).
 tokens), then per turn generate with a budget of `max_length - len(context)` (capped by the
 `max_tokens` the executor was given: posttrain passes `--rollout.max_new_tokens` as a per-turn cap,
 OpenRLHF overwrites it), record the action's
-token range, call `step` with the texts, append the action tokens as sampled and the feedback's
+token range, call `step` with the texts (posttrain adds `action_token_ids` and `finish_reason` to its
+states), append the action tokens as sampled and the feedback's
 tokens, and stop at `done` or when the budget is spent. Rewards add up over turns (`rewards` as a
 tensor or number; None from every step: the run's reward source scores the episode); `scores` and
 `extra_logs` are the last step's. posttrain's deliberate differences
@@ -138,6 +139,11 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
                             f"{agent_instance_cls!r}")
         self.agent_instance_cls = agent_instance_cls
 
+    def new_instance(self, hf_tokenizer) -> AgentInstanceBase:
+        """The environment of one episode (OpenRLHF: `agent_instance_cls()`; posttrain's tool environments
+        override it to give theirs the tokenizer)."""
+        return self.agent_instance_cls()
+
     async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine,
                       images=None):
         # imported here: an agent file's `from openrlhf.utils.agent import ...` stays light
@@ -146,7 +152,7 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         seen = EpisodeImages.of(hf_tokenizer, llm_engine)
         if images and seen is None:
             raise ValueError("images: the prompt has images but the model is not a vision-language model")
-        agent = self.agent_instance_cls()
+        agent = self.new_instance(hf_tokenizer)
         reset = await agent.reset({"observation": prompt, "label": label})
         if not isinstance(reset, dict) or not isinstance(reset.get("observation"), str):
             raise ValueError(f"reset() must return a dict with an 'observation' string, got {reset!r:.200}")
@@ -181,7 +187,8 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             turns += 1
             t0 = time.perf_counter()
             result = await agent.step({"observation_text": observation_text, "action_text": out.text,
-                                       "label": label, "sampling_params": sampling_params})
+                                       "label": label, "sampling_params": sampling_params,
+                                       "action_token_ids": action, "finish_reason": out.finish_reason})
             step_time += time.perf_counter() - t0
             result = _check_step(result)
             if result["rewards"] is not None:  # None: the run's reward source scores the episode (posttrain)

@@ -404,6 +404,10 @@ class PPOTrainConfig(TrainConfig):
     agent_func_path: str | None = opt(None, "Python file defining a multi-turn agent",
                                       check=lambda v: not v or v.endswith(".py"),
                                       message="must be a .py file defining AgentExecutor")
+    tool_path: str | None = opt(None, "Python file of tool functions: multi-turn tool episodes with no agent "
+                                "loop (docs/agents.md, Tool environments)", extension=True,
+                                check=lambda v: not v or v.endswith(".py"),
+                                message="must be a .py file of tool functions")
     colocate_actor_ref: bool = opt(False, "actor and reference model share GPUs",
                                    inert=(ROLE_PLACEMENT, REF_IN_ACTOR), on_resume="adjustable")
     colocate_critic_reward: bool = opt(False, "critic and reward model share GPUs", inert=ROLE_PLACEMENT,
@@ -414,7 +418,7 @@ class PPOTrainConfig(TrainConfig):
 
 @dataclass
 class AgentConfig:
-    """Multi-turn agent episodes (--train.agent_func_path; posttrain extensions)."""
+    """Multi-turn agent episodes (--train.agent_func_path, --train.tool_path; posttrain extensions)."""
 
     timeout: float = opt(300.0, "seconds per episode; an episode that runs longer fails (counted in "
                                 "agent/failed)",

@@ -450,7 +450,8 @@ def _ppo(cfg: PPOConfig, r: _Report, world_size: int) -> None:
 
 
 def _reward_source(cfg: PPOConfig, r: _Report) -> None:
-    """Exactly one reward source: a reward model, a remote URL (or .py file), or an agent file."""
+    """Exactly one reward source: a reward model, a remote URL (or .py file), or an agent file; a tool file
+    (scored by the reward source) with the chat template and without an agent file."""
     rw, t = cfg.reward, cfg.train
     if rw.model_name_or_path and rw.remote_url:
         r.problems.append(
@@ -470,6 +471,12 @@ def _reward_source(cfg: PPOConfig, r: _Report) -> None:
             "--reward.remote_url (an http(s) reward server or a .py file defining reward_func) or "
             "--train.agent_func_path (an agent file whose environment returns rewards)",
         )
+    if t.tool_path and t.agent_func_path:
+        r.bad("train.tool_path", t.tool_path, f"refused together with --train.agent_func_path "
+              f"{format_value(t.agent_func_path)}: a run has one environment; drop one")
+    elif t.tool_path and not cfg.data.apply_chat_template:
+        r.bad("train.tool_path", t.tool_path, "needs --data.apply_chat_template (the prompts are rendered "
+              "with the tools' schemas)")
 
 
 def _rollout_engines(cfg: PPOConfig, r: _Report) -> None:

@@ -36,12 +36,15 @@ class Prompt:
 class PromptDataset:
     """`rows` → prompts. The input field is text or a message list; with `apply_chat_template` it is
     rendered with a generation prompt, else formatted by `input_template` (a `{}` template) or used
-    as is. Prompts longer than `max_prompt_len` tokens (when given) are dropped and counted."""
+    as is. Prompts longer than `max_prompt_len` tokens (when given) are dropped and counted. `tools` (OpenAI
+    function schemas) and `system_prompt` (a system turn put first unless the row has one) only apply
+    under the chat template (a tool environment's prompts)."""
 
     def __init__(self, rows: list[dict], tokenizer, *, input_key: str = "input", label_key: str | None = None,
                  input_template: str | None = None, apply_chat_template: bool = False,
                  max_prompt_len: int | None = None, processor=None, image_key: str = "images",
-                 max_images: int = 0, image_limits: ImageLimits = DEFAULT_IMAGE_LIMITS) -> None:
+                 max_images: int = 0, image_limits: ImageLimits = DEFAULT_IMAGE_LIMITS,
+                 tools: list[dict] | None = None, system_prompt: str | None = None) -> None:
         check_input_template(input_template)
         self.prompts: list[Prompt] = []
         self.dropped: list[str] = []
@@ -54,8 +57,10 @@ class PromptDataset:
                                    image_limits)
             if apply_chat_template:
                 messages = to_messages(value, "user")
+                if system_prompt and not (messages and messages[0].get("role") == "system"):
+                    messages = [{"role": "system", "content": system_prompt}, *messages]
                 text = render_chat(tokenizer, to_vision_messages(messages) if images else messages,
-                                   add_generation_prompt=True, location=where(row))
+                                   add_generation_prompt=True, location=where(row), tools=tools)
             elif isinstance(value, str):
                 text = format_prompt(input_template, value)
             else:

@@ -14,6 +14,9 @@ are exactly those a generator would see:
                                prefix of the full rendering (else DataError).
 * ``pretrain_mode``:           one segment, every token but the first trained.
 
+A chat row's ``tools`` (OpenAI function schemas, as TRL's SFT data has them) go to the chat template with
+its messages, so tool calls and tool messages train as a tool episode renders them.
+
 When the sequence ends with a trained segment, EOS is appended (and trained) unless the tokens
 already end with EOS, ignoring trailing whitespace-only tokens (e.g. the newline after
 ``<|im_end|>``). Samples longer than ``max_len`` are cut to ``max_len`` (``num_truncated``); a
@@ -186,25 +189,26 @@ class SFTDataset(Dataset):
             if self.pretrain:
                 return [(prompt + (response or ""), 1)]
             return [(prompt, 0), (response, 1)]
+        tools = row_tools(row)
         if self.multiturn:
-            return self._multiturn_segments(field, loc)
+            return self._multiturn_segments(field, loc, tools)
         prompt_msgs, full_msgs = field
-        full = render_chat(self.tokenizer, full_msgs, False, loc)
+        full = render_chat(self.tokenizer, full_msgs, False, loc, tools)
         if self.pretrain:
             return [(full, 1)]
-        prompt = render_chat(self.tokenizer, prompt_msgs, True, loc)
+        prompt = render_chat(self.tokenizer, prompt_msgs, True, loc, tools)
         self._check_prefix(prompt, full, len(prompt_msgs), len(full_msgs), loc)
         return [(prompt, 0), (full[len(prompt) :], 1)]
 
-    def _multiturn_segments(self, messages: list[dict], loc: str) -> list[Segment]:
-        full = render_chat(self.tokenizer, messages, False, loc)
+    def _multiturn_segments(self, messages: list[dict], loc: str, tools=None) -> list[Segment]:
+        full = render_chat(self.tokenizer, messages, False, loc, tools)
         segments: list[Segment] = []
         pos = 0
         for j, msg in enumerate(messages):
             if msg["role"] != "assistant":
                 continue
-            start = self._generation_prefix(messages[:j], loc)
-            end = render_chat(self.tokenizer, messages[: j + 1], False, loc)
+            start = self._generation_prefix(messages[:j], loc, tools)
+            end = render_chat(self.tokenizer, messages[: j + 1], False, loc, tools)
             self._check_prefix(start, full, j, len(messages), loc)
             self._check_prefix(end, full, j + 1, len(messages), loc)
             if len(start) < pos or len(end) < len(start):
@@ -214,12 +218,12 @@ class SFTDataset(Dataset):
         segments.append((full[pos:], 0))
         return segments
 
-    def _generation_prefix(self, messages: list[dict], loc: str) -> str:
+    def _generation_prefix(self, messages: list[dict], loc: str, tools=None) -> str:
         """Rendering of ``messages`` plus the assistant header; "" when a template rejects no messages."""
         if messages:
-            return render_chat(self.tokenizer, messages, True, loc)
+            return render_chat(self.tokenizer, messages, True, loc, tools)
         try:
-            return render_chat(self.tokenizer, messages, True, loc)
+            return render_chat(self.tokenizer, messages, True, loc, tools)
         except DataError:
             return ""
 
@@ -249,6 +253,19 @@ class SFTDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict:
         return dict(self.samples[i])
+
+
+def row_tools(row: dict) -> list[dict] | None:
+    """A chat row's `tools` (OpenAI-format function schemas, as TRL's SFT data has them), rendered into its
+    conversation by the chat template; None when the row has none. A `tools` value of another shape is a
+    DataError."""
+    tools = row.get("tools")
+    if tools is None:
+        return None
+    if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise DataError(f"{where(row)}: key 'tools' must be a list of function schemas (OpenAI format), got "
+                        f"{type(tools).__name__}")
+    return tools or None
 
 
 def field_messages(field) -> list[dict] | str:

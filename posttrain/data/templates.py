@@ -63,11 +63,14 @@ def to_messages(value: str | list[dict], role: str) -> list[dict]:
     return [{"role": role, "content": value}] if isinstance(value, str) else list(value)
 
 
-def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool, location: str = "") -> str:
-    """The chat template applied to ``messages`` as text (not tokenised); ``location`` prefixes errors."""
+def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool, location: str = "",
+                tools: list[dict] | None = None) -> str:
+    """The chat template applied to ``messages`` as text (not tokenised), with ``tools`` (OpenAI-format
+    function schemas) when given; ``location`` prefixes errors."""
     try:
         return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **({"tools": tools} if tools else {})
         )
     except Exception as e:
         prefix = f"{location}: " if location else ""

@@ -73,7 +73,7 @@ def needs_async_vllm(cfg: PPOConfig) -> bool:
     """vLLM's AsyncLLM (`VLLMAsyncRolloutEngine`) where requests must be added, aborted or paused while others
     run: async RL (a weight sync may arrive mid-generation: partial rollout) and agent episodes (each model
     call its own request); else the offline `vllm.LLM`."""
-    return bool(cfg.train.async_enable or cfg.train.agent_func_path)
+    return bool(cfg.train.async_enable or cfg.train.agent_func_path or cfg.train.tool_path)
 
 
 VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

@@ -45,6 +45,8 @@ class Rollout:
     policy_versions: list[int] | None = None  # the weights versions that sampled it (None: not recorded)
     cursor: int = 0  # the prompt stream's position after this sample's prompt (set by `collect`)
     image_inputs: dict | None = None  # its prompt's image tensors (a vision-language model; numpy)
+    # what the reward source scores, when not the whole sequence (a tool episode: prompt + final answer)
+    reward_ids: list[int] | None = None
 
 
 @dataclass
@@ -122,9 +124,10 @@ def reward_prompt_text(tokenizer, prompt) -> str:
 
 
 def score_rollouts(reward_source, tokenizer, rollouts: list[Rollout]):
-    """One batched call of the reward source on whole sequences (prompt + everything after it): token
-    ids for a reward model, OpenRLHF's decoded queries for a function or server (module docstring)."""
-    sequences = [r.prompt_ids + r.output_ids for r in rollouts]
+    """One batched call of the reward source on whole sequences (prompt + everything after it, or a
+    sample's `reward_ids`): token ids for a reward model, OpenRLHF's decoded queries for a function or
+    server (module docstring)."""
+    sequences = [r.reward_ids or r.prompt_ids + r.output_ids for r in rollouts]
     if hasattr(reward_source, "score_tokens"):
         return reward_source.score_tokens(sequences)
     queries = tokenizer.batch_decode(sequences, skip_special_tokens=False)

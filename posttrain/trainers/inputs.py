@@ -29,7 +29,8 @@ MODEL_FLAGS = ("model.model_name_or_path", "actor.model_name_or_path", "critic.m
 DATA_FLAGS = ("data.dataset", "data.prompt_dataset", "eval.dataset")
 SPLIT_FLAGS = {"data.dataset": "data.dataset_split", "data.prompt_dataset": "data.prompt_split",
                "eval.dataset": "eval.split"}  # `generate` / `eval` name --data.dataset's split --data.split
-FILE_FLAGS = ("reward.remote_url", "train.agent_func_path")  # local .py files (a URL is checked when called)
+# local .py files (a URL is checked when called)
+FILE_FLAGS = ("reward.remote_url", "train.agent_func_path", "train.tool_path")
 
 
 def dataset_names(cfg: TrainerConfig, flag: str) -> list[str]:

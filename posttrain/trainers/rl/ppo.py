@@ -62,7 +62,12 @@ class RLTrainer(RunLoop):
                 self.tokenizer = load_tokenizer(cfg.actor.model_name_or_path,
                                                 use_fast=not cfg.data.disable_fast_tokenizer,
                                                 chat_template=cfg.data.tokenizer_chat_template)
-                self.data = load_prompt_data(cfg, self.tokenizer)
+                self.tools = None  # --train.tool_path's tools: the prompts are rendered with them
+                if cfg.train.tool_path:
+                    from posttrain.agents.tool_env import load_tool_file
+
+                    self.tools = load_tool_file(cfg.train.tool_path, self.tokenizer)
+                self.data = load_prompt_data(cfg, self.tokenizer, self.tools)
                 agent = self._load_reward_source()
                 self._load_models(agent)
                 self._build_loop_state()
@@ -94,6 +99,12 @@ class RLTrainer(RunLoop):
             agent = load_agent_executor(cfg.train.agent_func_path)
             info(f"agent: {type(agent).__name__} from {cfg.train.agent_func_path}; episodes of up to "
                  f"--data.max_len {cfg.data.max_len} tokens over all turns")
+        elif self.tools is not None:
+            from posttrain.agents.tool_env import ToolAgentExecutor
+
+            agent = ToolAgentExecutor(self.tools)
+            info(f"tools: {', '.join(self.tools.names)} from {cfg.train.tool_path}; episodes of up to "
+                 f"--data.max_len {cfg.data.max_len} tokens over all turns, scored by the reward source")
         self.reward_source = None
         has_reward = cfg.reward.model_name_or_path or cfg.reward.remote_url
         if has_reward and not (self.roles.on_ray and self.roles.has("reward")):

@@ -33,9 +33,11 @@ class PromptData:
     sample_max_len: int | None
 
 
-def load_prompt_data(cfg: PPOConfig, tok) -> PromptData:
+def load_prompt_data(cfg: PPOConfig, tok, tools=None) -> PromptData:
     """The prompt and evaluation datasets of `cfg`, tokenized by `tok`; prompts longer than
-    --data.max_len minus --rollout.max_new_tokens are dropped (`check_dropped` refuses too many)."""
+    --data.max_len minus --rollout.max_new_tokens are dropped (`check_dropped` refuses too many). `tools`:
+    a tool file's (`agents.tool_env.ToolFile`), whose schemas and system prompt the prompts are rendered
+    with."""
     processor = vision_processor(cfg.actor.model_name_or_path, tok)
     savers = export_savers(tok, processor)
     if processor is not None and cfg.ds.shared_prefix:
@@ -43,7 +45,8 @@ def load_prompt_data(cfg: PPOConfig, tok) -> PromptData:
              "rotary positions per row from the image grid)")
     kw = dict(input_key=cfg.data.input_key, label_key=cfg.data.label_key,
               input_template=cfg.data.input_template, apply_chat_template=cfg.data.apply_chat_template,
-              processor=processor, **image_reading(cfg.data))
+              processor=processor, **image_reading(cfg.data),
+              **({"tools": tools.schemas, "system_prompt": tools.system_prompt} if tools else {}))
     rows = load_rows(cfg.data.prompt_dataset, cfg.data.prompt_probs, cfg.data.prompt_split, cfg.train.seed,
                      cfg.data.max_samples)
     limit = cfg.data.max_len - (cfg.rollout.max_new_tokens or 1)

@@ -230,9 +230,10 @@ class RoleWorker(_Process):
 class EngineWorker(_Process):
     """A rollout engine: vLLM where this process runs it (a CUDA GPU with vLLM's CUDA build, or vLLM's CPU
     build), else the HF engine over its own copy of the policy (`rollout_backend`); with
-    `--train.agent_func_path` it also runs agent episodes (`run_episodes`). Its weights come from the actor by
-    `sync_receive` (bucketed broadcast) or `load_numpy` (object store). A receive with `verify` records a
-    digest of what arrived, the hash of an engine that cannot read its weights back by HF name (vLLM)."""
+    `--train.agent_func_path` or `--train.tool_path` it also runs agent episodes (`run_episodes`). Its
+    weights come from the actor by `sync_receive` (bucketed broadcast) or `load_numpy` (object store). A
+    receive with `verify` records a digest of what arrived, the hash of an engine that cannot read its
+    weights back by HF name (vLLM)."""
 
     def setup(self, cfg: PPOConfig) -> None:
         from posttrain.config.backends import rollout_backend
@@ -249,14 +250,16 @@ class EngineWorker(_Process):
         self.sync: SyncGroup | None = None
         self.received: WeightsDigest | None = None
         self.agents = None
-        if cfg.train.agent_func_path:  # the agent's episodes run in this actor, next to its engine
+        if cfg.train.agent_func_path or cfg.train.tool_path:  # the episodes run here, next to the engine
             from posttrain.agents.agent_file import load_agent_executor
             from posttrain.agents.multi_turn import AgentRunner
+            from posttrain.agents.tool_env import ToolAgentExecutor, load_tool_file
             from posttrain.models.vision import vision_processor
 
             processor = vision_processor(cfg.actor.model_name_or_path, tok)
-            self.agents = AgentRunner.from_config(load_agent_executor(cfg.train.agent_func_path), self.engine,
-                                                  tok, None, cfg, processor=processor)
+            agent = (load_agent_executor(cfg.train.agent_func_path) if cfg.train.agent_func_path
+                     else ToolAgentExecutor(load_tool_file(cfg.train.tool_path, tok)))
+            self.agents = AgentRunner.from_config(agent, self.engine, tok, None, cfg, processor=processor)
 
     def backend_name(self) -> tuple[str, str]:
         """("vllm" or "hf", why not vLLM)."""
