@@ -36,6 +36,7 @@ import threading
 from dataclasses import dataclass, field
 
 from posttrain.agents.agent_api import AgentInstanceBase, MultiTurnAgentExecutor
+from posttrain.agents.tool_calls import ToolCallError, tool_call_format
 from posttrain.compat.user_files import exec_user_file
 from posttrain.utils.errors import UserError
 
@@ -78,9 +79,12 @@ class ToolFile:
 
         def call():
             try:
-                done.set_result(fn(**arguments))
-            except BaseException as err:  # SystemExit too: an error of this call, not an exit of the run
-                done.set_exception(err)
+                try:
+                    done.set_result(fn(**arguments))
+                except BaseException as err:  # SystemExit too: an error of this call, not an exit of the run
+                    done.set_exception(err)
+            except concurrent.futures.InvalidStateError:  # abandoned past its timeout: nobody waits
+                pass
 
         threading.Thread(target=call, name=f"posttrain-tool-{name}", daemon=True).start()
         try:
@@ -113,8 +117,6 @@ def load_tool_file(path: str, tokenizer=None) -> ToolFile:
     """The tools of `path` (module docstring); every problem is a ToolFileError naming the file, and so is
     a `tokenizer` (when given) whose chat template has no known tool-call format."""
     from transformers.utils import get_json_schema
-
-    from posttrain.agents.tool_calls import tool_call_format
 
     if not str(path).endswith(".py"):
         raise ToolFileError(f"{FLAG} {path}: a tool file must be a .py file of functions")
@@ -167,8 +169,6 @@ class ToolInstance(AgentInstanceBase):
     their tool messages as the chat template renders them after the model's turn."""
 
     def __init__(self, tools: ToolFile, tokenizer):
-        from posttrain.agents.tool_calls import tool_call_format
-
         self.tools, self.tokenizer = tools, getattr(tokenizer, "tokenizer", tokenizer)
         self.format = tool_call_format(self.tokenizer)
         self.calls = self.errors = 0
@@ -177,8 +177,6 @@ class ToolInstance(AgentInstanceBase):
         return {"observation": states["observation"]}
 
     async def step(self, states: dict, **kwargs):
-        from posttrain.agents.tool_calls import ToolCallError
-
         text, ids = states["action_text"], list(states.get("action_token_ids") or ())
         ended = states.get("finish_reason", "stop") == "stop"  # a turn cut by its token cap is final
         try:

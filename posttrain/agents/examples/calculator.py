@@ -70,23 +70,55 @@ class NoToolInstance(CalculatorInstance):
     max_tool_calls = 0
 
 
+def _problems(n: int, seed: int, tool_use: float):
+    """(a, b, whether the demonstrator calls the tool, its guess otherwise) of `n` problems, in order."""
+    import random
+
+    rng = random.Random(f"calc-{seed}")
+    for _ in range(n):
+        a, b = rng.randint(10, 99), rng.randint(2, 9)
+        if rng.random() < tool_use:
+            yield a, b, True, None
+        else:
+            yield a, b, False, a * b // 10 * 10 + rng.randint(0, 9)
+
+
 def make_calculator_rows(n: int, seed: int = 0, tool_use: float = 0.4) -> list[dict]:
     """`n` problems `What is A * B?` (A in [10, 99], B in [2, 9]) with `answer` and a demonstration in
     `messages`: with probability `tool_use` the calculator transcript, otherwise a direct answer that is a
     guess (the true product with its last digit redrawn, as a model that cannot multiply would answer)."""
-    import random
-
-    rng = random.Random(f"calc-{seed}")
     rows = []
-    for _ in range(n):
-        a, b = rng.randint(10, 99), rng.randint(2, 9)
+    for a, b, tool, guess in _problems(n, seed, tool_use):
         question, value = f"What is {a} * {b}?", a * b
-        if rng.random() < tool_use:
+        if tool:
             messages = [{"role": "user", "content": question}, {"role": "assistant", "content": "calc"},
                         {"role": "user", "content": f"= {value}"},
                         {"role": "assistant", "content": str(value)}]
         else:
-            guess = value // 10 * 10 + rng.randint(0, 9)
             messages = [{"role": "user", "content": question}, {"role": "assistant", "content": str(guess)}]
         rows.append({"prompt": question, "answer": str(value), "messages": messages})
+    return rows
+
+
+def make_calculator_tool_rows(n: int, seed: int = 0, tool_use: float = 0.4) -> list[dict]:
+    """The problems and demonstrations of `make_calculator_rows` (same seed: same problems, same choices)
+    for the tool file `calculator_tools.py`: the tool transcript is a `multiply` call, its tool message and
+    the answer, and each row carries the file's `tools`, so SFT renders it exactly as a tool episode is
+    rendered (the same chat template, tools, tool call and tool message)."""
+    from posttrain.agents.examples import CALCULATOR_TOOLS
+    from posttrain.agents.tool_env import load_tool_file
+
+    tools = load_tool_file(CALCULATOR_TOOLS).schemas
+    rows = []
+    for a, b, tool, guess in _problems(n, seed, tool_use):
+        question, value = f"What is {a} * {b}?", a * b
+        if tool:
+            call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": a, "b": b}}}
+            messages = [{"role": "user", "content": question},
+                        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", **call}]},
+                        {"role": "tool", "tool_call_id": "call_0", "name": "multiply", "content": str(value)},
+                        {"role": "assistant", "content": str(value)}]
+        else:
+            messages = [{"role": "user", "content": question}, {"role": "assistant", "content": str(guess)}]
+        rows.append({"prompt": question, "answer": str(value), "messages": messages, "tools": tools})
     return rows

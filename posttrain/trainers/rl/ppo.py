@@ -62,13 +62,13 @@ class RLTrainer(RunLoop):
                 self.tokenizer = load_tokenizer(cfg.actor.model_name_or_path,
                                                 use_fast=not cfg.data.disable_fast_tokenizer,
                                                 chat_template=cfg.data.tokenizer_chat_template)
-                self.tools = None  # --train.tool_path's tools: the prompts are rendered with them
+                tools = None  # --train.tool_path's tools: the prompts are rendered with them
                 if cfg.train.tool_path:
                     from posttrain.agents.tool_env import load_tool_file
 
-                    self.tools = load_tool_file(cfg.train.tool_path, self.tokenizer)
-                self.data = load_prompt_data(cfg, self.tokenizer, self.tools)
-                agent = self._load_reward_source()
+                    tools = load_tool_file(cfg.train.tool_path, self.tokenizer)
+                self.data = load_prompt_data(cfg, self.tokenizer, tools)
+                agent = self._load_reward_source(tools)
                 self._load_models(agent)
                 self._build_loop_state()
             except BaseException:
@@ -85,12 +85,12 @@ class RLTrainer(RunLoop):
         return not self.roles.on_ray and not self.cfg.train.async_enable
 
     # ---- set-up -----------------------------------------------------------------------------
-    def _load_reward_source(self):
+    def _load_reward_source(self, tools=None):
         """The reward source (and the agent file, returned: None without one) first, before the policy
         loads: a missing or broken reward or agent file, an unreachable-by-design URL or a mismatched
         reward model stops the run before the expensive part. Under Ray a reward model is loaded by its
         own ranks (with the other roles). With an agent file and no reward flag, the environment gives
-        every reward."""
+        every reward. With `tools` (a tool file's) the executor runs tool episodes."""
         cfg = self.cfg
         agent = None
         if cfg.train.agent_func_path:
@@ -99,11 +99,11 @@ class RLTrainer(RunLoop):
             agent = load_agent_executor(cfg.train.agent_func_path)
             info(f"agent: {type(agent).__name__} from {cfg.train.agent_func_path}; episodes of up to "
                  f"--data.max_len {cfg.data.max_len} tokens over all turns")
-        elif self.tools is not None:
+        elif tools is not None:  # a tool file (`agents.tool_env`)
             from posttrain.agents.tool_env import ToolAgentExecutor
 
-            agent = ToolAgentExecutor(self.tools)
-            info(f"tools: {', '.join(self.tools.names)} from {cfg.train.tool_path}; episodes of up to "
+            agent = ToolAgentExecutor(tools)
+            info(f"tools: {', '.join(tools.names)} from {cfg.train.tool_path}; episodes of up to "
                  f"--data.max_len {cfg.data.max_len} tokens over all turns, scored by the reward source")
         self.reward_source = None
         has_reward = cfg.reward.model_name_or_path or cfg.reward.remote_url

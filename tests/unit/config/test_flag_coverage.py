@@ -154,8 +154,8 @@ ACTING: dict[str, frozenset[str]] = {
         # a LoRA actor's adapter-only sync to engines with their own copy (build.py, placement/workers.py)
         "vllm: lora_sync",
         "train: colocate_actor_ref colocate_critic_reward colocate_all",
-        # multi-turn agents (agents/multi_turn.py)
-        "train: agent_func_path",
+        # multi-turn agents (agents/multi_turn.py) and tool environments (agents/tool_env.py)
+        "train: agent_func_path tool_path",
         "agent: timeout max_failure_frac",
         "ds: zero_stage zpg adam_offload overlap_comm grad_accum_dtype",
         # async RL (trainers/rl/async_pipeline.py)

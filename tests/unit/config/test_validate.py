@@ -379,6 +379,20 @@ def test_agent_flags_are_checked():
             == "--agent.max_failure_frac 1.5: must be in [0, 1]")
 
 
+def test_a_tool_file_is_refused_with_an_agent_file_or_without_the_chat_template():
+    assert problem("ppo", "--train.tool_path", "tools.txt") == (
+        "--train.tool_path tools.txt: must be a .py file of tool functions")
+    assert problem("ppo", "--train.tool_path", "tools.py", "--train.agent_func_path", "agent.py",
+                   "--data.apply_chat_template") == (
+        "--train.tool_path tools.py: refused together with --train.agent_func_path agent.py: a run has one "
+        "environment; drop one")
+    assert problem("ppo", "--train.tool_path", "tools.py") == (
+        "--train.tool_path tools.py: needs --data.apply_chat_template (the prompts are rendered with the "
+        "tools' schemas)")
+    parse_config("ppo", BASE["ppo"] + ["--train.tool_path", "tools.py", "--data.apply_chat_template"],
+                 device="cpu")
+
+
 def test_gspo_aggregates_per_sequence_by_default(tmp_path):
     from posttrain.config import format_config, inert_flags, load_config, resolved_values, save_config
 

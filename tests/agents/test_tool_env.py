@@ -1,0 +1,229 @@
+"""Tool environments (`--train.tool_path`): a file of plain functions becomes the tools (schemas from their
+hints and docstrings), each call runs with a timeout and an output budget, and an episode is the
+multi-turn loop over them: the model's turns are the actions, the tool messages are context."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from posttrain.agents.episode import AgentSamplingParams, CompletionOutput, Logprob, RequestOutput
+from posttrain.agents.tool_calls import ToolCallError, tool_call_format
+from posttrain.agents.tool_env import ToolAgentExecutor, ToolFileError, load_tool_file
+
+TOOLS = '''
+import math
+from math import sqrt
+
+MAX_TOOL_CALLS = 3
+TOOL_TIMEOUT = 0.5
+MAX_TOOL_OUTPUT = 10
+SYSTEM_PROMPT = "Use the tools."
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
+def shout(text: str) -> str:
+    """Repeat a text loudly.
+
+    Args:
+        text: what to repeat
+    """
+    return text.upper() * 5
+
+
+def boom(x: int) -> int:
+    """Fail.
+
+    Args:
+        x: ignored
+    """
+    raise ValueError("bad\\ninput")
+
+
+def _helper():
+    return 1
+'''
+
+
+@pytest.fixture
+def tool_file(tmp_path):
+    path = tmp_path / "tools.py"
+    path.write_text(TOOLS)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    from posttrain.models import load_tokenizer
+
+    return load_tokenizer(tiny_model_dir)
+
+
+def test_the_public_functions_are_the_tools_with_schemas_from_their_hints(tool_file):
+    from transformers.utils import get_json_schema
+
+    tools = load_tool_file(tool_file)
+    assert tools.names == ["add", "shout", "boom"]  # not the imported sqrt, not _helper
+    schema = get_json_schema(tools.functions["add"])["function"]
+    assert tools.schemas[0] == {"type": "function", "function": schema}
+    assert tools.schemas[0]["function"]["parameters"]["properties"]["a"] == {"type": "integer",
+                                                                             "description": "the first"}
+    settings = (tools.max_tool_calls, tools.timeout, tools.max_output, tools.system_prompt)
+    assert settings == (3, 0.5, 10, "Use the tools.")
+
+
+def test_a_tools_list_picks_the_tools(tmp_path):
+    path = tmp_path / "listed.py"
+    path.write_text(TOOLS + "\nTOOLS = [shout]\n")
+    assert load_tool_file(str(path)).names == ["shout"]
+
+
+@pytest.mark.parametrize("source, missing", [
+    ("def f(a, b: int) -> int:\n    '''Doc.\n\n    Args:\n        a: x\n        b: y\n    '''\n",
+     "Argument a is missing a type hint in function f"),
+    ("def f(a: int) -> int:\n    return a\n", "it has no docstring"),
+    ("def f(a: int) -> int:\n    '''Doc.'''\n", "no description for the argument 'a'"),
+])
+def test_a_function_without_hints_or_docstring_args_is_one_line_naming_it(tmp_path, source, missing):
+    path = tmp_path / "bad_tools.py"
+    path.write_text(source)
+    with pytest.raises(ToolFileError) as err:
+        load_tool_file(str(path))
+    line = str(err.value)
+    assert line.startswith(f"--train.tool_path {path}: tool 'f': ") and missing in line and "\n" not in line
+
+
+def test_a_tokenizer_without_a_tool_call_format_is_refused(tool_file, tok, tmp_path):
+    import copy
+
+    plain = copy.copy(tok)
+    plain.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] "
+                           "+ '<|im_end|>\\n' }}{% endfor %}")
+    with pytest.raises(ToolFileError, match="no known tool-call format"):
+        load_tool_file(tool_file, plain)
+
+
+def test_timeouts_errors_and_long_output_become_the_tool_message(tool_file, tmp_path):
+    release = threading.Event()
+    path = tmp_path / "hang_tools.py"
+    path.write_text(TOOLS + "\n\nGATE = None\n\n\ndef hang(x: int) -> int:\n    '''Hang.\n\n    Args:\n"
+                    "        x: ignored\n    '''\n    GATE.wait()\n    return x\n")
+    tools = load_tool_file(str(path))
+    tools.functions["hang"].__globals__["GATE"] = release
+    try:
+        # the call is abandoned while the function still runs: its thread is not killed
+        assert asyncio.run(tools.run("hang", {"x": 1})) == ("error: hang timed out after 0.5 s", False)
+        assert any(t.name == "posttrain-tool-hang" for t in threading.enumerate())
+    finally:
+        release.set()
+    assert asyncio.run(tools.run("add", {"a": 2, "b": 3})) == ("5", True)
+    assert asyncio.run(tools.run("shout", {"text": "ab"})) == ("ABABABABAB", True)  # exactly the budget
+    cut = "ABCABCABCA... [cut: 5 more characters]"
+    assert asyncio.run(tools.run("shout", {"text": "abc"})) == (cut, True)
+    assert asyncio.run(tools.run("boom", {"x": 1})) == ("error: boom raised ValueError: bad input", False)
+    unknown = "error: unknown tool 'nope' (tools: add, shout, boom, hang)"
+    assert asyncio.run(tools.run("nope", {})) == (unknown, False)
+    text, ok = asyncio.run(tools.run("add", {"a": 1}))
+    assert not ok and text == "error: add: missing a required argument: 'b'"
+
+
+class ScriptedEngine:
+    """An episode engine that answers each turn with the next scripted text (tokenised, ending with the
+    end-of-turn token as a sampled stop), each token with log-prob -0.5."""
+
+    def __init__(self, tok, turns: list[str]):
+        self.tok, self.turns, self.prompts = tok, list(turns), []
+
+    async def generate(self, prompt_token_ids, sampling_params, **kwargs):
+        self.prompts.append(list(prompt_token_ids))
+        text = self.turns.pop(0)
+        end = self.tok.convert_tokens_to_ids("<|im_end|>")
+        ids = self.tok(text, add_special_tokens=False)["input_ids"] + [end]
+        out = CompletionOutput(0, text, ids, [{t: Logprob(-0.5)} for t in ids], "stop")
+        return RequestOutput(list(prompt_token_ids), [out])
+
+
+def _episode(tok, tools, turns, question="What is 2 + 3?"):
+    from posttrain.data.templates import render_chat
+
+    prompt = render_chat(tok, [{"role": "user", "content": question}], True, tools=tools.schemas)
+    engine = ScriptedEngine(tok, turns)
+    params = AgentSamplingParams(max_tokens=64)
+    result = asyncio.run(ToolAgentExecutor(tools).execute(prompt, "5", params, 1024, tok, engine))
+    return prompt, result
+
+
+def test_an_episode_is_the_rendered_conversation_with_only_the_model_turns_as_actions(tool_file, tok):
+    tools = load_tool_file(tool_file, tok)
+    bad = '<tool_call>\n{"name": "add", "arguments": {"a": 2,\n</tool_call>'
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    prompt, result = _episode(tok, tools, [bad, call, "5"])
+    tokens, ranges = result["observation_tokens"], result["action_ranges"]
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    # the actions are exactly the sampled tokens
+    assert [tokens[a:b] for a, b in ranges] == [tok(t, add_special_tokens=False)["input_ids"] + [end]
+                                                for t in (bad, call, "5")]
+    assert result["rollout_log_probs"] == [0.0 if not any(a <= i < b for a, b in ranges) else -0.5
+                                           for i in range(len(tokens))]
+    # the malformed call is answered with its error, counted, and the episode went on
+    with pytest.raises(ToolCallError) as err:
+        tool_call_format(tok).parse(bad)
+    error = f"error: {err.value}"
+    assert error.startswith("error: hermes tool call 0: invalid JSON")
+    assert result["extra_logs"] == {"tool_calls": 2.0, "tool_errors": 1.0} and result["turns"] == 3
+    assert result["reward"] is None and not result["truncated"]
+    # the whole sequence is the chat template's rendering of the conversation
+    messages = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": bad},
+                {"role": "tool", "tool_call_id": "call_0", "content": error},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "call_0", "type": "function",
+                     "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+                {"role": "tool", "tool_call_id": "call_0", "name": "add", "content": "5"},
+                {"role": "assistant", "content": "5"}]
+    rendered = tok.apply_chat_template(messages, tools=tools.schemas, tokenize=False)
+    assert tok.decode(tokens, skip_special_tokens=False) + "\n" == rendered
+    assert tokens == tok(rendered, add_special_tokens=False)["input_ids"][:-1]
+    # the reward source sees the prompt and the final answer
+    assert tok.decode(result["reward_ids"]) == prompt + "5<|im_end|>"
+
+
+def test_the_call_cap_ends_the_episode(tool_file, tok):
+    tools = load_tool_file(tool_file, tok)
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 1}}\n</tool_call>'
+    _, result = _episode(tok, tools, [call] * 4)
+    assert result["turns"] == 4 and result["extra_logs"] == {"tool_calls": 3.0, "tool_errors": 0.0}
+    tokens, (start, end) = result["observation_tokens"], result["action_ranges"][-1]
+    assert end == len(tokens) and result["reward_ids"][-(end - start):] == tokens[start:end]
+
+
+def test_calculator_sft_transcripts_render_as_the_tool_episodes(tok):
+    """`make_calculator_tool_rows` through the SFT dataset gives the tokens of the episode that samples its
+    assistant turns."""
+    from posttrain.agents.examples import CALCULATOR_TOOLS
+    from posttrain.agents.examples.calculator import make_calculator_tool_rows
+    from posttrain.data.sft_dataset import SFTDataset
+
+    row = next(r for r in make_calculator_tool_rows(20, seed=3) if len(r["messages"]) == 4)
+    sft = SFTDataset([row], tok, input_key="messages", apply_chat_template=True, multiturn=True,
+                     max_len=1024)[0]
+    tools = load_tool_file(CALCULATOR_TOOLS, tok)
+    call = row["messages"][1]["tool_calls"][0]["function"]
+    text = f"<tool_call>\n{json.dumps({'name': call['name'], 'arguments': call['arguments']})}\n</tool_call>"
+    _, result = _episode(tok, tools, [text, row["answer"]], question=row["prompt"])
+    tokens = result["observation_tokens"]
+    assert list(sft["input_ids"][:len(tokens)]) == tokens
+    assert [tokens[a:b] for a, b in result["action_ranges"]] == [
+        list(sft["input_ids"][a:b]) for a, b in result["action_ranges"]]
+    assert all(sft["loss_mask"][i] for a, b in result["action_ranges"] for i in range(a, b))
+    assert not any(sft["loss_mask"][i] for i in range(result["prompt_length"]))
