@@ -33,28 +33,38 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], *, max_new_tokens: int =
     return acc, samples
 
 
-def agent_success(model_dir, rows: list[dict], agent_file: str, *, max_len: int = 96,
-                  max_new_tokens: int = 12, prompt_key: str = "prompt",
-                  answer_key: str = "answer") -> tuple[float, list[dict]]:
+def agent_success(model_dir, rows: list[dict], agent_file: str | None, *, max_len: int = 96,
+                  max_new_tokens: int = 12, prompt_key: str = "prompt", answer_key: str = "answer",
+                  tool_path: str | None = None, reward_file: str | None = None) -> tuple[float, list[dict]]:
     """Greedy multi-turn episodes of the agent file's executor on `rows` (prompts under the chat
-    template): (fraction with reward 1, samples = [{"prompt", "episode", "reward", "turns"}])."""
+    template), or with `tool_path` of that tool file's episodes (prompts rendered with its tools, scored by
+    the reward file `reward_file`): (fraction with reward 1, samples = [{"prompt", "episode", "reward",
+    "turns"}])."""
     from posttrain.agents.agent_file import load_agent_executor
     from posttrain.agents.multi_turn import AgentRunner
+    from posttrain.agents.tool_env import ToolAgentExecutor, load_tool_file
     from posttrain.data import Prompt
     from posttrain.data.templates import render_chat
     from posttrain.models import load_causal_lm, load_tokenizer
+    from posttrain.rewards import make_reward_source
     from posttrain.rollout import HFRolloutEngine, SamplingParams
 
     tok = load_tokenizer(str(model_dir))
     engine = HFRolloutEngine(load_causal_lm(str(model_dir), dtype="fp32").eval(), tok,
                              pad_token_id=tok.pad_token_id)
+    tools = load_tool_file(tool_path, tok) if tool_path else None
     prompts = []
     for r in rows:
-        text = render_chat(tok, [{"role": "user", "content": r[prompt_key]}], add_generation_prompt=True)
+        messages = [{"role": "user", "content": r[prompt_key]}]
+        if tools is not None and tools.system_prompt:
+            messages.insert(0, {"role": "system", "content": tools.system_prompt})
+        text = render_chat(tok, messages, add_generation_prompt=True, tools=tools and tools.schemas)
         prompts.append(Prompt(text=text, token_ids=tok(text, add_special_tokens=False)["input_ids"],
                               label=r[answer_key], source="eval"))
-    runner = AgentRunner(load_agent_executor(agent_file), engine, tok, None, max_len=max_len, timeout=60,
-                         max_failure_frac=1.0, turn_cap=max_new_tokens)
+    executor = ToolAgentExecutor(tools) if tools is not None else load_agent_executor(agent_file)
+    reward = make_reward_source(reward_file) if reward_file else None
+    runner = AgentRunner(executor, engine, tok, reward, max_len=max_len, timeout=60, max_failure_frac=1.0,
+                         turn_cap=max_new_tokens)
     batch = runner.run(prompts, SamplingParams(temperature=0.0, n=1, seed=0, max_new_tokens=max_new_tokens))
     samples = [{"prompt": r[prompt_key], "episode": x.response_text, "reward": float(w), "turns": x.turns}
                for r, x, w in zip(rows, batch.rollouts, batch.rewards.tolist())]

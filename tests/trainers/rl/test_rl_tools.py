@@ -86,7 +86,7 @@ def test_tool_episodes_run_inside_a_ray_rollout_engine(rl_setup, recording_rewar
 
     out = tmp_path / "tools_ray"
     train_ppo_ray.main(tool_flags(rl_setup, out, recording_reward[0], "--vllm.num_engines", "1",
-                                  "--data.max_samples", "4"))
+                                  "--rollout.engine", "hf", "--data.max_samples", "4"))
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
     assert len(rows) == 1 and rows[0]["agent/turns_mean"] >= 1.0 and rows[0]["agent/failed"] == 0.0
     assert "reward/tool_calls" in rows[0]

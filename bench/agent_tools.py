@@ -1,0 +1,99 @@
+"""The calculator task written as a tool file (`--train.tool_path calculator_tools.py`, scored by
+`final_answer_reward.py`) against today's agent file (`--train.agent_func_path calculator_agent.py`), at
+`posttrain demo --quick`'s scale, over several seeds.
+
+    .venv/bin/python bench/agent_tools.py [--seeds 1 2 3] [--output runs/bench_agent_tools]
+
+Per seed, as the demo's calculator task (`cli/demo.py run_agent_task`): the nano model (seed), SFT on the
+demonstrator's transcripts (`make_calculator_rows` / `make_calculator_tool_rows`: the same problems and
+the same choice of calling the tool or guessing, each in its own protocol), multi-turn RL with the demo's
+flags, and greedy held-out success (reward 1) after SFT and after RL on the same 100 problems. The tool
+version's prompts carry the tools' schemas (about 360 tokens with the tiny chat template) and its call is a
+JSON object (about 48 tokens), so its --data.max_len is 512 (the agent file's: 96) and its per-turn cap 64
+(12); everything else is the demo's. Prints one row per seed and the means. Not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from posttrain.agents.examples import CALCULATOR_AGENT, CALCULATOR_TOOLS, FINAL_ANSWER_REWARD  # noqa: E402
+from posttrain.agents.examples.calculator import make_calculator_tool_rows  # noqa: E402
+from posttrain.cli import demo, train_ppo_ray, train_sft  # noqa: E402
+from posttrain.data.synthetic import write_jsonl  # noqa: E402
+from posttrain.models import build_tiny  # noqa: E402
+from posttrain.trainers.task_eval import agent_success  # noqa: E402
+
+TOOL_MAX_LEN, TOOL_TURN_CAP = 512, 64
+
+
+def _set(flags: list[str], name: str, value: str) -> list[str]:
+    flags = list(flags)
+    flags[flags.index(name) + 1] = value
+    return flags
+
+
+def run_agent_file(scale, base: Path, out: Path, seed: int) -> tuple[float, float]:
+    test = demo.agent_data(scale, out, seed)
+    data, sft, rl = out / "data" / "agent", out / "agent_sft", out / "agent_rl"
+    train_sft.main(demo.agent_sft_flags(scale, base, data, sft, seed))
+    after_sft = agent_success(sft, test, CALCULATOR_AGENT)[0]
+    train_ppo_ray.main(demo.agent_rl_flags(scale, sft, data, rl, seed, CALCULATOR_AGENT))
+    return after_sft, agent_success(rl, test, CALCULATOR_AGENT)[0]
+
+
+def run_tool_file(scale, base: Path, out: Path, seed: int) -> tuple[float, float]:
+    rows = make_calculator_tool_rows(scale.agent_train + scale.n_test, seed=seed, tool_use=demo.TOOL_USE)
+    train, test = rows[: scale.agent_train], rows[scale.agent_train:]
+    data, sft, rl = out / "data" / "tools", out / "tool_sft", out / "tool_rl"
+    write_jsonl(train, data / "train.jsonl")
+    write_jsonl(test, data / "test.jsonl")
+    sft_flags = _set(demo.agent_sft_flags(scale, base, data, sft, seed), "--data.max_len", str(TOOL_MAX_LEN))
+    train_sft.main(sft_flags)
+    check = dict(tool_path=CALCULATOR_TOOLS, reward_file=FINAL_ANSWER_REWARD, max_len=TOOL_MAX_LEN,
+                 max_new_tokens=TOOL_TURN_CAP)
+    after_sft = agent_success(sft, test, None, **check)[0]
+    rl_flags = demo.agent_rl_flags(scale, sft, data, rl, seed, CALCULATOR_AGENT)
+    rl_flags = _set(_set(rl_flags, "--data.max_len", str(TOOL_MAX_LEN)), "--rollout.max_new_tokens",
+                    str(TOOL_TURN_CAP))
+    at = rl_flags.index("--train.agent_func_path")
+    rl_flags[at: at + 2] = ["--train.tool_path", CALCULATOR_TOOLS, "--reward.remote_url", FINAL_ANSWER_REWARD]
+    train_ppo_ray.main(rl_flags)
+    return after_sft, agent_success(rl, test, None, **check)[0]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--output", default="runs/bench_agent_tools")
+    args = p.parse_args()
+    scale, results = demo.QUICK, []
+    for seed in args.seeds:
+        out = Path(args.output) / f"seed{seed}"
+        base = out / "base"
+        build_tiny(str(base), arch="llama", size=scale.size, head="lm", seed=seed, overwrite=True)
+        t0 = time.time()
+        agent = run_agent_file(scale, base, out, seed)
+        t1 = time.time()
+        tools = run_tool_file(scale, base, out, seed)
+        results.append({"seed": seed, "agent_file": agent, "tool_file": tools,
+                        "minutes": [round((t1 - t0) / 60, 1), round((time.time() - t1) / 60, 1)]})
+        print(json.dumps(results[-1]), flush=True)
+    print("\n| seed | agent file: SFT | agent file: RL | tool file: SFT | tool file: RL | minutes "
+          "(agent, tools) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        (a_sft, a_rl), (t_sft, t_rl) = r["agent_file"], r["tool_file"]
+        print(f"| {r['seed']} | {a_sft:.0%} | {a_rl:.0%} | {t_sft:.0%} | {t_rl:.0%} | {r['minutes'][0]}, "
+              f"{r['minutes'][1]} |")
+    mean = [sum(r[k][i] for r in results) / len(results) for k in ("agent_file", "tool_file") for i in (0, 1)]
+    print(f"| mean | {mean[0]:.1%} | {mean[1]:.1%} | {mean[2]:.1%} | {mean[3]:.1%} | |")
+
+
+if __name__ == "__main__":
+    main()
