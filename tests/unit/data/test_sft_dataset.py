@@ -286,3 +286,30 @@ def test_huge_text_fields_are_cut_before_tokenising_and_the_samples_do_not_chang
     prompts = PromptDataset([{"input": words, "label": words}, {"input": "hi", "label": "x"}], tokenizer,
                             label_key="label", max_prompt_len=16)
     assert prompts.num_capped == 1 and len(prompts.dropped) == 1 and prompts[0].label == "x"
+
+
+def test_a_rows_tools_are_rendered_into_its_conversation(tokenizer):
+    """A `tools` key (TRL's SFT data) goes to the chat template: the tools' system turn is context, the
+    assistant's tool call is trained, the tool message is context."""
+    import copy
+
+    from posttrain.models.tiny_tokenizer import CHATML_TEMPLATE
+
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = CHATML_TEMPLATE  # the tiny models' template, which renders tools
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]
+    conv = [{"role": "user", "content": "1 + 2?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]},
+            {"role": "tool", "content": "3"}, {"role": "assistant", "content": "3"}]
+    item = SFTDataset([{"conv": conv, "tools": tools}], tokenizer, 4096, input_key="conv",
+                      apply_chat_template=True, multiturn=True)[0]
+    text = tokenizer.apply_chat_template(conv, tools=tools, tokenize=False)
+    assert "<tools>" in text and tokenizer.decode(item["input_ids"]) == text
+    trained = tokenizer.decode([t for t, m in zip(item["input_ids"], item["loss_mask"]) if m])
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    assert trained == f"{call}<|im_end|>\n3<|im_end|>\n"
+    with pytest.raises(DataError, match="key 'tools' must be a list of function schemas"):
+        SFTDataset([{"conv": conv, "tools": "add"}], tokenizer, 512, input_key="conv",
+                   apply_chat_template=True, multiturn=True)
