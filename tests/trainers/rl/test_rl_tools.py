@@ -42,6 +42,7 @@ def recording_reward(tmp_path, monkeypatch):
     return path, log
 
 
+@pytest.mark.slow
 def test_calculator_tool_file_trains_in_one_process(rl_setup, recording_reward, tmp_path, capfd):
     from posttrain.cli import train_ppo_ray
 
