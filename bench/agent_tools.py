@@ -1,8 +1,8 @@
 """The calculator task written as a tool file (`--train.tool_path calculator_tools.py`, scored by
 `final_answer_reward.py`) against today's agent file (`--train.agent_func_path calculator_agent.py`), at
-`posttrain demo --quick`'s scale, over several seeds.
+`posttrain demo --quick`'s scale (`--full`: the demo's full scale), over several seeds.
 
-    .venv/bin/python bench/agent_tools.py [--seeds 1 2 3] [--output runs/bench_agent_tools]
+    .venv/bin/python bench/agent_tools.py [--seeds 1 2 3] [--full] [--output runs/bench_agent_tools]
 
 Per seed, as the demo's calculator task (`cli/demo.py run_agent_task`): the nano model (seed), SFT on the
 demonstrator's transcripts (`make_calculator_rows` / `make_calculator_tool_rows`: the same problems and
@@ -70,9 +70,10 @@ def run_tool_file(scale, base: Path, out: Path, seed: int) -> tuple[float, float
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--full", action="store_true", help="the demo's full scale (default: --quick's)")
     p.add_argument("--output", default="runs/bench_agent_tools")
     args = p.parse_args()
-    scale, results = demo.QUICK, []
+    scale, results = demo.FULL if args.full else demo.QUICK, []
     for seed in args.seeds:
         out = Path(args.output) / f"seed{seed}"
         base = out / "base"
