@@ -17,7 +17,7 @@ from posttrain.config.facts import deepspeed_only_flags
 from posttrain.config.flag_values import check_flag_choice, format_value, parse_probs
 from posttrain.config.hardware import device_type, record_resolved, resolved_values
 from posttrain.config.inference import INFERENCE_CONFIGS
-from posttrain.config.ray_mode import role_ranks, run_roles, uses_ray
+from posttrain.config.ray_mode import critic_path, role_ranks, run_roles, uses_ray
 from posttrain.config.roles import GROUP_ESTIMATORS, SEQUENCE_POLICY_LOSSES, reward_endpoints
 from posttrain.config.sections import POLYNOMIAL_LR_END, DSConfig, OptimizerFields
 from posttrain.config.serving import ServedModelConfig, ServeRMConfig
@@ -177,7 +177,7 @@ def _tensor_parallel(cfg, r: _Report, world_size: int, dev: str) -> None:
     run, or of each trained ppo role: the actor and a critic); not with what changes the split layers (LoRA
     adapters, 4-bit weights), Muon (it orthogonalizes whole matrices), ring attention (one kind of group at
     a time) or the actor's EMA (kept per shard). The heads are checked against N where the model's config
-    is read (`models.config_facts.check_tensor_parallel_config`)."""
+    is read (`models.config_facts.check_tensor_parallel_config`, on the models of `tensor_parallel_split`)."""
     n, ds = cfg.ds.tensor_parallel_size, cfg.ds
     if n == 1:
         return
@@ -214,6 +214,24 @@ def _tensor_parallel(cfg, r: _Report, world_size: int, dev: str) -> None:
         r.bad(flag, n, "not with --optim muon: Muon orthogonalizes whole matrices, a rank holds a slice")
 
 
+def tensor_parallel_split(cfg: TrainerConfig) -> tuple[int, list[str]]:
+    """(N, the paths of the models split over groups of N ranks) for --ds.tensor_parallel_size N: sft / rm /
+    dpo's model; ppo's actor and, with a critic, the critic's starting weights; (N, []) when N is 1."""
+    n = cfg.ds.tensor_parallel_size
+    if n <= 1:
+        return n, []
+    if cfg.trainer != "ppo":
+        return n, [cfg.model.model_name_or_path]
+    return n, [cfg.actor.model_name_or_path] + ([critic_path(cfg)] if run_roles(cfg).has("critic") else [])
+
+
+def tensor_parallel_refusal(size: int | None, why: str) -> str:
+    """The one line refusing --ds.tensor_parallel_size `size` (None: the flag alone) for `why`, for what is
+    checked where the model is read (`models.config_facts`, `models.tensor_parallel`)."""
+    flag = "--ds.tensor_parallel_size"
+    return f"{flag}: {why}" if size is None else f"{flag} {size}: {why}"
+
+
 def _dpo(cfg: DPOConfig, r: _Report) -> None:
     """IPO has no label smoothing: the two flags together are refused rather than one ignored."""
     m = cfg.model
@@ -236,6 +254,9 @@ def _rm(cfg: RMConfig, r: _Report) -> None:
             r.problems.append(f"--data.{name} {value}: posttrain rm trains text-only reward models (a "
                               "score model has no vision-language form here, and ppo / serve-rm score text); "
                               "drop the flag")
+
+
+VLLM_RANKS = "--vllm.num_engines x --vllm.tensor_parallel_size"  # the GPUs the vLLM engines take, in messages
 
 
 def _vllm_tensor_parallel(cfg: PPOConfig, r: _Report, dev: str) -> None:
