@@ -76,6 +76,7 @@ class CompositeReward:
         if not terms:
             raise ValueError("CompositeReward needs at least one term")
         self.terms = list(terms)
+        self.takes_columns = True  # `rollout.single_turn.reward_kwargs`
         self.needs_token_ids = any(hasattr(t.source, "score_tokens") for t in self.terms)
 
     def score(self, queries, prompts, labels=None, sequence_ids=None, **kwargs) -> RewardResult:

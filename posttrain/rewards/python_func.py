@@ -226,6 +226,7 @@ class PythonRewardFunction:
         self._stuck: list[threading.Thread] = []  # abandoned workers, pruned when they end
         self._stuck_lock = threading.Lock()
         self.function = function
+        self.takes_columns = True  # `rollout.single_turn.reward_kwargs`
         self.fn = _load_function(self.path, function)
         self.trl_style = _trl_style(self.fn)
         self._params = _accepted_kwargs(self.fn, 0 if self.trl_style else 3)

@@ -129,14 +129,15 @@ def reward_prompt_text(tokenizer, prompt) -> str:
 
 def score_rollouts(reward_source, tokenizer, rollouts: list[Rollout]):
     """One batched call of the reward source on whole sequences (prompt + everything after it): token
-    ids for a reward model, OpenRLHF's decoded queries for a function or server (module docstring),
-    with the keyword arguments of `reward_kwargs`; a source with `needs_token_ids` (a CompositeReward
-    holding a reward model) also gets the token ids as `sequence_ids`."""
+    ids for a reward model, OpenRLHF's decoded queries for a function or server (module docstring). A
+    source with `takes_columns` (a reward function, a CompositeReward) also gets the keyword arguments
+    of `reward_kwargs`, and one with `needs_token_ids` (a CompositeReward holding a reward model) the
+    token ids as `sequence_ids`."""
     sequences = [r.prompt_ids + r.output_ids for r in rollouts]
     if hasattr(reward_source, "score_tokens"):
         return reward_source.score_tokens(sequences)
     queries = tokenizer.batch_decode(sequences, skip_special_tokens=False)
-    kwargs = reward_kwargs(rollouts)
+    kwargs = reward_kwargs(rollouts) if getattr(reward_source, "takes_columns", False) else {}
     if getattr(reward_source, "needs_token_ids", False):
         kwargs["sequence_ids"] = sequences
     return reward_source.score(queries, [r.prompt_text for r in rollouts], [r.label for r in rollouts],

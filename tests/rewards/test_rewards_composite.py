@@ -190,3 +190,31 @@ def test_comma_separated_servers_stay_one_sharded_term(files):
     assert first.seen == [2] and second.seen == [2]  # the batch shared by the two servers
     assert out.rewards.tolist() == pytest.approx([1 + 2.0, 9.0, 1 + 2.0, 6.0])
     assert sorted(out.extra_logs) == ["correct", "correct/accuracy", "remote"]
+
+
+class _TokensOnly:
+    """What a Ray reward-model group offers (`RewardGroup`): score_tokens and close, no score."""
+
+    def __init__(self):
+        self.seen = []
+
+    def score_tokens(self, sequences):
+        from posttrain.rewards import RewardResult
+
+        self.seen.append(sequences)
+        return RewardResult(torch.tensor([float(len(s)) for s in sequences]))
+
+    def close(self):
+        pass
+
+
+def test_a_reward_group_joins_the_functions_through_the_sampled_token_ids(tiny_model_dir, files):
+    from posttrain.models import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir)
+    group = _TokensOnly()
+    rollouts = _rollouts(tok)
+    out = score_rollouts(combine(function_terms([files[0]]), group, "model", 0.5), tok, rollouts)
+    ids = [r.prompt_ids + r.output_ids for r in rollouts]
+    assert group.seen == [ids]
+    assert out.rewards.tolist() == [1.0 * c + 0.5 * len(s) for c, s in zip([1.0, 0.0, 1.0, 0.0], ids)]
