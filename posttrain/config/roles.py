@@ -75,30 +75,6 @@ def reward_func_spec(value: str) -> tuple[str, str, str]:
     return path, func, name
 
 
-def reward_term_problems(func_path: list[str], func_weights: list[float] | None) -> list[str]:
-    """What is wrong with `--reward.func_path` / `--reward.func_weights` (one line each, [] when nothing):
-    each entry a .py file (`reward_func_spec`), term names unique and none of RESERVED_TERM_NAMES, one
-    finite weight per file."""
-    problems, seen = [], {}
-    for i, entry in enumerate(func_path, 1):
-        try:
-            name = reward_func_spec(entry)[2]
-        except ValueError as err:
-            problems.append(f"--reward.func_path entry {i} ({entry!r}): {err}")
-            continue
-        if name in RESERVED_TERM_NAMES:
-            problems.append(f"--reward.func_path entry {i} ({entry!r}): its term name {name!r} is reserved "
-                            f"(reward/{name} is another metric); rename the file or give FILE.py:FUNCTION")
-        elif name in seen:
-            problems.append(f"--reward.func_path entries {seen[name]} and {i} are both named {name!r} "
-                            "(reward/<name>); rename a file or give FILE.py:FUNCTION")
-        seen.setdefault(name, i)
-    if func_weights is not None and len(func_weights) != len(func_path):
-        problems.append(f"--reward.func_weights has {len(func_weights)} weights for {len(func_path)} "
-                        "--reward.func_path files; give one weight per file (or none: 1 each)")
-    return problems
-
-
 REF_ON_CPU = Inert("the reference model is already in CPU memory: this machine has no accelerator, so there "
                    "is nothing to offload to", facts.on_cpu)
 REWARD_ON_CPU = Inert("the reward model is already in CPU memory: this machine has no accelerator, so there "

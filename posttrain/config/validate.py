@@ -20,9 +20,10 @@ from posttrain.config.inference import INFERENCE_CONFIGS
 from posttrain.config.ray_mode import role_ranks, run_roles, uses_ray
 from posttrain.config.roles import (
     GROUP_ESTIMATORS,
+    RESERVED_TERM_NAMES,
     SEQUENCE_POLICY_LOSSES,
     reward_endpoints,
-    reward_term_problems,
+    reward_func_spec,
 )
 from posttrain.config.sections import POLYNOMIAL_LR_END, DSConfig, OptimizerFields
 from posttrain.config.serving import ServedModelConfig, ServeRMConfig
@@ -459,7 +460,7 @@ def _reward_source(cfg: PPOConfig, r: _Report) -> None:
     function files (--reward.func_path, one finite weight each); or an agent file."""
     rw, t = cfg.reward, cfg.train
     if rw.func_path is not None:
-        r.problems.extend(reward_term_problems(rw.func_path, rw.func_weights))
+        r.problems.extend(_reward_term_problems(rw.func_path, rw.func_weights))
     if rw.model_name_or_path and rw.remote_url:
         r.problems.append(
             f"--reward.model_name_or_path {format_value(rw.model_name_or_path)} and --reward.remote_url "
@@ -479,6 +480,30 @@ def _reward_source(cfg: PPOConfig, r: _Report) -> None:
             "--reward.func_path (reward function files) or "
             "--train.agent_func_path (an agent file whose environment returns rewards)",
         )
+
+
+def _reward_term_problems(func_path: list[str], func_weights: list[float] | None) -> list[str]:
+    """What is wrong with `--reward.func_path` / `--reward.func_weights` (one line each, [] when nothing):
+    each entry a .py file (`reward_func_spec`), term names unique and none of RESERVED_TERM_NAMES, one
+    finite weight per file."""
+    problems, seen = [], {}
+    for i, entry in enumerate(func_path, 1):
+        try:
+            name = reward_func_spec(entry)[2]
+        except ValueError as err:
+            problems.append(f"--reward.func_path entry {i} ({entry!r}): {err}")
+            continue
+        if name in RESERVED_TERM_NAMES:
+            problems.append(f"--reward.func_path entry {i} ({entry!r}): its term name {name!r} is reserved "
+                            f"(reward/{name} is another metric); rename the file or give FILE.py:FUNCTION")
+        elif name in seen:
+            problems.append(f"--reward.func_path entries {seen[name]} and {i} are both named {name!r} "
+                            "(reward/<name>); rename a file or give FILE.py:FUNCTION")
+        seen.setdefault(name, i)
+    if func_weights is not None and len(func_weights) != len(func_path):
+        problems.append(f"--reward.func_weights has {len(func_weights)} weights for {len(func_path)} "
+                        "--reward.func_path files; give one weight per file (or none: 1 each)")
+    return problems
 
 
 def _rollout_engines(cfg: PPOConfig, r: _Report) -> None:
