@@ -18,7 +18,13 @@ from posttrain.config.flag_values import check_flag_choice, format_value, parse_
 from posttrain.config.hardware import device_type, record_resolved, resolved_values
 from posttrain.config.inference import INFERENCE_CONFIGS
 from posttrain.config.ray_mode import critic_path, role_ranks, run_roles, uses_ray
-from posttrain.config.roles import GROUP_ESTIMATORS, SEQUENCE_POLICY_LOSSES, reward_endpoints
+from posttrain.config.roles import (
+    GROUP_ESTIMATORS,
+    RESERVED_TERM_NAMES,
+    SEQUENCE_POLICY_LOSSES,
+    reward_endpoints,
+    reward_func_spec,
+)
 from posttrain.config.sections import POLYNOMIAL_LR_END, DSConfig, OptimizerFields
 from posttrain.config.serving import ServedModelConfig, ServeRMConfig
 from posttrain.config.spec import flag_specs, get_path, set_path
@@ -471,8 +477,11 @@ def _ppo(cfg: PPOConfig, r: _Report, world_size: int) -> None:
 
 
 def _reward_source(cfg: PPOConfig, r: _Report) -> None:
-    """Exactly one reward source: a reward model, a remote URL (or .py file), or an agent file."""
+    """A reward source: a reward model or a remote URL (or .py file), not both, with or beside reward
+    function files (--reward.func_path, one finite weight each); or an agent file."""
     rw, t = cfg.reward, cfg.train
+    if rw.func_path is not None:
+        r.problems.extend(_reward_term_problems(rw.func_path, rw.func_weights))
     if rw.model_name_or_path and rw.remote_url:
         r.problems.append(
             f"--reward.model_name_or_path {format_value(rw.model_name_or_path)} and --reward.remote_url "
@@ -483,14 +492,39 @@ def _reward_source(cfg: PPOConfig, r: _Report) -> None:
             reward_endpoints(rw.remote_url)
         except ValueError as err:
             r.bad("reward.remote_url", rw.remote_url, str(err))
-    elif not (rw.model_name_or_path or rw.remote_url or t.agent_func_path):
+    elif not (rw.model_name_or_path or rw.remote_url or rw.func_path or t.agent_func_path):
         r.bad(
             "reward.model_name_or_path",
             None,
             "a reward source is required: --reward.model_name_or_path (a reward model), "
-            "--reward.remote_url (an http(s) reward server or a .py file defining reward_func) or "
+            "--reward.remote_url (an http(s) reward server or a .py file defining reward_func), "
+            "--reward.func_path (reward function files) or "
             "--train.agent_func_path (an agent file whose environment returns rewards)",
         )
+
+
+def _reward_term_problems(func_path: list[str], func_weights: list[float] | None) -> list[str]:
+    """What is wrong with `--reward.func_path` / `--reward.func_weights` (one line each, [] when nothing):
+    each entry a .py file (`reward_func_spec`), term names unique and none of RESERVED_TERM_NAMES, one
+    finite weight per file."""
+    problems, seen = [], {}
+    for i, entry in enumerate(func_path, 1):
+        try:
+            name = reward_func_spec(entry)[2]
+        except ValueError as err:
+            problems.append(f"--reward.func_path entry {i} ({entry!r}): {err}")
+            continue
+        if name in RESERVED_TERM_NAMES:
+            problems.append(f"--reward.func_path entry {i} ({entry!r}): its term name {name!r} is reserved "
+                            f"(reward/{name} is another metric); rename the file or give FILE.py:FUNCTION")
+        elif name in seen:
+            problems.append(f"--reward.func_path entries {seen[name]} and {i} are both named {name!r} "
+                            "(reward/<name>); rename a file or give FILE.py:FUNCTION")
+        seen.setdefault(name, i)
+    if func_weights is not None and len(func_weights) != len(func_path):
+        problems.append(f"--reward.func_weights has {len(func_weights)} weights for {len(func_path)} "
+                        "--reward.func_path files; give one weight per file (or none: 1 each)")
+    return problems
 
 
 def _rollout_engines(cfg: PPOConfig, r: _Report) -> None:

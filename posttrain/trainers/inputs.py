@@ -15,6 +15,7 @@ import os
 from typing import NamedTuple
 
 from posttrain.config import TrainerConfig, changed_values, flag_specs
+from posttrain.config.roles import reward_func_spec
 from posttrain.config.spec import get_path
 from posttrain.config.validate import tensor_parallel_split
 from posttrain.data.errors import DataError
@@ -30,7 +31,8 @@ MODEL_FLAGS = ("model.model_name_or_path", "actor.model_name_or_path", "critic.m
 DATA_FLAGS = ("data.dataset", "data.prompt_dataset", "eval.dataset")
 SPLIT_FLAGS = {"data.dataset": "data.dataset_split", "data.prompt_dataset": "data.prompt_split",
                "eval.dataset": "eval.split"}  # `generate` / `eval` name --data.dataset's split --data.split
-FILE_FLAGS = ("reward.remote_url", "train.agent_func_path")  # local .py files (a URL is checked when called)
+# local .py files (a URL is checked when called)
+FILE_FLAGS = ("reward.remote_url", "reward.func_path", "train.agent_func_path")
 
 
 def dataset_names(cfg: TrainerConfig, flag: str) -> list[str]:
@@ -60,10 +62,24 @@ def input_problems(cfg: TrainerConfig) -> list[str]:
                 problems.append(f"--{flag}: {problem}")
     for flag in FILE_FLAGS:
         value = get_path(cfg, flag) if flag in paths else None
-        if isinstance(value, str) and value.endswith(".py") and "://" not in value \
-                and not os.path.isfile(os.path.expanduser(value)):
-            problems.append(f"--{flag}: no such file {os.path.abspath(os.path.expanduser(value))}")
+        for path in _local_files(flag, value):
+            if not os.path.isfile(os.path.expanduser(path)):
+                problems.append(f"--{flag}: no such file {os.path.abspath(os.path.expanduser(path))}")
     return problems + model_rule_problems(cfg, models) + key_problems(cfg)
+
+
+def _local_files(flag: str, value) -> list[str]:
+    """The local .py files a FILE_FLAGS value names: a .py path (not a URL); for --reward.func_path each
+    entry's file (`FILE.py` or `FILE.py:FUNCTION`)."""
+    if flag == "reward.func_path":
+        files = []
+        for entry in value or []:
+            try:
+                files.append(reward_func_spec(entry)[0])
+            except ValueError:  # validation names it
+                pass
+        return files
+    return [value] if isinstance(value, str) and value.endswith(".py") and "://" not in value else []
 
 
 def model_rule_problems(cfg: TrainerConfig, models: set[str]) -> list[str]:

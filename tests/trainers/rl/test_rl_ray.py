@@ -387,6 +387,21 @@ def test_colocation_modes_share_bundles(mode, colocated_run):
     assert len(rewards_by_step(out)) == 1
 
 
+def test_a_reward_model_group_on_ray_and_a_reward_function_are_summed(rl_setup, tiny_score_model_dir,
+                                                                       tmp_path, ray_session):
+    """--reward.func_path beside a reward model placed on Ray: the functions run on the controller, the
+    model in its own group, and each sample's reward is their weighted sum."""
+    _, _, rewards = rl_setup
+    out = tmp_path / "run"
+    _ppo(_without_reward_url(ppo_flags(rl_setup, out)) + [
+        "--reward.model_name_or_path", tiny_score_model_dir, "--reward.func_path", rewards / "correct.py",
+        "--reward.model_weight", "2", "--algo.advantage.estimator", "group_norm", "--vllm.num_engines", "1",
+        *HF, "--train.max_steps", "1"])
+    row = read_metrics(out / "metrics.jsonl")[0]
+    assert row["reward/mean"] == pytest.approx(row["reward/correct"] + 2 * row["reward/model"], abs=1e-5)
+    assert row["reward/model"] != 0
+
+
 def test_killed_engine_ends_the_run_with_one_clear_error(rl_setup, tmp_path, ray_session):
     """A rollout engine killed between steps: the next step fails at once, naming it, and everything
     the run placed is removed."""
