@@ -12,6 +12,7 @@ import requests
 import torch
 
 from posttrain.agents.agent_api import encode_text
+from posttrain.agents.examples.openai_tools_agent import TOOLS
 from posttrain.agents.multi_turn import AgentRunner
 from posttrain.agents.openai_server import OpenAIServerAgentExecutor
 from posttrain.agents.tool_calls import render_tool_prompt
@@ -21,11 +22,7 @@ from posttrain.trainers.rl.experience_maker import agent_metrics
 
 pytest.importorskip("openai")
 
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add a and b.",
-                                           "parameters": {"type": "object",
-                                                          "properties": {"a": {"type": "integer"},
-                                                                         "b": {"type": "integer"}}}}}]
-QUESTION = "What is 2+3?"
+QUESTION = "What is 2 + 3?"  # as the shipped prompts ask, the tool as the shipped agent offers it
 # the call as the model learns to write it: compact arguments, keys not in the order the template renders
 CALL = '<tool_call>\n{"name": "add", "arguments": {"b":3,"a":2}}\n</tool_call>'
 ANSWER = "The answer is 5."
@@ -78,12 +75,12 @@ def engine(tool_model):
     return HFRolloutEngine(model, tok, pad_token_id=tok.pad_token_id)
 
 
-def run_batch(executor, engine, tok, k=1, n=1, max_failure_frac=0.0):
+def run_batch(executor, engine, tok, k=1, n=1, max_failure_frac=0.0, temperature=1.0):
     prompts = [Prompt(text=QUESTION, token_ids=encode_text(tok, QUESTION), label="5", source="test")] * k
     runner = AgentRunner(executor, engine, tok, None, max_len=600, timeout=120,
                          max_failure_frac=max_failure_frac)
     try:
-        return runner.run(prompts, SamplingParams(n=n, seed=1))
+        return runner.run(prompts, SamplingParams(n=n, seed=1, temperature=temperature))
     finally:
         executor.close()
 
@@ -314,3 +311,16 @@ def test_an_edited_tool_call_in_the_history_is_divergent(tool_model, engine):
     batch = run_batch(executor, engine, tok, max_failure_frac=1.0)
     assert batch.skipped.tolist() == [True] and executor.divergent == 1
     assert "session diverged: call 2" in batch.rollouts[0].error
+
+
+def test_the_shipped_tool_agent_file_runs_its_episode(tool_model, engine):
+    """docs/agents.md's example agent file: the call as the client returns it goes back into the history,
+    the tool's result, the answer; reward 1, on the sampled tokens."""
+    from posttrain.agents.agent_file import load_agent_executor
+
+    _, tok, _ = tool_model
+    executor = load_agent_executor("posttrain/agents/examples/openai_tools_agent.py")
+    batch = run_batch(executor, engine, tok, k=2, temperature=0.0)  # the run's greedy sampling
+    assert not batch.skipped.any() and executor.divergent == 0 and batch.rewards.tolist() == [1.0, 1.0]
+    assert batch.extra_logs["tool_calls"].tolist() == [1.0, 1.0]
+    assert batch.rollouts[0].prompt_ids + batch.rollouts[0].output_ids == sum(episode_tokens(tok), [])
