@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from uuid import uuid4
 
 from posttrain.rewards.server import check_text
 
@@ -126,7 +127,7 @@ def completion(model: str, message: dict, finish: str, logprobs, usage: dict, to
               "logprobs": {"content": logprobs} if logprobs else None}
     if error:
         choice["tool_call_error"] = error
-    return {"id": f"chatcmpl-{time.time_ns():x}", "object": "chat.completion", "created": int(time.time()),
+    return {"id": f"chatcmpl-{uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": [choice], "usage": usage, "token_ids": token_ids}
 
 

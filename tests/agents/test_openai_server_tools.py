@@ -69,10 +69,24 @@ def tool_model(tiny_model_dir, tmp_path_factory):
     return str(path), tok, model.eval()
 
 
-@pytest.fixture(scope="module")
-def engine(tool_model):
-    _, tok, model = tool_model
-    return HFRolloutEngine(model, tok, pad_token_id=tok.pad_token_id)
+@pytest.fixture(scope="module",
+                params=["hf", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.e2e])])
+def engine(request, tool_model):
+    """The HF engine over the trained model, and real vLLM over its saved copy (as test_openai_server.py)."""
+    path, tok, model = tool_model
+    if request.param == "hf":
+        yield HFRolloutEngine(model, tok, pad_token_id=tok.pad_token_id)
+        return
+    from posttrain.config.backends import vllm_unavailable
+    from posttrain.rollout.hf_engine import resolve_eos_ids
+    from posttrain.rollout.vllm_async_engine import VLLMAsyncRolloutEngine
+
+    if vllm_unavailable():
+        pytest.skip(f"real vLLM: {vllm_unavailable()}")
+    engine = VLLMAsyncRolloutEngine(path, eos_token_ids=resolve_eos_ids(tok), dtype="float32",
+                                    enforce_eager=True, max_model_len=640)
+    yield engine
+    engine.close()
 
 
 def run_batch(executor, engine, tok, k=1, n=1, max_failure_frac=0.0, temperature=1.0):
