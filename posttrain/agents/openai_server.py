@@ -390,17 +390,21 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
 
     def _pieces(self, ids: list[int], content: str | None, lead: str) -> list[str]:
         """`content` cut where each token's text is complete, after `lead` (the prefill) when it starts
-        with it: the streamed deltas; joined, they are `content`."""
+        with it: the streamed deltas; joined, they are `content`. Incremental, as vLLM detokenises: each
+        new token is decoded after the previous piece's tokens (for tokenizers whose text depends on them)."""
         if not content:
             return []
         skip = len(lead) if lead and content.startswith(lead) else 0
-        pieces, done = [content[:skip]] if skip else [], skip
+        pieces, done, prefix, read = [content[:skip]] if skip else [], skip, 0, 0
         for i in range(1, len(ids) + 1):
-            text = self.tokenizer.decode(ids[:i], skip_special_tokens=True)
-            end = skip + len(text)
-            if end > done and content.startswith(text, skip) and not text.endswith("\ufffd"):
-                pieces.append(content[done:end])
-                done = end
+            before = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=True)
+            now = self.tokenizer.decode(ids[prefix:i], skip_special_tokens=True)
+            if len(now) <= len(before) or now.endswith("\ufffd") or not now.startswith(before):
+                continue  # no new text yet (a special token, or a character's bytes not all there)
+            if not content.startswith(now[len(before):], done):
+                break  # the content is not the tokens' text from here on (text outside tool calls)
+            pieces.append(now[len(before):])
+            done, prefix, read = done + len(pieces[-1]), read, i
         return pieces + ([content[done:]] if done < len(content) else [])
 
 

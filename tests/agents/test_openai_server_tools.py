@@ -338,3 +338,19 @@ def test_the_shipped_tool_agent_file_runs_its_episode(tool_model, engine):
     assert not batch.skipped.any() and executor.divergent == 0 and batch.rewards.tolist() == [1.0, 1.0]
     assert batch.extra_logs["tool_calls"].tolist() == [1.0, 1.0]
     assert batch.rollouts[0].prompt_ids + batch.rollouts[0].output_ids == sum(episode_tokens(tok), [])
+
+
+def test_streamed_content_pieces_join_to_the_content_and_never_split_a_character(tiny_model_dir):
+    from posttrain.models import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir)
+    executor = OpenAIServerAgentExecutor()
+    executor.tokenizer = tok
+    text = "héllo wörld 😀 über 12+3"
+    ids = encode_text(tok, text)
+    pieces = executor._pieces(ids, text, "")
+    assert "".join(pieces) == text and len(pieces) > 5 and not any("\ufffd" in p for p in pieces)
+    lead = '<tool_call>\n{"name": '  # a prefilled opening comes first, then the model's tokens
+    assert executor._pieces(ids, lead + text, lead) == [lead] + pieces
+    # content that is not the tokens' text (the text outside tool calls): whatever matches, then the rest
+    assert "".join(executor._pieces(ids, "héllo there", "")) == "héllo there"
