@@ -254,6 +254,39 @@ def test_tool_choice_none_named_required_and_a_malformed_call(tool_model, engine
     assert agent_metrics(batch.rollouts)["agent/tool_call_errors"] == 1.0
 
 
+class ForcedFirstCall(ToolAgent):
+    """The tool episode with the first call forced by name: its prefill is context in the sample."""
+
+    seen: list = []
+
+    async def run_agent(self, prompt, label, session):
+        client = session.openai_client()
+        messages = [{"role": "user", "content": prompt}]
+        first = await ask(client, messages, False, tools=TOOLS,
+                          tool_choice={"type": "function", "function": {"name": "add"}})
+        call = first["message"]["tool_calls"][0]
+        messages += [first["message"], {"role": "tool", "tool_call_id": call["id"], "content": "5"}]
+        second = await ask(client, messages, True, tools=TOOLS)
+        await client.close()
+        ForcedFirstCall.seen.append((first, second))
+        return {"reward": float(second["message"].get("content") == ANSWER)}
+
+
+def test_a_prefilled_call_continues_the_episode_on_its_tokens(tool_model, engine):
+    _, tok, _ = tool_model
+    ForcedFirstCall.seen = []
+    executor = ForcedFirstCall()
+    batch = run_batch(executor, engine, tok)
+    assert not batch.skipped.any() and executor.divergent == 0 and batch.rewards.tolist() == [1.0]
+    (first, second), r = ForcedFirstCall.seen[0], batch.rollouts[0]
+    p1, c1 = first["token_ids"]["prompt_token_ids"], first["token_ids"]["completion_token_ids"]
+    p2, c2 = second["token_ids"]["prompt_token_ids"], second["token_ids"]["completion_token_ids"]
+    assert p2[: len(p1) + len(c1)] == p1 + c1 and r.prompt_ids + r.output_ids == p2 + c2
+    assert r.prompt_ids == p1
+    assert r.action_mask == [1] * len(c1) + [0] * (len(p2) - len(p1) - len(c1)) + [1] * len(c2)
+    assert len(p1) > len(episode_tokens(tok)[0])  # the prefilled opening: context, before the first action
+
+
 def post(session, body):
     r = requests.post(session.base_url + "/chat/completions", json=body, timeout=60,
                       headers={"Authorization": f"Bearer {session.api_key}"})
