@@ -192,7 +192,9 @@ def episode_to_rollout(result, prompt, group: int, max_len: int, tokenizer) -> R
                    action_mask=mask,
                    turns=int(result.get("turns", len(ranges))),
                    env_tokens=int(result.get("env_tokens", len(response) - sum(mask))),
-                   step_time=float(result.get("step_time", 0.0)), image_inputs=_image_inputs(result))
+                   step_time=float(result.get("step_time", 0.0)), image_inputs=_image_inputs(result),
+                   tool_call_errors=None if result.get("tool_call_errors") is None
+                   else int(result["tool_call_errors"]))
 
 
 def _image_inputs(result) -> dict | None:

@@ -20,14 +20,47 @@ IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
 
 # ChatML: each message is `<|im_start|>{role}\n{content}<|im_end|>\n`; the generation prompt
-# opens an assistant turn. Plain Jinja (no `{% generation %}` blocks).
+# opens an assistant turn. Plain Jinja (no `{% generation %}` blocks). Tools in the Qwen2.5 / Hermes style
+# (only when the request has them; otherwise the rendering is plain ChatML): the tool specs as JSON lines
+# in `<tools></tools>` in a system turn (after the first system message's content), an assistant tool call
+# as `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` (after the content, when any), and
+# consecutive tool messages as one user turn of `<tool_response>\n...\n</tool_response>` blocks.
+TOOLS_PREAMBLE = ("# Tools\n\nYou may call one or more functions. Their signatures are within "
+                  "<tools></tools>:\n<tools>")
+TOOLS_CLOSING = ("\n</tools>\n\nFor each call, return a JSON object with the function name and arguments "
+                 "within <tool_call></tool_call>:\n<tool_call>\n"
+                 '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 CHATML_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- " + repr(TOOLS_PREAMBLE) + " }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- " + repr(TOOLS_CLOSING + "<|im_end|>\n") + " }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- if call['function'] is defined %}{%- set call = call['function'] %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": ' + (call['name'] | tojson) + ', \"arguments\": ' }}"
+    "{%- if call['arguments'] is string %}{{- call['arguments'] }}"
+    "{%- else %}{{- call['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-
 
 def train_tiny_tokenizer(vocab_size: int = 2048, model_max_length: int = 4096) -> PreTrainedTokenizerFast:
     """BPE with `vocab_size` entries at most (256 bytes + 3 specials + merges) trained on

@@ -30,7 +30,8 @@ class Rollout:
     Multi-turn samples (``agents.multi_turn``): ``output_ids`` holds actions and environment feedback
     as fed and sampled, ``action_mask`` (one 0/1 per output token; None: all sampled) marks the
     actions, ``turns`` / ``env_tokens`` / ``step_time`` (seconds in the environment) describe the
-    episode, and ``error`` says why a failed episode has no tokens. ``policy_versions``: the distinct
+    episode (``tool_call_errors``: its malformed tool calls, None when it offered no tools), and ``error``
+    says why a failed episode has no tokens. ``policy_versions``: the distinct
     weights versions its tokens were sampled by (several with partial rollout), sorted."""
     prompt_ids: list[int]
     output_ids: list[int]
@@ -45,6 +46,7 @@ class Rollout:
     turns: int = 0
     env_tokens: int = 0
     step_time: float = 0.0
+    tool_call_errors: int | None = None
     error: str | None = None
     policy_versions: list[int] | None = None  # the weights versions that sampled it (None: not recorded)
     cursor: int = 0  # the prompt stream's position after this sample's prompt (set by `collect`)
