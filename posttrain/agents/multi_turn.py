@@ -188,11 +188,14 @@ def episode_to_rollout(result, prompt, group: int, max_len: int, tokenizer) -> R
                    prompt_text=prompt.text if result.get("mm_train_inputs") is None
                    else tokenizer.decode(obs[:p], skip_special_tokens=False),
                    response_text=tokenizer.decode(response, skip_special_tokens=True), label=prompt.label,
-                   group=group, budget=max(1, max_len - p), action_mask=mask,
+                   columns=getattr(prompt, "columns", None), group=group, budget=max(1, max_len - p),
+                   action_mask=mask,
                    turns=int(result.get("turns", len(ranges))),
                    env_tokens=int(result.get("env_tokens", len(response) - sum(mask))),
                    step_time=float(result.get("step_time", 0.0)), image_inputs=_image_inputs(result),
-                   reward_ids=result.get("reward_ids"))
+                   reward_ids=result.get("reward_ids"),
+                   tool_call_errors=None if result.get("tool_call_errors") is None
+                   else int(result["tool_call_errors"]))
 
 
 def _image_inputs(result) -> dict | None:
@@ -315,7 +318,8 @@ class AgentRunner:
                 rollout = Rollout(prompt_ids=list(prompt.token_ids), output_ids=[], rollout_logprobs=[],
                                   finish_reason="stop",
                                   prompt_text=reward_prompt_text(self.tokenizer, prompt), response_text="",
-                                  label=prompt.label, group=groups[g], budget=1, action_mask=[], turns=0,
+                                  label=prompt.label, columns=getattr(prompt, "columns", None),
+                                  group=groups[g], budget=1, action_mask=[], turns=0,
                                   error=rollout, image_inputs=getattr(prompt, "image_inputs", None))
             rollouts.append(rollout)
             rewards.append(reward)

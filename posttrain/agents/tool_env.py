@@ -23,7 +23,8 @@ run, and their tool messages are appended as the chat template renders them (con
 episode ends when the model answers without a tool call, when a turn runs out of tokens, when a call would
 exceed `MAX_TOOL_CALLS`, or when the budget (--data.max_len) is spent. Its reward is None: the run's reward
 source scores the prompt followed by the model's last turn (its final answer; `reward_ids` of the result),
-with the row's label. `extra_logs`: `tool_calls` and `tool_errors` (logged as `reward/tool_calls`, ...).
+with the row's label. `extra_logs`: `tool_calls` and `tool_errors` (logged as `reward/tool_calls`, ...);
+malformed calls also count in `agent/tool_call_errors`.
 """
 from __future__ import annotations
 
@@ -171,7 +172,7 @@ class ToolInstance(AgentInstanceBase):
     def __init__(self, tools: ToolFile, tokenizer):
         self.tools, self.tokenizer = tools, getattr(tokenizer, "tokenizer", tokenizer)
         self.format = tool_call_format(self.tokenizer)
-        self.calls = self.errors = 0
+        self.calls = self.errors = self.malformed = 0
 
     async def reset(self, states: dict, **kwargs):
         return {"observation": states["observation"]}
@@ -187,7 +188,7 @@ class ToolInstance(AgentInstanceBase):
         if (not calls and malformed is None) or self.calls + max(len(calls), 1) > self.tools.max_tool_calls:
             return self._result("", done=True)  # the final answer, or a call past the cap
         if malformed is not None:
-            self.calls, self.errors = self.calls + 1, self.errors + 1
+            self.calls, self.errors, self.malformed = self.calls + 1, self.errors + 1, self.malformed + 1
             assistant = {"role": "assistant", "content": text}
             replies = [{"role": "tool", "tool_call_id": "call_0",
                         "content": _one_line(f"error: {malformed}")}]
@@ -206,7 +207,8 @@ class ToolInstance(AgentInstanceBase):
 
     def _result(self, feedback: str, done: bool) -> dict:
         return {"rewards": None, "scores": None, "environment_feedback": feedback, "done": done,
-                "extra_logs": {"tool_calls": float(self.calls), "tool_errors": float(self.errors)}}
+                "extra_logs": {"tool_calls": float(self.calls), "tool_errors": float(self.errors),
+                               "malformed_calls": self.malformed}}
 
     def render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.tools.schemas, tokenize=False,
@@ -230,7 +232,8 @@ class ToolInstance(AgentInstanceBase):
 
 class ToolAgentExecutor(MultiTurnAgentExecutor):
     """`MultiTurnAgentExecutor` over a tool file's `ToolInstance`s; its results carry `reward_ids`, the prompt
-    followed by the model's last turn, which the run's reward source scores."""
+    followed by the model's last turn, which the run's reward source scores, and `tool_call_errors`, the
+    episode's malformed calls (`agent/tool_call_errors`, as the OpenAI-compatible server counts them)."""
 
     def __init__(self, tools: ToolFile):
         super().__init__(ToolInstance)
@@ -245,4 +248,5 @@ class ToolAgentExecutor(MultiTurnAgentExecutor):
                                        images)
         tokens, (start, end) = result["observation_tokens"], result["action_ranges"][-1]
         result["reward_ids"] = tokens[:result["prompt_length"]] + tokens[start:end]
+        result["tool_call_errors"] = result["extra_logs"].pop("malformed_calls")  # agent/tool_call_errors
         return result

@@ -106,7 +106,7 @@ def coerce(spec: FlagSpec, value: Any) -> Any:
             return None
         raise ValueError("expected a list, got null")
     if not isinstance(value, (list, tuple)):
-        if spec.nargs == "*":
+        if spec.nargs in ("*", "+"):
             value = [value]
         else:
             raise ValueError(f"expected a list of {spec.nargs} values, got {value!r}")

@@ -54,14 +54,35 @@ def reward_endpoints(value: str) -> list[str]:
     return parts
 
 
+RESERVED_TERM_NAMES = ("mean", "std", "skipped", "zero_std_group_frac", "model", "remote")
+
+
+def reward_func_spec(value: str) -> tuple[str, str, str]:
+    """One `--reward.func_path` entry as (file, function, term name): `FILE.py` names its `reward_func`,
+    term name the file's stem; `FILE.py:NAME` names the function NAME, term name NAME. Raises
+    ValueError(why) for an entry that is not a .py file (with an optional `:NAME`)."""
+    import os
+
+    text = str(value).strip()
+    path, func = text, "reward_func"
+    if not text.endswith(".py") and ":" in text:
+        path, _, func = text.rpartition(":")
+        if not func.isidentifier():
+            raise ValueError(f"{func!r} after ':' is not a Python function name")
+    if not path.endswith(".py"):
+        raise ValueError("expected a .py file defining reward_func, or FILE.py:FUNCTION")
+    name = func if func != "reward_func" or path != text else os.path.splitext(os.path.basename(path))[0]
+    return path, func, name
+
+
 REF_ON_CPU = Inert("the reference model is already in CPU memory: this machine has no accelerator, so there "
                    "is nothing to offload to", facts.on_cpu)
 REWARD_ON_CPU = Inert("the reward model is already in CPU memory: this machine has no accelerator, so there "
                       "is nothing to offload to", facts.on_cpu)
 NO_REFERENCE = Inert(f"no reference model {facts.NO_KL}", facts.no_reference)
 NO_CRITIC = Inert("no critic: only --algo.advantage.estimator gae trains one", facts.no_critic)
-REMOTE_ONLY = Inert("it applies to --reward.remote_url (a reward server or .py file) only",
-                    lambda v, c, dev: not c.reward.remote_url)
+REMOTE_ONLY = Inert("it applies to --reward.remote_url (a reward server or .py file) and --reward.func_path "
+                    "only", lambda v, c, dev: not (c.reward.remote_url or c.reward.func_path))
 NO_REWARD_MODEL = Inert("no reward model: rewards come from --reward.remote_url", facts.no_reward_model)
 
 
@@ -210,6 +231,20 @@ class RewardConfig:
     remote_url: str | None = opt(None, "a reward server's http(s):// URL, several comma-separated (each "
                                        "batch is "
                                  "spread over them), or a local .py file defining reward_func")
+    func_path: list[str] | None = opt(
+        None, "reward function files summed as weighted terms: FILE.py (its reward_func) or "
+        "FILE.py:FUNCTION; with --reward.model_name_or_path / --reward.remote_url, that source is one more "
+        "term", nargs="+", extension=True)
+    func_weights: list[float] | None = opt(
+        None, "one weight per --reward.func_path file (default 1 each)", nargs="+", finite=True,
+        extension=True,
+        inert=needs("--reward.func_path", lambda c: c.reward.func_path))
+    model_weight: float = opt(
+        1.0, "weight of the reward model's or server's term beside --reward.func_path", finite=True,
+        extension=True, inert=Inert("it weighs --reward.model_name_or_path / --reward.remote_url against "
+                                    "--reward.func_path terms; this run has not both",
+                                    lambda v, c, dev: not (c.reward.func_path and (c.reward.model_name_or_path
+                                                                                   or c.reward.remote_url))))
     num_nodes: int = opt(1, "Ray nodes for the reward model", ge=1, inert=NO_REWARD_MODEL,
                          on_resume="adjustable")
     num_gpus_per_node: int = opt(1, "GPUs per node for the reward model (OpenRLHF: 8)", ge=1,
@@ -251,8 +286,9 @@ class RewardConfig:
     skip_errors_enable: bool = opt(
         False, "a reward that cannot be computed (reward_func raises or returns a bad value) skips those "
         "samples (counted in reward/skipped) instead of stopping the run", extension=True,
-        inert=Inert("it applies to a reward_func file (--reward.remote_url FILE.py) only",
-                    lambda v, c, dev: not str(c.reward.remote_url or "").endswith(".py")),
+        inert=Inert("it applies to reward functions (--reward.remote_url FILE.py, --reward.func_path) only",
+                    lambda v, c, dev: not (str(c.reward.remote_url or "").endswith(".py")
+                                           or c.reward.func_path)),
     )
     timeout: float | None = opt(None, "seconds per reward call: an HTTP request (default 30) or one "
                                       "reward_func "

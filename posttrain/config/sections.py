@@ -141,6 +141,12 @@ class DSConfig:
     packing_samples: bool = opt(False, "pack several samples into one row (no padding)",
                                 on_resume="adjustable")
 
+    @property
+    def model_ranks(self) -> int:
+        """The ranks one copy of a trained model spans: its tensor-parallel group x its ring-attention group
+        (they take the same samples; a micro-batch's token budget is shared by them)."""
+        return self.tensor_parallel_size * self.ring_attn_size
+
 
 @dataclass
 class ScoreDSConfig(DSConfig):

@@ -46,7 +46,7 @@ def opt(
 
     choices: allowed values (None stays allowed for Optional fields). aliases: names other tools give a
     choice (lower case, `_` for `-`) -> that choice, named in the refusal of such a name.
-    nargs: 2 or "*" for list fields.
+    nargs: 2, "*" or "+" (one or more) for list fields.
     negation: name of a companion store_false flag for a default-True boolean (`no_nesterov`).
     extension: the flag is a posttrain addition that OpenRLHF 0.10.2 does not have.
     ge / gt / le / lt / finite: the range of the value (of each element of a list; None is always

@@ -11,12 +11,12 @@ from posttrain.config.trainers import CommandConfig, TrainerConfig
 
 
 def data_parallel_size(cfg: TrainerConfig, world_size: int) -> int:
-    """The ranks that take different samples: the world size, divided by --ds.tensor_parallel_size x
-    --ds.ring_attn_size (sft, rm, dpo: a tensor- or context-parallel group takes the same samples) when that
-    divides it."""
+    """The ranks that take different samples: the world size, divided by the ranks a model copy spans
+    (`DSConfig.model_ranks`; sft, rm, dpo: a tensor- or context-parallel group takes the same samples) when
+    that divides it."""
     single_model = cfg.trainer in ("sft", "rm", "dpo")
     ws = max(int(world_size), 1)
-    same = cfg.ds.tensor_parallel_size * cfg.ds.ring_attn_size if single_model else 1
+    same = cfg.ds.model_ranks if single_model else 1
     return ws // same if ws % same == 0 else ws
 
 
@@ -24,14 +24,14 @@ def micro_batch_tokens(cfg: TrainerConfig, per_gpu: int | None, tensor: int | No
     """A micro-batch's token budget with dynamic batching, from a `--*.max_tokens_per_gpu` value: x
     --ds.ring_attn_size x the tensor-parallel size, the GPUs of a ring-attention / tensor-parallel group that
     compute one micro-batch together (as OpenRLHF); None stays None. `tensor`: the model's own tensor-parallel
-    size (ppo's reference is not split: 1), default --ds.tensor_parallel_size."""
-    tp = cfg.ds.tensor_parallel_size if tensor is None else tensor
-    return None if per_gpu is None else per_gpu * cfg.ds.ring_attn_size * tp
+    size (ppo's reference is not split: 1), default the trained models' (`DSConfig.model_ranks`)."""
+    group = cfg.ds.model_ranks if tensor is None else cfg.ds.ring_attn_size * tensor
+    return None if per_gpu is None else per_gpu * group
 
 
 def derived_sizes(cfg: TrainerConfig, world_size: int = 1) -> dict[str, Any]:
     """Sizes implied by the batch flags for `world_size` ranks, `data_parallel_size` of them taking different
-    samples (`world_size` unless --ds.tensor_parallel_size groups them; below, "world_size" means that size).
+    samples (`world_size` unless a model copy spans several ranks; below, "world_size" means that size).
 
     world_size; samples_per_rank_per_step = train.batch_size / world_size;
     gradient_accumulation_steps = micro-batches per rank per optimizer step

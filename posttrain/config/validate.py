@@ -17,8 +17,14 @@ from posttrain.config.facts import deepspeed_only_flags
 from posttrain.config.flag_values import check_flag_choice, format_value, parse_probs
 from posttrain.config.hardware import device_type, record_resolved, resolved_values
 from posttrain.config.inference import INFERENCE_CONFIGS
-from posttrain.config.ray_mode import role_ranks, run_roles, uses_ray
-from posttrain.config.roles import GROUP_ESTIMATORS, SEQUENCE_POLICY_LOSSES, reward_endpoints
+from posttrain.config.ray_mode import critic_path, role_ranks, run_roles, uses_ray
+from posttrain.config.roles import (
+    GROUP_ESTIMATORS,
+    RESERVED_TERM_NAMES,
+    SEQUENCE_POLICY_LOSSES,
+    reward_endpoints,
+    reward_func_spec,
+)
 from posttrain.config.sections import POLYNOMIAL_LR_END, DSConfig, OptimizerFields
 from posttrain.config.serving import ServedModelConfig, ServeRMConfig
 from posttrain.config.spec import flag_specs, get_path, set_path
@@ -177,7 +183,7 @@ def _tensor_parallel(cfg, r: _Report, world_size: int, dev: str) -> None:
     run, or of each trained ppo role: the actor and a critic); not with what changes the split layers (LoRA
     adapters, 4-bit weights), Muon (it orthogonalizes whole matrices), ring attention (one kind of group at
     a time) or the actor's EMA (kept per shard). The heads are checked against N where the model's config
-    is read (`models.config_facts.check_tensor_parallel_config`)."""
+    is read (`models.config_facts.check_tensor_parallel_config`, on the models of `tensor_parallel_split`)."""
     n, ds = cfg.ds.tensor_parallel_size, cfg.ds
     if n == 1:
         return
@@ -214,6 +220,24 @@ def _tensor_parallel(cfg, r: _Report, world_size: int, dev: str) -> None:
         r.bad(flag, n, "not with --optim muon: Muon orthogonalizes whole matrices, a rank holds a slice")
 
 
+def tensor_parallel_split(cfg: TrainerConfig) -> tuple[int, list[str]]:
+    """(N, the paths of the models split over groups of N ranks) for --ds.tensor_parallel_size N: sft / rm /
+    dpo's model; ppo's actor and, with a critic, the critic's starting weights; (N, []) when N is 1."""
+    n = cfg.ds.tensor_parallel_size
+    if n <= 1:
+        return n, []
+    if cfg.trainer != "ppo":
+        return n, [cfg.model.model_name_or_path]
+    return n, [cfg.actor.model_name_or_path] + ([critic_path(cfg)] if run_roles(cfg).has("critic") else [])
+
+
+def tensor_parallel_refusal(size: int | None, why: str) -> str:
+    """The one line refusing --ds.tensor_parallel_size `size` (None: the flag alone) for `why`, for what is
+    checked where the model is read (`models.config_facts`, `models.tensor_parallel`)."""
+    flag = "--ds.tensor_parallel_size"
+    return f"{flag}: {why}" if size is None else f"{flag} {size}: {why}"
+
+
 def _dpo(cfg: DPOConfig, r: _Report) -> None:
     """IPO has no label smoothing: the two flags together are refused rather than one ignored."""
     m = cfg.model
@@ -236,6 +260,9 @@ def _rm(cfg: RMConfig, r: _Report) -> None:
             r.problems.append(f"--data.{name} {value}: posttrain rm trains text-only reward models (a "
                               "score model has no vision-language form here, and ppo / serve-rm score text); "
                               "drop the flag")
+
+
+VLLM_RANKS = "--vllm.num_engines x --vllm.tensor_parallel_size"  # the GPUs the vLLM engines take, in messages
 
 
 def _vllm_tensor_parallel(cfg: PPOConfig, r: _Report, dev: str) -> None:
@@ -450,9 +477,12 @@ def _ppo(cfg: PPOConfig, r: _Report, world_size: int) -> None:
 
 
 def _reward_source(cfg: PPOConfig, r: _Report) -> None:
-    """Exactly one reward source: a reward model, a remote URL (or .py file), or an agent file; a tool file
-    (scored by the reward source) with the chat template and without an agent file."""
+    """A reward source: a reward model or a remote URL (or .py file), not both, with or beside reward
+    function files (--reward.func_path, one finite weight each); or an agent file. A tool file (scored by
+    the reward source) with the chat template and without an agent file."""
     rw, t = cfg.reward, cfg.train
+    if rw.func_path is not None:
+        r.problems.extend(_reward_term_problems(rw.func_path, rw.func_weights))
     if rw.model_name_or_path and rw.remote_url:
         r.problems.append(
             f"--reward.model_name_or_path {format_value(rw.model_name_or_path)} and --reward.remote_url "
@@ -463,12 +493,13 @@ def _reward_source(cfg: PPOConfig, r: _Report) -> None:
             reward_endpoints(rw.remote_url)
         except ValueError as err:
             r.bad("reward.remote_url", rw.remote_url, str(err))
-    elif not (rw.model_name_or_path or rw.remote_url or t.agent_func_path):
+    elif not (rw.model_name_or_path or rw.remote_url or rw.func_path or t.agent_func_path):
         r.bad(
             "reward.model_name_or_path",
             None,
             "a reward source is required: --reward.model_name_or_path (a reward model), "
-            "--reward.remote_url (an http(s) reward server or a .py file defining reward_func) or "
+            "--reward.remote_url (an http(s) reward server or a .py file defining reward_func), "
+            "--reward.func_path (reward function files) or "
             "--train.agent_func_path (an agent file whose environment returns rewards)",
         )
     if t.tool_path and t.agent_func_path:
@@ -477,6 +508,30 @@ def _reward_source(cfg: PPOConfig, r: _Report) -> None:
     elif t.tool_path and not cfg.data.apply_chat_template:
         r.bad("train.tool_path", t.tool_path, "needs --data.apply_chat_template (the prompts are rendered "
               "with the tools' schemas)")
+
+
+def _reward_term_problems(func_path: list[str], func_weights: list[float] | None) -> list[str]:
+    """What is wrong with `--reward.func_path` / `--reward.func_weights` (one line each, [] when nothing):
+    each entry a .py file (`reward_func_spec`), term names unique and none of RESERVED_TERM_NAMES, one
+    finite weight per file."""
+    problems, seen = [], {}
+    for i, entry in enumerate(func_path, 1):
+        try:
+            name = reward_func_spec(entry)[2]
+        except ValueError as err:
+            problems.append(f"--reward.func_path entry {i} ({entry!r}): {err}")
+            continue
+        if name in RESERVED_TERM_NAMES:
+            problems.append(f"--reward.func_path entry {i} ({entry!r}): its term name {name!r} is reserved "
+                            f"(reward/{name} is another metric); rename the file or give FILE.py:FUNCTION")
+        elif name in seen:
+            problems.append(f"--reward.func_path entries {seen[name]} and {i} are both named {name!r} "
+                            "(reward/<name>); rename a file or give FILE.py:FUNCTION")
+        seen.setdefault(name, i)
+    if func_weights is not None and len(func_weights) != len(func_path):
+        problems.append(f"--reward.func_weights has {len(func_weights)} weights for {len(func_path)} "
+                        "--reward.func_path files; give one weight per file (or none: 1 each)")
+    return problems
 
 
 def _rollout_engines(cfg: PPOConfig, r: _Report) -> None:

@@ -89,8 +89,20 @@ DEFAULT_IMAGE_LIMITS = ImageLimits()  # the flags' defaults
 def image_reading(data_cfg) -> dict:
     """The image keywords of the datasets (`SFTDataset`, `PreferenceDataset`, `PromptDataset`) that a `--data`
     section sets: the row's image column, the most images a prompt may carry, and `ImageLimits.of`."""
-    return {"image_key": data_cfg.image_key, "max_images": data_cfg.max_images_per_prompt,
+    return {"image_key": data_cfg.image_key, "max_images": max_images(data_cfg),
             "image_limits": ImageLimits.of(data_cfg)}
+
+
+def max_images(data_cfg) -> int:
+    """The most images a row or prompt may carry, as a trainer's `--data` section sets it (0: the run is text
+    only)."""
+    return data_cfg.max_images_per_prompt
+
+
+def max_images_flag(value: object = None) -> str:
+    """The flag that sets `max_images`, as messages name it (with `value` when given, e.g. 2 or "N")."""
+    flag = "--data.max_images_per_prompt"
+    return flag if value is None else f"{flag} {value}"
 
 
 _FIX_BYTES = "Shrink or replace the image, or raise --data.max_image_bytes"

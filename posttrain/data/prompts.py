@@ -31,20 +31,23 @@ class Prompt:
     image_inputs: dict | None = None  # the processor's image tensors (numpy) of a prompt with images
     images: list | None = None  # its images (PIL), for engines that take raw images (vLLM)
     image_refs: Any = None  # its image column as written (`row_image_refs`), what an agent executor gets
+    columns: dict | None = None  # the row's other columns, for reward functions (`extra_columns`)
 
 
 class PromptDataset:
     """`rows` → prompts. The input field is text or a message list; with `apply_chat_template` it is
     rendered with a generation prompt, else formatted by `input_template` (a `{}` template) or used
-    as is. Prompts longer than `max_prompt_len` tokens (when given) are dropped and counted. `tools` (OpenAI
-    function schemas) and `system_prompt` (a system turn put first unless the row has one) only apply
-    under the chat template (a tool environment's prompts)."""
+    as is. Prompts longer than `max_prompt_len` tokens (when given) are dropped and counted. With
+    `extra_columns`, each prompt keeps its row's other columns (`row_columns`) for reward functions.
+    `tools` (OpenAI function schemas) and `system_prompt` (a system turn put first unless the row has one)
+    only apply under the chat template (a tool environment's prompts)."""
 
     def __init__(self, rows: list[dict], tokenizer, *, input_key: str = "input", label_key: str | None = None,
                  input_template: str | None = None, apply_chat_template: bool = False,
                  max_prompt_len: int | None = None, processor=None, image_key: str = "images",
                  max_images: int = 0, image_limits: ImageLimits = DEFAULT_IMAGE_LIMITS,
-                 tools: list[dict] | None = None, system_prompt: str | None = None) -> None:
+                 extra_columns: bool = False, tools: list[dict] | None = None,
+                 system_prompt: str | None = None) -> None:
         check_input_template(input_template)
         self.prompts: list[Prompt] = []
         self.dropped: list[str] = []
@@ -80,7 +83,9 @@ class PromptDataset:
                 continue
             self.prompts.append(Prompt(text=text, token_ids=ids, label=label, source=where(row),
                                        image_inputs=image_inputs, images=images or None,
-                                       image_refs=row_image_refs(row, image_key) if images else None))
+                                       image_refs=row_image_refs(row, image_key) if images else None,
+                                       columns=row_columns(row, (input_key, label_key, image_key))
+                                       if extra_columns else None))
         if not rows:
             raise DataError("no prompts: the prompt dataset has no rows (an empty file, or a split without "
                             "rows); check --data.prompt_dataset / --data.prompt_split (--eval.dataset / "
@@ -95,6 +100,13 @@ class PromptDataset:
 
     def __getitem__(self, i: int) -> Prompt:
         return self.prompts[i]
+
+
+def row_columns(row: dict, used: tuple) -> dict:
+    """The row's columns other than `used` (the input, label and image keys) and the loader's own
+    (`__source__`, `__row__`): what a reward function gets as keyword arguments, as TRL passes them. The
+    values are the row's own objects, not copies."""
+    return {k: v for k, v in row.items() if k not in used and not (k.startswith("__") and k.endswith("__"))}
 
 
 def prompt_images(row: dict, value, processor, image_key: str, max_images: int, chat: bool,

@@ -51,6 +51,16 @@ class TrainEngine:
         return {"engine": self.name, "world_size": self.world_size, "zero_stage": self.zero_stage,
                 "tensor_parallel_size": self.tensor_parallel}
 
+    def check_layout(self, directory: str, meta: dict) -> None:
+        """ValueError when `directory`'s engine state (its `meta`, from `read_meta`) was written with another
+        ZeRO stage, world size or tensor-parallel size than this engine's `layout` (a meta without a
+        tensor-parallel size was written with none: 1)."""
+        mine = self.layout()
+        for key, missing in (("zero_stage", None), ("world_size", None), ("tensor_parallel_size", 1)):
+            if meta.get(key, missing) != mine[key]:
+                raise ValueError(f"{directory!r} was saved with {key}={meta.get(key)}, this run has "
+                                 f"{key}={mine[key]}: an engine state resumes on the layout that wrote it")
+
     def set_global_step(self, step: int) -> None:
         raise NotImplementedError
 

@@ -326,9 +326,7 @@ class DeepSpeedEngine(TrainEngine):
         if self.is_main:
             tag_dir = os.path.join(directory, TAG)
             files = {f: os.path.getsize(os.path.join(tag_dir, f)) for f in sorted(os.listdir(tag_dir))}
-            meta = {"engine": self.name, "zero_stage": self.zero_stage, "world_size": self.world_size,
-                    "tensor_parallel_size": self.tensor_parallel,
-                    "global_step": self.global_step, "files": files}
+            meta = {**self.layout(), "global_step": self.global_step, "files": files}
             if frozen:  # under ZeRO-3 the frozen weights are sharded: no hash of them
                 meta.update(weights="trainable",
                             frozen_hash=self.frozen_hash() if self.zero_stage != 3 else None)
@@ -342,11 +340,7 @@ class DeepSpeedEngine(TrainEngine):
         if self.load_other_layout(directory):
             return
         meta = read_meta(directory, self.name)
-        for key, mine in (("zero_stage", self.zero_stage), ("world_size", self.world_size),
-                          ("tensor_parallel_size", self.tensor_parallel)):
-            if meta.get(key, 1 if key == "tensor_parallel_size" else None) != mine:
-                raise ValueError(f"{directory!r} was saved with {key}={meta.get(key)}, this run has "
-                                 f"{key}={mine}: an engine state resumes on the layout that wrote it")
+        self.check_layout(directory, meta)
         tag_dir = os.path.join(directory, TAG)
         for fname, size in meta["files"].items():
             path = os.path.join(tag_dir, fname)

@@ -8,10 +8,10 @@ import os
 from pathlib import Path
 from types import SimpleNamespace
 
+from posttrain.config.validate import tensor_parallel_refusal
 from posttrain.utils.errors import ConfigError
 
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-TENSOR_PARALLEL_FLAG = "--ds.tensor_parallel_size"
 
 
 def text_config(config):
@@ -55,15 +55,16 @@ def check_tensor_parallel_config(config: dict, size: int) -> None:
     rank keeps whole heads); ConfigError otherwise."""
     text = config.get("text_config") or config
     if is_moe(SimpleNamespace(**text)):
-        raise ConfigError(f"{TENSOR_PARALLEL_FLAG} {size}: mixture-of-experts models have no tensor-parallel "
-                          "split in this version (their expert blocks would need one); use ZeRO-3 to spread "
-                          "the experts")
+        raise ConfigError(tensor_parallel_refusal(
+            size, "mixture-of-experts models have no tensor-parallel split in this version (their expert "
+            "blocks would need one); use ZeRO-3 to spread the experts"))
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         fallback = text.get("num_attention_heads") if key == "num_key_value_heads" else None
         value = text.get(key, fallback)
         if isinstance(value, int) and value % size:
-            raise ConfigError(f"{TENSOR_PARALLEL_FLAG} {size}: the model's {key} ({value}) is not divisible "
-                              f"by {size}; each rank keeps whole heads and an equal share of the MLP")
+            raise ConfigError(tensor_parallel_refusal(
+                size, f"the model's {key} ({value}) is not divisible by {size}; each rank keeps whole heads "
+                "and an equal share of the MLP"))
 
 
 def check_tensor_parallel_folder(path, size: int) -> None:

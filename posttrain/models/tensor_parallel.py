@@ -1,4 +1,5 @@
-"""Tensor parallelism (`--ds.tensor_parallel_size N`) for the single-model trainers, on DeepSpeed AutoTP.
+"""Tensor parallelism (N ranks per model copy: `ModelSetup.tensor`) for the single-model trainers, on
+DeepSpeed AutoTP.
 
 Layout: rank = dp * N + tp; each group of N consecutive ranks holds one copy of the model split over it and
 takes the same micro-batches; data parallelism runs over the groups. AutoTP (ZeRO 0/1/2) splits every decoder
@@ -19,7 +20,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from posttrain.models.config_facts import TENSOR_PARALLEL_FLAG as FLAG
+from posttrain.config.validate import tensor_parallel_refusal
 from posttrain.utils.errors import ConfigError
 
 SPLIT_LAYERS = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)$")
@@ -37,9 +38,10 @@ def check_modules(model: torch.nn.Module, size: int) -> None:
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and not SPLIT_LAYERS.search(name) \
                 and name.split(".")[-1] not in WHOLE_LAYERS:
-            raise ConfigError(f"{FLAG} {size}: module {name} ({type(module).__name__}) has no "
-                              f"tensor-parallel split in this version (supported: self_attn.q/k/v/o_proj and "
-                              f"mlp.gate/up/down_proj of decoder layers, lm_head, score)")
+            raise ConfigError(tensor_parallel_refusal(size, f"module {name} ({type(module).__name__}) has no "
+                                                      "tensor-parallel split in this version (supported: "
+                                                      "self_attn.q/k/v/o_proj and mlp.gate/up/down_proj of "
+                                                      "decoder layers, lm_head, score)"))
 
 
 def check_split(model: torch.nn.Module) -> None:
@@ -47,8 +49,8 @@ def check_split(model: torch.nn.Module) -> None:
     one whole: RuntimeError)."""
     for name, module in model.named_modules():
         if SPLIT_LAYERS.search(name) and not is_split(getattr(module, "weight", None)):
-            raise RuntimeError(f"{FLAG}: DeepSpeed AutoTP left {name} whole; this model's layout is not "
-                               f"supported")
+            raise RuntimeError(tensor_parallel_refusal(None, f"DeepSpeed AutoTP left {name} whole; this "
+                                                             "model's layout is not supported"))
 
 
 def is_split(param) -> bool:

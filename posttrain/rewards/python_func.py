@@ -21,6 +21,12 @@ on_error="skip" (threads cannot be killed, so their number, not the time, is bou
 the file — a syntax error, an import that raises, reward_func raising, running too long, or returning a
 bad value — are RewardErrors naming the file and the cause, with the traceback lines of the user's code
 (frames of posttrain itself and of the import machinery are left out).
+
+`--reward.func_path FILE.py:NAME` names another function of the file. A function with a `completions`
+parameter is called TRL's way instead, every argument by keyword: `prompts`, `completions` (the
+response texts), `completion_ids`, the prompt rows' other columns, and `queries` / `labels` as above;
+it gets the keywords it names (all of them with `**kwargs`). An OpenRLHF-style function gets the same
+keywords beside its three positional arguments when it names them or takes `**kwargs`.
 """
 from __future__ import annotations
 
@@ -101,7 +107,7 @@ def _describe(err: BaseException, path: str) -> tuple[str, str]:
     return line, details
 
 
-def _load_function(path: str):
+def _load_function(path: str, name: str = "reward_func"):
     if not path.endswith(".py"):
         raise ValueError(f"{FLAG}={path!r}: a reward function file must end in .py")
     if not os.path.isfile(path):
@@ -121,23 +127,34 @@ def _load_function(path: str):
         raise RewardError(f"importing reward function file {path} raised {line}{details}") from err
     if any(v is grade_answer for v in vars(module).values()):  # the math grader: say now if it cannot run
         require(f"reward function file {path} (it imports grade_answer)", "math_verify")
-    fn = getattr(module, "reward_func", None)
+    fn = getattr(module, name, None)
     if fn is None:
         defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise RewardError(f"reward function file {path} defines no `reward_func` (it defines: "
+        raise RewardError(f"reward function file {path} defines no `{name}` (it defines: "
                           f"{', '.join(defined) or 'nothing callable'}); add "
-                          "`def reward_func(queries, prompts, labels, **kwargs)`")
+                          f"`def {name}(queries, prompts, labels, **kwargs)`")
     if not callable(fn):
-        raise RewardError(f"reward function file {path}: `reward_func` is a {type(fn).__name__}, not a "
+        raise RewardError(f"reward function file {path}: `{name}` is a {type(fn).__name__}, not a "
                           f"function")
+    if _trl_style(fn):
+        return fn
     try:
-        inspect.signature(fn).bind([], [], [])
+        inspect.signature(fn).bind_partial([], [], [])  # named columns come by keyword
     except TypeError as err:
-        raise RewardError(f"reward function file {path}: reward_func{inspect.signature(fn)} cannot be called "
-                          f"as reward_func(queries, prompts, labels) ({err})") from None
+        raise RewardError(f"reward function file {path}: {name}{inspect.signature(fn)} cannot be called "
+                          f"as {name}(queries, prompts, labels) ({err}); or name a `completions` parameter "
+                          "to be called TRL's way, by keyword") from None
     except ValueError:  # builtins without a signature
         pass
     return fn
+
+
+def _trl_style(fn) -> bool:
+    """A function with a `completions` parameter takes TRL's keyword arguments (module docstring)."""
+    try:
+        return "completions" in inspect.signature(fn).parameters
+    except ValueError:
+        return False
 
 
 class _Abandoned(BaseException):
@@ -191,7 +208,8 @@ class PythonRewardFunction:
     on_error "skip": no sample was scored or skipped)."""
 
     def __init__(self, path, on_error: str = "raise", *, timeout: float | None = DEFAULT_TIMEOUT,
-                 retries: int = 3, backoff: float = 0.5, max_stuck: int = MAX_STUCK):
+                 retries: int = 3, backoff: float = 0.5, max_stuck: int = MAX_STUCK,
+                 function: str = "reward_func"):
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error={on_error!r}: valid values are {list(ON_ERROR)}")
         if timeout is not None and not timeout > 0:
@@ -207,11 +225,14 @@ class PythonRewardFunction:
         self.timeout, self.retries, self.backoff, self.max_stuck = timeout, retries, backoff, max_stuck
         self._stuck: list[threading.Thread] = []  # abandoned workers, pruned when they end
         self._stuck_lock = threading.Lock()
-        self.fn = _load_function(self.path)
-        self._params = _accepted_kwargs(self.fn)
+        self.function = function
+        self.takes_columns = True  # `rollout.single_turn.reward_kwargs`
+        self.fn = _load_function(self.path, function)
+        self.trl_style = _trl_style(self.fn)
+        self._params = _accepted_kwargs(self.fn, 0 if self.trl_style else 3)
         code = getattr(self.fn, "__code__", None)
         self._defined_at = f"{code.co_filename}:{code.co_firstlineno}" if code else self.path
-        self.origin = f"reward function {self.path}"
+        self.origin = f"reward function {self.path}" + ("" if function == "reward_func" else f":{function}")
         self.num_calls = 0
         self.num_samples = 0
         self.num_skipped = 0
@@ -298,21 +319,41 @@ class PythonRewardFunction:
 
     def score(self, queries, prompts, labels=None, **kwargs) -> RewardResult:
         n = check_batch(queries, prompts, labels)
-        labels = [None] * n if labels is None else labels
+        raw = self.call(queries, prompts, labels, **kwargs)
+        return self.counted(raw if isinstance(raw, RewardResult) else self.parse(raw, n), n)
+
+    def call(self, queries, prompts, labels=None, **kwargs):
+        """The function's raw return value for the batch (timeout, retries), or, when every attempt failed
+        under on_error "skip", the whole batch skipped (a RewardResult). OpenRLHF's way it is called as
+        fn(queries, prompts, labels, **kwargs); TRL's way (`trl_style`: it names a `completions`
+        parameter) all by keyword: prompts=, completions=, completion_ids=, queries=, labels= and the
+        columns. Either way only the keywords it accepts (all with `**kwargs`); labels None: B Nones."""
+        n = check_batch(queries, prompts, labels)
+        labels = [None] * n if labels is None else list(labels)
+        args = (list(queries), list(prompts), labels)
+        if self.trl_style:
+            kwargs = {"prompts": args[1], "queries": args[0], "labels": labels, **kwargs}
+            args = ()
         extra = kwargs if self._params is None else {k: v for k, v in kwargs.items() if k in self._params}
         self.num_calls += 1
         self.num_samples += n
         try:
-            raw = self._call((list(queries), list(prompts), list(labels)), extra)
+            return self._call(args, extra)
         except RewardError as err:
             if self.on_error == "raise" or isinstance(err, RewardBusy):  # busy: nothing was scored
                 raise
-            result = skipped_batch(n, str(err).split("\n", 1)[0])
-        else:
-            try:
-                result = parse_output(raw, n, self.origin, self.on_error)
-            except RewardError as err:
-                raise RewardError(f"{err}\nreward_func is defined at {self._defined_at}") from None
+            return skipped_batch(n, str(err).split("\n", 1)[0])
+
+    def parse(self, raw, n: int, origin: str | None = None) -> RewardResult:
+        """`parse_output` of a raw return value under this source's on_error; an error names `origin`
+        (default: the file) and where the function is defined."""
+        try:
+            return parse_output(raw, n, origin or self.origin, self.on_error)
+        except RewardError as err:
+            raise RewardError(f"{err}\n{self.function} is defined at {self._defined_at}") from None
+
+    def counted(self, result: RewardResult, n: int) -> RewardResult:
+        """`result`, its skipped samples counted and warned about."""
         if result.num_skipped:
             self.num_skipped += result.num_skipped
             warn_once(f"skipped {result.num_skipped}/{n} samples (on_error=skip): {result.skip_reasons[0]}")
@@ -326,12 +367,13 @@ class PythonRewardFunction:
                 f"retries={self.retries})")
 
 
-def _accepted_kwargs(fn) -> set[str] | None:
-    """Keyword names `fn` accepts beyond (queries, prompts, labels); None when it takes **kwargs."""
+def _accepted_kwargs(fn, skip: int = 3) -> set[str] | None:
+    """Keyword names `fn` accepts beyond its first `skip` parameters ((queries, prompts, labels)); None when
+    it takes **kwargs."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except ValueError:
         return None
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return None
-    return {p.name for p in params[3:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {p.name for p in params[skip:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}

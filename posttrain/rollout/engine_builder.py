@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from posttrain.data.images import max_images
+
 if TYPE_CHECKING:
     from posttrain.config import PPOConfig
 
@@ -83,10 +85,10 @@ def vllm_engine_kwargs(cfg: PPOConfig) -> dict:
     """`vllm.LLM` arguments from the OpenRLHF flags: one rank in this process (`uni` executor), or with
     --vllm.tensor_parallel_size N > 1 N worker processes of vLLM's (`mp` executor: CPUs only,
     `placement.workers.build_vllm_engine`; the placement reserves the engine N bundles, this process takes the
-    first); with --data.max_images_per_prompt N > 0, `limit_mm_per_prompt={"image": N}` (the engine then reads
-    the image pad ids from the model's config); `vllm_cpu.apply_cpu_defaults` drops gpu_memory_utilization on
-    CPU; vLLM's sleep mode on a GPU when the engines sleep (`sleeps`)."""
-    images, tp = cfg.data.max_images_per_prompt, cfg.vllm.tensor_parallel_size
+    first); with an image limit N > 0 (`data.images.max_images`), `limit_mm_per_prompt={"image": N}` (the
+    engine then reads the image pad ids from the model's config); `vllm_cpu.apply_cpu_defaults` drops
+    gpu_memory_utilization on CPU; vLLM's sleep mode on a GPU when the engines sleep (`sleeps`)."""
+    images, tp = max_images(cfg.data), engine_ranks(cfg)
     return dict(tensor_parallel_size=tp, distributed_executor_backend="uni" if tp == 1 else "mp",
                 gpu_memory_utilization=cfg.vllm.gpu_memory_utilization, enforce_eager=cfg.vllm.enforce_eager,
                 enable_prefix_caching=cfg.vllm.enable_prefix_caching,
@@ -94,6 +96,12 @@ def vllm_engine_kwargs(cfg: PPOConfig) -> dict:
                 max_model_len=cfg.data.max_len, trust_remote_code=False,
                 **({"limit_mm_per_prompt": {"image": images}} if images > 0 else {}),
                 **({"enable_sleep_mode": True} if sleeps(cfg) and torch.cuda.is_available() else {}))
+
+
+def engine_ranks(cfg: PPOConfig) -> int:
+    """The ranks (GPU bundles) one vLLM engine of `cfg` spans: its `tensor_parallel_size`
+    (`vllm_engine_kwargs`)."""
+    return cfg.vllm.tensor_parallel_size
 
 
 def sleeps(cfg: PPOConfig) -> bool:

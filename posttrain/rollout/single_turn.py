@@ -17,6 +17,10 @@ import torch
 
 from posttrain.rollout.async_engine import generate_all
 from posttrain.rollout.types import PromptImages, rank_seed
+from posttrain.utils.log import warn_once
+
+# the names a reward function's own arguments take (OpenRLHF's and TRL's), never a column's
+RESERVED_KWARGS = ("queries", "prompts", "labels", "completions", "completion_ids", "sequence_ids")
 
 
 @dataclass
@@ -26,7 +30,8 @@ class Rollout:
     Multi-turn samples (``agents.multi_turn``): ``output_ids`` holds actions and environment feedback
     as fed and sampled, ``action_mask`` (one 0/1 per output token; None: all sampled) marks the
     actions, ``turns`` / ``env_tokens`` / ``step_time`` (seconds in the environment) describe the
-    episode, and ``error`` says why a failed episode has no tokens. ``policy_versions``: the distinct
+    episode (``tool_call_errors``: its malformed tool calls, None when it offered no tools), and ``error``
+    says why a failed episode has no tokens. ``policy_versions``: the distinct
     weights versions its tokens were sampled by (several with partial rollout), sorted."""
     prompt_ids: list[int]
     output_ids: list[int]
@@ -41,10 +46,12 @@ class Rollout:
     turns: int = 0
     env_tokens: int = 0
     step_time: float = 0.0
+    tool_call_errors: int | None = None
     error: str | None = None
     policy_versions: list[int] | None = None  # the weights versions that sampled it (None: not recorded)
     cursor: int = 0  # the prompt stream's position after this sample's prompt (set by `collect`)
     image_inputs: dict | None = None  # its prompt's image tensors (a vision-language model; numpy)
+    columns: dict | None = None  # its prompt row's other columns (`Prompt.columns`, shared, not copied)
     # what the reward source scores, when not the whole sequence (a tool episode: prompt + final answer)
     reward_ids: list[int] | None = None
 
@@ -108,7 +115,8 @@ class SingleTurnSampler:
                                         group=group_offset + g,
                                         budget=budgets[g] if budgets else params.max_new_tokens,
                                         policy_versions=None if out.policy_versions is None
-                                        else sorted(set(out.policy_versions)), image_inputs=images[g]))
+                                        else sorted(set(out.policy_versions)), image_inputs=images[g],
+                                        columns=getattr(prompt, "columns", None)))
         result = score_rollouts(self.reward_source, self.tokenizer, rollouts)
         return ScoredRollouts(rollouts=rollouts, rewards=result.rewards.float(), scores=result.scores.float(),
                               extra_logs=result.extra_logs, skipped=result.skipped)
@@ -126,9 +134,31 @@ def reward_prompt_text(tokenizer, prompt) -> str:
 def score_rollouts(reward_source, tokenizer, rollouts: list[Rollout]):
     """One batched call of the reward source on whole sequences (prompt + everything after it, or a
     sample's `reward_ids`): token ids for a reward model, OpenRLHF's decoded queries for a function or
-    server (module docstring)."""
+    server (module docstring). A source with `takes_columns` (a reward function, a CompositeReward) also
+    gets the keyword arguments of `reward_kwargs`, and one with `needs_token_ids` (a CompositeReward
+    holding a reward model) the token ids as `sequence_ids`."""
     sequences = [r.reward_ids or r.prompt_ids + r.output_ids for r in rollouts]
     if hasattr(reward_source, "score_tokens"):
         return reward_source.score_tokens(sequences)
     queries = tokenizer.batch_decode(sequences, skip_special_tokens=False)
-    return reward_source.score(queries, [r.prompt_text for r in rollouts], [r.label for r in rollouts])
+    kwargs = reward_kwargs(rollouts) if getattr(reward_source, "takes_columns", False) else {}
+    if getattr(reward_source, "needs_token_ids", False):
+        kwargs["sequence_ids"] = sequences
+    return reward_source.score(queries, [r.prompt_text for r in rollouts], [r.label for r in rollouts],
+                               **kwargs)
+
+
+def reward_kwargs(rollouts: list[Rollout]) -> dict:
+    """TRL's keyword arguments of a reward function: `completions` (the response texts), `completion_ids`
+    (the response token ids) and one list of B values per column of the prompt rows (`Rollout.columns`;
+    None where a row lacks it). A column named like an argument (RESERVED_KWARGS) is left out, with a
+    warning."""
+    kwargs = {"completions": [r.response_text for r in rollouts],
+              "completion_ids": [list(r.output_ids) for r in rollouts]}
+    for name in dict.fromkeys(k for r in rollouts for k in (r.columns or {})):
+        if name in RESERVED_KWARGS:
+            warn_once(f"the prompt data's column {name!r} is not passed to the reward function: {name} is "
+                      "one of its own arguments; rename the column")
+            continue
+        kwargs[name] = [(r.columns or {}).get(name) for r in rollouts]
+    return kwargs

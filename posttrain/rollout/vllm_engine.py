@@ -34,7 +34,7 @@ Images (a vision-language model): ``generate(..., images=)`` takes one entry per
 the raw images (``PromptImages.pil``) as ``multi_modal_data={"image": [...]}`` and the prompt ids with each
 run of the image pad token (and of the video pad token) collapsed to one token, the placeholder vLLM
 expands again; the outputs keep the caller's expanded prompt ids, as the trainer sees them. The engine
-needs ``limit_mm_per_prompt={"image": N}`` (``--data.max_images_per_prompt``) at construction, and the pad
+needs ``limit_mm_per_prompt={"image": N}`` (``data.images.max_images``) at construction, and the pad
 ids (``image_token_id`` / ``video_token_id``, read from the model's config when not given).
 """
 from __future__ import annotations
@@ -50,6 +50,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from posttrain.config.backends import VLLM_MISSING, vision_without_torchvision
+from posttrain.data.images import max_images_flag
 from posttrain.models import as_lora_spec, is_peft, unwrap_model
 from posttrain.models import lora_sync as lsync
 from posttrain.models.vision import config_token_id
@@ -261,7 +262,7 @@ class VLLMRolloutEngine:
                 continue
             if self.max_images <= 0:
                 raise ValueError(f"images[{i}]: this vLLM engine was built without an image limit; build it "
-                                 f"with limit_mm_per_prompt={{'image': N}} (--data.max_images_per_prompt N) "
+                                 f"with limit_mm_per_prompt={{'image': N}} ({max_images_flag('N')}) "
                                  f"to pass images")
             pil = PromptImages.pil_of(entry)
             if not pil:
@@ -271,7 +272,7 @@ class VLLMRolloutEngine:
             if len(pil) > self.max_images:
                 raise ValueError(f"images[{i}]: {len(pil)} images, more than the engine's "
                                  f"limit_mm_per_prompt image={self.max_images} "
-                                 f"(--data.max_images_per_prompt)")
+                                 f"({max_images_flag()})")
             if self.image_token_id is None:
                 raise ValueError(f"images[{i}]: the model's image token id is unknown (its config has no "
                                  "image_token_id); build the engine with image_token_id=")

@@ -15,9 +15,11 @@ import os
 from typing import NamedTuple
 
 from posttrain.config import TrainerConfig, changed_values, flag_specs
-from posttrain.config.ray_mode import critic_path, run_roles
+from posttrain.config.roles import reward_func_spec
 from posttrain.config.spec import get_path
+from posttrain.config.validate import tensor_parallel_split
 from posttrain.data.errors import DataError
+from posttrain.data.images import max_images, max_images_flag
 from posttrain.data.sources import missing_source, source_columns
 from posttrain.data.validation import MARGIN_KEY, close_key
 from posttrain.models.config_facts import check_tensor_parallel_folder, is_vision_folder
@@ -30,7 +32,7 @@ DATA_FLAGS = ("data.dataset", "data.prompt_dataset", "eval.dataset")
 SPLIT_FLAGS = {"data.dataset": "data.dataset_split", "data.prompt_dataset": "data.prompt_split",
                "eval.dataset": "eval.split"}  # `generate` / `eval` name --data.dataset's split --data.split
 # local .py files (a URL is checked when called)
-FILE_FLAGS = ("reward.remote_url", "train.agent_func_path", "train.tool_path")
+FILE_FLAGS = ("reward.remote_url", "reward.func_path", "train.agent_func_path", "train.tool_path")
 
 
 def dataset_names(cfg: TrainerConfig, flag: str) -> list[str]:
@@ -60,39 +62,49 @@ def input_problems(cfg: TrainerConfig) -> list[str]:
                 problems.append(f"--{flag}: {problem}")
     for flag in FILE_FLAGS:
         value = get_path(cfg, flag) if flag in paths else None
-        if isinstance(value, str) and value.endswith(".py") and "://" not in value \
-                and not os.path.isfile(os.path.expanduser(value)):
-            problems.append(f"--{flag}: no such file {os.path.abspath(os.path.expanduser(value))}")
+        for path in _local_files(flag, value):
+            if not os.path.isfile(os.path.expanduser(path)):
+                problems.append(f"--{flag}: no such file {os.path.abspath(os.path.expanduser(path))}")
     return problems + model_rule_problems(cfg, models) + key_problems(cfg)
+
+
+def _local_files(flag: str, value) -> list[str]:
+    """The local .py files a FILE_FLAGS value names: a .py path (not a URL); for --reward.func_path each
+    entry's file (`FILE.py` or `FILE.py:FUNCTION`)."""
+    if flag == "reward.func_path":
+        files = []
+        for entry in value or []:
+            try:
+                files.append(reward_func_spec(entry)[0])
+            except ValueError:  # validation names it
+                pass
+        return files
+    return [value] if isinstance(value, str) and value.endswith(".py") and "://" not in value else []
 
 
 def model_rule_problems(cfg: TrainerConfig, models: set[str]) -> list[str]:
     """The rules between flags and a model's config.json, for the model paths in `models` (those that passed
-    `check_model_folder`): the trained models' attention heads and MLP divide by --ds.tensor_parallel_size
-    (`models.config_facts.check_tensor_parallel_folder`: sft / rm / dpo's model; ppo's actor and, with a
-    critic, the critic's starting weights); --data.max_images_per_prompt needs a vision-language model,
-    which takes neither --ds.packing_samples nor, in ppo, --train.async_enable in this version. These read
-    config.json only (no torch)."""
+    `check_model_folder`): the split models' attention heads and MLP divide by their tensor-parallel size
+    (`models.config_facts.check_tensor_parallel_folder` on `config.validate.tensor_parallel_split`); an image
+    limit (`data.images.max_images`) needs a vision-language model, which takes neither --ds.packing_samples
+    nor, in ppo, --train.async_enable in this version. These read config.json only (no torch)."""
     problems = []
     if not hasattr(cfg, "ds"):  # chat / generate / eval: no training flags to check against the model
         return problems
     ppo = cfg.trainer == "ppo"
-    if cfg.ds.tensor_parallel_size > 1:
-        trained = [cfg.actor.model_name_or_path] if ppo else [cfg.model.model_name_or_path]
-        if ppo and run_roles(cfg).has("critic"):
-            trained.append(critic_path(cfg))
-        for path in dict.fromkeys(p for p in trained if p in models):
-            try:
-                check_tensor_parallel_folder(path, cfg.ds.tensor_parallel_size)
-            except ConfigError as e:
-                problems.append(str(e))
+    size, split = tensor_parallel_split(cfg)
+    for path in dict.fromkeys(p for p in split if p in models):
+        try:
+            check_tensor_parallel_folder(path, size)
+        except ConfigError as e:
+            problems.append(str(e))
     model = cfg.actor.model_name_or_path if ppo else cfg.model.model_name_or_path
-    images, packing, async_rl = (getattr(cfg.data, "max_images_per_prompt", 0), cfg.ds.packing_samples,
+    images, packing, async_rl = (max_images(cfg.data), cfg.ds.packing_samples,
                                  ppo and cfg.train.async_enable)
     if model in models and (images or packing or async_rl):
         vision = is_vision_folder(model)
         if images and not vision:
-            problems.append(f"--data.max_images_per_prompt {images}: {model} is not a vision-language model "
+            problems.append(f"{max_images_flag(images)}: {model} is not a vision-language model "
                             "(its config has no vision part); drop the flag or train a vision-language model")
         if vision and packing:
             problems.append(f"--ds.packing_samples: {model} is a vision-language model, which trains on "
@@ -127,7 +139,7 @@ def row_keys(cfg: TrainerConfig) -> list[RowKey]:
     """The keys `cfg`'s trainer reads from every row of its training and eval data (the same keys for both):
     the value of every `--data.*_key` flag that is set (SFT's input/output keys, whatever the template or
     --data.multiturn; the preference trainers' prompt/chosen/rejected keys; ppo's input/label keys), except
-    `--data.image_key`, which is read only when the run reads images (--data.max_images_per_prompt > 0) and
+    `--data.image_key`, which is read only when the run reads images (`data.images.max_images` > 0) and
     is checked only when set (a row without images may lack it); and RM's margin with
     --model.margin_loss_enable."""
     keys = []
@@ -136,7 +148,7 @@ def row_keys(cfg: TrainerConfig) -> list[RowKey]:
         if not field.name.endswith("_key") or value is None:
             continue
         if field.name == "image_key":
-            if cfg.data.max_images_per_prompt > 0 and "data.image_key" in changed_values(cfg):
+            if max_images(cfg.data) > 0 and "data.image_key" in changed_values(cfg):
                 keys.append(RowKey("--data.image_key", value, every_row=False))
         else:
             keys.append(RowKey(f"--data.{field.name}", value))

@@ -126,7 +126,7 @@ class Probe(OpenAIServerAgentExecutor):
             "wrong_key": lambda: call("/v1/chat/completions", {"messages": good}, key="nope"),
             "no_messages": lambda: call("/v1/chat/completions", {"messages": []}),
             "bad_message": lambda: call("/v1/chat/completions", {"messages": [{"role": "user"}]}),
-            "stream": lambda: call("/v1/chat/completions", {"messages": good, "stream": True}),
+            "stream": lambda: call("/v1/chat/completions", {"messages": good, "stream": "yes"}),
             "n2": lambda: call("/v1/chat/completions", {"messages": good, "n": 2}),
             "temperature": lambda: call("/v1/chat/completions", {"messages": good, "temperature": "hot"}),
             "too_long": lambda: call("/v1/chat/completions",

@@ -182,6 +182,7 @@ def test_an_episode_is_the_rendered_conversation_with_only_the_model_turns_as_ac
     error = f"error: {err.value}"
     assert error.startswith("error: hermes tool call 0: invalid JSON")
     assert result["extra_logs"] == {"tool_calls": 2.0, "tool_errors": 1.0} and result["turns"] == 3
+    assert result["tool_call_errors"] == 1  # agent/tool_call_errors, as the server counts malformed calls
     assert result["reward"] is None and not result["truncated"]
     # the whole sequence is the chat template's rendering of the conversation
     messages = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": bad},

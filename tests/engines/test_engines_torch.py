@@ -162,3 +162,22 @@ def test_frozen_weights_stay_out_of_the_checkpoint_and_must_match_on_load(tmp_pa
     old = train_engine(_partly_frozen(5), **OPT)
     old.load_state(str(tmp_path / "s"))
     assert all(torch.equal(v, w[k]) for k, v in weights(old).items())
+
+
+def test_an_engine_state_of_another_layout_is_refused_naming_the_first_difference():
+    """`TrainEngine.check_layout`: the ZeRO stage, then the world size, then the tensor-parallel size (a meta
+    without one was written with none: 1) against the engine's own `layout`."""
+    from posttrain.engines.base import TrainEngine
+
+    engine = TrainEngine()
+    engine.name, engine.zero_stage, engine.world_size, engine.tensor_parallel = "deepspeed", 2, 4, 2
+    same = {"engine": "deepspeed", "zero_stage": 2, "world_size": 4, "tensor_parallel_size": 2}
+    engine.check_layout("d", same)
+    with pytest.raises(ValueError, match=r"^'d' was saved with world_size=2, this run has world_size=4: an "
+                                         r"engine state resumes on the layout that wrote it$"):
+        engine.check_layout("d", dict(same, world_size=2, tensor_parallel_size=1))
+    with pytest.raises(ValueError, match=r"saved with tensor_parallel_size=None, this run has "
+                                         r"tensor_parallel_size=2"):
+        engine.check_layout("d", {k: v for k, v in same.items() if k != "tensor_parallel_size"})
+    engine.tensor_parallel = 1
+    engine.check_layout("d", {k: v for k, v in same.items() if k != "tensor_parallel_size"})

@@ -27,7 +27,7 @@ def worker(tiny_model_dir):
         pytest.skip(f"real vLLM: {backends.vllm_unavailable()}")
     argv = ["--actor.model_name_or_path", str(tiny_model_dir), "--data.prompt_dataset", "x",
             "--vllm.num_engines", "1", "--ds.param_dtype", "fp32", "--train.async_enable",
-            "--train.partial_rollout_enable", "--data.max_len", "256"]
+            "--train.partial_rollout_enable", "--data.max_len", "256", "--vllm.enforce_eager"]  # uncompiled
     w = EngineWorker(1, {})
     w.setup(parse_config("ppo", argv, check=False))
     yield w

@@ -43,24 +43,38 @@ def argmax_tokens(model, prompt, tokens):
     return logits.argmax(-1).tolist()
 
 
+@pytest.fixture(scope="module")
+def one_rank_greedy(qwen2_dir):
+    """The greedy samples of a `tensor_parallel_size=1` engine (core in this process), built once for the
+    module: what both cases' engines must sample."""
+    from posttrain.rollout.vllm_engine import VLLMRolloutEngine
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        one = VLLMRolloutEngine(qwen2_dir, **ENGINE)
+        expected = greedy(one)
+        del one
+        gc.collect()
+    return expected
+
+
 @pytest.mark.slow
 @pytest.mark.e2e
 @real_vllm
 @pytest.mark.parametrize("core", ["own process", "this process"])
-def test_tensor_parallel_engine_samples_as_one_rank_and_takes_weight_syncs(qwen2_dir, core, monkeypatch):
+def test_tensor_parallel_engine_samples_as_one_rank_and_takes_weight_syncs(qwen2_dir, one_rank_greedy, core,
+                                                                           monkeypatch):
     """The engine core in a process of its own (vLLM's default: buckets cross as bytes) or in this one
     (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as the Ray engine worker builds it)."""
     from posttrain.models import load_causal_lm
     from posttrain.rollout import SamplingParams
     from posttrain.rollout.vllm_engine import VLLMRolloutEngine
 
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    one = VLLMRolloutEngine(qwen2_dir, **ENGINE)
-    expected = greedy(one)
-    del one
-    gc.collect()
+    expected = one_rank_greedy
     if core == "own process":
-        monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
+        monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     engine = VLLMRolloutEngine(qwen2_dir, tensor_parallel_size=2, **ENGINE)
     assert engine.llm.collective_rpc("posttrain_model_class") == ["Qwen2ForCausalLM"] * 2  # two workers
     assert greedy(engine) == expected

@@ -107,3 +107,13 @@ def test_vllm_tensor_parallel_on_a_gpu_machine_stops_before_ray_starts(tiny_mode
                      "process is given one GPU); use --vllm.tensor_parallel_size 1 and more "
                      "--vllm.num_engines"]
     assert not (tmp_path / "out").exists()  # nothing started: no run folder either
+
+
+def test_missing_reward_function_files_are_input_problems(tiny_model_dir, tmp_path):
+    """Each --reward.func_path entry's file (`FILE.py` or `FILE.py:NAME`) is checked with the other inputs."""
+    here = reward(tmp_path)
+    flags = ppo_flags(tiny_model_dir, tmp_path, "--reward.func_path", here, str(tmp_path / "gone.py"),
+                      f"{tmp_path / 'away.py'}:short")
+    cfg = parse_config("ppo", flags, check=False)
+    assert input_problems(cfg) == [f"--reward.func_path: no such file {tmp_path / 'gone.py'}",
+                                   f"--reward.func_path: no such file {tmp_path / 'away.py'}"]

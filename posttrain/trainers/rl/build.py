@@ -148,3 +148,28 @@ def build_reward_source(cfg: PPOConfig, tokenizer, device, zero_stage: int | Non
         source.check_vocabulary(tokenizer)
     return source
 
+
+def build_reward_functions(cfg: PPOConfig) -> list:
+    """The `--reward.func_path` files as weighted terms (`rewards.composite.Term`), loaded now; [] without
+    them. They run in the controller, with `--reward.skip_errors_enable`, `--reward.timeout` and
+    `--reward.retries` as a `--reward.remote_url FILE.py` does."""
+    from posttrain.rewards import function_terms
+    from posttrain.rewards.pick_source import FUNC_TIMEOUT
+
+    rw = cfg.reward
+    if not rw.func_path:
+        return []
+    return function_terms(rw.func_path, rw.func_weights,
+                          on_error="skip" if rw.skip_errors_enable else "raise",
+                          timeout=FUNC_TIMEOUT if rw.timeout is None else rw.timeout, retries=rw.retries)
+
+
+def combine_rewards(cfg: PPOConfig, main, functions: list):
+    """The run's reward source: `main` (the reward model, its Ray group, or --reward.remote_url's source;
+    may be None) alone, or with the `functions` terms summed (`rewards.composite.combine`), its term named
+    `model` or `remote` and weighted by --reward.model_weight."""
+    from posttrain.rewards import combine
+
+    name = "remote" if cfg.reward.remote_url else "model"
+    return combine(functions, main, name, cfg.reward.model_weight)
+

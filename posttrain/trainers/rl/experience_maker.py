@@ -121,7 +121,8 @@ def rollout_metrics(scored, n: int) -> dict[str, float]:
 
 def agent_metrics(rollouts) -> dict[str, float]:
     """Multi-turn episodes (`Rollout.turns` > 0 or failed): turns per episode (mean, max), environment
-    tokens per episode, seconds per environment step, failed episodes; {} for single-turn batches."""
+    tokens per episode, seconds per environment step, failed episodes, and the malformed tool calls of the
+    episodes that offered tools (when any did); {} for single-turn batches."""
     episodes = [r for r in rollouts if r.turns > 0]
     failed = sum(r.error is not None for r in rollouts)
     if not episodes and not failed:
@@ -132,5 +133,8 @@ def agent_metrics(rollouts) -> dict[str, float]:
         out.update({"agent/turns_mean": float(turns.mean()), "agent/turns_max": float(turns.max()),
                     "agent/env_tokens": sum(r.env_tokens for r in episodes) / len(episodes),
                     "agent/step_time": sum(r.step_time for r in episodes) / float(turns.sum())})
+    tool_errors = [r.tool_call_errors for r in episodes if r.tool_call_errors is not None]
+    if tool_errors:
+        out["agent/tool_call_errors"] = float(sum(tool_errors))
     return out
 

@@ -105,10 +105,13 @@ class RLTrainer(RunLoop):
             agent = ToolAgentExecutor(tools)
             info(f"tools: {', '.join(tools.names)} from {cfg.train.tool_path}; episodes of up to "
                  f"--data.max_len {cfg.data.max_len} tokens over all turns, scored by the reward source")
-        self.reward_source = None
+        functions = build.build_reward_functions(cfg)  # --reward.func_path terms (or [])
+        main = None
         has_reward = cfg.reward.model_name_or_path or cfg.reward.remote_url
         if has_reward and not (self.roles.on_ray and self.roles.has("reward")):
-            self.reward_source = build.build_reward_source(cfg, self.tokenizer, self.device)
+            main = build.build_reward_source(cfg, self.tokenizer, self.device)
+        # on Ray with a reward model: the functions alone until the model's group joins them (`_place_on_ray`)
+        self.reward_source = build.combine_rewards(cfg, main, functions)
         return agent
 
     def _load_models(self, agent) -> None:
@@ -176,8 +179,9 @@ class RLTrainer(RunLoop):
                                       reward_model=roles.has("reward"))
         p = self.placement
         self.actor, self.critic, self.ref, self.rollout_engine = p.actor, p.critic, p.ref, p.engines
-        if p.reward is not None:
-            self.reward_source = p.reward
+        if p.reward is not None:  # the reward model's Ray group, with the function terms when given
+            functions = self.reward_source.terms if self.reward_source is not None else []
+            self.reward_source = build.combine_rewards(self.cfg, p.reward, functions)
 
     def _build_loop_state(self) -> None:
         cfg = self.cfg

@@ -45,7 +45,9 @@ def load_prompt_data(cfg: PPOConfig, tok, tools=None) -> PromptData:
              "rotary positions per row from the image grid)")
     kw = dict(input_key=cfg.data.input_key, label_key=cfg.data.label_key,
               input_template=cfg.data.input_template, apply_chat_template=cfg.data.apply_chat_template,
-              processor=processor, **image_reading(cfg.data),
+              processor=processor, extra_columns=bool(cfg.reward.func_path
+                                                      or str(cfg.reward.remote_url or "").endswith(".py")),
+              **image_reading(cfg.data),
               **({"tools": tools.schemas, "system_prompt": tools.system_prompt} if tools else {}))
     rows = load_rows(cfg.data.prompt_dataset, cfg.data.prompt_probs, cfg.data.prompt_split, cfg.train.seed,
                      cfg.data.max_samples)

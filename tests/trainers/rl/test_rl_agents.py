@@ -61,6 +61,12 @@ def agent_flags(rl_setup, out, agent, *extra):
             "--ckpt.output_dir", str(out), *map(str, extra)]
 
 
+# the Ray engines (vLLM's where it runs) uncompiled, as in the other vLLM tests: vLLM's torch.compile start-up
+# costs each engine seconds and is no part of what the agent tests check (README's Ray + vLLM command,
+# tests/docs, runs the compiled engines)
+EAGER = ("--vllm.enforce_eager",)
+
+
 @pytest.fixture
 def openrlhf_agent(tmp_path):
     path = tmp_path / "agent_func.py"
@@ -115,7 +121,7 @@ def test_agent_episodes_run_inside_the_ray_rollout_engines(rl_setup, tmp_path, r
                                                   f"        open({str(pids)!r} + '/' + "
                                                   f"str(__import__('os').getpid()), 'a').close()\n"))
     out = tmp_path / "agent_ray"
-    train_ppo_ray.main(agent_flags(rl_setup, out, agent, "--vllm.num_engines", "2",
+    train_ppo_ray.main(agent_flags(rl_setup, out, agent, "--vllm.num_engines", "2", *EAGER,
                                    "--data.max_samples", "4"))
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
     assert len(rows) == 1 and rows[0]["agent/turns_mean"] >= 1.0 and rows[0]["agent/failed"] == 0.0
@@ -218,7 +224,7 @@ def test_an_openai_client_agent_runs_inside_a_ray_rollout_engine(rl_setup, tmp_p
     agent.write_text(OPENAI_CLIENT_AGENT)
     out = tmp_path / "openai_agent_ray"
     train_ppo_ray.main(agent_flags(rl_setup, out, agent, "--data.max_len", "96", "--vllm.num_engines", "1",
-                                   "--data.max_samples", "4"))
+                                   *EAGER, "--data.max_samples", "4"))
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
     assert len(rows) == 1 and rows[0]["agent/turns_mean"] == 2.0 and rows[0]["agent/failed"] <= 0.1 * 8
 
@@ -252,10 +258,10 @@ REINFORCE_AGENT_ASYNC = """
 
 
 @pytest.mark.e2e
-def test_openrlhf_async_agent_script_runs_on_ray(rl_setup, openrlhf_agent, tmp_path, ray_session):
+def test_openrlhf_async_agent_script_runs_on_ray(rl_setup, openrlhf_agent, tmp_path, ray_address):
     """Async, partial rollout, an OpenRLHF agent file, ZeRO-3 over 2 actor ranks, colocate_all: through
-    `python -m posttrain.cli.train_ppo_ray` as the script launches it, on a real vLLM engine (AsyncLLM)
-    where this machine runs vLLM."""
+    `python -m posttrain.cli.train_ppo_ray` as the script launches it, joining the running Ray instance
+    (RAY_ADDRESS) as the script does, on a real vLLM engine (AsyncLLM) where this machine runs vLLM."""
     import os
     import subprocess
     import sys
@@ -270,7 +276,7 @@ def test_openrlhf_async_agent_script_runs_on_ray(rl_setup, openrlhf_agent, tmp_p
                         # 10 > this run's 4 steps
                         "--ckpt.path", tmp_path / "ckpt", "--ckpt.save_steps", "2"],
                        check=False, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "RAY_ADDRESS": ""})
+                       env={**os.environ, "RAY_ADDRESS": ray_address})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "async RL: rollouts generated up to 1 step(s) ahead of training, partial rollout" in r.stderr
     assert ("1 rollout engine(s): vllm" if vllm_unavailable() is None

@@ -17,7 +17,7 @@ def test_async_partial_rollout_with_oversampling_on_a_vllm_engine(run_ppo, ray_s
     out, _ = run_ppo("--train.async_enable", "--train.partial_rollout_enable", "--algo.advantage.estimator",
                      "group_norm", "--train.num_episodes", "1", "--vllm.num_engines", "1",
                      "--rollout.vllm_generate_batch_size", "16", "--data.max_samples", "32",
-                     name="vllm_async")
+                     "--vllm.enforce_eager", name="vllm_async")  # uncompiled: seconds less start-up
     err = capfd.readouterr().err
     assert "1 rollout engine(s): vllm" in err and "partial rollout (weights sync between decode steps)" in err
     rows = read_metrics(out / "metrics.jsonl")

@@ -359,13 +359,15 @@ def test_openrlhf_reinforce_baseline_hybrid_script_runs(rl_setup, tmp_path, ray_
 @pytest.fixture(scope="module")
 def colocated_run(rl_setup, tiny_score_model_dir, tmp_path_factory, ray_session):
     """(run dir, stderr) of one step with both colocation modes on: the two modes place disjoint role
-    pairs (actor + ref, critic + reward) in groups of their own, so one run shows both."""
+    pairs (actor + ref, critic + reward) in groups of their own, so one run shows both. The reward model's
+    Ray group shares the batch with a --reward.func_path function (weights 1 and 2: a composite reward)."""
     import contextlib
     import io
 
     out = tmp_path_factory.mktemp("colocated") / "run"
     flags = _without_reward_url(ppo_flags(rl_setup, out)) + [
-        "--reward.model_name_or_path", tiny_score_model_dir, "--algo.advantage.estimator", "gae",
+        "--reward.model_name_or_path", tiny_score_model_dir, "--reward.func_path", rl_setup[2] / "correct.py",
+        "--reward.model_weight", "2", "--algo.advantage.estimator", "gae",
         "--algo.kl.init_coef", "0.01", "--vllm.num_engines", "1", *HF, "--train.colocate_actor_ref",
         "--train.colocate_critic_reward", "--data.max_samples", "8", "--train.num_episodes", "1"]
     err = io.StringIO()
@@ -385,6 +387,16 @@ def test_colocation_modes_share_bundles(mode, colocated_run):
     for role in pair:
         assert f"ray placement: {role}: group {group} bundle 0, 0.2 of each" in err
     assert len(rewards_by_step(out)) == 1
+
+
+def test_a_reward_model_group_on_ray_and_a_reward_function_are_summed(colocated_run):
+    """--reward.func_path beside a reward model placed on Ray: the functions run on the controller, the
+    model in its own group, and each sample's reward is their weighted sum."""
+    out, err = colocated_run
+    assert "ray placement: reward: group critic_reward" in err
+    row = read_metrics(out / "metrics.jsonl")[0]
+    assert row["reward/mean"] == pytest.approx(row["reward/correct"] + 2 * row["reward/model"], abs=1e-5)
+    assert row["reward/model"] != 0
 
 
 def test_killed_engine_ends_the_run_with_one_clear_error(rl_setup, tmp_path, ray_session):
@@ -436,11 +448,11 @@ def test_two_simulated_nodes_via_ray_address(rl_setup, tmp_path):
                               env={**os.environ, "RAY_ADDRESS": cluster.address,
                                    "POSTTRAIN_RAY_PLACE_TIMEOUT": timeout_s})
     try:
-        r = run(tmp_path / "too_big", "--vllm.num_engines", "2", timeout_s="10")
+        r = run(tmp_path / "too_big", "--vllm.num_engines", "2", timeout_s="5")  # it waits all of it
         assert r.returncode == 2, r.stderr[-3000:]
         errors = [line for line in r.stderr.splitlines() if "posttrain ppo: error:" in line]
         assert len(errors) == 1, errors
-        assert "cannot place" in errors[0] or "did not start within 10 s" in errors[0], errors
+        assert "cannot place" in errors[0] or "did not start within 5 s" in errors[0], errors
         assert "Traceback" not in r.stderr
         out = tmp_path / "two_nodes"
         r = run(out)

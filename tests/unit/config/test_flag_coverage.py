@@ -120,6 +120,7 @@ ACTING: dict[str, frozenset[str]] = {
         "critic: model_name_or_path value_clip save_value_network freezing_steps",
         "ref: model_name_or_path offload",
         "reward: model_name_or_path remote_url normalize_enable clip_range overlong_buffer_len offload",
+        "reward: func_path func_weights model_weight",
         "reward: overlong_penalty_factor stop_properly_penalty_coef whiten_enable skip_errors_enable",
         "reward: timeout retries missing_eos_penalty batch_normalize_enable batch_normalize_clip",
         "algo.advantage: estimator gamma lambd no_std_norm whiten_enable whiten_level is_correction_enable",

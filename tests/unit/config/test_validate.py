@@ -363,12 +363,32 @@ def test_one_reward_source_exactly():
     none = problems("ppo", *(ppo[:i] + ppo[i + 2 :]), base=False)
     assert none == [
         "--reward.model_name_or_path: a reward source is required: --reward.model_name_or_path (a reward "
-        "model), --reward.remote_url (an http(s) reward server or a .py file defining reward_func) or "
-        "--train.agent_func_path (an agent file whose environment returns rewards)"
+        "model), --reward.remote_url (an http(s) reward server or a .py file defining reward_func), "
+        "--reward.func_path (reward function files) or --train.agent_func_path (an agent file whose "
+        "environment returns rewards)"
     ]
     # an agent file is a reward source of its own (its environment returns the rewards)
     parse_config("ppo", ppo[:i] + ppo[i + 2:] + ["--train.agent_func_path", "agent.py"], device="cpu")
     assert "\n" not in both[0] and "\n" not in none[0]
+
+
+def test_reward_function_files_and_their_weights():
+    ppo = list(BASE["ppo"])
+    i = ppo.index("--reward.remote_url")
+    alone = ppo[:i] + ppo[i + 2:]
+    parse_config("ppo", alone + ["--reward.func_path", "a.py", "b.py:short"], device="cpu")  # a source
+    parse_config("ppo", ppo + ["--reward.func_path", "a.py", "--reward.model_weight", "0.5"], device="cpu")
+    assert problems("ppo", "--reward.func_path", "a.py", "b.py", "--reward.func_weights", "1") == [
+        "--reward.func_weights has 1 weights for 2 --reward.func_path files; give one weight per file (or "
+        "none: 1 each)"]
+    assert problems("ppo", "--reward.func_path", "a.py", "--reward.func_weights", "nan") == [
+        "--reward.func_weights nan: must be a finite number"]
+    assert problems("ppo", "--reward.func_path", "x/a.py", "y/a.py", "mean.py", "c.txt") == [
+        "--reward.func_path entries 1 and 2 are both named 'a' (reward/<name>); rename a file or give "
+        "FILE.py:FUNCTION",
+        "--reward.func_path entry 3 ('mean.py'): its term name 'mean' is reserved (reward/mean is another "
+        "metric); rename the file or give FILE.py:FUNCTION",
+        "--reward.func_path entry 4 ('c.txt'): expected a .py file defining reward_func, or FILE.py:FUNCTION"]
 
 
 def test_agent_flags_are_checked():

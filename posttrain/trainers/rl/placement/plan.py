@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from posttrain.config.validate import VLLM_RANKS
 from posttrain.utils.errors import UserError
 
 SHARED = 0.2  # OpenRLHF's num_gpus_per_actor (and engine num_gpus) when models share a bundle
@@ -141,8 +142,8 @@ def _place_engines(groups: dict[str, int], pg: str | None, actor: tuple[int, int
     if hybrid and _ranks(actor) != num_engines * engine_tp:
         raise PlacementError(
             "--train.colocate_all needs --actor.num_nodes x --actor.num_gpus_per_node equal to "
-            f"--vllm.num_engines x --vllm.tensor_parallel_size ({_ranks(actor)} vs "
-            f"{num_engines * engine_tp}); or set --train.async_enable to give the engines their own GPUs"
+            f"{VLLM_RANKS} ({_ranks(actor)} vs {num_engines * engine_tp}); or set --train.async_enable to "
+            "give the engines their own GPUs"
         )
     if not hybrid:
         groups["engines"] = num_engines * engine_tp

@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from posttrain.models.parallel_groups import ParallelLayout
 from posttrain.models.setup import ModelSetup
 from posttrain.rewards.result import RewardResult, concat_results, contiguous_chunks
-from posttrain.rollout.engine_builder import sleeps
+from posttrain.rollout.engine_builder import engine_ranks, sleeps
 from posttrain.rollout.types import rank_seed
 from posttrain.trainers.rl.placement.plan import bundle_resources, group_bundles, plan_placement
 from posttrain.trainers.rl.placement.transport import (
@@ -384,13 +384,13 @@ def merge_metrics(per_rank: list[dict[str, float]], weights: list[dict[str, floa
 
 
 def engine_count(cfg: PPOConfig) -> int:
-    """Rollout engines: --vllm.num_engines; unset, one per `--vllm.tensor_parallel_size` actor bundles
+    """Rollout engines: --vllm.num_engines; unset, one per `engine_ranks` actor bundles
     with --train.colocate_all (each actor GPU also generates, as OpenRLHF's actors do without vLLM),
     else one."""
     if cfg.vllm.num_engines:
         return cfg.vllm.num_engines
     if cfg.train.colocate_all:
-        return max(1, cfg.actor.num_nodes * cfg.actor.num_gpus_per_node // cfg.vllm.tensor_parallel_size)
+        return max(1, cfg.actor.num_nodes * cfg.actor.num_gpus_per_node // engine_ranks(cfg))
     return 1
 
 
@@ -428,7 +428,7 @@ class RayPlacement:
             actor=shape(cfg.actor), ref=shape(cfg.ref) if ref else None,
             critic=shape(cfg.critic) if critic else None,
             reward=shape(cfg.reward) if reward_model else None, num_engines=engine_count(cfg),
-            engine_tp=cfg.vllm.tensor_parallel_size, colocate_actor_ref=cfg.train.colocate_actor_ref,
+            engine_tp=engine_ranks(cfg), colocate_actor_ref=cfg.train.colocate_actor_ref,
             colocate_critic_reward=cfg.train.colocate_critic_reward, colocate_all=cfg.train.colocate_all,
             async_enable=cfg.train.async_enable)
         self.groups: list[_Group] = []
