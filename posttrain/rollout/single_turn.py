@@ -135,13 +135,19 @@ def score_rollouts(reward_source, tokenizer, rollouts: list[Rollout]):
     """One batched call of the reward source on whole sequences (prompt + everything after it, or a
     sample's `reward_ids`): token ids for a reward model, OpenRLHF's decoded queries for a function or
     server (module docstring). A source with `takes_columns` (a reward function, a CompositeReward) also
-    gets the keyword arguments of `reward_kwargs`, and one with `needs_token_ids` (a CompositeReward
-    holding a reward model) the token ids as `sequence_ids`."""
+    gets the keyword arguments of `reward_kwargs` (a sample with `reward_ids`: its `completions` and
+    `completion_ids` are what follows the prompt there, a tool episode's final answer), and one with
+    `needs_token_ids` (a CompositeReward holding a reward model) the token ids as `sequence_ids`."""
     sequences = [r.reward_ids or r.prompt_ids + r.output_ids for r in rollouts]
     if hasattr(reward_source, "score_tokens"):
         return reward_source.score_tokens(sequences)
     queries = tokenizer.batch_decode(sequences, skip_special_tokens=False)
     kwargs = reward_kwargs(rollouts) if getattr(reward_source, "takes_columns", False) else {}
+    for i, r in enumerate(rollouts):
+        if r.reward_ids and kwargs:  # a tool episode: its completion is the final answer
+            answer = list(r.reward_ids[len(r.prompt_ids):])
+            kwargs["completion_ids"][i] = answer
+            kwargs["completions"][i] = tokenizer.decode(answer, skip_special_tokens=True)
     if getattr(reward_source, "needs_token_ids", False):
         kwargs["sequence_ids"] = sequences
     return reward_source.score(queries, [r.prompt_text for r in rollouts], [r.label for r in rollouts],

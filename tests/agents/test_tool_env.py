@@ -228,3 +228,31 @@ def test_calculator_sft_transcripts_render_as_the_tool_episodes(tok):
         list(sft["input_ids"][a:b]) for a, b in result["action_ranges"]]
     assert all(sft["loss_mask"][i] for a, b in result["action_ranges"] for i in range(a, b))
     assert not any(sft["loss_mask"][i] for i in range(result["prompt_length"]))
+
+
+def test_the_reward_source_scores_the_prompt_and_the_final_answer(tok):
+    """A tool episode's `reward_ids`: the query is the prompt and the final answer, and so are the TRL-style
+    `completions` / `completion_ids` of a reward function that takes them."""
+    from posttrain.rollout.single_turn import Rollout, score_rollouts
+
+    class Source:
+        takes_columns = True
+
+        def score(self, queries, prompts, labels, **kwargs):
+            self.seen = queries, prompts, kwargs
+
+    def ids(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    prompt_text = "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
+    prompt, answer = ids(prompt_text), ids("5<|im_end|>")
+    calls = ids('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'
+                "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    response = tok.decode(calls + answer, skip_special_tokens=True)
+    rollout = Rollout(prompt_ids=prompt, output_ids=calls + answer, rollout_logprobs=[], finish_reason="stop",
+                      prompt_text=prompt_text, response_text=response, reward_ids=prompt + answer)
+    source = Source()
+    score_rollouts(source, tok, [rollout])
+    queries, prompts, kwargs = source.seen
+    assert queries == [prompt_text + "5<|im_end|>"] and prompts == [prompt_text]
+    assert kwargs["completions"] == ["5"] and kwargs["completion_ids"] == [answer]
