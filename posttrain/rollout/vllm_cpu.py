@@ -19,7 +19,10 @@ def apply_cpu_defaults(llm_kwargs: dict) -> None:
     ``CPU_KV_CACHE_GIB`` GiB (the CPU build otherwise sizes it from ``gpu_memory_utilization`` of the
     machine's RAM); ``VLLM_CPU_KVCACHE_SPACE`` (GiB) or ``kv_cache_memory_bytes`` set it.
     ``gpu_memory_utilization`` means nothing there and is dropped, and so is ``enable_sleep_mode`` (vLLM
-    refuses it on CPU and ignores ``sleep`` there anyway). Tensor parallelism: vLLM's worker processes (``mp``
+    refuses it on CPU and ignores ``sleep`` there anyway). Chunked prefill is off unless set: when the prompts
+    of one step pass its token budget (4096 on CPU), vLLM prefills a prompt in parts and rewinds a seeded
+    request's generator after each part, which a CPU generator cannot do ("CPU Generator does not use
+    offset": every seeded rollout of that size failed). Tensor parallelism: vLLM's worker processes (``mp``
     executor, gloo) with ``VLLM_CPU_OMP_THREADS_BIND=nobind`` unless set (vLLM's ``auto`` binds each worker to
     a NUMA node of its own and refuses more workers than nodes). vLLM freezes its environment once an engine
     started in this process (``vllm.envs`` cache): the freeze is lifted so that a second engine
@@ -36,6 +39,7 @@ def apply_cpu_defaults(llm_kwargs: dict) -> None:
         llm_kwargs.setdefault("distributed_executor_backend", "mp")
     if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         llm_kwargs.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_GIB * 2**30)
+    llm_kwargs.setdefault("enable_chunked_prefill", False)
     llm_kwargs.pop("gpu_memory_utilization", None)
     llm_kwargs.pop("enable_sleep_mode", None)
 

@@ -125,6 +125,19 @@ def test_seeds_per_prompt(engine):
     assert tokens(engine.generate(PROMPTS, params, seeds=[12, 3, 14])) != outs
 
 
+def test_seeded_prompts_beyond_one_steps_token_budget(engine):
+    """Seeded prompts whose tokens together pass the engine's per-step budget (vLLM's CPU default: 4096):
+    with chunked prefill, the CPU build rewinds a seeded request's CPU generator after a partial prefill and
+    fails ("CPU Generator does not use offset"); `apply_cpu_defaults` turns chunked prefill off there. Each
+    prompt's samples still depend on its seed only."""
+    from posttrain.rollout import SamplingParams
+
+    long = [[5 + (i + j) % 200 for j in range(230)] for i in range(20)]  # 4600 tokens, no shared prefix
+    params = SamplingParams(temperature=1.0, n=1, max_new_tokens=3)
+    outs = tokens(engine.generate(long, params, seeds=list(range(20))))
+    assert tokens(engine.generate([long[7]], params, seeds=[7])) == [outs[7]]
+
+
 def greedy(engine, prompt, n_tokens, stop=()):
     from posttrain.rollout import SamplingParams
 
