@@ -83,11 +83,12 @@ def test_tool_file_errors_stop_before_any_model_loads(rl_setup, recording_reward
 
 @pytest.mark.e2e
 def test_tool_episodes_run_inside_a_ray_rollout_engine(rl_setup, recording_reward, tmp_path, ray_session):
+    """The episodes run on the Ray engine actor's vLLM engine (its CPU build here, eager)."""
     from posttrain.cli import train_ppo_ray
 
     out = tmp_path / "tools_ray"
     train_ppo_ray.main(tool_flags(rl_setup, out, recording_reward[0], "--vllm.num_engines", "1",
-                                  "--rollout.engine", "hf", "--data.max_samples", "4"))
+                                  "--vllm.enforce_eager", "--data.max_samples", "4"))
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
     assert len(rows) == 1 and rows[0]["agent/turns_mean"] >= 1.0 and rows[0]["agent/failed"] == 0.0
     assert "reward/tool_calls" in rows[0]
