@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 from rounding import ADAM_EPS, adam_weight_tolerance, assert_weights_within
-from sft_helpers import sft_flags, torchrun, torchrun_cases, weights
+from sft_helpers import sft_flags, torchrun_cases, weights
 
 from posttrain.utils.metrics import read_metrics
 
@@ -49,8 +49,9 @@ def packing_flags(packing: bool) -> tuple:
 
 @pytest.fixture(scope="module")
 def two_rank_runs(tiny_model_dir, tiny_score_model_dir, arithmetic_dir, pairs_dir, tmp_path_factory):
-    """The 2-rank tensor-parallel runs of SFT_CASES and PAIR_CASES, in one launch (`torchrun_cases`):
-    case -> (run folder, its `CaseRun`)."""
+    """The 2-rank tensor-parallel runs of SFT_CASES and PAIR_CASES, and "full" (`resume_flags` with
+    --ckpt.save_hf: its checkpoints in the folder's sibling ckpt_a), in one launch (`torchrun_cases`): case ->
+    (run folder, its `CaseRun`)."""
     root = tmp_path_factory.mktemp("two_ranks")
     outs = {(stage, packing): root / f"tp{stage}{'p' if packing else ''}" for stage, packing in SFT_CASES}
     cases = [("posttrain.cli.train_sft", sft_flags(tiny_model_dir, arithmetic_dir, out, *COMMON,
@@ -63,7 +64,17 @@ def two_rank_runs(tiny_model_dir, tiny_score_model_dir, arithmetic_dir, pairs_di
         cases.append((f"posttrain.cli.train_{trainer}",
                       pair_flags(model, pairs_dir, outs[trainer], *extra, "--ds.zero_stage", stage,
                                  "--ds.tensor_parallel_size", 2)))
+    outs["full"] = root / "full"
+    cases.append(("posttrain.cli.train_sft", resume_flags(tiny_model_dir, arithmetic_dir, outs["full"],
+                                                          root / "ckpt_a", "--ds.tensor_parallel_size", 2,
+                                                          "--ckpt.save_hf")))
     return dict(zip(outs, zip(outs.values(), torchrun_cases(cases, root / "logs"))))
+
+
+def resume_flags(model, data, out, ckpt, *more) -> list[str]:
+    """The resume test's runs: ZeRO-1, a checkpoint every 2 steps into `ckpt`."""
+    return sft_flags(model, data, out, *COMMON, "--ds.zero_stage", 1, "--ckpt.path", ckpt,
+                     "--ckpt.save_steps", 2, *more)
 
 
 @pytest.mark.e2e
@@ -193,7 +204,8 @@ def test_dpo_and_rm_with_tensor_parallel_size_2_match_one_process(tiny_model_dir
 
 
 @pytest.mark.e2e
-def test_tensor_parallel_checkpoints_resume_on_the_same_layout(tiny_model_dir, arithmetic_dir, tmp_path):
+def test_tensor_parallel_checkpoints_resume_on_the_same_layout(tiny_model_dir, arithmetic_dir, tmp_path,
+                                                               two_rank_runs):
     """Engine states are per rank (DeepSpeed's model and optimizer files per tensor-parallel rank): a run
     resumed from step 2 ends with the uninterrupted run's weights; the --ckpt.save_hf export is whole; a run
     with another layout stops with the reason."""
@@ -202,13 +214,12 @@ def test_tensor_parallel_checkpoints_resume_on_the_same_layout(tiny_model_dir, a
     from transformers import AutoModelForCausalLM
 
     def flags(out, ckpt, *more):
-        return sft_flags(tiny_model_dir, arithmetic_dir, out, *COMMON, "--ds.zero_stage", 1,
-                         "--ckpt.path", ckpt, "--ckpt.save_steps", 2, *more)
+        return resume_flags(tiny_model_dir, arithmetic_dir, out, ckpt, *more)
 
-    torchrun("posttrain.cli.train_sft", flags(tmp_path / "full", tmp_path / "ckpt_a",
-                                              "--ds.tensor_parallel_size", 2, "--ckpt.save_hf"))
-    step2 = tmp_path / "ckpt_a" / "global_step2"
-    export = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt_a" / "global_step2_hf")
+    full, proc = two_rank_runs["full"]  # resume_flags with tensor parallel 2 and --ckpt.save_hf, into ckpt_a
+    proc.ok()
+    step2 = full.parent / "ckpt_a" / "global_step2"
+    export = AutoModelForCausalLM.from_pretrained(full.parent / "ckpt_a" / "global_step2_hf")
     assert export.model.layers[0].mlp.down_proj.weight.shape == (128, 352)
     for ckpt in ("ckpt_b", "ckpt_c"):
         shutil.copytree(step2, tmp_path / ckpt / "global_step2")
@@ -219,7 +230,7 @@ def test_tensor_parallel_checkpoints_resume_on_the_same_layout(tiny_model_dir, a
          ("posttrain.cli.train_sft", flags(tmp_path / "other", tmp_path / "ckpt_c", "--ckpt.load_enable"))],
         tmp_path / "logs")
     resumed.ok()
-    wa, wb = weights(tmp_path / "full"), weights(tmp_path / "resumed")
+    wa, wb = weights(full), weights(tmp_path / "resumed")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert other.returncode != 0
     assert re.search("was written on 2 rank\\(s\\), ZeRO-1, tensor parallel 2, this run is 2 rank\\(s\\), "
