@@ -64,6 +64,53 @@ def torchrun(module: str, flags, nproc: int = 2):
     return proc
 
 
+class CaseRun:
+    """One case of `torchrun_cases`: its exit status (nonzero when any rank's is) and its ranks' stderr (in
+    rank order)."""
+
+    def __init__(self, returncode: int, stderr: str):
+        self.returncode, self.stderr = returncode, stderr
+
+    def ok(self) -> "CaseRun":
+        """Itself, asserted to have exited 0 (as `torchrun` asserts)."""
+        assert self.returncode == 0, self.stderr[-4000:]
+        return self
+
+
+def torchrun_cases(cases, folder, nproc: int = 2) -> list[CaseRun]:
+    """Each of `cases` ((module, flags) pairs) run as `torchrun(module, flags, nproc)` runs it, one after
+    another in one launch (launch_cases.py: the start-up and imports paid once); `folder` keeps the logs."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    from contextlib import ExitStack
+    from pathlib import Path
+
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    with ExitStack() as stack:  # free ports, all different: the launch's and one per case
+        socks = [stack.enter_context(socket.socket()) for _ in range(len(cases) + 1)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        port, *ports = (str(sock.getsockname()[1]) for sock in socks)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = [{"module": module, "flags": [str(f) for f in flags], "port": p, "log": str(folder / f"case{i}")}
+            for i, ((module, flags), p) in enumerate(zip(cases, ports))]
+    (folder / "cases.json").write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           port, str(Path(__file__).with_name("launch_cases.py")), str(folder / "cases.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    runs = []
+    for case in spec:
+        logs = [Path(f"{case['log']}.rank{r}") for r in range(nproc)]
+        codes = [int(Path(f"{log}.exit").read_text()) for log in logs]
+        runs.append(CaseRun(next((c for c in codes if c), 0), "".join(log.read_text() for log in logs)))
+    return runs
+
+
 def assert_loaded_as_shards(stderr: str, role: str, nproc: int = 2) -> None:
     """Every rank reported (`[rank R] {role}: loaded as ZeRO-3 shards: this rank holds A M of B M`)
     holding about its 1/nproc share of `role`'s parameters, and the shares cover the whole model

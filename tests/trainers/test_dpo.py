@@ -252,31 +252,53 @@ def test_openrlhf_train_dpo_script_runs_with_only_the_module_renamed(tiny_model_
     AutoModelForCausalLM.from_pretrained(out)
 
 
+def zero3_common() -> list:
+    from rounding import ADAM_EPS
+
+    return ["--data.max_samples", 48, "--adam.lr", "1e-3", "--adam.eps", ADAM_EPS]
+
+
+def ring_common() -> list:
+    from rounding import ADAM_EPS
+
+    return ["--data.max_samples", 32, "--adam.lr", "1e-3", "--adam.eps", ADAM_EPS, "--ds.packing_samples",
+            "--model.gradient_checkpointing_enable", "--train.micro_batch_size", 4]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tiny_model_dir, pref_dir, tmp_path_factory):
+    """This module's 2-rank runs, in one launch (`torchrun_cases`): "zero3" (token-budget micro-batches,
+    ZeRO-3) and "ring" (ring attention 2, ZeRO-3) -> (run folder, its `CaseRun`)."""
+    from sft_helpers import torchrun_cases
+
+    root = tmp_path_factory.mktemp("two_ranks")
+    flags = {"zero3": (*zero3_common(), "--train.micro_batch_size", 2, "--ds.zero_stage", 3,
+                       "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", 85),
+             "ring": (*ring_common(), "--ds.zero_stage", 3, "--ds.ring_attn_size", 2,
+                      "--ds.ring_attn_head_stride", 2)}
+    runs = torchrun_cases([("posttrain.cli.train_dpo", dpo_flags(tiny_model_dir, pref_dir, root / case,
+                                                                 *more)) for case, more in flags.items()],
+                          root / "logs")
+    return {case: (root / case, proc) for case, proc in zip(flags, runs)}
+
+
 @pytest.mark.e2e
-def test_two_process_zero3_matches_single_process(tiny_model_dir, pref_dir, tmp_path):
+def test_two_process_zero3_matches_single_process(tiny_model_dir, pref_dir, tmp_path, two_rank_runs):
     """Pairs as units: 2 ranks x token-budget micro-batches (ZeRO-3; policy and reference loaded straight
     into shards, each rank holding half of each) give the losses and weights of one process with one
     micro-batch per step. The budget of 85 tokens (a pair is 82-86) splits some steps' 8 pairs per
     rank into 4 micro-batches on one rank and 5 on the other: the padded micro-batch runs the sharded
     reference's collective forward too. The first update is taken at lr 0 (warm-up), so the third step
     is the one whose policy differs from the reference (margin != 0)."""
-    from rounding import ADAM_EPS
-    from sft_helpers import (
-        assert_loaded_as_shards,
-        assert_same_grad_norms,
-        assert_weights_within_rounding,
-        torchrun,
-    )
+    from sft_helpers import assert_loaded_as_shards, assert_same_grad_norms, assert_weights_within_rounding
 
     from posttrain.cli import train_dpo
 
-    common = ["--data.max_samples", 48, "--adam.lr", "1e-3", "--adam.eps", ADAM_EPS]
     single = tmp_path / "single"
-    train_dpo.main(dpo_flags(tiny_model_dir, pref_dir, single, *common, "--train.micro_batch_size", 16))
-    multi = tmp_path / "zero3"
-    proc = torchrun("posttrain.cli.train_dpo", dpo_flags(
-        tiny_model_dir, pref_dir, multi, *common, "--train.micro_batch_size", 2, "--ds.zero_stage", 3,
-        "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", 85))
+    train_dpo.main(dpo_flags(tiny_model_dir, pref_dir, single, *zero3_common(), "--train.micro_batch_size",
+                             16))
+    multi, proc = two_rank_runs["zero3"]
+    proc.ok()
     assert "world_size = 2" in proc.stderr
     assert "reference model: " in proc.stderr and "held as ZeRO-3 shards across the 2 ranks" in proc.stderr
     for role in ("model", "reference model"):
@@ -328,24 +350,20 @@ def test_ipo_and_cdpo_runs_log_their_loss_formula(sft_nano, pref_dir, tmp_path, 
 
 
 @pytest.mark.e2e
-def test_ring_attention_over_two_ranks_matches_single_process(tiny_model_dir, pref_dir, tmp_path):
+def test_ring_attention_over_two_ranks_matches_single_process(tiny_model_dir, pref_dir, tmp_path,
+                                                              two_rank_runs):
     """OpenRLHF's train_dpo_llama.sh flags (packing, ZeRO-3, gradient checkpointing; sizes ours) with
     --ds.ring_attn_size 2: both ranks take the same packed pairs and each computes half of every row, the
     policy and the reference alike; each pair's log-probs are summed over the two ranks. Losses, margins and
     weights equal the single-process run's."""
-    from rounding import ADAM_EPS
-    from sft_helpers import assert_same_grad_norms, assert_weights_within_rounding, torchrun
+    from sft_helpers import assert_same_grad_norms, assert_weights_within_rounding
 
     from posttrain.cli import train_dpo
 
-    common = ["--data.max_samples", 32, "--adam.lr", "1e-3", "--adam.eps", ADAM_EPS, "--ds.packing_samples",
-              "--model.gradient_checkpointing_enable", "--train.micro_batch_size", 4]
     single = tmp_path / "single"
-    train_dpo.main(dpo_flags(tiny_model_dir, pref_dir, single, *common))
-    ring = tmp_path / "ring"
-    proc = torchrun("posttrain.cli.train_dpo", dpo_flags(
-        tiny_model_dir, pref_dir, ring, *common, "--ds.zero_stage", 3, "--ds.ring_attn_size", 2,
-        "--ds.ring_attn_head_stride", 2))
+    train_dpo.main(dpo_flags(tiny_model_dir, pref_dir, single, *ring_common()))
+    ring, proc = two_rank_runs["ring"]
+    proc.ok()
     assert "world_size = 2" in proc.stderr and "--ds.ring_attn_size 2 has no effect" not in proc.stderr
     runs = [[r for r in read_metrics(d / "metrics.jsonl") if "train/loss" in r] for d in (single, ring)]
     for key in ("train/loss", "train/margin"):

@@ -14,23 +14,35 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from sft_helpers import sft_flags, torchrun
+from sft_helpers import sft_flags, torchrun_cases
 
 from posttrain.models.deepspeed_export import matched_names
 from posttrain.utils.errors import UserError
 from tests.cli.test_cli_input_errors import in_process
 
 
+@pytest.fixture(scope="module")
+def zero_runs(tiny_model_dir, arithmetic_dir, tmp_path_factory):
+    """stage -> the checkpoint root of a 2-rank ZeRO-`stage` SFT run (checkpoints and their HF exports at
+    steps 2 and 4), for stages 2 and 3 in one launch (`torchrun_cases`)."""
+    root = tmp_path_factory.mktemp("zero_runs")
+    stages = (2, 3)
+    runs = torchrun_cases([("posttrain.cli.train_sft",
+                            sft_flags(tiny_model_dir, arithmetic_dir, root / f"run{stage}",
+                                      "--train.micro_batch_size", "4", "--data.max_samples", "32",
+                                      "--ds.zero_stage", stage, "--ckpt.path", root / f"ckpt{stage}",
+                                      "--ckpt.save_steps", "2", "--ckpt.save_hf")) for stage in stages],
+                          root / "logs")
+    return {stage: (root / f"ckpt{stage}", proc) for stage, proc in zip(stages, runs)}
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("stage", [2, 3])
-def test_a_zero_checkpoint_becomes_the_runs_own_export(tiny_model_dir, arithmetic_dir, tmp_path, stage):
+def test_a_zero_checkpoint_becomes_the_runs_own_export(zero_runs, tiny_model_dir, tmp_path, stage):
     from posttrain.cli.main import main
 
-    ckpt = tmp_path / "ckpt"
-    torchrun("posttrain.cli.train_sft", sft_flags(tiny_model_dir, arithmetic_dir, tmp_path / "run",
-                                                   "--train.micro_batch_size", "4", "--data.max_samples",
-                                                   "32", "--ds.zero_stage", stage, "--ckpt.path", ckpt,
-                                                   "--ckpt.save_steps", "2", "--ckpt.save_hf"))
+    ckpt, proc = zero_runs[stage]
+    proc.ok()
     out = tmp_path / "hf"
     main(["ds-to-hf", "--checkpoint", str(ckpt / "global_step2" / "engine"), "--tag", "engine",
           "--model_path", tiny_model_dir, "--output_path", str(out), "--ds.param_dtype", "fp32"])

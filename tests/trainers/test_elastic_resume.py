@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 from rounding import ADAM_EPS
-from sft_helpers import assert_weights_within_rounding, sft_flags, torchrun
+from sft_helpers import assert_weights_within_rounding, sft_flags, torchrun_cases
 
 from posttrain.utils.metrics import read_metrics
 
@@ -17,14 +17,26 @@ COMMON = ["--train.micro_batch_size", "4", "--data.max_samples", "32", "--ckpt.s
 LAYOUTS = {"one": [], "zero2": ["--ds.zero_stage", "2"], "zero3": ["--ds.zero_stage", "3"]}
 
 
-def run(layout: str, model, data, out, ckpt, *extra):
-    flags = sft_flags(model, data, out, *COMMON, "--ckpt.path", ckpt, *LAYOUTS[layout], *extra)
-    if layout == "one":
-        from posttrain.cli import train_sft
+PAIRS = [("zero3", "one"), ("one", "zero2"), ("zero2", "zero3")]  # (layout written on, layout resumed on)
 
-        train_sft.main([str(f) for f in flags])
-        return ""
-    return torchrun("posttrain.cli.train_sft", flags).stderr
+
+def run(cases: dict, model, data, logs) -> dict:
+    """`cases`: key -> (layout, run dir, checkpoint dir, *flags), the SFT runs to make: the one-process ones
+    in this process, the others in one 2-rank launch (`torchrun_cases`); key -> its stderr ("" in this
+    process)."""
+    from posttrain.cli import train_sft
+
+    errs, launched = {}, []
+    for key, (layout, out, ckpt, *extra) in cases.items():
+        flags = [str(f) for f in sft_flags(model, data, out, *COMMON, "--ckpt.path", ckpt, *LAYOUTS[layout],
+                                           *extra)]
+        if layout == "one":
+            train_sft.main(flags)
+            errs[key] = ""
+        else:
+            launched.append((key, ("posttrain.cli.train_sft", flags)))
+    runs = torchrun_cases([case for _, case in launched], logs)
+    return {**errs, **{key: proc.ok().stderr for (key, _), proc in zip(launched, runs)}}
 
 
 def losses(run_dir, start=1):
@@ -33,33 +45,30 @@ def losses(run_dir, start=1):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted_on(tiny_model_dir, arithmetic_dir, tmp_path_factory):
-    """`layout -> (run dir, checkpoint dir)` of its uninterrupted run, run once for the module: the reference
-    a resume onto that layout must equal, and (its step-2 checkpoint) the start of a resume from it."""
-    runs = {}
+def resumed(tiny_model_dir, arithmetic_dir, tmp_path_factory):
+    """The uninterrupted run on each layout (the reference a resume onto that layout must equal; its step-2
+    checkpoint the start of a resume from it), then each of PAIRS' resumes from it: (before, after) ->
+    (the uninterrupted run dir on `after`, the resumed run dir, the resumed run's stderr)."""
+    root = tmp_path_factory.mktemp("elastic")
+    straight = {layout: (layout, root / f"uninterrupted_{layout}" / "run",
+                         root / f"uninterrupted_{layout}" / "ck") for layout in LAYOUTS}
+    run(straight, tiny_model_dir, arithmetic_dir, root / "logs_uninterrupted")
+    resumes = {}
+    for before, after in PAIRS:
+        resume_ckpt = root / f"{before}-{after}" / "ckpt_resume"
+        shutil.copytree(straight[before][2] / "global_step2", resume_ckpt / "global_step2")
+        resumes[before, after] = (after, root / f"{before}-{after}" / "resumed", resume_ckpt,
+                                  "--ckpt.load_enable")
+    errs = run(resumes, tiny_model_dir, arithmetic_dir, root / "logs_resumed")
+    return {pair: (straight[pair[1]][1], resumes[pair][1], errs[pair]) for pair in PAIRS}
 
-    def get(layout):
-        if layout not in runs:
-            tmp = tmp_path_factory.mktemp(f"uninterrupted_{layout}")
-            run(layout, tiny_model_dir, arithmetic_dir, tmp / "run", tmp / "ck")
-            runs[layout] = (tmp / "run", tmp / "ck")
-        return runs[layout]
-    return get
 
-
-@pytest.mark.parametrize("before,after", [("zero3", "one"), ("one", "zero2"), ("zero2", "zero3")])
-def test_a_checkpoint_resumes_on_another_layout(uninterrupted_on, tiny_model_dir, arithmetic_dir, tmp_path,
-                                                before, after):
-    _, first_ckpt = uninterrupted_on(before)
-    straight, _ = uninterrupted_on(after)
-    resume_ckpt = tmp_path / "ckpt_resume"
-    resume_ckpt.mkdir()
-    shutil.copytree(first_ckpt / "global_step2", resume_ckpt / "global_step2")
-    resumed = tmp_path / "resumed"
-    err = run(after, tiny_model_dir, arithmetic_dir, resumed, resume_ckpt, "--ckpt.load_enable")
+@pytest.mark.parametrize("before,after", PAIRS)
+def test_a_checkpoint_resumes_on_another_layout(resumed, before, after):
+    straight, resumed_run, err = resumed[before, after]
     if after != "one":
         assert "from its layout-free copy" in err, err[-2000:]
     # the resumed steps are the uninterrupted run's (ZeRO-3 and one process differ by float sums: 1e-5)
-    assert losses(resumed, start=3) == pytest.approx(losses(straight, start=3), rel=2e-5)
+    assert losses(resumed_run, start=3) == pytest.approx(losses(straight, start=3), rel=2e-5)
     # the first two steps ran on another layout: the weights are equal up to rounding (rounding.py)
-    assert_weights_within_rounding(straight, resumed)
+    assert_weights_within_rounding(straight, resumed_run)

@@ -361,41 +361,75 @@ def test_lora_score_head_gets_gradients(tiny_model_dir, nano_rm):
     assert not any("embed_tokens" in n or "original_module" in n for n in trained)  # the base stays frozen
 
 
-@pytest.mark.e2e
-def test_two_process_zero3_value_head_prefix_matches_single_process(tiny_score_model_dir, tmp_path):
-    """A reward model whose head is stored as value_head.* (OpenRLHF naming), trained on 2 ranks under
-    ZeRO-3: it loads straight into shards (half per rank), its head is copied into the sharded `score`
-    head, and the final model, the --ckpt.save_hf export and the reward statistics equal the
-    1-process run's."""
+def value_head_flags(model, data, out, *extra) -> list[str]:
+    from rounding import ADAM_EPS
+
+    return [str(f) for f in (
+        "--model.model_name_or_path", model, "--data.dataset", data, "--data.prompt_key", "prompt",
+        "--data.apply_chat_template", "--data.max_len", 48, "--eval.dataset", data,
+        "--eval.split", "test", "--train.batch_size", 16, "--adam.lr", "1e-3", "--adam.eps", ADAM_EPS,
+        "--ds.value_head_prefix", "value_head",
+        "--ckpt.save_steps", 2, "--ckpt.save_hf", "--ckpt.output_dir", out, *extra)]
+
+
+def ring_flags(model, data, out, *extra) -> list[str]:
+    from rounding import ADAM_EPS
+
+    return [str(f) for f in (
+        "--model.model_name_or_path", model, "--data.dataset", data,
+        "--data.prompt_key", "prompt", "--data.apply_chat_template", "--data.max_len", 48,
+        "--train.batch_size", 16, "--train.micro_batch_size", 4, "--adam.lr", "1e-3",
+        "--adam.eps", ADAM_EPS, "--ds.packing_samples", "--ckpt.output_dir", out, *extra)]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tiny_score_model_dir, tmp_path_factory):
+    """This module's 2-rank runs, in one launch (`torchrun_cases`), and their inputs: "value_head_model" (the
+    score model with its head stored as value_head.*) and "data" (32 training, 16 test pairs), the ZeRO-3 run
+    of them ("zero3"); "ring_data" (32 training pairs) and the ring-attention run of the score model on them
+    ("ring"): run -> (run folder, its `CaseRun`)."""
     import shutil
 
-    from rounding import ADAM_EPS, adam_weight_tolerance, assert_weights_within
     from safetensors.torch import save_file
-    from sft_helpers import assert_loaded_as_shards, assert_weights_within_rounding, torchrun, weights
+    from sft_helpers import torchrun_cases
 
-    from posttrain.cli import train_rm
-
-    model = tmp_path / "value-head-rm"
+    root = tmp_path_factory.mktemp("two_ranks")
+    model = root / "value-head-rm"
     shutil.copytree(tiny_score_model_dir, model)
     state = load_file(str(model / "model.safetensors"))
     save_file({k.replace("score.", "value_head.", 1) if k.startswith("score.") else k: v
                for k, v in state.items()},
               str(model / "model.safetensors"), metadata={"format": "pt"})
-    data = tmp_path / "data"
+    data, ring_data = root / "data", root / "ring_data"
     write_jsonl(carry_pairs(32, seed=4), data / "train.jsonl")
     write_jsonl(carry_pairs(16, seed=2), data / "test.jsonl")
+    write_jsonl(carry_pairs(32, seed=4), ring_data / "train.jsonl")
+    runs = torchrun_cases(
+        [("posttrain.cli.train_rm", value_head_flags(model, data, root / "zero3", "--train.micro_batch_size",
+                                                     4, "--ds.zero_stage", 3)),
+         ("posttrain.cli.train_rm", ring_flags(tiny_score_model_dir, ring_data, root / "ring",
+                                               "--ds.zero_stage", 3, "--ds.ring_attn_size", 2))],
+        root / "logs")
+    return {"value_head_model": model, "data": data, "ring_data": ring_data,
+            "zero3": (root / "zero3", runs[0]), "ring": (root / "ring", runs[1])}
 
-    def flags(out, *extra):
-        return ["--model.model_name_or_path", model, "--data.dataset", data, "--data.prompt_key", "prompt",
-                "--data.apply_chat_template", "--data.max_len", 48, "--eval.dataset", data,
-                "--eval.split", "test", "--train.batch_size", 16, "--adam.lr", "1e-3", "--adam.eps", ADAM_EPS,
-                "--ds.value_head_prefix", "value_head",
-                "--ckpt.save_steps", 2, "--ckpt.save_hf", "--ckpt.output_dir", out, *extra]
 
-    single, multi = tmp_path / "single", tmp_path / "zero3"
-    train_rm.main([str(f) for f in flags(single, "--train.micro_batch_size", 16)])
-    proc = torchrun("posttrain.cli.train_rm",
-                    flags(multi, "--train.micro_batch_size", 4, "--ds.zero_stage", 3))
+@pytest.mark.e2e
+def test_two_process_zero3_value_head_prefix_matches_single_process(two_rank_runs, tmp_path):
+    """A reward model whose head is stored as value_head.* (OpenRLHF naming), trained on 2 ranks under
+    ZeRO-3: it loads straight into shards (half per rank), its head is copied into the sharded `score`
+    head, and the final model, the --ckpt.save_hf export and the reward statistics equal the
+    1-process run's."""
+    from rounding import adam_weight_tolerance, assert_weights_within
+    from sft_helpers import assert_loaded_as_shards, assert_weights_within_rounding, weights
+
+    from posttrain.cli import train_rm
+
+    single = tmp_path / "single"
+    train_rm.main(value_head_flags(two_rank_runs["value_head_model"], two_rank_runs["data"], single,
+                                   "--train.micro_batch_size", 16))
+    multi, proc = two_rank_runs["zero3"]
+    proc.ok()
     assert_loaded_as_shards(proc.stderr, "model")
     # the loaded models are the same (the stored head reached the shards): equal first-step loss and gradient
     steps = [[r for r in read_metrics(run / "metrics.jsonl") if "train/loss" in r] for run in (single, multi)]
@@ -415,28 +449,19 @@ def test_two_process_zero3_value_head_prefix_matches_single_process(tiny_score_m
 
 
 @pytest.mark.e2e
-def test_ring_attention_over_two_ranks_matches_single_process(tiny_score_model_dir, tmp_path):
+def test_ring_attention_over_two_ranks_matches_single_process(tiny_score_model_dir, tmp_path, two_rank_runs):
     """--ds.ring_attn_size 2 with packing: both ranks take the same packed pairs, each computes half of every
     row, and each side's reward is read at its last token from the row's values gathered over the two ranks.
     Losses, accuracies and the trained weights equal the single-process run's; the step logs what
     the ring moved."""
-    from rounding import ADAM_EPS
-    from sft_helpers import assert_same_grad_norms, assert_weights_within_rounding, torchrun
+    from sft_helpers import assert_same_grad_norms, assert_weights_within_rounding
 
     from posttrain.cli import train_rm
 
-    data = tmp_path / "data"
-    write_jsonl(carry_pairs(32, seed=4), data / "train.jsonl")
-
-    def flags(out, *extra):
-        return ["--model.model_name_or_path", tiny_score_model_dir, "--data.dataset", data,
-                "--data.prompt_key", "prompt", "--data.apply_chat_template", "--data.max_len", 48,
-                "--train.batch_size", 16, "--train.micro_batch_size", 4, "--adam.lr", "1e-3",
-                "--adam.eps", ADAM_EPS, "--ds.packing_samples", "--ckpt.output_dir", out, *extra]
-
-    single, ring = tmp_path / "single", tmp_path / "ring"
-    train_rm.main([str(f) for f in flags(single)])
-    proc = torchrun("posttrain.cli.train_rm", flags(ring, "--ds.zero_stage", 3, "--ds.ring_attn_size", 2))
+    single = tmp_path / "single"
+    train_rm.main(ring_flags(tiny_score_model_dir, two_rank_runs["ring_data"], single))
+    ring, proc = two_rank_runs["ring"]
+    proc.ok()
     assert "world_size = 2" in proc.stderr and "has no effect" not in proc.stderr
     steps = [[r for r in read_metrics(run / "metrics.jsonl") if "train/loss" in r] for run in (single, ring)]
     for key in ("train/loss", "train/acc", "train/chosen_reward"):

@@ -14,6 +14,7 @@ from sft_helpers import (
     assert_same_grad_norms,
     assert_weights_within_rounding,
     sft_flags,
+    torchrun_cases,
 )
 
 from posttrain.utils.metrics import read_metrics
@@ -37,18 +38,52 @@ def launch_sft(flags, nproc=2, launcher="torchrun"):
     return proc
 
 
-@pytest.mark.parametrize("launcher,stage,extra", [
-    ("torchrun", 2, []),
-    ("torchrun", 3, ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "70"]),
-    ("deepspeed", 3, []),
-])
+ZERO_CASES = [("torchrun", 2, []),
+              ("torchrun", 3, ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "70"]),
+              ("deepspeed", 3, [])]
+RING_CASES = [(2, 1), (3, 2)]  # (ZeRO stage, --ds.ring_attn_head_stride)
+
+
+def zero_common(extra) -> list:
+    return ["--train.micro_batch_size", "2", "--data.max_samples", "32", "--adam.eps", ADAM_EPS, *extra]
+
+
+RING_COMMON = ["--train.micro_batch_size", "4", "--data.max_samples", "32", "--ds.packing_samples",
+               "--adam.eps", ADAM_EPS]
+MOE_COMMON = ["--train.micro_batch_size", "4", "--data.max_samples", "32", "--model.aux_loss_coef", "0.5",
+              "--adam.eps", ADAM_EPS]
+
+
+@pytest.fixture(scope="module")
+def torchrun_runs(tiny_model_dir, tiny_moe_dir, arithmetic_dir, tmp_path_factory):
+    """This module's 2-rank torchrun runs (ZERO_CASES' torchrun ones, RING_CASES, the MoE run), in one launch
+    (`torchrun_cases`): case -> (run folder, its `CaseRun`)."""
+    root = tmp_path_factory.mktemp("torchrun")
+    flags = {}
+    for launcher, stage, extra in ZERO_CASES:
+        if launcher == "torchrun":
+            flags["zero", stage] = (tiny_model_dir, "--ds.zero_stage", stage, *zero_common(extra))
+    for stage, stride in RING_CASES:
+        flags["ring", stage, stride] = (tiny_model_dir, "--ds.zero_stage", stage, "--ds.ring_attn_size", "2",
+                                        "--ds.ring_attn_head_stride", stride, *RING_COMMON)
+    flags["moe"] = (tiny_moe_dir, "--ds.zero_stage", 3, *MOE_COMMON)
+    outs = {case: root / f"run{i}" for i, case in enumerate(flags)}
+    runs = torchrun_cases([("posttrain.cli.train_sft", sft_flags(model, arithmetic_dir, outs[case], *more))
+                           for case, (model, *more) in flags.items()], root / "logs")
+    return dict(zip(outs, zip(outs.values(), runs)))
+
+
+@pytest.mark.parametrize("launcher,stage,extra", ZERO_CASES)
 def test_two_process_zero_matches_single_process(tiny_model_dir, arithmetic_dir, tmp_path, single_process,
-                                                 launcher, stage, extra):
-    common = ["--train.micro_batch_size", "2", "--data.max_samples", "32", "--adam.eps", ADAM_EPS, *extra]
-    single = single_process(*common)
-    multi = tmp_path / f"zero{stage}"
-    proc = launch_sft(sft_flags(tiny_model_dir, arithmetic_dir, multi, "--ds.zero_stage", stage, *common),
-                      launcher=launcher)
+                                                 torchrun_runs, launcher, stage, extra):
+    single = single_process(*zero_common(extra))
+    if launcher == "torchrun":
+        multi, proc = torchrun_runs["zero", stage]
+        proc.ok()
+    else:
+        multi = tmp_path / f"zero{stage}"
+        proc = launch_sft(sft_flags(tiny_model_dir, arithmetic_dir, multi, "--ds.zero_stage", stage,
+                                    *zero_common(extra)), launcher=launcher)
     assert "world_size = 2" in proc.stderr
     if stage == 3:
         assert_loaded_as_shards(proc.stderr, "model")
@@ -58,36 +93,29 @@ def test_two_process_zero_matches_single_process(tiny_model_dir, arithmetic_dir,
     assert_weights_within_rounding(single, multi)  # the ranks' all-reduce sums in another order
 
 
-@pytest.mark.parametrize("stage,stride", [(2, 1), (3, 2)])
-def test_ring_attention_over_two_ranks_matches_single_process(tiny_model_dir, arithmetic_dir, tmp_path,
-                                                              single_process,
-                                                             stage, stride):
+@pytest.mark.parametrize("stage,stride", RING_CASES)
+def test_ring_attention_over_two_ranks_matches_single_process(single_process, torchrun_runs, stage, stride):
     """--ds.ring_attn_size 2: both ranks take the same packed micro-batches and each computes half of every
     row (context parallelism); the weights after training equal the single-process run's."""
-    common = ["--train.micro_batch_size", "4", "--data.max_samples", "32", "--ds.packing_samples",
-              "--adam.eps", ADAM_EPS]
-    single = single_process(*common)
-    ring = tmp_path / f"ring{stage}"
-    proc = launch_sft(sft_flags(tiny_model_dir, arithmetic_dir, ring, "--ds.zero_stage", stage,
-                                "--ds.ring_attn_size", "2", "--ds.ring_attn_head_stride", stride, *common))
+    single = single_process(*RING_COMMON)
+    ring, proc = torchrun_runs["ring", stage, stride]
+    proc.ok()
     assert "world_size = 2" in proc.stderr and "--ds.ring_attn_size 2 has no effect" not in proc.stderr
     assert_same_grad_norms(single, ring)
     assert_weights_within_rounding(single, ring)  # the split attention sums in another order
 
 
 def test_moe_with_router_loss_on_two_ranks_zero3_matches_single_process(tiny_moe_dir, arithmetic_dir,
-                                                                        tmp_path):
+                                                                        tmp_path, torchrun_runs):
     """A tiny Qwen3-MoE with --model.aux_loss_coef: the router loss joins the loss (logged as train/aux_loss)
     and the gradient; on 2 ranks under ZeRO-3 the expert blocks are leaf modules (gathered whole) and the run
     equals the single-process one: losses, router losses and weights."""
     from posttrain.cli import train_sft
 
-    common = ["--train.micro_batch_size", "4", "--data.max_samples", "32", "--model.aux_loss_coef", "0.5",
-              "--adam.eps", ADAM_EPS]
     single = tmp_path / "single"
-    train_sft.main(sft_flags(tiny_moe_dir, arithmetic_dir, single, *common))
-    multi = tmp_path / "zero3"
-    proc = launch_sft(sft_flags(tiny_moe_dir, arithmetic_dir, multi, "--ds.zero_stage", 3, *common))
+    train_sft.main(sft_flags(tiny_moe_dir, arithmetic_dir, single, *MOE_COMMON))
+    multi, proc = torchrun_runs["moe"]  # --ds.zero_stage 3
+    proc.ok()
     assert "ZeRO-3 leaf modules (gathered whole, as routing varies): Qwen3MoeSparseMoeBlock" in proc.stderr
     runs = [[r for r in read_metrics(d / "metrics.jsonl") if "train/loss" in r] for d in (single, multi)]
     assert all(1.0 <= r["train/aux_loss"] <= 4.0 for r in runs[0])

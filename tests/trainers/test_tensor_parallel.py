@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 from rounding import ADAM_EPS, adam_weight_tolerance, assert_weights_within
-from sft_helpers import sft_flags, torchrun, weights
+from sft_helpers import sft_flags, torchrun_cases, weights
 
 from posttrain.utils.metrics import read_metrics
 
@@ -37,17 +37,53 @@ def rank_shares(stderr: str) -> dict[int, tuple[int, int, int, int]]:
     return {int(r): tuple(map(int, v)) for r, *v in found}
 
 
+# the 2-rank, tensor-parallel-2 cases: SFT's (ZeRO stage, packing), and the pair trainers' (trainer, ZeRO
+# stage, flags)
+SFT_CASES = [(0, False), (1, True), (2, False), (2, True)]
+PAIR_CASES = [("dpo", 2, ("--ds.packing_samples",)), ("rm", 1, ())]
+
+
+def packing_flags(packing: bool) -> tuple:
+    return ("--ds.packing_samples",) if packing else ()
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tiny_model_dir, tiny_score_model_dir, arithmetic_dir, pairs_dir, tmp_path_factory):
+    """The 2-rank tensor-parallel runs of SFT_CASES and PAIR_CASES, and "full" (`resume_flags` with
+    --ckpt.save_hf: its checkpoints in the folder's sibling ckpt_a), in one launch (`torchrun_cases`): case ->
+    (run folder, its `CaseRun`)."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    outs = {(stage, packing): root / f"tp{stage}{'p' if packing else ''}" for stage, packing in SFT_CASES}
+    cases = [("posttrain.cli.train_sft", sft_flags(tiny_model_dir, arithmetic_dir, out, *COMMON,
+                                                   *packing_flags(packing), "--ds.zero_stage", stage,
+                                                   "--ds.tensor_parallel_size", 2))
+             for (stage, packing), out in outs.items()]
+    for trainer, stage, extra in PAIR_CASES:
+        outs[trainer] = root / f"{trainer}_tp"
+        model = tiny_score_model_dir if trainer == "rm" else tiny_model_dir
+        cases.append((f"posttrain.cli.train_{trainer}",
+                      pair_flags(model, pairs_dir, outs[trainer], *extra, "--ds.zero_stage", stage,
+                                 "--ds.tensor_parallel_size", 2)))
+    outs["full"] = root / "full"
+    cases.append(("posttrain.cli.train_sft", resume_flags(tiny_model_dir, arithmetic_dir, outs["full"],
+                                                          root / "ckpt_a", "--ds.tensor_parallel_size", 2,
+                                                          "--ckpt.save_hf")))
+    return dict(zip(outs, zip(outs.values(), torchrun_cases(cases, root / "logs"))))
+
+
+def resume_flags(model, data, out, ckpt, *more) -> list[str]:
+    """The resume test's runs: ZeRO-1, a checkpoint every 2 steps into `ckpt`."""
+    return sft_flags(model, data, out, *COMMON, "--ds.zero_stage", 1, "--ckpt.path", ckpt,
+                     "--ckpt.save_steps", 2, *more)
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("stage,packing", [(0, False), (1, True), (2, False), (2, True)])
-def test_two_ranks_with_tensor_parallel_size_2_match_one_process(tiny_model_dir, arithmetic_dir, tmp_path,
-                                                                 single_process, stage, packing):
-    extra = ("--ds.packing_samples",) if packing else ()
-    single = single_process(*COMMON, *extra)
-    split = tmp_path / f"tp{stage}"
-    proc = torchrun("posttrain.cli.train_sft", sft_flags(tiny_model_dir, arithmetic_dir, split, *COMMON,
-                                                         *extra,
-                                                          "--ds.zero_stage", stage,
-                                                         "--ds.tensor_parallel_size", 2))
+@pytest.mark.parametrize("stage,packing", SFT_CASES)
+def test_two_ranks_with_tensor_parallel_size_2_match_one_process(two_rank_runs, single_process, stage,
+                                                                 packing):
+    single = single_process(*COMMON, *packing_flags(packing))
+    split, proc = two_rank_runs[stage, packing]
+    proc.ok()
     assert "world_size = 2" in proc.stderr and "data_parallel_size = 1" in proc.stderr
     assert "--ds.tensor_parallel_size 2 has no effect" not in proc.stderr
     # ZeRO-0: the norm of models.tensor_parallel.grad_norm; ZeRO 1/2: DeepSpeed's own, which differs from the
@@ -84,33 +120,38 @@ def test_heads_that_do_not_divide_by_the_group_stop_the_run_before_the_model_loa
         "divisible by 4; each rank keeps whole heads and an equal share of the MLP")
 
 
+@pytest.fixture(scope="module")
+def four_rank_runs(tiny_model_dir, arithmetic_dir, tmp_path_factory):
+    """The 4-rank runs, in one launch (`torchrun_cases`): "tp2dp2" (ZeRO-0, tensor parallel 2) and "cp2tp2"
+    (packed, ring 2 x tensor parallel 2) -> (run folder, its `CaseRun`)."""
+    root = tmp_path_factory.mktemp("four_ranks")
+    outs = {"tp2dp2": root / "tp2dp2", "cp2tp2": root / "cp2tp2"}
+    cases = [("posttrain.cli.train_sft", sft_flags(tiny_model_dir, arithmetic_dir, outs["tp2dp2"], *COMMON,
+                                                   "--ds.zero_stage", 0, "--ds.tensor_parallel_size", 2)),
+             ("posttrain.cli.train_sft", sft_flags(tiny_model_dir, arithmetic_dir, outs["cp2tp2"], *COMMON,
+                                                   "--ds.packing_samples", "--ds.zero_stage", 0,
+                                                   "--ds.tensor_parallel_size", 2, "--ds.ring_attn_size", 2))]
+    return dict(zip(outs, zip(outs.values(), torchrun_cases(cases, root / "logs", nproc=4))))
+
+
 @pytest.mark.e2e
-def test_four_ranks_as_two_tensor_parallel_groups_match_one_process(tiny_model_dir, arithmetic_dir, tmp_path,
-                                                                   single_process):
+def test_four_ranks_as_two_tensor_parallel_groups_match_one_process(four_rank_runs, single_process):
     """4 ranks, N = 2: ranks 0-1 and 2-3 each hold one split copy and take half of each step's samples
     (ZeRO-0: DeepSpeed averages over the 2 ranks holding each shard, the norm is taken per group)."""
-    split = tmp_path / "tp2dp2"
-    proc = torchrun("posttrain.cli.train_sft", sft_flags(tiny_model_dir, arithmetic_dir, split, *COMMON,
-                                                          "--ds.zero_stage", 0,
-                                                         "--ds.tensor_parallel_size", 2),
-                    nproc=4)
+    split, proc = four_rank_runs["tp2dp2"]
+    proc.ok()
     assert "data_parallel_size = 2" in proc.stderr
     assert "rank 2 (dp 1, cp 0, tp 0), rank 3 (dp 1, cp 0, tp 1)" in proc.stderr
     assert_same_run(single_process(*COMMON), split, norm_rtol=1e-5)
 
 
 @pytest.mark.e2e
-def test_four_ranks_as_ring_2_by_tensor_parallel_2_match_one_process(tiny_model_dir, arithmetic_dir, tmp_path,
-                                                                    single_process):
+def test_four_ranks_as_ring_2_by_tensor_parallel_2_match_one_process(four_rank_runs, single_process):
     """4 ranks, ring 2 x TP 2 (data parallel 1): each rank holds half of every layer (tp) and computes half of
     every packed row (cp), attending the row's keys of its own heads gathered from its context group (ranks 0,
     2 and 1, 3). The run equals the one-process run."""
-    split = tmp_path / "cp2tp2"
-    proc = torchrun("posttrain.cli.train_sft", sft_flags(tiny_model_dir, arithmetic_dir, split, *COMMON,
-                                                          "--ds.packing_samples", "--ds.zero_stage", 0,
-                                                          "--ds.tensor_parallel_size", 2,
-                                                         "--ds.ring_attn_size", 2),
-                    nproc=4)
+    split, proc = four_rank_runs["cp2tp2"]
+    proc.ok()
     assert "data_parallel_size = 1" in proc.stderr
     assert ("rank 0 (dp 0, cp 0, tp 0), rank 1 (dp 0, cp 0, tp 1), rank 2 (dp 0, cp 1, tp 0), "
             "rank 3 (dp 0, cp 1, tp 1)") in proc.stderr
@@ -128,28 +169,30 @@ def pairs_dir(tmp_path_factory):
     return path
 
 
+def pair_flags(model, pairs_dir, out, *more) -> list[str]:
+    return [str(f) for f in ("--model.model_name_or_path", model, "--data.dataset", pairs_dir,
+                             "--data.prompt_key", "prompt", "--data.apply_chat_template",
+                             "--data.max_len", 48, "--train.batch_size", 16,
+                             "--train.micro_batch_size", 4, "--data.max_samples", 48, "--adam.lr", "1e-3",
+                             "--eval.dataset", pairs_dir, "--eval.split", "test",
+                             "--ckpt.output_dir", out, "--adam.eps", ADAM_EPS, *more)]
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("trainer,stage,extra", [("dpo", 2, ("--ds.packing_samples",)), ("rm", 1, ())])
+@pytest.mark.parametrize("trainer,stage,extra", PAIR_CASES)
 def test_dpo_and_rm_with_tensor_parallel_size_2_match_one_process(tiny_model_dir, tiny_score_model_dir,
-                                                                  pairs_dir, tmp_path, trainer, stage, extra):
+                                                                  pairs_dir, tmp_path, two_rank_runs, trainer,
+                                                                  stage, extra):
     """The same loop for pairs: DPO (its reference whole on every rank) and a reward model (the
     score head whole)."""
     import importlib
 
     model = tiny_score_model_dir if trainer == "rm" else tiny_model_dir
-
-    def flags(out, *more):
-        return [str(f) for f in ("--model.model_name_or_path", model, "--data.dataset", pairs_dir,
-                                 "--data.prompt_key", "prompt", "--data.apply_chat_template",
-                                 "--data.max_len", 48, "--train.batch_size", 16,
-                                 "--train.micro_batch_size", 4, "--data.max_samples", 48, "--adam.lr", "1e-3",
-                                 "--eval.dataset", pairs_dir, "--eval.split", "test",
-                                 "--ckpt.output_dir", out, "--adam.eps", ADAM_EPS, *extra, *more)]
-
-    single, split = tmp_path / "single", tmp_path / "tp"
-    importlib.import_module(f"posttrain.cli.train_{trainer}").main(flags(single))
-    proc = torchrun(f"posttrain.cli.train_{trainer}", flags(split, "--ds.zero_stage", stage,
-                                                            "--ds.tensor_parallel_size", 2))
+    single = tmp_path / "single"
+    importlib.import_module(f"posttrain.cli.train_{trainer}").main(pair_flags(model, pairs_dir, single,
+                                                                              *extra))
+    split, proc = two_rank_runs[trainer]  # the same flags, --ds.zero_stage `stage`, tensor parallel 2
+    proc.ok()
     assert sorted(rank_shares(proc.stderr)) == [0, 1], proc.stderr[-3000:]
     # the norm: DeepSpeed's own under ZeRO 1/2 (see above). Weights: equal up to the rounding of the split
     # sums, as Adam at ADAM_EPS passes it on (rounding.py)
@@ -161,7 +204,8 @@ def test_dpo_and_rm_with_tensor_parallel_size_2_match_one_process(tiny_model_dir
 
 
 @pytest.mark.e2e
-def test_tensor_parallel_checkpoints_resume_on_the_same_layout(tiny_model_dir, arithmetic_dir, tmp_path):
+def test_tensor_parallel_checkpoints_resume_on_the_same_layout(tiny_model_dir, arithmetic_dir, tmp_path,
+                                                               two_rank_runs):
     """Engine states are per rank (DeepSpeed's model and optimizer files per tensor-parallel rank): a run
     resumed from step 2 ends with the uninterrupted run's weights; the --ckpt.save_hf export is whole; a run
     with another layout stops with the reason."""
@@ -170,23 +214,25 @@ def test_tensor_parallel_checkpoints_resume_on_the_same_layout(tiny_model_dir, a
     from transformers import AutoModelForCausalLM
 
     def flags(out, ckpt, *more):
-        return sft_flags(tiny_model_dir, arithmetic_dir, out, *COMMON, "--ds.zero_stage", 1,
-                         "--ckpt.path", ckpt, "--ckpt.save_steps", 2, *more)
+        return resume_flags(tiny_model_dir, arithmetic_dir, out, ckpt, *more)
 
-    torchrun("posttrain.cli.train_sft", flags(tmp_path / "full", tmp_path / "ckpt_a",
-                                              "--ds.tensor_parallel_size", 2, "--ckpt.save_hf"))
-    step2 = tmp_path / "ckpt_a" / "global_step2"
-    export = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt_a" / "global_step2_hf")
+    full, proc = two_rank_runs["full"]  # resume_flags with tensor parallel 2 and --ckpt.save_hf, into ckpt_a
+    proc.ok()
+    step2 = full.parent / "ckpt_a" / "global_step2"
+    export = AutoModelForCausalLM.from_pretrained(full.parent / "ckpt_a" / "global_step2_hf")
     assert export.model.layers[0].mlp.down_proj.weight.shape == (128, 352)
-    shutil.copytree(step2, tmp_path / "ckpt_b" / "global_step2")
-    torchrun("posttrain.cli.train_sft", flags(tmp_path / "resumed", tmp_path / "ckpt_b",
-                                              "--ds.tensor_parallel_size", 2, "--ckpt.load_enable"))
-    wa, wb = weights(tmp_path / "full"), weights(tmp_path / "resumed")
+    for ckpt in ("ckpt_b", "ckpt_c"):
+        shutil.copytree(step2, tmp_path / ckpt / "global_step2")
+    # in one launch: resumed on the same layout, and on the same 2 ranks without tensor parallelism
+    resumed, other = torchrun_cases(
+        [("posttrain.cli.train_sft", flags(tmp_path / "resumed", tmp_path / "ckpt_b",
+                                           "--ds.tensor_parallel_size", 2, "--ckpt.load_enable")),
+         ("posttrain.cli.train_sft", flags(tmp_path / "other", tmp_path / "ckpt_c", "--ckpt.load_enable"))],
+        tmp_path / "logs")
+    resumed.ok()
+    wa, wb = weights(full), weights(tmp_path / "resumed")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    # the same 2 ranks without tensor parallelism
-    shutil.copytree(step2, tmp_path / "ckpt_c" / "global_step2")
-    with pytest.raises(AssertionError, match="was written on 2 rank\\(s\\), ZeRO-1, tensor parallel 2, this "
-                                             "run is 2 rank\\(s\\), ZeRO-1: a tensor-parallel engine state "
-                                             "resumes only on the layout that wrote it"):
-        torchrun("posttrain.cli.train_sft",
-                 flags(tmp_path / "other", tmp_path / "ckpt_c", "--ckpt.load_enable"))
+    assert other.returncode != 0
+    assert re.search("was written on 2 rank\\(s\\), ZeRO-1, tensor parallel 2, this run is 2 rank\\(s\\), "
+                     "ZeRO-1: a tensor-parallel engine state resumes only on the layout that wrote it",
+                     other.stderr[-4000:]), other.stderr[-4000:]
