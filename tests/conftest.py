@@ -11,6 +11,7 @@ once per session with `build_tiny` (seed 0), loadable with `from_pretrained`; `t
 score-head twin; `tiny_vision_dir`, a tiny Qwen2.5-VL (vision-language). `one_torch_thread`:
 request it (module scope) where tiny models run many small ops. `ray_session` / `ray_address`: one local Ray
 instance for the session, and its address for a command-line run to join (RAY_ADDRESS)."""
+import functools
 import os
 import re
 from pathlib import Path
@@ -35,6 +36,13 @@ RAY_OR_VLLM_FIXTURES = re.compile(r"^ray_session$|^ray_address$|vllm")
 WITH_THE_RAY_TESTS = {"tests/docs/test_documented_commands.py"}
 
 
+@functools.cache
+def shares_one_launch(module: str) -> bool:
+    """Whether the module runs its multi-rank cases in one launch (sft_helpers.torchrun_cases)."""
+    path = Path(__file__).parent.parent / module
+    return path.is_file() and "torchrun_cases(" in path.read_text()
+
+
 def shares_ray_or_vllm(nodeid: str) -> bool:
     return bool(SHARES_RAY_OR_VLLM.search(nodeid))
 
@@ -56,11 +64,14 @@ except ImportError:  # pytest-xdist is a dev dependency; without it the suite ru
 else:
     class RayAndVllmOnOneWorker(xdist.scheduler.LoadScopeScheduling):
         """`--dist load` for every test, except that the tests `shares_ray_or_vllm` names form one scope (one
-        worker, in order); scheduled first, as the largest scope."""
+        worker, in order; scheduled first, as the largest scope) and so does each module that runs its cases
+        in one shared torchrun launch (`torchrun_cases`: the launch runs once)."""
 
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return "ray-vllm" if shares_ray_or_vllm(nodeid) or module in WITH_THE_RAY_TESTS else nodeid
+            if shares_ray_or_vllm(nodeid) or module in WITH_THE_RAY_TESTS:
+                return "ray-vllm"
+            return module if shares_one_launch(module) else nodeid
 
     def pytest_xdist_make_scheduler(config, log):
         return RayAndVllmOnOneWorker(config, log)
