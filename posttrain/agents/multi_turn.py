@@ -189,6 +189,7 @@ def episode_to_rollout(result, prompt, group: int, max_len: int, tokenizer) -> R
                    else tokenizer.decode(obs[:p], skip_special_tokens=False),
                    response_text=tokenizer.decode(response, skip_special_tokens=True), label=prompt.label,
                    columns=getattr(prompt, "columns", None), group=group, budget=max(1, max_len - p),
+                   prompt_messages=getattr(prompt, "messages", None),
                    action_mask=mask,
                    turns=int(result.get("turns", len(ranges))),
                    env_tokens=int(result.get("env_tokens", len(response) - sum(mask))),
@@ -307,7 +308,8 @@ class AgentRunner:
 
     def finish(self, prompts, params, episodes: list[tuple], groups: list[int]) -> ScoredRollouts:
         """The batch of the collected episodes: failures counted (the run stops past the threshold),
-        rewards of None scored by the reward source."""
+        rewards of None scored by the reward source, whose extra_logs (`reward/<term>`, ...) join those
+        episodes' own (the other episodes: NaN, left out of the metric's mean)."""
         rollouts, rewards, scores, logs = [], [], [], []
         failed = []
         jobs = [g for g in range(len(prompts)) for _ in range(params.n)]
@@ -319,6 +321,7 @@ class AgentRunner:
                                   finish_reason="stop",
                                   prompt_text=reward_prompt_text(self.tokenizer, prompt), response_text="",
                                   label=prompt.label, columns=getattr(prompt, "columns", None),
+                                  prompt_messages=getattr(prompt, "messages", None),
                                   group=groups[g], budget=1, action_mask=[], turns=0,
                                   error=rollout, image_inputs=getattr(prompt, "image_inputs", None))
             rollouts.append(rollout)
@@ -338,6 +341,7 @@ class AgentRunner:
                 rewards[i] = float(scored.rewards[k])
                 scores[i] = float(scored.scores[k]) if scores[i] is None else scores[i]
                 skipped[i] = bool(scored.skipped[k])
+                logs[i] = {**_log_at(scored.extra_logs, k, len(need)), **logs[i]}  # its own win
         rewards_t = torch.tensor([0.0 if r is None else r for r in rewards], dtype=torch.float32)
         scores_t = torch.tensor([rewards_t[i] if s is None else s for i, s in enumerate(scores)],
                                 dtype=torch.float32)
@@ -387,6 +391,16 @@ class AgentRunner:
         if len(failed) > self.max_failure_frac * total:
             raise AgentError(f"{len(failed)} of {total} agent episodes failed (more than "
                              f"--agent.max_failure_frac {self.max_failure_frac:g}); first: {failed[0]}")
+
+
+def _log_at(extra_logs: dict, k: int, n: int) -> dict[str, float]:
+    """Sample k's values of a reward source's extra_logs over n samples: a per-sample value (n of them)
+    or a batch statistic (one number, the same for each)."""
+    out = {}
+    for key, value in extra_logs.items():
+        t = torch.as_tensor(value, dtype=torch.float32).reshape(-1)
+        out[str(key)] = float(t[k] if t.numel() == n else t[0])
+    return out
 
 
 def _merge_logs(logs: list[dict]) -> dict:

@@ -473,3 +473,40 @@ def test_sys_exit_in_step_stops_the_run_with_an_error_naming_the_file(tok):
     with pytest.raises(AgentError, match=r"called sys.exit\(0\) at .*test_multi_turn.py:\d+"):
         runner.run([Prompt(text="Q", token_ids=[30], label="exit", source="test")],
                    SamplingParams(n=1, seed=1))
+
+
+def test_episodes_scored_by_the_reward_source_log_its_terms(tok, tmp_path):
+    """An episode without its own reward is scored by the run's reward source: a two-term CompositeReward's
+    `reward/<term>` and `reward/<term>/<key>` metrics are logged over those episodes (NaN, left out of the
+    mean, for the episode that brought its own reward)."""
+    from posttrain.rewards import CompositeReward, function_terms
+    from posttrain.trainers.rl.experience_maker import rollout_metrics
+
+    (tmp_path / "first.py").write_text(
+        "def reward_func(queries, prompts, labels, **kwargs):\n"
+        "    return {'rewards': [1.0] * len(queries), 'extra_logs': {'hits': [2.0] * len(queries)}}\n")
+    (tmp_path / "second.py").write_text(
+        "def reward_func(queries, prompts, labels, **kwargs):\n    return [0.25] * len(queries)\n")
+    source = CompositeReward(function_terms([str(tmp_path / "first.py"), str(tmp_path / "second.py")],
+                                            [1.0, 2.0]))
+
+    class OwnRewardFor9(AgentInstanceBase):
+        def __init__(self, *args, **kwargs):
+            pass
+
+        async def step(self, states, **kwargs):
+            return {"rewards": 0.75 if states["label"] == "9" else None, "environment_feedback": "",
+                    "done": True, "extra_logs": {"turn": 1.0}}
+
+    prompts = [prompt(tok), replace(prompt(tok, "Q: 4+5?"), label="9"), prompt(tok, "Q: 1+6?")]
+    engine = ScriptedEngine({0: ([11, 2], [-0.5, -0.5], "stop")})
+    runner = AgentRunner(MultiTurnAgentExecutor(OwnRewardFor9), engine, tok, source, max_len=64, timeout=30,
+                         max_failure_frac=0.0)
+    batch = runner.run(prompts, SamplingParams(n=1, seed=1))
+    assert batch.rewards.tolist() == [1.5, 0.75, 1.5]
+    logs = {k: v.tolist() for k, v in batch.extra_logs.items()}
+    assert logs["turn"] == [1.0, 1.0, 1.0]
+    for key, value in (("first", 1.0), ("second", 0.25), ("first/hits", 2.0)):
+        assert logs[key][0] == logs[key][2] == value and logs[key][1] != logs[key][1]  # NaN
+    metrics = rollout_metrics(batch, 1)
+    assert [metrics[f"reward/{k}"] for k in ("first", "second", "first/hits")] == [1.0, 0.25, 2.0]
