@@ -32,13 +32,15 @@ class Prompt:
     images: list | None = None  # its images (PIL), for engines that take raw images (vLLM)
     image_refs: Any = None  # its image column as written (`row_image_refs`), what an agent executor gets
     columns: dict | None = None  # the row's other columns, for reward functions (`extra_columns`)
+    messages: list | None = None  # a message-list row's chat messages (`extra_columns`): TRL's `prompts`
 
 
 class PromptDataset:
     """`rows` → prompts. The input field is text or a message list; with `apply_chat_template` it is
     rendered with a generation prompt, else formatted by `input_template` (a `{}` template) or used
     as is. Prompts longer than `max_prompt_len` tokens (when given) are dropped and counted. With
-    `extra_columns`, each prompt keeps its row's other columns (`row_columns`) for reward functions.
+    `extra_columns`, each prompt keeps its row's other columns (`row_columns`) and, for a message-list
+    input under the chat template, its messages as rendered, for reward functions.
     `tools` (OpenAI function schemas) and `system_prompt` (a system turn put first unless the row has one)
     only apply under the chat template (a tool environment's prompts)."""
 
@@ -55,7 +57,9 @@ class PromptDataset:
         if max_prompt_len is not None:
             rows, self.num_capped = cap_text_fields(rows, (input_key,), max_prompt_len, tokenizer)
         values = [(row, require_text_or_messages(row, input_key, "--data.input_key")) for row in rows]
+        used = (input_key, image_key) + (("labels",) if label_key == "labels" else ())  # `row_columns`
         for row, value in values:
+            messages = None
             images = prompt_images(row, value, processor, image_key, max_images, apply_chat_template,
                                    image_limits)
             if apply_chat_template:
@@ -84,8 +88,9 @@ class PromptDataset:
             self.prompts.append(Prompt(text=text, token_ids=ids, label=label, source=where(row),
                                        image_inputs=image_inputs, images=images or None,
                                        image_refs=row_image_refs(row, image_key) if images else None,
-                                       columns=row_columns(row, (input_key, label_key, image_key))
-                                       if extra_columns else None))
+                                       columns=row_columns(row, used) if extra_columns else None,
+                                       messages=messages if extra_columns and not isinstance(value, str)
+                                       else None))
         if not rows:
             raise DataError("no prompts: the prompt dataset has no rows (an empty file, or a split without "
                             "rows); check --data.prompt_dataset / --data.prompt_split (--eval.dataset / "
@@ -103,7 +108,8 @@ class PromptDataset:
 
 
 def row_columns(row: dict, used: tuple) -> dict:
-    """The row's columns other than `used` (the input, label and image keys) and the loader's own
+    """The row's columns other than `used` (the input and image keys; a label column named `labels` is
+    the `labels` argument itself, any other keeps its own name, as TRL passes it) and the loader's own
     (`__source__`, `__row__`): what a reward function gets as keyword arguments, as TRL passes them. The
     values are the row's own objects, not copies."""
     return {k: v for k, v in row.items() if k not in used and not (k.startswith("__") and k.endswith("__"))}

@@ -66,7 +66,8 @@ class CompositeReward:
     kwargs (`PythonRewardFunction.call`); a term with `score_tokens` (a reward model, or a Ray reward
     group) scores `sequence_ids` (the token ids as sampled) when given, any other term `score(queries,
     prompts, labels)`. The result: rewards and scores = sum of weight x the term's rewards / scores (a
-    None adds nothing); skipped = skipped by any term (its reward and score then 0, as a single source's);
+    None adds nothing); skipped = skipped by any term of weight != 0 (its reward and score then 0, as a
+    single source's; a weight-0 term's skips only leave its own metric out);
     extra_logs: `<name>` -> the term's own values, unweighted (NaN where None or skipped: the metric is
     the mean of the others), `<name>/<key>` -> the term's own extra_logs. A term named twice, or by a
     reserved name (`config.roles.RESERVED_TERM_NAMES`), raises RewardError. Errors of a term follow its
@@ -137,11 +138,12 @@ def _sum(parts: list[tuple], n: int) -> RewardResult:
         s = result.scores.masked_fill(missing, 0.0) * weight
         rewards = r if rewards is None else rewards + r
         scores = s if scores is None else scores + s
-        skipped |= result.skipped
+        if weight != 0:  # a weight-0 term is logged only: its skips cost no sample its reward
+            skipped |= result.skipped
+            reasons += result.skip_reasons
         applies |= ~missing
         logs[name] = result.rewards.masked_fill(missing | result.skipped, float("nan"))
         logs.update({f"{name}/{k}": v for k, v in result.extra_logs.items()})
-        reasons += result.skip_reasons
     if not bool(applies.all()):
         warn_once(f"{int((~applies).sum())} sample(s) got None from every reward term: reward 0")
     rewards, scores = rewards.masked_fill(skipped, 0.0), scores.masked_fill(skipped, 0.0)

@@ -24,9 +24,12 @@ bad value — are RewardErrors naming the file and the cause, with the traceback
 
 `--reward.func_path FILE.py:NAME` names another function of the file. A function with a `completions`
 parameter is called TRL's way instead, every argument by keyword: `prompts`, `completions` (the
-response texts), `completion_ids`, the prompt rows' other columns, and `queries` / `labels` as above;
-it gets the keywords it names (all of them with `**kwargs`). An OpenRLHF-style function gets the same
-keywords beside its three positional arguments when it names them or takes `**kwargs`.
+response texts), `completion_ids`, the prompt rows' other columns (the label column too, under its own
+name), and `queries` / `labels` as above; it gets the keywords it names (all of them with `**kwargs`).
+For a chat prompt (a message-list row under `--data.apply_chat_template`) `prompts` holds its messages
+and `completions` `[{"role": "assistant", "content": text}]`, as TRL's GRPOTrainer passes them.
+An OpenRLHF-style function gets the same keywords (text prompts and completions) beside its three
+positional arguments when it names them or takes `**kwargs`.
 """
 from __future__ import annotations
 
@@ -327,12 +330,17 @@ class PythonRewardFunction:
         under on_error "skip", the whole batch skipped (a RewardResult). OpenRLHF's way it is called as
         fn(queries, prompts, labels, **kwargs); TRL's way (`trl_style`: it names a `completions`
         parameter) all by keyword: prompts=, completions=, completion_ids=, queries=, labels= and the
-        columns. Either way only the keywords it accepts (all with `**kwargs`); labels None: B Nones."""
+        columns; a sample whose kwargs `prompt_messages` entry holds chat messages gets those as its prompt
+        and `[{"role": "assistant", "content": text}]` as its completion (`_conversational`, as TRL passes
+        a conversational prompt's). Either way only the keywords it accepts (all with `**kwargs`;
+        `prompt_messages` itself is never passed); labels None: B Nones."""
         n = check_batch(queries, prompts, labels)
         labels = [None] * n if labels is None else list(labels)
         args = (list(queries), list(prompts), labels)
+        messages = kwargs.pop("prompt_messages", None)
         if self.trl_style:
-            kwargs = {"prompts": args[1], "queries": args[0], "labels": labels, **kwargs}
+            kwargs = {"prompts": args[1], "queries": args[0], "labels": labels, **kwargs,
+                      **(_conversational(messages, args[1], kwargs.get("completions")) if messages else {})}
             args = ()
         extra = kwargs if self._params is None else {k: v for k, v in kwargs.items() if k in self._params}
         self.num_calls += 1
@@ -365,6 +373,16 @@ class PythonRewardFunction:
     def __repr__(self) -> str:
         return (f"PythonRewardFunction({self.path!r}, on_error={self.on_error!r}, timeout={self.timeout}, "
                 f"retries={self.retries})")
+
+
+def _conversational(messages: list, prompts: list, completions: list | None) -> dict:
+    """TRL's `prompts` and `completions` where a sample's prompt is chat messages (`messages[i]` not None):
+    those messages, and its completion text as one assistant message in a list; text elsewhere."""
+    out = {"prompts": [p if m is None else m for m, p in zip(messages, prompts)]}
+    if completions is not None:
+        out["completions"] = [c if m is None else [{"role": "assistant", "content": c}]
+                              for m, c in zip(messages, completions)]
+    return out
 
 
 def _accepted_kwargs(fn, skip: int = 3) -> set[str] | None:

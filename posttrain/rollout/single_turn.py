@@ -20,7 +20,8 @@ from posttrain.rollout.types import PromptImages, rank_seed
 from posttrain.utils.log import warn_once
 
 # the names a reward function's own arguments take (OpenRLHF's and TRL's), never a column's
-RESERVED_KWARGS = ("queries", "prompts", "labels", "completions", "completion_ids", "sequence_ids")
+RESERVED_KWARGS = ("queries", "prompts", "labels", "completions", "completion_ids", "sequence_ids",
+                   "prompt_messages")
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Rollout:
     cursor: int = 0  # the prompt stream's position after this sample's prompt (set by `collect`)
     image_inputs: dict | None = None  # its prompt's image tensors (a vision-language model; numpy)
     columns: dict | None = None  # its prompt row's other columns (`Prompt.columns`, shared, not copied)
+    prompt_messages: list | None = None  # its prompt's chat messages (`Prompt.messages`), shared
     # what the reward source scores, when not the whole sequence (a tool episode: prompt + final answer)
     reward_ids: list[int] | None = None
 
@@ -116,7 +118,8 @@ class SingleTurnSampler:
                                         budget=budgets[g] if budgets else params.max_new_tokens,
                                         policy_versions=None if out.policy_versions is None
                                         else sorted(set(out.policy_versions)), image_inputs=images[g],
-                                        columns=getattr(prompt, "columns", None)))
+                                        columns=getattr(prompt, "columns", None),
+                                        prompt_messages=getattr(prompt, "messages", None)))
         result = score_rollouts(self.reward_source, self.tokenizer, rollouts)
         return ScoredRollouts(rollouts=rollouts, rewards=result.rewards.float(), scores=result.scores.float(),
                               extra_logs=result.extra_logs, skipped=result.skipped)
@@ -157,10 +160,13 @@ def score_rollouts(reward_source, tokenizer, rollouts: list[Rollout]):
 def reward_kwargs(rollouts: list[Rollout]) -> dict:
     """TRL's keyword arguments of a reward function: `completions` (the response texts), `completion_ids`
     (the response token ids) and one list of B values per column of the prompt rows (`Rollout.columns`;
-    None where a row lacks it). A column named like an argument (RESERVED_KWARGS) is left out, with a
-    warning."""
+    None where a row lacks it); `prompt_messages` (each prompt's chat messages or None, when any has them)
+    is for `PythonRewardFunction.call` alone. A column named like an argument (RESERVED_KWARGS) is left
+    out, with a warning."""
     kwargs = {"completions": [r.response_text for r in rollouts],
               "completion_ids": [list(r.output_ids) for r in rollouts]}
+    if any(r.prompt_messages is not None for r in rollouts):
+        kwargs["prompt_messages"] = [r.prompt_messages for r in rollouts]
     for name in dict.fromkeys(k for r in rollouts for k in (r.columns or {})):
         if name in RESERVED_KWARGS:
             warn_once(f"the prompt data's column {name!r} is not passed to the reward function: {name} is "

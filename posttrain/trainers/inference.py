@@ -151,11 +151,13 @@ def sampling_params(cfg) -> SamplingParams:
 
 def load_prompts(cfg, tokenizer) -> tuple[list[dict], PromptDataset]:
     """The rows of --data.dataset and their prompts, rendered as `posttrain ppo` renders
-    --data.prompt_dataset."""
+    --data.prompt_dataset, each with its row's other columns (and chat messages) for a reward file's keyword
+    arguments (references to the rows, not copies; only a reward function reads them)."""
     d = cfg.data
     rows = load_rows(d.dataset, None, d.split, cfg.train.seed, d.max_samples)
     prompts = PromptDataset(rows, tokenizer, input_key=d.input_key, label_key=d.label_key,
-                            input_template=d.input_template, apply_chat_template=d.apply_chat_template)
+                            input_template=d.input_template, apply_chat_template=d.apply_chat_template,
+                            extra_columns=True)
     return rows, prompts
 
 

@@ -114,14 +114,15 @@ def test_dataset_columns_and_trl_arguments_reach_the_functions(tmp_path, tiny_mo
     rows = [{"prompt": p, "answer": a, "solution": s, "difficulty": d, "__source__": "f.jsonl", "__row__": i}
             for i, (p, a, s, d) in enumerate(zip(PROMPTS, LABELS, ["5", "16", "8", "7"], [1, 2, 3, 4]))]
     data = PromptDataset(rows, tok, input_key="prompt", label_key="answer", extra_columns=True)
-    assert data[0].columns == {"solution": "5", "difficulty": 1}  # not the input, the label, the loader's
+    # not the input or the loader's; the label column under its own name, as TRL passes it
+    assert data[0].columns == {"answer": "5", "solution": "5", "difficulty": 1}
     assert PromptDataset(rows, tok, input_key="prompt", label_key="answer")[0].columns is None
     source = CompositeReward(function_terms([trl, openrlhf], [1.0, 0.5]))
     rollouts = _rollouts(tok, [p.columns for p in data])
     out = score_rollouts(source, tok, rollouts)
     seen = source.terms[0].source.fn.__globals__["SEEN"]
     assert seen["prompts"] == PROMPTS and seen["completion_ids"] == [r.output_ids for r in rollouts]
-    assert seen["kwargs"] == ["difficulty", "labels", "queries"]
+    assert seen["kwargs"] == ["answer", "difficulty", "labels", "queries"]
     # None: "does not apply": adds nothing, and its metric is the mean of the others
     assert out.rewards.tolist() == [1.5, 1.0, 2.5, 2.0]
     logs = out.extra_logs["trl_style"]
@@ -218,3 +219,76 @@ def test_a_reward_group_joins_the_functions_through_the_sampled_token_ids(tiny_m
     ids = [r.prompt_ids + r.output_ids for r in rollouts]
     assert group.seen == [ids]
     assert out.rewards.tolist() == [1.0 * c + 0.5 * len(s) for c, s in zip([1.0, 0.0, 1.0, 0.0], ids)]
+
+
+def test_a_weight_zero_term_that_skips_costs_no_sample_its_reward(tmp_path, files):
+    nan = write(tmp_path, "nan.py", """
+        def reward_func(queries, prompts, labels, **kwargs):
+            return [float("nan")] + [1.0] * (len(queries) - 1)
+    """)
+    out = CompositeReward(function_terms([files[0], nan], [1.0, 0.0], on_error="skip")).score(*batch())
+    assert out.skipped.tolist() == [False] * 4 and out.skip_reasons == []  # logged only: no skip
+    assert out.rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
+    logs = out.extra_logs["nan"]
+    assert math.isnan(logs[0]) and logs[1:].tolist() == [1.0] * 3  # its own metric leaves the skip out
+
+
+class _Answers:
+    """An engine answering prompt g with `answers[g]` (token ids), finish "stop"."""
+
+    def __init__(self, answers):
+        self.answers = answers
+
+    def generate(self, prompts, params, max_new_tokens=None, seeds=None):
+        from posttrain.rollout import RolloutOutput
+
+        return [[RolloutOutput(list(p), list(a), [0.0] * len(a), "stop")]
+                for p, a in zip(prompts, self.answers)]
+
+
+def test_trl_reward_functions_get_chat_prompts_and_completions_as_trl_passes_them(tmp_path, tiny_model_dir):
+    """Written as TRL's `accuracy_reward` / `think_format_reward` (`completion[0]["content"]`, the
+    `solution` column): with message-list rows under the chat template they get the messages and
+    `[{"role": "assistant", "content": text}]`; the label column comes under its own name; an
+    OpenRLHF-style function keeps its texts."""
+    from posttrain.data.prompts import PromptDataset
+    from posttrain.models import load_tokenizer
+    from posttrain.rollout import SamplingParams
+    from posttrain.rollout.single_turn import SingleTurnSampler
+
+    trl = write(tmp_path, "trl_rewards.py", """
+        import re
+        SEEN = {}
+        def accuracy_reward(completions, solution, **kwargs):
+            SEEN.update(prompts=kwargs["prompts"], completions=completions)
+            return [float(c[0]["content"].split()[-1] == s) for c, s in zip(completions, solution)]
+        def think_format_reward(completions, **kwargs):
+            pattern = r"^<think>(?!.*<think>)(.*?)</think>.*$"
+            return [float(bool(re.match(pattern, c[0]["content"], re.DOTALL))) for c in completions]
+    """)
+    openrlhf = write(tmp_path, "openrlhf_style.py", """
+        SEEN = {}
+        def reward_func(queries, prompts, labels, **kwargs):
+            SEEN.update(prompts=prompts, completions=kwargs["completions"], labels=labels)
+            return [0.0] * len(queries)
+    """)
+    tok = load_tokenizer(tiny_model_dir)
+    chats = [[{"role": "user", "content": "2+3?"}], [{"role": "user", "content": "4*4?"}]]
+    rows = [{"messages": m, "solution": s, "level": i} for i, (m, s) in enumerate(zip(chats, ["5", "16"]))]
+    data = PromptDataset(rows, tok, input_key="messages", label_key="solution", apply_chat_template=True,
+                         extra_columns=True)
+    assert data[0].columns == {"solution": "5", "level": 0} and data[0].messages == chats[0]
+    texts = ["<think>2 and 3</think> 5", " 15"]
+    answers = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    source = CompositeReward(function_terms([f"{trl}:accuracy_reward", f"{trl}:think_format_reward",
+                                             openrlhf], [1.0, 0.5, 1.0]))
+    out = SingleTurnSampler(_Answers(answers), source, tok).run(list(data), SamplingParams(n=1))
+    decoded = [tok.decode(a, skip_special_tokens=True) for a in answers]
+    seen = source.terms[0].source.fn.__globals__["SEEN"]
+    assert seen["prompts"] == chats
+    assert seen["completions"] == [[{"role": "assistant", "content": d}] for d in decoded]
+    assert out.extra_logs["accuracy_reward"].tolist() == [1.0, 0.0]
+    assert out.extra_logs["think_format_reward"].tolist() == [1.0, 0.0]
+    assert out.rewards.tolist() == [1.5, 0.0]
+    plain = source.terms[2].source.fn.__globals__["SEEN"]
+    assert plain == {"prompts": [p.text for p in data], "completions": decoded, "labels": ["5", "16"]}

@@ -327,3 +327,24 @@ def test_a_lora_adapter_with_a_relative_base_path(tiny_model_dir, tmp_path, monk
                    f"is found neither beside the adapter ({os.path.join(adapter, 'gone')}) nor in the "
                    "current folder; pass the base model with --model.base_model, or write its path into "
                    "base_model_name_or_path")
+
+
+def test_generate_gives_a_reward_file_the_rows_other_columns(tiny_model_dir, tmp_path):
+    """`--reward.remote_url FILE.py` in `generate` gets the prompt rows' other columns by keyword, as in
+    `posttrain ppo` (the label column under its own name too)."""
+    from posttrain.cli import generate
+
+    rows = [{"prompt": f"Q: {i}+1=", "answer": str(i + 1), "weight": 0.25 * i} for i in range(3)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "by_column.py").write_text(
+        "def reward_func(queries, prompts, labels, weight, answer):\n"
+        "    return [w + float(a) for w, a in zip(weight, answer)]\n")
+    out = tmp_path / "out.jsonl"
+    data = str(tmp_path / "data.jsonl")
+    generate.main(["--model.model_name_or_path", tiny_model_dir, "--data.dataset", data,
+                   "--data.input_key", "prompt", "--data.label_key", "answer",
+                   "--rollout.max_new_tokens", "2", "--rollout.n_samples_per_prompt", "1",
+                   "--rollout.engine", "hf", "--output", str(out),
+                   "--reward.remote_url", str(tmp_path / "by_column.py")])
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["reward"] for r in got] == [0.25 * i + i + 1 for i in range(3)]
