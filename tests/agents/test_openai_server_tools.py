@@ -400,3 +400,26 @@ def test_streamed_content_pieces_join_to_the_content_and_never_split_a_character
     assert executor._pieces(ids, lead + text, lead) == [lead] + pieces
     # content that is not the tokens' text (the text outside tool calls): whatever matches, then the rest
     assert "".join(executor._pieces(ids, "héllo there", "")) == "héllo there"
+
+
+def test_the_servers_call_ids_are_the_familys_numbered_over_the_session(tiny_model_dir):
+    """Mistral's templates refuse ids that are not 9 alphanumeric characters: the server mints the family's
+    ids, unique within the session (its served calls numbered in order)."""
+    from types import SimpleNamespace
+
+    from posttrain.agents.openai_server import Session
+    from posttrain.agents.tool_calls import tool_call_format
+    from posttrain.models import load_tokenizer
+    from tests.agents.mistral_template import mistral_tokenizer
+
+    fmt = tool_call_format(mistral_tokenizer(load_tokenizer(tiny_model_dir)))
+    session = Session("s", "k", "http://x", "policy", engine=None, loop=None, defaults=None)
+    executor = OpenAIServerAgentExecutor()
+    ids = []
+    for turn in ('[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": {}}]',
+                 '[TOOL_CALLS][{"name": "add", "arguments": {"b": 2}}]'):
+        out = SimpleNamespace(text=turn, finish_reason="stop")
+        message, finish, _ = executor._message(session, fmt, "", out, turn)
+        assert finish == "tool_calls"
+        ids += [c["id"] for c in message["tool_calls"]]
+    assert ids == ["000000000", "000000001", "000000002"]
