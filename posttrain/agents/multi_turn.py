@@ -375,7 +375,8 @@ class AgentRunner:
         except _EngineFailed as e:
             raise e.args[0] from None
         except UserFileExit as e:
-            raise AgentError(f"--train.agent_func_path: an agent episode stopped the run: {e}") from None
+            flag = getattr(self.executor, "FLAG", "--train.agent_func_path")  # ToolAgentExecutor's
+            raise AgentError(f"{flag}: an agent episode stopped the run: {e}") from None
         except asyncio.TimeoutError:
             return f"timed out after {self.timeout:g} s (--agent.timeout)", None, None, {}
         except Exception as e:  # the environment's or the executor's error: this episode fails

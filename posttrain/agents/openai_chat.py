@@ -5,7 +5,8 @@ as one `chat.completion` object or as the `chat.completion.chunk` server-sent ev
 Messages: `{role, content}` with string content; an assistant message may carry `tool_calls`
 (`[{id, type: "function", function: {name, arguments}}]`, arguments a JSON string or an object; its content
 may then be null), and a `{"role": "tool", "tool_call_id", "content"}` message answers a call of an
-earlier assistant message of the same request (400 otherwise, as OpenAI). Tools: OpenAI function specs
+earlier assistant message of the same request (400 otherwise, as OpenAI); its content may also be a list of
+`{"type": "text", "text"}` parts (joined; another part type is a 400). Tools: OpenAI function specs
 (`{"type": "function", "function": {"name", ...}}`). `tool_choice`: "auto" (the default with tools),
 "none" (the default without), "required", or `{"type": "function", "function": {"name"}}` naming one of
 the tools."""
@@ -51,11 +52,24 @@ def _tool_call_ids(m: dict, i: int) -> list[str]:
     return [c["id"] for c in calls]
 
 
+def _tool_text(m: dict, i: int) -> dict:
+    """Tool message `i` with a content of text parts joined into its text (OpenAI allows the parts)."""
+    parts = m.get("content")
+    if m.get("role") != "tool" or not isinstance(parts, list):
+        return m
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+               for p in parts):
+        raise RequestError(400, f"messages[{i}]: a tool message's content must be text or a list of "
+                                f"{{type: 'text', text}} parts")
+    return {**m, "content": "".join(p["text"] for p in parts)}
+
+
 def chat_messages(body: dict) -> list[dict]:
-    """The request's messages, checked (module docstring)."""
+    """The request's messages, checked (module docstring); tool messages' text parts joined."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "'messages' must be a non-empty list of {role, content} objects")
+    messages = [_tool_text(m, i) if isinstance(m, dict) else m for i, m in enumerate(messages)]
     called: set[str] = set()
     for i, m in enumerate(messages):
         calls = isinstance(m, dict) and m.get("role") == "assistant" and bool(m.get("tool_calls"))
@@ -95,7 +109,8 @@ def chat_tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
         raise RequestError(400, f"'tool_choice' {choice!r:.60} needs 'tools'")
     if choice in ("auto", "none", "required"):
         return tools, choice, None
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
     if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(name, str)):
         raise RequestError(400, f"'tool_choice' must be 'auto', 'none', 'required' or {{type: 'function', "
                                 f"function: {{name}}}}, got {choice!r:.60}")
@@ -114,10 +129,10 @@ def stream_options(body: dict) -> tuple[bool, bool]:
     return stream, bool(options.get("include_usage"))
 
 
-def openai_tool_calls(calls, first: int) -> list[dict]:
-    """The parsed `ToolCall`s as OpenAI's `message.tool_calls`, ids `call_<turn>_<k>` (`first` = the turn)."""
-    return [{"id": f"call_{first}_{k}", "type": "function",
-             "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for k, c in enumerate(calls)]
+def openai_tool_calls(calls) -> list[dict]:
+    """The parsed `ToolCall`s as OpenAI's `message.tool_calls` (their ids, minted by the family's format)."""
+    return [{"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls]
 
 
 def completion(model: str, message: dict, finish: str, logprobs, usage: dict, token_ids: dict,

@@ -19,17 +19,17 @@ serve-rm's default), read no further than that. Request headers not complete wit
 seconds (60, serve-rm's default), or a body not complete within as many again, get 408 and the
 connection is closed; a client gone mid-body is logged in one counted line.
 
-Tool calling (OpenAI's): `tools` are rendered by the chat template (`tool_calls.render_tool_prompt`), and
-the reply is parsed in the tokenizer's family format (`tool_calls.tool_call_format`, found on the first
-request with tools; 400 when the family is unknown) into `message.tool_calls` (ids `call_<turn>_<k>`,
-arguments a JSON string), `content` the text outside the calls (None when empty), finish_reason
-"tool_calls". A malformed call is returned as plain content with the engine's finish_reason ("stop", or
-"length" when the budget cut it) and a `tool_call_error` line in the choice, and counted
-(`agent/tool_call_errors`); never a 500. `tool_choice`: "auto" parses; "none" still renders the tools (as
-OpenAI) and returns the text as content unparsed; "required" and a named function put the family's call
-opening (`prefill`) after the generation prompt, so the model must complete a call (of that function):
-those tokens are context, not trained actions, and `content` of an unparsable reply begins with them.
-`stream: true` answers with server-sent events (`chat.completion.chunk`s: the role, the content in one
+Tool calling (OpenAI's): `tools` are rendered by the chat template (`tool_calls.render_tool_prompt`), and the
+reply is parsed in the tokenizer's family format (`tool_calls.tool_call_format`, found on the first request
+with tools; 400 when the family is unknown) into `message.tool_calls` (ids minted by the format, numbered over
+the session's served calls: `call_<n>`, 9 digits for Mistral; arguments a JSON string), `content` the text
+outside the calls (None when empty), finish_reason "tool_calls". A malformed call is returned as plain content
+with the engine's finish_reason ("stop", or "length" when the budget cut it) and a `tool_call_error` line in
+the choice, and counted (`agent/tool_call_errors`); never a 500. `tool_choice`: "auto" parses; "none" still
+renders the tools (as OpenAI) and returns the text as content unparsed; "required" and a named function put
+the family's call opening (`prefill`) after the generation prompt, so the model must complete a call (of that
+function): those tokens are context, not trained actions, and `content` of an unparsable reply begins with
+them. `stream: true` answers with server-sent events (`chat.completion.chunk`s: the role, the content in one
 delta per token whose text is complete, each tool call whole, the finish reason with the log-probs and
 `token_ids`, the usage with `stream_options.include_usage`, `[DONE]`), sent once the completion is sampled
 (the rollout engines return whole completions): joined, they are the non-streaming response.
@@ -377,14 +377,15 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         if fmt is None:
             return {"role": "assistant", "content": content}, out.finish_reason, None
         try:
-            rest, calls = fmt.parse(prefill + sampled)
+            served = sum(len(m["tool_calls"]) for m, _ in session.sampled_turns)  # numbers the ids
+            rest, calls = fmt.parse(prefill + sampled, served)
         except ToolCallError as e:
             session.tool_call_errors += 1
             return {"role": "assistant", "content": content}, out.finish_reason, str(e)
         if not calls:
             return {"role": "assistant", "content": content}, out.finish_reason, None
         message = {"role": "assistant", "content": rest or None,
-                   "tool_calls": openai_tool_calls(calls, len(session.traces))}
+                   "tool_calls": openai_tool_calls(calls)}
         session.sampled_turns.append((message, prefill + sampled))
         return message, "tool_calls", None
 

@@ -1,10 +1,13 @@
 """Tool calls in a model's text, per model family, and the prompt that offers tools to the model.
 
 `tool_call_format(tokenizer)` picks the family's parser from the tokenizer (its chat template and its
-vocabulary); each parser's `parse(text)` returns `(content, calls)`: the text outside the calls (stripped)
-and the calls in order, ids `call_0`, `call_1`, ... A malformed call raises `ToolCallError` (one line):
-JSON that does not parse, a missing or empty name, arguments that are not an object, an unterminated call.
-Text without any call parses to `(text.strip(), [])`.
+vocabulary); each parser's `parse(text)` returns `(content, calls)`: the text outside the calls (stripped) and
+the calls in order. `parse(text, first)` numbers the calls from `first` (the calls made before in the episode
+or session) and the format mints their ids from that number (`call_id`): `call_<n>` for hermes and llama3, 9
+digits for mistral (Mistral's chat templates refuse any id that is not 9 alphanumeric characters), so ids are
+unique within an episode and deterministic. A malformed call raises `ToolCallError` (one line): JSON that does
+not parse, a missing or empty name, arguments that are not an object, an unterminated call. Text without any
+call parses to `(text.strip(), [])`.
 
 - hermes (Qwen2.5 / Qwen3, Hermes, posttrain's tiny models): `<tool_call>{"name", "arguments"}</tool_call>`,
   any number per turn, content around them;
@@ -18,13 +21,16 @@ named function, so the model must complete a call.
 
 `render_tool_prompt` renders OpenAI-format messages and tools through the tokenizer's chat template;
 assistant `tool_calls` whose `arguments` are a JSON string are handed to the template as the parsed
-object (the form Hugging Face templates expect).
+object (the form Hugging Face templates expect): `data.templates.template_messages`, the one normalisation
+SFT rows get too.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
+
+from posttrain.data.templates import template_messages
 
 
 @dataclass(frozen=True)
@@ -32,7 +38,7 @@ class ToolCall:
     """One call the model made."""
     name: str
     arguments: dict  # the parsed JSON object
-    id: str  # "call_<k>": k counts the calls of one parse from 0
+    id: str  # minted by the format from the call's number in the episode (`call_id`)
 
 
 class ToolCallError(ValueError):
@@ -42,7 +48,9 @@ class ToolCallError(ValueError):
 class ToolCallFormat(Protocol):
     name: str
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]: ...
+    def parse(self, text: str, first: int = 0) -> tuple[str, list[ToolCall]]: ...
+
+    def call_id(self, n: int) -> str: ...
 
     def prefill(self, name: str | None) -> str: ...
 
@@ -68,7 +76,17 @@ def _call(obj, k: int, fmt: str, args_key: str = "arguments") -> ToolCall:
     if not isinstance(arguments, dict):
         raise ToolCallError(f"{fmt} tool call {k} ({name}): '{args_key}' must be a JSON object, got "
                             f"{_short(json.dumps(arguments))}")
-    return ToolCall(name, arguments, f"call_{k}")
+    return ToolCall(name, arguments, "")
+
+
+class _Ids:
+    """Ids `call_<n>`; `_numbered` gives a parse's calls the ids of numbers `first`, `first + 1`, ..."""
+
+    def call_id(self, n: int) -> str:
+        return f"call_{n}"
+
+    def _numbered(self, calls: list[ToolCall], first: int) -> list[ToolCall]:
+        return [replace(c, id=self.call_id(first + k)) for k, c in enumerate(calls)]
 
 
 def _json(text: str, k: int, fmt: str):
@@ -79,12 +97,12 @@ def _json(text: str, k: int, fmt: str):
                             f"{_short(text.strip())}") from None
 
 
-class HermesFormat:
+class HermesFormat(_Ids):
     """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, several per turn (Qwen, Hermes)."""
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+    def parse(self, text: str, first: int = 0) -> tuple[str, list[ToolCall]]:
         content, calls, pos = [], [], 0
         while (start := text.find(self.OPEN, pos)) >= 0:
             end = text.find(self.CLOSE, start)
@@ -96,18 +114,22 @@ class HermesFormat:
             calls.append(_call(_json(body, len(calls), self.name), len(calls), self.name))
             pos = end + len(self.CLOSE)
         content.append(text[pos:])
-        return "".join(content).strip(), calls
+        return "".join(content).strip(), self._numbered(calls, first)
 
     def prefill(self, name: str | None) -> str:
         return self.OPEN + "\n" + ("" if name is None else '{"name": ' + json.dumps(name) + ', "arguments": ')
 
 
-class MistralFormat:
-    """`[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` after any content."""
+class MistralFormat(_Ids):
+    """`[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` after any content; ids of 9 digits."""
     name = "mistral"
     TAG = "[TOOL_CALLS]"
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+    def call_id(self, n: int) -> str:
+        # Mistral's templates: "Tool call IDs should be alphanumeric strings with length 9!"
+        return f"{n:09d}"
+
+    def parse(self, text: str, first: int = 0) -> tuple[str, list[ToolCall]]:
         start = text.find(self.TAG)
         if start < 0:
             return text.strip(), []
@@ -119,19 +141,19 @@ class MistralFormat:
                                 f"({str(e).splitlines()[0]}) in {_short(rest)}") from None
         value = value if isinstance(value, list) else [value]
         calls = [_call(v, k, self.name) for k, v in enumerate(value)]
-        return (text[:start] + rest[end:]).strip(), calls
+        return (text[:start] + rest[end:]).strip(), self._numbered(calls, first)
 
     def prefill(self, name: str | None) -> str:
         return self.TAG + "[" + ("" if name is None else '{"name": ' + json.dumps(name) + ', "arguments": ')
 
 
-class Llama3JsonFormat:
+class Llama3JsonFormat(_Ids):
     """The whole reply is `{"name": ..., "parameters": {...}}` (`;` between several), as Llama 3.1-3.3's
     JSON tool calling; `<|python_tag|>` before it is allowed. A reply not starting with `{` is content."""
     name = "llama3"
     TAG = "<|python_tag|>"
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+    def parse(self, text: str, first: int = 0) -> tuple[str, list[ToolCall]]:
         body = text.strip()
         tagged = body.startswith(self.TAG)
         body = body[len(self.TAG):].lstrip() if tagged else body
@@ -151,7 +173,7 @@ class Llama3JsonFormat:
             calls.append(_call(value, len(calls), self.name, key))
             rest = body[pos:].lstrip()
             if not rest:
-                return "", calls
+                return "", self._numbered(calls, first)
             if not rest.startswith(";"):
                 raise ToolCallError(f"llama3 tool call {len(calls) - 1}: unexpected text after the call: "
                                     f"{_short(rest)}")
@@ -186,25 +208,9 @@ def tool_call_format(tokenizer) -> ToolCallFormat:
                      f"(known: {', '.join(FORMATS)}); use a model whose chat template renders tools")
 
 
-def _template_message(message: dict) -> dict:
-    calls = message.get("tool_calls")
-    if not calls:
-        return message
-    out = []
-    for call in calls:
-        fn = dict(call.get("function", call))
-        if isinstance(fn.get("arguments"), str):
-            try:
-                fn["arguments"] = json.loads(fn["arguments"])
-            except ValueError:
-                pass  # left as the string the client sent
-        out.append({**call, "function": fn} if "function" in call else fn)
-    return {**message, "tool_calls": out}
-
-
 def render_tool_prompt(tokenizer, messages: list[dict], tools: list[dict] | None) -> str:
     """`apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)`, with
     assistant tool-call arguments given as JSON strings parsed into objects first."""
-    return tokenizer.apply_chat_template([_template_message(m) for m in messages], tools=tools or None,
+    return tokenizer.apply_chat_template(template_messages(messages), tools=tools or None,
                                          add_generation_prompt=True, tokenize=False)
 

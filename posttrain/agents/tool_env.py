@@ -1,30 +1,34 @@
 """Tool environments (`--train.tool_path FILE`): multi-turn episodes from a file of plain Python functions,
 with no agent loop to write.
 
-The file: its public functions (the ones it defines, not those it imports; or exactly the list
-`TOOLS = [...]` when it has one) are the tools. Each needs type hints on every argument and a docstring
-with a description and an `Args:` entry per argument: its JSON schema comes from
-`transformers.utils.get_json_schema`, as for `apply_chat_template(tools=...)`. A function without them stops
-the run at start-up, before any model loads, with one line naming the function and what is missing.
-Optional settings: `SYSTEM_PROMPT` (a system turn before every prompt), `MAX_TOOL_CALLS` (calls per
-episode, default 4), `TOOL_TIMEOUT` (seconds per call, default 10), `MAX_TOOL_OUTPUT` (characters of a
-call's output, default 1000: longer output is cut, with a marker saying how much).
+The file: its public functions (the ones it defines, not those it imports; or exactly the list `TOOLS = [...]`
+when it has one) are the tools, one per name (two with the same `__name__` stop the run at start-up). Each
+needs type hints on every argument and a docstring with a description and an `Args:` entry per argument: its
+JSON schema comes from `transformers.utils.get_json_schema`, as for `apply_chat_template(tools=...)`. A
+function without them stops the run at start-up, before any model loads, with one line naming the function and
+what is missing. Optional settings: `SYSTEM_PROMPT` (a system turn before every prompt), `MAX_TOOL_CALLS`
+(calls per episode, default 4), `TOOL_TIMEOUT` (seconds per call, default 10), `MAX_TOOL_OUTPUT` (characters
+of a call's output, default 1000: longer output is cut, with a marker saying how much).
 
-A call runs on a daemon thread of its own. Past its timeout the episode stops waiting and the result is
-abandoned (a Python thread cannot be killed: a hung function keeps its thread until it returns, but never
-holds up the episode, the step or the run's exit). An exception, a timeout, an unknown tool, arguments
-that do not fit the function and a malformed call (`ToolCallError`) each become the tool message's text
-(one line, `error: ...`) and count in `tool_errors`; none ends the episode or the run.
+A call runs on a daemon thread of its own; an `async def` tool's coroutine runs there to its end
+(`asyncio.run`). Past its timeout the episode stops waiting and the result is abandoned (a Python thread
+cannot be killed: a hung function keeps its thread until it returns, but never holds up the episode, the
+step or the run's exit). Such a call is stuck while its thread runs: `stuck_calls` counts them (logged as
+`reward/tool_stuck`), and once `MAX_STUCK` (4, as `--reward.func_path`'s reward_func calls) of them run, no
+call starts: `ToolsStuck` stops the run with one line naming the tool. An exception, a timeout, an
+unknown tool, arguments that do not fit the function and a malformed call (`ToolCallError`) each become
+the tool message's text (one line, `error: ...`, within the `MAX_TOOL_OUTPUT` budget as any output) and
+count in `tool_errors`; none ends the episode or the run.
 
 The episode is `MultiTurnAgentExecutor`'s loop (one implementation) over `ToolInstance`: the prompt is
-rendered with the tools' schemas (the prompt dataset renders it: `ToolFile.schemas`, `system_prompt`),
-each turn's text is parsed with the model's tool-call format (`tool_calls.tool_call_format`), the calls
-run, and their tool messages are appended as the chat template renders them (context: no gradient). The
-episode ends when the model answers without a tool call, when a turn runs out of tokens, when a call would
-exceed `MAX_TOOL_CALLS`, or when the budget (--data.max_len) is spent. Its reward is None: the run's reward
-source scores the prompt followed by the model's last turn (its final answer; `reward_ids` of the result),
-with the row's label. `extra_logs`: `tool_calls` and `tool_errors` (logged as `reward/tool_calls`, ...);
-malformed calls also count in `agent/tool_call_errors`.
+rendered with the tools' schemas (the prompt dataset renders it: `ToolFile.schemas`, `system_prompt`), each
+turn's text is parsed with the model's tool-call format (`tool_calls.tool_call_format`; call ids are the
+format's, numbered over the episode), the calls run, and their tool messages are appended as the chat template
+renders them (context: no gradient). The episode ends when the model answers without a tool call, when a turn
+runs out of tokens, when a call would exceed `MAX_TOOL_CALLS`, or when the budget (--data.max_len) is spent.
+Its reward is None: the run's reward source scores the prompt followed by the model's last turn (its final
+answer; `reward_ids` of the result), with the row's label. `extra_logs`: `tool_calls`, `tool_errors` and
+`tool_stuck` (logged as `reward/tool_calls`, ...); malformed calls also count in `agent/tool_call_errors`.
 """
 from __future__ import annotations
 
@@ -38,7 +42,8 @@ from dataclasses import dataclass, field
 
 from posttrain.agents.agent_api import AgentInstanceBase, MultiTurnAgentExecutor
 from posttrain.agents.tool_calls import ToolCallError, tool_call_format
-from posttrain.compat.user_files import exec_user_file
+from posttrain.compat.user_files import UserFileExit, exec_user_file
+from posttrain.config.serving import DEFAULT_MAX_STUCK as MAX_STUCK
 from posttrain.utils.errors import UserError
 
 FLAG = "--train.tool_path"
@@ -48,6 +53,14 @@ _SENTINEL = "\x00posttrain-end-of-turn\x00"
 
 class ToolFileError(UserError):
     pass
+
+
+class ToolsStuck(UserFileExit):
+    """MAX_STUCK timed-out calls still run: the run stops (the agent runner stops on a UserFileExit)."""
+
+    def __init__(self, message: str) -> None:
+        RuntimeError.__init__(self, message)
+        self.code = None
 
 
 @dataclass
@@ -61,40 +74,62 @@ class ToolFile:
     timeout: float = SETTINGS["TOOL_TIMEOUT"]
     max_output: int = SETTINGS["MAX_TOOL_OUTPUT"]
     names: list[str] = field(init=False)
+    stuck: list = field(init=False, default_factory=list)  # threads of timed-out calls, pruned when they end
 
     def __post_init__(self) -> None:
         self.names = list(self.functions)
+        self._lock = threading.Lock()
+
+    @property
+    def stuck_calls(self) -> int:
+        """Timed-out calls whose thread still runs."""
+        with self._lock:
+            self.stuck = [t for t in self.stuck if t.is_alive()]
+            return len(self.stuck)
 
     async def run(self, name: str, arguments) -> tuple[str, bool]:
-        """(the tool message's text, whether the call succeeded) of one call; never raises."""
+        """(the tool message's text, whether the call succeeded) of one call; raises only ToolsStuck."""
         fn = self.functions.get(name)
         if fn is None:
-            return f"error: unknown tool {name!r} (tools: {', '.join(self.names)})", False
+            return self.error(f"unknown tool {name!r} (tools: {', '.join(self.names)})"), False
         if not isinstance(arguments, dict):
-            return f"error: {name}: arguments must be a JSON object, got {type(arguments).__name__}", False
+            return self.error(f"{name}: arguments must be a JSON object, got "
+                              f"{type(arguments).__name__}"), False
         try:
             inspect.signature(fn).bind(**arguments)
         except TypeError as err:
-            return f"error: {name}: {err}", False
+            return self.error(f"{name}: {err}"), False
+        if (stuck := self.stuck_calls) >= MAX_STUCK:
+            raise ToolsStuck(f"{stuck} timed-out tool calls ({', '.join(t.name for t in self.stuck)}) still "
+                             f"run past TOOL_TIMEOUT {self.timeout:g} s in {self.path} (a thread cannot be "
+                             f"killed), so no call starts; fix the hang in the tool and restart")
         done: concurrent.futures.Future = concurrent.futures.Future()
 
         def call():
             try:
                 try:
-                    done.set_result(fn(**arguments))
+                    result = fn(**arguments)
+                    done.set_result(asyncio.run(result) if inspect.iscoroutine(result) else result)
                 except BaseException as err:  # SystemExit too: an error of this call, not an exit of the run
                     done.set_exception(err)
             except concurrent.futures.InvalidStateError:  # abandoned past its timeout: nobody waits
                 pass
 
-        threading.Thread(target=call, name=f"posttrain-tool-{name}", daemon=True).start()
+        thread = threading.Thread(target=call, name=f"posttrain-tool-{name}", daemon=True)
+        thread.start()
         try:
             result = await asyncio.wait_for(asyncio.wrap_future(done), self.timeout)
         except asyncio.TimeoutError:
-            return f"error: {name} timed out after {self.timeout:g} s", False
+            with self._lock:
+                self.stuck.append(thread)
+            return self.error(f"{name} timed out after {self.timeout:g} s"), False
         except BaseException as err:
-            return _one_line(f"error: {name} raised {type(err).__name__}: {err}"), False
+            return self.error(f"{name} raised {type(err).__name__}: {err}"), False
         return self.cut(result if isinstance(result, str) else _as_text(result)), True
+
+    def error(self, text: str) -> str:
+        """A failed call's tool message: `error: <text>` on one line, within the output budget."""
+        return self.cut(_one_line(f"error: {text}"))
 
     def cut(self, text: str) -> str:
         """`text` within `max_output` characters, with a marker when cut."""
@@ -135,6 +170,10 @@ def load_tool_file(path: str, tokenizer=None) -> ToolFile:
     if not listed or not all(callable(f) for f in listed):
         raise ToolFileError(f"{FLAG} {path}: no tools: define public functions (or TOOLS = [f, ...] of "
                             f"functions)")
+    names = [getattr(f, "__name__", repr(f)) for f in listed]
+    if twice := sorted({n for n in names if names.count(n) > 1}):
+        raise ToolFileError(f"{FLAG} {path}: TOOLS has two tools named {twice[0]!r} (a tool's name is its "
+                            f"function's __name__); keep one, or rename one")
     schemas = []
     for fn in listed:
         try:
@@ -172,7 +211,7 @@ class ToolInstance(AgentInstanceBase):
     def __init__(self, tools: ToolFile, tokenizer):
         self.tools, self.tokenizer = tools, getattr(tokenizer, "tokenizer", tokenizer)
         self.format = tool_call_format(self.tokenizer)
-        self.calls = self.errors = self.malformed = 0
+        self.calls = self.errors = self.malformed = 0  # `calls` also numbers the call ids
 
     async def reset(self, states: dict, **kwargs):
         return {"observation": states["observation"]}
@@ -181,17 +220,17 @@ class ToolInstance(AgentInstanceBase):
         text, ids = states["action_text"], list(states.get("action_token_ids") or ())
         ended = states.get("finish_reason", "stop") == "stop"  # a turn cut by its token cap is final
         try:
-            content, calls = self.format.parse(text) if ended else (text, [])
+            content, calls = self.format.parse(text, self.calls) if ended else (text, [])
             malformed = None
         except ToolCallError as err:
             content, calls, malformed = text, [], str(err)
         if (not calls and malformed is None) or self.calls + max(len(calls), 1) > self.tools.max_tool_calls:
             return self._result("", done=True)  # the final answer, or a call past the cap
         if malformed is not None:
+            replies = [{"role": "tool", "tool_call_id": self.format.call_id(self.calls),
+                        "content": self.tools.error(malformed)}]
             self.calls, self.errors, self.malformed = self.calls + 1, self.errors + 1, self.malformed + 1
             assistant = {"role": "assistant", "content": text}
-            replies = [{"role": "tool", "tool_call_id": "call_0",
-                        "content": _one_line(f"error: {malformed}")}]
         else:
             assistant = {"role": "assistant", "content": content,
                          "tool_calls": [{"id": c.id, "type": "function",
@@ -208,6 +247,7 @@ class ToolInstance(AgentInstanceBase):
     def _result(self, feedback: str, done: bool) -> dict:
         return {"rewards": None, "scores": None, "environment_feedback": feedback, "done": done,
                 "extra_logs": {"tool_calls": float(self.calls), "tool_errors": float(self.errors),
+                               "tool_stuck": float(self.tools.stuck_calls),
                                "malformed_calls": self.malformed}}
 
     def render(self, messages: list[dict], generation_prompt: bool) -> str:
@@ -217,7 +257,10 @@ class ToolInstance(AgentInstanceBase):
     def feedback(self, assistant: dict, replies: list[dict], stop_text: str) -> str:
         """The text after the model's turn (which ended with `stop_text`, the end-of-turn token it sampled):
         the rest of the template's end of an assistant turn, the tool messages and the next generation
-        prompt, cut from renderings of a one-question conversation."""
+        prompt, cut from renderings of a one-question conversation. A turn that ended on another stop token
+        (an EOS that is not the template's end of turn) keeps it: it was sampled and is trained as sampled,
+        so the template's whole closing follows it and the episode has that one token more than the
+        template renders (a sampled token is never dropped or re-tokenised)."""
         head = [{"role": "user", "content": "?"}]
         marked = self.render([*head, {"role": "assistant", "content": _SENTINEL}], False)
         closing = marked[marked.rindex(_SENTINEL) + len(_SENTINEL):]
@@ -234,6 +277,8 @@ class ToolAgentExecutor(MultiTurnAgentExecutor):
     """`MultiTurnAgentExecutor` over a tool file's `ToolInstance`s; its results carry `reward_ids`, the prompt
     followed by the model's last turn, which the run's reward source scores, and `tool_call_errors`, the
     episode's malformed calls (`agent/tool_call_errors`, as the OpenAI-compatible server counts them)."""
+
+    FLAG = FLAG  # the flag the agent runner names in its errors
 
     def __init__(self, tools: ToolFile):
         super().__init__(ToolInstance)

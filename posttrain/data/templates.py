@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -63,13 +64,37 @@ def to_messages(value: str | list[dict], role: str) -> list[dict]:
     return [{"role": role, "content": value}] if isinstance(value, str) else list(value)
 
 
+def template_messages(messages: list[dict]) -> list[dict]:
+    """``messages`` as chat templates expect them: an assistant turn's ``tool_calls`` whose ``arguments`` are
+    a JSON string (OpenAI's wire format) get the parsed object (Hugging Face templates ``tojson`` it; the
+    string would be encoded twice); a string that is not JSON stays. One normalisation for SFT rows and the
+    agent server (``agents/tool_calls.render_tool_prompt``)."""
+    return [_template_message(m) for m in messages]
+
+
+def _template_message(message: dict) -> dict:
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    if not calls:
+        return message
+    out = []
+    for call in calls:
+        fn = dict(call.get("function", call))
+        if isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"])
+            except ValueError:
+                pass  # left as the string given
+        out.append({**call, "function": fn} if "function" in call else fn)
+    return {**message, "tool_calls": out}
+
+
 def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool, location: str = "",
                 tools: list[dict] | None = None) -> str:
-    """The chat template applied to ``messages`` as text (not tokenised), with ``tools`` (OpenAI-format
-    function schemas) when given; ``location`` prefixes errors."""
+    """The chat template applied to ``messages`` (normalised by ``template_messages``) as text (not
+    tokenised), with ``tools`` (OpenAI-format function schemas) when given; ``location`` prefixes errors."""
     try:
         return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            template_messages(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
             **({"tools": tools} if tools else {})
         )
     except Exception as e:

@@ -74,17 +74,33 @@ def check_messages(row: Row, key: str, value: Any, flag: str) -> list[dict]:
     if not value:
         raise DataError(f"{where(row)}: key '{key}' is an empty message list. Fix the data.")
     for i, msg in enumerate(value):
+        calls = isinstance(msg, dict) and msg.get("tool_calls") is not None
         if (
             not isinstance(msg, dict)
             or not isinstance(msg.get("role"), str)
-            or not _content_ok(msg.get("content"))
+            or not (_content_ok(msg.get("content")) or (calls and msg.get("content") is None))
         ):
             raise DataError(
                 f"{where(row)}: key '{key}', message {i} must be a dict with string 'role' and 'content' "
-                f"(text, or a list of typed parts for images), "
+                f"(text, or a list of typed parts for images; null or absent beside 'tool_calls'), "
                 f"got {_short(msg)}. Fix the data ({shape})."
             )
+        if calls and not _tool_calls_ok(msg["tool_calls"]):
+            raise DataError(
+                f"{where(row)}: key '{key}', message {i}: 'tool_calls' must be a list of "
+                f'{{"type": "function", "function": {{"name": str, "arguments": object or JSON string}}}}, '
+                f"got {_short(msg['tool_calls'])}. Fix the data."
+            )
     return value
+
+
+def _tool_calls_ok(calls: Any) -> bool:
+    """OpenAI's shape: ``[{"id"?, "type": "function", "function": {"name", "arguments"}}]``."""
+    return isinstance(calls, list) and all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict)
+        and isinstance(c["function"].get("name"), str) and c["function"]["name"] != ""
+        and isinstance(c["function"].get("arguments", {}), (dict, str))
+        for c in calls)
 
 
 def require_messages(row: Row, key: str, flag: str) -> list[dict]:

@@ -170,7 +170,7 @@ def test_the_openai_client_runs_a_tool_episode_trained_on_exactly_the_served_tok
     p1, c1, tail, c2 = episode_tokens(tok)
     for r, (first, second) in zip(batch.rollouts, agent.seen):
         assert first["finish_reason"] == "tool_calls" and first["message"]["tool_calls"] == [
-            {"id": "call_0_0", "type": "function",
+            {"id": "call_0", "type": "function",
              "function": {"name": "add", "arguments": '{"b": 3, "a": 2}'}}]
         assert "content" not in first["message"]  # content None: no text outside the call
         assert second["finish_reason"] == "stop" and second["message"]["content"] == ANSWER
@@ -305,14 +305,20 @@ class BadToolRequests(OpenAIServerAgentExecutor):
             "unknown_id": [user, call, {"role": "tool", "tool_call_id": "c9", "content": "5"}],
             "tool_first": [{"role": "tool", "tool_call_id": "c1", "content": "5"}],
             "bad_call": [user, {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": 3}}]}],
+            "tool_parts": [user, call, {"role": "tool", "tool_call_id": "c1", "content": [
+                {"type": "text", "text": "5"}, {"type": "text", "text": "!"}]}],
+            "tool_image": [user, call, {"role": "tool", "tool_call_id": "c1",
+                                        "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
         }
         for name, messages in cases.items():
             BadToolRequests.answers[name] = await asyncio.to_thread(post, session, {"messages": messages,
-                                                                                    "tools": TOOLS})
+                                                                                    "tools": TOOLS,
+                                                                                    "max_tokens": 2})
         others = {"bad_tools": {"tools": [{"name": "add"}]},
                   "unknown_choice": {"tools": TOOLS,
                                      "tool_choice": {"type": "function", "function": {"name": "mul"}}},
                   "choice_no_tools": {"tool_choice": "required"}, "stream_str": {"stream": "yes"},
+                  "choice_fn_str": {"tools": TOOLS, "tool_choice": {"type": "function", "function": "add"}},
                   "ok": {"tools": TOOLS, "max_tokens": 2}}
         for name, extra in others.items():
             BadToolRequests.answers[name] = await asyncio.to_thread(post, session,
@@ -322,7 +328,7 @@ class BadToolRequests(OpenAIServerAgentExecutor):
 
 def test_bad_tool_requests_are_400_with_one_line(tool_model, engine):
     _, tok, _ = tool_model
-    run_batch(BadToolRequests(), engine, tok)
+    run_batch(BadToolRequests(), engine, tok, max_failure_frac=1.0)  # two answered, unrelated histories
     a = {k: (s, b.get("error", {}).get("message")) for k, (s, b) in BadToolRequests.answers.items()}
     assert a["no_id"] == (400, "messages[2]: a tool message needs 'tool_call_id', the id of the assistant "
                                "tool call it answers")
@@ -334,6 +340,13 @@ def test_bad_tool_requests_are_400_with_one_line(tool_model, engine):
     assert a["unknown_choice"] == (400, "'tool_choice' names function 'mul', which is not in 'tools'")
     assert a["choice_no_tools"] == (400, "'tool_choice' 'required' needs 'tools'")
     assert a["stream_str"] == (400, "'stream' must be true or false, got 'yes'")
+    assert a["choice_fn_str"][0] == 400 and a["choice_fn_str"][1].startswith("'tool_choice' must be 'auto', ")
+    # a tool message's text parts are its text (as OpenAI allows); other parts are refused
+    status, body = BadToolRequests.answers["tool_parts"]
+    assert status == 200 and "<tool_response>\n5!\n</tool_response>" in tok.decode(
+        body["token_ids"]["prompt_token_ids"])
+    assert a["tool_image"] == (400, "messages[2]: a tool message's content must be text or a list of "
+                                    "{type: 'text', text} parts")
     assert a["ok"][0] == 200 and all("\n" not in m for s, m in a.values() if m)
 
 
@@ -387,3 +400,26 @@ def test_streamed_content_pieces_join_to_the_content_and_never_split_a_character
     assert executor._pieces(ids, lead + text, lead) == [lead] + pieces
     # content that is not the tokens' text (the text outside tool calls): whatever matches, then the rest
     assert "".join(executor._pieces(ids, "héllo there", "")) == "héllo there"
+
+
+def test_the_servers_call_ids_are_the_familys_numbered_over_the_session(tiny_model_dir):
+    """Mistral's templates refuse ids that are not 9 alphanumeric characters: the server mints the family's
+    ids, unique within the session (its served calls numbered in order)."""
+    from types import SimpleNamespace
+
+    from posttrain.agents.openai_server import Session
+    from posttrain.agents.tool_calls import tool_call_format
+    from posttrain.models import load_tokenizer
+    from tests.agents.mistral_template import mistral_tokenizer
+
+    fmt = tool_call_format(mistral_tokenizer(load_tokenizer(tiny_model_dir)))
+    session = Session("s", "k", "http://x", "policy", engine=None, loop=None, defaults=None)
+    executor = OpenAIServerAgentExecutor()
+    ids = []
+    for turn in ('[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": {}}]',
+                 '[TOOL_CALLS][{"name": "add", "arguments": {"b": 2}}]'):
+        out = SimpleNamespace(text=turn, finish_reason="stop")
+        message, finish, _ = executor._message(session, fmt, "", out, turn)
+        assert finish == "tool_calls"
+        ids += [c["id"] for c in message["tool_calls"]]
+    assert ids == ["000000000", "000000001", "000000002"]

@@ -82,8 +82,8 @@ def test_a_malformed_call_is_one_line_naming_what_is_wrong(family, text, says):
 
 def test_mistral_and_llama3_parse_their_formats():
     text = 'Sure.[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, {"name": "now", "arguments": {}}]</s>'
-    assert fmt("mistral").parse(text) == ("Sure.</s>", [ToolCall("add", {"a": 1}, "call_0"),
-                                                        ToolCall("now", {}, "call_1")])
+    assert fmt("mistral").parse(text) == ("Sure.</s>", [ToolCall("add", {"a": 1}, "000000000"),
+                                                        ToolCall("now", {}, "000000001")])
     assert fmt("mistral").parse("no calls") == ("no calls", [])
     text = '<|python_tag|>{"name": "add", "parameters": {"a": 1}}; {"name": "now", "parameters": {}}'
     assert fmt("llama3").parse(text) == ("", [ToolCall("add", {"a": 1}, "call_0"),
@@ -99,10 +99,10 @@ def test_a_prefilled_call_completed_by_the_model_parses(family):
     args = ', "parameters": ' if family == "llama3" else ', "arguments": '
     completion = {"hermes": '{"a": 1}}\n</tool_call>', "mistral": '{"a": 1}}]', "llama3": '{"a": 1}}'}[family]
     assert f.prefill("add").endswith('"add"' + args)
-    assert f.parse(f.prefill("add") + completion)[1] == [ToolCall("add", {"a": 1}, "call_0")]
+    assert f.parse(f.prefill("add") + completion)[1] == [ToolCall("add", {"a": 1}, f.call_id(0))]
     call = '{"name": "add"' + args + completion  # "required": the model writes the whole call
     assert f.parse(f.prefill(None) + (call[1:] if family == "llama3" else call))[1] == [
-        ToolCall("add", {"a": 1}, "call_0")]
+        ToolCall("add", {"a": 1}, f.call_id(0))]
 
 
 # ---- the family from the tokenizer ----------------------------------------------------------------------
@@ -155,3 +155,29 @@ def test_the_template_renders_tools_calls_and_results_in_the_hermes_style(tok):
     turn = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
     assert tool_call_format(tok).parse(turn)[1] == [ToolCall("add", {"a": 2, "b": 3}, "call_0"),
                                                    ToolCall("add", {"a": 1}, "call_1")]
+
+
+def test_mistral_call_ids_pass_mistrals_template_and_number_the_calls_of_an_episode(tok):
+    from posttrain.agents.openai_chat import openai_tool_calls
+    from tests.agents.mistral_template import mistral_tokenizer
+
+    mistral = mistral_tokenizer(tok)
+    f = tool_call_format(mistral)
+    turn = ('[TOOL_CALLS][{"name": "add", "arguments": {"a": 2, "b": 3}}, '
+            '{"name": "add", "arguments": {"a": 1}}]')
+    calls = f.parse(turn)[1]
+    messages = [{"role": "user", "content": "2+3?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in calls]},
+                *({"role": "tool", "tool_call_id": c.id, "content": "5"} for c in calls)]
+    text = render_tool_prompt(mistral, messages, TOOLS)  # Mistral's template refuses other ids
+    assert '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 2, "b": 3}, "id": "000000000"}, ' in text
+    assert '[TOOL_RESULTS] {"content": 5, "call_id": "000000001"}[/TOOL_RESULTS]' in text
+    # a later turn's calls are numbered after the episode's earlier ones: ids unique within it
+    later = f.parse(turn, 2)[1]
+    assert [c.id for c in later] == ["000000002", "000000003"]
+    served = openai_tool_calls(later)  # the agent server's message.tool_calls
+    assert [c["id"] for c in served] == ["000000002", "000000003"]
+    assert [c.id for c in fmt("hermes").parse('<tool_call>{"name": "f"}</tool_call>', 3)[1]] == ["call_3"]
+    assert [c.id for c in fmt("llama3").parse('{"name": "f"}', 1)[1]] == ["call_1"]

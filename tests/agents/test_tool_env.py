@@ -121,6 +121,7 @@ def test_timeouts_errors_and_long_output_become_the_tool_message(tool_file, tmp_
                     "        x: ignored\n    '''\n    GATE.wait()\n    return x\n")
     tools = load_tool_file(str(path))
     tools.functions["hang"].__globals__["GATE"] = release
+    tools.max_output = 100  # errors whole (the budget cuts them too: see the next test)
     try:
         # the call is abandoned while the function still runs: its thread is not killed
         assert asyncio.run(tools.run("hang", {"x": 1})) == ("error: hang timed out after 0.5 s", False)
@@ -128,14 +129,79 @@ def test_timeouts_errors_and_long_output_become_the_tool_message(tool_file, tmp_
     finally:
         release.set()
     assert asyncio.run(tools.run("add", {"a": 2, "b": 3})) == ("5", True)
-    assert asyncio.run(tools.run("shout", {"text": "ab"})) == ("ABABABABAB", True)  # exactly the budget
-    cut = "ABCABCABCA... [cut: 5 more characters]"
-    assert asyncio.run(tools.run("shout", {"text": "abc"})) == (cut, True)
     assert asyncio.run(tools.run("boom", {"x": 1})) == ("error: boom raised ValueError: bad input", False)
     unknown = "error: unknown tool 'nope' (tools: add, shout, boom, hang)"
     assert asyncio.run(tools.run("nope", {})) == (unknown, False)
     text, ok = asyncio.run(tools.run("add", {"a": 1}))
     assert not ok and text == "error: add: missing a required argument: 'b'"
+    tools.max_output = 10
+    assert asyncio.run(tools.run("shout", {"text": "ab"})) == ("ABABABABAB", True)  # exactly the budget
+    cut = "ABCABCABCA... [cut: 5 more characters]"
+    assert asyncio.run(tools.run("shout", {"text": "abc"})) == (cut, True)
+
+
+def _cut(text: str, budget: int = 10) -> str:
+    return text[:budget] + f"... [cut: {len(text) - budget} more characters]"
+
+
+def test_error_texts_are_cut_to_the_output_budget_as_any_output(tmp_path):
+    path = tmp_path / "loud_errors.py"
+    path.write_text(TOOLS + "\n\ndef long_boom(x: int) -> int:\n    '''Fail at length.\n\n    Args:\n"
+                    "        x: ignored\n    '''\n    raise ValueError('x' * 500)\n")
+    tools = load_tool_file(str(path))  # MAX_TOOL_OUTPUT = 10
+    long = "error: long_boom raised ValueError: " + "x" * 500
+    assert asyncio.run(tools.run("long_boom", {"x": 1})) == (_cut(long), False)
+    unknown = "error: unknown tool 'nope' (tools: add, shout, boom, long_boom)"
+    assert asyncio.run(tools.run("nope", {})) == (_cut(unknown), False)
+    missing = "error: add: missing a required argument: 'b'"
+    assert asyncio.run(tools.run("add", {"a": 1})) == (_cut(missing), False)
+
+
+def test_an_async_tool_is_awaited_on_its_thread(tmp_path):
+    path = tmp_path / "async_tools.py"
+    path.write_text("import asyncio\n\n\nasync def add_later(a: int, b: int) -> int:\n    '''Add, later.\n\n"
+                    "    Args:\n        a: the first\n        b: the second\n    '''\n"
+                    "    await asyncio.sleep(0)\n    return a + b\n")
+    tools = load_tool_file(str(path))
+    assert tools.names == ["add_later"]
+    assert asyncio.run(tools.run("add_later", {"a": 2, "b": 3})) == ("5", True)
+
+
+def test_two_tools_of_one_name_are_refused_at_load(tmp_path):
+    path = tmp_path / "twice.py"
+    path.write_text(TOOLS + "\nTOOLS = [add, shout, add]\n")
+    with pytest.raises(ToolFileError) as err:
+        load_tool_file(str(path))
+    assert str(err.value) == (f"--train.tool_path {path}: TOOLS has two tools named 'add' (a tool's name is "
+                              f"its function's __name__); keep one, or rename one")
+
+
+HANG = ("\n\nGATE = None\n\n\ndef hang(x: int) -> int:\n    '''Hang.\n\n    Args:\n        x: ignored\n"
+        "    '''\n    GATE.wait()\n    return x\n")
+
+
+def test_stuck_calls_are_counted_and_past_the_cap_no_call_starts(tmp_path):
+    from posttrain.agents.tool_env import MAX_STUCK, ToolsStuck
+
+    path = tmp_path / "stuck_tools.py"
+    path.write_text(TOOLS.replace("TOOL_TIMEOUT = 0.5", "TOOL_TIMEOUT = 0.05") + HANG)
+    tools = load_tool_file(str(path))
+    release = threading.Event()
+    tools.functions["hang"].__globals__["GATE"] = release
+    try:
+        for k in range(MAX_STUCK):
+            assert tools.stuck_calls == k
+            assert asyncio.run(tools.run("hang", {"x": 1}))[1] is False
+        assert tools.stuck_calls == MAX_STUCK == 4  # as --reward.func_path's reward_func calls
+        with pytest.raises(ToolsStuck) as err:
+            asyncio.run(tools.run("add", {"a": 1, "b": 2}))
+        line = str(err.value)
+        assert line.startswith("4 timed-out tool calls (posttrain-tool-hang, ") and "\n" not in line
+    finally:
+        release.set()
+    for t in list(tools.stuck):
+        t.join(5)
+    assert tools.stuck_calls == 0 and asyncio.run(tools.run("add", {"a": 1, "b": 2})) == ("3", True)
 
 
 class ScriptedEngine:
@@ -179,18 +245,20 @@ def test_an_episode_is_the_rendered_conversation_with_only_the_model_turns_as_ac
     # the malformed call is answered with its error, counted, and the episode went on
     with pytest.raises(ToolCallError) as err:
         tool_call_format(tok).parse(bad)
-    error = f"error: {err.value}"
-    assert error.startswith("error: hermes tool call 0: invalid JSON")
-    assert result["extra_logs"] == {"tool_calls": 2.0, "tool_errors": 1.0} and result["turns"] == 3
+    full = f"error: {err.value}"
+    error = full[:10] + f"... [cut: {len(full) - 10} more characters]"  # MAX_TOOL_OUTPUT = 10
+    assert full.startswith("error: hermes tool call 0: invalid JSON")
+    assert result["extra_logs"] == {"tool_calls": 2.0, "tool_errors": 1.0, "tool_stuck": 0.0}
+    assert result["turns"] == 3
     assert result["tool_call_errors"] == 1  # agent/tool_call_errors, as the server counts malformed calls
     assert result["reward"] is None and not result["truncated"]
     # the whole sequence is the chat template's rendering of the conversation
     messages = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": bad},
                 {"role": "tool", "tool_call_id": "call_0", "content": error},
                 {"role": "assistant", "content": "", "tool_calls": [
-                    {"id": "call_0", "type": "function",
+                    {"id": "call_1", "type": "function",
                      "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
-                {"role": "tool", "tool_call_id": "call_0", "name": "add", "content": "5"},
+                {"role": "tool", "tool_call_id": "call_1", "name": "add", "content": "5"},
                 {"role": "assistant", "content": "5"}]
     rendered = tok.apply_chat_template(messages, tools=tools.schemas, tokenize=False)
     assert tok.decode(tokens, skip_special_tokens=False) + "\n" == rendered
@@ -203,7 +271,8 @@ def test_the_call_cap_ends_the_episode(tool_file, tok):
     tools = load_tool_file(tool_file, tok)
     call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 1}}\n</tool_call>'
     _, result = _episode(tok, tools, [call] * 4)
-    assert result["turns"] == 4 and result["extra_logs"] == {"tool_calls": 3.0, "tool_errors": 0.0}
+    assert result["turns"] == 4
+    assert result["extra_logs"] == {"tool_calls": 3.0, "tool_errors": 0.0, "tool_stuck": 0.0}
     tokens, (start, end) = result["observation_tokens"], result["action_ranges"][-1]
     assert end == len(tokens) and result["reward_ids"][-(end - start):] == tokens[start:end]
 
@@ -256,3 +325,118 @@ def test_the_reward_source_scores_the_prompt_and_the_final_answer(tok):
     queries, prompts, kwargs = source.seen
     assert queries == [prompt_text + "5<|im_end|>"] and prompts == [prompt_text]
     assert kwargs["completions"] == ["5"] and kwargs["completion_ids"] == [answer]
+
+
+def test_a_mistral_tool_episode_has_ids_mistrals_template_accepts(tool_file, tok):
+    """The call ids of a tool episode are the family's: Mistral's template refuses any id that is not 9
+    alphanumeric characters, and the episode's ids are numbered over its calls."""
+    from tests.agents.mistral_template import mistral_tokenizer
+
+    mistral = mistral_tokenizer(tok)
+    tools = load_tool_file(tool_file, mistral)
+    call = '[TOOL_CALLS][{"name": "add", "arguments": {"a": 2, "b": 3}}]'
+    _, result = _episode(mistral, tools, [call, call, "5"])
+    text = mistral.decode(result["observation_tokens"], skip_special_tokens=False)
+    assert result["extra_logs"] == {"tool_calls": 2.0, "tool_errors": 0.0, "tool_stuck": 0.0}
+    assert text.count('[TOOL_RESULTS] {"content": 5, "call_id": "000000000"}[/TOOL_RESULTS]') == 1
+    assert text.count('[TOOL_RESULTS] {"content": 5, "call_id": "000000001"}[/TOOL_RESULTS]') == 1
+
+
+class CallingEngine:
+    """A batch engine whose every turn is `text` and the end-of-turn token (a sampled stop)."""
+
+    def __init__(self, tok, text: str):
+        end = tok.convert_tokens_to_ids("<|im_end|>")
+        self.ids = tok(text, add_special_tokens=False)["input_ids"] + [end]
+
+    def generate(self, prompts, params, max_new_tokens=None, seeds=None):
+        from posttrain.rollout import RolloutOutput
+
+        return [[RolloutOutput(list(p), list(self.ids), [-0.5] * len(self.ids), "stop")] for p in prompts]
+
+
+def test_stuck_calls_are_logged_and_past_the_cap_stop_the_run_naming_the_tool_flag(tmp_path, tok):
+    from posttrain.agents.multi_turn import AgentError, AgentRunner
+    from posttrain.data import Prompt
+    from posttrain.data.templates import render_chat
+    from posttrain.rollout import SamplingParams
+
+    path = tmp_path / "stuck_tools.py"
+    path.write_text(TOOLS.replace("TOOL_TIMEOUT = 0.5", "TOOL_TIMEOUT = 0.05")
+                    .replace("MAX_TOOL_CALLS = 3", "MAX_TOOL_CALLS = 10") + HANG)
+    tools = load_tool_file(str(path), tok)
+    release = threading.Event()
+    tools.functions["hang"].__globals__["GATE"] = release
+    hang = '<tool_call>\n{"name": "hang", "arguments": {"x": 1}}\n</tool_call>'
+    try:
+        _, result = _episode(tok, tools, [hang] * 3 + ["done"])
+        assert result["extra_logs"] == {"tool_calls": 3.0, "tool_errors": 3.0, "tool_stuck": 3.0}
+        text = render_chat(tok, [{"role": "user", "content": "Q"}], True, tools=tools.schemas)
+        runner = AgentRunner(ToolAgentExecutor(tools), CallingEngine(tok, hang), tok, None, max_len=4096,
+                             timeout=60, max_failure_frac=1.0)
+        with pytest.raises(AgentError) as err:
+            runner.run([Prompt(text=text, token_ids=tok(text, add_special_tokens=False)["input_ids"],
+                               label="5", source="test")], SamplingParams(n=1, seed=1))
+        assert str(err.value).startswith("--train.tool_path: an agent episode stopped the run: 4 timed-out "
+                                         "tool calls (posttrain-tool-hang, ")
+    finally:
+        release.set()
+
+
+def test_openai_format_sft_rows_render_as_the_tool_episodes(tok):
+    """An assistant tool-call turn as OpenAI writes it (content null or absent, arguments a JSON string)
+    trains on the tokens of the row with the arguments as an object: the tool episode's."""
+    from posttrain.agents.examples.calculator import make_calculator_tool_rows
+    from posttrain.data.sft_dataset import SFTDataset
+
+    def sft(row):
+        item = SFTDataset([row], tok, input_key="messages", apply_chat_template=True, multiturn=True,
+                          max_len=1024)[0]
+        return list(item["input_ids"]), list(item["loss_mask"])
+
+    row = next(r for r in make_calculator_tool_rows(20, seed=3) if len(r["messages"]) == 4)
+    call = row["messages"][1]["tool_calls"][0]
+    wire = {**call, "function": {**call["function"], "arguments": json.dumps(call["function"]["arguments"])}}
+    # content "" (valid before), then null and absent: the arguments parsed, not encoded twice
+    for turn in ({"role": "assistant", "content": "", "tool_calls": [wire]},
+                 {"role": "assistant", "content": None, "tool_calls": [wire]},
+                 {"role": "assistant", "tool_calls": [wire]}):
+        messages = [row["messages"][0], turn, *row["messages"][2:]]
+        assert sft({**row, "messages": messages}) == sft(row)
+
+
+def test_a_malformed_tool_calls_value_in_data_is_one_line():
+    from posttrain.data.errors import DataError
+    from posttrain.data.validation import check_messages
+
+    row = {"__source__": "d.jsonl", "__row__": 3}
+    messages = [{"role": "user", "content": "2+3?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": 3}}]}]
+    with pytest.raises(DataError) as err:
+        check_messages(row, "messages", messages, "--data.input_key")
+    assert str(err.value).startswith("d.jsonl, row 3: key 'messages', message 1: 'tool_calls' must be a "
+                                     "list of")
+    assert "\n" not in str(err.value)
+
+
+def test_sft_rows_hand_json_string_arguments_to_the_template_parsed(tok):
+    """A template that `tojson`s the call (Mistral's, Llama 3.1's) would encode a JSON-string `arguments`
+    a second time: SFT rows get the normalisation the agent server applies."""
+    from posttrain.data.sft_dataset import SFTDataset
+    from tests.agents.mistral_template import mistral_tokenizer
+
+    mistral = mistral_tokenizer(tok)
+
+    def text(arguments):
+        call = {"id": "000000000", "type": "function", "function": {"name": "add", "arguments": arguments}}
+        row = {"messages": [{"role": "user", "content": "2+3?"},
+                            {"role": "assistant", "content": "", "tool_calls": [call]},
+                            {"role": "tool", "tool_call_id": "000000000", "content": "5"},
+                            {"role": "assistant", "content": "5"}]}
+        ids = SFTDataset([row], mistral, input_key="messages", apply_chat_template=True, multiturn=True,
+                         max_len=1024)[0]["input_ids"]
+        return mistral.decode(list(ids), skip_special_tokens=False)
+
+    rendered = text('{"a": 2, "b": 3}')
+    assert '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 2, "b": 3}, "id": "000000000"}]' in rendered
+    assert rendered == text({"a": 2, "b": 3})
