@@ -14,38 +14,18 @@ from typing import Any
 from posttrain.config.backends import rollout_backend
 from posttrain.config.errors import ConfigError
 from posttrain.config.facts import deepspeed_only_flags
-from posttrain.config.flag_values import check_flag_choice, format_value, parse_probs
+from posttrain.config.flag_values import check_flag_choice, parse_probs
 from posttrain.config.hardware import device_type, record_resolved, resolved_values
 from posttrain.config.inference import INFERENCE_CONFIGS
-from posttrain.config.ray_mode import critic_path, role_ranks, run_roles, uses_ray
-from posttrain.config.roles import (
-    GROUP_ESTIMATORS,
-    RESERVED_TERM_NAMES,
-    SEQUENCE_POLICY_LOSSES,
-    reward_endpoints,
-    reward_func_spec,
-)
+from posttrain.config.ppo_rules import ppo_rules
+from posttrain.config.ray_mode import critic_path, role_ranks, run_roles
+from posttrain.config.rule_report import RuleReport
 from posttrain.config.sections import POLYNOMIAL_LR_END, DSConfig, OptimizerFields
 from posttrain.config.serving import ServedModelConfig, ServeRMConfig
 from posttrain.config.spec import flag_specs, get_path, set_path
 from posttrain.config.summary import data_parallel_size, micro_batch_tokens
 from posttrain.config.trainers import CommandConfig, DPOConfig, PPOConfig, RMConfig, TrainerConfig
 from posttrain.utils.extras import installed, missing_message
-
-
-class _Report:
-    def __init__(self) -> None:
-        self.problems: list[str] = []
-        self.warnings: list[str] = []
-
-    def bad(self, flag: str, value: Any, why: str) -> None:
-        text = "" if value is None or isinstance(value, bool) else format_value(value)
-        shown = f" {text}" if text else ""
-        self.problems.append(f"--{flag}{shown}: {why}")
-
-    def need(self, ok: bool, flag: str, value: Any, why: str) -> None:
-        if not ok:
-            self.bad(flag, value, why)
 
 
 def validate(cfg: CommandConfig, world_size: int = 1, device: Any = None) -> list[str]:
@@ -58,7 +38,7 @@ def validate(cfg: CommandConfig, world_size: int = 1, device: Any = None) -> lis
                           f"(WORLD_SIZE={world_size}): launch it once, as `posttrain ppo ...` or `python -m "
                           "posttrain.cli.train_ppo_ray ...`, with --actor.num_gpus_per_node / "
                           "--vllm.num_engines for more ranks, not under torchrun or deepspeed")
-    r = _Report()
+    r = RuleReport()
     dev = device_type(device)
     if cfg.trainer == "serve-rm":
         _declared(cfg, r)
@@ -92,7 +72,8 @@ def validate(cfg: CommandConfig, world_size: int = 1, device: Any = None) -> lis
     if cfg.trainer in ("sft", "rm", "dpo", "ppo"):
         _tensor_parallel(cfg, r, world_size, dev)
     if cfg.trainer == "ppo":
-        _ppo(cfg, r, world_size)
+        ppo_rules(cfg, r, world_size)
+        _vision_rl(cfg, r)
         _vllm_tensor_parallel(cfg, r, dev)
         for role in ("actor", "critic"):
             _optimizer(getattr(cfg, role), f"{role}.", cfg, r)
@@ -108,7 +89,7 @@ def validate(cfg: CommandConfig, world_size: int = 1, device: Any = None) -> lis
     return r.warnings
 
 
-def _optional_parts(cfg: TrainerConfig, r: _Report, world_size: int) -> None:
+def _optional_parts(cfg: TrainerConfig, r: RuleReport, world_size: int) -> None:
     """What the run asked for that needs an optional dependency which is not installed (`utils.extras`):
     Ray for a run on Ray, DeepSpeed for ZeRO (several ranks, a DeepSpeed-only flag), TensorBoard, W&B.
     (bitsandbytes is checked where the 4-bit base loads, on a CUDA GPU only.)"""
@@ -127,14 +108,14 @@ def _optional_parts(cfg: TrainerConfig, r: _Report, world_size: int) -> None:
 def check_serving_model(ds: ServedModelConfig, device: Any = None) -> list[str]:
     """The model-loading rules of `--ds.*` for a model that is only run, never trained (serve-rm):
     raises ConfigError (e.g. 4-bit on a CPU), returns warnings (e.g. bf16 on a CPU)."""
-    r = _Report()
+    r = RuleReport()
     _model_loading(ds, r, device_type(device))
     if r.problems:
         raise ConfigError.collect(r.problems)
     return r.warnings
 
 
-def _declared(cfg: CommandConfig, r: _Report) -> list:
+def _declared(cfg: CommandConfig, r: RuleReport) -> list:
     """Each flag's own facts: its choices (per element of a list), its range or check, required. Returns the
     specs of the flags that break theirs."""
     broken = []
@@ -154,7 +135,7 @@ def _declared(cfg: CommandConfig, r: _Report) -> list:
     return broken
 
 
-def _context_parallel(cfg, r: _Report, world_size: int) -> None:
+def _context_parallel(cfg, r: RuleReport, world_size: int) -> None:
     """--ds.ring_attn_size N: every packed row split over N ranks; N divides the ranks (of the run, or of each
     role of ppo that loads a model), rows are packed: sft / rm / dpo refuse unpacked rows, ppo turns
     --ds.packing_samples on with a warning (both as OpenRLHF)."""
@@ -178,7 +159,7 @@ def _context_parallel(cfg, r: _Report, world_size: int) -> None:
                   f"{n} ranks share each row; set --{role}.num_gpus_per_node to a multiple of {n})")
 
 
-def _tensor_parallel(cfg, r: _Report, world_size: int, dev: str) -> None:
+def _tensor_parallel(cfg, r: RuleReport, world_size: int, dev: str) -> None:
     """--ds.tensor_parallel_size N: the model split over groups of N ranks; N divides the ranks (of the
     run, or of each trained ppo role: the actor and a critic); not with what changes the split layers (LoRA
     adapters, 4-bit weights), Muon (it orthogonalizes whole matrices), ring attention (one kind of group at
@@ -238,7 +219,7 @@ def tensor_parallel_refusal(size: int | None, why: str) -> str:
     return f"{flag}: {why}" if size is None else f"{flag} {size}: {why}"
 
 
-def _dpo(cfg: DPOConfig, r: _Report) -> None:
+def _dpo(cfg: DPOConfig, r: RuleReport) -> None:
     """IPO has no label smoothing: the two flags together are refused rather than one ignored."""
     m = cfg.model
     if m.ipo_enable and m.label_smoothing:
@@ -246,7 +227,7 @@ def _dpo(cfg: DPOConfig, r: _Report) -> None:
                           "does not use it. Drop one of the two flags.")
 
 
-def _rm(cfg: RMConfig, r: _Report) -> None:
+def _rm(cfg: RMConfig, r: RuleReport) -> None:
     """A margin is a term of the sigmoid loss only; reward models read text only (a score model has no
     vision-language form for most families, and the scorers of ppo and serve-rm score text)."""
     m = cfg.model
@@ -265,7 +246,7 @@ def _rm(cfg: RMConfig, r: _Report) -> None:
 VLLM_RANKS = "--vllm.num_engines x --vllm.tensor_parallel_size"  # the GPUs the vLLM engines take, in messages
 
 
-def _vllm_tensor_parallel(cfg: PPOConfig, r: _Report, dev: str) -> None:
+def _vllm_tensor_parallel(cfg: PPOConfig, r: RuleReport, dev: str) -> None:
     problem = vllm_tensor_parallel_problem(cfg, dev)
     if problem:
         r.problems.append(problem)
@@ -290,7 +271,7 @@ def vllm_tensor_parallel_problem(cfg: PPOConfig, dev: str) -> str | None:
             "--vllm.tensor_parallel_size 1 and more --vllm.num_engines")
 
 
-def _inference(cfg, r: _Report) -> None:
+def _inference(cfg, r: RuleReport) -> None:
     """chat / generate / eval: at most one reward source; --post_processor needs one (iter_dpo: two samples
     per prompt)."""
     reward = getattr(cfg, "reward", None)
@@ -308,7 +289,7 @@ def _inference(cfg, r: _Report) -> None:
            f"needs two samples per prompt or more (--rollout.n_samples_per_prompt {n})")
 
 
-def _served_source(cfg: ServeRMConfig, r: _Report) -> None:
+def _served_source(cfg: ServeRMConfig, r: RuleReport) -> None:
     """serve-rm serves exactly one source: a reward model or a reward_func .py file."""
     model, url = cfg.reward.model_name_or_path, cfg.reward.remote_url
     if bool(model) == bool(url):
@@ -318,7 +299,7 @@ def _served_source(cfg: ServeRMConfig, r: _Report) -> None:
         r.problems.append(f"--reward.remote_url={url!r}: serve-rm serves a .py reward function file")
 
 
-def _engine(cfg: TrainerConfig, r: _Report, dev: str) -> None:
+def _engine(cfg: TrainerConfig, r: RuleReport, dev: str) -> None:
     ds = cfg.ds
     if ds.tensor_parallel_size > 1 and ds.zero_stage == 3:
         r.bad(
@@ -339,7 +320,7 @@ def _engine(cfg: TrainerConfig, r: _Report, dev: str) -> None:
     _model_loading(ds, r, dev)
 
 
-def _model_loading(ds: DSConfig | ServedModelConfig, r: _Report, dev: str) -> None:
+def _model_loading(ds: DSConfig | ServedModelConfig, r: RuleReport, dev: str) -> None:
     """Loading rules shared by trained and served models: 4-bit needs CUDA; bf16 / fp16 on a CPU are slow."""
     if ds.load_in_4bit and dev != "cuda":
         r.bad("ds.load_in_4bit", True, "bitsandbytes 4-bit loading needs a CUDA GPU; this run is on CPU")
@@ -352,7 +333,7 @@ def _model_loading(ds: DSConfig | ServedModelConfig, r: _Report, dev: str) -> No
         r.warnings.append("--ds.param_dtype fp16 on CPU is slow and numerically fragile; prefer fp32")
 
 
-def _data(cfg: TrainerConfig, r: _Report) -> None:
+def _data(cfg: TrainerConfig, r: RuleReport) -> None:
     d = cfg.data
     if d.input_template is not None and "{}" in d.input_template and "\\n" in d.input_template:
         r.warnings.append(
@@ -370,7 +351,7 @@ def _data(cfg: TrainerConfig, r: _Report) -> None:
         )
 
 
-def _probs(r: _Report, flag: str, text: str | None, datasets: str | None, src_flag: str) -> None:
+def _probs(r: RuleReport, flag: str, text: str | None, datasets: str | None, src_flag: str) -> None:
     try:
         probs = parse_probs(text)
     except ValueError:
@@ -387,7 +368,7 @@ def _probs(r: _Report, flag: str, text: str | None, datasets: str | None, src_fl
         r.bad(flag, text, f"probabilities must sum to 1 (they sum to {sum(probs):g})")
 
 
-def _train(cfg: TrainerConfig, r: _Report, world_size: int) -> None:
+def _train(cfg: TrainerConfig, r: RuleReport, world_size: int) -> None:
     t = cfg.train
     dp = data_parallel_size(cfg, world_size)
     ranks = "world size" if dp == world_size else ("data-parallel size (ranks / (--ds.tensor_parallel_size x "
@@ -417,13 +398,13 @@ def _train(cfg: TrainerConfig, r: _Report, world_size: int) -> None:
             )
 
 
-def _ckpt(cfg: TrainerConfig, r: _Report) -> None:
+def _ckpt(cfg: TrainerConfig, r: RuleReport) -> None:
     c = cfg.ckpt
     if c.load_enable and c.path == "":  # unset (None): <--ckpt.output_dir>/checkpoints (checkpoint_dir)
         r.bad("ckpt.load_enable", True, "needs --ckpt.path (where the checkpoints are)")
 
 
-def _optimizer(o: OptimizerFields, prefix: str, cfg: TrainerConfig, r: _Report) -> None:
+def _optimizer(o: OptimizerFields, prefix: str, cfg: TrainerConfig, r: RuleReport) -> None:
     if o.lr_scheduler == "polynomial" and not o.adam.lr > POLYNOMIAL_LR_END:
         r.bad(prefix + "adam.lr", o.adam.lr, f"--{prefix}lr_scheduler polynomial decays to the learning rate "
               f"{POLYNOMIAL_LR_END:g} (transformers' lr_end), so it must start above that; raise it or use "
@@ -437,201 +418,7 @@ def _optimizer(o: OptimizerFields, prefix: str, cfg: TrainerConfig, r: _Report) 
         )
 
 
-def _pair(r: _Report, flag: str, pair: list[float] | None) -> None:
-    if pair is not None and not pair[0] < pair[1]:
-        r.bad(flag, pair, "needs low < high")
-
-
-def _loss_agg(cfg: PPOConfig, r: _Report) -> None:
-    """`--actor.loss_agg` unset (auto) resolves to seq_mean_token_mean for a sequence-ratio policy loss
-    (`--actor.policy_loss_type gspo`: OpenRLHF's GSPO loss is a per-sequence mean of token means; `seq_sum`:
-    TRL RLOO's mean over sequences) and to token_mean otherwise, recorded like a hardware default
-    (`format_config` shows why). token_mean asked for with either is refused."""
-    a = cfg.actor
-    asked = resolved_values(cfg).get("actor.loss_agg", (a.loss_agg,))[0]
-    per_sequence = a.policy_loss_type in SEQUENCE_POLICY_LOSSES
-    if asked is None:
-        auto = "seq_mean_token_mean" if per_sequence else "token_mean"
-        why = f"auto for --actor.policy_loss_type {a.policy_loss_type}"
-        record_resolved(cfg, "actor.loss_agg", auto, why)
-    elif asked == "token_mean" and per_sequence:
-        names = {"gspo": ("GSPO", "as OpenRLHF"), "seq_sum": ("seq_sum", "as TRL RLOO")}
-        name, source = names[a.policy_loss_type]
-        r.bad(
-            "actor.loss_agg",
-            asked,
-            f"{name}'s importance ratio is per sequence, and a token mean would weight each sequence by its "
-            f"length; leave --actor.loss_agg unset (auto: seq_mean_token_mean, {source})",
-        )
-
-
-def _ppo(cfg: PPOConfig, r: _Report, world_size: int) -> None:
-    """The rules of `posttrain ppo`, by subject (problems are reported in this order)."""
-    _reward_source(cfg, r)
-    _rollout_engines(cfg, r)
-    _loss_agg(cfg, r)
-    _rollout_sizes(cfg, r)
-    _advantage_and_kl(cfg, r)
-    _async_and_ema(cfg, r)
-    _vision_rl(cfg, r)
-
-
-def _reward_source(cfg: PPOConfig, r: _Report) -> None:
-    """A reward source: a reward model or a remote URL (or .py file), not both, with or beside reward
-    function files (--reward.func_path, one finite weight each); or an agent file. A tool file (scored by
-    the reward source) with the chat template and without an agent file."""
-    rw, t = cfg.reward, cfg.train
-    if rw.func_path is not None:
-        r.problems.extend(_reward_term_problems(rw.func_path, rw.func_weights))
-    if rw.model_name_or_path and rw.remote_url:
-        r.problems.append(
-            f"--reward.model_name_or_path {format_value(rw.model_name_or_path)} and --reward.remote_url "
-            f"{format_value(rw.remote_url)}: a run takes its rewards from one source; drop one"
-        )
-    elif rw.remote_url:
-        try:
-            reward_endpoints(rw.remote_url)
-        except ValueError as err:
-            r.bad("reward.remote_url", rw.remote_url, str(err))
-    elif not (rw.model_name_or_path or rw.remote_url or rw.func_path or t.agent_func_path):
-        r.bad(
-            "reward.model_name_or_path",
-            None,
-            "a reward source is required: --reward.model_name_or_path (a reward model), "
-            "--reward.remote_url (an http(s) reward server or a .py file defining reward_func), "
-            "--reward.func_path (reward function files) or "
-            "--train.agent_func_path (an agent file whose environment returns rewards)",
-        )
-    if t.tool_path and t.agent_func_path:
-        r.bad("train.tool_path", t.tool_path, f"refused together with --train.agent_func_path "
-              f"{format_value(t.agent_func_path)}: a run has one environment; drop one")
-    elif t.tool_path and not cfg.data.apply_chat_template:
-        r.bad("train.tool_path", t.tool_path, "needs --data.apply_chat_template (the prompts are rendered "
-              "with the tools' schemas)")
-
-
-def _reward_term_problems(func_path: list[str], func_weights: list[float] | None) -> list[str]:
-    """What is wrong with `--reward.func_path` / `--reward.func_weights` (one line each, [] when nothing):
-    each entry a .py file (`reward_func_spec`), term names unique and none of RESERVED_TERM_NAMES, one
-    finite weight per file."""
-    problems, seen = [], {}
-    for i, entry in enumerate(func_path, 1):
-        try:
-            name = reward_func_spec(entry)[2]
-        except ValueError as err:
-            problems.append(f"--reward.func_path entry {i} ({entry!r}): {err}")
-            continue
-        if name in RESERVED_TERM_NAMES:
-            problems.append(f"--reward.func_path entry {i} ({entry!r}): its term name {name!r} is reserved "
-                            f"(reward/{name} is another metric); rename the file or give FILE.py:FUNCTION")
-        elif name in seen:
-            problems.append(f"--reward.func_path entries {seen[name]} and {i} are both named {name!r} "
-                            "(reward/<name>); rename a file or give FILE.py:FUNCTION")
-        seen.setdefault(name, i)
-    if func_weights is not None and len(func_weights) != len(func_path):
-        problems.append(f"--reward.func_weights has {len(func_weights)} weights for {len(func_path)} "
-                        "--reward.func_path files; give one weight per file (or none: 1 each)")
-    return problems
-
-
-def _rollout_engines(cfg: PPOConfig, r: _Report) -> None:
-    """What the rollout engines can run: a QLoRA actor only in one process, vLLM only in engines of
-    its own."""
-    t = cfg.train
-    if cfg.ds.load_in_4bit and cfg.ds.lora.rank > 0 and (t.async_enable or uses_ray(cfg)):
-        r.bad("ds.load_in_4bit", True, "a QLoRA actor cannot sync its weights to rollout engines of their "
-              "own yet (Ray, --vllm.num_engines, --train.async_enable): run in one process, where the engine "
-              "samples from the actor itself")
-    if cfg.rollout.engine == "vllm" and not (cfg.vllm.num_engines or 0) >= 1:
-        r.bad("rollout.engine", "vllm", "vLLM runs in rollout engines of their own: add --vllm.num_engines 1 "
-              "(on Ray); one process samples with the HF engine over the actor's module")
-
-
-def _rollout_sizes(cfg: PPOConfig, r: _Report) -> None:
-    """Generation budget and batch sizes of a rollout."""
-    ro, t = cfg.rollout, cfg.train
-    if ro.max_new_tokens is not None:
-        r.need(
-            0 < ro.max_new_tokens < cfg.data.max_len,
-            "rollout.max_new_tokens",
-            ro.max_new_tokens,
-            f"must be in [1, --data.max_len {cfg.data.max_len}) to leave room for the prompt",
-        )
-    samples = ro.batch_size * ro.n_samples_per_prompt
-    if samples >= 1 and t.batch_size >= 1 and samples % t.batch_size:
-        r.bad(
-            "train.batch_size",
-            t.batch_size,
-            f"must divide the samples per rollout --rollout.batch_size x --rollout.n_samples_per_prompt = "
-            f"{ro.batch_size} x {ro.n_samples_per_prompt} = {samples}",
-        )
-    gen = ro.vllm_generate_batch_size
-    if gen is not None and gen > ro.batch_size and not t.async_enable:
-        r.bad(
-            "rollout.vllm_generate_batch_size",
-            ro.vllm_generate_batch_size,
-            f"larger than --rollout.batch_size {ro.batch_size} needs --train.async_enable (oversampling)",
-        )
-
-
-def _advantage_and_kl(cfg: PPOConfig, r: _Report) -> None:
-    """Estimators, KL, dynamic filtering and reward shaping."""
-    algo, ro, rw = cfg.algo, cfg.rollout, cfg.reward
-    adv, kl = algo.advantage, algo.kl
-    # estimators
-    if adv.estimator in GROUP_ESTIMATORS and ro.n_samples_per_prompt < 2:
-        r.bad(
-            "algo.advantage.estimator",
-            adv.estimator,
-            f"a group estimator needs --rollout.n_samples_per_prompt >= 2 (got {ro.n_samples_per_prompt})",
-        )
-    if adv.estimator in GROUP_ESTIMATORS and adv.gamma != 1.0:
-        r.warnings.append(
-            f"--algo.advantage.gamma {adv.gamma} is ignored by {adv.estimator} (uses gamma = 1)"
-        )
-    # KL
-    if kl.use_loss and kl.estimator == "k1":
-        r.warnings.append(
-            "--algo.kl.use_loss with --algo.kl.estimator k1: k1's gradient is not the KL's; "
-            "use k2 or k3 as a loss"
-        )
-    if not kl.use_loss and kl.estimator != "k1" and kl.init_coef > 0:
-        r.warnings.append(f"--algo.kl.estimator {kl.estimator} as a reward penalty: k1 is the usual choice")
-    if kl.use_loss and kl.sequence_level_enable:
-        r.bad(
-            "algo.kl.sequence_level_enable",
-            True,
-            "sequence-level KL goes into the reward; not compatible with --algo.kl.use_loss",
-        )
-    # dynamic filtering
-    if algo.dynamic_filtering_enable:
-        _pair(r, "algo.dynamic_filtering_range", algo.dynamic_filtering_range)
-        if ro.n_samples_per_prompt < 2:
-            r.bad("algo.dynamic_filtering_enable", True, "needs --rollout.n_samples_per_prompt >= 2")
-    # reward shaping
-    if rw.overlong_buffer_len is not None:
-        if ro.max_new_tokens is not None and ro.max_new_tokens < rw.overlong_buffer_len:
-            r.bad(
-                "reward.overlong_buffer_len",
-                rw.overlong_buffer_len,
-                f"must be <= --rollout.max_new_tokens {ro.max_new_tokens}",
-            )
-
-
-def _async_and_ema(cfg: PPOConfig, r: _Report) -> None:
-    """Async RL (partial rollout, sleeping engines) and the EMA copy under ZeRO-3."""
-    t = cfg.train
-    if t.partial_rollout_enable and not t.async_enable:
-        r.bad("train.partial_rollout_enable", True, "needs --train.async_enable")
-    if t.async_enable and cfg.vllm.enable_sleep:
-        r.bad("vllm.enable_sleep", True, "not compatible with --train.async_enable")
-    if t.enable_ema and cfg.ds.zero_stage == 3 and role_ranks(cfg.actor) > 1:
-        r.bad("train.enable_ema", True, "not available with --ds.zero_stage 3 and several actor ranks in "
-              "this version (each rank holds a shard of the weights); use --ds.zero_stage 2 or one actor "
-              "rank")
-
-
-def _vision_rl(cfg: PPOConfig, r: _Report) -> None:
+def _vision_rl(cfg: PPOConfig, r: RuleReport) -> None:
     """Vision-language RL: no critic, no packed rows."""
     adv = cfg.algo.advantage
     if cfg.data.max_images_per_prompt > 0:
