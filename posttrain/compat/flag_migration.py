@@ -39,14 +39,8 @@ RENAMED: dict[str, str | dict[str, str]] = {
     "--colocate_critic_reward": "--train.colocate_critic_reward",
     "--colocate_all_models": "--train.colocate_all",
     # vLLM / DeepSpeed
-    "--vllm_num_engines": "--vllm.num_engines",
-    "--vllm_tensor_parallel_size": "--vllm.tensor_parallel_size",
-    "--vllm_sync_backend": "--vllm.sync_backend",
-    "--vllm_sync_with_ray": "--vllm.sync_with_ray",
-    "--vllm_gpu_memory_utilization": "--vllm.gpu_memory_utilization",
     "--enforce_eager": "--vllm.enforce_eager",
     "--enable_prefix_caching": "--vllm.enable_prefix_caching",
-    "--vllm_enable_sleep": "--vllm.enable_sleep",
     "--deepspeed_enable_sleep": "--ds.enable_sleep",
     **{
         f"--{n}": f"--ds.{n}"
@@ -64,7 +58,6 @@ RENAMED: dict[str, str | dict[str, str]] = {
             "value_head_prefix",
         )
     },
-    "--ds_tensor_parallel_size": "--ds.tensor_parallel_size",
     "--ring_head_stride": "--ds.ring_attn_head_stride",
     # rollout / data / train / eval / ckpt / logger
     "--temperature": "--rollout.temperature",
@@ -207,6 +200,10 @@ BATCH_INFERENCE_RENAMED: dict[str, str] = {
 }
 _BATCH_INFERENCE, _RENAMED = "OpenRLHF 0.9's batch_inference flag", "renamed in OpenRLHF 0.10.2"
 
+# OpenRLHF's flat `--vllm_X` / `--ds_X` flags became `--vllm.X` / `--ds.X` (those not in RENAMED: the rule is
+# only a guess, taken when the dotted flag exists).
+SECTION_PREFIXES = {"--vllm_": "--vllm.", "--ds_": "--ds."}
+
 REMOVED: dict[str, str] = {
     "--muon_adam_lr": "the auxiliary Adam group of Muon uses --adam.lr (PPO: --actor.adam.lr)",
     "--actor_init_on_gpu": "the legacy init-on-GPU path is gone",
@@ -249,10 +246,16 @@ def renamed(old: str, trainer: str) -> tuple[str | None, str]:
     family = _family(trainer)
     if family == "infer" and old in BATCH_INFERENCE_RENAMED:
         return BATCH_INFERENCE_RENAMED[old], _BATCH_INFERENCE
-    new = RENAMED.get(old)
+    new = RENAMED.get(old) or _by_section_prefix(old)
     if isinstance(new, dict):
         new = new["ppo" if family in ("ppo", "serve") else "single"]
     return new, _RENAMED
+
+
+def _by_section_prefix(old: str) -> str | None:
+    """`--vllm.X` for `--vllm_X`, `--ds.X` for `--ds_X` (SECTION_PREFIXES), else None."""
+    return next((new + old[len(flat):] for flat, new in SECTION_PREFIXES.items() if old.startswith(flat)),
+                None)
 
 
 def renamed_to(old: str, trainer: str) -> str | None:
@@ -269,7 +272,8 @@ def explain_unknown(flag: str, trainer: str, known: set[str], owners: dict[str, 
         return f"unknown flag {flag}: removed in OpenRLHF 0.10.2 ({REMOVED[flag]})"
     family = _family(trainer)
     new, why = renamed(flag, trainer)
-    if new is not None:
+    guessed = why == _RENAMED and flag not in RENAMED  # by SECTION_PREFIXES: only when the dotted flag exists
+    if new is not None and not (guessed and new not in known and new not in owners):
         first = new.split()[0]
         if first in known:
             return f"unknown flag {flag}: {why}; use {new}"

@@ -64,6 +64,18 @@ def test_old_flags_name_the_new_dotted_flag():
     assert "posttrain ppo uses --data.prompt_dataset" in error("ppo", "--dataset", "d")
 
 
+def test_flat_vllm_and_ds_flags_map_to_their_section_by_rule():
+    """OpenRLHF's flat `--vllm_X` / `--ds_X` became `--vllm.X` / `--ds.X`: named by rule when that flag exists
+    (in this trainer or another), never for a field no trainer has."""
+    assert error("ppo", "--vllm_tensor_parallel_size", "2").endswith(
+        "renamed in OpenRLHF 0.10.2; use --vllm.tensor_parallel_size")
+    assert error("ppo", "--vllm_enable_sleep").endswith("use --vllm.enable_sleep")
+    assert error("sft", "--ds_tensor_parallel_size", "2").endswith("use --ds.tensor_parallel_size")
+    assert "--vllm.num_engines, a flag of posttrain" in error("sft", "--vllm_num_engines", "2")
+    assert "renamed" not in error("ppo", "--vllm_no_such_field", "1")
+    assert "use --rollout.vllm_generate_batch_size" in error("ppo", "--vllm_generate_batch_size", "8")
+
+
 def test_openrlhf_09_batch_inference_flags_name_posttrains():
     """An OpenRLHF 0.9 `batch_inference` command line (best-of-n sampling) given to `posttrain generate`:
     each flag's hint names posttrain's flag; the 0.10.2 renames still apply where 0.9 used the old name."""
