@@ -18,6 +18,7 @@ from .advantages import (
     whiten,
     whiten_sequences,
 )
+from .distillation import KD_LOSSES, distillation_loss, generalized_jsd, kd_divergence
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, approx_kl, approx_kl_with_stats
 from .losses import (
     AGGREGATIONS,
@@ -48,4 +49,5 @@ __all__ = [
     "gathered_logprobs", "group_baseline", "masked_mean", "missing_eos_penalty", "overlong_penalty",
     "policy_loss", "reward_model_loss", "stop_properly_penalty", "token_logprobs", "token_rewards",
     "token_rewards_with_stats", "value_loss", "value_loss_with_stats", "whiten", "whiten_sequences",
+    "KD_LOSSES", "distillation_loss", "generalized_jsd", "kd_divergence",
 ]

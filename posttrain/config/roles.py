@@ -27,6 +27,7 @@ SEQUENCE_POLICY_LOSSES = ("gspo", "seq_sum")  # per-sequence ratio: aggregated p
 WHITEN_LEVELS = ("token", "sequence")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_sum_norm")
 RM_LOSS_TYPES = ("sigmoid", "logexp")
+KD_LOSSES = ("forward", "reverse", "jsd")  # algorithms.distillation.KD_LOSSES
 
 
 def reward_endpoints(value: str) -> list[str]:
@@ -79,6 +80,8 @@ REF_ON_CPU = Inert("the reference model is already in CPU memory: this machine h
                    "is nothing to offload to", facts.on_cpu)
 REWARD_ON_CPU = Inert("the reward model is already in CPU memory: this machine has no accelerator, so there "
                       "is nothing to offload to", facts.on_cpu)
+TEACHER_ON_CPU = Inert("the teacher is already in CPU memory: this machine has no accelerator, so there is "
+                       "nothing to offload to", facts.on_cpu)
 NO_REFERENCE = Inert(f"no reference model {facts.NO_KL}", facts.no_reference)
 NO_CRITIC = Inert("no critic: only --algo.advantage.estimator gae trains one", facts.no_critic)
 REMOTE_ONLY = Inert("it applies to --reward.remote_url (a reward server or .py file) and --reward.func_path "
@@ -135,6 +138,32 @@ class DPORefConfig:
 
     model_name_or_path: str | None = opt(None, "reference model; default: --model.model_name_or_path")
     offload: bool = opt(False, "keep the reference model on CPU between forwards", inert=REF_ON_CPU,
+                        on_resume="adjustable")
+
+
+@dataclass
+class KDModelConfig(SFTModelConfig):
+    """The student (KD): SFT's model flags and the distillation loss (docs/distillation.md)."""
+
+    kd_coef: float = opt(0.4, "weight of the distillation loss: (1 - c) * NLL + c * KD (OpenRLHF 0.9)",
+                         ge=0, le=1)
+    kd_loss: str = opt("forward", "divergence to the teacher: forward KL(t||s), reverse KL(s||t) or jsd "
+                       "(generalized JSD, --model.kd_beta)", choices=KD_LOSSES, extension=True)
+    kd_beta: float = opt(0.5, "generalized JSD mix: 0 = forward KL, 1 = reverse KL (TRL GKD beta)",
+                         ge=0, le=1, extension=True,
+                         inert=needs("--model.kd_loss jsd", lambda c: c.model.kd_loss == "jsd"))
+    kd_temperature: float = opt(1.0, "softmax temperature of both distributions in the distillation loss",
+                                gt=0, extension=True)
+
+
+@dataclass
+class KDTeacherConfig:
+    """The frozen teacher (KD): same tokenizer and vocabulary as the student."""
+
+    model_name_or_path: str | None = opt(None, "teacher model folder or hub id (required)",
+                                         required="the teacher model folder or hub id")
+    offload: bool = opt(False, "keep the teacher on CPU between forwards (OpenRLHF --teacher_offload)",
+                        inert=TEACHER_ON_CPU,
                         on_resume="adjustable")
 
 

@@ -18,6 +18,8 @@ from posttrain.config.roles import (
     CriticConfig,
     DPOModelConfig,
     DPORefConfig,
+    KDModelConfig,
+    KDTeacherConfig,
     RefConfig,
     RewardConfig,
     RMModelConfig,
@@ -47,7 +49,7 @@ from posttrain.config.sections import (
 from posttrain.config.serving import ServeRMConfig
 from posttrain.config.spec import ParsedFields, carried, opt, section
 
-TRAINERS = ("sft", "rm", "dpo", "ppo")
+TRAINERS = ("sft", "rm", "dpo", "ppo", "kd")
 
 
 def _logger(trainer: str):
@@ -119,6 +121,19 @@ class DPOConfig(OptimizerFields, LauncherFields):
 
 
 @dataclass
+class KDConfig(SFTConfig):
+    """posttrain kd: knowledge distillation, SFT with a frozen teacher's token distributions (OpenRLHF 0.9's
+    train_kd)."""
+
+    trainer: ClassVar[str] = "kd"
+    model: KDModelConfig = section(KDModelConfig)
+    teacher: KDTeacherConfig = section(KDTeacherConfig)
+    train: TrainConfig = section(TrainConfig, micro_batch_size=8, max_epochs=1)
+    ckpt: CkptConfig = _ckpt(CkptConfig, "kd")
+    logger: LoggerConfig = _logger("kd")
+
+
+@dataclass
 class PPOConfig(LauncherFields):
     """posttrain ppo: RL from human or verifiable feedback (PPO, REINFORCE++, RLOO, GRPO, ...)."""
 
@@ -144,12 +159,14 @@ class PPOConfig(LauncherFields):
 
 
 # the configs a function may be passed, for its annotations
-SingleModelConfig = SFTConfig | RMConfig | DPOConfig  # the single-model trainers (trainers/session.py)
+# the single-model trainers (trainers/session.py)
+SingleModelConfig = SFTConfig | RMConfig | DPOConfig | KDConfig
 TrainerConfig = SingleModelConfig | PPOConfig  # any trainer's
 # any command's the dotted-flag parser reads (COMMAND_CONFIGS)
 CommandConfig = TrainerConfig | ServeRMConfig | ChatConfig | GenerateConfig | EvalCmdConfig
 
-CONFIG_CLASSES: dict[str, type] = {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig, "ppo": PPOConfig}
+CONFIG_CLASSES: dict[str, type] = {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig, "ppo": PPOConfig,
+                                   "kd": KDConfig}
 # every command whose flags the dotted-flag parser reads: the trainers, the reward server, chat/generate/eval
 COMMAND_CONFIGS: dict[str, type] = {**CONFIG_CLASSES, "serve-rm": ServeRMConfig, **INFERENCE_CONFIGS}
 

@@ -67,9 +67,9 @@ def validate(cfg: CommandConfig, world_size: int = 1, device: Any = None) -> lis
     _data(cfg, r)
     _train(cfg, r, world_size)
     _ckpt(cfg, r)
-    if cfg.trainer in ("sft", "dpo", "rm", "ppo"):
+    if cfg.trainer in ("sft", "dpo", "rm", "ppo", "kd"):
         _context_parallel(cfg, r, world_size)
-    if cfg.trainer in ("sft", "rm", "dpo", "ppo"):
+    if cfg.trainer in ("sft", "rm", "dpo", "ppo", "kd"):
         _tensor_parallel(cfg, r, world_size, dev)
     if cfg.trainer == "ppo":
         ppo_rules(cfg, r, world_size)

@@ -73,3 +73,14 @@ def check_tensor_parallel_folder(path, size: int) -> None:
     config = Path(path) / "config.json"
     if config.is_file():
         check_tensor_parallel_config(json.loads(config.read_text(encoding="utf-8")), size)
+
+
+def vocab_size_of(path) -> int | None:
+    """The `vocab_size` (the width of the logits) in a local model folder's config.json (`text_config` for a
+    VLM); None for a hub id or a config without one (the loaded models are compared at the first forward)."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return None
+    data = json.loads(config.read_text(encoding="utf-8"))
+    size = (data.get("text_config") or data).get("vocab_size", data.get("vocab_size"))
+    return int(size) if isinstance(size, int) else None

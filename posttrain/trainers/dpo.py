@@ -32,13 +32,13 @@ import torch
 
 from posttrain.algorithms.preference import dpo_loss
 from posttrain.config import DPOConfig
-from posttrain.engines.zero3 import FrozenShards, describe_shards, sharded_loading
 from posttrain.models import forward_logits, sequence_logprobs, unwrap_model
 from posttrain.models.context_parallel import slice_context
 from posttrain.models.setup import ModelSetup
+from posttrain.trainers.frozen import frozen_logits, load_frozen
 from posttrain.trainers.pairs import PairObjective, preference_items
 from posttrain.trainers.session import SingleModelRun
-from posttrain.utils.log import info, rank_info
+from posttrain.utils.log import info
 
 
 class DPOObjective(PairObjective):
@@ -68,16 +68,7 @@ class DPOObjective(PairObjective):
                     return forward_logits(model, batch)
             finally:
                 peft_model.train(was_training)
-        ref = self.ref_model
-        if isinstance(ref, FrozenShards):  # ZeRO-3 shards: a collective forward, as many on every rank
-            return forward_logits(ref.module, batch)
-        if self.ref_offload:
-            ref.to(self.device)
-        try:
-            return forward_logits(ref, batch)
-        finally:
-            if self.ref_offload:
-                ref.to("cpu")
+        return frozen_logits(self.ref_model, batch, self.ref_offload, self.device)
 
     def loss(self, model, batch: dict, num_units: float):
         b = batch["num_pairs"]
@@ -120,17 +111,8 @@ def load_reference(cfg: DPOConfig, device: torch.device, world_size: int = 1):
             info("note: --ref.offload has nothing to offload (the reference shares the policy's base "
                  "weights)")
         return None
-    where = torch.device("cpu") if cfg.ref.offload else device
-    # with context parallelism the reference reads the same slices of each row as the policy
-    built = setup.build(path, "ref", device=where, sharding=sharded_loading(cfg.ds, cfg.ds.zero_stage),
-                        split_rows=setup.ring > 1)
-    if built.sharded:
-        info(f"reference model: {path} (frozen, held as ZeRO-3 shards across the {world_size} ranks"
-             f"{', shards in CPU memory' if cfg.ref.offload and torch.cuda.is_available() else ''})")
-        rank_info(describe_shards("reference model", built.model))
-        return FrozenShards(built.model, cfg.ds, offload=cfg.ref.offload)
-    info(f"reference model: {path} (frozen, on {where}{' between forwards' if cfg.ref.offload else ''})")
-    return built.model
+    return load_frozen(cfg, path, "reference model", offload=cfg.ref.offload, device=device,
+                       world_size=world_size)
 
 
 def train_dpo(cfg: DPOConfig) -> dict:

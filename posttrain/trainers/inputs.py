@@ -22,12 +22,12 @@ from posttrain.data.errors import DataError
 from posttrain.data.images import max_images, max_images_flag
 from posttrain.data.sources import missing_source, source_columns
 from posttrain.data.validation import MARGIN_KEY, close_key
-from posttrain.models.config_facts import check_tensor_parallel_folder, is_vision_folder
+from posttrain.models.config_facts import check_tensor_parallel_folder, is_vision_folder, vocab_size_of
 from posttrain.models.folders import check_model_folder
 from posttrain.utils.errors import ConfigError, UserError
 
 MODEL_FLAGS = ("model.model_name_or_path", "actor.model_name_or_path", "critic.model_name_or_path",
-               "ref.model_name_or_path", "reward.model_name_or_path")
+               "ref.model_name_or_path", "reward.model_name_or_path", "teacher.model_name_or_path")
 DATA_FLAGS = ("data.dataset", "data.prompt_dataset", "eval.dataset")
 SPLIT_FLAGS = {"data.dataset": "data.dataset_split", "data.prompt_dataset": "data.prompt_split",
                "eval.dataset": "eval.split"}  # `generate` / `eval` name --data.dataset's split --data.split
@@ -87,7 +87,8 @@ def model_rule_problems(cfg: TrainerConfig, models: set[str]) -> list[str]:
     `check_model_folder`): the split models' attention heads and MLP divide by their tensor-parallel size
     (`models.config_facts.check_tensor_parallel_folder` on `config.validate.tensor_parallel_split`); an image
     limit (`data.images.max_images`) needs a vision-language model, which takes neither --ds.packing_samples
-    nor, in ppo, --train.async_enable in this version. These read config.json only (no torch)."""
+    nor, in ppo, --train.async_enable in this version; kd's teacher has the student's vocabulary
+    (`vocab_problems`). These read config.json only (no torch)."""
     problems = []
     if not hasattr(cfg, "ds"):  # chat / generate / eval: no training flags to check against the model
         return problems
@@ -99,6 +100,9 @@ def model_rule_problems(cfg: TrainerConfig, models: set[str]) -> list[str]:
         except ConfigError as e:
             problems.append(str(e))
     model = cfg.actor.model_name_or_path if ppo else cfg.model.model_name_or_path
+    teacher = getattr(getattr(cfg, "teacher", None), "model_name_or_path", None)
+    if teacher in models and model in models:
+        problems += vocab_problems(model, teacher)
     images, packing, async_rl = (max_images(cfg.data), cfg.ds.packing_samples,
                                  ppo and cfg.train.async_enable)
     if model in models and (images or packing or async_rl):
@@ -114,6 +118,17 @@ def model_rule_problems(cfg: TrainerConfig, models: set[str]) -> list[str]:
             problems.append(f"{model} is a vision-language model: --train.async_enable is not available "
                             "with one in this version")
     return list(dict.fromkeys(problems))
+
+
+def vocab_problems(student: str, teacher: str) -> list[str]:
+    """KD: the teacher's logits must cover the student's vocabulary token for token (read from both
+    config.json files; [] where one cannot be read here)."""
+    sizes = vocab_size_of(student), vocab_size_of(teacher)
+    if None in sizes or sizes[0] == sizes[1]:
+        return []
+    return [f"--teacher.model_name_or_path: {teacher} has a vocabulary of {sizes[1]} tokens, the student "
+            f"({student}) {sizes[0]}; distillation compares their next-token distributions token by token: "
+            "use a teacher with the student's tokenizer"]
 
 
 class RowKey(NamedTuple):

@@ -33,6 +33,11 @@ class SFTObjective:
 
     def loss(self, model, batch: dict, num_units: float):
         logits, labels, mask = next_token_logits(model, batch)  # padded, packed or a context-parallel slice
+        return self.nll(logits, labels, mask, num_units)
+
+    @staticmethod
+    def nll(logits, labels, mask, num_units: float):
+        """(the token-mean NLL over the step's `num_units` target tokens, its additive statistics)."""
         nll = -token_logprobs(logits, labels)
         loss = aggregate(nll, mask, "token_mean", num_tokens=num_units)
         with torch.no_grad():
@@ -51,26 +56,33 @@ def prompt_template(cfg: SFTConfig) -> str | None:
     return cfg.data.input_template
 
 
+def sft_items(run: SingleModelRun, cfg: SFTConfig) -> tuple[list[dict], list[dict] | None]:
+    """The tokenised training and eval samples of SFT's rows (eval: None without an eval set), the dropped
+    and capped samples reported."""
+    tok = run.tokenizer
+    data_kwargs = dict(input_key=cfg.data.input_key, output_key=cfg.data.output_key,
+                       input_template=prompt_template(cfg),
+                       apply_chat_template=cfg.data.apply_chat_template,
+                       multiturn=cfg.data.multiturn, pretrain_mode=cfg.model.pretrain_mode_enable,
+                       processor=run.processor, **image_reading(cfg.data))
+    train_set = SFTDataset(run.train_rows, tok, cfg.data.max_len, **data_kwargs)
+    eval_set = SFTDataset(run.eval_rows, tok, cfg.data.max_len, **data_kwargs) if run.eval_rows else None
+    for what, data in (("train", train_set), ("eval", eval_set)):
+        if data is not None:
+            report = check_dropped(f"SFT {what} set", data.dropped, len(data) + data.num_dropped,
+                                   f"the prompt alone fills --data.max_len {cfg.data.max_len}",
+                                   cfg.data.max_dropped_frac)
+            if report:
+                info(report)
+            if data.num_capped:
+                info(capped_note(f"SFT {what} set", data.num_capped, cfg.data.max_len, tok))
+    return ([train_set[i] for i in range(len(train_set))],
+            [eval_set[i] for i in range(len(eval_set))] if eval_set else None)
+
+
 def train_sft(cfg: SFTConfig) -> dict:
     """Run SFT as configured; returns the final eval metrics (empty without an eval set)."""
     with SingleModelRun(cfg) as run:  # a failure before training leaves no run files
-        tok = run.tokenizer
-        data_kwargs = dict(input_key=cfg.data.input_key, output_key=cfg.data.output_key,
-                           input_template=prompt_template(cfg),
-                           apply_chat_template=cfg.data.apply_chat_template,
-                           multiturn=cfg.data.multiturn, pretrain_mode=cfg.model.pretrain_mode_enable,
-                           processor=run.processor, **image_reading(cfg.data))
-        train_set = SFTDataset(run.train_rows, tok, cfg.data.max_len, **data_kwargs)
-        eval_set = SFTDataset(run.eval_rows, tok, cfg.data.max_len, **data_kwargs) if run.eval_rows else None
-        for what, data in (("train", train_set), ("eval", eval_set)):
-            if data is not None:
-                report = check_dropped(f"SFT {what} set", data.dropped, len(data) + data.num_dropped,
-                                       f"the prompt alone fills --data.max_len {cfg.data.max_len}",
-                                       cfg.data.max_dropped_frac)
-                if report:
-                    info(report)
-                if data.num_capped:
-                    info(capped_note(f"SFT {what} set", data.num_capped, cfg.data.max_len, tok))
-        objective = SFTObjective(tok.pad_token_id, packing=cfg.ds.packing_samples)
-        return run.fit(objective, [train_set[i] for i in range(len(train_set))],
-                       [eval_set[i] for i in range(len(eval_set))] if eval_set else None)
+        train_items, eval_items = sft_items(run, cfg)
+        objective = SFTObjective(run.tokenizer.pad_token_id, packing=cfg.ds.packing_samples)
+        return run.fit(objective, train_items, eval_items)

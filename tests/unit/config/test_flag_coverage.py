@@ -110,6 +110,11 @@ ACTING: dict[str, frozenset[str]] = {
         "data: prompt_key chosen_key rejected_key image_key max_images_per_prompt",
         "ds: ring_attn_size ring_attn_head_stride",
     ),
+    # trainers/kd.py: sft's flags, the teacher (trainers/frozen.py) and the distillation loss
+    "kd": _SINGLE_MODEL | _paths("model: pretrain_mode_enable kd_coef kd_loss kd_beta kd_temperature",
+                                 "teacher: model_name_or_path offload",
+                                 "data: input_key output_key multiturn image_key max_images_per_prompt",
+                                 "ds: ring_attn_size ring_attn_head_stride"),
     # trainers/rl/ppo.py and what it builds (roles, updates, collect, reward sources)
     "ppo": _SHARED
     | _optimizer("actor.")
@@ -182,6 +187,7 @@ REFUSED: dict[str, frozenset[str]] = {
     "sft": frozenset(),
     "rm": frozenset(),
     "dpo": frozenset(),
+    "kd": frozenset(),
     "ppo": frozenset(),
     "serve-rm": frozenset(),
     "chat": frozenset(),
