@@ -65,3 +65,14 @@ def single_process(tiny_model_dir, arithmetic_dir, tmp_path_factory):
             runs[flags] = out
         return runs[flags]
     return run
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher_dir(tmp_path_factory):
+    """A second llama "nano" causal LM (seed 1: other weights, the same tokenizer as `tiny_model_dir`): the
+    teacher of `posttrain kd` runs that need any teacher."""
+    from posttrain.models import build_tiny
+
+    path = tmp_path_factory.mktemp("teacher") / "llama-nano-seed1"
+    build_tiny(path, arch="llama", size="nano", head="lm", seed=1, verbose=False)
+    return str(path)
