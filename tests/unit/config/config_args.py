@@ -4,6 +4,8 @@ BASE = {
     "sft": ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl"],
     "rm": ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl"],
     "dpo": ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl"],
+    "kd": ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl",
+           "--teacher.model_name_or_path", "t"],
     "ppo": [
         "--actor.model_name_or_path",
         "m",

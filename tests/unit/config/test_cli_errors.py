@@ -100,7 +100,7 @@ def test_flags_of_the_other_trainer_family_point_to_the_right_one():
     assert "reads this from --data.prompt_dataset" in error("ppo", "--data.dataset", "d")
     assert "reads this from --data.dataset" in error("sft", "--data.prompt_dataset", "d")
     assert "use --model.model_name_or_path" in error("dpo", "--actor.model_name_or_path", "m")
-    assert "it is a flag of posttrain sft, not of posttrain rm" in error("rm", "--data.multiturn")
+    assert "it is a flag of posttrain sft, kd, not of posttrain rm" in error("rm", "--data.multiturn")
 
 
 def test_invalid_choice_lists_the_valid_values():
