@@ -47,7 +47,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", default="42,1,2")
     ap.add_argument("--rows", type=int, default=64)
-    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--teacher-epochs", type=int, default=2)
     ap.add_argument("--kd-flags", default="", help="extra flags of the kd runs, e.g. '--model.kd_coef 0.8'")
     ap.add_argument("--workdir", default=None)
