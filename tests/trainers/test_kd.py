@@ -75,7 +75,8 @@ def test_resume_equals_uninterrupted_packed_lora_student(tiny_model_dir, arithme
     (("--teacher.model_name_or_path", "TEACHER", "--model.kd_loss", "kl"),
      "--model.kd_loss: invalid choice 'kl'"),
     (("--teacher.model_name_or_path", "OTHER_VOCAB"), "has a vocabulary of 1000 tokens, the student"),
-], ids=["no-teacher", "coef", "loss", "vocab"])
+    (("--teacher_model", "TEACHER"), "--teacher_model: OpenRLHF 0.9's train_kd flag; use --teacher."),
+], ids=["no-teacher", "coef", "loss", "vocab", "openrlhf-0.9-flag"])
 def test_bad_flags_and_a_teacher_of_another_vocabulary_stop_with_one_line(
         tiny_model_dir, arithmetic_dir, tiny_teacher_dir, tmp_path, capsys, extra, line):
     from posttrain.cli.main import main
