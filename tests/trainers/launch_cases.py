@@ -11,6 +11,7 @@ import traceback
 from importlib import import_module
 
 import posttrain.trainers.dpo  # noqa: F401  (the heavy imports, before the forks)
+import posttrain.trainers.kd  # noqa: F401
 import posttrain.trainers.rm  # noqa: F401
 import posttrain.trainers.sft  # noqa: F401
 from posttrain.engines.deepspeed_engine import import_deepspeed

@@ -50,14 +50,17 @@ def zero_common(extra) -> list:
 
 RING_COMMON = ["--train.micro_batch_size", "4", "--data.max_samples", "32", "--ds.packing_samples",
                "--adam.eps", ADAM_EPS]
+# `posttrain kd` (SFT's loop with a frozen teacher): ZeRO-3 shards of the student and of the teacher
+KD_COMMON = ["--train.micro_batch_size", "2", "--data.max_samples", "32", "--adam.eps", ADAM_EPS,
+             "--model.kd_loss", "jsd", "--model.kd_coef", "0.7"]
 MOE_COMMON = ["--train.micro_batch_size", "4", "--data.max_samples", "32", "--model.aux_loss_coef", "0.5",
               "--adam.eps", ADAM_EPS]
 
 
 @pytest.fixture(scope="module")
-def torchrun_runs(tiny_model_dir, tiny_moe_dir, arithmetic_dir, tmp_path_factory):
-    """This module's 2-rank torchrun runs (ZERO_CASES' torchrun ones, RING_CASES, the MoE run), in one launch
-    (`torchrun_cases`): case -> (run folder, its `CaseRun`)."""
+def torchrun_runs(tiny_model_dir, tiny_moe_dir, tiny_teacher_dir, arithmetic_dir, tmp_path_factory):
+    """This module's 2-rank torchrun runs (ZERO_CASES' torchrun ones, RING_CASES, the MoE run, the ZeRO-3 KD
+    run), in one launch (`torchrun_cases`): case -> (run folder, its `CaseRun`)."""
     root = tmp_path_factory.mktemp("torchrun")
     flags = {}
     for launcher, stage, extra in ZERO_CASES:
@@ -67,8 +70,12 @@ def torchrun_runs(tiny_model_dir, tiny_moe_dir, arithmetic_dir, tmp_path_factory
         flags["ring", stage, stride] = (tiny_model_dir, "--ds.zero_stage", stage, "--ds.ring_attn_size", "2",
                                         "--ds.ring_attn_head_stride", stride, *RING_COMMON)
     flags["moe"] = (tiny_moe_dir, "--ds.zero_stage", 3, *MOE_COMMON)
+    flags["kd"] = (tiny_model_dir, "--ds.zero_stage", 3, "--teacher.model_name_or_path", tiny_teacher_dir,
+                   *KD_COMMON)
     outs = {case: root / f"run{i}" for i, case in enumerate(flags)}
-    runs = torchrun_cases([("posttrain.cli.train_sft", sft_flags(model, arithmetic_dir, outs[case], *more))
+    module = {"kd": "posttrain.cli.train_kd"}
+    runs = torchrun_cases([(module.get(case, "posttrain.cli.train_sft"),
+                            sft_flags(model, arithmetic_dir, outs[case], *more))
                            for case, (model, *more) in flags.items()], root / "logs")
     return dict(zip(outs, zip(outs.values(), runs)))
 
@@ -134,3 +141,24 @@ def test_moe_with_router_loss_on_two_ranks_zero3_matches_single_process(tiny_moe
     assert ("train/aux_loss" not in first and first["train/grad_norm"] != pytest.approx(
         runs[0][0]["train/grad_norm"],
                                                                                         rel=1e-4))
+
+
+def test_kd_on_two_ranks_zero3_matches_single_process(tiny_model_dir, tiny_teacher_dir, arithmetic_dir,
+                                                      tmp_path, torchrun_runs):
+    """`posttrain kd` under ZeRO-3 over 2 ranks: the student and the frozen teacher load straight into shards
+    (each rank holds half of each; the teacher's forwards run on both ranks together), and the run gives the
+    single-process run's gradient norms and weights (the KD term, like the NLL, over the step's tokens)."""
+    from posttrain.cli import train_kd
+
+    single = tmp_path / "single"
+    train_kd.main(sft_flags(tiny_model_dir, arithmetic_dir, single, "--teacher.model_name_or_path",
+                            tiny_teacher_dir, *KD_COMMON))
+    multi, proc = torchrun_runs["kd"]
+    proc.ok()
+    assert "world_size = 2" in proc.stderr and "held as ZeRO-3 shards across the 2 ranks" in proc.stderr
+    for role in ("model", "teacher model"):
+        assert_loaded_as_shards(proc.stderr, role)
+    kd = [r["train/kd_loss"] for r in read_metrics(multi / "metrics.jsonl") if "train/kd_loss" in r]
+    assert len(kd) == 4 and min(kd) > 1e-3  # jsd(0.5) of two random nano models: about 0.013
+    assert_same_grad_norms(single, multi)
+    assert_weights_within_rounding(single, multi)  # the ranks' all-reduce sums in another order
