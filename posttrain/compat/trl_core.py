@@ -37,7 +37,7 @@ class Translation:
 
     def report(self) -> str:
         """The translation, one TRL field per line, for the start-up log and the run directory."""
-        width = max((len(f"{ln.field}: {ln.value!r}") for ln in self.lines), default=0)
+        width = min(max((len(f"{ln.field}: {ln.value!r}") for ln in self.lines), default=0), 48)
         out = [f"{self.title} -> posttrain ppo:"]
         for ln in self.lines:
             head = f"{ln.field}: {ln.value!r}"
