@@ -262,6 +262,10 @@ def _grpo_algorithm(b: _Builder) -> None:
     level = b.get("importance_sampling_level")
     if level not in ("token", "sequence"):
         raise ConfigError(f"TRL field importance_sampling_level: {level!r} must be 'token' or 'sequence'")
+    if level == "sequence" and agg == "token_mean":
+        raise ConfigError(f"TRL field importance_sampling_level: 'sequence' with loss_type {loss!r} (a token "
+                          f"mean) has no posttrain equivalent (posttrain's GSPO weighs sequences alike); use "
+                          f"loss_type 'grpo', 'dr_grpo' or 'luspo'")
     b.set("importance_sampling_level", {"actor.policy_loss_type": "ppo" if level == "token" else "gspo"},
           "token ratio" if level == "token" else "GSPO: exp(token mean of the log-ratios) per completion")
     _clip(b)
@@ -278,9 +282,10 @@ def _grpo_algorithm(b: _Builder) -> None:
         raise ConfigError("TRL field use_bias_correction_kl: true (TRL's default) weights the KL loss by the "
                           "importance ratio, which posttrain's KL loss has no equivalent for; set "
                           "use_bias_correction_kl: false, or beta: 0")
-    if beta and level == "sequence" and agg != "token_mean":
+    if beta and level == "sequence":
         raise ConfigError(f"TRL field beta: with importance_sampling_level 'sequence' posttrain averages the "
-                          f"KL over tokens, TRL by loss_type {loss!r}; use loss_type 'dapo' or beta: 0")
+                          f"KL over tokens, TRL by loss_type {loss!r}; use importance_sampling_level 'token' "
+                          f"or beta: 0")
     b.set("beta", {"algo.kl.use_loss": bool(beta), "algo.kl.init_coef": beta, "algo.kl.estimator": "k3",
                    "algo.kl.clamp": 0.0},
           "k3 KL to the reference per token, in the loss" if beta else "no KL, no reference model")

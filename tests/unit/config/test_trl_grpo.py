@@ -86,9 +86,10 @@ def test_advantage_loss_and_kl_settings():
                       ("luspo", "seq_mean_token_sum")):
         assert translate_trl({**BASE, "loss_type": loss}).values["actor.loss_agg"] == agg
     v = translate_trl({**BASE, "importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4,
-                       "delta": 2.0, "beta": 0.04, "use_bias_correction_kl": False}).values
+                       "delta": 2.0, "loss_type": "grpo"}).values
     assert (v["actor.policy_loss_type"], v["actor.eps_clip_low_high"], v["actor.dual_clip"]) == (
         "gspo", [3e-4, 4e-4], 2.0)
+    v = translate_trl({**BASE, "beta": 0.04, "use_bias_correction_kl": False}).values
     assert (v["algo.kl.use_loss"], v["algo.kl.estimator"], v["algo.kl.init_coef"], v["algo.kl.clamp"]) == (
         True, "k3", 0.04, 0.0)
     assert translate_trl({**BASE, "entropy_coef": 0.01}).values["actor.entropy_coef"] == 0.01
@@ -101,6 +102,8 @@ def test_advantage_loss_and_kl_settings():
     ({"beta": 0.04}, "TRL field use_bias_correction_kl"),
     ({"beta": 0.04, "use_bias_correction_kl": False, "importance_sampling_level": "sequence",
       "loss_type": "grpo"}, "TRL field beta"),
+    ({"importance_sampling_level": "sequence"},
+     "TRL field importance_sampling_level: 'sequence' with loss_type 'dapo'"),
     ({"entropy_coef": 0.01, "loss_type": "grpo"}, "TRL field entropy_coef"),
     ({"delta": 1.1}, "TRL field delta"),
     ({"use_vllm": True}, "TRL field vllm_importance_sampling_correction"),
