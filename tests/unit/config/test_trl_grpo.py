@@ -161,3 +161,18 @@ def test_yaml_file_through_config_and_flags_on_top(tmp_path):
     path.write_text(yaml.safe_dump({**BASE, "loss_type": "sapo"}))
     with pytest.raises(ConfigError, match=f"--config {path}: TRL field loss_type: 'sapo'"):
         parse_config("ppo", ["--config", str(path)], check=False)
+
+
+def test_docs_table_names_every_field():
+    page = (Path(__file__).parents[3] / "docs" / "from-trl.md").read_text(encoding="utf-8")
+    section = page[page.index("## TRL 1.x: GRPOConfig and RLOOConfig"):]
+    missing = [name for fields in config_fields().values() for name in fields if f"`{name}`" not in section]
+    assert not missing, f"docs/from-trl.md's GRPOConfig / RLOOConfig table does not name {missing}"
+
+
+def test_the_example_file_translates():
+    path = Path(__file__).parents[3] / "examples" / "trl" / "grpo.yaml"
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    assert trl_kind(data) == "grpo"
+    v = translate_trl(data).values
+    assert (v["rollout.batch_size"], v["train.batch_size"], v["train.max_steps"]) == (8, 32, 4)
