@@ -248,7 +248,8 @@ def _grpo_algorithm(b: _Builder) -> None:
         raise ConfigError(f"TRL field scale_rewards: {scale!r} has no posttrain equivalent (posttrain "
                           f"divides by the group's std, not the batch's); use 'group' or 'none'")
     b.set("scale_rewards", {"algo.advantage.estimator": "group_norm" if scale == "group" else "dr_grpo",
-                            "algo.advantage.std_eps": 1e-4, "reward.clip_range": [-1e9, 1e9]},
+                            "reward.clip_range": [-1e9, 1e9]} | ({"algo.advantage.std_eps": 1e-4}
+                                                                if scale == "group" else {}),
           "(r - group mean) / (unbiased group std + 1e-4)" if scale == "group" else "r - group mean")
     loss = b.get("loss_type")
     if loss not in _LOSS_AGG:
@@ -299,15 +300,16 @@ def _grpo_algorithm(b: _Builder) -> None:
 
 
 def _rloo_algorithm(b: _Builder) -> None:
-    b.out.values.update({"algo.advantage.estimator": "rloo", "algo.advantage.std_eps": 1e-4,
-                         "actor.policy_loss_type": "seq_sum", "actor.loss_agg": "seq_mean_token_mean",
-                         "reward.clip_range": [-1e9, 1e9]})
+    b.out.values.update({"algo.advantage.estimator": "rloo", "actor.policy_loss_type": "seq_sum",
+                         "actor.loss_agg": "seq_mean_token_mean", "reward.clip_range": [-1e9, 1e9]})
     beta = _field_number("beta", b.get("beta"))
     b.set("beta", {"algo.kl.init_coef": beta, "algo.kl.estimator": "k1",
                    "algo.kl.sequence_level_enable": True, "algo.kl.use_loss": False, "algo.kl.clamp": 0.0},
           "summed k1 KL of the completion, subtracted from the reward before the baseline")
-    b.set("normalize_advantages", {"algo.advantage.whiten_enable": bool(b.get("normalize_advantages")),
-                                   "algo.advantage.whiten_level": "sequence"},
+    normalize = bool(b.get("normalize_advantages"))
+    b.set("normalize_advantages", {"algo.advantage.whiten_enable": normalize,
+                                   "algo.advantage.whiten_level": "sequence"}
+          | ({"algo.advantage.std_eps": 1e-4} if normalize else {}),
           "(A - batch mean) / (unbiased std + 1e-4) over completions")
     _clip(b)
     b.line("loss_type", "not read by RLOOTrainer: exp(summed log-ratio) per completion, clipped, mean over "

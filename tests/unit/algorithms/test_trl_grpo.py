@@ -121,3 +121,33 @@ def test_rloo_loss_equals_trls(epsilon_high):
     loss, grad = _posttrain_loss(cfg, new)
     torch.testing.assert_close(loss, expected, rtol=0, atol=1e-6)
     torch.testing.assert_close(grad * MASK, expected_grad * MASK, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("fields", [{"scale_rewards": "group"}, {"scale_rewards": "none"},
+                                    {"normalize_advantages": True, "beta": 0.0},
+                                    {"normalize_advantages": False, "beta": 0.0}])
+def test_advantages_equal_trls_formulas(fields):
+    """The translated estimator, std eps and whitening through `compute_advantages` against TRL 1.16's
+    advantage arithmetic (`_generate_and_score_completions`, written with TRL's own `nanstd`)."""
+    from trl.trainer.utils import nanstd
+
+    from posttrain.algorithms import compute_advantages
+
+    cfg = config_from_trl({"model_name_or_path": "m", "dataset_name": "d", "max_steps": 1,
+                           "num_generations": 4, **fields}, ["--reward.remote_url", "r.py"])
+    rewards = torch.tensor([1.0, 0.0, 0.5, 2.0, 3.0, 3.5, -1.0, 0.25])
+    groups = rewards.view(-1, 4)
+    if "scale_rewards" in fields:  # GRPO
+        expected = (groups - groups.mean(1, keepdim=True))
+        if fields["scale_rewards"] == "group":
+            expected = expected / (nanstd(groups, dim=1)[:, None] + 1e-4)
+    else:  # RLOO: leave-one-out, optionally normalised over the batch
+        expected = groups - (groups.sum(1, keepdim=True) - groups) / 3
+        if fields["normalize_advantages"]:
+            expected = (expected - expected.mean()) / (nanstd(expected) + 1e-4)
+    adv = cfg.algo.advantage
+    mask = torch.ones(8, 3)
+    ours, _ = compute_advantages(adv.estimator, rewards, mask, n=4, std_eps=adv.std_eps,
+                                 whiten=True if adv.whiten_enable else None,
+                                 whiten_level=adv.whiten_level if adv.whiten_enable else "token")
+    torch.testing.assert_close(ours[:, 0], expected.flatten(), rtol=0, atol=1e-6)
