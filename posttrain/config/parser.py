@@ -259,15 +259,16 @@ def config_from_trl_rloo(trl_config: Any, argv: list[str] | None = None, *, worl
 
 
 def _translate_trl(path: str, data: dict, cls: type, parser, argv: list[str]):
-    """The TRL RLOO file at `path` as posttrain values. TRL's batch sizes are per process: the world
+    """The TRL file at `path` (RLOOConfig, or TRL 1.x's GRPOConfig / RLOOConfig) as posttrain values.
+    TRL's batch sizes are per process: the world
     is the actor's ranks under Ray (--actor.num_nodes x --actor.num_gpus_per_node), else WORLD_SIZE."""
     if cls.trainer != "ppo":
-        raise ConfigError(f"--config {path}: a TRL RLOOConfig file (keys such as rloo_k, kl_coef) is for "
-                          f"posttrain ppo, not posttrain {cls.trainer}")
+        raise ConfigError(f"--config {path}: a TRL RLOOConfig / GRPOConfig file (keys such as rloo_k, "
+                          f"num_generations) is for posttrain ppo, not posttrain {cls.trainer}")
     sections = {spec.path.split(".")[0] for spec in flag_specs(cls)}
     mixed = sorted(k for k in data if isinstance(k, str) and ("." in k or k in sections or k == "trainer"))
     if mixed:
-        raise ConfigError(f"--config {path}: TRL RLOOConfig fields mixed with posttrain keys "
+        raise ConfigError(f"--config {path}: TRL config fields mixed with posttrain keys "
                           f"({', '.join(mixed)}); a TRL file holds TRL field names only: give posttrain "
                           "flags on the command line")
     ns, _ = parser.parse_known_args(argv)
