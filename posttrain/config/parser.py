@@ -260,8 +260,8 @@ def config_from_trl_rloo(trl_config: Any, argv: list[str] | None = None, *, worl
 
 def _translate_trl(path: str, data: dict, cls: type, parser, argv: list[str]):
     """The TRL file at `path` (RLOOConfig, or TRL 1.x's GRPOConfig / RLOOConfig) as posttrain values.
-    TRL's batch sizes are per process: the world
-    is the actor's ranks under Ray (--actor.num_nodes x --actor.num_gpus_per_node), else WORLD_SIZE."""
+    TRL's batch sizes are per process: the world is the actor's ranks under Ray (--actor.num_nodes x
+    --actor.num_gpus_per_node), else WORLD_SIZE."""
     if cls.trainer != "ppo":
         raise ConfigError(f"--config {path}: a TRL RLOOConfig / GRPOConfig file (keys such as rloo_k, "
                           f"num_generations) is for posttrain ppo, not posttrain {cls.trainer}")
