@@ -57,6 +57,7 @@ def likely_eos(model_dir, out) -> str:
 @pytest.fixture(scope="module")
 def posttrain_run(tiny_model_dir, tmp_path_factory):
     """(the model, posttrain's run folder, the samples posttrain scored: [{"prompt", "ids"}])."""
+    pytest.importorskip("trl")
     from posttrain.cli import train_ppo_ray
 
     root = tmp_path_factory.mktemp("grpo_file")

@@ -11,8 +11,14 @@ import torch
 from posttrain.algorithms import aggregate, approx_kl, policy_loss
 from posttrain.config import config_from_trl
 
-trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
-trl_rloo = pytest.importorskip("trl.trainer.rloo_trainer")
+
+@pytest.fixture(scope="module")
+def trl_trainers():
+    """TRL's trainer classes, imported here: importing them takes seconds (they import vLLM), which
+    collecting the test suite should not pay."""
+    grpo = pytest.importorskip("trl.trainer.grpo_trainer")
+    rloo = pytest.importorskip("trl.trainer.rloo_trainer")
+    return grpo.GRPOTrainer, rloo.RLOOTrainer
 
 B, T, MAX_LEN = 4, 5, 6
 MASK = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 0, 0, 0, 0]], dtype=torch.float32)
@@ -88,7 +94,7 @@ GRPO_CASES = {
 
 
 @pytest.mark.parametrize("name", list(GRPO_CASES))
-def test_grpo_loss_equals_trls(name):
+def test_grpo_loss_equals_trls(name, trl_trainers):
     from trl import GRPOConfig
 
     fields = {"max_completion_length": MAX_LEN, "per_device_train_batch_size": B, "num_generations": 2,
@@ -100,7 +106,7 @@ def test_grpo_loss_equals_trls(name):
     extra = {"old_per_token_logps": OLD, "num_items_in_batch": MASK.sum()}
     if args.beta:
         extra["ref_per_token_logps"] = REF
-    expected, expected_grad = _trl_loss(trl_grpo.GRPOTrainer, args, new, extra)
+    expected, expected_grad = _trl_loss(trl_trainers[0], args, new, extra)
     loss, grad = _posttrain_loss(cfg, new, REF)
     torch.testing.assert_close(loss, expected, rtol=0, atol=1e-6)
     torch.testing.assert_close(grad * MASK, expected_grad * MASK, rtol=0, atol=1e-6)
@@ -108,7 +114,7 @@ def test_grpo_loss_equals_trls(name):
 
 
 @pytest.mark.parametrize("epsilon_high", [None, 0.3])
-def test_rloo_loss_equals_trls(epsilon_high):
+def test_rloo_loss_equals_trls(epsilon_high, trl_trainers):
     from trl import RLOOConfig
 
     fields = {"max_completion_length": MAX_LEN, "per_device_train_batch_size": B, "num_generations": 2,
@@ -117,7 +123,7 @@ def test_rloo_loss_equals_trls(epsilon_high):
     cfg = config_from_trl({**fields, "normalize_advantages": False, "model_name_or_path": "m",
                            "dataset_name": "d"}, ["--reward.remote_url", "r.py"])
     new = OLD + SHIFT / 4  # sequence ratios exp(sum) inside and outside the clip range
-    expected, expected_grad = _trl_loss(trl_rloo.RLOOTrainer, args, new, {"old_logps": (OLD * MASK).sum(1)})
+    expected, expected_grad = _trl_loss(trl_trainers[1], args, new, {"old_logps": (OLD * MASK).sum(1)})
     loss, grad = _posttrain_loss(cfg, new)
     torch.testing.assert_close(loss, expected, rtol=0, atol=1e-6)
     torch.testing.assert_close(grad * MASK, expected_grad * MASK, rtol=0, atol=1e-6)
@@ -127,6 +133,7 @@ def test_rloo_loss_equals_trls(epsilon_high):
                                     {"normalize_advantages": True, "beta": 0.0},
                                     {"normalize_advantages": False, "beta": 0.0}])
 def test_advantages_equal_trls_formulas(fields):
+    pytest.importorskip("trl")
     """The translated estimator, std eps and whitening through `compute_advantages` against TRL 1.16's
     advantage arithmetic (`_generate_and_score_completions`, written with TRL's own `nanstd`)."""
     from trl.trainer.utils import nanstd
