@@ -7,11 +7,10 @@ the executor could not create (an abstract method left out, an `__init__` that r
 from __future__ import annotations
 
 import inspect
-import os
 
 from posttrain.agents.agent_api import AgentExecutorBase
 from posttrain.agents.openai_server import OpenAIServerAgentExecutor
-from posttrain.compat.user_files import call_user, exec_user_file
+from posttrain.compat.user_files import call_user, import_user_file
 from posttrain.utils.errors import UserError
 from posttrain.utils.extras import require
 
@@ -23,14 +22,8 @@ class AgentFileError(UserError):
 
 
 def load_agent_executor(path: str) -> AgentExecutorBase:
-    if not str(path).endswith(".py"):
-        raise AgentFileError(f"{FLAG} {path}: an agent file must be a .py file defining AgentExecutor")
-    if not os.path.isfile(path):
-        raise AgentFileError(f"{FLAG} {path}: file not found (resolved to {os.path.abspath(path)})")
-    try:
-        module = exec_user_file(path, "posttrain_agent_")
-    except Exception as e:
-        raise AgentFileError(f"{FLAG} {path}: importing it raised {type(e).__name__}: {e}") from e
+    module = import_user_file(path, FLAG, "an agent file must be a .py file defining AgentExecutor",
+                              "posttrain_agent_", AgentFileError)
     cls = getattr(module, "AgentExecutor", None)
     if cls is None:
         raise AgentFileError(f"{FLAG} {path} defines no `AgentExecutor`; add e.g. `class AgentExecutor("

@@ -36,13 +36,12 @@ import asyncio
 import concurrent.futures
 import inspect
 import json
-import os
 import threading
 from dataclasses import dataclass, field
 
 from posttrain.agents.agent_api import AgentInstanceBase, MultiTurnAgentExecutor
 from posttrain.agents.tool_calls import ToolCallError, tool_call_format
-from posttrain.compat.user_files import UserFileExit, exec_user_file
+from posttrain.compat.user_files import UserFileExit, import_user_file
 from posttrain.config.serving import DEFAULT_MAX_STUCK as MAX_STUCK
 from posttrain.utils.errors import UserError
 
@@ -154,15 +153,8 @@ def load_tool_file(path: str, tokenizer=None) -> ToolFile:
     a `tokenizer` (when given) whose chat template has no known tool-call format."""
     from transformers.utils import get_json_schema
 
-    if not str(path).endswith(".py"):
-        raise ToolFileError(f"{FLAG} {path}: a tool file must be a .py file of functions")
-    if not os.path.isfile(path):
-        raise ToolFileError(f"{FLAG} {path}: file not found (resolved to {os.path.abspath(path)})")
-    try:
-        module = exec_user_file(path, "posttrain_tools_")
-    except Exception as e:
-        raise ToolFileError(f"{FLAG} {path}: importing it raised {type(e).__name__}: "
-                            f"{_one_line(str(e))}") from e
+    module = import_user_file(path, FLAG, "a tool file must be a .py file of functions", "posttrain_tools_",
+                              ToolFileError)
     listed = getattr(module, "TOOLS", None)
     if listed is None:
         listed = [v for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_")

@@ -249,6 +249,7 @@ WHITEN_LEVELS = {"token": whiten, "sequence": whiten_sequences}
 def compute_advantages_with_stats(
     estimator, rewards, mask, *, n, kl=None, kl_coef=0.0, values=None, gamma=1.0, lam=1.0,
     clip_range=(-10.0, 10.0), std_norm=True, sequence_kl=False, whiten=None, valid=None, whiten_level="token",
+    std_eps=None,
 ):
     """``compute_advantages`` plus a stats dict: ``reward_clip_count``, ``empty_rows``,
     ``gamma`` (the one actually used), ``whitened`` (bool)."""
@@ -286,7 +287,7 @@ def compute_advantages_with_stats(
     if sequence_kl and kl is not None:
         r = r - kl_coef * masked_sum(kl, mask, dim=1)
         token_kl = None
-    r = group_baseline(r, n, estimator, valid=valid)
+    r = group_baseline(r, n, estimator, valid=valid, **({} if std_eps is None else {"eps": std_eps}))
     rew, stats = token_rewards_with_stats(r, token_kl, mask, kl_coef if token_kl is not None else 0.0,
                                           clip_range)
     if spec.uses_values:
@@ -296,7 +297,8 @@ def compute_advantages_with_stats(
         adv = returns
     do_whiten = spec.whiten if whiten is None else whiten
     if do_whiten:
-        adv = WHITEN_LEVELS[whiten_level](adv, mask, use_std=std_norm)
+        adv = WHITEN_LEVELS[whiten_level](adv, mask, use_std=std_norm, **({} if std_eps is None else
+                                                                            {"eps": std_eps}))
     stats.update(gamma=gamma, whitened=do_whiten)
     return adv, returns, stats
 
@@ -304,6 +306,7 @@ def compute_advantages_with_stats(
 def compute_advantages(
     estimator, rewards, mask, *, n, kl=None, kl_coef=0.0, values=None, gamma=1.0, lam=1.0,
     clip_range=(-10.0, 10.0), std_norm=True, sequence_kl=False, whiten=None, valid=None, whiten_level="token",
+    std_eps=None,
 ):
     """Advantages and returns ``[B, A]`` (zero at unmasked positions) for a whole rollout batch.
 
@@ -317,9 +320,10 @@ def compute_advantages(
        (``whiten``: every masked token counts, population variance) or ``"sequence"``
        (``whiten_sequences``: one value per sequence, unbiased std, ``/(σ + 1e-8)``; with
        ``whiten=True`` and sequence-level KL this is TRL ``normalize_advantage``).
-       Returns are never whitened."""
+       Returns are never whitened. ``std_eps`` (None: their defaults) is the ``eps`` of group_norm and
+       of the whitening."""
     adv, returns, _ = compute_advantages_with_stats(
         estimator, rewards, mask, n=n, kl=kl, kl_coef=kl_coef, values=values, gamma=gamma, lam=lam,
         clip_range=clip_range, std_norm=std_norm, sequence_kl=sequence_kl, whiten=whiten, valid=valid,
-        whiten_level=whiten_level)
+        whiten_level=whiten_level, std_eps=std_eps)
     return adv, returns

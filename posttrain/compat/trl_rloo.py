@@ -28,9 +28,20 @@ import dataclasses
 import difflib
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
+from posttrain.compat.trl_core import (  # noqa: F401 (Line, Translation: re-exported)
+    Line,
+    Translation,
+    _adam,
+    _Builder,
+    _field_int,
+    _field_number,
+    _known_training_arguments,
+    _lr_schedule,
+    _numeric,
+    _zero_stage,
+)
 from posttrain.utils.errors import ConfigError
 
 TRL_VERSION = "v0.21.0"
@@ -69,13 +80,6 @@ DEFAULTS: dict[str, Any] = {
     "adam_beta2": 0.999, "adam_epsilon": 1e-8, "lr_scheduler_type": "linear", "warmup_ratio": 0.0,
     "warmup_steps": 0, "seed": 42, "dataset_train_split": "train", "bf16": True,
 }
-# transformers' schedule names that posttrain runs with the same formula, each with the lr_scheduler_kwargs
-# it accepts at transformers' default values (the min-LR ones also take min_lr / min_lr_rate)
-_SCHEDULES: dict[str, dict[str, Any]] = {
-    "linear": {}, "cosine": {"num_cycles": 0.5}, "cosine_with_restarts": {"num_cycles": 1},
-    "polynomial": {"power": 1.0, "lr_end": 1e-7}, "constant": {}, "constant_with_warmup": {},
-    "inverse_sqrt": {"timescale": None}, "cosine_with_min_lr": {"num_cycles": 0.5},
-    "cosine_warmup_with_min_lr": {"num_cycles": 0.5, "warmup_lr_rate": None}}
 _COMPUTED = ("computed by TRL at start-up from the batch fields (the file's value is overwritten); posttrain "
              "derives it too")
 _NO_EFFECT = {
@@ -116,31 +120,6 @@ for _name in MODEL_FIELDS:
                              "RLOOTrainer")
 
 
-@dataclass(frozen=True)
-class Line:
-    """One TRL field: its value, whether the file gave it (else TRL's default), what it became."""
-
-    field: str
-    value: Any
-    given: bool
-    effect: str
-
-
-@dataclass
-class Translation:
-    values: dict[str, Any] = field(default_factory=dict)  # dotted posttrain flag path -> value
-    lines: list[Line] = field(default_factory=list)
-
-    def report(self) -> str:
-        """The translation, one TRL field per line, for the start-up log and the run directory."""
-        width = max((len(f"{ln.field}: {ln.value!r}") for ln in self.lines), default=0)
-        out = [f"TRL RLOOConfig ({TRL_VERSION} semantics) -> posttrain ppo:"]
-        for ln in self.lines:
-            head = f"{ln.field}: {ln.value!r}"
-            out.append(f"  {head:<{width}}  {'' if ln.given else '(TRL default) '}-> {ln.effect}")
-        return "\n".join(out)
-
-
 def is_trl_rloo(data: Mapping) -> bool:
     """A config file is a TRL RLOO file when one of its top-level keys is a TRL field that posttrain
     has no top-level key for (`rloo_k`, `kl_coef`, `sft_model_path`, `per_device_train_batch_size`, ...)."""
@@ -166,62 +145,6 @@ def fields_of(config: Any) -> dict[str, Any]:
                 out[f.name] = value.value if hasattr(value, "value") and not isinstance(value, str) else value
         return out
     raise ConfigError(f"a TRL RLOO config must be a mapping or a trl.RLOOConfig, got {type(config).__name__}")
-
-
-class _Builder:
-    def __init__(self, given: dict[str, Any]) -> None:
-        self.given = given
-        self.out = Translation()
-        self.done: set[str] = set()
-
-    def get(self, name: str) -> Any:
-        return self.given.get(name, DEFAULTS.get(name))
-
-    def line(self, name: str, effect: str, always: bool = True) -> None:
-        """Record `name` (given or, when `always`, shown with TRL's default)."""
-        self.done.add(name)
-        if name in self.given or always:
-            self.out.lines.append(Line(name, self.get(name), name in self.given, effect))
-
-    def set(self, name: str, settings: dict[str, Any], why: str = "", always: bool = True) -> None:
-        self.out.values.update(settings)
-        flags = " ".join(f"--{k} {_show(v)}" for k, v in settings.items())
-        self.line(name, flags + (f" ({why})" if why else ""), always)
-
-
-def _show(value: Any) -> str:
-    if value is None:
-        return "unset"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, (list, tuple)):
-        return " ".join(_show(v) for v in value) if value else "(none)"
-    return f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def _numeric(value: Any) -> Any:
-    """A number written as a string (`3e-6` is a string to YAML 1.1) as HfArgumentParser reads it."""
-    if isinstance(value, str):
-        try:
-            return float(value) if any(c in value for c in ".eE") else int(value)
-        except ValueError:
-            return value
-    return value
-
-
-def _field_int(name: str, value: Any, minimum: int = 1) -> int:
-    value = _numeric(value)
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value
-        or value < minimum):
-        raise ConfigError(f"TRL field {name}: {value!r} must be an integer >= {minimum}")
-    return int(value)
-
-
-def _field_number(name: str, value: Any) -> float:
-    value = _numeric(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"TRL field {name}: {value!r} must be a number")
-    return float(value)
 
 
 def _batches(b: _Builder, world_size: int) -> None:
@@ -313,30 +236,11 @@ def _sampling(b: _Builder) -> None:
     b.done |= {"stop_token", "stop_token_id"}
 
 
-_ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused", "adamw_torch_xla",
-          "adamw_torch_npu_fused")
-
-
 def _optimizer(b: _Builder) -> None:
     deepspeed = "deepspeed" in b.given
     clip = _field_number("max_grad_norm", b.given.get("max_grad_norm", 1.0)) if deepspeed else 0.0
-    b.set("learning_rate", {"actor.adam.lr": _field_number("learning_rate", b.get("learning_rate")),
-                            "actor.optim": "adam", "actor.max_norm": clip},
-          "AdamW; " + ("under DeepSpeed the gradients are clipped at max_grad_norm ('auto')" if deepspeed else
-                       "TRL's loop clips no gradient outside DeepSpeed"))
-    b.set("adam_beta1", {"actor.adam.betas": [_field_number("adam_beta1", b.get("adam_beta1")),
-                                              _field_number("adam_beta2", b.get("adam_beta2"))]})
-    b.line("adam_beta2", "with adam_beta1")
-    b.set("adam_epsilon", {"actor.adam.eps": _field_number("adam_epsilon", b.get("adam_epsilon"))},
-          always=False)
-    b.set("weight_decay", {"actor.adam.weight_decay": _field_number("weight_decay", b.get("weight_decay"))},
-          always=False)
-    optim = b.given.get("optim", "adamw_torch")
-    if optim not in _ADAMW:
-        raise ConfigError(f"TRL field optim: {optim!r} has no posttrain equivalent (posttrain's Adam is "
-                          f"torch AdamW in full precision); use one of {', '.join(_ADAMW)}")
-    if "optim" in b.given:
-        b.line("optim", "--actor.optim adam (AdamW)")
+    _adam(b, clip, "AdamW; " + ("under DeepSpeed the gradients are clipped at max_grad_norm ('auto')" if
+                               deepspeed else "TRL's loop clips no gradient outside DeepSpeed"))
     if deepspeed or "max_grad_norm" in b.given:
         b.line("max_grad_norm", "with learning_rate" if deepspeed else _NO_EFFECT["max_grad_norm"])
     _schedule(b)
@@ -348,39 +252,9 @@ def _schedule(b: _Builder) -> None:
     TRL's warm-up rollouts (`warmup_steps`, else `ceil(rollouts x warmup_ratio)` as TrainingArguments
     computes it) x the optimizer steps of one rollout (num_ppo_epochs x num_mini_batches), so the warm-up
     ends at the first update of the same rollout as in TRL."""
-    name, kwargs = b.get("lr_scheduler_type"), dict(b.given.get("lr_scheduler_kwargs") or {})
-    if name not in _SCHEDULES:
-        raise ConfigError(f"TRL field lr_scheduler_type: {name!r} has no posttrain equivalent; "
-                          f"use one of {', '.join(_SCHEDULES)}")
-    floor = None
-    if name in ("cosine_with_min_lr", "cosine_warmup_with_min_lr"):
-        if "min_lr_rate" in kwargs:
-            floor = _field_number("lr_scheduler_kwargs.min_lr_rate", kwargs.pop("min_lr_rate"))
-        elif "min_lr" in kwargs:
-            floor = _field_number("lr_scheduler_kwargs.min_lr", kwargs.pop("min_lr")) / _field_number(
-                "learning_rate", b.get("learning_rate"))
-        else:
-            raise ConfigError(f"TRL field lr_scheduler_type: {name} needs lr_scheduler_kwargs min_lr or "
-                              "min_lr_rate (transformers refuses it too)")
-    for key, default in _SCHEDULES[name].items():
-        if key in kwargs and _numeric(kwargs[key]) == default:
-            kwargs.pop(key)
-    if kwargs:
-        defaults = ", ".join(f"{k}: {v}" for k, v in _SCHEDULES[name].items() if v is not None)
-        raise ConfigError(f"TRL field lr_scheduler_kwargs: {sorted(kwargs)} have no posttrain equivalent for "
-                          f"{name}; remove them" + (f" (posttrain runs transformers' defaults {defaults})"
-                                                    if defaults else ""))
-    if "lr_scheduler_kwargs" in b.given:
-        b.line("lr_scheduler_kwargs", "with lr_scheduler_type")
-    settings = {"actor.lr_scheduler": name} | ({"actor.min_lr_ratio": floor} if floor is not None else {})
-    b.set("lr_scheduler_type", settings,
-          "over the run's optimizer steps; TRL steps it once per rollout, the same when there is one "
-          "optimizer step per rollout")
-    b.done.update(("warmup_steps", "warmup_ratio"))
+    name = _lr_schedule(b, "over the run's optimizer steps; TRL steps it once per rollout, the same when "
+                           "there is one optimizer step per rollout")
     if name == "constant":
-        for field_ in ("warmup_ratio", "warmup_steps"):
-            b.line(field_, "none: transformers' constant schedule has no warm-up",
-                   always=field_ == "warmup_ratio")
         return
     rollouts = b.out.values["train.max_steps"]
     per_rollout = b.out.values["train.max_epochs"] * math.ceil(
@@ -464,34 +338,11 @@ def _models_and_data(b: _Builder) -> None:
               "config; the rest of it is posttrain's (--ds.*)")
 
 
-def _zero_stage(config: Any) -> int:
-    """`zero_optimization.stage` of a DeepSpeed config (a dict or a JSON file)."""
-    if isinstance(config, str):
-        import json
-
-        try:
-            with open(config, encoding="utf-8") as f:
-                config = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"TRL field deepspeed: cannot read the DeepSpeed config {config!r} "
-                              f"({e})") from None
-    stage = config.get("zero_optimization", {}).get("stage", 0) if isinstance(config, dict) else None
-    if stage not in (0, 1, 2, 3):
-        raise ConfigError(f"TRL field deepspeed: no zero_optimization.stage in 0..3 in {config!r}")
-    return int(stage)
-
-
-def _known_training_arguments() -> set[str]:
-    from transformers import TrainingArguments
-
-    return {f.name for f in dataclasses.fields(TrainingArguments)}
-
-
 def translate_rloo(config: Any, world_size: int = 1) -> Translation:
     """posttrain ppo flag values and a field-by-field report for a TRL RLOO config (a mapping of
     field names or a `trl.RLOOConfig`); `world_size` = the actor's processes (TRL's accelerate
     processes). Raises ConfigError naming every field that posttrain cannot honour."""
-    b = _Builder(fields_of(config))
+    b = _Builder(fields_of(config), DEFAULTS)
     _batches(b, world_size)
     _algorithm(b)
     _sampling(b)

@@ -96,3 +96,19 @@ def exec_user_file(path: str, prefix: str) -> types.ModuleType:
         if sys.path and sys.path[0] == folder:
             sys.path.pop(0)
     return module
+
+
+def import_user_file(path: str, flag: str, must_be: str, prefix: str,
+                     error: type[Exception]) -> types.ModuleType:
+    """The module of the user's file `path` given to `flag` (`exec_user_file`); `error` with one line naming
+    the flag and the file when it is not a .py file (`must_be` says what it must be), does not exist, or
+    importing it raised."""
+    if not str(path).endswith(".py"):
+        raise error(f"{flag} {path}: {must_be}")
+    if not os.path.isfile(path):
+        raise error(f"{flag} {path}: file not found (resolved to {os.path.abspath(path)})")
+    try:
+        return exec_user_file(path, prefix)
+    except Exception as e:
+        cause = " ".join(str(e).split())
+        raise error(f"{flag} {path}: importing it raised {type(e).__name__}: {cause}") from e

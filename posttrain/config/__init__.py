@@ -5,6 +5,7 @@ parser (with `--config run.yaml`), validation, hardware defaults and the start-u
     cfg.ds.lora.rank, cfg.adam.lr, cfg.train.micro_batch_size, cfg.trainer == "sft"
 """
 
+from posttrain.compat.trl_grpo import translate_trl
 from posttrain.compat.trl_rloo import translate_rloo
 from posttrain.config.errors import ConfigError, ConfigWarning, main_error_exit
 from posttrain.config.fingerprint import adjustable_values, checkpoint_dir, run_fingerprint
@@ -13,6 +14,7 @@ from posttrain.config.hardware import resolve_hardware_defaults, resolved_values
 from posttrain.config.inert import inert_flags
 from posttrain.config.parser import (
     build_parser,
+    config_from_trl,
     config_from_trl_rloo,
     flag_owners,
     known_flags,
@@ -42,8 +44,10 @@ from posttrain.config.validate import validate
 from posttrain.config.yaml_io import config_to_dict, save_config
 
 __all__ = [
+    "config_from_trl",
     "config_from_trl_rloo",
     "translate_rloo",
+    "translate_trl",
     "translation_of",
     "CONFIG_CLASSES",
     "ESTIMATORS",

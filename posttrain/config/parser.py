@@ -19,7 +19,8 @@ import warnings
 from typing import Any
 
 from posttrain.compat.flag_migration import explain_unknown
-from posttrain.compat.trl_rloo import Translation, is_trl_rloo, translate_rloo
+from posttrain.compat.trl_grpo import is_trl_config, translate_trl
+from posttrain.compat.trl_rloo import Translation, translate_rloo
 from posttrain.config.errors import ConfigError, ConfigWarning
 from posttrain.config.flag_values import parse_scalar
 from posttrain.config.spec import FlagSpec, flag_specs, set_path
@@ -198,7 +199,7 @@ def parse_config(
     trl_source = "TRL config"
     if path is not None:
         data = read_yaml(path)
-        if is_trl_rloo(data):
+        if is_trl_config(data):
             translation = _translate_trl(path, data, cls, parser, argv)
             trl_source = f"TRL config {path}"
         else:
@@ -239,6 +240,15 @@ def _given_on_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> 
     return [dest for dest, value in vars(probe).items() if value is not unset and dest != "config"]
 
 
+def config_from_trl(trl_config: Any, argv: list[str] | None = None, *, world_size: int = 1,
+                    check: bool = True):
+    """posttrain's PPO config for a TRL config: TRL 1.x's GRPOConfig or RLOOConfig, or TRL <= 0.21's
+    RLOOConfig (a dict of field names or the config object; `trl_grpo.translate_trl`); as
+    `config_from_trl_rloo` otherwise."""
+    return parse_config("ppo", list(argv or []), check=check,
+                        translation=translate_trl(trl_config, world_size))
+
+
 def config_from_trl_rloo(trl_config: Any, argv: list[str] | None = None, *, world_size: int = 1,
                          check: bool = True):
     """posttrain's PPO config for a TRL RLOO config (a dict of TRL field names or a `trl.RLOOConfig`)
@@ -249,22 +259,23 @@ def config_from_trl_rloo(trl_config: Any, argv: list[str] | None = None, *, worl
 
 
 def _translate_trl(path: str, data: dict, cls: type, parser, argv: list[str]):
-    """The TRL RLOO file at `path` as posttrain values. TRL's batch sizes are per process: the world
-    is the actor's ranks under Ray (--actor.num_nodes x --actor.num_gpus_per_node), else WORLD_SIZE."""
+    """The TRL file at `path` (RLOOConfig, or TRL 1.x's GRPOConfig / RLOOConfig) as posttrain values.
+    TRL's batch sizes are per process: the world is the actor's ranks under Ray (--actor.num_nodes x
+    --actor.num_gpus_per_node), else WORLD_SIZE."""
     if cls.trainer != "ppo":
-        raise ConfigError(f"--config {path}: a TRL RLOOConfig file (keys such as rloo_k, kl_coef) is for "
-                          f"posttrain ppo, not posttrain {cls.trainer}")
+        raise ConfigError(f"--config {path}: a TRL RLOOConfig / GRPOConfig file (keys such as rloo_k, "
+                          f"num_generations) is for posttrain ppo, not posttrain {cls.trainer}")
     sections = {spec.path.split(".")[0] for spec in flag_specs(cls)}
     mixed = sorted(k for k in data if isinstance(k, str) and ("." in k or k in sections or k == "trainer"))
     if mixed:
-        raise ConfigError(f"--config {path}: TRL RLOOConfig fields mixed with posttrain keys "
+        raise ConfigError(f"--config {path}: TRL config fields mixed with posttrain keys "
                           f"({', '.join(mixed)}); a TRL file holds TRL field names only: give posttrain "
                           "flags on the command line")
     ns, _ = parser.parse_known_args(argv)
     ranks = getattr(ns, "actor.num_nodes") * getattr(ns, "actor.num_gpus_per_node")
     world = ranks if ranks > 1 else int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        return translate_rloo(data, world_size=world)
+        return translate_trl(data, world_size=world)
     except ConfigError as e:
         raise ConfigError(f"--config {path}: {e}", e.problems) from None
 

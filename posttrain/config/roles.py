@@ -329,6 +329,10 @@ class RewardConfig:
                        inert=REMOTE_ONLY, on_resume="adjustable")
 
 
+def _no_std_division(value, c, device) -> bool:
+    return c.algo.advantage.estimator in ("rloo", "dr_grpo") and not c.algo.advantage.whiten_enable
+
+
 @dataclass
 class AdvantageConfig:
     """Advantage estimation."""
@@ -349,6 +353,12 @@ class AdvantageConfig:
         extension=True,
         inert=needs("--algo.advantage.whiten_enable", lambda c: c.algo.advantage.whiten_enable),
     )
+    std_eps: float | None = opt(None, "epsilon added to the std that group_norm and the advantage "
+                                      "whitening divide by (unset: 1e-9 for group_norm, 1e-8 for whitening; "
+                                      "TRL 1.x: 1e-4)",
+                                extension=True, gt=0, note="(or unset for the defaults)",
+                                inert=Inert("only --algo.advantage.estimator group_norm and the advantage "
+                                            "whitening read it", _no_std_division))
     is_correction_enable: bool = opt(False, "importance-sampling correction of rollout/training mismatch")
     is_correction_type: str = opt("tis", "IS correction type", choices=IS_CORRECTION_TYPES,
                                   inert=IS_CORRECTION_OFF)

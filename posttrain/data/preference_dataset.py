@@ -137,7 +137,8 @@ class PreferenceDataset(Dataset):
                 prompt = to_messages(prompt, "user")
                 chosen, rejected = to_messages(chosen, "assistant"), to_messages(rejected, "assistant")
             for key, msgs in ((chosen_key, chosen), (rejected_key, rejected)):
-                if not msgs or not _content_text(msgs[-1]["content"]).strip():
+                last = msgs[-1] if msgs else {}
+                if not (_content_text(last.get("content")).strip() or last.get("tool_calls")):
                     raise DataError(f"{loc}: key '{key}' has an empty response. Fix the data (fill it in or "
                                     "remove the row).")
         if chosen == rejected:
@@ -255,6 +256,6 @@ def pair_sides(items: Sequence[dict]) -> list[dict]:
 
 def _content_text(content) -> str:
     """A message content's text: the string, or its text parts joined (a content given as typed parts)."""
-    if isinstance(content, str):
-        return content
+    if isinstance(content, str) or content is None:
+        return content or ""
     return "".join(part.get("text", "") for part in content if part.get("type") == "text")

@@ -74,7 +74,7 @@ def check_messages(row: Row, key: str, value: Any, flag: str) -> list[dict]:
     if not value:
         raise DataError(f"{where(row)}: key '{key}' is an empty message list. Fix the data.")
     for i, msg in enumerate(value):
-        calls = isinstance(msg, dict) and msg.get("tool_calls") is not None
+        calls = isinstance(msg, dict) and msg.get("tool_calls") not in (None, [])  # [] = no calls
         if (
             not isinstance(msg, dict)
             or not isinstance(msg.get("role"), str)

@@ -33,7 +33,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from posttrain.compat.trl_rloo import REPORT_FILE as TRL_REPORT_FILE
+from posttrain.compat.trl_grpo import REPORT_FILES as TRL_REPORT_FILES
 from posttrain.config import TrainerConfig, adjustable_values, checkpoint_dir, run_fingerprint
 from posttrain.utils.checkpoint import CheckpointManager, RunIdentity
 from posttrain.utils.errors import UserError
@@ -41,7 +41,8 @@ from posttrain.utils.log import info
 from posttrain.utils.run_lock import LOCK_FILE, RunLock
 
 # what a run writes into its folders before training begins (the start: lock, config, metric sinks)
-RUN_FILES = (LOCK_FILE, "config.yaml", TRL_REPORT_FILE, "metrics.jsonl", "plots", "summary.json")
+RUN_FILES = (LOCK_FILE, "config.yaml", *sorted(set(TRL_REPORT_FILES.values())), "metrics.jsonl", "plots",
+             "summary.json")
 
 
 def run_identity(cfg: TrainerConfig) -> RunIdentity:

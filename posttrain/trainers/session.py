@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-from posttrain.compat.trl_rloo import REPORT_FILE as TRL_REPORT_FILE
 from posttrain.config import (
     SingleModelConfig,
     TrainerConfig,
@@ -112,8 +111,8 @@ class RunStart:
             if self.is_main:
                 save_config(cfg, self.output_dir / "config.yaml")
                 if self.translation is not None:
-                    (self.output_dir / TRL_REPORT_FILE).write_text(self.translation.report() + "\n",
-                                                                   encoding="utf-8")
+                    (self.output_dir / self.translation.file).write_text(self.translation.report() + "\n",
+                                                                         encoding="utf-8")
 
     @contextmanager
     def closed_on_error(self):

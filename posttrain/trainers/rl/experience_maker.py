@@ -90,7 +90,7 @@ class ExperienceMaker:
             gamma=adv.gamma, lam=adv.lambd, clip_range=tuple(cfg.reward.clip_range),
             std_norm=not adv.no_std_norm, sequence_kl=cfg.algo.kl.sequence_level_enable,
             whiten=True if adv.whiten_enable else None,
-            whiten_level=adv.whiten_level if adv.whiten_enable else "token", valid=valid)
+            whiten_level=adv.whiten_level if adv.whiten_enable else "token", valid=valid, std_eps=adv.std_eps)
         metrics.update({f"advantage/{k}": float(v) for k, v in stats.items() if _scalar(v)})
         metrics["advantage/mean"] = masked_mean(exp.advantages, mask).item()
         return exp, metrics

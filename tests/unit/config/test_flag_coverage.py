@@ -129,7 +129,7 @@ ACTING: dict[str, frozenset[str]] = {
         "reward: overlong_penalty_factor stop_properly_penalty_coef whiten_enable skip_errors_enable",
         "reward: timeout retries missing_eos_penalty batch_normalize_enable batch_normalize_clip",
         "algo.advantage: estimator gamma lambd no_std_norm whiten_enable whiten_level is_correction_enable",
-        "algo.advantage: is_correction_type is_correction_threshold",
+        "algo.advantage: is_correction_type is_correction_threshold std_eps",
         "algo.kl: init_coef target horizon estimator use_loss sequence_level_enable clamp",
         "algo: dynamic_filtering_enable dynamic_filtering_range",
         "ds: value_head_prefix shared_prefix gather_for_generation ring_attn_size ring_attn_head_stride",

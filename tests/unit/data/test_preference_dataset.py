@@ -106,3 +106,27 @@ def test_conversations_with_different_prompts_are_rejected(tokenizer):
     row = {"chosen": a[0]["chosen_messages"], "rejected": a[1]["rejected_messages"]}
     with pytest.raises(DataError, match=r"row 1.*different prompts"):
         PreferenceDataset([row], tokenizer, 64, apply_chat_template=True)
+
+
+def test_a_side_that_is_a_tool_call_without_content_is_a_response(tokenizer):
+    """An assistant turn with `tool_calls` and no `content` key (OpenAI's format) is a response, not a
+    KeyError; a turn with neither text nor calls is an empty response."""
+    import copy
+
+    from posttrain.models.tiny_tokenizer import CHATML_TEMPLATE
+
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = CHATML_TEMPLATE  # the tiny models' template, which renders tool calls
+    call = {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]}
+    row = {"prompt": "1 + 2?", "chosen": [call], "rejected": "4"}
+    item = PreferenceDataset([row], tokenizer, 256, prompt_key="prompt", apply_chat_template=True)[0]
+    trained = text(tokenizer, item["chosen_ids"], item["chosen_mask"], 1)
+    assert trained == '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call><|im_end|>'
+    empty = {"prompt": "1 + 2?", "chosen": [{"role": "assistant", "content": None, "tool_calls": []}],
+             "rejected": "4"}
+    with pytest.raises(DataError, match=r"row 1: key 'chosen', message 0 must be a dict .*'content'"):
+        PreferenceDataset([empty], tokenizer, 256, prompt_key="prompt", apply_chat_template=True)
+    with pytest.raises(DataError, match=r"row 1: key 'chosen' has an empty response"):
+        PreferenceDataset([dict(empty, chosen=[{"role": "assistant", "content": "", "tool_calls": []}])],
+                          tokenizer, 256, prompt_key="prompt", apply_chat_template=True)
