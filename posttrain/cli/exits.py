@@ -28,7 +28,8 @@ def user_errors(prog: str):
 
 
 TRAINERS = {"sft": "posttrain.trainers.sft:train_sft", "rm": "posttrain.trainers.rm:train_rm",
-            "dpo": "posttrain.trainers.dpo:train_dpo", "ppo": "posttrain.trainers.rl.ppo:train_rl"}
+            "dpo": "posttrain.trainers.dpo:train_dpo", "ppo": "posttrain.trainers.rl.ppo:train_rl",
+            "kto": "posttrain.trainers.kto:train_kto"}
 
 
 def run_trainer(trainer: str, argv: list[str] | None, prog: str) -> dict:

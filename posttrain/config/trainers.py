@@ -18,6 +18,7 @@ from posttrain.config.roles import (
     CriticConfig,
     DPOModelConfig,
     DPORefConfig,
+    KTOModelConfig,
     RefConfig,
     RewardConfig,
     RMModelConfig,
@@ -41,13 +42,14 @@ from posttrain.config.sections import (
     ScoreDSConfig,
     SFTDataConfig,
     TrainConfig,
+    UnpairedDataConfig,
     VLLMConfig,
     WandbConfig,
 )
 from posttrain.config.serving import ServeRMConfig
 from posttrain.config.spec import ParsedFields, carried, opt, section
 
-TRAINERS = ("sft", "rm", "dpo", "ppo")
+TRAINERS = ("sft", "rm", "dpo", "ppo", "kto")
 
 
 def _logger(trainer: str):
@@ -119,6 +121,22 @@ class DPOConfig(OptimizerFields, LauncherFields):
 
 
 @dataclass
+class KTOConfig(OptimizerFields, LauncherFields):
+    """posttrain kto: KTO on unpaired rows (OpenRLHF 0.9's train_kto, TRL's KTOTrainer)."""
+
+    trainer: ClassVar[str] = "kto"
+    adam: AdamConfig = section(AdamConfig, lr=1e-5)
+    model: KTOModelConfig = section(KTOModelConfig)
+    ref: DPORefConfig = section(DPORefConfig)
+    ds: DSConfig = section(DSConfig)
+    data: UnpairedDataConfig = section(UnpairedDataConfig, max_len=512)
+    train: TrainConfig = section(TrainConfig, micro_batch_size=8, max_epochs=1)
+    eval: EvalConfig = section(EvalConfig, on_resume="volatile", split="test")
+    ckpt: CkptConfig = _ckpt(CkptConfig, "kto")
+    logger: LoggerConfig = _logger("kto")
+
+
+@dataclass
 class PPOConfig(LauncherFields):
     """posttrain ppo: RL from human or verifiable feedback (PPO, REINFORCE++, RLOO, GRPO, ...)."""
 
@@ -144,12 +162,14 @@ class PPOConfig(LauncherFields):
 
 
 # the configs a function may be passed, for its annotations
-SingleModelConfig = SFTConfig | RMConfig | DPOConfig  # the single-model trainers (trainers/session.py)
+# the single-model trainers (trainers/session.py)
+SingleModelConfig = SFTConfig | RMConfig | DPOConfig | KTOConfig
 TrainerConfig = SingleModelConfig | PPOConfig  # any trainer's
 # any command's the dotted-flag parser reads (COMMAND_CONFIGS)
 CommandConfig = TrainerConfig | ServeRMConfig | ChatConfig | GenerateConfig | EvalCmdConfig
 
-CONFIG_CLASSES: dict[str, type] = {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig, "ppo": PPOConfig}
+CONFIG_CLASSES: dict[str, type] = {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig, "ppo": PPOConfig,
+                                   "kto": KTOConfig}
 # every command whose flags the dotted-flag parser reads: the trainers, the reward server, chat/generate/eval
 COMMAND_CONFIGS: dict[str, type] = {**CONFIG_CLASSES, "serve-rm": ServeRMConfig, **INFERENCE_CONFIGS}
 

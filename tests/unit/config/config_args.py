@@ -4,6 +4,7 @@ BASE = {
     "sft": ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl"],
     "rm": ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl"],
     "dpo": ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl"],
+    "kto": ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl"],
     "ppo": [
         "--actor.model_name_or_path",
         "m",

@@ -110,6 +110,13 @@ ACTING: dict[str, frozenset[str]] = {
         "data: prompt_key chosen_key rejected_key image_key max_images_per_prompt",
         "ds: ring_attn_size ring_attn_head_stride",
     ),
+    "kto": _SINGLE_MODEL
+    | _paths(
+        "model: beta desirable_weight undesirable_weight loss_type",
+        "ref: model_name_or_path offload",
+        "data: input_key output_key label_key",
+        "ds: ring_attn_size ring_attn_head_stride",
+    ),
     # trainers/rl/ppo.py and what it builds (roles, updates, collect, reward sources)
     "ppo": _SHARED
     | _optimizer("actor.")
@@ -182,6 +189,7 @@ REFUSED: dict[str, frozenset[str]] = {
     "sft": frozenset(),
     "rm": frozenset(),
     "dpo": frozenset(),
+    "kto": frozenset(),
     "ppo": frozenset(),
     "serve-rm": frozenset(),
     "chat": frozenset(),
