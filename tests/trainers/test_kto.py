@@ -131,7 +131,7 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(tiny_model_dir, unp
 
     from posttrain.cli import train_kto
 
-    common = ["--data.max_samples", 64, "--train.batch_size", 16, "--train.micro_batch_size", 8,
+    common = ["--data.max_samples", 32, "--train.batch_size", 8, "--train.micro_batch_size", 4,
               "--ckpt.save_steps", 2, "--adam.lr", "1e-3"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train_kto.main(kto_flags(tiny_model_dir, unpaired_dir, straight / "run", *common, "--ckpt.path",
@@ -145,6 +145,8 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(tiny_model_dir, unp
                 if "train/loss" in r and r["step"] > 2}
 
     assert losses(resumed / "run") == losses(straight / "run") and len(losses(straight / "run")) == 2
+    # the resumed run started at step 3: it trained steps 3-4 only
+    assert [r["step"] for r in read_metrics(resumed / "run" / "metrics.jsonl") if "train/loss" in r] == [3, 4]
     want, got = (load_file(str(d / "run" / "model.safetensors")) for d in (straight, resumed))
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=0, rtol=0)
