@@ -31,6 +31,12 @@ def _split(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     return [r for r in rows if r["prompt"] not in set(held)][:N_TRAIN], test
 
 
+def _unpaired(pairs: list[dict]) -> list[dict]:
+    """Pairs as KTO's unpaired rows: the chosen side desirable, the rejected side not (TRL's columns)."""
+    return [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
+            for p in pairs for side in ("chosen", "rejected")]
+
+
 def main(out: Path = OUT) -> None:
     """Write every example file into `out` (emptied first)."""
     if out.exists():
@@ -53,6 +59,8 @@ def main(out: Path = OUT) -> None:
     held_pairs = make_preference_rows(4 * N_TRAIN, seed=SEED + 2, difficulty=DIFFICULTY, rounding_habit=0.5)
     held_pairs = list({p["prompt"]: p for p in held_pairs if p["prompt"] in held}.values())
     write_jsonl([{k: p[k] for k in keep} for p in held_pairs], out / "heldout" / "prefs.jsonl")
+    for pair_rows, name in ((pairs, "unpaired.jsonl"), (held_pairs, "heldout/unpaired.jsonl")):
+        write_jsonl(_unpaired(pair_rows), out / name)
     held_demos = {r["prompt"]: r for r in demos if r["prompt"] in held}  # one demonstration per prompt
     write_jsonl(list(held_demos.values()), out / "heldout" / "sft.jsonl")
     write_jsonl([{"prompt": r["prompt"], "answer": r["answer"]} for r in arith_test],

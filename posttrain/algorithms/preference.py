@@ -1,4 +1,5 @@
-"""Preference losses: DPO / cDPO / IPO on summed response log-probs, and pairwise reward-model losses."""
+"""Preference losses: DPO / cDPO / IPO on summed response log-probs, KTO on unpaired rows, and pairwise
+reward-model losses."""
 from __future__ import annotations
 
 import torch
@@ -30,6 +31,41 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
     else:
         losses = -(1.0 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
     return losses.mean(), (beta * (pc - rc)).detach(), (beta * (pr - rr)).detach()
+
+
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
+
+
+def kto_loss(policy_logps, ref_logps, desirable, kl, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0,
+             loss_type="kto"):
+    """KTO on unpaired rows: summed response log-probs ``[B]`` of the policy and the reference, ``desirable``
+    the rows' labels ``[B]`` (bool), ``kl`` the KL estimate (a number or 0-d tensor: the mean of
+    ``π(y'|x) - ref(y'|x)`` over mismatched pairs, see the trainer). With ``r = π - ref`` and
+    ``z0 = max(kl, 0)`` (detached):
+
+        kto:               desirable  w_d (1 - σ(β(r - z0)))     undesirable  w_u (1 - σ(β(z0 - r)))
+        apo_zero_unpaired: desirable  w_d (1 - σ(βr))            undesirable  w_u σ(βr)   (no KL term)
+
+    Returns ``(losses [B], rewards [B])``, per row in the input order (the caller averages: a step's loss is
+    ``Σ losses / rows``), rewards ``βr`` detached. At policy == reference each loss is ``w/2``."""
+    check_ndim("policy_logps", policy_logps, 1, "[B]")
+    check_shape("ref_logps", ref_logps, "policy_logps", policy_logps)
+    check_shape("desirable", desirable, "policy_logps", policy_logps)
+    check_choice("loss_type", loss_type, KTO_LOSS_TYPES)
+    if not (isinstance(beta, (int, float)) and beta > 0):
+        raise ValueError(f"beta={beta!r} must be a number > 0")
+    for name, w in (("desirable_weight", desirable_weight), ("undesirable_weight", undesirable_weight)):
+        if not (isinstance(w, (int, float)) and w >= 0):
+            raise ValueError(f"{name}={w!r} must be a number >= 0")
+    r = f32(policy_logps) - f32(ref_logps).detach()
+    good = desirable.to(device=r.device, dtype=torch.bool)
+    if loss_type == "kto":
+        z0 = torch.as_tensor(kl, dtype=torch.float32, device=r.device).detach().clamp(min=0)
+        desired, undesired = 1 - torch.sigmoid(beta * (r - z0)), 1 - torch.sigmoid(beta * (z0 - r))
+    else:
+        desired, undesired = 1 - torch.sigmoid(beta * r), torch.sigmoid(beta * r)
+    losses = torch.where(good, desirable_weight * desired, undesirable_weight * undesired)
+    return losses, (beta * r).detach()
 
 
 def _sigmoid_rm(chosen, rejected, margin):

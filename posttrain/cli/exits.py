@@ -29,7 +29,7 @@ def user_errors(prog: str):
 
 TRAINERS = {"sft": "posttrain.trainers.sft:train_sft", "rm": "posttrain.trainers.rm:train_rm",
             "dpo": "posttrain.trainers.dpo:train_dpo", "ppo": "posttrain.trainers.rl.ppo:train_rl",
-            "kd": "posttrain.trainers.kd:train_kd"}
+            "kd": "posttrain.trainers.kd:train_kd", "kto": "posttrain.trainers.kto:train_kto"}
 
 
 def run_trainer(trainer: str, argv: list[str] | None, prog: str) -> dict:

@@ -10,6 +10,7 @@ COMMANDS = {
     "rm": ("posttrain.cli.train_rm", "reward-model training on preference pairs"),
     "dpo": ("posttrain.cli.train_dpo", "direct preference optimisation (DPO / IPO / cDPO)"),
     "kd": ("posttrain.cli.train_kd", "knowledge distillation: SFT towards a frozen teacher's tokens"),
+    "kto": ("posttrain.cli.train_kto", "KTO on unpaired rows (a completion labelled desirable or not)"),
     "ppo": ("posttrain.cli.train_ppo_ray", "RL from a reward: PPO, REINFORCE++, RLOO, GRPO, Dr.GRPO"),
     "lora-merge": ("posttrain.cli.lora_combiner", "merge a LoRA adapter into a standalone HF model"),
     "ds-to-hf": ("posttrain.cli.ds_to_hf", "a DeepSpeed ZeRO checkpoint (OpenRLHF's, posttrain's) as a plain "
@@ -68,7 +69,7 @@ def _main(argv: list[str]) -> int:
         print(f"posttrain: error: unknown command '{name}'{hint}\n\n{usage()}", file=sys.stderr)
         raise SystemExit(2)
     module = importlib.import_module(COMMANDS[name][0])
-    if name in ("sft", "rm", "dpo", "ppo", "kd"):
+    if name in ("sft", "rm", "dpo", "kd", "kto", "ppo"):
         module.main(rest, prog=f"posttrain {name}")
     else:
         module.main(rest)

@@ -183,6 +183,9 @@ RENAMED: dict[str, str | dict[str, str]] = {
     "--margin_loss": "--model.margin_loss_enable",
     "--pretrain_mode": "--model.pretrain_mode_enable",
     "--loss": "--model.loss_type",
+    # OpenRLHF 0.9's train_kto (the command was removed in 0.9.6)
+    "--desirable_loss_weight": "--model.desirable_weight",
+    "--undesirable_loss_weight": "--model.undesirable_weight",
 }
 
 # OpenRLHF 0.9.0-0.9.5's batch_inference / interactive_chat flags -> posttrain chat / generate / eval's

@@ -17,7 +17,7 @@ from posttrain.utils.extras import installed
 
 Condition = Callable[[Any, Any, str], "bool | str"]
 PPO = ("ppo",)
-SINGLE_MODEL = ("sft", "rm", "dpo", "kd")
+SINGLE_MODEL = ("sft", "rm", "dpo", "kd", "kto")
 
 
 class Inert(NamedTuple):

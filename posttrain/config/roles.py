@@ -28,6 +28,7 @@ WHITEN_LEVELS = ("token", "sequence")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_sum_norm")
 RM_LOSS_TYPES = ("sigmoid", "logexp")
 KD_LOSSES = ("forward", "reverse", "jsd")  # algorithms.distillation.KD_LOSSES
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")  # algorithms.preference.KTO_LOSS_TYPES
 
 
 def reward_endpoints(value: str) -> list[str]:
@@ -133,8 +134,19 @@ class DPOModelConfig(ModelConfig):
 
 
 @dataclass
+class KTOModelConfig(ModelConfig):
+    """The policy trained with KTO on unpaired rows."""
+
+    beta: float = opt(0.1, "KTO temperature beta", gt=0)
+    desirable_weight: float = opt(1.0, "weight of the loss of a desirable row (label true)", ge=0)
+    undesirable_weight: float = opt(1.0, "weight of the loss of an undesirable row (label false)", ge=0)
+    loss_type: str = opt("kto", "kto (with the KL estimate) or apo_zero_unpaired (no KL term)",
+                         choices=KTO_LOSS_TYPES)
+
+
+@dataclass
 class DPORefConfig:
-    """The frozen reference model (DPO)."""
+    """The frozen reference model (DPO, KTO)."""
 
     model_name_or_path: str | None = opt(None, "reference model; default: --model.model_name_or_path")
     offload: bool = opt(False, "keep the reference model on CPU between forwards", inert=REF_ON_CPU,

@@ -348,6 +348,17 @@ class PreferenceDataConfig(ImageDataFields, DatasetDataConfig):
 
 
 @dataclass
+class UnpairedDataConfig(DatasetDataConfig):
+    """Dataset loading and tokenisation (unpaired rows: a prompt, a completion, a true/false label; KTO)."""
+
+    input_key: str | None = opt(None, "JSON key of the prompt (default: 'input', else TRL's 'prompt')")
+    output_key: str | None = opt(
+        None, "JSON key of the completion (default: TRL's 'completion'; without it and with "
+        "--data.apply_chat_template the prompt key holds the conversation ending in the reply)")
+    label_key: str = opt("label", "JSON key of the label: true (desirable) or false (undesirable)")
+
+
+@dataclass
 class PPODataConfig(ImageLimitFields, DataConfig):
     """Prompt dataset loading and tokenisation (PPO)."""
 

@@ -20,6 +20,7 @@ from posttrain.config.roles import (
     DPORefConfig,
     KDModelConfig,
     KDTeacherConfig,
+    KTOModelConfig,
     RefConfig,
     RewardConfig,
     RMModelConfig,
@@ -43,13 +44,14 @@ from posttrain.config.sections import (
     ScoreDSConfig,
     SFTDataConfig,
     TrainConfig,
+    UnpairedDataConfig,
     VLLMConfig,
     WandbConfig,
 )
 from posttrain.config.serving import ServeRMConfig
 from posttrain.config.spec import ParsedFields, carried, opt, section
 
-TRAINERS = ("sft", "rm", "dpo", "ppo", "kd")
+TRAINERS = ("sft", "rm", "dpo", "ppo", "kd", "kto")
 
 
 def _logger(trainer: str):
@@ -134,6 +136,22 @@ class KDConfig(SFTConfig):
 
 
 @dataclass
+class KTOConfig(OptimizerFields, LauncherFields):
+    """posttrain kto: KTO on unpaired rows (OpenRLHF 0.9's train_kto, TRL's KTOTrainer)."""
+
+    trainer: ClassVar[str] = "kto"
+    adam: AdamConfig = section(AdamConfig, lr=1e-5)
+    model: KTOModelConfig = section(KTOModelConfig)
+    ref: DPORefConfig = section(DPORefConfig)
+    ds: DSConfig = section(DSConfig)
+    data: UnpairedDataConfig = section(UnpairedDataConfig, max_len=512)
+    train: TrainConfig = section(TrainConfig, micro_batch_size=8, max_epochs=1)
+    eval: EvalConfig = section(EvalConfig, on_resume="volatile", split="test")
+    ckpt: CkptConfig = _ckpt(CkptConfig, "kto")
+    logger: LoggerConfig = _logger("kto")
+
+
+@dataclass
 class PPOConfig(LauncherFields):
     """posttrain ppo: RL from human or verifiable feedback (PPO, REINFORCE++, RLOO, GRPO, ...)."""
 
@@ -160,13 +178,13 @@ class PPOConfig(LauncherFields):
 
 # the configs a function may be passed, for its annotations
 # the single-model trainers (trainers/session.py)
-SingleModelConfig = SFTConfig | RMConfig | DPOConfig | KDConfig
+SingleModelConfig = SFTConfig | RMConfig | DPOConfig | KDConfig | KTOConfig
 TrainerConfig = SingleModelConfig | PPOConfig  # any trainer's
 # any command's the dotted-flag parser reads (COMMAND_CONFIGS)
 CommandConfig = TrainerConfig | ServeRMConfig | ChatConfig | GenerateConfig | EvalCmdConfig
 
 CONFIG_CLASSES: dict[str, type] = {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig, "ppo": PPOConfig,
-                                   "kd": KDConfig}
+                                   "kd": KDConfig, "kto": KTOConfig}
 # every command whose flags the dotted-flag parser reads: the trainers, the reward server, chat/generate/eval
 COMMAND_CONFIGS: dict[str, type] = {**CONFIG_CLASSES, "serve-rm": ServeRMConfig, **INFERENCE_CONFIGS}
 

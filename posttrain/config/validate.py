@@ -24,7 +24,15 @@ from posttrain.config.sections import POLYNOMIAL_LR_END, DSConfig, OptimizerFiel
 from posttrain.config.serving import ServedModelConfig, ServeRMConfig
 from posttrain.config.spec import flag_specs, get_path, set_path
 from posttrain.config.summary import data_parallel_size, micro_batch_tokens
-from posttrain.config.trainers import CommandConfig, DPOConfig, PPOConfig, RMConfig, TrainerConfig
+from posttrain.config.trainers import (
+    TRAINERS,
+    CommandConfig,
+    DPOConfig,
+    KTOConfig,
+    PPOConfig,
+    RMConfig,
+    TrainerConfig,
+)
 from posttrain.utils.extras import installed, missing_message
 
 
@@ -67,9 +75,8 @@ def validate(cfg: CommandConfig, world_size: int = 1, device: Any = None) -> lis
     _data(cfg, r)
     _train(cfg, r, world_size)
     _ckpt(cfg, r)
-    if cfg.trainer in ("sft", "dpo", "rm", "ppo", "kd"):
+    if cfg.trainer in TRAINERS:
         _context_parallel(cfg, r, world_size)
-    if cfg.trainer in ("sft", "rm", "dpo", "ppo", "kd"):
         _tensor_parallel(cfg, r, world_size, dev)
     if cfg.trainer == "ppo":
         ppo_rules(cfg, r, world_size)
@@ -83,6 +90,8 @@ def validate(cfg: CommandConfig, world_size: int = 1, device: Any = None) -> lis
         _dpo(cfg, r)
     if cfg.trainer == "rm":
         _rm(cfg, r)
+    if cfg.trainer == "kto":
+        _kto(cfg, r)
     _optional_parts(cfg, r, world_size)
     if r.problems:
         raise ConfigError.collect(r.problems)
@@ -225,6 +234,14 @@ def _dpo(cfg: DPOConfig, r: RuleReport) -> None:
     if m.ipo_enable and m.label_smoothing:
         r.problems.append(f"--model.label_smoothing {m.label_smoothing} is cDPO's; IPO (--model.ipo_enable) "
                           "does not use it. Drop one of the two flags.")
+
+
+def _kto(cfg: KTOConfig, r: RuleReport) -> None:
+    """KTO's KL estimate pairs each row of a step with another row's completion: one row has none."""
+    if cfg.model.loss_type == "kto" and cfg.train.batch_size < 2:
+        r.bad("train.batch_size", cfg.train.batch_size,
+              "KTO estimates its KL term from each row's prompt with another row's completion of the same "
+              "step, so a step needs at least 2 rows; raise it, or use --model.loss_type apo_zero_unpaired")
 
 
 def _rm(cfg: RMConfig, r: RuleReport) -> None:

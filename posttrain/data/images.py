@@ -95,8 +95,8 @@ def image_reading(data_cfg) -> dict:
 
 def max_images(data_cfg) -> int:
     """The most images a row or prompt may carry, as a trainer's `--data` section sets it (0: the run is text
-    only)."""
-    return data_cfg.max_images_per_prompt
+    only; a section without image flags, KTO's, is text only)."""
+    return data_cfg.max_images_per_prompt if hasattr(data_cfg, "max_images_per_prompt") else 0
 
 
 def max_images_flag(value: object = None) -> str:

@@ -67,26 +67,11 @@ class PreferenceDataset(Dataset):
         max_images: int = 0,
         image_limits: ImageLimits = DEFAULT_IMAGE_LIMITS,
     ):
-        if not isinstance(max_len, int) or max_len < 2:
-            raise DataError(f"--data.max_len: must be an integer ≥ 2, got {max_len!r}.")
-        if tokenizer.eos_token_id is None:
-            raise DataError("the tokenizer has no eos_token; set one (each response ends with EOS).")
-        self.tokenizer, self.max_len, self.chat = tokenizer, max_len, apply_chat_template
         self.keys = (prompt_key, chosen_key, rejected_key)
         self.margin_key = margin_key
         self.processor, self.image_key, self.max_images = processor, image_key, max_images
         self.image_limits = image_limits
-        self.input_template = check_input_template(input_template)
-        if self.chat:
-            require_chat_template(tokenizer)
-            if self.input_template is not None:
-                raise DataError("--data.input_template and --data.apply_chat_template are exclusive: the "
-                                "chat template formats the prompt. Pass one of them.")
-        rows = ensure_location(list(rows))
-        if not rows:
-            raise DataError("PreferenceDataset: no rows (the dataset is empty after "
-                            "loading/--data.max_samples).")
-        rows, self.num_capped = cap_text_fields(rows, self.keys, max_len, tokenizer)
+        rows = self._start(rows, tokenizer, max_len, input_template, apply_chat_template, self.keys)
         fields = [self._validate(row) for row in rows]  # every row, before any tokenisation
 
         self.pairs: list[dict] = []
@@ -112,6 +97,28 @@ class PreferenceDataset(Dataset):
             raise DataError(f"PreferenceDataset: all {len(rows)} pairs were dropped because the prompt alone "
                             f"fills --data.max_len {max_len} (first: {self.dropped[0]}). Raise "
                             f"--data.max_len.")
+
+    def _start(self, rows: Sequence[dict], tokenizer: Any, max_len: int, input_template: str | None,
+               apply_chat_template: bool, text_keys) -> list[dict]:
+        """The checks and set-up before any row is read (max_len, EOS, template vs chat template; the rows
+        located, their `text_keys` fields capped: `num_capped`); returns the rows."""
+        if not isinstance(max_len, int) or max_len < 2:
+            raise DataError(f"--data.max_len: must be an integer ≥ 2, got {max_len!r}.")
+        if tokenizer.eos_token_id is None:
+            raise DataError("the tokenizer has no eos_token; set one (each response ends with EOS).")
+        self.tokenizer, self.max_len, self.chat = tokenizer, max_len, apply_chat_template
+        self.input_template = check_input_template(input_template)
+        if self.chat:
+            require_chat_template(tokenizer)
+            if self.input_template is not None:
+                raise DataError("--data.input_template and --data.apply_chat_template are exclusive: the "
+                                "chat template formats the prompt. Pass one of them.")
+        rows = ensure_location(list(rows))
+        if not rows:
+            raise DataError(f"{type(self).__name__}: no rows (the dataset is empty after "
+                            "loading/--data.max_samples).")
+        rows, self.num_capped = cap_text_fields(rows, text_keys, max_len, tokenizer)
+        return rows
 
     # ---- images -------------------------------------------------------------------------------
     def _images(self, row: dict, prompt) -> list:

@@ -52,6 +52,12 @@ def preference_items(rows: list[dict], tokenizer, cfg: RMConfig | DPOConfig, wha
                              input_template=cfg.data.input_template,
                              apply_chat_template=cfg.data.apply_chat_template, margin_key=margin_key,
                              processor=processor, **image_reading(cfg.data))
+    return tokenised_items(data, what, cfg, tokenizer)
+
+
+def tokenised_items(data: PreferenceDataset, what: str, cfg, tokenizer) -> list[dict]:
+    """The items of a tokenised preference dataset (pairs, or KTO's unpaired rows), after reporting once
+    what was cut, dropped (stopping the run past --data.max_dropped_frac) or capped."""
     if data.num_truncated:
         info(f"{what}: {data.num_truncated} responses longer than --data.max_len {cfg.data.max_len} were cut "
              "(their last token kept as EOS)")

@@ -12,7 +12,9 @@ A trainer supplies an `Objective`:
     (docs/algorithms.md, "Loss aggregation"). `sums` are additive statistics (floats) summed over
     micro-batches and ranks and logged divided by their `*_count` partner when one exists; a `*_sqsum` partner
     (sum of squares) adds the sample standard deviation (`x_sum`, `x_sqsum`, `x_count` are logged
-    as `x_mean` and `x_std`).
+    as `x_mean` and `x_std`);
+  - optional `prepare(model, rows: StepRows)`: called before a step's (or an evaluation's) micro-batches
+    run, with all of its rows, for what the loss needs from the whole step (KTO's KL estimate).
 The loop owns data order, micro-batching, rank padding for ZeRO-3 and its checkpoint state (weights,
 optimizer, scheduler, step counters and per-rank RNG); the step / eval / log / save / resume cadence
 and Ctrl-C come from the loop every trainer shares (`trainers/run_loop.RunLoop`).
@@ -41,6 +43,23 @@ class Objective(Protocol):
     def units(self, item: dict) -> int: ...
     def collate(self, items: list[dict]) -> dict: ...
     def loss(self, model, batch: dict, num_units: float) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+
+@dataclass
+class StepRows:
+    """A step's rows as `Objective.prepare` sees them: `order` the rows of the step on every rank (indices
+    into `items`, in the step's order; an evaluation: the evaluated rows), `groups` this rank's
+    micro-batches, `n_micro` the micro-batches every rank runs (a rank with fewer re-runs its first one:
+    ZeRO-3 gathers parameters in each forward, so every rank makes as many), `to_device(batch)` a collated
+    batch on the device (this rank's slice of it with context parallelism), `all_reduce(sums)` a dict of sums
+    over the ranks."""
+
+    items: list[dict]
+    order: list[int]
+    groups: list[list[int]]
+    n_micro: int
+    to_device: Callable[[dict], dict]
+    all_reduce: Callable[[dict[str, float]], dict[str, float]]
 
 
 @dataclass
@@ -138,12 +157,13 @@ class SingleModelLoop(RunLoop):
                          cadence=cadence, is_main=engine.is_main)
 
     # ---- one optimizer step -------------------------------------------------------------
-    def _step_micro_batches(self, epoch: int, step_in_epoch: int) -> list[list[int]]:
+    def _step_micro_batches(self, epoch: int, step_in_epoch: int) -> tuple[list[int], list[list[int]]]:
+        """(the step's rows on all ranks, this rank's micro-batches of them)."""
         order = batching.epoch_order(len(self.train_items), self.s.seed, epoch)
         step_idx = order[step_in_epoch * self.s.batch_size:(step_in_epoch + 1) * self.s.batch_size]
         mine = batching.rank_slice(step_idx, *self._data_rank())
-        return batching.micro_batches(mine, self.lengths, micro_batch_size=self.s.micro_batch_size,
-                                      max_tokens=self.s.max_tokens)
+        return [int(i) for i in step_idx], batching.micro_batches(
+            mine, self.lengths, micro_batch_size=self.s.micro_batch_size, max_tokens=self.s.max_tokens)
 
     def _data_rank(self) -> tuple[int, int]:
         """(this rank's data-parallel rank, their number): the ranks of a context- or tensor-parallel group
@@ -162,8 +182,15 @@ class SingleModelLoop(RunLoop):
         t = self.engine.all_reduce(t, op="sum") / (self.s.layout.tensor if self.s.layout is not None else 1)
         return dict(zip(keys, t.tolist()))
 
-    def _run_micro_batches(self, groups: list[list[int]], items: list[dict], train: bool) -> dict[str, float]:
-        """Forward (and backward when training) every micro-batch of one step; return global sums."""
+    def _device_batch(self, batch: dict) -> dict:
+        """A collated batch on the device; with context parallelism, this rank's slice of the packed row."""
+        batch = _to_device(batch, self.device)
+        return self.s.context.shard(batch) if self.s.context is not None else batch
+
+    def _run_micro_batches(self, groups: list[list[int]], items: list[dict], train: bool,
+                           order: list[int]) -> dict[str, float]:
+        """Forward (and backward when training) every micro-batch of one step, whose rows on all ranks are
+        `order` (after the objective's `prepare`, when it has one); return global sums."""
         units = float(sum(self.obj.units(items[i]) for g in groups for i in g))
         if self.engine.world_size > 1:
             units = float(self.engine.all_reduce(torch.tensor([units], dtype=torch.float64,
@@ -176,13 +203,15 @@ class SingleModelLoop(RunLoop):
             n_micro = len(groups)
         sums: dict[str, float] = {}
         model = self.engine.model  # the wrapper that keeps DeepSpeed's micro-step bookkeeping
+        if hasattr(self.obj, "prepare"):
+            with torch.no_grad():
+                self.obj.prepare(model, StepRows(items, order, groups, n_micro, self._device_batch,
+                                                 self._all_reduce_sums))
         for k in range(n_micro):
             # ranks with fewer micro-batches re-run their first one with zero weight, so every rank
             # makes the same number of forward/backward calls (ZeRO-3 gathers parameters in each)
             real = k < len(groups)
-            batch = _to_device(self.obj.collate([items[i] for i in groups[k if real else 0]]), self.device)
-            if self.s.context is not None:  # this rank's slice of the packed row
-                batch = self.s.context.shard(batch)
+            batch = self._device_batch(self.obj.collate([items[i] for i in groups[k if real else 0]]))
             with torch.set_grad_enabled(train):
                 loss, stats = self.obj.loss(model, batch, max(units, 1.0))
                 loss = self._with_router_loss(model, loss, stats, groups[k] if real else [], items, units)
@@ -218,7 +247,7 @@ class SingleModelLoop(RunLoop):
         dp_rank, dp_size = self._data_rank()
         idx = batching.rank_slice(torch.arange(n - n % dp_size).numpy(), dp_rank, dp_size)
         groups = batching.micro_batches(idx, None, micro_batch_size=self.s.micro_batch_size)
-        sums = self._run_micro_batches(groups, items, train=False)
+        sums = self._run_micro_batches(groups, items, train=False, order=list(range(n - n % dp_size)))
         self.engine.module.train()
         return summarize(sums, prefix)
 
@@ -226,8 +255,8 @@ class SingleModelLoop(RunLoop):
     def step(self) -> dict[str, float]:
         epoch, step_in_epoch = divmod(self.global_step, self.steps_per_epoch)
         cp_traffic(reset=True)
-        groups = self._step_micro_batches(epoch, step_in_epoch)
-        sums = self._run_micro_batches(groups, self.train_items, train=True)
+        order, groups = self._step_micro_batches(epoch, step_in_epoch)
+        sums = self._run_micro_batches(groups, self.train_items, train=True, order=order)
         lr = self.engine.lr  # the rate this step is taken with (step() advances the schedule)
         grad_norm = self.engine.step()
         metrics = summarize(sums, "train")

@@ -38,6 +38,30 @@ def pref_dir(tmp_path_factory):
     return path
 
 
+def unpaired(pairs: list[dict]) -> list[dict]:
+    """Pairs as KTO's unpaired rows (TRL's columns): chosen -> desirable, rejected -> undesirable."""
+    return [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
+            for p in pairs for side in ("chosen", "rejected")]
+
+
+@pytest.fixture(scope="module")
+def unpaired_dir(pref_dir, tmp_path_factory):
+    """`pref_dir`'s pairs as unpaired rows (`unpaired`), train.jsonl and test.jsonl."""
+    from posttrain.data.readers import read_file
+    from posttrain.data.synthetic import write_jsonl
+
+    path = tmp_path_factory.mktemp("unpaired")
+    for split in ("train", "test"):
+        write_jsonl(unpaired(read_file(str(pref_dir / f"{split}.jsonl"))), path / f"{split}.jsonl")
+    return path
+
+
+def kto_flags(model, data, out, *extra):
+    return ["--model.model_name_or_path", str(model), "--data.dataset", str(data),
+            "--data.apply_chat_template", "--data.max_len", "48", "--train.batch_size", "32",
+            "--train.micro_batch_size", "16", "--ckpt.output_dir", str(out), *map(str, extra)]
+
+
 def heldout_logprob_gap(model_dir, pref_dir) -> float:
     """Mean over held-out pairs of log π(chosen) - log π(rejected) (summed response log-probs) of a
     saved model, computed outside the trainer."""
@@ -258,6 +282,12 @@ def zero3_common() -> list:
     return ["--data.max_samples", 48, "--adam.lr", "1e-3", "--adam.eps", ADAM_EPS]
 
 
+def kto_common() -> list:
+    from rounding import ADAM_EPS
+
+    return ["--data.max_samples", 64, "--train.batch_size", 16, "--adam.lr", "1e-3", "--adam.eps", ADAM_EPS]
+
+
 def ring_common() -> list:
     from rounding import ADAM_EPS
 
@@ -266,9 +296,10 @@ def ring_common() -> list:
 
 
 @pytest.fixture(scope="module")
-def two_rank_runs(tiny_model_dir, pref_dir, tmp_path_factory):
+def two_rank_runs(tiny_model_dir, pref_dir, unpaired_dir, tmp_path_factory):
     """This module's 2-rank runs, in one launch (`torchrun_cases`): "zero3" (token-budget micro-batches,
-    ZeRO-3) and "ring" (ring attention 2, ZeRO-3) -> (run folder, its `CaseRun`)."""
+    ZeRO-3), "ring" (ring attention 2, ZeRO-3) and "kto" (`posttrain kto`, ZeRO-3, 2 micro-batches per rank)
+    -> (run folder, its `CaseRun`)."""
     from sft_helpers import torchrun_cases
 
     root = tmp_path_factory.mktemp("two_ranks")
@@ -276,10 +307,13 @@ def two_rank_runs(tiny_model_dir, pref_dir, tmp_path_factory):
                        "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", 85),
              "ring": (*ring_common(), "--ds.zero_stage", 3, "--ds.ring_attn_size", 2,
                       "--ds.ring_attn_head_stride", 2)}
-    runs = torchrun_cases([("posttrain.cli.train_dpo", dpo_flags(tiny_model_dir, pref_dir, root / case,
-                                                                 *more)) for case, more in flags.items()],
-                          root / "logs")
-    return {case: (root / case, proc) for case, proc in zip(flags, runs)}
+    cases = [("posttrain.cli.train_dpo", dpo_flags(tiny_model_dir, pref_dir, root / case, *more))
+             for case, more in flags.items()]
+    cases.append(("posttrain.cli.train_kto", kto_flags(tiny_model_dir, unpaired_dir, root / "kto",
+                                                       *kto_common(), "--train.micro_batch_size", 4,
+                                                       "--ds.zero_stage", 3)))
+    runs = torchrun_cases(cases, root / "logs")
+    return {case: (root / case, proc) for case, proc in zip([*flags, "kto"], runs)}
 
 
 @pytest.mark.e2e
@@ -311,6 +345,28 @@ def test_two_process_zero3_matches_single_process(tiny_model_dir, pref_dir, tmp_
     assert runs[1][-1]["train/margin"] == pytest.approx(runs[0][-1]["train/margin"], abs=1e-5)
     assert_same_grad_norms(single, multi)
     assert_weights_within_rounding(single, multi)  # the ranks' all-reduce sums in another order
+
+
+@pytest.mark.e2e
+def test_kto_on_two_ranks_matches_single_process(tiny_model_dir, unpaired_dir, tmp_path, two_rank_runs):
+    """`posttrain kto` on 2 ranks (ZeRO-3, the reference as shards, 2 micro-batches of 4 rows per rank) gives
+    the losses, KL estimates and weights of one process with one micro-batch of the step's 16 rows: the KL
+    pairs follow the step's order and its sums are all-reduced."""
+    from sft_helpers import assert_same_grad_norms, assert_weights_within_rounding
+
+    from posttrain.cli import train_kto
+
+    single = tmp_path / "single"
+    train_kto.main(kto_flags(tiny_model_dir, unpaired_dir, single, *kto_common()))
+    multi, proc = two_rank_runs["kto"]
+    proc.ok()
+    assert "world_size = 2" in proc.stderr and "held as ZeRO-3 shards across the 2 ranks" in proc.stderr
+    runs = [[r for r in read_metrics(d / "metrics.jsonl") if "train/loss" in r] for d in (single, multi)]
+    for key, tol in (("train/loss", 1e-6), ("train/kl", 1e-5), ("train/chosen_reward", 1e-5)):
+        assert [r[key] for r in runs[1]] == pytest.approx([r[key] for r in runs[0]], abs=tol), key
+    assert len(runs[0]) == 4 and runs[0][-1]["train/kl"] > 0
+    assert_same_grad_norms(single, multi)
+    assert_weights_within_rounding(single, multi)
 
 
 def _dpo_formula(margin: float, beta: float, ipo: bool, eps: float) -> float:

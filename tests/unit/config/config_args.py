@@ -6,6 +6,7 @@ BASE = {
     "dpo": ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl"],
     "kd": ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl",
            "--teacher.model_name_or_path", "t"],
+    "kto": ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl"],
     "ppo": [
         "--actor.model_name_or_path",
         "m",

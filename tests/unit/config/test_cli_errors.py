@@ -181,8 +181,8 @@ def test_value_forms():
 
 
 def test_unknown_trainer():
-    with pytest.raises(ConfigError, match="unknown trainer 'kto'; valid: sft, rm, dpo, ppo"):
-        parse_config("kto", [])
+    with pytest.raises(ConfigError, match="unknown trainer 'nope'; valid: sft, rm, dpo, ppo, kd, kto"):
+        parse_config("nope", [])
 
 
 @pytest.mark.parametrize("trainer", TRAINERS)

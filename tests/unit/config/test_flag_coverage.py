@@ -115,6 +115,13 @@ ACTING: dict[str, frozenset[str]] = {
                                  "teacher: model_name_or_path offload",
                                  "data: input_key output_key multiturn image_key max_images_per_prompt",
                                  "ds: ring_attn_size ring_attn_head_stride"),
+    "kto": _SINGLE_MODEL
+    | _paths(
+        "model: beta desirable_weight undesirable_weight loss_type",
+        "ref: model_name_or_path offload",
+        "data: input_key output_key label_key",
+        "ds: ring_attn_size ring_attn_head_stride",
+    ),
     # trainers/rl/ppo.py and what it builds (roles, updates, collect, reward sources)
     "ppo": _SHARED
     | _optimizer("actor.")
@@ -188,6 +195,7 @@ REFUSED: dict[str, frozenset[str]] = {
     "rm": frozenset(),
     "dpo": frozenset(),
     "kd": frozenset(),
+    "kto": frozenset(),
     "ppo": frozenset(),
     "serve-rm": frozenset(),
     "chat": frozenset(),
