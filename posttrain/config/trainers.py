@@ -22,6 +22,7 @@ from posttrain.config.roles import (
     RewardConfig,
     RMModelConfig,
     SFTModelConfig,
+    TeacherConfig,
 )
 from posttrain.config.sections import (
     AdamConfig,
@@ -128,6 +129,7 @@ class PPOConfig(LauncherFields):
     ref: RefConfig = section(RefConfig)
     reward: RewardConfig = section(RewardConfig)
     algo: AlgoConfig = section(AlgoConfig)
+    teacher: TeacherConfig = section(TeacherConfig)
     ds: PPODSConfig = section(PPODSConfig)
     vllm: VLLMConfig = section(VLLMConfig, on_resume="adjustable")
     rollout: RolloutConfig = section(RolloutConfig)

@@ -27,7 +27,7 @@ from posttrain.models.folders import check_model_folder
 from posttrain.utils.errors import ConfigError, UserError
 
 MODEL_FLAGS = ("model.model_name_or_path", "actor.model_name_or_path", "critic.model_name_or_path",
-               "ref.model_name_or_path", "reward.model_name_or_path")
+               "ref.model_name_or_path", "reward.model_name_or_path", "teacher.model_name_or_path")
 DATA_FLAGS = ("data.dataset", "data.prompt_dataset", "eval.dataset")
 SPLIT_FLAGS = {"data.dataset": "data.dataset_split", "data.prompt_dataset": "data.prompt_split",
                "eval.dataset": "eval.split"}  # `generate` / `eval` name --data.dataset's split --data.split
