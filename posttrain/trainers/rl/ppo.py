@@ -48,6 +48,16 @@ from posttrain.utils.seeding import rng_state, set_rng_state
 from posttrain.utils.timer import Timers
 
 
+def _announce_teacher(cfg: PPOConfig) -> None:
+    """Start-up's line on on-policy distillation: the teacher, its weight, whether it is the only reward."""
+    rw = cfg.reward
+    coef = 1.0 if cfg.algo.teacher_coef is None else cfg.algo.teacher_coef
+    alone = not (rw.model_name_or_path or rw.remote_url or rw.func_path or cfg.train.agent_func_path)
+    info(f"on-policy distillation: teacher {cfg.teacher.model_name_or_path}; each sampled token's reward "
+         f"takes -{coef:g} x (log pi_old - log pi_teacher)"
+         + (", the only reward (no reward source)" if alone else ""))
+
+
 class RLTrainer(RunLoop):
     desc = "rl"
 
@@ -128,6 +138,7 @@ class RLTrainer(RunLoop):
         trained = (("actor.", cfg.actor),) + ((("critic.", cfg.critic),) if self.roles.has("critic") else ())
         if self.roles.has("teacher"):  # before any model loads
             build.check_teacher_vocabulary(cfg, self.tokenizer)
+            _announce_teacher(cfg)
         self.start.announce(updates, trained)
         teacher = None
         if self.roles.on_ray:
