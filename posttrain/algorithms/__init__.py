@@ -39,6 +39,7 @@ from .shaping import (
     missing_eos_penalty,
     overlong_penalty,
     stop_properly_penalty,
+    teacher_token_rewards,
 )
 
 __all__ = [
@@ -47,7 +48,7 @@ __all__ = [
     "approx_kl", "approx_kl_with_stats", "batch_normalize_scores", "compute_advantages",
     "compute_advantages_with_stats", "discounted_returns", "dpo_loss", "dynamic_filter", "entropy", "gae",
     "gathered_logprobs", "group_baseline", "masked_mean", "missing_eos_penalty", "overlong_penalty",
-    "policy_loss", "reward_model_loss", "stop_properly_penalty", "token_logprobs", "token_rewards",
-    "token_rewards_with_stats", "value_loss", "value_loss_with_stats", "whiten", "whiten_sequences",
-    "KD_LOSSES", "distillation_loss", "generalized_jsd", "kd_divergence",
+    "policy_loss", "reward_model_loss", "stop_properly_penalty", "teacher_token_rewards", "token_logprobs",
+    "token_rewards", "token_rewards_with_stats", "value_loss", "value_loss_with_stats", "whiten",
+    "whiten_sequences", "KD_LOSSES", "distillation_loss", "generalized_jsd", "kd_divergence",
 ]

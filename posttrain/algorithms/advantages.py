@@ -129,7 +129,7 @@ def _last_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return last.clamp(min=0), last >= 0
 
 
-def token_rewards_with_stats(rewards, kl, mask, kl_coef, clip_range=(-10.0, 10.0)):
+def token_rewards_with_stats(rewards, kl, mask, kl_coef, clip_range=(-10.0, 10.0), extra=None):
     """``token_rewards`` plus stats: ``reward_clip_count`` (rewards clamped by clip_range) and
     ``empty_rows`` (rows without a masked position, whose reward could not be placed)."""
     check_ndim("mask", mask, 2, "[B, A]")
@@ -151,15 +151,19 @@ def token_rewards_with_stats(rewards, kl, mask, kl_coef, clip_range=(-10.0, 10.0
     out = out.scatter(1, last[:, None], torch.where(has_any, r, 0.0)[:, None])
     if kl is not None and kl_coef != 0:
         out = out - kl_coef * torch.where(bool_mask(mask), f32(kl), 0.0)
+    if extra is not None:
+        check_shape("extra", extra, "mask", mask)
+        out = out + torch.where(bool_mask(mask), f32(extra), 0.0)
     stats = {"reward_clip_count": clip_count, "empty_rows": (~has_any).sum()}
     return out, stats
 
 
-def token_rewards(rewards, kl, mask, kl_coef, clip_range=(-10.0, 10.0)):
+def token_rewards(rewards, kl, mask, kl_coef, clip_range=(-10.0, 10.0), extra=None):
     """Per-token rewards ``[B, A]``: ``clamp(r, *clip_range)`` on the last masked position of each
-    row, plus ``-kl_coef * kl`` on every masked position (``kl`` may be None when kl_coef == 0).
-    ``token_rewards_with_stats`` also reports how many rewards were clipped."""
-    return token_rewards_with_stats(rewards, kl, mask, kl_coef, clip_range)[0]
+    row, plus ``-kl_coef * kl`` on every masked position (``kl`` may be None when kl_coef == 0), plus
+    ``extra[B, A]`` (per-token reward terms such as on-policy distillation's, unclipped) on every masked
+    position. ``token_rewards_with_stats`` also reports how many rewards were clipped."""
+    return token_rewards_with_stats(rewards, kl, mask, kl_coef, clip_range, extra)[0]
 
 
 def discounted_returns(token_rewards, mask, gamma):
@@ -249,7 +253,7 @@ WHITEN_LEVELS = {"token": whiten, "sequence": whiten_sequences}
 def compute_advantages_with_stats(
     estimator, rewards, mask, *, n, kl=None, kl_coef=0.0, values=None, gamma=1.0, lam=1.0,
     clip_range=(-10.0, 10.0), std_norm=True, sequence_kl=False, whiten=None, valid=None, whiten_level="token",
-    std_eps=None,
+    std_eps=None, token_extra=None,
 ):
     """``compute_advantages`` plus a stats dict: ``reward_clip_count``, ``empty_rows``,
     ``gamma`` (the one actually used), ``whitened`` (bool)."""
@@ -289,7 +293,7 @@ def compute_advantages_with_stats(
         token_kl = None
     r = group_baseline(r, n, estimator, valid=valid, **({} if std_eps is None else {"eps": std_eps}))
     rew, stats = token_rewards_with_stats(r, token_kl, mask, kl_coef if token_kl is not None else 0.0,
-                                          clip_range)
+                                          clip_range, token_extra)
     if spec.uses_values:
         adv, returns = gae(rew, values, mask, gamma, lam)
     else:
@@ -306,13 +310,15 @@ def compute_advantages_with_stats(
 def compute_advantages(
     estimator, rewards, mask, *, n, kl=None, kl_coef=0.0, values=None, gamma=1.0, lam=1.0,
     clip_range=(-10.0, 10.0), std_norm=True, sequence_kl=False, whiten=None, valid=None, whiten_level="token",
-    std_eps=None,
+    std_eps=None, token_extra=None,
 ):
     """Advantages and returns ``[B, A]`` (zero at unmasked positions) for a whole rollout batch.
 
     1. ``sequence_kl``: ``r ← r - kl_coef · Σ_t m_t kl_t`` (no per-token KL afterwards).
     2. ``group_baseline(r, n, estimator, valid=valid)`` (``valid``: samples that enter group statistics).
-    3. ``token_rewards`` (clip after the baseline; per-token ``-kl_coef·kl`` unless sequence_kl).
+    3. ``token_rewards`` (clip after the baseline; per-token ``-kl_coef·kl`` unless sequence_kl; plus
+       ``token_extra[B, A]`` on every masked position, e.g. the on-policy distillation term: it is per
+       token whatever ``sequence_kl``, and no group baseline touches it).
     4. gae → GAE with ``values``; others → discounted returns (advantages = returns). Group
        estimators force ``gamma = 1`` (warning once per estimator).
     5. Whitening (``std_norm=False``: centring only): default for gae/reinforce/reinforce_baseline;
@@ -325,5 +331,5 @@ def compute_advantages(
     adv, returns, _ = compute_advantages_with_stats(
         estimator, rewards, mask, n=n, kl=kl, kl_coef=kl_coef, values=values, gamma=gamma, lam=lam,
         clip_range=clip_range, std_norm=std_norm, sequence_kl=sequence_kl, whiten=whiten, valid=valid,
-        whiten_level=whiten_level, std_eps=std_eps)
+        whiten_level=whiten_level, std_eps=std_eps, token_extra=token_extra)
     return adv, returns

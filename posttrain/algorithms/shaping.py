@@ -1,4 +1,5 @@
-"""Reward shaping applied to scalar rewards before advantage estimation, and DAPO dynamic filtering."""
+"""Reward shaping applied to scalar rewards before advantage estimation, the per-token on-policy
+distillation reward, and DAPO dynamic filtering."""
 from __future__ import annotations
 
 import math
@@ -89,6 +90,20 @@ def batch_normalize_scores(scores, clip, valid=None, eps=1e-8):
     if clip is not None:
         out = out.clamp(-clip, clip)
     return torch.where(ok, out, 0.0)
+
+
+def teacher_token_rewards(logp, teacher_logp, mask, coef):
+    """On-policy distillation's per-token reward ``[B, A]``: ``-coef · (logp_t - teacher_logp_t)`` on the
+    masked (sampled) tokens, 0 elsewhere; ``logp`` are the log-probs of the sampled tokens under the policy
+    that sampled them, ``teacher_logp`` under the teacher, so ``logp - teacher_logp`` is the one-sample
+    estimate of the reverse KL ``KL(π || π_teacher)`` at that token (Thinking Machines' on-policy
+    distillation; TRL GKD with lmbda 1 and beta 1 minimises the same divergence exactly, over the whole
+    vocabulary). ``coef >= 0``. (logp [-1, -2], teacher [-1.5, -1], mask [1, 1], coef 2 → [-1, 2].)"""
+    check_ndim("mask", mask, 2, "[B, A]")
+    check_shape("logp", logp, "mask", mask)
+    check_shape("teacher_logp", teacher_logp, "mask", mask)
+    coef = _finite("coef", coef, low=0.0)
+    return torch.where(bool_mask(mask), -coef * (f32(logp) - f32(teacher_logp)), 0.0)
 
 
 def dynamic_filter(scores, low, high, valid=None):

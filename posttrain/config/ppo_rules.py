@@ -52,7 +52,8 @@ def ppo_rules(cfg: PPOConfig, r: RuleReport, world_size: int) -> None:
 
 def _reward_source(cfg: PPOConfig, r: RuleReport) -> None:
     """A reward source: a reward model or a remote URL (or .py file), not both, with or beside reward
-    function files (--reward.func_path, one finite weight each); or an agent file. A tool file (scored by
+    function files (--reward.func_path, one finite weight each); or an agent file; or a teacher alone
+    (--algo.teacher_coef only with one). A tool file (scored by
     the reward source) with the chat template and without an agent file."""
     rw, t = cfg.reward, cfg.train
     if rw.func_path is not None:
@@ -67,15 +68,20 @@ def _reward_source(cfg: PPOConfig, r: RuleReport) -> None:
             reward_endpoints(rw.remote_url)
         except ValueError as err:
             r.bad("reward.remote_url", rw.remote_url, str(err))
-    elif not (rw.model_name_or_path or rw.remote_url or rw.func_path or t.agent_func_path):
+    elif not (rw.model_name_or_path or rw.remote_url or rw.func_path or t.agent_func_path
+              or cfg.teacher.model_name_or_path):
         r.bad(
             "reward.model_name_or_path",
             None,
             "a reward source is required: --reward.model_name_or_path (a reward model), "
             "--reward.remote_url (an http(s) reward server or a .py file defining reward_func), "
-            "--reward.func_path (reward function files) or "
-            "--train.agent_func_path (an agent file whose environment returns rewards)",
+            "--reward.func_path (reward function files), "
+            "--train.agent_func_path (an agent file whose environment returns rewards) or "
+            "--teacher.model_name_or_path (on-policy distillation: the teacher's per-token reward alone)",
         )
+    if cfg.algo.teacher_coef is not None and not cfg.teacher.model_name_or_path:
+        r.bad("algo.teacher_coef", cfg.algo.teacher_coef, "weighs the on-policy distillation term, which "
+              "needs a teacher: add --teacher.model_name_or_path (or drop the flag)")
     if t.tool_path and t.agent_func_path:
         r.bad("train.tool_path", t.tool_path, f"refused together with --train.agent_func_path "
               f"{format_value(t.agent_func_path)}: a run has one environment; drop one")

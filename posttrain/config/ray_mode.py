@@ -51,7 +51,8 @@ class RunRoles:
 
     sections: role name -> its config section, for the roles this run loads: the actor always; the reference
     with a KL term (in the reward or as a loss), unless it is the LoRA actor's base (`reference_in_actor`);
-    the critic with GAE; the reward model when rewards come from one (not from --reward.remote_url).
+    the critic with GAE; the reward model when rewards come from one (not from --reward.remote_url); the
+    teacher with --teacher.model_name_or_path (on-policy distillation).
     reference_in_actor: LoRA actor, KL term, and the reference starts from the actor's weights: the reference
     is the actor's base with the adapter disabled (no second copy, no ref role).
     several_ranks: the first role with more than one rank, as its flags (`--actor.num_nodes 1 x
@@ -88,6 +89,8 @@ def run_roles(cfg: Any) -> RunRoles:
         sections["critic"] = cfg.critic
     if not cfg.reward.remote_url and cfg.reward.model_name_or_path:
         sections["reward"] = cfg.reward
+    if cfg.teacher.model_name_or_path:
+        sections["teacher"] = cfg.teacher
     several = next((f"--{name}.num_nodes {r.num_nodes} x --{name}.num_gpus_per_node {r.num_gpus_per_node}"
                     for name, r in sections.items() if role_ranks(r) > 1), None)
     if os.environ.get("RAY_ADDRESS"):

@@ -264,6 +264,28 @@ class RefConfig:
                         on_resume="adjustable")
 
 
+NO_TEACHER = Inert("no teacher: on-policy distillation needs --teacher.model_name_or_path",
+                   lambda v, c, dev: not c.teacher.model_name_or_path)
+TEACHER_ON_CPU = Inert("the teacher is already in CPU memory: this machine has no accelerator, so there is "
+                       "nothing to offload to", facts.on_cpu)
+
+
+@dataclass
+class TeacherConfig:
+    """The frozen teacher of on-policy distillation (PPO): every sampled token is scored by it, and the
+    per-token reverse KL to it is a reward term (`--algo.teacher_coef`)."""
+
+    model_name_or_path: str | None = opt(None, "teacher model folder or hub id (on-policy distillation); "
+                                         "the same tokenizer as the policy", extension=True)
+    num_nodes: int = opt(1, "Ray nodes for the teacher", ge=1, inert=NO_TEACHER, on_resume="adjustable",
+                         extension=True)
+    num_gpus_per_node: int = opt(1, "GPUs per node for the teacher", ge=1, inert=NO_TEACHER,
+                                 on_resume="adjustable", extension=True)
+    offload: bool = opt(False, "keep the teacher on CPU between forwards (ZeRO-3 shards: DeepSpeed's "
+                        "offload_param)", inert=(NO_TEACHER, TEACHER_ON_CPU), on_resume="adjustable",
+                        extension=True)
+
+
 @dataclass
 class RewardConfig:
     """Reward source and reward shaping (PPO)."""
@@ -413,3 +435,7 @@ class AlgoConfig:
         [0.0, 1.0], "dynamic filtering bounds: low high (exclusive)", nargs=2,
         inert=needs("--algo.dynamic_filtering_enable", lambda c: c.algo.dynamic_filtering_enable),
     )
+    teacher_coef: float | None = opt(
+        None, "weight c of the on-policy distillation term: r_t += -c * (log pi_old(y_t) - "
+        "log pi_teacher(y_t)) on every sampled token (default 1 with --teacher.model_name_or_path)", ge=0,
+        finite=True, extension=True)

@@ -25,6 +25,7 @@ from posttrain.config.roles import (
     RewardConfig,
     RMModelConfig,
     SFTModelConfig,
+    TeacherConfig,
 )
 from posttrain.config.sections import (
     AdamConfig,
@@ -161,6 +162,7 @@ class PPOConfig(LauncherFields):
     ref: RefConfig = section(RefConfig)
     reward: RewardConfig = section(RewardConfig)
     algo: AlgoConfig = section(AlgoConfig)
+    teacher: TeacherConfig = section(TeacherConfig)
     ds: PPODSConfig = section(PPODSConfig)
     vllm: VLLMConfig = section(VLLMConfig, on_resume="adjustable")
     rollout: RolloutConfig = section(RolloutConfig)

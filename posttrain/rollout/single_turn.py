@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from posttrain.rewards.result import RewardResult
 from posttrain.rollout.async_engine import generate_all
 from posttrain.rollout.types import PromptImages, rank_seed
 from posttrain.utils.log import warn_once
@@ -77,7 +78,8 @@ def sample_budgets(prompts, params, max_len: int | None) -> list[int] | None:
 
 class SingleTurnSampler:
     """Samples a batch of prompts on the rollout engine(s) and scores it with one reward call (module
-    docstring); `run` is what `trainers/rl/collect.collect` and `evaluate.eval_metrics` call."""
+    docstring; `reward_source` None: every reward 0, a distillation run's); `run` is what
+    `trainers/rl/collect.collect` and `evaluate.eval_metrics` call."""
 
     def __init__(self, engine, reward_source, tokenizer) -> None:
         self.engine = engine
@@ -120,7 +122,10 @@ class SingleTurnSampler:
                                         else sorted(set(out.policy_versions)), image_inputs=images[g],
                                         columns=getattr(prompt, "columns", None),
                                         prompt_messages=getattr(prompt, "messages", None)))
-        result = score_rollouts(self.reward_source, self.tokenizer, rollouts)
+        if self.reward_source is None:  # no reward source: a teacher's per-token term alone
+            result = RewardResult(torch.zeros(len(rollouts)))
+        else:
+            result = score_rollouts(self.reward_source, self.tokenizer, rollouts)
         return ScoredRollouts(rollouts=rollouts, rewards=result.rewards.float(), scores=result.scores.float(),
                               extra_logs=result.extra_logs, skipped=result.skipped)
 

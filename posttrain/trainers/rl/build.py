@@ -19,6 +19,7 @@ from posttrain.engines.zero3 import FrozenShards, sharded_loading
 from posttrain.models.setup import BuiltModel, ModelSetup
 from posttrain.rollout.engine_builder import build_rollout_engine
 from posttrain.trainers.rl.roles import Actor, Critic, Reference
+from posttrain.utils.errors import ConfigError
 from posttrain.utils.seeding import set_seed
 
 _ROLE_SEEDS = {"actor": 0, "critic": 1, "ref": 2}
@@ -116,11 +117,24 @@ def build_reference(cfg: PPOConfig, tokenizer, device, zero_stage: int | None = 
     with --ref.offload keeping the shards in CPU memory (DeepSpeed's offload_param, on an accelerator);
     otherwise each rank holds a whole copy, moved to CPU between forwards with --ref.offload on an
     accelerator."""
-    setup = ModelSetup.of(cfg)
     _seed_for(cfg, "ref")
-    offload = cfg.ref.offload
-    built = setup.build(cfg.ref.model_name_or_path or cfg.actor.model_name_or_path, "ref",
-                        tokenizer=tokenizer, device=device, split_rows=_split_rows(setup),
+    return _frozen_policy(cfg, cfg.ref.model_name_or_path or cfg.actor.model_name_or_path, cfg.ref.offload,
+                          tokenizer, device, zero_stage)
+
+
+def build_teacher(cfg: PPOConfig, tokenizer, device, zero_stage: int | None = None) -> Reference:
+    """The frozen teacher of on-policy distillation (--teacher.model_name_or_path): built, placed and
+    offloaded (--teacher.offload) exactly as the reference is (`build_reference`); loading it draws nothing
+    from the run's RNG, so a run's other numbers do not change with it."""
+    with torch.random.fork_rng(devices=[]):
+        return _frozen_policy(cfg, cfg.teacher.model_name_or_path, cfg.teacher.offload, tokenizer, device,
+                              zero_stage)
+
+
+def _frozen_policy(cfg: PPOConfig, path: str, offload: bool, tokenizer, device,
+                   zero_stage: int | None) -> Reference:
+    setup = ModelSetup.of(cfg)
+    built = setup.build(path, "ref", tokenizer=tokenizer, device=device, split_rows=_split_rows(setup),
                         sharding=sharded_loading(cfg.ds, zero_stage, offload_params=offload))
     shards = FrozenShards(built.model, cfg.ds, offload=offload) if built.sharded else None
     context = _parallel(setup, built).context
@@ -129,6 +143,34 @@ def build_reference(cfg: PPOConfig, tokenizer, device, zero_stage: int | None = 
                          context=context, loaded_numel=built.loaded_numel)
     return Reference(built.model, cfg.rollout.temperature, device, offload=offload, context=context,
                      loaded_numel=built.loaded_numel)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def check_teacher_vocabulary(cfg: PPOConfig, tokenizer) -> None:
+    """Before any model loads: the teacher reads the policy's token ids, so its folder's tokenizer (when it
+    has one) must have the policy's vocabulary, and its embedding at least as many rows as the policy's
+    tokenizer has tokens; else ConfigError (one line naming --teacher.model_name_or_path)."""
+    import os
+
+    from transformers import AutoConfig
+
+    from posttrain.models import load_tokenizer
+
+    path = cfg.teacher.model_name_or_path
+    flag = f"--teacher.model_name_or_path {path}"
+    fix = ("on-policy distillation scores the student's sampled token ids with the teacher, so both must "
+           "share one tokenizer: use a teacher of the student's tokenizer (or `posttrain kd` offline)")
+    if os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        if load_tokenizer(path).get_vocab() != tokenizer.get_vocab():
+            raise ConfigError(f"{flag}: the teacher's tokenizer has another vocabulary than the policy's; "
+                              f"{fix}")
+    config = AutoConfig.from_pretrained(path)
+    rows = getattr(config.get_text_config(), "vocab_size", None)
+    if rows is not None and rows < len(tokenizer):
+        raise ConfigError(f"{flag}: the teacher has a vocabulary of {rows} tokens, the policy's tokenizer "
+                          f"{len(tokenizer)}; {fix}")
 
 
 def build_reward_source(cfg: PPOConfig, tokenizer, device, zero_stage: int | None = None):

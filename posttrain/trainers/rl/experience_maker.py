@@ -11,7 +11,7 @@ import torch
 from posttrain.algorithms import masked_mean
 from posttrain.algorithms.advantages import compute_advantages_with_stats, whiten
 from posttrain.algorithms.kl import approx_kl_with_stats
-from posttrain.algorithms.shaping import batch_normalize_scores
+from posttrain.algorithms.shaping import batch_normalize_scores, teacher_token_rewards
 from posttrain.trainers.rl.batch_forward import Batching
 from posttrain.trainers.rl.experience import Experience, build_experience
 from posttrain.trainers.rl.updates import steps_per_rollout
@@ -35,12 +35,13 @@ def _scalar(v) -> bool:
 
 
 class ExperienceMaker:
-    """`make(scored, kl_coef)` → (Experience, metrics) with the run's roles (`ref`, `critic` may be None); the
-    actor and critic forward in `batching`, the reference in `ref_batching` (default `batching`)."""
+    """`make(scored, kl_coef)` → (Experience, metrics) with the run's roles (`ref`, `critic`, `teacher` may be
+    None); the actor and critic forward in `batching`, the reference and the teacher (frozen, like it) in
+    `ref_batching` (default `batching`)."""
 
     def __init__(self, cfg: PPOConfig, actor, ref, critic, batching: Batching, pad_id: int,
-                 ref_batching: Batching | None = None) -> None:
-        self.cfg, self.actor, self.ref, self.critic = cfg, actor, ref, critic
+                 ref_batching: Batching | None = None, teacher=None) -> None:
+        self.cfg, self.actor, self.ref, self.critic, self.teacher = cfg, actor, ref, critic, teacher
         self.batching, self.pad_id = batching, pad_id
         self.ref_batching = ref_batching or batching
 
@@ -51,7 +52,7 @@ class ExperienceMaker:
         cfg = self.cfg
         one_step = steps_per_rollout(num_samples, cfg.train.batch_size, cfg.train.max_epochs) == 1
         kl_in_reward = self.ref is not None and not cfg.algo.kl.use_loss
-        return not one_step or kl_in_reward
+        return not one_step or kl_in_reward or self.teacher is not None
 
     def make(self, scored, kl_coef: float) -> tuple[Experience, dict[str, float]]:
         cfg = self.cfg
@@ -80,6 +81,7 @@ class ExperienceMaker:
             kl = kl * mask
             metrics.update({"kl/mean": sequence_mean(kl, mask),
                             "kl/clamp_frac": float(kl_stats["kl_clamp_frac"])})
+        teacher_term = self._teacher_term(exp, metrics)
         if self.critic is not None:
             exp.values = self.critic.values(exp, mbs)
         in_reward = kl is not None and not cfg.algo.kl.use_loss
@@ -90,10 +92,23 @@ class ExperienceMaker:
             gamma=adv.gamma, lam=adv.lambd, clip_range=tuple(cfg.reward.clip_range),
             std_norm=not adv.no_std_norm, sequence_kl=cfg.algo.kl.sequence_level_enable,
             whiten=True if adv.whiten_enable else None,
-            whiten_level=adv.whiten_level if adv.whiten_enable else "token", valid=valid, std_eps=adv.std_eps)
+            whiten_level=adv.whiten_level if adv.whiten_enable else "token", valid=valid, std_eps=adv.std_eps,
+            token_extra=teacher_term)
         metrics.update({f"advantage/{k}": float(v) for k, v in stats.items() if _scalar(v)})
         metrics["advantage/mean"] = masked_mean(exp.advantages, mask).item()
         return exp, metrics
+
+    def _teacher_term(self, exp: Experience, metrics: dict) -> torch.Tensor | None:
+        """On-policy distillation: the teacher scores every sampled token, and `-c · (old - teacher)` per
+        action token (`algorithms.shaping.teacher_token_rewards`, c = --algo.teacher_coef) joins the per-token
+        rewards; logs `teacher/reverse_kl`, the token mean of `old - teacher`. None without a teacher."""
+        if self.teacher is None:
+            return None
+        mask = exp.action_mask
+        teacher_logp = self.teacher.logprobs(exp, self.ref_batching)
+        metrics["teacher/reverse_kl"] = masked_mean(exp.old_logp - teacher_logp, mask).item()
+        coef = self.cfg.algo.teacher_coef
+        return teacher_token_rewards(exp.old_logp, teacher_logp, mask, 1.0 if coef is None else coef)
 
 
 def rollout_metrics(scored, n: int) -> dict[str, float]:

@@ -48,6 +48,16 @@ from posttrain.utils.seeding import rng_state, set_rng_state
 from posttrain.utils.timer import Timers
 
 
+def _announce_teacher(cfg: PPOConfig) -> None:
+    """Start-up's line on on-policy distillation: the teacher, its weight, whether it is the only reward."""
+    rw = cfg.reward
+    coef = 1.0 if cfg.algo.teacher_coef is None else cfg.algo.teacher_coef
+    alone = not (rw.model_name_or_path or rw.remote_url or rw.func_path or cfg.train.agent_func_path)
+    info(f"on-policy distillation: teacher {cfg.teacher.model_name_or_path}; each sampled token's reward "
+         f"takes -{coef:g} x (log pi_old - log pi_teacher)"
+         + (", the only reward (no reward source)" if alone else ""))
+
+
 class RLTrainer(RunLoop):
     desc = "rl"
 
@@ -69,8 +79,8 @@ class RLTrainer(RunLoop):
                     tools = load_tool_file(cfg.train.tool_path, self.tokenizer)
                 self.data = load_prompt_data(cfg, self.tokenizer, tools)
                 agent = self._load_reward_source(tools)
-                self._load_models(agent)
-                self._build_loop_state()
+                teacher = self._load_models(agent)
+                self._build_loop_state(teacher)
             except BaseException:
                 self._release_placement()
                 raise
@@ -114,7 +124,8 @@ class RLTrainer(RunLoop):
         self.reward_source = build.combine_rewards(cfg, main, functions)
         return agent
 
-    def _load_models(self, agent) -> None:
+    def _load_models(self, agent):
+        """Every role; returns the teacher of on-policy distillation (None without one)."""
         cfg = self.cfg
         n = cfg.rollout.n_samples_per_prompt
         steps_per_episode = len(self.data.prompts) // cfg.rollout.batch_size
@@ -125,15 +136,21 @@ class RLTrainer(RunLoop):
         updates = self.total_steps * steps_per_rollout(cfg.rollout.batch_size * n, cfg.train.batch_size,
                                                        cfg.train.max_epochs)
         trained = (("actor.", cfg.actor),) + ((("critic.", cfg.critic),) if self.roles.has("critic") else ())
+        if self.roles.has("teacher"):  # before any model loads
+            build.check_teacher_vocabulary(cfg, self.tokenizer)
+            _announce_teacher(cfg)
         self.start.announce(updates, trained)
+        teacher = None
         if self.roles.on_ray:
-            self._place_on_ray(updates)
+            teacher = self._place_on_ray(updates)
         else:
             self.actor = build.build_actor(cfg, self.tokenizer, self.device, updates)
             self.critic = (build.build_critic(cfg, self.tokenizer, self.device, updates)
                            if self.roles.has("critic") else None)
             self.ref = (build.build_reference(cfg, self.tokenizer, self.device) if self.roles.has("ref")
                         else None)
+            if self.roles.has("teacher"):
+                teacher = build.build_teacher(cfg, self.tokenizer, self.device)
             info(f"rollout engine: {one_process_engine(cfg)}")
             if cfg.train.async_enable:  # generation runs while the actor trains: an engine of its own
                 with torch.random.fork_rng(devices=[]):  # loading it draws nothing from the run's RNG
@@ -146,6 +163,7 @@ class RLTrainer(RunLoop):
         self.kl_ctl = (AdaptiveKLController(kl.init_coef, kl.target, kl.horizon) if kl.target
                        else FixedKLController(kl.init_coef))
         self.executor = self._executor(agent)
+        return teacher
 
     def _report_reference(self) -> None:
         """The reference of a LoRA run that starts from the actor's weights is the actor's base with the
@@ -168,22 +186,23 @@ class RLTrainer(RunLoop):
         return AgentRunner.from_config(agent, self.rollout_engine, self.tokenizer, self.reward_source,
                                        self.cfg, processor=self.data.processor)
 
-    def _place_on_ray(self, updates: int) -> None:
+    def _place_on_ray(self, updates: int):
         """Every role as a Ray actor group (`distributed.ray_placement`); the groups have the roles'
-        methods, so the rest of the loop does not change."""
+        methods, so the rest of the loop does not change. Returns the teacher's group (None without one)."""
         from posttrain.trainers.rl.placement.ray_placement import RayPlacement
 
         cfg = self.cfg
         roles = self.roles
         self.placement = RayPlacement(cfg, updates, critic=roles.has("critic"), ref=roles.has("ref"),
-                                      reward_model=roles.has("reward"))
+                                      reward_model=roles.has("reward"), teacher=roles.has("teacher"))
         p = self.placement
         self.actor, self.critic, self.ref, self.rollout_engine = p.actor, p.critic, p.ref, p.engines
         if p.reward is not None:  # the reward model's Ray group, with the function terms when given
             functions = self.reward_source.terms if self.reward_source is not None else []
             self.reward_source = build.combine_rewards(self.cfg, p.reward, functions)
+        return p.teacher
 
-    def _build_loop_state(self) -> None:
+    def _build_loop_state(self, teacher=None) -> None:
         cfg = self.cfg
         a = cfg.actor
         eps_low, eps_high = a.eps_clip_low_high if a.eps_clip_low_high else (a.eps_clip, a.eps_clip)
@@ -208,7 +227,7 @@ class RLTrainer(RunLoop):
                                        cfg.reward.stop_properly_penalty_coef, penalty,
                                        self._eos_ids() if penalty is not None else ())
         self.experience_maker = ExperienceMaker(cfg, self.actor, self.ref, self.critic, forward_batching,
-                                                self.tokenizer.pad_token_id, ref_batching)
+                                                self.tokenizer.pad_token_id, ref_batching, teacher)
         self.state = loop_state(cfg, len(self.data.prompts))
         self.timers = Timers()
         # ckpt None: no --ckpt.save_steps and no --ckpt.load_enable, or --ckpt.disable_ds

@@ -357,10 +357,12 @@ def test_openrlhf_reinforce_baseline_hybrid_script_runs(rl_setup, tmp_path, ray_
 
 
 @pytest.fixture(scope="module")
-def colocated_run(rl_setup, tiny_score_model_dir, tmp_path_factory, ray_session):
-    """(run dir, stderr) of one step with both colocation modes on: the two modes place disjoint role
+def colocated_run(rl_setup, tiny_score_model_dir, tiny_model_dir, tmp_path_factory, ray_session):
+    """(run dir, stderr, flags) of one step with both colocation modes on: the two modes place disjoint role
     pairs (actor + ref, critic + reward) in groups of their own, so one run shows both. The reward model's
-    Ray group shares the batch with a --reward.func_path function (weights 1 and 2: a composite reward)."""
+    Ray group shares the batch with a --reward.func_path function (weights 1 and 2: a composite reward).
+    An on-policy distillation teacher (the untrained nano model) shares the actor's bundles with the
+    reference."""
     import contextlib
     import io
 
@@ -369,19 +371,20 @@ def colocated_run(rl_setup, tiny_score_model_dir, tmp_path_factory, ray_session)
         "--reward.model_name_or_path", tiny_score_model_dir, "--reward.func_path", rl_setup[2] / "correct.py",
         "--reward.model_weight", "2", "--algo.advantage.estimator", "gae",
         "--algo.kl.init_coef", "0.01", "--vllm.num_engines", "1", *HF, "--train.colocate_actor_ref",
-        "--train.colocate_critic_reward", "--data.max_samples", "8", "--train.num_episodes", "1"]
+        "--train.colocate_critic_reward", "--data.max_samples", "8", "--train.num_episodes", "1",
+        "--teacher.model_name_or_path", tiny_model_dir, "--algo.teacher_coef", "0.1"]
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), charts_not_drawn():
             _ppo(flags)
     finally:
         sys.stderr.write(err.getvalue())  # the run's messages, for a failure report
-    return out, err.getvalue()
+    return out, err.getvalue(), flags
 
 
 @pytest.mark.parametrize("mode", ["colocate_actor_ref", "colocate_critic_reward"])
 def test_colocation_modes_share_bundles(mode, colocated_run):
-    out, err = colocated_run
+    out, err, _ = colocated_run
     pair = ("actor", "ref") if mode == "colocate_actor_ref" else ("critic", "reward")
     group = mode.removeprefix("colocate_")
     for role in pair:
@@ -392,11 +395,30 @@ def test_colocation_modes_share_bundles(mode, colocated_run):
 def test_a_reward_model_group_on_ray_and_a_reward_function_are_summed(colocated_run):
     """--reward.func_path beside a reward model placed on Ray: the functions run on the controller, the
     model in its own group, and each sample's reward is their weighted sum."""
-    out, err = colocated_run
+    out, err, _ = colocated_run
     assert "ray placement: reward: group critic_reward" in err
     row = read_metrics(out / "metrics.jsonl")[0]
     assert row["reward/mean"] == pytest.approx(row["reward/correct"] + 2 * row["reward/model"], abs=1e-5)
     assert row["reward/model"] != 0
+
+
+def test_a_teacher_on_ray_scores_as_in_one_process(colocated_run, tmp_path):
+    """On-policy distillation on Ray: the teacher's ranks share the actor's bundles with the reference
+    (--train.colocate_actor_ref), and its reverse KL to the samples, which the HF engines draw as one process
+    does, is the one-process run's."""
+    out, err, flags = colocated_run
+    assert "ray placement: teacher: group actor_ref bundle 0, 0.2 of each" in err
+    ray_row = read_metrics(out / "metrics.jsonl")[0]
+    i = flags.index("--vllm.num_engines")
+    local = tmp_path / "local"
+    one_process = [str(f) for f in flags[:i] + flags[i + 2:]]
+    one_process[one_process.index(str(out))] = str(local)
+    with charts_not_drawn():
+        _ppo(one_process)
+    row = read_metrics(local / "metrics.jsonl")[0]
+    assert ray_row["teacher/reverse_kl"] > 0.1
+    assert ray_row["teacher/reverse_kl"] == pytest.approx(row["teacher/reverse_kl"], abs=1e-5)
+    assert ray_row["advantage/mean"] == pytest.approx(row["advantage/mean"], abs=1e-5)
 
 
 def test_killed_engine_ends_the_run_with_one_clear_error(rl_setup, tmp_path, ray_session):

@@ -139,6 +139,8 @@ ACTING: dict[str, frozenset[str]] = {
         "algo.advantage: is_correction_type is_correction_threshold std_eps",
         "algo.kl: init_coef target horizon estimator use_loss sequence_level_enable clamp",
         "algo: dynamic_filtering_enable dynamic_filtering_range",
+        # on-policy distillation (trainers/rl/build.py, experience_maker.py, placement/)
+        "algo: teacher_coef", "teacher: model_name_or_path offload num_nodes num_gpus_per_node",
         "ds: value_head_prefix shared_prefix gather_for_generation ring_attn_size ring_attn_head_stride",
         "ds: tensor_parallel_size",
         "rollout: batch_size micro_batch_size n_samples_per_prompt temperature top_p max_new_tokens",

@@ -364,8 +364,9 @@ def test_one_reward_source_exactly():
     assert none == [
         "--reward.model_name_or_path: a reward source is required: --reward.model_name_or_path (a reward "
         "model), --reward.remote_url (an http(s) reward server or a .py file defining reward_func), "
-        "--reward.func_path (reward function files) or --train.agent_func_path (an agent file whose "
-        "environment returns rewards)"
+        "--reward.func_path (reward function files), --train.agent_func_path (an agent file whose "
+        "environment returns rewards) or --teacher.model_name_or_path (on-policy distillation: the teacher's "
+        "per-token reward alone)"
     ]
     # an agent file is a reward source of its own (its environment returns the rewards)
     parse_config("ppo", ppo[:i] + ppo[i + 2:] + ["--train.agent_func_path", "agent.py"], device="cpu")

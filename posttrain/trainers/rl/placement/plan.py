@@ -4,7 +4,7 @@ Python: no ray, no torch. Placement groups use PACK bundles of {"GPU": 1, "CPU":
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from posttrain.config.validate import VLLM_RANKS
 from posttrain.utils.errors import UserError
@@ -75,9 +75,12 @@ def plan_placement(
     colocate_critic_reward: bool = False,
     colocate_all: bool = False,
     async_enable: bool = False,
+    teacher: tuple[int, int] | None = None,
 ) -> Placement:
     """Place each role given as (num_nodes, num_gpus_per_node), None: absent. `num_engines` 0: the actor
-    ranks generate. Follows `train()` of train_ppo_ray.py step by step; raises PlacementError."""
+    ranks generate. Follows `train()` of train_ppo_ray.py step by step; raises PlacementError. The teacher
+    (on-policy distillation, not in OpenRLHF) is placed as the reference is: with it in the actor's group
+    under --train.colocate_actor_ref / colocate_all, else in a group of its own."""
     roles: dict[str, RoleSpec] = {}
     groups: dict[str, int] = {}
 
@@ -110,6 +113,8 @@ def plan_placement(
     place("actor", actor, pg)
     if ref is not None:
         place("ref", ref, pg)
+    if teacher is not None:
+        place("teacher", teacher, pg)
 
     if num_engines > 0:
         hybrid = colocate_all and not async_enable
@@ -131,7 +136,17 @@ def plan_placement(
         place("critic", critic, pg)
     if reward is not None:
         place("reward", reward, pg)
-    return Placement(roles, groups)
+    return Placement(_fit_shares(roles, roles["teacher"].group if teacher is not None else ""), groups)
+
+
+def _fit_shares(roles: dict[str, RoleSpec], group: str) -> dict[str, RoleSpec]:
+    """The roles of shared group `group` (the teacher's; "" none) ask 1/k of a bundle each when k roles at
+    SHARED would ask more than one (a teacher colocated with all five of OpenRLHF's roles: 6 x 0.2)."""
+    members = [name for name, spec in roles.items() if group and spec.group == group and spec.share == SHARED]
+    if len(members) * SHARED <= 1:
+        return roles
+    return {name: replace(spec, share=1 / len(members)) if name in members else spec
+            for name, spec in roles.items()}
 
 
 def _place_engines(groups: dict[str, int], pg: str | None, actor: tuple[int, int], num_engines: int,

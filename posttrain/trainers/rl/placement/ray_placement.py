@@ -422,7 +422,7 @@ class RayPlacement:
     everything the run started."""
 
     def __init__(self, cfg: PPOConfig, total_steps: int, *, critic: bool, ref: bool,
-                 reward_model: bool) -> None:
+                 reward_model: bool, teacher: bool = False) -> None:
         shape = lambda role: (role.num_nodes, role.num_gpus_per_node)  # noqa: E731
         self.plan = plan_placement(
             actor=shape(cfg.actor), ref=shape(cfg.ref) if ref else None,
@@ -430,7 +430,8 @@ class RayPlacement:
             reward=shape(cfg.reward) if reward_model else None, num_engines=engine_count(cfg),
             engine_tp=engine_ranks(cfg), colocate_actor_ref=cfg.train.colocate_actor_ref,
             colocate_critic_reward=cfg.train.colocate_critic_reward, colocate_all=cfg.train.colocate_all,
-            async_enable=cfg.train.async_enable)
+            async_enable=cfg.train.async_enable,
+            teacher=shape(cfg.teacher) if teacher else None)
         self.groups: list[_Group] = []
         self.handles: list = []  # every process created so far, so a failure half-way kills them too
         self.pgs: dict = {}
@@ -468,6 +469,8 @@ class RayPlacement:
         self.actor = ActorGroup("actor", self._ranks("actor"), keeps_ema=bool(cfg.train.enable_ema),
                                 lora=cfg.ds.lora.rank > 0, layout=layout("actor", True))
         self.ref = ReferenceGroup("ref", self._ranks("ref"), layout("ref", False)) if "ref" in roles else None
+        self.teacher = (ReferenceGroup("teacher", self._ranks("teacher"), layout("teacher", False))
+                        if "teacher" in roles else None)
         self.critic = (CriticGroup("critic", self._ranks("critic"), layout("critic", True))
                        if "critic" in roles else None)
         self.reward = (RewardGroup("reward", self._ranks("reward"), sharded=cfg.ds.zero_stage == 3,
@@ -486,7 +489,7 @@ class RayPlacement:
             with_ray = True
         self.engines = EngineGroup("rollout engine", self._engines(cfg.train.partial_rollout_enable),
                                    with_ray=with_ray, backend=backend)
-        self.groups = [g for g in (self.actor, self.ref, self.critic, self.reward, self.engines)
+        self.groups = [g for g in (self.actor, self.ref, self.teacher, self.critic, self.reward, self.engines)
                        if g is not None]
         for group in self.groups[:-1]:
             if group.same_rows > 1:  # each rank's coordinates: a data-parallel index's ranks share rows
@@ -524,7 +527,7 @@ class RayPlacement:
     def _report_shards(self) -> None:
         """One line per role of several ranks: the parameters each rank held once its model was loaded
         (its ZeRO-3 shard, or a whole copy); kept in `shards` (role -> [(own, full) per rank])."""
-        for group in (self.actor, self.ref, self.critic, self.reward):
+        for group in (self.actor, self.ref, self.teacher, self.critic, self.reward):
             if group is None or len(group.handles) < 2:
                 continue
             sizes = group.call("shard_numel")

@@ -72,7 +72,7 @@ class _Process:
 
 
 class RoleWorker(_Process):
-    """Rank `rank` of `world` of a role ("actor", "critic", "ref", "reward"); the ranks of a
+    """Rank `rank` of `world` of a role ("actor", "critic", "ref", "teacher", "reward"); the ranks of a
     trained role form a torch.distributed group (`master`: rank 0's address) for DeepSpeed."""
 
     def __init__(self, role: str, rank: int, world: int, master: tuple[str, int] | None, threads: int,
@@ -133,6 +133,8 @@ class RoleWorker(_Process):
             self.obj = build.build_critic(cfg, self.tokenizer, device, total_steps, zero)
         elif self.role == "ref":
             self.obj = build.build_reference(cfg, self.tokenizer, device, zero)
+        elif self.role == "teacher":
+            self.obj = build.build_teacher(cfg, self.tokenizer, device, zero)
         elif self.role == "reward":
             self.obj = build.build_reward_source(cfg, self.tokenizer, device, zero)
         else:

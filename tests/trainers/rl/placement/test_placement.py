@@ -190,3 +190,18 @@ def test_module_imports_neither_ray_nor_torch():
         "assert not {'ray', 'torch'} & set(sys.modules), sorted({'ray', 'torch'} & set(sys.modules))"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_teacher_is_placed_as_the_reference_is():
+    """On-policy distillation's teacher (not in OpenRLHF): a group of its own, or the actor's bundles when
+    the reference shares them; six roles on one bundle take a sixth of it each."""
+    p = plan(ref=(1, 2), teacher=(1, 2))
+    assert p.roles["teacher"] == RoleSpec("teacher", 2, "teacher", (0, 1), 1.0)
+    assert p.groups == {"actor": 2, "ref": 2, "teacher": 2}
+    p = plan(ref=(1, 2), teacher=(1, 1), colocate_actor_ref=True)
+    assert p.roles["teacher"] == RoleSpec("teacher", 1, "actor_ref", (0,), 0.2)
+    assert p.roles["actor"].share == p.roles["ref"].share == 0.2
+    p = plan(ref=(1, 2), critic=(1, 2), reward=(1, 2), teacher=(1, 2), num_engines=2, colocate_all=True)
+    assert {name: spec.share for name, spec in p.roles.items()} == {
+        name: 1 / 6 for name in ("actor", "ref", "teacher", "engine", "critic", "reward")}
+    assert plan(teacher=None).roles.keys() == {"actor"}
