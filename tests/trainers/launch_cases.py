@@ -1,12 +1,16 @@
 """Several trainer runs in one launch: `torchrun --nproc_per_node N tests/trainers/launch_cases.py SPEC` runs
-the cases of SPEC (a JSON list of {"module", "flags", "port", "log"}) one after another. Each rank imports
-torch, transformers, DeepSpeed and the trainers once, then forks one process per case, which forms a
-process group of its own (its own port; rank 0 serves the store, as DeepSpeed's launcher has it) and runs
-`module.main(flags)`: every case is a fresh multi-rank run, the launch and the imports are paid once. Case
-stderr of rank R goes to `log`.rankR, its exit status to `log`.rankR.exit (`sft_helpers.torchrun_cases`)."""
+the cases of SPEC (a JSON list of {"module", "flags", "port", "log", "copies"}) one after another. Each rank
+imports torch, transformers, DeepSpeed and the trainers once (with what a run loads lazily: `warm_up`), then
+forks one process per case, which forms a process group of its own (its own port; rank 0 serves the store, as
+DeepSpeed's launcher has it) and runs `module.main(flags)`: every case is a fresh multi-rank run, the launch
+and the imports are paid once. Before a case, rank 0 copies each of its "copies" ([source, target] folders:
+an earlier case's checkpoint that this case resumes) and the other ranks wait for it. Case stderr of rank R
+goes to `log`.rankR, its exit status to `log`.rankR.exit (`sft_helpers.torchrun_cases`)."""
 import json
 import os
+import shutil
 import sys
+import time
 import traceback
 from importlib import import_module
 
@@ -35,14 +39,61 @@ def run_case(case: dict, rank: str) -> int:
     return code
 
 
-def main() -> None:
+def warm_up() -> None:
+    """Import, before the forks, what every case would otherwise import again in its own process: the
+    lazily loaded parts of transformers (the auto classes, the llama model, the tokenizer), DeepSpeed's
+    optimizer check (torch.compile: dynamo, inductor, sympy) and tensor-parallel code, matplotlib (the
+    run's charts)."""
     import_deepspeed()
+    import deepspeed.module_inject.auto_ep_layer  # noqa: F401
+    import deepspeed.module_inject.auto_tp  # noqa: F401
+    import deepspeed.ops.op_builder.all_ops  # noqa: F401
+    import deepspeed.runtime.superoffload.superoffload_stage3  # noqa: F401
+    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    import matplotlib.backends.backend_agg  # noqa: F401
+    import matplotlib.figure  # noqa: F401
+    import torch.utils.cpp_extension  # noqa: F401  (DeepSpeed's op builders: setuptools)
+    import transformers.models.auto.modeling_auto  # noqa: F401
+    import transformers.models.auto.tokenization_auto  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+
+def copied(copies: list, rank: str) -> str:
+    """Rank 0 copies each [source, target] folder (into target.part, renamed into place) and writes
+    target.done ("" or why it failed); every rank waits for the .done files: what failed ("" for nothing)."""
+    errors = []
+    for source, target in copies:
+        if rank == "0":
+            try:
+                shutil.copytree(source, f"{target}.part")
+                os.rename(f"{target}.part", target)
+                why = ""
+            except OSError as e:
+                why = f"copying {source} to {target}: {e}"
+            with open(f"{target}.done.part", "w") as f:
+                f.write(why)
+            os.rename(f"{target}.done.part", f"{target}.done")
+        while not os.path.exists(f"{target}.done"):
+            time.sleep(0.05)
+        with open(f"{target}.done") as f:
+            errors.append(f.read())
+    return "; ".join(e for e in errors if e)
+
+
+def main() -> None:
+    warm_up()
     rank = os.environ["RANK"]
     for case in json.loads(open(sys.argv[1]).read()):
-        pid = os.fork()
-        if pid == 0:
-            os._exit(run_case(case, rank))
-        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        failed = copied(case.get("copies", []), rank)
+        if failed:  # the case does not run: its log says why
+            with open(f"{case['log']}.rank{rank}", "w") as f:
+                f.write(failed + "\n")
+            code = 1
+        else:
+            pid = os.fork()
+            if pid == 0:
+                os._exit(run_case(case, rank))
+            code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
         with open(f"{case['log']}.rank{rank}.exit", "w") as f:
             f.write(str(code))
 

@@ -78,8 +78,10 @@ class CaseRun:
 
 
 def torchrun_cases(cases, folder, nproc: int = 2) -> list[CaseRun]:
-    """Each of `cases` ((module, flags) pairs) run as `torchrun(module, flags, nproc)` runs it, one after
-    another in one launch (launch_cases.py: the start-up and imports paid once); `folder` keeps the logs."""
+    """Each of `cases` ((module, flags) or (module, flags, copies)) run as `torchrun(module, flags, nproc)`
+    runs it, one after another in one launch (launch_cases.py: the start-up and imports paid once); `copies`:
+    (source, target) folders copied before the case runs (an earlier case's checkpoint it resumes); `folder`
+    keeps the logs."""
     import json
     import os
     import socket
@@ -96,8 +98,9 @@ def torchrun_cases(cases, folder, nproc: int = 2) -> list[CaseRun]:
         port, *ports = (str(sock.getsockname()[1]) for sock in socks)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    spec = [{"module": module, "flags": [str(f) for f in flags], "port": p, "log": str(folder / f"case{i}")}
-            for i, ((module, flags), p) in enumerate(zip(cases, ports))]
+    spec = [{"module": module, "flags": [str(f) for f in flags], "port": p, "log": str(folder / f"case{i}"),
+             "copies": [[str(source), str(target)] for source, target in (copies[0] if copies else ())]}
+            for i, ((module, flags, *copies), p) in enumerate(zip(cases, ports))]
     (folder / "cases.json").write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
            port, str(Path(__file__).with_name("launch_cases.py")), str(folder / "cases.json")]

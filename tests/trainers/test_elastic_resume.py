@@ -20,25 +20,6 @@ LAYOUTS = {"one": [], "zero2": ["--ds.zero_stage", "2"], "zero3": ["--ds.zero_st
 PAIRS = [("zero3", "one"), ("one", "zero2"), ("zero2", "zero3")]  # (layout written on, layout resumed on)
 
 
-def run(cases: dict, model, data, logs) -> dict:
-    """`cases`: key -> (layout, run dir, checkpoint dir, *flags), the SFT runs to make: the one-process ones
-    in this process, the others in one 2-rank launch (`torchrun_cases`); key -> its stderr ("" in this
-    process)."""
-    from posttrain.cli import train_sft
-
-    errs, launched = {}, []
-    for key, (layout, out, ckpt, *extra) in cases.items():
-        flags = [str(f) for f in sft_flags(model, data, out, *COMMON, "--ckpt.path", ckpt, *LAYOUTS[layout],
-                                           *extra)]
-        if layout == "one":
-            train_sft.main(flags)
-            errs[key] = ""
-        else:
-            launched.append((key, ("posttrain.cli.train_sft", flags)))
-    runs = torchrun_cases([case for _, case in launched], logs)
-    return {**errs, **{key: proc.ok().stderr for (key, _), proc in zip(launched, runs)}}
-
-
 def losses(run_dir, start=1):
     return [r["train/loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "train/loss" in r
             and r["step"] >= start]
@@ -47,20 +28,38 @@ def losses(run_dir, start=1):
 @pytest.fixture(scope="module")
 def resumed(tiny_model_dir, arithmetic_dir, tmp_path_factory):
     """The uninterrupted run on each layout (the reference a resume onto that layout must equal; its step-2
-    checkpoint the start of a resume from it), then each of PAIRS' resumes from it: (before, after) ->
-    (the uninterrupted run dir on `after`, the resumed run dir, the resumed run's stderr)."""
+    checkpoint, copied, the start of a resume from it), then each of PAIRS' resumes from it: the one-process
+    runs in this process, the 2-rank ones in one launch (`torchrun_cases`, which copies a checkpoint before
+    the case that resumes it): (before, after) -> (the uninterrupted run dir on `after`, the resumed run dir,
+    the resumed run's stderr ("" in this process))."""
+    from posttrain.cli import train_sft
+
     root = tmp_path_factory.mktemp("elastic")
-    straight = {layout: (layout, root / f"uninterrupted_{layout}" / "run",
-                         root / f"uninterrupted_{layout}" / "ck") for layout in LAYOUTS}
-    run(straight, tiny_model_dir, arithmetic_dir, root / "logs_uninterrupted")
-    resumes = {}
-    for before, after in PAIRS:
-        resume_ckpt = root / f"{before}-{after}" / "ckpt_resume"
-        shutil.copytree(straight[before][2] / "global_step2", resume_ckpt / "global_step2")
-        resumes[before, after] = (after, root / f"{before}-{after}" / "resumed", resume_ckpt,
-                                  "--ckpt.load_enable")
-    errs = run(resumes, tiny_model_dir, arithmetic_dir, root / "logs_resumed")
-    return {pair: (straight[pair[1]][1], resumes[pair][1], errs[pair]) for pair in PAIRS}
+    straight = {layout: (root / f"uninterrupted_{layout}" / "run", root / f"uninterrupted_{layout}" / "ck")
+                for layout in LAYOUTS}
+    resumes = {pair: (root / "-".join(pair) / "resumed", root / "-".join(pair) / "ckpt_resume")
+               for pair in PAIRS}
+
+    def flags(layout, out, ckpt, *extra):
+        return [str(f) for f in sft_flags(tiny_model_dir, arithmetic_dir, out, *COMMON, "--ckpt.path", ckpt,
+                                          *LAYOUTS[layout], *extra)]
+
+    def step2(before, after):  # (the checkpoint a resume starts from, where it resumes it from)
+        return straight[before][1] / "global_step2", resumes[before, after][1] / "global_step2"
+
+    train_sft.main(flags("one", *straight["one"]))
+    launched = [(layout, ("posttrain.cli.train_sft", flags(layout, *straight[layout])))
+                for layout in LAYOUTS if layout != "one"]
+    launched += [(pair, ("posttrain.cli.train_sft", flags(pair[1], *resumes[pair], "--ckpt.load_enable"),
+                         [step2(*pair)])) for pair in PAIRS if pair[1] != "one"]  # after their sources
+    runs = torchrun_cases([case for _, case in launched], root / "logs")
+    errs = {key: proc.ok().stderr for (key, _), proc in zip(launched, runs)}
+    for pair in PAIRS:
+        if pair[1] == "one":
+            shutil.copytree(*step2(*pair))
+            train_sft.main(flags("one", *resumes[pair], "--ckpt.load_enable"))
+            errs[pair] = ""
+    return {pair: (straight[pair[1]][0], resumes[pair][0], errs[pair]) for pair in PAIRS}
 
 
 @pytest.mark.parametrize("before,after", PAIRS)

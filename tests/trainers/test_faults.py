@@ -1,12 +1,16 @@
 """Faults of real `posttrain sft` processes on the nano model: checkpoints of another run, resume with
 other flags, kill -9 and resume, two writers into one run directory or one checkpoint folder, Ctrl-C,
 SIGTERM, a full disk (also when torch or safetensors lose the errno), a crafted state file, unusable
-folders.
+folders. A run whose fault the test injects by patching (a full disk), and the run that resumes a killed one,
+run in this process through the console command's entry (`sft_here`); the rest are processes of their own.
 
 Each process trains 16 samples in batches of 4 (4 steps per epoch). Waits poll the file system for
 what the test needs (a checkpoint, a marker file) with a generous deadline; no test depends on how
 fast a step runs."""
+import collections
+import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -128,7 +132,7 @@ def test_resume_with_another_seed_is_refused_naming_the_flag(earlier_run, tiny_m
 
 
 def test_resume_after_kill_9_continues_from_the_last_good_checkpoint(tiny_model_dir, arithmetic_dir,
-                                                                     tmp_path):
+                                                                     tmp_path, capfd):
     out = tmp_path / "run"
     ckpt = out / "checkpoints"  # --ckpt.path unset: it follows --ckpt.output_dir
     long_run = start(CLI + flags(tiny_model_dir, arithmetic_dir, out, "--train.max_epochs", 100,
@@ -138,8 +142,8 @@ def test_resume_after_kill_9_continues_from_the_last_good_checkpoint(tiny_model_
     finish(long_run)
     step, last = CheckpointManager(ckpt).valid_checkpoints()[0]
     epochs = step // 4 + 1  # the resumed run ends a few steps after the checkpoint
-    proc = run(CLI + flags(tiny_model_dir, arithmetic_dir, out, "--train.max_epochs", epochs,
-                           "--ckpt.save_steps", 2, "--ckpt.max_num", 2, "--ckpt.load_enable"))
+    proc = sft_here(capfd, flags(tiny_model_dir, arithmetic_dir, out, "--train.max_epochs", epochs,
+                                 "--ckpt.save_steps", 2, "--ckpt.max_num", 2, "--ckpt.load_enable"))
     assert proc.returncode == 0, proc.stderr[-3000:]  # the dead run's lock does not block
     assert f"resumed from {last} at step {step}" in proc.stderr
     assert f"--train.max_epochs: checkpoint 100, this run {epochs}" in proc.stderr  # run length may change
@@ -248,31 +252,25 @@ def test_sigterm_ends_with_one_line_exit_143_and_no_temp_folders(tiny_model_dir,
     assert not list(ckpt.glob(".tmp_step*")) and not list(ckpt.glob(".old_step*"))
 
 
-DRIVER_DISK_FULL = """
-import errno, os, sys
-from posttrain.engines.torch_engine import TorchEngine
-save_state, calls = TorchEngine.save_state, []
-def full_disk(self, directory):
-    calls.append(directory)
-    if len(calls) == int(sys.argv[1]):  # the Nth save: write part of it, then the disk is full
-        os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, "model.pt"), "wb") as f:
-            f.write(b"partial")
-        raise OSError(errno.ENOSPC, "No space left on device")
-    return save_state(self, directory)
-TorchEngine.save_state = full_disk
-from posttrain.cli.main import main
-main(["sft", *sys.argv[2:]])
-"""
+def sft_here(capfd, args) -> subprocess.CompletedProcess:
+    """`posttrain sft args` in this process, through the console command's entry (`in_process`): for the
+    faults a test injects by patching (a full disk), where a process of its own adds nothing."""
+    from tests.cli.test_cli_input_errors import in_process
+
+    return in_process(capfd, "sft", *args)
 
 
-def _disk_full_at_step_4_keeps_step_2(driver: str, nth_save: int, model_dir, data_dir, tmp_path) -> None:
-    """SFT saving every 2 steps under `driver`, whose `nth_save`-th save fails for lack of space (step 4's):
-    one line naming step 4 and the kept step 2, which still verifies; nothing half-written is left."""
+def no_space(path):
+    """shutil.disk_usage of a full file system."""
+    return collections.namedtuple("usage", "total used free")(1 << 30, 1 << 30, 0)
+
+
+def _disk_full_at_step_4_keeps_step_2(capfd, model_dir, data_dir, tmp_path) -> None:
+    """SFT saving every 2 steps, whose step-4 save fails for lack of space (the test patched it): one line
+    naming step 4 and the kept step 2, which still verifies; nothing half-written is left."""
     out = tmp_path / "run"
     ckpt = out / "checkpoints"
-    proc = run([sys.executable, "-c", driver, str(nth_save),
-                *flags(model_dir, data_dir, out, "--ckpt.save_steps", 2)])
+    proc = sft_here(capfd, flags(model_dir, data_dir, out, "--ckpt.save_steps", 2))
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert error_line(proc.stderr) == (
         f"posttrain sft: error: no space left on device while writing checkpoint step 4 to {ckpt}; the last "
@@ -282,59 +280,62 @@ def _disk_full_at_step_4_keeps_step_2(driver: str, nth_save: int, model_dir, dat
             if p.name.startswith(("global_step", ".tmp", ".old"))] == ["global_step2"]
 
 
-def test_disk_full_while_checkpointing_keeps_the_earlier_checkpoint(tiny_model_dir, arithmetic_dir, tmp_path):
-    _disk_full_at_step_4_keeps_step_2(DRIVER_DISK_FULL, 2, tiny_model_dir, arithmetic_dir, tmp_path)
+def test_disk_full_while_checkpointing_keeps_the_earlier_checkpoint(tiny_model_dir, arithmetic_dir, tmp_path,
+                                                                    monkeypatch, capfd):
+    from posttrain.engines.torch_engine import TorchEngine
 
+    save_state, calls = TorchEngine.save_state, []
 
-DRIVER_TORCH_LOSES_ERRNO = """
-import os, shutil, sys, collections
-import torch
-usage, save, calls = shutil.disk_usage, torch.save, []
-full = []
-def no_space(path):  # the file system once it is full
-    return collections.namedtuple("usage", "total used free")(1 << 30, 1 << 30, 0) if full else usage(path)
-def torch_save(obj, f, *a, **k):
-    calls.append(f)
-    if len(calls) == int(sys.argv[1]):  # as torch 2.13 reports a full disk: no errno, no 'No space left'
-        with open(f, "wb") as out:
-            out.write(b"partial")
-        full.append(True)
-        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4224 vs 4118; "
-                           "basic_ios::clear: iostream error")
-    return save(obj, f, *a, **k)
-shutil.disk_usage, torch.save = no_space, torch_save
-from posttrain.cli.main import main
-main(["sft", *sys.argv[2:]])
-"""
+    def full_disk(self, directory):
+        calls.append(directory)
+        if len(calls) == 2:  # the 2nd save (step 4's): write part of it, then the disk is full
+            os.makedirs(directory, exist_ok=True)
+            with open(os.path.join(directory, "model.pt"), "wb") as f:
+                f.write(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save_state(self, directory)
+
+    monkeypatch.setattr(TorchEngine, "save_state", full_disk)
+    _disk_full_at_step_4_keeps_step_2(capfd, tiny_model_dir, arithmetic_dir, tmp_path)
 
 
 def test_disk_full_reported_by_torch_without_errno_keeps_the_earlier_checkpoint(tiny_model_dir,
-                                                                                  arithmetic_dir, tmp_path):
-    # 4 torch.save calls per checkpoint (model, optimizer, scheduler, trainer state): the 5th is step 4's
-    # model
-    _disk_full_at_step_4_keeps_step_2(DRIVER_TORCH_LOSES_ERRNO, 5, tiny_model_dir, arithmetic_dir, tmp_path)
+                                                                                  arithmetic_dir, tmp_path,
+                                                                                  monkeypatch, capfd):
+    import torch
+
+    save, calls = torch.save, []
+
+    def torch_save(obj, f, *a, **k):
+        calls.append(f)
+        # 4 torch.save calls per checkpoint (model, optimizer, scheduler, trainer state): the 5th is step
+        # 4's model, failed as torch 2.13 reports a full disk (no errno, no 'No space left'); the file system
+        # is full from then on
+        if len(calls) == 5:
+            with open(f, "wb") as out:
+                out.write(b"partial")
+            monkeypatch.setattr(shutil, "disk_usage", no_space)
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4224 vs 4118; "
+                               "basic_ios::clear: iostream error")
+        return save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", torch_save)
+    _disk_full_at_step_4_keeps_step_2(capfd, tiny_model_dir, arithmetic_dir, tmp_path)
 
 
-DRIVER_EXPORT_FULL = """
-import shutil, sys, collections
-import transformers.modeling_utils as mu
-from safetensors import SafetensorError
-def no_space(path):
-    return collections.namedtuple("usage", "total used free")(1 << 30, 1 << 30, 0)
-def save_file(*a, **k):  # the final export on a full disk
-    shutil.disk_usage = no_space
-    raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-mu.safe_save_file = save_file
-from posttrain.cli.main import main
-main(["sft", *sys.argv[1:]])
-"""
+def test_disk_full_during_the_final_export_is_one_line(tiny_model_dir, arithmetic_dir, tmp_path, monkeypatch,
+                                                       capfd):
+    import transformers.modeling_utils as mu
+    from safetensors import SafetensorError
 
+    def save_file(*a, **k):  # the final export on a full disk
+        monkeypatch.setattr(shutil, "disk_usage", no_space)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-def test_disk_full_during_the_final_export_is_one_line(tiny_model_dir, arithmetic_dir, tmp_path):
+    monkeypatch.setattr(mu, "safe_save_file", save_file)
     out = tmp_path / "run"
     ckpt = out / "checkpoints"
-    proc = run([sys.executable, "-c", DRIVER_EXPORT_FULL,
-                *flags(tiny_model_dir, arithmetic_dir, out, "--ckpt.save_steps", 4)])
+    proc = sft_here(capfd, flags(tiny_model_dir, arithmetic_dir, out, "--ckpt.save_steps", 4))
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert error_line(proc.stderr) == (
         f"posttrain sft: error: no space left on device while writing the final model to {out}; the last "

@@ -1,11 +1,13 @@
 """How real `posttrain sft` processes end in the corners of the run lifecycle (issue 46): Ctrl-C pressed
 twice, a fresh start under --ckpt.load_enable, resuming a finished run into a new output folder.
-Same set-up as test_faults.py (the nano model, 16 samples in batches of 4: 4 steps per epoch)."""
+Same set-up as test_faults.py (the nano model, 16 samples in batches of 4: 4 steps per epoch); the runs
+that end normally (a resume, a fresh start) run in this process (`sft_here`), the endings checked by their
+exit status in processes of their own."""
 import sys
 
 import pytest
 from safetensors.torch import load_file
-from test_faults import CLI, flags, run, trained
+from test_faults import CLI, flags, run, sft_here, trained
 
 from posttrain.utils.checkpoint import verify_checkpoint
 from posttrain.utils.metrics import read_metrics
@@ -45,7 +47,8 @@ main()  # the console command (main(argv) is an in-process call, which gets its 
 """
 
 
-def test_ctrl_c_pressed_again_during_the_clean_up_ends_the_same_way(tiny_model_dir, arithmetic_dir, tmp_path):
+def test_ctrl_c_pressed_again_during_the_clean_up_ends_the_same_way(tiny_model_dir, arithmetic_dir, tmp_path,
+                                                                   capfd):
     """The first Ctrl-C decides the ending (exit 2, one line); the second (during the interrupted save's
     clean-up) is ignored: the half-written checkpoint is removed and the last complete one resumes; the
     third (while the process ends) ends it at once, with the same status."""
@@ -62,12 +65,13 @@ def test_ctrl_c_pressed_again_during_the_clean_up_ends_the_same_way(tiny_model_d
     left = sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".posttrain"))  # not the lock
     assert left == ["global_step1", "global_step2"]
     assert verify_checkpoint(ckpt / "global_step2") is None
-    resumed = run(CLI + [*args, "--ckpt.load_enable"])
+    resumed = sft_here(capfd, [*args, "--ckpt.load_enable"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {ckpt / 'global_step2'} at step 2" in resumed.stderr
 
 
-def test_a_fresh_start_under_load_enable_rewinds_the_metrics_file(tiny_model_dir, arithmetic_dir, tmp_path):
+def test_a_fresh_start_under_load_enable_rewinds_the_metrics_file(tiny_model_dir, arithmetic_dir, tmp_path,
+                                                                  capfd):
     """--ckpt.load_enable with no checkpoint left that verifies starts fresh: the metrics file starts over
     too, as a resume cuts it back to the checkpoint's step (no step logged twice)."""
     out = tmp_path / "run"
@@ -75,20 +79,21 @@ def test_a_fresh_start_under_load_enable_rewinds_the_metrics_file(tiny_model_dir
     trained(flags(tiny_model_dir, arithmetic_dir, out, "--ckpt.save_steps", 2))
     for step in ckpt.glob("global_step*"):
         (step / "trainer_rank0.pt").write_bytes(b"torn")  # no longer verifies
-    proc = run(CLI + flags(tiny_model_dir, arithmetic_dir, out, "--ckpt.save_steps", 2, "--ckpt.load_enable"))
+    proc = sft_here(capfd, flags(tiny_model_dir, arithmetic_dir, out, "--ckpt.save_steps", 2,
+                                 "--ckpt.load_enable"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"no valid checkpoint in {ckpt}; starting fresh" in proc.stderr
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r] == [1, 2, 3, 4]
 
 
 def test_resuming_a_finished_run_into_a_new_output_folder_writes_its_final_model(
-        tiny_model_dir, arithmetic_dir, tmp_path):
+        tiny_model_dir, arithmetic_dir, tmp_path, capfd):
     """The checkpoint of a run's last step, resumed with another --ckpt.output_dir: nothing is left to train,
     so the run says so and writes the final model (the checkpoint's weights) to the new folder."""
     first, new = tmp_path / "first", tmp_path / "new"
     trained(flags(tiny_model_dir, arithmetic_dir, first, "--ckpt.save_steps", 2))
-    proc = run(CLI + flags(tiny_model_dir, arithmetic_dir, new, "--ckpt.path", first / "checkpoints",
-                           "--ckpt.save_steps", 2, "--ckpt.load_enable"))
+    proc = sft_here(capfd, flags(tiny_model_dir, arithmetic_dir, new, "--ckpt.path", first / "checkpoints",
+                                 "--ckpt.save_steps", 2, "--ckpt.load_enable"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "error" not in proc.stderr.splitlines()[-1]
     assert f"{first / 'checkpoints' / 'global_step4'} is at the run's last step (4)" in proc.stderr
@@ -97,7 +102,7 @@ def test_resuming_a_finished_run_into_a_new_output_folder_writes_its_final_model
 
 
 def test_resuming_another_runs_checkpoints_over_a_finished_run_is_refused(tiny_model_dir, arithmetic_dir,
-                                                                          tmp_path):
+                                                                          tmp_path, capfd):
     """--ckpt.load_enable with a --ckpt.path holding another run's checkpoints does not replace the finished
     run in --ckpt.output_dir (one line, exit 2, its files unchanged); a finished run's own checkpoints, at
     the --ckpt.path its config.yaml records, still resume."""
@@ -114,6 +119,6 @@ def test_resuming_another_runs_checkpoints_over_a_finished_run_is_refused(tiny_m
         f"--ckpt.path {ckpt} is not its checkpoint folder (resuming another run's would replace it); "
         "replace it with --ckpt.overwrite, or choose another --ckpt.output_dir")
     assert files() == before
-    again = run(CLI + flags(tiny_model_dir, arithmetic_dir, first, *own, "--ckpt.load_enable"))
+    again = sft_here(capfd, flags(tiny_model_dir, arithmetic_dir, first, *own, "--ckpt.load_enable"))
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"{ckpt / 'global_step4'} is at the run's last step (4)" in again.stderr

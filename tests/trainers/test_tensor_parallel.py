@@ -49,9 +49,10 @@ def packing_flags(packing: bool) -> tuple:
 
 @pytest.fixture(scope="module")
 def two_rank_runs(tiny_model_dir, tiny_score_model_dir, arithmetic_dir, pairs_dir, tmp_path_factory):
-    """The 2-rank tensor-parallel runs of SFT_CASES and PAIR_CASES, and "full" (`resume_flags` with
-    --ckpt.save_hf: its checkpoints in the folder's sibling ckpt_a), in one launch (`torchrun_cases`): case ->
-    (run folder, its `CaseRun`)."""
+    """The 2-rank tensor-parallel runs of SFT_CASES and PAIR_CASES, "full" (`resume_flags` with
+    --ckpt.save_hf: its checkpoints in the folder's sibling ckpt_a), and the resumes of full's step-2
+    checkpoint (copied into ckpt_b and ckpt_c): "resumed" on the same layout, "other" on the same 2 ranks
+    without tensor parallelism; in one launch (`torchrun_cases`): case -> (run folder, its `CaseRun`)."""
     root = tmp_path_factory.mktemp("two_ranks")
     outs = {(stage, packing): root / f"tp{stage}{'p' if packing else ''}" for stage, packing in SFT_CASES}
     cases = [("posttrain.cli.train_sft", sft_flags(tiny_model_dir, arithmetic_dir, out, *COMMON,
@@ -68,6 +69,12 @@ def two_rank_runs(tiny_model_dir, tiny_score_model_dir, arithmetic_dir, pairs_di
     cases.append(("posttrain.cli.train_sft", resume_flags(tiny_model_dir, arithmetic_dir, outs["full"],
                                                           root / "ckpt_a", "--ds.tensor_parallel_size", 2,
                                                           "--ckpt.save_hf")))
+    for name, ckpt, *more in (("resumed", "ckpt_b", "--ds.tensor_parallel_size", 2), ("other", "ckpt_c")):
+        outs[name] = root / name
+        cases.append(("posttrain.cli.train_sft",
+                      resume_flags(tiny_model_dir, arithmetic_dir, outs[name], root / ckpt, *more,
+                                   "--ckpt.load_enable"),
+                      [(root / "ckpt_a" / "global_step2", root / ckpt / "global_step2")]))
     return dict(zip(outs, zip(outs.values(), torchrun_cases(cases, root / "logs"))))
 
 
@@ -204,33 +211,20 @@ def test_dpo_and_rm_with_tensor_parallel_size_2_match_one_process(tiny_model_dir
 
 
 @pytest.mark.e2e
-def test_tensor_parallel_checkpoints_resume_on_the_same_layout(tiny_model_dir, arithmetic_dir, tmp_path,
-                                                               two_rank_runs):
+def test_tensor_parallel_checkpoints_resume_on_the_same_layout(two_rank_runs):
     """Engine states are per rank (DeepSpeed's model and optimizer files per tensor-parallel rank): a run
     resumed from step 2 ends with the uninterrupted run's weights; the --ckpt.save_hf export is whole; a run
     with another layout stops with the reason."""
-    import shutil
-
     from transformers import AutoModelForCausalLM
-
-    def flags(out, ckpt, *more):
-        return resume_flags(tiny_model_dir, arithmetic_dir, out, ckpt, *more)
 
     full, proc = two_rank_runs["full"]  # resume_flags with tensor parallel 2 and --ckpt.save_hf, into ckpt_a
     proc.ok()
-    step2 = full.parent / "ckpt_a" / "global_step2"
     export = AutoModelForCausalLM.from_pretrained(full.parent / "ckpt_a" / "global_step2_hf")
     assert export.model.layers[0].mlp.down_proj.weight.shape == (128, 352)
-    for ckpt in ("ckpt_b", "ckpt_c"):
-        shutil.copytree(step2, tmp_path / ckpt / "global_step2")
-    # in one launch: resumed on the same layout, and on the same 2 ranks without tensor parallelism
-    resumed, other = torchrun_cases(
-        [("posttrain.cli.train_sft", flags(tmp_path / "resumed", tmp_path / "ckpt_b",
-                                           "--ds.tensor_parallel_size", 2, "--ckpt.load_enable")),
-         ("posttrain.cli.train_sft", flags(tmp_path / "other", tmp_path / "ckpt_c", "--ckpt.load_enable"))],
-        tmp_path / "logs")
+    # step 2 resumed on the same layout, and on the same 2 ranks without tensor parallelism
+    (resumed_run, resumed), (_, other) = two_rank_runs["resumed"], two_rank_runs["other"]
     resumed.ok()
-    wa, wb = weights(full), weights(tmp_path / "resumed")
+    wa, wb = weights(full), weights(resumed_run)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert other.returncode != 0
     assert re.search("was written on 2 rank\\(s\\), ZeRO-1, tensor parallel 2, this run is 2 rank\\(s\\), "
