@@ -105,7 +105,8 @@ def test_orpo_matches_trl_odds_ratio_loss(lam):
 
 
 @pytest.mark.parametrize("loss_type, beta, gamma, eps", [
-    ("simpo", 2.0, 0.5, 0.0), ("simpo", 0.1, 0.5, 0.2), ("sigmoid", 0.1, 0.0, 0.0), ("sigmoid", 0.5, 0.0, 0.3)])
+    ("simpo", 2.0, 0.5, 0.0), ("simpo", 0.1, 0.5, 0.2), ("sigmoid", 0.1, 0.0, 0.0),
+    ("sigmoid", 0.5, 0.0, 0.3)])
 def test_simpo_and_cpo_match_trl_cpo_loss(loss_type, beta, gamma, eps):
     """TRL's SimPO is CPOTrainer with loss_type simpo (on token means, the γ/β shift inside β·(...));
     its CPO is loss_type sigmoid on summed log-probs."""
