@@ -32,7 +32,7 @@ from .losses import (
     value_loss,
     value_loss_with_stats,
 )
-from .preference import RM_LOSSES, dpo_loss, reward_model_loss
+from .preference import RM_LOSSES, cpo_loss, dpo_loss, orpo_loss, reward_model_loss, simpo_loss
 from .shaping import (
     batch_normalize_scores,
     dynamic_filter,
@@ -43,12 +43,13 @@ from .shaping import (
 )
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "ESTIMATORS", "IS_CORRECTIONS", "KL_ESTIMATORS",
-    "POLICY_LOSSES", "RM_LOSSES", "WHITEN_LEVELS", "AdaptiveKLController", "FixedKLController", "aggregate",
-    "approx_kl", "approx_kl_with_stats", "batch_normalize_scores", "compute_advantages",
-    "compute_advantages_with_stats", "discounted_returns", "dpo_loss", "dynamic_filter", "entropy", "gae",
-    "gathered_logprobs", "group_baseline", "masked_mean", "missing_eos_penalty", "overlong_penalty",
-    "policy_loss", "reward_model_loss", "stop_properly_penalty", "teacher_token_rewards", "token_logprobs",
+    "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "AdaptiveKLController", "ESTIMATORS", "FixedKLController",
+    "IS_CORRECTIONS", "KD_LOSSES", "KL_ESTIMATORS", "POLICY_LOSSES", "RM_LOSSES", "WHITEN_LEVELS",
+    "aggregate", "approx_kl", "approx_kl_with_stats", "batch_normalize_scores", "compute_advantages",
+    "compute_advantages_with_stats", "cpo_loss", "discounted_returns", "distillation_loss", "dpo_loss",
+    "dynamic_filter", "entropy", "gae", "gathered_logprobs", "generalized_jsd", "group_baseline",
+    "kd_divergence", "masked_mean", "missing_eos_penalty", "orpo_loss", "overlong_penalty", "policy_loss",
+    "reward_model_loss", "simpo_loss", "stop_properly_penalty", "teacher_token_rewards", "token_logprobs",
     "token_rewards", "token_rewards_with_stats", "value_loss", "value_loss_with_stats", "whiten",
-    "whiten_sequences", "KD_LOSSES", "distillation_loss", "generalized_jsd", "kd_divergence",
+    "whiten_sequences",
 ]

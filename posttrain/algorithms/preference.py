@@ -1,6 +1,8 @@
-"""Preference losses: DPO / cDPO / IPO on summed response log-probs, KTO on unpaired rows, and pairwise
-reward-model losses."""
+"""Preference losses: DPO / cDPO / IPO on summed response log-probs, the reference-free ORPO / SimPO / CPO
+terms, KTO on unpaired rows, and pairwise reward-model losses."""
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +31,7 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
     if ipo:
         losses = (h - 1.0 / (2.0 * beta)) ** 2
     else:
-        losses = -(1.0 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+        losses = _sigmoid_pref(beta * h, label_smoothing)
     return losses.mean(), (beta * (pc - rc)).detach(), (beta * (pr - rr)).detach()
 
 
@@ -66,6 +68,58 @@ def kto_loss(policy_logps, ref_logps, desirable, kl, beta=0.1, desirable_weight=
         desired, undesired = 1 - torch.sigmoid(beta * r), torch.sigmoid(beta * r)
     losses = torch.where(good, desirable_weight * desired, undesirable_weight * undesired)
     return losses, (beta * r).detach()
+
+
+def _check_pair(chosen, rejected):
+    check_ndim("chosen_logps", chosen, 1, "[B]")
+    check_shape("rejected_logps", rejected, "chosen_logps", chosen)
+    return f32(chosen), f32(rejected)
+
+
+def _sigmoid_pref(z, label_smoothing):
+    """``-(1-ε) logσ(z) - ε logσ(-z)`` per pair: the (conservative) Bradley-Terry loss of a reward
+    gap z."""
+    check_interval("label_smoothing", label_smoothing, 0.0, 0.5)
+    return -(1.0 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
+
+
+def _log1mexp(x):
+    """``log(1 - e^x)`` for x < 0, without cancellation on either side of x = -ln 2."""
+    return torch.where(x < -math.log(2.0), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def orpo_loss(chosen_logps, rejected_logps, lam=0.1):
+    """ORPO's odds-ratio term on average (token-mean) response log-probs ``a_c, a_r`` [B] (each < 0),
+    no reference: with ``log odds(y) = a - log(1 - e^a)`` and
+    ``L = log odds(y_c) - log odds(y_r) = (a_c - a_r) - (log(1 - e^{a_c}) - log(1 - e^{a_r}))``,
+    the term is ``mean(-λ logσ(L))``; ORPO's loss is this plus the chosen response's token-mean NLL
+    ``mean(-a_c)`` (added by the caller, weight 1). Returns ``(term, chosen_rewards, rejected_rewards,
+    log_odds)``: rewards ``λ·a`` and the log odds ratio ``L`` [B], detached."""
+    ac, ar = _check_pair(chosen_logps, rejected_logps)
+    if not (isinstance(lam, (int, float)) and lam >= 0):
+        raise ValueError(f"lam={lam!r} must be a number >= 0")
+    log_odds = (ac - ar) - (_log1mexp(ac) - _log1mexp(ar))
+    term = -lam * F.logsigmoid(log_odds)
+    return term.mean(), (lam * ac).detach(), (lam * ar).detach(), log_odds.detach()
+
+
+def simpo_loss(chosen_logps, rejected_logps, beta=0.1, gamma=0.5, label_smoothing=0.0):
+    """SimPO on average (token-mean) response log-probs ``a_c, a_r`` [B], no reference:
+    ``mean(-(1-ε) logσ(β(a_c - a_r) - γ) - ε logσ(γ - β(a_c - a_r)))`` (γ: the target reward margin).
+    Returns ``(loss, chosen_rewards, rejected_rewards)`` with rewards ``β·a`` detached."""
+    ac, ar = _check_pair(chosen_logps, rejected_logps)
+    if not (isinstance(beta, (int, float)) and beta > 0):
+        raise ValueError(f"beta={beta!r} must be a number > 0")
+    losses = _sigmoid_pref(beta * (ac - ar) - gamma, label_smoothing)
+    return losses.mean(), (beta * ac).detach(), (beta * ar).detach()
+
+
+def cpo_loss(chosen_logps, rejected_logps, beta=0.1, label_smoothing=0.0):
+    """CPO's preference term on summed response log-probs ``π_c, π_r`` [B], no reference:
+    ``mean(-(1-ε) logσ(β(π_c - π_r)) - ε logσ(-β(π_c - π_r)))``; CPO's loss adds α times the chosen
+    response's token-mean NLL (the caller's). Returns ``(term, chosen_rewards, rejected_rewards)`` with
+    rewards ``β·π`` detached."""
+    return simpo_loss(chosen_logps, rejected_logps, beta=beta, gamma=0.0, label_smoothing=label_smoothing)
 
 
 def _sigmoid_rm(chosen, rejected, margin):

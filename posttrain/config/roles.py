@@ -29,6 +29,13 @@ LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", 
 RM_LOSS_TYPES = ("sigmoid", "logexp")
 KD_LOSSES = ("forward", "reverse", "jsd")  # algorithms.distillation.KD_LOSSES
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")  # algorithms.preference.KTO_LOSS_TYPES
+# `posttrain dpo --model.loss_type` (TRL's names); the last three train without a reference model
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "orpo", "simpo", "cpo")
+REFERENCE_FREE_LOSSES = ("orpo", "simpo", "cpo")
+# the --model.* parameters of the DPO family -> the losses that read them (any other refuses a set value)
+DPO_LOSS_PARAMS = {"beta": ("sigmoid", "ipo", "simpo", "cpo"), "label_smoothing": ("sigmoid", "simpo", "cpo"),
+                   "nll_loss_coef": ("sigmoid", "ipo", "simpo"), "orpo_lambda": ("orpo",),
+                   "simpo_gamma": ("simpo",), "cpo_alpha": ("cpo",)}
 
 
 def reward_endpoints(value: str) -> list[str]:
@@ -87,6 +94,9 @@ NO_REFERENCE = Inert(f"no reference model {facts.NO_KL}", facts.no_reference)
 NO_CRITIC = Inert("no critic: only --algo.advantage.estimator gae trains one", facts.no_critic)
 REMOTE_ONLY = Inert("it applies to --reward.remote_url (a reward server or .py file) and --reward.func_path "
                     "only", lambda v, c, dev: not (c.reward.remote_url or c.reward.func_path))
+REFERENCE_FREE = Inert("no reference model is loaded for a reference-free loss: ",
+                       lambda v, c, dev: c.model.loss_type in REFERENCE_FREE_LOSSES
+                       and f"--model.loss_type {c.model.loss_type}", ("dpo",))
 NO_REWARD_MODEL = Inert("no reward model: rewards come from --reward.remote_url", facts.no_reward_model)
 
 
@@ -125,12 +135,25 @@ class RMModelConfig(ModelConfig):
 
 @dataclass
 class DPOModelConfig(ModelConfig):
-    """The policy trained with DPO / IPO / cDPO."""
+    """The policy trained with DPO / IPO / cDPO, or without a reference with ORPO / SimPO / CPO."""
 
-    beta: float = opt(0.1, "DPO temperature beta", gt=0)
-    ipo_enable: bool = opt(False, "IPO loss instead of DPO")
+    beta: float = opt(0.1, "DPO temperature beta (SimPO / CPO: the reward scale)", gt=0)
+    ipo_enable: bool = opt(False, "IPO loss instead of DPO (= --model.loss_type ipo)")
     label_smoothing: float = opt(0.0, "cDPO label smoothing in [0, 0.5)", ge=0, lt=0.5)
     nll_loss_coef: float = opt(0.0, "weight of an NLL term on the chosen response", ge=0)
+    loss_type: str = opt(
+        "sigmoid", "preference loss: sigmoid (DPO / cDPO), ipo; without a reference model: orpo (NLL + "
+        "odds ratio), simpo (length-normalised, margin), cpo (sigmoid on the policy alone + NLL)",
+        choices=DPO_LOSS_TYPES, extension=True)
+    orpo_lambda: float = opt(0.1, "ORPO weight of the odds-ratio term (TRL ORPOConfig.beta)", ge=0,
+                             finite=True, extension=True)
+    simpo_gamma: float = opt(0.5, "SimPO target reward margin gamma", finite=True, extension=True)
+    cpo_alpha: float = opt(1.0, "CPO weight of the NLL term on the chosen response", ge=0, finite=True,
+                           extension=True)
+
+    def preference_loss(self) -> str:
+        """The loss this run trains with: `--model.loss_type`, or ipo with `--model.ipo_enable`."""
+        return "ipo" if self.ipo_enable else self.loss_type
 
 
 @dataclass
@@ -148,9 +171,10 @@ class KTOModelConfig(ModelConfig):
 class DPORefConfig:
     """The frozen reference model (DPO, KTO)."""
 
-    model_name_or_path: str | None = opt(None, "reference model; default: --model.model_name_or_path")
-    offload: bool = opt(False, "keep the reference model on CPU between forwards", inert=REF_ON_CPU,
-                        on_resume="adjustable")
+    model_name_or_path: str | None = opt(None, "reference model; default: --model.model_name_or_path",
+                                         inert=REFERENCE_FREE)
+    offload: bool = opt(False, "keep the reference model on CPU between forwards",
+                        inert=(REFERENCE_FREE, REF_ON_CPU), on_resume="adjustable")
 
 
 @dataclass

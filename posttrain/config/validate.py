@@ -19,6 +19,7 @@ from posttrain.config.hardware import device_type, record_resolved, resolved_val
 from posttrain.config.inference import INFERENCE_CONFIGS
 from posttrain.config.ppo_rules import ppo_rules
 from posttrain.config.ray_mode import critic_path, role_ranks, run_roles
+from posttrain.config.roles import DPO_LOSS_PARAMS
 from posttrain.config.rule_report import RuleReport
 from posttrain.config.sections import POLYNOMIAL_LR_END, DSConfig, OptimizerFields
 from posttrain.config.serving import ServedModelConfig, ServeRMConfig
@@ -228,12 +229,33 @@ def tensor_parallel_refusal(size: int | None, why: str) -> str:
     return f"{flag}: {why}" if size is None else f"{flag} {size}: {why}"
 
 
+LOSS_NAMES = {"sigmoid": "DPO", "ipo": "IPO", "orpo": "ORPO", "simpo": "SimPO", "cpo": "CPO"}
+# what a DPO-family parameter is, and (param, loss) -> where that loss's own knob is, for the refusals
+_PARAM_OWNERS = {"beta": "the reward scale of sigmoid / ipo / simpo / cpo", "label_smoothing": "cDPO's",
+                 "nll_loss_coef": "the NLL weight of sigmoid / ipo / simpo", "orpo_lambda": "ORPO's",
+                 "simpo_gamma": "SimPO's", "cpo_alpha": "CPO's"}
+_OWN_KNOB = {("beta", "orpo"): " (its weight is --model.orpo_lambda)",
+             ("nll_loss_coef", "orpo"): " (its NLL weight is 1)",
+             ("nll_loss_coef", "cpo"): " (its NLL weight is --model.cpo_alpha)"}
+
+
 def _dpo(cfg: DPOConfig, r: RuleReport) -> None:
-    """IPO has no label smoothing: the two flags together are refused rather than one ignored."""
+    """A DPO-family parameter set away from its default with a loss that does not read it
+    (`roles.DPO_LOSS_PARAMS`), and --model.ipo_enable with another --model.loss_type than ipo, are refused
+    rather than ignored."""
     m = cfg.model
-    if m.ipo_enable and m.label_smoothing:
-        r.problems.append(f"--model.label_smoothing {m.label_smoothing} is cDPO's; IPO (--model.ipo_enable) "
-                          "does not use it. Drop one of the two flags.")
+    if m.ipo_enable and m.loss_type not in ("sigmoid", "ipo"):
+        r.problems.append(f"--model.ipo_enable selects IPO; --model.loss_type {m.loss_type} selects "
+                          f"{LOSS_NAMES[m.loss_type]}. Drop one of the two flags.")
+        return
+    loss = m.preference_loss()
+    named = "IPO (--model.ipo_enable)" if m.ipo_enable else f"{LOSS_NAMES[loss]} (--model.loss_type {loss})"
+    defaults = type(m)()
+    for name, readers in DPO_LOSS_PARAMS.items():
+        value = getattr(m, name)
+        if loss not in readers and value != getattr(defaults, name):
+            r.problems.append(f"--model.{name} {value} is {_PARAM_OWNERS[name]}; {named} does not use it"
+                              f"{_OWN_KNOB.get((name, loss), '')}. Drop one of the two flags.")
 
 
 def _kto(cfg: KTOConfig, r: RuleReport) -> None:

@@ -48,17 +48,20 @@ class ReferenceForward:
                 peft_model.train(was_training)
         return frozen_logits(self.ref_model, batch, self.ref_offload, self.device)
 
-    def logps_with_reference(self, model, batch: dict):
+    def logps_with_reference(self, model, batch: dict, reference: bool = True):
         """(policy log-prob sums [N], their token counts [N], reference log-prob sums [N]) of the batch's
         sequences (`models.sequence_logprobs`), the reference's forward first (its logits freed before the
-        policy's), both under one set-up of a context-parallel slice."""
+        policy's), both under one set-up of a context-parallel slice; `reference=False` (a reference-free
+        loss): the policy's alone, reference sums None."""
+        ref_logps = ref_vocab = None
         with slice_context(batch):
-            ref_logits = self.reference_logits(model, batch)
-            ref_vocab = ref_logits.shape[-1]
-            ref_logps = sequence_logprobs(ref_logits, batch)[0]
-            del ref_logits
+            if reference:
+                ref_logits = self.reference_logits(model, batch)
+                ref_vocab = ref_logits.shape[-1]
+                ref_logps = sequence_logprobs(ref_logits, batch)[0]
+                del ref_logits
             logits = forward_logits(model, batch)
-        if logits.shape[-1] != ref_vocab:
+        if ref_vocab is not None and logits.shape[-1] != ref_vocab:
             raise ValueError(f"--ref.model_name_or_path: the reference has a vocabulary of {ref_vocab} "
                              f"tokens, the policy {logits.shape[-1]}; {self.name} needs both to share the "
                              "tokenizer")

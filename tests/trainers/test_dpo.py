@@ -153,6 +153,49 @@ def test_objective_values_and_rewards_by_hand(kind, expected):
     assert float(half.detach()) == pytest.approx(expected / 2, abs=1e-6)
 
 
+class NoReference(torch.nn.Module):
+    """A reference that fails the test if anything runs it."""
+
+    def forward(self, **kwargs):
+        raise AssertionError("a reference-free loss ran the reference model")
+
+
+@pytest.mark.parametrize("kind, expected, rewards, extra", [
+    # hand_batch's token means: a_c = π_c/2 = -ln2, a_r = π_r/1 = -2 ln2; the chosen NLL is ln 2.
+    # ORPO λ = 0.1: log odds(y_c) = -ln2 - log(1/2) = 0, log odds(y_r) = -2ln2 - log(3/4) = -ln3, so
+    # L = ln3 and -logσ(ln3) = -log(3/4); loss = NLL + λ·ln(4/3); rewards λ·a
+    ("orpo", LN2 + 0.1 * math.log(4 / 3), (-0.1 * LN2, -0.2 * LN2), {"or_loss_sum": 0.1 * math.log(4 / 3),
+                                                                    "log_odds_ratio_sum": math.log(3.0)}),
+    # SimPO β = 2, γ = 0.5: -logσ(2(a_c - a_r) - 0.5) = -logσ(2 ln2 - 0.5) = log(1 + e^(0.5 - 2 ln2))
+    # = log(1 + e^0.5 / 4); rewards β·a
+    ("simpo", math.log(1 + math.exp(0.5) / 4), (-2 * LN2, -4 * LN2),
+     {"simpo_loss_sum": math.log(1 + math.exp(0.5) / 4)}),
+    # CPO β = 2, α = 0.5: π_c = π_r, so -logσ(0) = ln2, plus 0.5 · ln2 (NLL); rewards β·π
+    ("cpo", 1.5 * LN2, (-4 * LN2, -4 * LN2), {"cpo_loss_sum": LN2}),
+], ids=["orpo", "simpo", "cpo"])
+def test_reference_free_objective_values_by_hand(kind, expected, rewards, extra):
+    """ORPO / SimPO / CPO on hand_batch, with a reference that must not run (and none at all: the policy
+    has no LoRA adapters to disable, which DPO would need)."""
+    from posttrain.trainers.dpo import DPOObjective
+
+    batch, policy, _ = hand_batch()
+    for ref in (NoReference(), None):
+        obj = DPOObjective(pad_id=0, packing=False, beta=2.0, loss_type=kind, cpo_alpha=0.5, ref_model=ref)
+        assert obj.reference_free
+        loss, stats = obj.loss(policy, batch, num_units=1)
+        assert float(loss.detach()) == pytest.approx(expected, abs=1e-6)
+        assert stats["loss_sum"] == pytest.approx(expected, abs=1e-6) and stats["loss_count"] == 1
+        assert stats["nll_sum"] == pytest.approx(LN2, abs=1e-6)
+        assert (stats["chosen_reward_sum"], stats["rejected_reward_sum"]) == pytest.approx(rewards, abs=1e-6)
+        assert stats["margin_sum"] == pytest.approx(rewards[0] - rewards[1], abs=1e-6)
+        assert stats["acc_sum"] == float(rewards[0] > rewards[1])
+        for key, value in extra.items():
+            assert stats[key] == pytest.approx(value, abs=1e-6), key
+        loss.backward()  # the gradient reaches the policy's response logits
+        assert policy.logits.grad[0, 1:3].abs().sum() > 0
+        policy.logits.grad = None
+
+
 def test_prompt_and_padding_get_no_gradient():
     from posttrain.trainers.dpo import DPOObjective
 
@@ -245,6 +288,62 @@ def test_lora_dpo_uses_the_base_as_reference_and_saves_an_adapter(sft_nano, pref
     assert train[-1]["train/margin"] > 0
 
 
+def heldout_acc(model_dir, pref_dir, loss_type: str) -> float:
+    """The share of held-out pairs whose chosen side gets the higher `loss_type` reward (token-mean
+    log-probs for ORPO / SimPO, summed ones for CPO) under a saved model, computed outside the run."""
+    from posttrain.data.preference_dataset import PreferenceDataset
+    from posttrain.data.readers import read_file
+    from posttrain.models import load_causal_lm, load_tokenizer
+    from posttrain.trainers.dpo import DPOObjective
+
+    tok = load_tokenizer(model_dir)
+    rows = read_file(str(pref_dir / "test.jsonl"))
+    items = list(PreferenceDataset(rows, tok, 48, prompt_key="prompt", apply_chat_template=True))
+    obj = DPOObjective(pad_id=tok.pad_token_id, packing=False, loss_type=loss_type)
+    with torch.no_grad():
+        return obj.loss(load_causal_lm(model_dir), obj.collate(items), len(items))[1]["acc_sum"] / len(items)
+
+
+@pytest.fixture(scope="module")
+def ok_pref_dir(tmp_path_factory):
+    """pref_dir's additions with a constant chosen reply, "ok", over the bare wrong number. A reference-free
+    loss compares the policy's own log-probs of the two replies, so the chosen one must become likelier
+    than the rejected one outright: a short constant reply the nano model learns in a few steps (the
+    sentence of pref_dir takes CPO's summed log-probs far longer), and which the SFT-ed model, trained on
+    bare numbers, ranks below every rejected number at the start."""
+    from posttrain.data.synthetic import make_preference_rows, write_jsonl
+
+    path = tmp_path_factory.mktemp("ok_pref")
+    rows = [dict(r, chosen="ok") for r in make_preference_rows(96, seed=5)]
+    write_jsonl(rows[:64], path / "train.jsonl")
+    write_jsonl(rows[64:], path / "test.jsonl")
+    return path
+
+
+@pytest.mark.parametrize("loss_type", ["orpo", "simpo", "cpo"])
+def test_reference_free_losses_raise_preference_accuracy_without_a_reference(sft_nano, ok_pref_dir, tmp_path,
+                                                                             capsys, loss_type):
+    """`posttrain dpo --model.loss_type orpo|simpo|cpo` from the SFT-ed nano model, one epoch of 4 steps:
+    no reference model is loaded (a --ref.model_name_or_path given is reported as having no effect), and
+    the held-out reward accuracy rises from 0 to above 0.9 (the run's eval and a recomputation on the saved
+    model agree)."""
+    from posttrain.cli import train_dpo
+
+    out = tmp_path / "run"
+    final = train_dpo.main(dpo_flags(sft_nano[0], ok_pref_dir, out, "--model.loss_type", loss_type,
+                                     "--adam.lr", "1e-2", "--eval.dataset", ok_pref_dir, "--eval.split",
+                                     "test", "--ref.model_name_or_path", sft_nano[0]))
+    err = capsys.readouterr().err
+    assert f"no reference model: --model.loss_type {loss_type} is reference-free" in err
+    assert "(frozen" not in err and "has no effect here: no reference model is loaded" in err
+    train = [r for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
+    term = {"orpo": "train/or_loss", "simpo": "train/simpo_loss", "cpo": "train/cpo_loss"}[loss_type]
+    assert len(train) == 4 and all(term in r and "train/nll" in r for r in train)
+    before, after = heldout_acc(sft_nano[0], ok_pref_dir, loss_type), heldout_acc(out, ok_pref_dir, loss_type)
+    assert before == 0.0 and final["eval/acc"] > 0.9, (before, final)
+    assert after == pytest.approx(final["eval/acc"], abs=1e-6)
+
+
 @pytest.mark.e2e
 def test_openrlhf_train_dpo_script_runs_with_only_the_module_renamed(tiny_model_dir, tmp_path):
     """examples/scripts/train_dpo_llama.sh of OpenRLHF (0.10.2 dotted flags): model and data point at
@@ -295,18 +394,24 @@ def ring_common() -> list:
             "--model.gradient_checkpointing_enable", "--train.micro_batch_size", 4]
 
 
+def simpo_common() -> list:
+    return [*zero3_common(), "--model.loss_type", "simpo", "--model.beta", 2.0, "--model.simpo_gamma", 0.5]
+
+
 @pytest.fixture(scope="module")
 def two_rank_runs(tiny_model_dir, pref_dir, unpaired_dir, tmp_path_factory):
     """This module's 2-rank runs, in one launch (`torchrun_cases`): "zero3" (token-budget micro-batches,
-    ZeRO-3), "ring" (ring attention 2, ZeRO-3) and "kto" (`posttrain kto`, ZeRO-3, 2 micro-batches per rank)
-    -> (run folder, its `CaseRun`)."""
+    ZeRO-3), "ring" (ring attention 2, ZeRO-3), "simpo" (SimPO, packed, ZeRO-3) and "kto" (`posttrain kto`,
+    ZeRO-3, 2 micro-batches per rank) -> (run folder, its `CaseRun`)."""
     from sft_helpers import torchrun_cases
 
     root = tmp_path_factory.mktemp("two_ranks")
     flags = {"zero3": (*zero3_common(), "--train.micro_batch_size", 2, "--ds.zero_stage", 3,
                        "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", 85),
              "ring": (*ring_common(), "--ds.zero_stage", 3, "--ds.ring_attn_size", 2,
-                      "--ds.ring_attn_head_stride", 2)}
+                      "--ds.ring_attn_head_stride", 2),
+             "simpo": (*simpo_common(), "--ds.zero_stage", 3, "--ds.packing_samples",
+                       "--train.micro_batch_size", 4)}
     cases = [("posttrain.cli.train_dpo", dpo_flags(tiny_model_dir, pref_dir, root / case, *more))
              for case, more in flags.items()]
     cases.append(("posttrain.cli.train_kto", kto_flags(tiny_model_dir, unpaired_dir, root / "kto",
@@ -426,3 +531,28 @@ def test_ring_attention_over_two_ranks_matches_single_process(tiny_model_dir, pr
         assert [r[key] for r in runs[0]] == pytest.approx([r[key] for r in runs[1]], abs=1e-5), key
     assert_same_grad_norms(single, ring)
     assert_weights_within_rounding(single, ring)  # the split attention sums in another order
+
+
+@pytest.mark.e2e
+def test_simpo_packed_over_two_ranks_matches_one_unpacked_process(tiny_model_dir, pref_dir, tmp_path,
+                                                                   two_rank_runs):
+    """SimPO (reference-free) packed, 2 ranks under ZeRO-3, equals one padded process: the token means
+    a = π/|y| come out the same from packed rows, and no rank loads or runs a reference (no shards, no
+    collective reference forward)."""
+    from sft_helpers import assert_same_grad_norms, assert_weights_within_rounding
+
+    from posttrain.cli import train_dpo
+
+    single = tmp_path / "single"
+    train_dpo.main(dpo_flags(tiny_model_dir, pref_dir, single, *simpo_common(), "--train.micro_batch_size",
+                             16))
+    multi, proc = two_rank_runs["simpo"]
+    proc.ok()
+    assert "world_size = 2" in proc.stderr and "(frozen" not in proc.stderr
+    assert "no reference model: --model.loss_type simpo is reference-free" in proc.stderr
+    runs = [[r for r in read_metrics(d / "metrics.jsonl") if "train/loss" in r] for d in (single, multi)]
+    for key in ("train/loss", "train/simpo_loss", "train/margin", "train/acc"):
+        assert [r[key] for r in runs[0]] == pytest.approx([r[key] for r in runs[1]], abs=1e-5), key
+    assert len(runs[0]) == 3 and runs[0][-1]["train/loss"] < runs[0][0]["train/loss"]
+    assert_same_grad_norms(single, multi)
+    assert_weights_within_rounding(single, multi)

@@ -105,7 +105,7 @@ ACTING: dict[str, frozenset[str]] = {
     ),
     "dpo": _SINGLE_MODEL
     | _paths(
-        "model: beta ipo_enable label_smoothing nll_loss_coef",
+        "model: beta ipo_enable label_smoothing nll_loss_coef loss_type orpo_lambda simpo_gamma cpo_alpha",
         "ref: model_name_or_path offload",
         "data: prompt_key chosen_key rejected_key image_key max_images_per_prompt",
         "ds: ring_attn_size ring_attn_head_stride",
