@@ -232,7 +232,8 @@ def test_an_openai_client_agent_runs_inside_a_ray_rollout_engine(rl_setup, tmp_p
 # examples/scripts/train_reinforce_baseline_ray_agent_async.sh of OpenRLHF 0.10.2: its flags as the script
 # has them, with our nano model, data and the agent file above; ranks 4 -> 2, one vLLM engine of tp 1 (their
 # 2 x tp 2 over 4 GPUs; a TP-2 engine is tested in test_rl_vllm_tp.py, slow to start here), lengths and batch
-# sizes scaled down. --data.max_len leaves room for the agent's
+# sizes scaled down (8 prompts: two steps, the second one's rollout generated during the first one's
+# training). --data.max_len leaves room for the agent's
 # turns: at 64 most episodes ran out of tokens before their random 0/1 reward, so most groups scored 0, 0 and
 # dynamic filtering (which drops groups whose samples agree) now and then kept none of the 20 it may draw.
 REINFORCE_AGENT_ASYNC = """
@@ -242,7 +243,7 @@ REINFORCE_AGENT_ASYNC = """
    --rollout.batch_size 4 --rollout.n_samples_per_prompt 2 --train.batch_size 8
    --algo.dynamic_filtering_enable --algo.dynamic_filtering_range 0.0 1.0
    --train.dynamic_batch_enable --train.max_tokens_per_gpu 256 --rollout.max_tokens_per_gpu 512
-   --train.micro_batch_size 1 --rollout.micro_batch_size 8 --data.max_samples 16 --train.max_epochs 1
+   --train.micro_batch_size 1 --rollout.micro_batch_size 8 --data.max_samples 8 --train.max_epochs 1
    --train.num_episodes 1
    --train.async_enable --train.partial_rollout_enable
    --ref.num_nodes 1 --ref.num_gpus_per_node 2 --actor.num_nodes 1 --actor.num_gpus_per_node 2
@@ -273,7 +274,7 @@ def test_openrlhf_async_agent_script_runs_on_ray(rl_setup, openrlhf_agent, tmp_p
     r = subprocess.run([sys.executable, "-m", "posttrain.cli.train_ppo_ray", *REINFORCE_AGENT_ASYNC,
                         "--actor.model_name_or_path", sft, "--data.prompt_dataset", data,
                         "--train.agent_func_path", openrlhf_agent, "--ckpt.output_dir", out,
-                        # 10 > this run's 4 steps
+                        # 10 > this run's 2 steps
                         "--ckpt.path", tmp_path / "ckpt", "--ckpt.save_steps", "2"],
                        check=False, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "RAY_ADDRESS": ray_address})
@@ -282,12 +283,12 @@ def test_openrlhf_async_agent_script_runs_on_ray(rl_setup, openrlhf_agent, tmp_p
     assert ("1 rollout engine(s): vllm" if vllm_unavailable() is None
             else "1 rollout engine(s): hf") in r.stderr
     rows = [x for x in read_metrics(out / "metrics.jsonl") if "reward/mean" in x]
-    assert len(rows) == 4
+    assert len(rows) == 2
     for x in rows:
         assert x["agent/turns_mean"] >= 1.0 and x["rollout/policy_versions_per_sample"] >= 1.0
         assert 0 <= x["async/staleness_max"] <= 1 and "actor/kl_loss" in x  # never more than the queue
     assert (out / "model.safetensors").exists()
-    assert (tmp_path / "ckpt" / "global_step4_hf" / "model.safetensors").exists()
+    assert (tmp_path / "ckpt" / "global_step2_hf" / "model.safetensors").exists()
 
 
 # One-turn episodes whose reward is the label divided by 10: the reward of a prompt depends on the

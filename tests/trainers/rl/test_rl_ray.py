@@ -107,46 +107,53 @@ ELASTIC_LAYOUTS = {"one": (), "zero2": ("--actor.num_gpus_per_node", "2", "--cri
                                         "--vllm.num_engines", "1", "--ds.zero_stage", "2", *HF),
                    "zero3": ("--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "2",
                              "--vllm.num_engines", "1", "--ds.zero_stage", "3", *HF)}
-ELASTIC_COMMON = ("--train.num_episodes", "1", "--data.max_samples", "24", "--train.batch_size", "16",
+ELASTIC_COMMON = ("--train.num_episodes", "1", "--data.max_samples", "32", "--train.batch_size", "16",
                   "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8",
-                  "--algo.advantage.estimator", "gae", "--critic.adam.lr", "1e-3", "--ckpt.save_steps", "2",
-                  "--actor.adam.eps", str(ADAM_EPS), "--critic.adam.eps", str(ADAM_EPS))
+                  "--algo.advantage.estimator", "gae", "--critic.adam.lr", "1e-3", "--ckpt.save_steps", "1",
+                  "--ckpt.max_num", "4", "--actor.adam.eps", str(ADAM_EPS),
+                  "--critic.adam.eps", str(ADAM_EPS))
+# each resumes the checkpoint the run before it wrote, one step later: step 1 of the uninterrupted run (one
+# process), step 2 of the run resumed on ZeRO-2, step 3 of the one resumed on ZeRO-3
+ELASTIC_CHAIN = [("one", "zero2"), ("zero2", "zero3"), ("zero3", "one")]
 
 
 @pytest.fixture(scope="module")
-def uninterrupted_on(rl_setup, tmp_path_factory):
-    """`layout -> (run dir, checkpoint dir)` of its uninterrupted run, run once for the module: the reference
-    a resume onto that layout must equal, and (its step-2 checkpoint) the start of a resume from it."""
+def elastic_run(rl_setup, tmp_path_factory):
+    """`get(i)` -> (run dir, checkpoint dir) of the run resumed on ELASTIC_CHAIN[i]'s layout from step i + 1
+    of the run before it in the chain (`get(None)`: the uninterrupted run in one process, 4 steps, a
+    checkpoint after each), each run once for the module: two Ray runs serve the three cases."""
     from posttrain.cli import train_ppo_ray
 
     runs = {}
 
-    def get(layout):
-        if layout not in runs:
-            tmp = tmp_path_factory.mktemp(f"uninterrupted_{layout}")
-            train_ppo_ray.main(ppo_flags(rl_setup, tmp / "run", *ELASTIC_COMMON, *ELASTIC_LAYOUTS[layout],
-                                         "--ckpt.path", tmp / "ck"))
-            runs[layout] = (tmp / "run", tmp / "ck")
-        return runs[layout]
+    def get(i):
+        if i not in runs:
+            tmp = tmp_path_factory.mktemp(f"elastic_{i}")
+            flags = [*ELASTIC_COMMON, "--ckpt.path", tmp / "ck"]
+            if i is not None:
+                _, before = get(i - 1 if i else None)
+                step = f"global_step{i + 1}"
+                shutil.copytree(before / step, tmp / "ck" / step)
+                flags += [*ELASTIC_LAYOUTS[ELASTIC_CHAIN[i][1]], "--ckpt.load_enable"]
+            train_ppo_ray.main(ppo_flags(rl_setup, tmp / "run", *flags))
+            runs[i] = (tmp / "run", tmp / "ck")
+        return runs[i]
     return get
 
 
-@pytest.mark.parametrize("before,after", [("one", "zero2"), ("zero3", "one"), ("zero2", "zero3")])
-def test_a_ppo_checkpoint_resumes_on_another_layout(run_ppo, uninterrupted_on, ray_session, tmp_path, before,
-                                                    after):
-    """Elastic resume of the actor and the critic (GAE): a checkpoint of step 2 written in one process resumes
-    on Ray with 2 ranks each under ZeRO-2, one of 2 ranks under ZeRO-3 in one process, and one of ZeRO-2 under
-    ZeRO-3 on the same ranks; the resumed steps equal the uninterrupted run on the new layout (rewards 1e-6,
-    weights to rounding)."""
-    _, first_ckpt = uninterrupted_on(before)
-    straight, _ = uninterrupted_on(after)
-    resume = tmp_path / "ck_resume"
-    resume.mkdir()
-    shutil.copytree(first_ckpt / "global_step2", resume / "global_step2")
-    resumed, _ = run_ppo(*ELASTIC_COMMON, *ELASTIC_LAYOUTS[after], "--ckpt.path", resume,
-                         "--ckpt.load_enable", name="resumed")
-    assert len(rewards_by_step(straight)) == 3
-    assert rewards_by_step(resumed, start=3) == pytest.approx(rewards_by_step(straight, start=3), abs=1e-6)
+@pytest.mark.parametrize("before,after", ELASTIC_CHAIN)
+def test_a_ppo_checkpoint_resumes_on_another_layout(elastic_run, ray_session, before, after):
+    """Elastic resume of the actor and the critic (GAE): a checkpoint written in one process resumes on Ray
+    with 2 ranks each under ZeRO-2, one of those ranks' ZeRO-2 resumes under ZeRO-3 on the same ranks, and
+    one of 2 ranks under ZeRO-3 in one process; the resumed steps equal the uninterrupted run's (one
+    process; rewards 1e-6, weights to rounding, as the layouts equal each other in the tests above)."""
+    i = ELASTIC_CHAIN.index((before, after))
+    straight, _ = elastic_run(None)
+    resumed, _ = elastic_run(i)
+    assert len(rewards_by_step(straight)) == 4
+    assert len(rewards_by_step(resumed, start=i + 2)) == 3 - i  # the steps after the checkpoint
+    assert (rewards_by_step(resumed, start=i + 2)
+            == pytest.approx(rewards_by_step(straight, start=i + 2), abs=1e-6))
     assert_same_actor_weights(straight, resumed, read_metrics(straight / "metrics.jsonl"))
 
 
