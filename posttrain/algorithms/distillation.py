@@ -27,8 +27,10 @@ KD_LOSSES = ("forward", "reverse", "jsd")
 
 
 def _kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """``KL(p ‖ q) = Σ_v p_v (log p_v − log q_v)`` over the last dimension (finite log-probs)."""
-    return (log_p.exp() * (log_p - log_q)).sum(-1)
+    """``KL(p ‖ q) = Σ_v p_v (log p_v − log q_v)`` over the last dimension; a token p gives probability 0
+    (a logit of -inf: a masked vocabulary row) adds 0."""
+    p = log_p.exp()
+    return torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)
 
 
 def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float,

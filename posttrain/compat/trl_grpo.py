@@ -220,8 +220,13 @@ def _batches(b: _Builder, world: int, kind: str) -> None:
                           "num_train_epochs and the dataset's size, which posttrain does not know before "
                           "loading it; write max_steps: <optimizer steps> in the file")
     per_rollout = samples // step * iterations
-    b.set("max_steps", {"train.max_steps": math.ceil(steps / per_rollout)},
-          f"ceil(max_steps / {per_rollout} optimizer step(s) per generation batch) rollouts")
+    if steps % per_rollout:
+        raise ConfigError(f"TRL field max_steps: {steps} is not a multiple of the {per_rollout} optimizer "
+                          f"step(s) each generation batch makes (generation batch / optimizer step x "
+                          f"num_iterations): posttrain trains whole generation batches; set max_steps to a "
+                          f"multiple of {per_rollout}")
+    b.set("max_steps", {"train.max_steps": steps // per_rollout},
+          f"max_steps / {per_rollout} optimizer step(s) per generation batch = rollouts")
     if "num_train_epochs" in b.given:
         b.line("num_train_epochs", _NO_EFFECT["num_train_epochs"])
     b.set("ds3_gather_for_generation", {"ds.gather_for_generation": bool(b.get("ds3_gather_for_generation"))},

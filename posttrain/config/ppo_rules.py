@@ -79,6 +79,11 @@ def _reward_source(cfg: PPOConfig, r: RuleReport) -> None:
             "--train.agent_func_path (an agent file whose environment returns rewards) or "
             "--teacher.model_name_or_path (on-policy distillation: the teacher's per-token reward alone)",
         )
+    task_reward = rw.model_name_or_path or rw.remote_url or rw.func_path or t.agent_func_path
+    if cfg.teacher.model_name_or_path and not task_reward and cfg.algo.dynamic_filtering_enable:
+        r.bad("algo.dynamic_filtering_enable", True, "filters groups by their task rewards, and this run's "
+              "only reward is the teacher's per-token term (every score 0: every group would be dropped); "
+              "drop the flag or add a reward source")
     if cfg.algo.teacher_coef is not None and not cfg.teacher.model_name_or_path:
         r.bad("algo.teacher_coef", cfg.algo.teacher_coef, "weighs the on-policy distillation term, which "
               "needs a teacher: add --teacher.model_name_or_path (or drop the flag)")

@@ -290,8 +290,6 @@ class RefConfig:
 
 NO_TEACHER = Inert("no teacher: on-policy distillation needs --teacher.model_name_or_path",
                    lambda v, c, dev: not c.teacher.model_name_or_path)
-TEACHER_ON_CPU = Inert("the teacher is already in CPU memory: this machine has no accelerator, so there is "
-                       "nothing to offload to", facts.on_cpu)
 
 
 @dataclass
@@ -388,7 +386,9 @@ class RewardConfig:
 
 
 def _no_std_division(value, c, device) -> bool:
-    return c.algo.advantage.estimator in ("rloo", "dr_grpo") and not c.algo.advantage.whiten_enable
+    adv = c.algo.advantage
+    return adv.estimator != "group_norm" and (
+        (adv.estimator in ("rloo", "dr_grpo") and not adv.whiten_enable) or adv.no_std_norm)
 
 
 @dataclass
@@ -411,9 +411,10 @@ class AdvantageConfig:
         extension=True,
         inert=needs("--algo.advantage.whiten_enable", lambda c: c.algo.advantage.whiten_enable),
     )
-    std_eps: float | None = opt(None, "epsilon added to the std that group_norm and the advantage "
-                                      "whitening divide by (unset: 1e-9 for group_norm, 1e-8 for whitening; "
-                                      "TRL 1.x: 1e-4)",
+    std_eps: float | None = opt(None, "epsilon of the std division: added to the std by group_norm and "
+                                      "sequence-level whitening, the floor of the variance in token-level "
+                                      "whitening (unset: 1e-9 for group_norm, 1e-8 for whitening; TRL 1.x: "
+                                      "1e-4)",
                                 extension=True, gt=0, note="(or unset for the defaults)",
                                 inert=Inert("only --algo.advantage.estimator group_norm and the advantage "
                                             "whitening read it", _no_std_division))

@@ -101,7 +101,7 @@ def model_rule_problems(cfg: TrainerConfig, models: set[str]) -> list[str]:
             problems.append(str(e))
     model = cfg.actor.model_name_or_path if ppo else cfg.model.model_name_or_path
     teacher = getattr(getattr(cfg, "teacher", None), "model_name_or_path", None)
-    if teacher in models and model in models:
+    if cfg.trainer == "kd" and teacher in models and model in models:  # ppo: build.check_teacher_vocabulary
         problems += vocab_problems(model, teacher)
     images, packing, async_rl = (max_images(cfg.data), cfg.ds.packing_samples,
                                  ppo and cfg.train.async_enable)
@@ -129,6 +129,24 @@ def vocab_problems(student: str, teacher: str) -> list[str]:
     return [f"--teacher.model_name_or_path: {teacher} has a vocabulary of {sizes[1]} tokens, the student "
             f"({student}) {sizes[0]}; distillation compares their next-token distributions token by token: "
             "use a teacher with the student's tokenizer"]
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def teacher_tokenizer_problem(teacher: str, tokenizer, why: str) -> str | None:
+    """One line (naming --teacher.model_name_or_path; `why` says why the two must agree) when the teacher
+    folder has tokenizer files whose vocabulary is not `tokenizer`'s (the student's, loaded), else None (a
+    hub id or a folder without tokenizer files: the embedding sizes are all that is checked)."""
+    from posttrain.models import load_tokenizer
+
+    files = [os.path.join(teacher, f) for f in TOKENIZER_FILES]
+    if not (os.path.isdir(teacher) and any(os.path.isfile(f) for f in files)):
+        return None
+    if load_tokenizer(teacher).get_vocab() == tokenizer.get_vocab():
+        return None
+    return (f"--teacher.model_name_or_path {teacher}: the teacher's tokenizer has another vocabulary than "
+            f"the student's; {why}")
 
 
 class RowKey(NamedTuple):

@@ -26,8 +26,10 @@ from posttrain.models import forward_logits
 from posttrain.models.context_parallel import slice_context
 from posttrain.models.forward import align_next_tokens
 from posttrain.trainers.frozen import frozen_logits, load_frozen
+from posttrain.trainers.inputs import teacher_tokenizer_problem
 from posttrain.trainers.session import SingleModelRun
 from posttrain.trainers.sft import SFTObjective, sft_items
+from posttrain.utils.errors import ConfigError
 
 
 class KDObjective(SFTObjective):
@@ -67,6 +69,11 @@ def train_kd(cfg: KDConfig) -> dict:
     with SingleModelRun(cfg) as run:  # a failure before training leaves no run files
         train_items, eval_items = sft_items(run, cfg)
         m = cfg.model
+        problem = teacher_tokenizer_problem(cfg.teacher.model_name_or_path, run.tokenizer, "distillation "
+                                            "compares the two next-token distributions token by token: use a "
+                                            "teacher of the student's tokenizer")
+        if problem:
+            raise ConfigError(problem)
         teacher = load_frozen(cfg, cfg.teacher.model_name_or_path, "teacher model",
                               offload=cfg.teacher.offload, device=run.device, world_size=run.world_size)
         objective = KDObjective(run.tokenizer.pad_token_id, packing=cfg.ds.packing_samples, teacher=teacher,

@@ -145,27 +145,21 @@ def _frozen_policy(cfg: PPOConfig, path: str, offload: bool, tokenizer, device,
                      loaded_numel=built.loaded_numel)
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-
-
 def check_teacher_vocabulary(cfg: PPOConfig, tokenizer) -> None:
     """Before any model loads: the teacher reads the policy's token ids, so its folder's tokenizer (when it
     has one) must have the policy's vocabulary, and its embedding at least as many rows as the policy's
     tokenizer has tokens; else ConfigError (one line naming --teacher.model_name_or_path)."""
-    import os
-
     from transformers import AutoConfig
 
-    from posttrain.models import load_tokenizer
+    from posttrain.trainers.inputs import teacher_tokenizer_problem
 
     path = cfg.teacher.model_name_or_path
     flag = f"--teacher.model_name_or_path {path}"
     fix = ("on-policy distillation scores the student's sampled token ids with the teacher, so both must "
-           "share one tokenizer: use a teacher of the student's tokenizer (or `posttrain kd` offline)")
-    if os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
-        if load_tokenizer(path).get_vocab() != tokenizer.get_vocab():
-            raise ConfigError(f"{flag}: the teacher's tokenizer has another vocabulary than the policy's; "
-                              f"{fix}")
+           "share one tokenizer: use a teacher of the student's tokenizer")
+    problem = teacher_tokenizer_problem(path, tokenizer, fix)
+    if problem:
+        raise ConfigError(problem)
     config = AutoConfig.from_pretrained(path)
     rows = getattr(config.get_text_config(), "vocab_size", None)
     if rows is not None and rows < len(tokenizer):

@@ -105,3 +105,14 @@ def test_equals_trl_generalized_jsd_loss(beta, tau):
     ours = distillation_loss(s, t, mask, kind, beta=beta, temperature=tau)
     assert float(ours) == pytest.approx(float(trl), abs=1e-6)
     assert float(ours) > 0.1
+
+
+@pytest.mark.parametrize("kind", KD_LOSSES)
+def test_a_masked_vocabulary_row_of_minus_inf_adds_nothing(kind):
+    """A head that masks a vocabulary row with -inf in both models (probability 0 on both sides) gives the
+    divergence of the other rows, not NaN (0 · log 0 is 0)."""
+    s, t = torch.tensor([[0.3, -1.0, 0.5]]), torch.tensor([[1.0, 0.2, -0.4]])
+    inf = torch.full((1, 1), float("-inf"))
+    masked = kd_divergence(torch.cat([s, inf], -1), torch.cat([t, inf], -1), kind)
+    assert torch.isfinite(masked).all()
+    torch.testing.assert_close(masked, kd_divergence(s, t, kind))

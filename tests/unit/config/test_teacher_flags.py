@@ -68,3 +68,53 @@ def test_a_teacher_of_another_vocabulary_is_refused(tiny_model_dir, tmp_path):
     cfg = parse_config("ppo", BASE["ppo"] + ["--teacher.model_name_or_path", str(small)], device="cpu")
     with pytest.raises(ConfigError, match=f"vocabulary of {len(tokenizer) - 1} tokens"):
         check_teacher_vocabulary(cfg, tokenizer)
+
+
+def test_a_teacher_only_run_refuses_dynamic_filtering():
+    """No task reward: every score is 0 and dynamic filtering would drop every group."""
+    teacher = ["--teacher.model_name_or_path", "t", "--algo.dynamic_filtering_enable",
+               "--rollout.n_samples_per_prompt", "2"]
+    found = _problems(*_without_reward(), *teacher)
+    assert len(found) == 1
+    assert found[0].startswith("--algo.dynamic_filtering_enable: filters groups by their task rewards")
+    parse_config("ppo", BASE["ppo"] + teacher, device="cpu")  # with a task reward: accepted
+
+
+def test_a_teacher_with_more_embedding_rows_is_not_refused_by_the_kd_rule(tiny_model_dir, tmp_path):
+    """On-policy distillation scores sampled ids: a teacher of the same tokenizer with a larger (padded)
+    embedding is fine (the kd rule of equal config.json vocab sizes is kd's alone); kd refuses it."""
+    from posttrain.models import load_tokenizer
+    from posttrain.trainers.inputs import model_rule_problems, teacher_tokenizer_problem
+    from posttrain.trainers.rl.build import check_teacher_vocabulary
+
+    bigger = tmp_path / "bigger"
+    shutil.copytree(tiny_model_dir, bigger)
+    config = json.loads((bigger / "config.json").read_text())
+    (bigger / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 64}))
+    cfg = parse_config("ppo", BASE["ppo"] + ["--teacher.model_name_or_path", str(bigger)], device="cpu")
+    cfg.actor.model_name_or_path = tiny_model_dir
+    assert model_rule_problems(cfg, {tiny_model_dir, str(bigger)}) == []
+    tokenizer = load_tokenizer(tiny_model_dir)
+    check_teacher_vocabulary(cfg, tokenizer)
+    assert teacher_tokenizer_problem(str(bigger), tokenizer, "why") is None
+    kd = parse_config("kd", BASE["kd"], device="cpu")
+    kd.model.model_name_or_path, kd.teacher.model_name_or_path = tiny_model_dir, str(bigger)
+    assert "vocabulary of" in model_rule_problems(kd, {tiny_model_dir, str(bigger)})[0]
+
+
+def test_kd_names_a_teacher_whose_tokenizer_differs_at_equal_size(tiny_model_dir, tmp_path):
+    """Two tokenizers of one size but other tokens (as Llama-2 and Mistral, 32000 each): refused by the
+    tokenizer comparison both trainers share."""
+    from posttrain.models import load_tokenizer
+    from posttrain.trainers.inputs import teacher_tokenizer_problem
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model_dir, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(k for k in vocab if len(k) > 1)[:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # same size, two ids swapped
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    problem = teacher_tokenizer_problem(str(other), load_tokenizer(tiny_model_dir), "use the same tokenizer")
+    assert problem.startswith(f"--teacher.model_name_or_path {other}: the teacher's tokenizer has another ")
+    assert "\n" not in problem

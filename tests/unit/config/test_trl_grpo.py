@@ -62,7 +62,7 @@ def test_a_field_without_equivalent_that_changes_training_is_refused(name):
 
 def test_batches_generation_batch_iterations_and_run_length():
     v = translate_trl({**BASE, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
-                       "steps_per_generation": 4, "num_iterations": 3, "max_steps": 13}).values
+                       "steps_per_generation": 4, "num_iterations": 3, "max_steps": 18}).values
     # a step = 4 x 2 = 8 samples; a generation batch = 4 x 4 = 16 samples = 4 prompts x 4, 2 steps x 3 passes
     assert (v["train.micro_batch_size"], v["train.batch_size"], v["rollout.batch_size"]) == (4, 8, 4)
     assert (v["train.max_epochs"], v["train.max_steps"], v["rollout.n_samples_per_prompt"]) == (3, 3, 4)
@@ -73,6 +73,10 @@ def test_batches_generation_batch_iterations_and_run_length():
         translate_trl({**BASE, "per_device_train_batch_size": 4, "generation_batch_size": 6})
     with pytest.raises(ConfigError, match="TRL field max_steps is not set"):
         translate_trl({"model_name_or_path": "m", "num_generations": 4})
+    # TRL stops mid generation batch; posttrain trains whole ones: a max_steps between them is refused
+    with pytest.raises(ConfigError, match=r"^TRL field max_steps: 13 is not a multiple of the 6 optimizer"):
+        translate_trl({**BASE, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+                       "steps_per_generation": 4, "num_iterations": 3, "max_steps": 13})
 
 
 def test_advantage_loss_and_kl_settings():
