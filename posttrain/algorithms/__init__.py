@@ -33,6 +33,7 @@ from .losses import (
     value_loss_with_stats,
 )
 from .preference import RM_LOSSES, cpo_loss, dpo_loss, orpo_loss, reward_model_loss, simpo_loss
+from .process_reward import placeholder_logits, prm_correct, prm_loss, render_steps, step_scores
 from .shaping import (
     batch_normalize_scores,
     dynamic_filter,
@@ -48,8 +49,9 @@ __all__ = [
     "aggregate", "approx_kl", "approx_kl_with_stats", "batch_normalize_scores", "compute_advantages",
     "compute_advantages_with_stats", "cpo_loss", "discounted_returns", "distillation_loss", "dpo_loss",
     "dynamic_filter", "entropy", "gae", "gathered_logprobs", "generalized_jsd", "group_baseline",
-    "kd_divergence", "masked_mean", "missing_eos_penalty", "orpo_loss", "overlong_penalty", "policy_loss",
-    "reward_model_loss", "simpo_loss", "stop_properly_penalty", "teacher_token_rewards", "token_logprobs",
+    "kd_divergence", "masked_mean", "missing_eos_penalty", "orpo_loss", "overlong_penalty",
+    "placeholder_logits", "policy_loss", "prm_correct", "prm_loss", "render_steps", "reward_model_loss",
+    "simpo_loss", "step_scores", "stop_properly_penalty", "teacher_token_rewards", "token_logprobs",
     "token_rewards", "token_rewards_with_stats", "value_loss", "value_loss_with_stats", "whiten",
     "whiten_sequences",
 ]

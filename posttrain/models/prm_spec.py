@@ -1,0 +1,54 @@
+"""How a process reward model reads its steps: the placeholder token that ends each step, the reward tokens
+(good first) and the separator between a response's steps. `posttrain prm` writes it beside config.json as
+``prm.json``; RL (`--reward.prm`) reads it from the reward model's folder, and flags may set or override it
+(a PRM trained elsewhere, e.g. Math-Shepherd's: placeholder ``ки``, reward tokens ``+`` ``-``)."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+from posttrain.utils.errors import UserError
+
+PRM_SPEC_FILE = "prm.json"
+
+
+@dataclass(frozen=True)
+class PRMSpec:
+    placeholder_token: str
+    reward_tokens: list[str] = field(default_factory=lambda: ["+", "-"])
+    step_separator: str = "\n"
+
+    def token_ids(self, tokenizer) -> tuple[int, list[int]]:
+        """(placeholder id, reward-token ids) in `tokenizer`; each must be exactly one token, else a
+        UserError naming the token and the pieces it encodes to."""
+        return (_one_token(tokenizer, self.placeholder_token, "placeholder token"),
+                [_one_token(tokenizer, t, "reward token") for t in self.reward_tokens])
+
+
+def _one_token(tokenizer, token: str, what: str) -> int:
+    ids = tokenizer.encode(token, add_special_tokens=False)
+    if len(ids) != 1:
+        pieces = [tokenizer.decode([i]) for i in ids]
+        raise UserError(f"the {what} {token!r} is {len(ids)} tokens in this tokenizer ({pieces}); a PRM "
+                        "reads one token per step: choose a token the tokenizer has as one piece")
+    return ids[0]
+
+
+def save_prm_spec(folder, spec: PRMSpec) -> None:
+    with open(os.path.join(folder, PRM_SPEC_FILE), "w") as f:
+        json.dump(asdict(spec), f, indent=1)
+
+
+def load_prm_spec(folder) -> PRMSpec | None:
+    """The folder's PRMSpec, or None when it has no ``prm.json``; a file that does not hold one is a
+    UserError naming the file."""
+    path = os.path.join(os.path.expanduser(str(folder)), PRM_SPEC_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return PRMSpec(**json.load(f))
+    except (OSError, ValueError, TypeError) as e:
+        raise UserError(f"{path}: not a PRM description ({e}); it holds {{\"placeholder_token\": ..., "
+                        "\"reward_tokens\": [...], \"step_separator\": ...}") from None
