@@ -56,8 +56,10 @@ def parse_dtype(dtype) -> torch.dtype:
 
 
 def _hub_error(path: str, err: Exception) -> FileNotFoundError:
+    """One line: the hub's own message keeps only its first line (transformers adds a second of advice)."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return FileNotFoundError(f"model path {path!r} not found locally and could not be loaded from the hub "
-                             f"({type(err).__name__}: {err}); {INIT_TINY_HINT} (HF_HUB_OFFLINE=1 skips the "
+                             f"({type(err).__name__}: {first}); {INIT_TINY_HINT} (HF_HUB_OFFLINE=1 skips the "
                              "hub retries)")
 
 

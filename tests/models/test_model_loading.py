@@ -249,3 +249,13 @@ def test_hub_kernels_are_off_unless_asked_for(tiny_model_dir, tiny_score_model_d
     for value, wanted in (("1", True), ("yes", True), ("0", False), ("", False)):
         monkeypatch.setenv("USE_HUB_KERNELS", value)
         assert hub_kernels_requested() is wanted
+
+
+def test_an_unreachable_hub_id_is_one_line(monkeypatch):
+    """A hub id with no hub: FileNotFoundError of one line (transformers' OSError adds a line of advice)."""
+    from posttrain.models.loading import load_tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="nosuchorg/nosuchmodel") as err:
+        load_tokenizer("nosuchorg/nosuchmodel")
+    assert "\n" not in str(err.value) and "init-tiny" in str(err.value)
