@@ -93,6 +93,33 @@ def test_two_micro_batches_make_the_one_batch_step(tiny_model_dir, packing):
     torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-5)
 
 
+def test_soft_labels_train_with_the_soft_cross_entropy(tiny_model_dir):
+    """Probabilities as labels: the batch carries them as floats and the loss is the mean over the steps of
+    −(p log s_+ + (1 − p) log s_−), s the softmax over the logits of "+" and "-" at the placeholder."""
+    from posttrain.data.process_reward_dataset import ProcessRewardDataset
+    from posttrain.models import load_causal_lm, load_tokenizer
+    from posttrain.trainers.prm import PRMObjective
+
+    tok, model = load_tokenizer(tiny_model_dir), load_causal_lm(tiny_model_dir)
+    at, plus, minus = (tok.convert_tokens_to_ids(t) for t in "@+-")
+    rows = [{"input": "1 @\n2 @", "label": [0.25, 1.0]}, {"input": "3 @", "label": [0.5]}]
+    items = ProcessRewardDataset(rows, tok, 48, placeholder="@", placeholder_id=at, reward_tokens=["+", "-"],
+                                 token_id=tok.convert_tokens_to_ids).items
+    obj = PRMObjective(tok.pad_token_id, False, at, [plus, minus], soft=True)
+    batch = obj.collate(items)
+    assert batch["step_labels"].dtype == torch.float32 and batch["step_labels"].tolist() == [0.25, 1.0, 0.5]
+    with torch.no_grad():
+        loss, stats = obj.loss(model, batch, num_units=3)
+        want = []
+        for it in items:
+            logits = model(input_ids=torch.tensor([it["input_ids"]])).logits[0]
+            rows_at = [i for i, t in enumerate(it["input_ids"]) if t == at]
+            for pos, p in zip(rows_at, it["step_labels"]):
+                log_s = torch.log_softmax(logits[pos, [plus, minus]].float(), -1)
+                want.append(float(-(p * log_s[0] + (1 - p) * log_s[1])))
+    assert float(loss) == pytest.approx(sum(want) / 3, rel=1e-5) and stats["acc_count"] == 3
+
+
 # ---- real runs ------------------------------------------------------------------------------------------
 def heldout_accuracy(model_dir, data_dir) -> float:
     from posttrain.data.readers import read_file
