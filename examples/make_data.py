@@ -1,7 +1,8 @@
 """Write the example datasets in examples/data/ (committed; re-running rewrites the same bytes).
 
 The rows come from the demo's generators (posttrain.data.synthetic, synthetic_vision): two-digit
-addition, whose answers posttrain/rewards/examples/arithmetic_reward.py grades, and the colour task.
+addition, whose answers posttrain/rewards/examples/arithmetic_reward.py grades, the colour task, and
+step-labelled addition chains for `posttrain prm` (placeholder "@", labels "+" / "-").
 The SFT demonstrations come from the demo's sloppy demonstrator: exact sums, most of them followed by a
 rounded estimate ("88, roughly 90"), whose last number the grader reads; SFT learns the sums and the
 habit, and RL with the exact-match reward (or DPO on the pairs) removes the habit.
@@ -14,7 +15,7 @@ import random
 import shutil
 from pathlib import Path
 
-from posttrain.data.synthetic import make_arithmetic_rows, make_preference_rows, write_jsonl
+from posttrain.data.synthetic import make_arithmetic_rows, make_preference_rows, make_prm_rows, write_jsonl
 from posttrain.data.synthetic_vision import COLOURS, colour_rows
 
 OUT = Path(__file__).resolve().parent / "data"
@@ -65,6 +66,10 @@ def main(out: Path = OUT) -> None:
     write_jsonl(list(held_demos.values()), out / "heldout" / "sft.jsonl")
     write_jsonl([{"prompt": r["prompt"], "answer": r["answer"]} for r in arith_test],
                 out / "heldout" / "prompts.jsonl")
+    prm = make_prm_rows(N_TRAIN + N_HELD, seed=SEED)  # a chain's text is unique enough: held out by text
+    held_chains = {r["input"] for r in prm[N_TRAIN:]}
+    write_jsonl([r for r in prm[:N_TRAIN] if r["input"] not in held_chains], out / "prm.jsonl")
+    write_jsonl(prm[N_TRAIN:], out / "heldout" / "prm.jsonl")
     images = colour_rows(16, seed=SEED, folder=out / "images", prefix="shape-")
     rng = random.Random(SEED)  # a pair per image too: the right colour chosen over another one
     with open(out / "images.jsonl", "w") as f:

@@ -29,7 +29,8 @@ def user_errors(prog: str):
 
 TRAINERS = {"sft": "posttrain.trainers.sft:train_sft", "rm": "posttrain.trainers.rm:train_rm",
             "dpo": "posttrain.trainers.dpo:train_dpo", "ppo": "posttrain.trainers.rl.ppo:train_rl",
-            "kd": "posttrain.trainers.kd:train_kd", "kto": "posttrain.trainers.kto:train_kto"}
+            "kd": "posttrain.trainers.kd:train_kd", "kto": "posttrain.trainers.kto:train_kto",
+            "prm": "posttrain.trainers.prm:train_prm"}
 
 
 def run_trainer(trainer: str, argv: list[str] | None, prog: str) -> dict:

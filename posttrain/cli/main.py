@@ -11,6 +11,7 @@ COMMANDS = {
     "dpo": ("posttrain.cli.train_dpo", "direct preference optimisation (DPO / IPO / cDPO)"),
     "kd": ("posttrain.cli.train_kd", "knowledge distillation: SFT towards a frozen teacher's tokens"),
     "kto": ("posttrain.cli.train_kto", "KTO on unpaired rows (a completion labelled desirable or not)"),
+    "prm": ("posttrain.cli.train_prm", "process reward model: scores each step (step-labelled rows)"),
     "ppo": ("posttrain.cli.train_ppo_ray", "RL from a reward: PPO, REINFORCE++, RLOO, GRPO, Dr.GRPO"),
     "lora-merge": ("posttrain.cli.lora_combiner", "merge a LoRA adapter into a standalone HF model"),
     "ds-to-hf": ("posttrain.cli.ds_to_hf", "a DeepSpeed ZeRO checkpoint (OpenRLHF's, posttrain's) as a plain "
@@ -69,7 +70,7 @@ def _main(argv: list[str]) -> int:
         print(f"posttrain: error: unknown command '{name}'{hint}\n\n{usage()}", file=sys.stderr)
         raise SystemExit(2)
     module = importlib.import_module(COMMANDS[name][0])
-    if name in ("sft", "rm", "dpo", "kd", "kto", "ppo"):
+    if name in ("sft", "rm", "dpo", "kd", "kto", "prm", "ppo"):
         module.main(rest, prog=f"posttrain {name}")
     else:
         module.main(rest)

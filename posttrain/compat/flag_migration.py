@@ -206,6 +206,10 @@ _BATCH_INFERENCE, _RENAMED = "OpenRLHF 0.9's batch_inference flag", "renamed in 
 TRAIN_KD_RENAMED = {"--teacher_model": "--teacher.model_name_or_path",
                     "--teacher_offload": "--teacher.offload", "--kd_coef": "--model.kd_coef"}
 _TRAIN_KD = "OpenRLHF 0.9's train_kd flag"
+# OpenRLHF 0.9's train_prm (gone in 0.10.2): its own flags (--input_key / --label_key: RENAMED's)
+TRAIN_PRM_RENAMED = {"--placeholder_token": "--model.placeholder_token",
+                     "--reward_tokens": "--model.reward_tokens"}
+_TRAIN_PRM = "OpenRLHF 0.9's train_prm flag"
 
 # OpenRLHF's flat `--vllm_X` / `--ds_X` flags became `--vllm.X` / `--ds.X` (those not in RENAMED: the rule is
 # only a guess, taken when the dotted flag exists).
@@ -249,12 +253,14 @@ def _family(trainer: str) -> str:
 
 def renamed(old: str, trainer: str) -> tuple[str | None, str]:
     """(the flag(s) replacing OpenRLHF's old flag `old` for `trainer`, or None; where the old name is from:
-    "renamed in OpenRLHF 0.10.2", OpenRLHF 0.9's batch_inference or its train_kd)."""
+    "renamed in OpenRLHF 0.10.2", OpenRLHF 0.9's batch_inference, its train_kd or its train_prm)."""
     family = _family(trainer)
     if family == "infer" and old in BATCH_INFERENCE_RENAMED:
         return BATCH_INFERENCE_RENAMED[old], _BATCH_INFERENCE
     if old in TRAIN_KD_RENAMED:
         return TRAIN_KD_RENAMED[old], _TRAIN_KD
+    if old in TRAIN_PRM_RENAMED:
+        return TRAIN_PRM_RENAMED[old], _TRAIN_PRM
     new = RENAMED.get(old) or _by_section_prefix(old)
     if isinstance(new, dict):
         new = new["ppo" if family in ("ppo", "serve") else "single"]

@@ -17,7 +17,7 @@ from posttrain.utils.extras import installed
 
 Condition = Callable[[Any, Any, str], "bool | str"]
 PPO = ("ppo",)
-SINGLE_MODEL = ("sft", "rm", "dpo", "kd", "kto")
+SINGLE_MODEL = ("sft", "rm", "dpo", "kd", "kto", "prm")
 
 
 class Inert(NamedTuple):

@@ -167,6 +167,29 @@ class KTOModelConfig(ModelConfig):
                          choices=KTO_LOSS_TYPES)
 
 
+def _reward_tokens_problem(tokens: list[str] | None) -> bool | str:
+    """--model.reward_tokens: at least two distinct tokens (the good one first)."""
+    if tokens is None:
+        return True
+    if len(tokens) < 2:
+        return "needs at least two tokens, the good one first (e.g. + -); leave it out to train on the " \
+               "whole vocabulary"
+    return len(set(tokens)) == len(tokens) or "names a token twice"
+
+
+@dataclass
+class PRMModelConfig(ModelConfig):
+    """The process reward model: a causal LM whose next-token logits at each step's placeholder, over the
+    reward tokens, score the step (docs/prm.md)."""
+
+    placeholder_token: str | None = opt(
+        None, "the token that ends each step in the text (one token of the tokenizer; Math-Shepherd: ки)",
+        required="the step placeholder token")
+    reward_tokens: list[str] | None = opt(
+        None, "the label tokens, the good one first (e.g. + -); none: the whole vocabulary (hard labels "
+        "only)", nargs="+", check=_reward_tokens_problem)
+
+
 @dataclass
 class DPORefConfig:
     """The frozen reference model (DPO, KTO)."""

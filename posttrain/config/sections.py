@@ -261,6 +261,10 @@ class RolloutConfig:
 
 
 # --------------------------------------------------------------------------- data
+PRM_RAW_TEXT = Inert("posttrain prm tokenises each row's text as it is, as OpenRLHF's train_prm (put the "
+                     "prompt's format in the data)", None, ("prm",))
+
+
 @dataclass
 class DataConfig:
     """Dataset loading and tokenisation."""
@@ -269,9 +273,10 @@ class DataConfig:
     max_samples: int = opt(1000000, "max training samples", gt=0, on_resume="adjustable")
     input_template: str | None = opt(
         None, "plain-text prompt template containing {} (without a chat template)",
-        check=lambda v: "{}" in v, message="must contain {} where the prompt goes",
+        check=lambda v: "{}" in v, message="must contain {} where the prompt goes", inert=PRM_RAW_TEXT,
     )
-    apply_chat_template: bool = opt(False, "format prompts with the tokenizer's chat template")
+    apply_chat_template: bool = opt(False, "format prompts with the tokenizer's chat template",
+                                    inert=PRM_RAW_TEXT)
     tokenizer_chat_template: str | None = opt(None, "override the tokenizer's chat template")
     disable_fast_tokenizer: bool = opt(False, "load the slow (Python) tokenizer")
     max_dropped_frac: float = opt(
@@ -356,6 +361,20 @@ class UnpairedDataConfig(DatasetDataConfig):
         None, "JSON key of the completion (default: TRL's 'completion'; without it and with "
         "--data.apply_chat_template the prompt key holds the conversation ending in the reply)")
     label_key: str = opt("label", "JSON key of the label: true (desirable) or false (undesirable)")
+
+
+@dataclass
+class PRMDataConfig(DatasetDataConfig):
+    """Dataset loading and tokenisation (step-labelled rows; posttrain prm): OpenRLHF's text with a
+    placeholder after each step and its labels, or TRL's stepwise supervision (prompt, completions,
+    labels)."""
+
+    input_key: str | None = opt(None, "JSON key of the text with a placeholder after each step (default: "
+                                "'input'; a row without it that has 'completions' is TRL's stepwise layout)")
+    label_key: str | None = opt(None, "JSON key of the step labels: label tokens, or probabilities of the "
+                                "good one (default: 'label'; TRL's layout: 'labels', true or false)")
+    step_separator: str = opt("\n", "text between steps when TRL's layout renders its completions (TRL's "
+                              "default); written to prm.json for RL", extension=True)
 
 
 @dataclass

@@ -14,7 +14,7 @@ def data_parallel_size(cfg: TrainerConfig, world_size: int) -> int:
     """The ranks that take different samples: the world size, divided by the ranks a model copy spans
     (`DSConfig.model_ranks`; sft, rm, dpo: a tensor- or context-parallel group takes the same samples) when
     that divides it."""
-    single_model = cfg.trainer in ("sft", "rm", "dpo", "kd", "kto")
+    single_model = cfg.trainer in ("sft", "rm", "dpo", "kd", "kto", "prm")
     ws = max(int(world_size), 1)
     same = cfg.ds.model_ranks if single_model else 1
     return ws // same if ws % same == 0 else ws

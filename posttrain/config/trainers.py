@@ -21,6 +21,7 @@ from posttrain.config.roles import (
     KDModelConfig,
     KDTeacherConfig,
     KTOModelConfig,
+    PRMModelConfig,
     RefConfig,
     RewardConfig,
     RMModelConfig,
@@ -41,6 +42,7 @@ from posttrain.config.sections import (
     PPOEvalConfig,
     PPOTrainConfig,
     PreferenceDataConfig,
+    PRMDataConfig,
     RolloutConfig,
     ScoreDSConfig,
     SFTDataConfig,
@@ -52,7 +54,7 @@ from posttrain.config.sections import (
 from posttrain.config.serving import ServeRMConfig
 from posttrain.config.spec import ParsedFields, carried, opt, section
 
-TRAINERS = ("sft", "rm", "dpo", "ppo", "kd", "kto")
+TRAINERS = ("sft", "rm", "dpo", "ppo", "kd", "kto", "prm")
 
 
 def _logger(trainer: str):
@@ -153,6 +155,21 @@ class KTOConfig(OptimizerFields, LauncherFields):
 
 
 @dataclass
+class PRMConfig(OptimizerFields, LauncherFields):
+    """posttrain prm: a process reward model on step-labelled rows (OpenRLHF 0.9's train_prm)."""
+
+    trainer: ClassVar[str] = "prm"
+    adam: AdamConfig = section(AdamConfig, lr=1e-6)
+    model: PRMModelConfig = section(PRMModelConfig)
+    ds: DSConfig = section(DSConfig)
+    data: PRMDataConfig = section(PRMDataConfig, max_len=2048)
+    train: TrainConfig = section(TrainConfig, micro_batch_size=1, max_epochs=1)
+    eval: EvalConfig = section(EvalConfig, on_resume="volatile", split="test")
+    ckpt: CkptConfig = _ckpt(CkptConfig, "prm")
+    logger: LoggerConfig = _logger("prm")
+
+
+@dataclass
 class PPOConfig(LauncherFields):
     """posttrain ppo: RL from human or verifiable feedback (PPO, REINFORCE++, RLOO, GRPO, ...)."""
 
@@ -180,13 +197,13 @@ class PPOConfig(LauncherFields):
 
 # the configs a function may be passed, for its annotations
 # the single-model trainers (trainers/session.py)
-SingleModelConfig = SFTConfig | RMConfig | DPOConfig | KDConfig | KTOConfig
+SingleModelConfig = SFTConfig | RMConfig | DPOConfig | KDConfig | KTOConfig | PRMConfig
 TrainerConfig = SingleModelConfig | PPOConfig  # any trainer's
 # any command's the dotted-flag parser reads (COMMAND_CONFIGS)
 CommandConfig = TrainerConfig | ServeRMConfig | ChatConfig | GenerateConfig | EvalCmdConfig
 
 CONFIG_CLASSES: dict[str, type] = {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig, "ppo": PPOConfig,
-                                   "kd": KDConfig, "kto": KTOConfig}
+                                   "kd": KDConfig, "kto": KTOConfig, "prm": PRMConfig}
 # every command whose flags the dotted-flag parser reads: the trainers, the reward server, chat/generate/eval
 COMMAND_CONFIGS: dict[str, type] = {**CONFIG_CLASSES, "serve-rm": ServeRMConfig, **INFERENCE_CONFIGS}
 

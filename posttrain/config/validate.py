@@ -31,6 +31,7 @@ from posttrain.config.trainers import (
     DPOConfig,
     KTOConfig,
     PPOConfig,
+    PRMConfig,
     RMConfig,
     TrainerConfig,
 )
@@ -93,6 +94,8 @@ def validate(cfg: CommandConfig, world_size: int = 1, device: Any = None) -> lis
         _rm(cfg, r)
     if cfg.trainer == "kto":
         _kto(cfg, r)
+    if cfg.trainer == "prm":
+        _prm(cfg, r)
     _optional_parts(cfg, r, world_size)
     if r.problems:
         raise ConfigError.collect(r.problems)
@@ -264,6 +267,17 @@ def _kto(cfg: KTOConfig, r: RuleReport) -> None:
         r.bad("train.batch_size", cfg.train.batch_size,
               "KTO estimates its KL term from each row's prompt with another row's completion of the same "
               "step, so a step needs at least 2 rows; raise it, or use --model.loss_type apo_zero_unpaired")
+
+
+def _prm(cfg: PRMConfig, r: RuleReport) -> None:
+    """The placeholder is not a label token; each row's placeholders are read whole (no ring attention)."""
+    m = cfg.model
+    if m.placeholder_token and m.placeholder_token in (m.reward_tokens or ()):
+        r.bad("model.placeholder_token", m.placeholder_token, "is one of --model.reward_tokens; the token "
+              "that ends a step must differ from the label tokens that follow it")
+    if cfg.ds.ring_attn_size > 1:
+        r.bad("ds.ring_attn_size", cfg.ds.ring_attn_size, "posttrain prm reads the logits at every "
+              "placeholder of a row, which ring attention splits over ranks; leave it at 1")
 
 
 def _rm(cfg: RMConfig, r: RuleReport) -> None:

@@ -109,6 +109,34 @@ def make_preference_rows(n: int, seed: int = 0, difficulty: int = 0,
     return rows
 
 
+def make_prm_rows(n: int, seed: int = 0, error_rate: float = 0.5, placeholder: str = "@",
+                  reward_tokens: tuple[str, str] = ("+", "-")) -> list[dict]:
+    """``n`` step-labelled addition chains for a process reward model (OpenRLHF / Math-Shepherd layout), a
+    pure function of the arguments: ``input`` "Q: 3+4+5?\n3+4=7 @\n7+5=12 @" (each step ends with
+    `placeholder`), ``label`` one reward token per step. 2-4 single-digit terms; with probability
+    `error_rate` a chain has one wrong sum (off by 1-3) at a random step, which later steps carry on from.
+    As Math-Shepherd labels a step by whether the right answer is still reachable, the wrong step and every
+    step after it get the bad token (``reward_tokens[1]``), the others the good one."""
+    if not 0.0 <= error_rate <= 1.0:
+        raise DataError(f"error_rate: must be a probability in [0, 1], got {error_rate!r}.")
+    rng = random.Random(f"prm-{seed}")
+    good, bad = reward_tokens
+    rows = []
+    for _ in range(n):
+        terms = [rng.randint(1, 9) for _ in range(rng.randint(3, 5))]
+        wrong_at = rng.randrange(len(terms) - 1) if rng.random() < error_rate else None
+        total, steps, labels = terms[0], [], []
+        for k, term in enumerate(terms[1:]):
+            result = total + term
+            if k == wrong_at:
+                result += rng.choice((-3, -2, -1, 1, 2, 3))
+            steps.append(f"{total}+{term}={result} {placeholder}")
+            labels.append(bad if wrong_at is not None and k >= wrong_at else good)
+            total = result
+        rows.append({"input": f"Q: {'+'.join(map(str, terms))}?\n" + "\n".join(steps), "label": labels})
+    return rows
+
+
 def write_jsonl(rows: Iterable[dict], path: str) -> str:
     """Write rows as JSON lines (dropping the loader's ``__source__``/``__row__``); returns ``path``."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

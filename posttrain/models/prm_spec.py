@@ -22,11 +22,13 @@ class PRMSpec:
     def token_ids(self, tokenizer) -> tuple[int, list[int]]:
         """(placeholder id, reward-token ids) in `tokenizer`; each must be exactly one token, else a
         UserError naming the token and the pieces it encodes to."""
-        return (_one_token(tokenizer, self.placeholder_token, "placeholder token"),
-                [_one_token(tokenizer, t, "reward token") for t in self.reward_tokens])
+        return (one_token_id(tokenizer, self.placeholder_token, "placeholder token"),
+                [one_token_id(tokenizer, t, "reward token") for t in self.reward_tokens])
 
 
-def _one_token(tokenizer, token: str, what: str) -> int:
+def one_token_id(tokenizer, token: str, what: str) -> int:
+    """The id of `token` in `tokenizer` (`what` names it in the error: a UserError when it is not one
+    token)."""
     ids = tokenizer.encode(token, add_special_tokens=False)
     if len(ids) != 1:
         pieces = [tokenizer.decode([i]) for i in ids]

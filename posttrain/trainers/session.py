@@ -196,6 +196,8 @@ class SingleModelRun:
         self.head_prefix = head_prefix
         # optional: state dict -> state dict applied to every HF export (e.g. RM head renaming)
         self.export_state = None
+        # optional: folder -> None, writes files beside every HF export (e.g. a PRM's prm.json)
+        self.export_extras = None
 
     def close(self) -> None:
         """Release the run directory (idempotent); `fit` does it when it ends."""
@@ -316,6 +318,8 @@ class SingleModelRun:
                 state = self.export_state(state if state is not None else engine.module.state_dict())
             savers = export_savers(self.tokenizer, self.processor)
             save_pretrained(engine.module, savers, out_dir, state_dict=state)
+            if self.export_extras is not None:
+                self.export_extras(out_dir)
         engine.barrier()
 
 

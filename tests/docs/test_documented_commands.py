@@ -25,20 +25,20 @@ from pathlib import Path
 import pytest
 from doc_commands import ROOT, Command, WriteFile, pages, steps
 
-TRAINERS = ("sft", "rm", "dpo", "kd", "kto", "ppo", "serve-rm")
+TRAINERS = ("sft", "rm", "dpo", "kd", "kto", "prm", "ppo", "serve-rm")
 PPO_SHORT = ["--train.max_steps", "1", "--rollout.max_new_tokens", "4"]  # one rollout step, short samples
 
 
 def shorten(argv: list[str]) -> list[str]:
     """The flags that make a documented run short without changing its batch sizes: one optimizer step of
-    the command's own `--train.batch_size` (SFT, RM, DPO, KD, KTO: as many rows, one epoch), one rollout step
-    (PPO), the demo's small variant (`--quick`, what `make demo-quick` runs). A command that sets
-    `--data.max_samples` is short already."""
+    the command's own `--train.batch_size` (SFT, RM, DPO, KD, KTO, PRM: as many rows, one epoch), one
+    rollout step (PPO), the demo's small variant (`--quick`, what `make demo-quick` runs). A command that
+    sets `--data.max_samples` is short already."""
     if argv[0] == "demo":
         return ["--quick"]
     if argv[0] == "ppo":
         return PPO_SHORT
-    if argv[0] not in ("sft", "rm", "dpo", "kd", "kto") or "--data.max_samples" in argv:
+    if argv[0] not in ("sft", "rm", "dpo", "kd", "kto", "prm") or "--data.max_samples" in argv:
         return []
     from posttrain.config.parser import parse_config
 

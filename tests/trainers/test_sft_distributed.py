@@ -16,6 +16,7 @@ from sft_helpers import (
     sft_flags,
     torchrun_cases,
 )
+from test_prm import prm_dir, prm_flags  # noqa: F401  (the fixture: step-labelled rows)
 
 from posttrain.utils.metrics import read_metrics
 
@@ -53,14 +54,18 @@ RING_COMMON = ["--train.micro_batch_size", "4", "--data.max_samples", "32", "--d
 # `posttrain kd` (SFT's loop with a frozen teacher): ZeRO-3 shards of the student and of the teacher
 KD_COMMON = ["--train.micro_batch_size", "2", "--data.max_samples", "32", "--adam.eps", ADAM_EPS,
              "--model.kd_loss", "jsd", "--model.kd_coef", "0.7"]
+# `posttrain prm`: packed rows, 2 micro-batches per rank under ZeRO-3 against one padded micro-batch per step
+PRM_COMMON = ["--data.max_samples", "32", "--train.batch_size", "8", "--adam.eps", ADAM_EPS,
+              "--adam.lr", "1e-3"]
 MOE_COMMON = ["--train.micro_batch_size", "4", "--data.max_samples", "32", "--model.aux_loss_coef", "0.5",
               "--adam.eps", ADAM_EPS]
 
 
 @pytest.fixture(scope="module")
-def torchrun_runs(tiny_model_dir, tiny_moe_dir, tiny_teacher_dir, arithmetic_dir, tmp_path_factory):
+def torchrun_runs(tiny_model_dir, tiny_moe_dir, tiny_teacher_dir, arithmetic_dir, prm_dir,  # noqa: F811
+                  tmp_path_factory):
     """This module's 2-rank torchrun runs (ZERO_CASES' torchrun ones, RING_CASES, the MoE run, the ZeRO-3 KD
-    run), in one launch (`torchrun_cases`): case -> (run folder, its `CaseRun`)."""
+    run, the packed ZeRO-3 PRM run), in one launch (`torchrun_cases`): case -> (run folder, its `CaseRun`)."""
     root = tmp_path_factory.mktemp("torchrun")
     flags = {}
     for launcher, stage, extra in ZERO_CASES:
@@ -74,9 +79,13 @@ def torchrun_runs(tiny_model_dir, tiny_moe_dir, tiny_teacher_dir, arithmetic_dir
                    *KD_COMMON)
     outs = {case: root / f"run{i}" for i, case in enumerate(flags)}
     module = {"kd": "posttrain.cli.train_kd"}
-    runs = torchrun_cases([(module.get(case, "posttrain.cli.train_sft"),
-                            sft_flags(model, arithmetic_dir, outs[case], *more))
-                           for case, (model, *more) in flags.items()], root / "logs")
+    cases = [(module.get(case, "posttrain.cli.train_sft"),
+              sft_flags(model, arithmetic_dir, outs[case], *more)) for case, (model, *more) in flags.items()]
+    outs["prm"] = root / "prm"
+    cases.append(("posttrain.cli.train_prm", prm_flags(tiny_model_dir, prm_dir, outs["prm"], *PRM_COMMON,
+                                                       "--ds.zero_stage", 3, "--ds.packing_samples",
+                                                       "--train.micro_batch_size", 2)))
+    runs = torchrun_cases(cases, root / "logs")
     return dict(zip(outs, zip(outs.values(), runs)))
 
 
@@ -162,3 +171,25 @@ def test_kd_on_two_ranks_zero3_matches_single_process(tiny_model_dir, tiny_teach
     assert len(kd) == 4 and min(kd) > 1e-3  # jsd(0.5) of two random nano models: about 0.013
     assert_same_grad_norms(single, multi)
     assert_weights_within_rounding(single, multi)  # the ranks' all-reduce sums in another order
+
+
+def test_prm_on_two_ranks_zero3_packed_matches_single_process(tiny_model_dir, prm_dir, tmp_path,  # noqa: F811
+                                                              torchrun_runs):
+    """`posttrain prm` on 2 ranks under ZeRO-3 with packed rows and 2 micro-batches per rank gives the losses,
+    step accuracies, gradient norms and weights of one process with one padded micro-batch per step: the loss
+    is divided by the labelled steps of the whole optimizer step."""
+    from posttrain.cli import train_prm
+
+    single = tmp_path / "single"
+    train_prm.main(prm_flags(tiny_model_dir, prm_dir, single, *PRM_COMMON, "--train.micro_batch_size", 8))
+    multi, proc = torchrun_runs["prm"]
+    proc.ok()
+    assert "world_size = 2" in proc.stderr
+    assert_loaded_as_shards(proc.stderr, "model")
+    runs = [[r for r in read_metrics(d / "metrics.jsonl") if "train/loss" in r] for d in (single, multi)]
+    assert [r["train/micro_batches"] for r in runs[1]] == [2, 2, 2, 2]
+    for key in ("train/loss", "train/acc"):
+        assert [r[key] for r in runs[1]] == pytest.approx([r[key] for r in runs[0]], abs=1e-5), key
+    assert (multi / "prm.json").read_text() == (single / "prm.json").read_text()
+    assert_same_grad_norms(single, multi)
+    assert_weights_within_rounding(single, multi)

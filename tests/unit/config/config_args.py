@@ -7,6 +7,7 @@ BASE = {
     "kd": ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl",
            "--teacher.model_name_or_path", "t"],
     "kto": ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl"],
+    "prm": ["--model.model_name_or_path", "m", "--data.dataset", "d.jsonl", "--model.placeholder_token", "@"],
     "ppo": [
         "--actor.model_name_or_path",
         "m",

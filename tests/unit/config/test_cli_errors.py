@@ -181,7 +181,7 @@ def test_value_forms():
 
 
 def test_unknown_trainer():
-    with pytest.raises(ConfigError, match="unknown trainer 'nope'; valid: sft, rm, dpo, ppo, kd, kto"):
+    with pytest.raises(ConfigError, match="unknown trainer 'nope'; valid: sft, rm, dpo, ppo, kd, kto, prm"):
         parse_config("nope", [])
 
 

@@ -122,6 +122,14 @@ ACTING: dict[str, frozenset[str]] = {
         "data: input_key output_key label_key",
         "ds: ring_attn_size ring_attn_head_stride",
     ),
+    # trainers/prm.py: the text as it is (no template: data.input_template / apply_chat_template are inert)
+    "prm": (_SINGLE_MODEL - _paths("data: input_template apply_chat_template"))
+    | _paths(
+        "model: placeholder_token reward_tokens",
+        "data: input_key label_key step_separator",
+        # refused when set above 1 (config/validate.py: _prm)
+        "ds: ring_attn_size",
+    ),
     # trainers/rl/ppo.py and what it builds (roles, updates, collect, reward sources)
     "ppo": _SHARED
     | _optimizer("actor.")
@@ -198,6 +206,7 @@ REFUSED: dict[str, frozenset[str]] = {
     "dpo": frozenset(),
     "kd": frozenset(),
     "kto": frozenset(),
+    "prm": frozenset(),
     "ppo": frozenset(),
     "serve-rm": frozenset(),
     "chat": frozenset(),
