@@ -124,7 +124,7 @@ def normalize_step_scores(scores, groups, eps=1e-9):
     mean = torch.zeros_like(k).index_add_(0, index, s) / k
     centred = s - mean[index]
     var = torch.zeros_like(k).index_add_(0, index, centred * centred) / (k - 1).clamp(min=1)
-    return centred / (var.sqrt()[index] + eps)
+    return torch.where(k[index] >= 2, centred / (var.sqrt()[index] + eps), 0.0)
 
 
 def dynamic_filter(scores, low, high, valid=None):
