@@ -63,7 +63,8 @@ def reward_endpoints(value: str) -> list[str]:
     return parts
 
 
-RESERVED_TERM_NAMES = ("mean", "std", "skipped", "zero_std_group_frac", "model", "remote")
+RESERVED_TERM_NAMES = ("mean", "std", "skipped", "zero_std_group_frac", "model", "remote", "prm", "prm_steps",
+                       "prm_dropped_steps")
 
 
 def reward_func_spec(value: str) -> tuple[str, str, str]:

@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 import torch
+from rl_runs import ppo_flags
 
 from tests.cli.test_cli_input_errors import in_process, one_error_line, ppo_argv
-from tests.trainers.rl.rl_runs import ppo_flags
 
 
 class FakePRM:
@@ -33,11 +33,11 @@ def make(estimator, skipped=(False,) * 4):
     from posttrain.trainers.rl.batch_forward import Batching
     from posttrain.trainers.rl.experience_maker import ExperienceMaker
 
-    cfg = parse_config("ppo", ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "p.jsonl",
-                               "--reward.prm", "--reward.model_name_or_path", "prm", "--reward.model_weight", "2",
-                               "--algo.advantage.estimator", estimator, "--rollout.n_samples_per_prompt", "2",
-                               "--rollout.batch_size", "2", "--train.batch_size", "4", "--algo.kl.init_coef", "0"],
-                       device="cpu")
+    cfg = parse_config("ppo", [
+        "--actor.model_name_or_path", "m", "--data.prompt_dataset", "p.jsonl", "--reward.prm",
+        "--reward.model_name_or_path", "prm", "--reward.model_weight", "2",
+        "--algo.advantage.estimator", estimator, "--rollout.n_samples_per_prompt", "2",
+        "--rollout.batch_size", "2", "--train.batch_size", "4", "--algo.kl.init_coef", "0"], device="cpu")
     outs = [[5, 6, 7, 8], [5, 6, 7], [5, 6], []]
     rolls = [Rollout([1, 2, 3] if i < 2 else [1, 2], o, [0.0] * len(o), "stop", "", "", group=i // 2)
              for i, o in enumerate(outs)]
@@ -47,10 +47,10 @@ def make(estimator, skipped=(False,) * 4):
 
 
 def test_step_scores_become_normalised_token_rewards_on_each_steps_last_token():
-    """dr_grpo (group baseline of the zero sequence rewards, gamma 1, no whitening): each advantage is the sum
-    of the token rewards at and after it, 2 x (r - mean) / std over a prompt's steps (unbiased std): prompt 0's
-    steps 0.2 0.4 0.9 (std sqrt(0.13)), prompt 1's 0.5 0.7 (std sqrt(0.02)). Response token j of a sample with
-    a prompt of p tokens is action column p - 1 + j."""
+    """dr_grpo (group baseline of the zero sequence rewards, gamma 1, no whitening): each advantage is the
+    sum of the token rewards at and after it, 2 x (r - mean) / std over a prompt's steps (unbiased std):
+    prompt 0's steps 0.2 0.4 0.9 (std sqrt(0.13)), prompt 1's 0.5 0.7 (std sqrt(0.02)). Response token j of
+    a sample with a prompt of p tokens is action column p - 1 + j."""
     exp, metrics = make("dr_grpo")
     s0, s1 = math.sqrt(0.13), math.sqrt(0.02)
     a, b = 2 * -0.3 / s0, 2 * -0.1 / s0  # sample 0's steps, on columns 3 and 5
@@ -84,12 +84,11 @@ def test_a_ppo_run_with_a_prm_alone_trains_on_its_token_rewards(rl_setup, tiny_m
     (prm / "prm.json").write_text(json.dumps({"placeholder_token": "@", "reward_tokens": ["+", "-"],
                                               "step_separator": "\n"}))
     out = tmp_path / "run"
-    flags = ppo_flags(rl_setup, out, "--reward.prm", "--reward.model_name_or_path", prm,
-                      "--algo.advantage.estimator", "dr_grpo", "--train.max_steps", "1")
-    i = flags.index("--reward.remote_url")
     from posttrain.cli import train_ppo_ray
 
-    train_ppo_ray.main([str(f) for f in flags[:i] + flags[i + 2:]])
+    train_ppo_ray.main(ppo_flags(rl_setup, out, "--reward.prm", "--reward.model_name_or_path", prm,
+                                 "--algo.advantage.estimator", "dr_grpo", "--train.max_steps", "1",
+                                 reward=None))
     row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert 0 < row["reward/prm"] < 1 and row["reward/prm_steps"] >= 1
     assert row["reward/mean"] == 0 and abs(row["advantage/mean"]) > 1e-4
@@ -98,7 +97,8 @@ def test_a_ppo_run_with_a_prm_alone_trains_on_its_token_rewards(rl_setup, tiny_m
 @pytest.mark.parametrize("extra, needles", [
     (["--reward.prm", "--reward.func_path", "r.py"], ["--reward.prm", "needs --reward.model_name_or_path"]),
     (["--reward.prm", "--reward.remote_url", "http://localhost:1/r"], ["refused with --reward.remote_url"]),
-    (["--reward.prm", "--reward.model_name_or_path", "MODEL"], ["has no prm.json", "--reward.prm_placeholder"]),
+    (["--reward.prm", "--reward.model_name_or_path", "MODEL"],
+     ["has no prm.json", "--reward.prm_placeholder"]),
     (["--reward.prm", "--reward.model_name_or_path", "MODEL", "--reward.prm_placeholder_token", "ки"],
      ["placeholder token 'ки' is 2 tokens"]),
     (["--reward.prm", "--reward.model_name_or_path", "MODEL", "--reward.prm_placeholder_token", "@",

@@ -56,18 +56,26 @@ def _ppo(flags):
     return train_ppo_ray.main([str(f) for f in flags])
 
 
-def test_two_actor_ranks_two_engines_equal_one_process(run_ppo, ray_session):
+def test_two_actor_ranks_two_engines_equal_one_process(run_ppo, rl_setup, tiny_model_dir, ray_session):
     """GRPO-style (group baseline, no critic): 2 actor ranks (ZeRO-2) and 2 rollout engines give the
     in-process run's samples and, after 3 steps of 2 optimizer steps each, its weights. The missing-EOS
-    penalty reads the EOS ids of the engines in their Ray workers: the same rewards as in one process."""
+    penalty reads the EOS ids of the engines in their Ray workers: the same rewards as in one process. A
+    process reward model (the nano LM, --reward.prm) beside the reward function scores each step in the reward
+    group's worker on Ray, in the controller in one process: the same step scores, so the same weights."""
     common = ("--train.num_episodes", "1", "--data.max_samples", "24", "--train.batch_size", "16",
               "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8",
               "--algo.advantage.estimator", "group_norm", "--reward.missing_eos_penalty", "0.5",
-              "--actor.adam.eps", ADAM_EPS)
-    local, _ = run_ppo(*common, name="local")
+              "--actor.adam.eps", ADAM_EPS, "--reward.func_path", rl_setup[2] / "starts_with_1.py",
+              "--reward.prm", "--reward.model_name_or_path", tiny_model_dir,
+              "--reward.prm_placeholder_token", "@")
+    local, _ = run_ppo(*common, name="local", reward=None)
     ray_run, _ = run_ppo(*common, "--actor.num_gpus_per_node", "2", "--vllm.num_engines", "2",
-                         "--ds.zero_stage", "2", *HF, name="ray")
+                         "--ds.zero_stage", "2", *HF, name="ray", reward=None)
     assert rewards_by_step(ray_run) == pytest.approx(rewards_by_step(local), abs=1e-6)  # same samples
+    prm = [[r[k] for r in read_metrics(run / "metrics.jsonl") if "reward/prm" in r]
+           for run in (local, ray_run) for k in ("reward/prm", "reward/prm_steps")]
+    assert prm[2] == pytest.approx(prm[0], abs=1e-6) and prm[3] == prm[1] and len(prm[0]) == 3
+    assert all(0 < s < 1 for s in prm[0])
     # float rounding only: the gradients are summed in another order (two ranks' all-reduce)
     assert_same_actor_weights(local, ray_run, read_metrics(local / "metrics.jsonl"))
     rows = read_metrics(ray_run / "metrics.jsonl")
