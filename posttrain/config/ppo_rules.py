@@ -110,6 +110,9 @@ def _process_reward_model(cfg: PPOConfig, r: RuleReport) -> None:
               "--reward.model_name_or_path")
     elif not rw.model_name_or_path:
         r.bad("reward.prm", True, "needs --reward.model_name_or_path (the process reward model's folder)")
+    if rw.normalize_enable:
+        r.bad("reward.normalize_enable", True, "normalises a scalar reward model's scores with the mean/std "
+              "in its config; a PRM's step scores are probabilities (--reward.prm): drop the flag")
     if t.agent_func_path or t.tool_path:
         flag = "--train.agent_func_path" if t.agent_func_path else "--train.tool_path"
         r.bad("reward.prm", True, f"scores the steps of single-turn responses; refused with {flag} (an "

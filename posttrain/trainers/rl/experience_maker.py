@@ -112,7 +112,6 @@ class ExperienceMaker:
         coef = self.cfg.algo.teacher_coef
         return teacher_token_rewards(exp.old_logp, teacher_logp, mask, 1.0 if coef is None else coef)
 
-
     def _prm_term(self, scored, exp: Experience, metrics: dict) -> torch.Tensor | None:
         """Process rewards: each scored step's score on the action column of its last token (`StepRewards`),
         x --reward.model_weight, 0 elsewhere ``[B, T-1]``; under a group estimator the scores are first

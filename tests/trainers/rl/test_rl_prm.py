@@ -105,6 +105,10 @@ def test_a_ppo_run_with_a_prm_alone_trains_on_its_token_rewards(rl_setup, tiny_m
       "--reward.prm_reward_tokens", "+", "ки"], ["reward token 'ки' is 2 tokens"]),
     (["--reward.prm", "--reward.model_name_or_path", "MODEL", "--reward.prm_reward_tokens", "+"],
      ["--reward.prm_reward_tokens", "at least two tokens"]),
+    (["--reward.prm", "--reward.model_name_or_path", "MODEL", "--reward.normalize_enable"],
+     ["--reward.normalize_enable", "probabilities"]),
+    (["--reward.prm", "--reward.model_name_or_path", "MODEL", "--algo.dynamic_filtering_enable"],
+     ["--algo.dynamic_filtering_enable", "a PRM alone"]),
 ])
 def test_prm_flag_mistakes_end_in_one_line(capfd, tiny_model_dir, tmp_path, extra, needles):
     extra = [tiny_model_dir if e == "MODEL" else e for e in extra]

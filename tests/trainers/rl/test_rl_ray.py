@@ -56,26 +56,18 @@ def _ppo(flags):
     return train_ppo_ray.main([str(f) for f in flags])
 
 
-def test_two_actor_ranks_two_engines_equal_one_process(run_ppo, rl_setup, tiny_model_dir, ray_session):
+def test_two_actor_ranks_two_engines_equal_one_process(run_ppo, ray_session):
     """GRPO-style (group baseline, no critic): 2 actor ranks (ZeRO-2) and 2 rollout engines give the
     in-process run's samples and, after 3 steps of 2 optimizer steps each, its weights. The missing-EOS
-    penalty reads the EOS ids of the engines in their Ray workers: the same rewards as in one process. A
-    process reward model (the nano LM, --reward.prm) beside the reward function scores each step in the reward
-    group's worker on Ray, in the controller in one process: the same step scores, so the same weights."""
+    penalty reads the EOS ids of the engines in their Ray workers: the same rewards as in one process."""
     common = ("--train.num_episodes", "1", "--data.max_samples", "24", "--train.batch_size", "16",
               "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8",
               "--algo.advantage.estimator", "group_norm", "--reward.missing_eos_penalty", "0.5",
-              "--actor.adam.eps", ADAM_EPS, "--reward.func_path", rl_setup[2] / "starts_with_1.py",
-              "--reward.prm", "--reward.model_name_or_path", tiny_model_dir,
-              "--reward.prm_placeholder_token", "@")
-    local, _ = run_ppo(*common, name="local", reward=None)
+              "--actor.adam.eps", ADAM_EPS)
+    local, _ = run_ppo(*common, name="local")
     ray_run, _ = run_ppo(*common, "--actor.num_gpus_per_node", "2", "--vllm.num_engines", "2",
-                         "--ds.zero_stage", "2", *HF, name="ray", reward=None)
+                         "--ds.zero_stage", "2", *HF, name="ray")
     assert rewards_by_step(ray_run) == pytest.approx(rewards_by_step(local), abs=1e-6)  # same samples
-    prm = [[r[k] for r in read_metrics(run / "metrics.jsonl") if "reward/prm" in r]
-           for run in (local, ray_run) for k in ("reward/prm", "reward/prm_steps")]
-    assert prm[2] == pytest.approx(prm[0], abs=1e-6) and prm[3] == prm[1] and len(prm[0]) == 3
-    assert all(0 < s < 1 for s in prm[0])
     # float rounding only: the gradients are summed in another order (two ranks' all-reduce)
     assert_same_actor_weights(local, ray_run, read_metrics(local / "metrics.jsonl"))
     rows = read_metrics(ray_run / "metrics.jsonl")
@@ -372,22 +364,23 @@ def test_openrlhf_reinforce_baseline_hybrid_script_runs(rl_setup, tmp_path, ray_
 
 
 @pytest.fixture(scope="module")
-def colocated_run(rl_setup, tiny_score_model_dir, tiny_model_dir, tmp_path_factory, ray_session):
+def colocated_run(rl_setup, tiny_model_dir, tmp_path_factory, ray_session):
     """(run dir, stderr, flags) of one step with both colocation modes on: the two modes place disjoint role
-    pairs (actor + ref, critic + reward) in groups of their own, so one run shows both. The reward model's
-    Ray group shares the batch with a --reward.func_path function (weights 1 and 2: a composite reward).
-    An on-policy distillation teacher (the untrained nano model) shares the actor's bundles with the
+    pairs (actor + ref, critic + reward) in groups of their own, so one run shows both. The reward group holds
+    a process reward model (--reward.prm: the untrained nano LM, weight 2) beside a --reward.func_path
+    function. An on-policy distillation teacher (the nano model too) shares the actor's bundles with the
     reference."""
     import contextlib
     import io
 
     out = tmp_path_factory.mktemp("colocated") / "run"
     flags = _without_reward_url(ppo_flags(rl_setup, out)) + [
-        "--reward.model_name_or_path", tiny_score_model_dir, "--reward.func_path", rl_setup[2] / "correct.py",
-        "--reward.model_weight", "2", "--algo.advantage.estimator", "gae",
-        "--algo.kl.init_coef", "0.01", "--vllm.num_engines", "1", *HF, "--train.colocate_actor_ref",
-        "--train.colocate_critic_reward", "--data.max_samples", "8", "--train.num_episodes", "1",
-        "--teacher.model_name_or_path", tiny_model_dir, "--algo.teacher_coef", "0.1"]
+        "--reward.prm", "--reward.model_name_or_path", tiny_model_dir, "--reward.prm_placeholder_token", "@",
+        "--reward.func_path", rl_setup[2] / "correct.py", "--reward.model_weight", "2",
+        "--algo.advantage.estimator", "gae", "--algo.kl.init_coef", "0.01", "--vllm.num_engines", "1", *HF,
+        "--train.colocate_actor_ref", "--train.colocate_critic_reward", "--data.max_samples", "8",
+        "--train.num_episodes", "1", "--teacher.model_name_or_path", tiny_model_dir,
+        "--algo.teacher_coef", "0.1"]
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), charts_not_drawn():
@@ -407,20 +400,21 @@ def test_colocation_modes_share_bundles(mode, colocated_run):
     assert len(rewards_by_step(out)) == 1
 
 
-def test_a_reward_model_group_on_ray_and_a_reward_function_are_summed(colocated_run):
-    """--reward.func_path beside a reward model placed on Ray: the functions run on the controller, the
-    model in its own group, and each sample's reward is their weighted sum."""
+def test_a_process_reward_model_group_on_ray_beside_a_reward_function(colocated_run):
+    """--reward.func_path beside a PRM placed on Ray: the function runs on the controller and gives each
+    sequence its reward, the PRM scores the steps in the reward group (its token rewards: advantages)."""
     out, err, _ = colocated_run
     assert "ray placement: reward: group critic_reward" in err
     row = read_metrics(out / "metrics.jsonl")[0]
-    assert row["reward/mean"] == pytest.approx(row["reward/correct"] + 2 * row["reward/model"], abs=1e-5)
-    assert row["reward/model"] != 0
+    assert row["reward/mean"] == pytest.approx(row["reward/correct"], abs=1e-6)
+    assert 0 < row["reward/prm"] < 1 and row["reward/prm_steps"] >= 1
 
 
-def test_a_teacher_on_ray_scores_as_in_one_process(colocated_run, tmp_path):
+def test_a_teacher_and_a_prm_on_ray_score_as_in_one_process(colocated_run, tmp_path):
     """On-policy distillation on Ray: the teacher's ranks share the actor's bundles with the reference
     (--train.colocate_actor_ref), and its reverse KL to the samples, which the HF engines draw as one process
-    does, is the one-process run's."""
+    does, is the one-process run's; so are the PRM's step scores (in the reward group's worker on Ray, in the
+    controller in one process) and the advantages both terms give."""
     out, err, flags = colocated_run
     assert "ray placement: teacher: group actor_ref bundle 0, 0.2 of each" in err
     ray_row = read_metrics(out / "metrics.jsonl")[0]
@@ -433,6 +427,8 @@ def test_a_teacher_on_ray_scores_as_in_one_process(colocated_run, tmp_path):
     row = read_metrics(local / "metrics.jsonl")[0]
     assert ray_row["teacher/reverse_kl"] > 0.1
     assert ray_row["teacher/reverse_kl"] == pytest.approx(row["teacher/reverse_kl"], abs=1e-5)
+    assert ray_row["reward/prm"] == pytest.approx(row["reward/prm"], abs=1e-6) and ray_row["reward/prm"] > 0
+    assert ray_row["reward/prm_steps"] == row["reward/prm_steps"]
     assert ray_row["advantage/mean"] == pytest.approx(row["advantage/mean"], abs=1e-5)
 
 
