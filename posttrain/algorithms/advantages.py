@@ -317,8 +317,9 @@ def compute_advantages(
     1. ``sequence_kl``: ``r ← r - kl_coef · Σ_t m_t kl_t`` (no per-token KL afterwards).
     2. ``group_baseline(r, n, estimator, valid=valid)`` (``valid``: samples that enter group statistics).
     3. ``token_rewards`` (clip after the baseline; per-token ``-kl_coef·kl`` unless sequence_kl; plus
-       ``token_extra[B, A]`` on every masked position, e.g. the on-policy distillation term: it is per
-       token whatever ``sequence_kl``, and no group baseline touches it).
+       ``token_extra[B, A]`` on every masked position, e.g. the on-policy distillation term or a process
+       reward model's step rewards: it is per token whatever ``sequence_kl``, unclipped, and no group
+       baseline touches it; with gamma 1 each position's return sums the extra rewards at and after it).
     4. gae → GAE with ``values``; others → discounted returns (advantages = returns). Group
        estimators force ``gamma = 1`` (warning once per estimator).
     5. Whitening (``std_norm=False``: centring only): default for gae/reinforce/reinforce_baseline;

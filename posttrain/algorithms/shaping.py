@@ -1,5 +1,5 @@
 """Reward shaping applied to scalar rewards before advantage estimation, the per-token on-policy
-distillation reward, and DAPO dynamic filtering."""
+distillation reward, the group normalisation of process-reward step scores, and DAPO dynamic filtering."""
 from __future__ import annotations
 
 import math
@@ -104,6 +104,27 @@ def teacher_token_rewards(logp, teacher_logp, mask, coef):
     check_shape("teacher_logp", teacher_logp, "mask", mask)
     coef = _finite("coef", coef, low=0.0)
     return torch.where(bool_mask(mask), -coef * (f32(logp) - f32(teacher_logp)), 0.0)
+
+
+def normalize_step_scores(scores, groups, eps=1e-9):
+    """DeepSeekMath §4.1.3 process supervision: each step score ``r`` becomes ``(r - mean) / (std + eps)``,
+    mean and **unbiased** std (``k - 1``; as ``group_norm``) over the ``k`` steps of its group (all the steps
+    of a prompt's n samples); a group of one step gets 0. ``scores`` ``[S]`` (any order), ``groups`` ``[S]``
+    int (the prompt of each step). ``[S]`` float32.
+    (scores [1, 2, 3, 5], groups [0, 0, 0, 1] → [-1, 0, 1, 0]: group 0 has mean 2, std 1.)"""
+    check_ndim("scores", scores, 1, "[S]")
+    check_shape("groups", groups, "scores", scores)
+    eps = _finite("eps", eps, low=0.0)
+    s = f32(scores)
+    if s.numel() == 0:
+        return s
+    _, index = torch.unique(groups, return_inverse=True)
+    size = int(index.max()) + 1
+    k = torch.zeros(size, dtype=s.dtype, device=s.device).index_add_(0, index, torch.ones_like(s))
+    mean = torch.zeros_like(k).index_add_(0, index, s) / k
+    centred = s - mean[index]
+    var = torch.zeros_like(k).index_add_(0, index, centred * centred) / (k - 1).clamp(min=1)
+    return torch.where(k[index] >= 2, centred / (var.sqrt()[index] + eps), 0.0)
 
 
 def dynamic_filter(scores, low, high, valid=None):

@@ -84,6 +84,7 @@ def _reward_source(cfg: PPOConfig, r: RuleReport) -> None:
         r.bad("algo.dynamic_filtering_enable", True, "filters groups by their task rewards, and this run's "
               "only reward is the teacher's per-token term (every score 0: every group would be dropped); "
               "drop the flag or add a reward source")
+    _process_reward_model(cfg, r)
     if cfg.algo.teacher_coef is not None and not cfg.teacher.model_name_or_path:
         r.bad("algo.teacher_coef", cfg.algo.teacher_coef, "weighs the on-policy distillation term, which "
               "needs a teacher: add --teacher.model_name_or_path (or drop the flag)")
@@ -93,6 +94,33 @@ def _reward_source(cfg: PPOConfig, r: RuleReport) -> None:
     elif t.tool_path and not cfg.data.apply_chat_template:
         r.bad("train.tool_path", t.tool_path, "needs --data.apply_chat_template (the prompts are rendered "
               "with the tools' schemas)")
+
+
+def _process_reward_model(cfg: PPOConfig, r: RuleReport) -> None:
+    """--reward.prm: the PRM is --reward.model_name_or_path (not a server: a server returns one number per
+    sequence), scores single-turn responses, and alone (without --reward.func_path) gives every sequence the
+    score 0, which dynamic filtering cannot filter on. (prm.json and the one-token checks need the model
+    folder and its tokenizer: `trainers.rl.build.check_prm`, before any model loads.)"""
+    rw, t = cfg.reward, cfg.train
+    if not rw.prm:
+        return
+    if rw.remote_url:
+        r.bad("reward.prm", True, f"refused with --reward.remote_url {format_value(rw.remote_url)}: a reward "
+              "server returns one score per sequence, a PRM scores each step; give the PRM as "
+              "--reward.model_name_or_path")
+    elif not rw.model_name_or_path:
+        r.bad("reward.prm", True, "needs --reward.model_name_or_path (the process reward model's folder)")
+    if rw.normalize_enable:
+        r.bad("reward.normalize_enable", True, "normalises a scalar reward model's scores with the mean/std "
+              "in its config; a PRM's step scores are probabilities (--reward.prm): drop the flag")
+    if t.agent_func_path or t.tool_path:
+        flag = "--train.agent_func_path" if t.agent_func_path else "--train.tool_path"
+        r.bad("reward.prm", True, f"scores the steps of single-turn responses; refused with {flag} (an "
+              "episode's environment tokens are no steps of the policy's)")
+    if not rw.func_path and cfg.algo.dynamic_filtering_enable:
+        r.bad("algo.dynamic_filtering_enable", True, "filters groups by their sequence rewards, and a PRM "
+              "alone gives every sequence 0 (its step scores are token rewards): add --reward.func_path or "
+              "drop the flag")
 
 
 def _reward_term_problems(func_path: list[str], func_weights: list[float] | None) -> list[str]:

@@ -63,7 +63,8 @@ def reward_endpoints(value: str) -> list[str]:
     return parts
 
 
-RESERVED_TERM_NAMES = ("mean", "std", "skipped", "zero_std_group_frac", "model", "remote")
+RESERVED_TERM_NAMES = ("mean", "std", "skipped", "zero_std_group_frac", "model", "remote", "prm", "prm_steps",
+                       "prm_dropped_steps")
 
 
 def reward_func_spec(value: str) -> tuple[str, str, str]:
@@ -348,11 +349,27 @@ class RewardConfig:
         extension=True,
         inert=needs("--reward.func_path", lambda c: c.reward.func_path))
     model_weight: float = opt(
-        1.0, "weight of the reward model's or server's term beside --reward.func_path", finite=True,
+        1.0, "weight of the reward model's or server's term beside --reward.func_path (of a PRM's token "
+        "rewards always)", finite=True,
         extension=True, inert=Inert("it weighs --reward.model_name_or_path / --reward.remote_url against "
                                     "--reward.func_path terms; this run has not both",
-                                    lambda v, c, dev: not (c.reward.func_path and (c.reward.model_name_or_path
-                                                                                   or c.reward.remote_url))))
+                                    lambda v, c, dev: not (c.reward.prm or c.reward.func_path and (
+                                        c.reward.model_name_or_path or c.reward.remote_url))))
+    prm: bool = opt(
+        False, "--reward.model_name_or_path is a process reward model (a causal LM, `posttrain prm`): it "
+        "scores each step of a response, and each step's score is a token reward on the step's last token",
+        extension=True)
+    prm_placeholder_token: str | None = opt(
+        None, "the PRM's step-end token (default: prm.json's placeholder_token in the model folder)",
+        extension=True, inert=needs("--reward.prm", lambda c: c.reward.prm))
+    prm_reward_tokens: list[str] | None = opt(
+        None, "the PRM's label tokens, the good one first (default: prm.json's reward_tokens)", nargs="+",
+        extension=True, check=lambda v: len(v) >= 2, message="needs at least two tokens (good first)",
+        inert=needs("--reward.prm", lambda c: c.reward.prm))
+    prm_step_separator: str | None = opt(
+        None, "the text between a response's steps (default: prm.json's step_separator, else a newline)",
+        extension=True, check=lambda v: v != "", message="must be non-empty",
+        inert=needs("--reward.prm", lambda c: c.reward.prm))
     num_nodes: int = opt(1, "Ray nodes for the reward model", ge=1, inert=NO_REWARD_MODEL,
                          on_resume="adjustable")
     num_gpus_per_node: int = opt(1, "GPUs per node for the reward model (OpenRLHF: 8)", ge=1,

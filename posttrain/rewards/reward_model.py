@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from posttrain.models.setup import ModelSetup
 
 
-def _right_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def right_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-id lists → right-padded (input_ids, attention_mask) [B, T]; every row needs a token."""
     if not rows or any(len(r) == 0 for r in rows):
         raise ValueError("every sequence needs at least one token to be scored by a reward model")
@@ -51,6 +51,8 @@ class RewardModelSource:
     model stays in CPU memory between forwards where there is an accelerator (a whole copy moves to it
     for each call; shards by DeepSpeed's offload_param); on a CPU there is nothing to offload to."""
 
+    model_role = "reward"  # `ModelSetup.build`'s role: a score model, frozen
+
     def __init__(self, path, *, setup: ModelSetup | None = None, normalize: bool = False,
                  batch_size: int = 16, max_len: int | None = None, tokenizer=None, device="cpu", ds=None,
                  zero_stage: int | None = None, offload: bool = False):
@@ -71,7 +73,7 @@ class RewardModelSource:
         self.engine = None  # the FrozenShards of a sharded model
         rank, world, _ = env_world()
         split = setup.ring > 1 and world > 1  # context parallelism over this process's ranks
-        built = setup.build(self.path, "reward", split_rows=split,
+        built = setup.build(self.path, self.model_role, split_rows=split,
                             sharding=sharded_loading(ds, zero_stage, offload_params=offload))
         model = built.model
         self.offload = offload and self.device.type != "cpu" and not built.sharded
@@ -113,25 +115,39 @@ class RewardModelSource:
         if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
             raise ValueError(f"sequences {tuple(input_ids.shape)} and attention_mask "
                              f"{tuple(attention_mask.shape)} must both be [B, T]")
-        out = []
-        starts = list(range(0, input_ids.shape[0], self.batch_size))
-        if self.engine is not None:  # as many forwards as the rank with the most batches (collective)
+
+        def forward(rows: slice | None):
+            if rows is None:  # a stand-in batch of one token, its score discarded
+                one = torch.ones((1, 1), dtype=torch.long, device=self.device)
+                return self._last_values(one * 0, one)
+            ids, mask = input_ids[rows].to(self.device), attention_mask[rows].to(self.device)
+            return self._last_values(ids, mask).cpu()
+
+        out = self.forward_batches(input_ids.shape[0], forward)
+        return torch.cat(out) if out else torch.zeros(0)
+
+    def forward_batches(self, n: int, forward) -> list:
+        """``[forward(rows) for rows in slices of batch_size of range(n)]`` under torch.no_grad, with the
+        model on its device (offload: moved there for the call); sharded: as many forwards as the rank
+        with the most batches (collective), ``forward(None)`` (a stand-in batch, its output discarded) for
+        each missing one."""
+        starts = list(range(0, n, self.batch_size))
+        if self.engine is not None:
             starts += [None] * (self.engine.max_across_ranks(len(starts)) - len(starts))
+        out = []
         if self.offload:
             self.model.to(self.device)
         try:
-            for i in starts:
-                if i is None:  # a stand-in batch of one token, its score discarded
-                    one = torch.ones((1, 1), dtype=torch.long, device=self.device)
-                    self._last_values(one * 0, one)
-                    continue
-                ids = input_ids[i:i + self.batch_size].to(self.device)
-                mask = attention_mask[i:i + self.batch_size].to(self.device)
-                out.append(self._last_values(ids, mask).cpu())
+            with torch.no_grad():
+                for i in starts:
+                    if i is None:
+                        forward(None)
+                        continue
+                    out.append(forward(slice(i, min(i + self.batch_size, n))))
         finally:
             if self.offload:
                 self.model.to("cpu")
-        return torch.cat(out) if out else torch.zeros(0)
+        return out
 
     def _last_values(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """[B] the head's value at each row's last real token; with a context-parallel group, of the rows
@@ -156,7 +172,7 @@ class RewardModelSource:
                     rows[i] = ids[:self.max_len]
                     if tok.eos_token_id is not None:
                         rows[i][-1] = tok.eos_token_id
-        ids, mask = _right_padded(rows, tok.pad_token_id)
+        ids, mask = right_padded(rows, tok.pad_token_id)
         return ids, mask, truncated
 
     def score(self, queries, prompts=None, labels=None, **kwargs) -> RewardResult:
@@ -189,7 +205,7 @@ class RewardModelSource:
         if not token_ids:
             none = torch.zeros((0, 1), dtype=torch.long)
             return RewardResult(self.values(none, none))
-        ids, mask = _right_padded(token_ids, 0)
+        ids, mask = right_padded(token_ids, 0)
         return RewardResult((self.values(ids, mask) - self.mean) / self.std)
 
     def check_vocabulary(self, tokenizer) -> None:

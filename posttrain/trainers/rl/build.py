@@ -7,6 +7,7 @@ critic; the critic's value head trains fully) are the same in every placement.""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -19,7 +20,8 @@ from posttrain.engines.zero3 import FrozenShards, sharded_loading
 from posttrain.models.setup import BuiltModel, ModelSetup
 from posttrain.rollout.engine_builder import build_rollout_engine
 from posttrain.trainers.rl.roles import Actor, Critic, Reference
-from posttrain.utils.errors import ConfigError
+from posttrain.utils.errors import ConfigError, UserError
+from posttrain.utils.log import info
 from posttrain.utils.seeding import set_seed
 
 _ROLE_SEEDS = {"actor": 0, "critic": 1, "ref": 2}
@@ -174,6 +176,8 @@ def build_reward_source(cfg: PPOConfig, tokenizer, device, zero_stage: int | Non
     as --ref.offload does."""
     from posttrain.rewards import make_reward_source
 
+    if cfg.reward.prm:
+        return build_process_reward_model(cfg, tokenizer, device, zero_stage)
     source = make_reward_source(
         cfg.reward.remote_url, cfg.reward.model_name_or_path, setup=ModelSetup.of(cfg),
         normalize=cfg.reward.normalize_enable, batch_size=max(cfg.rollout.micro_batch_size, 16),
@@ -183,6 +187,56 @@ def build_reward_source(cfg: PPOConfig, tokenizer, device, zero_stage: int | Non
     if hasattr(source, "check_vocabulary"):
         source.check_vocabulary(tokenizer)
     return source
+
+
+def prm_spec(cfg: PPOConfig):
+    """--reward.prm's `PRMSpec`: the model folder's prm.json with each --reward.prm_* flag given in place of
+    its field; ConfigError (one line) when there is neither a prm.json nor --reward.prm_placeholder_token, or
+    the result has fewer than two reward tokens or an empty separator."""
+    from posttrain.models.prm_spec import PRM_SPEC_FILE, PRMSpec, load_prm_spec
+
+    rw = cfg.reward
+    path = rw.model_name_or_path
+    spec = load_prm_spec(path) if os.path.isdir(os.path.expanduser(path)) else None
+    if spec is None and not rw.prm_placeholder_token:
+        raise ConfigError(f"--reward.prm: {path} has no {PRM_SPEC_FILE} (which `posttrain prm` writes "
+                          "beside config.json); give --reward.prm_placeholder_token (and "
+                          "--reward.prm_reward_tokens, --reward.prm_step_separator unless + - and a newline)")
+    spec = spec or PRMSpec(rw.prm_placeholder_token)
+    given = {"placeholder_token": rw.prm_placeholder_token, "reward_tokens": rw.prm_reward_tokens,
+             "step_separator": rw.prm_step_separator}
+    spec = dataclasses.replace(spec, **{k: v for k, v in given.items() if v is not None})
+    if len(spec.reward_tokens) < 2 or not spec.step_separator:
+        raise ConfigError(f"--reward.prm: {path}'s {PRM_SPEC_FILE} has reward tokens {spec.reward_tokens} "
+                          f"and separator {spec.step_separator!r}; a PRM needs at least two reward tokens "
+                          "(good first) and a non-empty separator")
+    return spec
+
+
+def check_prm(cfg: PPOConfig) -> None:
+    """Before any model loads (and any Ray group starts): --reward.prm's description (`prm_spec`) and its
+    tokens, each one token of the PRM's tokenizer; else ConfigError (one line). Announces the PRM."""
+    from posttrain.models import load_tokenizer
+
+    spec = prm_spec(cfg)
+    try:
+        spec.token_ids(load_tokenizer(cfg.reward.model_name_or_path))
+    except UserError as err:
+        raise ConfigError(f"--reward.prm: {err}") from None
+    info(f"process reward model: {cfg.reward.model_name_or_path}; steps split on {spec.step_separator!r}, "
+         f"each ended by {spec.placeholder_token!r}, scored P({spec.reward_tokens[0]!r}) among "
+         f"{spec.reward_tokens}, x {cfg.reward.model_weight:g} on each step's last token")
+
+
+def build_process_reward_model(cfg: PPOConfig, tokenizer, device, zero_stage: int | None = None):
+    """--reward.prm's `rewards.process_reward_model.ProcessRewardSource`, placed as a reward model is
+    (`build_reward_source`); `tokenizer`: the policy's, which decodes the sampled ids."""
+    from posttrain.rewards.process_reward_model import ProcessRewardSource
+
+    return ProcessRewardSource(cfg.reward.model_name_or_path, prm_spec(cfg), tokenizer,
+                               setup=ModelSetup.of(cfg), batch_size=max(cfg.rollout.micro_batch_size, 16),
+                               device=str(device), ds=cfg.ds, zero_stage=zero_stage,
+                               offload=cfg.reward.offload)
 
 
 def build_reward_functions(cfg: PPOConfig) -> list:

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from posttrain.algorithms import masked_mean
-from posttrain.algorithms.advantages import compute_advantages_with_stats, whiten
+from posttrain.algorithms.advantages import ADVANTAGE_ESTIMATORS, compute_advantages_with_stats, whiten
 from posttrain.algorithms.kl import approx_kl_with_stats
-from posttrain.algorithms.shaping import batch_normalize_scores, teacher_token_rewards
+from posttrain.algorithms.shaping import batch_normalize_scores, normalize_step_scores, teacher_token_rewards
 from posttrain.trainers.rl.batch_forward import Batching
 from posttrain.trainers.rl.experience import Experience, build_experience
 from posttrain.trainers.rl.updates import steps_per_rollout
@@ -35,13 +35,15 @@ def _scalar(v) -> bool:
 
 
 class ExperienceMaker:
-    """`make(scored, kl_coef)` → (Experience, metrics) with the run's roles (`ref`, `critic`, `teacher` may be
-    None); the actor and critic forward in `batching`, the reference and the teacher (frozen, like it) in
-    `ref_batching` (default `batching`)."""
+    """`make(scored, kl_coef)` → (Experience, metrics) with the run's roles (`ref`, `critic`, `teacher`, `prm`
+    may be None); the actor and critic forward in `batching`, the reference and the teacher (frozen, like it)
+    in `ref_batching` (default `batching`). `prm`: a process reward model (`score_steps`: in this process or
+    its Ray group)."""
 
     def __init__(self, cfg: PPOConfig, actor, ref, critic, batching: Batching, pad_id: int,
-                 ref_batching: Batching | None = None, teacher=None) -> None:
+                 ref_batching: Batching | None = None, teacher=None, prm=None) -> None:
         self.cfg, self.actor, self.ref, self.critic, self.teacher = cfg, actor, ref, critic, teacher
+        self.prm = prm
         self.batching, self.pad_id = batching, pad_id
         self.ref_batching = ref_batching or batching
 
@@ -81,7 +83,7 @@ class ExperienceMaker:
             kl = kl * mask
             metrics.update({"kl/mean": sequence_mean(kl, mask),
                             "kl/clamp_frac": float(kl_stats["kl_clamp_frac"])})
-        teacher_term = self._teacher_term(exp, metrics)
+        token_extra = _added(self._teacher_term(exp, metrics), self._prm_term(scored, exp, metrics))
         if self.critic is not None:
             exp.values = self.critic.values(exp, mbs)
         in_reward = kl is not None and not cfg.algo.kl.use_loss
@@ -93,7 +95,7 @@ class ExperienceMaker:
             std_norm=not adv.no_std_norm, sequence_kl=cfg.algo.kl.sequence_level_enable,
             whiten=True if adv.whiten_enable else None,
             whiten_level=adv.whiten_level if adv.whiten_enable else "token", valid=valid, std_eps=adv.std_eps,
-            token_extra=teacher_term)
+            token_extra=token_extra)
         metrics.update({f"advantage/{k}": float(v) for k, v in stats.items() if _scalar(v)})
         metrics["advantage/mean"] = masked_mean(exp.advantages, mask).item()
         return exp, metrics
@@ -109,6 +111,42 @@ class ExperienceMaker:
         metrics["teacher/reverse_kl"] = masked_mean(exp.old_logp - teacher_logp, mask).item()
         coef = self.cfg.algo.teacher_coef
         return teacher_token_rewards(exp.old_logp, teacher_logp, mask, 1.0 if coef is None else coef)
+
+    def _prm_term(self, scored, exp: Experience, metrics: dict) -> torch.Tensor | None:
+        """Process rewards: each scored step's score on the action column of its last token (`StepRewards`),
+        x --reward.model_weight, 0 elsewhere ``[B, T-1]``; under a group estimator the scores are first
+        normalised over all the steps of a prompt's n samples (`normalize_step_scores`). A skipped sample's
+        steps count nowhere. Logs `reward/prm` (mean raw step score), `reward/prm_steps` (mean steps per
+        response) and `reward/prm_dropped_steps` (steps cut off the PRM's input). None without a PRM."""
+        if self.prm is None:
+            return None
+        rollouts = scored.rollouts
+        steps = self.prm.score_steps([r.prompt_ids for r in rollouts], [r.output_ids for r in rollouts])
+        n = self.cfg.rollout.n_samples_per_prompt
+        rows, cols, groups, scores = [], [], [], []
+        kept = [i for i in range(len(rollouts)) if not scored.skipped[i]]
+        for i in kept:
+            start = len(rollouts[i].prompt_ids) - 1  # the action column of output token 0
+            for end, score in zip(steps.ends[i], steps.scores[i]):
+                rows.append(i)
+                cols.append(start + end)
+                groups.append(i // n)
+                scores.append(score)
+        values = torch.tensor(scores, dtype=torch.float32)
+        metrics["reward/prm"] = float(values.mean()) if scores else 0.0
+        metrics["reward/prm_steps"] = sum(steps.steps[i] for i in kept) / max(len(kept), 1)
+        metrics["reward/prm_dropped_steps"] = float(sum(steps.dropped[i] for i in kept))
+        if ADVANTAGE_ESTIMATORS[self.cfg.algo.advantage.estimator].group:
+            values = normalize_step_scores(values, torch.tensor(groups, dtype=torch.long))
+        term = torch.zeros_like(exp.action_mask)
+        at = (torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long))
+        term.index_put_(at, values * self.cfg.reward.model_weight, accumulate=True)  # steps may share a token
+        return term
+
+
+def _added(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    """a + b, either None meaning absent."""
+    return b if a is None else a if b is None else a + b
 
 
 def rollout_metrics(scored, n: int) -> dict[str, float]:

@@ -118,7 +118,13 @@ class RLTrainer(RunLoop):
         functions = build.build_reward_functions(cfg)  # --reward.func_path terms (or [])
         main = None
         has_reward = cfg.reward.model_name_or_path or cfg.reward.remote_url
-        if has_reward and not (self.roles.on_ray and self.roles.has("reward")):
+        in_process = not (self.roles.on_ray and self.roles.has("reward"))
+        self.prm = None  # a process reward model: its step scores are token rewards (`ExperienceMaker`)
+        if cfg.reward.prm:
+            build.check_prm(cfg)
+            if in_process:
+                self.prm = build.build_process_reward_model(cfg, self.tokenizer, self.device)
+        elif has_reward and in_process:
             main = build.build_reward_source(cfg, self.tokenizer, self.device)
         # on Ray with a reward model: the functions alone until the model's group joins them (`_place_on_ray`)
         self.reward_source = build.combine_rewards(cfg, main, functions)
@@ -197,7 +203,9 @@ class RLTrainer(RunLoop):
                                       reward_model=roles.has("reward"), teacher=roles.has("teacher"))
         p = self.placement
         self.actor, self.critic, self.ref, self.rollout_engine = p.actor, p.critic, p.ref, p.engines
-        if p.reward is not None:  # the reward model's Ray group, with the function terms when given
+        if p.reward is not None and self.cfg.reward.prm:
+            self.prm = p.reward
+        elif p.reward is not None:  # the reward model's Ray group, with the function terms when given
             functions = self.reward_source.terms if self.reward_source is not None else []
             self.reward_source = build.combine_rewards(self.cfg, p.reward, functions)
         return p.teacher
@@ -227,7 +235,7 @@ class RLTrainer(RunLoop):
                                        cfg.reward.stop_properly_penalty_coef, penalty,
                                        self._eos_ids() if penalty is not None else ())
         self.experience_maker = ExperienceMaker(cfg, self.actor, self.ref, self.critic, forward_batching,
-                                                self.tokenizer.pad_token_id, ref_batching, teacher)
+                                                self.tokenizer.pad_token_id, ref_batching, teacher, self.prm)
         self.state = loop_state(cfg, len(self.data.prompts))
         self.timers = Timers()
         # ckpt None: no --ckpt.save_steps and no --ckpt.load_enable, or --ckpt.disable_ds

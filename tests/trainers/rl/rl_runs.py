@@ -87,10 +87,13 @@ def charts_not_drawn():
 
 
 def ppo_flags(setup, out, *extra, reward="starts_with_1.py"):
+    """The flags of a small run of `setup`'s SFT-ed nano model, scored by the reward file `reward` as
+    --reward.remote_url (None: no --reward.remote_url; `extra` names the reward)."""
     sft, data, rewards = setup
+    source = [] if reward is None else ["--reward.remote_url", str(rewards / reward)]
     return ["--actor.model_name_or_path", str(sft), "--data.prompt_dataset", str(data),
             "--data.input_key", "prompt", "--data.label_key", "answer", "--data.apply_chat_template",
-            "--data.max_len", "48", "--reward.remote_url", str(rewards / reward), "--rollout.batch_size", "8",
+            "--data.max_len", "48", *source, "--rollout.batch_size", "8",
             "--rollout.n_samples_per_prompt", "4", "--rollout.max_new_tokens", "4",
             "--rollout.micro_batch_size", "16", "--train.batch_size", "32", "--train.micro_batch_size", "16",
             "--data.max_samples", "64", "--actor.adam.lr", "2e-3", "--actor.lr_warmup_ratio", "0",

@@ -364,22 +364,23 @@ def test_openrlhf_reinforce_baseline_hybrid_script_runs(rl_setup, tmp_path, ray_
 
 
 @pytest.fixture(scope="module")
-def colocated_run(rl_setup, tiny_score_model_dir, tiny_model_dir, tmp_path_factory, ray_session):
+def colocated_run(rl_setup, tiny_model_dir, tmp_path_factory, ray_session):
     """(run dir, stderr, flags) of one step with both colocation modes on: the two modes place disjoint role
-    pairs (actor + ref, critic + reward) in groups of their own, so one run shows both. The reward model's
-    Ray group shares the batch with a --reward.func_path function (weights 1 and 2: a composite reward).
-    An on-policy distillation teacher (the untrained nano model) shares the actor's bundles with the
+    pairs (actor + ref, critic + reward) in groups of their own, so one run shows both. The reward group holds
+    a process reward model (--reward.prm: the untrained nano LM, weight 2) beside a --reward.func_path
+    function. An on-policy distillation teacher (the nano model too) shares the actor's bundles with the
     reference."""
     import contextlib
     import io
 
     out = tmp_path_factory.mktemp("colocated") / "run"
     flags = _without_reward_url(ppo_flags(rl_setup, out)) + [
-        "--reward.model_name_or_path", tiny_score_model_dir, "--reward.func_path", rl_setup[2] / "correct.py",
-        "--reward.model_weight", "2", "--algo.advantage.estimator", "gae",
-        "--algo.kl.init_coef", "0.01", "--vllm.num_engines", "1", *HF, "--train.colocate_actor_ref",
-        "--train.colocate_critic_reward", "--data.max_samples", "8", "--train.num_episodes", "1",
-        "--teacher.model_name_or_path", tiny_model_dir, "--algo.teacher_coef", "0.1"]
+        "--reward.prm", "--reward.model_name_or_path", tiny_model_dir, "--reward.prm_placeholder_token", "@",
+        "--reward.func_path", rl_setup[2] / "correct.py", "--reward.model_weight", "2",
+        "--algo.advantage.estimator", "gae", "--algo.kl.init_coef", "0.01", "--vllm.num_engines", "1", *HF,
+        "--train.colocate_actor_ref", "--train.colocate_critic_reward", "--data.max_samples", "8",
+        "--train.num_episodes", "1", "--teacher.model_name_or_path", tiny_model_dir,
+        "--algo.teacher_coef", "0.1"]
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), charts_not_drawn():
@@ -399,20 +400,21 @@ def test_colocation_modes_share_bundles(mode, colocated_run):
     assert len(rewards_by_step(out)) == 1
 
 
-def test_a_reward_model_group_on_ray_and_a_reward_function_are_summed(colocated_run):
-    """--reward.func_path beside a reward model placed on Ray: the functions run on the controller, the
-    model in its own group, and each sample's reward is their weighted sum."""
+def test_a_process_reward_model_group_on_ray_beside_a_reward_function(colocated_run):
+    """--reward.func_path beside a PRM placed on Ray: the function runs on the controller and gives each
+    sequence its reward, the PRM scores the steps in the reward group (its token rewards: advantages)."""
     out, err, _ = colocated_run
     assert "ray placement: reward: group critic_reward" in err
     row = read_metrics(out / "metrics.jsonl")[0]
-    assert row["reward/mean"] == pytest.approx(row["reward/correct"] + 2 * row["reward/model"], abs=1e-5)
-    assert row["reward/model"] != 0
+    assert row["reward/mean"] == pytest.approx(row["reward/correct"], abs=1e-6)
+    assert 0 < row["reward/prm"] < 1 and row["reward/prm_steps"] >= 1
 
 
-def test_a_teacher_on_ray_scores_as_in_one_process(colocated_run, tmp_path):
+def test_a_teacher_and_a_prm_on_ray_score_as_in_one_process(colocated_run, tmp_path):
     """On-policy distillation on Ray: the teacher's ranks share the actor's bundles with the reference
     (--train.colocate_actor_ref), and its reverse KL to the samples, which the HF engines draw as one process
-    does, is the one-process run's."""
+    does, is the one-process run's; so are the PRM's step scores (in the reward group's worker on Ray, in the
+    controller in one process) and the advantages both terms give."""
     out, err, flags = colocated_run
     assert "ray placement: teacher: group actor_ref bundle 0, 0.2 of each" in err
     ray_row = read_metrics(out / "metrics.jsonl")[0]
@@ -425,6 +427,8 @@ def test_a_teacher_on_ray_scores_as_in_one_process(colocated_run, tmp_path):
     row = read_metrics(local / "metrics.jsonl")[0]
     assert ray_row["teacher/reverse_kl"] > 0.1
     assert ray_row["teacher/reverse_kl"] == pytest.approx(row["teacher/reverse_kl"], abs=1e-5)
+    assert ray_row["reward/prm"] == pytest.approx(row["reward/prm"], abs=1e-6) and ray_row["reward/prm"] > 0
+    assert ray_row["reward/prm_steps"] == row["reward/prm_steps"]
     assert ray_row["advantage/mean"] == pytest.approx(row["advantage/mean"], abs=1e-5)
 
 

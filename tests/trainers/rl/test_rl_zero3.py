@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from zero3_roles_worker import BATCHES, LORA, ROWS, config, experience
+from zero3_roles_worker import BATCHES, LORA, PRM_ROWS, ROWS, config, experience, prm_ids
 
 from posttrain.models import load_tokenizer
 from posttrain.rewards.reward_model import RewardModelSource
@@ -98,6 +98,25 @@ def test_sharded_reward_model_pads_its_batches_and_scores_as_the_whole_one(shard
             assert len(got) == len(rows)
             if rows:
                 assert torch.allclose(got, whole.score_tokens(rows).rewards, atol=1e-6, rtol=0)
+
+
+def test_a_sharded_prm_pads_its_batches_and_scores_steps_as_the_whole_one(sharded, tiny_model_dir):
+    """A process reward model as ZeRO-3 shards (--reward.prm under --ds.zero_stage 3): ranks forwarding
+    different numbers of batches (one of them none) all finish, with the whole model's step ends and
+    scores."""
+    from posttrain.models.prm_spec import PRMSpec
+    from posttrain.rewards.process_reward_model import ProcessRewardSource
+
+    tok = load_tokenizer(tiny_model_dir)
+    whole = ProcessRewardSource(tiny_model_dir, PRMSpec("@"), tok, batch_size=2)
+    for rank in (0, 1):
+        assert sharded[rank]["prm"]["sharded"]
+        for rows, got in zip(PRM_ROWS[rank], sharded[rank]["prm"]["steps"]):
+            want = whole.score_steps(*prm_ids(tok, rows))
+            assert got["ends"] == want.ends and got["steps"] == want.steps
+            flat = [s for row in got["scores"] for s in row]
+            assert flat == pytest.approx([s for row in want.scores for s in row], abs=1e-6)
+    assert sum(len(row) for row in sharded[1]["prm"]["steps"][1]["scores"]) == 2 + 1 + 3
 
 
 def test_a_head_stored_under_another_prefix_is_copied_into_the_sharded_head(sharded, tiny_model_dir,

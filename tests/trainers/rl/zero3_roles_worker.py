@@ -13,6 +13,8 @@ same roles built whole in its own process:
   running different numbers of micro-batches;
 - "reward": `RewardModelSource(..., zero_stage=3)`: held parameters and the scores of ROWS["reward"][rank]
   (batches of two; a rank with fewer batches, or none, runs discarded ones);
+- "prm": a process reward model (the policy's nano LM, `ProcessRewardSource(..., zero_stage=3)`): its step
+  rewards of PRM_ROWS[rank] (batches of two; a rank with fewer batches, or none, runs discarded ones);
 - "reward_value_head": the same reward model with its head stored under `value_head` (--ds.value_head_prefix),
   copied into the sharded score head;
 - "actor_chunks": a full actor's log-probs (`forward_logprobs`, 2 micro-batches with a backward each) and
@@ -42,6 +44,11 @@ BATCHES = Batching(2, None, False, False)
 ROWS = {"actor": (SEQUENCES[:4], SEQUENCES[4:5]), "ref": (SEQUENCES[:5], SEQUENCES[4:5]),
         "reward": ([SEQUENCES[:5], SEQUENCES[5:]], [[], SEQUENCES[:3]]),
         "chunks": ([SEQUENCES[:2], SEQUENCES[2:4]], [SEQUENCES[1:2], SEQUENCES[3:4]])}
+# (prompt, response) texts a PRM scores (an empty response: no steps, no forward): rank 0 forwards two batches
+# then one, rank 1 none then two
+PRM_TEXTS = [("Q: 1+1?", "1 + 1\n= 2"), ("Q: 2+2?", "4"), ("Q", "a\nb\nc"), ("Q: 3?", ""), ("x", "so 3\n"),
+             ("y", "7 @ 8")]
+PRM_ROWS = ([PRM_TEXTS[:5], PRM_TEXTS[5:]], [[], PRM_TEXTS[:3]])
 CHUNK_ROWS = 3  # rows of logits per chunk: rank 0's micro-batches have 6 and 10, rank 1's 1 and 2
 
 
@@ -65,6 +72,12 @@ def experience(rows: list[list[int]], pad_id: int) -> Experience:
     zeros = torch.zeros(action.shape)
     return Experience(sequences=seq, attention_mask=mask, action_mask=action, rollout_logp=zeros,
                       rewards=torch.zeros(len(rows)))
+
+
+def prm_ids(tok, rows) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids, response ids) of (prompt, response) texts."""
+    enc = [[tok(text, add_special_tokens=False)["input_ids"] for text in row] for row in rows]
+    return [p for p, _ in enc], [r for _, r in enc]
 
 
 def chunked_logprobs_and_grads(cfg, tok, rank: int, budget: int) -> dict:
@@ -126,6 +139,17 @@ def main():
     source = RewardModelSource(rm, batch_size=2, tokenizer=tok, ds=config(policy, rm).ds, zero_stage=3)
     results["reward"] = {"held": source.loaded_numel, "sharded": source.engine is not None,
                          "scores": [source.score_tokens(rows).rewards for rows in ROWS["reward"][rank]]}
+
+    # a process reward model (the nano LM): rank 0 forwards two batches then one, rank 1 none then two
+    from dataclasses import asdict
+
+    from posttrain.models.prm_spec import PRMSpec
+    from posttrain.rewards.process_reward_model import ProcessRewardSource
+
+    prm = ProcessRewardSource(policy, PRMSpec("@"), tok, batch_size=2, ds=config(policy, rm).ds, zero_stage=3)
+    results["prm"] = {"sharded": prm.engine is not None,
+                      "steps": [asdict(prm.score_steps(*prm_ids(tok, rows))) for rows in PRM_ROWS[rank]]}
+    del prm
 
     # a reward model whose head is stored as value_head.weight: copied into the sharded score head
     source = RewardModelSource(rm_value_head, setup=ModelSetup(value_head_prefix="value_head"), batch_size=2,

@@ -87,3 +87,20 @@ def test_overlong_penalty_per_sample_budget_and_float_buffer():
     assert out.tolist() == pytest.approx([0.5, 0.25])
     with pytest.raises(ValueError, match="max_new_tokens=10 must be >= buffer_len=20"):
         overlong_penalty(r, torch.tensor([5, 5]), torch.tensor([100, 10]), 20)
+
+
+def test_step_scores_are_normalised_over_the_steps_of_each_prompt():
+    """DeepSeekMath process supervision: (r - mean) / std over all steps of a prompt's samples, unbiased std.
+    Prompt 0's steps 0.2 0.4 0.9: mean 0.5, var (0.09 + 0.01 + 0.16) / 2 = 0.13; prompt 1's 0.5 0.7: mean
+    0.6, var 0.02; prompt 2 has one step: 0. The steps of a prompt need not be adjacent."""
+    from posttrain.algorithms.shaping import normalize_step_scores
+
+    scores = t([0.2, 0.5, 0.4, 0.9, 0.3, 0.7])
+    groups = torch.tensor([0, 1, 0, 0, 2, 1])
+    s013, s002 = math.sqrt(0.13), math.sqrt(0.02)
+    want = [-0.3 / s013, -0.1 / s002, -0.1 / s013, 0.4 / s013, 0.0, 0.1 / s002]
+    close(normalize_step_scores(scores, groups, eps=0.0), t(want))
+    close(normalize_step_scores(scores, groups), t(want), atol=1e-6, rtol=0)  # eps 1e-9 by default
+    assert normalize_step_scores(t([]), torch.tensor([], dtype=torch.long)).numel() == 0
+    with pytest.raises(ValueError, match="groups"):
+        normalize_step_scores(scores, groups[:2])

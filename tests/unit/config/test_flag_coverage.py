@@ -141,6 +141,8 @@ ACTING: dict[str, frozenset[str]] = {
         "ref: model_name_or_path offload",
         "reward: model_name_or_path remote_url normalize_enable clip_range overlong_buffer_len offload",
         "reward: func_path func_weights model_weight",
+        # a process reward model (trainers/rl/build.py, experience_maker.py; rewards/process_reward_model.py)
+        "reward: prm prm_placeholder_token prm_reward_tokens prm_step_separator",
         "reward: overlong_penalty_factor stop_properly_penalty_coef whiten_enable skip_errors_enable",
         "reward: timeout retries missing_eos_penalty batch_normalize_enable batch_normalize_clip",
         "algo.advantage: estimator gamma lambd no_std_norm whiten_enable whiten_level is_correction_enable",

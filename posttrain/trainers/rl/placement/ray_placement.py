@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from posttrain.models.parallel_groups import ParallelLayout
 from posttrain.models.setup import ModelSetup
+from posttrain.rewards.process_reward_model import StepRewards
 from posttrain.rewards.result import RewardResult, concat_results, contiguous_chunks
 from posttrain.rollout.engine_builder import engine_ranks, sleeps
 from posttrain.rollout.types import rank_seed
@@ -235,13 +236,23 @@ class RewardGroup(_Group):
     def score_tokens(self, sequences: list[list[int]]) -> RewardResult:
         if not sequences:
             return RewardResult(rewards=torch.zeros(0))
-        chunks = self.per_rank(contiguous_chunks(len(sequences), self.data_ranks))
+        return concat_results(self._scatter("score_tokens", sequences))
+
+    def score_steps(self, prompts: list[list[int]], responses: list[list[int]]) -> StepRewards:
+        """A process reward model's step rewards (`ProcessRewardSource.score_steps`), chunked as scores."""
+        if not prompts:
+            return StepRewards()
+        return StepRewards.concat(self._scatter("score_steps", prompts, responses))
+
+    def _scatter(self, method: str, *columns: list) -> list:
+        """`method` of each rank on its contiguous chunk of the rows of `columns`: the results of the chunks
+        in order (one per data-parallel group)."""
+        chunks = self.per_rank(contiguous_chunks(len(columns[0]), self.data_ranks))
         calls = [(i, c) for i, c in enumerate(chunks) if len(c) or self.sharded]
-        parts = wait_all([(self.handles[i].score_tokens.remote([sequences[j] for j in c]), self.label(i))
-                          for i, c in calls])
+        parts = wait_all([(getattr(self.handles[i], method).remote(*([col[j] for j in c] for col in columns)),
+                           self.label(i)) for i, c in calls])
         leaders = {i: p for (i, _), p in zip(calls, parts) if i % self.same_rows == 0}
-        return concat_results([leaders[i] for i, c in enumerate(chunks)
-                               if len(c) and i % self.same_rows == 0])
+        return [leaders[i] for i, c in enumerate(chunks) if len(c) and i % self.same_rows == 0]
 
     def close(self) -> None:
         pass

@@ -169,6 +169,9 @@ class RoleWorker(_Process):
     def score_tokens(self, sequences: list[list[int]]):
         return self.obj.score_tokens(sequences)
 
+    def score_steps(self, prompts: list[list[int]], responses: list[list[int]]):
+        return self.obj.score_steps(prompts, responses)
+
     def save_state(self, directory: str) -> None:
         self.obj.save_state(directory)
 
