@@ -78,9 +78,9 @@ class RLTrainer(RunLoop):
 
                     tools = load_tool_file(cfg.train.tool_path, self.tokenizer)
                 self.data = load_prompt_data(cfg, self.tokenizer, tools)
-                agent = self._load_reward_source(tools)
-                teacher = self._load_models(agent)
-                self._build_loop_state(teacher)
+                agent, prm = self._load_reward_source(tools)
+                teacher, prm = self._load_models(agent, prm)
+                self._build_loop_state(teacher, prm)
             except BaseException:
                 self._release_placement()
                 raise
@@ -100,7 +100,8 @@ class RLTrainer(RunLoop):
         loads: a missing or broken reward or agent file, an unreachable-by-design URL or a mismatched
         reward model stops the run before the expensive part. Under Ray a reward model is loaded by its
         own ranks (with the other roles). With an agent file and no reward flag, the environment gives
-        every reward. With `tools` (a tool file's) the executor runs tool episodes."""
+        every reward. With `tools` (a tool file's) the executor runs tool episodes. Also returns the
+        process reward model when it is loaded here (--reward.prm in one process; else None)."""
         cfg = self.cfg
         agent = None
         if cfg.train.agent_func_path:
@@ -119,19 +120,20 @@ class RLTrainer(RunLoop):
         main = None
         has_reward = cfg.reward.model_name_or_path or cfg.reward.remote_url
         in_process = not (self.roles.on_ray and self.roles.has("reward"))
-        self.prm = None  # a process reward model: its step scores are token rewards (`ExperienceMaker`)
+        prm = None  # a process reward model: its step scores are token rewards (`ExperienceMaker`)
         if cfg.reward.prm:
             build.check_prm(cfg)
             if in_process:
-                self.prm = build.build_process_reward_model(cfg, self.tokenizer, self.device)
+                prm = build.build_process_reward_model(cfg, self.tokenizer, self.device)
         elif has_reward and in_process:
             main = build.build_reward_source(cfg, self.tokenizer, self.device)
         # on Ray with a reward model: the functions alone until the model's group joins them (`_place_on_ray`)
         self.reward_source = build.combine_rewards(cfg, main, functions)
-        return agent
+        return agent, prm
 
-    def _load_models(self, agent):
-        """Every role; returns the teacher of on-policy distillation (None without one)."""
+    def _load_models(self, agent, prm=None):
+        """Every role; returns the teacher of on-policy distillation and the process reward model (`prm`,
+        or on Ray the reward group when it is one; None without)."""
         cfg = self.cfg
         n = cfg.rollout.n_samples_per_prompt
         steps_per_episode = len(self.data.prompts) // cfg.rollout.batch_size
@@ -148,7 +150,8 @@ class RLTrainer(RunLoop):
         self.start.announce(updates, trained)
         teacher = None
         if self.roles.on_ray:
-            teacher = self._place_on_ray(updates)
+            teacher, placed_prm = self._place_on_ray(updates)
+            prm = placed_prm or prm
         else:
             self.actor = build.build_actor(cfg, self.tokenizer, self.device, updates)
             self.critic = (build.build_critic(cfg, self.tokenizer, self.device, updates)
@@ -169,7 +172,7 @@ class RLTrainer(RunLoop):
         self.kl_ctl = (AdaptiveKLController(kl.init_coef, kl.target, kl.horizon) if kl.target
                        else FixedKLController(kl.init_coef))
         self.executor = self._executor(agent)
-        return teacher
+        return teacher, prm
 
     def _report_reference(self) -> None:
         """The reference of a LoRA run that starts from the actor's weights is the actor's base with the
@@ -194,7 +197,8 @@ class RLTrainer(RunLoop):
 
     def _place_on_ray(self, updates: int):
         """Every role as a Ray actor group (`distributed.ray_placement`); the groups have the roles'
-        methods, so the rest of the loop does not change. Returns the teacher's group (None without one)."""
+        methods, so the rest of the loop does not change. Returns the teacher's group and the reward group
+        when it is a process reward model (each None without one)."""
         from posttrain.trainers.rl.placement.ray_placement import RayPlacement
 
         cfg = self.cfg
@@ -204,13 +208,13 @@ class RLTrainer(RunLoop):
         p = self.placement
         self.actor, self.critic, self.ref, self.rollout_engine = p.actor, p.critic, p.ref, p.engines
         if p.reward is not None and self.cfg.reward.prm:
-            self.prm = p.reward
-        elif p.reward is not None:  # the reward model's Ray group, with the function terms when given
+            return p.teacher, p.reward
+        if p.reward is not None:  # the reward model's Ray group, with the function terms when given
             functions = self.reward_source.terms if self.reward_source is not None else []
             self.reward_source = build.combine_rewards(self.cfg, p.reward, functions)
-        return p.teacher
+        return p.teacher, None
 
-    def _build_loop_state(self, teacher=None) -> None:
+    def _build_loop_state(self, teacher=None, prm=None) -> None:
         cfg = self.cfg
         a = cfg.actor
         eps_low, eps_high = a.eps_clip_low_high if a.eps_clip_low_high else (a.eps_clip, a.eps_clip)
@@ -235,7 +239,7 @@ class RLTrainer(RunLoop):
                                        cfg.reward.stop_properly_penalty_coef, penalty,
                                        self._eos_ids() if penalty is not None else ())
         self.experience_maker = ExperienceMaker(cfg, self.actor, self.ref, self.critic, forward_batching,
-                                                self.tokenizer.pad_token_id, ref_batching, teacher, self.prm)
+                                                self.tokenizer.pad_token_id, ref_batching, teacher, prm)
         self.state = loop_state(cfg, len(self.data.prompts))
         self.timers = Timers()
         # ckpt None: no --ckpt.save_steps and no --ckpt.load_enable, or --ckpt.disable_ds
