@@ -26,9 +26,20 @@ from ._util import check_ndim, f32
 def render_steps(prompt: str, steps: list[str], placeholder: str, separator: str = "\n") -> str:
     """``prompt + separator.join(step + " " + placeholder for step in steps)``: each step followed by a
     space and the placeholder (Math-Shepherd's ``"Step 1: ... ки\\nStep 2: ... ки"``)."""
+    return rendered_steps(prompt, steps, placeholder, separator)[0]
+
+
+def rendered_steps(prompt: str, steps: list[str], placeholder: str,
+                   separator: str = "\n") -> tuple[str, list[int]]:
+    """`render_steps`' text and the character offset of each step's placeholder in it."""
     if not placeholder:
         raise ValueError("placeholder must be a non-empty token")
-    return prompt + separator.join(f"{step} {placeholder}" for step in steps)
+    text, offsets = prompt, []
+    for i, step in enumerate(steps):
+        text += (separator if i else "") + step + " "
+        offsets.append(len(text))
+        text += placeholder
+    return text, offsets
 
 
 def placeholder_logits(logits: torch.Tensor, input_ids: torch.Tensor, placeholder_id: int,

@@ -106,10 +106,11 @@ def teacher_token_rewards(logp, teacher_logp, mask, coef):
     return torch.where(bool_mask(mask), -coef * (f32(logp) - f32(teacher_logp)), 0.0)
 
 
-def normalize_step_scores(scores, groups, eps=1e-9):
+def normalize_step_scores(scores, groups, eps=1e-9, scale=True):
     """DeepSeekMath §4.1.3 process supervision: each step score ``r`` becomes ``(r - mean) / (std + eps)``,
     mean and **unbiased** std (``k - 1``; as ``group_norm``) over the ``k`` steps of its group (all the steps
-    of a prompt's n samples); a group of one step gets 0. ``scores`` ``[S]`` (any order), ``groups`` ``[S]``
+    of a prompt's n samples); a group of one step gets 0. ``scale=False``: ``r - mean`` (centring only, as
+    the mean-baseline estimators: dr_grpo drops the std). ``scores`` ``[S]`` (any order), ``groups`` ``[S]``
     int (the prompt of each step). ``[S]`` float32.
     (scores [1, 2, 3, 5], groups [0, 0, 0, 1] → [-1, 0, 1, 0]: group 0 has mean 2, std 1.)"""
     check_ndim("scores", scores, 1, "[S]")
@@ -124,7 +125,7 @@ def normalize_step_scores(scores, groups, eps=1e-9):
     mean = torch.zeros_like(k).index_add_(0, index, s) / k
     centred = s - mean[index]
     var = torch.zeros_like(k).index_add_(0, index, centred * centred) / (k - 1).clamp(min=1)
-    return torch.where(k[index] >= 2, centred / (var.sqrt()[index] + eps), 0.0)
+    return torch.where(k[index] >= 2, centred / (var.sqrt()[index] + eps) if scale else centred, 0.0)
 
 
 def dynamic_filter(scores, low, high, valid=None):

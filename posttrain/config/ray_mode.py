@@ -103,9 +103,11 @@ def run_roles(cfg: Any) -> RunRoles:
 
 
 def critic_path(cfg: Any) -> str:
-    """Where the critic's weights start: --critic.model_name_or_path, else the reward model's, else the
+    """Where the critic's weights start: --critic.model_name_or_path, else the reward model's (a scalar-head
+    one: not a process reward model, a causal LM whose tokenizer may differ from the policy's), else the
     actor's."""
-    return cfg.critic.model_name_or_path or cfg.reward.model_name_or_path or cfg.actor.model_name_or_path
+    reward = None if getattr(cfg.reward, "prm", False) else cfg.reward.model_name_or_path
+    return cfg.critic.model_name_or_path or reward or cfg.actor.model_name_or_path
 
 
 # The readings of `run_roles` that callers name.

@@ -280,7 +280,8 @@ class ActorConfig(OptimizerFields, _ActorModelFields):
 
 @dataclass
 class _CriticModelFields:
-    model_name_or_path: str | None = opt(None, "critic model; default: reward model, else the actor")
+    model_name_or_path: str | None = opt(None, "critic model; default: the reward model (not a "
+                                               "--reward.prm), else the actor")
     num_nodes: int = opt(1, "Ray nodes for the critic", ge=1, on_resume="adjustable")
     num_gpus_per_node: int = opt(1, "GPUs per node for the critic (OpenRLHF: 8)", ge=1,
                                  on_resume="adjustable")

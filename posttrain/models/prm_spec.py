@@ -19,11 +19,33 @@ class PRMSpec:
     reward_tokens: list[str] = field(default_factory=lambda: ["+", "-"])
     step_separator: str = "\n"
 
+    def problem(self) -> str | None:
+        """What makes the description unusable (one line), else None: fewer than two reward tokens, one
+        named twice (every step would score 0.5), the placeholder among them, an empty separator."""
+        tokens = list(self.reward_tokens)
+        if len(tokens) < 2 or len(set(tokens)) != len(tokens):
+            return f"reward tokens {tokens}: a PRM needs at least two distinct reward tokens (good first)"
+        if self.placeholder_token in tokens:
+            return f"the placeholder {self.placeholder_token!r} is also a reward token"
+        return None if self.step_separator else "the step separator is empty"
+
     def token_ids(self, tokenizer) -> tuple[int, list[int]]:
-        """(placeholder id, reward-token ids) in `tokenizer`; each must be exactly one token, else a
-        UserError naming the token and the pieces it encodes to."""
-        return (one_token_id(tokenizer, self.placeholder_token, "placeholder token"),
-                [one_token_id(tokenizer, t, "reward token") for t in self.reward_tokens])
+        """(placeholder id, reward-token ids) in `tokenizer`; each must be exactly one token, the reward
+        tokens distinct ids, and the placeholder must stay its own token where `render_steps` puts it (after
+        a space, before the separator: a BPE may merge it there); else a UserError naming the token."""
+        from posttrain.algorithms.process_reward import render_steps
+
+        placeholder = one_token_id(tokenizer, self.placeholder_token, "placeholder token")
+        rewards = [one_token_id(tokenizer, t, "reward token") for t in self.reward_tokens]
+        if len(set(rewards)) != len(rewards):
+            raise UserError(f"the reward tokens {list(self.reward_tokens)} are {rewards} in this tokenizer: "
+                            "two are the same token")
+        text = render_steps("", ["1", "2"], self.placeholder_token, self.step_separator)
+        if tokenizer.encode(text, add_special_tokens=False).count(placeholder) != 2:
+            raise UserError(f"the placeholder token {self.placeholder_token!r} merges with the text around "
+                            f"it in this tokenizer ({text!r} does not hold it twice as a token): choose a "
+                            "token that stays one piece after a space and before the separator")
+        return placeholder, rewards
 
 
 def one_token_id(tokenizer, token: str, what: str) -> int:

@@ -15,8 +15,9 @@ Per sample, from the token ids as sampled (prompt ids, response ids) and the pol
    its last `max_len` tokens are kept, so the prompt loses its beginning first and a step whose placeholder
    falls off (the first steps) gets no score (counted as dropped);
 4. the placeholders read are the ones this rendering put there (by character offset; the placeholder's text
-   inside a step is no step end), and their count must equal the steps kept; each step's score is
-   `step_scores(placeholder_logits(...))`: the probability of the first (good) reward token.
+   inside a step is no step end); one that the PRM's tokenizer merged with the text around it (checked
+   at start-up for plain steps: `PRMSpec.token_ids`) leaves its step unscored, counted as dropped; each
+   step's score is `step_scores(placeholder_logits(...))`: the probability of the first (good) token.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from posttrain.algorithms.process_reward import placeholder_logits, render_steps, step_scores
+from posttrain.algorithms.process_reward import placeholder_logits, rendered_steps, step_scores
 from posttrain.rewards.result import RewardError
 from posttrain.rewards.reward_model import RewardModelSource, right_padded
 
@@ -48,14 +49,15 @@ class StepRewards:
 
 
 def split_steps(text: str, separator: str) -> list[tuple[int, int]]:
-    """The ``(start, end)`` character spans of the non-empty pieces of ``text`` split on ``separator``.
-    ("a\\nbc\\n" → [(0, 1), (2, 4)]; "" → [].)"""
+    """The ``(start, end)`` character spans of the pieces of ``text`` split on ``separator``, each without
+    its trailing whitespace; a piece of whitespace only is no step.
+    ("a\\nbc \\n \\n" → [(0, 1), (2, 4)]; "" → [].)"""
     if not separator:
         raise ValueError("the step separator must be non-empty")
     spans, start = [], 0
     for piece in text.split(separator):
-        if piece:
-            spans.append((start, start + len(piece)))
+        if piece.strip():
+            spans.append((start, start + len(piece.rstrip())))
         start += len(piece) + len(separator)
     return spans
 
@@ -63,13 +65,18 @@ def split_steps(text: str, separator: str) -> list[tuple[int, int]]:
 def step_end_tokens(token_ids: list[int], ends: list[int], decode) -> list[int]:
     """For each character end ``e`` (exclusive) of ``decode(token_ids)``, the index of the token that holds
     character ``e - 1``: the smallest ``k`` with ``len(decode(token_ids[:k])) >= e``, minus one (a binary
-    search over decoded prefixes; each prefix decoded once). ``decode``: token-id list → text."""
-    lengths: dict[int, int] = {}
+    search over decoded prefixes; each prefix decoded once), moved on while that prefix ends inside a
+    character (a byte-level tokenizer decodes a partial character as U+FFFD, which may count as more
+    characters than the whole one). ``decode``: token-id list → text."""
+    texts: dict[int, str] = {}
+
+    def prefix(k: int) -> str:
+        if k not in texts:
+            texts[k] = decode(token_ids[:k])
+        return texts[k]
 
     def covered(k: int) -> int:
-        if k not in lengths:
-            lengths[k] = len(decode(token_ids[:k]))
-        return lengths[k]
+        return len(prefix(k))
 
     out = []
     for e in ends:
@@ -80,17 +87,9 @@ def step_end_tokens(token_ids: list[int], ends: list[int], decode) -> list[int]:
                 hi = mid
             else:
                 lo = mid + 1
+        while lo < len(token_ids) and (prefix(lo).endswith("\ufffd") or covered(lo) < e):
+            lo += 1
         out.append(lo - 1)
-    return out
-
-
-def placeholder_spans(prompt: str, steps: list[str], placeholder: str, separator: str) -> list[int]:
-    """The character offset of each step's placeholder in ``prompt + render_steps("", steps, ...)``."""
-    out, at = [], len(prompt)
-    for step in steps:
-        at += len(step) + 1  # the step, then a space
-        out.append(at)
-        at += len(placeholder) + len(separator)
     return out
 
 
@@ -116,6 +115,11 @@ class ProcessRewardSource(RewardModelSource):
     def check_vocabulary(self, tokenizer) -> None:
         """Nothing to check: the PRM reads text with its own tokenizer (its tokens: `spec.token_ids`)."""
 
+    def _no_sequence_score(self, *args, **kwargs):
+        raise TypeError(f"{self!r} scores steps (`score_steps`), not sequences: it has no score head")
+
+    values = score = score_tokens = _no_sequence_score
+
     def prm_input(self, prompt_ids: list[int], response_ids: list[int]):
         """(PRM token ids, the index of each kept step's placeholder in them, each kept step's end in the
         response, steps, dropped) of one sample (module doc)."""
@@ -129,19 +133,16 @@ class ProcessRewardSource(RewardModelSource):
         prompt = decode(prompt_ids, skip_special_tokens=False)
         steps = [text[s:e] for s, e in spans]
         sep, mark = self.spec.step_separator, self.spec.placeholder_token
-        enc = self.tokenizer(prompt + render_steps("", steps, mark, sep), add_special_tokens=False,
-                             return_offsets_mapping=True)
+        text, marks = rendered_steps(prompt, steps, mark, sep)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids, token_ends = enc["input_ids"], [e for _, e in enc["offset_mapping"]]
-        positions = []
-        for i, at in enumerate(placeholder_spans(prompt, steps, mark, sep)):
+        positions = {}  # step -> its placeholder's token; a placeholder merged with its context: no score
+        for i, at in enumerate(marks):
             j = bisect.bisect_left(token_ends, at + len(mark))  # the token holding its last character
-            if j >= len(ids) or ids[j] != self.placeholder_id:
-                raise RewardError(f"PRM {self.path}: step {i + 1}'s placeholder {mark!r} is not the token "
-                                  f"{self.placeholder_id} in its context (the text around it merged with "
-                                  "it); choose a placeholder the tokenizer keeps apart")
-            positions.append(j)
+            if j < len(ids) and ids[j] == self.placeholder_id:
+                positions[i] = j
         cut = max(len(ids) - self.max_len, 0) if self.max_len else 0
-        kept = [i for i, p in enumerate(positions) if p >= cut]
+        kept = [i for i, p in positions.items() if p >= cut]
         dropped = len(steps) - len(kept)
         return ids[cut:], [positions[i] - cut for i in kept], [ends[i] for i in kept], len(steps), dropped
 

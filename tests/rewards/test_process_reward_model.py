@@ -21,6 +21,7 @@ def test_steps_are_the_non_empty_pieces_between_separators():
     assert split_steps("one step", "\n") == [(0, 8)]
     assert split_steps("", "\n") == []
     assert split_steps("x ки y ки", " ки ") == [(0, 1), (5, 9)]  # a separator of several characters
+    assert split_steps("a  \n \n\tb \n", "\n") == [(0, 1), (6, 8)]  # trailing blanks cut; blank: no step
 
 
 def test_each_step_ends_on_the_token_that_holds_its_last_character():
@@ -31,6 +32,20 @@ def test_each_step_ends_on_the_token_that_holds_its_last_character():
     assert ends_of([]) == []  # an empty response has no step
     assert ends_of(["a\nb"]) == [0, 0]  # one token holds the end of two steps
     assert ends_of(["a", "\nb", "c\n"]) == [0, 2]  # a separator that starts a token is no part of the step
+
+
+def test_a_step_ending_in_a_character_of_several_byte_tokens_ends_on_its_last_byte(tiny_model_dir):
+    """The tiny tokenizer is byte-level: "€" (3 bytes) and "é" are several tokens, and a prefix that stops
+    inside one decodes to U+FFFD; the step still ends on the token of the character's last byte."""
+    from posttrain.models import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir)
+    for response in ("costs 5€\nso é\nok", "€\n€€"):
+        ids = tok(response, add_special_tokens=False)["input_ids"]
+        assert any("\ufffd" in tok.decode(ids[:k]) for k in range(len(ids)))  # the case under test
+        ends = step_end_tokens(ids, [e for _, e in split_steps(response, "\n")], tok.decode)
+        for (start, end), e in zip(split_steps(response, "\n"), ends):
+            assert tok.decode(ids[: e + 1]) == response[:end], (response, end)
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +99,29 @@ def test_a_prm_input_longer_than_the_limit_loses_its_first_tokens_and_steps(prm)
         src.max_len = limit
     assert got.steps == [2] and got.dropped == [1] and len(got.scores[0]) == 1
     assert got.ends[0] == [len(response) - 1]
+
+
+def test_a_placeholder_merged_with_its_step_leaves_that_step_unscored(prm):
+    """Where the PRM's tokenizer merged a rendered placeholder with the text around it (here made so: the
+    first placeholder's id replaced), that step gets no score and counts as dropped; the run goes on."""
+    src, tok = prm
+
+    class Merging:
+        def __init__(self, real):
+            self.real = real
+
+        def __call__(self, text, **kwargs):
+            enc = dict(self.real(text, **kwargs))
+            ids = list(enc["input_ids"])
+            ids[ids.index(src.placeholder_id)] = tok("7", add_special_tokens=False)["input_ids"][0]
+            return {**enc, "input_ids": ids}
+
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    response = enc("1 + 1\n= 2")
+    real, src.tokenizer = src.tokenizer, Merging(src.tokenizer)
+    try:
+        got = src.score_steps([enc("Q: 1+1?")], [response])
+    finally:
+        src.tokenizer = real
+    assert got.steps == [2] and got.dropped == [1] and len(got.scores[0]) == 1
+    assert got.ends[0] == [len(response) - 1]  # the second step's

@@ -192,7 +192,7 @@ def build_reward_source(cfg: PPOConfig, tokenizer, device, zero_stage: int | Non
 def prm_spec(cfg: PPOConfig):
     """--reward.prm's `PRMSpec`: the model folder's prm.json with each --reward.prm_* flag given in place of
     its field; ConfigError (one line) when there is neither a prm.json nor --reward.prm_placeholder_token, or
-    the result has fewer than two reward tokens or an empty separator."""
+    the result is unusable (`PRMSpec.problem`)."""
     from posttrain.models.prm_spec import PRM_SPEC_FILE, PRMSpec, load_prm_spec
 
     rw = cfg.reward
@@ -206,21 +206,27 @@ def prm_spec(cfg: PPOConfig):
     given = {"placeholder_token": rw.prm_placeholder_token, "reward_tokens": rw.prm_reward_tokens,
              "step_separator": rw.prm_step_separator}
     spec = dataclasses.replace(spec, **{k: v for k, v in given.items() if v is not None})
-    if len(spec.reward_tokens) < 2 or not spec.step_separator:
-        raise ConfigError(f"--reward.prm: {path}'s {PRM_SPEC_FILE} has reward tokens {spec.reward_tokens} "
-                          f"and separator {spec.step_separator!r}; a PRM needs at least two reward tokens "
-                          "(good first) and a non-empty separator")
+    problem = spec.problem()
+    if problem:
+        raise ConfigError(f"--reward.prm: {path}: {problem} (from its {PRM_SPEC_FILE} and the "
+                          "--reward.prm_* flags)")
     return spec
 
 
 def check_prm(cfg: PPOConfig) -> None:
-    """Before any model loads (and any Ray group starts): --reward.prm's description (`prm_spec`) and its
-    tokens, each one token of the PRM's tokenizer; else ConfigError (one line). Announces the PRM."""
+    """Before any model loads (and any Ray group starts): --reward.prm's description (`prm_spec`), a fast
+    tokenizer (offsets) and the tokens (`PRMSpec.token_ids`); else ConfigError (one line). Announces the
+    PRM."""
     from posttrain.models import load_tokenizer
 
     spec = prm_spec(cfg)
+    tokenizer = load_tokenizer(cfg.reward.model_name_or_path)
+    if not getattr(tokenizer, "is_fast", False):
+        raise ConfigError(f"--reward.prm: {cfg.reward.model_name_or_path}'s tokenizer is a slow one, without "
+                          "character offsets (posttrain finds each step's placeholder by offset): give the "
+                          "model a tokenizer.json")
     try:
-        spec.token_ids(load_tokenizer(cfg.reward.model_name_or_path))
+        spec.token_ids(tokenizer)
     except UserError as err:
         raise ConfigError(f"--reward.prm: {err}") from None
     info(f"process reward model: {cfg.reward.model_name_or_path}; steps split on {spec.step_separator!r}, "

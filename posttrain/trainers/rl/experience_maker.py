@@ -115,9 +115,11 @@ class ExperienceMaker:
     def _prm_term(self, scored, exp: Experience, metrics: dict) -> torch.Tensor | None:
         """Process rewards: each scored step's score on the action column of its last token (`StepRewards`),
         x --reward.model_weight, 0 elsewhere ``[B, T-1]``; under a group estimator the scores are first
-        normalised over all the steps of a prompt's n samples (`normalize_step_scores`). A skipped sample's
-        steps count nowhere. Logs `reward/prm` (mean raw step score), `reward/prm_steps` (mean steps per
-        response) and `reward/prm_dropped_steps` (steps cut off the PRM's input). None without a PRM."""
+        normalised over all the steps of a prompt's n samples (`normalize_step_scores`: group_norm divides
+        by their std + --algo.advantage.std_eps, rloo / reinforce_baseline / dr_grpo only centre). A skipped
+        sample's steps count nowhere. Logs `reward/prm` (mean raw step score), `reward/prm_steps` (mean steps
+        per response) and `reward/prm_dropped_steps` (steps with no score: cut off the PRM's input, or their
+        placeholder merged). None without a PRM."""
         if self.prm is None:
             return None
         rollouts = scored.rollouts
@@ -136,8 +138,11 @@ class ExperienceMaker:
         metrics["reward/prm"] = float(values.mean()) if scores else 0.0
         metrics["reward/prm_steps"] = sum(steps.steps[i] for i in kept) / max(len(kept), 1)
         metrics["reward/prm_dropped_steps"] = float(sum(steps.dropped[i] for i in kept))
-        if ADVANTAGE_ESTIMATORS[self.cfg.algo.advantage.estimator].group:
-            values = normalize_step_scores(values, torch.tensor(groups, dtype=torch.long))
+        adv = self.cfg.algo.advantage
+        if ADVANTAGE_ESTIMATORS[adv.estimator].group:  # group_norm's std and eps; the others centre only
+            values = normalize_step_scores(values, torch.tensor(groups, dtype=torch.long),
+                                           eps=1e-9 if adv.std_eps is None else adv.std_eps,
+                                           scale=adv.estimator == "group_norm")
         term = torch.zeros_like(exp.action_mask)
         at = (torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long))
         term.index_put_(at, values * self.cfg.reward.model_weight, accumulate=True)  # steps may share a token

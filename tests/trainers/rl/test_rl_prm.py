@@ -46,13 +46,14 @@ def make(estimator, skipped=(False,) * 4):
     return ExperienceMaker(cfg, None, None, None, Batching(4), 0, prm=prm).make(scored, kl_coef=0.0)
 
 
-def test_step_scores_become_normalised_token_rewards_on_each_steps_last_token():
-    """dr_grpo (group baseline of the zero sequence rewards, gamma 1, no whitening): each advantage is the
+@pytest.mark.parametrize("estimator", ["group_norm", "dr_grpo"])
+def test_step_scores_become_normalised_token_rewards_on_each_steps_last_token(estimator):
+    """group_norm (group baseline of the zero sequence rewards, gamma 1, no whitening): each advantage is the
     sum of the token rewards at and after it, 2 x (r - mean) / std over a prompt's steps (unbiased std):
     prompt 0's steps 0.2 0.4 0.9 (std sqrt(0.13)), prompt 1's 0.5 0.7 (std sqrt(0.02)). Response token j of
-    a sample with a prompt of p tokens is action column p - 1 + j."""
-    exp, metrics = make("dr_grpo")
-    s0, s1 = math.sqrt(0.13), math.sqrt(0.02)
+    a sample with a prompt of p tokens is action column p - 1 + j. dr_grpo: 2 x (r - mean), no std."""
+    exp, metrics = make(estimator)
+    s0, s1 = (math.sqrt(0.13), math.sqrt(0.02)) if estimator == "group_norm" else (1.0, 1.0)
     a, b = 2 * -0.3 / s0, 2 * -0.1 / s0  # sample 0's steps, on columns 3 and 5
     want = torch.zeros(4, 6)
     want[0, 2:6] = torch.tensor([a + b, a + b, b, b])

@@ -227,7 +227,10 @@ def _hybrid(rl_setup, rm_dir, out, *extra, one_process=False):
         flags = [ONE_PROCESS.get(prev, f) if prev in ONE_PROCESS else f
                  for prev, f in zip([""] + flags, flags)]
     base = _without_reward_url(ppo_flags(rl_setup, out))
-    return base + flags + ["--reward.model_name_or_path", rm_dir, "--data.max_samples", "24",
+    # the reward model (its Ray group) beside a --reward.func_path function, weights 2 and 1: a composite
+    return base + flags + ["--reward.model_name_or_path", rm_dir, "--reward.func_path",
+                           rl_setup[2] / "correct.py", "--reward.model_weight", "2",
+                           "--data.max_samples", "24",
                            "--rollout.n_samples_per_prompt", "2", "--train.batch_size", "8",
                            "--train.num_episodes", "1", "--actor.adam.eps", str(ADAM_EPS),
                            "--critic.adam.eps", str(ADAM_EPS), *extra]
@@ -263,13 +266,13 @@ def hybrid_in_one_process(rl_setup, normalised_rm, tmp_path_factory):
 def test_openrlhf_ppo_hybrid_script_equals_one_process_and_resumes(rl_setup, normalised_rm,
                                                                    hybrid_in_one_process, tmp_path,
                                                                    ray_session, capfd):
-    """GAE with critic, reference and reward-model groups of 2 ranks (ZeRO-3), all colocated with
-    one rollout engine: every role loads straight into ZeRO-3 shards (each rank holds about half of
-    every model once loaded; the reference and reward model stay sharded, in inference-only DeepSpeed
-    engines), and the run gives the same weights as the in-process run after 3 steps; a Ray run resumed
-    from its step-2 checkpoint ends where the uninterrupted one does. The Ray run computes each prompt
-    once per group (shared prefix, packed, under ZeRO-3); the in-process one per sample
-    (--ds.no_shared_prefix)."""
+    """GAE with critic, reference and reward-model groups of 2 ranks (ZeRO-3), all colocated with one rollout
+    engine, the reward model's group summed with a reward function: every role loads straight into
+    ZeRO-3 shards (each rank holds about half of every model once loaded; the reference and reward model
+    stay sharded, in inference-only DeepSpeed engines), and the run gives the same weights as the
+    in-process run after 3 steps; a Ray run resumed from its step-2 checkpoint ends where the
+    uninterrupted one does. The Ray run computes each prompt once per group (shared prefix, packed,
+    under ZeRO-3); the in-process one per sample (--ds.no_shared_prefix)."""
     tiny_score_model_dir = normalised_rm
     local, err = hybrid_in_one_process(capfd)
     assert loaded_shards(err) == {}  # one process: whole models, nothing reported
@@ -283,6 +286,11 @@ def test_openrlhf_ppo_hybrid_script_equals_one_process_and_resumes(rl_setup, nor
         assert all(n < 0.6 * whole for n in held), (role, whole, held)
     assert len(rewards_by_step(full)) == 3
     assert rewards_by_step(full) == pytest.approx(rewards_by_step(local), abs=1e-6)
+    for row in read_metrics(full / "metrics.jsonl"):  # the model's group and the function, summed per sample
+        if "reward/mean" in row:
+            want = row["reward/correct"] + 2 * row["reward/model"]
+            assert row["reward/mean"] == pytest.approx(want, abs=1e-5)
+            assert row["reward/model"] != 0
     # 3 steps of 2 optimizer steps at lr 5e-4 (the script's); the ranks sum in another order
     assert_same_actor_weights(local, full, read_metrics(local / "metrics.jsonl"), lr=5e-4)
     ck = tmp_path / "ck_resume"

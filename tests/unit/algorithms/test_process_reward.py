@@ -38,7 +38,7 @@ def test_prm_loss_hard_and_soft_labels_by_hand():
     soft = torch.tensor([1.0, 0.25, 0.5])
     want = -(log_s[0][0] + 0.25 * log_s[1][0] + 0.75 * log_s[1][1] + 0.5 * (log_s[2][0] + log_s[2][1])) / 3
     assert prm_loss(z, soft).item() == pytest.approx(want, abs=1e-6)
-    # torch's soft-target cross entropy (OpenRLHF's PRMLoss with float labels) is the same number
+    # torch's soft-target cross entropy (the formula of OpenRLHF's PRMLoss soft branch) is the same number
     ref = torch.nn.functional.cross_entropy(z, torch.stack([soft, 1 - soft], -1))
     assert prm_loss(z, soft).item() == pytest.approx(ref.item(), abs=1e-6)
     assert prm_loss(z[:0], hard[:0]).item() == 0.0
@@ -61,3 +61,36 @@ def test_accuracy_and_scores():
     assert prm_correct(z, torch.tensor([0, 0, 1])).tolist() == [1.0, 0.0, 0.0]
     assert prm_correct(z, torch.tensor([0.9, 0.2, 0.5])).tolist() == [1.0, 1.0, 1.0]
     assert step_scores(z).tolist() == pytest.approx([1 / (1 + math.exp(-2)), 1 / (1 + math.e), 0.5], abs=1e-7)
+
+
+def test_rendered_steps_gives_each_placeholders_offset():
+    from posttrain.algorithms.process_reward import rendered_steps
+
+    text, offsets = rendered_steps("Q\n", ["ab", "c"], "@", "\n\n")
+    assert text == "Q\nab @\n\nc @" and [text[o] for o in offsets] == ["@", "@"] and offsets == [5, 10]
+
+
+@pytest.mark.parametrize("spec, problem", [
+    (("@", ["+", "+"]), "two distinct"), (("@", ["+"]), "two distinct"), (("+", ["+", "-"]), "also a reward"),
+    (("@", ["+", "-"], ""), "separator is empty")])
+def test_a_prm_description_that_cannot_score_names_why(spec, problem):
+    from posttrain.models.prm_spec import PRMSpec
+
+    assert problem in PRMSpec(*spec).problem()
+    assert PRMSpec("@").problem() is None
+
+
+def test_a_placeholder_that_merges_after_a_space_is_refused(tiny_model_dir):
+    """"How" is one token of the tiny tokenizer, and so is " How": rendered after a step's space the
+    placeholder would never be found, so the description is refused at start-up."""
+    from posttrain.models import load_tokenizer
+    from posttrain.models.prm_spec import PRMSpec
+    from posttrain.utils.errors import UserError
+
+    tok = load_tokenizer(tiny_model_dir)
+    assert len(tok.encode("How", add_special_tokens=False)) == 1
+    with pytest.raises(UserError, match="merges with the text around it"):
+        PRMSpec("How").token_ids(tok)
+    with pytest.raises(UserError, match="two are the same token"):
+        PRMSpec("@", ["+", "+"]).token_ids(tok)
+    assert PRMSpec("@").token_ids(tok)[0] == tok.encode("@", add_special_tokens=False)[0]

@@ -101,6 +101,8 @@ def test_step_scores_are_normalised_over_the_steps_of_each_prompt():
     want = [-0.3 / s013, -0.1 / s002, -0.1 / s013, 0.4 / s013, 0.0, 0.1 / s002]
     close(normalize_step_scores(scores, groups, eps=0.0), t(want))
     close(normalize_step_scores(scores, groups), t(want), atol=1e-6, rtol=0)  # eps 1e-9 by default
+    # centring only (rloo, reinforce_baseline, dr_grpo): r - mean, still 0 for a prompt of one step
+    close(normalize_step_scores(scores, groups, scale=False), t([-0.3, -0.1, -0.1, 0.4, 0.0, 0.1]))
     assert normalize_step_scores(t([]), torch.tensor([], dtype=torch.long)).numel() == 0
     with pytest.raises(ValueError, match="groups"):
         normalize_step_scores(scores, groups[:2])
