@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 from posttrain.models.folders import adapter_base, check_merge_paths
 from posttrain.models.loading import (
@@ -12,6 +13,7 @@ from posttrain.models.loading import (
     load_tokenizer,
     read_head,
 )
+from posttrain.models.prm_spec import PRM_SPEC_FILE
 from posttrain.models.saving import save_pretrained
 from posttrain.utils.log import info
 
@@ -124,5 +126,8 @@ def merge_lora(adapter_path, out_dir, base_path=None, dtype="fp32", is_rm: bool 
     has_tok = os.path.isfile(os.path.join(adapter_path, "tokenizer_config.json"))
     tokenizer = load_tokenizer(adapter_path if has_tok else base_path)
     save_pretrained(merged, tokenizer, out_dir, state_dict=state)
+    spec = os.path.join(adapter_path, PRM_SPEC_FILE)  # a process reward model's step description
+    if os.path.isfile(spec):
+        shutil.copy(spec, os.path.join(out_dir, PRM_SPEC_FILE))
     info(f"merged model saved to {out_dir}")
     return merged

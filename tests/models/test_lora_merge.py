@@ -69,7 +69,13 @@ def test_causal_lm_merge_equals_adapter_model(tiny_model_dir, lm_adapter, tmp_pa
     cli(adapter, tmp_path / "merged", "--model_path", tiny_model_dir, "--ds.param_dtype", "fp32")
     files = set(os.listdir(tmp_path / "merged"))
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= files
-    assert "adapter_config.json" not in files
+    assert "adapter_config.json" not in files and "prm.json" not in files
+    (adapter / "prm.json").write_text('{"placeholder_token": "@"}')  # a PRM's adapter: its description kept
+    try:
+        cli(adapter, tmp_path / "merged_prm", "--model_path", tiny_model_dir, "--ds.param_dtype", "fp32")
+    finally:
+        (adapter / "prm.json").unlink()
+    assert (tmp_path / "merged_prm" / "prm.json").read_text() == '{"placeholder_token": "@"}'
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")  # plain transformers, no peft
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert not hasattr(merged, "peft_config")
