@@ -119,6 +119,18 @@ MARKERS_1X = frozenset(("num_generations", "max_completion_length", "beta", "num
                         "mask_truncated_completions", "use_vllm", "normalize_advantages",
                         "reward_model_name_or_path", "max_steps"))
 _RLOO_ONLY = frozenset(("normalize_advantages", "reward_clip_range"))
+# GRPOConfig's fields that TRL 1.16's RLOOConfig lacks (TRL's own parser refuses them in an RLOO file)
+_GRPO_ONLY = frozenset((
+    "cast_lm_head_to_fp32", "delta", "entropy_coef", "entropy_coef_delta", "entropy_coef_max",
+    "entropy_coef_min", "entropy_target", "importance_sampling_level", "log_completions_hub_repo",
+    "loss_type", "max_tool_calling_iterations", "multi_objective_aggregation", "off_policy_mask_threshold",
+    "sapo_temperature_neg", "sapo_temperature_pos", "scale_rewards", "top_entropy_quantile",
+    "use_adaptive_entropy", "use_bias_correction_kl", "vespo_k_neg", "vespo_k_pos", "vespo_lambda_neg",
+    "vespo_lambda_pos", "vllm_importance_sampling_cap", "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min", "vllm_importance_sampling_correction",
+    "vllm_importance_sampling_mode"))
+AMBIGUOUS = ("no field that only one of GRPOConfig and RLOOConfig has: read as a GRPOConfig; add "
+             "`normalize_advantages: false` (RLOOConfig's default) to read it as an RLOOConfig")
 _OLD_ONLY = frozenset(RLOO_FIELDS + ON_POLICY_FIELDS) - {"temperature", "ds3_gather_for_generation",
                                                          "reward_clip_range", "logging_steps", "bf16",
                                                          "run_name", "push_to_hub"}
@@ -139,8 +151,9 @@ def is_trl_config(data: Mapping) -> bool:
 
 def trl_kind(config: Any) -> str:
     """"rloo<=0.21", "grpo" or "rloo" (1.x): a config object by its class, a mapping by its keys (keys
-    of both TRL 1.x and TRL <= 0.21 raise; a 1.x file with only fields shared by both 1.x configs is a
-    GRPOConfig, `normalize_advantages` or `reward_clip_range` make it an RLOOConfig)."""
+    of both TRL 1.x and TRL <= 0.21 raise; `normalize_advantages` or `reward_clip_range` make a 1.x file an
+    RLOOConfig, beside a GRPOConfig-only field they raise; a file with neither kind is a GRPOConfig, and its
+    translation's title says so: `AMBIGUOUS`)."""
     if not isinstance(config, Mapping):
         if hasattr(config, "rloo_k"):
             return "rloo<=0.21"
@@ -155,7 +168,11 @@ def trl_kind(config: Any) -> str:
                           f"RLOOConfig ({', '.join(old)}); keep the fields of one TRL version")
     if not new:
         return "rloo<=0.21"
-    return "rloo" if keys & _RLOO_ONLY else "grpo"
+    rloo, grpo = sorted(keys & _RLOO_ONLY), sorted(keys & _GRPO_ONLY)
+    if rloo and grpo:
+        raise ConfigError(f"TRL fields of RLOOConfig only ({', '.join(rloo)}) mixed with fields of "
+                          f"GRPOConfig only ({', '.join(grpo)}); keep the fields of one TRL config")
+    return "rloo" if rloo else "grpo"
 
 
 def _nondefault(config: Any) -> dict[str, Any]:
@@ -176,6 +193,8 @@ def translate_trl(config: Any, world_size: int = 1) -> Translation:
         return translate_rloo(config, world_size)
     given = dict(config) if isinstance(config, Mapping) else _nondefault(config)
     title = f"TRL {'GRPOConfig' if kind == 'grpo' else 'RLOOConfig'} ({TRL_VERSION} semantics)"
+    if kind == "grpo" and isinstance(config, Mapping) and not set(config) & _GRPO_ONLY:
+        title += f" ({AMBIGUOUS})"
     b = _Builder(given, DEFAULTS[kind], Translation(title=title, file=REPORT_FILES[kind]))
     _batches(b, world_size, kind)
     (_grpo_algorithm if kind == "grpo" else _rloo_algorithm)(b)

@@ -139,6 +139,13 @@ def test_kind_by_keys_and_by_class():
     assert trl_kind({"learning_rate": 1e-5}) == "rloo<=0.21"  # today's reading of a file of shared keys
     with pytest.raises(ConfigError, match="mixed with fields of TRL <= 0.21"):
         trl_kind({**BASE, "rloo_k": 2})
+    with pytest.raises(ConfigError, match=r"RLOOConfig only \(normalize_advantages\) mixed with fields of "
+                       r"GRPOConfig only \(loss_type\)"):
+        trl_kind({**BASE, "normalize_advantages": True, "loss_type": "grpo"})
+    # a file of fields both 1.x configs have is read as a GRPOConfig, and the translation says so and how to
+    # read it as an RLOOConfig; a GRPOConfig-only field leaves no doubt
+    assert "no field that only one of GRPOConfig and RLOOConfig has" in translate_trl(BASE).title
+    assert "no field" not in translate_trl({**BASE, "loss_type": "grpo"}).title
     trl = pytest.importorskip("trl")
     grpo = trl.GRPOConfig(output_dir="/tmp/unused", max_steps=2, num_generations=2,
                           per_device_train_batch_size=4, use_cpu=True, bf16=False, loss_type="grpo",
@@ -180,3 +187,11 @@ def test_the_example_file_translates():
     assert trl_kind(data) == "grpo"
     v = translate_trl(data).values
     assert (v["rollout.batch_size"], v["train.batch_size"], v["train.max_steps"]) == (8, 32, 4)
+
+
+def test_the_grpo_only_fields_are_trls():
+    from posttrain.compat.trl_grpo import _GRPO_ONLY, _RLOO_ONLY
+
+    fields = config_fields()
+    assert _GRPO_ONLY == set(fields["GRPOConfig"]) - set(fields["RLOOConfig"])
+    assert _RLOO_ONLY == set(fields["RLOOConfig"]) - set(fields["GRPOConfig"])
