@@ -365,7 +365,8 @@ class RewardConfig:
         extension=True, inert=needs("--reward.prm", lambda c: c.reward.prm))
     prm_reward_tokens: list[str] | None = opt(
         None, "the PRM's label tokens, the good one first (default: prm.json's reward_tokens)", nargs="+",
-        extension=True, check=lambda v: len(v) >= 2, message="needs at least two tokens (good first)",
+        extension=True, check=lambda v: len(set(v)) == len(v) >= 2,
+        message="needs at least two distinct tokens (good first)",
         inert=needs("--reward.prm", lambda c: c.reward.prm))
     prm_step_separator: str | None = opt(
         None, "the text between a response's steps (default: prm.json's step_separator, else a newline)",
