@@ -52,8 +52,10 @@ class PRMObjective:
         return batch
 
     def loss(self, model, batch: dict, num_units: float):
-        logits = forward_logits(model, batch)
-        step_logits = placeholder_logits(logits, batch["input_ids"], self.placeholder_id,
+        ids = batch["input_ids"]
+        keep = (ids == self.placeholder_id).any(0).nonzero().squeeze(1)  # only the placeholders' columns
+        logits = forward_logits(model, batch, keep=keep)
+        step_logits = placeholder_logits(logits, ids[:, keep.to(ids.device)], self.placeholder_id,
                                          self.reward_token_ids)
         labels = batch["step_labels"].to(step_logits.device)
         loss = prm_loss(step_logits, labels, num_steps=num_units)
