@@ -31,9 +31,11 @@ SHARES_RAY_OR_VLLM = re.compile(r"vllm|(?<![a-z])ray(?![a-z])", re.IGNORECASE)
 RAY_OR_VLLM_FIXTURES = re.compile(r"^ray_session$|^ray_address$|vllm")
 
 
-# modules whose tests share a module-scoped fixture with a Ray test: on one worker it is built once
-# (test_documented_commands: README's runs, which its Ray + vLLM command and every page's commands read)
-WITH_THE_RAY_TESTS = {"tests/docs/test_documented_commands.py"}
+# modules that run whole with their Ray tests: test_documented_commands's tests share a module-scoped fixture
+# with a Ray test (README's runs, which its Ray + vLLM command and every page's commands read: built once);
+# test_install's other tests (~45 s) go with its two Ray-named ones to even the two workers' load (the
+# Ray/vLLM worker summed 1664 s, the other 1767 s, in a full run of 2026-12-06)
+WITH_THE_RAY_TESTS = {"tests/docs/test_documented_commands.py", "tests/cli/test_install.py"}
 
 
 @functools.cache
