@@ -66,8 +66,8 @@ import os, signal, time
 from posttrain.cli.exits import command_line, user_errors
 from posttrain.utils.interrupt import interrupt_as_error
 
-# a console's SIGINT: the test process may ignore SIGINT by now (a library it ran set SIG_IGN), which a child
-# inherits, and posttrain keeps an ignored SIGINT ignored (a background job)
+# a console's SIGINT: the suite may run as a background job (`make test &` in a script), which ignores SIGINT;
+# a child inherits that, and posttrain keeps an ignored SIGINT ignored (as test_faults_endings's script)
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 def hang():  # short sleeps: a signal that another thread of the process took is handled within 0.1 s
