@@ -31,6 +31,7 @@ import torch
 
 from posttrain.algorithms.preference import kto_loss
 from posttrain.config import KTOConfig
+from posttrain.config.summary import data_parallel_size
 from posttrain.data import pack_collate, pad_collate
 from posttrain.data.errors import DataError
 from posttrain.data.unpaired_dataset import UnpairedDataset, kl_sides, row_sides
@@ -118,6 +119,18 @@ def unpaired_items(rows: list[dict], tokenizer, cfg: KTOConfig, what: str) -> li
     return tokenised_items(data, what, cfg, tokenizer)
 
 
+def _check_eval_rows(n: int, dp_size: int, dataset) -> None:
+    """An evaluation runs the largest multiple of the data-parallel size of the eval rows (each rank the same
+    number); KTO's KL estimate needs two of them."""
+    evaluated = n - n % dp_size
+    if evaluated < 2:
+        ranks = f" ({dp_size} data-parallel ranks evaluate {evaluated}: a multiple of {dp_size})" \
+            if dp_size > 1 else ""
+        rows = f"{n} row{'s' * (n != 1)}{ranks}"
+        raise DataError(f"--eval.dataset {dataset}: {rows}, and KTO needs 2 evaluated rows for its KL "
+                        "estimate (each row's prompt is paired with another row's completion); add rows")
+
+
 def train_kto(cfg: KTOConfig) -> dict:
     """Run KTO as configured (the flags validated: `config.validate`); returns the final eval metrics (empty
     without an eval set)."""
@@ -126,9 +139,8 @@ def train_kto(cfg: KTOConfig) -> dict:
         train_items = unpaired_items(run.train_rows, tok, cfg, "train set")
         eval_items = unpaired_items(run.eval_rows, tok, cfg, "eval set") if run.eval_rows else None
         m = cfg.model
-        if eval_items is not None and len(eval_items) < 2 and m.loss_type == "kto":
-            raise DataError(f"--eval.dataset {cfg.eval.dataset}: 1 row, which has no KL partner (KTO pairs "
-                            "each row's prompt with another row's completion); add rows")
+        if eval_items is not None and m.loss_type == "kto":
+            _check_eval_rows(len(eval_items), data_parallel_size(cfg, run.world_size), cfg.eval.dataset)
         objective = KTOObjective(pad_id=tok.pad_token_id, packing=cfg.ds.packing_samples,
                                  max_len=cfg.data.max_len, eos_id=tok.eos_token_id, beta=m.beta,
                                  desirable_weight=m.desirable_weight,

@@ -28,7 +28,7 @@ from posttrain.data.errors import DataError, check_dropped
 from posttrain.data.process_reward_dataset import ProcessRewardDataset
 from posttrain.models import forward_logits
 from posttrain.models.prm_spec import PRMSpec, one_token_id, save_prm_spec
-from posttrain.trainers.session import SingleModelRun
+from posttrain.trainers.session import ExportHooks, SingleModelRun
 from posttrain.utils.errors import ConfigError
 from posttrain.utils.log import info
 
@@ -103,11 +103,10 @@ def train_prm(cfg: PRMConfig) -> dict:
             raise DataError(f"--eval.dataset {cfg.eval.dataset}: its step labels are "
                             f"{'probabilities' if held.soft else 'label tokens'}, the training set's are "
                             "not; use one kind")
-        if spec is not None:
-            run.export_extras = lambda folder: save_prm_spec(folder, spec)
-        else:
+        if spec is None:
             info("no --model.reward_tokens: the PRM is trained over the whole vocabulary and its folder gets "
                  "no prm.json; to score steps in RL pass --reward.prm_reward_tokens (good first)")
         objective = PRMObjective(tok.pad_token_id, cfg.ds.packing_samples, placeholder_id, reward_ids,
                                  soft=train.soft)
-        return run.fit(objective, train.items, held.items if held is not None else None)
+        export = ExportHooks(extras=None if spec is None else lambda folder: save_prm_spec(folder, spec))
+        return run.fit(objective, train.items, held.items if held is not None else None, export=export)

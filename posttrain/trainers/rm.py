@@ -36,7 +36,7 @@ from posttrain.data.validation import MARGIN_KEY
 from posttrain.models import last_token_values, unwrap_model
 from posttrain.models.loading import check_model_path, read_head
 from posttrain.trainers.pairs import PairObjective, preference_items
-from posttrain.trainers.session import SingleModelRun
+from posttrain.trainers.session import ExportHooks, SingleModelRun
 from posttrain.utils.log import info
 
 
@@ -114,12 +114,13 @@ def train_rm(cfg: RMConfig) -> dict:
             if run.eval_rows else None
         objective = RMObjective(tok.pad_token_id, cfg.ds.packing_samples, cfg.model.loss_type, use_margin)
         lora = run.setup.lora is not None
+        export = ExportHooks()
         if prefix != "score":
             if lora:
                 info(f"--ds.value_head_prefix {prefix}: a LoRA adapter keeps peft's names for the head; "
                      "merge it with posttrain lora-merge to get a plain score model")
             else:
-                run.export_state = lambda state: rename_head(state, prefix)
+                export = ExportHooks(state=lambda state: rename_head(state, prefix))
 
         def store_reward_stats(loop, final: dict) -> None:
             if "eval/reward_mean" in final:
@@ -138,4 +139,4 @@ def train_rm(cfg: RMConfig) -> dict:
                 run.output_dir.mkdir(parents=True, exist_ok=True)
                 config.to_json_file(str(run.output_dir / "config.json"))
 
-        return run.fit(objective, train_items, eval_items, on_trained=store_reward_stats)
+        return run.fit(objective, train_items, eval_items, on_trained=store_reward_stats, export=export)

@@ -22,6 +22,7 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -169,6 +170,15 @@ def warmup_note(opt, steps: int, prefix: str = "") -> str | None:
             "log lr near 0")
 
 
+@dataclass(frozen=True)
+class ExportHooks:
+    """What a trainer adds to every HF export of its model: `state` maps the state dict before it is saved
+    (e.g. the RM's head renamed), `extras(folder)` writes files beside it (e.g. a PRM's prm.json)."""
+
+    state: Callable[[dict], dict] | None = None
+    extras: Callable[[Path], None] | None = None
+
+
 class SingleModelRun:
     """SFT/RM/DPO's run: `RunStart`, then the tokenizer and data rows; `fit` loads the model, builds the
     train engine, runs the `SingleModelLoop` and exports the final model. With --ds.zero_stage 3 over
@@ -194,10 +204,7 @@ class SingleModelRun:
                                         cfg.train.seed, cfg.data.max_samples)
             self.eval_rows = self._eval_rows()
         self.head_prefix = head_prefix
-        # optional: state dict -> state dict applied to every HF export (e.g. RM head renaming)
-        self.export_state = None
-        # optional: folder -> None, writes files beside every HF export (e.g. a PRM's prm.json)
-        self.export_extras = None
+        self._export = ExportHooks()
 
     def close(self) -> None:
         """Release the run directory (idempotent); `fit` does it when it ends."""
@@ -220,11 +227,13 @@ class SingleModelRun:
         info(f"eval set: {len(rows)} rows from {cfg.eval.dataset} split '{cfg.eval.split}'")
         return rows
 
-    def fit(self, objective, train_items: list[dict], eval_items: list[dict] | None, on_trained=None) -> dict:
+    def fit(self, objective, train_items: list[dict], eval_items: list[dict] | None, on_trained=None,
+            export: ExportHooks | None = None) -> dict:
         """Train, then call `on_trained(loop, final_metrics)` (all ranks; e.g. RM reward statistics
-        written into the model config) and export the final model to the run directory. Releases
-        the run directory however it ends."""
+        written into the model config) and export the final model to the run directory, `export`'s hooks
+        applied to it and to every `--ckpt.save_hf` export. Releases the run directory however it ends."""
         self._loop = None
+        self._export = export or ExportHooks()
         try:
             with interrupt_as_error(self._interrupted_message):
                 return self._fit(objective, train_items, eval_items, on_trained)
@@ -314,12 +323,13 @@ class SingleModelRun:
         """Write a `from_pretrained`-loadable model (all ranks call; ZeRO-3 gathers on rank 0)."""
         state = engine.full_state_dict() if hasattr(engine, "full_state_dict") else None
         if engine.is_main:
-            if self.export_state is not None:
-                state = self.export_state(state if state is not None else engine.module.state_dict())
+            hooks = self._export
+            if hooks.state is not None:
+                state = hooks.state(state if state is not None else engine.module.state_dict())
             savers = export_savers(self.tokenizer, self.processor)
             save_pretrained(engine.module, savers, out_dir, state_dict=state)
-            if self.export_extras is not None:
-                self.export_extras(out_dir)
+            if hooks.extras is not None:
+                hooks.extras(out_dir)
         engine.barrier()
 
 

@@ -191,3 +191,17 @@ def test_a_step_of_one_row_is_refused_before_anything_loads(tmp_path, capsys):
     assert exit_info.value.code == 2
     assert "--train.batch_size 1: KTO estimates its KL term from each row's prompt with another row's" \
         in capsys.readouterr().err
+
+
+def test_an_eval_set_that_leaves_fewer_than_two_evaluated_rows_is_refused():
+    """An evaluation runs the largest multiple of the data-parallel size of the rows: 3 rows on 4 ranks
+    evaluate none, which used to fail at the first evaluation, after training had started."""
+    from posttrain.data.errors import DataError
+    from posttrain.trainers.kto import _check_eval_rows
+
+    _check_eval_rows(2, 1, "e.jsonl")
+    _check_eval_rows(3, 2, "e.jsonl")  # 2 evaluated
+    with pytest.raises(DataError, match=r"e\.jsonl: 1 row, and KTO needs 2 evaluated rows"):
+        _check_eval_rows(1, 1, "e.jsonl")
+    with pytest.raises(DataError, match=r"3 rows \(4 data-parallel ranks evaluate 0: a multiple of 4\)"):
+        _check_eval_rows(3, 4, "e.jsonl")
