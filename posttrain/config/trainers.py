@@ -9,6 +9,13 @@ from typing import ClassVar
 
 from posttrain.compat.trl_rloo import Translation
 from posttrain.config import facts
+from posttrain.config.data_sections import (
+    PPODataConfig,
+    PreferenceDataConfig,
+    PRMDataConfig,
+    SFTDataConfig,
+    UnpairedDataConfig,
+)
 from posttrain.config.facts import Inert
 from posttrain.config.inference import INFERENCE_CONFIGS, ChatConfig, EvalCmdConfig, GenerateConfig
 from posttrain.config.roles import (
@@ -37,17 +44,12 @@ from posttrain.config.sections import (
     LoggerConfig,
     OptimizerFields,
     PPOCkptConfig,
-    PPODataConfig,
     PPODSConfig,
     PPOEvalConfig,
     PPOTrainConfig,
-    PreferenceDataConfig,
-    PRMDataConfig,
     RolloutConfig,
     ScoreDSConfig,
-    SFTDataConfig,
     TrainConfig,
-    UnpairedDataConfig,
     VLLMConfig,
     WandbConfig,
 )

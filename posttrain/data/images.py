@@ -20,7 +20,7 @@ from urllib.request import url2pathname
 
 from PIL import Image, UnidentifiedImageError
 
-from posttrain.config.sections import IMAGE_MAX_BYTES, IMAGE_MAX_PIXELS, IMAGE_URL_TIMEOUT
+from posttrain.config.data_sections import IMAGE_MAX_BYTES, IMAGE_MAX_PIXELS, IMAGE_URL_TIMEOUT
 
 from .errors import DataError, where
 
