@@ -196,7 +196,7 @@ class RLTrainer(RunLoop):
                                        self.cfg, processor=self.data.processor)
 
     def _place_on_ray(self, updates: int):
-        """Every role as a Ray actor group (`distributed.ray_placement`); the groups have the roles'
+        """Every role as a Ray actor group (`placement/ray_placement.py`); the groups have the roles'
         methods, so the rest of the loop does not change. Returns the teacher's group and the reward group
         when it is a process reward model (each None without one)."""
         from posttrain.trainers.rl.placement.ray_placement import RayPlacement
@@ -298,7 +298,7 @@ class RLTrainer(RunLoop):
         the actor's own module (one process, not async) and --ds.gather_for_generation: the actor engine's
         `gathered_for_generation` (under ZeRO-3 the weights are gathered once per batch, not per layer
         and decode step; a no-op for other engines). Otherwise nothing: generation runs from the sharded
-        module, or the engines hold their own copies (weight sync honours the flag, `distributed.workers`).
+        module, or the engines hold their own copies (weight sync honours the flag, `placement/workers.py`).
         An engine sampling from the actor's module frees its fused decode weights after the batch; sleeping
         Ray engines (--vllm.enable_sleep) wake for the batch and sleep after it."""
         if self.shares_actor_module and self.cfg.ds.gather_for_generation:

@@ -161,7 +161,7 @@ class RoleWorker(_Process):
         return self.obj.values(self._shard(arrays, rows), batching).numpy()[: len(rows)]
 
     def fit(self, arrays, step_rows: list[list[int]], settings, *args) -> tuple[dict, dict]:
-        """This rank's metrics and their weights (tokens), for `ray_placement.merge_metrics`."""
+        """This rank's metrics and their weights (tokens), for `role_groups.merge_metrics`."""
         exp = experience_from_numpy(arrays)
         weights: dict = {}
         return self.obj.fit(exp, settings, *args, step_rows=step_rows, weights_out=weights), weights

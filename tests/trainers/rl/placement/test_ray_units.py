@@ -6,6 +6,7 @@ import torch
 from posttrain.config import parse_config
 
 ray_placement = pytest.importorskip("posttrain.trainers.rl.placement.ray_placement")
+role_groups = pytest.importorskip("posttrain.trainers.rl.placement.role_groups")
 
 
 def test_rank_metrics_merge_as_one_process_computes_them():
@@ -16,7 +17,7 @@ def test_rank_metrics_merge_as_one_process_computes_them():
     weights = [{"actor/kl_loss": 10.0, "actor/grad_norm": 2.0}, {"actor/kl_loss": 30.0,
                                                                  "actor/grad_norm": 2.0,
                                                                  "rollout/logprob_abs_gap": 7.0}]
-    out = ray_placement.merge_metrics(per_rank, weights)
+    out = role_groups.merge_metrics(per_rank, weights)
     assert out["actor/kl_loss"] == pytest.approx((1.0 * 10 + 3.0 * 30) / 40)  # token-weighted, not (1+3)/2
     assert out["actor/policy_loss"] == pytest.approx(0.75)  # each rank's share of the step's loss
     assert out["train/rows_per_step"] == 8 and out["actor/grad_norm"] == 2.0
@@ -97,7 +98,7 @@ def test_least_loaded_dispatch_follows_rows_in_flight():
 
 
 def test_a_dispatch_that_fails_to_start_returns_its_load():
-    group = ray_placement.EngineGroup("rollout", [object(), object()], with_ray=True, backend="gloo")
+    group = role_groups.EngineGroup("rollout", [object(), object()], with_ray=True, backend="gloo")
 
     def broken(handle, rows):
         raise RuntimeError("the actor died before the call")
@@ -126,11 +127,11 @@ def test_the_ranks_of_a_ring_or_tensor_parallel_group_train_the_same_shuffled_ro
                               entropy_coef=None, kl_use_loss=False, kl_estimator="k1", is_correction=None,
                               is_threshold=(0.5, 5.0), value_clip=None, seed=0)
     got = []
-    monkeypatch.setattr(ray_placement.ray, "put", lambda x: x)
-    monkeypatch.setattr(ray_placement._RoleGroup, "call_each",
+    monkeypatch.setattr(role_groups.ray, "put", lambda x: x)
+    monkeypatch.setattr(role_groups._RoleGroup, "call_each",
                         lambda self, method, args: got.append([a[1] for a in args]) or [({}, {})] * len(args))
     layout = ParallelLayout(2 * context * tensor, context=context, tensor=tensor)
-    group = ray_placement.ActorGroup("actor", [object()] * layout.world, keeps_ema=False, layout=layout)
+    group = role_groups.ActorGroup("actor", [object()] * layout.world, keeps_ema=False, layout=layout)
     group.fit(exp, settings, 0.0, 3)
     group.fit(exp, settings, 0.0, 4)
     for plan in got:
