@@ -394,15 +394,20 @@ def ring_common() -> list:
             "--model.gradient_checkpointing_enable", "--train.micro_batch_size", 4]
 
 
-def simpo_common() -> list:
-    return [*zero3_common(), "--model.loss_type", "simpo", "--model.beta", 2.0, "--model.simpo_gamma", 0.5]
+REFERENCE_FREE = {"simpo": ("--model.beta", 2.0, "--model.simpo_gamma", 0.5),
+                  "orpo": ("--model.orpo_lambda", 0.5),
+                  "cpo": ("--model.beta", 0.5, "--model.cpo_alpha", 0.5)}
+
+
+def reference_free_common(loss: str) -> list:
+    return [*zero3_common(), "--model.loss_type", loss, *REFERENCE_FREE[loss]]
 
 
 @pytest.fixture(scope="module")
 def two_rank_runs(tiny_model_dir, pref_dir, unpaired_dir, tmp_path_factory):
     """This module's 2-rank runs, in one launch (`torchrun_cases`): "zero3" (token-budget micro-batches,
-    ZeRO-3), "ring" (ring attention 2, ZeRO-3), "simpo" (SimPO, packed, ZeRO-3) and "kto" (`posttrain kto`,
-    ZeRO-3, 2 micro-batches per rank) -> (run folder, its `CaseRun`)."""
+    ZeRO-3), "ring" (ring attention 2, ZeRO-3), "simpo", "orpo" and "cpo" (reference-free, packed, ZeRO-3) and
+    "kto" (`posttrain kto`, ZeRO-3, 2 micro-batches per rank) -> (run folder, its `CaseRun`)."""
     from sft_helpers import torchrun_cases
 
     root = tmp_path_factory.mktemp("two_ranks")
@@ -410,8 +415,8 @@ def two_rank_runs(tiny_model_dir, pref_dir, unpaired_dir, tmp_path_factory):
                        "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", 85),
              "ring": (*ring_common(), "--ds.zero_stage", 3, "--ds.ring_attn_size", 2,
                       "--ds.ring_attn_head_stride", 2),
-             "simpo": (*simpo_common(), "--ds.zero_stage", 3, "--ds.packing_samples",
-                       "--train.micro_batch_size", 4)}
+             **{loss: (*reference_free_common(loss), "--ds.zero_stage", 3, "--ds.packing_samples",
+                       "--train.micro_batch_size", 4) for loss in REFERENCE_FREE}}
     cases = [("posttrain.cli.train_dpo", dpo_flags(tiny_model_dir, pref_dir, root / case, *more))
              for case, more in flags.items()]
     cases.append(("posttrain.cli.train_kto", kto_flags(tiny_model_dir, unpaired_dir, root / "kto",
@@ -534,24 +539,26 @@ def test_ring_attention_over_two_ranks_matches_single_process(tiny_model_dir, pr
 
 
 @pytest.mark.e2e
-def test_simpo_packed_over_two_ranks_matches_one_unpacked_process(tiny_model_dir, pref_dir, tmp_path,
-                                                                   two_rank_runs):
-    """SimPO (reference-free) packed, 2 ranks under ZeRO-3, equals one padded process: the token means
-    a = π/|y| come out the same from packed rows, and no rank loads or runs a reference (no shards, no
-    collective reference forward)."""
+@pytest.mark.parametrize("loss", list(REFERENCE_FREE))
+def test_a_reference_free_loss_packed_over_two_ranks_matches_one_unpacked_process(
+        loss, tiny_model_dir, pref_dir, tmp_path, two_rank_runs):
+    """SimPO, ORPO and CPO (reference-free) packed, 2 ranks under ZeRO-3, equal one padded process: the token
+    means a = π/|y| (SimPO, ORPO's odds and its NLL term) and the sums π (CPO) come out the same from packed
+    rows, and no rank loads or runs a reference (no shards, no collective reference forward)."""
     from sft_helpers import assert_same_grad_norms, assert_weights_within_rounding
 
     from posttrain.cli import train_dpo
 
     single = tmp_path / "single"
-    train_dpo.main(dpo_flags(tiny_model_dir, pref_dir, single, *simpo_common(), "--train.micro_batch_size",
-                             16))
-    multi, proc = two_rank_runs["simpo"]
+    train_dpo.main(dpo_flags(tiny_model_dir, pref_dir, single, *reference_free_common(loss),
+                             "--train.micro_batch_size", 16))
+    multi, proc = two_rank_runs[loss]
     proc.ok()
     assert "world_size = 2" in proc.stderr and "(frozen" not in proc.stderr
-    assert "no reference model: --model.loss_type simpo is reference-free" in proc.stderr
+    assert f"no reference model: --model.loss_type {loss} is reference-free" in proc.stderr
     runs = [[r for r in read_metrics(d / "metrics.jsonl") if "train/loss" in r] for d in (single, multi)]
-    for key in ("train/loss", "train/simpo_loss", "train/margin", "train/acc"):
+    term = {"simpo": "train/simpo_loss", "orpo": "train/or_loss", "cpo": "train/cpo_loss"}[loss]
+    for key in ("train/loss", term, "train/margin", "train/acc"):
         assert [r[key] for r in runs[0]] == pytest.approx([r[key] for r in runs[1]], abs=1e-5), key
     assert len(runs[0]) == 3 and runs[0][-1]["train/loss"] < runs[0][0]["train/loss"]
     assert_same_grad_norms(single, multi)

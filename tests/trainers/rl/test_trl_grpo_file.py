@@ -1,7 +1,8 @@
 """`posttrain ppo --config grpo.yaml` (a TRL 1.16 GRPOConfig file) equals TRL's own GRPOTrainer on the first
-update: posttrain samples and trains one step on a tiny model; TRL's GRPOTrainer is then given the same
-prompts and the completions posttrain sampled (its tokenisation and generation patched to return them), scores
-them with the same reward function and takes one step. Same advantages, same parameters to 1e-5."""
+update, and a TRL 1.16 RLOOConfig file TRL's RLOOTrainer: posttrain samples and trains one step on a tiny
+model; TRL's trainer is then given the same prompts and the completions posttrain sampled (its tokenisation
+and generation patched to return them), scores them with the same reward function and takes one step. Same
+advantages, same parameters to 1e-5."""
 import json
 from collections import defaultdict
 
@@ -16,6 +17,11 @@ FIELDS = {"num_generations": 4, "per_device_train_batch_size": 8, "max_steps": 1
           "lr_scheduler_type": "constant",
           "temperature": 1.0, "gradient_checkpointing": False, "bf16": False, "seed": 3, "report_to": "none",
           "logging_steps": 1}
+# RLOOConfig has no loss_type; normalize_advantages marks the file as RLOO's (and whitens the advantages);
+# RLOO's default beta 0.05 puts the sequence KL in the reward (0 at step 1: the policy is the reference)
+KIND_FIELDS = {"grpo": FIELDS,
+               "rloo": {**{k: v for k, v in FIELDS.items() if k != "loss_type"}, "normalize_advantages": True,
+                        "beta": 0.05}}
 REWARD = '''import json
 
 LOG = {log!r}
@@ -54,36 +60,48 @@ def likely_eos(model_dir, out) -> str:
     return str(out)
 
 
-@pytest.fixture(scope="module")
-def posttrain_run(tiny_model_dir, tmp_path_factory):
-    """(the model, posttrain's run folder, the samples posttrain scored: [{"prompt", "ids"}])."""
+@pytest.fixture(scope="module", params=["grpo", "rloo"])
+def posttrain_run(request, tiny_model_dir, tmp_path_factory):
+    """(the TRL config's kind, the model, posttrain's run folder, the samples posttrain scored:
+    [{"prompt", "ids"}])."""
     pytest.importorskip("trl")
     from posttrain.cli import train_ppo_ray
 
-    root = tmp_path_factory.mktemp("grpo_file")
+    kind = request.param
+    root = tmp_path_factory.mktemp(f"{kind}_file")
     model_dir = likely_eos(tiny_model_dir, root / "model")
     (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     (root / "reward.py").write_text(REWARD.format(log=str(root / "samples.jsonl")))
     out = root / "run"
-    config = {**FIELDS, "model_name_or_path": model_dir, "dataset_name": str(root / "prompts.jsonl"),
-              "output_dir": str(out)}
-    (root / "grpo.yaml").write_text(yaml.safe_dump(config))
-    train_ppo_ray.main(["--config", str(root / "grpo.yaml"), "--reward.func_path",
+    config = {**KIND_FIELDS[kind], "model_name_or_path": model_dir,
+              "dataset_name": str(root / "prompts.jsonl"), "output_dir": str(out)}
+    (root / f"{kind}.yaml").write_text(yaml.safe_dump(config))
+    train_ppo_ray.main(["--config", str(root / f"{kind}.yaml"), "--reward.func_path",
                         f"{root / 'reward.py'}:reward_func"])
     samples = [json.loads(line) for line in (root / "samples.jsonl").read_text().splitlines()]
-    return model_dir, out, samples
+    return kind, model_dir, out, samples
+
+
+def expected_advantages(kind: str, rewards: list[list[float]]) -> list[list[float]]:
+    """Per prompt group: GRPO's (r - mean) / (std + 1e-4) (posttrain's group_norm with TRL's eps); RLOO's
+    r - (mean of the other samples), then whitened over the whole batch with the unbiased std + 1e-4."""
+    from posttrain.algorithms import group_baseline
+
+    if kind == "grpo":
+        return [group_baseline(torch.tensor(r), len(r), "group_norm", eps=1e-4).tolist() for r in rewards]
+    loo = torch.tensor([[x - (sum(r) - x) / (len(r) - 1) for x in r] for r in rewards])
+    return ((loo - loo.mean()) / (loo.flatten().std() + 1e-4)).tolist()
 
 
 @pytest.mark.slow
-def test_grpo_yaml_first_update_equals_trls_grpo_trainer(posttrain_run, tmp_path):
+def test_a_trl_1x_file_first_update_equals_trls_own_trainer(posttrain_run, tmp_path):
     trl = pytest.importorskip("trl")
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from posttrain.algorithms import group_baseline
-
-    model_dir, out, samples = posttrain_run
-    assert (out / "trl_grpo_translation.txt").read_text().startswith("TRL GRPOConfig (v1.16.0 semantics)")
+    kind, model_dir, out, samples = posttrain_run
+    title = "GRPOConfig" if kind == "grpo" else "RLOOConfig"
+    assert (out / f"trl_{kind}_translation.txt").read_text().startswith(f"TRL {title} (v1.16.0 semantics)")
     assert sorted(s["prompt"] for s in samples) == sorted(PROMPTS * 4)
     assert len({len(s["ids"]) for s in samples}) > 1  # completions of several lengths
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -92,24 +110,28 @@ def test_grpo_yaml_first_update_equals_trls_grpo_trainer(posttrain_run, tmp_path
     for s in samples:
         queue[tuple(prompt_ids[s["prompt"]])].append(s["ids"])
 
-    args = trl.GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, save_strategy="no", **FIELDS)
-    trainer = trl.GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                              reward_funcs=lambda completion_ids, **_: [score(c) for c in completion_ids],
-                              args=args, train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]),
-                              processing_class=tokenizer)
+    config, trainer_class = (trl.GRPOConfig, trl.GRPOTrainer) if kind == "grpo" else \
+        (trl.RLOOConfig, trl.RLOOTrainer)
+    args = config(output_dir=str(tmp_path / "trl"), use_cpu=True, save_strategy="no", **KIND_FIELDS[kind])
+    trainer = trainer_class(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                            reward_funcs=lambda completion_ids, **_: [score(c) for c in completion_ids],
+                            args=args, train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]),
+                            processing_class=tokenizer)
     trainer._tokenize_prompts = lambda prompts: ([prompt_ids[p] for p in prompts], None, {})
-    trainer._generate_single_turn = lambda ids, *_, **__: ([queue[tuple(i)].pop(0) for i in ids], None)
+    sampled = lambda ids: [queue[tuple(i)].pop(0) for i in ids]  # noqa: E731
+    # GRPOTrainer's returns (completion ids, sampling log-probs); RLOOTrainer's the completion ids alone
+    trainer._generate_single_turn = (lambda ids, *_, **__: (sampled(ids), None)) if kind == "grpo" else \
+        (lambda ids, *_, **__: sampled(ids))
     batches = []
     generate = trainer._generate_and_score_completions
     trainer._generate_and_score_completions = lambda inputs: batches.append(generate(inputs)) or batches[-1]
     trainer.train()
 
-    # TRL's advantages = posttrain's group_norm with TRL's eps, per (prompt, completion)
-    ours = {}
-    for p in PROMPTS:
-        group = [s["ids"] for s in samples if s["prompt"] == p]
-        adv = group_baseline(torch.tensor([score(c) for c in group]), 4, "group_norm", eps=1e-4)
-        ours.update({(tuple(prompt_ids[p]), tuple(c)): a for c, a in zip(group, adv.tolist())})
+    # TRL's advantages, per (prompt, completion), computed by hand from the same rewards
+    groups = {p: [s["ids"] for s in samples if s["prompt"] == p] for p in PROMPTS}
+    advantages = expected_advantages(kind, [[score(c) for c in groups[p]] for p in PROMPTS])
+    ours = {(tuple(prompt_ids[p]), tuple(c)): a for p, adv in zip(PROMPTS, advantages)
+            for c, a in zip(groups[p], adv)}
     (batch,) = batches
     for ids, mask, completion, cmask, adv in zip(batch["prompt_ids"], batch["prompt_mask"],
                                                  batch["completion_ids"], batch["completion_mask"],

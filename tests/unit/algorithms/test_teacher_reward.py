@@ -50,3 +50,33 @@ def test_the_teacher_term_alone_is_untouched_by_the_group_baselines():
     for estimator in ("rloo", "group_norm", "dr_grpo"):
         adv, _ = compute_advantages(estimator, torch.zeros(2), mask, n=2, token_extra=extra)
         close(adv, [[-1.0, -2.0], [1.0, 0.5]])
+
+
+def test_gae_takes_the_teacher_term_as_per_token_rewards_beside_the_critics_values():
+    """gae (a critic): r_t = extra_t (+ the task reward on the last token); A_t = G_t - V_t with lambda 1,
+    G_t the discounted return; the returns the critic learns are A_t + V_t."""
+    mask = torch.ones(1, 3)
+    extra = torch.tensor([[0.5, -1.0, 2.0]])
+    values = torch.tensor([[0.2, 0.3, 0.4]])
+    # gamma 1: rewards [0.5, -1, 2 + 1]; returns [2.5, 2, 3]; advantages returns - values
+    adv, ret = compute_advantages("gae", torch.tensor([1.0]), mask, n=1, values=values, gamma=1.0, lam=1.0,
+                                  whiten=False, token_extra=extra)
+    close(adv, [[2.3, 1.7, 2.6]])
+    close(ret, [[2.5, 2.0, 3.0]])
+    # gamma 0.5: G = [0.5 + 0.5 * 0.5, -1 + 0.5 * 3, 3] = [0.75, 0.5, 3]
+    adv, ret = compute_advantages("gae", torch.tensor([1.0]), mask, n=1, values=values, gamma=0.5, lam=1.0,
+                                  whiten=False, token_extra=extra)
+    close(adv, [[0.55, 0.2, 2.6]])
+    close(ret, [[0.75, 0.5, 3.0]])
+
+
+def test_reinforce_baseline_subtracts_the_group_mean_from_the_task_reward_only():
+    """reinforce_baseline: the task rewards [1, 0] of one prompt's two samples become [0.5, -0.5]; the teacher
+    term is added per token afterwards, and the returns (gamma 1) sum it to the end; its default whitening is
+    a separate step (whiten=False here)."""
+    mask = torch.ones(2, 2)
+    extra = torch.tensor([[1.0, -2.0], [0.5, 0.5]])
+    adv, _ = compute_advantages("reinforce_baseline", torch.tensor([1.0, 0.0]), mask, n=2, whiten=False,
+                                token_extra=extra)
+    # rewards per token: [1, -2 + 0.5] and [0.5, 0.5 - 0.5]
+    close(adv, [[-0.5, -1.5], [0.5, 0.0]])

@@ -181,12 +181,14 @@ def test_docs_table_names_every_field():
     assert not missing, f"docs/from-trl.md's GRPOConfig / RLOOConfig table does not name {missing}"
 
 
-def test_the_example_file_translates():
-    path = Path(__file__).parents[3] / "examples" / "trl" / "grpo.yaml"
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_the_example_files_translate(kind):
+    path = Path(__file__).parents[3] / "examples" / "trl" / f"{kind}.yaml"
     data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    assert trl_kind(data) == "grpo"
+    assert trl_kind(data) == kind
     v = translate_trl(data).values
     assert (v["rollout.batch_size"], v["train.batch_size"], v["train.max_steps"]) == (8, 32, 4)
+    assert v["algo.advantage.estimator"] == ("group_norm" if kind == "grpo" else "rloo")
 
 
 def test_the_grpo_only_fields_are_trls():
