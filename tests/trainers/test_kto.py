@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from test_dpo import kto_flags, pref_dir, unpaired, unpaired_dir  # noqa: F401  (fixtures: DPO's pairs)
+from test_dpo import dpo_run, kto_flags, pref_dir, unpaired, unpaired_dir  # noqa: F401  (DPO's pairs, run)
 
 from posttrain.utils.metrics import read_metrics
 
@@ -106,10 +106,11 @@ def heldout_gaps(model_dir, pref_dir) -> torch.Tensor:  # noqa: F811
 
 
 def test_kto_on_unpaired_rows_raises_the_chosen_over_rejected_margin(
-        sft_nano, pref_dir, unpaired_dir, tmp_path):  # noqa: F811
+        sft_nano, pref_dir, unpaired_dir, dpo_run, tmp_path):  # noqa: F811
     """The DPO test's 64 pairs as 128 unpaired rows, 2 epochs of 4 steps from the SFT-ed model: the held-out
     pairs' margin over the reference (chosen - rejected log-prob gap, now minus at the start) grows for
-    nearly every pair, as DPO's does on the pairs (test_dpo)."""
+    nearly every pair, as DPO's does on the same pairs at the same steps (its run in test_dpo): KTO's
+    preference accuracy (the share of held-out pairs whose margin grew) is within one pair of DPO's."""
     from posttrain.cli.main import main
 
     out = tmp_path / "kto"
@@ -119,8 +120,12 @@ def test_kto_on_unpaired_rows_raises_the_chosen_over_rejected_margin(
     assert train[0]["train/loss"] == pytest.approx(0.5, abs=1e-6) and train[0]["train/kl"] == 0.0
     assert train[-1]["train/loss"] < 0.5
     assert train[-1]["train/chosen_reward"] > 0 > train[-1]["train/rejected_reward"]
-    margin = heldout_gaps(out, pref_dir) - heldout_gaps(sft_nano[0], pref_dir)
+    before = heldout_gaps(sft_nano[0], pref_dir)
+    margin = heldout_gaps(out, pref_dir) - before
     assert float((margin > 0).float().mean()) > 0.9 and float(margin.mean()) > 1.0, margin
+    dpo_margin = heldout_gaps(dpo_run[0], pref_dir) - before
+    kto_acc, dpo_acc = (float((m > 0).float().mean()) for m in (margin, dpo_margin))
+    assert kto_acc >= dpo_acc - 1 / len(margin), (kto_acc, dpo_acc)
 
 
 def test_a_resumed_run_ends_where_the_uninterrupted_one_does(tiny_model_dir, unpaired_dir,  # noqa: F811
