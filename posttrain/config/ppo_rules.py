@@ -80,6 +80,13 @@ def _reward_source(cfg: PPOConfig, r: RuleReport) -> None:
             "--teacher.model_name_or_path (on-policy distillation: the teacher's per-token reward alone)",
         )
     task_reward = rw.model_name_or_path or rw.remote_url or rw.func_path or t.agent_func_path
+    if cfg.eval.dataset and not ((rw.model_name_or_path and not rw.prm) or rw.remote_url or rw.func_path
+                                 or t.agent_func_path):
+        r.warnings.append(
+            f"--eval.dataset {format_value(cfg.eval.dataset)}: this run has no task reward (its only rewards "
+            "are per-token terms: the teacher's or the PRM's), so every evaluation reward and pass rate "
+            "reads 0 and no best model is selected; add --reward.remote_url or --reward.func_path to "
+            "measure the task")
     if cfg.teacher.model_name_or_path and not task_reward and cfg.algo.dynamic_filtering_enable:
         r.bad("algo.dynamic_filtering_enable", True, "filters groups by their task rewards, and this run's "
               "only reward is the teacher's per-token term (every score 0: every group would be dropped); "

@@ -70,6 +70,19 @@ def test_a_teacher_of_another_vocabulary_is_refused(tiny_model_dir, tmp_path):
         check_teacher_vocabulary(cfg, tokenizer)
 
 
+def test_a_teacher_only_run_with_an_eval_set_is_warned_that_its_eval_rewards_read_0():
+    from posttrain.config import ConfigWarning
+
+    teacher = ["--teacher.model_name_or_path", "t", "--eval.dataset", "e.jsonl"]
+    with pytest.warns(ConfigWarning, match="--eval.dataset e.jsonl: this run has no task reward"):
+        parse_config("ppo", _without_reward() + teacher, device="cpu")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        parse_config("ppo", BASE["ppo"] + teacher, device="cpu")  # with a task reward: no warning
+
+
 def test_a_teacher_only_run_refuses_dynamic_filtering():
     """No task reward: every score is 0 and dynamic filtering would drop every group."""
     teacher = ["--teacher.model_name_or_path", "t", "--algo.dynamic_filtering_enable",
