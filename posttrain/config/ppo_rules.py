@@ -79,9 +79,10 @@ def _reward_source(cfg: PPOConfig, r: RuleReport) -> None:
             "--train.agent_func_path (an agent file whose environment returns rewards) or "
             "--teacher.model_name_or_path (on-policy distillation: the teacher's per-token reward alone)",
         )
-    task_reward = rw.model_name_or_path or rw.remote_url or rw.func_path or t.agent_func_path
-    if cfg.eval.dataset and not ((rw.model_name_or_path and not rw.prm) or rw.remote_url or rw.func_path
-                                 or t.agent_func_path):
+    scored_elsewhere = rw.remote_url or rw.func_path or t.agent_func_path
+    task_reward = rw.model_name_or_path or scored_elsewhere
+    sequence_reward = (rw.model_name_or_path and not rw.prm) or scored_elsewhere  # a PRM scores steps only
+    if cfg.eval.dataset and not sequence_reward:
         r.warnings.append(
             f"--eval.dataset {format_value(cfg.eval.dataset)}: this run has no task reward (its only rewards "
             "are per-token terms: the teacher's or the PRM's), so every evaluation reward and pass rate "

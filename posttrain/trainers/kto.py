@@ -38,7 +38,7 @@ from posttrain.data.unpaired_dataset import UnpairedDataset, kl_sides, row_sides
 from posttrain.trainers.pairs import tokenised_items
 from posttrain.trainers.reference import ReferenceForward, load_reference
 from posttrain.trainers.session import SingleModelRun
-from posttrain.trainers.single_model_loop import StepRows
+from posttrain.trainers.single_model_loop import StepRows, evaluated_rows
 
 
 class KTOObjective(ReferenceForward):
@@ -120,9 +120,8 @@ def unpaired_items(rows: list[dict], tokenizer, cfg: KTOConfig, what: str) -> li
 
 
 def _check_eval_rows(n: int, dp_size: int, dataset) -> None:
-    """An evaluation runs the largest multiple of the data-parallel size of the eval rows (each rank the same
-    number); KTO's KL estimate needs two of them."""
-    evaluated = n - n % dp_size
+    """KTO's KL estimate needs two of the rows an evaluation runs (`evaluated_rows`)."""
+    evaluated = evaluated_rows(n, dp_size)
     if evaluated < 2:
         ranks = f" ({dp_size} data-parallel ranks evaluate {evaluated}: a multiple of {dp_size})" \
             if dp_size > 1 else ""

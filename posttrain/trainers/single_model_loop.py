@@ -62,6 +62,12 @@ class StepRows:
     all_reduce: Callable[[dict[str, float]], dict[str, float]]
 
 
+def evaluated_rows(n: int, dp_size: int) -> int:
+    """The eval rows an evaluation runs: the largest multiple of the data-parallel size in `n` (every rank
+    the same number)."""
+    return n - n % dp_size
+
+
 @dataclass
 class LoopSettings:
     batch_size: int
@@ -243,11 +249,11 @@ class SingleModelLoop(RunLoop):
         if not items:
             return {}
         self.engine.module.eval()
-        n = len(items)
         dp_rank, dp_size = self._data_rank()
-        idx = batching.rank_slice(torch.arange(n - n % dp_size).numpy(), dp_rank, dp_size)
+        n = evaluated_rows(len(items), dp_size)
+        idx = batching.rank_slice(torch.arange(n).numpy(), dp_rank, dp_size)
         groups = batching.micro_batches(idx, None, micro_batch_size=self.s.micro_batch_size)
-        sums = self._run_micro_batches(groups, items, train=False, order=list(range(n - n % dp_size)))
+        sums = self._run_micro_batches(groups, items, train=False, order=list(range(n)))
         self.engine.module.train()
         return summarize(sums, prefix)
 
