@@ -76,7 +76,7 @@ def plot_runs(runs: Sequence[str | os.PathLike], out_dir: str | os.PathLike | No
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for stem, fig in figures:
-        fig.savefig(out / f"{stem}.png", dpi=100)
+        fig.savefig(out / f"{stem}.png", dpi=100, pil_kwargs={"compress_level": 1})  # ~1.5x faster, ~1.3x bytes
         written.append(out / f"{stem}.png")
     return written
 
@@ -112,8 +112,12 @@ def charts(runs: Sequence[str | os.PathLike], smoothing: float = SMOOTHING) -> l
             chunk = group_keys[part:part + PER_FIGURE]
             cols = min(_COLS, len(chunk))
             rows = -(-len(chunk) // cols)
-            fig = Figure(figsize=(6.4 * cols, 4.0 * rows), layout="constrained")
-            axes = fig.subplots(rows, cols, squeeze=False)
+            if len(names) > 1:  # the legend of the runs is placed by the layout engine
+                fig = Figure(figsize=(6.4 * cols, 4.0 * rows), layout="constrained")
+                axes = fig.subplots(rows, cols, squeeze=False)
+            else:
+                fig = Figure(figsize=(6.4 * cols, 4.0 * rows))
+                axes = fig.subplots(rows, cols, squeeze=False, gridspec_kw=_fixed_margins(cols, rows))
             for ax, key in zip(axes.flat, chunk):
                 for i, (name, series) in enumerate(zip(names, data)):
                     if key in series:
@@ -129,6 +133,18 @@ def charts(runs: Sequence[str | os.PathLike], smoothing: float = SMOOTHING) -> l
                 fig.legend(handles, names, loc="outside upper right", fontsize=10)
             figures.append((group if part == 0 else f"{group}_{part // PER_FIGURE + 1}", fig))
     return figures
+
+
+def _fixed_margins(cols: int, rows: int) -> dict[str, float]:
+    """GridSpec margins from fixed inches, for one run's charts (what every run writes when it ends): a layout
+    engine measures every label at each save, most of the time spent writing them. Room for the title above,
+    tick labels on the left, the x label below, each chart's title and x label between rows."""
+    width, height = 6.4 * cols, 4.0 * rows
+    left, right, bottom, top, col_gap, row_gap = 0.9, 0.25, 0.55, 0.6, 0.9, 0.8
+    axis_w = (width - left - right - (cols - 1) * col_gap) / cols
+    axis_h = (height - top - bottom - (rows - 1) * row_gap) / rows
+    return dict(left=left / width, right=1 - right / width, bottom=bottom / height, top=1 - top / height,
+                wspace=col_gap / axis_w, hspace=row_gap / axis_h)
 
 
 def plot_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> list[Path]:

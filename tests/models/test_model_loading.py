@@ -255,7 +255,10 @@ def test_an_unreachable_hub_id_is_one_line(monkeypatch):
     """A hub id with no hub: FileNotFoundError of one line (transformers' OSError adds a line of advice)."""
     from posttrain.models.loading import load_tokenizer
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # read when huggingface_hub is imported: the constant too
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # else ~45 s of connection retries
     with pytest.raises(FileNotFoundError, match="nosuchorg/nosuchmodel") as err:
         load_tokenizer("nosuchorg/nosuchmodel")
     assert "\n" not in str(err.value) and "init-tiny" in str(err.value)
