@@ -1,9 +1,14 @@
-"""The calculator task written as a tool file (`--train.tool_path calculator_tools.py`, scored by
-`final_answer_reward.py`) against today's agent file (`--train.agent_func_path calculator_agent.py`), at
-`posttrain demo --quick`'s scale (`--full`: the demo's full scale), over several seeds.
+"""The calculator task written as a tool file (`--train.tool_path`, scored by `final_answer_reward.py`)
+against today's agent file (`--train.agent_func_path calculator_agent.py`), at `posttrain demo --quick`'s
+scale (`--full`: the demo's full scale), over several seeds.
 
     .venv/bin/python bench/agent_tools.py [--seeds 1 2 3] [--full] [--compact-tools]
-        [--output runs/bench_agent_tools]
+        [--tool-file environment|functions] [--skip-agent-file] [--output runs/bench_agent_tools]
+
+`--tool-file environment` (the default): `calculator_env.py`, whose per-episode `Calculator` knows the
+question, so `calc()` with no arguments is the agent file's bare `calc` (the same information flow);
+`functions`: `calculator_tools.py`, whose `multiply(a, b)` needs the model to copy the operands.
+`--skip-agent-file` runs the tool file only (its row's agent-file columns read "-").
 
 Per seed, as the demo's calculator task (`cli/demo.py run_agent_task`): the nano model (seed), SFT on the
 demonstrator's transcripts (`make_calculator_rows` / `make_calculator_tool_rows`: the same problems and
@@ -29,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from posttrain.agents.examples import CALCULATOR_AGENT, CALCULATOR_TOOLS, FINAL_ANSWER_REWARD  # noqa: E402
+from posttrain.agents.examples import CALCULATOR_AGENT, CALCULATOR_ENV, CALCULATOR_TOOLS, FINAL_ANSWER_REWARD  # noqa: E402
 from posttrain.agents.examples.calculator import make_calculator_tool_rows  # noqa: E402
 from posttrain.cli import demo, train_ppo_ray, train_sft  # noqa: E402
 from posttrain.data.synthetic import write_jsonl  # noqa: E402
@@ -73,8 +78,11 @@ def run_agent_file(scale, base: Path, out: Path, seed: int) -> tuple[float, floa
     return after_sft, agent_success(rl, test, CALCULATOR_AGENT)[0]
 
 
-def run_tool_file(scale, base: Path, out: Path, seed: int, compact: bool = False) -> tuple[float, float]:
-    rows = make_calculator_tool_rows(scale.agent_train + scale.n_test, seed=seed, tool_use=demo.TOOL_USE)
+def run_tool_file(scale, base: Path, out: Path, seed: int, compact: bool = False,
+                  environment: bool = True) -> tuple[float, float]:
+    tool_file = CALCULATOR_ENV if environment else CALCULATOR_TOOLS
+    rows = make_calculator_tool_rows(scale.agent_train + scale.n_test, seed=seed, tool_use=demo.TOOL_USE,
+                                     environment=environment)
     train, test = rows[: scale.agent_train], rows[scale.agent_train:]
     data, sft, rl = out / "data" / "tools", out / "tool_sft", out / "tool_rl"
     write_jsonl(train, data / "train.jsonl")
@@ -84,14 +92,14 @@ def run_tool_file(scale, base: Path, out: Path, seed: int, compact: bool = False
         (out / "compact_tools.jinja").write_text(compact_tools_template())
         sft_flags += ["--data.tokenizer_chat_template", str(out / "compact_tools.jinja")]
     train_sft.main(sft_flags)
-    check = dict(tool_path=CALCULATOR_TOOLS, reward_file=FINAL_ANSWER_REWARD, max_len=TOOL_MAX_LEN,
+    check = dict(tool_path=tool_file, reward_file=FINAL_ANSWER_REWARD, max_len=TOOL_MAX_LEN,
                  max_new_tokens=TOOL_TURN_CAP)
     after_sft = agent_success(sft, test, None, **check)[0]
     rl_flags = demo.agent_rl_flags(scale, sft, data, rl, seed, CALCULATOR_AGENT)
     rl_flags = _set(_set(rl_flags, "--data.max_len", str(TOOL_MAX_LEN)), "--rollout.max_new_tokens",
                     str(TOOL_TURN_CAP))
     at = rl_flags.index("--train.agent_func_path")
-    rl_flags[at: at + 2] = ["--train.tool_path", CALCULATOR_TOOLS, "--reward.remote_url", FINAL_ANSWER_REWARD]
+    rl_flags[at: at + 2] = ["--train.tool_path", tool_file, "--reward.remote_url", FINAL_ANSWER_REWARD]
     train_ppo_ray.main(rl_flags)
     return after_sft, agent_success(rl, test, None, **check)[0]
 
@@ -101,6 +109,8 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--full", action="store_true", help="the demo's full scale (default: --quick's)")
     p.add_argument("--compact-tools", action="store_true", help="list each tool as one line (see above)")
+    p.add_argument("--tool-file", choices=["environment", "functions"], default="environment")
+    p.add_argument("--skip-agent-file", action="store_true", help="run the tool file only")
     p.add_argument("--output", default="runs/bench_agent_tools")
     args = p.parse_args()
     scale, results = demo.FULL if args.full else demo.QUICK, []
@@ -109,21 +119,24 @@ def main() -> None:
         base = out / "base"
         build_tiny(str(base), arch="llama", size=scale.size, head="lm", seed=seed, overwrite=True)
         t0 = time.time()
-        agent = run_agent_file(scale, base, out, seed)
+        agent = None if args.skip_agent_file else run_agent_file(scale, base, out, seed)
         t1 = time.time()
-        tools = run_tool_file(scale, base, out, seed, args.compact_tools)
+        tools = run_tool_file(scale, base, out, seed, args.compact_tools, args.tool_file == "environment")
         results.append({"seed": seed, "agent_file": agent, "tool_file": tools,
                         "minutes": [round((t1 - t0) / 60, 1), round((time.time() - t1) / 60, 1)]})
         print(json.dumps(results[-1]), flush=True)
-    print("\n| seed | agent file: SFT | agent file: RL | tool file: SFT | tool file: RL | minutes "
-          "(agent, tools) |")
+    print(f"\n| seed | agent file: SFT | agent file: RL | tool file ({args.tool_file}): SFT | tool file: RL "
+          "| minutes (agent, tools) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in results:
-        (a_sft, a_rl), (t_sft, t_rl) = r["agent_file"], r["tool_file"]
-        print(f"| {r['seed']} | {a_sft:.0%} | {a_rl:.0%} | {t_sft:.0%} | {t_rl:.0%} | {r['minutes'][0]}, "
+        cells = [f"{v:.0%}" for v in r["agent_file"]] if r["agent_file"] else ["-", "-"]
+        t_sft, t_rl = r["tool_file"]
+        print(f"| {r['seed']} | {' | '.join(cells)} | {t_sft:.0%} | {t_rl:.0%} | {r['minutes'][0]}, "
               f"{r['minutes'][1]} |")
-    mean = [sum(r[k][i] for r in results) / len(results) for k in ("agent_file", "tool_file") for i in (0, 1)]
-    print(f"| mean | {mean[0]:.1%} | {mean[1]:.1%} | {mean[2]:.1%} | {mean[3]:.1%} | |")
+    ran = [r for r in results if r["agent_file"]]
+    agent_mean = [f"{sum(r['agent_file'][i] for r in ran) / len(ran):.1%}" if ran else "-" for i in (0, 1)]
+    tool_mean = [sum(r["tool_file"][i] for r in results) / len(results) for i in (0, 1)]
+    print(f"| mean | {agent_mean[0]} | {agent_mean[1]} | {tool_mean[0]:.1%} | {tool_mean[1]:.1%} | |")
 
 
 if __name__ == "__main__":

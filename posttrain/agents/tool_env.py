@@ -10,6 +10,14 @@ what is missing. Optional settings: `SYSTEM_PROMPT` (a system turn before every 
 (calls per episode, default 4), `TOOL_TIMEOUT` (seconds per call, default 10), `MAX_TOOL_OUTPUT` (characters
 of a call's output, default 1000: longer output is cut, with a marker saying how much).
 
+Per-episode state (TRL's `environment_factory`): `ENVIRONMENT = SomeClass` makes the tools the public
+methods of that class (all but `reset`), with the same hint and docstring rules; one instance per episode
+(built with no arguments), whose `reset(prompt=..., label=...)`, when it has one, runs before the episode's
+first turn with the prompt as rendered (chat template and tools applied) and the row's label (None without
+--data.label_key). `reset` returns None: an initial observation belongs in the prompt dataset, and one
+returned fails the episode naming the file. The class is built once at load, so a constructor that raises
+stops the run at start-up; a file sets `TOOLS` or `ENVIRONMENT`, not both.
+
 A call runs on a daemon thread of its own; an `async def` tool's coroutine runs there to its end
 (`asyncio.run`). Past its timeout the episode stops waiting and the result is abandoned (a Python thread
 cannot be killed: a hung function keeps its thread until it returns, but never holds up the episode, the
@@ -66,9 +74,10 @@ class ToolsStuck(UserFileExit):
 class ToolFile:
     """A loaded tool file: `functions` by name, their OpenAI-format `schemas`, and its settings."""
     path: str
-    functions: dict
+    functions: dict  # name -> function; with `environment`, the class's (unbound) methods
     schemas: list[dict]
     system_prompt: str | None = None
+    environment: type | None = None  # ENVIRONMENT: one instance per episode, its bound methods the tools
     max_tool_calls: int = SETTINGS["MAX_TOOL_CALLS"]
     timeout: float = SETTINGS["TOOL_TIMEOUT"]
     max_output: int = SETTINGS["MAX_TOOL_OUTPUT"]
@@ -86,9 +95,10 @@ class ToolFile:
             self.stuck = [t for t in self.stuck if t.is_alive()]
             return len(self.stuck)
 
-    async def run(self, name: str, arguments) -> tuple[str, bool]:
-        """(the tool message's text, whether the call succeeded) of one call; raises only ToolsStuck."""
-        fn = self.functions.get(name)
+    async def run(self, name: str, arguments, functions: dict | None = None) -> tuple[str, bool]:
+        """(the tool message's text, whether the call succeeded) of one call to `functions[name]` (default
+        the file's functions; an episode's environment passes its bound methods); raises only ToolsStuck."""
+        fn = (self.functions if functions is None else functions).get(name)
         if fn is None:
             return self.error(f"unknown tool {name!r} (tools: {', '.join(self.names)})"), False
         if not isinstance(arguments, dict):
@@ -155,13 +165,18 @@ def load_tool_file(path: str, tokenizer=None) -> ToolFile:
 
     module = import_user_file(path, FLAG, "a tool file must be a .py file of functions", "posttrain_tools_",
                               ToolFileError)
-    listed = getattr(module, "TOOLS", None)
-    if listed is None:
+    listed, environment = getattr(module, "TOOLS", None), getattr(module, "ENVIRONMENT", None)
+    if environment is not None:
+        if listed is not None:
+            raise ToolFileError(f"{FLAG} {path}: set TOOLS (functions) or ENVIRONMENT (a class whose methods "
+                                f"are the tools), not both")
+        listed = _environment_tools(environment, path)
+    elif listed is None:
         listed = [v for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_")
                   and v.__module__ == module.__name__]
     if not listed or not all(callable(f) for f in listed):
         raise ToolFileError(f"{FLAG} {path}: no tools: define public functions (or TOOLS = [f, ...] of "
-                            f"functions)")
+                            f"functions, or ENVIRONMENT = a class with public methods)")
     names = [getattr(f, "__name__", repr(f)) for f in listed]
     if twice := sorted({n for n in names if names.count(n) > 1}):
         raise ToolFileError(f"{FLAG} {path}: TOOLS has two tools named {twice[0]!r} (a tool's name is its "
@@ -183,8 +198,24 @@ def load_tool_file(path: str, tokenizer=None) -> ToolFile:
         except ValueError as e:
             raise ToolFileError(f"{FLAG} {path}: {e}") from None
     return ToolFile(path, {s["function"]["name"]: fn for s, fn in zip(schemas, listed)}, schemas, system,
-                    _setting(module, path, "MAX_TOOL_CALLS"), float(_setting(module, path, "TOOL_TIMEOUT")),
-                    _setting(module, path, "MAX_TOOL_OUTPUT"))
+                    environment, _setting(module, path, "MAX_TOOL_CALLS"),
+                    float(_setting(module, path, "TOOL_TIMEOUT")), _setting(module, path, "MAX_TOOL_OUTPUT"))
+
+
+def _environment_tools(environment, path: str) -> list:
+    """The public methods (but `reset`) of the ENVIRONMENT class, in the order the class defines them, after
+    building one instance (a constructor that raises stops the run here, at start-up)."""
+    if not inspect.isclass(environment):
+        raise ToolFileError(f"{FLAG} {path}: ENVIRONMENT must be a class (one instance per episode), got "
+                            f"{type(environment).__name__}")
+    try:
+        environment()
+    except Exception as e:
+        raise ToolFileError(f"{FLAG} {path}: ENVIRONMENT {environment.__name__}() raised "
+                            f"{type(e).__name__}: {_one_line(str(e))}") from None
+    names = dict.fromkeys(k for klass in reversed(environment.__mro__[:-1]) for k, v in vars(klass).items()
+                          if inspect.isfunction(v) and not k.startswith("_") and k != "reset")
+    return [getattr(environment, k) for k in names]
 
 
 def _setting(module, path: str, key: str):
@@ -204,8 +235,20 @@ class ToolInstance(AgentInstanceBase):
         self.tools, self.tokenizer = tools, getattr(tokenizer, "tokenizer", tokenizer)
         self.format = tool_call_format(self.tokenizer)
         self.calls = self.errors = self.malformed = 0  # `calls` also numbers the call ids
+        self.environment = tools.environment() if tools.environment is not None else None
+        self.functions = tools.functions if self.environment is None else {
+            name: getattr(self.environment, name) for name in tools.functions}
 
     async def reset(self, states: dict, **kwargs):
+        reset = getattr(self.environment, "reset", None)
+        if reset is not None:
+            out = reset(prompt=states["observation"], label=states.get("label"))
+            if inspect.iscoroutine(out):
+                out = await out
+            if out is not None:
+                raise ToolFileError(f"{FLAG} {self.tools.path}: {type(self.environment).__name__}.reset() "
+                                    f"returned {type(out).__name__}, not None: put an initial observation in "
+                                    f"the prompt dataset")
         return {"observation": states["observation"]}
 
     async def step(self, states: dict, **kwargs):
@@ -230,7 +273,7 @@ class ToolInstance(AgentInstanceBase):
                                         for c in calls]}
             replies = []
             for c in calls:
-                out, ok = await self.tools.run(c.name, c.arguments)
+                out, ok = await self.tools.run(c.name, c.arguments, self.functions)
                 self.calls, self.errors = self.calls + 1, self.errors + (not ok)
                 replies.append({"role": "tool", "tool_call_id": c.id, "name": c.name, "content": out})
         stop = self.tokenizer.decode(ids[-1:], skip_special_tokens=False) if ended else ""

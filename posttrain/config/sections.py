@@ -309,8 +309,9 @@ class PPOTrainConfig(TrainConfig):
     agent_func_path: str | None = opt(None, "Python file defining a multi-turn agent",
                                       check=lambda v: not v or v.endswith(".py"),
                                       message="must be a .py file defining AgentExecutor")
-    tool_path: str | None = opt(None, "Python file of tool functions: multi-turn tool episodes with no agent "
-                                "loop (docs/agents.md, Tool environments)", extension=True,
+    tool_path: str | None = opt(None, "Python file of tool functions (or an ENVIRONMENT class of them, one "
+                                "per episode): multi-turn tool episodes with no agent loop (docs/agents.md, "
+                                "Tool environments)", extension=True,
                                 check=lambda v: not v or v.endswith(".py"),
                                 message="must be a .py file of tool functions")
     colocate_actor_ref: bool = opt(False, "actor and reference model share GPUs",

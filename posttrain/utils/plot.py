@@ -76,7 +76,8 @@ def plot_runs(runs: Sequence[str | os.PathLike], out_dir: str | os.PathLike | No
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for stem, fig in figures:
-        fig.savefig(out / f"{stem}.png", dpi=100, pil_kwargs={"compress_level": 1})  # ~1.5x faster, ~1.3x bytes
+        # zlib level 1: ~1.5x faster than the default 6, files ~1.3x larger
+        fig.savefig(out / f"{stem}.png", dpi=100, pil_kwargs={"compress_level": 1})
         written.append(out / f"{stem}.png")
     return written
 

@@ -277,20 +277,26 @@ def test_the_call_cap_ends_the_episode(tool_file, tok):
     assert end == len(tokens) and result["reward_ids"][-(end - start):] == tokens[start:end]
 
 
-def test_calculator_sft_transcripts_render_as_the_tool_episodes(tok):
+@pytest.mark.parametrize("environment", [False, True], ids=["functions", "environment"])
+def test_calculator_sft_transcripts_render_as_the_tool_episodes(tok, environment):
     """`make_calculator_tool_rows` through the SFT dataset gives the tokens of the episode that samples its
-    assistant turns."""
-    from posttrain.agents.examples import CALCULATOR_TOOLS
+    assistant turns, for `calculator_tools.py` and for `calculator_env.py` (whose `calc()` answers the
+    episode's question: the tool message is the product)."""
+    from posttrain.agents.examples import CALCULATOR_ENV, CALCULATOR_TOOLS
     from posttrain.agents.examples.calculator import make_calculator_tool_rows
     from posttrain.data.sft_dataset import SFTDataset
 
-    row = next(r for r in make_calculator_tool_rows(20, seed=3) if len(r["messages"]) == 4)
+    row = next(r for r in make_calculator_tool_rows(20, seed=3, environment=environment)
+               if len(r["messages"]) == 4)
     sft = SFTDataset([row], tok, input_key="messages", apply_chat_template=True, multiturn=True,
                      max_len=1024)[0]
-    tools = load_tool_file(CALCULATOR_TOOLS, tok)
+    tools = load_tool_file(CALCULATOR_ENV if environment else CALCULATOR_TOOLS, tok)
     call = row["messages"][1]["tool_calls"][0]["function"]
+    assert call["arguments"] == ({} if environment else {"a": int(row["prompt"].split()[2]),
+                                                          "b": int(row["prompt"].split()[4][:-1])})
     text = f"<tool_call>\n{json.dumps({'name': call['name'], 'arguments': call['arguments']})}\n</tool_call>"
     _, result = _episode(tok, tools, [text, row["answer"]], question=row["prompt"])
+    assert result["extra_logs"]["tool_errors"] == 0.0
     tokens = result["observation_tokens"]
     assert list(sft["input_ids"][:len(tokens)]) == tokens
     assert [tokens[a:b] for a, b in result["action_ranges"]] == [
@@ -440,3 +446,114 @@ def test_sft_rows_hand_json_string_arguments_to_the_template_parsed(tok):
     rendered = text('{"a": 2, "b": 3}')
     assert '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 2, "b": 3}, "id": "000000000"}]' in rendered
     assert rendered == text({"a": 2, "b": 3})
+
+
+ENVIRONMENT_FILE = '''
+SEEN = []
+
+
+class Counter:
+    """One episode's state: the prompt and label `reset` gave it, and a count."""
+
+    def __init__(self):
+        self.count = 0
+
+    def reset(self, prompt: str, label=None, **kwargs) -> None:
+        SEEN.append((self, prompt, label))
+
+    def bump(self, by: int) -> int:
+        """Add to the episode's count.
+
+        Args:
+            by: how much to add
+        """
+        self.count += by
+        return self.count
+
+    def label(self) -> str:
+        """The episode's label, as reset saw it."""
+        return str([s for s in SEEN if s[0] is self][0][2])
+
+    def _private(self):
+        return 0
+
+
+def helper(x: int) -> int:
+    """Not a tool: ENVIRONMENT's methods are.
+
+    Args:
+        x: ignored
+    """
+    return x
+
+
+ENVIRONMENT = Counter
+'''
+
+
+def test_an_environment_class_gives_each_episode_its_own_state_and_its_row(tmp_path, tok):
+    """ENVIRONMENT (TRL's environment_factory): its public methods but reset are the tools (schemas from their
+    hints), one instance per episode, reset with the rendered prompt and the label before the first turn."""
+    path = tmp_path / "env.py"
+    path.write_text(ENVIRONMENT_FILE)
+    tools = load_tool_file(str(path), tok)
+    assert tools.names == ["bump", "label"]
+    by = {"type": "integer", "description": "how much to add"}
+    assert tools.schemas[0]["function"]["parameters"]["properties"] == {"by": by}
+    bump = '<tool_call>\n{"name": "bump", "arguments": {"by": 2}}\n</tool_call>'
+    label = '<tool_call>\n{"name": "label", "arguments": {}}\n</tool_call>'
+    results = [_episode(tok, tools, [bump, bump, "done"])[1] for _ in range(2)]  # 2 episodes: own counts
+    results.append(_episode(tok, tools, [label, "done"], question="Which label?")[1])
+    text = [tok.decode(r["observation_tokens"], skip_special_tokens=False) for r in results]
+    for t in text[:2]:
+        assert "<tool_response>\n2\n</tool_response>" in t and "<tool_response>\n4\n</tool_response>" in t
+    assert "<tool_response>\n5\n</tool_response>" in text[2]  # _episode's label
+    seen = tools.functions["bump"].__globals__["SEEN"]
+    assert len({id(s[0]) for s in seen}) == 3 and all(s[2] == "5" for s in seen)
+    assert "Which label?" in seen[2][1] and seen[2][1].endswith("<|im_start|>assistant\n")
+    assert all(r["extra_logs"]["tool_errors"] == 0.0 for r in results)
+
+
+@pytest.mark.parametrize("source, error", [
+    (ENVIRONMENT_FILE + "TOOLS = [helper]\n", "set TOOLS (functions) or ENVIRONMENT"),
+    ("ENVIRONMENT = 3\n", "ENVIRONMENT must be a class (one instance per episode), got int"),
+    (ENVIRONMENT_FILE.replace("self.count = 0", "raise OSError('no\\nsandbox')"),
+     "ENVIRONMENT Counter() raised OSError: no sandbox"),
+    ("class Env:\n    def reset(self, prompt, label=None):\n        pass\n\n\nENVIRONMENT = Env\n",
+     "no tools"),
+], ids=["with-TOOLS", "not-a-class", "constructor-raises", "no-methods"])
+def test_a_bad_environment_is_one_line_at_load(tmp_path, source, error):
+    path = tmp_path / "env.py"
+    path.write_text(source)
+    with pytest.raises(ToolFileError, match=error.replace("(", r"\(").replace(")", r"\)")) as err:
+        load_tool_file(str(path))
+    assert "\n" not in str(err.value) and str(path) in str(err.value)
+
+
+def test_an_environment_reset_that_returns_an_observation_fails_the_episode_naming_it(tmp_path, tok):
+    """An initial observation from reset is refused (the prompt is already rendered and tokenised): the
+    episode fails with one line naming the file; the agent runner counts it as a failed episode."""
+    path = tmp_path / "env.py"
+    path.write_text(ENVIRONMENT_FILE.replace("SEEN.append((self, prompt, label))", "return 'look around'"))
+    tools = load_tool_file(str(path), tok)
+    with pytest.raises(ToolFileError, match=r"Counter.reset\(\) returned str, not None: put an initial "
+                                            r"observation in the prompt dataset") as err:
+        _episode(tok, tools, ["done"])
+    assert str(path) in str(err.value)
+
+
+def test_the_calculator_environment_answers_as_the_agent_files_calc():
+    """calculator_env.py's `calc()` is the agent file's bare `calc` (the question's product), `calc("A op B")`
+    its `calc A op B`; anything else is the call's error."""
+    from posttrain.agents.examples import CALCULATOR_ENV
+    from posttrain.agents.examples.calculator import evaluate_call
+
+    tools = load_tool_file(CALCULATOR_ENV)
+    env = tools.environment()
+    prompt = "<|im_start|>user\nWhat is 23 * 7?<|im_end|>\n<|im_start|>assistant\n"
+    env.reset(prompt=prompt, label="161")
+    assert env.calc() == 161 == evaluate_call("calc", prompt)
+    assert (env.calc("3 + 4"), env.calc("30 - 4"), env.calc("6 * 7")) == (7, 26, 42)
+    with pytest.raises(ValueError, match="use A \\* B, A \\+ B or A - B"):
+        env.calc("2 ** 8")
+    assert tools.names == ["calc"] and tools.max_tool_calls == 2

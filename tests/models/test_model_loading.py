@@ -253,9 +253,9 @@ def test_hub_kernels_are_off_unless_asked_for(tiny_model_dir, tiny_score_model_d
 
 def test_an_unreachable_hub_id_is_one_line(monkeypatch):
     """A hub id with no hub: FileNotFoundError of one line (transformers' OSError adds a line of advice)."""
-    from posttrain.models.loading import load_tokenizer
-
     import huggingface_hub.constants
+
+    from posttrain.models.loading import load_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # read when huggingface_hub is imported: the constant too
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # else ~45 s of connection retries

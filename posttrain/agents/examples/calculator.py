@@ -100,23 +100,26 @@ def make_calculator_rows(n: int, seed: int = 0, tool_use: float = 0.4) -> list[d
     return rows
 
 
-def make_calculator_tool_rows(n: int, seed: int = 0, tool_use: float = 0.4) -> list[dict]:
+def make_calculator_tool_rows(n: int, seed: int = 0, tool_use: float = 0.4,
+                              environment: bool = False) -> list[dict]:
     """The problems and demonstrations of `make_calculator_rows` (same seed: same problems, same choices)
-    for the tool file `calculator_tools.py`: the tool transcript is a `multiply` call, its tool message and
-    the answer, and each row carries the file's `tools`, so SFT renders it exactly as a tool episode is
-    rendered (the same chat template, tools, tool call and tool message)."""
-    from posttrain.agents.examples import CALCULATOR_TOOLS
+    for the tool file `calculator_tools.py` (or, with `environment`, `calculator_env.py`): the tool
+    transcript is a `multiply` call with the question's numbers (a `calc` call with no arguments), its tool
+    message and the answer, and each row carries the file's `tools`, so SFT renders it exactly as a tool
+    episode is rendered (the same chat template, tools, tool call and tool message)."""
+    from posttrain.agents.examples import CALCULATOR_ENV, CALCULATOR_TOOLS
     from posttrain.agents.tool_env import load_tool_file
 
-    tools = load_tool_file(CALCULATOR_TOOLS).schemas
+    tools = load_tool_file(CALCULATOR_ENV if environment else CALCULATOR_TOOLS).schemas
     rows = []
     for a, b, tool, guess in _problems(n, seed, tool_use):
         question, value = f"What is {a} * {b}?", a * b
         if tool:
-            call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": a, "b": b}}}
+            name, arguments = ("calc", {}) if environment else ("multiply", {"a": a, "b": b})
+            call = {"type": "function", "function": {"name": name, "arguments": arguments}}
             messages = [{"role": "user", "content": question},
                         {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", **call}]},
-                        {"role": "tool", "tool_call_id": "call_0", "name": "multiply", "content": str(value)},
+                        {"role": "tool", "tool_call_id": "call_0", "name": name, "content": str(value)},
                         {"role": "assistant", "content": str(value)}]
         else:
             messages = [{"role": "user", "content": question}, {"role": "assistant", "content": str(guess)}]

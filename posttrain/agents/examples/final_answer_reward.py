@@ -1,7 +1,8 @@
 """Reward file (`--reward.remote_url`) for the tool environments shipped here (`calculator_tools.py`,
-`kv_search_tools.py`): 1 when the model's final answer, its last turn without the chat template's
-end-of-turn tokens, is the row's label (whitespace around it ignored), else 0. A tool episode's reward
-source sees the prompt followed by that final turn only (docs/agents.md, Tool environments)."""
+`calculator_env.py`, `kv_search_tools.py`): 1 when the model's final answer, its last turn without the
+chat template's end-of-turn tokens, is the row's label (whitespace around it ignored), else 0. A tool
+episode's reward source sees the prompt followed by that final turn only (docs/agents.md, Tool
+environments)."""
 import torch
 
 END_TOKENS = ("<|im_end|>", "<|endoftext|>")  # the tiny models' ChatML end-of-turn and padding tokens
