@@ -557,3 +557,19 @@ def test_the_calculator_environment_answers_as_the_agent_files_calc():
     with pytest.raises(ValueError, match="use A \\* B, A \\+ B or A - B"):
         env.calc("2 ** 8")
     assert tools.names == ["calc"] and tools.max_tool_calls == 2
+
+
+def test_docs_show_the_shipped_calculator_environment():
+    """docs/agents.md's ENVIRONMENT example is calculator_env.py without its module docstring."""
+    import ast
+    import textwrap
+    from pathlib import Path
+
+    from posttrain.agents.examples import CALCULATOR_ENV
+
+    source = Path(CALCULATOR_ENV).read_text()
+    code = source.splitlines()[ast.parse(source).body[0].end_lineno:]
+    docs = (Path(__file__).parents[2] / "docs" / "agents.md").read_text()
+    block = docs.split("# posttrain/agents/examples/calculator_env.py (without its module docstring)\n")[1]
+    block = textwrap.dedent(block.split("```")[0]).splitlines()
+    assert [line for line in block if line.strip()] == [line for line in code if line.strip()]
