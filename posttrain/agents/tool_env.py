@@ -11,12 +11,14 @@ what is missing. Optional settings: `SYSTEM_PROMPT` (a system turn before every 
 of a call's output, default 1000: longer output is cut, with a marker saying how much).
 
 Per-episode state (TRL's `environment_factory`): `ENVIRONMENT = SomeClass` makes the tools the public
-methods of that class (all but `reset`), with the same hint and docstring rules; one instance per episode
-(built with no arguments), whose `reset(prompt=..., label=...)`, when it has one, runs before the episode's
-first turn with the prompt as rendered (chat template and tools applied) and the row's label (None without
---data.label_key). `reset` returns None: an initial observation belongs in the prompt dataset, and one
-returned fails the episode naming the file. The class is built once at load, so a constructor that raises
-stops the run at start-up; a file sets `TOOLS` or `ENVIRONMENT`, not both.
+methods of that class (all but `reset`; inherited, static and class methods too), with the same hint and
+docstring rules; one instance per episode (built with no arguments), whose `reset(prompt=..., label=...)`,
+when it has one, runs before the episode's first turn with the prompt as rendered (chat template and tools
+applied) and the row's label (None without --data.label_key). `reset` returns None: an initial observation
+belongs in the prompt dataset, and one returned fails the episode naming the file, as does what the
+constructor or `reset` raises (one line). The class is built once at load, so a constructor that raises, a
+`reset` that does not take `prompt` and `label`, and a `get_reward` method (the run's reward source scores
+the episode) stop the run at start-up; a file sets `TOOLS` or `ENVIRONMENT`, not both.
 
 A call runs on a daemon thread of its own; an `async def` tool's coroutine runs there to its end
 (`asyncio.run`). Past its timeout the episode stops waiting and the result is abandoned (a Python thread
@@ -74,7 +76,7 @@ class ToolsStuck(UserFileExit):
 class ToolFile:
     """A loaded tool file: `functions` by name, their OpenAI-format `schemas`, and its settings."""
     path: str
-    functions: dict  # name -> function; with `environment`, the class's (unbound) methods
+    functions: dict  # name -> function; with `environment`, the methods of the instance built at load
     schemas: list[dict]
     system_prompt: str | None = None
     environment: type | None = None  # ENVIRONMENT: one instance per episode, its bound methods the tools
@@ -98,6 +100,8 @@ class ToolFile:
     async def run(self, name: str, arguments, functions: dict | None = None) -> tuple[str, bool]:
         """(the tool message's text, whether the call succeeded) of one call to `functions[name]` (default
         the file's functions; an episode's environment passes its bound methods); raises only ToolsStuck."""
+        if functions is None and self.environment is not None:
+            raise TypeError("an ENVIRONMENT's tools run on an episode's instance: pass its `functions`")
         fn = (self.functions if functions is None else functions).get(name)
         if fn is None:
             return self.error(f"unknown tool {name!r} (tools: {', '.join(self.names)})"), False
@@ -203,19 +207,33 @@ def load_tool_file(path: str, tokenizer=None) -> ToolFile:
 
 
 def _environment_tools(environment, path: str) -> list:
-    """The public methods (but `reset`) of the ENVIRONMENT class, in the order the class defines them, after
-    building one instance (a constructor that raises stops the run here, at start-up)."""
+    """The public methods (but `reset`) of the ENVIRONMENT class, in the order the class defines them, bound
+    to one instance built here (a constructor that raises stops the run at start-up; its schemas come from
+    bound methods, without `self`). `reset` must take `prompt` and `label`; a `get_reward` (TRL's
+    environment-owned reward) is refused: the run's reward source scores the episode."""
     if not inspect.isclass(environment):
         raise ToolFileError(f"{FLAG} {path}: ENVIRONMENT must be a class (one instance per episode), got "
                             f"{type(environment).__name__}")
     try:
-        environment()
+        probe = environment()
     except Exception as e:
         raise ToolFileError(f"{FLAG} {path}: ENVIRONMENT {environment.__name__}() raised "
                             f"{type(e).__name__}: {_one_line(str(e))}") from None
+    if hasattr(probe, "get_reward"):
+        raise ToolFileError(f"{FLAG} {path}: {environment.__name__}.get_reward: an environment gives no "
+                            f"rewards here (the run's --reward.* source scores the final answer); rename it "
+                            f"if it is a tool")
+    if callable(getattr(probe, "reset", None)):
+        try:
+            inspect.signature(probe.reset).bind(prompt="", label=None)
+        except TypeError as e:
+            raise ToolFileError(f"{FLAG} {path}: {environment.__name__}.reset must take prompt= and label= "
+                                f"(or **kwargs): {e}") from None
+    kinds = (staticmethod, classmethod)
     names = dict.fromkeys(k for klass in reversed(environment.__mro__[:-1]) for k, v in vars(klass).items()
-                          if inspect.isfunction(v) and not k.startswith("_") and k != "reset")
-    return [getattr(environment, k) for k in names]
+                          if (inspect.isfunction(v) or isinstance(v, kinds)) and not k.startswith("_")
+                          and k != "reset")
+    return [getattr(probe, k) for k in names]
 
 
 def _setting(module, path: str, key: str):
@@ -235,16 +253,29 @@ class ToolInstance(AgentInstanceBase):
         self.tools, self.tokenizer = tools, getattr(tokenizer, "tokenizer", tokenizer)
         self.format = tool_call_format(self.tokenizer)
         self.calls = self.errors = self.malformed = 0  # `calls` also numbers the call ids
-        self.environment = tools.environment() if tools.environment is not None else None
+        self.environment = None
+        if tools.environment is not None:
+            try:
+                self.environment = tools.environment()
+            except Exception as e:
+                raise self._raised("()", e) from None
         self.functions = tools.functions if self.environment is None else {
             name: getattr(self.environment, name) for name in tools.functions}
 
+    def _raised(self, what: str, err: Exception) -> ToolFileError:
+        """What the ENVIRONMENT class's constructor or reset raised, as one line naming the file."""
+        return ToolFileError(f"{FLAG} {self.tools.path}: {self.tools.environment.__name__}{what} raised "
+                             f"{type(err).__name__}: {_one_line(str(err))}")
+
     async def reset(self, states: dict, **kwargs):
         reset = getattr(self.environment, "reset", None)
-        if reset is not None:
-            out = reset(prompt=states["observation"], label=states.get("label"))
-            if inspect.iscoroutine(out):
-                out = await out
+        if callable(reset):
+            try:
+                out = reset(prompt=states["observation"], label=states.get("label"))
+                if inspect.iscoroutine(out):
+                    out = await out
+            except Exception as e:
+                raise self._raised(".reset()", e) from None
             if out is not None:
                 raise ToolFileError(f"{FLAG} {self.tools.path}: {type(self.environment).__name__}.reset() "
                                     f"returned {type(out).__name__}, not None: put an initial observation in "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 
 import pytest
@@ -452,7 +453,17 @@ ENVIRONMENT_FILE = '''
 SEEN = []
 
 
-class Counter:
+class Base:
+    def echo(self, text: str) -> str:
+        """Say a text back (inherited: a tool too).
+
+        Args:
+            text: what to say
+        """
+        return text
+
+
+class Counter(Base):
     """One episode's state: the prompt and label `reset` gave it, and a count."""
 
     def __init__(self):
@@ -473,6 +484,15 @@ class Counter:
     def label(self) -> str:
         """The episode's label, as reset saw it."""
         return str([s for s in SEEN if s[0] is self][0][2])
+
+    @staticmethod
+    def double(x: int) -> int:
+        """Twice a number (a static method: a tool).
+
+        Args:
+            x: the number
+        """
+        return 2 * x
 
     def _private(self):
         return 0
@@ -497,21 +517,26 @@ def test_an_environment_class_gives_each_episode_its_own_state_and_its_row(tmp_p
     path = tmp_path / "env.py"
     path.write_text(ENVIRONMENT_FILE)
     tools = load_tool_file(str(path), tok)
-    assert tools.names == ["bump", "label"]
+    assert tools.names == ["echo", "bump", "label", "double"]
+    assert [f["function"]["name"] for f in tools.schemas] == tools.names  # no `self` in any schema
     by = {"type": "integer", "description": "how much to add"}
-    assert tools.schemas[0]["function"]["parameters"]["properties"] == {"by": by}
+    assert tools.schemas[1]["function"]["parameters"]["properties"] == {"by": by}
     bump = '<tool_call>\n{"name": "bump", "arguments": {"by": 2}}\n</tool_call>'
     label = '<tool_call>\n{"name": "label", "arguments": {}}\n</tool_call>'
+    double = '<tool_call>\n{"name": "double", "arguments": {"x": 21}}\n</tool_call>'
     results = [_episode(tok, tools, [bump, bump, "done"])[1] for _ in range(2)]  # 2 episodes: own counts
-    results.append(_episode(tok, tools, [label, "done"], question="Which label?")[1])
+    results.append(_episode(tok, tools, [label, double, "done"], question="Which label?")[1])
     text = [tok.decode(r["observation_tokens"], skip_special_tokens=False) for r in results]
     for t in text[:2]:
         assert "<tool_response>\n2\n</tool_response>" in t and "<tool_response>\n4\n</tool_response>" in t
     assert "<tool_response>\n5\n</tool_response>" in text[2]  # _episode's label
+    assert "<tool_response>\n42\n</tool_response>" in text[2]
     seen = tools.functions["bump"].__globals__["SEEN"]
     assert len({id(s[0]) for s in seen}) == 3 and all(s[2] == "5" for s in seen)
     assert "Which label?" in seen[2][1] and seen[2][1].endswith("<|im_start|>assistant\n")
     assert all(r["extra_logs"]["tool_errors"] == 0.0 for r in results)
+    with pytest.raises(TypeError, match="an episode's instance"):  # never the instance built at load
+        asyncio.run(tools.run("bump", {"by": 1}))
 
 
 @pytest.mark.parametrize("source, error", [
@@ -521,11 +546,15 @@ def test_an_environment_class_gives_each_episode_its_own_state_and_its_row(tmp_p
      "ENVIRONMENT Counter() raised OSError: no sandbox"),
     ("class Env:\n    def reset(self, prompt, label=None):\n        pass\n\n\nENVIRONMENT = Env\n",
      "no tools"),
-], ids=["with-TOOLS", "not-a-class", "constructor-raises", "no-methods"])
+    (ENVIRONMENT_FILE.replace("def reset(self, prompt: str, label=None, **kwargs)", "def reset(self, row)"),
+     "Counter.reset must take prompt= and label= (or **kwargs): missing a required argument: 'row'"),
+    (ENVIRONMENT_FILE.replace("def _private(self)", "def get_reward(self)"),
+     "Counter.get_reward: an environment gives no rewards here"),
+], ids=["with-TOOLS", "not-a-class", "constructor-raises", "no-methods", "reset-signature", "get_reward"])
 def test_a_bad_environment_is_one_line_at_load(tmp_path, source, error):
     path = tmp_path / "env.py"
     path.write_text(source)
-    with pytest.raises(ToolFileError, match=error.replace("(", r"\(").replace(")", r"\)")) as err:
+    with pytest.raises(ToolFileError, match=re.escape(error)) as err:
         load_tool_file(str(path))
     assert "\n" not in str(err.value) and str(path) in str(err.value)
 
@@ -573,3 +602,28 @@ def test_docs_show_the_shipped_calculator_environment():
     block = docs.split("# posttrain/agents/examples/calculator_env.py (without its module docstring)\n")[1]
     block = textwrap.dedent(block.split("```")[0]).splitlines()
     assert [line for line in block if line.strip()] == [line for line in code if line.strip()]
+
+
+@pytest.mark.parametrize("how", ["raises", "async-raises"])
+def test_an_environment_reset_that_raises_fails_the_episode_with_one_line(tmp_path, tok, how):
+    reset = {"raises": "def reset(self, prompt, label=None):\n        raise KeyError('no\\nrow')",
+             "async-raises": "async def reset(self, prompt, label=None):\n        await asyncio.sleep(0)\n"
+                             "        raise KeyError('no')"}[how]
+    source = ENVIRONMENT_FILE.replace("def reset(self, prompt: str, label=None, **kwargs) -> None:\n"
+                                      "        SEEN.append((self, prompt, label))", reset)
+    path = tmp_path / "env.py"
+    path.write_text("import asyncio\n" + source)
+    tools = load_tool_file(str(path), tok)
+    with pytest.raises(ToolFileError, match=r"Counter.reset\(\) raised KeyError: 'no") as err:
+        _episode(tok, tools, ["done"])
+    assert "\n" not in str(err.value) and str(path) in str(err.value)
+
+
+def test_an_environment_async_reset_is_awaited(tmp_path, tok):
+    source = ENVIRONMENT_FILE.replace("    def reset(self, prompt: str, label=None, **kwargs) -> None:",
+                                      "    async def reset(self, prompt: str, label=None, **kwargs) -> None:")
+    path = tmp_path / "env.py"
+    path.write_text(source)
+    tools = load_tool_file(str(path), tok)
+    _episode(tok, tools, ["done"])
+    assert [s[2] for s in tools.functions["bump"].__globals__["SEEN"]] == ["5"]
