@@ -3,12 +3,14 @@ against today's agent file (`--train.agent_func_path calculator_agent.py`), at `
 scale (`--full`: the demo's full scale), over several seeds.
 
     .venv/bin/python bench/agent_tools.py [--seeds 1 2 3] [--full] [--compact-tools]
-        [--tool-file environment|functions] [--skip-agent-file] [--output runs/bench_agent_tools]
+        [--tool-file environment|functions] [--skip-agent-file | --skip-tool-file]
+        [--output runs/bench_agent_tools]
 
 `--tool-file environment` (the default): `calculator_env.py`, whose per-episode `Calculator` knows the
 question, so `calc()` with no arguments is the agent file's bare `calc` (the same information flow);
 `functions`: `calculator_tools.py`, whose `multiply(a, b)` needs the model to copy the operands.
-`--skip-agent-file` runs the tool file only (its row's agent-file columns read "-").
+`--skip-agent-file` runs the tool file only, `--skip-tool-file` the agent file only (the columns of the
+one left out read "-").
 
 Per seed, as the demo's calculator task (`cli/demo.py run_agent_task`): the nano model (seed), SFT on the
 demonstrator's transcripts (`make_calculator_rows` / `make_calculator_tool_rows`: the same problems and
@@ -110,7 +112,9 @@ def main() -> None:
     p.add_argument("--full", action="store_true", help="the demo's full scale (default: --quick's)")
     p.add_argument("--compact-tools", action="store_true", help="list each tool as one line (see above)")
     p.add_argument("--tool-file", choices=["environment", "functions"], default="environment")
-    p.add_argument("--skip-agent-file", action="store_true", help="run the tool file only")
+    skip = p.add_mutually_exclusive_group()
+    skip.add_argument("--skip-agent-file", action="store_true", help="run the tool file only")
+    skip.add_argument("--skip-tool-file", action="store_true", help="run the agent file only")
     p.add_argument("--output", default="runs/bench_agent_tools")
     args = p.parse_args()
     scale, results = demo.FULL if args.full else demo.QUICK, []
@@ -121,7 +125,8 @@ def main() -> None:
         t0 = time.time()
         agent = None if args.skip_agent_file else run_agent_file(scale, base, out, seed)
         t1 = time.time()
-        tools = run_tool_file(scale, base, out, seed, args.compact_tools, args.tool_file == "environment")
+        tools = None if args.skip_tool_file else run_tool_file(scale, base, out, seed, args.compact_tools,
+                                                                args.tool_file == "environment")
         results.append({"seed": seed, "agent_file": agent, "tool_file": tools,
                         "minutes": [round((t1 - t0) / 60, 1), round((time.time() - t1) / 60, 1)]})
         print(json.dumps(results[-1]), flush=True)
@@ -129,14 +134,14 @@ def main() -> None:
           "| minutes (agent, tools) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in results:
-        cells = [f"{v:.0%}" for v in r["agent_file"]] if r["agent_file"] else ["-", "-"]
-        t_sft, t_rl = r["tool_file"]
-        print(f"| {r['seed']} | {' | '.join(cells)} | {t_sft:.0%} | {t_rl:.0%} | {r['minutes'][0]}, "
-              f"{r['minutes'][1]} |")
-    ran = [r for r in results if r["agent_file"]]
-    agent_mean = [f"{sum(r['agent_file'][i] for r in ran) / len(ran):.1%}" if ran else "-" for i in (0, 1)]
-    tool_mean = [sum(r["tool_file"][i] for r in results) / len(results) for i in (0, 1)]
-    print(f"| mean | {agent_mean[0]} | {agent_mean[1]} | {tool_mean[0]:.1%} | {tool_mean[1]:.1%} | |")
+        cells = [f"{v:.1%}" if v is not None else "-" for k in ("agent_file", "tool_file")
+                 for v in (r[k] or (None, None))]
+        print(f"| {r['seed']} | {' | '.join(cells)} | {r['minutes'][0]}, {r['minutes'][1]} |")
+    means = []
+    for k in ("agent_file", "tool_file"):
+        ran = [r[k] for r in results if r[k]]
+        means += [f"{sum(v[i] for v in ran) / len(ran):.1%}" if ran else "-" for i in (0, 1)]
+    print(f"| mean | {' | '.join(means)} | |")
 
 
 if __name__ == "__main__":
