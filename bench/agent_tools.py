@@ -4,13 +4,14 @@ scale (`--full`: the demo's full scale), over several seeds.
 
     .venv/bin/python bench/agent_tools.py [--seeds 1 2 3] [--full] [--compact-tools]
         [--tool-file environment|functions] [--skip-agent-file | --skip-tool-file]
-        [--output runs/bench_agent_tools]
+        [--temperature 1.0] [--reuse-sft] [--output runs/bench_agent_tools]
 
 `--tool-file environment` (the default): `calculator_env.py`, whose per-episode `Calculator` knows the
 question, so `calc()` with no arguments is the agent file's bare `calc` (the same information flow);
 `functions`: `calculator_tools.py`, whose `multiply(a, b)` needs the model to copy the operands.
 `--skip-agent-file` runs the tool file only, `--skip-tool-file` the agent file only (the columns of the
-one left out read "-").
+one left out read "-"). `--temperature`: the RL rollouts' (the demo's: 1.0). `--reuse-sft`: keep the base
+and SFT models an earlier run left in `--output` (RL starts over).
 
 Per seed, as the demo's calculator task (`cli/demo.py run_agent_task`): the nano model (seed), SFT on the
 demonstrator's transcripts (`make_calculator_rows` / `make_calculator_tool_rows`: the same problems and
@@ -71,17 +72,25 @@ def _set(flags: list[str], name: str, value: str) -> list[str]:
     return flags
 
 
-def run_agent_file(scale, base: Path, out: Path, seed: int) -> tuple[float, float]:
+def _sft(flags: list[str], out: Path, reuse: bool) -> None:
+    """SFT, or (reuse) the model an earlier run of this script left in `out`."""
+    if not (reuse and (out / "model.safetensors").exists()):
+        train_sft.main(flags)
+
+
+def run_agent_file(scale, base: Path, out: Path, seed: int, temperature: float = 1.0,
+                   reuse: bool = False) -> tuple[float, float]:
     test = demo.agent_data(scale, out, seed)
     data, sft, rl = out / "data" / "agent", out / "agent_sft", out / "agent_rl"
-    train_sft.main(demo.agent_sft_flags(scale, base, data, sft, seed))
+    _sft(demo.agent_sft_flags(scale, base, data, sft, seed), sft, reuse)
     after_sft = agent_success(sft, test, CALCULATOR_AGENT)[0]
-    train_ppo_ray.main(demo.agent_rl_flags(scale, sft, data, rl, seed, CALCULATOR_AGENT))
+    rl_flags = demo.agent_rl_flags(scale, sft, data, rl, seed, CALCULATOR_AGENT)
+    train_ppo_ray.main(rl_flags + ["--rollout.temperature", str(temperature)])
     return after_sft, agent_success(rl, test, CALCULATOR_AGENT)[0]
 
 
-def run_tool_file(scale, base: Path, out: Path, seed: int, compact: bool = False,
-                  environment: bool = True) -> tuple[float, float]:
+def run_tool_file(scale, base: Path, out: Path, seed: int, compact: bool = False, environment: bool = True,
+                  temperature: float = 1.0, reuse: bool = False) -> tuple[float, float]:
     tool_file = CALCULATOR_ENV if environment else CALCULATOR_TOOLS
     rows = make_calculator_tool_rows(scale.agent_train + scale.n_test, seed=seed, tool_use=demo.TOOL_USE,
                                      environment=environment)
@@ -93,7 +102,7 @@ def run_tool_file(scale, base: Path, out: Path, seed: int, compact: bool = False
     if compact:
         (out / "compact_tools.jinja").write_text(compact_tools_template())
         sft_flags += ["--data.tokenizer_chat_template", str(out / "compact_tools.jinja")]
-    train_sft.main(sft_flags)
+    _sft(sft_flags, sft, reuse)
     check = dict(tool_path=tool_file, reward_file=FINAL_ANSWER_REWARD, max_len=TOOL_MAX_LEN,
                  max_new_tokens=TOOL_TURN_CAP)
     after_sft = agent_success(sft, test, None, **check)[0]
@@ -102,7 +111,7 @@ def run_tool_file(scale, base: Path, out: Path, seed: int, compact: bool = False
                     str(TOOL_TURN_CAP))
     at = rl_flags.index("--train.agent_func_path")
     rl_flags[at: at + 2] = ["--train.tool_path", tool_file, "--reward.remote_url", FINAL_ANSWER_REWARD]
-    train_ppo_ray.main(rl_flags)
+    train_ppo_ray.main(rl_flags + ["--rollout.temperature", str(temperature)])
     return after_sft, agent_success(rl, test, None, **check)[0]
 
 
@@ -115,18 +124,23 @@ def main() -> None:
     skip = p.add_mutually_exclusive_group()
     skip.add_argument("--skip-agent-file", action="store_true", help="run the tool file only")
     skip.add_argument("--skip-tool-file", action="store_true", help="run the agent file only")
+    p.add_argument("--temperature", type=float, default=1.0, help="RL rollouts' sampling temperature")
+    p.add_argument("--reuse-sft", action="store_true", help="keep the SFT models an earlier run left")
     p.add_argument("--output", default="runs/bench_agent_tools")
     args = p.parse_args()
     scale, results = demo.FULL if args.full else demo.QUICK, []
     for seed in args.seeds:
         out = Path(args.output) / f"seed{seed}"
         base = out / "base"
-        build_tiny(str(base), arch="llama", size=scale.size, head="lm", seed=seed, overwrite=True)
+        if not (args.reuse_sft and base.exists()):
+            build_tiny(str(base), arch="llama", size=scale.size, head="lm", seed=seed, overwrite=True)
         t0 = time.time()
-        agent = None if args.skip_agent_file else run_agent_file(scale, base, out, seed)
+        agent = None if args.skip_agent_file else run_agent_file(scale, base, out, seed, args.temperature,
+                                                                 args.reuse_sft)
         t1 = time.time()
         tools = None if args.skip_tool_file else run_tool_file(scale, base, out, seed, args.compact_tools,
-                                                                args.tool_file == "environment")
+                                                                args.tool_file == "environment",
+                                                                args.temperature, args.reuse_sft)
         results.append({"seed": seed, "agent_file": agent, "tool_file": tools,
                         "minutes": [round((t1 - t0) / 60, 1), round((time.time() - t1) / 60, 1)]})
         print(json.dumps(results[-1]), flush=True)
