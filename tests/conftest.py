@@ -81,12 +81,7 @@ else:
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers share the cores: 2 cores, -n 2: one torch thread each
     WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    THREADS = max(1, (os.cpu_count() or 1) // WORKERS)
-    torch.set_num_threads(THREADS)
-    # ... and so do the processes a test starts (CLI runs, ranks, Ray actors, engines) unless the run set it:
-    # OpenMP threads beyond the cores spin against each other (docs/rm-dpo.md's commands beside a 2-thread job
-    # on 2 cores: 90-119 s with torch's default 2 threads, 55-64 s with 1)
-    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORKERS))
 
 
 def pytest_collection_modifyitems(config, items):
