@@ -4,14 +4,15 @@ scale (`--full`: the demo's full scale), over several seeds.
 
     .venv/bin/python bench/agent_tools.py [--seeds 1 2 3] [--full] [--compact-tools]
         [--tool-file environment|functions] [--skip-agent-file | --skip-tool-file]
-        [--temperature 1.0] [--reuse-sft] [--output runs/bench_agent_tools]
+        [--temperature 1.0] [--tool-rl-lr LR] [--reuse-sft] [--output runs/bench_agent_tools]
 
 `--tool-file environment` (the default): `calculator_env.py`, whose per-episode `Calculator` knows the
 question, so `calc()` with no arguments is the agent file's bare `calc` (the same information flow);
 `functions`: `calculator_tools.py`, whose `multiply(a, b)` needs the model to copy the operands.
 `--skip-agent-file` runs the tool file only, `--skip-tool-file` the agent file only (the columns of the
-one left out read "-"). `--temperature`: the RL rollouts' (the demo's: 1.0). `--reuse-sft`: keep the base
-and SFT models an earlier run left in `--output` (RL starts over).
+one left out read "-"). `--temperature`: the RL rollouts' (the demo's: 1.0); `--tool-rl-lr`: the tool
+file's RL learning rate (the demo's agent file: 3e-4). `--reuse-sft`: keep the base and SFT models an
+earlier run left in `--output` (RL starts over).
 
 Per seed, as the demo's calculator task (`cli/demo.py run_agent_task`): the nano model (seed), SFT on the
 demonstrator's transcripts (`make_calculator_rows` / `make_calculator_tool_rows`: the same problems and
@@ -90,7 +91,8 @@ def run_agent_file(scale, base: Path, out: Path, seed: int, temperature: float =
 
 
 def run_tool_file(scale, base: Path, out: Path, seed: int, compact: bool = False, environment: bool = True,
-                  temperature: float = 1.0, reuse: bool = False) -> tuple[float, float]:
+                  temperature: float = 1.0, reuse: bool = False,
+                  lr: float | None = None) -> tuple[float, float]:
     tool_file = CALCULATOR_ENV if environment else CALCULATOR_TOOLS
     rows = make_calculator_tool_rows(scale.agent_train + scale.n_test, seed=seed, tool_use=demo.TOOL_USE,
                                      environment=environment)
@@ -111,6 +113,8 @@ def run_tool_file(scale, base: Path, out: Path, seed: int, compact: bool = False
                     str(TOOL_TURN_CAP))
     at = rl_flags.index("--train.agent_func_path")
     rl_flags[at: at + 2] = ["--train.tool_path", tool_file, "--reward.remote_url", FINAL_ANSWER_REWARD]
+    if lr is not None:
+        rl_flags = _set(rl_flags, "--actor.adam.lr", str(lr))
     train_ppo_ray.main(rl_flags + ["--rollout.temperature", str(temperature)])
     return after_sft, agent_success(rl, test, None, **check)[0]
 
@@ -125,6 +129,7 @@ def main() -> None:
     skip.add_argument("--skip-agent-file", action="store_true", help="run the tool file only")
     skip.add_argument("--skip-tool-file", action="store_true", help="run the agent file only")
     p.add_argument("--temperature", type=float, default=1.0, help="RL rollouts' sampling temperature")
+    p.add_argument("--tool-rl-lr", type=float, help="the tool file's RL learning rate (default: the demo's)")
     p.add_argument("--reuse-sft", action="store_true", help="keep the SFT models an earlier run left")
     p.add_argument("--output", default="runs/bench_agent_tools")
     args = p.parse_args()
@@ -138,9 +143,9 @@ def main() -> None:
         agent = None if args.skip_agent_file else run_agent_file(scale, base, out, seed, args.temperature,
                                                                  args.reuse_sft)
         t1 = time.time()
-        tools = None if args.skip_tool_file else run_tool_file(scale, base, out, seed, args.compact_tools,
-                                                                args.tool_file == "environment",
-                                                                args.temperature, args.reuse_sft)
+        tools = None if args.skip_tool_file else run_tool_file(
+            scale, base, out, seed, args.compact_tools, args.tool_file == "environment", args.temperature,
+            args.reuse_sft, args.tool_rl_lr)
         results.append({"seed": seed, "agent_file": agent, "tool_file": tools,
                         "minutes": [round((t1 - t0) / 60, 1), round((time.time() - t1) / 60, 1)]})
         print(json.dumps(results[-1]), flush=True)
