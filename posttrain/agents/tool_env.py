@@ -206,6 +206,12 @@ def load_tool_file(path: str, tokenizer=None) -> ToolFile:
                     float(_setting(module, path, "TOOL_TIMEOUT")), _setting(module, path, "MAX_TOOL_OUTPUT"))
 
 
+def _raised(path: str, environment: type, what: str, err: Exception, lead: str = "") -> ToolFileError:
+    """What the ENVIRONMENT class's constructor or reset raised, as one line naming the file."""
+    return ToolFileError(f"{FLAG} {path}: {lead}{environment.__name__}{what} raised {type(err).__name__}: "
+                         f"{_one_line(str(err))}")
+
+
 def _environment_tools(environment, path: str) -> list:
     """The public methods (but `reset`) of the ENVIRONMENT class, in the order the class defines them, bound
     to one instance built here (a constructor that raises stops the run at start-up; its schemas come from
@@ -217,8 +223,7 @@ def _environment_tools(environment, path: str) -> list:
     try:
         probe = environment()
     except Exception as e:
-        raise ToolFileError(f"{FLAG} {path}: ENVIRONMENT {environment.__name__}() raised "
-                            f"{type(e).__name__}: {_one_line(str(e))}") from None
+        raise _raised(path, environment, "()", e, "ENVIRONMENT ") from None
     if hasattr(probe, "get_reward"):
         raise ToolFileError(f"{FLAG} {path}: {environment.__name__}.get_reward: an environment gives no "
                             f"rewards here (the run's --reward.* source scores the final answer); rename it "
@@ -258,14 +263,9 @@ class ToolInstance(AgentInstanceBase):
             try:
                 self.environment = tools.environment()
             except Exception as e:
-                raise self._raised("()", e) from None
+                raise _raised(tools.path, tools.environment, "()", e) from None
         self.functions = tools.functions if self.environment is None else {
             name: getattr(self.environment, name) for name in tools.functions}
-
-    def _raised(self, what: str, err: Exception) -> ToolFileError:
-        """What the ENVIRONMENT class's constructor or reset raised, as one line naming the file."""
-        return ToolFileError(f"{FLAG} {self.tools.path}: {self.tools.environment.__name__}{what} raised "
-                             f"{type(err).__name__}: {_one_line(str(err))}")
 
     async def reset(self, states: dict, **kwargs):
         reset = getattr(self.environment, "reset", None)
@@ -275,7 +275,7 @@ class ToolInstance(AgentInstanceBase):
                 if inspect.iscoroutine(out):
                     out = await out
             except Exception as e:
-                raise self._raised(".reset()", e) from None
+                raise _raised(self.tools.path, self.tools.environment, ".reset()", e) from None
             if out is not None:
                 raise ToolFileError(f"{FLAG} {self.tools.path}: {type(self.environment).__name__}.reset() "
                                     f"returned {type(out).__name__}, not None: put an initial observation in "
