@@ -4,7 +4,8 @@ scale (`--full`: the demo's full scale), over several seeds.
 
     .venv/bin/python bench/agent_tools.py [--seeds 1 2 3] [--full] [--compact-tools]
         [--tool-file environment|functions] [--skip-agent-file | --skip-tool-file]
-        [--temperature 1.0] [--tool-rl-lr LR] [--reuse-sft] [--output runs/bench_agent_tools]
+        [--compact-results] [--temperature 1.0] [--tool-rl-lr LR] [--reuse-sft]
+        [--output runs/bench_agent_tools]
 
 `--tool-file environment` (the default): `calculator_env.py`, whose per-episode `Calculator` knows the
 question, so `calc()` with no arguments is the agent file's bare `calc` (the same information flow);
@@ -26,7 +27,10 @@ JSON object (about 48 tokens), so its --data.max_len is 512 (the agent file's: 9
 template with each tool listed as one line, `name(arg, ...)`, instead of the Qwen-style preamble and JSON
 schemas (calls and tool results render as before, so the Hermes parser still reads them); the SFT model
 saves that template, so its RL and the held-out check use it too. A prompt is then 34 tokens instead of
-364 (the agent file's: 20), which makes the full scale affordable on a CPU.
+364 (the agent file's: 20), which makes the full scale affordable on a CPU. `--compact-results` (with
+`--compact-tools`): a tool's result renders as `= result` in the user turn, the agent file's feedback,
+instead of Hermes's `<tool_response>` block, so the result sits 5 tokens before the answer instead of 15 and
+the two versions differ only in the call (the Hermes JSON, 38 tokens, against the bare `calc`).
 """
 from __future__ import annotations
 
@@ -48,8 +52,10 @@ from posttrain.trainers.task_eval import agent_success  # noqa: E402
 TOOL_MAX_LEN, TOOL_TURN_CAP = 512, 64
 
 
-def compact_tools_template() -> str:
-    """The tiny chat template with each tool rendered as `name(arg, ...)` on a line after `tools:`."""
+def compact_tools_template(compact_results: bool = False) -> str:
+    """The tiny chat template with each tool rendered as `name(arg, ...)` on a line after `tools:`;
+    `compact_results`: a tool's result renders as `= result` (the agent file's feedback) instead of
+    Hermes's `<tool_response>` block."""
     from posttrain.models.tiny_tokenizer import CHATML_TEMPLATE, TOOLS_CLOSING, TOOLS_PREAMBLE
 
     one_line = ("{%- for tool in tools %}"
@@ -59,6 +65,9 @@ def compact_tools_template() -> str:
     parts = {"{{- " + repr(TOOLS_PREAMBLE) + " }}": "{{- 'tools:' }}",
              "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}": one_line,
              "{{- " + repr(TOOLS_CLOSING + "<|im_end|>\n") + " }}": "{{- '<|im_end|>\\n' }}"}
+    if compact_results:
+        parts["{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"] = \
+            "{{- '\\n= ' + message['content'] }}"
     template = CHATML_TEMPLATE
     for old, new in parts.items():
         if old not in template:
@@ -92,7 +101,7 @@ def run_agent_file(scale, base: Path, out: Path, seed: int, temperature: float =
 
 def run_tool_file(scale, base: Path, out: Path, seed: int, compact: bool = False, environment: bool = True,
                   temperature: float = 1.0, reuse: bool = False,
-                  lr: float | None = None) -> tuple[float, float]:
+                  lr: float | None = None, compact_results: bool = False) -> tuple[float, float]:
     tool_file = CALCULATOR_ENV if environment else CALCULATOR_TOOLS
     rows = make_calculator_tool_rows(scale.agent_train + scale.n_test, seed=seed, tool_use=demo.TOOL_USE,
                                      environment=environment)
@@ -102,7 +111,7 @@ def run_tool_file(scale, base: Path, out: Path, seed: int, compact: bool = False
     write_jsonl(test, data / "test.jsonl")
     sft_flags = _set(demo.agent_sft_flags(scale, base, data, sft, seed), "--data.max_len", str(TOOL_MAX_LEN))
     if compact:
-        (out / "compact_tools.jinja").write_text(compact_tools_template())
+        (out / "compact_tools.jinja").write_text(compact_tools_template(compact_results))
         sft_flags += ["--data.tokenizer_chat_template", str(out / "compact_tools.jinja")]
     _sft(sft_flags, sft, reuse)
     check = dict(tool_path=tool_file, reward_file=FINAL_ANSWER_REWARD, max_len=TOOL_MAX_LEN,
@@ -124,6 +133,8 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--full", action="store_true", help="the demo's full scale (default: --quick's)")
     p.add_argument("--compact-tools", action="store_true", help="list each tool as one line (see above)")
+    p.add_argument("--compact-results", action="store_true",
+                   help="with --compact-tools, a tool's result renders as `= result` (see above)")
     p.add_argument("--tool-file", choices=["environment", "functions"], default="environment")
     skip = p.add_mutually_exclusive_group()
     skip.add_argument("--skip-agent-file", action="store_true", help="run the tool file only")
@@ -133,6 +144,8 @@ def main() -> None:
     p.add_argument("--reuse-sft", action="store_true", help="keep the SFT models an earlier run left")
     p.add_argument("--output", default="runs/bench_agent_tools")
     args = p.parse_args()
+    if args.compact_results and not args.compact_tools:
+        p.error("--compact-results changes the --compact-tools template: give both")
     scale, results = demo.FULL if args.full else demo.QUICK, []
     for seed in args.seeds:
         out = Path(args.output) / f"seed{seed}"
@@ -145,7 +158,7 @@ def main() -> None:
         t1 = time.time()
         tools = None if args.skip_tool_file else run_tool_file(
             scale, base, out, seed, args.compact_tools, args.tool_file == "environment", args.temperature,
-            args.reuse_sft, args.tool_rl_lr)
+            args.reuse_sft, args.tool_rl_lr, args.compact_results)
         results.append({"seed": seed, "agent_file": agent, "tool_file": tools,
                         "minutes": [round((t1 - t0) / 60, 1), round((time.time() - t1) / 60, 1)]})
         print(json.dumps(results[-1]), flush=True)

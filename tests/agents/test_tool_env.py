@@ -278,15 +278,33 @@ def test_the_call_cap_ends_the_episode(tool_file, tok):
     assert end == len(tokens) and result["reward_ids"][-(end - start):] == tokens[start:end]
 
 
+def _bench_template(compact_results: bool) -> str:
+    """bench/agent_tools.py's `--compact-tools` template (`compact_results`: with `--compact-results`)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "agent_tools.py"
+    spec = importlib.util.spec_from_file_location("bench_agent_tools", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench.compact_tools_template(compact_results)
+
+
+@pytest.mark.parametrize("template", [None, "compact", "compact results"])
 @pytest.mark.parametrize("environment", [False, True], ids=["functions", "environment"])
-def test_calculator_sft_transcripts_render_as_the_tool_episodes(tok, environment):
+def test_calculator_sft_transcripts_render_as_the_tool_episodes(tiny_model_dir, environment, template):
     """`make_calculator_tool_rows` through the SFT dataset gives the tokens of the episode that samples its
     assistant turns, for `calculator_tools.py` and for `calculator_env.py` (whose `calc()` answers the
-    episode's question: the tool message is the product)."""
+    episode's question: the tool message is the product), with the tiny chat template and with the
+    benchmark's compact ones (tools listed one a line; tool results as `= result`)."""
     from posttrain.agents.examples import CALCULATOR_ENV, CALCULATOR_TOOLS
     from posttrain.agents.examples.calculator import make_calculator_tool_rows
     from posttrain.data.sft_dataset import SFTDataset
+    from posttrain.models import load_tokenizer
 
+    tok = load_tokenizer(tiny_model_dir)
+    if template:
+        tok.chat_template = _bench_template(template == "compact results")
     row = next(r for r in make_calculator_tool_rows(20, seed=3, environment=environment)
                if len(r["messages"]) == 4)
     sft = SFTDataset([row], tok, input_key="messages", apply_chat_template=True, multiturn=True,
@@ -304,6 +322,10 @@ def test_calculator_sft_transcripts_render_as_the_tool_episodes(tok, environment
         list(sft["input_ids"][a:b]) for a, b in result["action_ranges"]]
     assert all(sft["loss_mask"][i] for a, b in result["action_ranges"] for i in range(a, b))
     assert not any(sft["loss_mask"][i] for i in range(result["prompt_length"]))
+    rendered = tok.decode(tokens)
+    assert (f"\n= {row['answer']}<|im_end|>" in rendered) == (template == "compact results"), rendered
+    assert ("<tool_response>" in rendered) == (template != "compact results"), rendered
+    assert ("\ntools:\n" in rendered) == bool(template), rendered
 
 
 def test_the_reward_source_scores_the_prompt_and_the_final_answer(tok):
