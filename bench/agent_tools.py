@@ -29,7 +29,7 @@ schemas (calls and tool results render as before, so the Hermes parser still rea
 saves that template, so its RL and the held-out check use it too. A prompt is then 34 tokens instead of
 364 (the agent file's: 20), which makes the full scale affordable on a CPU. `--compact-results` (with
 `--compact-tools`): a tool's result renders as `= result` in the user turn, the agent file's feedback,
-instead of Hermes's `<tool_response>` block, so the result sits 5 tokens before the answer instead of 15 and
+instead of Hermes's `<tool_response>` block, so the result sits 5 tokens before the answer instead of 17 and
 the two versions differ only in the call (the Hermes JSON, 38 tokens, against the bare `calc`).
 """
 from __future__ import annotations
