@@ -182,15 +182,16 @@ def process_state(session_environ):
 @pytest.fixture(scope="session")
 def ray_session(session_environ):
     """One local Ray instance for the whole test session (start-up costs seconds); every run places
-    its groups in it and removes them when it ends. 16 logical CPUs: a rank asks for one. What `ray.init`
+    its groups in it and removes them when it ends. 16 logical CPUs: a rank asks for one. No runtime_env, as
+    in a run's own local Ray (each worker applies posttrain's environment in its constructor, and Ray's
+    prestarted workers stay usable). What `ray.init`
     sets in the environment (RAY_AUTH_MODE) outlives the module that started it."""
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():
         from posttrain.trainers.rl.placement.ray_placement import LOCAL_SYSTEM_CONFIG
 
         before = dict(os.environ)
-        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=True, _system_config=LOCAL_SYSTEM_CONFIG,
-                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "DS_BUILD_OPS": "0"}})
+        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=True, _system_config=LOCAL_SYSTEM_CONFIG)
         session_environ.update({k: v for k, v in os.environ.items() if before.get(k) != v})
     yield ray
     ray.shutdown()

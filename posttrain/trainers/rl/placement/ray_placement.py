@@ -42,7 +42,10 @@ WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "DS_BUILD_OPS": "0"}
 
 
 def worker_env() -> dict[str, str]:
-    """What every worker process gets: posttrain's settings plus the driver's NCCL_* / GLOO_* variables
+    """What every worker process applies first, in its constructor (no Ray `runtime_env`: a worker
+    started for one goes through Ray's `setup_worker.py`, a second interpreter start, ~0.5 CPU-s a worker,
+    and cannot reuse Ray's prestarted workers; nothing the ranks import reads these before the
+    constructor runs): posttrain's settings plus the driver's NCCL_* / GLOO_* variables
     (network interface choices and debugging reach the ranks), and the driver's working directory
     (`DRIVER_CWD`: a worker changes to it where that folder exists, so relative paths read as the
     command line meant them also in a cluster joined through RAY_ADDRESS)."""
@@ -80,14 +83,13 @@ def connect(num_bundles: int) -> str | None:
     bundle (a "GPU") gets a logical CPU of its own when the machine has fewer."""
     if ray.is_initialized():
         return None
-    runtime_env = {"env_vars": worker_env()}
     address = os.environ.get("RAY_ADDRESS")
     if address:
         info(f"joining the Ray cluster at {address}")
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        ray.init(address=address, log_to_driver=True)
         return "joined"
-    ray.init(num_cpus=max(os.cpu_count() or 1, num_bundles + 1), include_dashboard=False,
-             runtime_env=runtime_env, log_to_driver=True, _system_config=LOCAL_SYSTEM_CONFIG)
+    ray.init(num_cpus=max(os.cpu_count() or 1, num_bundles + 1), include_dashboard=False, log_to_driver=True,
+             _system_config=LOCAL_SYSTEM_CONFIG)
     return "local"
 
 
