@@ -1,5 +1,7 @@
 """Pieces of the Ray placement that need no cluster: metric merging, engine counts, the weights
 hash, the transport split, a worker's load error."""
+import os
+
 import pytest
 import torch
 
@@ -153,7 +155,8 @@ def test_a_joined_cluster_gets_the_runs_actors_killed_and_a_local_ray_is_stopped
     calls, up = [], []
     monkeypatch.setattr(ray_placement.ray, "is_initialized", lambda: bool(up))
     monkeypatch.setattr(ray_placement.ray, "init",
-                        lambda **kw: (up.append(1), calls.append(("init", kw.get("address")))))
+                        lambda **kw: (up.append(1), calls.append(("init", kw.get("address"),
+                                                                  kw.get("runtime_env")))))
     monkeypatch.setattr(ray_placement.ray, "shutdown", lambda: (up.clear(), calls.append(("shutdown",))))
     monkeypatch.setattr(ray_placement.ray, "kill", lambda h, no_restart: calls.append(("kill", h)))
     monkeypatch.setattr(ray_placement, "remove_placement_group", lambda pg: calls.append(("remove", pg)))
@@ -170,4 +173,28 @@ def test_a_joined_cluster_gets_the_runs_actors_killed_and_a_local_ray_is_stopped
     with pytest.raises(RuntimeError, match="a worker failed to start"):
         ray_placement.RayPlacement(_cfg(), 1, critic=False, ref=False, reward_model=False)
     removed = [("kill", "actor rank 0"), ("remove", "actor bundles")] if address else []
-    assert calls == [("init", address), *removed, ("shutdown",)]
+    # no runtime_env (a worker with one starts through a second interpreter): the workers take the
+    # driver's environment in their constructors (test_a_worker_takes_the_drivers_environment_first)
+    assert calls == [("init", address, None), *removed, ("shutdown",)]
+
+
+def test_a_worker_takes_the_drivers_environment_first(monkeypatch, tmp_path):
+    """What a run's workers need from the driver (posttrain's settings, NCCL_* / GLOO_* variables, the
+    working directory) reaches them through their constructor, not a Ray runtime_env."""
+    from posttrain.trainers.rl.placement.workers import DRIVER_CWD, _Process
+
+    monkeypatch.delenv(DRIVER_CWD, raising=False)  # restored (unset) after the test, as the others
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    monkeypatch.chdir(tmp_path)
+    env = ray_placement.worker_env()
+    assert env["TOKENIZERS_PARALLELISM"] == "false" and env["GLOO_SOCKET_IFNAME"] == "lo"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9")  # what the worker's node had
+    monkeypatch.chdir(tmp_path.parent)  # a joined cluster's worker starts elsewhere
+    threads = torch.get_num_threads()
+    try:
+        _Process(threads, env)
+        assert os.environ["GLOO_SOCKET_IFNAME"] == "lo" and os.environ["TOKENIZERS_PARALLELISM"] == "false"
+        assert os.getcwd() == str(tmp_path)
+    finally:
+        torch.set_num_threads(threads)
