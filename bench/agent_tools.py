@@ -4,7 +4,7 @@ scale (`--full`: the demo's full scale), over several seeds.
 
     .venv/bin/python bench/agent_tools.py [--seeds 1 2 3] [--full] [--compact-tools]
         [--tool-file environment|functions] [--skip-agent-file | --skip-tool-file]
-        [--compact-results] [--temperature 1.0] [--tool-rl-lr LR] [--reuse-sft]
+        [--compact-results] [--temperature 1.0] [--tool-rl-lr LR] [--tool-sft-epochs N] [--reuse-sft]
         [--output runs/bench_agent_tools]
 
 `--tool-file environment` (the default): `calculator_env.py`, whose per-episode `Calculator` knows the
@@ -12,7 +12,8 @@ question, so `calc()` with no arguments is the agent file's bare `calc` (the sam
 `functions`: `calculator_tools.py`, whose `multiply(a, b)` needs the model to copy the operands.
 `--skip-agent-file` runs the tool file only, `--skip-tool-file` the agent file only (the columns of the
 one left out read "-"). `--temperature`: the RL rollouts' (the demo's: 1.0); `--tool-rl-lr`: the tool
-file's RL learning rate (the demo's agent file: 3e-4). `--reuse-sft`: keep the base and SFT models an
+file's RL learning rate (the demo's agent file: 3e-4); `--tool-sft-epochs`: the tool file's SFT epochs (the
+demo's agent file: 3 at full scale). `--reuse-sft`: keep the base and SFT models an
 earlier run left in `--output` (RL starts over).
 
 Per seed, as the demo's calculator task (`cli/demo.py run_agent_task`): the nano model (seed), SFT on the
@@ -101,7 +102,8 @@ def run_agent_file(scale, base: Path, out: Path, seed: int, temperature: float =
 
 def run_tool_file(scale, base: Path, out: Path, seed: int, compact: bool = False, environment: bool = True,
                   temperature: float = 1.0, reuse: bool = False,
-                  lr: float | None = None, compact_results: bool = False) -> tuple[float, float]:
+                  lr: float | None = None, compact_results: bool = False,
+                  sft_epochs: int | None = None) -> tuple[float, float]:
     tool_file = CALCULATOR_ENV if environment else CALCULATOR_TOOLS
     rows = make_calculator_tool_rows(scale.agent_train + scale.n_test, seed=seed, tool_use=demo.TOOL_USE,
                                      environment=environment)
@@ -110,6 +112,8 @@ def run_tool_file(scale, base: Path, out: Path, seed: int, compact: bool = False
     write_jsonl(train, data / "train.jsonl")
     write_jsonl(test, data / "test.jsonl")
     sft_flags = _set(demo.agent_sft_flags(scale, base, data, sft, seed), "--data.max_len", str(TOOL_MAX_LEN))
+    if sft_epochs is not None:
+        sft_flags = _set(sft_flags, "--train.max_epochs", str(sft_epochs))
     if compact:
         (out / "compact_tools.jinja").write_text(compact_tools_template(compact_results))
         sft_flags += ["--data.tokenizer_chat_template", str(out / "compact_tools.jinja")]
@@ -141,6 +145,7 @@ def main() -> None:
     skip.add_argument("--skip-tool-file", action="store_true", help="run the agent file only")
     p.add_argument("--temperature", type=float, default=1.0, help="RL rollouts' sampling temperature")
     p.add_argument("--tool-rl-lr", type=float, help="the tool file's RL learning rate (default: the demo's)")
+    p.add_argument("--tool-sft-epochs", type=int, help="the tool file's SFT epochs (default: the demo's)")
     p.add_argument("--reuse-sft", action="store_true", help="keep the SFT models an earlier run left")
     p.add_argument("--output", default="runs/bench_agent_tools")
     args = p.parse_args()
@@ -158,7 +163,7 @@ def main() -> None:
         t1 = time.time()
         tools = None if args.skip_tool_file else run_tool_file(
             scale, base, out, seed, args.compact_tools, args.tool_file == "environment", args.temperature,
-            args.reuse_sft, args.tool_rl_lr, args.compact_results)
+            args.reuse_sft, args.tool_rl_lr, args.compact_results, args.tool_sft_epochs)
         results.append({"seed": seed, "agent_file": agent, "tool_file": tools,
                         "minutes": [round((t1 - t0) / 60, 1), round((time.time() - t1) / 60, 1)]})
         print(json.dumps(results[-1]), flush=True)
