@@ -6,6 +6,7 @@ scale (`--full`: the demo's full scale), over several seeds.
         [--tool-file environment|functions] [--skip-agent-file | --skip-tool-file]
         [--compact-results] [--temperature 1.0] [--tool-rl-lr LR] [--tool-sft-epochs N] [--reuse-sft]
         [--output runs/bench_agent_tools]
+    .venv/bin/python bench/agent_tools.py --copy-check MODEL_DIR TRANSCRIPTS.jsonl
 
 `--tool-file environment` (the default): `calculator_env.py`, whose per-episode `Calculator` knows the
 question, so `calc()` with no arguments is the agent file's bare `calc` (the same information flow);
@@ -23,6 +24,10 @@ flags, and greedy held-out success (reward 1) after SFT and after RL on the same
 version's prompts carry the tools' schemas (about 360 tokens with the tiny chat template) and its call is a
 JSON object (about 48 tokens), so its --data.max_len is 512 (the agent file's: 96) and its per-turn cap 64
 (12); everything else is the demo's. Prints one row per seed and the means. Not a test.
+
+`--copy-check MODEL_DIR TRANSCRIPTS.jsonl`: how often an SFT model copies the tool's result into its
+answer, teacher-forced: on the first 200 transcripts that call the tool, the transcript up to the final
+answer is given and the answer decoded greedily (6 tokens); prints the fraction equal to the `answer` column.
 
 `--compact-tools`: the tool version's SFT runs with `--data.tokenizer_chat_template` set to the tiny
 template with each tool listed as one line, `name(arg, ...)`, instead of the Qwen-style preamble and JSON
@@ -132,6 +137,28 @@ def run_tool_file(scale, base: Path, out: Path, seed: int, compact: bool = False
     return after_sft, agent_success(rl, test, None, **check)[0]
 
 
+def copy_accuracy(model_dir: str, transcripts: str, n: int = 200) -> float:
+    """`--copy-check` (module doc): the fraction of the first `n` tool-calling transcripts (4 messages) whose
+    greedy answer, after the rest of the transcript, equals the row's `answer`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.data.readers import read_file
+    from posttrain.models import load_tokenizer
+
+    tok, model = load_tokenizer(model_dir), AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    rows = [r for r in read_file(transcripts) if len(r["messages"]) == 4][:n]
+    right = 0
+    for r in rows:
+        kw = {"tools": r["tools"]} if r.get("tools") else {}
+        ids = tok.apply_chat_template(r["messages"][:3], add_generation_prompt=True, tokenize=False, **kw)
+        ids = tok(ids, return_tensors="pt", add_special_tokens=False).input_ids
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+        right += tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip() == r["answer"]
+    return right / len(rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
@@ -148,7 +175,12 @@ def main() -> None:
     p.add_argument("--tool-sft-epochs", type=int, help="the tool file's SFT epochs (default: the demo's)")
     p.add_argument("--reuse-sft", action="store_true", help="keep the SFT models an earlier run left")
     p.add_argument("--output", default="runs/bench_agent_tools")
+    p.add_argument("--copy-check", nargs=2, metavar=("MODEL_DIR", "TRANSCRIPTS"),
+                   help="only print how often the SFT model copies the tool's result (see above)")
     args = p.parse_args()
+    if args.copy_check:
+        print(f"{copy_accuracy(*args.copy_check):.1%}")
+        return
     if args.compact_results and not args.compact_tools:
         p.error("--compact-results changes the --compact-tools template: give both")
     scale, results = demo.FULL if args.full else demo.QUICK, []
