@@ -15,7 +15,7 @@ question, so `calc()` with no arguments is the agent file's bare `calc` (the sam
 one left out read "-"). `--temperature`: the RL rollouts' (the demo's: 1.0); `--tool-rl-lr`: the tool
 file's RL learning rate (the demo's agent file: 3e-4); `--tool-sft-epochs`: the tool file's SFT epochs (the
 demo's agent file: 3 at full scale). `--reuse-sft`: keep the base and SFT models an
-earlier run left in `--output` (RL starts over).
+earlier run left in `--output` (RL starts over; a kept SFT model keeps the epochs it was trained with).
 
 Per seed, as the demo's calculator task (`cli/demo.py run_agent_task`): the nano model (seed), SFT on the
 demonstrator's transcripts (`make_calculator_rows` / `make_calculator_tool_rows`: the same problems and
