@@ -17,8 +17,16 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
-from hypothesis import settings
+
+# vLLM compiles one sampler helper (`batched_count_greater_than`, inductor) on an engine's first sampling
+# step, also under enforce_eager: ~4 CPU-s per engine process (dynamo, the FX-graph cache, 10 ISA probes in
+# subprocesses), ~30 engines a suite. The suite runs it eagerly: set before torch is imported, inherited by
+# the session's Ray workers and every subprocess. tests/test_bench_rollout_vllm.py runs the engine as users
+# get it (compiled), and so does the GPU tier (tests/gpu/run.sh).
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+
+import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 UNIT_DIR = Path(__file__).parent / "unit"
 

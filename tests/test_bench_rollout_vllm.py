@@ -1,6 +1,8 @@
 """bench/rollout_vllm.py --quick (a tiny model, batch 4, 8 new tokens) runs both engines and prints one
 table row with their tokens/s and the ratio. It builds a real vLLM engine (its CPU build here), in a
-subprocess: vLLM's CPU worker makes `torch.set_num_threads` a no-op in the process that builds it."""
+subprocess: vLLM's CPU worker makes `torch.set_num_threads` a no-op in the process that builds it; with
+torch.compile on (tests/conftest.py turns it off for the rest of the suite), as users run vLLM."""
+import os
 import re
 import subprocess
 import sys
@@ -19,8 +21,9 @@ NUMBER = r"[\d,]+"
 
 
 def test_quick_rollout_bench_measures_both_engines():
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_COMPILE_DISABLE"}  # vLLM as users run it
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "rollout_vllm.py"), "--quick", "--eager"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
+                         cwd=ROOT, capture_output=True, text=True, timeout=900, check=False, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     ratio = r"\*\*(\d+\.\d\d)x\*\*"
     row = rf"\| tiny \| 4 \| 8 \| ({NUMBER}) \| ({NUMBER}) \| {ratio} \| {NUMBER} \| {NUMBER} \| {ratio} \|"

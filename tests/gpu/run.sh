@@ -6,4 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 make setup
 .venv/bin/python -m pip install -q --no-build-isolation -e '.[all,dev,vllm]'
-.venv/bin/python -m pytest -q -p no:cacheprovider tests/gpu tests/rollout/test_vllm_real*.py "$@"
+# vLLM as users run it there: torch.compile on (tests/conftest.py turns it off by default, for the CPU suite)
+TORCH_COMPILE_DISABLE=0 .venv/bin/python -m pytest -q -p no:cacheprovider tests/gpu tests/rollout/test_vllm_real*.py "$@"
