@@ -53,9 +53,9 @@ def zero_reward(tmp_path):
 def test_sigterm_to_the_process_group_of_a_ray_run_ends_like_sigterm_to_the_controller(
         tiny_model_dir, arithmetic_dir, zero_reward, tmp_path):
     """`kill -TERM -<pgid>` after the first checkpoint of a run that started its own local Ray (an actor rank
-    and a rollout engine): the controller writes `terminated at step N; last checkpoint: ...`
-    (exit 143) instead of waiting on the Ray processes the same signal ended, and no process of the run is
-    left behind."""
+    and a rollout engine): Ray's daemons run in a process group of their own, so the signal reaches the
+    controller alone; it writes `terminated at step N; last checkpoint: ...` (exit 143), stops that Ray,
+    and no process of the run is left behind."""
     out = tmp_path / "run"
     flags = ppo_flags(tiny_model_dir, arithmetic_dir, zero_reward, out, "--vllm.num_engines", "1",
                       "--rollout.engine", "hf", "--algo.advantage.estimator", "group_norm",
@@ -68,7 +68,9 @@ def test_sigterm_to_the_process_group_of_a_ray_run_ends_like_sigterm_to_the_cont
     try:
         _wait_for_checkpoint(proc, out / "checkpoints", log)
         started = psutil.Process(proc.pid).children(recursive=True)  # Ray's head, raylet, workers
-        assert any("raylet" in " ".join(p.cmdline()) for p in started), [p.cmdline()[:2] for p in started]
+        raylets = [p for p in started if "raylet" in " ".join(p.cmdline())]
+        assert raylets, [p.cmdline()[:2] for p in started]
+        assert all(os.getpgid(p.pid) != proc.pid for p in raylets)  # not in the group the signal goes to
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=DEADLINE_S)
     finally:

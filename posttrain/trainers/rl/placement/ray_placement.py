@@ -7,6 +7,7 @@ The groups (`placement/role_groups.py`) implement the role interface of the in-p
 `broadcast_weights`), so the loop is the same code in both placements."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import TYPE_CHECKING
@@ -88,9 +89,41 @@ def connect(num_bundles: int) -> str | None:
         info(f"joining the Ray cluster at {address}")
         ray.init(address=address, log_to_driver=True)
         return "joined"
-    ray.init(num_cpus=max(os.cpu_count() or 1, num_bundles + 1), include_dashboard=False, log_to_driver=True,
-             _system_config=LOCAL_SYSTEM_CONFIG)
+    with daemons_in_own_process_group():
+        ray.init(num_cpus=max(os.cpu_count() or 1, num_bundles + 1), include_dashboard=False,
+                 log_to_driver=True, _system_config=LOCAL_SYSTEM_CONFIG)
     return "local"
+
+
+@contextlib.contextmanager
+def daemons_in_own_process_group():
+    """While a local Ray starts: its daemons (GCS, raylet; the workers the raylet starts follow it) in a
+    process group of their own, so a SIGTERM to the run's process group (`kill -TERM -<pgid>`, `timeout`)
+    reaches the controller alone, which ends the run and stops that Ray whole; otherwise the raylet can die
+    first and Ray's core worker end the controller with exit status 1 before its last line. They keep Ray's
+    fate-sharing (they end with the controller's process). Ray has no option for it: its process launcher
+    (`ray._private.services.ConsolePopen`) is wrapped for the call; without one (another Ray, Windows)
+    Ray starts as it would."""
+    from ray._private import services
+
+    launcher = getattr(services, "ConsolePopen", None)
+    if launcher is None or os.name != "posix":
+        yield
+        return
+
+    class OwnGroup(launcher):
+        def __init__(self, *args, preexec_fn=None, **kwargs):
+            def start():
+                os.setpgid(0, 0)
+                if preexec_fn is not None:
+                    preexec_fn()
+            super().__init__(*args, preexec_fn=start, **kwargs)
+
+    services.ConsolePopen = OwnGroup
+    try:
+        yield
+    finally:
+        services.ConsolePopen = launcher
 
 
 class RayPlacement:
@@ -251,8 +284,8 @@ class RayPlacement:
 
     def shutdown(self) -> None:
         """Remove what the run started. A local Ray the run started is stopped as a whole (its processes,
-        and with them every worker) without calls to its GCS: a SIGTERM to the run's process group (Slurm,
-        `timeout`) ends that GCS too, and a call to it would wait 60 s and exit 1. In a joined cluster,
+        and with them every worker) without calls to its GCS: a SIGTERM to every process of the job (Slurm)
+        ends that GCS too, and a call to it would wait 60 s and exit 1. In a joined cluster,
         the run's actors are killed and its placement groups removed (also in a Ray the caller started),
         then the run disconnects from a cluster it joined."""
         if self.ray == "local":

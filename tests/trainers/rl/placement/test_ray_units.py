@@ -1,6 +1,9 @@
 """Pieces of the Ray placement that need no cluster: metric merging, engine counts, the weights
 hash, the transport split, a worker's load error."""
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -198,3 +201,25 @@ def test_a_worker_takes_the_drivers_environment_first(monkeypatch, tmp_path):
         assert os.getcwd() == str(tmp_path)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="process groups are POSIX")
+def test_a_local_rays_daemons_start_in_a_process_group_of_their_own():
+    """While `daemons_in_own_process_group` holds, a process Ray's launcher starts leads a process group of
+    its own (a TERM to the run's group misses it) and still runs Ray's own start-up (`preexec_fn`); after,
+    the launcher is Ray's again."""
+    from ray._private import services
+
+    launcher = services.ConsolePopen
+    code = ("import os, signal; print(os.getpid() == os.getpgid(0), "
+            "signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))")
+
+    def run() -> str:
+        block = lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # noqa: E731  (as Ray's)
+        proc = services.ConsolePopen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                                     preexec_fn=block)
+        return proc.communicate(timeout=60)[0].split()
+
+    with ray_placement.daemons_in_own_process_group():
+        assert run() == ["True", "True"]
+    assert services.ConsolePopen is launcher and run() == ["False", "True"]
