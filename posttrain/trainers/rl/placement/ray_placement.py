@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -101,13 +102,15 @@ def daemons_in_own_process_group():
     process group of their own, so a SIGTERM to the run's process group (`kill -TERM -<pgid>`, `timeout`)
     reaches the controller alone, which ends the run and stops that Ray whole; otherwise the raylet can die
     first and Ray's core worker end the controller with exit status 1 before its last line. They keep Ray's
-    fate-sharing (they end with the controller's process). Ray has no option for it: its process launcher
-    (`ray._private.services.ConsolePopen`) is wrapped for the call; without one (another Ray, Windows)
-    Ray starts as it would."""
-    from ray._private import services
+    fate-sharing (they end with the controller's process: Linux's parent-death signal, which Ray sets). Ray
+    has no option for it: its process launcher (`ray._private.services.ConsolePopen`) is wrapped for the
+    call. Where Ray has no kernel fate-sharing (macOS) it starts a reaper that kills the controller's
+    process group when the controller dies, and so nothing is moved there, nor without that launcher."""
+    from ray._private import services, utils
 
     launcher = getattr(services, "ConsolePopen", None)
-    if launcher is None or os.name != "posix":
+    fate_shared = getattr(utils, "detect_fate_sharing_support_linux", lambda: False)
+    if launcher is None or not sys.platform.startswith("linux") or not fate_shared():
         yield
         return
 

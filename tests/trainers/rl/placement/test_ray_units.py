@@ -203,7 +203,7 @@ def test_a_worker_takes_the_drivers_environment_first(monkeypatch, tmp_path):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.skipif(os.name != "posix", reason="process groups are POSIX")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only (Ray's parent-death signal)")
 def test_a_local_rays_daemons_start_in_a_process_group_of_their_own():
     """While `daemons_in_own_process_group` holds, a process Ray's launcher starts leads a process group of
     its own (a TERM to the run's group misses it) and still runs Ray's own start-up (`preexec_fn`); after,
