@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 
 # vLLM compiles one sampler helper (`batched_count_greater_than`, inductor) on an engine's first sampling
-# step, also under enforce_eager: ~4 CPU-s per engine process (dynamo, the FX-graph cache, 10 ISA probes in
-# subprocesses), ~30 engines a suite. The suite runs it eagerly: set before torch is imported, inherited by
-# the session's Ray workers and every subprocess. tests/test_bench_rollout_vllm.py runs the engine as users
-# get it (compiled), and so does the GPU tier (tests/gpu/run.sh).
+# step, also under enforce_eager: 2-4 CPU-s per engine process (dynamo, the FX-graph cache, 10 ISA probes in
+# subprocesses), ~30 engines a suite. The suite runs without torch.compile (vLLM then also leaves a model
+# uncompiled without enforce_eager): set before torch is imported, inherited by the session's Ray workers
+# and every subprocess. README's Ray + vLLM command (tests/docs, in a Ray of its own) and the vLLM
+# rollout bench's test run with it on, as users do, and so does the GPU tier (tests/gpu/run.sh).
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 import torch  # noqa: E402

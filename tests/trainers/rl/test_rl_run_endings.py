@@ -1,6 +1,6 @@
-"""How `posttrain ppo` runs end (issue 46): SIGTERM to the whole process group of a Ray run (Slurm at the
-end of a job's time, `timeout`), which the local Ray processes the run started receive too; a fresh start
-under --ckpt.load_enable starts samples.jsonl over."""
+"""How `posttrain ppo` runs end (issue 46): SIGTERM to the whole process group of a Ray run (`timeout`),
+which the local Ray's daemons, in process groups of their own, do not receive; a fresh start under
+--ckpt.load_enable starts samples.jsonl over."""
 import os
 import signal
 import subprocess
@@ -53,7 +53,7 @@ def zero_reward(tmp_path):
 def test_sigterm_to_the_process_group_of_a_ray_run_ends_like_sigterm_to_the_controller(
         tiny_model_dir, arithmetic_dir, zero_reward, tmp_path):
     """`kill -TERM -<pgid>` after the first checkpoint of a run that started its own local Ray (an actor rank
-    and a rollout engine): Ray's daemons run in a process group of their own, so the signal reaches the
+    and a rollout engine): Ray's daemons run in process groups of their own, so the signal reaches the
     controller alone; it writes `terminated at step N; last checkpoint: ...` (exit 143), stops that Ray,
     and no process of the run is left behind."""
     out = tmp_path / "run"

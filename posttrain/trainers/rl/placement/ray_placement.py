@@ -98,14 +98,15 @@ def connect(num_bundles: int) -> str | None:
 
 @contextlib.contextmanager
 def daemons_in_own_process_group():
-    """While a local Ray starts: its daemons (GCS, raylet; the workers the raylet starts follow it) in a
-    process group of their own, so a SIGTERM to the run's process group (`kill -TERM -<pgid>`, `timeout`)
-    reaches the controller alone, which ends the run and stops that Ray whole; otherwise the raylet can die
-    first and Ray's core worker end the controller with exit status 1 before its last line. They keep Ray's
-    fate-sharing (they end with the controller's process: Linux's parent-death signal, which Ray sets). Ray
-    has no option for it: its process launcher (`ray._private.services.ConsolePopen`) is wrapped for the
-    call. Where Ray has no kernel fate-sharing (macOS) it starts a reaper that kills the controller's
-    process group when the controller dies, and so nothing is moved there, nor without that launcher."""
+    """While a local Ray starts: its daemons (GCS, raylet; the workers and agents the raylet starts follow it)
+    each in a process group of its own, so a SIGTERM to the run's process group (`kill -TERM -<pgid>`,
+    `timeout`) reaches the controller alone, which ends the run and stops that Ray whole; otherwise the
+    raylet can die first and Ray's core worker end the controller with exit status 1 before its last line.
+    They keep Ray's fate-sharing (they end with the controller's process: Linux's parent-death signal,
+    which Ray sets). Ray has no option for it: its process launcher (`ray._private.services.ConsolePopen`)
+    is wrapped for the call. Where Ray has no kernel fate-sharing (macOS) it starts a reaper that kills
+    the controller's process group when the controller dies, and so nothing is moved there, nor without
+    that launcher."""
     from ray._private import services, utils
 
     launcher = getattr(services, "ConsolePopen", None)
