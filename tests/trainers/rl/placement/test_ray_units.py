@@ -214,7 +214,7 @@ def test_a_local_rays_daemons_start_in_a_process_group_of_their_own():
     code = ("import os, signal; print(os.getpid() == os.getpgid(0), "
             "signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))")
 
-    def run() -> str:
+    def run() -> list[str]:
         block = lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # noqa: E731  (as Ray's)
         proc = services.ConsolePopen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                                      preexec_fn=block)
