@@ -77,41 +77,63 @@ class CaseRun:
         return self
 
 
-def torchrun_cases(cases, folder, nproc: int = 2) -> list[CaseRun]:
+def torchrun_cases(cases, folder, nproc: int = 2, timeout: int = 600) -> list[CaseRun]:
     """Each of `cases` ((module, flags) or (module, flags, copies)) run as `torchrun(module, flags, nproc)`
     runs it, one after another in one launch (launch_cases.py: the start-up and imports paid once); `copies`:
     (source, target) folders copied before the case runs (an earlier case's checkpoint it resumes); `folder`
-    keeps the logs."""
+    keeps the logs. A launch still running after `timeout` s is killed with all its processes, and the
+    failure names where each case's ranks stood."""
     import json
     import os
     import socket
     import subprocess
     import sys
-    from contextlib import ExitStack
     from pathlib import Path
 
+    import psutil
+
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    with ExitStack() as stack:  # free ports, all different: the launch's and one per case
-        socks = [stack.enter_context(socket.socket()) for _ in range(len(cases) + 1)]
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        port, *ports = (str(sock.getsockname()[1]) for sock in socks)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    spec = [{"module": module, "flags": [str(f) for f in flags], "port": p, "log": str(folder / f"case{i}"),
+    spec = [{"module": module, "flags": [str(f) for f in flags], "log": str(folder / f"case{i}"),
              "copies": [[str(source), str(target)] for source, target in (copies[0] if copies else ())]}
-            for i, ((module, flags, *copies), p) in enumerate(zip(cases, ports))]
+            for i, (module, flags, *copies) in enumerate(cases)]
     (folder / "cases.json").write_text(json.dumps(spec))
+    with socket.socket() as sock:  # the launch's port (each case's own: launch_cases.case_port)
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
            port, str(Path(__file__).with_name("launch_cases.py")), str(folder / "cases.json")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    launch = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        _, stderr = launch.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for proc in [*psutil.Process(launch.pid).children(recursive=True), launch]:  # ranks in sessions of
+            proc.kill()  # their own (torchrun's), their forked cases, the agent
+        launch.communicate()
+        raise AssertionError(f"the launch ran over {timeout} s; where its cases stood:\n"
+                             + "\n".join(case_state(case["log"], nproc) for case in spec)) from None
+    assert launch.returncode == 0, stderr[-4000:]
     runs = []
     for case in spec:
         logs = [Path(f"{case['log']}.rank{r}") for r in range(nproc)]
         codes = [int(Path(f"{log}.exit").read_text()) for log in logs]
         runs.append(CaseRun(next((c for c in codes if c), 0), "".join(log.read_text() for log in logs)))
     return runs
+
+
+def case_state(log: str, nproc: int) -> str:
+    """One case of a launch that hung: per rank, its exit status or "running", and its log's last lines."""
+    from pathlib import Path
+
+    lines = []
+    for rank in range(nproc):
+        path, done = Path(f"{log}.rank{rank}"), Path(f"{log}.rank{rank}.exit")
+        state = (f"exit {done.read_text()}" if done.exists() else
+                 "running" if path.exists() else "not started")
+        tail = path.read_text(errors="replace").splitlines()[-5:] if path.exists() else []
+        lines.append(f"{Path(log).name} rank {rank}: {state}" + "".join(f"\n    {t}" for t in tail))
+    return "\n".join(lines)
 
 
 def assert_loaded_as_shards(stderr: str, role: str, nproc: int = 2) -> None:

@@ -69,9 +69,16 @@ EAGER = ("--vllm.enforce_eager",)
 
 @pytest.fixture
 def openrlhf_agent(tmp_path):
+    """The agent file, with the `openrlhf` stand-ins not yet imported in this process: a test that ran
+    earlier in the same pytest worker may have imported them, and the run names a stand-in only the first
+    time it is imported."""
+    from posttrain.compat import openrlhf_modules
+
     path = tmp_path / "agent_func.py"
     path.write_text(OPENRLHF_STYLE_AGENT)
-    return path
+    openrlhf_modules.uninstall()
+    yield path
+    openrlhf_modules.uninstall()
 
 
 @pytest.mark.slow
