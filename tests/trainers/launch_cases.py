@@ -83,7 +83,8 @@ def free_port() -> str:
 def case_port(case: dict, rank: str) -> str:
     """The case's store port: rank 0 picks a free one as the case starts and publishes it (`log`.port). A port
     picked when the launch starts could be taken by another process (the suite's other worker, Ray) by the
-    time a later case binds it; the clients of ranks 1-N would then wait on the wrong server (a hang)."""
+    time a later case binds it: rank 0's case would fail to serve the store and ranks 1-N wait for one that
+    never answers (a hang until the launch's timeout)."""
     return published(f"{case['log']}.port", rank, free_port)
 
 
