@@ -182,10 +182,14 @@ def process_state(session_environ):
     """What building an in-process vLLM engine changes for the rest of the process is put back after each test
     module: the environment (it sets LD_PRELOAD, VLLM_*, OMP variables; `session_environ` is kept),
     `torch.set_num_threads` (vLLM's CPU worker replaces it with a function that only warns) and the thread
-    count, and the CPU affinity (its thread binding)."""
+    count, the CPU affinity (its thread binding), and no default process group (its engine core, in this
+    process, starts a one-rank one that vLLM never ends; a later test starting its own would be refused)."""
     environ, set_threads, threads = dict(os.environ), torch.set_num_threads, torch.get_num_threads()
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
     yield
+    if not grouped and torch.distributed.is_available() and torch.distributed.is_initialized():
+        end_process_group()
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(session_environ)
@@ -194,6 +198,17 @@ def process_state(session_environ):
         torch.set_num_threads(threads)
     if affinity is not None and os.sched_getaffinity(0) != affinity:
         os.sched_setaffinity(0, affinity)
+
+
+def end_process_group() -> None:
+    """End the default process group, and vLLM's groups over it where vLLM made them (its parallel state
+    then starts afresh for the next engine, as in a new process)."""
+    vllm_state = sys.modules.get("vllm.distributed.parallel_state")
+    if vllm_state is not None:
+        vllm_state.destroy_model_parallel()
+        vllm_state.destroy_distributed_environment()  # (ends torch's default group too)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="session")
