@@ -183,21 +183,24 @@ def process_state(session_environ):
     module: the environment (it sets LD_PRELOAD, VLLM_*, OMP variables; `session_environ` is kept),
     `torch.set_num_threads` (vLLM's CPU worker replaces it with a function that only warns) and the thread
     count, the CPU affinity (its thread binding), and no default process group (its engine core, in this
-    process, starts a one-rank one that vLLM never ends; a later test starting its own would be refused)."""
+    process, starts a one-rank one, which vLLM ends only when the engine is shut down or collected; a later
+    test starting its own would be refused)."""
     environ, set_threads, threads = dict(os.environ), torch.set_num_threads, torch.get_num_threads()
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
     yield
-    if not grouped and torch.distributed.is_available() and torch.distributed.is_initialized():
-        end_process_group()
-    os.environ.clear()
-    os.environ.update(environ)
-    os.environ.update(session_environ)
-    torch.set_num_threads = set_threads
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
-    if affinity is not None and os.sched_getaffinity(0) != affinity:
-        os.sched_setaffinity(0, affinity)
+    try:
+        if not grouped and torch.distributed.is_available() and torch.distributed.is_initialized():
+            end_process_group()
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        os.environ.update(session_environ)
+        torch.set_num_threads = set_threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        if affinity is not None and os.sched_getaffinity(0) != affinity:
+            os.sched_setaffinity(0, affinity)
 
 
 def end_process_group() -> None:

@@ -5,8 +5,8 @@ forks one process per case, which forms a process group of its own (its own port
 case starts, `case_port`; rank 0 serves the store, as DeepSpeed's launcher has it) and runs
 `module.main(flags)`: every case is a fresh multi-rank run, the launch and the imports are paid once. Before
 a case, rank 0 copies each of its "copies" ([source, target] folders: an earlier case's checkpoint that this
-case resumes) and the other ranks wait for it. Case stderr of rank R
-goes to `log`.rankR, its exit status to `log`.rankR.exit (`sft_helpers.torchrun_cases`)."""
+case resumes) and the other ranks wait for it. Case stderr of rank R goes to `log`.rankR, its exit status to
+`log`.rankR.exit (`sft_helpers.torchrun_cases`)."""
 import json
 import os
 import shutil

@@ -90,11 +90,10 @@ def torchrun_cases(cases, folder, nproc: int = 2, timeout: int = 600) -> list[Ca
     import sys
     from pathlib import Path
 
-    import psutil
-
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    assert not any(folder.glob("case*")), f"{folder}: holds an earlier launch's files; give a fresh folder"
     spec = [{"module": module, "flags": [str(f) for f in flags], "log": str(folder / f"case{i}"),
              "copies": [[str(source), str(target)] for source, target in (copies[0] if copies else ())]}
             for i, (module, flags, *copies) in enumerate(cases)]
@@ -108,11 +107,17 @@ def torchrun_cases(cases, folder, nproc: int = 2, timeout: int = 600) -> list[Ca
     try:
         _, stderr = launch.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        for proc in [*psutil.Process(launch.pid).children(recursive=True), launch]:  # ranks in sessions of
-            proc.kill()  # their own (torchrun's), their forked cases, the agent
-        launch.communicate()
+        kill_launch(launch)
+        try:
+            stderr = launch.communicate(timeout=30)[1]
+        except subprocess.TimeoutExpired:  # a survivor holds the pipes: report without torchrun's stderr
+            stderr = ""
         raise AssertionError(f"the launch ran over {timeout} s; where its cases stood:\n"
-                             + "\n".join(case_state(case["log"], nproc) for case in spec)) from None
+                             + "\n".join(case_state(case["log"], nproc) for case in spec)
+                             + f"\ntorchrun's stderr ends:\n{stderr[-2000:]}") from None
+    except BaseException:  # Ctrl-C, pytest's own timeout: nothing of the launch outlives the test
+        kill_launch(launch)
+        raise
     assert launch.returncode == 0, stderr[-4000:]
     runs = []
     for case in spec:
@@ -122,17 +127,39 @@ def torchrun_cases(cases, folder, nproc: int = 2, timeout: int = 600) -> list[Ca
     return runs
 
 
+def kill_launch(launch) -> None:
+    """SIGKILL a torchrun launch and everything it started: each rank's session (torchrun starts every rank
+    in a session of its own, with the cases it forks), whatever else descends from it, then the agent."""
+    import contextlib
+    import os
+    import signal
+
+    import psutil
+
+    with contextlib.suppress(psutil.NoSuchProcess):
+        tree = psutil.Process(launch.pid).children(recursive=True)
+        for rank in psutil.Process(launch.pid).children():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(rank.pid, signal.SIGKILL)
+        for proc in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+    launch.kill()
+
+
 def case_state(log: str, nproc: int) -> str:
-    """One case of a launch that hung: per rank, its exit status or "running", and its log's last lines."""
+    """One case of a launch that hung: its store's port (launch_cases.case_port) and per rank its exit status
+    (or none when the launch was killed), and its log's last lines."""
     from pathlib import Path
 
-    lines = []
+    port = Path(f"{log}.port")
+    lines = [f"{Path(log).name}: port {port.read_text() if port.exists() else '(not picked)'}"]
     for rank in range(nproc):
         path, done = Path(f"{log}.rank{rank}"), Path(f"{log}.rank{rank}.exit")
         state = (f"exit {done.read_text()}" if done.exists() else
-                 "running" if path.exists() else "not started")
+                 "no exit status" if path.exists() else "not started")
         tail = path.read_text(errors="replace").splitlines()[-5:] if path.exists() else []
-        lines.append(f"{Path(log).name} rank {rank}: {state}" + "".join(f"\n    {t}" for t in tail))
+        lines.append(f"  rank {rank}: {state}" + "".join(f"\n    {t}" for t in tail))
     return "\n".join(lines)
 
 
