@@ -75,6 +75,7 @@ def published(path: str, rank: str, make) -> str:
 
 
 def free_port() -> str:
+    """As tests/rewards_http.free_port (not importable here: torchrun runs this from tests/trainers)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return str(sock.getsockname()[1])

@@ -1,6 +1,7 @@
 """Helpers shared by the SFT trainer tests."""
 import pytest
 import torch
+from rewards_http import free_port
 from rounding import NORM_REL, adam_weight_tolerance, assert_weights_within
 from safetensors.torch import load_file
 
@@ -49,14 +50,11 @@ def torchrun(module: str, flags, nproc: int = 2):
     """`python -m torch.distributed.run --nproc_per_node nproc -m module *flags` on CPU (gloo) on a
     free port; the finished process (asserted to have exited 0)."""
     import os
-    import socket
     import subprocess
     import sys
 
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    with socket.socket() as sock:  # a free port (torchrun's --master_port 0 does not reach the workers)
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
+    port = str(free_port())  # (torchrun's --master_port 0 does not reach the workers)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", port, "-m", module, *map(str, flags)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
@@ -85,7 +83,6 @@ def torchrun_cases(cases, folder, nproc: int = 2, timeout: int = 600) -> list[Ca
     failure names where each case's ranks stood."""
     import json
     import os
-    import socket
     import subprocess
     import sys
     from pathlib import Path
@@ -98,9 +95,7 @@ def torchrun_cases(cases, folder, nproc: int = 2, timeout: int = 600) -> list[Ca
              "copies": [[str(source), str(target)] for source, target in (copies[0] if copies else ())]}
             for i, (module, flags, *copies) in enumerate(cases)]
     (folder / "cases.json").write_text(json.dumps(spec))
-    with socket.socket() as sock:  # the launch's port (each case's own: launch_cases.case_port)
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
+    port = str(free_port())  # the launch's (each case's own: launch_cases.case_port)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
            port, str(Path(__file__).with_name("launch_cases.py")), str(folder / "cases.json")]
     launch = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
