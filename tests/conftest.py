@@ -27,6 +27,11 @@ import pytest
 # rollout bench's test run with it on, as users do, and so does the GPU tier (tests/gpu/run.sh).
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
+# A run draws its PNG charts when it ends: 1-3 CPU-s (matplotlib's import, ~10 figures for an RL run), ~200
+# runs a suite. The suite's runs skip them (POSTTRAIN_PLOTS=0, inherited by every subprocess); the tests of
+# the charts, of the SFT run folder and of the demo's stages set it back to 1.
+os.environ.setdefault("POSTTRAIN_PLOTS", "0")
+
 # The suite starts ~600 Python processes (Ray ranks, command-line runs, launches). Where the environment says
 # PYTHONDONTWRITEBYTECODE, each would compile posttrain's modules from source again (~0.3 CPU-s a process
 # that trains) and each pytest worker rewrite every test module again (collection 13.4 -> 8.1 CPU-s with

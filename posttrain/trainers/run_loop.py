@@ -36,6 +36,7 @@ step N; ...` (`utils/interrupt.py`).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -274,10 +275,17 @@ class RunLoop:
         return self.record.last
 
 
+PLOTS_ENV = "POSTTRAIN_PLOTS"  # 0 (or false/no/off): a run ends without drawing its charts
+
+
 def plot_charts(output_dir: Path) -> list[Path]:
-    """The run's PNG charts from metrics.jsonl (`posttrain plot`); none when there is nothing to plot."""
+    """The run's PNG charts from metrics.jsonl (`posttrain plot`); none when there is nothing to plot, or
+    when `POSTTRAIN_PLOTS=0` (1-3 CPU-s a run: sweeps of short runs, the test suite)."""
     from posttrain.utils.plot import plot_run
 
+    if os.environ.get(PLOTS_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        info(f"no plots: {PLOTS_ENV}={os.environ[PLOTS_ENV]} (posttrain plot {output_dir} draws them)")
+        return []
     if not (output_dir / METRICS_FILE).exists():  # a resumed run that had no step left to train
         info(f"no plots: this run logged no step to {output_dir / METRICS_FILE}")
         return []

@@ -44,16 +44,14 @@ def run_case(case: dict, rank: str, port: str) -> int:
 def warm_up() -> None:
     """Import, before the forks, what every case would otherwise import again in its own process: the
     lazily loaded parts of transformers (the auto classes, the llama model, the tokenizer), DeepSpeed's
-    optimizer check (torch.compile: dynamo, inductor, sympy) and tensor-parallel code, matplotlib (the
-    run's charts)."""
+    optimizer check (torch.compile: dynamo, inductor, sympy) and tensor-parallel code. (Not matplotlib: the
+    suite's runs draw no charts, tests/conftest.py.)"""
     import_deepspeed()
     import deepspeed.module_inject.auto_ep_layer  # noqa: F401
     import deepspeed.module_inject.auto_tp  # noqa: F401
     import deepspeed.ops.op_builder.all_ops  # noqa: F401
     import deepspeed.runtime.superoffload.superoffload_stage3  # noqa: F401
     import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
-    import matplotlib.backends.backend_agg  # noqa: F401
-    import matplotlib.figure  # noqa: F401
     import torch.utils.cpp_extension  # noqa: F401  (DeepSpeed's op builders: setuptools)
     import transformers.models.auto.modeling_auto  # noqa: F401
     import transformers.models.auto.tokenization_auto  # noqa: F401

@@ -8,7 +8,8 @@ from sft_helpers import assert_same_weights
 from posttrain.utils.metrics import read_metrics
 
 
-def test_sft_loss_falls_and_run_dir_is_complete(run_sft):
+def test_sft_loss_falls_and_run_dir_is_complete(run_sft, monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_PLOTS", "1")  # the suite's runs skip their charts (tests/conftest.py)
     out = run_sft("--train.max_epochs", 3, "--eval.steps", 4, "--adam.lr", 3e-3)
     rows = read_metrics(out / "metrics.jsonl")
     evals = [r["eval/loss"] for r in rows if "eval/loss" in r]
