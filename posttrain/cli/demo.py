@@ -403,7 +403,8 @@ def print_table(summary: dict) -> None:
     print(f"\nheld-out accuracy on {summary['vision_task']} ({summary['held_out_prompts']} images, greedy)")
     for stage, acc in summary["vision_accuracy"].items():
         print(_row("colour", stage, acc, minutes.get(stage), quick))
-    print(f"done in {summary['seconds'] / 60:.1f} min; models, metrics and plots under {summary['output']}")
+    drawn = " and plots" if summary["plots"] else ""
+    print(f"done in {summary['seconds'] / 60:.1f} min; models, metrics{drawn} under {summary['output']}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -440,7 +441,8 @@ def main(argv: list[str] | None = None) -> dict:
                "vision_task": f"the colour of a shape in an image (vision-language; the demonstrator names a "
                               f"random colour in {VISION_SLOPPY:.0%} of its answers)",
                "vision_accuracy": vision, "seconds": round(time.time() - t0, 1), "output": str(out),
-               "quick": args.quick, "plots": {name: str(path / "plots") for name, path in d.items()}}
+               "quick": args.quick,
+               "plots": {name: str(path / "plots") for name, path in d.items() if (path / "plots").is_dir()}}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     with (out / "samples_final.jsonl").open("w") as f:
         for s in arith["samples"]:

@@ -1,15 +1,7 @@
 """RL test fixtures: the SFT-ed nano model and its data (`sft_nano`, tests/trainers/conftest.py),
 reward-function files, and a runner for the real `posttrain ppo` entry."""
 import pytest
-from rl_runs import REWARD_FUNCS, charts_not_drawn, ppo_flags
-
-
-@pytest.fixture(autouse=True)
-def no_closing_charts():
-    """`charts_not_drawn` around every test here (a module-scoped fixture that runs a trainer enters it
-    itself)."""
-    with charts_not_drawn():
-        yield
+from rl_runs import REWARD_FUNCS, ppo_flags
 
 
 @pytest.fixture(scope="session")

@@ -78,10 +78,9 @@ def run_rl(model, data, reward, out) -> None:
     from safetensors.torch import load_file
 
     from posttrain.cli import train_ppo_ray
-    from posttrain.trainers.rl import build, ppo
+    from posttrain.trainers.rl import build
     from posttrain.trainers.rl.ppo import RLTrainer
 
-    ppo.plot_charts = lambda run_dir: None  # the charts take longer than the runs
     build.build_actor = functools.partial(build.build_actor, zero_stage=3)  # one process: ZeRO-3 regardless
     released = _release_counter()
     entered = {"n": 0}

@@ -1,10 +1,8 @@
-"""What the RL tests share besides fixtures: reward-function files (`REWARD_FUNCS`), `charts_not_drawn`, and
+"""What the RL tests share besides fixtures: reward-function files (`REWARD_FUNCS`) and
 `ppo_flags` (a small `posttrain ppo` run on the SFT-ed nano model). A module of its own, imported by name
 (`from rl_runs import ppo_flags`): `from conftest import ...` would find whichever conftest
 was imported last."""
-import contextlib
 
-import pytest
 
 REWARD_FUNCS = {
     # verifiable: the last integer of the response equals the label
@@ -66,24 +64,6 @@ def reward_func(queries, prompts, labels, **kwargs):
     return {"rewards": [float("nan")] * len(queries)}
 ''',
 }
-
-
-def _not_drawn(run_dir, out_dir=None):
-    raise ValueError("charts are not drawn in the RL tests (tests/trainers/rl/conftest.py)")
-
-
-@contextlib.contextmanager
-def charts_not_drawn():
-    """Runs started in this process end without drawing their PNG charts: 2-5 s of matplotlib for an RL
-    run on 2 cores (eleven figures), more than the training of most runs here, and no test here reads
-    them (a run logs "no plots: ..." instead). Charts stay tested: `plot_run` in
-    tests/unit/utils/test_metrics_plot.py, the demo's RL charts in tests/docs/test_documented_commands.py,
-    and every command-line (subprocess) run here still draws its own."""
-    import posttrain.utils.plot
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(posttrain.utils.plot, "plot_run", _not_drawn)
-        yield
 
 
 def ppo_flags(setup, out, *extra, reward="starts_with_1.py"):

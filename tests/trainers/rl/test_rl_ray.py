@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 from rl_helpers import rewards_by_step
-from rl_runs import charts_not_drawn, ppo_flags
+from rl_runs import ppo_flags
 from rounding import ADAM_EPS, NORM_REL, adam_weight_tolerance, assert_weights_within
 from safetensors.torch import load_file
 
@@ -391,7 +391,7 @@ def colocated_run(rl_setup, tiny_model_dir, tmp_path_factory, ray_session):
         "--algo.teacher_coef", "0.1"]
     err = io.StringIO()
     try:
-        with contextlib.redirect_stderr(err), charts_not_drawn():
+        with contextlib.redirect_stderr(err):
             _ppo(flags)
     finally:
         sys.stderr.write(err.getvalue())  # the run's messages, for a failure report
@@ -430,8 +430,7 @@ def test_a_teacher_and_a_prm_on_ray_score_as_in_one_process(colocated_run, tmp_p
     local = tmp_path / "local"
     one_process = [str(f) for f in flags[:i] + flags[i + 2:]]
     one_process[one_process.index(str(out))] = str(local)
-    with charts_not_drawn():
-        _ppo(one_process)
+    _ppo(one_process)
     row = read_metrics(local / "metrics.jsonl")[0]
     assert ray_row["teacher/reverse_kl"] > 0.1
     assert ray_row["teacher/reverse_kl"] == pytest.approx(row["teacher/reverse_kl"], abs=1e-5)
