@@ -403,7 +403,7 @@ def print_table(summary: dict) -> None:
     print(f"\nheld-out accuracy on {summary['vision_task']} ({summary['held_out_prompts']} images, greedy)")
     for stage, acc in summary["vision_accuracy"].items():
         print(_row("colour", stage, acc, minutes.get(stage), quick))
-    drawn = " and plots" if summary["plots"] else ""
+    drawn = " and plots" if summary.get("plots") else ""
     print(f"done in {summary['seconds'] / 60:.1f} min; models, metrics{drawn} under {summary['output']}")
 
 
