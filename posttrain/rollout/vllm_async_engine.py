@@ -127,10 +127,23 @@ class AsyncLLMHandle:
         self.run(self.llm.remove_lora(lora_id))
 
     def shutdown(self) -> None:
+        """Stop the engine core and the loop, quietly: the output handler is cancelled on the loop first (it
+        logged ``EngineDeadError`` as an ERROR when the core died under it), and ``AsyncLLM.shutdown``
+        is not run again by its ``__del__`` at interpreter exit, when vLLM's module globals are gone (a
+        ``TypeError`` printed after every run)."""
         if self.loop.is_closed():
             return
-        with contextlib.suppress(Exception):
+
+        async def stop():
+            handler = getattr(self.llm, "output_handler", None)
+            if handler is not None and not handler.done():
+                handler.cancel()
+                with contextlib.suppress(BaseException):
+                    await handler
             self.llm.shutdown()
+        with contextlib.suppress(Exception):
+            self.run(stop())
+        self.llm.shutdown = lambda *args, **kwargs: None  # shut down once: __del__ calls it again
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(30)
         self.loop.close()

@@ -141,3 +141,29 @@ def test_the_stream_serves_requests_as_the_batch_call_and_cancels_in_vllm(worker
     while engine.llm.llm.output_processor.get_num_unfinished_requests():  # the abandoned request is aborted
         assert time.time() < deadline, "the cancelled request still runs in vLLM"
         time.sleep(0.05)
+
+
+def test_closing_the_engine_is_quiet_now_and_at_exit(worker, monkeypatch):
+    """(Last in the module: it closes the module's engine; the fixture's close is then a no-op.) Closing
+    logs no error (vLLM's output handler, left running while its engine core died, logged
+    `EngineDeadError`), and `AsyncLLM.__del__` at interpreter exit, when vLLM's module globals are None,
+    raises nothing (it printed a `TypeError` after every run)."""
+    import logging
+
+    from vllm.v1.engine import async_llm
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    vllm_logger = logging.getLogger("vllm")
+    vllm_logger.addHandler(handler)
+    llm = worker.engine.llm.llm
+    try:
+        worker.engine.close()
+    finally:
+        vllm_logger.removeHandler(handler)
+    assert [r.getMessage() for r in records if r.levelno >= logging.ERROR] == []
+    assert llm.output_handler is None or llm.output_handler.done()
+    monkeypatch.setattr(async_llm, "shutdown_prometheus", None)  # as at interpreter exit
+    llm.__del__()
+    worker.engine.close()  # again: nothing left to do
