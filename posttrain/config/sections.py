@@ -222,6 +222,14 @@ class VLLMConfig:
         "weights) or adapter (vLLM's enable_lora with a LoRARequest per version; a peft copy in the HF "
         "engine)", choices=("merged", "adapter"), extension=True, inert=(LORA_OFF, SHARED_MODULE))
 
+    @property
+    def engine_ranks(self) -> int:
+        """The ranks (GPU bundles) one engine spans: its tensor-parallel size."""
+        return self.tensor_parallel_size
+
+
+VLLM_RANKS = "--vllm.num_engines x --vllm.tensor_parallel_size"  # the GPUs the vLLM engines take, in messages
+
 
 @dataclass
 class RolloutConfig:

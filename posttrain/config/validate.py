@@ -17,6 +17,7 @@ from posttrain.config.facts import deepspeed_only_flags
 from posttrain.config.flag_values import check_flag_choice, parse_probs
 from posttrain.config.hardware import device_type, record_resolved, resolved_values
 from posttrain.config.inference import INFERENCE_CONFIGS
+from posttrain.config.placement_plan import PlacementError, plan_of
 from posttrain.config.ppo_rules import ppo_rules
 from posttrain.config.ray_mode import critic_path, role_ranks, run_roles
 from posttrain.config.roles import DPO_LOSS_PARAMS
@@ -84,6 +85,7 @@ def validate(cfg: CommandConfig, world_size: int = 1, device: Any = None) -> lis
         ppo_rules(cfg, r, world_size)
         _vision_rl(cfg, r)
         _vllm_tensor_parallel(cfg, r, dev)
+        _placement(cfg, r)
         for role in ("actor", "critic"):
             _optimizer(getattr(cfg, role), f"{role}.", cfg, r)
     else:
@@ -296,7 +298,14 @@ def _rm(cfg: RMConfig, r: RuleReport) -> None:
                               "drop the flag")
 
 
-VLLM_RANKS = "--vllm.num_engines x --vllm.tensor_parallel_size"  # the GPUs the vLLM engines take, in messages
+def _placement(cfg: PPOConfig, r: RuleReport) -> None:
+    """A run on Ray: the colocation flags' role sizes fit together (`placement_plan.plan_of`, OpenRLHF's
+    asserts), refused here rather than when the run places its roles, after its data and models load."""
+    if run_roles(cfg).on_ray:
+        try:
+            plan_of(cfg)
+        except PlacementError as e:
+            r.problems.append(str(e))
 
 
 def _vllm_tensor_parallel(cfg: PPOConfig, r: RuleReport, dev: str) -> None:

@@ -88,7 +88,7 @@ def vllm_engine_kwargs(cfg: PPOConfig) -> dict:
     first); with an image limit N > 0 (`data.images.max_images`), `limit_mm_per_prompt={"image": N}` (the
     engine then reads the image pad ids from the model's config); `vllm_cpu.apply_cpu_defaults` drops
     gpu_memory_utilization on CPU; vLLM's sleep mode on a GPU when the engines sleep (`sleeps`)."""
-    images, tp = max_images(cfg.data), engine_ranks(cfg)
+    images, tp = max_images(cfg.data), cfg.vllm.engine_ranks
     return dict(tensor_parallel_size=tp, distributed_executor_backend="uni" if tp == 1 else "mp",
                 gpu_memory_utilization=cfg.vllm.gpu_memory_utilization, enforce_eager=cfg.vllm.enforce_eager,
                 enable_prefix_caching=cfg.vllm.enable_prefix_caching,
@@ -96,12 +96,6 @@ def vllm_engine_kwargs(cfg: PPOConfig) -> dict:
                 max_model_len=cfg.data.max_len, trust_remote_code=False,
                 **({"limit_mm_per_prompt": {"image": images}} if images > 0 else {}),
                 **({"enable_sleep_mode": True} if sleeps(cfg) and torch.cuda.is_available() else {}))
-
-
-def engine_ranks(cfg: PPOConfig) -> int:
-    """The ranks (GPU bundles) one vLLM engine of `cfg` spans: its `tensor_parallel_size`
-    (`vllm_engine_kwargs`)."""
-    return cfg.vllm.tensor_parallel_size
 
 
 def sleeps(cfg: PPOConfig) -> bool:

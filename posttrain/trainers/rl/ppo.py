@@ -201,10 +201,7 @@ class RLTrainer(RunLoop):
         when it is a process reward model (each None without one)."""
         from posttrain.trainers.rl.placement.ray_placement import RayPlacement
 
-        cfg = self.cfg
-        roles = self.roles
-        self.placement = RayPlacement(cfg, updates, critic=roles.has("critic"), ref=roles.has("ref"),
-                                      reward_model=roles.has("reward"), teacher=roles.has("teacher"))
+        self.placement = RayPlacement(self.cfg, updates)
         p = self.placement
         self.actor, self.critic, self.ref, self.rollout_engine = p.actor, p.critic, p.ref, p.engines
         if p.reward is not None and self.cfg.reward.prm:

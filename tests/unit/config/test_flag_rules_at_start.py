@@ -150,3 +150,46 @@ def test_the_trl_translation_is_a_declared_field_not_a_flag(tmp_path):
     again = load_config(path)  # the saved flags load back as a posttrain config, equal to the translated one
     assert again.trl_translation is None and again == cfg
     assert ppo().trl_translation is None
+
+
+def test_colocation_sizes_that_do_not_fit_are_refused_at_start_up(monkeypatch):
+    """OpenRLHF's colocation asserts (`config.placement_plan`), which a run on Ray met only when it placed its
+    roles, after its data and models had loaded."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    two = ["--actor.num_gpus_per_node", "2"]
+    assert problem("ppo", *two, "--vllm.num_engines", "2", "--train.colocate_all") == (
+        "--train.colocate_all needs --ref.num_nodes/--ref.num_gpus_per_node equal to the actor's "
+        "(1 x 1 vs 1 x 2)")
+    assert problem("ppo", *two, "--ref.num_gpus_per_node", "2", "--vllm.num_engines", "1",
+                   "--train.colocate_all") == (
+        "--train.colocate_all needs --actor.num_nodes x --actor.num_gpus_per_node equal to "
+        "--vllm.num_engines x --vllm.tensor_parallel_size (2 vs 1); or set --train.async_enable to give the "
+        "engines their own GPUs")
+    own_rewards = [a for a in BASE["ppo"] if a not in ("--reward.remote_url", "r.py")]
+    critic_reward = ["--reward.model_name_or_path", "rm", "--algo.advantage.estimator", "gae",
+                     "--critic.num_gpus_per_node", "2", "--train.colocate_critic_reward"]
+    assert problem("ppo", *own_rewards, *critic_reward, base=False) == (
+        "--train.colocate_critic_reward needs --reward.num_nodes/--reward.num_gpus_per_node equal to the "
+        "critic's (1 x 1 vs 1 x 2)")
+    parse_config("ppo", BASE["ppo"] + [*two, "--ref.num_gpus_per_node", "2", "--vllm.num_engines", "2",
+                                       "--train.colocate_all"])
+    parse_config("ppo", BASE["ppo"] + ["--train.colocate_all"])  # one process: nothing is placed
+
+
+def test_the_placement_plan_reads_the_runs_roles_and_engine_count(monkeypatch):
+    from posttrain.config.placement_plan import engine_count, plan_of
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = lambda *extra: parse_config("ppo", BASE["ppo"] + list(extra), check=False)  # noqa: E731
+    assert engine_count(cfg("--vllm.num_engines", "3")) == 3
+    assert engine_count(cfg("--actor.num_gpus_per_node", "2")) == 1
+    hybrid = cfg("--actor.num_gpus_per_node", "4", "--ref.num_gpus_per_node", "4", "--train.colocate_all",
+                 "--vllm.tensor_parallel_size", "2")
+    assert engine_count(hybrid) == 2  # one per tp actor bundles, sharing them
+    plan = plan_of(hybrid)
+    assert set(plan.roles) == {"actor", "ref", "critic", "engine"}  # GAE (the default): a critic
+    assert plan.groups == {"all": 4}
+    assert plan.roles["engine"].bundles == (0, 2) and plan.roles["engine"].span == 2
+    assert plan.roles["critic"].group == "all"
+    no_ref = cfg("--algo.kl.init_coef", "0", "--vllm.num_engines", "1")
+    assert set(plan_of(no_ref).roles) == {"actor", "critic", "engine"}

@@ -119,6 +119,8 @@ def test_ppo_cluster_flags_act_and_vllm_flags_say_why_the_hf_engine_serves():
             "--vllm.enable_sleep",
             "--actor.num_gpus_per_node",
             "4",
+            "--ref.num_gpus_per_node",
+            "4",
             "--train.colocate_actor_ref",
             "--eval.temperature",
             "0.2",
@@ -253,8 +255,8 @@ def test_lora_flags_act_in_ppo_and_the_adapter_off_reference_makes_the_ref_place
     adapter_off = [i.split(" has no effect")[0] for i in on_ray if "adapter disabled" in i]
     assert adapter_off == ["--ref.num_gpus_per_node 2", "--ref.offload", "--train.colocate_actor_ref"], on_ray
     # a reference of its own (another folder) is placed and offloaded as without LoRA
-    other = parse_config("ppo", PPO + lora + kl + ref + ["--ref.model_name_or_path", "other/model"],
-                         device="cpu")
+    other = parse_config("ppo", PPO + lora + kl + ref + ["--ref.model_name_or_path", "other/model",
+                                                         "--actor.num_gpus_per_node", "2"], device="cpu")
     assert not any("adapter disabled" in i for i in inert_flags(other, "cuda"))
     merged = parse_config("ppo", PPO + ["--ckpt.save_merged"], device="cpu")
     assert [i.split(" has no effect")[0] for i in inert_flags(merged, "cuda")] == ["--ckpt.save_merged"]

@@ -1,6 +1,7 @@
 """The Ray placement of an RL run: the controller (the RL loop, in the driver) plus Ray actor
 groups — actor, reference, critic, reward model (`RoleWorker` ranks) and rollout engines
-(`EngineWorker`) — placed by `placement.plan_placement` (OpenRLHF's colocation rules).
+(`EngineWorker`) — placed as `config.placement_plan.plan_of` says (OpenRLHF's colocation rules), which
+start-up has checked.
 
 The groups (`placement/role_groups.py`) implement the role interface of the in-process roles
 (`trainers/rl/roles.py`: `logprobs`, `values`, `fit`, `save_state` / `load_state`, `export`,
@@ -18,10 +19,10 @@ from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from posttrain.config.placement_plan import plan_of
 from posttrain.models.parallel_groups import ParallelLayout
 from posttrain.models.setup import ModelSetup
-from posttrain.rollout.engine_builder import engine_ranks, sleeps
-from posttrain.trainers.rl.placement.plan import bundle_resources, group_bundles, plan_placement
+from posttrain.rollout.engine_builder import sleeps
 from posttrain.trainers.rl.placement.role_groups import (
     ActorGroup,
     CriticGroup,
@@ -62,15 +63,17 @@ def worker_threads(ranks: int) -> int:
     return max(1, min(8, (os.cpu_count() or 1) // max(ranks, 1)))
 
 
-def engine_count(cfg: PPOConfig) -> int:
-    """Rollout engines: --vllm.num_engines; unset, one per `engine_ranks` actor bundles
-    with --train.colocate_all (each actor GPU also generates, as OpenRLHF's actors do without vLLM),
-    else one."""
-    if cfg.vllm.num_engines:
-        return cfg.vllm.num_engines
-    if cfg.train.colocate_all:
-        return max(1, cfg.actor.num_nodes * cfg.actor.num_gpus_per_node // engine_ranks(cfg))
-    return 1
+def bundle_resources(share: float, gpu: bool, cpus_per_bundle: float) -> dict:
+    """Ray actor options for one rank: OpenRLHF passes num_cpus = num_gpus = share. On a CPU-only
+    machine a "GPU" is a bundle of `cpus_per_bundle` CPUs and a rank asks its share of them."""
+    if gpu:
+        return {"num_gpus": share, "num_cpus": share}
+    return {"num_cpus": share * cpus_per_bundle}
+
+
+def group_bundles(n: int, gpu: bool, cpus_per_bundle: float) -> list[dict]:
+    """The `n` bundles of a placement group (strategy PACK)."""
+    return [{"GPU": 1, "CPU": 1} if gpu else {"CPU": cpus_per_bundle} for _ in range(n)]
 
 
 # Ray starts its workers at niceness 15; the ranks are the run's compute, so a local cluster runs them
@@ -134,17 +137,8 @@ class RayPlacement:
     """Start (or join) Ray, place every role of `cfg`, build each rank's model; `shutdown()` removes
     everything the run started."""
 
-    def __init__(self, cfg: PPOConfig, total_steps: int, *, critic: bool, ref: bool,
-                 reward_model: bool, teacher: bool = False) -> None:
-        shape = lambda role: (role.num_nodes, role.num_gpus_per_node)  # noqa: E731
-        self.plan = plan_placement(
-            actor=shape(cfg.actor), ref=shape(cfg.ref) if ref else None,
-            critic=shape(cfg.critic) if critic else None,
-            reward=shape(cfg.reward) if reward_model else None, num_engines=engine_count(cfg),
-            engine_tp=engine_ranks(cfg), colocate_actor_ref=cfg.train.colocate_actor_ref,
-            colocate_critic_reward=cfg.train.colocate_critic_reward, colocate_all=cfg.train.colocate_all,
-            async_enable=cfg.train.async_enable,
-            teacher=shape(cfg.teacher) if teacher else None)
+    def __init__(self, cfg: PPOConfig, total_steps: int) -> None:
+        self.plan = plan_of(cfg)  # the roles `config.ray_mode.run_roles` gives cfg
         self.groups: list[Group] = []
         self.handles: list = []  # every process created so far, so a failure half-way kills them too
         self.pgs: dict = {}

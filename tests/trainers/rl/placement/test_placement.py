@@ -5,14 +5,7 @@ import sys
 
 import pytest
 
-from posttrain.trainers.rl.placement.plan import (
-    Placement,
-    PlacementError,
-    RoleSpec,
-    bundle_resources,
-    group_bundles,
-    plan_placement,
-)
+from posttrain.config.placement_plan import Placement, PlacementError, RoleSpec, plan_placement
 
 
 def plan(**kw):
@@ -174,19 +167,9 @@ def test_table():
     assert isinstance(p, Placement) and p.world == 2 + 1 + 3
 
 
-def test_resources_gpu_and_cpu():
-    assert bundle_resources(0.2, True, 4) == {"num_gpus": 0.2, "num_cpus": 0.2}
-    assert bundle_resources(1.0, True, 4) == {"num_gpus": 1.0, "num_cpus": 1.0}
-    assert bundle_resources(0.2, False, 5) == {"num_cpus": pytest.approx(1.0)}
-    assert bundle_resources(1.0, False, 2) == {"num_cpus": 2.0}
-    assert group_bundles(2, True, 4) == [{"GPU": 1, "CPU": 1}, {"GPU": 1, "CPU": 1}]
-    assert group_bundles(3, False, 2) == [{"CPU": 2}] * 3
-    assert group_bundles(0, True, 1) == []
-
-
 def test_module_imports_neither_ray_nor_torch():
     code = (
-        "import sys, posttrain.trainers.rl.placement.plan; "
+        "import sys, posttrain.config.placement_plan; "
         "assert not {'ray', 'torch'} & set(sys.modules), sorted({'ray', 'torch'} & set(sys.modules))"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

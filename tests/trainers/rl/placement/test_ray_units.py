@@ -1,4 +1,4 @@
-"""Pieces of the Ray placement that need no cluster: metric merging, engine counts, the weights
+"""Pieces of the Ray placement that need no cluster: metric merging, Ray's resource options, the weights
 hash, the transport split, a worker's load error."""
 import os
 import signal
@@ -35,13 +35,15 @@ def _cfg(*extra):
     return parse_config("ppo", BASE["ppo"] + list(extra), check=False)
 
 
-def test_engine_count_follows_the_flags(monkeypatch):
-    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parents[3] / "unit" / "config"))
-    assert ray_placement.engine_count(_cfg("--vllm.num_engines", "3")) == 3
-    assert ray_placement.engine_count(_cfg("--actor.num_gpus_per_node", "2")) == 1
-    hybrid = _cfg("--actor.num_gpus_per_node", "4", "--train.colocate_all",
-                  "--vllm.tensor_parallel_size", "2")
-    assert ray_placement.engine_count(hybrid) == 2  # one per tp actor bundles, sharing them
+def test_resources_gpu_and_cpu():
+    bundle_resources, group_bundles = ray_placement.bundle_resources, ray_placement.group_bundles
+    assert bundle_resources(0.2, True, 4) == {"num_gpus": 0.2, "num_cpus": 0.2}
+    assert bundle_resources(1.0, True, 4) == {"num_gpus": 1.0, "num_cpus": 1.0}
+    assert bundle_resources(0.2, False, 5) == {"num_cpus": pytest.approx(1.0)}
+    assert bundle_resources(1.0, False, 2) == {"num_cpus": 2.0}
+    assert group_bundles(2, True, 4) == [{"GPU": 1, "CPU": 1}, {"GPU": 1, "CPU": 1}]
+    assert group_bundles(3, False, 2) == [{"CPU": 2}] * 3
+    assert group_bundles(0, True, 1) == []
 
 
 def test_weights_hash_covers_every_tensor_kind():
@@ -174,7 +176,7 @@ def test_a_joined_cluster_gets_the_runs_actors_killed_and_a_local_ray_is_stopped
 
     monkeypatch.setattr(ray_placement.RayPlacement, "_place", place)
     with pytest.raises(RuntimeError, match="a worker failed to start"):
-        ray_placement.RayPlacement(_cfg(), 1, critic=False, ref=False, reward_model=False)
+        ray_placement.RayPlacement(_cfg(), 1)
     removed = [("kill", "actor rank 0"), ("remove", "actor bundles")] if address else []
     # no runtime_env (a worker with one starts through a second interpreter): the workers take the
     # driver's environment in their constructors (test_a_worker_takes_the_drivers_environment_first)

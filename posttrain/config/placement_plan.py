@@ -1,12 +1,16 @@
 """Where each role of a distributed RL run goes: OpenRLHF 0.10.2's rules (cli/train_ppo_ray.py,
 trainer/ray/launcher.py `RayActorGroup`, trainer/ray/vllm_engine.py `create_vllm_engines`), as pure
-Python: no ray, no torch. Placement groups use PACK bundles of {"GPU": 1, "CPU": 1}, one per rank."""
+Python: no ray, no torch. A function of the flags alone, so start-up checks it (`validate`) before anything
+loads, and the Ray placement (`trainers/rl/placement/ray_placement.py`) places what it returns: placement
+groups of PACK bundles, one per rank."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
-from posttrain.config.validate import VLLM_RANKS
+from posttrain.config.ray_mode import run_roles
+from posttrain.config.sections import VLLM_RANKS
 from posttrain.utils.errors import UserError
 
 SHARED = 0.2  # OpenRLHF's num_gpus_per_actor (and engine num_gpus) when models share a bundle
@@ -57,6 +61,30 @@ class Placement:
         """Distinct bundles (= GPUs) the run needs: every group's bundles plus the group-less ranks."""
         loose = sum(s.num_ranks * s.span for s in self.roles.values() if not s.group)
         return sum(self.groups.values()) + loose
+
+
+def engine_count(cfg: Any) -> int:
+    """Rollout engines of a PPOConfig: --vllm.num_engines; unset, one per `engine_ranks` actor bundles with
+    --train.colocate_all (each actor GPU also generates, as OpenRLHF's actors do without vLLM), else one."""
+    if cfg.vllm.num_engines:
+        return cfg.vllm.num_engines
+    if cfg.train.colocate_all:
+        return max(1, cfg.actor.num_nodes * cfg.actor.num_gpus_per_node // cfg.vllm.engine_ranks)
+    return 1
+
+
+def plan_of(cfg: Any) -> Placement:
+    """The placement of a PPOConfig's roles (`ray_mode.run_roles`) and engines; raises PlacementError."""
+    roles = run_roles(cfg).sections
+
+    def shape(name: str) -> tuple[int, int] | None:
+        return (roles[name].num_nodes, roles[name].num_gpus_per_node) if name in roles else None
+    return plan_placement(
+        actor=shape("actor"), ref=shape("ref"), critic=shape("critic"), reward=shape("reward"),
+        num_engines=engine_count(cfg), engine_tp=cfg.vllm.engine_ranks,
+        colocate_actor_ref=cfg.train.colocate_actor_ref,
+        colocate_critic_reward=cfg.train.colocate_critic_reward, colocate_all=cfg.train.colocate_all,
+        async_enable=cfg.train.async_enable, teacher=shape("teacher"))
 
 
 def _ranks(shape: tuple[int, int]) -> int:
@@ -166,15 +194,3 @@ def _place_engines(groups: dict[str, int], pg: str | None, actor: tuple[int, int
     return RoleSpec("engine", num_engines, pg if hybrid else "engines", bundles, SHARED if hybrid else 1.0,
                     engine_tp)
 
-
-def bundle_resources(share: float, gpu: bool, cpus_per_bundle: float) -> dict:
-    """Ray actor options for one rank: OpenRLHF passes num_cpus = num_gpus = share. On a CPU-only
-    machine a "GPU" is a bundle of `cpus_per_bundle` CPUs and a rank asks its share of them."""
-    if gpu:
-        return {"num_gpus": share, "num_cpus": share}
-    return {"num_cpus": share * cpus_per_bundle}
-
-
-def group_bundles(n: int, gpu: bool, cpus_per_bundle: float) -> list[dict]:
-    """The `n` bundles of a placement group (strategy PACK)."""
-    return [{"GPU": 1, "CPU": 1} if gpu else {"CPU": cpus_per_bundle} for _ in range(n)]
