@@ -45,6 +45,11 @@ TERM_NAMES = {"sigmoid": "dpo_loss", "ipo": "dpo_loss", "orpo": "or_loss", "simp
               "cpo": "cpo_loss"}
 
 
+def effective_loss(loss_type: str, ipo: bool) -> str:
+    """The loss a DPO run trains with: `ipo=True` (--model.ipo_enable) is `loss_type="ipo"`."""
+    return "ipo" if ipo else loss_type
+
+
 class DPOObjective(PairObjective, ReferenceForward):
     """The `Objective` of the step loop for DPO and its reference-free relatives (pairs as units, see
     `PairObjective`). `ipo=True` is `loss_type="ipo"`; a reference-free loss (`REFERENCE_FREE_LOSSES`)
@@ -60,7 +65,7 @@ class DPOObjective(PairObjective, ReferenceForward):
         ReferenceForward.__init__(self, ref_model, ref_offload, device)
         if loss_type not in TERM_NAMES:
             raise ValueError(f"loss_type={loss_type!r}: expected one of {', '.join(TERM_NAMES)}")
-        self.loss_type = "ipo" if ipo else loss_type
+        self.loss_type = effective_loss(loss_type, ipo)
         self.reference_free = self.loss_type in REFERENCE_FREE_LOSSES
         self.beta, self.label_smoothing = beta, label_smoothing
         self.orpo_lambda, self.simpo_gamma = orpo_lambda, simpo_gamma
@@ -109,13 +114,14 @@ def train_dpo(cfg: DPOConfig) -> dict:
         eval_items = preference_items(run.eval_rows, tok, cfg, "eval set", processor=run.processor) \
             if run.eval_rows else None
         m = cfg.model
+        reference_free = effective_loss(m.loss_type, m.ipo_enable) in REFERENCE_FREE_LOSSES
+        if reference_free:
+            info(f"no reference model: --model.loss_type {m.loss_type} is reference-free")
         objective = DPOObjective(pad_id=tok.pad_token_id, packing=cfg.ds.packing_samples, beta=m.beta,
                                  label_smoothing=m.label_smoothing, ipo=m.ipo_enable, loss_type=m.loss_type,
                                  nll_loss_coef=m.nll_loss_coef, orpo_lambda=m.orpo_lambda,
                                  simpo_gamma=m.simpo_gamma, cpo_alpha=m.cpo_alpha,
+                                 ref_model=None if reference_free else load_reference(cfg, run.device,
+                                                                                      run.world_size),
                                  ref_offload=cfg.ref.offload, device=run.device)
-        if objective.reference_free:
-            info(f"no reference model: --model.loss_type {objective.loss_type} is reference-free")
-        else:
-            objective.ref_model = load_reference(cfg, run.device, run.world_size)
         return run.fit(objective, train_items, eval_items)

@@ -47,11 +47,12 @@ def agent_success(model_dir, rows: list[dict], agent_file: str | None, *, max_le
     from posttrain.data.templates import render_chat
     from posttrain.models import load_causal_lm, load_tokenizer
     from posttrain.rewards import make_reward_source
-    from posttrain.rollout import HFRolloutEngine, SamplingParams
+    from posttrain.rollout import SamplingParams
+    from posttrain.rollout.engine_builder import make_rollout_engine
 
     tok = load_tokenizer(str(model_dir))
-    engine = HFRolloutEngine(load_causal_lm(str(model_dir), dtype="fp32").eval(), tok,
-                             pad_token_id=tok.pad_token_id)
+    engine = make_rollout_engine("hf", load_causal_lm(str(model_dir), dtype="fp32").eval(), tok,
+                                 pad_token_id=tok.pad_token_id)
     tools = load_tool_file(tool_path, tok) if tool_path else None
     prompts = []
     for r in rows:
@@ -81,14 +82,15 @@ def colour_accuracy(model_dir, rows: list[dict], *, max_new_tokens: int = 4) -> 
     from posttrain.data import PromptDataset
     from posttrain.models import load_causal_lm, load_tokenizer
     from posttrain.models.vision import load_processor
-    from posttrain.rollout import HFRolloutEngine
+    from posttrain.rollout.engine_builder import make_rollout_engine
     from posttrain.rollout.types import SamplingParams
 
     tok = load_tokenizer(str(model_dir))
     processor = load_processor(str(model_dir), tok)
     prompts = PromptDataset(rows, tok, input_key="prompt", label_key="answer", apply_chat_template=True,
                             processor=processor, max_images=1).prompts
-    engine = HFRolloutEngine(load_causal_lm(str(model_dir), dtype="fp32"), tok, pad_token_id=tok.pad_token_id)
+    engine = make_rollout_engine("hf", load_causal_lm(str(model_dir), dtype="fp32"), tok,
+                                 pad_token_id=tok.pad_token_id)
     outputs = engine.generate([p.token_ids for p in prompts],
                               SamplingParams(temperature=0, max_new_tokens=max_new_tokens),
                               images=[p.image_inputs for p in prompts])
