@@ -118,7 +118,7 @@ def plan_placement(
         n = _ranks(shape)
         if pg and n > groups[pg]:  # OpenRLHF does not check; Ray rejects the bundle index
             raise PlacementError(
-                f"--train.colocate_all puts the {name} on the actor's {groups[pg]} bundles: "
+                f"--train.colocate_{pg} puts the {name} on the actor's {groups[pg]} bundles: "
                 f"--{name}.num_nodes x --{name}.num_gpus_per_node ({shape[0]} x {shape[1]}) must not "
                 f"exceed the actor's ({actor[0]} x {actor[1]})"
             )

@@ -199,7 +199,7 @@ class VLLMConfig:
     """vLLM generation engines (PPO)."""
 
     num_engines: int | None = opt(None, "number of vLLM engines; 0 or unset: no vLLM")
-    tensor_parallel_size: int = opt(1, "tensor-parallel size of each vLLM engine")
+    tensor_parallel_size: int = opt(1, "tensor-parallel size of each vLLM engine", ge=1)
     gpu_memory_utilization: float = opt(0.95, "fraction of GPU memory vLLM may use for weights + KV cache",
                                         inert=(VLLM_ENGINE, CPU_KV_CACHE))
     sync_backend: str = opt("nccl", "backend for trainer -> vLLM weight sync", inert=ROLE_PLACEMENT)

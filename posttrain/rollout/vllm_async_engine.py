@@ -29,12 +29,14 @@ import itertools
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from types import SimpleNamespace
 
 from posttrain.rollout.sampling import check_seeds
 from posttrain.rollout.types import SamplingParams, check_budgets
 from posttrain.rollout.vllm_engine import VLLMRolloutEngine
 from posttrain.rollout.vllm_worker import bucket_bytes
+from posttrain.utils.log import warn_once
 
 
 class AsyncLLMHandle:
@@ -48,6 +50,7 @@ class AsyncLLMHandle:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._ids = itertools.count()
+        self._calls: set[Future] = set()  # what `submit` has running on the loop (`shutdown` cancels them)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="posttrain-vllm-async",
                                         daemon=True)
@@ -69,10 +72,13 @@ class AsyncLLMHandle:
 
     def run(self, coro):
         """Run ``coro`` on the loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        return self.submit(coro).result()
 
     def submit(self, coro) -> Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        self._calls.add(future)
+        future.add_done_callback(self._calls.discard)
+        return future
 
     async def request(self, prompt: dict, sampling, lora_request=None):
         """One request's final ``RequestOutput`` (cancelling the coroutine aborts it in vLLM)."""
@@ -127,12 +133,21 @@ class AsyncLLMHandle:
         self.run(self.llm.remove_lora(lora_id))
 
     def shutdown(self) -> None:
-        """Stop the engine core and the loop, quietly: the output handler is cancelled on the loop first (it
-        logged ``EngineDeadError`` as an ERROR when the core died under it), and ``AsyncLLM.shutdown``
-        is not run again by its ``__del__`` at interpreter exit, when vLLM's module globals are gone (a
-        ``TypeError`` printed after every run)."""
+        """Stop the engine core and the loop, quietly: the requests still running are cancelled (their
+        callers get ``CancelledError``, not a wait without end), then the output handler (it logged
+        ``EngineDeadError`` as an ERROR when the core died under it), then ``AsyncLLM.shutdown`` runs, once:
+        its ``__del__`` at interpreter exit, when vLLM's module globals are gone, printed a ``TypeError``.
+        Not from the loop's own thread."""
         if self.loop.is_closed():
             return
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("AsyncLLMHandle.shutdown() from its own event loop's thread would wait for "
+                               "itself")
+
+        running = list(self._calls)
+        for call in running:
+            call.cancel()
+        futures_wait(running, timeout=60)
 
         async def stop():
             handler = getattr(self.llm, "output_handler", None)
@@ -141,8 +156,10 @@ class AsyncLLMHandle:
                 with contextlib.suppress(BaseException):
                     await handler
             self.llm.shutdown()
-        with contextlib.suppress(Exception):
+        try:
             self.run(stop())
+        except Exception as e:  # the engine core dies with this process anyway (`posttrain_die_with_parent`)
+            warn_once(f"vLLM's AsyncLLM did not shut down cleanly: {type(e).__name__}: {e}")
         self.llm.shutdown = lambda *args, **kwargs: None  # shut down once: __del__ calls it again
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(30)

@@ -145,23 +145,43 @@ def test_the_stream_serves_requests_as_the_batch_call_and_cancels_in_vllm(worker
 
 def test_closing_the_engine_is_quiet_now_and_at_exit(worker, monkeypatch):
     """(Last in the module: it closes the module's engine; the fixture's close is then a no-op.) Closing
-    logs no error (vLLM's output handler, left running while its engine core died, logged
-    `EngineDeadError`), and `AsyncLLM.__del__` at interpreter exit, when vLLM's module globals are None,
-    raises nothing (it printed a `TypeError` after every run)."""
+    ends a generate call still running with CancelledError (no wait without end), logs no error (vLLM's
+    output handler, left running while its engine core died, logged `EngineDeadError`), and
+    `AsyncLLM.__del__` at interpreter exit, when vLLM's module globals are None, raises nothing (it printed
+    a `TypeError` after every run)."""
     import logging
+    from concurrent.futures import CancelledError
 
     from vllm.v1.engine import async_llm
 
+    engine = worker.engine
+    ended: list[BaseException | None] = []
+
+    def long_generate():
+        try:
+            engine.generate([PROMPTS[0]], SamplingParams(temperature=1.0, max_new_tokens=240,
+                                                         stop_token_ids=()), seeds=[1])
+            ended.append(None)
+        except BaseException as e:  # what the caller gets is the point
+            ended.append(e)
+    caller = threading.Thread(target=long_generate)
+    caller.start()
+    deadline = time.time() + 60
+    while not tokens_so_far(engine):  # it runs in vLLM
+        assert time.time() < deadline and caller.is_alive(), ended
+        time.sleep(0.01)
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = records.append
     vllm_logger = logging.getLogger("vllm")
     vllm_logger.addHandler(handler)
-    llm = worker.engine.llm.llm
+    llm = engine.llm.llm
     try:
-        worker.engine.close()
+        engine.close()
     finally:
         vllm_logger.removeHandler(handler)
+    caller.join(60)
+    assert not caller.is_alive() and len(ended) == 1 and isinstance(ended[0], CancelledError), ended
     assert [r.getMessage() for r in records if r.levelno >= logging.ERROR] == []
     assert llm.output_handler is None or llm.output_handler.done()
     monkeypatch.setattr(async_llm, "shutdown_prometheus", None)  # as at interpreter exit
